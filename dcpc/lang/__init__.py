@@ -1,0 +1,1 @@
+"""The schedule language: YAML with source marks, shape expressions, pydantic models."""

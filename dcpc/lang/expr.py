@@ -1,0 +1,158 @@
+"""Shape and size expressions: integers, symbols, + - * /, parentheses.
+
+Parsed by a small recursive-descent parser into a tuple AST, never ``eval``ed:
+
+    ("num", 4) | ("sym", "H") | (op, lhs, rhs) with op in "+-*/"
+
+``/`` is exact division: evaluating it on values that do not divide raises
+``InexactDivision``. The same AST is emitted into generated modules, where
+``dcpc.runtime.shapes`` evaluates it without importing the compiler.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+Expr = tuple  # ("num", int) | ("sym", str) | (op, Expr, Expr)
+
+_TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(.))")
+
+
+class ExprSyntaxError(ValueError):
+    """The text is not an expression; ``column`` is 0-based within the text."""
+
+    def __init__(self, message: str, column: int):
+        super().__init__(message)
+        self.column = column
+
+
+class InexactDivision(ArithmeticError):
+    def __init__(self, expr: Expr, lhs: int, rhs: int):
+        super().__init__(f"{unparse(expr)} is {lhs}/{rhs}, which is not a whole number")
+        self.expr, self.lhs, self.rhs = expr, lhs, rhs
+
+
+class UnboundSymbol(KeyError):
+    pass
+
+
+def _tokens(text: str) -> list[tuple[str, str | int, int]]:
+    out: list[tuple[str, str | int, int]] = []
+    pos = 0
+    text = text.rstrip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        assert m is not None
+        if m.group(1):
+            out.append(("num", int(m.group(1)), m.start(1)))
+        elif m.group(2):
+            out.append(("sym", m.group(2), m.start(2)))
+        else:
+            ch = m.group(3)
+            if ch not in "+-*/()":
+                raise ExprSyntaxError(f"unexpected character {ch!r}", m.start(3))
+            out.append(("op", ch, m.start(3)))
+        pos = m.end()
+    out.append(("end", "", len(text)))
+    return out
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.toks = _tokens(text)
+        self.i = 0
+
+    def peek(self) -> tuple[str, str | int, int]:
+        return self.toks[self.i]
+
+    def take(self) -> tuple[str, str | int, int]:
+        tok = self.toks[self.i]
+        self.i += 1
+        return tok
+
+    def expr(self) -> Expr:  # expr := term (("+"|"-") term)*
+        node = self.term()
+        while self.peek()[:2] in (("op", "+"), ("op", "-")):
+            op = self.take()[1]
+            node = (op, node, self.term())
+        return node
+
+    def term(self) -> Expr:  # term := atom (("*"|"/") atom)*
+        node = self.atom()
+        while self.peek()[:2] in (("op", "*"), ("op", "/")):
+            op = self.take()[1]
+            node = (op, node, self.atom())
+        return node
+
+    def atom(self) -> Expr:  # atom := int | symbol | "(" expr ")"
+        kind, value, col = self.take()
+        if kind in ("num", "sym"):
+            return (kind, value)
+        if (kind, value) == ("op", "("):
+            node = self.expr()
+            kind, value, col = self.take()
+            if (kind, value) != ("op", ")"):
+                raise ExprSyntaxError("expected ')'", col)
+            return node
+        what = "end of expression" if kind == "end" else repr(value)
+        raise ExprSyntaxError(f"expected a number, a size name or '(', found {what}", col)
+
+
+def parse(text: str | int) -> Expr:
+    """Parse an expression (an int is a constant)."""
+    if isinstance(text, bool):
+        raise ExprSyntaxError("expected a size expression, found a boolean", 0)
+    if isinstance(text, int):
+        if text < 0:
+            raise ExprSyntaxError("sizes cannot be negative", 0)
+        return ("num", text)
+    if not text.strip():
+        raise ExprSyntaxError("empty expression", 0)
+    parser = _Parser(text)
+    node = parser.expr()
+    kind, value, col = parser.peek()
+    if kind != "end":
+        raise ExprSyntaxError(f"unexpected {value!r} after a complete expression", col)
+    return node
+
+
+def symbols(expr: Expr) -> set[str]:
+    if expr[0] == "num":
+        return set()
+    if expr[0] == "sym":
+        return {expr[1]}
+    return symbols(expr[1]) | symbols(expr[2])
+
+
+def evaluate(expr: Expr, env: Mapping[str, int]) -> int:
+    """Evaluate with exact division; raise InexactDivision or UnboundSymbol."""
+    kind = expr[0]
+    if kind == "num":
+        return expr[1]
+    if kind == "sym":
+        if expr[1] not in env:
+            raise UnboundSymbol(expr[1])
+        return env[expr[1]]
+    lhs, rhs = evaluate(expr[1], env), evaluate(expr[2], env)
+    if kind == "+":
+        return lhs + rhs
+    if kind == "-":
+        return lhs - rhs
+    if kind == "*":
+        return lhs * rhs
+    if rhs == 0 or lhs % rhs:
+        raise InexactDivision(expr, lhs, rhs)
+    return lhs // rhs
+
+
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def unparse(expr: Expr, parent: int = 0, right: bool = False) -> str:
+    kind = expr[0]
+    if kind in ("num", "sym"):
+        return str(expr[1])
+    prec = _PREC[kind]
+    text = f"{unparse(expr[1], prec)}{kind}{unparse(expr[2], prec, True)}"
+    return f"({text})" if prec < parent or (right and prec == parent) else text

@@ -1,0 +1,196 @@
+"""Stage 1, parse: schedule text -> ``Schedule`` (pydantic) with source marks.
+
+Pydantic's errors are turned into diagnostics at the YAML position they concern;
+every error of the file is reported at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, did_you_mean
+from dcpc.lang import model, yamlsrc
+
+_TYPE_NAMES = {
+    "int": "an integer",
+    "str": "a string",
+    "bool": "true or false",
+    "list": "a list",
+    "dict": "a mapping",
+    "string": "a string",
+}
+
+MAX_FILE_BYTES = 1 << 20
+
+
+def parse_file(path: str | Path) -> model.Schedule:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DiagnosticError(
+            [Diagnostic(Mark(str(path), 0, 0), "io", f"cannot read the file: {exc.strerror}")]
+        ) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise DiagnosticError(
+            [Diagnostic(Mark(str(path), 1, 1), "too-large", "the file is larger than 1 MiB")]
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DiagnosticError(
+            [Diagnostic(Mark(str(path), 1, 1), "encoding", f"the file is not UTF-8: {exc.reason}")]
+        ) from None
+    return parse_text(text, str(path))
+
+
+def parse_text(text: str, file: str = "<memory>") -> model.Schedule:
+    data = yamlsrc.load(text, file)
+    if not isinstance(data, dict):
+        raise DiagnosticError(
+            [
+                Diagnostic(
+                    Mark(file, 1, 1),
+                    "not-a-mapping",
+                    "a schedule is a mapping with keys schedule, sizes, buffers and steps",
+                )
+            ]
+        )
+    try:
+        schedule = model.Schedule.model_validate(data)
+    except ValidationError as exc:
+        raise DiagnosticError(_diagnostics(exc, data, file)) from None
+    schedule.source_file = file
+    schedule.source_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return schedule
+
+
+_BRANCH_TAGS = ("int", "str", "list[str]", "SizeSpec")
+
+
+def _is_tag(part: Any) -> bool:
+    """Pydantic's union-branch names in an error location (not keys of the data)."""
+    return isinstance(part, str) and (
+        part in model.OP_NAMES or part in _BRANCH_TAGS or "[" in part
+    )
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    parts = [p for p in loc if isinstance(p, str) and not _is_tag(p)]
+    return "'" + ".".join(parts) + "'" if parts else "the schedule"
+
+
+def _model_fields_at(data: dict[str, Any], loc: tuple[Any, ...]) -> list[str]:
+    """Names of the keys allowed where an unknown key was found (for 'did you mean')."""
+    parent = loc[:-1]
+    if not parent:
+        return list(model.Schedule.model_fields)
+    head = parent[0]
+    if head == "buffers" and len(parent) == 2:
+        return _aliases(model.Buffer)
+    if head == "sizes":
+        return _aliases(model.SizeSpec)
+    if head == "steps":
+        op_model = _op_model(parent)
+        if op_model is not None:
+            if parent[-1] == "mask_empty":
+                return _aliases(model.MaskEmpty)
+            return _aliases(op_model)
+    return []
+
+
+def _aliases(cls: type[model.Node]) -> list[str]:
+    return [f.alias or name for name, f in cls.model_fields.items() if not name.startswith("src_")]
+
+
+def _op_model(loc: tuple[Any, ...]) -> type[model.Node] | None:
+    for part in loc:
+        if part in model.OP_NAMES:
+            for cls in model.OpBase.__subclasses__():
+                if cls.model_fields["op"].annotation.__args__[0] == part:  # type: ignore
+                    return cls
+    return None
+
+
+def _diagnostics(exc: ValidationError, data: dict[str, Any], file: str) -> list[Diagnostic]:
+    out: list[Diagnostic] = []
+    seen: set[tuple[Mark, str]] = set()
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        kind = err["type"]
+        if loc[:1] == ("sizes",) and len(loc) >= 3 and _is_tag(loc[2]):
+            # int | SizeSpec: report the branch that matches the input's shape only
+            is_mapping = isinstance(yamlsrc.strip(data.get("sizes", {})).get(loc[1]), dict)
+            if is_mapping != (loc[2] != "int"):
+                continue
+            if not is_mapping:
+                mark = yamlsrc.locate(data, loc) or Mark(file, 1, 1)
+                out.append(Diagnostic(
+                    mark, "wrong-type",
+                    f"size '{loc[1]}' must be an integer or a mapping with 'max' "
+                    "and/or 'multiple_of'",
+                    hint="for example 'T: {max: 512}', 'H: {multiple_of: W}' or 'D: 576'",
+                ))
+                continue
+        mark = yamlsrc.locate(data, loc, key=kind == "extra_forbidden") or Mark(file, 1, 1)
+        diag = _one(err, kind, loc, mark, data)
+        if diag is not None and (diag.mark, diag.message) not in seen:
+            seen.add((diag.mark, diag.message))
+            out.append(diag)
+    return out
+
+
+def _one(
+    err: Any, kind: str, loc: tuple[Any, ...], mark: Mark, data: dict[str, Any]
+) -> Diagnostic | None:
+    where = _where(loc)
+    if kind == "extra_forbidden":
+        key = str(loc[-1])
+        allowed = _model_fields_at(data, loc)
+        return Diagnostic(
+            mark, "unknown-key", f"unknown key '{key}' in {_where(loc[:-1])}",
+            hint=did_you_mean(key, allowed)
+            or (f"allowed keys: {', '.join(sorted(allowed))}" if allowed else None),
+        )
+    if kind == "missing":
+        return Diagnostic(mark, "missing-key", f"{where} is required but missing")
+    if kind == "union_tag_invalid":
+        tag = err.get("ctx", {}).get("tag", "?")
+        return Diagnostic(
+            mark, "unknown-op", f"unknown op '{tag}'",
+            hint=did_you_mean(str(tag), model.OP_NAMES)
+            or f"ops are: {', '.join(model.OP_NAMES)}",
+        )
+    if kind == "union_tag_not_found":
+        return Diagnostic(
+            mark, "missing-op", "this step has no 'op' key",
+            hint=f"add 'op:' with one of {', '.join(model.OP_NAMES)}",
+        )
+    if kind == "enum" or kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return Diagnostic(
+            mark, "bad-value", f"{where} is {err.get('input')!r}, expected one of {expected}"
+        )
+    if kind.endswith("_type") or kind in ("model_type", "model_attributes_type"):
+        want = kind.removesuffix("_type")
+        want_text = _TYPE_NAMES.get(want, "a mapping" if "model" in kind else want)
+        got = type(err.get("input")).__name__
+        if got in ("NoneType",):
+            got = "empty"
+        if "union" in kind or want == "union":
+            return None
+        return Diagnostic(
+            mark, "wrong-type", f"{where} must be {want_text}, not {_TYPE_NAMES.get(got, got)}"
+        )
+    if kind in ("too_short", "too_long"):
+        return Diagnostic(mark, "wrong-length", f"{where}: {err['msg'].lower()}")
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        return Diagnostic(mark, "out-of-range", f"{where}: {err['msg'].lower()}")
+    if kind == "value_error":
+        message = str(err.get("ctx", {}).get("error", err["msg"]))
+        return Diagnostic(mark, "bad-value", f"{where}: {message}")
+    return Diagnostic(mark, "invalid", f"{where}: {err['msg']}")

@@ -1,0 +1,153 @@
+"""Safe YAML loading that keeps the source mark of every node.
+
+Only PyYAML's safe composer is used: no tags are honoured beyond the core scalars,
+so nothing in a schedule can construct a Python object. Every mapping becomes a
+plain dict with two extra entries the models understand:
+
+- ``__mark__``: the mark of the mapping itself;
+- ``__marks__``: ``{key: mark of its value, "key:" + key: mark of the key,
+  key + "[i]": mark of list item i}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
+
+MARK = "__mark__"
+MARKS = "__marks__"
+NODE_BUDGET = 100_000
+
+
+def _mark(file: str, node: yaml.Node) -> Mark:
+    return Mark(file, node.start_mark.line + 1, node.start_mark.column + 1)
+
+
+class _Builder:
+    def __init__(self, file: str):
+        self.file = file
+        self.constructor = yaml.SafeLoader("")  # only used to construct scalars
+        self.errors: list[Diagnostic] = []
+        self.budget = NODE_BUDGET
+
+    def value(self, node: yaml.Node) -> Any:
+        self.budget -= 1
+        if self.budget < 0:  # aliases can expand exponentially ("billion laughs")
+            raise DiagnosticError(
+                [Diagnostic(_mark(self.file, node), "yaml-too-large",
+                            f"the schedule expands to more than {NODE_BUDGET} YAML nodes",
+                            hint="do not nest anchors and aliases")]
+            )
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                return self.constructor.construct_object(node, deep=True)
+            except yaml.YAMLError as exc:
+                self.errors.append(
+                    Diagnostic(_mark(self.file, node), "yaml-syntax", f"bad scalar: {exc}")
+                )
+                return None
+        if isinstance(node, yaml.SequenceNode):
+            return [self.value(item) for item in node.value]
+        if isinstance(node, yaml.MappingNode):
+            return self.mapping(node)
+        raise AssertionError(f"unexpected YAML node {node!r}")
+
+    def mapping(self, node: yaml.MappingNode) -> dict[str, Any]:
+        out: dict[str, Any] = {MARK: _mark(self.file, node)}
+        marks: dict[str, Mark] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                self.errors.append(
+                    Diagnostic(
+                        _mark(self.file, key_node),
+                        "yaml-key",
+                        "a mapping key must be a plain name, not a list or a mapping",
+                    )
+                )
+                continue
+            key = str(self.value(key_node))
+            if key in marks:
+                self.errors.append(
+                    Diagnostic(
+                        _mark(self.file, key_node),
+                        "duplicate-key",
+                        f"key '{key}' appears twice in this mapping",
+                        hint=f"the first '{key}' is at line {marks['key:' + key].line}; "
+                        "remove one of them",
+                    )
+                )
+                continue
+            marks["key:" + key] = _mark(self.file, key_node)
+            marks[key] = _mark(self.file, value_node)
+            if isinstance(value_node, yaml.SequenceNode):
+                for i, item in enumerate(value_node.value):
+                    marks[f"{key}[{i}]"] = _mark(self.file, item)
+            out[key] = self.value(value_node)
+        out[MARKS] = marks
+        return out
+
+
+def load(text: str, file: str) -> Any:
+    """Parse YAML text into plain data with marks; raise DiagnosticError on bad YAML."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        where = exc.problem_mark or exc.context_mark
+        mark = Mark(file, where.line + 1, where.column + 1) if where else Mark(file, 1, 1)
+        what = exc.problem or exc.context or "invalid YAML"
+        raise DiagnosticError(
+            [Diagnostic(mark, "yaml-syntax", f"invalid YAML: {what}")]
+        ) from None
+    except yaml.YAMLError as exc:  # e.g. reader errors on control characters
+        raise DiagnosticError(
+            [Diagnostic(Mark(file, 1, 1), "yaml-syntax", f"invalid YAML: {exc}")]
+        ) from None
+    if node is None:
+        raise DiagnosticError(
+            [Diagnostic(Mark(file, 1, 1), "empty-file", "the schedule file is empty")]
+        )
+    builder = _Builder(file)
+    data = builder.value(node)
+    if builder.errors:
+        raise DiagnosticError(builder.errors)
+    return data
+
+
+def strip(data: Any) -> Any:
+    """The same data without marks (for schema validation and printing)."""
+    if isinstance(data, dict):
+        return {k: strip(v) for k, v in data.items() if k not in (MARK, MARKS)}
+    if isinstance(data, list):
+        return [strip(v) for v in data]
+    return data
+
+
+def locate(data: Any, loc: tuple[Any, ...], *, key: bool = False) -> Mark | None:
+    """The mark of the node at ``loc`` (a pydantic error location) in marked data.
+
+    Elements of ``loc`` that are not keys of the data (pydantic's union tags) are
+    skipped. With ``key=True`` the last element's key mark is returned.
+    """
+    best: Mark | None = data.get(MARK) if isinstance(data, dict) else None
+    current = data
+    parent: dict[str, Any] | None = None
+    parent_key: str | None = None
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(current, dict) and isinstance(part, str) and part in current:
+            marks = current.get(MARKS, {})
+            best = marks.get("key:" + part if (key and last) else part, best)
+            parent, parent_key, current = current, part, current[part]
+        elif isinstance(current, list) and isinstance(part, int) and 0 <= part < len(current):
+            item = current[part]
+            if isinstance(item, dict) and MARK in item:
+                best = item[MARK]
+            elif parent is not None:
+                best = parent.get(MARKS, {}).get(f"{parent_key}[{part}]", best)
+            current = item
+        elif isinstance(current, dict) and key and last and isinstance(part, str):
+            best = current.get(MARKS, {}).get("key:" + part, best)
+    return best
