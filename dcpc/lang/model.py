@@ -187,6 +187,14 @@ class LseCorrect(OpBase):
     return_lse: Name | None = None
 
 
+class Copy(OpBase):
+    """A local copy into a buffer of the same shape (the staging path's materialization)."""
+
+    op: Literal["copy"]
+    src: Name
+    dst: Name
+
+
 class Barrier(OpBase):
     op: Literal["barrier"]
 
@@ -221,6 +229,7 @@ Op = Annotated[
         AllToAllCombine,
         ReduceScatter,
         LseCorrect,
+        Copy,
         Barrier,
         Signal,
         Wait,
@@ -231,7 +240,7 @@ Op = Annotated[
 
 OP_NAMES = (
     "all_gather", "all_to_all", "lse_combine", "all_to_all_combine", "reduce_scatter",
-    "lse_correct", "barrier", "signal", "wait", "external",
+    "lse_correct", "copy", "barrier", "signal", "wait", "external",
 )
 
 
