@@ -1,0 +1,3 @@
+from dcpc.cli import main
+
+main()

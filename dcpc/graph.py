@@ -1,0 +1,102 @@
+"""Stage 2, graph: the dataflow graph of a schedule (networkx).
+
+Steps and buffers are nodes; an edge buffer -> step is a read, step -> buffer a
+write. ``accesses(step)`` is the one place that says which buffers an op reads and
+writes; the checkers and the code generator read it from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from dcpc.lang import model
+
+
+@dataclass(frozen=True)
+class Access:
+    """The buffers one step reads and writes, in the order the step names them."""
+
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+def _names(value: str | list[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _mask(op: model.OpBase) -> tuple[str, ...]:
+    mask = getattr(op, "mask_empty", None)
+    return (mask.seq_lens, mask.query_start_loc) if mask is not None else ()
+
+
+def accesses(step: model.Step) -> Access:
+    """Buffers read and written by a step (implicit via buffers are named <step>_recv)."""
+    op = step.op
+    if isinstance(op, model.External):
+        return Access(tuple(op.reads), tuple(op.writes))
+    if isinstance(op, (model.AllGather, model.AllToAll, model.Copy)):
+        return Access(_names(op.src), _names(op.dst))
+    if isinstance(op, model.ReduceScatter):
+        via = op.via or f"{step.name}_recv"
+        return Access((op.src, via), (via, op.dst))
+    if isinstance(op, model.AllToAllCombine):
+        return Access(
+            (*op.src, *op.via, *_mask(op)), (*op.via, op.dst, *_names(op.return_lse))
+        )
+    if isinstance(op, (model.LseCombine, model.LseCorrect)):
+        return Access((*op.src, *_mask(op)), (op.dst, *_names(op.return_lse)))
+    return Access((), ())  # barrier, signal, wait: synchronisation only
+
+
+def dataflow(schedule: model.Schedule) -> nx.DiGraph:
+    """The dataflow graph: ``step:<name>`` and ``buf:<name>`` nodes, read/write edges."""
+    graph = nx.DiGraph(name=schedule.schedule)
+    for name, buf in schedule.buffers.items():
+        graph.add_node(
+            f"buf:{name}",
+            kind="buffer",
+            label=name,
+            shape=[str(d) for d in buf.shape],
+            dtype=buf.dtype.value,
+            symmetric=buf.is_symmetric,
+            shared=buf.shared,
+        )
+    for step in schedule.step_list():
+        node = f"step:{step.name}"
+        graph.add_node(node, kind="step", label=step.name, op=step.kind, index=step.index)
+        access = accesses(step)
+        for name in access.reads:
+            graph.add_node(f"buf:{name}", kind="buffer", label=name)
+            graph.add_edge(f"buf:{name}", node, access="read")
+        for name in access.writes:
+            graph.add_node(f"buf:{name}", kind="buffer", label=name)
+            graph.add_edge(node, f"buf:{name}", access="write")
+    return graph
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def to_dot(graph: nx.DiGraph) -> str:
+    """Graphviz DOT text: steps are boxes (in program order), symmetric buffers bold."""
+    lines = [f"digraph {_quote(graph.graph.get('name', 'schedule'))} {{", "  rankdir=LR;"]
+    for node, attrs in graph.nodes(data=True):
+        if attrs.get("kind") == "step":
+            label = _quote(f"{attrs['index']}. {attrs['label']}\n{attrs.get('op', '')}")
+            lines.append(f"  {_quote(node)} [shape=box, style=rounded, label={label}];")
+        else:
+            text = str(attrs.get("label", node))
+            if "shape" in attrs:
+                text += f"\n[{', '.join(attrs['shape'])}] {attrs['dtype']}"
+            style = "bold" if attrs.get("symmetric") else "solid"
+            lines.append(f"  {_quote(node)} [shape=ellipse, style={style}, label={_quote(text)}];")
+    for src, dst, attrs in graph.edges(data=True):
+        style = "dashed" if attrs.get("access") == "read" else "solid"
+        lines.append(f"  {_quote(src)} -> {_quote(dst)} [style={style}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,104 @@
+"""The driver: the compiler's stages in one ordered table.
+
+    parse -> graph -> check -> lower -> emit
+
+Each stage is a function of the previous stage's result (and the options); a stage
+that cannot go on raises DiagnosticError. ``run(..., until=NAME)`` stops after a
+stage, which gives ``dcpc compile --dump NAME`` and one test per stage for free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dcpc.diagnostics import Diagnostic, DiagnosticError
+
+DEFAULT_WORLDS: tuple[int, ...] = tuple(range(2, 9))
+
+
+@dataclass
+class Options:
+    worlds: Sequence[int] = DEFAULT_WORLDS
+    hb: bool = True  # run the happens-before checker after the structural checks
+
+
+@dataclass
+class Compilation:
+    """What the stages produced for one schedule file."""
+
+    path: Path
+    options: Options
+    schedule: Any = None  # dcpc.lang.model.Schedule
+    graph: Any = None  # networkx.DiGraph
+    hb_report: Any = None  # dcpc.check.hb.HbReport
+    plan: Any = None  # dcpc.codegen.lower.Plan
+    module_text: str | None = None
+    warnings: list[Diagnostic] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _parse(c: Compilation) -> None:
+    from dcpc.lang.parse import parse_file
+
+    c.schedule = parse_file(c.path)
+
+
+def _graph(c: Compilation) -> None:
+    from dcpc.graph import dataflow
+
+    c.graph = dataflow(c.schedule)
+
+
+def _check(c: Compilation) -> None:
+    from dcpc.check import structural
+
+    errors = structural.check(c.schedule, list(c.options.worlds))
+    if errors:
+        raise DiagnosticError(errors)
+    if c.options.hb:
+        from dcpc.check import hb
+
+        c.hb_report = hb.check(c.schedule, list(c.options.worlds))
+        found = c.hb_report.diagnostics()
+        if found:
+            raise DiagnosticError(found)
+
+
+def _lower(c: Compilation) -> None:
+    from dcpc.codegen.lower import lower
+
+    c.plan = lower(c.schedule, list(c.options.worlds))
+
+
+def _emit(c: Compilation) -> None:
+    from dcpc.codegen.emit import emit
+
+    c.module_text = emit(c.plan)
+
+
+STAGES: tuple[tuple[str, Callable[[Compilation], None]], ...] = (
+    ("parse", _parse),
+    ("graph", _graph),
+    ("check", _check),
+    ("lower", _lower),
+    ("emit", _emit),
+)
+STAGE_NAMES = tuple(name for name, _ in STAGES)
+
+
+def run(path: str | Path, options: Options | None = None, until: str = "emit") -> Compilation:
+    """Run the stages in order up to and including ``until``."""
+    if until not in STAGE_NAMES:
+        raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGE_NAMES)}")
+    c = Compilation(Path(path), options or Options())
+    for name, stage in STAGES:
+        start = time.perf_counter()
+        stage(c)
+        c.seconds[name] = time.perf_counter() - start
+        if name == until:
+            break
+    return c
