@@ -1,0 +1,181 @@
+"""Start W processes in a gloo group, run one worker in each, never hang.
+
+The worker is named by ``"module:function"`` and imported in the child after
+``TRITON_INTERPRET=1`` is set (Triton reads it at import). Each child reports one
+result (or its traceback) through a queue. The parent waits until a deadline;
+once one rank fails it gives the others ``grace_s`` more, then kills whatever is
+left and reports which ranks hung, which died, and which failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    status: str  # "ok" | "error" | "died" | "hung"
+    value: Any = None  # the worker's return value when ok
+    error: str = ""  # exception type and message, or why it died
+    traceback: str = ""
+    exitcode: int | None = None
+
+
+@dataclass
+class LaunchResult:
+    world: int
+    outcomes: list[RankOutcome]
+    wall_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status == "ok" for o in self.outcomes)
+
+    def ranks(self, status: str) -> list[int]:
+        return [o.rank for o in self.outcomes if o.status == status]
+
+    def values(self) -> list[Any]:
+        return [o.value for o in self.outcomes]
+
+    def summary(self) -> str:
+        parts = []
+        for o in self.outcomes:
+            text = f"rank {o.rank}: {o.status}"
+            if o.status != "ok":
+                text += f" ({o.error})" if o.error else ""
+            parts.append(text)
+        return "; ".join(parts)
+
+
+def _child_main(
+    rank: int,
+    world: int,
+    store_path: str,
+    worker: str,
+    args: dict[str, Any],
+    results: Any,
+    gloo_timeout_s: float,
+) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=gloo_timeout_s),
+        )
+        module_name, _, func_name = worker.partition(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        value = func(rank, world, **args)
+        results.put((rank, "ok", value, "", ""))
+    except BaseException as exc:  # noqa: BLE001 (reported to the parent, never swallowed)
+        results.put((rank, "error", None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    # No destroy_process_group: a peer may be gone, and gloo teardown would block.
+    # Flush the queue, then leave at once (skips atexit hooks that could wait on peers).
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def launch(
+    worker: str,
+    world: int,
+    args: dict[str, Any] | None = None,
+    *,
+    timeout_s: float = 120.0,
+    grace_s: float = 10.0,
+    gloo_timeout_s: float = 60.0,
+) -> LaunchResult:
+    """Run ``worker(rank, world, **args)`` in ``world`` spawned processes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="dcpc-launch-")
+    store = os.path.join(tmp, "store")
+    procs = [
+        ctx.Process(
+            target=_child_main,
+            args=(rank, world, store, worker, args or {}, results, gloo_timeout_s),
+            name=f"dcpc-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    start = time.monotonic()
+    outcomes: dict[int, RankOutcome] = {}
+    notes: list[str] = []
+    try:
+        for p in procs:
+            p.start()
+        deadline = start + timeout_s
+        while len(outcomes) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value, error, tb = results.get(timeout=0.1)
+                outcomes[rank] = RankOutcome(rank, status, value, error, tb)
+                if status != "ok":
+                    deadline = min(deadline, time.monotonic() + grace_s)
+                continue
+            except queue.Empty:
+                pass
+            exited = [
+                r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None
+            ]
+            if exited:
+                _drain(results, outcomes)  # a report may still be in the pipe
+            for rank in exited:
+                if rank not in outcomes:
+                    code = procs[rank].exitcode
+                    outcomes[rank] = RankOutcome(
+                        rank, "died", error=f"exited with code {code} before reporting",
+                        exitcode=code,
+                    )
+                    deadline = min(deadline, time.monotonic() + grace_s)
+        _drain(results, outcomes)
+        for rank in range(world):
+            if rank not in outcomes:
+                outcomes[rank] = RankOutcome(
+                    rank, "hung",
+                    error=f"no result after {time.monotonic() - start:.1f} s; killed",
+                )
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(5)
+        for rank, p in enumerate(procs):
+            if rank in outcomes and p.pid is not None:
+                outcomes[rank].exitcode = p.exitcode
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return LaunchResult(world, [outcomes[r] for r in range(world)], time.monotonic() - start, notes)
+
+
+def _drain(results: Any, outcomes: dict[int, RankOutcome]) -> bool:
+    """Move every queued report into ``outcomes``; True if any arrived."""
+    got = False
+    while True:
+        try:
+            rank, status, value, error, tb = results.get_nowait()
+        except queue.Empty:
+            return got
+        outcomes[rank] = RankOutcome(rank, status, value, error, tb)
+        got = True

@@ -1,0 +1,183 @@
+"""Deterministic call inputs and synthetic external steps, from seeds.
+
+Every rank and the float64 simulator derive the same values from ``(seed, call)``:
+sizes per call (token counts from 1 to the maximum), ``seq_lens`` short enough that
+some ranks hold an empty KV shard, ``query_start_loc`` leaving CUDA-graph padding
+rows, and per-rank engine inputs. The synthetic "attention" depends on what it
+reads (so a wrong gather shows in the merged output) and writes NaN/inf garbage
+into the partials of empty shards and padding rows, as a real kernel may.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dcpc.harness.simulate import Buffers, as_stored, buffer_shape, empty_rows
+from dcpc.lang import expr as ex
+from dcpc.lang import model as m
+
+SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
+DEFAULT_SMALL_MAX = 8
+O_GARBAGE = (math.nan, math.inf, -math.inf, 3.0e4)
+LSE_GARBAGE = (math.nan, math.inf, -math.inf, 25.0)
+
+
+def op_io(op: Any) -> tuple[list[str], list[str]]:
+    """(buffers a step reads, buffers it writes), in the order the step names them."""
+    def names(value: Any) -> list[str]:
+        return list(value) if isinstance(value, list) else [value]
+
+    masks = [op.mask_empty.seq_lens, op.mask_empty.query_start_loc] if getattr(
+        op, "mask_empty", None) else []
+    lse = [op.return_lse] if getattr(op, "return_lse", None) else []
+    if isinstance(op, m.External):
+        return list(op.reads), list(op.writes)
+    if isinstance(op, (m.AllGather, m.AllToAll, m.Copy)):
+        return names(op.src), names(op.dst)
+    if isinstance(op, m.ReduceScatter):
+        return [op.src], [op.dst] + ([op.via] if op.via else [])
+    if isinstance(op, m.AllToAllCombine):
+        return list(op.src) + masks, [op.dst] + lse + list(op.via)
+    if isinstance(op, (m.LseCombine, m.LseCorrect)):
+        return list(op.src) + masks, [op.dst] + lse
+    return [], []
+
+
+def engine_inputs(schedule: m.Schedule) -> list[str]:
+    """Non-symmetric buffers read before any step writes them: the engine passes them."""
+    written: set[str] = set()
+    found: list[str] = []
+    for step in schedule.step_list():
+        reads, writes = op_io(step.op)
+        for name in reads:
+            if name not in written and name not in found:
+                found.append(name)
+        written.update(writes)
+    return [n for n in found if not schedule.buffers[n].is_symmetric]
+
+
+def mask_of(schedule: m.Schedule) -> m.MaskEmpty | None:
+    for step in schedule.step_list():
+        mask = getattr(step.op, "mask_empty", None)
+        if mask is not None:
+            return mask
+    return None
+
+
+def constructor_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
+    """``sizes=`` for the generated constructor: small maxima, smallest-but-one multiples."""
+    out: dict[str, int] = {}
+    for name, spec in schedule.sizes.items():
+        if isinstance(spec, int):
+            continue
+        if spec.multiple_of is not None:
+            out[name] = 2 * ex.evaluate(ex.parse(spec.multiple_of), {"W": world})
+        elif spec.max is not None:
+            out[name] = min(spec.max, SMALL_MAX.get(name, DEFAULT_SMALL_MAX))
+    return out
+
+
+def call_sizes(
+    schedule: m.Schedule, world: int, ctor: Mapping[str, int], seed: int, call: int
+) -> dict[str, int]:
+    """Every size bound for one call; call 0 uses the maxima, call 1 the minima."""
+    rng = random.Random(f"sizes/{seed}/{call}")
+    out: dict[str, int] = {"W": world}
+    for name, spec in schedule.sizes.items():
+        if isinstance(spec, int):
+            out[name] = spec
+        elif spec.multiple_of is not None:
+            out[name] = ctor[name]
+        else:
+            cap = ctor[name]
+            out[name] = cap if call == 0 else 1 if call == 1 else rng.randint(1, cap)
+    return out
+
+
+def _requests(rng: random.Random, tokens: int, requests: int, world: int, inter: int) -> Buffers:
+    short = world * inter  # shorter than this: some ranks hold no KV of the request
+    seq_lens = [rng.randint(1, short - 1) if rng.random() < 0.5 else rng.randint(short, 64)
+                for _ in range(requests)]
+    real = tokens if rng.random() < 0.6 else rng.randint(0, tokens)  # the rest is padding
+    cuts = sorted(rng.randint(0, real) for _ in range(requests - 1))
+    return {
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int64),
+        "query_start_loc": torch.tensor([0, *cuts, real], dtype=torch.int64),
+    }
+
+
+def call_inputs(
+    schedule: m.Schedule, world: int, sizes: Mapping[str, int], seed: int, call: int
+) -> list[Buffers]:
+    """Every rank's engine inputs for one call (float64/int64, rounded to dtype)."""
+    rng = random.Random(f"inputs/{seed}/{call}")
+    mask = mask_of(schedule)
+    shared: Buffers = {}
+    if mask is not None:
+        requests = buffer_shape(schedule, mask.seq_lens, sizes)[0]
+        req = _requests(rng, sizes["T"], requests, world, mask.interleave)
+        shared = {mask.seq_lens: req["seq_lens"], mask.query_start_loc: req["query_start_loc"]}
+    out: list[Buffers] = []
+    for rank in range(world):
+        bufs: Buffers = {}
+        for index, name in enumerate(engine_inputs(schedule)):
+            if name in shared:
+                bufs[name] = shared[name].clone()
+                continue
+            gen = torch.Generator().manual_seed(_mix(seed, call, rank, index))
+            shape = buffer_shape(schedule, name, sizes)
+            if schedule.buffers[name].dtype.is_float:
+                value = torch.randn(shape, generator=gen, dtype=torch.float64)
+            else:
+                value = torch.randint(0, 100, shape, generator=gen, dtype=torch.int64)
+            bufs[name] = as_stored(schedule, name, value)
+        out.append(bufs)
+    return out
+
+
+def _mix(*parts: int) -> int:
+    value = 0x9E3779B9
+    for p in parts:
+        value = (value * 1_000_003 + int(p) + 1) % (2**61 - 1)
+    return value
+
+
+def make_external(
+    schedule: m.Schedule, world: int, sizes: Mapping[str, int], seed: int, call: int
+) -> Any:
+    """The harness's external steps for one call: ``fn(step, rank, bufs) -> writes``."""
+    mask = mask_of(schedule)
+    env = {**sizes, "W": world}
+
+    def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
+        op = step.op
+        assert isinstance(op, m.External)
+        reads = [bufs[n] for n in op.reads if schedule.buffers[n].dtype.is_float]
+        x = reads[0].to(torch.float64) if reads else None
+        gen = torch.Generator().manual_seed(_mix(seed, call, rank, step.index))
+        garbage = random.Random(_mix(seed, call, rank, step.index, 7))
+        writes: Buffers = {}
+        for name in op.writes:
+            shape = buffer_shape(schedule, name, env)
+            if x is not None and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
+                cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]
+                value = torch.tanh(x[:, :, cols] * (0.5 + 0.1 * rank) + 0.05 * rank)
+            elif x is not None and len(shape) == 2 and tuple(x.shape[:2]) == shape:
+                value = 2.0 * torch.tanh(x[:, :, :8].sum(-1)) + 0.7 * rank
+                value = value - 0.3 * (torch.arange(shape[0]) % 3).unsqueeze(1)
+            else:
+                value = torch.randn(shape, generator=gen, dtype=torch.float64)
+            if mask is not None and len(shape) >= 2 and shape[0] == sizes.get("T"):
+                rows = empty_rows(mask, bufs, rank, world, shape[0])
+                pool = O_GARBAGE if len(shape) == 3 else LSE_GARBAGE
+                for t in torch.nonzero(rows).flatten().tolist():
+                    value[t] = garbage.choice(pool)
+            writes[name] = value
+        return writes
+
+    return external

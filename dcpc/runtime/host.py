@@ -1,0 +1,150 @@
+"""HostHeap: symmetric memory for the CPU backend, shared between processes.
+
+One /dev/shm segment per rank holds every buffer of an ``allocate`` call (256-byte
+aligned offsets). Segment names go round the group (gloo ``all_gather_object``),
+every rank maps every peer's segment, a barrier, and then every rank unlinks its
+own segment at once: the mappings stay valid, and nothing is left in /dev/shm even
+if a process crashes later. Peer addresses are this process's addresses, so Triton
+kernels under ``TRITON_INTERPRET=1`` store into peers through ``peer_ptrs``.
+
+Imports torch, the standard library and dcpc.runtime.heap only (never the compiler).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcpc.runtime.heap import Segment, SymmetricBuffer, aligned_offsets
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "dcpc-"
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _Mappings:
+    """The mapped segments of one heap; what the finalizer releases."""
+
+    def __init__(self) -> None:
+        self.segments: list[list[torch.Tensor]] = []  # per allocate call: [W] uint8 maps
+        self.own_paths: list[str] = []  # created but maybe not yet unlinked
+
+    def release(self) -> None:
+        for path in self.own_paths:
+            _unlink_quietly(path)
+        self.own_paths.clear()
+        self.segments.clear()  # torch unmaps a segment when its last tensor goes
+
+
+class HostHeap:
+    """Symmetric heap in POSIX shared memory for ranks on one host (CPU backend)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        device: str | torch.device = "cpu",
+        poison: bool = False,
+    ):
+        if not dist.is_initialized():
+            raise RuntimeError("HostHeap needs torch.distributed initialized (gloo)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise ValueError(f"HostHeap lives in host memory; device {self.device} is not cpu")
+        self.poison = poison
+        self.closed = False
+        self._maps = _Mappings()
+        # runs on close(), on garbage collection, and at interpreter exit
+        self._finalizer = weakref.finalize(self, self._maps.release)
+
+    def allocate(
+        self, nbytes: Sequence[int], *, poison: bool | None = None
+    ) -> list[SymmetricBuffer]:
+        """Collective: every rank calls with the same list. One segment per rank.
+
+        ``poison`` overrides the heap's setting for this call (an extension of the
+        protocol, for callers that want a zeroed signal bank on a poisoned heap).
+        """
+        if self.closed:
+            raise RuntimeError("allocate on a closed HostHeap")
+        sizes = [int(n) for n in nbytes]
+        if any(n < 0 for n in sizes):
+            raise ValueError(f"negative buffer size in {sizes}")
+        offsets, total = aligned_offsets(sizes)
+        fill = self.poison if poison is None else poison
+
+        path = self._create_segment(total, fill)
+        names: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(names, (path, total), group=self.group)
+            for peer, (_, peer_total) in enumerate(names):
+                if peer_total != total:
+                    raise RuntimeError(
+                        f"allocate called with different sizes: rank {self.rank} has "
+                        f"{total} bytes, rank {peer} has {peer_total}"
+                    )
+            maps = [
+                torch.from_file(p, shared=True, size=total, dtype=torch.uint8)
+                for p, _ in names
+            ]
+            dist.barrier(group=self.group)  # every rank has mapped every segment
+        finally:
+            _unlink_quietly(path)
+            self._maps.own_paths.remove(path)
+        self._maps.segments.append(maps)
+
+        bases = [int(m.data_ptr()) for m in maps]
+        local = maps[self.rank]
+        return [
+            Segment(
+                local[off : off + n],
+                torch.tensor([b + off for b in bases], dtype=torch.int64),
+            )
+            for off, n in zip(offsets, sizes, strict=True)
+        ]
+
+    def _create_segment(self, total: int, poison: bool) -> str:
+        path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._maps.own_paths.append(path)  # unlinked by the finalizer if we die early
+        try:
+            os.ftruncate(fd, total)
+            if poison:
+                os.pwrite(fd, b"\xff" * total, 0)
+        finally:
+            os.close(fd)
+        return path
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        """Drop this heap's mappings (idempotent). Views handed out stay valid."""
+        if self.closed:
+            return
+        self.closed = True
+        self._finalizer()
+
+    def __enter__(self) -> HostHeap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self._maps.segments)} segments"
+        return f"HostHeap(rank={self.rank}, world={self.world}, {state})"
