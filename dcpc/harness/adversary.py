@@ -1,0 +1,92 @@
+"""The adversarial parts of a run: delays, slot orders, and injected faults.
+
+In the spirit of JAX Pallas interpret mode: ranks are delayed at random (seeded per
+rank) before and after every step, so that a missing wait shows up as a wrong
+value; slots are used in every order the schedule allows; a fault makes one rank
+die or stall at a chosen (call, step) so the others must time out, not hang.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+
+from dcpc.lang import model as m
+
+
+class Jitter:
+    """Seeded random sleeps; the same seed gives the same delays on a rank."""
+
+    def __init__(self, seed: int, rank: int, max_s: float, probability: float):
+        self.rng = random.Random(f"jitter/{seed}/{rank}")
+        self.max_s, self.probability = max_s, probability
+
+    def delay(self) -> None:
+        if self.max_s > 0 and self.rng.random() < self.probability:
+            time.sleep(self.rng.random() * self.max_s)
+
+
+@dataclass(frozen=True)
+class Event:
+    """Run step ``step`` (an index into the step list) of call ``call`` on ``slot``."""
+
+    call: int
+    slot: int
+    step: int
+
+
+def slot_of(call: int, slots: int) -> int:
+    """Calls alternate slots, slot 1 first (a slot used before slot 0 must work)."""
+    return (call + 1) % slots
+
+
+def plan_events(
+    schedule: m.Schedule, calls: int, order: str, seed: int
+) -> list[Event]:
+    """Every (call, slot, step) of a run, in the order every rank executes them.
+
+    ``sequential``: call after call, slots alternating. ``interleaved``: two calls on
+    different slots in flight at once (dual-batch overlap), their steps merged in a
+    seeded random order that keeps each call's program order; every rank uses the
+    same merge, so the collectives still match across ranks.
+    """
+    steps = len(schedule.step_list())
+    slots = schedule.slots
+    if order == "interleaved" and (slots < 2 or schedule.streams != m.Streams.per_slot):
+        order = "sequential"  # nothing to overlap
+    if order not in ("sequential", "interleaved"):
+        raise ValueError(f"slot order must be sequential or interleaved, not {order!r}")
+    events: list[Event] = []
+    if order == "sequential":
+        for call in range(calls):
+            events += [Event(call, slot_of(call, slots), s) for s in range(steps)]
+        return events
+    rng = random.Random(f"order/{seed}")
+    for first in range(0, calls, 2):
+        pair = [c for c in (first, first + 1) if c < calls]
+        next_step = {c: 0 for c in pair}
+        while any(next_step[c] < steps for c in pair):
+            ready = [c for c in pair if next_step[c] < steps]
+            call = rng.choice(ready)
+            events.append(Event(call, slot_of(call, slots), next_step[call]))
+            next_step[call] += 1
+    return events
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Rank ``rank`` stops before step ``step`` of call ``call``: exits, or sleeps."""
+
+    rank: int
+    call: int
+    step: str
+    kind: str = "exit"  # "exit" | "sleep"
+
+    def strike(self, rank: int, call: int, step: str) -> None:
+        if (rank, call, step) != (self.rank, self.call, self.step):
+            return
+        if self.kind == "exit":
+            os._exit(17)
+        time.sleep(3600)  # the launcher kills this process at its deadline

@@ -1,0 +1,145 @@
+"""Compile a schedule, run it across W processes, and gather one report.
+
+The parent compiles (parse -> check -> lower -> emit) and writes the module into a
+temporary directory; every child imports it from there (``dcpc.harness.worker``).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dcpc.harness.launch import LaunchResult, launch
+from dcpc.harness.worker import OutputStats, RankReport
+
+
+@dataclass
+class RunConfig:
+    schedule: str  # path of the YAML file
+    world: int = 2
+    backend: str = "host"
+    calls: int = 50
+    seed: int = 0
+    jitter_s: float = 0.002  # longest random delay before/after a step
+    jitter_p: float = 0.3  # chance of a delay
+    poison: bool = True
+    order: str = "sequential"  # or "interleaved" (two slots in flight)
+    lse_base: str | None = None  # "2": rewrite every LSE buffer of the schedule to base 2
+    spin_limit: int | None = None
+    epoch_start: int | None = None
+    fault: dict[str, Any] | None = None  # adversary.Fault fields
+    timeout_s: float | None = None  # default: grows with calls and world
+    hb: bool = False  # run the happens-before checker while compiling
+
+    def worker_args(self, schedule_path: str, module_path: str) -> dict[str, Any]:
+        return {
+            "schedule_path": schedule_path, "module_path": module_path,
+            "backend": self.backend, "calls": self.calls, "seed": self.seed,
+            "jitter_s": self.jitter_s, "jitter_p": self.jitter_p, "poison": self.poison,
+            "order": self.order, "spin_limit": self.spin_limit,
+            "epoch_start": self.epoch_start, "fault": self.fault,
+        }
+
+
+@dataclass
+class RunReport:
+    config: RunConfig
+    schedule_name: str
+    launch: LaunchResult
+    outputs: dict[str, OutputStats] = field(default_factory=dict)  # merged over ranks
+    ranks: list[RankReport] = field(default_factory=list)
+    compile_s: float = 0.0
+
+    @property
+    def mismatches(self) -> int:
+        return sum(s.mismatches for s in self.outputs.values())
+
+    @property
+    def ok(self) -> bool:
+        compared = sum(s.compared for s in self.outputs.values())
+        return self.launch.ok and self.mismatches == 0 and compared > 0
+
+    @property
+    def ms_per_call(self) -> float:
+        """Mean over ranks of the time spent in the module's methods per call."""
+        if not self.ranks:
+            return float("nan")
+        return 1000 * sum(r.module_s for r in self.ranks) / len(self.ranks) / self.config.calls
+
+    def errors(self) -> list[str]:
+        return [f"rank {o.rank} {o.status}: {o.error}" for o in self.launch.outcomes
+                if o.status != "ok"]
+
+
+def variant_text(text: str, lse_base: str | None) -> str:
+    """The schedule text with every ``lse_base`` set to ``lse_base`` (a base-2 variant)."""
+    if lse_base is None:
+        return text
+    return re.sub(r"lse_base:\s*['\"]?(e|2)['\"]?", f"lse_base: {lse_base}", text)
+
+
+def compile_to(schedule_path: str, out_dir: Path, world: int, *, lse_base: str | None = None,
+               hb: bool = False) -> tuple[str, str, str, float]:
+    """Compile into ``out_dir``: (schedule file used, module file, schedule name, seconds)."""
+    from dcpc.pipeline import Options
+    from dcpc.pipeline import run as compile_stages
+
+    source = Path(schedule_path)
+    used = source
+    if lse_base is not None:
+        used = out_dir / source.name
+        used.write_text(variant_text(source.read_text(), lse_base))
+    c = compile_stages(used, Options(worlds=[world], hb=hb), until="emit")
+    assert c.schedule is not None and c.module_text is not None
+    module = out_dir / f"{c.schedule.schedule}.py"
+    module.write_text(c.module_text)
+    return str(used), str(module), c.schedule.schedule, sum(c.seconds.values())
+
+
+def run_schedule(config: RunConfig) -> RunReport:
+    with tempfile.TemporaryDirectory(prefix="dcpc-run-") as tmp:
+        used, module, name, compile_s = compile_to(
+            config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb)
+        timeout = config.timeout_s or 60.0 + 0.6 * config.calls * config.world
+        result = launch("dcpc.harness.worker:run_rank", config.world,
+                        config.worker_args(used, module), timeout_s=timeout, grace_s=15.0)
+    report = RunReport(config, name, result, compile_s=compile_s)
+    for outcome in result.outcomes:
+        if outcome.status != "ok":
+            continue
+        rank_report: RankReport = outcome.value
+        report.ranks.append(rank_report)
+        for out, stats in rank_report.outputs.items():
+            merged = report.outputs.setdefault(out, OutputStats())
+            merged.compared += stats.compared
+            merged.mismatches += stats.mismatches
+            merged.max_abs_err = max(merged.max_abs_err, stats.max_abs_err)
+            merged.first_mismatch = merged.first_mismatch or stats.first_mismatch
+    return report
+
+
+def format_report(report: RunReport) -> str:
+    c = report.config
+    lines = [
+        f"schedule   {report.schedule_name} ({c.schedule})"
+        + (f", LSE base {c.lse_base}" if c.lse_base else ""),
+        f"world      {c.world} processes, backend {c.backend}, {c.calls} calls, "
+        f"slot order {c.order}, seed {c.seed}",
+        f"adversary  poisoned memory: {'yes' if c.poison else 'no'}, delays up to "
+        f"{1000 * c.jitter_s:.1f} ms (p={c.jitter_p})",
+        "output        compared  mismatches  max abs err vs float64",
+    ]
+    for name, s in report.outputs.items():
+        lines.append(f"  {name:<12}{s.compared:>8}  {s.mismatches:>10}  {s.max_abs_err:.3g}")
+        if s.first_mismatch:
+            lines.append(f"    first: {s.first_mismatch}")
+    lines.append(f"time       {report.ms_per_call:.1f} ms per call in the module (Triton "
+                 f"interpreter on CPU), {report.launch.wall_s:.1f} s wall, compile "
+                 f"{report.compile_s:.2f} s")
+    lines += [f"error      {e}" for e in report.errors()]
+    lines.append(f"result     {'OK: every output matches' if report.ok else 'FAILED'}"
+                 f" ({report.mismatches} mismatches)")
+    return "\n".join(lines)

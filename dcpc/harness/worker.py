@@ -1,0 +1,200 @@
+"""One rank of a harness run: drive a generated module and check every output.
+
+Runs in a child started by ``dcpc.harness.launch`` (gloo group initialised). The
+rank imports the generated module from a file, constructs it (poisoned symmetric
+memory, small maxima), then executes the run's events: a module method per
+communication step, the harness's synthetic function per external step, with
+seeded delays around each. Every value a method returns is compared at once with
+this rank's buffers in the float64 simulation of the same call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcpc.harness import adversary, synth
+from dcpc.harness.simulate import TORCH_DTYPES, Buffers, simulate_call
+from dcpc.lang import model as m
+from dcpc.lang.parse import parse_file
+
+MOVES = (m.AllGather, m.AllToAll, m.Copy)  # pure data movement: must be bit-exact
+TOLERANCE = {"bf16": (1e-2, 1e-2), "f16": (2e-3, 2e-3), "f32": (1e-5, 1e-5)}  # (atol, rtol)
+
+
+@dataclass
+class OutputStats:
+    compared: int = 0
+    mismatches: int = 0
+    max_abs_err: float = 0.0
+    first_mismatch: str = ""
+
+
+@dataclass
+class RankReport:
+    rank: int
+    calls: int
+    outputs: dict[str, OutputStats] = field(default_factory=dict)
+    module_s: float = 0.0  # time inside the module's methods
+    wall_s: float = 0.0
+    epochs: list[int] = field(default_factory=list)  # the signal bank's epochs at the end
+    notes: list[str] = field(default_factory=list)
+
+
+def load_module_class(path: str, schedule: str) -> type:
+    name = f"dcpc_generated_{schedule}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the generated module {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    for value in vars(module).values():
+        if isinstance(value, type) and getattr(value, "SCHEDULE", None) == schedule:
+            return value
+    raise ImportError(f"{path} defines no class with SCHEDULE = {schedule!r}")
+
+
+def _constructor_kwargs(cls: type, wanted: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(cls).parameters
+    missing = [k for k, v in wanted.items() if v is not None and k not in params]
+    if missing:
+        raise TypeError(f"{cls.__name__}() takes no {', '.join(missing)}")
+    return {k: v for k, v in wanted.items() if v is not None}
+
+
+def method_arguments(cls: type, step: str) -> list[str]:
+    """The buffers a generated method takes, in order (its METHODS entry or signature)."""
+    table = getattr(cls, "METHODS", None)
+    if isinstance(table, dict) and step in table:
+        return list(table[step])
+    params = inspect.signature(getattr(cls, step)).parameters.values()
+    return [p.name for p in params if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+def returned_names(op: Any) -> list[str]:
+    """What a method returns, in order: its dst buffers, then return_lse (never via)."""
+    _, writes = synth.op_io(op)
+    via = getattr(op, "via", None) or []
+    via = via if isinstance(via, list) else [via]
+    return [w for w in writes if w not in via]
+
+
+def compare(
+    name: str, kind: str, dtype: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
+    where: str,
+) -> None:
+    """Count a mismatch unless ``got`` matches ``want``: data movement bit-exact, math
+    within the dtype's tolerance; NaN and inf must sit exactly where the reference has them."""
+    stats.compared += 1
+    got = got.detach().to("cpu", torch.float64)
+    if tuple(got.shape) != tuple(want.shape):
+        stats.mismatches += 1
+        stats.first_mismatch = stats.first_mismatch or (
+            f"{where}: {name} has shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
+        return
+    finite = torch.isfinite(want) & torch.isfinite(got)
+    zero = torch.zeros((), dtype=torch.float64)
+    err = (got - want).abs().where(finite, zero)
+    max_err = float(err.max()) if err.numel() else 0.0
+    stats.max_abs_err = max(stats.max_abs_err, max_err)
+    atol, rtol = (0.0, 0.0) if kind == "move" else TOLERANCE.get(dtype, (0.0, 0.0))
+    special_ok = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    ok = torch.where(finite, err <= atol + rtol * want.abs().where(finite, zero), special_ok)
+    if bool(ok.all()):
+        return
+    stats.mismatches += 1
+    if not stats.first_mismatch:
+        index = tuple(int(i) for i in torch.nonzero(~ok)[0])
+        stats.first_mismatch = (
+            f"{where}: {name}{list(index)} = {float(got[index])}, reference "
+            f"{float(want[index])} ({int((~ok).sum())} elements off, max abs err {max_err:.3g})")
+
+
+def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor) -> torch.Tensor:
+    return value.to(TORCH_DTYPES[schedule.buffers[name].dtype.value]).contiguous()
+
+
+def run_rank(
+    rank: int,
+    world: int,
+    *,
+    schedule_path: str,
+    module_path: str,
+    backend: str,
+    calls: int,
+    seed: int = 0,
+    jitter_s: float = 0.002,
+    jitter_p: float = 0.3,
+    poison: bool = True,
+    order: str = "sequential",
+    spin_limit: int | None = None,
+    epoch_start: int | None = None,
+    fault: dict[str, Any] | None = None,
+) -> RankReport:
+    start = time.perf_counter()
+    schedule = parse_file(schedule_path)
+    steps = schedule.step_list()
+    cls = load_module_class(module_path, schedule.schedule)
+    ctor = synth.constructor_sizes(schedule, world)
+    kwargs = _constructor_kwargs(
+        cls, {"spin_limit": spin_limit, "epoch_start": epoch_start, "poison": poison})
+    module = cls(dist.group.WORLD, sizes=ctor, device="cpu", backend=backend, **kwargs)
+    jitter = adversary.Jitter(seed, rank, jitter_s, jitter_p)
+    strike = adversary.Fault(**fault) if fault else None
+    report = RankReport(rank, calls)
+    for step in steps:
+        if not isinstance(step.op, m.External):
+            for name in returned_names(step.op):
+                report.outputs.setdefault(name, OutputStats())
+
+    live: dict[int, tuple[Buffers, dict[str, torch.Tensor], Any]] = {}  # call -> state
+    for event in adversary.plan_events(schedule, calls, order, seed):
+        if event.call not in live:
+            sizes = synth.call_sizes(schedule, world, ctor, seed, event.call)
+            inputs = synth.call_inputs(schedule, world, sizes, seed, event.call)
+            external = synth.make_external(schedule, world, sizes, seed, event.call)
+            reference = simulate_call(schedule, world, sizes, inputs, external)[rank]
+            env = {k: _to_engine(schedule, k, v) for k, v in inputs[rank].items()}
+            live[event.call] = (reference, env, external)
+        reference, env, external = live[event.call]
+        step = steps[event.step]
+        if strike is not None:
+            strike.strike(rank, event.call, step.name)
+        jitter.delay()
+        if isinstance(step.op, m.External):
+            seen = {k: v.to(torch.float64) for k, v in env.items()}
+            for name, value in external(step, rank, seen).items():
+                env[name] = _to_engine(schedule, name, value)
+        else:
+            args = [env[name] for name in method_arguments(cls, step.name)]
+            t0 = time.perf_counter()
+            result = getattr(module, step.name)(*args, slot=event.slot)
+            report.module_s += time.perf_counter() - t0
+            values = [] if result is None else list(result) if isinstance(
+                result, (tuple, list)) else [result]
+            names = returned_names(step.op)
+            if len(values) != len(names):
+                raise TypeError(f"{step.name}() returned {len(values)} tensors, want {names}")
+            kind = "move" if isinstance(step.op, MOVES) else "math"
+            for name, value in zip(names, values, strict=True):
+                env[name] = value
+                compare(name, kind, schedule.buffers[name].dtype.value, value, reference[name],
+                        report.outputs[name], f"call {event.call} slot {event.slot} rank {rank}")
+        jitter.delay()
+        if event.step == len(steps) - 1:
+            del live[event.call]
+    bank = getattr(module, "_bank", None)
+    if bank is not None and hasattr(bank, "epochs"):
+        report.epochs = sorted(set(bank.epochs.flatten().tolist()))
+    dist.barrier()  # nobody closes its heap while a peer may still store into it
+    module.close()
+    report.wall_s = time.perf_counter() - start
+    return report
