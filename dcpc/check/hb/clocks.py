@@ -1,0 +1,167 @@
+"""Liveness and vector clocks of the unrolled calls, for ONE rank (rotation symmetry).
+
+Every peer pattern is invariant under rotating the ranks (``all``, ``next`` and
+``prev`` only depend on ``r - s mod W``), and every rank runs the same program,
+so the vector clock of rank r's event is rank 0's clock of the same event rotated
+by r. We therefore compute clocks for rank 0's events only:
+
+    VC[(r, e)][(q, s)] = VC0[e][((q - r) mod W, s)]
+
+A clock has one entry per stream (rank q, stream s): how many events of that
+stream happen before or equal the event. A wait joins the clocks of the signals
+it matched, each rotated by its source's offset; a wait from ``all`` peers joins
+W-1 rotations, which is "the maximum over every other rank" and costs O(W) with
+the two largest entries per stream.
+
+Liveness: the constraint graph of a call (program order, plus each matched signal
+before its wait) is solved with Kahn's algorithm; a wait some peer never signals,
+or a cycle (by rotation symmetry a cycle in rank 0's quotient graph lifts to a
+cycle of the full graph and back), blocks it and everything after it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from dcpc.check.hb.events import Program, match_waits
+
+
+@dataclass
+class World:
+    """The unrolled calls of a program for one group size W, seen from rank 0."""
+
+    program: Program
+    world: int
+    calls: int
+    match: dict[int, list[tuple[int, int | None]]]
+    live: list[bool]  # per flat position c*n + j
+    clock: list[list[int] | None]  # per flat position: rank 0's clock, entry q*S + s
+    unmatched: list[tuple[int, int]] = field(default_factory=list)  # (event j, delta d)
+    cycles: list[set[int]] = field(default_factory=list)  # events j of a call on a cycle
+
+    @property
+    def n(self) -> int:
+        return len(self.program.events)
+
+    @property
+    def streams(self) -> int:
+        return self.program.streams_per_rank
+
+    def pos(self, call: int, j: int) -> int:
+        return call * self.n + j
+
+    def count(self, pos: int, rank_from: int, rank_of: int, stream: int) -> int:
+        """How many events of stream (rank_from, stream) happen before-or-equal
+        the event at ``pos`` on rank ``rank_of``."""
+        clock = self.clock[pos]
+        assert clock is not None
+        return clock[((rank_from - rank_of) % self.world) * self.streams + stream]
+
+    def hb(self, rank_a: int, pos_a: int, rank_b: int, pos_b: int) -> bool:
+        """Whether (rank_a, pos_a) happens before or equals (rank_b, pos_b)."""
+        call, j = divmod(pos_a, self.n)
+        stream, index = self.program.stream(call), self.program.stream_index(call, j)
+        return self.count(pos_b, rank_a, rank_b, stream) >= index + 1
+
+    def rotated(self, pos: int, rank: int) -> list[int]:
+        """The full clock of the event at ``pos`` on ``rank``."""
+        clock = self.clock[pos]
+        assert clock is not None
+        shift = (rank % self.world) * self.streams
+        return clock[-shift:] + clock[:-shift] if shift else list(clock)
+
+
+def _call_graph(n: int, match: dict[int, list[tuple[int, int | None]]]) -> dict[int, set[int]]:
+    """Predecessors of each event j within a call (program order + matched signals)."""
+    preds: dict[int, set[int]] = {j: ({j - 1} if j else set()) for j in range(n)}
+    for j, sources in match.items():
+        preds[j] |= {js for _, js in sources if js is not None}
+    return preds
+
+
+def _kahn(n: int, preds: dict[int, set[int]], blocked: set[int]) -> list[int]:
+    """Events of a call that can run, in an order that respects every constraint."""
+    succs: dict[int, list[int]] = {j: [] for j in range(n)}
+    missing = {j: len(p) for j, p in preds.items()}
+    for j, p in preds.items():
+        for i in p:
+            succs[i].append(j)
+    ready = [j for j in range(n) if missing[j] == 0 and j not in blocked]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        j = heapq.heappop(ready)
+        order.append(j)
+        for k in succs[j]:
+            missing[k] -= 1
+            if missing[k] == 0 and k not in blocked:
+                heapq.heappush(ready, k)
+    return order
+
+
+def _join(clock: list[int], other: list[int], deltas: list[int], world: int, streams: int) -> None:
+    """clock = max(clock, max over d in deltas of ``other`` rotated by d), in place."""
+    if len(deltas) == world - 1 and world > 2:
+        # every other rank: per stream, the largest entry not at the row itself
+        for s in range(streams):
+            column = other[s::streams]
+            best = max(range(world), key=column.__getitem__)
+            top = column[best]
+            second = max((v for q, v in enumerate(column) if q != best), default=0)
+            for q in range(world):
+                v = second if q == best else top
+                i = q * streams + s
+                if v > clock[i]:
+                    clock[i] = v
+        return
+    for d in deltas:
+        shift = d * streams
+        rolled = other[-shift:] + other[:-shift] if shift else other
+        for i, v in enumerate(rolled):
+            if v > clock[i]:
+                clock[i] = v
+
+
+def analyze(program: Program, world: int, calls: int | None = None) -> World:
+    """Liveness, deadlock roots and rank 0's vector clocks for calls 0..calls-1."""
+    calls = program.default_calls() if calls is None else calls
+    n, streams = len(program.events), program.streams_per_rank
+    match = match_waits(program, world)
+    unmatched = [(j, d) for j, sources in sorted(match.items()) for d, js in sources if js is None]
+    preds = _call_graph(n, match)
+    order = _kahn(n, preds, {j for j, _ in unmatched})
+    cycles: list[set[int]] = []
+    if len(order) < n:
+        stuck = nx.DiGraph()
+        stuck.add_nodes_from(j for j in range(n) if j not in set(order))
+        stuck.add_edges_from((i, j) for j in stuck for i in preds[j] if i in stuck)
+        cycles = sorted((c for c in nx.strongly_connected_components(stuck) if len(c) > 1),
+                        key=min)
+    live = [False] * (calls * n)
+    clock: list[list[int] | None] = [None] * (calls * n)
+    for call in range(calls):
+        before = program.previous_call(call)
+        if before >= 0 and not all(live[before * n: before * n + n]):
+            continue
+        stream = program.stream(call)
+        for j in order:
+            pos = call * n + j
+            live[pos] = True
+            if j:
+                base = clock[pos - 1]
+            else:
+                base = clock[before * n + n - 1] if before >= 0 else None
+            vc = list(base) if base is not None else [0] * (world * streams)
+            by_signal: dict[int, list[int]] = {}
+            for d, js in match.get(j, ()):
+                by_signal.setdefault(js, []).append(d)  # type: ignore[arg-type]
+            for js, deltas in by_signal.items():
+                other = clock[call * n + js]
+                assert other is not None
+                _join(vc, other, deltas, world, streams)
+            vc[stream] = program.stream_index(call, j) + 1
+            clock[pos] = vc
+    return World(program, world, calls, match, live, clock, unmatched, cycles)

@@ -1,0 +1,169 @@
+"""Fixes for findings: candidate edits of the schedule, each proved by re-checking.
+
+A hint is only given when the edited schedule no longer has the finding, at the
+W it was found, and has no finding the original did not have. Candidates, in
+order of preference: move a step (a reader after its writer, a split-phase
+signal after the read it releases), drop ``shared: true``, one more slot on a
+single stream (double buffering: no new sync), a barrier after one of the two
+steps, ``streams: single`` (last: it gives up overlapping the slots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from dcpc.check.hb.clocks import analyze
+from dcpc.check.hb.deadlock import NO_SIGNAL, find_deadlocks
+from dcpc.check.hb.events import lower
+from dcpc.check.hb.races import find_races
+from dcpc.check.hb.report import Finding
+from dcpc.lang.model import Barrier, Peers, Schedule, Signal, Streams
+
+Key = tuple[str, str, str, str, str]
+Edit = tuple[str, Callable[[], Schedule]]
+
+
+def finding_keys(schedule: Schedule, worlds: list[int], calls: int | None = None) -> set[Key]:
+    """The keys of every finding of ``schedule`` for these worlds (no timelines)."""
+    program = lower(schedule)
+    keys: set[Key] = set()
+    for w in worlds:
+        world = analyze(program, w, calls)
+        keys |= {d.key(world) for d in find_deadlocks(world)}
+        keys |= {r.key(world) for r in find_races(world)}
+    return keys
+
+
+def _items(schedule: Schedule) -> list[tuple[str, object]]:
+    return [(name, op) for item in schedule.steps for name, op in item.items()]
+
+
+def _with_steps(schedule: Schedule, items: list[tuple[str, object]]) -> Schedule:
+    return schedule.model_copy(update={"steps": [{name: op} for name, op in items]})
+
+
+def _move_after(schedule: Schedule, step: str, after: str) -> Schedule:
+    items = _items(schedule)
+    moving = next(i for i in items if i[0] == step)
+    rest = [i for i in items if i[0] != step]
+    at = next(k for k, i in enumerate(rest) if i[0] == after)
+    return _with_steps(schedule, rest[: at + 1] + [moving] + rest[at + 1:])
+
+
+def _barrier_after(schedule: Schedule, step: str) -> Schedule:
+    items = _items(schedule)
+    names = {n for n, _ in items}
+    name = next(f"release{k or ''}" for k in range(len(names) + 1)
+                if f"release{k or ''}" not in names)
+    at = next(k for k, i in enumerate(items) if i[0] == step)
+    barrier = Barrier(op="barrier")
+    return _with_steps(schedule, items[: at + 1] + [(name, barrier)] + items[at + 1:])
+
+
+def _unshared(schedule: Schedule, buffer: str) -> Schedule:
+    buffers = dict(schedule.buffers)
+    buffers[buffer] = buffers[buffer].model_copy(update={"shared": False, "symmetric": True})
+    return schedule.model_copy(update={"buffers": buffers})
+
+
+def _with_op(schedule: Schedule, step: str, **update: object) -> Schedule:
+    items = [(n, op.model_copy(update=update) if n == step else op)  # type: ignore[attr-defined]
+             for n, op in _items(schedule)]
+    return _with_steps(schedule, items)
+
+
+def _touching(schedule: Schedule, buffer: str) -> list[str]:
+    """Steps that access ``buffer`` (by name anywhere in the op), in program order."""
+    out = []
+    for name, op in _items(schedule):
+        dumped = op.model_dump(by_alias=True)  # type: ignore[attr-defined]
+        if buffer in repr(dumped) or (buffer == f"{name}_recv"):
+            out.append(name)
+    return out
+
+
+def _race_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
+    a, b = f.first, f.second
+    assert b is not None
+    index = {n: i for i, (n, _) in enumerate(_items(schedule))}
+    if a.call == b.call and index[a.step] < index[b.step]:
+        yield f"move {a.step} after {b.step}", lambda: _move_after(schedule, a.step, b.step)
+    if f.buffer in schedule.buffers and schedule.buffers[f.buffer].shared:
+        yield (f"remove `shared: true` from {f.buffer}", lambda: _unshared(schedule, f.buffer))
+    for name, op in _items(schedule):
+        # a sync placed before the read it should release
+        if getattr(op, "op", "") in ("signal", "barrier") and index[name] < index[a.step]:
+            yield (f"move {name} after {a.step}",
+                   lambda name=name: _move_after(schedule, name, a.step))  # type: ignore[misc]
+    if schedule.slots == 1 or schedule.streams == Streams.single:
+        # double buffering on one stream: the next call's sync orders the reuse, no new sync
+        n = schedule.slots + 1
+        also = "" if schedule.streams == Streams.single else " with `streams: single`"
+        yield (f"add `slots: {n}`{also}", lambda: schedule.model_copy(
+            update={"slots": n, "streams": Streams.single}))
+    last = _touching(schedule, f.buffer)[-1:]
+    for step in dict.fromkeys(last + [a.step, b.step]):
+        yield f"add a barrier after {step}", lambda step=step: _barrier_after(schedule, step)
+    if schedule.slots > 1 and schedule.streams == Streams.per_slot:
+        yield "`streams: single`", lambda: schedule.model_copy(update={"streams": Streams.single})
+
+
+PARTNER = {Peers.all: Peers.all, Peers.prev: Peers.next, Peers.next: Peers.prev}
+
+
+def _deadlock_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
+    items = _items(schedule)
+    index = {n: i for i, (n, _) in enumerate(items)}
+    wait, sig = f.first.step, f.second.step if f.second is not None else None
+    if sig is not None and index[wait] < index[sig]:
+        yield f"move {wait} after {sig}", lambda: _move_after(schedule, wait, sig)
+    if f.cls != NO_SIGNAL:
+        return
+    wait_op = dict(items)[wait]
+    need = PARTNER.get(getattr(wait_op, "from_", Peers.all), Peers.all)
+    signals = [(n, op) for n, op in items if getattr(op, "op", "") == "signal"]
+    for name, op in signals:
+        if op.channel == f.buffer and op.to != need:  # type: ignore[attr-defined]
+            yield (f"use `to: {need.value}` on {name}",
+                   lambda name=name: _with_op(schedule, name, to=need))
+    for channel in dict.fromkeys(op.channel for _, op in signals):  # type: ignore[attr-defined]
+        if channel != f.buffer:
+            yield (f"wait on channel {channel}",
+                   lambda channel=channel: _with_op(schedule, wait, channel=channel))
+    if getattr(wait_op, "op", "") == "wait":
+        fresh = next(f"{wait}_signal{k or ''}" for k in range(len(items) + 1)
+                     if f"{wait}_signal{k or ''}" not in index)
+        signal = Signal(op="signal", to=need, channel=f.buffer)
+        at = index[wait]
+        yield (f"add `{{op: signal, to: {need.value}, channel: {f.buffer}}}` before {wait}",
+               lambda: _with_steps(schedule, items[:at] + [(fresh, signal)] + items[at:]))
+
+
+def suggest(
+    schedule: Schedule,
+    finding: Finding,
+    calls: int | None = None,
+    worlds: list[int] | None = None,
+    most: int = 2,
+) -> str | None:
+    """Up to ``most`` candidate fixes, joined with "; or ", or None.
+
+    Each is proved: the edited schedule no longer has ``finding`` and has no
+    finding the original lacks, at the W it was found, the next W and the largest
+    of ``worlds``. Among proved fixes, those leaving fewer findings come first.
+    """
+    w = finding.world
+    check_at = sorted({w, w + 1, max(worlds or [w])})
+    before = finding_keys(schedule, check_at, calls)
+    edits = _race_edits if finding.kind == "race" else _deadlock_edits
+    proved: list[tuple[int, int, str]] = []
+    for rank, (text, make) in enumerate(edits(schedule, finding)):
+        try:
+            after = finding_keys(make(), check_at, calls)
+        except (KeyError, StopIteration, ValueError):
+            continue
+        if finding.key not in after and after <= before and text not in {p[2] for p in proved}:
+            proved.append((len(after), rank, text))
+    if proved:
+        return "; or ".join(text for _, _, text in sorted(proved)[:most])
+    return None

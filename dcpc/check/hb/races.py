@@ -1,0 +1,164 @@
+"""Races on symmetric buffer instances, from rank 0's vector clocks.
+
+By rotation symmetry it is enough to look at the instances rank 0 owns: a race on
+rank r's instance is the same race rotated by r. The accesses to rank 0's
+instance of a buffer (per slot, or one for all slots when ``shared``) come in
+groups, one per (call, event, access):
+
+- a *local* group: rank 0 reads or writes its whole instance (one access);
+- a *store* group: every rank p stores its part p (W accesses).
+
+Two groups are compared with O(1) clock look-ups (local/local, or stores of the
+same partition, which only overlap for the same writer), O(W) (local/stores) or
+O(W^2) (stores of different partitions), never by enumerating event pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dcpc.check.hb.clocks import World
+from dcpc.check.hb.events import PHASE_ORDER, Access
+
+WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
+
+
+@dataclass(frozen=True)
+class Touch:
+    """One concrete access: ``rank`` runs event j of ``call``, touching ``owner``'s instance."""
+
+    rank: int
+    call: int
+    j: int
+    access: Access
+    owner: int
+
+    def order_key(self, world: World) -> tuple[int, int, int]:
+        """The order the schedule intends: call, step, then phase within the step."""
+        event = world.program.events[self.j]
+        return (self.call, event.step, PHASE_ORDER[event.phase])
+
+
+@dataclass(frozen=True)
+class RawRace:
+    """Two unordered conflicting accesses, ``first`` before ``second`` in intended order."""
+
+    cls: str
+    buffer: str
+    first: Touch
+    second: Touch
+    slot: int | None  # the instance's slot; None for a shared buffer
+
+    def key(self, world: World) -> tuple[str, str, str, str, str]:
+        steps = world.program.steps
+        a = steps[world.program.events[self.first.j].step].name
+        b = steps[world.program.events[self.second.j].step].name
+        return ("race", self.cls, self.buffer, a, b)
+
+
+def _instances(world: World, buffer: str) -> list[tuple[int | None, list[int]]]:
+    """(slot or None, calls that touch the instance) for rank 0's instances of a buffer."""
+    program, calls = world.program, range(world.calls)
+    if program.shared[buffer]:
+        return [(None, list(calls))]
+    return [(s, [c for c in calls if c % program.slots == s]) for s in range(program.slots)]
+
+
+def _groups(world: World, buffer: str, calls: list[int]) -> list[tuple[int, int, Access]]:
+    out = []
+    for call in calls:
+        for j, event in enumerate(world.program.events):
+            if not world.live[world.pos(call, j)]:
+                continue
+            out.extend((call, j, a) for a in event.accesses if a.buffer == buffer)
+    return out
+
+
+def _peer_first(world: int) -> list[int]:
+    """Ranks in the order counterexamples prefer them: peers first, then rank 0."""
+    return list(range(1, world)) + [0]
+
+
+def _all_ordered(world: World, pa: int, pb: int) -> bool:
+    """Whether event pa on EVERY rank happens before event pb on every rank.
+
+    The entries of pb's clock for pa's stream on all ranks are exactly what the
+    O(W) (or O(W^2)) rank loops would look at; their minimum decides it in one pass.
+    """
+    call, j = divmod(pa, world.n)
+    stream, index = world.program.stream(call), world.program.stream_index(call, j)
+    clock = world.clock[pb]
+    assert clock is not None
+    return min(clock[stream::world.streams]) >= index + 1
+
+
+def _first_unordered(
+    world: World, a: tuple[int, int, Access], b: tuple[int, int, Access]
+) -> tuple[Touch, Touch] | None:
+    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race."""
+    (ca, ja, xa), (cb, jb, xb) = a, b
+    pa, pb, w = world.pos(ca, ja), world.pos(cb, jb), world.world
+    same_event = pa == pb
+
+    def touch(rank: int, call: int, j: int, access: Access) -> Touch:
+        return Touch(rank, call, j, access, 0)
+
+    def unordered(ra: int, rb: int) -> bool:
+        if same_event and ra == rb:
+            return False
+        return not world.hb(ra, pa, rb, pb) and not world.hb(rb, pb, ra, pa)
+
+    if _all_ordered(world, pa, pb) or _all_ordered(world, pb, pa):
+        return None
+    if not xa.remote and not xb.remote:
+        if unordered(0, 0):
+            return touch(0, ca, ja, xa), touch(0, cb, jb, xb)
+        return None
+    if xa.remote and xb.remote:
+        assert xa.region is not None and xb.region is not None
+        if xa.region.partition == xb.region.partition:
+            # writer p's parts overlap only with writer p's: by rotation, any p is the same
+            p = 1 % w
+            return (touch(p, ca, ja, xa), touch(p, cb, jb, xb)) if unordered(p, p) else None
+        for p in _peer_first(w):
+            for q in _peer_first(w):
+                if unordered(p, q):
+                    return touch(p, ca, ja, xa), touch(q, cb, jb, xb)
+        return None
+    # one local access of rank 0, one store group: rank 0's whole instance meets part p
+    for p in _peer_first(w):
+        ra, rb = (0, p) if not xa.remote else (p, 0)
+        if unordered(ra, rb):
+            return touch(ra, ca, ja, xa), touch(rb, cb, jb, xb)
+    return None
+
+
+def classify(world: World, x: Touch, y: Touch) -> tuple[str, Touch, Touch]:
+    """Race class and the two accesses in intended order (first, second)."""
+    first, second = sorted((x, y), key=lambda t: (t.order_key(world), t.rank))
+    if first.access.kind == "write" and second.access.kind == "write":
+        return WAW, first, second
+    write = first if first.access.kind == "write" else second
+    read = second if write is first else first
+    if write.order_key(world) > read.order_key(world):
+        return WAR, first, second
+    return RAW, first, second
+
+
+def find_races(world: World) -> list[RawRace]:
+    """One race per (class, buffer, step pair), the first found, for this W."""
+    found: dict[tuple[str, str, str, str, str], RawRace] = {}
+    for buffer in sorted(world.program.shared):
+        for slot, calls in _instances(world, buffer):
+            groups = _groups(world, buffer, calls)
+            for i, a in enumerate(groups):
+                for b in groups[i + 1:]:
+                    if a[2].kind == "read" and b[2].kind == "read":
+                        continue
+                    pair = _first_unordered(world, a, b)
+                    if pair is None:
+                        continue
+                    cls, first, second = classify(world, *pair)
+                    race = RawRace(cls, buffer, first, second, slot)
+                    found.setdefault(race.key(world), race)
+    return list(found.values())

@@ -1,0 +1,229 @@
+"""Findings of the happens-before checker: records, messages, diagnostics, JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcpc.check.hb.clocks import World
+from dcpc.check.hb.deadlock import CYCLE, RawDeadlock
+from dcpc.check.hb.races import RAW, WAR, WAW, RawRace, Touch
+from dcpc.check.hb.timeline import (
+    involved_ranks,
+    render,
+    stream_positions,
+    strict_predecessors,
+)
+from dcpc.diagnostics import Diagnostic, Mark
+
+
+@dataclass(frozen=True)
+class Location:
+    """One side of a finding: an access (read/write) or a wait/signal of one rank."""
+
+    rank: int
+    call: int
+    slot: int
+    step: str
+    step_index: int
+    access: str  # "read" | "write" | "wait" | "signal"
+    region: str  # e.g. "q_full[rank 0, slot 0] H block 1 (dim 1)", or a channel
+    mark: Mark
+
+    def text(self) -> str:
+        return (f"{self.step} on rank {self.rank}, call {self.call} (slot {self.slot}) "
+                f"{self.access}s {self.region}, at {self.mark}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "call": self.call, "slot": self.slot, "step": self.step,
+                "step_index": self.step_index, "access": self.access, "region": self.region,
+                "mark": str(self.mark)}
+
+
+@dataclass
+class Finding:
+    """A race or a deadlock, with the smallest W at which it was found.
+
+    ``cls``: for a race "write-after-read", "read-after-write" or
+    "write-after-write"; for a deadlock "no-signal" or "cycle". ``buffer`` is the
+    raced buffer, or for a deadlock the channel (a step's name for the implicit
+    channel of a communication op). ``first`` happens first in the order the
+    schedule intends (for a deadlock: the wait); ``second`` is the other access
+    (for a deadlock: the awaited signal, None when no step sends it).
+    """
+
+    kind: str  # "race" | "deadlock"
+    cls: str
+    buffer: str
+    first: Location
+    second: Location | None
+    world: int
+    message: str
+    timeline: list[str]
+    hint: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str, str, str, str]:
+        """(kind, class, buffer, step, step): findings are deduplicated on it."""
+        return (self.kind, self.cls, self.buffer, self.first.step,
+                self.second.step if self.second is not None else "")
+
+    @property
+    def steps(self) -> tuple[str, str]:
+        return self.key[3], self.key[4]
+
+    @property
+    def marks(self) -> tuple[Mark, Mark | None]:
+        return self.first.mark, self.second.mark if self.second is not None else None
+
+    @property
+    def mark(self) -> Mark:
+        """Where the diagnostic points: the later step of a race, the wait of a deadlock."""
+        if self.kind == "race" and self.second is not None:
+            return self.second.mark
+        return self.first.mark
+
+    def diagnostic(self) -> Diagnostic:
+        other = self.first if self.kind == "race" else self.second
+        notes = []
+        if other is not None:
+            notes.append(("the other access: " if self.kind == "race" else "the signal: ")
+                         + other.text())
+        notes.append(f"a legal execution with W={self.world}:")
+        notes += ["  " + line for line in self.timeline]
+        return Diagnostic(self.mark, self.kind, self.message, hint=self.hint, notes=tuple(notes))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "class": self.cls, "buffer": self.buffer,
+                "steps": list(self.steps), "world": self.world, "message": self.message,
+                "first": self.first.as_dict(),
+                "second": self.second.as_dict() if self.second is not None else None,
+                "timeline": list(self.timeline), "hint": self.hint}
+
+
+@dataclass
+class HbReport:
+    """What ``dcpc.check.hb.check`` found for one schedule over the worlds asked."""
+
+    schedule: str
+    file: str
+    worlds: list[int]
+    findings: list[Finding] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def diagnostics(self) -> list[Diagnostic]:
+        """One diagnostic per finding (code "race" or "deadlock")."""
+        return [f.diagnostic() for f in self.findings]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "file": self.file,
+                "worlds": [min(self.worlds), max(self.worlds)] if self.worlds else [],
+                "ok": self.ok, "findings": [f.as_dict() for f in self.findings],
+                "stats": dict(self.stats)}
+
+
+# --- building findings from what a World found -------------------------------------
+
+def _instance(world: World, buffer: str, owner: int, slot: int | None) -> str:
+    return f"{buffer}[rank {owner}" + (f", slot {slot}]" if slot is not None else "] (shared)")
+
+
+def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
+    program = world.program
+    step = program.steps[program.events[t.j].step]
+    region = _instance(world, t.access.buffer, t.owner, slot)
+    if t.access.region is not None:
+        region += " " + t.access.region.text(t.rank)
+    return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
+                    t.access.kind, region, step.mark)
+
+
+def race_finding(world: World, race: RawRace) -> Finding:
+    """A race with its counterexample: the cut of both accesses' predecessors."""
+    a, b = race.first, race.second
+    la, lb = _touch_location(world, a, race.slot), _touch_location(world, b, race.slot)
+    pa, pb = world.pos(a.call, a.j), world.pos(b.call, b.j)
+    cut = [max(x, y) for x, y in zip(strict_predecessors(world, a.rank, pa),
+                                     strict_predecessors(world, b.rank, pb), strict=True)]
+    verb = {"read": "reading", "write": "writing"}
+    pending = {(a.rank, pa): f"→ {verb[la.access]} {la.region}",
+               (b.rank, pb): f"→ {verb[lb.access]} {lb.region}"}
+    if (a.rank, pa) == (b.rank, pb):
+        pending[(a.rank, pa)] = f"→ {verb[la.access]} and {verb[lb.access]} {la.region}"
+    timeline = render(world, cut, pending, involved_ranks(world, [a.rank, b.rank]))
+    where = f"(W={world.world})"
+    if race.cls == WAR:
+        message = (f"write-after-read race on {race.buffer}: {lb.step} on rank {lb.rank} "
+                   f"(call {lb.call}) can write {lb.region} while {la.step} on rank {la.rank} "
+                   f"(call {la.call}) still reads it {where}")
+    elif race.cls == RAW:
+        message = (f"read-after-write race on {race.buffer}: {lb.step} on rank {lb.rank} "
+                   f"(call {lb.call}) can read {lb.region} before {la.step} on rank {la.rank} "
+                   f"(call {la.call}) finished writing it {where}")
+    else:
+        assert race.cls == WAW
+        message = (f"write-after-write race on {race.buffer}: {la.step} on rank {la.rank} "
+                   f"(call {la.call}) and {lb.step} on rank {lb.rank} (call {lb.call}) can "
+                   f"write {lb.region} in either order {where}")
+    return Finding("race", race.cls, race.buffer, la, lb, world.world, message, timeline)
+
+
+def _wait_text(world: World, j: int, rank: int) -> str:
+    """Why rank's event j (a wait) never ends."""
+    program, w = world.program, world.world
+    parts = []
+    for d, js in world.match.get(j, ()):
+        peer = (rank + d) % w
+        if js is None:
+            channel = program.channel_text(program.events[j].wait[0])  # type: ignore[index]
+            parts.append(f"a signal from rank {peer} on channel {channel} that no step sends")
+        elif not world.live[js]:
+            parts.append(f"rank {peer}'s {program.steps[program.events[js].step].name}, "
+                         "which never runs")
+    return "⏳ waits for " + "; ".join(parts[:3]) + (" ..." if len(parts) > 3 else "")
+
+
+def _offset(delta: int, world: int) -> str:
+    return "r-1" if delta == world - 1 and world > 2 else f"r+{delta}"
+
+
+def deadlock_finding(world: World, dead: RawDeadlock) -> Finding:
+    """A deadlock with the execution that gets stuck: every event that can run."""
+    program, w, streams = world.program, world.world, world.streams
+    _, _, channel, wait_name, signal_name = dead.key(world)
+    wait_step = program.steps[program.events[dead.wait_j].step]
+    peer = dead.delta % w
+    first = Location(0, 0, 0, wait_step.name, wait_step.index, "wait",
+                     f"channel {channel} from rank {peer}", wait_step.mark)
+    second = None
+    if dead.signal_j is not None:
+        sig = program.steps[program.events[dead.signal_j].step]
+        second = Location(peer, 0, 0, sig.name, sig.index, "signal",
+                          f"channel {channel} to rank 0", sig.mark)
+    live_count = [0] * streams
+    for pos, alive in enumerate(world.live):
+        if alive:
+            live_count[program.stream(pos // world.n)] += 1
+    cut = live_count * w
+    pending = {}
+    ranks = involved_ranks(world, [0, peer])
+    for rank in ranks:
+        for stream in range(streams):
+            positions = stream_positions(world, stream)
+            if live_count[stream] < len(positions):
+                stuck = positions[live_count[stream]]
+                pending[(rank, stuck)] = _wait_text(world, stuck % world.n, rank)
+    timeline = render(world, cut, pending, ranks)
+    if dead.cls == CYCLE:
+        message = (f"deadlock: {wait_name} on every rank r waits for {signal_name} of rank "
+                   f"{_offset(peer, w)} (channel {channel}), which can only run after a wait "
+                   f"that depends on {wait_name} itself: a cycle of waits (W={w})")
+    else:
+        message = (f"deadlock: {wait_name} on rank 0 (call 0) waits for a signal from rank "
+                   f"{peer} on channel {channel}, but no step of rank {peer} sends one to "
+                   f"rank 0 (W={w})")
+    return Finding("deadlock", dead.cls, channel, first, second, w, message, timeline)

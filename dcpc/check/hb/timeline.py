@@ -1,0 +1,95 @@
+"""Counterexample timelines: per rank (and stream), what ran and what runs next.
+
+A race is shown from a consistent cut: the union of the strict happens-before
+predecessors of both accesses. Every event in it can have run (it is closed
+under happens-before), neither access is in it, and both are enabled next: a
+legal execution in which the two accesses overlap. A deadlock is shown from the
+cut of every event that can run: each stream stops at the wait that never ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dcpc.check.hb.clocks import World
+
+MAX_RANKS = 4
+
+
+def stream_positions(world: World, stream: int) -> list[int]:
+    """Flat positions (call*n + j) of one rank's stream, in stream order."""
+    program = world.program
+    return [world.pos(c, j) for c in range(world.calls) if program.stream(c) == stream
+            for j in range(world.n)]
+
+
+def strict_predecessors(world: World, rank: int, pos: int) -> list[int]:
+    """The cut of events strictly before (rank, pos): a count per (rank q, stream s)."""
+    cut = world.rotated(pos, rank)
+    call, _ = divmod(pos, world.n)
+    cut[rank * world.streams + world.program.stream(call)] -= 1
+    return cut
+
+
+def render(
+    world: World,
+    cut: list[int],
+    pending: dict[tuple[int, int], str],
+    ranks: Iterable[int],
+) -> list[str]:
+    """One line per (rank, stream): calls with their finished steps, then what is next.
+
+    ``pending[(rank, pos)]`` describes the event that runs next at ``pos`` on
+    ``rank`` (an access of the race, or the wait a deadlock is stuck in).
+    """
+    program, streams = world.program, world.streams
+    lines = []
+    for rank in ranks:
+        for stream in range(streams):
+            done = cut[rank * streams + stream]
+            positions = stream_positions(world, stream)
+            nxt = positions[done] if done < len(positions) else -1
+            note = pending.get((rank, nxt))
+            if stream and not done and note is None:
+                continue  # an idle extra stream says nothing
+            who = f"rank {rank}" + (f", slot {stream}" if program.per_slot else "")
+            lines.append(f"{who}: {_stream_text(world, positions, done, note)}")
+    return lines
+
+
+def _stream_text(world: World, positions: list[int], count: int, note: str | None) -> str:
+    program = world.program
+    done = set(positions[:count])
+    nxt = positions[count] if count < len(positions) else -1
+    events_of: dict[int, list[int]] = {}
+    for j, event in enumerate(program.events):
+        events_of.setdefault(event.step, []).append(j)
+    calls = sorted({divmod(p, world.n)[0] for p in positions})
+    chunks = []
+    for call in calls:
+        items, stop = [], False
+        for step, js in sorted(events_of.items()):
+            own = [world.pos(call, j) for j in js]
+            name = program.steps[step].name
+            if all(p in done for p in own):
+                items.append(f"{name} ✓")
+                continue
+            label = name + (" (sent, waiting)" if any(p in done for p in own) else "")
+            if nxt in own:
+                label += " " + (note or "(next)")
+            items.append(label)
+            stop = True
+            break
+        if items:
+            chunks.append(f"call {call} " + " ".join(items))
+        if stop:
+            break
+    return " | ".join(chunks) or "(nothing run yet)"
+
+
+def involved_ranks(world: World, ranks: Iterable[int]) -> list[int]:
+    """The ranks to show: all of them for a small W, else the given ones (at least two)."""
+    if world.world <= MAX_RANKS:
+        return list(range(world.world))
+    chosen = sorted(set(ranks))
+    return chosen + [r for r in range(world.world) if r not in chosen][: max(0, 2 - len(chosen))]

@@ -1,0 +1,358 @@
+"""A brute-force oracle for dcpc.check.hb, written independently of it.
+
+It builds the FULL unrolled event graph with networkx: every rank, every call of
+the unroll window, and for every communication op one node per access, one store
+node per target rank, one signal node per peer and one wait node per peer, in
+stream order. Signal -> wait edges follow the same matching rule as the codegen
+(the k-th wait on a channel expecting rank s takes the k-th signal of rank s to
+it, in the same call). It then computes the full transitive closure (ancestor
+bitsets over a topological order) and compares EVERY pair of accesses to every
+symmetric buffer instance. No symmetry, no coarse events, no vector clocks.
+
+    oracle_keys(schedule, world, calls=None) -> set of (kind, class, buffer, step, step)
+"""
+
+from __future__ import annotations
+
+from itertools import count
+
+import networkx as nx
+
+from dcpc.lang.model import Schedule
+
+Key = tuple[str, str, str, str, str]
+
+
+def _peers(spec: str, me: int, world: int) -> list[int]:
+    if spec == "all":
+        return [p for p in range(world) if p != me]
+    other = (me + 1) % world if spec == "next" else (me - 1) % world
+    return [other] if other != me else []
+
+
+def _as_list(value) -> list[str]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+class _Builder:
+    """Nodes of one rank's one call, appended in program order."""
+
+    def __init__(self, graph: nx.DiGraph, ids: count, rank: int, call: int, slots: int):
+        self.graph, self.ids, self.rank, self.call, self.slots = graph, ids, rank, call, slots
+        self.nodes: list[int] = []
+
+    def add(self, step: str, index: int, phase: int, **attrs) -> None:
+        node = next(self.ids)
+        self.graph.add_node(node, rank=self.rank, call=self.call, step=step, index=index,
+                            phase=phase, **attrs)
+        self.nodes.append(node)
+
+    def access(self, step, index, phase, buffer, kind, owner=None, part=None) -> None:
+        self.add(step, index, phase, buffer=buffer, kind=kind,
+                 owner=self.rank if owner is None else owner, part=part)
+
+
+def _partition(schedule: Schedule, op) -> tuple:
+    if op.op == "all_gather":
+        if op.interleave:
+            return ("interleave", op.dim, op.interleave)
+        src, dst = schedule.buffers[op.src], schedule.buffers[op.dst]
+        return ("index" if len(dst.shape) == len(src.shape) + 1 else "block", op.dim, 0)
+    return ("index", 0, 0)
+
+
+def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
+                tracked: set[str]) -> None:
+    kind = op.op
+
+    def reads(names, phase):
+        for n in names:
+            if n in tracked:
+                b.access(name, index, phase, n, "read")
+
+    def writes(names, phase):
+        for n in names:
+            if n in tracked:
+                b.access(name, index, phase, n, "write")
+
+    def stores(names, part):
+        for n in names:
+            if n in tracked:
+                for target in range(world):
+                    b.access(name, index, 0, n, "write", owner=target, part=part)
+
+    def exchange():
+        for peer in _peers("all", b.rank, world):
+            b.add(name, index, 0, signal=("step:" + name, peer))
+        for peer in _peers("all", b.rank, world):
+            b.add(name, index, 1, wait=("step:" + name, peer))
+
+    masks = []
+    if getattr(op, "mask_empty", None) is not None:
+        masks = [op.mask_empty.seq_lens, op.mask_empty.query_start_loc]
+    if kind in ("all_gather", "all_to_all"):
+        reads(_as_list(op.src), 0)
+        stores(_as_list(op.dst), (_partition(schedule, op), b.rank))
+        exchange()
+    elif kind == "reduce_scatter":
+        via = op.via or f"{name}_recv"
+        reads([op.src], 0)
+        stores([via], (("index", 0, 0), b.rank))
+        exchange()
+        reads([via], 1)
+        writes([op.dst], 1)
+    elif kind == "all_to_all_combine":
+        reads(op.src, 0)
+        stores(op.via, (("index", 0, 0), b.rank))
+        exchange()
+        reads(list(op.via) + masks, 1)
+        writes([op.dst] + _as_list(op.return_lse), 1)
+    elif kind in ("lse_combine", "lse_correct"):
+        reads(list(op.src) + masks, 0)
+        writes([op.dst] + _as_list(op.return_lse), 0)
+    elif kind == "copy":
+        reads([op.src], 0)
+        writes([op.dst], 0)
+    elif kind == "external":
+        reads(op.reads, 0)
+        writes(op.writes, 0)
+    elif kind == "barrier":
+        exchange()
+    elif kind == "signal":
+        for peer in _peers(op.to.value, b.rank, world):
+            b.add(name, index, 0, signal=(op.channel, peer))
+    elif kind == "wait":
+        for peer in _peers(op.from_.value, b.rank, world):
+            b.add(name, index, 1, wait=(op.channel, peer))
+    else:
+        raise AssertionError(f"oracle does not know op {kind}")
+
+
+def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGraph:
+    """The full unrolled event graph: program order and signal -> wait edges.
+
+    Waits that no signal satisfies get the attribute ``unmatched=True``.
+    """
+    slots = schedule.slots
+    calls = 2 * slots if calls is None else calls
+    per_slot = schedule.streams.value == "per_slot"
+    tracked = {n for n, buf in schedule.buffers.items() if buf.symmetric or buf.shared}
+    steps = [(n, op) for item in schedule.steps for n, op in item.items()]
+    for n, op in steps:
+        if op.op == "reduce_scatter" and op.via is None:
+            tracked.add(f"{n}_recv")
+    graph = nx.DiGraph()
+    ids = count()
+    per_call: dict[tuple[int, int], list[int]] = {}
+    for rank in range(world):
+        for call in range(calls):
+            b = _Builder(graph, ids, rank, call, slots)
+            for index, (name, op) in enumerate(steps):
+                _lower_step(b, schedule, name, index, op, world, tracked)
+            per_call[(rank, call)] = b.nodes
+            graph.add_edges_from(zip(b.nodes, b.nodes[1:], strict=False))
+    for rank in range(world):
+        for call in range(calls):
+            before = call - (slots if per_slot else 1)
+            if before >= 0 and per_call[(rank, before)] and per_call[(rank, call)]:
+                graph.add_edge(per_call[(rank, before)][-1], per_call[(rank, call)][0])
+    for call in range(calls):
+        sent: dict[tuple[str, int, int], list[int]] = {}
+        waiting: dict[tuple[str, int, int], list[int]] = {}
+        for rank in range(world):
+            for node in per_call[(rank, call)]:
+                data = graph.nodes[node]
+                if "signal" in data:
+                    channel, target = data["signal"]
+                    sent.setdefault((channel, rank, target), []).append(node)
+                if "wait" in data:
+                    channel, source = data["wait"]
+                    waiting.setdefault((channel, source, rank), []).append(node)
+        for link, waits in waiting.items():
+            signals = sent.get(link, [])
+            for k, node in enumerate(waits):
+                if k < len(signals):
+                    graph.add_edge(signals[k], node)
+                else:
+                    graph.nodes[node]["unmatched"] = True
+    return graph
+
+
+def _channel(channel: str) -> str:
+    return channel.removeprefix("step:")
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    if a["part"] is None or b["part"] is None:
+        return True
+    (pa, wa), (pb, wb) = a["part"], b["part"]
+    return pa != pb or wa == wb
+
+
+def oracle_keys(schedule: Schedule, world: int, calls: int | None = None) -> set[Key]:
+    """Every (kind, class, buffer, step, step) the brute force finds for group size W."""
+    graph = build(schedule, world, calls)
+    keys: set[Key] = set()
+    roots = [n for n, d in graph.nodes(data=True) if d.get("unmatched")]
+    for node in roots:
+        d = graph.nodes[node]
+        keys.add(("deadlock", "no-signal", _channel(d["wait"][0]), d["step"], ""))
+    cyclic: set[int] = set()
+    for scc in nx.strongly_connected_components(graph):
+        if len(scc) < 2:
+            continue
+        cyclic |= scc
+        for node in scc:
+            d = graph.nodes[node]
+            if "wait" not in d:
+                continue
+            for pred in graph.predecessors(node):
+                if pred in scc and "signal" in graph.nodes[pred]:
+                    keys.add(("deadlock", "cycle", _channel(d["wait"][0]), d["step"],
+                              graph.nodes[pred]["step"]))
+    blocked = set(roots) | cyclic
+    for node in list(blocked):
+        blocked |= nx.descendants(graph, node)
+    live = graph.subgraph(n for n in graph if n not in blocked)
+    order = list(nx.topological_sort(live))
+    bit = {n: 1 << i for i, n in enumerate(order)}
+    ancestors: dict[int, int] = {}
+    for n in order:  # full transitive closure: a bitset of every ancestor
+        mask = 0
+        for p in live.predecessors(n):
+            mask |= ancestors[p] | bit[p]
+        ancestors[n] = mask
+    slots = schedule.slots
+    instances: dict[tuple, list[int]] = {}
+    for n in order:
+        d = live.nodes[n]
+        if "buffer" not in d:
+            continue
+        buf = schedule.buffers.get(d["buffer"])
+        slot = None if buf is not None and buf.shared else d["call"] % slots
+        instances.setdefault((d["buffer"], d["owner"], slot), []).append(n)
+    for (buffer, _, _), nodes in instances.items():
+        for i, x in enumerate(nodes):
+            for y in nodes[i + 1:]:
+                dx, dy = live.nodes[x], live.nodes[y]
+                if dx["kind"] == "read" and dy["kind"] == "read":
+                    continue
+                if ancestors[y] & bit[x] or ancestors[x] & bit[y] or not _overlap(dx, dy):
+                    continue
+                cls, first, second = _classify(dx, dy)
+                keys.add(("race", cls, buffer, first, second))
+    return keys
+
+
+def _classify(dx: dict, dy: dict) -> tuple[str, str, str]:
+    """(class, first step, second step), ordered by (call, step, phase) then rank."""
+
+    def intended(d):
+        return (d["call"], d["index"], d["phase"], d["rank"])
+
+    first, second = sorted((dx, dy), key=intended)
+    if first["kind"] == "write" and second["kind"] == "write":
+        cls = "write-after-write"
+    else:
+        write, read = (first, second) if first["kind"] == "write" else (second, first)
+        cls = ("write-after-read" if intended(write)[:3] > intended(read)[:3]
+               else "read-after-write")
+    return cls, first["step"], second["step"]
+
+
+# --- random schedules for the property tests -----------------------------------------
+
+RANDOM_HEADER = """\
+schedule: random_{seed}
+slots: {slots}
+streams: {streams}
+sizes:
+  N: 4
+  K: {{multiple_of: W}}
+buffers:
+  x:    {{shape: [N, K], dtype: f32}}
+  y:    {{shape: [N, K], dtype: f32}}
+  y_rs: {{shape: [N, K/W], dtype: f32}}
+  z:    {{shape: [W*N, K], dtype: f32}}
+  g0:   {{shape: [W*N, K], dtype: f32, symmetric: true{g0}}}
+  g1:   {{shape: [W*N, K], dtype: f32, symmetric: true{g1}}}
+  a0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{a0}}}
+  s0:   {{shape: [N, K], dtype: f32, symmetric: true{s0}}}
+  r0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{r0}}}
+steps:
+"""
+
+PARTNERS = {"all": "all", "next": "prev", "prev": "next"}
+
+
+def random_schedule_text(draw, st) -> str:
+    """A small, structurally valid random schedule (YAML text), drawn with hypothesis.
+
+    ``draw`` is hypothesis' draw function and ``st`` its strategies module. Steps
+    are gathers, all-to-alls, reduce-scatters, copies, external reads/writes of
+    what was written before, barriers, and split-phase signal/wait pairs whose
+    wait may come before its signal (a deadlock) or twice (a missing epoch).
+    """
+    slots = draw(st.integers(1, 3))
+    streams = draw(st.sampled_from(["per_slot", "single"]))
+    flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
+             for b in ("g0", "g1", "a0", "s0", "r0")}
+    steps: list[str] = []
+    written: list[str] = []
+    pending_waits: list[str] = []
+    count_steps = draw(st.integers(1, 6))
+    for _ in range(count_steps):
+        kind = draw(st.sampled_from(
+            ["gather", "gather", "a2a", "ext", "ext", "ext", "barrier", "sync", "rs", "copy"]))
+        if kind == "gather":
+            dst = draw(st.sampled_from(["g0", "g1"]))
+            extra = ", interleave: 1" if draw(st.booleans()) else ""
+            steps.append(f"{{op: all_gather, src: x, dst: {dst}, dim: 0{extra}}}")
+            written.append(dst)
+        elif kind == "a2a":
+            steps.append("{op: all_to_all, src: x, dst: a0, dim: 1}")
+            written.append("a0")
+        elif kind == "rs":
+            via = ", via: r0" if draw(st.booleans()) else ""
+            steps.append(f"{{op: reduce_scatter, src: x, dst: y_rs, dim: 1{via}}}")
+            if via:
+                written.append("r0")
+        elif kind == "copy" and "g0" in written:
+            steps.append("{op: copy, src: g0, dst: z}")
+        elif kind == "barrier":
+            steps.append("{op: barrier}")
+        elif kind == "sync":
+            channel = f"c{draw(st.integers(0, 1))}"
+            to = draw(st.sampled_from(["all", "next", "prev"]))
+            signal = f"{{op: signal, to: {to}, channel: {channel}}}"
+            wait = f"{{op: wait, from: {PARTNERS[to]}, channel: {channel}}}"
+            order = draw(st.sampled_from(["split", "split", "wait-first", "later", "twice"]))
+            if order == "wait-first":
+                steps += [wait, signal]
+            elif order == "twice":
+                steps += [signal, wait, wait]
+            elif order == "later":
+                steps.append(signal)
+                pending_waits.append(wait)
+            else:
+                steps += [signal, wait]
+        else:
+            reads = sorted(set(draw(st.lists(st.sampled_from(written), max_size=2)))) \
+                if written else []
+            target = draw(st.sampled_from(["y", "s0", "g0", "s0"]))
+            if target == "g0" and "g0" not in written:
+                target = "s0"
+            steps.append(f"{{op: external, reads: [{', '.join(reads + ['x'])}], "
+                         f"writes: [{target}]}}")
+            if target != "y":
+                written.append(target)
+        if pending_waits and draw(st.booleans()):
+            steps.append(pending_waits.pop())
+    steps += pending_waits
+    if not steps:
+        steps.append("{op: barrier}")
+    body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
+    return RANDOM_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots,
+                                streams=streams, **flags) + body
