@@ -142,13 +142,21 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
                     t.access.kind, region, step.mark)
 
 
+def race_cut(world: World, race: RawRace) -> list[int]:
+    """Per (rank q, stream s) how many events ran: the union of both accesses'
+    strict HB-predecessors, a consistent cut from which both run next."""
+    a, b = race.first, race.second
+    before_a = strict_predecessors(world, a.rank, world.pos(a.call, a.j))
+    before_b = strict_predecessors(world, b.rank, world.pos(b.call, b.j))
+    return [max(x, y) for x, y in zip(before_a, before_b, strict=True)]
+
+
 def race_finding(world: World, race: RawRace) -> Finding:
     """A race with its counterexample: the cut of both accesses' predecessors."""
     a, b = race.first, race.second
     la, lb = _touch_location(world, a, race.slot), _touch_location(world, b, race.slot)
     pa, pb = world.pos(a.call, a.j), world.pos(b.call, b.j)
-    cut = [max(x, y) for x, y in zip(strict_predecessors(world, a.rank, pa),
-                                     strict_predecessors(world, b.rank, pb), strict=True)]
+    cut = race_cut(world, race)
     verb = {"read": "reading", "write": "writing"}
     pending = {(a.rank, pa): f"→ {verb[la.access]} {la.region}",
                (b.rank, pb): f"→ {verb[lb.access]} {lb.region}"}

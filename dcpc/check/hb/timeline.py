@@ -74,8 +74,9 @@ def _stream_text(world: World, positions: list[int], count: int, note: str | Non
             if all(p in done for p in own):
                 items.append(f"{name} ✓")
                 continue
-            label = name + (" (sent, waiting)" if any(p in done for p in own) else "")
-            if nxt in own:
+            started = any(p in done for p in own)
+            label = name + (" (sent, waiting)" if started else "")
+            if nxt in own and (note or not started):
                 label += " " + (note or "(next)")
             items.append(label)
             stop = True

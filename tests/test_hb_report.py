@@ -1,0 +1,106 @@
+"""Counterexamples: consistent cuts, readable timelines, the DOT drawing, speed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from dcpc.check import hb
+from dcpc.check.hb.clocks import World, analyze
+from dcpc.check.hb.events import lower
+from dcpc.check.hb.races import find_races
+from dcpc.check.hb.report import race_cut
+from dcpc.check.hb.timeline import stream_positions
+from dcpc.lang.parse import parse_file, parse_text
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "hb_corpus"
+RACY = [p for p in sorted(CORPUS.glob("*.yaml"))
+        if not p.name.endswith(".fixed.yaml") and "# expect: race" in p.read_text()]
+
+
+def _clock(world: World, rank: int, pos: int) -> list[int]:
+    return world.rotated(pos, rank)
+
+
+@pytest.mark.parametrize("path", RACY, ids=lambda p: p.stem)
+def test_race_cut_is_consistent_and_enables_both_accesses(path: Path) -> None:
+    program = lower(parse_file(path))
+    for w in (2, 3, 4):
+        world = analyze(program, w)
+        for race in find_races(world):
+            cut = race_cut(world, race)
+            # closed under happens-before: every event in it has all its predecessors in it
+            for rank in range(w):
+                for stream in range(world.streams):
+                    done = stream_positions(world, stream)[: cut[rank * world.streams + stream]]
+                    for pos in done:
+                        assert world.live[pos]
+                        assert all(c <= k for c, k in zip(_clock(world, rank, pos), cut,
+                                                          strict=True))
+            # neither access ran, and each can run next
+            for touch in (race.first, race.second):
+                pos = world.pos(touch.call, touch.j)
+                own = touch.rank * world.streams + program.stream(touch.call)
+                assert cut[own] == program.stream_index(touch.call, touch.j)
+                needs = _clock(world, touch.rank, pos)
+                needs[own] -= 1
+                assert all(c <= k for c, k in zip(needs, cut, strict=True))
+
+
+def test_timeline_reads_like_the_execution() -> None:
+    report = hb.check(parse_file(CORPUS / "query_no_exchange.yaml"), range(2, 9))
+    (finding,) = report.findings
+    assert finding.world == 2
+    assert finding.timeline == [
+        "rank 0: call 0 query_gather ✓ attention → reading q_full[rank 0, slot 0]",
+        "rank 1: call 0 query_gather ✓ attention ✓ | call 1 query_gather → writing "
+        "q_full[rank 0, slot 0] H block 1 (dim 1)",
+    ]
+    assert (finding.first.rank, finding.first.call, finding.first.access) == (0, 0, "read")
+    assert (finding.second.rank, finding.second.call, finding.second.access) == (1, 1, "write")
+    assert finding.second.region == "q_full[rank 0, slot 0] H block 1 (dim 1)"
+
+
+def test_deadlock_timeline_shows_every_rank_stuck() -> None:
+    report = hb.check(parse_file(CORPUS / "wait_prev_signal_prev.yaml"), range(2, 9))
+    (finding,) = report.findings
+    assert (finding.kind, finding.cls, finding.world) == ("deadlock", "no-signal", 3)
+    assert len(finding.timeline) == 3
+    for line in finding.timeline:
+        assert "hop_signal ✓ hop_wait ⏳ waits for a signal from rank" in line
+
+
+def test_large_world_timeline_shows_only_the_involved_ranks() -> None:
+    text = (CORPUS / "ring_release_w3.yaml").read_text()
+    report = hb.check(parse_text(text), [6])
+    (finding,) = report.findings
+    ranks = {finding.first.rank, finding.second.rank}
+    assert len(finding.timeline) == len(ranks) == 2
+    assert {int(line.split(":")[0].split()[1]) for line in finding.timeline} == ranks
+
+
+def test_hb_dot_draws_every_rank_and_highlights_the_conflict() -> None:
+    schedule = parse_file(CORPUS / "query_no_exchange.yaml")
+    finding = hb.check(schedule, [2]).findings[0]
+    dot = hb.hb_dot(schedule, 2, finding)
+    assert dot.startswith('digraph "hb_query_no_exchange" {') and dot.rstrip().endswith("}")
+    assert "cluster_rank0" in dot and "cluster_rank1" in dot
+    assert dot.count("color=red, penwidth=2.5") == 2
+    assert "write-after-read on q_full" in dot
+    # 2 ranks x 2 calls x 3 events; program order 2*(2*3-1); gather signals 2 ranks x 2 calls
+    assert dot.count(" [label=") == 12
+    assert dot.count("style=dashed") == 4
+    clean = hb.hb_dot(parse_file(ROOT / "schedules" / "kimi_k3_dcp.yaml"), 3)
+    assert "color=red" not in clean and "cluster_rank2" in clean
+
+
+def test_kimi_check_for_w_2_to_72_is_fast() -> None:
+    schedule = parse_file(ROOT / "schedules" / "kimi_k3_dcp.yaml")
+    start = time.perf_counter()
+    report = hb.check(schedule, range(2, 73))
+    elapsed = time.perf_counter() - start
+    assert report.ok and report.stats["worlds"] == 71
+    assert elapsed < 1.0, elapsed  # the budget is 2 s for the whole CLI on 2 cores
