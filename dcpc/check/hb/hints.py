@@ -72,14 +72,20 @@ def _with_op(schedule: Schedule, step: str, **update: object) -> Schedule:
     return _with_steps(schedule, items)
 
 
+def _names_in(value: object) -> set[str]:
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, dict):
+        return set().union(*(_names_in(v) for v in value.values()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_names_in(v) for v in value))
+    return set()
+
+
 def _touching(schedule: Schedule, buffer: str) -> list[str]:
-    """Steps that access ``buffer`` (by name anywhere in the op), in program order."""
-    out = []
-    for name, op in _items(schedule):
-        dumped = op.model_dump(by_alias=True)  # type: ignore[attr-defined]
-        if buffer in repr(dumped) or (buffer == f"{name}_recv"):
-            out.append(name)
-    return out
+    """Steps that name ``buffer`` (or own it as an implicit receive buffer), in order."""
+    return [name for name, op in _items(schedule)
+            if buffer in _names_in(op.model_dump()) or buffer == f"{name}_recv"]  # type: ignore[attr-defined]
 
 
 def _race_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
