@@ -1,0 +1,169 @@
+"""Stage 5, emit: ``Plan`` -> the text of one Python module (Jinja templates).
+
+Templates get the plan (identifiers, integers, enums, shape ASTs) and a few filters:
+``py`` writes a literal in ruff-format style, ``docstring`` escapes free text so that
+quotes, backslashes, ``\"\"\"`` or template syntax in a doc can never leave the string.
+The output is deterministic (no timestamps, no set iteration) and ruff-format clean.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+
+from dcpc.codegen.plan import Plan, StepPlan
+from dcpc.codegen.templates import template_dir
+
+WIDTH = 100
+TL_DTYPES = {
+    "bf16": "tl.bfloat16",
+    "f16": "tl.float16",
+    "f32": "tl.float32",
+    "i32": "tl.int32",
+    "i64": "tl.int64",
+    "fp8e4m3": "tl.float8e4nv",
+}
+_SAFE_STR = re.compile(r"[A-Za-z0-9_./:+\-* ]*\Z")
+
+
+def py(obj: Any, indent: int = 0, prefix: int = 0, suffix: int = 0) -> str:
+    """A Python literal of ints, safe strings, tuples, lists and dicts, formatted as
+    ruff-format would (flat if it fits, else exploded one item per line)."""
+    flat = _flat(obj)
+    if indent + prefix + len(flat) + suffix <= WIDTH or not isinstance(obj, tuple | list | dict):
+        return flat
+    pad = " " * (indent + 4)
+    if isinstance(obj, dict):
+        items = [
+            f"{pad}{_flat(k)}: {py(v, indent + 4, len(_flat(k)) + 2, 1)}," for k, v in obj.items()
+        ]
+        return "{\n" + "\n".join(items) + "\n" + " " * indent + "}"
+    items = [f"{pad}{py(v, indent + 4, 0, 1)}," for v in obj]
+    left, right = ("(", ")") if isinstance(obj, tuple) else ("[", "]")
+    return left + "\n" + "\n".join(items) + "\n" + " " * indent + right
+
+
+def _flat(obj: Any) -> str:
+    if isinstance(obj, bool) or obj is None:
+        return repr(obj)
+    if isinstance(obj, int):
+        return repr(obj)
+    if isinstance(obj, str):
+        if not _SAFE_STR.match(obj):
+            raise ValueError(f"refusing to emit {obj!r} as a bare literal")
+        return f'"{obj}"'
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{_flat(k)}: {_flat(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, tuple):
+        inner = ", ".join(_flat(v) for v in obj)
+        return f"({inner},)" if len(obj) == 1 else f"({inner})"
+    if isinstance(obj, list):
+        return "[" + ", ".join(_flat(v) for v in obj) + "]"
+    raise TypeError(f"cannot emit a {type(obj).__name__}")
+
+
+def _tuple(value: Any) -> tuple:
+    """Lists (of lists) as tuples, for literals that must be hashable and immutable."""
+    if isinstance(value, list | tuple):
+        return tuple(_tuple(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuple(v) for k, v in value.items()}  # type: ignore[return-value]
+    return value
+
+
+def docstring(text: str | None, indent: int = 0, width: int = 88) -> str:
+    """Free text as the body of a triple-quoted docstring: escaped, wrapped, indented."""
+    if not text:
+        return ""
+    text = text.replace("\\", "\\\\").replace('"', '\\"')
+    text = "".join(c if c == "\n" or c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text.strip())]
+    pad = " " * indent
+    wrapped = [textwrap.fill(p, width - indent, break_on_hyphens=False) for p in paragraphs if p]
+    return ("\n\n").join("\n".join(pad + line for line in w.splitlines()) for w in wrapped)
+
+
+def comment(text: str) -> str:
+    """A one-line comment body: printable ASCII only, no newline can escape it."""
+    return "".join(c if 32 <= ord(c) < 127 else "?" for c in text)
+
+
+def comment_block(text: str, first: str = "#   ", rest: str = "#     ") -> str:
+    """A comment wrapped at the line width, every line printable ASCII."""
+    lines = textwrap.wrap(comment(text), WIDTH - len(rest), break_on_hyphens=False)
+    return "\n".join((first if i == 0 else rest) + line for i, line in enumerate(lines))
+
+
+def world_range(worlds: list[int]) -> str:
+    if worlds and worlds == list(range(worlds[0], worlds[-1] + 1)) and len(worlds) > 2:
+        return f"{worlds[0]}..{worlds[-1]}"
+    return ", ".join(str(w) for w in worlds) or "(none)"
+
+
+def _expr(step: StepPlan, plan: Plan, role: str) -> str:
+    """Python expression for the local tensor playing ``role`` in a method body."""
+    name = step.roles[role]
+    if plan.buffer(name).kind == "engine":
+        return name
+    return f'self._local["{name}"][slot]'
+
+
+def _view(step: StepPlan, plan: Plan, role: str) -> str:
+    """Python expression for the run-time shaped view of ``role``'s buffer."""
+    name = step.roles[role]
+    if plan.buffer(name).kind == "engine":
+        return name
+    return f'self._view("{name}", slot, env)'
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters.update(
+        py=py,
+        comment_block=comment_block,
+        world_range=world_range,
+        docstring=docstring,
+        comment=comment,
+        tl_dtype=lambda d: TL_DTYPES[d],
+        repr=repr,
+        tuple=_tuple,
+        chomp=lambda text: text[:-1] if text.endswith("\n") else text,
+    )
+    return env
+
+
+def emit(plan: Plan) -> str:
+    """Render the module for ``plan``; the same plan gives byte-identical text."""
+    env = _env()
+    text = env.get_template("module.py.j2").render(
+        plan=plan,
+        needs_math=any("base" in s.attrs for s in plan.steps),
+        local=lambda step, role: _expr(step, plan, role),
+        view=lambda step, role: _view(step, plan, role),
+        dtype_of=lambda step, role: plan.buffer(step.roles[role]).dtype,
+    )
+    return _normalize(text)
+
+
+def _normalize(text: str) -> str:
+    lines = [line.rstrip() for line in text.splitlines()]
+    out: list[str] = []
+    for line in lines:
+        if not line and out and not out[-1] and len(out) > 1 and not out[-2]:
+            continue  # at most two blank lines in a row
+        out.append(line)
+    while out and not out[-1]:
+        out.pop()
+    return "\n".join(out) + "\n"

@@ -1,0 +1,29 @@
+"""dcpc.runtime: what generated modules import (torch and triton only, no compiler code).
+
+Generated modules use ``ScheduleModule`` (construction, binding, views), ``Buf`` (the
+buffer table), the heaps (``make_heap``), the signal bank (``sync``), argument checks
+(``validate``), shape evaluation (``shapes``) and the reference math (``merge``).
+"""
+
+from dcpc.runtime import merge, shapes, sync, tiles, validate
+from dcpc.runtime.errors import DcpcArgumentError, DcpcError, DcpcTimeoutError
+from dcpc.runtime.heap import SymmetricBuffer, SymmetricHeap, make_heap, resolve_backend
+from dcpc.runtime.module import Buf, ScheduleModule, Tune
+
+__all__ = [
+    "Buf",
+    "DcpcArgumentError",
+    "DcpcError",
+    "DcpcTimeoutError",
+    "ScheduleModule",
+    "SymmetricBuffer",
+    "SymmetricHeap",
+    "Tune",
+    "make_heap",
+    "merge",
+    "resolve_backend",
+    "shapes",
+    "sync",
+    "tiles",
+    "validate",
+]

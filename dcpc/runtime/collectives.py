@@ -1,0 +1,136 @@
+"""The torch backend: every op as torch.distributed collectives plus the reference
+math of ``dcpc.runtime.merge`` (gloo on CPU, NCCL on GPU). It is the reference the
+Triton backends are tested against, and the fallback across nodes.
+
+Layouts are the Triton kernels' (docs/internals.md): an all_gather along ``dim``
+sees ``src`` as [outer, rows, row_len]; an all_to_all as [outer, W, part]. Staging
+buffers are preallocated by the module; the merge math allocates temporaries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcpc.runtime import merge
+
+
+def _all_to_all_single(group: Any, out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
+    if world == 1:
+        out.copy_(inp)
+    else:
+        dist.all_to_all_single(out, inp, group=group)
+
+
+def all_gather(
+    group: Any,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    stage: torch.Tensor,
+    outer: int,
+    rows: int,
+    row_len: int,
+    interleave: int,
+    world: int,
+) -> None:
+    """Row j of rank r -> row (j // I) * W * I + r * I + j % I of every rank's dst."""
+    n = outer * rows * row_len
+    staged = stage[: world * n]
+    if world == 1:
+        staged.copy_(src.reshape(-1))
+    else:
+        dist.all_gather_into_tensor(staged, src.reshape(-1), group=group)
+    blocks = rows // interleave
+    dst.view(outer, blocks, world, interleave, row_len).copy_(
+        staged.view(world, outer, blocks, interleave, row_len).permute(1, 2, 0, 3, 4)
+    )
+
+
+def all_to_all(
+    group: Any,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    send: torch.Tensor,
+    outer: int,
+    part: int,
+    world: int,
+) -> None:
+    """Part j of src ([outer, W, part]) lands in dst[rank] ([W, outer, part]) on rank j."""
+    staged = send[: outer * world * part]
+    staged.view(world, outer, part).copy_(src.reshape(outer, world, part).transpose(0, 1))
+    _all_to_all_single(group, dst.reshape(-1), staged, world)
+
+
+def reduce_scatter(
+    group: Any,
+    src: torch.Tensor,
+    via: torch.Tensor,
+    dst: torch.Tensor,
+    send: torch.Tensor,
+    acc: torch.Tensor,
+    outer: int,
+    part: int,
+    world: int,
+) -> None:
+    """Sum over ranks in fp32 (the kernels' accumulation); rank j keeps part j."""
+    all_to_all(group, src, via, send, outer, part, world)
+    total = acc[: outer * part]
+    torch.sum(via.reshape(world, outer * part), dim=0, dtype=torch.float32, out=total)
+    dst.reshape(-1).copy_(total)
+
+
+def _mask(
+    seq_lens: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None,
+    tokens: int,
+    world: int,
+    interleave: int,
+) -> torch.Tensor | None:
+    if seq_lens is None or query_start_loc is None:
+        return None
+    return merge.empty_mask(seq_lens, query_start_loc, tokens, world, interleave)
+
+
+def lse_combine(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dst: torch.Tensor,
+    dst_lse: torch.Tensor | None,
+    base: str,
+    seq_lens: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None,
+    interleave: int,
+    world: int,
+) -> None:
+    masked = _mask(seq_lens, query_start_loc, lse.shape[1], world, interleave)
+    out, total = merge.lse_combine(o, lse, base, masked)
+    dst.copy_(out)
+    if dst_lse is not None:
+        dst_lse.copy_(total)
+
+
+def lse_correct(
+    o: torch.Tensor,
+    lse_all: torch.Tensor,
+    dst: torch.Tensor,
+    dst_lse: torch.Tensor | None,
+    base: str,
+    seq_lens: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None,
+    interleave: int,
+    world: int,
+    rank: int,
+) -> None:
+    masked = _mask(seq_lens, query_start_loc, lse_all.shape[1], world, interleave)
+    out, total = merge.lse_correct(o, lse_all, rank, base, masked)
+    dst.copy_(out)
+    if dst_lse is not None:
+        dst_lse.copy_(total)
+
+
+def barrier(group: Any, token: torch.Tensor, world: int) -> None:
+    """Every rank waits for every rank (an all_reduce: device-ordered, graph-capturable)."""
+    if world > 1:
+        dist.all_reduce(token, group=group)

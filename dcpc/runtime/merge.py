@@ -1,0 +1,108 @@
+"""Reference math of the LSE-weighted merge (domain.md), shared by the torch backend
+and the tests. Works in the dtype of its inputs' promotion with fp32 (tests pass
+float64); every edge case of the kernels is handled the same way here:
+
+- NaN or +inf LSE counts as -inf (weight 0);
+- a row whose partials are all -inf has output 0 and LSE -inf, never NaN;
+- a partial of weight 0 contributes exactly 0, even if it holds NaN/inf (``where``);
+- empty shards (local sequence length 0) and padding rows are masked to -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
+    bad = torch.isnan(lse) | (lse == float("inf"))
+    return torch.where(bad, torch.full_like(lse, float("-inf")), lse)
+
+
+def local_seq_len(seq_lens: torch.Tensor, rank: int, world: int, interleave: int) -> torch.Tensor:
+    """Tokens of each request held by ``rank`` (token t lives on (t // I) % W)."""
+    base = seq_lens // interleave // world * interleave
+    rem = (seq_lens - base * world - rank * interleave).clamp(0, interleave)
+    return base + rem
+
+
+def token_requests(query_start_loc: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request of each token row, padding flag): searchsorted(qsl[1:], row, right=True)."""
+    rows = torch.arange(tokens, dtype=query_start_loc.dtype, device=query_start_loc.device)
+    req = torch.searchsorted(query_start_loc[1:].contiguous(), rows, right=True)
+    padding = rows >= query_start_loc[-1]
+    return req, padding
+
+
+def empty_mask(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tokens: int, world: int, interleave: int
+) -> torch.Tensor:
+    """bool [W, tokens]: True where rank p's partial of a token must not contribute."""
+    req, padding = token_requests(query_start_loc, tokens)
+    batch = seq_lens.shape[0]
+    seq = seq_lens[req.clamp(max=max(batch - 1, 0))] if batch else torch.zeros_like(req)
+    masks = [padding | (local_seq_len(seq, p, world, interleave) == 0) for p in range(world)]
+    return torch.stack(masks)
+
+
+def _exp_log(base: str) -> tuple:
+    if base == "2":
+        return torch.exp2, torch.log2
+    if base == "e":
+        return torch.exp, torch.log
+    raise ValueError(f"lse base must be 'e' or '2', got {base!r}")
+
+
+def _apply_mask(lse: torch.Tensor, masked: torch.Tensor | None) -> torch.Tensor:
+    lse = sanitize_lse(lse)
+    if masked is None:
+        return lse
+    m = masked.reshape(masked.shape + (1,) * (lse.dim() - masked.dim()))
+    return torch.where(m, torch.full_like(lse, float("-inf")), lse)
+
+
+def merged_lse(lse: torch.Tensor, base: str = "e", masked: torch.Tensor | None = None):
+    """(sanitized, masked partial LSEs [W, ...], merged LSE [...])."""
+    exp, log = _exp_log(base)
+    lse = _apply_mask(lse, masked)
+    m = lse.amax(0)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    total = m + log(exp(lse - m).sum(0))
+    return lse, total
+
+
+def weights(lse: torch.Tensor, total: torch.Tensor, base: str) -> torch.Tensor:
+    exp, _ = _exp_log(base)
+    w = exp(lse - total)
+    return torch.where(lse == float("-inf"), torch.zeros_like(w), w)
+
+
+def lse_combine(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    base: str = "e",
+    masked: torch.Tensor | None = None,
+    acc_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge W partials: o [W, ..., Dv], lse [W, ...] -> (out [..., Dv], lse [...])."""
+    lse = lse.to(acc_dtype)
+    lse, total = merged_lse(lse, base, masked)
+    w = weights(lse, total, base).unsqueeze(-1)
+    contrib = torch.where(
+        w > 0, w * o.to(acc_dtype), torch.zeros((), dtype=acc_dtype, device=o.device)
+    )
+    return contrib.sum(0), total
+
+
+def lse_correct(
+    o: torch.Tensor,
+    lse_all: torch.Tensor,
+    rank: int,
+    base: str = "e",
+    masked: torch.Tensor | None = None,
+    acc_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ag_rs: rescale this rank's partial o [..., Dv] by exp(lse_rank - LSE)."""
+    lse, total = merged_lse(lse_all.to(acc_dtype), base, masked)
+    w = weights(lse, total, base)[rank].unsqueeze(-1)
+    out = torch.where(w > 0, w * o.to(acc_dtype), torch.zeros((), dtype=acc_dtype, device=o.device))
+    return out, total

@@ -1,0 +1,297 @@
+"""``ScheduleModule``: the construction and call machinery every generated class shares.
+
+A generated class (one per schedule) sets the class constants below and adds one
+method per non-external step plus its Triton kernels. This base class binds the
+construction-time sizes, allocates every symmetric buffer of every slot with ONE
+``heap.allocate`` call, the signal bank and the module-owned outputs, and gives the
+methods cheap helpers: ``_bind`` (run-time sizes from argument shapes, validated),
+``_scalars``, ``_view`` and ``_check``. Nothing here allocates after construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from dcpc.runtime import shapes, sync, tiles
+from dcpc.runtime.errors import DcpcArgumentError
+from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
+from dcpc.runtime.validate import DTYPES, Signature, check_sizes
+
+DEFAULT_SPIN_LIMIT = 1 << 26
+
+
+@dataclass(frozen=True)
+class Buf:
+    """A buffer of the schedule: shape ASTs, dtype name, and who owns it."""
+
+    shape: tuple
+    dtype: str
+    kind: str  # engine | symmetric | shared | output
+
+
+@dataclass
+class Tune:
+    """Launch parameters of one step, decided at construction (the GPU tuning knobs)."""
+
+    programs: int
+    num_warps: int
+    block: int
+    tiles: list[tuple[int, int]] = field(default_factory=list)  # (BLOCK_R, BLOCK_C) per space
+    statics: dict[str, int] = field(default_factory=dict)
+
+
+class ScheduleModule:
+    SCHEDULE: ClassVar[str] = ""
+    SOURCE_SHA256: ClassVar[str] = ""
+    SLOTS: ClassVar[int] = 1
+    STEPS: ClassVar[tuple[str, ...]] = ()
+    SIZES: ClassVar[dict[str, tuple]] = {}  # name -> ("const", n) | ("max", n) | ("multiple_of", e)
+    BUFFERS: ClassVar[dict[str, Buf]] = {}
+    METHODS: ClassVar[dict[str, tuple[str, ...]]] = {}  # method -> argument buffers
+    SCALARS: ClassVar[dict[str, tuple[tuple[str, tuple], ...]]] = {}  # per call, in order
+    STATICS: ClassVar[dict[str, dict[str, tuple]]] = {}  # evaluated at the maxima
+    TILES: ClassVar[dict[str, tuple[tuple, ...]]] = {}  # row-length ASTs of tile spaces
+    SCRATCH: ClassVar[dict[str, dict[str, tuple[tuple, str]]]] = {}  # torch backend only
+    TUNING: ClassVar[dict[str, dict[str, int]]] = {}
+    SIGNALLING: ClassVar[tuple[str, ...]] = ()  # steps whose kernels use signal slots
+
+    def __init__(
+        self,
+        group: Any = None,
+        sizes: Mapping[str, int] | None = None,
+        device: str | torch.device | None = None,
+        backend: str = "auto",
+        *,
+        spin_limit: int = DEFAULT_SPIN_LIMIT,
+        epoch_start: int = 0,
+        poison: bool = False,
+        programs: int | None = None,
+        tuning: Mapping[str, Mapping[str, int]] | None = None,
+    ):
+        name = type(self).__name__
+        self.group = group
+        self.rank, self.world = group_rank_world(group)
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if (torch.cuda.is_available())
+                else torch.device("cpu")
+            )
+        self.device = torch.device(device)
+        self.backend = resolve_backend(backend, group, self.device)
+        if not 1 <= spin_limit < 2**31:
+            raise ValueError(f"{name}: spin_limit must be in 1..2**31-1, got {spin_limit}")
+        self.spin_limit, self.poison, self._epoch_start = spin_limit, poison, epoch_start
+        self._trap = self.device.type == "cuda"
+        self._check_each_call = self.device.type == "cpu" and self.backend != "torch"
+        self._env_const, self._maxima = self._bind_sizes(dict(sizes or {}))
+        self._max_env = {**self._env_const, **self._maxima}
+        self._env: list[dict[str, int]] = [dict(self._env_const) for _ in range(self.SLOTS)]
+        self._tune = self._make_tuning(programs, dict(tuning or {}))
+        self._signatures = {
+            method: Signature(
+                method,
+                [(b, self.BUFFERS[b].shape, self.BUFFERS[b].dtype) for b in params],
+                self._env_const,
+                self._maxima,
+                self.device,
+            )
+            for method, params in self.METHODS.items()
+        }
+        self._allocate()
+
+    # ---- construction -------------------------------------------------------------
+    def _bind_sizes(self, given: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+        name = type(self).__name__
+        check_sizes(name, given, {k: "" for k in self.SIZES})
+        env: dict[str, int] = {"W": self.world}
+        maxima: dict[str, int] = {}
+        for size, (kind, value) in self.SIZES.items():
+            if kind == "const":
+                if given.get(size, value) != value:
+                    raise ValueError(
+                        f"{name}: size {size} is the constant {value}, not {given[size]}"
+                    )
+                env[size] = value
+        for size, (kind, value) in self.SIZES.items():
+            if kind == "multiple_of":
+                if size not in given:
+                    raise ValueError(
+                        f"{name}: size {size} is bound at construction: "
+                        f"pass sizes={{'{size}': ...}}"
+                    )
+                step = shapes.evaluate(value, env)
+                if given[size] <= 0 or step <= 0 or given[size] % step:
+                    raise ValueError(
+                        f"{name}: size {size}={given[size]} must be a positive multiple of "
+                        f"{shapes.unparse(value)}={step} (W={self.world})"
+                    )
+                env[size] = given[size]
+            elif kind == "max":
+                top = given.get(size, value)
+                if not 1 <= top <= value:
+                    raise ValueError(f"{name}: size {size} may lower its max {value}, got {top}")
+                maxima[size] = top
+        return env, maxima
+
+    def _make_tuning(self, programs: int | None, overrides: dict) -> dict[str, Tune]:
+        unknown = set(overrides) - set(self.TUNING)
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: tuning for unknown steps {sorted(unknown)}")
+        out = {}
+        for step, knobs in self.TUNING.items():
+            merged = {**knobs, **overrides.get(step, {})}
+            if programs is not None and step in self.SIGNALLING and merged["programs"] > 1:
+                merged["programs"] = programs
+            if not 1 <= merged["programs"] <= 1024:
+                raise ValueError(f"{step}: programs must be in 1..1024, got {merged['programs']}")
+            statics = {
+                k: shapes.evaluate(e, self._max_env) for k, e in self.STATICS.get(step, {}).items()
+            }
+            spaces = [
+                tiles.pick(shapes.evaluate(e, self._max_env), merged["block"], self._static(e))
+                for e in self.TILES.get(step, ())
+            ]
+            out[step] = Tune(
+                merged["programs"], merged["num_warps"], merged["block"], spaces, statics
+            )
+        return out
+
+    def _static(self, expr: tuple) -> bool:
+        return not (shapes.symbols(expr) & set(self._maxima))
+
+    def _numel(self, buf: Buf, env: Mapping[str, int]) -> int:
+        return shapes.product(buf.shape, env)
+
+    def _allocate(self) -> None:
+        self._heap = make_heap(self.backend, self.group, self.device, self.poison)
+        signalling = [self._tune[s].programs for s in self.SIGNALLING] or [1]
+        channels = max(len(self.STEPS), 1) * self.SLOTS
+        requests = [sync.signal_nbytes(channels, self.world, max(signalling))]
+        owners: list[tuple[str, int]] = []
+        for name, buf in self.BUFFERS.items():
+            if buf.kind in ("symmetric", "shared"):
+                nbytes = self._numel(buf, self._max_env) * DTYPES[buf.dtype].itemsize
+                for slot in range(self.SLOTS if buf.kind == "symmetric" else 1):
+                    requests.append(nbytes)
+                    owners.append((name, slot))
+        segments = self._heap.allocate(requests)
+        self._bank = sync.SignalBank(
+            segments[0], channels, self.world, max(signalling), self.device, self._epoch_start
+        )
+        self._local: dict[str, list[torch.Tensor]] = {}
+        self._peers: dict[str, list[torch.Tensor]] = {}
+        for (name, _slot), seg in zip(owners, segments[1:], strict=True):
+            buf = self.BUFFERS[name]
+            flat = seg.view(DTYPES[buf.dtype], (self._numel(buf, self._max_env),))
+            self._local.setdefault(name, []).append(flat)
+            self._peers.setdefault(name, []).append(seg.peer_ptrs)
+        for name, buf in self.BUFFERS.items():
+            if buf.kind == "shared":
+                self._local[name] *= self.SLOTS
+                self._peers[name] *= self.SLOTS
+            elif buf.kind == "output":
+                n = self._numel(buf, self._max_env)
+                self._local[name] = [self._empty(n, buf.dtype) for _ in range(self.SLOTS)]
+        self._scratch: dict[str, dict[str, list[torch.Tensor]]] = {}
+        if self.backend == "torch":
+            for step, table in self.SCRATCH.items():
+                self._scratch[step] = {
+                    key: [
+                        self._empty(shapes.evaluate(e, self._max_env), dt)
+                        for _ in range(self.SLOTS)
+                    ]
+                    for key, (e, dt) in table.items()
+                }
+            self._one = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._heap.barrier()  # every rank's signal bank is initialised before any signal
+
+    def _empty(self, n: int, dtype: str) -> torch.Tensor:
+        t = torch.zeros(n, dtype=DTYPES[dtype], device=self.device)
+        if self.poison:
+            poison_(t)
+        return t
+
+    # ---- per call --------------------------------------------------------------------
+    def _bind(
+        self,
+        slot: int,
+        method: str,
+        tensors: tuple[torch.Tensor, ...],
+        sizes: Mapping[str, int] | None,
+    ) -> dict[str, int]:
+        """Check ``slot``, bind run-time sizes from the arguments, validate them."""
+        if not (isinstance(slot, int) and 0 <= slot < self.SLOTS):
+            raise DcpcArgumentError(
+                f"{method}(): slot must be in 0..{self.SLOTS - 1}, got {slot!r}"
+            )
+        env = self._env[slot]
+        if sizes:
+            env = dict(env)
+            for size, value in sizes.items():
+                top = self._maxima.get(size)
+                if top is None or isinstance(value, bool) or not isinstance(value, int):
+                    raise DcpcArgumentError(
+                        f"{method}(): sizes= binds run-time sizes {sorted(self._maxima)} to ints, "
+                        f"got {size}={value!r}"
+                    )
+                if not 0 <= value <= top:
+                    raise DcpcArgumentError(f"{method}(): size {size}={value} is outside 0..{top}")
+                env[size] = value
+        env = self._signatures[method].bind(tensors, env)
+        self._env[slot] = env
+        return env
+
+    def _scalars(self, step: str, env: Mapping[str, int]) -> list[int]:
+        try:
+            return [shapes.evaluate(e, env) for _, e in self.SCALARS[step]]
+        except KeyError as exc:
+            raise DcpcArgumentError(
+                f"{step}(): size {exc.args[0]} is not bound yet in this slot; pass "
+                f"sizes={{'{exc.args[0]}': ...}} or call a step that binds it first"
+            ) from None
+
+    def _view(self, name: str, slot: int, env: Mapping[str, int]) -> torch.Tensor:
+        """The run-time view of a module-owned buffer: its first elements, contiguous."""
+        buf = self.BUFFERS[name]
+        shape = shapes.shape(buf.shape, env)
+        n = 1
+        for d in shape:
+            n *= d
+        return self._local[name][slot][:n].view(shape)
+
+    def _poison_output(self, name: str, slot: int) -> None:
+        if self.poison and self.BUFFERS[name].kind == "output":
+            poison_(self._local[name][slot])
+
+    def _check(self, step_index: int) -> None:
+        """CPU backends: raise the error a kernel recorded (no GPU sync is ever done here)."""
+        if self._check_each_call:
+            self._bank.check_errors(self.STEPS, self.rank)
+
+    # ---- public -------------------------------------------------------------------------
+    def check_errors(self) -> None:
+        """Raise ``DcpcTimeoutError`` if a kernel recorded one (synchronises with the device)."""
+        self._bank.check_errors(self.STEPS, self.rank)
+
+    def buffer(self, name: str, slot: int = 0) -> torch.Tensor:
+        """The whole local instance of a module-owned buffer (sized for the maxima)."""
+        return self._view(name, slot, self._max_env)
+
+    def close(self) -> None:
+        """Release the symmetric heap (idempotent). Views handed out must not be used after."""
+        heap, self._heap = getattr(self, "_heap", None), None
+        if heap is not None:
+            heap.close()
+
+    def __enter__(self) -> ScheduleModule:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

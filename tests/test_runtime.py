@@ -1,0 +1,156 @@
+"""dcpc.runtime on its own: shapes, argument checks, tiles, heaps, the signal bank and
+the reference merge (checked against a naive per-row float64 loop)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dcpc.runtime import merge, shapes, sync, tiles
+from dcpc.runtime.errors import DcpcArgumentError, DcpcTimeoutError
+from dcpc.runtime.heap import LocalHeap, aligned_offsets, make_heap, resolve_backend
+from dcpc.runtime.validate import Signature
+
+T_, H_W = ("sym", "T"), ("/", ("sym", "H"), ("sym", "W"))
+
+
+def test_shapes_evaluate_exactly_and_find_linear_bindings():
+    env = {"H": 8, "W": 2, "T": 3}
+    assert shapes.shape([T_, H_W, ("num", 576)], env) == (3, 4, 576)
+    with pytest.raises(ValueError, match="not a whole number"):
+        shapes.evaluate(H_W, {"H": 7, "W": 2})
+    assert shapes.linear_in(("+", ("sym", "B"), ("num", 1)), "B", {}) == (1, 1)
+    assert shapes.linear_in(("*", ("sym", "W"), ("sym", "N")), "N", {"W": 4}) == (4, 0)
+    assert shapes.linear_in(("*", ("sym", "N"), ("sym", "N")), "N", {}) is None
+    assert shapes.unparse(("*", ("sym", "W"), ("+", ("sym", "N"), ("num", 1)))) == "W*(N+1)"
+
+
+def signature() -> Signature:
+    params = [
+        ("q_local", (T_, H_W, ("num", 8)), "bf16"),
+        ("query_start_loc", (("+", ("sym", "B"), ("num", 1)),), "i32"),
+    ]
+    return Signature("gather", params, {"H": 8, "W": 2}, {"T": 16, "B": 4}, torch.device("cpu"))
+
+
+def test_signature_binds_sizes_from_argument_shapes():
+    env = signature().bind(
+        (torch.zeros(5, 4, 8, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int32)),
+        {"H": 8, "W": 2},
+    )
+    assert env["T"] == 5 and env["B"] == 2
+
+
+@pytest.mark.parametrize(
+    "q,qsl,match",
+    [
+        (torch.zeros(17, 4, 8, dtype=torch.bfloat16), None, r"'q_local' .* T outside 0..16"),
+        (torch.zeros(5, 3, 8, dtype=torch.bfloat16), None, r"'q_local' has shape \(5, 3, 8\)"),
+        (torch.zeros(5, 4, 8), None, r"'q_local' has dtype torch.float32, expected"),
+        (torch.zeros(4, 5, 8).bfloat16().transpose(0, 1), None, "'q_local' is not contiguous"),
+        (None, torch.zeros(9, dtype=torch.int32), r"'query_start_loc' .* B outside 0..4"),
+        ([1, 2], None, "'q_local' is a list, expected a torch.Tensor"),
+    ],
+)
+def test_signature_errors_name_method_argument_and_expectation(q, qsl, match):
+    q = torch.zeros(5, 4, 8, dtype=torch.bfloat16) if q is None else q
+    qsl = torch.zeros(3, dtype=torch.int32) if qsl is None else qsl
+    with pytest.raises(DcpcArgumentError, match=r"gather\(\): argument " + match):
+        signature().bind((q, qsl), {"H": 8, "W": 2})
+
+
+def test_tiles_prefer_exact_power_of_two_columns():
+    assert tiles.pick(576, 4096, True) == (64, 64)
+    assert tiles.pick(512, 4096, True) == (8, 512)
+    assert tiles.pick(7, 4096, True) == (512, 8)
+    assert tiles.pick(512 * 96, 4096, False) == (4, 1024)
+
+
+def test_local_heap_aligns_and_publishes_its_own_address():
+    heap = LocalHeap(0, 1, torch.device("cpu"), poison=True)
+    a, b = heap.allocate([10, 300])
+    assert a.local.data_ptr() % 256 == 0 and b.local.data_ptr() % 256 == 0
+    assert int(b.peer_ptrs[0]) == b.local.data_ptr()
+    assert torch.isnan(b.view(torch.float32, (75,))).all(), "poison fills NaN"
+    assert aligned_offsets([10, 300, 1]) == ([0, 256, 768], 1024)
+    with pytest.raises(RuntimeError):
+        heap.allocate([1])
+
+
+def test_backend_resolution_on_cpu():
+    assert resolve_backend("auto", None, torch.device("cpu")) == "host"
+    assert resolve_backend("torch", None, torch.device("cpu")) == "torch"
+    assert isinstance(make_heap("host", None, torch.device("cpu")), LocalHeap)  # one rank
+    with pytest.raises(ValueError, match="backend must be"):
+        resolve_backend("nccl", None, torch.device("cpu"))
+
+
+def test_signal_bank_starts_at_epoch_start_and_reports_timeouts():
+    heap = LocalHeap(0, 1, torch.device("cpu"), poison=True)
+    (seg,) = heap.allocate([sync.signal_nbytes(4, 1, 2)])
+    bank = sync.SignalBank(seg, 4, 1, 2, torch.device("cpu"), epoch_start=2**31 - 2)
+    assert (bank.sig == 2**31 - 2).all() and (bank.epochs == 2**31 - 2).all()
+    bank.check_errors(["a", "b"])  # nothing recorded
+    bank.errors.copy_(torch.tensor([sync.TIMEOUT, 1, 0, -(2**31)], dtype=torch.int32))
+    with pytest.raises(DcpcTimeoutError, match="step 'b'.*peer 0 .* epoch -2147483648") as err:
+        bank.check_errors(["a", "b"], rank=1)
+    assert (err.value.step, err.value.peer, err.value.epoch) == ("b", 0, -(2**31))
+    assert sync.wrap_int32(2**31) == -(2**31)
+    with pytest.raises(ValueError):
+        sync.SignalBank(seg, 4, 1, 2, torch.device("cpu"), epoch_start=2**31)
+
+
+def naive_merge(o, lse, base, masked):
+    """One row at a time, straight from domain.md, in float64."""
+    W = lse.shape[0]
+    exp, log = (math.exp, math.log) if base == "e" else ((lambda v: 2.0**v), math.log2)
+    out = torch.zeros(o.shape[1:], dtype=torch.float64)
+    total = torch.zeros(lse.shape[1:], dtype=torch.float64)
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in lse.shape[1:]]).tolist():
+        idx = tuple(idx) if isinstance(idx, list) else (idx,)
+        ls = []
+        for p in range(W):
+            v = float(lse[(p, *idx)])
+            if math.isnan(v) or v == math.inf or (masked is not None and masked[p, idx[0]]):
+                v = -math.inf
+            ls.append(v)
+        m = max(ls)
+        m = 0.0 if m == -math.inf else m
+        s = sum(exp(v - m) for v in ls)
+        big = m + (log(s) if s > 0 else -math.inf)
+        total[idx] = big
+        for p in range(W):
+            if ls[p] != -math.inf:
+                out[idx] += exp(ls[p] - big) * o[(p, *idx)].double()
+    return out, total
+
+
+@pytest.mark.parametrize("base", ["e", "2"])
+def test_reference_merge_matches_naive_loop(base):
+    g = torch.Generator().manual_seed(1)
+    o = torch.randn(3, 4, 2, 5, generator=g, dtype=torch.float64)
+    lse = torch.randn(3, 4, 2, generator=g, dtype=torch.float64) * 2
+    lse[0, 0, 0], lse[1, 0, 1] = float("nan"), float("inf")
+    lse[:, 1, 0] = float("-inf")
+    o[:, 1, 0] = float("nan")
+    masked = torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    o[0, 2], o[2, 0], o[2, 3] = float("inf"), float("nan"), float("nan")
+    got, got_lse = merge.lse_combine(o, lse, base, masked, torch.float64)
+    want, want_lse = naive_merge(o, lse, base, masked)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_lse, want_lse)
+    assert not torch.isnan(got).any() and (got[1, 0] == 0).all()
+
+
+def test_empty_mask_follows_the_local_length_formula():
+    seq = torch.tensor([5, 1, 8], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 3, 4], dtype=torch.int32)
+    mask = merge.empty_mask(seq, qsl, 6, 2, 2)  # I = 2, W = 2; tokens 4, 5 are padding
+    for p in range(2):
+        for t, req in enumerate([0, 1, 1, 2]):
+            n = seq[req].item()
+            local = sum(1 for tok in range(n) if (tok // 2) % 2 == p)
+            assert bool(mask[p, t]) == (local == 0)
+    assert mask[:, 4:].all()
