@@ -80,7 +80,10 @@ def _is_tag(part: Any) -> bool:
 
 
 def _where(loc: tuple[Any, ...]) -> str:
-    parts = [p for p in loc if isinstance(p, str) and not _is_tag(p)]
+    kept = [p for p in loc if not _is_tag(p)]
+    parts = [p for p in kept if isinstance(p, str)]
+    if parts and kept and isinstance(kept[-1], int):  # a list item: 'buffers.x.shape[1]'
+        parts[-1] += f"[{kept[-1]}]"
     return "'" + ".".join(parts) + "'" if parts else "the schedule"
 
 
@@ -88,7 +91,7 @@ def _model_fields_at(data: dict[str, Any], loc: tuple[Any, ...]) -> list[str]:
     """Names of the keys allowed where an unknown key was found (for 'did you mean')."""
     parent = loc[:-1]
     if not parent:
-        return list(model.Schedule.model_fields)
+        return [k for k in _aliases(model.Schedule) if not k.startswith("source_")]
     head = parent[0]
     if head == "buffers" and len(parent) == 2:
         return _aliases(model.Buffer)
@@ -116,10 +119,54 @@ def _op_model(loc: tuple[Any, ...]) -> type[model.Node] | None:
     return None
 
 
-def _diagnostics(exc: ValidationError, data: dict[str, Any], file: str) -> list[Diagnostic]:
+_UNION_WANTS = {
+    frozenset({"str", "list[str]"}): "a name or a list of names",
+    frozenset({"int", "str"}): "an integer or a size expression such as 'H/W'",
+}
+
+
+def _collapse_unions(errors: list[Any], data: dict[str, Any], file: str) -> tuple[
+    list[Any], list[Diagnostic]
+]:
+    """One message per value that matches no branch of a plain union (``src: 3``).
+
+    Pydantic reports one error per branch. When the input is a list and a list
+    branch exists, only the errors inside the list are kept (they name the bad
+    item); otherwise the branches' type errors become one "must be A or B" message.
+    """
+    groups: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
+    rest: list[Any] = []
+    for err in errors:
+        loc = tuple(err["loc"])
+        cut = next((i for i, p in enumerate(loc) if p in ("int", "str", "list[str]")), None)
+        if cut is None or (loc[:1] == ("sizes",) and cut == 2):  # int | SizeSpec: below
+            rest.append(err)
+            continue
+        groups.setdefault(loc[:cut], []).append((loc[cut], err))
     out: list[Diagnostic] = []
-    seen: set[tuple[Mark, str]] = set()
-    for err in exc.errors(include_url=False):
+    for prefix, members in groups.items():
+        tags = frozenset(tag for tag, _ in members)
+        if len(tags) < 2 or tags not in _UNION_WANTS:
+            rest += [err for _, err in members]
+            continue
+        deeper = [err for tag, err in members if len(err["loc"]) > len(prefix) + 1]
+        if "list[str]" in tags and deeper:
+            rest += deeper
+            continue
+        value = members[0][1].get("input")
+        got = "empty" if value is None else type(value).__name__
+        mark = yamlsrc.locate(data, prefix) or Mark(file, 1, 1)
+        out.append(Diagnostic(
+            mark, "wrong-type",
+            f"{_where(prefix)} must be {_UNION_WANTS[tags]}, not {_TYPE_NAMES.get(got, got)}",
+        ))
+    return rest, out
+
+
+def _diagnostics(exc: ValidationError, data: dict[str, Any], file: str) -> list[Diagnostic]:
+    errors, out = _collapse_unions(exc.errors(include_url=False), data, file)
+    seen: set[tuple[Mark, str]] = {(d.mark, d.message) for d in out}
+    for err in errors:
         loc = tuple(err["loc"])
         kind = err["type"]
         if loc[:1] == ("sizes",) and len(loc) >= 3 and _is_tag(loc[2]):

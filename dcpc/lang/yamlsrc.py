@@ -105,12 +105,21 @@ def load(text: str, file: str) -> Any:
         raise DiagnosticError(
             [Diagnostic(Mark(file, 1, 1), "yaml-syntax", f"invalid YAML: {exc}")]
         ) from None
+    except RecursionError:  # PyYAML composes recursively: "[[[[..." exhausts the stack
+        raise DiagnosticError(
+            [Diagnostic(Mark(file, 1, 1), "yaml-too-deep", "the YAML is nested too deeply")]
+        ) from None
     if node is None:
         raise DiagnosticError(
             [Diagnostic(Mark(file, 1, 1), "empty-file", "the schedule file is empty")]
         )
     builder = _Builder(file)
-    data = builder.value(node)
+    try:
+        data = builder.value(node)
+    except RecursionError:
+        raise DiagnosticError(
+            [Diagnostic(Mark(file, 1, 1), "yaml-too-deep", "the YAML is nested too deeply")]
+        ) from None
     if builder.errors:
         raise DiagnosticError(builder.errors)
     return data

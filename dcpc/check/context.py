@@ -1,0 +1,92 @@
+"""What every structural pass shares: the schedule, its sizes, and the diagnostics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dcpc.diagnostics import Diagnostic, Mark
+from dcpc.lang import expr as ex
+from dcpc.lang.model import Buffer, OpBase, Schedule, Step
+from dcpc.lang.sizes import Samples, SizeTable
+
+W: ex.Expr = ("sym", "W")
+
+
+@dataclass
+class Ref:
+    """A buffer named by a step: the name, the role it plays and where it is written."""
+
+    name: str
+    role: str
+    mark: Mark
+
+
+@dataclass
+class Context:
+    schedule: Schedule
+    table: SizeTable
+    samples: Samples
+    steps: list[Step]
+    out: list[Diagnostic] = field(default_factory=list)
+
+    def error(
+        self, mark: Mark, code: str, message: str, hint: str | None = None,
+        severity: str = "error",
+    ) -> None:
+        self.out.append(Diagnostic(mark, code, message, hint=hint, severity=severity))
+
+    def buffer(self, name: str) -> Buffer | None:
+        return self.schedule.buffers.get(name)
+
+    def shape(self, name: str) -> list[ex.Expr] | None:
+        """The parsed shape of a declared buffer, or None (unknown or broken shape)."""
+        return self.table.shapes.get(name)
+
+    def file_mark(self) -> Mark:
+        return Mark(self.schedule.source_file, 0, 0)
+
+
+def refs(op: OpBase, key: str) -> list[Ref]:
+    """The buffers an op names under ``key`` (a name or a list of names), with marks."""
+    value = getattr(op, key, None)
+    role = key.rstrip("_")
+    if isinstance(value, str):
+        return [Ref(value, role, op.mark(key))]
+    if isinstance(value, list):
+        return [Ref(v, role, op.mark(f"{key}[{i}]")) for i, v in enumerate(value)]
+    return []
+
+
+def mask_refs(op: OpBase) -> list[Ref]:
+    mask = getattr(op, "mask_empty", None)
+    if mask is None:
+        return []
+    return [
+        Ref(mask.seq_lens, "mask_empty.seq_lens", mask.mark("seq_lens")),
+        Ref(mask.query_start_loc, "mask_empty.query_start_loc", mask.mark("query_start_loc")),
+    ]
+
+
+def all_refs(op: OpBase) -> list[Ref]:
+    """Every buffer an op names, in the order the step lists them."""
+    found: list[Ref] = []
+    for key in ("src", "via", "dst", "return_lse", "reads", "writes"):
+        found += refs(op, key)
+    return found + mask_refs(op)
+
+
+def show(shape: Sequence[ex.Expr]) -> str:
+    return "[" + ", ".join(ex.unparse(simplify(d)) for d in shape) + "]"
+
+
+def simplify(node: ex.Expr) -> ex.Expr:
+    """Cancel the W factors the checker itself introduces (``W*(H/W)`` reads as ``H``)."""
+    if node[0] in ("num", "sym"):
+        return node
+    op, lhs, rhs = node[0], simplify(node[1]), simplify(node[2])
+    if op == "*" and lhs == W and rhs[0] == "/" and rhs[2] == W:
+        return rhs[1]
+    if op == "/" and rhs == W and lhs[0] == "*" and W in (lhs[1], lhs[2]):
+        return lhs[2] if lhs[1] == W else lhs[1]
+    return (op, lhs, rhs)

@@ -1,0 +1,166 @@
+"""Names: identifiers, duplicates, references to buffers that are not declared."""
+
+from __future__ import annotations
+
+import keyword
+import re
+import sys
+
+from dcpc.check.context import Context, all_refs
+from dcpc.diagnostics import Mark, did_you_mean
+from dcpc.lang.model import Buffer, Schedule, Signal, Wait
+
+LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
+SIZE_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+# Attributes and parameters of the generated class, and the modules it imports:
+# step names become methods and buffer names become parameters next to these.
+RESERVED = frozenset({
+    "close", "slot", "sizes", "self", "group", "device", "backend", "spin_limit", "poison",
+    "torch", "triton", "tl", "dcpc", "_rt",
+})
+# The emitted module is <schedule>.py: it must not shadow a module it (or Python) imports.
+MODULE_RESERVED = frozenset({"torch", "triton", "dcpc"}) | frozenset(
+    getattr(sys, "stdlib_module_names", ())
+)
+
+
+def _identifier_problem(name: str, pattern: re.Pattern[str], rule: str) -> str | None:
+    if not pattern.match(name):
+        return f"must match {rule}"
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+        return "is a Python keyword"
+    if name.startswith("__"):
+        return "must not start with '__' (Python reserves those names)"
+    return None
+
+
+def _suggest(name: str) -> str:
+    fixed = re.sub(r"[^a-z0-9_]", "_", name.lower()) or "name"
+    if fixed[0].isdigit():
+        fixed = "_" + fixed
+    if keyword.iskeyword(fixed) or keyword.issoftkeyword(fixed) or fixed.startswith("__"):
+        fixed = fixed.strip("_") + "_step"
+    return f"rename it, e.g. to '{fixed}'"
+
+
+def _check_name(ctx: Context, name: str, what: str, mark: Mark, *, size: bool = False) -> None:
+    pattern, rule = (SIZE_IDENT, "[A-Za-z_][A-Za-z0-9_]*") if size else (
+        LOWER_IDENT, "[a-z_][a-z0-9_]*")
+    problem = _identifier_problem(name, pattern, rule)
+    if problem:
+        ctx.error(mark, "bad-identifier", f"{what} {name!r} {problem}", hint=_suggest(name))
+        return
+    if size and name == "W":
+        ctx.error(mark, "reserved-name", "size 'W' is predefined (the group size)",
+                  hint="remove it from sizes; every schedule can use W")
+    elif what in ("step name", "buffer name") and name in RESERVED:
+        ctx.error(mark, "reserved-name",
+                  f"{what} '{name}' collides with a name the generated module uses",
+                  hint=f"rename it (reserved: {', '.join(sorted(RESERVED))})")
+    elif what == "schedule name" and (name in MODULE_RESERVED or not name.strip("_")):
+        ctx.error(mark, "reserved-name",
+                  f"schedule name '{name}' would make a module '{name}.py' that shadows "
+                  "a Python module or has an empty class name",
+                  hint=f"rename it, e.g. to '{name.strip('_') or 'my'}_dcp'")
+
+
+def check_names(ctx: Context) -> None:
+    """Identifiers, the one-key rule of step items, duplicates and name clashes."""
+    schedule = ctx.schedule
+    _check_name(ctx, schedule.schedule, "schedule name", schedule.mark("schedule"))
+    for name in schedule.sizes:
+        _check_name(ctx, name, "size name", schedule.mark(f"sizes/{name}", of_key=True),
+                    size=True)
+    for name in schedule.buffers:
+        _check_name(ctx, name, "buffer name", schedule.mark(f"buffers/{name}", of_key=True))
+
+    for i, item in enumerate(schedule.steps):
+        if not item:
+            ctx.error(schedule.mark(f"steps[{i}]"), "bad-step",
+                      f"step item {i + 1} is empty; a step is a one-key mapping "
+                      "'name: {op: ...}'")
+        for extra in list(item.values())[1:]:
+            ctx.error(extra.mark("__name__"), "bad-step",
+                      f"step item {i + 1} holds more than one step; write each step as "
+                      "its own list item",
+                      hint="start the line with '- '")
+
+    first: dict[str, Mark] = {}
+    for step in ctx.steps:
+        mark = step.mark()
+        _check_name(ctx, step.name, "step name", mark)
+        if step.name in first:
+            ctx.error(mark, "duplicate-step", f"step name '{step.name}' is used twice",
+                      hint=f"the first '{step.name}' is at line {first[step.name].line}; "
+                      "rename one of them")
+        else:
+            first[step.name] = mark
+        if step.name in schedule.buffers:
+            ctx.error(mark, "name-clash",
+                      f"step '{step.name}' has the name of a buffer; the generated method "
+                      "and its argument would collide",
+                      hint=f"rename the step, e.g. to '{step.name}_step'")
+        if isinstance(step.op, (Signal, Wait)):
+            _check_name(ctx, step.op.channel, "channel name", step.op.mark("channel"))
+
+
+def check_references(ctx: Context) -> None:
+    """Every buffer a step names is declared; warn about buffers nothing uses."""
+    buffers = ctx.schedule.buffers
+    used: set[str] = set()
+    for step in ctx.steps:
+        for ref in all_refs(step.op):
+            used.add(ref.name)
+            if ref.name not in buffers:
+                ctx.error(ref.mark, "unknown-buffer",
+                          f"step '{step.name}' names buffer '{ref.name}' ({ref.role}), "
+                          "which is not declared under buffers",
+                          hint=did_you_mean(ref.name, buffers)
+                          or f"declare '{ref.name}' under buffers")
+    for name in buffers:
+        if name not in used:
+            ctx.error(ctx.schedule.mark(f"buffers/{name}", of_key=True), "unused-buffer",
+                      f"buffer '{name}' is not used by any step", severity="warning",
+                      hint="remove it, or name it in a step")
+
+
+def check_buffers(ctx: Context) -> None:
+    """Per-buffer rules: flags that contradict each other, LSE buffers' dtypes."""
+    for name, buffer in ctx.schedule.buffers.items():
+        _check_buffer(ctx, name, buffer)
+    _check_slots(ctx, ctx.schedule)
+
+
+def _check_buffer(ctx: Context, name: str, buffer: Buffer) -> None:
+    if buffer.shared and "symmetric" in buffer.src_marks and not buffer.symmetric:
+        ctx.error(buffer.mark("symmetric"), "shared-not-symmetric",
+                  f"buffer '{name}' is shared (symmetric, one instance for all slots) "
+                  "but says 'symmetric: false'",
+                  hint="drop 'symmetric: false' (shared implies symmetric)")
+    if buffer.lse_base is not None:
+        if not buffer.dtype.is_float:
+            ctx.error(buffer.mark("lse_base"), "lse-base-not-float",
+                      f"buffer '{name}' has lse_base but dtype {buffer.dtype.value}; "
+                      "an LSE is a float tensor",
+                      hint="use dtype f32 (or f16/bf16), or drop lse_base")
+        elif buffer.dtype.value not in ("f32", "f16", "bf16"):
+            ctx.error(buffer.mark("dtype"), "bad-lse-dtype",
+                      f"LSE buffer '{name}' has dtype {buffer.dtype.value}; "
+                      "an LSE must be f32, f16 or bf16",
+                      hint="use dtype f32")
+
+
+def _check_slots(ctx: Context, schedule: Schedule) -> None:
+    if schedule.slots == 1 and "streams" in schedule.src_marks:
+        ctx.error(schedule.mark("streams"), "slots-streams",
+                  "'streams' orders the slots of a schedule, but it has only one slot",
+                  hint="drop 'streams', or add 'slots: 2' for overlapped microbatches",
+                  severity="warning")
+    if schedule.slots == 1:
+        for name, buffer in schedule.buffers.items():
+            if buffer.shared:
+                ctx.error(buffer.mark("shared"), "slots-streams",
+                          f"buffer '{name}' is shared between slots, but the schedule "
+                          "has only one slot", severity="warning",
+                          hint="use 'symmetric: true' instead of 'shared: true'")

@@ -1,0 +1,369 @@
+"""Per-op rules: shapes, dtypes, dims, symmetric destinations and LSE bases.
+
+One rule per op in ``RULES`` (adding an op = one rule). A rule compares shapes
+symbolically, by evaluation on the sampled bindings of every W checked, and names a
+counterexample binding when they differ. Buffers that are unknown or whose shape
+did not parse are skipped: their error is reported once, elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from dcpc.check.context import Context, Ref, W, mask_refs, refs, show
+from dcpc.diagnostics import Mark
+from dcpc.lang import expr as ex
+from dcpc.lang.model import (
+    AllGather,
+    AllToAllCombine,
+    Copy,
+    LseCombine,
+    LseCorrect,
+    OpBase,
+    ReduceScatter,
+    Step,
+)
+
+LSE_DTYPES = ("f32", "f16", "bf16")
+BASE_HINT = "add 'lse_base: e' (natural log, e.g. FlashMLA) or 'lse_base: 2' (FlashInfer)"
+
+
+def _where(ctx: Context, example: object, nodes: Sequence[ex.Expr]) -> str:
+    binding = example.names(nodes)  # type: ignore[attr-defined]
+    world = example.world  # type: ignore[attr-defined]
+    return f"W={world}" + (f" ({binding})" if binding else "")
+
+
+def _dim(ctx: Context, step: Step, ref: Ref, rank: int) -> int | None:
+    """The op's ``dim`` normalised like Python for a buffer of ``rank`` dims."""
+    dim = getattr(step.op, "dim", 0)
+    if -rank <= dim < rank:
+        return dim % rank
+    ctx.error(step.op.mark("dim"), "dim-out-of-range",
+              f"dim {dim} is out of range for {ref.role} '{ref.name}', which has {rank} "
+              f"dims (valid: {-rank}..{rank - 1})")
+    return None
+
+
+def _expect(ctx: Context, step: Step, ref: Ref, want: list[ex.Expr], why: str) -> None:
+    """``ref``'s buffer must have the shape ``want``; report rank or value differences."""
+    have = ctx.shape(ref.name)
+    if have is None:
+        return
+    if len(have) != len(want):
+        ctx.error(ref.mark, "shape-mismatch",
+                  f"{ref.role} '{ref.name}' of step '{step.name}' has {len(have)} dims "
+                  f"{show(have)} but must have {len(want)}, {show(want)} ({why})")
+        return
+    example = ctx.samples.shapes_differ(want, have)
+    if example is not None:
+        ctx.error(ref.mark, "shape-mismatch",
+                  f"{ref.role} '{ref.name}' of step '{step.name}' has shape {show(have)} but "
+                  f"must be {show(want)} ({why}); they differ for "
+                  f"{_where(ctx, example, [*want, *have])}: {example.detail}")
+
+
+def _part(ctx: Context, step: Step, ref: Ref) -> list[ex.Expr] | None:
+    """``ref``'s shape split in W equal parts along the op's dim (which must divide)."""
+    shape = ctx.shape(ref.name)
+    if shape is None:
+        return None
+    dim = _dim(ctx, step, ref, len(shape))
+    if dim is None:
+        return None
+    part = ("/", shape[dim], W)
+    example = ctx.samples.inexact(part)
+    if example is not None:
+        ctx.error(step.op.mark("dim") if "dim" in step.op.src_marks else ref.mark,
+                  "inexact-division",
+                  f"step '{step.name}' splits {ref.role} '{ref.name}' in W parts along dim "
+                  f"{dim}, but {ex.unparse(shape[dim])}/W is not a whole number for "
+                  f"{_where(ctx, example, [shape[dim]])}",
+                  hint="split along a dim that is a multiple of W, e.g. heads "
+                  "('H: {multiple_of: W}')")
+        return None
+    return [*shape[:dim], part, *shape[dim + 1:]]
+
+
+def _same_dtype(ctx: Context, step: Step, src: Ref, dst: Ref) -> None:
+    a, b = ctx.buffer(src.name), ctx.buffer(dst.name)
+    if a is not None and b is not None and a.dtype != b.dtype:
+        ctx.error(dst.mark, "dtype-mismatch",
+                  f"step '{step.name}' moves {a.dtype.value} data from '{src.name}' into "
+                  f"'{dst.name}', which is {b.dtype.value}",
+                  hint=f"declare '{dst.name}' with dtype {a.dtype.value}")
+
+
+def _symmetric(ctx: Context, step: Step, ref: Ref) -> None:
+    buffer = ctx.buffer(ref.name)
+    if buffer is not None and not buffer.is_symmetric:
+        ctx.error(ref.mark, "not-symmetric",
+                  f"peers write into {ref.role} '{ref.name}' of step '{step.name}', so it must "
+                  "be in symmetric memory, but it is engine-owned",
+                  hint=f"add 'symmetric: true' to buffer '{ref.name}'")
+
+
+def _lse_transfer(ctx: Context, step: Step, src: Ref, dst: Ref) -> None:
+    """A transfer keeps an LSE's base: both ends declare the same one."""
+    a, b = ctx.buffer(src.name), ctx.buffer(dst.name)
+    if a is None or b is None or (a.lse_base is None and b.lse_base is None):
+        return
+    if a.lse_base is not None and b.lse_base is not None:
+        if a.lse_base != b.lse_base:
+            ctx.error(dst.mark, "lse-base-mismatch",
+                      f"step '{step.name}' moves an LSE of base {a.lse_base} from "
+                      f"'{src.name}' into '{dst.name}', declared base {b.lse_base}",
+                      hint="declare both with the base the attention kernel returns")
+        return
+    lost, known = (dst, a) if b.lse_base is None else (src, b)
+    ctx.error(lost.mark, "missing-lse-base",
+              f"step '{step.name}' moves an LSE of base {known.lse_base} between "
+              f"'{src.name}' and '{dst.name}', but '{lost.name}' declares no lse_base",
+              hint=f"add 'lse_base: {known.lse_base}' to buffer '{lost.name}'")
+
+
+def _transfer(ctx: Context, step: Step, src: Ref, dst: Ref, *, symmetric: bool) -> None:
+    if ctx.buffer(src.name) is None or ctx.buffer(dst.name) is None:
+        return
+    if symmetric:
+        _symmetric(ctx, step, dst)
+    _same_dtype(ctx, step, src, dst)
+    _lse_transfer(ctx, step, src, dst)
+
+
+def all_gather(ctx: Context, step: Step) -> None:
+    op = step.op
+    assert isinstance(op, AllGather)
+    (src,), (dst,) = refs(op, "src"), refs(op, "dst")
+    _transfer(ctx, step, src, dst, symmetric=True)
+    s, d = ctx.shape(src.name), ctx.shape(dst.name)
+    if s is None or d is None:
+        return
+    if len(d) == len(s):  # concat: W blocks along dim
+        dim = _dim(ctx, step, src, len(s))
+        if dim is None:
+            return
+        want = [*s[:dim], ("*", W, s[dim]), *s[dim + 1:]]
+        _expect(ctx, step, dst, want, f"W blocks of src '{src.name}' along dim {dim}")
+        if op.interleave is not None and dim != 0:
+            ctx.error(op.mark("interleave"), "bad-interleave",
+                      f"interleave puts token blocks in sequence order along dim 0, but "
+                      f"step '{step.name}' gathers along dim {dim}",
+                      hint="gather along 'dim: 0' or drop 'interleave'")
+    elif len(d) == len(s) + 1:  # stack: a new axis of size W
+        dim = _dim(ctx, step, dst, len(d))
+        if dim is None:
+            return
+        want = [*s[:dim], W, *s[dim:]]
+        _expect(ctx, step, dst, want, f"src '{src.name}' stacked W times at dim {dim}")
+        if op.interleave is not None:
+            ctx.error(op.mark("interleave"), "bad-interleave",
+                      f"step '{step.name}' stacks along a new axis; interleave needs a "
+                      "concatenating gather (dst with the same number of dims as src)",
+                      hint="drop 'interleave'")
+    else:
+        ctx.error(dst.mark, "shape-mismatch",
+                  f"dst '{dst.name}' of all_gather '{step.name}' has {len(d)} dims; it needs "
+                  f"{len(s)} (blocks concatenated along dim) or {len(s) + 1} (stacked), as "
+                  f"src '{src.name}' has {len(s)}")
+
+
+def _pairs(ctx: Context, step: Step, srcs: list[Ref], dsts: list[Ref]) -> list[tuple[Ref, Ref]]:
+    if len(srcs) != len(dsts):
+        ctx.error(step.op.mark("dst"), "list-length-mismatch",
+                  f"step '{step.name}' has {len(srcs)} src buffers but {len(dsts)} dst buffers",
+                  hint="give one dst for every src, in the same order")
+    return list(zip(srcs, dsts, strict=False))  # the extra ones are reported
+
+
+def _scatter(ctx: Context, step: Step, src: Ref, recv: Ref) -> list[ex.Expr] | None:
+    """src split along dim lands as ``[W, part]`` in the symmetric ``recv``; the part."""
+    _transfer(ctx, step, src, recv, symmetric=True)
+    part = _part(ctx, step, src)
+    if part is not None and ctx.shape(recv.name) is not None:
+        _expect(ctx, step, recv, [W, *part],
+                f"W parts of src '{src.name}', one per peer, along a leading W axis")
+    return part
+
+
+def all_to_all(ctx: Context, step: Step) -> None:
+    for src, dst in _pairs(ctx, step, refs(step.op, "src"), refs(step.op, "dst")):
+        _scatter(ctx, step, src, dst)
+
+
+def reduce_scatter(ctx: Context, step: Step) -> None:
+    op = step.op
+    assert isinstance(op, ReduceScatter)
+    (src,), (dst,) = refs(op, "src"), refs(op, "dst")
+    if op.via is not None:
+        (via,) = refs(op, "via")
+        part = _scatter(ctx, step, src, via)
+    else:
+        part = _part(ctx, step, src) if ctx.buffer(src.name) is not None else None
+    if ctx.buffer(src.name) is not None and ctx.buffer(dst.name) is not None:
+        _same_dtype(ctx, step, src, dst)
+    if part is not None and ctx.shape(dst.name) is not None:
+        _expect(ctx, step, dst, part, f"this rank's part of src '{src.name}'")
+
+
+def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None:
+    """Shapes, dtypes and bases of a merge of W partials (``o``, ``lse``) into dst."""
+    op = step.op
+    (dst,) = refs(op, "dst")
+    ret = refs(op, "return_lse")
+    lse_buf, o_buf, dst_buf = ctx.buffer(lse.name), ctx.buffer(o.name), ctx.buffer(dst.name)
+    if lse_buf is not None:
+        if lse_buf.dtype.value not in LSE_DTYPES:
+            ctx.error(lse.mark, "bad-lse-dtype",
+                      f"LSE '{lse.name}' of step '{step.name}' is {lse_buf.dtype.value}; an LSE "
+                      "must be f32, f16 or bf16", hint=f"declare '{lse.name}' with dtype f32")
+        if lse_buf.lse_base is None:
+            ctx.error(lse.mark, "missing-lse-base",
+                      f"step '{step.name}' merges with LSE '{lse.name}', which declares no "
+                      "lse_base", hint=f"{BASE_HINT} to buffer '{lse.name}'")
+        op_base = getattr(op, "lse_base", None)
+        if op_base is not None and lse_buf.lse_base not in (None, op_base):
+            ctx.error(op.mark("lse_base"), "lse-base-mismatch",
+                      f"step '{step.name}' says lse_base {op_base}, but its LSE "
+                      f"'{lse.name}' has base {lse_buf.lse_base}",
+                      hint=f"use 'lse_base: {lse_buf.lse_base}' or drop it from the step")
+    for ref, buf in ((o, o_buf), (dst, dst_buf)):
+        if buf is not None and not buf.dtype.is_float:
+            what = "output" if ref is dst else "partial output"
+            ctx.error(ref.mark, "non-float-output",
+                      f"{what} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; "
+                      "a merge reads and writes floating-point outputs",
+                      hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
+    for r in ret:
+        buf = ctx.buffer(r.name)
+        if buf is None:
+            continue
+        if buf.dtype.value != "f32":
+            ctx.error(r.mark, "bad-lse-dtype",
+                      f"return_lse '{r.name}' of step '{step.name}' is {buf.dtype.value}; the "
+                      "merged LSE is f32", hint=f"declare '{r.name}' with dtype f32")
+        base = lse_buf.lse_base if lse_buf is not None else None
+        if buf.lse_base is None and base is not None:
+            ctx.error(r.mark, "missing-lse-base",
+                      f"return_lse '{r.name}' of step '{step.name}' declares no lse_base",
+                      hint=f"add 'lse_base: {base}' to buffer '{r.name}'")
+        elif base is not None and buf.lse_base != base:
+            ctx.error(r.mark, "lse-base-mismatch",
+                      f"return_lse '{r.name}' has base {buf.lse_base}, but step '{step.name}' "
+                      f"merges LSEs of base {base}",
+                      hint=f"declare '{r.name}' with 'lse_base: {base}'")
+    _mask(ctx, step)
+    so, sl = ctx.shape(o.name), ctx.shape(lse.name)
+    if so is None or sl is None:
+        return
+    if len(sl) < 1 or len(so) < 2:
+        ctx.error(lse.mark, "shape-mismatch",
+                  f"step '{step.name}' needs a leading W axis on its LSE and rows plus a "
+                  f"feature dim on its output, but has LSE {show(sl)} and output {show(so)}")
+        return
+    rows = sl[1:]
+    _expect(ctx, step, lse, [W, *rows], "the LSEs of the W ranks, stacked")
+    if stacked:
+        _expect(ctx, step, o, [W, *rows, so[-1]],
+                f"the W partial outputs, rows as in LSE '{lse.name}', then the head dim")
+        out_shape = [*rows, so[-1]]
+    else:
+        _expect(ctx, step, o, [*rows, so[-1]],
+                f"this rank's output, rows as in LSE '{lse.name}' without its W axis")
+        out_shape = list(so)
+    if dst_buf is not None:
+        _expect(ctx, step, dst, out_shape, "one merged output row per LSE row")
+    for r in ret:
+        if ctx.buffer(r.name) is not None:
+            _expect(ctx, step, r, list(rows), f"LSE '{lse.name}' without its W axis")
+
+
+def _mask(ctx: Context, step: Step) -> None:
+    found = mask_refs(step.op)
+    shapes = []
+    for ref in found:
+        buf, shape = ctx.buffer(ref.name), ctx.shape(ref.name)
+        if buf is None:
+            return
+        if buf.dtype.value not in ("i32", "i64") or (shape is not None and len(shape) != 1):
+            ctx.error(ref.mark, "bad-mask",
+                      f"{ref.role} '{ref.name}' of step '{step.name}' must be a 1-D integer "
+                      f"buffer (i32 or i64), not {buf.dtype.value} {show(shape or [])}")
+            return
+        shapes.append(shape)
+    if len(shapes) == 2 and shapes[0] is not None and shapes[1] is not None:
+        seq, qsl = shapes
+        example = ctx.samples.shapes_differ([("+", seq[0], ("num", 1))], qsl)
+        if example is not None:
+            ctx.error(found[1].mark, "bad-mask",
+                      f"query_start_loc '{found[1].name}' {show(qsl)} must be one longer than "
+                      f"seq_lens '{found[0].name}' {show(seq)} (B+1 offsets for B requests); "
+                      f"they differ for {_where(ctx, example, [seq[0], qsl[0]])}")
+
+
+def lse_combine(ctx: Context, step: Step) -> None:
+    assert isinstance(step.op, LseCombine)
+    o, lse = refs(step.op, "src")
+    _merge(ctx, step, o, lse, stacked=True)
+
+
+def lse_correct(ctx: Context, step: Step) -> None:
+    assert isinstance(step.op, LseCorrect)
+    o, lse = refs(step.op, "src")
+    _merge(ctx, step, o, lse, stacked=False)
+
+
+def all_to_all_combine(ctx: Context, step: Step) -> None:
+    assert isinstance(step.op, AllToAllCombine)
+    (o, lse), (vo, vl) = refs(step.op, "src"), refs(step.op, "via")
+    _scatter(ctx, step, o, vo)
+    _scatter(ctx, step, lse, vl)
+    _merge(ctx, step, vo, vl, stacked=True)
+
+
+def copy(ctx: Context, step: Step) -> None:
+    assert isinstance(step.op, Copy)
+    (src,), (dst,) = refs(step.op, "src"), refs(step.op, "dst")
+    _transfer(ctx, step, src, dst, symmetric=False)
+    s = ctx.shape(src.name)
+    if s is not None and ctx.shape(dst.name) is not None:
+        _expect(ctx, step, dst, list(s), f"a copy of src '{src.name}'")
+
+
+def _no_aliasing(ctx: Context, step: Step) -> None:
+    """A non-external step never writes a buffer twice, nor writes what it reads."""
+    op: OpBase = step.op
+    written: dict[str, Mark] = {}
+    for key in ("via", "dst", "return_lse"):
+        for ref in refs(op, key):
+            if ref.name in written:
+                ctx.error(ref.mark, "aliased-buffer",
+                          f"step '{step.name}' writes buffer '{ref.name}' twice", hint=
+                          "give every output its own buffer")
+            written.setdefault(ref.name, ref.mark)
+    for ref in refs(op, "src") + mask_refs(op):
+        if ref.name in written:
+            ctx.error(ref.mark, "aliased-buffer",
+                      f"step '{step.name}' reads buffer '{ref.name}' ({ref.role}) and also "
+                      "writes it; peers' stores would race with the read",
+                      hint="write into a separate buffer")
+
+
+RULES: dict[str, Callable[[Context, Step], None]] = {
+    "all_gather": all_gather,
+    "all_to_all": all_to_all,
+    "reduce_scatter": reduce_scatter,
+    "lse_combine": lse_combine,
+    "all_to_all_combine": all_to_all_combine,
+    "lse_correct": lse_correct,
+    "copy": copy,
+}
+
+
+def check_ops(ctx: Context) -> None:
+    """Run every op's rule, in step order."""
+    for step in ctx.steps:
+        rule = RULES.get(step.kind)
+        if rule is not None:
+            _no_aliasing(ctx, step)
+            rule(ctx, step)

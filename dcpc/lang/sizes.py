@@ -1,0 +1,376 @@
+"""Size binding: which values the size symbols of a schedule can take for a W.
+
+``W`` (the group size) is predefined. A size is a constant (``D: 576``), bound per
+call up to a maximum (``T: {max: 512}``), or bound at construction to a multiple of
+an expression of W (``H: {multiple_of: W}``); ``max`` and ``multiple_of`` may be
+given together. Shapes are parsed into ``dcpc.lang.expr`` ASTs, never ``eval``ed.
+
+The checker cannot enumerate every binding, so it samples a handful of values per
+symbol, edge values included (1, 2, 3, max, several multiples), and decides
+symbolic questions (are two shapes equal? does a division always come out
+whole?) by evaluation on those samples, for every W asked. A failed question
+comes back as a concrete counterexample binding, which the diagnostics print.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dcpc.diagnostics import Diagnostic, Mark, did_you_mean
+from dcpc.lang import expr as ex
+from dcpc.lang.model import Schedule, SizeSpec
+
+Binding = dict[str, int]
+
+WORLD = "W"
+MAX_DEPTH = 64  # shape expressions are short; deeper ones would only exhaust the stack
+MAX_TEXT = 512
+SAMPLES_PER_WORLD = 48
+
+
+@dataclass(frozen=True)
+class Size:
+    """One size symbol as declared: a constant, a per-call maximum, a multiple, or W."""
+
+    name: str
+    constant: int | None = None
+    max: int | None = None
+    multiple_of: ex.Expr | None = None  # None when absent or unparsable
+    broken: bool = False  # its declaration is wrong (reported once): nothing is sampled
+
+    @property
+    def is_runtime(self) -> bool:
+        """Bound per call (``max`` only): the codegen binds it from argument shapes."""
+        return self.max is not None and self.multiple_of is None and self.constant is None
+
+
+@dataclass
+class SizeTable:
+    """The sizes of a schedule, its parsed shapes, and what was wrong with them.
+
+    ``shapes[name]`` is None for a buffer whose shape could not be parsed or names
+    an unknown size; checks that need that shape skip it (its error is reported once).
+    """
+
+    sizes: dict[str, Size] = field(default_factory=dict)
+    shapes: dict[str, list[ex.Expr] | None] = field(default_factory=dict)
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+
+
+def _depth(node: ex.Expr) -> int:
+    """AST depth, computed without recursion."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if item[0] not in ("num", "sym"):
+            stack += [(item[1], level + 1), (item[2], level + 1)]
+    return deepest
+
+
+def parse_expr(text: str | int) -> ex.Expr:
+    """Parse a size expression, refusing ones too long or nested too deeply.
+
+    Raises ``expr.ExprSyntaxError`` (with a 0-based column) for every bad input.
+    """
+    if isinstance(text, str) and len(text) > MAX_TEXT:
+        raise ex.ExprSyntaxError(f"the expression is longer than {MAX_TEXT} characters", 0)
+    try:
+        node = ex.parse(text)
+    except RecursionError:
+        raise ex.ExprSyntaxError("the expression is nested too deeply", 0) from None
+    if _depth(node) > MAX_DEPTH:
+        raise ex.ExprSyntaxError(f"the expression is nested deeper than {MAX_DEPTH}", 0)
+    return node
+
+
+def _syntax_diag(mark: Mark, text: str | int, err: ex.ExprSyntaxError, what: str) -> Diagnostic:
+    col = mark.col + err.column if isinstance(text, str) and mark.line else mark.col
+    return Diagnostic(
+        Mark(mark.file, mark.line, col), "shape-syntax",
+        f"{what} {text!r} is not a size expression: {err}",
+        hint="use integers, size names, + - * / and parentheses, e.g. 'H/W'",
+    )
+
+
+def size_table(schedule: Schedule) -> SizeTable:
+    """Parse the sizes and every buffer shape of a schedule.
+
+    Reports ``shape-syntax`` (an expression that does not parse) and ``unknown-size``
+    (a shape naming a size that is not declared). ``multiple_of`` expressions are
+    parsed here; their meaning is checked by :func:`world_diagnostics`.
+    """
+    table = SizeTable()
+    table.sizes[WORLD] = Size(WORLD)
+    for name, spec in schedule.sizes.items():
+        if name == WORLD:
+            continue  # reported as a reserved name by the checker
+        if not isinstance(spec, SizeSpec):
+            table.sizes[name] = Size(name, constant=spec)
+            continue
+        multiple: ex.Expr | None = None
+        if spec.multiple_of is not None:
+            try:
+                multiple = parse_expr(spec.multiple_of)
+            except ex.ExprSyntaxError as err:
+                table.diagnostics.append(_syntax_diag(
+                    spec.mark("multiple_of"), spec.multiple_of, err, f"multiple_of of '{name}'"
+                ))
+        table.sizes[name] = Size(name, max=spec.max, multiple_of=multiple)
+        if spec.multiple_of is not None and multiple is None:
+            # unusable: keep the symbol known (no cascade of unknown-size) but unbound
+            table.sizes[name] = Size(name, broken=True)
+    for name, buffer in schedule.buffers.items():
+        dims: list[ex.Expr] | None = []
+        for i, text in enumerate(buffer.shape):
+            mark = buffer.mark(f"shape[{i}]")
+            try:
+                node = parse_expr(text)
+            except ex.ExprSyntaxError as err:
+                table.diagnostics.append(
+                    _syntax_diag(mark, text, err, f"dimension {i} of buffer '{name}',")
+                )
+                dims = None
+                continue
+            for symbol in sorted(ex.symbols(node) - set(table.sizes)):
+                table.diagnostics.append(Diagnostic(
+                    mark, "unknown-size",
+                    f"buffer '{name}' uses size '{symbol}', which is not declared under sizes",
+                    hint=did_you_mean(symbol, table.sizes)
+                    or f"declare it, e.g. 'sizes: {{{symbol}: {{max: 1024}}}}'",
+                ))
+                dims = None
+            if dims is not None:
+                dims.append(node)
+        table.shapes[name] = dims
+    return table
+
+
+def _eval(node: ex.Expr, env: Mapping[str, int]) -> int | None:
+    """Value of an expression, or None when a division is inexact or a name unbound."""
+    try:
+        return ex.evaluate(node, env)
+    except (ex.InexactDivision, ex.UnboundSymbol):
+        return None
+
+
+def _candidates(size: Size, world: int) -> list[int]:
+    """Sample values of one symbol for a W: edge values first. Empty: none admissible."""
+    if size.name == WORLD:
+        return [world]
+    if size.broken:
+        return []
+    if size.constant is not None:
+        return [size.constant]
+    if size.multiple_of is not None:
+        step = _eval(size.multiple_of, {WORLD: world})
+        if step is None or step <= 0:
+            return []
+        values = [step * k for k in (1, 2, 3, 4, 7, 16)]
+        if size.max is not None:
+            values = [v for v in values if v <= size.max]
+        return values
+    top = size.max or 1
+    return sorted({v for v in (1, 2, 3, top // 2, top - 1, top) if 1 <= v <= top})
+
+
+def sample_bindings(
+    table: SizeTable, world: int, *, limit: int = SAMPLES_PER_WORLD, seed: int = 0
+) -> list[Binding]:
+    """Admissible bindings of every size for a W: a deterministic, small sample.
+
+    The full product of the per-symbol candidates when it is small; otherwise the
+    all-smallest and all-largest bindings, a diagonal that gives every candidate of
+    every symbol at least once, and seeded random combinations up to ``limit``.
+    A symbol with no admissible value (see :func:`world_diagnostics`) makes the
+    result empty.
+    """
+    names = sorted(table.sizes)
+    pools = [_candidates(table.sizes[n], world) for n in names]
+    if any(not pool for pool in pools):
+        return []
+    total = 1
+    for pool in pools:
+        total *= len(pool)
+        if total > limit:
+            break
+    if total <= limit:
+        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*pools)]
+    picks: list[tuple[int, ...]] = [tuple(p[0] for p in pools), tuple(p[-1] for p in pools)]
+    width = max(len(p) for p in pools)
+    picks += [tuple(p[(i + k) % len(p)] for k, p in enumerate(pools)) for i in range(width)]
+    rng = random.Random(seed * 7919 + world)
+    while len(set(picks)) < limit and len(picks) < 4 * limit:
+        picks.append(tuple(rng.choice(p) for p in pools))
+    return [dict(zip(names, combo, strict=True)) for combo in dict.fromkeys(picks)][:limit]
+
+
+@dataclass(frozen=True)
+class Counterexample:
+    """A binding (W included) under which a shape question fails."""
+
+    binding: Binding
+    detail: str = ""
+
+    @property
+    def world(self) -> int:
+        return self.binding[WORLD]
+
+    def names(self, nodes: Iterable[ex.Expr]) -> str:
+        """``"H=6, T=1"``: the binding of the symbols (W aside) that ``nodes`` use."""
+        used = sorted(set().union(*(ex.symbols(n) for n in nodes)) - {WORLD})
+        return ", ".join(f"{name}={self.binding[name]}" for name in used if name in self.binding)
+
+
+class Samples:
+    """Sampled admissible bindings for each W of a range (computed once, reused)."""
+
+    def __init__(self, table: SizeTable, worlds: Sequence[int]):
+        self.table = table
+        self.worlds = list(worlds)
+        self.by_world = {w: sample_bindings(table, w) for w in self.worlds}
+
+    def __iter__(self) -> Iterable[Binding]:  # type: ignore[override]
+        for world in self.worlds:
+            yield from self.by_world[world]
+
+    def inexact(self, node: ex.Expr) -> Counterexample | None:
+        """The first sampled binding under which a division in ``node`` is inexact."""
+        for env in self:
+            try:
+                ex.evaluate(node, env)
+            except ex.InexactDivision as err:
+                return Counterexample(env, ex.unparse(err.expr))
+            except ex.UnboundSymbol:
+                return None
+        return None
+
+    def nonpositive(self, node: ex.Expr) -> Counterexample | None:
+        """The first sampled binding under which ``node`` is zero or negative."""
+        for env in self:
+            value = _eval(node, env)
+            if value is not None and value <= 0:
+                return Counterexample(env, str(value))
+        return None
+
+    def shapes_differ(
+        self, expected: Sequence[ex.Expr], actual: Sequence[ex.Expr]
+    ) -> Counterexample | None:
+        """A binding where two shapes of the same rank differ, or None if equal on all.
+
+        Bindings under which either side does not evaluate (an inexact division,
+        reported elsewhere) are skipped. ``detail`` holds both concrete shapes.
+        """
+        for env in self:
+            want = [_eval(n, env) for n in expected]
+            got = [_eval(n, env) for n in actual]
+            if None in want or None in got:
+                continue
+            if want != got:
+                return Counterexample(env, f"needs {want}, has {got}")
+        return None
+
+
+def equal_on_samples(a: ex.Expr, b: ex.Expr, samples: Samples) -> bool:
+    """Symbolic equality of two expressions, decided on the sampled bindings."""
+    return samples.shapes_differ([a], [b]) is None
+
+
+def world_diagnostics(
+    schedule: Schedule, table: SizeTable, worlds: Sequence[int]
+) -> list[Diagnostic]:
+    """Size declarations that fail for some W: ``multiple_of`` naming other sizes,
+    evaluating to a non-positive or fractional step, or leaving no value under ``max``;
+    and constants that are not positive.
+
+    Such sizes are marked broken in ``table``, so that no binding is sampled with
+    them and the shapes that use them are not reported again.
+    """
+    out: list[Diagnostic] = []
+    for name, spec in schedule.sizes.items():
+        if name == WORLD:
+            continue
+        if not isinstance(spec, SizeSpec):
+            if spec <= 0:
+                out.append(Diagnostic(
+                    schedule.mark(f"sizes/{name}"), "nonpositive-dim",
+                    f"size '{name}' is {spec}, but sizes must be positive",
+                ))
+                table.sizes[name] = Size(name, broken=True)
+            continue
+        size = table.sizes.get(name)
+        if size is None or size.multiple_of is None:
+            continue
+        mark = spec.mark("multiple_of")
+        others = sorted(ex.symbols(size.multiple_of) - {WORLD})
+        if others:
+            out.append(Diagnostic(
+                mark, "bad-multiple-of",
+                f"multiple_of of '{name}' may use only W and integers, not {', '.join(others)}",
+                hint="write the multiple in terms of W, e.g. 'multiple_of: W' or '2*W'",
+            ))
+            table.sizes[name] = Size(name, broken=True)
+            continue
+        for world in worlds:
+            step = _eval(size.multiple_of, {WORLD: world})
+            text = ex.unparse(size.multiple_of)
+            if step is None or step <= 0:
+                what = "not a whole number" if step is None else f"{step}"
+                out.append(Diagnostic(
+                    mark, "bad-multiple-of",
+                    f"multiple_of of '{name}' ({text}) is {what} for W={world}",
+                ))
+                table.sizes[name] = Size(name, broken=True)
+                break
+            if size.max is not None and step > size.max:
+                out.append(Diagnostic(
+                    mark, "empty-size-range",
+                    f"size '{name}' has no admissible value for W={world}: "
+                    f"the smallest multiple of {text} is {step}, above max {size.max}",
+                    hint=f"raise 'max' of '{name}' or narrow the W range",
+                ))
+                break
+    return out
+
+
+def max_binding(
+    schedule: Schedule, world: int, overrides: Mapping[str, int] | None = None
+) -> Binding:
+    """The binding the code generator allocates for: every ``max`` size at its max.
+
+    ``multiple_of`` sizes take their value from ``overrides`` (bound at construction)
+    and default to the smallest multiple; overrides may also lower a ``max`` size.
+    Raises ``ValueError`` when an override is not admissible (an unknown name, not a
+    multiple, above the max, not positive) or the schedule's sizes are broken.
+    """
+    overrides = dict(overrides or {})
+    table = size_table(schedule)
+    env: Binding = {WORLD: world}
+    for name in overrides:
+        if name not in table.sizes or name == WORLD:
+            raise ValueError(f"'{name}' is not a size of schedule '{schedule.schedule}'")
+    for name, size in table.sizes.items():
+        if name == WORLD:
+            continue
+        if size.constant is not None:
+            if name in overrides and overrides[name] != size.constant:
+                raise ValueError(f"size '{name}' is the constant {size.constant}")
+            env[name] = size.constant
+            continue
+        step = 1
+        if size.multiple_of is not None:
+            value = _eval(size.multiple_of, {WORLD: world})
+            if value is None or value <= 0:
+                raise ValueError(f"multiple_of of '{name}' is not a positive integer for W={world}")
+            step = value
+        default = size.max if size.max is not None and size.multiple_of is None else step
+        value = overrides.get(name, default)
+        if value <= 0 or value % step:
+            raise ValueError(f"size '{name}' = {value} is not a positive multiple of {step}")
+        if size.max is not None and value > size.max:
+            raise ValueError(f"size '{name}' = {value} is above its max {size.max}")
+        env[name] = value
+    return env
