@@ -1,0 +1,183 @@
+"""Load the generated modules and call their steps by schedule buffer name.
+
+A step method's arguments are the engine-owned buffers it reads, named after the
+schedule's buffers (docs/internals.md); this file binds them from a dict by name, so a
+change of argument order in the generator does not silently swap tensors. What each step
+writes (and so what it returns, in order) is listed in ``STEPS``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# schedule -> [(step, buffers it returns, in order)], program order, external steps left out
+STEPS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "kimi_k3_dcp": [("query_gather", ("q_full",)), ("out_exchange", ("o_recv", "lse_recv")),
+                    ("merge", ("out",))],
+    "kimi_k3_dcp_fused": [("query_gather", ("q_full",)), ("combine", ("out", "out_lse"))],
+    "kimi_k3_dcp_staging": [("query_gather", ("q_stage",)), ("query_copy", ("q_full",)),
+                            ("out_exchange", ("o_recv", "lse_recv")), ("merge", ("out",))],
+    "kimi_k3_dcp_ag_rs": [("query_gather", ("q_full",)), ("lse_gather", ("lse_all",)),
+                          ("correct", ("o_corr",)), ("out_scatter", ("out",))],
+    "kv_gather": [("kv_gather", ("kv_full",)), ("release", ())],
+}
+DECODE = ("kimi_k3_dcp", "kimi_k3_dcp_fused", "kimi_k3_dcp_staging", "kimi_k3_dcp_ag_rs")
+
+
+def camel(name: str) -> str:
+    """kimi_k3_dcp_ag_rs -> KimiK3DcpAgRs (the generated class name)."""
+    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+
+
+def load_class(modules_dir: Path, schedule: str) -> type:
+    """Import ``<modules_dir>/<schedule>.py`` and return its schedule class."""
+    path = Path(modules_dir) / f"{schedule}.py"
+    if not path.exists():
+        raise FileNotFoundError(f"no generated module {path}")
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:  # generated code does `from dcpc import runtime`
+        sys.path.insert(0, repo)
+    spec = importlib.util.spec_from_file_location(f"dcpc_generated_{schedule}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for obj in vars(module).values():
+        if isinstance(obj, type) and getattr(obj, "SCHEDULE", None) == schedule:
+            return obj
+    cls = getattr(module, camel(schedule), None)
+    if not isinstance(cls, type):
+        raise ImportError(f"{path} has no class {camel(schedule)} (SCHEDULE={schedule!r})")
+    return cls
+
+
+def instantiate(cls: type, group: Any, sizes: dict[str, int], device: torch.device,
+                backend: str) -> Any:
+    """Construct a module instance; retry with the schedule maxima if the sizes are refused."""
+    tries = [sizes]
+    if "H" in sizes:
+        tries.append({**sizes, "T": 512, "B": 256})
+    else:
+        tries.append({**sizes, "N": 65536})
+    errors = []
+    for attempt in tries:
+        try:
+            return cls(group, sizes=attempt, device=device, backend=backend)
+        except Exception as exc:  # noqa: BLE001 - retried, then reported together
+            errors.append(f"sizes={attempt}: {type(exc).__name__}: {exc}")
+    raise RuntimeError(f"cannot construct {cls.__name__}({backend}): " + " | ".join(errors))
+
+
+def bind(fn: Callable[..., Any], env: dict[str, Any], slot: int
+         ) -> tuple[list[Any], dict[str, Any]]:
+    """Arguments for a step method from buffers by name (+ slot when it takes one)."""
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name == "slot":
+            value: Any = slot
+        elif p.name in env:
+            value = env[p.name]
+        elif p.default is not p.empty:
+            continue
+        else:
+            raise TypeError(f"{getattr(fn, '__qualname__', fn)} wants {p.name!r}; "
+                            f"have {sorted(env)}")
+        if p.kind == p.POSITIONAL_ONLY:
+            args.append(value)
+        else:
+            kwargs[p.name] = value
+    return args, kwargs
+
+
+def step_caller(inst: Any, schedule: str, step: str, env: dict[str, Any], slot: int = 0
+                ) -> Callable[[], dict[str, torch.Tensor]]:
+    """A zero-argument closure that runs one step and returns {written buffer: tensor}.
+
+    Binding is done once (outside timed regions and graph captures); ``env`` is read at
+    bind time, so later changes to it are not seen: bind again.
+    """
+    fn = getattr(inst, step)
+    args, kwargs = bind(fn, env, slot)
+    names = dict(STEPS[schedule])[step]
+
+    def call() -> dict[str, torch.Tensor]:
+        ret = fn(*args, **kwargs)
+        if isinstance(ret, torch.Tensor):
+            ret = (ret,)
+        elif not isinstance(ret, (tuple, list)):
+            ret = ()
+        return dict(zip(names, ret, strict=False))
+
+    return call
+
+
+def run_steps(inst: Any, schedule: str, env: dict[str, Any], slot: int = 0,
+              after: Callable[[str, dict[str, torch.Tensor]], None] | None = None
+              ) -> dict[str, torch.Tensor]:
+    """Run every step of a schedule in order; outputs feed later steps by buffer name.
+
+    ``after(step, outputs)`` runs right after each step, on the same stream: snapshot
+    peer-written buffers there, before a later step lets peers move on (domain.md).
+    """
+    env = dict(env)
+    for step, _ in STEPS[schedule]:
+        outs = step_caller(inst, schedule, step, env, slot)()
+        if after is not None:
+            after(step, outs)
+        env.update(outs)
+    return env
+
+
+class Registry:
+    """Module classes (loaded once) and instances per (schedule, H, backend), built lazily."""
+
+    def __init__(self, modules_dir: Path | None, group: Any, device: torch.device,
+                 fake: bool = False) -> None:
+        self.modules_dir = modules_dir
+        self.group = group
+        self.device = device
+        self.fake = fake
+        self.classes: dict[str, type] = {}
+        self.instances: dict[tuple[str, int | None, str], Any] = {}
+
+    def cls(self, schedule: str) -> type:
+        """The schedule's class (the fake stand-in with ``fake``)."""
+        if schedule not in self.classes:
+            if self.fake:
+                from gpu_fake import FakeModule
+
+                self.classes[schedule] = FakeModule
+            else:
+                if self.modules_dir is None:
+                    raise FileNotFoundError("no --modules directory")
+                self.classes[schedule] = load_class(self.modules_dir, schedule)
+        return self.classes[schedule]
+
+    def get(self, schedule: str, H: int | None, backend: str) -> Any:
+        """An instance for heads H (None for kv_gather) on a backend; collective when new."""
+        key = (schedule, H, backend)
+        if key not in self.instances:
+            sizes = {} if H is None else {"H": H}
+            self.instances[key] = instantiate(self.cls(schedule), self.group, sizes,
+                                              self.device, backend)
+        return self.instances[key]
+
+    def close_all(self) -> None:
+        """Close every instance (errors ignored: this runs on the way out)."""
+        for inst in self.instances.values():
+            try:
+                inst.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.instances.clear()
