@@ -10,7 +10,15 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from dcpc.diagnostics import NOWHERE, Mark
@@ -66,7 +74,7 @@ LseBase = Annotated[Literal["e", "2"], Field(description="Base of an LSE: e or 2
 class Node(BaseModel):
     """Base of every model: unknown keys are errors; source marks are kept."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
 
     src_mark: SkipJsonSchema[Mark | None] = Field(default=None, alias=MARK, exclude=True)
     src_marks: SkipJsonSchema[dict[str, Mark]] = Field(
@@ -316,9 +324,21 @@ class Schedule(Node):
         data[MARKS] = marks
         return data
 
-    # filled by parse(): the file the schedule came from and its text's hash
-    source_file: SkipJsonSchema[str] = Field(default="<memory>", exclude=True)
-    source_sha256: SkipJsonSchema[str] = Field(default="", exclude=True)
+    # filled by parse(): the file the schedule came from and its text's hash. Private
+    # attributes, so that no YAML key can set them.
+    _source_file: str = PrivateAttr(default="<memory>")
+    _source_sha256: str = PrivateAttr(default="")
+
+    @property
+    def source_file(self) -> str:
+        return self._source_file
+
+    @property
+    def source_sha256(self) -> str:
+        return self._source_sha256
+
+    def set_source(self, file: str, sha256: str) -> None:
+        self._source_file, self._source_sha256 = file, sha256
 
     def step_list(self) -> list[Step]:
         return [

@@ -64,8 +64,7 @@ def parse_text(text: str, file: str = "<memory>") -> model.Schedule:
         schedule = model.Schedule.model_validate(data)
     except ValidationError as exc:
         raise DiagnosticError(_diagnostics(exc, data, file)) from None
-    schedule.source_file = file
-    schedule.source_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    schedule.set_source(file, hashlib.sha256(text.encode("utf-8")).hexdigest())
     return schedule
 
 

@@ -69,6 +69,15 @@ class _Builder:
                 )
                 continue
             key = str(self.value(key_node))
+            if key.startswith("__"):
+                self.errors.append(
+                    Diagnostic(
+                        _mark(self.file, key_node),
+                        "reserved-key",
+                        f"keys starting with '__' are reserved, found '{key}'",
+                    )
+                )
+                continue
             if key in marks:
                 self.errors.append(
                     Diagnostic(
