@@ -5,7 +5,7 @@ buffer table), the heaps (``make_heap``), the signal bank (``sync``), argument c
 (``validate``), shape evaluation (``shapes``) and the reference math (``merge``).
 """
 
-from dcpc.runtime import merge, shapes, sync, tiles, validate
+from dcpc.runtime import collectives, merge, shapes, sync, tiles, validate
 from dcpc.runtime.errors import DcpcArgumentError, DcpcError, DcpcTimeoutError
 from dcpc.runtime.heap import SymmetricBuffer, SymmetricHeap, make_heap, resolve_backend
 from dcpc.runtime.module import Buf, ScheduleModule, Tune
@@ -19,6 +19,7 @@ __all__ = [
     "SymmetricBuffer",
     "SymmetricHeap",
     "Tune",
+    "collectives",
     "make_heap",
     "merge",
     "resolve_backend",
