@@ -96,7 +96,7 @@ def test_dcp_decode_loop_matches_single_rank_attention_every_step(tmp_path: Path
     pytest.importorskip("dcpc.codegen.emit", reason="the code generator is not there yet")
     steps, batches = 3, ["0,1,6,2,40", "2,0,13"]  # 5 and 3 requests: 8 and 4 padded rows
     got, log = _run_example(tmp_path, "--world", "2", "--heads", "4", "--backend", "host",
-                            "--steps", str(steps), "--batches", *batches)
+                            "--programs", "4", "--steps", str(steps), "--batches", *batches)
     assert got["passed"], log[-4000:]
     assert got["steps"] == steps
     assert got["rows_checked"] == steps * (5 + 3)
