@@ -93,7 +93,6 @@ def _run_example(tmp_path: Path, *args: str, timeout_s: int = 240) -> tuple[dict
 @pytest.mark.e2e
 @pytest.mark.host
 def test_dcp_decode_loop_matches_single_rank_attention_every_step(tmp_path: Path) -> None:
-    pytest.importorskip("dcpc.codegen.emit", reason="the code generator is not there yet")
     steps, batches = 3, ["0,1,6,2,40", "2,0,13"]  # 5 and 3 requests: 8 and 4 padded rows
     got, log = _run_example(tmp_path, "--world", "2", "--heads", "4", "--backend", "host",
                             "--programs", "4", "--steps", str(steps), "--batches", *batches)
