@@ -40,6 +40,7 @@ from attention import D_QK, D_V, GARBAGE_LSE, local_seq_len, mla_decode_attentio
 from check import CheckStats, compare_outputs, compare_tokens, merge_stats_across_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.append(str(REPO))  # dcpc.runtime for the generated module when dcpc is not installed
 INTERLEAVE = 1  # must equal the schedule's mask_empty interleave (kimi_k3_dcp: default 1)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # CUDA-graph batch sizes, as vLLM
 POS_PERIOD = 251  # positional tables repeat with this period (keeps them small)
