@@ -14,7 +14,7 @@ from __future__ import annotations
 import keyword
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import dcpc
 from dcpc.codegen.plan import BufferPlan, Expr, Plan, SizePlan, StepPlan
@@ -119,6 +119,15 @@ def register(op: str) -> Callable[[Rule], Rule]:
     return deco
 
 
+OpT = TypeVar("OpT", bound=m.OpBase)
+
+
+def typed(step: m.Step, cls: type[OpT]) -> OpT:
+    """The step's op as the model class its rule is registered for."""
+    assert isinstance(step.op, cls), (step.name, type(step.op).__name__)
+    return step.op
+
+
 def _step(step: m.Step, **kw: Any) -> StepPlan:
     return StepPlan(step.name, step.index, step.kind, f"ops/{step.kind}.py.j2", step.op.doc, **kw)
 
@@ -138,7 +147,7 @@ def _mask(ctx: Ctx, op: Any, plan: StepPlan) -> None:
 
 @register("all_gather")
 def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = step.op
+    op = typed(step, m.AllGather)
     src, dst = ctx.shape(op.src), ctx.shape(op.dst)
     d = op.dim
     stack = len(dst) == len(src) + 1
@@ -168,7 +177,7 @@ def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
 
 @register("all_to_all")
 def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = step.op
+    op = typed(step, m.AllToAll)
     srcs = op.src if isinstance(op.src, list) else [op.src]
     dsts = op.dst if isinstance(op.dst, list) else [op.dst]
     plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
@@ -185,7 +194,7 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
 
 @register("reduce_scatter")
 def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = step.op
+    op = typed(step, m.ReduceScatter)
     shape = ctx.shape(op.src)
     outer, part = product(shape[: op.dim]), div(product(shape[op.dim :]), W)
     via = op.via or f"{step.name}_via"
@@ -209,7 +218,7 @@ def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
 
 
 def _merge_common(ctx: Ctx, step: m.Step, o: str, lse: str, plan: StepPlan) -> StepPlan:
-    op = step.op
+    op: m.LseCombine | m.LseCorrect | m.AllToAllCombine = step.op  # type: ignore[assignment]
     lse_shape = ctx.shape(lse)
     plan.scalars += [
         ("rows", product(lse_shape[1:])),
@@ -228,7 +237,7 @@ def _merge_common(ctx: Ctx, step: m.Step, o: str, lse: str, plan: StepPlan) -> S
 
 @register("lse_combine")
 def _lse_combine(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = step.op
+    op = typed(step, m.LseCombine)
     o, lse = op.src
     plan = _step(
         step,
@@ -241,7 +250,7 @@ def _lse_combine(ctx: Ctx, step: m.Step) -> StepPlan:
 
 @register("lse_correct")
 def _lse_correct(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = step.op
+    op = typed(step, m.LseCorrect)
     o, lse_all = op.src
     plan = _step(
         step,
@@ -254,7 +263,7 @@ def _lse_correct(ctx: Ctx, step: m.Step) -> StepPlan:
 
 @register("all_to_all_combine")
 def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = step.op
+    op = typed(step, m.AllToAllCombine)
     o, lse = op.src
     via_o, via_lse = op.via
     shape = ctx.shape(lse)
@@ -278,7 +287,7 @@ def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
 
 @register("copy")
 def _copy(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = step.op
+    op = typed(step, m.Copy)
     return _step(
         step,
         params=ctx.engine([op.src]),
@@ -302,7 +311,7 @@ def _barrier(ctx: Ctx, step: m.Step) -> StepPlan:
 def _signal(ctx: Ctx, step: m.Step) -> StepPlan:
     return _step(
         step,
-        attrs={"peers": step.op.to.value, "signal": True, "wait": False},
+        attrs={"peers": typed(step, m.Signal).to.value, "signal": True, "wait": False},
         tuning=dict(SYNC_TUNING),
         signalling=True,
     )
@@ -310,8 +319,10 @@ def _signal(ctx: Ctx, step: m.Step) -> StepPlan:
 
 @register("wait")
 def _wait(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = step.op
-    match = [s for s in ctx.steps if s.kind == "signal" and s.op.channel == op.channel]
+    op = typed(step, m.Wait)
+    match = [
+        s for s in ctx.steps if s.kind == "signal" and typed(s, m.Signal).channel == op.channel
+    ]
     if not match:
         ctx.fail(
             op.mark("channel"),
@@ -341,13 +352,13 @@ def _external(ctx: Ctx, step: m.Step) -> StepPlan:
         "external",
         None,
         step.op.doc,
-        reads=list(step.op.reads),
-        writes=list(step.op.writes),
+        reads=list(typed(step, m.External).reads),
+        writes=list(typed(step, m.External).writes),
     )
 
 
 def _buffers(schedule: m.Schedule) -> dict[str, BufferPlan]:
-    written = set()
+    written: set[str | None] = set()
     for step in schedule.step_list():
         if step.kind != "external":
             for key in ("dst", "return_lse"):
@@ -376,6 +387,7 @@ def _sizes(schedule: m.Schedule) -> list[SizePlan]:
         elif spec.max is not None:
             out.append(SizePlan(name, "max", spec.max))
         else:
+            assert spec.multiple_of is not None  # the model requires max or multiple_of
             out.append(SizePlan(name, "multiple_of", None, ex.parse(spec.multiple_of)))
     return out
 

@@ -38,7 +38,7 @@ class SymmMemHeap:
             poison_(self._buffer)
         else:
             self._buffer.zero_()
-        self._handle = symm_mem.rendezvous(self._buffer, self.group.group_name)
+        self._handle = symm_mem.rendezvous(self._buffer, self.group.group_name)  # type: ignore[union-attr]
         base = [int(p) + int(self._handle.offset) for p in self._handle.buffer_ptrs]
         out: list[SymmetricBuffer] = []
         for off, n in zip(offsets, nbytes, strict=True):
