@@ -30,6 +30,7 @@ class RankOutcome:
     error: str = ""  # exception type and message, or why it died
     traceback: str = ""
     exitcode: int | None = None
+    reported_s: float | None = None  # seconds from launch to this rank's report
 
 
 @dataclass
@@ -128,7 +129,8 @@ def launch(
         while len(outcomes) < world and time.monotonic() < deadline:
             try:
                 rank, status, value, error, tb = results.get(timeout=0.1)
-                outcomes[rank] = RankOutcome(rank, status, value, error, tb)
+                outcomes[rank] = RankOutcome(rank, status, value, error, tb,
+                                             reported_s=time.monotonic() - start)
                 if status != "ok":
                     deadline = min(deadline, time.monotonic() + grace_s)
                 continue

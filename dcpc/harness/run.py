@@ -31,7 +31,9 @@ class RunConfig:
     spin_limit: int | None = None
     epoch_start: int | None = None
     fault: dict[str, Any] | None = None  # adversary.Fault fields
+    programs: int | None = 1  # programs per kernel (None: the module's own tuning)
     timeout_s: float | None = None  # default: grows with calls and world
+    grace_s: float = 15.0  # after one rank fails, how long the others get
     hb: bool = False  # run the happens-before checker while compiling
 
     def worker_args(self, schedule_path: str, module_path: str) -> dict[str, Any]:
@@ -40,7 +42,7 @@ class RunConfig:
             "backend": self.backend, "calls": self.calls, "seed": self.seed,
             "jitter_s": self.jitter_s, "jitter_p": self.jitter_p, "poison": self.poison,
             "order": self.order, "spin_limit": self.spin_limit,
-            "epoch_start": self.epoch_start, "fault": self.fault,
+            "epoch_start": self.epoch_start, "fault": self.fault, "programs": self.programs,
         }
 
 
@@ -105,7 +107,7 @@ def run_schedule(config: RunConfig) -> RunReport:
             config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb)
         timeout = config.timeout_s or 60.0 + 0.6 * config.calls * config.world
         result = launch("dcpc.harness.worker:run_rank", config.world,
-                        config.worker_args(used, module), timeout_s=timeout, grace_s=15.0)
+                        config.worker_args(used, module), timeout_s=timeout, grace_s=config.grace_s)
     report = RunReport(config, name, result, compile_s=compile_s)
     for outcome in result.outcomes:
         if outcome.status != "ok":
@@ -136,9 +138,10 @@ def format_report(report: RunReport) -> str:
         lines.append(f"  {name:<12}{s.compared:>8}  {s.mismatches:>10}  {s.max_abs_err:.3g}")
         if s.first_mismatch:
             lines.append(f"    first: {s.first_mismatch}")
-    lines.append(f"time       {report.ms_per_call:.1f} ms per call in the module (Triton "
-                 f"interpreter on CPU), {report.launch.wall_s:.1f} s wall, compile "
-                 f"{report.compile_s:.2f} s")
+    cpu = sum(r.cpu_s for r in report.ranks)
+    lines.append(f"time       {report.ms_per_call:.1f} ms per call in the module ({c.backend} "
+                 f"backend on CPU), {report.launch.wall_s:.1f} s wall, {cpu:.1f} s CPU over "
+                 f"all ranks, compile {report.compile_s:.2f} s")
     lines += [f"error      {e}" for e in report.errors()]
     lines.append(f"result     {'OK: every output matches' if report.ok else 'FAILED'}"
                  f" ({report.mismatches} mismatches)")

@@ -44,6 +44,7 @@ class RankReport:
     outputs: dict[str, OutputStats] = field(default_factory=dict)
     module_s: float = 0.0  # time inside the module's methods
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of this process (the machine may be shared)
     epochs: list[int] = field(default_factory=list)  # the signal bank's epochs at the end
     notes: list[str] = field(default_factory=list)
 
@@ -138,14 +139,20 @@ def run_rank(
     spin_limit: int | None = None,
     epoch_start: int | None = None,
     fault: dict[str, Any] | None = None,
+    programs: int | None = None,
 ) -> RankReport:
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     schedule = parse_file(schedule_path)
     steps = schedule.step_list()
     cls = load_module_class(module_path, schedule.schedule)
     ctor = synth.constructor_sizes(schedule, world)
+    # ``programs`` for every step (signalling or not): the interpreter runs programs
+    # one after another, so fewer programs is the cheap way to run on CPU
+    tuning = None if programs is None else {
+        step: {"programs": programs} for step in getattr(cls, "TUNING", {})}
     kwargs = _constructor_kwargs(
-        cls, {"spin_limit": spin_limit, "epoch_start": epoch_start, "poison": poison})
+        cls, {"spin_limit": spin_limit, "epoch_start": epoch_start, "poison": poison,
+              "tuning": tuning})
     module = cls(dist.group.WORLD, sizes=ctor, device="cpu", backend=backend, **kwargs)
     jitter = adversary.Jitter(seed, rank, jitter_s, jitter_p)
     strike = adversary.Fault(**fault) if fault else None
@@ -197,4 +204,5 @@ def run_rank(
     dist.barrier()  # nobody closes its heap while a peer may still store into it
     module.close()
     report.wall_s = time.perf_counter() - start
+    report.cpu_s = time.process_time() - cpu_start
     return report
