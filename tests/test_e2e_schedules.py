@@ -53,3 +53,19 @@ def test_two_slots_in_flight_interleaved(schedule: str) -> None:
 def test_base2_lse_variant(schedule: str, backend: str) -> None:
     _run(RunConfig(schedule=str(SCHEDULES / f"{schedule}.yaml"), world=2, backend=backend,
                    calls=20, seed=23, lse_base="2"))
+
+
+def test_several_programs_per_kernel() -> None:
+    _run(RunConfig(schedule=str(SCHEDULES / "kimi_k3_dcp_ag_rs.yaml"), world=2, backend="host",
+                   calls=6, seed=31, programs=4))
+
+
+def test_a_module_without_waits_is_caught() -> None:
+    """Mutation: waits that never wait. The harness must see wrong or poisoned values."""
+    no_wait = (("while ((got - epoch) < 0) & (spins < spin_limit):", "while False:"),
+               ("    if (got - epoch) < 0:\n        first", "    if False:\n        first"))
+    report = run_schedule(RunConfig(schedule=str(SCHEDULES / "kimi_k3_dcp.yaml"), world=2,
+                                    backend="host", calls=12, seed=5, jitter_s=0.02,
+                                    jitter_p=0.8, module_patch=no_wait))
+    print(format_report(report))
+    assert report.mismatches > 0, format_report(report)

@@ -35,6 +35,7 @@ class RunConfig:
     timeout_s: float | None = None  # default: grows with calls and world
     grace_s: float = 15.0  # after one rank fails, how long the others get
     hb: bool = False  # run the happens-before checker while compiling
+    module_patch: tuple[tuple[str, str], ...] = ()  # (old, new) text edits: mutation tests
 
     def worker_args(self, schedule_path: str, module_path: str) -> dict[str, Any]:
         return {
@@ -84,7 +85,8 @@ def variant_text(text: str, lse_base: str | None) -> str:
 
 
 def compile_to(schedule_path: str, out_dir: Path, world: int, *, lse_base: str | None = None,
-               hb: bool = False) -> tuple[str, str, str, float]:
+               hb: bool = False, patch: tuple[tuple[str, str], ...] = ()
+               ) -> tuple[str, str, str, float]:
     """Compile into ``out_dir``: (schedule file used, module file, schedule name, seconds)."""
     from dcpc.pipeline import Options
     from dcpc.pipeline import run as compile_stages
@@ -96,15 +98,21 @@ def compile_to(schedule_path: str, out_dir: Path, world: int, *, lse_base: str |
         used.write_text(variant_text(source.read_text(), lse_base))
     c = compile_stages(used, Options(worlds=[world], hb=hb), until="emit")
     assert c.schedule is not None and c.module_text is not None
+    text = c.module_text
+    for old, new in patch:
+        if old not in text:
+            raise ValueError(f"module patch: {old!r} is not in the generated module")
+        text = text.replace(old, new)
     module = out_dir / f"{c.schedule.schedule}.py"
-    module.write_text(c.module_text)
+    module.write_text(text)
     return str(used), str(module), c.schedule.schedule, sum(c.seconds.values())
 
 
 def run_schedule(config: RunConfig) -> RunReport:
     with tempfile.TemporaryDirectory(prefix="dcpc-run-") as tmp:
         used, module, name, compile_s = compile_to(
-            config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb)
+            config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb,
+            patch=config.module_patch)
         timeout = config.timeout_s or 60.0 + 0.6 * config.calls * config.world
         result = launch("dcpc.harness.worker:run_rank", config.world,
                         config.worker_args(used, module), timeout_s=timeout, grace_s=config.grace_s)
