@@ -22,6 +22,7 @@ from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_back
 from dcpc.runtime.validate import DTYPES, Signature, check_sizes
 
 DEFAULT_SPIN_LIMIT = 1 << 26
+CPU_PROGRAMS = 4  # default cap on programs per launch on CPU (host backend)
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,12 @@ class Buf:
 class Tune:
     """Launch parameters of one step, decided at construction (the GPU tuning knobs)."""
 
-    programs: int
+    programs: int  # the most programs a launch uses (the signal bank's width)
     num_warps: int
     block: int
     tiles: list[tuple[int, int]] = field(default_factory=list)  # (BLOCK_R, BLOCK_C) per space
     statics: dict[str, int] = field(default_factory=dict)
+    tiles_per_program: int = 1  # below `programs`, a launch has one program per this many tiles
 
 
 class ScheduleModule:
@@ -147,6 +149,9 @@ class ScheduleModule:
             merged = {**knobs, **overrides.get(step, {})}
             if programs is not None and step in self.SIGNALLING and merged["programs"] > 1:
                 merged["programs"] = programs
+            elif self.device.type == "cpu" and "programs" not in overrides.get(step, {}):
+                # the Triton interpreter runs programs one after another: few is fastest
+                merged["programs"] = min(merged["programs"], CPU_PROGRAMS)
             if not 1 <= merged["programs"] <= 1024:
                 raise ValueError(f"{step}: programs must be in 1..1024, got {merged['programs']}")
             statics = {
@@ -157,7 +162,8 @@ class ScheduleModule:
                 for e in self.TILES.get(step, ())
             ]
             out[step] = Tune(
-                merged["programs"], merged["num_warps"], merged["block"], spaces, statics
+                merged["programs"], merged["num_warps"], merged["block"], spaces, statics,
+                merged.get("tiles_per_program", 1),
             )
         return out
 
@@ -247,6 +253,16 @@ class ScheduleModule:
         env = self._signatures[method].bind(tensors, env)
         self._env[slot] = env
         return env
+
+    @staticmethod
+    def _grid(tune: Tune, rows: int, cols: int) -> int:
+        """Programs for this call: one per ``tiles_per_program`` tiles of the first tile
+        space, at most ``tune.programs``. Small calls use few programs (fewer signals,
+        less launch work); every rank computes the same grid from the same sizes, and
+        program i's epoch advances only in launches that run it, on every rank alike."""
+        block_r, block_c = tune.tiles[0]
+        tiles = -(-rows // block_r) * -(-cols // block_c)
+        return max(1, min(tune.programs, -(-tiles // tune.tiles_per_program)))
 
     def _scalars(self, step: str, env: Mapping[str, int]) -> list[int]:
         try:

@@ -14,6 +14,13 @@ import torch
 
 from dcpc.runtime.heap import Segment, SymmetricBuffer, aligned_offsets, poison_
 
+# Closed heaps' allocations, kept for the life of the process. torch caches rendezvous
+# handles by device address: a freed symmetric buffer whose address the allocator hands
+# out again would come back with the OLD handle, i.e. stale peer mappings, and signals
+# would land in a peer's freed memory (seen on 2xH200 as hangs after a few dozen
+# instances were closed and re-created, torch 2.11). Never freeing is the safe choice.
+_RETIRED: list[tuple[torch.Tensor, Any]] = []
+
 
 class SymmMemHeap:
     def __init__(self, group: Any, device: torch.device, poison: bool = False):
@@ -54,5 +61,8 @@ class SymmMemHeap:
         dist.barrier(group=self.group)
 
     def close(self) -> None:
+        """Drop this heap's views. The memory is retired, not freed (see ``_RETIRED``)."""
+        if self._buffer is not None:
+            _RETIRED.append((self._buffer, self._handle))
         self._handle = None
         self._buffer = None
