@@ -41,8 +41,9 @@ def cases(H: int, W: int, device: torch.device) -> list[dict[str, Any]]:
                         sizes={"H": H, "T": 512}, args=(q,)))
         o = torch.randn(T, H, DV, device=device).to(torch.bfloat16)
         lse = torch.randn(T, H, device=device)
-        seq = torch.full((T,), 1000, dtype=torch.int32, device=device)
-        qsl = torch.arange(T + 1, dtype=torch.int32, device=device)
+        B = min(T, 256)  # requests; each has T // B query tokens
+        seq = torch.full((B,), 1000, dtype=torch.int32, device=device)
+        qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * (T // B)
         out.append(dict(schedule="kimi_k3_dcp_fused", step="combine", label=f"fused T={T}",
                         sizes={"H": H, "T": 512}, args=(o, lse, seq, qsl)))
         out.append(dict(schedule="kimi_k3_dcp", step="out_exchange", label=f"a2a T={T}",
