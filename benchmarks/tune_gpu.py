@@ -97,7 +97,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--only", default="", help="substring filter on case labels")
-    parser.add_argument("--spin-limit", type=int, default=1 << 26)
+    parser.add_argument("--spin-limit", type=int, default=None)
     parser.add_argument("--verbose", action="store_true", help="log every configuration")
     parser.add_argument("--debug", action="store_true",
                         help="no trap: report a timed-out wait's step, peer and epoch")

@@ -55,7 +55,12 @@ RESERVED = frozenset(
         "part_rows",
     }
 )
-DEFAULT_TUNING = {"programs": 32, "num_warps": 4, "block": 4096}
+# Launch defaults, from benchmarks/tune_gpu.py on 2xH200 (benchmarks/results/tuning.md):
+# up to 128 programs a launch (the grid shrinks with the call's tiles, see
+# dcpc.runtime.module.ScheduleModule._grid), 4 warps, 4096-element tiles; the fused
+# exchange+merge prefers smaller tiles (more programs for the merge at small T).
+DEFAULT_TUNING = {"programs": 128, "num_warps": 4, "block": 4096}
+OP_TUNING = {"all_to_all_combine": {"block": 2048}}
 SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}
 W: Expr = ("sym", "W")
 ONE: Expr = ("num", 1)
@@ -451,7 +456,7 @@ def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
     for step in ctx.steps:
         plan = LOWERINGS[step.kind](ctx, step)
         if plan.template is not None and not plan.tuning:
-            plan.tuning = dict(DEFAULT_TUNING)
+            plan.tuning = {**DEFAULT_TUNING, **OP_TUNING.get(step.kind, {})}
         steps.append(plan)
     if ctx.errors:
         raise DiagnosticError(ctx.errors)

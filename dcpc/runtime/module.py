@@ -21,7 +21,13 @@ from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
 from dcpc.runtime.validate import DTYPES, Signature, check_sizes
 
+# Bounded waits: iterations of a wait's acquire poll before it records a timeout.
+# CPU (Triton interpreter, ~10 us an iteration): 1 << 26 is hours, so tests pass their
+# own. GPU: an iteration is a few ns, and ranks can legitimately drift by seconds (a
+# peer JIT-compiling a kernel, a descheduled host thread): 1 << 26 expired in about a
+# second on H200 and trapped healthy runs, so the GPU default is the int32 maximum.
 DEFAULT_SPIN_LIMIT = 1 << 26
+GPU_SPIN_LIMIT = 2**31 - 1
 CPU_PROGRAMS = 4  # default cap on programs per launch on CPU (host backend)
 
 
@@ -68,7 +74,7 @@ class ScheduleModule:
         device: str | torch.device | None = None,
         backend: str = "auto",
         *,
-        spin_limit: int = DEFAULT_SPIN_LIMIT,
+        spin_limit: int | None = None,
         epoch_start: int = 0,
         poison: bool = False,
         programs: int | None = None,
@@ -85,6 +91,8 @@ class ScheduleModule:
             )
         self.device = torch.device(device)
         self.backend = resolve_backend(backend, group, self.device)
+        if spin_limit is None:
+            spin_limit = GPU_SPIN_LIMIT if self.device.type == "cuda" else DEFAULT_SPIN_LIMIT
         if not 1 <= spin_limit < 2**31:
             raise ValueError(f"{name}: spin_limit must be in 1..2**31-1, got {spin_limit}")
         self.spin_limit, self.poison, self._epoch_start = spin_limit, poison, epoch_start
