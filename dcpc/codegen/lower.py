@@ -56,10 +56,12 @@ RESERVED = frozenset(
     }
 )
 # Launch defaults, from benchmarks/tune_gpu.py on 2xH200 (benchmarks/results/tuning.md):
-# up to 128 programs a launch (the grid shrinks with the call's tiles, see
-# dcpc.runtime.module.ScheduleModule._grid), 4 warps, 4096-element tiles; the fused
-# exchange+merge prefers smaller tiles (more programs for the merge at small T).
-DEFAULT_TUNING = {"programs": 128, "num_warps": 4, "block": 4096}
+# 4 warps, 4096-element tiles (2048 for the fused exchange+merge); the grid shrinks with
+# the call's tiles (dcpc.runtime.module.ScheduleModule._grid) up to `programs`.
+# `programs` is capped at 64, not the sweep's faster 128: the kernels of both slots
+# must be co-resident on a GPU (a program spins on its peer's twin), and two slots of
+# 128-program fused kernels hung a two-stream (DBO) run at H=96, T=64.
+DEFAULT_TUNING = {"programs": 64, "num_warps": 4, "block": 4096}
 OP_TUNING = {"all_to_all_combine": {"block": 2048}}
 SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}
 W: Expr = ("sym", "W")
