@@ -63,6 +63,7 @@ RESERVED = frozenset(
 # 128-program fused kernels hung a two-stream (DBO) run at H=96, T=64.
 DEFAULT_TUNING = {"programs": 64, "num_warps": 4, "block": 4096}
 OP_TUNING = {"all_to_all_combine": {"block": 2048}}
+SERIAL_PROGRAMS = 128  # one slot (or one stream): the sweep's best for large payloads
 SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}
 W: Expr = ("sym", "W")
 ONE: Expr = ("num", 1)
@@ -459,6 +460,8 @@ def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
         plan = LOWERINGS[step.kind](ctx, step)
         if plan.template is not None and not plan.tuning:
             plan.tuning = {**DEFAULT_TUNING, **OP_TUNING.get(step.kind, {})}
+            if schedule.slots == 1 or schedule.streams == m.Streams.single:
+                plan.tuning["programs"] = SERIAL_PROGRAMS  # no other slot's kernels in flight
         steps.append(plan)
     if ctx.errors:
         raise DiagnosticError(ctx.errors)
