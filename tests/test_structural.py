@@ -144,7 +144,14 @@ def test_unknown_buffer_everywhere_a_step_names_one() -> None:
     ("close", "reserved-name"), ("self", "reserved-name"),
 ])
 def test_step_name_rules(name: str, code: str) -> None:
-    found = errors(edit(TINY, "  - gather:", f"  - '{name}':"))
+    text = edit(TINY, "  - gather:", f"  - '{name}':")
+    if name.startswith("__"):  # the parser reserves '__' keys before any name rule runs
+        with pytest.raises(DiagnosticError) as exc:
+            errors(text)
+        found = exc.value.diagnostics
+        code = "reserved-key"
+    else:
+        found = errors(text)
     assert [d.code for d in found] == [code]
     assert (found[0].mark.line, found[0].mark.col) == (12, 5)
 
