@@ -1,0 +1,259 @@
+"""The lowering rules, one per op: ``@register("op")`` puts a rule in ``LOWERINGS``.
+
+A rule gets the lowering context and the step and returns the step's ``StepPlan``;
+its template is ``templates/ops/<op>.py.j2``. See dcpc/codegen/lower.py for the
+driver and the canonical-factor convention the rules follow.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from dcpc.codegen.lower import (
+    ONE,
+    SYNC_TUNING,
+    Ctx,
+    W,
+    div,
+    product,
+    register,
+)
+from dcpc.codegen.plan import BufferPlan, StepPlan
+from dcpc.lang import model as m
+
+OpT = TypeVar("OpT", bound=m.OpBase)
+
+
+def typed(step: m.Step, cls: type[OpT]) -> OpT:
+    """The step's op as the model class its rule is registered for."""
+    assert isinstance(step.op, cls), (step.name, type(step.op).__name__)
+    return step.op
+
+
+def _step(step: m.Step, **kw: Any) -> StepPlan:
+    return StepPlan(step.name, step.index, step.kind, f"ops/{step.kind}.py.j2", step.op.doc, **kw)
+
+
+def _mask(ctx: Ctx, op: Any, plan: StepPlan) -> None:
+    """Roles, scalars and statics of ``mask_empty`` (empty shards and padding rows)."""
+    mask = op.mask_empty
+    plan.attrs["mask"] = mask is not None
+    plan.attrs["mask_interleave"] = mask.interleave if mask else 1
+    if mask is None:
+        return
+    plan.roles["seq_lens"], plan.roles["query_start_loc"] = mask.seq_lens, mask.query_start_loc
+    plan.params += [n for n in ctx.engine([mask.seq_lens, mask.query_start_loc])]
+    plan.scalars.append(("batch", ctx.shape(mask.seq_lens)[0]))
+    plan.statics["batch"] = ctx.shape(mask.seq_lens)[0]
+
+
+@register("all_gather")
+def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.AllGather)
+    src, dst = ctx.shape(op.src), ctx.shape(op.dst)
+    d = op.dim
+    stack = len(dst) == len(src) + 1
+    outer = product(src[:d])
+    if stack:
+        rows, row_len, interleave = ONE, product(src[d:]), ONE
+    else:
+        rows, row_len = src[d], product(src[d + 1 :])
+        interleave = ("num", op.interleave) if op.interleave else rows
+    return _step(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "dst": op.dst},
+        scalars=[
+            ("outer", outer),
+            ("rows", rows),
+            ("row_len", row_len),
+            ("interleave", interleave),
+        ],
+        tiles=[row_len],
+        scratch={"stage": (product([W, *src]), ctx.buffers[op.src].dtype)},
+        attrs={"stack": stack},
+        signalling=True,
+    )
+
+
+@register("all_to_all")
+def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.AllToAll)
+    srcs = op.src if isinstance(op.src, list) else [op.src]
+    dsts = op.dst if isinstance(op.dst, list) else [op.dst]
+    plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
+        shape = ctx.shape(s)
+        plan.roles[f"src{k}"], plan.roles[f"dst{k}"] = s, t
+        part = div(product(shape[op.dim :]), W)
+        plan.scalars += [(f"outer{k}", product(shape[: op.dim])), (f"part{k}", part)]
+        plan.tiles.append(part)
+        plan.scratch[f"send{k}"] = (product(shape), ctx.buffers[s].dtype)
+    plan.attrs["payloads"] = len(srcs)
+    return plan
+
+
+@register("reduce_scatter")
+def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.ReduceScatter)
+    shape = ctx.shape(op.src)
+    outer, part = product(shape[: op.dim]), div(product(shape[op.dim :]), W)
+    via = op.via or f"{step.name}_recv"  # the name the checker and the docs use
+    if op.via is None:  # implicit receive buffer [W, outer * part]
+        ctx.buffers[via] = BufferPlan(
+            via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric"
+        )
+    return _step(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "via": via, "dst": op.dst},
+        scalars=[("outer", outer), ("part", part)],
+        tiles=[part],
+        scratch={
+            "send": (product(shape), ctx.buffers[op.src].dtype),
+            "acc": (product(ctx.shape(op.dst)), "f32"),
+        },
+        signalling=True,
+    )
+
+
+def _merge_common(ctx: Ctx, step: m.Step, o: str, lse: str, plan: StepPlan) -> StepPlan:
+    op: m.LseCombine | m.LseCorrect | m.AllToAllCombine = step.op  # type: ignore[assignment]
+    lse_shape = ctx.shape(lse)
+    plan.scalars += [
+        ("rows", product(lse_shape[1:])),
+        ("group_rows", product(lse_shape[2:])),
+        ("row_len", ctx.shape(o)[-1]),
+    ]
+    plan.tiles.append(ctx.shape(o)[-1])
+    plan.attrs["base"] = ctx.base(op, lse)
+    plan.attrs["return_lse"] = op.return_lse is not None
+    if op.return_lse:
+        plan.roles["dst_lse"] = op.return_lse
+        plan.returns.append(op.return_lse)
+    _mask(ctx, op, plan)
+    return plan
+
+
+@register("lse_combine")
+def _lse_combine(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.LseCombine)
+    o, lse = op.src
+    plan = _step(
+        step,
+        params=ctx.engine([o, lse]),
+        returns=[op.dst],
+        roles={"o": o, "lse": lse, "dst": op.dst},
+    )
+    return _merge_common(ctx, step, o, lse, plan)
+
+
+@register("lse_correct")
+def _lse_correct(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.LseCorrect)
+    o, lse_all = op.src
+    plan = _step(
+        step,
+        params=ctx.engine([o, lse_all]),
+        returns=[op.dst],
+        roles={"o": o, "lse": lse_all, "dst": op.dst},
+    )
+    return _merge_common(ctx, step, o, lse_all, plan)
+
+
+@register("all_to_all_combine")
+def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.AllToAllCombine)
+    o, lse = op.src
+    via_o, via_lse = op.via
+    shape = ctx.shape(lse)
+    plan = _step(
+        step,
+        params=ctx.engine([o, lse]),
+        returns=[op.dst],
+        roles={"src_o": o, "src_lse": lse, "o": via_o, "lse": via_lse, "dst": op.dst},
+        scalars=[
+            ("outer", product(shape[: op.dim])),
+            ("part_rows", div(product(shape[op.dim :]), W)),
+        ],
+        scratch={
+            "send_o": (product(ctx.shape(o)), ctx.buffers[o].dtype),
+            "send_lse": (product(shape), ctx.buffers[lse].dtype),
+        },
+        signalling=True,
+    )
+    return _merge_common(ctx, step, via_o, via_lse, plan)
+
+
+@register("copy")
+def _copy(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.Copy)
+    return _step(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "dst": op.dst},
+        scalars=[("numel", product(ctx.shape(op.src)))],
+    )
+
+
+@register("barrier")
+def _barrier(ctx: Ctx, step: m.Step) -> StepPlan:
+    return _step(
+        step,
+        attrs={"peers": "all", "wait_index": step.index, "signal": True, "wait": True},
+        tuning=dict(SYNC_TUNING),
+        signalling=True,
+    )
+
+
+@register("signal")
+def _signal(ctx: Ctx, step: m.Step) -> StepPlan:
+    return _step(
+        step,
+        attrs={"peers": typed(step, m.Signal).to.value, "signal": True, "wait": False},
+        tuning=dict(SYNC_TUNING),
+        signalling=True,
+    )
+
+
+@register("wait")
+def _wait(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.Wait)
+    match = [
+        s for s in ctx.steps if s.kind == "signal" and typed(s, m.Signal).channel == op.channel
+    ]
+    if not match:
+        ctx.fail(
+            op.mark("channel"),
+            "unmatched-wait",
+            f"wait '{step.name}' names channel '{op.channel}', which no signal step uses",
+            "add a signal step with the same channel before it",
+        )
+        return _step(step)
+    return _step(
+        step,
+        attrs={
+            "peers": op.from_.value,
+            "signal": False,
+            "wait": True,
+            "signal_index": match[0].index,
+        },
+        tuning=dict(SYNC_TUNING),
+        signalling=True,
+    )
+
+
+@register("external")
+def _external(ctx: Ctx, step: m.Step) -> StepPlan:
+    return StepPlan(
+        step.name,
+        step.index,
+        "external",
+        None,
+        step.op.doc,
+        reads=list(typed(step, m.External).reads),
+        writes=list(typed(step, m.External).writes),
+    )
