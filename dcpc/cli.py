@@ -115,8 +115,12 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, debug: bool) -> N
             except DiagnosticError as err:
                 failed += 1
                 _report(err.diagnostics, fmt)
-                results.append({"file": file, "ok": False,
-                                "diagnostics": [d.as_dict() for d in err.diagnostics]})
+                result = {"file": file, "ok": False,
+                          "diagnostics": [d.as_dict() for d in err.diagnostics]}
+                report = getattr(getattr(err, "compilation", None), "hb_report", None)
+                if report is not None:  # races and deadlocks as data, with timelines
+                    result["hb"] = _jsonable(report.as_json())
+                results.append(result)
                 continue
             stats = c.hb_report.stats if c.hb_report is not None else {}
             results.append({"file": file, "ok": True, "worlds": [worlds[0], worlds[-1]],

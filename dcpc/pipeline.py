@@ -97,7 +97,11 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit") -
     c = Compilation(Path(path), options or Options())
     for name, stage in STAGES:
         start = time.perf_counter()
-        stage(c)
+        try:
+            stage(c)
+        except DiagnosticError as err:
+            err.compilation = c  # type: ignore[attr-defined]  # what the stages got to
+            raise
         c.seconds[name] = time.perf_counter() - start
         if name == until:
             break

@@ -133,3 +133,24 @@ def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "dcpc", "--version"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "dcpc" in done.stdout
+
+
+def test_check_json_carries_the_race_as_data():
+    broken = ROOT / "tests" / "hb_corpus" / "query_no_exchange.yaml"
+    result = invoke("check", "--format", "json", str(broken))
+    assert result.exit_code == 1
+    (entry,) = json.loads(result.output)["results"]
+    assert [d["code"] for d in entry["diagnostics"]] == ["race"]
+    (finding,) = entry["hb"]["findings"]
+    assert (finding["kind"], finding["class"], finding["buffer"]) == (
+        "race", "write-after-read", "q_full")
+    assert {finding["first"]["step"], finding["second"]["step"]} == {"attention", "query_gather"}
+    assert finding["first"]["rank"] != finding["second"]["rank"]
+
+
+def test_graph_hb_highlights_the_conflict():
+    broken = ROOT / "tests" / "hb_corpus" / "query_no_exchange.yaml"
+    result = invoke("graph", "--hb", "--world", "2", str(broken))
+    assert result.exit_code == 0
+    assert result.output.startswith("digraph")
+    assert "red" in result.output
