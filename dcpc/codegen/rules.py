@@ -7,6 +7,7 @@ driver and the canonical-factor convention the rules follow.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from dcpc.codegen.lower import (
@@ -137,30 +138,25 @@ def _merge_common(ctx: Ctx, step: m.Step, o: str, lse: str, plan: StepPlan) -> S
     return plan
 
 
-@register("lse_combine")
-def _lse_combine(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = typed(step, m.LseCombine)
-    o, lse = op.src
-    plan = _step(
-        step,
-        params=ctx.engine([o, lse]),
-        returns=[op.dst],
-        roles={"o": o, "lse": lse, "dst": op.dst},
-    )
-    return _merge_common(ctx, step, o, lse, plan)
+def _local_merge(cls: type[m.LseCombine] | type[m.LseCorrect]) -> Callable[[Ctx, m.Step], StepPlan]:
+    """The rule of a merge on this rank only: ``src: [o, lse]`` into ``dst``."""
+
+    def rule(ctx: Ctx, step: m.Step) -> StepPlan:
+        op = typed(step, cls)
+        o, lse = op.src
+        plan = _step(
+            step,
+            params=ctx.engine([o, lse]),
+            returns=[op.dst],
+            roles={"o": o, "lse": lse, "dst": op.dst},
+        )
+        return _merge_common(ctx, step, o, lse, plan)
+
+    return rule
 
 
-@register("lse_correct")
-def _lse_correct(ctx: Ctx, step: m.Step) -> StepPlan:
-    op = typed(step, m.LseCorrect)
-    o, lse_all = op.src
-    plan = _step(
-        step,
-        params=ctx.engine([o, lse_all]),
-        returns=[op.dst],
-        roles={"o": o, "lse": lse_all, "dst": op.dst},
-    )
-    return _merge_common(ctx, step, o, lse_all, plan)
+register("lse_combine")(_local_merge(m.LseCombine))
+register("lse_correct")(_local_merge(m.LseCorrect))
 
 
 @register("all_to_all_combine")
