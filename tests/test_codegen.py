@@ -150,3 +150,17 @@ def test_reserved_step_names_are_diagnostics():
     (diag,) = err.value.diagnostics
     assert diag.code == "reserved-name" and "close" in diag.message
     assert diag.mark.file == "kv.yaml" and diag.mark.line > 0
+
+
+def test_epochs_advance_by_one_scalar_atomic(generated):
+    """A GPU-only invariant the interpreter cannot exercise (it runs a program's block at
+    once): every warp of a program must agree on its epoch, so the counter is advanced by
+    one scalar atomic whose result is broadcast, never by a load and a store that warps
+    execute at different times (that race desynchronised ranks and hung two-stream runs
+    on 2xH200)."""
+    for name, path in generated.items():
+        text = path.read_text()
+        start = text.index("def _dcpc_advance_epoch(")
+        body = text[start : text.index("\n\n\n", start)]
+        assert "tl.atomic_add(counter, 1" in body, name
+        assert "tl.store(" not in body and "tl.load(" not in body, name
