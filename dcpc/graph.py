@@ -78,25 +78,27 @@ def dataflow(schedule: model.Schedule) -> nx.DiGraph:
     return graph
 
 
-def _quote(text: str) -> str:
+def dot_quote(text: str) -> str:
+    """A Graphviz quoted string (backslashes, quotes and newlines escaped)."""
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def to_dot(graph: nx.DiGraph) -> str:
     """Graphviz DOT text: steps are boxes (in program order), symmetric buffers bold."""
-    lines = [f"digraph {_quote(graph.graph.get('name', 'schedule'))} {{", "  rankdir=LR;"]
+    lines = [f"digraph {dot_quote(graph.graph.get('name', 'schedule'))} {{", "  rankdir=LR;"]
     for node, attrs in graph.nodes(data=True):
         if attrs.get("kind") == "step":
-            label = _quote(f"{attrs['index']}. {attrs['label']}\n{attrs.get('op', '')}")
-            lines.append(f"  {_quote(node)} [shape=box, style=rounded, label={label}];")
+            label = dot_quote(f"{attrs['index']}. {attrs['label']}\n{attrs.get('op', '')}")
+            lines.append(f"  {dot_quote(node)} [shape=box, style=rounded, label={label}];")
         else:
             text = str(attrs.get("label", node))
             if "shape" in attrs:
                 text += f"\n[{', '.join(attrs['shape'])}] {attrs['dtype']}"
             style = "bold" if attrs.get("symmetric") else "solid"
-            lines.append(f"  {_quote(node)} [shape=ellipse, style={style}, label={_quote(text)}];")
+            label = dot_quote(text)
+            lines.append(f"  {dot_quote(node)} [shape=ellipse, style={style}, label={label}];")
     for src, dst, attrs in graph.edges(data=True):
         style = "dashed" if attrs.get("access") == "read" else "solid"
-        lines.append(f"  {_quote(src)} -> {_quote(dst)} [style={style}];")
+        lines.append(f"  {dot_quote(src)} -> {dot_quote(dst)} [style={style}];")
     lines.append("}")
     return "\n".join(lines) + "\n"

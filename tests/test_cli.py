@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,13 @@ def test_graph_hb_highlights_the_conflict():
     assert result.exit_code == 0
     assert result.output.startswith("digraph")
     assert "red" in result.output
+    assert "\\n" in result.output and "\\\\n" not in result.output  # line breaks, once escaped
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_graph_renders_png_with_dot(tmp_path):
+    for args in (["graph", str(KIMI)], ["graph", "--hb", str(ROOT / "schedules/kv_gather.yaml")]):
+        target = tmp_path / "g.png"
+        result = invoke(*args, "-o", str(target))
+        assert result.exit_code == 0, result.output
+        assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,15 +5,12 @@ from __future__ import annotations
 from dcpc.check.hb.clocks import World, analyze
 from dcpc.check.hb.events import Program, lower
 from dcpc.check.hb.report import Finding, Location
+from dcpc.graph import dot_quote
 from dcpc.lang.model import Schedule
 
 
 def _node(rank: int, call: int, j: int) -> str:
     return f"r{rank}_c{call}_e{j}"
-
-
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _event_of(program: Program, finding: Finding, where: Location) -> int | None:
@@ -49,23 +46,23 @@ def hb_dot(schedule: Schedule, world: int, finding: Finding | None = None) -> st
     program = lower(schedule)
     w = analyze(program, world)
     marked = _highlights(w, finding)
-    out = [f"digraph {_quote('hb_' + program.name)} {{", "  rankdir=TB;",
+    out = [f"digraph {dot_quote('hb_' + program.name)} {{", "  rankdir=TB;",
            '  node [shape=box, fontsize=10, fontname="monospace"];']
     for rank in range(world):
         out.append(f"  subgraph cluster_rank{rank} {{")
-        out.append(f"    label={_quote(f'rank {rank}')};")
+        out.append(f"    label={dot_quote(f'rank {rank}')};")
         for call in range(w.calls):
             for j, event in enumerate(program.events):
                 step = program.steps[event.step]
-                label = f"call {call} (slot {call % program.slots})\\n{step.name} [{event.phase}]"
+                label = f"call {call} (slot {call % program.slots})\n{step.name} [{event.phase}]"
                 for a in event.accesses:
-                    label += f"\\n{a.kind[0]} {a.buffer}" + (" (all ranks)" if a.remote else "")
+                    label += f"\n{a.kind[0]} {a.buffer}" + (" (all ranks)" if a.remote else "")
                 style = []
                 if not w.live[w.pos(call, j)]:
                     style.append("style=dotted, fontcolor=grey")
                 if _node(rank, call, j) in marked:
                     style.append("color=red, penwidth=2.5, fontcolor=red")
-                attrs = ", ".join([f"label={_quote(label)}"] + style)
+                attrs = ", ".join([f"label={dot_quote(label)}"] + style)
                 out.append(f"    {_node(rank, call, j)} [{attrs}];")
         out.append("  }")
     for rank in range(world):
@@ -87,6 +84,6 @@ def hb_dot(schedule: Schedule, world: int, finding: Finding | None = None) -> st
         a, b = sorted(marked)
         label = f"{finding.cls} on {finding.buffer}" if finding is not None else ""
         out.append(f"  {a} -> {b} [dir=none, style=dotted, color=red, penwidth=2, "
-                   f"constraint=false, label={_quote(label)}, fontcolor=red];")
+                   f"constraint=false, label={dot_quote(label)}, fontcolor=red];")
     out.append("}")
     return "\n".join(out) + "\n"
