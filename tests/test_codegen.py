@@ -164,3 +164,20 @@ def test_epochs_advance_by_one_scalar_atomic(generated):
         body = text[start : text.index("\n\n\n", start)]
         assert "tl.atomic_add(counter, 1" in body, name
         assert "tl.store(" not in body and "tl.load(" not in body, name
+
+
+def _fused_with_via_reader() -> str:
+    """The fused schedule plus an engine step that reads the exchange's via buffers."""
+    text = (SCHEDULES / "kimi_k3_dcp_fused.yaml").read_text()
+    return text + "  - inspect:      {op: external, reads: [o_recv, lse_recv]}\n"
+
+
+def test_fused_exchange_skips_its_own_part_unless_via_is_read(generated):
+    """The fused op reads this rank's own part from src (no copy into via[rank]) only
+    when no other step reads via; a reader of via gets the full exchange."""
+    shipped = generated["kimi_k3_dcp_fused"].read_text()
+    assert "FROM_SRC=self.rank," in shipped
+    plan = lower(parse_text(_fused_with_via_reader(), "fused_via_read.yaml"), range(2, 9))
+    combine = next(s for s in plan.steps if s.name == "combine")
+    assert combine.attrs["self_copy"] is True
+    assert "FROM_SRC=-1," in emit(plan)

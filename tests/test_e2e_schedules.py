@@ -55,6 +55,25 @@ def test_base2_lse_variant(schedule: str, backend: str) -> None:
                    calls=20, seed=23, lse_base="2"))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_exchange_with_a_reader_of_via(tmp_path: Path, world: int) -> None:
+    """The fused op copies its own part into via[rank] when a later step reads via
+    (the shipped schedule does not, and merges its own part from src instead)."""
+    text = (SCHEDULES / "kimi_k3_dcp_fused.yaml").read_text()
+    variant = tmp_path / "fused_via_read.yaml"
+    variant.write_text(text.replace("schedule: kimi_k3_dcp_fused", "schedule: fused_via_read")
+                       + "  - inspect:      {op: external, reads: [o_recv, lse_recv]}\n")
+    _run(RunConfig(schedule=str(variant), world=world, backend="host", calls=12, seed=41,
+                   programs=2))
+    if world == 2:  # mutation: skip the own part anyway; the reader of via must notice
+        report = run_schedule(RunConfig(schedule=str(variant), world=2, backend="host",
+                                        calls=4, seed=41, module_patch=(
+                                            ("FROM_SRC=-1,", "FROM_SRC=self.rank,"),)))
+        assert report.launch.ok and report.outputs["o_recv"].mismatches > 0, \
+            format_report(report)
+        assert report.outputs["out"].mismatches == 0, format_report(report)
+
+
 def test_several_programs_per_kernel() -> None:
     _run(RunConfig(schedule=str(SCHEDULES / "kimi_k3_dcp_ag_rs.yaml"), world=2, backend="host",
                    calls=6, seed=31, programs=4))

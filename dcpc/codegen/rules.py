@@ -20,6 +20,7 @@ from dcpc.codegen.lower import (
     register,
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
+from dcpc.graph import accesses
 from dcpc.lang import model as m
 
 OpT = TypeVar("OpT", bound=m.OpBase)
@@ -179,6 +180,13 @@ def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
             "send_lse": (product(shape), ctx.buffers[lse].dtype),
         },
         signalling=True,
+    )
+    # The own part need not travel through via[RANK] unless a later step reads via.
+    plan.attrs["self_copy"] = any(
+        via_o in reads or via_lse in reads
+        for other in ctx.steps
+        if other.name != step.name
+        for reads in [accesses(other).reads]
     )
     return _merge_common(ctx, step, via_o, via_lse, plan)
 

@@ -165,7 +165,7 @@ def run_rank(
             for name in returned_names(step.op):
                 report.outputs.setdefault(name, OutputStats())
 
-    live: dict[int, tuple[Buffers, dict[str, torch.Tensor], Any]] = {}  # call -> state
+    live: dict[int, tuple[Buffers, dict[str, torch.Tensor], Any, Any]] = {}  # call -> state
     for event in adversary.plan_events(schedule, calls, order, seed):
         if event.call not in live:
             sizes = synth.call_sizes(schedule, world, ctor, seed, event.call)
@@ -173,13 +173,20 @@ def run_rank(
             external = synth.make_external(schedule, world, sizes, seed, event.call)
             reference = simulate_call(schedule, world, sizes, inputs, external)[rank]
             env = {k: _to_engine(schedule, k, v) for k, v in inputs[rank].items()}
-            live[event.call] = (reference, env, external)
-        reference, env, external = live[event.call]
+            live[event.call] = (reference, env, external, sizes)
+        reference, env, external, sizes = live[event.call]
         step = steps[event.step]
         if strike is not None:
             strike.strike(rank, event.call, step.name)
         jitter.delay()
         if isinstance(step.op, m.External):
+            for name in step.op.reads:  # module-owned buffers an engine step reads: check them
+                if name not in env:
+                    got = module.buffer(name, event.slot, sizes)
+                    where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
+                    compare(name, "move", schedule.buffers[name].dtype.value, got,
+                            reference[name], report.outputs.setdefault(name, OutputStats()), where)
+                    env[name] = got
             seen = {k: v.to(torch.float64) for k, v in env.items()}
             for name, value in external(step, rank, seen).items():
                 env[name] = _to_engine(schedule, name, value)

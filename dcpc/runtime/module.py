@@ -97,6 +97,7 @@ class ScheduleModule:
             raise ValueError(f"{name}: spin_limit must be in 1..2**31-1, got {spin_limit}")
         self.spin_limit, self.poison, self._epoch_start = spin_limit, poison, epoch_start
         self._trap = self.device.type == "cuda"
+        self._wp2 = 1 << (self.world - 1).bit_length()  # pointer tables are loaded as vectors
         self._check_each_call = self.device.type == "cpu" and self.backend != "torch"
         self._env_const, self._maxima = self._bind_sizes(dict(sizes or {}))
         self._max_env = {**self._env_const, **self._maxima}
@@ -304,9 +305,15 @@ class ScheduleModule:
         """Raise ``DcpcTimeoutError`` if a kernel recorded one (synchronises with the device)."""
         self._bank.check_errors(self.STEPS, self.rank)
 
-    def buffer(self, name: str, slot: int = 0) -> torch.Tensor:
-        """The whole local instance of a module-owned buffer (sized for the maxima)."""
-        return self._view(name, slot, self._max_env)
+    def buffer(
+        self, name: str, slot: int = 0, sizes: Mapping[str, int] | None = None
+    ) -> torch.Tensor:
+        """The local instance of a module-owned buffer: sized for ``sizes`` (a call's size
+        values, e.g. ``{"T": 8, "B": 2}``; missing ones take their maxima), else for the
+        maxima. What an engine step declared as reading it (``external: reads``) sees."""
+        if name not in self.BUFFERS or self.BUFFERS[name].kind == "engine":
+            raise KeyError(f"{type(self).__name__}: no module-owned buffer {name!r}")
+        return self._view(name, slot, {**self._max_env, **(sizes or {})})
 
     def close(self) -> None:
         """Release the symmetric heap (idempotent). Views handed out must not be used after."""
