@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=450.0,
                     help="seconds; sections stop starting work after it, hard exit 30 s later")
     ap.add_argument("--no-crossed", action="store_true", help="skip crossed-order DBO")
+    ap.add_argument("--programs", type=int, default=None,
+                    help="programs per signalling launch (default: the modules' own)")
     return ap.parse_args(argv)
 
 
@@ -220,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", str(rank)))
-    out_dir = args.out or Path(os.environ.get("OUT") or REPO / "benchmarks" / "results")
+    # a CPU rehearsal never overwrites the committed GPU results
+    default_out = Path("/tmp/dcpc-dry-run") if args.dry_run else REPO / "benchmarks" / "results"
+    out_dir = args.out or Path(os.environ.get("OUT") or default_out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         device = torch.device("cpu")
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_modules import Registry
 
     reg = Registry(None if args.fake else args.modules, dist.group.WORLD, device,
-                   fake=args.fake)
+                   fake=args.fake, programs=args.programs)
     fast = cfg["backends"][0]
 
     def run_dbo(crossed: bool) -> None:

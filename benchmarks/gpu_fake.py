@@ -20,7 +20,7 @@ class FakeModule:
     SCHEDULE = "fake"
 
     def __init__(self, group: Any, sizes: dict[str, int], device: torch.device | None = None,
-                 backend: str = "torch") -> None:
+                 backend: str = "torch", programs: int | None = None) -> None:
         self.group = group
         self.W = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

@@ -60,7 +60,7 @@ def load_class(modules_dir: Path, schedule: str) -> type:
 
 
 def instantiate(cls: type, group: Any, sizes: dict[str, int], device: torch.device,
-                backend: str) -> Any:
+                backend: str, programs: int | None = None) -> Any:
     """Construct a module instance; retry with the schedule maxima if the sizes are refused."""
     tries = [sizes]
     if "H" in sizes:
@@ -70,7 +70,7 @@ def instantiate(cls: type, group: Any, sizes: dict[str, int], device: torch.devi
     errors = []
     for attempt in tries:
         try:
-            return cls(group, sizes=attempt, device=device, backend=backend)
+            return cls(group, sizes=attempt, device=device, backend=backend, programs=programs)
         except Exception as exc:  # noqa: BLE001 - retried, then reported together
             errors.append(f"sizes={attempt}: {type(exc).__name__}: {exc}")
     raise RuntimeError(f"cannot construct {cls.__name__}({backend}): " + " | ".join(errors))
@@ -143,8 +143,9 @@ class Registry:
     """Module classes (loaded once) and instances per (schedule, H, backend), built lazily."""
 
     def __init__(self, modules_dir: Path | None, group: Any, device: torch.device,
-                 fake: bool = False) -> None:
+                 fake: bool = False, programs: int | None = None) -> None:
         self.modules_dir = modules_dir
+        self.programs = programs  # None: the modules' defaults
         self.group = group
         self.device = device
         self.fake = fake
@@ -170,7 +171,7 @@ class Registry:
         if key not in self.instances:
             sizes = {} if H is None else {"H": H}
             self.instances[key] = instantiate(self.cls(schedule), self.group, sizes,
-                                              self.device, backend)
+                                              self.device, backend, self.programs)
         return self.instances[key]
 
     def close_all(self) -> None:

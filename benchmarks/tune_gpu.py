@@ -26,16 +26,20 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_common import Ctx, barrier, bench  # noqa: E402
+from gpu_common import Ctx, barrier, bench, go  # noqa: E402
 from gpu_modules import load_class  # noqa: E402
 
 D, DV = 576, 512
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def cases(H: int, W: int, device: torch.device) -> list[dict[str, Any]]:
     """(schedule, step, label, sizes, argument factory) for each swept call."""
     out = []
-    for T in (1, 8, 64, 512):
+    for T in (1, 8, 64, 512):  # labels: "gather T=8", "fused T=64", "a2a T=1", "kv 16MB"
         q = torch.randn(T, H // W, D, device=device).to(torch.bfloat16)
         out.append(dict(schedule="kimi_k3_dcp", step="query_gather", label=f"gather T={T}",
                         sizes={"H": H, "T": 512}, args=(q,)))
@@ -57,18 +61,20 @@ def cases(H: int, W: int, device: torch.device) -> list[dict[str, Any]]:
 
 
 def sweep_one(ctx: Ctx, cls: type, case: dict[str, Any], group: Any, iters: int,
-              spin_limit: int, verbose: bool, debug: bool) -> list[dict]:
+              spin_limit: int, verbose: bool, debug: bool, knobs: argparse.Namespace
+              ) -> list[dict]:
     rows = []
-    for num_warps in (4, 8):
-        for block in (2048, 4096, 8192):
-            tuning = {case["step"]: {"programs": 128, "num_warps": num_warps, "block": block}}
+    top = max(knobs.programs)
+    for num_warps in knobs.warps:
+        for block in knobs.blocks:
+            tuning = {case["step"]: {"programs": top, "num_warps": num_warps, "block": block}}
             inst = cls(group, sizes=case["sizes"], device=ctx.device, backend="symm_mem",
                        tuning=tuning, spin_limit=spin_limit)
             tune = inst._tune[case["step"]]
             if debug:
                 inst._trap = False  # record a timed-out wait instead of trapping
             fn = getattr(inst, case["step"])
-            grids = [(p, 1) for p in (2, 4, 8, 16, 32, 64, 128)] + [(128, t) for t in (2, 4)]
+            grids = [(p, 1) for p in knobs.programs] + [(top, t) for t in knobs.per]
             for programs, per in grids:
                 tune.programs, tune.tiles_per_program = programs, per
                 if verbose:
@@ -96,7 +102,15 @@ def main() -> int:
     parser.add_argument("--modules", default="build/generated")
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--only", default="", help="substring filter on case labels")
+    parser.add_argument("--only", default="",
+                        help="comma list of substrings; a case runs when its label has one")
+    parser.add_argument("--programs", type=_ints, default=[2, 4, 8, 16, 32, 64, 128],
+                        help="grid sizes swept (the largest is also the signal bank's width)")
+    parser.add_argument("--per", type=_ints, default=[2, 4],
+                        help="tiles_per_program values swept at the largest grid")
+    parser.add_argument("--warps", type=_ints, default=[4, 8])
+    parser.add_argument("--blocks", type=_ints, default=[2048, 4096, 8192])
+    parser.add_argument("--deadline", type=float, default=500.0, help="seconds for the sweep")
     parser.add_argument("--spin-limit", type=int, default=None)
     parser.add_argument("--verbose", action="store_true", help="log every configuration")
     parser.add_argument("--debug", action="store_true",
@@ -107,16 +121,19 @@ def main() -> int:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     out_dir = Path(os.environ.get("OUT", "benchmarks/results"))
-    ctx = Ctx(rank, world, device, out_dir, deadline=time.monotonic() + 500)
+    ctx = Ctx(rank, world, device, out_dir, deadline=time.monotonic() + args.deadline)
     results: dict[str, Any] = {}
     classes: dict[str, type] = {}
     for case in cases(args.heads, world, device):
-        if args.only and args.only not in case["label"]:
+        if args.only and not any(x and x in case["label"] for x in args.only.split(",")):
+            continue
+        if not go(ctx, 20.0):  # collective: every rank skips alike
+            ctx.log(f"{case['label']}: skipped (deadline)")
             continue
         cls = classes.setdefault(case["schedule"], load_class(Path(args.modules),
                                                                case["schedule"]))
         rows = sweep_one(ctx, cls, case, dist.group.WORLD, args.iters, args.spin_limit,
-                         args.verbose, args.debug)
+                         args.verbose, args.debug, args)
         rows.sort(key=lambda r: r["us"])
         results[case["label"]] = rows
         best = rows[0]
@@ -126,9 +143,9 @@ def main() -> int:
         ctx.log(f"{case['label']:>14}: best {best['us']:7.2f} us{extra} {best}")
         for r in rows[1:3]:
             ctx.log(f"{'':>14}        {r['us']:7.2f} us {r}")
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "tune_gpu.json").write_text(json.dumps(results, indent=1))
+        if rank == 0:  # after every case: a run cut short keeps what it measured
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "tune_gpu.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     dist.destroy_process_group()
     return 0
