@@ -126,7 +126,9 @@ def render(results: dict[str, Any]) -> str:
     lines += ["## DBO: two slots on two streams", ""]
     lines += _checks(results, "dbo", ["schedule", "H", "T", "order", "rank", "iters"])
     lines += ["## Latency (us, median over CUDA-graph replays, max over ranks)", ""]
-    lines.append(f"Signal-only floor: {_fmt(results.get('floor_us'), '.2f')} us. "
+    samples = ", ".join(f"{x:.2f}" for x in results.get("floor_samples_us", []))
+    lines.append(f"Signal-only floor: {_fmt(results.get('floor_us'), '.2f')} us"
+                 + (f" (median of {samples})" if samples else "") + ". "
                  f"Peer copy 134 MB: {_fmt((results.get('peer_copy') or {}).get('gbps'))} GB/s"
                  " received per rank.")
     lines.append("")

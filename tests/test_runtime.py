@@ -154,3 +154,22 @@ def test_empty_mask_follows_the_local_length_formula():
             local = sum(1 for tok in range(n) if (tok // 2) % 2 == p)
             assert bool(mask[p, t]) == (local == 0)
     assert mask[:, 4:].all()
+
+
+@pytest.mark.parametrize(
+    ("rows", "programs", "want"),
+    [
+        (256, 128, (128, 16, 64)),  # query gather T=8, H=64 at W=2: 36 tiles -> 144
+        (32, 128, (18, 16, 64)),  # T=1: split down to 1024 elements, 18 tiles
+        (2048, 128, (128, 64, 64)),  # enough tiles already: unchanged
+        (256, 4, (4, 64, 64)),  # CPU cap: 36 tiles >= 4 programs
+    ],
+)
+def test_small_calls_get_shorter_tiles_and_fewer_programs(rows, programs, want):
+    from dcpc.runtime.module import MIN_BLOCK, ScheduleModule, Tune
+
+    tune = Tune(programs, 4, 4096, tiles=[(64, 64)])
+    grid, block_r, block_c = ScheduleModule._launch(tune, rows, 576)
+    assert (grid, block_r, block_c) == want
+    assert block_r * block_c >= MIN_BLOCK and grid <= programs
+    assert grid == min(programs, -(-rows // block_r) * -(-576 // block_c))

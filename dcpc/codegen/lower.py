@@ -56,14 +56,13 @@ RESERVED = frozenset(
     }
 )
 # Launch defaults, from benchmarks/tune_gpu.py on 2xH200 (benchmarks/results/tuning.md):
-# 4 warps, 4096-element tiles (2048 for the fused exchange+merge); the grid shrinks with
-# the call's tiles (dcpc.runtime.module.ScheduleModule._grid) up to `programs`.
-# `programs` is capped at 64, not the sweep's faster 128: the kernels of both slots
-# must be co-resident on a GPU (a program spins on its peer's twin), and two slots of
-# 128-program fused kernels hung a two-stream (DBO) run at H=96, T=64.
-DEFAULT_TUNING = {"programs": 64, "num_warps": 4, "block": 4096}
+# 4 warps, 4096-element tiles (2048 for the fused exchange+merge), at most 128 programs;
+# a call with fewer tiles than that gets shorter tiles and fewer programs
+# (dcpc.runtime.module.ScheduleModule._launch). Both slots' kernels must be co-resident
+# (a program spins on its peer's twin): 2 x 128 programs of 4 warps fit an H200 (132
+# SMs) several times over, and two slots on two streams at 128 ran clean on 2xH200.
+DEFAULT_TUNING = {"programs": 128, "num_warps": 4, "block": 4096}
 OP_TUNING = {"all_to_all_combine": {"block": 2048}}
-SERIAL_PROGRAMS = 128  # one slot (or one stream): the sweep's best for large payloads
 SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}
 W: Expr = ("sym", "W")
 ONE: Expr = ("num", 1)
@@ -226,8 +225,6 @@ def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
         plan = LOWERINGS[step.kind](ctx, step)
         if plan.template is not None and not plan.tuning:
             plan.tuning = {**DEFAULT_TUNING, **OP_TUNING.get(step.kind, {})}
-            if schedule.slots == 1 or schedule.streams == m.Streams.single:
-                plan.tuning["programs"] = SERIAL_PROGRAMS  # no other slot's kernels in flight
         steps.append(plan)
     if ctx.errors:
         raise DiagnosticError(ctx.errors)

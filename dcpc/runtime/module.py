@@ -29,6 +29,7 @@ from dcpc.runtime.validate import DTYPES, Signature, check_sizes
 DEFAULT_SPIN_LIMIT = 1 << 26
 GPU_SPIN_LIMIT = 2**31 - 1
 CPU_PROGRAMS = 4  # default cap on programs per launch on CPU (host backend)
+MIN_BLOCK = 1024  # elements: small calls split their tiles down to this (see _launch)
 
 
 @dataclass(frozen=True)
@@ -264,14 +265,25 @@ class ScheduleModule:
         return env
 
     @staticmethod
-    def _grid(tune: Tune, rows: int, cols: int) -> int:
-        """Programs for this call: one per ``tiles_per_program`` tiles of the first tile
-        space, at most ``tune.programs``. Small calls use few programs (fewer signals,
-        less launch work); every rank computes the same grid from the same sizes, and
-        program i's epoch advances only in launches that run it, on every rank alike."""
+    def _launch(tune: Tune, rows: int, cols: int) -> tuple[int, int, int]:
+        """(programs, BLOCK_R, BLOCK_C) for a call over the first tile space [rows, cols].
+
+        A call with fewer tiles than ``tune.programs`` gets shorter tiles (BLOCK_R halved,
+        down to ``MIN_BLOCK`` elements) so that more SMs share it: the latency of a small
+        exchange is the time of one tile's loads and stores. Programs: one per
+        ``tiles_per_program`` tiles, at most ``tune.programs``. Every rank computes the
+        same launch from the same sizes, and program i's epoch advances only in launches
+        that run it, on every rank alike."""
         block_r, block_c = tune.tiles[0]
-        tiles = -(-rows // block_r) * -(-cols // block_c)
-        return max(1, min(tune.programs, -(-tiles // tune.tiles_per_program)))
+        col_tiles = -(-cols // block_c)
+        while (
+            block_r > 1
+            and (block_r // 2) * block_c >= MIN_BLOCK
+            and -(-rows // block_r) * col_tiles < tune.programs
+        ):
+            block_r //= 2
+        tiles = -(-rows // block_r) * col_tiles
+        return max(1, min(tune.programs, -(-tiles // tune.tiles_per_program))), block_r, block_c
 
     def _scalars(self, step: str, env: Mapping[str, int]) -> list[int]:
         try:
