@@ -159,7 +159,8 @@ def test_empty_mask_follows_the_local_length_formula():
 @pytest.mark.parametrize(
     ("rows", "programs", "want"),
     [
-        (256, 128, (128, 16, 64)),  # query gather T=8, H=64 at W=2: 36 tiles -> 144
+        (256, 128, (72, 32, 64)),  # query gather T=8, H=64 at W=2: 36 tiles -> 72 (not 144)
+        (384, 128, (108, 32, 64)),  # H=96: 54 -> 108
         (32, 128, (18, 16, 64)),  # T=1: split down to 1024 elements, 18 tiles
         (2048, 128, (128, 64, 64)),  # enough tiles already: unchanged
         (256, 4, (4, 64, 64)),  # CPU cap: 36 tiles >= 4 programs

@@ -268,9 +268,11 @@ class ScheduleModule:
     def _launch(tune: Tune, rows: int, cols: int) -> tuple[int, int, int]:
         """(programs, BLOCK_R, BLOCK_C) for a call over the first tile space [rows, cols].
 
-        A call with fewer tiles than ``tune.programs`` gets shorter tiles (BLOCK_R halved,
-        down to ``MIN_BLOCK`` elements) so that more SMs share it: the latency of a small
-        exchange is the time of one tile's loads and stores. Programs: one per
+        A call with few tiles gets shorter tiles (BLOCK_R halved, down to ``MIN_BLOCK``
+        elements, while the call still fits in one wave of ``tune.programs``) so that more
+        SMs share it: the latency of a small exchange is the time of one tile's loads and
+        stores, and a second wave (or the fused op's second launch) costs more than a
+        longer tile. Programs: one per
         ``tiles_per_program`` tiles, at most ``tune.programs``. Every rank computes the
         same launch from the same sizes, and program i's epoch advances only in launches
         that run it, on every rank alike."""
@@ -279,7 +281,7 @@ class ScheduleModule:
         while (
             block_r > 1
             and (block_r // 2) * block_c >= MIN_BLOCK
-            and -(-rows // block_r) * col_tiles < tune.programs
+            and -(-rows // (block_r // 2)) * col_tiles <= tune.programs
         ):
             block_r //= 2
         tiles = -(-rows // block_r) * col_tiles
