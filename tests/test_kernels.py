@@ -51,7 +51,10 @@ def make_inputs(
     return dict(o=o, lse=lse, seq_lens=seq_lens, qsl=qsl)
 
 
-def run_merge(mod, x, dtype, *, base, return_lse, mask, interleave, kernel, own=None):
+def run_merge(mod, x, dtype, *, base, return_lse, mask, interleave, kernel, own=None, fast=False):
+    """``fast``: the request lookup as one vector (BLOCK_B) and an unrolled column loop
+    (ROW_LEN), as modules with few requests and a fixed row length launch it; else the
+    binary search and the run-time column loop."""
     dv = x["o"].shape[-1]
     dst = torch.full((T, G, dv), float("nan"), dtype=dtype)  # poison: unwritten fails
     dst_lse = torch.full((T, G), float("nan"), dtype=torch.float32)
@@ -67,6 +70,8 @@ def run_merge(mod, x, dtype, *, base, return_lse, mask, interleave, kernel, own=
         BASE2=base == "2",
         RETURN_LSE=return_lse,
         SEARCH_STEPS=3,
+        BLOCK_B=8 if fast else 0,
+        ROW_LEN=dv if fast else 0,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         **extra,
@@ -93,7 +98,9 @@ def test_merge_kernels_match_float64_reference(
     x = make_inputs(dtype, 40, mask=mask)
     masked = merge.empty_mask(x["seq_lens"], x["qsl"], T, WORLD, interleave) if mask else None
     o64, lse64 = x["o"].double(), x["lse"].double()
-    for own in [None] if kernel == "_merge_kernel" else [0, 3]:
+    runs = [(own, fast) for own in ([None] if kernel == "_merge_kernel" else [0, 3])
+            for fast in (False, True)]
+    for own, fast in runs:
         dst, dst_lse = run_merge(
             mod,
             x,
@@ -104,6 +111,7 @@ def test_merge_kernels_match_float64_reference(
             interleave=interleave,
             kernel=kernel,
             own=own,
+            fast=fast,
         )
         if own is None:
             ref, ref_lse = merge.lse_combine(o64, lse64, base, masked, torch.float64)
@@ -129,7 +137,8 @@ def test_search_handles_one_request_and_full_batch(tmp_path):
     x = make_inputs(torch.float32, 40, seed=3)
     x["o"] = x["o"].nan_to_num(0.0, 0.0, 0.0)
     x["lse"] = torch.randn(WORLD, T, G)
-    for seq, qsl in [([30], [0, 6]), ([5, 6, 7, 8, 9, 10, 11, 12], [0, 1, 2, 3, 4, 5, 6, 7, 7])]:
+    cases = [([30], [0, 6]), ([5, 6, 7, 8, 9, 10, 11, 12], [0, 1, 2, 3, 4, 5, 6, 7, 7])]
+    for (seq, qsl), fast in [(c, f) for c in cases for f in (False, True)]:
         x["seq_lens"] = torch.tensor(seq, dtype=torch.int32)
         x["qsl"] = torch.tensor(qsl, dtype=torch.int32)
         masked = merge.empty_mask(x["seq_lens"], x["qsl"], T, WORLD, 1)
@@ -142,6 +151,7 @@ def test_search_handles_one_request_and_full_batch(tmp_path):
             mask=True,
             interleave=1,
             kernel="_merge_kernel",
+            fast=fast,
         )
         ref, ref_lse = merge.lse_combine(x["o"].double(), x["lse"].double(), "e", masked)
         torch.testing.assert_close(dst.double(), ref.double(), rtol=1e-5, atol=1e-5)

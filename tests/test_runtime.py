@@ -174,3 +174,8 @@ def test_small_calls_get_shorter_tiles_and_fewer_programs(rows, programs, want):
     assert (grid, block_r, block_c) == want
     assert block_r * block_c >= MIN_BLOCK and grid <= programs
     assert grid == min(programs, -(-rows // block_r) * -(-576 // block_c))
+
+
+def test_request_lookup_is_a_vector_up_to_1024_requests():
+    assert [tiles.request_block(b) for b in (1, 3, 256, 1024)] == [1, 4, 256, 1024]
+    assert tiles.request_block(1025) == 0  # binary search beyond

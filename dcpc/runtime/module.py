@@ -51,6 +51,7 @@ class Tune:
     tiles: list[tuple[int, int]] = field(default_factory=list)  # (BLOCK_R, BLOCK_C) per space
     statics: dict[str, int] = field(default_factory=dict)
     tiles_per_program: int = 1  # below `programs`, a launch has one program per this many tiles
+    fixed: list[int] = field(default_factory=list)  # per space: its length if fixed, else 0
 
 
 class ScheduleModule:
@@ -171,9 +172,13 @@ class ScheduleModule:
                 tiles.pick(shapes.evaluate(e, self._max_env), merged["block"], self._static(e))
                 for e in self.TILES.get(step, ())
             ]
+            fixed = [
+                shapes.evaluate(e, self._max_env) if self._static(e) else 0
+                for e in self.TILES.get(step, ())
+            ]
             out[step] = Tune(
                 merged["programs"], merged["num_warps"], merged["block"], spaces, statics,
-                merged.get("tiles_per_program", 1),
+                merged.get("tiles_per_program", 1), fixed,
             )
         return out
 

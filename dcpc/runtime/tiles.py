@@ -31,3 +31,13 @@ def pick(row_len_max: int, block: int, static: bool) -> tuple[int, int]:
         cols = min(next_pow2(max(row_len_max, 1)), cap)
     rows = max(1, next_pow2(block) // cols)
     return rows, cols
+
+
+REQUEST_BLOCK_MAX = 1024
+
+
+def request_block(batch_max: int) -> int:
+    """BLOCK_B of the merge's request lookup: the request ends as one vector when there
+    are at most REQUEST_BLOCK_MAX requests (one memory round trip), else 0 (binary search)."""
+    block = next_pow2(max(batch_max, 1))
+    return block if block <= REQUEST_BLOCK_MAX else 0
