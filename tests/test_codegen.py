@@ -162,7 +162,7 @@ def test_epochs_advance_by_one_scalar_atomic(generated):
         text = path.read_text()
         start = text.index("def _dcpc_advance_epoch(")
         body = text[start : text.index("\n\n\n", start)]
-        assert "tl.atomic_add(counter, count" in body, name
+        assert "tl.atomic_add(counter, 1" in body, name
         assert "tl.store(" not in body and "tl.load(" not in body, name
 
 

@@ -74,14 +74,6 @@ def test_fused_exchange_with_a_reader_of_via(tmp_path: Path, world: int) -> None
         assert report.outputs["out"].mismatches == 0, format_report(report)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fused_pipeline_with_one_program(world: int) -> None:
-    """One program owns every tile of the fused exchange: the deepest pipeline (push and
-    signal tile k, wait for and merge tile k - 1), with poisoned memory and jitter."""
-    _run(RunConfig(schedule=str(SCHEDULES / "kimi_k3_dcp_fused.yaml"), world=world,
-                   backend="host", calls=8, seed=43, programs=1))
-
-
 def test_several_programs_per_kernel() -> None:
     _run(RunConfig(schedule=str(SCHEDULES / "kimi_k3_dcp_ag_rs.yaml"), world=2, backend="host",
                    calls=6, seed=31, programs=4))

@@ -276,10 +276,11 @@ class ScheduleModule:
         A call with few tiles gets shorter tiles (BLOCK_R halved, down to ``MIN_BLOCK``
         elements, while the call still fits in one wave of ``tune.programs``) so that more
         SMs share it: the latency of a small exchange is the time of one tile's loads and
-        stores, and a second wave (programs doing two tiles one after the other) costs
-        more than a longer tile. Programs: one per ``tiles_per_program`` tiles, at most
-        ``tune.programs``. Every rank computes the same launch from the same sizes, and
-        program i's epoch advances only in launches that run it, on every rank alike."""
+        stores, and a second wave (or the fused op's second launch) costs more than a
+        longer tile. Programs: one per
+        ``tiles_per_program`` tiles, at most ``tune.programs``. Every rank computes the
+        same launch from the same sizes, and program i's epoch advances only in launches
+        that run it, on every rank alike."""
         block_r, block_c = tune.tiles[0]
         col_tiles = -(-cols // block_c)
         while (
