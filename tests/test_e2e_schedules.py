@@ -74,6 +74,14 @@ def test_fused_exchange_with_a_reader_of_via(tmp_path: Path, world: int) -> None
         assert report.outputs["out"].mismatches == 0, format_report(report)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_exchange_with_one_program(world: int) -> None:
+    """One program pushes every tile of the fused exchange, so every call with more than
+    one tile runs as two launches (push + signal + wait, then the merge)."""
+    _run(RunConfig(schedule=str(SCHEDULES / "kimi_k3_dcp_fused.yaml"), world=world,
+                   backend="host", calls=8, seed=43, programs=1))
+
+
 def test_several_programs_per_kernel() -> None:
     _run(RunConfig(schedule=str(SCHEDULES / "kimi_k3_dcp_ag_rs.yaml"), world=2, backend="host",
                    calls=6, seed=31, programs=4))
