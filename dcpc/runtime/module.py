@@ -99,7 +99,7 @@ class ScheduleModule:
             raise ValueError(f"{name}: spin_limit must be in 1..2**31-1, got {spin_limit}")
         self.spin_limit, self.poison, self._epoch_start = spin_limit, poison, epoch_start
         self._trap = self.device.type == "cuda"
-        self._wp2 = 1 << (self.world - 1).bit_length()  # pointer tables are loaded as vectors
+        self._wp2 = tiles.next_pow2(self.world)  # pointer tables are loaded as vectors
         self._check_each_call = self.device.type == "cpu" and self.backend != "torch"
         self._env_const, self._maxima = self._bind_sizes(dict(sizes or {}))
         self._max_env = {**self._env_const, **self._maxima}
@@ -168,14 +168,11 @@ class ScheduleModule:
             statics = {
                 k: shapes.evaluate(e, self._max_env) for k, e in self.STATICS.get(step, {}).items()
             }
-            spaces = [
-                tiles.pick(shapes.evaluate(e, self._max_env), merged["block"], self._static(e))
-                for e in self.TILES.get(step, ())
-            ]
-            fixed = [
-                shapes.evaluate(e, self._max_env) if self._static(e) else 0
-                for e in self.TILES.get(step, ())
-            ]
+            spaces, fixed = [], []
+            for e in self.TILES.get(step, ()):
+                length, static = shapes.evaluate(e, self._max_env), self._static(e)
+                spaces.append(tiles.pick(length, merged["block"], static))
+                fixed.append(length if static else 0)
             out[step] = Tune(
                 merged["programs"], merged["num_warps"], merged["block"], spaces, statics,
                 merged.get("tiles_per_program", 1), fixed,
@@ -277,10 +274,9 @@ class ScheduleModule:
         elements, while the call still fits in one wave of ``tune.programs``) so that more
         SMs share it: the latency of a small exchange is the time of one tile's loads and
         stores, and a second wave (or the fused op's second launch) costs more than a
-        longer tile. Programs: one per
-        ``tiles_per_program`` tiles, at most ``tune.programs``. Every rank computes the
-        same launch from the same sizes, and program i's epoch advances only in launches
-        that run it, on every rank alike."""
+        longer tile. Programs: one per ``tiles_per_program`` tiles, at most
+        ``tune.programs``. Every rank computes the same launch from the same sizes, and
+        program i's epoch advances only in launches that run it, on every rank alike."""
         block_r, block_c = tune.tiles[0]
         col_tiles = -(-cols // block_c)
         while (
