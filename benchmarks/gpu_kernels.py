@@ -45,6 +45,20 @@ def _masked_lse(ptrs, sl, real, p: tl.constexpr, W: tl.constexpr, hmask):
 
 
 @triton.jit
+def _merged_lse(ptrs, stride_p, sl, real, W: tl.constexpr, hmask, BLOCK_H: tl.constexpr):
+    """LSE = m + log(sum_p exp(lse_p - m)) over the W masked partials at ptrs + p * stride_p
+    (m = max_p lse_p, 0 when all are -inf): the merge both baselines share."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for p in tl.static_range(W):
+        m = tl.maximum(m, _masked_lse(ptrs + p * stride_p, sl, real, p, W, hmask))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.zeros([BLOCK_H], tl.float32)
+    for p in tl.static_range(W):
+        s += tl.exp(_masked_lse(ptrs + p * stride_p, sl, real, p, W, hmask) - m)
+    return m + tl.log(s)
+
+
+@triton.jit
 def agrs_correct_kernel(o_ptr, lse_all_ptr, seq_lens, qsl, oc_ptr, T, B,
                         RANK: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
                         HL: tl.constexpr, DV_: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -54,16 +68,7 @@ def agrs_correct_kernel(o_ptr, lse_all_ptr, seq_lens, qsl, oc_ptr, T, B,
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     sl, real = _row_request(seq_lens, qsl, t, B, BLOCK_B)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for p in tl.static_range(W):
-        m = tl.maximum(m, _masked_lse(lse_all_ptr + (p * T + t) * H + heads, sl, real, p, W,
-                                      hmask))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.zeros([BLOCK_H], tl.float32)
-    for p in tl.static_range(W):
-        s += tl.exp(_masked_lse(lse_all_ptr + (p * T + t) * H + heads, sl, real, p, W,
-                                hmask) - m)
-    total = m + tl.log(s)
+    total = _merged_lse(lse_all_ptr + t * H + heads, T * H, sl, real, W, hmask, BLOCK_H)
     mine = _masked_lse(lse_all_ptr + (RANK * T + t) * H + heads, sl, real, RANK, W, hmask)
     w = tl.where(mine == float("-inf"), 0.0, tl.exp(mine - total))
     d = tl.arange(0, DV_)
@@ -84,14 +89,7 @@ def a2a_merge_kernel(recv_o, recv_l, seq_lens, qsl, out_ptr, T, B,
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < HL
     sl, real = _row_request(seq_lens, qsl, t, B, BLOCK_B)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for p in tl.static_range(W):
-        m = tl.maximum(m, _masked_lse(recv_l + (p * T + t) * HL + heads, sl, real, p, W, hmask))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.zeros([BLOCK_H], tl.float32)
-    for p in tl.static_range(W):
-        s += tl.exp(_masked_lse(recv_l + (p * T + t) * HL + heads, sl, real, p, W, hmask) - m)
-    total = m + tl.log(s)
+    total = _merged_lse(recv_l + t * HL + heads, T * HL, sl, real, W, hmask, BLOCK_H)
     d = tl.arange(0, DV_)
     acc = tl.zeros([BLOCK_H, DV_], tl.float32)
     for p in tl.static_range(W):
