@@ -1,0 +1,506 @@
+"""An execution oracle: run the lowered plan's per-rank programs and watch what happens.
+
+    explore(plan, world, ...) -> OracleReport      (.findings, .keys(), .pairs())
+
+Independent of the happens-before checker (dcpc.check.hb): it reads only the plan the
+kernels are emitted from (dcpc.codegen.plan: per step its ``effects`` and ``sync``) and
+executes it the way templates/sync.j2 does, one rank after another in an interleaving
+chosen by a scheduler:
+
+- streams: one per (rank, slot) with ``streams: per_slot`` and more than one slot, else
+  one per rank; call ``i`` uses slot ``i % slots``; a stream runs its calls in order and
+  every call runs the plan's steps in order;
+- a signalling step advances its own epoch of channel ``index * slots + slot`` once per
+  call (per rank: epoch = number of calls of that slot so far, the first is 1), runs its
+  ``before`` effects (the push), stores the epoch into ``sig[channel, RANK]`` of each
+  peer its ``signal`` names (a release), then, for each peer its ``wait`` names in the
+  kernel's order, spins on its own ``sig[polls channel, peer]`` until the wrap-safe
+  ``(int32)(got - epoch) >= 0`` (acquire loads of the latest value: the polls are
+  atomic read-modify-writes), then runs its ``after`` effects;
+- symmetric instances: one per (rank, slot), one per rank for ``shared`` buffers; a
+  store with a region writes part ``writer`` of EVERY rank's instance (parts of one
+  partition overlap only for equal writers, different partitions always overlap);
+  region None is the own instance, whole. Engine and output buffers are not tracked.
+
+Happens-before of the ACTUAL run is tracked with vector clocks (one entry per stream):
+program order within a stream, and a wait that reads value v synchronises with the
+release store that wrote v. A race is two accesses to one instance, at least one a
+write, overlapping, that this run leaves unordered; a hang is a state where every
+unfinished stream spins on a wait that cannot pass.
+
+Which runs. The sync is monotone (a signal slot only grows, so a wait that can pass
+stays passable) and there is no other control flow, so every maximal run executes the
+same accesses and ends in the same hang or in none: hangs do not depend on the
+schedule. Races do only through which store each wait reads: reading a later store
+of the same writer only adds happens-before (that store follows the earlier one in
+the writer's program order), so the fewest orderings, and the most races, come from
+runs where every wait passes on the FIRST store that satisfies it. The schedulers aim
+at that: ``lockstep`` runs the lowest call first (a writer's next store to a slot
+belongs to a later call, so it waits until the readers of the previous one polled),
+``hold`` delays every signal until nothing else can move (each store is then read at
+once), ``random`` picks any runnable stream, ``delay`` starves one rank. ``exhaustive``
+(tiny cases) explores every interleaving of the sync actions, memoised on the state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
+POLICIES = ("lockstep", "hold", "random", "delay")
+_MASK, _HALF = 0xFFFFFFFF, 0x80000000
+
+
+@dataclass(frozen=True)
+class OStep:
+    """One step as the oracle executes it (from a StepPlan; only tracked buffers)."""
+
+    name: str
+    index: int
+    before: tuple[tuple[str, bool, tuple | None], ...]  # (buffer, write, partition)
+    after: tuple[tuple[str, bool, tuple | None], ...]
+    signal: str | None
+    wait: str | None
+    polls: int | None
+    channel: str  # how findings name its channel
+
+
+@dataclass(frozen=True)
+class OProgram:
+    slots: int
+    per_slot: bool
+    steps: tuple[OStep, ...]
+    shared: dict[str, bool]  # tracked buffer -> one instance for all slots
+
+
+def _attr(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
+    """The oracle's view of a plan (duck-typed: a dcpc.codegen.plan.Plan or the same
+    fields as attributes or dict keys). ``channels``: step name -> channel name for
+    findings (default: the plan step's ``attrs["channel"]``, else the polled step)."""
+    tracked = {_attr(b, "name"): _attr(b, "kind") == "shared" for b in _attr(plan, "buffers")
+               if _attr(b, "kind") in ("symmetric", "shared")}
+    plan_steps = list(_attr(plan, "steps"))
+    steps = []
+    for s in plan_steps:
+        before, after = [], []
+        for e in _attr(s, "effects") or ():
+            buffer = _attr(e, "buffer")
+            if buffer not in tracked:
+                continue
+            region = _attr(e, "region")
+            part = None if region is None else (
+                _attr(region, "scheme"), _attr(region, "dim"), _attr(region, "interleave", 0))
+            item = (buffer, _attr(e, "kind") == "write", part)
+            (after if _attr(e, "when") == "after" else before).append(item)
+        sync = _attr(s, "sync")
+        signal, wait, polls = (_attr(sync, "signal"), _attr(sync, "wait"),
+                               _attr(sync, "polls")) if sync is not None else (None, None, None)
+        name = _attr(s, "name")
+        channel = (channels or {}).get(name) or (_attr(s, "attrs") or {}).get("channel")
+        if channel is None:
+            channel = name if polls is None or polls == _attr(s, "index") else \
+                _attr(plan_steps[polls], "name")
+        steps.append(OStep(name, _attr(s, "index"), tuple(before), tuple(after), signal,
+                           wait, polls, channel))
+    slots = _attr(plan, "slots")
+    return OProgram(slots, _attr(plan, "streams") == "per_slot" and slots > 1, tuple(steps),
+                    tracked)
+
+
+def peers(spec: str | None, rank: int, world: int) -> list[int]:
+    """The peers of ``rank`` that ``all``/``next``/``prev`` name, in the kernel's loop
+    order (templates/sync.j2 peer_loop: ``(RANK + k) % WORLD`` for k = 1 .. W-1)."""
+    if spec is None or world < 2:
+        return []
+    if spec == "all":
+        return [(rank + k) % world for k in range(1, world)]
+    return [(rank + (1 if spec == "next" else world - 1)) % world]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A race or a hang the oracle reached.
+
+    Race: ``first``/``second`` are (rank, call, step, access) in the order the schedule
+    intends (call, step index, before/after, rank); ``cls`` as the checker names it.
+    Hang: ``cls`` "no-signal" (the awaited store never comes: the stream it would come
+    from finished or never signals this rank) or "cycle" (waits waiting on each other);
+    ``first`` is the wait, ``second`` the step whose signal it polls; ``buffer`` the
+    channel. Waits only blocked behind one of those are not findings.
+    """
+
+    kind: str  # "race" | "deadlock"
+    cls: str
+    buffer: str
+    first: tuple
+    second: tuple | None
+    world: int
+    run: str
+
+    @property
+    def key(self) -> tuple[str, str, str, str, str]:
+        return (self.kind, self.cls, self.buffer, self.first[2],
+                self.second[2] if self.second is not None else "")
+
+    def text(self) -> str:
+        def side(s: tuple | None) -> str:
+            return "-" if s is None else f"rank {s[0]} call {s[1]} {s[2]} ({s[3]})"
+        return (f"{self.kind} {self.cls} on {self.buffer} at W={self.world} ({self.run} run):"
+                f" {side(self.first)} / {side(self.second)}")
+
+
+@dataclass
+class OracleReport:
+    world: int
+    findings: list[Finding] = field(default_factory=list)
+    runs: int = 0
+    states: int = 0  # exhaustive: distinct states explored
+    hung: bool = False
+    blocked: list[tuple] = field(default_factory=list)  # (rank, call, step) of every spinning wait
+
+    def keys(self) -> set[tuple[str, str, str, str, str]]:
+        return {f.key for f in self.findings}
+
+    def pairs(self) -> set[tuple[str, str, frozenset[str]]]:
+        """(kind, buffer or channel, {steps}): what agreement with the checker compares."""
+        return {(f.kind, f.buffer, frozenset(filter(None, f.key[3:]))) for f in self.findings}
+
+
+# --- compiling a program for one W and a number of calls --------------------------
+
+class _Compiled:
+    """Per stream, a flat list of actions; instances, signal slots and streams numbered.
+
+    Actions: (0, accesses) local effects, each (instance, write, partition, writer,
+    info); (1, cells, value) the release stores of a signal; (2, cell, epoch, info) one
+    peer's spin. ``info`` = (rank, call, step index, phase).
+    """
+
+    def __init__(self, prog: OProgram, world: int, calls: int):
+        self.prog, self.world, self.calls = prog, world, calls
+        slots, n = prog.slots, len(prog.steps)
+        self.nchan = n * slots
+        self.instances: dict[tuple, int] = {}
+        self.inst_buffer: list[str] = []
+        per_slot = prog.per_slot
+        self.streams: list[tuple[int, int]] = []  # (rank, slot or -1)
+        self.actions: list[list[tuple]] = []
+        self.action_call: list[list[int]] = []
+        self.signal_pos: dict[tuple[int, int, int], int] = {}  # (rank, call, step) -> pos
+        self.stream_of: dict[tuple[int, int], int] = {}  # (rank, call) -> stream
+        for rank in range(world):
+            for lane in (range(slots) if per_slot else [-1]):
+                sid = len(self.streams)
+                self.streams.append((rank, lane))
+                acts: list[tuple] = []
+                acall: list[int] = []
+                for call in range(calls):
+                    if per_slot and call % slots != lane:
+                        continue
+                    self.stream_of[(rank, call)] = sid
+                    slot = call % slots
+                    epoch = call // slots + 1
+                    for st in prog.steps:
+                        for phase, effects in ((0, st.before), (1, st.after)):
+                            if phase == 1 and st.wait is not None:
+                                for p in peers(st.wait, rank, world):
+                                    cell = self.cell(rank, st.polls * slots + slot, p)
+                                    acts.append((2, cell, epoch, (rank, call, st.index, p)))
+                                    acall.append(call)
+                            accs = self.accesses(effects, rank, slot, (rank, call, st.index,
+                                                                      phase))
+                            if accs:
+                                acts.append((0, accs))
+                                acall.append(call)
+                            if phase == 0 and st.signal is not None:
+                                cells = tuple(self.cell(p, st.index * slots + slot, rank)
+                                              for p in peers(st.signal, rank, world))
+                                self.signal_pos[(rank, call, st.index)] = len(acts)
+                                acts.append((1, cells, epoch))
+                                acall.append(call)
+                self.actions.append(acts)
+                self.action_call.append(acall)
+        self.ncells = world * self.nchan * world
+
+    def cell(self, owner: int, channel: int, peer: int) -> int:
+        """sig[channel, peer] in ``owner``'s signal pad."""
+        return (owner * self.nchan + channel) * self.world + peer
+
+    def instance(self, buffer: str, owner: int, slot: int) -> int:
+        key = (buffer, owner, None if self.prog.shared[buffer] else slot)
+        found = self.instances.get(key)
+        if found is None:
+            found = self.instances[key] = len(self.inst_buffer)
+            self.inst_buffer.append(buffer)
+        return found
+
+    def accesses(self, effects: Iterable[tuple], rank: int, slot: int, info: tuple) -> tuple:
+        out = []
+        for k, (buffer, write, part) in enumerate(effects):
+            owners = range(self.world) if part is not None else (rank,)
+            for owner in owners:
+                out.append((self.instance(buffer, owner, slot), write, part, rank,
+                            info + (k,)))
+        return tuple(out)
+
+
+# --- one run ------------------------------------------------------------------------
+
+class _Run:
+    """The state of one execution: positions, vector clocks, signal slots, accesses."""
+
+    def __init__(self, c: _Compiled):
+        n = len(c.streams)
+        self.c = c
+        self.pos = [0] * n
+        self.clock = [[1 if i == t else 0 for i in range(n)] for t in range(n)]
+        self.val = [0] * c.ncells
+        self.cclk: list[tuple | None] = [None] * c.ncells
+        # per instance: {(stream, which access) -> (stamp, write, part, writer, info)}
+        self.seen: list[dict] = [dict() for _ in c.inst_buffer]
+        self.races: set[tuple] = set()  # (info_a, info_b) with their access kinds
+
+    def clone(self) -> _Run:
+        other = object.__new__(_Run)
+        other.c = self.c
+        other.pos = list(self.pos)
+        other.clock = [list(x) for x in self.clock]
+        other.val = list(self.val)
+        other.cclk = list(self.cclk)
+        other.seen = [dict(d) for d in self.seen]
+        other.races = set()
+        return other
+
+    def state(self) -> tuple:
+        return (tuple(self.pos), tuple(self.val), tuple(map(tuple, self.clock)))
+
+    def runnable(self, t: int) -> bool:
+        acts = self.c.actions[t]
+        p = self.pos[t]
+        if p >= len(acts):
+            return False
+        a = acts[p]
+        return a[0] != 2 or ((self.val[a[1]] - a[2]) & _MASK) < _HALF
+
+    def step(self, t: int) -> None:
+        """Run stream ``t``'s next local effects (up to its next sync action), or that
+        sync action: a signal's stores, or one peer's spin if it can pass."""
+        acts = self.c.actions[t]
+        n = len(acts)
+        p = self.pos[t]
+        clock = self.clock[t]
+        if acts[p][0] == 0:  # a run of local effects, up to the next sync action
+            while p < n and acts[p][0] == 0:
+                self._access(t, clock, acts[p][1])
+                p += 1
+            self.pos[t] = p
+            return
+        while p < n:  # one sync action
+            a = acts[p]
+            kind = a[0]
+            if kind == 1:
+                snap = tuple(clock)
+                for cell in a[1]:
+                    self.val[cell] = a[2]
+                    self.cclk[cell] = snap
+                clock[t] += 1
+                p += 1
+                break
+            got = self.val[a[1]]
+            if ((got - a[2]) & _MASK) >= _HALF:
+                break  # spinning
+            src = self.cclk[a[1]]
+            if src is not None:
+                for i, v in enumerate(src):
+                    if v > clock[i]:
+                        clock[i] = v
+            p += 1
+            break
+        self.pos[t] = p
+
+    def _access(self, t: int, clock: list[int], accs: tuple) -> None:
+        stamp = clock[t]
+        seen = self.seen
+        for inst, write, part, writer, info in accs:
+            prior = seen[inst]
+            for (u, _), (ustamp, uwrite, upart, uwriter, uinfo) in prior.items():
+                if u == t or not (write or uwrite) or clock[u] >= ustamp:
+                    continue
+                if part is not None and upart is not None and part == upart \
+                        and writer != uwriter:
+                    continue
+                self.races.add((inst, uinfo, uwrite, info, write))
+            prior[(t, info[2:])] = (stamp, write, part, writer, info)
+
+    def done(self) -> bool:
+        return all(p >= len(a) for p, a in zip(self.pos, self.c.actions, strict=True))
+
+
+def _run(c: _Compiled, policy: str, rng: random.Random) -> _Run:
+    run = _Run(c)
+    n = len(c.streams)
+    order = list(range(n))
+    rng.shuffle(order)
+    rank_of = [r for r, _ in c.streams]
+    victim = rng.randrange(c.world)
+    while True:
+        ready = [t for t in order if run.runnable(t)]
+        if not ready:
+            return run
+        if policy == "lockstep":  # lowest call first; a signal after anything else
+            t = min(ready, key=lambda s: (c.action_call[s][run.pos[s]],
+                                          c.actions[s][run.pos[s]][0] == 1))
+        elif policy == "hold":
+            quiet = [s for s in ready if c.actions[s][run.pos[s]][0] != 1]
+            t = quiet[0] if quiet else min(ready, key=lambda s: c.action_call[s][run.pos[s]])
+        elif policy == "delay":
+            fast = [s for s in ready if rank_of[s] != victim]
+            t = rng.choice(fast) if fast else ready[0]
+        else:
+            t = rng.choice(ready)
+        run.step(t)
+
+
+def _exhaustive(c: _Compiled, limit: int) -> tuple[set[tuple], list[_Run], int]:
+    """Every interleaving of the sync actions (depth first, memoised on the state)."""
+    races: set[tuple] = set()
+    ends: list[_Run] = []
+    seen: set[tuple] = set()
+    stack = [_Run(c)]
+    while stack:
+        run = stack.pop()
+        races |= run.races
+        key = run.state()
+        if key in seen:
+            continue
+        seen.add(key)
+        if len(seen) > limit:
+            raise RuntimeError(f"more than {limit} states: not a tiny case")
+        ready = [t for t in range(len(c.streams)) if run.runnable(t)]
+        if not ready:
+            ends.append(run)
+            continue
+        for t in ready:
+            nxt = run.clone()
+            nxt.step(t)
+            stack.append(nxt)
+    return races, ends, len(seen)
+
+
+# --- findings -----------------------------------------------------------------------
+
+def _race_findings(c: _Compiled, races: set[tuple], run: str) -> list[Finding]:
+    steps = c.prog.steps
+    out = []
+    for inst, ainfo, awrite, binfo, bwrite in races:
+        # info = (rank, call, step index, phase, effect); intended order: call, step, phase
+        a = (ainfo[1], ainfo[2], ainfo[3], ainfo[0], awrite)
+        b = (binfo[1], binfo[2], binfo[3], binfo[0], bwrite)
+        first, second = sorted((a, b))
+        if first[4] and second[4]:
+            cls = WAW
+        else:
+            w, r = (first, second) if first[4] else (second, first)
+            cls = WAR if w[:3] > r[:3] else RAW
+
+        def side(s: tuple) -> tuple:
+            return (s[3], s[0], steps[s[1]].name, "write" if s[4] else "read")
+
+        out.append(Finding("race", cls, c.inst_buffer[inst], side(first), side(second),
+                           c.world, run))
+    return out
+
+
+def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
+    """The waits a hang is made of: those nothing will ever satisfy, and cycles."""
+    steps = c.prog.steps
+    blocked: dict[int, tuple] = {}
+    for t, acts in enumerate(c.actions):
+        p = run.pos[t]
+        if p < len(acts):
+            blocked[t] = acts[p]
+    behind: dict[int, int | None] = {}  # stream -> stream it waits on (None: never)
+    for t, (_, _, _, (rank, call, index, peer)) in blocked.items():
+        polled = steps[index].polls
+        pos = c.signal_pos.get((peer, call, polled))
+        if pos is None or rank not in peers(steps[polled].signal, peer, c.world):
+            behind[t] = None
+            continue
+        u = c.stream_of[(peer, call)]
+        behind[t] = u if u in blocked and run.pos[u] <= pos else None
+    on_cycle: set[int] = set()
+    for t in blocked:
+        path, u = [], t
+        while u is not None and u not in path:
+            path.append(u)
+            u = behind[u]
+        if u is not None:
+            on_cycle.update(path[path.index(u):])
+    out = []
+    for t, (_, _, _, (rank, call, index, peer)) in blocked.items():
+        st = steps[index]
+        wait = (rank, call, st.name, "wait")
+        if behind[t] is None:
+            out.append(Finding("deadlock", "no-signal", st.channel, wait, None, c.world, name))
+        elif t in on_cycle:
+            signal = (peer, call, steps[st.polls].name, "signal")
+            out.append(Finding("deadlock", "cycle", st.channel, wait, signal, c.world, name))
+    return out
+
+
+def explore(plan: Any, world: int, *, calls: int | None = None,
+            policies: Sequence[str] = ("lockstep", "hold"), randoms: int = 0,
+            seed: int = 0, exhaustive: bool = False, limit: int = 200_000,
+            channels: dict[str, str] | None = None) -> OracleReport:
+    """Execute ``plan`` at group size ``world`` under the runs asked; their findings.
+
+    ``calls`` per rank (default 3 * slots, more than the checker's 2 * slots bound);
+    ``policies`` run once each, then ``randoms`` runs alternating ``random`` and
+    ``delay``; ``exhaustive`` explores every interleaving instead (tiny cases).
+    One finding per (kind, class, buffer, step pair), from the first run reaching it.
+    """
+    prog = plan if isinstance(plan, OProgram) else program(plan, channels)
+    calls = 3 * prog.slots if calls is None else calls
+    c = _Compiled(prog, world, calls)
+    report = OracleReport(world)
+    found: dict[tuple, Finding] = {}
+
+    def add(items: Iterable[Finding]) -> None:
+        for f in items:
+            found.setdefault(f.key, f)
+
+    def finish(run: _Run, name: str) -> None:
+        add(_race_findings(c, run.races, name))
+        if not run.done():
+            report.hung = True
+            add(_hang_findings(c, run, name))
+            for t, acts in enumerate(c.actions):
+                if run.pos[t] < len(acts):
+                    rank, call, index, _ = acts[run.pos[t]][3]
+                    item = (rank, call, prog.steps[index].name)
+                    if item not in report.blocked:
+                        report.blocked.append(item)
+
+    if exhaustive:
+        races, ends, report.states = _exhaustive(c, limit)
+        add(_race_findings(c, races, "exhaustive"))
+        for end in ends:
+            finish(end, "exhaustive")
+        report.runs = len(ends)
+    else:
+        rng = random.Random(seed)
+        names = list(policies) + [("random", "delay")[k % 2] for k in range(randoms)]
+        for name in names:
+            finish(_run(c, name, rng), name)
+        report.runs = len(names)
+    report.findings = sorted(found.values(), key=lambda f: f.key)
+    return report
