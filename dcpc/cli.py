@@ -44,6 +44,28 @@ def parse_worlds(text: str) -> list[int]:
     return sorted(worlds)
 
 
+def one_world(text: str, *, largest: int = MAX_WORLD) -> int:
+    """``--world`` of a command that runs or draws one group size: the same syntax and
+    messages as every other ``--world``, and exactly one size, at most ``largest``."""
+    worlds = parse_worlds(text)
+    if len(worlds) != 1:
+        raise click.BadParameter(f"'{text}': this command takes one group size, such as 2")
+    if worlds[0] > largest:
+        raise click.BadParameter(f"'{text}': group sizes must lie in 2..{largest} here")
+    return worlds[0]
+
+
+def _io_failure(diagnostics: list[Diagnostic]) -> bool:
+    """An input or output that could not be read or written: a usage error (exit 2)."""
+    from dcpc.files import IO
+
+    return any(d.code == IO for d in diagnostics)
+
+
+def _span(worlds: list[int]) -> str:
+    return f"W={worlds[0]}" if len(worlds) == 1 else f"W {worlds[0]}..{worlds[-1]}"
+
+
 class WorldRange(click.ParamType):
     name = "WORLDS"
 
@@ -108,12 +130,14 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, debug: bool) -> N
 
     def body() -> int:
         failed = 0
+        io_failed = False
         results = []
         for file in files:
             try:
                 c = run(file, Options(worlds=worlds), until="check")
             except DiagnosticError as err:
                 failed += 1
+                io_failed = io_failed or _io_failure(err.diagnostics)
                 _report(err.diagnostics, fmt)
                 result = {"file": file, "ok": False,
                           "diagnostics": [d.as_dict() for d in err.diagnostics]}
@@ -127,13 +151,13 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, debug: bool) -> N
                             "stats": _jsonable(stats)})
             if fmt == "text":
                 click.echo(
-                    f"{file}: ok (W {worlds[0]}..{worlds[-1]}, "
+                    f"{file}: ok ({_span(worlds)}, "
                     f"{len(c.schedule.step_list())} steps, {c.schedule.slots} slot(s); "
                     f"{sum(c.seconds.values()):.2f}s)"
                 )
         if fmt == "json":
             click.echo(json.dumps({"results": results}, indent=2))
-        return 1 if failed else 0
+        return 2 if io_failed else 1 if failed else 0
 
     _guard(debug, body)
 
@@ -151,18 +175,22 @@ def _jsonable(value: Any) -> Any:
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="write DOT, or render .svg/.png/.pdf with Graphviz's dot")
 @click.option("--hb", is_flag=True, help="draw the unrolled happens-before graph instead")
-@click.option("--world", "world", type=click.IntRange(2, 16), default=2, show_default=True,
-              help="group size for --hb")
+@click.option("--world", "world", default=None, callback=lambda ctx, param, value: (
+    None if value is None else one_world(value, largest=16)),
+    help="group size for --hb (one N in 2..16; default 2)")
 @DEBUG
-def graph(file: str, output: str | None, hb: bool, world: int, debug: bool) -> None:
+def graph(file: str, output: str | None, hb: bool, world: int | None, debug: bool) -> None:
     """Print the schedule's dataflow graph (or, with --hb, its happens-before graph) as DOT."""
+    if world is not None and not hb:
+        raise click.UsageError("--world chooses the group size of --hb; add --hb or drop it")
+    world = world or 2
 
     def body() -> int:
         try:
             c = run(file, Options(worlds=[world], hb=False), until="check")
         except DiagnosticError as err:
             _report(err.diagnostics, "text")
-            return 1
+            return 2 if _io_failure(err.diagnostics) else 1
         if hb:
             from dcpc.check import hb as hb_check
 
@@ -173,7 +201,11 @@ def graph(file: str, output: str | None, hb: bool, world: int, debug: bool) -> N
             from dcpc.graph import to_dot
 
             dot = to_dot(c.graph)
-        return _write_dot(dot, output)
+        try:
+            return _write_dot(dot, output)
+        except DiagnosticError as err:
+            _report(err.diagnostics, "text")
+            return 2
 
     _guard(debug, body)
 
@@ -185,10 +217,17 @@ def _write_dot(dot: str, output: str | None) -> int:
     target = Path(output)
     fmt = target.suffix.lstrip(".").lower()
     if fmt in ("dot", "gv", ""):
-        target.write_text(dot)
+        from dcpc.files import write_atomically
+
+        write_atomically(target, dot)
         return 0
     if fmt not in ("svg", "png", "pdf"):
         raise click.UsageError(f"cannot render '{target.suffix}': use .dot, .svg, .png or .pdf")
+    if not target.parent.is_dir():
+        from dcpc.files import io_error
+
+        raise io_error(target, f"cannot write the file: the folder '{target.parent}' "
+                       "does not exist", hint="create it first, or write somewhere else")
     exe = shutil.which("dot")
     if exe is None:
         raise click.UsageError(
@@ -212,7 +251,13 @@ def schema(output: str | None) -> None:
 
     text = json.dumps(json_schema(), indent=2) + "\n"
     if output:
-        Path(output).write_text(text)
+        from dcpc.files import write_atomically
+
+        try:
+            write_atomically(output, text)
+        except DiagnosticError as err:
+            _report(err.diagnostics, "text")
+            sys.exit(2)
     else:
         click.echo(text, nl=False)
 
@@ -230,23 +275,37 @@ def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str |
     """Check schedules and emit one Python module per schedule into DIR."""
 
     def body() -> int:
+        from dcpc.files import write_atomically
+
         failed = 0
+        io_failed = False
         out = Path(outdir)
+        written: dict[str, str] = {}  # schedule name -> the file that produced it
         for file in files:
             try:
                 c = run(file, Options(worlds=worlds), until=dump or "emit")
+                name = c.schedule.schedule
+                if not dump and name in written:
+                    raise DiagnosticError([Diagnostic(
+                        c.schedule.mark("schedule"), "duplicate-schedule",
+                        f"schedule '{name}' is also the name of {written[name]}'s schedule; "
+                        f"both would be written to {name}.py",
+                        hint="give each schedule its own 'schedule:' name")])
+                if not dump:
+                    write_atomically(out / f"{name}.py", c.module_text or "",
+                                     make_parents=True)
+                    written[name] = file
             except DiagnosticError as err:
                 failed += 1
+                io_failed = io_failed or _io_failure(err.diagnostics)
                 _report(err.diagnostics, "text")
                 continue
             if dump:
                 click.echo(_dump(c, dump))
                 continue
-            out.mkdir(parents=True, exist_ok=True)
             target = out / f"{c.schedule.schedule}.py"
-            target.write_text(c.module_text or "")
             click.echo(f"{file} -> {target} ({sum(c.seconds.values()):.2f}s)")
-        return 1 if failed else 0
+        return 2 if io_failed else 1 if failed else 0
 
     _guard(debug, body)
 
@@ -267,12 +326,14 @@ def _dump(c: Any, stage: str) -> str:
     return c.module_text or ""
 
 
-@main.command("run", context_settings={"ignore_unknown_options": True})
+@main.command("run", context_settings={"ignore_unknown_options": True},
+              add_help_option=False)  # --help goes to dcpc.demo's parser: it lists the options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run_(args: tuple[str, ...]) -> None:
     """Compile a schedule and run it end to end on CPU across W processes.
 
     Example: dcpc run schedules/kimi_k3_dcp.yaml --world 2 --backend host --calls 20
+    (dcpc run --help lists the options)
     """
     from dcpc.demo import main as demo_main
 

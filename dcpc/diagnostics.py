@@ -7,8 +7,26 @@ fix is known, how (a hint). Stages collect them; the driver decides the exit cod
 from __future__ import annotations
 
 import difflib
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or invisible format character escaped (``\\n``,
+    ``\\x1b``, ``\\u202e``): a diagnostic is one line per entry, and a name from the
+    input can neither forge a line nor reach the terminal as an escape sequence."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable() or ch == " ":
+            out.append(ch)
+        elif unicodedata.category(ch) in ("Zs",):  # odd spaces: visible enough
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
 
 
 @dataclass(frozen=True, order=True)
@@ -20,7 +38,7 @@ class Mark:
     col: int
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}"
+        return f"{printable(self.file)}:{self.line}:{self.col}"
 
 
 NOWHERE = Mark("<unknown>", 0, 0)
@@ -36,6 +54,13 @@ class Diagnostic:
     hint: str | None = None
     severity: str = "error"
     notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        # the one place every message passes: escape what came from the input
+        object.__setattr__(self, "message", printable(self.message))
+        if self.hint is not None:
+            object.__setattr__(self, "hint", printable(self.hint))
+        object.__setattr__(self, "notes", tuple(printable(n) for n in self.notes))
 
     def render(self) -> str:
         lines = [f"{self.mark}: {self.severity}: {self.message} [{self.code}]"]

@@ -73,8 +73,8 @@ def test_check_json_format(tmp_path):
 
 def test_missing_file_is_a_diagnostic_not_a_traceback(tmp_path):
     result = invoke("check", str(tmp_path / "nope.yaml"))
-    assert result.exit_code == 1
-    assert "cannot read the file" in result.output
+    assert result.exit_code == 2  # a usage error, as docs/language.md says
+    assert f"{tmp_path / 'nope.yaml'}:1:1: error: cannot read the file" in result.output
     assert "Traceback" not in result.output
 
 

@@ -318,8 +318,10 @@ class Schedule(Node):
             value = data.get(table)
             if isinstance(value, dict) and MARKS in value:
                 for key, mark in value[MARKS].items():
-                    prefix, _, name = key.rpartition(":")
-                    marks[f"{prefix + ':' if prefix else ''}{table}/{name}"] = mark
+                    # "key:NAME" (the mark of the key) or "NAME" (of its value); a
+                    # name may itself hold ':' (reported as a bad identifier, here)
+                    prefix = "key:" if key.startswith("key:") else ""
+                    marks[f"{prefix}{table}/{key[len(prefix):]}"] = mark
                 data[table] = {k: v for k, v in value.items() if k not in (MARK, MARKS)}
         data[MARKS] = marks
         return data

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, did_you_mean
+from dcpc.files import read_capped
 from dcpc.lang import model, yamlsrc
 
 _TYPE_NAMES = {
@@ -29,16 +30,7 @@ MAX_FILE_BYTES = 1 << 20
 
 def parse_file(path: str | Path) -> model.Schedule:
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DiagnosticError(
-            [Diagnostic(Mark(str(path), 0, 0), "io", f"cannot read the file: {exc.strerror}")]
-        ) from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise DiagnosticError(
-            [Diagnostic(Mark(str(path), 1, 1), "too-large", "the file is larger than 1 MiB")]
-        )
+    raw = read_capped(path, MAX_FILE_BYTES)  # a regular file of at most 1 MiB, or an error
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

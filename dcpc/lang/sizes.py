@@ -29,6 +29,11 @@ WORLD = "W"
 MAX_DEPTH = 64  # shape expressions are short; deeper ones would only exhaust the stack
 MAX_TEXT = 512
 SAMPLES_PER_WORLD = 48
+# The language's limits (docs/language.md, "Limits"): every size and every dimension
+# fits a signed 32-bit integer, and one instance of a buffer (one rank, one slot) is
+# at most 1 TiB at the largest binding of its sizes.
+MAX_SIZE = 2**31 - 1
+MAX_BUFFER_BYTES = 2**40
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,17 @@ def world_diagnostics(
     for name, spec in schedule.sizes.items():
         if name == WORLD:
             continue
+        value = spec if not isinstance(spec, SizeSpec) else spec.max
+        if value is not None and value > MAX_SIZE:
+            mark = schedule.mark(f"sizes/{name}") if not isinstance(spec, SizeSpec) else (
+                spec.mark("max"))
+            out.append(Diagnostic(
+                mark, "size-too-large",
+                f"size '{name}' is {value}, above the largest size {MAX_SIZE} (2**31-1)",
+                hint="sizes and dimensions are at most 2**31-1 (docs/language.md, Limits)",
+            ))
+            table.sizes[name] = Size(name, broken=True)
+            continue
         if not isinstance(spec, SizeSpec):
             if spec <= 0:
                 out.append(Diagnostic(
@@ -325,12 +341,82 @@ def world_diagnostics(
                 ))
                 table.sizes[name] = Size(name, broken=True)
                 break
+            if step > MAX_SIZE:
+                out.append(Diagnostic(
+                    mark, "size-too-large",
+                    f"multiple_of of '{name}' ({text}) is {step} for W={world}, above the "
+                    f"largest size {MAX_SIZE} (2**31-1)",
+                ))
+                table.sizes[name] = Size(name, broken=True)
+                break
             if size.max is not None and step > size.max:
                 out.append(Diagnostic(
                     mark, "empty-size-range",
                     f"size '{name}' has no admissible value for W={world}: "
                     f"the smallest multiple of {text} is {step}, above max {size.max}",
                     hint=f"raise 'max' of '{name}' or narrow the W range",
+                ))
+                break
+    out += _limit_diagnostics(schedule, table, worlds)
+    return out
+
+
+def largest_binding(table: SizeTable, world: int) -> Binding | None:
+    """The binding a module allocates for by default at W: every ``max`` size at its
+    largest admissible value, every ``multiple_of``-only size at its smallest multiple.
+    None when a size has no admissible value (reported elsewhere)."""
+    env: Binding = {}
+    for name, size in table.sizes.items():
+        pool = _candidates(size, world)
+        if not pool:
+            return None
+        if size.multiple_of is not None and size.max is not None:
+            step = pool[0]
+            env[name] = size.max // step * step
+        else:
+            env[name] = pool[0] if size.multiple_of is not None else max(pool)
+    return env
+
+
+def _limit_diagnostics(
+    schedule: Schedule, table: SizeTable, worlds: Sequence[int]
+) -> list[Diagnostic]:
+    """Dimensions above MAX_SIZE and buffer instances above MAX_BUFFER_BYTES, at the
+    largest binding of each W: reported once per buffer, for the first W that fails."""
+    out: list[Diagnostic] = []
+    bindings = [(w, largest_binding(table, w)) for w in worlds]
+    for name, buffer in schedule.buffers.items():
+        dims = table.shapes.get(name)
+        if not dims:
+            continue
+        for world, env in bindings:
+            if env is None:
+                continue
+            values = [_eval(node, env) for node in dims]
+            if any(v is None for v in values):
+                continue  # an inexact division: reported by the checker
+            sizes = ", ".join(f"{k}={env[k]}" for k in sorted(
+                set().union(*(ex.symbols(n) for n in dims))) if k != WORLD)
+            at = f"W={world}" + (f", {sizes}" if sizes else "")
+            big = next((i for i, v in enumerate(values) if v is not None and v > MAX_SIZE), None)
+            if big is not None:
+                out.append(Diagnostic(
+                    buffer.mark(f"shape[{big}]"), "dim-too-large",
+                    f"dimension {big} of buffer '{name}' ({ex.unparse(dims[big])}) is "
+                    f"{values[big]} for {at}, above the largest dimension {MAX_SIZE} (2**31-1)",
+                    hint="lower the sizes it uses (docs/language.md, Limits)",
+                ))
+                break
+            count = 1
+            for v in values:
+                count *= max(v or 0, 0)
+            nbytes = count * buffer.dtype.itemsize
+            if nbytes > MAX_BUFFER_BYTES:
+                out.append(Diagnostic(
+                    schedule.mark(f"buffers/{name}", of_key=True), "buffer-too-large",
+                    f"buffer '{name}' needs {nbytes} bytes for {at}, above the limit of "
+                    f"{MAX_BUFFER_BYTES} bytes (1 TiB) for one instance",
+                    hint="lower the 'max' of its sizes (docs/language.md, Limits)",
                 ))
                 break
     return out

@@ -20,6 +20,16 @@ from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
 MARK = "__mark__"
 MARKS = "__marks__"
 NODE_BUDGET = 100_000
+# No integer of a schedule needs more: the language's own bounds (sizes, dims) are far
+# smaller and are checked later. Bounding here keeps Python's int/str limit (4,300
+# digits) and huge values out of every later stage and every message.
+MAX_INT_DIGITS = 30
+INT_TAG = "tag:yaml.org,2002:int"
+_TAG_NAMES = {
+    "tag:yaml.org,2002:int": "an integer", "tag:yaml.org,2002:float": "a number",
+    "tag:yaml.org,2002:bool": "true or false", "tag:yaml.org,2002:null": "empty",
+    "tag:yaml.org,2002:timestamp": "a date or time", "tag:yaml.org,2002:binary": "base64 data",
+}
 
 
 def _mark(file: str, node: yaml.Node) -> Mark:
@@ -42,18 +52,53 @@ class _Builder:
                             hint="do not nest anchors and aliases")]
             )
         if isinstance(node, yaml.ScalarNode):
-            try:
-                return self.constructor.construct_object(node, deep=True)
-            except yaml.YAMLError as exc:
-                self.errors.append(
-                    Diagnostic(_mark(self.file, node), "yaml-syntax", f"bad scalar: {exc}")
-                )
-                return None
+            return self.scalar(node)
         if isinstance(node, yaml.SequenceNode):
             return [self.value(item) for item in node.value]
         if isinstance(node, yaml.MappingNode):
             return self.mapping(node)
         raise AssertionError(f"unexpected YAML node {node!r}")
+
+    def scalar(self, node: yaml.ScalarNode) -> Any:
+        """A scalar's value; a tag whose text it cannot read is a located diagnostic."""
+        text = node.value if isinstance(node.value, str) else ""
+        if node.tag == INT_TAG and len(text.strip().lstrip("+-").replace("_", "")) > (
+            MAX_INT_DIGITS
+        ):
+            self.errors.append(Diagnostic(
+                _mark(self.file, node), "number-too-large",
+                f"this integer has more than {MAX_INT_DIGITS} digits",
+                hint="sizes and dimensions are at most 2**31-1 (see docs/language.md, Limits)",
+            ))
+            return None
+        try:
+            value = self.constructor.construct_object(node, deep=True)
+        except yaml.constructor.ConstructorError:  # a tag no safe constructor knows
+            self.errors.append(Diagnostic(
+                _mark(self.file, node), "yaml-syntax",
+                f"invalid YAML: the tag {node.tag!r} is not allowed",
+                hint="only YAML's core tags are read (!!str, !!int, !!float, !!bool, !!null)",
+            ))
+            return None
+        except Exception:  # noqa: BLE001 (PyYAML's scalar constructors raise anything)
+            want = _TAG_NAMES.get(node.tag, f"a value of tag {node.tag}")
+            shown = text if len(text) <= 40 else text[:40] + "..."
+            self.errors.append(Diagnostic(
+                _mark(self.file, node), "bad-tag-value",
+                f"{shown!r} is not {want}",
+                hint="remove the tag (the schema says what each key takes) or fix the value",
+            ))
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and (
+            abs(value) >= 10**MAX_INT_DIGITS
+        ):  # a hexadecimal, octal or sexagesimal integer of few digits but a huge value
+            self.errors.append(Diagnostic(
+                _mark(self.file, node), "number-too-large",
+                f"this integer has more than {MAX_INT_DIGITS} digits",
+                hint="sizes and dimensions are at most 2**31-1 (see docs/language.md, Limits)",
+            ))
+            return None
+        return value
 
     def mapping(self, node: yaml.MappingNode) -> dict[str, Any]:
         out: dict[str, Any] = {MARK: _mark(self.file, node)}
@@ -99,6 +144,14 @@ class _Builder:
         return out
 
 
+def position_mark(text: str, file: str, position: int) -> Mark:
+    """The 1-based line and column of a character offset into ``text``."""
+    position = max(0, min(position, len(text)))
+    line = text.count("\n", 0, position) + 1
+    start = text.rfind("\n", 0, position) + 1
+    return Mark(file, line, position - start + 1)
+
+
 def load(text: str, file: str) -> Any:
     """Parse YAML text into plain data with marks; raise DiagnosticError on bad YAML."""
     try:
@@ -106,13 +159,21 @@ def load(text: str, file: str) -> Any:
     except yaml.MarkedYAMLError as exc:
         where = exc.problem_mark or exc.context_mark
         mark = Mark(file, where.line + 1, where.column + 1) if where else Mark(file, 1, 1)
-        what = exc.problem or exc.context or "invalid YAML"
+        what = " ".join(str(exc.problem or exc.context or "invalid YAML").split())
         raise DiagnosticError(
             [Diagnostic(mark, "yaml-syntax", f"invalid YAML: {what}")]
         ) from None
-    except yaml.YAMLError as exc:  # e.g. reader errors on control characters
+    except yaml.reader.ReaderError as exc:  # a control character YAML does not allow
+        char = exc.character if isinstance(exc.character, str) else chr(exc.character)
+        raise DiagnosticError([Diagnostic(
+            position_mark(text, file, exc.position), "yaml-syntax",
+            f"invalid YAML: the control character {char!r} is not allowed",
+            hint="remove it; inside a double-quoted string write it as an escape such as \\t",
+        )]) from None
+    except yaml.YAMLError as exc:
+        what = " ".join(str(exc).split())
         raise DiagnosticError(
-            [Diagnostic(Mark(file, 1, 1), "yaml-syntax", f"invalid YAML: {exc}")]
+            [Diagnostic(Mark(file, 1, 1), "yaml-syntax", f"invalid YAML: {what}")]
         ) from None
     except RecursionError:  # PyYAML composes recursively: "[[[[..." exhausts the stack
         raise DiagnosticError(
