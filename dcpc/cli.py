@@ -80,6 +80,8 @@ WORLDS = click.option(
     help="group sizes to check: N, A..B or a comma list (2,4,8)",
 )
 DEBUG = click.option("--debug", is_flag=True, help="show Python tracebacks of internal errors")
+STRICT = click.option("--strict", is_flag=True,
+                      help="treat warnings as errors (by default they never fail)")
 
 
 def _report(diagnostics: list[Diagnostic], fmt: str) -> None:
@@ -124,8 +126,10 @@ def main() -> None:
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @WORLDS
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+@STRICT
 @DEBUG
-def check(files: tuple[str, ...], worlds: list[int], fmt: str, debug: bool) -> None:
+def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
+          debug: bool) -> None:
     """Check schedules: structure, then races and deadlocks for every W asked."""
 
     def body() -> int:
@@ -134,7 +138,7 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, debug: bool) -> N
         results = []
         for file in files:
             try:
-                c = run(file, Options(worlds=worlds), until="check")
+                c = run(file, Options(worlds=worlds, strict=strict), until="hb")
             except DiagnosticError as err:
                 failed += 1
                 io_failed = io_failed or _io_failure(err.diagnostics)
@@ -146,8 +150,10 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, debug: bool) -> N
                     result["hb"] = _jsonable(report.as_json())
                 results.append(result)
                 continue
+            _report(c.warnings, fmt)
             stats = c.hb_report.stats if c.hb_report is not None else {}
             results.append({"file": file, "ok": True, "worlds": [worlds[0], worlds[-1]],
+                            "warnings": [d.as_dict() for d in c.warnings],
                             "stats": _jsonable(stats)})
             if fmt == "text":
                 click.echo(
@@ -269,9 +275,10 @@ def schema(output: str | None) -> None:
 @WORLDS
 @click.option("--dump", type=click.Choice(STAGE_NAMES),
               help="stop after this stage and print what it produced")
+@STRICT
 @DEBUG
 def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str | None,
-             debug: bool) -> None:
+             strict: bool, debug: bool) -> None:
     """Check schedules and emit one Python module per schedule into DIR."""
 
     def body() -> int:
@@ -283,7 +290,7 @@ def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str |
         written: dict[str, str] = {}  # schedule name -> the file that produced it
         for file in files:
             try:
-                c = run(file, Options(worlds=worlds), until=dump or "emit")
+                c = run(file, Options(worlds=worlds, strict=strict), until=dump or "emit")
                 name = c.schedule.schedule
                 if not dump and name in written:
                     raise DiagnosticError([Diagnostic(
@@ -300,6 +307,7 @@ def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str |
                 io_failed = io_failed or _io_failure(err.diagnostics)
                 _report(err.diagnostics, "text")
                 continue
+            _report(c.warnings, "text")
             if dump:
                 click.echo(_dump(c, dump))
                 continue
@@ -318,6 +326,8 @@ def _dump(c: Any, stage: str) -> str:
 
         return to_dot(c.graph)
     if stage == "check":
+        return json.dumps([d.as_dict() for d in c.warnings], indent=2, default=str)
+    if stage == "hb":
         return json.dumps(c.hb_report.as_json() if c.hb_report else {}, indent=2, default=str)
     if stage == "lower":
         import dataclasses

@@ -1,55 +1,16 @@
 """Stage 2, graph: the dataflow graph of a schedule (networkx).
 
 Steps and buffers are nodes; an edge buffer -> step is a read, step -> buffer a
-write. ``accesses(step)`` is the one place that says which buffers an op reads and
-writes; the checkers and the code generator read it from here.
+write, as the op's entry in dcpc.lang.semantics says (the one definition every stage
+reads).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import networkx as nx
 
 from dcpc.lang import model
-
-
-@dataclass(frozen=True)
-class Access:
-    """The buffers one step reads and writes, in the order the step names them."""
-
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
-
-
-def _names(value: str | list[str] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def _mask(op: model.OpBase) -> tuple[str, ...]:
-    mask = getattr(op, "mask_empty", None)
-    return (mask.seq_lens, mask.query_start_loc) if mask is not None else ()
-
-
-def accesses(step: model.Step) -> Access:
-    """Buffers read and written by a step (implicit via buffers are named <step>_recv)."""
-    op = step.op
-    if isinstance(op, model.External):
-        return Access(tuple(op.reads), tuple(op.writes))
-    if isinstance(op, (model.AllGather, model.AllToAll, model.Copy)):
-        return Access(_names(op.src), _names(op.dst))
-    if isinstance(op, model.ReduceScatter):
-        via = op.via or f"{step.name}_recv"
-        return Access((op.src, via), (via, op.dst))
-    if isinstance(op, model.AllToAllCombine):
-        return Access(
-            (*op.src, *op.via, *_mask(op)), (*op.via, op.dst, *_names(op.return_lse))
-        )
-    if isinstance(op, (model.LseCombine, model.LseCorrect)):
-        return Access((*op.src, *_mask(op)), (op.dst, *_names(op.return_lse)))
-    return Access((), ())  # barrier, signal, wait: synchronisation only
+from dcpc.lang.semantics import table
 
 
 def dataflow(schedule: model.Schedule) -> nx.DiGraph:
@@ -65,10 +26,11 @@ def dataflow(schedule: model.Schedule) -> nx.DiGraph:
             symmetric=buf.is_symmetric,
             shared=buf.shared,
         )
+    semantics = table(schedule)
     for step in schedule.step_list():
         node = f"step:{step.name}"
         graph.add_node(node, kind="step", label=step.name, op=step.kind, index=step.index)
-        access = accesses(step)
+        access = semantics[step.index]
         for name in access.reads:
             graph.add_node(f"buf:{name}", kind="buffer", label=name)
             graph.add_edge(f"buf:{name}", node, access="read")

@@ -1,10 +1,17 @@
 """The driver: the compiler's stages in one ordered table.
 
-    parse -> graph -> check -> lower -> emit
+    parse -> graph -> check -> lower -> hb -> emit
 
 Each stage is a function of the previous stage's result (and the options); a stage
 that cannot go on raises DiagnosticError. ``run(..., until=NAME)`` stops after a
 stage, which gives ``dcpc compile --dump NAME`` and one test per stage for free.
+``dcpc check`` runs up to ``hb``, ``dcpc compile`` to ``emit``: what check accepts,
+compile accepts.
+
+The happens-before stage comes after ``lower`` because it analyses the plan: the
+signal slots and epochs the emitted kernels use, not an idea of the schedule.
+Warnings are collected in ``Compilation.warnings`` and never stop a stage, unless
+``Options.strict`` makes them errors.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ DEFAULT_WORLDS: tuple[int, ...] = tuple(range(2, 9))
 @dataclass
 class Options:
     worlds: Sequence[int] = DEFAULT_WORLDS
-    hb: bool = True  # run the happens-before checker after the structural checks
+    hb: bool = True  # run the happens-before checker after the lowering
+    strict: bool = False  # warnings are errors
 
 
 @dataclass
@@ -56,22 +64,29 @@ def _graph(c: Compilation) -> None:
 def _check(c: Compilation) -> None:
     from dcpc.check import structural
 
-    errors = structural.check(c.schedule, list(c.options.worlds))
-    if errors:
-        raise DiagnosticError(errors)
-    if c.options.hb:
-        from dcpc.check import hb
-
-        c.hb_report = hb.check(c.schedule, list(c.options.worlds))
-        found = c.hb_report.diagnostics()
-        if found:
-            raise DiagnosticError(found)
+    found = structural.check(c.schedule, list(c.options.worlds))
+    c.warnings = [d for d in found if d.severity == "warning"]
+    if c.options.strict and c.warnings:
+        raise DiagnosticError(found)
+    if any(d.severity == "error" for d in found):
+        raise DiagnosticError(found)
 
 
 def _lower(c: Compilation) -> None:
     from dcpc.codegen.lower import lower
 
     c.plan = lower(c.schedule, list(c.options.worlds))
+
+
+def _hb(c: Compilation) -> None:
+    if not c.options.hb:
+        return
+    from dcpc.check import hb
+
+    c.hb_report = hb.check(c.schedule, list(c.options.worlds), plan=c.plan)
+    found = c.hb_report.diagnostics()
+    if found:
+        raise DiagnosticError(found)
 
 
 def _emit(c: Compilation) -> None:
@@ -85,6 +100,7 @@ STAGES: tuple[tuple[str, Callable[[Compilation], None]], ...] = (
     ("graph", _graph),
     ("check", _check),
     ("lower", _lower),
+    ("hb", _hb),
     ("emit", _emit),
 )
 STAGE_NAMES = tuple(name for name, _ in STAGES)
@@ -101,6 +117,9 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit") -
             stage(c)
         except DiagnosticError as err:
             err.compilation = c  # type: ignore[attr-defined]  # what the stages got to
+            if name != "check":  # the check stage's error already lists its warnings
+                err.diagnostics = sorted([*c.warnings, *err.diagnostics],
+                                         key=lambda d: (d.mark, d.code))
             raise
         c.seconds[name] = time.perf_counter() - start
         if name == until:

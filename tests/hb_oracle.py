@@ -3,11 +3,13 @@
 It builds the FULL unrolled event graph with networkx: every rank, every call of
 the unroll window, and for every communication op one node per access, one store
 node per target rank, one signal node per peer and one wait node per peer, in
-stream order. Signal -> wait edges follow the same matching rule as the codegen
-(the k-th wait on a channel expecting rank s takes the k-th signal of rank s to
-it, in the same call). It then computes the full transitive closure (ancestor
-bitsets over a topological order) and compares EVERY pair of accesses to every
-symmetric buffer instance. No symmetry, no coarse events, no vector clocks.
+stream order. Signal -> wait edges follow what the kernels do: a communication op
+waits on its own signal slots, a ``wait`` step polls the slots of the one signal
+step the language matches it with (dcpc.lang.semantics.channels), and call c's wait
+is satisfied by the same call's signal of that step (epochs count a slot's calls).
+It then computes the full transitive closure (ancestor bitsets over a topological
+order) and compares EVERY pair of accesses to every symmetric buffer instance. No
+symmetry, no coarse events, no vector clocks.
 
     oracle_keys(schedule, world, calls=None) -> set of (kind, class, buffer, step, step)
 """
@@ -19,6 +21,7 @@ from itertools import count
 import networkx as nx
 
 from dcpc.lang.model import Schedule
+from dcpc.lang.semantics import channels
 
 Key = tuple[str, str, str, str, str]
 
@@ -108,6 +111,9 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         stores(op.via, (("index", 0, 0), b.rank))
         exchange()
         reads(list(op.via) + masks, 1)
+        others = [o for item in schedule.steps for n, o in item.items() if n != name]
+        if not any(set(op.via) & _named(o) for o in others):
+            reads(op.src, 1)  # the merge reads this rank's own part from src
         writes([op.dst] + _as_list(op.return_lse), 1)
     elif kind in ("lse_combine", "lse_correct"):
         reads(list(op.src) + masks, 0)
@@ -122,10 +128,12 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         exchange()
     elif kind == "signal":
         for peer in _peers(op.to.value, b.rank, world):
-            b.add(name, index, 0, signal=(op.channel, peer))
+            b.add(name, index, 0, signal=(f"{op.channel}@{name}", peer))
     elif kind == "wait":
+        found = channels(schedule).polls.get(name)
+        polled = found.name if found is not None else "?"
         for peer in _peers(op.from_.value, b.rank, world):
-            b.add(name, index, 1, wait=(op.channel, peer))
+            b.add(name, index, 1, wait=(f"{op.channel}@{polled}", peer))
     else:
         raise AssertionError(f"oracle does not know op {kind}")
 
@@ -172,16 +180,27 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
                     waiting.setdefault((channel, source, rank), []).append(node)
         for link, waits in waiting.items():
             signals = sent.get(link, [])
-            for k, node in enumerate(waits):
-                if k < len(signals):
-                    graph.add_edge(signals[k], node)
+            assert len(signals) <= 1  # a step signals each peer once per call
+            for node in waits:  # every wait polling that slot sees that one signal
+                if signals:
+                    graph.add_edge(signals[0], node)
                 else:
                     graph.nodes[node]["unmatched"] = True
     return graph
 
 
 def _channel(channel: str) -> str:
-    return channel.removeprefix("step:")
+    return channel.removeprefix("step:").split("@", 1)[0]
+
+
+def _named(op) -> set[str]:
+    """Every buffer an op names (what it may read)."""
+    names: set[str] = set()
+    for key in ("src", "via", "reads"):
+        names |= set(_as_list(getattr(op, key, None)))
+    if getattr(op, "mask_empty", None) is not None:
+        names |= {op.mask_empty.seq_lens, op.mask_empty.query_start_loc}
+    return names
 
 
 def _overlap(a: dict, b: dict) -> bool:
@@ -292,8 +311,9 @@ def random_schedule_text(draw, st) -> str:
 
     ``draw`` is hypothesis' draw function and ``st`` its strategies module. Steps
     are gathers, all-to-alls, reduce-scatters, copies, external reads/writes of
-    what was written before, barriers, and split-phase signal/wait pairs whose
-    wait may come before its signal (a deadlock) or twice (a missing epoch).
+    what was written before, barriers, and split-phase signal/wait pairs (several
+    on one channel, rings both ways) whose wait may come before its signal (a
+    deadlock).
     """
     slots = draw(st.integers(1, 3))
     streams = draw(st.sampled_from(["per_slot", "single"]))
@@ -328,11 +348,13 @@ def random_schedule_text(draw, st) -> str:
             to = draw(st.sampled_from(["all", "next", "prev"]))
             signal = f"{{op: signal, to: {to}, channel: {channel}}}"
             wait = f"{{op: wait, from: {PARTNERS[to]}, channel: {channel}}}"
-            order = draw(st.sampled_from(["split", "split", "wait-first", "later", "twice"]))
+            order = draw(st.sampled_from(["split", "split", "wait-first", "later", "both"]))
             if order == "wait-first":
                 steps += [wait, signal]
-            elif order == "twice":
-                steps += [signal, wait, wait]
+            elif order == "both":  # one signal to all polled by a wait from each side
+                steps += [f"{{op: signal, to: all, channel: {channel}}}",
+                          f"{{op: wait, from: prev, channel: {channel}}}",
+                          f"{{op: wait, from: next, channel: {channel}}}"]
             elif order == "later":
                 steps.append(signal)
                 pending_waits.append(wait)

@@ -124,7 +124,7 @@ def test_dump_parse_stage():
 
 
 def test_stage_table_order_and_until():
-    assert STAGE_NAMES == ("parse", "graph", "check", "lower", "emit")
+    assert STAGE_NAMES == ("parse", "graph", "check", "lower", "hb", "emit")
     c = run(KIMI, until="graph")
     assert c.graph is not None and c.plan is None
     assert list(c.seconds) == ["parse", "graph"]

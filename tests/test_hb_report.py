@@ -65,12 +65,14 @@ def test_timeline_reads_like_the_execution() -> None:
 
 
 def test_deadlock_timeline_shows_every_rank_stuck() -> None:
-    report = hb.check(parse_file(CORPUS / "wait_prev_signal_prev.yaml"), range(2, 9))
-    (finding,) = report.findings
-    assert (finding.kind, finding.cls, finding.world) == ("deadlock", "no-signal", 3)
+    report = hb.check(parse_file(CORPUS / "ring_wait_before_signal.yaml"), range(3, 9))
+    (finding,) = report.findings  # one cycle, reported once, at the step that waits
+    assert (finding.kind, finding.cls, finding.world) == ("deadlock", "cycle", 3)
+    assert finding.first.step == "ring_wait"
     assert len(finding.timeline) == 3
     for line in finding.timeline:
-        assert "hop_signal ✓ hop_wait ⏳ waits for a signal from rank" in line
+        assert "attention ✓ ring_wait ⏳ waits for rank" in line
+        assert "ring_signal, which never runs" in line
 
 
 def test_large_world_timeline_shows_only_the_involved_ranks() -> None:

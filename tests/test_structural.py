@@ -379,7 +379,10 @@ def test_signal_wait_pairs() -> None:
     assert diags(everyone) == []
     found = errors(ring.replace("from: prev", "from: next"))
     assert [d.code for d in found] == ["peer-mismatch"]
-    assert found[0].hint == "use 'to: prev' on 'done' or 'from: prev' here"
+    assert found[0].hint == "use 'to: prev' or 'to: all' on 'done', or another 'from' here"
+    # `to: all` reaches a wait from either neighbour (docs/language.md)
+    assert diags(everyone.replace("from: all", "from: prev")) == []
+    assert diags(everyone.replace("from: all", "from: next")) == []
 
 
 # ---- the size sampler and binding (dcpc.lang.sizes) --------------------------------

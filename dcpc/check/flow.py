@@ -2,37 +2,36 @@
 
 from __future__ import annotations
 
-from dcpc.check.context import Context, Ref, mask_refs, refs
+from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
-from dcpc.lang.model import OpBase, Peers, Signal, Step, Wait
-
-# A wait from `prev` is satisfied by the previous rank signalling its `next`.
-PARTNER = {Peers.all: Peers.all, Peers.prev: Peers.next, Peers.next: Peers.prev}
+from dcpc.lang.model import Signal, Step
+from dcpc.lang.semantics import READ, channels, effect_mark, table
 
 
-def accesses(op: OpBase) -> list[tuple[str, Ref]]:
-    """The buffer accesses of one op, in the order they happen ("r" or "w")."""
-    out: list[tuple[str, Ref]] = [("r", ref) for ref in refs(op, "src") + refs(op, "reads")]
-    out += [("r", ref) for ref in mask_refs(op)]
-    for ref in refs(op, "via"):  # peers store into via, then this rank reads it
-        out += [("w", ref), ("r", ref)]
-    out += [("w", ref) for ref in refs(op, "dst") + refs(op, "return_lse") + refs(op, "writes")]
-    return out
+def accesses(ctx: Context) -> list[tuple[Step, list[tuple[str, Ref]]]]:
+    """Per step, its buffer accesses in the order they happen ("r" or "w"), with marks
+    (dcpc.lang.semantics: the one definition of what an op reads and writes)."""
+    effects = table(ctx.schedule)
+    return [(step, [("r" if e.kind == READ else "w",
+                     Ref(e.buffer, e.key or "implicit", effect_mark(step, e)))
+                    for e in effects[step.index].effects])
+            for step in ctx.steps]
 
 
 def check_reads(ctx: Context) -> None:
     """A symmetric buffer is read only after a step of the call wrote it; an
     engine-owned buffer is not read before the step that writes it (one that no step
     writes is an input)."""
+    steps = accesses(ctx)
     first_writer: dict[str, Step] = {}
-    for step in ctx.steps:
-        for mode, ref in accesses(step.op):
+    for step, found in steps:
+        for mode, ref in found:
             if mode == "w":
                 first_writer.setdefault(ref.name, step)
     written: set[str] = set()
     reported: set[str] = set()
-    for step in ctx.steps:
-        for mode, ref in accesses(step.op):
+    for step, found in steps:
+        for mode, ref in found:
             buffer = ctx.buffer(ref.name)
             if mode == "w":
                 written.add(ref.name)
@@ -59,38 +58,15 @@ def check_reads(ctx: Context) -> None:
 
 
 def check_channels(ctx: Context) -> None:
-    """Every wait has a signal on its channel, with peers that match."""
-    signals: dict[str, list[tuple[Step, Signal]]] = {}
-    waits: dict[str, list[tuple[Step, Wait]]] = {}
-    for step in ctx.steps:
-        if isinstance(step.op, Signal):
-            signals.setdefault(step.op.channel, []).append((step, step.op))
-        elif isinstance(step.op, Wait):
-            waits.setdefault(step.op.channel, []).append((step, step.op))
-    for channel, items in waits.items():
-        for step, wait in items:
-            sent = signals.get(channel)
-            if not sent:
-                ctx.error(wait.mark("channel"), "unmatched-wait",
-                          f"step '{step.name}' waits on channel '{channel}', but no step "
-                          "signals it; the wait can never finish",
-                          hint=did_you_mean(channel, signals)
-                          or f"add a step '{{op: signal, channel: {channel}}}' before it")
-                continue
-            need = PARTNER[wait.from_]
-            if all(signal.to != need for _, signal in sent):
-                other, signal = sent[0]
-                mark = wait.mark("from") if "from" in wait.src_marks else step.mark()
-                ctx.error(mark, "peer-mismatch",
-                          f"step '{step.name}' waits for '{wait.from_.value}' peers on channel "
-                          f"'{channel}', but step '{other.name}' signals "
-                          f"'{signal.to.value}' peers",
-                          hint=f"use 'to: {need.value}' on '{other.name}' or "
-                          f"'from: {PARTNER[signal.to].value}' here")
-    for channel, items in signals.items():
-        if channel not in waits:
-            step, signal = items[0]
-            ctx.error(signal.mark("channel"), "unmatched-signal",
-                      f"step '{step.name}' signals channel '{channel}', but no step waits "
-                      "on it", severity="warning",
-                      hint=did_you_mean(channel, waits) or "add a wait or drop the signal")
+    """Every wait polls one signal step whose peers reach it; every signal is polled."""
+    found = channels(ctx.schedule)
+    for err in found.errors:
+        op = err.step.op
+        mark = op.mark(err.key) if err.key and err.key in op.src_marks else err.step.mark()
+        hint = err.hint
+        if err.code == "unmatched-wait" and hint is None:
+            names = {s.op.channel for s in ctx.steps if isinstance(s.op, Signal)}
+            hint = did_you_mean(op.channel, names) or (  # type: ignore[attr-defined]
+                f"add a step '{{op: signal, channel: {op.channel}}}' before it")  # type: ignore[attr-defined]
+        ctx.error(mark, err.code, err.message, hint=hint,
+                  severity="warning" if err.code == "unmatched-signal" else "error")

@@ -44,7 +44,6 @@ once), ``random`` picks any runnable stream, ``delay`` starves one rank. ``exhau
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -167,13 +166,6 @@ class OracleReport:
     states: int = 0  # exhaustive: distinct states explored
     hung: bool = False
     blocked: list[tuple] = field(default_factory=list)  # (rank, call, step) of every spinning wait
-    passed: set[tuple[int, str]] = field(default_factory=set)  # (call, step): a spin passed
-
-    first_calls: int = 1  # calls 0 .. first_calls-1 are the first call of a stream
-
-    def passed_first_call(self, step: str) -> bool:
-        """Whether some rank got past one of ``step``'s spins in a stream's first call."""
-        return any(s == step and c < self.first_calls for c, s in self.passed)
 
     def keys(self) -> set[tuple[str, str, str, str, str]]:
         return {f.key for f in self.findings}
@@ -275,8 +267,7 @@ class _Run:
         self.cclk: list[tuple | None] = [None] * c.ncells
         # per instance: {(stream, which access) -> (stamp, write, part, writer, info)}
         self.seen: list[dict] = [dict() for _ in c.inst_buffer]
-        self.races: set[tuple] = set()  # (instance, info_a, write_a, info_b, write_b)
-        self.passed: set[tuple[int, int]] = set()  # (call, step index) of passed spins
+        self.races: set[tuple] = set()  # (info_a, info_b) with their access kinds
 
     def clone(self) -> _Run:
         other = object.__new__(_Run)
@@ -287,7 +278,6 @@ class _Run:
         other.cclk = list(self.cclk)
         other.seen = [dict(d) for d in self.seen]
         other.races = set()
-        other.passed = set(self.passed)
         return other
 
     def state(self) -> tuple:
@@ -328,7 +318,6 @@ class _Run:
             got = self.val[a[1]]
             if ((got - a[2]) & _MASK) >= _HALF:
                 break  # spinning
-            self.passed.add(a[3][1:3])
             src = self.cclk[a[1]]
             if src is not None:
                 for i, v in enumerate(src):
@@ -357,59 +346,28 @@ class _Run:
 
 
 def _run(c: _Compiled, policy: str, rng: random.Random) -> _Run:
-    """One maximal run under ``policy`` (a priority over the streams that can move)."""
     run = _Run(c)
     n = len(c.streams)
-    acts, calls, pos, val = c.actions, c.action_call, run.pos, run.val
+    order = list(range(n))
+    rng.shuffle(order)
     rank_of = [r for r, _ in c.streams]
     victim = rng.randrange(c.world)
-    tiebreak = list(range(n))
-    rng.shuffle(tiebreak)
-    rand = rng.random
-
-    def key(t: int) -> tuple:
-        p = pos[t]
-        signal = acts[t][p][0] == 1
+    while True:
+        ready = [t for t in order if run.runnable(t)]
+        if not ready:
+            return run
         if policy == "lockstep":  # lowest call first; a signal after anything else
-            return (calls[t][p], signal, tiebreak[t])
-        if policy == "hold":  # a signal only when nothing else can move
-            return (signal, calls[t][p] if signal else 0, tiebreak[t])
-        if policy == "delay":  # one rank only when nothing else can move
-            return (rank_of[t] == victim, rand())
-        return (rand(),)
-
-    heap: list[tuple] = []
-    waiting: dict[int, list[int]] = {}  # cell -> streams spinning on it
-
-    def arrive(t: int) -> None:
-        """Stream ``t`` is at a sync action: schedule it, or park it on its cell."""
-        p = pos[t]
-        if p >= len(acts[t]):
-            return
-        a = acts[t][p]
-        if a[0] == 2 and ((val[a[1]] - a[2]) & _MASK) >= _HALF:
-            waiting.setdefault(a[1], []).append(t)
+            t = min(ready, key=lambda s: (c.action_call[s][run.pos[s]],
+                                          c.actions[s][run.pos[s]][0] == 1))
+        elif policy == "hold":
+            quiet = [s for s in ready if c.actions[s][run.pos[s]][0] != 1]
+            t = quiet[0] if quiet else min(ready, key=lambda s: c.action_call[s][run.pos[s]])
+        elif policy == "delay":
+            fast = [s for s in ready if rank_of[s] != victim]
+            t = rng.choice(fast) if fast else ready[0]
         else:
-            heapq.heappush(heap, (key(t), t))
-
-    for t in range(n):
-        if acts[t] and acts[t][0][0] == 0:
-            run.step(t)  # the local effects before the first sync action
-        arrive(t)
-    while heap:
-        _, t = heapq.heappop(heap)
-        a = acts[t][pos[t]]
-        run.step(t)  # the sync action
-        if pos[t] < len(acts[t]) and acts[t][pos[t]][0] == 0:
-            run.step(t)  # the local effects after it
-        arrive(t)
-        if a[0] == 1:
-            for cell in a[1]:
-                parked = waiting.pop(cell, None)
-                if parked:
-                    for u in parked:
-                        arrive(u)
-    return run
+            t = rng.choice(ready)
+        run.step(t)
 
 
 def _exhaustive(c: _Compiled, limit: int) -> tuple[set[tuple], list[_Run], int]:
@@ -513,7 +471,7 @@ def explore(plan: Any, world: int, *, calls: int | None = None,
     prog = plan if isinstance(plan, OProgram) else program(plan, channels)
     calls = 3 * prog.slots if calls is None else calls
     c = _Compiled(prog, world, calls)
-    report = OracleReport(world, first_calls=prog.slots if prog.per_slot else 1)
+    report = OracleReport(world)
     found: dict[tuple, Finding] = {}
 
     def add(items: Iterable[Finding]) -> None:
@@ -521,7 +479,6 @@ def explore(plan: Any, world: int, *, calls: int | None = None,
             found.setdefault(f.key, f)
 
     def finish(run: _Run, name: str) -> None:
-        report.passed |= {(call, prog.steps[i].name) for call, i in run.passed}
         add(_race_findings(c, run.races, name))
         if not run.done():
             report.hung = True

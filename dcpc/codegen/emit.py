@@ -146,6 +146,9 @@ def _env() -> jinja2.Environment:
 
 def emit(plan: Plan) -> str:
     """Render the module for ``plan``; the same plan gives byte-identical text."""
+    for step in plan.steps:  # `dcpc check` refuses these first (unmatched-wait)
+        if step.sync.wait is not None and step.sync.polls is None:
+            raise ValueError(f"step '{step.name}' waits, but no signal step is matched to it")
     env = _env()
     text = env.get_template("module.py.j2").render(
         plan=plan,

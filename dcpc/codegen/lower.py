@@ -21,6 +21,7 @@ from dcpc.codegen.plan import BufferPlan, Expr, Plan, SizePlan, StepPlan
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
+from dcpc.lang.semantics import table
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Names the generated class, its methods' locals or its imports already use.
@@ -220,11 +221,14 @@ def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
     """Lower a checked schedule to a kernel plan (raises DiagnosticError if it cannot)."""
     ctx = Ctx(schedule, _buffers(schedule))
     _check_names(ctx)
+    semantics = table(schedule)
     steps = []
     for step in ctx.steps:
         plan = LOWERINGS[step.kind](ctx, step)
         if plan.template is not None and not plan.tuning:
             plan.tuning = {**DEFAULT_TUNING, **OP_TUNING.get(step.kind, {})}
+        plan.effects = list(semantics[step.index].effects)
+        plan.sync = semantics[step.index].sync  # polls None: a wait nothing signals (emit refuses)
         steps.append(plan)
     if ctx.errors:
         raise DiagnosticError(ctx.errors)

@@ -3,6 +3,7 @@
 Everything a template receives comes from here and is an identifier, an integer, an
 enum string or a shape AST (``("num", n) | ("sym", name) | (op, lhs, rhs)``), except
 ``doc`` fields, which are free text and only ever reach the module escaped.
+``effects`` and ``sync`` are dcpc.lang.semantics records made of the same kinds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from dcpc.lang.semantics import Effect, Sync
 
 Expr = tuple  # a shape AST, as in dcpc.lang.expr
 
@@ -50,6 +53,11 @@ class StepPlan:
     signalling: bool = False  # uses signal slots (a channel per slot)
     reads: list[str] = field(default_factory=list)  # external steps: for the contract
     writes: list[str] = field(default_factory=list)
+    # From dcpc.lang.semantics, the one definition: what the step reads and writes, in
+    # the order it happens, and the signal slots its kernel signals and polls. The
+    # happens-before checker and the execution oracle analyse exactly these.
+    effects: list[Effect] = field(default_factory=list)
+    sync: Sync = field(default_factory=Sync)
 
 
 @dataclass

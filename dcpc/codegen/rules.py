@@ -20,8 +20,8 @@ from dcpc.codegen.lower import (
     register,
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
-from dcpc.graph import accesses
 from dcpc.lang import model as m
+from dcpc.lang.semantics import Scope, self_copy
 
 OpT = TypeVar("OpT", bound=m.OpBase)
 
@@ -181,13 +181,8 @@ def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
         },
         signalling=True,
     )
-    # The own part need not travel through via[RANK] unless a later step reads via.
-    plan.attrs["self_copy"] = any(
-        via_o in reads or via_lse in reads
-        for other in ctx.steps
-        if other.name != step.name
-        for reads in [accesses(other).reads]
-    )
+    # The own part need not travel through via[RANK] unless another step reads via.
+    plan.attrs["self_copy"] = self_copy(Scope(ctx.schedule), step)
     return _merge_common(ctx, step, via_o, via_lse, plan)
 
 
@@ -226,25 +221,9 @@ def _signal(ctx: Ctx, step: m.Step) -> StepPlan:
 @register("wait")
 def _wait(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.Wait)
-    match = [
-        s for s in ctx.steps if s.kind == "signal" and typed(s, m.Signal).channel == op.channel
-    ]
-    if not match:
-        ctx.fail(
-            op.mark("channel"),
-            "unmatched-wait",
-            f"wait '{step.name}' names channel '{op.channel}', which no signal step uses",
-            "add a signal step with the same channel before it",
-        )
-        return _step(step)
     return _step(
         step,
-        attrs={
-            "peers": op.from_.value,
-            "signal": False,
-            "wait": True,
-            "signal_index": match[0].index,
-        },
+        attrs={"peers": op.from_.value, "signal": False, "wait": True},
         tuning=dict(SYNC_TUNING),
         signalling=True,
     )

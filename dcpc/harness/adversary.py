@@ -77,15 +77,20 @@ def plan_events(
 
 @dataclass(frozen=True)
 class Fault:
-    """Rank ``rank`` stops before step ``step`` of call ``call``: exits, or sleeps."""
+    """Rank ``rank`` stops before step ``step`` of call ``call`` (-1: every call):
+    exits, sleeps for good, or pauses ``seconds`` (to open a race window wide)."""
 
     rank: int
     call: int
     step: str
-    kind: str = "exit"  # "exit" | "sleep"
+    kind: str = "exit"  # "exit" | "sleep" | "pause"
+    seconds: float = 0.0
 
     def strike(self, rank: int, call: int, step: str) -> None:
-        if (rank, call, step) != (self.rank, self.call, self.step):
+        if (rank, step) != (self.rank, self.step) or self.call not in (-1, call):
+            return
+        if self.kind == "pause":
+            time.sleep(self.seconds)
             return
         if self.kind == "exit":
             os._exit(17)

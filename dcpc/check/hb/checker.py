@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from dcpc.check.hb.clocks import analyze
 from dcpc.check.hb.deadlock import find_deadlocks
@@ -13,6 +14,9 @@ from dcpc.check.hb.races import find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
 from dcpc.lang.model import Schedule
 
+if TYPE_CHECKING:
+    from dcpc.codegen.plan import Plan
+
 
 def check(
     schedule: Schedule,
@@ -20,18 +24,21 @@ def check(
     *,
     calls: int | None = None,
     hints: bool = True,
+    plan: Plan | None = None,
 ) -> HbReport:
     """Prove the buffer/epoch ordering of ``schedule`` for every W in ``worlds``.
 
     Returns every race and deadlock, one per (kind, class, buffer, step pair), each
     with the smallest W it occurs at, a concrete counterexample and (``hints``) a
     fix proved by re-checking. ``calls`` overrides the unroll bound (default
-    2*slots calls per rank, which is enough: see dcpc.check.hb). Assumes a
-    structurally clean schedule (dcpc.check.structural runs first).
+    2*slots calls per rank, which is enough: see dcpc.check.hb). ``plan`` is the
+    schedule's lowered plan (dcpc.codegen.lower), whose signal slots and effects are
+    what is analysed; it is lowered here when not given. Assumes a structurally
+    clean schedule (dcpc.check.structural runs first).
     """
     start = time.perf_counter()
     worlds = sorted({w for w in worlds if w >= 1})
-    program = lower(schedule)
+    program = lower(schedule, plan)
     findings: dict[tuple[str, str, str, str, str], Finding] = {}
     events = 0
     for w in worlds:
