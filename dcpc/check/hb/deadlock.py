@@ -42,11 +42,10 @@ def find_deadlocks(world: World) -> list[RawDeadlock]:
         channel = events[j].wait[0]  # type: ignore[index]
         dead = RawDeadlock(NO_SIGNAL, channel, j, d, None)
         found.setdefault(dead.key(world), dead)
-    for cycle in world.cycles:
-        for j in sorted(cycle):
-            for d, js in world.match.get(j, ()):
-                if js is not None and js in cycle:
-                    dead = RawDeadlock(CYCLE, events[j].wait[0], j, d, js)  # type: ignore[index]
-                    found.setdefault(dead.key(world), dead)
+    for cycle in world.cycles:  # once per cycle, at its first wait in program order
+        dead = next(RawDeadlock(CYCLE, events[j].wait[0], j, d, js)  # type: ignore[index]
+                    for j in sorted(cycle) for d, js in world.match.get(j, ())
+                    if js is not None and js in cycle)
+        found.setdefault(dead.key(world), dead)
     return list(found.values())
 

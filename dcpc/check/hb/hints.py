@@ -1,7 +1,8 @@
 """Fixes for findings: candidate edits of the schedule, each proved by re-checking.
 
-A hint is only given when the edited schedule no longer has the finding, at the
-W it was found, and has no finding the original did not have. Candidates, in
+A hint is only given when the edited schedule passes the whole pipeline (structure,
+read-before-write, lowering), every read still sees the write it saw, and it no longer
+has the finding, at the W it was found, and has no finding the original did not have. Candidates, in
 order of preference: move a step (a reader after its writer, a split-phase
 signal after the read it releases), drop ``shared: true``, one more slot on a
 single stream (double buffering: no new sync), a barrier after one of the two
@@ -12,26 +13,64 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from dcpc.check import structural
 from dcpc.check.hb.clocks import analyze
 from dcpc.check.hb.deadlock import NO_SIGNAL, find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.races import find_races
 from dcpc.check.hb.report import Finding
+from dcpc.codegen.lower import lower as lower_plan
+from dcpc.codegen.plan import Plan
+from dcpc.diagnostics import DiagnosticError
 from dcpc.lang.model import Barrier, Peers, Schedule, Signal, Streams
+from dcpc.lang.semantics import WRITE, table
 
 Key = tuple[str, str, str, str, str]
 Edit = tuple[str, Callable[[], Schedule]]
 
 
-def finding_keys(schedule: Schedule, worlds: list[int], calls: int | None = None) -> set[Key]:
+def finding_keys(schedule: Schedule, worlds: list[int], calls: int | None = None,
+                 plan: Plan | None = None) -> set[Key]:
     """The keys of every finding of ``schedule`` for these worlds (no timelines)."""
-    program = lower(schedule)
+    program = lower(schedule, plan)
     keys: set[Key] = set()
     for w in worlds:
         world = analyze(program, w, calls)
         keys |= {d.key(world) for d in find_deadlocks(world)}
         keys |= {r.key(world) for r in find_races(world)}
     return keys
+
+
+def reaching_writes(schedule: Schedule) -> dict[tuple[str, str], str]:
+    """For every (step, buffer) read, the step of the same call whose write it sees
+    (reads of what nothing before wrote in the call are left out)."""
+    last: dict[str, str] = {}
+    seen: dict[tuple[str, str], str] = {}
+    for step, sem in zip(schedule.step_list(), table(schedule), strict=True):
+        for effect in sem.effects:
+            if effect.kind == WRITE:
+                last[effect.buffer] = step.name
+            elif effect.buffer in last:
+                seen.setdefault((step.name, effect.buffer), last[effect.buffer])
+    return seen
+
+
+def proved_keys(edited: Schedule, original: Schedule, worlds: list[int],
+                calls: int | None) -> set[Key] | None:
+    """The findings of an edited schedule through the whole pipeline (structure,
+    read-before-write, lowering, happens-before), or None when the edit breaks the
+    schedule: a structural error, a lowering error, or a read that no longer sees the
+    write it saw (an edit that wipes the data it was meant to protect)."""
+    if any(d.severity == "error" for d in structural.check(edited, worlds)):
+        return None
+    try:
+        plan = lower_plan(edited, worlds)
+    except DiagnosticError:
+        return None
+    before, after = reaching_writes(original), reaching_writes(edited)
+    if any(after.get(read) != writer for read, writer in before.items()):
+        return None
+    return finding_keys(edited, worlds, calls, plan)
 
 
 def _items(schedule: Schedule) -> list[tuple[str, object]]:
@@ -154,9 +193,11 @@ def suggest(
 ) -> str | None:
     """Up to ``most`` candidate fixes, joined with "; or ", or None.
 
-    Each is proved: the edited schedule no longer has ``finding`` and has no
-    finding the original lacks, at the W it was found, the next W and the largest
-    of ``worlds``. Among proved fixes, those leaving fewer findings come first.
+    Each is proved through the whole pipeline (``proved_keys``): the edited schedule
+    passes the structural checks and lowers, every read still sees the write it saw,
+    it no longer has ``finding`` and has no finding the original lacks, at the W it
+    was found, the next W and the largest of ``worlds``. Among proved fixes, those
+    leaving fewer findings come first.
     """
     w = finding.world
     check_at = sorted({w, w + 1, max(worlds or [w])})
@@ -165,8 +206,10 @@ def suggest(
     proved: list[tuple[int, int, str]] = []
     for rank, (text, make) in enumerate(edits(schedule, finding)):
         try:
-            after = finding_keys(make(), check_at, calls)
+            after = proved_keys(make(), schedule, check_at, calls)
         except (KeyError, StopIteration, ValueError):
+            continue
+        if after is None:
             continue
         if finding.key not in after and after <= before and text not in {p[2] for p in proved}:
             proved.append((len(after), rank, text))

@@ -10,6 +10,7 @@ from dcpc.check.hb.deadlock import CYCLE, RawDeadlock
 from dcpc.check.hb.races import RAW, WAR, WAW, RawRace, Touch
 from dcpc.check.hb.timeline import (
     involved_ranks,
+    left_out,
     render,
     stream_positions,
     strict_predecessors,
@@ -162,7 +163,9 @@ def race_finding(world: World, race: RawRace) -> Finding:
                (b.rank, pb): f"→ {verb[lb.access]} {lb.region}"}
     if (a.rank, pa) == (b.rank, pb):
         pending[(a.rank, pa)] = f"→ {verb[la.access]} and {verb[lb.access]} {la.region}"
-    timeline = render(world, cut, pending, involved_ranks(world, [a.rank, b.rank]))
+    ranks = involved_ranks(world, [a.rank, b.rank], [
+        strict_predecessors(world, a.rank, pa), strict_predecessors(world, b.rank, pb)])
+    timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     where = f"(W={world.world})"
     if race.cls == WAR:
         message = (f"write-after-read race on {race.buffer}: {lb.step} on rank {lb.rank} "
@@ -225,7 +228,7 @@ def deadlock_finding(world: World, dead: RawDeadlock) -> Finding:
             if live_count[stream] < len(positions):
                 stuck = positions[live_count[stream]]
                 pending[(rank, stuck)] = _wait_text(world, stuck % world.n, rank)
-    timeline = render(world, cut, pending, ranks)
+    timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     if dead.cls == CYCLE:
         message = (f"deadlock: {wait_name} on every rank r waits for {signal_name} of rank "
                    f"{_offset(peer, w)} (channel {channel}), which can only run after a wait "

@@ -75,7 +75,9 @@ def _stream_text(world: World, positions: list[int], count: int, note: str | Non
                 items.append(f"{name} ✓")
                 continue
             started = any(p in done for p in own)
-            label = name + (" (sent, waiting)" if started else "")
+            # a started step has sent; it waits unless what runs next is past its wait
+            label = name + ((" (sent)" if nxt in own and note else " (sent, waiting)")
+                            if started else "")
             if nxt in own and (note or not started):
                 label += " " + (note or "(next)")
             items.append(label)
@@ -88,9 +90,30 @@ def _stream_text(world: World, positions: list[int], count: int, note: str | Non
     return " | ".join(chunks) or "(nothing run yet)"
 
 
-def involved_ranks(world: World, ranks: Iterable[int]) -> list[int]:
-    """The ranks to show: all of them for a small W, else the given ones (at least two)."""
+def involved_ranks(world: World, ranks: Iterable[int],
+                   cuts: Iterable[list[int]] = ()) -> list[int]:
+    """The ranks to show: all of them for a small W; else the given ones (at least
+    two) and every rank on the chains that order, or fail to order, them: a rank whose
+    progress the given events' predecessor cuts ``cuts`` disagree on (one of them
+    learnt of it through a wait, the other did not)."""
     if world.world <= MAX_RANKS:
         return list(range(world.world))
-    chosen = sorted(set(ranks))
-    return chosen + [r for r in range(world.world) if r not in chosen][: max(0, 2 - len(chosen))]
+    chosen = set(ranks)
+    cuts = list(cuts)
+    streams = world.streams
+    for q in range(world.world):
+        counts = {tuple(cut[q * streams:(q + 1) * streams]) for cut in cuts}
+        if len(counts) > 1:
+            chosen.add(q)
+    picked = sorted(chosen)
+    return picked + [r for r in range(world.world) if r not in chosen][: max(0, 2 - len(picked))]
+
+
+def left_out(world: World, shown: list[int]) -> list[str]:
+    """A line naming the ranks a timeline leaves out, if any."""
+    hidden = [r for r in range(world.world) if r not in shown]
+    if not hidden:
+        return []
+    listed = ", ".join(map(str, hidden))
+    return [f"(ranks {listed} not shown: no event of theirs orders, or fails to order, "
+            "the two shown)"]
