@@ -5,7 +5,9 @@
 Every rank runs the generated module (Triton interpreter, peers in shared memory,
 or torch.distributed over gloo), with poisoned symmetric memory and random delays;
 every output of every call is compared with a float64 simulation of the schedule.
-Exit status 0 only if every output matches.
+Exit status 0 only if every output matches; 1 when an output does not match, a rank
+fails or the schedule has errors; 2 on usage errors (a bad option, a missing file,
+torch or triton not installed).
 """
 
 from __future__ import annotations
@@ -16,12 +18,27 @@ from collections.abc import Sequence
 
 from dcpc.diagnostics import DiagnosticError
 
+MAX_RUN_WORLD = 64  # W processes on one machine
+
+
+def _world(text: str) -> int:
+    """``--world`` with the syntax and messages of every other dcpc subcommand."""
+    import click
+
+    from dcpc.cli import one_world
+
+    try:
+        return one_world(text, largest=MAX_RUN_WORLD)
+    except click.BadParameter as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dcpc run", description="Run a schedule end to end on CPU and check every output.")
     p.add_argument("schedule", help="schedule YAML file")
-    p.add_argument("--world", "-W", type=int, default=2, help="processes (ranks), default 2")
+    p.add_argument("--world", "-W", type=_world, default=2,
+                   help=f"group size: processes (ranks), one N in 2..{MAX_RUN_WORLD}, default 2")
     p.add_argument("--backend", choices=("host", "torch"), default="host",
                    help="host: Triton interpreter + shared memory; torch: gloo collectives")
     p.add_argument("--calls", type=int, default=20, help="calls per rank, default 20")
@@ -34,13 +51,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest random delay before/after a step, default 2 ms")
     p.add_argument("--no-poison", action="store_true", help="zero-fill symmetric memory")
     p.add_argument("--timeout", type=float, default=None, help="seconds before ranks are killed")
+    p.add_argument("--debug", action="store_true",
+                   help="print a failed rank's Python traceback")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(argv) if argv is not None else None)
-    if args.world < 1 or args.calls < 1:
-        print("dcpc run: --world and --calls must be at least 1", file=sys.stderr)
+    try:
+        args = _parser().parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # argparse's usage errors exit 2, --help exits 0
+        return int(exc.code or 0)
+    if args.calls < 1:
+        print("dcpc run: --calls must be at least 1", file=sys.stderr)
+        return 2
+    try:  # the [run] extra: the generated modules and the harness need torch and triton
+        import torch  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as exc:
+        print(f"dcpc run: {exc.name or 'torch'} is not installed; dcpc run needs torch and "
+              "triton: pip install 'dcpc[run]'", file=sys.stderr)
         return 2
     from dcpc.harness.run import RunConfig, format_report, run_schedule
 
@@ -54,11 +83,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DiagnosticError as exc:
         for diagnostic in exc.diagnostics:
             print(diagnostic.render(), file=sys.stderr)
-        return 1
+        return 2 if any(d.code == "io" for d in exc.diagnostics) else 1
     print(format_report(report))
     for outcome in report.launch.outcomes:
         if outcome.status == "error" and outcome.traceback:
-            print(f"--- rank {outcome.rank} traceback ---\n{outcome.traceback}", file=sys.stderr)
+            if args.debug:
+                print(f"--- rank {outcome.rank} traceback ---\n{outcome.traceback}",
+                      file=sys.stderr)
+            else:
+                print(f"dcpc run: rank {outcome.rank} failed: {outcome.error}\n"
+                      "  hint: rerun with --debug for its traceback", file=sys.stderr)
             break
     return 0 if report.ok else 1
 

@@ -25,8 +25,9 @@ def test_demo_runs_kimi_and_reports_every_output(capsys: pytest.CaptureFixture[s
 
 def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(SCHEDULES / "kimi_k3_dcp.yaml"), "--calls", "0"]) == 2
-    with pytest.raises(SystemExit):
-        main(["--backend", "nccl", str(SCHEDULES / "kimi_k3_dcp.yaml")])
+    assert main(["--backend", "nccl", str(SCHEDULES / "kimi_k3_dcp.yaml")]) == 2
+    assert main([str(SCHEDULES / "kimi_k3_dcp.yaml"), "--world", "1"]) == 2
+    assert "group sizes must lie in 2..1024" in capsys.readouterr().err
 
 
 def test_demo_reports_a_schedule_that_does_not_compile(tmp_path: Path,

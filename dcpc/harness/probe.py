@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcpc.runtime.host import SEGMENT_PREFIX, SHM_DIR, HostHeap
+from dcpc.runtime.host import SHM_DIR, HostHeap, segment_prefix
 
 
 @triton.jit
@@ -45,8 +45,8 @@ def _push_and_signal(
             pass
 
 
-def _own_segments() -> list[str]:
-    prefix = f"{SEGMENT_PREFIX}{os.getpid()}-"
+def _own_segments(pid: int | None = None) -> list[str]:
+    prefix = segment_prefix(pid)
     return [f for f in os.listdir(SHM_DIR) if f.startswith(prefix)]
 
 
@@ -102,6 +102,28 @@ def crash_after_allocate(rank: int, world: int) -> None:
     heap = HostHeap(None, "cpu")
     heap.allocate([1024, 4096])
     os._exit(3)
+
+
+def killed_during_allocate(rank: int, world: int) -> list[str]:
+    """Rank 0 starts an allocation and is SIGKILLed by rank 1 while it waits for its
+    peers (its segment created, not yet unlinked): rank 1 returns what rank 0 left."""
+    import signal
+
+    import torch.distributed as dist
+
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:
+        HostHeap(None, "cpu").allocate([4096])  # never returns: rank 1 kills this rank
+        return []
+    prefix = segment_prefix(pids[0])  # while rank 0 lives: its start time is readable
+    deadline = time.monotonic() + 60
+    while not (left := [f for f in os.listdir(SHM_DIR) if f.startswith(prefix)]):
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 created no segment within 60 s")
+        time.sleep(0.01)
+    os.kill(pids[0], signal.SIGKILL)
+    return left
 
 
 def sleep_on_rank(rank: int, world: int, *, sleeper: int = 1, seconds: float = 3600.0) -> int:

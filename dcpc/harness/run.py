@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dcpc.diagnostics import Diagnostic, DiagnosticError
 from dcpc.harness.launch import LaunchResult, launch
 from dcpc.harness.worker import OutputStats, RankReport
 
@@ -105,10 +106,22 @@ def compile_to(schedule_path: str, out_dir: Path, world: int, *, lse_base: str |
         text = text.replace(old, new)
     module = out_dir / f"{c.schedule.schedule}.py"
     module.write_text(text)
+    try:  # the ranks import it: a module that does not compile is reported here, once
+        compile(text, str(module), "exec")
+    except SyntaxError as exc:
+        raise DiagnosticError([Diagnostic(
+            c.schedule.mark("schedule"), "internal",
+            f"the module generated for '{c.schedule.schedule}' is not valid Python "
+            f"(line {exc.lineno}: {exc.msg}); this is a dcpc bug",
+            hint="report it with the schedule; rename the schedule meanwhile")]) from None
     return str(used), str(module), c.schedule.schedule, sum(c.seconds.values())
 
 
 def run_schedule(config: RunConfig) -> RunReport:
+    if config.backend == "host":
+        from dcpc.runtime.host import remove_orphan_segments
+
+        remove_orphan_segments()  # segments of ranks killed in earlier runs
     with tempfile.TemporaryDirectory(prefix="dcpc-run-") as tmp:
         used, module, name, compile_s = compile_to(
             config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb,
@@ -131,12 +144,17 @@ def run_schedule(config: RunConfig) -> RunReport:
     return report
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
 def format_report(report: RunReport) -> str:
     c = report.config
     lines = [
         f"schedule   {report.schedule_name} ({c.schedule})"
         + (f", LSE base {c.lse_base}" if c.lse_base else ""),
-        f"world      {c.world} processes, backend {c.backend}, {c.calls} calls, "
+        f"world      W={c.world} ({c.world} processes), backend {c.backend}, "
+        f"{_count(c.calls, 'call')}, "
         f"slot order {c.order}, seed {c.seed}",
         f"adversary  poisoned memory: {'yes' if c.poison else 'no'}, delays up to "
         f"{1000 * c.jitter_s:.1f} ms (p={c.jitter_p})",

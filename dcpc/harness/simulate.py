@@ -110,18 +110,29 @@ def simulate_call(
     sizes: Mapping[str, int],
     inputs: list[Buffers],
     external: External,
+    trace: list[list[Buffers]] | None = None,
 ) -> list[Buffers]:
-    """Run every step of one call on all ranks; return every rank's buffers."""
+    """Run every step of one call on all ranks; return every rank's buffers at the end.
+
+    With ``trace`` (a list), one entry per step is appended: every rank's values of
+    what the step wrote, as they stand right after it. A buffer written twice in a
+    call has two entries, so each read can be compared with what it sees at its point.
+    """
     env = {**sizes, "W": world}
     bufs = [dict(rank_inputs) for rank_inputs in inputs]
+    written: list[Buffers] = [{} for _ in range(world)]
 
     def store(rank: int, name: str, value: torch.Tensor) -> None:
         want = buffer_shape(schedule, name, env)
         if tuple(value.shape) != want:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
         bufs[rank][name] = as_stored(schedule, name, value)
+        written[rank][name] = bufs[rank][name]
 
     for step in schedule.step_list():
+        if trace is not None and step.index:
+            trace.append(written)
+            written = [{} for _ in range(world)]
         op = step.op
         if isinstance(op, m.External):
             for r in range(world):
@@ -172,7 +183,18 @@ def simulate_call(
             pass
         else:
             raise NotImplementedError(f"simulator: op {step.kind} of step {step.name}")
+    if trace is not None:
+        trace.append(written)
     return bufs
+
+
+def seen_at(trace: list[list[Buffers]], step: int, rank: int, name: str) -> torch.Tensor | None:
+    """What ``name`` holds on ``rank`` just before step ``step`` (its last write in the
+    call so far), or None when no earlier step of the call wrote it."""
+    for entry in reversed(trace[:step]):
+        if name in entry[rank]:
+            return entry[rank][name]
+    return None
 
 
 def _all_gather(

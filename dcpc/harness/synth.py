@@ -69,6 +69,12 @@ def mask_of(schedule: m.Schedule) -> m.MaskEmpty | None:
     return None
 
 
+def runtime_sizes(schedule: m.Schedule) -> list[str]:
+    """The sizes bound per call (``max`` only), which a method may take as ``sizes=``."""
+    return [name for name, spec in schedule.sizes.items()
+            if isinstance(spec, m.SizeSpec) and spec.max is not None and spec.multiple_of is None]
+
+
 def constructor_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
     """``sizes=`` for the generated constructor: small maxima, smallest-but-one multiples."""
     out: dict[str, int] = {}
@@ -164,12 +170,15 @@ def make_external(
         writes: Buffers = {}
         for name in op.writes:
             shape = buffer_shape(schedule, name, env)
-            if x is not None and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
+            three = x is not None and x.dim() == 3  # [T, H, D]-like: attention's input
+            if three and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
                 cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]
                 value = torch.tanh(x[:, :, cols] * (0.5 + 0.1 * rank) + 0.05 * rank)
-            elif x is not None and len(shape) == 2 and tuple(x.shape[:2]) == shape:
+            elif three and len(shape) == 2 and tuple(x.shape[:2]) == shape:
                 value = 2.0 * torch.tanh(x[:, :, :8].sum(-1)) + 0.7 * rank
                 value = value - 0.3 * (torch.arange(shape[0]) % 3).unsqueeze(1)
+            elif x is not None and tuple(x.shape) == shape:  # same shape: depends on x too
+                value = torch.tanh(x * (0.5 + 0.1 * rank) + 0.05 * rank)
             else:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             if mask is not None and len(shape) >= 2 and shape[0] == sizes.get("T"):

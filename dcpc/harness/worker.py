@@ -4,8 +4,11 @@ Runs in a child started by ``dcpc.harness.launch`` (gloo group initialised). The
 rank imports the generated module from a file, constructs it (poisoned symmetric
 memory, small maxima), then executes the run's events: a module method per
 communication step, the harness's synthetic function per external step, with
-seeded delays around each. Every value a method returns is compared at once with
-this rank's buffers in the float64 simulation of the same call.
+seeded delays around each. Every value a method returns, and every module-owned
+buffer an external step reads, is compared at once with what the float64 simulation
+of the same call holds at that point (a buffer written twice in a call is compared
+with each write). A synthetic external step writes what the schedule says it writes,
+module-owned (symmetric) buffers included, into the module's own memory.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dcpc.harness import adversary, synth
-from dcpc.harness.simulate import TORCH_DTYPES, Buffers, simulate_call
+from dcpc.harness.simulate import TORCH_DTYPES, Buffers, seen_at, simulate_call
 from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file
 
@@ -124,6 +127,12 @@ def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor) -> torch.Te
     return value.to(TORCH_DTYPES[schedule.buffers[name].dtype.value]).contiguous()
 
 
+def _module_owned(module: Any, name: str) -> bool:
+    """The module allocates ``name`` (symmetric, or a persistent output it returns)."""
+    table = getattr(module, "BUFFERS", {})
+    return name in table and getattr(table[name], "kind", "engine") != "engine"
+
+
 def run_rank(
     rank: int,
     world: int,
@@ -164,36 +173,52 @@ def run_rank(
         if not isinstance(step.op, m.External):
             for name in returned_names(step.op):
                 report.outputs.setdefault(name, OutputStats())
+    returned = set(report.outputs)
 
-    live: dict[int, tuple[Buffers, dict[str, torch.Tensor], Any, Any]] = {}  # call -> state
+    live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
     for event in adversary.plan_events(schedule, calls, order, seed):
         if event.call not in live:
             sizes = synth.call_sizes(schedule, world, ctor, seed, event.call)
             inputs = synth.call_inputs(schedule, world, sizes, seed, event.call)
             external = synth.make_external(schedule, world, sizes, seed, event.call)
-            reference = simulate_call(schedule, world, sizes, inputs, external)[rank]
+            trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
+            simulate_call(schedule, world, sizes, inputs, external, trace=trace)
             env = {k: _to_engine(schedule, k, v) for k, v in inputs[rank].items()}
-            live[event.call] = (reference, env, external, sizes)
-        reference, env, external, sizes = live[event.call]
+            live[event.call] = (trace, env, external, sizes)
+        trace, env, external, sizes = live[event.call]
         step = steps[event.step]
         if strike is not None:
             strike.strike(rank, event.call, step.name)
         jitter.delay()
         if isinstance(step.op, m.External):
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
-                if name not in env:
-                    got = module.buffer(name, event.slot, sizes)
+                if name in env and not schedule.buffers[name].is_symmetric:
+                    continue  # the engine's own tensor
+                got = module.buffer(name, event.slot, sizes)
+                want = seen_at(trace, step.index, rank, name)
+                if want is not None:  # what the call wrote before this step
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
-                    compare(name, "move", schedule.buffers[name].dtype.value, got,
-                            reference[name], report.outputs.setdefault(name, OutputStats()), where)
-                    env[name] = got
+                    # a method's output read again by the engine: counted on its own
+                    key = f"{name}@{step.name}" if name in returned else name
+                    compare(name, "move", schedule.buffers[name].dtype.value, got, want,
+                            report.outputs.setdefault(key, OutputStats()), where)
+                env[name] = got
             seen = {k: v.to(torch.float64) for k, v in env.items()}
             for name, value in external(step, rank, seen).items():
-                env[name] = _to_engine(schedule, name, value)
+                value = _to_engine(schedule, name, value)
+                if _module_owned(module, name):  # into the module's memory, as an engine would
+                    target = module.buffer(name, event.slot, sizes)
+                    target.copy_(value)
+                    value = target
+                env[name] = value
         else:
             args = [env[name] for name in method_arguments(cls, step.name)]
+            method = getattr(module, step.name)
+            bind = {}  # the call's run-time sizes, for methods no argument binds them from
+            if "sizes" in inspect.signature(method).parameters:
+                bind = {"sizes": {k: sizes[k] for k in synth.runtime_sizes(schedule)}}
             t0 = time.perf_counter()
-            result = getattr(module, step.name)(*args, slot=event.slot)
+            result = method(*args, slot=event.slot, **bind)
             report.module_s += time.perf_counter() - t0
             values = [] if result is None else list(result) if isinstance(
                 result, (tuple, list)) else [result]
@@ -203,8 +228,9 @@ def run_rank(
             kind = "move" if isinstance(step.op, MOVES) else "math"
             for name, value in zip(names, values, strict=True):
                 env[name] = value
-                compare(name, kind, schedule.buffers[name].dtype.value, value, reference[name],
-                        report.outputs[name], f"call {event.call} slot {event.slot} rank {rank}")
+                compare(name, kind, schedule.buffers[name].dtype.value, value,
+                        trace[step.index][rank][name], report.outputs[name],
+                        f"call {event.call} slot {event.slot} rank {rank} ({step.name})")
         jitter.delay()
         if event.step == len(steps) - 1:
             del live[event.call]

@@ -4,8 +4,14 @@ One /dev/shm segment per rank holds every buffer of an ``allocate`` call (256-by
 aligned offsets). Segment names go round the group (gloo ``all_gather_object``),
 every rank maps every peer's segment, a barrier, and then every rank unlinks its
 own segment at once: the mappings stay valid, and nothing is left in /dev/shm even
-if a process crashes later. Peer addresses are this process's addresses, so Triton
-kernels under ``TRITON_INTERPRET=1`` store into peers through ``peer_ptrs``.
+if a process crashes later. A rank killed before that (during construction) leaves its
+segment behind; segment names carry the creator's PID namespace, PID and start time,
+so that ``remove_orphan_segments`` (run by every HostHeap construction and by
+``dcpc run``) can remove exactly the segments whose creator is gone.
+
+Peer addresses are this process's addresses, so Triton kernels under
+``TRITON_INTERPRET=1`` store into peers through ``peer_ptrs``; without it the kernels
+would need a GPU driver, so construction refuses and says how to set it.
 
 Imports torch, the standard library and dcpc.runtime.heap only (never the compiler).
 """
@@ -13,6 +19,7 @@ Imports torch, the standard library and dcpc.runtime.heap only (never the compil
 from __future__ import annotations
 
 import os
+import re
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -25,6 +32,71 @@ from dcpc.runtime.heap import Segment, SymmetricBuffer, aligned_offsets
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "dcpc-"
+# dcpc-<pid namespace>-<pid>-<start time of the pid>-<random>
+_SEGMENT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-(\d+)-(\d+)-[0-9a-f]{{12}}$")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot); None if it is gone.
+
+    Where /proc is missing the time is 0 and only the PID's existence is checked.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return 0
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    """The name prefix of every segment process ``pid`` (default: this one) creates."""
+    pid = os.getpid() if pid is None else pid
+    return f"{SEGMENT_PREFIX}{_pid_namespace()}-{pid}-{_start_time(pid) or 0}-"
+
+
+def remove_orphan_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the segments whose creating process no longer exists; return their names.
+
+    Only names of this format, from this PID namespace, are considered: a PID that is
+    gone, or now belongs to a process that started later, marks an orphan. Segments of
+    live processes (another run in progress) are never touched.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    namespace = _pid_namespace()
+    for name in names:
+        found = _SEGMENT_NAME.match(name)
+        if found is None or int(found[1]) != namespace:
+            continue
+        pid, started = int(found[2]), int(found[3])
+        now = _start_time(pid)
+        if now is None or (started and now and now != started):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except OSError:
+                pass  # removed by someone else meanwhile, or not ours to remove
+    return removed
 
 
 def _unlink_quietly(path: str) -> None:
@@ -65,11 +137,17 @@ class HostHeap:
         self.device = torch.device(device)
         if self.device.type != "cpu":
             raise ValueError(f"HostHeap lives in host memory; device {self.device} is not cpu")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "backend 'host' runs the Triton kernels under Triton's CPU interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before the generated module (or "
+                "triton) is imported, e.g. TRITON_INTERPRET=1 python your_engine.py")
         self.poison = poison
         self.closed = False
         self._maps = _Mappings()
         # runs on close(), on garbage collection, and at interpreter exit
         self._finalizer = weakref.finalize(self, self._maps.release)
+        remove_orphan_segments()  # what ranks killed during an earlier construction left
 
     def allocate(
         self, nbytes: Sequence[int], *, poison: bool | None = None
@@ -118,7 +196,7 @@ class HostHeap:
         ]
 
     def _create_segment(self, total: int, poison: bool) -> str:
-        path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = os.path.join(SHM_DIR, f"{segment_prefix()}{uuid.uuid4().hex[:12]}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._maps.own_paths.append(path)  # unlinked by the finalizer if we die early
         try:
