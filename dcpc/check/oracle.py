@@ -44,6 +44,7 @@ once), ``random`` picks any runnable stream, ``delay`` starves one rank. ``exhau
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -166,6 +167,13 @@ class OracleReport:
     states: int = 0  # exhaustive: distinct states explored
     hung: bool = False
     blocked: list[tuple] = field(default_factory=list)  # (rank, call, step) of every spinning wait
+    passed: set[tuple[int, str]] = field(default_factory=set)  # (call, step): a spin passed
+
+    first_calls: int = 1  # calls 0 .. first_calls-1 are the first call of a stream
+
+    def passed_first_call(self, step: str) -> bool:
+        """Whether some rank got past one of ``step``'s spins in a stream's first call."""
+        return any(s == step and c < self.first_calls for c, s in self.passed)
 
     def keys(self) -> set[tuple[str, str, str, str, str]]:
         return {f.key for f in self.findings}
@@ -189,6 +197,8 @@ class _Compiled:
         self.prog, self.world, self.calls = prog, world, calls
         slots, n = prog.slots, len(prog.steps)
         self.nchan = n * slots
+        self.ncells = world * self.nchan * world + 1
+        self.nowhere = self.ncells - 1  # the slot a wait that polls no step spins on
         self.instances: dict[tuple, int] = {}
         self.inst_buffer: list[str] = []
         per_slot = prog.per_slot
@@ -213,7 +223,8 @@ class _Compiled:
                         for phase, effects in ((0, st.before), (1, st.after)):
                             if phase == 1 and st.wait is not None:
                                 for p in peers(st.wait, rank, world):
-                                    cell = self.cell(rank, st.polls * slots + slot, p)
+                                    cell = self.nowhere if st.polls is None else \
+                                        self.cell(rank, st.polls * slots + slot, p)
                                     acts.append((2, cell, epoch, (rank, call, st.index, p)))
                                     acall.append(call)
                             accs = self.accesses(effects, rank, slot, (rank, call, st.index,
@@ -229,7 +240,6 @@ class _Compiled:
                                 acall.append(call)
                 self.actions.append(acts)
                 self.action_call.append(acall)
-        self.ncells = world * self.nchan * world
 
     def cell(self, owner: int, channel: int, peer: int) -> int:
         """sig[channel, peer] in ``owner``'s signal pad."""
@@ -267,7 +277,8 @@ class _Run:
         self.cclk: list[tuple | None] = [None] * c.ncells
         # per instance: {(stream, which access) -> (stamp, write, part, writer, info)}
         self.seen: list[dict] = [dict() for _ in c.inst_buffer]
-        self.races: set[tuple] = set()  # (info_a, info_b) with their access kinds
+        self.races: set[tuple] = set()  # (instance, info_a, write_a, info_b, write_b)
+        self.passed: set[tuple[int, int]] = set()  # (call, step index) of passed spins
 
     def clone(self) -> _Run:
         other = object.__new__(_Run)
@@ -278,6 +289,7 @@ class _Run:
         other.cclk = list(self.cclk)
         other.seen = [dict(d) for d in self.seen]
         other.races = set()
+        other.passed = set(self.passed)
         return other
 
     def state(self) -> tuple:
@@ -292,39 +304,33 @@ class _Run:
         return a[0] != 2 or ((self.val[a[1]] - a[2]) & _MASK) < _HALF
 
     def step(self, t: int) -> None:
-        """Run stream ``t``'s next local effects (up to its next sync action), or that
-        sync action: a signal's stores, or one peer's spin if it can pass."""
+        """Run stream ``t``'s next sync action if it can (a signal's stores, or one
+        peer's spin), then the local effects up to its next sync action."""
         acts = self.c.actions[t]
         n = len(acts)
         p = self.pos[t]
         clock = self.clock[t]
-        if acts[p][0] == 0:  # a run of local effects, up to the next sync action
-            while p < n and acts[p][0] == 0:
-                self._access(t, clock, acts[p][1])
-                p += 1
-            self.pos[t] = p
-            return
-        while p < n:  # one sync action
+        if p < n and acts[p][0] != 0:
             a = acts[p]
-            kind = a[0]
-            if kind == 1:
+            if a[0] == 1:
                 snap = tuple(clock)
                 for cell in a[1]:
                     self.val[cell] = a[2]
                     self.cclk[cell] = snap
                 clock[t] += 1
-                p += 1
-                break
-            got = self.val[a[1]]
-            if ((got - a[2]) & _MASK) >= _HALF:
-                break  # spinning
-            src = self.cclk[a[1]]
-            if src is not None:
-                for i, v in enumerate(src):
-                    if v > clock[i]:
-                        clock[i] = v
+            else:
+                if ((self.val[a[1]] - a[2]) & _MASK) >= _HALF:
+                    return  # spinning
+                self.passed.add(a[3][1:3])
+                src = self.cclk[a[1]]
+                if src is not None:
+                    for i, v in enumerate(src):
+                        if v > clock[i]:
+                            clock[i] = v
             p += 1
-            break
+        while p < n and acts[p][0] == 0:
+            self._access(t, clock, acts[p][1])
+            p += 1
         self.pos[t] = p
 
     def _access(self, t: int, clock: list[int], accs: tuple) -> None:
@@ -346,28 +352,57 @@ class _Run:
 
 
 def _run(c: _Compiled, policy: str, rng: random.Random) -> _Run:
+    """One maximal run under ``policy`` (a priority over the streams that can move)."""
     run = _Run(c)
     n = len(c.streams)
-    order = list(range(n))
-    rng.shuffle(order)
+    acts, calls, pos, val = c.actions, c.action_call, run.pos, run.val
     rank_of = [r for r, _ in c.streams]
     victim = rng.randrange(c.world)
-    while True:
-        ready = [t for t in order if run.runnable(t)]
-        if not ready:
-            return run
+    tiebreak = list(range(n))
+    rng.shuffle(tiebreak)
+    rand = rng.random
+
+    def key(t: int) -> tuple:
+        p = pos[t]
+        signal = acts[t][p][0] == 1
         if policy == "lockstep":  # lowest call first; a signal after anything else
-            t = min(ready, key=lambda s: (c.action_call[s][run.pos[s]],
-                                          c.actions[s][run.pos[s]][0] == 1))
-        elif policy == "hold":
-            quiet = [s for s in ready if c.actions[s][run.pos[s]][0] != 1]
-            t = quiet[0] if quiet else min(ready, key=lambda s: c.action_call[s][run.pos[s]])
-        elif policy == "delay":
-            fast = [s for s in ready if rank_of[s] != victim]
-            t = rng.choice(fast) if fast else ready[0]
+            return (calls[t][p], signal, tiebreak[t])
+        if policy == "hold":  # a signal only when nothing else can move
+            return (signal, calls[t][p] if signal else 0, tiebreak[t])
+        if policy == "delay":  # one rank only when nothing else can move
+            return (rank_of[t] == victim, rand())
+        return (rand(),)
+
+    heap: list[tuple] = []
+    waiting: dict[int, list[int]] = {}  # cell -> streams spinning on it
+
+    def arrive(t: int) -> None:
+        """Stream ``t`` is at a sync action: schedule it, or park it on its cell."""
+        p = pos[t]
+        if p >= len(acts[t]):
+            return
+        a = acts[t][p]
+        if a[0] == 2 and ((val[a[1]] - a[2]) & _MASK) >= _HALF:
+            waiting.setdefault(a[1], []).append(t)
         else:
-            t = rng.choice(ready)
+            heapq.heappush(heap, (key(t), t))
+
+    for t in range(n):
+        if acts[t] and acts[t][0][0] == 0:
+            run.step(t)  # the local effects before the first sync action
+        arrive(t)
+    while heap:
+        _, t = heapq.heappop(heap)
+        a = acts[t][pos[t]]
         run.step(t)
+        arrive(t)
+        if a[0] == 1:
+            for cell in a[1]:
+                parked = waiting.pop(cell, None)
+                if parked:
+                    for u in parked:
+                        arrive(u)
+    return run
 
 
 def _exhaustive(c: _Compiled, limit: int) -> tuple[set[tuple], list[_Run], int]:
@@ -431,7 +466,7 @@ def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
     behind: dict[int, int | None] = {}  # stream -> stream it waits on (None: never)
     for t, (_, _, _, (rank, call, index, peer)) in blocked.items():
         polled = steps[index].polls
-        pos = c.signal_pos.get((peer, call, polled))
+        pos = None if polled is None else c.signal_pos.get((peer, call, polled))
         if pos is None or rank not in peers(steps[polled].signal, peer, c.world):
             behind[t] = None
             continue
@@ -451,7 +486,7 @@ def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
         wait = (rank, call, st.name, "wait")
         if behind[t] is None:
             out.append(Finding("deadlock", "no-signal", st.channel, wait, None, c.world, name))
-        elif t in on_cycle:
+        elif t in on_cycle and st.polls is not None:
             signal = (peer, call, steps[st.polls].name, "signal")
             out.append(Finding("deadlock", "cycle", st.channel, wait, signal, c.world, name))
     return out
@@ -471,7 +506,7 @@ def explore(plan: Any, world: int, *, calls: int | None = None,
     prog = plan if isinstance(plan, OProgram) else program(plan, channels)
     calls = 3 * prog.slots if calls is None else calls
     c = _Compiled(prog, world, calls)
-    report = OracleReport(world)
+    report = OracleReport(world, first_calls=prog.slots if prog.per_slot else 1)
     found: dict[tuple, Finding] = {}
 
     def add(items: Iterable[Finding]) -> None:
@@ -479,6 +514,7 @@ def explore(plan: Any, world: int, *, calls: int | None = None,
             found.setdefault(f.key, f)
 
     def finish(run: _Run, name: str) -> None:
+        report.passed |= {(call, prog.steps[i].name) for call, i in run.passed}
         add(_race_findings(c, run.races, name))
         if not run.done():
             report.hung = True

@@ -1,0 +1,181 @@
+"""Random structurally valid schedules for the execution-oracle agreement test.
+
+    schedule_text(seed) -> str       (YAML; the same seed gives the same schedule)
+    valid_schedule(seed) -> (text, Schedule)   (the first valid draw from seed on)
+
+What the draws cover (issue 12's classes among them): all_gather (block, interleaved,
+into symmetric buffers that a fused exchange later reads as its src), all_to_all,
+reduce_scatter (explicit and implicit via), the fused all_to_all_combine (own part read
+from src after the wait, or copied into via when another step reads via), lse_combine,
+copy, externals reading and writing symmetric buffers, barriers, and split-phase sync:
+a signal/wait pair in any direction (``to: all`` with ``from: prev|next`` too), waits
+before their signal, waits later than their signal, several signals on one channel, a
+two-hop ring release, and a wait from next and a wait from prev on one channel. 1 to 3
+slots, both stream modes, any symmetric buffer possibly ``shared``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+HEADER = """\
+schedule: gen_{seed}
+slots: {slots}
+streams: {streams}
+sizes:
+  N: 4
+  K: {{multiple_of: W}}
+buffers:
+  x:    {{shape: [N, K], dtype: f32}}
+  xs:   {{shape: [N, K/W, 2], dtype: f32}}
+  xl:   {{shape: [N, K/W], dtype: f32, lse_base: e}}
+  y:    {{shape: [N, K], dtype: f32}}
+  y_rs: {{shape: [N, K/W], dtype: f32}}
+  z:    {{shape: [W*N, K], dtype: f32}}
+  o:    {{shape: [N, K, 2], dtype: f32}}
+  ol:   {{shape: [N, K], dtype: f32, lse_base: e}}
+  out:  {{shape: [N, K/W, 2], dtype: f32}}
+  out2: {{shape: [N, K/W, 2], dtype: f32}}
+  g0:   {{shape: [W*N, K], dtype: f32, symmetric: true{g0}}}
+  g1:   {{shape: [W*N, K], dtype: f32, symmetric: true{g1}}}
+  a0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{a0}}}
+  s0:   {{shape: [N, K], dtype: f32, symmetric: true{s0}}}
+  r0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{r0}}}
+  os:   {{shape: [N, K, 2], dtype: f32, symmetric: true{os}}}
+  osl:  {{shape: [N, K], dtype: f32, symmetric: true, lse_base: e{osl}}}
+  vo:   {{shape: [W, N, K/W, 2], dtype: f32, symmetric: true{vo}}}
+  vl:   {{shape: [W, N, K/W], dtype: f32, symmetric: true, lse_base: e{vl}}}
+steps:
+"""
+SYMMETRIC = ("g0", "g1", "a0", "s0", "r0", "os", "osl", "vo", "vl")
+# wait ``from`` -> the signal ``to`` values that reach it (docs/language.md)
+REACHED_BY = {"all": ("all",), "prev": ("next", "all"), "next": ("prev", "all")}
+KINDS = ("gather", "gather", "gather_os", "a2a", "rs", "fused", "fused", "combine", "copy",
+         "ext", "ext", "ext", "barrier", "sync", "sync", "sync", "multi", "ring2", "both", "mixed")
+
+
+def schedule_text(seed: int) -> str:
+    """One random schedule (YAML text); most draws are structurally valid."""
+    rng = random.Random(seed)
+    slots = rng.choice((1, 1, 2, 2, 3))
+    streams = rng.choice(("per_slot", "single"))
+    flags = {b: ", shared: true" if rng.random() < 0.2 else "" for b in SYMMETRIC}
+    steps: list[str] = []
+    written: set[str] = set()
+    later: list[str] = []  # waits placed after some more steps
+    channel = iter(f"c{i}" for i in range(100))
+
+    def sig(to: str, ch: str) -> str:
+        return f"{{op: signal, to: {to}, channel: {ch}}}"
+
+    def wait(frm: str, ch: str) -> str:
+        return f"{{op: wait, from: {frm}, channel: {ch}}}"
+
+    for _ in range(rng.randint(1, 7)):
+        kind = rng.choice(KINDS)
+        if kind == "gather":
+            dst = rng.choice(("g0", "g1"))
+            extra = rng.choice(("", "", ", interleave: 1", ", interleave: 2"))
+            steps.append(f"{{op: all_gather, src: x, dst: {dst}, dim: 0{extra}}}")
+            written.add(dst)
+        elif kind == "gather_os":
+            src, dst = rng.choice((("xs", "os"), ("xl", "osl")))
+            steps.append(f"{{op: all_gather, src: {src}, dst: {dst}, dim: 1}}")
+            written.add(dst)
+        elif kind == "a2a":
+            if rng.random() < 0.5:
+                steps.append("{op: all_to_all, src: x, dst: a0, dim: 1}")
+                written.add("a0")
+            else:
+                steps.append("{op: all_to_all, src: [o, ol], dst: [vo, vl], dim: 1}")
+                written |= {"vo", "vl"}
+        elif kind == "rs":
+            via = ", via: r0" if rng.random() < 0.5 else ""
+            steps.append(f"{{op: reduce_scatter, src: x, dst: y_rs, dim: 1{via}}}")
+            written.add("r0" if via else "")
+        elif kind == "fused":
+            if "os" not in written and rng.random() < 0.4:  # a src that peers write
+                steps.append("{op: all_gather, src: xs, dst: os, dim: 1}")
+                written.add("os")
+            o = "os" if "os" in written and rng.random() < 0.7 else "o"
+            lse = "osl" if "osl" in written and rng.random() < 0.7 else "ol"
+            steps.append(f"{{op: all_to_all_combine, src: [{o}, {lse}], via: [vo, vl], "
+                         "dst: out, dim: 1}")
+            written |= {"vo", "vl"}
+        elif kind == "combine" and {"vo", "vl"} <= written:
+            steps.append("{op: lse_combine, src: [vo, vl], dst: out2}")
+        elif kind == "copy" and "g0" in written:
+            steps.append("{op: copy, src: g0, dst: z}")
+        elif kind == "barrier":
+            steps.append("{op: barrier}")
+        elif kind == "sync":
+            ch = next(channel)
+            frm = rng.choice(("all", "prev", "next"))
+            to = rng.choice(REACHED_BY[frm])
+            order = rng.choice(("split", "split", "later", "later", "wait-first"))
+            if order == "wait-first":
+                steps += [wait(frm, ch), sig(to, ch)]
+            elif order == "later":
+                steps.append(sig(to, ch))
+                later.append(wait(frm, ch))
+            else:
+                steps += [sig(to, ch), wait(frm, ch)]
+        elif kind == "multi":  # several signals on one channel, each polled by its wait
+            ch = next(channel)
+            frm = rng.choice(("all", "all", "prev", "next"))
+            to = [rng.choice(REACHED_BY[frm]) for _ in range(2)]
+            steps += [sig(to[0], ch), wait(frm, ch)]
+            (later if rng.random() < 0.5 else steps).extend([sig(to[1], ch), wait(frm, ch)])
+        elif kind == "ring2":  # a two-hop ring release on one channel
+            ch = next(channel)
+            to, frm = rng.choice((("next", "prev"), ("prev", "next")))
+            steps += [sig(to, ch), wait(frm, ch), sig(to, ch), wait(frm, ch)]
+        elif kind == "both":  # a wait from next and a wait from prev on one channel
+            ch = next(channel)
+            order = [sig("next", ch), sig("prev", ch)]
+            rng.shuffle(order)
+            waits = [wait("prev", ch), wait("next", ch)]
+            rng.shuffle(waits)
+            steps += order + waits
+        elif kind == "mixed":  # signals and waits of any direction on one channel
+            ch = next(channel)
+            mixed = [sig(rng.choice(("all", "next", "prev")), ch) for _ in range(rng.randint(1, 3))]
+            mixed += [wait(rng.choice(("all", "next", "prev")), ch)
+                      for _ in range(rng.randint(1, len(mixed)))]
+            rng.shuffle(mixed)
+            steps += mixed
+        else:
+            reads = sorted(set(rng.sample(sorted(written - {""}),
+                                          k=min(len(written - {""}), rng.randint(0, 2)))))
+            target = rng.choice(["y", "s0", "s0", "g0", "os"])
+            if target in ("g0", "os") and target not in written:
+                target = "s0"
+            steps.append(f"{{op: external, reads: [{', '.join(reads + ['x'])}], "
+                         f"writes: [{target}]}}")
+            if target != "y":
+                written.add(target)
+        if later and rng.random() < 0.5:
+            steps.append(later.pop(0))
+    steps += later
+    if not steps:
+        steps.append("{op: barrier}")
+    body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
+    header = HEADER.format(seed=seed, slots=slots, streams=streams, **flags).splitlines()
+    start = header.index("buffers:") + 1
+    used = [line for line in header[start:-1]
+            if line.startswith("  x:") or re.search(rf"\b{line.split(':')[0].strip()}\b", body)]
+    return "\n".join(header[:start] + used + header[-1:]) + "\n" + body
+
+
+def valid_schedule(seed: int, worlds: range = range(2, 6)) -> tuple[str, object]:
+    """The first structurally valid draw from ``seed`` on (seeds seed, seed + 10**6, ...)."""
+    from dcpc.check import structural
+    from dcpc.lang.parse import parse_text
+
+    for attempt in range(50):
+        text = schedule_text(seed + attempt * 10**6)
+        schedule = parse_text(text)
+        if not [d for d in structural.check(schedule, worlds) if d.severity == "error"]:
+            return text, schedule
+    raise AssertionError(f"no valid schedule from seed {seed}")
