@@ -31,7 +31,7 @@ def timeout_worker(rank: int, world: int, path: str) -> dict[str, Any]:
 
     cls = _module(path)
     m = cls(
-        dist.group.WORLD, sizes={"N": 4}, backend="host", programs=1, spin_limit=300, epoch_start=41
+        dist.group.WORLD, sizes={"N": 4}, backend="host", programs=1, timeout_s=3, epoch_start=41
     )
     if rank == 1:
         return {"rank": 1}

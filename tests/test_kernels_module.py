@@ -87,28 +87,33 @@ def test_constructor_validates_sizes(classes):
     cls = classes["kimi_k3_dcp"]
     with pytest.raises(ValueError, match="size H is bound at construction"):
         cls(None, sizes={"T": 4})
-    with pytest.raises(ValueError, match="size T may lower its max 512, got 600"):
+    with pytest.raises(ValueError, match=r"size T can only be lowered from its maximum 512 "
+                       r"\(1..512\), got 600"):
         cls(None, sizes={"H": 2, "T": 600})
     with pytest.raises(ValueError, match="size D is the constant 576"):
         cls(None, sizes={"H": 2, "D": 512})
     with pytest.raises(ValueError, match="unknown size 'X'"):
         cls(None, sizes={"H": 2, "X": 1})
-    with pytest.raises(ValueError, match="spin_limit"):
-        cls(None, sizes={"H": 2}, spin_limit=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        cls(None, sizes={"H": 2}, timeout_s=0)
 
 
 def test_methods_validate_their_arguments(classes):
-    m = classes["kimi_k3_dcp"](None, sizes={"H": 2, "T": 4, "B": 2}, programs=1)
+    def fresh(**kw):  # an argument error fails the instance (the guard): one per case
+        return classes["kimi_k3_dcp"](None, sizes={"H": 2, "T": 4, "B": 2}, programs=1, **kw)
+
     with pytest.raises(DcpcArgumentError, match=r"query_gather\(\): argument 'q_local' .* T "):
-        m.query_gather(rand(5, 2, 576))
+        fresh().query_gather(rand(5, 2, 576))
     with pytest.raises(DcpcArgumentError, match=r"argument 'q_local' has dtype torch.float32"):
-        m.query_gather(torch.zeros(3, 2, 576))
-    with pytest.raises(DcpcArgumentError, match=r"slot must be in 0..1, got 2"):
-        m.query_gather(rand(3, 2, 576), slot=2)
+        fresh().query_gather(torch.zeros(3, 2, 576))
+    with pytest.raises(DcpcArgumentError, match=r"slot must be an int in 0..1, got 2"):
+        fresh().query_gather(rand(3, 2, 576), slot=2)
     with pytest.raises(DcpcArgumentError, match=r"merge\(\): .*size T is not bound yet"):
-        m.merge(torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), slot=1)
+        fresh(guard=False).merge(
+            torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), slot=1
+        )
     with pytest.raises(DcpcArgumentError, match=r"sizes= binds run-time sizes"):
-        m.merge(
+        fresh().merge(
             torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), sizes={"H": 3}
         )
 
@@ -133,7 +138,7 @@ def test_split_phase_sync_at_one_rank(tmp_path):
     for backend in ("host", "torch"):
         m = cls(None, sizes={}, backend=backend)
         for call in range(3):
-            for step in ("publish", "consume", "everyone"):
+            for step in ("publish", "consume", "publish_all", "everyone"):
                 getattr(m, step)(slot=call % 2)
         if backend == "host":
             assert int(m._bank.epochs[1 * 2 + 0, 0]) == 2  # publish, slot 0: calls 0 and 2

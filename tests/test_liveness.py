@@ -15,7 +15,7 @@ from dcpc.harness.run import RunConfig, format_report, run_schedule
 
 SCHEDULES = Path(__file__).resolve().parent.parent / "schedules"
 KIMI = str(SCHEDULES / "kimi_k3_dcp.yaml")
-SPIN_LIMIT = 2_000  # spin iterations: seconds under the Triton interpreter
+WAIT_S = 3.0  # seconds a wait lasts (the modules' timeout_s)
 
 pytestmark = pytest.mark.liveness
 
@@ -30,7 +30,7 @@ def test_missing_peer_times_out_naming_step_peer_and_epoch(kind: str, status: st
     fault = {"rank": 1, "call": 3, "step": "out_exchange", "kind": kind}
     start = time.monotonic()
     report = run_schedule(RunConfig(schedule=KIMI, world=3, backend="host", calls=6, seed=3,
-                                    spin_limit=SPIN_LIMIT, fault=fault, timeout_s=150,
+                                    wait_timeout_s=WAIT_S, fault=fault, timeout_s=150,
                                     grace_s=grace))
     elapsed = time.monotonic() - start
     text = format_report(report)

@@ -92,8 +92,10 @@ def test_signal_bank_starts_at_epoch_start_and_reports_timeouts():
     (seg,) = heap.allocate([sync.signal_nbytes(4, 1, 2)])
     bank = sync.SignalBank(seg, 4, 1, 2, torch.device("cpu"), epoch_start=2**31 - 2)
     assert (bank.sig == 2**31 - 2).all() and (bank.epochs == 2**31 - 2).all()
+    assert (bank.flags == 0).all()  # no peer failed (the poison is cleared)
     bank.check_errors(["a", "b"])  # nothing recorded
-    bank.errors.copy_(torch.tensor([sync.TIMEOUT, 1, 0, -(2**31)], dtype=torch.int32))
+    record = [sync.TIMEOUT, 1, 0, -(2**31), 0, 0, 0, 0]
+    bank.errors.copy_(torch.tensor(record, dtype=torch.int32))
     with pytest.raises(DcpcTimeoutError, match="step 'b'.*peer 0 .* epoch -2147483648") as err:
         bank.check_errors(["a", "b"], rank=1)
     assert (err.value.step, err.value.peer, err.value.epoch) == ("b", 0, -(2**31))

@@ -4,7 +4,9 @@ The worker is named by ``"module:function"`` and imported in the child after
 ``TRITON_INTERPRET=1`` is set (Triton reads it at import). Each child reports one
 result (or its traceback) through a queue. The parent waits until a deadline;
 once one rank fails it gives the others ``grace_s`` more, then kills whatever is
-left and reports which ranks hung, which died, and which failed.
+left and reports which ranks hung, which died, and which failed. A worker may say
+what it is doing (``progress``): a killed rank is reported with its last words
+("killed while in call 3 (slot 0): out_exchange()").
 """
 
 from __future__ import annotations
@@ -20,6 +22,29 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+PROGRESS_ENV = "DCPC_PROGRESS_FILE"
+_progress_fd: int | None = None
+
+
+def progress(text: str) -> None:
+    """Record what this rank is doing now (read by the parent if it must kill the rank)."""
+    global _progress_fd
+    path = os.environ.get(PROGRESS_ENV)
+    if not path:
+        return
+    if _progress_fd is None:
+        _progress_fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+    data = text.encode("utf-8", "replace")[:400]
+    os.pwrite(_progress_fd, data.ljust(400), 0)
+
+
+def _last_words(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
 
 
 @dataclass
@@ -71,6 +96,7 @@ def _child_main(
 ) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[PROGRESS_ENV] = f"{store_path}.progress{rank}"
     try:
         import torch
         import torch.distributed as dist
@@ -152,9 +178,11 @@ def launch(
         _drain(results, outcomes)
         for rank in range(world):
             if rank not in outcomes:
+                doing = _last_words(f"{store}.progress{rank}")
                 outcomes[rank] = RankOutcome(
                     rank, "hung",
-                    error=f"no result after {time.monotonic() - start:.1f} s; killed",
+                    error=f"no result after {time.monotonic() - start:.1f} s; killed"
+                    + (f" while in {doing}" if doing else ""),
                 )
     finally:
         for p in procs:

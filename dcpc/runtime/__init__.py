@@ -6,20 +6,32 @@ buffer table), the heaps (``make_heap``), the signal bank (``sync``), argument c
 """
 
 from dcpc.runtime import collectives, merge, shapes, sync, tiles, validate
-from dcpc.runtime.errors import DcpcArgumentError, DcpcError, DcpcTimeoutError
+from dcpc.runtime.errors import (
+    DcpcArgumentError,
+    DcpcContractError,
+    DcpcError,
+    DcpcFailedError,
+    DcpcPeerFailedError,
+    DcpcTimeoutError,
+)
+from dcpc.runtime.guard import guarded
 from dcpc.runtime.heap import SymmetricBuffer, SymmetricHeap, make_heap, resolve_backend
 from dcpc.runtime.module import Buf, ScheduleModule, Tune
 
 __all__ = [
     "Buf",
     "DcpcArgumentError",
+    "DcpcContractError",
     "DcpcError",
+    "DcpcFailedError",
+    "DcpcPeerFailedError",
     "DcpcTimeoutError",
     "ScheduleModule",
     "SymmetricBuffer",
     "SymmetricHeap",
     "Tune",
     "collectives",
+    "guarded",
     "make_heap",
     "merge",
     "resolve_backend",

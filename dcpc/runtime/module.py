@@ -16,18 +16,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from dcpc.runtime import shapes, sync, tiles
-from dcpc.runtime.errors import DcpcArgumentError
+from dcpc.runtime import guard as _guard
+from dcpc.runtime import shapes, sync, tiles, validate
+from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
 from dcpc.runtime.validate import DTYPES, Signature, check_sizes
 
-# Bounded waits: iterations of a wait's acquire poll before it records a timeout.
-# CPU (Triton interpreter, ~10 us an iteration): 1 << 26 is hours, so tests pass their
-# own. GPU: an iteration is a few ns, and ranks can legitimately drift by seconds (a
-# peer JIT-compiling a kernel, a descheduled host thread): 1 << 26 expired in about a
-# second on H200 and trapped healthy runs, so the GPU default is the int32 maximum.
-DEFAULT_SPIN_LIMIT = 1 << 26
-GPU_SPIN_LIMIT = 2**31 - 1
+# Bounded waits, in seconds, on every backend: a wait for a peer that lasts longer
+# records a timeout (step, peer, epoch). Ranks legitimately drift by seconds (a peer
+# JIT-compiling a kernel, a descheduled host thread, the interpreter on a loaded CPU),
+# so the default is a minute. GPU: measured by the global timer inside the kernel;
+# CPU: a watchdog thread stops the interpreter's spin (dcpc.runtime.sync.Watchdog).
+DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 10**7  # ~4 months: keeps timeout_ns far inside int64
 CPU_PROGRAMS = 4  # default cap on programs per launch on CPU (host backend)
 MIN_BLOCK = 1024  # elements: small calls split their tiles down to this (see _launch)
 
@@ -76,35 +77,42 @@ class ScheduleModule:
         device: str | torch.device | None = None,
         backend: str = "auto",
         *,
-        spin_limit: int | None = None,
+        timeout_s: float | None = None,
+        guard: bool = True,
         epoch_start: int = 0,
         poison: bool = False,
         programs: int | None = None,
         tuning: Mapping[str, Mapping[str, int]] | None = None,
     ):
         name = type(self).__name__
+        self._failed: BaseException | None = None  # the first error of a call (see _fail)
+        self._notified = False  # peers were told this instance failed (see _fail)
+        self._heap = None
         self.group = group
         self.rank, self.world = group_rank_world(group)
-        if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if (torch.cuda.is_available())
-                else torch.device("cpu")
-            )
-        self.device = torch.device(device)
+        self.device = validate.check_device(name, device, backend)
         self.backend = resolve_backend(backend, group, self.device)
-        if spin_limit is None:
-            spin_limit = GPU_SPIN_LIMIT if self.device.type == "cuda" else DEFAULT_SPIN_LIMIT
-        if not 1 <= spin_limit < 2**31:
-            raise ValueError(f"{name}: spin_limit must be in 1..2**31-1, got {spin_limit}")
-        self.spin_limit, self.poison, self._epoch_start = spin_limit, poison, epoch_start
+        if timeout_s is None:
+            timeout_s = DEFAULT_TIMEOUT_S
+        validate.check_number(name, "timeout_s (seconds)", timeout_s, 1e-3, MAX_TIMEOUT_S, float)
+        for flag, value in (("guard", guard), ("poison", poison)):
+            if not isinstance(value, bool):
+                raise DcpcArgumentError(f"{name}: {flag} must be True or False, got {value!r}")
+        validate.check_number(name, "epoch_start", epoch_start, -(2**31), 2**31 - 1)
+        if programs is not None:
+            validate.check_knob(name, "programs", "programs", programs)
+        self.poison, self._epoch_start = poison, epoch_start
+        self._timeout_s, self._timeout_ns = float(timeout_s), int(timeout_s * 1e9)
+        self._guard = guard  # fingerprints, failure flags and the call order (the guard)
+        self._fp = 0  # the fingerprint of the call being launched (set by _bind)
         self._trap = self.device.type == "cuda"
+        self._clock = self.device.type == "cuda"  # the kernel's deadline: the global timer
         self._wp2 = tiles.next_pow2(self.world)  # pointer tables are loaded as vectors
         self._check_each_call = self.device.type == "cpu" and self.backend != "torch"
-        self._env_const, self._maxima = self._bind_sizes(dict(sizes or {}))
+        self._env_const, self._maxima = self._bind_sizes(check_sizes(name, sizes, self.SIZES))
         self._max_env = {**self._env_const, **self._maxima}
         self._env: list[dict[str, int]] = [dict(self._env_const) for _ in range(self.SLOTS)]
-        self._tune = self._make_tuning(programs, dict(tuning or {}))
+        self._tune = self._make_tuning(programs, tuning)
         self._signatures = {
             method: Signature(
                 method,
@@ -120,26 +128,25 @@ class ScheduleModule:
     # ---- construction -------------------------------------------------------------
     def _bind_sizes(self, given: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
         name = type(self).__name__
-        check_sizes(name, given, {k: "" for k in self.SIZES})
         env: dict[str, int] = {"W": self.world}
         maxima: dict[str, int] = {}
         for size, (kind, value) in self.SIZES.items():
             if kind == "const":
                 if given.get(size, value) != value:
-                    raise ValueError(
+                    raise DcpcArgumentError(
                         f"{name}: size {size} is the constant {value}, not {given[size]}"
                     )
                 env[size] = value
         for size, (kind, value) in self.SIZES.items():
             if kind == "multiple_of":
                 if size not in given:
-                    raise ValueError(
+                    raise DcpcArgumentError(
                         f"{name}: size {size} is bound at construction: "
                         f"pass sizes={{'{size}': ...}}"
                     )
                 step = shapes.evaluate(value, env)
                 if given[size] <= 0 or step <= 0 or given[size] % step:
-                    raise ValueError(
+                    raise DcpcArgumentError(
                         f"{name}: size {size}={given[size]} must be a positive multiple of "
                         f"{shapes.unparse(value)}={step} (W={self.world})"
                     )
@@ -147,14 +154,15 @@ class ScheduleModule:
             elif kind == "max":
                 top = given.get(size, value)
                 if not 1 <= top <= value:
-                    raise ValueError(f"{name}: size {size} may lower its max {value}, got {top}")
+                    raise DcpcArgumentError(
+                        f"{name}: size {size} can only be lowered from its maximum {value} "
+                        f"(1..{value}), got {top}"
+                    )
                 maxima[size] = top
         return env, maxima
 
-    def _make_tuning(self, programs: int | None, overrides: dict) -> dict[str, Tune]:
-        unknown = set(overrides) - set(self.TUNING)
-        if unknown:
-            raise ValueError(f"{type(self).__name__}: tuning for unknown steps {sorted(unknown)}")
+    def _make_tuning(self, programs: int | None, overrides: object) -> dict[str, Tune]:
+        overrides = validate.check_tuning(type(self).__name__, overrides, self.TUNING)
         out = {}
         for step, knobs in self.TUNING.items():
             merged = {**knobs, **overrides.get(step, {})}
@@ -164,7 +172,10 @@ class ScheduleModule:
                 # the Triton interpreter runs programs one after another: few is fastest
                 merged["programs"] = min(merged["programs"], CPU_PROGRAMS)
             if not 1 <= merged["programs"] <= 1024:
-                raise ValueError(f"{step}: programs must be in 1..1024, got {merged['programs']}")
+                raise DcpcArgumentError(
+                    f"{type(self).__name__}: {step}: programs must be in 1..1024, got "
+                    f"{merged['programs']}"
+                )
             statics = {
                 k: shapes.evaluate(e, self._max_env) for k, e in self.STATICS.get(step, {}).items()
             }
@@ -226,9 +237,33 @@ class ScheduleModule:
                     for key, (e, dt) in table.items()
                 }
             self._one = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._make_guard(channels)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal
+
+    def _make_guard(self, channels: int) -> None:
+        """Fingerprints, the call order, and the deadline keeper of this backend."""
+        used: dict[str, list[str]] = {}
+        for method, params in self.METHODS.items():
+            names: set[str] = set()
+            for _, e in self.SCALARS.get(method, ()):
+                names |= shapes.symbols(e)
+            for b in params:
+                for e in self.BUFFERS[b].shape:
+                    names |= shapes.symbols(e)
+            used[method] = sorted(names & set(self._maxima))
+        self._fps = sync.Fingerprints(used, self._maxima, self.SOURCE_SHA256)
+        self._order = _guard.CallOrder(list(self.METHODS), self.SLOTS)
+        self._arms = set(self.SIGNALLING) if self.world > 1 and self._check_each_call else set()
+        self._watchdog = (
+            sync.Watchdog(self._bank.errors, self._timeout_s) if self._arms else None
+        )
+        self._handshake_with = None
+        if self.backend == "torch" and self.world > 1 and self.device.type == "cpu":
+            self._handshake_with = _guard.TorchHandshake(
+                self.group, self.rank, self.world, channels, self._timeout_s, self._fps
+            )
 
     def _empty(self, n: int, dtype: str) -> torch.Tensor:
         t = torch.zeros(n, dtype=DTYPES[dtype], device=self.device)
@@ -244,11 +279,16 @@ class ScheduleModule:
         tensors: tuple[torch.Tensor, ...],
         sizes: Mapping[str, int] | None,
     ) -> dict[str, int]:
-        """Check ``slot``, bind run-time sizes from the arguments, validate them."""
-        if not (isinstance(slot, int) and 0 <= slot < self.SLOTS):
+        """Check the instance is usable, ``slot``, the call order; bind run-time sizes from
+        the arguments, validate them; the call's fingerprint; arm the deadline (CPU)."""
+        if self._failed is not None or self._heap is None:
+            raise self._unusable(method)
+        if isinstance(slot, bool) or not (isinstance(slot, int) and 0 <= slot < self.SLOTS):
             raise DcpcArgumentError(
-                f"{method}(): slot must be in 0..{self.SLOTS - 1}, got {slot!r}"
+                f"{method}(): slot must be an int in 0..{self.SLOTS - 1}, got {slot!r}"
             )
+        if sizes is not None and not isinstance(sizes, Mapping):
+            raise DcpcArgumentError(f"{method}(): sizes must be a dict, got {sizes!r}")
         env = self._env[slot]
         if sizes:
             env = dict(env)
@@ -263,8 +303,48 @@ class ScheduleModule:
                     raise DcpcArgumentError(f"{method}(): size {size}={value} is outside 0..{top}")
                 env[size] = value
         env = self._signatures[method].bind(tensors, env)
+        if self._guard:
+            self._order.enter(method, slot)
+            self._fp = self._fps.of(method, env)
         self._env[slot] = env
+        if method in self._arms:
+            self._watchdog.arm()  # type: ignore[union-attr]
         return env
+
+    def _handshake(self, step_index: int, slot: int) -> None:
+        """torch backend (gloo): fingerprint, failure notice and bounded wait per peer."""
+        if self._handshake_with is not None and self._guard:
+            self._handshake_with.exchange(
+                self.STEPS[step_index], sync.channel(step_index, slot, self.SLOTS), self._fp
+            )
+
+    def _unusable(self, method: str) -> DcpcFailedError:
+        name = type(self).__name__
+        if self._failed is not None:
+            first = self._failed
+            return DcpcFailedError(
+                f"{method}(): this {name} instance failed earlier ({type(first).__name__}: "
+                f"{first}); it cannot be used again (as an aborted NCCL communicator): close() "
+                "it and construct a new instance on every rank"
+            )
+        return DcpcFailedError(
+            f"{method}(): this {name} instance was closed; construct a new one on every rank"
+        )
+
+    def _fail(self, exc: BaseException) -> None:
+        """Mark the instance failed (the first error only) and tell the peers: their
+        waits for this rank stop at once (failure flags; the torch backend's notice)."""
+        if self._notified:
+            return
+        self._notified = True
+        if self._heap is not None:  # a call after close() leaves the instance "closed"
+            self._failed = exc
+        if self._watchdog is not None:
+            self._watchdog.disarm()
+        if self._handshake_with is not None:
+            self._handshake_with.notify_failed()
+        elif self._heap is not None:
+            self._bank.flag_peers(self.rank, sync.FLAG_FAILED)
 
     @staticmethod
     def _launch(tune: Tune, rows: int, cols: int) -> tuple[int, int, int]:
@@ -300,7 +380,13 @@ class ScheduleModule:
     def _view(self, name: str, slot: int, env: Mapping[str, int]) -> torch.Tensor:
         """The run-time view of a module-owned buffer: its first elements, contiguous."""
         buf = self.BUFFERS[name]
-        shape = shapes.shape(buf.shape, env)
+        try:
+            shape = shapes.shape(buf.shape, env)
+        except KeyError as exc:
+            raise DcpcArgumentError(
+                f"size {exc.args[0]} of buffer '{name}' is not bound yet in slot {slot}; pass "
+                f"sizes={{'{exc.args[0]}': ...}} or call the step that binds it first"
+            ) from None
         n = 1
         for d in shape:
             n *= d
@@ -312,13 +398,22 @@ class ScheduleModule:
 
     def _check(self, step_index: int) -> None:
         """CPU backends: raise the error a kernel recorded (no GPU sync is ever done here)."""
+        if self._watchdog is not None:
+            self._watchdog.disarm()
         if self._check_each_call:
-            self._bank.check_errors(self.STEPS, self.rank)
+            self._bank.check_errors(self.STEPS, self.rank, self._fps, self._timeout_s)
 
     # ---- public -------------------------------------------------------------------------
     def check_errors(self) -> None:
-        """Raise ``DcpcTimeoutError`` if a kernel recorded one (synchronises with the device)."""
-        self._bank.check_errors(self.STEPS, self.rank)
+        """Raise the error a kernel recorded, if any (synchronises with the device):
+        ``DcpcTimeoutError``, ``DcpcContractError`` or ``DcpcPeerFailedError``."""
+        if self._heap is None:
+            raise self._unusable("check_errors")
+        try:
+            self._bank.check_errors(self.STEPS, self.rank, self._fps, self._timeout_s)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def buffer(
         self, name: str, slot: int = 0, sizes: Mapping[str, int] | None = None
@@ -331,10 +426,21 @@ class ScheduleModule:
         return self._view(name, slot, {**self._max_env, **(sizes or {})})
 
     def close(self) -> None:
-        """Release the symmetric heap (idempotent). Views handed out must not be used after."""
+        """Release the symmetric heap (idempotent). Views handed out must not be used after.
+
+        Peers still waiting for this rank stop at once (its failure flag: closed); any
+        later call on this instance raises ``DcpcFailedError``."""
         heap, self._heap = getattr(self, "_heap", None), None
-        if heap is not None:
-            heap.close()
+        if heap is None:
+            return
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog.close()  # type: ignore[union-attr]
+        if self._failed is None and getattr(self, "_handshake_with", None) is None:
+            try:
+                self._bank.flag_peers(self.rank, sync.FLAG_CLOSED)
+            except Exception:  # noqa: BLE001 (closing never fails; peers then time out)
+                pass
+        heap.close()
 
     def __enter__(self) -> ScheduleModule:
         return self

@@ -1,30 +1,56 @@
-"""The signal bank of a generated module: signal slots, epochs and the error record.
+"""The signal bank of a generated module: signal words, epochs, the error record, and
+the run-time guard of the call contract (fingerprints, failure flags, deadlines).
 
-Layout (docs/internals.md):
+Layout (docs/internals.md, "Signals and the guard"): ONE symmetric int64 buffer per
+module instance,
 
-- ``sig``: ONE symmetric int32 buffer ``[channel, src_rank, program]``; channel =
-  ``step_index * slots + slot``. A producer stores its epoch, with release semantics,
-  into ``sig[channel, producer_rank, program]`` of every consumer.
-- ``epochs``: local int32 ``[channel, program]``; each program of a kernel advances
-  its own counter (in device memory, never from the host: CUDA-graph replay works)
-  and waits until ``(int32)(got - epoch) >= 0``.
-- ``errors``: local int32 ``[4]`` = (code, step index, peer, epoch) of the first
-  expired spin loop. On GPU the kernel then traps; on CPU it returns and the method
-  raises ``DcpcTimeoutError`` (``check_errors``).
+- ``flags[src_rank]`` (the first ``world`` words): nonzero once rank ``src_rank``'s
+  instance failed (``FLAG_FAILED``) or was closed (``FLAG_CLOSED``); written by that
+  rank into every peer's bank, read by a wait only while its epoch is still pending;
+- ``sig[channel, src_rank, program]`` (the rest); channel = ``step_index * slots +
+  slot``. A producer stores ``fingerprint << 32 | uint32(epoch)`` with release
+  semantics into ``sig[channel, producer_rank, program]`` of every consumer: the
+  epoch and the call's fingerprint travel in one atomic word, so a consumer that sees
+  the epoch sees the fingerprint of that very call.
+
+Local, per rank: ``epochs`` int32 ``[channel, program]`` (advanced by the kernels,
+compared wrap-safely) and ``errors`` int32 ``[ERROR_WORDS]``: (code, step, peer,
+epoch, fingerprint here, fingerprint seen, stop, peer flag) of the first failed wait.
+On GPU the kernel then traps; on CPU it returns and the method raises
+(``check_errors``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
-from dcpc.runtime.errors import DcpcError, DcpcTimeoutError
+from dcpc.runtime.errors import (
+    DcpcContractError,
+    DcpcError,
+    DcpcPeerFailedError,
+    DcpcTimeoutError,
+)
 from dcpc.runtime.heap import SymmetricBuffer
 
-TIMEOUT = 1  # error code: a spin loop expired
-ERROR_WORDS = 4
+# error codes (errors[0])
+TIMEOUT = 1  # a wait expired (the deadline, or another program of this launch failed)
+CONTRACT = 2  # a peer's signal carried another call's fingerprint
+PEER_FAILED = 3  # the peer's failure flag was set while we waited for it
+ERROR_WORDS = 8
+STOP_WORD = 6  # CPU: set by the watchdog thread at the deadline; a waiting loop polls it
+# failure flags (flags[src_rank])
+FLAG_FAILED = 1
+FLAG_CLOSED = 2
+FLAG_REASONS = {FLAG_FAILED: "failed (an error in one of its calls)", FLAG_CLOSED: "was closed"}
 INT32_MAX = 2**31 - 1
+FINGERPRINT_BITS = 31  # fingerprints are in 0..2**31-1 (never -1)
 
 
 def channel(step_index: int, slot: int, slots: int) -> int:
@@ -32,7 +58,7 @@ def channel(step_index: int, slot: int, slots: int) -> int:
 
 
 def signal_nbytes(channels: int, world: int, programs: int) -> int:
-    return channels * world * programs * 4
+    return (world + channels * world * programs) * 8
 
 
 def wrap_int32(value: int) -> int:
@@ -40,8 +66,124 @@ def wrap_int32(value: int) -> int:
     return (value + 2**31) % 2**32 - 2**31
 
 
+def pack(fingerprint: int, epoch: int) -> int:
+    """The int64 signal word of ``epoch`` carrying ``fingerprint``."""
+    return wrap_int64((fingerprint << 32) | (epoch & 0xFFFFFFFF))
+
+
+def wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+class Fingerprints:
+    """The fingerprint of a call of each step: the run-time sizes it binds, exactly.
+
+    A step's fingerprint is a mixed-radix number over the values of the run-time sizes
+    its shapes use (each in 0..max), times the schedule's salt (its source hash), so two
+    calls with the same fingerprint bound the same sizes of the same schedule. When the
+    sizes do not fit in 31 bits, a CRC of them is used (mismatches are still found, but
+    the peer's values cannot be read back)."""
+
+    def __init__(
+        self, steps: Mapping[str, Sequence[str]], maxima: Mapping[str, int], schedule_hash: str
+    ):
+        self.sizes = {step: tuple(names) for step, names in steps.items()}
+        self.radix = {step: tuple(maxima[n] + 1 for n in names) for step, names in steps.items()}
+        self.salt = int(schedule_hash[:8] or "0", 16)
+        self.exact: dict[str, int] = {}  # step -> product of its radices, when they fit
+        for step, radix in self.radix.items():
+            total = 1
+            for r in radix:
+                total *= r
+            if total < 2**FINGERPRINT_BITS:
+                self.exact[step] = total
+
+    def of(self, step: str, env: Mapping[str, int]) -> int:
+        names = self.sizes.get(step, ())
+        values = [env.get(n, 0) for n in names]
+        total = self.exact.get(step)
+        if total is None:
+            return zlib.crc32(repr((self.salt, values)).encode()) & INT32_MAX
+        code = 0
+        for value, radix in zip(values, self.radix[step], strict=True):
+            code = code * radix + value
+        return code + total * (self.salt % (2**FINGERPRINT_BITS // total))
+
+    def decode(self, step: str, fingerprint: int) -> dict[str, int] | None:
+        """The sizes a fingerprint of ``step`` carries; None when they cannot be read back."""
+        total = self.exact.get(step)
+        if total is None or fingerprint // total != self.salt % (2**FINGERPRINT_BITS // total):
+            return None
+        code, out = fingerprint % total, {}
+        for name, radix in reversed(list(zip(self.sizes[step], self.radix[step], strict=True))):
+            code, out[name] = divmod(code, radix)
+        return {n: out[n] for n in self.sizes[step]}
+
+    def differ(self, step: str, here: int, there: int, peer: int) -> str:
+        """'T=5 here, T=3 on peer 1', or what can be said when the values are hashed."""
+        mine, theirs = self.decode(step, here), self.decode(step, there)
+        if mine is None or theirs is None:
+            return (f"fingerprint {here:#x} here, {there:#x} on peer {peer} (another "
+                    "schedule, or sizes too large to read back)")
+        diff = [n for n in mine if mine[n] != theirs[n]]
+        return (", ".join(f"{n}={mine[n]}" for n in diff) + " here, "
+                + ", ".join(f"{n}={theirs[n]}" for n in diff) + f" on peer {peer}")
+
+
+@triton.jit
+def _dcpc_flag_peers(sig_ptrs, value, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """flags[RANK] = value in every peer's bank (release, system scope)."""
+    for k in range(1, WORLD):
+        peer = (RANK + k) % WORLD
+        base = tl.load(sig_ptrs + peer).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(base + RANK, value, sem="release", scope="sys")
+
+
+class Watchdog:
+    """CPU backends: sets ``errors[STOP_WORD]`` when an armed call passes its deadline.
+
+    The Triton interpreter cannot read a clock inside a kernel, so on CPU a wait polls
+    this word; one daemon thread per module instance, idle unless a call is armed."""
+
+    def __init__(self, errors: torch.Tensor, timeout_s: float):
+        self.errors, self.timeout_s = errors, timeout_s
+        self._deadline: float | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="dcpc-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        with self._cond:
+            self.errors[STOP_WORD] = 0
+            self._deadline = time.monotonic() + self.timeout_s
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        self._deadline = None  # the thread sees it at its next wake-up (no lock needed)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                deadline = self._deadline
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self.errors[STOP_WORD] = 1
+                self._deadline = None
+
+
 class SignalBank:
-    """Signal slots (symmetric), epochs and the error record of one module instance."""
+    """Signal words and failure flags (symmetric), epochs and the error record."""
 
     def __init__(
         self,
@@ -55,21 +197,50 @@ class SignalBank:
         if not -(2**31) <= epoch_start <= INT32_MAX:
             raise ValueError(f"epoch_start must fit in int32, got {epoch_start}")
         self.channels, self.world, self.programs = channels, world, programs
-        self.sig = segment.view(torch.int32, (channels, world, programs))
+        words = segment.view(torch.int64, (world + channels * world * programs,))
+        self.flags = words[:world]
+        self.sig = words[world:].view(channels, world, programs)
         self.sig_ptrs = segment.peer_ptrs
         # Every slot starts at epoch_start: the first wait is for epoch_start + 1.
-        self.sig.fill_(epoch_start)
+        self.flags.zero_()
+        self.sig.fill_(pack(0, epoch_start))
         self.epochs = torch.full(
             (channels, programs), epoch_start, dtype=torch.int32, device=device
         )
         self.errors = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
 
-    def check_errors(self, step_names: Sequence[str], rank: int | None = None) -> None:
+    def flag_peers(self, rank: int, value: int) -> None:
+        """Tell every peer's waits that this rank failed or closed (one tiny kernel)."""
+        if self.world > 1:
+            _dcpc_flag_peers[(1,)](self.sig_ptrs, value, RANK=rank, WORLD=self.world,
+                                   num_warps=1)
+
+    def check_errors(
+        self,
+        step_names: Sequence[str],
+        rank: int | None = None,
+        fingerprints: Fingerprints | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         """Raise the error recorded by a kernel, if any (reads device memory: a host sync)."""
-        code, step, peer, epoch = (int(v) for v in self.errors.tolist())
+        code, step, peer, epoch, here, there, _, flag = (int(v) for v in self.errors.tolist())
         if code == 0:
             return
         name = step_names[step] if 0 <= step < len(step_names) else f"#{step}"
         if code == TIMEOUT:
-            raise DcpcTimeoutError(name, peer, epoch, rank)
+            raise DcpcTimeoutError(name, peer, epoch, rank, timeout_s)
+        if code == CONTRACT:
+            what = (fingerprints.differ(name, here, there, peer) if fingerprints is not None
+                    else f"fingerprint {here:#x} here, {there:#x} on peer {peer}")
+            who = f"rank {rank}" if rank is not None else "this rank"
+            raise DcpcContractError(
+                name,
+                f"step '{name}': {who}'s call differs from peer {peer}'s: {what} (epoch "
+                f"{epoch}); every rank must make the same calls with the same sizes (the "
+                "contract dcpc check assumed); this module instance is now failed",
+                peer,
+            )
+        if code == PEER_FAILED:
+            reason = FLAG_REASONS.get(flag, f"set failure flag {flag}")
+            raise DcpcPeerFailedError(name, peer, epoch, rank, reason)
         raise DcpcError(f"step '{name}': kernel error code {code} (peer {peer}, epoch {epoch})")

@@ -105,12 +105,130 @@ class Signature:
         raise DcpcArgumentError(f"{self.method}(): argument '{self.params[i][0]}' {what}")
 
 
-def check_sizes(cls_name: str, given: Mapping[str, int], known: Mapping[str, str]) -> None:
-    """Constructor ``sizes=``: every name is a size of the schedule, every value an int."""
+def check_sizes(cls_name: str, given: object, known: Mapping[str, str]) -> dict[str, int]:
+    """Constructor ``sizes=``: a mapping of the schedule's size names to ints."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise DcpcArgumentError(
+            f"{cls_name}: sizes must be a dict of size names to ints, e.g. "
+            f"{{'{next(iter(sorted(known)), 'T')}': 8}}, got {given!r}"
+        )
     for name, value in given.items():
         if name not in known:
-            raise ValueError(
+            raise DcpcArgumentError(
                 f"{cls_name}: unknown size {name!r}; the schedule's sizes are {sorted(known)}"
             )
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{cls_name}: size {name} must be an int, got {value!r}")
+            raise DcpcArgumentError(f"{cls_name}: size {name} must be an int, got {value!r}")
+    return dict(given)
+
+
+BACKENDS = ("auto", "symm_mem", "host", "torch", "local")
+
+
+def check_device(cls_name: str, device: object, backend: object) -> torch.device:
+    """Constructor ``device=`` (None: the current CUDA device, else the CPU) and whether
+    ``backend=`` can run there. Only ``cpu`` and an existing ``cuda:i`` are devices."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise DcpcArgumentError(
+            f"{cls_name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
+        )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise DcpcArgumentError(
+            f"{cls_name}: device must be 'cpu', 'cuda', 'cuda:<index>' or a torch.device, "
+            f"got {device!r}"
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise DcpcArgumentError(
+            f"{cls_name}: device {device!r} is not a device; use 'cpu' or 'cuda[:<index>]'"
+        ) from None
+    if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            raise DcpcArgumentError(
+                f"{cls_name}: device {dev} does not exist; the CPU is device 'cpu' (no index)"
+            )
+        dev = torch.device("cpu")
+    elif dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DcpcArgumentError(
+                f"{cls_name}: device {dev}: CUDA is not available on this machine; use "
+                "device='cpu' (backend 'host' or 'torch')"
+            )
+        count = torch.cuda.device_count()
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if not 0 <= index < count:
+            raise DcpcArgumentError(
+                f"{cls_name}: device {dev} does not exist; this machine has cuda:0..cuda:"
+                f"{count - 1}"
+            )
+        dev = torch.device("cuda", index)
+    else:
+        raise DcpcArgumentError(
+            f"{cls_name}: device {dev} is not supported; generated modules run on 'cpu' "
+            "(backends host, torch) or 'cuda[:<index>]' (symm_mem, torch)"
+        )
+    if backend == "symm_mem" and dev.type != "cuda":
+        raise DcpcArgumentError(
+            f"{cls_name}: backend 'symm_mem' needs a CUDA device, got {dev}; on CPU use "
+            "backend 'host' (ranks on one machine, Triton interpreter) or 'torch' (gloo)"
+        )
+    if backend == "host" and dev.type != "cpu":
+        raise DcpcArgumentError(
+            f"{cls_name}: backend 'host' runs on the CPU, got device {dev}; on CUDA use "
+            "'symm_mem' or 'torch'"
+        )
+    return dev
+
+
+def check_number(cls_name: str, name: str, value: object, low: float, high: float,
+                 kind: type = int) -> None:
+    """An int (or, with ``kind=float``, a real number) in ``low..high``; never a bool."""
+    ok_type = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, ok_type) or not low <= value <= high:
+        what = "a number" if kind is float else "an int"
+        raise DcpcArgumentError(f"{cls_name}: {name} must be {what} in {low:g}..{high:g}, "
+                                f"got {value!r}")
+
+
+TUNING_KNOBS = {
+    "programs": "programs per launch, 1..1024",
+    "num_warps": "warps per program, a power of two 1..32",
+    "block": "elements per tile, a power of two 1..65536",
+    "tiles_per_program": "tiles per program below the program cap, 1..1024",
+}
+
+
+def check_tuning(cls_name: str, tuning: object, steps: Mapping[str, object]) -> dict:
+    """Constructor ``tuning=``: {step: {knob: int}} with known steps and knobs."""
+    if tuning is None:
+        return {}
+    if not isinstance(tuning, Mapping):
+        raise DcpcArgumentError(f"{cls_name}: tuning must be a dict {{step: {{knob: int}}}}, "
+                                f"got {tuning!r}")
+    for step, knobs in tuning.items():
+        if step not in steps:
+            raise DcpcArgumentError(f"{cls_name}: tuning for unknown step {step!r}; the "
+                                    f"steps with kernels are {sorted(steps)}")
+        if not isinstance(knobs, Mapping):
+            raise DcpcArgumentError(f"{cls_name}: tuning[{step!r}] must be a dict of knobs "
+                                    f"({', '.join(TUNING_KNOBS)}), got {knobs!r}")
+        for knob, value in knobs.items():
+            if knob not in TUNING_KNOBS:
+                raise DcpcArgumentError(f"{cls_name}: tuning[{step!r}] has unknown knob "
+                                        f"{knob!r}; the knobs are {', '.join(TUNING_KNOBS)}")
+            check_knob(cls_name, f"tuning[{step!r}][{knob!r}]", knob, value)
+    return {step: dict(knobs) for step, knobs in tuning.items()}
+
+
+def check_knob(cls_name: str, where: str, knob: str, value: object) -> None:
+    top = {"programs": 1024, "num_warps": 32, "block": 65536, "tiles_per_program": 1024}[knob]
+    pow2 = knob in ("num_warps", "block")
+    if (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top
+            or (pow2 and value & (value - 1))):
+        what, allowed = TUNING_KNOBS[knob].split(", ", 1)
+        raise DcpcArgumentError(f"{cls_name}: {where} must be {allowed} ({what}), got {value!r}")

@@ -1,0 +1,148 @@
+"""The host side of the run-time guard (docs/engines.md, "The run-time guard").
+
+- ``guarded``: the decorator on every generated method: an error raised by a call marks
+  the module instance failed (``ScheduleModule._fail``), then propagates.
+- ``CallOrder``: per slot, the methods called since the call's first step; a step
+  called before one the contract puts first in the same call raises.
+- ``TorchHandshake``: the torch backend's fingerprint, failure notice and bounded
+  wait, one small point-to-point message per peer before a communicating step (gloo
+  only: on NCCL a bounded host wait would need a host sync every call).
+
+The kernels' side (fingerprints in the signal words, failure flags, deadlines) is in
+templates/sync.j2 and dcpc.runtime.sync.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+from dcpc.runtime.errors import DcpcContractError, DcpcPeerFailedError, DcpcTimeoutError
+from dcpc.runtime.sync import FLAG_FAILED, FLAG_REASONS, Fingerprints
+
+F = TypeVar("F", bound=Callable[..., Any])
+NOTICE_WAIT = timedelta(seconds=2)  # how long a failing rank waits for its notices to leave
+
+
+def guarded(method: F) -> F:
+    """Mark the instance failed when ``method`` raises (any error: arguments, timeouts,
+    contract errors, interrupts), so that later calls and peers' waits fail at once."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    return call  # type: ignore[return-value]
+
+
+class CallOrder:
+    """Which methods of the contract's call each slot has run since its first step."""
+
+    def __init__(self, methods: Sequence[str], slots: int):
+        self.methods = tuple(methods)
+        self.position = {m: i for i, m in enumerate(self.methods)}
+        self.done = [0] * slots  # bit i: method i ran in the slot's current call
+
+    def enter(self, method: str, slot: int) -> None:
+        i = self.position[method]
+        if i == 0:
+            self.done[slot] = 1
+            return
+        need = (1 << i) - 1
+        if self.done[slot] & need != need:
+            missing = [self.methods[j] for j in range(i) if not self.done[slot] >> j & 1]
+            order = " -> ".join(f"{m}()" for m in self.methods)
+            raise DcpcContractError(
+                method,
+                f"step '{method}': called before {', '.join(f'{m}()' for m in missing)} in "
+                f"this call of slot {slot}; per call, every rank runs {order} in this order "
+                "(the contract dcpc check assumed); this module instance is now failed",
+            )
+        self.done[slot] |= 1 << i
+
+
+class TorchHandshake:
+    """torch backend over gloo: before a communicating step, every rank sends each peer
+    (fingerprint, channel, epoch, flag) and waits at most ``timeout_s`` for each peer's message.
+
+    A missing message is a ``DcpcTimeoutError`` naming the step and the peer; another
+    fingerprint a ``DcpcContractError``; a peer's failure notice (``notify_failed``, sent
+    when its instance fails) a ``DcpcPeerFailedError``. Messages between two ranks
+    arrive in order, so a failure notice answers whatever wait the peer is in."""
+
+    def __init__(self, group: Any, rank: int, world: int, channels: int, timeout_s: float,
+                 fingerprints: Fingerprints):
+        import torch.distributed as dist
+
+        self.dist, self.group, self.rank, self.world = dist, group, rank, world
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.fingerprints = fingerprints
+        self.epochs = [0] * channels
+        self.peers = [(rank + k) % world for k in range(1, world)]
+        self.global_rank = {p: dist.get_global_rank(group, p) for p in self.peers}
+        self.outbox = {p: torch.zeros(4, dtype=torch.int64) for p in self.peers}
+        self.inbox = {p: torch.zeros(4, dtype=torch.int64) for p in self.peers}
+        self.pending: list[Any] = []  # failure notices in flight (kept alive, never waited)
+
+    def exchange(self, step: str, chan: int, fingerprint: int) -> None:
+        self.epochs[chan] += 1
+        epoch = self.epochs[chan]
+        sends = []
+        for p in self.peers:
+            self.outbox[p].copy_(torch.tensor([fingerprint, chan, epoch, 0]))
+            sends.append(self.dist.isend(self.outbox[p], self.global_rank[p], group=self.group))
+        for p in self.peers:
+            work = self.dist.irecv(self.inbox[p], self.global_rank[p], group=self.group)
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                    raise DcpcTimeoutError(step, p, epoch, self.rank, self.timeout_s) from None
+                first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+                raise DcpcPeerFailedError(
+                    step, p, epoch, self.rank, f"is unreachable (gloo: {first})"
+                ) from None
+            there, their_chan, their_epoch, flag = (int(v) for v in self.inbox[p].tolist())
+            if flag:
+                reason = FLAG_REASONS.get(flag, f"set failure flag {flag}")
+                raise DcpcPeerFailedError(step, p, epoch, self.rank, reason)
+            if (there, their_chan, their_epoch) != (fingerprint, chan, epoch):
+                what = self.fingerprints.differ(step, fingerprint, there, p)
+                if there == fingerprint:
+                    what = (f"call {epoch} of channel {chan} here, call {their_epoch} of "
+                            f"channel {their_chan} on peer {p} (another step or slot)")
+                raise DcpcContractError(
+                    step,
+                    f"step '{step}': rank {self.rank}'s call differs from peer {p}'s: {what} "
+                    f"(epoch {epoch}); "
+                    "every rank must make the same calls with the same sizes (the contract "
+                    "dcpc check assumed); this module instance is now failed",
+                    p,
+                )
+        for work in sends:
+            work.wait(self.timeout)
+
+    def notify_failed(self) -> None:
+        """Send every peer a failure notice (its next wait for this rank reads it); wait a
+        moment for the sends, so that a process that exits right after still delivers."""
+        for p in self.peers:
+            notice = torch.tensor([0, -1, 0, FLAG_FAILED], dtype=torch.int64)
+            try:
+                self.pending.append(
+                    (notice, self.dist.isend(notice, self.global_rank[p], group=self.group)))
+            except RuntimeError:
+                pass  # the group itself is broken: peers will time out instead
+        for _, work in self.pending:
+            try:
+                work.wait(NOTICE_WAIT)
+            except RuntimeError:
+                pass
