@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest random delay before/after a step, default 2 ms")
     p.add_argument("--no-poison", action="store_true", help="zero-fill symmetric memory")
     p.add_argument("--timeout", type=float, default=None, help="seconds before ranks are killed")
+    p.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a wait for a peer lasts before the module reports a timeout "
+                        "naming step, peer and epoch (the modules' timeout_s), default 60")
     p.add_argument("--debug", action="store_true",
                    help="print a failed rank's Python traceback")
     return p
@@ -77,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule=args.schedule, world=args.world, backend=args.backend, calls=args.calls,
         seed=args.seed, order=args.order, lse_base=args.lse_base,
         jitter_s=args.jitter_ms / 1000, poison=not args.no_poison, timeout_s=args.timeout,
+        wait_timeout_s=args.wait_timeout,
     )
     try:
         report = run_schedule(config)

@@ -29,7 +29,7 @@ class RunConfig:
     poison: bool = True
     order: str = "sequential"  # or "interleaved" (two slots in flight)
     lse_base: str | None = None  # "2": rewrite every LSE buffer of the schedule to base 2
-    spin_limit: int | None = None
+    wait_timeout_s: float | None = None  # how long a module's wait lasts (None: its default)
     epoch_start: int | None = None
     fault: dict[str, Any] | None = None  # adversary.Fault fields
     programs: int | None = 1  # programs per kernel (None: the module's own tuning)
@@ -43,7 +43,7 @@ class RunConfig:
             "schedule_path": schedule_path, "module_path": module_path,
             "backend": self.backend, "calls": self.calls, "seed": self.seed,
             "jitter_s": self.jitter_s, "jitter_p": self.jitter_p, "poison": self.poison,
-            "order": self.order, "spin_limit": self.spin_limit,
+            "order": self.order, "timeout_s": self.wait_timeout_s,
             "epoch_start": self.epoch_start, "fault": self.fault, "programs": self.programs,
         }
 
@@ -126,9 +126,14 @@ def run_schedule(config: RunConfig) -> RunReport:
         used, module, name, compile_s = compile_to(
             config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb,
             patch=config.module_patch)
-        timeout = config.timeout_s or 60.0 + 0.6 * config.calls * config.world
+        from dcpc.runtime.module import DEFAULT_TIMEOUT_S
+
+        # a survivor of a dead rank must outlive its own wait, to say what it waited for
+        wait = config.wait_timeout_s or DEFAULT_TIMEOUT_S
+        timeout = config.timeout_s or max(60.0 + 0.6 * config.calls * config.world, wait + 30)
+        grace = max(config.grace_s, wait + 10)
         result = launch("dcpc.harness.worker:run_rank", config.world,
-                        config.worker_args(used, module), timeout_s=timeout, grace_s=config.grace_s)
+                        config.worker_args(used, module), timeout_s=timeout, grace_s=grace)
     report = RunReport(config, name, result, compile_s=compile_s)
     for outcome in result.outcomes:
         if outcome.status != "ok":

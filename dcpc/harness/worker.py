@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dcpc.harness import adversary, synth
+from dcpc.harness.launch import progress
 from dcpc.harness.simulate import TORCH_DTYPES, Buffers, seen_at, simulate_call
 from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file
@@ -146,7 +147,7 @@ def run_rank(
     jitter_p: float = 0.3,
     poison: bool = True,
     order: str = "sequential",
-    spin_limit: int | None = None,
+    timeout_s: float | None = None,
     epoch_start: int | None = None,
     fault: dict[str, Any] | None = None,
     programs: int | None = None,
@@ -163,7 +164,7 @@ def run_rank(
     tuning = None if programs is None else {
         step: {"programs": programs} for step in getattr(cls, "TUNING", {})}
     kwargs = _constructor_kwargs(
-        cls, {"spin_limit": spin_limit, "epoch_start": epoch_start, "poison": poison,
+        cls, {"timeout_s": timeout_s, "epoch_start": epoch_start, "poison": poison,
               "tuning": tuning})
     module = cls(dist.group.WORLD, sizes=ctor, device="cpu", backend=backend, **kwargs)
     jitter = adversary.Jitter(seed, rank, jitter_s, jitter_p)
@@ -187,6 +188,8 @@ def run_rank(
             live[event.call] = (trace, env, external, sizes)
         trace, env, external, sizes = live[event.call]
         step = steps[event.step]
+        kind = "engine step" if isinstance(step.op, m.External) else "method"
+        progress(f"call {event.call} (slot {event.slot}): {kind} {step.name}()")
         if strike is not None:
             strike.strike(rank, event.call, step.name)
         jitter.delay()
