@@ -55,8 +55,9 @@ KINDS = ("gather", "gather", "gather_os", "a2a", "rs", "fused", "fused", "combin
          "ext", "ext", "ext", "barrier", "sync", "sync", "sync", "multi", "ring2", "both", "mixed")
 
 
-def schedule_text(seed: int) -> str:
-    """One random schedule (YAML text); most draws are structurally valid."""
+def schedule_text(seed: int, max_steps: int = 7) -> str:
+    """One random schedule (YAML text) of 1 .. ``max_steps`` draws (a draw is one to
+    four steps); most are structurally valid."""
     rng = random.Random(seed)
     slots = rng.choice((1, 1, 2, 2, 3))
     streams = rng.choice(("per_slot", "single"))
@@ -72,7 +73,7 @@ def schedule_text(seed: int) -> str:
     def wait(frm: str, ch: str) -> str:
         return f"{{op: wait, from: {frm}, channel: {ch}}}"
 
-    for _ in range(rng.randint(1, 7)):
+    for _ in range(rng.randint(1, max_steps)):
         kind = rng.choice(KINDS)
         if kind == "gather":
             dst = rng.choice(("g0", "g1"))
@@ -168,13 +169,14 @@ def schedule_text(seed: int) -> str:
     return "\n".join(header[:start] + used + header[-1:]) + "\n" + body
 
 
-def valid_schedule(seed: int, worlds: range = range(2, 6)) -> tuple[str, object]:
+def valid_schedule(seed: int, worlds: range = range(2, 6),
+                   max_steps: int = 7) -> tuple[str, object]:
     """The first structurally valid draw from ``seed`` on (seeds seed, seed + 10**6, ...)."""
     from dcpc.check import structural
     from dcpc.lang.parse import parse_text
 
     for attempt in range(50):
-        text = schedule_text(seed + attempt * 10**6)
+        text = schedule_text(seed + attempt * 10**6, max_steps)
         schedule = parse_text(text)
         if not [d for d in structural.check(schedule, worlds) if d.severity == "error"]:
             return text, schedule
