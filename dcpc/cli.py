@@ -123,7 +123,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path())  # read by dcpc.files
 @WORLDS
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 @STRICT
@@ -177,7 +177,7 @@ def _jsonable(value: Any) -> Any:
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path())  # read by dcpc.files
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="write DOT, or render .svg/.png/.pdf with Graphviz's dot")
 @click.option("--hb", is_flag=True, help="draw the unrolled happens-before graph instead")
@@ -269,7 +269,7 @@ def schema(output: str | None) -> None:
 
 
 @main.command("compile")
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path())  # read by dcpc.files
 @click.option("-o", "--output", "outdir", type=click.Path(file_okay=False), required=True,
               help="directory for the generated modules")
 @WORLDS
