@@ -5,9 +5,11 @@ a signalling step's kernel advances its epoch of channel ``index * slots + slot`
 stores it (release) into ``sig[sig_channel, RANK]`` of each peer its signal names, and
 spins (acquire, wrap-safe int32 compare) on its own ``sig[sig_channel, peer]`` for each
 peer its wait names, ``sig_channel`` being ``polls * slots + slot`` (its own index for a
-signal-only step). This test reads the EMITTED modules of every corpus and shipped
-schedule and checks each of those facts, so that a change of the sync protocol in the
-templates cannot leave the oracle (and the agreement test) executing something else.
+signal-only step); a fused exchange reads its own part from src after its wait exactly
+when its plan says so. This test reads the EMITTED modules of every corpus and shipped
+schedule, and of 40 random ones, and checks each of those facts, so that a change of
+the sync protocol in the templates cannot leave the oracle (and the agreement test)
+executing something else.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 from pathlib import Path
 
 import pytest
+from exec_oracle_gen import valid_schedule
 
 from dcpc.codegen.emit import emit
 from dcpc.codegen.lower import lower
@@ -65,10 +68,26 @@ def test_the_sync_helpers_use_the_slots_and_the_compare_the_oracle_models() -> N
     assert "epochs + channel * sig_programs" in advance and "+ 1" in advance
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
-def test_every_kernel_signals_and_waits_as_its_plan_says(path: Path) -> None:
+def _generated(count: int) -> list[tuple[str, object]]:
+    """Random schedules with a fused exchange, an lse_combine or split-phase sync."""
+    out = []
+    for seed in range(10 * count):
+        text, schedule = valid_schedule(seed)
+        if re.search(r"all_to_all_combine|lse_combine|op: wait", text):
+            out.append((f"gen_{seed}", schedule))
+        if len(out) == count:
+            break
+    return out
+
+
+CASES = [(p.name, p) for p in FILES] + _generated(40)
+
+
+@pytest.mark.parametrize(("name", "source"), CASES, ids=[c[0] for c in CASES])
+def test_every_kernel_signals_and_waits_as_its_plan_says(name: str, source: object) -> None:
+    schedule = parse_file(source) if isinstance(source, Path) else source
     try:
-        plan = lower(parse_file(path), range(2, 9))
+        plan = lower(schedule, range(2, 9))
         text = emit(plan)
     except (DiagnosticError, ValueError):
         return  # refused before any code exists (the agreement test covers why)
@@ -93,5 +112,11 @@ def test_every_kernel_signals_and_waits_as_its_plan_says(path: Path) -> None:
         assert channel == step.index * plan.slots, step.name
         polled = sync.polls if sync.polls is not None else step.index
         assert sig_channel == polled * plan.slots, step.name
+        if step.op == "all_to_all_combine":  # its own part from src after the wait?
+            method = text[text.index(f"    def {step.name}("):]
+            method = method[:method.find("\n    def ", 1)]
+            after = any(e.when == "after" and e.key.startswith("src") for e in step.effects)
+            assert ("FROM_SRC=self.rank" in method) == after, step.name
+            assert ("FROM_SRC=-1" in method) == (not after), step.name
         checked += 1
     assert checked or not any(s.sync.signal or s.sync.wait for s in plan.steps)
