@@ -5,6 +5,8 @@ with ONE collective ``heap.allocate([...])`` call at construction. Backends:
 
 - ``symm_mem``: ``dcpc.runtime.symm.SymmMemHeap`` (CUDA, torch symmetric memory);
 - ``host``: ``dcpc.runtime.host.HostHeap`` (CPU processes sharing memory);
+- ``local``: ``dcpc.runtime.local.LocalThreadHeap`` (W ranks as threads of one process,
+  one device: tests and one-GPU benchmarks);
 - ``torch`` (and any single-rank group): ``LocalHeap``, plain local tensors; kernels
   may only address this rank's instance (``peer_ptrs`` holds 0 for other ranks).
 """
@@ -102,10 +104,19 @@ class LocalHeap:
         self._storage = None
 
 
+def _is_local(group: Any) -> bool:
+    """A rank of ``dcpc.runtime.local.LocalGroup`` (threads of this process)."""
+    from dcpc.runtime.local import LocalRank
+
+    return isinstance(group, LocalRank)
+
+
 def group_rank_world(group: Any) -> tuple[int, int]:
     """This process's rank in ``group`` and the group's size (None: a single rank)."""
     if group is None:
         return 0, 1
+    if _is_local(group):
+        return group.rank, group.world
     import torch.distributed as dist
 
     return dist.get_rank(group), dist.get_world_size(group)
@@ -113,10 +124,16 @@ def group_rank_world(group: Any) -> tuple[int, int]:
 
 def resolve_backend(backend: str, group: Any, device: torch.device) -> str:
     """``auto`` -> symm_mem (CUDA, one host), host (CPU, host heap installed), else torch."""
-    if backend not in ("auto", "symm_mem", "host", "torch"):
-        raise ValueError(f"backend must be auto, symm_mem, host or torch, not {backend!r}")
+    if backend not in ("auto", "symm_mem", "host", "torch", "local"):
+        raise ValueError(
+            f"backend must be auto, symm_mem, host, torch or local, not {backend!r}")
+    if _is_local(group) != (backend == "local") and backend != "auto":
+        raise ValueError("backend 'local' takes a dcpc.runtime.local.LocalRank as group, and "
+                         f"a LocalRank needs backend 'local' (got {backend!r})")
     if backend != "auto":
         return backend
+    if _is_local(group):
+        return "local"
     if device.type == "cpu":
         try:
             import dcpc.runtime.host  # noqa: F401
@@ -159,4 +176,8 @@ def make_heap(backend: str, group: Any, device: torch.device, poison: bool = Fal
         from dcpc.runtime.symm import SymmMemHeap
 
         return SymmMemHeap(group, device, poison=poison)
+    if backend == "local":
+        from dcpc.runtime.local import LocalThreadHeap
+
+        return LocalThreadHeap(group, device, poison=poison)
     raise ValueError(f"no heap for backend {backend!r}")

@@ -112,6 +112,8 @@ class ScheduleModule:
         self._env_const, self._maxima = self._bind_sizes(check_sizes(name, sizes, self.SIZES))
         self._max_env = {**self._env_const, **self._maxima}
         self._env: list[dict[str, int]] = [dict(self._env_const) for _ in range(self.SLOTS)]
+        if self.backend == "local" and programs is None:
+            programs = self._local_program_cap()
         self._tune = self._make_tuning(programs, tuning)
         self._signatures = {
             method: Signature(
@@ -189,6 +191,18 @@ class ScheduleModule:
                 merged.get("tiles_per_program", 1), fixed,
             )
         return out
+
+    def _local_program_cap(self) -> int | None:
+        """``local``: every rank's signalling kernels of every slot resident on one device
+        at once (dcpc.runtime.local.program_cap); None when the tuning is already below."""
+        from dcpc.runtime.local import program_cap
+
+        knobs = [self.TUNING[s] for s in self.SIGNALLING if s in self.TUNING]
+        if not knobs:
+            return None
+        warps = max(k["num_warps"] for k in knobs)
+        cap = program_cap(self.device, self.world, self.SLOTS, warps)
+        return cap if cap < max(k["programs"] for k in knobs) else None
 
     def _static(self, expr: tuple) -> bool:
         return not (shapes.symbols(expr) & set(self._maxima))

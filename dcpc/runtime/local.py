@@ -1,0 +1,405 @@
+"""The ``local`` backend: W ranks as threads of ONE process on ONE device.
+
+For tests and one-GPU benchmarks at any W (torch symmetric memory refuses two ranks on
+one GPU). ``LocalGroup(W)`` stands for a process group: ``group.run(fn)`` runs
+``fn(rank)`` in W threads, each with its own CUDA stream, and every rank constructs
+its module instance with ``rank`` as the group (construction stays collective, across
+the threads). Peers' segments are plain allocations on the same device; their
+addresses go into the same pointer tables the ``symm_mem`` backend uses, so the
+generated kernels run unchanged.
+
+What one process needs that W processes do not (measured on one H200, docs/engines.md):
+
+- co-residency: every rank's kernels share one GPU, and a wait spins on a peer's
+  program that must be resident too. ``program_cap`` bounds the programs of a
+  signalling launch so that W ranks x slots in flight all fit at once; the module
+  applies it for ``local`` unless ``programs=`` is given.
+- streams: no rank's kernel may queue behind a peer's spinning one. Every rank gets
+  distinct streams, made together (``rank.stream``, ``rank.extra_streams``: torch's pool
+  is round robin, so a stream made later may be a peer's), and
+  ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (set before CUDA starts) gives them separate
+  hardware queues (the default 8 makes streams share queues). W <= 10 on CUDA.
+- warm-up: all ranks share one CUDA context; a JIT compile or module load in one thread
+  while a peer's kernel spins hung. Run every call once inside ``compile_only()``
+  (compiles and loads every kernel, launches nothing), then ``rank.barrier()``; set
+  ``CUDA_MODULE_LOADING=EAGER`` before CUDA starts (``LocalGroup`` does it when it can);
+  allocate nothing while kernels may spin.
+- CUDA graphs: ``with rank.capture(graph):`` captures one rank after another (capture
+  synchronises the device on entry); replays then run concurrently.
+- CPU (``TRITON_INTERPRET=1``): Triton 3.6's interpreter patches ``triton.language``
+  around every launch and keeps the program id in one global builder, so two threads
+  inside kernels break each other. ``LocalGroup`` on CPU installs a shim: the language is
+  patched once and kept, the program id and grid are per thread. Spin loops then run in
+  Python, and the GIL lets peers progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dcpc.runtime.heap import ALIGN, Segment, SymmetricBuffer, aligned_offsets, poison_
+
+STREAM_POOL = 32  # torch's streams per device and priority, handed out round robin
+EXTRA_STREAMS = 2  # per rank, besides its own: LocalRank.extra_streams
+CPU_PROGRAMS = 4  # the interpreter runs programs one after another: few is fastest
+ASSUMED_REGS = 255  # registers per thread assumed by program_cap (the hardware maximum)
+# Programs per SM that program_cap counts on. Measured on one H200 (2026-12-01): two slots
+# in flight at W = 2 with 2 programs per SM (66 per launch) hung in DBO; one per SM ran.
+PROGRAMS_PER_SM = 1
+WARP = 32
+
+
+class LocalRankError(RuntimeError):
+    """A rank of a ``LocalGroup.run`` failed or did not finish in time."""
+
+
+def program_cap(device: torch.device, world: int, slots: int, num_warps: int = 4,
+                regs_per_thread: int = ASSUMED_REGS) -> int:
+    """Programs per signalling launch so that ``world`` ranks x ``slots`` in flight are
+    all resident at once: SMs x blocks per SM // (world x slots).
+
+    Blocks per SM: ``PROGRAMS_PER_SM`` (1), and never more than threads (``num_warps``
+    x 32 per program) and registers (``regs_per_thread``, 255 unless known) allow;
+    ``residency`` reports the kernels' real counts after warm-up. On CPU: 4."""
+    if device.type != "cuda":
+        return CPU_PROGRAMS
+    props = torch.cuda.get_device_properties(device)
+    threads = WARP * num_warps
+    by_threads = props.max_threads_per_multi_processor // threads
+    regs_per_warp = -(-regs_per_thread * WARP // 256) * 256  # allocation unit: 256 per warp
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    by_regs = regs_sm // (regs_per_warp * num_warps)
+    per_sm = max(1, min(by_threads, by_regs, 32, PROGRAMS_PER_SM))
+    return max(1, props.multi_processor_count * per_sm // (world * slots))
+
+
+# ---- warm-up: compile and load every kernel, launch nothing ------------------------------
+_tls = threading.local()
+_record_lock = threading.Lock()
+_patch_lock = threading.Lock()
+_loaded: dict[str, dict[str, int]] = {}  # kernel name/hash -> resources (for residency)
+
+
+def _install_compile_only() -> None:
+    """Wrap ``JITFunction.run`` once: inside ``compile_only()`` a launch compiles and
+    loads its kernel (``_init_handles``) and returns without launching."""
+    import triton.runtime.jit as jit
+
+    with _patch_lock:
+        if getattr(jit.JITFunction.run, "_dcpc_local", False):
+            return
+        original = jit.JITFunction.run
+
+        def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            if not getattr(_tls, "compile_only", False):
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            # ranks compile at once (each its own RANK variant; Triton releases the GIL in
+            # its passes and ptxas); a duplicate compile of one key is harmless
+            kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+            init = getattr(kernel, "_init_handles", None)
+            if init is not None:
+                init()
+                with _record_lock:
+                    _record(kernel)
+            return kernel
+
+        run._dcpc_local = True  # type: ignore[attr-defined]
+        jit.JITFunction.run = run  # type: ignore[method-assign]
+
+
+def _record(kernel: Any) -> None:
+    meta = getattr(kernel, "metadata", None)
+    regs = getattr(kernel, "n_regs", None)
+    if meta is None or regs is None:
+        return
+    _loaded[f"{kernel.name}:{str(getattr(kernel, 'hash', ''))[:8]}"] = {
+        "regs": int(regs), "spills": int(getattr(kernel, "n_spills", 0)),
+        "shared": int(getattr(meta, "shared", 0)), "num_warps": int(meta.num_warps)}
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[None]:
+    """In this thread, Triton launches compile and load their kernels but run nothing.
+
+    Run each call an engine will make (same sizes, same slots) once inside it, on every
+    rank, then ``rank.barrier()``: afterwards no JIT compile or module load can happen
+    while a peer's kernel spins. Torch ops inside still run (their results are garbage
+    only where they read a kernel's output)."""
+    _install_compile_only()
+    before = getattr(_tls, "compile_only", False)
+    _tls.compile_only = True
+    try:
+        yield
+    finally:
+        _tls.compile_only = before
+
+
+def residency(device: torch.device | None = None) -> dict[str, Any]:
+    """Per kernel loaded in warm-up: registers, shared memory, warps and how many of its
+    programs fit on one SM; with the SM count, what a cap could be given the real counts."""
+    out: dict[str, Any] = {"kernels": dict(_loaded)}
+    if device is None or device.type != "cuda":
+        return out
+    props = torch.cuda.get_device_properties(device)
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    per_sm = []
+    for info in _loaded.values():
+        warps = max(1, info["num_warps"])
+        regs_per_warp = -(-max(info["regs"], 1) * WARP // 256) * 256
+        fits = [props.max_threads_per_multi_processor // (WARP * warps),
+                regs_sm // (regs_per_warp * warps), 32]
+        if info["shared"]:
+            fits.append(smem_sm // info["shared"])
+        info["programs_per_sm"] = max(0, min(fits))
+        per_sm.append(info["programs_per_sm"])
+    out["sms"] = props.multi_processor_count
+    out["min_programs_per_sm"] = min(per_sm) if per_sm else None
+    return out
+
+
+# ---- the CPU interpreter, made usable from several threads -------------------------------
+def _install_interpreter_threads() -> None:
+    """Triton 3.6's interpreter is not thread-safe (see the module doc); patch it once."""
+    from triton.runtime import interpreter
+
+    with _patch_lock:
+        if getattr(interpreter, "_dcpc_threads", False):
+            return
+        state = threading.local()
+
+        def getter(name: str, default: Any) -> property:
+            return property(lambda self: getattr(state, name, default),
+                            lambda self, value: setattr(state, name, value))
+
+        builder = type(interpreter.interpreter_builder)
+        builder.grid_idx = getter("grid_idx", None)  # type: ignore[attr-defined]
+        builder.grid_dim = getter("grid_dim", (1, 1, 1))  # type: ignore[attr-defined]
+        original = interpreter._patch_lang
+        kept: dict[tuple[int, ...], Any] = {}
+        patch_lock = threading.Lock()
+
+        class _Kept:
+            def restore(self) -> None:
+                """The interpreted language stays patched: another thread may be inside."""
+
+        def patch_once(fn: Any) -> Any:
+            key = tuple(sorted(id(v) for v in fn.__globals__.values()
+                               if v is interpreter.tl or v is interpreter.tl.core))
+            with patch_lock:
+                if key not in kept:
+                    kept[key] = original(fn)
+            return _Kept()
+
+        interpreter._patch_lang = patch_once
+        interpreter._dcpc_threads = True  # type: ignore[attr-defined]
+
+
+# ---- the group, its ranks, their heap -----------------------------------------------------
+class LocalGroup:
+    """W ranks in this process (threads) on one device: what ``group=`` is for ``local``."""
+
+    def __init__(self, world: int, device: str | torch.device | None = None,
+                 *, timeout_s: float = 300.0):
+        if world < 1:
+            raise ValueError(f"LocalGroup: world must be >= 1, got {world}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.world, self.timeout_s = world, timeout_s
+        if self.device.type == "cuda":
+            if not torch.cuda.is_initialized():
+                os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+                # more streams than hardware queues: a kernel queued behind a peer's
+                # spinning kernel in a shared queue would never start (W ranks x slots)
+                os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+            self.module_loading = os.environ.get("CUDA_MODULE_LOADING", "LAZY (default)")
+        else:
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError("LocalGroup on CPU runs the Triton interpreter: set "
+                                   "TRITON_INTERPRET=1 before triton is imported")
+            _install_interpreter_threads()
+            self.module_loading = "n/a (cpu)"
+        self._barrier = threading.Barrier(world, timeout=timeout_s)
+        self._capture_lock = threading.Lock()
+        self._bases: list[int] = [0] * world
+        self._keep: list[torch.Tensor] = []  # every heap's memory, for the group's life
+        self.ranks = [LocalRank(self, r) for r in range(world)]
+
+    def barrier(self) -> None:
+        """Every rank's thread arrives (no device sync: see ``LocalRank.barrier``)."""
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise LocalRankError("a peer rank failed or timed out; the group is broken") \
+                from None
+
+    def _make_streams(self) -> None:
+        """Distinct streams for every rank, made together, once. torch hands out streams
+        round robin from a pool of 32: a stream made later in a rank's thread may be a
+        peer's, and a rank's kernel queued behind a peer's spinning one never starts."""
+        if self.ranks[0].stream is not None:
+            return
+        need = self.world * (1 + EXTRA_STREAMS)
+        if need > STREAM_POOL:
+            raise ValueError(f"LocalGroup on CUDA: {self.world} ranks need {need} distinct "
+                             f"streams, torch's pool has {STREAM_POOL} (W <= "
+                             f"{STREAM_POOL // (1 + EXTRA_STREAMS)})")
+        with torch.cuda.device(self.device):
+            for rank in self.ranks:
+                rank.stream = torch.cuda.Stream(self.device)
+            for rank in self.ranks:
+                rank.extra_streams = [torch.cuda.Stream(self.device)
+                                      for _ in range(EXTRA_STREAMS)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None
+            ) -> list[Any]:
+        """``fn(rank, *args)`` in one thread per rank, each on its own CUDA stream; the
+        ranks' return values. A failing rank breaks the group's barrier so that the
+        others stop too; a rank not done after ``timeout_s`` raises ``LocalRankError``
+        (its thread is left behind: a kernel spinning on the device cannot be stopped)."""
+        results: list[Any] = [None] * self.world
+        errors: dict[int, str] = {}
+        order: list[int] = []
+        lock = threading.Lock()
+
+        if self.device.type == "cuda":
+            self._make_streams()
+
+        def body(rank: LocalRank) -> None:
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                    with torch.cuda.stream(rank.stream):
+                        results[rank.rank] = fn(rank, *args)
+                else:
+                    results[rank.rank] = fn(rank, *args)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                with lock:  # the first failure is the cause; peers then see a broken group
+                    errors.setdefault(rank.rank, "".join(
+                        traceback.format_exception(exc))[-3000:])
+                    order.append(rank.rank)
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True,
+                                    name=f"dcpc-local-rank{r.rank}") for r in self.ranks]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, t in enumerate(threads) if t.is_alive()]
+        stacks = ""
+        if hung:  # where each hung rank is: a kernel launch, a sync, a barrier
+            frames = sys._current_frames()
+            for r in hung:
+                frame = frames.get(threads[r].ident or -1)
+                where = "".join(traceback.format_stack(frame)[-4:]) if frame else "?\n"
+                stacks += f"rank {r} is at:\n{where}"
+        if hung or errors:
+            first = order[0] if order else None
+            raise LocalRankError(
+                (f"ranks {hung} did not finish within {timeout_s or self.timeout_s:.0f} s "
+                 f"(a wait on a peer that never signalled, or kernels not co-resident);\n"
+                 f"{stacks}" if hung else "")
+                + (f"rank {first} failed:\n{errors[first]}" if first is not None else ""))
+        if self._barrier.broken:
+            self._barrier.reset()
+        return results
+
+
+@dataclass
+class LocalRank:
+    """One rank of a ``LocalGroup``: pass it as ``group=`` to a generated module."""
+
+    group: LocalGroup
+    rank: int
+    stream: Any = None  # its CUDA stream, set by LocalGroup.run
+    # more streams of its own (a second DBO slot, a warm-up side stream): never make one
+    # with torch.cuda.Stream() in a rank's thread (see LocalGroup._make_streams)
+    extra_streams: list[Any] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    def barrier(self) -> None:
+        """This rank's queued work is done (its stream), then every rank arrives."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.group.barrier()
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any, stream: Any = None) -> Iterator[None]:
+        """Collective: capture ``graph`` on this rank, one rank after another.
+
+        Every rank is idle first (capture synchronises the device on entry, which would
+        wait for a peer's spinning kernel) and waits after, so no replay starts while
+        a peer still captures."""
+        self.barrier()
+        with self.group._capture_lock:
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                yield
+        self.barrier()
+
+
+class LocalThreadHeap:
+    """The symmetric heap of one rank of a ``LocalGroup``: one allocation per rank on the
+    shared device, every peer's address in the pointer tables."""
+
+    def __init__(self, rank: LocalRank, device: torch.device, poison: bool = False):
+        if torch.device(device).type != rank.device.type:
+            raise ValueError(f"local heap: module device {device} is not the group's "
+                             f"{rank.device}")
+        self._rank, self.rank, self.world = rank, rank.rank, rank.world
+        self.device, self.poison = torch.device(device), poison
+        self._allocated = False
+
+    def allocate(self, nbytes: list[int]) -> list[SymmetricBuffer]:
+        if self._allocated:
+            raise RuntimeError("allocate() is called once per heap")
+        self._allocated = True
+        group = self._rank.group
+        offsets, total = aligned_offsets(nbytes)
+        storage = torch.empty(total + ALIGN, dtype=torch.uint8, device=self.device)
+        shift = (-storage.data_ptr()) % ALIGN
+        base = storage[shift : shift + total]
+        if self.poison:
+            poison_(base)
+        else:
+            base.zero_()
+        self.barrier()  # the previous allocation's tables are built by every rank
+        group._bases[self.rank] = base.data_ptr()
+        group._keep.append(storage)
+        self.barrier()
+        bases = list(group._bases)
+        out: list[SymmetricBuffer] = [
+            Segment(base[off : off + n],
+                    torch.tensor([b + off for b in bases], dtype=torch.int64,
+                                 device=self.device))
+            for off, n in zip(offsets, nbytes, strict=True)]
+        self.barrier()
+        return out
+
+    def barrier(self) -> None:
+        self._rank.barrier()
+
+    def close(self) -> None:
+        """Nothing to release: the group keeps every rank's memory (a peer may still
+        store into it)."""
