@@ -36,12 +36,11 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_common import Ctx, barrier, bench  # noqa: E402
-from gpu_kernels import SymmScratch, signal_floor_kernel  # noqa: E402
-from gpu_modules import load_class  # noqa: E402
+from benchmarks.support.baselines import SymmScratch, signal_floor_kernel  # noqa: E402
+from benchmarks.support.context import Ctx, barrier, bench  # noqa: E402
+from benchmarks.support.modules import load_class  # noqa: E402
 
 K = 576
 PUSH_LOOP = "        for k in range(WORLD):\n            peer = (RANK + k) % WORLD\n"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: correctness, CUDA graphs, DBO and benchmarks of the generated modules.
-#   bash benchmarks/run_gpu.sh [--quick] [--only correctness,graphs,dbo,bench] [gpu.py args]
+#   bash benchmarks/run_gpu.sh [--quick] [--only correctness,graphs,dbo,bench] [multi_gpu.py args]
 # Env: NPROC (GPUs, default 2), PY (default python3), MODULES (pre-compiled modules carried
 # to the device, default build/generated), OUT (results; default benchmarks/results),
 # HARD_TIMEOUT (seconds, default 570). CPU rehearsal:
@@ -36,7 +36,7 @@ fi
 ls "$MODULES" 2>/dev/null | sed 's/^/  module: /'
 
 timeout -k 15 "$HARD_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-  benchmarks/gpu.py --modules "$MODULES" "$@"
+  -m benchmarks.multi_gpu --modules "$MODULES" "$@"
 rc=$?
 echo "run_gpu.sh: exit $rc; results:"; ls -l "${OUT:-benchmarks/results}" 2>/dev/null
 exit $rc

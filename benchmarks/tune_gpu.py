@@ -23,11 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_common import Ctx, barrier, bench, go  # noqa: E402
-from gpu_modules import load_class  # noqa: E402
+from benchmarks.support.context import Ctx, barrier, bench, go  # noqa: E402
+from benchmarks.support.modules import load_class  # noqa: E402
 
 D, DV = 576, 512
 

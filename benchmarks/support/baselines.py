@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from gpu_ref import DV, D
+
+from benchmarks.support.reference import DV, D
 
 
 @triton.jit

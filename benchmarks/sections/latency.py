@@ -1,7 +1,7 @@
 """Benchmark section: generated steps vs NCCL baselines, the signal floor, KV-gather bandwidth.
 
 Latency: median microseconds per call over CUDA-graph replays of ``iters`` calls, max over
-ranks (gpu_common.bench). KV bandwidth: bytes RECEIVED per rank per call, (W-1) * N * 576
+ranks (support.context.bench). KV bandwidth: bytes RECEIVED per rank per call, (W-1) * N * 576
 * 2, divided by the time per call; the peer copy is measured the same way (every rank
 copies the same bytes into every peer's symmetric buffer at once, copy engine).
 """
@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_common import Ctx, GpuStuck, barrier, bench, go
-from gpu_kernels import SymmScratch, nccl_a2a_fused, nccl_agrs_fused, nccl_gather
-from gpu_modules import Registry, run_steps, step_caller
-from gpu_ref import KV_K, case_inputs, make_case, plain_layout
+
+from benchmarks.support.baselines import SymmScratch, nccl_a2a_fused, nccl_agrs_fused, nccl_gather
+from benchmarks.support.context import Ctx, GpuStuck, barrier, bench, go, warm
+from benchmarks.support.modules import Registry, run_steps, step_caller
+from benchmarks.support.reference import KV_K, case_inputs, make_case, plain_layout
 
 PEER_COPY_BYTES = 128 * 2**20  # 134 MB, as in shared/design/device.md
 # method -> (schedule, steps timed together)
@@ -62,7 +63,7 @@ def bench_all(ctx: Ctx, reg: Registry, heads: list[int], tokens: list[int], iter
               reps: int, kv_mbs: list[int], backend: str = "symm_mem") -> None:
     """Floor and peer copy, then every (H, T): generated methods and baselines; then KV."""
     scratch = None
-    if ctx.cuda:
+    if ctx.cuda and ctx.comm is None:  # symmetric memory: one GPU per rank
         try:
             scratch = SymmScratch(ctx.rank, ctx.world, ctx.device, PEER_COPY_BYTES)
             floor = _record(ctx, "signal_floor", None, None, scratch.floor_fn(), iters, reps)
@@ -114,6 +115,7 @@ def _bench_config(ctx: Ctx, reg: Registry, H: int, T: int, iters: int, reps: int
         try:
             inst = reg.get(schedule, H, backend)
             if schedule not in envs:  # one eager run binds T and yields every buffer
+                warm(ctx, lambda: run_steps(inst, schedule, inputs))  # noqa: B023
                 envs[schedule] = run_steps(inst, schedule, inputs)
                 barrier(ctx)
             callers = [step_caller(inst, schedule, s, envs[schedule], slot=0) for s in steps]
@@ -124,6 +126,8 @@ def _bench_config(ctx: Ctx, reg: Registry, H: int, T: int, iters: int, reps: int
             barrier(ctx)
             continue
         _record(ctx, method, H, T, _chain(callers), iters, reps, kind="generated")
+    if ctx.comm is not None:  # NCCL cannot put several ranks on one GPU
+        return
     o, lse = inputs["o_part"], inputs["lse_part"]
     sl, qsl = inputs["seq_lens"], inputs["query_start_loc"]
     baselines = {
@@ -156,6 +160,7 @@ def _bench_kv(ctx: Ctx, reg: Registry, kv_mbs: list[int], scratch: SymmScratch |
         try:
             inst = reg.get("kv_gather", None, backend)
             kv_local = torch.randn(rows, KV_K, device=ctx.device).to(torch.bfloat16)
+            warm(ctx, lambda: run_steps(inst, "kv_gather", {"kv_local": kv_local}))  # noqa: B023
             env = run_steps(inst, "kv_gather", {"kv_local": kv_local})
             barrier(ctx)
             gather = step_caller(inst, "kv_gather", "kv_gather", env)

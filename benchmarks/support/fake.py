@@ -1,7 +1,7 @@
 """Stand-ins for the generated modules, for ``gpu.py --dry-run --fake`` before codegen exists.
 
 One class serves every schedule: each step is plain torch.distributed collectives plus the
-float64 reference math of gpu_ref (rounded as the real outputs are). It exercises the
+float64 reference math of support.reference (rounded as the real outputs are). It exercises the
 benchmark's flow (binding by name, checks, tables), not the compiler.
 """
 
@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_ref import DV, clean_lse, merge_ref, valid_mask
+
+from benchmarks.support.reference import DV, clean_lse, merge_ref, valid_mask
 
 
 class FakeModule:

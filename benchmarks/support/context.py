@@ -38,6 +38,7 @@ class Ctx:
     deadline: float  # time.monotonic() value at which the run must stop
     quick: bool = False
     dry_run: bool = False
+    comm: Any = None  # one-GPU runs: the dcpc.runtime.local.LocalRank of this thread
     t0: float = field(default_factory=time.monotonic)
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -89,14 +90,33 @@ def sync(ctx: Ctx, timeout: float = 60.0, streams: list[Any] | None = None) -> N
 def barrier(ctx: Ctx) -> None:
     """A group barrier after the device is idle (so no rank races ahead into peers' buffers)."""
     sync(ctx)
-    if ctx.cuda:
+    if ctx.comm is not None:
+        ctx.comm.group.barrier()
+    elif ctx.cuda:
         dist.barrier(device_ids=[ctx.device.index])
     else:
         dist.barrier()
 
 
+def all_gather_objects(ctx: Ctx, value: Any) -> list[Any]:
+    """Every rank's ``value`` (host objects), in rank order."""
+    if ctx.comm is None:
+        out: list[Any] = [None] * ctx.world
+        dist.all_gather_object(out, value)
+        return out
+    group = ctx.comm.group
+    box = group.__dict__.setdefault("_bench_exchange", [None] * ctx.world)
+    box[ctx.rank] = value
+    group.barrier()
+    out = list(box)
+    group.barrier()  # nobody overwrites the box before every rank has read it
+    return out
+
+
 def all_max(ctx: Ctx, value: float) -> float:
     """The maximum of a float over all ranks."""
+    if ctx.comm is not None:
+        return max(all_gather_objects(ctx, float(value)))
     t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
@@ -104,16 +124,49 @@ def all_max(ctx: Ctx, value: float) -> float:
 
 def all_sum(ctx: Ctx, value: float) -> float:
     """The sum of a float over all ranks."""
+    if ctx.comm is not None:
+        return sum(all_gather_objects(ctx, float(value)))
     t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return float(t.item())
+
+
+def warm(ctx: Ctx, fn: Callable[[], object]) -> None:
+    """One-GPU runs: run ``fn`` with Triton launches compiling and loading only, then a
+    barrier, so that no rank JIT-compiles or loads a module while a peer's kernel spins
+    (dcpc.runtime.local). Elsewhere nothing."""
+    if ctx.comm is None:
+        return
+    from dcpc.runtime.local import compile_only
+
+    with compile_only():
+        fn()
+    barrier(ctx)
+
+
+def side_stream(ctx: Ctx, index: int = 0) -> Any:
+    """A stream for this rank's side work: one of the rank's own on one GPU (a new one
+    could be a peer's: dcpc.runtime.local), else a new one."""
+    if ctx.comm is not None:
+        return ctx.comm.extra_streams[index]
+    return torch.cuda.Stream()
+
+
+def capture(ctx: Ctx, graph: Any) -> Any:
+    """The capture context: one rank after another on one GPU, else torch's own."""
+    if ctx.comm is not None:
+        return ctx.comm.capture(graph)
+    return torch.cuda.graph(graph)
 
 
 def go(ctx: Ctx, reserve: float) -> bool:
     """Collective: True on every rank iff every rank has more than ``reserve`` seconds left.
 
     Deciding together keeps the ranks' collective calls matched when time runs out.
+    One-GPU runs give each W its own small budget: their reserve is at most 8 s.
     """
+    if ctx.comm is not None:
+        reserve = min(reserve, 8.0)
     return all_max(ctx, 0.0 if ctx.left() > reserve else 1.0) == 0.0
 
 
@@ -134,15 +187,16 @@ def bench(ctx: Ctx, fn: Callable[[], object], iters: int = 50, reps: int = 15) -
                 fn()
             times.append((time.perf_counter() - t0) * 1e6 / iters)
         return all_max(ctx, statistics.median(times))
-    side = torch.cuda.Stream()
+    side = side_stream(ctx)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
+        warm(ctx, fn)
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     barrier(ctx)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture(ctx, graph):
         for _ in range(iters):
             fn()
     try:
@@ -197,7 +251,7 @@ def metadata(ctx: Ctx, argv: list[str]) -> dict[str, Any]:
 
 def _git_commit() -> str:
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10)
         return out.stdout.strip() or "unknown"

@@ -41,7 +41,7 @@ def load_class(modules_dir: Path, schedule: str) -> type:
     path = Path(modules_dir) / f"{schedule}.py"
     if not path.exists():
         raise FileNotFoundError(f"no generated module {path}")
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     if repo not in sys.path:  # generated code does `from dcpc import runtime`
         sys.path.insert(0, repo)
     spec = importlib.util.spec_from_file_location(f"dcpc_generated_{schedule}", path)
@@ -60,7 +60,8 @@ def load_class(modules_dir: Path, schedule: str) -> type:
 
 
 def instantiate(cls: type, group: Any, sizes: dict[str, int], device: torch.device,
-                backend: str, programs: int | None = None) -> Any:
+                backend: str, programs: int | None = None,
+                extra: dict[str, Any] | None = None) -> Any:
     """Construct a module instance; retry with the schedule maxima if the sizes are refused."""
     tries = [sizes]
     if "H" in sizes:
@@ -70,7 +71,8 @@ def instantiate(cls: type, group: Any, sizes: dict[str, int], device: torch.devi
     errors = []
     for attempt in tries:
         try:
-            return cls(group, sizes=attempt, device=device, backend=backend, programs=programs)
+            return cls(group, sizes=attempt, device=device, backend=backend, programs=programs,
+                       **(extra or {}))
         except Exception as exc:  # noqa: BLE001 - retried, then reported together
             errors.append(f"sizes={attempt}: {type(exc).__name__}: {exc}")
     raise RuntimeError(f"cannot construct {cls.__name__}({backend}): " + " | ".join(errors))
@@ -143,9 +145,11 @@ class Registry:
     """Module classes (loaded once) and instances per (schedule, H, backend), built lazily."""
 
     def __init__(self, modules_dir: Path | None, group: Any, device: torch.device,
-                 fake: bool = False, programs: int | None = None) -> None:
+                 fake: bool = False, programs: int | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         self.modules_dir = modules_dir
         self.programs = programs  # None: the modules' defaults
+        self.extra = extra  # more constructor keywords (e.g. guard=False)
         self.group = group
         self.device = device
         self.fake = fake
@@ -156,7 +160,7 @@ class Registry:
         """The schedule's class (the fake stand-in with ``fake``)."""
         if schedule not in self.classes:
             if self.fake:
-                from gpu_fake import FakeModule
+                from benchmarks.support.fake import FakeModule
 
                 self.classes[schedule] = FakeModule
             else:
@@ -171,7 +175,8 @@ class Registry:
         if key not in self.instances:
             sizes = {} if H is None else {"H": H}
             self.instances[key] = instantiate(self.cls(schedule), self.group, sizes,
-                                              self.device, backend, self.programs)
+                                              self.device, backend, self.programs,
+                                              self.extra)
         return self.instances[key]
 
     def close_all(self) -> None:

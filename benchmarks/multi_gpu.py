@@ -1,6 +1,6 @@
 """dcpc on GPUs in one call: correctness, CUDA-graph replays, DBO, benchmarks vs NCCL.
 
-    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu.py \\
+    python3 -m torch.distributed.run --nproc-per-node 2 -m benchmarks.multi_gpu \\
         --modules build/generated [--quick] [--only correctness,graphs,dbo,bench]
 
 (benchmarks/run_gpu.sh does this, with the multicast-off environment.) Results go to
@@ -27,11 +27,12 @@ from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpu_common import Ctx, GpuStuck, metadata, write_json  # noqa: E402
+
+from benchmarks.support.context import Ctx, GpuStuck, metadata, write_json  # noqa: E402
 
 SECTIONS = ("correctness", "graphs", "dbo", "bench", "dbo_crossed")
 REPO = Path(__file__).resolve().parent.parent
@@ -109,12 +110,12 @@ def save(ctx: Ctx, final: bool = False) -> None:
     if ctx.rank != 0:
         return
     try:
-        from gpu_report import render, staging_gain, targets
+        from benchmarks.report.tables import render, staging_gain, targets
 
         ctx.results["targets"] = targets(ctx.results)
         ctx.results["staging_gain"] = staging_gain(ctx.results)
         if final:
-            from plot import make_plot
+            from benchmarks.report.plot import make_plot
 
             why = make_plot(ctx.results, ctx.out_dir / "gpu_latency.png")
             ctx.results["plot"] = why or "gpu_latency.png"
@@ -242,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     save(ctx)
     watchdog(ctx, grace=30.0)
 
-    from gpu_bench import bench_all
-    from gpu_checks import correctness, dbo, graphs
-    from gpu_modules import Registry
+    from benchmarks.sections.correctness import correctness
+    from benchmarks.sections.dbo import dbo
+    from benchmarks.sections.graphs import graphs
+    from benchmarks.sections.latency import bench_all
+    from benchmarks.support.modules import Registry
 
     reg = Registry(None if args.fake else args.modules, dist.group.WORLD, device,
                    fake=args.fake, programs=args.programs)
