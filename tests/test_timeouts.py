@@ -1,0 +1,44 @@
+"""Waits bounded in seconds, reaching ``dcpc run`` (issue 13, item 8): the flag reaches
+the modules, and a rank the launcher must kill is reported with what it was doing while
+its survivor reports the timeout by step, peer and epoch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+KIMI = str(ROOT / "schedules" / "kimi_k3_dcp.yaml")
+
+pytestmark = pytest.mark.liveness
+
+
+def test_dcpc_run_wait_timeout_reaches_the_module() -> None:
+    """A 1 ms wait cannot survive the interpreter: a timeout, reported with its bound."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dcpc", "run", KIMI, "--world", "2", "--calls", "3",
+         "--wait-timeout", "0.001", "--jitter-ms", "50"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    text = done.stdout + done.stderr
+    assert done.returncode == 1, text
+    assert "timed out waiting for peer" in text and "(waited 0.001 s, timeout_s)" in text, text
+    assert "Traceback" not in text, text
+
+
+def test_a_stalled_rank_is_reported_with_what_it_was_doing() -> None:
+    fault = {"rank": 1, "call": 1, "step": "out_exchange", "kind": "sleep"}
+    report = run_schedule(RunConfig(schedule=KIMI, world=2, backend="host", calls=3, seed=2,
+                                    wait_timeout_s=2.0, fault=fault, grace_s=5))
+    text = format_report(report)
+    survivor, stalled = report.launch.outcomes
+    assert survivor.status == "error", text
+    assert ("DcpcTimeoutError: step 'out_exchange': rank 0 timed out waiting for peer 1 to "
+            "signal epoch 1 (waited 2 s, timeout_s)") in survivor.error, text
+    assert stalled.status == "hung", text
+    assert "killed while in call 1 (slot 0): method out_exchange()" in stalled.error, text
+    assert survivor.reported_s is not None and survivor.reported_s < 60, text
