@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--worlds", type=_ints, default=[2, 4, 8])
     ap.add_argument("--heads", type=_ints, default=[64, 96, 128])
     ap.add_argument("--tokens", type=_ints, default=[1, 8, 64, 512])
+    ap.add_argument("--latency-heads", type=_ints, default=[64, 128])
     ap.add_argument("--replays", type=int, default=1000)
     ap.add_argument("--dbo-iters", type=int, default=100)
     ap.add_argument("--iters", type=int, default=20, help="calls per timed graph")
@@ -133,7 +134,8 @@ def run_world(args: argparse.Namespace, W: int, results: dict[str, Any], deadlin
 
         section("correctness", lambda: correctness(ctx, reg, heads, args.tokens, ["local"]))
         section("graphs", lambda: graphs(ctx, reg, graph_cfg, args.replays, "local"))
-        section("latency", lambda: bench_all(ctx, reg, heads, args.tokens, args.iters,
+        lat_heads = [h for h in args.latency_heads if h % W == 0]
+        section("latency", lambda: bench_all(ctx, reg, lat_heads, args.tokens, args.iters,
                                              args.reps, [1, 16], "local"))
         def guard_cost() -> None:  # the run-time guard off: the same benchmarks
             saved = ctx.results.pop("latency", [])
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     # phase 1: correctness, graphs, latency at every W; phase 2: DBO at every W (last: a
     # hang there would end the run, and spinning kernels would spoil what came after)
     phases = [(only - {"dbo", "host"}, 0.8), (only & {"dbo"}, 1.0)]
-    weight = {W: W + 2 for W in args.worlds}
+    weight = {W: W + 4 for W in args.worlds}
     for wanted, until in phases:
         if not wanted or "status" in results:
             continue
