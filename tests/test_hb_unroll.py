@@ -58,3 +58,45 @@ def test_shared_buffers_need_partners_up_to_slots_away() -> None:
     schedule = parse_text(text.replace("slots: 2", "slots: 3"))
     assert _found(schedule, [2], calls=1) == {}
     assert _found(schedule, [2]) == _found(schedule, [2], calls=12) != {}
+
+
+# --- the world bound: past it, one W stands for every larger one ---------------------
+
+def _every(schedule, worlds) -> dict:
+    return {f.key: f.world for f in hb.check(schedule, worlds, hints=False,
+                                             every_world=True).findings}
+
+
+RINGS = sorted((ROOT / "tests" / "sync_regressions").glob("*.yaml")) + [
+    ROOT / "tests" / "hb_corpus" / "ring_release_w3.yaml"]
+
+
+@pytest.mark.parametrize("path", FILES + RINGS, ids=lambda p: p.name)
+def test_the_world_bound_finds_what_every_w_finds_on_the_corpus(path: Path) -> None:
+    schedule = parse_file(path)
+    report = hb.check(schedule, range(2, 61), hints=False)
+    assert report.stats["worlds_analysed"] < 59 or report.stats["world_bound"] >= 58
+    assert {f.key: f.world for f in report.findings} == _every(schedule, range(2, 61))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_the_world_bound_finds_what_every_w_finds_on_random_schedules(
+        data: st.DataObject) -> None:
+    schedule = parse_text(random_schedule_text(data.draw, st))
+    worlds = range(2, 48)
+    assert {f.key: f.world for f in hb.check(schedule, worlds, hints=False).findings} == \
+        _every(schedule, worlds)
+
+
+def test_the_world_bound_is_not_slack_for_rings() -> None:
+    """A ring release of h hops races first at W = h + 2: every W up to the bound is
+    needed, and the bound grows with the hops."""
+    text = (ROOT / "tests" / "sync_regressions" / "ring_two_hops.yaml").read_text()
+    hops = "".join(f"  - hop{k}_signal: {{op: signal, to: next, channel: ring}}\n"
+                   f"  - hop{k}_wait:   {{op: wait, from: prev, channel: ring}}\n"
+                   for k in range(3, 7))
+    schedule = parse_text(text + hops)  # six hops: clean up to W = 7
+    report = hb.check(schedule, range(2, 200), hints=False)
+    assert [(f.kind, f.world) for f in report.findings] == [("race", 8)]
+    assert report.stats["world_bound"] >= 2 * 6 * 2 + 3

@@ -435,3 +435,20 @@ def test_bad_worlds_are_a_diagnostic() -> None:
     found = check(parse_text(TINY, "t.yaml"), [0, 2])
     assert [d.code for d in found] == ["bad-world"]
     assert found[0].mark.line == 0
+
+
+def test_a_schedule_past_the_limits_is_refused_at_once() -> None:
+    from dcpc.check.structural import MAX_ACCESSES, MAX_STEPS
+
+    head = ("schedule: big\nsizes: {N: 4, K: {multiple_of: W}}\nbuffers:\n"
+            "  x: {shape: [N, K], dtype: f32}\n"
+            "  g: {shape: [W*N, K], dtype: f32, symmetric: true}\nsteps:\n"
+            "  - gather: {op: all_gather, src: x, dst: g, dim: 0}\n")
+    many = head + "".join(f"  - use{i}: {{op: external, reads: [g]}}\n"
+                          for i in range(MAX_STEPS))
+    (found,) = diags(many)
+    assert found.code == "schedule-too-large" and f"{MAX_STEPS + 1} steps" in found.message
+    wide = head + "  - use: {op: external, reads: [" + ", ".join(["g"] * MAX_ACCESSES) + "]}\n"
+    (found,) = diags(wide)
+    assert found.code == "schedule-too-large" and str(MAX_ACCESSES + 2) in found.message
+    assert diags(head + "  - use: {op: external, reads: [g]}\n") == []

@@ -20,6 +20,7 @@ from dcpc.check.ops import check_ops
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.model import Schedule
+from dcpc.lang.semantics import table
 from dcpc.lang.sizes import Samples, size_table, world_diagnostics
 
 DEFAULT_WORLDS = tuple(range(2, 9))
@@ -36,9 +37,12 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     if bad:
         return [Diagnostic(Mark(schedule.source_file, 0, 0), "bad-world",
                            f"group sizes must be positive integers, not {bad[0]!r}")]
+    too_large = check_limits(schedule)
+    if too_large:
+        return too_large
     table = size_table(schedule)
     found = table.diagnostics + world_diagnostics(schedule, table, worlds)
-    samples = Samples(table, worlds)
+    samples = Samples(table, sampled_worlds(worlds))
     ctx = Context(schedule, table, samples, schedule.step_list(), out=found)
     check_names(ctx)
     check_references(ctx)
@@ -49,6 +53,46 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     check_channels(ctx)
     unique = {(d.mark, d.code, d.message): d for d in ctx.out}
     return sorted(unique.values(), key=lambda d: (d.mark, d.code))
+
+
+MAX_STEPS = 256
+MAX_ACCESSES = 20_000
+
+
+def check_limits(schedule: Schedule) -> list[Diagnostic]:
+    """A schedule past these limits is refused at once: checking it would take minutes
+    (docs/language.md, "Limits"); within them `dcpc check` takes seconds."""
+    steps = schedule.step_list()
+    if len(steps) > MAX_STEPS:
+        return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
+                           f"the schedule has {len(steps)} steps, above the limit of "
+                           f"{MAX_STEPS}", hint="split it into several schedules")]
+    accesses = sum(len(sem.effects) for sem in table(schedule))
+    if accesses > MAX_ACCESSES:
+        return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
+                           f"the steps name buffers {accesses} times in all, above the limit "
+                           f"of {MAX_ACCESSES}", hint="split it into several schedules")]
+    return []
+
+
+# Shapes are checked on sampled bindings at every W up to this one (a rack: NVL72)...
+EVERY_WORLD_UP_TO = 72
+# ... and, above it, at this many group sizes of the range (its largest among them).
+WORLDS_ABOVE = 24
+
+
+def sampled_worlds(worlds: list[int]) -> list[int]:
+    """The group sizes the sampled shape checks bind: every W up to 72, then powers
+    of two, the largest W and an even spread of the rest (shape questions are
+    decided on samples; races and deadlocks are proved for every W, dcpc.check.hb)."""
+    low = [w for w in worlds if w <= EVERY_WORLD_UP_TO]
+    high = [w for w in worlds if w > EVERY_WORLD_UP_TO]
+    if len(high) <= WORLDS_ABOVE:
+        return low + high
+    picked = {high[-1]} | {w for w in high if w & (w - 1) == 0}
+    step = len(high) / max(1, WORLDS_ABOVE - len(picked))
+    picked |= {high[int(i * step)] for i in range(WORLDS_ABOVE - len(picked))}
+    return low + sorted(picked)
 
 
 def check_shapes(ctx: Context) -> None:

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 from dcpc.check.hb.clocks import analyze
 from dcpc.check.hb.deadlock import find_deadlocks
-from dcpc.check.hb.events import lower
+from dcpc.check.hb.events import Program, lower
 from dcpc.check.hb.hints import suggest
 from dcpc.check.hb.races import find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
-from dcpc.lang.model import Schedule
+from dcpc.lang.model import Peers, Schedule
 
 if TYPE_CHECKING:
     from dcpc.codegen.plan import Plan
@@ -25,6 +25,7 @@ def check(
     calls: int | None = None,
     hints: bool = True,
     plan: Plan | None = None,
+    every_world: bool = False,
 ) -> HbReport:
     """Prove the buffer/epoch ordering of ``schedule`` for every W in ``worlds``.
 
@@ -33,15 +34,19 @@ def check(
     fix proved by re-checking. ``calls`` overrides the unroll bound (default
     2*slots calls per rank, which is enough: see dcpc.check.hb). ``plan`` is the
     schedule's lowered plan (dcpc.codegen.lower), whose signal slots and effects are
-    what is analysed; it is lowered here when not given. Assumes a structurally
-    clean schedule (dcpc.check.structural runs first).
+    what is analysed; it is lowered here when not given. Past the world bound
+    (``world_bound``) one W stands for every larger one; ``every_world`` analyses each
+    W asked anyway (tests compare the two). Assumes a structurally clean schedule
+    (dcpc.check.structural runs first).
     """
     start = time.perf_counter()
     worlds = sorted({w for w in worlds if w >= 1})
     program = lower(schedule, plan)
+    bound = world_bound(program, calls)
+    analysed = worlds if every_world else representatives(worlds, bound)
     findings: dict[tuple[str, str, str, str, str], Finding] = {}
     events = 0
-    for w in worlds:
+    for w in analysed:
         world = analyze(program, w, calls)
         events += w * len(world.live)
         for dead in find_deadlocks(world):
@@ -61,7 +66,35 @@ def check(
         "calls": calls or program.default_calls(),
         "worlds": len(worlds),
         "world_range": [worlds[0], worlds[-1]] if worlds else [],
+        "world_bound": bound,
+        "worlds_analysed": len(analysed),
         "seconds": round(checked - start, 4),
         "hint_seconds": round(time.perf_counter() - checked, 4),
     }
     return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats)
+
+
+def world_bound(program: Program, calls: int | None = None) -> int:
+    """Every W above this bound has exactly the findings of the bound plus one.
+
+    Why: every peer pattern is a rank offset (``all``, ``next``, ``prev``), so by
+    rotation symmetry a finding is a relation between ranks at some offset d. A
+    happens-before chain moves by one rank per ``next``/``prev`` wait it passes and to
+    every rank at once through an ``all`` one; in the unroll window there are at most
+    K = (next/prev waits per call) x calls such hops. For W > 2K + 2 no chain wraps
+    around the ring, offsets |d| <= K relate ranks exactly as at any other such W,
+    and all larger offsets are alike (only ``all`` waits reach them), and exist; the
+    regions' overlap rules do not depend on W, and neither does wait matching once
+    ``next`` and ``prev`` differ (W >= 3). Below the bound every W is analysed.
+    tests/test_hb_unroll.py compares this with analysing every W.
+    """
+    per_call = sum(1 for e in program.events
+                   if e.wait is not None and e.wait[1] != Peers.all)
+    return max(8, 2 * per_call * (calls or program.default_calls()) + 3)
+
+
+def representatives(worlds: list[int], bound: int) -> list[int]:
+    """The group sizes to analyse: every one up to ``bound``, then the first and the
+    last above it (any one would do; the last keeps the largest W's stats)."""
+    above = [w for w in worlds if w > bound]
+    return [w for w in worlds if w <= bound] + sorted({above[0], above[-1]} if above else set())

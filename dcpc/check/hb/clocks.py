@@ -102,11 +102,16 @@ def _kahn(n: int, preds: dict[int, set[int]], blocked: set[int]) -> list[int]:
     return order
 
 
-def _join(clock: list[int], other: list[int], deltas: list[int], world: int, streams: int) -> None:
-    """clock = max(clock, max over d in deltas of ``other`` rotated by d), in place."""
+def _join(clock: list[int], other: list[int], deltas: list[int], world: int, streams: int,
+          only: int | None = None) -> None:
+    """clock = max(clock, max over d in deltas of ``other`` rotated by d), in place.
+
+    ``only``: the one stream whose entries ``other`` can have (per-slot streams never
+    order each other: every signal is waited for in its own call, so on its stream)."""
+    columns = range(streams) if only is None else (only,)
     if len(deltas) == world - 1 and world > 2:
         # every other rank: per stream, the largest entry not at the row itself
-        for s in range(streams):
+        for s in columns:
             column = other[s::streams]
             best = max(range(world), key=column.__getitem__)
             top = column[best]
@@ -118,11 +123,12 @@ def _join(clock: list[int], other: list[int], deltas: list[int], world: int, str
                     clock[i] = v
         return
     for d in deltas:
-        shift = d * streams
-        rolled = other[-shift:] + other[:-shift] if shift else other
-        for i, v in enumerate(rolled):
-            if v > clock[i]:
-                clock[i] = v
+        for s in columns:
+            for q in range(world):
+                v = other[((q - d) % world) * streams + s]
+                i = q * streams + s
+                if v > clock[i]:
+                    clock[i] = v
 
 
 def analyze(program: Program, world: int, calls: int | None = None) -> World:
@@ -147,6 +153,12 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
         if before >= 0 and not all(live[before * n: before * n + n]):
             continue
         stream = program.stream(call)
+        if program.per_slot and stream:
+            # a copy of stream 0's call; its clocks are only needed when a shared
+            # buffer lets other slots' accesses meet slot 0's (dcpc.check.hb.races)
+            _copy_slot0(program, world, clock, live, call, stream, order,
+                        clocks=any(program.shared.values()))
+            continue
         for j in order:
             pos = call * n + j
             live[pos] = True
@@ -161,7 +173,26 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
             for js, deltas in by_signal.items():
                 other = clock[call * n + js]
                 assert other is not None
-                _join(vc, other, deltas, world, streams)
+                _join(vc, other, deltas, world, streams, stream if program.per_slot else None)
             vc[stream] = program.stream_index(call, j) + 1
             clock[pos] = vc
     return World(program, world, calls, match, live, clock, unmatched, cycles)
+
+
+def _copy_slot0(program: Program, world: int, clock: list[list[int] | None], live: list[bool],
+                call: int, stream: int, order: list[int], clocks: bool) -> None:
+    """Call ``call`` of per-slot stream ``stream`` as a copy of the same round's call on
+    stream 0: per-slot streams are identical and never order each other, so it is live
+    where that call is, and its clock is stream 0's column moved to its own stream."""
+    n, streams = len(program.events), program.streams_per_rank
+    source = call - stream
+    zeros = [0] * (world * streams)
+    for j in order:
+        src = clock[source * n + j]
+        if src is None:
+            return
+        live[call * n + j] = True
+        if clocks:
+            vc = zeros.copy()
+            vc[stream::streams] = src[::streams]
+            clock[call * n + j] = vc

@@ -57,20 +57,35 @@ class RawRace:
 
 
 def _instances(world: World, buffer: str) -> list[tuple[int | None, list[int]]]:
-    """(slot or None, calls that touch the instance) for rank 0's instances of a buffer."""
+    """(slot or None, calls that touch the instance) for rank 0's instances of a buffer.
+
+    A per-slot instance is checked for slot 0 only: slot s's calls s and s + slots
+    relate exactly like calls 0 and slots (happens-before is invariant under shifting
+    every call by one on a single stream, and per-slot streams are copies that never
+    order each other), so every slot has the races of slot 0."""
     program, calls = world.program, range(world.calls)
     if program.shared[buffer]:
         return [(None, list(calls))]
-    return [(s, [c for c in calls if c % program.slots == s]) for s in range(program.slots)]
+    return [(0, [c for c in calls if c % program.slots == 0])]
 
 
-def _groups(world: World, buffer: str, calls: list[int]) -> list[tuple[int, int, Access]]:
+def _groups(world: World, touching: list[tuple[int, Access]],
+            calls: list[int]) -> list[tuple[int, int, Access]]:
+    """The live (call, event, access) groups of one instance; the same access twice in
+    one event is one group."""
     out = []
     for call in calls:
-        for j, event in enumerate(world.program.events):
-            if not world.live[world.pos(call, j)]:
-                continue
-            out.extend((call, j, a) for a in event.accesses if a.buffer == buffer)
+        base = call * world.n
+        out.extend((call, j, a) for j, a in touching if world.live[base + j])
+    return out
+
+
+def _touching(world: World) -> dict[str, list[tuple[int, Access]]]:
+    """Per tracked buffer, its (event, access) pairs, without repeats within an event."""
+    out: dict[str, list[tuple[int, Access]]] = {}
+    for j, event in enumerate(world.program.events):
+        for a in dict.fromkeys(event.accesses):
+            out.setdefault(a.buffer, []).append((j, a))
     return out
 
 
@@ -148,9 +163,10 @@ def classify(world: World, x: Touch, y: Touch) -> tuple[str, Touch, Touch]:
 def find_races(world: World) -> list[RawRace]:
     """One race per (class, buffer, step pair), the first found, for this W."""
     found: dict[tuple[str, str, str, str, str], RawRace] = {}
+    touching = _touching(world)
     for buffer in sorted(world.program.shared):
         for slot, calls in _instances(world, buffer):
-            groups = _groups(world, buffer, calls)
+            groups = _groups(world, touching.get(buffer, []), calls)
             for i, a in enumerate(groups):
                 for b in groups[i + 1:]:
                     if a[2].kind == "read" and b[2].kind == "read":
