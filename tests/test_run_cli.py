@@ -135,3 +135,52 @@ def test_a_synthetic_external_writes_symmetric_memory_the_module_reads() -> None
                                     world=2, calls=3, seed=2))
     _ok(report)
     assert report.outputs["full"].compared == 3 * 2
+
+
+# ---- item 13: the facts docs/engines.md states ---------------------------------------
+
+def test_a_generated_module_needs_none_of_the_compilers_dependencies(tmp_path: Path) -> None:
+    assert CliRunner().invoke(main, ["compile", KV, "-o", str(tmp_path), "--world", "2"]
+                              ).exit_code == 0
+    code = (
+        "import sys\n"
+        "for name in ('pydantic', 'networkx', 'jinja2', 'yaml', 'click'):\n"
+        "    sys.modules[name] = None  # an import of any of them now fails\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import kv_gather\n"
+        "print(sorted(m for m in sys.modules if m.startswith('dcpc.') and\n"
+        "             not m.startswith('dcpc.runtime')))\n")
+    done = dcpc(code=code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"  # nothing of the compiler was imported
+
+
+def test_the_cpu_interpreter_truncates_f32_to_bf16() -> None:
+    """docs/engines.md 1a: the host backend's kernels round toward zero, torch to nearest,
+    so the two agree within one bf16 step."""
+    code = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def to_bf16(x, y, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i).to(tl.bfloat16))
+
+x = torch.tensor([1 + 3 * 2**-9, -(1 + 3 * 2**-9), 1 + 2**-9 + 2**-12, 3.0], dtype=torch.float32)
+y = torch.empty(4, dtype=torch.bfloat16)
+to_bf16[(1,)](x, y, BLOCK=4)
+print(y.float().tolist(), x.to(torch.bfloat16).float().tolist())
+"""
+    done = dcpc(code=code, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr
+    interpreted, rounded = _two_lists(done.stdout)
+    assert interpreted == [1.0, -1.0, 1.0, 3.0]  # toward zero
+    assert rounded == [1.0078125, -1.0078125, 1.0, 3.0]  # to nearest
+    assert all(abs(a - b) <= 2**-7 * abs(b) for a, b in zip(interpreted, rounded, strict=True))
+
+
+def _two_lists(text: str) -> tuple[list[float], list[float]]:
+    import json
+
+    first, second = text.strip().split("] [")
+    return json.loads(first + "]"), json.loads("[" + second)
