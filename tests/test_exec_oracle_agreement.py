@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 import pytest
-from exec_oracle_agree import channel_names, disagreements
+from exec_oracle_agree import channel_names, compare, disagreements
 from exec_oracle_gen import schedule_text, valid_schedule
 
 from dcpc.check import hb, structural
@@ -174,3 +174,36 @@ def test_lockstep_reaches_what_every_interleaving_reaches_on_small_random_plans(
         if compared >= 60:
             break
     assert compared >= 60
+
+
+def test_the_agreement_test_catches_a_checker_that_unrolls_too_few_calls() -> None:
+    """Not vacuous: with one call fewer than its bound (2*slots - 1 per rank), the
+    checker misses races between calls that the runs reach."""
+    caught = 0
+    for seed in range(300):
+        _, schedule = valid_schedule(seed, WORLDS)
+        plan = lower(schedule, WORLDS)
+        names = channel_names(schedule)
+        for world in (2, 3):
+            short = hb.check(schedule, [world], hints=False, calls=2 * schedule.slots - 1)
+            caught += bool(compare(short.findings, explore(plan, world, channels=names)))
+    assert caught >= 10  # 22 of 600 today
+
+
+def test_the_agreement_test_catches_the_old_lowerings_polls_on_random_schedules() -> None:
+    """Issue 12's bug 1 at scale: where a channel has several signal steps, executing
+    the old lowering (every wait polling the channel's first signal) disagrees with
+    the checker's proof (races, or hangs) on many schedules."""
+    tried = caught = 0
+    for seed in range(200):
+        text, schedule = valid_schedule(seed, WORLDS)
+        signals = collections.Counter(s.op.channel for s in schedule.step_list()
+                                      if s.kind == "signal")
+        if not signals or max(signals.values()) < 2:
+            continue
+        plan = lower(schedule, WORLDS)
+        old = _old_polls(schedule, plan)
+        tried += 1
+        caught += any(compare(hb.check(schedule, [w], hints=False).findings, explore(old, w))
+                      for w in (2, 3, 4))
+    assert tried >= 40 and caught >= tried // 5, (tried, caught)  # 101 and 30 today
