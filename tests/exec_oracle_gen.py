@@ -169,15 +169,29 @@ def schedule_text(seed: int, max_steps: int = 7) -> str:
     return "\n".join(header[:start] + used + header[-1:]) + "\n" + body
 
 
+def load(text: str) -> object:
+    """The ``Schedule`` of a generated text, fast: libyaml and the pydantic model, as
+    dcpc.lang.parse does but without source marks (findings then point nowhere; the
+    agreement test compares kinds, buffers and steps). 3x faster than parse_text,
+    which the tests show gives an equal model."""
+    import yaml
+
+    from dcpc.lang import model
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    schedule = model.Schedule.model_validate(yaml.load(text, Loader=loader))
+    schedule.set_source("<generated>", "0" * 64)
+    return schedule
+
+
 def valid_schedule(seed: int, worlds: range = range(2, 6),
                    max_steps: int = 7) -> tuple[str, object]:
     """The first structurally valid draw from ``seed`` on (seeds seed, seed + 10**6, ...)."""
     from dcpc.check import structural
-    from dcpc.lang.parse import parse_text
 
     for attempt in range(50):
         text = schedule_text(seed + attempt * 10**6, max_steps)
-        schedule = parse_text(text)
+        schedule = load(text)
         if not [d for d in structural.check(schedule, worlds) if d.severity == "error"]:
             return text, schedule
     raise AssertionError(f"no valid schedule from seed {seed}")

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 from exec_oracle_agree import channel_names, compare, disagreements
-from exec_oracle_gen import schedule_text, valid_schedule
+from exec_oracle_gen import load, schedule_text, valid_schedule
 
 from dcpc.check import hb, structural
 from dcpc.check.oracle import explore, program
 from dcpc.codegen.lower import lower
 from dcpc.diagnostics import DiagnosticError
-from dcpc.lang.parse import parse_file
+from dcpc.lang.parse import parse_file, parse_text
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = sorted((ROOT / "tests" / "hb_corpus").glob("*.yaml"))
@@ -80,6 +80,12 @@ def test_the_random_schedules_cover_issue_12s_classes() -> None:
     for what, pattern in patterns.items():
         hits = sum(1 for t in texts if re.search(pattern, t))
         assert hits >= SEEDS // 25, (what, hits)
+
+
+def test_the_fast_loader_gives_the_parsers_model() -> None:
+    for seed in range(100):
+        text = schedule_text(seed)
+        assert load(text).model_dump() == parse_text(text).model_dump(), text
 
 
 def _corpus_ids(path: Path) -> str:
