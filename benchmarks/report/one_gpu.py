@@ -16,6 +16,10 @@ def _worst(recs: list[dict[str, Any]], buf: str) -> float:
     return max(errs) if errs else float("nan")
 
 
+def _first_line(text: str) -> str:
+    return str(text).strip().splitlines()[0] if str(text).strip() else ""
+
+
 def render(results: dict[str, Any]) -> str:
     meta = results.get("meta", {})
     out = ["# dcpc on ONE GPU: W ranks as threads (backend `local`)", "",
@@ -26,7 +30,8 @@ def render(results: dict[str, Any]) -> str:
            f"{meta.get('torch')}, triton {meta.get('triton')}, python {meta.get('python')}",
            f"- commit: {meta.get('commit')}; CUDA_MODULE_LOADING="
            f"{meta.get('cuda_module_loading')}; argv: {meta.get('argv')}",
-           f"- status: {results.get('status', 'running')}; {results.get('seconds', '?')} s", ""]
+           f"- status: {_first_line(results.get('status', 'running'))}; "
+           f"{results.get('seconds', '?')} s", ""]
     out += ["## Checks per W", "",
             "| W | correctness (rank records) | worst merge err vs float64 | graph replays "
             "(records ok, replays each) | DBO (records ok, iterations each) | errors |",
@@ -38,7 +43,7 @@ def render(results: dict[str, Any]) -> str:
         out.append(f"| {W} | {_count(r.get('correctness', []))} | "
                    f"{_worst(r.get('correctness', []), 'out'):.4f} | {_count(g)}, {reps} | "
                    f"{_count(d)}, {its} | {len(r.get('errors', []))}"
-                   + (f" ({r['error'][:120]})" if r.get("error") else "") + " |")
+                   + (f" ({_first_line(r['error'])[:120]})" if r.get("error") else "") + " |")
     out += ["", "Correctness: every decode schedule at every H x T of the run (H a multiple "
             "of W), random request layouts with empty shards, padding rows, NaN/inf garbage "
             "in masked partials; gathers and exchanges bit-exact, merges within bf16 "
@@ -113,5 +118,5 @@ def render(results: dict[str, Any]) -> str:
         out += ["", "## Errors (first 15)", ""]
         for W, e in errors[:15]:
             out.append(f"- W={W} r{e.get('rank')} {e.get('section')}/{e.get('item')}: "
-                       f"{e.get('error', '')[:300]}")
+                       f"{_first_line(e.get('error', ''))[:300]}")
     return "\n".join(out) + "\n"

@@ -1,8 +1,14 @@
-"""Plot latency vs T per method (log-log, one panel per H) from gpu_results.json.
+"""The latency plot of gpu_results.json: one panel per operation, dcpc paired with its
+anchor, the speed-up written at each point.
 
-    python benchmarks/plot.py benchmarks/results/gpu_results.json -o gpu_latency.png
+    python -m benchmarks.report.plot benchmarks/results/gpu_results.json -o gpu_latency.png
 
-Never raises from ``make_plot``: a missing matplotlib returns an explanation instead.
+Panels: query gather (direct_gather vs nccl_gather), exchange+merge (fused_combine vs
+nccl_a2a_fused), ag_rs (agrs_generated vs nccl_agrs_fused), KV gather (kv_gather+release
+vs the copy engine's peer copy). One colour per H (per panel, two lines of that colour:
+dcpc solid with circles, the anchor dashed with squares); the number at each dcpc point is
+anchor time / dcpc time (> 1: dcpc is faster). Never raises from ``make_plot``: a missing
+matplotlib returns an explanation instead.
 """
 
 from __future__ import annotations
@@ -10,20 +16,39 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-STYLE = {"generated": "-", "baseline": "--"}
+# (title, dcpc method, anchor method, anchor label)
+PANELS: list[tuple[str, str, str, str]] = [
+    ("query gather", "direct_gather", "nccl_gather", "NCCL all_gather + copy"),
+    ("exchange + merge", "fused_combine", "nccl_a2a_fused", "NCCL a2a + fused merge"),
+    ("ag_rs (LSE gather, correct, reduce-scatter)", "agrs_generated", "nccl_agrs_fused",
+     "NCCL ag_rs + fused correction"),
+]
+COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]  # blue, red, green, purple
 
 
-def series(results: dict[str, Any]) -> dict[int, dict[str, list[tuple[int, float]]]]:
-    """{H: {method: [(T, us), ...] sorted by T}} from the latency records."""
-    out: dict[int, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+def series(results: dict[str, Any], method: str) -> dict[int, list[tuple[int, float]]]:
+    """{H: [(T, us), ...] sorted by T} of one method."""
+    out: dict[int, list[tuple[int, float]]] = {}
     for r in results.get("latency", []):
-        if r.get("H") is not None and r.get("T") is not None and r.get("us"):
-            out[r["H"]][r["method"]].append((int(r["T"]), float(r["us"])))
-    return {h: {m: sorted(v) for m, v in ms.items()} for h, ms in out.items()}
+        if r.get("method") == method and r.get("H") is not None and r.get("us"):
+            out.setdefault(int(r["H"]), []).append((int(r["T"]), float(r["us"])))
+    return {h: sorted(v) for h, v in sorted(out.items())}
+
+
+def _pair(ax: Any, xs_a: list[tuple[int, float]], xs_b: list[tuple[int, float]],
+          colour: str, label_a: str, label_b: str, above: bool = False) -> None:
+    ax.plot(*zip(*xs_a, strict=True), "-o", color=colour, lw=2, ms=5, label=label_a)
+    ax.plot(*zip(*xs_b, strict=True), "--s", color=colour, lw=1.2, ms=4, alpha=0.75,
+            label=label_b)
+    anchor = dict(xs_b)
+    for x, us in xs_a:
+        if anchor.get(x):
+            ax.annotate(f"{anchor[x] / us:.2f}x", (x, us), textcoords="offset points",
+                        xytext=(9, 6) if above else (9, -13), ha="left", fontsize=8,
+                        color=colour, fontweight="bold")
 
 
 def make_plot(results: dict[str, Any], path: Path) -> str | None:
@@ -35,27 +60,47 @@ def make_plot(results: dict[str, Any], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except Exception as exc:  # noqa: BLE001 - plotting is optional
         return f"no plot: matplotlib unavailable ({exc})"
-    data = series(results)
-    if not data:
+    if not results.get("latency"):
         return "no plot: no latency records"
-    kinds = {r["method"]: r.get("kind", "") for r in results.get("latency", [])}
+    meta = results.get("meta", {})
     try:
-        fig, axes = plt.subplots(1, len(data), figsize=(6.5 * len(data), 5), squeeze=False)
-        for ax, H in zip(axes[0], sorted(data), strict=True):
-            for method, pts in sorted(data[H].items()):
-                ts, us = zip(*pts, strict=True)
-                ax.plot(ts, us, STYLE.get(kinds.get(method, ""), ":"), marker="o",
-                        label=method)
-            if results.get("floor_us"):
-                ax.axhline(results["floor_us"], color="grey", lw=0.8, label="signal floor")
+        fig, axes = plt.subplots(1, 4, figsize=(22, 5.5))
+        for ax, (title, mine, anchor, anchor_label) in zip(axes[:3], PANELS, strict=True):
+            ours, theirs = series(results, mine), series(results, anchor)
+            for i, H in enumerate(h for h in ours if h in theirs):
+                _pair(ax, ours[H], theirs[H], COLOURS[i % len(COLOURS)],
+                      f"dcpc {mine}, H={H}", f"{anchor_label}, H={H}", above=i % 2 == 1)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xlabel("T (tokens)")
-            ax.set_ylabel("us per call (median, max over ranks)")
-            world = results.get("meta", {}).get("world", "?")
-            ax.set_title(f"H = {H}, W = {world}")
+            ticks = sorted({t for pts in ours.values() for t, _ in pts})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_xlim(ticks[0] / 1.6, ticks[-1] * 2.2) if ticks else None
+            ax.set_xlabel("T (query rows per step)")
+            ax.set_title(title)
+        axes[0].set_ylabel("us per call (median of graph replays, max over ranks)")
+        kv = [r for r in results.get("kv", []) if r.get("kv_gather+release")
+              and r.get("peer_copy")]
+        ax = axes[3]
+        if kv:
+            mine_kv = [(r["mb_per_rank"], r["kv_gather+release"]["us"]) for r in kv]
+            copy_kv = [(r["mb_per_rank"], r["peer_copy"]["us"]) for r in kv]
+            _pair(ax, mine_kv, copy_kv, COLOURS[2], "dcpc kv_gather + release",
+                  "copy engine peer copy (no layout)")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ticks = [m for m, _ in mine_kv]
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_xlim(ticks[0] / 1.6, ticks[-1] * 2.2)
+        ax.set_xlabel("MB of KV per rank")
+        ax.set_title("KV gather (numbers: copy time / dcpc time)")
+        for ax in axes:
+            ax.margins(y=0.12)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7.5, loc="upper left")
+        fig.suptitle(
+            f"dcpc vs its anchor on {meta.get('device', '?')} x {meta.get('world', '?')} "
+            f"(commit {str(meta.get('commit', '?'))[:7]}, {str(meta.get('date', ''))[:10]}); "
+            "numbers at the dcpc points: anchor time / dcpc time", fontsize=11)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -43,12 +43,22 @@ def score(snaps: dict[str, torch.Tensor], refs: dict[str, Ref]) -> dict[str, Any
 
 def layout_table(T: int, B: int, W: int, n: int, seed: int, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """n random layouts of fixed B as device tables ([n, B], [n, B+1]): one upload."""
+    """n random layouts of fixed B as device tables ([n, B], [n, B+1]): one upload.
+
+    Rows start 16-byte aligned (each row padded to a multiple of 4 int32): Triton
+    specialises a pointer argument on 16-byte alignment, so rows of unpadded tables
+    would need a second compiled variant of the merge kernels part-way through a run,
+    and on one GPU a compile while peers spin hangs (seen in DBO on one H200)."""
     rnd = random.Random(seed)
     rows = [random_layout(rnd, T, B, W) for _ in range(n)]
-    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
-    qsl = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
-    return seq, qsl
+
+    def table(width: int, values: list[list[int]]) -> torch.Tensor:
+        padded = -(-width // 4) * 4
+        full = torch.tensor([v + [0] * (padded - width) for v in values], dtype=torch.int32,
+                            device=device)
+        return full[:, :width]
+
+    return table(B, [r[0] for r in rows]), table(B + 1, [r[1] for r in rows])
 
 
 def on_stream(stream: Any) -> Any:

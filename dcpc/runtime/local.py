@@ -53,8 +53,10 @@ STREAM_POOL = 32  # torch's streams per device and priority, handed out round ro
 EXTRA_STREAMS = 2  # per rank, besides its own: LocalRank.extra_streams
 CPU_PROGRAMS = 4  # the interpreter runs programs one after another: few is fastest
 ASSUMED_REGS = 255  # registers per thread assumed by program_cap (the hardware maximum)
-# Programs per SM that program_cap counts on. Measured on one H200 (2026-12-01): two slots
-# in flight at W = 2 with 2 programs per SM (66 per launch) hung in DBO; one per SM ran.
+# Programs per SM that program_cap counts on: 1, conservative. On one H200 the kernels'
+# resources allow 2 or more (out_exchange: 222 registers, 2 per SM; residency() reports
+# them); a DBO hang seen at 2 per SM is not told apart yet from a mid-run compile (see
+# compile_only), so 1 stays until two slots run clean at 2.
 PROGRAMS_PER_SM = 1
 WARP = 32
 
@@ -133,8 +135,11 @@ def compile_only() -> Iterator[None]:
 
     Run each call an engine will make (same sizes, same slots) once inside it, on every
     rank, then ``rank.barrier()``: afterwards no JIT compile or module load can happen
-    while a peer's kernel spins. Torch ops inside still run (their results are garbage
-    only where they read a kernel's output)."""
+    while a peer's kernel spins. Same means what Triton specialises on: integer arguments
+    equal to 1 or divisible by 16, and each pointer's 16-byte alignment (a row view of a
+    table whose rows are not 16-byte multiples is a new variant every few rows: seen as a
+    hang in DBO on one H200). Torch ops inside still run (their results are garbage only
+    where they read a kernel's output)."""
     _install_compile_only()
     before = getattr(_tls, "compile_only", False)
     _tls.compile_only = True
