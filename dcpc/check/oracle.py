@@ -188,9 +188,9 @@ class OracleReport:
 class _Compiled:
     """Per stream, a flat list of actions; instances, signal slots and streams numbered.
 
-    Actions: (0, accesses) local effects, each (instance, write, partition, writer,
-    info); (1, cells, value) the release stores of a signal; (2, cell, epoch, info) one
-    peer's spin. ``info`` = (rank, call, step index, phase).
+    Actions: (0, accesses, call) local effects, each (instance, write, partition,
+    writer, (step index, phase, effect index)); (1, cells, value) the release stores
+    of a signal; (2, cell, epoch, (rank, call, step index, peer)) one peer's spin.
     """
 
     def __init__(self, prog: OProgram, world: int, calls: int):
@@ -207,6 +207,7 @@ class _Compiled:
         self.action_call: list[list[int]] = []
         self.signal_pos: dict[tuple[int, int, int], int] = {}  # (rank, call, step) -> pos
         self.stream_of: dict[tuple[int, int], int] = {}  # (rank, call) -> stream
+        templates: dict[tuple[int, int], list[tuple]] = {}
         for rank in range(world):
             for lane in (range(slots) if per_slot else [-1]):
                 sid = len(self.streams)
@@ -219,27 +220,42 @@ class _Compiled:
                     self.stream_of[(rank, call)] = sid
                     slot = call % slots
                     epoch = call // slots + 1
-                    for st in prog.steps:
-                        for phase, effects in ((0, st.before), (1, st.after)):
-                            if phase == 1 and st.wait is not None:
-                                for p in peers(st.wait, rank, world):
-                                    cell = self.nowhere if st.polls is None else \
-                                        self.cell(rank, st.polls * slots + slot, p)
-                                    acts.append((2, cell, epoch, (rank, call, st.index, p)))
-                                    acall.append(call)
-                            accs = self.accesses(effects, rank, slot, (rank, call, st.index,
-                                                                      phase))
-                            if accs:
-                                acts.append((0, accs))
-                                acall.append(call)
-                            if phase == 0 and st.signal is not None:
-                                cells = tuple(self.cell(p, st.index * slots + slot, rank)
-                                              for p in peers(st.signal, rank, world))
-                                self.signal_pos[(rank, call, st.index)] = len(acts)
-                                acts.append((1, cells, epoch))
-                                acall.append(call)
+                    template = templates.get((rank, slot))
+                    if template is None:
+                        template = templates[(rank, slot)] = self.template(rank, slot)
+                    for entry in template:
+                        kind = entry[0]
+                        if kind == 0:
+                            acts.append((0, entry[1], call))
+                        elif kind == 1:
+                            self.signal_pos[(rank, call, entry[2])] = len(acts)
+                            acts.append((1, entry[1], epoch))
+                        else:
+                            acts.append((2, entry[1], epoch, (rank, call, entry[2], entry[3])))
+                        acall.append(call)
                 self.actions.append(acts)
                 self.action_call.append(acall)
+
+    def template(self, rank: int, slot: int) -> list[tuple]:
+        """One call of ``rank`` in ``slot``, without its call number and epoch: (0,
+        accesses), (1, cells, step index) a signal, (2, cell, step index, peer) a spin."""
+        out: list[tuple] = []
+        slots, world = self.prog.slots, self.world
+        for st in self.prog.steps:
+            for phase, effects in ((0, st.before), (1, st.after)):
+                if phase == 1 and st.wait is not None:
+                    for p in peers(st.wait, rank, world):
+                        cell = self.nowhere if st.polls is None else \
+                            self.cell(rank, st.polls * slots + slot, p)
+                        out.append((2, cell, st.index, p))
+                accs = self.accesses(effects, rank, slot, (st.index, phase))
+                if accs:
+                    out.append((0, accs))
+                if phase == 0 and st.signal is not None:
+                    cells = tuple(self.cell(p, st.index * slots + slot, rank)
+                                  for p in peers(st.signal, rank, world))
+                    out.append((1, cells, st.index))
+        return out
 
     def cell(self, owner: int, channel: int, peer: int) -> int:
         """sig[channel, peer] in ``owner``'s signal pad."""
@@ -253,13 +269,14 @@ class _Compiled:
             self.inst_buffer.append(buffer)
         return found
 
-    def accesses(self, effects: Iterable[tuple], rank: int, slot: int, info: tuple) -> tuple:
+    def accesses(self, effects: Iterable[tuple], rank: int, slot: int, where: tuple) -> tuple:
+        """(instance, write, partition, writer, (step index, phase, effect index))."""
         out = []
         for k, (buffer, write, part) in enumerate(effects):
             owners = range(self.world) if part is not None else (rank,)
             for owner in owners:
                 out.append((self.instance(buffer, owner, slot), write, part, rank,
-                            info + (k,)))
+                            where + (k,)))
         return tuple(out)
 
 
@@ -329,23 +346,24 @@ class _Run:
                             clock[i] = v
             p += 1
         while p < n and acts[p][0] == 0:
-            self._access(t, clock, acts[p][1])
+            self._access(t, clock, acts[p][1], acts[p][2])
             p += 1
         self.pos[t] = p
 
-    def _access(self, t: int, clock: list[int], accs: tuple) -> None:
+    def _access(self, t: int, clock: list[int], accs: tuple, call: int) -> None:
         stamp = clock[t]
         seen = self.seen
-        for inst, write, part, writer, info in accs:
+        for inst, write, part, writer, where in accs:
             prior = seen[inst]
-            for (u, _), (ustamp, uwrite, upart, uwriter, uinfo) in prior.items():
+            for (u, _), (ustamp, uwrite, upart, uwriter, ucall, uwhere) in prior.items():
                 if u == t or not (write or uwrite) or clock[u] >= ustamp:
                     continue
                 if part is not None and upart is not None and part == upart \
                         and writer != uwriter:
                     continue
-                self.races.add((inst, uinfo, uwrite, info, write))
-            prior[(t, info[2:])] = (stamp, write, part, writer, info)
+                self.races.add((inst, (uwriter, ucall) + uwhere, uwrite,
+                                (writer, call) + where, write))
+            prior[(t, where)] = (stamp, write, part, writer, call, where)
 
     def done(self) -> bool:
         return all(p >= len(a) for p, a in zip(self.pos, self.c.actions, strict=True))
