@@ -31,7 +31,7 @@ unfinished stream spins on a wait that cannot pass.
 Which runs. The sync is monotone (a signal slot only grows, so a wait that can pass
 stays passable) and there is no other control flow, so every maximal run executes the
 same accesses and ends in the same hang or in none: hangs do not depend on the
-schedule. Races do only through which store each wait reads: reading a later store
+interleaving. Races do only through which store each wait reads: reading a later store
 of the same writer only adds happens-before (that store follows the earlier one in
 the writer's program order), so the fewest orderings, and the most races, come from
 runs where every wait passes on the FIRST store that satisfies it. The schedulers aim
@@ -39,7 +39,15 @@ at that: ``lockstep`` runs the lowest call first (a writer's next store to a slo
 belongs to a later call, so it waits until the readers of the previous one polled),
 ``hold`` delays every signal until nothing else can move (each store is then read at
 once), ``random`` picks any runnable stream, ``delay`` starves one rank. ``exhaustive``
-(tiny cases) explores every interleaving of the sync actions, memoised on the state.
+(tiny cases) explores every interleaving of the sync actions, memoised on the state;
+tests/test_exec_oracle_agreement.py checks that one lockstep run reaches what every
+interleaving reaches.
+
+Not modelled: a kernel's programs (one program per kernel: each program of a real
+kernel has its own epoch and signal slot and waits for the same program of its peers,
+and the whole kernel ends before the next one on the stream starts), the fingerprint
+and failure words of the run-time guard (contract violations are not races), tiles
+(regions are whole parts of a partition) and epoch wrap-around (runs are short).
 """
 
 from __future__ import annotations
