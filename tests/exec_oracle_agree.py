@@ -48,11 +48,13 @@ def compare(checker: Iterable[Any], oracle: OracleReport) -> list[str]:
     out = []
     for p in sorted(races - o_races):
         out.append(f"the checker reports {p}, no run reaches it")
+    reached = {f.key: f for f in oracle.findings}
     for p in sorted(o_races - races):
-        out.append(f"a run reaches {p}, the checker proves it impossible")
+        out.append(f"a run reaches {p}, the checker proves it impossible: "
+                   + reached[p].text())
     if bool(dead) != oracle.hung:
         out.append(f"the checker reports deadlocks {sorted(dead)}, the runs "
-                   + ("hang" if oracle.hung else "finish"))
+                   + (f"hang (spinning: {oracle.blocked})" if oracle.hung else "finish"))
     for p in sorted(o_dead - dead):
         out.append(f"a run is stuck for good at {p}, the checker does not say so")
     for f in found:
