@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from dcpc import __version__
-from dcpc.diagnostics import Diagnostic, DiagnosticError
+from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.pipeline import STAGE_NAMES, Options, run
 
 MAX_WORLD = 1024
@@ -157,7 +157,7 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
                             "stats": _jsonable(stats)})
             if fmt == "text":
                 click.echo(
-                    f"{file}: ok ({_span(worlds)}, "
+                    f"{printable(file)}: ok ({_span(worlds)}, "
                     f"{len(c.schedule.step_list())} steps, {c.schedule.slots} slot(s); "
                     f"{sum(c.seconds.values()):.2f}s)"
                 )
@@ -312,7 +312,8 @@ def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str |
                 click.echo(_dump(c, dump))
                 continue
             target = out / f"{c.schedule.schedule}.py"
-            click.echo(f"{file} -> {target} ({sum(c.seconds.values()):.2f}s)")
+            click.echo(f"{printable(file)} -> {printable(str(target))} "
+                       f"({sum(c.seconds.values()):.2f}s)")
         return 2 if io_failed else 1 if failed else 0
 
     _guard(debug, body)

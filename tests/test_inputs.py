@@ -278,3 +278,13 @@ def test_two_inputs_with_one_schedule_name_are_refused(tmp_path: Path) -> None:
         in result.output
     assert "[duplicate-schedule]" in result.output
     assert (out / "kv_gather.py").exists()  # the first one, untouched by the second
+
+
+def test_file_names_with_control_characters_are_escaped_everywhere(tmp_path: Path) -> None:
+    odd = tmp_path / "a\x1b[31mb\nc.yaml"
+    odd.write_text(KV.read_text())
+    for args in (["check", "--world", "2"], ["compile", "--world", "2", "-o", str(tmp_path)]):
+        result = invoke(*args, str(odd))
+        assert result.exit_code == 0, result.output
+        assert "\x1b" not in result.output and result.output.count("\n") == 1
+        assert "a\\x1b[31mb\\nc.yaml" in result.output
