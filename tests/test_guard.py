@@ -51,13 +51,17 @@ def _inputs(call: int, rank: int, world: int, T: int) -> dict[str, Any]:
 
 
 def _call(m: Any, rank: int, world: int, call: int, T: int, skip: str = "",
-          bad_argument: bool = False) -> list[str]:
-    """One full call (slot = call % 2); returns what did not match."""
+          bad_argument: bool = False, exchange_T: int = 0) -> list[str]:
+    """One full call (slot = call % 2); returns what did not match. ``exchange_T``:
+    the partials of out_exchange have that many rows instead (another T)."""
     import torch
 
     from dcpc.runtime import merge
 
     x = _inputs(call, rank, world, T)
+    if exchange_T:
+        x.update({k: v for k, v in _inputs(call, rank, world, exchange_T).items()
+                  if k in ("o_part", "lse_part")})
     slot, wrong = call % 2, []
     q_local = x["q_local"].float() if bad_argument else x["q_local"]
     if not torch.equal(m.query_gather(q_local, slot=slot), x["q_want"]):
@@ -80,8 +84,9 @@ def violation_worker(rank: int, world: int, path: str, backend: str,
     import torch.distributed as dist
 
     cls = _class(path)
+    # out_exchange: one program per row, up to 8: ranks with another T launch another grid
     m = cls(dist.group.WORLD, sizes=SIZES, device="cpu", backend=backend, poison=True,
-            timeout_s=WAIT_S)
+            timeout_s=WAIT_S, tuning={"out_exchange": {"programs": 8}})
     wrong = _call(m, rank, world, 0, 4) + _call(m, rank, world, 1, 6)
     if violation == "close" and rank == 0:
         m.close()
@@ -91,6 +96,8 @@ def violation_worker(rank: int, world: int, path: str, backend: str,
             wrong += _call(m, rank, world, 2, 4, bad_argument=rank == 0)
         elif violation == "sizes":  # rank 0 binds T=5, rank 1 T=3
             wrong += _call(m, rank, world, 2, 5 if rank == 0 else 3)
+        elif violation == "grids":  # the same query, partials of 5 rows here, 3 there
+            wrong += _call(m, rank, world, 2, 4, exchange_T=5 if rank == 0 else 3)
         elif violation == "skip":
             wrong += _call(m, rank, world, 2, 4, skip="out_exchange" if rank == 1 else "")
         else:
@@ -118,6 +125,12 @@ EXPECTED = {
         ("DcpcContractError", r"step 'query_gather': rank 0's call differs from peer 1's: "
                               r"T=5 here, T=3 on peer 1 \(epoch 2\)"),
         ("DcpcContractError", r"step 'query_gather': rank 1's call differs from peer 0's: "
+                              r"T=3 here, T=5 on peer 0 \(epoch 2\)"),
+    ],
+    "grids": [  # programs 3 and 4 of rank 0 have no twin on rank 1: they stop at once too
+        ("DcpcContractError", r"step 'out_exchange': rank 0's call differs from peer 1's: "
+                              r"T=5 here, T=3 on peer 1 \(epoch 2\)"),
+        ("DcpcContractError", r"step 'out_exchange': rank 1's call differs from peer 0's: "
                               r"T=3 here, T=5 on peer 0 \(epoch 2\)"),
     ],
     "skip": [

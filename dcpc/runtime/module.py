@@ -273,6 +273,10 @@ class ScheduleModule:
         self._watchdog = (
             sync.Watchdog(self._bank.errors, self._timeout_s) if self._arms else None
         )
+        if self.device.type == "cuda" and self.backend != "torch":
+            # compile and load the failure-flag kernel now: a JIT compile while a peer's
+            # kernel spins can hang (one process, one GPU); flags are 0 on every rank here
+            self._bank.flag_peers(self.rank, 0)
         self._handshake_with = None
         if self.backend == "torch" and self.world > 1 and self.device.type == "cpu":
             self._handshake_with = _guard.TorchHandshake(
@@ -357,7 +361,7 @@ class ScheduleModule:
             self._watchdog.disarm()
         if self._handshake_with is not None:
             self._handshake_with.notify_failed()
-        elif self._heap is not None:
+        elif self._heap is not None and self.backend != "torch":  # torch: no peer pointers
             self._bank.flag_peers(self.rank, sync.FLAG_FAILED)
 
     @staticmethod
@@ -449,7 +453,7 @@ class ScheduleModule:
             return
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.close()  # type: ignore[union-attr]
-        if self._failed is None and getattr(self, "_handshake_with", None) is None:
+        if self._failed is None and self.backend != "torch":
             try:
                 self._bank.flag_peers(self.rank, sync.FLAG_CLOSED)
             except Exception:  # noqa: BLE001 (closing never fails; peers then time out)
