@@ -42,3 +42,19 @@ def test_a_stalled_rank_is_reported_with_what_it_was_doing() -> None:
     assert stalled.status == "hung", text
     assert "killed while in call 1 (slot 0): method out_exchange()" in stalled.error, text
     assert survivor.reported_s is not None and survivor.reported_s < 60, text
+
+
+def test_a_dead_peer_on_the_torch_backend_is_named_by_step_peer_and_epoch() -> None:
+    fault = {"rank": 1, "call": 2, "step": "out_exchange", "kind": "exit"}
+    report = run_schedule(RunConfig(schedule=KIMI, world=2, backend="torch", calls=4, seed=1,
+                                    wait_timeout_s=3.0, fault=fault))
+    text = format_report(report)
+    survivor, dead = report.launch.outcomes
+    assert dead.status == "died", text
+    assert survivor.status == "error", text
+    # gone at once (its connection closed) or silent until the bound: either way, named
+    assert ("step 'out_exchange': rank 0 stopped waiting for peer 1 (epoch 2): peer 1 is "
+            "unreachable" in survivor.error
+            or "step 'out_exchange': rank 0 timed out waiting for peer 1 to signal epoch 2"
+            in survivor.error), text
+    assert survivor.reported_s is not None and survivor.reported_s < 60, text

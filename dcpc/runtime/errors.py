@@ -51,7 +51,7 @@ class DcpcPeerFailedError(DcpcError):
         who = f"rank {rank}" if rank is not None else "this rank"
         super().__init__(
             f"step '{step}': {who} stopped waiting for peer {peer} (epoch {epoch}): peer {peer} "
-            f"{reason}; its error says why; this module instance is now failed: close() it"
+            f"{reason}; this module instance is now failed: close() it"
         )
 
 

@@ -48,7 +48,10 @@ STOP_WORD = 6  # CPU: set by the watchdog thread at the deadline; a waiting loop
 # failure flags (flags[src_rank])
 FLAG_FAILED = 1
 FLAG_CLOSED = 2
-FLAG_REASONS = {FLAG_FAILED: "failed (an error in one of its calls)", FLAG_CLOSED: "was closed"}
+FLAG_REASONS = {
+    FLAG_FAILED: "failed (an error in one of its calls: that rank's own error says which)",
+    FLAG_CLOSED: "was closed",
+}
 INT32_MAX = 2**31 - 1
 FINGERPRINT_BITS = 31  # fingerprints are in 0..2**31-1 (never -1)
 
