@@ -344,11 +344,15 @@ def random_schedule_text(draw, st) -> str:
         elif kind == "barrier":
             steps.append("{op: barrier}")
         elif kind == "sync":
-            channel = f"c{draw(st.integers(0, 1))}"
             to = draw(st.sampled_from(["all", "next", "prev"]))
+            order = draw(st.sampled_from(["split", "split", "wait-first", "later", "both"]))
+            # one channel family per pairing, so that each wait polls the signal it is
+            # drawn with (mixing `to: all` and `to: next` on one channel is refused as
+            # ambiguous: unpolled-signal)
+            family = "b" if order == "both" else "c" if to == "all" else "r"
+            channel = f"{family}{draw(st.integers(0, 1))}"
             signal = f"{{op: signal, to: {to}, channel: {channel}}}"
             wait = f"{{op: wait, from: {PARTNERS[to]}, channel: {channel}}}"
-            order = draw(st.sampled_from(["split", "split", "wait-first", "later", "both"]))
             if order == "wait-first":
                 steps += [wait, signal]
             elif order == "both":  # one signal to all polled by a wait from each side

@@ -88,10 +88,10 @@ def test_large_world_timeline_shows_the_chain_and_names_the_ranks_left_out() -> 
 
 
 def test_a_rank_past_its_wait_is_not_labelled_waiting() -> None:
-    report = hb.check(parse_file(CORPUS / "fused_own_part_from_src.yaml"), [2])
+    report = hb.check(parse_file(CORPUS / "fused_src_after_wait.yaml"), [2])
     (finding,) = report.findings
     line = next(t for t in finding.timeline if t.startswith("rank 0"))
-    assert "combine (sent) → reading o_full" in line and "waiting" not in line
+    assert "combine (sent) → reading o_part" in line and "waiting" not in line
 
 
 def test_hb_dot_draws_every_rank_and_highlights_the_conflict() -> None:

@@ -122,7 +122,7 @@ REACHES = {m.Peers.prev: (m.Peers.next, m.Peers.all), m.Peers.next: (m.Peers.pre
 @dataclass(frozen=True)
 class ChannelError:
     step: m.Step
-    code: str  # "unmatched-wait" | "peer-mismatch" | "unmatched-signal" (a warning)
+    code: str  # "unmatched-wait" | "peer-mismatch" | "unpolled-signal" | "unmatched-signal" (w)
     message: str
     hint: str | None
     key: str  # the op key to point at
@@ -183,13 +183,27 @@ def channels(schedule: m.Schedule) -> Channels:
                 f"add a signal with {wanted} on channel '{op.channel}' before it, or use "
                 "another channel", key))
     for name, sent in signals.items():
+        waits = [s for s in steps if isinstance(s.op, m.Wait) and s.op.channel == name]
         for step in sent:
-            if step.name not in polled:
+            if step.name in polled:
+                continue
+            if not waits:
                 out.errors.append(ChannelError(
                     step, "unmatched-signal",
-                    f"step '{step.name}' signals channel '{name}', but no step waits on it "
-                    "(each wait polls one signal step)", "add a wait or drop the signal",
-                    "channel"))
+                    f"step '{step.name}' signals channel '{name}', but no step waits on it",
+                    "add a wait or drop the signal", "channel"))
+                continue
+            if any(w.name not in out.polls for w in waits):
+                continue  # that wait's own error says what is wrong on the channel
+            # the channel's waits poll other signals: almost surely a pairing mistake
+            pairs = ", ".join(f"'{w.name}' polls '{out.polls[w.name].name}'" for w in waits)
+            out.errors.append(ChannelError(
+                step, "unpolled-signal",
+                f"step '{step.name}' signals channel '{name}', but no wait polls it "
+                f"({pairs})",
+                f"each wait 'from: F' polls the next signal whose 'to' reaches F (from: prev "
+                f"<- to: next | all, from: next <- to: prev | all, from: all <- to: all); "
+                f"give '{step.name}' its own wait, or its own channel", "channel"))
     return out
 
 
