@@ -7,26 +7,34 @@ import re
 import sys
 
 from dcpc.check.context import Context, all_refs
+from dcpc.codegen.lower import base_class_names, class_name, method_names, module_imports
 from dcpc.diagnostics import Mark, did_you_mean
 from dcpc.lang.model import Buffer, Schedule, Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
+# Schedule, buffer and step names become Python names of the generated module; every
+# name that module introduces itself starts with '_', so these may not.
+NAME_IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 SIZE_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# Every name: the generated module's lines (at most 100 characters) and its file name
+# '<schedule>.py' must fit.
+MAX_NAME = 48
+PATTERNS = {
+    "schedule name": NAME_IDENT, "buffer name": NAME_IDENT, "step name": NAME_IDENT,
+    "size name": SIZE_IDENT,
+}
 
-# Attributes and parameters of the generated class, and the modules it imports:
-# step names become methods and buffer names become parameters next to these.
-RESERVED = frozenset({
-    "close", "slot", "sizes", "self", "group", "device", "backend", "spin_limit", "poison",
-    "torch", "triton", "tl", "dcpc", "_rt",
-})
 # The emitted module is <schedule>.py: it must not shadow a module it (or Python) imports.
-MODULE_RESERVED = frozenset({"torch", "triton", "dcpc"}) | frozenset(
-    getattr(sys, "stdlib_module_names", ())
-)
+MODULE_RESERVED = module_imports() | frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
-def _identifier_problem(name: str, pattern: re.Pattern[str], rule: str) -> str | None:
+def _identifier_problem(name: str, pattern: re.Pattern[str]) -> str | None:
+    if len(name) > MAX_NAME:
+        return f"is {len(name)} characters long; names have at most {MAX_NAME}"
     if not pattern.match(name):
+        rule = pattern.pattern.removesuffix("\\Z")
+        if pattern is NAME_IDENT and name[:1] == "_":
+            return f"must match {rule}: names starting with '_' belong to the generated code"
         return f"must match {rule}"
     if keyword.iskeyword(name) or keyword.issoftkeyword(name):
         return "is a Python keyword"
@@ -36,33 +44,43 @@ def _identifier_problem(name: str, pattern: re.Pattern[str], rule: str) -> str |
 
 
 def _suggest(name: str) -> str:
-    fixed = re.sub(r"[^a-z0-9_]", "_", name.lower()) or "name"
+    fixed = re.sub(r"[^a-z0-9_]", "_", name.lower()).lstrip("_")[:MAX_NAME - 5] or "name"
     if fixed[0].isdigit():
-        fixed = "_" + fixed
-    if keyword.iskeyword(fixed) or keyword.issoftkeyword(fixed) or fixed.startswith("__"):
-        fixed = fixed.strip("_") + "_step"
+        fixed = "n" + fixed
+    if keyword.iskeyword(fixed) or keyword.issoftkeyword(fixed):
+        fixed = fixed + "_step"
     return f"rename it, e.g. to '{fixed}'"
 
 
-def _check_name(ctx: Context, name: str, what: str, mark: Mark, *, size: bool = False) -> None:
-    pattern, rule = (SIZE_IDENT, "[A-Za-z_][A-Za-z0-9_]*") if size else (
-        LOWER_IDENT, "[a-z_][a-z0-9_]*")
-    problem = _identifier_problem(name, pattern, rule)
+def _check_name(ctx: Context, name: str, what: str, mark: Mark) -> None:
+    problem = _identifier_problem(name, PATTERNS.get(what, LOWER_IDENT))
     if problem:
-        ctx.error(mark, "bad-identifier", f"{what} {name!r} {problem}", hint=_suggest(name))
+        shown = name if len(name) <= MAX_NAME else name[:20] + "..."
+        ctx.error(mark, "bad-identifier", f"{what} {shown!r} {problem}", hint=_suggest(name))
         return
-    if size and name == "W":
+    if what == "size name" and name == "W":
         ctx.error(mark, "reserved-name", "size 'W' is predefined (the group size)",
                   hint="remove it from sizes; every schedule can use W")
-    elif what in ("step name", "buffer name") and name in RESERVED:
+    elif what == "step name" and name in base_class_names():
         ctx.error(mark, "reserved-name",
-                  f"{what} '{name}' collides with a name the generated module uses",
-                  hint=f"rename it (reserved: {', '.join(sorted(RESERVED))})")
-    elif what == "schedule name" and (name in MODULE_RESERVED or not name.strip("_")):
+                  f"step name '{name}' collides with a name the generated class inherits "
+                  "from dcpc.runtime.ScheduleModule",
+                  hint=f"rename it, e.g. to '{name}_step' (taken: "
+                  f"{', '.join(sorted(n for n in base_class_names() if n.islower()))})")
+    elif what == "buffer name" and name in method_names():
+        ctx.error(mark, "reserved-name",
+                  f"buffer name '{name}' collides with a parameter of the generated methods",
+                  hint=f"rename it, e.g. to '{name}_buf' (taken: "
+                  f"{', '.join(sorted(method_names()))})")
+    elif what == "schedule name" and name in MODULE_RESERVED:
         ctx.error(mark, "reserved-name",
                   f"schedule name '{name}' would make a module '{name}.py' that shadows "
-                  "a Python module or has an empty class name",
-                  hint=f"rename it, e.g. to '{name.strip('_') or 'my'}_dcp'")
+                  "a Python module",
+                  hint=f"rename it, e.g. to '{name}_dcp'")
+    elif what == "schedule name" and keyword.iskeyword(class_name(name)):
+        ctx.error(mark, "reserved-name",
+                  f"schedule name '{name}' would make a class '{class_name(name)}', a Python "
+                  "keyword", hint=f"rename it, e.g. to '{name}_dcp'")
 
 
 def check_names(ctx: Context) -> None:
@@ -70,8 +88,7 @@ def check_names(ctx: Context) -> None:
     schedule = ctx.schedule
     _check_name(ctx, schedule.schedule, "schedule name", schedule.mark("schedule"))
     for name in schedule.sizes:
-        _check_name(ctx, name, "size name", schedule.mark(f"sizes/{name}", of_key=True),
-                    size=True)
+        _check_name(ctx, name, "size name", schedule.mark(f"sizes/{name}", of_key=True))
     for name in schedule.buffers:
         _check_name(ctx, name, "buffer name", schedule.mark(f"buffers/{name}", of_key=True))
 

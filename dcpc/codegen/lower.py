@@ -11,51 +11,79 @@ that one kernel template serves every layout: e.g. an all_gather along ``dim`` s
 
 from __future__ import annotations
 
+import ast
 import keyword
 import re
 from collections.abc import Callable, Iterable
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import dcpc
 from dcpc.codegen.plan import BufferPlan, Expr, Plan, SizePlan, StepPlan
+from dcpc.codegen.templates import template_dir
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.lang.semantics import table
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# Names the generated class, its methods' locals or its imports already use.
-RESERVED = frozenset(
-    {
-        "self",
-        "slot",
-        "sizes",
-        "env",
-        "tune",
-        "torch",
-        "triton",
-        "tl",
-        "close",
-        "buffer",
-        "check_errors",
-        "group",
-        "rank",
-        "world",
-        "device",
-        "backend",
-        "spin_limit",
-        "poison",
-        "outer",
-        "rows",
-        "row_len",
-        "interleave",
-        "part",
-        "group_rows",
-        "batch",
-        "numel",
-        "part_rows",
-    }
-)
+RUNTIME_MODULE = Path(dcpc.__file__).resolve().parent / "runtime" / "module.py"
+
+
+# Every local the emitted code introduces starts with '_', and schedule, buffer and step
+# names may not (dcpc.check.names): no schedule name can reach them. What remains is read
+# from the code itself, never typed here: a step becomes a method next to what the base
+# class gives, a buffer a parameter next to the method's own ones.
+@lru_cache(maxsize=1)
+def base_class_names() -> frozenset[str]:
+    """The public API of ``dcpc.runtime.ScheduleModule`` (methods, class attributes and
+    the attributes its methods set on ``self``), read from its source with ``ast``: the
+    compiler never imports torch. A step of that name would hide it."""
+    tree = ast.parse(RUNTIME_MODULE.read_text(encoding="utf-8"))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ScheduleModule"]
+    names: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            names.add(node.attr)
+    return frozenset(n for n in names if not n.startswith("_"))
+
+
+@lru_cache(maxsize=1)
+def method_names() -> frozenset[str]:
+    """The parameters a generated method has besides its buffers (self, slot, sizes),
+    read from the signature in templates/module.py.j2."""
+    text = (template_dir() / "module.py.j2").read_text(encoding="utf-8")
+    found = re.search(r"def \{\{ step\.name \}\}\((.*?)\n    \) ->", text, re.S)
+    if found is None:
+        raise RuntimeError("templates/module.py.j2: no method signature found")
+    return frozenset(re.findall(r"^ +([A-Za-z_]\w*)\b(?=:|,)", found[1], re.M))
+
+
+@lru_cache(maxsize=1)
+def module_imports() -> frozenset[str]:
+    """The top-level modules the emitted module imports (read from the template): a
+    module ``<schedule>.py`` of one of these names would shadow it."""
+    text = (template_dir() / "module.py.j2").read_text(encoding="utf-8")
+    return frozenset(re.findall(r"^(?:from|import) ([A-Za-z_]\w*)", text, re.M))
+
+
+def class_name(schedule: str) -> str:
+    """The generated class: the CamelCase form of the schedule name (kimi_k3 -> KimiK3)."""
+    return "".join(part[:1].upper() + part[1:] for part in schedule.split("_"))
+
+
 # Launch defaults, from benchmarks/tune_gpu.py on 2xH200 (benchmarks/results/tuning.md):
 # 4 warps, 4096-element tiles (2048 for the fused exchange+merge), at most 128 programs;
 # a call with fewer tiles than that gets shorter tiles and fewer programs
@@ -167,29 +195,36 @@ def _sizes(schedule: m.Schedule) -> list[SizePlan]:
 
 
 def _check_names(ctx: Ctx) -> None:
+    """What the generated module needs of names (dcpc.check.names gives the user the
+    same rules first): identifiers that do not start with '_' and hide nothing."""
     s = ctx.schedule
-    if not IDENT.match(s.schedule) or keyword.iskeyword(s.schedule):
-        ctx.fail(s.mark("schedule"), "identifier", f"'{s.schedule}' is not an identifier")
+
+    def bad(name: str) -> bool:
+        return not IDENT.match(name) or keyword.iskeyword(name) or name.startswith("_")
+
+    if bad(s.schedule) or keyword.iskeyword(class_name(s.schedule)):
+        ctx.fail(
+            s.mark("schedule"),
+            "bad-identifier",
+            f"schedule name {s.schedule!r} cannot name the generated module and its class "
+            f"{class_name(s.schedule)!r}",
+        )
     for name in s.buffers:
-        if not IDENT.match(name) or keyword.iskeyword(name) or name in RESERVED:
+        if bad(name) or name in method_names():
             ctx.fail(
                 s.mark(f"buffers/{name}", of_key=True),
                 "reserved-name",
-                f"buffer name '{name}' cannot be a Python argument of the generated "
-                "module (not an identifier, a keyword or a reserved name)",
-                f"rename it, e.g. '{name}_buf'" if IDENT.match(name) else None,
+                f"buffer name {name!r} cannot be a parameter of the generated methods "
+                f"(not an identifier, a keyword, a name starting with '_', or one of "
+                f"{', '.join(sorted(method_names()))})",
+                f"rename it, e.g. '{name.strip('_')}_buf'" if IDENT.match(name) else None,
             )
     for step in ctx.steps:
-        if (
-            not IDENT.match(step.name)
-            or keyword.iskeyword(step.name)
-            or step.name in RESERVED
-            or step.name.startswith("_")
-        ):
+        if bad(step.name) or step.name in base_class_names():
             ctx.fail(
                 step.mark(),
                 "reserved-name",
-                f"step name '{step.name}' cannot be a method of the generated class",
+                f"step name {step.name!r} cannot be a method of the generated class",
                 f"rename it, e.g. '{step.name.strip('_')}_step'",
             )
 
@@ -235,7 +270,7 @@ def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
     name = schedule.schedule
     return Plan(
         schedule=name,
-        class_name="".join(part[:1].upper() + part[1:] for part in name.split("_")),
+        class_name=class_name(name),
         version=dcpc.__version__,
         source_sha256=schedule.source_sha256,
         source_name=schedule.source_file.replace("\\", "/").rsplit("/", 1)[-1],
