@@ -107,6 +107,9 @@ def test_wording_of_counts_and_worlds() -> None:
     assert "3 calls," in format_report(RunReport(config, "kv_gather", LaunchResult(2, [], 0.0)))
     check = CliRunner().invoke(main, ["check", "--world", "2", KV])
     assert "ok (W=2," in check.output and "W 2..2" not in check.output
+    config.schedule = "odd\x1b[31m\n.yaml"
+    text = format_report(RunReport(config, "kv_gather", LaunchResult(2, [], 0.0)))
+    assert "(odd\\x1b[31m\\n.yaml)" in text and "\x1b" not in text
 
 
 # ---- item 14 ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dcpc.diagnostics import Diagnostic, DiagnosticError
+from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.harness.launch import LaunchResult, launch
 from dcpc.harness.worker import OutputStats, RankReport
 
@@ -156,7 +156,7 @@ def _count(n: int, what: str) -> str:
 def format_report(report: RunReport) -> str:
     c = report.config
     lines = [
-        f"schedule   {report.schedule_name} ({c.schedule})"
+        f"schedule   {report.schedule_name} ({printable(c.schedule)})"
         + (f", LSE base {c.lse_base}" if c.lse_base else ""),
         f"world      W={c.world} ({c.world} processes), backend {c.backend}, "
         f"{_count(c.calls, 'call')}, "
