@@ -28,6 +28,11 @@ TL_DTYPES = {
     "fp8e4m3": "tl.float8e4nv",
 }
 _SAFE_STR = re.compile(r"[A-Za-z0-9_./:+\-* ]*\Z")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+class Ident(str):
+    """A name that ``py`` writes bare (a variable), not as a string literal."""
 
 
 def py(obj: Any, indent: int = 0, prefix: int = 0, suffix: int = 0) -> str:
@@ -52,6 +57,10 @@ def _flat(obj: Any) -> str:
         return repr(obj)
     if isinstance(obj, int):
         return repr(obj)
+    if isinstance(obj, Ident):
+        if not _IDENT.match(obj):
+            raise ValueError(f"refusing to emit {obj!r} as a name")
+        return str(obj)
     if isinstance(obj, str):
         if not _SAFE_STR.match(obj):
             raise ValueError(f"refusing to emit {obj!r} as a bare literal")
@@ -117,7 +126,7 @@ def _view(step: StepPlan, plan: Plan, role: str) -> str:
     name = step.roles[role]
     if plan.buffer(name).kind == "engine":
         return name
-    return f'self._view("{name}", slot, env)'
+    return f'self._view("{name}", slot, _env)'
 
 
 @lru_cache(maxsize=1)
@@ -139,6 +148,8 @@ def _env() -> jinja2.Environment:
         tl_dtype=lambda d: TL_DTYPES[d],
         repr=repr,
         tuple=_tuple,
+        idents=lambda names: tuple(Ident(n) for n in names),  # a tuple of variables
+        local=lambda name: f"_{name}",  # a local of a generated method (see lower.py)
         chomp=lambda text: text[:-1] if text.endswith("\n") else text,
     )
     return env
