@@ -288,3 +288,11 @@ def test_file_names_with_control_characters_are_escaped_everywhere(tmp_path: Pat
         assert result.exit_code == 0, result.output
         assert "\x1b" not in result.output and result.output.count("\n") == 1
         assert "a\\x1b[31mb\\nc.yaml" in result.output
+
+
+@pytest.mark.parametrize("item", ["{}", "{a: {op: barrier}, b: {op: barrier}}"])
+def test_a_step_item_that_is_empty_or_double_is_located(tmp_path: Path, item: str) -> None:
+    path = write(tmp_path, edit("  - out_exchange:", f"  - {item}\n  - out_exchange:"))
+    result = invoke("check", "--world", "2", path)
+    assert result.exit_code == 1, result.output
+    assert f"{path}:26:" in result.output and "[bad-step]" in result.output, result.output

@@ -343,8 +343,11 @@ class Schedule(Node):
         self._source_file, self._source_sha256 = file, sha256
 
     def step_list(self) -> list[Step]:
-        return [
-            Step(name, op, i)
-            for i, item in enumerate(self.steps)
-            for name, op in item.items()
-        ]
+        """Every step in program order; ``index`` is its position in this list.
+
+        An item that is empty or holds two steps is the checker's ``bad-step``; the
+        numbering stays consecutive anyway, so no stage indexes past the end of a
+        per-step table while the error is being reported.
+        """
+        named = [(name, op) for item in self.steps for name, op in item.items()]
+        return [Step(name, op, i) for i, (name, op) in enumerate(named)]
