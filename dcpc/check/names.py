@@ -7,7 +7,13 @@ import re
 import sys
 
 from dcpc.check.context import Context, all_refs
-from dcpc.codegen.lower import base_class_names, class_name, method_names, module_imports
+from dcpc.codegen.lower import (
+    AMBIGUOUS,
+    base_class_names,
+    class_name,
+    method_names,
+    module_imports,
+)
 from dcpc.diagnostics import Mark, did_you_mean
 from dcpc.lang.model import Buffer, Schedule, Signal, Wait
 
@@ -58,7 +64,12 @@ def _check_name(ctx: Context, name: str, what: str, mark: Mark) -> None:
         shown = name if len(name) <= MAX_NAME else name[:20] + "..."
         ctx.error(mark, "bad-identifier", f"{what} {shown!r} {problem}", hint=_suggest(name))
         return
-    if what == "size name" and name == "W":
+    if what in ("buffer name", "step name") and name in AMBIGUOUS:
+        ctx.error(mark, "reserved-name",
+                  f"{what} '{name}' reads as 1 or 0 (pycodestyle E741: the generated module "
+                  "would fail the project's lint)", hint=f"rename it, e.g. to '{name}_buf'"
+                  if what == "buffer name" else f"rename it, e.g. to '{name}_step'")
+    elif what == "size name" and name == "W":
         ctx.error(mark, "reserved-name", "size 'W' is predefined (the group size)",
                   hint="remove it from sizes; every schedule can use W")
     elif what == "step name" and name in base_class_names():
@@ -77,10 +88,14 @@ def _check_name(ctx: Context, name: str, what: str, mark: Mark) -> None:
                   f"schedule name '{name}' would make a module '{name}.py' that shadows "
                   "a Python module",
                   hint=f"rename it, e.g. to '{name}_dcp'")
-    elif what == "schedule name" and keyword.iskeyword(class_name(name)):
+    elif what == "schedule name" and (
+        keyword.iskeyword(class_name(name)) or class_name(name) in AMBIGUOUS
+    ):
         ctx.error(mark, "reserved-name",
-                  f"schedule name '{name}' would make a class '{class_name(name)}', a Python "
-                  "keyword", hint=f"rename it, e.g. to '{name}_dcp'")
+                  f"schedule name '{name}' would make a class '{class_name(name)}', "
+                  + ("a Python keyword" if keyword.iskeyword(class_name(name)) else
+                     "a name that reads as 1 or 0 (pycodestyle E742)"),
+                  hint=f"rename it, e.g. to '{name}_dcp'")
 
 
 def check_names(ctx: Context) -> None:

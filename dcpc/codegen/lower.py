@@ -79,6 +79,11 @@ def module_imports() -> frozenset[str]:
     return frozenset(re.findall(r"^(?:from|import) ([A-Za-z_]\w*)", text, re.M))
 
 
+# pycodestyle's E741-E743 (the project's ruff rules): names that read as 1 or 0 may
+# not name a variable, a function or a class of the generated module.
+AMBIGUOUS = frozenset({"l", "O", "I"})
+
+
 def class_name(schedule: str) -> str:
     """The generated class: the CamelCase form of the schedule name (kimi_k3 -> KimiK3)."""
     return "".join(part[:1].upper() + part[1:] for part in schedule.split("_"))
@@ -202,7 +207,9 @@ def _check_names(ctx: Ctx) -> None:
     def bad(name: str) -> bool:
         return not IDENT.match(name) or keyword.iskeyword(name) or name.startswith("_")
 
-    if bad(s.schedule) or keyword.iskeyword(class_name(s.schedule)):
+    if bad(s.schedule) or keyword.iskeyword(class_name(s.schedule)) or (
+        class_name(s.schedule) in AMBIGUOUS
+    ):
         ctx.fail(
             s.mark("schedule"),
             "bad-identifier",
@@ -210,7 +217,7 @@ def _check_names(ctx: Ctx) -> None:
             f"{class_name(s.schedule)!r}",
         )
     for name in s.buffers:
-        if bad(name) or name in method_names():
+        if bad(name) or name in method_names() or name in AMBIGUOUS:
             ctx.fail(
                 s.mark(f"buffers/{name}", of_key=True),
                 "reserved-name",
@@ -220,7 +227,7 @@ def _check_names(ctx: Ctx) -> None:
                 f"rename it, e.g. '{name.strip('_')}_buf'" if IDENT.match(name) else None,
             )
     for step in ctx.steps:
-        if bad(step.name) or step.name in base_class_names():
+        if bad(step.name) or step.name in base_class_names() or step.name in AMBIGUOUS:
             ctx.fail(
                 step.mark(),
                 "reserved-name",
