@@ -2,7 +2,8 @@
 
 Each example takes a shipped schedule and injects one or two of the classes the issue
 found: YAML tags with bad content, huge numbers, long and odd names (unicode, ':',
-spaces, control characters, Python keywords), raw control characters in the text.
+spaces, control characters, Python keywords), raw control characters in the text,
+step items that are empty, double or not mappings.
 Whatever comes out, ``dcpc check`` exits 0, 1 or 2, never with an internal error or
 a traceback, and every error line is located (``file:line:col``, line and column from
 1). A schedule ``check`` accepts, ``compile`` accepts, and the module it writes
@@ -113,7 +114,7 @@ def hostile(draw: st.DrawFn) -> str:
     text = BASES[base]
     for _ in range(draw(st.sampled_from([1, 1, 2]))):
         kind = draw(st.sampled_from(["tag", "number", "name", "valid-name", "control",
-                                     "control-in-name"]))
+                                     "control-in-name", "step-item"]))
         if kind == "tag":
             sites = list(SCALAR.finditer(text))
             site = draw(st.sampled_from(sites))
@@ -133,6 +134,14 @@ def hostile(draw: st.DrawFn) -> str:
                 new = new[:200]  # a module file name must fit the file system (item 3)
             pattern = re.compile(rf"(?<![\w.]){re.escape(old)}(?![\w])")
             text = pattern.sub(_quoted(new).replace("\\", "\\\\"), text)
+        elif kind == "step-item":  # an item that is empty, double, a list or a scalar
+            item = draw(st.sampled_from([
+                "{}", "[]", "x", "~", "{a: {op: barrier}, b: {op: barrier}}",
+                "{c: {op: barrier}}", "{d: }", "{e: {op: }}"]))
+            lines = text.split("\n")
+            starts = [i for i, line in enumerate(lines) if line.startswith("  - ")]
+            lines.insert(draw(st.sampled_from(starts)), f"  - {item}")
+            text = "\n".join(lines)
         else:
             at = draw(st.integers(0, len(text)))
             text = text[:at] + draw(CONTROL) + text[at:]
