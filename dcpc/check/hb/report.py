@@ -90,7 +90,7 @@ class Finding:
         if other is not None:
             notes.append(("the other access: " if self.kind == "race" else "the signal: ")
                          + other.text())
-        notes.append(f"a legal execution with W={self.world}:")
+        notes.append("a legal execution (of that W):")
         notes += ["  " + line for line in self.timeline]
         return Diagnostic(self.mark, self.kind, self.message, hint=self.hint, notes=tuple(notes))
 
