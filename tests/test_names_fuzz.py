@@ -235,6 +235,7 @@ def test_names_never_collide_and_accepted_modules_import_and_pass_ruff(tmp_path:
     corpus = Corpus(tmp_path)
     corpus.run(_longest())
     assert corpus.accepted == len(DATA)  # the longest names allowed compile everywhere
+    longest = [str(p) for p in corpus.modules]
     corpus.run(_sweep())
     drawn: list[dict[str, Any]] = []
 
@@ -260,6 +261,9 @@ def test_names_never_collide_and_accepted_modules_import_and_pass_ruff(tmp_path:
     ruff = subprocess.run(RUFF + ["check", "--no-cache", *RUFF_CONFIG, *files],
                           capture_output=True, text=True)
     assert ruff.returncode == 0, ruff.stdout[-5000:] + ruff.stderr
+    fmt = subprocess.run(RUFF + ["format", "--no-cache", "--check", *RUFF_CONFIG, *longest],
+                         capture_output=True, text=True)  # even formatted as ruff would
+    assert fmt.returncode == 0, fmt.stdout[-5000:] + fmt.stderr
     script = IMPORT_ALL + f"check({files!r})\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=tmp_path, timeout=300)
