@@ -189,12 +189,14 @@ def errors(output: str) -> list[str]:
 # ---- the cases -------------------------------------------------------------------
 
 def _sweep() -> list[dict[str, Any]]:
-    """Every candidate as a schedule name and a buffer name, and as a step name."""
+    """Every candidate as a schedule name, as a buffer name (an engine buffer: a method's
+    parameter) and as a step name (a method), one at a time."""
     base = DATA["kv_gather"]
     cases = []
     for i, name in enumerate(CANDIDATES):
-        cases.append(_rename(base, schedule=name, buffers={"kv_local": name}))
-        cases.append(_rename(base, schedule=f"sweep_{i}", steps={"kv_gather": name}))
+        cases.append(_rename(base, schedule=name))
+        cases.append(_rename(base, schedule=f"sweep_b{i}", buffers={"kv_local": name}))
+        cases.append(_rename(base, schedule=f"sweep_s{i}", steps={"kv_gather": name}))
     return cases
 
 
