@@ -161,10 +161,11 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         plan = lower_plan(schedule, [2])
     tracked = {b.name: b.kind == "shared" for b in plan.buffers
                if b.kind in ("symmetric", "shared")}
+    steps = schedule.step_list()
     events: list[Event] = []
     names: dict[str, str] = {}
     for i, step in enumerate(plan.steps):
-        op = schedule.step_list()[i].op
+        op = steps[i].op
         sync = step.sync
         before = tuple(_access(e) for e in step.effects if e.when == BEFORE and e.buffer in tracked)
         after = tuple(_access(e) for e in step.effects if e.when == AFTER and e.buffer in tracked)
@@ -183,7 +184,6 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
             events.append(Event(i, "recv", after, wait=(channel, Peers(sync.wait))))
         elif after:
             events.append(Event(i, "local", after))
-    steps = schedule.step_list()
     return Program(
         name=schedule.schedule,
         file=schedule.source_file,
