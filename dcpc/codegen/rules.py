@@ -21,7 +21,7 @@ from dcpc.codegen.lower import (
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
-from dcpc.lang.semantics import Scope, self_copy
+from dcpc.lang.semantics import Scope, self_copy, via_of
 
 OpT = TypeVar("OpT", bound=m.OpBase)
 
@@ -101,7 +101,7 @@ def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.ReduceScatter)
     shape = ctx.shape(op.src)
     outer, part = product(shape[: op.dim]), div(product(shape[op.dim :]), W)
-    via = op.via or f"{step.name}_recv"  # the name the checker and the docs use
+    via = via_of(step)[0]  # the implicit <step>_recv when the schedule names none
     if op.via is None:  # implicit receive buffer [W, outer * part]
         ctx.buffers[via] = BufferPlan(
             via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric"

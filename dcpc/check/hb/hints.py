@@ -23,7 +23,7 @@ from dcpc.codegen.lower import lower as lower_plan
 from dcpc.codegen.plan import Plan
 from dcpc.diagnostics import DiagnosticError
 from dcpc.lang.model import Barrier, Peers, Schedule, Signal, Streams
-from dcpc.lang.semantics import WRITE, table
+from dcpc.lang.semantics import REACHES, WRITE, table
 
 Key = tuple[str, str, str, str, str]
 Edit = tuple[str, Callable[[], Schedule]]
@@ -111,20 +111,10 @@ def _with_op(schedule: Schedule, step: str, **update: object) -> Schedule:
     return _with_steps(schedule, items)
 
 
-def _names_in(value: object) -> set[str]:
-    if isinstance(value, str):
-        return {value}
-    if isinstance(value, dict):
-        return set().union(*(_names_in(v) for v in value.values()))
-    if isinstance(value, (list, tuple)):
-        return set().union(*(_names_in(v) for v in value))
-    return set()
-
-
 def _touching(schedule: Schedule, buffer: str) -> list[str]:
-    """Steps that name ``buffer`` (or own it as an implicit receive buffer), in order."""
-    return [name for name, op in _items(schedule)
-            if buffer in _names_in(op.model_dump()) or buffer == f"{name}_recv"]  # type: ignore[attr-defined]
+    """Steps that read or write ``buffer`` (an implicit receive buffer included), in order."""
+    return [step.name for step, sem in zip(schedule.step_list(), table(schedule), strict=True)
+            if any(e.buffer == buffer for e in sem.effects)]
 
 
 def _race_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
@@ -153,9 +143,6 @@ def _race_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
         yield "`streams: single`", lambda: schedule.model_copy(update={"streams": Streams.single})
 
 
-PARTNER = {Peers.all: Peers.all, Peers.prev: Peers.next, Peers.next: Peers.prev}
-
-
 def _deadlock_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
     items = _items(schedule)
     index = {n: i for i, (n, _) in enumerate(items)}
@@ -165,7 +152,7 @@ def _deadlock_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
     if f.cls != NO_SIGNAL:
         return
     wait_op = dict(items)[wait]
-    need = PARTNER.get(getattr(wait_op, "from_", Peers.all), Peers.all)
+    need = REACHES[getattr(wait_op, "from_", Peers.all)][0]  # the exact partner
     signals = [(n, op) for n, op in items if getattr(op, "op", "") == "signal"]
     for name, op in signals:
         if op.channel == f.buffer and op.to != need:  # type: ignore[attr-defined]
