@@ -39,8 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("schedule", help="schedule YAML file")
     p.add_argument("--world", "-W", type=_world, default=2,
                    help=f"group size: processes (ranks), one N in 2..{MAX_RUN_WORLD}, default 2")
-    p.add_argument("--backend", choices=("host", "torch"), default="host",
-                   help="host: Triton interpreter + shared memory; torch: gloo collectives")
+    p.add_argument("--backend", choices=("host", "torch", "local"), default="host",
+                   help="host: Triton interpreter + shared memory, one process per rank; "
+                        "torch: gloo collectives; local: the same kernels, ranks as threads "
+                        "of one process (as on one GPU)")
     p.add_argument("--calls", type=int, default=20, help="calls per rank, default 20")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--order", choices=("sequential", "interleaved"), default="sequential",

@@ -97,3 +97,15 @@ def test_a_module_without_waits_is_caught() -> None:
                                     jitter_p=0.8, module_patch=no_wait))
     print(format_report(report))
     assert report.mismatches > 0, format_report(report)
+
+
+ENGINE_SCHEDULES = Path(__file__).resolve().parent / "engine_schedules"
+
+
+@pytest.mark.parametrize("backend,world", [("host", 3), ("torch", 2)])
+@pytest.mark.parametrize("schedule", sorted(p.stem for p in ENGINE_SCHEDULES.glob("*.yaml")))
+def test_engine_input_schedules(schedule: str, backend: str, world: int) -> None:
+    """Local lengths [B, W], an fp8 output with output_scale, fp32 through a reduce_scatter
+    into a narrower dst: the kernels and the torch backend against the simulation."""
+    _run(RunConfig(schedule=str(ENGINE_SCHEDULES / f"{schedule}.yaml"), world=world,
+                   backend=backend, calls=8, seed=5, order="interleaved"))

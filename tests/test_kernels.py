@@ -59,8 +59,11 @@ def run_merge(mod, x, dtype, *, base, return_lse, mask, interleave, kernel, own=
     dst = torch.full((T, G, dv), float("nan"), dtype=dtype)  # poison: unwritten fails
     dst_lse = torch.full((T, G), float("nan"), dtype=torch.float32)
     block_n, block_d = 4, 16
-    args = [x["o"] if own is None else x["o"][own], x["lse"], dst, dst_lse]
-    args += [x["seq_lens"], x["qsl"], T * G, dv, G, x["seq_lens"].numel()]
+    o = x["o"] if own is None else x["o"][own]
+    args = [o, x["lse"], dst, dst_lse, x["seq_lens"], x["qsl"], x["lse"]]  # no out_scale
+    if own is not None:
+        args += list(o.stride())  # this rank's partial [T, G, dv]: (outer, mid, inner)
+    args += [T * G, dv, G, x["seq_lens"].shape[0]]
     extra = {} if own is None else {"RANK": own}
     getattr(mod, kernel)[(math.ceil(T * G / block_n),)](
         *args,
@@ -69,6 +72,7 @@ def run_merge(mod, x, dtype, *, base, return_lse, mask, interleave, kernel, own=
         MASK=mask,
         BASE2=base == "2",
         RETURN_LSE=return_lse,
+        SCALE=False,
         SEARCH_STEPS=3,
         BLOCK_B=8 if fast else 0,
         ROW_LEN=dv if fast else 0,

@@ -43,6 +43,31 @@ def test_signature_binds_sizes_from_argument_shapes():
     assert env["T"] == 5 and env["B"] == 2
 
 
+def test_signature_memo_repeats_only_what_it_checked():
+    """The memo of a bind: the same env object and argument layouts give the same env
+    back (interned: equal envs are one object), strides included; a new layout, a size
+    out of range or another env object is checked again."""
+    def make(a: int, b: int) -> Signature:
+        return Signature("gather", [("q_local", (T_, H_W, ("num", 8)), "bf16")],
+                         {"H": 8, "W": 2}, {"T": 16}, torch.device("cpu"),
+                         [("q_local", a, b, True)])
+
+    sig = make(1, 2)  # axes [T], [H/W], [8]
+    start = {"H": 8, "W": 2}
+    packed = torch.zeros(5, 4, 8, dtype=torch.bfloat16)
+    strided = torch.zeros(5, 6, 8, dtype=torch.bfloat16)[:, 1:5]
+    a = sig.bind((packed,), start)
+    assert sig.strides == [(32, 8, 1)]
+    b = sig.bind((strided,), start)
+    assert sig.strides == [(48, 8, 1)] and b == a and b is a  # interned, strides its own
+    assert sig.bind((packed.clone(),), start) is a and sig.strides == [(32, 8, 1)]
+    assert sig.bind((packed,), dict(start)) is a  # another env object: checked, same sizes
+    with pytest.raises(DcpcArgumentError, match="T outside 0..16"):
+        sig.bind((torch.zeros(17, 4, 8, dtype=torch.bfloat16),), start)
+    with pytest.raises(DcpcArgumentError, match="dims 1 and 2 cannot be read as one axis"):
+        make(0, 1).bind((torch.zeros(5, 4, 9, dtype=torch.bfloat16)[:, :, :8],), start)
+
+
 @pytest.mark.parametrize(
     "q,qsl,match",
     [

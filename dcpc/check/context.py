@@ -62,8 +62,9 @@ def mask_refs(op: OpBase) -> list[Ref]:
     mask = getattr(op, "mask_empty", None)
     if mask is None:
         return []
+    key = mask.lengths_key
     return [
-        Ref(mask.seq_lens, "mask_empty.seq_lens", mask.mark("seq_lens")),
+        Ref(mask.lengths, f"mask_empty.{key}", mask.mark(key)),
         Ref(mask.query_start_loc, "mask_empty.query_start_loc", mask.mark("query_start_loc")),
     ]
 
@@ -71,7 +72,7 @@ def mask_refs(op: OpBase) -> list[Ref]:
 def all_refs(op: OpBase) -> list[Ref]:
     """Every buffer an op names, in the order the step lists them."""
     found: list[Ref] = []
-    for key in ("src", "via", "dst", "return_lse", "reads", "writes"):
+    for key in ("src", "via", "dst", "return_lse", "output_scale", "reads", "writes"):
         found += refs(op, key)
     return found + mask_refs(op)
 

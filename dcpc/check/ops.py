@@ -200,10 +200,38 @@ def reduce_scatter(ctx: Context, step: Step) -> None:
         part = _scatter(ctx, step, src, via)
     else:
         part = _part(ctx, step, src) if ctx.buffer(src.name) is not None else None
-    if ctx.buffer(src.name) is not None and ctx.buffer(dst.name) is not None:
-        _same_dtype(ctx, step, src, dst)
+    a, b = ctx.buffer(src.name), ctx.buffer(dst.name)
+    if a is not None and b is not None and not (a.dtype.is_float and b.dtype.is_float):
+        _same_dtype(ctx, step, src, dst)  # floats: summed in fp32, rounded once into dst
     if part is not None and ctx.shape(dst.name) is not None:
         _expect(ctx, step, dst, part, f"this rank's part of src '{src.name}'")
+    _output_scale(ctx, step, dst)
+
+
+def _output_scale(ctx: Context, step: Step, dst: Ref) -> None:
+    """``output_scale`` is a [1] f32 buffer, for (and only for) an fp8 ``dst``."""
+    scale = refs(step.op, "output_scale")
+    buf = ctx.buffer(dst.name)
+    fp8 = buf is not None and buf.dtype.value == "fp8e4m3"
+    if not scale:
+        if fp8:
+            ctx.error(dst.mark, "missing-output-scale",
+                      f"step '{step.name}' writes fp8 output '{dst.name}' without a scale",
+                      hint="add 'output_scale: <a [1] f32 buffer>' to the step (dst = "
+                      "clamp(out / scale) in the fp8 range)")
+        return
+    (ref,) = scale
+    sbuf, shape = ctx.buffer(ref.name), ctx.shape(ref.name)
+    if sbuf is not None and (sbuf.dtype.value != "f32" or shape != [("num", 1)]):
+        ctx.error(ref.mark, "bad-output-scale",
+                  f"output_scale '{ref.name}' of step '{step.name}' is {sbuf.dtype.value} "
+                  f"{show(shape or [])}; it must be one f32 value, shape [1]",
+                  hint=f"declare '{ref.name}' as {{shape: [1], dtype: f32}}")
+    if buf is not None and not fp8:
+        ctx.error(ref.mark, "bad-output-scale",
+                  f"step '{step.name}' has output_scale, but its dst '{dst.name}' is "
+                  f"{buf.dtype.value}; the scale quantizes an fp8 (fp8e4m3) output",
+                  hint=f"declare '{dst.name}' with dtype fp8e4m3, or drop output_scale")
 
 
 def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None:
@@ -253,6 +281,8 @@ def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None
                       f"merges LSEs of base {base}",
                       hint=f"declare '{r.name}' with 'lse_base: {base}'")
     _mask(ctx, step)
+    if not isinstance(op, LseCorrect):
+        _output_scale(ctx, step, dst)
     so, sl = ctx.shape(o.name), ctx.shape(lse.name)
     if so is None or sl is None:
         return
@@ -285,19 +315,25 @@ def _mask(ctx: Context, step: Step) -> None:
         buf, shape = ctx.buffer(ref.name), ctx.shape(ref.name)
         if buf is None:
             return
-        if buf.dtype.value not in ("i32", "i64") or (shape is not None and len(shape) != 1):
+        local = ref.role == "mask_empty.local_seq_lens"
+        dims = 2 if local else 1
+        if buf.dtype.value not in ("i32", "i64") or (shape is not None and len(shape) != dims):
+            what = "a 2-D integer buffer [B, W]" if local else "a 1-D integer buffer"
             ctx.error(ref.mark, "bad-mask",
-                      f"{ref.role} '{ref.name}' of step '{step.name}' must be a 1-D integer "
-                      f"buffer (i32 or i64), not {buf.dtype.value} {show(shape or [])}")
+                      f"{ref.role} '{ref.name}' of step '{step.name}' must be {what} "
+                      f"(i32 or i64), not {buf.dtype.value} {show(shape or [])}")
             return
-        shapes.append(shape)
+        if local and shape is not None:
+            _expect(ctx, step, ref, [shape[0], W], "every rank's local lengths per request")
+        shapes.append(shape[:1] if shape is not None else None)
     if len(shapes) == 2 and shapes[0] is not None and shapes[1] is not None:
         seq, qsl = shapes
         example = ctx.samples.shapes_differ([("+", seq[0], ("num", 1))], qsl)
         if example is not None:
             ctx.error(found[1].mark, "bad-mask",
                       f"query_start_loc '{found[1].name}' {show(qsl)} must be one longer than "
-                      f"seq_lens '{found[0].name}' {show(seq)} (B+1 offsets for B requests); "
+                      f"{found[0].role.split('.')[-1]} '{found[0].name}' {show(seq)} (B+1 "
+                      "offsets for B requests); "
                       f"they differ for {_where(ctx, example, [seq[0], qsl[0]])}")
 
 
@@ -341,7 +377,7 @@ def _no_aliasing(ctx: Context, step: Step) -> None:
                           f"step '{step.name}' writes buffer '{ref.name}' twice", hint=
                           "give every output its own buffer")
             written.setdefault(ref.name, ref.mark)
-    for ref in refs(op, "src") + mask_refs(op):
+    for ref in refs(op, "src") + mask_refs(op) + refs(op, "output_scale"):
         if ref.name in written:
             ctx.error(ref.mark, "aliased-buffer",
                       f"step '{step.name}' reads buffer '{ref.name}' ({ref.role}) and also "

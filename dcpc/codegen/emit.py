@@ -129,6 +129,25 @@ def _view(step: StepPlan, plan: Plan, role: str) -> str:
     return f'self._view("{name}", slot, _env)'
 
 
+def engine_layouts(step: StepPlan, plan: Plan) -> list[tuple[str, str, int, int, bool]]:
+    """(role, engine buffer, a, b, unit) of the step's strided engine inputs, in role
+    order: the generated class's LAYOUTS, and what ``_st[k]`` holds in its method."""
+    return [
+        (role, step.roles[role], a, b, unit)
+        for role, (a, b, unit) in step.layouts.items()
+        if plan.buffer(step.roles[role]).kind == "engine"
+    ]
+
+
+def _strides(step: StepPlan, plan: Plan, role: str) -> str:
+    """The three stride arguments of ``role`` in a launch: the tensor's own (engine
+    buffers, checked by the method's Signature) or the packed ones (scalars)."""
+    roles = [r for r, *_ in engine_layouts(step, plan)]
+    if role in roles:
+        return f"*_st[{roles.index(role)}]"
+    return ", ".join(f"_{role}_s{i}" for i in range(3))
+
+
 @lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -163,9 +182,14 @@ def emit(plan: Plan) -> str:
     env = _env()
     text = env.get_template("module.py.j2").render(
         plan=plan,
-        needs_math=any("base" in s.attrs for s in plan.steps),
+        needs_math=any("base" in s.attrs or s.attrs.get("scale") for s in plan.steps),
         local=lambda step, role: _expr(step, plan, role),
         view=lambda step, role: _view(step, plan, role),
+        strides=lambda step, role: _strides(step, plan, role),
+        engine_layouts=lambda step: engine_layouts(step, plan),
+        layouts_const=lambda step: tuple(
+            (buf, a, b, unit) for _, buf, a, b, unit in engine_layouts(step, plan)
+        ),
         dtype_of=lambda step, role: plan.buffer(step.roles[role]).dtype,
     )
     return _normalize(text)

@@ -49,6 +49,11 @@ class StepPlan:
     tiles: list[Expr] = field(default_factory=list)  # row length of each tile space
     scratch: dict[str, tuple[Expr, str]] = field(default_factory=dict)  # torch backend
     attrs: dict[str, Any] = field(default_factory=dict)  # ints, enums, identifiers
+    # role -> (a, b, unit): the kernel addresses the role's buffer as three axes, dims
+    # [:a], [a:b], [b:], each with one stride (``unit``: the last axis' stride must be 1).
+    # Engine buffers pass their tensors' strides (strided inputs without a copy);
+    # module-owned ones their packed strides (scalars ``<role>_s0..2``).
+    layouts: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     tuning: dict[str, int] = field(default_factory=dict)  # programs, num_warps, block
     signalling: bool = False  # uses signal slots (a channel per slot)
     reads: list[str] = field(default_factory=list)  # external steps: for the contract

@@ -36,17 +36,43 @@ def _step(step: m.Step, **kw: Any) -> StepPlan:
     return StepPlan(step.name, step.index, step.kind, f"ops/{step.kind}.py.j2", step.op.doc, **kw)
 
 
+def _layout(ctx: Ctx, plan: StepPlan, role: str, a: int, b: int, unit: bool = False) -> None:
+    """The kernel addresses ``role``'s buffer as axes dims[:a], dims[a:b], dims[b:], one
+    stride each. An engine buffer's strides come from the tensor passed in (checked and
+    read once per call by dcpc.runtime.validate); a module-owned one's are packed."""
+    plan.layouts[role] = (a, b, unit)
+    name = plan.roles[role]
+    if ctx.buffers[name].kind != "engine":
+        shape = ctx.shape(name)
+        plan.scalars += [
+            (f"{role}_s0", product(shape[a:])),
+            (f"{role}_s1", product(shape[b:])),
+            (f"{role}_s2", ONE),
+        ]
+
+
 def _mask(ctx: Ctx, op: Any, plan: StepPlan) -> None:
     """Roles, scalars and statics of ``mask_empty`` (empty shards and padding rows)."""
     mask = op.mask_empty
     plan.attrs["mask"] = mask is not None
-    plan.attrs["mask_interleave"] = mask.interleave if mask else 1
+    # the kernels' INTERLEAVE: >= 1 for full lengths, 0 for local ones ([B, W])
+    local = mask is not None and mask.local_seq_lens is not None
+    plan.attrs["mask_interleave"] = 0 if local else (mask.interleave if mask else 1)
     if mask is None:
         return
-    plan.roles["seq_lens"], plan.roles["query_start_loc"] = mask.seq_lens, mask.query_start_loc
-    plan.params += [n for n in ctx.engine([mask.seq_lens, mask.query_start_loc])]
-    plan.scalars.append(("batch", ctx.shape(mask.seq_lens)[0]))
-    plan.statics["batch"] = ctx.shape(mask.seq_lens)[0]
+    plan.roles["seq_lens"], plan.roles["query_start_loc"] = mask.lengths, mask.query_start_loc
+    plan.params += [n for n in ctx.engine([mask.lengths, mask.query_start_loc])]
+    plan.scalars.append(("batch", ctx.shape(mask.lengths)[0]))
+    plan.statics["batch"] = ctx.shape(mask.lengths)[0]
+
+
+def _scale(ctx: Ctx, op: Any, plan: StepPlan) -> None:
+    """``output_scale``: dst = clamp(out / scale[0]) (an fp8 output)."""
+    scale = getattr(op, "output_scale", None)
+    plan.attrs["scale"] = scale is not None
+    if scale is not None:
+        plan.roles["out_scale"] = scale
+        plan.params += [n for n in ctx.engine([scale]) if n not in plan.params]
 
 
 @register("all_gather")
@@ -56,12 +82,13 @@ def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
     d = op.dim
     stack = len(dst) == len(src) + 1
     outer = product(src[:d])
-    if stack:
-        rows, row_len, interleave = ONE, product(src[d:]), ONE
+    if stack:  # a concat of W blocks of src[d] rows each (interleave = rows): one layout
+        rows = src[d] if d < len(src) else ONE
+        row_len, interleave = product(src[d + 1 :]), rows
     else:
         rows, row_len = src[d], product(src[d + 1 :])
         interleave = ("num", op.interleave) if op.interleave else rows
-    return _step(
+    plan = _step(
         step,
         params=ctx.engine([op.src]),
         returns=[op.dst],
@@ -77,6 +104,8 @@ def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
         attrs={"stack": stack},
         signalling=True,
     )
+    _layout(ctx, plan, "src", d, min(d + 1, len(src)))
+    return plan
 
 
 @register("all_to_all")
@@ -89,7 +118,12 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
         shape = ctx.shape(s)
         plan.roles[f"src{k}"], plan.roles[f"dst{k}"] = s, t
         part = div(product(shape[op.dim :]), W)
-        plan.scalars += [(f"outer{k}", product(shape[: op.dim])), (f"part{k}", part)]
+        plan.scalars += [
+            (f"outer{k}", product(shape[: op.dim])),
+            (f"part{k}", part),
+            (f"inner{k}", product(shape[op.dim + 1 :])),
+        ]
+        _layout(ctx, plan, f"src{k}", op.dim, op.dim + 1)
         plan.tiles.append(part)
         plan.scratch[f"send{k}"] = (product(shape), ctx.buffers[s].dtype)
     plan.attrs["payloads"] = len(srcs)
@@ -106,7 +140,7 @@ def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
         ctx.buffers[via] = BufferPlan(
             via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric"
         )
-    return _step(
+    plan = _step(
         step,
         params=ctx.engine([op.src]),
         returns=[op.dst],
@@ -119,6 +153,8 @@ def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
         },
         signalling=True,
     )
+    _scale(ctx, op, plan)
+    return plan
 
 
 def _merge_common(ctx: Ctx, step: m.Step, o: str, lse: str, plan: StepPlan) -> StepPlan:
@@ -136,6 +172,7 @@ def _merge_common(ctx: Ctx, step: m.Step, o: str, lse: str, plan: StepPlan) -> S
         plan.roles["dst_lse"] = op.return_lse
         plan.returns.append(op.return_lse)
     _mask(ctx, op, plan)
+    _scale(ctx, op, plan)
     return plan
 
 
@@ -151,6 +188,9 @@ def _local_merge(cls: type[m.LseCombine] | type[m.LseCorrect]) -> Callable[[Ctx,
             returns=[op.dst],
             roles={"o": o, "lse": lse, "dst": op.dst},
         )
+        if cls is m.LseCorrect:  # o is this rank's partial [*rows, Dv]: rows = lse's [1:]
+            n = len(ctx.shape(o))
+            _layout(ctx, plan, "o", n - len(ctx.shape(lse)) + 1, n - 1, unit=True)
         return _merge_common(ctx, step, o, lse, plan)
 
     return rule
@@ -181,6 +221,8 @@ def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
         },
         signalling=True,
     )
+    _layout(ctx, plan, "src_o", op.dim, len(ctx.shape(o)) - 1, unit=True)
+    _layout(ctx, plan, "src_lse", op.dim, len(shape))
     # The own part need not travel through via[RANK] unless another step reads via.
     plan.attrs["self_copy"] = self_copy(Scope(ctx.schedule), step)
     return _merge_common(ctx, step, via_o, via_lse, plan)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
-from dcpc.harness.launch import LaunchResult, launch
+from dcpc.harness.launch import LaunchResult, RankOutcome, launch
 from dcpc.harness.worker import OutputStats, RankReport
 
 
@@ -132,8 +132,14 @@ def run_schedule(config: RunConfig) -> RunReport:
         wait = config.wait_timeout_s or DEFAULT_TIMEOUT_S
         timeout = config.timeout_s or max(60.0 + 0.6 * config.calls * config.world, wait + 30)
         grace = max(config.grace_s, wait + 10)
-        result = launch("dcpc.harness.worker:run_rank", config.world,
-                        config.worker_args(used, module), timeout_s=timeout, grace_s=grace)
+        if config.backend == "local":  # W threads of one process
+            args = {**config.worker_args(used, module), "ranks": config.world,
+                    "group_timeout_s": timeout}
+            result = _per_rank(launch("dcpc.harness.worker:run_local", 1, args,
+                                      timeout_s=timeout + 30, grace_s=grace), config.world)
+        else:
+            result = launch("dcpc.harness.worker:run_rank", config.world,
+                            config.worker_args(used, module), timeout_s=timeout, grace_s=grace)
     report = RunReport(config, name, result, compile_s=compile_s)
     for outcome in result.outcomes:
         if outcome.status != "ok":
@@ -149,6 +155,17 @@ def run_schedule(config: RunConfig) -> RunReport:
     return report
 
 
+def _per_rank(result: LaunchResult, world: int) -> LaunchResult:
+    """The one process of a ``local`` run as W rank outcomes (its threads' reports)."""
+    (only,) = result.outcomes
+    if only.status != "ok":
+        return LaunchResult(world, [RankOutcome(r, only.status, None, only.error, only.traceback)
+                                    for r in range(world)], result.wall_s, result.notes)
+    return LaunchResult(world, [RankOutcome(r, "ok", value, reported_s=only.reported_s)
+                                for r, value in enumerate(only.value)], result.wall_s,
+                        result.notes)
+
+
 def _count(n: int, what: str) -> str:
     return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
@@ -158,7 +175,9 @@ def format_report(report: RunReport) -> str:
     lines = [
         f"schedule   {report.schedule_name} ({printable(c.schedule)})"
         + (f", LSE base {c.lse_base}" if c.lse_base else ""),
-        f"world      W={c.world} ({c.world} processes), backend {c.backend}, "
+        f"world      W={c.world} ("
+        + (f"{c.world} threads of one process" if c.backend == "local" else
+           f"{c.world} processes") + f"), backend {c.backend}, "
         f"{_count(c.calls, 'call')}, "
         f"slot order {c.order}, seed {c.seed}",
         f"adversary  poisoned memory: {'yes' if c.poison else 'no'}, delays up to "
@@ -169,7 +188,9 @@ def format_report(report: RunReport) -> str:
         lines.append(f"  {name:<12}{s.compared:>8}  {s.mismatches:>10}  {s.max_abs_err:.3g}")
         if s.first_mismatch:
             lines.append(f"    first: {s.first_mismatch}")
-    cpu = sum(r.cpu_s for r in report.ranks)
+    cpu = sum(r.cpu_s for r in report.ranks)  # local: every thread reads the process's
+    if c.backend == "local" and report.ranks:
+        cpu = max(r.cpu_s for r in report.ranks)
     lines.append(f"time       {report.ms_per_call:.1f} ms per call in the module ({c.backend} "
                  f"backend on CPU), {report.launch.wall_s:.1f} s wall, {cpu:.1f} s CPU over "
                  f"all ranks, compile {report.compile_s:.2f} s")

@@ -48,14 +48,31 @@ def empty_rows(
     mask: m.MaskEmpty, bufs: Buffers, rank: int, world: int, tokens: int
 ) -> torch.Tensor:
     """Bool [tokens]: rows whose partial from ``rank`` must not count (empty or padding)."""
-    seq_lens = bufs[mask.seq_lens].to(torch.int64)
+    lengths = bufs[mask.lengths].to(torch.int64)
     qsl = bufs[mask.query_start_loc].to(torch.int64)
     rows = torch.arange(tokens)
     request = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)
     padding = rows >= qsl[-1]
-    local = local_seq_len(seq_lens, rank, world, mask.interleave)
-    empty = local[request.clamp(max=len(seq_lens) - 1)] == 0
+    if mask.local_seq_lens is not None:  # [B, W]: every rank's own lengths
+        local = lengths[:, rank]
+    else:
+        local = local_seq_len(lengths, rank, world, mask.interleave)
+    if len(local) == 0:
+        return torch.ones(tokens, dtype=torch.bool)
+    empty = local[request.clamp(max=len(local) - 1)] == 0
     return padding | empty
+
+
+FP8_MAX = 448.0
+
+
+def scaled(op: Any, bufs: Buffers, value: torch.Tensor) -> torch.Tensor:
+    """``output_scale``: value / scale[0], clamped to the fp8 e4m3 range (NaN stays)."""
+    name = getattr(op, "output_scale", None)
+    if name is None:
+        return value
+    y = value / bufs[name].reshape(-1)[0]
+    return torch.where(torch.isnan(y), y, y.clamp(-FP8_MAX, FP8_MAX))
 
 
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -152,7 +169,7 @@ def simulate_call(
 
             _all_to_all(op.src, via, op.dim, bufs, world, store if op.via else keep)
             for r in range(world):
-                store(r, op.dst, bufs[r][via].sum(dim=0))
+                store(r, op.dst, scaled(op, bufs[r], bufs[r][via].sum(dim=0)))
         elif isinstance(op, (m.LseCombine, m.AllToAllCombine)):
             o_name, lse_name = op.src
             if isinstance(op, m.AllToAllCombine):
@@ -163,7 +180,7 @@ def simulate_call(
             for r in range(world):
                 lse = _mask_lse(op, bufs[r][lse_name], bufs[r], world, token_dim=0)
                 weights, merged = merge_weights(lse, base)
-                store(r, op.dst, _weighted_sum(weights, bufs[r][o_name]))
+                store(r, op.dst, scaled(op, bufs[r], _weighted_sum(weights, bufs[r][o_name])))
                 if op.return_lse:
                     store(r, op.return_lse, merged)
         elif isinstance(op, m.LseCorrect):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dcpc.harness.simulate import Buffers, as_stored, buffer_shape, empty_rows
+from dcpc.harness.simulate import Buffers, as_stored, buffer_shape, empty_rows, local_seq_len
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 
@@ -32,15 +32,16 @@ def op_io(op: Any) -> tuple[list[str], list[str]]:
     def names(value: Any) -> list[str]:
         return list(value) if isinstance(value, list) else [value]
 
-    masks = [op.mask_empty.seq_lens, op.mask_empty.query_start_loc] if getattr(
+    masks = [op.mask_empty.lengths, op.mask_empty.query_start_loc] if getattr(
         op, "mask_empty", None) else []
+    masks += [op.output_scale] if getattr(op, "output_scale", None) else []
     lse = [op.return_lse] if getattr(op, "return_lse", None) else []
     if isinstance(op, m.External):
         return list(op.reads), list(op.writes)
     if isinstance(op, (m.AllGather, m.AllToAll, m.Copy)):
         return names(op.src), names(op.dst)
     if isinstance(op, m.ReduceScatter):
-        return [op.src], [op.dst] + ([op.via] if op.via else [])
+        return [op.src] + masks, [op.dst] + ([op.via] if op.via else [])
     if isinstance(op, m.AllToAllCombine):
         return list(op.src) + masks, [op.dst] + lse + list(op.via)
     if isinstance(op, (m.LseCombine, m.LseCorrect)):
@@ -125,9 +126,13 @@ def call_inputs(
     mask = mask_of(schedule)
     shared: Buffers = {}
     if mask is not None:
-        requests = buffer_shape(schedule, mask.seq_lens, sizes)[0]
+        requests = buffer_shape(schedule, mask.lengths, sizes)[0]
         req = _requests(rng, sizes["T"], requests, world, mask.interleave)
-        shared = {mask.seq_lens: req["seq_lens"], mask.query_start_loc: req["query_start_loc"]}
+        lengths = req["seq_lens"]
+        if mask.local_seq_lens is not None:  # every rank's own lengths [B, W] (interleave 1)
+            lengths = torch.stack([local_seq_len(lengths, p, world, 1) for p in range(world)], 1)
+        shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
+    scales = {getattr(s.op, "output_scale", None) for s in schedule.step_list()} - {None}
     out: list[Buffers] = []
     for rank in range(world):
         bufs: Buffers = {}
@@ -137,7 +142,9 @@ def call_inputs(
                 continue
             gen = torch.Generator().manual_seed(_mix(seed, call, rank, index))
             shape = buffer_shape(schedule, name, sizes)
-            if schedule.buffers[name].dtype.is_float:
+            if name in scales:  # an fp8 output's scale: positive, and overflows some values
+                value = 0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)
+            elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:
                 value = torch.randint(0, 100, shape, generator=gen, dtype=torch.int64)

@@ -125,11 +125,37 @@ class Buffer(Node):
 
 
 class MaskEmpty(Node):
-    """Mask partials of ranks whose KV shard is empty, and CUDA-graph padding rows."""
+    """Mask partials of ranks whose KV shard is empty, and CUDA-graph padding rows.
 
-    seq_lens: Name
+    Either ``seq_lens`` (full lengths [B]; rank p holds the tokens t with
+    (t // interleave) % W == p) or ``local_seq_lens`` (every rank's own lengths [B, W],
+    as vLLM's get_dcp_local_seq_lens(seq_lens, W) gives them)."""
+
+    seq_lens: Name | None = None
+    local_seq_lens: Name | None = Field(
+        default=None, description="[B, W] i32: rank p's KV tokens of request b"
+    )
     query_start_loc: Name
     interleave: Int = Field(default=1, ge=1, description="KV interleave size I")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> MaskEmpty:
+        if (self.seq_lens is None) == (self.local_seq_lens is None):
+            raise ValueError("mask_empty needs exactly one of 'seq_lens' (full lengths [B]) "
+                             "and 'local_seq_lens' (every rank's lengths [B, W])")
+        if self.local_seq_lens is not None and "interleave" in self.model_fields_set:
+            raise ValueError("'interleave' applies to full 'seq_lens'; 'local_seq_lens' "
+                             "already says what each rank holds")
+        return self
+
+    @property
+    def lengths(self) -> str:
+        """The buffer of lengths, full or local."""
+        return self.seq_lens if self.seq_lens is not None else self.local_seq_lens  # type: ignore[return-value]
+
+    @property
+    def lengths_key(self) -> str:
+        return "seq_lens" if self.seq_lens is not None else "local_seq_lens"
 
 
 class OpBase(Node):
@@ -158,6 +184,9 @@ class LseCombine(OpBase):
     mask_empty: MaskEmpty | None = None
     return_lse: Name | None = Field(default=None, description="buffer for the merged LSE")
     lse_base: LseBase | None = None
+    output_scale: Name | None = Field(
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
+    )
 
     _norm_base = field_validator("lse_base", mode="before")(_lse_base)
 
@@ -173,6 +202,9 @@ class AllToAllCombine(OpBase):
     mask_empty: MaskEmpty | None = None
     return_lse: Name | None = None
     lse_base: LseBase | None = None
+    output_scale: Name | None = Field(
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
+    )
 
     _norm_base = field_validator("lse_base", mode="before")(_lse_base)
 
@@ -184,6 +216,9 @@ class ReduceScatter(OpBase):
     dim: Int = 0
     via: Name | None = Field(
         default=None, description="symmetric receive buffer [W, part]; implicit if omitted"
+    )
+    output_scale: Name | None = Field(
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
     )
 
 

@@ -274,11 +274,14 @@ def _keyed(op: m.OpBase, key: str) -> list[tuple[str, str]]:
 
 
 def _mask(op: m.OpBase) -> list[tuple[str, str]]:
+    """The buffers a merge reads besides its partials: mask_empty's lengths and
+    query_start_loc, and output_scale."""
     mask = getattr(op, "mask_empty", None)
-    if mask is None:
-        return []
-    return [(mask.seq_lens, "mask_empty.seq_lens"),
-            (mask.query_start_loc, "mask_empty.query_start_loc")]
+    found = []
+    if mask is not None:
+        found += [(mask.lengths, f"mask_empty.{mask.lengths_key}"),
+                  (mask.query_start_loc, "mask_empty.query_start_loc")]
+    return found + _keyed(op, "output_scale")
 
 
 def _effects(kind: str, when: str, named: list[tuple[str, str]],
@@ -340,7 +343,7 @@ def _reduce_scatter(c: Scope, step: m.Step) -> Semantics:
     via = [via_of(step)]
     before = _effects(READ, BEFORE, _keyed(op, "src"))
     before += _effects(WRITE, BEFORE, via, Region("index", 0))
-    after = _effects(READ, AFTER, via) + _effects(WRITE, AFTER, _keyed(op, "dst"))
+    after = _effects(READ, AFTER, via + _mask(op)) + _effects(WRITE, AFTER, _keyed(op, "dst"))
     return _exchange(before, after, step)
 
 

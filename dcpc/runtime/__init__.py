@@ -2,7 +2,8 @@
 
 Generated modules use ``ScheduleModule`` (construction, binding, views), ``Buf`` (the
 buffer table), the heaps (``make_heap``), the signal bank (``sync``), argument checks
-(``validate``), shape evaluation (``shapes``) and the reference math (``merge``).
+(``validate``), shape evaluation (``shapes``), the reference math (``merge``) and the
+eager launch path of their kernels (``fast_launch``).
 """
 
 from dcpc.runtime import collectives, merge, shapes, sync, tiles, validate
@@ -14,6 +15,7 @@ from dcpc.runtime.errors import (
     DcpcPeerFailedError,
     DcpcTimeoutError,
 )
+from dcpc.runtime.fastlaunch import fast_launch
 from dcpc.runtime.guard import guarded
 from dcpc.runtime.heap import SymmetricBuffer, SymmetricHeap, make_heap, resolve_backend
 from dcpc.runtime.module import Buf, ScheduleModule, Tune
@@ -31,6 +33,7 @@ __all__ = [
     "SymmetricHeap",
     "Tune",
     "collectives",
+    "fast_launch",
     "guarded",
     "make_heap",
     "merge",

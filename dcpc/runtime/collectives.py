@@ -73,12 +73,14 @@ def reduce_scatter(
     outer: int,
     part: int,
     world: int,
+    scale: torch.Tensor | None = None,
 ) -> None:
-    """Sum over ranks in fp32 (the kernels' accumulation); rank j keeps part j."""
+    """Sum over ranks in fp32 (the kernels' accumulation); rank j keeps part j, rounded
+    once into dst's dtype (``scale``: quantized, see merge.quantize)."""
     all_to_all(group, src, via, send, outer, part, world)
     total = acc[: outer * part]
     torch.sum(via.reshape(world, outer * part), dim=0, dtype=torch.float32, out=total)
-    dst.reshape(-1).copy_(total)
+    dst.reshape(-1).copy_(total if scale is None else merge.quantize(total, scale))
 
 
 def _mask(
@@ -90,6 +92,8 @@ def _mask(
 ) -> torch.Tensor | None:
     if seq_lens is None or query_start_loc is None:
         return None
+    if interleave == 0:  # local lengths [B, W]
+        return merge.empty_mask_local(seq_lens, query_start_loc, tokens)
     return merge.empty_mask(seq_lens, query_start_loc, tokens, world, interleave)
 
 
@@ -103,10 +107,11 @@ def lse_combine(
     query_start_loc: torch.Tensor | None,
     interleave: int,
     world: int,
+    scale: torch.Tensor | None = None,
 ) -> None:
     masked = _mask(seq_lens, query_start_loc, lse.shape[1], world, interleave)
     out, total = merge.lse_combine(o, lse, base, masked)
-    dst.copy_(out)
+    dst.copy_(out if scale is None else merge.quantize(out, scale))
     if dst_lse is not None:
         dst_lse.copy_(total)
 

@@ -61,6 +61,16 @@ PROGRAMS_PER_SM = 1
 WARP = 32
 
 
+def _brief(exc: BaseException, limit: int = 6000) -> str:
+    """A failed rank's traceback, at most ``limit`` characters: the start of the text
+    (where the chain begins) and the end (the innermost frames and the error itself)."""
+    text = "".join(traceback.format_exception(exc))
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return text[:head] + "\n  [...]\n" + text[-(limit - head):]
+
+
 class LocalRankError(RuntimeError):
     """A rank of a ``LocalGroup.run`` failed or did not finish in time."""
 
@@ -293,8 +303,7 @@ class LocalGroup:
                     results[rank.rank] = fn(rank, *args)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 with lock:  # the first failure is the cause; peers then see a broken group
-                    errors.setdefault(rank.rank, "".join(
-                        traceback.format_exception(exc))[-3000:])
+                    errors.setdefault(rank.rank, _brief(exc))
                     order.append(rank.rank)
                 self._barrier.abort()
 

@@ -44,6 +44,30 @@ def empty_mask(
     return torch.stack(masks)
 
 
+def empty_mask_local(
+    local_seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tokens: int
+) -> torch.Tensor:
+    """bool [W, tokens] from every rank's local lengths [B, W] (vLLM's
+    get_dcp_local_seq_lens(seq_lens, W)): True where rank p holds no KV of the token's
+    request, or the token is padding."""
+    req, padding = token_requests(query_start_loc, tokens)
+    batch, world = local_seq_lens.shape
+    if batch == 0:
+        return torch.ones(world, tokens, dtype=torch.bool, device=query_start_loc.device)
+    held = local_seq_lens[req.clamp(max=batch - 1)]  # [tokens, W]
+    return (padding.unsqueeze(1) | (held == 0)).t()
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An fp8 e4m3 output: x / scale[0] in fp32, clamped to +-448 (NaN stays NaN), as
+    vLLM's merge_attn_states with output_scale."""
+    y = x.float() * (1.0 / scale.reshape(-1)[0].float())
+    return torch.where(torch.isnan(y), y, y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+
+
 def _exp_log(base: str) -> tuple:
     if base == "2":
         return torch.exp2, torch.log2

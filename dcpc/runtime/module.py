@@ -64,6 +64,7 @@ class ScheduleModule:
     BUFFERS: ClassVar[dict[str, Buf]] = {}
     METHODS: ClassVar[dict[str, tuple[str, ...]]] = {}  # method -> argument buffers
     SCALARS: ClassVar[dict[str, tuple[tuple[str, tuple], ...]]] = {}  # per call, in order
+    LAYOUTS: ClassVar[dict[str, tuple[tuple[str, int, int, bool], ...]]] = {}  # strided inputs
     STATICS: ClassVar[dict[str, dict[str, tuple]]] = {}  # evaluated at the maxima
     TILES: ClassVar[dict[str, tuple[tuple, ...]]] = {}  # row-length ASTs of tile spaces
     SCRATCH: ClassVar[dict[str, dict[str, tuple[tuple, str]]]] = {}  # torch backend only
@@ -115,6 +116,8 @@ class ScheduleModule:
         if self.backend == "local" and programs is None:
             programs = self._local_program_cap()
         self._tune = self._make_tuning(programs, tuning)
+        self._envs: dict[tuple, dict[str, int]] = {}  # interned envs (Signature.bind)
+        self._memo: dict[tuple, tuple[Any, Any]] = {}  # (what, id(env)) -> (env, value)
         self._signatures = {
             method: Signature(
                 method,
@@ -122,6 +125,8 @@ class ScheduleModule:
                 self._env_const,
                 self._maxima,
                 self.device,
+                self.LAYOUTS.get(method, ()),
+                self._envs,
             )
             for method, params in self.METHODS.items()
         }
@@ -323,7 +328,7 @@ class ScheduleModule:
         env = self._signatures[method].bind(tensors, env)
         if self._guard:
             self._order.enter(method, slot)
-            self._fp = self._fps.of(method, env)
+            self._fp = self._memoised(("fp", method), env, lambda: self._fps.of(method, env))
         self._env[slot] = env
         if method in self._arms:
             self._watchdog.arm()  # type: ignore[union-attr]
@@ -386,7 +391,23 @@ class ScheduleModule:
         tiles = -(-rows // block_r) * col_tiles
         return max(1, min(tune.programs, -(-tiles // tune.tiles_per_program))), block_r, block_c
 
+    def _memoised(self, what: tuple, env: Mapping[str, int], make: Any) -> Any:
+        """``make()`` once per (what, env object): envs are interned (Signature.bind), so
+        the same sizes give the same object, and a cached value stays valid for it."""
+        key = (what, id(env))
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is env:
+            return hit[1]
+        value = make()
+        if len(self._memo) >= 4096:
+            self._memo.clear()
+        self._memo[key] = (env, value)
+        return value
+
     def _scalars(self, step: str, env: Mapping[str, int]) -> list[int]:
+        return self._memoised(("scalars", step), env, lambda: self._scalars_of(step, env))
+
+    def _scalars_of(self, step: str, env: Mapping[str, int]) -> list[int]:
         try:
             return [shapes.evaluate(e, env) for _, e in self.SCALARS[step]]
         except KeyError as exc:
@@ -396,7 +417,11 @@ class ScheduleModule:
             ) from None
 
     def _view(self, name: str, slot: int, env: Mapping[str, int]) -> torch.Tensor:
-        """The run-time view of a module-owned buffer: its first elements, contiguous."""
+        """The run-time view of a module-owned buffer: its first elements, contiguous
+        (memoised per env: the same view object while the sizes repeat)."""
+        return self._memoised(("view", name, slot), env, lambda: self._view_of(name, slot, env))
+
+    def _view_of(self, name: str, slot: int, env: Mapping[str, int]) -> torch.Tensor:
         buf = self.BUFFERS[name]
         try:
             shape = shapes.shape(buf.shape, env)
@@ -441,7 +466,7 @@ class ScheduleModule:
         maxima. What an engine step declared as reading it (``external: reads``) sees."""
         if name not in self.BUFFERS or self.BUFFERS[name].kind == "engine":
             raise KeyError(f"{type(self).__name__}: no module-owned buffer {name!r}")
-        return self._view(name, slot, {**self._max_env, **(sizes or {})})
+        return self._view_of(name, slot, {**self._max_env, **(sizes or {})})
 
     def close(self) -> None:
         """Release the symmetric heap (idempotent). Views handed out must not be used after.

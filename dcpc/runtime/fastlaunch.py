@@ -1,0 +1,123 @@
+"""The eager host path of a generated kernel's launch: Triton's dispatch once per key,
+then the compiled kernel's launcher directly.
+
+Engines run DCP outside CUDA graphs for mixed batches, where the host is the bottleneck.
+Triton's ``JITFunction.run`` rebuilds the specialisation of every argument, the options
+and the cache key on every launch (about 12 us for a one-argument kernel on an H200's
+host). A generated method launches the same kernel with the same kinds of arguments
+again and again, so ``fast_launch`` keys a launch by what Triton specialises on (every
+int by value, every tensor by dtype and 16-byte alignment, every constexpr, the grid and
+the device) and, on a repeat, calls the compiled kernel's launcher with the same
+argument list Triton would pass it (positional arguments, then the constexprs in the
+kernel's order). The first launch of a key, a launch inside ``local.compile_only`` (the
+warm-up), a launch with a profiler's launch hook set, the Triton interpreter (CPU) and
+``DCPC_FAST_LAUNCH=0`` all take Triton's own path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+MAX_KEYS = 1024  # launches remembered per kernel (cleared when full: sizes change rarely)
+
+
+def _enabled() -> bool:
+    return os.environ.get("DCPC_FAST_LAUNCH", "1") != "0" and (
+        os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
+_TENSOR = torch.Tensor
+
+
+def _arg_key(args: tuple) -> tuple:
+    """What Triton specialises an argument list on: ints by value (covers == 1, % 16 and
+    the int32/int64 choice), tensors by dtype and data_ptr % 16, anything else by value
+    (a tensor subclass, a bool or a float by its type too)."""
+    return tuple([
+        a if type(a) is int
+        else (a.dtype, a.data_ptr() & 15 == 0) if type(a) is _TENSOR
+        else (type(a), a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _TENSOR)
+        else (type(a), a)
+        for a in args
+    ])
+
+
+class FastKernel:
+    """A launched ``@triton.jit`` kernel: ``kernel[grid](*args, **constexprs)`` as with
+    Triton, through a per-key cache of the compiled kernel (see the module docstring)."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        self._cache: dict[tuple, tuple[Any, tuple]] = {}
+        self._names: tuple[str, ...] = tuple(getattr(fn, "arg_names", ()))
+        self._on = _enabled() and bool(self._names)
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__name__ = getattr(fn, "__name__", "kernel")
+
+    def __getattr__(self, name: str) -> Any:  # the JITFunction's own attributes
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid: tuple) -> Any:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: tuple, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if not self._on or _slow_now():
+            return self.fn[grid](*args, **kwargs)
+        driver = _triton()[1].active
+        device = driver.get_current_device()
+        key = (grid, device, _arg_key(args), *kwargs.values())  # one call site per kernel
+        hit = self._cache.get(key)
+        if hit is None:
+            compiled = self.fn[grid](*args, **kwargs)  # compiles or finds it, and launches
+            self._remember(key, compiled, len(args), kwargs)
+            return compiled
+        compiled, tail = hit
+        stream = driver.get_current_stream(device)
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *tail)
+        return compiled
+
+    def _remember(self, key: tuple, compiled: Any, positional: int,
+                  kwargs: dict[str, Any]) -> None:
+        """Keep the compiled kernel and the constexprs in the kernel's parameter order;
+        nothing when the launch is not one this path can repeat exactly."""
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            return
+        rest = self._names[positional:]
+        if any(name not in kwargs for name in rest):
+            return  # a defaulted parameter: Triton's path fills it in
+        if len(self._cache) >= MAX_KEYS:
+            self._cache.clear()
+        self._cache[key] = (compiled, tuple(kwargs[name] for name in rest))
+
+
+_MODULES: list[Any] = []  # (triton.knobs, triton's driver, dcpc.runtime.local), imported once
+
+
+def _triton() -> list[Any]:
+    if not _MODULES:
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        from dcpc.runtime import local
+
+        _MODULES.extend([knobs, driver, local])
+    return _MODULES
+
+
+def _slow_now() -> bool:
+    """Take Triton's path: the local backend's warm-up (compile and load, launch nothing)
+    or a launch hook (a profiler) is active."""
+    knobs, _, local = _MODULES or _triton()
+    runtime = knobs.runtime
+    return (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+            or getattr(local._tls, "compile_only", False))
+
+
+def fast_launch(fn: Any) -> Any:
+    """Decorator of a generated module's launched kernels (above ``@triton.jit``)."""
+    return FastKernel(fn)

@@ -1,0 +1,112 @@
+"""dcpc.runtime.fastlaunch's cache logic. The compiled path needs CUDA (the one-GPU suite
+runs every generated kernel through it); here a stand-in for Triton's JITFunction and
+CompiledKernel records what the fast path would hand the launcher, since Triton's
+compiled launcher does not exist on CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dcpc.runtime import fastlaunch
+
+
+class Compiled:
+    packed_metadata = "meta"
+    function = "fn-handle"
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def run(self, gx: int, gy: int, gz: int, stream: Any, function: Any, meta: Any, *rest: Any
+            ) -> None:
+        self.log.append(("fast", (gx, gy, gz), rest[3:]))  # after launch_metadata, 2 hooks
+
+
+class Jit:
+    """What FastKernel uses of a JITFunction: arg_names and kernel[grid](...)."""
+
+    arg_names = ["x", "n", "BLOCK", "MASK"]
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self.compiled = Compiled(self.log)
+
+    def __getitem__(self, grid: tuple) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Compiled:
+            self.log.append(("triton", grid, args, kwargs))
+            return self.compiled
+        return run
+
+
+def _kernel(monkeypatch: Any) -> tuple[fastlaunch.FastKernel, Jit]:
+    class Driver:
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int) -> int:
+            return 7
+
+    class Active:
+        active = Driver()
+
+    class Runtime:
+        launch_enter_hook = None
+        launch_exit_hook = None
+
+    class Knobs:
+        runtime = Runtime()
+
+    from dcpc.runtime import local
+
+    monkeypatch.setattr(fastlaunch, "_MODULES", [Knobs(), Active(), local])
+    jit = Jit()
+    k = fastlaunch.FastKernel(jit)
+    k._on = True  # what CUDA without TRITON_INTERPRET gives
+    return k, jit
+
+
+def test_repeat_launches_skip_triton_and_pass_constexprs_in_order(monkeypatch) -> None:
+    k, jit = _kernel(monkeypatch)
+    x = torch.zeros(64)
+    k[(3,)](x, 5, MASK=True, BLOCK=16)
+    k[(3,)](x, 5, MASK=True, BLOCK=16)
+    assert [e[0] for e in jit.log] == ["triton", "fast"]
+    assert jit.log[1][1] == (3, 1, 1)
+    assert jit.log[1][2] == (x, 5, 16, True)  # positional, then BLOCK, MASK by name order
+
+
+def test_what_triton_specialises_on_changes_the_key(monkeypatch) -> None:
+    k, jit = _kernel(monkeypatch)
+    x = torch.zeros(64)
+    calls = [((x, 5), {"BLOCK": 16, "MASK": True}),
+             ((x, 1), {"BLOCK": 16, "MASK": True}),  # an int equal to 1
+             ((x, 5), {"BLOCK": 32, "MASK": True}),  # a constexpr
+             ((x[1:], 5), {"BLOCK": 16, "MASK": True}),  # not 16-byte aligned
+             ((x.double(), 5), {"BLOCK": 16, "MASK": True}),  # another dtype
+             ((x + 1, 5), {"BLOCK": 16, "MASK": True})]  # a new tensor, same kind: fast
+    for args, kwargs in calls:
+        k[(2,)](*args, **kwargs)
+    assert [e[0] for e in jit.log] == ["triton"] * 5 + ["fast"]
+
+
+def test_warm_up_never_launches_through_the_fast_path(monkeypatch) -> None:
+    from dcpc.runtime import local
+
+    k, jit = _kernel(monkeypatch)
+    x = torch.zeros(64)
+    k[(1,)](x, 5, BLOCK=16, MASK=False)
+    monkeypatch.setattr(local._tls, "compile_only", True, raising=False)
+    k[(1,)](x, 5, BLOCK=16, MASK=False)
+    assert [e[0] for e in jit.log] == ["triton", "triton"]
+
+
+def test_the_interpreter_takes_tritons_path(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    jit = Jit()
+    k = fastlaunch.FastKernel(jit)
+    x = torch.zeros(4)
+    for _ in range(2):
+        k[(1,)](x, 5, BLOCK=16, MASK=False)
+    assert [e[0] for e in jit.log] == ["triton", "triton"]
