@@ -1,0 +1,117 @@
+"""SGLang's DCP interface (sglang/srt/layers/dcp, SGLang 0.5.23) on dcpc modules.
+
+- ``dcp_a2a_lse_reduce``: the output of this rank's heads [B, H/W, D] (dcpc path
+  ``fused``); no masking, no LSE returned, as SGLang;
+- ``cp_lse_ag_out_rs_mla``: the ag_rs combine in fp32, head-major [H/W, B, D] (a
+  transposed view), default base 2 as SGLang;
+- ``all_gather_q_for_mla_decode``: the query gather of (q_nope, q_pe) along heads.
+
+Results are views of the modules' persistent buffers (valid until the next call of
+the same shapes). The group is SGLang's GroupCoordinator (``get_dcp_group()`` when
+not given), a torch ProcessGroup or a dcpc LocalRank. Switches: ``DCPC_SGLANG``
+(unset = auto, 1 = force, 0 = torch fallback), ``DCPC_BACKEND``, ``DCPC_MAX_NUM_TOKENS``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from dcpc.engines.combine import Comm, GatherRunner, combine_call, runner
+from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, resolve_group, switch
+from dcpc.runtime.errors import DcpcArgumentError
+
+SWITCH = "DCPC_SGLANG"
+DEFAULT_MAX_NUM_TOKENS = 256
+
+
+def _tokens() -> int:
+    return int(os.environ.get("DCPC_MAX_NUM_TOKENS") or DEFAULT_MAX_NUM_TOKENS)
+
+
+def _backend() -> str:
+    return os.environ.get("DCPC_BACKEND", "auto")
+
+
+def _dcp_group() -> Any:
+    from sglang.srt.distributed.parallel_state import get_dcp_group
+
+    return get_dcp_group()
+
+
+def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
+                       is_lse_base_on_e: bool = True, cuda_graph_buffers: dict | None = None,
+                       comm_backend: str = "a2a") -> torch.Tensor:
+    """SGLang's dcp_a2a_lse_reduce: [B, H, D] partials of all heads and their fp32 LSE
+    [B, H] -> [B, H/W, D] of this rank's heads. ``cuda_graph_buffers`` is not needed
+    (the module's buffers are persistent); ``fi_a2a`` runs the same dcpc path."""
+    if comm_backend not in ("a2a", "fi_a2a"):
+        raise DcpcArgumentError(f"dcp_a2a_lse_reduce: comm_backend must be 'a2a' or "
+                                f"'fi_a2a', got {comm_backend!r}")
+    if cp_attn_lse.dtype != torch.float32:
+        raise DcpcArgumentError(f"dcp_a2a_lse_reduce: the LSE must be float32, got "
+                                f"{cp_attn_lse.dtype}")
+    group = resolve_group(cp_group, cp_attn_out.device)
+    if group.world == 1:
+        return cp_attn_out
+    out, _ = combine_call("fused", cp_attn_out, cp_attn_lse, group,
+                          base2=not is_lse_base_on_e, seq_lens=None, qsl=None,
+                          switch_name=SWITCH, max_tokens=_tokens(), backend=_backend(),
+                          label="dcp_a2a_lse_reduce")
+    return out
+
+
+def cp_lse_ag_out_rs_mla(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
+                         ctx: Any = None, is_lse_base_on_e: bool = False) -> torch.Tensor:
+    """SGLang's cp_lse_ag_out_rs_mla: [B, H, D] partials -> this rank's heads, head-major
+    [H/W, B, D] in cp_attn_out's dtype (corrected and summed in fp32). Unlike SGLang, a
+    NaN partial with weight 0 (an empty shard) contributes 0, not NaN."""
+    group = resolve_group(cp_group, cp_attn_out.device)
+    if group.world == 1:
+        return cp_attn_out
+    out, _ = combine_call("ag_rs", cp_attn_out, cp_attn_lse, group,
+                          base2=not is_lse_base_on_e, seq_lens=None, qsl=None,
+                          switch_name=SWITCH, max_tokens=_tokens(), backend=_backend(),
+                          label="cp_lse_ag_out_rs_mla")
+    return out.transpose(0, 1)
+
+
+def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
+                                group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's all_gather_q_for_mla_decode: (q_nope [B, H/W, Dn], q_pe [B, H/W, Dpe])
+    of this rank's heads -> ([B, H, Dn], [B, H, Dpe]) of all heads, rank order: views
+    of one gathered [B, H, Dpe + Dn] buffer (SGLang's are transposed views too)."""
+    group = resolve_group(_dcp_group() if group is None else group, q_pe.device)
+    if q_nope_out.shape[:2] != q_pe.shape[:2] or q_nope_out.dtype != q_pe.dtype:
+        raise DcpcArgumentError(f"all_gather_q_for_mla_decode: q_nope {tuple(q_nope_out.shape)} "
+                                f"{q_nope_out.dtype} and q_pe {tuple(q_pe.shape)} {q_pe.dtype} "
+                                "must agree in tokens, heads and dtype")
+    if group.world == 1:
+        return q_nope_out, q_pe
+    dpe = q_pe.shape[2]
+    combined = torch.cat([q_pe, q_nope_out], dim=-1)  # [B, H/W, Dpe + Dn], as SGLang
+    full = _gather(group, combined)
+    return full[..., dpe:], full[..., :dpe]
+
+
+def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
+    tokens, local_heads, d = combined.shape
+    mode = switch(SWITCH)
+    why = "" if combined.dtype in DTYPE_NAMES else f"dtype {combined.dtype}"
+    if mode == "on" and why:
+        raise DcpcArgumentError(f"all_gather_q_for_mla_decode: {SWITCH}=1 but {why}")
+    if mode != "off" and not why:
+        spec = GatherSpec("q", d, DTYPE_NAMES[combined.dtype], _tokens())
+        r = runner(GatherRunner, spec, group, local_heads * group.world, _backend())
+        if r.fits(tokens):
+            return r.run(combined)
+        why = f"{tokens} tokens exceed the workspace {_tokens()}"
+    if why:
+        log_once(f"sglang-q:{why}", f"all_gather_q_for_mla_decode: torch fallback: {why}")
+    parts = Comm(group).all_gather(combined)  # [W, B, H/W, D]
+    return parts.permute(1, 0, 2, 3).reshape(tokens, -1, d)
+
+
+__all__ = ["all_gather_q_for_mla_decode", "cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce"]

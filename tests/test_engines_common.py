@@ -1,0 +1,180 @@
+"""dcpc.engines without a group: the schedules an engine's dims give, the compile cache,
+the input layouts passed without a copy, the env switches, and the local math
+(vLLM's correct_attn_out, the source mask, the workspace size) against the float64
+reference."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dcpc.engines import common, reference
+from dcpc.engines import vllm as V
+from dcpc.engines.combine import fit_layout, mask_at_source
+from dcpc.engines.common import CombineSpec, GatherSpec
+from dcpc.runtime.errors import DcpcArgumentError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(common, "_classes", {})
+    return tmp_path
+
+
+def test_schedule_text_is_w_independent_and_names_its_checked_range():
+    spec = CombineSpec("fused", 64)
+    text = common.schedule_text(spec, 2)
+    assert text == common.schedule_text(spec, 8)  # one module for W 2..8
+    assert "H: {multiple_of: W}" in text and "checked for W 2..8" in text
+    assert "checked for W 2..12" in common.schedule_text(spec, 12)
+    assert common.schedule_text(CombineSpec("fused", 64, lse_base="2"), 2) != text
+
+
+@pytest.mark.parametrize("spec", [
+    CombineSpec("a2a", 16), CombineSpec("fused", 16, mask=False, return_lse=False),
+    CombineSpec("ag_rs", 16, o_dtype="f16", out_dtype="f16", slots=2),
+    CombineSpec("fused", 16, out_dtype="fp8e4m3"), GatherSpec("q", 24), GatherSpec("kv", 8),
+])
+def test_every_spec_compiles_through_the_full_check(cache, spec):
+    cls = common.module_class(spec, 3)
+    text = common.schedule_text(spec, 3)
+    key = hashlib.sha256(text.encode()).hexdigest()
+    assert (cache / f"{key[:32]}.py").exists()
+    assert (cache / f"{key[:32]}.yaml").read_text() == text
+    assert not [p for p in cache.iterdir() if p.name.startswith(".dcpc-")]  # atomic writes
+    assert cls.SLOTS == spec.slots
+    if isinstance(spec, CombineSpec):
+        assert ("lens_gather" in cls.STEPS) == spec.mask
+        assert ("release" in cls.STEPS) == (spec.path != "ag_rs")
+
+
+def test_a_cached_module_imports_without_the_compiler(cache):
+    spec = CombineSpec("fused", 16)
+    common.module_class(spec, 2)
+    code = textwrap.dedent("""
+        import sys
+        for name in ("pydantic", "networkx", "jinja2"):
+            sys.modules[name] = None  # any import of them fails
+        from dcpc.engines import common
+        from dcpc.engines.common import CombineSpec
+        cls = common.module_class(CombineSpec("fused", 16), 2)
+        print("OK", cls.__name__)
+        try:
+            common.module_class(CombineSpec("fused", 24), 2)  # not cached: must compile
+        except ImportError:
+            print("COMPILE NEEDS THE COMPILER")
+    """)
+    env = {**os.environ, "DCPC_CACHE_DIR": str(cache), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "OK Dcpc" in proc.stdout and "COMPILE NEEDS THE COMPILER" in proc.stdout
+
+
+@pytest.mark.parametrize("spec, word", [
+    (CombineSpec("allreduce", 16), "path"), (CombineSpec("a2a", 16, lse_base="10"), "lse_base"),
+    (CombineSpec("a2a", 16, slots=3), "slots"), (GatherSpec("k", 16), "gather kind"),
+])
+def test_bad_specs_are_argument_errors(spec, word):
+    with pytest.raises(DcpcArgumentError, match=word):
+        common.schedule_text(spec)
+
+
+def test_strided_engine_inputs_pass_without_a_copy(cache):
+    fused = common.module_class(CombineSpec("fused", 16), 2)
+    ag_rs = common.module_class(CombineSpec("ag_rs", 16), 2)
+    out = torch.randn(5, 8, 24)[..., :16]  # a padded attention output, sliced
+    lse = torch.randn(8, 5).t()  # FA's head-major LSE, transposed: strides (1, 5)
+    assert fit_layout(fused, "combine", "o_part", out) is out
+    assert fit_layout(fused, "combine", "lse_part", lse) is lse
+    assert fit_layout(ag_rs, "correct", "o_part", out) is out
+    assert fit_layout(ag_rs, "lse_gather", "lse_part", lse) is lse
+    every_other = torch.randn(5, 8, 32)[..., ::2]  # last dim not contiguous: copied
+    got = fit_layout(fused, "combine", "o_part", every_other)
+    assert got is not every_other and got.is_contiguous() and torch.equal(got, every_other)
+
+
+@pytest.mark.parametrize("value, want", [(None, "auto"), ("", "auto"), ("1", "on"),
+                                         ("true", "on"), ("0", "off"), ("False", "off")])
+def test_switches(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("VLLM_USE_DIRECT_DCP_A2A", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_DIRECT_DCP_A2A", value)
+    assert common.switch("VLLM_USE_DIRECT_DCP_A2A") == want
+
+
+def test_a_bad_switch_value_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_DIRECT_DCP_A2A", "maybe")
+    with pytest.raises(DcpcArgumentError, match="VLLM_USE_DIRECT_DCP_A2A='maybe'"):
+        common.switch("VLLM_USE_DIRECT_DCP_A2A")
+
+
+@pytest.mark.parametrize("base2", [False, True])
+def test_correct_attn_out_matches_reference_in_place(base2):
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(4, 1, 6, 16, generator=g).bfloat16()  # [B, 1, H, D]: squeezed
+    lses = torch.randn(3, 4, 6, generator=g) * 2
+    lses[:, 0, 0] = float("-inf")  # a row every rank masked: output 0
+    lses[1, 1, 2] = float("nan")  # NaN counts as -inf
+    lses[1, 2, 3] = float("inf")  # so does +inf
+    out[1, 0, 2] = float("nan")  # rank 1 (this rank) is masked there: no NaN may leak
+    want_out, want_lse = reference.vllm_correct_attn_out(out.squeeze(1), lses, 1, base2)
+    got_out, got_lse = V.correct_attn_out(out, lses, 1, None, is_lse_base_on_e=not base2)
+    assert got_out.data_ptr() == out.data_ptr()  # in place, as vLLM
+    assert not torch.isnan(got_out).any()
+    torch.testing.assert_close(got_out.double(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_lse.double(), want_lse)
+
+
+def test_correct_attn_out_checks_its_rank():
+    with pytest.raises(DcpcArgumentError, match="cp_rank 3"):
+        V.correct_attn_out(torch.zeros(2, 4, 8), torch.zeros(3, 2, 4), 3)
+
+
+def test_source_mask_matches_reference():
+    lse = torch.randn(7, 4)
+    lens = torch.tensor([2, 0, 5], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 4, 5], dtype=torch.int32)  # rows 5, 6: padding
+    got = mask_at_source(lse, lens, qsl)
+    assert torch.equal(got.double(), reference.source_mask(lse, lens, qsl))
+    assert torch.isinf(got[2:4]).all() and torch.isinf(got[5:]).all()
+    assert torch.isfinite(got[:2]).all() and torch.isfinite(got[4]).all()
+    empty = mask_at_source(lse, lens[:0], qsl[:1])
+    assert torch.isinf(empty).all()
+
+
+def test_mask_arguments_come_together():
+    with pytest.raises(ValueError, match="together"):
+        V.dcp_a2a_lse_reduce(torch.zeros(2, 4, 8), torch.zeros(2, 4), None,
+                             seq_lens=torch.ones(1, dtype=torch.int32))
+
+
+def test_workspace_tokens_without_vllm():
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=1),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=64),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=512))
+    assert V.get_dcp_workspace_max_num_tokens(cfg) == 512  # max(64 * 2, 512)
+    cfg.compilation_config.max_cudagraph_capture_size = None
+    assert V.get_dcp_workspace_max_num_tokens(cfg) == 128
+    cfg.scheduler_config.max_num_batched_tokens = 100
+    assert V.get_dcp_workspace_max_num_tokens(cfg) == 100
+
+
+def test_a_single_rank_group_returns_its_inputs():
+    out, lse = torch.randn(3, 4, 8), torch.randn(3, 4)
+    got = V.cp_lse_ag_out_rs(out, lse, None, return_lse=True)
+    assert got[0] is out and got[1] is lse
+    assert V.dcp_a2a_lse_reduce(out, lse, None) is out
