@@ -56,8 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heads", type=_ints, default=[64, 96, 128])
     ap.add_argument("--tokens", type=_ints, default=[1, 8, 64, 512])
     ap.add_argument("--latency-heads", type=_ints, default=[64, 128])
-    ap.add_argument("--replays", type=int, default=1000)
-    ap.add_argument("--dbo-iters", type=int, default=100)
+    ap.add_argument("--replays", type=int, default=1000,
+                    help="CUDA-graph replays per schedule and W, spread over the H x T grid")
+    ap.add_argument("--dbo-iters", type=int, default=120,
+                    help="DBO iterations per schedule and W, spread over the H x T grid")
     ap.add_argument("--iters", type=int, default=20, help="calls per timed graph")
     ap.add_argument("--reps", type=int, default=7, help="timed replays per benchmark")
     ap.add_argument("--programs", type=int, default=None,
@@ -95,7 +97,9 @@ def run_world(args: argparse.Namespace, W: int, results: dict[str, Any], deadlin
     group = LocalGroup(W, device, timeout_s=max(30.0, limit))
     out = results["worlds"].setdefault(str(W), {"sections": {}})
     heads = [h for h in args.heads if h % W == 0]
-    graph_cfg = [(heads[0], 8)] if heads else []
+    configs = [(h, t) for h in heads for t in args.tokens]  # graphs and DBO: every H x T
+    per_config = -(-args.replays // max(1, len(configs)))  # replays per schedule, spread
+    dbo_per_config = -(-args.dbo_iters // max(1, len(configs)))
     only = wanted
     stop = threading.Event()
 
@@ -133,7 +137,7 @@ def run_world(args: argparse.Namespace, W: int, results: dict[str, Any], deadlin
                 raise GpuStuck(f"W={W} section {name}: gpu stuck")
 
         section("correctness", lambda: correctness(ctx, reg, heads, args.tokens, ["local"]))
-        section("graphs", lambda: graphs(ctx, reg, graph_cfg, args.replays, "local"))
+        section("graphs", lambda: graphs(ctx, reg, configs, per_config, "local"))
         lat_heads = [h for h in args.latency_heads if h % W == 0]
         section("latency", lambda: bench_all(ctx, reg, lat_heads, args.tokens, args.iters,
                                              args.reps, [1, 16], "local"))
@@ -149,8 +153,8 @@ def run_world(args: argparse.Namespace, W: int, results: dict[str, Any], deadlin
                 off.close_all()
 
         section("guard", guard_cost)
-        section("dbo", lambda: [dbo(ctx, reg, h, t, args.dbo_iters, False, "local")
-                                for h, t in ([(heads[0], 8)] if heads else [])])
+        section("dbo", lambda: [dbo(ctx, reg, h, t, dbo_per_config, False, "local")
+                                for h, t in configs])
         if rank.rank == 0 and "residency" not in out:
             out["residency"] = residency(device)
             out["programs"] = {name: {s: t.programs for s, t in inst._tune.items()}
@@ -177,7 +181,8 @@ def summary(results: dict[str, Any]) -> str:
                                 for k, v in r["sections"].items()))
     host = results.get("host", {})
     for row in host.get("methods", []):
-        lines.append(f"host {row['schedule']}.{row['method']}: {row.get('host_us', 0):.1f} us, "
+        lines.append(f"host {row['schedule']}.{row['method']}: {row.get('host_us', 0):.1f} us "
+                     f"(Triton's launch {row.get('host_us_triton_launch', 0):.1f}), "
                      f"guard off {row.get('host_us_guard_off', 0):.1f} us (anchor "
                      f"{row['anchor']}: {row['anchor_us'] or float('nan'):.1f} us)")
     return "\n".join(lines)

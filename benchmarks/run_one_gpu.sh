@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One device call, one GPU: the whole suite at W = 2, 4 and 8 (ranks as threads, backend
-# local): correctness vs float64, CUDA-graph replays, DBO, latency, host time per call.
-#   bash benchmarks/run_one_gpu.sh [--quick] [--worlds 2,4,8] [--only ...] [one_gpu.py args]
+# local). Phase 1, the checks (correctness vs float64, CUDA-graph replays, DBO; the engine
+# adapters' tests on this GPU): one process per W, all at once (their JIT compiles share the CPU cores; the
+# GPU time-slices between the processes, each W's ranks stay in one). Phase 2, alone on
+# the GPU: latency, the guard's cost, host time per call. Then one merged report.
+#   bash benchmarks/run_one_gpu.sh [--quick] [one_gpu.py args for every phase]
 # Env: PY (default python3), MODULES (pre-compiled modules, default build/generated), OUT
-# (results; default benchmarks/results), HARD_TIMEOUT (seconds, default 590).
+# (results; default benchmarks/results), WORLDS (default "2 4 8"), CHECK_DEADLINE (s, 330),
+# BENCH_DEADLINE (s, 190).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -12,8 +16,11 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32  # a hardware queue per stream (W ranks x 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 MODULES=${MODULES:-build/generated}
-HARD_TIMEOUT=${HARD_TIMEOUT:-590}
-[ -n "${OUT:-}" ] && mkdir -p "$OUT"
+OUT=${OUT:-benchmarks/results}
+WORLDS=${WORLDS:-2 4 8}
+CHECK_DEADLINE=${CHECK_DEADLINE:-330}
+BENCH_DEADLINE=${BENCH_DEADLINE:-190}
+mkdir -p "$OUT/parts"
 if "$PY" -c "import pydantic" 2>/dev/null && [ -z "${KEEP_MODULES:-}" ]; then
   "$PY" -c "import sys; from dcpc.cli import main; sys.exit(main())" compile schedules/*.yaml \
     -o "$MODULES" && echo "run_one_gpu.sh: compiled schedules into $MODULES"
@@ -21,7 +28,26 @@ else
   echo "run_one_gpu.sh: no compiler here; carried modules in $MODULES"
 fi
 ls "$MODULES" 2>/dev/null | sed 's/^/  module: /'
-timeout -k 10 "$HARD_TIMEOUT" "$PY" -m benchmarks.one_gpu --modules "$MODULES" "$@"
-rc=$?
+pids=()
+for W in $WORLDS; do
+  timeout -k 10 $((CHECK_DEADLINE + 40)) "$PY" -m benchmarks.one_gpu --modules "$MODULES" \
+    --worlds "$W" --only correctness,graphs,dbo --deadline "$CHECK_DEADLINE" \
+    --out "$OUT/parts/checks_w$W" "$@" > "$OUT/parts/checks_w$W.log" 2>&1 &
+  pids+=($!)
+done
+# the engine adapters (dcpc.engines, vLLM's and SGLang's functions) on this GPU: their
+# tests, ranks as threads (backend local), against float64; the kernel-side empty-shard mask
+DCPC_TEST_DEVICE=cuda:0 DCPC_KERNEL_MASK=1 timeout -k 10 "$CHECK_DEADLINE" "$PY" -m pytest -q \
+  -p no:cacheprovider tests/test_engines_local.py > "$OUT/parts/engines.log" 2>&1 &
+pids+=($!)
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+echo "== engines"; tail -n 3 "$OUT/parts/engines.log"
+for W in $WORLDS; do echo "== checks W=$W"; tail -n 4 "$OUT/parts/checks_w$W.log"; done
+timeout -k 10 $((BENCH_DEADLINE + 40)) "$PY" -m benchmarks.one_gpu --modules "$MODULES" \
+  --worlds "$(echo $WORLDS | tr ' ' ,)" --only latency,guard,host --deadline "$BENCH_DEADLINE" \
+  --out "$OUT/parts/bench" "$@" 2>&1 | tail -n 30 || rc=$?
+"$PY" -m benchmarks.report.merge "$OUT"/parts/checks_w*/one_gpu_results.json \
+  "$OUT/parts/bench/one_gpu_results.json" --engines "$OUT/parts/engines.log" -o "$OUT"
 echo "run_one_gpu.sh: exit $rc"
 exit $rc

@@ -20,6 +20,18 @@ def _first_line(text: str) -> str:
     return str(text).strip().splitlines()[0] if str(text).strip() else ""
 
 
+def _configs(recs: list[dict[str, Any]]) -> int:
+    return len({(x.get("H"), x.get("T")) for x in recs})
+
+
+def _clean(recs: list[dict[str, Any]], key: str) -> int:
+    """The fewest clean replays (or iterations) any (schedule, rank) got, over all configs."""
+    total: dict[tuple[Any, Any], int] = defaultdict(int)
+    for x in recs:
+        total[(x.get("schedule"), x.get("rank"))] += x.get(key, 0) if x.get("ok") else 0
+    return min(total.values()) if total else 0
+
+
 def render(results: dict[str, Any]) -> str:
     meta = results.get("meta", {})
     out = ["# dcpc on ONE GPU: W ranks as threads (backend `local`)", "",
@@ -34,15 +46,15 @@ def render(results: dict[str, Any]) -> str:
            f"{results.get('seconds', '?')} s", ""]
     out += ["## Checks per W", "",
             "| W | correctness (rank records) | worst merge err vs float64 | graph replays "
-            "(records ok, replays each) | DBO (records ok, iterations each) | errors |",
+            "(records ok; H x T configs; clean replays per schedule and rank, min) | DBO "
+            "(records ok; configs; clean iterations per schedule and rank, min) | errors |",
             "| --- | --- | --- | --- | --- | --- |"]
     for W, r in results.get("worlds", {}).items():
         g, d = r.get("graphs", []), r.get("dbo", [])
-        reps = sorted({x.get("replays") for x in g if x.get("replays")})
-        its = sorted({x.get("iters") for x in d if x.get("iters")})
         out.append(f"| {W} | {_count(r.get('correctness', []))} | "
-                   f"{_worst(r.get('correctness', []), 'out'):.4f} | {_count(g)}, {reps} | "
-                   f"{_count(d)}, {its} | {len(r.get('errors', []))}"
+                   f"{_worst(r.get('correctness', []), 'out'):.4f} | {_count(g)}; "
+                   f"{_configs(g)}; {_clean(g, 'replays')} | {_count(d)}; {_configs(d)}; "
+                   f"{_clean(d, 'iters')} | {len(r.get('errors', []))}"
                    + (f" ({_first_line(r['error'])[:120]})" if r.get("error") else "") + " |")
     out += ["", "Correctness: every decode schedule at every H x T of the run (H a multiple "
             "of W), random request layouts with empty shards, padding rows, NaN/inf garbage "
@@ -81,19 +93,35 @@ def render(results: dict[str, Any]) -> str:
                 k = (x["method"], x["H"], x["T"])
                 out.append(f"| {W} | {k[0]} | {k[1]} | {k[2]} | "
                            f"{f'{on[k]:.1f}' if k in on else ''} | {x['us']:.1f} |")
+    eng = results.get("engines")
+    if eng:
+        counts = ", ".join(f"{n} {k}" for k, n in eng.get("counts", {}).items())
+        out += ["", "## Engine adapters on this GPU (dcpc.engines; tests/test_engines_local.py "
+                "with DCPC_TEST_DEVICE=cuda:0, the kernel-side empty-shard mask)", "",
+                f"- status: {eng.get('status')}; {counts or 'no counts'}"]
+        if eng.get("status") != "ok":
+            out += ["", "```", *eng.get("tail", []), "```"]
     host = results.get("host", {})
     if host.get("methods"):
         out += ["", f"## Host time per eager call (W = 1, one thread, H={host['H']} "
                 f"T={host['T']}; median of {host['reps']} x {host['calls']} calls; target "
                 f"<= {host['target_us']:.0f} us)", "",
-                "| schedule | method | host us (guard on) | guard off | replaces | its host us |",
-                "| --- | --- | --- | --- | --- | --- |"]
+                "Host us per call through dcpc's launch path (the default: "
+                "dcpc.runtime.fastlaunch) and through Triton's own `kernel[grid](...)`, "
+                "measured in turn in the same process.", "",
+                "| schedule | method | host us (guard on) | Triton's launch | guard off | "
+                "Triton's launch | replaces | its host us |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+        def us(x: Any) -> str:
+            return f"{x:.1f}" if x else ""
+
         for row in host["methods"]:
-            a = row.get("anchor_us")
-            on, off = row.get("host_us"), row.get("host_us_guard_off")
-            out.append(f"| {row['schedule']} | {row['method']} | "
-                       f"{f'{on:.1f}' if on else ''} | {f'{off:.1f}' if off else ''} | "
-                       f"{row.get('anchor') or ''} | {f'{a:.1f}' if a else ''} |")
+            out.append(f"| {row['schedule']} | {row['method']} | {us(row.get('host_us'))} | "
+                       f"{us(row.get('host_us_triton_launch'))} | "
+                       f"{us(row.get('host_us_guard_off'))} | "
+                       f"{us(row.get('host_us_guard_off_triton_launch'))} | "
+                       f"{row.get('anchor') or ''} | {us(row.get('anchor_us'))} |")
     elif host.get("error"):
         out += ["", f"Host section failed: {host['error']}"]
     for W, r in results.get("worlds", {}).items():

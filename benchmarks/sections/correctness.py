@@ -1,6 +1,9 @@
 """Section correctness: every decode schedule (and kv_gather) on each backend against
 float64 references, the backends against each other, the NCCL baselines against the same
-references (multi-GPU runs only: NCCL cannot put several ranks on one GPU)."""
+references (multi-GPU runs only: NCCL cannot put several ranks on one GPU). At the first
+H, every case again with the inputs strided as engines pass them (backend
+``<name>+strided``: a head-strided query, an output sliced out of a padded buffer, an LSE
+transposed from [H, T])."""
 
 from __future__ import annotations
 
@@ -30,28 +33,33 @@ def correctness(ctx: Ctx, reg: Registry, heads: list[int], tokens: list[int],
                 continue
             case = make_case(T, H, W, seed=1000 * H + T, device=ctx.device)
             inputs = case_inputs(case, ctx.rank)
+            variants = [(b, inputs) for b in backends]
+            if H == heads[0]:
+                variants += [(f"{b}+strided", strided(inputs)) for b in backends]
             for schedule in DECODE:
                 refs = case_refs(case, ctx.rank, schedule)
                 per_backend: dict[str, dict[str, torch.Tensor]] = {}
-                for backend in backends:
-                    item = f"{schedule}/{backend}/H{H}/T{T}"
+                for name, env in variants:
+                    backend = name.split("+")[0]
+                    item = f"{schedule}/{name}/H{H}/T{T}"
                     snaps: dict[str, torch.Tensor] = {}
                     try:
                         inst = reg.get(schedule, H, backend)
-                        warm(ctx, lambda: run_steps(inst, schedule, inputs, slot=0,  # noqa: B023
+                        warm(ctx, lambda: run_steps(inst, schedule, env, slot=0,  # noqa: B023
                                                     after=_snapshotter(snaps)))  # noqa: B023
-                        run_steps(inst, schedule, inputs, slot=0, after=_snapshotter(snaps))
+                        run_steps(inst, schedule, env, slot=0, after=_snapshotter(snaps))
                         barrier(ctx)
                         score = _score(snaps, refs)
-                        per_backend[backend] = snaps
+                        if name == backend:
+                            per_backend[backend] = snaps
                         ok = bool(score) and all(v["bad"] == 0 for v in score.values())
-                        recs.append({"schedule": schedule, "backend": backend, "H": H, "T": T,
+                        recs.append({"schedule": schedule, "backend": name, "H": H, "T": T,
                                      "ok": ok, "buffers": score})
                     except GpuStuck:
                         raise
                     except Exception as exc:  # noqa: BLE001 - record and go on
                         ctx.error("correctness", item, exc)
-                        recs.append({"schedule": schedule, "backend": backend, "H": H,
+                        recs.append({"schedule": schedule, "backend": name, "H": H,
                                      "T": T, "ok": False, "error": str(exc)[:300]})
                         barrier(ctx)
                 if len(per_backend) == 2:
@@ -61,6 +69,22 @@ def correctness(ctx: Ctx, reg: Registry, heads: list[int], tokens: list[int],
             ctx.log(f"correctness H={H} T={T}: "
                     f"{sum(r['ok'] for r in recs)}/{len(recs)} ok so far")
     _kv_check(ctx, reg, backends, recs)
+
+
+def strided(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values, laid out as engines hand them over: q_local [T, H/W, D] a view of a
+    head-padded buffer, o_part [T, H, Dv] sliced out of [T, H + 2, Dv + 64], lse_part
+    [T, H] the transpose of an [H, T] tensor."""
+    out = dict(inputs)
+    q, o, lse = inputs["q_local"], inputs["o_part"], inputs["lse_part"]
+    qb = torch.zeros(q.shape[0], q.shape[1] + 1, q.shape[2] + 32, dtype=q.dtype, device=q.device)
+    qb[:, 1:, 16:16 + q.shape[2]] = q
+    out["q_local"] = qb[:, 1:, 16:16 + q.shape[2]]
+    ob = torch.zeros(o.shape[0], o.shape[1] + 2, o.shape[2] + 64, dtype=o.dtype, device=o.device)
+    ob[:, 1:1 + o.shape[1], :o.shape[2]] = o
+    out["o_part"] = ob[:, 1:1 + o.shape[1], :o.shape[2]]
+    out["lse_part"] = lse.t().contiguous().t()
+    return out
 
 
 def _cross(schedule: str, H: int, T: int, per_backend: dict[str, dict[str, torch.Tensor]],

@@ -51,6 +51,34 @@ def _host_us(fn: Callable[[], Any], calls: int, reps: int) -> float:
     return statistics.median(samples)
 
 
+def _kernels(inst: Any) -> list[Any]:
+    """The launched kernels of an instance's generated module (dcpc.runtime.fastlaunch)."""
+    import sys
+
+    from dcpc.runtime.fastlaunch import FastKernel
+
+    return [v for v in vars(sys.modules[type(inst).__module__]).values()
+            if isinstance(v, FastKernel)]
+
+
+def _paired_us(fn: Callable[[], Any], kernels: list[Any], calls: int, reps: int
+               ) -> tuple[float, float]:
+    """(host us per call through the fast launch path, through Triton's own), measured
+    in turn, rep after rep, so that drifts of the host clock hit both alike."""
+    fast, slow = [], []
+    was = [k._on for k in kernels]
+    try:
+        for _ in range(reps):
+            for on, into in ((True, fast), (False, slow)):
+                for k, w in zip(kernels, was, strict=True):
+                    k._on = w and on
+                into.append(_host_us(fn, calls, 1))
+    finally:
+        for k, w in zip(kernels, was, strict=True):
+            k._on = w
+    return statistics.median(fast), statistics.median(slow)
+
+
 def _anchors(device: torch.device, H: int, T: int, calls: int, reps: int) -> dict[str, float]:
     import torch.distributed as dist
 
@@ -83,9 +111,10 @@ def _anchors(device: torch.device, H: int, T: int, calls: int, reps: int) -> dic
 
 
 def host_overhead(modules_dir: Any, device: torch.device, H: int = 64, T: int = 8,
-                  calls: int = 200, reps: int = 5) -> dict[str, Any]:
-    """{"methods": [{schedule, method, host_us, host_us_guard_off, anchor, anchor_us}],
-    "anchors": {...}}: every method with the run-time guard on (the default) and off."""
+                  calls: int = 200, reps: int = 7) -> dict[str, Any]:
+    """{"methods": [{schedule, method, host_us, host_us_guard_off, host_us_triton_launch,
+    anchor, anchor_us}], "anchors": {...}}: every method with the run-time guard on (the
+    default) and off, each through the fast launch path (the default) and Triton's."""
     from dcpc.runtime.local import LocalGroup
 
     rank = LocalGroup(1, device).ranks[0]
@@ -101,13 +130,17 @@ def host_overhead(modules_dir: Any, device: torch.device, H: int = 64, T: int = 
         for schedule, heads, env_in in jobs:
             inst = reg.get(schedule, heads, "local")
             env = run_steps(inst, schedule, env_in)
+            kernels = _kernels(inst)
             for step, _ in STEPS[schedule]:
-                us = _host_us(step_caller(inst, schedule, step, env), calls, reps)
+                us, triton_us = _paired_us(step_caller(inst, schedule, step, env), kernels,
+                                           calls, reps)
                 anchor = ANCHOR.get(step)
                 row = rows.setdefault((schedule, step), {
                     "schedule": schedule, "method": step, "H": heads, "T": T,
                     "anchor": anchor, "anchor_us": anchors.get(anchor)})
                 row["host_us" if guard else "host_us_guard_off"] = us
+                row["host_us_triton_launch" if guard else "host_us_guard_off_triton_launch"] = \
+                    triton_us
         reg.close_all()
     return {"methods": list(rows.values()), "anchors": anchors, "H": H, "T": T,
             "calls": calls, "reps": reps, "world": 1, "target_us": 15.0}
