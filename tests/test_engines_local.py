@@ -284,8 +284,8 @@ CASES = ["vllm_a2a_mask", "vllm_ag_rs_mask", "vllm_repeat", "vllm_base2_bf16_lse
          "sglang", "sglang_fp8_partials", "fp8_output", "forced_unsupported", "ag_rs_vs_a2a_error"]
 
 
-# the same scenarios with the empty-shard mask in-kernel (DCPC_KERNEL_MASK=1: CPU only,
-# it does not compile for CUDA yet; see dcpc.engines.combine.kernel_mask)
+# the same scenarios with the empty-shard mask in-kernel (DCPC_KERNEL_MASK=1: run on CPU
+# only so far; see dcpc.engines.combine.kernel_mask)
 ALIASES = {"kernel_mask_a2a": "vllm_a2a_mask", "kernel_mask_ag_rs": "vllm_ag_rs_mask",
            "kernel_mask_repeat": "vllm_repeat", "kernel_mask_strided": "vllm_strided",
            "kernel_mask_manager": "vllm_manager", "kernel_mask_fp8": "fp8_output"}

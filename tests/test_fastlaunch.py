@@ -51,16 +51,11 @@ def _kernel(monkeypatch: Any) -> tuple[fastlaunch.FastKernel, Jit]:
     class Active:
         active = Driver()
 
-    class Runtime:
-        launch_enter_hook = None
-        launch_exit_hook = None
-
-    class Knobs:
-        runtime = Runtime()
+    from triton import knobs  # the real one: Triton 3.6's hooks are HookChains, never None
 
     from dcpc.runtime import local
 
-    monkeypatch.setattr(fastlaunch, "_MODULES", [Knobs(), Active(), local])
+    monkeypatch.setattr(fastlaunch, "_MODULES", [knobs, Active(), local])
     jit = Jit()
     k = fastlaunch.FastKernel(jit)
     k._on = True  # what CUDA without TRITON_INTERPRET gives
@@ -100,6 +95,23 @@ def test_warm_up_never_launches_through_the_fast_path(monkeypatch) -> None:
     monkeypatch.setattr(local._tls, "compile_only", True, raising=False)
     k[(1,)](x, 5, BLOCK=16, MASK=False)
     assert [e[0] for e in jit.log] == ["triton", "triton"]
+
+
+def test_a_launch_hook_takes_tritons_path(monkeypatch) -> None:
+    """A profiler's hook (Triton 3.6: added to a HookChain) must see every launch."""
+    from triton import knobs
+
+    k, jit = _kernel(monkeypatch)
+    x = torch.zeros(64)
+    k[(1,)](x, 5, BLOCK=16, MASK=False)
+    k[(1,)](x, 5, BLOCK=16, MASK=False)  # fast: no hook
+    seen: list = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        k[(1,)](x, 5, BLOCK=16, MASK=False)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert [e[0] for e in jit.log] == ["triton", "fast", "triton"]
 
 
 def test_the_interpreter_takes_tritons_path(monkeypatch) -> None:

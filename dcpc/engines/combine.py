@@ -331,9 +331,9 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
 def kernel_mask() -> bool:
     """``DCPC_KERNEL_MASK=1``: mask empty shards in-kernel (a ``lens_gather`` step shares
     every rank's local lengths; ``mask_empty: {local_seq_lens}``) instead of at the
-    source. Off by default: that mask compiles in Triton's interpreter (CPU) but not
-    for CUDA yet (templates/math.j2 ``_dcpc_row_seq`` returns a pointer in one branch
-    and an int32 in the other: "Inconsistent return types", Triton 3.6, H200)."""
+    source. Off by default until it has run on a GPU: its first form did not compile
+    for CUDA (two returns of different types in templates/math.j2 ``_dcpc_row_seq``,
+    Triton 3.6, H200); it is one constexpr branch now, run on CPU only."""
     return switch("DCPC_KERNEL_MASK") == "on"
 
 

@@ -109,12 +109,21 @@ def _triton() -> list[Any]:
     return _MODULES
 
 
+def _hooked(hook: Any) -> bool:
+    """A launch hook is set: Triton 3.6 keeps a ``HookChain`` (never None; hooked when
+    its ``calls`` are not empty), older Triton a callable or None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _slow_now() -> bool:
     """Take Triton's path: the local backend's warm-up (compile and load, launch nothing)
     or a launch hook (a profiler) is active."""
     knobs, _, local = _MODULES or _triton()
     runtime = knobs.runtime
-    return (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
             or getattr(local._tls, "compile_only", False))
 
 
