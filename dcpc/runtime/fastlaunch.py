@@ -10,8 +10,12 @@ int by value, every tensor by dtype and 16-byte alignment, every constexpr, the 
 the device) and, on a repeat, calls the compiled kernel's launcher with the same
 argument list Triton would pass it (positional arguments, then the constexprs in the
 kernel's order). The first launch of a key, a launch inside ``local.compile_only`` (the
-warm-up), a launch with a profiler's launch hook set, the Triton interpreter (CPU) and
-``DCPC_FAST_LAUNCH=0`` all take Triton's own path.
+warm-up), a launch with a profiler's launch hook set and the Triton interpreter (CPU)
+take Triton's own path.
+
+Opt-in (``DCPC_FAST_LAUNCH=1``) until a GPU run has measured and checked it: the one-GPU
+run at 6a30478 never engaged it (it read Triton 3.6's empty hook chains as a profiler's
+hook), so the launcher call below has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ MAX_KEYS = 1024  # launches remembered per kernel (cleared when full: sizes chan
 
 
 def _enabled() -> bool:
-    return os.environ.get("DCPC_FAST_LAUNCH", "1") != "0" and (
+    return os.environ.get("DCPC_FAST_LAUNCH", "0") == "1" and (
         os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
