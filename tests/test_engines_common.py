@@ -41,6 +41,15 @@ def test_schedule_text_is_w_independent_and_names_its_checked_range():
     assert common.schedule_text(CombineSpec("fused", 64, lse_base="2"), 2) != text
 
 
+def test_the_cache_key_covers_the_code_generator(monkeypatch):
+    """A module emitted by other templates is never taken from the cache."""
+    text = common.schedule_text(CombineSpec("fused", 16), 2)
+    key = common.cache_key(text)
+    assert key == hashlib.sha256((text + common._generator()).encode()).hexdigest()
+    monkeypatch.setattr(common, "_generator", lambda: "other templates")
+    assert common.cache_key(text) != key
+
+
 @pytest.mark.parametrize("spec", [
     CombineSpec("a2a", 16), CombineSpec("fused", 16, mask=False, return_lse=False),
     CombineSpec("ag_rs", 16, o_dtype="f16", out_dtype="f16", slots=2),
@@ -49,7 +58,7 @@ def test_schedule_text_is_w_independent_and_names_its_checked_range():
 def test_every_spec_compiles_through_the_full_check(cache, spec):
     cls = common.module_class(spec, 3)
     text = common.schedule_text(spec, 3)
-    key = hashlib.sha256(text.encode()).hexdigest()
+    key = common.cache_key(text)
     assert (cache / f"{key[:32]}.py").exists()
     assert (cache / f"{key[:32]}.yaml").read_text() == text
     assert not [p for p in cache.iterdir() if p.name.startswith(".dcpc-")]  # atomic writes

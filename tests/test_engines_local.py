@@ -329,8 +329,11 @@ _results: dict[int, Any] = {}
 def _results_for(world: int) -> Any:
     if world not in _results:
         with tempfile.TemporaryDirectory(prefix="dcpc-engines-") as cache:
-            env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-                   "DCPC_CACHE_DIR": cache, "DCPC_MAX_NUM_TOKENS": str(WORKSPACE)}
+            # the interpreter on CPU only: on CUDA it would copy tensors to the host for
+            # every kernel, and peers' stores through the pointer tables never arrive
+            env = {**os.environ, "TRITON_INTERPRET": "1" if DEV == "cpu" else "0",
+                   "OMP_NUM_THREADS": "1", "DCPC_CACHE_DIR": cache,
+                   "DCPC_MAX_NUM_TOKENS": str(WORKSPACE)}
             for var in ("VLLM_USE_DIRECT_DCP_A2A", "DCPC_VLLM_AG_RS", "DCPC_SGLANG",
                         "DCPC_KERNEL_MASK",
                         "VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER",

@@ -3,6 +3,8 @@ package ``dcpc._templates`` (pyproject maps templates/ to it)."""
 
 from __future__ import annotations
 
+import hashlib
+from functools import lru_cache
 from pathlib import Path
 
 
@@ -13,3 +15,17 @@ def template_dir() -> Path:
     import dcpc._templates  # type: ignore[import-not-found]
 
     return Path(dcpc._templates.__path__[0])
+
+
+@lru_cache(maxsize=1)
+def generator_fingerprint() -> str:
+    """sha256 of what turns a plan into module text: every template and the codegen's
+    own sources. A cache of compiled modules keyed by schedule text alone would keep a
+    module emitted by other templates (dcpc.engines keys by both)."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    files = sorted(template_dir().rglob("*.j2")) + sorted(here.glob("*.py"))
+    for path in files:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()

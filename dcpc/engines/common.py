@@ -6,8 +6,8 @@ a2a, fused or ag_rs) or a ``GatherSpec`` (the query all-gather, the KV all-gathe
 ``module_class(spec)`` writes the schedule's YAML, runs dcpc's full pipeline on it (the
 structural check and the race/deadlock proof, as ``dcpc compile``), writes the module
 into the cache folder (``DCPC_CACHE_DIR``, default ``~/.cache/dcpc/engines``) under the
-sha256 of the YAML, and imports it. A later process imports the cached file without
-compiling (no pydantic needed then).
+sha256 of the YAML and of the code generator (templates, codegen sources), and imports
+it. A later process imports the cached file without compiling (no pydantic needed then).
 
 Every schedule here is W-independent (``H: {multiple_of: W}``); the text names the group
 sizes it is checked for and dcpc's version, so the cache key covers them (a checkout
@@ -211,6 +211,19 @@ _lock = threading.Lock()
 _classes: dict[str, type] = {}
 
 
+def cache_key(text: str) -> str:
+    """The cache key of a schedule's module: sha256 of its YAML and of the generator."""
+    return hashlib.sha256((text + _generator()).encode()).hexdigest()
+
+
+def _generator() -> str:
+    """The code generator's fingerprint, when this install has the compiler's sources
+    (always in a checkout or a wheel of dcpc; the import needs no pydantic)."""
+    from dcpc.codegen.templates import generator_fingerprint
+
+    return generator_fingerprint()
+
+
 def cache_dir() -> Path:
     """Where compiled modules live: ``DCPC_CACHE_DIR`` or ``~/.cache/dcpc/engines``."""
     return Path(os.environ.get("DCPC_CACHE_DIR") or Path.home() / ".cache/dcpc/engines")
@@ -220,7 +233,7 @@ def module_class(spec: CombineSpec | GatherSpec, world: int = 2) -> type:
     """The generated class for ``spec``: from this process's table, else the cache
     folder, else compiled now (the full check) and written atomically."""
     text = schedule_text(spec, world)
-    key = hashlib.sha256(text.encode()).hexdigest()
+    key = cache_key(text)
     with _lock:
         if key not in _classes:
             path = cache_dir() / f"{key[:32]}.py"
