@@ -7,6 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
+# Every CPU test runs Triton's interpreter, which Triton reads when it is imported: set it
+# before any test module (some import dcpc.runtime, hence triton, at collection) loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHM_DIR = "/dev/shm"
 PREFIX = "dcpc-"  # dcpc.runtime.host.SEGMENT_PREFIX (not imported: keeps collection light)
 
