@@ -8,9 +8,7 @@ test_kernels_e2e.py and import this module by name (tests/ is on sys.path).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -39,28 +37,17 @@ def compile_file(path: Path, out_dir: Path) -> Path:
 
 def load(path: str | Path) -> ModuleType:
     """Import a generated module from its file (a unique name per file content)."""
+    from dcpc.runtime.loading import import_file
+
     path = Path(path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-    name = f"dcpc_gen_{path.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_file(path, f"dcpc_gen_{path.stem}_{digest}")
 
 
 def the_class(module: ModuleType) -> type:
-    from dcpc.runtime import ScheduleModule
+    from dcpc.runtime.loading import schedule_class
 
-    (cls,) = [
-        v
-        for v in vars(module).values()
-        if isinstance(v, type) and issubclass(v, ScheduleModule) and v is not ScheduleModule
-    ]
-    return cls
+    return schedule_class(module)
 
 
 MERGE_SCHEDULE = """

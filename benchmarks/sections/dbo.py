@@ -57,8 +57,8 @@ def dbo(ctx: Ctx, reg: Registry, H: int, T: int, iters: int, crossed: bool = Fal
                 envs: list[dict[str, Any]] = [{}, {}]
                 refs: list[dict[str, Ref]] = [{}, {}]
                 for s in order:
-                    envs[s], refs[s] = dict(pool[s][i % len(pool[s])][0]), \
-                        pool[s][i % len(pool[s])][1]
+                    env, ref = pool[s][i % len(pool[s])]
+                    envs[s], refs[s] = dict(env), ref
                 for step, _ in STEPS[schedule]:
                     for s in order:
                         with _on(streams[s]):

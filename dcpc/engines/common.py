@@ -17,23 +17,20 @@ whose templates changed without a version change must clear the cache).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from dcpc import __version__
-from dcpc.runtime import ScheduleModule
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.heap import group_rank_world
+from dcpc.runtime.loading import import_file, schedule_class
 
 log = logging.getLogger("dcpc.engines")
 
@@ -239,7 +236,7 @@ def module_class(spec: CombineSpec | GatherSpec, world: int = 2) -> type:
             path = cache_dir() / f"{key[:32]}.py"
             if not path.exists():
                 _compile_into(text, path, world)
-            _classes[key] = _the_class(_import(path, f"dcpc_engines_{key[:16]}"))
+            _classes[key] = schedule_class(import_file(path, f"dcpc_engines_{key[:16]}"))
         return _classes[key]
 
 
@@ -268,23 +265,6 @@ def _write_atomic(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def _import(path: Path, name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _the_class(module: ModuleType) -> type:
-    (cls,) = [v for v in vars(module).values() if isinstance(v, type)
-              and issubclass(v, ScheduleModule) and v is not ScheduleModule]
-    return cls
 
 
 # ---- the group ----------------------------------------------------------------------------

@@ -41,6 +41,19 @@ def _dcp_group() -> Any:
     return get_dcp_group()
 
 
+def _combine(path: str, out: torch.Tensor, lse: torch.Tensor, cp_group: Any, base_e: bool,
+             label: str) -> torch.Tensor:
+    """One combine without SGLang's mask arguments: ``out`` itself on a group of one,
+    else [B, H/W, D] of this rank's heads."""
+    group = resolve_group(cp_group, out.device)
+    if group.world == 1:
+        return out
+    got, _ = combine_call(path, out, lse, group, base2=not base_e, seq_lens=None, qsl=None,
+                          switch_name=SWITCH, max_tokens=_tokens(), backend=_backend(),
+                          label=label)
+    return got
+
+
 def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
                        is_lse_base_on_e: bool = True, cuda_graph_buffers: dict | None = None,
                        comm_backend: str = "a2a") -> torch.Tensor:
@@ -53,14 +66,8 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
     if cp_attn_lse.dtype != torch.float32:
         raise DcpcArgumentError(f"dcp_a2a_lse_reduce: the LSE must be float32, got "
                                 f"{cp_attn_lse.dtype}")
-    group = resolve_group(cp_group, cp_attn_out.device)
-    if group.world == 1:
-        return cp_attn_out
-    out, _ = combine_call("fused", cp_attn_out, cp_attn_lse, group,
-                          base2=not is_lse_base_on_e, seq_lens=None, qsl=None,
-                          switch_name=SWITCH, max_tokens=_tokens(), backend=_backend(),
-                          label="dcp_a2a_lse_reduce")
-    return out
+    return _combine("fused", cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e,
+                    "dcp_a2a_lse_reduce")
 
 
 def cp_lse_ag_out_rs_mla(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
@@ -68,14 +75,9 @@ def cp_lse_ag_out_rs_mla(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, c
     """SGLang's cp_lse_ag_out_rs_mla: [B, H, D] partials -> this rank's heads, head-major
     [H/W, B, D] in cp_attn_out's dtype (corrected and summed in fp32). Unlike SGLang, a
     NaN partial with weight 0 (an empty shard) contributes 0, not NaN."""
-    group = resolve_group(cp_group, cp_attn_out.device)
-    if group.world == 1:
-        return cp_attn_out
-    out, _ = combine_call("ag_rs", cp_attn_out, cp_attn_lse, group,
-                          base2=not is_lse_base_on_e, seq_lens=None, qsl=None,
-                          switch_name=SWITCH, max_tokens=_tokens(), backend=_backend(),
-                          label="cp_lse_ag_out_rs_mla")
-    return out.transpose(0, 1)
+    out = _combine("ag_rs", cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e,
+                   "cp_lse_ag_out_rs_mla")
+    return out if out is cp_attn_out else out.transpose(0, 1)
 
 
 def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
