@@ -36,8 +36,9 @@ for W in $WORLDS; do
   pids+=($!)
 done
 # the engine adapters (dcpc.engines, vLLM's and SGLang's functions) on this GPU: their
-# tests, ranks as threads (backend local), against float64; the kernel-side empty-shard mask
-DCPC_TEST_DEVICE=cuda:0 DCPC_KERNEL_MASK=1 timeout -k 10 "$CHECK_DEADLINE" "$PY" -m pytest -q \
+# tests, ranks as threads (backend local), against float64 (the kernel_mask_* cases: the
+# empty-shard mask in-kernel)
+DCPC_TEST_DEVICE=cuda:0 timeout -k 10 "$CHECK_DEADLINE" "$PY" -m pytest -q \
   -p no:cacheprovider tests/test_engines_local.py > "$OUT/parts/engines.log" 2>&1 &
 pids+=($!)
 rc=0

@@ -62,8 +62,10 @@ def _inputs(seed: int, world: int, tokens: int, heads: int, dv: int, *, garbage:
 def _compare(got: Any, want: Any, tol: float = ATOL) -> dict[str, Any]:
     import torch
 
-    got = got.detach().double().cpu()
-    want = want.double().cpu()
+    from dcpc.runtime.local import to_host  # a bare .cpu() can hang ranks on one GPU
+
+    got = to_host(got.detach().double())
+    want = to_host(want.double())
     finite = torch.isfinite(want)
     same_inf = bool(torch.equal(got[~finite], want[~finite])
                     and torch.isfinite(got[finite]).all())  # -inf exactly where wanted
@@ -85,6 +87,7 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
     from dcpc.engines import reference as ref
     from dcpc.engines import sglang as S
     from dcpc.engines import vllm as V
+    from dcpc.runtime.local import to_host
 
     name = ALIASES.get(name, name)
     seed = sum(map(ord, name)) + world
@@ -178,7 +181,7 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
         gathered = torch.full((world * n, 40), float("nan"), dtype=torch.bfloat16, device=DEV)
         m.kv_gather(gathered, parts[r])
         checks.append({"what": "kv gather", "ok": torch.equal(
-            gathered.double().cpu(), ref.gather_rows(parts))})
+            to_host(gathered.double()), ref.gather_rows(parts))})
     elif name == "sglang":
         x = _inputs(seed, world, T, H, D, garbage=False)
         want_a2a = ref.sglang_a2a(x["outs"], x["lses"])
@@ -221,7 +224,7 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
                            H, backend)
             o, _ = run.run(x["outs"][r], lse, *mask, scale=scale)
             q = (want[r][0] / 0.004).clamp(-448, 448)
-            err = (o.double().cpu() - q).abs() - 0.13 * q.abs()  # one e4m3 step: 2**-3
+            err = (to_host(o.double()) - q).abs() - 0.13 * q.abs()  # one e4m3 step: 2**-3
             checks.append({"what": f"fp8 {path}", "ok": o.dtype == torch.float8_e4m3fn
                            and err.max().item() <= 2.0**-9, "excess": err.max().item()})
             barrier()
@@ -236,9 +239,9 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
     elif name == "ag_rs_vs_a2a_error":  # ag_rs sums in fp32: no worse than a2a
         x = _inputs(seed, world, T, H, D, garbage=False)
         want = ref.vllm_combine(x["outs"], x["lses"])[r][0]
-        a2a = V.dcp_a2a_lse_reduce(x["outs"][r], x["lses"][r], rank).double().cpu()
+        a2a = to_host(V.dcp_a2a_lse_reduce(x["outs"][r], x["lses"][r], rank).double())
         barrier()
-        rs = V.cp_lse_ag_out_rs(x["outs"][r], x["lses"][r], rank).double().cpu()
+        rs = to_host(V.cp_lse_ag_out_rs(x["outs"][r], x["lses"][r], rank).double())
         e_a2a, e_rs = (a2a - want).abs(), (rs - want).abs()
         step = 2.0 ** -8 * want.abs().max().item()  # one bf16 rounding of the largest
         checks.append({"what": "ag_rs error <= a2a error",
@@ -284,13 +287,12 @@ CASES = ["vllm_a2a_mask", "vllm_ag_rs_mask", "vllm_repeat", "vllm_base2_bf16_lse
          "sglang", "sglang_fp8_partials", "fp8_output", "forced_unsupported", "ag_rs_vs_a2a_error"]
 
 
-# the same scenarios with the empty-shard mask in-kernel (DCPC_KERNEL_MASK=1: run on CPU
-# only so far; see dcpc.engines.combine.kernel_mask)
+# the same scenarios with the empty-shard mask in-kernel (DCPC_KERNEL_MASK=1; see
+# dcpc.engines.combine.kernel_mask)
 ALIASES = {"kernel_mask_a2a": "vllm_a2a_mask", "kernel_mask_ag_rs": "vllm_ag_rs_mask",
            "kernel_mask_repeat": "vllm_repeat", "kernel_mask_strided": "vllm_strided",
            "kernel_mask_manager": "vllm_manager", "kernel_mask_fp8": "fp8_output"}
-if DEV == "cpu":
-    CASES += list(ALIASES)
+CASES += list(ALIASES)
 CASE_ENV = {"vllm_switch_off": {"VLLM_USE_DIRECT_DCP_A2A": "0"},
             "forced_unsupported": {"VLLM_USE_DIRECT_DCP_A2A": "1"},
             **{name: {"DCPC_KERNEL_MASK": "1"} for name in ALIASES}}
@@ -305,8 +307,28 @@ class _Log(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _recorded_errors() -> list[str]:
+    """What the kernels of every cached combine module recorded (a timeout, a contract
+    error), read after a scenario."""
+    from dcpc.engines import combine
+
+    found = []
+    for key, run in list(combine._runners.items()):
+        module = getattr(run, "module", None)
+        try:
+            if module is not None:
+                module.check_errors()
+        except Exception as exc:  # noqa: BLE001 - reported
+            found.append(f"{key[2]} rank {key[5]}: {type(exc).__name__}: {exc}")
+    return found
+
+
 def _child(world: int) -> None:
-    """Every scenario at ``world`` on DEV; prints the results as one JSON line."""
+    """Every scenario at ``world`` on DEV; prints the results as one JSON line. The first
+    scenario that raises (a rank's error, or a rank hung past the group's timeout) ends
+    the run: its error is the result, the scenarios after it are not run (a hung rank's
+    kernel may still spin)."""
+    import time
     import warnings
 
     warnings.filterwarnings("ignore", category=RuntimeWarning)
@@ -314,16 +336,35 @@ def _child(world: int) -> None:
 
     handler = _Log()
     logging.getLogger("dcpc.engines").addHandler(handler)
-    group = LocalGroup(world, DEV, timeout_s=240)
+    group = LocalGroup(world, DEV, timeout_s=240 if DEV == "cpu" else 90)
     out: dict[str, Any] = {}
+    t0 = time.monotonic()
     for name in CASES:
         before = len(handler.lines)
-        out[name] = {"ranks": _run_case(group, name, world), "logs": handler.lines[before:]}
-    print("RESULT " + json.dumps(out))
+        try:
+            out[name] = {"ranks": _run_case(group, name, world),
+                         "logs": handler.lines[before:]}
+        except Exception as exc:  # noqa: BLE001 - reported as the scenario's result
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        recorded = _recorded_errors() if DEV != "cpu" else []  # DCPC_TRAP=0: not trapped
+        if recorded:
+            before = out[name].get("error", "")
+            out[name] = {"error": f"{before}\nrecorded by kernels: {recorded}".strip()}
+        print(f"[{time.monotonic() - t0:6.1f}s] W={world} {name}: "
+              f"{'error' if 'error' in out[name] else 'ran'}", file=sys.stderr, flush=True)
+        if "error" in out[name]:
+            break
+    print("RESULT " + json.dumps(out), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # threads of a hung rank must not keep the process alive
 
 
 # ---- the tests ----------------------------------------------------------------------------
 _results: dict[int, Any] = {}
+
+
+def _text(data: bytes | str | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
 def _results_for(world: int) -> Any:
@@ -339,18 +380,34 @@ def _results_for(world: int) -> Any:
                         "VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER",
                         "DCPC_BACKEND"):
                 env.pop(var, None)
-            proc = subprocess.run([sys.executable, __file__, str(world)], capture_output=True,
-                                  text=True, timeout=600, env=env)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-        _results[world] = json.loads(lines[-1][len("RESULT "):])
-    return _results[world]
+            try:
+                proc = subprocess.run([sys.executable, __file__, str(world)],
+                                      capture_output=True, text=True, timeout=600, env=env)
+                stdout, stderr = proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as exc:
+                stdout, stderr = _text(exc.stdout), _text(exc.stderr) + "\n(timed out)"
+        lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+        # kept on failure too: every test of this W reports the same run, which runs once
+        _results[world] = (json.loads(lines[-1][len("RESULT "):]) if lines else
+                           {"child failed": stdout[-2000:] + stderr[-4000:]})
+    got = _results[world]
+    assert "child failed" not in got, got.get("child failed")
+    return got
+
+
+def _case(world: int, case: str) -> Any:
+    got = _results_for(world)
+    if case not in got:
+        failed = [f"{k}: {v['error']}" for k, v in got.items() if "error" in v]
+        pytest.fail(f"{case} not run at W={world}: an earlier scenario failed ({failed})")
+    assert "error" not in got[case], got[case]["error"]
+    return got[case]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", CASES)
 def test_adapter_matches_float64_reference(case: str, world: int) -> None:
-    got = _results_for(world)[case]
+    got = _case(world, case)
     assert len(got["ranks"]) == world
     for r, checks in enumerate(got["ranks"]):
         assert checks, f"rank {r} checked nothing"
@@ -360,7 +417,7 @@ def test_adapter_matches_float64_reference(case: str, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_over_workspace_falls_back_and_says_so(world: int) -> None:
-    logs = _results_for(world)["vllm_over_workspace"]["logs"]
+    logs = _case(world, "vllm_over_workspace")["logs"]
     assert any("torch fallback" in x and "exceed the workspace" in x for x in logs), logs
     # logged once per reason, not once per rank or call
     assert len(logs) == len(set(logs)), logs
@@ -369,11 +426,11 @@ def test_over_workspace_falls_back_and_says_so(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_fast_path_runs_without_fallback(world: int) -> None:
     """The masked, strided and repeated calls ran on dcpc modules: nothing was logged."""
-    got = _results_for(world)
     for case in ("vllm_a2a_mask", "vllm_ag_rs_mask", "vllm_repeat", "vllm_strided",
                  "vllm_ag_rs_strided", "sglang", "vllm_manager", "vllm_no_requests",
                  "kernel_mask_a2a", "kernel_mask_strided", "kernel_mask_manager"):
-        assert got[case]["logs"] == [], (case, got[case]["logs"])
+        logs = _case(world, case)["logs"]
+        assert logs == [], (case, logs)
 
 
 if __name__ == "__main__":

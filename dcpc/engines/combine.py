@@ -200,10 +200,20 @@ class Comm:
         rank: LocalRank = self.group.handle
         table = _exchanges.setdefault(rank.group, {})
         table[rank.rank] = [p.clone() for p in parts]
-        rank.barrier()  # the clones are done (this thread's stream) before a peer reads
-        got = [table[p][rank.rank] for p in range(rank.world)]
+        _stream_done(parts[0].device)  # the clones are done before a peer's stream reads
+        rank.barrier()
+        got = [table[p][rank.rank].clone() for p in range(rank.world)]
+        _stream_done(parts[0].device)  # read before the owner frees or reposts its clones
         rank.group.barrier()
         return got
+
+
+def _stream_done(device: torch.device) -> None:
+    """This thread's stream has run what it was given (ranks of a LocalGroup on one GPU
+    share memory but not streams); only this stream, never the device (a peer's kernel
+    may be spinning)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 # ---- the math, in torch (fp32) ------------------------------------------------------------

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import torch
 
+from dcpc.runtime.local import to_host
+
 NEG_INF = float("-inf")
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(torch.float64).cpu()
+    return to_host(t.detach().to(torch.float64))  # safe with ranks as threads on one GPU
 
 
 def source_mask(lse: torch.Tensor, local_lens: torch.Tensor, qsl: torch.Tensor) -> torch.Tensor:
     """vLLM's mask_dcp_empty_shards_: rows at or past qsl[-1], and rows of a request
     whose local length is 0, get -inf (all rows when there are no requests)."""
     lse = _f64(lse).clone()
-    lens, q = local_lens.cpu().long(), qsl.cpu().long()
+    lens, q = to_host(local_lens).long(), to_host(qsl).long()
     if lens.numel() == 0:
         return torch.full_like(lse, NEG_INF)
     for row in range(lse.shape[0]):

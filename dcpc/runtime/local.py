@@ -159,6 +159,18 @@ def compile_only() -> Iterator[None]:
         _tls.compile_only = before
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to the host, safe while peers' kernels may spin: this thread's stream
+    is synchronised first, then copied. A blocking copy into pageable host memory
+    (``.cpu()``, ``.item()``, ``.tolist()``) issued while this rank's stream still waits
+    on a peer holds the CUDA driver's staging buffer until it is done, and a peer's own
+    copy needs that buffer before it can launch what this rank waits for: a hang (seen
+    on one H200 with two ranks, each reading results with ``.cpu()``)."""
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
+    return t.cpu()
+
+
 def residency(device: torch.device | None = None) -> dict[str, Any]:
     """Per kernel loaded in warm-up: registers, shared memory, warps and how many of its
     programs fit on one SM; with the SM count, what a cap could be given the real counts."""
