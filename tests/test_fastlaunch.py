@@ -58,7 +58,7 @@ def _kernel(monkeypatch: Any) -> tuple[fastlaunch.FastKernel, Jit]:
     monkeypatch.setattr(fastlaunch, "_MODULES", [knobs, Active(), local])
     jit = Jit()
     k = fastlaunch.FastKernel(jit)
-    k._on = True  # what DCPC_FAST_LAUNCH=1 on CUDA (no TRITON_INTERPRET) gives
+    k._on = True  # what CUDA without TRITON_INTERPRET gives (DCPC_FAST_LAUNCH unset or 1)
     return k, jit
 
 
@@ -114,10 +114,13 @@ def test_a_launch_hook_takes_tritons_path(monkeypatch) -> None:
     assert [e[0] for e in jit.log] == ["triton", "fast", "triton"]
 
 
-def test_the_fast_path_is_opt_in_and_never_under_the_interpreter(monkeypatch) -> None:
+def test_the_fast_path_is_the_default_off_by_switch_and_never_under_the_interpreter(
+        monkeypatch) -> None:
     monkeypatch.delenv("DCPC_FAST_LAUNCH", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "")
-    assert not fastlaunch.FastKernel(Jit())._on  # off by default
+    assert fastlaunch.FastKernel(Jit())._on  # on by default
+    monkeypatch.setenv("DCPC_FAST_LAUNCH", "0")
+    assert not fastlaunch.FastKernel(Jit())._on
     monkeypatch.setenv("DCPC_FAST_LAUNCH", "1")
     assert fastlaunch.FastKernel(Jit())._on
     monkeypatch.setenv("TRITON_INTERPRET", "1")

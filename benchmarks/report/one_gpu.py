@@ -106,9 +106,9 @@ def render(results: dict[str, Any]) -> str:
         out += ["", f"## Host time per eager call (W = 1, one thread, H={host['H']} "
                 f"T={host['T']}; median of {host['reps']} x {host['calls']} calls; target "
                 f"<= {host['target_us']:.0f} us)", "",
-                "Host us per call through dcpc's launch path (dcpc.runtime.fastlaunch, opt-in: "
-                "DCPC_FAST_LAUNCH=1) and through Triton's own `kernel[grid](...)` (the "
-                "default), measured in turn in the same process.", "",
+                "Host us per call through dcpc's launch path (dcpc.runtime.fastlaunch, the "
+                "default; DCPC_FAST_LAUNCH=0 turns it off) and through Triton's own "
+                "`kernel[grid](...)`, measured in turn in the same process.", "",
                 "| schedule | method | host us (guard on) | Triton's launch | guard off | "
                 "Triton's launch | replaces | its host us |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -70,7 +70,7 @@ def _paired_us(fn: Callable[[], Any], kernels: list[Any], calls: int, reps: int
     try:
         for _ in range(reps):
             for on, into in ((True, fast), (False, slow)):
-                for k in kernels:  # the fast path is opt-in (DCPC_FAST_LAUNCH=1): force it
+                for k in kernels:  # on and off in turn, whatever DCPC_FAST_LAUNCH says
                     k._on = on
                 into.append(_host_us(fn, calls, 1))
     finally:

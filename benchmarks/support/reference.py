@@ -149,29 +149,46 @@ def make_case(T: int, H: int, W: int, seed: int, device: torch.device, B: int | 
 
 
 def case_inputs(case: DecodeCase, rank: int) -> dict[str, torch.Tensor]:
-    """The engine-owned buffers of one rank, by schedule buffer name."""
-    return {"q_local": case.q[rank].contiguous(), "o_part": case.o[rank].contiguous(),
-            "lse_part": case.lse[rank].contiguous(), "seq_lens": case.seq_lens,
+    """The engine-owned buffers of one rank, by schedule buffer name (copies: a view
+    would keep every rank's partials alive, W times what this rank needs)."""
+    return {"q_local": case.q[rank].clone(), "o_part": case.o[rank].clone(),
+            "lse_part": case.lse[rank].clone(), "seq_lens": case.seq_lens,
             "query_start_loc": case.qsl}
 
 
 def case_refs(case: DecodeCase, rank: int, schedule: str = "") -> dict[str, Ref]:
-    """What every buffer a decode schedule writes must hold on ``rank``."""
+    """What every buffer a decode schedule writes must hold on ``rank`` (only the
+    buffers ``schedule`` writes when it is one of benchmarks.support.modules.STEPS; each
+    its own copy, so that a pool of cases does not keep whole cases alive: at W=8,
+    H=128, T=512 a case is 0.6 GB, and views of it ran one H200 out of memory in DBO)."""
+    from benchmarks.support.modules import STEPS
+
     T, H, W = case.T, case.H, case.W
     hl = H // W
     heads = slice(rank * hl, (rank + 1) * hl)
-    q_full = case.q.permute(1, 0, 2, 3).reshape(T, H, D)
-    out, out_lse = merge_ref(case.o[:, :, heads], case.lse[:, :, heads], case.valid)
     tol = (0.03 * max(1, W // 2), 0.02) if schedule.endswith("ag_rs") else MERGE_TOL
-    return {
-        "q_full": Ref("exact", q_full), "q_stage": Ref("exact", q_full),
-        "o_recv": Ref("exact", case.o[:, :, heads]),
-        "lse_recv": Ref("exact", case.lse[:, :, heads]),
-        "lse_all": Ref("exact", case.lse),
-        "o_corr": Ref("approx", corr_ref(case.o[rank], case.lse, case.valid, rank)),
-        "out": Ref("approx", out, out_lse, atol=tol[0], rtol=tol[1]),
-        "out_lse": Ref("lse", out_lse),
+
+    def q_full() -> torch.Tensor:
+        return case.q.permute(1, 0, 2, 3).reshape(T, H, D).clone()
+
+    def merged() -> tuple[torch.Tensor, torch.Tensor]:
+        if "merged" not in cache:
+            cache["merged"] = merge_ref(case.o[:, :, heads], case.lse[:, :, heads], case.valid)
+        return cache["merged"]
+
+    cache: dict[str, Any] = {}
+    make = {
+        "q_full": lambda: Ref("exact", q_full()), "q_stage": lambda: Ref("exact", q_full()),
+        "o_recv": lambda: Ref("exact", case.o[:, :, heads].clone()),
+        "lse_recv": lambda: Ref("exact", case.lse[:, :, heads].clone()),
+        "lse_all": lambda: Ref("exact", case.lse.clone()),
+        "o_corr": lambda: Ref("approx", corr_ref(case.o[rank], case.lse, case.valid, rank)),
+        "out": lambda: Ref("approx", merged()[0], merged()[1], atol=tol[0], rtol=tol[1]),
+        "out_lse": lambda: Ref("lse", merged()[1]),
     }
+    wanted = ({name for _, outs in STEPS[schedule] for name in outs} if schedule in STEPS
+              else set(make))
+    return {name: fn() for name, fn in make.items() if name in wanted}
 
 
 def kv_case(n_rows: int, W: int, seed: int, device: torch.device

@@ -226,6 +226,8 @@ class SignalBank:
         timeout_s: float | None = None,
     ) -> None:
         """Raise the error recorded by a kernel, if any (reads device memory: a host sync)."""
+        if self.errors.device.type == "cuda":  # first: see dcpc.runtime.local.to_host
+            torch.cuda.current_stream(self.errors.device).synchronize()
         code, step, peer, epoch, here, there, _, flag = (int(v) for v in self.errors.tolist())
         if code == 0:
             return
