@@ -6,8 +6,8 @@
 # the GPU: latency, the guard's cost, host time per call. Then one merged report.
 #   bash benchmarks/run_one_gpu.sh [--quick] [one_gpu.py args for every phase]
 # Env: PY (default python3), MODULES (pre-compiled modules, default build/generated), OUT
-# (results; default benchmarks/results), WORLDS (default "2 4 8"), CHECK_DEADLINE (s, 330),
-# BENCH_DEADLINE (s, 190).
+# (results; default benchmarks/results), WORLDS (default "2 4 8"), CHECK_DEADLINE (s, 380),
+# BENCH_DEADLINE (s, 100): at most 380 + 40 + 100 + 40 s in all, inside one 600 s device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -18,8 +18,8 @@ PY=${PY:-python3}
 MODULES=${MODULES:-build/generated}
 OUT=${OUT:-benchmarks/results}
 WORLDS=${WORLDS:-2 4 8}
-CHECK_DEADLINE=${CHECK_DEADLINE:-330}
-BENCH_DEADLINE=${BENCH_DEADLINE:-190}
+CHECK_DEADLINE=${CHECK_DEADLINE:-380}
+BENCH_DEADLINE=${BENCH_DEADLINE:-100}
 mkdir -p "$OUT/parts"
 if "$PY" -c "import pydantic" 2>/dev/null && [ -z "${KEEP_MODULES:-}" ]; then
   "$PY" -c "import sys; from dcpc.cli import main; sys.exit(main())" compile schedules/*.yaml \
