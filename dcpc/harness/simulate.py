@@ -16,6 +16,7 @@ import torch
 
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
+from dcpc.runtime.merge import FP8_E4M3_MAX, local_seq_len  # the facts, defined once
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
@@ -38,12 +39,6 @@ def as_stored(schedule: m.Schedule, name: str, value: torch.Tensor) -> torch.Ten
     return value.to(TORCH_DTYPES[dtype.value]).to(torch.float64)
 
 
-def local_seq_len(seq_lens: torch.Tensor, rank: int, world: int, interleave: int) -> torch.Tensor:
-    base = seq_lens // interleave // world * interleave
-    rem = (seq_lens - base * world - rank * interleave).clamp(0, interleave)
-    return base + rem
-
-
 def empty_rows(
     mask: m.MaskEmpty, bufs: Buffers, rank: int, world: int, tokens: int
 ) -> torch.Tensor:
@@ -63,16 +58,13 @@ def empty_rows(
     return padding | empty
 
 
-FP8_MAX = 448.0
-
-
 def scaled(op: Any, bufs: Buffers, value: torch.Tensor) -> torch.Tensor:
     """``output_scale``: value / scale[0], clamped to the fp8 e4m3 range (NaN stays)."""
     name = getattr(op, "output_scale", None)
     if name is None:
         return value
     y = value / bufs[name].reshape(-1)[0]
-    return torch.where(torch.isnan(y), y, y.clamp(-FP8_MAX, FP8_MAX))
+    return torch.where(torch.isnan(y), y, y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
 
 
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
