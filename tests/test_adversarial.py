@@ -16,7 +16,6 @@ default 800: about 15 s on one core).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcpc.cli import main
+from dcpc.runtime.loading import import_file, schedule_class
 
 ROOT = Path(__file__).resolve().parent.parent
 BASES = {p.stem: p.read_text() for p in sorted((ROOT / "schedules").glob("*.yaml"))}
@@ -183,11 +183,9 @@ def check_then_compile(tmp_path: Path, text: str, index: int) -> int:
     assert_clean(compiled.output, str(path), compiled.exit_code)
     assert compiled.exit_code == 0, f"check accepted, compile refused:\n{compiled.output}"
     (module,) = out.glob("*.py")
-    spec = importlib.util.spec_from_file_location(f"dcpc_adversarial_{index}", module)
-    assert spec is not None and spec.loader is not None
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)  # the module imports (its kernels are only defined)
-    sys.modules.pop(spec.name, None)
+    name = f"dcpc_adversarial_{index}"
+    schedule_class(import_file(module, name))  # it imports (kernels only defined), one class
+    sys.modules.pop(name, None)
     return 0
 
 

@@ -8,7 +8,6 @@ writes (and so what it returns, in order) is listed in ``STEPS``.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
@@ -31,11 +30,6 @@ STEPS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
 DECODE = ("kimi_k3_dcp", "kimi_k3_dcp_fused", "kimi_k3_dcp_staging", "kimi_k3_dcp_ag_rs")
 
 
-def camel(name: str) -> str:
-    """kimi_k3_dcp_ag_rs -> KimiK3DcpAgRs (the generated class name)."""
-    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
-
-
 def load_class(modules_dir: Path, schedule: str) -> type:
     """Import ``<modules_dir>/<schedule>.py`` and return its schedule class."""
     path = Path(modules_dir) / f"{schedule}.py"
@@ -44,19 +38,9 @@ def load_class(modules_dir: Path, schedule: str) -> type:
     repo = str(Path(__file__).resolve().parents[2])
     if repo not in sys.path:  # generated code does `from dcpc import runtime`
         sys.path.insert(0, repo)
-    spec = importlib.util.spec_from_file_location(f"dcpc_generated_{schedule}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    for obj in vars(module).values():
-        if isinstance(obj, type) and getattr(obj, "SCHEDULE", None) == schedule:
-            return obj
-    cls = getattr(module, camel(schedule), None)
-    if not isinstance(cls, type):
-        raise ImportError(f"{path} has no class {camel(schedule)} (SCHEDULE={schedule!r})")
-    return cls
+    from dcpc.runtime.loading import import_file, schedule_class
+
+    return schedule_class(import_file(path, f"dcpc_generated_{schedule}"), schedule)
 
 
 def instantiate(cls: type, group: Any, sizes: dict[str, int], device: torch.device,

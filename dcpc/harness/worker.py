@@ -13,9 +13,7 @@ module-owned (symmetric) buffers included, into the module's own memory.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -57,17 +55,9 @@ class RankReport:
 
 
 def load_module_class(path: str, schedule: str) -> type:
-    name = f"dcpc_generated_{schedule}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import the generated module {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    for value in vars(module).values():
-        if isinstance(value, type) and getattr(value, "SCHEDULE", None) == schedule:
-            return value
-    raise ImportError(f"{path} defines no class with SCHEDULE = {schedule!r}")
+    from dcpc.runtime.loading import import_file, schedule_class
+
+    return schedule_class(import_file(path, f"dcpc_generated_{schedule}"), schedule)
 
 
 def _constructor_kwargs(cls: type, wanted: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -193,14 +192,9 @@ def sample_and_check(mb: Microbatch, group, stats: CheckStats) -> None:
 def load_module_class(args, world: int):
     """Import the generated module (compile the schedule first unless --module is given)."""
     path = Path(args.module) if args.module else compile_schedule(Path(args.schedule), world)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    camel = "".join(part.capitalize() for part in path.stem.split("_"))  # kimi_k3_dcp -> KimiK3Dcp
-    if hasattr(module, camel):
-        return getattr(module, camel)
-    (only,) = [c for c in vars(module).values() if isinstance(c, type) and hasattr(c, "merge")]
-    return only
+    from dcpc.runtime.loading import import_file, schedule_class  # what an engine uses
+
+    return schedule_class(import_file(path, f"dcpc_example_{path.stem}"))
 
 
 def compile_schedule(schedule: Path, world: int) -> Path:
