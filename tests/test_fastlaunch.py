@@ -130,3 +130,27 @@ def test_the_fast_path_is_the_default_off_by_switch_and_never_under_the_interpre
     for _ in range(2):
         k[(1,)](x, 5, BLOCK=16, MASK=False)
     assert [e[0] for e in jit.log] == ["triton", "triton"]
+
+
+def test_constexprs_are_keyed_by_name_and_type(monkeypatch) -> None:
+    """Triton compiles anew for BLOCK=1.0 vs BLOCK=1, and for swapped constexpr values:
+    the fast path must not reuse the first call's kernel for them."""
+    k, jit = _kernel(monkeypatch)
+    x = torch.zeros(64)
+    k[(1,)](x, 5, BLOCK=4, MASK=8)
+    k[(1,)](x, 5, MASK=4, BLOCK=8)  # same values, other names: a new key
+    k[(1,)](x, 5, BLOCK=1, MASK=True)
+    k[(1,)](x, 5, BLOCK=1.0, MASK=1)  # equal values, other types: a new key
+    k[(1,)](x, 5, BLOCK=1, MASK=True)  # a repeat: fast
+    assert [e[0] for e in jit.log] == ["triton"] * 4 + ["fast"]
+
+
+def test_only_a_checked_triton_takes_the_fast_path(monkeypatch) -> None:
+    import triton
+
+    monkeypatch.delenv("DCPC_FAST_LAUNCH", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "")
+    monkeypatch.setattr(triton, "__version__", "3.2.0")
+    assert not fastlaunch.FastKernel(Jit())._on
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert fastlaunch.FastKernel(Jit())._on

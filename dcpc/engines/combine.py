@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -287,23 +288,43 @@ def torch_combine(comm: Comm, path: str, o: torch.Tensor, lse: torch.Tensor, bas
 
 
 def check_mask_args(seq_lens: Any, query_start_loc: Any) -> bool:
-    """Both or neither (as vLLM): True when the empty-shard mask applies."""
+    """Both or neither, 1-D, ``query_start_loc`` one longer than ``seq_lens`` (vLLM's
+    checks in mask_dcp_empty_shards_): True when the empty-shard mask applies."""
     if (seq_lens is None) != (query_start_loc is None):
         raise DcpcArgumentError("seq_lens and query_start_loc must be given together "
                                 "(the empty-shard mask needs both), or neither")
-    return seq_lens is not None
+    if seq_lens is None:
+        return False
+    if seq_lens.dim() != 1 or query_start_loc.dim() != 1:
+        raise DcpcArgumentError(f"seq_lens {tuple(seq_lens.shape)} and query_start_loc "
+                                f"{tuple(query_start_loc.shape)} must be 1-D")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise DcpcArgumentError(f"query_start_loc has {query_start_loc.shape[0]} entries, "
+                                f"expected len(seq_lens) + 1 = {seq_lens.shape[0] + 1}")
+    return True
 
 
 # ---- one combine call, dcpc or fallback ---------------------------------------------------
+class EngineResult:
+    """What the engine's own function returned (a fallback through it), as it returned
+    it: the adapter passes it on unchanged."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
 def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, *,
                  base2: bool, seq_lens: torch.Tensor | None, qsl: torch.Tensor | None,
                  switch_name: str, max_tokens: int, slots: int = 1, slot: int = 0,
-                 instance: int = 0, backend: str = "auto", label: str = "dcpc"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 instance: int = 0, backend: str = "auto", label: str = "dcpc",
+                 engine: Callable[[], Any] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | EngineResult:
     """(out [T, H/W, D] in out's dtype, G of this rank's heads [T, H/W] f32) for one
     combine: through a dcpc module when the switch, dtypes and workspace allow it,
-    else through ``torch_combine`` (logged once per reason). ``seq_lens`` are THIS
-    rank's local KV lengths [B] (None: no mask)."""
+    else through ``engine()`` (the engine's own function, saved by ``install``; its
+    result wrapped in EngineResult) or, without one, ``torch_combine``; either fallback
+    is logged once per reason. ``seq_lens`` are THIS rank's local KV lengths [B]
+    (None: no mask)."""
     tokens, heads, dv = out.shape
     if lse.shape != (tokens, heads):
         raise DcpcArgumentError(f"{label}: LSE has shape {tuple(lse.shape)}, expected "
@@ -332,6 +353,10 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
         many = f"{tokens} tokens" + ("" if reqs is None else f" / {reqs} requests")
         why = ("no requests (B = 0): every row is masked" if reqs == 0 else
                f"{many} exceed the workspace ({max_tokens}), fixed at construction")
+    if engine is not None:
+        log_once(f"{label}:{why}:engine", f"{label}: the engine's own path: "
+                 f"{why or f'{switch_name}=0'}")
+        return EngineResult(engine())
     if why:
         log_once(f"{label}:{why}", f"{label}: torch fallback: {why}")
     lse32 = lse.float() if qsl is None else mask_at_source(lse.float(), seq_lens, qsl)

@@ -58,11 +58,12 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
                        is_lse_base_on_e: bool = True, cuda_graph_buffers: dict | None = None,
                        comm_backend: str = "a2a") -> torch.Tensor:
     """SGLang's dcp_a2a_lse_reduce: [B, H, D] partials of all heads and their fp32 LSE
-    [B, H] -> [B, H/W, D] of this rank's heads. ``cuda_graph_buffers`` is not needed
-    (the module's buffers are persistent); ``fi_a2a`` runs the same dcpc path."""
-    if comm_backend not in ("a2a", "fi_a2a"):
-        raise DcpcArgumentError(f"dcp_a2a_lse_reduce: comm_backend must be 'a2a' or "
-                                f"'fi_a2a', got {comm_backend!r}")
+    [B, H] -> [B, H/W, D] of this rank's heads (the input itself on a group of one, as
+    SGLang, before any check). ``cuda_graph_buffers`` is not needed (the module's
+    buffers are persistent); every ``comm_backend`` (``a2a``, ``fi_a2a``) runs the same
+    dcpc path."""
+    if resolve_group(cp_group, cp_attn_out.device).world == 1:
+        return cp_attn_out
     if cp_attn_lse.dtype != torch.float32:
         raise DcpcArgumentError(f"dcp_a2a_lse_reduce: the LSE must be float32, got "
                                 f"{cp_attn_lse.dtype}")
@@ -116,4 +117,39 @@ def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
     return parts.permute(1, 0, 2, 3).reshape(tokens, -1, d)
 
 
-__all__ = ["all_gather_q_for_mla_decode", "cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce"]
+PATCHED = ("dcp_a2a_lse_reduce", "cp_lse_ag_out_rs_mla", "all_gather_q_for_mla_decode")
+
+
+def install() -> list[str]:
+    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm): through
+    SGLang's HookRegistry (REPLACE hooks, which also rewrite ``from ... import``
+    bindings) when it has one, else by assignment into every module that holds them.
+    Call it from an ``sglang.srt.plugins`` entry point (docs/engines.md, "Switching
+    SGLang"); returns what was registered or patched."""
+    ours = {name: globals()[name] for name in PATCHED}
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError:
+        HookRegistry = None  # noqa: N806 - an older SGLang: patch by hand
+    if HookRegistry is not None:
+        targets = [f"sglang.srt.layers.dcp.comm.{name}" for name in PATCHED]
+        for target, name in zip(targets, PATCHED, strict=True):
+            HookRegistry.register(target, ours[name], HookType.REPLACE)
+        return targets
+    import sys
+
+    import sglang.srt.layers.dcp.comm as comm
+
+    patched = []
+    for name in PATCHED:
+        old = vars(comm)[name]
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if namespace is not None and namespace.get(name) is old:
+                setattr(module, name, ours[name])
+                patched.append(f"{module.__name__}.{name}")
+    return patched
+
+
+__all__ = ["all_gather_q_for_mla_decode", "cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce",
+           "install"]

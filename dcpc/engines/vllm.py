@@ -18,7 +18,10 @@ DCPC_KERNEL_MASK=1 the kernels mask instead). Results are views of the module's
 persistent buffers: valid until the next call of the same shapes (consume or copy them
 before that, as vLLM's layers do).
 
-Switches (tri-state env: unset = auto, 1 = force, 0 = the torch fallback):
+``install()`` puts them over vLLM's and keeps vLLM's own as the fallback of every call
+dcpc does not take; without it the fallback is torch collectives in fp32.
+
+Switches (tri-state env: unset = auto, 1 = force, 0 = the fallback):
 ``VLLM_USE_DIRECT_DCP_A2A`` (a2a), ``DCPC_VLLM_AG_RS`` (ag_rs), and, for the manager,
 ``VLLM_USE_DIRECT_DCP_Q_GATHER`` and ``VLLM_USE_DIRECT_DCP_KV_GATHER``. ``DCPC_BACKEND``
 picks the module backend (default ``auto``), ``DCPC_MAX_NUM_TOKENS`` the workspace of
@@ -30,12 +33,14 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any
 
 import torch
 
 from dcpc.engines.combine import (
     Comm,
+    EngineResult,
     GatherRunner,
     check_mask_args,
     combine_call,
@@ -72,15 +77,54 @@ def _ubatch() -> int:
 def _free_tokens() -> int:
     """The workspace of the free functions, decided once per process (every call must
     find the same module): ``DCPC_MAX_NUM_TOKENS``, else vLLM's
-    get_dcp_workspace_max_num_tokens of the current config, else 256."""
+    get_dcp_workspace_max_num_tokens of the current config, else 256 (no vLLM, or no
+    config current: vLLM sets one only around model construction, not in forward)."""
     env = os.environ.get("DCPC_MAX_NUM_TOKENS")
     if env:
         return int(env)
     try:
-        from vllm.config import get_current_vllm_config
+        from vllm.config import get_current_vllm_config_or_none
     except ImportError:
         return DEFAULT_MAX_NUM_TOKENS
-    return get_dcp_workspace_max_num_tokens(get_current_vllm_config())
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return DEFAULT_MAX_NUM_TOKENS
+    return get_dcp_workspace_max_num_tokens(config)
+
+
+# ---- installing over vLLM's own -------------------------------------------------------------
+PATCHED = ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "MLADCPManager")
+_originals: dict[str, Any] = {}  # vLLM's own, saved by install(): the fallbacks
+
+
+def install() -> list[str]:
+    """Put this module's functions over vLLM's (vllm.v1.attention.ops.dcp) in every module
+    that holds them (``from ... import`` bindings included), keeping vLLM's own as the
+    fallback of calls dcpc does not take (more tokens than the workspace, an unsupported
+    dtype, a switch at 0). Idempotent; returns the modules patched. Call it from a
+    vLLM general plugin (docs/engines.md, "Switching vLLM")."""
+    import vllm.v1.attention.ops.dcp as ops
+
+    ours = {name: globals()[name] for name in PATCHED}
+    patched: list[str] = []
+    for name in PATCHED:
+        old = _originals.setdefault(name, vars(ops)[name])
+        if old is ours[name]:
+            continue
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)  # no lazy-module __getattr__
+            if namespace is not None and namespace.get(name) is old:
+                setattr(module, name, ours[name])
+                patched.append(f"{module.__name__}.{name}")
+    return patched
+
+
+def _engine_fallback(name: str, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's own ``name`` called with these arguments, if install() saved it."""
+    original = _originals.get(name)
+    if original is None:
+        return None
+    return lambda: original(*args, **kwargs)
 
 
 def _squeeze(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +132,7 @@ def _squeeze(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.
     if out.dim() == 4:
         out = out.squeeze(1)
     if lse.dim() == 3:
-        lse = lse.squeeze(1)
+        lse = lse.squeeze(1) if lse.shape[1] == 1 else lse.squeeze(-1)
     if out.dim() != 3 or lse.dim() != 2:
         raise DcpcArgumentError(f"expected an output [B, H, D] and an LSE [B, H], got "
                                 f"{tuple(out.shape)} and {tuple(lse.shape)}")
@@ -99,21 +143,25 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
              return_lse: bool, is_lse_base_on_e: bool, seq_lens: Any, query_start_loc: Any,
              *, switch_name: str, max_tokens: int | None = None, slots: int = 1,
              slot: int = 0, instance: int | None = None, backend: str | None = None,
-             label: str) -> Any:
+             label: str, engine: Any = None) -> Any:
     """The free functions and the manager's combine: vLLM's argument handling (a 4-D
-    output squeezed, W == 1 returns the inputs), then ``combine_call``; the result as
-    vLLM returns it (``out``, or ``(out, lse)`` with ``return_lse``)."""
+    output squeezed, W == 1 returns the inputs), then ``combine_call`` (``engine``:
+    vLLM's own function as the fallback); the result as vLLM returns it (``out``, or
+    ``(out, lse)`` with ``return_lse``)."""
     check_mask_args(seq_lens, query_start_loc)
     out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return (out, lse) if return_lse else out
-    got, got_lse = combine_call(
+    got = combine_call(
         path, out, lse, group, base2=not is_lse_base_on_e, seq_lens=seq_lens,
         qsl=query_start_loc, switch_name=switch_name,
         max_tokens=max_tokens or _free_tokens(), slots=slots, slot=slot,
         instance=_ubatch() if instance is None else instance,
-        backend=backend or _backend(), label=label)
+        backend=backend or _backend(), label=label, engine=engine)
+    if isinstance(got, EngineResult):
+        return got.value
+    got, got_lse = got
     if not return_lse:
         return got
     # ag_rs: the LSE in cp_attn_lse's dtype (vLLM's lse); a2a: fp32
@@ -130,7 +178,9 @@ def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_gr
     those heads [B, H/W] in cp_attn_lse's dtype. ``ctx`` (the Triton context) is unused."""
     return _combine("ag_rs", cp_attn_out, cp_attn_lse, cp_group, return_lse,
                     is_lse_base_on_e, seq_lens, query_start_loc, switch_name=AG_RS_SWITCH,
-                    label="cp_lse_ag_out_rs")
+                    label="cp_lse_ag_out_rs", engine=_engine_fallback(
+                        "cp_lse_ag_out_rs", cp_attn_out, cp_attn_lse, cp_group, ctx,
+                        return_lse, is_lse_base_on_e, seq_lens, query_start_loc))
 
 
 def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
@@ -141,7 +191,9 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
     merge; the returned LSE is fp32. H % W != 0 raises (a ValueError, as vLLM)."""
     return _combine("fused", cp_attn_out, cp_attn_lse, cp_group, return_lse,
                     is_lse_base_on_e, seq_lens, query_start_loc, switch_name=A2A_SWITCH,
-                    label="dcp_a2a_lse_reduce")
+                    label="dcp_a2a_lse_reduce", engine=_engine_fallback(
+                        "dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx,
+                        return_lse, is_lse_base_on_e, seq_lens, query_start_loc))
 
 
 def cp_lse_ag_out_ar(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
@@ -168,8 +220,10 @@ def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, cp_rank: int, ctx: A
     in lses' dtype). Local math (no communication), in torch fp32."""
     if out.dim() == 4:
         out = out.squeeze(1)
-    if lses.dim() == 4:
-        lses = lses.squeeze(2) if lses.shape[2] == 1 else lses.squeeze(1)
+    if lses.dim() == 4 and lses.shape[-1] == 1:  # vLLM: [N, B, H, 1], then [N, 1, B, H]
+        lses = lses.squeeze(-1)
+    if lses.dim() == 4 and lses.shape[1] == 1:
+        lses = lses.squeeze(1)
     if lses.dim() != 3 or lses.shape[1:] != out.shape[:2]:
         raise DcpcArgumentError(f"correct_attn_out: lses {tuple(lses.shape)} is not [N, B, H] "
                                 f"for out {tuple(out.shape)}")
@@ -218,6 +272,7 @@ class MLADCPManager:
             from vllm.distributed import get_dcp_group
 
             group = get_dcp_group()
+        self.group, self.device = group, device  # vLLM's attributes (models read group)
         self.dcp = resolve_group(group, device)
         parallel = getattr(vllm_config, "parallel_config", None)
         self.num_ubatches = max(num_ubatches or getattr(parallel, "num_ubatches", 1) or 1, 1)
@@ -247,7 +302,7 @@ class MLADCPManager:
         if self.dcp.world == 1:
             return
         dev = self.dcp.device
-        if switch(self._combine_switch) != "off" and not self.use_pcp:
+        if switch(self._combine_switch) != "off" and not self._all_reduce:
             out = torch.zeros(1, self.heads, self.output_head_dim, dtype=self.output_dtype,
                               device=dev)
             lse = torch.zeros(1, self.heads, dtype=torch.float32, device=dev)
@@ -259,6 +314,13 @@ class MLADCPManager:
             for ub in [*range(self.num_ubatches)] * 2:
                 q = torch.zeros(1, self.num_heads, self.query_head_dim, device=dev)
                 self._query_gather(q.to(self.query_dtype), slot=ub)
+        if dev.type == "cuda":  # the warm-up's kernels done before the caller's next copy
+            torch.cuda.current_stream(dev).synchronize()  # (dcpc.runtime.local.to_host)
+
+    @property
+    def _all_reduce(self) -> bool:
+        """vLLM's choice: a2a if asked for (also with PCP), else PCP's all-reduce."""
+        return self.use_pcp and not self.use_a2a
 
     @property
     def _combine_switch(self) -> str:
@@ -269,19 +331,23 @@ class MLADCPManager:
                 seq_lens: torch.Tensor | None, query_start_loc: torch.Tensor | None,
                 slot: int | None = None) -> torch.Tensor:
         """vLLM's DCPCombine: partials [B, H, Dv] of all heads -> [B, H/W, Dv] of this
-        rank's heads (PCP: [B, H, Dv], all-reduced). ``slot``: the DBO microbatch
-        (default: vLLM's current ubatch id)."""
-        if self.use_pcp:
-            return cp_lse_ag_out_ar(partial_output, partial_lse, self.dcp.handle,
+        rank's heads (PCP with ag_rs: [B, H, Dv], all-reduced). ``slot``: the DBO
+        microbatch (default: vLLM's current ubatch id)."""
+        if self._all_reduce:
+            return cp_lse_ag_out_ar(partial_output, partial_lse, self.group,
                                     is_lse_base_on_e=self.is_lse_base_on_e,
                                     seq_lens=seq_lens, query_start_loc=query_start_loc)
         slot = _ubatch() if slot is None else slot
+        name = "dcp_a2a_lse_reduce" if self.use_a2a else "cp_lse_ag_out_rs"
         return _combine("fused" if self.use_a2a else "ag_rs", partial_output, partial_lse,
-                        self.dcp.handle, False, self.is_lse_base_on_e, seq_lens,
+                        self.group, False, self.is_lse_base_on_e, seq_lens,
                         query_start_loc, switch_name=self._combine_switch,
                         max_tokens=self.max_num_tokens, slots=self.num_ubatches,
                         slot=slot % self.num_ubatches, instance=0, backend=self.backend,
-                        label="MLADCPManager.combine")
+                        label="MLADCPManager.combine", engine=_engine_fallback(
+                            name, partial_output, partial_lse, self.group,
+                            is_lse_base_on_e=self.is_lse_base_on_e, seq_lens=seq_lens,
+                            query_start_loc=query_start_loc))
 
     # ---- query gather ---------------------------------------------------------------------
     def _q_runner(self) -> GatherRunner | None:
@@ -317,25 +383,29 @@ class MLADCPManager:
         padded = self.padded_num_heads
         if padded is None or padded == full.shape[1]:
             return full
-        store = torch.empty(full.shape[0], padded, full.shape[2], dtype=full.dtype,
-                            device=full.device)
-        store[:, : full.shape[1]].copy_(full)
-        return store[:, : full.shape[1]]
+        # vLLM's reserve_query_head_storage: a contiguous [B, H, D] over storage sized
+        # for [B, padded, D] (kernels that read padded heads may read past H)
+        store = full.new_empty((full.shape[0], padded, full.shape[2]))
+        store.resize_(full.shape)
+        return store.copy_(full)
 
     # ---- KV gather ------------------------------------------------------------------------
     def init_kv_gather(self, workspace: torch.Tensor, max_gathered_tokens: int) -> None:
         """vLLM's init_kv_gather: ``workspace`` [(T + T/W), C] contiguous; T % W == 0."""
-        if max_gathered_tokens % self.dcp.world:
-            raise DcpcArgumentError(f"init_kv_gather: max_gathered_tokens {max_gathered_tokens} "
-                                    f"is not a multiple of W={self.dcp.world}")
-        if not workspace.is_contiguous() or workspace.dim() != 2:
-            raise DcpcArgumentError("init_kv_gather: the workspace must be a contiguous "
-                                    "[(T + T/W), C] tensor")
-        self._kv = (workspace, max_gathered_tokens)
+        w, t = self.dcp.world, max_gathered_tokens
+        if t <= 0 or t % w:
+            raise DcpcArgumentError(f"init_kv_gather: max_gathered_tokens {t} must be a "
+                                    f"positive multiple of W={w}")
+        if not workspace.is_contiguous() or workspace.dim() != 2 or \
+                workspace.shape[0] != t + t // w:
+            raise DcpcArgumentError(f"init_kv_gather: the workspace must be a contiguous "
+                                    f"[T + T/W, C] = [{t + t // w}, C] tensor, got "
+                                    f"{tuple(workspace.shape)}")
+        self._kv = (workspace, t)
         r = self._kv_runner(workspace.dtype, workspace.shape[1])
         if r is not None:  # build and compile now (collective); release() runs next call
-            for _ in range(2):
-                r.run(workspace[: max_gathered_tokens // self.dcp.world])
+            for ub in [*range(self.num_ubatches)] * 2:
+                r.run(workspace[: t // w], slot=ub)
 
     def _kv_runner(self, dtype: torch.dtype, width: int) -> GatherRunner | None:
         if self._kv is None:
@@ -348,7 +418,8 @@ class MLADCPManager:
                                         "not supported")
             log_once(f"kv:{dtype}", f"MLADCPManager.kv_gather: torch fallback: {dtype}")
             return None
-        spec = GatherSpec("kv", width, DTYPE_NAMES[dtype], self._kv[1] // self.dcp.world)
+        spec = GatherSpec("kv", width, DTYPE_NAMES[dtype], self._kv[1] // self.dcp.world,
+                          self.num_ubatches)
         return runner(GatherRunner, spec, self.dcp, None, self.backend)
 
     def kv_gather(self, gathered_kv: torch.Tensor, local_kv: torch.Tensor) -> None:
@@ -356,8 +427,8 @@ class MLADCPManager:
         receives every rank's ``local_kv`` [N, C] in rank order. dcpc gathers into its
         own symmetric buffer, then copies into ``gathered_kv``."""
         r = self._kv_runner(local_kv.dtype, local_kv.shape[1])
-        if r is not None and r.fits(local_kv.shape[0]):
-            gathered_kv.copy_(r.run(local_kv))
+        if r is not None and r.fits(local_kv.shape[0]):  # one slot per DBO microbatch
+            gathered_kv.copy_(r.run(local_kv, slot=_ubatch() % self.num_ubatches))
             return
         gathered_kv.copy_(Comm(self.dcp).all_gather(local_kv).reshape(gathered_kv.shape))
 
@@ -370,6 +441,7 @@ def _gather_heads(comm: Comm, query: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "MLADCPManager",
+    "install",
     "correct_attn_out",
     "cp_lse_ag_out_ar",
     "cp_lse_ag_out_rs",

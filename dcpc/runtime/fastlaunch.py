@@ -30,9 +30,17 @@ import torch
 MAX_KEYS = 1024  # launches remembered per kernel (cleared when full: sizes change rarely)
 
 
+VERIFIED_TRITON = ("3.6.",)  # the launcher convention this path calls was read and run here
+
+
 def _enabled() -> bool:
-    return os.environ.get("DCPC_FAST_LAUNCH", "1") != "0" and (
-        os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+    """On unless DCPC_FAST_LAUNCH=0, the interpreter runs, or Triton is not a version
+    whose launcher convention was checked (another takes Triton's own path)."""
+    import triton
+
+    return (os.environ.get("DCPC_FAST_LAUNCH", "1") != "0"
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and triton.__version__.startswith(VERIFIED_TRITON))
 
 
 _TENSOR = torch.Tensor
@@ -74,7 +82,9 @@ class FastKernel:
             return self.fn[grid](*args, **kwargs)
         driver = _triton()[1].active
         device = driver.get_current_device()
-        key = (grid, device, _arg_key(args), *kwargs.values())  # one call site per kernel
+        # the constexprs and options by name and type too: BLOCK=1 is not BLOCK=1.0, and
+        # (BLOCK=4, MASK=8) is not (MASK=4, BLOCK=8)
+        key = (grid, device, _arg_key(args), tuple(kwargs), _arg_key(tuple(kwargs.values())))
         hit = self._cache.get(key)
         if hit is None:
             compiled = self.fn[grid](*args, **kwargs)  # compiles or finds it, and launches
@@ -105,13 +115,13 @@ _MODULES: list[Any] = []  # (triton.knobs, triton's driver, dcpc.runtime.local),
 
 
 def _triton() -> list[Any]:
-    if not _MODULES:
+    if not _MODULES:  # ranks as threads may get here at once: one assignment, no extend
         from triton import knobs
         from triton.runtime.driver import driver
 
         from dcpc.runtime import local
 
-        _MODULES.extend([knobs, driver, local])
+        _MODULES[:] = [knobs, driver, local]
     return _MODULES
 
 

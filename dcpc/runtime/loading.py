@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
+
+_lock = threading.RLock()  # ranks as threads import at once: one import, complete
 
 
 def import_file(path: str | Path, name: str) -> ModuleType:
@@ -14,20 +17,21 @@ def import_file(path: str | Path, name: str) -> ModuleType:
     of that name already imported from the same file is returned; one from another file
     is replaced (two builds of one schedule in one process get their own code)."""
     path = Path(path)
-    known = sys.modules.get(name)
-    if known is not None and Path(getattr(known, "__file__", "") or "") == path:
-        return known
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import the generated module {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
+    with _lock:
+        known = sys.modules.get(name)
+        if known is not None and Path(getattr(known, "__file__", "") or "") == path:
+            return known
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import the generated module {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        return module
 
 
 def schedule_class(module: ModuleType, schedule: str | None = None) -> type:

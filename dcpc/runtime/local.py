@@ -115,6 +115,15 @@ def _install_compile_only() -> None:
         def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
             if not getattr(_tls, "compile_only", False):
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            # Triton's per-device caches are a defaultdict: two ranks' first launches at
+            # once can each create one, and the variant compiled into the lost one is
+            # compiled again mid-run (a hang). Create it once, under a lock.
+            from triton.runtime.driver import driver
+
+            device = driver.active.get_current_device()
+            if device not in self.device_caches:
+                with _patch_lock:
+                    self.device_caches[device]
             # ranks compile at once (each its own RANK variant; Triton releases the GIL in
             # its passes and ptxas); a duplicate compile of one key is harmless
             kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
@@ -161,11 +170,13 @@ def compile_only() -> Iterator[None]:
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied to the host, safe while peers' kernels may spin: this thread's stream
-    is synchronised first, then copied. A blocking copy into pageable host memory
-    (``.cpu()``, ``.item()``, ``.tolist()``) issued while this rank's stream still waits
-    on a peer holds the CUDA driver's staging buffer until it is done, and a peer's own
-    copy needs that buffer before it can launch what this rank waits for: a hang (seen
-    on one H200 with two ranks, each reading results with ``.cpu()``)."""
+    is synchronised first, then copied. A blocking copy through pageable host memory
+    (``.cpu()``, ``.item()``, ``.tolist()``; and the other way, ``.to("cuda")`` of a
+    CPU tensor) issued while this rank's stream still waits on a peer holds the CUDA
+    driver's staging buffer until it is done, and a peer's own copy needs that buffer
+    before it can launch what this rank waits for: a hang (seen on one H200 with two
+    ranks, each reading results with ``.cpu()``). Copy inputs to the device before the
+    calls, or after a stream sync."""
     if t.device.type == "cuda":
         torch.cuda.current_stream(t.device).synchronize()
     return t.cpu()
