@@ -13,6 +13,12 @@ kernel's order). The first launch of a key, a launch inside ``local.compile_only
 warm-up), a launch with a profiler's launch hook set and the Triton interpreter (CPU)
 take Triton's own path.
 
+What a repeat launch skips that Triton's path does every time: re-reading
+``knobs.runtime.debug`` and ``knobs.compilation.instrumentation_mode`` (turning either on
+after the first launch keeps the kernel compiled without it), the check that the
+kernel's global variables have not changed, and ``pre_run_hooks``; generated kernels
+use none of them.
+
 On by default; ``DCPC_FAST_LAUNCH=0`` (read when a module is imported) takes Triton's
 path for every launch. Checked on one H200 at 1d32504 (benchmarks/results/
 one_gpu_1d32504.md): the whole one-GPU suite with it, W = 2, 4 and 8, every correctness,

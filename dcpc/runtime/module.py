@@ -261,8 +261,8 @@ class ScheduleModule:
                 }
             self._one = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._make_guard(channels)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # this stream's initialisation done (not the whole
+            torch.cuda.current_stream(self.device).synchronize()  # device: a peer may spin)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal
 
     def _make_guard(self, channels: int) -> None:
