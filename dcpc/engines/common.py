@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -291,6 +292,23 @@ def resolve_group(group: Any, device: torch.device) -> Group:
             f"group: rank_in_group/world_size {group.rank_in_group}/{group.world_size} "
             f"differ from its process group's {rank}/{world}")
     return Group(handle, rank, world, device)
+
+
+# ---- installing over an engine's functions -------------------------------------------------
+def rebind(name: str, old: Any, new: Any) -> list[str]:
+    """Point every imported module's global ``name`` that is ``old`` at ``new`` (the
+    engine's defining module and every ``from ... import`` binding); the modules changed.
+    Reads module namespaces directly: a lazy module's ``__getattr__`` is never run."""
+    changed = []
+    for module in list(sys.modules.values()):
+        try:
+            namespace = vars(module)
+        except TypeError:  # None placeholders, objects without a namespace
+            continue
+        if namespace.get(name) is old:
+            namespace[name] = new
+            changed.append(f"{getattr(module, '__name__', '?')}.{name}")
+    return changed
 
 
 # ---- switches and logging -----------------------------------------------------------------

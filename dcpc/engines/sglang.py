@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dcpc.engines.combine import Comm, GatherRunner, combine_call, runner
-from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, resolve_group, switch
+from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, rebind, resolve_group, switch
 from dcpc.runtime.errors import DcpcArgumentError
 
 SWITCH = "DCPC_SGLANG"
@@ -136,18 +136,11 @@ def install() -> list[str]:
         for target, name in zip(targets, PATCHED, strict=True):
             HookRegistry.register(target, ours[name], HookType.REPLACE)
         return targets
-    import sys
-
     import sglang.srt.layers.dcp.comm as comm
 
     patched = []
     for name in PATCHED:
-        old = vars(comm)[name]
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if namespace is not None and namespace.get(name) is old:
-                setattr(module, name, ours[name])
-                patched.append(f"{module.__name__}.{name}")
+        patched += rebind(name, vars(comm)[name], ours[name])
     return patched
 
 

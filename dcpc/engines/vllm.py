@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from typing import Any
 
 import torch
@@ -49,7 +48,14 @@ from dcpc.engines.combine import (
     runner,
     torch_combine,
 )
-from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, resolve_group, switch
+from dcpc.engines.common import (
+    DTYPE_NAMES,
+    GatherSpec,
+    log_once,
+    rebind,
+    resolve_group,
+    switch,
+)
 from dcpc.runtime.errors import DcpcArgumentError
 
 A2A_SWITCH = "VLLM_USE_DIRECT_DCP_A2A"
@@ -111,11 +117,7 @@ def install() -> list[str]:
         old = _originals.setdefault(name, vars(ops)[name])
         if old is ours[name]:
             continue
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)  # no lazy-module __getattr__
-            if namespace is not None and namespace.get(name) is old:
-                setattr(module, name, ours[name])
-                patched.append(f"{module.__name__}.{name}")
+        patched += rebind(name, old, ours[name])
     return patched
 
 
