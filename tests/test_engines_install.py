@@ -38,11 +38,16 @@ def fake_vllm(monkeypatch):
         calls.append(("dcp_a2a_lse_reduce", args, kwargs))
         return "vllm a2a"
 
+    def cp_lse_ag_out_ar(*args, **kwargs):
+        calls.append(("cp_lse_ag_out_ar", args, kwargs))
+        return "vllm ar"
+
     class MLADCPManager:
         pass
 
     ops = _module("vllm.v1.attention.ops.dcp", cp_lse_ag_out_rs=cp_lse_ag_out_rs,
-                  dcp_a2a_lse_reduce=dcp_a2a_lse_reduce, MLADCPManager=MLADCPManager)
+                  dcp_a2a_lse_reduce=dcp_a2a_lse_reduce, MLADCPManager=MLADCPManager,
+                  cp_lse_ag_out_ar=cp_lse_ag_out_ar)
     backend = _module("vllm.v1.attention.backends.flash_attn",
                       cp_lse_ag_out_rs=cp_lse_ag_out_rs, dcp_a2a_lse_reduce=dcp_a2a_lse_reduce)
     config = _module("vllm.config", get_current_vllm_config_or_none=lambda: None)
@@ -56,7 +61,8 @@ def fake_vllm(monkeypatch):
     monkeypatch.setattr(sys.modules["vllm.v1.attention.ops"], "dcp", ops, raising=False)
     monkeypatch.setattr(V, "_originals", {})
     return types.SimpleNamespace(ops=ops, backend=backend, calls=calls,
-                                 originals=(cp_lse_ag_out_rs, dcp_a2a_lse_reduce, MLADCPManager))
+                                 originals=(cp_lse_ag_out_rs, dcp_a2a_lse_reduce, MLADCPManager,
+                                            cp_lse_ag_out_ar))
 
 
 def test_install_patches_every_binding_and_keeps_vllms_own(fake_vllm):
@@ -97,8 +103,41 @@ def test_a_switch_at_0_takes_vllms_own_function_with_the_callers_arguments(fake_
     assert first[1][0] is out and first[1][1] is lse and first[1][6] is lens  # unmasked
 
 
+def test_an_install_over_an_earlier_hand_patch_never_keeps_dcpc_as_vllms_own(fake_vllm,
+                                                                             monkeypatch):
+    """The old docs' loop patched the names first: install() must not save dcpc's own
+    function as the fallback (every fallback call would recurse)."""
+    fake_vllm.ops.dcp_a2a_lse_reduce = V.dcp_a2a_lse_reduce
+    V.install()
+    assert "dcp_a2a_lse_reduce" not in V._originals
+    assert V._engine_fallback("dcp_a2a_lse_reduce") is None
+    monkeypatch.setenv("VLLM_USE_DIRECT_DCP_A2A", "0")
+    out, lse = torch.randn(3, 4, 8).bfloat16(), torch.randn(3, 4)
+    got = LocalGroup(2, "cpu").run(lambda rank: V.dcp_a2a_lse_reduce(out, lse, rank))
+    assert all(isinstance(g, torch.Tensor) and g.shape == (3, 2, 8) for g in got)  # torch
+
+
+def test_pcp_all_reduce_is_vllms_own_once_installed(fake_vllm):
+    V.install()
+    assert fake_vllm.ops.cp_lse_ag_out_ar is fake_vllm.originals[3]  # kept, not replaced
+    out, lse = torch.randn(3, 4, 8).bfloat16(), torch.randn(3, 4)
+    assert V.cp_lse_ag_out_ar(out, lse, "group") == "vllm ar"
+    assert fake_vllm.calls[-1][1][:3] == (out, lse, "group")
+
+
+def test_install_sets_the_free_functions_workspace(fake_vllm, monkeypatch):
+    monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
+    monkeypatch.setattr(V, "_installed_tokens", [])
+    try:
+        V.install(max_num_tokens=1024)
+        assert V._free_tokens() == 1024
+    finally:
+        V._free_tokens.cache_clear()
+
+
 def test_without_a_current_vllm_config_the_workspace_is_the_default(fake_vllm, monkeypatch):
     monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
+    monkeypatch.setattr(V, "_installed_tokens", [])
     V._free_tokens.cache_clear()
     try:
         assert V._free_tokens() == V.DEFAULT_MAX_NUM_TOKENS
@@ -147,10 +186,25 @@ def test_sglang_install_registers_replace_hooks(monkeypatch):
         def register(cls, target, hook, hook_type):
             registered.append((target, hook, hook_type))
 
-    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+    for name in ("sglang", "sglang.srt"):
         monkeypatch.setitem(sys.modules, name, _module(name))
+    plugins = _module("sglang.srt.plugins", _plugins_loaded=False)
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins", plugins)
     monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", _module(
         "sglang.srt.plugins.hook_registry", HookRegistry=HookRegistry, HookType=HookType))
     assert S.install() == [f"sglang.srt.layers.dcp.comm.{n}" for n in S.PATCHED]
     assert registered == [(f"sglang.srt.layers.dcp.comm.{n}", getattr(S, n), "replace")
                           for n in S.PATCHED]
+    # called after SGLang applied its hooks: assigned now as well
+    def theirs(*a, **k):
+        return "sglang"
+
+    comm = _module("sglang.srt.layers.dcp.comm", **{n: theirs for n in S.PATCHED})
+    for name in ("sglang.srt.layers", "sglang.srt.layers.dcp"):
+        monkeypatch.setitem(sys.modules, name, _module(name))
+    monkeypatch.setattr(sys.modules["sglang.srt.layers.dcp"], "comm", comm, raising=False)
+    monkeypatch.setitem(sys.modules, comm.__name__, comm)
+    plugins._plugins_loaded = True
+    done = S.install()
+    assert all(getattr(comm, n) is getattr(S, n) for n in S.PATCHED)
+    assert f"sglang.srt.layers.dcp.comm.{S.PATCHED[0]}" in done

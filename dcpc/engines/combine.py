@@ -334,31 +334,37 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
                                 "ranks (H % W != 0)")
     mode = switch(switch_name)
     why = _unsupported(out, lse)
+    kind = "dtype"  # the log key: one warning per kind of reason, not per token count
     if mode == "on" and why:
         raise DcpcArgumentError(f"{label}: {switch_name}=1 but {why}")
     in_kernel = seq_lens is not None and kernel_mask()
-    if seq_lens is not None and not in_kernel:  # vLLM's mask, out of place
-        lse, seq_lens, qsl = mask_at_source(lse.float(), seq_lens, qsl), None, None
     if mode != "off" and not why:
         dtype = DTYPE_NAMES[out.dtype]
         spec = CombineSpec(path, dv, o_dtype=dtype, out_dtype=dtype,
                            lse_base="2" if base2 else "e", max_tokens=max_tokens,
                            max_reqs=max_tokens, slots=slots, mask=in_kernel)
         r = runner(CombineRunner, spec, group, heads, backend, instance)
-        reqs = None if seq_lens is None else seq_lens.shape[0]
+        reqs = None if seq_lens is None or not in_kernel else seq_lens.shape[0]
         if r.fits(tokens, reqs):
+            if seq_lens is not None and not in_kernel:  # vLLM's mask, out of place
+                return r.run(out, mask_at_source(lse.float(), seq_lens, qsl), None, None,
+                             slot)
             lens = None if seq_lens is None else seq_lens.to(torch.int32).contiguous()
             q = None if qsl is None else qsl.to(torch.int32).contiguous()
             return r.run(out, lse if lse.dtype == torch.float32 else lse.float(), lens, q, slot)
         many = f"{tokens} tokens" + ("" if reqs is None else f" / {reqs} requests")
+        kind = "empty" if reqs == 0 else "workspace"
         why = ("no requests (B = 0): every row is masked" if reqs == 0 else
                f"{many} exceed the workspace ({max_tokens}), fixed at construction")
+    if mode == "off":
+        kind, why = "off", f"{switch_name}=0"
     if engine is not None:
-        log_once(f"{label}:{why}:engine", f"{label}: the engine's own path: "
-                 f"{why or f'{switch_name}=0'}")
+        log_once(f"{label}:{kind}:engine", f"{label}: the engine's own path: {why} (logged "
+                 "once per kind of reason)")
         return EngineResult(engine())
-    if why:
-        log_once(f"{label}:{why}", f"{label}: torch fallback: {why}")
+    if mode != "off":
+        log_once(f"{label}:{kind}", f"{label}: torch fallback: {why} (logged once per kind "
+                 "of reason)")
     lse32 = lse.float() if qsl is None else mask_at_source(lse.float(), seq_lens, qsl)
     return torch_combine(Comm(group), path, out, lse32, base2, out.dtype)
 
@@ -366,9 +372,8 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
 def kernel_mask() -> bool:
     """``DCPC_KERNEL_MASK=1``: mask empty shards in-kernel (a ``lens_gather`` step shares
     every rank's local lengths; ``mask_empty: {local_seq_lens}``) instead of at the
-    source. Off by default until it has run on a GPU: its first form did not compile
-    for CUDA (two returns of different types in templates/math.j2 ``_dcpc_row_seq``,
-    Triton 3.6, H200); it is one constexpr branch now, run on CPU only."""
+    source. Both are correct on CPU and on one H200 (W = 2, 3); the source mask stays
+    the default until their latencies are compared."""
     return switch("DCPC_KERNEL_MASK") == "on"
 
 

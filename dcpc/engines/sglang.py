@@ -121,27 +121,34 @@ PATCHED = ("dcp_a2a_lse_reduce", "cp_lse_ag_out_rs_mla", "all_gather_q_for_mla_d
 
 
 def install() -> list[str]:
-    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm): through
-    SGLang's HookRegistry (REPLACE hooks, which also rewrite ``from ... import``
-    bindings) when it has one, else by assignment into every module that holds them.
-    Call it from an ``sglang.srt.plugins`` entry point (docs/engines.md, "Switching
-    SGLang"); returns what was registered or patched."""
+    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm): REPLACE
+    hooks in SGLang's HookRegistry, which SGLang applies once its plugins are loaded
+    (rewriting ``from ... import`` bindings too); when the plugins are loaded already
+    (install() called late, e.g. not from an ``sglang.srt.plugins`` entry point), also
+    by assignment now. Without a HookRegistry (an older SGLang), by assignment. Returns
+    the hook targets registered and the bindings assigned."""
     ours = {name: globals()[name] for name in PATCHED}
+    done: list[str] = []
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     except ImportError:
         HookRegistry = None  # noqa: N806 - an older SGLang: patch by hand
     if HookRegistry is not None:
-        targets = [f"sglang.srt.layers.dcp.comm.{name}" for name in PATCHED]
-        for target, name in zip(targets, PATCHED, strict=True):
+        for name in PATCHED:
+            target = f"sglang.srt.layers.dcp.comm.{name}"
             HookRegistry.register(target, ours[name], HookType.REPLACE)
-        return targets
+            done.append(target)
+        import sglang.srt.plugins as plugins
+
+        if not getattr(plugins, "_plugins_loaded", False):
+            return done  # load_plugins() applies them in this process
     import sglang.srt.layers.dcp.comm as comm
 
-    patched = []
     for name in PATCHED:
-        patched += rebind(name, vars(comm)[name], ours[name])
-    return patched
+        old = vars(comm)[name]
+        if old is not ours[name]:
+            done += rebind(name, old, ours[name])
+    return done
 
 
 __all__ = ["all_gather_q_for_mla_decode", "cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce",

@@ -79,15 +79,21 @@ def _ubatch() -> int:
     return int(dbo_current_ubatch_id())
 
 
+_installed_tokens: list[int] = []  # install(max_num_tokens=...): the free functions' workspace
+
+
 @functools.cache
 def _free_tokens() -> int:
     """The workspace of the free functions, decided once per process (every call must
-    find the same module): ``DCPC_MAX_NUM_TOKENS``, else vLLM's
-    get_dcp_workspace_max_num_tokens of the current config, else 256 (no vLLM, or no
-    config current: vLLM sets one only around model construction, not in forward)."""
+    find the same module): ``DCPC_MAX_NUM_TOKENS``, else ``install(max_num_tokens=)``,
+    else vLLM's get_dcp_workspace_max_num_tokens of the current config, else 256. In a
+    vLLM server no config is current in forward (vLLM sets one around model
+    construction), so set one of the first two to the largest decode batch."""
     env = os.environ.get("DCPC_MAX_NUM_TOKENS")
     if env:
         return int(env)
+    if _installed_tokens:
+        return _installed_tokens[0]
     try:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:
@@ -100,31 +106,42 @@ def _free_tokens() -> int:
 
 # ---- installing over vLLM's own -------------------------------------------------------------
 PATCHED = ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "MLADCPManager")
+KEPT = ("cp_lse_ag_out_ar",)  # not replaced (no dcpc schedule): vLLM's own is called
 _originals: dict[str, Any] = {}  # vLLM's own, saved by install(): the fallbacks
 
 
-def install() -> list[str]:
+def install(max_num_tokens: int | None = None) -> list[str]:
     """Put this module's functions over vLLM's (vllm.v1.attention.ops.dcp) in every module
     that holds them (``from ... import`` bindings included), keeping vLLM's own as the
     fallback of calls dcpc does not take (more tokens than the workspace, an unsupported
-    dtype, a switch at 0). Idempotent; returns the modules patched. Call it from a
-    vLLM general plugin (docs/engines.md, "Switching vLLM")."""
+    dtype, a switch at 0) and for PCP's all-reduce. ``max_num_tokens``: the free
+    functions' workspace (else DCPC_MAX_NUM_TOKENS, else 256: see _free_tokens).
+    Idempotent; returns the bindings patched. Call it from a vLLM general plugin
+    (docs/engines.md, "Switching vLLM")."""
     import vllm.v1.attention.ops.dcp as ops
 
-    ours = {name: globals()[name] for name in PATCHED}
+    if max_num_tokens is not None:
+        _installed_tokens[:] = [int(max_num_tokens)]
+        _free_tokens.cache_clear()
+    ours = {name: globals()[name] for name in PATCHED + KEPT}
     patched: list[str] = []
-    for name in PATCHED:
-        old = _originals.setdefault(name, vars(ops)[name])
-        if old is ours[name]:
-            continue
-        patched += rebind(name, old, ours[name])
+    for name in PATCHED + KEPT:
+        old = vars(ops)[name]
+        if old is not ours[name] and not _is_ours(old):  # never keep a dcpc function as
+            _originals.setdefault(name, old)  # vLLM's own: its fallback would recurse
+        if name in PATCHED and old is not ours[name]:
+            patched += rebind(name, old, ours[name])
     return patched
+
+
+def _is_ours(fn: Any) -> bool:
+    return getattr(fn, "__module__", "").startswith("dcpc.")
 
 
 def _engine_fallback(name: str, *args: Any, **kwargs: Any) -> Any:
     """vLLM's own ``name`` called with these arguments, if install() saved it."""
     original = _originals.get(name)
-    if original is None:
+    if original is None or _is_ours(original):
         return None
     return lambda: original(*args, **kwargs)
 
@@ -203,7 +220,12 @@ def cp_lse_ag_out_ar(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_gr
                      seq_lens: torch.Tensor | None = None,
                      query_start_loc: torch.Tensor | None = None) -> Any:
     """vLLM's cp_lse_ag_out_ar (PCP + DCP): the corrected output of ALL heads [B, H, D]
-    (all-reduce) and the full LSE [B, H]. No dcpc schedule: torch collectives (fp32)."""
+    (all-reduce) and the full LSE [B, H]. No dcpc schedule: vLLM's own after install(),
+    else torch collectives (fp32)."""
+    theirs = _engine_fallback("cp_lse_ag_out_ar", cp_attn_out, cp_attn_lse, cp_group, ctx,
+                              return_lse, is_lse_base_on_e, seq_lens, query_start_loc)
+    if theirs is not None:  # installed: vLLM's own (one all-reduce, its kernels)
+        return theirs()
     mask = check_mask_args(seq_lens, query_start_loc)
     out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
