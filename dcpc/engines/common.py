@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import threading
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,10 +302,9 @@ def rebind(name: str, old: Any, new: Any) -> list[str]:
     Reads module namespaces directly: a lazy module's ``__getattr__`` is never run."""
     changed = []
     for module in list(sys.modules.values()):
-        try:
-            namespace = vars(module)
-        except TypeError:  # None placeholders, objects without a namespace
+        if not isinstance(module, types.ModuleType):  # None placeholders, other objects
             continue
+        namespace = vars(module)
         if namespace.get(name) is old:
             namespace[name] = new
             changed.append(f"{getattr(module, '__name__', '?')}.{name}")

@@ -144,6 +144,10 @@ def install() -> list[str]:
             return done  # load_plugins() applies them in this process
     import sglang.srt.layers.dcp.comm as comm
 
+    missing = [name for name in PATCHED if name not in vars(comm)]
+    if missing:
+        raise ImportError(f"dcpc.engines.sglang.install(): sglang.srt.layers.dcp.comm has "
+                          f"no {', '.join(missing)} (the adapters follow SGLang 0.5.23)")
     for name in PATCHED:
         old = vars(comm)[name]
         if old is not ours[name]:

@@ -125,6 +125,10 @@ def install(max_num_tokens: int | None = None) -> list[str]:
         _free_tokens.cache_clear()
     ours = {name: globals()[name] for name in PATCHED + KEPT}
     patched: list[str] = []
+    missing = [name for name in PATCHED + KEPT if name not in vars(ops)]
+    if missing:
+        raise ImportError(f"dcpc.engines.vllm.install(): vllm.v1.attention.ops.dcp has no "
+                          f"{', '.join(missing)} (the adapters follow vLLM 0.33.0's names)")
     for name in PATCHED + KEPT:
         old = vars(ops)[name]
         if old is not ours[name] and not _is_ours(old):  # never keep a dcpc function as
