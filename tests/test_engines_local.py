@@ -174,15 +174,18 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
                               query_start_loc=x["qsl"], slot=ub)
                 check(f"{comm} out{ub}", o, want[r][0])
             barrier()
-        n = 3
-        ws = torch.empty(4 * world + 4, 40, dtype=torch.bfloat16, device=DEV)  # [T + T/W, C]
-        m.init_kv_gather(ws, 4 * world)
-        parts = [torch.randn(n, 40, generator=torch.Generator().manual_seed(9 + p)).bfloat16()
-                 .to(DEV) for p in range(world)]
-        gathered = torch.full((world * n, 40), float("nan"), dtype=torch.bfloat16, device=DEV)
-        m.kv_gather(gathered, parts[r])
-        checks.append({"what": "kv gather", "ok": torch.equal(
-            to_host(gathered.double()), ref.gather_rows(parts))})
+            n = 3  # the KV gather, one slot per microbatch (chunked prefill under DBO)
+            ws = torch.empty(4 * world + 4, 40, dtype=torch.bfloat16, device=DEV)  # [T+T/W, C]
+            m.init_kv_gather(ws, 4 * world)
+            for ub in [*range(ubatches)] * 2:
+                parts = [torch.randn(n, 40, generator=torch.Generator().manual_seed(9 + p + ub))
+                         .bfloat16().to(DEV) for p in range(world)]
+                gathered = torch.full((world * n, 40), float("nan"), dtype=torch.bfloat16,
+                                      device=DEV)
+                m.kv_gather(gathered, parts[r], slot=ub)
+                checks.append({"what": f"{comm} kv gather {ub}", "ok": torch.equal(
+                    to_host(gathered.double()), ref.gather_rows(parts))})
+            barrier()
     elif name == "sglang":
         x = _inputs(seed, world, T, H, D, garbage=False)
         want_a2a = ref.sglang_a2a(x["outs"], x["lses"])

@@ -450,13 +450,16 @@ class MLADCPManager:
                           self.num_ubatches)
         return runner(GatherRunner, spec, self.dcp, None, self.backend)
 
-    def kv_gather(self, gathered_kv: torch.Tensor, local_kv: torch.Tensor) -> None:
+    def kv_gather(self, gathered_kv: torch.Tensor, local_kv: torch.Tensor,
+                  slot: int | None = None) -> None:
         """vLLM's kv_gather (all_gather_into_tensor semantics): ``gathered_kv`` [W*N, C]
         receives every rank's ``local_kv`` [N, C] in rank order. dcpc gathers into its
-        own symmetric buffer, then copies into ``gathered_kv``."""
+        own symmetric buffer, then copies into ``gathered_kv``. ``slot``: the DBO
+        microbatch (default: vLLM's current ubatch id)."""
         r = self._kv_runner(local_kv.dtype, local_kv.shape[1])
         if r is not None and r.fits(local_kv.shape[0]):  # one slot per DBO microbatch
-            gathered_kv.copy_(r.run(local_kv, slot=_ubatch() % self.num_ubatches))
+            slot = _ubatch() if slot is None else slot
+            gathered_kv.copy_(r.run(local_kv, slot=slot % self.num_ubatches))
             return
         gathered_kv.copy_(Comm(self.dcp).all_gather(local_kv).reshape(gathered_kv.shape))
 
