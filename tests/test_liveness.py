@@ -24,7 +24,7 @@ TIMEOUT = re.compile(
     r"peer (?P<peer>\d+) to signal epoch (?P<epoch>-?\d+)")
 
 
-@pytest.mark.parametrize("kind,status,grace", [("exit", "died", 45), ("sleep", "hung", 20)])
+@pytest.mark.parametrize("kind,status,grace", [("exit", "died", 45), ("sleep", "hung", 10)])
 def test_missing_peer_times_out_naming_step_peer_and_epoch(kind: str, status: str,
                                                            grace: float) -> None:
     fault = {"rank": 1, "call": 3, "step": "out_exchange", "kind": kind}

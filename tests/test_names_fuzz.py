@@ -241,7 +241,7 @@ def test_names_never_collide_and_accepted_modules_import_and_pass_ruff(tmp_path:
     corpus.run(_sweep())
     drawn: list[dict[str, Any]] = []
 
-    @settings(max_examples=60, deadline=None, database=None,
+    @settings(max_examples=40, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(renamed())
     def draw(data: dict[str, Any]) -> None:
