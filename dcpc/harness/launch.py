@@ -149,8 +149,19 @@ def launch(
     outcomes: dict[int, RankOutcome] = {}
     notes: list[str] = []
     try:
-        for p in procs:
-            p.start()
+        # the children's environment from their first line: spawn imports the worker's
+        # module (and with it triton) before _child_main runs, and Triton reads
+        # TRITON_INTERPRET at import
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
         deadline = start + timeout_s
         while len(outcomes) < world and time.monotonic() < deadline:
             try:

@@ -16,7 +16,7 @@ import torch
 
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
-from dcpc.runtime.merge import FP8_E4M3_MAX, local_seq_len  # the facts, defined once
+from dcpc.numerics import FP8_E4M3_MAX, local_seq_len  # the facts, defined once (no Triton)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from dcpc.numerics import FP8_E4M3_MAX, local_seq_len
+
 
 def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
     bad = torch.isnan(lse) | (lse == float("inf"))
     return torch.where(bad, torch.full_like(lse, float("-inf")), lse)
-
-
-def local_seq_len(seq_lens: torch.Tensor, rank: int, world: int, interleave: int) -> torch.Tensor:
-    """Tokens of each request held by ``rank`` (token t lives on (t // I) % W)."""
-    base = seq_lens // interleave // world * interleave
-    rem = (seq_lens - base * world - rank * interleave).clamp(0, interleave)
-    return base + rem
 
 
 def token_requests(query_start_loc: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +51,6 @@ def empty_mask_local(
         return torch.ones(world, tokens, dtype=torch.bool, device=query_start_loc.device)
     held = local_seq_lens[req.clamp(max=batch - 1)]  # [tokens, W]
     return (padding.unsqueeze(1) | (held == 0)).t()
-
-
-FP8_E4M3_MAX = 448.0
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
