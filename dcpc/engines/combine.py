@@ -41,7 +41,7 @@ from dcpc.engines.common import (
     switch,
 )
 from dcpc.runtime.errors import DcpcArgumentError
-from dcpc.runtime.local import LocalRank
+from dcpc.runtime.local import LocalRank, sync_stream
 from dcpc.runtime.validate import axis_strides
 
 NEG_INF = float("-inf")
@@ -201,20 +201,11 @@ class Comm:
         rank: LocalRank = self.group.handle
         table = _exchanges.setdefault(rank.group, {})
         table[rank.rank] = [p.clone() for p in parts]
-        _stream_done(parts[0].device)  # the clones are done before a peer's stream reads
-        rank.barrier()
+        rank.barrier()  # syncs this stream first: the clones are done before a peer reads
         got = [table[p][rank.rank].clone() for p in range(rank.world)]
-        _stream_done(parts[0].device)  # read before the owner frees or reposts its clones
+        sync_stream(parts[0].device)  # read before the owner frees or reposts its clones
         rank.group.barrier()
         return got
-
-
-def _stream_done(device: torch.device) -> None:
-    """This thread's stream has run what it was given (ranks of a LocalGroup on one GPU
-    share memory but not streams); only this stream, never the device (a peer's kernel
-    may be spinning)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 # ---- the math, in torch (fp32) ------------------------------------------------------------

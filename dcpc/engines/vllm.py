@@ -57,6 +57,7 @@ from dcpc.engines.common import (
     switch,
 )
 from dcpc.runtime.errors import DcpcArgumentError
+from dcpc.runtime.local import sync_stream
 
 A2A_SWITCH = "VLLM_USE_DIRECT_DCP_A2A"
 AG_RS_SWITCH = "DCPC_VLLM_AG_RS"
@@ -342,8 +343,7 @@ class MLADCPManager:
             for ub in [*range(self.num_ubatches)] * 2:
                 q = torch.zeros(1, self.num_heads, self.query_head_dim, device=dev)
                 self._query_gather(q.to(self.query_dtype), slot=ub)
-        if dev.type == "cuda":  # the warm-up's kernels done before the caller's next copy
-            torch.cuda.current_stream(dev).synchronize()  # (dcpc.runtime.local.to_host)
+        sync_stream(dev)  # the warm-up's kernels done before the caller's next host copy
 
     @property
     def _all_reduce(self) -> bool:

@@ -168,6 +168,15 @@ def compile_only() -> Iterator[None]:
         _tls.compile_only = before
 
 
+def sync_stream(device: torch.device | str) -> None:
+    """Wait until this thread's current stream on ``device`` has run what it was given;
+    never the whole device (with ranks as threads a peer's kernel may be spinning).
+    Nothing on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied to the host, safe while peers' kernels may spin: this thread's stream
     is synchronised first, then copied. A blocking copy through pageable host memory
@@ -177,8 +186,7 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     before it can launch what this rank waits for: a hang (seen on one H200 with two
     ranks, each reading results with ``.cpu()``). Copy inputs to the device before the
     calls, or after a stream sync."""
-    if t.device.type == "cuda":
-        torch.cuda.current_stream(t.device).synchronize()
+    sync_stream(t.device)
     return t.cpu()
 
 
@@ -378,8 +386,7 @@ class LocalRank:
 
     def barrier(self) -> None:
         """This rank's queued work is done (its stream), then every rank arrives."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        sync_stream(self.device)
         self.group.barrier()
 
     @contextlib.contextmanager

@@ -21,6 +21,7 @@ from dcpc.runtime import guard as _guard
 from dcpc.runtime import shapes, sync, tiles, validate
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
+from dcpc.runtime.local import sync_stream
 from dcpc.runtime.validate import DTYPES, Signature, check_sizes
 
 # Bounded waits, in seconds, on every backend: a wait for a peer that lasts longer
@@ -261,8 +262,7 @@ class ScheduleModule:
                 }
             self._one = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._make_guard(channels)
-        if self.device.type == "cuda":  # this stream's initialisation done (not the whole
-            torch.cuda.current_stream(self.device).synchronize()  # device: a peer may spin)
+        sync_stream(self.device)  # this stream's initialisation done (not the device)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal
 
     def _make_guard(self, channels: int) -> None:

@@ -38,6 +38,7 @@ from dcpc.runtime.errors import (
     DcpcTimeoutError,
 )
 from dcpc.runtime.heap import SymmetricBuffer
+from dcpc.runtime.local import sync_stream
 
 # error codes (errors[0])
 TIMEOUT = 1  # a wait expired (the deadline, or another program of this launch failed)
@@ -226,8 +227,7 @@ class SignalBank:
         timeout_s: float | None = None,
     ) -> None:
         """Raise the error recorded by a kernel, if any (reads device memory: a host sync)."""
-        if self.errors.device.type == "cuda":  # first: see dcpc.runtime.local.to_host
-            torch.cuda.current_stream(self.errors.device).synchronize()
+        sync_stream(self.errors.device)  # first: see dcpc.runtime.local.to_host
         code, step, peer, epoch, here, there, _, flag = (int(v) for v in self.errors.tolist())
         if code == 0:
             return
