@@ -233,21 +233,34 @@ def _install_interpreter_threads() -> None:
         builder.grid_dim = getter("grid_dim", (1, 1, 1))  # type: ignore[attr-defined]
         original = interpreter._patch_lang
         kept: dict[tuple[int, ...], Any] = {}
-        patch_lock = threading.Lock()
+        # One lock for everything that reads or writes a kernel module's globals: the
+        # first rewrite of a jit function adds the interpreter's names to them
+        # (FunctionRewriter._compile_and_exec) while another rank's thread may be
+        # iterating them to patch the language ("dictionary changed size during
+        # iteration", seen under load).
+        globals_lock = threading.RLock()
 
         class _Kept:
             def restore(self) -> None:
                 """The interpreted language stays patched: another thread may be inside."""
 
         def patch_once(fn: Any) -> Any:
-            key = tuple(sorted(id(v) for v in fn.__globals__.values()
-                               if v is interpreter.tl or v is interpreter.tl.core))
-            with patch_lock:
+            with globals_lock:
+                names = fn.__globals__.copy()  # one C-level copy under the GIL
+                key = tuple(sorted(id(v) for v in names.values()
+                                   if v is interpreter.tl or v is interpreter.tl.core))
                 if key not in kept:
                     kept[key] = original(fn)
             return _Kept()
 
+        rewrite = interpreter.InterpretedFunction.rewrite
+
+        def rewrite_locked(self: Any) -> Any:
+            with globals_lock:
+                return rewrite(self)
+
         interpreter._patch_lang = patch_once
+        interpreter.InterpretedFunction.rewrite = rewrite_locked  # type: ignore[method-assign]
         interpreter._dcpc_threads = True  # type: ignore[attr-defined]
 
 
