@@ -50,7 +50,7 @@ def test_patch_and_first_rewrite_race_no_more(tmp_path: Path) -> None:
         rewritten = interpreter.InterpretedFunction(mod.kernel1)
         start = threading.Barrier(2)
 
-        def patch(fn: object = patched) -> None:
+        def patch(fn: object = patched, start: threading.Barrier = start) -> None:
             start.wait()
             try:
                 for _ in range(3):
@@ -58,7 +58,8 @@ def test_patch_and_first_rewrite_race_no_more(tmp_path: Path) -> None:
             except BaseException as e:  # noqa: BLE001 (the race's error is the finding)
                 errors.append(e)
 
-        def rewrite(fn: interpreter.InterpretedFunction = rewritten) -> None:
+        def rewrite(fn: interpreter.InterpretedFunction = rewritten,
+                    start: threading.Barrier = start) -> None:
             start.wait()
             try:
                 fn.rewrite()
