@@ -1,5 +1,9 @@
 """The lowering rules, one per op: ``@register("op")`` puts a rule in ``LOWERINGS``.
 
+The op itself (model, semantics, verifier, float64 reference) is defined in
+dcpc/ops/<op>.py; its Triton lowering is registered here against the same name
+(docs/internals.md says why it stays in the codegen package).
+
 A rule gets the lowering context and the step and returns the step's ``StepPlan``;
 its template is ``templates/ops/<op>.py.j2``. See dcpc/codegen/lower.py for the
 driver and the canonical-factor convention the rules follow.
@@ -21,7 +25,9 @@ from dcpc.codegen.lower import (
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
-from dcpc.lang.semantics import Scope, self_copy, via_of
+from dcpc.ops.all_to_all_combine import self_copy
+from dcpc.ops.common import Scope
+from dcpc.ops.reduce_scatter import via_of
 
 OpT = TypeVar("OpT", bound=m.OpBase)
 
