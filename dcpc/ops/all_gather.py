@@ -1,15 +1,17 @@
 """all_gather: every rank's ``src`` lands in every rank's ``dst``.
 
-Concatenating (dst has src's rank: block ``rank`` along ``dim``, or with
-``interleave`` I the rows ``(j // I) * W * I + rank * I + j % I``) or stacking (dst
-has one more dim: index ``rank`` of ``dim``, whose size is W).
+``src`` and ``dst`` may be lists of the same length: one exchange of several payloads
+(one kernel, one signal), each gathered as follows. Concatenating (dst has src's
+rank: block ``rank`` along ``dim``, or with ``interleave`` I the rows
+``(j // I) * W * I + rank * I + j % I``) or stacking (dst has one more dim: index
+``rank`` of ``dim``, whose size is W).
 Lowerings: dcpc/codegen/rules.py ``all_gather`` + templates/ops/all_gather.py.j2;
 dcpc/runtime/collectives.py ``all_gather``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field
 
@@ -29,37 +31,48 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
+    from dcpc.check.context import Ref
     from dcpc.check.ops import Verify
     from dcpc.harness.simulate import Sim
 
 
 class AllGather(OpBase):
     op: Literal["all_gather"]
-    src: Name
-    dst: Name
+    src: Name | Annotated[list[Name], Field(min_length=1)]
+    dst: Name | Annotated[list[Name], Field(min_length=1)]
     dim: Int = 0
     interleave: Int | None = Field(default=None, ge=1)
 
 
+def _region(c: Scope, op: AllGather, src_name: str | None, dst_name: str) -> Region:
+    """The part of every rank's ``dst_name`` that one writer's store covers."""
+    s = c.schedule
+    if op.interleave:
+        return Region("interleave", op.dim, op.interleave)
+    src = s.buffers.get(src_name) if src_name is not None else None
+    dst = s.buffers.get(dst_name)
+    stacked = src is not None and dst is not None and len(dst.shape) == len(src.shape) + 1
+    return Region("index" if stacked else "block", op.dim, 0, dim_text(s, dst_name, op.dim))
+
+
 def semantics(c: Scope, step: Step) -> Semantics:
     op: AllGather = step.op  # type: ignore[assignment]
-    s = c.schedule
-    src, dst = s.buffers.get(op.src), s.buffers.get(op.dst)
-    if op.interleave:
-        region = Region("interleave", op.dim, op.interleave)
-    else:
-        stacked = src is not None and dst is not None and len(dst.shape) == len(src.shape) + 1
-        region = Region("index" if stacked else "block", op.dim, 0,
-                        dim_text(s, op.dst, op.dim))
-    before = effects(READ, BEFORE, keyed(op, "src"))
-    before += effects(WRITE, BEFORE, keyed(op, "dst"), region)
+    srcs = keyed(op, "src")
+    before = effects(READ, BEFORE, srcs)
+    for k, dst in enumerate(keyed(op, "dst")):  # payload k: src[k] into dst[k]
+        src = srcs[k][0] if k < len(srcs) else None  # (unequal lists are reported)
+        before += effects(WRITE, BEFORE, [dst], _region(c, op, src, dst[0]))
     return exchange(before, [], step)
 
 
 def verify(v: Verify, step: Step) -> None:
-    op = step.op
-    assert isinstance(op, AllGather)
-    (src,), (dst,) = v.refs("src"), v.refs("dst")
+    assert isinstance(step.op, AllGather)
+    for src, dst in v.pairs(v.refs("src"), v.refs("dst")):
+        _verify_pair(v, step, src, dst)
+
+
+def _verify_pair(v: Verify, step: Step, src: Ref, dst: Ref) -> None:
+    op: AllGather = step.op  # type: ignore[assignment]
     v.transfer(src, dst, symmetric=True)
     s, d = v.shape(src.name), v.shape(dst.name)
     if s is None or d is None:
@@ -94,12 +107,17 @@ def verify(v: Verify, step: Step) -> None:
 
 
 def reference(sim: Sim, step: Step) -> None:
+    op: AllGather = step.op  # type: ignore[assignment]
+    for src, dst in zip(names(op.src), names(op.dst), strict=True):
+        _gather(sim, op, src, dst)
+
+
+def _gather(sim: Sim, op: AllGather, src: str, dst: str) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
-    op: AllGather = step.op  # type: ignore[assignment]
     world = sim.world
-    parts = [sim.bufs[r][op.src] for r in range(world)]
-    dst_shape = sim.shape(op.dst)
+    parts = [sim.bufs[r][src] for r in range(world)]
+    dst_shape = sim.shape(dst)
     if len(dst_shape) == parts[0].dim() + 1:
         gathered = torch.stack(parts, dim=op.dim)
     elif op.interleave is None:
@@ -112,7 +130,7 @@ def reference(sim: Sim, step: Step) -> None:
             rows = (j // inter) * world * inter + r * inter + j % inter
             gathered.index_copy_(op.dim, rows, part.to(torch.float64))
     for r in range(world):
-        sim.store(r, op.dst, gathered.clone())
+        sim.store(r, dst, gathered.clone())
 
 
 def io(op: AllGather) -> IO:
