@@ -1,6 +1,8 @@
 """Per-op rules: shapes, dtypes, dims, symmetric destinations and LSE bases.
 
-One rule per op in ``RULES`` (adding an op = one rule). A rule compares shapes
+Each op's verifier is defined with the rest of the op in dcpc/ops/<op>.py
+(``OpDef.verify``) and gets a ``Verify``: this module's shared rules bound to its
+step and the check context. ``RULES`` is the registry's view of them. A rule compares shapes
 symbolically, by evaluation on the sampled bindings of every W checked, and names a
 counterexample binding when they differ. Buffers that are unknown or whose shape
 did not parse are skipped: their error is reported once, elsewhere.
@@ -13,16 +15,8 @@ from collections.abc import Callable, Sequence
 from dcpc.check.context import Context, Ref, W, mask_refs, refs, show
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
-from dcpc.lang.model import (
-    AllGather,
-    AllToAllCombine,
-    Copy,
-    LseCombine,
-    LseCorrect,
-    OpBase,
-    ReduceScatter,
-    Step,
-)
+from dcpc.lang.model import Buffer, OpBase, Step
+from dcpc.ops import OPS
 
 LSE_DTYPES = ("f32", "f16", "bf16")
 BASE_HINT = "add 'lse_base: e' (natural log, e.g. FlashMLA) or 'lse_base: 2' (FlashInfer)"
@@ -131,43 +125,6 @@ def _transfer(ctx: Context, step: Step, src: Ref, dst: Ref, *, symmetric: bool) 
     _lse_transfer(ctx, step, src, dst)
 
 
-def all_gather(ctx: Context, step: Step) -> None:
-    op = step.op
-    assert isinstance(op, AllGather)
-    (src,), (dst,) = refs(op, "src"), refs(op, "dst")
-    _transfer(ctx, step, src, dst, symmetric=True)
-    s, d = ctx.shape(src.name), ctx.shape(dst.name)
-    if s is None or d is None:
-        return
-    if len(d) == len(s):  # concat: W blocks along dim
-        dim = _dim(ctx, step, src, len(s))
-        if dim is None:
-            return
-        want = [*s[:dim], ("*", W, s[dim]), *s[dim + 1:]]
-        _expect(ctx, step, dst, want, f"W blocks of src '{src.name}' along dim {dim}")
-        if op.interleave is not None and dim != 0:
-            ctx.error(op.mark("interleave"), "bad-interleave",
-                      f"interleave puts token blocks in sequence order along dim 0, but "
-                      f"step '{step.name}' gathers along dim {dim}",
-                      hint="gather along 'dim: 0' or drop 'interleave'")
-    elif len(d) == len(s) + 1:  # stack: a new axis of size W
-        dim = _dim(ctx, step, dst, len(d))
-        if dim is None:
-            return
-        want = [*s[:dim], W, *s[dim:]]
-        _expect(ctx, step, dst, want, f"src '{src.name}' stacked W times at dim {dim}")
-        if op.interleave is not None:
-            ctx.error(op.mark("interleave"), "bad-interleave",
-                      f"step '{step.name}' stacks along a new axis; interleave needs a "
-                      "concatenating gather (dst with the same number of dims as src)",
-                      hint="drop 'interleave'")
-    else:
-        ctx.error(dst.mark, "shape-mismatch",
-                  f"dst '{dst.name}' of all_gather '{step.name}' has {len(d)} dims; it needs "
-                  f"{len(s)} (blocks concatenated along dim) or {len(s) + 1} (stacked), as "
-                  f"src '{src.name}' has {len(s)}")
-
-
 def _pairs(ctx: Context, step: Step, srcs: list[Ref], dsts: list[Ref]) -> list[tuple[Ref, Ref]]:
     if len(srcs) != len(dsts):
         ctx.error(step.op.mark("dst"), "list-length-mismatch",
@@ -184,28 +141,6 @@ def _scatter(ctx: Context, step: Step, src: Ref, recv: Ref) -> list[ex.Expr] | N
         _expect(ctx, step, recv, [W, *part],
                 f"W parts of src '{src.name}', one per peer, along a leading W axis")
     return part
-
-
-def all_to_all(ctx: Context, step: Step) -> None:
-    for src, dst in _pairs(ctx, step, refs(step.op, "src"), refs(step.op, "dst")):
-        _scatter(ctx, step, src, dst)
-
-
-def reduce_scatter(ctx: Context, step: Step) -> None:
-    op = step.op
-    assert isinstance(op, ReduceScatter)
-    (src,), (dst,) = refs(op, "src"), refs(op, "dst")
-    if op.via is not None:
-        (via,) = refs(op, "via")
-        part = _scatter(ctx, step, src, via)
-    else:
-        part = _part(ctx, step, src) if ctx.buffer(src.name) is not None else None
-    a, b = ctx.buffer(src.name), ctx.buffer(dst.name)
-    if a is not None and b is not None and not (a.dtype.is_float and b.dtype.is_float):
-        _same_dtype(ctx, step, src, dst)  # floats: summed in fp32, rounded once into dst
-    if part is not None and ctx.shape(dst.name) is not None:
-        _expect(ctx, step, dst, part, f"this rank's part of src '{src.name}'")
-    _output_scale(ctx, step, dst)
 
 
 def _output_scale(ctx: Context, step: Step, dst: Ref) -> None:
@@ -234,7 +169,9 @@ def _output_scale(ctx: Context, step: Step, dst: Ref) -> None:
                   hint=f"declare '{dst.name}' with dtype fp8e4m3, or drop output_scale")
 
 
-def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None:
+def _merge(
+    ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool, scaled: bool = True
+) -> None:
     """Shapes, dtypes and bases of a merge of W partials (``o``, ``lse``) into dst."""
     op = step.op
     (dst,) = refs(op, "dst")
@@ -281,7 +218,7 @@ def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None
                       f"merges LSEs of base {base}",
                       hint=f"declare '{r.name}' with 'lse_base: {base}'")
     _mask(ctx, step)
-    if not isinstance(op, LseCorrect):
+    if scaled:
         _output_scale(ctx, step, dst)
     so, sl = ctx.shape(o.name), ctx.shape(lse.name)
     if so is None or sl is None:
@@ -337,35 +274,6 @@ def _mask(ctx: Context, step: Step) -> None:
                       f"they differ for {_where(ctx, example, [seq[0], qsl[0]])}")
 
 
-def lse_combine(ctx: Context, step: Step) -> None:
-    assert isinstance(step.op, LseCombine)
-    o, lse = refs(step.op, "src")
-    _merge(ctx, step, o, lse, stacked=True)
-
-
-def lse_correct(ctx: Context, step: Step) -> None:
-    assert isinstance(step.op, LseCorrect)
-    o, lse = refs(step.op, "src")
-    _merge(ctx, step, o, lse, stacked=False)
-
-
-def all_to_all_combine(ctx: Context, step: Step) -> None:
-    assert isinstance(step.op, AllToAllCombine)
-    (o, lse), (vo, vl) = refs(step.op, "src"), refs(step.op, "via")
-    _scatter(ctx, step, o, vo)
-    _scatter(ctx, step, lse, vl)
-    _merge(ctx, step, vo, vl, stacked=True)
-
-
-def copy(ctx: Context, step: Step) -> None:
-    assert isinstance(step.op, Copy)
-    (src,), (dst,) = refs(step.op, "src"), refs(step.op, "dst")
-    _transfer(ctx, step, src, dst, symmetric=False)
-    s = ctx.shape(src.name)
-    if s is not None and ctx.shape(dst.name) is not None:
-        _expect(ctx, step, dst, list(s), f"a copy of src '{src.name}'")
-
-
 def _no_aliasing(ctx: Context, step: Step) -> None:
     """A non-external step never writes a buffer twice, nor writes what it reads."""
     op: OpBase = step.op
@@ -385,21 +293,65 @@ def _no_aliasing(ctx: Context, step: Step) -> None:
                       hint="write into a separate buffer")
 
 
-RULES: dict[str, Callable[[Context, Step], None]] = {
-    "all_gather": all_gather,
-    "all_to_all": all_to_all,
-    "reduce_scatter": reduce_scatter,
-    "lse_combine": lse_combine,
-    "all_to_all_combine": all_to_all_combine,
-    "lse_correct": lse_correct,
-    "copy": copy,
+class Verify:
+    """What an op's verifier (``OpDef.verify`` in dcpc/ops/) works with: the step, the
+    check context and the shared rules above, bound to them."""
+
+    W = W
+
+    def __init__(self, ctx: Context, step: Step):
+        self.ctx, self.step = ctx, step
+
+    def refs(self, key: str) -> list[Ref]:
+        return refs(self.step.op, key)
+
+    def shape(self, name: str) -> list[ex.Expr] | None:
+        return self.ctx.shape(name)
+
+    def buffer(self, name: str) -> Buffer | None:
+        return self.ctx.buffer(name)
+
+    def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
+        self.ctx.error(mark, code, message, hint=hint)
+
+    def dim(self, ref: Ref, rank: int) -> int | None:
+        return _dim(self.ctx, self.step, ref, rank)
+
+    def expect(self, ref: Ref, want: list[ex.Expr], why: str) -> None:
+        _expect(self.ctx, self.step, ref, want, why)
+
+    def part(self, ref: Ref) -> list[ex.Expr] | None:
+        return _part(self.ctx, self.step, ref)
+
+    def same_dtype(self, src: Ref, dst: Ref) -> None:
+        _same_dtype(self.ctx, self.step, src, dst)
+
+    def transfer(self, src: Ref, dst: Ref, *, symmetric: bool) -> None:
+        _transfer(self.ctx, self.step, src, dst, symmetric=symmetric)
+
+    def pairs(self, srcs: list[Ref], dsts: list[Ref]) -> list[tuple[Ref, Ref]]:
+        return _pairs(self.ctx, self.step, srcs, dsts)
+
+    def scatter(self, src: Ref, recv: Ref) -> list[ex.Expr] | None:
+        return _scatter(self.ctx, self.step, src, recv)
+
+    def output_scale(self, dst: Ref) -> None:
+        _output_scale(self.ctx, self.step, dst)
+
+    def merge(self, o: Ref, lse: Ref, *, stacked: bool, scaled: bool = True) -> None:
+        _merge(self.ctx, self.step, o, lse, stacked=stacked, scaled=scaled)
+
+
+# One verifier per op that names buffers, read from the op registry (dcpc/ops/).
+RULES: dict[str, Callable[[Verify, Step], None]] = {
+    name: op.verify for name, op in OPS.items() if op.verify is not None
 }
 
 
 def check_ops(ctx: Context) -> None:
-    """Run every op's rule, in step order."""
+    """Run every op's verifier, in step order."""
     for step in ctx.steps:
         rule = RULES.get(step.kind)
         if rule is not None:
             _no_aliasing(ctx, step)
-            rule(ctx, step)
+            rule(Verify(ctx, step), step)

@@ -1,8 +1,9 @@
 """Stage 4, lower: ``Schedule`` -> ``Plan``, one lowering rule per op.
 
 Rules live in ``LOWERINGS`` keyed by op name (JAX's register_lowering style): a rule
-gets a ``Ctx`` and the step and returns its ``StepPlan``. Adding an op = one model
-class, one rule in rules.py, one template under templates/ops/, one test.
+gets a ``Ctx`` and the step and returns its ``StepPlan``. Adding an op = its module
+in dcpc/ops/ (docs/internals.md), one rule in rules.py, one template under
+templates/ops/, one test.
 
 Every rule views its buffers through canonical factors (products of shape ASTs), so
 that one kernel template serves every layout: e.g. an all_gather along ``dim`` sees

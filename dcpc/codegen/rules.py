@@ -1,5 +1,9 @@
 """The lowering rules, one per op: ``@register("op")`` puts a rule in ``LOWERINGS``.
 
+The op itself (model, semantics, verifier, float64 reference) is defined in
+dcpc/ops/<op>.py; its Triton lowering is registered here against the same name
+(docs/internals.md says why it stays in the codegen package).
+
 A rule gets the lowering context and the step and returns the step's ``StepPlan``;
 its template is ``templates/ops/<op>.py.j2``. See dcpc/codegen/lower.py for the
 driver and the canonical-factor convention the rules follow.
@@ -21,7 +25,10 @@ from dcpc.codegen.lower import (
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
-from dcpc.lang.semantics import Scope, self_copy, via_of
+from dcpc.ops.all_to_all_combine import self_copy
+from dcpc.ops.common import Scope
+from dcpc.ops.reduce_scatter import via_of
+from dcpc.ops.registry import names
 
 OpT = TypeVar("OpT", bound=m.OpBase)
 
@@ -78,33 +85,33 @@ def _scale(ctx: Ctx, op: Any, plan: StepPlan) -> None:
 @register("all_gather")
 def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.AllGather)
-    src, dst = ctx.shape(op.src), ctx.shape(op.dst)
-    d = op.dim
-    stack = len(dst) == len(src) + 1
-    outer = product(src[:d])
-    if stack:  # a concat of W blocks of src[d] rows each (interleave = rows): one layout
-        rows = src[d] if d < len(src) else ONE
-        row_len, interleave = product(src[d + 1 :]), rows
-    else:
-        rows, row_len = src[d], product(src[d + 1 :])
-        interleave = ("num", op.interleave) if op.interleave else rows
-    plan = _step(
-        step,
-        params=ctx.engine([op.src]),
-        returns=[op.dst],
-        roles={"src": op.src, "dst": op.dst},
-        scalars=[
-            ("outer", outer),
-            ("rows", rows),
-            ("row_len", row_len),
-            ("interleave", interleave),
-        ],
-        tiles=[row_len],
-        scratch={"stage": (product([W, *src]), ctx.buffers[op.src].dtype)},
-        attrs={"stack": stack},
-        signalling=True,
-    )
-    _layout(ctx, plan, "src", d, min(d + 1, len(src)))
+    srcs, dsts = names(op.src), names(op.dst)
+    plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    stacks = []
+    for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
+        p = str(k) if k else ""  # payload 0 keeps the unsuffixed names
+        src, dst = ctx.shape(s), ctx.shape(t)
+        d = op.dim
+        stack = len(dst) == len(src) + 1
+        outer = product(src[:d])
+        if stack:  # a concat of W blocks of src[d] rows each (interleave = rows): one layout
+            rows = src[d] if d < len(src) else ONE
+            row_len, interleave = product(src[d + 1 :]), rows
+        else:
+            rows, row_len = src[d], product(src[d + 1 :])
+            interleave = ("num", op.interleave) if op.interleave else rows
+        plan.roles[f"src{p}"], plan.roles[f"dst{p}"] = s, t
+        plan.scalars += [
+            (f"outer{p}", outer),
+            (f"rows{p}", rows),
+            (f"row_len{p}", row_len),
+            (f"interleave{p}", interleave),
+        ]
+        plan.tiles.append(row_len)
+        plan.scratch[f"stage{p}"] = (product([W, *src]), ctx.buffers[s].dtype)
+        _layout(ctx, plan, f"src{p}", d, min(d + 1, len(src)))
+        stacks.append(stack)
+    plan.attrs["payloads"] = [("" if k == 0 else str(k), stack) for k, stack in enumerate(stacks)]
     return plan
 
 

@@ -1,9 +1,10 @@
 """A float64 simulator of one call of a schedule over all W ranks.
 
 This is the harness's reference: it reads the schedule model (not the generated
-code) and applies the op semantics of docs/internals.md to every rank's buffers at
-once. Every buffer write is rounded to the buffer's dtype, as the generated module
-stores it; the merge math itself is float64. External steps come from a callback.
+code) and applies each op's float64 reference (``OpDef.reference``, dcpc/ops/) to
+every rank's buffers at once. Every buffer write is rounded to the buffer's dtype,
+as the generated module stores it; the merge math itself is float64. External steps
+come from a callback.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.numerics import FP8_E4M3_MAX, local_seq_len  # the facts, defined once (no Triton)
+from dcpc.ops import OPS
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
@@ -113,6 +115,51 @@ def _split(value: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
     return list(torch.chunk(value, world, dim=dim))
 
 
+class Sim:
+    """One simulated call: every rank's buffers, and what an op's float64 reference
+    (``OpDef.reference`` in dcpc/ops/) uses to read and write them."""
+
+    def __init__(self, schedule: m.Schedule, world: int, env: Mapping[str, int],
+                 inputs: list[Buffers], external: External):
+        self.schedule, self.world, self.env, self.external = schedule, world, env, external
+        self.bufs = [dict(rank_inputs) for rank_inputs in inputs]
+        self.written: list[Buffers] = [{} for _ in range(world)]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return buffer_shape(self.schedule, name, self.env)
+
+    def store(self, rank: int, name: str, value: torch.Tensor) -> None:
+        """Write ``name`` on ``rank``, rounded to its dtype as the module stores it."""
+        want = self.shape(name)
+        if tuple(value.shape) != want:
+            raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
+        self.bufs[rank][name] = as_stored(self.schedule, name, value)
+        self.written[rank][name] = self.bufs[rank][name]
+
+    def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None:
+        """Keep a value no schedule buffer holds (an implicit receive buffer), rounded to
+        the dtype of buffer ``like``; not traced."""
+        self.bufs[rank][name] = as_stored(self.schedule, like, value)
+
+    def all_to_all(self, src: str, dst: str, dim: int,
+                   store: Callable[[int, str, torch.Tensor], None] | None = None) -> None:
+        """dst[p] on rank j = part j (along ``dim``) of src on rank p."""
+        _all_to_all(src, dst, dim, self.bufs, self.world, store or self.store)
+
+    def merge_weights(self, op: Any, rank: int, lse_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LSE weights [W, ...] and the merged LSE of ``rank``'s stacked LSEs
+        ``lse_name``, masked by the op's ``mask_empty``, in the op's base."""
+        bufs = self.bufs[rank]
+        lse = _mask_lse(op, bufs[lse_name], bufs, self.world, token_dim=0)
+        return merge_weights(lse, _lse_base(self.schedule, op, lse_name))
+
+    def weighted_sum(self, weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+        return _weighted_sum(weights, parts)
+
+    def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor:
+        return scaled(op, self.bufs[rank], value)
+
+
 def simulate_call(
     schedule: m.Schedule,
     world: int,
@@ -123,78 +170,23 @@ def simulate_call(
 ) -> list[Buffers]:
     """Run every step of one call on all ranks; return every rank's buffers at the end.
 
-    With ``trace`` (a list), one entry per step is appended: every rank's values of
+    Each step runs its op's float64 reference (``OpDef.reference``, dcpc/ops/). With
+    ``trace`` (a list), one entry per step is appended: every rank's values of
     what the step wrote, as they stand right after it. A buffer written twice in a
     call has two entries, so each read can be compared with what it sees at its point.
     """
-    env = {**sizes, "W": world}
-    bufs = [dict(rank_inputs) for rank_inputs in inputs]
-    written: list[Buffers] = [{} for _ in range(world)]
-
-    def store(rank: int, name: str, value: torch.Tensor) -> None:
-        want = buffer_shape(schedule, name, env)
-        if tuple(value.shape) != want:
-            raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
-        bufs[rank][name] = as_stored(schedule, name, value)
-        written[rank][name] = bufs[rank][name]
-
+    sim = Sim(schedule, world, {**sizes, "W": world}, inputs, external)
     for step in schedule.step_list():
         if trace is not None and step.index:
-            trace.append(written)
-            written = [{} for _ in range(world)]
-        op = step.op
-        if isinstance(op, m.External):
-            for r in range(world):
-                for name, value in external(step, r, bufs[r]).items():
-                    store(r, name, value)
-        elif isinstance(op, m.AllGather):
-            _all_gather(schedule, op, bufs, world, env, store)
-        elif isinstance(op, m.AllToAll):
-            srcs = op.src if isinstance(op.src, list) else [op.src]
-            dsts = op.dst if isinstance(op.dst, list) else [op.dst]
-            for src, dst in zip(srcs, dsts, strict=True):
-                _all_to_all(src, dst, op.dim, bufs, world, store)
-        elif isinstance(op, m.ReduceScatter):
-            via = op.via or f"{op.dst}__via"
-            def keep(r: int, name: str, value: torch.Tensor, src: str = op.src) -> None:
-                bufs[r][name] = as_stored(schedule, src, value)  # via has src's dtype
-
-            _all_to_all(op.src, via, op.dim, bufs, world, store if op.via else keep)
-            for r in range(world):
-                store(r, op.dst, scaled(op, bufs[r], bufs[r][via].sum(dim=0)))
-        elif isinstance(op, (m.LseCombine, m.AllToAllCombine)):
-            o_name, lse_name = op.src
-            if isinstance(op, m.AllToAllCombine):
-                for src, dst in zip(op.src, op.via, strict=True):
-                    _all_to_all(src, dst, op.dim, bufs, world, store)
-                o_name, lse_name = op.via
-            base = _lse_base(schedule, op, lse_name)
-            for r in range(world):
-                lse = _mask_lse(op, bufs[r][lse_name], bufs[r], world, token_dim=0)
-                weights, merged = merge_weights(lse, base)
-                store(r, op.dst, scaled(op, bufs[r], _weighted_sum(weights, bufs[r][o_name])))
-                if op.return_lse:
-                    store(r, op.return_lse, merged)
-        elif isinstance(op, m.LseCorrect):
-            o_name, lse_name = op.src
-            base = _lse_base(schedule, op, lse_name)
-            for r in range(world):
-                lse = _mask_lse(op, bufs[r][lse_name], bufs[r], world, token_dim=0)
-                weights, merged = merge_weights(lse, base)
-                w = weights[r].unsqueeze(-1)
-                store(r, op.dst, torch.where(w == 0, 0.0, w * bufs[r][o_name]))
-                if op.return_lse:
-                    store(r, op.return_lse, merged)
-        elif isinstance(op, m.Copy):
-            for r in range(world):
-                store(r, op.dst, bufs[r][op.src].clone())
-        elif isinstance(op, (m.Barrier, m.Signal, m.Wait)):
-            pass
-        else:
+            trace.append(sim.written)
+            sim.written = [{} for _ in range(world)]
+        op = OPS.get(step.kind)
+        if op is None:
             raise NotImplementedError(f"simulator: op {step.kind} of step {step.name}")
+        op.reference(sim, step)
     if trace is not None:
-        trace.append(written)
-    return bufs
+        trace.append(sim.written)
+    return sim.bufs
 
 
 def seen_at(trace: list[list[Buffers]], step: int, rank: int, name: str) -> torch.Tensor | None:
@@ -204,27 +196,6 @@ def seen_at(trace: list[list[Buffers]], step: int, rank: int, name: str) -> torc
         if name in entry[rank]:
             return entry[rank][name]
     return None
-
-
-def _all_gather(
-    schedule: m.Schedule, op: m.AllGather, bufs: list[Buffers], world: int,
-    env: Mapping[str, int], store: Callable[[int, str, torch.Tensor], None],
-) -> None:
-    parts = [bufs[r][op.src] for r in range(world)]
-    dst_shape = buffer_shape(schedule, op.dst, env)
-    if len(dst_shape) == parts[0].dim() + 1:
-        gathered = torch.stack(parts, dim=op.dim)
-    elif op.interleave is None:
-        gathered = torch.cat(parts, dim=op.dim)
-    else:
-        n, inter = parts[0].shape[op.dim], op.interleave
-        gathered = torch.empty(dst_shape, dtype=torch.float64)
-        for r, part in enumerate(parts):
-            j = torch.arange(n)
-            rows = (j // inter) * world * inter + r * inter + j % inter
-            gathered.index_copy_(op.dim, rows, part.to(torch.float64))
-    for r in range(world):
-        store(r, op.dst, gathered.clone())
 
 
 def _all_to_all(

@@ -20,6 +20,7 @@ import torch
 from dcpc.harness.simulate import Buffers, as_stored, buffer_shape, empty_rows, local_seq_len
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
+from dcpc.ops import OPS
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
 DEFAULT_SMALL_MAX = 8
@@ -28,25 +29,9 @@ LSE_GARBAGE = (math.nan, math.inf, -math.inf, 25.0)
 
 
 def op_io(op: Any) -> tuple[list[str], list[str]]:
-    """(buffers a step reads, buffers it writes), in the order the step names them."""
-    def names(value: Any) -> list[str]:
-        return list(value) if isinstance(value, list) else [value]
-
-    masks = [op.mask_empty.lengths, op.mask_empty.query_start_loc] if getattr(
-        op, "mask_empty", None) else []
-    masks += [op.output_scale] if getattr(op, "output_scale", None) else []
-    lse = [op.return_lse] if getattr(op, "return_lse", None) else []
-    if isinstance(op, m.External):
-        return list(op.reads), list(op.writes)
-    if isinstance(op, (m.AllGather, m.AllToAll, m.Copy)):
-        return names(op.src), names(op.dst)
-    if isinstance(op, m.ReduceScatter):
-        return [op.src] + masks, [op.dst] + ([op.via] if op.via else [])
-    if isinstance(op, m.AllToAllCombine):
-        return list(op.src) + masks, [op.dst] + lse + list(op.via)
-    if isinstance(op, (m.LseCombine, m.LseCorrect)):
-        return list(op.src) + masks, [op.dst] + lse
-    return [], []
+    """(buffers a step reads, buffers it writes), in the order the step names them
+    (each op's ``OpDef.io``, dcpc/ops/)."""
+    return OPS[op.op].io(op)
 
 
 def engine_inputs(schedule: m.Schedule) -> list[str]:

@@ -146,10 +146,10 @@ def _collapse_unions(errors: list[Any], data: dict[str, Any], file: str) -> tupl
             continue
         value = members[0][1].get("input")
         got = "empty" if value is None else type(value).__name__
+        got = _TYPE_NAMES.get(got, got) if value != [] else "an empty list"  # (min_length)
         mark = yamlsrc.locate(data, prefix) or Mark(file, 1, 1)
         out.append(Diagnostic(
-            mark, "wrong-type",
-            f"{_where(prefix)} must be {_UNION_WANTS[tags]}, not {_TYPE_NAMES.get(got, got)}",
+            mark, "wrong-type", f"{_where(prefix)} must be {_UNION_WANTS[tags]}, not {got}",
         ))
     return rest, out
 

@@ -1,0 +1,180 @@
+"""The language's building blocks: scalar types, buffers, sizes, ``OpBase``, ``Step``.
+
+The op models themselves are defined with the rest of each op in ``dcpc.ops``;
+``dcpc.lang.model`` assembles them into ``Schedule``. Models validate types and keys
+only; cross-references, shapes and ordering are the check stage's job.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
+
+from dcpc.diagnostics import NOWHERE, Mark
+from dcpc.lang.yamlsrc import MARK, MARKS
+
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+Name = Annotated[str, Strict(), Field(description="A name declared under buffers")]
+SizeExpr = Annotated[
+    Union[Int, Str],  # noqa: UP007 (pydantic's JSON schema reads Union well)
+    Field(description="A size expression: integers, size names, + - * /, parentheses"),
+]
+
+
+class DType(str, Enum):
+    bf16 = "bf16"
+    f16 = "f16"
+    f32 = "f32"
+    i32 = "i32"
+    i64 = "i64"
+    fp8e4m3 = "fp8e4m3"
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.bf16, DType.f16, DType.f32, DType.fp8e4m3)
+
+    @property
+    def itemsize(self) -> int:
+        return {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "fp8e4m3": 1}[self.value]
+
+
+class Streams(str, Enum):
+    per_slot = "per_slot"
+    single = "single"
+
+
+class Peers(str, Enum):
+    """Which peers a split-phase signal goes to (or a wait comes from)."""
+
+    all = "all"
+    next = "next"
+    prev = "prev"
+
+
+def _lse_base(value: Any) -> Any:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+LseBase = Annotated[Literal["e", "2"], Field(description="Base of an LSE: e or 2")]
+
+
+class Node(BaseModel):
+    """Base of every model: unknown keys are errors; source marks are kept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    src_mark: SkipJsonSchema[Mark | None] = Field(default=None, alias=MARK, exclude=True)
+    src_marks: SkipJsonSchema[dict[str, Mark]] = Field(
+        default_factory=dict, alias=MARKS, exclude=True
+    )
+
+    def mark(self, key: str | None = None, *, of_key: bool = False) -> Mark:
+        """Mark of this node, of the value of ``key``, or (of_key) of the key itself."""
+        if key is not None:
+            found = self.src_marks.get(("key:" if of_key else "") + key)
+            if found is not None:
+                return found
+        return self.src_mark or NOWHERE
+
+
+class SizeSpec(Node):
+    """A size bound at run time (``max``) or at construction (``multiple_of``)."""
+
+    max: Int | None = Field(default=None, ge=1, description="bound per call, up to this")
+    multiple_of: SizeExpr | None = Field(
+        default=None, description="bound at construction; must be a multiple of this"
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> SizeSpec:
+        if self.max is None and self.multiple_of is None:
+            raise ValueError("a size needs 'max' or 'multiple_of' (or is a plain integer)")
+        return self
+
+
+class Buffer(Node):
+    shape: list[SizeExpr] = Field(min_length=1, description="dimensions, outermost first")
+    dtype: DType
+    symmetric: Bool = Field(
+        default=False, description="allocated by the module in symmetric memory, per slot"
+    )
+    shared: Bool = Field(
+        default=False, description="symmetric, one instance for all slots"
+    )
+    lse_base: LseBase | None = Field(default=None, description="marks an LSE buffer")
+    doc: Str | None = None
+
+    _norm_base = field_validator("lse_base", mode="before")(_lse_base)
+
+    @property
+    def is_symmetric(self) -> bool:
+        return self.symmetric or self.shared
+
+
+class MaskEmpty(Node):
+    """Mask partials of ranks whose KV shard is empty, and CUDA-graph padding rows.
+
+    Either ``seq_lens`` (full lengths [B]; rank p holds the tokens t with
+    (t // interleave) % W == p) or ``local_seq_lens`` (every rank's own lengths [B, W],
+    as vLLM's get_dcp_local_seq_lens(seq_lens, W) gives them)."""
+
+    seq_lens: Name | None = None
+    local_seq_lens: Name | None = Field(
+        default=None, description="[B, W] i32: rank p's KV tokens of request b"
+    )
+    query_start_loc: Name
+    interleave: Int = Field(default=1, ge=1, description="KV interleave size I")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> MaskEmpty:
+        if (self.seq_lens is None) == (self.local_seq_lens is None):
+            raise ValueError("mask_empty needs exactly one of 'seq_lens' (full lengths [B]) "
+                             "and 'local_seq_lens' (every rank's lengths [B, W])")
+        if self.local_seq_lens is not None and "interleave" in self.model_fields_set:
+            raise ValueError("'interleave' applies to full 'seq_lens'; 'local_seq_lens' "
+                             "already says what each rank holds")
+        return self
+
+    @property
+    def lengths(self) -> str:
+        """The buffer of lengths, full or local."""
+        return self.seq_lens if self.seq_lens is not None else self.local_seq_lens  # type: ignore[return-value]
+
+    @property
+    def lengths_key(self) -> str:
+        return "seq_lens" if self.seq_lens is not None else "local_seq_lens"
+
+
+class OpBase(Node):
+    doc: Str | None = None
+
+
+class Step:
+    """A named step: ``name`` plus its op model (not a pydantic model itself)."""
+
+    __slots__ = ("name", "op", "index")
+
+    def __init__(self, name: str, op: OpBase, index: int):
+        self.name, self.op, self.index = name, op, index
+
+    @property
+    def kind(self) -> str:
+        return self.op.op  # type: ignore[attr-defined]
+
+    def mark(self) -> Mark:
+        return self.op.mark("__name__")
+
+    def __repr__(self) -> str:
+        return f"Step({self.name!r}, {self.kind})"

@@ -1,0 +1,140 @@
+"""all_gather: every rank's ``src`` lands in every rank's ``dst``.
+
+``src`` and ``dst`` may be lists of the same length: one exchange of several payloads
+(one kernel, one signal), each gathered as follows. Concatenating (dst has src's
+rank: block ``rank`` along ``dim``, or with ``interleave`` I the rows
+``(j // I) * W * I + rank * I + j % I``) or stacking (dst has one more dim: index
+``rank`` of ``dim``, whose size is W).
+Lowerings: dcpc/codegen/rules.py ``all_gather`` + templates/ops/all_gather.py.j2;
+dcpc/runtime/collectives.py ``all_gather``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import Field
+
+from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.ops.common import (
+    BEFORE,
+    READ,
+    WRITE,
+    Region,
+    Scope,
+    Semantics,
+    dim_text,
+    effects,
+    exchange,
+    keyed,
+)
+from dcpc.ops.registry import IO, OpDef, define, names
+
+if TYPE_CHECKING:
+    from dcpc.check.context import Ref
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+
+
+class AllGather(OpBase):
+    op: Literal["all_gather"]
+    src: Name | Annotated[list[Name], Field(min_length=1)]
+    dst: Name | Annotated[list[Name], Field(min_length=1)]
+    dim: Int = 0
+    interleave: Int | None = Field(default=None, ge=1)
+
+
+def _region(c: Scope, op: AllGather, src_name: str | None, dst_name: str) -> Region:
+    """The part of every rank's ``dst_name`` that one writer's store covers."""
+    s = c.schedule
+    if op.interleave:
+        return Region("interleave", op.dim, op.interleave)
+    src = s.buffers.get(src_name) if src_name is not None else None
+    dst = s.buffers.get(dst_name)
+    stacked = src is not None and dst is not None and len(dst.shape) == len(src.shape) + 1
+    return Region("index" if stacked else "block", op.dim, 0, dim_text(s, dst_name, op.dim))
+
+
+def semantics(c: Scope, step: Step) -> Semantics:
+    op: AllGather = step.op  # type: ignore[assignment]
+    srcs = keyed(op, "src")
+    before = effects(READ, BEFORE, srcs)
+    for k, dst in enumerate(keyed(op, "dst")):  # payload k: src[k] into dst[k]
+        src = srcs[k][0] if k < len(srcs) else None  # (unequal lists are reported)
+        before += effects(WRITE, BEFORE, [dst], _region(c, op, src, dst[0]))
+    return exchange(before, [], step)
+
+
+def verify(v: Verify, step: Step) -> None:
+    assert isinstance(step.op, AllGather)
+    for src, dst in v.pairs(v.refs("src"), v.refs("dst")):
+        _verify_pair(v, step, src, dst)
+
+
+def _verify_pair(v: Verify, step: Step, src: Ref, dst: Ref) -> None:
+    op: AllGather = step.op  # type: ignore[assignment]
+    v.transfer(src, dst, symmetric=True)
+    s, d = v.shape(src.name), v.shape(dst.name)
+    if s is None or d is None:
+        return
+    if len(d) == len(s):  # concat: W blocks along dim
+        dim = v.dim(src, len(s))
+        if dim is None:
+            return
+        want = [*s[:dim], ("*", v.W, s[dim]), *s[dim + 1:]]
+        v.expect(dst, want, f"W blocks of src '{src.name}' along dim {dim}")
+        if op.interleave is not None and dim != 0:
+            v.error(op.mark("interleave"), "bad-interleave",
+                    f"interleave puts token blocks in sequence order along dim 0, but "
+                    f"step '{step.name}' gathers along dim {dim}",
+                    hint="gather along 'dim: 0' or drop 'interleave'")
+    elif len(d) == len(s) + 1:  # stack: a new axis of size W
+        dim = v.dim(dst, len(d))
+        if dim is None:
+            return
+        want = [*s[:dim], v.W, *s[dim:]]
+        v.expect(dst, want, f"src '{src.name}' stacked W times at dim {dim}")
+        if op.interleave is not None:
+            v.error(op.mark("interleave"), "bad-interleave",
+                    f"step '{step.name}' stacks along a new axis; interleave needs a "
+                    "concatenating gather (dst with the same number of dims as src)",
+                    hint="drop 'interleave'")
+    else:
+        v.error(dst.mark, "shape-mismatch",
+                f"dst '{dst.name}' of all_gather '{step.name}' has {len(d)} dims; it needs "
+                f"{len(s)} (blocks concatenated along dim) or {len(s) + 1} (stacked), as "
+                f"src '{src.name}' has {len(s)}")
+
+
+def reference(sim: Sim, step: Step) -> None:
+    op: AllGather = step.op  # type: ignore[assignment]
+    for src, dst in zip(names(op.src), names(op.dst), strict=True):
+        _gather(sim, op, src, dst)
+
+
+def _gather(sim: Sim, op: AllGather, src: str, dst: str) -> None:
+    import torch  # the compiler imports no torch; only the simulator runs this
+
+    world = sim.world
+    parts = [sim.bufs[r][src] for r in range(world)]
+    dst_shape = sim.shape(dst)
+    if len(dst_shape) == parts[0].dim() + 1:
+        gathered = torch.stack(parts, dim=op.dim)
+    elif op.interleave is None:
+        gathered = torch.cat(parts, dim=op.dim)
+    else:
+        n, inter = parts[0].shape[op.dim], op.interleave
+        gathered = torch.empty(dst_shape, dtype=torch.float64)
+        for r, part in enumerate(parts):
+            j = torch.arange(n)
+            rows = (j // inter) * world * inter + r * inter + j % inter
+            gathered.index_copy_(op.dim, rows, part.to(torch.float64))
+    for r in range(world):
+        sim.store(r, dst, gathered.clone())
+
+
+def io(op: AllGather) -> IO:
+    return names(op.src), names(op.dst)
+
+
+DEF = define(OpDef("all_gather", AllGather, semantics, verify, reference, io))

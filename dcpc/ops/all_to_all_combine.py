@@ -1,0 +1,94 @@
+"""all_to_all_combine: all_to_all of ``src: [o, lse]`` into the symmetric ``via:
+[o_recv, lse_recv]`` fused with lse_combine of what arrived, into ``dst`` (push,
+signal, wait and merge in one kernel). Its own part travels through ``via[rank]``
+only when another step reads ``via`` (``self_copy``); otherwise the merge reads it
+from ``src``.
+Lowerings: dcpc/codegen/rules.py ``all_to_all_combine`` +
+templates/ops/all_to_all_combine.py.j2; the torch backend runs all_to_all + lse_combine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, field_validator
+
+from dcpc.lang.nodes import Int, LseBase, MaskEmpty, Name, OpBase, Step, _lse_base
+from dcpc.ops.common import (
+    AFTER,
+    BEFORE,
+    READ,
+    WRITE,
+    Region,
+    Scope,
+    Semantics,
+    buffers_of,
+    effects,
+    exchange,
+    keyed,
+    merge_inputs,
+)
+from dcpc.ops.lse_combine import combine
+from dcpc.ops.registry import IO, OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+
+
+class AllToAllCombine(OpBase):
+    """Fused all_to_all + lse_combine: push, signal, wait and merge in one kernel."""
+
+    op: Literal["all_to_all_combine"]
+    src: list[Name] = Field(min_length=2, max_length=2, description="[o, lse]")
+    via: list[Name] = Field(min_length=2, max_length=2, description="[o_recv, lse_recv]")
+    dst: Name
+    dim: Int = 0
+    mask_empty: MaskEmpty | None = None
+    return_lse: Name | None = None
+    lse_base: LseBase | None = None
+    output_scale: Name | None = Field(
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
+    )
+
+    _norm_base = field_validator("lse_base", mode="before")(_lse_base)
+
+
+def self_copy(c: Scope, step: Step) -> bool:
+    """Whether a fused exchange copies its own part into ``via[rank]``: only when
+    another step reads ``via``; otherwise its merge reads that part from ``src``."""
+    return c.read_elsewhere(step, set(step.op.via))  # type: ignore[attr-defined]
+
+
+def semantics(c: Scope, step: Step) -> Semantics:
+    op = step.op
+    before = effects(READ, BEFORE, keyed(op, "src"))
+    before += effects(WRITE, BEFORE, keyed(op, "via"), Region("index", 0))
+    after = effects(READ, AFTER, keyed(op, "via") + merge_inputs(op))
+    if not self_copy(c, step):  # the merge reads this rank's own part from src
+        after += effects(READ, AFTER, keyed(op, "src"))
+    after += effects(WRITE, AFTER, keyed(op, "dst") + keyed(op, "return_lse"))
+    return exchange(before, after, step)
+
+
+def verify(v: Verify, step: Step) -> None:
+    assert isinstance(step.op, AllToAllCombine)
+    (o, lse), (vo, vl) = v.refs("src"), v.refs("via")
+    v.scatter(o, vo)
+    v.scatter(lse, vl)
+    v.merge(vo, vl, stacked=True)
+
+
+def reference(sim: Sim, step: Step) -> None:
+    op: AllToAllCombine = step.op  # type: ignore[assignment]
+    for src, dst in zip(op.src, op.via, strict=True):
+        sim.all_to_all(src, dst, op.dim)
+    combine(sim, op, *op.via)
+
+
+def io(op: AllToAllCombine) -> IO:
+    lse = [op.return_lse] if op.return_lse else []
+    return list(op.src) + buffers_of(merge_inputs(op)), [op.dst] + lse + list(op.via)
+
+
+DEF = define(OpDef("all_to_all_combine", AllToAllCombine, semantics, verify, reference, io))

@@ -1,0 +1,301 @@
+"""What the ops share: effects, regions, signal channels and the helpers their rules use.
+
+An op's semantics rule (in its module under dcpc/ops/) returns ``Semantics(effects,
+sync)``. Effects happen ``before`` the step's signal (its push; the whole step for an
+op that does not synchronise) or ``after`` its wait. A remote store carries a
+``Region``: it writes the writing rank's part of EVERY rank's instance, its own
+included.
+
+Signals (docs/internals.md): a signalling step owns the signal slots of channel
+``index * slots + slot`` and advances its own epoch there once per call; a
+communication op waits on its own slots; a ``wait`` step polls the slots of ONE
+``signal`` step, chosen here: on a channel, the k-th wait ``from: F`` polls the k-th
+signal whose ``to`` reaches it (``from: prev`` <- ``to: next | all``, ``from: next``
+<- ``to: prev | all``, ``from: all`` <- ``to: all``). The choice does not depend on
+W, so one emitted module serves every group size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dcpc.diagnostics import Mark
+from dcpc.lang import expr as ex
+from dcpc.lang import nodes as m
+from dcpc.ops.registry import OPS
+
+if TYPE_CHECKING:
+    from dcpc.lang.model import Schedule
+
+READ, WRITE = "read", "write"
+BEFORE, AFTER = "before", "after"
+
+
+@dataclass(frozen=True)
+class Region:
+    """The part of every rank's instance that one writer's store covers.
+
+    Writer ``p`` covers part ``p`` of a partition of axis ``dim``: a contiguous
+    ``block`` (concatenating all_gather), an ``index`` of a W-long axis (stacking
+    all_gather, all_to_all, receive buffers) or every ``interleave``-th row block.
+    Stores of the same partition overlap only when their writers are equal; stores
+    of different partitions may always overlap.
+    """
+
+    scheme: str  # "block" | "index" | "interleave"
+    dim: int
+    interleave: int = 0
+    dim_text: str = ""
+
+    @property
+    def partition(self) -> tuple[str, int, int]:
+        return (self.scheme, self.dim, self.interleave)
+
+    def text(self, writer: int) -> str:
+        """The part of writer ``writer`` in words."""
+        if self.scheme == "block":
+            return f"{self.dim_text} block {writer} (dim {self.dim})"
+        if self.scheme == "index":
+            return f"index {writer} of dim {self.dim}"
+        return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One buffer access of a step: ``kind`` read|write, ``when`` before|after.
+
+    ``region`` None: this rank's own instance, whole. ``key``: the op key that names
+    the buffer ("src[0]", "mask_empty.seq_lens", ...; "" for an implicit buffer).
+    """
+
+    buffer: str
+    kind: str
+    when: str
+    region: Region | None = None
+    key: str = ""
+
+
+@dataclass(frozen=True)
+class Sync:
+    """The signal slots a step's kernel uses.
+
+    ``signal``: the peers ("all" | "next" | "prev") this step publishes its epoch to,
+    in its own slots. ``wait``: the peers it waits for, polling the slots of step
+    ``polls`` (its own index for a communication op).
+    """
+
+    signal: str | None = None
+    wait: str | None = None
+    polls: int | None = None
+
+
+@dataclass(frozen=True)
+class Semantics:
+    effects: tuple[Effect, ...] = ()
+    sync: Sync = field(default_factory=Sync)
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return _unique(e.buffer for e in self.effects if e.kind == READ)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return _unique(e.buffer for e in self.effects if e.kind == WRITE)
+
+
+def _unique(names: object) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))  # type: ignore[call-overload]
+
+
+# --- the signal channels --------------------------------------------------------
+
+# The ``to`` values whose signal reaches a wait ``from: F`` at every W.
+REACHES = {m.Peers.prev: (m.Peers.next, m.Peers.all), m.Peers.next: (m.Peers.prev, m.Peers.all),
+           m.Peers.all: (m.Peers.all,)}
+
+
+@dataclass(frozen=True)
+class ChannelError:
+    step: m.Step
+    code: str  # "unmatched-wait" | "peer-mismatch" | "unpolled-signal" | "unmatched-signal" (w)
+    message: str
+    hint: str | None
+    key: str  # the op key to point at
+
+
+@dataclass
+class Channels:
+    """Which signal step each wait step polls (by step name), and what cannot match."""
+
+    polls: dict[str, m.Step] = field(default_factory=dict)
+    errors: list[ChannelError] = field(default_factory=list)
+
+
+def channels(schedule: Schedule) -> Channels:
+    """Match every ``wait`` step with the ``signal`` step whose slots it polls."""
+    out = Channels()
+    steps = schedule.step_list()
+    signals: dict[str, list[m.Step]] = {}
+    for step in steps:
+        if step.kind == "signal":
+            signals.setdefault(step.op.channel, []).append(step)
+    seen: dict[tuple[str, m.Peers], int] = {}
+    polled: set[str] = set()
+    for step in steps:
+        op = step.op
+        if step.kind != "wait":
+            continue
+        sent = signals.get(op.channel, [])
+        if not sent:
+            out.errors.append(ChannelError(
+                step, "unmatched-wait",
+                f"step '{step.name}' waits on channel '{op.channel}', but no step signals "
+                "it; the wait can never finish", None, "channel"))
+            continue
+        k = seen.get((op.channel, op.from_), 0)
+        seen[(op.channel, op.from_)] = k + 1
+        fits = [s for s in sent if s.op.to in REACHES[op.from_]]  # type: ignore[attr-defined]
+        if k < len(fits):
+            out.polls[step.name] = fits[k]
+            polled.add(fits[k].name)
+            continue
+        key = "from" if "from" in op.src_marks else ""
+        wanted = " or ".join(f"'to: {p.value}'" for p in REACHES[op.from_])
+        if not fits:
+            other = sent[0]
+            out.errors.append(ChannelError(
+                step, "peer-mismatch",
+                f"step '{step.name}' waits for '{op.from_.value}' peers on channel "
+                f"'{op.channel}', but no signal on it goes to them (step '{other.name}' "
+                f"signals '{other.op.to.value}' peers)",  # type: ignore[attr-defined]
+                f"use {wanted} on '{other.name}', or another 'from' here", key))
+        else:
+            out.errors.append(ChannelError(
+                step, "unmatched-wait",
+                f"step '{step.name}' is wait number {k + 1} from '{op.from_.value}' on "
+                f"channel '{op.channel}', but only {len(fits)} signal step(s) on it reach "
+                f"'{op.from_.value}' waits; each wait polls its own signal step",
+                f"add a signal with {wanted} on channel '{op.channel}' before it, or use "
+                "another channel", key))
+    for name, sent in signals.items():
+        waits = [s for s in steps if s.kind == "wait" and s.op.channel == name]  # type: ignore[attr-defined]
+        for step in sent:
+            if step.name in polled:
+                continue
+            if not waits:
+                out.errors.append(ChannelError(
+                    step, "unmatched-signal",
+                    f"step '{step.name}' signals channel '{name}', but no step waits on it",
+                    "add a wait or drop the signal", "channel"))
+                continue
+            if any(w.name not in out.polls for w in waits):
+                continue  # that wait's own error says what is wrong on the channel
+            # the channel's waits poll other signals: almost surely a pairing mistake
+            pairs = ", ".join(f"'{w.name}' polls '{out.polls[w.name].name}'" for w in waits)
+            out.errors.append(ChannelError(
+                step, "unpolled-signal",
+                f"step '{step.name}' signals channel '{name}', but no wait polls it "
+                f"({pairs})",
+                f"each wait 'from: F' polls the next signal whose 'to' reaches F (from: prev "
+                f"<- to: next | all, from: next <- to: prev | all, from: all <- to: all); "
+                f"give '{step.name}' its own wait, or its own channel", "channel"))
+    return out
+
+
+# --- what the ops' rules share ---------------------------------------------------
+
+class Scope:
+    """What a rule may look at beyond its step: the schedule, its channels (matched
+    once) and what other steps read."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.steps = schedule.step_list()
+        self._channels: Channels | None = None
+
+    @property
+    def channels(self) -> Channels:
+        if self._channels is None:
+            self._channels = channels(self.schedule)
+        return self._channels
+
+    def read_elsewhere(self, step: m.Step, names: set[str]) -> bool:
+        """Whether a step other than ``step`` reads one of ``names`` (its named buffers
+        for a fused exchange, whose own reads depend on this question)."""
+        for other in self.steps:
+            if other.name == step.name:
+                continue
+            if other.kind == "all_to_all_combine":
+                named = {b for key in ("src", "via") for b, _ in keyed(other.op, key)}
+                reads = named | {b for b, _ in merge_inputs(other.op)}
+            else:
+                reads = set(OPS[other.kind].semantics(self, other).reads)
+            if names & reads:
+                return True
+        return False
+
+
+Rule = Callable[[Scope, m.Step], Semantics]
+
+
+def keyed(op: m.OpBase, key: str) -> list[tuple[str, str]]:
+    """(buffer, key) for the buffers an op names under ``key`` (a name or a list)."""
+    value = getattr(op, key, None)
+    if isinstance(value, str):
+        return [(value, key)]
+    if isinstance(value, list):
+        return [(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    return []
+
+
+def merge_inputs(op: m.OpBase) -> list[tuple[str, str]]:
+    """(buffer, key) a merge reads besides its partials: mask_empty's lengths and
+    query_start_loc, and output_scale."""
+    mask = getattr(op, "mask_empty", None)
+    found = []
+    if mask is not None:
+        found += [(mask.lengths, f"mask_empty.{mask.lengths_key}"),
+                  (mask.query_start_loc, "mask_empty.query_start_loc")]
+    return found + keyed(op, "output_scale")
+
+
+def effects(kind: str, when: str, pairs: list[tuple[str, str]],
+            region: Region | None = None) -> list[Effect]:
+    return [Effect(b, kind, when, region, key) for b, key in pairs]
+
+
+def exchange(before: list[Effect], after: list[Effect], step: m.Step) -> Semantics:
+    """A communication op: push, signal every peer, wait for every peer, then ``after``."""
+    return Semantics(tuple(before + after), Sync("all", "all", step.index))
+
+
+def dim_text(schedule: Schedule, buffer: str, dim: int) -> str:
+    spec = schedule.buffers.get(buffer)
+    if spec is None or not 0 <= dim < len(spec.shape):
+        return f"dim {dim}"
+    value = spec.shape[dim]
+    if isinstance(value, int):
+        return str(value)
+    try:
+        return ex.unparse(ex.parse(value))
+    except Exception:  # noqa: BLE001 (a bad shape is the structural checker's report)
+        return str(value)
+
+
+def local(reads: list[tuple[str, str]], writes: list[tuple[str, str]]) -> Semantics:
+    """An op on this rank only: it reads, then writes, and synchronises nothing."""
+    return Semantics(tuple(effects(READ, BEFORE, reads) + effects(WRITE, BEFORE, writes)))
+
+
+def effect_mark(step: m.Step, effect: Effect) -> Mark:
+    """Where the schedule names the buffer of ``effect`` (the step for an implicit one)."""
+    if effect.key.startswith("mask_empty."):
+        return step.op.mask_empty.mark(effect.key.split(".", 1)[1])  # type: ignore[attr-defined]
+    return step.op.mark(effect.key) if effect.key else step.mark()
+
+
+def buffers_of(pairs: list[tuple[str, str]]) -> list[str]:
+    """The buffer names of (buffer, key) pairs."""
+    return [b for b, _ in pairs]

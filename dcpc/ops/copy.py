@@ -1,0 +1,51 @@
+"""copy: a local copy of ``src`` into ``dst`` of the same shape and dtype (the staging
+path's materialization).
+Lowerings: dcpc/codegen/rules.py ``copy`` + templates/ops/copy.py.j2; the torch
+backend copies.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from dcpc.lang.nodes import Name, OpBase, Step
+from dcpc.ops.common import Scope, Semantics, keyed, local
+from dcpc.ops.registry import IO, OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+
+
+class Copy(OpBase):
+    """A local copy into a buffer of the same shape (the staging path's materialization)."""
+
+    op: Literal["copy"]
+    src: Name
+    dst: Name
+
+
+def semantics(c: Scope, step: Step) -> Semantics:
+    return local(keyed(step.op, "src"), keyed(step.op, "dst"))
+
+
+def verify(v: Verify, step: Step) -> None:
+    assert isinstance(step.op, Copy)
+    (src,), (dst,) = v.refs("src"), v.refs("dst")
+    v.transfer(src, dst, symmetric=False)
+    s = v.shape(src.name)
+    if s is not None and v.shape(dst.name) is not None:
+        v.expect(dst, list(s), f"a copy of src '{src.name}'")
+
+
+def reference(sim: Sim, step: Step) -> None:
+    op: Copy = step.op  # type: ignore[assignment]
+    for r in range(sim.world):
+        sim.store(r, op.dst, sim.bufs[r][op.src].clone())
+
+
+def io(op: Copy) -> IO:
+    return [op.src], [op.dst]
+
+
+DEF = define(OpDef("copy", Copy, semantics, verify, reference, io))

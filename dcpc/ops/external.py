@@ -1,0 +1,40 @@
+"""external: an engine step (attention, ...) between dcpc's steps; it reads ``reads``
+and writes ``writes`` on this rank. No kernel is emitted: the engine runs it between
+the module's method calls. The simulator asks a callback for its writes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from dcpc.lang.nodes import Name, OpBase, Step
+from dcpc.ops.common import Scope, Semantics, keyed, local
+from dcpc.ops.registry import IO, OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.harness.simulate import Sim
+
+
+class External(OpBase):
+    op: Literal["external"]
+    reads: list[Name] = Field(default_factory=list)
+    writes: list[Name] = Field(default_factory=list)
+
+
+def semantics(c: Scope, step: Step) -> Semantics:
+    return local(keyed(step.op, "reads"), keyed(step.op, "writes"))
+
+
+def reference(sim: Sim, step: Step) -> None:
+    for r in range(sim.world):
+        for name, value in sim.external(step, r, sim.bufs[r]).items():
+            sim.store(r, name, value)
+
+
+def io(op: External) -> IO:
+    return list(op.reads), list(op.writes)
+
+
+DEF = define(OpDef("external", External, semantics, None, reference, io))

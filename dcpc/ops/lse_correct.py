@@ -1,0 +1,51 @@
+"""lse_correct: scale this rank's own partial ``o`` ([*rows, D]) by its LSE weight
+among the W stacked LSEs ``lse_all`` ([W, *rows]): ``dst = w_rank * o`` (masked rows
+weigh 0); optionally the merged LSE (``return_lse``). Local: no peer is written. It
+shares lse_combine's merge (semantics, verifier, weights).
+Lowerings: dcpc/codegen/rules.py ``lse_correct`` + templates/ops/lse_correct.py.j2;
+dcpc/runtime/collectives.py ``lse_correct``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from dcpc.lang.nodes import MaskEmpty, Name, OpBase, Step
+from dcpc.ops.lse_combine import merge_io, merge_semantics
+from dcpc.ops.registry import OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+
+
+class LseCorrect(OpBase):
+    op: Literal["lse_correct"]
+    src: list[Name] = Field(min_length=2, max_length=2, description="[o, lse_all]")
+    dst: Name
+    mask_empty: MaskEmpty | None = None
+    return_lse: Name | None = None
+
+
+def verify(v: Verify, step: Step) -> None:
+    assert isinstance(step.op, LseCorrect)
+    o, lse = v.refs("src")
+    v.merge(o, lse, stacked=False, scaled=False)
+
+
+def reference(sim: Sim, step: Step) -> None:
+    import torch  # the compiler imports no torch; only the simulator runs this
+
+    op: LseCorrect = step.op  # type: ignore[assignment]
+    o_name, lse_name = op.src
+    for r in range(sim.world):
+        weights, merged = sim.merge_weights(op, r, lse_name)
+        w = weights[r].unsqueeze(-1)
+        sim.store(r, op.dst, torch.where(w == 0, 0.0, w * sim.bufs[r][o_name]))
+        if op.return_lse:
+            sim.store(r, op.return_lse, merged)
+
+
+DEF = define(OpDef("lse_correct", LseCorrect, merge_semantics, verify, reference, merge_io))

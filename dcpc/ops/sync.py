@@ -1,0 +1,67 @@
+"""The sync ops: ``barrier`` (signal every peer, wait for every peer) and the
+split-phase ``signal`` (publish this step's epoch, no wait) and ``wait`` (poll the
+slots of ONE signal step, matched by ``dcpc.ops.common.channels``). They move no data:
+their float64 reference does nothing.
+Lowerings: dcpc/codegen/rules.py ``barrier``/``signal``/``wait`` + templates/ops/;
+dcpc/runtime/collectives.py ``barrier`` (the torch backend's signal/wait: its handshake).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
+
+from dcpc.lang.nodes import Name, OpBase, Peers, Step
+from dcpc.ops.common import Scope, Semantics, Sync, exchange
+from dcpc.ops.registry import IO, OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.harness.simulate import Sim
+
+
+class Barrier(OpBase):
+    op: Literal["barrier"]
+
+
+class Signal(OpBase):
+    """Split-phase sync: publish this step's epoch to peers (no wait)."""
+
+    op: Literal["signal"]
+    to: Peers = Peers.all
+    channel: Name
+
+
+class Wait(OpBase):
+    """Split-phase sync: wait for the matching signal of peers on a channel."""
+
+    op: Literal["wait"]
+    from_: Peers = Field(default=Peers.all, alias="from")
+    channel: Name
+
+
+def barrier_semantics(c: Scope, step: Step) -> Semantics:
+    return exchange([], [], step)
+
+
+def signal_semantics(c: Scope, step: Step) -> Semantics:
+    return Semantics((), Sync(signal=step.op.to.value))  # type: ignore[attr-defined]
+
+
+def wait_semantics(c: Scope, step: Step) -> Semantics:
+    polled = c.channels.polls.get(step.name)
+    return Semantics((), Sync(wait=step.op.from_.value,  # type: ignore[attr-defined]
+                              polls=polled.index if polled is not None else None))
+
+
+def no_data(sim: Sim, step: Step) -> None:
+    """A sync op moves no data."""
+
+
+def no_io(op: Any) -> IO:
+    return [], []
+
+
+BARRIER = define(OpDef("barrier", Barrier, barrier_semantics, None, no_data, no_io))
+SIGNAL = define(OpDef("signal", Signal, signal_semantics, None, no_data, no_io))
+WAIT = define(OpDef("wait", Wait, wait_semantics, None, no_data, no_io))
