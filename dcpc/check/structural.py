@@ -19,7 +19,7 @@ from dcpc.check.names import check_buffers, check_names, check_references
 from dcpc.check.ops import check_ops
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
-from dcpc.lang.model import AllGather, Schedule
+from dcpc.lang.model import AllGather, Schedule, Streams
 from dcpc.lang.questions import Samples
 from dcpc.lang.semantics import table
 from dcpc.lang.sizes import MAX_SIZE, size_table, world_diagnostics
@@ -38,7 +38,7 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     if bad:
         return [Diagnostic(Mark(schedule.source_file, 0, 0), "bad-world",
                            f"group sizes must be positive integers, not {bad[0]!r}")]
-    too_large = check_limits(schedule)
+    too_large = check_limits(schedule, worlds)
     if too_large:
         return too_large
     table = size_table(schedule)
@@ -61,7 +61,14 @@ MAX_STEPS = 256
 MAX_ACCESSES = 20_000
 
 
-def check_limits(schedule: Schedule) -> list[Diagnostic]:
+# The happens-before analysis computes, for every W it analyses, a clock of W entries
+# per event of the calls it unrolls (copies of slot 0 cost nothing). A ring of many
+# next/prev waits raises the world bound, below which every W is analysed: 127 hops
+# analyse every W up to 511 (67 million entries, about 10 s of this machine).
+MAX_HB_WORK = 8_000_000
+
+
+def check_limits(schedule: Schedule, worlds: list[int] | None = None) -> list[Diagnostic]:
     """A schedule past these limits is refused at once: checking it would take minutes
     (docs/language.md, "Limits"); within them `dcpc check` takes seconds."""
     steps = schedule.step_list()
@@ -74,7 +81,28 @@ def check_limits(schedule: Schedule) -> list[Diagnostic]:
         return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
                            f"the steps name buffers {accesses} times in all, above the limit "
                            f"of {MAX_ACCESSES}", hint="split it into several schedules")]
-    return []
+    return _hb_work(schedule, steps, worlds or [])
+
+
+def _hb_work(schedule: Schedule, steps: list, worlds: list[int]) -> list[Diagnostic]:
+    from dcpc.check.hb.checker import bound_for, representatives  # hb imports this module
+
+    sems = table(schedule)
+    ring = sum(1 for sem in sems if sem.sync.wait not in (None, "all"))
+    calls = 2 * schedule.slots
+    bound = bound_for(ring, calls)
+    per_slot = schedule.streams == Streams.per_slot and schedule.slots > 1
+    analysed = representatives(sorted(worlds), bound)
+    work = sum(analysed) * len(steps) * (2 if per_slot else calls)
+    if work <= MAX_HB_WORK:
+        return []
+    raised = f", raised by {ring} next/prev waits per call" if ring > 0 else ""
+    return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
+                       f"the happens-before checker would analyse {len(analysed)} group "
+                       f"sizes (every W up to {bound}{raised}) of {len(steps)} steps: "
+                       f"{work} clock entries, above the limit of {MAX_HB_WORK}",
+                       hint="check a narrower --world range, or use fewer ring hops (a "
+                       "'from: all' wait orders every rank at once), steps or slots")]
 
 
 def check_shapes(ctx: Context) -> None:

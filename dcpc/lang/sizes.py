@@ -338,10 +338,15 @@ def _limit_diagnostics(
             values = [_eval(node, env) for node in dims]
             if any(v is None for v in values):
                 continue  # an inexact division: reported by the checker
+            big = next((i for i, v in enumerate(values) if v is not None and v > MAX_SIZE), None)
+            count = 1
+            for v in values:
+                count *= max(v or 0, 0)
+            if big is None and count * buffer.dtype.itemsize <= MAX_BUFFER_BYTES:
+                continue  # within the limits (the common case: no message to build)
             sizes = ", ".join(f"{k}={env[k]}" for k in sorted(
                 set().union(*(ex.symbols(n) for n in dims))) if k != WORLD)
             at = f"W={world}" + (f", {sizes}" if sizes else "")
-            big = next((i for i, v in enumerate(values) if v is not None and v > MAX_SIZE), None)
             if big is not None:
                 out.append(Diagnostic(
                     buffer.mark(f"shape[{big}]"), "dim-too-large",
@@ -350,9 +355,6 @@ def _limit_diagnostics(
                     hint="lower the sizes it uses (docs/language.md, Limits)",
                 ))
                 break
-            count = 1
-            for v in values:
-                count *= max(v or 0, 0)
             nbytes = count * buffer.dtype.itemsize
             if nbytes > MAX_BUFFER_BYTES:
                 out.append(Diagnostic(
