@@ -108,3 +108,21 @@ def test_random_polynomials_agree_with_brute_force() -> None:
         half = ("/", a, ("num", 2))
         inexact = any(ex.evaluate(a, env) % 2 for env in envs)
         assert (samples.inexact(half) is not None) == inexact, ex.unparse(half)
+
+
+def test_run_time_sizes_that_give_no_shape_name_the_argument_and_dimension() -> None:
+    """A call binds T from 'a' ([T]); b's dimension T/2 is not whole for T=3, and
+    T-4 is negative: a DcpcArgumentError naming 'b' and dimension 0, not a raw error."""
+    import torch
+
+    from dcpc.runtime.errors import DcpcArgumentError
+    from dcpc.runtime.validate import Signature
+
+    for dim, want in (("T/2", "T/2 is 3/2"), ("T-4", "(T-4) is -1 for T=3")):
+        sig = Signature("step", [("a", (ex.parse("T"),), "f32"), ("b", (ex.parse(dim),), "f32")],
+                        {"W": 2}, {"T": 16}, torch.device("cpu"))
+        with pytest.raises(DcpcArgumentError) as info:
+            sig.bind([torch.zeros(3), torch.zeros(1)], {"W": 2})
+        assert "step(): dimension 0 of argument 'b'" in str(info.value), str(info.value)
+        assert want in str(info.value), str(info.value)
+        assert "T=3" in str(info.value)
