@@ -11,13 +11,8 @@ from dcpc.check import check
 from dcpc.diagnostics import Diagnostic, DiagnosticError
 from dcpc.lang import expr as ex
 from dcpc.lang.parse import parse_file, parse_text
-from dcpc.lang.sizes import (
-    Samples,
-    equal_on_samples,
-    max_binding,
-    sample_bindings,
-    size_table,
-)
+from dcpc.lang.questions import Samples, equal_on_samples
+from dcpc.lang.sizes import max_binding, sample_bindings, size_table
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "schedules").glob("*.yaml"))

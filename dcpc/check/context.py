@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, OpBase, Schedule, Step
-from dcpc.lang.sizes import Samples, SizeTable
+from dcpc.lang.questions import Samples
+from dcpc.lang.sizes import SizeTable
 
 W: ex.Expr = ("sym", "W")
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import keyword
+import pkgutil
 import re
+import site
 import sys
+import sysconfig
+from functools import cache
 
 from dcpc.check.context import Context, all_refs
 from dcpc.codegen.lower import (
@@ -30,8 +34,29 @@ PATTERNS = {
     "size name": SIZE_IDENT,
 }
 
-# The emitted module is <schedule>.py: it must not shadow a module it (or Python) imports.
-MODULE_RESERVED = module_imports() | frozenset(getattr(sys, "stdlib_module_names", ()))
+# The emitted module is <schedule>.py, imported with its folder on sys.path: it must not
+# shadow a module it, Python or an engine imports. Python imports these at start-up
+# from any folder on the path; the rest are what engines load beside dcpc, installed
+# here or not (the environment that imports the module may have more than this one).
+STARTUP_MODULES = frozenset({"sitecustomize", "usercustomize"})
+ENGINE_MODULES = frozenset({
+    "dcpc", "flashinfer", "jinja2", "networkx", "numpy", "pkg_resources", "pydantic",
+    "safetensors", "setuptools", "sglang", "sympy", "tokenizers", "torch", "transformers",
+    "triton", "typing_extensions", "vllm", "yaml",
+})
+
+
+@cache
+def importable_modules() -> frozenset[str]:
+    """Top-level module names a schedule may not take: the standard library, Python's
+    start-up hooks, what the emitted module imports, the engines' usual packages, and
+    every module installed in this environment's site-packages."""
+    folders = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    folders |= set(getattr(site, "getsitepackages", list)())
+    installed = {m.name for m in pkgutil.iter_modules(sorted(folders))}
+    return (module_imports() | STARTUP_MODULES | ENGINE_MODULES | frozenset(installed)
+            | frozenset(sys.builtin_module_names)
+            | frozenset(getattr(sys, "stdlib_module_names", ())))
 
 
 def _identifier_problem(name: str, pattern: re.Pattern[str]) -> str | None:
@@ -83,10 +108,10 @@ def _check_name(ctx: Context, name: str, what: str, mark: Mark) -> None:
                   f"buffer name '{name}' collides with a parameter of the generated methods",
                   hint=f"rename it, e.g. to '{name}_buf' (taken: "
                   f"{', '.join(sorted(method_names()))})")
-    elif what == "schedule name" and name in MODULE_RESERVED:
+    elif what == "schedule name" and name in importable_modules():
         ctx.error(mark, "reserved-name",
                   f"schedule name '{name}' would make a module '{name}.py' that shadows "
-                  "a Python module",
+                  f"the importable module '{name}' (the output folder goes on PYTHONPATH)",
                   hint=f"rename it, e.g. to '{name}_dcp'")
     elif what == "schedule name" and (
         keyword.iskeyword(class_name(name)) or class_name(name) in AMBIGUOUS

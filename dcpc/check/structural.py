@@ -19,9 +19,10 @@ from dcpc.check.names import check_buffers, check_names, check_references
 from dcpc.check.ops import check_ops
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
-from dcpc.lang.model import Schedule
+from dcpc.lang.model import AllGather, Schedule, Streams
+from dcpc.lang.questions import Samples
 from dcpc.lang.semantics import table
-from dcpc.lang.sizes import Samples, size_table, world_diagnostics
+from dcpc.lang.sizes import MAX_SIZE, size_table, world_diagnostics
 
 DEFAULT_WORLDS = tuple(range(2, 9))
 
@@ -37,18 +38,19 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     if bad:
         return [Diagnostic(Mark(schedule.source_file, 0, 0), "bad-world",
                            f"group sizes must be positive integers, not {bad[0]!r}")]
-    too_large = check_limits(schedule)
+    too_large = check_limits(schedule, worlds)
     if too_large:
         return too_large
     table = size_table(schedule)
     found = table.diagnostics + world_diagnostics(schedule, table, worlds)
-    samples = Samples(table, sampled_worlds(worlds))
+    samples = Samples(table, worlds)
     ctx = Context(schedule, table, samples, schedule.step_list(), out=found)
     check_names(ctx)
     check_references(ctx)
     check_buffers(ctx)
     check_shapes(ctx)
     check_ops(ctx)
+    check_interleave(ctx)
     check_reads(ctx)
     check_channels(ctx)
     unique = {(d.mark, d.code, d.message): d for d in ctx.out}
@@ -59,7 +61,14 @@ MAX_STEPS = 256
 MAX_ACCESSES = 20_000
 
 
-def check_limits(schedule: Schedule) -> list[Diagnostic]:
+# The happens-before analysis computes, for every W it analyses, a clock of W entries
+# per event of the calls it unrolls (copies of slot 0 cost nothing). A ring of many
+# next/prev waits raises the world bound, below which every W is analysed: 127 hops
+# analyse every W up to 511 (67 million entries, about 10 s of this machine).
+MAX_HB_WORK = 8_000_000
+
+
+def check_limits(schedule: Schedule, worlds: list[int] | None = None) -> list[Diagnostic]:
     """A schedule past these limits is refused at once: checking it would take minutes
     (docs/language.md, "Limits"); within them `dcpc check` takes seconds."""
     steps = schedule.step_list()
@@ -72,27 +81,28 @@ def check_limits(schedule: Schedule) -> list[Diagnostic]:
         return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
                            f"the steps name buffers {accesses} times in all, above the limit "
                            f"of {MAX_ACCESSES}", hint="split it into several schedules")]
-    return []
+    return _hb_work(schedule, steps, worlds or [])
 
 
-# Shapes are checked on sampled bindings at every W up to this one (a rack: NVL72)...
-EVERY_WORLD_UP_TO = 72
-# ... and, above it, at this many group sizes of the range (its largest among them).
-WORLDS_ABOVE = 24
+def _hb_work(schedule: Schedule, steps: list, worlds: list[int]) -> list[Diagnostic]:
+    from dcpc.check.hb.checker import bound_for, representatives  # hb imports this module
 
-
-def sampled_worlds(worlds: list[int]) -> list[int]:
-    """The group sizes the sampled shape checks bind: every W up to 72, then powers
-    of two, the largest W and an even spread of the rest (shape questions are
-    decided on samples; races and deadlocks are proved for every W, dcpc.check.hb)."""
-    low = [w for w in worlds if w <= EVERY_WORLD_UP_TO]
-    high = [w for w in worlds if w > EVERY_WORLD_UP_TO]
-    if len(high) <= WORLDS_ABOVE:
-        return low + high
-    picked = {high[-1]} | {w for w in high if w & (w - 1) == 0}
-    step = len(high) / max(1, WORLDS_ABOVE - len(picked))
-    picked |= {high[int(i * step)] for i in range(WORLDS_ABOVE - len(picked))}
-    return low + sorted(picked)
+    sems = table(schedule)
+    ring = sum(1 for sem in sems if sem.sync.wait not in (None, "all"))
+    calls = 2 * schedule.slots
+    bound = bound_for(ring, calls)
+    per_slot = schedule.streams == Streams.per_slot and schedule.slots > 1
+    analysed = representatives(sorted(worlds), bound)
+    work = sum(analysed) * len(steps) * (2 if per_slot else calls)
+    if work <= MAX_HB_WORK:
+        return []
+    raised = f", raised by {ring} next/prev waits per call" if ring > 0 else ""
+    return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
+                       f"the happens-before checker would analyse {len(analysed)} group "
+                       f"sizes (every W up to {bound}{raised}) of {len(steps)} steps: "
+                       f"{work} clock entries, above the limit of {MAX_HB_WORK}",
+                       hint="check a narrower --world range, or use fewer ring hops (a "
+                       "'from: all' wait orders every rank at once), steps or slots")]
 
 
 def check_shapes(ctx: Context) -> None:
@@ -103,6 +113,14 @@ def check_shapes(ctx: Context) -> None:
         buffer = ctx.schedule.buffers[name]
         for i, dim in enumerate(shape):
             mark = buffer.mark(f"shape[{i}]")
+            example = ctx.samples.inexact(dim) or ctx.samples.nonpositive(dim)
+            if example is not None and example.undecided:
+                ctx.error(mark, "shape-undecided",
+                          f"dimension {i} of buffer '{name}' {show([dim])} cannot be checked "
+                          f"for every binding of its sizes: {example.detail}",
+                          hint="write it as a simpler expression of the sizes (a product "
+                          "of sizes and small sums), or lower the 'max' of its sizes")
+                continue
             example = ctx.samples.inexact(dim)
             if example is not None:
                 ctx.error(mark, "inexact-division",
@@ -123,3 +141,34 @@ def check_shapes(ctx: Context) -> None:
                 ctx.error(mark, "nonpositive-dim",
                           f"dimension {i} of buffer '{name}' is {ex.unparse(dim)}, far beyond "
                           "any memory", severity="warning")
+
+
+def check_interleave(ctx: Context) -> None:
+    """A gather's ``interleave: I`` must divide its rows for every binding (row j of
+    rank r lands at (j // I) * W * I + r * I + j % I, inside dst only then), and a
+    mask's interleave fits the kernels' 32-bit integers."""
+    for step in ctx.steps:
+        op = step.op
+        mask = getattr(op, "mask_empty", None)
+        if mask is not None and mask.interleave > MAX_SIZE:
+            ctx.error(mask.mark("interleave"), "bad-interleave",
+                      f"interleave {mask.interleave} of step '{step.name}' is above the "
+                      f"largest size {MAX_SIZE} (2**31-1)",
+                      hint="use the engine's KV interleave size (1 when tokens are "
+                      "round-robin)")
+        if not isinstance(op, AllGather) or op.interleave is None:
+            continue
+        src, dst = ctx.shape(op.src), ctx.shape(op.dst)
+        if not src or dst is None or len(src) != len(dst) or op.dim % len(src) != 0:
+            continue  # no rows to split: the op's own checks report it
+        rows = src[0]
+        example = ctx.samples.inexact(("/", rows, ("num", op.interleave)))
+        if example is not None:
+            where = example.names([rows])
+            ctx.error(op.mark("interleave"), "bad-interleave",
+                      f"interleave {op.interleave} of step '{step.name}' must divide the "
+                      f"rows of src '{op.src}' ({ex.unparse(rows)}), but "
+                      + (example.detail if example.undecided else "does not")
+                      + f" for W={example.world}" + (f" ({where})" if where else ""),
+                      hint=f"use 'interleave: 1', or declare the rows' size as a multiple "
+                      f"of it, e.g. '{{multiple_of: {min(op.interleave, 64)}}}'")

@@ -5,18 +5,19 @@ call up to a maximum (``T: {max: 512}``), or bound at construction to a multiple
 an expression of W (``H: {multiple_of: W}``); ``max`` and ``multiple_of`` may be
 given together. Shapes are parsed into ``dcpc.lang.expr`` ASTs, never ``eval``ed.
 
-The checker cannot enumerate every binding, so it samples a handful of values per
-symbol, edge values included (1, 2, 3, max, several multiples), and decides
-symbolic questions (are two shapes equal? does a division always come out
-whole?) by evaluation on those samples, for every W asked. A failed question
-comes back as a concrete counterexample binding, which the diagnostics print.
+The checker decides symbolic questions (are two shapes equal? does a division always
+come out whole? can a dimension be zero?) exactly over every admissible binding of
+every W asked (``dcpc.lang.exact``), or refuses what it cannot decide. A failed
+question comes back as a concrete counterexample binding, which the diagnostics
+print. ``sample_bindings`` (a handful of values per symbol, edge values included)
+remains for witness searches and the tests.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dcpc.diagnostics import Diagnostic, Mark, did_you_mean
@@ -76,6 +77,17 @@ def _depth(node: ex.Expr) -> int:
     return deepest
 
 
+def _check_parentheses(text: str) -> None:
+    """Parentheses nest at most MAX_DEPTH deep (docs/language.md, Limits); the AST
+    depth alone misses '((((T))))', whose parentheses leave no node."""
+    level = 0
+    for column, char in enumerate(text):
+        level += (char == "(") - (char == ")")
+        if level > MAX_DEPTH:
+            raise ex.ExprSyntaxError(
+                f"the expression's parentheses nest deeper than {MAX_DEPTH}", column)
+
+
 def parse_expr(text: str | int) -> ex.Expr:
     """Parse a size expression, refusing ones too long or nested too deeply.
 
@@ -83,6 +95,8 @@ def parse_expr(text: str | int) -> ex.Expr:
     """
     if isinstance(text, str) and len(text) > MAX_TEXT:
         raise ex.ExprSyntaxError(f"the expression is longer than {MAX_TEXT} characters", 0)
+    if isinstance(text, str):
+        _check_parentheses(text)
     try:
         node = ex.parse(text)
     except RecursionError:
@@ -213,77 +227,6 @@ def sample_bindings(
     return [dict(zip(names, combo, strict=True)) for combo in dict.fromkeys(picks)][:limit]
 
 
-@dataclass(frozen=True)
-class Counterexample:
-    """A binding (W included) under which a shape question fails."""
-
-    binding: Binding
-    detail: str = ""
-
-    @property
-    def world(self) -> int:
-        return self.binding[WORLD]
-
-    def names(self, nodes: Iterable[ex.Expr]) -> str:
-        """``"H=6, T=1"``: the binding of the symbols (W aside) that ``nodes`` use."""
-        used = sorted(set().union(*(ex.symbols(n) for n in nodes)) - {WORLD})
-        return ", ".join(f"{name}={self.binding[name]}" for name in used if name in self.binding)
-
-
-class Samples:
-    """Sampled admissible bindings for each W of a range (computed once, reused)."""
-
-    def __init__(self, table: SizeTable, worlds: Sequence[int]):
-        self.table = table
-        self.worlds = list(worlds)
-        self.by_world = {w: sample_bindings(table, w) for w in self.worlds}
-
-    def __iter__(self) -> Iterable[Binding]:  # type: ignore[override]
-        for world in self.worlds:
-            yield from self.by_world[world]
-
-    def inexact(self, node: ex.Expr) -> Counterexample | None:
-        """The first sampled binding under which a division in ``node`` is inexact."""
-        for env in self:
-            try:
-                ex.evaluate(node, env)
-            except ex.InexactDivision as err:
-                return Counterexample(env, ex.unparse(err.expr))
-            except ex.UnboundSymbol:
-                return None
-        return None
-
-    def nonpositive(self, node: ex.Expr) -> Counterexample | None:
-        """The first sampled binding under which ``node`` is zero or negative."""
-        for env in self:
-            value = _eval(node, env)
-            if value is not None and value <= 0:
-                return Counterexample(env, str(value))
-        return None
-
-    def shapes_differ(
-        self, expected: Sequence[ex.Expr], actual: Sequence[ex.Expr]
-    ) -> Counterexample | None:
-        """A binding where two shapes of the same rank differ, or None if equal on all.
-
-        Bindings under which either side does not evaluate (an inexact division,
-        reported elsewhere) are skipped. ``detail`` holds both concrete shapes.
-        """
-        for env in self:
-            want = [_eval(n, env) for n in expected]
-            got = [_eval(n, env) for n in actual]
-            if None in want or None in got:
-                continue
-            if want != got:
-                return Counterexample(env, f"needs {want}, has {got}")
-        return None
-
-
-def equal_on_samples(a: ex.Expr, b: ex.Expr, samples: Samples) -> bool:
-    """Symbolic equality of two expressions, decided on the sampled bindings."""
-    return samples.shapes_differ([a], [b]) is None
-
-
 def world_diagnostics(
     schedule: Schedule, table: SizeTable, worlds: Sequence[int]
 ) -> list[Diagnostic]:
@@ -395,10 +338,15 @@ def _limit_diagnostics(
             values = [_eval(node, env) for node in dims]
             if any(v is None for v in values):
                 continue  # an inexact division: reported by the checker
+            big = next((i for i, v in enumerate(values) if v is not None and v > MAX_SIZE), None)
+            count = 1
+            for v in values:
+                count *= max(v or 0, 0)
+            if big is None and count * buffer.dtype.itemsize <= MAX_BUFFER_BYTES:
+                continue  # within the limits (the common case: no message to build)
             sizes = ", ".join(f"{k}={env[k]}" for k in sorted(
                 set().union(*(ex.symbols(n) for n in dims))) if k != WORLD)
             at = f"W={world}" + (f", {sizes}" if sizes else "")
-            big = next((i for i, v in enumerate(values) if v is not None and v > MAX_SIZE), None)
             if big is not None:
                 out.append(Diagnostic(
                     buffer.mark(f"shape[{big}]"), "dim-too-large",
@@ -407,9 +355,6 @@ def _limit_diagnostics(
                     hint="lower the sizes it uses (docs/language.md, Limits)",
                 ))
                 break
-            count = 1
-            for v in values:
-                count *= max(v or 0, 0)
             nbytes = count * buffer.dtype.itemsize
             if nbytes > MAX_BUFFER_BYTES:
                 out.append(Diagnostic(

@@ -42,15 +42,16 @@ class _Builder:
         self.constructor = yaml.SafeLoader("")  # only used to construct scalars
         self.errors: list[Diagnostic] = []
         self.budget = NODE_BUDGET
+        self.seen: set[int] = set()  # collections built once: seeing one again is an alias
+        self.aliased = False
 
     def value(self, node: yaml.Node) -> Any:
         self.budget -= 1
         if self.budget < 0:  # aliases can expand exponentially ("billion laughs")
-            raise DiagnosticError(
-                [Diagnostic(_mark(self.file, node), "yaml-too-large",
-                            f"the schedule expands to more than {NODE_BUDGET} YAML nodes",
-                            hint="do not nest anchors and aliases")]
-            )
+            raise DiagnosticError([self._too_large(node)])
+        if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
+            self.aliased |= id(node) in self.seen
+            self.seen.add(id(node))
         if isinstance(node, yaml.ScalarNode):
             return self.scalar(node)
         if isinstance(node, yaml.SequenceNode):
@@ -58,6 +59,34 @@ class _Builder:
         if isinstance(node, yaml.MappingNode):
             return self.mapping(node)
         raise AssertionError(f"unexpected YAML node {node!r}")
+
+    def _too_large(self, node: yaml.Node) -> Diagnostic:
+        if self.aliased:
+            return Diagnostic(_mark(self.file, node), "yaml-too-large",
+                              f"the schedule expands to more than {NODE_BUDGET} YAML nodes",
+                              hint="do not nest anchors and aliases")
+        return Diagnostic(_mark(self.file, node), "yaml-too-large",
+                          f"the schedule has more than {NODE_BUDGET} YAML nodes (here the "
+                          "limit is passed)",
+                          hint="a schedule needs far fewer (at most 256 steps): split it, or "
+                          "remove what the schema does not read")
+
+    def key(self, node: yaml.ScalarNode) -> str | None:
+        """A mapping key as the name it is written as; a key YAML reads as a number
+        other than an integer, a boolean or null is refused (``.inf: 4`` under sizes
+        would otherwise declare a size 'inf', ``yes:`` one named 'True')."""
+        value = self.value(node)
+        if value is None and node.tag != "tag:yaml.org,2002:null":
+            return None  # its error is already reported
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            return str(value)
+        kind = _TAG_NAMES.get(node.tag, "a value that is not a name")
+        self.errors.append(Diagnostic(
+            _mark(self.file, node), "yaml-key",
+            f"the key {node.value!r} reads as {kind} in YAML, not as a name",
+            hint=f"write a name; quote it (\"{node.value}\") only if it is meant as text",
+        ))
+        return None
 
     def scalar(self, node: yaml.ScalarNode) -> Any:
         """A scalar's value; a tag whose text it cannot read is a located diagnostic."""
@@ -113,7 +142,9 @@ class _Builder:
                     )
                 )
                 continue
-            key = str(self.value(key_node))
+            key = self.key(key_node)
+            if key is None:
+                continue
             if key.startswith("__"):
                 self.errors.append(
                     Diagnostic(

@@ -148,7 +148,7 @@ class Signature:
     def check(self, i: int, t: torch.Tensor, env: Mapping[str, int]) -> None:
         name, exprs, dtype = self.params[i]
         try:
-            want = shapes.shape(exprs, env)
+            want = expected_shape(self.method, name, exprs, env)
         except KeyError as exc:
             raise DcpcArgumentError(
                 f"{self.method}(): size {exc.args[0]} of argument '{name}' is not bound yet; "
@@ -168,6 +168,33 @@ class Signature:
 
     def _fail(self, i: int, what: str) -> None:
         raise DcpcArgumentError(f"{self.method}(): argument '{self.params[i][0]}' {what}")
+
+
+def expected_shape(method: str, name: str, exprs: Sequence[Any], env: Mapping[str, int]
+                   ) -> tuple[int, ...]:
+    """The shape argument ``name`` must have for the sizes ``env`` (bound from this
+    call's arguments): DcpcArgumentError naming the argument and the dimension when a
+    dimension is not a whole number or is negative there (``dcpc check`` proves the
+    dimensions for sizes 1..max; a call binds 0..max). KeyError: a size not bound."""
+    out = []
+    for d, expr in enumerate(exprs):
+        try:
+            value = shapes.evaluate(expr, env)
+        except ValueError as exc:
+            raise DcpcArgumentError(
+                f"{method}(): dimension {d} of argument '{name}' cannot be sized for "
+                f"{_sizes(expr, env)}: {exc}") from None
+        if value < 0:
+            raise DcpcArgumentError(
+                f"{method}(): dimension {d} of argument '{name}' ({shapes.unparse(expr)}) "
+                f"is {value} for {_sizes(expr, env)}; the sizes bound from this call's "
+                "arguments give no valid shape")
+        out.append(value)
+    return tuple(out)
+
+
+def _sizes(expr: Any, env: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={env[k]}" for k in sorted(shapes.symbols(expr)) if k in env)
 
 
 def check_sizes(cls_name: str, given: object, known: Mapping[str, str]) -> dict[str, int]:

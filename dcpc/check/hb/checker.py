@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from dcpc.check.hb.clocks import analyze
 from dcpc.check.hb.deadlock import find_deadlocks
 from dcpc.check.hb.events import Program, lower
-from dcpc.check.hb.hints import suggest
+from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.races import find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
 from dcpc.lang.model import Peers, Schedule
@@ -57,9 +57,10 @@ def check(
                 findings[race.key(world)] = race_finding(world, race)
     checked = time.perf_counter()
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
-    if hints:
+    if hints and ordered:
+        budget = HintBudget(schedule, calls, plan)
         for finding in ordered:
-            finding.hint = suggest(schedule, finding, calls, worlds)
+            finding.hint = suggest(schedule, finding, calls, worlds, budget=budget)
     stats = {
         "events": events,
         "events_per_rank": len(program.events) * (calls or program.default_calls()),
@@ -90,7 +91,13 @@ def world_bound(program: Program, calls: int | None = None) -> int:
     """
     per_call = sum(1 for e in program.events
                    if e.wait is not None and e.wait[1] != Peers.all)
-    return max(8, 2 * per_call * (calls or program.default_calls()) + 3)
+    return bound_for(per_call, calls or program.default_calls())
+
+
+def bound_for(ring_waits: int, calls: int) -> int:
+    """The world bound of ``world_bound`` for ``ring_waits`` next/prev waits per call
+    and ``calls`` unrolled calls per rank."""
+    return max(8, 2 * ring_waits * calls + 3)
 
 
 def representatives(worlds: list[int], bound: int) -> list[int]:

@@ -41,6 +41,15 @@ class World:
     clock: list[list[int] | None]  # per flat position: rank 0's clock, entry q*S + s
     unmatched: list[tuple[int, int]] = field(default_factory=list)  # (event j, delta d)
     cycles: list[set[int]] = field(default_factory=list)  # events j of a call on a cycle
+    # per flat position of a per-slot copy (clock None): (stream 0's position, its
+    # stream); its clock is stream 0's column moved to that stream, zero elsewhere,
+    # and is never built whole (64 slots at W=1024: 65536 entries per event)
+    copies: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # caches of derived facts (dcpc.check.hb.timeline, races): never part of equality
+    stream_positions: dict[int, list[int]] = field(default_factory=dict, compare=False,
+                                                   repr=False)
+    lows: dict[tuple[int, int], int] = field(default_factory=dict, compare=False,
+                                             repr=False)
 
     @property
     def n(self) -> int:
@@ -56,9 +65,45 @@ class World:
     def count(self, pos: int, rank_from: int, rank_of: int, stream: int) -> int:
         """How many events of stream (rank_from, stream) happen before-or-equal
         the event at ``pos`` on rank ``rank_of``."""
+        row = ((rank_from - rank_of) % self.world) * self.streams
+        copy = self.copies.get(pos)
+        if copy is not None:
+            source, own = copy
+            return self.clock[source][row] if stream == own else 0  # type: ignore[index]
         clock = self.clock[pos]
         assert clock is not None
-        return clock[((rank_from - rank_of) % self.world) * self.streams + stream]
+        return clock[row + stream]
+
+    def low(self, pos: int, stream: int) -> int:
+        """The smallest entry for ``stream`` over every rank of the clock at ``pos``
+        (cached: the race search asks it once per pair of access groups)."""
+        value = self.lows.get((pos, stream))
+        if value is None:
+            value = self.lows[(pos, stream)] = self._low(pos, stream)
+        return value
+
+    def _low(self, pos: int, stream: int) -> int:
+        copy = self.copies.get(pos)
+        if copy is not None:
+            source, own = copy
+            return self.low(source, 0) if stream == own else 0
+        clock = self.clock[pos]
+        assert clock is not None
+        return min(clock[stream::self.streams])
+
+    def clock_at(self, pos: int) -> list[int]:
+        """Rank 0's whole clock of the event at ``pos`` (built for a per-slot copy)."""
+        copy = self.copies.get(pos)
+        if copy is not None:
+            source, own = copy
+            src = self.clock[source]
+            assert src is not None
+            vc = [0] * (self.world * self.streams)
+            vc[own::self.streams] = src[::self.streams]
+            return vc
+        clock = self.clock[pos]
+        assert clock is not None
+        return clock
 
     def hb(self, rank_a: int, pos_a: int, rank_b: int, pos_b: int) -> bool:
         """Whether (rank_a, pos_a) happens before or equals (rank_b, pos_b)."""
@@ -68,8 +113,7 @@ class World:
 
     def rotated(self, pos: int, rank: int) -> list[int]:
         """The full clock of the event at ``pos`` on ``rank``."""
-        clock = self.clock[pos]
-        assert clock is not None
+        clock = self.clock_at(pos)
         shift = (rank % self.world) * self.streams
         return clock[-shift:] + clock[:-shift] if shift else list(clock)
 
@@ -116,19 +160,18 @@ def _join(clock: list[int], other: list[int], deltas: list[int], world: int, str
             best = max(range(world), key=column.__getitem__)
             top = column[best]
             second = max((v for q, v in enumerate(column) if q != best), default=0)
-            for q in range(world):
-                v = second if q == best else top
-                i = q * streams + s
-                if v > clock[i]:
-                    clock[i] = v
+            joined = [top] * world
+            joined[best] = second
+            clock[s::streams] = list(map(max, clock[s::streams], joined))
         return
     for d in deltas:
-        for s in columns:
-            for q in range(world):
-                v = other[((q - d) % world) * streams + s]
-                i = q * streams + s
-                if v > clock[i]:
-                    clock[i] = v
+        # row q takes the other clock's row (q - d) mod W: a rotation of the rows
+        shift = (d % world) * streams
+        rotated = other[-shift:] + other[:-shift] if shift else other
+        if only is None:
+            clock[:] = list(map(max, clock, rotated))
+        else:
+            clock[only::streams] = list(map(max, clock[only::streams], rotated[only::streams]))
 
 
 def analyze(program: Program, world: int, calls: int | None = None) -> World:
@@ -148,6 +191,7 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
                         key=min)
     live = [False] * (calls * n)
     clock: list[list[int] | None] = [None] * (calls * n)
+    copies: dict[int, tuple[int, int]] = {}
     for call in range(calls):
         before = program.previous_call(call)
         if before >= 0 and not all(live[before * n: before * n + n]):
@@ -156,7 +200,7 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
         if program.per_slot and stream:
             # a copy of stream 0's call; its clocks are only needed when a shared
             # buffer lets other slots' accesses meet slot 0's (dcpc.check.hb.races)
-            _copy_slot0(program, world, clock, live, call, stream, order,
+            _copy_slot0(program, clock, live, copies, call, stream, order,
                         clocks=any(program.shared.values()))
             continue
         for j in order:
@@ -176,23 +220,21 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
                 _join(vc, other, deltas, world, streams, stream if program.per_slot else None)
             vc[stream] = program.stream_index(call, j) + 1
             clock[pos] = vc
-    return World(program, world, calls, match, live, clock, unmatched, cycles)
+    return World(program, world, calls, match, live, clock, unmatched, cycles, copies)
 
 
-def _copy_slot0(program: Program, world: int, clock: list[list[int] | None], live: list[bool],
-                call: int, stream: int, order: list[int], clocks: bool) -> None:
+def _copy_slot0(program: Program, clock: list[list[int] | None], live: list[bool],
+                copies: dict[int, tuple[int, int]], call: int, stream: int, order: list[int],
+                clocks: bool) -> None:
     """Call ``call`` of per-slot stream ``stream`` as a copy of the same round's call on
     stream 0: per-slot streams are identical and never order each other, so it is live
-    where that call is, and its clock is stream 0's column moved to its own stream."""
-    n, streams = len(program.events), program.streams_per_rank
+    where that call is, and its clock is stream 0's column moved to its own stream
+    (recorded in ``copies``, read through World.count / low / clock_at)."""
+    n = len(program.events)
     source = call - stream
-    zeros = [0] * (world * streams)
     for j in order:
-        src = clock[source * n + j]
-        if src is None:
+        if clock[source * n + j] is None:
             return
         live[call * n + j] = True
         if clocks:
-            vc = zeros.copy()
-            vc[stream::streams] = src[::streams]
-            clock[call * n + j] = vc
+            copies[call * n + j] = (source * n + j, stream)

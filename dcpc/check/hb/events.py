@@ -29,6 +29,7 @@ per rank when ``shared: true``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING
 
 from dcpc.diagnostics import Mark
@@ -116,8 +117,10 @@ class Program:
         return self.channel_names.get(channel, channel)
 
 
+@cache
 def peer_deltas(peers: Peers, world: int) -> frozenset[int]:
-    """Rank offsets (mod W) of the peers ``all``/``next``/``prev`` name; never 0."""
+    """Rank offsets (mod W) of the peers ``all``/``next``/``prev`` name; never 0.
+    Cached: match_waits asks it once per wait and peer (O(W^2) sets at W=1024)."""
     if world < 2:
         return frozenset()
     if peers == Peers.all:

@@ -171,14 +171,53 @@ def _deadlock_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
                lambda: _with_steps(schedule, items[:at] + [(fresh, signal)] + items[at:]))
 
 
+# Work the hints of one `dcpc check` may spend re-checking edited schedules, in pairs
+# of access groups the race search visits: far above any schedule of the corpus or the
+# gallery (a few thousand per re-check), reached only by schedules whose every
+# re-check takes seconds (16 shared buffers over 64 slots: ~3 million).
+HINT_WORK = 4_000_000
+
+
+class HintBudget:
+    """What is left of HINT_WORK for one check; ``cost`` is one re-check's estimate."""
+
+    def __init__(self, schedule: Schedule, calls: int | None, plan: Plan | None = None):
+        program = lower(schedule, plan)
+        calls = calls or program.default_calls()
+        touching: dict[str, int] = {}
+        for event in program.events:
+            for access in set(event.accesses):
+                touching[access.buffer] = touching.get(access.buffer, 0) + 1
+        per_call = {b: n * (calls if program.shared[b] else 2) for b, n in touching.items()
+                    if b in program.shared}
+        self.cost = 3 * sum(g * g // 2 for g in per_call.values())  # 3 worlds a re-check
+        self.left = HINT_WORK
+        self.exhausted = False
+
+    def spend(self) -> bool:
+        if self.left < self.cost:
+            self.exhausted = True
+            return False
+        self.left -= self.cost
+        return True
+
+
+NOT_SEARCHED = ("no fix searched: re-checking candidate edits of a schedule this large "
+                "would take too long (dcpc.check.hb.hints.HINT_WORK)")
+
+
 def suggest(
     schedule: Schedule,
     finding: Finding,
     calls: int | None = None,
     worlds: list[int] | None = None,
     most: int = 2,
+    budget: HintBudget | None = None,
 ) -> str | None:
     """Up to ``most`` candidate fixes, joined with "; or ", or None.
+
+    ``budget`` (shared by the findings of one check) bounds the re-checking: once
+    spent, a finding gets NOT_SEARCHED, or the fixes proved before it ran out.
 
     Each is proved through the whole pipeline (``proved_keys``): the edited schedule
     passes the structural checks and lowers, every read still sees the write it saw,
@@ -188,10 +227,14 @@ def suggest(
     """
     w = finding.world
     check_at = sorted({w, w + 1, max(worlds or [w])})
+    if budget is not None and not budget.spend():
+        return NOT_SEARCHED
     before = finding_keys(schedule, check_at, calls)
     edits = _race_edits if finding.kind == "race" else _deadlock_edits
     proved: list[tuple[int, int, str]] = []
     for rank, (text, make) in enumerate(edits(schedule, finding)):
+        if budget is not None and not budget.spend():
+            break  # what is proved so far is still true
         try:
             after = proved_keys(make(), schedule, check_at, calls)
         except (KeyError, StopIteration, ValueError):

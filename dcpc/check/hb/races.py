@@ -102,9 +102,7 @@ def _all_ordered(world: World, pa: int, pb: int) -> bool:
     """
     call, j = divmod(pa, world.n)
     stream, index = world.program.stream(call), world.program.stream_index(call, j)
-    clock = world.clock[pb]
-    assert clock is not None
-    return min(clock[stream::world.streams]) >= index + 1
+    return world.low(pb, stream) >= index + 1
 
 
 def _first_unordered(
@@ -160,21 +158,74 @@ def classify(world: World, x: Touch, y: Touch) -> tuple[str, Touch, Touch]:
     return RAW, first, second
 
 
+def _pair_key(world: World, buffer: str, a: tuple[int, int, Access],
+              b: tuple[int, int, Access]) -> tuple[str, str, str, str, str]:
+    """The key ``classify`` gives any race between groups a and b: it depends on the
+    groups only (ranks break ties of one event, whose two sides name the same step)."""
+    events, steps = world.program.events, world.program.steps
+    ka = (a[0], events[a[1]].step, PHASE_ORDER[events[a[1]].phase])
+    kb = (b[0], events[b[1]].step, PHASE_ORDER[events[b[1]].phase])
+    (kf, first), (ks, second) = sorted(((ka, a), (kb, b)), key=lambda item: item[0])
+    if first[2].kind == "write" and second[2].kind == "write":
+        cls = WAW
+    else:
+        write, read = (kf, ks) if first[2].kind == "write" else (ks, kf)
+        cls = WAR if write > read else RAW
+    return ("race", cls, buffer, steps[kf[1]].name, steps[ks[1]].name)
+
+
 def find_races(world: World) -> list[RawRace]:
-    """One race per (class, buffer, step pair), the first found, for this W."""
+    """One race per (class, buffer, step pair), the first found, for this W.
+
+    Pairs are visited in the same order as always (groups by call, then event), so
+    the race kept per key is the same; a pair whose key already has its race, or
+    that is ordered on every rank, is skipped before any per-rank clock is read. The
+    key of a pair depends on its two (event, access) and on whether the calls are
+    equal (groups come call by call), so it is looked up in a table, not recomputed."""
     found: dict[tuple[str, str, str, str, str], RawRace] = {}
     touching = _touching(world)
-    for buffer in sorted(world.program.shared):
+    program = world.program
+    for buffer in sorted(program.shared):
+        signatures = touching.get(buffer, [])
+        sig_of = {(j, id(access)): n for n, (j, access) in enumerate(signatures)}
         for slot, calls in _instances(world, buffer):
-            groups = _groups(world, touching.get(buffer, []), calls)
+            groups = _groups(world, signatures, calls)
+            # per group: position, stream, stream index + 1, writes?, signature, call
+            meta = [(world.pos(call, j), program.stream(call),
+                     program.stream_index(call, j) + 1, access.kind == "write",
+                     sig_of[(j, id(access))], call) for call, j, access in groups]
+            keys: dict[tuple[int, int, bool], tuple[str, str, str, str, str]] = {}
+            writes = [a.kind == "write" for _, a in signatures]
+            # the groups of each call end here (groups come call by call)
+            ends: dict[int, int] = {}
+            for k, item in enumerate(meta):
+                ends[item[5]] = k + 1
             for i, a in enumerate(groups):
-                for b in groups[i + 1:]:
-                    if a[2].kind == "read" and b[2].kind == "read":
+                pa, sa, na, wa, ga, ca = meta[i]
+                stop = len(groups)
+                later = [keys.get((ga, gb, False)) for gb in range(len(signatures))
+                         if wa or writes[gb]]
+                if None not in later and all(key in found for key in later):
+                    stop = ends[ca]  # every later call's pair has its race: this call only
+                for k in range(i + 1, stop):
+                    pb, sb, nb, wb, gb, cb = meta[k]
+                    if not (wa or wb):
+                        continue
+                    b = groups[k]
+                    key = keys.get((ga, gb, ca == cb))
+                    if key is None:
+                        key = keys[(ga, gb, ca == cb)] = _pair_key(world, buffer, a, b)
+                    if key in found:
+                        continue
+                    # ordered on every rank, one way or the other: no race (as in
+                    # _first_unordered, here without a call)
+                    if world.low(pb, sa) >= na or world.low(pa, sb) >= nb:
                         continue
                     pair = _first_unordered(world, a, b)
                     if pair is None:
                         continue
                     cls, first, second = classify(world, *pair)
                     race = RawRace(cls, buffer, first, second, slot)
-                    found.setdefault(race.key(world), race)
+                    assert race.key(world) == key
+                    found.setdefault(key, race)
     return list(found.values())

@@ -17,10 +17,14 @@ MAX_RANKS = 4
 
 
 def stream_positions(world: World, stream: int) -> list[int]:
-    """Flat positions (call*n + j) of one rank's stream, in stream order."""
-    program = world.program
-    return [world.pos(c, j) for c in range(world.calls) if program.stream(c) == stream
-            for j in range(world.n)]
+    """Flat positions (call*n + j) of one rank's stream, in stream order (read-only:
+    kept per World, as every timeline line of every finding asks for them)."""
+    cache = world.stream_positions
+    if stream not in cache:
+        program, n = world.program, world.n
+        cache[stream] = [c * n + j for c in range(world.calls) if program.stream(c) == stream
+                         for j in range(n)]
+    return cache[stream]
 
 
 def strict_predecessors(world: World, rank: int, pos: int) -> list[int]:

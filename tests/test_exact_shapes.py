@@ -1,0 +1,128 @@
+"""Shape questions decided exactly over whole size ranges (dcpc/lang/exact.py,
+dcpc/lang/questions.py; issue 22 item 8). Each case below was accepted when the
+checker sampled T at 1, 2, 3, max/2, max-1, max."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dcpc.check import check
+from dcpc.diagnostics import Diagnostic
+from dcpc.lang import expr as ex
+from dcpc.lang.parse import parse_text
+from dcpc.lang.sizes import size_table
+
+GATHER = """\
+schedule: sq
+sizes:
+  T: {{max: 16}}
+  H: {{multiple_of: W}}
+  D: 576
+buffers:
+  a: {{shape: ["{src}", 4], dtype: f32}}
+  b: {{shape: ["{dst}", 4], dtype: f32, symmetric: true}}
+steps:
+  - g: {{op: all_gather, src: a, dst: b}}
+  - e: {{op: external, reads: [b]}}
+  - r: {{op: barrier}}
+"""
+# a polynomial that is zero at every T the old sampler tried for max 16
+ZERO_AT_SAMPLES = "(T-1)*(T-2)*(T-3)*(T-8)*(T-15)*(T-16)"
+
+
+def found(src: str, dst: str, worlds: range = range(2, 5)) -> list[Diagnostic]:
+    schedule = parse_text(GATHER.format(src=src, dst=dst), "t.yaml")
+    return [d for d in check(schedule, list(worlds)) if d.severity == "error"]
+
+
+def test_square_zero_between_samples_is_a_nonpositive_dim() -> None:
+    out = found("(T-11)*(T-11)", "W*(T-11)*(T-11)", range(2, 73))
+    assert [d.code for d in out] == ["nonpositive-dim", "nonpositive-dim"]
+    assert "is 0 for W=2 (T=11)" in out[0].message
+    assert (out[0].mark.line, out[0].mark.col) == (7, 15)
+
+
+def test_rows_that_match_only_at_the_sampled_sizes_are_a_mismatch() -> None:
+    square = f"{ZERO_AT_SAMPLES}*{ZERO_AT_SAMPLES}"
+    out = found("T", f"W*({square}+T)")
+    assert [d.code for d in out] == ["shape-mismatch"]
+    assert "they differ for W=2 (T=4)" in out[0].message
+
+
+@pytest.mark.parametrize("src,dst", [
+    ("T", "W*T"), ("T", "T*W"), ("H/W", "H"), ("T*(T+1)/2", "W*(T*T+T)/2"),
+    ("(T-3)*(T-3)+1", "W*(T*T-6*T+10)"), ("D/2", "288*W"), ("(H/W)*(H/W)", "H*H/W"),
+])
+def test_equal_everywhere_is_accepted(src: str, dst: str) -> None:
+    assert found(src, dst, range(2, 65)) == []
+
+
+@pytest.mark.parametrize("src,where", [
+    ("T*(T+2)/2", "T=1"), ("T/2", "T=1"), ("(T-16)*(T-16)", "T=16"), ("T-W", "T=1"),
+    ("(W-3)*T", None),
+])
+def test_a_single_failing_binding_is_found(src: str, where: str | None) -> None:
+    out = found(src, f"W*({src})")
+    assert out, src
+    assert out[0].code in ("inexact-division", "nonpositive-dim")
+    if where:
+        assert f"({where})" in out[0].message
+
+
+def test_what_cannot_be_decided_is_refused_with_its_place() -> None:
+    text = GATHER.format(src="T", dst="W*T").replace(
+        "  D: 576\n", "  D: 576\n  A: {max: 65536}\n  B: {max: 65536}\n").replace(
+        "  b: {shape", '  c: {shape: ["(A-B)*(A-B)+1"], dtype: f32}\n  b: {shape').replace(
+        "reads: [b]", "reads: [b], writes: [c]")
+    out = [d for d in check(parse_text(text, "t.yaml"), [2, 3]) if d.severity == "error"]
+    assert [d.code for d in out] == ["shape-undecided"]
+    assert (out[0].mark.line, out[0].mark.col) == (10, 15)
+
+
+def test_random_polynomials_agree_with_brute_force() -> None:
+    """Every answer matches evaluating every binding (T 1..12, W 2..5)."""
+    from dcpc.lang.questions import Samples  # the exact questions (new in issue 22)
+
+    rng = random.Random(22)
+    table = size_table(parse_text(GATHER.format(src="T", dst="W*T").replace(
+        "T: {max: 16}", "T: {max: 12}"), "t.yaml"))
+    worlds = [2, 3, 4, 5]
+    samples = Samples(table, worlds)
+    atoms = ["T", "W", "1", "2", "3", "(T-5)", "(W-3)", "(T-W)"]
+
+    def random_expr(depth: int) -> str:
+        if depth == 0:
+            return rng.choice(atoms)
+        op = rng.choice("+-*")
+        return f"({random_expr(depth - 1)}{op}{random_expr(depth - 1)})"
+
+    for _ in range(150):
+        a, b = ex.parse(random_expr(2)), ex.parse(random_expr(2))
+        envs = [{"W": w, "T": t, "D": 576, "H": w} for w in worlds for t in range(1, 13)]
+        truly_nonpositive = any(ex.evaluate(a, env) <= 0 for env in envs)
+        assert (samples.nonpositive(a) is not None) == truly_nonpositive, ex.unparse(a)
+        differ = any(ex.evaluate(a, env) != ex.evaluate(b, env) for env in envs)
+        assert (samples.shapes_differ([a], [b]) is not None) == differ
+        half = ("/", a, ("num", 2))
+        inexact = any(ex.evaluate(a, env) % 2 for env in envs)
+        assert (samples.inexact(half) is not None) == inexact, ex.unparse(half)
+
+
+def test_run_time_sizes_that_give_no_shape_name_the_argument_and_dimension() -> None:
+    """A call binds T from 'a' ([T]); b's dimension T/2 is not whole for T=3, and
+    T-4 is negative: a DcpcArgumentError naming 'b' and dimension 0, not a raw error."""
+    import torch
+
+    from dcpc.runtime.errors import DcpcArgumentError
+    from dcpc.runtime.validate import Signature
+
+    for dim, want in (("T/2", "T/2 is 3/2"), ("T-4", "(T-4) is -1 for T=3")):
+        sig = Signature("step", [("a", (ex.parse("T"),), "f32"), ("b", (ex.parse(dim),), "f32")],
+                        {"W": 2}, {"T": 16}, torch.device("cpu"))
+        with pytest.raises(DcpcArgumentError) as info:
+            sig.bind([torch.zeros(3), torch.zeros(1)], {"W": 2})
+        assert "step(): dimension 0 of argument 'b'" in str(info.value), str(info.value)
+        assert want in str(info.value), str(info.value)
+        assert "T=3" in str(info.value)
