@@ -76,19 +76,28 @@ def _apply_mask(lse: torch.Tensor, masked: torch.Tensor | None) -> torch.Tensor:
     return torch.where(m, torch.full_like(lse, float("-inf")), lse)
 
 
-def merged_lse(lse: torch.Tensor, base: str = "e", masked: torch.Tensor | None = None):
-    """(sanitized, masked partial LSEs [W, ...], merged LSE [...])."""
-    exp, log = _exp_log(base)
-    lse = _apply_mask(lse, masked)
-    m = lse.amax(0)
-    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    total = m + log(exp(lse - m).sum(0))
-    return lse, total
-
-
-def weights(lse: torch.Tensor, total: torch.Tensor, base: str) -> torch.Tensor:
+def _shifted_sum(lse: torch.Tensor, base: str, masked: torch.Tensor | None):
+    """(partials, m, sum_p exp(lse_p - m)) with m = max_p lse_p (0 when all are -inf):
+    every exponent is taken relative to m, never to the merged LSE, which at a large
+    common shift s is rounded to ulp(s) (1 at s = 1e7 in fp32)."""
     exp, _ = _exp_log(base)
-    w = exp(lse - total)
+    lse = _apply_mask(lse, masked)
+    top = lse.amax(0)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    return lse, top, exp(lse - top).sum(0)
+
+
+def _merged(top: torch.Tensor, total: torch.Tensor, base: str) -> torch.Tensor:
+    _, log = _exp_log(base)
+    return top + log(total)  # log(0) = -inf: every partial empty
+
+
+def weights(lse: torch.Tensor, top: torch.Tensor, total: torch.Tensor, base: str) -> torch.Tensor:
+    """exp(lse_p - m) / sum_q exp(lse_q - m): exactly 0 for a -inf partial. The sum is 0
+    (every partial -inf) or at least 1 (the max contributes exp(0)), so the division by
+    max(sum, 1) is exact and never divides by 0."""
+    exp, _ = _exp_log(base)
+    w = exp(lse - top) / total.clamp(min=1.0)
     return torch.where(lse == float("-inf"), torch.zeros_like(w), w)
 
 
@@ -101,12 +110,12 @@ def lse_combine(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge W partials: o [W, ..., Dv], lse [W, ...] -> (out [..., Dv], lse [...])."""
     lse = lse.to(acc_dtype)
-    lse, total = merged_lse(lse, base, masked)
-    w = weights(lse, total, base).unsqueeze(-1)
+    lse, top, total = _shifted_sum(lse, base, masked)
+    w = weights(lse, top, total, base).unsqueeze(-1)
     contrib = torch.where(
         w > 0, w * o.to(acc_dtype), torch.zeros((), dtype=acc_dtype, device=o.device)
     )
-    return contrib.sum(0), total
+    return contrib.sum(0), _merged(top, total, base)
 
 
 def lse_correct(
@@ -118,7 +127,7 @@ def lse_correct(
     acc_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ag_rs: rescale this rank's partial o [..., Dv] by exp(lse_rank - LSE)."""
-    lse, total = merged_lse(lse_all.to(acc_dtype), base, masked)
-    w = weights(lse, total, base)[rank].unsqueeze(-1)
+    lse, top, total = _shifted_sum(lse_all.to(acc_dtype), base, masked)
+    w = weights(lse, top, total, base)[rank].unsqueeze(-1)
     out = torch.where(w > 0, w * o.to(acc_dtype), torch.zeros((), dtype=acc_dtype, device=o.device))
-    return out, total
+    return out, _merged(top, total, base)
