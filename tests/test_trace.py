@@ -21,9 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = sorted((ROOT / "schedules").glob("*.yaml")) + sorted(
     (ROOT / "tests" / "engine_schedules").glob("*.yaml"))
 # (world, programs, block): one program per kernel at the default tiles; three programs
-# over 256-element tiles (each program loops over several tiles); W = 3 at 128
+# over 256-element tiles (each program loops over several tiles); W = 3, two programs
+# over 128-element tiles for the small engine schedules
 CONFIGS = [(2, 1, None), (2, 3, 256)]
-W3 = {"kimi_k3_dcp", "fused_local", "agrs_f32"}
+W3 = {"fused_local", "agrs_f32", "a2a_local_fp8"}
+# ops no shipped schedule uses (signal, wait to next/prev, barrier, a shared buffer with
+# an interleaved all_gather): two fixed schedules of the happens-before corpus, at W = 3
+CORPUS = [ROOT / "tests" / "hb_corpus" / f"{name}.fixed.yaml"
+          for name in ("ring_both_directions", "kv_gather_no_barrier")]
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +64,8 @@ def params() -> list:
         for world, programs, block in configs:
             out.append(pytest.param(path, world, programs, block,
                                     id=f"{path.stem}-W{world}-P{programs}-b{block}"))
-    return out
+    return out + [pytest.param(path, 3, 2, 256, id=f"{path.stem}-W3-P2-b256")
+                  for path in CORPUS]
 
 
 @pytest.mark.parametrize("path,world,programs,block", params())
