@@ -145,23 +145,47 @@ def test_an_effect_no_kernel_has_is_caught(agrs):
                         "signal/wait; no kernel did, on any rank"]
 
 
-def test_a_template_that_pushes_after_its_wait_is_caught(monkeypatch):
-    """reduce_scatter rendered with its signal/wait before the push: it reads src and
-    writes the peers' receive buffers after its wait, where the plan says before."""
+def render_variant(monkeypatch, name: str, edit) -> None:
+    """Emit with template ``name`` replaced by ``edit(its text)``."""
     from dcpc.codegen import emit
 
-    name = "ops/reduce_scatter.py.j2"
     text = (emit.template_dir() / name).read_text()
-    exchange = "{{ sync.exchange() | chomp }}\n"
-    prologue = "{{ sync.prologue() | chomp }}\n"
-    assert text.count(exchange) == 1 and text.count(prologue) == 1
-    variant = text.replace(exchange, "").replace(prologue, prologue + exchange)
+    variant = edit(text)
+    assert variant != text
     env = emit._env()
     patched = env.overlay(loader=jinja2.ChoiceLoader(
         [jinja2.DictLoader({name: variant}), env.loader]))
     monkeypatch.setattr(emit, "_env", lambda: patched)
+
+
+def once(old: str, new: str):
+    def edit(text: str) -> str:
+        assert text.count(old) == 1, old
+        return text.replace(old, new)
+
+    return edit
+
+
+def test_a_template_that_pushes_after_its_wait_is_caught(monkeypatch):
+    """reduce_scatter rendered with its signal/wait before the push: it reads src and
+    writes the peers' receive buffers after its wait, where the plan says before."""
+    exchange = "{{ sync.exchange() | chomp }}\n"
+    prologue = "{{ sync.prologue() | chomp }}\n"
+    render_variant(monkeypatch, "ops/reduce_scatter.py.j2", lambda text: once(
+        prologue, prologue + exchange)(once(exchange, "")(text)))
     run = tr.run_traced(str(SCHEDULE), 2, programs=2, block=256, calls=1)
     assert any("step 'out_scatter'" in p and "reads 'o_corr' after its signal/wait; the plan "
                "says: read before" in p for p in run.problems), run.problems
     assert any("writes 'out_scatter_recv' after its signal/wait; the plan says: write before"
                in p for p in run.problems), run.problems
+
+
+def test_a_template_that_pushes_into_another_part_is_caught(monkeypatch):
+    """all_gather rendered to store into the next rank's part of every peer's dst."""
+    render_variant(monkeypatch, "ops/all_gather.py.j2", once(
+        "d += RANK * interleave + j % interleave",
+        "d += ((RANK + 1) % WORLD) * interleave + j % interleave"))
+    run = tr.run_traced(str(SCHEDULE), 2, programs=2, block=256, calls=1)
+    assert run.mismatches > 0  # the data is wrong too, and the tracer says where
+    assert any("step 'lse_gather'" in p and "writes 'lse_all' of rank" in p
+               and "outside rank" in p for p in run.problems), run.problems
