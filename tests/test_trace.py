@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import jinja2
+import numpy as np
 import pytest
 
 from dcpc.harness import trace as tr
@@ -72,7 +73,7 @@ def params() -> list:
 def test_kernels_touch_what_the_plan_says(path, world, programs, block):
     run = tr.run_traced(str(path), world, programs=programs, block=block, calls=2)
     assert run.mismatches == 0, "outputs differ from the float64 simulation"
-    assert run.trace.calls and run.trace.accesses
+    assert run.trace.calls and run.trace.raw
     signalling = [s.name for s in run.plan.steps if s.sync.signal and s.op != "signal"]
     ran = [run.trace.programs.get(s, 0) for s in signalling]
     assert all(p >= 1 for p in ran), f"a signalling step never launched: {ran}"
@@ -143,6 +144,17 @@ def test_an_effect_no_kernel_has_is_caught(agrs):
     problems = mutated(agrs, "lse_gather", extra)
     assert problems == ["step 'lse_gather': the plan says it reads 'scale' before its "
                         "signal/wait; no kernel did, on any rank"]
+
+
+def test_an_access_outside_every_buffer_is_caught(agrs):
+    """A load from an address no buffer of any rank holds (here: address 8)."""
+    key = (0, "before", "read")
+    raw = {**agrs.trace.raw, key: agrs.trace.raw.get(key, []) + [np.array([8], np.uint64)]}
+    stray = tr.Trace(calls=agrs.trace.calls, ranges=agrs.trace.ranges, raw=raw)
+    problems = tr.check(stray, agrs.plan, 2)
+    assert problems == [f"step '{agrs.trace.calls[0].step}' (rank {agrs.trace.calls[0].rank}, "
+                        f"slot {agrs.trace.calls[0].slot}, call 0): read outside every buffer "
+                        "(0x8...)"], problems
 
 
 def render_variant(monkeypatch, name: str, edit) -> None:

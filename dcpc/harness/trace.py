@@ -68,15 +68,16 @@ class Range:
 
 @dataclass
 class Trace:
-    """Every access, aggregated: (call id, phase, kind, buffer, owner, slot) -> element
-    offsets; the calls; the most programs any launch of a step used."""
+    """The raw record, (call id, phase, kind) -> addresses, and what maps addresses to
+    buffers: the calls (with their engine tensors) and every rank's module memory. The
+    addresses are resolved after the run (``accesses``), when every rank's memory is
+    known: a rank may store into a peer whose module has not been seen yet."""
 
     calls: list[Call] = field(default_factory=list)
-    accesses: dict[tuple, list[np.ndarray]] = field(default_factory=dict)
+    raw: dict[tuple[int, str, str], list[np.ndarray]] = field(default_factory=dict)
     programs: dict[str, int] = field(default_factory=dict)
     ranges: list[Range] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    _starts: np.ndarray | None = None
     _seen: set[int] = field(default_factory=set)  # modules whose memory is registered
 
     def add_module(self, module: Any) -> None:
@@ -96,8 +97,6 @@ class Trace:
             self.ranges.append(Range(bank.flags.data_ptr(), words_end, SYNC, -1, -1, 8))
             for t in (bank.sig_ptrs, bank.epochs, bank.errors):
                 self._add(t, SYNC, -1, -1)
-            self.ranges.sort(key=lambda r: r.start)
-            self._starts = np.array([r.start for r in self.ranges], dtype=np.uint64)
 
     def _add(self, t: torch.Tensor, name: str, owner: int, slot: int) -> None:
         end = t.data_ptr() + t.numel() * t.element_size()
@@ -107,38 +106,41 @@ class Trace:
 
     def record(self, state: _Thread, kind: str, addrs: np.ndarray) -> None:
         """Addresses of one memory op of the current program (masked lanes dropped)."""
-        call = state.call
-        if call is None or addrs.size == 0:
+        if state.call is None or addrs.size == 0:
             return
         addrs = np.unique(addrs.astype(np.uint64).ravel())
-        cid = state.call_id
-        left = np.ones(addrs.shape, dtype=bool)
-        for start, end, name, itemsize in call.engine:  # the call's own tensors first
-            hit = left & (addrs >= start) & (addrs < end)
-            if hit.any():
-                offs = ((addrs[hit] - np.uint64(start)) // np.uint64(itemsize)).astype(np.int64)
-                self._put((cid, state.phase, kind, name, call.rank, -1), offs)
-                left &= ~hit
-        if not left.any():
-            return
-        rest = addrs[left]
-        assert self._starts is not None
-        idx = np.searchsorted(self._starts, rest, side="right") - 1
-        for i in np.unique(idx):
-            sel = rest[idx == i]
-            r = self.ranges[i] if i >= 0 else None
-            inside = sel < np.uint64(r.end) if r is not None else np.zeros(sel.shape, bool)
-            if (~inside).any():
-                self._put((cid, state.phase, kind, OUTSIDE, -1, -1),
-                          sel[~inside].astype(np.int64))
-            if r is None or not inside.any() or r.buffer == SYNC:
-                continue
-            offs = ((sel[inside] - np.uint64(r.start)) // np.uint64(r.itemsize)).astype(np.int64)
-            self._put((cid, state.phase, kind, r.buffer, r.owner, r.slot), offs)
-
-    def _put(self, key: tuple, offs: np.ndarray) -> None:
         with self.lock:
-            self.accesses.setdefault(key, []).append(offs)
+            self.raw.setdefault((state.call_id, state.phase, kind), []).append(addrs)
+
+    def accesses(self) -> dict[tuple, np.ndarray]:
+        """(call id, phase, kind, buffer, owner, slot) -> element offsets: the call's own
+        engine tensors first, then module memory (owner -1 and slot -1: not applicable)."""
+        ranges = sorted(self.ranges, key=lambda r: r.start)
+        starts = np.array([r.start for r in ranges], dtype=np.uint64)
+        out: dict[tuple, list[np.ndarray]] = {}
+        for (cid, phase, kind), parts in self.raw.items():
+            call = self.calls[cid]
+            addrs = np.unique(np.concatenate(parts))
+            left = np.ones(addrs.shape, dtype=bool)
+            for start, end, name, itemsize in call.engine:
+                hit = left & (addrs >= start) & (addrs < end)
+                if hit.any():
+                    offs = (addrs[hit] - np.uint64(start)) // np.uint64(itemsize)
+                    out.setdefault((cid, phase, kind, name, call.rank, -1), []).append(offs)
+                    left &= ~hit
+            rest = addrs[left]
+            idx = np.searchsorted(starts, rest, side="right") - 1
+            for i in np.unique(idx):
+                sel = rest[idx == i]
+                r = ranges[i] if i >= 0 else None
+                inside = sel < np.uint64(r.end) if r is not None else np.zeros(sel.shape, bool)
+                if (~inside).any():
+                    out.setdefault((cid, phase, kind, OUTSIDE, -1, -1), []).append(sel[~inside])
+                if r is None or not inside.any() or r.buffer == SYNC:
+                    continue
+                offs = (sel[inside] - np.uint64(r.start)) // np.uint64(r.itemsize)
+                out.setdefault((cid, phase, kind, r.buffer, r.owner, r.slot), []).append(offs)
+        return {k: np.unique(np.concatenate(v)).astype(np.int64) for k, v in out.items()}
 
 
 class _Thread(threading.local):
@@ -146,7 +148,6 @@ class _Thread(threading.local):
     call_id: int = -1
     phase: str = BEFORE
     launch_phase: str = BEFORE
-    step: str = ""
 
 
 _active: Trace | None = None
@@ -275,11 +276,10 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
     kinds = {b.name: b.kind for b in plan.buffers}
     problems: list[str] = []
     seen: set[tuple[str, str, str, str]] = set()
-    for (cid, phase, access, buffer, owner, slot), parts in sorted(
-            trace.accesses.items(), key=lambda kv: repr(kv[0])):
+    for (cid, phase, access, buffer, owner, slot), offs in sorted(
+            trace.accesses().items(), key=lambda kv: repr(kv[0])):
         call = trace.calls[cid]
         step = steps[call.step]
-        offs = np.unique(np.concatenate(parts))
         where = f"step '{step.name}' (rank {call.rank}, slot {call.slot}, call {cid})"
         if buffer == OUTSIDE:
             addrs = ", ".join(hex(int(a)) for a in offs[:3])
