@@ -106,8 +106,8 @@ class Trace:
 
     def record(self, state: _Thread, kind: str, addrs: np.ndarray) -> None:
         """Addresses of one memory op of the current program (masked lanes dropped)."""
-        if state.call is None or addrs.size == 0:
-            return
+        if state.call is None or state.trace is not self or addrs.size == 0:
+            return  # outside a call of this trace (a thread's state from an earlier one)
         addrs = np.unique(addrs.astype(np.uint64).ravel())
         with self.lock:
             self.raw.setdefault((state.call_id, state.phase, kind), []).append(addrs)
@@ -144,6 +144,7 @@ class Trace:
 
 
 class _Thread(threading.local):
+    trace: Trace | None = None  # the trace ``call`` belongs to
     call: Call | None = None
     call_id: int = -1
     phase: str = BEFORE
@@ -207,7 +208,7 @@ def tracing() -> Iterator[Trace]:
         # PUSH=False: the merge launch of a fused exchange, after the push launch's wait
         _tls.launch_phase = AFTER if kwargs.get("PUSH", True) is False else BEFORE
         grid = self.grid if not callable(self.grid) else (0,)
-        if _active is not None and _tls.call is not None:
+        if _active is not None and _tls.call is not None and _tls.trace is _active:
             with _active.lock:
                 step = _tls.call.step
                 _active.programs[step] = max(_active.programs.get(step, 0), int(grid[0]))
@@ -229,7 +230,7 @@ def tracing() -> Iterator[Trace]:
             with _active.lock:
                 _active.calls.append(call)
                 _tls.call_id = len(_active.calls) - 1
-            _tls.call = call
+            _tls.call, _tls.trace = call, _active
         return env
 
     with _install_lock:
