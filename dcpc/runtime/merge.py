@@ -76,20 +76,24 @@ def _apply_mask(lse: torch.Tensor, masked: torch.Tensor | None) -> torch.Tensor:
     return torch.where(m, torch.full_like(lse, float("-inf")), lse)
 
 
-def merged_lse(lse: torch.Tensor, base: str = "e", masked: torch.Tensor | None = None):
-    """(sanitized, masked partial LSEs [W, ...], merged LSE [...])."""
+def merge_weights(
+    lse: torch.Tensor, base: str = "e", masked: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [W, ...], merged LSE [...]) of partial LSEs [W, ...] (NaN/+inf and
+    ``masked`` count as -inf), in lse's dtype: w_p = exp(lse_p - m) / S with m the max
+    (0 when every partial is -inf) and S = sum_q exp(lse_q - m), exactly 0 for a -inf
+    partial; LSE = m + log(S) (-inf for an all -inf row). Never exp(lse_p - LSE): LSE
+    near a common shift s is rounded to ulp(s), 1 at 1e7 in fp32, so those weights
+    were off by up to e^0.5 there. S is 0 or at least 1 (the max adds exp(0)), so the
+    division by max(S, 1) is exact and never by 0."""
     exp, log = _exp_log(base)
     lse = _apply_mask(lse, masked)
-    m = lse.amax(0)
-    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    total = m + log(exp(lse - m).sum(0))
-    return lse, total
-
-
-def weights(lse: torch.Tensor, total: torch.Tensor, base: str) -> torch.Tensor:
-    exp, _ = _exp_log(base)
-    w = exp(lse - total)
-    return torch.where(lse == float("-inf"), torch.zeros_like(w), w)
+    top = lse.amax(0)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    total = exp(lse - top).sum(0)
+    w = exp(lse - top) / total.clamp(min=1.0)
+    w = torch.where(lse == float("-inf"), torch.zeros_like(w), w)
+    return w, top + log(total)  # log(0) = -inf: every partial empty
 
 
 def lse_combine(
@@ -100,9 +104,8 @@ def lse_combine(
     acc_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge W partials: o [W, ..., Dv], lse [W, ...] -> (out [..., Dv], lse [...])."""
-    lse = lse.to(acc_dtype)
-    lse, total = merged_lse(lse, base, masked)
-    w = weights(lse, total, base).unsqueeze(-1)
+    w, total = merge_weights(lse.to(acc_dtype), base, masked)
+    w = w.unsqueeze(-1)
     contrib = torch.where(
         w > 0, w * o.to(acc_dtype), torch.zeros((), dtype=acc_dtype, device=o.device)
     )
@@ -118,7 +121,7 @@ def lse_correct(
     acc_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ag_rs: rescale this rank's partial o [..., Dv] by exp(lse_rank - LSE)."""
-    lse, total = merged_lse(lse_all.to(acc_dtype), base, masked)
-    w = weights(lse, total, base)[rank].unsqueeze(-1)
+    w, total = merge_weights(lse_all.to(acc_dtype), base, masked)
+    w = w[rank].unsqueeze(-1)
     out = torch.where(w > 0, w * o.to(acc_dtype), torch.zeros((), dtype=acc_dtype, device=o.device))
     return out, total

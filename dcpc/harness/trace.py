@@ -1,0 +1,371 @@
+"""An access tracer for the Triton interpreter: what the emitted kernels really touch,
+compared with what the plan says each step reads and writes (issue 22, item 11).
+
+The happens-before checker and the execution oracle both analyse the plan's effects
+(``StepPlan.effects`` and ``.sync``, from the semantics table), so a wrong table row is
+invisible to both. This module runs a schedule's generated module for real (backend
+``local``: every rank a thread of this process, so every rank's addresses are seen) and
+records every load, store and atomic of every kernel program: the address, mapped to
+(buffer, owning rank, slot, element), and the phase of its program, ``before`` its
+signal (or the whole kernel, for a step that does not signal) or ``after`` it (once a
+program has published its signal, its next data access follows its wait: the spin
+touches signal memory only; a launch with ``PUSH=False`` runs after a wait entirely).
+
+``check`` then demands, for every step call on every rank:
+
+- every access lies in a buffer (module-owned memory of some rank, the call's engine
+  tensors, or the signal machinery): else ``outside every buffer``;
+- every data access has an effect with the same buffer, kind (an atomic is a read and a
+  write) and phase; a store into a peer's instance needs a region effect, and every
+  element a rank stores under a region effect lies in that rank's part (index /
+  block / interleave of the region's axis); a symmetric buffer is touched in the
+  call's slot only;
+- every effect of the table happened somewhere in the run (on some rank, some call).
+
+Hooks are installed while ``tracing()`` is active and removed after: the interpreter
+builder's memory ops, its program index, its launcher, and the module's ``_bind`` (to
+learn each call's step, slot, sizes and engine tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dcpc.codegen.plan import Plan, StepPlan
+
+SYNC = "<sync>"  # signal words, epochs, error words, pointer tables
+OUTSIDE = "<outside every buffer>"
+BEFORE, AFTER = "before", "after"
+
+
+@dataclass
+class Call:
+    """One method call on one rank: its step, slot, sizes."""
+
+    rank: int
+    step: str
+    slot: int
+    env: dict[str, int]
+    engine: list[tuple[int, int, str, int]] = field(default_factory=list)  # start, end, name, size
+
+
+@dataclass
+class Range:
+    start: int
+    end: int
+    buffer: str
+    owner: int  # the rank whose instance it is (-1: sync memory)
+    slot: int  # -1: every slot (shared) or not applicable
+    itemsize: int
+
+
+@dataclass
+class Trace:
+    """The raw record, (call id, phase, kind) -> addresses, and what maps addresses to
+    buffers: the calls (with their engine tensors) and every rank's module memory. The
+    addresses are resolved after the run (``accesses``), when every rank's memory is
+    known: a rank may store into a peer whose module has not been seen yet."""
+
+    calls: list[Call] = field(default_factory=list)
+    raw: dict[tuple[int, str, str], list[np.ndarray]] = field(default_factory=dict)
+    programs: dict[str, int] = field(default_factory=dict)
+    ranges: list[Range] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _seen: set[int] = field(default_factory=set)  # modules whose memory is registered
+
+    def add_module(self, module: Any) -> None:
+        with self.lock:
+            if id(module) in self._seen:
+                return
+            self._seen.add(id(module))
+            for name, per_slot in module._local.items():
+                shared = module.BUFFERS[name].kind == "shared"
+                for slot, flat in enumerate(per_slot):
+                    self._add(flat, name, module.rank, -1 if shared else slot)
+            for tables in module._peers.values():
+                for t in tables:
+                    self._add(t, SYNC, -1, -1)
+            bank = module._bank
+            words_end = bank.sig.data_ptr() + bank.sig.numel() * 8
+            self.ranges.append(Range(bank.flags.data_ptr(), words_end, SYNC, -1, -1, 8))
+            for t in (bank.sig_ptrs, bank.epochs, bank.errors):
+                self._add(t, SYNC, -1, -1)
+
+    def _add(self, t: torch.Tensor, name: str, owner: int, slot: int) -> None:
+        end = t.data_ptr() + t.numel() * t.element_size()
+        if any(r.start == t.data_ptr() and r.buffer == name for r in self.ranges):
+            return  # a shared buffer's one allocation, listed per slot
+        self.ranges.append(Range(t.data_ptr(), end, name, owner, slot, t.element_size()))
+
+    def record(self, state: _Thread, kind: str, addrs: np.ndarray) -> None:
+        """Addresses of one memory op of the current program (masked lanes dropped)."""
+        if state.call is None or state.trace is not self or addrs.size == 0:
+            return  # outside a call of this trace (a thread's state from an earlier one)
+        addrs = np.unique(addrs.astype(np.uint64).ravel())
+        with self.lock:
+            self.raw.setdefault((state.call_id, state.phase, kind), []).append(addrs)
+
+    def accesses(self) -> dict[tuple, np.ndarray]:
+        """(call id, phase, kind, buffer, owner, slot) -> element offsets: the call's own
+        engine tensors first, then module memory (owner -1 and slot -1: not applicable)."""
+        ranges = sorted(self.ranges, key=lambda r: r.start)
+        starts = np.array([r.start for r in ranges], dtype=np.uint64)
+        out: dict[tuple, list[np.ndarray]] = {}
+        for (cid, phase, kind), parts in self.raw.items():
+            call = self.calls[cid]
+            addrs = np.unique(np.concatenate(parts))
+            left = np.ones(addrs.shape, dtype=bool)
+            for start, end, name, itemsize in call.engine:
+                hit = left & (addrs >= start) & (addrs < end)
+                if hit.any():
+                    offs = (addrs[hit] - np.uint64(start)) // np.uint64(itemsize)
+                    out.setdefault((cid, phase, kind, name, call.rank, -1), []).append(offs)
+                    left &= ~hit
+            rest = addrs[left]
+            idx = np.searchsorted(starts, rest, side="right") - 1
+            for i in np.unique(idx):
+                sel = rest[idx == i]
+                r = ranges[i] if i >= 0 else None
+                inside = sel < np.uint64(r.end) if r is not None else np.zeros(sel.shape, bool)
+                if (~inside).any():
+                    out.setdefault((cid, phase, kind, OUTSIDE, -1, -1), []).append(sel[~inside])
+                if r is None or not inside.any() or r.buffer == SYNC:
+                    continue
+                offs = (sel[inside] - np.uint64(r.start)) // np.uint64(r.itemsize)
+                out.setdefault((cid, phase, kind, r.buffer, r.owner, r.slot), []).append(offs)
+        return {k: np.unique(np.concatenate(v)).astype(np.int64) for k, v in out.items()}
+
+
+class _Thread(threading.local):
+    trace: Trace | None = None  # the trace ``call`` belongs to
+    call: Call | None = None
+    call_id: int = -1
+    phase: str = BEFORE
+    launch_phase: str = BEFORE
+
+
+_active: Trace | None = None
+_tls = _Thread()
+_install_lock = threading.Lock()
+
+
+def _masked(ptr: Any, mask: Any) -> np.ndarray:
+    data = np.asarray(ptr.data)
+    if mask is None:
+        return data.ravel()
+    return data[np.broadcast_to(np.asarray(mask.data), data.shape)].ravel()
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[Trace]:
+    """Record every kernel access of generated modules on CPU until the block ends."""
+    global _active
+    from triton.runtime import interpreter
+
+    from dcpc.runtime.module import ScheduleModule
+
+    builder = type(interpreter.interpreter_builder)
+    saved = {name: getattr(builder, name) for name in (
+        "create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas",
+        "set_grid_idx")}
+    grid_call, bind = interpreter.GridExecutor.__call__, ScheduleModule._bind
+    trace = Trace()
+
+    def load(self: Any, ptrs: Any, mask: Any, *a: Any) -> Any:
+        if _active is not None:
+            _active.record(_tls, "read", _masked(ptrs, mask))
+        return saved["create_masked_load"](self, ptrs, mask, *a)
+
+    def store(self: Any, ptrs: Any, value: Any, mask: Any, *a: Any) -> Any:
+        if _active is not None:
+            _active.record(_tls, "write", _masked(ptrs, mask))
+        return saved["create_masked_store"](self, ptrs, value, mask, *a)
+
+    def rmw(self: Any, op: Any, ptr: Any, val: Any, mask: Any, *a: Any) -> Any:
+        if _active is not None:
+            _active.record(_tls, "atomic", _masked(ptr, mask))
+            if "XCHG" in str(op):  # a signal (sync.j2): the program's push is over
+                _tls.phase = AFTER
+        return saved["create_atomic_rmw"](self, op, ptr, val, mask, *a)
+
+    def cas(self: Any, ptr: Any, *a: Any) -> Any:
+        if _active is not None:
+            _active.record(_tls, "atomic", _masked(ptr, None))
+        return saved["create_atomic_cas"](self, ptr, *a)
+
+    def set_grid_idx(self: Any, x: int, y: int, z: int) -> Any:
+        _tls.phase = _tls.launch_phase  # a new program starts before its signal
+        return saved["set_grid_idx"](self, x, y, z)
+
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # PUSH=False: the merge launch of a fused exchange, after the push launch's wait
+        _tls.launch_phase = AFTER if kwargs.get("PUSH", True) is False else BEFORE
+        grid = self.grid if not callable(self.grid) else (0,)
+        if _active is not None and _tls.call is not None and _tls.trace is _active:
+            with _active.lock:
+                step = _tls.call.step
+                _active.programs[step] = max(_active.programs.get(step, 0), int(grid[0]))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            _tls.launch_phase = BEFORE
+
+    def traced_bind(self: Any, slot: int, method: str, tensors: tuple, sizes: Any) -> Any:
+        env = bind(self, slot, method, tensors, sizes)
+        if _active is not None:
+            _active.add_module(self)
+            call = Call(self.rank, method, slot, dict(env))
+            names = [p[0] for p in self._signatures[method].params]
+            for name, t in zip(names, tensors, strict=True):
+                span = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+                end = t.data_ptr() + (span + 1) * t.element_size() if t.numel() else t.data_ptr()
+                call.engine.append((t.data_ptr(), end, name, t.element_size()))
+            with _active.lock:
+                _active.calls.append(call)
+                _tls.call_id = len(_active.calls) - 1
+            _tls.call, _tls.trace = call, _active
+        return env
+
+    with _install_lock:
+        if _active is not None:
+            raise RuntimeError("tracing() is already active")
+        for name, fn in (("create_masked_load", load), ("create_masked_store", store),
+                         ("create_atomic_rmw", rmw), ("create_atomic_cas", cas),
+                         ("set_grid_idx", set_grid_idx)):
+            setattr(builder, name, fn)
+        interpreter.GridExecutor.__call__ = launch
+        ScheduleModule._bind = traced_bind
+        _active = trace
+    try:
+        yield trace
+    finally:
+        with _install_lock:
+            for name, fn in saved.items():
+                setattr(builder, name, fn)
+            interpreter.GridExecutor.__call__ = grid_call
+            ScheduleModule._bind = bind
+            _active = None
+
+
+# ---- the comparison with the plan ---------------------------------------------------------
+def _part_ok(region: Any, offs: np.ndarray, shape: tuple[int, ...], writer: int,
+             world: int) -> np.ndarray:
+    """Which elements (flat offsets of a buffer of ``shape``) lie in ``writer``'s part."""
+    dim = region.dim
+    inner = int(np.prod(shape[dim + 1:], dtype=np.int64))
+    idx = (offs // max(inner, 1)) % max(shape[dim], 1)
+    if region.scheme == "index":
+        return idx == writer
+    if region.scheme == "block":
+        return idx // max(shape[dim] // world, 1) == writer
+    return (idx // region.interleave) % world == writer
+
+
+def check(trace: Trace, plan: Plan, world: int) -> list[str]:
+    """What the kernels did that the plan's effects do not say, and what the effects say
+    that no kernel did (see the module doc). Empty: they agree."""
+    from dcpc.runtime import shapes
+
+    steps: dict[str, StepPlan] = {s.name: s for s in plan.steps}
+    kinds = {b.name: b.kind for b in plan.buffers}
+    problems: list[str] = []
+    seen: set[tuple[str, str, str, str]] = set()
+    for (cid, phase, access, buffer, owner, slot), offs in sorted(
+            trace.accesses().items(), key=lambda kv: repr(kv[0])):
+        call = trace.calls[cid]
+        step = steps[call.step]
+        where = f"step '{step.name}' (rank {call.rank}, slot {call.slot}, call {cid})"
+        if buffer == OUTSIDE:
+            addrs = ", ".join(hex(int(a)) for a in offs[:3])
+            problems.append(f"{where}: {access} outside every buffer ({addrs}...)")
+            continue
+        for kind in (("read", "write") if access == "atomic" else (access,)):
+            seen.add((step.name, buffer, kind, phase))
+            said = [e for e in step.effects if e.buffer == buffer and e.kind == kind]
+            match = [e for e in said if e.when == phase]
+            if not match:
+                table = ", ".join(f"{e.kind} {e.when}" for e in said) or "nothing"
+                problems.append(f"{where}: {kind}s '{buffer}' {phase} its signal/wait; the "
+                                f"plan says: {table}")
+                continue
+            if kinds.get(buffer) == "symmetric" and slot not in (-1, call.slot):
+                problems.append(f"{where}: {kind}s '{buffer}' of slot {slot}")
+            if kind == "read" and owner != call.rank:
+                problems.append(f"{where}: reads rank {owner}'s instance of '{buffer}'")
+            if kind != "write":
+                continue
+            regions = [e.region for e in match if e.region is not None]
+            if not regions:
+                if owner != call.rank:
+                    problems.append(f"{where}: writes rank {owner}'s instance of '{buffer}', "
+                                    "but its effect has no region (own instance only)")
+                continue
+            shape = shapes.shape(plan.buffer(buffer).shape, call.env)
+            size = int(np.prod(shape, dtype=np.int64))
+            if (offs >= size).any():
+                problems.append(f"{where}: writes '{buffer}' past its shape {shape}")
+            if not any(_part_ok(r, offs, shape, call.rank, world).all() for r in regions):
+                problems.append(f"{where}: writes '{buffer}' of rank {owner} outside rank "
+                                f"{call.rank}'s part ({regions[0].scheme}, dim "
+                                f"{regions[0].dim})")
+    for step in plan.steps:
+        if not any(c.step == step.name for c in trace.calls):
+            continue
+        for e in step.effects:
+            if (step.name, e.buffer, e.kind, e.when) not in seen:
+                problems.append(f"step '{step.name}': the plan says it {e.kind}s '{e.buffer}' "
+                                f"{e.when} its signal/wait; no kernel did, on any rank")
+    return problems
+
+
+# ---- a traced run --------------------------------------------------------------------------
+@dataclass
+class TracedRun:
+    plan: Plan
+    trace: Trace
+    mismatches: int  # outputs that differ from the float64 simulation
+    problems: list[str]
+
+
+def run_traced(schedule_path: str, world: int, *, programs: int, block: int | None = None,
+               calls: int = 2, seed: int = 0, order: str = "sequential") -> TracedRun:
+    """Compile ``schedule_path``, run ``calls`` calls of every step on ``world`` ranks as
+    threads (backend ``local``, ``programs`` per kernel, ``block`` elements per tile when
+    given), every output compared with the float64 simulation, every access traced and
+    checked against the plan."""
+    import re
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    from dcpc.harness.worker import run_rank
+    from dcpc.pipeline import Options
+    from dcpc.pipeline import run as compile_stages
+    from dcpc.runtime.local import LocalGroup
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # log(0) in numpy: masked
+    c = compile_stages(Path(schedule_path), Options(worlds=[world]), until="emit")
+    assert c.schedule is not None and c.module_text is not None and c.plan is not None
+    # every kernel's programs and tile size, as the module's own tuning defaults: the
+    # harness's ``programs=`` is raised to the local backend's cap (4) for signalling steps
+    text = re.sub(r'"programs": \d+', f'"programs": {programs}', c.module_text)
+    if block is not None:
+        text = re.sub(r'"block": \d+', f'"block": {block}', text)
+    with tempfile.TemporaryDirectory(prefix="dcpc-trace-") as tmp:
+        module = Path(tmp) / f"{c.schedule.schedule}.py"
+        module.write_text(text)
+        group = LocalGroup(world, "cpu", timeout_s=300.0)
+        args = dict(schedule_path=str(schedule_path), module_path=str(module),
+                    backend="local", calls=calls, seed=seed, jitter_s=0.0, order=order,
+                    programs=None)
+        with tracing() as trace:
+            reports = group.run(lambda rank: run_rank(rank.rank, world, group=rank, **args))
+    mismatches = sum(s.mismatches for r in reports for s in r.outputs.values())
+    return TracedRun(c.plan, trace, mismatches, check(trace, c.plan, world))
