@@ -5,11 +5,12 @@ a signalling step's kernel advances its epoch of channel ``index * slots + slot`
 stores it (release) into ``sig[sig_channel, RANK]`` of each peer its signal names, and
 spins (acquire, wrap-safe int32 compare) on its own ``sig[sig_channel, peer]`` for each
 peer its wait names, ``sig_channel`` being ``polls * slots + slot`` (its own index for a
-signal-only step); a fused exchange reads its own part from src after its wait exactly
-when its plan says so. This test reads the EMITTED modules of every corpus and shipped
-schedule, and of 40 random ones, and checks each of those facts, so that a change of
-the sync protocol in the templates cannot leave the oracle (and the agreement test)
-executing something else.
+signal-only step); the peers are the lanes of one vector (``sig_peers``, masked by
+``sig_live``: all, next or prev), released to and polled at once; a fused exchange
+reads its own part from src after its wait exactly when its plan says so. This test
+reads the EMITTED modules of every corpus and shipped schedule, and of 40 random ones,
+and checks each of those facts, so that a change of the sync protocol in the templates
+cannot leave the oracle (and the agreement test) executing something else.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from dcpc.lang.parse import parse_file
 ROOT = Path(__file__).resolve().parent.parent
 FILES = sorted((ROOT / "tests" / "hb_corpus").glob("*.yaml")) + sorted(
     (ROOT / "schedules").glob("*.yaml"))
-PEER = re.compile(r"^\s*peer = \(RANK \+ (k|1|WORLD - 1)\) % WORLD\s*$")
-KIND = {"k": "all", "1": "next", "WORLD - 1": "prev"}
+# the kernel's lanes (templates/sync.j2, prologue): which peers it signals and polls
+PEERS = re.compile(r"^\s*sig_peers = \(RANK \+ (1|WORLD - 1) \+ sig_lane\) % WORLD\s*$")
+LIVE = re.compile(r"^\s*sig_live = sig_lane < (WORLD - 1|1)\s*$")
+KIND = {("1", "WORLD - 1"): "all", ("1", "1"): "next", ("WORLD - 1", "1"): "prev"}
 
 
 def _function(text: str, name: str) -> str:
@@ -39,31 +42,40 @@ def _function(text: str, name: str) -> str:
     return text[start:end.start() if end else len(text)]
 
 
-def _peer_loops(body: str, call: str) -> list[str]:
-    """For each call of ``call`` in ``body``: the peers of the loop it runs in."""
+def _peer_lanes(body: str, call: str) -> list[str]:
+    """For each call of ``call`` in ``body``: the peers of the lanes it runs on."""
     lines = body.splitlines()
     out = []
     for i, line in enumerate(lines):
         if line.strip().startswith(call + "("):
-            kinds = [PEER.match(x) for x in lines[:i]]
-            found = [m.group(1) for m in kinds if m]
-            assert found, f"no peer loop before {call} in:\n{body}"
-            out.append(KIND[found[-1]])
+            peers = [m.group(1) for m in map(PEERS.match, lines[:i]) if m]
+            live = [m.group(1) for m in map(LIVE.match, lines[:i]) if m]
+            assert peers and live, f"no peer lanes before {call} in:\n{body}"
+            args = lines[i + 1:i + 5]
+            assert any("sig_live" in a for a in args), (call, args)  # masked to the peers
+            out.append(KIND[(peers[-1], live[-1])])
     return out
 
 
 def test_the_sync_helpers_use_the_slots_and_the_compare_the_oracle_models() -> None:
     plan = lower(parse_file(ROOT / "schedules" / "kimi_k3_dcp.yaml"), range(2, 9))
     text = emit(plan)
-    signal = _function(text, "_dcpc_signal")
-    assert "_dcpc_pick(sig_table, peer," in signal  # the PEER's bank
-    assert "(sig_channel * WORLD + RANK)" in signal  # ... its slot for this rank
-    assert 'sem="release"' in signal
+    kernel = _function(text, "_query_gather_kernel")
+    assert "sig_mine = tl.load(sig_ptrs + RANK)" in kernel  # this rank's own bank
+    assert "sig_bases = tl.load(sig_ptrs + sig_peers, mask=sig_live" in kernel  # the PEERS'
+    assert "_dcpc_release(\n        sig_bases," in kernel
+    assert "_dcpc_wait(\n        sig_ptrs,\n        sig_mine," in kernel
+    signal = _function(text, "_dcpc_release")
+    assert "bases + WORLD + (sig_channel * WORLD + RANK)" in signal  # its slot for this rank
+    assert 'mask=live, sem="release"' in signal
     wait = _function(text, "_dcpc_wait")
-    assert "_dcpc_pick(sig_table, RANK," in wait  # this rank's own bank
-    assert "(sig_channel * WORLD + peer)" in wait  # ... the slot the peer writes
-    assert 'sem="acquire"' in wait
+    assert "mine + WORLD + (sig_channel * WORLD + peers)" in wait  # the slot the peer writes
+    assert 'mask=live, sem="acquire"' in wait
     assert "(got.to(tl.int32) - epoch) < 0" in wait  # wrap-safe: passes when >= 0
+    assert "_dcpc_spin(cells," in wait
+    spin = _function(text, "_dcpc_spin")
+    assert 'tl.atomic_add(cells, 0, mask=pending, sem="acquire"' in spin
+    assert "(got.to(tl.int32) - epoch) < 0" in spin
     advance = _function(text, "_dcpc_advance_epoch")
     assert "epochs + channel * sig_programs" in advance and "+ 1" in advance
 
@@ -100,8 +112,8 @@ def test_every_kernel_signals_and_waits_as_its_plan_says(name: str, source: obje
             continue
         body = _function(text, f"_{step.name}_kernel")
         assert body.count("_dcpc_advance_epoch(epochs, channel,") == 1, step.name
-        signals = _peer_loops(body, "_dcpc_signal")
-        waits = _peer_loops(body, "_dcpc_wait")
+        signals = _peer_lanes(body, "_dcpc_release")
+        waits = _peer_lanes(body, "_dcpc_wait")
         assert set(signals) == ({sync.signal} if sync.signal else set()), (step.name, signals)
         assert set(waits) == ({sync.wait} if sync.wait else set()), (step.name, waits)
         launch = re.search(

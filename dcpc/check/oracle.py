@@ -16,7 +16,10 @@ chosen by a scheduler:
   peer its ``signal`` names (a release), then, for each peer its ``wait`` names in the
   kernel's order, spins on its own ``sig[polls channel, peer]`` until the wrap-safe
   ``(int32)(got - epoch) >= 0`` (acquire loads of the latest value: the polls are
-  atomic read-modify-writes), then runs its ``after`` effects;
+  atomic read-modify-writes), then runs its ``after`` effects. The kernels release to
+  every peer at once and poll every peer at once (templates/sync.j2); nothing happens
+  between the polls and the sync is monotone, so polling one peer after another passes
+  exactly when all have arrived, with the same stores readable: the same runs;
 - symmetric instances: one per (rank, slot), one per rank for ``shared`` buffers; a
   store with a region writes part ``writer`` of EVERY rank's instance (parts of one
   partition overlap only for equal writers, different partitions always overlap);
