@@ -40,6 +40,7 @@ from dcpc.engines.common import (
     module_class,
     switch,
 )
+from dcpc.runtime.collectives import wire
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import LocalRank, sync_stream
 from dcpc.runtime.validate import axis_strides
@@ -178,7 +179,7 @@ class Comm:
             return torch.stack(self._local([t] * self.group.world))
         out = torch.empty(self.group.world * t.numel(), dtype=t.dtype, device=t.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, t.reshape(-1), group=self.group.handle)
+        gather(wire(out), wire(t.reshape(-1)), group=self.group.handle)
         return out.view(self.group.world, *t.shape)
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +190,7 @@ class Comm:
         if isinstance(self.group.handle, LocalRank):
             return torch.stack(self._local(list(t.unbind(0))))
         out = torch.empty_like(t)
-        dist.all_to_all_single(out, t, group=self.group.handle)
+        dist.all_to_all_single(wire(out), wire(t), group=self.group.handle)
         return out
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
