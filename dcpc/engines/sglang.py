@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
-from dcpc.engines.combine import Comm, GatherRunner, combine_call, runner
+from dcpc.engines.agree import agree
+from dcpc.engines.combine import GatherRunner, check_tensors, combine_call, reset, runner
 from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, rebind, resolve_group, switch
+from dcpc.engines.fallback import Comm
 from dcpc.runtime.errors import DcpcArgumentError
 
 SWITCH = "DCPC_SGLANG"
@@ -45,6 +47,7 @@ def _combine(path: str, out: torch.Tensor, lse: torch.Tensor, cp_group: Any, bas
              label: str) -> torch.Tensor:
     """One combine without SGLang's mask arguments: ``out`` itself on a group of one,
     else [B, H/W, D] of this rank's heads."""
+    check_tensors(label, out=out, lse=lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return out
@@ -86,6 +89,7 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
     """SGLang's all_gather_q_for_mla_decode: (q_nope [B, H/W, Dn], q_pe [B, H/W, Dpe])
     of this rank's heads -> ([B, H, Dn], [B, H, Dpe]) of all heads, rank order: views
     of one gathered [B, H, Dpe + Dn] buffer (SGLang's are transposed views too)."""
+    check_tensors("all_gather_q_for_mla_decode", q_nope=q_nope_out, q_pe=q_pe)
     group = resolve_group(_dcp_group() if group is None else group, q_pe.device)
     if q_nope_out.shape[:2] != q_pe.shape[:2] or q_nope_out.dtype != q_pe.dtype:
         raise DcpcArgumentError(f"all_gather_q_for_mla_decode: q_nope {tuple(q_nope_out.shape)} "
@@ -102,6 +106,8 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
 def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
     tokens, local_heads, d = combined.shape
     mode = switch(SWITCH)
+    agree(group, "all_gather_q_for_mla_decode", {SWITCH: mode, "workspace tokens": _tokens(),
+                                                  "backend": _backend()}, Comm(group).all_gather)
     why = "" if combined.dtype in DTYPE_NAMES else f"dtype {combined.dtype}"
     if mode == "on" and why:
         raise DcpcArgumentError(f"all_gather_q_for_mla_decode: {SWITCH}=1 but {why}")
@@ -110,6 +116,7 @@ def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
         r = runner(GatherRunner, spec, group, local_heads * group.world, _backend())
         if r.fits(tokens):
             return r.run(combined)
+        r.skip(combined)  # every rank falls back, or every rank fails
         why = f"{tokens} tokens exceed the workspace {_tokens()}"
     if why:
         log_once(f"sglang-q:{why}", f"all_gather_q_for_mla_decode: torch fallback: {why}")
@@ -156,4 +163,4 @@ def install() -> list[str]:
 
 
 __all__ = ["all_gather_q_for_mla_decode", "cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce",
-           "install"]
+           "install", "reset"]

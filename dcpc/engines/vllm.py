@@ -37,16 +37,15 @@ from typing import Any
 
 import torch
 
+from dcpc.engines.agree import agree
 from dcpc.engines.combine import (
-    Comm,
     EngineResult,
     GatherRunner,
     check_mask_args,
+    check_tensors,
     combine_call,
-    correct,
-    mask_at_source,
+    reset,
     runner,
-    torch_combine,
 )
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -56,6 +55,7 @@ from dcpc.engines.common import (
     resolve_group,
     switch,
 )
+from dcpc.engines.fallback import Comm, correct, mask_at_source, torch_combine
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import sync_stream
 
@@ -173,6 +173,7 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
     vLLM's own function as the fallback); the result as vLLM returns it (``out``, or
     ``(out, lse)`` with ``return_lse``)."""
     check_mask_args(seq_lens, query_start_loc)
+    check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
     out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
@@ -232,6 +233,7 @@ def cp_lse_ag_out_ar(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_gr
     if theirs is not None:  # installed: vLLM's own (one all-reduce, its kernels)
         return theirs()
     mask = check_mask_args(seq_lens, query_start_loc)
+    check_tensors("cp_lse_ag_out_ar", out=cp_attn_out, lse=cp_attn_lse)
     out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
@@ -247,6 +249,7 @@ def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, cp_rank: int, ctx: A
     """vLLM's correct_attn_out: ``out`` [B, H, D] *= exp(lses[cp_rank] - G) IN PLACE (as
     vLLM: 0 where the factor is 0), G merged over lses [N, B, H]; returns (out, G [B, H]
     in lses' dtype). Local math (no communication), in torch fp32."""
+    check_tensors("correct_attn_out", out=out, lse=lses)
     if out.dim() == 4:
         out = out.squeeze(1)
     if lses.dim() == 4 and lses.shape[-1] == 1:  # vLLM: [N, B, H, 1], then [N, 1, B, H]
@@ -397,11 +400,14 @@ class MLADCPManager:
         (rank p's block at heads p*H/W ..), in padded storage when padded_num_heads is
         set (a copy then: vLLM's reserve_query_head_storage)."""
         slot = (_ubatch() if slot is None else slot) % self.num_ubatches
+        check_tensors("MLADCPManager.query_gather", query=query)
+        self._agree("query_gather", Q_GATHER_SWITCH, self.max_num_tokens)
         r = self._q_runner()
         if r is not None and r.fits(query.shape[0]):
             full = r.run(query, slot)
         else:
             if r is not None:
+                r.skip(query, slot)  # every rank falls back, or every rank fails
                 log_once("q:tokens", f"MLADCPManager.query_gather: torch fallback: "
                          f"{query.shape[0]} tokens exceed the workspace {self.max_num_tokens}")
             full = _gather_heads(Comm(self.dcp), query)
@@ -416,6 +422,11 @@ class MLADCPManager:
         store = full.new_empty((full.shape[0], padded, full.shape[2]))
         store.resize_(full.shape)
         return store.copy_(full)
+
+    def _agree(self, what: str, switch_name: str, tokens: int) -> None:
+        """The settings that pick this gather's path agree on every rank (agree.py)."""
+        agree(self.dcp, f"MLADCPManager.{what}", {switch_name: switch(switch_name),
+              "workspace tokens": tokens, "backend": self.backend}, Comm(self.dcp).all_gather)
 
     # ---- KV gather ------------------------------------------------------------------------
     def init_kv_gather(self, workspace: torch.Tensor, max_gathered_tokens: int) -> None:
@@ -456,11 +467,16 @@ class MLADCPManager:
         receives every rank's ``local_kv`` [N, C] in rank order. dcpc gathers into its
         own symmetric buffer, then copies into ``gathered_kv``. ``slot``: the DBO
         microbatch (default: vLLM's current ubatch id)."""
+        check_tensors("MLADCPManager.kv_gather", gathered_kv=gathered_kv, local_kv=local_kv)
+        if self._kv is not None:
+            self._agree("kv_gather", KV_GATHER_SWITCH, self._kv[1])
         r = self._kv_runner(local_kv.dtype, local_kv.shape[1])
+        slot = (_ubatch() if slot is None else slot) % self.num_ubatches
         if r is not None and r.fits(local_kv.shape[0]):  # one slot per DBO microbatch
-            slot = _ubatch() if slot is None else slot
-            gathered_kv.copy_(r.run(local_kv, slot=slot % self.num_ubatches))
+            gathered_kv.copy_(r.run(local_kv, slot=slot))
             return
+        # no empty marker call here (the rank-major gather module divides by T: T = 0
+        # raises ZeroDivisionError); vLLM sizes every rank's chunk alike (init_kv_gather)
         gathered_kv.copy_(Comm(self.dcp).all_gather(local_kv).reshape(gathered_kv.shape))
 
 
@@ -478,4 +494,5 @@ __all__ = [
     "cp_lse_ag_out_rs",
     "dcp_a2a_lse_reduce",
     "get_dcp_workspace_max_num_tokens",
+    "reset",
 ]

@@ -49,6 +49,8 @@ def all_gather(
 ) -> None:
     """Row j of rank r -> row (j // I) * W * I + r * I + j % I of every rank's dst."""
     n = outer * rows * row_len
+    if n == 0:  # an empty call (T = 0, dcpc.engines' marker): nothing moves; I may be 0
+        return
     staged = stage[: world * n]
     if world == 1:
         staged.copy_(src.reshape(-1))
