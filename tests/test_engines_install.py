@@ -208,3 +208,80 @@ def test_sglang_install_registers_replace_hooks(monkeypatch):
     done = S.install()
     assert all(getattr(comm, n) is getattr(S, n) for n in S.PATCHED)
     assert f"sglang.srt.layers.dcp.comm.{S.PATCHED[0]}" in done
+
+
+def test_sglang_install_from_load_plugins_registers_hooks_only(monkeypatch):
+    """SGLang's load_plugins() sets _plugins_loaded BEFORE it runs the plugins: install()
+    called from there must only register its hooks (SGLang applies them next), not also
+    assign, or SGLang's hook wraps dcpc's function a second time."""
+    registered: list[tuple] = []
+
+    class HookType:
+        REPLACE = "replace"
+
+    class HookRegistry:
+        @classmethod
+        def register(cls, target, hook, hook_type):
+            registered.append((target, hook, hook_type))
+
+    def theirs(*a, **k):
+        return "sglang"
+
+    comm = _module("sglang.srt.layers.dcp.comm", **{n: theirs for n in S.PATCHED})
+    for name in ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.dcp"):
+        monkeypatch.setitem(sys.modules, name, _module(name))
+    monkeypatch.setattr(sys.modules["sglang.srt.layers.dcp"], "comm", comm, raising=False)
+    monkeypatch.setitem(sys.modules, comm.__name__, comm)
+    plugins = _module("sglang.srt.plugins", _plugins_loaded=False, install=S.install,
+                      comm=comm, registered=registered)
+    # SGLang's order: mark loaded, run the plugins, then apply the hooks (each REPLACE
+    # hook wraps whatever the target holds at that time)
+    exec(compile(
+        "def load_plugins():\n"
+        "    global _plugins_loaded\n"
+        "    _plugins_loaded = True\n"
+        "    install()\n"
+        "    for target, hook, _ in registered:\n"
+        "        name = target.rsplit('.', 1)[1]\n"
+        "        held = getattr(comm, name)\n"
+        "        def applied(*a, _hook=hook, _held=held, **k):\n"
+        "            return _hook(*a, **k)\n"
+        "        applied.wrapped, applied.replaced = hook, held\n"
+        "        setattr(comm, name, applied)\n", "sglang/srt/plugins/__init__.py", "exec"),
+        plugins.__dict__)
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins", plugins)
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", _module(
+        "sglang.srt.plugins.hook_registry", HookRegistry=HookRegistry, HookType=HookType))
+    plugins.load_plugins()
+    assert [r[0] for r in registered] == [f"sglang.srt.layers.dcp.comm.{n}" for n in S.PATCHED]
+    for name in S.PATCHED:
+        applied = getattr(comm, name)
+        assert applied.wrapped is getattr(S, name)
+        assert applied.replaced is theirs, name  # SGLang's own, not dcpc's: one wrap
+
+
+def test_install_takes_the_workspace_from_the_current_vllm_config(fake_vllm, monkeypatch,
+                                                                  caplog):
+    """A plugin's install() runs while vLLM's config is current: the free functions keep
+    vLLM's workspace size for later calls (none is current in forward), and say so."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(
+        speculative_config=None, num_speculative_tokens=0,
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=96),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=512))
+    current = [cfg]
+    monkeypatch.setattr(sys.modules["vllm.config"], "get_current_vllm_config_or_none",
+                        lambda: current[0])
+    monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
+    monkeypatch.setattr(V, "_installed_tokens", [])
+    V._free_tokens.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="dcpc.engines"):
+            V.install()
+        current[0] = None  # forward: no config is current
+        assert V._free_tokens() == 512
+        assert any("workspace is 512 tokens (vLLM's config" in r.getMessage()
+                   for r in caplog.records), caplog.records
+    finally:
+        V._free_tokens.cache_clear()

@@ -15,6 +15,7 @@ not given), a torch ProcessGroup or a dcpc LocalRank. Switches: ``DCPC_SGLANG``
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -128,26 +129,34 @@ PATCHED = ("dcp_a2a_lse_reduce", "cp_lse_ag_out_rs_mla", "all_gather_q_for_mla_d
 
 
 def install() -> list[str]:
-    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm): REPLACE
-    hooks in SGLang's HookRegistry, which SGLang applies once its plugins are loaded
-    (rewriting ``from ... import`` bindings too); when the plugins are loaded already
-    (install() called late, e.g. not from an ``sglang.srt.plugins`` entry point), also
-    by assignment now. Without a HookRegistry (an older SGLang), by assignment. Returns
-    the hook targets registered and the bindings assigned."""
+    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm), once:
+
+    - from a plugin, inside SGLang's ``load_plugins()``: REPLACE hooks in SGLang's
+      HookRegistry only, which SGLang applies after its plugins ran (rewriting ``from
+      ... import`` bindings too). SGLang sets its ``_plugins_loaded`` flag BEFORE it
+      runs the plugins, so the flag cannot tell this case from a late call: the call
+      stack does (a ``load_plugins`` frame of ``sglang.srt.plugins``). Assigning here
+      as well made SGLang wrap dcpc's function a second time;
+    - before SGLang loads its plugins (the flag unset): the hooks, as above;
+    - later (plugins loaded, not inside ``load_plugins``), or an SGLang without the
+      registry: by assignment now, in every module that holds SGLang's functions (no
+      hooks: nothing would apply them).
+
+    Returns the hook targets registered or the bindings assigned."""
     ours = {name: globals()[name] for name in PATCHED}
-    done: list[str] = []
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     except ImportError:
         HookRegistry = None  # noqa: N806 - an older SGLang: patch by hand
     if HookRegistry is not None:
-        for name in PATCHED:
-            target = f"sglang.srt.layers.dcp.comm.{name}"
-            HookRegistry.register(target, ours[name], HookType.REPLACE)
-            done.append(target)
         import sglang.srt.plugins as plugins
 
-        if not getattr(plugins, "_plugins_loaded", False):
+        if not getattr(plugins, "_plugins_loaded", False) or _inside_load_plugins():
+            done = []
+            for name in PATCHED:
+                target = f"sglang.srt.layers.dcp.comm.{name}"
+                HookRegistry.register(target, ours[name], HookType.REPLACE)
+                done.append(target)
             return done  # load_plugins() applies them in this process
     import sglang.srt.layers.dcp.comm as comm
 
@@ -155,11 +164,23 @@ def install() -> list[str]:
     if missing:
         raise ImportError(f"dcpc.engines.sglang.install(): sglang.srt.layers.dcp.comm has "
                           f"no {', '.join(missing)} (the adapters follow SGLang 0.5.23)")
+    done = []
     for name in PATCHED:
         old = vars(comm)[name]
         if old is not ours[name]:
             done += rebind(name, old, ours[name])
     return done
+
+
+def _inside_load_plugins() -> bool:
+    """Called (indirectly) from SGLang's ``load_plugins()``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "load_plugins" and \
+                str(frame.f_globals.get("__name__", "")).startswith("sglang.srt.plugins"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 __all__ = ["all_gather_q_for_mla_decode", "cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce",

@@ -50,6 +50,7 @@ from dcpc.engines.combine import (
 from dcpc.engines.common import (
     DTYPE_NAMES,
     GatherSpec,
+    log,
     log_once,
     rebind,
     resolve_group,
@@ -83,26 +84,36 @@ def _ubatch() -> int:
 _installed_tokens: list[int] = []  # install(max_num_tokens=...): the free functions' workspace
 
 
-@functools.cache
-def _free_tokens() -> int:
-    """The workspace of the free functions, decided once per process (every call must
-    find the same module): ``DCPC_MAX_NUM_TOKENS``, else ``install(max_num_tokens=)``,
-    else vLLM's get_dcp_workspace_max_num_tokens of the current config, else 256. In a
-    vLLM server no config is current in forward (vLLM sets one around model
-    construction), so set one of the first two to the largest decode batch."""
+def workspace_choice() -> tuple[int, str]:
+    """(the free functions' workspace in tokens, where it came from): ``DCPC_MAX_NUM_TOKENS``,
+    else ``install(max_num_tokens=)``, else vLLM's get_dcp_workspace_max_num_tokens of
+    the config current now (vLLM sets one around model construction, where plugins and
+    install() run in a worker), else 256."""
     env = os.environ.get("DCPC_MAX_NUM_TOKENS")
     if env:
-        return int(env)
+        return int(env), "DCPC_MAX_NUM_TOKENS"
     if _installed_tokens:
-        return _installed_tokens[0]
+        return _installed_tokens[0], "install(max_num_tokens=)"
     try:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:
-        return DEFAULT_MAX_NUM_TOKENS
+        return DEFAULT_MAX_NUM_TOKENS, "the default: no vLLM config"
     config = get_current_vllm_config_or_none()
     if config is None:
-        return DEFAULT_MAX_NUM_TOKENS
-    return get_dcp_workspace_max_num_tokens(config)
+        return DEFAULT_MAX_NUM_TOKENS, "the default: no vLLM config is current"
+    return (get_dcp_workspace_max_num_tokens(config),
+            "vLLM's config: max_num_batched_tokens, max_num_seqs, speculative tokens, "
+            "CUDA-graph capture sizes")
+
+
+@functools.cache
+def _free_tokens() -> int:
+    """The workspace of the free functions, decided once per process (every call must
+    find the same module): see workspace_choice. In a vLLM server no config is current
+    in forward, so the first call's choice may be the default: install() from a plugin
+    (a config is current when vLLM loads plugins in a worker), or set one of the
+    first two, and read install()'s log line."""
+    return workspace_choice()[0]
 
 
 # ---- installing over vLLM's own -------------------------------------------------------------
@@ -124,6 +135,12 @@ def install(max_num_tokens: int | None = None) -> list[str]:
     if max_num_tokens is not None:
         _installed_tokens[:] = [int(max_num_tokens)]
         _free_tokens.cache_clear()
+    tokens, source = workspace_choice()
+    if source.startswith("vLLM"):  # kept: in forward no config is current any more
+        _installed_tokens[:] = [tokens]
+        _free_tokens.cache_clear()
+    log.info("dcpc.engines.vllm.install(): the free functions' workspace is %d tokens "
+             "(%s)", tokens, source)
     ours = {name: globals()[name] for name in PATCHED + KEPT}
     patched: list[str] = []
     missing = [name for name in PATCHED + KEPT if name not in vars(ops)]
@@ -268,9 +285,10 @@ def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, cp_rank: int, ctx: A
 
 
 def get_dcp_workspace_max_num_tokens(vllm_config: Any) -> int:
-    """vLLM's own function when vLLM is installed; else its formula, with
-    tokens_per_seq = 1 + num_speculative_tokens (vLLM also takes max_decode_query_len
-    into account, which needs vLLM)."""
+    """vLLM's own function when vLLM is installed; else vLLM's formula (git main,
+    2026-12): min(max_num_batched_tokens, max(max_num_seqs * tokens_per_seq, the
+    largest CUDA-graph capture size)), tokens_per_seq = 1 + k speculative tokens, or
+    1 + 2k with parallel drafting (vLLM's own test: 4 sequences, k = 3 -> 28)."""
     try:
         from vllm.v1.attention.ops.dcp import get_dcp_workspace_max_num_tokens as theirs
     except ImportError:
@@ -278,7 +296,10 @@ def get_dcp_workspace_max_num_tokens(vllm_config: Any) -> int:
     if theirs is not None:
         return int(theirs(vllm_config))
     spec = getattr(vllm_config, "speculative_config", None)
-    per_seq = 1 + (getattr(spec, "num_speculative_tokens", 0) or 0)
+    k = getattr(vllm_config, "num_speculative_tokens", None)
+    if k is None:  # vLLM's VllmConfig has the property; older configs only the spec's
+        k = getattr(spec, "num_speculative_tokens", 0) or 0
+    per_seq = 1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * k
     sched = vllm_config.scheduler_config
     graphs = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
     return min(sched.max_num_batched_tokens, max(sched.max_num_seqs * per_seq, graphs))
