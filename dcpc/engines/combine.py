@@ -57,6 +57,36 @@ def fit_layout(cls: type, method: str, name: str, t: torch.Tensor) -> torch.Tens
     return t.contiguous()
 
 
+# ---- debugging views kept too long -------------------------------------------------------
+def debug_views() -> bool:
+    """``DCPC_DEBUG_VIEWS=1``: results are copies, poisoned (NaN) at the slot's next call,
+    and the module's own result buffers are poisoned once copied: an engine that keeps
+    a result past the next call (as it may keep a view) sees NaN at once. Eager only:
+    every call allocates (no CUDA-graph capture)."""
+    return switch("DCPC_DEBUG_VIEWS") == "on"
+
+
+class HandedOut:
+    """What a runner handed out per slot, for DCPC_DEBUG_VIEWS."""
+
+    def __init__(self, slots: int):
+        self.last: list[list[torch.Tensor]] = [[] for _ in range(slots)]
+
+    def out(self, slot: int, got: tuple) -> tuple:
+        """``got`` itself, or (debug) copies of it, after poisoning the last call's."""
+        for kept in self.last[slot]:
+            kept.fill_(float("nan"))
+        self.last[slot] = []
+        if not debug_views():
+            return got
+        copies = tuple(None if t is None else t.clone() for t in got)
+        for view, copy in zip(got, copies, strict=True):
+            if view is not None:
+                view.fill_(float("nan"))  # the module's buffer: nothing reads it until
+                self.last[slot].append(copy)  # this rank's next call rewrites it
+        return copies
+
+
 # ---- the runners --------------------------------------------------------------------------
 class CombineRunner:
     """One combine module on one group; ``run`` returns (out [T, H/W, Dv], lse of this
@@ -69,6 +99,7 @@ class CombineRunner:
         self.module = self.cls(group.handle, sizes={"H": heads}, device=group.device,
                                backend=backend)
         self.pending = [False] * spec.slots  # a call whose release() is still due
+        self.handed = HandedOut(spec.slots)
 
     def fits(self, tokens: int, reqs: int | None) -> bool:
         """Within the workspace (sizes fixed at construction)."""
@@ -81,9 +112,10 @@ class CombineRunner:
         """One call: ``lens`` (this rank's local KV lengths [B] i32) and ``qsl`` when the
         spec masks, ``scale`` ([1] f32) when its output is fp8."""
         try:
-            return self._run(o, lse, lens, qsl, slot, scale)
+            got = self._run(o, lse, lens, qsl, slot, scale)
         except DcpcContractError as err:
             raise explain(err) from err
+        return self.handed.out(slot, got)  # type: ignore[return-value]
 
     def skip(self, slot: int = 0) -> None:
         """This rank takes the fallback for this call: an empty call (T = 0) through the
@@ -147,6 +179,7 @@ class GatherRunner:
         sizes = {"H": heads} if spec.kind == "q" else {}
         self.module = self.cls(group.handle, sizes=sizes, device=group.device, backend=backend)
         self.pending = [False] * spec.slots
+        self.handed = HandedOut(spec.slots)
 
     def fits(self, tokens: int) -> bool:
         return tokens <= self.spec.max_tokens
@@ -156,9 +189,10 @@ class GatherRunner:
             if self.pending[slot]:
                 self.module.release(slot=slot)
             self.pending[slot] = True
-            return self.module.gather(rows.contiguous(), slot=slot)
+            got = self.module.gather(rows.contiguous(), slot=slot)
         except DcpcContractError as err:
             raise explain(err) from err
+        return self.handed.out(slot, (got,))[0]
 
     def skip(self, rows: torch.Tensor, slot: int = 0) -> None:
         """This rank takes the fallback for ``rows``: an empty call (T = 0), as
