@@ -285,3 +285,45 @@ def test_install_takes_the_workspace_from_the_current_vllm_config(fake_vllm, mon
                    for r in caplog.records), caplog.records
     finally:
         V._free_tokens.cache_clear()
+
+
+def test_install_leaves_an_unknown_vllm_layout_alone_and_says_so_once(monkeypatch, caplog):
+    """vLLM's git main: the DCP utilities in vllm.v1.attention.ops.dcp_utils, no
+    vllm.v1.attention.ops.dcp, and init_kv_gather(max_gathered_tokens, token_dim,
+    plane_split_dim, dtype): install() must not raise (it runs inside the engine's
+    plugin loader), patch nothing, and log why once."""
+    def dcp_a2a_lse_reduce(*a, **k):
+        return "vllm a2a"
+
+    class MLADCPManager:
+        def init_kv_gather(self, max_gathered_tokens, token_dim, plane_split_dim, dtype):
+            return False
+
+    utils = _module("vllm.v1.attention.ops.dcp_utils", MLADCPManager=MLADCPManager,
+                    dcp_a2a_lse_reduce=dcp_a2a_lse_reduce)
+    for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops"):
+        monkeypatch.setitem(sys.modules, name, _module(name))
+    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.dcp", None)  # import fails
+    monkeypatch.setattr(V, "_originals", {})
+    from dcpc.engines import common
+
+    monkeypatch.setattr(common, "_logged", set())
+    with caplog.at_level("WARNING", logger="dcpc.engines"):
+        assert V.install() == [] and V.install() == []
+    assert utils.dcp_a2a_lse_reduce is dcp_a2a_lse_reduce
+    assert utils.MLADCPManager is MLADCPManager
+    said = [r.getMessage() for r in caplog.records if "own DCP path stays" in r.getMessage()]
+    assert len(said) == 1 and "vllm.v1.attention.ops.dcp does not import" in said[0], said
+    # the released layout with the coming init_kv_gather: also left alone
+    ops = _module("vllm.v1.attention.ops.dcp", MLADCPManager=MLADCPManager,
+                  dcp_a2a_lse_reduce=dcp_a2a_lse_reduce, cp_lse_ag_out_rs=dcp_a2a_lse_reduce,
+                  cp_lse_ag_out_ar=dcp_a2a_lse_reduce)
+    monkeypatch.setitem(sys.modules, ops.__name__, ops)
+    monkeypatch.setattr(sys.modules["vllm.v1.attention.ops"], "dcp", ops, raising=False)
+    monkeypatch.setattr(common, "_logged", set())
+    with caplog.at_level("WARNING", logger="dcpc.engines"):
+        assert V.install() == []
+    assert ops.dcp_a2a_lse_reduce is dcp_a2a_lse_reduce
+    assert any("init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype)"
+               in r.getMessage() for r in caplog.records)

@@ -32,6 +32,7 @@ CUDA-graph capture: a call's ``release`` kernel first runs at the start of the n
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -129,9 +130,14 @@ def install(max_num_tokens: int | None = None) -> list[str]:
     dtype, a switch at 0) and for PCP's all-reduce. ``max_num_tokens``: the free
     functions' workspace (else DCPC_MAX_NUM_TOKENS, else 256: see _free_tokens).
     Idempotent; returns the bindings patched. Call it from a vLLM general plugin
-    (docs/engines.md, "Switching vLLM")."""
-    import vllm.v1.attention.ops.dcp as ops
-
+    (docs/engines.md, "Switching vLLM"). On a vLLM whose DCP layout is not 0.33.0's
+    (git main moved it to vllm.v1.attention.ops.dcp_utils and changed init_kv_gather)
+    it patches nothing, logs why once, and returns []: vLLM's own path stays."""
+    ops, why = _known_layout()
+    if ops is None:
+        log_once("vllm-layout", f"dcpc.engines.vllm.install(): vLLM's own DCP path stays: "
+                 f"{why} (the adapters follow vLLM 0.33.0's layout)")
+        return []
     if max_num_tokens is not None:
         _installed_tokens[:] = [int(max_num_tokens)]
         _free_tokens.cache_clear()
@@ -143,10 +149,6 @@ def install(max_num_tokens: int | None = None) -> list[str]:
              "(%s)", tokens, source)
     ours = {name: globals()[name] for name in PATCHED + KEPT}
     patched: list[str] = []
-    missing = [name for name in PATCHED + KEPT if name not in vars(ops)]
-    if missing:
-        raise ImportError(f"dcpc.engines.vllm.install(): vllm.v1.attention.ops.dcp has no "
-                          f"{', '.join(missing)} (the adapters follow vLLM 0.33.0's names)")
     for name in PATCHED + KEPT:
         old = vars(ops)[name]
         if old is not ours[name] and not _is_ours(old):  # never keep a dcpc function as
@@ -154,6 +156,25 @@ def install(max_num_tokens: int | None = None) -> list[str]:
         if name in PATCHED and old is not ours[name]:
             patched += rebind(name, old, ours[name])
     return patched
+
+
+def _known_layout() -> tuple[Any, str]:
+    """(vLLM's vllm.v1.attention.ops.dcp, "") when it is 0.33.0's layout: the four names,
+    and MLADCPManager.init_kv_gather(workspace, max_gathered_tokens); else (None, why)."""
+    try:
+        import vllm.v1.attention.ops.dcp as ops
+    except ImportError as err:
+        return None, f"vllm.v1.attention.ops.dcp does not import ({err})"
+    missing = [name for name in PATCHED + KEPT if name not in vars(ops)]
+    if missing:
+        return None, f"vllm.v1.attention.ops.dcp has no {', '.join(missing)}"
+    kv = getattr(vars(ops)["MLADCPManager"], "init_kv_gather", None)
+    if kv is not None:
+        params = list(inspect.signature(kv).parameters)[1:]
+        if params != ["workspace", "max_gathered_tokens"]:
+            return None, (f"MLADCPManager.init_kv_gather({', '.join(params)}) is not "
+                          "0.33.0's (workspace, max_gathered_tokens)")
+    return ops, ""
 
 
 def _is_ours(fn: Any) -> bool:
