@@ -182,6 +182,19 @@ def test_workspace_tokens_without_vllm():
     assert V.get_dcp_workspace_max_num_tokens(cfg) == 100
 
 
+def test_workspace_tokens_with_parallel_drafting_follow_vllm():
+    """vLLM's own test of parallel drafting: 4 sequences, 3 speculative tokens -> 28
+    (1 + 2 * 3 tokens per sequence); without parallel drafting 16."""
+    spec = SimpleNamespace(num_speculative_tokens=3, parallel_drafting=True)
+    cfg = SimpleNamespace(
+        speculative_config=spec, num_speculative_tokens=3,
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=4),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=None))
+    assert V.get_dcp_workspace_max_num_tokens(cfg) == 28
+    spec.parallel_drafting = False
+    assert V.get_dcp_workspace_max_num_tokens(cfg) == 16
+
+
 def test_a_single_rank_group_returns_its_inputs():
     out, lse = torch.randn(3, 4, 8), torch.randn(3, 4)
     got = V.cp_lse_ag_out_rs(out, lse, None, return_lse=True)

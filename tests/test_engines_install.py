@@ -208,3 +208,122 @@ def test_sglang_install_registers_replace_hooks(monkeypatch):
     done = S.install()
     assert all(getattr(comm, n) is getattr(S, n) for n in S.PATCHED)
     assert f"sglang.srt.layers.dcp.comm.{S.PATCHED[0]}" in done
+
+
+def test_sglang_install_from_load_plugins_registers_hooks_only(monkeypatch):
+    """SGLang's load_plugins() sets _plugins_loaded BEFORE it runs the plugins: install()
+    called from there must only register its hooks (SGLang applies them next), not also
+    assign, or SGLang's hook wraps dcpc's function a second time."""
+    registered: list[tuple] = []
+
+    class HookType:
+        REPLACE = "replace"
+
+    class HookRegistry:
+        @classmethod
+        def register(cls, target, hook, hook_type):
+            registered.append((target, hook, hook_type))
+
+    def theirs(*a, **k):
+        return "sglang"
+
+    comm = _module("sglang.srt.layers.dcp.comm", **{n: theirs for n in S.PATCHED})
+    for name in ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.dcp"):
+        monkeypatch.setitem(sys.modules, name, _module(name))
+    monkeypatch.setattr(sys.modules["sglang.srt.layers.dcp"], "comm", comm, raising=False)
+    monkeypatch.setitem(sys.modules, comm.__name__, comm)
+    plugins = _module("sglang.srt.plugins", _plugins_loaded=False, install=S.install,
+                      comm=comm, registered=registered)
+    # SGLang's order: mark loaded, run the plugins, then apply the hooks (each REPLACE
+    # hook wraps whatever the target holds at that time)
+    exec(compile(
+        "def load_plugins():\n"
+        "    global _plugins_loaded\n"
+        "    _plugins_loaded = True\n"
+        "    install()\n"
+        "    for target, hook, _ in registered:\n"
+        "        name = target.rsplit('.', 1)[1]\n"
+        "        held = getattr(comm, name)\n"
+        "        def applied(*a, _hook=hook, _held=held, **k):\n"
+        "            return _hook(*a, **k)\n"
+        "        applied.wrapped, applied.replaced = hook, held\n"
+        "        setattr(comm, name, applied)\n", "sglang/srt/plugins/__init__.py", "exec"),
+        plugins.__dict__)
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins", plugins)
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", _module(
+        "sglang.srt.plugins.hook_registry", HookRegistry=HookRegistry, HookType=HookType))
+    plugins.load_plugins()
+    assert [r[0] for r in registered] == [f"sglang.srt.layers.dcp.comm.{n}" for n in S.PATCHED]
+    for name in S.PATCHED:
+        applied = getattr(comm, name)
+        assert applied.wrapped is getattr(S, name)
+        assert applied.replaced is theirs, name  # SGLang's own, not dcpc's: one wrap
+
+
+def test_install_takes_the_workspace_from_the_current_vllm_config(fake_vllm, monkeypatch,
+                                                                  caplog):
+    """A plugin's install() runs while vLLM's config is current: the free functions keep
+    vLLM's workspace size for later calls (none is current in forward), and say so."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(
+        speculative_config=None, num_speculative_tokens=0,
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=96),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=512))
+    current = [cfg]
+    monkeypatch.setattr(sys.modules["vllm.config"], "get_current_vllm_config_or_none",
+                        lambda: current[0])
+    monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
+    monkeypatch.setattr(V, "_installed_tokens", [])
+    V._free_tokens.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="dcpc.engines"):
+            V.install()
+        current[0] = None  # forward: no config is current
+        assert V._free_tokens() == 512
+        assert any("workspace is 512 tokens (vLLM's config" in r.getMessage()
+                   for r in caplog.records), caplog.records
+    finally:
+        V._free_tokens.cache_clear()
+
+
+def test_install_leaves_an_unknown_vllm_layout_alone_and_says_so_once(monkeypatch, caplog):
+    """vLLM's git main: the DCP utilities in vllm.v1.attention.ops.dcp_utils, no
+    vllm.v1.attention.ops.dcp, and init_kv_gather(max_gathered_tokens, token_dim,
+    plane_split_dim, dtype): install() must not raise (it runs inside the engine's
+    plugin loader), patch nothing, and log why once."""
+    def dcp_a2a_lse_reduce(*a, **k):
+        return "vllm a2a"
+
+    class MLADCPManager:
+        def init_kv_gather(self, max_gathered_tokens, token_dim, plane_split_dim, dtype):
+            return False
+
+    utils = _module("vllm.v1.attention.ops.dcp_utils", MLADCPManager=MLADCPManager,
+                    dcp_a2a_lse_reduce=dcp_a2a_lse_reduce)
+    for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops"):
+        monkeypatch.setitem(sys.modules, name, _module(name))
+    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.dcp", None)  # import fails
+    monkeypatch.setattr(V, "_originals", {})
+    from dcpc.engines import common
+
+    monkeypatch.setattr(common, "_logged", set())
+    with caplog.at_level("WARNING", logger="dcpc.engines"):
+        assert V.install() == [] and V.install() == []
+    assert utils.dcp_a2a_lse_reduce is dcp_a2a_lse_reduce
+    assert utils.MLADCPManager is MLADCPManager
+    said = [r.getMessage() for r in caplog.records if "own DCP path stays" in r.getMessage()]
+    assert len(said) == 1 and "vllm.v1.attention.ops.dcp does not import" in said[0], said
+    # the released layout with the coming init_kv_gather: also left alone
+    ops = _module("vllm.v1.attention.ops.dcp", MLADCPManager=MLADCPManager,
+                  dcp_a2a_lse_reduce=dcp_a2a_lse_reduce, cp_lse_ag_out_rs=dcp_a2a_lse_reduce,
+                  cp_lse_ag_out_ar=dcp_a2a_lse_reduce)
+    monkeypatch.setitem(sys.modules, ops.__name__, ops)
+    monkeypatch.setattr(sys.modules["vllm.v1.attention.ops"], "dcp", ops, raising=False)
+    monkeypatch.setattr(common, "_logged", set())
+    with caplog.at_level("WARNING", logger="dcpc.engines"):
+        assert V.install() == []
+    assert ops.dcp_a2a_lse_reduce is dcp_a2a_lse_reduce
+    assert any("init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype)"
+               in r.getMessage() for r in caplog.records)

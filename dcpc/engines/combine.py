@@ -24,13 +24,12 @@ math over torch.distributed, or over the threads of a dcpc LocalGroup).
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from dcpc.engines.agree import agree, explain, forget
 from dcpc.engines.common import (
     DTYPE_NAMES,
     CombineSpec,
@@ -40,11 +39,11 @@ from dcpc.engines.common import (
     module_class,
     switch,
 )
-from dcpc.runtime.errors import DcpcArgumentError
-from dcpc.runtime.local import LocalRank, sync_stream
+from dcpc.engines.fallback import Comm, mask_at_source, torch_combine
+from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError
 from dcpc.runtime.validate import axis_strides
 
-NEG_INF = float("-inf")
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 # ---- inputs a module method accepts ------------------------------------------------------
@@ -56,6 +55,36 @@ def fit_layout(cls: type, method: str, name: str, t: torch.Tensor) -> torch.Tens
             _, why = axis_strides(t.shape, t.stride(), a, b, unit)
             return t if why is None else t.contiguous()
     return t.contiguous()
+
+
+# ---- debugging views kept too long -------------------------------------------------------
+def debug_views() -> bool:
+    """``DCPC_DEBUG_VIEWS=1``: results are copies, poisoned (NaN) at the slot's next call,
+    and the module's own result buffers are poisoned once copied: an engine that keeps
+    a result past the next call (as it may keep a view) sees NaN at once. Eager only:
+    every call allocates (no CUDA-graph capture)."""
+    return switch("DCPC_DEBUG_VIEWS") == "on"
+
+
+class HandedOut:
+    """What a runner handed out per slot, for DCPC_DEBUG_VIEWS."""
+
+    def __init__(self, slots: int):
+        self.last: list[list[torch.Tensor]] = [[] for _ in range(slots)]
+
+    def out(self, slot: int, got: tuple) -> tuple:
+        """``got`` itself, or (debug) copies of it, after poisoning the last call's."""
+        for kept in self.last[slot]:
+            kept.fill_(float("nan"))
+        self.last[slot] = []
+        if not debug_views():
+            return got
+        copies = tuple(None if t is None else t.clone() for t in got)
+        for view, copy in zip(got, copies, strict=True):
+            if view is not None:
+                view.fill_(float("nan"))  # the module's buffer: nothing reads it until
+                self.last[slot].append(copy)  # this rank's next call rewrites it
+        return copies
 
 
 # ---- the runners --------------------------------------------------------------------------
@@ -70,6 +99,7 @@ class CombineRunner:
         self.module = self.cls(group.handle, sizes={"H": heads}, device=group.device,
                                backend=backend)
         self.pending = [False] * spec.slots  # a call whose release() is still due
+        self.handed = HandedOut(spec.slots)
 
     def fits(self, tokens: int, reqs: int | None) -> bool:
         """Within the workspace (sizes fixed at construction)."""
@@ -81,6 +111,28 @@ class CombineRunner:
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One call: ``lens`` (this rank's local KV lengths [B] i32) and ``qsl`` when the
         spec masks, ``scale`` ([1] f32) when its output is fp8."""
+        try:
+            got = self._run(o, lse, lens, qsl, slot, scale)
+        except DcpcContractError as err:
+            raise explain(err) from err
+        return self.handed.out(slot, got)  # type: ignore[return-value]
+
+    def skip(self, slot: int = 0) -> None:
+        """This rank takes the fallback for this call: an empty call (T = 0) through the
+        module keeps the ranks' epochs in step, and a peer that ran the kernel fails with
+        a contract error on both ranks (dcpc.engines.agree)."""
+        s, dev = self.spec, self.group.device
+        o = torch.zeros(0, self.heads, s.dv, dtype=TORCH_DTYPES[s.o_dtype], device=dev)
+        lse = torch.zeros(0, self.heads, dtype=torch.float32, device=dev)
+        lens = torch.zeros(1, dtype=torch.int32, device=dev) if s.mask else None
+        qsl = torch.zeros(2, dtype=torch.int32, device=dev) if s.mask else None
+        scale = (torch.ones(1, dtype=torch.float32, device=dev)
+                 if s.out_dtype == "fp8e4m3" else None)
+        self.run(o, lse, lens, qsl, slot, scale)
+
+    def _run(self, o: torch.Tensor, lse: torch.Tensor, lens: torch.Tensor | None,
+             qsl: torch.Tensor | None, slot: int, scale: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.pending[slot]:
             self.module.release(slot=slot)
             self.pending[slot] = False
@@ -127,15 +179,25 @@ class GatherRunner:
         sizes = {"H": heads} if spec.kind == "q" else {}
         self.module = self.cls(group.handle, sizes=sizes, device=group.device, backend=backend)
         self.pending = [False] * spec.slots
+        self.handed = HandedOut(spec.slots)
 
     def fits(self, tokens: int) -> bool:
         return tokens <= self.spec.max_tokens
 
     def run(self, rows: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        if self.pending[slot]:
-            self.module.release(slot=slot)
-        self.pending[slot] = True
-        return self.module.gather(rows.contiguous(), slot=slot)
+        try:
+            if self.pending[slot]:
+                self.module.release(slot=slot)
+            self.pending[slot] = True
+            got = self.module.gather(rows.contiguous(), slot=slot)
+        except DcpcContractError as err:
+            raise explain(err) from err
+        return self.handed.out(slot, (got,))[0]
+
+    def skip(self, rows: torch.Tensor, slot: int = 0) -> None:
+        """This rank takes the fallback for ``rows``: an empty call (T = 0), as
+        CombineRunner.skip."""
+        self.run(rows[:0], slot)
 
 
 _runners: dict[tuple, Any] = {}
@@ -158,124 +220,26 @@ def runner(kind: type, spec: CombineSpec | GatherSpec, group: Group, heads: int 
     return found
 
 
-# ---- collectives for the fallback ---------------------------------------------------------
-_exchanges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class Comm:
-    """all_gather / all_to_all over the group, for the torch fallback: torch.distributed
-    for a ProcessGroup, a shared table and the group's barrier for a dcpc LocalRank."""
-
-    def __init__(self, group: Group):
-        self.group = group
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[W, *t.shape]: every rank's ``t`` in rank order."""
-        t = t.contiguous()
-        if self.group.world == 1:
-            return t.unsqueeze(0)
-        if isinstance(self.group.handle, LocalRank):
-            return torch.stack(self._local([t] * self.group.world))
-        out = torch.empty(self.group.world * t.numel(), dtype=t.dtype, device=t.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, t.reshape(-1), group=self.group.handle)
-        return out.view(self.group.world, *t.shape)
-
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` [W, ...]: part j goes to rank j; returns [W, ...] with rank p's part at p."""
-        t = t.contiguous()
-        if self.group.world == 1:
-            return t.clone()
-        if isinstance(self.group.handle, LocalRank):
-            return torch.stack(self._local(list(t.unbind(0))))
-        out = torch.empty_like(t)
-        dist.all_to_all_single(out, t, group=self.group.handle)
-        return out
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        return self.all_gather(t).sum(0, dtype=t.dtype)
-
-    def _local(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Threads of a LocalGroup: rank r posts part j for rank j, all arrive, each
-        takes what was posted for it, all arrive again (the table is then reused)."""
-        rank: LocalRank = self.group.handle
-        table = _exchanges.setdefault(rank.group, {})
-        table[rank.rank] = [p.clone() for p in parts]
-        rank.barrier()  # syncs this stream first: the clones are done before a peer reads
-        got = [table[p][rank.rank].clone() for p in range(rank.world)]
-        sync_stream(parts[0].device)  # read before the owner frees or reposts its clones
-        rank.group.barrier()
-        return got
-
-
-# ---- the math, in torch (fp32) ------------------------------------------------------------
-def mask_at_source(lse: torch.Tensor, seq_lens: torch.Tensor,
-                   qsl: torch.Tensor) -> torch.Tensor:
-    """vLLM's mask_dcp_empty_shards_, out of place: rows at or past qsl[-1] and rows of
-    requests with this rank's local length 0 get -inf (every row when B is 0)."""
-    tokens, batch = lse.shape[0], seq_lens.shape[0]
-    if batch == 0:
-        return torch.full_like(lse, NEG_INF)
-    rows = torch.arange(tokens, device=lse.device, dtype=qsl.dtype)
-    req = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).clamp(max=batch - 1)
-    dead = (rows >= qsl[-1]) | (seq_lens[req] == 0)
-    return lse.masked_fill(dead.reshape(-1, *([1] * (lse.dim() - 1))), NEG_INF)
-
-
-def _exp_log(base2: bool) -> tuple:
-    return (torch.exp2, torch.log2) if base2 else (torch.exp, torch.log)
-
-
-def merged(lses: torch.Tensor, base2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sanitized lses [N, ...], global LSE [...]): NaN/+inf count as -inf; an all -inf
-    row gives -inf."""
-    exp, log = _exp_log(base2)
-    lses = lses.float()
-    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), NEG_INF, lses)
-    m = lses.amax(0)
-    m = torch.where(m == NEG_INF, 0.0, m)
-    return lses, log(exp(lses - m).sum(0)) + m
-
-
-def correct(out: torch.Tensor, lses: torch.Tensor, rank: int, base2: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's correct_attn_out in fp32: (out * exp(lse_rank - G), 0 where the weight is
-    0 (NaN partials of empty shards included); G [B, H])."""
-    exp, _ = _exp_log(base2)
-    lses, total = merged(lses, base2)
-    d = lses[rank] - total
-    d = torch.where(torch.isnan(d) | (d == float("inf")), NEG_INF, d)
-    f = exp(d).unsqueeze(-1)
-    return torch.where(f == 0, 0.0, out.float() * f), total
-
-
-def torch_combine(comm: Comm, path: str, o: torch.Tensor, lse: torch.Tensor, base2: bool,
-                  out_dtype: torch.dtype, all_heads: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The combine over torch collectives (LSE already masked at the source):
-    (out [B, H/W, D] in ``out_dtype``, G of this rank's heads [B, H/W] f32); with
-    ``all_heads`` (vLLM's cp_lse_ag_out_ar) an all-reduce: [B, H, D] and G [B, H]."""
-    world, rank = comm.group.world, comm.group.rank
-    tokens, heads = lse.shape
-    part = heads // world
-    if o.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        o = o.float()  # fp8 partials: collectives (gloo) may not move fp8
-    if path == "ag_rs" or all_heads:
-        lses = comm.all_gather(lse.float())
-        fixed, total = correct(o, lses, rank, base2)
-        if all_heads:
-            return comm.all_reduce(fixed).to(out_dtype), total
-        parts = fixed.reshape(tokens, world, part, -1).transpose(0, 1)
-        out = comm.all_to_all(parts).sum(0)
-        return out.to(out_dtype), total[:, rank * part:(rank + 1) * part]
-    recv_o = comm.all_to_all(o.reshape(tokens, world, part, -1).transpose(0, 1))
-    recv_lse = comm.all_to_all(lse.float().reshape(tokens, world, part).transpose(0, 1))
-    exp, _ = _exp_log(base2)
-    lses, total = merged(recv_lse, base2)
-    w = exp(lses - total).unsqueeze(-1)
-    w = torch.where(torch.isnan(w), 0.0, w)
-    out = torch.where(w == 0, 0.0, w * recv_o.float()).sum(0)
-    return out.to(out_dtype), total
+def reset(group: Any = None) -> int:
+    """Close the modules the adapters built on this rank and forget them (and the agreed
+    settings): the way out of the failed state after an error (a timeout, a contract
+    error). ``group``: only those of this DCP group (a GroupCoordinator, a ProcessGroup
+    or a LocalRank: ranks that are threads of one process pass theirs); None: all.
+    Collective: every rank of the group calls it at the same point of its calls,
+    outside CUDA-graph capture (graphs captured before hold the old modules: capture
+    again). The next call of each function builds fresh modules, collectively as the
+    first did. Returns the number of modules closed on this rank."""
+    handles = None if group is None else {id(h) for h in (
+        group, getattr(group, "device_group", None), getattr(group, "cpu_group", None))
+        if h is not None}
+    with _runners_lock:
+        found = [k for k, run in _runners.items()
+                 if handles is None or id(run.group.handle) in handles]
+        closing = [_runners.pop(k) for k in found]
+    for run in closing:
+        run.module.close()
+    forget(handles)
+    return len(closing)
 
 
 def check_mask_args(seq_lens: Any, query_start_loc: Any) -> bool:
@@ -316,6 +280,7 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
     result wrapped in EngineResult) or, without one, ``torch_combine``; either fallback
     is logged once per reason. ``seq_lens`` are THIS rank's local KV lengths [B]
     (None: no mask)."""
+    check_tensors(label, out=out, lse=lse)
     tokens, heads, dv = out.shape
     if lse.shape != (tokens, heads):
         raise DcpcArgumentError(f"{label}: LSE has shape {tuple(lse.shape)}, expected "
@@ -324,6 +289,9 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
         raise DcpcArgumentError(f"{label}: {heads} heads do not split over {group.world} "
                                 "ranks (H % W != 0)")
     mode = switch(switch_name)
+    agree(group, label, {switch_name: mode, "DCPC_KERNEL_MASK": kernel_mask(),
+                         "workspace tokens": max_tokens, "backend": backend},
+          Comm(group).all_gather)
     why = _unsupported(out, lse)
     kind = "dtype"  # the log key: one warning per kind of reason, not per token count
     if mode == "on" and why:
@@ -343,6 +311,7 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
             lens = None if seq_lens is None else seq_lens.to(torch.int32).contiguous()
             q = None if qsl is None else qsl.to(torch.int32).contiguous()
             return r.run(out, lse if lse.dtype == torch.float32 else lse.float(), lens, q, slot)
+        r.skip(slot)  # the fallback on every rank, or a contract error on every rank
         many = f"{tokens} tokens" + ("" if reqs is None else f" / {reqs} requests")
         kind = "empty" if reqs == 0 else "workspace"
         why = ("no requests (B = 0): every row is masked" if reqs == 0 else
@@ -368,12 +337,26 @@ def kernel_mask() -> bool:
     return switch("DCPC_KERNEL_MASK") == "on"
 
 
+def check_tensors(label: str, **tensors: torch.Tensor | None) -> None:
+    """Refuse what no path can take: a meta tensor (no data), an integer or bool output
+    or LSE (the fallback would merge it as a float, silently)."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type == "meta":
+            raise DcpcArgumentError(f"{label}: {name} is a meta tensor (no data); pass "
+                                    "a CPU or CUDA tensor")
+        if name in ("out", "lse") and not t.dtype.is_floating_point:
+            raise DcpcArgumentError(f"{label}: {name} has dtype {t.dtype}; the partial "
+                                    "output and its LSE must be floats (LSE: f32, bf16, f16)")
+
+
 def _unsupported(out: torch.Tensor, lse: torch.Tensor) -> str:
     """Why no dcpc module takes these inputs ("" when one does)."""
     if out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"the partial output dtype {out.dtype} is not bf16, f16 or f32"
-    if not lse.dtype.is_floating_point or lse.dtype == torch.float8_e4m3fn:
-        return f"the LSE dtype {lse.dtype} is not a float"
+    if lse.dtype == torch.float8_e4m3fn:
+        return f"the LSE dtype {lse.dtype} is fp8"
     if out.device.type not in ("cuda", "cpu"):
         return f"device {out.device} is neither CUDA nor CPU"
     return ""

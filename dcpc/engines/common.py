@@ -282,15 +282,26 @@ class Group:
 
 
 def resolve_group(group: Any, device: torch.device) -> Group:
-    """A vLLM/SGLang GroupCoordinator (its device_group on CUDA, cpu_group on CPU), a
-    torch ProcessGroup, or a dcpc LocalRank."""
+    """What engines pass as the DCP group: a vLLM/SGLang GroupCoordinator (its
+    device_group on CUDA, its cpu_group on CPU when it has one), any object with a
+    ``device_group`` (vLLM's own tests pass one with ``world_size`` and ``device_group``
+    only), a torch ProcessGroup, or a dcpc LocalRank. The object's ``world_size`` and
+    ``rank_in_group``, where it has them, must agree with its process group's."""
     handle = group
-    if hasattr(group, "device_group") and hasattr(group, "rank_in_group"):
-        handle = group.device_group if device.type == "cuda" else group.cpu_group
-    rank, world = group_rank_world(handle)
-    if hasattr(group, "rank_in_group") and (group.rank_in_group, group.world_size) != (rank, world):
+    if hasattr(group, "device_group"):
+        cpu = getattr(group, "cpu_group", None)
+        handle = group.device_group if device.type == "cuda" or cpu is None else cpu
+    try:
+        rank, world = group_rank_world(handle)
+    except (TypeError, ValueError, RuntimeError) as err:
         raise DcpcArgumentError(
-            f"group: rank_in_group/world_size {group.rank_in_group}/{group.world_size} "
+            f"group: {type(group).__name__} is not a DCP group dcpc can use ({err}); pass "
+            "a GroupCoordinator, an object with device_group (a ProcessGroup), a "
+            "ProcessGroup, or a dcpc LocalRank") from None
+    declared = (getattr(group, "rank_in_group", rank), getattr(group, "world_size", world))
+    if handle is not group and declared != (rank, world):
+        raise DcpcArgumentError(
+            f"group: rank_in_group/world_size {declared[0]}/{declared[1]} "
             f"differ from its process group's {rank}/{world}")
     return Group(handle, rank, world, device)
 

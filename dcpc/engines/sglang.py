@@ -15,12 +15,15 @@ not given), a torch ProcessGroup or a dcpc LocalRank. Switches: ``DCPC_SGLANG``
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
 
-from dcpc.engines.combine import Comm, GatherRunner, combine_call, runner
+from dcpc.engines.agree import agree
+from dcpc.engines.combine import GatherRunner, check_tensors, combine_call, reset, runner
 from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, rebind, resolve_group, switch
+from dcpc.engines.fallback import Comm
 from dcpc.runtime.errors import DcpcArgumentError
 
 SWITCH = "DCPC_SGLANG"
@@ -45,6 +48,7 @@ def _combine(path: str, out: torch.Tensor, lse: torch.Tensor, cp_group: Any, bas
              label: str) -> torch.Tensor:
     """One combine without SGLang's mask arguments: ``out`` itself on a group of one,
     else [B, H/W, D] of this rank's heads."""
+    check_tensors(label, out=out, lse=lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return out
@@ -86,6 +90,7 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
     """SGLang's all_gather_q_for_mla_decode: (q_nope [B, H/W, Dn], q_pe [B, H/W, Dpe])
     of this rank's heads -> ([B, H, Dn], [B, H, Dpe]) of all heads, rank order: views
     of one gathered [B, H, Dpe + Dn] buffer (SGLang's are transposed views too)."""
+    check_tensors("all_gather_q_for_mla_decode", q_nope=q_nope_out, q_pe=q_pe)
     group = resolve_group(_dcp_group() if group is None else group, q_pe.device)
     if q_nope_out.shape[:2] != q_pe.shape[:2] or q_nope_out.dtype != q_pe.dtype:
         raise DcpcArgumentError(f"all_gather_q_for_mla_decode: q_nope {tuple(q_nope_out.shape)} "
@@ -102,6 +107,8 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
 def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
     tokens, local_heads, d = combined.shape
     mode = switch(SWITCH)
+    agree(group, "all_gather_q_for_mla_decode", {SWITCH: mode, "workspace tokens": _tokens(),
+                                                  "backend": _backend()}, Comm(group).all_gather)
     why = "" if combined.dtype in DTYPE_NAMES else f"dtype {combined.dtype}"
     if mode == "on" and why:
         raise DcpcArgumentError(f"all_gather_q_for_mla_decode: {SWITCH}=1 but {why}")
@@ -110,6 +117,7 @@ def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
         r = runner(GatherRunner, spec, group, local_heads * group.world, _backend())
         if r.fits(tokens):
             return r.run(combined)
+        r.skip(combined)  # every rank falls back, or every rank fails
         why = f"{tokens} tokens exceed the workspace {_tokens()}"
     if why:
         log_once(f"sglang-q:{why}", f"all_gather_q_for_mla_decode: torch fallback: {why}")
@@ -121,26 +129,34 @@ PATCHED = ("dcp_a2a_lse_reduce", "cp_lse_ag_out_rs_mla", "all_gather_q_for_mla_d
 
 
 def install() -> list[str]:
-    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm): REPLACE
-    hooks in SGLang's HookRegistry, which SGLang applies once its plugins are loaded
-    (rewriting ``from ... import`` bindings too); when the plugins are loaded already
-    (install() called late, e.g. not from an ``sglang.srt.plugins`` entry point), also
-    by assignment now. Without a HookRegistry (an older SGLang), by assignment. Returns
-    the hook targets registered and the bindings assigned."""
+    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm), once:
+
+    - from a plugin, inside SGLang's ``load_plugins()``: REPLACE hooks in SGLang's
+      HookRegistry only, which SGLang applies after its plugins ran (rewriting ``from
+      ... import`` bindings too). SGLang sets its ``_plugins_loaded`` flag BEFORE it
+      runs the plugins, so the flag cannot tell this case from a late call: the call
+      stack does (a ``load_plugins`` frame of ``sglang.srt.plugins``). Assigning here
+      as well made SGLang wrap dcpc's function a second time;
+    - before SGLang loads its plugins (the flag unset): the hooks, as above;
+    - later (plugins loaded, not inside ``load_plugins``), or an SGLang without the
+      registry: by assignment now, in every module that holds SGLang's functions (no
+      hooks: nothing would apply them).
+
+    Returns the hook targets registered or the bindings assigned."""
     ours = {name: globals()[name] for name in PATCHED}
-    done: list[str] = []
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     except ImportError:
         HookRegistry = None  # noqa: N806 - an older SGLang: patch by hand
     if HookRegistry is not None:
-        for name in PATCHED:
-            target = f"sglang.srt.layers.dcp.comm.{name}"
-            HookRegistry.register(target, ours[name], HookType.REPLACE)
-            done.append(target)
         import sglang.srt.plugins as plugins
 
-        if not getattr(plugins, "_plugins_loaded", False):
+        if not getattr(plugins, "_plugins_loaded", False) or _inside_load_plugins():
+            done = []
+            for name in PATCHED:
+                target = f"sglang.srt.layers.dcp.comm.{name}"
+                HookRegistry.register(target, ours[name], HookType.REPLACE)
+                done.append(target)
             return done  # load_plugins() applies them in this process
     import sglang.srt.layers.dcp.comm as comm
 
@@ -148,6 +164,7 @@ def install() -> list[str]:
     if missing:
         raise ImportError(f"dcpc.engines.sglang.install(): sglang.srt.layers.dcp.comm has "
                           f"no {', '.join(missing)} (the adapters follow SGLang 0.5.23)")
+    done = []
     for name in PATCHED:
         old = vars(comm)[name]
         if old is not ours[name]:
@@ -155,5 +172,16 @@ def install() -> list[str]:
     return done
 
 
+def _inside_load_plugins() -> bool:
+    """Called (indirectly) from SGLang's ``load_plugins()``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "load_plugins" and \
+                str(frame.f_globals.get("__name__", "")).startswith("sglang.srt.plugins"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 __all__ = ["all_gather_q_for_mla_decode", "cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce",
-           "install"]
+           "install", "reset"]

@@ -32,30 +32,32 @@ CUDA-graph capture: a call's ``release`` kernel first runs at the start of the n
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any
 
 import torch
 
+from dcpc.engines.agree import agree
 from dcpc.engines.combine import (
-    Comm,
     EngineResult,
     GatherRunner,
     check_mask_args,
+    check_tensors,
     combine_call,
-    correct,
-    mask_at_source,
+    reset,
     runner,
-    torch_combine,
 )
 from dcpc.engines.common import (
     DTYPE_NAMES,
     GatherSpec,
+    log,
     log_once,
     rebind,
     resolve_group,
     switch,
 )
+from dcpc.engines.fallback import Comm, correct, mask_at_source, torch_combine
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import sync_stream
 
@@ -83,26 +85,36 @@ def _ubatch() -> int:
 _installed_tokens: list[int] = []  # install(max_num_tokens=...): the free functions' workspace
 
 
-@functools.cache
-def _free_tokens() -> int:
-    """The workspace of the free functions, decided once per process (every call must
-    find the same module): ``DCPC_MAX_NUM_TOKENS``, else ``install(max_num_tokens=)``,
-    else vLLM's get_dcp_workspace_max_num_tokens of the current config, else 256. In a
-    vLLM server no config is current in forward (vLLM sets one around model
-    construction), so set one of the first two to the largest decode batch."""
+def workspace_choice() -> tuple[int, str]:
+    """(the free functions' workspace in tokens, where it came from): ``DCPC_MAX_NUM_TOKENS``,
+    else ``install(max_num_tokens=)``, else vLLM's get_dcp_workspace_max_num_tokens of
+    the config current now (vLLM sets one around model construction, where plugins and
+    install() run in a worker), else 256."""
     env = os.environ.get("DCPC_MAX_NUM_TOKENS")
     if env:
-        return int(env)
+        return int(env), "DCPC_MAX_NUM_TOKENS"
     if _installed_tokens:
-        return _installed_tokens[0]
+        return _installed_tokens[0], "install(max_num_tokens=)"
     try:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:
-        return DEFAULT_MAX_NUM_TOKENS
+        return DEFAULT_MAX_NUM_TOKENS, "the default: no vLLM config"
     config = get_current_vllm_config_or_none()
     if config is None:
-        return DEFAULT_MAX_NUM_TOKENS
-    return get_dcp_workspace_max_num_tokens(config)
+        return DEFAULT_MAX_NUM_TOKENS, "the default: no vLLM config is current"
+    return (get_dcp_workspace_max_num_tokens(config),
+            "vLLM's config: max_num_batched_tokens, max_num_seqs, speculative tokens, "
+            "CUDA-graph capture sizes")
+
+
+@functools.cache
+def _free_tokens() -> int:
+    """The workspace of the free functions, decided once per process (every call must
+    find the same module): see workspace_choice. In a vLLM server no config is current
+    in forward, so the first call's choice may be the default: install() from a plugin
+    (a config is current when vLLM loads plugins in a worker), or set one of the
+    first two, and read install()'s log line."""
+    return workspace_choice()[0]
 
 
 # ---- installing over vLLM's own -------------------------------------------------------------
@@ -118,18 +130,25 @@ def install(max_num_tokens: int | None = None) -> list[str]:
     dtype, a switch at 0) and for PCP's all-reduce. ``max_num_tokens``: the free
     functions' workspace (else DCPC_MAX_NUM_TOKENS, else 256: see _free_tokens).
     Idempotent; returns the bindings patched. Call it from a vLLM general plugin
-    (docs/engines.md, "Switching vLLM")."""
-    import vllm.v1.attention.ops.dcp as ops
-
+    (docs/engines.md, "Switching vLLM"). On a vLLM whose DCP layout is not 0.33.0's
+    (git main moved it to vllm.v1.attention.ops.dcp_utils and changed init_kv_gather)
+    it patches nothing, logs why once, and returns []: vLLM's own path stays."""
+    ops, why = _known_layout()
+    if ops is None:
+        log_once("vllm-layout", f"dcpc.engines.vllm.install(): vLLM's own DCP path stays: "
+                 f"{why} (the adapters follow vLLM 0.33.0's layout)")
+        return []
     if max_num_tokens is not None:
         _installed_tokens[:] = [int(max_num_tokens)]
         _free_tokens.cache_clear()
+    tokens, source = workspace_choice()
+    if source.startswith("vLLM"):  # kept: in forward no config is current any more
+        _installed_tokens[:] = [tokens]
+        _free_tokens.cache_clear()
+    log.info("dcpc.engines.vllm.install(): the free functions' workspace is %d tokens "
+             "(%s)", tokens, source)
     ours = {name: globals()[name] for name in PATCHED + KEPT}
     patched: list[str] = []
-    missing = [name for name in PATCHED + KEPT if name not in vars(ops)]
-    if missing:
-        raise ImportError(f"dcpc.engines.vllm.install(): vllm.v1.attention.ops.dcp has no "
-                          f"{', '.join(missing)} (the adapters follow vLLM 0.33.0's names)")
     for name in PATCHED + KEPT:
         old = vars(ops)[name]
         if old is not ours[name] and not _is_ours(old):  # never keep a dcpc function as
@@ -137,6 +156,25 @@ def install(max_num_tokens: int | None = None) -> list[str]:
         if name in PATCHED and old is not ours[name]:
             patched += rebind(name, old, ours[name])
     return patched
+
+
+def _known_layout() -> tuple[Any, str]:
+    """(vLLM's vllm.v1.attention.ops.dcp, "") when it is 0.33.0's layout: the four names,
+    and MLADCPManager.init_kv_gather(workspace, max_gathered_tokens); else (None, why)."""
+    try:
+        import vllm.v1.attention.ops.dcp as ops
+    except ImportError as err:
+        return None, f"vllm.v1.attention.ops.dcp does not import ({err})"
+    missing = [name for name in PATCHED + KEPT if name not in vars(ops)]
+    if missing:
+        return None, f"vllm.v1.attention.ops.dcp has no {', '.join(missing)}"
+    kv = getattr(vars(ops)["MLADCPManager"], "init_kv_gather", None)
+    if kv is not None:
+        params = list(inspect.signature(kv).parameters)[1:]
+        if params != ["workspace", "max_gathered_tokens"]:
+            return None, (f"MLADCPManager.init_kv_gather({', '.join(params)}) is not "
+                          "0.33.0's (workspace, max_gathered_tokens)")
+    return ops, ""
 
 
 def _is_ours(fn: Any) -> bool:
@@ -173,6 +211,7 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
     vLLM's own function as the fallback); the result as vLLM returns it (``out``, or
     ``(out, lse)`` with ``return_lse``)."""
     check_mask_args(seq_lens, query_start_loc)
+    check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
     out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
@@ -232,6 +271,7 @@ def cp_lse_ag_out_ar(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_gr
     if theirs is not None:  # installed: vLLM's own (one all-reduce, its kernels)
         return theirs()
     mask = check_mask_args(seq_lens, query_start_loc)
+    check_tensors("cp_lse_ag_out_ar", out=cp_attn_out, lse=cp_attn_lse)
     out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
@@ -247,6 +287,7 @@ def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, cp_rank: int, ctx: A
     """vLLM's correct_attn_out: ``out`` [B, H, D] *= exp(lses[cp_rank] - G) IN PLACE (as
     vLLM: 0 where the factor is 0), G merged over lses [N, B, H]; returns (out, G [B, H]
     in lses' dtype). Local math (no communication), in torch fp32."""
+    check_tensors("correct_attn_out", out=out, lse=lses)
     if out.dim() == 4:
         out = out.squeeze(1)
     if lses.dim() == 4 and lses.shape[-1] == 1:  # vLLM: [N, B, H, 1], then [N, 1, B, H]
@@ -265,9 +306,10 @@ def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, cp_rank: int, ctx: A
 
 
 def get_dcp_workspace_max_num_tokens(vllm_config: Any) -> int:
-    """vLLM's own function when vLLM is installed; else its formula, with
-    tokens_per_seq = 1 + num_speculative_tokens (vLLM also takes max_decode_query_len
-    into account, which needs vLLM)."""
+    """vLLM's own function when vLLM is installed; else vLLM's formula (git main,
+    2026-12): min(max_num_batched_tokens, max(max_num_seqs * tokens_per_seq, the
+    largest CUDA-graph capture size)), tokens_per_seq = 1 + k speculative tokens, or
+    1 + 2k with parallel drafting (vLLM's own test: 4 sequences, k = 3 -> 28)."""
     try:
         from vllm.v1.attention.ops.dcp import get_dcp_workspace_max_num_tokens as theirs
     except ImportError:
@@ -275,7 +317,10 @@ def get_dcp_workspace_max_num_tokens(vllm_config: Any) -> int:
     if theirs is not None:
         return int(theirs(vllm_config))
     spec = getattr(vllm_config, "speculative_config", None)
-    per_seq = 1 + (getattr(spec, "num_speculative_tokens", 0) or 0)
+    k = getattr(vllm_config, "num_speculative_tokens", None)
+    if k is None:  # vLLM's VllmConfig has the property; older configs only the spec's
+        k = getattr(spec, "num_speculative_tokens", 0) or 0
+    per_seq = 1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * k
     sched = vllm_config.scheduler_config
     graphs = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
     return min(sched.max_num_batched_tokens, max(sched.max_num_seqs * per_seq, graphs))
@@ -397,11 +442,14 @@ class MLADCPManager:
         (rank p's block at heads p*H/W ..), in padded storage when padded_num_heads is
         set (a copy then: vLLM's reserve_query_head_storage)."""
         slot = (_ubatch() if slot is None else slot) % self.num_ubatches
+        check_tensors("MLADCPManager.query_gather", query=query)
+        self._agree("query_gather", Q_GATHER_SWITCH, self.max_num_tokens)
         r = self._q_runner()
         if r is not None and r.fits(query.shape[0]):
             full = r.run(query, slot)
         else:
             if r is not None:
+                r.skip(query, slot)  # every rank falls back, or every rank fails
                 log_once("q:tokens", f"MLADCPManager.query_gather: torch fallback: "
                          f"{query.shape[0]} tokens exceed the workspace {self.max_num_tokens}")
             full = _gather_heads(Comm(self.dcp), query)
@@ -416,6 +464,11 @@ class MLADCPManager:
         store = full.new_empty((full.shape[0], padded, full.shape[2]))
         store.resize_(full.shape)
         return store.copy_(full)
+
+    def _agree(self, what: str, switch_name: str, tokens: int) -> None:
+        """The settings that pick this gather's path agree on every rank (agree.py)."""
+        agree(self.dcp, f"MLADCPManager.{what}", {switch_name: switch(switch_name),
+              "workspace tokens": tokens, "backend": self.backend}, Comm(self.dcp).all_gather)
 
     # ---- KV gather ------------------------------------------------------------------------
     def init_kv_gather(self, workspace: torch.Tensor, max_gathered_tokens: int) -> None:
@@ -456,11 +509,16 @@ class MLADCPManager:
         receives every rank's ``local_kv`` [N, C] in rank order. dcpc gathers into its
         own symmetric buffer, then copies into ``gathered_kv``. ``slot``: the DBO
         microbatch (default: vLLM's current ubatch id)."""
+        check_tensors("MLADCPManager.kv_gather", gathered_kv=gathered_kv, local_kv=local_kv)
+        if self._kv is not None:
+            self._agree("kv_gather", KV_GATHER_SWITCH, self._kv[1])
         r = self._kv_runner(local_kv.dtype, local_kv.shape[1])
+        slot = (_ubatch() if slot is None else slot) % self.num_ubatches
         if r is not None and r.fits(local_kv.shape[0]):  # one slot per DBO microbatch
-            slot = _ubatch() if slot is None else slot
-            gathered_kv.copy_(r.run(local_kv, slot=slot % self.num_ubatches))
+            gathered_kv.copy_(r.run(local_kv, slot=slot))
             return
+        # no empty marker call here (the rank-major gather module divides by T: T = 0
+        # raises ZeroDivisionError); vLLM sizes every rank's chunk alike (init_kv_gather)
         gathered_kv.copy_(Comm(self.dcp).all_gather(local_kv).reshape(gathered_kv.shape))
 
 
@@ -478,4 +536,5 @@ __all__ = [
     "cp_lse_ag_out_rs",
     "dcp_a2a_lse_reduce",
     "get_dcp_workspace_max_num_tokens",
+    "reset",
 ]

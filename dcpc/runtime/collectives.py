@@ -16,12 +16,24 @@ import torch.distributed as dist
 
 from dcpc.runtime import merge
 
+# dtypes a backend may not move (gloo has no fp8: "Invalid scalar type", or a hang):
+# every payload goes over the wire as its bytes
+_AS_BYTES = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2",
+                                                  "float8_e4m3fnuz", "float8_e5m2fnuz")
+                      if hasattr(torch, n))
+
+
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a collective sends it: a uint8 view of an fp8 tensor (data movement
+    only; no collective here reduces fp8), else ``t`` itself."""
+    return t.view(torch.uint8) if t.dtype in _AS_BYTES else t
+
 
 def _all_to_all_single(group: Any, out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
     if world == 1:
         out.copy_(inp)
     else:
-        dist.all_to_all_single(out, inp, group=group)
+        dist.all_to_all_single(wire(out), wire(inp), group=group)
 
 
 def all_gather(
@@ -37,11 +49,13 @@ def all_gather(
 ) -> None:
     """Row j of rank r -> row (j // I) * W * I + r * I + j % I of every rank's dst."""
     n = outer * rows * row_len
+    if n == 0:  # an empty call (T = 0, dcpc.engines' marker): nothing moves; I may be 0
+        return
     staged = stage[: world * n]
     if world == 1:
         staged.copy_(src.reshape(-1))
     else:
-        dist.all_gather_into_tensor(staged, src.reshape(-1), group=group)
+        dist.all_gather_into_tensor(wire(staged), wire(src.reshape(-1)), group=group)
     blocks = rows // interleave
     dst.view(outer, blocks, world, interleave, row_len).copy_(
         staged.view(world, outer, blocks, interleave, row_len).permute(1, 2, 0, 3, 4)
