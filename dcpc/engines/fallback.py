@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dcpc.engines.common import Group
+from dcpc.runtime import merge
 from dcpc.runtime.collectives import wire
 from dcpc.runtime.local import LocalRank, sync_stream
 
@@ -81,31 +82,24 @@ def mask_at_source(lse: torch.Tensor, seq_lens: torch.Tensor,
     return lse.masked_fill(dead.reshape(-1, *([1] * (lse.dim() - 1))), NEG_INF)
 
 
-def _exp_log(base2: bool) -> tuple:
-    return (torch.exp2, torch.log2) if base2 else (torch.exp, torch.log)
-
-
-def merged(lses: torch.Tensor, base2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sanitized lses [N, ...], global LSE [...]): NaN/+inf count as -inf; an all -inf
-    row gives -inf."""
-    exp, log = _exp_log(base2)
-    lses = lses.float()
-    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), NEG_INF, lses)
-    m = lses.amax(0)
-    m = torch.where(m == NEG_INF, 0.0, m)
-    return lses, log(exp(lses - m).sum(0)) + m
-
-
 def correct(out: torch.Tensor, lses: torch.Tensor, rank: int, base2: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's correct_attn_out in fp32: (out * exp(lse_rank - G), 0 where the weight is
-    0 (NaN partials of empty shards included); G [B, H])."""
-    exp, _ = _exp_log(base2)
-    lses, total = merged(lses, base2)
-    d = lses[rank] - total
-    d = torch.where(torch.isnan(d) | (d == float("inf")), NEG_INF, d)
-    f = exp(d).unsqueeze(-1)
+    """vLLM's correct_attn_out in fp32: (out * w_rank, 0 where the weight is 0 (NaN
+    partials of empty shards included); G [B, H]). The weights are dcpc.runtime.merge's,
+    relative to the running max (never exp(lse_rank - G): G is rounded to ulp(G))."""
+    w, total = merge.merge_weights(lses.float(), "2" if base2 else "e")
+    f = w[rank].unsqueeze(-1)
     return torch.where(f == 0, 0.0, out.float() * f), total
+
+
+def a2a_merge(recv_o: torch.Tensor, recv_lse: torch.Tensor, base2: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge after the all-to-all, in fp32: (sum_p w_p * o_p [B, H/W, D], G [B, H/W])
+    from recv_o [W, B, H/W, D] and recv_lse [W, B, H/W]; a partial of weight 0 adds 0
+    (its NaN output included)."""
+    w, total = merge.merge_weights(recv_lse.float(), "2" if base2 else "e")
+    w = w.unsqueeze(-1)
+    return torch.where(w == 0, 0.0, w * recv_o.float()).sum(0), total
 
 
 def torch_combine(comm: Comm, path: str, o: torch.Tensor, lse: torch.Tensor, base2: bool,
@@ -129,9 +123,5 @@ def torch_combine(comm: Comm, path: str, o: torch.Tensor, lse: torch.Tensor, bas
         return out.to(out_dtype), total[:, rank * part:(rank + 1) * part]
     recv_o = comm.all_to_all(o.reshape(tokens, world, part, -1).transpose(0, 1))
     recv_lse = comm.all_to_all(lse.float().reshape(tokens, world, part).transpose(0, 1))
-    exp, _ = _exp_log(base2)
-    lses, total = merged(recv_lse, base2)
-    w = exp(lses - total).unsqueeze(-1)
-    w = torch.where(torch.isnan(w), 0.0, w)
-    out = torch.where(w == 0, 0.0, w * recv_o.float()).sum(0)
+    out, total = a2a_merge(recv_o, recv_lse, base2)
     return out.to(out_dtype), total
