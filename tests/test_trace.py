@@ -195,8 +195,8 @@ def test_a_template_that_pushes_after_its_wait_is_caught(monkeypatch):
 def test_a_template_that_pushes_into_another_part_is_caught(monkeypatch):
     """all_gather rendered to store into the next rank's part of every peer's dst."""
     render_variant(monkeypatch, "ops/all_gather.py.j2", once(
-        "d += RANK * interleave + j % interleave",
-        "d += ((RANK + 1) % WORLD) * interleave + j % interleave"))
+        "d += RANK * interleave{{ p }} + j % interleave{{ p }}",
+        "d += ((RANK + 1) % WORLD) * interleave{{ p }} + j % interleave{{ p }}"))
     run = tr.run_traced(str(SCHEDULE), 2, programs=2, block=256, calls=1)
     assert run.mismatches > 0  # the data is wrong too, and the tracer says where
     assert any("step 'lse_gather'" in p and "writes 'lse_all' of rank" in p
