@@ -62,7 +62,8 @@ def test_the_sync_helpers_use_the_slots_and_the_compare_the_oracle_models() -> N
     text = emit(plan)
     kernel = _function(text, "_query_gather_kernel")
     assert "sig_mine = tl.load(sig_ptrs + RANK)" in kernel  # this rank's own bank
-    assert "sig_bases = tl.load(sig_ptrs + sig_peers, mask=sig_live" in kernel  # the PEERS'
+    assert "sig_words = tl.load(sig_ptrs + sig_peers, mask=sig_live" in kernel  # the PEERS'
+    assert "sig_bases = sig_words.to(tl.pointer_type(tl.int64))" in kernel
     assert "_dcpc_release(\n        sig_bases," in kernel
     assert "_dcpc_wait(\n        sig_ptrs,\n        sig_mine," in kernel
     signal = _function(text, "_dcpc_release")
