@@ -9,6 +9,7 @@ eager launch path of their kernels (``fast_launch``).
 from dcpc.runtime import collectives, merge, shapes, sync, tiles, validate
 from dcpc.runtime.errors import (
     DcpcArgumentError,
+    DcpcConcurrentUseError,
     DcpcContractError,
     DcpcError,
     DcpcFailedError,
@@ -23,6 +24,7 @@ from dcpc.runtime.module import Buf, ScheduleModule, Tune
 __all__ = [
     "Buf",
     "DcpcArgumentError",
+    "DcpcConcurrentUseError",
     "DcpcContractError",
     "DcpcError",
     "DcpcFailedError",

@@ -55,6 +55,10 @@ class DcpcPeerFailedError(DcpcError):
         )
 
 
+class DcpcConcurrentUseError(DcpcError):
+    """A call on a module instance while another thread is inside a call of it."""
+
+
 class DcpcFailedError(DcpcError):
     """A call on a module instance that failed earlier, or that was closed."""
 

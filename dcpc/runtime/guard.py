@@ -1,7 +1,8 @@
 """The host side of the run-time guard (docs/engines.md, "The run-time guard").
 
-- ``guarded``: the decorator on every generated method: an error raised by a call marks
-  the module instance failed (``ScheduleModule._fail``), then propagates.
+- ``guarded``: the decorator on every generated method: one call at a time per instance
+  (a second thread's call raises ``DcpcConcurrentUseError``); an error raised by a call
+  marks the module instance failed (``ScheduleModule._fail``), then propagates.
 - ``CallOrder``: per slot, the methods called since the call's first step; a step
   called before one the contract puts first in the same call raises.
 - ``TorchHandshake``: the torch backend's fingerprint, failure notice and bounded
@@ -15,13 +16,20 @@ templates/sync.j2 and dcpc.runtime.sync.
 from __future__ import annotations
 
 import functools
+import threading
+from _thread import get_ident
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from dcpc.runtime.errors import DcpcContractError, DcpcPeerFailedError, DcpcTimeoutError
+from dcpc.runtime.errors import (
+    DcpcConcurrentUseError,
+    DcpcContractError,
+    DcpcPeerFailedError,
+    DcpcTimeoutError,
+)
 from dcpc.runtime.sync import FLAG_FAILED, FLAG_REASONS, Fingerprints
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -29,18 +37,66 @@ NOTICE_WAIT = timedelta(seconds=2)  # how long a failing rank waits for its noti
 
 
 def guarded(method: F) -> F:
-    """Mark the instance failed when ``method`` raises (any error: arguments, timeouts,
-    contract errors, interrupts), so that later calls and peers' waits fail at once."""
+    """One call at a time per instance, and mark the instance failed when ``method``
+    raises (any error: arguments, timeouts, contract errors, interrupts), so that later
+    calls and peers' waits fail at once.
+
+    A call while another thread is inside a call of the same instance (any slot: the
+    instance's per-call state is shared) is refused with ``DcpcConcurrentUseError`` and
+    fails the instance: that rank's calls no longer match its peers'. The check is one
+    non-blocking lock acquire per call; threads that take turns (vLLM's DBO microbatch
+    threads, which yield between calls) never see it."""
+    name = method.__name__
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._busy.acquire(False):
+            # the refused thread touches nothing the running call uses (no kernel, no
+            # message): the instance fails when the running call ends (settle_refusal)
+            self._refused = exc = concurrent_use(self, name, kwargs.get("slot", 0))
+            settle_refusal(self)
+            raise exc
         try:
+            if self._refused is not None:
+                self._fail(self._refused)
+            self._caller = (name, kwargs, get_ident())  # named only if a call is refused
             return method(self, *args, **kwargs)
         except BaseException as exc:
             self._fail(exc)
             raise
+        finally:
+            self._busy.release()
+            if self._refused is not None:
+                settle_refusal(self)
 
     return call  # type: ignore[return-value]
+
+
+def settle_refusal(module: Any) -> None:
+    """Fail ``module`` with its refused call's error, unless a call is running (that call
+    does it when it ends: whichever thread finds the lock free settles it)."""
+    if module._busy.acquire(False):
+        try:
+            module._fail(module._refused)
+        finally:
+            module._busy.release()
+
+
+def concurrent_use(module: Any, method: str, slot: object) -> DcpcConcurrentUseError:
+    """The error of a call made while another thread is inside a call of ``module``."""
+    busy = getattr(module, "_caller", None)
+    where = "a call"
+    if busy is not None:
+        thread = threading._active.get(busy[2])  # noqa: SLF001 (its name, if it still runs)
+        who = repr(thread.name) if thread is not None else f"id {busy[2]}"
+        where = f"{busy[0]}(slot={busy[1].get('slot', 0)!r}) on thread {who}"
+    return DcpcConcurrentUseError(
+        f"{method}(slot={slot!r}) on thread {threading.current_thread().name!r}: this "
+        f"{type(module).__name__} instance is already in {where}; one instance takes one "
+        "call at a time (on any slot): give each thread its own instance, or make the "
+        "threads take turns; this module instance is now failed (its calls no longer "
+        "match its peers'): close() it"
+    )
 
 
 class CallOrder:

@@ -11,6 +11,7 @@ methods cheap helpers: ``_bind`` (run-time sizes from argument shapes, validated
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -88,6 +89,9 @@ class ScheduleModule:
         tuning: Mapping[str, Mapping[str, int]] | None = None,
     ):
         name = type(self).__name__
+        self._busy = threading.Lock()  # one call at a time (dcpc.runtime.guard.guarded)
+        self._caller: tuple[str, dict, int] | None = None  # the call in it (guarded)
+        self._refused: BaseException | None = None  # a call refused while one ran
         self._failed: BaseException | None = None  # the first error of a call (see _fail)
         self._notified = False  # peers were told this instance failed (see _fail)
         self._heap = None
