@@ -111,3 +111,175 @@ def test_two_threads_on_one_instance_raise_never_wrong_data(kv_gather: str, back
     assert ("kv_gather(slot=0) on thread 'engine-B': this KvGather instance is already in "
             "kv_gather(slot=0) on thread 'engine-A'") in message, message
     assert result.values()[0]["B_s"] < 5.0  # refused at once, not after a wait
+
+
+# ---- item 4: the torch backend pairs collectives per slot -------------------------------
+
+
+def crossed_slots_worker(rank: int, world: int, path: str, guard: bool) -> dict[str, Any]:
+    """Odd ranks issue slot 1's call before slot 0's, even ranks slot 0's first (torch
+    backend, one host thread: gloo collectives block, so crossed slots cannot both go on;
+    what must never happen is a collective of slot 0 pairing with one of slot 1)."""
+    import test_guard
+    import torch.distributed as dist
+
+    test_guard.SIZES["H"] = 2 * world  # heads split over the ranks
+    m = _class(path)(dist.group.WORLD, sizes=test_guard.SIZES, device="cpu", backend="torch",
+                     poison=True, timeout_s=5.0, guard=guard)
+    order = (1, 0) if rank % 2 else (0, 1)
+    wrong: list[str] = []
+    start = time.monotonic()
+    try:
+        for call in order:  # call c runs on slot c % 2
+            wrong += test_guard._call(m, rank, world, call, 4)
+        error = ("none", "", True)
+    except Exception as exc:  # noqa: BLE001 (the test asserts on it)
+        error = _error(exc)
+    return {"wrong": wrong, "error": error, "elapsed": time.monotonic() - start}
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory) -> str:
+    return str(compile_file(SCHEDULES / "kimi_k3_dcp.yaml", tmp_path_factory.mktemp("kimi")))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("guard", [False, True])
+def test_torch_backend_never_pairs_collectives_across_slots(kimi: str, guard: bool,
+                                                            world: int) -> None:
+    result = launch("test_guard_runtime:crossed_slots_worker", world,
+                    {"path": kimi, "guard": guard}, timeout_s=240, gloo_timeout_s=120)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    import re
+
+    for rank, got in enumerate(result.values()):
+        print(rank, got)
+        assert got["wrong"] == [], f"rank {rank}: wrong data: {got['wrong']}"
+        kind, message, is_dcpc = got["error"]
+        assert is_dcpc and kind != "none", f"rank {rank}: {got['error']}"
+        assert got["elapsed"] < 60, got["elapsed"]  # the module's 5 s, not gloo's 120 s
+        if guard:  # the handshake of slot 0 waits for the peer's handshake of slot 0
+            assert kind in ("DcpcTimeoutError", "DcpcPeerFailedError"), got["error"]
+            assert re.search(r"step 'query_gather': rank \d (timed out waiting for|stopped "
+                             r"waiting for) peer \d", message), message
+        else:
+            assert re.search(r"step 'query_gather' \(slot [01]\): rank \d's all_gather of "
+                             r"its slot did not complete", message), message
+
+
+# ---- item 2: a rank that skips a whole call ---------------------------------------------
+
+
+def _kimi_call(m: Any, rank: int, world: int, call: int, ids: bool) -> list[str]:
+    """One full call on slot 0 (``call_id=call`` when ``ids``); what did not match."""
+    import test_guard
+    import torch
+
+    from dcpc.runtime import merge
+
+    H = test_guard.SIZES["H"]
+    x = test_guard._inputs(call, rank, world, 4)
+    kw: dict[str, Any] = {"call_id": call} if ids else {}
+    wrong = []
+    if not torch.equal(m.query_gather(x["q_local"], **kw), x["q_want"]):
+        wrong.append(f"call {call}: q_full")
+    m.out_exchange(x["o_part"], x["lse_part"], **kw)
+    out = m.merge(x["seq_lens"], x["query_start_loc"], **kw)
+    heads = slice(rank * H // world, (rank + 1) * H // world)
+    want, _ = merge.lse_combine(x["o_all"][:, :, heads].double(),
+                                x["lse_all"][:, :, heads].double(), "e", None)
+    if not torch.allclose(out.double(), want.double(), atol=2e-2, rtol=2e-2):
+        wrong.append(f"call {call}: out off by {float((out.double() - want).abs().max()):.3g}")
+    return wrong
+
+
+def skipped_call_worker(rank: int, world: int, path: str, backend: str,
+                        ids: bool) -> dict[str, Any]:
+    """Calls 0..4 on slot 0; rank 1 skips call 2 (every step of it)."""
+    import test_guard
+    import torch.distributed as dist
+
+    test_guard.SIZES["H"] = 2 * world
+    m = _class(path)(dist.group.WORLD, sizes=test_guard.SIZES, device="cpu", backend=backend,
+                     poison=True, timeout_s=WAIT_S)
+    wrong: list[str] = []
+    error, failed_at = ("none", "", True), None
+    for call in range(5):
+        if rank == 1 and call == 2:
+            continue
+        try:
+            wrong += _kimi_call(m, rank, world, call, ids)
+        except Exception as exc:  # noqa: BLE001 (the test asserts on it)
+            error, failed_at = _error(exc), call
+            break
+    m.close()
+    return {"wrong": wrong, "error": error, "failed_at": failed_at}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("backend", ["host", "torch"])
+def test_a_skipped_call_raises_on_the_call_with_call_ids(kimi: str, backend: str,
+                                                         world: int) -> None:
+    result = launch("test_guard_runtime:skipped_call_worker", world,
+                    {"path": kimi, "backend": backend, "ids": True}, timeout_s=300)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    import re
+
+    for rank, got in enumerate(result.values()):
+        print(rank, got)
+        assert got["wrong"] == [], f"rank {rank}: wrong data, no error: {got['wrong']}"
+        kind, message, is_dcpc = got["error"]
+        assert is_dcpc and kind != "none", got["error"]
+        assert got["failed_at"] == (3 if rank == 1 else 2), got  # on the call itself
+    # the ranks whose words meet first name the call ids (peers behind them are failed)
+    messages = [got["error"][1] for got in result.values()]
+    assert any(re.search(r"step 'query_gather': rank 1's call differs from peer \d's: "
+                         r"call_id \(mod 256\)=3 here, call_id \(mod 256\)=2 on peer \d",
+                         text) for text in messages), messages
+
+
+# ---- item 5: a rank missing at construction is named, in seconds -------------------------
+
+
+def missing_at_construction_worker(rank: int, world: int, path: str, backend: str,
+                                   how: str) -> dict[str, Any]:
+    """Rank 1 never constructs: it exits (``how='exit'``) or stays away, alive."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        if how == "exit":
+            os._exit(17)
+        time.sleep(40)
+        return {}
+    start = time.monotonic()
+    try:
+        _class(path)(dist.group.WORLD, sizes={"N": N}, device="cpu", backend=backend,
+                     timeout_s=5.0)
+        error = ("none", "construction raised nothing", True)
+    except Exception as exc:  # noqa: BLE001 (the test asserts on it)
+        error = _error(exc)
+    return {"error": error, "elapsed": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("how", ["exit", "absent"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("backend", ["host", "torch"])
+def test_a_rank_missing_at_construction_is_named_in_seconds(kv_gather: str, backend: str,
+                                                            world: int, how: str) -> None:
+    result = launch("test_guard_runtime:missing_at_construction_worker", world,
+                    {"path": kv_gather, "backend": backend, "how": how}, timeout_s=200,
+                    grace_s=60, gloo_timeout_s=120)
+    for rank, outcome in enumerate(result.outcomes):
+        if rank == 1:
+            continue
+        assert outcome.status == "ok", result.summary() + outcome.traceback
+        got = outcome.value
+        print(rank, got)
+        kind, message, _ = got["error"]
+        assert kind == "DcpcConstructionError", got["error"]
+        why = "is gone" if how == "exit" else r"did not construct within 5 s \(timeout_s\)"
+        import re
+
+        assert re.search(rf"KvGather\(\): rank {rank} could not construct: missing rank 1 "
+                         rf"\(rank 1 {why}", message), message
+        assert got["elapsed"] < 40, got["elapsed"]  # timeout_s (5 s) plus a loaded machine
