@@ -69,19 +69,23 @@ def _exchange_gloo(dist: Any, group: Any, rank: int, world: int, owner: str,
             sends[p] = dist.isend(out, dist.get_global_rank(group, p), group=group)
         except RuntimeError as exc:
             missing[p] = _why(exc, timeout_s)
-    for p in peers:
-        if p in missing:
-            continue
-        try:
-            work = dist.irecv(inbox[p], dist.get_global_rank(group, p), group=group)
-            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+    recvs = {}
+    for p in peers:  # every receive posted at once: the messages arrive in parallel
+        if p not in missing:
+            try:
+                recvs[p] = dist.irecv(inbox[p], dist.get_global_rank(group, p), group=group)
+            except RuntimeError as exc:
+                missing[p] = _why(exc, timeout_s)
+    for p, work in recvs.items():
+        try:  # at least a moment per peer: a message already here completes at once
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.5)))
         except RuntimeError as exc:
             missing[p] = _why(exc, timeout_s)
     for p, work in sends.items():
         if p in missing:
             continue
         try:
-            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.5)))
         except RuntimeError as exc:
             missing[p] = _why(exc, timeout_s)
     if missing:
