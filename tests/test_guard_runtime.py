@@ -283,3 +283,48 @@ def test_a_rank_missing_at_construction_is_named_in_seconds(kv_gather: str, back
         assert re.search(rf"KvGather\(\): rank {rank} could not construct: missing rank 1 "
                          rf"\(rank 1 {why}", message), message
         assert got["elapsed"] < 40, got["elapsed"]  # timeout_s (5 s) plus a loaded machine
+
+
+# ---- item 6: closed instances, absurd sizes, sizes that differ per rank ------------------
+
+
+@pytest.mark.parametrize("backend", ["host", "torch"])
+def test_buffer_after_close_and_absurd_sizes_raise_by_name(kimi: str, backend: str) -> None:
+    from dcpc.runtime import DcpcArgumentError, DcpcFailedError
+
+    cls = _class(kimi)
+    m = cls(None, sizes={"H": 2, "T": 4, "B": 4}, device="cpu", backend=backend)
+    assert m.buffer("q_full").shape[0] == 4
+    m.close()
+    with pytest.raises(DcpcFailedError, match=r"buffer\(\): this KimiK3Dcp instance was closed"):
+        m.buffer("q_full")
+    for H in (2**40, 2**30):  # past 64 TiB; past the machine's memory
+        with pytest.raises(DcpcArgumentError, match=rf"KimiK3Dcp: sizes H={H}, T=512 need "
+                                                    rf"\d+ bytes of buffers on this rank"):
+            cls(None, sizes={"H": H}, device="cpu", backend=backend)
+
+
+def sizes_per_rank_worker(rank: int, world: int, path: str, backend: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    try:
+        _class(path)(dist.group.WORLD, sizes={"N": 8 if rank == 1 else 4}, device="cpu",
+                     backend=backend, timeout_s=WAIT_S)
+        return {"error": ("none", "", True)}
+    except Exception as exc:  # noqa: BLE001 (the test asserts on it)
+        return {"error": _error(exc)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("backend", ["host", "torch"])
+def test_sizes_that_differ_per_rank_are_named_with_every_value(kv_gather: str, backend: str,
+                                                               world: int) -> None:
+    result = launch("test_guard_runtime:sizes_per_rank_worker", world,
+                    {"path": kv_gather, "backend": backend}, timeout_s=200)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    others = "(ranks 0, 2)" if world == 3 else "(rank 0)"
+    for got in result.values():
+        kind, message, _ = got["error"]
+        assert kind == "DcpcArgumentError", got["error"]
+        assert (f"KvGather: the ranks constructed it with different arguments: size N: "
+                f"4 {others}, 8 (rank 1)") in message, message

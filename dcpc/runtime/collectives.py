@@ -36,17 +36,25 @@ class SlotGroup:
     timeout: timedelta | None  # gloo: the module's timeout_s; NCCL: None (stream-ordered)
 
 
+_SLOT_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}  # (global ranks, slot) -> group
+
+
 def slot_groups(group: Any, rank: int, world: int, slots: int, timeout_s: float | None,
                 owner: str) -> list[SlotGroup]:
-    """One ``SlotGroup`` per slot: slot 0 uses ``group``, every other slot a new group of
-    the same ranks (created at construction, in the same order on every rank; only the
-    group's members take part: ``use_local_synchronization``)."""
+    """One ``SlotGroup`` per slot: slot 0 uses ``group``, every other slot a group of the
+    same ranks, made by the first construction over these ranks (in the same order on
+    every rank; only the group's members take part: ``use_local_synchronization``) and
+    reused by later ones: gloo groups cannot be torn down safely while a peer may still
+    connect, so one per slot and rank set lives as long as the process."""
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     groups = [group] * min(slots, 1)
     if world > 1 and slots > 1:
         ranks = dist.get_process_group_ranks(group)
-        for _ in range(1, slots):
-            new = dist.new_group(ranks, use_local_synchronization=True)
+        for slot in range(1, slots):
+            new = _SLOT_GROUPS.get((tuple(ranks), slot))
+            if new is None:
+                new = dist.new_group(ranks, use_local_synchronization=True)
+                _SLOT_GROUPS[(tuple(ranks), slot)] = new
             if [dist.get_global_rank(new, r) for r in range(world)] != [
                 dist.get_global_rank(group, r) for r in range(world)
             ]:

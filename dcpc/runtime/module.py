@@ -324,8 +324,9 @@ class ScheduleModule:
             if buf.kind != "engine":
                 per[b] = self._numel(buf, self._max_env) * DTYPES[buf.dtype].itemsize
         biggest = max(per, key=per.get) if per else "?"
-        used = sorted(set().union(*(shapes.symbols(e) for e in self.BUFFERS[biggest].shape))
-                      & set(self._max_env) - {"W"}) if per else []
+        named = {n for n, (kind, _) in self.SIZES.items() if kind != "const"}
+        shape = self.BUFFERS[biggest].shape if per else ()
+        used = sorted(set().union(*(shapes.symbols(e) for e in shape)) & named)
         sizes = ", ".join(f"{n}={self._max_env[n]}" for n in used)
         return DcpcArgumentError(
             f"{name}: sizes {sizes or '(constant)'} need {total} bytes of buffers on this "
@@ -551,6 +552,8 @@ class ScheduleModule:
         """The local instance of a module-owned buffer: sized for ``sizes`` (a call's size
         values, e.g. ``{"T": 8, "B": 2}``; missing ones take their maxima), else for the
         maxima. What an engine step declared as reading it (``external: reads``) sees."""
+        if self._heap is None:
+            raise self._unusable("buffer")
         if name not in self.BUFFERS or self.BUFFERS[name].kind == "engine":
             raise KeyError(f"{type(self).__name__}: no module-owned buffer {name!r}")
         return self._view_of(name, slot, {**self._max_env, **(sizes or {})})

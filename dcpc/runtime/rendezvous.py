@@ -12,8 +12,8 @@ and waits for each peer's at most ``timeout_s``:
 - a peer whose message does not come is named: ``DcpcConstructionError`` lists every
   missing rank and why (not arrived within timeout_s, or gone);
 - a peer with other facts is named with the argument and every rank's value:
-  ``DcpcArgumentError: KvGather(): the ranks constructed it with different arguments:
-  size N: 4 on rank 0, 8 on rank 1``.
+  ``DcpcArgumentError: KvGather: the ranks constructed it with different arguments:
+  size N: 4 (rank 0), 8 (rank 1)``.
 
 Over gloo the messages are point-to-point with a bounded wait; on other backends
 (NCCL) ``all_gather_object`` (the communicator's own timeout applies).
@@ -118,7 +118,7 @@ def _compare(owner: str, rank: int, facts: Sequence[Fact], theirs: dict[int, lis
         for p in sorted(theirs):
             values.setdefault(theirs[p][i + 1], []).append(p)
         if len(values) > 1:
-            parts = [f"{v} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+            parts = [f"{v} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
                      for v, r in values.items()]
             differ.append(f"{what}: {', '.join(parts)}")
     if differ:
