@@ -265,8 +265,11 @@ class ScheduleModule:
         self._heap = make_heap(self.backend, self.group, self.device, self.poison)
         try:
             segments = self._heap.allocate(requests)
-        except (MemoryError, OSError) as exc:
-            raise self._too_large(sum(requests), f"{type(exc).__name__}: {exc}") from None
+        except (MemoryError, OSError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
+                raise
+            first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+            raise self._too_large(sum(requests), f"{type(exc).__name__}: {first}") from None
         self._bank = sync.SignalBank(
             segments[0], channels, self.world, max(signalling), self.device, self._epoch_start
         )
