@@ -328,3 +328,20 @@ def test_sizes_that_differ_per_rank_are_named_with_every_value(kv_gather: str, b
         assert kind == "DcpcArgumentError", got["error"]
         assert (f"KvGather: the ranks constructed it with different arguments: size N: "
                 f"4 {others}, 8 (rank 1)") in message, message
+
+
+def test_dcpc_run_names_a_rank_killed_before_construction() -> None:
+    from dcpc.harness.run import RunConfig, format_report, run_schedule
+    from dcpc.harness.worker import CONSTRUCT
+
+    fault = {"rank": 1, "call": 0, "step": CONSTRUCT, "kind": "exit"}
+    report = run_schedule(RunConfig(str(SCHEDULES / "kv_gather.yaml"), world=3, calls=2,
+                                    wait_timeout_s=5.0, fault=fault, timeout_s=150))
+    text = format_report(report)
+    print(text)
+    assert [o.status for o in report.launch.outcomes] == ["error", "died", "error"], text
+    for rank in (0, 2):
+        error = report.launch.outcomes[rank].error
+        assert error.startswith(f"DcpcConstructionError: KvGather(): rank {rank} could not "
+                                "construct: missing rank 1 (rank 1 "), error
+        assert report.launch.outcomes[rank].reported_s < 60, text  # not killed as "hung"
