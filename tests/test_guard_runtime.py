@@ -345,3 +345,9 @@ def test_dcpc_run_names_a_rank_killed_before_construction() -> None:
         assert error.startswith(f"DcpcConstructionError: KvGather(): rank {rank} could not "
                                 "construct: missing rank 1 (rank 1 "), error
         assert report.launch.outcomes[rank].reported_s < 60, text  # not killed as "hung"
+
+
+def test_torch_bodies_name_the_slot_group_only(kimi: str, kv_gather: str) -> None:
+    for path in (kimi, kv_gather):  # every collective of the torch path: self._comms[slot]
+        text = open(path).read()
+        assert "self.group" not in text and "self._comms[slot]" in text, path
