@@ -28,6 +28,7 @@ from dcpc.harness.simulate import TORCH_DTYPES, Buffers, seen_at, simulate_call
 from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file
 
+CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
 MOVES = (m.AllGather, m.AllToAll, m.Copy)  # pure data movement: must be bit-exact
 TOLERANCE = {  # (atol, rtol); fp8 e4m3: one rounding step (3 mantissa bits)
     "bf16": (1e-2, 1e-2), "f16": (2e-3, 2e-3), "f32": (1e-5, 1e-5), "fp8e4m3": (2e-2, 0.125),
@@ -162,10 +163,13 @@ def run_rank(
     kwargs = _constructor_kwargs(
         cls, {"timeout_s": timeout_s, "epoch_start": epoch_start, "poison": poison,
               "tuning": tuning})
+    strike = adversary.Fault(**fault) if fault else None
+    progress("construction")
+    if strike is not None:  # step CONSTRUCT: the rank stops before it constructs
+        strike.strike(rank, 0, CONSTRUCT)
     module = cls(dist.group.WORLD if group is None else group, sizes=ctor, device="cpu",
                  backend=backend, **kwargs)
     jitter = adversary.Jitter(seed, rank, jitter_s, jitter_p)
-    strike = adversary.Fault(**fault) if fault else None
     report = RankReport(rank, calls)
     for step in steps:
         if not isinstance(step.op, m.External):

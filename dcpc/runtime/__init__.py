@@ -9,6 +9,9 @@ eager launch path of their kernels (``fast_launch``).
 from dcpc.runtime import collectives, merge, shapes, sync, tiles, validate
 from dcpc.runtime.errors import (
     DcpcArgumentError,
+    DcpcCollectiveError,
+    DcpcConcurrentUseError,
+    DcpcConstructionError,
     DcpcContractError,
     DcpcError,
     DcpcFailedError,
@@ -23,6 +26,9 @@ from dcpc.runtime.module import Buf, ScheduleModule, Tune
 __all__ = [
     "Buf",
     "DcpcArgumentError",
+    "DcpcCollectiveError",
+    "DcpcConcurrentUseError",
+    "DcpcConstructionError",
     "DcpcContractError",
     "DcpcError",
     "DcpcFailedError",

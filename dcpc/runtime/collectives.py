@@ -5,16 +5,25 @@ Triton backends are tested against, and the fallback across nodes.
 Layouts are the Triton kernels' (docs/internals.md): an all_gather along ``dim``
 sees ``src`` as [outer, rows, row_len]; an all_to_all as [outer, W, part]. Staging
 buffers are preallocated by the module; the merge math allocates temporaries.
+
+Every collective runs on its slot's own process group (``SlotGroup``): collectives pair
+by issue order within a group, so one group per slot keeps a slot's collectives from
+pairing with another slot's when ranks issue the slots in different orders (NCCL: the
+slots' streams then run independently; gloo blocks the host thread, so crossed slots
+stop with ``DcpcCollectiveError`` after ``timeout_s`` instead of pairing).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dcpc.runtime import merge
+from dcpc.runtime.errors import DcpcArgumentError, DcpcCollectiveError
 
 # dtypes a backend may not move (gloo has no fp8: "Invalid scalar type", or a hang):
 # every payload goes over the wire as its bytes
@@ -29,15 +38,71 @@ def wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _AS_BYTES else t
 
 
-def _all_to_all_single(group: Any, out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
+@dataclass(frozen=True)
+class SlotGroup:
+    """The process group of one slot, and how long a collective may wait on the host."""
+
+    group: Any
+    slot: int
+    rank: int
+    timeout: timedelta | None  # gloo: the module's timeout_s; NCCL: None (stream-ordered)
+
+
+_SLOT_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}  # (global ranks, slot) -> group
+
+
+def slot_groups(group: Any, rank: int, world: int, slots: int, timeout_s: float | None,
+                owner: str) -> list[SlotGroup]:
+    """One ``SlotGroup`` per slot: slot 0 uses ``group``, every other slot a group of the
+    same ranks, made by the first construction over these ranks (in the same order on
+    every rank; only the group's members take part: ``use_local_synchronization``) and
+    reused by later ones: gloo groups cannot be torn down safely while a peer may still
+    connect, so one per slot and rank set lives as long as the process."""
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    groups = [group] * min(slots, 1)
+    if world > 1 and slots > 1:
+        ranks = dist.get_process_group_ranks(group)
+        for slot in range(1, slots):
+            new = _SLOT_GROUPS.get((tuple(ranks), slot))
+            if new is None:
+                new = dist.new_group(ranks, use_local_synchronization=True)
+                _SLOT_GROUPS[(tuple(ranks), slot)] = new
+            if [dist.get_global_rank(new, r) for r in range(world)] != [
+                dist.get_global_rank(group, r) for r in range(world)
+            ]:
+                raise DcpcArgumentError(
+                    f"{owner}: the group's ranks are not in ascending global order "
+                    f"({ranks}): a per-slot group would number them otherwise; use a group "
+                    "made by torch.distributed.new_group"
+                )
+            groups.append(new)
+    elif slots > 1:
+        groups = [group] * slots
+    return [SlotGroup(g, slot, rank, timeout) for slot, g in enumerate(groups)]
+
+
+def _wait(comm: SlotGroup, work: Any, op: str) -> None:
+    if comm.timeout is None:
+        work.wait()
+        return
+    try:
+        work.wait(comm.timeout)
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+        raise DcpcCollectiveError(op, comm.rank, comm.slot, comm.timeout, first) from None
+
+
+def _all_to_all_single(comm: SlotGroup, out: torch.Tensor, inp: torch.Tensor,
+                       world: int) -> None:
     if world == 1:
         out.copy_(inp)
     else:
-        dist.all_to_all_single(wire(out), wire(inp), group=group)
+        _wait(comm, dist.all_to_all_single(wire(out), wire(inp), group=comm.group,
+                                           async_op=True), "all_to_all")
 
 
 def all_gather(
-    group: Any,
+    comm: SlotGroup,
     src: torch.Tensor,
     dst: torch.Tensor,
     stage: torch.Tensor,
@@ -55,7 +120,8 @@ def all_gather(
     if world == 1:
         staged.copy_(src.reshape(-1))
     else:
-        dist.all_gather_into_tensor(wire(staged), wire(src.reshape(-1)), group=group)
+        _wait(comm, dist.all_gather_into_tensor(wire(staged), wire(src.reshape(-1)),
+                                                group=comm.group, async_op=True), "all_gather")
     blocks = rows // interleave
     dst.view(outer, blocks, world, interleave, row_len).copy_(
         staged.view(world, outer, blocks, interleave, row_len).permute(1, 2, 0, 3, 4)
@@ -63,7 +129,7 @@ def all_gather(
 
 
 def all_to_all(
-    group: Any,
+    comm: SlotGroup,
     src: torch.Tensor,
     dst: torch.Tensor,
     send: torch.Tensor,
@@ -74,11 +140,11 @@ def all_to_all(
     """Part j of src ([outer, W, part]) lands in dst[rank] ([W, outer, part]) on rank j."""
     staged = send[: outer * world * part]
     staged.view(world, outer, part).copy_(src.reshape(outer, world, part).transpose(0, 1))
-    _all_to_all_single(group, dst.reshape(-1), staged, world)
+    _all_to_all_single(comm, dst.reshape(-1), staged, world)
 
 
 def reduce_scatter(
-    group: Any,
+    comm: SlotGroup,
     src: torch.Tensor,
     via: torch.Tensor,
     dst: torch.Tensor,
@@ -91,7 +157,7 @@ def reduce_scatter(
 ) -> None:
     """Sum over ranks in fp32 (the kernels' accumulation); rank j keeps part j, rounded
     once into dst's dtype (``scale``: quantized, see merge.quantize)."""
-    all_to_all(group, src, via, send, outer, part, world)
+    all_to_all(comm, src, via, send, outer, part, world)
     total = acc[: outer * part]
     torch.sum(via.reshape(world, outer * part), dim=0, dtype=torch.float32, out=total)
     dst.reshape(-1).copy_(total if scale is None else merge.quantize(total, scale))
@@ -149,7 +215,7 @@ def lse_correct(
         dst_lse.copy_(total)
 
 
-def barrier(group: Any, token: torch.Tensor, world: int) -> None:
+def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
     """Every rank waits for every rank (an all_reduce: device-ordered, graph-capturable)."""
     if world > 1:
-        dist.all_reduce(token, group=group)
+        _wait(comm, dist.all_reduce(token, group=comm.group, async_op=True), "barrier")

@@ -55,6 +55,47 @@ class DcpcPeerFailedError(DcpcError):
         )
 
 
+class DcpcCollectiveError(DcpcError):
+    """torch backend: a collective of this rank's slot did not complete (a peer absent
+    from it past ``timeout_s``, or gone). ``step`` is filled in by the calling method."""
+
+    def __init__(self, op: str, rank: int, slot: int, timeout: object, detail: str):
+        self.op, self.rank, self.slot, self.detail = op, rank, slot, detail
+        self.seconds = getattr(timeout, "total_seconds", lambda: None)()
+        self.step: str | None = None
+        super().__init__(op, rank, slot, detail)
+
+    def __str__(self) -> str:
+        step = f"step '{self.step}' " if self.step else ""
+        waited = f" within {self.seconds:g} s (timeout_s)" if self.seconds is not None else ""
+        return (
+            f"{step}(slot {self.slot}): rank {self.rank}'s {self.op} of its slot did not "
+            f"complete{waited} (gloo: {self.detail}); a peer did not make the same call on "
+            "this slot (a missing call, another step order in the slot, a dead process); "
+            "this module instance is now failed: close() it"
+        )
+
+
+class DcpcConstructionError(DcpcError):
+    """Construction's rendezvous did not meet every rank: ``missing`` maps each missing
+    rank to why (not arrived within timeout_s, or gone)."""
+
+    def __init__(self, owner: str, rank: int, missing: dict[int, str]):
+        self.owner, self.rank, self.missing = owner, rank, dict(missing)
+        ranks = sorted(missing)
+        why = "; ".join(f"rank {p} {missing[p]}" for p in ranks)
+        super().__init__(
+            f"{owner}(): rank {rank} could not construct: missing rank"
+            f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ({why}); every "
+            "rank of the group constructs the module at the same point; nothing was "
+            "allocated on this rank"
+        )
+
+
+class DcpcConcurrentUseError(DcpcError):
+    """A call on a module instance while another thread is inside a call of it."""
+
+
 class DcpcFailedError(DcpcError):
     """A call on a module instance that failed earlier, or that was closed."""
 

@@ -1,7 +1,8 @@
 """The host side of the run-time guard (docs/engines.md, "The run-time guard").
 
-- ``guarded``: the decorator on every generated method: an error raised by a call marks
-  the module instance failed (``ScheduleModule._fail``), then propagates.
+- ``guarded``: the decorator on every generated method: one call at a time per instance
+  (a second thread's call raises ``DcpcConcurrentUseError``); an error raised by a call
+  marks the module instance failed (``ScheduleModule._fail``), then propagates.
 - ``CallOrder``: per slot, the methods called since the call's first step; a step
   called before one the contract puts first in the same call raises.
 - ``TorchHandshake``: the torch backend's fingerprint, failure notice and bounded
@@ -15,13 +16,21 @@ templates/sync.j2 and dcpc.runtime.sync.
 from __future__ import annotations
 
 import functools
+import threading
+from _thread import get_ident
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from dcpc.runtime.errors import DcpcContractError, DcpcPeerFailedError, DcpcTimeoutError
+from dcpc.runtime.errors import (
+    DcpcCollectiveError,
+    DcpcConcurrentUseError,
+    DcpcContractError,
+    DcpcPeerFailedError,
+    DcpcTimeoutError,
+)
 from dcpc.runtime.sync import FLAG_FAILED, FLAG_REASONS, Fingerprints
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -29,18 +38,68 @@ NOTICE_WAIT = timedelta(seconds=2)  # how long a failing rank waits for its noti
 
 
 def guarded(method: F) -> F:
-    """Mark the instance failed when ``method`` raises (any error: arguments, timeouts,
-    contract errors, interrupts), so that later calls and peers' waits fail at once."""
+    """One call at a time per instance, and mark the instance failed when ``method``
+    raises (any error: arguments, timeouts, contract errors, interrupts), so that later
+    calls and peers' waits fail at once.
+
+    A call while another thread is inside a call of the same instance (any slot: the
+    instance's per-call state is shared) is refused with ``DcpcConcurrentUseError`` and
+    fails the instance: that rank's calls no longer match its peers'. The check is one
+    non-blocking lock acquire per call; threads that take turns (vLLM's DBO microbatch
+    threads, which yield between calls) never see it."""
+    name = method.__name__
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._busy.acquire(False):
+            # the refused thread touches nothing the running call uses (no kernel, no
+            # message): the instance fails when the running call ends (settle_refusal)
+            self._refused = exc = concurrent_use(self, name, kwargs.get("slot", 0))
+            settle_refusal(self)
+            raise exc
         try:
+            if self._refused is not None:
+                self._fail(self._refused)
+            self._caller = (name, kwargs, get_ident())  # named only if a call is refused
             return method(self, *args, **kwargs)
         except BaseException as exc:
+            if isinstance(exc, DcpcCollectiveError) and exc.step is None:
+                exc.step = name
             self._fail(exc)
             raise
+        finally:
+            self._busy.release()
+            if self._refused is not None:
+                settle_refusal(self)
 
     return call  # type: ignore[return-value]
+
+
+def settle_refusal(module: Any) -> None:
+    """Fail ``module`` with its refused call's error, unless a call is running (that call
+    does it when it ends: whichever thread finds the lock free settles it)."""
+    if module._busy.acquire(False):
+        try:
+            module._fail(module._refused)
+        finally:
+            module._busy.release()
+
+
+def concurrent_use(module: Any, method: str, slot: object) -> DcpcConcurrentUseError:
+    """The error of a call made while another thread is inside a call of ``module``."""
+    busy = getattr(module, "_caller", None)
+    where = "a call"
+    if busy is not None:
+        thread = threading._active.get(busy[2])  # noqa: SLF001 (its name, if it still runs)
+        who = repr(thread.name) if thread is not None else f"id {busy[2]}"
+        where = f"{busy[0]}(slot={busy[1].get('slot', 0)!r}) on thread {who}"
+    return DcpcConcurrentUseError(
+        f"{method}(slot={slot!r}) on thread {threading.current_thread().name!r}: this "
+        f"{type(module).__name__} instance is already in {where}; one instance takes one "
+        "call at a time (on any slot): give each thread its own instance, or make the "
+        "threads take turns; this module instance is now failed (its calls no longer "
+        "match its peers'): close() it"
+    )
 
 
 class CallOrder:
@@ -73,44 +132,51 @@ class TorchHandshake:
     """torch backend over gloo: before a communicating step, every rank sends each peer
     (fingerprint, channel, epoch, flag) and waits at most ``timeout_s`` for each peer's message.
 
-    A missing message is a ``DcpcTimeoutError`` naming the step and the peer; another
-    fingerprint a ``DcpcContractError``; a peer's failure notice (``notify_failed``, sent
-    when its instance fails) a ``DcpcPeerFailedError``. Messages between two ranks
-    arrive in order, so a failure notice answers whatever wait the peer is in."""
+    The messages of slot s go over slot s's process group (``collectives.SlotGroup``), as
+    its collectives do, so they pair by the order of that slot's calls only. A missing
+    message is a ``DcpcTimeoutError`` naming the step and the peer; another fingerprint
+    or another step of the slot a ``DcpcContractError``; a peer's failure notice
+    (``notify_failed``, sent when its instance fails) a ``DcpcPeerFailedError``. Messages
+    between two ranks arrive in order, so a failure notice answers whatever wait the peer
+    is in."""
 
-    def __init__(self, group: Any, rank: int, world: int, channels: int, timeout_s: float,
-                 fingerprints: Fingerprints):
+    def __init__(self, groups: Sequence[Any], rank: int, world: int, steps: Sequence[str],
+                 timeout_s: float, fingerprints: Fingerprints):
         import torch.distributed as dist
 
-        self.dist, self.group, self.rank, self.world = dist, group, rank, world
+        self.dist, self.groups, self.rank, self.world = dist, list(groups), rank, world
+        self.steps = tuple(steps)
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.fingerprints = fingerprints
-        self.epochs = [0] * channels
+        self.epochs = [0] * (max(len(self.steps), 1) * len(self.groups))
         self.peers = [(rank + k) % world for k in range(1, world)]
-        self.global_rank = {p: dist.get_global_rank(group, p) for p in self.peers}
+        self.global_rank = [{p: dist.get_global_rank(g, p) for p in self.peers}
+                            for g in self.groups]
         self.outbox = {p: torch.zeros(4, dtype=torch.int64) for p in self.peers}
         self.inbox = {p: torch.zeros(4, dtype=torch.int64) for p in self.peers}
         self.pending: list[Any] = []  # failure notices in flight (kept alive, never waited)
 
-    def exchange(self, step: str, chan: int, fingerprint: int) -> None:
+    def _gloo_error(self, exc: RuntimeError, step: str, peer: int, epoch: int) -> Exception:
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            return DcpcTimeoutError(step, peer, epoch, self.rank, self.timeout_s)
+        first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+        return DcpcPeerFailedError(step, peer, epoch, self.rank, f"is unreachable (gloo: {first})")
+
+    def exchange(self, step: str, chan: int, slot: int, fingerprint: int) -> None:
         self.epochs[chan] += 1
         epoch = self.epochs[chan]
+        group, global_rank = self.groups[slot], self.global_rank[slot]
         sends = []
         for p in self.peers:
             self.outbox[p].copy_(torch.tensor([fingerprint, chan, epoch, 0]))
-            sends.append(self.dist.isend(self.outbox[p], self.global_rank[p], group=self.group))
+            sends.append(self.dist.isend(self.outbox[p], global_rank[p], group=group))
         for p in self.peers:
-            work = self.dist.irecv(self.inbox[p], self.global_rank[p], group=self.group)
+            work = self.dist.irecv(self.inbox[p], global_rank[p], group=group)
             try:
                 work.wait(self.timeout)
             except RuntimeError as exc:
-                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                    raise DcpcTimeoutError(step, p, epoch, self.rank, self.timeout_s) from None
-                first = (str(exc).strip().splitlines() or ["?"])[0][:200]
-                raise DcpcPeerFailedError(
-                    step, p, epoch, self.rank, f"is unreachable (gloo: {first})"
-                ) from None
+                raise self._gloo_error(exc, step, p, epoch) from None
             there, their_chan, their_epoch, flag = (int(v) for v in self.inbox[p].tolist())
             if flag:
                 reason = FLAG_REASONS.get(flag, f"set failure flag {flag}")
@@ -118,29 +184,35 @@ class TorchHandshake:
             if (there, their_chan, their_epoch) != (fingerprint, chan, epoch):
                 what = self.fingerprints.differ(step, fingerprint, there, p)
                 if there == fingerprint:
-                    what = (f"call {epoch} of channel {chan} here, call {their_epoch} of "
-                            f"channel {their_chan} on peer {p} (another step or slot)")
+                    theirs = self.steps[their_chan // len(self.groups)]
+                    what = (f"call {epoch} of step '{step}' here, call {their_epoch} of step "
+                            f"'{theirs}' on peer {p}, both in slot {slot}")
                 raise DcpcContractError(
                     step,
                     f"step '{step}': rank {self.rank}'s call differs from peer {p}'s: {what} "
-                    f"(epoch {epoch}); "
-                    "every rank must make the same calls with the same sizes (the contract "
-                    "dcpc check assumed); this module instance is now failed",
+                    f"(epoch {epoch}); every rank must make the same calls of each slot, in "
+                    "the same order and with the same sizes (the call contract, "
+                    "docs/engines.md); this module instance is now failed",
                     p,
                 )
-        for work in sends:
-            work.wait(self.timeout)
+        for p, work in zip(self.peers, sends, strict=True):
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as exc:
+                raise self._gloo_error(exc, step, p, epoch) from None
 
     def notify_failed(self) -> None:
-        """Send every peer a failure notice (its next wait for this rank reads it); wait a
-        moment for the sends, so that a process that exits right after still delivers."""
-        for p in self.peers:
-            notice = torch.tensor([0, -1, 0, FLAG_FAILED], dtype=torch.int64)
-            try:
-                self.pending.append(
-                    (notice, self.dist.isend(notice, self.global_rank[p], group=self.group)))
-            except RuntimeError:
-                pass  # the group itself is broken: peers will time out instead
+        """Send every peer a failure notice on every slot's group (its next wait for this
+        rank reads it); wait a moment for the sends, so that a process that exits right
+        after still delivers."""
+        for group, global_rank in zip(self.groups, self.global_rank, strict=True):
+            for p in self.peers:
+                notice = torch.tensor([0, -1, 0, FLAG_FAILED], dtype=torch.int64)
+                try:
+                    self.pending.append(
+                        (notice, self.dist.isend(notice, global_rank[p], group=group)))
+                except RuntimeError:
+                    pass  # the group itself is broken: peers will time out instead
         for _, work in self.pending:
             try:
                 work.wait(NOTICE_WAIT)

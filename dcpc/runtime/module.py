@@ -11,14 +11,15 @@ methods cheap helpers: ``_bind`` (run-time sizes from argument shapes, validated
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
+from dcpc.runtime import collectives, rendezvous, shapes, sync, tiles, validate
 from dcpc.runtime import guard as _guard
-from dcpc.runtime import shapes, sync, tiles, validate
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
 from dcpc.runtime.local import sync_stream
@@ -33,6 +34,12 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 10**7  # ~4 months: keeps timeout_ns far inside int64
 CPU_PROGRAMS = 4  # default cap on programs per launch on CPU (host backend)
 MIN_BLOCK = 1024  # elements: small calls split their tiles down to this (see _launch)
+MAX_BYTES = 2**46  # a rank's buffers above this (64 TiB) are refused at construction
+# A call's ``call_id`` enters its fingerprint modulo CALL_IDS, as the last digit of the
+# mixed-radix number (a pseudo-size that no schedule can name): ranks whose calls pair
+# with calls of another id (a rank skipped or repeated one) raise on that call.
+CALL_ID = "call_id (mod 256)"
+CALL_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,9 @@ class ScheduleModule:
         tuning: Mapping[str, Mapping[str, int]] | None = None,
     ):
         name = type(self).__name__
+        self._busy = threading.Lock()  # one call at a time (dcpc.runtime.guard.guarded)
+        self._caller: tuple[str, dict, int] | None = None  # the call in it (guarded)
+        self._refused: BaseException | None = None  # a call refused while one ran
         self._failed: BaseException | None = None  # the first error of a call (see _fail)
         self._notified = False  # peers were told this instance failed (see _fail)
         self._heap = None
@@ -220,8 +230,22 @@ class ScheduleModule:
     def _numel(self, buf: Buf, env: Mapping[str, int]) -> int:
         return shapes.product(buf.shape, env)
 
+    def _facts(self) -> list[tuple[str, int]]:
+        """What every rank must have constructed alike (dcpc.runtime.rendezvous)."""
+        facts = [("schedule", int(self.SOURCE_SHA256[:15] or "0", 16)),
+                 ("backend", validate.BACKENDS.index(self.backend))]
+        facts += [(f"size {n}", self._max_env[n]) for n, (kind, _) in self.SIZES.items()
+                  if kind != "const"]
+        facts += [("guard", int(self._guard)), ("epoch_start", self._epoch_start)]
+        for step, tune in self._tune.items():
+            facts += [(f"tuning['{step}']['programs']", tune.programs),
+                      (f"tuning['{step}']['block']", tune.block)]
+        return facts
+
     def _allocate(self) -> None:
-        self._heap = make_heap(self.backend, self.group, self.device, self.poison)
+        if self.world > 1 and self.backend != "local":
+            rendezvous.meet(self.group, self.rank, self.world, type(self).__name__,
+                            self._facts(), self._timeout_s)
         signalling = [self._tune[s].programs for s in self.SIGNALLING] or [1]
         channels = max(len(self.STEPS), 1) * self.SLOTS
         requests = [sync.signal_nbytes(channels, self.world, max(signalling))]
@@ -232,7 +256,20 @@ class ScheduleModule:
                 for slot in range(self.SLOTS if buf.kind == "symmetric" else 1):
                     requests.append(nbytes)
                     owners.append((name, slot))
-        segments = self._heap.allocate(requests)
+        local = [
+            (name, self._numel(buf, self._max_env) * DTYPES[buf.dtype].itemsize * self.SLOTS)
+            for name, buf in self.BUFFERS.items() if buf.kind == "output"
+        ]
+        self._check_bytes([(n, b) for (n, _), b in zip(owners, requests[1:], strict=True)]
+                          + local)
+        self._heap = make_heap(self.backend, self.group, self.device, self.poison)
+        try:
+            segments = self._heap.allocate(requests)
+        except (MemoryError, OSError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
+                raise
+            first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+            raise self._too_large(sum(requests), f"{type(exc).__name__}: {first}") from None
         self._bank = sync.SignalBank(
             segments[0], channels, self.world, max(signalling), self.device, self._epoch_start
         )
@@ -261,9 +298,44 @@ class ScheduleModule:
                     for key, (e, dt) in table.items()
                 }
             self._one = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._comms = collectives.slot_groups(
+            self.group, self.rank, self.world, self.SLOTS if self.backend == "torch" else 0,
+            self._timeout_s if self.device.type == "cpu" else None, type(self).__name__,
+        )
         self._make_guard(channels)
         sync_stream(self.device)  # this stream's initialisation done (not the device)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal
+
+    def _check_bytes(self, buffers: list[tuple[str, int]]) -> None:
+        """Refuse sizes whose buffers no machine holds before anything is allocated."""
+        total = sum(b for _, b in buffers)
+        if total > MAX_BYTES:
+            raise self._too_large(total, f"more than {MAX_BYTES} bytes (64 TiB)")
+        if self.backend == "host" and self.world > 1:
+            try:
+                st = os.statvfs("/dev/shm")
+                free = st.f_bavail * st.f_frsize
+            except OSError:
+                return
+            if total > free:
+                raise self._too_large(total, f"/dev/shm has {free} bytes free")
+
+    def _too_large(self, total: int, why: str) -> DcpcArgumentError:
+        name = type(self).__name__
+        per = {}
+        for b, buf in self.BUFFERS.items():
+            if buf.kind != "engine":
+                per[b] = self._numel(buf, self._max_env) * DTYPES[buf.dtype].itemsize
+        biggest = max(per, key=per.get) if per else "?"
+        named = {n for n, (kind, _) in self.SIZES.items() if kind != "const"}
+        shape = self.BUFFERS[biggest].shape if per else ()
+        used = sorted(set().union(*(shapes.symbols(e) for e in shape)) & named)
+        sizes = ", ".join(f"{n}={self._max_env[n]}" for n in used)
+        return DcpcArgumentError(
+            f"{name}: sizes {sizes or '(constant)'} need {total} bytes of buffers on this "
+            f"rank (the largest, '{biggest}', {per.get(biggest, 0)} bytes a slot): {why}; "
+            "lower the sizes= maxima to what a call needs"
+        )
 
     def _make_guard(self, channels: int) -> None:
         """Fingerprints, the call order, and the deadline keeper of this backend."""
@@ -275,8 +347,10 @@ class ScheduleModule:
             for b in params:
                 for e in self.BUFFERS[b].shape:
                     names |= shapes.symbols(e)
-            used[method] = sorted(names & set(self._maxima))
-        self._fps = sync.Fingerprints(used, self._maxima, self.SOURCE_SHA256)
+            used[method] = [*sorted(names & set(self._maxima)), CALL_ID]
+        self._fps = sync.Fingerprints(
+            used, {**self._maxima, CALL_ID: CALL_IDS - 1}, self.SOURCE_SHA256
+        )
         self._order = _guard.CallOrder(list(self.METHODS), self.SLOTS)
         self._arms = set(self.SIGNALLING) if self.world > 1 and self._check_each_call else set()
         self._watchdog = (
@@ -289,7 +363,8 @@ class ScheduleModule:
         self._handshake_with = None
         if self.backend == "torch" and self.world > 1 and self.device.type == "cpu":
             self._handshake_with = _guard.TorchHandshake(
-                self.group, self.rank, self.world, channels, self._timeout_s, self._fps
+                [c.group for c in self._comms], self.rank, self.world, self.STEPS,
+                self._timeout_s, self._fps,
             )
 
     def _empty(self, n: int, dtype: str) -> torch.Tensor:
@@ -305,9 +380,11 @@ class ScheduleModule:
         method: str,
         tensors: tuple[torch.Tensor, ...],
         sizes: Mapping[str, int] | None,
+        call_id: int | None = None,
     ) -> dict[str, int]:
         """Check the instance is usable, ``slot``, the call order; bind run-time sizes from
-        the arguments, validate them; the call's fingerprint; arm the deadline (CPU)."""
+        the arguments, validate them; the call's fingerprint (with ``call_id``, when
+        given); arm the deadline (CPU)."""
         if self._failed is not None or self._heap is None:
             raise self._unusable(method)
         if isinstance(slot, bool) or not (isinstance(slot, int) and 0 <= slot < self.SLOTS):
@@ -330,19 +407,29 @@ class ScheduleModule:
                     raise DcpcArgumentError(f"{method}(): size {size}={value} is outside 0..{top}")
                 env[size] = value
         env = self._signatures[method].bind(tensors, env)
+        if call_id is not None and (isinstance(call_id, bool) or not isinstance(call_id, int)):
+            raise DcpcArgumentError(f"{method}(): call_id must be an int, got {call_id!r}")
         if self._guard:
             self._order.enter(method, slot)
             self._fp = self._memoised(("fp", method), env, lambda: self._fps.of(method, env))
+            if call_id is not None and call_id % CALL_IDS:
+                self._fp = self._with_call_id(method, env, call_id % CALL_IDS)
         self._env[slot] = env
         if method in self._arms:
             self._watchdog.arm()  # type: ignore[union-attr]
         return env
 
+    def _with_call_id(self, method: str, env: Mapping[str, int], digit: int) -> int:
+        if method in self._fps.exact:  # the call id is the last digit: add it
+            return self._fp + digit
+        return self._fps.of(method, {**env, CALL_ID: digit})
+
     def _handshake(self, step_index: int, slot: int) -> None:
         """torch backend (gloo): fingerprint, failure notice and bounded wait per peer."""
         if self._handshake_with is not None and self._guard:
             self._handshake_with.exchange(
-                self.STEPS[step_index], sync.channel(step_index, slot, self.SLOTS), self._fp
+                self.STEPS[step_index], sync.channel(step_index, slot, self.SLOTS), slot,
+                self._fp,
             )
 
     def _unusable(self, method: str) -> DcpcFailedError:
@@ -468,6 +555,8 @@ class ScheduleModule:
         """The local instance of a module-owned buffer: sized for ``sizes`` (a call's size
         values, e.g. ``{"T": 8, "B": 2}``; missing ones take their maxima), else for the
         maxima. What an engine step declared as reading it (``external: reads``) sees."""
+        if self._heap is None:
+            raise self._unusable("buffer")
         if name not in self.BUFFERS or self.BUFFERS[name].kind == "engine":
             raise KeyError(f"{type(self).__name__}: no module-owned buffer {name!r}")
         return self._view_of(name, slot, {**self._max_env, **(sizes or {})})
