@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from dcpc.runtime import calls, shapes, sync, tiles, validate
 from dcpc.runtime import guard as _guard
-from dcpc.runtime import shapes, sync, tiles, validate
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
 from dcpc.runtime.local import sync_stream
@@ -57,7 +57,7 @@ class Tune:
     fixed: list[int] = field(default_factory=list)  # per space: its length if fixed, else 0
 
 
-class ScheduleModule:
+class ScheduleModule(calls.CallPlans):
     SCHEDULE: ClassVar[str] = ""
     SOURCE_SHA256: ClassVar[str] = ""
     SLOTS: ClassVar[int] = 1
@@ -136,6 +136,9 @@ class ScheduleModule:
             for method, params in self.METHODS.items()
         }
         self._allocate()
+        self._owned_tensors = self._owned()
+        self._plans = {}  # call key -> what a repeat call does (dcpc.runtime.calls)
+        self._fast = self.backend != "torch"
 
     # ---- construction -------------------------------------------------------------
     def _bind_sizes(self, given: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -442,6 +445,7 @@ class ScheduleModule:
     def _poison_output(self, name: str, slot: int) -> None:
         if self.poison and self.BUFFERS[name].kind == "output":
             poison_(self._local[name][slot])
+            calls.note(self._local[name][slot])  # a repeat call poisons it too
 
     def _check(self, step_index: int) -> None:
         """CPU backends: raise the error a kernel recorded (no GPU sync is ever done here)."""
