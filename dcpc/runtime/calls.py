@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,14 +40,16 @@ _SCALARS = (int, float, bool, str, type(None))
 
 @dataclass(frozen=True, slots=True)
 class Launch:
-    """One recorded launch: ``kernel.launch(grid, args, kwargs)`` with the call's engine
-    tensor ``k`` at argument position ``i`` for each ``(i, k)`` in ``subs``."""
+    """One recorded launch: ``kernel[grid](*args, **kwargs)`` with the call's engine
+    tensor ``k`` at argument position ``i`` for each ``(i, k)`` in ``subs``; replayed by
+    ``kernel.replay`` (dcpc.runtime.fastlaunch.FastKernel)."""
 
     kernel: Any
     grid: tuple
     args: tuple
     kwargs: dict[str, Any]
     subs: tuple[tuple[int, int], ...]
+    compiled: dict = field(default_factory=dict)  # the fast launcher's (FastKernel.replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +135,9 @@ class CallPlans:
     _local: dict[str, list[torch.Tensor]]
     _peers: dict[str, list[Any]]
     _bank: Any
+    _check_each_call: bool
     _check: Callable[[int], None]
+    _fail: Callable[[BaseException], None]
     _unusable: Callable[[str], BaseException]
 
     def _owned(self) -> dict[int, torch.Tensor]:
@@ -169,24 +173,30 @@ class CallPlans:
         return out
 
     def _replay(self, plan: CallPlan, slot: int, tensors: tuple) -> Any:
-        """A repeat call: what ``_record`` saw the checked path do, with these tensors."""
-        if self._failed is not None or self._heap is None:
-            raise self._unusable(plan.method)
-        if self._guard:
-            self._order.enter(plan.method, slot)
-            self._fp = plan.fp
-        self._env[slot] = plan.env
-        if plan.arm:
-            self._watchdog.arm()
-        for action in plan.actions:
-            if type(action) is Launch:
-                args = action.args
-                if action.subs:
-                    args = list(args)
-                    for i, k in action.subs:
-                        args[i] = tensors[k]
-                action.kernel.launch(action.grid, args, action.kwargs)
-            else:
-                poison_(action)
-        self._check(plan.index)
+        """A repeat call: what ``_record`` saw the checked path do, with these tensors. An
+        error fails the instance, as ``guard.guarded`` does on the checked path."""
+        try:
+            if self._failed is not None or self._heap is None:
+                raise self._unusable(plan.method)
+            if self._guard:
+                self._order.enter(plan.method, slot)
+                self._fp = plan.fp
+            self._env[slot] = plan.env
+            if plan.arm:
+                self._watchdog.arm()
+            for action in plan.actions:
+                if type(action) is Launch:
+                    args = action.args
+                    if action.subs:
+                        args = list(args)
+                        for i, k in action.subs:
+                            args[i] = tensors[k]
+                    action.kernel.replay(action, args)
+                else:
+                    poison_(action)
+            if self._watchdog is not None or self._check_each_call:
+                self._check(plan.index)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
         return plan.returns
