@@ -144,20 +144,22 @@ def main(argv: list[str] | None = None) -> int:
         for k, once in timers.items():
             samples[k].append(once())
     median = {k: statistics.median(v) for k, v in samples.items()}
-    torch_op = median[("torch add_ (1 element)", "after")]
+    least = {k: min(v) for k, v in samples.items()}  # the least disturbed rep (a busy host)
+    op = ("torch add_ (1 element)", "after")
     labels = [label for label, _, _ in variants]
     what = "Triton's launcher stubbed" if args.launcher else "launches stubbed"
-    print(f"dcpc's Python per call, {what} (H=64, T=8, W=1, CPU), us, median of "
+    print(f"dcpc's Python per call, {what} (H=64, T=8, W=1, CPU), us: median (min) of "
           f"{args.reps} interleaved reps x {args.calls} calls; torch add_ on a 1-element "
-          f"tensor in the same run: {torch_op:.2f} us")
-    print("| method | " + " | ".join(labels) + " | after / torch op |")
+          f"tensor in the same run: {median[op]:.2f} ({least[op]:.2f}) us")
+    print("| method | " + " | ".join(labels) + " | after / torch op, median (min) |")
     print("| --- |" + " --- |" * (len(labels) + 1))
     for schedule in DECODE:
         for step, _ in STEPS[schedule]:
-            row = [median[(f"{schedule}.{step}", label)] for label in labels]
-            ratio = median[(f"{schedule}.{step}", "after")] / torch_op
-            print(f"| {schedule}.{step} | " + " | ".join(f"{x:.2f}" for x in row)
-                  + f" | {ratio:.2f} |")
+            keys = [(f"{schedule}.{step}", label) for label in labels]
+            after = (f"{schedule}.{step}", "after")
+            print(f"| {schedule}.{step} | "
+                  + " | ".join(f"{median[k]:.2f} ({least[k]:.2f})" for k in keys)
+                  + f" | {median[after] / median[op]:.2f} ({least[after] / least[op]:.2f}) |")
     return 0
 
 

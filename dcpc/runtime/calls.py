@@ -8,7 +8,8 @@ guard's call order, the fingerprint, the slot's sizes, the watchdog, the launche
 call's own engine tensors put in place of the recorded ones), the error check, the
 returned views. No argument check is skipped for a key it was not run for.
 
-The key is everything the checked path's result depends on: the method, the slot, and
+The key is everything the checked path's result depends on: the method, the slot (and
+its type: True is not slot 1), and
 each engine tensor's shape, strides, dtype and device; a plan also holds the slot's
 sizes it was made from (an object of the module's interned sizes; see
 ``validate.Signature.bind``) and replays only from the same object. Not in the key: the
@@ -20,6 +21,10 @@ A record is kept only when every tensor it launched with is either one of the ca
 engine tensors (each a distinct object) or a tensor the module owns for its lifetime;
 anything else (a view made during the call, a Python object that is not an int, float,
 bool or string) leaves the method on its checked path for that key.
+
+A plan holds what the instance fixed at construction (tuning, rank, the guard switch,
+buffers): code that changes those afterwards (benchmarks/tune_gpu.py changes
+``_tune``) must clear ``_plans``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dcpc.runtime.heap import poison_
 MAX_PLANS = 4096  # plans per module instance (cleared when full: sizes change rarely)
 _tls = threading.local()  # the record being made on this thread (ranks can be threads)
 _SCALARS = (int, float, bool, str, type(None))
+NOT_A_KEY = (AttributeError, TypeError)  # what building a call key raises for non-tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +157,11 @@ class CallPlans:
                     out[id(t)] = t
         return out
 
-    def _record(self, key: tuple | None, method: str, index: int, body: Any,
+    def _record(self, key: tuple, method: str, index: int, body: Any,
                 tensors: tuple, slot: int) -> Any:
         """Run ``body`` (the method's checked path) and keep its record as ``key``'s plan."""
-        if key is None or not 0 <= slot < len(self._env):
-            return body(*tensors, slot=slot, sizes=None)
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < len(self._env):
+            return body(*tensors, slot=slot, sizes=None)  # it raises what is wrong
         env_in = self._env[slot]
         start()
         try:
