@@ -76,6 +76,7 @@ def sweep_one(ctx: Ctx, cls: type, case: dict[str, Any], group: Any, iters: int,
             grids = [(p, 1) for p in knobs.programs] + [(top, t) for t in knobs.per]
             for programs, per in grids:
                 tune.programs, tune.tiles_per_program = programs, per
+                inst._plans.clear()  # the grid changed: forget the recorded launches
                 if verbose:
                     ctx.log(f"  {case['label']} warps={num_warps} block={block} "
                             f"programs={programs} per={per}")

@@ -126,7 +126,7 @@ def test_every_kernel_signals_and_waits_as_its_plan_says(name: str, source: obje
         polled = sync.polls if sync.polls is not None else step.index
         assert sig_channel == polled * plan.slots, step.name
         if step.op == "all_to_all_combine":  # its own part from src after the wait?
-            method = text[text.index(f"    def {step.name}("):]
+            method = text[text.index(f"    def _checked_{step.name}("):]  # the checked path
             method = method[:method.find("\n    def ", 1)]
             after = any(e.when == "after" and e.key.startswith("src") for e in step.effects)
             assert ("FROM_SRC=self.rank" in method) == after, step.name

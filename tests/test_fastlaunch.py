@@ -154,3 +154,63 @@ def test_only_a_checked_triton_takes_the_fast_path(monkeypatch) -> None:
     assert not fastlaunch.FastKernel(Jit())._on
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     assert fastlaunch.FastKernel(Jit())._on
+
+
+def _planned(k: fastlaunch.FastKernel, engine: torch.Tensor) -> Any:
+    """A call plan's launch of ``k`` (dcpc.runtime.calls): ``engine`` is the call's tensor."""
+    from dcpc.runtime import calls
+
+    calls.start()
+    k[(4,)](engine, 5, MASK=True, BLOCK=16)
+    (launch,) = calls.launches(calls.stop(), (engine,), {})
+    return launch
+
+
+def test_a_call_plans_launch_is_keyed_by_its_tensors_alignment_and_the_device(
+        monkeypatch) -> None:
+    k, jit = _kernel(monkeypatch)
+    x = torch.zeros(64)
+    launch = _planned(k, x)  # Triton's path (the checked call)
+    y = torch.zeros(64)
+    k.replay(launch, [y, 5])  # the kernel's own cache: fast, and the plan keeps it
+    k.replay(launch, [x + 2, 5])  # the plan's own key
+    assert [e[0] for e in jit.log] == ["triton", "fast", "fast"]
+    assert jit.log[1][2] == (y, 5, 16, True) and jit.log[1][1] == (4, 1, 1)
+    assert launch.compiled  # the second replay came from the plan, not FastKernel's cache
+    k._cache.clear()
+    z = torch.zeros(65)[1:]  # not 16-byte aligned: Triton's path, then its own entry
+    k.replay(launch, [z, 5])
+    k.replay(launch, [z, 5])
+    assert [e[0] for e in jit.log][3:] == ["triton", "fast"]
+    assert jit.log[-1][2][0] is z
+    assert len(launch.compiled) == 2
+
+
+def test_a_call_plans_launch_sees_the_device_and_a_launch_hook(monkeypatch) -> None:
+    from triton import knobs
+
+    k, jit = _kernel(monkeypatch)
+    x = torch.zeros(64)
+    launch = _planned(k, x)
+    k.replay(launch, [x, 5])
+    device = [1]
+    monkeypatch.setattr(fastlaunch._MODULES[1].active, "get_current_device",
+                        lambda: device[0], raising=False)
+    k.replay(launch, [x, 5])  # another device: Triton's path first
+    seen: list = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        k.replay(launch, [x, 5])
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert [e[0] for e in jit.log] == ["triton", "fast", "triton", "triton"]
+
+
+def test_a_call_plans_launch_takes_tritons_path_when_the_fast_path_is_off(monkeypatch) -> None:
+    k, jit = _kernel(monkeypatch)
+    x = torch.zeros(64)
+    launch = _planned(k, x)
+    k._on = False  # DCPC_FAST_LAUNCH=0, the interpreter, another Triton
+    k.replay(launch, [x, 5])
+    k.replay(launch, [x, 5])
+    assert [e[0] for e in jit.log] == ["triton"] * 3 and not launch.compiled

@@ -85,9 +85,9 @@ CANDIDATES = sorted(n for n in EMITTED | DERIVED | ODD | base_class_names() if n
 
 def test_the_generated_methods_reach_only_their_own_names_and_underscored_ones() -> None:
     """The construction: a method body's free names are its parameters, `self`, `slot`,
-    `sizes` (derived from the template: lower.method_names) and names starting with '_'
-    (module globals, its locals), so no buffer can shadow one."""
-    assert method_names() == {"self", "slot", "sizes"}
+    `sizes`, `call_id` (derived from the template: lower.method_names) and names starting
+    with '_' (module globals, its locals), so no buffer can shadow one."""
+    assert method_names() == {"self", "slot", "sizes", "call_id"}
     for method, used in FREE.items():
         assert {n for n in used if not n.startswith("_")} <= method_names(), method
     # every module-level helper is _dcpc_*: none ends like a step's kernel or push

@@ -3,10 +3,10 @@
 Generated modules use ``ScheduleModule`` (construction, binding, views), ``Buf`` (the
 buffer table), the heaps (``make_heap``), the signal bank (``sync``), argument checks
 (``validate``), shape evaluation (``shapes``), the reference math (``merge``) and the
-eager launch path of their kernels (``fast_launch``).
+eager launch path of their kernels (``fast_launch``) and their call plans (``calls``).
 """
 
-from dcpc.runtime import collectives, merge, shapes, sync, tiles, validate
+from dcpc.runtime import calls, collectives, merge, shapes, sync, tiles, validate
 from dcpc.runtime.errors import (
     DcpcArgumentError,
     DcpcCollectiveError,
@@ -38,6 +38,7 @@ __all__ = [
     "SymmetricBuffer",
     "SymmetricHeap",
     "Tune",
+    "calls",
     "collectives",
     "fast_launch",
     "guarded",

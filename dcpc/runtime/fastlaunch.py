@@ -11,7 +11,9 @@ the device) and, on a repeat, calls the compiled kernel's launcher with the same
 argument list Triton would pass it (positional arguments, then the constexprs in the
 kernel's order). The first launch of a key, a launch inside ``local.compile_only`` (the
 warm-up), a launch with a profiler's launch hook set and the Triton interpreter (CPU)
-take Triton's own path.
+take Triton's own path. A generated method's call plan (dcpc.runtime.calls) launches
+through ``FastKernel.replay``, keyed only by what its call key leaves open: the engine
+tensors' alignment and type, and the device.
 
 What a repeat launch skips that Triton's path does every time: re-reading
 ``knobs.runtime.debug`` and ``knobs.compilation.instrumentation_mode`` (turning either on
@@ -29,9 +31,12 @@ host time per eager call against 28-36 us through Triton's path.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from dcpc.runtime import calls
 
 MAX_KEYS = 1024  # launches remembered per kernel (cleared when full: sizes change rarely)
 
@@ -81,7 +86,11 @@ class FastKernel:
         return getattr(self.fn, name)
 
     def __getitem__(self, grid: tuple) -> Any:
-        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.note((self, grid, args, kwargs))  # a method's call plan replays it
+            return self.launch(grid, args, kwargs)
+
+        return run
 
     def launch(self, grid: tuple, args: tuple, kwargs: dict[str, Any]) -> Any:
         if not self._on or _slow_now():
@@ -103,18 +112,54 @@ class FastKernel:
                      *args, *tail)
         return compiled
 
+    def replay(self, launch: Any, args: Sequence[Any]) -> None:
+        """A call plan's launch (dcpc.runtime.calls.Launch), ``args`` holding this call's
+        engine tensors at ``launch.subs``. The plan's key fixed every other argument and
+        those tensors' dtypes, so what Triton specialises on can differ only in their
+        type and 16-byte alignment and in the current device: the key here."""
+        if not self._on or _slow_now():
+            self.launch(launch.grid, args, launch.kwargs)
+            return
+        driver = _triton()[1].active
+        device = driver.get_current_device()
+        key = (device, *[(type(args[i]), args[i].data_ptr() & 15 == 0) for i, _ in launch.subs])
+        hit = launch.compiled.get(key)
+        if hit is None:  # this kernel's own cache, or Triton's path on its first launch
+            compiled = self.launch(launch.grid, args, launch.kwargs)
+            tail = self._tail(compiled, len(args), launch.kwargs)
+            if tail is not None:
+                if len(launch.compiled) >= MAX_KEYS:
+                    launch.compiled.clear()
+                launch.compiled[key] = (compiled, tail)
+            return
+        compiled, tail = hit
+        grid = launch.grid
+        stream = driver.get_current_stream(device)
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *tail)
+
+    def _tail(self, compiled: Any, positional: int, kwargs: dict[str, Any]) -> tuple | None:
+        """The constexprs in the kernel's parameter order (what follows the positional
+        arguments in the launcher's call); None when the launch is not one this path can
+        repeat exactly."""
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            return None
+        rest = self._names[positional:]
+        if any(name not in kwargs for name in rest):
+            return None  # a defaulted parameter: Triton's path fills it in
+        return tuple(kwargs[name] for name in rest)
+
     def _remember(self, key: tuple, compiled: Any, positional: int,
                   kwargs: dict[str, Any]) -> None:
         """Keep the compiled kernel and the constexprs in the kernel's parameter order;
         nothing when the launch is not one this path can repeat exactly."""
-        if compiled is None or not hasattr(compiled, "packed_metadata"):
+        tail = self._tail(compiled, positional, kwargs)
+        if tail is None:
             return
-        rest = self._names[positional:]
-        if any(name not in kwargs for name in rest):
-            return  # a defaulted parameter: Triton's path fills it in
         if len(self._cache) >= MAX_KEYS:
             self._cache.clear()
-        self._cache[key] = (compiled, tuple(kwargs[name] for name in rest))
+        self._cache[key] = (compiled, tail)
 
 
 _MODULES: list[Any] = []  # (triton.knobs, triton's driver, dcpc.runtime.local), imported once
@@ -145,8 +190,8 @@ def _slow_now() -> bool:
     or a launch hook (a profiler) is active."""
     knobs, _, local = _MODULES or _triton()
     runtime = knobs.runtime
-    return (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
-            or getattr(local._tls, "compile_only", False))
+    return (local._tls.compile_only or _hooked(runtime.launch_enter_hook)
+            or _hooked(runtime.launch_exit_hook))
 
 
 def fast_launch(fn: Any) -> Any:

@@ -47,20 +47,12 @@ def guarded(method: F) -> F:
     fails the instance: that rank's calls no longer match its peers'. The check is one
     non-blocking lock acquire per call; threads that take turns (vLLM's DBO microbatch
     threads, which yield between calls) never see it."""
-    name = method.__name__
+    name = method.__name__.removeprefix("_checked_")  # the public method's name
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self._busy.acquire(False):
-            # the refused thread touches nothing the running call uses (no kernel, no
-            # message): the instance fails when the running call ends (settle_refusal)
-            self._refused = exc = concurrent_use(self, name, kwargs.get("slot", 0))
-            settle_refusal(self)
-            raise exc
+        enter(self, name, kwargs.get("slot", 0), kwargs)
         try:
-            if self._refused is not None:
-                self._fail(self._refused)
-            self._caller = (name, kwargs, get_ident())  # named only if a call is refused
             return method(self, *args, **kwargs)
         except BaseException as exc:
             if isinstance(exc, DcpcCollectiveError) and exc.step is None:
@@ -68,11 +60,36 @@ def guarded(method: F) -> F:
             self._fail(exc)
             raise
         finally:
-            self._busy.release()
-            if self._refused is not None:
-                settle_refusal(self)
+            leave(self)
 
     return call  # type: ignore[return-value]
+
+
+def enter(module: Any, name: str, slot: Any, kwargs: dict | None = None) -> None:
+    """Start a call of ``module`` (``guarded``, and the fast path's replay in
+    dcpc.runtime.calls): refused with ``DcpcConcurrentUseError`` while another thread is
+    inside a call. The refused thread touches nothing the running call uses (no kernel,
+    no message): the instance fails when the running call ends (settle_refusal). After a
+    successful ``enter``, ``leave`` must follow."""
+    if not module._busy.acquire(False):
+        module._refused = exc = concurrent_use(module, name, slot)
+        settle_refusal(module)
+        raise exc
+    try:
+        if module._refused is not None:
+            module._fail(module._refused)
+        # named only if a call is refused
+        module._caller = (name, kwargs if kwargs is not None else {"slot": slot}, get_ident())
+    except BaseException:
+        leave(module)
+        raise
+
+
+def leave(module: Any) -> None:
+    """End the call ``enter`` started."""
+    module._busy.release()
+    if module._refused is not None:
+        settle_refusal(module)
 
 
 def settle_refusal(module: Any) -> None:

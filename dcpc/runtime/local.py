@@ -96,7 +96,11 @@ def program_cap(device: torch.device, world: int, slots: int, num_warps: int = 4
 
 
 # ---- warm-up: compile and load every kernel, launch nothing ------------------------------
-_tls = threading.local()
+class _ThreadState(threading.local):
+    compile_only = False  # a class default: reading it raises nothing (every launch reads it)
+
+
+_tls = _ThreadState()
 _record_lock = threading.Lock()
 _patch_lock = threading.Lock()
 _loaded: dict[str, dict[str, int]] = {}  # kernel name/hash -> resources (for residency)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dcpc.runtime import collectives, rendezvous, shapes, sync, tiles, validate
+from dcpc.runtime import calls, collectives, rendezvous, shapes, sync, tiles, validate
 from dcpc.runtime import guard as _guard
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
@@ -64,7 +64,8 @@ class Tune:
     fixed: list[int] = field(default_factory=list)  # per space: its length if fixed, else 0
 
 
-class ScheduleModule:
+class ScheduleModule(calls.CallPlans):
+    _call_ids: ClassVar[int] = CALL_IDS  # type: ignore[misc]
     SCHEDULE: ClassVar[str] = ""
     SOURCE_SHA256: ClassVar[str] = ""
     SLOTS: ClassVar[int] = 1
@@ -118,6 +119,7 @@ class ScheduleModule:
         self._timeout_s, self._timeout_ns = float(timeout_s), int(timeout_s * 1e9)
         self._guard = guard  # fingerprints, failure flags and the call order (the guard)
         self._fp = 0  # the fingerprint of the call being launched (set by _bind)
+        self._fp_base = 0  # _fp before the call id (what a call plan keeps)
         # a failed wait on GPU traps (the process ends: its peers are flagged first);
         # DCPC_TRAP=0 (debugging, e.g. many ranks in one process, where a trap ends every
         # rank and its record): it records the error and returns, check_errors() raises it
@@ -146,6 +148,9 @@ class ScheduleModule:
             for method, params in self.METHODS.items()
         }
         self._allocate()
+        self._owned_tensors = self._owned()
+        self._plans = {}  # call key -> what a repeat call does (dcpc.runtime.calls)
+        self._fast = self.backend != "torch"
 
     # ---- construction -------------------------------------------------------------
     def _bind_sizes(self, given: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -412,6 +417,7 @@ class ScheduleModule:
         if self._guard:
             self._order.enter(method, slot)
             self._fp = self._memoised(("fp", method), env, lambda: self._fps.of(method, env))
+            self._fp_base = self._fp  # without the call id: what a call plan keeps
             if call_id is not None and call_id % CALL_IDS:
                 self._fp = self._with_call_id(method, env, call_id % CALL_IDS)
         self._env[slot] = env
@@ -529,6 +535,7 @@ class ScheduleModule:
     def _poison_output(self, name: str, slot: int) -> None:
         if self.poison and self.BUFFERS[name].kind == "output":
             poison_(self._local[name][slot])
+            calls.note(self._local[name][slot])  # a repeat call poisons it too
 
     def _check(self, step_index: int) -> None:
         """CPU backends: raise the error a kernel recorded (no GPU sync is ever done here)."""
