@@ -52,7 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jitter-ms", type=float, default=2.0,
                    help="longest random delay before/after a step, default 2 ms")
     p.add_argument("--no-poison", action="store_true", help="zero-fill symmetric memory")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before ranks are killed")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds for the whole run before ranks still working are killed "
+                        "(reported as 'timeout'; default 4 x (60 + 0.6 x calls x W)); ranks "
+                        "with no new step for --wait-timeout + 30 s are killed as 'hung'")
     p.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a wait for a peer lasts before the module reports a timeout "
                         "naming step, peer and epoch (the modules' timeout_s), default 60")

@@ -50,7 +50,7 @@ def _last_words(path: str) -> str:
 @dataclass
 class RankOutcome:
     rank: int
-    status: str  # "ok" | "error" | "died" | "hung"
+    status: str  # "ok" | "error" | "died" | "hung" | "timeout" (progressing at the deadline)
     value: Any = None  # the worker's return value when ok
     error: str = ""  # exception type and message, or why it died
     traceback: str = ""
@@ -130,8 +130,14 @@ def launch(
     timeout_s: float = 120.0,
     grace_s: float = 10.0,
     gloo_timeout_s: float = 60.0,
+    stall_s: float | None = None,
 ) -> LaunchResult:
-    """Run ``worker(rank, world, **args)`` in ``world`` spawned processes."""
+    """Run ``worker(rank, world, **args)`` in ``world`` spawned processes.
+
+    ``timeout_s`` bounds the whole run. With ``stall_s``, the ranks' ``progress`` is also
+    watched: when no rank still running has said anything new for ``stall_s`` seconds,
+    they are killed as ``hung``; ranks still progressing at ``timeout_s`` are killed as
+    ``timeout`` (a slow run, not a hang: a larger timeout lets it finish)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="dcpc-launch-")
@@ -162,8 +168,21 @@ def launch(
                 os.environ.pop("TRITON_INTERPRET", None)
             else:
                 os.environ["TRITON_INTERPRET"] = saved
-        deadline = start + timeout_s
+        deadline = cap = start + timeout_s
+        said = [""] * world  # each rank's last progress text, and when it changed
+        changed = [start] * world
+        looked = start
         while len(outcomes) < world and time.monotonic() < deadline:
+            now = time.monotonic()
+            if stall_s is not None and now - looked >= 1.0:
+                looked = now
+                for rank in range(world):
+                    text = _last_words(f"{store}.progress{rank}")
+                    if text != said[rank]:
+                        said[rank], changed[rank] = text, now
+                running = [changed[r] for r in range(world) if r not in outcomes]
+                if running and now - max(running) >= stall_s:
+                    break  # nobody still running moved for stall_s: a hang
             try:
                 rank, status, value, error, tb = results.get(timeout=0.1)
                 outcomes[rank] = RankOutcome(rank, status, value, error, tb,
@@ -187,13 +206,22 @@ def launch(
                     )
                     deadline = min(deadline, time.monotonic() + grace_s)
         _drain(results, outcomes)
+        now = time.monotonic()
         for rank in range(world):
             if rank not in outcomes:
                 doing = _last_words(f"{store}.progress{rank}")
+                where = f" while in {doing}" if doing else ""
+                if stall_s is not None and now >= cap and now - changed[rank] < stall_s:
+                    outcomes[rank] = RankOutcome(
+                        rank, "timeout",
+                        error=f"timed out after {now - start:.1f} s, still making progress; "
+                        f"killed{where} (not a hang: a larger timeout lets it finish)",
+                    )
+                    continue
+                quiet = f" (nothing new for {now - changed[rank]:.0f} s)" if stall_s else ""
                 outcomes[rank] = RankOutcome(
                     rank, "hung",
-                    error=f"no result after {time.monotonic() - start:.1f} s; killed"
-                    + (f" while in {doing}" if doing else ""),
+                    error=f"no result after {now - start:.1f} s{quiet}; killed{where}",
                 )
     finally:
         for p in procs:

@@ -78,6 +78,14 @@ class RunReport:
                 if o.status != "ok"]
 
 
+def default_timeout_s(calls: int, world: int, wait_s: float) -> float:
+    """The whole run's bound when none is given: four times what an idle 2-core machine
+    needs (60 s + 0.6 s per call and rank under the interpreter), so that a loaded machine
+    finishes; a hang is caught much earlier, by the ranks' progress (``launch``'s
+    ``stall_s``)."""
+    return 4 * max(60.0 + 0.6 * calls * world, wait_s + 30)
+
+
 def variant_text(text: str, lse_base: str | None) -> str:
     """The schedule text with every ``lse_base`` set to ``lse_base`` (a base-2 variant)."""
     if lse_base is None:
@@ -130,8 +138,11 @@ def run_schedule(config: RunConfig) -> RunReport:
 
         # a survivor of a dead rank must outlive its own wait, to say what it waited for
         wait = config.wait_timeout_s or DEFAULT_TIMEOUT_S
-        timeout = config.timeout_s or max(60.0 + 0.6 * config.calls * config.world, wait + 30)
+        timeout = config.timeout_s or default_timeout_s(config.calls, config.world, wait)
         grace = max(config.grace_s, wait + 10)
+        # a hang is no progress (no step started or finished on any rank) for longer than
+        # a module's own wait lasts; a slow machine only makes the run longer
+        stall = wait + 30
         if config.backend == "local":  # W threads of one process
             args = {**config.worker_args(used, module), "ranks": config.world,
                     "group_timeout_s": timeout}
@@ -139,7 +150,8 @@ def run_schedule(config: RunConfig) -> RunReport:
                                       timeout_s=timeout + 30, grace_s=grace), config.world)
         else:
             result = launch("dcpc.harness.worker:run_rank", config.world,
-                            config.worker_args(used, module), timeout_s=timeout, grace_s=grace)
+                            config.worker_args(used, module), timeout_s=timeout, grace_s=grace,
+                            stall_s=stall)
     report = RunReport(config, name, result, compile_s=compile_s)
     for outcome in result.outcomes:
         if outcome.status != "ok":
