@@ -176,6 +176,14 @@ def tracing() -> Iterator[Trace]:
         "create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas",
         "set_grid_idx")}
     grid_call, bind = interpreter.GridExecutor.__call__, ScheduleModule._bind
+    record = ScheduleModule._record
+
+    def checked_only(self: Any, key: tuple, method: str, index: int, body: Any,
+                     tensors: tuple, slot: int, call_id: Any = None) -> Any:
+        """Every traced call takes the checked path (no call plan is kept, so none is
+        replayed): a replay launches the recorded kernels with the same arguments but
+        its own tensors, and skips ``_bind``, which names the call's tensors here."""
+        return body(*tensors, slot=slot, sizes=None, call_id=call_id)
     trace = Trace()
 
     def load(self: Any, ptrs: Any, mask: Any, *a: Any) -> Any:
@@ -217,8 +225,9 @@ def tracing() -> Iterator[Trace]:
         finally:
             _tls.launch_phase = BEFORE
 
-    def traced_bind(self: Any, slot: int, method: str, tensors: tuple, sizes: Any) -> Any:
-        env = bind(self, slot, method, tensors, sizes)
+    def traced_bind(self: Any, slot: int, method: str, tensors: tuple, sizes: Any,
+                    *rest: Any) -> Any:
+        env = bind(self, slot, method, tensors, sizes, *rest)
         if _active is not None:
             _active.add_module(self)
             call = Call(self.rank, method, slot, dict(env))
@@ -242,6 +251,7 @@ def tracing() -> Iterator[Trace]:
             setattr(builder, name, fn)
         interpreter.GridExecutor.__call__ = launch
         ScheduleModule._bind = traced_bind
+        ScheduleModule._record = checked_only
         _active = trace
     try:
         yield trace
@@ -251,6 +261,7 @@ def tracing() -> Iterator[Trace]:
                 setattr(builder, name, fn)
             interpreter.GridExecutor.__call__ = grid_call
             ScheduleModule._bind = bind
+            ScheduleModule._record = record
             _active = None
 
 

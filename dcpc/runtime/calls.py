@@ -57,6 +57,7 @@ class Launch:
     args: tuple
     kwargs: dict[str, Any]
     subs: tuple[tuple[int, int], ...]
+    fp_at: int | None = None  # where the call's fingerprint goes (not specialised on)
     compiled: dict = field(default_factory=dict)  # the fast launcher's (FastKernel.replay)
 
 
@@ -120,7 +121,9 @@ def launches(record: list[Any], tensors: tuple[torch.Tensor, ...],
         if not all(type(g) is int for g in grid):
             return None
         args = tuple(None if any(i == j for j, _ in subs) else a for i, a in enumerate(args))
-        out.append(Launch(kernel, tuple(grid), args, dict(kwargs), tuple(subs)))
+        names = tuple(getattr(kernel, "arg_names", ()))[: len(args)]
+        fp_at = names.index("fingerprint") if "fingerprint" in names else None
+        out.append(Launch(kernel, tuple(grid), args, dict(kwargs), tuple(subs), fp_at))
     return tuple(out)
 
 
@@ -208,10 +211,12 @@ class CallPlans:
             for action in plan.actions:
                 if type(action) is Launch:
                     args = action.args
-                    if action.subs:
+                    if action.subs or action.fp_at is not None:
                         args = list(args)
                         for i, k in action.subs:
                             args[i] = tensors[k]
+                        if action.fp_at is not None:  # this call's (its call_id's)
+                            args[action.fp_at] = self._fp
                     action.kernel.replay(action, args)
                 else:
                     poison_(action)
