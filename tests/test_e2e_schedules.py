@@ -89,9 +89,10 @@ def test_several_programs_per_kernel() -> None:
 
 def test_a_module_without_waits_is_caught() -> None:
     """Mutation: waits that never wait. The harness must see wrong or poisoned values."""
-    no_wait = (("    if (got.to(tl.int32) - epoch) < 0:\n        got = _dcpc_spin(",
+    no_wait = (("    if _dcpc_count(pending) > 0:\n        got = _dcpc_spin(",
                 "    if False:\n        got = _dcpc_spin("),
-               ("    if bad:\n        _dcpc_fail(", "    if False:\n        _dcpc_fail("))
+               ("    if (_dcpc_count(bad) > 0) | (tl.load(errors, volatile=True) != 0):\n",
+                "    if False:\n"))
     report = run_schedule(RunConfig(schedule=str(SCHEDULES / "kimi_k3_dcp.yaml"), world=2,
                                     backend="host", calls=12, seed=5, jitter_s=0.02,
                                     jitter_p=0.8, module_patch=no_wait))
