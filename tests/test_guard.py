@@ -133,9 +133,11 @@ EXPECTED = {
         ("DcpcContractError", r"step 'out_exchange': rank 1's call differs from peer 0's: "
                               r"T=3 here, T=5 on peer 0 \(epoch 2\)"),
     ],
-    "skip": [
-        ("DcpcPeerFailedError", r"step 'out_exchange': rank 0 stopped waiting for peer 1 "
-                                r"\(epoch 2\): peer 1 failed"),
+    "skip": [  # rank 1 fails on the host as it calls merge(); rank 0 may still be in
+        # query_gather's wait then, which refuses a failed peer's signal even when it
+        # arrived (templates/sync.j2), so it names that step: never wrong data
+        ("DcpcPeerFailedError", r"step '(query_gather|out_exchange)': rank 0 stopped waiting "
+                                r"for peer 1 \(epoch 2\): peer 1 failed"),
         ("DcpcContractError", r"step 'merge': called before out_exchange\(\) in this call "
                               r"of slot 0; per call, every rank runs query_gather\(\) -> "
                               r"out_exchange\(\) -> merge\(\)"),
