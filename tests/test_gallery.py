@@ -1,0 +1,98 @@
+"""The layout gallery (schedules/gallery/): every layout proved, run and its wrong twins refused.
+
+A gallery file is one published layout, written as its source describes it. Its header
+says what it claims, and this test holds it to that:
+
+    # gallery: <the layout's name as published>
+    # check: 2..16            worlds `dcpc check` proves (ints and ranges; mesh shapes
+    #                          such as 2x2 once the schedule declares a mesh)
+    # run: 2 3 4              worlds CI runs on CPU against float64 (host backend)
+
+A wrong twin lives in tests/gallery_twins/<gallery stem>.<what>.yaml:
+
+    # twin-of: <gallery stem>
+    # expect: <diagnostic code> <word> ...   e.g. `# expect: race write-after-read kv`
+
+and must be refused by the pipeline (check, lower, hb) with a diagnostic of that code
+whose message holds every word.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from pathlib import Path
+
+import pytest
+
+from dcpc import pipeline
+from dcpc.diagnostics import DiagnosticError
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+GALLERY = sorted((ROOT / "schedules" / "gallery").glob("*.yaml"))
+TWINS = sorted((ROOT / "tests" / "gallery_twins").glob("*.yaml"))
+CALLS = 4  # per rank: enough for both slots twice; the shipped schedules run 20-30
+
+
+def header(path: Path, key: str) -> str | None:
+    found = re.search(rf"^# {key}: (.+)$", path.read_text(), re.M)
+    return found.group(1).strip() if found else None
+
+
+def worlds(text: str) -> list[int]:
+    """`2..16 32` -> [2, ..., 16, 32]."""
+    out: list[int] = []
+    for part in text.split():
+        lo, _, hi = part.partition("..")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def test_every_gallery_file_states_its_claims_and_has_a_twin() -> None:
+    twinned = {header(t, "twin-of") for t in TWINS}
+    for path in GALLERY:
+        for key in ("gallery", "check", "run"):
+            assert header(path, key), f"{path.name} has no '# {key}:' header"
+        assert path.stem in twinned, f"{path.name} has no wrong twin in tests/gallery_twins/"
+    stems = {p.stem for p in GALLERY}
+    for twin in TWINS:
+        assert header(twin, "twin-of") in stems, f"{twin.name}: twin-of names no gallery file"
+        assert header(twin, "expect"), f"{twin.name} has no '# expect:' header"
+
+
+@pytest.mark.parametrize("path", GALLERY, ids=lambda p: p.stem)
+def test_gallery_layout_is_proved_for_every_world_it_claims(path: Path) -> None:
+    claimed = worlds(header(path, "check") or "")
+    c = pipeline.run(path, pipeline.Options(worlds=claimed), until="emit")
+    assert c.module_text, path.name
+
+
+RUNS = [(p, w) for p in GALLERY for w in worlds(header(p, "run") or "")]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("path", "world"), RUNS, ids=lambda v: getattr(v, "stem", str(v)))
+def test_gallery_layout_matches_float64(path: Path, world: int) -> None:
+    seed = zlib.crc32(f"{path.stem}/{world}".encode()) % 10_000
+    config = RunConfig(schedule=str(path), world=world, backend="host", calls=CALLS, seed=seed)
+    report = run_schedule(config)
+    text = format_report(report)
+    print(text)
+    assert report.launch.ok, text + "\n" + "\n".join(o.traceback for o in report.launch.outcomes)
+    assert report.mismatches == 0, text
+    assert report.outputs, text
+    for name, stats in report.outputs.items():
+        assert stats.compared == CALLS * world, (name, text)
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=lambda p: p.stem)
+def test_wrong_twin_is_refused_with_its_class(twin: Path) -> None:
+    code, *words = (header(twin, "expect") or "").split()
+    original = ROOT / "schedules" / "gallery" / f"{header(twin, 'twin-of')}.yaml"
+    claimed = worlds(header(original, "check") or "2..8")
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(twin, pipeline.Options(worlds=claimed), until="hb")
+    found = [d for d in err.value.diagnostics if d.code == code]
+    assert found, err.value
+    assert any(all(w in d.message for w in words) for d in found), err.value
