@@ -76,6 +76,28 @@ def _compare(got: Any, want: Any, tol: float = ATOL) -> dict[str, Any]:
             "shape": list(got.shape)}
 
 
+def _helix_reference(outs: list[Any], lses: list[Any], world: int, base_e: bool
+                     ) -> list[tuple[Any, Any]]:
+    """vLLM main's Helix merge (_lse_weighted_combine in vllm/v1/attention/ops/helix.py)
+    in float64, written from its math: NaN/+inf LSEs count as -inf, weights are
+    softmax(lse) over the shards, rank r keeps heads r*H/N ..; finite partials only."""
+    import torch
+
+    exp, log = (torch.exp, torch.log) if base_e else (torch.exp2, torch.log2)
+    o = torch.stack([x.cpu().double() for x in outs])  # [N, B, H, D]
+    lse = torch.stack([x.cpu().double() for x in lses])  # [N, B, H]
+    lse = torch.where(torch.isnan(lse) | torch.isinf(lse), float("-inf"), lse)
+    m = lse.amax(0)
+    m = torch.where(m == float("-inf"), 0.0, m)
+    w = exp(lse - m)
+    total = w.sum(0)
+    out = (o * (w / total.clamp(min=1e-10)).unsqueeze(-1)).sum(0)
+    g = log(total) + m
+    part = out.shape[1] // world
+    return [(out[:, r * part:(r + 1) * part], g[:, r * part:(r + 1) * part])
+            for r in range(world)]
+
+
 def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: str
              ) -> list[dict[str, Any]]:
     """Scenario ``name`` on rank ``r`` of the group ``rank`` (a LocalRank, a torch
@@ -128,6 +150,22 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
                     seq_lens=x["lens"][r], query_start_loc=x["qsl"])
         check("out", o, want[r][0])
         check("lse", lse, want[r][1])
+    elif name == "vllm_helix":  # vLLM main's Helix combine (dcpc.engines.helix)
+        from dcpc.engines.helix import helix_alltoall_lse_reduce
+
+        for base_e in (True, False):
+            x = _inputs(seed, world, T, H, D, garbage=False)
+            lses = [lse.clone() for lse in x["lses"]]
+            lses[world - 1][1, :2] = float("nan")  # vLLM's Helix: NaN / +inf count as -inf
+            lses[0][2, 1] = float("inf")
+            want = _helix_reference(x["outs"], lses, world, base_e)
+            o, lse = helix_alltoall_lse_reduce(x["outs"][r], lses[r], rank, return_lse=True,
+                                               is_lse_base_on_e=base_e)
+            check(f"out base_e={base_e}", o, want[r][0])
+            check(f"lse base_e={base_e}", lse, want[r][1])
+            checks.append({"what": "dtypes", "ok": o.dtype == x["outs"][r].dtype
+                           and lse.dtype == lses[r].dtype})
+            barrier()
     elif name == "vllm_over_workspace":
         for fn in (V.dcp_a2a_lse_reduce, V.cp_lse_ag_out_rs):
             x = _inputs(seed, world, WORKSPACE + 4, H, D, garbage=True)
@@ -288,7 +326,8 @@ def _run_case(group: Any, name: str, world: int) -> list[list[dict[str, Any]]]:
 CASES = ["vllm_a2a_mask", "vllm_ag_rs_mask", "vllm_repeat", "vllm_base2_bf16_lse",
          "vllm_ag_rs_base2_bf16_lse", "vllm_strided", "vllm_ag_rs_strided",
          "vllm_over_workspace", "vllm_no_requests", "vllm_switch_off", "vllm_manager",
-         "sglang", "sglang_fp8_partials", "fp8_output", "forced_unsupported", "ag_rs_vs_a2a_error"]
+         "sglang", "sglang_fp8_partials", "fp8_output", "forced_unsupported",
+         "ag_rs_vs_a2a_error", "vllm_helix"]
 
 
 # the same scenarios with the empty-shard mask in-kernel (DCPC_KERNEL_MASK=1; see
@@ -439,7 +478,7 @@ def test_fast_path_runs_without_fallback(world: int) -> None:
     """The masked, strided and repeated calls ran on dcpc modules: nothing was logged."""
     for case in ("vllm_a2a_mask", "vllm_ag_rs_mask", "vllm_repeat", "vllm_strided",
                  "vllm_ag_rs_strided", "sglang", "vllm_manager", "vllm_no_requests",
-                 "kernel_mask_a2a", "kernel_mask_strided", "kernel_mask_manager"):
+                 "kernel_mask_a2a", "kernel_mask_strided", "kernel_mask_manager", "vllm_helix"):
         logs = _case(world, case)["logs"]
         assert logs == [], (case, logs)
 
