@@ -42,16 +42,33 @@ class Region:
     all_gather, all_to_all, receive buffers) or every ``interleave``-th row block.
     Stores of the same partition overlap only when their writers are equal; stores
     of different partitions may always overlap.
+
+    Scheme ``peer`` (shift): writer ``p`` stores into the WHOLE instance of rank
+    ``p + offset`` (mod W) only, no other rank's; two peer stores of one offset meet
+    on an instance only when their writers are equal, so they form a partition too.
     """
 
-    scheme: str  # "block" | "index" | "interleave"
+    scheme: str  # "block" | "index" | "interleave" | "peer"
     dim: int
     interleave: int = 0
     dim_text: str = ""
+    offset: int = 0  # scheme "peer": the target is rank writer + offset
 
     @property
-    def partition(self) -> tuple[str, int, int]:
-        return (self.scheme, self.dim, self.interleave)
+    def owners_all(self) -> bool:
+        """Whether one writer's store reaches every rank's instance (not ``peer``)."""
+        return self.scheme != "peer"
+
+    def writers(self, owner: int, world: int) -> list[int]:
+        """The ranks whose store of this region reaches ``owner``'s instance, peers of
+        ``owner`` first (the order counterexamples prefer), then ``owner`` itself."""
+        if self.scheme == "peer":
+            return [(owner - self.offset) % world]
+        return [(owner + k) % world for k in range(1, world)] + [owner]
+
+    @property
+    def partition(self) -> tuple[str, int, int, int]:
+        return (self.scheme, self.dim, self.interleave, self.offset)
 
     def text(self, writer: int) -> str:
         """The part of writer ``writer`` in words."""
@@ -59,6 +76,8 @@ class Region:
             return f"{self.dim_text} block {writer} (dim {self.dim})"
         if self.scheme == "index":
             return f"index {writer} of dim {self.dim}"
+        if self.scheme == "peer":
+            return f"whole (shift from rank {writer}, offset {self.offset:+d})"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
 
 

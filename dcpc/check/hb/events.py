@@ -48,7 +48,8 @@ class Access:
 
     ``region is None``: this rank reads or writes its own whole instance.
     Otherwise a store into EVERY rank's instance (its own included) of the part
-    ``region`` assigns to the writing rank.
+    ``region`` assigns to the writing rank, or (scheme ``peer``) into the whole
+    instance of rank ``writer + region.offset`` only.
     """
 
     buffer: str
