@@ -462,7 +462,7 @@ def random_shift_schedule_text(draw, st) -> str:
         dst = draw(st.sampled_from([b for b in ("h0", "h1") if b != src]))
         if kind in ("shift", "put"):
             written.append(dst)
-        offset = draw(st.sampled_from(["next", "prev", "1", "-1"]))
+        offset = draw(st.sampled_from(["next", "prev", "1", "-1", "2", "-2", "3"]))
         if kind == "shift":
             steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}}}")
         elif kind == "put":

@@ -22,7 +22,7 @@ from dcpc.lang.parse import parse_file, parse_text
 from dcpc.lang.semantics import Region, semantics
 
 HERE = Path(__file__).parent / "shift"
-PASS, SPLIT = HERE / "pass_credit.yaml", HERE / "split.yaml"
+PASS, SPLIT, FAR = HERE / "pass_credit.yaml", HERE / "split.yaml", HERE / "far.yaml"
 
 
 def _errors(text: str) -> list:
@@ -50,8 +50,10 @@ steps:
 # --- the verifier -------------------------------------------------------------------
 
 @pytest.mark.parametrize("step,code,at,words", [
-    ("  - hop: {op: shift, src: x, dst: y, offset: 2}\n", "unsupported-offset", "2}",
-     "only next (1) and prev (-1)"),
+    ("  - hop: {op: shift, src: x, dst: y, offset: 0}\n", "bad-offset", "0}",
+     "an offset is a nonzero integer"),
+    ("  - hop: {op: shift, src: x, dst: y, offset: -2147483648}\n", "bad-offset", "-2147483648}",
+     "at most 2147483647 ranks"),
     ("  - hop: {op: shift, src: x, dst: e}\n", "not-symmetric", "e}", "engine-owned"),
     ("  - hop: {op: shift, src: x, dst: b}\n", "shape-mismatch", "b}", "the shift of src 'x'"),
     ("  - hop: {op: shift, src: x, dst: y, phase: wait}\n", "unmatched-wait", "wait}",
@@ -106,8 +108,62 @@ def test_a_ring_pass_without_credit_races_and_with_it_is_proved(world: int) -> N
     assert oracle_keys(parse_text(wrong_side), world) == _keys(wrong_side, world)
 
 
+def test_a_far_offset_counts_its_ranks_in_the_world_bound() -> None:
+    """A shift by 3 with a credit back: each call's wait moves a chain 3 ranks, so the
+    bound grows 3 times as fast as for next/prev (hb-checker.md, world bound)."""
+    from dcpc.check.hb.checker import world_bound
+    from dcpc.check.hb.events import lower
+
+    def bound(offset: str) -> int:
+        text = NO_CREDIT.replace("dst: y}", f"dst: y, offset: {offset}}}")
+        return world_bound(lower(parse_text(text)))
+
+    assert (bound("next"), bound("3"), bound("-5")) == (8, 15, 23)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 7])
+def test_a_far_offset_wraps_mod_w(world: int) -> None:
+    """offset 2 at W=2 is a local copy (no signal: the use still races with the next
+    call's copy only if... never: same rank, program order); at W=4 +2 and -2 meet."""
+    text = NO_CREDIT.replace("dst: y}", "dst: y, offset: 2}")
+    keys = _keys(text, world)
+    assert keys == oracle_keys(parse_text(text), world)
+    assert keys == (set() if world == 2 else {("race", "write-after-read", "y", "use", "hop")})
+    credit = text + ("  - free: {op: signal, to: next, channel: f}\n"
+                     "  - freed: {op: wait, from: prev, channel: f}\n")
+    # the credit goes to rank r + 1, but y's writer is rank r - 2: proved only where they
+    # coincide (W = 3) or where the shift is local (W = 2)
+    want = set() if world in (2, 3) else {("race", "write-after-read", "y", "use", "hop")}
+    assert _keys(credit, world) == want == oracle_keys(parse_text(credit), world)
+
+
+def _by_world(schedule, worlds, every: bool) -> dict:
+    return {f.key: f.world for f in hb.check(schedule, worlds, hints=False,
+                                             every_world=every).findings}
+
+
+@pytest.mark.parametrize("offset", ["3", "-5", "next"])
+def test_the_world_bound_finds_what_every_w_finds_for_far_offsets(offset: str) -> None:
+    text = NO_CREDIT.replace("dst: y}", f"dst: y, offset: {offset}}}") + (
+        "  - free: {op: signal, to: prev, channel: f}\n"
+        "  - freed: {op: wait, from: next, channel: f}\n")
+    schedule = parse_text(text)
+    found = _by_world(schedule, range(2, 50), every=False)
+    assert found == _by_world(schedule, range(2, 50), every=True)
+    assert bool(found) == (offset != "next")  # the credit reaches the writer only for +1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_world_bound_finds_what_every_w_finds_on_random_shift_schedules(
+        data: st.DataObject) -> None:
+    schedule = parse_text(random_shift_schedule_text(data.draw, st))
+    assert _by_world(schedule, range(2, 40), every=False) == \
+        _by_world(schedule, range(2, 40), every=True)
+
+
 def test_the_shipped_examples_check_clean_over_a_range() -> None:
-    for path in (PASS, SPLIT):
+    for path in (PASS, SPLIT, FAR):
         report = hb.check(parse_file(path), range(2, 17))
         assert report.findings == [], path
 
@@ -156,9 +212,10 @@ def test_the_reference_moves_src_to_the_offset_rank(path: Path, k: int) -> None:
 
 # --- the kernels: every access where the plan says, outputs against float64 ----------
 
-@pytest.mark.parametrize("path", [PASS, SPLIT], ids=lambda p: p.stem)
-def test_traced_kernels_store_into_the_offset_peer_only(path: Path) -> None:
-    run = tr.run_traced(str(path), 3, programs=2, block=256, calls=2)
+@pytest.mark.parametrize("path,world", [(PASS, 3), (SPLIT, 3), (FAR, 4), (FAR, 2)],
+                         ids=["pass-3", "split-3", "far-4", "far-local-2"])
+def test_traced_kernels_store_into_the_offset_peer_only(path: Path, world: int) -> None:
+    run = tr.run_traced(str(path), world, programs=2, block=256, calls=2)
     assert run.mismatches == 0 and run.problems == [], run.problems
     assert max(run.trace.programs.values()) > 1, run.trace.programs  # several programs ran
 

@@ -131,12 +131,15 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
 
 
 def peers(spec: str | None, rank: int, world: int) -> list[int]:
-    """The peers of ``rank`` that ``all``/``next``/``prev`` name, in the kernel's loop
+    """The peers of ``rank`` that ``all``/``next``/``prev`` (or "+k") name, in the kernel's loop
     order (templates/sync.j2 peer_loop: ``(RANK + k) % WORLD`` for k = 1 .. W-1)."""
     if spec is None or world < 2:
         return []
     if spec == "all":
         return [(rank + k) % world for k in range(1, world)]
+    if spec not in ("next", "prev"):  # one rank at an offset "+k" / "-k" (a shift)
+        other = (rank + int(spec)) % world
+        return [other] if other != rank else []
     return [(rank + (1 if spec == "next" else world - 1)) % world]
 
 

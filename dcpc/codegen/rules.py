@@ -296,7 +296,7 @@ def _shift(ctx: Ctx, step: m.Step) -> StepPlan:
     """A direct push of src into the peer's whole dst, one signal (no staging copy). A
     ``phase: wait`` step launches the grid its put launched (same scalars, the put's
     tuning: program i polls the put's program i) and returns dst."""
-    from dcpc.ops.shift import PEER, delta, puts
+    from dcpc.ops.shift import delta, puts
 
     op = typed(step, m.Shift)
     k = delta(op)
@@ -309,7 +309,7 @@ def _shift(ctx: Ctx, step: m.Step) -> StepPlan:
         roles={"dst": op.dst} if op.phase == "wait" else {"src": op.src, "dst": op.dst},
         scalars=[("rows", shape[0]), ("row_len", product(shape[1:]))],
         tiles=[product(shape[1:])],
-        attrs={"offset": k, "peers": PEER[k], "back": PEER[-k],
+        attrs={"offset": k,
                "signal": op.phase != "wait", "wait": op.phase != "put",
                "tune_of": put.name if put is not None else step.name},
         signalling=True,

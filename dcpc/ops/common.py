@@ -100,9 +100,10 @@ class Effect:
 class Sync:
     """The signal slots a step's kernel uses.
 
-    ``signal``: the peers ("all" | "next" | "prev") this step publishes its epoch to,
-    in its own slots. ``wait``: the peers it waits for, polling the slots of step
-    ``polls`` (its own index for a communication op).
+    ``signal``: the peers ("all" | "next" | "prev", or one rank at an offset "+k" /
+    "-k", |k| >= 2: a shift) this step publishes its epoch to, in its own slots.
+    ``wait``: the peers it waits for, polling the slots of step ``polls`` (its own index
+    for a communication op).
     """
 
     signal: str | None = None
@@ -122,6 +123,19 @@ class Semantics:
     @property
     def writes(self) -> tuple[str, ...]:
         return _unique(e.buffer for e in self.effects if e.kind == WRITE)
+
+
+def offset_peers(k: int) -> str:
+    """The sync peers of one rank at offset ``k``: "next", "prev" or "+k" / "-k"."""
+    return {1: "next", -1: "prev"}.get(k, f"{k:+d}")
+
+
+def ring_hops(peers: str | None) -> int:
+    """How many ranks a wait from ``peers`` moves a happens-before chain along the ring
+    (0 for none or "all", which reaches every rank at once): the world bound counts it."""
+    if peers in (None, "all"):
+        return 0
+    return 1 if peers in ("next", "prev") else abs(int(peers))  # type: ignore[arg-type]
 
 
 def _unique(names: object) -> tuple[str, ...]:

@@ -7,8 +7,9 @@ for rank ``r - offset``'s signal (its own ``dst`` has then arrived).
 (the k-th wait of a (src, dst, offset) polls the k-th put of it). Between the two, the
 kernel's push is in flight and other steps may run (a ring hop overlapping attention).
 
-Offsets: ``next`` (= 1) and ``prev`` (= -1). Other offsets are refused for now
-(``unsupported-offset``): the world bound of the checker counts one rank per hop.
+Offsets: ``next`` (= 1), ``prev`` (= -1) or any other nonzero integer k; rank r + k is
+taken mod W, so at a W that divides k the shift is a local copy (no signal, no wait).
+The checker's world bound counts |k| ranks per wait of a shift.
 Lowerings: dcpc/codegen/rules.py ``shift`` + templates/ops/shift.py.j2 (a direct push
 into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
 ``shift``.
@@ -30,6 +31,7 @@ from dcpc.ops.common import (
     Sync,
     effects,
     keyed,
+    offset_peers,
 )
 from dcpc.ops.registry import IO, OpDef, define
 
@@ -38,8 +40,8 @@ if TYPE_CHECKING:
     from dcpc.harness.simulate import Sim
     from dcpc.lang.model import Schedule
 
-OFFSETS = {"next": 1, "prev": -1, 1: 1, -1: -1}
-PEER = {1: "next", -1: "prev"}  # the sync peers of an offset
+NAMED = {"next": 1, "prev": -1}
+MAX_OFFSET = 2**31 - 1
 
 
 class Shift(OpBase):
@@ -53,8 +55,9 @@ class Shift(OpBase):
 
 
 def delta(op: Shift) -> int:
-    """The offset as +1 or -1 (an unsupported offset is the verifier's error; +1 here)."""
-    return OFFSETS.get(op.offset, 1)
+    """The offset as an integer (0 or a huge one is the verifier's error; 1 here)."""
+    k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
+    return k if isinstance(k, int) and 0 < abs(k) <= MAX_OFFSET else 1
 
 
 def _key(op: Shift) -> tuple[str, str, int]:
@@ -92,7 +95,7 @@ def puts(schedule: Schedule) -> Puts:
 def semantics(c: Scope, step: Step) -> Semantics:
     op: Shift = step.op  # type: ignore[assignment]
     k = delta(op)
-    to, back = PEER[k], PEER[-k]
+    to, back = offset_peers(k), offset_peers(-k)
     if op.phase == "wait":
         polled = puts(c.schedule).polls.get(step.name)
         return Semantics((), Sync(wait=back, polls=polled.index if polled else None))
@@ -105,11 +108,12 @@ def semantics(c: Scope, step: Step) -> Semantics:
 
 def verify(v: Verify, step: Step) -> None:
     op: Shift = step.op  # type: ignore[assignment]
-    if op.offset not in OFFSETS:
-        v.error(op.mark("offset"), "unsupported-offset",
-                f"step '{step.name}' shifts by {op.offset!r}; only next (1) and prev (-1) "
-                "are supported so far",
-                "use 'offset: next' or 'offset: prev' (several shifts make a longer hop)")
+    k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
+    if not 0 < abs(k) <= MAX_OFFSET:
+        v.error(op.mark("offset"), "bad-offset",
+                f"step '{step.name}' shifts by {k}; an offset is a nonzero integer of at "
+                f"most {MAX_OFFSET} ranks either way (or next / prev)",
+                "use 'copy' to move data on this rank" if k == 0 else None)
     (src,), (dst,) = v.refs("src"), v.refs("dst")
     v.transfer(src, dst, symmetric=True)
     s = v.shape(src.name)

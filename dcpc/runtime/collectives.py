@@ -224,10 +224,10 @@ def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
 def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, rank: int,
           world: int) -> None:
     """dst on rank r + offset = src of rank r: one send and one receive per rank."""
-    if world == 1:
+    to, back = (rank + offset) % world, (rank - offset) % world
+    if to == rank:  # W divides the offset: a local copy
         dst.copy_(src)
         return
-    to, back = (rank + offset) % world, (rank - offset) % world
     ops = [dist.P2POp(dist.isend, wire(src.contiguous()), dist.get_global_rank(comm.group, to),
                       comm.group),
            dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back), comm.group)]
