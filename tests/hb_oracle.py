@@ -134,6 +134,8 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         polled = found.name if found is not None else "?"
         for peer in _peers(op.from_.value, b.rank, world):
             b.add(name, index, 1, wait=(f"{op.channel}@{polled}", peer))
+    elif kind == "shift":
+        _shift(b, schedule, name, index, op, world, tracked)
     else:
         raise AssertionError(f"oracle does not know op {kind}")
 
@@ -382,3 +384,114 @@ def random_schedule_text(draw, st) -> str:
     body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
     return RANDOM_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots,
                                 streams=streams, **flags) + body
+
+
+# --- shift (point-to-point): written here from the language's words, not the checker's ---
+
+def _shift_offset(op) -> int:
+    return {"next": 1, "prev": -1}.get(op.offset, op.offset)
+
+
+def _shift_puts(schedule: Schedule) -> dict[str, str]:
+    """wait step -> the put it polls: the k-th `phase: wait` of a (src, dst, offset)
+    polls the k-th `phase: put` of it before it."""
+    pending: dict[tuple, list[str]] = {}
+    out: dict[str, str] = {}
+    for item in schedule.steps:
+        for n, op in item.items():
+            if op.op != "shift" or op.phase is None:
+                continue
+            key = (op.src, op.dst, _shift_offset(op))
+            if op.phase == "put":
+                pending.setdefault(key, []).append(n)
+            elif pending.get(key):
+                out[n] = pending[key].pop(0)
+    return out
+
+
+def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
+           tracked: set[str]) -> None:
+    """Rank r stores src into rank r + k's whole dst (a part of its own: writer r), then
+    signals r + k; the wait (its own, or in the matching `phase: wait` step) is for r - k."""
+    k = _shift_offset(op)
+    target, source = (b.rank + k) % world, (b.rank - k) % world
+    if op.phase != "wait":
+        if op.src in tracked:
+            b.access(name, index, 0, op.src, "read")
+        if op.dst in tracked:
+            b.access(name, index, 0, op.dst, "write", owner=target, part=(("peer", k), b.rank))
+        if target != b.rank:
+            b.add(name, index, 0, signal=("step:" + name, target))
+    if op.phase != "put":
+        polled = name if op.phase is None else _shift_puts(schedule).get(name, "?")
+        if source != b.rank:
+            b.add(name, index, 1, wait=("step:" + polled, source))
+
+
+SHIFT_HEADER = """\
+schedule: shift_{seed}
+slots: {slots}
+streams: {streams}
+sizes:
+  N: 4
+  K: 2
+buffers:
+  x:  {{shape: [N, K], dtype: f32}}
+  y:  {{shape: [N, K], dtype: f32}}
+  h0: {{shape: [N, K], dtype: f32, symmetric: true{h0}}}
+  h1: {{shape: [N, K], dtype: f32, symmetric: true{h1}}}
+  g0: {{shape: [W*N, K], dtype: f32, symmetric: true}}
+steps:
+"""
+
+
+def random_shift_schedule_text(draw, st) -> str:
+    """A small, structurally valid random schedule of shifts (whole, or put ... wait with
+    steps in between), externals that read and write the shifted buffers, gathers into
+    another buffer, barriers and split-phase credits (signal/wait next/prev)."""
+    slots = draw(st.integers(1, 2))
+    streams = draw(st.sampled_from(["per_slot", "single"]))
+    flags = {b: ", shared: true" if draw(st.integers(0, 4)) == 0 else "" for b in ("h0", "h1")}
+    steps: list[str] = []
+    pending: list[str] = []
+    written: list[str] = []  # symmetric buffers a step wrote (read-before-write)
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["shift", "shift", "put", "ext", "ext", "barrier", "credit",
+                                     "gather"]))
+        src = draw(st.sampled_from(["x"] + [b for b in ("h0", "h1") if b in written]))
+        dst = draw(st.sampled_from([b for b in ("h0", "h1") if b != src]))
+        if kind in ("shift", "put"):
+            written.append(dst)
+        offset = draw(st.sampled_from(["next", "prev", "1", "-1", "2", "-2", "3"]))
+        if kind == "shift":
+            steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}}}")
+        elif kind == "put":
+            steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, phase: put}}")
+            pending.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, phase: wait}}")
+        elif kind == "barrier":
+            steps.append("{op: barrier}")
+        elif kind == "gather" and "h0" in written:
+            steps.append("{op: all_gather, src: h0, dst: g0, dim: 0}")
+            written.append("g0")
+        elif kind == "credit":
+            to = draw(st.sampled_from(["next", "prev"]))
+            channel = f"c{draw(st.integers(0, 1))}"
+            back = PARTNERS[to]
+            pair = [f"{{op: signal, to: {to}, channel: {channel}}}",
+                    f"{{op: wait, from: {back}, channel: {channel}}}"]
+            steps += pair if draw(st.integers(0, 4)) else pair[::-1]
+        elif kind == "ext":
+            reads = sorted(set(draw(st.lists(st.sampled_from(["h0", "h1", "g0"]), max_size=2))))
+            reads = [b for b in reads if b in written]
+            target = draw(st.sampled_from(["y", "h0", "h1"]))
+            written.append(target)
+            steps.append(f"{{op: external, reads: [{', '.join(reads + ['x'])}], "
+                         f"writes: [{target}]}}")
+        if pending and draw(st.booleans()):
+            steps.append(pending.pop(0))
+    steps += pending
+    if not steps:
+        steps.append("{op: barrier}")
+    body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
+    return SHIFT_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots, streams=streams,
+                               **flags) + body

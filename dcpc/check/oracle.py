@@ -22,7 +22,8 @@ chosen by a scheduler:
   exactly when all have arrived, with the same stores readable: the same runs;
 - symmetric instances: one per (rank, slot), one per rank for ``shared`` buffers; a
   store with a region writes part ``writer`` of EVERY rank's instance (parts of one
-  partition overlap only for equal writers, different partitions always overlap);
+  partition overlap only for equal writers, different partitions always overlap), a
+  ``peer`` region (shift) the whole instance of rank ``writer + offset`` only;
   region None is the own instance, whole. Engine and output buffers are not tracked.
 
 Happens-before of the ACTUAL run is tracked with vector clocks (one entry per stream):
@@ -110,7 +111,8 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
                 continue
             region = _attr(e, "region")
             part = None if region is None else (
-                _attr(region, "scheme"), _attr(region, "dim"), _attr(region, "interleave", 0))
+                _attr(region, "scheme"), _attr(region, "dim"), _attr(region, "interleave", 0),
+                _attr(region, "offset", 0))
             item = (buffer, _attr(e, "kind") == "write", part)
             (after if _attr(e, "when") == "after" else before).append(item)
         sync = _attr(s, "sync")
@@ -129,12 +131,15 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
 
 
 def peers(spec: str | None, rank: int, world: int) -> list[int]:
-    """The peers of ``rank`` that ``all``/``next``/``prev`` name, in the kernel's loop
+    """The peers of ``rank`` that ``all``/``next``/``prev`` (or "+k") name, in the kernel's loop
     order (templates/sync.j2 peer_loop: ``(RANK + k) % WORLD`` for k = 1 .. W-1)."""
     if spec is None or world < 2:
         return []
     if spec == "all":
         return [(rank + k) % world for k in range(1, world)]
+    if spec not in ("next", "prev"):  # one rank at an offset "+k" / "-k" (a shift)
+        other = (rank + int(spec)) % world
+        return [other] if other != rank else []
     return [(rank + (1 if spec == "next" else world - 1)) % world]
 
 
@@ -285,6 +290,8 @@ class _Compiled:
         out = []
         for k, (buffer, write, part) in enumerate(effects):
             owners = range(self.world) if part is not None else (rank,)
+            if part is not None and part[0] == "peer":  # a shift: one rank's instance
+                owners = ((rank + part[3]) % self.world,)
             for owner in owners:
                 out.append((self.instance(buffer, owner, slot), write, part, rank,
                             where + (k,)))

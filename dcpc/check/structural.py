@@ -86,9 +86,10 @@ def check_limits(schedule: Schedule, worlds: list[int] | None = None) -> list[Di
 
 def _hb_work(schedule: Schedule, steps: list, worlds: list[int]) -> list[Diagnostic]:
     from dcpc.check.hb.checker import bound_for, representatives  # hb imports this module
+    from dcpc.ops.common import ring_hops
 
     sems = table(schedule)
-    ring = sum(1 for sem in sems if sem.sync.wait not in (None, "all"))
+    ring = sum(ring_hops(sem.sync.wait) for sem in sems)
     calls = 2 * schedule.slots
     bound = bound_for(ring, calls)
     per_slot = schedule.streams == Streams.per_slot and schedule.slots > 1

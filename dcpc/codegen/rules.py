@@ -289,3 +289,31 @@ def _external(ctx: Ctx, step: m.Step) -> StepPlan:
         reads=list(typed(step, m.External).reads),
         writes=list(typed(step, m.External).writes),
     )
+
+
+@register("shift")
+def _shift(ctx: Ctx, step: m.Step) -> StepPlan:
+    """A direct push of src into the peer's whole dst, one signal (no staging copy). A
+    ``phase: wait`` step launches the grid its put launched (same scalars, the put's
+    tuning: program i polls the put's program i) and returns dst."""
+    from dcpc.ops.shift import delta, puts
+
+    op = typed(step, m.Shift)
+    k = delta(op)
+    shape = ctx.shape(op.src)
+    put = puts(ctx.schedule).polls.get(step.name) if op.phase == "wait" else step
+    plan = _step(
+        step,
+        params=[] if op.phase == "wait" else ctx.engine([op.src]),
+        returns=[] if op.phase == "put" else [op.dst],
+        roles={"dst": op.dst} if op.phase == "wait" else {"src": op.src, "dst": op.dst},
+        scalars=[("rows", shape[0]), ("row_len", product(shape[1:]))],
+        tiles=[product(shape[1:])],
+        attrs={"offset": k,
+               "signal": op.phase != "wait", "wait": op.phase != "put",
+               "tune_of": put.name if put is not None else step.name},
+        signalling=True,
+    )
+    if op.phase != "wait":
+        _layout(ctx, plan, "src", 0, 1)
+    return plan

@@ -42,16 +42,33 @@ class Region:
     all_gather, all_to_all, receive buffers) or every ``interleave``-th row block.
     Stores of the same partition overlap only when their writers are equal; stores
     of different partitions may always overlap.
+
+    Scheme ``peer`` (shift): writer ``p`` stores into the WHOLE instance of rank
+    ``p + offset`` (mod W) only, no other rank's; two peer stores of one offset meet
+    on an instance only when their writers are equal, so they form a partition too.
     """
 
-    scheme: str  # "block" | "index" | "interleave"
+    scheme: str  # "block" | "index" | "interleave" | "peer"
     dim: int
     interleave: int = 0
     dim_text: str = ""
+    offset: int = 0  # scheme "peer": the target is rank writer + offset
 
     @property
-    def partition(self) -> tuple[str, int, int]:
-        return (self.scheme, self.dim, self.interleave)
+    def owners_all(self) -> bool:
+        """Whether one writer's store reaches every rank's instance (not ``peer``)."""
+        return self.scheme != "peer"
+
+    def writers(self, owner: int, world: int) -> list[int]:
+        """The ranks whose store of this region reaches ``owner``'s instance, peers of
+        ``owner`` first (the order counterexamples prefer), then ``owner`` itself."""
+        if self.scheme == "peer":
+            return [(owner - self.offset) % world]
+        return [(owner + k) % world for k in range(1, world)] + [owner]
+
+    @property
+    def partition(self) -> tuple[str, int, int, int]:
+        return (self.scheme, self.dim, self.interleave, self.offset)
 
     def text(self, writer: int) -> str:
         """The part of writer ``writer`` in words."""
@@ -59,6 +76,8 @@ class Region:
             return f"{self.dim_text} block {writer} (dim {self.dim})"
         if self.scheme == "index":
             return f"index {writer} of dim {self.dim}"
+        if self.scheme == "peer":
+            return f"whole (shift from rank {writer}, offset {self.offset:+d})"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
 
 
@@ -81,9 +100,10 @@ class Effect:
 class Sync:
     """The signal slots a step's kernel uses.
 
-    ``signal``: the peers ("all" | "next" | "prev") this step publishes its epoch to,
-    in its own slots. ``wait``: the peers it waits for, polling the slots of step
-    ``polls`` (its own index for a communication op).
+    ``signal``: the peers ("all" | "next" | "prev", or one rank at an offset "+k" /
+    "-k", |k| >= 2: a shift) this step publishes its epoch to, in its own slots.
+    ``wait``: the peers it waits for, polling the slots of step ``polls`` (its own index
+    for a communication op).
     """
 
     signal: str | None = None
@@ -103,6 +123,19 @@ class Semantics:
     @property
     def writes(self) -> tuple[str, ...]:
         return _unique(e.buffer for e in self.effects if e.kind == WRITE)
+
+
+def offset_peers(k: int) -> str:
+    """The sync peers of one rank at offset ``k``: "next", "prev" or "+k" / "-k"."""
+    return {1: "next", -1: "prev"}.get(k, f"{k:+d}")
+
+
+def ring_hops(peers: str | None) -> int:
+    """How many ranks a wait from ``peers`` moves a happens-before chain along the ring
+    (0 for none or "all", which reaches every rank at once): the world bound counts it."""
+    if peers in (None, "all"):
+        return 0
+    return 1 if peers in ("next", "prev") else abs(int(peers))  # type: ignore[arg-type]
 
 
 def _unique(names: object) -> tuple[str, ...]:

@@ -219,3 +219,17 @@ def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
     """Every rank waits for every rank (an all_reduce: device-ordered, graph-capturable)."""
     if world > 1:
         _wait(comm, dist.all_reduce(token, group=comm.group, async_op=True), "barrier")
+
+
+def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, rank: int,
+          world: int) -> None:
+    """dst on rank r + offset = src of rank r: one send and one receive per rank."""
+    to, back = (rank + offset) % world, (rank - offset) % world
+    if to == rank:  # W divides the offset: a local copy
+        dst.copy_(src)
+        return
+    ops = [dist.P2POp(dist.isend, wire(src.contiguous()), dist.get_global_rank(comm.group, to),
+                      comm.group),
+           dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back), comm.group)]
+    for work in dist.batch_isend_irecv(ops):
+        _wait(comm, work, "shift")

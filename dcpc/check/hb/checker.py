@@ -12,7 +12,8 @@ from dcpc.check.hb.events import Program, lower
 from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.races import find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
-from dcpc.lang.model import Peers, Schedule
+from dcpc.lang.model import Schedule
+from dcpc.ops.common import ring_hops
 
 if TYPE_CHECKING:
     from dcpc.codegen.plan import Plan
@@ -80,7 +81,8 @@ def world_bound(program: Program, calls: int | None = None) -> int:
 
     Why: every peer pattern is a rank offset (``all``, ``next``, ``prev``), so by
     rotation symmetry a finding is a relation between ranks at some offset d. A
-    happens-before chain moves by one rank per ``next``/``prev`` wait it passes and to
+    happens-before chain moves by one rank per ``next``/``prev`` wait it passes (k
+    ranks per wait of a shift by offset k, counted k times) and to
     every rank at once through an ``all`` one; in the unroll window there are at most
     K = (next/prev waits per call) x calls such hops. For W > 2K + 2 no chain wraps
     around the ring, offsets |d| <= K relate ranks exactly as at any other such W,
@@ -89,8 +91,7 @@ def world_bound(program: Program, calls: int | None = None) -> int:
     ``next`` and ``prev`` differ (W >= 3). Below the bound every W is analysed.
     tests/test_hb_unroll.py compares this with analysing every W.
     """
-    per_call = sum(1 for e in program.events
-                   if e.wait is not None and e.wait[1] != Peers.all)
+    per_call = sum(ring_hops(e.wait[1]) for e in program.events if e.wait is not None)
     return bound_for(per_call, calls or program.default_calls())
 
 

@@ -56,7 +56,9 @@ def hb_dot(schedule: Schedule, world: int, finding: Finding | None = None) -> st
                 step = program.steps[event.step]
                 label = f"call {call} (slot {call % program.slots})\n{step.name} [{event.phase}]"
                 for a in event.accesses:
-                    label += f"\n{a.kind[0]} {a.buffer}" + (" (all ranks)" if a.remote else "")
+                    label += f"\n{a.kind[0]} {a.buffer}" + (
+                        "" if not a.remote else " (all ranks)" if a.region.owners_all
+                        else f" (rank {a.region.offset:+d})")
                 style = []
                 if not w.live[w.pos(call, j)]:
                     style.append("style=dotted, fontcolor=grey")

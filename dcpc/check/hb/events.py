@@ -48,7 +48,8 @@ class Access:
 
     ``region is None``: this rank reads or writes its own whole instance.
     Otherwise a store into EVERY rank's instance (its own included) of the part
-    ``region`` assigns to the writing rank.
+    ``region`` assigns to the writing rank, or (scheme ``peer``) into the whole
+    instance of rank ``writer + region.offset`` only.
     """
 
     buffer: str
@@ -67,8 +68,8 @@ class Event:
     step: int  # index into Program.steps
     phase: str  # "send" | "recv" | "local"
     accesses: tuple[Access, ...] = ()
-    signal: tuple[str, Peers] | None = None  # (channel: the step's own slots, to)
-    wait: tuple[str, Peers] | None = None  # (channel: the polled step's slots, from)
+    signal: tuple[str, Peers | str] | None = None  # (channel: the step's own slots, to)
+    wait: tuple[str, Peers | str] | None = None  # (channel: the polled step's slots, from)
 
 
 @dataclass(frozen=True)
@@ -118,14 +119,22 @@ class Program:
 
 
 @cache
-def peer_deltas(peers: Peers, world: int) -> frozenset[int]:
-    """Rank offsets (mod W) of the peers ``all``/``next``/``prev`` name; never 0.
-    Cached: match_waits asks it once per wait and peer (O(W^2) sets at W=1024)."""
+def peer_deltas(peers: Peers | str, world: int) -> frozenset[int]:
+    """Rank offsets (mod W) of the peers ``all``/``next``/``prev`` (or one offset "+k" /
+    "-k" of a shift) name; never 0. Cached: match_waits asks it once per wait and peer
+    (O(W^2) sets at W=1024)."""
     if world < 2:
         return frozenset()
     if peers == Peers.all:
         return frozenset(range(1, world))
-    return frozenset({1 % world if peers == Peers.next else (world - 1) % world})
+    if peers in (Peers.next, Peers.prev):
+        return frozenset({1 % world if peers == Peers.next else (world - 1) % world})
+    return frozenset({int(peers) % world}) - {0}
+
+
+def _peers(spec: str) -> Peers | str:
+    """A sync's peers as the events keep them: a Peers, or a shift's offset "+k"."""
+    return Peers(spec) if spec in Peers.__members__ else spec
 
 
 def match_waits(program: Program, world: int) -> dict[int, list[tuple[int, int | None]]]:
@@ -175,7 +184,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         if sync.signal is not None:
             channel = slot_channel(i)
             names[channel] = getattr(op, "channel", step.name)
-            events.append(Event(i, "send", before, signal=(channel, Peers(sync.signal))))
+            events.append(Event(i, "send", before, signal=(channel, _peers(sync.signal))))
         elif before or sync.wait is None:
             events.append(Event(i, "local", before))
         if sync.wait is not None:
@@ -184,7 +193,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
                 names[channel] = op.channel  # type: ignore[attr-defined]
             else:
                 channel = slot_channel(sync.polls)
-            events.append(Event(i, "recv", after, wait=(channel, Peers(sync.wait))))
+            events.append(Event(i, "recv", after, wait=(channel, _peers(sync.wait))))
         elif after:
             events.append(Event(i, "local", after))
     return Program(

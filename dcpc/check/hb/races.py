@@ -6,7 +6,8 @@ instance of a buffer (per slot, or one for all slots when ``shared``) come in
 groups, one per (call, event, access):
 
 - a *local* group: rank 0 reads or writes its whole instance (one access);
-- a *store* group: every rank p stores its part p (W accesses).
+- a *store* group: every rank p stores its part p (W accesses), or, for a ``peer``
+  store (shift), the one rank ``-offset`` stores the whole instance.
 
 Two groups are compared with O(1) clock look-ups (local/local, or stores of the
 same partition, which only overlap for the same writer), O(W) (local/stores) or
@@ -89,11 +90,6 @@ def _touching(world: World) -> dict[str, list[tuple[int, Access]]]:
     return out
 
 
-def _peer_first(world: int) -> list[int]:
-    """Ranks in the order counterexamples prefer them: peers first, then rank 0."""
-    return list(range(1, world)) + [0]
-
-
 def _all_ordered(world: World, pa: int, pb: int) -> bool:
     """Whether event pa on EVERY rank happens before event pb on every rank.
 
@@ -131,15 +127,18 @@ def _first_unordered(
         assert xa.region is not None and xb.region is not None
         if xa.region.partition == xb.region.partition:
             # writer p's parts overlap only with writer p's: by rotation, any p is the same
-            p = 1 % w
+            # (a peer store reaches rank 0 from one writer only: that one)
+            p = 1 % w if xa.region.owners_all else xa.region.writers(0, w)[0]
             return (touch(p, ca, ja, xa), touch(p, cb, jb, xb)) if unordered(p, p) else None
-        for p in _peer_first(w):
-            for q in _peer_first(w):
+        for p in xa.region.writers(0, w):
+            for q in xb.region.writers(0, w):
                 if unordered(p, q):
                     return touch(p, ca, ja, xa), touch(q, cb, jb, xb)
         return None
     # one local access of rank 0, one store group: rank 0's whole instance meets part p
-    for p in _peer_first(w):
+    remote = xa.region if xa.remote else xb.region
+    assert remote is not None
+    for p in remote.writers(0, w):
         ra, rb = (0, p) if not xa.remote else (p, 0)
         if unordered(ra, rb):
             return touch(ra, ca, ja, xa), touch(rb, cb, jb, xb)

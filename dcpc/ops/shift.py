@@ -1,0 +1,163 @@
+"""shift: a point-to-point move along the ring. Rank r stores its ``src`` into the
+whole ``dst`` (symmetric) of rank ``r + offset`` (mod W), signals that rank, and waits
+for rank ``r - offset``'s signal (its own ``dst`` has then arrived).
+
+``phase: put`` is the split-phase half that pushes and signals without waiting; a later
+``phase: wait`` step naming the same ``src``, ``dst`` and ``offset`` polls its slots
+(the k-th wait of a (src, dst, offset) polls the k-th put of it). Between the two, the
+kernel's push is in flight and other steps may run (a ring hop overlapping attention).
+
+Offsets: ``next`` (= 1), ``prev`` (= -1) or any other nonzero integer k; rank r + k is
+taken mod W, so at a W that divides k the shift is a local copy (no signal, no wait).
+The checker's world bound counts |k| ranks per wait of a shift.
+Lowerings: dcpc/codegen/rules.py ``shift`` + templates/ops/shift.py.j2 (a direct push
+into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
+``shift``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.ops.common import (
+    BEFORE,
+    READ,
+    WRITE,
+    Region,
+    Scope,
+    Semantics,
+    Sync,
+    effects,
+    keyed,
+    offset_peers,
+)
+from dcpc.ops.registry import IO, OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+    from dcpc.lang.model import Schedule
+
+NAMED = {"next": 1, "prev": -1}
+MAX_OFFSET = 2**31 - 1
+
+
+class Shift(OpBase):
+    """Move ``src`` into ``dst`` of rank ``r + offset``; ``phase`` splits put and wait."""
+
+    op: Literal["shift"]
+    src: Name
+    dst: Name
+    offset: Int | Literal["next", "prev"] = 1
+    phase: Literal["put", "wait"] | None = None
+
+
+def delta(op: Shift) -> int:
+    """The offset as an integer (0 or a huge one is the verifier's error; 1 here)."""
+    k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
+    return k if isinstance(k, int) and 0 < abs(k) <= MAX_OFFSET else 1
+
+
+def _key(op: Shift) -> tuple[str, str, int]:
+    return (op.src, op.dst, delta(op))
+
+
+@dataclass
+class Puts:
+    """Which put each ``phase: wait`` shift polls (by step name), and what is unmatched."""
+
+    polls: dict[str, Step] = field(default_factory=dict)
+    lonely_waits: list[Step] = field(default_factory=list)
+    lonely_puts: list[Step] = field(default_factory=list)
+
+
+def puts(schedule: Schedule) -> Puts:
+    """Match every ``phase: wait`` shift with the earliest earlier unmatched put of the
+    same (src, dst, offset). The choice does not depend on W."""
+    out = Puts()
+    pending: dict[tuple[str, str, int], list[Step]] = {}
+    for step in schedule.step_list():
+        op = step.op
+        if not isinstance(op, Shift) or op.phase is None:
+            continue
+        if op.phase == "put":
+            pending.setdefault(_key(op), []).append(step)
+        elif pending.get(_key(op)):
+            out.polls[step.name] = pending[_key(op)].pop(0)
+        else:
+            out.lonely_waits.append(step)
+    out.lonely_puts = [s for waiting in pending.values() for s in waiting]
+    return out
+
+
+def semantics(c: Scope, step: Step) -> Semantics:
+    op: Shift = step.op  # type: ignore[assignment]
+    k = delta(op)
+    to, back = offset_peers(k), offset_peers(-k)
+    if op.phase == "wait":
+        polled = puts(c.schedule).polls.get(step.name)
+        return Semantics((), Sync(wait=back, polls=polled.index if polled else None))
+    push = effects(READ, BEFORE, keyed(op, "src"))
+    push += effects(WRITE, BEFORE, keyed(op, "dst"), Region("peer", 0, offset=k))
+    if op.phase == "put":
+        return Semantics(tuple(push), Sync(signal=to))
+    return Semantics(tuple(push), Sync(signal=to, wait=back, polls=step.index))
+
+
+def verify(v: Verify, step: Step) -> None:
+    op: Shift = step.op  # type: ignore[assignment]
+    k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
+    if not 0 < abs(k) <= MAX_OFFSET:
+        v.error(op.mark("offset"), "bad-offset",
+                f"step '{step.name}' shifts by {k}; an offset is a nonzero integer of at "
+                f"most {MAX_OFFSET} ranks either way (or next / prev)",
+                "use 'copy' to move data on this rank" if k == 0 else None)
+    (src,), (dst,) = v.refs("src"), v.refs("dst")
+    v.transfer(src, dst, symmetric=True)
+    s = v.shape(src.name)
+    if s is not None and v.shape(dst.name) is not None:
+        v.expect(dst, list(s), f"the shift of src '{src.name}'")
+    matched = puts(v.ctx.schedule)
+    if any(w.name == step.name for w in matched.lonely_waits):
+        v.error(op.mark("phase"), "unmatched-wait",
+                f"step '{step.name}' waits for a shift of '{src.name}' into '{dst.name}', "
+                "but no earlier 'phase: put' step with the same src, dst and offset is "
+                "left for it; the wait could never finish",
+                "add a put step before it, or drop 'phase' for a shift that waits itself")
+    if any(p.name == step.name for p in matched.lonely_puts):
+        v.error(op.mark("phase"), "unmatched-put",
+                f"step '{step.name}' puts '{src.name}' into '{dst.name}' of rank "
+                f"r{delta(op):+d}, "
+                "but no later 'phase: wait' step with the same src, dst and offset waits "
+                "for it; the receiver never learns that its data arrived",
+                "add a 'phase: wait' step after it")
+
+
+def reference(sim: Sim, step: Step) -> None:
+    """Put: every rank's src leaves (held until its wait); wait: it lands; whole: both."""
+    op: Shift = step.op  # type: ignore[assignment]
+    k, w = delta(op), sim.world
+    if op.phase == "wait":
+        put = puts(sim.schedule).polls[step.name]
+        for r in range(w):
+            sim.store(r, op.dst, sim.bufs[r][f"{put.name}@inflight"])
+        return
+    moved = [sim.bufs[(r - k) % w][op.src].clone() for r in range(w)]
+    for r in range(w):
+        if op.phase == "put":
+            sim.stash(r, f"{step.name}@inflight", moved[r], like=op.dst)
+        else:
+            sim.store(r, op.dst, moved[r])
+
+
+def io(op: Shift) -> IO:
+    if op.phase == "wait":
+        return [], [op.dst]
+    if op.phase == "put":
+        return [op.src], []
+    return [op.src], [op.dst]
+
+
+DEF = define(OpDef("shift", Shift, semantics, verify, reference, io))

@@ -1,0 +1,245 @@
+"""shift, the point-to-point op (whole, or split in ``phase: put`` / ``phase: wait``):
+its verifier, its semantics (a store into ONE peer's instance), the checker against the
+brute force (tests/hb_oracle.py) and the execution oracle on random shift schedules,
+its float64 reference, the access tracer, and runs on the host and torch backends."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from exec_oracle_agree import disagreements
+from hb_oracle import oracle_keys, random_shift_schedule_text
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dcpc.check import hb, structural
+from dcpc.harness import simulate
+from dcpc.harness import trace as tr
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.parse import parse_file, parse_text
+from dcpc.lang.semantics import Region, semantics
+
+HERE = Path(__file__).parent / "shift"
+PASS, SPLIT, FAR = HERE / "pass_credit.yaml", HERE / "split.yaml", HERE / "far.yaml"
+
+
+def _errors(text: str) -> list:
+    schedule = parse_text(text, "s.yaml")
+    return [d for d in structural.check(schedule, range(2, 5)) if d.severity == "error"]
+
+
+def _keys(text: str, world: int) -> set:
+    return {f.key for f in hb.check(parse_text(text), [world], hints=False).findings}
+
+
+HEAD = """\
+schedule: s
+sizes: {N: 4, D: 2}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32, symmetric: true}
+  z: {shape: [N, D], dtype: f32}
+  e: {shape: [N, D], dtype: f32}
+  b: {shape: [N, 3], dtype: f32, symmetric: true}
+steps:
+"""
+
+
+# --- the verifier -------------------------------------------------------------------
+
+@pytest.mark.parametrize("step,code,at,words", [
+    ("  - hop: {op: shift, src: x, dst: y, offset: 0}\n", "bad-offset", "0}",
+     "an offset is a nonzero integer"),
+    ("  - hop: {op: shift, src: x, dst: y, offset: -2147483648}\n", "bad-offset", "-2147483648}",
+     "at most 2147483647 ranks"),
+    ("  - hop: {op: shift, src: x, dst: e}\n", "not-symmetric", "e}", "engine-owned"),
+    ("  - hop: {op: shift, src: x, dst: b}\n", "shape-mismatch", "b}", "the shift of src 'x'"),
+    ("  - hop: {op: shift, src: x, dst: y, phase: wait}\n", "unmatched-wait", "wait}",
+     "no earlier 'phase: put'"),
+    ("  - hop: {op: shift, src: x, dst: y, phase: put}\n", "unmatched-put", "put}",
+     "no later 'phase: wait'"),
+])
+def test_bad_shifts_are_located_errors(step: str, code: str, at: str, words: str) -> None:
+    found = _errors(HEAD + step)
+    assert [d.code for d in found] == [code], found
+    col = step.index(at) + 1  # the value the error is about (columns count from 1)
+    assert (found[0].mark.file, found[0].mark.line, found[0].mark.col) == ("s.yaml", 10, col)
+    assert words in found[0].message
+
+
+def test_a_wait_of_another_offset_is_not_the_puts() -> None:
+    text = HEAD + ("  - send: {op: shift, src: x, dst: y, phase: put}\n"
+                   "  - recv: {op: shift, src: x, dst: y, offset: prev, phase: wait}\n")
+    assert sorted(d.code for d in _errors(text)) == ["unmatched-put", "unmatched-wait"]
+
+
+# --- the semantics: one peer's instance, whole ---------------------------------------
+
+def test_the_semantics_store_into_the_offset_peer_only() -> None:
+    schedule = parse_file(SPLIT)
+    steps = {s.name: s for s in schedule.step_list()}
+    put, wait = semantics(schedule, steps["send"]), semantics(schedule, steps["recv"])
+    store = [e for e in put.effects if e.kind == "write"]
+    assert [(e.buffer, e.when, e.region) for e in store] == [
+        ("y", "before", Region("peer", 0, offset=-1))]
+    assert (put.sync.signal, put.sync.wait) == ("prev", None)
+    assert (wait.effects, wait.sync.wait, wait.sync.polls) == ((), "next", steps["send"].index)
+    assert Region("peer", 0, offset=-1).writers(0, 5) == [1]
+
+
+NO_CREDIT = HEAD + ("  - hop: {op: shift, src: x, dst: y}\n"
+                    "  - use: {op: external, reads: [y], writes: [z]}\n")
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_a_ring_pass_without_credit_races_and_with_it_is_proved(world: int) -> None:
+    race = {("race", "write-after-read", "y", "use", "hop")}
+    assert _keys(NO_CREDIT, world) == race == oracle_keys(parse_text(NO_CREDIT), world)
+    # the credit goes to the ONE writer of y (prev): a model that let the shift write
+    # every rank's y would call this a race at W >= 3 (rank r + 2 is not credited)
+    credit = NO_CREDIT + ("  - free: {op: signal, to: prev, channel: f}\n"
+                          "  - freed: {op: wait, from: next, channel: f}\n")
+    assert _keys(credit, world) == set() == oracle_keys(parse_text(credit), world)
+    wrong_side = NO_CREDIT + ("  - free: {op: signal, to: next, channel: f}\n"
+                              "  - freed: {op: wait, from: prev, channel: f}\n")
+    assert _keys(wrong_side, world) == (race if world > 2 else set())
+    assert oracle_keys(parse_text(wrong_side), world) == _keys(wrong_side, world)
+
+
+def test_a_far_offset_counts_its_ranks_in_the_world_bound() -> None:
+    """A shift by 3 with a credit back: each call's wait moves a chain 3 ranks, so the
+    bound grows 3 times as fast as for next/prev (hb-checker.md, world bound)."""
+    from dcpc.check.hb.checker import world_bound
+    from dcpc.check.hb.events import lower
+
+    def bound(offset: str) -> int:
+        text = NO_CREDIT.replace("dst: y}", f"dst: y, offset: {offset}}}")
+        return world_bound(lower(parse_text(text)))
+
+    assert (bound("next"), bound("3"), bound("-5")) == (8, 15, 23)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 7])
+def test_a_far_offset_wraps_mod_w(world: int) -> None:
+    """offset 2 at W=2 is a local copy (no signal: the use still races with the next
+    call's copy only if... never: same rank, program order); at W=4 +2 and -2 meet."""
+    text = NO_CREDIT.replace("dst: y}", "dst: y, offset: 2}")
+    keys = _keys(text, world)
+    assert keys == oracle_keys(parse_text(text), world)
+    assert keys == (set() if world == 2 else {("race", "write-after-read", "y", "use", "hop")})
+    credit = text + ("  - free: {op: signal, to: next, channel: f}\n"
+                     "  - freed: {op: wait, from: prev, channel: f}\n")
+    # the credit goes to rank r + 1, but y's writer is rank r - 2: proved only where they
+    # coincide (W = 3) or where the shift is local (W = 2)
+    want = set() if world in (2, 3) else {("race", "write-after-read", "y", "use", "hop")}
+    assert _keys(credit, world) == want == oracle_keys(parse_text(credit), world)
+
+
+def _by_world(schedule, worlds, every: bool) -> dict:
+    return {f.key: f.world for f in hb.check(schedule, worlds, hints=False,
+                                             every_world=every).findings}
+
+
+@pytest.mark.parametrize("offset", ["3", "-5", "next"])
+def test_the_world_bound_finds_what_every_w_finds_for_far_offsets(offset: str) -> None:
+    text = NO_CREDIT.replace("dst: y}", f"dst: y, offset: {offset}}}") + (
+        "  - free: {op: signal, to: prev, channel: f}\n"
+        "  - freed: {op: wait, from: next, channel: f}\n")
+    schedule = parse_text(text)
+    found = _by_world(schedule, range(2, 50), every=False)
+    assert found == _by_world(schedule, range(2, 50), every=True)
+    assert bool(found) == (offset != "next")  # the credit reaches the writer only for +1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_world_bound_finds_what_every_w_finds_on_random_shift_schedules(
+        data: st.DataObject) -> None:
+    schedule = parse_text(random_shift_schedule_text(data.draw, st))
+    assert _by_world(schedule, range(2, 40), every=False) == \
+        _by_world(schedule, range(2, 40), every=True)
+
+
+def test_the_shipped_examples_check_clean_over_a_range() -> None:
+    for path in (PASS, SPLIT, FAR):
+        report = hb.check(parse_file(path), range(2, 17))
+        assert report.findings == [], path
+
+
+# --- the checker against the brute force and the execution oracle --------------------
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_checker_and_brute_force_agree_on_random_shift_schedules(data: st.DataObject) -> None:
+    text = random_shift_schedule_text(data.draw, st)
+    schedule = parse_text(text)
+    errors = [d for d in structural.check(schedule, range(2, 5)) if d.severity == "error"]
+    assert errors == [], text  # the generator only makes structurally valid schedules
+    for world in (2, 3, 4):
+        report = hb.check(schedule, [world], hints=False)
+        assert {f.key for f in report.findings} == oracle_keys(schedule, world), (text, world)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_checker_and_execution_oracle_agree_on_random_shift_schedules(
+        data: st.DataObject) -> None:
+    text = random_shift_schedule_text(data.draw, st)
+    assert disagreements(parse_text(text), [2, 3, 4]) == [], text
+
+
+# --- the float64 reference -----------------------------------------------------------
+
+@pytest.mark.parametrize("path,k", [(PASS, 1), (SPLIT, -1)])
+def test_the_reference_moves_src_to_the_offset_rank(path: Path, k: int) -> None:
+    schedule, world = parse_file(path), 3
+    gen = torch.Generator().manual_seed(7)
+    inputs = [{n: simulate.as_stored(schedule, n, torch.randn(5, 48, generator=gen,
+                                                              dtype=torch.float64))
+               for n in ("x", "w") if n in schedule.buffers} for _ in range(world)]
+    trace: list = []
+    out = simulate.simulate_call(schedule, world, {"N": 5, "D": 48}, inputs,
+                                 lambda step, rank, bufs: {n: bufs["x"] * 0 + rank
+                                                           for n in step.op.writes},
+                                 trace=trace)
+    wrote = [s.index for s in schedule.step_list() if "y" in trace[s.index][0]]
+    assert wrote == [2 if k < 0 else 0]  # the split shift's data lands at its wait
+    for r in range(world):
+        assert torch.equal(out[(r + k) % world]["y"], inputs[r]["x"])
+
+
+# --- the kernels: every access where the plan says, outputs against float64 ----------
+
+@pytest.mark.parametrize("path,world", [(PASS, 3), (SPLIT, 3), (FAR, 4), (FAR, 2)],
+                         ids=["pass-3", "split-3", "far-4", "far-local-2"])
+def test_traced_kernels_store_into_the_offset_peer_only(path: Path, world: int) -> None:
+    run = tr.run_traced(str(path), world, programs=2, block=256, calls=2)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+    assert max(run.trace.programs.values()) > 1, run.trace.programs  # several programs ran
+    if world > 2:  # the tracer's peer check has teeth: a plan naming another target fails
+        step = next(s for s in run.plan.steps if s.op == "shift" and s.sync.signal)
+        def flipped(e):  # the store said to go the other way round the ring
+            if e.region is None:
+                return e
+            return dataclasses.replace(e, region=dataclasses.replace(
+                e.region, offset=-e.region.offset))
+
+        plan = dataclasses.replace(run.plan, steps=[
+            dataclasses.replace(s, effects=[flipped(e) for e in s.effects]) if s is step else s
+            for s in run.plan.steps])
+        problems = tr.check(run.trace, plan, world)
+        assert any("writes 'y' of rank" in p and "outside rank" in p for p in problems), problems
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("path,world,backend", [(SPLIT, 3, "host"), (SPLIT, 2, "torch")],
+                         ids=["split-host-3", "split-torch-2"])
+def test_dcpc_run_matches_float64(path: Path, world: int, backend: str) -> None:
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
+                                    calls=4, seed=3))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert report.outputs["y"].compared == 4 * world, text
