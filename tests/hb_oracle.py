@@ -99,7 +99,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         reads(_as_list(op.src), 0)
         stores(_as_list(op.dst), (_partition(schedule, op), b.rank))
         exchange()
-    elif kind == "reduce_scatter":
+    elif kind in ("reduce_scatter", "all_reduce"):  # all_reduce: whole src, same sync
         via = op.via or f"{name}_recv"
         reads([op.src], 0)
         stores([via], (("index", 0, 0), b.rank))
@@ -149,7 +149,7 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
     tracked = {n for n, buf in schedule.buffers.items() if buf.symmetric or buf.shared}
     steps = [(n, op) for item in schedule.steps for n, op in item.items()]
     for n, op in steps:
-        if op.op == "reduce_scatter" and op.via is None:
+        if op.op in ("reduce_scatter", "all_reduce") and op.via is None:
             tracked.add(f"{n}_recv")
     graph = nx.DiGraph()
     ids = count()
@@ -300,6 +300,7 @@ buffers:
   a0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{a0}}}
   s0:   {{shape: [N, K], dtype: f32, symmetric: true{s0}}}
   r0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{r0}}}
+  v0:   {{shape: [W, N, K], dtype: f32, symmetric: true{v0}}}
 steps:
 """
 
@@ -318,14 +319,15 @@ def random_schedule_text(draw, st) -> str:
     slots = draw(st.integers(1, 3))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
-             for b in ("g0", "g1", "a0", "s0", "r0")}
+             for b in ("g0", "g1", "a0", "s0", "r0", "v0")}
     steps: list[str] = []
     written: list[str] = []
     pending_waits: list[str] = []
     count_steps = draw(st.integers(1, 6))
     for _ in range(count_steps):
         kind = draw(st.sampled_from(
-            ["gather", "gather", "a2a", "ext", "ext", "ext", "barrier", "sync", "rs", "copy"]))
+            ["gather", "gather", "a2a", "ext", "ext", "ext", "barrier", "sync", "rs", "copy",
+             "ar"]))
         if kind == "gather":
             dst = draw(st.sampled_from(["g0", "g1"]))
             extra = ", interleave: 1" if draw(st.booleans()) else ""
@@ -339,6 +341,11 @@ def random_schedule_text(draw, st) -> str:
             steps.append(f"{{op: reduce_scatter, src: x, dst: y_rs, dim: 1{via}}}")
             if via:
                 written.append("r0")
+        elif kind == "ar":
+            via = ", via: v0" if draw(st.booleans()) else ""
+            steps.append(f"{{op: all_reduce, src: x, dst: y{via}}}")
+            if via:
+                written.append("v0")
         elif kind == "copy" and "g0" in written:
             steps.append("{op: copy, src: g0, dst: z}")
         elif kind == "barrier":

@@ -25,6 +25,7 @@ from dcpc.codegen.lower import (
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
+from dcpc.ops import all_reduce as ar
 from dcpc.ops.all_to_all_combine import self_copy
 from dcpc.ops.common import Scope
 from dcpc.ops.reduce_scatter import via_of
@@ -289,3 +290,28 @@ def _external(ctx: Ctx, step: m.Step) -> StepPlan:
         reads=list(typed(step, m.External).reads),
         writes=list(typed(step, m.External).writes),
     )
+
+
+@register("all_reduce")
+def _all_reduce(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, ar.AllReduce)
+    shape = ctx.shape(op.src)
+    # src seen as [outer, part]: part its last dim (one tile row), outer the rest
+    outer, part = product(shape[:-1]), shape[-1]
+    via = ar.via_of(step)[0]  # the implicit <step>_recv when the schedule names none
+    if op.via is None:  # implicit receive buffer [W, outer * part]
+        ctx.buffers[via] = BufferPlan(
+            via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric"
+        )
+    return _step(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "via": via, "dst": op.dst},
+        scalars=[("outer", outer), ("part", part)],
+        tiles=[part],
+        scratch={"acc": (product(shape), "f32")},
+        attrs={"reduce": ar.REDUCTIONS.index(op.reduce)},
+        signalling=True,
+    )
+

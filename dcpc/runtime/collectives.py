@@ -219,3 +219,35 @@ def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
     """Every rank waits for every rank (an all_reduce: device-ordered, graph-capturable)."""
     if world > 1:
         _wait(comm, dist.all_reduce(token, group=comm.group, async_op=True), "barrier")
+
+
+def all_reduce(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    via: torch.Tensor,
+    dst: torch.Tensor,
+    acc: torch.Tensor,
+    numel: int,
+    world: int,
+    reduce: int,
+) -> None:
+    """Every rank's src lands in via[rank] ([W, numel]) of every rank; then dst is the
+    reduction over p = 0 .. W-1 in fp32 (``reduce`` 0: sum, 1: max), the same on every
+    rank (the kernels' order and accumulation)."""
+    if numel == 0:
+        return
+    staged = via.reshape(-1)[: world * numel]
+    if world == 1:
+        staged.copy_(src.reshape(-1))
+    else:
+        _wait(comm, dist.all_gather_into_tensor(staged, src.reshape(-1), group=comm.group,
+                                                async_op=True), "all_reduce")
+    total = acc[:numel]
+    parts = staged.view(world, numel)
+    total.copy_(parts[0])
+    for p in range(1, world):  # rank order, as the kernels add
+        if reduce == 0:
+            total.add_(parts[p].to(torch.float32))
+        else:
+            torch.maximum(total, parts[p].to(torch.float32), out=total)
+    dst.reshape(-1).copy_(total)
