@@ -4,7 +4,8 @@
     valid_schedule(seed) -> (text, Schedule)   (the first valid draw from seed on)
 
 What the draws cover (issue 12's classes among them): all_gather (block, interleaved,
-into symmetric buffers that a fused exchange later reads as its src), all_to_all,
+into symmetric buffers that a fused exchange later reads as its src), all_to_all (also
+with split_dim/concat_dim),
 reduce_scatter (explicit and implicit via), all_reduce (likewise; drawn in place of
 some reduce_scatters, so schedules without one keep their draws), the fused
 all_to_all_combine (own part read
@@ -45,6 +46,7 @@ buffers:
   s0:   {{shape: [N, K], dtype: f32, symmetric: true{s0}}}
   r0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{r0}}}
   v0:   {{shape: [W, N, K], dtype: f32, symmetric: true}}
+  c0:   {{shape: [W*N, K/W], dtype: f32, symmetric: true}}
   os:   {{shape: [N, K, 2], dtype: f32, symmetric: true{os}}}
   osl:  {{shape: [N, K], dtype: f32, symmetric: true, lse_base: e{osl}}}
   vo:   {{shape: [W, N, K/W, 2], dtype: f32, symmetric: true{vo}}}
@@ -88,7 +90,10 @@ def schedule_text(seed: int, max_steps: int = 7) -> str:
             steps.append(f"{{op: all_gather, src: {src}, dst: {dst}, dim: 1}}")
             written.add(dst)
         elif kind == "a2a":
-            if rng.random() < 0.5:
+            if rng.random() < 0.5 and rng.random() < 0.4:  # split/concat into [W*N, K/W]
+                steps.append("{op: all_to_all, src: x, dst: c0, split_dim: 1, concat_dim: 0}")
+                written.add("c0")
+            elif rng.random() < 0.5:
                 steps.append("{op: all_to_all, src: x, dst: a0, dim: 1}")
                 written.add("a0")
             else:

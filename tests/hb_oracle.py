@@ -58,6 +58,8 @@ class _Builder:
 
 
 def _partition(schedule: Schedule, op) -> tuple:
+    if op.op == "all_to_all" and op.concat_dim is not None:  # block p along concat_dim
+        return ("block", op.concat_dim % len(schedule.buffers[_as_list(op.dst)[0]].shape), 0)
     if op.op == "all_gather":
         if op.interleave:
             return ("interleave", op.dim, op.interleave)
@@ -301,6 +303,7 @@ buffers:
   s0:   {{shape: [N, K], dtype: f32, symmetric: true{s0}}}
   r0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{r0}}}
   v0:   {{shape: [W, N, K], dtype: f32, symmetric: true{v0}}}
+  c0:   {{shape: [W*N, K/W], dtype: f32, symmetric: true{c0}}}
 steps:
 """
 
@@ -319,7 +322,7 @@ def random_schedule_text(draw, st) -> str:
     slots = draw(st.integers(1, 3))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
-             for b in ("g0", "g1", "a0", "s0", "r0", "v0")}
+             for b in ("g0", "g1", "a0", "s0", "r0", "v0", "c0")}
     steps: list[str] = []
     written: list[str] = []
     pending_waits: list[str] = []
@@ -333,6 +336,9 @@ def random_schedule_text(draw, st) -> str:
             extra = ", interleave: 1" if draw(st.booleans()) else ""
             steps.append(f"{{op: all_gather, src: x, dst: {dst}, dim: 0{extra}}}")
             written.append(dst)
+        elif kind == "a2a" and draw(st.booleans()):  # split/concat: dst has src's rank
+            steps.append("{op: all_to_all, src: x, dst: c0, split_dim: 1, concat_dim: 0}")
+            written.append("c0")
         elif kind == "a2a":
             steps.append("{op: all_to_all, src: x, dst: a0, dim: 1}")
             written.append("a0")

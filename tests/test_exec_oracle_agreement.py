@@ -77,6 +77,7 @@ def test_the_random_schedules_cover_issue_12s_classes() -> None:
         "external reads a symmetric buffer": r"reads: \[(g0|g1|a0|s0|r0|os|osl|vo|vl)",
         "interleaved gather": r"interleave: 2",
         "all_reduce": r"all_reduce", "implicit all_reduce via": r"reduce: sum\}",
+        "all_to_all split/concat": r"concat_dim: 0",
     }
     for what, pattern in patterns.items():
         hits = sum(1 for t in texts if re.search(pattern, t))

@@ -26,6 +26,7 @@ from dcpc.codegen.lower import (
 from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
 from dcpc.ops import all_reduce as ar
+from dcpc.ops import all_to_all as a2a
 from dcpc.ops.all_to_all_combine import self_copy
 from dcpc.ops.common import Scope
 from dcpc.ops.reduce_scatter import via_of
@@ -122,19 +123,27 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
     srcs = op.src if isinstance(op.src, list) else [op.src]
     dsts = op.dst if isinstance(op.dst, list) else [op.dst]
     plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    concat = a2a.concat(op)
     for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
         shape = ctx.shape(s)
+        d, cat = a2a.dims(op, len(shape)) if concat else (op.dim, 0)
         plan.roles[f"src{k}"], plan.roles[f"dst{k}"] = s, t
-        part = div(product(shape[op.dim :]), W)
+        part = div(product(shape[d:]), W)
         plan.scalars += [
-            (f"outer{k}", product(shape[: op.dim])),
+            (f"outer{k}", product(shape[:d])),
             (f"part{k}", part),
-            (f"inner{k}", product(shape[op.dim + 1 :])),
+            (f"inner{k}", product(shape[d + 1 :])),
         ]
-        _layout(ctx, plan, f"src{k}", op.dim, op.dim + 1)
+        if concat:  # a part's dims [cat:] make one block of dst, rank p's at block p
+            chunk = [div(x, W) if i == d else x for i, x in enumerate(shape)]
+            plan.scalars.append((f"block{k}", product(chunk[cat:])))
+            plan.scratch[f"recv{k}"] = (product(shape), ctx.buffers[s].dtype)
+        _layout(ctx, plan, f"src{k}", d, d + 1)
         plan.tiles.append(part)
         plan.scratch[f"send{k}"] = (product(shape), ctx.buffers[s].dtype)
     plan.attrs["payloads"] = len(srcs)
+    if concat:  # absent otherwise: a stacking exchange's plan and module stay as they were
+        plan.attrs["concat"] = True
     return plan
 
 

@@ -251,3 +251,26 @@ def all_reduce(
         else:
             torch.maximum(total, parts[p].to(torch.float32), out=total)
     dst.reshape(-1).copy_(total)
+
+
+def all_to_all_concat(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    outer: int,
+    part: int,
+    block: int,
+    world: int,
+) -> None:
+    """all_to_all with split_dim/concat_dim: part j of src ([outer, W, part]) lands on
+    rank j as block ``rank`` along concat_dim, i.e. dst seen as [n, W, block] gets it at
+    [:, rank] (``block``: the part's size from concat_dim on)."""
+    numel = outer * part
+    if numel == 0:
+        return
+    staged = recv[: world * numel]
+    all_to_all(comm, src, staged, send, outer, part, world)  # staged: [W, numel]
+    dst.reshape(numel // block, world, block).copy_(
+        staged.view(world, numel // block, block).transpose(0, 1))
