@@ -102,12 +102,12 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         stores(_as_list(op.dst), (_partition(schedule, op), b.rank))
         exchange()
     elif kind in ("reduce_scatter", "all_reduce"):  # all_reduce: whole src, same sync
-        via = op.via or f"{name}_recv"
-        reads([op.src], 0)
-        stores([via], (("index", 0, 0), b.rank))
+        via = _as_list(op.via) or [f"{name}_recv"]  # reduce: lse: [o_recv, lse_recv]
+        reads(_as_list(op.src), 0)
+        stores(via, (("index", 0, 0), b.rank))
         exchange()
-        reads([via], 1)
-        writes([op.dst], 1)
+        reads(via + masks, 1)
+        writes([op.dst] + _as_list(getattr(op, "return_lse", None)), 1)
     elif kind == "all_to_all_combine":
         reads(op.src, 0)
         stores(op.via, (("index", 0, 0), b.rank))

@@ -117,6 +117,100 @@ def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str, redu
     assert report.outputs["y"].compared == 4 * world, out
 
 
+# reduce: lse (tree attention / PCP): every rank gets the merged output and LSE
+LSE = """\
+schedule: tree
+sizes:
+  T: {max: 8}
+  B: {max: 4}
+  H: 4
+  Dv: 16
+buffers:
+  o:        {shape: [T, H, Dv], dtype: bf16}
+  lse:      {shape: [T, H], dtype: f32, lse_base: e}
+  o_recv:   {shape: [W, T, H, Dv], dtype: bf16, symmetric: true}
+  lse_recv: {shape: [W, T, H], dtype: f32, symmetric: true, lse_base: e}
+  out:      {shape: [T, H, Dv], dtype: bf16}
+  out_lse:  {shape: [T, H], dtype: f32, lse_base: e}
+  seq_lens: {shape: [B], dtype: i32}
+  query_start_loc: {shape: [B+1], dtype: i32}
+steps:
+  - attention: {op: external, reads: [seq_lens, query_start_loc], writes: [o, lse]}
+  - merge:     {op: all_reduce, reduce: lse, src: [o, lse], via: [o_recv, lse_recv],
+                dst: out, return_lse: out_lse,
+                mask_empty: {seq_lens: seq_lens, query_start_loc: query_start_loc}}
+  - release:   {op: barrier}
+"""
+
+
+def test_lse_checks_clean_and_races_without_the_barrier() -> None:
+    schedule = parse_text(LSE, "tree.yaml")
+    for world in (2, 3):
+        assert oracle_keys(schedule, world) == set()
+        assert hb.check(schedule, [world]).findings == []
+    racy = parse_text(LSE.replace("  - release:   {op: barrier}\n", ""), "tree.yaml")
+    want = {("race", "write-after-read", b, "merge", "merge") for b in ("o_recv", "lse_recv")}
+    for world in (2, 3):
+        assert oracle_keys(racy, world) == want
+        assert {f.key for f in hb.check(racy, [world], hints=False).findings} == want
+
+
+@pytest.mark.parametrize("old,new,code,words", [
+    ("via: [o_recv, lse_recv],", "", "bad-reduce", "needs 'src: [o, lse]' and 'via: [o_recv"),
+    ("o_recv:   {shape: [W, T, H, Dv]", "o_recv:   {shape: [T, H, Dv]", "shape-mismatch",
+     "via 'o_recv' of step 'merge' has 3 dims"),
+    ("lse_recv: {shape: [W, T, H], dtype: f32, symmetric: true, lse_base: e}",
+     "lse_recv: {shape: [W, T, H], dtype: f32, symmetric: true, lse_base: 2}",
+     "lse-base-mismatch", "moves an LSE of base e from 'lse' into 'lse_recv'"),
+    ("reduce: lse, src: [o, lse]", "reduce: sum, src: [o, lse]", "bad-reduce",
+     "with reduce: sum takes one buffer as src"),
+])
+def test_lse_refusals(tmp_path: Path, old: str, new: str, code: str, words: str) -> None:
+    assert old in LSE
+    found = _errors(_write(tmp_path, LSE.replace(old, new, 1)))
+    assert any(c == code and words in msg for c, _, _, msg in found), found
+
+
+def test_lse_reference_is_the_merge_of_every_rank() -> None:
+    """float64: every rank's out is lse_combine's merge of all W partials, with an
+    empty shard's partial (garbage output, lse forced to -inf) weighing nothing."""
+    from dcpc.runtime import merge
+
+    schedule = parse_text(LSE, "tree.yaml")
+    world, gen = 3, torch.Generator().manual_seed(5)
+    lens = torch.tensor([1, 7], dtype=torch.int32)  # request 0: only rank 0 holds a token
+    qsl = torch.tensor([0, 2, 4], dtype=torch.int32)  # rows 4, 5: padding
+    inputs = []
+    for _ in range(world):
+        o = torch.randn(6, 4, 16, generator=gen, dtype=torch.float64)
+        lse = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+        inputs.append({"o": simulate.as_stored(schedule, "o", o), "lse": lse.float().double(),
+                       "seq_lens": lens, "query_start_loc": qsl})
+    inputs[2]["o"][0] = float("nan")  # an empty shard's garbage
+    out = simulate.simulate_call(schedule, world, {"T": 6, "B": 2, "H": 4, "Dv": 16}, inputs,
+                                 lambda *_: {})
+    stacked_o = torch.stack([inputs[p]["o"] for p in range(world)])
+    stacked_lse = torch.stack([inputs[p]["lse"] for p in range(world)])
+    masked = merge.empty_mask(lens, qsl, 6, world, 1)
+    want, want_lse = merge.lse_combine(stacked_o, stacked_lse, "e", masked)
+    for rank in range(world):
+        assert not out[rank]["out"][:4].isnan().any()
+        torch.testing.assert_close(out[rank]["out"], simulate.as_stored(schedule, "out", want))
+        torch.testing.assert_close(out[rank]["out_lse"], want_lse.double(), rtol=1e-6,
+                                   atol=1e-6)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("world,backend", [(2, "torch")])  # host: the tree_attention gallery
+def test_lse_run_matches_float64(tmp_path: Path, world: int, backend: str) -> None:
+    report = run_schedule(RunConfig(schedule=str(_write(tmp_path, LSE)), world=world,
+                                    backend=backend, calls=4, seed=21 + world))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    for name in ("out", "out_lse"):
+        assert report.outputs[name].compared == 4 * world, text
+
+
 @pytest.mark.e2e
 def test_every_rank_gets_the_same_bits(tmp_path: Path) -> None:
     """Ranks as threads (local backend): bf16 inputs of mixed magnitudes, summed in fp32

@@ -304,6 +304,9 @@ def _external(ctx: Ctx, step: m.Step) -> StepPlan:
 @register("all_reduce")
 def _all_reduce(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, ar.AllReduce)
+    if op.reduce == "lse":
+        return _all_reduce_lse(ctx, step, op)
+    assert isinstance(op.src, str)
     shape = ctx.shape(op.src)
     # src seen as [outer, part]: part its last dim (one tile row), outer the rest
     outer, part = product(shape[:-1]), shape[-1]
@@ -324,3 +327,20 @@ def _all_reduce(ctx: Ctx, step: m.Step) -> StepPlan:
         signalling=True,
     )
 
+
+def _all_reduce_lse(ctx: Ctx, step: m.Step, op: ar.AllReduce) -> StepPlan:
+    """Push every whole partial [o, lse] into via[rank] of every rank (rows x row_len
+    tiles), signal, wait; then lse_combine's merge of via in a second launch."""
+    o, lse = op.src
+    via_o, via_lse = op.via  # type: ignore[misc]
+    plan = _step(
+        step,
+        params=ctx.engine([o, lse]),
+        returns=[op.dst],
+        roles={"src_o": o, "src_lse": lse, "o": via_o, "lse": via_lse, "dst": op.dst},
+        scalars=[("push_rows", product(ctx.shape(lse)))],
+        attrs={"reduce": ar.REDUCTIONS.index(op.reduce)},
+        signalling=True,
+    )
+    plan.tiles.append(ctx.shape(o)[-1])  # the push's tiles; the merge's are tiles[1]
+    return _merge_common(ctx, step, via_o, via_lse, plan)  # type: ignore[arg-type]

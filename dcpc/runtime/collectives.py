@@ -274,3 +274,32 @@ def all_to_all_concat(
     all_to_all(comm, src, staged, send, outer, part, world)  # staged: [W, numel]
     dst.reshape(numel // block, world, block).copy_(
         staged.view(world, numel // block, block).transpose(0, 1))
+
+
+def all_reduce_lse(
+    comm: SlotGroup,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    via_o: torch.Tensor,
+    via_lse: torch.Tensor,
+    dst: torch.Tensor,
+    dst_lse: torch.Tensor | None,
+    base: str,
+    seq_lens: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None,
+    interleave: int,
+    world: int,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """all_reduce with reduce: lse: every rank's [o, lse] lands in via[rank] of every rank
+    (all_gather), then lse_combine's merge of via on every rank."""
+    for src, recv in ((o, via_o), (lse, via_lse)):
+        n = src.numel()
+        if world == 1:
+            recv.reshape(-1)[:n].copy_(src.reshape(-1))
+        elif n:
+            _wait(comm, dist.all_gather_into_tensor(wire(recv.reshape(-1)), wire(src.reshape(-1)),
+                                                    group=comm.group, async_op=True),
+                  "all_reduce")
+    lse_combine(via_o, via_lse, dst, dst_lse, base, seq_lens, query_start_loc, interleave,
+                world, scale)
