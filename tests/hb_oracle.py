@@ -108,6 +108,11 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         exchange()
         reads(via + masks, 1)
         writes([op.dst] + _as_list(getattr(op, "return_lse", None)), 1)
+    elif kind == "broadcast":  # exactly what the kernel does: only the root stores, all of dst
+        reads([op.src], 0)
+        if b.rank == op.root:
+            stores([op.dst], None)
+        exchange()
     elif kind == "all_to_all_combine":
         reads(op.src, 0)
         stores(op.via, (("index", 0, 0), b.rank))
@@ -330,7 +335,7 @@ def random_schedule_text(draw, st) -> str:
     for _ in range(count_steps):
         kind = draw(st.sampled_from(
             ["gather", "gather", "a2a", "ext", "ext", "ext", "barrier", "sync", "rs", "copy",
-             "ar"]))
+             "ar", "bc"]))
         if kind == "gather":
             dst = draw(st.sampled_from(["g0", "g1"]))
             extra = ", interleave: 1" if draw(st.booleans()) else ""
@@ -352,6 +357,9 @@ def random_schedule_text(draw, st) -> str:
             steps.append(f"{{op: all_reduce, src: x, dst: y{via}}}")
             if via:
                 written.append("v0")
+        elif kind == "bc":  # the checker's model over-approximates; this oracle's is exact
+            steps.append(f"{{op: broadcast, src: x, dst: s0, root: {draw(st.integers(0, 1))}}}")
+            written.append("s0")
         elif kind == "copy" and "g0" in written:
             steps.append("{op: copy, src: g0, dst: z}")
         elif kind == "barrier":

@@ -27,6 +27,7 @@ from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
 from dcpc.ops import all_reduce as ar
 from dcpc.ops import all_to_all as a2a
+from dcpc.ops import broadcast as bc
 from dcpc.ops.all_to_all_combine import self_copy
 from dcpc.ops.common import Scope
 from dcpc.ops.reduce_scatter import via_of
@@ -344,3 +345,19 @@ def _all_reduce_lse(ctx: Ctx, step: m.Step, op: ar.AllReduce) -> StepPlan:
     )
     plan.tiles.append(ctx.shape(o)[-1])  # the push's tiles; the merge's are tiles[1]
     return _merge_common(ctx, step, via_o, via_lse, plan)  # type: ignore[arg-type]
+
+
+@register("broadcast")
+def _broadcast(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, bc.Broadcast)
+    shape = ctx.shape(op.src)
+    return _step(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "dst": op.dst},
+        scalars=[("outer", product(shape[:-1])), ("part", shape[-1])],
+        tiles=[shape[-1]],
+        attrs={"root": op.root},
+        signalling=True,
+    )

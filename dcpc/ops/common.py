@@ -44,7 +44,7 @@ class Region:
     of different partitions may always overlap.
     """
 
-    scheme: str  # "block" | "index" | "interleave"
+    scheme: str  # "block" | "index" | "interleave" | "root" (broadcast; dim: the root)
     dim: int
     interleave: int = 0
     dim_text: str = ""
@@ -59,6 +59,8 @@ class Region:
             return f"{self.dim_text} block {writer} (dim {self.dim})"
         if self.scheme == "index":
             return f"index {writer} of dim {self.dim}"
+        if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
+            return f"the whole buffer (a store of root {self.dim}'s broadcast)"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
 
 

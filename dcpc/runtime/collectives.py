@@ -303,3 +303,15 @@ def all_reduce_lse(
                   "all_reduce")
     lse_combine(via_o, via_lse, dst, dst_lse, base, seq_lens, query_start_loc, interleave,
                 world, scale)
+
+
+def broadcast(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, root: int,
+              world: int) -> None:
+    """Rank ``root``'s src (a team index) lands in every rank's dst."""
+    if root >= world:
+        raise DcpcArgumentError(f"broadcast: root {root} is not a rank of a group of {world}")
+    if comm.rank == root:
+        dst.copy_(src)
+    if world > 1 and dst.numel():
+        _wait(comm, dist.broadcast(wire(dst), src=dist.get_global_rank(comm.group, root),
+                                   group=comm.group, async_op=True), "broadcast")
