@@ -28,6 +28,7 @@ from dcpc.lang import model as m
 from dcpc.ops import all_reduce as ar
 from dcpc.ops import all_to_all as a2a
 from dcpc.ops import broadcast as bc
+from dcpc.ops import reduce as rd
 from dcpc.ops.all_to_all_combine import self_copy
 from dcpc.ops.common import Scope
 from dcpc.ops.reduce_scatter import via_of
@@ -307,6 +308,11 @@ def _all_reduce(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, ar.AllReduce)
     if op.reduce == "lse":
         return _all_reduce_lse(ctx, step, op)
+    return _elementwise(ctx, step, op)
+
+
+def _elementwise(ctx: Ctx, step: m.Step, op: Any) -> StepPlan:
+    """all_reduce (sum, max) and reduce: src pushed whole into via, reduced into dst."""
     assert isinstance(op.src, str)
     shape = ctx.shape(op.src)
     # src seen as [outer, part]: part its last dim (one tile row), outer the rest
@@ -361,3 +367,11 @@ def _broadcast(ctx: Ctx, step: m.Step) -> StepPlan:
         attrs={"root": op.root},
         signalling=True,
     )
+
+
+@register("reduce")
+def _reduce(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, rd.Reduce)
+    plan = _elementwise(ctx, step, op)
+    plan.attrs["root"] = op.root
+    return plan

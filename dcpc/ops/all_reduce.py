@@ -95,11 +95,17 @@ def verify(v: Verify, step: Step) -> None:
     if op.reduce == "lse":
         _verify_lse(v, step)
         return
+    verify_elementwise(v, step)
+
+
+def verify_elementwise(v: Verify, step: Step) -> None:
+    """sum/max of one ``src`` into ``dst`` through ``via`` (shared with ``reduce``)."""
+    op = step.op
     for key in ("src", "via", *MERGE_KEYS):
-        value = getattr(op, key)
+        value = getattr(op, key, None)
         if (key in MERGE_KEYS and value is not None) or isinstance(value, list):
             v.error(op.mark(key), "bad-reduce",
-                    f"all_reduce '{step.name}' with reduce: {op.reduce} takes one buffer "
+                    f"{step.kind} '{step.name}' with reduce: {op.reduce} takes one buffer "
                     f"as src and via and no {', '.join(MERGE_KEYS)}; '{key}' is for "
                     "reduce: lse", hint="use 'reduce: lse' with 'src: [o, lse]', or drop it")
             return
@@ -108,14 +114,14 @@ def verify(v: Verify, step: Step) -> None:
     for ref, buf in ((src, a), (dst, b)):
         if buf is not None and not buf.dtype.is_float:
             v.error(ref.mark, "non-float-output",
-                    f"{ref.role} '{ref.name}' of all_reduce '{step.name}' is "
+                    f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
                     f"{buf.dtype.value}; it reduces in fp32, so it reads and writes "
                     "floating-point buffers",
                     hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
     shape = v.shape(src.name)
     if shape is not None and v.shape(dst.name) is not None:
         v.expect(dst, shape, f"the reduction of src '{src.name}' over ranks")
-    if op.via is not None and shape is not None:
+    if op.via is not None and shape is not None:  # type: ignore[attr-defined]
         (via,) = v.refs("via")
         v.transfer(src, via, symmetric=True)
         if v.shape(via.name) is not None:

@@ -315,3 +315,23 @@ def broadcast(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, root: int,
     if world > 1 and dst.numel():
         _wait(comm, dist.broadcast(wire(dst), src=dist.get_global_rank(comm.group, root),
                                    group=comm.group, async_op=True), "broadcast")
+
+
+def reduce(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    via: torch.Tensor,
+    dst: torch.Tensor,
+    acc: torch.Tensor,
+    numel: int,
+    world: int,
+    reduce: int,
+    root: int,
+) -> None:
+    """all_reduce's reduction (rank order, fp32) on rank ``root``; 0 in dst elsewhere
+    (every rank's src reaches every rank here: a reference backend, not a tuned one)."""
+    if root >= world:
+        raise DcpcArgumentError(f"reduce: root {root} is not a rank of a group of {world}")
+    all_reduce(comm, src, via, dst, acc, numel, world, reduce)
+    if comm.rank != root:
+        dst.zero_()
