@@ -6,8 +6,9 @@
 What the draws cover (issue 12's classes among them): all_gather (block, interleaved,
 into symmetric buffers that a fused exchange later reads as its src), all_to_all (also
 with split_dim/concat_dim),
-reduce_scatter (explicit and implicit via), all_reduce (likewise; drawn in place of
-some reduce_scatters, so schedules without one keep their draws), the fused
+reduce_scatter (explicit and implicit via), all_reduce (likewise), reduce to a root and
+broadcast (these three drawn in place of some reduce_scatters, so schedules without one
+keep their draws), the fused
 all_to_all_combine (own part read
 from src after the wait, or copied into via when another step reads via), lse_combine,
 copy, externals reading and writing symmetric buffers, barriers, and split-phase sync:
@@ -101,8 +102,16 @@ def schedule_text(seed: int, max_steps: int = 7) -> str:
                 written |= {"vo", "vl"}
         elif kind == "rs" and rng.random() < 0.5:  # all_reduce: the whole src, same sync
             via = ", via: v0" if rng.random() < 0.4 else ""
-            steps.append(f"{{op: all_reduce, src: x, dst: y, reduce: sum{via}}}")
-            written.add("v0" if via else "")
+            other = rng.random()  # or a broadcast, or a reduce to a root
+            if other < 0.2:
+                steps.append(f"{{op: broadcast, src: x, dst: s0, root: {rng.randint(0, 1)}}}")
+                written.add("s0")
+            elif other < 0.4:
+                steps.append(f"{{op: reduce, src: x, dst: y, root: 1{via}}}")
+                written.add("v0" if via else "")
+            else:
+                steps.append(f"{{op: all_reduce, src: x, dst: y, reduce: sum{via}}}")
+                written.add("v0" if via else "")
         elif kind == "rs":
             via = ", via: r0" if rng.random() < 0.5 else ""
             steps.append(f"{{op: reduce_scatter, src: x, dst: y_rs, dim: 1{via}}}")
