@@ -106,7 +106,7 @@ def test_the_reference_reduces_every_rank(reduce: str) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("world,backend,reduce,text", [  # host: the tree_attention gallery
-    (3, "torch", "sum", VIA), (2, "torch", "max", SCHEDULE)])
+    (3, "torch", "sum", VIA)])
 def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str, reduce: str,
                                   text: str) -> None:
     path = _write(tmp_path, text.replace("reduce: sum", f"reduce: {reduce}"))
