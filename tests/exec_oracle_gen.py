@@ -4,8 +4,12 @@
     valid_schedule(seed) -> (text, Schedule)   (the first valid draw from seed on)
 
 What the draws cover (issue 12's classes among them): all_gather (block, interleaved,
-into symmetric buffers that a fused exchange later reads as its src), all_to_all,
-reduce_scatter (explicit and implicit via), the fused all_to_all_combine (own part read
+into symmetric buffers that a fused exchange later reads as its src), all_to_all (also
+with split_dim/concat_dim),
+reduce_scatter (explicit and implicit via), all_reduce (likewise), reduce to a root and
+broadcast (these three drawn in place of some reduce_scatters, so schedules without one
+keep their draws), the fused
+all_to_all_combine (own part read
 from src after the wait, or copied into via when another step reads via), lse_combine,
 copy, externals reading and writing symmetric buffers, barriers, and split-phase sync:
 a signal/wait pair in any direction (``to: all`` with ``from: prev|next`` too), waits
@@ -42,6 +46,8 @@ buffers:
   a0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{a0}}}
   s0:   {{shape: [N, K], dtype: f32, symmetric: true{s0}}}
   r0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{r0}}}
+  v0:   {{shape: [W, N, K], dtype: f32, symmetric: true}}
+  c0:   {{shape: [W*N, K/W], dtype: f32, symmetric: true}}
   os:   {{shape: [N, K, 2], dtype: f32, symmetric: true{os}}}
   osl:  {{shape: [N, K], dtype: f32, symmetric: true, lse_base: e{osl}}}
   vo:   {{shape: [W, N, K/W, 2], dtype: f32, symmetric: true{vo}}}
@@ -85,12 +91,27 @@ def schedule_text(seed: int, max_steps: int = 7) -> str:
             steps.append(f"{{op: all_gather, src: {src}, dst: {dst}, dim: 1}}")
             written.add(dst)
         elif kind == "a2a":
-            if rng.random() < 0.5:
+            if rng.random() < 0.5 and rng.random() < 0.4:  # split/concat into [W*N, K/W]
+                steps.append("{op: all_to_all, src: x, dst: c0, split_dim: 1, concat_dim: 0}")
+                written.add("c0")
+            elif rng.random() < 0.5:
                 steps.append("{op: all_to_all, src: x, dst: a0, dim: 1}")
                 written.add("a0")
             else:
                 steps.append("{op: all_to_all, src: [o, ol], dst: [vo, vl], dim: 1}")
                 written |= {"vo", "vl"}
+        elif kind == "rs" and rng.random() < 0.5:  # all_reduce: the whole src, same sync
+            via = ", via: v0" if rng.random() < 0.4 else ""
+            other = rng.random()  # or a broadcast, or a reduce to a root
+            if other < 0.2:
+                steps.append(f"{{op: broadcast, src: x, dst: s0, root: {rng.randint(0, 1)}}}")
+                written.add("s0")
+            elif other < 0.4:
+                steps.append(f"{{op: reduce, src: x, dst: y, root: 1{via}}}")
+                written.add("v0" if via else "")
+            else:
+                steps.append(f"{{op: all_reduce, src: x, dst: y, reduce: sum{via}}}")
+                written.add("v0" if via else "")
         elif kind == "rs":
             via = ", via: r0" if rng.random() < 0.5 else ""
             steps.append(f"{{op: reduce_scatter, src: x, dst: y_rs, dim: 1{via}}}")

@@ -58,6 +58,8 @@ class _Builder:
 
 
 def _partition(schedule: Schedule, op) -> tuple:
+    if op.op == "all_to_all" and op.concat_dim is not None:  # block p along concat_dim
+        return ("block", op.concat_dim % len(schedule.buffers[_as_list(op.dst)[0]].shape), 0)
     if op.op == "all_gather":
         if op.interleave:
             return ("interleave", op.dim, op.interleave)
@@ -99,13 +101,27 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         reads(_as_list(op.src), 0)
         stores(_as_list(op.dst), (_partition(schedule, op), b.rank))
         exchange()
-    elif kind == "reduce_scatter":
+    elif kind in ("reduce_scatter", "all_reduce"):  # all_reduce: whole src, same sync
+        via = _as_list(op.via) or [f"{name}_recv"]  # reduce: lse: [o_recv, lse_recv]
+        reads(_as_list(op.src), 0)
+        stores(via, (("index", 0, 0), b.rank))
+        exchange()
+        reads(via + masks, 1)
+        writes([op.dst] + _as_list(getattr(op, "return_lse", None)), 1)
+    elif kind == "reduce":  # exact: pushes into the root's via only, which only it reads
         via = op.via or f"{name}_recv"
         reads([op.src], 0)
-        stores([via], (("index", 0, 0), b.rank))
+        if via in tracked:
+            b.access(name, index, 0, via, "write", owner=op.root, part=(("index", 0, 0), b.rank))
         exchange()
-        reads([via], 1)
+        if b.rank == op.root:
+            reads([via], 1)
         writes([op.dst], 1)
+    elif kind == "broadcast":  # exactly what the kernel does: only the root stores, all of dst
+        reads([op.src], 0)
+        if b.rank == op.root:
+            stores([op.dst], None)
+        exchange()
     elif kind == "all_to_all_combine":
         reads(op.src, 0)
         stores(op.via, (("index", 0, 0), b.rank))
@@ -151,7 +167,7 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
     tracked = {n for n, buf in schedule.buffers.items() if buf.symmetric or buf.shared}
     steps = [(n, op) for item in schedule.steps for n, op in item.items()]
     for n, op in steps:
-        if op.op == "reduce_scatter" and op.via is None:
+        if op.op in ("reduce_scatter", "all_reduce", "reduce") and op.via is None:
             tracked.add(f"{n}_recv")
     graph = nx.DiGraph()
     ids = count()
@@ -302,6 +318,8 @@ buffers:
   a0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{a0}}}
   s0:   {{shape: [N, K], dtype: f32, symmetric: true{s0}}}
   r0:   {{shape: [W, N, K/W], dtype: f32, symmetric: true{r0}}}
+  v0:   {{shape: [W, N, K], dtype: f32, symmetric: true{v0}}}
+  c0:   {{shape: [W*N, K/W], dtype: f32, symmetric: true{c0}}}
 steps:
 """
 
@@ -320,19 +338,23 @@ def random_schedule_text(draw, st) -> str:
     slots = draw(st.integers(1, 3))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
-             for b in ("g0", "g1", "a0", "s0", "r0")}
+             for b in ("g0", "g1", "a0", "s0", "r0", "v0", "c0")}
     steps: list[str] = []
     written: list[str] = []
     pending_waits: list[str] = []
     count_steps = draw(st.integers(1, 6))
     for _ in range(count_steps):
         kind = draw(st.sampled_from(
-            ["gather", "gather", "a2a", "ext", "ext", "ext", "barrier", "sync", "rs", "copy"]))
+            ["gather", "gather", "a2a", "ext", "ext", "ext", "barrier", "sync", "rs", "copy",
+             "ar", "bc", "rd"]))
         if kind == "gather":
             dst = draw(st.sampled_from(["g0", "g1"]))
             extra = ", interleave: 1" if draw(st.booleans()) else ""
             steps.append(f"{{op: all_gather, src: x, dst: {dst}, dim: 0{extra}}}")
             written.append(dst)
+        elif kind == "a2a" and draw(st.booleans()):  # split/concat: dst has src's rank
+            steps.append("{op: all_to_all, src: x, dst: c0, split_dim: 1, concat_dim: 0}")
+            written.append("c0")
         elif kind == "a2a":
             steps.append("{op: all_to_all, src: x, dst: a0, dim: 1}")
             written.append("a0")
@@ -341,6 +363,21 @@ def random_schedule_text(draw, st) -> str:
             steps.append(f"{{op: reduce_scatter, src: x, dst: y_rs, dim: 1{via}}}")
             if via:
                 written.append("r0")
+        elif kind == "ar":
+            via = ", via: v0" if draw(st.booleans()) else ""
+            steps.append(f"{{op: all_reduce, src: x, dst: y{via}}}")
+            if via:
+                written.append("v0")
+        elif kind == "rd":  # the checker over-approximates (every rank's via); this is exact
+            via = ", via: v0" if draw(st.booleans()) else ""
+            # one root: two roots' pushes into one via are disjoint in fact, but overlap in
+            # the checker's model (a false race, the sound direction; tests/test_reduce.py)
+            steps.append(f"{{op: reduce, src: x, dst: y, root: 0{via}}}")
+            if via:
+                written.append("v0")
+        elif kind == "bc":  # the checker's model over-approximates; this oracle's is exact
+            steps.append(f"{{op: broadcast, src: x, dst: s0, root: {draw(st.integers(0, 1))}}}")
+            written.append("s0")
         elif kind == "copy" and "g0" in written:
             steps.append("{op: copy, src: g0, dst: z}")
         elif kind == "barrier":

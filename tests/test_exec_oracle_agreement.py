@@ -80,6 +80,14 @@ def test_the_random_schedules_cover_issue_12s_classes() -> None:
     for what, pattern in patterns.items():
         hits = sum(1 for t in texts if re.search(pattern, t))
         assert hits >= SEEDS // 25, (what, hits)
+    rarer = {  # drawn in place of some reduce_scatters (the other draws stay as they were)
+        "all_reduce": r"all_reduce", "implicit all_reduce via": r"reduce: sum\}",
+        "all_to_all split/concat": r"concat_dim: 0",
+        "broadcast": r"op: broadcast", "reduce to a root": r"op: reduce,",
+    }
+    for what, pattern in rarer.items():
+        hits = sum(1 for t in texts if re.search(pattern, t))
+        assert hits >= SEEDS // 80, (what, hits)
 
 
 def test_the_fast_loader_gives_the_parsers_model() -> None:

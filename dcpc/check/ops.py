@@ -57,18 +57,20 @@ def _expect(ctx: Context, step: Step, ref: Ref, want: list[ex.Expr], why: str) -
                   f"{_where(ctx, example, [*want, *have])}: {example.detail}")
 
 
-def _part(ctx: Context, step: Step, ref: Ref) -> list[ex.Expr] | None:
-    """``ref``'s shape split in W equal parts along the op's dim (which must divide)."""
+def _part(ctx: Context, step: Step, ref: Ref, along: int | None = None) -> list[ex.Expr] | None:
+    """``ref``'s shape split in W equal parts along the op's dim (which must divide), or
+    along dim ``along`` (in range)."""
     shape = ctx.shape(ref.name)
     if shape is None:
         return None
-    dim = _dim(ctx, step, ref, len(shape))
+    dim = _dim(ctx, step, ref, len(shape)) if along is None else along
     if dim is None:
         return None
     part = ("/", shape[dim], W)
     example = ctx.samples.inexact(part)
     if example is not None:
-        ctx.error(step.op.mark("dim") if "dim" in step.op.src_marks else ref.mark,
+        key = "dim" if along is None else "split_dim"
+        ctx.error(step.op.mark(key) if key in step.op.src_marks else ref.mark,
                   "inexact-division",
                   f"step '{step.name}' splits {ref.role} '{ref.name}' in W parts along dim "
                   f"{dim}, but {ex.unparse(shape[dim])}/W is not a whole number for "
@@ -322,6 +324,9 @@ class Verify:
 
     def part(self, ref: Ref) -> list[ex.Expr] | None:
         return _part(self.ctx, self.step, ref)
+
+    def part_along(self, ref: Ref, dim: int) -> list[ex.Expr] | None:
+        return _part(self.ctx, self.step, ref, dim)
 
     def same_dtype(self, src: Ref, dst: Ref) -> None:
         _same_dtype(self.ctx, self.step, src, dst)

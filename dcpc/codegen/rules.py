@@ -25,6 +25,10 @@ from dcpc.codegen.lower import (
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
+from dcpc.ops import all_reduce as ar
+from dcpc.ops import all_to_all as a2a
+from dcpc.ops import broadcast as bc
+from dcpc.ops import reduce as rd
 from dcpc.ops.all_to_all_combine import self_copy
 from dcpc.ops.common import Scope
 from dcpc.ops.reduce_scatter import via_of
@@ -121,19 +125,27 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
     srcs = op.src if isinstance(op.src, list) else [op.src]
     dsts = op.dst if isinstance(op.dst, list) else [op.dst]
     plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    concat = a2a.concat(op)
     for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
         shape = ctx.shape(s)
+        d, cat = a2a.dims(op, len(shape)) if concat else (op.dim, 0)
         plan.roles[f"src{k}"], plan.roles[f"dst{k}"] = s, t
-        part = div(product(shape[op.dim :]), W)
+        part = div(product(shape[d:]), W)
         plan.scalars += [
-            (f"outer{k}", product(shape[: op.dim])),
+            (f"outer{k}", product(shape[:d])),
             (f"part{k}", part),
-            (f"inner{k}", product(shape[op.dim + 1 :])),
+            (f"inner{k}", product(shape[d + 1 :])),
         ]
-        _layout(ctx, plan, f"src{k}", op.dim, op.dim + 1)
+        if concat:  # a part's dims [cat:] make one block of dst, rank p's at block p
+            chunk = [div(x, W) if i == d else x for i, x in enumerate(shape)]
+            plan.scalars.append((f"block{k}", product(chunk[cat:])))
+            plan.scratch[f"recv{k}"] = (product(shape), ctx.buffers[s].dtype)
+        _layout(ctx, plan, f"src{k}", d, d + 1)
         plan.tiles.append(part)
         plan.scratch[f"send{k}"] = (product(shape), ctx.buffers[s].dtype)
     plan.attrs["payloads"] = len(srcs)
+    if concat:  # absent otherwise: a stacking exchange's plan and module stay as they were
+        plan.attrs["concat"] = True
     return plan
 
 
@@ -316,4 +328,78 @@ def _shift(ctx: Ctx, step: m.Step) -> StepPlan:
     )
     if op.phase != "wait":
         _layout(ctx, plan, "src", 0, 1)
+    return plan
+
+
+@register("all_reduce")
+def _all_reduce(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, ar.AllReduce)
+    if op.reduce == "lse":
+        return _all_reduce_lse(ctx, step, op)
+    return _elementwise(ctx, step, op)
+
+
+def _elementwise(ctx: Ctx, step: m.Step, op: Any) -> StepPlan:
+    """all_reduce (sum, max) and reduce: src pushed whole into via, reduced into dst."""
+    assert isinstance(op.src, str)
+    shape = ctx.shape(op.src)
+    # src seen as [outer, part]: part its last dim (one tile row), outer the rest
+    outer, part = product(shape[:-1]), shape[-1]
+    via = ar.via_of(step)[0]  # the implicit <step>_recv when the schedule names none
+    if op.via is None:  # implicit receive buffer [W, outer * part]
+        ctx.buffers[via] = BufferPlan(
+            via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric"
+        )
+    return _step(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "via": via, "dst": op.dst},
+        scalars=[("outer", outer), ("part", part)],
+        tiles=[part],
+        scratch={"acc": (product(shape), "f32")},
+        attrs={"reduce": ar.REDUCTIONS.index(op.reduce)},
+        signalling=True,
+    )
+
+
+def _all_reduce_lse(ctx: Ctx, step: m.Step, op: ar.AllReduce) -> StepPlan:
+    """Push every whole partial [o, lse] into via[rank] of every rank (rows x row_len
+    tiles), signal, wait; then lse_combine's merge of via in a second launch."""
+    o, lse = op.src
+    via_o, via_lse = op.via  # type: ignore[misc]
+    plan = _step(
+        step,
+        params=ctx.engine([o, lse]),
+        returns=[op.dst],
+        roles={"src_o": o, "src_lse": lse, "o": via_o, "lse": via_lse, "dst": op.dst},
+        scalars=[("push_rows", product(ctx.shape(lse)))],
+        attrs={"reduce": ar.REDUCTIONS.index(op.reduce)},
+        signalling=True,
+    )
+    plan.tiles.append(ctx.shape(o)[-1])  # the push's tiles; the merge's are tiles[1]
+    return _merge_common(ctx, step, via_o, via_lse, plan)  # type: ignore[arg-type]
+
+
+@register("broadcast")
+def _broadcast(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, bc.Broadcast)
+    shape = ctx.shape(op.src)
+    return _step(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "dst": op.dst},
+        scalars=[("outer", product(shape[:-1])), ("part", shape[-1])],
+        tiles=[shape[-1]],
+        attrs={"root": op.root},
+        signalling=True,
+    )
+
+
+@register("reduce")
+def _reduce(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, rd.Reduce)
+    plan = _elementwise(ctx, step, op)
+    plan.attrs["root"] = op.root
     return plan

@@ -213,8 +213,10 @@ def tracing() -> Iterator[Trace]:
         return saved["set_grid_idx"](self, x, y, z)
 
     def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # PUSH=False: the merge launch of a fused exchange, after the push launch's wait
-        _tls.launch_phase = AFTER if kwargs.get("PUSH", True) is False else BEFORE
+        # PUSH=False: the merge launch of a fused exchange, after the push launch's wait;
+        # _<step>_merge: all_reduce (reduce: lse)'s merge launch, likewise
+        merge = getattr(getattr(self, "fn", None), "__name__", "").endswith("_merge")
+        _tls.launch_phase = AFTER if kwargs.get("PUSH", True) is False or merge else BEFORE
         grid = self.grid if not callable(self.grid) else (0,)
         if _active is not None and _tls.call is not None and _tls.trace is _active:
             with _active.lock:
@@ -276,6 +278,8 @@ def _part_ok(region: Any, offs: np.ndarray, shape: tuple[int, ...], writer: int,
         return idx == writer
     if region.scheme == "block":
         return idx // max(shape[dim] // world, 1) == writer
+    if region.scheme == "root":  # broadcast: the root's store covers all; no other rank's
+        return np.full(offs.shape, writer == region.dim)
     return (idx // region.interleave) % world == writer
 
 

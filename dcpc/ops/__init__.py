@@ -15,6 +15,7 @@ MODULES = (
     "all_gather", "all_to_all", "lse_combine", "all_to_all_combine", "reduce_scatter",
     "lse_correct", "copy", "sync", "external",
     "shift",
+    "all_reduce", "broadcast", "reduce",
 )
 for _module in MODULES:
     import_module(f"dcpc.ops.{_module}")

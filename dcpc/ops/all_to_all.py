@@ -1,13 +1,20 @@
 """all_to_all: ``src`` split in W parts along ``dim``; part j of rank p lands in
 ``dst[p]`` on rank j (dst has a leading W axis). ``src``/``dst`` may be lists of the
 same length: one exchange of several payloads.
+
+With ``split_dim`` and ``concat_dim`` (both, and no ``dim``; JAX's
+``all_to_all(x, split_axis, concat_axis)``): ``dst`` has src's rank; ``src`` split in W
+parts along ``split_dim``, part j of rank p lands on rank j as block p along
+``concat_dim`` (DeepSpeed-Ulysses' sequence <-> head exchange lands in token order).
 Lowerings: dcpc/codegen/rules.py ``all_to_all`` + templates/ops/all_to_all.py.j2;
 dcpc/runtime/collectives.py ``all_to_all``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
@@ -17,6 +24,7 @@ from dcpc.ops.common import (
     Region,
     Scope,
     Semantics,
+    dim_text,
     effects,
     exchange,
     keyed,
@@ -33,24 +41,92 @@ class AllToAll(OpBase):
     src: Name | list[Name]
     dst: Name | list[Name]
     dim: Int = 0
+    split_dim: Int | None = Field(default=None, description="with concat_dim: dst has src's rank")
+    concat_dim: Int | None = Field(default=None, description="where rank p's part lands: block p")
+
+
+def concat(op: AllToAll) -> bool:
+    """Whether the exchange concatenates (split_dim/concat_dim) rather than stacks."""
+    return op.concat_dim is not None
+
+
+def dims(op: AllToAll, rank: int) -> tuple[int, int]:
+    """(split, concat) dims normalised for a buffer of ``rank`` dims (verified in range)."""
+    assert op.split_dim is not None and op.concat_dim is not None
+    return op.split_dim % rank, op.concat_dim % rank
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
-    op = step.op
+    op: AllToAll = step.op  # type: ignore[assignment]
     before = effects(READ, BEFORE, keyed(op, "src"))
-    before += effects(WRITE, BEFORE, keyed(op, "dst"), Region("index", 0))
+    if not concat(op):
+        before += effects(WRITE, BEFORE, keyed(op, "dst"), Region("index", 0))
+        return exchange(before, [], step)
+    for dst in keyed(op, "dst"):  # writer p: block p along concat_dim of every rank's dst
+        spec = c.schedule.buffers.get(dst[0])
+        d = op.concat_dim % len(spec.shape) if spec is not None and spec.shape else 0
+        region = Region("block", d, 0, dim_text(c.schedule, dst[0], d))
+        before += effects(WRITE, BEFORE, [dst], region)
     return exchange(before, [], step)
 
 
 def verify(v: Verify, step: Step) -> None:
+    op: AllToAll = step.op  # type: ignore[assignment]
+    if op.split_dim is None and op.concat_dim is None:
+        for src, dst in v.pairs(v.refs("src"), v.refs("dst")):
+            v.scatter(src, dst)
+        return
+    given = [k for k in ("split_dim", "concat_dim") if getattr(op, k) is not None]
+    if len(given) == 1 or "dim" in op.src_marks:
+        key = "dim" if "dim" in op.src_marks else given[0]
+        v.error(op.mark(key), "bad-dims",
+                f"all_to_all '{step.name}' needs both split_dim and concat_dim (JAX's "
+                "split_axis, concat_axis) and then no dim; it has "
+                + ", ".join(k for k in ("dim", "split_dim", "concat_dim")
+                            if k in op.src_marks),
+                hint="give split_dim and concat_dim (dst has src's rank), or dim alone "
+                "(dst stacks the W parts on a leading W axis)")
+        return
     for src, dst in v.pairs(v.refs("src"), v.refs("dst")):
-        v.scatter(src, dst)
+        _verify_concat(v, step, src, dst)
+
+
+def _verify_concat(v: Verify, step: Step, src: Any, dst: Any) -> None:
+    op: AllToAll = step.op  # type: ignore[assignment]
+    v.transfer(src, dst, symmetric=True)
+    shape = v.shape(src.name)
+    if shape is None:
+        return
+    n = len(shape)
+    for key in ("split_dim", "concat_dim"):
+        value = getattr(op, key)
+        if not -n <= value < n:
+            v.error(op.mark(key), "dim-out-of-range",
+                    f"{key} {value} is out of range for src '{src.name}', which has {n} dims "
+                    f"(valid: {-n}..{n - 1})")
+            return
+    split, cat = dims(op, n)
+    part = v.part_along(src, split)
+    if part is None or v.shape(dst.name) is None:
+        return
+    want = list(part)
+    want[cat] = ("*", v.W, want[cat])
+    v.expect(dst, want, f"src '{src.name}' split in W parts along dim {split}, rank p's part "
+             f"as block p along dim {cat}")
 
 
 def reference(sim: Sim, step: Step) -> None:
     op: AllToAll = step.op  # type: ignore[assignment]
     for src, dst in zip(names(op.src), names(op.dst), strict=True):
-        sim.all_to_all(src, dst, op.dim)
+        if not concat(op):
+            sim.all_to_all(src, dst, op.dim)
+            continue
+        import torch  # the compiler imports no torch; only the simulator runs this
+
+        split, cat = dims(op, sim.bufs[0][src].dim())
+        parts = [torch.chunk(sim.bufs[p][src], sim.world, dim=split) for p in range(sim.world)]
+        for j in range(sim.world):
+            sim.store(j, dst, torch.cat([parts[p][j] for p in range(sim.world)], dim=cat))
 
 
 def io(op: AllToAll) -> IO:

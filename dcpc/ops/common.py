@@ -48,7 +48,7 @@ class Region:
     on an instance only when their writers are equal, so they form a partition too.
     """
 
-    scheme: str  # "block" | "index" | "interleave" | "peer"
+    scheme: str  # "block" | "index" | "interleave" | "peer" | "root" (broadcast; dim: root)
     dim: int
     interleave: int = 0
     dim_text: str = ""
@@ -78,6 +78,8 @@ class Region:
             return f"index {writer} of dim {self.dim}"
         if self.scheme == "peer":
             return f"whole (shift from rank {writer}, offset {self.offset:+d})"
+        if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
+            return f"the whole buffer (a store of root {self.dim}'s broadcast)"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
 
 

@@ -233,3 +233,119 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
            dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back), comm.group)]
     for work in dist.batch_isend_irecv(ops):
         _wait(comm, work, "shift")
+
+
+def all_reduce(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    via: torch.Tensor,
+    dst: torch.Tensor,
+    acc: torch.Tensor,
+    numel: int,
+    world: int,
+    reduce: int,
+) -> None:
+    """Every rank's src lands in via[rank] ([W, numel]) of every rank; then dst is the
+    reduction over p = 0 .. W-1 in fp32 (``reduce`` 0: sum, 1: max), the same on every
+    rank (the kernels' order and accumulation)."""
+    if numel == 0:
+        return
+    staged = via.reshape(-1)[: world * numel]
+    if world == 1:
+        staged.copy_(src.reshape(-1))
+    else:
+        _wait(comm, dist.all_gather_into_tensor(staged, src.reshape(-1), group=comm.group,
+                                                async_op=True), "all_reduce")
+    total = acc[:numel]
+    parts = staged.view(world, numel)
+    total.copy_(parts[0])
+    for p in range(1, world):  # rank order, as the kernels add
+        if reduce == 0:
+            total.add_(parts[p].to(torch.float32))
+        else:
+            torch.maximum(total, parts[p].to(torch.float32), out=total)
+    dst.reshape(-1).copy_(total)
+
+
+def all_to_all_concat(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    outer: int,
+    part: int,
+    block: int,
+    world: int,
+) -> None:
+    """all_to_all with split_dim/concat_dim: part j of src ([outer, W, part]) lands on
+    rank j as block ``rank`` along concat_dim, i.e. dst seen as [n, W, block] gets it at
+    [:, rank] (``block``: the part's size from concat_dim on)."""
+    numel = outer * part
+    if numel == 0:
+        return
+    staged = recv[: world * numel]
+    all_to_all(comm, src, staged, send, outer, part, world)  # staged: [W, numel]
+    dst.reshape(numel // block, world, block).copy_(
+        staged.view(world, numel // block, block).transpose(0, 1))
+
+
+def all_reduce_lse(
+    comm: SlotGroup,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    via_o: torch.Tensor,
+    via_lse: torch.Tensor,
+    dst: torch.Tensor,
+    dst_lse: torch.Tensor | None,
+    base: str,
+    seq_lens: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None,
+    interleave: int,
+    world: int,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """all_reduce with reduce: lse: every rank's [o, lse] lands in via[rank] of every rank
+    (all_gather), then lse_combine's merge of via on every rank."""
+    for src, recv in ((o, via_o), (lse, via_lse)):
+        n = src.numel()
+        if world == 1:
+            recv.reshape(-1)[:n].copy_(src.reshape(-1))
+        elif n:
+            _wait(comm, dist.all_gather_into_tensor(wire(recv.reshape(-1)), wire(src.reshape(-1)),
+                                                    group=comm.group, async_op=True),
+                  "all_reduce")
+    lse_combine(via_o, via_lse, dst, dst_lse, base, seq_lens, query_start_loc, interleave,
+                world, scale)
+
+
+def broadcast(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, root: int,
+              world: int) -> None:
+    """Rank ``root``'s src (a team index) lands in every rank's dst."""
+    if root >= world:
+        raise DcpcArgumentError(f"broadcast: root {root} is not a rank of a group of {world}")
+    if comm.rank == root:
+        dst.copy_(src)
+    if world > 1 and dst.numel():
+        _wait(comm, dist.broadcast(wire(dst), src=dist.get_global_rank(comm.group, root),
+                                   group=comm.group, async_op=True), "broadcast")
+
+
+def reduce(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    via: torch.Tensor,
+    dst: torch.Tensor,
+    acc: torch.Tensor,
+    numel: int,
+    world: int,
+    reduce: int,
+    root: int,
+) -> None:
+    """all_reduce's reduction (rank order, fp32) on rank ``root``; 0 in dst elsewhere
+    (every rank's src reaches every rank here: a reference backend, not a tuned one)."""
+    if root >= world:
+        raise DcpcArgumentError(f"reduce: root {root} is not a rank of a group of {world}")
+    all_reduce(comm, src, via, dst, acc, numel, world, reduce)
+    if comm.rank != root:
+        dst.zero_()

@@ -1,0 +1,74 @@
+"""reduce: rank ``root`` gets the elementwise reduction over ranks of ``src`` in ``dst``
+(``reduce: sum | max``, floats); ``root`` is a team index (0 <= root < W for every W
+checked). Every other rank's ``dst`` is set to 0, so that no reader there sees a stale
+value (MPI leaves it undefined; a defined value keeps every rank's output checkable).
+
+Lowered as: every rank pushes its whole ``src`` into index ``rank`` of the ROOT's
+symmetric receive buffer ``via`` ([W, *src]; implicit ``<step>_recv``), every rank
+signals every peer and waits for every peer, then the root reduces ``via[0] .. via[W-1]``
+in that order in fp32 into ``dst`` (the other ranks write 0).
+Modelled soundly: effects are the same on every rank (SPMD), so the pushes are modelled
+as stores into every rank's ``via`` (an over-approximation: only the root's instance is
+written), the reduction as a read of ``via`` and a write of ``dst`` on every rank (exact:
+the other ranks write their zeros then). The tests compare it with an exact brute force.
+Lowerings: dcpc/codegen/rules.py ``reduce`` + templates/ops/reduce.py.j2;
+dcpc/runtime/collectives.py ``reduce``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.ops.all_reduce import semantics as _all_reduce_semantics
+from dcpc.ops.all_reduce import verify_elementwise, via_of
+from dcpc.ops.broadcast import verify_root
+from dcpc.ops.common import Scope, Semantics
+from dcpc.ops.registry import IO, OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+
+
+class Reduce(OpBase):
+    op: Literal["reduce"]
+    src: Name
+    dst: Name
+    root: Int = Field(default=0, ge=0, description="the team index that gets the reduction")
+    reduce: Literal["sum", "max"] = "sum"
+    via: Name | None = Field(
+        default=None, description="symmetric receive buffer [W, *src]; implicit if omitted"
+    )
+
+
+def semantics(c: Scope, step: Step) -> Semantics:
+    """all_reduce's (sum, max) effects and sync: see the module's docstring for why."""
+    return _all_reduce_semantics(c, step)
+
+
+def verify(v: Verify, step: Step) -> None:
+    verify_elementwise(v, step)  # all_reduce's rules: floats, dst = src's shape, via [W, *src]
+    verify_root(v, step)
+
+
+def reference(sim: Sim, step: Step) -> None:
+    import torch  # the compiler imports no torch; only the simulator runs this
+
+    op: Reduce = step.op  # type: ignore[assignment]
+    parts = torch.stack([sim.bufs[r][op.src].to(torch.float64) for r in range(sim.world)])
+    total = parts.sum(dim=0) if op.reduce == "sum" else parts.amax(dim=0)
+    for r in range(sim.world):
+        sim.store(r, op.dst, total if r == op.root else torch.zeros_like(total))
+    if op.via is not None:
+        sim.store(op.root, op.via, parts.clone())
+
+
+def io(op: Reduce) -> IO:
+    return [op.src], [op.dst] + ([op.via] if op.via else [])
+
+
+__all__ = ["Reduce", "via_of"]
+DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io))
