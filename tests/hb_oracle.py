@@ -124,6 +124,10 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind == "external":
         reads(op.reads, 0)
         writes(op.writes, 0)
+    elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
+        reads([op.src, op.counts], 0)
+        stores([op.dst, op.recv_counts], (("index", 0, 0), b.rank))
+        exchange()
     elif kind == "barrier":
         exchange()
     elif kind == "signal":
@@ -196,7 +200,7 @@ def _channel(channel: str) -> str:
 def _named(op) -> set[str]:
     """Every buffer an op names (what it may read)."""
     names: set[str] = set()
-    for key in ("src", "via", "reads"):
+    for key in ("src", "via", "reads", "counts", "index"):
         names |= set(_as_list(getattr(op, key, None)))
     if getattr(op, "mask_empty", None) is not None:
         names |= {op.mask_empty.seq_lens, op.mask_empty.query_start_loc}

@@ -73,7 +73,8 @@ def mask_refs(op: OpBase) -> list[Ref]:
 def all_refs(op: OpBase) -> list[Ref]:
     """Every buffer an op names, in the order the step lists them."""
     found: list[Ref] = []
-    for key in ("src", "via", "dst", "return_lse", "output_scale", "reads", "writes"):
+    for key in ("src", "via", "dst", "return_lse", "output_scale", "reads", "writes",
+                "counts", "recv_counts", "index"):
         found += refs(op, key)
     return found + mask_refs(op)
 

@@ -289,3 +289,19 @@ def _external(ctx: Ctx, step: m.Step) -> StepPlan:
         reads=list(typed(step, m.External).reads),
         writes=list(typed(step, m.External).writes),
     )
+
+
+@register("ragged_all_to_all")
+def _ragged_all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.RaggedAllToAll)
+    shape = ctx.shape(op.src)
+    plan = _step(
+        step,
+        params=ctx.engine([op.src, op.counts]),
+        returns=[op.dst, op.recv_counts],
+        roles={"src": op.src, "dst": op.dst, "counts": op.counts, "recv_counts": op.recv_counts},
+        scalars=[("cap", shape[1]), ("row_len", product(shape[2:]))],
+        tiles=[product(shape[2:])],
+        signalling=True,
+    )
+    return plan

@@ -118,6 +118,7 @@ def call_inputs(
             lengths = torch.stack([local_seq_len(lengths, p, world, 1) for p in range(world)], 1)
         shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
     scales = {getattr(s.op, "output_scale", None) for s in schedule.step_list()} - {None}
+    capacities = ragged_capacities(schedule, sizes)
     out: list[Buffers] = []
     for rank in range(world):
         bufs: Buffers = {}
@@ -127,7 +128,9 @@ def call_inputs(
                 continue
             gen = torch.Generator().manual_seed(_mix(seed, call, rank, index))
             shape = buffer_shape(schedule, name, sizes)
-            if name in scales:  # an fp8 output's scale: positive, and overflows some values
+            if name in capacities:  # a ragged all_to_all's row counts: 0..capacity
+                value = torch.randint(0, capacities[name] + 1, shape, generator=gen)
+            elif name in scales:  # an fp8 output's scale: positive, and overflows some values
                 value = 0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
@@ -136,6 +139,13 @@ def call_inputs(
             bufs[name] = as_stored(schedule, name, value)
         out.append(bufs)
     return out
+
+
+def ragged_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
+    """The ``counts`` buffers of ragged all_to_alls, each with its capacity this call."""
+    env = {**sizes}
+    return {s.op.counts: ex.evaluate(ex.parse(str(s.op.capacity)), env)  # type: ignore[attr-defined]
+            for s in schedule.step_list() if s.kind == "ragged_all_to_all"}
 
 
 def _mix(*parts: int) -> int:

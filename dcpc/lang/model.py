@@ -41,6 +41,7 @@ from dcpc.ops.copy import Copy  # noqa: F401
 from dcpc.ops.external import External  # noqa: F401
 from dcpc.ops.lse_combine import LseCombine  # noqa: F401
 from dcpc.ops.lse_correct import LseCorrect  # noqa: F401
+from dcpc.ops.ragged_all_to_all import RaggedAllToAll  # noqa: F401
 from dcpc.ops.reduce_scatter import ReduceScatter  # noqa: F401
 from dcpc.ops.sync import Barrier, Signal, Wait  # noqa: F401
 

@@ -219,3 +219,31 @@ def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
     """Every rank waits for every rank (an all_reduce: device-ordered, graph-capturable)."""
     if world > 1:
         _wait(comm, dist.all_reduce(token, group=comm.group, async_op=True), "barrier")
+
+
+def ragged_all_to_all(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    counts: torch.Tensor,
+    dst: torch.Tensor,
+    recv_counts: torch.Tensor,
+    capacity: int,
+    world: int,
+    step: str,
+) -> None:
+    """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
+    with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
+    over capacity raises before anything is sent (dcpc.runtime.sync.over_capacity)."""
+    from dcpc.runtime.sync import over_capacity
+
+    sent = counts.reshape(-1).to(torch.int32)
+    over = torch.nonzero(sent > capacity).flatten().tolist()
+    if over:
+        raise over_capacity(step, comm.rank, over[0], int(sent[over[0]]), capacity)
+    got = torch.empty_like(sent)
+    _all_to_all_single(comm, got, sent, world)
+    staged = torch.empty_like(dst)
+    _all_to_all_single(comm, staged.reshape(-1), src.contiguous().reshape(-1), world)
+    recv_counts.copy_(got)
+    for p, n in enumerate(got.tolist()):
+        dst[p, :n].copy_(staged[p, :n])
