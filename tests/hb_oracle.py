@@ -128,6 +128,9 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         reads([op.src, op.counts], 0)
         stores([op.dst, op.recv_counts], (("index", 0, 0), b.rank))
         exchange()
+    elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
+        reads(list(op.src) + _as_list(op.index), 0)
+        writes([op.dst], 0)
     elif kind == "barrier":
         exchange()
     elif kind == "signal":

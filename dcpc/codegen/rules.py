@@ -305,3 +305,23 @@ def _ragged_all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
         signalling=True,
     )
     return plan
+
+
+@register("weighted_combine")
+def _weighted_combine(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.WeightedCombine)
+    x, weights = op.src
+    xs, ws = ctx.shape(x), ctx.shape(weights)
+    roles = {"x": x, "weights": weights, "dst": op.dst}
+    if op.index is not None:
+        roles["index"] = op.index
+    return _step(
+        step,
+        params=ctx.engine([x, weights, op.index]),
+        returns=[op.dst],
+        roles=roles,
+        scalars=[("tokens", ws[0]), ("topk", ws[1]), ("row_len", xs[-1]),
+                 ("rows", product(xs[:-1]))],
+        tiles=[xs[-1]],
+        attrs={"index": op.index is not None},
+    )

@@ -14,7 +14,7 @@ from dcpc.ops.registry import OPS, OpDef
 MODULES = (
     "all_gather", "all_to_all", "lse_combine", "all_to_all_combine", "reduce_scatter",
     "lse_correct", "copy", "sync", "external",
-    "ragged_all_to_all",
+    "ragged_all_to_all", "weighted_combine",
 )
 for _module in MODULES:
     import_module(f"dcpc.ops.{_module}")

@@ -247,3 +247,31 @@ def ragged_all_to_all(
     recv_counts.copy_(got)
     for p, n in enumerate(got.tolist()):
         dst[p, :n].copy_(staged[p, :n])
+
+
+def weighted_combine(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    index: torch.Tensor | None,
+    dst: torch.Tensor,
+    step: str,
+) -> None:
+    """dst[t] = sum_k weights[t, k] * row(t, k) in fp32, k in order (the kernel's), one
+    rounding into dst; row(t, k) = x's row index[t, k] (< 0: none) or x[t, k]."""
+    from dcpc.runtime.sync import bad_index
+
+    rows = x.reshape(-1, x.shape[-1])
+    tokens, topk = weights.shape
+    if index is None:
+        index = torch.arange(tokens * topk, device=x.device).reshape(tokens, topk)
+    index = index.to(torch.int64)
+    past = torch.nonzero((index >= len(rows)).any(dim=1)).flatten().tolist()
+    if past:
+        t = past[0]
+        raise bad_index(step, None, t, int(index[t].max()), len(rows))
+    acc = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    for k in range(topk):
+        live = (index[:, k] >= 0)[:, None]
+        part = weights[:, k, None].float() * rows[index[:, k].clamp(min=0)].float()
+        acc += torch.where(live, part, 0.0)
+    dst.copy_(acc)

@@ -46,6 +46,7 @@ TIMEOUT = 1  # a wait expired (the deadline, or another program of this launch f
 CONTRACT = 2  # a peer's signal carried another call's fingerprint
 PEER_FAILED = 3  # the peer's failure flag was set while we waited for it
 OVER_CAPACITY = 4  # ragged_all_to_all: counts[peer] over capacity (errors[3], errors[4])
+BAD_INDEX = 5  # weighted_combine: index[token] (errors[2]) = errors[3] >= rows (errors[4])
 ERROR_WORDS = 8
 STOP_WORD = 6  # CPU: set by the watchdog thread at the deadline; a waiting loop polls it
 # failure flags (flags[src_rank])
@@ -70,6 +71,15 @@ def over_capacity(step: str, rank: int | None, peer: int, count: int, capacity: 
         f"step '{step}': {what}, over the capacity {capacity}; no row of that part was "
         "sent (never truncated) and this module instance is now failed: route at most "
         "capacity rows to each peer")
+
+
+def bad_index(step: str, rank: int | None, token: int, row: int,
+              rows: int) -> DcpcArgumentError:
+    """A weighted_combine's index past the rows of its x (that slot was not read)."""
+    who = f"rank {rank}" if rank is not None else "this rank"
+    return DcpcArgumentError(
+        f"step '{step}': {who}'s index of token {token} holds row {row}, past the {rows} "
+        "rows of x; an index is a row of x, or negative for an empty slot")
 
 
 def channel(step_index: int, slot: int, slots: int) -> int:
@@ -265,4 +275,6 @@ class SignalBank:
             raise DcpcPeerFailedError(name, peer, epoch, rank, reason)
         if code == OVER_CAPACITY:
             raise over_capacity(name, rank, peer, epoch, here, received=there == 1)
+        if code == BAD_INDEX:
+            raise bad_index(name, rank, peer, epoch, here)
         raise DcpcError(f"step '{name}': kernel error code {code} (peer {peer}, epoch {epoch})")
