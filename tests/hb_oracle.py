@@ -125,8 +125,12 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         reads(op.reads, 0)
         writes(op.writes, 0)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
-        reads([op.src, op.counts], 0)
-        stores([op.dst, op.recv_counts], (("index", 0, 0), b.rank))
+        scale = op.scale.buffer if op.scale is not None else None
+        # a per-token cast into fp8 sends its row scales along; any other cast reads them
+        sent = scale is not None and op.scale.per == "token" and \
+            schedule.buffers[op.dst].dtype.value == "fp8e4m3"
+        reads([op.src, op.counts] + ([scale] if scale and not sent else []), 0)
+        stores([op.dst, op.recv_counts] + ([scale] if sent else []), (("index", 0, 0), b.rank))
         exchange()
     elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
         reads(list(op.src) + _as_list(op.index), 0)

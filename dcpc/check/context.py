@@ -76,6 +76,9 @@ def all_refs(op: OpBase) -> list[Ref]:
     for key in ("src", "via", "dst", "return_lse", "output_scale", "reads", "writes",
                 "counts", "recv_counts", "index"):
         found += refs(op, key)
+    scale = getattr(op, "scale", None)  # a cast's scale (dcpc/ops/cast.py)
+    if scale is not None:
+        found.append(Ref(scale.buffer, "scale.buffer", scale.mark("buffer")))
     return found + mask_refs(op)
 
 

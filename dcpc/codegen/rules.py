@@ -25,6 +25,7 @@ from dcpc.codegen.lower import (
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
+from dcpc.ops import cast
 from dcpc.ops.all_to_all_combine import self_copy
 from dcpc.ops.common import Scope
 from dcpc.ops.reduce_scatter import via_of
@@ -295,14 +296,26 @@ def _external(ctx: Ctx, step: m.Step) -> StepPlan:
 def _ragged_all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.RaggedAllToAll)
     shape = ctx.shape(op.src)
+    way = cast.direction(ctx.schedule, op)
+    roles = {"src": op.src, "dst": op.dst, "counts": op.counts, "recv_counts": op.recv_counts}
+    scale = op.scale.buffer if op.scale is not None else None
+    if scale is not None:
+        roles["scale"] = scale
+    # CAST: 0 none, 1 quantise per token (the scales travel), 2 quantise per tensor,
+    # 3 dequantise per token, 4 dequantise per tensor (templates/ops/ragged_all_to_all.py.j2)
+    modes = {("quantise", "token"): 1, ("quantise", "tensor"): 2,
+             ("dequantise", "token"): 3, ("dequantise", "tensor"): 4}
+    mode = modes[(way, op.scale.per)] if way is not None and op.scale is not None else 0
     plan = _step(
         step,
-        params=ctx.engine([op.src, op.counts]),
+        params=ctx.engine([op.src, op.counts, scale]),
         returns=[op.dst, op.recv_counts],
-        roles={"src": op.src, "dst": op.dst, "counts": op.counts, "recv_counts": op.recv_counts},
+        roles=roles,
         scalars=[("cap", shape[1]), ("row_len", product(shape[2:]))],
         tiles=[product(shape[2:])],
         signalling=True,
+        attrs={"cast": mode, "scale": op.scale.per if op.scale is not None else None,
+               "bf16_out": ctx.buffers[op.dst].dtype == "bf16"},
     )
     return plan
 

@@ -181,7 +181,8 @@ def run_rank(
             for name in returned_names(step.op):
                 report.outputs.setdefault(name, OutputStats())
     returned = set(report.outputs)
-    ragged = {s.op.dst for s in steps if s.kind == "ragged_all_to_all"}  # type: ignore[attr-defined]
+    ragged = {b for s in steps if s.kind == "ragged_all_to_all"  # with a per-token scale
+              for b in (s.op.dst, getattr(s.op.scale, "buffer", None)) if b}  # type: ignore[attr-defined]
 
     live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
     for event in adversary.plan_events(schedule, calls, order, seed):

@@ -12,8 +12,10 @@ reader that takes them for data shows as a mismatch).
 A count over ``capacity`` is not truncated: that part is not sent at all, its receiver
 gets the count as sent (over capacity: the flag) and the sender records a kernel error
 that its call raises (``DcpcArgumentError``, code ``OVER_CAPACITY``); the torch backend
-raises before it sends. Lowerings: dcpc/codegen/rules.py ``ragged_all_to_all`` +
-templates/ops/ragged_all_to_all.py.j2; dcpc/runtime/collectives.py ``ragged_all_to_all``.
+raises before it sends. ``scale``: a cast inside the move (dcpc/ops/cast.py: bf16 ->
+fp8 e4m3 with per-token or per-tensor scales, and back).
+Lowerings: dcpc/codegen/rules.py ``ragged_all_to_all`` + templates/ops/ragged_all_to_all.py.j2;
+dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pydantic import Field
 
 from dcpc.lang import expr as ex
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
+from dcpc.ops import cast
+from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
     BEFORE,
     READ,
@@ -50,6 +54,7 @@ class RaggedAllToAll(OpBase):
     counts: Name = Field(description="[W] integers: live rows of each block of src")
     recv_counts: Name = Field(description="[W] i32, symmetric: counts[rank] of each peer")
     capacity: SizeExpr = Field(description="rows of one block: src and dst dim 1")
+    scale: Scale | None = Field(default=None, description="a cast inside the move")
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
@@ -58,7 +63,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     # over-approximated: the whole block p of every peer's dst, whatever the count
     before += effects(WRITE, BEFORE, keyed(op, "dst") + keyed(op, "recv_counts"),
                       Region("index", 0))
-    return exchange(before, [], step)
+    return exchange(before + cast.effects(c.schedule, op), [], step)
 
 
 def verify(v: Verify, step: Step) -> None:
@@ -66,8 +71,9 @@ def verify(v: Verify, step: Step) -> None:
     assert isinstance(op, RaggedAllToAll)
     (src,), (dst,) = v.refs("src"), v.refs("dst")
     (counts,), (recv,) = v.refs("counts"), v.refs("recv_counts")
-    v.transfer(src, dst, symmetric=True)
-    v.transfer(recv, recv, symmetric=True)  # peers write it: symmetric
+    v.transfer(dst, dst, symmetric=True)  # peers write dst and recv_counts: symmetric
+    v.transfer(recv, recv, symmetric=True)
+    cast.verify(v, src, dst)
     for ref in (src, dst):
         buf = v.buffer(ref.name)
         if buf is not None and not buf.dtype.is_float:
@@ -111,19 +117,39 @@ def reference(sim: Sim, step: Step) -> None:
             if not 0 <= n <= cap:
                 raise ValueError(f"simulator: step {step.name}: rank {p}'s counts[{j}] = {n} "
                                  f"is outside [0, capacity {cap}]")
+    way = cast.direction(sim.schedule, op)
+    sent, scales = [], []  # every sender's src as it travels (cast), and its row scales
+    for p in range(sim.world):
+        x, s = sim.bufs[p][op.src], None
+        if way == "quantise":  # per token: the scales are made here, not read
+            tensor = sim.bufs[p].get(op.scale.buffer)  # type: ignore[union-attr]
+            x, s = cast.quantise_rows(x, op.scale.per, tensor)  # type: ignore[union-attr]
+        elif way == "dequantise":
+            x = cast.dequantise_rows(x, op.scale.per, sim.bufs[p][op.scale.buffer])  # type: ignore[union-attr]
+        sent.append(x)
+        scales.append(s)
     for j in range(sim.world):
         # rows past a count: NaN, so that whoever reads them as data mismatches
         out = torch.full(sim.shape(op.dst), math.nan, dtype=torch.float64)
+        got = torch.full(sim.shape(op.dst)[:-1], math.nan, dtype=torch.float64)
         for p in range(sim.world):
             n = counts[p][j]
-            out[p, :n] = sim.bufs[p][op.src][j, :n]
+            out[p, :n] = sent[p][j, :n]
+            if scales[p] is not None:
+                got[p, :n] = scales[p][j, :n]  # type: ignore[index]
         sim.store(j, op.dst, out)
+        if scales[0] is not None:
+            sim.store(j, op.scale.buffer, got)  # type: ignore[union-attr]
         sim.store(j, op.recv_counts,
                   torch.tensor([counts[p][j] for p in range(sim.world)], dtype=torch.int64))
 
 
 def io(op: RaggedAllToAll) -> IO:
-    return [op.src, op.counts], [op.dst, op.recv_counts]
+    """A per-token quantise's receiving scale buffer is listed as read (io cannot tell
+    the cast's direction without the dtypes): it is symmetric, so never an engine input,
+    and the method does not return it (``module.buffer`` reads it, as ``via``)."""
+    scale = [op.scale.buffer] if op.scale is not None else []
+    return [op.src, op.counts, *scale], [op.dst, op.recv_counts]
 
 
 DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io))

@@ -230,10 +230,16 @@ def ragged_all_to_all(
     capacity: int,
     world: int,
     step: str,
+    cast: int = 0,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
-    over capacity raises before anything is sent (dcpc.runtime.sync.over_capacity)."""
+    over capacity raises before anything is sent (dcpc.runtime.sync.over_capacity).
+    ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
+    land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
+    sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``."""
+    from dcpc.numerics import ieee_div, round_e4m3, token_scales
     from dcpc.runtime.sync import over_capacity
 
     sent = counts.reshape(-1).to(torch.int32)
@@ -242,11 +248,30 @@ def ragged_all_to_all(
         raise over_capacity(step, comm.rank, over[0], int(sent[over[0]]), capacity)
     got = torch.empty_like(sent)
     _all_to_all_single(comm, got, sent, world)
+    x, row_scales = src.contiguous(), None
+    if cast == 1:
+        assert scale is not None
+        row_scales, inverse = token_scales(x)
+        x = round_e4m3(x.float() * inverse[..., None])
+    elif cast == 2:
+        assert scale is not None
+        x = round_e4m3(x.float() * ieee_div(1.0, scale.reshape(-1)[0].float()))
+    elif cast in (3, 4):
+        assert scale is not None
+        s = scale.float()[..., None] if cast == 3 else scale.reshape(-1)[0].float()
+        x = x.float() * s
+    x = x.to(dst.dtype)
     staged = torch.empty_like(dst)
-    _all_to_all_single(comm, staged.reshape(-1), src.contiguous().reshape(-1), world)
+    _all_to_all_single(comm, staged.reshape(-1), x.reshape(-1), world)
+    scales_in = None
+    if row_scales is not None:
+        scales_in = torch.empty_like(row_scales)
+        _all_to_all_single(comm, scales_in.reshape(-1), row_scales.reshape(-1), world)
     recv_counts.copy_(got)
     for p, n in enumerate(got.tolist()):
         dst[p, :n].copy_(staged[p, :n])
+        if scales_in is not None and scale is not None:
+            scale[p, :n].copy_(scales_in[p, :n])
 
 
 def weighted_combine(

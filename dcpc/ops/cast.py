@@ -1,0 +1,143 @@
+"""A cast inside a move: ``scale: {per: tensor | token, buffer: s}`` on a move op whose
+``dst`` dtype differs from its ``src``'s (today: ``ragged_all_to_all``).
+
+Two casts, by the pair of dtypes (anything else is ``bad-cast``; a dtype change without
+``scale`` stays ``dtype-mismatch``):
+
+- quantise (bf16, f16 or f32 ``src`` -> fp8e4m3 ``dst``), on the push:
+  ``per: token``: each row (the last dim) gets ``scale = max(amax, 1e-4) / 448`` and is
+  sent as ``round_e4m3(row * (448 / max(amax, 1e-4)))``; the scale travels with it
+  into ``s`` on the receiver (``s`` symmetric f32, ``dst``'s shape without its last dim:
+  DeepEP's ``recv_x_scales``). ``per: tensor``: ``s`` is a ``[1]`` f32 scale read on the
+  sender (a static scale): ``round_e4m3(x * (1 / s[0]))``.
+- dequantise (fp8e4m3 ``src`` -> bf16, f16 or f32 ``dst``), on the push: ``dst = q *
+  scale`` in fp32, rounded once into dst (to nearest even); ``per: token``: ``s`` is
+  f32 with ``src``'s shape without its last dim, read on the sender (the scales the
+  quantising move delivered); ``per: tensor``: ``s`` is ``[1]`` f32.
+
+``round_e4m3`` (dcpc.numerics): clamp to +-448, round half away from zero to the e4m3
+grid (2**-9 below 2**-6), NaN stays NaN: the kernels' rule, which the float64 reference
+applies bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from dcpc.lang.nodes import Name, Node, OpBase
+from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
+
+if TYPE_CHECKING:
+    import torch
+
+    from dcpc.check.context import Ref
+    from dcpc.check.ops import Verify
+    from dcpc.lang.model import Schedule
+
+WIDE = ("bf16", "f16", "f32")
+
+
+class Scale(Node):
+    per: Literal["tensor", "token"] = Field(description="one scale per tensor or per row")
+    buffer: Name = Field(description="f32: [1] (tensor), or the rows' shape (token)")
+
+
+def direction(schedule: Schedule, op: OpBase) -> str | None:
+    """'quantise' | 'dequantise' for a move with a supported cast, else None."""
+    scale = getattr(op, "scale", None)
+    if scale is None:
+        return None
+    a = schedule.buffers.get(op.src)  # type: ignore[attr-defined]
+    b = schedule.buffers.get(op.dst)  # type: ignore[attr-defined]
+    if a is None or b is None:
+        return None
+    if a.dtype.value in WIDE and b.dtype.value == "fp8e4m3":
+        return "quantise"
+    if a.dtype.value == "fp8e4m3" and b.dtype.value in WIDE:
+        return "dequantise"
+    return None
+
+
+def effects(schedule: Schedule, op: OpBase) -> list[Effect]:
+    """The scale buffer's access: a per-token quantise stores the senders' scales into
+    every peer's ``s`` (block p, like dst); every other cast reads ``s`` on the sender."""
+    scale = getattr(op, "scale", None)
+    if scale is None:
+        return []
+    if scale.per == "token" and direction(schedule, op) == "quantise":
+        return [Effect(scale.buffer, WRITE, BEFORE, Region("index", 0), "scale.buffer")]
+    return [Effect(scale.buffer, READ, BEFORE, None, "scale.buffer")]
+
+
+def verify(v: Verify, src: Ref, dst: Ref) -> None:
+    """A move's dtypes: the same without ``scale``; a supported cast and its scale with."""
+    op = v.step.op
+    scale: Scale | None = getattr(op, "scale", None)
+    if scale is None:
+        v.same_dtype(src, dst)
+        return
+    a, b = v.buffer(src.name), v.buffer(dst.name)
+    s = v.buffer(scale.buffer)
+    if a is None or b is None:
+        return
+    way = direction(v.ctx.schedule, op)
+    if way is None:
+        v.error(op.mark("scale"), "bad-cast",
+                f"step '{v.step.name}' casts {a.dtype.value} '{src.name}' into "
+                f"{b.dtype.value} '{dst.name}'; a move casts bf16, f16 or f32 to fp8e4m3, "
+                "or fp8e4m3 back to one of them",
+                hint="drop 'scale' for a move without a cast" if a.dtype == b.dtype else
+                f"declare '{dst.name}' with dtype fp8e4m3 (or '{src.name}')")
+        return
+    if s is None:
+        return
+    mark = scale.mark("buffer")
+    rows_of = dst if way == "quantise" else src
+    shape = v.shape(rows_of.name)
+    if scale.per == "tensor":
+        want, why = [("num", 1)], "one f32 scale for the whole tensor"
+    else:
+        want = shape[:-1] if shape is not None else None
+        why = f"one f32 scale per row of '{rows_of.name}' (its shape without the last dim)"
+    if s.dtype.value != "f32":
+        v.error(mark, "bad-scale",
+                f"scale '{scale.buffer}' of step '{v.step.name}' is {s.dtype.value}; scales "
+                "are f32", hint=f"declare '{scale.buffer}' with dtype f32")
+    from dcpc.check.context import Ref as _Ref
+
+    ref = _Ref(scale.buffer, "scale.buffer", mark)
+    if want is not None:
+        v.expect(ref, want, why)
+    sent = scale.per == "token" and way == "quantise"
+    if sent and not s.is_symmetric:
+        v.error(mark, "bad-scale",
+                f"scale '{scale.buffer}' of step '{v.step.name}' receives every sender's "
+                "per-token scales, so it must be symmetric",
+                hint=f"add 'symmetric: true' to buffer '{scale.buffer}'")
+
+
+def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the e4m3 values of rows ``x`` as a float64 tensor, the per-row scales sent) for a
+    quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor)."""
+    import torch
+
+    from dcpc.numerics import ieee_div, round_e4m3, token_scales
+
+    if per == "token":
+        sent, inverse = token_scales(x)
+        return round_e4m3(x.float() * inverse[..., None]).double(), sent.double()
+    assert scale is not None
+    inverse = ieee_div(1.0, scale.reshape(-1)[0].to(torch.float32))
+    return round_e4m3(x.float() * inverse).double(), None
+
+
+def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale`` in fp32 (per token: one scale per row), as float64."""
+    import torch
+
+    s = scale.to(torch.float32)
+    s = s[..., None] if per == "token" else s.reshape(-1)[0]
+    return (q.float() * s).double()
