@@ -44,6 +44,15 @@ class Scale(Node):
     buffer: Name = Field(description="f32: [1] (tensor), or the rows' shape (token)")
 
 
+def _pair(a: str, b: str) -> str | None:
+    """'quantise' | 'dequantise' for a supported (src, dst) dtype pair, else None."""
+    if a in WIDE and b == "fp8e4m3":
+        return "quantise"
+    if a == "fp8e4m3" and b in WIDE:
+        return "dequantise"
+    return None
+
+
 def direction(schedule: Schedule, op: OpBase) -> str | None:
     """'quantise' | 'dequantise' for a move with a supported cast, else None."""
     scale = getattr(op, "scale", None)
@@ -53,11 +62,7 @@ def direction(schedule: Schedule, op: OpBase) -> str | None:
     b = schedule.buffers.get(op.dst)  # type: ignore[attr-defined]
     if a is None or b is None:
         return None
-    if a.dtype.value in WIDE and b.dtype.value == "fp8e4m3":
-        return "quantise"
-    if a.dtype.value == "fp8e4m3" and b.dtype.value in WIDE:
-        return "dequantise"
-    return None
+    return _pair(a.dtype.value, b.dtype.value)
 
 
 def effects(schedule: Schedule, op: OpBase) -> list[Effect]:
@@ -76,6 +81,15 @@ def verify(v: Verify, src: Ref, dst: Ref) -> None:
     op = v.step.op
     scale: Scale | None = getattr(op, "scale", None)
     if scale is None:
+        a, b = v.buffer(src.name), v.buffer(dst.name)
+        if a is not None and b is not None and a.dtype != b.dtype and _pair(a.dtype.value,
+                                                                          b.dtype.value):
+            v.error(dst.mark, "dtype-mismatch",
+                    f"step '{v.step.name}' moves {a.dtype.value} data from '{src.name}' into "
+                    f"'{dst.name}', which is {b.dtype.value}",
+                    hint=f"declare '{dst.name}' with dtype {a.dtype.value}, or cast in the "
+                    "move: add 'scale: {per: token, buffer: <f32 scales>}' (docs/language.md)")
+            return
         v.same_dtype(src, dst)
         return
     a, b = v.buffer(src.name), v.buffer(dst.name)
