@@ -98,6 +98,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     if kind in ("all_gather", "all_to_all"):
         reads(_as_list(op.src), 0)
         stores(_as_list(op.dst), (_partition(schedule, op), b.rank))
+        _cast_scale(op, schedule, reads, stores, b.rank)
         exchange()
     elif kind == "reduce_scatter":
         via = op.via or f"{name}_recv"
@@ -125,12 +126,9 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         reads(op.reads, 0)
         writes(op.writes, 0)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
-        scale = op.scale.buffer if op.scale is not None else None
-        # a per-token cast into fp8 sends its row scales along; any other cast reads them
-        sent = scale is not None and op.scale.per == "token" and \
-            schedule.buffers[op.dst].dtype.value == "fp8e4m3"
-        reads([op.src, op.counts] + ([scale] if scale and not sent else []), 0)
-        stores([op.dst, op.recv_counts] + ([scale] if sent else []), (("index", 0, 0), b.rank))
+        reads([op.src, op.counts], 0)
+        stores([op.dst, op.recv_counts], (("index", 0, 0), b.rank))
+        _cast_scale(op, schedule, reads, stores, b.rank)
         exchange()
     elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
         reads(list(op.src) + _as_list(op.index), 0)
@@ -147,6 +145,18 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
             b.add(name, index, 1, wait=(f"{op.channel}@{polled}", peer))
     else:
         raise AssertionError(f"oracle does not know op {kind}")
+
+
+def _cast_scale(op, schedule: Schedule, reads, stores, rank: int) -> None:
+    """A cast's scale buffer: a per-token cast into fp8 sends its row scales along (a
+    store into block `rank` of every peer's), any other cast reads them here."""
+    scale = getattr(op, "scale", None)
+    if scale is None:
+        return
+    if scale.per == "token" and schedule.buffers[op.dst].dtype.value == "fp8e4m3":
+        stores([scale.buffer], (("index", 0, 0), rank))
+    else:
+        reads([scale.buffer], 0)
 
 
 def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGraph:

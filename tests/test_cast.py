@@ -217,5 +217,93 @@ def test_every_cast_mode_is_exact_on_kernels_torch_and_reference() -> None:
     assert result == {str(m): {"exact": True, "torch": True} for m in MODES}, result
 
 
+A2A = """\
+schedule: a2a
+sizes: {{T: {{max: 3}}, H: 8}}
+buffers:
+  x:  {{shape: [W*T, H], dtype: bf16}}
+  q:  {{shape: [W, T, H], dtype: fp8e4m3, symmetric: true}}
+  s:  {{shape: [W, T], dtype: f32, symmetric: true}}
+  t:  {{shape: [1], dtype: f32}}
+  y:  {{shape: [W, 1, T, H], dtype: {back}, symmetric: true}}
+steps:
+  - go:   {{op: all_to_all, src: {src}, dst: q{go}}}
+  - back: {{op: all_to_all, src: q, dst: y{back_scale}}}
+  - done: {{op: barrier}}
+"""
+
+
+def a2a_text(**kw: str) -> str:
+    spec = {"back": "bf16", "src": "x", "go": ", scale: {per: token, buffer: s}",
+            "back_scale": ", scale: {per: token, buffer: s}", **kw}
+    return A2A.format(**spec)
+
+
+@pytest.mark.parametrize(("change", "want"), [
+    ({}, []),
+    ({"back": "f32", "back_scale": ", scale: {per: tensor, buffer: t}"}, []),
+    ({"back_scale": ""}, ["dtype-mismatch"]),  # the way back needs its scale too
+    ({"go": ", dim: 1, scale: {per: token, buffer: s}"}, ["bad-cast"]),
+    # one payload per cast (and s, which such a cast would send, is then never written)
+    ({"src": "[x]"}, ["bad-cast", "read-before-write"]),
+])
+def test_all_to_all_cast_verifier(change: dict[str, str], want: list[str],
+                                  tmp_path: Path) -> None:
+    assert codes(a2a_text(**change), tmp_path) == want
+
+
+def _a2a_child() -> None:
+    """all_to_all there (bf16 -> fp8 per token) and back (fp8 -> bf16 per token, and
+    fp8 -> f32 per tensor): the kernels vs the float64 reference, bit for bit."""
+    import tempfile
+
+    from dcpc.harness.run import compile_to
+    from dcpc.harness.simulate import simulate_call
+    from dcpc.harness.worker import load_module_class
+    from dcpc.runtime.local import LocalGroup
+
+    world, rows, h = 3, 3, 8
+    out = {}
+    for back, scale in (("bf16", "{per: token, buffer: s}"), ("f32", "{per: tensor, buffer: t}")):
+        source = a2a_text(back=back, back_scale=f", scale: {scale}")
+        g = torch.Generator().manual_seed(len(back))
+        xs = [(torch.randn(world * rows, h, generator=g) * 20).bfloat16() for _ in range(world)]
+        ts = [torch.rand(1, generator=g) + 0.01 for _ in range(world)]
+        with tempfile.TemporaryDirectory(prefix="dcpc-a2a-") as tmp:
+            path = Path(tmp) / "a2a.yaml"
+            path.write_text(source)
+            _, module, _, _ = compile_to(str(path), Path(tmp), world)
+
+            def rank_main(rank: Any, module: str = module, xs: list = xs, ts: list = ts,
+                          tensor: bool = back == "f32") -> Any:
+                inst = load_module_class(module, "a2a")(rank, sizes={"T": rows}, device="cpu",
+                                                        backend="local")
+                q = inst.go(xs[rank.rank]).clone()
+                y = (inst.back(ts[rank.rank]) if tensor else inst.back()).clone()
+                inst.done()
+                inst.close()
+                return q, y
+
+            got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
+        inputs = [{"x": xs[p].double(), "t": ts[p].double()} for p in range(world)]
+        ref = simulate_call(parse_text(source), world, {"T": rows, "H": h}, inputs,
+                            external=None)  # type: ignore[arg-type]
+        out[back] = all(torch.equal(got[r][0].double(), ref[r]["q"])
+                        and torch.equal(got[r][1].double(), ref[r]["y"]) for r in range(world))
+    print("RESULT " + json.dumps(out))
+
+
+@pytest.mark.e2e
+def test_all_to_all_casts_are_exact_on_the_kernels() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__, "a2a"], capture_output=True,
+                          text=True, timeout=400, env=env)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert json.loads(lines[-1][len("RESULT "):]) == {"bf16": True, "f32": True}
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["modes"]:
     _child()
+if __name__ == "__main__" and sys.argv[1:] == ["a2a"]:
+    _a2a_child()

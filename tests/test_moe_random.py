@@ -1,6 +1,6 @@
 """Property test for the MoE ops: on random schedules of ragged all_to_alls (with and
-without a per-token fp8 cast), weighted combines, externals, barriers and split-phase
-signal/wait (waits before their signal too), 1 or 2 slots, either stream mode, receive
+without a per-token fp8 cast), all_to_alls with a cast, weighted combines, externals,
+barriers and split-phase signal/wait (waits before their signal too), 1 or 2 slots, either stream mode, receive
 buffers possibly ``shared``, the happens-before checker, the brute force
 (tests/hb_oracle.py, full unrolling, no symmetry) and the execution oracle agree.
 """
@@ -32,6 +32,9 @@ buffers:
   w:  {{shape: [T, K], dtype: f32}}
   ix: {{shape: [T, K], dtype: i32}}
   o:  {{shape: [T, H], dtype: bf16}}
+  xa: {{shape: [W*C, H], dtype: bf16}}
+  qa: {{shape: [W, C, H], dtype: fp8e4m3, symmetric: true{qa}}}
+  sa: {{shape: [W, C], dtype: f32, symmetric: true{sa}}}
 steps:
 """
 PARTNER = {"all": "all", "next": "prev", "prev": "next"}
@@ -39,12 +42,12 @@ PARTNER = {"all": "all", "next": "prev", "prev": "next"}
 
 def moe_schedule_text(draw) -> str:  # noqa: ANN001 (hypothesis' draw)
     flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
-             for b in ("r0", "s0", "m0", "r1", "m1")}
+             for b in ("r0", "s0", "m0", "r1", "m1", "qa", "sa")}
     steps: list[str] = []
     written: set[str] = set()
     for _ in range(draw(st.integers(1, 7))):
         kind = draw(st.sampled_from(["disp", "disp", "ret", "exp", "exp", "comb", "barrier",
-                                     "sync", "sync"]))
+                                     "sync", "sync", "a2a"]))
         if kind == "disp":
             steps.append("{op: ragged_all_to_all, src: xs, dst: r0, counts: n, "
                          "recv_counts: m0, capacity: C, scale: {per: token, buffer: s0}}")
@@ -61,6 +64,9 @@ def moe_schedule_text(draw) -> str:  # noqa: ANN001 (hypothesis' draw)
             written.add("ye")
         elif kind == "comb" and "r1" in written:
             steps.append("{op: weighted_combine, src: [r1, w], index: ix, dst: o}")
+        elif kind == "a2a":  # an all_to_all with a per-token fp8 cast
+            steps.append("{op: all_to_all, src: xa, dst: qa, scale: {per: token, buffer: sa}}")
+            written |= {"qa", "sa"}
         elif kind == "barrier":
             steps.append("{op: barrier}")
         elif kind == "sync":

@@ -1,5 +1,6 @@
 """A cast inside a move: ``scale: {per: tensor | token, buffer: s}`` on a move op whose
-``dst`` dtype differs from its ``src``'s (today: ``ragged_all_to_all``).
+``dst`` dtype differs from its ``src``'s (``ragged_all_to_all``; ``all_to_all`` of one
+payload along dim 0, lowered with ragged_all_to_all's kernel at full counts).
 
 Two casts, by the pair of dtypes (anything else is ``bad-cast``; a dtype change without
 ``scale`` stays ``dtype-mismatch``):
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
     from dcpc.check.context import Ref
     from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
     from dcpc.lang.model import Schedule
 
 WIDE = ("bf16", "f16", "f32")
@@ -56,8 +58,8 @@ def _pair(a: str, b: str) -> str | None:
 def direction(schedule: Schedule, op: OpBase) -> str | None:
     """'quantise' | 'dequantise' for a move with a supported cast, else None."""
     scale = getattr(op, "scale", None)
-    if scale is None:
-        return None
+    if scale is None or not isinstance(op.src, str) or not isinstance(op.dst, str):  # type: ignore[attr-defined]
+        return None  # a list of payloads casts nothing (verify_move refuses it)
     a = schedule.buffers.get(op.src)  # type: ignore[attr-defined]
     b = schedule.buffers.get(op.dst)  # type: ignore[attr-defined]
     if a is None or b is None:
@@ -155,3 +157,46 @@ def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor) -> torch.Ten
     s = scale.to(torch.float32)
     s = s[..., None] if per == "token" else s.reshape(-1)[0]
     return (q.float() * s).double()
+
+
+def verify_move(v: Verify) -> None:
+    """An all_to_all with a cast: one payload, split along dim 0 (rows: the last dim),
+    dst [W, *part] symmetric, and the cast's own rules."""
+    op = v.step.op
+    srcs, dsts = v.refs("src"), v.refs("dst")
+    if len(srcs) != 1 or len(dsts) != 1 or getattr(op, "dim", 0) != 0:
+        v.error(op.mark("scale"), "bad-cast",
+                f"step '{v.step.name}' casts in an all_to_all of {len(srcs)} payload(s) "
+                f"along dim {getattr(op, 'dim', 0)}; a cast moves one payload split along "
+                "dim 0 (rows of its last dim)",
+                hint="give the cast its own all_to_all step, split along dim 0")
+        return
+    (src,), (dst,) = srcs, dsts
+    v.transfer(dst, dst, symmetric=True)  # peers write it: symmetric
+    verify(v, src, dst)
+    part = v.part(src) if v.buffer(src.name) is not None else None
+    if part is not None and v.shape(dst.name) is not None:
+        v.expect(dst, [v.W, *part],
+                 f"W parts of src '{src.name}', one per peer, along a leading W axis")
+
+
+def all_to_all_reference(sim: Sim, op: OpBase) -> None:
+    """An all_to_all with a cast, in float64: every rank's src cast as it travels
+    (``quantise_rows``/``dequantise_rows``), then moved; per-token scales alongside."""
+    src, dst = op.src, op.dst  # type: ignore[attr-defined]
+    scale: Scale = op.scale  # type: ignore[attr-defined]
+    way = direction(sim.schedule, op)
+    sent = f"{src}__cast"
+    scales = f"{scale.buffer}__sent"
+    for p in range(sim.world):
+        x = sim.bufs[p][src]
+        if way == "quantise":
+            x, s = quantise_rows(x, scale.per, sim.bufs[p].get(scale.buffer))
+            if s is not None:
+                sim.stash(p, scales, s, like=scale.buffer)
+        else:
+            x = dequantise_rows(x, scale.per, sim.bufs[p][scale.buffer])
+        sim.stash(p, sent, x, like=dst)
+    sim.all_to_all(sent, dst, 0)
+    if scales in sim.bufs[0]:
+        sim.all_to_all(scales, scale.buffer, 0)

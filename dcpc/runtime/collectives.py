@@ -239,7 +239,6 @@ def ragged_all_to_all(
     ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
     land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
     sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``."""
-    from dcpc.numerics import ieee_div, round_e4m3, token_scales
     from dcpc.runtime.sync import over_capacity
 
     sent = counts.reshape(-1).to(torch.int32)
@@ -248,19 +247,7 @@ def ragged_all_to_all(
         raise over_capacity(step, comm.rank, over[0], int(sent[over[0]]), capacity)
     got = torch.empty_like(sent)
     _all_to_all_single(comm, got, sent, world)
-    x, row_scales = src.contiguous(), None
-    if cast == 1:
-        assert scale is not None
-        row_scales, inverse = token_scales(x)
-        x = round_e4m3(x.float() * inverse[..., None])
-    elif cast == 2:
-        assert scale is not None
-        x = round_e4m3(x.float() * ieee_div(1.0, scale.reshape(-1)[0].float()))
-    elif cast in (3, 4):
-        assert scale is not None
-        s = scale.float()[..., None] if cast == 3 else scale.reshape(-1)[0].float()
-        x = x.float() * s
-    x = x.to(dst.dtype)
+    x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
     staged = torch.empty_like(dst)
     _all_to_all_single(comm, staged.reshape(-1), x.reshape(-1), world)
     scales_in = None
@@ -300,3 +287,42 @@ def weighted_combine(
         part = weights[:, k, None].float() * rows[index[:, k].clamp(min=0)].float()
         acc += torch.where(live, part, 0.0)
     dst.copy_(acc)
+
+
+def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` ([..., row]) cast as the kernels' CAST does (dcpc/ops/cast.py), in ``dtype``,
+    and the per-row scales a per-token quantise sends along (else None)."""
+    from dcpc.numerics import ieee_div, round_e4m3, token_scales
+
+    row_scales = None
+    if cast == 1:
+        row_scales, inverse = token_scales(x)
+        x = round_e4m3(x.float() * inverse[..., None])
+    elif cast == 2:
+        assert scale is not None
+        x = round_e4m3(x.float() * ieee_div(1.0, scale.reshape(-1)[0].float()))
+    elif cast in (3, 4):
+        assert scale is not None
+        s = scale.float()[..., None] if cast == 3 else scale.reshape(-1)[0].float()
+        x = x.float() * s
+    return x.to(dtype), row_scales
+
+
+def cast_all_to_all(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    rows: int,
+    world: int,
+    cast: int,
+    scale: torch.Tensor,
+) -> None:
+    """An all_to_all with a cast (one payload along dim 0): part j of src (``rows`` rows)
+    lands cast in dst[rank] on rank j; a per-token quantise's scales in scale[rank]."""
+    x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
+    _all_to_all_single(comm, dst.reshape(-1), x.reshape(-1), world)
+    if row_scales is not None:
+        got = torch.empty_like(row_scales).reshape(-1)
+        _all_to_all_single(comm, got, row_scales.reshape(-1), world)
+        scale.reshape(-1).copy_(got)
