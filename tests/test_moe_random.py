@@ -1,7 +1,8 @@
 """Property test for the MoE ops: on random schedules of ragged all_to_alls (with and
 without a per-token fp8 cast), all_to_alls with a cast, weighted combines, externals,
-barriers and split-phase signal/wait (waits before their signal too), 1 or 2 slots, either stream mode, receive
-buffers possibly ``shared``, the happens-before checker, the brute force
+barriers and split-phase signal/wait (waits before their signal too), 1 or 2 slots,
+either stream mode, receive buffers possibly ``shared``, the happens-before checker, the
+brute force
 (tests/hb_oracle.py, full unrolling, no symmetry) and the execution oracle agree.
 """
 
