@@ -307,3 +307,26 @@ if __name__ == "__main__" and sys.argv[1:] == ["modes"]:
     _child()
 if __name__ == "__main__" and sys.argv[1:] == ["a2a"]:
     _a2a_child()
+
+
+def test_generated_modules_of_every_mode_are_ruff_clean(tmp_path: Path) -> None:
+    """Each step's kernel holds only its own mode's code (no name of a helper the module
+    does not emit): the modules of the gallery, every ragged cast mode and the all_to_all
+    casts check and format clean, as the shipped schedules' (tests/test_codegen.py)."""
+    from test_codegen import RUFF, RUFF_CONFIG
+
+    from dcpc.codegen.emit import emit
+    from dcpc.codegen.lower import lower
+
+    root = Path(__file__).resolve().parent.parent
+    texts = [(root / "schedules/gallery/moe_dispatch_combine.yaml").read_text(),
+             text(tail=""), text(dst="bf16", scale="", **READ),  # a module without casts
+             a2a_text(), *[_mode_text(mode) for mode in MODES]]
+    files = []
+    for i, source in enumerate(texts):
+        files.append(tmp_path / f"m{i}.py")
+        files[-1].write_text(emit(lower(parse_text(source), range(2, 9))))
+    for args in (["check"], ["format", "--check", "--diff"]):
+        done = subprocess.run(RUFF + [*args, "--no-cache", *RUFF_CONFIG, *map(str, files)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr

@@ -29,7 +29,7 @@ from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file
 
 CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
-MOVES = (m.AllGather, m.AllToAll, m.Copy)  # pure data movement: must be bit-exact
+MOVES = (m.AllGather, m.AllToAll, m.Copy, m.RaggedAllToAll)  # data movement: bit-exact
 TOLERANCE = {  # (atol, rtol); fp8 e4m3: one rounding step (3 mantissa bits)
     "bf16": (1e-2, 1e-2), "f16": (2e-3, 2e-3), "f32": (1e-5, 1e-5), "fp8e4m3": (2e-2, 0.125),
 }
