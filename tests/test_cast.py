@@ -330,3 +330,16 @@ def test_generated_modules_of_every_mode_are_ruff_clean(tmp_path: Path) -> None:
         done = subprocess.run(RUFF + [*args, "--no-cache", *RUFF_CONFIG, *map(str, files)],
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_read_scale_is_an_engine_input_of_dcpc_run() -> None:
+    """`dcpc run` makes the inputs the ops read (OpDef.io): a per-tensor scale of a cast
+    in an all_to_all or a ragged all_to_all is one; a per-token scale that the move
+    sends (symmetric) is not."""
+    from dcpc.harness.synth import engine_inputs
+
+    tensor = ", scale: {per: tensor, buffer: t}"
+    a2a = parse_text(a2a_text(back="f32", back_scale=tensor, go=tensor))
+    assert engine_inputs(a2a) == ["x", "t"]
+    assert engine_inputs(parse_text(text())) == ["x", "n"]
+    assert engine_inputs(parse_text(_mode_text(4))) == ["x", "n", "s"]

@@ -65,7 +65,8 @@ def reference(sim: Sim, step: Step) -> None:
 
 
 def io(op: AllToAll) -> IO:
-    return names(op.src), names(op.dst)
+    scale = [op.scale.buffer] if op.scale is not None else []  # read, or sent (symmetric)
+    return names(op.src) + scale, names(op.dst)
 
 
 DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io))
