@@ -100,6 +100,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     if kind in ("all_gather", "all_to_all"):
         reads(_as_list(op.src), 0)
         stores(_as_list(op.dst), (_partition(schedule, op), b.rank))
+        _cast_scale(op, schedule, reads, stores, b.rank)
         exchange()
     elif kind in ("reduce_scatter", "all_reduce"):  # all_reduce: whole src, same sync
         via = _as_list(op.via) or [f"{name}_recv"]  # reduce: lse: [o_recv, lse_recv]
@@ -140,6 +141,14 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind == "external":
         reads(op.reads, 0)
         writes(op.writes, 0)
+    elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
+        reads([op.src, op.counts], 0)
+        stores([op.dst, op.recv_counts], (("index", 0, 0), b.rank))
+        _cast_scale(op, schedule, reads, stores, b.rank)
+        exchange()
+    elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
+        reads(list(op.src) + _as_list(op.index), 0)
+        writes([op.dst], 0)
     elif kind == "barrier":
         exchange()
     elif kind == "signal":
@@ -154,6 +163,18 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         _shift(b, schedule, name, index, op, world, tracked)
     else:
         raise AssertionError(f"oracle does not know op {kind}")
+
+
+def _cast_scale(op, schedule: Schedule, reads, stores, rank: int) -> None:
+    """A cast's scale buffer: a per-token cast into fp8 sends its row scales along (a
+    store into block `rank` of every peer's), any other cast reads them here."""
+    scale = getattr(op, "scale", None)
+    if scale is None:
+        return
+    if scale.per == "token" and schedule.buffers[op.dst].dtype.value == "fp8e4m3":
+        stores([scale.buffer], (("index", 0, 0), rank))
+    else:
+        reads([scale.buffer], 0)
 
 
 def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGraph:
@@ -214,7 +235,7 @@ def _channel(channel: str) -> str:
 def _named(op) -> set[str]:
     """Every buffer an op names (what it may read)."""
     names: set[str] = set()
-    for key in ("src", "via", "reads"):
+    for key in ("src", "via", "reads", "counts", "index"):
         names |= set(_as_list(getattr(op, key, None)))
     if getattr(op, "mask_empty", None) is not None:
         names |= {op.mask_empty.seq_lens, op.mask_empty.query_start_loc}

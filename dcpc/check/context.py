@@ -73,8 +73,12 @@ def mask_refs(op: OpBase) -> list[Ref]:
 def all_refs(op: OpBase) -> list[Ref]:
     """Every buffer an op names, in the order the step lists them."""
     found: list[Ref] = []
-    for key in ("src", "via", "dst", "return_lse", "output_scale", "reads", "writes"):
+    for key in ("src", "via", "dst", "return_lse", "output_scale", "reads", "writes",
+                "counts", "recv_counts", "index"):
         found += refs(op, key)
+    scale = getattr(op, "scale", None)  # a cast's scale (dcpc/ops/cast.py)
+    if scale is not None:
+        found.append(Ref(scale.buffer, "scale.buffer", scale.mark("buffer")))
     return found + mask_refs(op)
 
 

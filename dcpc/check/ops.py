@@ -280,14 +280,15 @@ def _no_aliasing(ctx: Context, step: Step) -> None:
     """A non-external step never writes a buffer twice, nor writes what it reads."""
     op: OpBase = step.op
     written: dict[str, Mark] = {}
-    for key in ("via", "dst", "return_lse"):
+    for key in ("via", "dst", "return_lse", "recv_counts"):
         for ref in refs(op, key):
             if ref.name in written:
                 ctx.error(ref.mark, "aliased-buffer",
                           f"step '{step.name}' writes buffer '{ref.name}' twice", hint=
                           "give every output its own buffer")
             written.setdefault(ref.name, ref.mark)
-    for ref in refs(op, "src") + mask_refs(op) + refs(op, "output_scale"):
+    reads = refs(op, "src") + refs(op, "counts") + refs(op, "index")
+    for ref in reads + mask_refs(op) + refs(op, "output_scale"):
         if ref.name in written:
             ctx.error(ref.mark, "aliased-buffer",
                       f"step '{step.name}' reads buffer '{ref.name}' ({ref.role}) and also "

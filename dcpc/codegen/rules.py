@@ -28,6 +28,7 @@ from dcpc.lang import model as m
 from dcpc.ops import all_reduce as ar
 from dcpc.ops import all_to_all as a2a
 from dcpc.ops import broadcast as bc
+from dcpc.ops import cast
 from dcpc.ops import reduce as rd
 from dcpc.ops.all_to_all_combine import self_copy
 from dcpc.ops.common import Scope
@@ -122,6 +123,8 @@ def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
 @register("all_to_all")
 def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.AllToAll)
+    if op.scale is not None:  # a cast: ragged_all_to_all's kernel at full counts
+        return _cast_move(ctx, step)
     srcs = op.src if isinstance(op.src, list) else [op.src]
     dsts = op.dst if isinstance(op.dst, list) else [op.dst]
     plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
@@ -403,3 +406,77 @@ def _reduce(ctx: Ctx, step: m.Step) -> StepPlan:
     plan = _elementwise(ctx, step, op)
     plan.attrs["root"] = op.root
     return plan
+
+
+# CAST of ragged_all_to_all's kernel: 0 none, 1 quantise per token (the scales travel),
+# 2 quantise per tensor, 3 dequantise per token, 4 dequantise per tensor
+CAST_MODES = {("quantise", "token"): 1, ("quantise", "tensor"): 2,
+              ("dequantise", "token"): 3, ("dequantise", "tensor"): 4}
+
+
+def _cast_attrs(ctx: Ctx, op: Any) -> dict[str, Any]:
+    way = cast.direction(ctx.schedule, op)
+    mode = CAST_MODES[(way, op.scale.per)] if way is not None and op.scale is not None else 0
+    return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
+            "bf16_out": ctx.buffers[op.dst].dtype == "bf16"}
+
+
+@register("ragged_all_to_all")
+def _ragged_all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.RaggedAllToAll)
+    shape = ctx.shape(op.src)
+    roles = {"src": op.src, "dst": op.dst, "counts": op.counts, "recv_counts": op.recv_counts}
+    scale = op.scale.buffer if op.scale is not None else None
+    if scale is not None:
+        roles["scale"] = scale
+    return _step(
+        step,
+        params=ctx.engine([op.src, op.counts, scale]),
+        returns=[op.dst, op.recv_counts],
+        roles=roles,
+        scalars=[("cap", shape[1]), ("row_len", product(shape[2:]))],
+        tiles=[product(shape[2:])],
+        signalling=True,
+        attrs={"ragged": True, **_cast_attrs(ctx, op)},
+    )
+
+
+def _cast_move(ctx: Ctx, step: m.Step) -> StepPlan:
+    """An all_to_all with a cast (one payload along dim 0, dcpc/ops/cast.py): src seen as
+    [W, cap, row_len], every row live: ragged_all_to_all's kernel without counts."""
+    op = typed(step, m.AllToAll)
+    assert isinstance(op.src, str) and isinstance(op.dst, str) and op.scale is not None
+    shape = ctx.shape(op.src)
+    row_len = shape[-1]
+    plan = _step(
+        step,
+        params=ctx.engine([op.src, op.scale.buffer]),
+        returns=[op.dst],
+        roles={"src": op.src, "dst": op.dst, "scale": op.scale.buffer},
+        scalars=[("cap", div(product(shape[:-1]), W)), ("row_len", row_len)],
+        tiles=[row_len],
+        signalling=True,
+        attrs={"ragged": False, **_cast_attrs(ctx, op)},
+    )
+    plan.template = "ops/ragged_all_to_all.py.j2"
+    return plan
+
+
+@register("weighted_combine")
+def _weighted_combine(ctx: Ctx, step: m.Step) -> StepPlan:
+    op = typed(step, m.WeightedCombine)
+    x, weights = op.src
+    xs, ws = ctx.shape(x), ctx.shape(weights)
+    roles = {"x": x, "weights": weights, "dst": op.dst}
+    if op.index is not None:
+        roles["index"] = op.index
+    return _step(
+        step,
+        params=ctx.engine([x, weights, op.index]),
+        returns=[op.dst],
+        roles=roles,
+        scalars=[("tokens", ws[0]), ("topk", ws[1]), ("row_len", xs[-1]),
+                 ("rows", product(xs[:-1]))],
+        tiles=[xs[-1]],
+        attrs={"index": op.index is not None},
+    )

@@ -118,6 +118,9 @@ def call_inputs(
             lengths = torch.stack([local_seq_len(lengths, p, world, 1) for p in range(world)], 1)
         shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
     scales = {getattr(s.op, "output_scale", None) for s in schedule.step_list()} - {None}
+    capacities = ragged_capacities(schedule, sizes)
+    indexes = {s.op.index: s for s in schedule.step_list()  # type: ignore[attr-defined]
+               if s.kind == "weighted_combine" and s.op.index is not None}  # type: ignore[attr-defined]
     out: list[Buffers] = []
     for rank in range(world):
         bufs: Buffers = {}
@@ -127,7 +130,11 @@ def call_inputs(
                 continue
             gen = torch.Generator().manual_seed(_mix(seed, call, rank, index))
             shape = buffer_shape(schedule, name, sizes)
-            if name in scales:  # an fp8 output's scale: positive, and overflows some values
+            if name in capacities:  # a ragged all_to_all's row counts: 0..capacity
+                value = torch.randint(0, capacities[name] + 1, shape, generator=gen)
+            elif name in indexes:  # a weighted combine's rows: live ones, some empty slots
+                value = combine_index(schedule, indexes[name], sizes, bufs, capacities, gen)
+            elif name in scales:  # an fp8 output's scale: positive, and overflows some values
                 value = 0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
@@ -136,6 +143,37 @@ def call_inputs(
             bufs[name] = as_stored(schedule, name, value)
         out.append(bufs)
     return out
+
+
+def ragged_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
+    """The ``counts`` buffers of ragged all_to_alls, each with its capacity this call."""
+    env = {**sizes}
+    return {s.op.counts: ex.evaluate(ex.parse(str(s.op.capacity)), env)  # type: ignore[attr-defined]
+            for s in schedule.step_list() if s.kind == "ragged_all_to_all"}
+
+
+def combine_index(schedule: m.Schedule, step: m.Step, sizes: Mapping[str, int],
+                  bufs: Buffers, capacities: Mapping[str, int],
+                  gen: torch.Generator) -> torch.Tensor:
+    """A weighted combine's ``index`` [T, K]: distinct rows of x per token where it can,
+    a quarter of the slots empty (-1). x [W, capacity, H] on a rank that sent a ragged
+    all_to_all: only the rows its return trip brings back (rows ``[0, counts[j])`` of
+    block j, counts this rank's own: the MoE round trip), never a row past a count."""
+    x_name, w_name = step.op.src  # type: ignore[attr-defined]
+    tokens, topk = buffer_shape(schedule, w_name, sizes)
+    x_shape = buffer_shape(schedule, x_name, sizes)
+    rows = torch.arange(math.prod(x_shape[:-1]))
+    for counts, cap in capacities.items():
+        if counts in bufs and len(x_shape) == 3 and x_shape[1] == cap:
+            live = bufs[counts].to(torch.int64).reshape(-1)
+            rows = torch.cat([j * cap + torch.arange(int(n)) for j, n in enumerate(live)])
+            break
+    out = torch.full((tokens, topk), -1, dtype=torch.int64)
+    for t in range(tokens):
+        pick = rows[torch.randperm(len(rows), generator=gen)[:topk]]
+        out[t, : len(pick)] = pick
+    empty = torch.rand(tokens, topk, generator=gen) < 0.25
+    return torch.where(empty, -1, out)
 
 
 def _mix(*parts: int) -> int:

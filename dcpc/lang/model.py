@@ -43,10 +43,12 @@ from dcpc.ops.copy import Copy  # noqa: F401
 from dcpc.ops.external import External  # noqa: F401
 from dcpc.ops.lse_combine import LseCombine  # noqa: F401
 from dcpc.ops.lse_correct import LseCorrect  # noqa: F401
+from dcpc.ops.ragged_all_to_all import RaggedAllToAll  # noqa: F401
 from dcpc.ops.reduce import Reduce  # noqa: F401
 from dcpc.ops.reduce_scatter import ReduceScatter  # noqa: F401
 from dcpc.ops.shift import Shift  # noqa: F401
 from dcpc.ops.sync import Barrier, Signal, Wait  # noqa: F401
+from dcpc.ops.weighted_combine import WeightedCombine  # noqa: F401
 
 Op = Annotated[
     Union[tuple(d.model for d in OPS.values())],  # type: ignore[valid-type]  # noqa: UP007

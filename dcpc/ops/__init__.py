@@ -16,6 +16,7 @@ MODULES = (
     "lse_correct", "copy", "sync", "external",
     "shift",
     "all_reduce", "broadcast", "reduce",
+    "ragged_all_to_all", "weighted_combine",
 )
 for _module in MODULES:
     import_module(f"dcpc.ops.{_module}")

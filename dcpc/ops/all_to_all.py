@@ -1,6 +1,8 @@
 """all_to_all: ``src`` split in W parts along ``dim``; part j of rank p lands in
 ``dst[p]`` on rank j (dst has a leading W axis). ``src``/``dst`` may be lists of the
-same length: one exchange of several payloads.
+same length: one exchange of several payloads. ``scale``: a cast inside the move
+(dcpc/ops/cast.py; one payload split along dim 0, lowered with ragged_all_to_all's
+kernel at full counts; not with split_dim/concat_dim).
 
 With ``split_dim`` and ``concat_dim`` (both, and no ``dim``; JAX's
 ``all_to_all(x, split_axis, concat_axis)``): ``dst`` has src's rank; ``src`` split in W
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.ops import cast
+from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
     BEFORE,
     READ,
@@ -41,6 +45,7 @@ class AllToAll(OpBase):
     src: Name | list[Name]
     dst: Name | list[Name]
     dim: Int = 0
+    scale: Scale | None = None
     split_dim: Int | None = Field(default=None, description="with concat_dim: dst has src's rank")
     concat_dim: Int | None = Field(default=None, description="where rank p's part lands: block p")
 
@@ -61,7 +66,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     before = effects(READ, BEFORE, keyed(op, "src"))
     if not concat(op):
         before += effects(WRITE, BEFORE, keyed(op, "dst"), Region("index", 0))
-        return exchange(before, [], step)
+        return exchange(before + cast.effects(c.schedule, op), [], step)
     for dst in keyed(op, "dst"):  # writer p: block p along concat_dim of every rank's dst
         spec = c.schedule.buffers.get(dst[0])
         d = op.concat_dim % len(spec.shape) if spec is not None and spec.shape else 0
@@ -72,6 +77,15 @@ def semantics(c: Scope, step: Step) -> Semantics:
 
 def verify(v: Verify, step: Step) -> None:
     op: AllToAll = step.op  # type: ignore[assignment]
+    if op.scale is not None and (op.split_dim is not None or op.concat_dim is not None):
+        v.error(op.mark("scale"), "bad-cast",
+                f"all_to_all '{step.name}' casts ('scale') only with dim (one payload split "
+                "along dim 0), not with split_dim/concat_dim",
+                hint="cast in a separate all_to_all with dim, or drop split_dim/concat_dim")
+        return
+    if op.scale is not None:
+        cast.verify_move(v)
+        return
     if op.split_dim is None and op.concat_dim is None:
         for src, dst in v.pairs(v.refs("src"), v.refs("dst")):
             v.scatter(src, dst)
@@ -117,6 +131,9 @@ def _verify_concat(v: Verify, step: Step, src: Any, dst: Any) -> None:
 
 def reference(sim: Sim, step: Step) -> None:
     op: AllToAll = step.op  # type: ignore[assignment]
+    if op.scale is not None:
+        cast.all_to_all_reference(sim, op)
+        return
     for src, dst in zip(names(op.src), names(op.dst), strict=True):
         if not concat(op):
             sim.all_to_all(src, dst, op.dim)
@@ -130,7 +147,8 @@ def reference(sim: Sim, step: Step) -> None:
 
 
 def io(op: AllToAll) -> IO:
-    return names(op.src), names(op.dst)
+    scale = [op.scale.buffer] if op.scale is not None else []  # read, or sent (symmetric)
+    return names(op.src) + scale, names(op.dst)
 
 
 DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io))

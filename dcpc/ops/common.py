@@ -326,6 +326,8 @@ def local(reads: list[tuple[str, str]], writes: list[tuple[str, str]]) -> Semant
 
 def effect_mark(step: m.Step, effect: Effect) -> Mark:
     """Where the schedule names the buffer of ``effect`` (the step for an implicit one)."""
+    if effect.key == "scale.buffer":
+        return step.op.scale.mark("buffer")  # type: ignore[attr-defined]
     if effect.key.startswith("mask_empty."):
         return step.op.mask_empty.mark(effect.key.split(".", 1)[1])  # type: ignore[attr-defined]
     return step.op.mark(effect.key) if effect.key else step.mark()

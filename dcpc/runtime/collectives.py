@@ -349,3 +349,110 @@ def reduce(
     all_reduce(comm, src, via, dst, acc, numel, world, reduce)
     if comm.rank != root:
         dst.zero_()
+
+
+def ragged_all_to_all(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    counts: torch.Tensor,
+    dst: torch.Tensor,
+    recv_counts: torch.Tensor,
+    capacity: int,
+    world: int,
+    step: str,
+    cast: int = 0,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
+    with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
+    over capacity raises before anything is sent (dcpc.runtime.sync.over_capacity).
+    ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
+    land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
+    sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``."""
+    from dcpc.runtime.sync import over_capacity
+
+    sent = counts.reshape(-1).to(torch.int32)
+    over = torch.nonzero(sent > capacity).flatten().tolist()
+    if over:
+        raise over_capacity(step, comm.rank, over[0], int(sent[over[0]]), capacity)
+    got = torch.empty_like(sent)
+    _all_to_all_single(comm, got, sent, world)
+    x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
+    staged = torch.empty_like(dst)
+    _all_to_all_single(comm, staged.reshape(-1), x.reshape(-1), world)
+    scales_in = None
+    if row_scales is not None:
+        scales_in = torch.empty_like(row_scales)
+        _all_to_all_single(comm, scales_in.reshape(-1), row_scales.reshape(-1), world)
+    recv_counts.copy_(got)
+    for p, n in enumerate(got.tolist()):
+        dst[p, :n].copy_(staged[p, :n])
+        if scales_in is not None and scale is not None:
+            scale[p, :n].copy_(scales_in[p, :n])
+
+
+def weighted_combine(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    index: torch.Tensor | None,
+    dst: torch.Tensor,
+    step: str,
+) -> None:
+    """dst[t] = sum_k weights[t, k] * row(t, k) in fp32, k in order (the kernel's), one
+    rounding into dst; row(t, k) = x's row index[t, k] (< 0: none) or x[t, k]."""
+    from dcpc.runtime.sync import bad_index
+
+    rows = x.reshape(-1, x.shape[-1])
+    tokens, topk = weights.shape
+    if index is None:
+        index = torch.arange(tokens * topk, device=x.device).reshape(tokens, topk)
+    index = index.to(torch.int64)
+    past = torch.nonzero((index >= len(rows)).any(dim=1)).flatten().tolist()
+    if past:
+        t = past[0]
+        raise bad_index(step, None, t, int(index[t].max()), len(rows))
+    acc = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    for k in range(topk):
+        live = (index[:, k] >= 0)[:, None]
+        part = weights[:, k, None].float() * rows[index[:, k].clamp(min=0)].float()
+        acc += torch.where(live, part, 0.0)
+    dst.copy_(acc)
+
+
+def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` ([..., row]) cast as the kernels' CAST does (dcpc/ops/cast.py), in ``dtype``,
+    and the per-row scales a per-token quantise sends along (else None)."""
+    from dcpc.numerics import ieee_div, round_e4m3, token_scales
+
+    row_scales = None
+    if cast == 1:
+        row_scales, inverse = token_scales(x)
+        x = round_e4m3(x.float() * inverse[..., None])
+    elif cast == 2:
+        assert scale is not None
+        x = round_e4m3(x.float() * ieee_div(1.0, scale.reshape(-1)[0].float()))
+    elif cast in (3, 4):
+        assert scale is not None
+        s = scale.float()[..., None] if cast == 3 else scale.reshape(-1)[0].float()
+        x = x.float() * s
+    return x.to(dtype), row_scales
+
+
+def cast_all_to_all(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    rows: int,
+    world: int,
+    cast: int,
+    scale: torch.Tensor,
+) -> None:
+    """An all_to_all with a cast (one payload along dim 0): part j of src (``rows`` rows)
+    lands cast in dst[rank] on rank j; a per-token quantise's scales in scale[rank]."""
+    x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
+    _all_to_all_single(comm, dst.reshape(-1), x.reshape(-1), world)
+    if row_scales is not None:
+        got = torch.empty_like(row_scales).reshape(-1)
+        _all_to_all_single(comm, got, row_scales.reshape(-1), world)
+        scale.reshape(-1).copy_(got)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dcpc.runtime.errors import (
+    DcpcArgumentError,
     DcpcContractError,
     DcpcError,
     DcpcPeerFailedError,
@@ -44,6 +45,8 @@ from dcpc.runtime.local import sync_stream
 TIMEOUT = 1  # a wait expired (the deadline, or another program of this launch failed)
 CONTRACT = 2  # a peer's signal carried another call's fingerprint
 PEER_FAILED = 3  # the peer's failure flag was set while we waited for it
+OVER_CAPACITY = 4  # ragged_all_to_all: counts[peer] over capacity (errors[3], errors[4])
+BAD_INDEX = 5  # weighted_combine: index[token] (errors[2]) = errors[3] >= rows (errors[4])
 ERROR_WORDS = 8
 STOP_WORD = 6  # CPU: set by the watchdog thread at the deadline; a waiting loop polls it
 # failure flags (flags[src_rank])
@@ -55,6 +58,28 @@ FLAG_REASONS = {
 }
 INT32_MAX = 2**31 - 1
 FINGERPRINT_BITS = 31  # fingerprints are in 0..2**31-1 (never -1)
+
+
+def over_capacity(step: str, rank: int | None, peer: int, count: int, capacity: int,
+                  received: bool = False) -> DcpcArgumentError:
+    """A ragged_all_to_all's count over its capacity (nothing of that part was sent), as
+    its sender (``counts[peer]``) or its receiver (``peer`` sent it) saw it."""
+    who = f"rank {rank}" if rank is not None else "this rank"
+    what = (f"peer {peer} routed {count} rows to {who}" if received
+            else f"{who}'s counts[{peer}] = {count}")
+    return DcpcArgumentError(
+        f"step '{step}': {what}, over the capacity {capacity}; no row of that part was "
+        "sent (never truncated) and this module instance is now failed: route at most "
+        "capacity rows to each peer")
+
+
+def bad_index(step: str, rank: int | None, token: int, row: int,
+              rows: int) -> DcpcArgumentError:
+    """A weighted_combine's index past the rows of its x (that slot was not read)."""
+    who = f"rank {rank}" if rank is not None else "this rank"
+    return DcpcArgumentError(
+        f"step '{step}': {who}'s index of token {token} holds row {row}, past the {rows} "
+        "rows of x; an index is a row of x, or negative for an empty slot")
 
 
 def channel(step_index: int, slot: int, slots: int) -> int:
@@ -248,4 +273,8 @@ class SignalBank:
         if code == PEER_FAILED:
             reason = FLAG_REASONS.get(flag, f"set failure flag {flag}")
             raise DcpcPeerFailedError(name, peer, epoch, rank, reason)
+        if code == OVER_CAPACITY:
+            raise over_capacity(name, rank, peer, epoch, here, received=there == 1)
+        if code == BAD_INDEX:
+            raise bad_index(name, rank, peer, epoch, here)
         raise DcpcError(f"step '{name}': kernel error code {code} (peer {peer}, epoch {epoch})")

@@ -1,0 +1,202 @@
+"""A cast inside a move: ``scale: {per: tensor | token, buffer: s}`` on a move op whose
+``dst`` dtype differs from its ``src``'s (``ragged_all_to_all``; ``all_to_all`` of one
+payload along dim 0, lowered with ragged_all_to_all's kernel at full counts).
+
+Two casts, by the pair of dtypes (anything else is ``bad-cast``; a dtype change without
+``scale`` stays ``dtype-mismatch``):
+
+- quantise (bf16, f16 or f32 ``src`` -> fp8e4m3 ``dst``), on the push:
+  ``per: token``: each row (the last dim) gets ``scale = max(amax, 1e-4) / 448`` and is
+  sent as ``round_e4m3(row * (448 / max(amax, 1e-4)))``; the scale travels with it
+  into ``s`` on the receiver (``s`` symmetric f32, ``dst``'s shape without its last dim:
+  DeepEP's ``recv_x_scales``). ``per: tensor``: ``s`` is a ``[1]`` f32 scale read on the
+  sender (a static scale): ``round_e4m3(x * (1 / s[0]))``.
+- dequantise (fp8e4m3 ``src`` -> bf16, f16 or f32 ``dst``), on the push: ``dst = q *
+  scale`` in fp32, rounded once into dst (to nearest even); ``per: token``: ``s`` is
+  f32 with ``src``'s shape without its last dim, read on the sender (the scales the
+  quantising move delivered); ``per: tensor``: ``s`` is ``[1]`` f32.
+
+``round_e4m3`` (dcpc.numerics): clamp to +-448, round half away from zero to the e4m3
+grid (2**-9 below 2**-6), NaN stays NaN: the kernels' rule, which the float64 reference
+applies bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from dcpc.lang.nodes import Name, Node, OpBase
+from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
+
+if TYPE_CHECKING:
+    import torch
+
+    from dcpc.check.context import Ref
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+    from dcpc.lang.model import Schedule
+
+WIDE = ("bf16", "f16", "f32")
+
+
+class Scale(Node):
+    per: Literal["tensor", "token"] = Field(description="one scale per tensor or per row")
+    buffer: Name = Field(description="f32: [1] (tensor), or the rows' shape (token)")
+
+
+def _pair(a: str, b: str) -> str | None:
+    """'quantise' | 'dequantise' for a supported (src, dst) dtype pair, else None."""
+    if a in WIDE and b == "fp8e4m3":
+        return "quantise"
+    if a == "fp8e4m3" and b in WIDE:
+        return "dequantise"
+    return None
+
+
+def direction(schedule: Schedule, op: OpBase) -> str | None:
+    """'quantise' | 'dequantise' for a move with a supported cast, else None."""
+    scale = getattr(op, "scale", None)
+    if scale is None or not isinstance(op.src, str) or not isinstance(op.dst, str):  # type: ignore[attr-defined]
+        return None  # a list of payloads casts nothing (verify_move refuses it)
+    a = schedule.buffers.get(op.src)  # type: ignore[attr-defined]
+    b = schedule.buffers.get(op.dst)  # type: ignore[attr-defined]
+    if a is None or b is None:
+        return None
+    return _pair(a.dtype.value, b.dtype.value)
+
+
+def effects(schedule: Schedule, op: OpBase) -> list[Effect]:
+    """The scale buffer's access: a per-token quantise stores the senders' scales into
+    every peer's ``s`` (block p, like dst); every other cast reads ``s`` on the sender."""
+    scale = getattr(op, "scale", None)
+    if scale is None:
+        return []
+    if scale.per == "token" and direction(schedule, op) == "quantise":
+        return [Effect(scale.buffer, WRITE, BEFORE, Region("index", 0), "scale.buffer")]
+    return [Effect(scale.buffer, READ, BEFORE, None, "scale.buffer")]
+
+
+def verify(v: Verify, src: Ref, dst: Ref) -> None:
+    """A move's dtypes: the same without ``scale``; a supported cast and its scale with."""
+    op = v.step.op
+    scale: Scale | None = getattr(op, "scale", None)
+    if scale is None:
+        a, b = v.buffer(src.name), v.buffer(dst.name)
+        if a is not None and b is not None and a.dtype != b.dtype and _pair(a.dtype.value,
+                                                                          b.dtype.value):
+            v.error(dst.mark, "dtype-mismatch",
+                    f"step '{v.step.name}' moves {a.dtype.value} data from '{src.name}' into "
+                    f"'{dst.name}', which is {b.dtype.value}",
+                    hint=f"declare '{dst.name}' with dtype {a.dtype.value}, or cast in the "
+                    "move: add 'scale: {per: token, buffer: <f32 scales>}' (docs/language.md)")
+            return
+        v.same_dtype(src, dst)
+        return
+    a, b = v.buffer(src.name), v.buffer(dst.name)
+    s = v.buffer(scale.buffer)
+    if a is None or b is None:
+        return
+    way = direction(v.ctx.schedule, op)
+    if way is None:
+        v.error(op.mark("scale"), "bad-cast",
+                f"step '{v.step.name}' casts {a.dtype.value} '{src.name}' into "
+                f"{b.dtype.value} '{dst.name}'; a move casts bf16, f16 or f32 to fp8e4m3, "
+                "or fp8e4m3 back to one of them",
+                hint="drop 'scale' for a move without a cast" if a.dtype == b.dtype else
+                f"declare '{dst.name}' with dtype fp8e4m3 (or '{src.name}')")
+        return
+    if s is None:
+        return
+    mark = scale.mark("buffer")
+    rows_of = dst if way == "quantise" else src
+    shape = v.shape(rows_of.name)
+    if scale.per == "tensor":
+        want, why = [("num", 1)], "one f32 scale for the whole tensor"
+    else:
+        want = shape[:-1] if shape is not None else None
+        why = f"one f32 scale per row of '{rows_of.name}' (its shape without the last dim)"
+    if s.dtype.value != "f32":
+        v.error(mark, "bad-scale",
+                f"scale '{scale.buffer}' of step '{v.step.name}' is {s.dtype.value}; scales "
+                "are f32", hint=f"declare '{scale.buffer}' with dtype f32")
+    from dcpc.check.context import Ref as _Ref
+
+    ref = _Ref(scale.buffer, "scale.buffer", mark)
+    if want is not None:
+        v.expect(ref, want, why)
+    sent = scale.per == "token" and way == "quantise"
+    if sent and not s.is_symmetric:
+        v.error(mark, "bad-scale",
+                f"scale '{scale.buffer}' of step '{v.step.name}' receives every sender's "
+                "per-token scales, so it must be symmetric",
+                hint=f"add 'symmetric: true' to buffer '{scale.buffer}'")
+
+
+def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the e4m3 values of rows ``x`` as a float64 tensor, the per-row scales sent) for a
+    quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor)."""
+    import torch
+
+    from dcpc.numerics import ieee_div, round_e4m3, token_scales
+
+    if per == "token":
+        sent, inverse = token_scales(x)
+        return round_e4m3(x.float() * inverse[..., None]).double(), sent.double()
+    assert scale is not None
+    inverse = ieee_div(1.0, scale.reshape(-1)[0].to(torch.float32))
+    return round_e4m3(x.float() * inverse).double(), None
+
+
+def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale`` in fp32 (per token: one scale per row), as float64."""
+    import torch
+
+    s = scale.to(torch.float32)
+    s = s[..., None] if per == "token" else s.reshape(-1)[0]
+    return (q.float() * s).double()
+
+
+def verify_move(v: Verify) -> None:
+    """An all_to_all with a cast: one payload, split along dim 0 (rows: the last dim),
+    dst [W, *part] symmetric, and the cast's own rules."""
+    op = v.step.op
+    srcs, dsts = v.refs("src"), v.refs("dst")
+    if len(srcs) != 1 or len(dsts) != 1 or getattr(op, "dim", 0) != 0:
+        v.error(op.mark("scale"), "bad-cast",
+                f"step '{v.step.name}' casts in an all_to_all of {len(srcs)} payload(s) "
+                f"along dim {getattr(op, 'dim', 0)}; a cast moves one payload split along "
+                "dim 0 (rows of its last dim)",
+                hint="give the cast its own all_to_all step, split along dim 0")
+        return
+    (src,), (dst,) = srcs, dsts
+    v.transfer(dst, dst, symmetric=True)  # peers write it: symmetric
+    verify(v, src, dst)
+    part = v.part(src) if v.buffer(src.name) is not None else None
+    if part is not None and v.shape(dst.name) is not None:
+        v.expect(dst, [v.W, *part],
+                 f"W parts of src '{src.name}', one per peer, along a leading W axis")
+
+
+def all_to_all_reference(sim: Sim, op: OpBase) -> None:
+    """An all_to_all with a cast, in float64: every rank's src cast as it travels
+    (``quantise_rows``/``dequantise_rows``), then moved; per-token scales alongside."""
+    src, dst = op.src, op.dst  # type: ignore[attr-defined]
+    scale: Scale = op.scale  # type: ignore[attr-defined]
+    way = direction(sim.schedule, op)
+    sent = f"{src}__cast"
+    scales = f"{scale.buffer}__sent"
+    for p in range(sim.world):
+        x = sim.bufs[p][src]
+        if way == "quantise":
+            x, s = quantise_rows(x, scale.per, sim.bufs[p].get(scale.buffer))
+            if s is not None:
+                sim.stash(p, scales, s, like=scale.buffer)
+        else:
+            x = dequantise_rows(x, scale.per, sim.bufs[p][scale.buffer])
+        sim.stash(p, sent, x, like=dst)
+    sim.all_to_all(sent, dst, 0)
+    if scales in sim.bufs[0]:
+        sim.all_to_all(scales, scale.buffer, 0)

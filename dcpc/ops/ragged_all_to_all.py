@@ -1,0 +1,155 @@
+"""ragged_all_to_all: the MoE dispatch/combine move (DeepEP low-latency layout).
+
+``src`` [W, capacity, *row] holds one block of ``capacity`` rows per peer (peer-major,
+as DeepEP's low-latency receive buffer keeps one ``num_max_dispatch_tokens_per_rank``
+block per source rank); ``counts`` [W] (integers, read on this rank) says how many rows
+of block j are live. Rank p sends rows ``[0, counts[j])`` of block j to rank j, where
+they land in ``dst[p, :counts[j]]`` (``dst`` [W, capacity, *row], symmetric), and the
+count travels with the payload into ``recv_counts[p]`` ([W] i32, symmetric). Rows of
+``dst`` past the count are never written (the float64 reference holds NaN there, so a
+reader that takes them for data shows as a mismatch).
+
+A count over ``capacity`` is not truncated: that part is not sent at all, its receiver
+gets the count as sent (over capacity: the flag) and the sender records a kernel error
+that its call raises (``DcpcArgumentError``, code ``OVER_CAPACITY``); the torch backend
+raises before it sends. ``scale``: a cast inside the move (dcpc/ops/cast.py: bf16 ->
+fp8 e4m3 with per-token or per-tensor scales, and back).
+Lowerings: dcpc/codegen/rules.py ``ragged_all_to_all`` + templates/ops/ragged_all_to_all.py.j2;
+dcpc/runtime/collectives.py ``ragged_all_to_all``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from dcpc.lang import expr as ex
+from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
+from dcpc.ops import cast
+from dcpc.ops.cast import Scale
+from dcpc.ops.common import (
+    BEFORE,
+    READ,
+    WRITE,
+    Region,
+    Scope,
+    Semantics,
+    effects,
+    exchange,
+    keyed,
+)
+from dcpc.ops.registry import IO, OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+
+
+class RaggedAllToAll(OpBase):
+    op: Literal["ragged_all_to_all"]
+    src: Name = Field(description="[W, capacity, *row]: block j holds the rows for peer j")
+    dst: Name = Field(description="[W, capacity, *row], symmetric: block p from peer p")
+    counts: Name = Field(description="[W] integers: live rows of each block of src")
+    recv_counts: Name = Field(description="[W] i32, symmetric: counts[rank] of each peer")
+    capacity: SizeExpr = Field(description="rows of one block: src and dst dim 1")
+    scale: Scale | None = Field(default=None, description="a cast inside the move")
+
+
+def semantics(c: Scope, step: Step) -> Semantics:
+    op = step.op
+    before = effects(READ, BEFORE, keyed(op, "src") + keyed(op, "counts"))
+    # over-approximated: the whole block p of every peer's dst, whatever the count
+    before += effects(WRITE, BEFORE, keyed(op, "dst") + keyed(op, "recv_counts"),
+                      Region("index", 0))
+    return exchange(before + cast.effects(c.schedule, op), [], step)
+
+
+def verify(v: Verify, step: Step) -> None:
+    op = step.op
+    assert isinstance(op, RaggedAllToAll)
+    (src,), (dst,) = v.refs("src"), v.refs("dst")
+    (counts,), (recv,) = v.refs("counts"), v.refs("recv_counts")
+    v.transfer(dst, dst, symmetric=True)  # peers write dst and recv_counts: symmetric
+    v.transfer(recv, recv, symmetric=True)
+    cast.verify(v, src, dst)
+    for ref in (src, dst):
+        buf = v.buffer(ref.name)
+        if buf is not None and not buf.dtype.is_float:
+            v.error(ref.mark, "bad-ragged-payload",
+                    f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; a "
+                    "ragged all_to_all moves floating-point rows (rows past a count are "
+                    "poisoned with NaN in the reference)",
+                    hint=f"declare '{ref.name}' with dtype bf16, f16, f32 or fp8e4m3")
+    cap = ex.parse(op.capacity) if isinstance(op.capacity, str) else ("num", op.capacity)
+    shape = v.shape(src.name)
+    if shape is not None:
+        if len(shape) < 2:
+            v.error(src.mark, "shape-mismatch",
+                    f"src '{src.name}' of step '{step.name}' has {len(shape)} dims; a ragged "
+                    "all_to_all needs [W, capacity, ...]: one block of capacity rows per peer")
+        else:
+            v.expect(src, [v.W, cap, *shape[2:]], "one block of capacity rows per peer")
+            if v.shape(dst.name) is not None:
+                v.expect(dst, [v.W, cap, *shape[2:]],
+                         f"one block of capacity rows per peer, rows as in src '{src.name}'")
+    for ref, dtypes, what in ((counts, ("i32", "i64"), "integers"), (recv, ("i32",), "i32")):
+        buf = v.buffer(ref.name)
+        if buf is None:
+            continue
+        if buf.dtype.value not in dtypes:
+            v.error(ref.mark, "bad-counts",
+                    f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; "
+                    f"row counts are {what}, one per peer",
+                    hint=f"declare '{ref.name}' as {{shape: [W], dtype: i32}}")
+        v.expect(ref, [v.W], "one row count per peer")
+
+
+def reference(sim: Sim, step: Step) -> None:
+    import torch  # the compiler imports no torch; only the simulator runs this
+
+    op: RaggedAllToAll = step.op  # type: ignore[assignment]
+    cap = sim.shape(op.src)[1]
+    counts = [[int(c) for c in sim.bufs[p][op.counts].reshape(-1)] for p in range(sim.world)]
+    for p, row in enumerate(counts):
+        for j, n in enumerate(row):
+            if not 0 <= n <= cap:
+                raise ValueError(f"simulator: step {step.name}: rank {p}'s counts[{j}] = {n} "
+                                 f"is outside [0, capacity {cap}]")
+    way = cast.direction(sim.schedule, op)
+    sent, scales = [], []  # every sender's src as it travels (cast), and its row scales
+    for p in range(sim.world):
+        x, s = sim.bufs[p][op.src], None
+        if way == "quantise":  # per token: the scales are made here, not read
+            tensor = sim.bufs[p].get(op.scale.buffer)  # type: ignore[union-attr]
+            x, s = cast.quantise_rows(x, op.scale.per, tensor)  # type: ignore[union-attr]
+        elif way == "dequantise":
+            x = cast.dequantise_rows(x, op.scale.per, sim.bufs[p][op.scale.buffer])  # type: ignore[union-attr]
+        sent.append(x)
+        scales.append(s)
+    for j in range(sim.world):
+        # rows past a count: NaN, so that whoever reads them as data mismatches
+        out = torch.full(sim.shape(op.dst), math.nan, dtype=torch.float64)
+        got = torch.full(sim.shape(op.dst)[:-1], math.nan, dtype=torch.float64)
+        for p in range(sim.world):
+            n = counts[p][j]
+            out[p, :n] = sent[p][j, :n]
+            if scales[p] is not None:
+                got[p, :n] = scales[p][j, :n]  # type: ignore[index]
+        sim.store(j, op.dst, out)
+        if scales[0] is not None:
+            sim.store(j, op.scale.buffer, got)  # type: ignore[union-attr]
+        sim.store(j, op.recv_counts,
+                  torch.tensor([counts[p][j] for p in range(sim.world)], dtype=torch.int64))
+
+
+def io(op: RaggedAllToAll) -> IO:
+    """A per-token quantise's receiving scale buffer is listed as read (io cannot tell
+    the cast's direction without the dtypes): it is symmetric, so never an engine input,
+    and the method does not return it (``module.buffer`` reads it, as ``via``)."""
+    scale = [op.scale.buffer] if op.scale is not None else []
+    return [op.src, op.counts, *scale], [op.dst, op.recv_counts]
+
+
+DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io))

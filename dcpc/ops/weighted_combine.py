@@ -1,0 +1,116 @@
+"""weighted_combine: the top-k weighted sum of returned expert outputs (MoE combine).
+
+``src: [x, weights]``, ``dst`` [T, H]: ``dst[t] = sum_k weights[t, k] * row(t, k)``,
+k = 0, 1, ..., K-1 in that order, accumulated in fp32 and rounded once into dst's
+dtype. ``weights`` is [T, K]. With ``index`` ([T, K] integers) ``row(t, k)`` is row
+``index[t, k]`` of ``x`` seen as [rows, H] (all dims but the last flattened: a ragged
+all_to_all's [W, capacity, H] receive buffer, DeepEP's combine layout); a negative
+index is an empty slot that contributes exactly 0 (never read), an index >= rows is an
+error (``DcpcArgumentError``). Without ``index`` ``x`` is [T, K, H] and ``row(t, k) =
+x[t, k]``. Local: no peer is read or written.
+Lowerings: dcpc/codegen/rules.py ``weighted_combine`` + templates/ops/weighted_combine.py.j2;
+dcpc/runtime/collectives.py ``weighted_combine``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from dcpc.lang.nodes import Name, OpBase, Step
+from dcpc.ops.common import Scope, Semantics, keyed, local
+from dcpc.ops.registry import IO, OpDef, define
+
+if TYPE_CHECKING:
+    from dcpc.check.ops import Verify
+    from dcpc.harness.simulate import Sim
+
+
+class WeightedCombine(OpBase):
+    op: Literal["weighted_combine"]
+    src: list[Name] = Field(min_length=2, max_length=2, description="[x, weights]")
+    dst: Name
+    index: Name | None = Field(
+        default=None, description="[T, K] integers: the row of x of each slot (< 0: none)"
+    )
+
+
+def semantics(c: Scope, step: Step) -> Semantics:
+    op = step.op
+    return local(keyed(op, "src") + keyed(op, "index"), keyed(op, "dst"))
+
+
+def verify(v: Verify, step: Step) -> None:
+    op = step.op
+    assert isinstance(op, WeightedCombine)
+    x, weights = v.refs("src")
+    (dst,) = v.refs("dst")
+    for ref in (x, weights, dst):
+        buf = v.buffer(ref.name)
+        if buf is not None and not buf.dtype.is_float:
+            v.error(ref.mark, "non-float-output",
+                    f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; a "
+                    "weighted combine reads and writes floating-point values",
+                    hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
+    ws, xs, ds = v.shape(weights.name), v.shape(x.name), v.shape(dst.name)
+    if ws is None or xs is None:
+        return
+    if len(ws) != 2:
+        v.error(weights.mark, "shape-mismatch",
+                f"weights '{weights.name}' of step '{step.name}' has {len(ws)} dims; it must "
+                "be [T, K]: the top-k weights of each token")
+        return
+    index = v.refs("index")
+    if index:
+        (idx,) = index
+        buf = v.buffer(idx.name)
+        if buf is not None and buf.dtype.value not in ("i32", "i64"):
+            v.error(idx.mark, "bad-index",
+                    f"index '{idx.name}' of step '{step.name}' is {buf.dtype.value}; it holds "
+                    "row numbers (i32 or i64)",
+                    hint=f"declare '{idx.name}' with dtype i32")
+        if buf is not None:
+            v.expect(idx, list(ws), f"one row of x per weight of '{weights.name}'")
+        if len(xs) < 2:
+            v.error(x.mark, "shape-mismatch",
+                    f"x '{x.name}' of step '{step.name}' has {len(xs)} dims; it must be "
+                    "[..., H]: rows of H values")
+            return
+    else:
+        v.expect(x, [*ws, xs[-1]], f"one row per weight of '{weights.name}', then H")
+    if ds is not None:
+        v.expect(dst, [ws[0], xs[-1]], "one combined row per token")
+
+
+def reference(sim: Sim, step: Step) -> None:
+    import torch  # the compiler imports no torch; only the simulator runs this
+
+    op: WeightedCombine = step.op  # type: ignore[assignment]
+    x_name, w_name = op.src
+    for r in range(sim.world):
+        bufs = sim.bufs[r]
+        weights = bufs[w_name]
+        x = bufs[x_name]
+        rows = x.reshape(-1, x.shape[-1])
+        tokens, topk = weights.shape
+        if op.index is None:
+            index = torch.arange(tokens * topk).reshape(tokens, topk)
+        else:
+            index = bufs[op.index].to(torch.int64)
+            if bool((index >= len(rows)).any()):
+                raise ValueError(f"simulator: step {step.name}: rank {r}'s index holds a row "
+                                 f"past the {len(rows)} rows of {x_name}")
+        out = torch.zeros(tokens, x.shape[-1], dtype=torch.float64)
+        for k in range(topk):
+            live = index[:, k] >= 0
+            part = weights[:, k, None] * rows[index[:, k].clamp(min=0)]
+            out += torch.where(live[:, None], part, 0.0)  # an empty slot: exactly 0
+        sim.store(r, op.dst, out)
+
+
+def io(op: WeightedCombine) -> IO:
+    return list(op.src) + ([op.index] if op.index else []), [op.dst]
+
+
+DEF = define(OpDef("weighted_combine", WeightedCombine, semantics, verify, reference, io))
