@@ -96,7 +96,8 @@ class _Unroller:
         self.whole: dict[str, Mark] = {}  # buffer -> where it is used whole
 
     def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
-        self.errors.append(Diagnostic(mark, code, message, hint))
+        if all((d.mark, d.code) != (mark, code) for d in self.errors):  # once, not per hop
+            self.errors.append(Diagnostic(mark, code, message, hint))
 
     # --- buffer indices ------------------------------------------------------
     def _leading(self, name: str) -> int | None:

@@ -42,7 +42,9 @@ def parse_file(path: str | Path, world: int | None = None) -> model.Schedule:
 
 def parse_text(text: str, file: str = "<memory>", world: int | None = None) -> model.Schedule:
     """``world``: the W that unrolls a loop whose trip count names W (dcpc.lang.loops)."""
-    data = loops.expand(yamlsrc.load(text, file), file, world)
+    raw = yamlsrc.load(text, file)
+    names_world = loops.world_dependent(raw) is not None
+    data = loops.expand(raw, file, world)
     if not isinstance(data, dict):
         raise DiagnosticError(
             [
@@ -58,7 +60,7 @@ def parse_text(text: str, file: str = "<memory>", world: int | None = None) -> m
     except ValidationError as exc:
         raise DiagnosticError(_diagnostics(exc, data, file)) from None
     schedule.set_source(file, hashlib.sha256(text.encode("utf-8")).hexdigest())
-    if loops.world_dependent(data) is not None:
+    if names_world:
         schedule._loop_world = world
     return schedule
 
