@@ -144,3 +144,25 @@ def test_checker_and_execution_oracle_agree_on_random_loop_schedules(
         data: st.DataObject) -> None:
     for text, world, schedule in _loop_schedules(data):
         assert disagreements(schedule, [world]) == [], (text, world)
+
+
+def test_an_index_naming_w_outside_a_loop_makes_the_schedule_per_w() -> None:
+    text = _text("2").replace('writes: ["kv[0]"]', 'writes: ["kv[(W - 1) % 2]"]')
+    assert parse_text(text, "s.yaml", 3).step_list()[0].op.writes == ["kv_0"]
+    assert parse_text(text, "s.yaml", 2).step_list()[0].op.writes == ["kv_1"]
+    assert parse_text(text, "s.yaml", 2).loop_world == 2
+    found = _error(text, world=None)
+    assert [d.code for d in found] == ["loop-world"] and "names W" in found[0].message
+    assert (found[0].mark.line, found[0].mark.col) == (8, 46)  # the value of writes
+
+
+def test_a_module_unrolled_for_one_w_refuses_another(tmp_path) -> None:
+    from dcpc.harness.worker import load_module_class
+
+    path = tmp_path / "s.yaml"
+    path.write_text(_text().replace("writes: [y]}", "writes: [y]}\n        - done: {op: barrier}"))
+    module = tmp_path / "s.py"
+    module.write_text(pipeline.run(path, pipeline.Options(worlds=[3])).module_text)
+    cls = load_module_class(str(module), "s")
+    with pytest.raises(ValueError, match="unrolled for W=3.*group has 1 ranks"):
+        cls(None, sizes={}, device="cpu", backend="torch")

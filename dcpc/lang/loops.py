@@ -73,16 +73,48 @@ def _int_sizes(data: dict[str, Any]) -> dict[str, int]:
             and k not in (MARK, MARKS)}
 
 
+def _names_w(text: Any) -> bool:
+    if not isinstance(text, str):
+        return False
+    try:
+        return "W" in ex.symbols(ex.parse(_split_mod(text)[0]))
+    except ex.ExprSyntaxError:
+        return False
+
+
 def world_dependent(data: Any) -> Mark | None:
-    """The mark of the first ``repeat`` whose trip count names W (or None)."""
+    """Where the unrolled schedule first depends on W: a ``repeat`` whose trip count
+    names W, a buffer index naming W, or an index into a buffer whose leading axis names
+    W (or None)."""
     for _, body in loops(data):
-        value = body.get("repeat")
-        try:
-            if isinstance(value, str) and "W" in ex.symbols(ex.parse(value)):
-                return _mark(body, "repeat", "<memory>")
-        except ex.ExprSyntaxError:
-            continue
-    return None
+        if _names_w(body.get("repeat")):
+            return _mark(body, "repeat", "<memory>")
+    buffers = data.get("buffers") if isinstance(data, dict) else None
+
+    def leading_w(name: str) -> bool:
+        spec = buffers.get(name) if isinstance(buffers, dict) else None
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        return isinstance(shape, list) and bool(shape) and _names_w(shape[0])
+
+    def walk(node: Any, mark: Mark | None) -> Mark | None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key not in (MARK, MARKS):
+                    found = walk(value, node.get(MARKS, {}).get(key) or mark)
+                    if found is not None:
+                        return found
+        elif isinstance(node, list):
+            for value in node:
+                found = walk(value, mark)
+                if found is not None:
+                    return found
+        elif isinstance(node, str):
+            indexed = _INDEXED.match(node.strip())
+            if indexed and (_names_w(indexed.group(2)) or leading_w(indexed.group(1))):
+                return mark
+        return None
+
+    return walk(data.get("steps"), None) if isinstance(data, dict) else None
 
 
 class _Unroller:
@@ -157,6 +189,13 @@ class _Unroller:
                 value %= m
             return value
         except ex.UnboundSymbol as err:
+            if err.args[0] == "W" and self.world is None:
+                self.error(mark, "loop-world",
+                           f"index '{inner}' of '{text}' names W; a schedule that depends "
+                           "on W is unrolled for one W at a time",
+                           "check or compile with --world N (or a list: each W is checked "
+                           "on its own)")
+                return None
             self.error(mark, "bad-index",
                        f"index '{inner}' of '{text}' names '{err.args[0]}', which is not the "
                        "hop index, W or an integer size here")
