@@ -100,6 +100,10 @@ def test_a_loop_past_the_step_bound_is_loop_too_long() -> None:
     assert [d.code for d in found] == ["loop-too-long"], found
     assert (found[0].mark.line, found[0].mark.col) == (10, 15)
     assert "86 hops x 3 steps = 258 steps (at W=87)" in found[0].message
+    found = _error(_text().replace('  - ring:', '  - pre: {op: barrier}\n  - ring:'), world=86)
+    assert [d.code for d in found] == ["loop-too-long"], found
+    assert (found[0].mark.line, found[0].mark.col) == (11, 15)
+    assert "the schedule has 257 steps (at W=86)" in found[0].message
 
 
 def test_several_worlds_are_checked_one_by_one_and_compiled_for_one(tmp_path) -> None:

@@ -316,6 +316,13 @@ class _Unroller:
             else:
                 flat.append(item)
         data["steps"] = flat
+        looped = [(name, body) for name, body in loops(self.data) if isinstance(body, dict)]
+        if len(flat) > MAX_STEPS and looped and not self.errors:
+            name, body = looped[-1]
+            self.error(_mark(body, "repeat", self.file), "loop-too-long",
+                       f"with loop '{name}' unrolled the schedule has {len(flat)} steps"
+                       f"{self._at({})}; the checker unrolls every hop and analyses at most "
+                       f"{MAX_STEPS} steps", "check a smaller --world, or fewer steps per hop")
         self._split_buffers(data)
         if self.errors:
             raise DiagnosticError(self.errors)
