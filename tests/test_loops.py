@@ -4,6 +4,8 @@ and the execution oracle on random loop schedules at W = 2, 3, 4."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from exec_oracle_agree import disagreements
 from hb_oracle import oracle_keys, random_loop_schedule_text
@@ -15,6 +17,7 @@ from dcpc.check import hb, structural
 from dcpc.diagnostics import DiagnosticError
 from dcpc.lang.parse import parse_text
 
+ROOT = Path(__file__).resolve().parent.parent
 HEAD = """\
 schedule: s
 sizes: {N: 4, D: 2, P: 3}
@@ -179,3 +182,16 @@ def test_a_module_unrolled_for_one_w_refuses_another(tmp_path) -> None:
     cls = load_module_class(str(module), "s")
     with pytest.raises(ValueError, match="unrolled for W=3.*group has 1 ranks"):
         cls(None, sizes={}, device="cpu", backend="torch")
+
+
+def test_the_ring_without_its_hop_credit_is_refused_from_w4_on_only() -> None:
+    """The claim is per W: the race needs two hops of the loop (W >= 4), so a check of
+    W = 2..3 passes and says so, and one that includes 4 finds it."""
+    twin = ROOT / "tests" / "gallery_twins" / "ring_attention.no_hop_credit.yaml"
+    c = pipeline.run(twin, pipeline.Options(worlds=[2, 3]), until="hb")
+    assert c.per_world == [2, 3] and c.hb_report.findings == []
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(twin, pipeline.Options(worlds=[2, 3, 4]), until="hb")
+    found = [d for d in err.value.diagnostics if d.severity == "error"]
+    assert {d.code for d in found} == {"race"}
+    assert all("(W=4)" in d.message for d in found), found
