@@ -195,3 +195,19 @@ def test_the_ring_without_its_hop_credit_is_refused_from_w4_on_only() -> None:
     found = [d for d in err.value.diagnostics if d.severity == "error"]
     assert {d.code for d in found} == {"race"}
     assert all("(W=4)" in d.message for d in found), found
+
+
+@pytest.mark.parametrize("steps,code", [
+    ('"a[1]"', "wrong-type"),
+    ("\n  - r: {repeat: 2, as: h, steps: [{a: 3}]}", "bad-step"),
+    ("\n  - r: {repeat: 2, as: h, steps: 5}", "bad-loop"),
+    ("\n  - r: {repeat: true, as: h, steps: [{a: {op: barrier}}]}", "bad-repeat"),
+    ('\n  - r: {repeat: "2 -", as: h, steps: [{a: {op: barrier}}]}', "bad-repeat"),
+    ('\n  - r: {repeat: "T", as: h, steps: [{a: {op: barrier}}]}', "bad-repeat"),
+    ('\n  - a: {op: copy, src: "x[0]", dst: y}', "bad-index"),
+    ('\n  - a: {op: copy, src: "y[1 % 0]", dst: "y[0]"}', "bad-index"),
+])
+def test_malformed_loops_and_indices_are_errors_not_tracebacks(steps: str, code: str) -> None:
+    text = ("schedule: s\nsizes: {T: {max: 4}}\nbuffers:\n  x: {shape: [2], dtype: f32}\n"
+            "  y: {shape: [2, 3], dtype: f32}\nsteps: " + steps + "\n")
+    assert [d.code for d in _error(text)] == [code]

@@ -389,6 +389,8 @@ def uses_loops(data: Any) -> bool:
 def expand(data: Any, file: str, world: int | None) -> Any:
     """The raw schedule data with every loop unrolled and every indexed buffer split
     (unchanged when it has neither)."""
-    if not isinstance(data, dict) or not uses_loops(data):
+    if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
+        return data  # the model reports what is wrong with it
+    if not uses_loops(data):
         return data
     return _Unroller(data, file, world).run()
