@@ -161,6 +161,9 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
                     f"{len(c.schedule.step_list())} steps, {c.schedule.slots} slot(s); "
                     f"{sum(c.seconds.values()):.2f}s)"
                 )
+                if c.per_world:  # a loop's trip count names W (docs/hb-checker.md, loops)
+                    click.echo(f"  a loop's trip count names W: each W of {_span(worlds)} was "
+                               f"unrolled and checked on its own; no claim past W={worlds[-1]}")
         if fmt == "json":
             click.echo(json.dumps({"results": results}, indent=2))
         return 2 if io_failed else 1 if failed else 0

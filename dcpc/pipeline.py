@@ -41,6 +41,9 @@ class Compilation:
     path: Path
     options: Options
     schedule: Any = None  # dcpc.lang.model.Schedule
+    # a trip count that names W: the worlds checked one at a time (dcpc.lang.loops);
+    # the other fields then hold the last W's results
+    per_world: list[int] = field(default_factory=list)
     graph: Any = None  # networkx.DiGraph
     hb_report: Any = None  # dcpc.check.hb.HbReport
     plan: Any = None  # dcpc.codegen.lower.Plan
@@ -52,7 +55,8 @@ class Compilation:
 def _parse(c: Compilation) -> None:
     from dcpc.lang.parse import parse_file
 
-    c.schedule = parse_file(c.path)
+    worlds = list(c.options.worlds)
+    c.schedule = parse_file(c.path, world=worlds[0] if len(worlds) == 1 else None)
 
 
 def _graph(c: Compilation) -> None:
@@ -111,6 +115,9 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit") -
     if until not in STAGE_NAMES:
         raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGE_NAMES)}")
     c = Compilation(Path(path), options or Options())
+    looped = _world_loop(c)
+    if looped is not None:
+        return _per_world(c, looped, until)
     for name, stage in STAGES:
         start = time.perf_counter()
         try:
@@ -125,3 +132,41 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit") -
         if name == until:
             break
     return c
+
+
+def _world_loop(c: Compilation) -> Any:
+    """The mark of a loop whose trip count names W, when several worlds are asked."""
+    if len(list(c.options.worlds)) < 2:
+        return None
+    from dcpc.files import read_capped
+    from dcpc.lang import loops, yamlsrc
+    from dcpc.lang.parse import MAX_FILE_BYTES
+
+    try:
+        data = yamlsrc.load(read_capped(c.path, MAX_FILE_BYTES).decode("utf-8"), str(c.path))
+    except (DiagnosticError, UnicodeDecodeError):
+        return None  # the parse stage reports it
+    return loops.world_dependent(data)
+
+
+def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
+    """Check a schedule whose loop trip count names W once per W (each W is its own
+    unrolled schedule); a module is compiled for one W only."""
+    from dataclasses import replace
+
+    from dcpc.diagnostics import Mark
+
+    worlds = list(c.options.worlds)
+    last = STAGE_NAMES.index("hb") if until == "emit" else STAGE_NAMES.index(until)
+    for w in worlds:
+        one = run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[last])
+    one.per_world = worlds
+    one.options = c.options
+    if until == "emit":
+        err = DiagnosticError([Diagnostic(
+            Mark(str(c.path), mark.line, mark.col), "loop-world",
+            f"a loop's trip count names W, so its module is unrolled for one W; "
+            f"checked W={', '.join(map(str, worlds))}, but a module needs one --world N")])
+        err.compilation = one  # type: ignore[attr-defined]
+        raise err
+    return one

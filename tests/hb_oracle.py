@@ -553,3 +553,56 @@ def random_shift_schedule_text(draw, st) -> str:
     body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
     return SHIFT_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots, streams=streams,
                                **flags) + body
+
+
+# --- hop loops (dcpc.lang.loops): random ring loops on a double buffer ---------------
+
+LOOP_HEADER = """\
+schedule: loop_{seed}
+slots: {slots}
+sizes:
+  N: 4
+  K: 2
+buffers:
+  x:  {{shape: [N, K], dtype: f32}}
+  y:  {{shape: [N, K], dtype: f32}}
+  kv: {{shape: [2, N, K], dtype: f32, symmetric: true}}
+steps:
+  - init: {{op: external, reads: [x], writes: ["kv[0]", "kv[1]"]}}
+  - ring:
+      repeat: {trip}
+      as: h
+      steps:
+"""
+
+
+def random_loop_schedule_text(draw, st) -> str:
+    """A hop loop passing a double buffer ``kv[2, N, K]`` around the ring (slice
+    ``h % 2`` in hand, the other in flight, or the other way round), its block attended
+    by an external step, with or without a credit (signal/wait next/prev) placed at
+    random, so that races, deadlocks and correct rings all occur. Unrolled per W by the
+    parser; the brute force and the execution oracle see only the unrolled steps."""
+    trip = draw(st.sampled_from(["W - 1", "W - 2", "W", "1", "2"]))
+    a, b = draw(st.sampled_from([("h % 2", "(h + 1) % 2"), ("(h + 1) % 2", "h % 2")]))
+    offset = draw(st.sampled_from(["next", "prev"]))
+    back = PARTNERS[offset]  # the credit goes back to the writer
+    body = []
+    if draw(st.booleans()):
+        body += [f'{{op: shift, src: "kv[{a}]", dst: "kv[{b}]", offset: {offset}, phase: put}}',
+                 f'{{op: external, reads: ["kv[{a}]", x], writes: [y]}}',
+                 f'{{op: shift, src: "kv[{a}]", dst: "kv[{b}]", offset: {offset}, phase: wait}}']
+    else:
+        body += [f'{{op: external, reads: ["kv[{a}]", x], writes: [y]}}',
+                 f'{{op: shift, src: "kv[{a}]", dst: "kv[{b}]", offset: {offset}}}']
+    if draw(st.booleans()):  # the credit: signal the writer after the read, wait it
+        sig = f"{{op: signal, to: {back}, channel: free}}"
+        wait = f"{{op: wait, from: {PARTNERS[back]}, channel: free}}"
+        at_s, at_w = draw(st.integers(0, len(body))), draw(st.integers(0, len(body)))
+        body.insert(at_s, sig)
+        body.insert(at_w + (at_w > at_s), wait)
+    text = LOOP_HEADER.format(seed=draw(st.integers(0, 999)), slots=draw(st.integers(1, 2)),
+                              trip=trip)
+    text += "".join(f"        - s{i}: {s}\n" for i, s in enumerate(body))
+    if draw(st.booleans()):
+        text += '  - last: {op: external, reads: ["kv[1]"], writes: [y]}\n'
+    return text

@@ -284,6 +284,7 @@ def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
         source_name=schedule.source_file.replace("\\", "/").rsplit("/", 1)[-1],
         worlds=sorted(set(worlds)),
         slots=schedule.slots,
+        loop_world=schedule.loop_world,
         streams=schedule.streams.value,
         doc=schedule.doc,
         sizes=_sizes(schedule),

@@ -157,7 +157,7 @@ def run_rank(
     start, cpu_start = time.perf_counter(), time.process_time()
     # -inf LSEs of empty shards make numpy warn inside the interpreter: expected, not news
     warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
-    schedule = parse_file(schedule_path)
+    schedule = parse_file(schedule_path, world=world)
     steps = schedule.step_list()
     cls = load_module_class(module_path, schedule.schedule)
     ctor = synth.constructor_sizes(schedule, world)

@@ -114,6 +114,12 @@ class Schedule(Node):
     # attributes, so that no YAML key can set them.
     _source_file: str = PrivateAttr(default="<memory>")
     _source_sha256: str = PrivateAttr(default="")
+    # the W a loop whose trip count names W was unrolled for (dcpc.lang.loops), or None
+    _loop_world: int | None = PrivateAttr(default=None)
+
+    @property
+    def loop_world(self) -> int | None:
+        return self._loop_world
 
     @property
     def source_file(self) -> str:

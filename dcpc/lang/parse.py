@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, did_you_mean
 from dcpc.files import read_capped
-from dcpc.lang import model, yamlsrc
+from dcpc.lang import loops, model, yamlsrc
 
 _TYPE_NAMES = {
     "int": "an integer",
@@ -28,7 +28,7 @@ _TYPE_NAMES = {
 MAX_FILE_BYTES = 1 << 20
 
 
-def parse_file(path: str | Path) -> model.Schedule:
+def parse_file(path: str | Path, world: int | None = None) -> model.Schedule:
     path = Path(path)
     raw = read_capped(path, MAX_FILE_BYTES)  # a regular file of at most 1 MiB, or an error
     try:
@@ -37,11 +37,14 @@ def parse_file(path: str | Path) -> model.Schedule:
         raise DiagnosticError(
             [Diagnostic(Mark(str(path), 1, 1), "encoding", f"the file is not UTF-8: {exc.reason}")]
         ) from None
-    return parse_text(text, str(path))
+    return parse_text(text, str(path), world)
 
 
-def parse_text(text: str, file: str = "<memory>") -> model.Schedule:
-    data = yamlsrc.load(text, file)
+def parse_text(text: str, file: str = "<memory>", world: int | None = None) -> model.Schedule:
+    """``world``: the W that unrolls a loop whose trip count names W (dcpc.lang.loops)."""
+    raw = yamlsrc.load(text, file)
+    names_world = loops.world_dependent(raw) is not None
+    data = loops.expand(raw, file, world)
     if not isinstance(data, dict):
         raise DiagnosticError(
             [
@@ -57,6 +60,8 @@ def parse_text(text: str, file: str = "<memory>") -> model.Schedule:
     except ValidationError as exc:
         raise DiagnosticError(_diagnostics(exc, data, file)) from None
     schedule.set_source(file, hashlib.sha256(text.encode("utf-8")).hexdigest())
+    if names_world:
+        schedule._loop_world = world
     return schedule
 
 

@@ -69,6 +69,7 @@ class ScheduleModule(calls.CallPlans):
     SCHEDULE: ClassVar[str] = ""
     SOURCE_SHA256: ClassVar[str] = ""
     SLOTS: ClassVar[int] = 1
+    LOOP_WORLD: ClassVar[int | None] = None  # unrolled for this W only (a loop names W)
     STEPS: ClassVar[tuple[str, ...]] = ()
     SIZES: ClassVar[dict[str, tuple]] = {}  # name -> ("const", n) | ("max", n) | ("multiple_of", e)
     BUFFERS: ClassVar[dict[str, Buf]] = {}
@@ -104,6 +105,11 @@ class ScheduleModule(calls.CallPlans):
         self._heap = None
         self.group = group
         self.rank, self.world = group_rank_world(group)
+        if self.LOOP_WORLD is not None and self.world != self.LOOP_WORLD:
+            raise ValueError(
+                f"{name}: this module's loops were unrolled for W={self.LOOP_WORLD} (a trip "
+                f"count names W), but the group has {self.world} ranks; compile it with "
+                f"--world {self.world}")
         self.device = validate.check_device(name, device, backend)
         self.backend = resolve_backend(backend, group, self.device)
         if timeout_s is None:

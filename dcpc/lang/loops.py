@@ -1,0 +1,396 @@
+"""Hop loops: a ``repeat`` step is unrolled into plain steps before the model is built.
+
+    - ring:
+        repeat: W - 1          # trip count: an expression of W and integer sizes
+        as: h                  # the hop index
+        steps:
+          - send: {op: shift, src: "kv[h % 2]", dst: "kv[(h + 1) % 2]", phase: put}
+
+Hop ``h`` of inner step ``send`` becomes the step ``send_h<h>``; every step of hop h
+comes before every step of hop h + 1. A buffer index ``b[e]`` (in a loop or not) names
+slice ``e`` of ``b``'s leading axis, which must be an integer P; ``e`` is an expression
+of the hop index, W and integer sizes, ``%`` only by an integer constant, and its value
+lies in 0..P-1. A buffer used with an index is split into P buffers ``b_0`` ..
+``b_{P-1}`` of shape ``shape[1:]`` (disjoint slices, so the split is exact); it may not
+also be used whole.
+
+Every later stage sees a flat schedule, so each one handles loops without a rule of its
+own: a step of hop h owns its own signal slots, and the k-th wait of a channel polls
+its k-th signal, so the wait of hop h is satisfied by the signal of hop h. The price:
+a trip count that depends on W gives a schedule per W, so such a file is checked once
+per W of ``--world`` (no claim past them) and compiled for one W at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
+from dcpc.lang import expr as ex
+from dcpc.lang.yamlsrc import MARK, MARKS
+
+MAX_STEPS = 256  # the language's bound on steps (dcpc.check.structural.MAX_STEPS)
+LOOP_KEYS = ("repeat", "as", "steps", "doc")
+_INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
+_IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
+
+
+def _body(item: Any) -> tuple[str, Any] | None:
+    if not isinstance(item, dict):
+        return None
+    named = [(k, v) for k, v in item.items() if k not in (MARK, MARKS)]
+    return named[0] if len(named) == 1 else None
+
+
+def _is_loop(body: Any) -> bool:
+    return isinstance(body, dict) and "repeat" in body and "op" not in body
+
+
+def loops(data: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(name, body) of every loop step of the raw schedule data."""
+    steps = data.get("steps") if isinstance(data, dict) else None
+    found = []
+    for item in steps if isinstance(steps, list) else []:
+        named = _body(item)
+        if named and _is_loop(named[1]):
+            found.append(named)
+    return found
+
+
+def _mark(node: dict[str, Any], key: str | None, file: str) -> Mark:
+    if key is not None and key in node.get(MARKS, {}):
+        return node[MARKS][key]
+    return node.get(MARK) or Mark(file, 1, 1)
+
+
+def _int_sizes(data: dict[str, Any]) -> dict[str, int]:
+    sizes = data.get("sizes")
+    if not isinstance(sizes, dict):
+        return {}
+    return {k: v for k, v in sizes.items() if isinstance(v, int) and not isinstance(v, bool)
+            and k not in (MARK, MARKS)}
+
+
+def _names_w(text: Any) -> bool:
+    if not isinstance(text, str):
+        return False
+    try:
+        return "W" in ex.symbols(ex.parse(_split_mod(text)[0]))
+    except ex.ExprSyntaxError:
+        return False
+
+
+def world_dependent(data: Any) -> Mark | None:
+    """Where the unrolled schedule first depends on W: a ``repeat`` whose trip count
+    names W, a buffer index naming W, or an index into a buffer whose leading axis names
+    W (or None)."""
+    for _, body in loops(data):
+        if _names_w(body.get("repeat")):
+            return _mark(body, "repeat", "<memory>")
+    buffers = data.get("buffers") if isinstance(data, dict) else None
+
+    def leading_w(name: str) -> bool:
+        spec = buffers.get(name) if isinstance(buffers, dict) else None
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        return isinstance(shape, list) and bool(shape) and _names_w(shape[0])
+
+    def walk(node: Any, mark: Mark | None) -> Mark | None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key not in (MARK, MARKS):
+                    found = walk(value, node.get(MARKS, {}).get(key) or mark)
+                    if found is not None:
+                        return found
+        elif isinstance(node, list):
+            for value in node:
+                found = walk(value, mark)
+                if found is not None:
+                    return found
+        elif isinstance(node, str):
+            indexed = _INDEXED.match(node.strip())
+            if indexed and (_names_w(indexed.group(2)) or leading_w(indexed.group(1))):
+                return mark
+        return None
+
+    return walk(data.get("steps"), None) if isinstance(data, dict) else None
+
+
+class _Unroller:
+    def __init__(self, data: dict[str, Any], file: str, world: int | None):
+        self.data, self.file, self.world = data, file, world
+        self.env = dict(_int_sizes(data))
+        if world is not None:
+            self.env["W"] = world
+        self.errors: list[Diagnostic] = []
+        self.split: dict[str, int] = {}  # buffer -> P, for the buffers used with an index
+        self.whole: dict[str, Mark] = {}  # buffer -> where it is used whole
+
+    def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
+        if all((d.mark, d.code) != (mark, code) for d in self.errors):  # once, not per hop
+            self.errors.append(Diagnostic(mark, code, message, hint))
+
+    # --- buffer indices ------------------------------------------------------
+    def _leading(self, name: str) -> int | None:
+        buffers = self.data.get("buffers")
+        spec = buffers.get(name) if isinstance(buffers, dict) else None
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        if not isinstance(shape, list) or len(shape) < 2:
+            return None
+        first = shape[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            return first
+        return self.env.get(first) if isinstance(first, str) else None
+
+    def index(self, text: str, env: dict[str, int], mark: Mark) -> str:
+        """``b[e]`` -> ``b_<value of e>``; any other text unchanged (a whole buffer is
+        recorded, to refuse one used both whole and sliced)."""
+        found = _INDEXED.match(text.strip())
+        if found is None:
+            if _IDENT.match(text):
+                self.whole.setdefault(text, mark)
+            return text
+        name, inner = found.group(1), found.group(2)
+        lead = self._leading(name)
+        if lead is None:
+            self.error(mark, "bad-index",
+                       f"'{text}' indexes buffer '{name}', whose leading axis is not an "
+                       "integer (or which is not a buffer of two or more axes)",
+                       "declare the buffer with an integer leading axis, e.g. "
+                       "'shape: [2, N, D]'")
+            return text
+        value = self._value(inner, env, mark, text)
+        if value is None:
+            return text
+        if not 0 <= value < lead:
+            self.error(mark, "bad-index",
+                       f"'{text}' is slice {value} of '{name}', whose leading axis has "
+                       f"{lead} slices (0..{lead - 1})" + self._at(env))
+            return text
+        self.split[name] = lead
+        return f"{name}_{value}"
+
+    def _at(self, env: dict[str, int]) -> str:
+        hops = [f"{k}={v}" for k, v in env.items() if k not in self.env]
+        where = ([f"W={self.world}"] if self.world is not None else []) + hops
+        return f" (at {', '.join(where)})" if where else ""
+
+    def _value(self, inner: str, env: dict[str, int], mark: Mark, text: str) -> int | None:
+        body, modulus = _split_mod(inner)
+        try:
+            if modulus is not None and not re.fullmatch(r"\s*\d+\s*", modulus):
+                raise ValueError(f"'%' takes an integer constant, not '{modulus.strip()}'")
+            value = ex.evaluate(ex.parse(body), env)
+            if modulus is not None:
+                m = int(modulus)
+                if m == 0:
+                    raise ValueError("'% 0' divides by zero")
+                value %= m
+            return value
+        except ex.UnboundSymbol as err:
+            if err.args[0] == "W" and self.world is None:
+                self.error(mark, "loop-world",
+                           f"index '{inner}' of '{text}' names W; a schedule that depends "
+                           "on W is unrolled for one W at a time",
+                           "check or compile with --world N (or a list: each W is checked "
+                           "on its own)")
+                return None
+            self.error(mark, "bad-index",
+                       f"index '{inner}' of '{text}' names '{err.args[0]}', which is not the "
+                       "hop index, W or an integer size here")
+        except (ex.ExprSyntaxError, ex.InexactDivision, ValueError) as err:
+            self.error(mark, "bad-index", f"index '{inner}' of '{text}': {err}",
+                       "an index is an expression of the hop index, W and integer sizes "
+                       "(+ - * /), with '%' only by an integer constant, e.g. 'h % 2'")
+        return None
+
+    def rewrite(self, value: Any, env: dict[str, int], mark: Mark) -> Any:
+        if isinstance(value, str):
+            return self.index(value, env, mark)
+        if isinstance(value, list):
+            return [self.rewrite(v, env, mark) for v in value]
+        return value
+
+    def op(self, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
+        out = copy.copy(body)
+        for key, value in body.items():
+            if key in (MARK, MARKS, "op", "doc", "channel", "from", "to", "phase", "offset"):
+                continue
+            mark = _mark(body, key, self.file)
+            if isinstance(value, dict):  # mask_empty
+                out[key] = {k: (v if k in (MARK, MARKS) else
+                                self.rewrite(v, env, _mark(value, k, self.file)))
+                            for k, v in value.items()}
+            else:
+                out[key] = self.rewrite(value, env, mark)
+        return out
+
+    # --- loops ---------------------------------------------------------------
+    def trips(self, name: str, body: dict[str, Any]) -> int | None:
+        mark = _mark(body, "repeat", self.file)
+        value = body.get("repeat")
+        try:
+            tree = ex.parse(value) if not isinstance(value, bool) else None
+            if tree is None:
+                raise ex.ExprSyntaxError("expected an integer or an expression", 0)
+            if "W" in ex.symbols(tree) and self.world is None:
+                self.error(mark, "loop-world",
+                           f"loop '{name}' repeats '{value}' times, which depends on W; "
+                           "it is unrolled for one W at a time",
+                           "check or compile with --world N (or a list: each W is checked "
+                           "on its own)")
+                return None
+            trips = ex.evaluate(tree, self.env)
+        except ex.UnboundSymbol as err:
+            self.error(mark, "bad-repeat",
+                       f"loop '{name}' repeats '{value}' times, but '{err.args[0]}' is not W "
+                       "or an integer size", "a trip count is an expression of W and sizes "
+                       "declared as plain integers")
+            return None
+        except (ex.ExprSyntaxError, ex.InexactDivision) as err:
+            self.error(mark, "bad-repeat", f"loop '{name}': 'repeat: {value}': {err}")
+            return None
+        if trips < 0:
+            self.error(mark, "bad-repeat",
+                       f"loop '{name}' repeats '{value}' = {trips} times" + self._at({}))
+            return None
+        return trips
+
+    def loop(self, name: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        for key in body:
+            if key not in (MARK, MARKS, *LOOP_KEYS):
+                self.error(_mark(body, "key:" + key, self.file), "unknown-key",
+                           f"unknown key '{key}' in loop '{name}'",
+                           f"a loop has keys {', '.join(LOOP_KEYS)}")
+        hop = body.get("as")
+        if not isinstance(hop, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", hop):
+            self.error(_mark(body, "as", self.file), "bad-loop",
+                       f"loop '{name}' needs 'as: <hop index name>' (a lowercase name)")
+            return []
+        inner = body.get("steps")
+        if not isinstance(inner, list) or not inner:
+            self.error(_mark(body, "steps", self.file), "bad-loop",
+                       f"loop '{name}' needs 'steps:', a non-empty list of steps")
+            return []
+        trips = self.trips(name, body)
+        if trips is None:
+            return []
+        if trips * len(inner) > MAX_STEPS:
+            self.error(_mark(body, "repeat", self.file), "loop-too-long",
+                       f"loop '{name}' unrolls to {trips} hops x {len(inner)} steps = "
+                       f"{trips * len(inner)} steps{self._at({})}; the checker unrolls "
+                       f"every hop and analyses at most {MAX_STEPS} steps",
+                       "check a smaller --world, or fewer steps per hop")
+            return []
+        out = []
+        for h in range(trips):
+            env = {**self.env, hop: h}
+            for item in inner:
+                named = _body(item)
+                if named is None or not isinstance(named[1], dict):
+                    self.error(_mark(item, None, self.file) if isinstance(item, dict)
+                               else _mark(body, "steps", self.file), "bad-step",
+                               f"a step of loop '{name}' is a mapping with one name")
+                    return []
+                step, op = named
+                if _is_loop(op):
+                    self.error(_mark(op, "repeat", self.file), "bad-loop",
+                               f"loop '{step}' is inside loop '{name}'; loops do not nest")
+                    return []
+                marks = dict(item.get(MARKS, {}))
+                out.append({f"{step}_h{h}": self.op(op, env), MARKS: {
+                    "key:" + f"{step}_h{h}": marks.get("key:" + step),
+                    f"{step}_h{h}": marks.get(step)}})
+        return out
+
+    def run(self) -> dict[str, Any]:
+        data = dict(self.data)
+        flat: list[Any] = []
+        for item in data.get("steps") or []:
+            named = _body(item)
+            if named and _is_loop(named[1]):
+                flat += self.loop(*named)
+            elif named and isinstance(named[1], dict):
+                flat.append({**item, named[0]: self.op(named[1], dict(self.env))})
+            else:
+                flat.append(item)
+        data["steps"] = flat
+        looped = [(name, body) for name, body in loops(self.data) if isinstance(body, dict)]
+        if len(flat) > MAX_STEPS and looped and not self.errors:
+            name, body = looped[-1]
+            self.error(_mark(body, "repeat", self.file), "loop-too-long",
+                       f"with loop '{name}' unrolled the schedule has {len(flat)} steps"
+                       f"{self._at({})}; the checker unrolls every hop and analyses at most "
+                       f"{MAX_STEPS} steps", "check a smaller --world, or fewer steps per hop")
+        self._split_buffers(data)
+        if self.errors:
+            raise DiagnosticError(self.errors)
+        return data
+
+    def _split_buffers(self, data: dict[str, Any]) -> None:
+        buffers = data.get("buffers")
+        if not isinstance(buffers, dict) or not self.split:
+            return
+        out = {k: v for k, v in buffers.items() if k not in (MARK, MARKS)}
+        marks = dict(buffers.get(MARKS, {}))
+        for name, lead in self.split.items():
+            if name in self.whole:
+                self.error(self.whole[name], "mixed-index",
+                           f"buffer '{name}' is used whole here and by slice elsewhere "
+                           "('" + name + "[i]'); a sliced buffer is split into its slices",
+                           f"name a slice, e.g. '{name}[0]'")
+                continue
+            spec = dict(out.pop(name))
+            spec["shape"] = spec["shape"][1:]
+            for i in range(lead):
+                part = f"{name}_{i}"
+                if part in out:
+                    self.error(marks.get("key:" + part) or _mark(buffers, None, self.file),
+                               "mixed-index",
+                               f"buffer '{part}' is declared, but it is also the name of "
+                               f"slice {i} of '{name}'", "rename one of them")
+                out[part] = spec
+                marks["key:" + part] = marks.get("key:" + name)
+                marks[part] = marks.get(name)
+        data["buffers"] = {**out, MARKS: marks, MARK: buffers.get(MARK)}
+
+
+def _split_mod(text: str) -> tuple[str, str | None]:
+    """``'(h + 1) % 2'`` -> ``('(h + 1) ', ' 2')``: the last ``%`` outside parentheses."""
+    depth, cut = 0, -1
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "%" and depth == 0:
+            cut = i
+    if cut < 0:
+        return text, None
+    return text[:cut], text[cut + 1:]
+
+
+def uses_loops(data: Any) -> bool:
+    """Whether the raw data has a loop or an indexed buffer name anywhere in its steps."""
+    if loops(data):
+        return True
+
+    def indexed(value: Any) -> bool:
+        if isinstance(value, str):
+            return _INDEXED.match(value.strip()) is not None
+        if isinstance(value, list):
+            return any(indexed(v) for v in value)
+        if isinstance(value, dict):
+            return any(indexed(v) for k, v in value.items() if k not in (MARK, MARKS))
+        return False
+
+    return isinstance(data, dict) and indexed(data.get("steps"))
+
+
+def expand(data: Any, file: str, world: int | None) -> Any:
+    """The raw schedule data with every loop unrolled and every indexed buffer split
+    (unchanged when it has neither)."""
+    if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
+        return data  # the model reports what is wrong with it
+    if not uses_loops(data):
+        return data
+    return _Unroller(data, file, world).run()
