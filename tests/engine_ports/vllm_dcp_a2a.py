@@ -219,6 +219,8 @@ def distributed_packed_a2a(group: Any, r: int, world: int, dtype_name: str,
             found["their_lse_check"] = "passed"
         except AssertionError as err:
             found["their_lse_check"] = str(err).splitlines()[0]
+        # how far their reference (LSE kept in the input dtype) is from dcpc's fp32 LSE
+        found["their_lse_err"] = float((actual_lse.double() - expected_lse.double()).abs().max())
         _, lse32 = lse_weighted_combine(outputs.double(), lses.double(), return_lse=True,
                                         is_lse_base_on_e=is_lse_base_on_e)
         assert actual_lse.dtype == torch.float32  # vLLM's kernel returns fp32 too
