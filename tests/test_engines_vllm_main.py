@@ -121,6 +121,28 @@ def test_a_layout_with_another_argument_order_is_left_alone_once(vllm_main, capl
     assert len(said) == 1 and "does not take dcpc's arguments in dcpc's order" in said[0]
 
 
+def test_a_vllm_module_that_fails_to_import_leaves_vllms_path(vllm_main, monkeypatch,
+                                                               caplog):
+    """Not only ImportError: an engine module that raises anything while importing (a
+    missing CUDA library, an env check) must not crash the engine's plugin loader."""
+    import importlib
+
+    real = importlib.import_module
+
+    def failing(name, *args):
+        if name.startswith("vllm.v1.attention.ops."):
+            raise RuntimeError("libcuda.so.1: cannot open shared object file")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", failing)
+    with caplog.at_level("WARNING", logger="dcpc.engines"):
+        assert V.install() == []
+    said = [r.getMessage() for r in caplog.records if "own DCP path stays" in r.getMessage()]
+    assert len(said) == 1 and "RuntimeError: libcuda.so.1" in said[0], said
+    assert vllm_main["vllm.v1.attention.ops.dcp_utils"].MLADCPManager \
+        is vllm_main["orig"]["MLADCPManager"]
+
+
 # ---- main's KV gather on dcpc's kernels (local backend) -------------------------------------
 def _maps(world: int) -> tuple[list[list[int]], int]:
     """Per rank, local row -> compact row (-1: padding). W = 2: vLLM main's own example

@@ -99,8 +99,8 @@ def known_layout() -> tuple[Layout | None, str]:
     for where in MODULES:
         try:
             module = importlib.import_module(where)
-        except ImportError as err:
-            why.append(f"{where} does not import ({err})")
+        except Exception as err:  # noqa: BLE001 - any import error leaves vLLM's path
+            why.append(f"{where} does not import ({type(err).__name__}: {err})")
             continue
         layout, reason = _classify(module)
         if layout is not None:
