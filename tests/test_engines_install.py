@@ -288,10 +288,10 @@ def test_install_takes_the_workspace_from_the_current_vllm_config(fake_vllm, mon
 
 
 def test_install_leaves_an_unknown_vllm_layout_alone_and_says_so_once(monkeypatch, caplog):
-    """vLLM's git main: the DCP utilities in vllm.v1.attention.ops.dcp_utils, no
-    vllm.v1.attention.ops.dcp, and init_kv_gather(max_gathered_tokens, token_dim,
-    plane_split_dim, dtype): install() must not raise (it runs inside the engine's
-    plugin loader), patch nothing, and log why once."""
+    """A layout neither 0.33.0's nor main's (a dcp_utils without main's free functions,
+    then a dcp module with main's init_kv_gather but no direct_kv_gather; main's own
+    layout is tests/test_engines_vllm_main.py): install() must not raise (it runs
+    inside the engine's plugin loader), patch nothing, and log why once."""
     def dcp_a2a_lse_reduce(*a, **k):
         return "vllm a2a"
 

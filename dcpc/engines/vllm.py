@@ -9,7 +9,12 @@ Same names, arguments and results as vLLM's, so a plugin can assign them over vL
   launch);
 - ``cp_lse_ag_out_ar`` (PCP): torch only, as vLLM's math;
 - ``correct_attn_out``: the local correction, in torch (fp32);
-- ``get_dcp_workspace_max_num_tokens`` and ``MLADCPManager``.
+- ``get_dcp_workspace_max_num_tokens`` and ``MLADCPManager`` (dcpc.engines.vllm_manager;
+  vLLM main's, with its KV gather: dcpc.engines.vllm_kv).
+
+vLLM git main's layout (vllm/v1/attention/ops/dcp_utils.py) has the same free functions
+with extra keywords (``use_b12x``, ...): they are taken as ``**engine_kwargs``, and a set
+one runs vLLM's own function.
 
 ``seq_lens`` are THIS rank's local KV lengths [B] (what vLLM passes); rows at or past
 ``query_start_loc[-1]`` and requests with local length 0 get LSE -inf as in vLLM's
@@ -18,7 +23,8 @@ DCPC_KERNEL_MASK=1 the kernels mask instead). Results are views of the module's
 persistent buffers: valid until the next call of the same shapes (consume or copy them
 before that, as vLLM's layers do).
 
-``install()`` puts them over vLLM's and keeps vLLM's own as the fallback of every call
+``install()`` (dcpc.engines.vllm_install: which layout, which names) puts them over
+vLLM's and keeps vLLM's own as the fallback of every call
 dcpc does not take; without it the fallback is torch collectives in fp32.
 
 Switches (tri-state env: unset = auto, 1 = force, 0 = the fallback):
@@ -32,34 +38,22 @@ CUDA-graph capture: a call's ``release`` kernel first runs at the start of the n
 from __future__ import annotations
 
 import functools
-import inspect
+import importlib
 import os
 from typing import Any
 
 import torch
 
-from dcpc.engines.agree import agree
 from dcpc.engines.combine import (
     EngineResult,
-    GatherRunner,
     check_mask_args,
     check_tensors,
     combine_call,
     reset,
-    runner,
 )
-from dcpc.engines.common import (
-    DTYPE_NAMES,
-    GatherSpec,
-    log,
-    log_once,
-    rebind,
-    resolve_group,
-    switch,
-)
+from dcpc.engines.common import log_once, resolve_group
 from dcpc.engines.fallback import Comm, correct, mask_at_source, torch_combine
 from dcpc.runtime.errors import DcpcArgumentError
-from dcpc.runtime.local import sync_stream
 
 A2A_SWITCH = "VLLM_USE_DIRECT_DCP_A2A"
 AG_RS_SWITCH = "DCPC_VLLM_AG_RS"
@@ -117,64 +111,8 @@ def _free_tokens() -> int:
     return workspace_choice()[0]
 
 
-# ---- installing over vLLM's own -------------------------------------------------------------
-PATCHED = ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "MLADCPManager")
-KEPT = ("cp_lse_ag_out_ar",)  # not replaced (no dcpc schedule): vLLM's own is called
-_originals: dict[str, Any] = {}  # vLLM's own, saved by install(): the fallbacks
-
-
-def install(max_num_tokens: int | None = None) -> list[str]:
-    """Put this module's functions over vLLM's (vllm.v1.attention.ops.dcp) in every module
-    that holds them (``from ... import`` bindings included), keeping vLLM's own as the
-    fallback of calls dcpc does not take (more tokens than the workspace, an unsupported
-    dtype, a switch at 0) and for PCP's all-reduce. ``max_num_tokens``: the free
-    functions' workspace (else DCPC_MAX_NUM_TOKENS, else 256: see _free_tokens).
-    Idempotent; returns the bindings patched. Call it from a vLLM general plugin
-    (docs/engines.md, "Switching vLLM"). On a vLLM whose DCP layout is not 0.33.0's
-    (git main moved it to vllm.v1.attention.ops.dcp_utils and changed init_kv_gather)
-    it patches nothing, logs why once, and returns []: vLLM's own path stays."""
-    ops, why = _known_layout()
-    if ops is None:
-        log_once("vllm-layout", f"dcpc.engines.vllm.install(): vLLM's own DCP path stays: "
-                 f"{why} (the adapters follow vLLM 0.33.0's layout)")
-        return []
-    if max_num_tokens is not None:
-        _installed_tokens[:] = [int(max_num_tokens)]
-        _free_tokens.cache_clear()
-    tokens, source = workspace_choice()
-    if source.startswith("vLLM"):  # kept: in forward no config is current any more
-        _installed_tokens[:] = [tokens]
-        _free_tokens.cache_clear()
-    log.info("dcpc.engines.vllm.install(): the free functions' workspace is %d tokens "
-             "(%s)", tokens, source)
-    ours = {name: globals()[name] for name in PATCHED + KEPT}
-    patched: list[str] = []
-    for name in PATCHED + KEPT:
-        old = vars(ops)[name]
-        if old is not ours[name] and not _is_ours(old):  # never keep a dcpc function as
-            _originals.setdefault(name, old)  # vLLM's own: its fallback would recurse
-        if name in PATCHED and old is not ours[name]:
-            patched += rebind(name, old, ours[name])
-    return patched
-
-
-def _known_layout() -> tuple[Any, str]:
-    """(vLLM's vllm.v1.attention.ops.dcp, "") when it is 0.33.0's layout: the four names,
-    and MLADCPManager.init_kv_gather(workspace, max_gathered_tokens); else (None, why)."""
-    try:
-        import vllm.v1.attention.ops.dcp as ops
-    except ImportError as err:
-        return None, f"vllm.v1.attention.ops.dcp does not import ({err})"
-    missing = [name for name in PATCHED + KEPT if name not in vars(ops)]
-    if missing:
-        return None, f"vllm.v1.attention.ops.dcp has no {', '.join(missing)}"
-    kv = getattr(vars(ops)["MLADCPManager"], "init_kv_gather", None)
-    if kv is not None:
-        params = list(inspect.signature(kv).parameters)[1:]
-        if params != ["workspace", "max_gathered_tokens"]:
-            return None, (f"MLADCPManager.init_kv_gather({', '.join(params)}) is not "
-                          "0.33.0's (workspace, max_gathered_tokens)")
-    return ops, ""
+# ---- vLLM's own, saved by install() (dcpc.engines.vllm_install) ---------------------------
+_originals: dict[str, Any] = {}  # vLLM's own functions: the fallbacks
 
 
 def _is_ours(fn: Any) -> bool:
@@ -187,6 +125,22 @@ def _engine_fallback(name: str, *args: Any, **kwargs: Any) -> Any:
     if original is None or _is_ours(original):
         return None
     return lambda: original(*args, **kwargs)
+
+
+def _engine_only(label: str, engine_kwargs: dict[str, Any], engine: Any) -> bool:
+    """vLLM main's extra keywords (e.g. dcp_a2a_lse_reduce's ``use_b12x``,
+    ``b12x_max_batch_size``, ``b12x_query_head_dim``): at their defaults (None, False, 0)
+    dcpc runs the call; a set one asks for vLLM's own path, which runs if install()
+    saved it, else the call is refused (no silent change of what was asked for)."""
+    asked = {k: v for k, v in engine_kwargs.items() if v not in (None, False, 0)}
+    if not asked:
+        return False
+    if engine is None:
+        raise DcpcArgumentError(f"{label}: {', '.join(sorted(asked))} asks for vLLM's own "
+                                "path, which install() did not save")
+    log_once(f"{label}:engine-kwargs:{sorted(asked)}", f"{label}: vLLM's own path for "
+             f"{', '.join(sorted(asked))}")
+    return True
 
 
 def _squeeze(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,28 +189,36 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
 def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
                      ctx: Any = None, return_lse: bool = False, is_lse_base_on_e: bool = True,
                      seq_lens: torch.Tensor | None = None,
-                     query_start_loc: torch.Tensor | None = None) -> Any:
+                     query_start_loc: torch.Tensor | None = None,
+                     **engine_kwargs: Any) -> Any:
     """vLLM's cp_lse_ag_out_rs: [B, H, D] partials of all heads -> this rank's heads
     [B, H/W, D] (rank r: heads r*H/W ..), with ``return_lse`` also the global LSE of
     those heads [B, H/W] in cp_attn_lse's dtype. ``ctx`` (the Triton context) is unused."""
+    engine = _engine_fallback("cp_lse_ag_out_rs", cp_attn_out, cp_attn_lse, cp_group, ctx,
+                              return_lse, is_lse_base_on_e, seq_lens, query_start_loc,
+                              **engine_kwargs)
+    if _engine_only("cp_lse_ag_out_rs", engine_kwargs, engine):
+        return engine()
     return _combine("ag_rs", cp_attn_out, cp_attn_lse, cp_group, return_lse,
                     is_lse_base_on_e, seq_lens, query_start_loc, switch_name=AG_RS_SWITCH,
-                    label="cp_lse_ag_out_rs", engine=_engine_fallback(
-                        "cp_lse_ag_out_rs", cp_attn_out, cp_attn_lse, cp_group, ctx,
-                        return_lse, is_lse_base_on_e, seq_lens, query_start_loc))
+                    label="cp_lse_ag_out_rs", engine=engine)
 
 
 def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
                        ctx: Any = None, return_lse: bool = False,
                        is_lse_base_on_e: bool = True, seq_lens: torch.Tensor | None = None,
-                       query_start_loc: torch.Tensor | None = None) -> Any:
+                       query_start_loc: torch.Tensor | None = None,
+                       **engine_kwargs: Any) -> Any:
     """vLLM's dcp_a2a_lse_reduce: as cp_lse_ag_out_rs, through one fused all-to-all +
     merge; the returned LSE is fp32. H % W != 0 raises (a ValueError, as vLLM)."""
+    engine = _engine_fallback("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx,
+                              return_lse, is_lse_base_on_e, seq_lens, query_start_loc,
+                              **engine_kwargs)
+    if _engine_only("dcp_a2a_lse_reduce", engine_kwargs, engine):
+        return engine()
     return _combine("fused", cp_attn_out, cp_attn_lse, cp_group, return_lse,
                     is_lse_base_on_e, seq_lens, query_start_loc, switch_name=A2A_SWITCH,
-                    label="dcp_a2a_lse_reduce", engine=_engine_fallback(
-                        "dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx,
-                        return_lse, is_lse_base_on_e, seq_lens, query_start_loc))
+                    label="dcp_a2a_lse_reduce", engine=engine)
 
 
 def cp_lse_ag_out_ar(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
@@ -310,10 +272,15 @@ def get_dcp_workspace_max_num_tokens(vllm_config: Any) -> int:
     2026-12): min(max_num_batched_tokens, max(max_num_seqs * tokens_per_seq, the
     largest CUDA-graph capture size)), tokens_per_seq = 1 + k speculative tokens, or
     1 + 2k with parallel drafting (vLLM's own test: 4 sequences, k = 3 -> 28)."""
-    try:
-        from vllm.v1.attention.ops.dcp import get_dcp_workspace_max_num_tokens as theirs
-    except ImportError:
-        theirs = None
+    theirs = None
+    for where in ("vllm.v1.attention.ops.dcp", "vllm.v1.attention.ops.dcp_utils"):
+        try:  # 0.33.0's module, vLLM main's
+            theirs = getattr(importlib.import_module(where),
+                             "get_dcp_workspace_max_num_tokens", None)
+        except ImportError:
+            continue
+        if theirs is not None:
+            break
     if theirs is not None:
         return int(theirs(vllm_config))
     spec = getattr(vllm_config, "speculative_config", None)
@@ -326,210 +293,27 @@ def get_dcp_workspace_max_num_tokens(vllm_config: Any) -> int:
     return min(sched.max_num_batched_tokens, max(sched.max_num_seqs * per_seq, graphs))
 
 
-# ---- MLADCPManager ------------------------------------------------------------------------
-class MLADCPManager:
-    """vLLM's MLADCPManager: ``combine``, ``query_gather`` and the KV gather of one MLA
-    layer type, on modules built here, at model load (collective: every rank of the
-    group constructs it), with the workspace fixed for ``max_num_tokens``.
 
-    ``vllm_config`` may be None (tests): then pass ``group``, ``max_num_tokens``,
-    ``num_ubatches`` and ``comm_backend`` ("ag_rs" or "a2a") as keywords."""
+def install(max_num_tokens: int | None = None) -> list[str]:
+    """Put this module's functions over vLLM's: see dcpc.engines.vllm_install.install."""
+    from dcpc.engines.vllm_install import install as _install
 
-    def __init__(self, vllm_config: Any, device: torch.device | str, num_heads: int,
-                 query_head_dim: int, output_head_dim: int, query_dtype: torch.dtype,
-                 output_dtype: torch.dtype, padded_num_heads: int | None = None,
-                 is_lse_base_on_e: bool = True, use_pcp: bool = False, *, group: Any = None,
-                 backend: str = "auto", max_num_tokens: int | None = None,
-                 num_ubatches: int | None = None, comm_backend: str | None = None):
-        device = torch.device(device)
-        if group is None:
-            from vllm.distributed import get_dcp_group
-
-            group = get_dcp_group()
-        self.group, self.device = group, device  # vLLM's attributes (models read group)
-        self.dcp = resolve_group(group, device)
-        parallel = getattr(vllm_config, "parallel_config", None)
-        self.num_ubatches = max(num_ubatches or getattr(parallel, "num_ubatches", 1) or 1, 1)
-        if vllm_config is None and max_num_tokens is None:
-            raise DcpcArgumentError("MLADCPManager: without a vllm_config, pass "
-                                    "max_num_tokens= (the workspace's token count)")
-        self.max_num_tokens = max_num_tokens or get_dcp_workspace_max_num_tokens(vllm_config)
-        comm_backend = comm_backend or getattr(parallel, "dcp_comm_backend", None) or "ag_rs"
-        if comm_backend not in ("ag_rs", "a2a"):
-            raise DcpcArgumentError(f"MLADCPManager: dcp_comm_backend must be 'ag_rs' or "
-                                    f"'a2a', got {comm_backend!r}")
-        self.use_a2a, self.use_pcp = comm_backend == "a2a", use_pcp
-        self.num_heads, self.padded_num_heads = num_heads, padded_num_heads
-        self.heads = num_heads * self.dcp.world
-        self.query_head_dim, self.output_head_dim = query_head_dim, output_head_dim
-        self.query_dtype, self.output_dtype = query_dtype, output_dtype
-        self.is_lse_base_on_e, self.backend = is_lse_base_on_e, backend
-        self._kv: tuple[torch.Tensor, int] | None = None
-        self.query_gather = None if use_pcp else self._query_gather
-        self._warm_up()
-
-    # ---- construction ---------------------------------------------------------------------
-    def _warm_up(self) -> None:
-        """Build the modules and compile every kernel now (collective), not in the first
-        forward or a CUDA-graph capture: two calls per slot, since a call's ``release``
-        runs at the start of the next one."""
-        if self.dcp.world == 1:
-            return
-        dev = self.dcp.device
-        if switch(self._combine_switch) != "off" and not self._all_reduce:
-            out = torch.zeros(1, self.heads, self.output_head_dim, dtype=self.output_dtype,
-                              device=dev)
-            lse = torch.zeros(1, self.heads, dtype=torch.float32, device=dev)
-            lens = torch.ones(1, dtype=torch.int32, device=dev)  # MLA always passes them
-            qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-            for ub in [*range(self.num_ubatches)] * 2:
-                self.combine(out, lse, seq_lens=lens, query_start_loc=qsl, slot=ub)
-        if self.query_gather is not None and self._q_runner() is not None:
-            for ub in [*range(self.num_ubatches)] * 2:
-                q = torch.zeros(1, self.num_heads, self.query_head_dim, device=dev)
-                self._query_gather(q.to(self.query_dtype), slot=ub)
-        sync_stream(dev)  # the warm-up's kernels done before the caller's next host copy
-
-    @property
-    def _all_reduce(self) -> bool:
-        """vLLM's choice: a2a if asked for (also with PCP), else PCP's all-reduce."""
-        return self.use_pcp and not self.use_a2a
-
-    @property
-    def _combine_switch(self) -> str:
-        return A2A_SWITCH if self.use_a2a else AG_RS_SWITCH
-
-    # ---- combine --------------------------------------------------------------------------
-    def combine(self, partial_output: torch.Tensor, partial_lse: torch.Tensor, *,
-                seq_lens: torch.Tensor | None, query_start_loc: torch.Tensor | None,
-                slot: int | None = None) -> torch.Tensor:
-        """vLLM's DCPCombine: partials [B, H, Dv] of all heads -> [B, H/W, Dv] of this
-        rank's heads (PCP with ag_rs: [B, H, Dv], all-reduced). ``slot``: the DBO
-        microbatch (default: vLLM's current ubatch id)."""
-        if self._all_reduce:
-            return cp_lse_ag_out_ar(partial_output, partial_lse, self.group,
-                                    is_lse_base_on_e=self.is_lse_base_on_e,
-                                    seq_lens=seq_lens, query_start_loc=query_start_loc)
-        slot = _ubatch() if slot is None else slot
-        name = "dcp_a2a_lse_reduce" if self.use_a2a else "cp_lse_ag_out_rs"
-        return _combine("fused" if self.use_a2a else "ag_rs", partial_output, partial_lse,
-                        self.group, False, self.is_lse_base_on_e, seq_lens,
-                        query_start_loc, switch_name=self._combine_switch,
-                        max_tokens=self.max_num_tokens, slots=self.num_ubatches,
-                        slot=slot % self.num_ubatches, instance=0, backend=self.backend,
-                        label="MLADCPManager.combine", engine=_engine_fallback(
-                            name, partial_output, partial_lse, self.group,
-                            is_lse_base_on_e=self.is_lse_base_on_e, seq_lens=seq_lens,
-                            query_start_loc=query_start_loc))
-
-    # ---- query gather ---------------------------------------------------------------------
-    def _q_runner(self) -> GatherRunner | None:
-        if self.dcp.world == 1 or switch(Q_GATHER_SWITCH) == "off":
-            return None
-        if self.query_dtype not in DTYPE_NAMES:
-            return self._unsupported_q(f"query dtype {self.query_dtype}")
-        spec = GatherSpec("q", self.query_head_dim, DTYPE_NAMES[self.query_dtype],
-                          self.max_num_tokens, self.num_ubatches)
-        return runner(GatherRunner, spec, self.dcp, self.heads, self.backend)
-
-    def _unsupported_q(self, what: str) -> None:
-        if switch(Q_GATHER_SWITCH) == "on":
-            raise DcpcArgumentError(f"{Q_GATHER_SWITCH}=1 but {what} is not supported")
-        log_once(f"q:{what}", f"MLADCPManager.query_gather: torch fallback: {what}")
-
-    def _query_gather(self, query: torch.Tensor, slot: int | None = None) -> torch.Tensor:
-        """vLLM's query gather: [B, H/W, Dq] of this rank's heads -> [B, H, Dq] of all
-        (rank p's block at heads p*H/W ..), in padded storage when padded_num_heads is
-        set (a copy then: vLLM's reserve_query_head_storage)."""
-        slot = (_ubatch() if slot is None else slot) % self.num_ubatches
-        check_tensors("MLADCPManager.query_gather", query=query)
-        self._agree("query_gather", Q_GATHER_SWITCH, self.max_num_tokens)
-        r = self._q_runner()
-        if r is not None and r.fits(query.shape[0]):
-            full = r.run(query, slot)
-        else:
-            if r is not None:
-                r.skip(query, slot)  # every rank falls back, or every rank fails
-                log_once("q:tokens", f"MLADCPManager.query_gather: torch fallback: "
-                         f"{query.shape[0]} tokens exceed the workspace {self.max_num_tokens}")
-            full = _gather_heads(Comm(self.dcp), query)
-        return self._pad(full)
-
-    def _pad(self, full: torch.Tensor) -> torch.Tensor:
-        padded = self.padded_num_heads
-        if padded is None or padded == full.shape[1]:
-            return full
-        # vLLM's reserve_query_head_storage: a contiguous [B, H, D] over storage sized
-        # for [B, padded, D] (kernels that read padded heads may read past H)
-        store = full.new_empty((full.shape[0], padded, full.shape[2]))
-        store.resize_(full.shape)
-        return store.copy_(full)
-
-    def _agree(self, what: str, switch_name: str, tokens: int) -> None:
-        """The settings that pick this gather's path agree on every rank (agree.py)."""
-        agree(self.dcp, f"MLADCPManager.{what}", {switch_name: switch(switch_name),
-              "workspace tokens": tokens, "backend": self.backend}, Comm(self.dcp).all_gather)
-
-    # ---- KV gather ------------------------------------------------------------------------
-    def init_kv_gather(self, workspace: torch.Tensor, max_gathered_tokens: int) -> None:
-        """vLLM's init_kv_gather: ``workspace`` [(T + T/W), C] contiguous; T % W == 0."""
-        w, t = self.dcp.world, max_gathered_tokens
-        if t <= 0 or t % w:
-            raise DcpcArgumentError(f"init_kv_gather: max_gathered_tokens {t} must be a "
-                                    f"positive multiple of W={w}")
-        if not workspace.is_contiguous() or workspace.dim() != 2 or \
-                workspace.shape[0] != t + t // w:
-            raise DcpcArgumentError(f"init_kv_gather: the workspace must be a contiguous "
-                                    f"[T + T/W, C] = [{t + t // w}, C] tensor, got "
-                                    f"{tuple(workspace.shape)}")
-        self._kv = (workspace, t)
-        r = self._kv_runner(workspace.dtype, workspace.shape[1])
-        if r is not None:  # build and compile now (collective); release() runs next call
-            for ub in [*range(self.num_ubatches)] * 2:
-                r.run(workspace[: t // w], slot=ub)
-
-    def _kv_runner(self, dtype: torch.dtype, width: int) -> GatherRunner | None:
-        if self._kv is None:
-            raise DcpcArgumentError("kv_gather: call init_kv_gather(workspace, T) first")
-        if self.dcp.world == 1 or switch(KV_GATHER_SWITCH) == "off":
-            return None
-        if dtype not in DTYPE_NAMES:
-            if switch(KV_GATHER_SWITCH) == "on":
-                raise DcpcArgumentError(f"{KV_GATHER_SWITCH}=1 but KV dtype {dtype} is "
-                                        "not supported")
-            log_once(f"kv:{dtype}", f"MLADCPManager.kv_gather: torch fallback: {dtype}")
-            return None
-        spec = GatherSpec("kv", width, DTYPE_NAMES[dtype], self._kv[1] // self.dcp.world,
-                          self.num_ubatches)
-        return runner(GatherRunner, spec, self.dcp, None, self.backend)
-
-    def kv_gather(self, gathered_kv: torch.Tensor, local_kv: torch.Tensor,
-                  slot: int | None = None) -> None:
-        """vLLM's kv_gather (all_gather_into_tensor semantics): ``gathered_kv`` [W*N, C]
-        receives every rank's ``local_kv`` [N, C] in rank order. dcpc gathers into its
-        own symmetric buffer, then copies into ``gathered_kv``. ``slot``: the DBO
-        microbatch (default: vLLM's current ubatch id)."""
-        check_tensors("MLADCPManager.kv_gather", gathered_kv=gathered_kv, local_kv=local_kv)
-        if self._kv is not None:
-            self._agree("kv_gather", KV_GATHER_SWITCH, self._kv[1])
-        r = self._kv_runner(local_kv.dtype, local_kv.shape[1])
-        slot = (_ubatch() if slot is None else slot) % self.num_ubatches
-        if r is not None and r.fits(local_kv.shape[0]):  # one slot per DBO microbatch
-            gathered_kv.copy_(r.run(local_kv, slot=slot))
-            return
-        # no empty marker call here (the rank-major gather module divides by T: T = 0
-        # raises ZeroDivisionError); vLLM sizes every rank's chunk alike (init_kv_gather)
-        gathered_kv.copy_(Comm(self.dcp).all_gather(local_kv).reshape(gathered_kv.shape))
+    return _install(max_num_tokens)
 
 
-def _gather_heads(comm: Comm, query: torch.Tensor) -> torch.Tensor:
-    """[B, H/W, D] per rank -> [B, H, D], rank order (group.all_gather(query, dim=1))."""
-    parts = comm.all_gather(query)  # [W, B, H/W, D]
-    return parts.permute(1, 0, 2, 3).reshape(query.shape[0], -1, query.shape[2])
+def __getattr__(name: str) -> Any:
+    """``MLADCPManager`` lives in dcpc.engines.vllm_manager (imported on first use: it
+    imports this module)."""
+    if name == "MLADCPManager":
+        from dcpc.engines.vllm_manager import MLADCPManager
+
+        return MLADCPManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 
 __all__ = [
-    "MLADCPManager",
+    "MLADCPManager",  # noqa: F822 (module __getattr__: dcpc.engines.vllm_manager)
     "install",
     "correct_attn_out",
     "cp_lse_ag_out_ar",
