@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dcpc.check.context import Context, Ref, W, mask_refs, refs, show
+from dcpc.check.context import Context, Ref, mask_refs, refs, show, team_expr
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, OpBase, Step
@@ -59,6 +59,7 @@ def _expect(ctx: Context, step: Step, ref: Ref, want: list[ex.Expr], why: str) -
 
 def _part(ctx: Context, step: Step, ref: Ref) -> list[ex.Expr] | None:
     """``ref``'s shape split in W equal parts along the op's dim (which must divide)."""
+    W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     shape = ctx.shape(ref.name)
     if shape is None:
         return None
@@ -135,6 +136,7 @@ def _pairs(ctx: Context, step: Step, srcs: list[Ref], dsts: list[Ref]) -> list[t
 
 def _scatter(ctx: Context, step: Step, src: Ref, recv: Ref) -> list[ex.Expr] | None:
     """src split along dim lands as ``[W, part]`` in the symmetric ``recv``; the part."""
+    W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     _transfer(ctx, step, src, recv, symmetric=True)
     part = _part(ctx, step, src)
     if part is not None and ctx.shape(recv.name) is not None:
@@ -173,6 +175,7 @@ def _merge(
     ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool, scaled: bool = True
 ) -> None:
     """Shapes, dtypes and bases of a merge of W partials (``o``, ``lse``) into dst."""
+    W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     op = step.op
     (dst,) = refs(op, "dst")
     ret = refs(op, "return_lse")
@@ -246,6 +249,7 @@ def _merge(
 
 
 def _mask(ctx: Context, step: Step) -> None:
+    W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     found = mask_refs(step.op)
     shapes = []
     for ref in found:
@@ -297,10 +301,12 @@ class Verify:
     """What an op's verifier (``OpDef.verify`` in dcpc/ops/) works with: the step, the
     check context and the shared rules above, bound to them."""
 
-    W = W
-
     def __init__(self, ctx: Context, step: Step):
         self.ctx, self.step = ctx, step
+
+    @property
+    def W(self) -> ex.Expr:  # noqa: N802  (the op's team size G; W without a mesh)
+        return team_expr(self.ctx, self.step)
 
     def refs(self, key: str) -> list[Ref]:
         return refs(self.step.op, key)
