@@ -33,6 +33,7 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 from dcpc.diagnostics import Mark
+from dcpc.lang.mesh import MeshWorld, mesh_of, shape_of, torus
 from dcpc.lang.model import Peers, Schedule, Streams
 from dcpc.lang.semantics import AFTER, BEFORE, Effect, Region
 
@@ -69,6 +70,7 @@ class Event:
     accesses: tuple[Access, ...] = ()
     signal: tuple[str, Peers] | None = None  # (channel: the step's own slots, to)
     wait: tuple[str, Peers] | None = None  # (channel: the polled step's slots, from)
+    axes: tuple[int, ...] | None = None  # its team's mesh axes (dcpc.lang.mesh); None: all
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class Program:
     events: tuple[Event, ...]
     shared: dict[str, bool]  # every tracked (symmetric) buffer -> shared: true?
     channel_names: dict[str, str]  # channel -> what the schedule calls it
+    axis_names: tuple[str, ...] = ("world",)  # the mesh's axes (dcpc.lang.mesh)
 
     @property
     def streams_per_rank(self) -> int:
@@ -118,14 +121,23 @@ class Program:
 
 
 @cache
-def peer_deltas(peers: Peers, world: int) -> frozenset[int]:
-    """Rank offsets (mod W) of the peers ``all``/``next``/``prev`` name; never 0.
+def peer_deltas(peers: Peers, world: int, axes: tuple[int, ...] | None = None
+                ) -> frozenset[int]:
+    """The translations of the peers ``all``/``next``/``prev`` name along ``axes`` (rank
+    offsets mod W for one axis; torus translations of a mesh, dcpc.lang.mesh); never 0.
     Cached: match_waits asks it once per wait and peer (O(W^2) sets at W=1024)."""
+    if isinstance(world, MeshWorld):
+        return torus(world.shape).deltas(peers.value, axes)
     if world < 2:
         return frozenset()
     if peers == Peers.all:
         return frozenset(range(1, world))
     return frozenset({1 % world if peers == Peers.next else (world - 1) % world})
+
+
+def negate(world: int, d: int) -> int:
+    """The inverse translation of ``d``."""
+    return torus(shape_of(world)).neg(d)
 
 
 def match_waits(program: Program, world: int) -> dict[int, list[tuple[int, int | None]]]:
@@ -143,9 +155,9 @@ def match_waits(program: Program, world: int) -> dict[int, list[tuple[int, int |
             continue
         channel, peers = e.wait
         js = sender.get(channel)
-        for d in sorted(peer_deltas(peers, world)):
-            reaches = js is not None and (-d) % world in peer_deltas(
-                program.events[js].signal[1], world)  # type: ignore[index]
+        for d in sorted(peer_deltas(peers, world, e.axes)):
+            reaches = js is not None and negate(world, d) in peer_deltas(
+                program.events[js].signal[1], world, program.events[js].axes)  # type: ignore[index]
             out.setdefault(j, []).append((d, js if reaches else None))
     return out
 
@@ -175,7 +187,8 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         if sync.signal is not None:
             channel = slot_channel(i)
             names[channel] = getattr(op, "channel", step.name)
-            events.append(Event(i, "send", before, signal=(channel, Peers(sync.signal))))
+            events.append(Event(i, "send", before, signal=(channel, Peers(sync.signal)),
+                                axes=sync.axes))
         elif before or sync.wait is None:
             events.append(Event(i, "local", before))
         if sync.wait is not None:
@@ -184,7 +197,8 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
                 names[channel] = op.channel  # type: ignore[attr-defined]
             else:
                 channel = slot_channel(sync.polls)
-            events.append(Event(i, "recv", after, wait=(channel, Peers(sync.wait))))
+            events.append(Event(i, "recv", after, wait=(channel, Peers(sync.wait)),
+                                axes=sync.axes))
         elif after:
             events.append(Event(i, "local", after))
     return Program(
@@ -196,6 +210,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         events=tuple(events),
         shared=tracked,
         channel_names=names,
+        axis_names=mesh_of(schedule).axes,
     )
 
 
