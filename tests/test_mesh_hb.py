@@ -121,4 +121,4 @@ def test_the_per_axis_bound_finds_what_every_mesh_finds(data: st.DataObject) -> 
     every = hb.check(schedule, worlds, hints=False, every_world=True)
     bounded = hb.check(schedule, worlds, hints=False)
     assert {f.key for f in bounded.findings} == {f.key for f in every.findings}
-    assert bounded.stats["worlds_analysed"] < every.stats["worlds_analysed"]
+    assert bounded.stats["worlds_analysed"] <= every.stats["worlds_analysed"]
