@@ -191,3 +191,15 @@ def test_a_schedule_without_mesh_gets_plain_group_sizes() -> None:
         pipeline.run(ROOT / "schedules" / "kimi_k3_dcp.yaml",
                      pipeline.Options(worlds=[MeshWorld((2, 2))]), until="check")
     assert err.value.diagnostics[0].code == "bad-world"
+
+
+def test_a_team_op_splits_its_parts_by_its_team_size() -> None:
+    """The lowering's part sizes of a team all_to_all / reduce_scatter / fused exchange
+    use G, not W (at W=2x2, parts of W would read half of every peer's rows)."""
+    from dcpc.codegen.lower import lower
+
+    path = ROOT / "schedules" / "gallery" / "helix.yaml"
+    plan = lower(parse_text(path.read_text()), [MeshWorld((2, 2))])
+    by_name = {s.name: dict(s.scalars) for s in plan.steps}
+    assert by_name["out_exchange"]["part_rows"][2] == ("sym", "KVP")
+    assert by_name["proj_scatter"]["part"][2] == ("sym", "W")  # every axis: W

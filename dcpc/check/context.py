@@ -16,20 +16,9 @@ W: ex.Expr = ("sym", "W")
 
 
 def team_expr(ctx: Context, step: Step) -> ex.Expr:
-    """The size of a step's team (dcpc.lang.mesh) as an expression: ``W`` for every
-    axis, else the product of its axes' sizes (``G``, ``N*G``); replaces W in its
-    shape rules."""
-    mesh = mesh_of(ctx.schedule)
-    axes = mesh.team_axes(step.op)
-    if axes is None:
-        return W
-    out: ex.Expr | None = None
-    for a in axes:
-        size = mesh.sizes[a]
-        node: ex.Expr = ("sym", size) if isinstance(size, str) else ("num", size)
-        out = node if out is None else ("*", out, node)
-    assert out is not None
-    return out
+    """The size of a step's team (dcpc.lang.mesh): W, or ``G`` for a team op; replaces
+    W in its shape rules."""
+    return mesh_of(ctx.schedule).team_size(step.op)
 
 
 @dataclass

@@ -57,6 +57,12 @@ def _expect(ctx: Context, step: Step, ref: Ref, want: list[ex.Expr], why: str) -
                   f"{_where(ctx, example, [*want, *have])}: {example.detail}")
 
 
+def _g(size: ex.Expr) -> str:
+    """A team size as a divisor in a message: ``W``, ``G``, ``(N*G)``."""
+    text = ex.unparse(size)
+    return text if size[0] in ("sym", "num") else f"({text})"
+
+
 def _part(ctx: Context, step: Step, ref: Ref) -> list[ex.Expr] | None:
     """``ref``'s shape split in W equal parts along the op's dim (which must divide)."""
     W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
@@ -71,8 +77,9 @@ def _part(ctx: Context, step: Step, ref: Ref) -> list[ex.Expr] | None:
     if example is not None:
         ctx.error(step.op.mark("dim") if "dim" in step.op.src_marks else ref.mark,
                   "inexact-division",
-                  f"step '{step.name}' splits {ref.role} '{ref.name}' in W parts along dim "
-                  f"{dim}, but {ex.unparse(shape[dim])}/W is not a whole number for "
+                  f"step '{step.name}' splits {ref.role} '{ref.name}' in {ex.unparse(W)} parts "
+                  f"along dim {dim}, but {ex.unparse(shape[dim])}/{_g(W)} is not a whole "
+                  "number for "
                   f"{_where(ctx, example, [shape[dim]])}",
                   hint="split along a dim that is a multiple of W, e.g. heads "
                   "('H: {multiple_of: W}')")
@@ -141,7 +148,8 @@ def _scatter(ctx: Context, step: Step, src: Ref, recv: Ref) -> list[ex.Expr] | N
     part = _part(ctx, step, src)
     if part is not None and ctx.shape(recv.name) is not None:
         _expect(ctx, step, recv, [W, *part],
-                f"W parts of src '{src.name}', one per peer, along a leading W axis")
+                f"{ex.unparse(W)} parts of src '{src.name}', one per peer, along a leading "
+                f"{ex.unparse(W)} axis")
     return part
 
 
@@ -232,10 +240,11 @@ def _merge(
                   f"feature dim on its output, but has LSE {show(sl)} and output {show(so)}")
         return
     rows = sl[1:]
-    _expect(ctx, step, lse, [W, *rows], "the LSEs of the W ranks, stacked")
+    _expect(ctx, step, lse, [W, *rows], f"the LSEs of the {ex.unparse(W)} ranks, stacked")
     if stacked:
         _expect(ctx, step, o, [W, *rows, so[-1]],
-                f"the W partial outputs, rows as in LSE '{lse.name}', then the head dim")
+                f"the {ex.unparse(W)} partial outputs, rows as in LSE '{lse.name}', then the "
+                "head dim")
         out_shape = [*rows, so[-1]]
     else:
         _expect(ctx, step, o, [*rows, so[-1]],

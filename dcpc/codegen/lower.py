@@ -101,6 +101,11 @@ DEFAULT_TUNING = {"programs": 128, "num_warps": 4, "block": 4096}
 OP_TUNING = {"all_to_all_combine": {"block": 2048}}
 SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}
 W: Expr = ("sym", "W")
+
+
+def team_w(ctx: Ctx, step: m.Step) -> Expr:
+    """The size of a step's team (dcpc.lang.mesh): what a team op splits its parts by."""
+    return mesh_of(ctx.schedule).team_size(step.op)
 ONE: Expr = ("num", 1)
 
 

@@ -65,6 +65,21 @@ class Mesh:
         every = tuple(range(len(self.axes)))
         return None if found in (every, ()) else found  # () only names unknown axes
 
+    def team_size(self, op: Any) -> tuple:
+        """The size of ``op``'s team as a shape expression (dcpc.lang.expr): ``W`` for
+        every axis, else the product of its axes' sizes (``G``, ``N*G``). What replaces
+        W in the op's shape rules (check) and part sizes (codegen)."""
+        axes = self.team_axes(op)
+        if axes is None:
+            return ("sym", "W")
+        out: tuple | None = None
+        for a in axes:
+            size = self.sizes[a]
+            node = ("sym", size) if isinstance(size, str) else ("num", size)
+            out = node if out is None else ("*", out, node)
+        assert out is not None
+        return out
+
     def names(self, axes: Axes | None) -> tuple[str, ...]:
         return self.axes if axes is None else tuple(self.axes[a] for a in axes)
 
