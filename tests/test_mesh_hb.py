@@ -70,6 +70,8 @@ def test_a_barrier_over_the_wrong_axis_leaves_the_team_race() -> None:
             ("race", "write-after-read", "g", "use", "gather")}
     (finding,) = hb.check(wrong, [MeshWorld((2, 2))]).findings
     assert "rank (a=0, b=1)" in finding.message and "rank (a=0, b=0)" in finding.message
+    assert " on rank (a=0, b=" in finding.first.text()  # the other access, by coordinates
+    assert "rank (a=0, b=" in "\n".join(finding.timeline)
     assert finding.hint and "barrier" in finding.hint
 
 

@@ -31,9 +31,11 @@ class Location:
     access: str  # "read" | "write" | "wait" | "signal"
     region: str  # e.g. "q_full[rank 0, slot 0] H block 1 (dim 1)", or a channel
     mark: Mark
+    rank_name: str = field(default="", compare=False)  # a mesh's "rank (node=1, gpu=0)"
 
     def text(self) -> str:
-        return (f"{self.step} on rank {self.rank}, call {self.call} (slot {self.slot}) "
+        who = self.rank_name or f"rank {self.rank}"
+        return (f"{self.step} on {who}, call {self.call} (slot {self.slot}) "
                 f"{self.access}s {self.region}, at {self.mark}")
 
     def as_dict(self) -> dict[str, Any]:
@@ -147,7 +149,7 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
     if t.access.region is not None:
         region += " " + t.access.region.text(t.rank)
     return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
-                    t.access.kind, region, step.mark)
+                    t.access.kind, region, step.mark, _rk(world, t.rank))
 
 
 def race_cut(world: World, race: RawRace) -> list[int]:
