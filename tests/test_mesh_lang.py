@@ -14,7 +14,7 @@ from dcpc import pipeline
 from dcpc.check import hb, structural
 from dcpc.cli import main, parse_worlds
 from dcpc.diagnostics import DiagnosticError
-from dcpc.lang.mesh import MeshWorld, Torus, fit_worlds, mesh_of
+from dcpc.lang.mesh import MeshWorld, Torus, WorldError, fit_worlds, mesh_of
 from dcpc.lang.parse import parse_text
 from dcpc.lang.semantics import table
 
@@ -125,6 +125,11 @@ def test_world_texts_give_mesh_shapes() -> None:
     mesh = mesh_of(parse_text("schedule: s\nmesh: {cp: P}\nbuffers: {x: {shape: [P], "
                               "dtype: f32}}\nsteps:\n  - a: {op: copy, src: x, dst: x}\n"))
     assert fit_worlds(mesh, [3]) == [MeshWorld((3,))]  # one axis: a plain W fits
+    fixed = mesh_of(parse_text("schedule: s\nmesh: {node: 2, gpu: G}\nbuffers: {x: {shape: "
+                               "[G], dtype: f32}}\nsteps:\n  - a: {op: copy, src: x, dst: x}\n"))
+    assert fit_worlds(fixed, [MeshWorld((2, 3))]) == [MeshWorld((2, 3))]
+    with pytest.raises(WorldError, match="fixes it at 2"):
+        fit_worlds(fixed, [MeshWorld((3, 3))])
     result = CliRunner().invoke(main, ["check", "x.yaml", "--world", "2x0"])
     assert result.exit_code == 2 and "positive" in result.output
 

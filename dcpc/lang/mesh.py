@@ -148,5 +148,9 @@ def fit_worlds(mesh: Mesh, worlds: Iterable[int]) -> list[int]:
             raise WorldError(f"group size {w} has {len(shape)} axis(es), but the schedule's "
                              f"mesh has {len(mesh.axes)} ({axes}): give a shape such as "
                              + "x".join("2" for _ in mesh.axes))
+        for axis, size, value in zip(mesh.axes, mesh.sizes, shape, strict=True):
+            if isinstance(size, int) and size >= 1 and mesh.declared and value != size:
+                raise WorldError(f"group size {w} gives axis '{axis}' {value} ranks, but the "
+                                 f"mesh fixes it at {size}")
         out.append(mesh.world(shape))
     return out
