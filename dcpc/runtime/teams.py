@@ -18,7 +18,14 @@ from typing import Any, ClassVar
 import torch
 
 from dcpc.runtime.errors import DcpcArgumentError
-from dcpc.topology import torus
+
+
+def torus(shape: tuple[int, ...]) -> Any:
+    """dcpc.topology's torus, imported on first use: a module without ``mesh:`` imports
+    nothing beyond dcpc.runtime (tests/test_run_cli.py); dcpc.topology is stdlib only."""
+    from dcpc.topology import torus as make
+
+    return make(shape)
 
 _TEAM_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}  # (global ranks, slot) -> group
 
