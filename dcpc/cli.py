@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +19,24 @@ import click
 
 from dcpc import __version__
 from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
-from dcpc.pipeline import STAGE_NAMES, Options, run
+from dcpc.lang.mesh import MeshWorld, WorldError, parse_shapes
+from dcpc.pipeline import DEFAULT_WORLDS, STAGE_NAMES, Options, run
 
 MAX_WORLD = 1024
 
 
 def parse_worlds(text: str) -> list[int]:
-    """'2..8' -> [2..8]; '2,4,8' -> [2, 4, 8]; '4' -> [4]."""
+    """'2..8' -> [2..8]; '2,4,8' -> [2, 4, 8]; '4' -> [4]; mesh shapes (dcpc.lang.mesh)
+    '2x4' -> [2x4], '2..4x8' -> [2x8, 3x8, 4x8], '2x2,2x4' -> both."""
     worlds: set[int] = set()
     for part in text.split(","):
         part = part.strip()
+        if "x" in part:
+            try:
+                worlds.update(parse_shapes(part, MAX_WORLD))
+            except WorldError as err:
+                raise click.BadParameter(f"'{part}': {err}") from None
+            continue
         lo, sep, hi = part.partition("..")
         try:
             first, last = (int(lo), int(hi)) if sep else (int(part), int(part))
@@ -62,8 +70,13 @@ def _io_failure(diagnostics: list[Diagnostic]) -> bool:
     return any(d.code == IO for d in diagnostics)
 
 
-def _span(worlds: list[int]) -> str:
+def _span(worlds: Sequence[int]) -> str:
     return f"W={worlds[0]}" if len(worlds) == 1 else f"W {worlds[0]}..{worlds[-1]}"
+
+
+def _world_json(world: int) -> int | str:
+    """A group size in JSON: W, or a mesh shape as its text ('2x4')."""
+    return str(world) if isinstance(world, MeshWorld) else world
 
 
 class WorldRange(click.ParamType):
@@ -76,7 +89,8 @@ class WorldRange(click.ParamType):
 
 
 WORLDS = click.option(
-    "--world", "worlds", type=WorldRange(), default="2..8", show_default=True,
+    "--world", "worlds", type=WorldRange(), default=None,
+    show_default="2..8; a mesh of several axes: 2..4 per axis",
     help="group sizes to check: N, A..B or a comma list (2,4,8)",
 )
 DEBUG = click.option("--debug", is_flag=True, help="show Python tracebacks of internal errors")
@@ -138,7 +152,8 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
         results = []
         for file in files:
             try:
-                c = run(file, Options(worlds=worlds, strict=strict), until="hb")
+                c = run(file, Options(worlds=worlds or DEFAULT_WORLDS, strict=strict),
+                        until="hb")
             except DiagnosticError as err:
                 failed += 1
                 io_failed = io_failed or _io_failure(err.diagnostics)
@@ -152,12 +167,14 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
                 continue
             _report(c.warnings, fmt)
             stats = c.hb_report.stats if c.hb_report is not None else {}
-            results.append({"file": file, "ok": True, "worlds": [worlds[0], worlds[-1]],
+            done = c.worlds or worlds
+            results.append({"file": file, "ok": True,
+                            "worlds": [_world_json(done[0]), _world_json(done[-1])],
                             "warnings": [d.as_dict() for d in c.warnings],
                             "stats": _jsonable(stats)})
             if fmt == "text":
                 click.echo(
-                    f"{printable(file)}: ok ({_span(worlds)}, "
+                    f"{printable(file)}: ok ({_span(c.worlds or worlds)}, "
                     f"{len(c.schedule.step_list())} steps, {c.schedule.slots} slot(s); "
                     f"{sum(c.seconds.values()):.2f}s)"
                 )
@@ -293,7 +310,8 @@ def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str |
         written: dict[str, str] = {}  # schedule name -> the file that produced it
         for file in files:
             try:
-                c = run(file, Options(worlds=worlds, strict=strict), until=dump or "emit")
+                c = run(file, Options(worlds=worlds or DEFAULT_WORLDS, strict=strict),
+                        until=dump or "emit")
                 name = c.schedule.schedule
                 if not dump and name in written:
                     raise DiagnosticError([Diagnostic(

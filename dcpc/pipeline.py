@@ -50,6 +50,21 @@ class Compilation:
     module_text: str | None = None
     warnings: list[Diagnostic] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    worlds: list[int] = field(default_factory=list)  # the group sizes, as the mesh reads them
+
+
+def default_worlds(schedule: Any) -> list[int]:
+    """The group sizes checked when none are asked: W 2..8, or for a mesh of several
+    axes every shape with each axis sized by a name in 2..4 (an int axis: its size)."""
+    from dcpc.lang.mesh import MeshWorld, mesh_of
+
+    mesh = mesh_of(schedule)
+    if len(mesh.axes) == 1:
+        return list(DEFAULT_WORLDS)
+    import itertools
+
+    pools = [[s] if isinstance(s, int) else [2, 3, 4] for s in mesh.sizes]
+    return sorted(MeshWorld(shape) for shape in itertools.product(*pools))
 
 
 def _parse(c: Compilation) -> None:
@@ -57,6 +72,24 @@ def _parse(c: Compilation) -> None:
 
     worlds = list(c.options.worlds)
     c.schedule = parse_file(c.path, world=worlds[0] if len(worlds) == 1 else None)
+    c.worlds = _fit_worlds(c)
+
+
+def _fit_worlds(c: Compilation) -> list[int]:
+    """The asked group sizes as the schedule's mesh reads them (dcpc.lang.mesh); a
+    shape that does not fit the mesh is a located ``bad-world``."""
+    from dcpc.diagnostics import Mark
+    from dcpc.lang.mesh import WorldError, fit_worlds, mesh_of
+
+    asked = c.options.worlds
+    if asked is DEFAULT_WORLDS:
+        return default_worlds(c.schedule)
+    try:
+        return sorted(set(fit_worlds(mesh_of(c.schedule), asked)))
+    except WorldError as err:
+        s = c.schedule
+        mark = s.mark("mesh") if s.mesh is not None else Mark(s.source_file, 1, 1)
+        raise DiagnosticError([Diagnostic(mark, "bad-world", str(err))]) from None
 
 
 def _graph(c: Compilation) -> None:
@@ -68,7 +101,7 @@ def _graph(c: Compilation) -> None:
 def _check(c: Compilation) -> None:
     from dcpc.check import structural
 
-    found = structural.check(c.schedule, list(c.options.worlds))
+    found = structural.check(c.schedule, c.worlds)
     c.warnings = [d for d in found if d.severity == "warning"]
     if c.options.strict and c.warnings:
         raise DiagnosticError(found)
@@ -79,7 +112,7 @@ def _check(c: Compilation) -> None:
 def _lower(c: Compilation) -> None:
     from dcpc.codegen.lower import lower
 
-    c.plan = lower(c.schedule, list(c.options.worlds))
+    c.plan = lower(c.schedule, c.worlds)
 
 
 def _hb(c: Compilation) -> None:
@@ -87,7 +120,7 @@ def _hb(c: Compilation) -> None:
         return
     from dcpc.check import hb
 
-    c.hb_report = hb.check(c.schedule, list(c.options.worlds), plan=c.plan)
+    c.hb_report = hb.check(c.schedule, c.worlds, plan=c.plan)
     found = c.hb_report.diagnostics()
     if found:
         raise DiagnosticError(found)

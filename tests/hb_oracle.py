@@ -26,10 +26,48 @@ from dcpc.lang.semantics import channels
 Key = tuple[str, str, str, str, str]
 
 
-def _peers(spec: str, me: int, world: int) -> list[int]:
+def _shape(world) -> tuple[int, ...]:
+    """A mesh world's axis sizes (``world.shape``), else one axis of W."""
+    return tuple(getattr(world, "shape", (int(world),)))
+
+
+def _coords(rank: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for size in reversed(shape):
+        out.append(rank % size)
+        rank //= size
+    return out[::-1]
+
+
+def _axes(schedule: Schedule, op) -> frozenset[int]:
+    """Positions of the op's ``axis:`` names in ``mesh:`` (every axis by default)."""
+    names = list(schedule.mesh or {"world": "W"})
+    value = getattr(op, "axis", None)
+    if value is None:
+        return frozenset(range(len(names)))
+    return frozenset(names.index(v) for v in ([value] if isinstance(value, str) else value))
+
+
+def _team(me: int, world, axes: frozenset[int]) -> list[int]:
+    """Every rank that shares ``me``'s coordinates off ``axes`` (``me`` included)."""
+    shape = _shape(world)
+    mine = _coords(me, shape)
+    return [r for r in range(int(world))
+            if all(c == m or a in axes
+                   for a, (c, m) in enumerate(zip(_coords(r, shape), mine, strict=True)))]
+
+
+def _peers(spec: str, me: int, world, axes: frozenset[int] | None = None) -> list[int]:
+    shape = _shape(world)
+    axes = frozenset(range(len(shape))) if axes is None else axes
     if spec == "all":
-        return [p for p in range(world) if p != me]
-    other = (me + 1) % world if spec == "next" else (me - 1) % world
+        return [p for p in _team(me, world, axes) if p != me]
+    (axis,) = axes  # next/prev: one axis
+    coords = _coords(me, shape)
+    coords[axis] = (coords[axis] + (1 if spec == "next" else -1)) % shape[axis]
+    other = 0
+    for c, size in zip(coords, shape, strict=True):
+        other = other * size + c
     return [other] if other != me else []
 
 
@@ -58,19 +96,22 @@ class _Builder:
 
 
 def _partition(schedule: Schedule, op) -> tuple:
+    axes = _axes(schedule, op)  # parts of different teams' partitions may overlap
     if op.op == "all_to_all" and op.concat_dim is not None:  # block p along concat_dim
-        return ("block", op.concat_dim % len(schedule.buffers[_as_list(op.dst)[0]].shape), 0)
+        return ("block", op.concat_dim % len(schedule.buffers[_as_list(op.dst)[0]].shape), 0,
+                axes)
     if op.op == "all_gather":
         if op.interleave:
-            return ("interleave", op.dim, op.interleave)
+            return ("interleave", op.dim, op.interleave, axes)
         src, dst = schedule.buffers[op.src], schedule.buffers[op.dst]
-        return ("index" if len(dst.shape) == len(src.shape) + 1 else "block", op.dim, 0)
-    return ("index", 0, 0)
+        return ("index" if len(dst.shape) == len(src.shape) + 1 else "block", op.dim, 0, axes)
+    return ("index", 0, 0, axes)
 
 
 def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
                 tracked: set[str]) -> None:
     kind = op.op
+    axes = _axes(schedule, op)
 
     def reads(names, phase):
         for n in names:
@@ -85,13 +126,13 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     def stores(names, part):
         for n in names:
             if n in tracked:
-                for target in range(world):
+                for target in _team(b.rank, world, axes):
                     b.access(name, index, 0, n, "write", owner=target, part=part)
 
     def exchange():
-        for peer in _peers("all", b.rank, world):
+        for peer in _peers("all", b.rank, world, axes):
             b.add(name, index, 0, signal=("step:" + name, peer))
-        for peer in _peers("all", b.rank, world):
+        for peer in _peers("all", b.rank, world, axes):
             b.add(name, index, 1, wait=("step:" + name, peer))
 
     masks = []
@@ -105,7 +146,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind in ("reduce_scatter", "all_reduce"):  # all_reduce: whole src, same sync
         via = _as_list(op.via) or [f"{name}_recv"]  # reduce: lse: [o_recv, lse_recv]
         reads(_as_list(op.src), 0)
-        stores(via, (("index", 0, 0), b.rank))
+        stores(via, (("index", 0, 0, axes), b.rank))
         exchange()
         reads(via + masks, 1)
         writes([op.dst] + _as_list(getattr(op, "return_lse", None)), 1)
@@ -113,7 +154,8 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         via = op.via or f"{name}_recv"
         reads([op.src], 0)
         if via in tracked:
-            b.access(name, index, 0, via, "write", owner=op.root, part=(("index", 0, 0), b.rank))
+            b.access(name, index, 0, via, "write", owner=op.root,
+                     part=(("index", 0, 0, axes), b.rank))
         exchange()
         if b.rank == op.root:
             reads([via], 1)
@@ -125,7 +167,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         exchange()
     elif kind == "all_to_all_combine":
         reads(op.src, 0)
-        stores(op.via, (("index", 0, 0), b.rank))
+        stores(op.via, (("index", 0, 0, axes), b.rank))
         exchange()
         reads(list(op.via) + masks, 1)
         others = [o for item in schedule.steps for n, o in item.items() if n != name]
@@ -143,7 +185,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         writes(op.writes, 0)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
         reads([op.src, op.counts], 0)
-        stores([op.dst, op.recv_counts], (("index", 0, 0), b.rank))
+        stores([op.dst, op.recv_counts], (("index", 0, 0, axes), b.rank))
         _cast_scale(op, schedule, reads, stores, b.rank)
         exchange()
     elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
@@ -152,12 +194,12 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind == "barrier":
         exchange()
     elif kind == "signal":
-        for peer in _peers(op.to.value, b.rank, world):
+        for peer in _peers(op.to.value, b.rank, world, axes):
             b.add(name, index, 0, signal=(f"{op.channel}@{name}", peer))
     elif kind == "wait":
         found = channels(schedule).polls.get(name)
         polled = found.name if found is not None else "?"
-        for peer in _peers(op.from_.value, b.rank, world):
+        for peer in _peers(op.from_.value, b.rank, world, axes):
             b.add(name, index, 1, wait=(f"{op.channel}@{polled}", peer))
     elif kind == "shift":
         _shift(b, schedule, name, index, op, world, tracked)
@@ -172,7 +214,7 @@ def _cast_scale(op, schedule: Schedule, reads, stores, rank: int) -> None:
     if scale is None:
         return
     if scale.per == "token" and schedule.buffers[op.dst].dtype.value == "fp8e4m3":
-        stores([scale.buffer], (("index", 0, 0), rank))
+        stores([scale.buffer], (("index", 0, 0, None), rank))  # casts: no team
     else:
         reads([scale.buffer], 0)
 
@@ -193,14 +235,14 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
     graph = nx.DiGraph()
     ids = count()
     per_call: dict[tuple[int, int], list[int]] = {}
-    for rank in range(world):
+    for rank in range(int(world)):
         for call in range(calls):
             b = _Builder(graph, ids, rank, call, slots)
             for index, (name, op) in enumerate(steps):
                 _lower_step(b, schedule, name, index, op, world, tracked)
             per_call[(rank, call)] = b.nodes
             graph.add_edges_from(zip(b.nodes, b.nodes[1:], strict=False))
-    for rank in range(world):
+    for rank in range(int(world)):
         for call in range(calls):
             before = call - (slots if per_slot else 1)
             if before >= 0 and per_call[(rank, before)] and per_call[(rank, call)]:
@@ -208,7 +250,7 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
     for call in range(calls):
         sent: dict[tuple[str, int, int], list[int]] = {}
         waiting: dict[tuple[str, int, int], list[int]] = {}
-        for rank in range(world):
+        for rank in range(int(world)):
             for node in per_call[(rank, call)]:
                 data = graph.nodes[node]
                 if "signal" in data:
@@ -606,3 +648,82 @@ def random_loop_schedule_text(draw, st) -> str:
     if draw(st.booleans()):
         text += '  - last: {op: external, reads: ["kv[1]"], writes: [y]}\n'
     return text
+# --- random mesh schedules (two axes, ops over one axis or both) ---------------------
+
+RANDOM_MESH_HEADER = """\
+schedule: random_mesh_{seed}
+slots: {slots}
+streams: {streams}
+mesh: {{a: A, b: B}}
+sizes:
+  N: 4
+  K: {{multiple_of: W}}
+buffers:
+  x:    {{shape: [N, K], dtype: f32}}
+  y:    {{shape: [N, K], dtype: f32}}
+  ga:   {{shape: [A*N, K], dtype: f32, symmetric: true{ga}}}
+  gb:   {{shape: [B*N, K], dtype: f32, symmetric: true{gb}}}
+  gw:   {{shape: [W*N, K], dtype: f32, symmetric: true{gw}}}
+  ta:   {{shape: [A, N, K/A], dtype: f32, symmetric: true{ta}}}
+  tb:   {{shape: [B, N, K/B], dtype: f32, symmetric: true{tb}}}
+  s0:   {{shape: [N, K], dtype: f32, symmetric: true{s0}}}
+steps:
+"""
+
+TEAMS = {"a": ("a", "ga", "ta"), "b": ("b", "gb", "tb"), "ab": (None, "gw", None)}
+
+
+def random_mesh_schedule_text(draw, st) -> str:
+    """A small, structurally valid random schedule over ``mesh: {a: A, b: B}``: gathers
+    and all-to-alls over axis a, b or both, barriers and signal/wait pairs over a team
+    (next/prev along one axis), externals reading what was written."""
+    slots = draw(st.integers(1, 2))
+    streams = draw(st.sampled_from(["per_slot", "single"]))
+    flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
+             for b in ("ga", "gb", "gw", "ta", "tb", "s0")}
+    steps: list[str] = []
+    written: list[str] = []
+    pending_waits: list[str] = []
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["gather", "gather", "a2a", "ext", "ext", "barrier",
+                                     "sync", "sync"]))
+        team = draw(st.sampled_from(["a", "b", "ab"]))
+        axis, gdst, tdst = TEAMS[team]
+        on = f", axis: {axis}" if axis else (", axis: [a, b]" if draw(st.booleans()) else "")
+        if kind == "gather":
+            steps.append(f"{{op: all_gather{on}, src: x, dst: {gdst}, dim: 0}}")
+            written.append(gdst)
+        elif kind == "a2a" and tdst is not None:
+            steps.append(f"{{op: all_to_all{on}, src: x, dst: {tdst}, dim: 1}}")
+            written.append(tdst)
+        elif kind == "barrier":
+            steps.append(f"{{op: barrier{on}}}")
+        elif kind == "sync":
+            to = draw(st.sampled_from(["all", "next", "prev"]))
+            if to != "all" and axis is None:
+                axis, on = "a", ", axis: a"
+            order = draw(st.sampled_from(["split", "split", "wait-first", "later"]))
+            channel = f"{'c' if to == 'all' else 'r'}{team}{draw(st.integers(0, 1))}"
+            signal = f"{{op: signal{on}, to: {to}, channel: {channel}}}"
+            wait = f"{{op: wait{on}, from: {PARTNERS[to]}, channel: {channel}}}"
+            if order == "wait-first":
+                steps += [wait, signal]
+            elif order == "later":
+                steps.append(signal)
+                pending_waits.append(wait)
+            else:
+                steps += [signal, wait]
+        else:
+            reads = sorted(set(draw(st.lists(st.sampled_from(written), max_size=2)))) \
+                if written else []
+            target = draw(st.sampled_from(["y", "s0"]))
+            steps.append(f"{{op: external, reads: [{', '.join(reads + ['x'])}], "
+                         f"writes: [{target}]}}")
+            if target != "y":
+                written.append(target)
+        if pending_waits and draw(st.booleans()):
+            steps.append(pending_waits.pop())
+    steps += pending_waits
+    body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
+    return RANDOM_MESH_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots,
+                                     streams=streams, **flags) + body

@@ -28,6 +28,7 @@ import pytest
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.mesh import parse_shapes
 from dcpc.lang.parse import parse_file
 from dcpc.ops import OPS
 
@@ -43,9 +44,12 @@ def header(path: Path, key: str) -> str | None:
 
 
 def worlds(text: str) -> list[int]:
-    """`2..16 32` -> [2, ..., 16, 32]."""
+    """`2..16 32` -> [2, ..., 16, 32]; mesh shapes `2x2 2..3x4` -> [2x2, 2x4, 3x4]."""
     out: list[int] = []
     for part in text.split():
+        if "x" in part:
+            out += parse_shapes(part, 1024)
+            continue
         lo, _, hi = part.partition("..")
         out += list(range(int(lo), int(hi or lo) + 1))
     return out

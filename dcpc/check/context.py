@@ -7,11 +7,18 @@ from dataclasses import dataclass, field
 
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
+from dcpc.lang.mesh import mesh_of
 from dcpc.lang.model import Buffer, OpBase, Schedule, Step
 from dcpc.lang.questions import Samples
 from dcpc.lang.sizes import SizeTable
 
 W: ex.Expr = ("sym", "W")
+
+
+def team_expr(ctx: Context, step: Step) -> ex.Expr:
+    """The size of a step's team (dcpc.lang.mesh): W, or ``G`` for a team op; replaces
+    W in its shape rules."""
+    return mesh_of(ctx.schedule).team_size(step.op)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dcpc.check.context import Context, Ref, W, mask_refs, refs, show
+from dcpc.check.context import Context, Ref, mask_refs, refs, show, team_expr
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, OpBase, Step
@@ -57,9 +57,16 @@ def _expect(ctx: Context, step: Step, ref: Ref, want: list[ex.Expr], why: str) -
                   f"{_where(ctx, example, [*want, *have])}: {example.detail}")
 
 
+def _g(size: ex.Expr) -> str:
+    """A team size as a divisor in a message: ``W``, ``G``, ``(N*G)``."""
+    text = ex.unparse(size)
+    return text if size[0] in ("sym", "num") else f"({text})"
+
+
 def _part(ctx: Context, step: Step, ref: Ref, along: int | None = None) -> list[ex.Expr] | None:
-    """``ref``'s shape split in W equal parts along the op's dim (which must divide), or
-    along dim ``along`` (in range)."""
+    """``ref``'s shape split in G (the op's team size; W without a mesh) equal parts along
+    the op's dim (which must divide), or along dim ``along`` (in range)."""
+    W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     shape = ctx.shape(ref.name)
     if shape is None:
         return None
@@ -72,8 +79,9 @@ def _part(ctx: Context, step: Step, ref: Ref, along: int | None = None) -> list[
         key = "dim" if along is None else "split_dim"
         ctx.error(step.op.mark(key) if key in step.op.src_marks else ref.mark,
                   "inexact-division",
-                  f"step '{step.name}' splits {ref.role} '{ref.name}' in W parts along dim "
-                  f"{dim}, but {ex.unparse(shape[dim])}/W is not a whole number for "
+                  f"step '{step.name}' splits {ref.role} '{ref.name}' in {ex.unparse(W)} parts "
+                  f"along dim {dim}, but {ex.unparse(shape[dim])}/{_g(W)} is not a whole "
+                  "number for "
                   f"{_where(ctx, example, [shape[dim]])}",
                   hint="split along a dim that is a multiple of W, e.g. heads "
                   "('H: {multiple_of: W}')")
@@ -137,11 +145,13 @@ def _pairs(ctx: Context, step: Step, srcs: list[Ref], dsts: list[Ref]) -> list[t
 
 def _scatter(ctx: Context, step: Step, src: Ref, recv: Ref) -> list[ex.Expr] | None:
     """src split along dim lands as ``[W, part]`` in the symmetric ``recv``; the part."""
+    W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     _transfer(ctx, step, src, recv, symmetric=True)
     part = _part(ctx, step, src)
     if part is not None and ctx.shape(recv.name) is not None:
         _expect(ctx, step, recv, [W, *part],
-                f"W parts of src '{src.name}', one per peer, along a leading W axis")
+                f"{ex.unparse(W)} parts of src '{src.name}', one per peer, along a leading "
+                f"{ex.unparse(W)} axis")
     return part
 
 
@@ -175,6 +185,7 @@ def _merge(
     ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool, scaled: bool = True
 ) -> None:
     """Shapes, dtypes and bases of a merge of W partials (``o``, ``lse``) into dst."""
+    W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     op = step.op
     (dst,) = refs(op, "dst")
     ret = refs(op, "return_lse")
@@ -231,10 +242,11 @@ def _merge(
                   f"feature dim on its output, but has LSE {show(sl)} and output {show(so)}")
         return
     rows = sl[1:]
-    _expect(ctx, step, lse, [W, *rows], "the LSEs of the W ranks, stacked")
+    _expect(ctx, step, lse, [W, *rows], f"the LSEs of the {ex.unparse(W)} ranks, stacked")
     if stacked:
         _expect(ctx, step, o, [W, *rows, so[-1]],
-                f"the W partial outputs, rows as in LSE '{lse.name}', then the head dim")
+                f"the {ex.unparse(W)} partial outputs, rows as in LSE '{lse.name}', then the "
+                "head dim")
         out_shape = [*rows, so[-1]]
     else:
         _expect(ctx, step, o, [*rows, so[-1]],
@@ -248,6 +260,7 @@ def _merge(
 
 
 def _mask(ctx: Context, step: Step) -> None:
+    W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     found = mask_refs(step.op)
     shapes = []
     for ref in found:
@@ -300,10 +313,12 @@ class Verify:
     """What an op's verifier (``OpDef.verify`` in dcpc/ops/) works with: the step, the
     check context and the shared rules above, bound to them."""
 
-    W = W
-
     def __init__(self, ctx: Context, step: Step):
         self.ctx, self.step = ctx, step
+
+    @property
+    def W(self) -> ex.Expr:  # noqa: N802  (the op's team size G; W without a mesh)
+        return team_expr(self.ctx, self.step)
 
     def refs(self, key: str) -> list[Ref]:
         return refs(self.step.op, key)

@@ -79,6 +79,7 @@ class OStep:
     wait: str | None
     polls: int | None
     channel: str  # how findings name its channel
+    axes: tuple[int, ...] | None = None  # the team's mesh axes; None: every axis
 
 
 @dataclass(frozen=True)
@@ -112,35 +113,83 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
             region = _attr(e, "region")
             part = None if region is None else (
                 _attr(region, "scheme"), _attr(region, "dim"), _attr(region, "interleave", 0),
-                _attr(region, "offset", 0))
+                _attr(region, "offset", 0), _attr(region, "axes"))
             item = (buffer, _attr(e, "kind") == "write", part)
             (after if _attr(e, "when") == "after" else before).append(item)
         sync = _attr(s, "sync")
         signal, wait, polls = (_attr(sync, "signal"), _attr(sync, "wait"),
                                _attr(sync, "polls")) if sync is not None else (None, None, None)
+        axes = _attr(sync, "axes") if sync is not None else None
         name = _attr(s, "name")
         channel = (channels or {}).get(name) or (_attr(s, "attrs") or {}).get("channel")
         if channel is None:
             channel = name if polls is None or polls == _attr(s, "index") else \
                 _attr(plan_steps[polls], "name")
         steps.append(OStep(name, _attr(s, "index"), tuple(before), tuple(after), signal,
-                           wait, polls, channel))
+                           wait, polls, channel, axes))
     slots = _attr(plan, "slots")
     return OProgram(slots, _attr(plan, "streams") == "per_slot" and slots > 1, tuple(steps),
                     tracked)
 
 
-def peers(spec: str | None, rank: int, world: int) -> list[int]:
-    """The peers of ``rank`` that ``all``/``next``/``prev`` (or "+k") name, in the kernel's loop
-    order (templates/sync.j2 peer_loop: ``(RANK + k) % WORLD`` for k = 1 .. W-1)."""
+def peers(spec: str | None, rank: int, world: int,
+          axes: tuple[int, ...] | None = None) -> list[int]:
+    """The peers of ``rank`` that ``all``/``next``/``prev`` (or a shift's "+k") name, in
+    the kernel's loop order (templates/sync.j2 peer_loop: ``(RANK + k) % WORLD`` for k =
+    1 .. W-1). On a mesh (``world.shape``, row-major ranks) along ``axes``: the team's
+    members in the same loop order over member indices; next/prev move the one axis'
+    coordinate. A shift is never on a mesh of several axes (the structural check)."""
+    if spec is not None and spec not in ("all", "next", "prev"):  # one rank at "+k"/"-k"
+        other = (rank + int(spec)) % world if world >= 2 else rank
+        return [other] if other != rank else []
     if spec is None or world < 2:
         return []
+    shape = getattr(world, "shape", None)
+    if shape is None or axes is None:
+        if shape is not None and spec != "all":  # every axis of a one-axis mesh
+            axes = (0,)
+        elif spec == "all":
+            return [(rank + k) % world for k in range(1, world)]
+        else:
+            return [(rank + (1 if spec == "next" else world - 1)) % world]
+    team = team_of(rank, shape, axes)
     if spec == "all":
-        return [(rank + k) % world for k in range(1, world)]
-    if spec not in ("next", "prev"):  # one rank at an offset "+k" / "-k" (a shift)
-        other = (rank + int(spec)) % world
-        return [other] if other != rank else []
-    return [(rank + (1 if spec == "next" else world - 1)) % world]
+        me = team.index(rank)
+        return [team[(me + k) % len(team)] for k in range(1, len(team))]
+    (axis,) = axes
+    coords = list(_coords(rank, shape))
+    coords[axis] = (coords[axis] + (1 if spec == "next" else -1)) % shape[axis]
+    other = _rank(coords, shape)
+    return [other] if other != rank else []
+
+
+def _coords(rank: int, shape: Sequence[int]) -> list[int]:
+    out = []
+    for size in reversed(shape):
+        out.append(rank % size)
+        rank //= size
+    return out[::-1]
+
+
+def _rank(coords: Sequence[int], shape: Sequence[int]) -> int:
+    rank = 0
+    for c, size in zip(coords, shape, strict=True):
+        rank = rank * size + c
+    return rank
+
+
+def team_of(rank: int, shape: Sequence[int], axes: tuple[int, ...] | None) -> list[int]:
+    """The ranks sharing ``rank``'s coordinates off ``axes`` (all of them: None), by
+    linear index (which is member order: row-major over the team's axes)."""
+    if axes is None:
+        return list(range(_rank([s - 1 for s in shape], shape) + 1))
+    mine = _coords(rank, shape)
+    total = 1
+    for size in shape:
+        total *= size
+    return [r for r in range(total)
+            if all(c == m for a, (c, m) in enumerate(zip(_coords(r, shape), mine, strict=True))
+                   if a not in axes)]
 
 
 @dataclass(frozen=True)
@@ -260,7 +309,7 @@ class _Compiled:
         for st in self.prog.steps:
             for phase, effects in ((0, st.before), (1, st.after)):
                 if phase == 1 and st.wait is not None:
-                    for p in peers(st.wait, rank, world):
+                    for p in peers(st.wait, rank, world, st.axes):
                         cell = self.nowhere if st.polls is None else \
                             self.cell(rank, st.polls * slots + slot, p)
                         out.append((2, cell, st.index, p))
@@ -269,7 +318,7 @@ class _Compiled:
                     out.append((0, accs))
                 if phase == 0 and st.signal is not None:
                     cells = tuple(self.cell(p, st.index * slots + slot, rank)
-                                  for p in peers(st.signal, rank, world))
+                                  for p in peers(st.signal, rank, world, st.axes))
                     out.append((1, cells, st.index))
         return out
 
@@ -289,9 +338,14 @@ class _Compiled:
         """(instance, write, partition, writer, (step index, phase, effect index))."""
         out = []
         for k, (buffer, write, part) in enumerate(effects):
-            owners = range(self.world) if part is not None else (rank,)
-            if part is not None and part[0] == "peer":  # a shift: one rank's instance
+            if part is None:
+                owners: Sequence[int] = (rank,)
+            elif part[0] == "peer":  # a shift: one rank's instance
                 owners = ((rank + part[3]) % self.world,)
+            elif part[4] is not None:  # a team's store: its members' instances only
+                owners = team_of(rank, self.world.shape, part[4])  # type: ignore[attr-defined]
+            else:
+                owners = range(self.world)
             for owner in owners:
                 out.append((self.instance(buffer, owner, slot), write, part, rank,
                             where + (k,)))
@@ -503,7 +557,8 @@ def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
     for t, (_, _, _, (rank, call, index, peer)) in blocked.items():
         polled = steps[index].polls
         pos = None if polled is None else c.signal_pos.get((peer, call, polled))
-        if pos is None or rank not in peers(steps[polled].signal, peer, c.world):
+        if pos is None or rank not in peers(steps[polled].signal, peer, c.world,
+                                            steps[polled].axes):
             behind[t] = None
             continue
         u = c.stream_of[(peer, call)]

@@ -15,10 +15,12 @@ from collections.abc import Iterable
 
 from dcpc.check.context import Context, show
 from dcpc.check.flow import check_channels, check_reads
+from dcpc.check.mesh import check_mesh
 from dcpc.check.names import check_buffers, check_names, check_references
 from dcpc.check.ops import check_ops
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
+from dcpc.lang.mesh import WorldError, fit_worlds, mesh_of
 from dcpc.lang.model import AllGather, Schedule, Streams
 from dcpc.lang.questions import Samples
 from dcpc.lang.semantics import table
@@ -38,6 +40,11 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     if bad:
         return [Diagnostic(Mark(schedule.source_file, 0, 0), "bad-world",
                            f"group sizes must be positive integers, not {bad[0]!r}")]
+    try:
+        worlds = sorted(set(fit_worlds(mesh_of(schedule), worlds)))
+    except WorldError as err:
+        return [Diagnostic(schedule.mark("mesh") if schedule.mesh is not None
+                           else Mark(schedule.source_file, 0, 0), "bad-world", str(err))]
     too_large = check_limits(schedule, worlds)
     if too_large:
         return too_large
@@ -46,6 +53,7 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     samples = Samples(table, worlds)
     ctx = Context(schedule, table, samples, schedule.step_list(), out=found)
     check_names(ctx)
+    check_mesh(ctx)
     check_references(ctx)
     check_buffers(ctx)
     check_shapes(ctx)

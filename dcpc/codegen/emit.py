@@ -17,6 +17,7 @@ import jinja2
 
 from dcpc.codegen.plan import Plan, StepPlan
 from dcpc.codegen.templates import template_dir
+from dcpc.lang.mesh import MeshWorld
 
 WIDTH = 100
 TL_DTYPES = {
@@ -55,6 +56,8 @@ def py(obj: Any, indent: int = 0, prefix: int = 0, suffix: int = 0) -> str:
 def _flat(obj: Any) -> str:
     if isinstance(obj, bool) or obj is None:
         return repr(obj)
+    if isinstance(obj, MeshWorld):  # a mesh shape: its axis sizes
+        return _flat(obj.shape)
     if isinstance(obj, int):
         return repr(obj)
     if isinstance(obj, Ident):
@@ -191,6 +194,15 @@ def emit(plan: Plan) -> str:
             (buf, a, b, unit) for _, buf, a, b, unit in engine_layouts(step, plan)
         ),
         dtype_of=lambda step, role: plan.buffer(step.roles[role]).dtype,
+        # a team op (dcpc.lang.mesh) reaches its team's instances, group and size only
+        peers=lambda step, name: (f'self._peers["{name}"][slot]' if step.sync.axes is None
+                                  else f'self._team_peers("{step.name}", "{name}", slot)'),
+        group=lambda step: ("self.group" if step.sync.axes is None
+                            else f'self._team_comm("{step.name}", slot)'),
+        team_world=lambda step: ("self.world" if step.sync.axes is None
+                                 else f'self._team_size("{step.name}")'),
+        member=lambda step: ("self.rank" if step.sync.axes is None
+                             else f'self._team_member("{step.name}")'),
     )
     return _normalize(text)
 

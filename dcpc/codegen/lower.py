@@ -26,6 +26,7 @@ from dcpc.codegen.templates import template_dir
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
+from dcpc.lang.mesh import mesh_of
 from dcpc.lang.semantics import table
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -100,6 +101,11 @@ DEFAULT_TUNING = {"programs": 128, "num_warps": 4, "block": 4096}
 OP_TUNING = {"all_to_all_combine": {"block": 2048}}
 SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}
 W: Expr = ("sym", "W")
+
+
+def team_w(ctx: Ctx, step: m.Step) -> Expr:
+    """The size of a step's team (dcpc.lang.mesh): what a team op splits its parts by."""
+    return mesh_of(ctx.schedule).team_size(step.op)
 ONE: Expr = ("num", 1)
 
 
@@ -188,8 +194,11 @@ def _buffers(schedule: m.Schedule) -> dict[str, BufferPlan]:
 
 
 def _sizes(schedule: m.Schedule) -> list[SizePlan]:
-    out = []
+    axes = mesh_of(schedule).size_names() if schedule.mesh else {}
+    out = [SizePlan(name, "axis", position) for name, position in axes.items()]
     for name, spec in schedule.sizes.items():
+        if name in axes:
+            continue
         if isinstance(spec, int):
             out.append(SizePlan(name, "const", spec))
         elif spec.max is not None:
@@ -291,4 +300,5 @@ def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
         buffers=list(ctx.buffers.values()),
         steps=steps,
         contract=_contract(steps, schedule.slots, schedule.streams.value),
+        mesh=tuple(schedule.mesh.items()) if schedule.mesh else (),
     )

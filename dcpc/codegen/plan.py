@@ -20,8 +20,8 @@ Expr = tuple  # a shape AST, as in dcpc.lang.expr
 @dataclass
 class SizePlan:
     name: str
-    kind: str  # const | max | multiple_of
-    value: int | None = None  # the constant or the max
+    kind: str  # const | max | multiple_of | axis (sizes a mesh axis: bound at construction)
+    value: int | None = None  # the constant or the max; an axis' position
     multiple_of: Expr | None = None
 
 
@@ -81,6 +81,9 @@ class Plan:
     buffers: list[BufferPlan]
     steps: list[StepPlan]
     contract: list[str]
+    # the mesh (dcpc.lang.mesh): (axis, its size name or int) outermost first; () for
+    # a schedule without ``mesh:`` (one axis of W)
+    mesh: tuple[tuple[str, str | int], ...] = ()
 
     def buffer(self, name: str) -> BufferPlan:
         for b in self.buffers:

@@ -22,6 +22,7 @@ from dcpc.codegen.lower import (
     div,
     product,
     register,
+    team_w,
 )
 from dcpc.codegen.plan import BufferPlan, StepPlan
 from dcpc.lang import model as m
@@ -133,7 +134,7 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
         shape = ctx.shape(s)
         d, cat = a2a.dims(op, len(shape)) if concat else (op.dim, 0)
         plan.roles[f"src{k}"], plan.roles[f"dst{k}"] = s, t
-        part = div(product(shape[d:]), W)
+        part = div(product(shape[d:]), team_w(ctx, step))
         plan.scalars += [
             (f"outer{k}", product(shape[:d])),
             (f"part{k}", part),
@@ -156,7 +157,7 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
 def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.ReduceScatter)
     shape = ctx.shape(op.src)
-    outer, part = product(shape[: op.dim]), div(product(shape[op.dim :]), W)
+    outer, part = product(shape[: op.dim]), div(product(shape[op.dim :]), team_w(ctx, step))
     via = via_of(step)[0]  # the implicit <step>_recv when the schedule names none
     if op.via is None:  # implicit receive buffer [W, outer * part]
         ctx.buffers[via] = BufferPlan(
@@ -235,7 +236,7 @@ def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
         roles={"src_o": o, "src_lse": lse, "o": via_o, "lse": via_lse, "dst": op.dst},
         scalars=[
             ("outer", product(shape[: op.dim])),
-            ("part_rows", div(product(shape[op.dim :]), W)),
+            ("part_rows", div(product(shape[op.dim :]), team_w(ctx, step))),
         ],
         scratch={
             "send_o": (product(ctx.shape(o)), ctx.buffers[o].dtype),

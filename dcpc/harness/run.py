@@ -15,6 +15,7 @@ from typing import Any
 from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.harness.launch import LaunchResult, RankOutcome, launch
 from dcpc.harness.worker import OutputStats, RankReport
+from dcpc.lang.mesh import MeshWorld
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RunConfig:
             "jitter_s": self.jitter_s, "jitter_p": self.jitter_p, "poison": self.poison,
             "order": self.order, "timeout_s": self.wait_timeout_s,
             "epoch_start": self.epoch_start, "fault": self.fault, "programs": self.programs,
+            **({"mesh": list(self.world.shape)} if isinstance(self.world, MeshWorld) else {}),
         }
 
 
@@ -144,12 +146,12 @@ def run_schedule(config: RunConfig) -> RunReport:
         # a module's own wait lasts; a slow machine only makes the run longer
         stall = wait + 30
         if config.backend == "local":  # W threads of one process
-            args = {**config.worker_args(used, module), "ranks": config.world,
+            args = {**config.worker_args(used, module), "ranks": int(config.world),
                     "group_timeout_s": timeout}
             result = _per_rank(launch("dcpc.harness.worker:run_local", 1, args,
-                                      timeout_s=timeout + 30, grace_s=grace), config.world)
+                                      timeout_s=timeout + 30, grace_s=grace), int(config.world))
         else:
-            result = launch("dcpc.harness.worker:run_rank", config.world,
+            result = launch("dcpc.harness.worker:run_rank", int(config.world),
                             config.worker_args(used, module), timeout_s=timeout, grace_s=grace,
                             stall_s=stall)
     report = RunReport(config, name, result, compile_s=compile_s)

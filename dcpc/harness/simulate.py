@@ -17,6 +17,7 @@ import torch
 
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
+from dcpc.lang.mesh import mesh_of, shape_of, torus
 from dcpc.numerics import FP8_E4M3_MAX, local_seq_len  # the facts, defined once (no Triton)
 from dcpc.ops import OPS
 
@@ -128,6 +129,17 @@ class Sim:
     def shape(self, name: str) -> tuple[int, ...]:
         return buffer_shape(self.schedule, name, self.env)
 
+    def team(self, ranks: list[int]) -> Sim:
+        """The same call seen by one team: member i is global rank ``ranks[i]`` and
+        ``world`` is the team's size (what a team op's reference runs on); the buffers
+        are the same objects, so its stores land in the global ranks' buffers."""
+        sub = Sim.__new__(Sim)
+        sub.schedule, sub.world, sub.env, sub.external = (
+            self.schedule, len(ranks), self.env, self.external)
+        sub.bufs = [self.bufs[r] for r in ranks]
+        sub.written = [self.written[r] for r in ranks]
+        return sub
+
     def store(self, rank: int, name: str, value: torch.Tensor) -> None:
         """Write ``name`` on ``rank``, rounded to its dtype as the module stores it."""
         want = self.shape(name)
@@ -160,6 +172,15 @@ class Sim:
         return scaled(op, self.bufs[rank], value)
 
 
+def _teams(schedule: m.Schedule, world: int, step: m.Step) -> list[list[int] | None]:
+    """The teams a step's reference runs on (dcpc.lang.mesh); [None]: every rank."""
+    axes = mesh_of(schedule).team_axes(step.op)
+    if axes is None:
+        return [None]
+    t = torus(shape_of(world))
+    return [list(team) for team in sorted({tuple(t.team(r, axes)) for r in range(t.size)})]
+
+
 def simulate_call(
     schedule: m.Schedule,
     world: int,
@@ -175,7 +196,7 @@ def simulate_call(
     what the step wrote, as they stand right after it. A buffer written twice in a
     call has two entries, so each read can be compared with what it sees at its point.
     """
-    sim = Sim(schedule, world, {**sizes, "W": world}, inputs, external)
+    sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     for step in schedule.step_list():
         if trace is not None and step.index:
             trace.append(sim.written)
@@ -183,7 +204,8 @@ def simulate_call(
         op = OPS.get(step.kind)
         if op is None:
             raise NotImplementedError(f"simulator: op {step.kind} of step {step.name}")
-        op.reference(sim, step)
+        for team in _teams(schedule, world, step):
+            op.reference(sim if team is None else sim.team(team), step)
     if trace is not None:
         trace.append(sim.written)
     return sim.bufs

@@ -55,20 +55,34 @@ def mask_of(schedule: m.Schedule) -> m.MaskEmpty | None:
     return None
 
 
+def mesh_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
+    """The sizes of a mesh's axes at group size ``world`` (a mesh shape)."""
+    from dcpc.lang.mesh import mesh_of, shape_of
+
+    if not schedule.mesh:
+        return {}
+    shape = shape_of(world)
+    return {name: shape[axis] for name, axis in mesh_of(schedule).size_names().items()}
+
+
 def runtime_sizes(schedule: m.Schedule) -> list[str]:
     """The sizes bound per call (``max`` only), which a method may take as ``sizes=``."""
+    axes = set(schedule.mesh.values()) if schedule.mesh else set()
     return [name for name, spec in schedule.sizes.items()
-            if isinstance(spec, m.SizeSpec) and spec.max is not None and spec.multiple_of is None]
+            if isinstance(spec, m.SizeSpec) and spec.max is not None and spec.multiple_of is None
+            and name not in axes]
 
 
 def constructor_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
-    """``sizes=`` for the generated constructor: small maxima, smallest-but-one multiples."""
-    out: dict[str, int] = {}
+    """``sizes=`` for the generated constructor: small maxima, smallest-but-one multiples;
+    a mesh's axis sizes from the mesh shape ``world`` (dcpc.lang.mesh)."""
+    out: dict[str, int] = mesh_sizes(schedule, world)
     for name, spec in schedule.sizes.items():
-        if isinstance(spec, int):
+        if isinstance(spec, int) or name in out:
             continue
         if spec.multiple_of is not None:
-            out[name] = 2 * ex.evaluate(ex.parse(spec.multiple_of), {"W": world})
+            out[name] = 2 * ex.evaluate(ex.parse(spec.multiple_of),
+                                        {**mesh_sizes(schedule, world), "W": world})
         elif spec.max is not None:
             out[name] = min(spec.max, SMALL_MAX.get(name, DEFAULT_SMALL_MAX))
     return out
@@ -79,8 +93,10 @@ def call_sizes(
 ) -> dict[str, int]:
     """Every size bound for one call; call 0 uses the maxima, call 1 the minima."""
     rng = random.Random(f"sizes/{seed}/{call}")
-    out: dict[str, int] = {"W": world}
+    out: dict[str, int] = {"W": int(world), **mesh_sizes(schedule, world)}
     for name, spec in schedule.sizes.items():
+        if name in out:
+            continue  # a mesh axis' size
         if isinstance(spec, int):
             out[name] = spec
         elif spec.multiple_of is not None:

@@ -26,6 +26,7 @@ from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
 from dcpc.harness.simulate import TORCH_DTYPES, Buffers, seen_at, simulate_call
 from dcpc.lang import model as m
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
 
 CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
@@ -150,11 +151,14 @@ def run_rank(
     fault: dict[str, Any] | None = None,
     programs: int | None = None,
     group: Any = None,
+    mesh: list[int] | None = None,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
-    group of this process."""
+    group of this process. ``mesh``: the mesh shape of a schedule with ``mesh:``."""
     start, cpu_start = time.perf_counter(), time.process_time()
+    if mesh:
+        world = MeshWorld(mesh)
     # -inf LSEs of empty shards make numpy warn inside the interpreter: expected, not news
     warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
     schedule = parse_file(schedule_path, world=world)

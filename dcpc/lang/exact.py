@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from dcpc.lang import expr as ex
+from dcpc.lang.mesh import shape_of
 
 Mono = tuple[int, ...]
 Poly = dict[Mono, Fraction]
@@ -52,16 +53,23 @@ class Var:
     ``multiple_of`` size (its value is k * step(W))."""
 
     name: str
-    kind: str  # "world" | "range" | "multiple"
+    kind: str  # "world" | "range" | "multiple" | "axis"
     top: int | None = None  # max of a range; max of the size for a multiple
-    step: ex.Expr | None = None  # a multiple's step, an expression of W
+    step: ex.Expr | None = None  # a multiple's step, an expression of W (and axes)
+    axis: int = 0  # an axis' size (dcpc.lang.mesh): its position; its one value per W
+
+    @property
+    def by_world(self) -> bool:
+        """Whether its domain depends on the group size."""
+        return self.kind == "axis" or (self.kind == "multiple" and self.top is not None)
 
 
 class Space:
     """The admissible bindings of a schedule's sizes for a list of group sizes."""
 
     def __init__(self, variables: Sequence[Var], constants: Mapping[str, int],
-                 worlds: Sequence[int], broken: bool = False):
+                 worlds: Sequence[int], broken: bool = False, world: ex.Expr | None = None):
+        self.world_expr = world  # a mesh's W: the product of its axes' sizes
         self.vars = list(variables)
         self.index = {v.name: i for i, v in enumerate(self.vars)}
         self.constants = dict(constants)
@@ -74,13 +82,29 @@ class Space:
     # ---- domains --------------------------------------------------------------------
     def step_at(self, var: Var, world: int) -> int:
         assert var.step is not None
-        return ex.evaluate(var.step, {"W": world})
+        return ex.evaluate(var.step, self._world_env(world))
+
+    def _world_env(self, world: int) -> dict[str, int]:
+        env = {"W": int(world)}
+        for var in self.vars:
+            if var.kind == "axis":
+                env[var.name] = self._axis(var, world)
+        return env
+
+    @staticmethod
+    def _axis(var: Var, world: int) -> int:
+        shape = shape_of(world)
+        return shape[var.axis] if var.axis < len(shape) else 0
 
     def _domain(self, i: int, world: int) -> tuple[int, int | None]:
         """``(lo, hi)`` of variable i (not W) at a W; hi None: unbounded."""
         var = self.vars[i]
         if var.kind == "range":
             return 1, var.top
+        if var.kind == "axis":
+            value = self._axis(var, world)
+            ok = value >= 1 and (var.top is None or value <= var.top)
+            return (value, value) if ok else (1, 0)
         if var.top is None:
             return 1, None
         step = self.step_at(var, world)
@@ -100,7 +124,9 @@ class Space:
         return out
 
     def base(self, world: int) -> list[int]:
-        return [world] + [1] * (len(self.vars) - 1)
+        """Every variable at its lowest value (an axis' size at its one value)."""
+        return [world] + [self._domain(i, world)[0] if self.vars[i].kind == "axis" else 1
+                          for i in range(1, len(self.vars))]
 
     # ---- expressions as polynomials -------------------------------------------------
     def poly(self, node: ex.Expr) -> Poly:
@@ -116,6 +142,8 @@ class Space:
             return {zero: Fraction(node[1])} if node[1] else {}
         if kind == "sym":
             name = node[1]
+            if name == "W" and self.world_expr is not None:
+                return self.poly(self.world_expr)
             if name in self.constants:
                 return {zero: Fraction(self.constants[name])} if self.constants[name] else {}
             if name not in self.index:
@@ -154,9 +182,7 @@ class Space:
                 for i, v in zip(used, values, strict=True):
                     point[i] = v
                 yield tuple(point)
-            if "W" not in names and not any(
-                    self.vars[i].kind == "multiple" and self.vars[i].top is not None
-                    for i in used):
+            if "W" not in names and not any(self.vars[i].by_world for i in used):
                 return  # nothing it uses depends on W
 
     def nonzero_point(self, poly: Poly) -> Point | None:
@@ -194,8 +220,7 @@ class Space:
             return None
         used = [i for i in range(1, len(self.vars)) if any(m[i] for m in poly)]
         # W matters when the polynomial or a used multiple's range depends on it
-        by_world = any(m[0] for m in poly) or any(
-            self.vars[i].kind == "multiple" and self.vars[i].top is not None for i in used)
+        by_world = any(m[0] for m in poly) or any(self.vars[i].by_world for i in used)
         budget = [MAX_POINTS]
         for world in self.worlds if by_world else self.worlds[:1]:
             found = self._find_at(poly, bad, world, used, budget)
@@ -204,7 +229,11 @@ class Space:
         return None
 
     def _lows(self) -> list[int]:
-        return [min(self.worlds, default=1)] + [1] * (len(self.vars) - 1)
+        lows = [min(self.worlds, default=1)] + [1] * (len(self.vars) - 1)
+        for i, var in enumerate(self.vars):
+            if var.kind == "axis" and self.worlds:
+                lows[i] = min(self._axis(var, w) for w in self.worlds)
+        return lows
 
     def _find_at(self, poly: Poly, bad: Callable[[Fraction], bool], world: int,
                  used: list[int], budget: list[int]) -> Point | None:
@@ -256,7 +285,7 @@ def integer_residues(poly: Poly, space: Space) -> Point | None:
         return None
     used = [i for i in range(len(space.vars)) if any(m[i] for m in poly)]
     # every W when the polynomial or a multiple's range depends on it
-    by_world = 0 in used or any(space.vars[i].kind == "multiple" for i in used)
+    by_world = 0 in used or any(space.vars[i].kind in ("multiple", "axis") for i in used)
     checked = 0
     for world in space.worlds if by_world else space.worlds[:1]:
         pools = [space.first_values(i, world, den) if i in used else [1]

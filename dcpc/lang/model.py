@@ -80,6 +80,8 @@ class Schedule(Node):
     doc: Str | None = Field(default=None, description="free text, the module's docstring")
     slots: Int = Field(default=1, ge=1, le=64, description="independent workspaces")
     streams: Streams = Field(default=Streams.per_slot)
+    mesh: dict[str, Union[Int, Str]] | None = Field(  # noqa: UP007
+        default=None, description="axes outermost first, each sized by a size name or an int")
     sizes: dict[str, Union[Int, SizeSpec]] = Field(default_factory=dict)  # noqa: UP007
     buffers: dict[str, Buffer] = Field(min_length=1)
     steps: list[dict[str, Op]] = Field(min_length=1)
@@ -98,7 +100,7 @@ class Schedule(Node):
             return data
         data = dict(data)
         marks = dict(data.get(MARKS, {}))
-        for table in ("sizes", "buffers"):
+        for table in ("sizes", "buffers", "mesh"):
             value = data.get(table)
             if isinstance(value, dict) and MARKS in value:
                 for key, mark in value[MARKS].items():

@@ -159,6 +159,8 @@ class MaskEmpty(Node):
 
 class OpBase(Node):
     doc: Str | None = None
+    # the mesh axes a communication op runs over (dcpc.lang.mesh); None: every axis
+    axis: Str | Annotated[list[Str], Field(min_length=1)] | None = None
 
 
 class Step:

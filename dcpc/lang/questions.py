@@ -47,6 +47,8 @@ def space_of(table: SizeTable, worlds: Sequence[int]) -> exact.Space:
             continue
         if size.broken:
             broken = True
+        elif size.axis is not None:
+            variables.append(exact.Var(name, "axis", size.max, axis=size.axis))
         elif size.constant is not None:
             constants[name] = size.constant
         elif size.multiple_of is not None:
@@ -55,7 +57,15 @@ def space_of(table: SizeTable, worlds: Sequence[int]) -> exact.Space:
             variables.append(exact.Var(name, "range", size.max or 1))
     if broken:  # its error is reported; like an empty sample, nothing is asked
         return exact.Space([exact.Var(WORLD, "world")], {}, [], broken=True)
-    return exact.Space(variables, constants, worlds)
+    axes = sorted((s.axis, n) for n, s in table.sizes.items() if s.axis is not None)
+    world: ex.Expr | None = None
+    for _, name in axes:  # a mesh's W is the product of its axes' sizes
+        world = ("sym", name) if world is None else ("*", world, ("sym", name))
+    if table.mesh_constants:
+        for value in table.mesh_constants:
+            node: ex.Expr = ("num", value)
+            world = node if world is None else ("*", world, node)
+    return exact.Space(variables, constants, worlds, world=world)
 
 
 class Samples:

@@ -35,6 +35,7 @@ from dcpc.ops.common import (  # noqa: F401  (re-exported: the stages import the
     Sync,
     channels,
     effect_mark,
+    on_team,
 )
 from dcpc.ops.reduce_scatter import via_of  # noqa: F401  (re-exported)
 
@@ -44,10 +45,11 @@ RULES: dict[str, Rule] = {name: op.semantics for name, op in OPS.items()}
 
 def semantics(schedule: m.Schedule, step: m.Step) -> Semantics:
     """The effects and the sync of one step (its op's rule)."""
-    return OPS[step.kind].semantics(Scope(schedule), step)
+    return on_team(schedule, step, OPS[step.kind].semantics(Scope(schedule), step))
 
 
 def table(schedule: m.Schedule) -> list[Semantics]:
     """The semantics of every step, by step index (program order)."""
     scope = Scope(schedule)
-    return [OPS[step.kind].semantics(scope, step) for step in scope.steps]
+    return [on_team(schedule, step, OPS[step.kind].semantics(scope, step))
+            for step in scope.steps]

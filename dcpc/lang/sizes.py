@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from dcpc.diagnostics import Diagnostic, Mark, did_you_mean
 from dcpc.lang import expr as ex
+from dcpc.lang.mesh import mesh_of, shape_of
 from dcpc.lang.model import Schedule, SizeSpec
 
 Binding = dict[str, int]
@@ -46,11 +47,13 @@ class Size:
     max: int | None = None
     multiple_of: ex.Expr | None = None  # None when absent or unparsable
     broken: bool = False  # its declaration is wrong (reported once): nothing is sampled
+    axis: int | None = None  # sizes mesh axis ``axis`` (dcpc.lang.mesh): bound by the shape
 
     @property
     def is_runtime(self) -> bool:
         """Bound per call (``max`` only): the codegen binds it from argument shapes."""
-        return self.max is not None and self.multiple_of is None and self.constant is None
+        return (self.max is not None and self.multiple_of is None and self.constant is None
+                and self.axis is None)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class SizeTable:
     sizes: dict[str, Size] = field(default_factory=dict)
     shapes: dict[str, list[ex.Expr] | None] = field(default_factory=dict)
     diagnostics: list[Diagnostic] = field(default_factory=list)
+    mesh_constants: list[int] = field(default_factory=list)  # axes sized by an integer
 
 
 def _depth(node: ex.Expr) -> int:
@@ -124,9 +128,20 @@ def size_table(schedule: Schedule) -> SizeTable:
     """
     table = SizeTable()
     table.sizes[WORLD] = Size(WORLD)
+    axes = mesh_of(schedule).size_names() if schedule.mesh else {}
+    if schedule.mesh:
+        table.mesh_constants = [v for v in schedule.mesh.values() if isinstance(v, int)]
+    for name, axis in axes.items():
+        spec = schedule.sizes.get(name)
+        if name == WORLD or not name.isidentifier():
+            continue  # reported by the checker (dcpc.check.mesh)
+        if spec is None or (isinstance(spec, SizeSpec) and spec.multiple_of is None):
+            table.sizes[name] = Size(name, max=getattr(spec, "max", None), axis=axis)
+        else:  # a constant or a multiple cannot size an axis (reported): keep it known
+            table.sizes[name] = Size(name, broken=True)
     for name, spec in schedule.sizes.items():
-        if name == WORLD:
-            continue  # reported as a reserved name by the checker
+        if name == WORLD or name in axes:
+            continue  # reported as a reserved name by the checker; an axis' size above
         if not isinstance(spec, SizeSpec):
             table.sizes[name] = Size(name, constant=spec)
             continue
@@ -176,16 +191,19 @@ def _eval(node: ex.Expr, env: Mapping[str, int]) -> int | None:
         return None
 
 
-def _candidates(size: Size, world: int) -> list[int]:
+def _candidates(size: Size, world: int, env: Binding | None = None) -> list[int]:
     """Sample values of one symbol for a W: edge values first. Empty: none admissible."""
     if size.name == WORLD:
         return [world]
     if size.broken:
         return []
+    if size.axis is not None:
+        value = axis_value(size, world)
+        return [value] if value is not None else []
     if size.constant is not None:
         return [size.constant]
     if size.multiple_of is not None:
-        step = _eval(size.multiple_of, {WORLD: world})
+        step = _eval(size.multiple_of, env or {WORLD: world})
         if step is None or step <= 0:
             return []
         values = [step * k for k in (1, 2, 3, 4, 7, 16)]
@@ -194,6 +212,23 @@ def _candidates(size: Size, world: int) -> list[int]:
         return values
     top = size.max or 1
     return sorted({v for v in (1, 2, 3, top // 2, top - 1, top) if 1 <= v <= top})
+
+
+def world_env(table: SizeTable, world: int) -> Binding:
+    """What a ``multiple_of`` may use at a group size: W and the axes' sizes."""
+    env = {WORLD: int(world)}
+    for name, size in table.sizes.items():
+        if size.axis is not None and size.axis < len(shape_of(world)):
+            env[name] = shape_of(world)[size.axis]
+    return env
+
+
+def axis_value(size: Size, world: int) -> int | None:
+    """The value of an axis' size at a group size; None past its ``max``."""
+    assert size.axis is not None
+    shape = shape_of(world)
+    value = shape[size.axis] if size.axis < len(shape) else None
+    return value if value is not None and (size.max is None or value <= size.max) else None
 
 
 def sample_bindings(
@@ -208,7 +243,8 @@ def sample_bindings(
     result empty.
     """
     names = sorted(table.sizes)
-    pools = [_candidates(table.sizes[n], world) for n in names]
+    env = world_env(table, world)
+    pools = [_candidates(table.sizes[n], world, env) for n in names]
     if any(not pool for pool in pools):
         return []
     total = 1
@@ -264,7 +300,8 @@ def world_diagnostics(
         if size is None or size.multiple_of is None:
             continue
         mark = spec.mark("multiple_of")
-        others = sorted(ex.symbols(size.multiple_of) - {WORLD})
+        axes = {n for n, sz in table.sizes.items() if sz.axis is not None}
+        others = sorted(ex.symbols(size.multiple_of) - {WORLD} - axes)
         if others:
             out.append(Diagnostic(
                 mark, "bad-multiple-of",
@@ -274,7 +311,7 @@ def world_diagnostics(
             table.sizes[name] = Size(name, broken=True)
             continue
         for world in worlds:
-            step = _eval(size.multiple_of, {WORLD: world})
+            step = _eval(size.multiple_of, world_env(table, world))
             text = ex.unparse(size.multiple_of)
             if step is None or step <= 0:
                 what = "not a whole number" if step is None else f"{step}"
@@ -300,6 +337,20 @@ def world_diagnostics(
                     hint=f"raise 'max' of '{name}' or narrow the W range",
                 ))
                 break
+    for name, size in list(table.sizes.items()):
+        if size.axis is None:
+            continue
+        for world in worlds:
+            if axis_value(size, world) is None:
+                spec = schedule.sizes.get(name)
+                out.append(Diagnostic(
+                    spec.mark("max") if isinstance(spec, SizeSpec) else schedule.mark("mesh"),
+                    "empty-size-range",
+                    f"mesh size '{name}' is {shape_of(world)[size.axis]} in mesh {world}, "
+                    f"above its max {size.max}",
+                    hint=f"raise 'max' of '{name}' or narrow the --world shapes"))
+                table.sizes[name] = Size(name, broken=True)
+                break
     out += _limit_diagnostics(schedule, table, worlds)
     return out
 
@@ -310,7 +361,7 @@ def largest_binding(table: SizeTable, world: int) -> Binding | None:
     None when a size has no admissible value (reported elsewhere)."""
     env: Binding = {}
     for name, size in table.sizes.items():
-        pool = _candidates(size, world)
+        pool = _candidates(size, world, world_env(table, world))
         if not pool:
             return None
         if size.multiple_of is not None and size.max is not None:
@@ -386,6 +437,12 @@ def max_binding(
     for name, size in table.sizes.items():
         if name == WORLD:
             continue
+        if size.axis is not None:
+            value = axis_value(size, world)
+            if value is None or (name in overrides and overrides[name] != value):
+                raise ValueError(f"size '{name}' is set by the mesh shape {world}")
+            env[name] = value
+            continue
         if size.constant is not None:
             if name in overrides and overrides[name] != size.constant:
                 raise ValueError(f"size '{name}' is the constant {size.constant}")
@@ -393,7 +450,7 @@ def max_binding(
             continue
         step = 1
         if size.multiple_of is not None:
-            value = _eval(size.multiple_of, {WORLD: world})
+            value = _eval(size.multiple_of, world_env(table, world))
             if value is None or value <= 0:
                 raise ValueError(f"multiple_of of '{name}' is not a positive integer for W={world}")
             step = value

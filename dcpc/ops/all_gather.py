@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field
 
+from dcpc.lang import expr as ex
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
     BEFORE,
@@ -82,7 +83,7 @@ def _verify_pair(v: Verify, step: Step, src: Ref, dst: Ref) -> None:
         if dim is None:
             return
         want = [*s[:dim], ("*", v.W, s[dim]), *s[dim + 1:]]
-        v.expect(dst, want, f"W blocks of src '{src.name}' along dim {dim}")
+        v.expect(dst, want, f"{ex.unparse(v.W)} blocks of src '{src.name}' along dim {dim}")
         if op.interleave is not None and dim != 0:
             v.error(op.mark("interleave"), "bad-interleave",
                     f"interleave puts token blocks in sequence order along dim 0, but "
@@ -93,7 +94,7 @@ def _verify_pair(v: Verify, step: Step, src: Ref, dst: Ref) -> None:
         if dim is None:
             return
         want = [*s[:dim], v.W, *s[dim:]]
-        v.expect(dst, want, f"src '{src.name}' stacked W times at dim {dim}")
+        v.expect(dst, want, f"src '{src.name}' stacked {ex.unparse(v.W)} times at dim {dim}")
         if op.interleave is not None:
             v.error(op.mark("interleave"), "bad-interleave",
                     f"step '{step.name}' stacks along a new axis; interleave needs a "
@@ -137,4 +138,5 @@ def io(op: AllGather) -> IO:
     return names(op.src), names(op.dst)
 
 
-DEF = define(OpDef("all_gather", AllGather, semantics, verify, reference, io))
+DEF = define(OpDef("all_gather", AllGather, semantics, verify, reference, io,
+                         teams=True))

@@ -151,4 +151,5 @@ def io(op: AllToAll) -> IO:
     return names(op.src) + scale, names(op.dst)
 
 
-DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io))
+DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io,
+                         teams=True))

@@ -91,4 +91,5 @@ def io(op: AllToAllCombine) -> IO:
     return list(op.src) + buffers_of(merge_inputs(op)), [op.dst] + lse + list(op.via)
 
 
-DEF = define(OpDef("all_to_all_combine", AllToAllCombine, semantics, verify, reference, io))
+DEF = define(OpDef("all_to_all_combine", AllToAllCombine, semantics, verify, reference, io,
+                         teams=True))

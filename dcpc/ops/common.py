@@ -18,7 +18,7 @@ W, so one emitted module serves every group size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dcpc.diagnostics import Mark
@@ -53,6 +53,9 @@ class Region:
     interleave: int = 0
     dim_text: str = ""
     offset: int = 0  # scheme "peer": the target is rank writer + offset
+    # the writer's team (dcpc.lang.mesh): its store reaches the instances of its team
+    # members only, and ``writer`` is its index in that team. None: every axis.
+    axes: tuple[int, ...] | None = None
 
     @property
     def owners_all(self) -> bool:
@@ -61,14 +64,16 @@ class Region:
 
     def writers(self, owner: int, world: int) -> list[int]:
         """The ranks whose store of this region reaches ``owner``'s instance, peers of
-        ``owner`` first (the order counterexamples prefer), then ``owner`` itself."""
+        ``owner`` first (the order counterexamples prefer), then ``owner`` itself (no
+        team: a shift is refused on a mesh of several axes)."""
         if self.scheme == "peer":
             return [(owner - self.offset) % world]
         return [(owner + k) % world for k in range(1, world)] + [owner]
 
     @property
-    def partition(self) -> tuple[str, int, int, int]:
-        return (self.scheme, self.dim, self.interleave, self.offset)
+    def partition(self) -> tuple:
+        base = (self.scheme, self.dim, self.interleave, self.offset)
+        return base if self.axes is None else (*base, self.axes)
 
     def text(self, writer: int) -> str:
         """The part of writer ``writer`` in words."""
@@ -111,6 +116,7 @@ class Sync:
     signal: str | None = None
     wait: str | None = None
     polls: int | None = None
+    axes: tuple[int, ...] | None = None  # the team's mesh axes (dcpc.lang.mesh); None: all
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,8 @@ def channels(schedule: Schedule) -> Channels:
             continue
         k = seen.get((op.channel, op.from_), 0)
         seen[(op.channel, op.from_)] = k + 1
-        fits = [s for s in sent if s.op.to in REACHES[op.from_]]  # type: ignore[attr-defined]
+        fits = [s for s in sent if s.op.to in REACHES[op.from_]  # type: ignore[attr-defined]
+                and team_reaches(schedule, s, step)]
         if k < len(fits):
             out.polls[step.name] = fits[k]
             polled.add(fits[k].name)
@@ -237,6 +244,37 @@ def channels(schedule: Schedule) -> Channels:
                 f"<- to: next | all, from: next <- to: prev | all, from: all <- to: all); "
                 f"give '{step.name}' its own wait, or its own channel", "channel"))
     return out
+
+
+def on_team(schedule: Schedule, step: m.Step, sem: Semantics) -> Semantics:
+    """``sem`` of a step over its op's team: its remote stores' regions and its sync
+    carry the team's axes (dcpc.lang.mesh). Every axis (the default): unchanged."""
+    from dcpc.lang.mesh import mesh_of
+
+    axes = mesh_of(schedule).team_axes(step.op)
+    if axes is None:
+        return sem
+    effects = tuple(replace(e, region=replace(e.region, axes=axes)) if e.region else e
+                    for e in sem.effects)
+    sync = sem.sync
+    if sync.signal is not None or sync.wait is not None:
+        sync = replace(sync, axes=axes)
+    return Semantics(effects, sync)
+
+
+def team_reaches(schedule: Schedule, signal: m.Step, wait: m.Step) -> bool:
+    """Whether ``signal``'s team covers the peers ``wait`` polls (dcpc.lang.mesh): a
+    ``to: all`` over axes A reaches waits over axes within A; ``next``/``prev`` the
+    waits along the same axis. Always true without a mesh."""
+    from dcpc.lang.mesh import mesh_of
+
+    mesh = mesh_of(schedule)
+    every = tuple(range(len(mesh.axes)))
+    sent = mesh.team_axes(signal.op) or every
+    polled = mesh.team_axes(wait.op) or every
+    if signal.op.to == m.Peers.all:  # type: ignore[attr-defined]
+        return set(polled) <= set(sent)
+    return polled == sent
 
 
 # --- what the ops' rules share ---------------------------------------------------

@@ -97,4 +97,5 @@ def io(op: ReduceScatter) -> IO:
     return [op.src] + buffers_of(merge_inputs(op)), [op.dst] + ([op.via] if op.via else [])
 
 
-DEF = define(OpDef("reduce_scatter", ReduceScatter, semantics, verify, reference, io))
+DEF = define(OpDef("reduce_scatter", ReduceScatter, semantics, verify, reference, io,
+                         teams=True))

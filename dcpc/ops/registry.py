@@ -31,6 +31,8 @@ class OpDef:
     ``reference(sim, step)``: what it does to every rank's buffers in float64 (``sim``
     is ``dcpc.harness.simulate.Sim``).
     ``io(op)``: (buffers it reads, buffers it writes), in the order the step names them.
+    ``teams``: whether the op may run over a subset of a mesh's axes (``axis:``, its
+    team: dcpc.lang.mesh); an op without it runs over every axis only.
     """
 
     name: str
@@ -39,6 +41,7 @@ class OpDef:
     verify: Callable[[Any, Step], None] | None
     reference: Callable[[Any, Step], None]
     io: Callable[[Any], IO]
+    teams: bool = False
 
 
 OPS: dict[str, OpDef] = {}

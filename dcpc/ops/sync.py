@@ -62,6 +62,9 @@ def no_io(op: Any) -> IO:
     return [], []
 
 
-BARRIER = define(OpDef("barrier", Barrier, barrier_semantics, None, no_data, no_io))
-SIGNAL = define(OpDef("signal", Signal, signal_semantics, None, no_data, no_io))
-WAIT = define(OpDef("wait", Wait, wait_semantics, None, no_data, no_io))
+BARRIER = define(OpDef("barrier", Barrier, barrier_semantics, None, no_data, no_io,
+                           teams=True))
+SIGNAL = define(OpDef("signal", Signal, signal_semantics, None, no_data, no_io,
+                          teams=True))
+WAIT = define(OpDef("wait", Wait, wait_semantics, None, no_data, no_io,
+                        teams=True))

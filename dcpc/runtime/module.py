@@ -23,6 +23,7 @@ from dcpc.runtime import guard as _guard
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
 from dcpc.runtime.local import sync_stream
+from dcpc.runtime.teams import TeamsMixin
 from dcpc.runtime.validate import DTYPES, Signature, check_sizes
 
 # Bounded waits, in seconds, on every backend: a wait for a peer that lasts longer
@@ -64,7 +65,7 @@ class Tune:
     fixed: list[int] = field(default_factory=list)  # per space: its length if fixed, else 0
 
 
-class ScheduleModule(calls.CallPlans):
+class ScheduleModule(TeamsMixin, calls.CallPlans):
     _call_ids: ClassVar[int] = CALL_IDS  # type: ignore[misc]
     SCHEDULE: ClassVar[str] = ""
     SOURCE_SHA256: ClassVar[str] = ""
@@ -134,6 +135,7 @@ class ScheduleModule(calls.CallPlans):
         self._wp2 = tiles.next_pow2(self.world)  # pointer tables are loaded as vectors
         self._check_each_call = self.device.type == "cpu" and self.backend != "torch"
         self._env_const, self._maxima = self._bind_sizes(check_sizes(name, sizes, self.SIZES))
+        self._bind_mesh(self._env_const)  # dcpc.runtime.teams
         self._max_env = {**self._env_const, **self._maxima}
         self._env: list[dict[str, int]] = [dict(self._env_const) for _ in range(self.SLOTS)]
         if self.backend == "local" and programs is None:
@@ -164,6 +166,13 @@ class ScheduleModule(calls.CallPlans):
         env: dict[str, int] = {"W": self.world}
         maxima: dict[str, int] = {}
         for size, (kind, value) in self.SIZES.items():
+            if kind == "axis":  # sizes a mesh axis (dcpc.runtime.teams): given, positive
+                if not isinstance(given.get(size), int) or given[size] < 1:
+                    raise DcpcArgumentError(
+                        f"{name}: size {size} sizes mesh axis '{self.MESH[value][0]}': pass "
+                        f"sizes={{'{size}': ...}} (the mesh's sizes multiply to W)"
+                    )
+                env[size] = given[size]
             if kind == "const":
                 if given.get(size, value) != value:
                     raise DcpcArgumentError(
@@ -313,6 +322,9 @@ class ScheduleModule(calls.CallPlans):
             self.group, self.rank, self.world, self.SLOTS if self.backend == "torch" else 0,
             self._timeout_s if self.device.type == "cpu" else None, type(self).__name__,
         )
+        if self.backend == "torch" and self.TEAMS:
+            self._make_team_groups(self.SLOTS, self._timeout_s if self.device.type == "cpu"
+                                   else None)
         self._make_guard(channels)
         sync_stream(self.device)  # this stream's initialisation done (not the device)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal

@@ -12,6 +12,7 @@ from dcpc.check.hb.events import Program, lower
 from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.races import find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
+from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of, shape_of
 from dcpc.lang.model import Schedule
 from dcpc.ops.common import ring_hops
 
@@ -41,10 +42,14 @@ def check(
     (dcpc.check.structural runs first).
     """
     start = time.perf_counter()
-    worlds = sorted({w for w in worlds if w >= 1})
+    worlds = sorted({w for w in fit_worlds(mesh_of(schedule), worlds) if w >= 1})
     program = lower(schedule, plan)
-    bound = world_bound(program, calls)
-    analysed = worlds if every_world else representatives(worlds, bound)
+    bound: int | list[int] = world_bound(program, calls)
+    if schedule.mesh is not None:
+        bound = axis_bounds(program, calls)
+        analysed = worlds if every_world else mesh_representatives(worlds, bound)
+    else:
+        analysed = worlds if every_world else representatives(worlds, bound)
     findings: dict[tuple[str, str, str, str, str], Finding] = {}
     events = 0
     for w in analysed:
@@ -67,7 +72,7 @@ def check(
         "events_per_rank": len(program.events) * (calls or program.default_calls()),
         "calls": calls or program.default_calls(),
         "worlds": len(worlds),
-        "world_range": [worlds[0], worlds[-1]] if worlds else [],
+        "world_range": [_json(worlds[0]), _json(worlds[-1])] if worlds else [],
         "world_bound": bound,
         "worlds_analysed": len(analysed),
         "seconds": round(checked - start, 4),
@@ -93,6 +98,34 @@ def world_bound(program: Program, calls: int | None = None) -> int:
     """
     per_call = sum(ring_hops(e.wait[1]) for e in program.events if e.wait is not None)
     return bound_for(per_call, calls or program.default_calls())
+
+
+def axis_bounds(program: Program, calls: int | None = None) -> list[int]:
+    """The world bound of each mesh axis (docs/hb-checker.md, "Meshes"): the bound of
+    ``world_bound`` for the next/prev waits along that axis. An axis longer than its
+    bound stands for every longer one, whatever the other axes are."""
+    count = calls or program.default_calls()
+    out = []
+    for a in range(len(program.axis_names)):
+        along = sum(ring_hops(e.wait[1]) for e in program.events if e.wait is not None
+                    and (e.axes if e.axes is not None else tuple(range(len(program.axis_names))))
+                    == (a,))
+        out.append(bound_for(along, count))
+    return out
+
+
+def mesh_representatives(worlds: list[int], bounds: list[int]) -> list[int]:
+    """The mesh shapes to analyse: each axis size above its bound replaced by the
+    smallest size asked above it on that axis (one stands for all), deduplicated."""
+    shapes = [shape_of(w) for w in worlds]
+    above = [min((s[a] for s in shapes if s[a] > b), default=0) for a, b in enumerate(bounds)]
+    picked = {MeshWorld(tuple(above[a] if x > bounds[a] else x for a, x in enumerate(s)))
+              for s in shapes}
+    return sorted(picked)
+
+
+def _json(world: int) -> int | str:
+    return str(world) if isinstance(world, MeshWorld) else world
 
 
 def bound_for(ring_waits: int, calls: int) -> int:

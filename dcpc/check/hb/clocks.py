@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from dcpc.check.hb.events import Program, match_waits
+from dcpc.lang.mesh import MeshWorld, torus
 
 
 @dataclass
@@ -65,7 +66,7 @@ class World:
     def count(self, pos: int, rank_from: int, rank_of: int, stream: int) -> int:
         """How many events of stream (rank_from, stream) happen before-or-equal
         the event at ``pos`` on rank ``rank_of``."""
-        row = ((rank_from - rank_of) % self.world) * self.streams
+        row = _sub(self.world, rank_from, rank_of) * self.streams
         copy = self.copies.get(pos)
         if copy is not None:
             source, own = copy
@@ -113,9 +114,7 @@ class World:
 
     def rotated(self, pos: int, rank: int) -> list[int]:
         """The full clock of the event at ``pos`` on ``rank``."""
-        clock = self.clock_at(pos)
-        shift = (rank % self.world) * self.streams
-        return clock[-shift:] + clock[:-shift] if shift else list(clock)
+        return _translate(self.clock_at(pos), rank % self.world, self.world, self.streams)
 
 
 def _call_graph(n: int, match: dict[int, list[tuple[int, int | None]]]) -> dict[int, set[int]]:
@@ -146,6 +145,25 @@ def _kahn(n: int, preds: dict[int, set[int]], blocked: set[int]) -> list[int]:
     return order
 
 
+def _sub(world: int, a: int, b: int) -> int:
+    """a - b: mod W, or in the torus of a mesh (dcpc.lang.mesh)."""
+    if isinstance(world, MeshWorld):
+        return torus(world.shape).sub(a, b)
+    return (a - b) % world
+
+
+def _translate(clock: list[int], d: int, world: int, streams: int) -> list[int]:
+    """The clock translated by ``d``: row q takes row q - d (a rotation for one axis)."""
+    if not isinstance(world, MeshWorld):
+        shift = (d % world) * streams
+        return clock[-shift:] + clock[:-shift] if shift else list(clock)
+    perm = torus(world.shape).shift(d)
+    out = [0] * len(clock)
+    for q, p in enumerate(perm):
+        out[q * streams:(q + 1) * streams] = clock[p * streams:(p + 1) * streams]
+    return out
+
+
 def _join(clock: list[int], other: list[int], deltas: list[int], world: int, streams: int,
           only: int | None = None) -> None:
     """clock = max(clock, max over d in deltas of ``other`` rotated by d), in place.
@@ -165,9 +183,8 @@ def _join(clock: list[int], other: list[int], deltas: list[int], world: int, str
             clock[s::streams] = list(map(max, clock[s::streams], joined))
         return
     for d in deltas:
-        # row q takes the other clock's row (q - d) mod W: a rotation of the rows
-        shift = (d % world) * streams
-        rotated = other[-shift:] + other[:-shift] if shift else other
+        # row q takes the other clock's row q - d: a rotation (translation) of the rows
+        rotated = _translate(other, d, world, streams)
         if only is None:
             clock[:] = list(map(max, clock, rotated))
         else:

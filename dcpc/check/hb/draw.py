@@ -6,6 +6,7 @@ from dcpc.check.hb.clocks import World, analyze
 from dcpc.check.hb.events import Program, lower
 from dcpc.check.hb.report import Finding, Location
 from dcpc.graph import dot_quote
+from dcpc.lang.mesh import shape_of, torus
 from dcpc.lang.model import Schedule
 
 
@@ -79,7 +80,7 @@ def hb_dot(schedule: Schedule, world: int, finding: Finding | None = None) -> st
                 for d, js in w.match.get(j, ()):
                     if js is None:
                         continue
-                    src = _node((rank + d) % world, call, js)
+                    src = _node(torus(shape_of(world)).add(rank, d), call, js)
                     out.append(f"  {src} -> {_node(rank, call, j)} "
                                "[style=dashed, color=blue, constraint=false];")
     if len(marked) == 2:

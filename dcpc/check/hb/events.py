@@ -33,6 +33,7 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 from dcpc.diagnostics import Mark
+from dcpc.lang.mesh import MeshWorld, mesh_of, shape_of, torus
 from dcpc.lang.model import Peers, Schedule, Streams
 from dcpc.lang.semantics import AFTER, BEFORE, Effect, Region
 
@@ -70,6 +71,7 @@ class Event:
     accesses: tuple[Access, ...] = ()
     signal: tuple[str, Peers | str] | None = None  # (channel: the step's own slots, to)
     wait: tuple[str, Peers | str] | None = None  # (channel: the polled step's slots, from)
+    axes: tuple[int, ...] | None = None  # its team's mesh axes (dcpc.lang.mesh); None: all
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Program:
     events: tuple[Event, ...]
     shared: dict[str, bool]  # every tracked (symmetric) buffer -> shared: true?
     channel_names: dict[str, str]  # channel -> what the schedule calls it
+    axis_names: tuple[str, ...] = ("world",)  # the mesh's axes (dcpc.lang.mesh)
 
     @property
     def streams_per_rank(self) -> int:
@@ -119,10 +122,19 @@ class Program:
 
 
 @cache
-def peer_deltas(peers: Peers | str, world: int) -> frozenset[int]:
-    """Rank offsets (mod W) of the peers ``all``/``next``/``prev`` (or one offset "+k" /
-    "-k" of a shift) name; never 0. Cached: match_waits asks it once per wait and peer
-    (O(W^2) sets at W=1024)."""
+def peer_deltas(peers: Peers | str, world: int, axes: tuple[int, ...] | None = None
+                ) -> frozenset[int]:
+    """The translations of the peers ``all``/``next``/``prev`` name along ``axes`` (rank
+    offsets mod W for one axis; torus translations of a mesh, dcpc.lang.mesh), or of a
+    shift's one offset "+k" / "-k"; never 0. Cached: match_waits asks it once per wait
+    and peer (O(W^2) sets at W=1024)."""
+    if isinstance(world, MeshWorld):
+        if isinstance(peers, Peers):
+            return torus(world.shape).deltas(peers.value, axes)
+        # a shift: the structural check allows it on a one-axis mesh only, where a
+        # translation is a rank offset
+        assert len(world.shape) == 1, "a shift on a mesh of several axes"
+        return frozenset({int(peers) % world.shape[0]}) - {0}
     if world < 2:
         return frozenset()
     if peers == Peers.all:
@@ -135,6 +147,11 @@ def peer_deltas(peers: Peers | str, world: int) -> frozenset[int]:
 def _peers(spec: str) -> Peers | str:
     """A sync's peers as the events keep them: a Peers, or a shift's offset "+k"."""
     return Peers(spec) if spec in Peers.__members__ else spec
+
+
+def negate(world: int, d: int) -> int:
+    """The inverse translation of ``d``."""
+    return torus(shape_of(world)).neg(d)
 
 
 def match_waits(program: Program, world: int) -> dict[int, list[tuple[int, int | None]]]:
@@ -152,9 +169,9 @@ def match_waits(program: Program, world: int) -> dict[int, list[tuple[int, int |
             continue
         channel, peers = e.wait
         js = sender.get(channel)
-        for d in sorted(peer_deltas(peers, world)):
-            reaches = js is not None and (-d) % world in peer_deltas(
-                program.events[js].signal[1], world)  # type: ignore[index]
+        for d in sorted(peer_deltas(peers, world, e.axes)):
+            reaches = js is not None and negate(world, d) in peer_deltas(
+                program.events[js].signal[1], world, program.events[js].axes)  # type: ignore[index]
             out.setdefault(j, []).append((d, js if reaches else None))
     return out
 
@@ -184,7 +201,8 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         if sync.signal is not None:
             channel = slot_channel(i)
             names[channel] = getattr(op, "channel", step.name)
-            events.append(Event(i, "send", before, signal=(channel, _peers(sync.signal))))
+            events.append(Event(i, "send", before, signal=(channel, _peers(sync.signal)),
+                                axes=sync.axes))
         elif before or sync.wait is None:
             events.append(Event(i, "local", before))
         if sync.wait is not None:
@@ -193,7 +211,8 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
                 names[channel] = op.channel  # type: ignore[attr-defined]
             else:
                 channel = slot_channel(sync.polls)
-            events.append(Event(i, "recv", after, wait=(channel, _peers(sync.wait))))
+            events.append(Event(i, "recv", after, wait=(channel, _peers(sync.wait)),
+                                axes=sync.axes))
         elif after:
             events.append(Event(i, "local", after))
     return Program(
@@ -205,6 +224,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         events=tuple(events),
         shared=tracked,
         channel_names=names,
+        axis_names=mesh_of(schedule).axes,
     )
 
 

@@ -22,6 +22,7 @@ from dcpc.check.hb.report import Finding
 from dcpc.codegen.lower import lower as lower_plan
 from dcpc.codegen.plan import Plan
 from dcpc.diagnostics import DiagnosticError
+from dcpc.lang.mesh import grown
 from dcpc.lang.model import Barrier, Peers, Schedule, Signal, Streams
 from dcpc.lang.semantics import REACHES, WRITE, table
 
@@ -226,7 +227,7 @@ def suggest(
     leaving fewer findings come first.
     """
     w = finding.world
-    check_at = sorted({w, w + 1, max(worlds or [w])})
+    check_at = sorted({w, grown(w), max(worlds or [w])})
     if budget is not None and not budget.spend():
         return NOT_SEARCHED
     before = finding_keys(schedule, check_at, calls)

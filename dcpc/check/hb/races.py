@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from dcpc.check.hb.clocks import World
 from dcpc.check.hb.events import PHASE_ORDER, Access
+from dcpc.lang.mesh import shape_of, torus
 
 WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
 
@@ -90,6 +91,24 @@ def _touching(world: World) -> dict[str, list[tuple[int, Access]]]:
     return out
 
 
+def _peer_first(world: int) -> list[int]:
+    """Ranks in the order counterexamples prefer them: peers first, then rank 0."""
+    return list(range(1, world)) + [0]
+
+
+def _writers(world: World, access: Access) -> list[int]:
+    """The ranks whose store of ``access`` reaches rank 0's instance: rank 0's team
+    along the store's axes (every rank without a mesh), peers first, then rank 0."""
+    region = access.region
+    if region is not None and not region.owners_all:  # a shift: its one writer (no mesh
+        return region.writers(0, int(world.world))   # of several axes: structural check)
+    axes = region.axes if region is not None else None
+    if axes is None:
+        return _peer_first(world.world)
+    team = torus(shape_of(world.world)).team(0, axes)
+    return [r for r in team if r != 0] + [0]
+
+
 def _all_ordered(world: World, pa: int, pb: int) -> bool:
     """Whether event pa on EVERY rank happens before event pb on every rank.
 
@@ -106,7 +125,7 @@ def _first_unordered(
 ) -> tuple[Touch, Touch] | None:
     """A pair of concrete accesses of groups a and b, to rank 0's instance, that race."""
     (ca, ja, xa), (cb, jb, xb) = a, b
-    pa, pb, w = world.pos(ca, ja), world.pos(cb, jb), world.world
+    pa, pb = world.pos(ca, ja), world.pos(cb, jb)
     same_event = pa == pb
 
     def touch(rank: int, call: int, j: int, access: Access) -> Touch:
@@ -126,19 +145,18 @@ def _first_unordered(
     if xa.remote and xb.remote:
         assert xa.region is not None and xb.region is not None
         if xa.region.partition == xb.region.partition:
-            # writer p's parts overlap only with writer p's: by rotation, any p is the same
-            # (a peer store reaches rank 0 from one writer only: that one)
-            p = 1 % w if xa.region.owners_all else xa.region.writers(0, w)[0]
+            # writer p's parts overlap only with writer p's: by translation, any p of
+            # rank 0's team is the same (whether p's events are ordered does not
+            # depend on whose instance they store into)
+            p = _writers(world, xa)[0]
             return (touch(p, ca, ja, xa), touch(p, cb, jb, xb)) if unordered(p, p) else None
-        for p in xa.region.writers(0, w):
-            for q in xb.region.writers(0, w):
+        for p in _writers(world, xa):
+            for q in _writers(world, xb):
                 if unordered(p, q):
                     return touch(p, ca, ja, xa), touch(q, cb, jb, xb)
         return None
     # one local access of rank 0, one store group: rank 0's whole instance meets part p
-    remote = xa.region if xa.remote else xb.region
-    assert remote is not None
-    for p in remote.writers(0, w):
+    for p in _writers(world, xb if xb.remote else xa):
         ra, rb = (0, p) if not xa.remote else (p, 0)
         if unordered(ra, rb):
             return touch(ra, ca, ja, xa), touch(rb, cb, jb, xb)

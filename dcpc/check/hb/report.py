@@ -16,6 +16,7 @@ from dcpc.check.hb.timeline import (
     strict_predecessors,
 )
 from dcpc.diagnostics import Diagnostic, Mark
+from dcpc.lang.mesh import MeshWorld, rank_text, shape_of, torus
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,11 @@ class Location:
     access: str  # "read" | "write" | "wait" | "signal"
     region: str  # e.g. "q_full[rank 0, slot 0] H block 1 (dim 1)", or a channel
     mark: Mark
+    rank_name: str = field(default="", compare=False)  # a mesh's "rank (node=1, gpu=0)"
 
     def text(self) -> str:
-        return (f"{self.step} on rank {self.rank}, call {self.call} (slot {self.slot}) "
+        who = self.rank_name or f"rank {self.rank}"
+        return (f"{self.step} on {who}, call {self.call} (slot {self.slot}) "
                 f"{self.access}s {self.region}, at {self.mark}")
 
     def as_dict(self) -> dict[str, Any]:
@@ -129,8 +132,14 @@ class HbReport:
 
 # --- building findings from what a World found -------------------------------------
 
+def _rk(world: World, rank: int) -> str:
+    """``rank 3``, or for a mesh ``rank (node=1, gpu=0)``."""
+    return rank_text(world.world, rank, world.program.axis_names)
+
+
 def _instance(world: World, buffer: str, owner: int, slot: int | None) -> str:
-    return f"{buffer}[rank {owner}" + (f", slot {slot}]" if slot is not None else "] (shared)")
+    tail = f", slot {slot}]" if slot is not None else "] (shared)"
+    return f"{buffer}[{_rk(world, owner)}" + tail
 
 
 def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
@@ -140,7 +149,7 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
     if t.access.region is not None:
         region += " " + t.access.region.text(t.rank)
     return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
-                    t.access.kind, region, step.mark)
+                    t.access.kind, region, step.mark, _rk(world, t.rank))
 
 
 def race_cut(world: World, race: RawRace) -> list[int]:
@@ -167,18 +176,19 @@ def race_finding(world: World, race: RawRace) -> Finding:
         strict_predecessors(world, a.rank, pa), strict_predecessors(world, b.rank, pb)])
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     where = f"(W={world.world})"
+    na, nb = _rk(world, la.rank), _rk(world, lb.rank)
     if race.cls == WAR:
-        message = (f"write-after-read race on {race.buffer}: {lb.step} on rank {lb.rank} "
-                   f"(call {lb.call}) can write {lb.region} while {la.step} on rank {la.rank} "
+        message = (f"write-after-read race on {race.buffer}: {lb.step} on {nb} "
+                   f"(call {lb.call}) can write {lb.region} while {la.step} on {na} "
                    f"(call {la.call}) still reads it {where}")
     elif race.cls == RAW:
-        message = (f"read-after-write race on {race.buffer}: {lb.step} on rank {lb.rank} "
-                   f"(call {lb.call}) can read {lb.region} before {la.step} on rank {la.rank} "
+        message = (f"read-after-write race on {race.buffer}: {lb.step} on {nb} "
+                   f"(call {lb.call}) can read {lb.region} before {la.step} on {na} "
                    f"(call {la.call}) finished writing it {where}")
     else:
         assert race.cls == WAW
-        message = (f"write-after-write race on {race.buffer}: {la.step} on rank {la.rank} "
-                   f"(call {la.call}) and {lb.step} on rank {lb.rank} (call {lb.call}) can "
+        message = (f"write-after-write race on {race.buffer}: {la.step} on {na} "
+                   f"(call {la.call}) and {lb.step} on {nb} (call {lb.call}) can "
                    f"write {lb.region} in either order {where}")
     return Finding("race", race.cls, race.buffer, la, lb, world.world, message, timeline)
 
@@ -188,17 +198,20 @@ def _wait_text(world: World, j: int, rank: int) -> str:
     program, w = world.program, world.world
     parts = []
     for d, js in world.match.get(j, ()):
-        peer = (rank + d) % w
+        peer = torus(shape_of(w)).add(rank, d)
         if js is None:
             channel = program.channel_text(program.events[j].wait[0])  # type: ignore[index]
-            parts.append(f"a signal from rank {peer} on channel {channel} that no step sends")
+            parts.append(f"a signal from {_rk(world, peer)} on channel {channel} that no "
+                         "step sends")
         elif not world.live[js]:
-            parts.append(f"rank {peer}'s {program.steps[program.events[js].step].name}, "
+            parts.append(f"{_rk(world, peer)}'s {program.steps[program.events[js].step].name}, "
                          "which never runs")
     return "⏳ waits for " + "; ".join(parts[:3]) + (" ..." if len(parts) > 3 else "")
 
 
 def _offset(delta: int, world: int) -> str:
+    if isinstance(world, MeshWorld):
+        return "r + " + str(torus(world.shape).coords(delta))
     return "r-1" if delta == world - 1 and world > 2 else f"r+{delta}"
 
 
@@ -209,12 +222,12 @@ def deadlock_finding(world: World, dead: RawDeadlock) -> Finding:
     wait_step = program.steps[program.events[dead.wait_j].step]
     peer = dead.delta % w
     first = Location(0, 0, 0, wait_step.name, wait_step.index, "wait",
-                     f"channel {channel} from rank {peer}", wait_step.mark)
+                     f"channel {channel} from {_rk(world, peer)}", wait_step.mark)
     second = None
     if dead.signal_j is not None:
         sig = program.steps[program.events[dead.signal_j].step]
         second = Location(peer, 0, 0, sig.name, sig.index, "signal",
-                          f"channel {channel} to rank 0", sig.mark)
+                          f"channel {channel} to {_rk(world, 0)}", sig.mark)
     live_count = [0] * streams
     for pos, alive in enumerate(world.live):
         if alive:
@@ -234,7 +247,7 @@ def deadlock_finding(world: World, dead: RawDeadlock) -> Finding:
                    f"{_offset(peer, w)} (channel {channel}), which can only run after a wait "
                    f"that depends on {wait_name} itself: a cycle of waits (W={w})")
     else:
-        message = (f"deadlock: {wait_name} on rank 0 (call 0) waits for a signal from rank "
-                   f"{peer} on channel {channel}, but no step of rank {peer} sends one to "
-                   f"rank 0 (W={w})")
+        message = (f"deadlock: {wait_name} on {_rk(world, 0)} (call 0) waits for a signal "
+                   f"from {_rk(world, peer)} on channel {channel}, but no step of "
+                   f"{_rk(world, peer)} sends one to {_rk(world, 0)} (W={w})")
     return Finding("deadlock", dead.cls, channel, first, second, w, message, timeline)

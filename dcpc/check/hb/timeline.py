@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dcpc.check.hb.clocks import World
+from dcpc.lang.mesh import rank_text
 
 MAX_RANKS = 4
 
@@ -56,7 +57,8 @@ def render(
             note = pending.get((rank, nxt))
             if stream and not done and note is None:
                 continue  # an idle extra stream says nothing
-            who = f"rank {rank}" + (f", slot {stream}" if program.per_slot else "")
+            who = rank_text(world.world, rank, program.axis_names) + (
+                f", slot {stream}" if program.per_slot else "")
             lines.append(f"{who}: {_stream_text(world, positions, done, note)}")
     return lines
 

@@ -1,0 +1,138 @@
+"""Structural checks of ``mesh:`` and of every op's ``axis:`` (dcpc.lang.mesh)."""
+
+from __future__ import annotations
+
+from dcpc.check.context import Context
+from dcpc.diagnostics import did_you_mean
+from dcpc.lang.mesh import mesh_of
+from dcpc.lang.model import Peers, SizeSpec, Step
+from dcpc.lang.semantics import table
+from dcpc.lang.sizes import WORLD
+from dcpc.ops import OPS
+
+
+def check_mesh(ctx: Context) -> None:
+    """The axes and their sizes, then each step's ``axis:``."""
+    schedule = ctx.schedule
+    if schedule.mesh is not None:
+        _check_axes(ctx)
+    mesh = mesh_of(schedule)
+    sems = table(schedule)
+    for step in ctx.steps:
+        _check_peers(ctx, step)
+        _check_shift(ctx, step)
+        value = step.op.axis
+        if value is None:
+            continue
+        names = [value] if isinstance(value, str) else list(value)
+        keys = ["axis"] if isinstance(value, str) else [f"axis[{i}]" for i in range(len(names))]
+        sync = sems[step.index].sync
+        if sync.signal is None and sync.wait is None:
+            ctx.error(step.op.mark("axis", of_key=True), "axis-on-local-op",
+                      f"step '{step.name}' ({step.kind}) runs on this rank only; 'axis' "
+                      "names the mesh axes of a communication op",
+                      hint="drop 'axis' here")
+            continue
+        if mesh.team_axes(step.op) is not None and not _team_op(step):
+            ctx.error(step.op.mark("axis", of_key=True), "axis-unsupported",
+                      f"step '{step.name}' ({_what(step)}) runs over every mesh axis only so "
+                      "far; its team lowering and proof are not written yet",
+                      hint="drop 'axis' (every axis), or express the step with ops that "
+                      "take a team: all_gather, all_to_all (dim), all_to_all_combine, "
+                      "reduce_scatter, barrier, signal, wait")
+            continue
+        seen: set[str] = set()
+        for name, key in zip(names, keys, strict=True):
+            if name in seen:
+                ctx.error(step.op.mark(key), "duplicate-axis",
+                          f"step '{step.name}' names axis '{name}' twice")
+            seen.add(name)
+            if mesh.position(name) is None:
+                where = ("the schedule declares no 'mesh:' (its one axis is 'world')"
+                         if not mesh.declared else f"the mesh's axes are {', '.join(mesh.axes)}")
+                ctx.error(step.op.mark(key), "unknown-axis",
+                          f"step '{step.name}' runs over axis '{name}', but {where}",
+                          hint=did_you_mean(name, mesh.axes)
+                          or "name an axis of 'mesh:', or declare it there")
+
+
+def _team_op(step: Step) -> bool:
+    """Whether the step's op runs over a team (``OpDef.teams``): not an all_to_all with
+    split_dim/concat_dim or a cast (their team lowering is not written)."""
+    op = step.op
+    if step.kind == "all_to_all" and (op.concat_dim is not None or op.scale is not None):
+        return False
+    return OPS[step.kind].teams
+
+
+def _what(step: Step) -> str:
+    op = step.op
+    if step.kind == "all_to_all" and op.concat_dim is not None:
+        return "all_to_all with split_dim/concat_dim"
+    if step.kind == "all_to_all" and op.scale is not None:
+        return "all_to_all with a cast"
+    return step.kind
+
+
+def _check_shift(ctx: Context, step: Step) -> None:
+    """A shift moves the linear rank (r + k mod W): on a mesh of several axes that is not
+    a translation of the torus, which the proof's symmetry needs."""
+    mesh = mesh_of(ctx.schedule)
+    if step.kind == "shift" and len(mesh.axes) > 1:
+        ctx.error(step.mark(), "axis-unsupported",
+                  f"step '{step.name}' (shift) runs on a mesh of {len(mesh.axes)} axes "
+                  f"({', '.join(mesh.axes)}); a shift along one mesh axis is not written yet",
+                  hint="use a schedule without 'mesh:' (or one axis) for a ring")
+
+
+def _check_peers(ctx: Context, step: Step) -> None:
+    """next/prev move one coordinate: their team has one axis."""
+    mesh = mesh_of(ctx.schedule)
+    peers = getattr(step.op, "to", None) or getattr(step.op, "from_", None)
+    team = mesh.team_axes(step.op)
+    width = len(mesh.axes) if team is None else len(team)
+    if peers in (Peers.next, Peers.prev) and width > 1:
+        key = "to" if step.kind == "signal" else "from"
+        ctx.error(step.op.mark(key), "axis-required",
+                  f"step '{step.name}' names '{peers.value}' peers over {width} axes "
+                  f"({', '.join(mesh.names(team))}); next/prev move one coordinate, so "
+                  "they need one axis",
+                  hint=f"add 'axis: {mesh.axes[-1]}' (or another single axis)")
+
+
+def _check_axes(ctx: Context) -> None:
+    schedule = ctx.schedule
+    assert schedule.mesh is not None
+    mark = schedule.mark("mesh")
+    if not schedule.mesh:
+        ctx.error(mark, "bad-mesh", "'mesh:' names no axis",
+                  hint="write e.g. 'mesh: {node: N, gpu: G}', or drop 'mesh:'")
+        return
+    sized: dict[str, str] = {}
+    for axis, size in schedule.mesh.items():
+        at = schedule.mark(f"mesh/{axis}")
+        if not axis.isidentifier():
+            ctx.error(schedule.mark(f"mesh/{axis}", of_key=True), "bad-mesh",
+                      f"mesh axis '{axis}' is not an identifier")
+        if isinstance(size, int):
+            if size < 1:
+                ctx.error(at, "bad-mesh", f"mesh axis '{axis}' has size {size}; sizes are "
+                          "positive")
+            continue
+        if not size.isidentifier() or size == WORLD:
+            ctx.error(at, "bad-mesh",
+                      f"mesh axis '{axis}' is sized by '{size}', which is not a size name"
+                      + (" (W is the product of the axes)" if size == WORLD else ""),
+                      hint="use a size name (e.g. 'G') or an integer")
+            continue
+        if size in sized:
+            ctx.error(at, "bad-mesh",
+                      f"mesh axes '{sized[size]}' and '{axis}' are both sized by '{size}'",
+                      hint="give each axis its own size name")
+        sized[size] = axis
+        spec = schedule.sizes.get(size)
+        if spec is not None and not (isinstance(spec, SizeSpec) and spec.multiple_of is None):
+            ctx.error(schedule.mark(f"sizes/{size}"), "bad-mesh",
+                      f"size '{size}' sizes mesh axis '{axis}', so it is bound by the mesh "
+                      "shape (--world); it can have a 'max', not a value or a multiple",
+                      hint=f"write '{size}: {{max: 8}}', or leave it out of sizes")

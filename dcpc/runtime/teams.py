@@ -1,0 +1,121 @@
+"""Mesh teams at run time: what a generated module's team op (``axis:``) reaches.
+
+A schedule with ``mesh:`` gets ``MESH`` (axes and what sizes them) and ``TEAMS`` (step ->
+its team's axis positions) in its generated class. The mesh shape is bound at
+construction from the axes' sizes (``sizes={"N": 2, "G": 4}``); its product must be the
+group's size. Teams, member indices and peers come from dcpc.topology (the one
+definition every stage reads). A team op's kernel gets its member index and team size
+as RANK/WORLD, the team's global ranks (``team_ranks``: its signal lanes and flags stay
+global) and its buffers' pointer tables in member order; on the torch backend it runs
+on one process group per team and slot, made by every rank in the same order.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+
+from dcpc.runtime.errors import DcpcArgumentError
+
+
+def torus(shape: tuple[int, ...]) -> Any:
+    """dcpc.topology's torus, imported on first use: a module without ``mesh:`` imports
+    nothing beyond dcpc.runtime (tests/test_run_cli.py); dcpc.topology is stdlib only."""
+    from dcpc.topology import torus as make
+
+    return make(shape)
+
+_TEAM_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}  # (global ranks, slot) -> group
+
+
+class TeamsMixin:
+    """The team helpers the emitted code of team ops calls (``self._team_*``)."""
+
+    MESH: ClassVar[tuple[tuple[str, str | int], ...]] = ()
+    TEAMS: ClassVar[dict[str, tuple[int, ...]]] = {}
+
+    rank: int
+    world: int
+    device: torch.device
+    group: Any
+    _peers: dict[str, list[torch.Tensor]]
+
+    def _bind_mesh(self, env: dict[str, int]) -> None:
+        """The mesh shape from the bound sizes; its product must be W."""
+        if not self.MESH:
+            self.mesh_shape: tuple[int, ...] = (self.world,)
+        else:
+            self.mesh_shape = tuple(env[s] if isinstance(s, str) else s for _, s in self.MESH)
+        total = 1
+        for s in self.mesh_shape:
+            total *= s
+        if total != self.world:
+            shape = " x ".join(f"{a}={s}" for (a, _), s in zip(self.MESH, self.mesh_shape,
+                                                               strict=True))
+            raise DcpcArgumentError(
+                f"{type(self).__name__}: the mesh {shape} has {total} ranks, but the group "
+                f"has {self.world}")
+        self._team_cache: dict[tuple, Any] = {}
+
+    def _team(self, step: str) -> tuple[list[int], int]:
+        """(the team's global ranks in member order, this rank's member index)."""
+        key = ("team", step)
+        found = self._team_cache.get(key)
+        if found is None:
+            members = torus(self.mesh_shape).team(self.rank, self.TEAMS[step])
+            found = self._team_cache[key] = (members, members.index(self.rank))
+        return found
+
+    def _team_member(self, step: str) -> int:
+        return self._team(step)[1]
+
+    def _team_size(self, step: str) -> int:
+        return len(self._team(step)[0])
+
+    def _team_table(self, step: str) -> torch.Tensor:
+        """The team's global ranks (int32, on the device): the kernel's signal lanes."""
+        key = ("table", step)
+        found = self._team_cache.get(key)
+        if found is None:
+            found = self._team_cache[key] = torch.tensor(
+                self._team(step)[0], dtype=torch.int32, device=self.device)
+        return found
+
+    def _team_peers(self, step: str, name: str, slot: int) -> torch.Tensor:
+        """Buffer ``name``'s pointer table of ``slot`` in the team's member order."""
+        key = ("peers", step, name, slot)
+        found = self._team_cache.get(key)
+        if found is None:
+            table = self._peers[name][slot]
+            index = torch.tensor(self._team(step)[0], dtype=torch.long, device=table.device)
+            found = self._team_cache[key] = table.index_select(0, index).contiguous()
+        return found
+
+    def _team_comm(self, step: str, slot: int) -> Any:
+        """The torch backend's SlotGroup of this rank's team of ``step`` for ``slot``."""
+        return self._team_cache[("comm", self.TEAMS[step], slot)]
+
+    def _make_team_groups(self, slots: int, timeout_s: float | None) -> None:
+        """One process group per (team axes, team, slot), made by EVERY rank in the same
+        order (torch.distributed.new_group is collective over the default group)."""
+        import torch.distributed as dist
+
+        from dcpc.runtime.collectives import SlotGroup
+
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        glob = dist.get_process_group_ranks(self.group)
+        t = torus(self.mesh_shape)
+        for axes in sorted(set(self.TEAMS.values())):
+            teams = sorted({tuple(t.team(r, axes)) for r in range(self.world)})
+            for slot in range(slots):
+                for members in teams:
+                    ranks = tuple(glob[m] for m in members)
+                    group = _TEAM_GROUPS.get((ranks, slot))
+                    if group is None:
+                        group = _TEAM_GROUPS[(ranks, slot)] = dist.new_group(list(ranks))
+                    if self.rank in members:
+                        member = members.index(self.rank)
+                        self._team_cache[("comm", axes, slot)] = SlotGroup(
+                            group, slot, member, timeout)

@@ -1,0 +1,182 @@
+"""Ranks as a torus: mesh shapes, coordinates, teams, peers and translations.
+
+The one definition of "which ranks does a team op talk to", shared by the compiler
+(dcpc.lang.mesh reads a schedule's ``mesh:`` and re-exports these) and the generated
+modules' runtime (dcpc.runtime.teams), which imports nothing of the compiler. Ranks
+are row-major (last axis fastest); a team along some axes is the ranks that share
+every other coordinate, in row-major order over its axes (member order).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+Axes = tuple[int, ...]  # positions of a team's axes in the mesh, in mesh order
+
+
+class MeshWorld(int):
+    """A group size with its axis sizes: ``int(w)`` is W, ``w.shape`` the sizes."""
+
+    shape: tuple[int, ...]
+
+    def __new__(cls, shape: Sequence[int]) -> MeshWorld:
+        value = super().__new__(cls, math.prod(shape))
+        value.shape = tuple(int(s) for s in shape)
+        return value
+
+    def __eq__(self, other: object) -> bool:
+        """Two shapes are equal when their axis sizes are; against a plain int a shape
+        is its W (so shapes, dims and sizes computed from W compare as numbers)."""
+        if isinstance(other, MeshWorld):
+            return self.shape == other.shape
+        return int(self) == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return int.__hash__(self)  # equal to W's hash: 2x2 and 4x1 differ, but share it
+
+    def __lt__(self, other: object) -> bool:  # W first, then the shape (sorting)
+        if isinstance(other, MeshWorld):
+            return (int(self), self.shape) < (int(other), other.shape)
+        return int(self) < other  # type: ignore[operator]
+
+    def __str__(self) -> str:
+        return "x".join(str(s) for s in self.shape)
+
+    __repr__ = __str__
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MeshWorld, (self.shape,))
+
+
+def grown(world: int) -> int:
+    """The next group size: W + 1, or a mesh with its innermost axis one longer."""
+    if isinstance(world, MeshWorld):
+        return MeshWorld((*world.shape[:-1], world.shape[-1] + 1))
+    return world + 1
+
+
+def shape_of(world: int) -> tuple[int, ...]:
+    """The axis sizes of a group size (one axis for a plain int)."""
+    return world.shape if isinstance(world, MeshWorld) else (int(world),)
+
+
+@dataclass(frozen=True)
+class Torus:
+    """The ranks of one group size as a torus: coordinates, teams, peers and
+    translations (the group the happens-before checker's symmetry uses)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        out, step = [], 1
+        for s in reversed(self.shape):
+            out.append(step)
+            step *= s
+        return tuple(reversed(out))
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        return tuple((rank // st) % s for st, s in zip(self.strides, self.shape, strict=True))
+
+    def index(self, coords: Iterable[int]) -> int:
+        return sum((c % s) * st for c, s, st in zip(coords, self.shape, self.strides,
+                                                     strict=True))
+
+    def add(self, a: int, b: int) -> int:
+        if len(self.shape) == 1:
+            return (a + b) % self.shape[0]
+        return self.index(x + y for x, y in zip(self.coords(a), self.coords(b), strict=True))
+
+    def sub(self, a: int, b: int) -> int:
+        if len(self.shape) == 1:
+            return (a - b) % self.shape[0]
+        return self.index(x - y for x, y in zip(self.coords(a), self.coords(b), strict=True))
+
+    def neg(self, a: int) -> int:
+        return self.sub(0, a)
+
+    def axes(self, axes: Axes | None) -> Axes:
+        return tuple(range(len(self.shape))) if axes is None else axes
+
+    def team(self, rank: int, axes: Axes | None) -> list[int]:
+        """The ranks of ``rank``'s team along ``axes``, in member order (row-major over
+        the team's axes)."""
+        along = self.axes(axes)
+        base = list(self.coords(rank))
+        out = []
+        for values in itertools.product(*(range(self.shape[a]) for a in along)):
+            for a, v in zip(along, values, strict=True):
+                base[a] = v
+            out.append(self.index(base))
+        return out
+
+    def member(self, rank: int, axes: Axes | None) -> int:
+        """``rank``'s index in its team along ``axes``."""
+        c, index = self.coords(rank), 0
+        for a in self.axes(axes):
+            index = index * self.shape[a] + c[a]
+        return index
+
+    def team_size(self, axes: Axes | None) -> int:
+        return math.prod(self.shape[a] for a in self.axes(axes))
+
+    def deltas(self, peers: str, axes: Axes | None) -> frozenset[int]:
+        """The translations (as ranks: the peer of rank 0) that ``all``/``next``/``prev``
+        along ``axes`` name; never 0. next/prev need a team of one axis."""
+        return _deltas(self.shape, peers, axes)
+
+    def shift(self, d: int) -> list[int]:
+        """perm[q] = q - d: row q of a clock translated by d reads row perm[q]."""
+        return _shift(self.shape, d)
+
+    def name(self, rank: int, axis_names: Sequence[str]) -> str:
+        """``(node=1, gpu=0)``."""
+        return "(" + ", ".join(f"{n}={c}" for n, c in zip(axis_names, self.coords(rank),
+                                                           strict=True)) + ")"
+
+
+@cache
+def torus(shape: tuple[int, ...]) -> Torus:
+    return Torus(shape)
+
+
+@cache
+def _deltas(shape: tuple[int, ...], peers: str, axes: Axes | None) -> frozenset[int]:
+    t = Torus(shape)
+    if peers == "all":
+        return frozenset(r for r in t.team(0, axes) if r != 0)
+    along = t.axes(axes)
+    assert len(along) == 1, "next/prev need a team of one axis"
+    a = along[0]
+    step = 1 if peers == "next" else shape[a] - 1
+    delta = (step % shape[a]) * t.strides[a]
+    return frozenset({delta}) if delta else frozenset()
+
+
+@cache
+def _shift(shape: tuple[int, ...], d: int) -> list[int]:
+    t = Torus(shape)
+    return [t.sub(q, d) for q in range(t.size)]
+
+
+def rank_text(world: int, rank: int, axis_names: Sequence[str] | None = None) -> str:
+    """How a counterexample names a rank: ``rank 3``, or ``rank (node=1, gpu=0)``."""
+    if not isinstance(world, MeshWorld):
+        return f"rank {rank}"
+    names = axis_names or [f"a{i}" for i in range(len(world.shape))]
+    return "rank " + torus(world.shape).name(rank, names)
