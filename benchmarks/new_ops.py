@@ -1,4 +1,4 @@
-"""all_reduce (sum), broadcast and all_to_all (split_dim/concat_dim) on ONE GPU at W = 2, 4, 8.
+"""all_reduce (sum), broadcast, all_to_all (split/concat), shift (a ring hop): one GPU, W = 2, 4, 8.
 
     python3 -m benchmarks.new_ops [--worlds 2,4,8] [--rows 1,64,1024] [--cols 1024]
         [--iters 50] [--reps 15] [--out DIR]
@@ -43,16 +43,18 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-OPS = ("all_reduce", "broadcast", "all_to_all")
+OPS = ("all_reduce", "broadcast", "all_to_all", "shift")
 STEP = {  # the op's step; x is [N, C] bf16 on every rank
     "all_reduce": "{op: all_reduce, reduce: sum, src: x, dst: y}",
     "broadcast": "{op: broadcast, src: x, dst: y, root: 0}",
     "all_to_all": "{op: all_to_all, src: x, dst: y, split_dim: 1, concat_dim: 0}",
+    "shift": "{op: shift, src: x, dst: y, offset: next}",  # one ring hop
 }
 DST = {  # y's declaration
     "all_reduce": "{shape: [N, C], dtype: f32}",
     "broadcast": "{shape: [N, C], dtype: bf16, symmetric: true}",
     "all_to_all": "{shape: [W*N, C/W], dtype: bf16, symmetric: true}",
+    "shift": "{shape: [N, C], dtype: bf16, symmetric: true}",
 }
 
 
@@ -97,6 +99,11 @@ def baseline(op: str, rank: int, world: int, xs: list[torch.Tensor], n: int
 
         def fn() -> None:
             out[:n].copy_(xs[0][:n])
+    elif op == "shift":  # the previous rank's rows, as a ring hop delivers them
+        out = torch.empty_like(x)
+
+        def fn() -> None:
+            out[:n].copy_(xs[(rank - 1) % world][:n])
     else:
         cols = x.shape[1] // world
         out = torch.empty(world, x.shape[0], cols, dtype=x.dtype, device=x.device)
