@@ -188,6 +188,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         stores([op.dst, op.recv_counts], (("index", 0, 0, axes), b.rank))
         _cast_scale(op, schedule, reads, stores, b.rank)
         exchange()
+        reads([op.recv_counts], 1)  # the receiver's over-capacity check reads every count
     elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
         reads(list(op.src) + _as_list(op.index), 0)
         writes([op.dst], 0)

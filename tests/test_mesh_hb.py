@@ -124,3 +124,24 @@ def test_the_per_axis_bound_finds_what_every_mesh_finds(data: st.DataObject) -> 
     bounded = hb.check(schedule, worlds, hints=False)
     assert {f.key for f in bounded.findings} == {f.key for f in every.findings}
     assert bounded.stats["worlds_analysed"] <= every.stats["worlds_analysed"]
+
+
+def test_a_team_counterexample_names_the_writers_block_by_member_index() -> None:
+    """Review finding: the writer (a=1, b=0) of an all_gather over axis a writes block 1
+    of a 2-member team; the report said block 2 (its linear rank)."""
+    text = """
+schedule: tr
+mesh: {a: A, b: B}
+sizes: {N: 4, K: 4}
+buffers:
+  x: {shape: [N, K], dtype: f32}
+  g: {shape: [A*N, K], dtype: f32, symmetric: true}
+  y: {shape: [N, K], dtype: f32}
+steps:
+  - ga: {op: all_gather, axis: a, src: x, dst: g, dim: 0}
+  - use: {op: external, reads: [g], writes: [y]}
+"""
+    report = hb.check(parse_text(text, "tr.yaml"), [MeshWorld((2, 2))])
+    lines = [d.render() for d in report.diagnostics()]
+    assert any("block 1 (dim 0)" in x and "rank (a=1, b=0)" in x for x in lines), lines
+    assert not any("block 2" in x or "block 3" in x for x in lines), lines

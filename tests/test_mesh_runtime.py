@@ -48,3 +48,18 @@ def test_one_rank_is_a_mesh_of_ones(helix: type) -> None:
         assert module._team_size("out_exchange") == 1
     finally:
         module.close()
+
+
+def test_next_prev_along_an_axis_of_size_one_wait_for_nobody() -> None:
+    """Review finding: on a 1x2 mesh, `wait from: prev` along the axis of size 1 before its
+    signal passed `dcpc check` (a team of one has no next/prev peer) while the kernel
+    waited for its own signal (DcpcTimeoutError on both ranks). The kernel now has no
+    next/prev lane in a team of one, as the checker models it."""
+    from dcpc.harness.run import RunConfig, format_report, run_schedule
+
+    path = Path(__file__).parent / "mesh_cases" / "axis_of_one_credit.yaml"
+    pipeline.run(path, pipeline.Options(worlds=[MeshWorld((1, 2))]), until="hb")  # proved
+    report = run_schedule(RunConfig(schedule=str(path), world=MeshWorld((1, 2)),
+                                    backend="host", calls=2, seed=3, timeout_s=120))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text

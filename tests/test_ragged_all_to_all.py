@@ -135,6 +135,9 @@ CASES = {
     "reuse": (text(tail=RACE_TAIL), {("race", "write-after-read", "x_recv", "experts",
                                       "dispatch"),
                                      ("race", "write-after-read", "n_recv", "experts",
+                                      "dispatch"),
+                                     # the receiver's count check after the wait too
+                                     ("race", "write-after-read", "n_recv", "dispatch",
                                       "dispatch")}),
     "two_slots": (text(slots=2), set()),
 }
@@ -225,3 +228,31 @@ def test_moe_layout_on_the_torch_backend_matches_float64() -> None:
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert {"x_recv", "n_recv", "y_back", "n_back", "out"} <= set(report.outputs), text
+
+
+def test_the_receivers_count_check_after_the_wait_is_a_read_of_recv_counts() -> None:
+    """Review finding: after its wait the kernel reads every peer's count in recv_counts
+    (the over-capacity check); the row omitted that read, so a shared recv_counts
+    rewritten by the next call was proved clean. Now a write-after-read race, in the
+    checker and in the brute force."""
+    text = """
+schedule: rg3
+slots: 2
+streams: single
+sizes: {C: 4, H: 8}
+buffers:
+  x_send: {shape: [W, C, H], dtype: bf16}
+  counts: {shape: [W], dtype: i32}
+  x_recv: {shape: [W, C, H], dtype: bf16, symmetric: true}
+  n_recv: {shape: [W], dtype: i32, symmetric: true, shared: true}
+  y:      {shape: [W, C, H], dtype: bf16}
+steps:
+  - dispatch: {op: ragged_all_to_all, src: x_send, dst: x_recv, counts: counts,
+               recv_counts: n_recv, capacity: C}
+  - use: {op: external, reads: [x_recv], writes: [y]}
+"""
+    schedule = parse_text(text, "rg3.yaml")
+    found = {f.key[:3] for f in hb.check(schedule, range(2, 5)).findings}
+    assert ("race", "write-after-read", "n_recv") in found, found
+    assert any(k[:3] == ("race", "write-after-read", "n_recv")
+               for k in oracle_keys(schedule, 3)), "the brute force misses it"

@@ -30,6 +30,7 @@ from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
 from dcpc.ops import cast
 from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
+    AFTER,
     BEFORE,
     READ,
     WRITE,
@@ -63,7 +64,9 @@ def semantics(c: Scope, step: Step) -> Semantics:
     # over-approximated: the whole block p of every peer's dst, whatever the count
     before += effects(WRITE, BEFORE, keyed(op, "dst") + keyed(op, "recv_counts"),
                       Region("index", 0))
-    return exchange(before + cast.effects(c.schedule, op), [], step)
+    # after the wait the receiver reads every peer's count (its over-capacity check)
+    after = effects(READ, AFTER, keyed(op, "recv_counts"))
+    return exchange(before + cast.effects(c.schedule, op), after, step)
 
 
 def verify(v: Verify, step: Step) -> None:

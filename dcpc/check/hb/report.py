@@ -142,12 +142,20 @@ def _instance(world: World, buffer: str, owner: int, slot: int | None) -> str:
     return f"{buffer}[{_rk(world, owner)}" + tail
 
 
+def _member(world: World, rank: int, axes: tuple[int, ...] | None) -> int:
+    """``rank``'s index in its team along ``axes`` (a team store's part is the writer's
+    member index); the rank itself without a team."""
+    if axes is None:
+        return rank
+    return torus(shape_of(world.world)).team(rank, axes).index(rank)
+
+
 def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
     program = world.program
     step = program.steps[program.events[t.j].step]
     region = _instance(world, t.access.buffer, t.owner, slot)
     if t.access.region is not None:
-        region += " " + t.access.region.text(t.rank)
+        region += " " + t.access.region.text(_member(world, t.rank, t.access.region.axes))
     return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
                     t.access.kind, region, step.mark, _rk(world, t.rank))
 
