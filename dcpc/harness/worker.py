@@ -145,6 +145,7 @@ def run_rank(
     fault: dict[str, Any] | None = None,
     programs: int | None = None,
     group: Any = None,
+    sizes: dict[str, int] | None = None,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -155,7 +156,7 @@ def run_rank(
     schedule = parse_file(schedule_path)
     steps = schedule.step_list()
     cls = load_module_class(module_path, schedule.schedule)
-    ctor = synth.constructor_sizes(schedule, world)
+    ctor = synth.constructor_sizes(schedule, world, sizes)
     # ``programs`` for every step (signalling or not): the interpreter runs programs
     # one after another, so fewer programs is the cheap way to run on CPU
     tuning = None if programs is None else {
