@@ -24,7 +24,13 @@ import torch.distributed as dist
 
 from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
-from dcpc.harness.simulate import TORCH_DTYPES, Buffers, seen_at, simulate_call
+from dcpc.harness.simulate import (
+    KERNEL_ROUNDING,
+    TORCH_DTYPES,
+    Buffers,
+    seen_at,
+    simulate_call,
+)
 from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file
 
@@ -185,7 +191,8 @@ def run_rank(
             inputs = synth.call_inputs(schedule, world, sizes, seed, event.call)
             external = synth.make_external(schedule, world, sizes, seed, event.call)
             trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
-            simulate_call(schedule, world, sizes, inputs, external, trace=trace)
+            simulate_call(schedule, world, sizes, inputs, external, trace=trace,
+                          rounding=KERNEL_ROUNDING.get(backend, "nearest"))
             env = {k: _to_engine(schedule, k, v) for k, v in inputs[rank].items()}
             live[event.call] = (trace, env, external, sizes)
         trace, env, external, sizes = live[event.call]
