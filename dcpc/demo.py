@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-poison", action="store_true", help="zero-fill symmetric memory")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds for the whole run before ranks still working are killed "
-                        "(reported as 'timeout'; default 4 x (60 + 0.6 x calls x W)); ranks "
+                        "(reported as 'timeout'; default 4 x (60 + 0.15 x steps x calls x W, "
+                        "scaled up by the buffers' size)); ranks "
                         "with no new step for --wait-timeout + 30 s are killed as 'hung'")
     p.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a wait for a peer lasts before the module reports a timeout "

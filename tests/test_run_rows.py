@@ -70,3 +70,20 @@ def test_sizes_option_is_validated_before_any_rank_starts(capsys) -> None:
 def test_sizes_option_syntax(capsys, text: str, words: str) -> None:
     assert main([str(MTP), "--sizes", text]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_default_deadline_grows_with_steps_sizes_and_world() -> None:
+    from dcpc.harness.run import default_timeout_s, run_elements
+
+    kimi = str(ROOT / "schedules" / "kimi_k3_dcp.yaml")
+
+    def deadline(path: str, world: int, calls: int = 20, **given: int) -> float:
+        s = synth.constructor_sizes(parse_file(path), world, given)
+        return default_timeout_s(calls, world, 60.0, *run_elements(path, world, s))
+
+    old = 4 * (60 + 0.6 * 20 * 2)  # the former bound: max(60 + 0.6 x calls x W, ...)
+    assert old <= deadline(kimi, 2) <= 1.1 * old  # the shipped schedule keeps its bound
+    assert deadline(kimi, 4) > deadline(kimi, 3) > deadline(kimi, 2)
+    assert deadline(str(MTP), 4, T=8, B=64) > 4 * deadline(str(MTP), 4, T=8, B=4)
+    steps, _ = run_elements(kimi, 2, {"T": 8, "B": 4, "H": 4})
+    assert default_timeout_s(20, 2, 60.0, 2 * steps) > default_timeout_s(20, 2, 60.0, steps)

@@ -24,6 +24,10 @@ from datetime import timedelta
 from typing import Any
 
 PROGRESS_ENV = "DCPC_PROGRESS_FILE"
+# A rank that has said nothing yet is still starting (spawn, import torch and triton:
+# seconds on an idle machine, a minute on a loaded one): its stall clock starts at its
+# first words, or after this long.
+STARTUP_S = 120.0
 _progress_fd: int | None = None
 
 
@@ -137,7 +141,8 @@ def launch(
     ``timeout_s`` bounds the whole run. With ``stall_s``, the ranks' ``progress`` is also
     watched: when no rank still running has said anything new for ``stall_s`` seconds,
     they are killed as ``hung``; ranks still progressing at ``timeout_s`` are killed as
-    ``timeout`` (a slow run, not a hang: a larger timeout lets it finish)."""
+    ``timeout`` (a slow run, not a hang: a larger timeout lets it finish). A rank that
+    has said nothing yet is starting, not stalled, for ``STARTUP_S``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="dcpc-launch-")
@@ -178,7 +183,7 @@ def launch(
                 looked = now
                 for rank in range(world):
                     text = _last_words(f"{store}.progress{rank}")
-                    if text != said[rank]:
+                    if text != said[rank] or (not text and now - start < STARTUP_S):
                         said[rank], changed[rank] = text, now
                 running = [changed[r] for r in range(world) if r not in outcomes]
                 if running and now - max(running) >= stall_s:
@@ -214,7 +219,7 @@ def launch(
                 if stall_s is not None and now >= cap and now - changed[rank] < stall_s:
                     outcomes[rank] = RankOutcome(
                         rank, "timeout",
-                        error=f"timed out after {now - start:.1f} s, still making progress; "
+                        error=f"timed out after {now - start:.1f} s (still progressing); "
                         f"killed{where} (not a hang: a larger timeout lets it finish)",
                     )
                     continue

@@ -81,12 +81,35 @@ class RunReport:
                 if o.status != "ok"]
 
 
-def default_timeout_s(calls: int, world: int, wait_s: float) -> float:
+ELEMENTS_REF = 65_536  # about the elements of kimi_k3_dcp's buffers at the harness's sizes
+
+
+def default_timeout_s(calls: int, world: int, wait_s: float, steps: int = 4,
+                      elements: int = ELEMENTS_REF) -> float:
     """The whole run's bound when none is given: four times what an idle 2-core machine
-    needs (60 s + 0.6 s per call and rank under the interpreter), so that a loaded machine
-    finishes; a hang is caught much earlier, by the ranks' progress (``launch``'s
-    ``stall_s``)."""
-    return 4 * max(60.0 + 0.6 * calls * world, wait_s + 30)
+    needs, 60 s plus 0.15 s per step, call and rank under the interpreter (0.6 s per call
+    for kimi_k3_dcp's four steps), scaled by the elements of the schedule's buffers at the
+    run's sizes over ``ELEMENTS_REF`` when there are more. A generous bound costs nothing:
+    a hang is caught much earlier, by the ranks' progress (``launch``'s ``stall_s``)."""
+    per_call = 0.15 * steps * max(1.0, elements / ELEMENTS_REF)
+    return 4 * max(60.0 + per_call * calls * world, wait_s + 30)
+
+
+def run_elements(schedule_path: str, world: int, sizes: dict[str, int]) -> tuple[int, int]:
+    """(steps, elements of every buffer at ``sizes`` on one rank) of a schedule."""
+    from dcpc.harness.simulate import buffer_shape
+    from dcpc.lang.parse import parse_file
+
+    schedule = parse_file(schedule_path)
+    env = {**{k: v for k, v in schedule.sizes.items() if isinstance(v, int)}, **sizes,
+           "W": world}
+    elements = 0
+    for name in schedule.buffers:
+        n = 1
+        for d in buffer_shape(schedule, name, env):
+            n *= d
+        elements += n
+    return len(schedule.step_list()), elements
 
 
 def variant_text(text: str, lse_base: str | None) -> str:
@@ -181,7 +204,8 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
 
         # a survivor of a dead rank must outlive its own wait, to say what it waited for
         wait = config.wait_timeout_s or DEFAULT_TIMEOUT_S
-        timeout = config.timeout_s or default_timeout_s(config.calls, config.world, wait)
+        timeout = config.timeout_s or default_timeout_s(
+            config.calls, config.world, wait, *run_elements(used, config.world, sizes))
         grace = max(config.grace_s, wait + 10)
         # a hang is no progress (no step started or finished on any rank) for longer than
         # a module's own wait lasts; a slow machine only makes the run longer
