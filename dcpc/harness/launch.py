@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -97,7 +98,14 @@ def _child_main(
     args: dict[str, Any],
     results: Any,
     gloo_timeout_s: float,
+    environ: dict[str, str] | None = None,
+    path: list[str] | None = None,
 ) -> None:
+    if environ is not None:  # forked from the fork server: the launcher's environment now
+        os.environ.clear()
+        os.environ.update(environ)
+    if path is not None:
+        sys.path[:] = path
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[PROGRESS_ENV] = f"{store_path}.progress{rank}"
@@ -126,6 +134,21 @@ def _child_main(
     os._exit(0)
 
 
+# Children start from a fork server that imported these once (torch and triton take 2 to
+# 3 s of CPU per process to import; a run starts W of them): DCPC_LAUNCH=spawn starts
+# each child from scratch instead. Either way a child gets the launcher's environment and
+# sys.path of the moment it is started (``_child_main``).
+PRELOAD = ["torch", "torch.distributed", "triton", "dcpc.harness.worker"]
+
+
+def _context() -> Any:
+    if os.environ.get("DCPC_LAUNCH", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def launch(
     worker: str,
     world: int,
@@ -143,14 +166,15 @@ def launch(
     they are killed as ``hung``; ranks still progressing at ``timeout_s`` are killed as
     ``timeout`` (a slow run, not a hang: a larger timeout lets it finish). A rank that
     has said nothing yet is starting, not stalled, for ``STARTUP_S``."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="dcpc-launch-")
     store = os.path.join(tmp, "store")
     procs = [
         ctx.Process(
             target=_child_main,
-            args=(rank, world, store, worker, args or {}, results, gloo_timeout_s),
+            args=(rank, world, store, worker, args or {}, results, gloo_timeout_s,
+                  dict(os.environ), list(sys.path)),
             name=f"dcpc-rank{rank}",
             daemon=True,
         )
