@@ -33,6 +33,26 @@ def _world(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.message) from None
 
 
+def _sizes(text: str) -> dict[str, int]:
+    """``--sizes T=8,B=4``: NAME=INT pairs (the names and ranges are checked against the
+    schedule once it is compiled)."""
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, value = part.strip().partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name.isidentifier():
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not NAME=INT; write e.g. --sizes T=8,B=4")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"size {name} given twice")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"size {name}: {value!r} is not an integer") from None
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dcpc run", description="Run a schedule end to end on CPU and check every output.")
@@ -45,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                         "of one process (as on one GPU)")
     p.add_argument("--calls", type=int, default=20, help="calls per rank, default 20")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sizes", type=_sizes, default=None, metavar="NAME=INT,...",
+                   help="constructor sizes (maxima) instead of the small defaults, e.g. "
+                        "--sizes T=8,B=4; validated as the generated constructor does")
     p.add_argument("--order", choices=("sequential", "interleaved"), default="sequential",
                    help="slot order: call after call, or two slots in flight at once")
     p.add_argument("--lse-base", choices=("e", "2"), default=None,
@@ -54,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-poison", action="store_true", help="zero-fill symmetric memory")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds for the whole run before ranks still working are killed "
-                        "(reported as 'timeout'; default 4 x (60 + 0.6 x calls x W)); ranks "
+                        "(reported as 'timeout'; default 4 x (60 + 0.15 x steps x calls x W, "
+                        "scaled up by the buffers' size)); ranks "
                         "with no new step for --wait-timeout + 30 s are killed as 'hung'")
     p.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a wait for a peer lasts before the module reports a timeout "
@@ -79,16 +103,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dcpc run: {exc.name or 'torch'} is not installed; dcpc run needs torch and "
               "triton: pip install 'dcpc[run]'", file=sys.stderr)
         return 2
-    from dcpc.harness.run import RunConfig, format_report, run_schedule
+    from dcpc.harness.run import RunConfig, RunSizesError, format_report, run_schedule
 
     config = RunConfig(
         schedule=args.schedule, world=args.world, backend=args.backend, calls=args.calls,
         seed=args.seed, order=args.order, lse_base=args.lse_base,
         jitter_s=args.jitter_ms / 1000, poison=not args.no_poison, timeout_s=args.timeout,
-        wait_timeout_s=args.wait_timeout,
+        wait_timeout_s=args.wait_timeout, sizes=args.sizes,
     )
     try:
-        report = run_schedule(config)
+        report = run_schedule(config, announce=lambda line: print(line, flush=True))
+    except RunSizesError as exc:
+        print(f"dcpc run: --sizes: {exc}", file=sys.stderr)
+        return 2
     except DiagnosticError as exc:
         for diagnostic in exc.diagnostics:
             print(diagnostic.render(), file=sys.stderr)

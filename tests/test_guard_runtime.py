@@ -242,14 +242,19 @@ def test_a_skipped_call_raises_on_the_call_with_call_ids(kimi: str, backend: str
 
 
 def missing_at_construction_worker(rank: int, world: int, path: str, backend: str,
-                                   how: str) -> dict[str, Any]:
-    """Rank 1 never constructs: it exits (``how='exit'``) or stays away, alive."""
+                                   how: str, done: str) -> dict[str, Any]:
+    """Rank 1 never constructs: it exits (``how='exit'``) or stays away, alive, until every
+    other rank has finished constructing (each leaves a file ``done.<rank>``; at most
+    60 s), so the others cannot see it gone."""
     import torch.distributed as dist
 
     if rank == 1:
         if how == "exit":
             os._exit(17)
-        time.sleep(40)
+        others = [f"{done}.{r}" for r in range(world) if r != 1]
+        until = time.monotonic() + 60
+        while time.monotonic() < until and not all(os.path.exists(f) for f in others):
+            time.sleep(0.2)
         return {}
     start = time.monotonic()
     try:
@@ -258,16 +263,20 @@ def missing_at_construction_worker(rank: int, world: int, path: str, backend: st
         error = ("none", "construction raised nothing", True)
     except Exception as exc:  # noqa: BLE001 (the test asserts on it)
         error = _error(exc)
-    return {"error": error, "elapsed": time.monotonic() - start}
+    elapsed = time.monotonic() - start
+    open(f"{done}.{rank}", "w").close()
+    return {"error": error, "elapsed": elapsed}
 
 
 @pytest.mark.parametrize("how", ["exit", "absent"])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("backend", ["host", "torch"])
 def test_a_rank_missing_at_construction_is_named_in_seconds(kv_gather: str, backend: str,
-                                                            world: int, how: str) -> None:
+                                                            world: int, how: str,
+                                                            tmp_path) -> None:
     result = launch("test_guard_runtime:missing_at_construction_worker", world,
-                    {"path": kv_gather, "backend": backend, "how": how}, timeout_s=200,
+                    {"path": kv_gather, "backend": backend, "how": how,
+                     "done": str(tmp_path / "done")}, timeout_s=200,
                     grace_s=60, gloo_timeout_s=120)
     for rank, outcome in enumerate(result.outcomes):
         if rank == 1:

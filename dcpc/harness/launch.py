@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -24,6 +25,10 @@ from datetime import timedelta
 from typing import Any
 
 PROGRESS_ENV = "DCPC_PROGRESS_FILE"
+# A rank that has said nothing yet is still starting (spawn, import torch and triton:
+# seconds on an idle machine, a minute on a loaded one): its stall clock starts at its
+# first words, or after this long.
+STARTUP_S = 120.0
 _progress_fd: int | None = None
 
 
@@ -93,7 +98,14 @@ def _child_main(
     args: dict[str, Any],
     results: Any,
     gloo_timeout_s: float,
+    environ: dict[str, str] | None = None,
+    path: list[str] | None = None,
 ) -> None:
+    if environ is not None:  # forked from the fork server: the launcher's environment now
+        os.environ.clear()
+        os.environ.update(environ)
+    if path is not None:
+        sys.path[:] = path
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[PROGRESS_ENV] = f"{store_path}.progress{rank}"
@@ -122,6 +134,21 @@ def _child_main(
     os._exit(0)
 
 
+# Children start from a fork server that imported these once (torch and triton take 2 to
+# 3 s of CPU per process to import; a run starts W of them): DCPC_LAUNCH=spawn starts
+# each child from scratch instead. Either way a child gets the launcher's environment and
+# sys.path of the moment it is started (``_child_main``).
+PRELOAD = ["torch", "torch.distributed", "triton", "dcpc.harness.worker"]
+
+
+def _context() -> Any:
+    if os.environ.get("DCPC_LAUNCH", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def launch(
     worker: str,
     world: int,
@@ -137,15 +164,17 @@ def launch(
     ``timeout_s`` bounds the whole run. With ``stall_s``, the ranks' ``progress`` is also
     watched: when no rank still running has said anything new for ``stall_s`` seconds,
     they are killed as ``hung``; ranks still progressing at ``timeout_s`` are killed as
-    ``timeout`` (a slow run, not a hang: a larger timeout lets it finish)."""
-    ctx = mp.get_context("spawn")
+    ``timeout`` (a slow run, not a hang: a larger timeout lets it finish). A rank that
+    has said nothing yet is starting, not stalled, for ``STARTUP_S``."""
+    ctx = _context()
     results = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="dcpc-launch-")
     store = os.path.join(tmp, "store")
     procs = [
         ctx.Process(
             target=_child_main,
-            args=(rank, world, store, worker, args or {}, results, gloo_timeout_s),
+            args=(rank, world, store, worker, args or {}, results, gloo_timeout_s,
+                  dict(os.environ), list(sys.path)),
             name=f"dcpc-rank{rank}",
             daemon=True,
         )
@@ -178,7 +207,7 @@ def launch(
                 looked = now
                 for rank in range(world):
                     text = _last_words(f"{store}.progress{rank}")
-                    if text != said[rank]:
+                    if text != said[rank] or (not text and now - start < STARTUP_S):
                         said[rank], changed[rank] = text, now
                 running = [changed[r] for r in range(world) if r not in outcomes]
                 if running and now - max(running) >= stall_s:
@@ -214,7 +243,7 @@ def launch(
                 if stall_s is not None and now >= cap and now - changed[rank] < stall_s:
                     outcomes[rank] = RankOutcome(
                         rank, "timeout",
-                        error=f"timed out after {now - start:.1f} s, still making progress; "
+                        error=f"timed out after {now - start:.1f} s (still progressing); "
                         f"killed{where} (not a hang: a larger timeout lets it finish)",
                     )
                     continue

@@ -38,6 +38,7 @@ class RunConfig:
     grace_s: float = 15.0  # after one rank fails, how long the others get
     hb: bool = False  # run the happens-before checker while compiling
     module_patch: tuple[tuple[str, str], ...] = ()  # (old, new) text edits: mutation tests
+    sizes: dict[str, int] | None = None  # constructor sizes (maxima) instead of the small ones
 
     def worker_args(self, schedule_path: str, module_path: str) -> dict[str, Any]:
         return {
@@ -47,6 +48,7 @@ class RunConfig:
             "order": self.order, "timeout_s": self.wait_timeout_s,
             "epoch_start": self.epoch_start, "fault": self.fault, "programs": self.programs,
             **({"mesh": list(self.world.shape)} if isinstance(self.world, MeshWorld) else {}),
+            "sizes": self.sizes,
         }
 
 
@@ -58,6 +60,7 @@ class RunReport:
     outputs: dict[str, OutputStats] = field(default_factory=dict)  # merged over ranks
     ranks: list[RankReport] = field(default_factory=list)
     compile_s: float = 0.0
+    sizes: dict[str, int] = field(default_factory=dict)  # the constructor sizes bound
 
     @property
     def mismatches(self) -> int:
@@ -80,12 +83,35 @@ class RunReport:
                 if o.status != "ok"]
 
 
-def default_timeout_s(calls: int, world: int, wait_s: float) -> float:
+ELEMENTS_REF = 65_536  # about the elements of kimi_k3_dcp's buffers at the harness's sizes
+
+
+def default_timeout_s(calls: int, world: int, wait_s: float, steps: int = 4,
+                      elements: int = ELEMENTS_REF) -> float:
     """The whole run's bound when none is given: four times what an idle 2-core machine
-    needs (60 s + 0.6 s per call and rank under the interpreter), so that a loaded machine
-    finishes; a hang is caught much earlier, by the ranks' progress (``launch``'s
-    ``stall_s``)."""
-    return 4 * max(60.0 + 0.6 * calls * world, wait_s + 30)
+    needs, 60 s plus 0.15 s per step, call and rank under the interpreter (0.6 s per call
+    for kimi_k3_dcp's four steps), scaled by the elements of the schedule's buffers at the
+    run's sizes over ``ELEMENTS_REF`` when there are more. A generous bound costs nothing:
+    a hang is caught much earlier, by the ranks' progress (``launch``'s ``stall_s``)."""
+    per_call = 0.15 * steps * max(1.0, elements / ELEMENTS_REF)
+    return 4 * max(60.0 + per_call * calls * world, wait_s + 30)
+
+
+def run_elements(schedule_path: str, world: int, sizes: dict[str, int]) -> tuple[int, int]:
+    """(steps, elements of every buffer at ``sizes`` on one rank) of a schedule."""
+    from dcpc.harness.simulate import buffer_shape
+    from dcpc.lang.parse import parse_file
+
+    schedule = parse_file(schedule_path)
+    env = {**{k: v for k, v in schedule.sizes.items() if isinstance(v, int)}, **sizes,
+           "W": world}
+    elements = 0
+    for name in schedule.buffers:
+        n = 1
+        for d in buffer_shape(schedule, name, env):
+            n *= d
+        elements += n
+    return len(schedule.step_list()), elements
 
 
 def variant_text(text: str, lse_base: str | None) -> str:
@@ -127,7 +153,44 @@ def compile_to(schedule_path: str, out_dir: Path, world: int, *, lse_base: str |
     return str(used), str(module), c.schedule.schedule, sum(c.seconds.values())
 
 
-def run_schedule(config: RunConfig) -> RunReport:
+class RunSizesError(ValueError):
+    """``--sizes`` the generated constructor refuses (its message names size and range)."""
+
+
+def bound_sizes(config: RunConfig, schedule_path: str, module_path: str,
+                name: str) -> dict[str, int]:
+    """The constructor sizes every rank uses: ``config.sizes`` over the harness's small
+    defaults, validated by the generated class's own rules (``check_sizes``, then its
+    ``_bind_sizes`` for constants, multiples and maxima) before any rank starts."""
+    from dcpc.harness import synth
+    from dcpc.harness.worker import load_module_class
+    from dcpc.lang.parse import parse_file
+    from dcpc.runtime import DcpcArgumentError
+    from dcpc.runtime.validate import check_sizes
+
+    cls = load_module_class(module_path, name)
+    try:
+        given = check_sizes(cls.__name__, config.sizes, cls.SIZES)
+        sizes = synth.constructor_sizes(parse_file(schedule_path), config.world, given)
+        probe = cls.__new__(cls)  # the constructor's size rules, without its allocation
+        probe.world = config.world
+        probe._bind_sizes({**given, **sizes})
+    except DcpcArgumentError as exc:
+        raise RunSizesError(str(exc)) from None
+    return sizes
+
+
+def sizes_line(sizes: dict[str, int], world: int) -> str:
+    """What a run binds, printed at its start: W, then each size (maxima: per call, call 0
+    runs at the maxima, call 1 at 1, the others at random values in between)."""
+    bound = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    return (f"sizes      W={world}" + (f", {bound}" if bound else "")
+            + " (a size with a max: call 0 at it, call 1 at 1, later calls random)")
+
+
+def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
+    """Compile and run ``config``; ``announce(line)``, when given, hears the bound sizes
+    before any rank starts."""
     if config.backend == "host":
         from dcpc.runtime.host import remove_orphan_segments
 
@@ -136,11 +199,15 @@ def run_schedule(config: RunConfig) -> RunReport:
         used, module, name, compile_s = compile_to(
             config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb,
             patch=config.module_patch)
+        sizes = bound_sizes(config, used, module, name)
+        if announce is not None:
+            announce(sizes_line(sizes, config.world))
         from dcpc.runtime.module import DEFAULT_TIMEOUT_S
 
         # a survivor of a dead rank must outlive its own wait, to say what it waited for
         wait = config.wait_timeout_s or DEFAULT_TIMEOUT_S
-        timeout = config.timeout_s or default_timeout_s(config.calls, config.world, wait)
+        timeout = config.timeout_s or default_timeout_s(
+            config.calls, config.world, wait, *run_elements(used, config.world, sizes))
         grace = max(config.grace_s, wait + 10)
         # a hang is no progress (no step started or finished on any rank) for longer than
         # a module's own wait lasts; a slow machine only makes the run longer
@@ -154,7 +221,7 @@ def run_schedule(config: RunConfig) -> RunReport:
             result = launch("dcpc.harness.worker:run_rank", int(config.world),
                             config.worker_args(used, module), timeout_s=timeout, grace_s=grace,
                             stall_s=stall)
-    report = RunReport(config, name, result, compile_s=compile_s)
+    report = RunReport(config, name, result, compile_s=compile_s, sizes=sizes)
     for outcome in result.outcomes:
         if outcome.status != "ok":
             continue
@@ -194,6 +261,7 @@ def format_report(report: RunReport) -> str:
            f"{c.world} processes") + f"), backend {c.backend}, "
         f"{_count(c.calls, 'call')}, "
         f"slot order {c.order}, seed {c.seed}",
+        sizes_line(report.sizes, c.world),
         f"adversary  poisoned memory: {'yes' if c.poison else 'no'}, delays up to "
         f"{1000 * c.jitter_s:.1f} ms (p={c.jitter_p})",
         "output        compared  mismatches  max abs err vs float64",

@@ -34,11 +34,30 @@ def buffer_shape(schedule: m.Schedule, name: str, sizes: Mapping[str, int]) -> t
     return tuple(ex.evaluate(ex.parse(d), sizes) for d in schedule.buffers[name].shape)
 
 
-def as_stored(schedule: m.Schedule, name: str, value: torch.Tensor) -> torch.Tensor:
-    """``value`` rounded to the buffer's dtype, back in float64 (int64 for integers)."""
+# How a kernel rounds an fp32 value it stores into bf16, by backend: Triton 3.6's CPU
+# interpreter (backends host and local of the harness) truncates (toward zero); torch and
+# compiled Triton on a GPU round to nearest even. f16 and fp8 round to nearest on all.
+KERNEL_ROUNDING = {"host": "toward_zero", "local": "toward_zero", "torch": "nearest"}
+
+
+def bf16_toward_zero(value: torch.Tensor) -> torch.Tensor:
+    """fp32 ``value`` (float64 is rounded to fp32 first, as a kernel computes in fp32)
+    truncated to bf16, as the interpreter stores it; NaN and inf stay."""
+    f32 = value.to(torch.float32)
+    bits = f32.view(torch.int32) & ~0xFFFF
+    out = bits.view(torch.float32).to(torch.bfloat16)  # exact: the low bits are zero
+    return torch.where(torch.isnan(f32), f32.to(torch.bfloat16), out)
+
+
+def as_stored(schedule: m.Schedule, name: str, value: torch.Tensor,
+              rounding: str = "nearest") -> torch.Tensor:
+    """``value`` rounded to the buffer's dtype, back in float64 (int64 for integers);
+    ``rounding``: how the kernel that stores it rounds into bf16 (``KERNEL_ROUNDING``)."""
     dtype = schedule.buffers[name].dtype
     if not dtype.is_float:
         return value.to(torch.int64)
+    if rounding == "toward_zero" and dtype.value == "bf16":
+        return bf16_toward_zero(value).to(torch.float64)
     return value.to(TORCH_DTYPES[dtype.value]).to(torch.float64)
 
 
@@ -125,6 +144,7 @@ class Sim:
         self.schedule, self.world, self.env, self.external = schedule, world, env, external
         self.bufs = [dict(rank_inputs) for rank_inputs in inputs]
         self.written: list[Buffers] = [{} for _ in range(world)]
+        self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return buffer_shape(self.schedule, name, self.env)
@@ -145,13 +165,13 @@ class Sim:
         want = self.shape(name)
         if tuple(value.shape) != want:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
-        self.bufs[rank][name] = as_stored(self.schedule, name, value)
+        self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding)
         self.written[rank][name] = self.bufs[rank][name]
 
     def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None:
         """Keep a value no schedule buffer holds (an implicit receive buffer), rounded to
         the dtype of buffer ``like``; not traced."""
-        self.bufs[rank][name] = as_stored(self.schedule, like, value)
+        self.bufs[rank][name] = as_stored(self.schedule, like, value, self.rounding)
 
     def all_to_all(self, src: str, dst: str, dim: int,
                    store: Callable[[int, str, torch.Tensor], None] | None = None) -> None:
@@ -188,6 +208,7 @@ def simulate_call(
     inputs: list[Buffers],
     external: External,
     trace: list[list[Buffers]] | None = None,
+    rounding: str = "nearest",
 ) -> list[Buffers]:
     """Run every step of one call on all ranks; return every rank's buffers at the end.
 
@@ -195,9 +216,13 @@ def simulate_call(
     ``trace`` (a list), one entry per step is appended: every rank's values of
     what the step wrote, as they stand right after it. A buffer written twice in a
     call has two entries, so each read can be compared with what it sees at its point.
+    ``rounding``: how the backend's kernels store into bf16 (``KERNEL_ROUNDING``), so that
+    a value moved after the step that rounded it is compared with the bits it has.
     """
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     for step in schedule.step_list():
+        # the engine's own steps store as torch does (the harness's synthetic ones do)
+        sim.rounding = "nearest" if isinstance(step.op, m.External) else rounding
         if trace is not None and step.index:
             trace.append(sim.written)
             sim.written = [{} for _ in range(world)]

@@ -1,11 +1,12 @@
 """Deterministic call inputs and synthetic external steps, from seeds.
 
 Every rank and the float64 simulator derive the same values from ``(seed, call)``:
-sizes per call (token counts from 1 to the maximum), ``seq_lens`` short enough that
-some ranks hold an empty KV shard, ``query_start_loc`` leaving CUDA-graph padding
-rows, and per-rank engine inputs. The synthetic "attention" depends on what it
-reads (so a wrong gather shows in the merged output) and writes NaN/inf garbage
-into the partials of empty shards and padding rows, as a real kernel may.
+sizes per call (each from 1 to its maximum), ``seq_lens`` short enough that
+some ranks hold an empty KV shard, ``query_start_loc`` over the masked merge's rows
+(``mask_rows``: ``T``, ``B*T``, ...) leaving CUDA-graph padding rows, and per-rank
+engine inputs. The synthetic "attention" depends on what it reads (so a wrong gather
+shows in the merged output) and writes NaN/inf garbage into the partials of empty
+shards and padding rows, as a real kernel may.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ def mesh_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
     return {name: shape[axis] for name, axis in mesh_of(schedule).size_names().items()}
 
 
+def mask_rows(schedule: m.Schedule, sizes: Mapping[str, int]) -> int | None:
+    """The rows ``query_start_loc`` indexes in one call: the leading dim of the masked
+    merge's ``dst`` (``T``, ``B*T`` for MTP, ``N``, whatever the schedule calls it)."""
+    for step in schedule.step_list():
+        if getattr(step.op, "mask_empty", None) is not None:
+            return buffer_shape(schedule, step.op.dst, sizes)[0]
+    return None
+
+
 def runtime_sizes(schedule: m.Schedule) -> list[str]:
     """The sizes bound per call (``max`` only), which a method may take as ``sizes=``."""
     axes = set(schedule.mesh.values()) if schedule.mesh else set()
@@ -73,9 +83,11 @@ def runtime_sizes(schedule: m.Schedule) -> list[str]:
             and name not in axes]
 
 
-def constructor_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
+def constructor_sizes(schedule: m.Schedule, world: int,
+                      given: Mapping[str, int] | None = None) -> dict[str, int]:
     """``sizes=`` for the generated constructor: small maxima, smallest-but-one multiples;
-    a mesh's axis sizes from the mesh shape ``world`` (dcpc.lang.mesh)."""
+    a mesh's axis sizes from the mesh shape ``world`` (dcpc.lang.mesh); ``given``
+    (``dcpc run --sizes``, validated by the module's constructor) replaces them."""
     out: dict[str, int] = mesh_sizes(schedule, world)
     for name, spec in schedule.sizes.items():
         if isinstance(spec, int) or name in out:
@@ -85,6 +97,7 @@ def constructor_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
                                         {**mesh_sizes(schedule, world), "W": world})
         elif spec.max is not None:
             out[name] = min(spec.max, SMALL_MAX.get(name, DEFAULT_SMALL_MAX))
+    out.update({k: v for k, v in (given or {}).items() if k in out})
     return out
 
 
@@ -128,7 +141,9 @@ def call_inputs(
     shared: Buffers = {}
     if mask is not None:
         requests = buffer_shape(schedule, mask.lengths, sizes)[0]
-        req = _requests(rng, sizes["T"], requests, world, mask.interleave)
+        rows = mask_rows(schedule, sizes)
+        assert rows is not None
+        req = _requests(rng, rows, requests, world, mask.interleave)
         lengths = req["seq_lens"]
         if mask.local_seq_lens is not None:  # every rank's own lengths [B, W] (interleave 1)
             lengths = torch.stack([local_seq_len(lengths, p, world, 1) for p in range(world)], 1)
@@ -205,6 +220,7 @@ def make_external(
     """The harness's external steps for one call: ``fn(step, rank, bufs) -> writes``."""
     mask = mask_of(schedule)
     env = {**sizes, "W": world}
+    masked = mask_rows(schedule, env)  # written rows of this count get garbage when masked
 
     def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
         op = step.op
@@ -227,7 +243,7 @@ def make_external(
                 value = torch.tanh(x * (0.5 + 0.1 * rank) + 0.05 * rank)
             else:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
-            if mask is not None and len(shape) >= 2 and shape[0] == sizes.get("T"):
+            if mask is not None and len(shape) >= 2 and shape[0] == masked:
                 rows = empty_rows(mask, bufs, rank, world, shape[0])
                 pool = O_GARBAGE if len(shape) == 3 else LSE_GARBAGE
                 for t in torch.nonzero(rows).flatten().tolist():

@@ -24,7 +24,13 @@ import torch.distributed as dist
 
 from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
-from dcpc.harness.simulate import TORCH_DTYPES, Buffers, seen_at, simulate_call
+from dcpc.harness.simulate import (
+    KERNEL_ROUNDING,
+    TORCH_DTYPES,
+    Buffers,
+    seen_at,
+    simulate_call,
+)
 from dcpc.lang import model as m
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
@@ -152,6 +158,7 @@ def run_rank(
     programs: int | None = None,
     group: Any = None,
     mesh: list[int] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -164,7 +171,7 @@ def run_rank(
     schedule = parse_file(schedule_path, world=world)
     steps = schedule.step_list()
     cls = load_module_class(module_path, schedule.schedule)
-    ctor = synth.constructor_sizes(schedule, world)
+    ctor = synth.constructor_sizes(schedule, world, sizes)
     # ``programs`` for every step (signalling or not): the interpreter runs programs
     # one after another, so fewer programs is the cheap way to run on CPU
     tuning = None if programs is None else {
@@ -195,7 +202,8 @@ def run_rank(
             inputs = synth.call_inputs(schedule, world, sizes, seed, event.call)
             external = synth.make_external(schedule, world, sizes, seed, event.call)
             trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
-            simulate_call(schedule, world, sizes, inputs, external, trace=trace)
+            simulate_call(schedule, world, sizes, inputs, external, trace=trace,
+                          rounding=KERNEL_ROUNDING.get(backend, "nearest"))
             env = {k: _to_engine(schedule, k, v) for k, v in inputs[rank].items()}
             live[event.call] = (trace, env, external, sizes)
         trace, env, external, sizes = live[event.call]
