@@ -33,16 +33,38 @@ def _world(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.message) from None
 
 
+def _backend(text: str) -> str | dict[str, str]:
+    """``--backend``: one kind, or one per mesh axis (``node=torch,gpu=host``)."""
+    from dcpc.runtime.axes import parse_mapping
+
+    kinds = ("host", "torch", "local")
+    try:
+        value = parse_mapping(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    for kind in [value] if isinstance(value, str) else value.values():
+        if kind not in kinds:
+            raise argparse.ArgumentTypeError(
+                f"invalid kind {kind!r} (choose from {', '.join(kinds)})")
+    if isinstance(value, dict) and "local" in value.values() and len(set(value.values())) > 1:
+        raise argparse.ArgumentTypeError(
+            "local runs every rank as a thread of one process: it cannot share a mesh "
+            "with another kind")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dcpc run", description="Run a schedule end to end on CPU and check every output.")
     p.add_argument("schedule", help="schedule YAML file")
     p.add_argument("--world", "-W", type=_world, default=2,
                    help=f"group size: processes (ranks), one N in 2..{MAX_RUN_WORLD}, default 2")
-    p.add_argument("--backend", choices=("host", "torch", "local"), default="host",
+    p.add_argument("--backend", type=_backend, default="host", metavar="KIND|AXIS=KIND,...",
                    help="host: Triton interpreter + shared memory, one process per rank; "
                         "torch: gloo collectives; local: the same kernels, ranks as threads "
-                        "of one process (as on one GPU)")
+                        "of one process (as on one GPU). On a mesh, one kind per axis, e.g. "
+                        "--world 2x2 --backend node=torch,gpu=host: the node axis' steps run "
+                        "on gloo, the gpu axis' kernels on host shared memory per gpu team")
     p.add_argument("--calls", type=int, default=20, help="calls per rank, default 20")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--order", choices=("sequential", "interleaved"), default="sequential",
