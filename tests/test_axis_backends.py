@@ -134,3 +134,22 @@ def test_dcpc_run_2x2_node_on_torch_gpu_on_host() -> None:
     assert "backend node=torch,gpu=host" in out
     for name in ("q_node", "q_full", "part_node", "part_shard"):
         assert report.outputs[name].compared == 3 * 4 and not report.outputs[name].mismatches
+
+
+def test_a_torch_step_of_a_mixed_module_settles_its_team(two_level: type) -> None:
+    """The node steps run their torch body and then meet their team (docs/hb-checker.md,
+    "Per-axis backends"); the gpu steps run their kernels and never do (1x1 mesh)."""
+    module = two_level(None, sizes=ONE, device="cpu", backend=MIXED)
+    settled: list[str] = []
+    real = module._settle
+    module._settle = lambda step, slot: (settled.append(step), real(step, slot))
+    try:
+        q = torch.randn(2, 4, 8).to(torch.bfloat16)
+        part = torch.randn(2, 4, 8)
+        assert torch.equal(module.gather_in_node(q), q)
+        assert torch.equal(module.gather_nodes(), q)
+        assert torch.equal(module.sum_nodes(part), part)
+        assert torch.equal(module.sum_in_node(), part)
+        assert settled == ["gather_nodes", "sum_nodes"]
+    finally:
+        module.close()

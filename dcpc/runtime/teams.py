@@ -44,6 +44,7 @@ class TeamsMixin:
     backend: str
     backends: dict[str, str]
     _groups: dict[str, Any]
+    _one: torch.Tensor
     _peers: dict[str, list[torch.Tensor]]
 
     def _bind_mesh(self, env: dict[str, int]) -> None:
@@ -139,6 +140,16 @@ class TeamsMixin:
                             group, slot, member, timeout)
 
     # ---- per-axis backends (dcpc.runtime.axes) ------------------------------------------
+    def _settle(self, step: str, slot: int) -> None:
+        """After a torch step of a module whose other axes run kernels: its team meets
+        (a barrier), so that every member's collective has written its result before
+        any member returns, as the proof assumed of a step's writes (docs/hb-checker.md,
+        "Per-axis backends"): a gloo or NCCL collective returns on one rank while a
+        peer may still be receiving."""
+        from dcpc.runtime.collectives import barrier
+
+        barrier(self._team_comm(step, slot), self._one, self._team_size(step))
+
     def _global_ranks(self) -> list[int]:
         if self.group is None:
             return list(range(self.world))
