@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from dcpc import pipeline
 from dcpc.demo import _backend
+from dcpc.harness.launch import launch
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.mesh import MeshWorld
 from dcpc.runtime import axes
@@ -153,3 +155,75 @@ def test_a_torch_step_of_a_mixed_module_settles_its_team(two_level: type) -> Non
         assert settled == ["gather_nodes", "sum_nodes"]
     finally:
         module.close()
+
+
+def engine_worker(rank: int, world: int, module_path: str, calls: int) -> dict[str, Any]:
+    """An engine's view: it makes its own process groups per axis (every rank, the same
+    order), passes them as ``groups=`` with ``backend={"node": "torch", "gpu": "host"}``,
+    and checks each returned output against float64 from every rank's inputs."""
+    import torch.distributed as dist
+
+    n, g, t, h, d = 2, 2, 3, 8, 8
+    node_of, gpu_of = divmod(rank, g)
+    groups = {}
+    for gpu in range(g):  # node teams: same gpu index, every node
+        pg = dist.new_group([node * g + gpu for node in range(n)])
+        if gpu == gpu_of:
+            groups["node"] = pg
+    for node in range(n):  # gpu teams: one node's ranks
+        pg = dist.new_group([node * g + gpu for gpu in range(g)])
+        if node == node_of:
+            groups["gpu"] = pg
+    cls = schedule_class(import_file(module_path, "dcpc_axes_engine"), "two_level")
+    module = cls(dist.group.WORLD, sizes={"N": n, "G": g, "H": h}, device="cpu",
+                 backend=dict(MIXED), groups=groups, poison=True)
+    heap = module._heap
+    out = {"heap_world": heap.inner.world, "own_group": heap.inner.group is groups["gpu"],
+           "team_ptrs": [int(p != 0) for p in module._peers["q_node"][0].tolist()],
+           "moved": 0.0, "summed": 0.0, "compared": 0}
+    for call in range(calls):
+        gen = [torch.Generator().manual_seed(1000 * call + r) for r in range(world)]
+        q = [torch.randn(t, h // world, d, generator=gen[r]).to(torch.bfloat16)
+             for r in range(world)]
+        part = [torch.randn(t, h, d, generator=gen[r]) for r in range(world)]
+        slot = call % 2
+        got_node = module.gather_in_node(q[rank], slot=slot).double()
+        got_full = module.gather_nodes(slot=slot).double()
+        got_pnode = module.sum_nodes(part[rank], slot=slot).double()
+        got_shard = module.sum_in_node(slot=slot).double()
+        team = [node_of * g + j for j in range(g)]
+        want_node = torch.cat([q[r].double() for r in team], dim=1)
+        want_full = torch.cat([q[r].double() for r in range(world)], dim=1)
+        sums = {r: sum(part[c].double() for c in [r - (r // g) * g + k * g for k in range(n)])
+                for r in team}  # sum over the node team of r: its part_node before slicing
+        hn = h // n
+        want_pnode = sums[rank][:, node_of * hn:(node_of + 1) * hn]
+        want_shard = sum(sums[r][:, node_of * hn:(node_of + 1) * hn] for r in team)[
+            :, gpu_of * (hn // g):(gpu_of + 1) * (hn // g)]
+        for key, got, want in (("moved", got_node, want_node), ("moved", got_full, want_full),
+                               ("summed", got_pnode, want_pnode),
+                               ("summed", got_shard, want_shard)):
+            err = float((got - want).abs().max())  # NaN (poison) fails both bounds below
+            out[key] = err if err != err else max(out[key], err)
+            out["compared"] += 1
+    module.close()
+    return out
+
+
+@pytest.mark.e2e
+def test_an_engine_passes_its_per_axis_groups(two_level: type, tmp_path: Path) -> None:
+    """groups= across 4 processes: the heap spans the engine's own gpu group (2 ranks,
+    pointers to the gpu team only), the node steps run on its node groups; outputs of
+    both kinds of step match float64 (bf16 moves exactly, fp32 sums within 1e-5)."""
+    c = pipeline.run(TWO_LEVEL, pipeline.Options(worlds=[MeshWorld((2, 2))]), until="emit")
+    module = tmp_path / "two_level.py"
+    module.write_text(c.module_text)
+    result = launch("test_axis_backends:engine_worker", 4,
+                    {"module_path": str(module), "calls": 3}, timeout_s=300)
+    assert result.ok, result.summary() + "".join(o.traceback or "" for o in result.outcomes)
+    for rank, value in enumerate(result.values()):
+        assert value["heap_world"] == 2 and value["own_group"], value
+        gpu_team = [r // 2 == rank // 2 for r in range(4)]
+        assert value["team_ptrs"] == [int(x) for x in gpu_team], value
+        assert value["compared"] == 12 and value["moved"] == 0, value  # bf16 moved bit-exact
+        assert value["summed"] <= 1e-5, value
