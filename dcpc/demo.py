@@ -34,14 +34,21 @@ def _world(text: str) -> int:
 
 
 def _backend(text: str) -> str | dict[str, str]:
-    """``--backend``: one kind, or one per mesh axis (``node=torch,gpu=host``)."""
-    from dcpc.runtime.axes import parse_mapping
-
+    """``--backend``: one kind, or one per mesh axis (``node=torch,gpu=host``; the axes
+    are checked by the module at construction, dcpc.runtime.axes). Imports nothing:
+    ``dcpc run`` says what to install when torch is missing, after parsing."""
     kinds = ("host", "torch", "local")
-    try:
-        value = parse_mapping(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    value: str | dict[str, str] = text
+    if "=" in text:
+        value = {}
+        for part in text.split(","):
+            axis, sep, kind = (x.strip() for x in part.partition("="))
+            if not sep or not axis or not kind:
+                raise argparse.ArgumentTypeError(
+                    f"'{part}' is not AXIS=KIND (e.g. node=torch,gpu=host)")
+            if axis in value:
+                raise argparse.ArgumentTypeError(f"axis '{axis}' is named twice")
+            value[axis] = kind
     for kind in [value] if isinstance(value, str) else value.values():
         if kind not in kinds:
             raise argparse.ArgumentTypeError(

@@ -52,21 +52,6 @@ class AxisPlan:
         return bool(self.torch_steps) and self.kind != "torch"
 
 
-def parse_mapping(text: str) -> dict[str, str] | str:
-    """``node=torch,gpu=host`` -> {"node": "torch", "gpu": "host"}; a plain kind as is."""
-    if "=" not in text:
-        return text
-    out: dict[str, str] = {}
-    for part in text.split(","):
-        axis, sep, kind = part.strip().partition("=")
-        if not sep or not axis.strip() or not kind.strip():
-            raise ValueError(f"'{part}' is not AXIS=KIND (e.g. node=torch,gpu=host)")
-        if axis.strip() in out:
-            raise ValueError(f"axis '{axis.strip()}' is named twice")
-        out[axis.strip()] = kind.strip()
-    return out
-
-
 def split(
     owner: str,
     backend: object,
