@@ -102,6 +102,8 @@ def test_a_kind_that_needs_a_group_without_one_is_refused(two_level: type) -> No
         two_level(None, sizes=ONE, device="cpu", backend=MIXED, groups={"gpu": object()})
     with pytest.raises(DcpcArgumentError, match="groups= names axis 'rack'"):
         two_level(None, sizes=ONE, device="cpu", backend=MIXED, groups={"rack": object()})
+    with pytest.raises(DcpcArgumentError, match="groups= goes with backend= as a mapping"):
+        two_level(None, sizes=ONE, device="cpu", backend="host", groups={"gpu": object()})
 
 
 def test_the_heap_of_a_team_is_indexed_by_module_rank() -> None:

@@ -122,6 +122,10 @@ def check_groups(owner: str, groups: object, per_axis: Mapping[str, str],
     axis -> the global ranks of this rank's team along that axis, in member order."""
     if groups is None:
         return {}
+    if not per_axis:
+        raise DcpcArgumentError(
+            f"{owner}: groups= goes with backend= as a mapping axis -> kind (e.g. "
+            f"{{'node': 'torch', 'gpu': 'host'}}); with one kind, pass group= only")
     if not isinstance(groups, Mapping):
         raise DcpcArgumentError(
             f"{owner}: groups= maps a mesh axis to this rank's process group along it, "

@@ -266,8 +266,11 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                  ("backend", validate.BACKENDS.index(self.backend))]
         facts += [(f"size {n}", self._max_env[n]) for n, (kind, _) in self.SIZES.items()
                   if kind != "const"]
-        facts += [(f"backend of axis {a}", validate.BACKENDS.index(k))
-                  for a, k in self.backends.items()]
+        if self.MESH:  # as many facts on every rank, whatever backend= and groups= it got
+            facts += [(f"backend of axis {a}",
+                       validate.BACKENDS.index(self.backends.get(a, self.backend)))
+                      for a, _ in self.MESH]
+            facts += [("groups= given", int(bool(self._groups)))]
         facts += [("guard", int(self._guard)), ("epoch_start", self._epoch_start)]
         for step, tune in self._tune.items():
             facts += [(f"tuning['{step}']['programs']", tune.programs),

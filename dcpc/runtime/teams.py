@@ -130,8 +130,12 @@ class TeamsMixin:
                 for members in teams:
                     ranks = tuple(glob[m] for m in members)
                     group = _TEAM_GROUPS.get((ranks, slot))
-                    if slot == 0 and given and mine in given and self.rank in members:
-                        group = given[mine]  # the engine's own group along this axis
+                    if slot == 0 and given and mine in given:
+                        # the engine's own groups along this axis: every rank passed them
+                        # (a rendezvous fact), so every rank skips making these alike
+                        if self.rank not in members:
+                            continue
+                        group = given[mine]
                     elif group is None:
                         group = _TEAM_GROUPS[(ranks, slot)] = dist.new_group(list(ranks))
                     if self.rank in members:
