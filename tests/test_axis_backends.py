@@ -229,3 +229,28 @@ def test_an_engine_passes_its_per_axis_groups(two_level: type, tmp_path: Path) -
         assert value["team_ptrs"] == [int(x) for x in gpu_team], value
         assert value["compared"] == 12 and value["moved"] == 0, value  # bf16 moved bit-exact
         assert value["summed"] <= 1e-5, value
+
+
+def test_only_signalling_steps_reach_peers() -> None:
+    """dcpc.runtime.axes gives a step that does not signal the symmetric kind whatever
+    the mapping: sound only if such a step never reaches a peer's memory. Every gallery
+    layout's generated module: a method body that names peer pointers (``_peers``,
+    ``_team_peers``) or a process group belongs to a SIGNALLING step."""
+    import re
+
+    from test_gallery import header, worlds
+
+    for path in sorted((ROOT / "schedules" / "gallery").glob("*.yaml")):
+        world = worlds(header(path, "run") or "2")[0]
+        c = pipeline.run(path, pipeline.Options(worlds=[world]), until="emit")
+        text = c.module_text
+        signalling = set(re.search(r"SIGNALLING = (\([^)]*\))", text, re.S)[1]
+                         .replace("\n", "").strip("()").replace('"', "").replace(" ", "")
+                         .split(",")) - {""}
+        bodies = re.split(r"\n    @_rt\.guarded\n    def _checked_", text)[1:]
+        assert bodies, path
+        for body in bodies:
+            step = body.split("(", 1)[0]
+            body = body.split("\n    def ", 1)[0]
+            if re.search(r"_peers|_team_comm|_comms\[", body):
+                assert step in signalling, (path.name, step)
