@@ -254,3 +254,16 @@ def test_only_signalling_steps_reach_peers() -> None:
             body = body.split("\n    def ", 1)[0]
             if re.search(r"_peers|_team_comm|_comms\[", body):
                 assert step in signalling, (path.name, step)
+
+
+def test_a_mesh_module_on_torch_runs_on_one_rank(two_level: type) -> None:
+    """The 1x1 mesh with no process group on the torch backend: its team steps get this
+    rank alone (before: construction called torch.distributed.new_group, which needs an
+    initialised default group)."""
+    module = two_level(None, sizes=ONE, device="cpu", backend="torch")
+    try:
+        q = torch.randn(2, 4, 8).to(torch.bfloat16)
+        assert torch.equal(module.gather_in_node(q), q)
+        assert torch.equal(module.gather_nodes(), q)
+    finally:
+        module.close()
