@@ -53,16 +53,45 @@ def _sizes(text: str) -> dict[str, int]:
     return out
 
 
+def _backend(text: str) -> str | dict[str, str]:
+    """``--backend``: one kind, or one per mesh axis (``node=torch,gpu=host``; the axes
+    are checked by the module at construction, dcpc.runtime.axes). Imports nothing:
+    ``dcpc run`` says what to install when torch is missing, after parsing."""
+    kinds = ("host", "torch", "local")
+    value: str | dict[str, str] = text
+    if "=" in text:
+        value = {}
+        for part in text.split(","):
+            axis, sep, kind = (x.strip() for x in part.partition("="))
+            if not sep or not axis or not kind:
+                raise argparse.ArgumentTypeError(
+                    f"'{part}' is not AXIS=KIND (e.g. node=torch,gpu=host)")
+            if axis in value:
+                raise argparse.ArgumentTypeError(f"axis '{axis}' is named twice")
+            value[axis] = kind
+    for kind in [value] if isinstance(value, str) else value.values():
+        if kind not in kinds:
+            raise argparse.ArgumentTypeError(
+                f"invalid kind {kind!r} (choose from {', '.join(kinds)})")
+    if isinstance(value, dict) and "local" in value.values() and len(set(value.values())) > 1:
+        raise argparse.ArgumentTypeError(
+            "local runs every rank as a thread of one process: it cannot share a mesh "
+            "with another kind")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dcpc run", description="Run a schedule end to end on CPU and check every output.")
     p.add_argument("schedule", help="schedule YAML file")
     p.add_argument("--world", "-W", type=_world, default=2,
                    help=f"group size: processes (ranks), one N in 2..{MAX_RUN_WORLD}, default 2")
-    p.add_argument("--backend", choices=("host", "torch", "local"), default="host",
+    p.add_argument("--backend", type=_backend, default="host", metavar="KIND|AXIS=KIND,...",
                    help="host: Triton interpreter + shared memory, one process per rank; "
                         "torch: gloo collectives; local: the same kernels, ranks as threads "
-                        "of one process (as on one GPU)")
+                        "of one process (as on one GPU). On a mesh, one kind per axis, e.g. "
+                        "--world 2x2 --backend node=torch,gpu=host: the node axis' steps run "
+                        "on gloo, the gpu axis' kernels on host shared memory per gpu team")
     p.add_argument("--calls", type=int, default=20, help="calls per rank, default 20")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sizes", type=_sizes, default=None, metavar="NAME=INT,...",

@@ -22,7 +22,7 @@ from dcpc.lang.mesh import MeshWorld
 class RunConfig:
     schedule: str  # path of the YAML file
     world: int = 2
-    backend: str = "host"
+    backend: str | dict[str, str] = "host"  # or one kind per mesh axis
     calls: int = 50
     seed: int = 0
     jitter_s: float = 0.002  # longest random delay before/after a step
@@ -191,7 +191,7 @@ def sizes_line(sizes: dict[str, int], world: int) -> str:
 def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
     """Compile and run ``config``; ``announce(line)``, when given, hears the bound sizes
     before any rank starts."""
-    if config.backend == "host":
+    if _kinds(config.backend) & {"host"}:
         from dcpc.runtime.host import remove_orphan_segments
 
         remove_orphan_segments()  # segments of ranks killed in earlier runs
@@ -212,7 +212,7 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
         # a hang is no progress (no step started or finished on any rank) for longer than
         # a module's own wait lasts; a slow machine only makes the run longer
         stall = wait + 30
-        if config.backend == "local":  # W threads of one process
+        if _kinds(config.backend) == {"local"}:  # W threads of one process
             args = {**config.worker_args(used, module), "ranks": int(config.world),
                     "group_timeout_s": timeout}
             result = _per_rank(launch("dcpc.harness.worker:run_local", 1, args,
@@ -234,6 +234,16 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
             merged.max_abs_err = max(merged.max_abs_err, stats.max_abs_err)
             merged.first_mismatch = merged.first_mismatch or stats.first_mismatch
     return report
+
+
+def _kinds(backend: str | dict[str, str]) -> set[str]:
+    """The backend kinds of ``--backend``: one, or one per mesh axis."""
+    return {backend} if isinstance(backend, str) else set(backend.values())
+
+
+def show_backend(backend: str | dict[str, str]) -> str:
+    return backend if isinstance(backend, str) else ",".join(
+        f"{a}={k}" for a, k in backend.items())
 
 
 def _per_rank(result: LaunchResult, world: int) -> LaunchResult:
@@ -258,7 +268,7 @@ def format_report(report: RunReport) -> str:
         + (f", LSE base {c.lse_base}" if c.lse_base else ""),
         f"world      W={c.world} ("
         + (f"{c.world} threads of one process" if c.backend == "local" else
-           f"{c.world} processes") + f"), backend {c.backend}, "
+           f"{c.world} processes") + f"), backend {show_backend(c.backend)}, "
         f"{_count(c.calls, 'call')}, "
         f"slot order {c.order}, seed {c.seed}",
         sizes_line(report.sizes, c.world),
@@ -273,9 +283,9 @@ def format_report(report: RunReport) -> str:
     cpu = sum(r.cpu_s for r in report.ranks)  # local: every thread reads the process's
     if c.backend == "local" and report.ranks:
         cpu = max(r.cpu_s for r in report.ranks)
-    lines.append(f"time       {report.ms_per_call:.1f} ms per call in the module ({c.backend} "
-                 f"backend on CPU), {report.launch.wall_s:.1f} s wall, {cpu:.1f} s CPU over "
-                 f"all ranks, compile {report.compile_s:.2f} s")
+    lines.append(f"time       {report.ms_per_call:.1f} ms per call in the module "
+                 f"({show_backend(c.backend)} backend on CPU), {report.launch.wall_s:.1f} s "
+                 f"wall, {cpu:.1f} s CPU over all ranks, compile {report.compile_s:.2f} s")
     lines += [f"error      {e}" for e in report.errors()]
     lines.append(f"result     {'OK: every output matches' if report.ok else 'FAILED'}"
                  f" ({report.mismatches} mismatches)")

@@ -145,7 +145,7 @@ def run_rank(
     *,
     schedule_path: str,
     module_path: str,
-    backend: str,
+    backend: str | dict[str, str],
     calls: int,
     seed: int = 0,
     jitter_s: float = 0.002,

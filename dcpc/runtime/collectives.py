@@ -140,7 +140,8 @@ def all_to_all(
     """Part j of src ([outer, W, part]) lands in dst[rank] ([W, outer, part]) on rank j."""
     staged = send[: outer * world * part]
     staged.view(world, outer, part).copy_(src.reshape(outer, world, part).transpose(0, 1))
-    _all_to_all_single(comm, dst.reshape(-1), staged, world)
+    # dst may hold more rows than the team (a team op's implicit via: [W, ...]): the first
+    _all_to_all_single(comm, dst.reshape(-1)[: world * outer * part], staged, world)
 
 
 def reduce_scatter(
@@ -159,7 +160,8 @@ def reduce_scatter(
     once into dst's dtype (``scale``: quantized, see merge.quantize)."""
     all_to_all(comm, src, via, send, outer, part, world)
     total = acc[: outer * part]
-    torch.sum(via.reshape(world, outer * part), dim=0, dtype=torch.float32, out=total)
+    rows = via.reshape(-1)[: world * outer * part].view(world, outer * part)  # the team's
+    torch.sum(rows, dim=0, dtype=torch.float32, out=total)
     dst.reshape(-1).copy_(total if scale is None else merge.quantize(total, scale))
 
 

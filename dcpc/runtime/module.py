@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dcpc.runtime import calls, collectives, rendezvous, shapes, sync, tiles, validate
+from dcpc.runtime import axes, calls, collectives, rendezvous, shapes, sync, tiles, validate
 from dcpc.runtime import guard as _guard
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
@@ -88,8 +88,9 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         group: Any = None,
         sizes: Mapping[str, int] | None = None,
         device: str | torch.device | None = None,
-        backend: str = "auto",
+        backend: str | Mapping[str, str] = "auto",
         *,
+        groups: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
         guard: bool = True,
         epoch_start: int = 0,
@@ -111,8 +112,15 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                 f"{name}: this module's loops were unrolled for W={self.LOOP_WORLD} (a trip "
                 f"count names W), but the group has {self.world} ranks; compile it with "
                 f"--world {self.world}")
-        self.device = validate.check_device(name, device, backend)
-        self.backend = resolve_backend(backend, group, self.device)
+        kind, self.backends, torch_teams = axes.split(
+            name, backend, self.MESH, self.TEAMS, self.SIGNALLING)
+        self.device = validate.check_device(name, device, kind)
+        self.backend = resolve_backend(kind, group, self.device)
+        # the steps that run their torch body: every step on torch; on a mesh whose axes
+        # run on different kinds, the steps whose axes are all on torch (runtime/axes.py)
+        self._on_torch = frozenset(self.STEPS if self.backend == "torch" else torch_teams)
+        self._torch_teams = torch_teams
+        self._mixed = bool(torch_teams) and self.backend != "torch"
         if timeout_s is None:
             timeout_s = DEFAULT_TIMEOUT_S
         validate.check_number(name, "timeout_s (seconds)", timeout_s, 1e-3, MAX_TIMEOUT_S, float)
@@ -136,6 +144,8 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         self._check_each_call = self.device.type == "cpu" and self.backend != "torch"
         self._env_const, self._maxima = self._bind_sizes(check_sizes(name, sizes, self.SIZES))
         self._bind_mesh(self._env_const)  # dcpc.runtime.teams
+        self._groups = axes.check_groups(
+            name, groups, self.backends, self.MESH, self._axis_teams()) if groups else {}
         self._max_env = {**self._env_const, **self._maxima}
         self._env: list[dict[str, int]] = [dict(self._env_const) for _ in range(self.SLOTS)]
         if self.backend == "local" and programs is None:
@@ -158,7 +168,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         self._allocate()
         self._owned_tensors = self._owned()
         self._plans = {}  # call key -> what a repeat call does (dcpc.runtime.calls)
-        self._fast = self.backend != "torch"
+        self._fast = self.backend != "torch" and not self._mixed
 
     # ---- construction -------------------------------------------------------------
     def _bind_sizes(self, given: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -256,6 +266,11 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                  ("backend", validate.BACKENDS.index(self.backend))]
         facts += [(f"size {n}", self._max_env[n]) for n, (kind, _) in self.SIZES.items()
                   if kind != "const"]
+        if self.MESH:  # as many facts on every rank, whatever backend= and groups= it got
+            facts += [(f"backend of axis {a}",
+                       validate.BACKENDS.index(self.backends.get(a, self.backend)))
+                      for a, _ in self.MESH]
+            facts += [("groups= given", int(bool(self._groups)))]
         facts += [("guard", int(self._guard)), ("epoch_start", self._epoch_start)]
         for step, tune in self._tune.items():
             facts += [(f"tuning['{step}']['programs']", tune.programs),
@@ -282,7 +297,8 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         ]
         self._check_bytes([(n, b) for (n, _), b in zip(owners, requests[1:], strict=True)]
                           + local)
-        self._heap = make_heap(self.backend, self.group, self.device, self.poison)
+        self._heap = (self._team_heap() if self._mixed else
+                      make_heap(self.backend, self.group, self.device, self.poison))
         try:
             segments = self._heap.allocate(requests)
         except (MemoryError, OSError, RuntimeError) as exc:
@@ -308,7 +324,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                 n = self._numel(buf, self._max_env)
                 self._local[name] = [self._empty(n, buf.dtype) for _ in range(self.SLOTS)]
         self._scratch: dict[str, dict[str, list[torch.Tensor]]] = {}
-        if self.backend == "torch":
+        if self._on_torch:
             for step, table in self.SCRATCH.items():
                 self._scratch[step] = {
                     key: [
@@ -319,12 +335,15 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                 }
             self._one = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._comms = collectives.slot_groups(
-            self.group, self.rank, self.world, self.SLOTS if self.backend == "torch" else 0,
+            self.group, self.rank, self.world, self.SLOTS if self._on_torch else 0,
             self._timeout_s if self.device.type == "cpu" else None, type(self).__name__,
         )
         if self.backend == "torch" and self.TEAMS:
             self._make_team_groups(self.SLOTS, self._timeout_s if self.device.type == "cpu"
                                    else None)
+        elif self._mixed:
+            self._make_team_groups(self.SLOTS, self._timeout_s if self.device.type == "cpu"
+                                   else None, set(self._torch_teams.values()), self._groups)
         self._make_guard(channels)
         sync_stream(self.device)  # this stream's initialisation done (not the device)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal
@@ -375,7 +394,8 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
             used, {**self._maxima, CALL_ID: CALL_IDS - 1}, self.SOURCE_SHA256
         )
         self._order = _guard.CallOrder(list(self.METHODS), self.SLOTS)
-        self._arms = set(self.SIGNALLING) if self.world > 1 and self._check_each_call else set()
+        self._arms = (set(self.SIGNALLING) - self._on_torch
+                      if self.world > 1 and self._check_each_call else set())
         self._watchdog = (
             sync.Watchdog(self._bank.errors, self._timeout_s) if self._arms else None
         )
@@ -384,7 +404,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
             # kernel spins can hang (one process, one GPU); flags are 0 on every rank here
             self._bank.flag_peers(self.rank, 0)
         self._handshake_with = None
-        if self.backend == "torch" and self.world > 1 and self.device.type == "cpu":
+        if self._on_torch and self.world > 1 and self.device.type == "cpu":
             self._handshake_with = _guard.TorchHandshake(
                 [c.group for c in self._comms], self.rank, self.world, self.STEPS,
                 self._timeout_s, self._fps,
@@ -481,7 +501,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
             self._watchdog.disarm()
         if self._handshake_with is not None:
             self._handshake_with.notify_failed()
-        elif self._heap is not None and self.backend != "torch":  # torch: no peer pointers
+        if self._heap is not None and self.backend != "torch":  # torch: no peer pointers
             self._bank.flag_peers(self.rank, sync.FLAG_FAILED)
 
     @staticmethod

@@ -164,8 +164,10 @@ def _dcpc_flag_peers(sig_ptrs, value, RANK: tl.constexpr, WORLD: tl.constexpr):
     """flags[RANK] = value in every peer's bank (release, system scope)."""
     for k in range(1, WORLD):
         peer = (RANK + k) % WORLD
-        base = tl.load(sig_ptrs + peer).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(base + RANK, value, sem="release", scope="sys")
+        addr = tl.load(sig_ptrs + peer)
+        if addr != 0:  # 0: a rank outside this heap's team (per-axis backends)
+            base = addr.to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(base + RANK, value, sem="release", scope="sys")
 
 
 class Watchdog:

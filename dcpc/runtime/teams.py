@@ -40,6 +40,11 @@ class TeamsMixin:
     world: int
     device: torch.device
     group: Any
+    poison: bool
+    backend: str
+    backends: dict[str, str]
+    _groups: dict[str, Any]
+    _one: torch.Tensor
     _peers: dict[str, list[torch.Tensor]]
 
     def _bind_mesh(self, env: dict[str, int]) -> None:
@@ -97,25 +102,97 @@ class TeamsMixin:
         """The torch backend's SlotGroup of this rank's team of ``step`` for ``slot``."""
         return self._team_cache[("comm", self.TEAMS[step], slot)]
 
-    def _make_team_groups(self, slots: int, timeout_s: float | None) -> None:
+    def _make_team_groups(self, slots: int, timeout_s: float | None,
+                          only: set[tuple[int, ...]] | None = None,
+                          given: dict[str, Any] | None = None) -> None:
         """One process group per (team axes, team, slot), made by EVERY rank in the same
-        order (torch.distributed.new_group is collective over the default group)."""
+        order (torch.distributed.new_group is collective over the default group).
+        ``only``: these team axes (per-axis backends: the torch steps' teams); ``given``:
+        the engine's group of an axis (``groups=``) serves slot 0 of that axis' teams."""
         import torch.distributed as dist
 
         from dcpc.runtime.collectives import SlotGroup
 
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        wanted = sorted(set(self.TEAMS.values()) if only is None else only)
+        if self.world == 1:  # one rank (no group): every team is this rank alone
+            for axes in wanted:
+                for slot in range(slots):
+                    self._team_cache[("comm", axes, slot)] = SlotGroup(
+                        self.group, slot, 0, timeout)
+            return
         glob = dist.get_process_group_ranks(self.group)
         t = torus(self.mesh_shape)
-        for axes in sorted(set(self.TEAMS.values())):
+        for axes in wanted:
             teams = sorted({tuple(t.team(r, axes)) for r in range(self.world)})
+            mine = self.MESH[axes[0]][0] if len(axes) == 1 else None
             for slot in range(slots):
                 for members in teams:
                     ranks = tuple(glob[m] for m in members)
                     group = _TEAM_GROUPS.get((ranks, slot))
-                    if group is None:
+                    if slot == 0 and given and mine in given:
+                        # the engine's own groups along this axis: every rank passed them
+                        # (a rendezvous fact), so every rank skips making these alike
+                        if self.rank not in members:
+                            continue
+                        group = given[mine]
+                    elif group is None:
                         group = _TEAM_GROUPS[(ranks, slot)] = dist.new_group(list(ranks))
                     if self.rank in members:
                         member = members.index(self.rank)
                         self._team_cache[("comm", axes, slot)] = SlotGroup(
                             group, slot, member, timeout)
+
+    # ---- per-axis backends (dcpc.runtime.axes) ------------------------------------------
+    def _settle(self, step: str, slot: int) -> None:
+        """After a torch step of a module whose other axes run kernels: its team meets
+        (a barrier), so that every member's collective has written its result before
+        any member returns, as the proof assumed of a step's writes (docs/hb-checker.md,
+        "Per-axis backends"): a gloo or NCCL collective returns on one rank while a
+        peer may still be receiving."""
+        from dcpc.runtime.collectives import barrier
+
+        barrier(self._team_comm(step, slot), self._one, self._team_size(step))
+
+    def _global_ranks(self) -> list[int]:
+        if self.group is None:
+            return list(range(self.world))
+        import torch.distributed as dist
+
+        return list(dist.get_process_group_ranks(self.group))
+
+    def _axis_teams(self) -> dict[str, list[int]]:
+        """Axis -> the global ranks of this rank's team along that one axis."""
+        glob, t = self._global_ranks(), torus(self.mesh_shape)
+        return {axis: [glob[m] for m in t.team(self.rank, (p,))]
+                for p, (axis, _) in enumerate(self.MESH)}
+
+    def _team_heap(self) -> Any:
+        """The symmetric heap over the team of the symmetric axes only (one group per such
+        team, made by every rank in the same order, or the engine's ``groups=`` of the one
+        symmetric axis), its pointer tables indexed by this module's ranks."""
+        import torch.distributed as dist
+
+        from dcpc.runtime.axes import TeamHeap
+        from dcpc.runtime.heap import make_heap
+
+        symm = tuple(p for p, (axis, _) in enumerate(self.MESH)
+                     if self.backends[axis] != "torch")
+        glob, t = self._global_ranks(), torus(self.mesh_shape)
+        members = t.team(self.rank, symm)
+        named = [self.MESH[p][0] for p in symm]
+        if self.world == 1:
+            sub = self.group
+        elif len(named) == 1 and named[0] in self._groups:
+            sub = self._groups[named[0]]
+        else:
+            sub = None
+            for team in sorted({tuple(t.team(r, symm)) for r in range(self.world)}):
+                ranks = tuple(glob[m] for m in team)
+                group = _TEAM_GROUPS.get((ranks, 0))
+                if group is None:
+                    group = _TEAM_GROUPS[(ranks, 0)] = dist.new_group(list(ranks))
+                if self.rank in team:
+                    sub = group
+        inner = make_heap(self.backend, sub, self.device, self.poison)
+        return TeamHeap(inner, members, self.rank, self.world)
