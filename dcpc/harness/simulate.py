@@ -40,6 +40,31 @@ def buffer_shape(schedule: m.Schedule, name: str, sizes: Mapping[str, int]) -> t
 KERNEL_ROUNDING = {"host": "toward_zero", "local": "toward_zero", "torch": "nearest"}
 
 
+def step_rounding(schedule: m.Schedule, backend: str | Mapping[str, str]
+                  ) -> str | Callable[[m.Step], str]:
+    """How each step's stores round into bf16 on ``backend`` (one kind, or one per mesh
+    axis: dcpc.runtime.axes runs a communicating step whose axes are all on torch as
+    torch collectives, every other step as a kernel of the symmetric kind)."""
+    if isinstance(backend, str):
+        return KERNEL_ROUNDING.get(backend, "nearest")
+    from dcpc.lang.mesh import mesh_of
+    from dcpc.lang.semantics import semantics
+
+    mesh = mesh_of(schedule)
+    kernel = next((k for k in backend.values() if k != "torch"), "torch")
+
+    def rounding(step: m.Step) -> str:
+        sync = semantics(schedule, step).sync
+        axes = mesh.team_axes(step.op)
+        kinds = {backend.get(mesh.axes[a]) for a in (axes if axes is not None
+                                                    else range(len(mesh.axes)))}
+        communicates = sync.signal is not None or sync.wait is not None
+        return KERNEL_ROUNDING.get("torch" if communicates and kinds == {"torch"} else kernel,
+                                   "nearest")
+
+    return rounding
+
+
 def bf16_toward_zero(value: torch.Tensor) -> torch.Tensor:
     """fp32 ``value`` (float64 is rounded to fp32 first, as a kernel computes in fp32)
     truncated to bf16, as the interpreter stores it; NaN and inf stay."""
@@ -158,6 +183,7 @@ class Sim:
             self.schedule, len(ranks), self.env, self.external)
         sub.bufs = [self.bufs[r] for r in ranks]
         sub.written = [self.written[r] for r in ranks]
+        sub.rounding = self.rounding  # the step's kernels store as the whole call's do
         return sub
 
     def store(self, rank: int, name: str, value: torch.Tensor) -> None:
@@ -208,7 +234,7 @@ def simulate_call(
     inputs: list[Buffers],
     external: External,
     trace: list[list[Buffers]] | None = None,
-    rounding: str = "nearest",
+    rounding: str | Callable[[m.Step], str] = "nearest",
 ) -> list[Buffers]:
     """Run every step of one call on all ranks; return every rank's buffers at the end.
 
@@ -216,13 +242,15 @@ def simulate_call(
     ``trace`` (a list), one entry per step is appended: every rank's values of
     what the step wrote, as they stand right after it. A buffer written twice in a
     call has two entries, so each read can be compared with what it sees at its point.
-    ``rounding``: how the backend's kernels store into bf16 (``KERNEL_ROUNDING``), so that
+    ``rounding``: how the backend's kernels store into bf16 (``KERNEL_ROUNDING``; per step
+    on a mesh whose axes run on different backends: ``step_rounding``), so that
     a value moved after the step that rounded it is compared with the bits it has.
     """
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     for step in schedule.step_list():
         # the engine's own steps store as torch does (the harness's synthetic ones do)
-        sim.rounding = "nearest" if isinstance(step.op, m.External) else rounding
+        sim.rounding = ("nearest" if isinstance(step.op, m.External)
+                        else rounding(step) if callable(rounding) else rounding)
         if trace is not None and step.index:
             trace.append(sim.written)
             sim.written = [{} for _ in range(world)]

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
 from dcpc.harness.simulate import (
-    KERNEL_ROUNDING,
     TORCH_DTYPES,
     Buffers,
     seen_at,
     simulate_call,
+    step_rounding,
 )
 from dcpc.lang import model as m
 from dcpc.lang.mesh import MeshWorld
@@ -172,6 +172,7 @@ def run_rank(
     steps = schedule.step_list()
     cls = load_module_class(module_path, schedule.schedule)
     ctor = synth.constructor_sizes(schedule, world, sizes)
+    rounding = step_rounding(schedule, backend)  # how each step's stores round into bf16
     # ``programs`` for every step (signalling or not): the interpreter runs programs
     # one after another, so fewer programs is the cheap way to run on CPU
     tuning = None if programs is None else {
@@ -203,7 +204,7 @@ def run_rank(
             external = synth.make_external(schedule, world, sizes, seed, event.call)
             trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
             simulate_call(schedule, world, sizes, inputs, external, trace=trace,
-                          rounding=KERNEL_ROUNDING.get(backend, "nearest"))
+                          rounding=rounding)
             env = {k: _to_engine(schedule, k, v) for k, v in inputs[rank].items()}
             live[event.call] = (trace, env, external, sizes)
         trace, env, external, sizes = live[event.call]
