@@ -31,7 +31,7 @@ FILES = sorted((ROOT / "tests" / "hb_corpus").glob("*.yaml")) + sorted(
     (ROOT / "schedules").glob("*.yaml"))
 # the kernel's lanes (templates/sync.j2, prologue): which peers it signals and polls
 PEERS = re.compile(r"^\s*sig_peers = \(RANK \+ (1|WORLD - 1) \+ sig_lane\) % WORLD\s*$")
-LIVE = re.compile(r"^\s*sig_live = sig_lane < (WORLD - 1|1)\s*$")
+LIVE = re.compile(r"^\s*sig_live = sig_lane < (WORLD - 1|tl\.minimum\(WORLD - 1, 1\))\s*$")
 KIND = {("1", "WORLD - 1"): "all", ("1", "1"): "next", ("WORLD - 1", "1"): "prev"}
 
 
@@ -50,6 +50,7 @@ def _peer_lanes(body: str, call: str) -> list[str]:
         if line.strip().startswith(call + "("):
             peers = [m.group(1) for m in map(PEERS.match, lines[:i]) if m]
             live = [m.group(1) for m in map(LIVE.match, lines[:i]) if m]
+            live = ["1" if x.startswith("tl.minimum") else x for x in live]  # next/prev
             assert peers and live, f"no peer lanes before {call} in:\n{body}"
             args = lines[i + 1:i + 5]
             assert any("sig_live" in a for a in args), (call, args)  # masked to the peers
