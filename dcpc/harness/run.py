@@ -102,9 +102,9 @@ def run_elements(schedule_path: str, world: int, sizes: dict[str, int]) -> tuple
     from dcpc.harness.simulate import buffer_shape
     from dcpc.lang.parse import parse_file
 
-    schedule = parse_file(schedule_path)
+    schedule = parse_file(schedule_path, world=world)  # a loop may name W
     env = {**{k: v for k, v in schedule.sizes.items() if isinstance(v, int)}, **sizes,
-           "W": world}
+           "W": int(world)}
     elements = 0
     for name in schedule.buffers:
         n = 1
@@ -171,7 +171,8 @@ def bound_sizes(config: RunConfig, schedule_path: str, module_path: str,
     cls = load_module_class(module_path, name)
     try:
         given = check_sizes(cls.__name__, config.sizes, cls.SIZES)
-        sizes = synth.constructor_sizes(parse_file(schedule_path), config.world, given)
+        schedule = parse_file(schedule_path, world=config.world)  # a loop may name W
+        sizes = synth.constructor_sizes(schedule, config.world, given)
         probe = cls.__new__(cls)  # the constructor's size rules, without its allocation
         probe.world = config.world
         probe._bind_sizes({**given, **sizes})
