@@ -64,3 +64,16 @@ def test_specs_refuse_an_unknown_engine_or_path():
         warm.specs("trt", 8)
     with pytest.raises(ValueError, match="paths must be among"):
         warm.specs("vllm", 8, paths=("ring",))
+
+
+def test_warm_writes_the_folder_even_when_this_process_holds_the_classes(tmp_path, monkeypatch,
+                                                                          capsys):
+    """A process that already loaded the adapters' classes (from another folder) still
+    fills the folder it is asked to warm (found in the full suite: 4 'compiled', 1 file)."""
+    argv = ["--engine", "vllm", "--max-tokens", str(TOKENS), "--dv", str(D), "--dq", str(D),
+            "--world", "2"]
+    for folder in ("first", "second"):
+        monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path / folder))
+        assert warm.main(argv) == 0
+        assert capsys.readouterr().out.count("compiled") == 3
+        assert len(list((tmp_path / folder).glob("*.py"))) == 3, folder

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dcpc.engines import common
 from dcpc.engines.common import (
     PATHS,
     CombineSpec,
@@ -82,6 +83,8 @@ def warm(wanted: list[CombineSpec | GatherSpec], world: int = 2) -> list[Warmed]
         path = cache_dir() / f"{cache_key(text)[:32]}.py"
         compiled = not path.exists()
         start = time.perf_counter()
+        if compiled:  # into the folder even when this process already holds the class
+            common._compile_into(text, path, world)
         module_class(spec, world)
         done.append(Warmed(spec, path, time.perf_counter() - start, compiled))
     return done
