@@ -1,5 +1,5 @@
 """benchmarks/new_ops.py on CPU (--dry-run: Triton interpreter, ranks as threads through
-``local``): it compiles its three schedules, runs every op, its barrier and the torch
+``local``): it compiles its four schedules, runs every op, its barrier and the torch
 baseline, and writes its table and JSON. A smoke test of the benchmark the lead runs on
 a GPU, not a timing."""
 
@@ -25,7 +25,7 @@ def test_new_ops_bench_dry_run_prints_its_table(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "new_ops.json").read_text())
     records = result["records"]
     assert [(r["op"], r["world"]) for r in records] == [
-        ("all_reduce", 2), ("broadcast", 2), ("all_to_all", 2)]
+        ("all_reduce", 2), ("broadcast", 2), ("all_to_all", 2), ("shift", 2)]
     for r in records:
         for key in ("dcpc_us", "barrier_us", "torch_us"):
             assert math.isfinite(r[key]) and r[key] > 0, r
