@@ -1,0 +1,369 @@
+"""The released vLLM and SGLang wheels, fetched once and opened without installing them:
+the pins, the download into a cache folder, the extraction of the few files the tests
+load, and a loader that puts those files into ``sys.modules`` under their real names
+beside the smallest set of named stubs (tests/test_engines_wheels.py says which and why).
+
+The pins live here and nowhere else. A missing wheel is downloaded with
+``python -m pip download --no-deps NAME==VERSION`` into ``$DCPC_WHEEL_CACHE`` (default
+``~/.cache/dcpc/wheels``) and reused from there. When that fails the test FAILS naming
+the command, unless ``DCPC_SKIP_ENGINE_WHEELS=1`` (then it skips, saying so)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import types
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PINS = {"vllm": "0.33.0", "sglang": "0.5.23"}  # the released wheels tested (one place)
+SKIP_ENV = "DCPC_SKIP_ENGINE_WHEELS"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DCPC_WHEEL_CACHE") or Path.home() / ".cache/dcpc/wheels")
+
+
+def _download_command(name: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+            "-q", f"{name}=={PINS[name]}", "-d", str(cache_dir())]
+
+
+def wheel(name: str) -> Path:
+    """The pinned wheel of ``name`` in the cache, downloaded when missing."""
+    version = PINS[name]
+    folder = cache_dir()
+    found = sorted(folder.glob(f"{name}-{version}-*.whl"))
+    if found:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = _download_command(name)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        why = done.stderr.strip().splitlines()[-1:] if done.returncode else []
+    except (OSError, subprocess.TimeoutExpired) as err:
+        why = [f"{type(err).__name__}: {err}"]
+    found = sorted(folder.glob(f"{name}-{version}-*.whl"))
+    if found:
+        return found[0]
+    message = (f"the {name} {version} wheel is not in {folder} and could not be downloaded "
+               f"({'; '.join(why) or 'no wheel written'}): run "
+               f"`{' '.join(cmd[:3] + cmd[5:7])} {name}=={version} -d {folder}` with network "
+               f"access, or set {SKIP_ENV}=1 to skip the tests against the real wheels")
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"{SKIP_ENV}=1: {message}")
+    pytest.fail(message, pytrace=False)
+
+
+def extract(name: str, members: Iterable[str]) -> Path:
+    """Only ``members`` of the pinned wheel, into ``<cache>/src/<wheel>/`` (reused)."""
+    whl = wheel(name)
+    root = cache_dir() / "src" / whl.stem
+    missing = [m for m in members if not (root / m).is_file()]
+    if missing:
+        with zipfile.ZipFile(whl) as z:
+            for member in missing:
+                z.extract(member, root)
+    return root
+
+
+class WheelModules:
+    """Modules put into sys.modules under their real names, removed again by close():
+
+    - ``real(name)``: the wheel's own file, executed as module ``name``;
+    - ``part(name, names)``: only the named top-level definitions of the wheel's file
+      (with the file's imports they use), where the rest of the file cannot import;
+    - ``shell(name, source)``: only the file's ``from SOURCE import ...`` statements, so
+      the module holds exactly the bindings its real import of SOURCE makes;
+    - ``stub(name, why, **attrs)``: a stand-in, recorded with its reason;
+    - parent packages are empty (their ``__init__`` is not run) with an empty
+      ``__path__``: an import this loader did not provide fails, never finds a file."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.added: list[str] = []
+        self.stubs: dict[str, str] = {}
+
+    def _file(self, name: str) -> Path:
+        base = self.root / name.replace(".", "/")
+        init = base / "__init__.py"
+        return init if init.is_file() else base.with_suffix(".py")
+
+    def _put(self, module: types.ModuleType) -> types.ModuleType:
+        name = module.__name__
+        parent, _, leaf = name.rpartition(".")
+        if parent:
+            self.package(parent)
+        if name not in sys.modules:
+            self.added.append(name)
+        sys.modules[name] = module
+        if parent:
+            setattr(sys.modules[parent], leaf, module)
+        return module
+
+    def package(self, name: str) -> types.ModuleType:
+        if name in sys.modules:
+            return sys.modules[name]
+        module = types.ModuleType(name)
+        module.__path__ = []
+        return self._put(module)
+
+    def real(self, name: str) -> types.ModuleType:
+        path = self._file(name)
+        is_pkg = path.name == "__init__.py"
+        spec = importlib.util.spec_from_file_location(
+            name, path, submodule_search_locations=[] if is_pkg else None)
+        module = importlib.util.module_from_spec(spec)
+        self._put(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        return module
+
+    def part(self, name: str, names: Iterable[str]) -> types.ModuleType:
+        path = self._file(name)
+        tree = ast.parse(path.read_text(), str(path))
+        wanted = set(names)
+        engine = name.partition(".")[0]
+        keep, found = [], set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
+                found.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                hit = {t.id for t in targets if isinstance(t, ast.Name)} & wanted
+                if not hit:
+                    continue
+                found |= hit
+            elif isinstance(node, ast.Import):  # the file's own imports, not the engine's
+                if any(a.name.partition(".")[0] == engine for a in node.names):
+                    continue
+            elif not (isinstance(node, ast.ImportFrom) and node.level == 0
+                      and (node.module or "").partition(".")[0] != engine):
+                continue
+            keep.append(node)
+        if found != wanted:
+            raise LookupError(f"{path} defines no {sorted(wanted - found)}")
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        self._put(module)
+        code = compile(ast.Module(keep, []), str(path), "exec")
+        exec(code, module.__dict__)
+        self.stubs[name] = f"only {', '.join(sorted(wanted))} (the wheel's source)"
+        return module
+
+    def shell(self, name: str, source: str) -> types.ModuleType:
+        path = self._file(name)
+        tree = ast.parse(path.read_text(), str(path))
+        imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == source]
+        if not imports:
+            raise LookupError(f"{path} has no top-level `from {source} import`")
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        self._put(module)
+        exec(compile(ast.Module(imports, []), str(path), "exec"), module.__dict__)
+        self.stubs[name] = f"only its `from {source} import` (the wheel's statement)"
+        return module
+
+    def stub(self, name: str, why: str, **attrs: Any) -> types.ModuleType:
+        module = sys.modules.get(name) if name in self.added else None
+        if module is None:
+            module = types.ModuleType(name)
+            self._put(module)
+        module.__dict__.update(attrs)
+        self.stubs[name] = why
+        return module
+
+    def close(self) -> None:
+        for name in reversed(self.added):
+            sys.modules.pop(name, None)
+        self.added.clear()
+
+
+# ---- the group the engines' code is handed ------------------------------------------------
+class Coordinator:
+    """A stand-in for vLLM's/SGLang's GroupCoordinator over one rank of a dcpc LocalGroup:
+    the attributes and collectives the engines' DCP code calls (``world_size``,
+    ``rank_in_group``, ``device_group``/``cpu_group``, ``all_gather(t, dim)``,
+    ``all_reduce``, ``reduce_scatter(t, dim)``), computed with dcpc's threads' exchange
+    (dcpc.engines.fallback.Comm) where the real one runs NCCL."""
+
+    def __init__(self, rank: Any):
+        import torch
+
+        from dcpc.engines.common import resolve_group
+        from dcpc.engines.fallback import Comm
+
+        self.world_size, self.rank_in_group = rank.world, rank.rank
+        self.device_group = self.cpu_group = rank
+        self.gathers = 0
+        self._comm = Comm(resolve_group(rank, torch.device("cpu")))
+
+    def all_gather(self, t: Any, dim: int = -1) -> Any:
+        import torch
+
+        self.gathers += 1
+        return torch.cat(list(self._comm.all_gather(t).unbind(0)), dim=dim)
+
+    def all_reduce(self, t: Any) -> Any:
+        return self._comm.all_reduce(t)
+
+    def reduce_scatter(self, t: Any, dim: int = -1) -> Any:
+        part = t.shape[dim] // self.world_size
+        return self.all_reduce(t).narrow(dim, self.rank_in_group * part, part).contiguous()
+
+
+_current = threading.local()
+
+
+def current_group() -> Coordinator:
+    """The Coordinator of this thread (the engines' ``get_dcp_group()``)."""
+    group = getattr(_current, "group", None)
+    if group is None:
+        raise RuntimeError("get_dcp_group(): no DCP group in this thread (the test sets one)")
+    return group
+
+
+def set_group(rank: Any) -> Coordinator:
+    _current.group = Coordinator(rank)
+    return _current.group
+
+
+class _Platform:
+    """vllm.platforms.current_platform on a machine without an accelerator."""
+
+    device_type = "cpu"
+
+    def is_cuda(self) -> bool:
+        return False
+
+    is_rocm = is_cuda_alike = is_xpu = is_tpu = is_cpu_only = is_cuda
+
+    def log_warnings(self) -> None:
+        pass
+
+
+# ---- vLLM 0.33.0 ----------------------------------------------------------------------------
+VLLM_DCP = "vllm.v1.attention.ops.dcp"
+VLLM_REAL = (  # executed from the wheel, in this order
+    "vllm.envs", "vllm.logging_utils.formatter", "vllm.logging_utils.lazy",
+    "vllm.logging_utils.log_time", "vllm.logging_utils.torch_tensor",
+    "vllm.logging_utils.uvicorn_logging", "vllm.logging_utils", "vllm.logger",
+    "vllm.utils.math_utils", "vllm.triton_utils.importing",
+    "vllm.triton_utils.tensor_descriptor", "vllm.triton_utils",
+    "vllm.model_executor.warmup.jit_warmup",
+    "vllm.model_executor.warmup.jit_warmup_triton_helper",
+    "vllm.v1.attention.ops.cp_common", VLLM_DCP, "vllm.plugins")
+VLLM_PARTS = {"vllm.v1.attention.backend": ("max_decode_query_len",),
+              "vllm.v1.worker.ubatching": ("_THREAD_ID_TO_CONTEXT", "dbo_current_ubatch_id")}
+VLLM_IMPORTERS = (  # every module of the wheel with `from vllm.v1.attention.ops.dcp import`
+    "vllm.v1.attention.backends.flash_attn", "vllm.v1.attention.backends.flashinfer",
+    "vllm.model_executor.layers.attention.mla_attention",
+    "vllm.model_executor.layers.attention.sparse_mla_attention",
+    "vllm.models.kimi_k3.nvidia.mla")
+
+
+def _member(name: str, root_has_pkg: set[str]) -> str:
+    path = name.replace(".", "/")
+    return f"{path}/__init__.py" if name in root_has_pkg else f"{path}.py"
+
+
+VLLM_PACKAGES = {"vllm.logging_utils", "vllm.triton_utils", "vllm.plugins"}
+
+
+def load_vllm() -> WheelModules:
+    """vLLM 0.33.0's DCP module, its plugin loader and the modules importing it by name,
+    under their real names (close() removes them)."""
+    names = (*VLLM_REAL, *VLLM_PARTS, *VLLM_IMPORTERS)
+    root = extract("vllm", [_member(n, VLLM_PACKAGES) for n in names])
+    m = WheelModules(root)
+    stubs = {  # name: (why, attributes)
+        "vllm.platforms": ("vllm/platforms/__init__.py detects CUDA/ROCm/... at first use; "
+                           "here: no accelerator (is_cuda() False, device_type cpu)",
+                           {"current_platform": _Platform(),
+                            "vllm_version_matches_substr": lambda _s: False}),
+        "vllm.config": ("VllmConfig is a pydantic tree over transformers; dcp.py uses the "
+                        "class as an annotation only; no config is current (a server "
+                        "sets one around model construction)",
+                        {"VllmConfig": type("VllmConfig", (), {}),
+                         "get_current_vllm_config_or_none": lambda: None}),
+        "vllm.distributed": ("GroupCoordinator and the process groups need NCCL and "
+                             "vLLM's initialisation; get_dcp_group() returns the test's "
+                             "Coordinator of this rank", {"get_dcp_group": current_group}),
+        "vllm.distributed.parallel_state": (
+            "as vllm.distributed; in_the_same_node_as is only reached by the direct "
+            "symmetric-memory workspaces, which need CUDA (direct_cp_enabled is False "
+            "on CPU)", {"in_the_same_node_as": lambda group, source_rank=0: [True]}),
+    }
+    for name in VLLM_REAL:
+        if name == "vllm.envs":
+            m.real(name)
+            for stub, (why, attrs) in stubs.items():
+                m.stub(stub, why, **attrs)
+            for part, keep in VLLM_PARTS.items():
+                m.part(part, keep)
+        else:
+            m.real(name)
+    for name in VLLM_IMPORTERS:
+        m.shell(name, VLLM_DCP)
+    return m
+
+
+# ---- SGLang 0.5.23 --------------------------------------------------------------------------
+SGLANG_COMM = "sglang.srt.layers.dcp.comm"
+SGLANG_REAL = (
+    "sglang.srt.environ", "sglang.srt.plugins.hook_registry", "sglang.srt.plugins",
+    "sglang.kernels.ops.attention.dcp_kernels", SGLANG_COMM, "sglang.srt.layers.dcp.layout",
+    "sglang.srt.layers.dcp.metadata", "sglang.srt.layers.dcp")
+SGLANG_PACKAGES = {"sglang.srt.plugins", "sglang.srt.layers.dcp"}
+SGLANG_IMPORTERS = (  # modules of the wheel importing the replaced names by name, beside
+    # sglang.srt.layers.dcp (real, above); forward_mla_rocm imports the same names
+    "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla",)
+
+
+def _no_parallel() -> Any:
+    raise RuntimeError("sglang.srt.runtime_context.get_parallel() is a stub here")
+
+
+def load_sglang() -> WheelModules:
+    """SGLang 0.5.23's DCP package, its plugin loader and hook registry, and the
+    DeepSeek MLA forward's import of the DCP names, under their real names."""
+    names = (*SGLANG_REAL, *SGLANG_IMPORTERS)
+    root = extract("sglang", [_member(n, SGLANG_PACKAGES) for n in names])
+    m = WheelModules(root)
+    m.real("sglang.srt.environ")
+    m.real("sglang.srt.plugins.hook_registry")
+    m.real("sglang.srt.plugins")
+    from contextlib import nullcontext
+
+    m.stub("sglang.srt.distributed.parallel_state",
+           "GroupCoordinator needs NCCL and SGLang's initialisation; get_dcp_group() "
+           "returns the test's Coordinator of this rank",
+           GroupCoordinator=Coordinator, get_dcp_group=current_group)
+    m.stub("sglang.srt.distributed.device_communicators.pynccl_allocator",
+           "NCCL's symmetric-memory allocator: a null context (CPU tensors)",
+           use_symmetric_memory=lambda *a, **k: nullcontext())
+    m.stub("sglang.srt.runtime_context", "the server's parallel state: get_parallel() "
+           "raises (only the KV-length and KV-gather helpers read it; no test calls them)",
+           get_parallel=_no_parallel)
+    m.stub("sglang.srt.utils", "the package imports the server: is_hip() False (CPU)",
+           is_hip=lambda: False)
+    m.stub("sglang.srt.utils.common", "is_fi_a2a_supported() False (no FlashInfer on CPU)",
+           is_fi_a2a_supported=lambda *a, **k: False)
+    for name in SGLANG_REAL[3:]:
+        if name != "sglang.srt.layers.dcp":
+            m.real(name)
+    m.real("sglang.srt.layers.dcp")
+    for name in SGLANG_IMPORTERS:
+        m.shell(name, "sglang.srt.layers.dcp")
+    return m
