@@ -56,7 +56,7 @@ def wheel(name: str) -> Path:
         return found[0]
     message = (f"the {name} {version} wheel is not in {folder} and could not be downloaded "
                f"({'; '.join(why) or 'no wheel written'}): run "
-               f"`{' '.join(cmd[:3] + cmd[5:7])} {name}=={version} -d {folder}` with network "
+               f"`{' '.join(cmd[:5])} {name}=={version} -d {folder}` with network "
                f"access, or set {SKIP_ENV}=1 to skip the tests against the real wheels")
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"{SKIP_ENV}=1: {message}")

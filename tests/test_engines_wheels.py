@@ -171,6 +171,37 @@ def test_the_stub_table_names_every_stub():
             mods.close()
 
 
+def test_a_wheel_that_cannot_be_fetched_fails_naming_the_command(tmp_path, monkeypatch):
+    """No wheel in the cache and no index (no network): the test fails with the command
+    to run; only DCPC_SKIP_ENGINE_WHEELS=1 turns that into a skip, with the same reason
+    (the second time pip's failed run is replayed: one real pip run, ~2.5 s)."""
+    import subprocess
+
+    monkeypatch.setenv("DCPC_WHEEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # what pip sees without network: no index
+    monkeypatch.delenv(EW.SKIP_ENV, raising=False)
+    runs, real_run = [], subprocess.run
+
+    def run(*args, **kwargs):
+        runs.append(real_run(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(EW.subprocess, "run", run)
+    messages = []
+    for skip, outcome in (("", pytest.fail.Exception), ("1", pytest.skip.Exception)):
+        monkeypatch.setenv(EW.SKIP_ENV, skip)
+        with pytest.raises(outcome) as caught:
+            EW.wheel("sglang")
+        messages.append(str(caught.value))
+        monkeypatch.setattr(EW.subprocess, "run", lambda *a, **k: runs[0])
+    assert runs[0].returncode != 0
+    for msg in messages:
+        assert (f"pip download --no-deps sglang=={EW.PINS['sglang']} -d {tmp_path / 'cache'}"
+                in msg), msg
+        assert "could not be downloaded" in msg and EW.SKIP_ENV in msg
+    assert messages[1].startswith(f"{EW.SKIP_ENV}=1: ")
+
+
 # ---- vLLM 0.33.0 --------------------------------------------------------------------------
 def test_vllm_loader_picks_up_the_plugin_and_install_rebinds_the_real_names(
         real_vllm, tmp_path, monkeypatch):
