@@ -79,7 +79,7 @@ from dcpc.engines import reference as ref
 from dcpc.engines import vllm as V
 from dcpc.runtime.local import LocalGroup
 
-W, T, H, D, DQ = 2, 4, 4, 16, 24  # H heads in all, H // W per rank
+W, T, H, D, DQ, KV = 2, 4, 4, 16, 24, 8  # H heads in all, H // W per rank; KV: rows
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2) -> None:
@@ -254,6 +254,8 @@ def test_vllm_one_call_through_each_rebound_name(real_vllm):
     mla = sys.modules["vllm.model_executor.layers.attention.mla_attention"]
     x = _inputs(1)
     want = ref.vllm_combine(x["outs"], x["lses"], local_lens=x["lens"], qsl=x["qsl"])
+    kv = [torch.randn(3, 40, generator=torch.Generator().manual_seed(7 + r)).bfloat16()
+          for r in range(W)]
     ar_lses = [ref.source_mask(lse, n, x["qsl"]) for lse, n in zip(x["lses"], x["lens"],
                                                                 strict=True)]
     config = types.SimpleNamespace(  # the fields of VllmConfig that vLLM's code reads
@@ -287,6 +289,9 @@ def test_vllm_one_call_through_each_rebound_name(real_vllm):
         got["manager"] = (type(m).__module__, m.max_num_tokens)
         got["q"] = m.query_gather(x["q"][r])
         got["combine"] = m.combine(x["outs"][r], x["lses"][r], **kw)
+        m.init_kv_gather(torch.empty(KV + KV // W, 40, dtype=torch.bfloat16), KV)  # 0.33.0's
+        got["kv"] = torch.full((W * 3, 40), float("nan"), dtype=torch.bfloat16)
+        m.kv_gather(got["kv"], kv[r])  # as vLLM's chunked-context prefill calls it
         got = {k: v if isinstance(v, tuple) and isinstance(v[0], str) else
                tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone()
                for k, v in got.items()}
@@ -314,6 +319,7 @@ def test_vllm_one_call_through_each_rebound_name(real_vllm):
         assert got["manager"] == ("dcpc.engines.vllm_manager", 16)
         _close(got["q"], ref.gather_heads(x["q"]), tol=0)
         _close(got["combine"], want[r][0])
+        _close(got["kv"], ref.gather_rows(kv), tol=0)
         assert got["a2a"][0].shape == (T, heads, D)
 
 
