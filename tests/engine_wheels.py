@@ -15,6 +15,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import types
 import zipfile
@@ -32,9 +33,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DCPC_WHEEL_CACHE") or Path.home() / ".cache/dcpc/wheels")
 
 
-def _download_command(name: str) -> list[str]:
+def _download_command(name: str, into: Path | None = None) -> list[str]:
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-            "-q", f"{name}=={PINS[name]}", "-d", str(cache_dir())]
+            "-q", f"{name}=={PINS[name]}", "-d", str(into or cache_dir())]
 
 
 def wheel(name: str) -> Path:
@@ -46,11 +47,15 @@ def wheel(name: str) -> Path:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
     cmd = _download_command(name)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        why = done.stderr.strip().splitlines()[-1:] if done.returncode else []
-    except (OSError, subprocess.TimeoutExpired) as err:
-        why = [f"{type(err).__name__}: {err}"]
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one rename: a test
+        try:  # running beside this one never sees half a wheel
+            done = subprocess.run(_download_command(name, Path(tmp)), capture_output=True,
+                                  text=True, timeout=600)
+            why = done.stderr.strip().splitlines()[-1:] if done.returncode else []
+        except (OSError, subprocess.TimeoutExpired) as err:
+            why = [f"{type(err).__name__}: {err}"]
+        for got in Path(tmp).glob(f"{name}-{version}-*.whl"):
+            os.replace(got, folder / got.name)
     found = sorted(folder.glob(f"{name}-{version}-*.whl"))
     if found:
         return found[0]
@@ -70,8 +75,12 @@ def extract(name: str, members: Iterable[str]) -> Path:
     missing = [m for m in members if not (root / m).is_file()]
     if missing:
         with zipfile.ZipFile(whl) as z:
-            for member in missing:
-                z.extract(member, root)
+            for member in missing:  # written whole, then renamed (tests may run at once)
+                target = root / member
+                target.parent.mkdir(parents=True, exist_ok=True)
+                part = target.with_name(f"{target.name}.{os.getpid()}.part")
+                part.write_bytes(z.read(member))
+                os.replace(part, target)
     return root
 
 
