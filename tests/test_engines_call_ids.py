@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dcpc.engines import call_ids as C
-from dcpc.runtime.errors import DcpcError
+from dcpc.runtime.errors import DcpcArgumentError, DcpcError
 from dcpc.runtime.local import LocalGroup
 
 LAYERS = 3
@@ -32,25 +32,40 @@ def _inputs(seed: int, world: int) -> tuple[list, list]:
     return outs, lses
 
 
-def _forwards(rank, world: int, plan: list[list[int]]) -> list[tuple]:
-    """Run ``plan`` (per forward, the layers this rank calls) through vLLM's
-    dcp_a2a_lse_reduce; per call (forward, layer, wrong elements of the result against
-    float64, or the error's type and text). Stops at the first error."""
+def _call(fn: str, rank, world: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of adapter function ``fn`` on this rank: (result, float64 reference)."""
     from dcpc.engines import reference as ref
+    from dcpc.engines import sglang as S
     from dcpc.engines import vllm as V
 
+    r = rank.rank
+    if fn == "sglang q gather":
+        g = torch.Generator().manual_seed(seed)
+        nope = [torch.randn(3, 2, 16, generator=g).bfloat16() for _ in range(world)]
+        pe = [torch.randn(3, 2, 8, generator=g).bfloat16() for _ in range(world)]
+        got = S.all_gather_q_for_mla_decode(nope[r], pe[r], rank)
+        return torch.cat(got, dim=-1), torch.cat([ref.gather_heads(nope),
+                                                  ref.gather_heads(pe)], dim=-1)
+    outs, lses = _inputs(seed, world)
+    got = getattr(V, fn)(outs[r], lses[r], rank)
+    return got, ref.vllm_combine(outs, lses)[r][0]
+
+
+def _forwards(rank, world: int, plan: list[list[int]], fn: str = "dcp_a2a_lse_reduce"
+              ) -> list[tuple]:
+    """Run ``plan`` (per forward, the layers this rank calls) through adapter function
+    ``fn``; per call (forward, layer, wrong elements of the result against float64, or
+    the error's type and text). Stops at the first error."""
     done: list[tuple] = []
     for forward, layers in enumerate(plan, 1):
         C.begin_forward()
         for layer in layers:
             C.enter_layer(_layer(layer))
-            outs, lses = _inputs(100 * forward + layer, world)
             try:
-                got = V.dcp_a2a_lse_reduce(outs[rank.rank], lses[rank.rank], rank)
+                got, want = _call(fn, rank, world, 100 * forward + layer)
             except DcpcError as err:
                 done.append((forward, layer, type(err).__name__, str(err)))
                 return done
-            want = ref.vllm_combine(outs, lses)[rank.rank][0]
             wrong = ~((got.double() - want).abs() <= 2e-2 + 2e-2 * want.abs())
             done.append((forward, layer, int(wrong.sum()), got.numel()))
     return done
@@ -66,14 +81,18 @@ def cache(tmp_path, monkeypatch):
     combine.reset()  # every rank's thread is done: close this test's modules
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_rank_that_skips_one_layer_raises_on_the_next_call_on_every_rank(world, cache):
+@pytest.mark.parametrize("world, fn", [
+    (2, "dcp_a2a_lse_reduce"), (3, "dcp_a2a_lse_reduce"),  # the fused combine + release
+    (2, "cp_lse_ag_out_rs"),  # ag_rs: no release step, the gather sees the ids
+    (3, "sglang q gather"),  # GatherRunner (SGLang's all_gather_q_for_mla_decode)
+])
+def test_a_rank_that_skips_one_layer_raises_on_the_next_call_on_every_rank(world, fn, cache):
     """Rank 1 skips layer 1 of three (an empty-KV-shard shortcut, say). Without call ids
     its layer-2 call paired with its peers' layer-1 call and both returned mixed data;
     now each rank's second call raises, naming its own layer."""
     plans = {r: [[0, 2] if r == 1 else [0, 1, 2]] for r in range(world)}
     found = LocalGroup(world, "cpu", timeout_s=180).run(
-        lambda rank: _forwards(rank, world, plans[rank.rank]))
+        lambda rank: _forwards(rank, world, plans[rank.rank], fn))
     for r, calls in enumerate(found):
         assert calls[0][:3] == (1, 0, 0), (r, found)  # layer 0: right on every rank
         assert len(calls) == 2 and calls[1][2] == "DcpcContractError", (r, found)
@@ -114,8 +133,10 @@ def test_ids_come_from_the_layer_and_the_forward_only():
         "layer '12' of forward 40"]
     # two numbers (or none): the crc32 of the name, the same in every process
     assert C.layer_number("a.1.b.2") == 3643077296 and C.layer_number("attn") == 276791131
-    with pytest.raises(TypeError, match="step must be an int"):
+    with pytest.raises(DcpcArgumentError, match="step must be an int"):
         C.begin_forward("3")  # type: ignore[arg-type]
+    with pytest.raises(DcpcArgumentError, match=r"layer must be an int .* got None"):
+        C.enter_layer(None)  # type: ignore[arg-type]
 
 
 def _module(name: str, **attrs) -> types.ModuleType:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from dcpc.runtime.errors import DcpcContractError
+from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError
 
 FORWARD_STRIDE = 101  # an odd stride: a rank k forwards behind differs unless 256 | k
 
@@ -47,7 +47,7 @@ def begin_forward(step: int | None = None) -> int:
     the same on every rank) or this thread's previous forward number + 1. Forgets the
     layer. Returns the forward number."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise TypeError(f"begin_forward(): step must be an int, got {step!r}")
+        raise DcpcArgumentError(f"begin_forward(): step must be an int, got {step!r}")
     number = step if step is not None else (_forward.get() or 0) + 1
     _forward.set(number)
     _layer.set(None)
@@ -57,6 +57,9 @@ def begin_forward(step: int | None = None) -> int:
 def enter_layer(layer: int | str) -> None:
     """The engine's attention layer ``layer`` (its index, or its name: the one integer in
     the dotted name, else a crc32 of the name) runs next on this thread."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, str)):
+        raise DcpcArgumentError(f"enter_layer(): layer must be an int (its index) or a str "
+                                f"(its name), got {layer!r}")
     _layer.set((layer_number(layer), str(layer)))
 
 
@@ -119,7 +122,7 @@ def layer_hook(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def hooked(layer_name: Any, *args: Any, **kwargs: Any) -> Any:
-        enter_layer(layer_name if isinstance(layer_name, int) else str(layer_name))
+        enter_layer(layer_name if type(layer_name) is int else str(layer_name))
         return original(layer_name, *args, **kwargs)
 
     hooked._dcpc_hook = True  # type: ignore[attr-defined]

@@ -193,9 +193,11 @@ def _before_forward(*args: Any, **kwargs: Any) -> None:
 
 
 def _before_attention(layer: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE ``RadixAttention.forward``: its ``layer_id`` runs next."""
+    """BEFORE ``RadixAttention.forward``: its ``layer_id`` runs next. DeepSeek's query
+    gather (forward_mla.py) runs before its layer's RadixAttention: it carries the
+    previous layer's id (the same on every rank: a skip is still seen)."""
     layer_id = getattr(layer, "layer_id", None)
-    if isinstance(layer_id, int):
+    if type(layer_id) is int:  # else the previous layer stays (alike on every rank)
         enter_layer(layer_id)
 
 
