@@ -216,3 +216,24 @@ def test_sglang_install_hooks_the_forward_and_the_layer(monkeypatch):
     got = contextvars.copy_context().run(lambda: [runner.forward("b"), runner.forward("c")])
     s = C.FORWARD_STRIDE
     assert got == [[("b", s), ("b", 1 + s)], [("c", 2 * s), ("c", 1 + 2 * s)]]
+
+
+def test_the_layer_hook_is_left_out_of_a_compiled_graph():
+    """vLLM off CUDA calls its attention ops directly inside torch.compile(fullgraph=True):
+    a context variable set there is unsupported (Dynamo raises); the hook then sets
+    nothing and calls vLLM's function."""
+    seen = []
+    hooked = C.layer_hook(lambda name: seen.append(name) or name)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        hooked(_layer(3))
+        return x * 2
+
+    def run() -> tuple:
+        got = torch.compile(layer, fullgraph=True, backend="eager")(torch.ones(2))
+        before = C.current_call_id()
+        hooked(_layer(4))  # eager: the layer is entered
+        return got.tolist(), before, C.current_call_id()
+
+    assert contextvars.copy_context().run(run) == ([2.0, 2.0], None, 4)
+    assert seen == [_layer(3), _layer(4)]

@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
+import torch
+
 from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError
 
 FORWARD_STRIDE = 101  # an odd stride: a rank k forwards behind differs unless 256 | k
@@ -122,7 +124,10 @@ def layer_hook(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def hooked(layer_name: Any, *args: Any, **kwargs: Any) -> Any:
-        enter_layer(layer_name if type(layer_name) is int else str(layer_name))
+        # traced by torch.compile (vLLM's direct-call path off CUDA, fullgraph): no
+        # context variable in the graph, and no id from here (it would be baked in)
+        if not torch.compiler.is_compiling():
+            enter_layer(layer_name if type(layer_name) is int else str(layer_name))
         return original(layer_name, *args, **kwargs)
 
     hooked._dcpc_hook = True  # type: ignore[attr-defined]
