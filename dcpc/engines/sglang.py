@@ -197,8 +197,9 @@ def _before_attention(layer: Any, *args: Any, **kwargs: Any) -> None:
     gather (forward_mla.py) runs before its layer's RadixAttention: it carries the
     previous layer's id (the same on every rank: a skip is still seen)."""
     layer_id = getattr(layer, "layer_id", None)
-    if type(layer_id) is int:  # else the previous layer stays (alike on every rank)
-        enter_layer(layer_id)
+    # not while torch.compile traces it (a context variable is unsupported there)
+    if type(layer_id) is int and not torch.compiler.is_compiling():
+        enter_layer(layer_id)  # else the previous layer stays (alike on every rank)
 
 
 CALL_HOOKS = {"sglang.srt.model_executor.model_runner.ModelRunner.forward": _before_forward,
