@@ -6,3 +6,7 @@ schedules they run; ``dcpc.engines.reference`` is the float64 statement of each
 function's semantics that the tests compare with. See docs/engines.md, "Engine
 adapters: vLLM and SGLang".
 """
+
+from dcpc.engines.call_ids import begin_forward, enter_layer
+
+__all__ = ["begin_forward", "enter_layer"]

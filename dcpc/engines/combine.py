@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dcpc.engines.agree import agree, explain, forget
+from dcpc.engines.call_ids import current_call_id, name_call
 from dcpc.engines.common import (
     DTYPE_NAMES,
     CombineSpec,
@@ -111,10 +112,11 @@ class CombineRunner:
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One call: ``lens`` (this rank's local KV lengths [B] i32) and ``qsl`` when the
         spec masks, ``scale`` ([1] f32) when its output is fp8."""
+        cid = current_call_id()  # one id for every method of the call (dcpc.engines.call_ids)
         try:
-            got = self._run(o, lse, lens, qsl, slot, scale)
+            got = self._run(o, lse, lens, qsl, slot, scale, cid)
         except DcpcContractError as err:
-            raise explain(err) from err
+            raise explain(name_call(err)) from err
         return self.handed.out(slot, got)  # type: ignore[return-value]
 
     def skip(self, slot: int = 0) -> None:
@@ -131,38 +133,40 @@ class CombineRunner:
         self.run(o, lse, lens, qsl, slot, scale)
 
     def _run(self, o: torch.Tensor, lse: torch.Tensor, lens: torch.Tensor | None,
-             qsl: torch.Tensor | None, slot: int, scale: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             qsl: torch.Tensor | None, slot: int, scale: torch.Tensor | None,
+             cid: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.pending[slot]:
-            self.module.release(slot=slot)
+            self.module.release(slot=slot, call_id=cid)
             self.pending[slot] = False
         if self.spec.mask:
-            self.module.lens_gather(lens, slot=slot)
+            self.module.lens_gather(lens, slot=slot, call_id=cid)
         masked = [qsl] if self.spec.mask else []
         extra = [] if scale is None else [scale]
         if self.spec.path == "ag_rs":
-            return self._ag_rs(o, lse, masked, extra, slot)
-        got = self._exchange(o, lse, masked, extra, slot)
+            return self._ag_rs(o, lse, masked, extra, slot, cid)
+        got = self._exchange(o, lse, masked, extra, slot, cid)
         self.pending[slot] = True
         return (got[0], got[1]) if self.spec.return_lse else (got, None)
 
     def _exchange(self, o: torch.Tensor, lse: torch.Tensor, masked: list, extra: list,
-                  slot: int) -> Any:
+                  slot: int, cid: int | None) -> Any:
         m, cls = self.module, self.cls
         if self.spec.path == "fused":
             return m.combine(fit_layout(cls, "combine", "o_part", o),
                              fit_layout(cls, "combine", "lse_part", lse),
-                             *masked, *extra, slot=slot)
+                             *masked, *extra, slot=slot, call_id=cid)
         m.out_exchange(fit_layout(cls, "out_exchange", "o_part", o),
-                       fit_layout(cls, "out_exchange", "lse_part", lse), slot=slot)
-        return m.merge(*masked, *extra, slot=slot)
+                       fit_layout(cls, "out_exchange", "lse_part", lse), slot=slot,
+                       call_id=cid)
+        return m.merge(*masked, *extra, slot=slot, call_id=cid)
 
     def _ag_rs(self, o: torch.Tensor, lse: torch.Tensor, masked: list, extra: list,
-               slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+               slot: int, cid: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         m, cls = self.module, self.cls
-        m.lse_gather(fit_layout(cls, "lse_gather", "lse_part", lse), slot=slot)
-        corrected = m.correct(fit_layout(cls, "correct", "o_part", o), *masked, slot=slot)
-        out = m.out_scatter(*extra, slot=slot)
+        m.lse_gather(fit_layout(cls, "lse_gather", "lse_part", lse), slot=slot, call_id=cid)
+        corrected = m.correct(fit_layout(cls, "correct", "o_part", o), *masked, slot=slot,
+                              call_id=cid)
+        out = m.out_scatter(*extra, slot=slot, call_id=cid)
         if not self.spec.return_lse:
             return out, None
         part, r = self.heads // self.group.world, self.group.rank
@@ -185,13 +189,14 @@ class GatherRunner:
         return tokens <= self.spec.max_tokens
 
     def run(self, rows: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        cid = current_call_id()
         try:
             if self.pending[slot]:
-                self.module.release(slot=slot)
+                self.module.release(slot=slot, call_id=cid)
             self.pending[slot] = True
-            got = self.module.gather(rows.contiguous(), slot=slot)
+            got = self.module.gather(rows.contiguous(), slot=slot, call_id=cid)
         except DcpcContractError as err:
-            raise explain(err) from err
+            raise explain(name_call(err)) from err
         return self.handed.out(slot, (got,))[0]
 
     def skip(self, rows: torch.Tensor, slot: int = 0) -> None:

@@ -14,6 +14,8 @@ not given), a torch ProcessGroup or a dcpc LocalRank. Switches: ``DCPC_SGLANG``
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import sys
 from typing import Any
@@ -21,8 +23,17 @@ from typing import Any
 import torch
 
 from dcpc.engines.agree import agree
+from dcpc.engines.call_ids import begin_forward, enter_layer
 from dcpc.engines.combine import GatherRunner, check_tensors, combine_call, reset, runner
-from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, rebind, resolve_group, switch
+from dcpc.engines.common import (
+    DTYPE_NAMES,
+    GatherSpec,
+    log,
+    log_once,
+    rebind,
+    resolve_group,
+    switch,
+)
 from dcpc.engines.fallback import Comm
 from dcpc.runtime.errors import DcpcArgumentError
 
@@ -157,6 +168,10 @@ def install() -> list[str]:
                 target = f"sglang.srt.layers.dcp.comm.{name}"
                 HookRegistry.register(target, ours[name], HookType.REPLACE)
                 done.append(target)
+            before = getattr(HookType, "BEFORE", None)  # SGLang 0.5.23 has it
+            for target, hook in CALL_HOOKS.items() if before is not None else ():
+                HookRegistry.register(target, hook, before)  # the call ids' forward, layer
+                done.append(target)
             return done  # load_plugins() applies them in this process
     import sglang.srt.layers.dcp.comm as comm
 
@@ -169,6 +184,52 @@ def install() -> list[str]:
         old = vars(comm)[name]
         if old is not ours[name]:
             done += rebind(name, old, ours[name])
+    return done + _hook_methods()
+
+
+def _before_forward(*args: Any, **kwargs: Any) -> None:
+    """BEFORE ``ModelRunner.forward``: a forward begins (dcpc.engines.call_ids)."""
+    begin_forward()
+
+
+def _before_attention(layer: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``RadixAttention.forward``: its ``layer_id`` runs next. DeepSeek's query
+    gather (forward_mla.py) runs before its layer's RadixAttention: it carries the
+    previous layer's id (the same on every rank: a skip is still seen)."""
+    layer_id = getattr(layer, "layer_id", None)
+    # not while torch.compile traces it (a context variable is unsupported there)
+    if type(layer_id) is int and not torch.compiler.is_compiling():
+        enter_layer(layer_id)  # else the previous layer stays (alike on every rank)
+
+
+CALL_HOOKS = {"sglang.srt.model_executor.model_runner.ModelRunner.forward": _before_forward,
+              "sglang.srt.layers.radix_attention.RadixAttention.forward": _before_attention}
+
+
+def _hook_methods() -> list[str]:
+    """Without SGLang's HookRegistry: wrap the two methods of CALL_HOOKS by hand (once)."""
+    done = []
+    for target, hook in CALL_HOOKS.items():
+        where, cls_name, method = target.rsplit(".", 2)
+        try:
+            cls = getattr(importlib.import_module(where), cls_name)
+        except Exception as err:  # noqa: BLE001 - no hook, no ids from it
+            log.info("dcpc.engines.sglang.install(): no call ids from %s (%s: %s)", target,
+                     type(err).__name__, err)
+            continue
+        original = vars(cls).get(method)
+        if original is None or getattr(original, "_dcpc_hook", False):
+            continue
+
+        def hooked(*args: Any, _original: Any = original, _hook: Any = hook,
+                   **kwargs: Any) -> Any:
+            _hook(*args, **kwargs)
+            return _original(*args, **kwargs)
+
+        functools.update_wrapper(hooked, original)
+        hooked._dcpc_hook = True  # type: ignore[attr-defined]
+        setattr(cls, method, hooked)
+        done.append(target)
     return done
 
 

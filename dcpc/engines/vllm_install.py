@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcpc.engines import vllm as V
+from dcpc.engines.call_ids import forward_hook, layer_hook
 from dcpc.engines.common import log, log_once, rebind
 
 FREE = ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce")  # replaced by dcpc's
@@ -35,6 +36,10 @@ KEPT = ("cp_lse_ag_out_ar",)  # not replaced (no dcpc schedule): vLLM's own is c
 KV_033 = ["workspace", "max_gathered_tokens"]
 KV_MAIN = ["max_gathered_tokens", "token_dim", "plane_split_dim", "dtype"]
 MODULES = ("vllm.v1.attention.ops.dcp", "vllm.v1.attention.ops.dcp_utils")
+# where a forward begins and which attention layer runs (vLLM 0.33.0): the call ids
+CALL_HOOKS = (("vllm.forward_context", "set_forward_context", forward_hook),
+              ("vllm.model_executor.layers.attention.attention", "get_attention_context",
+               layer_hook))
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,31 @@ def install(max_num_tokens: int | None = None) -> list[str]:
         new = layout.ours.get(name)
         if new is not None and old is not new:
             patched += rebind(name, old, new)
+    return patched + hook_calls()
+
+
+def hook_calls() -> list[str]:
+    """Wrap vLLM's ``set_forward_context`` (a forward begins) and ``get_attention_context``
+    (its custom attention ops name the layer) in every module that holds them, for the
+    call ids (dcpc.engines.call_ids). Idempotent; a module that does not import, or has
+    no such function, is logged (info) and left alone (no ids from it)."""
+    patched: list[str] = []
+    for where, name, hook in CALL_HOOKS:
+        try:
+            module = importlib.import_module(where)
+        except Exception as err:  # noqa: BLE001 - any import error: no hook, no ids
+            log.info("dcpc.engines.vllm.install(): no call ids from %s (%s does not import: "
+                     "%s: %s)", name, where, type(err).__name__, err)
+            continue
+        old = vars(module).get(name)
+        if old is None:
+            log.info("dcpc.engines.vllm.install(): no call ids from %s (%s has none)", name,
+                     where)
+            continue
+        new = hook(old)
+        if new is not old:
+            patched += rebind(name, old, new)
     return patched
 
 
-__all__ = ["Layout", "install", "known_layout"]
+__all__ = ["Layout", "hook_calls", "install", "known_layout"]
