@@ -344,6 +344,19 @@ def _no_parallel() -> Any:
     raise RuntimeError("sglang.srt.runtime_context.get_parallel() is a stub here")
 
 
+class _ModelRunner:
+    def forward(self, *args: Any, **kwargs: Any) -> str:
+        return "forward"
+
+
+class _RadixAttention:
+    def __init__(self, layer_id: int):
+        self.layer_id = layer_id
+
+    def forward(self, *args: Any, **kwargs: Any) -> int:
+        return self.layer_id
+
+
 def load_sglang() -> WheelModules:
     """SGLang 0.5.23's DCP package, its plugin loader and hook registry, and the
     DeepSeek MLA forward's import of the DCP names, under their real names."""
@@ -369,6 +382,12 @@ def load_sglang() -> WheelModules:
            is_hip=lambda: False)
     m.stub("sglang.srt.utils.common", "is_fi_a2a_supported() False (no FlashInfer on CPU)",
            is_fi_a2a_supported=lambda *a, **k: False)
+    m.stub("sglang.srt.model_executor.model_runner", "the model runner imports the whole "
+           "server: a ModelRunner with only forward(), the method dcpc's call-id hook "
+           "runs BEFORE (its arguments are not read)", ModelRunner=_ModelRunner)
+    m.stub("sglang.srt.layers.radix_attention", "imports the attention backends (CUDA): a "
+           "RadixAttention with only layer_id and forward(), all dcpc's layer hook reads",
+           RadixAttention=_RadixAttention)
     for name in SGLANG_REAL[3:]:
         if name != "sglang.srt.layers.dcp":
             m.real(name)

@@ -57,6 +57,11 @@ Stubs (each one's reason is also in WheelModules.stubs, checked below against th
 - sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla: only its
   ``from sglang.srt.layers.dcp import`` statement. Safe: the DeepSeek model; its
   bindings are exactly this statement.
+- sglang.srt.model_executor.model_runner (ModelRunner with only forward()) and
+  sglang.srt.layers.radix_attention (RadixAttention with only layer_id and forward()):
+  the targets of dcpc's call-id BEFORE hooks. Safe: SGLang's real HookRegistry puts the
+  hooks over them; the hooks read nothing but ``layer_id`` (the real modules import the
+  server and the CUDA attention backends).
 
 The group handed to the engines' code is ``Coordinator`` (tests/engine_wheels.py): a
 GroupCoordinator's attributes and collectives over the LocalGroup's threads (dcpc's torch
@@ -351,7 +356,22 @@ def test_sglang_loader_picks_up_the_plugin_and_one_call_through_each_rebound_nam
     assert plugins.__file__.endswith("sglang/srt/plugins/__init__.py")
     plugins.load_plugins()
     calls = sys.modules["dcpc_wheel_plugin"].CALLS
-    assert calls == [[f"{EW.SGLANG_COMM}.{n}" for n in S.PATCHED]], calls  # the hooks' path
+    # the hooks' path: the replaced names, then the call ids' BEFORE hooks
+    assert calls == [[*(f"{EW.SGLANG_COMM}.{n}" for n in S.PATCHED), *S.CALL_HOOKS]], calls
+    from dcpc.engines.call_ids import current_call_id, reset_calls
+
+    runner = sys.modules["sglang.srt.model_executor.model_runner"].ModelRunner()
+    attention = sys.modules["sglang.srt.layers.radix_attention"].RadixAttention
+    reset_calls()
+    try:  # SGLang's registry put dcpc's hooks before both methods: ids follow them
+        assert runner.forward() == "forward" and attention(3).forward() == 3
+        first = current_call_id()
+        assert runner.forward() == "forward" and attention(3).forward() == 3
+        assert first is not None and current_call_id() is not None
+        assert current_call_id() != first  # the next forward's layer 3
+        assert attention(4).forward() == 4 and current_call_id() == first + 1 + 101
+    finally:
+        reset_calls()
     fwd = sys.modules[EW.SGLANG_IMPORTERS[0]]
     for name in S.PATCHED:
         for holder in (comm, sys.modules["sglang.srt.layers.dcp"], fwd):
