@@ -20,7 +20,9 @@ touches signal memory only; a launch with ``PUSH=False`` runs after a wait entir
   element a rank stores under a region effect lies in that rank's part (index /
   block / interleave of the region's axis); a symmetric buffer is touched in the
   call's slot only;
-- every effect of the table happened somewhere in the run (on some rank, some call).
+- every effect of the table happened somewhere in the run (on some rank, some call); an
+  effect marked ``either`` (listed before the signal and after the wait: the phase
+  depends on the launch) in one of its two phases.
 
 Hooks are installed while ``tracing()`` is active and removed after: the interpreter
 builder's memory ops, its program index, its launcher, and the module's ``_bind`` (to
@@ -335,10 +337,12 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
         if not any(c.step == step.name for c in trace.calls):
             continue
         for e in step.effects:
-            if (step.name, e.buffer, e.kind, e.when) not in seen:
+            phases = (BEFORE, AFTER) if e.either else (e.when,)
+            if not any((step.name, e.buffer, e.kind, p) in seen for p in phases):
+                when = "before or after" if e.either else e.when
                 problems.append(f"step '{step.name}': the plan says it {e.kind}s '{e.buffer}' "
-                                f"{e.when} its signal/wait; no kernel did, on any rank")
-    return problems
+                                f"{when} its signal/wait; no kernel did, on any rank")
+    return list(dict.fromkeys(problems))  # an ``either`` pair missing is said once
 
 
 # ---- a traced run --------------------------------------------------------------------------
