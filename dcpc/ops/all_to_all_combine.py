@@ -66,8 +66,9 @@ def semantics(c: Scope, step: Step) -> Semantics:
     before = effects(READ, BEFORE, keyed(op, "src"))
     before += effects(WRITE, BEFORE, keyed(op, "via"), Region("index", 0))
     # the masks: a call in one launch (every row tile in one wave) looks its rows'
-    # requests up before the push; a call in two launches, in the merge launch after
-    # the wait. Both phases listed, each ``either`` (the tracer demands one of them).
+    # requests up before the push (query_start_loc; interleaved lengths too); a call in
+    # two launches, in the merge launch after the wait. Both phases listed, each
+    # ``either`` (the tracer demands one of them; [B, W] lengths are read after only).
     before += effects(READ, BEFORE, mask_inputs(op), either=True)
     after = effects(READ, AFTER, keyed(op, "via"))
     after += effects(READ, AFTER, mask_inputs(op), either=True)
