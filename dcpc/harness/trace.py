@@ -20,7 +20,9 @@ touches signal memory only; a launch with ``PUSH=False`` runs after a wait entir
   element a rank stores under a region effect lies in that rank's part (index /
   block / interleave of the region's axis); a symmetric buffer is touched in the
   call's slot only;
-- every effect of the table happened somewhere in the run (on some rank, some call).
+- every effect of the table happened somewhere in the run (on some rank, some call); an
+  effect marked ``either`` (listed before the signal and after the wait: the phase
+  depends on the launch) in one of its two phases.
 
 Hooks are installed while ``tracing()`` is active and removed after: the interpreter
 builder's memory ops, its program index, its launcher, and the module's ``_bind`` (to
@@ -54,6 +56,8 @@ class Call:
     slot: int
     env: dict[str, int]
     engine: list[tuple[int, int, str, int]] = field(default_factory=list)  # start, end, name, size
+    launches: int = 0  # kernel launches begun
+    xchg: int = 0  # atomic exchanges made: signals (and failure flags) published
 
 
 @dataclass
@@ -111,6 +115,23 @@ class Trace:
         addrs = np.unique(addrs.astype(np.uint64).ravel())
         with self.lock:
             self.raw.setdefault((state.call_id, state.phase, kind), []).append(addrs)
+
+    def progress(self, world: int) -> str:
+        """Where each rank got to, by its last call: for a run that failed or hung."""
+        last: dict[int, int] = {}
+        for cid, call in enumerate(self.calls):
+            last[call.rank] = cid
+        lines = []
+        for rank in range(world):
+            if rank not in last:
+                lines.append(f"  rank {rank}: no call yet")
+                continue
+            c = self.calls[last[rank]]
+            made = sum(1 for x in self.calls if x.rank == rank)
+            lines.append(f"  rank {rank}: call {made} of its own (trace call {last[rank]}): "
+                         f"step '{c.step}' slot {c.slot}, {c.launches} launch(es) begun, "
+                         f"{c.xchg} atomic exchange(s) (signals, flags) made")
+        return "\n".join(lines)
 
     def accesses(self) -> dict[tuple, np.ndarray]:
         """(call id, phase, kind, buffer, owner, slot) -> element offsets: the call's own
@@ -201,6 +222,9 @@ def tracing() -> Iterator[Trace]:
             _active.record(_tls, "atomic", _masked(ptr, mask))
             if "XCHG" in str(op):  # a signal (sync.j2): the program's push is over
                 _tls.phase = AFTER
+                if _tls.call is not None and _tls.trace is _active:
+                    with _active.lock:
+                        _tls.call.xchg += 1
         return saved["create_atomic_rmw"](self, op, ptr, val, mask, *a)
 
     def cas(self: Any, ptr: Any, *a: Any) -> Any:
@@ -220,6 +244,7 @@ def tracing() -> Iterator[Trace]:
         grid = self.grid if not callable(self.grid) else (0,)
         if _active is not None and _tls.call is not None and _tls.trace is _active:
             with _active.lock:
+                _tls.call.launches += 1
                 step = _tls.call.step
                 _active.programs[step] = max(_active.programs.get(step, 0), int(grid[0]))
         try:
@@ -335,10 +360,12 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
         if not any(c.step == step.name for c in trace.calls):
             continue
         for e in step.effects:
-            if (step.name, e.buffer, e.kind, e.when) not in seen:
+            phases = (BEFORE, AFTER) if e.either else (e.when,)
+            if not any((step.name, e.buffer, e.kind, p) in seen for p in phases):
+                when = "before or after" if e.either else e.when
                 problems.append(f"step '{step.name}': the plan says it {e.kind}s '{e.buffer}' "
-                                f"{e.when} its signal/wait; no kernel did, on any rank")
-    return problems
+                                f"{when} its signal/wait; no kernel did, on any rank")
+    return list(dict.fromkeys(problems))  # an ``either`` pair missing is said once
 
 
 # ---- a traced run --------------------------------------------------------------------------
@@ -351,11 +378,15 @@ class TracedRun:
 
 
 def run_traced(schedule_path: str, world: int, *, programs: int, block: int | None = None,
-               calls: int = 2, seed: int = 0, order: str = "sequential") -> TracedRun:
+               calls: int = 2, seed: int = 0, order: str = "sequential",
+               timeout_s: float | None = None, fault: dict | None = None) -> TracedRun:
     """Compile ``schedule_path``, run ``calls`` calls of every step on ``world`` ranks as
     threads (backend ``local``, ``programs`` per kernel, ``block`` elements per tile when
     given), every output compared with the float64 simulation, every access traced and
-    checked against the plan."""
+    checked against the plan. ``timeout_s``: the modules' wait bound (their default when
+    None); ``fault``: an ``adversary.Fault`` as a dict (a rank that pauses). A rank that
+    fails or hangs raises ``LocalRankError`` with, per rank, its last call by the
+    record: step, slot, launches begun, atomic exchanges (signals) made."""
     import re
     import tempfile
     import warnings
@@ -364,7 +395,7 @@ def run_traced(schedule_path: str, world: int, *, programs: int, block: int | No
     from dcpc.harness.worker import run_rank
     from dcpc.pipeline import Options
     from dcpc.pipeline import run as compile_stages
-    from dcpc.runtime.local import LocalGroup
+    from dcpc.runtime.local import LocalGroup, LocalRankError
 
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # log(0) in numpy: masked
     c = compile_stages(Path(schedule_path), Options(worlds=[world]), until="emit")
@@ -380,8 +411,12 @@ def run_traced(schedule_path: str, world: int, *, programs: int, block: int | No
         group = LocalGroup(world, "cpu", timeout_s=300.0)
         args = dict(schedule_path=str(schedule_path), module_path=str(module),
                     backend="local", calls=calls, seed=seed, jitter_s=0.0, order=order,
-                    programs=None)
+                    programs=None, timeout_s=timeout_s, fault=fault)
         with tracing() as trace:
-            reports = group.run(lambda rank: run_rank(rank.rank, world, group=rank, **args))
+            try:
+                reports = group.run(lambda rank: run_rank(rank.rank, world, group=rank, **args))
+            except LocalRankError as exc:  # say where every rank got to, by the record
+                raise LocalRankError(f"{exc}\nwhere each rank got to (the tracer's record):\n"
+                                     f"{trace.progress(world)}") from None
     mismatches = sum(s.mismatches for r in reports for s in r.outputs.values())
     return TracedRun(c.plan, trace, mismatches, check(trace, c.plan, world))

@@ -26,6 +26,7 @@ from dcpc.ops.common import (
     effects,
     exchange,
     keyed,
+    mask_inputs,
     merge_inputs,
 )
 from dcpc.ops.lse_combine import combine
@@ -64,7 +65,14 @@ def semantics(c: Scope, step: Step) -> Semantics:
     op = step.op
     before = effects(READ, BEFORE, keyed(op, "src"))
     before += effects(WRITE, BEFORE, keyed(op, "via"), Region("index", 0))
-    after = effects(READ, AFTER, keyed(op, "via") + merge_inputs(op))
+    # the masks: a call in one launch (every row tile in one wave) looks its rows'
+    # requests up before the push (query_start_loc; interleaved lengths too); a call in
+    # two launches, in the merge launch after the wait. Both phases listed, each
+    # ``either`` (the tracer demands one of them; [B, W] lengths are read after only).
+    before += effects(READ, BEFORE, mask_inputs(op), either=True)
+    after = effects(READ, AFTER, keyed(op, "via"))
+    after += effects(READ, AFTER, mask_inputs(op), either=True)
+    after += effects(READ, AFTER, keyed(op, "output_scale"))
     if not self_copy(c, step):  # the merge reads this rank's own part from src
         after += effects(READ, AFTER, keyed(op, "src"))
     after += effects(WRITE, AFTER, keyed(op, "dst") + keyed(op, "return_lse"))

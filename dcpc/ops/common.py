@@ -94,6 +94,10 @@ class Effect:
 
     ``region`` None: this rank's own instance, whole. ``key``: the op key that names
     the buffer ("src[0]", "mask_empty.seq_lens", ...; "" for an implicit buffer).
+    ``either``: the kernel makes this access before its signal in some launches and
+    after its wait in others; the table lists it in both phases, each marked (the
+    checkers take both: more reads only add races), and the access tracer
+    (dcpc.harness.trace) demands it in one of the two.
     """
 
     buffer: str
@@ -101,6 +105,7 @@ class Effect:
     when: str
     region: Region | None = None
     key: str = ""
+    either: bool = False
 
 
 @dataclass(frozen=True)
@@ -323,20 +328,24 @@ def keyed(op: m.OpBase, key: str) -> list[tuple[str, str]]:
     return []
 
 
+def mask_inputs(op: m.OpBase) -> list[tuple[str, str]]:
+    """(buffer, key) of mask_empty's lengths and query_start_loc (none without it)."""
+    mask = getattr(op, "mask_empty", None)
+    if mask is None:
+        return []
+    return [(mask.lengths, f"mask_empty.{mask.lengths_key}"),
+            (mask.query_start_loc, "mask_empty.query_start_loc")]
+
+
 def merge_inputs(op: m.OpBase) -> list[tuple[str, str]]:
     """(buffer, key) a merge reads besides its partials: mask_empty's lengths and
     query_start_loc, and output_scale."""
-    mask = getattr(op, "mask_empty", None)
-    found = []
-    if mask is not None:
-        found += [(mask.lengths, f"mask_empty.{mask.lengths_key}"),
-                  (mask.query_start_loc, "mask_empty.query_start_loc")]
-    return found + keyed(op, "output_scale")
+    return mask_inputs(op) + keyed(op, "output_scale")
 
 
 def effects(kind: str, when: str, pairs: list[tuple[str, str]],
-            region: Region | None = None) -> list[Effect]:
-    return [Effect(b, kind, when, region, key) for b, key in pairs]
+            region: Region | None = None, *, either: bool = False) -> list[Effect]:
+    return [Effect(b, kind, when, region, key, either) for b, key in pairs]
 
 
 def exchange(before: list[Effect], after: list[Effect], step: m.Step) -> Semantics:
