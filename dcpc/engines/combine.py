@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dcpc.engines import capture
 from dcpc.engines.agree import agree, explain, forget
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -239,6 +240,7 @@ def reset(group: Any = None) -> int:
     for run in closing:
         run.module.close()
     forget(handles)
+    capture.forget(handles)  # new modules: their first calls warm up again
     return len(closing)
 
 
