@@ -33,13 +33,19 @@ def _module(name: str, **attrs) -> types.ModuleType:
     return m
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One module cache for this file's tests (they share schedules: compiled once)."""
+    return tmp_path_factory.mktemp("capture_cache")
+
+
 @pytest.fixture
-def fresh(tmp_path, monkeypatch):
-    """A private module cache, the workspace 8, no sizes from the environment, and the
+def fresh(cache_dir, monkeypatch):
+    """This file's module cache, the workspace 8, no sizes from the environment, and the
     warm-up's memory of families and sizes emptied (and the adapters' modules closed)."""
     from dcpc.engines import combine
 
-    monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DCPC_CACHE_DIR", str(cache_dir))
     monkeypatch.setenv("DCPC_MAX_NUM_TOKENS", "8")
     monkeypatch.delenv(capture.SIZES_ENV, raising=False)
     monkeypatch.delenv(capture.SWITCH, raising=False)
@@ -121,6 +127,9 @@ def _vllm_rank(rank, mask: bool) -> dict:
 @pytest.mark.parametrize("warm", [True, False])
 def test_vllm_free_functions_warm_every_capture_size_at_first_use(fresh, vllm_config, warm,
                                                                   monkeypatch, caplog):
+    """Workspace 2: sizes 1 and 2 on dcpc's kernels, 4 on the torch fallback (its empty
+    call through the module warmed once)."""
+    monkeypatch.setenv("DCPC_MAX_NUM_TOKENS", "2")
     if not warm:
         monkeypatch.setenv(capture.SWITCH, "0")
     with caplog.at_level(logging.INFO, logger="dcpc.engines"):
@@ -131,23 +140,12 @@ def test_vllm_free_functions_warm_every_capture_size_at_first_use(fresh, vllm_co
     if warm:
         assert found[0]["counts"] == NOTHING, found[0]["counts"]
         # one line per function and rank (a rank is a family's owner), naming the sizes
-        assert len(said) == 2 * W and all(f"sizes {SIZES}" in s for s in said), said
+        assert len(said) == 2 * W and all(
+            "sizes [1, 2]" in s and "above the workspace 2 (fallback): [4]" in s
+            for s in said), said
     else:  # the first call at each size runs the checked path and records its plan
         assert found[0]["counts"]["plans"] > 0
         assert not said
-
-
-def test_vllm_sizes_above_the_workspace_warm_the_fallback_once(fresh, vllm_config,
-                                                                 monkeypatch):
-    """Workspace 2: sizes 1, 2 warmed on dcpc's kernel, 4 takes the torch fallback (its
-    empty call through the module warmed once), and every call still matches."""
-    monkeypatch.setenv("DCPC_MAX_NUM_TOKENS", "2")
-    assert capture.plan(SIZES, 2) == ([1, 2, 4], [4])
-    assert capture.plan([1, 2, 4, 8], 2) == ([1, 2, 4], [4, 8])
-    found = LocalGroup(W, "cpu", timeout_s=300).run(lambda rank: _vllm_rank(rank, False))
-    for f in found:
-        assert all(f["ok"]), f
-    assert found[0]["counts"] == NOTHING, found[0]["counts"]
 
 
 def _manager_rank(rank, cfg) -> dict:
@@ -241,6 +239,12 @@ def test_sglang_warms_its_graph_batch_sizes_and_sizes_its_workspace(fresh, monke
     assert found[0]["counts"] == NOTHING, found[0]["counts"]
 
 
+def test_plan_warms_up_to_the_workspace_and_one_size_above():
+    assert capture.plan([1, 2, 4], 2) == ([1, 2, 4], [4])
+    assert capture.plan([1, 2, 4, 8], 2) == ([1, 2, 4], [4, 8])
+    assert capture.plan([1, 2, 4, 8], 8) == ([1, 2, 4, 8], [])
+
+
 def test_like_keeps_the_layout_a_call_plan_sees():
     padded = torch.randn(5, 4, 24)[..., :16]  # a slice of a padded buffer
     lse_t = torch.randn(4, 5).t()  # FlashAttention's [H, T] LSE, transposed
@@ -252,3 +256,23 @@ def test_like_keeps_the_layout_a_call_plan_sees():
     assert capture.like(padded, 3).stride() == padded.stride()
     with pytest.raises(Exception, match="DCPC_CAPTURE_SIZES='1,x'"):
         capture.parse_sizes("1,x", "DCPC_CAPTURE_SIZES")
+
+
+def test_capture_warm_benchmark_dry_run(tmp_path, cache_dir, monkeypatch):
+    """benchmarks/capture_warm.py --dry (CPU: eager calls in place of captures): the
+    flow the GPU run takes, its counters at 0 after the warm-up, its files written."""
+    import json
+
+    from benchmarks.capture_warm import main
+
+    monkeypatch.setenv("DCPC_CACHE_DIR", str(cache_dir))
+    for name in ("DCPC_MAX_NUM_TOKENS", capture.SIZES_ENV, capture.SWITCH):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(capture, "_done", {})
+    assert main(["--out", str(tmp_path), "--dry", "--worlds", "2", "--sizes", "2",
+                 "--first", "1", "--heads", "2", "--dv", "16", "--dq", "16",
+                 "--replays", "1"]) == 0
+    got = json.loads((tmp_path / "capture_warm.json").read_text())
+    assert got["ok"] and got["worlds"][0]["ranks"][0]["rows"][0]["capture"] == {
+        "plans": 0, "allocations": 0, "compiles": 0, "triton": 0}
+    assert "verdict: PASS" in (tmp_path / "capture_warm.md").read_text()

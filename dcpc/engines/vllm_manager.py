@@ -90,10 +90,12 @@ class MLADCPManager:
             self._warm_calls(n)
         sync_stream(self.dcp.device)  # the warm-up's kernels done before the next host copy
         if capture.enabled() and sizes:
+            rest = (f"; above the workspace {self.max_num_tokens} (fallback): {above}"
+                    if above else "")
             log.info("MLADCPManager: warmed up for CUDA-graph capture sizes %s (%s; 2 calls "
-                     "each per microbatch, %.2f s); above the workspace %d (fallback): %s",
+                     "each per microbatch, %.2f s)%s",
                      [n for n in warm if n <= self.max_num_tokens], source,
-                     time.perf_counter() - start, self.max_num_tokens, above)
+                     time.perf_counter() - start, rest)
 
     def _warm_calls(self, tokens: int) -> None:
         dev = self.dcp.device
