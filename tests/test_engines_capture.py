@@ -50,6 +50,7 @@ def fresh(cache_dir, monkeypatch):
     monkeypatch.delenv(capture.SIZES_ENV, raising=False)
     monkeypatch.delenv(capture.SWITCH, raising=False)
     monkeypatch.setattr(capture, "_done", {})
+    monkeypatch.setattr(capture, "_fast", {})
     monkeypatch.setattr(capture, "_found", {})
     monkeypatch.setattr(capture, "_said", {})
     yield
@@ -269,6 +270,7 @@ def test_capture_warm_benchmark_dry_run(tmp_path, cache_dir, monkeypatch):
     for name in ("DCPC_MAX_NUM_TOKENS", capture.SIZES_ENV, capture.SWITCH):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(capture, "_done", {})
+    monkeypatch.setattr(capture, "_fast", {})
     assert main(["--out", str(tmp_path), "--dry", "--worlds", "2", "--sizes", "2",
                  "--first", "1", "--heads", "2", "--dv", "16", "--dq", "16",
                  "--replays", "1"]) == 0

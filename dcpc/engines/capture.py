@@ -43,6 +43,8 @@ MAX_SIZES = 512  # sizes warmed per family (vLLM's default list has ~50)
 
 _lock = threading.Lock()
 _done: dict[Hashable, Any] = {}  # family -> group handle (kept: its id is not reused)
+_fast: dict[Hashable, Any] = {}  # a call's cheap key -> group handle (first_use)
+MAX_FAST = 65536
 _found: dict[str, tuple[list[int], str]] = {}  # engine -> (sizes, source), by install()
 _said: dict[str, bool] = {}  # labels told that no sizes are known
 _tls = threading.local()
@@ -181,20 +183,27 @@ def warming() -> bool:
     return getattr(_tls, "on", False)
 
 
-def first_use(family: Hashable, handle: Any, label: str, sizes: tuple[list[int] | None, str],
-              workspace: int, call: Callable[[int], Any]) -> None:
-    """At the first call of ``family``: ``call(tokens)`` twice at every planned size (see
-    plan), then one INFO line. Nothing when off, inside a warm-up, already done, or
-    no sizes are known (said once)."""
-    if warming():
+def first_use(fast: Hashable, family: Callable[[], Hashable], handle: Any, label: str,
+              sizes: Callable[[], tuple[list[int] | None, str]], workspace: int,
+              call: Callable[[int], Any], wanted: Callable[[], bool] = lambda: True) -> None:
+    """At the first call of ``family()``: ``call(tokens)`` twice at every planned size of
+    ``sizes()`` (see plan), then one INFO line. Nothing when off, inside a warm-up,
+    already done, not ``wanted()`` (the function's switch at 0), or no sizes are known
+    (said once). ``fast``: a cheap key of the call (shapes and strides as they are) that
+    names one family; a call whose ``fast`` was seen costs one dict lookup."""
+    if fast in _fast or warming():  # the hot path: a plain read (the GIL orders it)
         return
+    key = family()
     with _lock:
-        if family in _done:
+        if len(_fast) >= MAX_FAST:
+            _fast.clear()
+        _fast[fast] = handle
+        if key in _done:
             return
-        _done[family] = handle
-    if not enabled():
+        _done[key] = handle
+    if not enabled() or not wanted():
         return
-    got, source = sizes
+    got, source = sizes()
     if not got:
         with _lock:
             said, _said[label] = label in _said, True
@@ -226,8 +235,9 @@ def forget(handles: set[int] | None = None) -> None:
     """Families of these group handles (all: None) warm again at their next first call
     (dcpc.engines.combine.reset: the modules are new)."""
     with _lock:
-        for family in [f for f, h in _done.items() if handles is None or id(h) in handles]:
-            del _done[family]
+        for table in (_done, _fast):
+            for key in [k for k, h in table.items() if handles is None or id(h) in handles]:
+                del table[key]
 
 
 def _order(t: torch.Tensor) -> list[int]:

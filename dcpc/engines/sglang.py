@@ -70,12 +70,14 @@ def _capture_sizes() -> tuple[list[int] | None, str]:
     return capture.sizes_for("sglang", now)
 
 
-def _warm(key: tuple, group: Any, label: str, call: Any) -> None:
+def _warm(tensors: tuple[torch.Tensor, ...], extra: Any, group: Any, label: str,
+          call: Any) -> None:
     """The capture warm-up of a family's first call (dcpc.engines.capture)."""
-    if switch(SWITCH) != "off":
-        capture.first_use(("sglang", label, id(group.handle), group.rank, *key,
-                           _backend(), _tokens()), group.handle, label, _capture_sizes(),
-                          _tokens(), call)
+    tokens = _tokens()
+    rest = ("sglang", label, id(group.handle), group.rank, extra, _backend(), tokens)
+    capture.first_use((*rest, *[(t.shape[1:], t.stride(), t.dtype) for t in tensors]),
+                      lambda: (*rest, *[capture.layout(t) for t in tensors]), group.handle,
+                      label, _capture_sizes, tokens, call, lambda: switch(SWITCH) != "off")
 
 
 def _backend() -> str:
@@ -97,7 +99,7 @@ def _combine(path: str, out: torch.Tensor, lse: torch.Tensor, cp_group: Any, bas
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return out
-    _warm((capture.layout(out), capture.layout(lse), base_e), group, label,
+    _warm((out, lse), base_e, group, label,
           lambda n: again(capture.like(out, n), capture.like(lse, n)))
     got, _ = combine_call(path, out, lse, group, base2=not base_e, seq_lens=None, qsl=None,
                           switch_name=SWITCH, max_tokens=_tokens(), backend=_backend(),
@@ -148,8 +150,8 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
                                 "must agree in tokens, heads and dtype")
     if group.world == 1:
         return q_nope_out, q_pe
-    _warm((capture.layout(q_nope_out), capture.layout(q_pe)), group,
-          "all_gather_q_for_mla_decode", lambda n: all_gather_q_for_mla_decode(
+    _warm((q_nope_out, q_pe), None, group, "all_gather_q_for_mla_decode",
+          lambda n: all_gather_q_for_mla_decode(
               capture.like(q_nope_out, n), capture.like(q_pe, n), given))
     dpe = q_pe.shape[2]
     combined = torch.cat([q_pe, q_nope_out], dim=-1)  # [B, H/W, Dpe + Dn], as SGLang

@@ -175,14 +175,17 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
         return (out, lse) if return_lse else out
     tokens, backend = max_tokens or _free_tokens(), backend or _backend()
     instance = _ubatch() if instance is None else instance
-    if again is not None and switch(switch_name) != "off":
+    if again is not None:
+        rest = (label, id(group.handle), group.rank, seq_lens is None, return_lse,
+                is_lse_base_on_e, slot, instance, backend, tokens)
         capture.first_use(
-            ("vllm", label, id(group.handle), group.rank, capture.layout(out),
-             capture.layout(lse), capture.mask_kind(seq_lens, query_start_loc), return_lse,
-             is_lse_base_on_e, slot, instance, backend, tokens), group.handle, label,
-            capture.vllm_sizes_now(), tokens,
+            (*rest, out.shape[1:], out.stride(), out.dtype, lse.shape[1:], lse.stride(),
+             lse.dtype), lambda: (*rest, capture.layout(out), capture.layout(lse),
+                                  capture.mask_kind(seq_lens, query_start_loc)),
+            group.handle, label, capture.vllm_sizes_now, tokens,
             lambda n: again(capture.like(out, n), capture.like(lse, n),
-                            *capture.mask_args(seq_lens, query_start_loc, n)))
+                            *capture.mask_args(seq_lens, query_start_loc, n)),
+            lambda: switch(switch_name) != "off")
     got = combine_call(
         path, out, lse, group, base2=not is_lse_base_on_e, seq_lens=seq_lens,
         qsl=query_start_loc, switch_name=switch_name, max_tokens=tokens, slots=slots,
