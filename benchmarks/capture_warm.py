@@ -247,10 +247,13 @@ def rank_main(rank: Any, a: argparse.Namespace, st: Standins, compiles: dict[str
     rec["workspace"] = {"vllm": V._free_tokens(), "sglang": S._tokens(),
                         "manager": mgr.max_num_tokens}
 
+    # made before any call: a host-to-device copy while this rank's stream waits on a
+    # peer can hang ranks as threads (dcpc.runtime.local.to_host)
+    cases = [Inputs(11 + n, n, w, a, r, dev).mine for n in a.sizes for _ in range(2)]
+
     def eager() -> None:
-        for n in a.sizes:
-            for _ in range(2):
-                _calls(Inputs(11 + n, n, w, a, r, dev).mine, rank, mgr, a)
+        for x in cases:
+            _calls(x, rank, mgr, a)
         sync_stream(dev)
 
     rec["eager"] = counted(eager)
