@@ -3,9 +3,9 @@
 Inside a capture nothing may compile, load a kernel or allocate a module buffer, and
 a generated method's first call per shape key runs its checked path and records a
 call plan (dcpc.runtime.calls); a combine's ``release`` first runs at the start of the
-module's next call. So each size the engine captures needs two eager calls first. The
-engines' own warm-up does not make them for the free functions (vLLM runs one dummy
-batch; SGLang none for these), so the adapters make them:
+module's next call. So each size the engine captures needs two eager calls first,
+which the engines' own warm-up does not make for the free functions (issue 23), so
+the adapters make them:
 
 - at the first call of a *family* (the function, group, microbatch, and everything
   but the token count: heads, head dims, dtypes, LSE base, the mask arguments, the
@@ -99,9 +99,10 @@ def vllm_sizes(vllm_config: Any) -> tuple[list[int] | None, str]:
 
 
 def sglang_sizes(server_args: Any) -> tuple[list[int] | None, str]:
-    """SGLang's graph batch sizes in tokens: ``cuda_graph_bs`` (else 1..cuda_graph_max_bs
-    in SGLang's steps are not guessed: None) times the tokens per batch (the speculative
-    draft tokens when a speculative algorithm is set, else 1)."""
+    """SGLang's graph batch sizes in tokens: ``cuda_graph_bs`` times the tokens per batch
+    (the speculative draft tokens when a speculative algorithm is set, else 1); None
+    without a ``cuda_graph_bs`` (SGLang's own list for a ``cuda_graph_max_bs`` is not
+    guessed)."""
     bs = getattr(server_args, "cuda_graph_bs", None)
     if not bs:
         return None, "SGLang's server args have no cuda_graph_bs"

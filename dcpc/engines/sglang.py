@@ -185,10 +185,10 @@ PATCHED = ("dcp_a2a_lse_reduce", "cp_lse_ag_out_rs_mla", "all_gather_q_for_mla_d
 
 def install(max_num_tokens: int | None = None) -> list[str]:
     """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm), once,
-    and choose the free functions' workspace (``max_num_tokens``, else SGLang's largest
-    graph batch in tokens when its server args are set, else DCPC_MAX_NUM_TOKENS at each
-    call, else 256) and the CUDA-graph capture sizes warmed up (dcpc.engines.capture);
-    one INFO line says both:
+    and choose the free functions' workspace (DCPC_MAX_NUM_TOKENS, read at each call,
+    wins; else ``max_num_tokens``, else SGLang's largest graph batch in tokens when its
+    server args are set, else 256) and the CUDA-graph capture sizes warmed up
+    (dcpc.engines.capture); one INFO line says both:
 
     - from a plugin, inside SGLang's ``load_plugins()``: REPLACE hooks in SGLang's
       HookRegistry only, which SGLang applies after its plugins ran (rewriting ``from
