@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dcpc.engines import capture
 from dcpc.engines.agree import agree, explain, forget
 from dcpc.engines.call_ids import current_call_id, name_call
 from dcpc.engines.common import (
@@ -244,6 +245,7 @@ def reset(group: Any = None) -> int:
     for run in closing:
         run.module.close()
     forget(handles)
+    capture.forget(handles)  # new modules: their first calls warm up again
     return len(closing)
 
 

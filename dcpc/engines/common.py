@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dcpc import __version__
+from dcpc.runtime import calls
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.heap import group_rank_world
 from dcpc.runtime.loading import import_file, schedule_class
@@ -238,7 +239,9 @@ def module_class(spec: CombineSpec | GatherSpec, world: int = 2) -> type:
             path = cache_dir() / f"{key[:32]}.py"
             if not path.exists():
                 _compile_into(text, path, world)
+                calls.count("compiles")
             _classes[key] = schedule_class(import_file(path, f"dcpc_engines_{key[:16]}"))
+            calls.count("imports")
         return _classes[key]
 
 

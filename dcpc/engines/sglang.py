@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dcpc.engines import capture
 from dcpc.engines.agree import agree
 from dcpc.engines.call_ids import begin_forward, enter_layer
 from dcpc.engines.combine import GatherRunner, check_tensors, combine_call, reset, runner
@@ -41,8 +42,45 @@ SWITCH = "DCPC_SGLANG"
 DEFAULT_MAX_NUM_TOKENS = 256
 
 
+_installed_tokens: list[int] = []  # install(): the free functions' workspace
+
+
 def _tokens() -> int:
-    return int(os.environ.get("DCPC_MAX_NUM_TOKENS") or DEFAULT_MAX_NUM_TOKENS)
+    """The free functions' workspace: DCPC_MAX_NUM_TOKENS, else what install() chose
+    (``max_num_tokens=``, else SGLang's graph batch sizes), else 256."""
+    env = os.environ.get("DCPC_MAX_NUM_TOKENS")
+    if env:
+        return int(env)
+    return _installed_tokens[0] if _installed_tokens else DEFAULT_MAX_NUM_TOKENS
+
+
+def _server_args() -> Any:
+    """SGLang's server args of this process, or None (not SGLang, or not set yet)."""
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return get_global_server_args()
+    except Exception:  # noqa: BLE001 - ImportError, or SGLang's ValueError: not set yet
+        return None
+
+
+def _capture_sizes() -> tuple[list[int] | None, str]:
+    """SGLang's graph batch sizes in tokens (dcpc.engines.capture)."""
+    def now() -> tuple[list[int] | None, str]:
+        args = _server_args()
+        return (None, "no SGLang server args") if args is None else capture.sglang_sizes(args)
+
+    return capture.sizes_for("sglang", now)
+
+
+def _warm(tensors: tuple[torch.Tensor, ...], extra: Any, group: Any, label: str,
+          call: Any) -> None:
+    """The capture warm-up of a family's first call (dcpc.engines.capture)."""
+    tokens = _tokens()
+    rest = ("sglang", label, id(group.handle), group.rank, extra, _backend(), tokens)
+    capture.first_use((*rest, *[(t.shape[1:], t.stride(), t.dtype) for t in tensors]),
+                      lambda: (*rest, *[capture.layout(t) for t in tensors]), group.handle,
+                      label, _capture_sizes, tokens, call, lambda: switch(SWITCH) != "off")
 
 
 def _backend() -> str:
@@ -56,13 +94,16 @@ def _dcp_group() -> Any:
 
 
 def _combine(path: str, out: torch.Tensor, lse: torch.Tensor, cp_group: Any, base_e: bool,
-             label: str) -> torch.Tensor:
+             label: str, again: Any) -> torch.Tensor:
     """One combine without SGLang's mask arguments: ``out`` itself on a group of one,
-    else [B, H/W, D] of this rank's heads."""
+    else [B, H/W, D] of this rank's heads. ``again(out, lse)``: the public function,
+    for the capture warm-up."""
     check_tensors(label, out=out, lse=lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return out
+    _warm((out, lse), base_e, group, label,
+          lambda n: again(capture.like(out, n), capture.like(lse, n)))
     got, _ = combine_call(path, out, lse, group, base2=not base_e, seq_lens=None, qsl=None,
                           switch_name=SWITCH, max_tokens=_tokens(), backend=_backend(),
                           label=label)
@@ -83,7 +124,8 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
         raise DcpcArgumentError(f"dcp_a2a_lse_reduce: the LSE must be float32, got "
                                 f"{cp_attn_lse.dtype}")
     return _combine("fused", cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e,
-                    "dcp_a2a_lse_reduce")
+                    "dcp_a2a_lse_reduce", lambda o, lse: dcp_a2a_lse_reduce(
+                        o, lse, cp_group, is_lse_base_on_e, cuda_graph_buffers, comm_backend))
 
 
 def cp_lse_ag_out_rs_mla(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
@@ -92,7 +134,8 @@ def cp_lse_ag_out_rs_mla(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, c
     [H/W, B, D] in cp_attn_out's dtype (corrected and summed in fp32). Unlike SGLang, a
     NaN partial with weight 0 (an empty shard) contributes 0, not NaN."""
     out = _combine("ag_rs", cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e,
-                   "cp_lse_ag_out_rs_mla")
+                   "cp_lse_ag_out_rs_mla", lambda o, lse: cp_lse_ag_out_rs_mla(
+                       o, lse, cp_group, ctx, is_lse_base_on_e))
     return out if out is cp_attn_out else out.transpose(0, 1)
 
 
@@ -102,6 +145,7 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
     of this rank's heads -> ([B, H, Dn], [B, H, Dpe]) of all heads, rank order: views
     of one gathered [B, H, Dpe + Dn] buffer (SGLang's are transposed views too)."""
     check_tensors("all_gather_q_for_mla_decode", q_nope=q_nope_out, q_pe=q_pe)
+    given = group
     group = resolve_group(_dcp_group() if group is None else group, q_pe.device)
     if q_nope_out.shape[:2] != q_pe.shape[:2] or q_nope_out.dtype != q_pe.dtype:
         raise DcpcArgumentError(f"all_gather_q_for_mla_decode: q_nope {tuple(q_nope_out.shape)} "
@@ -109,6 +153,9 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
                                 "must agree in tokens, heads and dtype")
     if group.world == 1:
         return q_nope_out, q_pe
+    _warm((q_nope_out, q_pe), None, group, "all_gather_q_for_mla_decode",
+          lambda n: all_gather_q_for_mla_decode(
+              capture.like(q_nope_out, n), capture.like(q_pe, n), given))
     dpe = q_pe.shape[2]
     combined = torch.cat([q_pe, q_nope_out], dim=-1)  # [B, H/W, Dpe + Dn], as SGLang
     full = _gather(group, combined)
@@ -139,8 +186,12 @@ def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
 PATCHED = ("dcp_a2a_lse_reduce", "cp_lse_ag_out_rs_mla", "all_gather_q_for_mla_decode")
 
 
-def install() -> list[str]:
-    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm), once:
+def install(max_num_tokens: int | None = None) -> list[str]:
+    """Put this module's functions over SGLang's (sglang.srt.layers.dcp.comm), once,
+    and choose the free functions' workspace (DCPC_MAX_NUM_TOKENS, read at each call,
+    wins; else ``max_num_tokens``, else SGLang's largest graph batch in tokens when its
+    server args are set, else 256) and the CUDA-graph capture sizes warmed up
+    (dcpc.engines.capture); one INFO line says both:
 
     - from a plugin, inside SGLang's ``load_plugins()``: REPLACE hooks in SGLang's
       HookRegistry only, which SGLang applies after its plugins ran (rewriting ``from
@@ -154,6 +205,7 @@ def install() -> list[str]:
       hooks: nothing would apply them).
 
     Returns the hook targets registered or the bindings assigned."""
+    _choose(max_num_tokens)
     ours = {name: globals()[name] for name in PATCHED}
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -231,6 +283,25 @@ def _hook_methods() -> list[str]:
         setattr(cls, method, hooked)
         done.append(target)
     return done
+
+
+def _choose(max_num_tokens: int | None) -> None:
+    """install()'s workspace and capture sizes (see install), said in one line."""
+    sizes = capture.at_install("sglang", _capture_sizes)
+    args = _server_args()
+    if max_num_tokens is not None:
+        _installed_tokens[:], source = [int(max_num_tokens)], "install(max_num_tokens=)"
+    elif args is not None and (sizes[0] or getattr(args, "cuda_graph_max_bs", None)):
+        per = capture.tokens_per_batch(args)
+        largest = max(getattr(args, "cuda_graph_bs", None) or [args.cuda_graph_max_bs])
+        _installed_tokens[:] = [int(largest) * per]
+        source = f"SGLang's largest graph batch {largest} x {per} token(s)"
+    else:
+        _installed_tokens[:], source = [], "the default: no SGLang server args"
+    if os.environ.get("DCPC_MAX_NUM_TOKENS"):
+        source = "DCPC_MAX_NUM_TOKENS"
+    log.info("dcpc.engines.sglang.install(): the free functions' workspace is %d tokens "
+             "(%s); %s", _tokens(), source, capture.said(*sizes))
 
 
 def _inside_load_plugins() -> bool:

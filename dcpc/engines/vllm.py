@@ -31,8 +31,8 @@ Switches (tri-state env: unset = auto, 1 = force, 0 = the fallback):
 ``VLLM_USE_DIRECT_DCP_A2A`` (a2a), ``DCPC_VLLM_AG_RS`` (ag_rs), and, for the manager,
 ``VLLM_USE_DIRECT_DCP_Q_GATHER`` and ``VLLM_USE_DIRECT_DCP_KV_GATHER``. ``DCPC_BACKEND``
 picks the module backend (default ``auto``), ``DCPC_MAX_NUM_TOKENS`` the workspace of
-the free functions when no vLLM config is current. Warm up (two calls per shape) before
-CUDA-graph capture: a call's ``release`` kernel first runs at the start of the next.
+the free functions when no vLLM config is current. A family's first call warms every
+CUDA-graph capture size up first (dcpc.engines.capture; ``DCPC_WARM_CAPTURE=0``: off).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from dcpc.engines import capture
 from dcpc.engines.combine import (
     EngineResult,
     check_mask_args,
@@ -51,7 +52,7 @@ from dcpc.engines.combine import (
     combine_call,
     reset,
 )
-from dcpc.engines.common import log_once, resolve_group
+from dcpc.engines.common import log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm, correct, mask_at_source, torch_combine
 from dcpc.runtime.errors import DcpcArgumentError
 
@@ -159,23 +160,36 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
              return_lse: bool, is_lse_base_on_e: bool, seq_lens: Any, query_start_loc: Any,
              *, switch_name: str, max_tokens: int | None = None, slots: int = 1,
              slot: int = 0, instance: int | None = None, backend: str | None = None,
-             label: str, engine: Any = None) -> Any:
+             label: str, engine: Any = None, again: Any = None) -> Any:
     """The free functions and the manager's combine: vLLM's argument handling (a 4-D
     output squeezed, W == 1 returns the inputs), then ``combine_call`` (``engine``:
     vLLM's own function as the fallback); the result as vLLM returns it (``out``, or
-    ``(out, lse)`` with ``return_lse``)."""
+    ``(out, lse)`` with ``return_lse``). ``again(out, lse, seq_lens, qsl)``: the public
+    function with the caller's other arguments, for the capture warm-up of a family's
+    first call (dcpc.engines.capture)."""
     check_mask_args(seq_lens, query_start_loc)
     check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
     out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return (out, lse) if return_lse else out
+    tokens, backend = max_tokens or _free_tokens(), backend or _backend()
+    instance = _ubatch() if instance is None else instance
+    if again is not None:
+        rest = (label, id(group.handle), group.rank, seq_lens is None, return_lse,
+                is_lse_base_on_e, slot, instance, backend, tokens)
+        capture.first_use(
+            (*rest, out.shape[1:], out.stride(), out.dtype, lse.shape[1:], lse.stride(),
+             lse.dtype), lambda: (*rest, capture.layout(out), capture.layout(lse),
+                                  capture.mask_kind(seq_lens, query_start_loc)),
+            group.handle, label, capture.vllm_sizes_now, tokens,
+            lambda n: again(capture.like(out, n), capture.like(lse, n),
+                            *capture.mask_args(seq_lens, query_start_loc, n)),
+            lambda: switch(switch_name) != "off")
     got = combine_call(
         path, out, lse, group, base2=not is_lse_base_on_e, seq_lens=seq_lens,
-        qsl=query_start_loc, switch_name=switch_name,
-        max_tokens=max_tokens or _free_tokens(), slots=slots, slot=slot,
-        instance=_ubatch() if instance is None else instance,
-        backend=backend or _backend(), label=label, engine=engine)
+        qsl=query_start_loc, switch_name=switch_name, max_tokens=tokens, slots=slots,
+        slot=slot, instance=instance, backend=backend, label=label, engine=engine)
     if isinstance(got, EngineResult):
         return got.value
     got, got_lse = got
@@ -201,7 +215,10 @@ def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_gr
         return engine()
     return _combine("ag_rs", cp_attn_out, cp_attn_lse, cp_group, return_lse,
                     is_lse_base_on_e, seq_lens, query_start_loc, switch_name=AG_RS_SWITCH,
-                    label="cp_lse_ag_out_rs", engine=engine)
+                    label="cp_lse_ag_out_rs", engine=engine,
+                    again=lambda o, lse, s, q: cp_lse_ag_out_rs(
+                        o, lse, cp_group, ctx, return_lse, is_lse_base_on_e, s, q,
+                        **engine_kwargs))
 
 
 def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
@@ -218,7 +235,10 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
         return engine()
     return _combine("fused", cp_attn_out, cp_attn_lse, cp_group, return_lse,
                     is_lse_base_on_e, seq_lens, query_start_loc, switch_name=A2A_SWITCH,
-                    label="dcp_a2a_lse_reduce", engine=engine)
+                    label="dcp_a2a_lse_reduce", engine=engine,
+                    again=lambda o, lse, s, q: dcp_a2a_lse_reduce(
+                        o, lse, cp_group, ctx, return_lse, is_lse_base_on_e, s, q,
+                        **engine_kwargs))
 
 
 def cp_lse_ag_out_ar(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,

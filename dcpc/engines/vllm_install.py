@@ -27,6 +27,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from dcpc.engines import capture
 from dcpc.engines import vllm as V
 from dcpc.engines.call_ids import forward_hook, layer_hook
 from dcpc.engines.common import log, log_once, rebind
@@ -136,9 +137,10 @@ def install(max_num_tokens: int | None = None) -> list[str]:
     if source.startswith("vLLM"):  # kept: in forward no config is current any more
         V._installed_tokens[:] = [tokens]
         V._free_tokens.cache_clear()
+    sizes = capture.at_install("vllm", capture.vllm_sizes_now)  # kept likewise
     log.info("dcpc.engines.vllm.install(): vLLM's %s layout (%s); the free functions' "
-             "workspace is %d tokens (%s)", layout.name, layout.module.__name__, tokens,
-             source)
+             "workspace is %d tokens (%s); %s", layout.name, layout.module.__name__, tokens,
+             source, capture.said(*sizes))
     namespace = vars(layout.module)
     patched: list[str] = []
     for name in (*layout.ours, *KEPT):

@@ -5,13 +5,16 @@ manager (``init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
 
+from dcpc.engines import capture
 from dcpc.engines.agree import agree
 from dcpc.engines.combine import GatherRunner, check_tensors, runner
-from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, resolve_group, switch
+from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log, log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm
 from dcpc.engines.vllm import (
     A2A_SWITCH,
@@ -67,29 +70,47 @@ class MLADCPManager:
         self.is_lse_base_on_e, self.backend = is_lse_base_on_e, backend
         self._kv: tuple[torch.Tensor, int] | None = None
         self.query_gather = None if use_pcp else self._query_gather
-        self._warm_up()
+        self._warm_up(vllm_config)
 
     # ---- construction ---------------------------------------------------------------------
-    def _warm_up(self) -> None:
+    def _warm_up(self, vllm_config: Any) -> None:
         """Build the modules and compile every kernel now (collective), not in the first
         forward or a CUDA-graph capture: two calls per slot, since a call's ``release``
-        runs at the start of the next one."""
+        runs at the start of the next one, at 1 token and at every CUDA-graph capture
+        size (dcpc.engines.capture; ``DCPC_WARM_CAPTURE=0``: 1 token only)."""
         if self.dcp.world == 1:
             return
+        sizes, source = capture.vllm_sizes(vllm_config)
+        if os.environ.get(capture.SIZES_ENV) or not sizes:
+            sizes, source = capture.vllm_sizes_now()
+        warm, above = capture.plan(sizes or [], self.max_num_tokens)
+        tokens = sorted({1, *warm}) if capture.enabled() else [1]
+        start = time.perf_counter()
+        for n in tokens:
+            self._warm_calls(n)
+        sync_stream(self.dcp.device)  # the warm-up's kernels done before the next host copy
+        if capture.enabled() and sizes:
+            rest = (f"; above the workspace {self.max_num_tokens} (fallback): {above}"
+                    if above else "")
+            log.info("MLADCPManager: warmed up for CUDA-graph capture sizes %s (%s; 2 calls "
+                     "each per microbatch, %.2f s)%s",
+                     [n for n in warm if n <= self.max_num_tokens], source,
+                     time.perf_counter() - start, rest)
+
+    def _warm_calls(self, tokens: int) -> None:
         dev = self.dcp.device
         if switch(self._combine_switch) != "off" and not self._all_reduce:
-            out = torch.zeros(1, self.heads, self.output_head_dim, dtype=self.output_dtype,
-                              device=dev)
-            lse = torch.zeros(1, self.heads, dtype=torch.float32, device=dev)
-            lens = torch.ones(1, dtype=torch.int32, device=dev)  # MLA always passes them
-            qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+            out = torch.zeros(tokens, self.heads, self.output_head_dim,
+                              dtype=self.output_dtype, device=dev)
+            lse = torch.zeros(tokens, self.heads, dtype=torch.float32, device=dev)
+            lens = torch.ones(tokens, dtype=torch.int32, device=dev)  # MLA always passes them
+            qsl = torch.arange(tokens + 1, dtype=torch.int32, device=dev)
             for ub in [*range(self.num_ubatches)] * 2:
                 self.combine(out, lse, seq_lens=lens, query_start_loc=qsl, slot=ub)
         if self.query_gather is not None and self._q_runner() is not None:
             for ub in [*range(self.num_ubatches)] * 2:
-                q = torch.zeros(1, self.num_heads, self.query_head_dim, device=dev)
+                q = torch.zeros(tokens, self.num_heads, self.query_head_dim, device=dev)
                 self._query_gather(q.to(self.query_dtype), slot=ub)
-        sync_stream(dev)  # the warm-up's kernels done before the caller's next host copy
 
     @property
     def _all_reduce(self) -> bool:

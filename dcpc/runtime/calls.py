@@ -25,6 +25,16 @@ bool or string) leaves the method on its checked path for that key.
 A plan holds what the instance fixed at construction (tuning, rank, the guard switch,
 buffers): code that changes those afterwards (benchmarks/tune_gpu.py changes
 ``_tune``) must clear ``_plans``.
+
+``COUNTS`` counts, per process: plans made for a call key that had none (``plans``: a
+new shape, whose launches may meet Triton specialisations not compiled yet), plans
+remade for a key that had one made from other sizes (``replans``: a call after a call
+of another token count; host work only, the kernels' specialisations are those of the
+key's first plan), module instances whose buffers were allocated (``allocations``)
+and, counted by dcpc.engines.common's module cache, schedules compiled (``compiles``)
+and module files imported (``imports``). Inside a CUDA-graph capture only ``replans``
+may grow: dcpc.engines.capture's warm-up is tested by them
+(tests/test_engines_capture.py).
 """
 
 from __future__ import annotations
@@ -44,6 +54,20 @@ MAX_PLANS = 4096  # plans per module instance (cleared when full: sizes change r
 _tls = threading.local()  # the record being made on this thread (ranks can be threads)
 _SCALARS = (int, float, bool, str, type(None))
 NOT_A_KEY = (AttributeError, TypeError)  # what building a call key raises for non-tensors
+COUNTS = {"plans": 0, "replans": 0, "allocations": 0, "compiles": 0, "imports": 0}
+_counts_lock = threading.Lock()  # ranks as threads count at once
+
+
+def count(what: str) -> None:
+    """One more ``what`` in COUNTS (see the module docstring)."""
+    with _counts_lock:
+        COUNTS[what] += 1
+
+
+def counts() -> dict[str, int]:
+    """A copy of COUNTS now (subtract two of them to count what happened between)."""
+    with _counts_lock:
+        return dict(COUNTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +179,10 @@ class CallPlans:
     _unusable: Callable[[str], BaseException]
 
     def _owned(self) -> dict[int, torch.Tensor]:
-        """The tensors this instance holds for its lifetime (by id), which a plan may keep."""
+        """The tensors this instance holds for its lifetime (by id), which a plan may keep.
+        Called once per instance, right after its buffers are allocated (module.__init__):
+        counted as ``allocations``."""
+        count("allocations")
         out: dict[int, torch.Tensor] = {}
         bank = [v for v in vars(self._bank).values() if isinstance(v, torch.Tensor)]
         groups = [*self._local.values(), *self._peers.values(), bank]
@@ -181,6 +208,7 @@ class CallPlans:
         if actions is not None:
             if len(self._plans) >= MAX_PLANS:
                 self._plans.clear()
+            count("replans" if key in self._plans else "plans")
             self._plans[key] = CallPlan(
                 method, index, env_in, self._env[slot], self._fp_base,
                 method in self._arms, actions, out,
