@@ -77,13 +77,21 @@ def _parse(c: Compilation) -> None:
     if c.source is None:
         c.schedule = parse_file(c.path, world=world)
     else:
-        import copy
-
         from dcpc.lang.parse import parse_loaded
 
         raw, digest = c.source
-        c.schedule = parse_loaded(copy.deepcopy(raw), digest, str(c.path), world)
+        c.schedule = parse_loaded(_tree_copy(raw), digest, str(c.path), world)
     c.worlds = _fit_worlds(c)
+
+
+def _tree_copy(data: Any) -> Any:
+    """A copy of loaded YAML's mappings and lists (its leaves, strings, numbers and
+    frozen marks, are shared): what the parse of one W may annotate in place."""
+    if isinstance(data, dict):
+        return {k: _tree_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_tree_copy(v) for v in data]
+    return data
 
 
 def _fit_worlds(c: Compilation) -> list[int]:
