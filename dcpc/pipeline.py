@@ -190,7 +190,7 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
 
 def _world_loop(c: Compilation) -> Any:
     """The mark of a loop whose trip count names W, when several worlds are asked (the
-    file's loaded YAML is kept in ``c.source`` for the per-W runs)."""
+    file's loaded YAML is kept in ``c.source``: the file is read once)."""
     if len(list(c.options.worlds)) < 2:
         return None
     from dcpc.files import read_capped
@@ -202,10 +202,8 @@ def _world_loop(c: Compilation) -> Any:
         data = yamlsrc.load(text, str(c.path))
     except (DiagnosticError, UnicodeDecodeError):
         return None  # the parse stage reports it
-    mark = loops.world_dependent(data)
-    if mark is not None:
-        c.source = (data, sha256(text))
-    return mark
+    c.source = (data, sha256(text))  # the parse stage (or each W's) starts from it
+    return loops.world_dependent(data)
 
 
 def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
