@@ -55,13 +55,18 @@ class Context:
         return Mark(self.schedule.source_file, 0, 0)
 
 
+_HAS: dict[tuple[type, str], bool] = {}
+
+
 def _field(op: OpBase, key: str) -> object:
     """``getattr(op, key, None)`` without pydantic's slow miss (an op model forbids
-    extra keys, so a name that is neither a field nor a class attribute is absent)."""
+    extra keys, so a name that is neither a field nor a class attribute is absent;
+    which names an op class has is asked once per class)."""
     cls = type(op)
-    if key in cls.model_fields or hasattr(cls, key):
-        return getattr(op, key, None)
-    return None
+    has = _HAS.get((cls, key))
+    if has is None:
+        has = _HAS[(cls, key)] = key in cls.model_fields or hasattr(cls, key)
+    return getattr(op, key, None) if has else None
 
 
 def refs(op: OpBase, key: str) -> list[Ref]:

@@ -122,10 +122,15 @@ def _first_unordered(
     def touch(rank: int, call: int, j: int, access: Access) -> Touch:
         return Touch(rank, call, j, access, 0)
 
+    # World.hb(ra, pa, rb, pb) with pa's and pb's streams and stream positions read once
+    program, count = world.program, world.count
+    stream_a, need_a = program.stream(ca), program.stream_index(ca, ja) + 1
+    stream_b, need_b = program.stream(cb), program.stream_index(cb, jb) + 1
+
     def unordered(ra: int, rb: int) -> bool:
         if same_event and ra == rb:
             return False
-        return not world.hb(ra, pa, rb, pb) and not world.hb(rb, pb, ra, pa)
+        return count(pb, ra, rb, stream_a) < need_a and count(pa, rb, ra, stream_b) < need_b
 
     if not xa.remote and not xb.remote:
         if unordered(0, 0):
