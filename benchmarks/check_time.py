@@ -1,5 +1,8 @@
-"""Time `dcpc check --world 2..1024` on the small files of issue 22 item 9 and on the
-shipped schedules, as a user runs it (a fresh process: imports included).
+"""Time `dcpc check --world 2..1024` on the small files of issue 22 item 9, on the
+shipped schedules and on the gallery, as a user runs it (a fresh process: imports
+included); plus the widest accepted range of the per-W loop file (ring_attention,
+2..42) and of the mesh files (1..8x1..8: their axis sizes are at most 8), and a mesh
+of 1024 ranks (refused at once).
 
     python benchmarks/check_time.py [--code DIR] [--timeout 120] [--out FILE.md]
 
@@ -22,17 +25,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+FULL = "2..1024"
+GALLERY = ROOT / "schedules" / "gallery"
 FILES = sorted((ROOT / "benchmarks" / "check_time").glob("*.yaml")) + sorted(
     (ROOT / "schedules").glob("*.yaml"))
+MESHES = [GALLERY / "helix.yaml", GALLERY / "hierarchical_two_level.yaml"]
+CASES: list[tuple[Path, str]] = (
+    [(p, FULL) for p in FILES + sorted(set(GALLERY.glob("*.yaml")) - set(MESHES))]
+    + [(GALLERY / "ring_attention.yaml", "2..42")]
+    + [(p, w) for p in MESHES for w in ("1..8x1..8", "2x512")])
 
 
-def measure(code: Path, path: Path, timeout: float) -> tuple[float, float, str]:
+def measure(code: Path, path: Path, worlds: str, timeout: float) -> tuple[float, float, str]:
     """(wall seconds, CPU seconds, outcome) of one `dcpc check` run."""
     env = {**os.environ, "PYTHONPATH": str(code)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "dcpc", "check", "--world", "2..1024",
+        done = subprocess.run([sys.executable, "-m", "dcpc", "check", "--world", worlds,
                                str(path)], capture_output=True, text=True, env=env,
                               timeout=timeout, cwd=code)
         last = (done.stdout + done.stderr).strip().splitlines()
@@ -60,12 +70,13 @@ def main() -> None:
         f"date {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, code {commit} "
         f"({args.code}), machine {platform.node()} ({os.cpu_count()} CPUs, "
         f"load {load[0]:.1f} at start), python {platform.python_version()}",
-        "", "| file | bytes | wall s | CPU s | outcome |", "| --- | ---: | ---: | ---: | --- |",
+        "", "| file | --world | bytes | wall s | CPU s | outcome |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
     ]
-    for path in FILES:
-        wall, cpu, outcome = measure(args.code, path, args.timeout)
-        lines.append(f"| {path.relative_to(ROOT)} | {path.stat().st_size} | {wall:.1f} | "
-                     f"{cpu:.1f} | {outcome} |")
+    for path, worlds in CASES:
+        wall, cpu, outcome = measure(args.code, path, worlds, args.timeout)
+        lines.append(f"| {path.relative_to(ROOT)} | {worlds} | {path.stat().st_size} | "
+                     f"{wall:.1f} | {cpu:.2f} | {outcome} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

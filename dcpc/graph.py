@@ -1,21 +1,57 @@
-"""Stage 2, graph: the dataflow graph of a schedule (networkx).
+"""Stage 2, graph: the dataflow graph of a schedule.
 
 Steps and buffers are nodes; an edge buffer -> step is a read, step -> buffer a
 write, as the op's entry in dcpc.lang.semantics says (the one definition every stage
-reads).
+reads). ``DiGraph`` is the part of networkx's that the stage uses (the same calls and
+order), so that ``dcpc check`` does not import networkx (a third of its start-up).
 """
 
 from __future__ import annotations
 
-import networkx as nx
+from collections.abc import Iterator
+from typing import Any
 
 from dcpc.lang import model
 from dcpc.lang.semantics import table
 
 
-def dataflow(schedule: model.Schedule) -> nx.DiGraph:
+class DiGraph:
+    """Nodes and directed edges with attributes, in insertion order (networkx's
+    ``DiGraph`` API as this module uses it: ``graph``, ``add_node``, ``add_edge``,
+    ``nodes(data=True)``, ``edges(data=True)``; edges listed by source node)."""
+
+    def __init__(self, **attrs: Any):
+        self.graph: dict[str, Any] = dict(attrs)
+        self._nodes: dict[str, dict[str, Any]] = {}
+        self._out: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def add_node(self, node: str, **attrs: Any) -> None:
+        self._nodes.setdefault(node, {}).update(attrs)
+        self._out.setdefault(node, {})
+
+    def add_edge(self, src: str, dst: str, **attrs: Any) -> None:
+        self.add_node(src)
+        self.add_node(dst)
+        self._out[src].setdefault(dst, {}).update(attrs)
+
+    def nodes(self, data: bool = False) -> Iterator[Any]:
+        return iter(self._nodes.items() if data else self._nodes)
+
+    def edges(self, data: bool = False) -> Iterator[Any]:
+        for src, out in self._out.items():
+            for dst, attrs in out.items():
+                yield (src, dst, attrs) if data else (src, dst)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+
+def dataflow(schedule: model.Schedule) -> DiGraph:
     """The dataflow graph: ``step:<name>`` and ``buf:<name>`` nodes, read/write edges."""
-    graph = nx.DiGraph(name=schedule.schedule)
+    graph = DiGraph(name=schedule.schedule)
     for name, buf in schedule.buffers.items():
         graph.add_node(
             f"buf:{name}",
@@ -45,7 +81,7 @@ def dot_quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def to_dot(graph: nx.DiGraph) -> str:
+def to_dot(graph: DiGraph) -> str:
     """Graphviz DOT text: steps are boxes (in program order), symmetric buffers bold."""
     lines = [f"digraph {dot_quote(graph.graph.get('name', 'schedule'))} {{", "  rankdir=LR;"]
     for node, attrs in graph.nodes(data=True):

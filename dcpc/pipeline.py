@@ -51,6 +51,8 @@ class Compilation:
     warnings: list[Diagnostic] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     worlds: list[int] = field(default_factory=list)  # the group sizes, as the mesh reads them
+    # a file checked per W: its loaded YAML and text hash, read once for every W
+    source: tuple[Any, str] | None = None
 
 
 def default_worlds(schedule: Any) -> list[int]:
@@ -71,8 +73,25 @@ def _parse(c: Compilation) -> None:
     from dcpc.lang.parse import parse_file
 
     worlds = list(c.options.worlds)
-    c.schedule = parse_file(c.path, world=worlds[0] if len(worlds) == 1 else None)
+    world = worlds[0] if len(worlds) == 1 else None
+    if c.source is None:
+        c.schedule = parse_file(c.path, world=world)
+    else:
+        from dcpc.lang.parse import parse_loaded
+
+        raw, digest = c.source
+        c.schedule = parse_loaded(_tree_copy(raw), digest, str(c.path), world)
     c.worlds = _fit_worlds(c)
+
+
+def _tree_copy(data: Any) -> Any:
+    """A copy of loaded YAML's mappings and lists (its leaves, strings, numbers and
+    frozen marks, are shared): what the parse of one W may annotate in place."""
+    if isinstance(data, dict):
+        return {k: _tree_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_tree_copy(v) for v in data]
+    return data
 
 
 def _fit_worlds(c: Compilation) -> list[int]:
@@ -143,11 +162,13 @@ STAGES: tuple[tuple[str, Callable[[Compilation], None]], ...] = (
 STAGE_NAMES = tuple(name for name, _ in STAGES)
 
 
-def run(path: str | Path, options: Options | None = None, until: str = "emit") -> Compilation:
-    """Run the stages in order up to and including ``until``."""
+def run(path: str | Path, options: Options | None = None, until: str = "emit",
+        source: tuple[Any, str] | None = None) -> Compilation:
+    """Run the stages in order up to and including ``until`` (``source``: the file's
+    loaded YAML and text hash, when the caller has read it already)."""
     if until not in STAGE_NAMES:
         raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGE_NAMES)}")
-    c = Compilation(Path(path), options or Options())
+    c = Compilation(Path(path), options or Options(), source=source)
     looped = _world_loop(c)
     if looped is not None:
         return _per_world(c, looped, until)
@@ -168,17 +189,20 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit") -
 
 
 def _world_loop(c: Compilation) -> Any:
-    """The mark of a loop whose trip count names W, when several worlds are asked."""
+    """The mark of a loop whose trip count names W, when several worlds are asked (the
+    file's loaded YAML is kept in ``c.source``: the file is read once)."""
     if len(list(c.options.worlds)) < 2:
         return None
     from dcpc.files import read_capped
     from dcpc.lang import loops, yamlsrc
-    from dcpc.lang.parse import MAX_FILE_BYTES
+    from dcpc.lang.parse import MAX_FILE_BYTES, sha256
 
     try:
-        data = yamlsrc.load(read_capped(c.path, MAX_FILE_BYTES).decode("utf-8"), str(c.path))
+        text = read_capped(c.path, MAX_FILE_BYTES).decode("utf-8")
+        data = yamlsrc.load(text, str(c.path))
     except (DiagnosticError, UnicodeDecodeError):
         return None  # the parse stage reports it
+    c.source = (data, sha256(text))  # the parse stage (or each W's) starts from it
     return loops.world_dependent(data)
 
 
@@ -188,11 +212,18 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     from dataclasses import replace
 
     from dcpc.diagnostics import Mark
+    from dcpc.lang.loops import first_too_long
 
     worlds = list(c.options.worlds)
     last = STAGE_NAMES.index("hb") if until == "emit" else STAGE_NAMES.index(until)
+    # a W whose unrolling passes the step bound is refused before any W is analysed
+    # (its parse raises loop-too-long); the trip counts alone say which W that is
+    too_long = first_too_long(c.source[0], worlds) if c.source is not None else None
+    if too_long is not None:
+        run(c.path, replace(c.options, worlds=[too_long]), until="parse", source=c.source)
     for w in worlds:
-        one = run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[last])
+        one = run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[last],
+                  source=c.source)
     one.per_world = worlds
     one.options = c.options
     if until == "emit":

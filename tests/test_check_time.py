@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dcpc.check import hb
 from dcpc.check.structural import check
@@ -65,3 +67,39 @@ def test_hints_past_the_budget_say_they_were_not_searched() -> None:
     # the findings do not depend on the budget: the same keys without hints
     plain = hb.check(schedule, list(range(2, 9)), hints=False)
     assert [f.key for f in plain.findings] == [f.key for f in report.findings]
+
+
+def test_dcpc_check_imports_neither_networkx_nor_the_runtime_stack() -> None:
+    """Start-up is most of a small file's check time: the check path leaves networkx
+    (a third of the start-up), torch, triton and jinja2 unimported."""
+    import subprocess
+    import sys
+
+    path = str(ROOT / "schedules" / "kv_gather.yaml")
+    code = ("import sys\nfrom dcpc.cli import main\ntry:\n"
+            f"    main(['check', '--world', '2..1024', {path!r}])\n"
+            "except SystemExit as done:\n    assert done.code == 0, done.code\n"
+            "print(sorted(m for m in ('networkx', 'torch', 'triton', 'jinja2')\n"
+            "             if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from("abcd"), st.sampled_from("abcd"),
+                          st.sampled_from([{}, {"x": 1}, {"x": 2, "y": 3}])), max_size=12))
+def test_the_dataflow_digraph_lists_what_networkx_lists(calls: list) -> None:
+    """dcpc.graph.DiGraph stands in for networkx's (DOT output in the same order)."""
+    import networkx as nx
+
+    from dcpc.graph import DiGraph
+
+    ours, theirs = DiGraph(name="g"), nx.DiGraph(name="g")
+    for edge, a, b, attrs in calls:
+        for g in (ours, theirs):
+            g.add_edge(a, b, **attrs) if edge else g.add_node(a, **attrs)
+    assert list(ours.nodes(data=True)) == list(theirs.nodes(data=True))
+    assert list(ours.edges(data=True)) == list(theirs.edges(data=True))
+    assert list(ours.edges()) == list(theirs.edges()) and ours.graph == theirs.graph

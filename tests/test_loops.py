@@ -211,3 +211,47 @@ def test_malformed_loops_and_indices_are_errors_not_tracebacks(steps: str, code:
     text = ("schedule: s\nsizes: {T: {max: 4}}\nbuffers:\n  x: {shape: [2], dtype: f32}\n"
             "  y: {shape: [2, 3], dtype: f32}\nsteps: " + steps + "\n")
     assert [d.code for d in _error(text)] == [code]
+
+
+def test_a_range_past_the_step_bound_is_refused_before_any_w_is_analysed(monkeypatch) -> None:
+    """Issue 22 item 9: ring_attention at --world 2..1024 walked W = 2..42 (each
+    unrolled and analysed) before refusing W = 43. The trip counts say which W passes
+    the bound, so it is refused before any W reaches the structural or the HB check."""
+    from dcpc.lang import loops
+
+    seen: dict[str, list[int]] = {"structural": [], "hb": [], "unrolled": []}
+    real = structural.check, hb.check, loops.expand
+
+    def counted(key: str, fn):
+        def spy(*args, **kwargs):
+            seen[key].append(args[1] if key != "unrolled" else args[2])  # the W(s)
+            return fn(*args, **kwargs)
+        return spy
+
+    monkeypatch.setattr(structural, "check", counted("structural", real[0]))
+    monkeypatch.setattr(hb, "check", counted("hb", real[1]))
+    monkeypatch.setattr(loops, "expand", counted("unrolled", real[2]))
+    ring = ROOT / "schedules" / "gallery" / "ring_attention.yaml"
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(ring, pipeline.Options(worlds=list(range(2, 1025))), until="hb")
+    found = err.value.diagnostics
+    assert [d.code for d in found] == ["loop-too-long"], found
+    assert "258 steps (at W=43)" in found[0].message and found[0].mark.line == 50
+    assert seen == {"structural": [], "hb": [], "unrolled": [43]}
+    # a range inside the bound is still analysed at every W, each W on its own
+    pipeline.run(ring, pipeline.Options(worlds=[2, 3]), until="hb")
+    assert seen["structural"] == [[2], [3]] and seen["hb"] == [[2], [3]]
+
+
+def test_the_unrolled_length_from_the_trip_counts_is_the_unrolled_schedule_s() -> None:
+    from dcpc.lang import loops, yamlsrc
+
+    texts = [_text(), _text("P - 1"), _text("W * 2 - 3"),
+             _text().replace("  - ring:", "  - pre: {op: barrier}\n  - ring:")]
+    for text in texts:
+        for world in (2, 3, 7, 40):
+            length = loops.unrolled_length(yamlsrc.load(text, "s.yaml"), world)
+            assert length == len(parse_text(text, "s.yaml", world).step_list()), (text, world)
+    too_long = [loops.first_too_long(yamlsrc.load(t, "s.yaml"), list(range(2, 1025)))
+                for t in texts]
+    assert too_long == [87, None, 45, 86]

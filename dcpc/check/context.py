@@ -55,9 +55,23 @@ class Context:
         return Mark(self.schedule.source_file, 0, 0)
 
 
+_HAS: dict[tuple[type, str], bool] = {}
+
+
+def _field(op: OpBase, key: str) -> object:
+    """``getattr(op, key, None)`` without pydantic's slow miss (an op model forbids
+    extra keys, so a name that is neither a field nor a class attribute is absent;
+    which names an op class has is asked once per class)."""
+    cls = type(op)
+    has = _HAS.get((cls, key))
+    if has is None:
+        has = _HAS[(cls, key)] = key in cls.model_fields or hasattr(cls, key)
+    return getattr(op, key, None) if has else None
+
+
 def refs(op: OpBase, key: str) -> list[Ref]:
     """The buffers an op names under ``key`` (a name or a list of names), with marks."""
-    value = getattr(op, key, None)
+    value = _field(op, key)
     role = key.rstrip("_")
     if isinstance(value, str):
         return [Ref(value, role, op.mark(key))]
@@ -67,7 +81,7 @@ def refs(op: OpBase, key: str) -> list[Ref]:
 
 
 def mask_refs(op: OpBase) -> list[Ref]:
-    mask = getattr(op, "mask_empty", None)
+    mask = _field(op, "mask_empty")
     if mask is None:
         return []
     key = mask.lengths_key
@@ -83,7 +97,7 @@ def all_refs(op: OpBase) -> list[Ref]:
     for key in ("src", "via", "dst", "return_lse", "output_scale", "reads", "writes",
                 "counts", "recv_counts", "index"):
         found += refs(op, key)
-    scale = getattr(op, "scale", None)  # a cast's scale (dcpc/ops/cast.py)
+    scale = _field(op, "scale")  # a cast's scale (dcpc/ops/cast.py)
     if scale is not None:
         found.append(Ref(scale.buffer, "scale.buffer", scale.mark("buffer")))
     return found + mask_refs(op)

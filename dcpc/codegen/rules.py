@@ -312,12 +312,12 @@ def _shift(ctx: Ctx, step: m.Step) -> StepPlan:
     """A direct push of src into the peer's whole dst, one signal (no staging copy). A
     ``phase: wait`` step launches the grid its put launched (same scalars, the put's
     tuning: program i polls the put's program i) and returns dst."""
-    from dcpc.ops.shift import delta, puts
+    from dcpc.ops.shift import delta, matched
 
     op = typed(step, m.Shift)
     k = delta(op)
     shape = ctx.shape(op.src)
-    put = puts(ctx.schedule).polls.get(step.name) if op.phase == "wait" else step
+    put = matched(ctx).polls.get(step.name) if op.phase == "wait" else step
     plan = _step(
         step,
         params=[] if op.phase == "wait" else ctx.engine([op.src]),

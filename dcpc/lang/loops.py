@@ -386,6 +386,39 @@ def uses_loops(data: Any) -> bool:
     return isinstance(data, dict) and indexed(data.get("steps"))
 
 
+def unrolled_length(data: Any, world: int) -> int | None:
+    """How many steps the schedule has once unrolled at W = ``world``, from the trip
+    counts alone (no step is rewritten); None where a trip count cannot be evaluated
+    or is negative (the unroller reports that at this W)."""
+    steps = data.get("steps") if isinstance(data, dict) else None
+    if not isinstance(steps, list):
+        return None
+    env = {**_int_sizes(data), "W": world}
+    total = 0
+    for item in steps:
+        named = _body(item)
+        if not (named and _is_loop(named[1])):
+            total += 1
+            continue
+        repeat, inner = named[1].get("repeat"), named[1].get("steps")
+        if isinstance(repeat, bool) or not isinstance(inner, list):
+            return None
+        try:
+            trips = ex.evaluate(ex.parse(repeat), env)
+        except (ValueError, ArithmeticError, KeyError):  # the unroller says what is wrong
+            return None
+        if trips < 0:
+            return None
+        total += trips * len(inner)
+    return total
+
+
+def first_too_long(data: Any, worlds: list[int]) -> int | None:
+    """The first W of ``worlds`` at which the unrolled schedule would pass the step
+    bound (``loop-too-long`` there), found before any W is unrolled or analysed."""
+    return next((w for w in worlds if (unrolled_length(data, w) or 0) > MAX_STEPS), None)
+
+
 def expand(data: Any, file: str, world: int | None) -> Any:
     """The raw schedule data with every loop unrolled and every indexed buffer split
     (unchanged when it has neither)."""

@@ -42,7 +42,18 @@ def parse_file(path: str | Path, world: int | None = None) -> model.Schedule:
 
 def parse_text(text: str, file: str = "<memory>", world: int | None = None) -> model.Schedule:
     """``world``: the W that unrolls a loop whose trip count names W (dcpc.lang.loops)."""
-    raw = yamlsrc.load(text, file)
+    return parse_loaded(yamlsrc.load(text, file), sha256(text), file, world)
+
+
+def sha256(text: str) -> str:
+    """The hash a schedule records of its source text."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.Schedule:
+    """``parse_text`` from the text's loaded YAML (``yamlsrc.load``) and its ``sha256``:
+    a file whose loop names W is loaded once and unrolled per W. The model may annotate
+    ``raw`` in place: pass a copy of data that is used again."""
     names_world = loops.world_dependent(raw) is not None
     data = loops.expand(raw, file, world)
     if not isinstance(data, dict):
@@ -59,7 +70,7 @@ def parse_text(text: str, file: str = "<memory>", world: int | None = None) -> m
         schedule = model.Schedule.model_validate(data)
     except ValidationError as exc:
         raise DiagnosticError(_diagnostics(exc, data, file)) from None
-    schedule.set_source(file, hashlib.sha256(text.encode("utf-8")).hexdigest())
+    schedule.set_source(file, digest)
     if names_world:
         schedule._loop_world = world
     return schedule

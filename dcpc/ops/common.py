@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
@@ -189,6 +189,11 @@ def channels(schedule: Schedule) -> Channels:
             signals.setdefault(step.op.channel, []).append(step)
     seen: dict[tuple[str, m.Peers], int] = {}
     polled: set[str] = set()
+    from dcpc.lang.mesh import mesh_of
+
+    mesh = mesh_of(schedule)
+    # the signals a wait may poll depend on its channel, its 'from' and its team only
+    reaching: dict[tuple[str, m.Peers, Any], list[m.Step]] = {}
     for step in steps:
         op = step.op
         if step.kind != "wait":
@@ -202,8 +207,11 @@ def channels(schedule: Schedule) -> Channels:
             continue
         k = seen.get((op.channel, op.from_), 0)
         seen[(op.channel, op.from_)] = k + 1
-        fits = [s for s in sent if s.op.to in REACHES[op.from_]  # type: ignore[attr-defined]
-                and team_reaches(schedule, s, step)]
+        team = (op.channel, op.from_, mesh.team_axes(op))
+        if team not in reaching:
+            reaching[team] = [s for s in sent if s.op.to in REACHES[op.from_]  # type: ignore[attr-defined]
+                              and team_reaches(schedule, s, step)]
+        fits = reaching[team]
         if k < len(fits):
             out.polls[step.name] = fits[k]
             polled.add(fits[k].name)

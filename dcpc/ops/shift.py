@@ -18,7 +18,7 @@ into the peer's buffer and one signal, no staging copy); dcpc/runtime/collective
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
@@ -92,12 +92,23 @@ def puts(schedule: Schedule) -> Puts:
     return out
 
 
+def matched(holder: Any) -> Puts:
+    """``puts(holder.schedule)``, computed once per holder: a pass over one schedule (a
+    rule ``Scope``, a structural ``Context``, a lowering ``Ctx``, a ``Sim``) asks it for
+    every shift step, and each answer walks every step (quadratic in a ring of hops)."""
+    memo = getattr(holder, "_shift_puts", None)
+    if memo is None or memo[0] is not holder.schedule:
+        memo = (holder.schedule, puts(holder.schedule))
+        holder._shift_puts = memo
+    return memo[1]
+
+
 def semantics(c: Scope, step: Step) -> Semantics:
     op: Shift = step.op  # type: ignore[assignment]
     k = delta(op)
     to, back = offset_peers(k), offset_peers(-k)
     if op.phase == "wait":
-        polled = puts(c.schedule).polls.get(step.name)
+        polled = matched(c).polls.get(step.name)
         return Semantics((), Sync(wait=back, polls=polled.index if polled else None))
     push = effects(READ, BEFORE, keyed(op, "src"))
     push += effects(WRITE, BEFORE, keyed(op, "dst"), Region("peer", 0, offset=k))
@@ -119,14 +130,14 @@ def verify(v: Verify, step: Step) -> None:
     s = v.shape(src.name)
     if s is not None and v.shape(dst.name) is not None:
         v.expect(dst, list(s), f"the shift of src '{src.name}'")
-    matched = puts(v.ctx.schedule)
-    if any(w.name == step.name for w in matched.lonely_waits):
+    found = matched(v.ctx)
+    if any(w.name == step.name for w in found.lonely_waits):
         v.error(op.mark("phase"), "unmatched-wait",
                 f"step '{step.name}' waits for a shift of '{src.name}' into '{dst.name}', "
                 "but no earlier 'phase: put' step with the same src, dst and offset is "
                 "left for it; the wait could never finish",
                 "add a put step before it, or drop 'phase' for a shift that waits itself")
-    if any(p.name == step.name for p in matched.lonely_puts):
+    if any(p.name == step.name for p in found.lonely_puts):
         v.error(op.mark("phase"), "unmatched-put",
                 f"step '{step.name}' puts '{src.name}' into '{dst.name}' of rank "
                 f"r{delta(op):+d}, "
@@ -140,7 +151,7 @@ def reference(sim: Sim, step: Step) -> None:
     op: Shift = step.op  # type: ignore[assignment]
     k, w = delta(op), sim.world
     if op.phase == "wait":
-        put = puts(sim.schedule).polls[step.name]
+        put = matched(sim).polls[step.name]
         for r in range(w):
             sim.store(r, op.dst, sim.bufs[r][f"{put.name}@inflight"])
         return

@@ -10,7 +10,7 @@ from dcpc.check.hb.clocks import analyze
 from dcpc.check.hb.deadlock import find_deadlocks
 from dcpc.check.hb.events import Program, lower
 from dcpc.check.hb.hints import HintBudget, suggest
-from dcpc.check.hb.races import find_races
+from dcpc.check.hb.races import PairKeys, find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
 from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of, shape_of
 from dcpc.lang.model import Schedule
@@ -52,13 +52,14 @@ def check(
         analysed = worlds if every_world else representatives(worlds, bound)
     findings: dict[tuple[str, str, str, str, str], Finding] = {}
     events = 0
+    pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
     for w in analysed:
         world = analyze(program, w, calls)
         events += w * len(world.live)
         for dead in find_deadlocks(world):
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead)
-        for race in find_races(world):
+        for race in find_races(world, pair_keys):
             if race.key(world) not in findings:
                 findings[race.key(world)] = race_finding(world, race)
     checked = time.perf_counter()

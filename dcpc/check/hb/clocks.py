@@ -24,8 +24,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-import networkx as nx
-
 from dcpc.check.hb.events import Program, match_waits
 from dcpc.lang.mesh import MeshWorld, torus
 
@@ -201,6 +199,8 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
     order = _kahn(n, preds, {j for j, _ in unmatched})
     cycles: list[set[int]] = []
     if len(order) < n:
+        import networkx as nx  # a deadlock only: not on every check's start-up
+
         stuck = nx.DiGraph()
         stuck.add_nodes_from(j for j in range(n) if j not in set(order))
         stuck.add_edges_from((i, j) for j in stuck for i in preds[j] if i in stuck)

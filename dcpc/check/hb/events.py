@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dcpc.diagnostics import Mark
 from dcpc.lang.mesh import MeshWorld, mesh_of, shape_of, torus
@@ -164,14 +164,22 @@ def match_waits(program: Program, world: int) -> dict[int, list[tuple[int, int |
     """
     sender = {e.signal[0]: j for j, e in enumerate(program.events) if e.signal is not None}
     out: dict[int, list[tuple[int, int | None]]] = {}
+    # (source delta, whether the signal reaches) depends on the two events' peers and
+    # axes only: computed once per such pattern (O(W) each), not once per wait
+    patterns: dict[tuple[Any, ...], list[tuple[int, bool]]] = {}
     for j, e in enumerate(program.events):
         if e.wait is None:
             continue
         channel, peers = e.wait
         js = sender.get(channel)
-        for d in sorted(peer_deltas(peers, world, e.axes)):
-            reaches = js is not None and negate(world, d) in peer_deltas(
-                program.events[js].signal[1], world, program.events[js].axes)  # type: ignore[index]
+        signal = program.events[js] if js is not None else None
+        sent = (signal.signal[1], signal.axes) if signal is not None else None  # type: ignore[index]
+        pattern = (peers, e.axes, sent)
+        if pattern not in patterns:
+            patterns[pattern] = [
+                (d, sent is not None and negate(world, d) in peer_deltas(sent[0], world, sent[1]))
+                for d in sorted(peer_deltas(peers, world, e.axes))]
+        for d, reaches in patterns[pattern]:
             out.setdefault(j, []).append((d, js if reaches else None))
     return out
 

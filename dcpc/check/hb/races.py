@@ -109,21 +109,12 @@ def _writers(world: World, access: Access) -> list[int]:
     return [r for r in team if r != 0] + [0]
 
 
-def _all_ordered(world: World, pa: int, pb: int) -> bool:
-    """Whether event pa on EVERY rank happens before event pb on every rank.
-
-    The entries of pb's clock for pa's stream on all ranks are exactly what the
-    O(W) (or O(W^2)) rank loops would look at; their minimum decides it in one pass.
-    """
-    call, j = divmod(pa, world.n)
-    stream, index = world.program.stream(call), world.program.stream_index(call, j)
-    return world.low(pb, stream) >= index + 1
-
-
 def _first_unordered(
     world: World, a: tuple[int, int, Access], b: tuple[int, int, Access]
 ) -> tuple[Touch, Touch] | None:
-    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race."""
+    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race.
+    The caller has ruled out a pair ordered on every rank, either way (find_races:
+    the minimum over the ranks of one event's clock entries for the other's stream)."""
     (ca, ja, xa), (cb, jb, xb) = a, b
     pa, pb = world.pos(ca, ja), world.pos(cb, jb)
     same_event = pa == pb
@@ -131,13 +122,16 @@ def _first_unordered(
     def touch(rank: int, call: int, j: int, access: Access) -> Touch:
         return Touch(rank, call, j, access, 0)
 
+    # World.hb(ra, pa, rb, pb) with pa's and pb's streams and stream positions read once
+    program, count = world.program, world.count
+    stream_a, need_a = program.stream(ca), program.stream_index(ca, ja) + 1
+    stream_b, need_b = program.stream(cb), program.stream_index(cb, jb) + 1
+
     def unordered(ra: int, rb: int) -> bool:
         if same_event and ra == rb:
             return False
-        return not world.hb(ra, pa, rb, pb) and not world.hb(rb, pb, ra, pa)
+        return count(pb, ra, rb, stream_a) < need_a and count(pa, rb, ra, stream_b) < need_b
 
-    if _all_ordered(world, pa, pb) or _all_ordered(world, pb, pa):
-        return None
     if not xa.remote and not xb.remote:
         if unordered(0, 0):
             return touch(0, ca, ja, xa), touch(0, cb, jb, xb)
@@ -191,17 +185,24 @@ def _pair_key(world: World, buffer: str, a: tuple[int, int, Access],
     return ("race", cls, buffer, steps[kf[1]].name, steps[ks[1]].name)
 
 
-def find_races(world: World) -> list[RawRace]:
+PairKeys = dict[tuple[str, int | None], dict[tuple[int, int, bool], tuple[str, ...]]]
+
+
+def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]:
     """One race per (class, buffer, step pair), the first found, for this W.
 
     Pairs are visited in the same order as always (groups by call, then event), so
     the race kept per key is the same; a pair whose key already has its race, or
     that is ordered on every rank, is skipped before any per-rank clock is read. The
     key of a pair depends on its two (event, access) and on whether the calls are
-    equal (groups come call by call), so it is looked up in a table, not recomputed."""
+    equal (groups come call by call), so it is looked up in a table, not recomputed.
+    That table depends on the program only, not on W: ``pair_keys`` (one dict for
+    every W of one program) keeps it from one W to the next."""
     found: dict[tuple[str, str, str, str, str], RawRace] = {}
+    pair_keys = {} if pair_keys is None else pair_keys
     touching = _touching(world)
     program = world.program
+    lows, low = world.lows, world.low  # the cache low() fills, read first (hot loop)
     for buffer in sorted(program.shared):
         signatures = touching.get(buffer, [])
         sig_of = {(j, id(access)): n for n, (j, access) in enumerate(signatures)}
@@ -211,7 +212,7 @@ def find_races(world: World) -> list[RawRace]:
             meta = [(world.pos(call, j), program.stream(call),
                      program.stream_index(call, j) + 1, access.kind == "write",
                      sig_of[(j, id(access))], call) for call, j, access in groups]
-            keys: dict[tuple[int, int, bool], tuple[str, str, str, str, str]] = {}
+            keys = pair_keys.setdefault((buffer, slot), {})
             writes = [a.kind == "write" for _, a in signatures]
             # the groups of each call end here (groups come call by call)
             ends: dict[int, int] = {}
@@ -220,10 +221,11 @@ def find_races(world: World) -> list[RawRace]:
             for i, a in enumerate(groups):
                 pa, sa, na, wa, ga, ca = meta[i]
                 stop = len(groups)
-                later = [keys.get((ga, gb, False)) for gb in range(len(signatures))
-                         if wa or writes[gb]]
-                if None not in later and all(key in found for key in later):
-                    stop = ends[ca]  # every later call's pair has its race: this call only
+                if found:  # (with none found, a later call's pair that can race is left)
+                    later = [keys.get((ga, gb, False)) for gb in range(len(signatures))
+                             if wa or writes[gb]]
+                    if None not in later and all(key in found for key in later):
+                        stop = ends[ca]  # every later call's pair has its race: this call only
                 for k in range(i + 1, stop):
                     pb, sb, nb, wb, gb, cb = meta[k]
                     if not (wa or wb):
@@ -234,9 +236,18 @@ def find_races(world: World) -> list[RawRace]:
                         key = keys[(ga, gb, ca == cb)] = _pair_key(world, buffer, a, b)
                     if key in found:
                         continue
-                    # ordered on every rank, one way or the other: no race (as in
-                    # _first_unordered, here without a call)
-                    if world.low(pb, sa) >= na or world.low(pa, sb) >= nb:
+                    # ordered on every rank, one way or the other: no race. The entries
+                    # of pb's clock for pa's stream on all ranks are what the O(W) (or
+                    # O(W^2)) rank loops would look at; their minimum decides it at once
+                    low_b = lows.get((pb, sa))
+                    if low_b is None:
+                        low_b = low(pb, sa)
+                    if low_b >= na:
+                        continue
+                    low_a = lows.get((pa, sb))
+                    if low_a is None:
+                        low_a = low(pa, sb)
+                    if low_a >= nb:
                         continue
                     pair = _first_unordered(world, a, b)
                     if pair is None:
