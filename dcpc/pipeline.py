@@ -212,7 +212,7 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     from dataclasses import replace
 
     from dcpc.diagnostics import Mark
-    from dcpc.lang.loops import first_too_long
+    from dcpc.lang.loops import MAX_TOTAL_STEPS, first_too_long, widest_within_budget
 
     worlds = list(c.options.worlds)
     last = STAGE_NAMES.index("hb") if until == "emit" else STAGE_NAMES.index(until)
@@ -221,6 +221,15 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     too_long = first_too_long(c.source[0], worlds) if c.source is not None else None
     if too_long is not None:
         run(c.path, replace(c.options, worlds=[too_long]), until="parse", source=c.source)
+    total, widest = widest_within_budget(c.source[0], worlds) if c.source else (0, None)
+    if total > MAX_TOTAL_STEPS:
+        narrower = (f"check W {worlds[0]}..{widest} (or a few W at a time)" if widest
+                    else "check fewer W at a time")
+        raise DiagnosticError([Diagnostic(
+            Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
+            f"a loop's trip count names W, so each W is unrolled and analysed on its own: "
+            f"W {worlds[0]}..{worlds[-1]} make {total} unrolled steps in all, past the "
+            f"{MAX_TOTAL_STEPS} one check analyses; {narrower}")])
     for w in worlds:
         one = run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[last],
                   source=c.source)

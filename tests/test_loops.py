@@ -255,3 +255,36 @@ def test_the_unrolled_length_from_the_trip_counts_is_the_unrolled_schedule_s() -
     too_long = [loops.first_too_long(yamlsrc.load(t, "s.yaml"), list(range(2, 1025)))
                 for t in texts]
     assert too_long == [87, None, 45, 86]
+
+
+def test_a_range_whose_w_together_pass_the_budget_is_refused_at_once(monkeypatch) -> None:
+    """Issue 22 item 9: every W of a per-W file is unrolled and analysed on its own;
+    ring_attention at 2..42 (each W within the step bound) took 6 s. Past
+    MAX_TOTAL_STEPS unrolled steps in all, the check is refused before any W is
+    analysed, naming the widest range that fits; that range is still checked."""
+    from dcpc.lang import loops, yamlsrc
+
+    seen: list[list[int]] = []
+    real = hb.check
+
+    def spy(*args, **kwargs):
+        seen.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hb, "check", spy)
+    ring = ROOT / "schedules" / "gallery" / "ring_attention.yaml"
+    data = yamlsrc.load(ring.read_text(), str(ring))
+    worlds = list(range(2, 43))
+    total = sum(loops.unrolled_length(data, w) for w in worlds)
+    assert total > loops.MAX_TOTAL_STEPS
+    fits = max(w for w in worlds if sum(loops.unrolled_length(data, v)
+                                        for v in range(2, w + 1)) <= loops.MAX_TOTAL_STEPS)
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(ring, pipeline.Options(worlds=worlds), until="hb")
+    found = err.value.diagnostics
+    assert [d.code for d in found] == ["schedule-too-large"], found
+    assert f"{total} unrolled steps" in found[0].message
+    assert f"check W 2..{fits}" in found[0].message and found[0].mark.line == 50
+    assert seen == []
+    pipeline.run(ring, pipeline.Options(worlds=list(range(2, fits + 1))), until="hb")
+    assert seen == [[w] for w in range(2, fits + 1)]

@@ -419,6 +419,22 @@ def first_too_long(data: Any, worlds: list[int]) -> int | None:
     return next((w for w in worlds if (unrolled_length(data, w) or 0) > MAX_STEPS), None)
 
 
+MAX_TOTAL_STEPS = 3072  # per-W loop files: unrolled steps summed over every W checked
+
+
+def widest_within_budget(data: Any, worlds: list[int]) -> tuple[int, int | None]:
+    """The unrolled steps summed over ``worlds`` and the largest W up to which the sum
+    stays within MAX_TOTAL_STEPS (None: not even the first), from the trip counts alone.
+    A per-W file is unrolled and analysed once per W: past this budget one `dcpc check`
+    would take seconds (issue 22 item 9), so it is refused at once instead."""
+    total, widest = 0, None
+    for w in worlds:
+        total += unrolled_length(data, w) or 0
+        if total <= MAX_TOTAL_STEPS:
+            widest = w
+    return total, widest
+
+
 def expand(data: Any, file: str, world: int | None) -> Any:
     """The raw schedule data with every loop unrolled and every indexed buffer split
     (unchanged when it has neither)."""
