@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ from dcpc.runtime.local import sync_stream, to_host
 _WIDTH = 512  # bytes of one rank's settings (JSON), padded with zeros
 _agreed: dict[tuple, tuple[Any, tuple]] = {}  # (group id, rank, label) -> (handle, settings)
 _lock = threading.Lock()
+COUNTS: Counter[int] = Counter()  # agreements made through a group, per rank (for tests)
 
 
 def agree(group: Group, label: str, settings: dict[str, Any],
@@ -42,12 +44,20 @@ def agree(group: Group, label: str, settings: dict[str, Any],
     lookup). ``all_gather``: [n] -> [W, n] over the group (the fallback's collectives)."""
     if group.world == 1:
         return
-    key = (id(group.handle), group.rank, label)
     mine = tuple(sorted((k, str(v)) for k, v in settings.items()))
+    # the setting NAMES are part of the key: vLLM's and SGLang's dcp_a2a_lse_reduce share
+    # a label but not their switch, and must not undo each other's agreement each call
+    key = (id(group.handle), group.rank, label, tuple(k for k, _ in mine))
     with _lock:
         known = _agreed.get(key)
     if known is not None and known[1] == mine:
         return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise DcpcArgumentError(
+            f"{label}: its first call on this group (or the first after a change of "
+            f"{', '.join(settings)}) is inside a CUDA-graph capture, where the ranks cannot "
+            "agree on the path: make one eager call first (the engines' warm-up does)")
+    COUNTS[group.rank] += 1
     text = json.dumps(dict(mine)).encode()
     if len(text) > _WIDTH:
         raise DcpcArgumentError(f"{label}: settings too long to agree on: {text[:80]!r}...")
