@@ -126,3 +126,35 @@ def test_nonfinite_rows_quantise_to_the_references_bytes(per: str) -> None:
     else:
         assert want_q[1, 5].item() == 448.0 and want_q[2, 0].item() == -448.0
         assert _bits(want_q[0]).tolist()[3] == 0x7F
+
+
+def test_an_fp8_merge_output_stores_nan_as_the_nan_byte(tmp_path: Path) -> None:
+    """lse_combine's output_scale (templates/math.j2 _dcpc_merge_cols; reduce_scatter's
+    uses the same store): a NaN partial of weight > 0 merges to NaN, byte 0x7F (the
+    interpreter stored 0x7C = 384); +-inf saturates to +-448, like the reference."""
+    from test_kernels_helpers import compile_text, load, merge_schedule
+
+    from dcpc.runtime import merge
+
+    world, t, g, dv = 4, 5, 3, 16
+    mod = load(compile_text(merge_schedule("bf16", "e", False, False, 1, dv), tmp_path))
+    gen = torch.Generator().manual_seed(3)
+    o = (torch.randn(world, t, g, dv, generator=gen) * 2).bfloat16()
+    o[0, 1, 0, 5], o[1, 2, 1, 6], o[2, 3, 2, 7] = float("nan"), float("inf"), float("-inf")
+    lse = torch.randn(world, t, g, generator=gen) * 3
+    dst = torch.zeros(t, g, dv, dtype=torch.float8_e4m3fn)
+    scale = torch.tensor([0.01])
+    qsl = torch.tensor([0, t], dtype=torch.int32)
+    mod._merge_kernel[(t * g // 4 + 1,)](
+        o, lse, dst, lse, torch.tensor([t], dtype=torch.int32), qsl, scale, t * g, dv, g, 1,
+        WORLD=world, INTERLEAVE=1, MASK=False, BASE2=False, RETURN_LSE=False, SCALE=True,
+        SEARCH_STEPS=1, BLOCK_B=0, ROW_LEN=0, BLOCK_N=4, BLOCK_D=16)
+    ref, _ = merge.lse_combine(o.double(), lse.double(), "e", None, torch.float64)
+    want = round_e4m3((ref / 0.01).float())
+    got = _bits(dst)
+    assert got[1, 0, 5].item() == 0x7F and int((got == 0x7F).sum()) == 1, got[1, 0]
+    assert got[2, 1, 6].item() == _bits(torch.tensor([448.0]).to(dst.dtype)).item()
+    assert dst[3, 2, 7].item() == -448.0
+    finite = ~want.isnan()
+    err = (dst.float() - want).abs()[finite] - 0.125 * want.abs()[finite]  # one e4m3 step
+    assert err.max().item() <= 2.0**-9

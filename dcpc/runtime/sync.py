@@ -70,8 +70,8 @@ def over_capacity(step: str, rank: int | None, peer: int, count: int, capacity: 
     why = f"over the capacity {capacity}" if count >= 0 else "a negative count"
     return DcpcArgumentError(
         f"step '{step}': {what}, {why}; no row of that part was "
-        "sent (never truncated) and this module instance is now failed: route at most "
-        "capacity rows to each peer" + ("" if count >= 0 else ", and 0 or more"))
+        "sent (never truncated) and this module instance is now failed: route "
+        f"{'at most' if count >= 0 else '0 to'} capacity rows to each peer")
 
 
 def bad_index(step: str, rank: int | None, token: int, row: int,
