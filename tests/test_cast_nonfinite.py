@@ -158,3 +158,48 @@ def test_an_fp8_merge_output_stores_nan_as_the_nan_byte(tmp_path: Path) -> None:
     finite = ~want.isnan()
     err = (dst.float() - want).abs()[finite] - 0.125 * want.abs()[finite]  # one e4m3 step
     assert err.max().item() <= 2.0**-9
+
+
+RS = """\
+schedule: rsfp8
+sizes: {T: 4, H: 8}
+buffers:
+  x: {shape: [W*T, H], dtype: bf16}
+  s: {shape: [1], dtype: f32}
+  y: {shape: [T, H], dtype: fp8e4m3}
+steps:
+  - rs: {op: reduce_scatter, src: x, dst: y, output_scale: s}
+"""
+
+
+def test_an_fp8_reduce_scatter_stores_the_references_bytes(tmp_path: Path) -> None:
+    """reduce_scatter's output_scale (templates/ops/reduce_scatter.py.j2): a NaN sums to
+    NaN, byte 0x7F; +-inf saturates; every byte is round_e4m3 of the fp32 sum."""
+    from dcpc.harness.run import compile_to
+    from dcpc.harness.worker import load_module_class
+    from dcpc.numerics import ieee_div
+    from dcpc.runtime.local import LocalGroup
+
+    path = tmp_path / "rs.yaml"
+    path.write_text(RS)
+    _, module, _, _ = compile_to(str(path), tmp_path, WORLD)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(WORLD * 4, H, generator=gen).bfloat16() for _ in range(WORLD)]
+    xs[0][1, 2], xs[1][2, 3], xs[1][6, 1] = float("nan"), float("inf"), float("-inf")
+    scale = torch.tensor([0.01])
+
+    def rank_main(rank: Any) -> torch.Tensor:
+        inst = load_module_class(module, "rsfp8")(rank, sizes={}, device="cpu",
+                                                  backend="local")
+        y = inst.rs(xs[rank.rank], scale).clone()
+        rank.barrier()
+        inst.close()
+        return y
+
+    got = LocalGroup(WORLD, "cpu", timeout_s=60).run(rank_main)
+    for j in range(WORLD):
+        total = sum(x[j * 4 : (j + 1) * 4].float() for x in xs)
+        want = round_e4m3(total * ieee_div(1.0, scale[0])).to(torch.float8_e4m3fn)
+        assert torch.equal(_bits(got[j]), _bits(want)), (j, _bits(got[j]), _bits(want))
+    assert _bits(got[0])[1, 2].item() == 0x7F and got[0][2, 3].item() == 448.0
+    assert got[1][2, 1].item() == -448.0
