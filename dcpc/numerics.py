@@ -22,13 +22,15 @@ SCALE_FLOOR = 1e-4  # a token's amax below this is taken as this (DeepEP's floor
 
 def round_e4m3(y: torch.Tensor) -> torch.Tensor:
     """fp32 ``y`` clamped to +-448 and rounded to the e4m3 grid, half away from zero (NaN
-    stays NaN), in fp32 bit arithmetic: the kernels' rule (templates/math.j2
-    ``_dcpc_quantize``), so that the reference and every backend agree bit for bit."""
+    stays NaN: one NaN, positive, e4m3fn's byte 0x7F, whatever sign the NaN had: x86
+    makes inf * 0 a negative NaN, a GPU a positive one), in fp32 bit arithmetic: the
+    kernels' rule (templates/math.j2 ``_dcpc_quantize``, ``_dcpc_store_e4m3``), so that
+    the reference and every backend agree bit for bit."""
     y = y.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     exponent = (y.view(torch.int32) >> 23) & 0xFF
     ulp = (torch.clamp(exponent - 3, min=127 - 9) << 23).view(torch.float32)
     r = torch.floor(y.abs() / ulp + 0.5) * ulp
-    return torch.where(torch.isnan(y), y, torch.where(y < 0, -r, r))
+    return torch.where(torch.isnan(y), torch.nan, torch.where(y < 0, -r, r))
 
 
 def token_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

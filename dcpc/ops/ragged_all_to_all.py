@@ -9,8 +9,8 @@ count travels with the payload into ``recv_counts[p]`` ([W] i32, symmetric). Row
 ``dst`` past the count are never written (the float64 reference holds NaN there, so a
 reader that takes them for data shows as a mismatch).
 
-A count over ``capacity`` is not truncated: that part is not sent at all, its receiver
-gets the count as sent (over capacity: the flag) and the sender records a kernel error
+A count over ``capacity`` (or negative) is not truncated: that part is not sent at all,
+its receiver gets the count as sent (the flag) and the sender records a kernel error
 that its call raises (``DcpcArgumentError``, code ``OVER_CAPACITY``); the torch backend
 raises before it sends. ``scale``: a cast inside the move (dcpc/ops/cast.py: bf16 ->
 fp8 e4m3 with per-token or per-tensor scales, and back).

@@ -367,14 +367,14 @@ def ragged_all_to_all(
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
-    over capacity raises before anything is sent (dcpc.runtime.sync.over_capacity).
+    over capacity or negative raises before anything is sent (sync.over_capacity).
     ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
     land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
     sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``."""
     from dcpc.runtime.sync import over_capacity
 
     sent = counts.reshape(-1).to(torch.int32)
-    over = torch.nonzero(sent > capacity).flatten().tolist()
+    over = torch.nonzero((sent > capacity) | (sent < 0)).flatten().tolist()
     if over:
         raise over_capacity(step, comm.rank, over[0], int(sent[over[0]]), capacity)
     got = torch.empty_like(sent)

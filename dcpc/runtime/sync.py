@@ -45,7 +45,7 @@ from dcpc.runtime.local import sync_stream
 TIMEOUT = 1  # a wait expired (the deadline, or another program of this launch failed)
 CONTRACT = 2  # a peer's signal carried another call's fingerprint
 PEER_FAILED = 3  # the peer's failure flag was set while we waited for it
-OVER_CAPACITY = 4  # ragged_all_to_all: counts[peer] over capacity (errors[3], errors[4])
+OVER_CAPACITY = 4  # ragged_all_to_all: counts[peer] over capacity or < 0 (errors[3], [4])
 BAD_INDEX = 5  # weighted_combine: index[token] (errors[2]) = errors[3] >= rows (errors[4])
 ERROR_WORDS = 8
 STOP_WORD = 6  # CPU: set by the watchdog thread at the deadline; a waiting loop polls it
@@ -62,15 +62,16 @@ FINGERPRINT_BITS = 31  # fingerprints are in 0..2**31-1 (never -1)
 
 def over_capacity(step: str, rank: int | None, peer: int, count: int, capacity: int,
                   received: bool = False) -> DcpcArgumentError:
-    """A ragged_all_to_all's count over its capacity (nothing of that part was sent), as
-    its sender (``counts[peer]``) or its receiver (``peer`` sent it) saw it."""
+    """A ragged_all_to_all's count over its capacity or negative (nothing of that part
+    was sent), as its sender (``counts[peer]``) or its receiver (``peer`` sent it) saw it."""
     who = f"rank {rank}" if rank is not None else "this rank"
     what = (f"peer {peer} routed {count} rows to {who}" if received
             else f"{who}'s counts[{peer}] = {count}")
+    why = f"over the capacity {capacity}" if count >= 0 else "a negative count"
     return DcpcArgumentError(
-        f"step '{step}': {what}, over the capacity {capacity}; no row of that part was "
-        "sent (never truncated) and this module instance is now failed: route at most "
-        "capacity rows to each peer")
+        f"step '{step}': {what}, {why}; no row of that part was "
+        "sent (never truncated) and this module instance is now failed: route "
+        f"{'at most' if count >= 0 else '0 to'} capacity rows to each peer")
 
 
 def bad_index(step: str, rank: int | None, token: int, row: int,

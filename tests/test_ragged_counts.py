@@ -1,0 +1,69 @@
+"""Issue 22 (no silent wrong data): a negative ragged count (ragged_all_to_all's
+``counts``) is refused as a count over capacity is: the kernel (ranks as threads: the
+``local`` backend) fails the call on the sender and on the receiver, naming the step,
+the rank and the count; the torch backend raises before it sends."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dcpc.runtime.errors import DcpcArgumentError
+
+SCHEDULE = """\
+schedule: counts
+sizes: {C: {max: 4}, H: 8}
+buffers:
+  x:  {shape: [W, C, H], dtype: bf16}
+  n:  {shape: [W], dtype: i32}
+  y:  {shape: [W, C, H], dtype: bf16, symmetric: true}
+  m:  {shape: [W], dtype: i32, symmetric: true}
+steps:
+  - move: {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C}
+"""
+
+
+def test_a_negative_count_fails_on_sender_and_receiver() -> None:
+    from dcpc.harness.run import compile_to
+    from dcpc.harness.worker import load_module_class
+    from dcpc.runtime.local import LocalGroup
+
+    with tempfile.TemporaryDirectory(prefix="dcpc-counts-") as tmp:
+        path = Path(tmp) / "counts.yaml"
+        path.write_text(SCHEDULE)
+        _, module, _, _ = compile_to(str(path), Path(tmp), 2)
+
+        def rank_main(rank: Any) -> str:
+            inst = load_module_class(module, "counts")(rank, sizes={"C": 4}, device="cpu",
+                                                       backend="local", timeout_s=20)
+            x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(rank.rank))
+            counts = torch.tensor([-1 if rank.rank == 1 else 2, 2], dtype=torch.int32)
+            try:
+                _, got = inst.move(x.bfloat16(), counts)
+                return f"no error: recv_counts {got.tolist()}"
+            except DcpcArgumentError as exc:
+                return str(exc)
+            finally:
+                inst.close()
+
+        ranks = LocalGroup(2, "cpu", timeout_s=60).run(rank_main)
+    assert ranks[1].startswith("step 'move': rank 1's counts[0] = -1, a negative count; no "
+                               "row of that part was sent"), ranks
+    assert ranks[0].startswith("step 'move': peer 1 routed -1 rows to rank 0, a negative "
+                               "count"), ranks
+
+
+def test_a_negative_count_raises_on_the_torch_backend() -> None:
+    from dcpc.runtime import collectives
+
+    dst = torch.zeros(1, 4, 8)
+    with pytest.raises(DcpcArgumentError, match=r"step 'move': rank 0's counts\[0\] = -1, "
+                       "a negative count"):
+        collectives.ragged_all_to_all(
+            collectives.SlotGroup(None, 0, 0, None), torch.randn(1, 4, 8),
+            torch.tensor([-1], dtype=torch.int32), dst, torch.zeros(1, dtype=torch.int32),
+            4, 1, "move")
