@@ -18,8 +18,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -426,7 +424,6 @@ def worker(rank: int, world: int, ranks: int) -> dict[str, Any]:
 
 # ---- the tests ----------------------------------------------------------------------------
 _results: dict[int, Any] = {}
-_pending: dict[int, Future] = {}
 
 
 def _text(data: bytes | str | None) -> str:
@@ -475,27 +472,10 @@ def _run_child(world: int) -> Any:
             {"child failed": stdout[-2000:] + stderr[-4000:]})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _children(request: pytest.FixtureRequest) -> Iterator[None]:
-    """On CPU, the children of every W this session selected start together (two cores:
-    W = 2 and 3 side by side); on a GPU, one after the other, when a test asks."""
-    if DEV != "cpu":
-        yield
-        return
-    worlds = sorted({item.callspec.params["world"] for item in request.session.items
-                     if item.module is request.module and hasattr(item, "callspec")})
-    with ThreadPoolExecutor(max_workers=max(1, len(worlds))) as pool:
-        for world in worlds:
-            _pending[world] = pool.submit(_run_child, world)
-        yield
-        _pending.clear()
-
-
 def _results_for(world: int) -> Any:
     if world not in _results:
         # kept on failure too: every test of this W reports the same run, which runs once
-        _results[world] = (_pending[world].result() if world in _pending
-                           else _run_child(world))
+        _results[world] = _run_child(world)
     got = _results[world]
     assert "child failed" not in got, got.get("child failed")
     return got
