@@ -1,19 +1,16 @@
 """SGLang's DeepSeek-V4 DCP collectives parity test (test_dsv4_dcp_collectives), ported
 onto dcpc's SGLang adapters: tests/engine_ports/sglang_dsv4.py (source versions, what was
 replaced, what was not ported). W = 2 and 3 on the ``local`` backend (the generated
-kernels, threads of one child process per W, side by side); the ``torch`` backend runs
-it at the end of tests/test_port_vllm_direct.py."""
+kernels, threads); the ``torch`` backend runs it at the end of
+tests/test_port_vllm_direct.py."""
 
 from __future__ import annotations
 
 import pytest
-from engine_ports.harness import local_runs, port_cache, port_cache_dir  # noqa: F401
-
-MODULE = "engine_ports.sglang_dsv4"
-LOCAL_RUNS = [("test_local", world, MODULE, "run_all") for world in (2, 3)]  # side by side
+from engine_ports.harness import local_run, port_cache, port_cache_dir  # noqa: F401
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_local(world, local_runs):  # noqa: F811 (the fixture)
-    found = local_runs.result((MODULE, "run_all", world))
+def test_local(world):
+    found = local_run("engine_ports.sglang_dsv4", world)
     assert [f["sglang_dsv4"] for f in found] == ["ok"] * world

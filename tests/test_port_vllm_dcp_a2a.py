@@ -2,14 +2,14 @@
 dcpc's vLLM adapters: the cases and assertions are in tests/engine_ports/vllm_dcp_a2a.py
 (what was replaced, what was not ported, and why). W = 2 and 3 on the ``local`` backend
 (the generated kernels under the interpreter, threads: the kernels the ``host`` backend
-runs, in one child process per W, side by side); the ``torch`` backend runs the same cases in
+runs, in one process); the ``torch`` backend runs the same cases in
 tests/test_port_vllm_direct.py (its last test)."""
 
 from __future__ import annotations
 
 import pytest
 from engine_ports import vllm_dcp_a2a as P
-from engine_ports.harness import local_runs, port_cache, port_cache_dir  # noqa: F401
+from engine_ports.harness import local_run, port_cache, port_cache_dir  # noqa: F401
 
 from dcpc.runtime.local import LocalGroup
 
@@ -40,9 +40,6 @@ def test_reference_cases_through_dcpc():
     P.ag_rs_masks_empty_shard_and_padded_lse()
 
 
-LOCAL_RUNS = [("test_local", world, MODULE, "run_all") for world in (2, 3)]  # side by side
-
-
 @pytest.mark.parametrize("world", [2, 3])
-def test_local(world, local_runs):  # noqa: F811 (the fixture)
-    check(local_runs.result((MODULE, "run_all", world)))
+def test_local(world):
+    check(local_run(MODULE, world))

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from engine_ports import vllm_direct as P
-from engine_ports.harness import local_runs, port_cache, port_cache_dir  # noqa: F401
+from engine_ports.harness import port_cache, port_cache_dir  # noqa: F401
 from engine_ports.vllm_dcp_a2a import lse_weighted_combine
 from test_port_vllm_dcp_a2a import check
 
@@ -111,15 +111,13 @@ def test_mla_dcp_manager_selects_backends(switch, monkeypatch):
             assert torch.equal(f["gathered"], rows)
 
 
-WORKERS = ("direct_q_gather", "direct_kv_gather", "direct_a2a")
-# each worker on its own LocalGroup, the three side by side in fork-server children
-LOCAL_RUNS = [("test_workers_local", 2, P.__name__, name) for name in WORKERS]
-
-
 @pytest.mark.parametrize("world", [2])
-def test_workers_local(world, local_runs):  # noqa: F811 (the fixture)
-    for name in WORKERS:
-        counts = local_runs.result((P.__name__, name, world))
+def test_workers_local(world):
+    workers = ("direct_q_gather", "direct_kv_gather", "direct_a2a")
+    for name in workers:
+        fn = getattr(P, name)
+        counts = LocalGroup(world, "cpu", timeout_s=300).run(
+            lambda rank, fn=fn: fn(rank, rank.rank, world, rank.barrier))
         assert len(set(counts)) == 1 and counts[0] >= 5, (name, counts)
 
 
