@@ -11,7 +11,6 @@ timeout): collectives move them as bytes (dcpc.runtime.collectives.wire)."""
 from __future__ import annotations
 
 import os
-import tempfile
 from types import SimpleNamespace
 from typing import Any
 
@@ -136,12 +135,19 @@ def _assert_all_ok(per_rank: list[list[tuple[str, bool]]]) -> None:
         assert not bad, (r, bad)
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One module cache for this file's launches: the first launch's ranks compile
+    every schedule (side by side, written atomically), the later ones import them."""
+    return str(tmp_path_factory.mktemp("dcpc-engines-"))
+
+
 @pytest.mark.parametrize("world, backend", [(2, "torch"), (3, "torch"), (2, "host")])
-def test_every_group_object_and_dtype_across_processes(world: int, backend: str) -> None:
-    with tempfile.TemporaryDirectory(prefix="dcpc-engines-") as cache:
-        result = launch("test_engines_dtypes:worker", world,
-                        {"cache": cache, "backend": backend}, timeout_s=600,
-                        gloo_timeout_s=60)
+def test_every_group_object_and_dtype_across_processes(world: int, backend: str,
+                                                       cache: str) -> None:
+    result = launch("test_engines_dtypes:worker", world,
+                    {"cache": cache, "backend": backend}, timeout_s=600,
+                    gloo_timeout_s=60)
     assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
     _assert_all_ok([[tuple(c) for c in v] for v in result.values()])
 

@@ -370,11 +370,11 @@ def _recorded_errors() -> list[str]:
     return found
 
 
-def _child(world: int) -> None:
-    """Every scenario at ``world`` on DEV; prints the results as one JSON line. The first
-    scenario that raises (a rank's error, or a rank hung past the group's timeout) ends
-    the run: its error is the result, the scenarios after it are not run (a hung rank's
-    kernel may still spin)."""
+def _scenarios(world: int, say: Any) -> dict[str, Any]:
+    """Every scenario at ``world`` on DEV, by name. The first scenario that raises (a
+    rank's error, or a rank hung past the group's timeout) ends the run: its error is the
+    result, the scenarios after it are not run (a hung rank's kernel may still spin).
+    ``say(text)``: where the run is."""
     import time
     import warnings
 
@@ -397,13 +397,29 @@ def _child(world: int) -> None:
         if recorded:
             before = out[name].get("error", "")
             out[name] = {"error": f"{before}\nrecorded by kernels: {recorded}".strip()}
-        print(f"[{time.monotonic() - t0:6.1f}s] W={world} {name}: "
-              f"{'error' if 'error' in out[name] else 'ran'}", file=sys.stderr, flush=True)
+        say(f"[{time.monotonic() - t0:6.1f}s] W={world} {name}: "
+            f"{'error' if 'error' in out[name] else 'ran'}")
         if "error" in out[name]:
             break
+    return out
+
+
+def _child(world: int) -> None:
+    """The child on a GPU (a process started from scratch: TRITON_INTERPRET=0): every
+    scenario at ``world``, printed as one JSON line."""
+    out = _scenarios(world, lambda text: print(text, file=sys.stderr, flush=True))
     print("RESULT " + json.dumps(out), flush=True)
     sys.stdout.flush()
     os._exit(0)  # threads of a hung rank must not keep the process alive
+
+
+def worker(rank: int, world: int, ranks: int) -> dict[str, Any]:
+    """The child on CPU: a process forked from dcpc.harness.launch's fork server (torch
+    and triton imported once), alone in its gloo group (``world`` 1); every scenario at
+    ``ranks`` threads. The launcher kills it if a hung rank keeps it alive."""
+    from dcpc.harness.launch import progress
+
+    return _scenarios(ranks, progress)
 
 
 # ---- the tests ----------------------------------------------------------------------------
@@ -414,32 +430,52 @@ def _text(data: bytes | str | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
+def _child_env(cache: str) -> dict[str, str]:
+    # the interpreter on CPU only: on CUDA it would copy tensors to the host for
+    # every kernel, and peers' stores through the pointer tables never arrive
+    # DCPC_TRAP=0 on CUDA: a timed-out wait is recorded and reported per scenario
+    # (a trap would end the child and every rank's record with it)
+    env = {**os.environ, "TRITON_INTERPRET": "1" if DEV == "cpu" else "0",
+           "DCPC_TRAP": "1" if DEV == "cpu" else "0",
+           "OMP_NUM_THREADS": "1", "DCPC_CACHE_DIR": cache,
+           "DCPC_MAX_NUM_TOKENS": str(WORKSPACE)}
+    for var in ("VLLM_USE_DIRECT_DCP_A2A", "DCPC_VLLM_AG_RS", "DCPC_SGLANG",
+                "DCPC_KERNEL_MASK",
+                "VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER",
+                "DCPC_BACKEND"):
+        env.pop(var, None)
+    return env
+
+
+def _run_child(world: int) -> Any:
+    """One child process runs every scenario at ``world`` (its own module cache, its own
+    process state: the adapters' tables and log-once records start empty)."""
+    with tempfile.TemporaryDirectory(prefix="dcpc-engines-") as cache:
+        env = _child_env(cache)
+        if DEV == "cpu":  # from the fork server
+            from dcpc.harness.launch import launch
+
+            result = launch("test_engines_local:worker", 1, {"ranks": world}, timeout_s=600,
+                            env=env)
+            if result.ok:
+                return result.values()[0]
+            return {"child failed": result.summary() + "".join(
+                o.traceback for o in result.outcomes)[-4000:]}
+        try:
+            proc = subprocess.run([sys.executable, __file__, str(world)],
+                                  capture_output=True, text=True, timeout=600, env=env)
+            stdout, stderr = proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            stdout, stderr = _text(exc.stdout), _text(exc.stderr) + "\n(timed out)"
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+    return (json.loads(lines[-1][len("RESULT "):]) if lines else
+            {"child failed": stdout[-2000:] + stderr[-4000:]})
+
+
 def _results_for(world: int) -> Any:
     if world not in _results:
-        with tempfile.TemporaryDirectory(prefix="dcpc-engines-") as cache:
-            # the interpreter on CPU only: on CUDA it would copy tensors to the host for
-            # every kernel, and peers' stores through the pointer tables never arrive
-            # DCPC_TRAP=0 on CUDA: a timed-out wait is recorded and reported per scenario
-            # (a trap would end the child and every rank's record with it)
-            env = {**os.environ, "TRITON_INTERPRET": "1" if DEV == "cpu" else "0",
-                   "DCPC_TRAP": "1" if DEV == "cpu" else "0",
-                   "OMP_NUM_THREADS": "1", "DCPC_CACHE_DIR": cache,
-                   "DCPC_MAX_NUM_TOKENS": str(WORKSPACE)}
-            for var in ("VLLM_USE_DIRECT_DCP_A2A", "DCPC_VLLM_AG_RS", "DCPC_SGLANG",
-                        "DCPC_KERNEL_MASK",
-                        "VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER",
-                        "DCPC_BACKEND"):
-                env.pop(var, None)
-            try:
-                proc = subprocess.run([sys.executable, __file__, str(world)],
-                                      capture_output=True, text=True, timeout=600, env=env)
-                stdout, stderr = proc.stdout, proc.stderr
-            except subprocess.TimeoutExpired as exc:
-                stdout, stderr = _text(exc.stdout), _text(exc.stderr) + "\n(timed out)"
-        lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
         # kept on failure too: every test of this W reports the same run, which runs once
-        _results[world] = (json.loads(lines[-1][len("RESULT "):]) if lines else
-                           {"child failed": stdout[-2000:] + stderr[-4000:]})
+        _results[world] = _run_child(world)
     got = _results[world]
     assert "child failed" not in got, got.get("child failed")
     return got

@@ -16,7 +16,6 @@ and 3."""
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import pytest
@@ -143,11 +142,17 @@ def worker(rank: int, world: int, cache: str) -> dict[str, Any]:
     return found
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One module cache for this file's launches: the first launch's ranks compile
+    every schedule (side by side, written atomically), the later ones import them."""
+    return str(tmp_path_factory.mktemp("dcpc-engines-"))
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_torch_backend_paths_agree_or_fail_on_every_rank(world):
-    with tempfile.TemporaryDirectory(prefix="dcpc-engines-") as cache:
-        result = launch("test_engines_paths:worker", world, {"cache": cache},
-                        timeout_s=300, gloo_timeout_s=60)
+def test_torch_backend_paths_agree_or_fail_on_every_rank(world, cache):
+    result = launch("test_engines_paths:worker", world, {"cache": cache},
+                    timeout_s=300, gloo_timeout_s=60)
     assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
     found = result.values()
     _assert_diverging_tokens([f["tokens"] for f in found], recover=False)

@@ -7,7 +7,6 @@ rank_in_group). Same scenarios and float64 reference as test_engines_local.py.""
 from __future__ import annotations
 
 import os
-import tempfile
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,12 +41,18 @@ def worker(rank: int, world: int, cache: str, backend: str, cases: list[str]
     return out
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One module cache for this file's launches: the first launch's ranks compile
+    every schedule (side by side, written atomically), the later ones import them."""
+    return str(tmp_path_factory.mktemp("dcpc-engines-"))
+
+
 # host (W interpreted processes spinning on each other) at W = 3 takes a minute: W = 2
 @pytest.mark.parametrize("world, backend", [(2, "torch"), (3, "torch"), (2, "host")])
-def test_adapters_across_processes(world: int, backend: str) -> None:
-    with tempfile.TemporaryDirectory(prefix="dcpc-engines-") as cache:
-        result = launch("test_engines_torch:worker", world,
-                        {"cache": cache, "backend": backend, "cases": CASES}, timeout_s=600)
+def test_adapters_across_processes(world: int, backend: str, cache: str) -> None:
+    result = launch("test_engines_torch:worker", world,
+                    {"cache": cache, "backend": backend, "cases": CASES}, timeout_s=600)
     assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
     for r, per_case in enumerate(result.values()):
         assert sorted(per_case) == sorted(CASES)

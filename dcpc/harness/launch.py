@@ -158,6 +158,7 @@ def launch(
     grace_s: float = 10.0,
     gloo_timeout_s: float = 60.0,
     stall_s: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> LaunchResult:
     """Run ``worker(rank, world, **args)`` in ``world`` spawned processes.
 
@@ -165,7 +166,8 @@ def launch(
     watched: when no rank still running has said anything new for ``stall_s`` seconds,
     they are killed as ``hung``; ranks still progressing at ``timeout_s`` are killed as
     ``timeout`` (a slow run, not a hang: a larger timeout lets it finish). A rank that
-    has said nothing yet is starting, not stalled, for ``STARTUP_S``."""
+    has said nothing yet is starting, not stalled, for ``STARTUP_S``. ``env``: the
+    children's environment (default: the launcher's of the moment)."""
     ctx = _context()
     results = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="dcpc-launch-")
@@ -174,7 +176,7 @@ def launch(
         ctx.Process(
             target=_child_main,
             args=(rank, world, store, worker, args or {}, results, gloo_timeout_s,
-                  dict(os.environ), list(sys.path)),
+                  dict(os.environ if env is None else env), list(sys.path)),
             name=f"dcpc-rank{rank}",
             daemon=True,
         )
