@@ -15,6 +15,11 @@ ordinary later call returned wrong data without an error. What decides the path:
   makes an empty call through it (``T = 0``, see the runners' ``skip``): the epochs
   stay in step, and a peer that ran the kernel with ``T > 0`` fails with a
   ``DcpcContractError`` on both ranks ("T=5 here, T=0 on peer 1") instead of wrong data.
+
+A rank whose arguments fail an adapter's checks still takes part in the call
+(dcpc.engines.combine.refuse): at a first call its settings carry the error (``REFUSED``)
+and every rank raises here, naming that rank and its error; at a later call it fails
+its modules of the group, and each peer's wait on it stops with ``DcpcPeerFailedError``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError
 from dcpc.runtime.local import sync_stream, to_host
 
 _WIDTH = 512  # bytes of one rank's settings (JSON), padded with zeros
+REFUSED = "refused"  # the settings key of a rank that refused its call's arguments
 _agreed: dict[tuple, tuple[Any, tuple]] = {}  # (group id, rank, label) -> (handle, settings)
 _lock = threading.Lock()
 
@@ -56,6 +62,13 @@ def agree(group: Group, label: str, settings: dict[str, Any],
     sync_stream(group.device)  # no blocking copy while this stream may wait on a peer
     rows = to_host(all_gather(row.to(group.device)))
     seen = [json.loads(bytes(r.tolist()).rstrip(b"\0").decode()) for r in rows]
+    refused = [(p, s[REFUSED]) for p, s in enumerate(seen) if REFUSED in s]
+    if refused:  # no agreement kept: the next call agrees again
+        if REFUSED in settings:
+            return  # this rank's caller raises its own error
+        p, why = refused[0]
+        raise DcpcArgumentError(f"{label}: rank {p} refused its arguments of this call "
+                                f"({why}); every rank of the DCP group raises in this call")
     differ = sorted({k for s in seen for k in s if any(t.get(k) != s.get(k) for t in seen)})
     if differ:
         what = "; ".join(f"{k}: " + ", ".join(f"{s.get(k)!r} on rank {p}"
@@ -66,6 +79,15 @@ def agree(group: Group, label: str, settings: dict[str, Any],
             "install(max_num_tokens=))")
     with _lock:
         _agreed[key] = (group.handle, mine)  # the handle kept: its id is not reused
+
+
+def agreed(group: Group, label: str, settings: dict[str, Any]) -> bool:
+    """The ranks agreed on these ``settings`` for ``label`` (the next ``agree`` is a
+    lookup on every rank: no exchange)."""
+    mine = tuple(sorted((k, str(v)) for k, v in settings.items()))
+    with _lock:
+        known = _agreed.get((id(group.handle), group.rank, label))
+    return known is not None and known[1] == mine
 
 
 def forget(handles: set[int] | None = None) -> None:

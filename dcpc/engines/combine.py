@@ -23,13 +23,14 @@ math over torch.distributed, or over the threads of a dcpc LocalGroup).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import torch
 
-from dcpc.engines.agree import agree, explain, forget
+from dcpc.engines.agree import REFUSED, agree, agreed, explain, forget
 from dcpc.engines.call_ids import current_call_id, name_call
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -38,6 +39,7 @@ from dcpc.engines.common import (
     Group,
     log_once,
     module_class,
+    resolve_group,
     switch,
 )
 from dcpc.engines.fallback import Comm, mask_at_source, torch_combine
@@ -247,6 +249,64 @@ def reset(group: Any = None) -> int:
     return len(closing)
 
 
+# ---- a rank that refuses its call's arguments -------------------------------------------
+def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Exception
+           ) -> NoReturn:
+    """This rank's arguments failed the adapter's checks (``err``): make every peer raise
+    in this same call too, then raise ``err``. Where the peers run ``agree(label)`` in
+    this call (a first call, or settings changed), this rank's settings carry the error
+    and every peer raises naming it; else (``label`` None: a path without agreement)
+    this rank fails its modules of the group, and every peer's wait on it in this call
+    stops with ``DcpcPeerFailedError`` (a peer that does not wait on a dcpc module in
+    this call, e.g. with dcpc switched off, is not reached). After it, every rank's
+    calls raise until ``reset()``, as after any error. No cost to calls that pass."""
+    if group.world > 1:
+        if label is not None and not agreed(group, label, settings):
+            why = str(err).encode("ascii", "replace").decode()[:200]
+            agree(group, label, {**settings, REFUSED: f"{type(err).__name__}: {why}"},
+                  Comm(group).all_gather)
+        else:
+            with _runners_lock:
+                mine = [run for run in _runners.values()
+                        if run.group.handle is group.handle and run.group.rank == group.rank]
+            for run in mine:
+                run.module._fail(err)  # flags (or notifies) every peer, as a failed call
+    raise err
+
+
+@contextlib.contextmanager
+def refusing(cp_group: Any, t: Any, label: str | None, settings: Callable[[], dict[str, Any]]
+             ) -> Iterator[None]:
+    """An adapter's argument checks: an argument error raised inside is ``refuse``d on
+    the DCP group ``cp_group`` (what the engine passes, or a Group) of tensor ``t``'s
+    device (``settings()``: what the call's ``agree(label)`` would be given)."""
+    try:
+        yield
+    except (DcpcArgumentError, ValueError) as err:
+        try:
+            group = cp_group if isinstance(cp_group, Group) else resolve_group(
+                cp_group, call_device(t))
+        except DcpcArgumentError:
+            raise err from None
+        refuse(group, label, settings(), err)
+
+
+def call_device(t: Any) -> torch.device:
+    """The device of a call's tensor ``t``; a meta tensor's call runs on this process's
+    device (the group's collectives cannot run on meta)."""
+    device = getattr(t, "device", None)
+    if isinstance(device, torch.device) and device.type != "meta":
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def combine_settings(switch_name: str, max_tokens: int, backend: str) -> dict[str, Any]:
+    """What picks a combine's path, agreed by every rank (dcpc.engines.agree)."""
+    return {switch_name: switch(switch_name), "DCPC_KERNEL_MASK": kernel_mask(),
+            "workspace tokens": max_tokens, "backend": backend}
+
+
 def check_mask_args(seq_lens: Any, query_start_loc: Any) -> bool:
     """Both or neither, 1-D, ``query_start_loc`` one longer than ``seq_lens`` (vLLM's
     checks in mask_dcp_empty_shards_): True when the empty-shard mask applies."""
@@ -285,18 +345,22 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
     result wrapped in EngineResult) or, without one, ``torch_combine``; either fallback
     is logged once per reason. ``seq_lens`` are THIS rank's local KV lengths [B]
     (None: no mask)."""
-    check_tensors(label, out=out, lse=lse)
-    tokens, heads, dv = out.shape
-    if lse.shape != (tokens, heads):
-        raise DcpcArgumentError(f"{label}: LSE has shape {tuple(lse.shape)}, expected "
-                                f"{(tokens, heads)} for an output of shape {tuple(out.shape)}")
-    if heads % group.world:
-        raise DcpcArgumentError(f"{label}: {heads} heads do not split over {group.world} "
-                                "ranks (H % W != 0)")
-    mode = switch(switch_name)
-    agree(group, label, {switch_name: mode, "DCPC_KERNEL_MASK": kernel_mask(),
-                         "workspace tokens": max_tokens, "backend": backend},
-          Comm(group).all_gather)
+    settings = combine_settings(switch_name, max_tokens, backend)
+    with refusing(group, out, label, lambda: settings):  # every rank raises, or none
+        check_tensors(label, out=out, lse=lse)
+        if out.dim() != 3:
+            raise DcpcArgumentError(f"{label}: the output has shape {tuple(out.shape)}, "
+                                    "expected [T, H, D]")
+        tokens, heads, dv = out.shape
+        if lse.shape != (tokens, heads):
+            raise DcpcArgumentError(f"{label}: LSE has shape {tuple(lse.shape)}, expected "
+                                    f"{(tokens, heads)} for an output of shape "
+                                    f"{tuple(out.shape)}")
+        if heads % group.world:
+            raise DcpcArgumentError(f"{label}: {heads} heads do not split over "
+                                    f"{group.world} ranks (H % W != 0)")
+    mode = settings[switch_name]
+    agree(group, label, settings, Comm(group).all_gather)
     why = _unsupported(out, lse)
     kind = "dtype"  # the log key: one warning per kind of reason, not per token count
     if mode == "on" and why:

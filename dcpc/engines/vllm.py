@@ -49,6 +49,8 @@ from dcpc.engines.combine import (
     check_mask_args,
     check_tensors,
     combine_call,
+    combine_settings,
+    refusing,
     reset,
 )
 from dcpc.engines.common import log_once, resolve_group
@@ -164,18 +166,20 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
     output squeezed, W == 1 returns the inputs), then ``combine_call`` (``engine``:
     vLLM's own function as the fallback); the result as vLLM returns it (``out``, or
     ``(out, lse)`` with ``return_lse``)."""
-    check_mask_args(seq_lens, query_start_loc)
-    check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
-    out, lse = _squeeze(cp_attn_out, cp_attn_lse)
+    max_tokens, backend = max_tokens or _free_tokens(), backend or _backend()
+    with refusing(cp_group, cp_attn_out, label,  # every rank raises, or none
+                  lambda: combine_settings(switch_name, max_tokens, backend)):
+        check_mask_args(seq_lens, query_start_loc)
+        check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
+        out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return (out, lse) if return_lse else out
     got = combine_call(
         path, out, lse, group, base2=not is_lse_base_on_e, seq_lens=seq_lens,
-        qsl=query_start_loc, switch_name=switch_name,
-        max_tokens=max_tokens or _free_tokens(), slots=slots, slot=slot,
-        instance=_ubatch() if instance is None else instance,
-        backend=backend or _backend(), label=label, engine=engine)
+        qsl=query_start_loc, switch_name=switch_name, max_tokens=max_tokens, slots=slots,
+        slot=slot, instance=_ubatch() if instance is None else instance, backend=backend,
+        label=label, engine=engine)
     if isinstance(got, EngineResult):
         return got.value
     got, got_lse = got

@@ -1,0 +1,108 @@
+"""One rank's bad argument fails the call on EVERY rank, in that call (issue 22: no
+silent wrong data). It used to raise on that rank only, before any exchange: its peers
+paired their call with its NEXT one and both returned wrong data without an error.
+
+The bad rank still takes part in the call (dcpc.engines.combine.refuse): at a first
+call (``agree`` runs) its settings carry the error and every peer raises naming it; at
+a later call it fails its modules, and every peer's wait on it stops
+(``DcpcPeerFailedError``, peer 1); every call then raises until ``reset()``.
+
+Sequence per rank (rank 1 passes an int LSE in calls 0 and 2): 0 refused everywhere;
+1 correct (float64 reference); 2 refused everywhere; 3 DcpcFailedError; reset; 4
+correct. ``local`` (threads) at W = 2, 3; ``torch`` (gloo processes) at W = 2."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+from dcpc.harness.launch import launch
+from dcpc.runtime.local import LocalGroup
+
+pytestmark = pytest.mark.host
+
+BAD = "lse has dtype torch.int32"  # check_tensors' text for rank 1's argument
+
+
+def _inputs(seed: int, world: int, heads: int) -> tuple[list, list]:
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(4, heads, 16, generator=g).bfloat16() for _ in range(world)]
+    lses = [torch.randn(4, heads, generator=g) * 2 for _ in range(world)]
+    return outs, lses
+
+
+def calls(group: Any, r: int, world: int, fn: str, upto: int = 4) -> list[str]:
+    """Each call's outcome on rank ``r``: 'ok' (matched float64), 'WRONG', or the error.
+    ``fn``: vLLM's dcp_a2a_lse_reduce or its Helix all-to-all (the free functions: their
+    first call on a group agrees on the settings)."""
+    from dcpc.engines import reference as ref
+    from dcpc.engines import vllm as V
+    from dcpc.engines.helix import helix_alltoall_lse_reduce
+
+    seen = []
+    for c in range(upto + 1):
+        if c == 4:
+            V.reset(group)
+        outs, lses = _inputs(10 + c, world, 2 * world)
+        lse = lses[r].int() if r == 1 and c in (0, 2) else lses[r]
+        try:
+            if fn == "helix":
+                got = helix_alltoall_lse_reduce(outs[r], lse, group)
+            else:
+                got = V.dcp_a2a_lse_reduce(outs[r], lse, group)
+        except Exception as err:  # noqa: BLE001 - reported, then asserted on
+            seen.append(f"{type(err).__name__}: {err}")
+            continue
+        want = ref.vllm_combine(outs, lses)[r][0]
+        close = ((got.double() - want).abs() <= 2e-2 + 2e-2 * want.abs()).all()
+        seen.append("ok" if bool(close) else "WRONG")
+    V.reset(group)
+    return seen
+
+
+def _check(found: list[list[str]], upto: int = 4) -> None:
+    for r, seen in enumerate(found):
+        if r == 1:  # its own error, at once
+            assert seen[0].startswith("DcpcArgumentError") and BAD in seen[0], (r, seen)
+            assert seen[2].startswith("DcpcArgumentError") and BAD in seen[2], (r, seen)
+        else:  # in the same call: the agreement names it; later, the failed peer 1
+            assert seen[0].startswith("DcpcArgumentError"), (r, seen)
+            assert "rank 1 refused its arguments" in seen[0] and BAD in seen[0], (r, seen)
+            assert seen[2].startswith("DcpcPeerFailedError") and "peer 1" in seen[2], (r, seen)
+        assert seen[1] == "ok", (r, seen)
+        if upto >= 3:
+            assert seen[3].startswith("DcpcFailedError"), (r, seen)
+        if upto >= 4:
+            assert seen[4] == "ok", (r, seen)
+
+
+@pytest.mark.parametrize(("world", "fn"), [(2, "helix"), (3, "vllm")])
+def test_local_bad_argument_on_one_rank_fails_every_rank(world, fn, tmp_path, monkeypatch):
+    monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DCPC_MAX_NUM_TOKENS", "8")
+    found = LocalGroup(world, "cpu", timeout_s=120).run(
+        lambda rank: calls(rank, rank.rank, world, fn), timeout_s=120)
+    _check(found)
+
+
+def worker(rank: int, world: int, cache: str) -> list[str]:
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    os.environ["DCPC_CACHE_DIR"] = cache
+    os.environ["DCPC_MAX_NUM_TOKENS"] = "8"
+    return calls(dist.group.WORLD, rank, world, "vllm", upto=2)  # gloo: no reuse after
+
+
+def test_torch_bad_argument_on_one_rank_fails_every_rank():
+    with tempfile.TemporaryDirectory(prefix="dcpc-bad-rank-") as cache:
+        result = launch("test_engines_bad_rank:worker", 2, {"cache": cache},
+                        timeout_s=300, gloo_timeout_s=60)
+    assert result.ok, result.summary()
+    _check([o.value for o in result.outcomes], upto=2)
