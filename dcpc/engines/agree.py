@@ -18,8 +18,8 @@ ordinary later call returned wrong data without an error. What decides the path:
 
 A rank whose arguments fail an adapter's checks still takes part in the call
 (dcpc.engines.combine.refuse): at a first call its settings carry the error (``REFUSED``)
-and every rank raises here, naming that rank and its error; at a later call it fails
-its modules of the group, and each peer's wait on it stops with ``DcpcPeerFailedError``.
+and every rank raises here, naming that rank and its error; at a later call it makes
+the empty call, and a peer that ran the kernel raises the contract error below.
 """
 
 from __future__ import annotations
@@ -106,4 +106,5 @@ def explain(err: DcpcContractError) -> DcpcContractError:
     return DcpcContractError(
         err.step, f"{err}. T=0 is the empty call of a rank that took the fallback path "
         "(its call did not fit the module's workspace) while the other ran the dcpc kernel: "
-        "every rank must pass the same token count", err.peer)
+        "every rank must pass the same token count; or of a rank that refused its "
+        "arguments (a DcpcArgumentError there names them)", err.peer)

@@ -43,7 +43,7 @@ from dcpc.engines.common import (
     switch,
 )
 from dcpc.engines.fallback import Comm, mask_at_source, torch_combine
-from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError
+from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError, DcpcError
 from dcpc.runtime.validate import axis_strides
 
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -134,6 +134,8 @@ class CombineRunner:
                  if s.out_dtype == "fp8e4m3" else None)
         self.run(o, lse, lens, qsl, slot, scale)
 
+    mark = skip  # refuse's empty call
+
     def _run(self, o: torch.Tensor, lse: torch.Tensor, lens: torch.Tensor | None,
              qsl: torch.Tensor | None, slot: int, scale: torch.Tensor | None,
              cid: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -183,6 +185,7 @@ class GatherRunner:
         self.spec, self.group = spec, group
         self.cls = module_class(spec, group.world)
         sizes = {"H": heads} if spec.kind == "q" else {}
+        self.heads = heads
         self.module = self.cls(group.handle, sizes=sizes, device=group.device, backend=backend)
         self.pending = [False] * spec.slots
         self.handed = HandedOut(spec.slots)
@@ -205,6 +208,12 @@ class GatherRunner:
         """This rank takes the fallback for ``rows``: an empty call (T = 0), as
         CombineRunner.skip."""
         self.run(rows[:0], slot)
+
+    def mark(self, slot: int = 0) -> None:
+        """refuse's empty call (query gathers: [0, H/W, D])."""
+        s, w = self.spec, self.group.world
+        self.run(torch.zeros(0, (self.heads or w) // w, s.d, dtype=TORCH_DTYPES[s.dtype],
+                             device=self.group.device), slot)
 
 
 _runners: dict[tuple, Any] = {}
@@ -250,22 +259,30 @@ def reset(group: Any = None) -> int:
 
 
 # ---- a rank that refuses its call's arguments -------------------------------------------
-def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Exception
-           ) -> NoReturn:
+def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Exception,
+           slot: int | None = None, fail: bool = False) -> NoReturn:
     """This rank's arguments failed the adapter's checks (``err``): make every peer raise
     in this same call too, then raise ``err``. Where the peers run ``agree(label)`` in
     this call (a first call, or settings changed), this rank's settings carry the error
-    and every peer raises naming it; else (``label`` None: a path without agreement)
-    this rank fails its modules of the group, and every peer's wait on it in this call
-    stops with ``DcpcPeerFailedError`` (a peer that does not wait on a dcpc module in
-    this call, e.g. with dcpc switched off, is not reached). After it, every rank's
-    calls raise until ``reset()``, as after any error. No cost to calls that pass."""
+    and every peer raises naming it. Else this rank makes an empty call (T = 0) through
+    ``label``'s last module: a peer that ran the kernel raises a ``DcpcContractError``
+    (T=0 on this rank), peers that refused too make the same empty call (no error
+    there: their modules stay usable). ``fail`` (the KV gathers: no empty call there):
+    this rank fails its modules of the group instead; every peer's wait on it stops
+    with ``DcpcPeerFailedError``. Not reached: a peer that waits on no dcpc module in
+    this call (dcpc switched off). No cost to calls that pass."""
     if group.world > 1:
+        last = _last.get((id(group.handle), group.rank, label))
         if label is not None and not agreed(group, label, settings):
             why = str(err).encode("ascii", "replace").decode()[:200]
             agree(group, label, {**settings, REFUSED: f"{type(err).__name__}: {why}"},
                   Comm(group).all_gather)
-        else:
+        elif last is not None and last[0] is group.handle:
+            try:  # the empty call: a peer that ran the kernel raises a contract error
+                last[1].mark(last[2] if slot is None else slot)
+            except DcpcError:
+                pass  # this rank raises its own error
+        elif fail:
             with _runners_lock:
                 mine = [run for run in _runners.values()
                         if run.group.handle is group.handle and run.group.rank == group.rank]
@@ -274,9 +291,18 @@ def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Excep
     raise err
 
 
+# (group handle id, rank, label) -> (group handle, its last runner, slot): refuse's empty call
+_last: dict[tuple, tuple[Any, Any, int]] = {}
+
+
+def used(group: Group, label: str, run: Any, slot: int) -> None:
+    """Remember ``run`` as ``label``'s module on this rank of ``group`` (for refuse)."""
+    _last[(id(group.handle), group.rank, label)] = (group.handle, run, slot)
+
+
 @contextlib.contextmanager
-def refusing(cp_group: Any, t: Any, label: str | None, settings: Callable[[], dict[str, Any]]
-             ) -> Iterator[None]:
+def refusing(cp_group: Any, t: Any, label: str | None, settings: Callable[[], dict[str, Any]],
+             slot: int | None = None, fail: bool = False) -> Iterator[None]:
     """An adapter's argument checks: an argument error raised inside is ``refuse``d on
     the DCP group ``cp_group`` (what the engine passes, or a Group) of tensor ``t``'s
     device (``settings()``: what the call's ``agree(label)`` would be given)."""
@@ -288,7 +314,7 @@ def refusing(cp_group: Any, t: Any, label: str | None, settings: Callable[[], di
                 cp_group, call_device(t))
         except DcpcArgumentError:
             raise err from None
-        refuse(group, label, settings(), err)
+        refuse(group, label, settings(), err, slot, fail)
 
 
 def call_device(t: Any) -> torch.device:
@@ -372,6 +398,7 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
                            lse_base="2" if base2 else "e", max_tokens=max_tokens,
                            max_reqs=max_tokens, slots=slots, mask=in_kernel)
         r = runner(CombineRunner, spec, group, heads, backend, instance)
+        used(group, label, r, slot)
         reqs = None if seq_lens is None or not in_kernel else seq_lens.shape[0]
         if r.fits(tokens, reqs):
             if seq_lens is not None and not in_kernel:  # vLLM's mask, out of place

@@ -32,6 +32,7 @@ from dcpc.engines.combine import (
     refusing,
     reset,
     runner,
+    used,
 )
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -144,6 +145,7 @@ def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
     if mode != "off" and not why:
         spec = GatherSpec("q", d, DTYPE_NAMES[combined.dtype], _tokens())
         r = runner(GatherRunner, spec, group, local_heads * group.world, _backend())
+        used(group, "all_gather_q_for_mla_decode", r, 0)
         if r.fits(tokens):
             return r.run(combined)
         r.skip(combined)  # every rank falls back, or every rank fails

@@ -168,7 +168,7 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
     ``(out, lse)`` with ``return_lse``)."""
     max_tokens, backend = max_tokens or _free_tokens(), backend or _backend()
     with refusing(cp_group, cp_attn_out, label,  # every rank raises, or none
-                  lambda: combine_settings(switch_name, max_tokens, backend)):
+                  lambda: combine_settings(switch_name, max_tokens, backend), slot):
         check_mask_args(seq_lens, query_start_loc)
         check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
         out, lse = _squeeze(cp_attn_out, cp_attn_lse)

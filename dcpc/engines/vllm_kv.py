@@ -150,7 +150,7 @@ class MLADCPKVGather:
             raise RuntimeError("direct DCP KV gather is not enabled")
         token_dim, split, dtype = self._layout
         # a rank whose arguments are refused fails its modules: its peers' waits stop
-        with refusing(self.dcp, local_kv, None, dict):
+        with refusing(self.dcp, local_kv, None, dict, fail=True):
             ub = _ubatch()
             if not 0 <= ub < self.num_ubatches:
                 raise ValueError(f"DCP kv-gather ubatch {ub} exceeds {self.num_ubatches} slots")

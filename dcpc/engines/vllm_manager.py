@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dcpc.engines.agree import agree
-from dcpc.engines.combine import GatherRunner, check_tensors, refusing, runner
+from dcpc.engines.combine import GatherRunner, check_tensors, refusing, runner, used
 from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm
 from dcpc.engines.vllm import (
@@ -144,10 +144,12 @@ class MLADCPManager:
         set (a copy then: vLLM's reserve_query_head_storage)."""
         slot = (_ubatch() if slot is None else slot) % self.num_ubatches
         with refusing(self.dcp, query, "MLADCPManager.query_gather",  # every rank raises
-                      lambda: self._settings(Q_GATHER_SWITCH, self.max_num_tokens)):
+                      lambda: self._settings(Q_GATHER_SWITCH, self.max_num_tokens), slot):
             check_tensors("MLADCPManager.query_gather", query=query)
         self._agree("query_gather", Q_GATHER_SWITCH, self.max_num_tokens)
         r = self._q_runner()
+        if r is not None:
+            used(self.dcp, "MLADCPManager.query_gather", r, slot)
         if r is not None and r.fits(query.shape[0]):
             full = r.run(query, slot)
         else:
@@ -218,7 +220,8 @@ class MLADCPManager:
         microbatch (default: vLLM's current ubatch id)."""
         label = "MLADCPManager.kv_gather" if self._kv is not None else None
         with refusing(self.dcp, local_kv, label,  # every rank raises, or none
-                      lambda: self._settings(KV_GATHER_SWITCH, self._kv[1])):  # type: ignore[index]
+                      lambda: self._settings(KV_GATHER_SWITCH, self._kv[1]),  # type: ignore[index]
+                      fail=True):
             check_tensors("MLADCPManager.kv_gather", gathered_kv=gathered_kv, local_kv=local_kv)
         if self._kv is not None:
             self._agree("kv_gather", KV_GATHER_SWITCH, self._kv[1])
