@@ -11,7 +11,7 @@ adapters' existing scenarios, tests/test_engines_local.py).
 
 Sequence per rank (rank 1 passes an int LSE in calls 0 and 2): 0 refused everywhere;
 1 correct (float64 reference); 2 refused everywhere; 3 DcpcFailedError; reset; 4
-correct. ``local`` (threads) at W = 2, 3; ``torch`` (gloo processes) at W = 2."""
+correct. ``local`` (threads) at W = 2, 3; ``torch`` and ``host`` (processes) at W = 2."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_local_bad_argument_on_one_rank_fails_every_rank(world, fn, tmp_path, mo
     _check(found)
 
 
-def worker(rank: int, world: int, cache: str) -> list[str]:
+def worker(rank: int, world: int, cache: str, backend: str) -> list[str]:
     import warnings
 
     import torch.distributed as dist
@@ -104,12 +104,14 @@ def worker(rank: int, world: int, cache: str) -> list[str]:
     warnings.filterwarnings("ignore")
     os.environ["DCPC_CACHE_DIR"] = cache
     os.environ["DCPC_MAX_NUM_TOKENS"] = "8"
+    os.environ["DCPC_BACKEND"] = backend
     return calls(dist.group.WORLD, rank, world, "vllm", upto=2)  # gloo: no reuse after
 
 
-def test_torch_bad_argument_on_one_rank_fails_every_rank():
+@pytest.mark.parametrize("backend", ["torch", "host"])
+def test_processes_bad_argument_on_one_rank_fails_every_rank(backend):
     with tempfile.TemporaryDirectory(prefix="dcpc-bad-rank-") as cache:
-        result = launch("test_engines_bad_rank:worker", 2, {"cache": cache},
+        result = launch("test_engines_bad_rank:worker", 2, {"cache": cache, "backend": backend},
                         timeout_s=300, gloo_timeout_s=60)
     assert result.ok, result.summary()
     _check([o.value for o in result.outcomes], upto=2)
