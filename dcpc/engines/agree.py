@@ -24,15 +24,17 @@ the empty call, and a peer that ran the kernel raises the contract error below.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import torch
 
-from dcpc.engines.common import Group
-from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError
+from dcpc.engines.common import Group, resolve_group
+from dcpc.engines.fallback import Comm
+from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError, DcpcError
 from dcpc.runtime.local import sync_stream, to_host
 
 _WIDTH = 512  # bytes of one rank's settings (JSON), padded with zeros
@@ -91,11 +93,86 @@ def agreed(group: Group, label: str, settings: dict[str, Any]) -> bool:
 
 
 def forget(handles: set[int] | None = None) -> None:
-    """Drop the agreements of the group handles with these ids (all: None), for
-    dcpc.engines.combine.reset: the next call of each function agrees again."""
+    """Drop the agreements of the group handles with these ids (all: None), and refuse's
+    record of their modules, for dcpc.engines.combine.reset: the next call of each
+    function agrees again."""
     with _lock:
         for key in [k for k in _agreed if handles is None or k[0] in handles]:
             del _agreed[key]
+        for key in [k for k in _last if handles is None or k[0] in handles]:
+            del _last[key]
+
+
+# ---- a rank that refuses its call's arguments -------------------------------------------
+def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Exception,
+           slot: int | None = None, fail: bool = False, instance: int = 0) -> NoReturn:
+    """This rank's arguments failed the adapter's checks (``err``): make every peer raise
+    in this same call too, then raise ``err``. Where the peers run ``agree(label)`` in
+    this call (a first call, or settings changed), this rank's settings carry the error
+    and every peer raises naming it. Else this rank makes an empty call (T = 0) through
+    ``label``'s last module: a peer that ran the kernel raises a ``DcpcContractError``
+    (T=0 on this rank), peers that refused too make the same empty call (no error
+    there: their modules stay usable). ``fail`` (the KV gathers: no empty call there):
+    this rank fails its modules of the group instead; every peer's wait on it stops
+    with ``DcpcPeerFailedError``. Not reached: a peer that waits on no dcpc module in
+    this call (dcpc switched off). No cost to calls that pass."""
+    if group.world > 1:
+        last = _last.get((id(group.handle), group.rank, label, instance))
+        if label is not None and not agreed(group, label, settings):
+            why = str(err).encode("ascii", "replace").decode()[:200]
+            agree(group, label, {**settings, REFUSED: f"{type(err).__name__}: {why}"},
+                  Comm(group).all_gather)
+        elif last is not None and last[0] is group.handle:
+            try:  # the empty call: a peer that ran the kernel raises a contract error
+                last[1].mark(last[2] if slot is None else slot)
+            except DcpcError:
+                pass  # this rank raises its own error
+        elif fail:
+            from dcpc.engines import combine  # the runners (combine imports this module)
+
+            with combine._runners_lock:
+                mine = [run for run in combine._runners.values()
+                        if run.group.handle is group.handle and run.group.rank == group.rank]
+            for run in mine:
+                run.module._fail(err)  # flags (or notifies) every peer, as a failed call
+    raise err
+
+
+# (group handle id, rank, label, instance) -> (group handle, its last runner, slot): the
+# module of refuse's empty call
+_last: dict[tuple, tuple[Any, Any, int]] = {}
+
+
+def used(group: Group, label: str, run: Any, slot: int, instance: int = 0) -> None:
+    """Remember ``run`` as ``label``'s module on this rank of ``group`` (for refuse)."""
+    _last[(id(group.handle), group.rank, label, instance)] = (group.handle, run, slot)
+
+
+@contextlib.contextmanager
+def refusing(cp_group: Any, t: Any, label: str | None, settings: Callable[[], dict[str, Any]],
+             slot: int | None = None, fail: bool = False, instance: int = 0) -> Iterator[None]:
+    """An adapter's argument checks: an argument error raised inside is ``refuse``d on
+    the DCP group ``cp_group`` (what the engine passes, or a Group) of tensor ``t``'s
+    device (``settings()``: what the call's ``agree(label)`` would be given)."""
+    try:
+        yield
+    except (DcpcArgumentError, ValueError) as err:
+        try:
+            group = cp_group if isinstance(cp_group, Group) else resolve_group(
+                cp_group, call_device(t))
+        except DcpcArgumentError:
+            raise err from None
+        refuse(group, label, settings(), err, slot, fail, instance)
+
+
+def call_device(t: Any) -> torch.device:
+    """The device of a call's tensor ``t``; a meta tensor's call runs on this process's
+    device (the group's collectives cannot run on meta)."""
+    device = getattr(t, "device", None)
+    if isinstance(device, torch.device) and device.type != "meta":
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
 
 
 def explain(err: DcpcContractError) -> DcpcContractError:

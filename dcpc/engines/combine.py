@@ -23,14 +23,13 @@ math over torch.distributed, or over the threads of a dcpc LocalGroup).
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from dcpc.engines.agree import REFUSED, agree, agreed, explain, forget
+from dcpc.engines.agree import agree, explain, forget, refusing, used
 from dcpc.engines.call_ids import current_call_id, name_call
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -39,11 +38,10 @@ from dcpc.engines.common import (
     Group,
     log_once,
     module_class,
-    resolve_group,
     switch,
 )
 from dcpc.engines.fallback import Comm, mask_at_source, torch_combine
-from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError, DcpcError
+from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError
 from dcpc.runtime.validate import axis_strides
 
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -258,75 +256,6 @@ def reset(group: Any = None) -> int:
     return len(closing)
 
 
-# ---- a rank that refuses its call's arguments -------------------------------------------
-def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Exception,
-           slot: int | None = None, fail: bool = False) -> NoReturn:
-    """This rank's arguments failed the adapter's checks (``err``): make every peer raise
-    in this same call too, then raise ``err``. Where the peers run ``agree(label)`` in
-    this call (a first call, or settings changed), this rank's settings carry the error
-    and every peer raises naming it. Else this rank makes an empty call (T = 0) through
-    ``label``'s last module: a peer that ran the kernel raises a ``DcpcContractError``
-    (T=0 on this rank), peers that refused too make the same empty call (no error
-    there: their modules stay usable). ``fail`` (the KV gathers: no empty call there):
-    this rank fails its modules of the group instead; every peer's wait on it stops
-    with ``DcpcPeerFailedError``. Not reached: a peer that waits on no dcpc module in
-    this call (dcpc switched off). No cost to calls that pass."""
-    if group.world > 1:
-        last = _last.get((id(group.handle), group.rank, label))
-        if label is not None and not agreed(group, label, settings):
-            why = str(err).encode("ascii", "replace").decode()[:200]
-            agree(group, label, {**settings, REFUSED: f"{type(err).__name__}: {why}"},
-                  Comm(group).all_gather)
-        elif last is not None and last[0] is group.handle:
-            try:  # the empty call: a peer that ran the kernel raises a contract error
-                last[1].mark(last[2] if slot is None else slot)
-            except DcpcError:
-                pass  # this rank raises its own error
-        elif fail:
-            with _runners_lock:
-                mine = [run for run in _runners.values()
-                        if run.group.handle is group.handle and run.group.rank == group.rank]
-            for run in mine:
-                run.module._fail(err)  # flags (or notifies) every peer, as a failed call
-    raise err
-
-
-# (group handle id, rank, label) -> (group handle, its last runner, slot): refuse's empty call
-_last: dict[tuple, tuple[Any, Any, int]] = {}
-
-
-def used(group: Group, label: str, run: Any, slot: int) -> None:
-    """Remember ``run`` as ``label``'s module on this rank of ``group`` (for refuse)."""
-    _last[(id(group.handle), group.rank, label)] = (group.handle, run, slot)
-
-
-@contextlib.contextmanager
-def refusing(cp_group: Any, t: Any, label: str | None, settings: Callable[[], dict[str, Any]],
-             slot: int | None = None, fail: bool = False) -> Iterator[None]:
-    """An adapter's argument checks: an argument error raised inside is ``refuse``d on
-    the DCP group ``cp_group`` (what the engine passes, or a Group) of tensor ``t``'s
-    device (``settings()``: what the call's ``agree(label)`` would be given)."""
-    try:
-        yield
-    except (DcpcArgumentError, ValueError) as err:
-        try:
-            group = cp_group if isinstance(cp_group, Group) else resolve_group(
-                cp_group, call_device(t))
-        except DcpcArgumentError:
-            raise err from None
-        refuse(group, label, settings(), err, slot, fail)
-
-
-def call_device(t: Any) -> torch.device:
-    """The device of a call's tensor ``t``; a meta tensor's call runs on this process's
-    device (the group's collectives cannot run on meta)."""
-    device = getattr(t, "device", None)
-    if isinstance(device, torch.device) and device.type != "meta":
-        return device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-
-
 def combine_settings(switch_name: str, max_tokens: int, backend: str) -> dict[str, Any]:
     """What picks a combine's path, agreed by every rank (dcpc.engines.agree)."""
     return {switch_name: switch(switch_name), "DCPC_KERNEL_MASK": kernel_mask(),
@@ -398,7 +327,7 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
                            lse_base="2" if base2 else "e", max_tokens=max_tokens,
                            max_reqs=max_tokens, slots=slots, mask=in_kernel)
         r = runner(CombineRunner, spec, group, heads, backend, instance)
-        used(group, label, r, slot)
+        used(group, label, r, slot, instance)
         reqs = None if seq_lens is None or not in_kernel else seq_lens.shape[0]
         if r.fits(tokens, reqs):
             if seq_lens is not None and not in_kernel:  # vLLM's mask, out of place

@@ -167,8 +167,10 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
     vLLM's own function as the fallback); the result as vLLM returns it (``out``, or
     ``(out, lse)`` with ``return_lse``)."""
     max_tokens, backend = max_tokens or _free_tokens(), backend or _backend()
+    instance = _ubatch() if instance is None else instance
     with refusing(cp_group, cp_attn_out, label,  # every rank raises, or none
-                  lambda: combine_settings(switch_name, max_tokens, backend), slot):
+                  lambda: combine_settings(switch_name, max_tokens, backend), slot,
+                  instance=instance):
         check_mask_args(seq_lens, query_start_loc)
         check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
         out, lse = _squeeze(cp_attn_out, cp_attn_lse)
@@ -178,7 +180,7 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
     got = combine_call(
         path, out, lse, group, base2=not is_lse_base_on_e, seq_lens=seq_lens,
         qsl=query_start_loc, switch_name=switch_name, max_tokens=max_tokens, slots=slots,
-        slot=slot, instance=_ubatch() if instance is None else instance, backend=backend,
+        slot=slot, instance=instance, backend=backend,
         label=label, engine=engine)
     if isinstance(got, EngineResult):
         return got.value
