@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from dcpc.engines import capture
-from dcpc.engines.agree import agree, explain, forget
+from dcpc.engines.agree import agree, explain, forget, refusing, used
 from dcpc.engines.call_ids import current_call_id, name_call
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -133,6 +133,8 @@ class CombineRunner:
                  if s.out_dtype == "fp8e4m3" else None)
         self.run(o, lse, lens, qsl, slot, scale)
 
+    mark = skip  # refuse's empty call
+
     def _run(self, o: torch.Tensor, lse: torch.Tensor, lens: torch.Tensor | None,
              qsl: torch.Tensor | None, slot: int, scale: torch.Tensor | None,
              cid: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -182,6 +184,7 @@ class GatherRunner:
         self.spec, self.group = spec, group
         self.cls = module_class(spec, group.world)
         sizes = {"H": heads} if spec.kind == "q" else {}
+        self.heads = heads
         self.module = self.cls(group.handle, sizes=sizes, device=group.device, backend=backend)
         self.pending = [False] * spec.slots
         self.handed = HandedOut(spec.slots)
@@ -204,6 +207,12 @@ class GatherRunner:
         """This rank takes the fallback for ``rows``: an empty call (T = 0), as
         CombineRunner.skip."""
         self.run(rows[:0], slot)
+
+    def mark(self, slot: int = 0) -> None:
+        """refuse's empty call (query gathers: [0, H/W, D])."""
+        s, w = self.spec, self.group.world
+        self.run(torch.zeros(0, (self.heads or w) // w, s.d, dtype=TORCH_DTYPES[s.dtype],
+                             device=self.group.device), slot)
 
 
 _runners: dict[tuple, Any] = {}
@@ -249,6 +258,12 @@ def reset(group: Any = None) -> int:
     return len(closing)
 
 
+def combine_settings(switch_name: str, max_tokens: int, backend: str) -> dict[str, Any]:
+    """What picks a combine's path, agreed by every rank (dcpc.engines.agree)."""
+    return {switch_name: switch(switch_name), "DCPC_KERNEL_MASK": kernel_mask(),
+            "workspace tokens": max_tokens, "backend": backend}
+
+
 def check_mask_args(seq_lens: Any, query_start_loc: Any) -> bool:
     """Both or neither, 1-D, ``query_start_loc`` one longer than ``seq_lens`` (vLLM's
     checks in mask_dcp_empty_shards_): True when the empty-shard mask applies."""
@@ -287,18 +302,22 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
     result wrapped in EngineResult) or, without one, ``torch_combine``; either fallback
     is logged once per reason. ``seq_lens`` are THIS rank's local KV lengths [B]
     (None: no mask)."""
-    check_tensors(label, out=out, lse=lse)
-    tokens, heads, dv = out.shape
-    if lse.shape != (tokens, heads):
-        raise DcpcArgumentError(f"{label}: LSE has shape {tuple(lse.shape)}, expected "
-                                f"{(tokens, heads)} for an output of shape {tuple(out.shape)}")
-    if heads % group.world:
-        raise DcpcArgumentError(f"{label}: {heads} heads do not split over {group.world} "
-                                "ranks (H % W != 0)")
-    mode = switch(switch_name)
-    agree(group, label, {switch_name: mode, "DCPC_KERNEL_MASK": kernel_mask(),
-                         "workspace tokens": max_tokens, "backend": backend},
-          Comm(group).all_gather)
+    settings = combine_settings(switch_name, max_tokens, backend)
+    with refusing(group, out, label, lambda: settings):  # every rank raises, or none
+        check_tensors(label, out=out, lse=lse)
+        if out.dim() != 3:
+            raise DcpcArgumentError(f"{label}: the output has shape {tuple(out.shape)}, "
+                                    "expected [T, H, D]")
+        tokens, heads, dv = out.shape
+        if lse.shape != (tokens, heads):
+            raise DcpcArgumentError(f"{label}: LSE has shape {tuple(lse.shape)}, expected "
+                                    f"{(tokens, heads)} for an output of shape "
+                                    f"{tuple(out.shape)}")
+        if heads % group.world:
+            raise DcpcArgumentError(f"{label}: {heads} heads do not split over "
+                                    f"{group.world} ranks (H % W != 0)")
+    mode = settings[switch_name]
+    agree(group, label, settings, Comm(group).all_gather)
     why = _unsupported(out, lse)
     kind = "dtype"  # the log key: one warning per kind of reason, not per token count
     if mode == "on" and why:
@@ -310,6 +329,7 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
                            lse_base="2" if base2 else "e", max_tokens=max_tokens,
                            max_reqs=max_tokens, slots=slots, mask=in_kernel)
         r = runner(CombineRunner, spec, group, heads, backend, instance)
+        used(group, label, r, slot, instance)
         reqs = None if seq_lens is None or not in_kernel else seq_lens.shape[0]
         if r.fits(tokens, reqs):
             if seq_lens is not None and not in_kernel:  # vLLM's mask, out of place

@@ -25,7 +25,16 @@ import torch
 from dcpc.engines import capture
 from dcpc.engines.agree import agree
 from dcpc.engines.call_ids import begin_forward, enter_layer
-from dcpc.engines.combine import GatherRunner, check_tensors, combine_call, reset, runner
+from dcpc.engines.combine import (
+    GatherRunner,
+    check_tensors,
+    combine_call,
+    combine_settings,
+    refusing,
+    reset,
+    runner,
+    used,
+)
 from dcpc.engines.common import (
     DTYPE_NAMES,
     GatherSpec,
@@ -98,7 +107,8 @@ def _combine(path: str, out: torch.Tensor, lse: torch.Tensor, cp_group: Any, bas
     """One combine without SGLang's mask arguments: ``out`` itself on a group of one,
     else [B, H/W, D] of this rank's heads. ``again(out, lse)``: the public function,
     for the capture warm-up."""
-    check_tensors(label, out=out, lse=lse)
+    with refusing(cp_group, out, label, lambda: combine_settings(SWITCH, _tokens(), _backend())):
+        check_tensors(label, out=out, lse=lse)  # every rank raises, or none
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return out
@@ -120,9 +130,11 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
     dcpc path."""
     if resolve_group(cp_group, cp_attn_out.device).world == 1:
         return cp_attn_out
-    if cp_attn_lse.dtype != torch.float32:
-        raise DcpcArgumentError(f"dcp_a2a_lse_reduce: the LSE must be float32, got "
-                                f"{cp_attn_lse.dtype}")
+    with refusing(cp_group, cp_attn_out, "dcp_a2a_lse_reduce",
+                  lambda: combine_settings(SWITCH, _tokens(), _backend())):
+        if cp_attn_lse.dtype != torch.float32:  # every rank raises, or none
+            raise DcpcArgumentError(f"dcp_a2a_lse_reduce: the LSE must be float32, got "
+                                    f"{cp_attn_lse.dtype}")
     return _combine("fused", cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e,
                     "dcp_a2a_lse_reduce", lambda o, lse: dcp_a2a_lse_reduce(
                         o, lse, cp_group, is_lse_base_on_e, cuda_graph_buffers, comm_backend))
@@ -144,13 +156,16 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
     """SGLang's all_gather_q_for_mla_decode: (q_nope [B, H/W, Dn], q_pe [B, H/W, Dpe])
     of this rank's heads -> ([B, H, Dn], [B, H, Dpe]) of all heads, rank order: views
     of one gathered [B, H, Dpe + Dn] buffer (SGLang's are transposed views too)."""
-    check_tensors("all_gather_q_for_mla_decode", q_nope=q_nope_out, q_pe=q_pe)
     given = group
-    group = resolve_group(_dcp_group() if group is None else group, q_pe.device)
-    if q_nope_out.shape[:2] != q_pe.shape[:2] or q_nope_out.dtype != q_pe.dtype:
-        raise DcpcArgumentError(f"all_gather_q_for_mla_decode: q_nope {tuple(q_nope_out.shape)} "
-                                f"{q_nope_out.dtype} and q_pe {tuple(q_pe.shape)} {q_pe.dtype} "
-                                "must agree in tokens, heads and dtype")
+    cp_group = _dcp_group() if group is None else group
+    with refusing(cp_group, q_pe, "all_gather_q_for_mla_decode", _gather_settings):
+        check_tensors("all_gather_q_for_mla_decode", q_nope=q_nope_out, q_pe=q_pe)
+        if q_nope_out.shape[:2] != q_pe.shape[:2] or q_nope_out.dtype != q_pe.dtype:
+            raise DcpcArgumentError(
+                f"all_gather_q_for_mla_decode: q_nope {tuple(q_nope_out.shape)} "
+                f"{q_nope_out.dtype} and q_pe {tuple(q_pe.shape)} {q_pe.dtype} must agree "
+                "in tokens, heads and dtype")  # every rank raises, or none
+    group = resolve_group(cp_group, q_pe.device)
     if group.world == 1:
         return q_nope_out, q_pe
     _warm((q_nope_out, q_pe), None, group, "all_gather_q_for_mla_decode",
@@ -162,17 +177,22 @@ def all_gather_q_for_mla_decode(q_nope_out: torch.Tensor, q_pe: torch.Tensor,
     return full[..., dpe:], full[..., :dpe]
 
 
+def _gather_settings() -> dict[str, Any]:
+    return {SWITCH: switch(SWITCH), "workspace tokens": _tokens(), "backend": _backend()}
+
+
 def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
     tokens, local_heads, d = combined.shape
-    mode = switch(SWITCH)
-    agree(group, "all_gather_q_for_mla_decode", {SWITCH: mode, "workspace tokens": _tokens(),
-                                                  "backend": _backend()}, Comm(group).all_gather)
+    settings = _gather_settings()
+    mode = settings[SWITCH]
+    agree(group, "all_gather_q_for_mla_decode", settings, Comm(group).all_gather)
     why = "" if combined.dtype in DTYPE_NAMES else f"dtype {combined.dtype}"
     if mode == "on" and why:
         raise DcpcArgumentError(f"all_gather_q_for_mla_decode: {SWITCH}=1 but {why}")
     if mode != "off" and not why:
         spec = GatherSpec("q", d, DTYPE_NAMES[combined.dtype], _tokens())
         r = runner(GatherRunner, spec, group, local_heads * group.world, _backend())
+        used(group, "all_gather_q_for_mla_decode", r, 0)
         if r.fits(tokens):
             return r.run(combined)
         r.skip(combined)  # every rank falls back, or every rank fails

@@ -50,6 +50,8 @@ from dcpc.engines.combine import (
     check_mask_args,
     check_tensors,
     combine_call,
+    combine_settings,
+    refusing,
     reset,
 )
 from dcpc.engines.common import log_once, resolve_group, switch
@@ -167,14 +169,17 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
     ``(out, lse)`` with ``return_lse``). ``again(out, lse, seq_lens, qsl)``: the public
     function with the caller's other arguments, for the capture warm-up of a family's
     first call (dcpc.engines.capture)."""
-    check_mask_args(seq_lens, query_start_loc)
-    check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
-    out, lse = _squeeze(cp_attn_out, cp_attn_lse)
+    tokens, backend = max_tokens or _free_tokens(), backend or _backend()
+    instance = _ubatch() if instance is None else instance
+    with refusing(cp_group, cp_attn_out, label,  # every rank raises, or none
+                  lambda: combine_settings(switch_name, tokens, backend), slot,
+                  instance=instance):
+        check_mask_args(seq_lens, query_start_loc)
+        check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
+        out, lse = _squeeze(cp_attn_out, cp_attn_lse)
     group = resolve_group(cp_group, out.device)
     if group.world == 1:
         return (out, lse) if return_lse else out
-    tokens, backend = max_tokens or _free_tokens(), backend or _backend()
-    instance = _ubatch() if instance is None else instance
     if again is not None:
         rest = (label, id(group.handle), group.rank, seq_lens is None, return_lse,
                 is_lse_base_on_e, slot, instance, backend, tokens)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from dcpc.engines.combine import refusing
 from dcpc.engines.common import DTYPE_NAMES, log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm
 from dcpc.engines.vllm import KV_GATHER_SWITCH, _ubatch
@@ -148,21 +149,23 @@ class MLADCPKVGather:
         if self._layout is None or self._planes is None or self._kv is None:
             raise RuntimeError("direct DCP KV gather is not enabled")
         token_dim, split, dtype = self._layout
-        ub = _ubatch()
-        if not 0 <= ub < self.num_ubatches:
-            raise ValueError(f"DCP kv-gather ubatch {ub} exceeds {self.num_ubatches} slots")
-        if not 0 <= buffer_slot < self._planes.shape[1]:
-            raise ValueError(f"DCP kv-gather buffer slot {buffer_slot} outside "
-                             f"0..{self._planes.shape[1] - 1}")
-        capacity = self._kv[1]
-        if not 0 <= output_tokens <= capacity:
-            raise ValueError(f"DCP kv-gather output_tokens {output_tokens} exceeds the "
-                             f"capacity {capacity}")
-        if local_kv.dim() != 2 or local_kv.shape[1] != token_dim or local_kv.dtype != dtype \
-                or dst_rows.shape != local_kv.shape[:1]:
-            raise ValueError(f"DCP kv-gather: local_kv {tuple(local_kv.shape)} "
-                             f"{local_kv.dtype} and dst_rows {tuple(dst_rows.shape)} must be "
-                             f"[N, {token_dim}] {dtype} and [N]")
+        # a rank whose arguments are refused fails its modules: its peers' waits stop
+        with refusing(self.dcp, local_kv, None, dict, fail=True):
+            ub = _ubatch()
+            if not 0 <= ub < self.num_ubatches:
+                raise ValueError(f"DCP kv-gather ubatch {ub} exceeds {self.num_ubatches} slots")
+            if not 0 <= buffer_slot < self._planes.shape[1]:
+                raise ValueError(f"DCP kv-gather buffer slot {buffer_slot} outside "
+                                 f"0..{self._planes.shape[1] - 1}")
+            capacity = self._kv[1]
+            if not 0 <= output_tokens <= capacity:
+                raise ValueError(f"DCP kv-gather output_tokens {output_tokens} exceeds the "
+                                 f"capacity {capacity}")
+            if local_kv.dim() != 2 or local_kv.shape[1] != token_dim or local_kv.dtype != dtype \
+                    or dst_rows.shape != local_kv.shape[:1]:
+                raise ValueError(f"DCP kv-gather: local_kv {tuple(local_kv.shape)} "
+                                 f"{local_kv.dtype} and dst_rows {tuple(dst_rows.shape)} must be "
+                                 f"[N, {token_dim}] {dtype} and [N]")
         payload = torch.cat([local_kv, _index_columns(dst_rows.to(local_kv.device), dtype)],
                             dim=1)
         r = self._kv_runner(dtype, payload.shape[1])

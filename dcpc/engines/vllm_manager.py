@@ -13,7 +13,7 @@ import torch
 
 from dcpc.engines import capture
 from dcpc.engines.agree import agree
-from dcpc.engines.combine import GatherRunner, check_tensors, runner
+from dcpc.engines.combine import GatherRunner, check_tensors, refusing, runner, used
 from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log, log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm
 from dcpc.engines.vllm import (
@@ -164,9 +164,13 @@ class MLADCPManager:
         (rank p's block at heads p*H/W ..), in padded storage when padded_num_heads is
         set (a copy then: vLLM's reserve_query_head_storage)."""
         slot = (_ubatch() if slot is None else slot) % self.num_ubatches
-        check_tensors("MLADCPManager.query_gather", query=query)
+        with refusing(self.dcp, query, "MLADCPManager.query_gather",  # every rank raises
+                      lambda: self._settings(Q_GATHER_SWITCH, self.max_num_tokens), slot):
+            check_tensors("MLADCPManager.query_gather", query=query)
         self._agree("query_gather", Q_GATHER_SWITCH, self.max_num_tokens)
         r = self._q_runner()
+        if r is not None:
+            used(self.dcp, "MLADCPManager.query_gather", r, slot)
         if r is not None and r.fits(query.shape[0]):
             full = r.run(query, slot)
         else:
@@ -189,8 +193,12 @@ class MLADCPManager:
 
     def _agree(self, what: str, switch_name: str, tokens: int) -> None:
         """The settings that pick this gather's path agree on every rank (agree.py)."""
-        agree(self.dcp, f"MLADCPManager.{what}", {switch_name: switch(switch_name),
-              "workspace tokens": tokens, "backend": self.backend}, Comm(self.dcp).all_gather)
+        agree(self.dcp, f"MLADCPManager.{what}", self._settings(switch_name, tokens),
+              Comm(self.dcp).all_gather)
+
+    def _settings(self, switch_name: str, tokens: int) -> dict[str, Any]:
+        return {switch_name: switch(switch_name), "workspace tokens": tokens,
+                "backend": self.backend}
 
     # ---- KV gather ------------------------------------------------------------------------
     def init_kv_gather(self, workspace: torch.Tensor, max_gathered_tokens: int) -> None:
@@ -231,7 +239,11 @@ class MLADCPManager:
         receives every rank's ``local_kv`` [N, C] in rank order. dcpc gathers into its
         own symmetric buffer, then copies into ``gathered_kv``. ``slot``: the DBO
         microbatch (default: vLLM's current ubatch id)."""
-        check_tensors("MLADCPManager.kv_gather", gathered_kv=gathered_kv, local_kv=local_kv)
+        label = "MLADCPManager.kv_gather" if self._kv is not None else None
+        with refusing(self.dcp, local_kv, label,  # every rank raises, or none
+                      lambda: self._settings(KV_GATHER_SWITCH, self._kv[1]),  # type: ignore[index]
+                      fail=True):
+            check_tensors("MLADCPManager.kv_gather", gathered_kv=gathered_kv, local_kv=local_kv)
         if self._kv is not None:
             self._agree("kv_gather", KV_GATHER_SWITCH, self._kv[1])
         r = self._kv_runner(local_kv.dtype, local_kv.shape[1])

@@ -55,6 +55,13 @@ def guarded(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         except BaseException as exc:
+            if isinstance(exc, RuntimeError) and "gloo/" in str(exc):  # issued, not waited
+                first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+                exc = DcpcCollectiveError("collective", self.rank, kwargs.get("slot", 0),
+                                          None, first)
+                exc.step = name
+                self._fail(exc)
+                raise exc from None
             if isinstance(exc, DcpcCollectiveError) and exc.step is None:
                 exc.step = name
             self._fail(exc)
@@ -174,26 +181,33 @@ class TorchHandshake:
         self.inbox = {p: torch.zeros(4, dtype=torch.int64) for p in self.peers}
         self.pending: list[Any] = []  # failure notices in flight (kept alive, never waited)
 
-    def _gloo_error(self, exc: RuntimeError, step: str, peer: int, epoch: int) -> Exception:
+    def _gloo_error(self, exc: RuntimeError, step: str, peer: int, epoch: int,
+                    slot: int) -> Exception:
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             return DcpcTimeoutError(step, peer, epoch, self.rank, self.timeout_s)
         first = (str(exc).strip().splitlines() or ["?"])[0][:200]
-        return DcpcPeerFailedError(step, peer, epoch, self.rank, f"is unreachable (gloo: {first})")
+        return DcpcPeerFailedError(step, peer, epoch, self.rank,
+                                   f"is unreachable (slot {slot}; gloo: {first})")
 
     def exchange(self, step: str, chan: int, slot: int, fingerprint: int) -> None:
+        """Every gloo call here (isend, irecv, wait: a peer gone raises in any of them)
+        raises a Dcpc error naming the step, the slot, this rank and the peer."""
         self.epochs[chan] += 1
         epoch = self.epochs[chan]
         group, global_rank = self.groups[slot], self.global_rank[slot]
         sends = []
         for p in self.peers:
             self.outbox[p].copy_(torch.tensor([fingerprint, chan, epoch, 0]))
-            sends.append(self.dist.isend(self.outbox[p], global_rank[p], group=group))
-        for p in self.peers:
-            work = self.dist.irecv(self.inbox[p], global_rank[p], group=group)
             try:
+                sends.append(self.dist.isend(self.outbox[p], global_rank[p], group=group))
+            except RuntimeError as exc:
+                raise self._gloo_error(exc, step, p, epoch, slot) from None
+        for p in self.peers:
+            try:
+                work = self.dist.irecv(self.inbox[p], global_rank[p], group=group)
                 work.wait(self.timeout)
             except RuntimeError as exc:
-                raise self._gloo_error(exc, step, p, epoch) from None
+                raise self._gloo_error(exc, step, p, epoch, slot) from None
             there, their_chan, their_epoch, flag = (int(v) for v in self.inbox[p].tolist())
             if flag:
                 reason = FLAG_REASONS.get(flag, f"set failure flag {flag}")
@@ -216,7 +230,7 @@ class TorchHandshake:
             try:
                 work.wait(self.timeout)
             except RuntimeError as exc:
-                raise self._gloo_error(exc, step, p, epoch) from None
+                raise self._gloo_error(exc, step, p, epoch, slot) from None
 
     def notify_failed(self) -> None:
         """Send every peer a failure notice on every slot's group (its next wait for this

@@ -299,6 +299,7 @@ class LocalGroup:
         self._capture_lock = threading.Lock()
         self._bases: list[int] = [0] * world
         self._keep: list[torch.Tensor] = []  # every heap's memory, for the group's life
+        self._board: list[Any] = [None] * world  # LocalRank.all_gather_object
         self.ranks = [LocalRank(self, r) for r in range(world)]
 
     def barrier(self) -> None:
@@ -405,6 +406,15 @@ class LocalRank:
         """This rank's queued work is done (its stream), then every rank arrives."""
         sync_stream(self.device)
         self.group.barrier()
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Collective (host objects, no device work): every rank's ``value``, rank order."""
+        board = self.group._board
+        board[self.rank] = value
+        self.group.barrier()
+        got = list(board)
+        self.group.barrier()  # read by all before a next call reposts
+        return got
 
     @contextlib.contextmanager
     def capture(self, graph: Any, stream: Any = None) -> Iterator[None]:

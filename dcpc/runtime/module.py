@@ -281,6 +281,11 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         if self.world > 1 and self.backend != "local":
             rendezvous.meet(self.group, self.rank, self.world, type(self).__name__,
                             self._facts(), self._timeout_s)
+        elif self.world > 1:  # local: the same comparison over the threads' exchange
+            facts = self._facts()
+            mine = [len(facts), *(int(v) for _, v in facts)]
+            theirs = dict(enumerate(self.group.all_gather_object(mine)))
+            rendezvous._compare(type(self).__name__, self.rank, facts, theirs)
         signalling = [self._tune[s].programs for s in self.SIGNALLING] or [1]
         channels = max(len(self.STEPS), 1) * self.SLOTS
         requests = [sync.signal_nbytes(channels, self.world, max(signalling))]
