@@ -1,8 +1,8 @@
 """SGLang's DeepSeek-V4 DCP collectives parity test (test_dsv4_dcp_collectives), ported
 onto dcpc's SGLang adapters: tests/engine_ports/sglang_dsv4.py (source versions, what was
 replaced, what was not ported). W = 2 and 3 on the ``local`` backend (the generated
-kernels, threads); the ``torch`` backend runs it at the end of
-tests/test_port_vllm_direct.py."""
+kernels, threads); the ``torch`` (W = 2, 3) and ``host`` (W = 2) backends run it at the
+end of tests/test_port_vllm_direct.py."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 dcpc's vLLM adapters: the cases and assertions are in tests/engine_ports/vllm_dcp_a2a.py
 (what was replaced, what was not ported, and why). W = 2 and 3 on the ``local`` backend
 (the generated kernels under the interpreter, threads: the kernels the ``host`` backend
-runs, in one process); the ``torch`` backend runs the same cases in
-tests/test_port_vllm_direct.py (its last test)."""
+runs, in one process); the ``torch`` (W = 2, 3) and ``host`` (W = 2) backends run the
+same cases in tests/test_port_vllm_direct.py (its last test)."""
 
 from __future__ import annotations
 

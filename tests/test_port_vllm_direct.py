@@ -5,8 +5,8 @@ are in tests/engine_ports/vllm_direct.py with what was replaced and what was not
 ported; the manager's selection tests and the workspace formula are below, with vLLM's
 MagicMock configs replaced by plain objects and its mocked workspaces by dcpc's real
 paths. The workers run on the ``local`` backend (the generated kernels, threads) at
-W = 2 and, with every ported file, on the ``torch`` backend at W = 2 and 3 at the end of
-this file (the kernels at W = 3: the direct KV gather in test_engines_vllm_main.py, the
+W = 2 and, with every ported file, on the ``torch`` backend at W = 2 and 3 and the
+``host`` backend (the kernels, ranks as processes) at W = 2 at the end of this file (the kernels at W = 3: the direct KV gather in test_engines_vllm_main.py, the
 combine in test_engines_local.py; a W = 3 local run of these workers takes ~3 min of
 CPU here)."""
 
@@ -128,12 +128,15 @@ MODULES = ["engine_ports.vllm_dcp_a2a", "engine_ports.vllm_direct",
 
 
 @pytest.mark.host
-@pytest.mark.parametrize("world", [2, 3])
-def test_ported_engine_tests_on_the_torch_backend(world):
+@pytest.mark.parametrize("backend,world", [("torch", 2), ("torch", 3), ("host", 2)])
+def test_ported_engine_tests_on_the_torch_and_host_backends(backend, world):
     """One gloo child per rank serves every ported file (tests/engine_ports/), the group
-    passed as vLLM's tests pass it (``_FakeCPGroup(world_size, device_group)``)."""
+    passed as vLLM's tests pass it (``_FakeCPGroup(world_size, device_group)``); the
+    adapters' modules on ``backend`` (host: the generated kernels under the interpreter,
+    ranks as processes over shared memory; torch: gloo collectives)."""
     result = launch("engine_ports.harness:torch_worker", world,
-                    {"cache": os.environ["DCPC_CACHE_DIR"], "modules": MODULES}, timeout_s=400)
+                    {"cache": os.environ["DCPC_CACHE_DIR"], "modules": MODULES,
+                     "backend": backend}, timeout_s=600)
     assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
     found = result.values()
     check([f["engine_ports.vllm_dcp_a2a"] for f in found])
