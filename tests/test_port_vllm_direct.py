@@ -6,9 +6,9 @@ ported; the manager's selection tests and the workspace formula are below, with 
 MagicMock configs replaced by plain objects and its mocked workspaces by dcpc's real
 paths. The workers run on the ``local`` backend (the generated kernels, threads) at
 W = 2 and, with every ported file, on the ``torch`` backend at W = 2 and 3 and the
-``host`` backend (the kernels, ranks as processes) at W = 2 at the end of this file (the kernels at W = 3: the direct KV gather in test_engines_vllm_main.py, the
-combine in test_engines_local.py; a W = 3 local run of these workers takes ~3 min of
-CPU here)."""
+``host`` backend (the kernels, ranks as processes) at W = 2 at the end of this file (the
+kernels at W = 3: the direct KV gather in test_engines_vllm_main.py, the combine in
+test_engines_local.py; a W = 3 local run of these workers takes ~3 min of CPU here)."""
 
 from __future__ import annotations
 
