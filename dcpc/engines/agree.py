@@ -35,7 +35,7 @@ import torch
 
 from dcpc.engines.common import Group, resolve_group
 from dcpc.engines.fallback import Comm
-from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError, DcpcError
+from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError, DcpcError, DcpcFailedError
 from dcpc.runtime.local import sync_stream, to_host
 
 _WIDTH = 512  # bytes of one rank's settings (JSON), padded with zeros
@@ -117,6 +117,8 @@ def forget(handles: set[int] | None = None) -> None:
             del _agreed[key]
         for key in [k for k in _last if handles is None or k[0] in handles]:
             del _last[key]
+        for key in [k for k in _poisoned if handles is None or k[0] in handles]:
+            del _poisoned[key]
 
 
 # ---- a rank that refuses its call's arguments -------------------------------------------
@@ -143,7 +145,10 @@ def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Excep
                 last[1].mark(last[2] if slot is None else slot)
             except DcpcError:
                 pass  # this rank raises its own error
-        elif fail:
+        elif fail or last is None or last[0] is not group.handle:
+            # no empty call possible (a KV gather; or no module of this label and
+            # instance yet, e.g. a second microbatch's first call): fail this rank's
+            # modules of the group, every peer's wait on them stops loudly
             from dcpc.engines import combine  # the runners (combine imports this module)
 
             with combine._runners_lock:
@@ -151,7 +156,27 @@ def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Excep
                         if run.group.handle is group.handle and run.group.rank == group.rank]
             for run in mine:
                 run.module._fail(err)  # flags (or notifies) every peer, as a failed call
+            with _lock:  # and no module is built on the group here until reset()
+                _poisoned[(id(group.handle), group.rank)] = (group.handle, label, err)
     raise err
+
+
+# (group handle id, rank) -> (handle, label, error): a rank that refused a call with no
+# module to carry the refusal to its peers (a microbatch's or a new shape's first call):
+# a module built afterwards would pair its first call with a peer's refused one
+_poisoned: dict[tuple, tuple[Any, str | None, Exception]] = {}
+
+
+def check_not_poisoned(group: Group) -> None:
+    """Raise if this rank refused an earlier call that no module carried (see refuse):
+    every later module of the group would pair with the peers' call of that one."""
+    with _lock:
+        found = _poisoned.get((id(group.handle), group.rank))
+    if found is not None and found[0] is group.handle:
+        raise DcpcFailedError(
+            f"{found[1]}: this rank refused the arguments of an earlier call ({found[2]}) "
+            "that no dcpc module of the group could carry to its peers; its modules of "
+            "the group are failed: call dcpc.engines.reset(group) on every rank")
 
 
 # (group handle id, rank, label, instance) -> (group handle, its last runner, slot): the

@@ -76,17 +76,21 @@ def layer_number(layer: int | str) -> int:
 
 def current_call_id() -> int | None:
     """The id of a call made now on this thread: layer + FORWARD_STRIDE * forward (the
-    module keeps it mod 256), or None when neither is known."""
+    module keeps it mod 256); a call of a forward before its first layer counts as layer
+    -1 (SGLang's query gather of layer 0 runs before layer 0's RadixAttention: it must
+    differ from layer 1's, which carries layer 0); None when neither is known."""
     forward, layer = _forward.get(), _layer.get()
     if forward is None and layer is None:
         return None
-    return (0 if layer is None else layer[0]) + FORWARD_STRIDE * (forward or 0)
+    if layer is None:
+        return FORWARD_STRIDE * forward - 1  # type: ignore[operator]
+    return layer[0] + FORWARD_STRIDE * (forward or 0)
 
 
 def call_site() -> str:
     """The current call for messages: "layer 'model.layers.2.attn' of forward 7"."""
     forward, layer = _forward.get(), _layer.get()
-    where = "no layer" if layer is None else f"layer {layer[1]!r}"
+    where = "before the first layer" if layer is None else f"layer {layer[1]!r}"
     return where + ("" if forward is None else f" of forward {forward}")
 
 

@@ -224,6 +224,14 @@ def first_use(fast: Hashable, family: Callable[[], Hashable], handle: Any, label
         for tokens in warm:
             for _ in range(2):  # the second call runs the first's release and replays
                 call(tokens)
+    except BaseException:
+        # not warmed (e.g. a peer refused this family's first call: the warm-up's first
+        # call met its refusal and raised, before any kernel): the next call of the
+        # family warms again, on every rank alike
+        with _lock:
+            _done.pop(key, None)
+            _fast.pop(fast, None)
+        raise
     finally:
         _tls.on = False
     rest = f"; above the workspace {workspace} (fallback): {above}" if above else ""

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from dcpc.engines import capture
-from dcpc.engines.agree import agree, explain, forget, refusing, used
+from dcpc.engines.agree import agree, check_not_poisoned, explain, forget, refusing, used
 from dcpc.engines.call_ids import current_call_id, name_call
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -229,6 +229,7 @@ def runner(kind: type, spec: CombineSpec | GatherSpec, group: Group, heads: int 
     with _runners_lock:
         found = _runners.get(key)
     if found is None:
+        check_not_poisoned(group)
         found = kind(spec, group, heads, backend)
         with _runners_lock:
             _runners.setdefault(key, found)
