@@ -109,4 +109,7 @@ def test_sglang_layer_0_query_gather_has_its_own_call_id():
 
     got = LocalGroup(W, "cpu", timeout_s=120).run(
         lambda rank: __import__("contextvars").copy_context().run(body, rank), timeout_s=120)
-    assert got == [["DcpcContractError"], ["DcpcContractError"]], got
+    # each rank raises at its first gather: a contract error where the ids met, or
+    # the peer's failure where that peer raised first (its flag is seen before the ids)
+    assert all(len(g) == 1 and g[0] in ("DcpcContractError", "DcpcPeerFailedError")
+               for g in got) and ["DcpcContractError"] in got, got
