@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcpc.runtime.errors import DcpcArgumentError
+from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
 
 SCHEDULE = """\
 schedule: counts
@@ -45,7 +45,7 @@ def test_a_negative_count_fails_on_sender_and_receiver() -> None:
             try:
                 _, got = inst.move(x.bfloat16(), counts)
                 return f"no error: recv_counts {got.tolist()}"
-            except DcpcArgumentError as exc:
+            except (DcpcArgumentError, DcpcPeerFailedError) as exc:
                 return str(exc)
             finally:
                 inst.close()
@@ -53,8 +53,10 @@ def test_a_negative_count_fails_on_sender_and_receiver() -> None:
         ranks = LocalGroup(2, "cpu", timeout_s=60).run(rank_main)
     assert ranks[1].startswith("step 'move': rank 1's counts[0] = -1, a negative count; no "
                                "row of that part was sent"), ranks
+    # the receiver names the bad count, or (rank 1 raised first: its flag is seen before
+    # the counts) that peer 1 failed; it never returns data
     assert ranks[0].startswith("step 'move': peer 1 routed -1 rows to rank 0, a negative "
-                               "count"), ranks
+                               "count") or "peer 1 failed" in ranks[0], ranks
 
 
 def test_a_negative_count_raises_on_the_torch_backend() -> None:
