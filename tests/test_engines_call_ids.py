@@ -71,6 +71,9 @@ def _forwards(rank, world: int, plan: list[list[int]], fn: str = "dcp_a2a_lse_re
     return done
 
 
+RAISED = ("DcpcContractError", "DcpcPeerFailedError")
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
@@ -95,11 +98,15 @@ def test_a_rank_that_skips_one_layer_raises_on_the_next_call_on_every_rank(world
         lambda rank: _forwards(rank, world, plans[rank.rank], fn))
     for r, calls in enumerate(found):
         assert calls[0][:3] == (1, 0, 0), (r, found)  # layer 0: right on every rank
-        assert len(calls) == 2 and calls[1][2] == "DcpcContractError", (r, found)
-        layer = 2 if r == 1 else 1
-        text = calls[1][3]
-        assert "call_id (mod 256)" in text and f"layer '{_layer(layer)}' of forward 1" in text, (
-            r, text)
+        # each rank raises at its second call: a contract error naming its own layer, or
+        # (a peer raised first: its failure flag is seen before the ids) the peer's failure
+        assert len(calls) == 2 and calls[1][2] in RAISED, (r, found)
+        if calls[1][2] == "DcpcContractError":
+            layer = 2 if r == 1 else 1
+            text = calls[1][3]
+            assert "call_id (mod 256)" in text and f"layer '{_layer(layer)}' of forward 1" \
+                in text, (r, text)
+    assert any(calls[1][2] == "DcpcContractError" for calls in found), found
 
 
 def test_a_rank_that_skips_a_whole_forward_raises_at_the_next_forward(cache):
@@ -110,8 +117,10 @@ def test_a_rank_that_skips_a_whole_forward_raises_at_the_next_forward(cache):
         lambda rank: _forwards(rank, 2, plans[rank.rank]))
     assert found[0][0][:3] == found[1][0][:3] == (1, 0, 0), found
     for r, forward in ((0, 2), (1, 3)):
-        assert found[r][1][:3] == (forward, 0, "DcpcContractError"), (r, found)
-        assert f"layer '{_layer(0)}' of forward {forward}" in found[r][1][3], found[r]
+        assert found[r][1][:2] == (forward, 0) and found[r][1][2] in RAISED, (r, found)
+        if found[r][1][2] == "DcpcContractError":  # else its peer raised first
+            assert f"layer '{_layer(0)}' of forward {forward}" in found[r][1][3], found[r]
+    assert any(f[1][2] == "DcpcContractError" for f in found), found
 
 
 def test_ids_come_from_the_layer_and_the_forward_only():
