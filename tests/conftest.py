@@ -1,9 +1,8 @@
-"""Suite-wide fixtures: nothing the suite creates may be left in /dev/shm."""
+"""Suite-wide checks: nothing the suite creates may be left in /dev/shm."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "dcpc-"  # dcpc.runtime.host.SEGMENT_PREFIX (not imported: keeps collection light)
+_BEFORE = pytest.StashKey[set[str]]()
 
 
 def _segments() -> set[str]:
@@ -22,12 +22,24 @@ def _segments() -> set[str]:
         return set()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_shared_memory_left() -> Iterator[None]:
-    before = _segments()
-    yield
-    left = sorted(_segments() - before)
-    assert not left, f"segments left in {SHM_DIR} by the test suite: {left}"
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # a plain run, or xdist's controller
+        session.config.stash[_BEFORE] = _segments()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Checked once, after every test of every worker (the workers run test files at
+    the same time: one worker's live segments are not another's leftovers)."""
+    if hasattr(session.config, "workerinput") or _BEFORE not in session.config.stash:
+        return
+    left = sorted(_segments() - session.config.stash[_BEFORE])
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"FAILED: segments left in {SHM_DIR} by the test suite: {left}",
+                                red=True)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config: pytest.Config) -> None:
