@@ -28,10 +28,22 @@ from dcpc.runtime.local import LocalGroup
 pytestmark = pytest.mark.host
 
 BAD = "lse has dtype torch.int32"  # check_tensors' text for rank 1's argument
-# a later call: the peers' contract error against rank 1's empty call; at W = 3 a rank
-# may learn it from a peer that failed first (its failure flag)
+# a later call: the peers' contract error against rank 1's empty call; a rank may learn
+# it from a peer that failed first (its failure flag is seen before the words: rank 1's
+# own empty call fails on the peers' T > 0), except on the torch backend, whose
+# handshake delivers every peer's message of the call before its failure notice
 LATER = ("DcpcContractError", "DcpcPeerFailedError")
 REFUSED_LATER = "T=0 on peer 1"
+
+
+def _later(r: int, seen: str) -> None:
+    """A peer's outcome of the call rank 1 refused later: the contract error against rank
+    1's empty call (the only word of another call), or its failure flag seen first."""
+    assert seen.split(":")[0] in LATER, (r, seen)
+    if seen.startswith("DcpcContractError"):
+        assert REFUSED_LATER in seen and "refused its arguments" in seen, (r, seen)
+    else:
+        assert f"rank {r} stopped waiting for peer " in seen, (r, seen)
 
 
 def _inputs(seed: int, world: int, heads: int) -> tuple[list, list]:
@@ -70,7 +82,7 @@ def calls(group: Any, r: int, world: int, fn: str, upto: int = 4) -> list[str]:
     return seen
 
 
-def _check(found: list[list[str]], upto: int = 4) -> None:
+def _check(found: list[list[str]], upto: int = 4, ordered: bool = False) -> None:
     for r, seen in enumerate(found):
         if r == 1:  # its own error, at once
             assert seen[0].startswith("DcpcArgumentError") and BAD in seen[0], (r, seen)
@@ -78,13 +90,15 @@ def _check(found: list[list[str]], upto: int = 4) -> None:
         else:  # in the same call: the agreement names it; later, the contract error
             assert seen[0].startswith("DcpcArgumentError"), (r, seen)
             assert "rank 1 refused its arguments" in seen[0] and BAD in seen[0], (r, seen)
-            assert seen[2].split(":")[0] in LATER, (r, seen)
+            _later(r, seen[2])
         assert seen[1] == "ok", (r, seen)
         if upto >= 3:
             assert seen[3].startswith("DcpcFailedError"), (r, seen)
         if upto >= 4:
             assert seen[4] == "ok", (r, seen)
-    assert any(REFUSED_LATER in f[2] and "refused its arguments" in f[2] for f in found), found
+    if ordered:  # torch: every peer's handshake meets rank 1's empty call first
+        assert any(REFUSED_LATER in f[2] and "refused its arguments" in f[2] for f in found), \
+            found
 
 
 @pytest.mark.parametrize(("world", "fn"), [(2, "helix"), (3, "vllm")])
@@ -114,7 +128,7 @@ def test_processes_bad_argument_on_one_rank_fails_every_rank(backend):
         result = launch("test_engines_bad_rank:worker", 2, {"cache": cache, "backend": backend},
                         timeout_s=300, gloo_timeout_s=60)
     assert result.ok, result.summary()
-    _check([o.value for o in result.outcomes], upto=2)
+    _check([o.value for o in result.outcomes], upto=2, ordered=backend == "torch")
 
 
 def gathers(rank: Any, world: int, fn: str) -> list[str]:
@@ -164,12 +178,9 @@ def test_local_bad_gather_argument_on_one_rank_fails_every_rank(world, fn, tmp_p
             assert seen[2].startswith("DcpcArgumentError") and bad in seen[2], (r, seen)
         elif fn == "sglang":  # a first call: the agreement names rank 1's error
             assert "rank 1 refused its arguments" in seen[0] and bad in seen[0], (r, seen)
-            assert seen[2].split(":")[0] in LATER, (r, seen)
+            _later(r, seen[2])
         else:
-            assert seen[0].split(":")[0] in LATER, (r, seen)
+            _later(r, seen[0])
         if fn == "sglang":
             assert seen[1] == "ok", (r, seen)
         assert seen[3].startswith("DcpcFailedError"), (r, seen)
-    later = 0 if fn == "manager" else 2
-    if world == 2:  # at W = 3 a peer may see the other peer's failure first (LATER)
-        assert any(REFUSED_LATER in f[later] for f in found), found

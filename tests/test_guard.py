@@ -150,6 +150,18 @@ EXPECTED = {
 }
 
 
+# Host backend, where both ranks detect the violation (their words meet): a rank may see
+# the peer's failure flag, set as that peer raised its own contract error, before the
+# peer's word (a wait refuses a flagged peer first, templates/sync.j2). On the torch
+# backend the handshake's messages come in order: both ranks name the contract.
+PEER_FIRST = {
+    "sizes": r"step 'query_gather': rank {rank} stopped waiting for peer {peer} \(epoch 2\): "
+             r"peer {peer} failed",
+    "grids": r"step 'out_exchange': rank {rank} stopped waiting for peer {peer} \(epoch 2\): "
+             r"peer {peer} failed",
+}
+
+
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory) -> str:
     return str(compile_file(SCHEDULES / "kimi_k3_dcp.yaml", tmp_path_factory.mktemp("guard")))
@@ -168,11 +180,18 @@ def test_a_contract_violation_fails_both_ranks_at_once(kimi: str, backend: str,
                                                       strict=True)):
         print(f"rank {rank}: {got['error'][0]} after {got['elapsed']:.1f} s: {got['error'][1]}")
         assert got["wrong"] == [], got["wrong"]  # never wrong data
+        if (backend == "host" and violation in PEER_FIRST
+                and got["error"][0] == "DcpcPeerFailedError"):  # the peer raised first
+            kind, pattern = got["error"][0], PEER_FIRST[violation].format(rank=rank,
+                                                                          peer=1 - rank)
         assert got["error"][0] == kind, got["error"]
         assert re.search(pattern, got["error"][1]), got["error"][1]
         assert got["elapsed"] < FAST_S, f"rank {rank} took {got['elapsed']:.1f} s"
         assert got["after"][0] == "DcpcFailedError", got["after"]
         assert re.search(r"(failed earlier|was closed)", got["after"][1]), got["after"][1]
+    if violation in PEER_FIRST:  # the first rank to raise names the contract
+        assert any(got["error"][0] == "DcpcContractError" for got in result.values()), \
+            result.values()
 
 
 def absent_peer_worker(rank: int, world: int, path: str, backend: str,
