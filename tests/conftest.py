@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -40,6 +42,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                                 red=True)
         if session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def fresh_engine_workspace() -> Iterator[None]:
+    """The vLLM adapters' workspace is decided once per process (a server's every call
+    must find the same module); tests set it per test (DCPC_MAX_NUM_TOKENS): no test
+    may inherit an earlier test's choice, whatever ran before it in this process."""
+    _clear_workspace()
+    yield
+    _clear_workspace()
+
+
+def _clear_workspace() -> None:
+    vllm = sys.modules.get("dcpc.engines.vllm")
+    if vllm is not None:
+        vllm._free_tokens.cache_clear()
 
 
 def pytest_configure(config: pytest.Config) -> None:

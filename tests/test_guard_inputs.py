@@ -113,3 +113,31 @@ def test_yaml_too_large_names_aliases_only_when_there_are_some() -> None:
     out = errors(bomb)
     assert [d.code for d in out] == ["yaml-too-large"]
     assert "aliases" in (out[0].hint or "")
+
+
+TWO = """\
+schedule: two_payloads
+slots: 1
+sizes: {N: {multiple_of: 4, max: 64}, M: {max: 64}, K: 8}
+buffers:
+  kv_local: {shape: [N, K], dtype: bf16}
+  kv_scale: {shape: [M, 1], dtype: f32}
+  kv_full: {shape: [W*N, K], dtype: bf16, symmetric: true}
+  scale_full: {shape: [W*M, 1], dtype: f32, symmetric: true}
+steps:
+  - gather: {op: all_gather, src: [kv_local, kv_scale], dst: [kv_full, scale_full], interleave: 4}
+  - attention: {op: external, reads: [kv_full, scale_full]}
+  - release: {op: barrier}
+"""
+
+
+def test_an_interleaved_gather_of_several_payloads_checks_each_one() -> None:
+    """``src``/``dst`` lists (one exchange, several payloads): each payload's rows are
+    checked; before, ``src: [T]`` ended `dcpc check` in an internal TypeError (found by
+    tests/test_fuzz.py's mutations)."""
+    out = errors(TWO)
+    assert [d.code for d in out] == ["bad-interleave"], out  # M is not a multiple of 4
+    assert "rows of src 'kv_scale' (M)" in out[0].message, out[0].message
+    assert errors(edit(TWO, "M: {max: 64}", "M: {multiple_of: 4, max: 64}")) == []
+    unknown = errors(edit(KV, "src: kv_local", "src: [T]"))
+    assert [d.code for d in unknown] == ["unknown-buffer"], unknown

@@ -22,6 +22,7 @@ from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.mesh import WorldError, fit_worlds, mesh_of
 from dcpc.lang.model import AllGather, Schedule, Streams
+from dcpc.lang.nodes import Step
 from dcpc.lang.questions import Samples
 from dcpc.lang.semantics import table
 from dcpc.lang.sizes import MAX_SIZE, size_table, world_diagnostics
@@ -167,17 +168,28 @@ def check_interleave(ctx: Context) -> None:
                       "round-robin)")
         if not isinstance(op, AllGather) or op.interleave is None:
             continue
-        src, dst = ctx.shape(op.src), ctx.shape(op.dst)
-        if not src or dst is None or len(src) != len(dst) or op.dim % len(src) != 0:
-            continue  # no rows to split: the op's own checks report it
-        rows = src[0]
-        example = ctx.samples.inexact(("/", rows, ("num", op.interleave)))
-        if example is not None:
-            where = example.names([rows])
-            ctx.error(op.mark("interleave"), "bad-interleave",
-                      f"interleave {op.interleave} of step '{step.name}' must divide the "
-                      f"rows of src '{op.src}' ({ex.unparse(rows)}), but "
-                      + (example.detail if example.undecided else "does not")
-                      + f" for W={example.world}" + (f" ({where})" if where else ""),
-                      hint=f"use 'interleave: 1', or declare the rows' size as a multiple "
-                      f"of it, e.g. '{{multiple_of: {min(op.interleave, 64)}}}'")
+        srcs = op.src if isinstance(op.src, list) else [op.src]
+        dsts = op.dst if isinstance(op.dst, list) else [op.dst]
+        if len(srcs) != len(dsts):
+            continue  # the op's own checks report it
+        for src_name, dst_name in zip(srcs, dsts, strict=True):
+            _check_interleave_rows(ctx, step, op, src_name, dst_name)
+
+
+def _check_interleave_rows(ctx: Context, step: Step, op: AllGather, src_name: str,
+                           dst_name: str) -> None:
+    """One payload of an interleaved gather: ``interleave`` divides src's rows."""
+    src, dst = ctx.shape(src_name), ctx.shape(dst_name)
+    if not src or dst is None or len(src) != len(dst) or op.dim % len(src) != 0:
+        return  # no rows to split: the op's own checks report it
+    rows = src[0]
+    example = ctx.samples.inexact(("/", rows, ("num", op.interleave)))
+    if example is not None:
+        where = example.names([rows])
+        ctx.error(op.mark("interleave"), "bad-interleave",
+                  f"interleave {op.interleave} of step '{step.name}' must divide the "
+                  f"rows of src '{src_name}' ({ex.unparse(rows)}), but "
+                  + (example.detail if example.undecided else "does not")
+                  + f" for W={example.world}" + (f" ({where})" if where else ""),
+                  hint=f"use 'interleave: 1', or declare the rows' size as a multiple "
+                  f"of it, e.g. '{{multiple_of: {min(op.interleave, 64)}}}'")
