@@ -37,9 +37,10 @@ for W in $WORLDS; do
 done
 # the engine adapters (dcpc.engines, vLLM's and SGLang's functions) on this GPU: their
 # tests, ranks as threads (backend local), against float64 (the kernel_mask_* cases: the
-# empty-shard mask in-kernel)
-DCPC_TEST_DEVICE=cuda:0 timeout -k 10 "$CHECK_DEADLINE" "$PY" -m pytest -q \
-  -p no:cacheprovider tests/test_engines_local.py > "$OUT/parts/engines.log" 2>&1 &
+# empty-shard mask in-kernel); in this one process (no parallel workers: the ranks'
+# threads share the GPU, and the device may not have pytest-xdist)
+DCPC_TEST_DEVICE=cuda:0 timeout -k 10 "$CHECK_DEADLINE" "$PY" -m pytest -q -o addopts= \
+  -p no:xdist -p no:cacheprovider tests/test_engines_local.py > "$OUT/parts/engines.log" 2>&1 &
 pids+=($!)
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
