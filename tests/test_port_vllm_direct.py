@@ -114,11 +114,17 @@ def test_mla_dcp_manager_selects_backends(switch, monkeypatch):
 @pytest.mark.parametrize("world", [2])
 def test_workers_local(world):
     workers = ("direct_q_gather", "direct_kv_gather", "direct_a2a")
+    before = dict(os.environ)
     for name in workers:
         fn = getattr(P, name)
         counts = LocalGroup(world, "cpu", timeout_s=300).run(
             lambda rank, fn=fn: fn(rank, rank.rank, world, rank.barrier))
         assert len(set(counts)) == 1 and counts[0] >= 5, (name, counts)
+        # the workers' switches (set by every rank thread at once) are gone again: left
+        # set, VLLM_USE_DIRECT_DCP_A2A=0 sent every later test of the process to the
+        # fallback
+        assert dict(os.environ) == before, {k: v for k, v in os.environ.items()
+                                             if before.get(k) != v}
 
 
 # ---- every ported file on the torch backend (last in this file: the local runs above,

@@ -52,18 +52,35 @@ def _install_ubatch_override() -> None:
     sys.modules["vllm.v1.worker.ubatching"] = module
 
 
+_env_lock = threading.Lock()
+_env_users: dict[str, int] = {}  # variable -> rank threads inside _env now
+_env_saved: dict[str, str | None] = {}  # variable -> its value before the first of them
+
+
 @contextmanager
 def _env(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    """Set ``values`` in os.environ, which is the process's: a LocalGroup's rank threads
+    enter this together, so the first to enter saves the old values and the last to
+    leave restores them (each thread saving and restoring its own copy left a variable
+    set for the rest of the process when the threads interleaved)."""
+    with _env_lock:
+        for k, v in values.items():
+            if _env_users.get(k, 0) == 0:
+                _env_saved[k] = os.environ.get(k)
+            _env_users[k] = _env_users.get(k, 0) + 1
+            os.environ[k] = v
     try:
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        with _env_lock:
+            for k in values:
+                _env_users[k] -= 1
+                if _env_users[k] == 0:
+                    old = _env_saved.pop(k)
+                    if old is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = old
 
 
 def _backend() -> str:
