@@ -26,6 +26,7 @@ from dcpc.lang.nodes import Step
 from dcpc.lang.questions import Samples
 from dcpc.lang.semantics import table
 from dcpc.lang.sizes import MAX_SIZE, size_table, world_diagnostics
+from dcpc.ops.registry import names
 
 DEFAULT_WORLDS = tuple(range(2, 9))
 
@@ -168,8 +169,7 @@ def check_interleave(ctx: Context) -> None:
                       "round-robin)")
         if not isinstance(op, AllGather) or op.interleave is None:
             continue
-        srcs = op.src if isinstance(op.src, list) else [op.src]
-        dsts = op.dst if isinstance(op.dst, list) else [op.dst]
+        srcs, dsts = names(op.src), names(op.dst)
         if len(srcs) != len(dsts):
             continue  # the op's own checks report it
         for src_name, dst_name in zip(srcs, dsts, strict=True):

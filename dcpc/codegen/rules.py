@@ -126,8 +126,7 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.AllToAll)
     if op.scale is not None:  # a cast: ragged_all_to_all's kernel at full counts
         return _cast_move(ctx, step)
-    srcs = op.src if isinstance(op.src, list) else [op.src]
-    dsts = op.dst if isinstance(op.dst, list) else [op.dst]
+    srcs, dsts = names(op.src), names(op.dst)
     plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
     concat = a2a.concat(op)
     for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
