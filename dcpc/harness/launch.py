@@ -100,13 +100,17 @@ def _child_main(
     gloo_timeout_s: float,
     environ: dict[str, str] | None = None,
     path: list[str] | None = None,
+    interpret: bool = True,
 ) -> None:
     if environ is not None:  # forked from the fork server: the launcher's environment now
         os.environ.clear()
         os.environ.update(environ)
     if path is not None:
         sys.path[:] = path
-    os.environ["TRITON_INTERPRET"] = "1"
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[PROGRESS_ENV] = f"{store_path}.progress{rank}"
     try:
@@ -141,8 +145,10 @@ def _child_main(
 PRELOAD = ["torch", "torch.distributed", "triton", "dcpc.harness.worker"]
 
 
-def _context() -> Any:
-    if os.environ.get("DCPC_LAUNCH", "forkserver") == "spawn":
+def _context(interpret: bool = True) -> Any:
+    """The fork server preloads Triton with its interpreter on: a run on a GPU (the
+    compiled kernels) starts every child from scratch instead."""
+    if not interpret or os.environ.get("DCPC_LAUNCH", "forkserver") == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -159,6 +165,7 @@ def launch(
     gloo_timeout_s: float = 60.0,
     stall_s: float | None = None,
     env: dict[str, str] | None = None,
+    interpret: bool = True,
 ) -> LaunchResult:
     """Run ``worker(rank, world, **args)`` in ``world`` spawned processes.
 
@@ -167,8 +174,9 @@ def launch(
     they are killed as ``hung``; ranks still progressing at ``timeout_s`` are killed as
     ``timeout`` (a slow run, not a hang: a larger timeout lets it finish). A rank that
     has said nothing yet is starting, not stalled, for ``STARTUP_S``. ``env``: the
-    children's environment (default: the launcher's of the moment)."""
-    ctx = _context()
+    children's environment (default: the launcher's of the moment). ``interpret``: the
+    children run Triton's interpreter (CPU); False for the compiled kernels on a GPU."""
+    ctx = _context(interpret)
     results = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="dcpc-launch-")
     store = os.path.join(tmp, "store")
@@ -176,7 +184,7 @@ def launch(
         ctx.Process(
             target=_child_main,
             args=(rank, world, store, worker, args or {}, results, gloo_timeout_s,
-                  dict(os.environ if env is None else env), list(sys.path)),
+                  dict(os.environ if env is None else env), list(sys.path), interpret),
             name=f"dcpc-rank{rank}",
             daemon=True,
         )
@@ -190,7 +198,10 @@ def launch(
         # module (and with it triton) before _child_main runs, and Triton reads
         # TRITON_INTERPRET at import
         saved = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
+        if interpret:
+            os.environ["TRITON_INTERPRET"] = "1"
+        else:
+            os.environ.pop("TRITON_INTERPRET", None)
         try:
             for p in procs:
                 p.start()
