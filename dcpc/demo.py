@@ -57,7 +57,7 @@ def _backend(text: str) -> str | dict[str, str]:
     """``--backend``: one kind, or one per mesh axis (``node=torch,gpu=host``; the axes
     are checked by the module at construction, dcpc.runtime.axes). Imports nothing:
     ``dcpc run`` says what to install when torch is missing, after parsing."""
-    kinds = ("host", "torch", "local")
+    kinds = ("host", "torch", "local", "symm_mem")
     value: str | dict[str, str] = text
     if "=" in text:
         value = {}
@@ -112,6 +112,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a wait for a peer lasts before the module reports a timeout "
                         "naming step, peer and epoch (the modules' timeout_s), default 60")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default): the kernels under Triton's interpreter; cuda: the "
+                        "compiled kernels on the GPU, one process per GPU (backend symm_mem) "
+                        "when there are W GPUs, else W ranks as threads on one GPU (backend "
+                        "local, every kernel compiled and loaded before any rank launches)")
+    p.add_argument("--programs", type=int, default=None, metavar="N",
+                   help="programs per kernel launch (default: 1 on CPU, the module's own "
+                        "tuning on a GPU)")
+    p.add_argument("--program-order", choices=("natural", "reverse", "shuffle"),
+                   default="shuffle",
+                   help="CPU: the order in which the interpreter runs a launch's programs "
+                        "(a GPU runs them at once, in any order); default shuffle (seeded, "
+                        "the same on every rank); matters with --programs 2 or more")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run N times (seeds SEED, SEED+1, ...); fails if any run fails")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write every run's result as JSON (one record per run)")
     p.add_argument("--debug", action="store_true",
                    help="print a failed rank's Python traceback")
     return p
@@ -125,6 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.calls < 1:
         print("dcpc run: --calls must be at least 1", file=sys.stderr)
         return 2
+    for flag, value, top in (("--repeat", args.repeat, 1000), ("--programs", args.programs,
+                                                               1024)):
+        if value is not None and not 1 <= value <= top:
+            print(f"dcpc run: {flag} must be in 1..{top}, got {value}", file=sys.stderr)
+            return 2
+    if args.device == "cuda" and args.backend == "host":
+        args.backend = "symm_mem"  # the default on a GPU (local when W GPUs are not here)
     try:  # the [run] extra: the generated modules and the harness need torch and triton
         import torch  # noqa: F401
         import triton  # noqa: F401
@@ -132,34 +156,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dcpc run: {exc.name or 'torch'} is not installed; dcpc run needs torch and "
               "triton: pip install 'dcpc[run]'", file=sys.stderr)
         return 2
-    from dcpc.harness.run import RunConfig, RunSizesError, format_report, run_schedule
-
-    config = RunConfig(
-        schedule=args.schedule, world=args.world, backend=args.backend, calls=args.calls,
-        seed=args.seed, order=args.order, lse_base=args.lse_base,
-        jitter_s=args.jitter_ms / 1000, poison=not args.no_poison, timeout_s=args.timeout,
-        wait_timeout_s=args.wait_timeout, sizes=args.sizes,
+    from dcpc.harness.run import (
+        RunConfig,
+        RunDeviceError,
+        RunSizesError,
+        format_report,
+        report_record,
+        run_schedule,
     )
-    try:
-        report = run_schedule(config, announce=lambda line: print(line, flush=True))
-    except RunSizesError as exc:
-        print(f"dcpc run: --sizes: {exc}", file=sys.stderr)
-        return 2
-    except DiagnosticError as exc:
-        for diagnostic in exc.diagnostics:
-            print(diagnostic.render(), file=sys.stderr)
-        return 2 if any(d.code == "io" for d in exc.diagnostics) else 1
-    print(format_report(report))
-    for outcome in report.launch.outcomes:
-        if outcome.status == "error" and outcome.traceback:
-            if args.debug:
-                print(f"--- rank {outcome.rank} traceback ---\n{outcome.traceback}",
-                      file=sys.stderr)
-            else:
-                print(f"dcpc run: rank {outcome.rank} failed: {outcome.error}\n"
-                      "  hint: rerun with --debug for its traceback", file=sys.stderr)
-            break
-    return 0 if report.ok else 1
+
+    programs = args.programs if args.programs is not None else (
+        1 if args.device == "cpu" else None)
+    records, ok = [], True
+    for attempt in range(args.repeat):
+        config = RunConfig(
+            schedule=args.schedule, world=args.world, backend=args.backend, calls=args.calls,
+            seed=args.seed + attempt, order=args.order, lse_base=args.lse_base,
+            jitter_s=args.jitter_ms / 1000, poison=not args.no_poison, timeout_s=args.timeout,
+            wait_timeout_s=args.wait_timeout, sizes=args.sizes, device=args.device,
+            programs=programs, program_order=args.program_order,
+        )
+        if args.repeat > 1:
+            print(f"run        {attempt + 1} of {args.repeat}", flush=True)
+        try:
+            report = run_schedule(config, announce=lambda line: print(line, flush=True))
+        except (RunSizesError, RunDeviceError) as exc:
+            what = "--sizes: " if isinstance(exc, RunSizesError) else ""
+            print(f"dcpc run: {what}{exc}", file=sys.stderr)
+            return 2
+        except DiagnosticError as exc:
+            for diagnostic in exc.diagnostics:
+                print(diagnostic.render(), file=sys.stderr)
+            return 2 if any(d.code == "io" for d in exc.diagnostics) else 1
+        print(format_report(report), flush=True)
+        records.append(report_record(report))
+        ok = ok and report.ok
+        for outcome in report.launch.outcomes:
+            if outcome.status == "error" and outcome.traceback:
+                if args.debug:
+                    print(f"--- rank {outcome.rank} traceback ---\n{outcome.traceback}",
+                          file=sys.stderr)
+                else:
+                    print(f"dcpc run: rank {outcome.rank} failed: {outcome.error}\n"
+                          "  hint: rerun with --debug for its traceback", file=sys.stderr)
+                break
+        if args.json:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ temporary directory; every child imports it from there (``dcpc.harness.worker``)
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ class RunConfig:
     hb: bool = False  # run the happens-before checker while compiling
     module_patch: tuple[tuple[str, str], ...] = ()  # (old, new) text edits: mutation tests
     sizes: dict[str, int] | None = None  # constructor sizes (maxima) instead of the small ones
+    device: str = "cpu"  # or "cuda": the compiled kernels (gpu_plan says how ranks map)
+    program_order: str = "natural"  # CPU: the interpreter's order of a launch's programs
 
     def worker_args(self, schedule_path: str, module_path: str) -> dict[str, Any]:
         return {
@@ -48,8 +51,49 @@ class RunConfig:
             "order": self.order, "timeout_s": self.wait_timeout_s,
             "epoch_start": self.epoch_start, "fault": self.fault, "programs": self.programs,
             **({"mesh": list(self.world.shape)} if isinstance(self.world, MeshWorld) else {}),
-            "sizes": self.sizes,
+            "sizes": self.sizes, "program_order": self.program_order,
         }
+
+
+class RunDeviceError(ValueError):
+    """``--device cuda`` where it cannot run (no GPU, a backend that runs on the CPU)."""
+
+
+GPU_ENV = {  # set before CUDA starts in a GPU run's process (dcpc.runtime.local)
+    "CUDA_MODULE_LOADING": "EAGER",  # a lazy module load while a peer's kernel spins hangs
+    "CUDA_DEVICE_MAX_CONNECTIONS": "32",  # a hardware queue per stream (W ranks x slots)
+    "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",  # multicast stays off
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def gpu_plan(config: RunConfig) -> str:
+    """How a ``--device cuda`` run places its ranks: ``"gpus"`` (one process per GPU, W
+    GPUs, the backend given or symm_mem) or ``"local"`` (W threads of one process on one
+    GPU, backend local); RunDeviceError when this machine cannot run it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RunDeviceError(
+            "--device cuda: no CUDA GPU is visible to torch here (torch "
+            f"{torch.__version__}, torch.cuda.is_available() is False); run on a machine "
+            "with a GPU, or drop --device to run the same kernels on CPU")
+    kinds = _kinds(config.backend)
+    if kinds == {"local"}:
+        return "local"
+    if kinds & {"host"}:
+        raise RunDeviceError(
+            "--device cuda: backend host runs the kernels under the CPU interpreter; use "
+            "--backend local (ranks as threads on one GPU), symm_mem or torch")
+    ranks = int(config.world)
+    if torch.cuda.device_count() >= ranks:
+        return "gpus"
+    if kinds == {"symm_mem"} and config.backend == "symm_mem":
+        return "local"  # the default: fewer GPUs than ranks, every rank on GPU 0
+    raise RunDeviceError(
+        f"--device cuda --backend {show_backend(config.backend)}: {ranks} ranks need "
+        f"{ranks} GPUs, this machine has {torch.cuda.device_count()}; --backend local runs "
+        "every rank as a thread on one GPU")
 
 
 @dataclass
@@ -61,6 +105,7 @@ class RunReport:
     ranks: list[RankReport] = field(default_factory=list)
     compile_s: float = 0.0
     sizes: dict[str, int] = field(default_factory=dict)  # the constructor sizes bound
+    gpu_plan: str = ""  # --device cuda: "local" (one GPU) or "gpus" (one per rank)
 
     @property
     def mismatches(self) -> int:
@@ -192,6 +237,7 @@ def sizes_line(sizes: dict[str, int], world: int) -> str:
 def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
     """Compile and run ``config``; ``announce(line)``, when given, hears the bound sizes
     before any rank starts."""
+    plan = gpu_plan(config) if config.device != "cpu" else ""  # refused before any work
     if _kinds(config.backend) & {"host"}:
         from dcpc.runtime.host import remove_orphan_segments
 
@@ -213,16 +259,25 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
         # a hang is no progress (no step started or finished on any rank) for longer than
         # a module's own wait lasts; a slow machine only makes the run longer
         stall = wait + 30
-        if _kinds(config.backend) == {"local"}:  # W threads of one process
+        if plan == "gpus":  # one process per GPU
+            env = {**os.environ, **GPU_ENV}
+            result = launch("dcpc.harness.worker:run_gpus", int(config.world),
+                            config.worker_args(used, module), timeout_s=timeout,
+                            grace_s=grace, stall_s=stall, env=env, interpret=False)
+        elif plan == "local" or _kinds(config.backend) == {"local"}:  # W threads, 1 process
             args = {**config.worker_args(used, module), "ranks": int(config.world),
                     "group_timeout_s": timeout}
+            if plan:
+                args.update(backend="local", device="cuda")
             result = _per_rank(launch("dcpc.harness.worker:run_local", 1, args,
-                                      timeout_s=timeout + 30, grace_s=grace), int(config.world))
+                                      timeout_s=timeout + 30, grace_s=grace,
+                                      env={**os.environ, **GPU_ENV} if plan else None,
+                                      interpret=not plan), int(config.world))
         else:
             result = launch("dcpc.harness.worker:run_rank", int(config.world),
                             config.worker_args(used, module), timeout_s=timeout, grace_s=grace,
                             stall_s=stall)
-    report = RunReport(config, name, result, compile_s=compile_s, sizes=sizes)
+    report = RunReport(config, name, result, compile_s=compile_s, sizes=sizes, gpu_plan=plan)
     for outcome in result.outcomes:
         if outcome.status != "ok":
             continue
@@ -264,12 +319,17 @@ def _count(n: int, what: str) -> str:
 
 def format_report(report: RunReport) -> str:
     c = report.config
+    on_gpu = c.device != "cpu"
+    where = "on the GPU" if on_gpu else "on CPU"
+    placed = (f"{c.world} threads of one process" if c.backend == "local" or report.gpu_plan
+              == "local" else f"{c.world} processes")
+    if on_gpu:
+        placed += ", one GPU" if report.gpu_plan == "local" else ", one GPU each"
+    backend = "local" if report.gpu_plan == "local" else show_backend(c.backend)
     lines = [
         f"schedule   {report.schedule_name} ({printable(c.schedule)})"
         + (f", LSE base {c.lse_base}" if c.lse_base else ""),
-        f"world      W={c.world} ("
-        + (f"{c.world} threads of one process" if c.backend == "local" else
-           f"{c.world} processes") + f"), backend {show_backend(c.backend)}, "
+        f"world      W={c.world} ({placed}), backend {backend}, "
         f"{_count(c.calls, 'call')}, "
         f"slot order {c.order}, seed {c.seed}",
         sizes_line(report.sizes, c.world),
@@ -285,9 +345,30 @@ def format_report(report: RunReport) -> str:
     if c.backend == "local" and report.ranks:
         cpu = max(r.cpu_s for r in report.ranks)
     lines.append(f"time       {report.ms_per_call:.1f} ms per call in the module "
-                 f"({show_backend(c.backend)} backend on CPU), {report.launch.wall_s:.1f} s "
+                 f"({backend} backend {where}), {report.launch.wall_s:.1f} s "
                  f"wall, {cpu:.1f} s CPU over all ranks, compile {report.compile_s:.2f} s")
     lines += [f"error      {e}" for e in report.errors()]
     lines.append(f"result     {'OK: every output matches' if report.ok else 'FAILED'}"
                  f" ({report.mismatches} mismatches)")
     return "\n".join(lines)
+
+
+def report_record(report: RunReport) -> dict[str, Any]:
+    """One run as plain data (``dcpc run --json``, the GPU conformance suite)."""
+    c = report.config
+    return {
+        "schedule": report.schedule_name, "file": str(c.schedule), "world": str(c.world),
+        "device": c.device, "placement": report.gpu_plan or (
+            "threads" if c.backend == "local" else "processes"),
+        "backend": "local" if report.gpu_plan == "local" else show_backend(c.backend),
+        "calls": c.calls, "seed": c.seed, "order": c.order, "programs": c.programs,
+        "sizes": report.sizes, "ok": report.ok, "mismatches": report.mismatches,
+        "status": "ok" if report.ok else ("mismatch" if report.launch.ok else
+                                          ",".join(sorted({o.status for o in
+                                                           report.launch.outcomes
+                                                           if o.status != "ok"}))),
+        "outputs": {name: {"compared": s.compared, "mismatches": s.mismatches,
+                           "max_abs_err": s.max_abs_err, "first": s.first_mismatch}
+                    for name, s in report.outputs.items()},
+        "errors": report.errors()[:8], "wall_s": round(report.launch.wall_s, 2),
+    }

@@ -14,6 +14,7 @@ module-owned (symmetric) buffers included, into the module's own memory.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from dcpc.harness.simulate import (
 from dcpc.lang import model as m
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
+from dcpc.runtime.local import sync_stream, to_host
 
 CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
 MOVES = (m.AllGather, m.AllToAll, m.Copy, m.Shift, m.RaggedAllToAll, m.Broadcast)  # bit-exact
@@ -103,7 +105,7 @@ def compare(
     sent (the reference holds NaN there, so that a reader of them mismatches downstream):
     those elements are not compared."""
     stats.compared += 1
-    got = got.detach().to("cpu", torch.float64)
+    got = _host(got.detach()).to(torch.float64)
     if ragged and tuple(got.shape) == tuple(want.shape):
         got = torch.where(torch.isnan(want), want, got)
     if tuple(got.shape) != tuple(want.shape):
@@ -129,8 +131,19 @@ def compare(
             f"{float(want[index])} ({int((~ok).sum())} elements off, max abs err {max_err:.3g})")
 
 
-def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor) -> torch.Tensor:
-    return value.to(TORCH_DTYPES[schedule.buffers[name].dtype.value]).contiguous()
+def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor,
+               device: torch.device | None = None) -> torch.Tensor:
+    """``value`` as the engine holds ``name``: its dtype, contiguous, on ``device``."""
+    value = value.to(TORCH_DTYPES[schedule.buffers[name].dtype.value]).contiguous()
+    if device is None or device.type == "cpu" or value.device == device:
+        return value
+    sync_stream(device)  # never a pageable copy behind a kernel that may spin (to_host)
+    return value.to(device)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU; from a GPU only after this rank's stream is done (see to_host)."""
+    return to_host(t) if t.device.type != "cpu" else t
 
 
 def _module_owned(module: Any, name: str) -> bool:
@@ -159,15 +172,28 @@ def run_rank(
     group: Any = None,
     mesh: list[int] | None = None,
     sizes: dict[str, int] | None = None,
+    device: str = "cpu",
+    sims: dict[int, Any] | None = None,
+    program_order: str = "natural",
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
-    group of this process. ``mesh``: the mesh shape of a schedule with ``mesh:``."""
+    group of this process. ``mesh``: the mesh shape of a schedule with ``mesh:``.
+    ``device``: where the module, its inputs and the engine steps' values live (the
+    float64 simulation stays on the CPU); on a GPU every kernel's error record is read
+    after each call, so a failed wait is named at the call that made it. ``sims``: the
+    simulated calls by call index, shared between two passes over the same calls (the
+    GPU warm-up). ``program_order``: the order in which the CPU interpreter takes the
+    programs of a launch (dcpc.harness.interpret)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     if mesh:
         world = MeshWorld(mesh)
     # -inf LSEs of empty shards make numpy warn inside the interpreter: expected, not news
     warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
+    if device == "cpu" and program_order != "natural":
+        from dcpc.harness.interpret import program_order as order_programs
+
+        order_programs(program_order, seed)
     schedule = parse_file(schedule_path, world=world)
     steps = schedule.step_list()
     cls = load_module_class(module_path, schedule.schedule)
@@ -184,7 +210,8 @@ def run_rank(
     progress("construction")
     if strike is not None:  # step CONSTRUCT: the rank stops before it constructs
         strike.strike(rank, 0, CONSTRUCT)
-    module = cls(dist.group.WORLD if group is None else group, sizes=ctor, device="cpu",
+    dev = torch.device(device)
+    module = cls(dist.group.WORLD if group is None else group, sizes=ctor, device=dev,
                  backend=backend, **kwargs)
     jitter = adversary.Jitter(seed, rank, jitter_s, jitter_p)
     report = RankReport(rank, calls)
@@ -199,13 +226,18 @@ def run_rank(
     live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
     for event in adversary.plan_events(schedule, calls, order, seed):
         if event.call not in live:
-            sizes = synth.call_sizes(schedule, world, ctor, seed, event.call)
-            inputs = synth.call_inputs(schedule, world, sizes, seed, event.call)
-            external = synth.make_external(schedule, world, sizes, seed, event.call)
-            trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
-            simulate_call(schedule, world, sizes, inputs, external, trace=trace,
-                          rounding=rounding)
-            env = {k: _to_engine(schedule, k, v) for k, v in inputs[rank].items()}
+            if sims is not None and event.call in sims:
+                sizes, inputs, external, trace = sims[event.call]
+            else:
+                sizes = synth.call_sizes(schedule, world, ctor, seed, event.call)
+                inputs = synth.call_inputs(schedule, world, sizes, seed, event.call)
+                external = synth.make_external(schedule, world, sizes, seed, event.call)
+                trace = []  # per step: what it wrote, on every rank
+                simulate_call(schedule, world, sizes, inputs, external, trace=trace,
+                              rounding=rounding)
+                if sims is not None:
+                    sims[event.call] = (sizes, inputs, external, trace)
+            env = {k: _to_engine(schedule, k, v, dev) for k, v in inputs[rank].items()}
             live[event.call] = (trace, env, external, sizes)
         trace, env, external, sizes = live[event.call]
         step = steps[event.step]
@@ -228,9 +260,9 @@ def run_rank(
                             report.outputs.setdefault(key, OutputStats()), where,
                             ragged=name in ragged)
                 env[name] = got
-            seen = {k: v.to(torch.float64) for k, v in env.items()}
+            seen = {k: _host(v).to(torch.float64) for k, v in env.items()}
             for name, value in external(step, rank, seen).items():
-                value = _to_engine(schedule, name, value)
+                value = _to_engine(schedule, name, value, dev)
                 if _module_owned(module, name):  # into the module's memory, as an engine would
                     target = module.buffer(name, event.slot, sizes)
                     target.copy_(value)
@@ -245,6 +277,8 @@ def run_rank(
             t0 = time.perf_counter()
             result = method(*args, slot=event.slot, **bind)
             report.module_s += time.perf_counter() - t0
+            if dev.type == "cuda":  # the kernels' error record (a sync): named at its call
+                module.check_errors()
             values = [] if result is None else list(result) if isinstance(
                 result, (tuple, list)) else [result]
             names = returned_names(step.op)
@@ -273,11 +307,39 @@ def run_rank(
     return report
 
 
-def run_local(process: int, processes: int, *, ranks: int, **args: Any) -> list[RankReport]:
-    """Backend ``local``: all ``ranks`` as threads of this one process (LocalGroup on the
-    CPU), each running ``run_rank``; their reports, by rank."""
-    from dcpc.runtime.local import LocalGroup
+def run_local(process: int, processes: int, *, ranks: int, device: str = "cpu",
+              **args: Any) -> list[RankReport]:
+    """Backend ``local``: all ``ranks`` as threads of this one process (a LocalGroup on
+    ``device``), each running ``run_rank``; their reports, by rank.
+
+    On a GPU the ranks share one CUDA context, and a kernel compiled or loaded while a
+    peer's kernel spins can hang the device: each rank first makes every call of the run
+    inside ``compile_only`` (every kernel of every size variant compiled and loaded,
+    nothing launched; the module files are imported once per process), then every rank
+    meets, then the run proper starts. A failed wait records its error instead of
+    trapping (DCPC_TRAP=0): a trap would end every rank of the process and the record."""
+    from dcpc.runtime.local import LocalGroup, compile_only
 
     del process, processes  # one process, launched alone
-    group = LocalGroup(ranks, "cpu", timeout_s=float(args.pop("group_timeout_s", 600.0)))
-    return group.run(lambda rank: run_rank(rank.rank, ranks, group=rank, **args))
+    group = LocalGroup(ranks, device, timeout_s=float(args.pop("group_timeout_s", 600.0)))
+    if group.device.type == "cpu":
+        return group.run(lambda rank: run_rank(rank.rank, ranks, group=rank, **args))
+    os.environ["DCPC_TRAP"] = "0"
+    sims: list[dict[int, Any]] = [{} for _ in range(ranks)]  # each rank's, both passes
+
+    def body(rank: Any) -> RankReport:
+        with compile_only():
+            run_rank(rank.rank, ranks, group=rank, device=str(group.device),
+                     sims=sims[rank.rank], **args)
+        rank.barrier()
+        return run_rank(rank.rank, ranks, group=rank, device=str(group.device),
+                        sims=sims[rank.rank], **args)
+
+    return group.run(body)
+
+
+def run_gpus(rank: int, world: int, **args: Any) -> RankReport:
+    """One rank per GPU (W processes, W GPUs): this process's rank on GPU ``rank`` with
+    torch symmetric memory (backend symm_mem), or the given per-axis backends."""
+    torch.cuda.set_device(rank)
+    return run_rank(rank, world, device=f"cuda:{rank}", **args)

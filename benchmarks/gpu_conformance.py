@@ -1,0 +1,259 @@
+"""The GPU conformance suite: every schedule, run on a real GPU, against float64.
+
+Every file in schedules/, schedules/gallery/ and schedules/ops/ runs through
+`dcpc run --device cuda` (the harness `dcpc run` uses on CPU, with the compiled kernels:
+backend local, W ranks as threads of one process on one GPU, every kernel compiled and
+loaded before any rank launches) at W = 2, 4, 8 (mesh schedules at 2x2, 2x4, 4x2),
+REPEAT runs each (seeds 0, 1, ...), two slots interleaved where a schedule has two,
+random per-call sizes up to a maximum that is a multiple of 16 (call 0 at it, call 1 at
+1, the others random: non-multiples of 16 included), the module's own tuning (several
+programs per launch), poisoned memory. JOBS cases run at once, so every case shares the
+GPU with other GPU processes (the contention that showed races on 2026-12-04).
+
+    python3 -m benchmarks.gpu_conformance --out DIR [--jobs 6] [--repeat 3] [FILE ...]
+
+Writes DIR/gpu_conformance_<commit>.json (one record per schedule, world and repeat:
+status, mismatches, first mismatch, errors) and DIR/gpu_conformance_<commit>.md (a
+table). Exit 0 only when every case ran clean. Without a GPU every case fails at once
+with dcpc run's own message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAIN_WORLDS = ["2", "4", "8"]
+MESH_WORLDS = ["2x2", "2x4", "4x2"]
+SIZE_MAX = 32  # the largest per-call size: a multiple of 16 (Triton specialises on it)
+
+
+def schedule_files() -> list[Path]:
+    return [p for folder in ("schedules", "schedules/gallery", "schedules/ops")
+            for p in sorted((ROOT / folder).glob("*.yaml"))]
+
+
+def _claimed(path: Path) -> list[str] | None:
+    """The worlds a file's `# check:` header claims (None: no header)."""
+    found = re.search(r"^# check: (.+)$", path.read_text(), re.M)
+    if not found:
+        return None
+    from dcpc.lang.mesh import parse_shapes
+
+    out: list[str] = []
+    for part in found.group(1).split():
+        if "x" in part:
+            out += [str(s) for s in parse_shapes(part, 1024)]
+        else:
+            lo, _, hi = part.partition("..")
+            out += [str(w) for w in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def cases(files: list[Path]) -> list[dict[str, Any]]:
+    """(file, world, sizes, order) for every file and the worlds the suite runs."""
+    from dcpc.lang.mesh import MeshWorld
+    from dcpc.lang.parse import parse_file
+
+    out = []
+    for path in files:
+        mesh = bool(re.search(r"^mesh:", path.read_text(), re.M))
+        schedule = parse_file(path, world=MeshWorld([2, 2]) if mesh else 2)
+        worlds = MESH_WORLDS if mesh else PLAIN_WORLDS
+        claimed = _claimed(path)
+        if claimed is not None:
+            worlds = [w for w in worlds if w in claimed]
+        axes = {str(v) for v in (getattr(schedule, "mesh", None) or {}).values()}
+        sizes = {name: min(spec.max, SIZE_MAX) for name, spec in schedule.sizes.items()
+                 if not isinstance(spec, int) and spec.max is not None and name not in axes}
+        slots = schedule.slots
+        for world in worlds:
+            out.append({"file": str(path.relative_to(ROOT)), "world": world, "sizes": sizes,
+                        "order": "interleaved" if slots >= 2 else "sequential"})
+    return out
+
+
+def run_case(case: dict[str, Any], repeat: int, calls: int, wait_s: float, timeout_s: float,
+             tmp: Path, device: str = "cuda") -> list[dict[str, Any]]:
+    """One file at one world, REPEAT runs: the records of `dcpc run --json`."""
+    tag = f"{Path(case['file']).stem}_{case['world']}"
+    out = tmp / f"{tag}.json"
+    base = [sys.executable, "-m", "dcpc", "run", case["file"], "--device", device,
+            "--backend", "local", "--world", case["world"], "--calls", str(calls),
+            "--repeat", str(repeat), "--order", case["order"], "--jitter-ms", "0.5",
+            "--wait-timeout", str(wait_s), "--timeout", str(timeout_s), "--json", str(out),
+            "--debug"]
+    tries = [base + (["--sizes", ",".join(f"{k}={v}" for k, v in case["sizes"].items())]
+                     if case["sizes"] else []), base]
+    t0 = time.monotonic()
+    text, code = "", 0
+    for cmd in tries:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                                  timeout=timeout_s * repeat + 120)
+            text, code = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as exc:
+            text, code = f"killed after {exc.timeout:.0f} s\n{exc.stdout or ''}", -9
+        if not (code == 2 and "--sizes" in text):
+            break  # sizes the schedule refuses: once more with the harness's own
+    records = json.loads(out.read_text()) if out.exists() else []
+    if not records and code == 0:
+        code = -1  # no record written: say so below
+    for r in records:
+        r["case"] = case
+    if code != 0 and (not records or all(r["ok"] for r in records)):
+        records.append({"case": case, "ok": False, "status": f"exit {code}",
+                        "schedule": Path(case["file"]).stem, "world": case["world"],
+                        "errors": [text[-3000:]], "outputs": {}, "mismatches": 0})
+    for r in records:
+        r["case_s"] = round(time.monotonic() - t0, 1)
+        if not r["ok"]:
+            r["log_tail"] = text[-4000:]
+    return records
+
+
+def table(records: list[dict[str, Any]], commit: str, device: str, wall_s: float) -> str:
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in records:
+        rows.setdefault(r["case"]["file"], {}).setdefault(r["case"]["world"], []).append(r)
+    worlds = PLAIN_WORLDS + MESH_WORLDS
+    clean = sum(r["ok"] for r in records)
+    lines = [f"# GPU conformance at {commit}", "",
+             f"{time.strftime('%Y-%m-%d')}, {device}, `python3 -m benchmarks.gpu_conformance`: "
+             f"{clean} of {len(records)} runs clean, {wall_s:.0f} s. Each cell: clean runs of "
+             "the repeats (backend local, W ranks as threads on one GPU, other cases "
+             "running beside it).", "",
+             "| schedule | " + " | ".join(worlds) + " |",
+             "| --- | " + " | ".join("---" for _ in worlds) + " |"]
+    for file, by_world in rows.items():
+        cells = []
+        for w in worlds:
+            got = by_world.get(w)
+            if not got:
+                cells.append("")
+                continue
+            ok = sum(r["ok"] for r in got)
+            cell = f"{ok}/{len(got)}"
+            if ok < len(got):
+                bad = next(r for r in got if not r["ok"])
+                cell += f" **{bad.get('status', 'fail')}**"
+            cells.append(cell)
+        lines.append(f"| {file} | " + " | ".join(cells) + " |")
+    failures = [r for r in records if not r["ok"]]
+    if failures:
+        lines += ["", "## Failures (first of each case)", ""]
+        seen = set()
+        for r in failures:
+            key = (r["case"]["file"], r["case"]["world"])
+            if key in seen:
+                continue
+            seen.add(key)
+            firsts = [f"{k}: {v['first']}" for k, v in r.get("outputs", {}).items()
+                      if v.get("first")]
+            what = "; ".join(firsts) or "; ".join(r.get("errors", []))[:600]
+            lines.append(f"- {key[0]} at {key[1]} (seed {r.get('seed', '?')}): "
+                         f"{what[:800]}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="*", help="schedule files (default: every one)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--jobs", type=int, default=6, help="cases at once (default 6)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--worlds", default=None, help="only these worlds, e.g. 2,4,2x2")
+    ap.add_argument("--wait-timeout", type=float, default=20.0)
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
+    ap.add_argument("--deadline", type=float, default=520.0,
+                    help="start no case after this many seconds (default 520)")
+    a = ap.parse_args(argv)
+    files = [Path(f).resolve() for f in a.files] or schedule_files()
+    todo = cases(files)
+    if a.worlds:
+        keep = set(a.worlds.split(","))
+        todo = [c for c in todo if c["world"] in keep]
+    # the biggest worlds first: they take longest
+    todo.sort(key=lambda c: -eval_world(c["world"]))
+    commit = os.environ.get("COMMIT") or _git_commit()
+    device = _device_name()
+    start = time.monotonic()
+    records: list[dict[str, Any]] = []
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"gpu_conformance: {len(todo)} cases x {a.repeat} runs, {a.jobs} at once, on "
+          f"{device}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="dcpc-conf-") as tmp, \
+            ThreadPoolExecutor(a.jobs) as pool:
+
+        def one(case: dict[str, Any]) -> list[dict[str, Any]]:
+            if time.monotonic() - start > a.deadline:
+                return [{"case": case, "ok": False, "status": "not run (deadline)",
+                         "schedule": Path(case["file"]).stem, "world": case["world"],
+                         "errors": [], "outputs": {}, "mismatches": 0}]
+            got = run_case(case, a.repeat, a.calls, a.wait_timeout, a.timeout, Path(tmp),
+                           a.device)
+            bad = [r for r in got if not r["ok"]]
+            print(f"{'ok  ' if not bad else 'FAIL'} {case['file']} W={case['world']} "
+                  f"{len(got) - len(bad)}/{len(got)} {got[0].get('case_s', '')} s"
+                  + (f"  {bad[0].get('status')}: " + json.dumps(
+                      {k: v['first'] for k, v in bad[0].get('outputs', {}).items()
+                       if v.get('first')} or bad[0].get('errors', [])[:1])[:400]
+                     if bad else ""), flush=True)
+            return got
+
+        for got in pool.map(one, todo):
+            records.extend(got)
+    wall = time.monotonic() - start
+    name = f"gpu_conformance_{commit}"
+    (out / f"{name}.json").write_text(json.dumps(
+        {"commit": commit, "device": device, "date": time.strftime("%Y-%m-%d"),
+         "wall_s": round(wall, 1), "repeat": a.repeat, "calls": a.calls,
+         "records": records}, indent=1))
+    (out / f"{name}.md").write_text(table(records, commit, device, wall))
+    clean = all(r["ok"] for r in records)
+    print(f"gpu_conformance: {sum(r['ok'] for r in records)}/{len(records)} clean in "
+          f"{wall:.0f} s -> {out / name}.md", flush=True)
+    return 0 if clean else 1
+
+
+def eval_world(world: str) -> int:
+    n = 1
+    for part in world.split("x"):
+        n *= int(part)
+    return n
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=ROOT, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+    except ImportError:
+        pass
+    return "no GPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
