@@ -69,3 +69,47 @@ def test_a_negative_count_raises_on_the_torch_backend() -> None:
             collectives.SlotGroup(None, 0, 0, None), torch.randn(1, 4, 8),
             torch.tensor([-1], dtype=torch.int32), dst, torch.zeros(1, dtype=torch.int32),
             4, 1, "move")
+
+
+ROUTED = """\
+schedule: routed
+doc: an engine step (the router) writes the counts a ragged all_to_all reads
+sizes: {C: {max: 4}, H: 16}
+buffers:
+  logits: {shape: [W, C, H], dtype: bf16}
+  x_send: {shape: [W, C, H], dtype: bf16}
+  counts: {shape: [W], dtype: i32}
+  x_recv: {shape: [W, C, H], dtype: bf16, symmetric: true}
+  n_recv: {shape: [W], dtype: i32, symmetric: true}
+steps:
+  - route:    {op: external, reads: [logits], writes: [x_send, counts]}
+  - dispatch: {op: ragged_all_to_all, src: x_send, dst: x_recv, counts: counts,
+               recv_counts: n_recv, capacity: C}
+  - experts:  {op: external, reads: [x_recv, n_recv]}
+"""
+
+
+def test_counts_an_engine_step_writes_are_drawn_within_their_capacity(tmp_path: Path) -> None:
+    """`dcpc run`'s synthetic engine step writes counts as an engine would, 0..capacity
+    (it drew them as random floats: -2 ended the run in the simulator), and the run is
+    clean."""
+    from dcpc.harness import synth
+    from dcpc.harness.run import RunConfig, run_schedule
+    from dcpc.lang.parse import parse_text
+
+    schedule = parse_text(ROUTED, "routed.yaml")
+    route = schedule.step_list()[0]
+    seen = []
+    for call in range(12):
+        sizes = synth.call_sizes(schedule, 3, {"C": 4}, 0, call)
+        inputs = synth.call_inputs(schedule, 3, sizes, 0, call)
+        for rank in range(3):
+            counts = synth.make_external(schedule, 3, sizes, 0, call)(
+                route, rank, {k: v.double() for k, v in inputs[rank].items()})["counts"]
+            assert 0 <= int(counts.min()) and int(counts.max()) <= sizes["C"], counts
+            seen += counts.tolist()
+    assert len(set(seen)) > 2  # not one constant
+    path = tmp_path / "routed.yaml"
+    path.write_text(ROUTED)
+    report = run_schedule(RunConfig(str(path), world=2, calls=4))
+    assert report.ok, report.errors()

@@ -149,9 +149,6 @@ def call_inputs(
             lengths = torch.stack([local_seq_len(lengths, p, world, 1) for p in range(world)], 1)
         shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
     scales = {getattr(s.op, "output_scale", None) for s in schedule.step_list()} - {None}
-    capacities = ragged_capacities(schedule, sizes)
-    indexes = {s.op.index: s for s in schedule.step_list()  # type: ignore[attr-defined]
-               if s.kind == "weighted_combine" and s.op.index is not None}  # type: ignore[attr-defined]
     out: list[Buffers] = []
     for rank in range(world):
         bufs: Buffers = {}
@@ -161,19 +158,31 @@ def call_inputs(
                 continue
             gen = torch.Generator().manual_seed(_mix(seed, call, rank, index))
             shape = buffer_shape(schedule, name, sizes)
-            if name in capacities:  # a ragged all_to_all's row counts: 0..capacity
-                value = torch.randint(0, capacities[name] + 1, shape, generator=gen)
-            elif name in indexes:  # a weighted combine's rows: live ones, some empty slots
-                value = combine_index(schedule, indexes[name], sizes, bufs, capacities, gen)
-            elif name in scales:  # an fp8 output's scale: positive, and overflows some values
+            if name in scales:  # an fp8 output's scale: positive, and overflows some values
                 value = 0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:
-                value = torch.randint(0, 100, shape, generator=gen, dtype=torch.int64)
+                value = int_value(schedule, name, sizes, bufs, gen)
             bufs[name] = as_stored(schedule, name, value)
         out.append(bufs)
     return out
+
+
+def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
+              gen: torch.Generator) -> torch.Tensor:
+    """An integer buffer's values within what the ops that read it declare: a ragged
+    all_to_all's row counts in 0..capacity, a weighted combine's index rows that exist
+    (some -1), anything else 0..99. The same for an engine input and for what an engine
+    step writes (an engine writes counts within their capacity)."""
+    shape = buffer_shape(schedule, name, sizes)
+    capacities = ragged_capacities(schedule, sizes)
+    if name in capacities:  # a ragged all_to_all's row counts: 0..capacity
+        return torch.randint(0, capacities[name] + 1, shape, generator=gen)
+    for step in schedule.step_list():  # a weighted combine's rows: live ones, some empty
+        if step.kind == "weighted_combine" and step.op.index == name:  # type: ignore[attr-defined]
+            return combine_index(schedule, step, sizes, bufs, capacities, gen)
+    return torch.randint(0, 100, shape, generator=gen, dtype=torch.int64)
 
 
 def ragged_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
@@ -233,6 +242,9 @@ def make_external(
         for name in op.writes:
             shape = buffer_shape(schedule, name, env)
             three = x is not None and x.dim() == 3  # [T, H, D]-like: attention's input
+            if not schedule.buffers[name].dtype.is_float:  # counts, indexes: in bounds
+                writes[name] = int_value(schedule, name, env, bufs, gen)
+                continue
             if three and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
                 cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]
                 value = torch.tanh(x[:, :, cols] * (0.5 + 0.1 * rank) + 0.05 * rank)

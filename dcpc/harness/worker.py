@@ -146,6 +146,17 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return to_host(t) if t.device.type != "cpu" else t
 
 
+def _kind_of_writer(steps: list[m.Step], before: int, name: str) -> str:
+    """How a buffer an engine step reads is compared: "move" (bit for bit) when the last
+    step before ``before`` that wrote it moves data (or is an engine step: its values are
+    stored as they are), "math" (its dtype's tolerance) when an op computed it (a sum
+    read again is still a sum)."""
+    for step in reversed(steps[:before]):
+        if name in synth.op_io(step.op)[1]:
+            return "move" if isinstance(step.op, (*MOVES, m.External)) else "math"
+    return "move"
+
+
 def _module_owned(module: Any, name: str) -> bool:
     """The module allocates ``name`` (symmetric, or a persistent output it returns)."""
     table = getattr(module, "BUFFERS", {})
@@ -256,7 +267,8 @@ def run_rank(
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
                     # a method's output read again by the engine: counted on its own
                     key = f"{name}@{step.name}" if name in returned else name
-                    compare(name, "move", schedule.buffers[name].dtype.value, got, want,
+                    compare(name, _kind_of_writer(steps, step.index, name),
+                            schedule.buffers[name].dtype.value, got, want,
                             report.outputs.setdefault(key, OutputStats()), where,
                             ragged=name in ragged)
                 env[name] = got
