@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the fast launcher's Python too (stand-ins for Triton's driver)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from benchmarks.support.modules import DECODE, STEPS, bind, run_steps
+    from benchmarks.support.modules import bind, run_steps
     from benchmarks.support.reference import case_inputs, make_case, plain_layout
+    from benchmarks.support.steps import DECODE, STEPS
     from dcpc.runtime.loading import import_file, schedule_class
     from dcpc.runtime.local import LocalGroup
 

@@ -15,8 +15,9 @@ from benchmarks.support.baselines import nccl_a2a_fused, nccl_agrs_fused, nccl_g
 from benchmarks.support.checking import score as _score
 from benchmarks.support.checking import snapshotter as _snapshotter
 from benchmarks.support.context import Ctx, GpuStuck, barrier, go, sync, warm
-from benchmarks.support.modules import DECODE, Registry, run_steps
+from benchmarks.support.modules import Registry, run_steps
 from benchmarks.support.reference import Ref, bad_count, case_inputs, case_refs, kv_case, make_case
+from benchmarks.support.steps import DECODE
 
 KV_ROWS = (1, 7, 1000)
 

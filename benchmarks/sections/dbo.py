@@ -11,8 +11,9 @@ from benchmarks.support.checking import layout_table as _layout_table
 from benchmarks.support.checking import on_stream as _on
 from benchmarks.support.checking import snapshotter as _snapshotter
 from benchmarks.support.context import Ctx, GpuStuck, barrier, go, side_stream, sync, warm
-from benchmarks.support.modules import DECODE, STEPS, Registry, step_caller
+from benchmarks.support.modules import Registry, step_caller
 from benchmarks.support.reference import Ref, bad_count, case_inputs, case_refs, make_case
+from benchmarks.support.steps import DECODE, STEPS
 
 POOL = 4  # distinct cases per slot and configuration, taken in turn
 

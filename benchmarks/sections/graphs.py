@@ -12,8 +12,9 @@ import torch
 from benchmarks.support.checking import layout_table as _layout_table
 from benchmarks.support.checking import snapshotter as _snapshotter
 from benchmarks.support.context import Ctx, GpuStuck, barrier, capture, go, side_stream, sync, warm
-from benchmarks.support.modules import DECODE, Registry, run_steps
+from benchmarks.support.modules import Registry, run_steps
 from benchmarks.support.reference import Ref, bad_count, case_inputs, case_refs, kv_case, make_case
+from benchmarks.support.steps import DECODE
 
 POOL = 8  # distinct cases per configuration (each one's float64 references, made once)
 

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.support.modules import DECODE, STEPS, Registry, run_steps, step_caller
+from benchmarks.support.modules import Registry, run_steps, step_caller
 from benchmarks.support.reference import case_inputs, make_case, plain_layout
+from benchmarks.support.steps import DECODE, STEPS
 
 # generated method -> what it replaces (the anchor's name in the results)
 ANCHOR = {

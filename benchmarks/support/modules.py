@@ -3,7 +3,7 @@
 A step method's arguments are the engine-owned buffers it reads, named after the
 schedule's buffers (docs/internals.md); this file binds them from a dict by name, so a
 change of argument order in the generator does not silently swap tensors. What each step
-writes (and so what it returns, in order) is listed in ``STEPS``.
+writes (and so what it returns, in order) is listed in ``benchmarks.support.steps``.
 """
 
 from __future__ import annotations
@@ -16,18 +16,7 @@ from typing import Any
 
 import torch
 
-# schedule -> [(step, buffers it returns, in order)], program order, external steps left out
-STEPS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "kimi_k3_dcp": [("query_gather", ("q_full",)), ("out_exchange", ("o_recv", "lse_recv")),
-                    ("merge", ("out",))],
-    "kimi_k3_dcp_fused": [("query_gather", ("q_full",)), ("combine", ("out", "out_lse"))],
-    "kimi_k3_dcp_staging": [("query_gather", ("q_stage",)), ("query_copy", ("q_full",)),
-                            ("out_exchange", ("o_recv", "lse_recv")), ("merge", ("out",))],
-    "kimi_k3_dcp_ag_rs": [("query_gather", ("q_full",)), ("lse_gather", ("lse_all",)),
-                          ("correct", ("o_corr",)), ("out_scatter", ("out",))],
-    "kv_gather": [("kv_gather", ("kv_full",)), ("release", ())],
-}
-DECODE = ("kimi_k3_dcp", "kimi_k3_dcp_fused", "kimi_k3_dcp_staging", "kimi_k3_dcp_ag_rs")
+from benchmarks.support.steps import STEPS
 
 
 def load_class(modules_dir: Path, schedule: str) -> type:

@@ -161,7 +161,7 @@ def case_refs(case: DecodeCase, rank: int, schedule: str = "") -> dict[str, Ref]
     buffers ``schedule`` writes when it is one of benchmarks.support.modules.STEPS; each
     its own copy, so that a pool of cases does not keep whole cases alive: at W=8,
     H=128, T=512 a case is 0.6 GB, and views of it ran one H200 out of memory in DBO)."""
-    from benchmarks.support.modules import STEPS
+    from benchmarks.support.steps import STEPS
 
     T, H, W = case.T, case.H, case.W
     hl = H // W
