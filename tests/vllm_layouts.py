@@ -1,5 +1,5 @@
 """Stand-ins for vLLM's DCP modules with the names, module paths and signatures of
-vLLM's git main (tests/test_engines_vllm_main.py).
+vLLM's git main (tests/test_engines_vllm_pr52239.py).
 
 Excerpted from vllm-project/vllm, vllm/v1/attention/ops/dcp_utils.py (the snapshot of
 git main after commit 1d57ea3a that has MLADCPKVGather: the index holds it without its
