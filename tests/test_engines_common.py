@@ -182,16 +182,21 @@ def test_workspace_tokens_without_vllm():
     assert V.get_dcp_workspace_max_num_tokens(cfg) == 100
 
 
-def test_workspace_tokens_with_parallel_drafting_follow_vllm():
-    """vLLM's own test of parallel drafting: 4 sequences, 3 speculative tokens -> 28
-    (1 + 2 * 3 tokens per sequence); without parallel drafting 16."""
-    spec = SimpleNamespace(num_speculative_tokens=3, parallel_drafting=True)
+def test_workspace_tokens_with_drafting_slots_follow_vllm_0_34():
+    """vLLM 0.34.0's formula without vLLM: tokens per sequence = max(1 + k,
+    max_decode_query_len) with max_decode_query_len = 1 + k + the speculator's extra
+    drafting slots: 4 sequences, k = 3, 3 slots -> 28; no slots -> 16. parallel_drafting
+    (0.33.0's 1 + 2k) is deprecated in 0.34.0 with no effect: it changes nothing."""
+    spec = SimpleNamespace(num_speculative_tokens=3, parallel_drafting=True,
+                           max_num_new_slots_for_drafting=3)
     cfg = SimpleNamespace(
         speculative_config=spec, num_speculative_tokens=3,
         scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=4),
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=None))
     assert V.get_dcp_workspace_max_num_tokens(cfg) == 28
-    spec.parallel_drafting = False
+    spec.max_num_new_slots_for_drafting = 0
+    assert V.get_dcp_workspace_max_num_tokens(cfg) == 16
+    del spec.max_num_new_slots_for_drafting  # a config without the field: no slots
     assert V.get_dcp_workspace_max_num_tokens(cfg) == 16
 
 

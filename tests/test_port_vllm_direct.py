@@ -36,11 +36,15 @@ def _manager_config(dcp_comm_backend: str = "a2a") -> SimpleNamespace:
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=0))
 
 
-def test_dcp_workspace_covers_parallel_drafting():
+def test_dcp_workspace_covers_drafting_slots():
+    """vLLM's test of the parallel-drafting workspace (28 tokens for 4 sequences, k = 3),
+    as vLLM 0.34.0 states it: parallel drafting is deprecated there (no effect) and the
+    drafting slots are the speculator's max_num_new_slots_for_drafting."""
     config = _manager_config()
     config.scheduler_config.max_num_batched_tokens = 128
     config.num_speculative_tokens = 3
-    config.speculative_config = SimpleNamespace(parallel_drafting=True)
+    config.speculative_config = SimpleNamespace(num_speculative_tokens=3,
+                                                max_num_new_slots_for_drafting=3)
     assert V.get_dcp_workspace_max_num_tokens(config) == 28
 
 
