@@ -85,7 +85,7 @@ def test_the_adapters_take_mains_signatures(theirs, ours):
         elif callable(value):
             assert _params(mine[name])[: len(_params(value))] == _params(value), name
     assert _params(ours.__init__)[: len(_params(theirs.__init__))] == _params(theirs.__init__)
-    for fn in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce"):  # main's extra keywords: **kwargs
+    for fn in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce"):  # the PR's extra keywords: **kwargs
         V_params = inspect.signature(getattr(V, fn)).parameters
         assert all(p in V_params or any(q.kind == q.VAR_KEYWORD for q in V_params.values())
                    for p in inspect.signature(getattr(L, fn)).parameters), fn
@@ -149,9 +149,9 @@ def test_a_vllm_module_that_fails_to_import_leaves_vllms_path(vllm_main, monkeyp
         is vllm_main["orig"]["MLADCPManager"]
 
 
-# ---- main's KV gather on dcpc's kernels (local backend) -------------------------------------
+# ---- PR #52239's KV gather on dcpc's kernels (local backend) ---------------------------------
 def _maps(world: int) -> tuple[list[list[int]], int]:
-    """Per rank, local row -> compact row (-1: padding). W = 2: vLLM main's own example
+    """Per rank, local row -> compact row (-1: padding). W = 2: the PR's own example
     (test_dcp_final_layout_dst_rows_maps_padding_and_continuations); W = 3: a shuffled
     map of the same shape (5 local rows, some padding)."""
     if world == 2:
@@ -194,7 +194,7 @@ def _kv_rank(rank, world: int, dtype: torch.dtype, manager: bool) -> dict:
     local = _locals(world, rows, dtype)
     r = rank.rank
     capacity = world * 8
-    if manager:  # main's MLADCPManager: the KV gather of MLADCPKVGather (the combine and
+    if manager:  # the PR's MLADCPManager: the KV gather of MLADCPKVGather (the combine and
         m = MLADCPManagerPR52239(None, "cpu", 2, 16, 16, torch.bfloat16, torch.bfloat16,  # query
                               group=rank, max_num_tokens=8, num_ubatches=1,  # gather off)
                               comm_backend="a2a")

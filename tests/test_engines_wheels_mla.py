@@ -449,3 +449,20 @@ def test_chunked_context_kv_gather(vllm_model, world):
             want[rows] = torch.einsum("htn,nhv->thv", torch.softmax(score, -1),
                                       v64[cu_ctx[i]:cu_ctx[i + 1]])
         _close(out, want)
+
+
+def test_the_stand_in_table_names_every_stand_in():
+    """Every global the transplanted code gets from a stand-in is named in this module's
+    table under its module, and every module the loader cut down is named."""
+    doc = " ".join((__doc__ or "").split())
+    mods = EW.load_vllm_model(VERSIONS[-1])
+    try:
+        assert mods.stand_ins
+        for module, names in mods.stand_ins.items():
+            section = doc.split(f"- {module}:", 1)
+            assert len(section) == 2, module
+            text = section[1].split("\n- ", 1)[0].split(" - vllm.", 1)[0]
+            for name in names:
+                assert name in text, (module, name)
+    finally:
+        mods.close()

@@ -1,13 +1,13 @@
-"""vLLM's tests/distributed/test_dcp_direct_a2a_lse_reduce.py (vllm-project/vllm
-01b867e8, git main's layout), ported onto dcpc's vLLM adapters. The workers (query gather
-with padded_num_heads, the direct KV gather, the direct a2a combine with empty shards)
-are in tests/engine_ports/vllm_direct.py with what was replaced and what was not
+"""vLLM's tests/distributed/test_dcp_direct_a2a_lse_reduce.py (vllm-project/vllm 01b867e8,
+open PR #52239's dcp_utils layout), ported onto dcpc's vLLM adapters. The workers (query
+gather with padded_num_heads, the direct KV gather, the direct a2a combine with empty
+shards) are in tests/engine_ports/vllm_direct.py with what was replaced and what was not
 ported; the manager's selection tests and the workspace formula are below, with vLLM's
 MagicMock configs replaced by plain objects and its mocked workspaces by dcpc's real
-paths. The workers run on the ``local`` backend (the generated kernels, threads) at
-W = 2 and, with every ported file, on the ``torch`` backend at W = 2 and 3 and the
-``host`` backend (the kernels, ranks as processes) at W = 2 at the end of this file (the
-kernels at W = 3: the direct KV gather in test_engines_vllm_pr52239.py, the combine in
+paths. The workers run on the ``local`` backend (the generated kernels, threads) at W =
+2 and, with every ported file, on the ``torch`` backend at W = 2 and 3 and the ``host``
+backend (the kernels, ranks as processes) at W = 2 at the end of this file (the kernels
+at W = 3: the direct KV gather in test_engines_vllm_pr52239.py, the combine in
 test_engines_local.py; a W = 3 local run of these workers takes ~3 min of CPU here)."""
 
 from __future__ import annotations
