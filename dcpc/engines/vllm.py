@@ -250,8 +250,7 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
     if group.world == 1:
         if out is None:
             return (o, lse) if return_lse else o
-        return _merge_one(o, lse, is_lse_base_on_e, seq_lens, query_start_loc, out,
-                          return_lse)
+        return _merge_one(o, lse, seq_lens, query_start_loc, out, return_lse)
     if again is not None:
         rest = (label, id(group.handle), group.rank, seq_lens is None, return_lse,
                 is_lse_base_on_e, slot, instance, backend, tokens)
@@ -302,18 +301,17 @@ def _check_out(label: str, out: torch.Tensor, o: torch.Tensor, world: int) -> No
                                 f"dtype, on {o.device} (this rank's H/W heads of the merge)")
 
 
-def _merge_one(o: torch.Tensor, lse: torch.Tensor, base_e: bool, seq_lens: Any, qsl: Any,
+def _merge_one(o: torch.Tensor, lse: torch.Tensor, seq_lens: Any, qsl: Any,
                out: torch.Tensor, return_lse: bool) -> Any:
     """vLLM 0.34.0's dcp_a2a_lse_reduce with ``out=`` on one rank: the merge of one
-    partial (weight 1 where the LSE is finite after the empty-shard mask, else 0 with
-    LSE -inf; NaN and +inf count as -inf), written into ``out``."""
+    partial (weight 1, in either LSE base, where the LSE is finite after the empty-shard
+    mask, else 0 with LSE -inf; NaN and +inf count as -inf), written into ``out``."""
     lse32 = lse.float() if seq_lens is None else mask_at_source(lse.float(), seq_lens, qsl)
     lse32 = torch.where(torch.isnan(lse32) | (lse32 == float("inf")),
                         torch.full_like(lse32, float("-inf")), lse32)
     live = torch.isfinite(lse32).unsqueeze(-1)
     out.copy_(torch.where(live, o.float(), torch.zeros((), dtype=torch.float32,
                                                        device=o.device)))
-    del base_e  # one partial: its weight is 1 in either base
     return (out, lse32) if return_lse else out
 
 
