@@ -6,6 +6,7 @@ modules are stand-ins with the names and signatures of vLLM 0.33.0 / SGLang 0.5.
 from __future__ import annotations
 
 import sys
+import textwrap
 import types
 
 import pytest
@@ -395,3 +396,34 @@ def test_install_leaves_an_unknown_vllm_layout_alone_and_says_so_once(monkeypatc
     assert len(said) == 1, said
     assert "vllm.v1.attention.ops.dcp does not import" in said[0]
     assert "vllm.v1.attention.ops.dcp_utils holds none of cp_lse_ag_out_rs" in said[0]
+
+
+def test_the_contract_command_names_what_dcpc_lacks(tmp_path, capsys):
+    """``python -m dcpc.engines.contract PATH`` over a vLLM source tree: each use dcpc's
+    adapters do not take is named with its file and line (exit 1); none: exit 0; a path
+    that is not there or not a wheel: exit 2 with the reason, no traceback."""
+    from dcpc.engines.contract import main
+
+    pkg = tmp_path / "vllm" / "model_executor"
+    pkg.mkdir(parents=True)
+    (pkg / "layer.py").write_text(textwrap.dedent("""
+        def forward(self, q, lse):
+            if self.dcp_manager.fused_out_proj is not None:
+                return self.dcp_manager.combine(q, lse, seq_lens=None, query_start_loc=None)
+            return dcp_a2a_lse_reduce(q, lse, self.group, out=q, scale=2.0)
+        """))
+    assert main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "4 uses of the manager" in out  # two reads, a call of combine, the function
+    assert ("missing: vllm/model_executor/layer.py:3: attribute 'fused_out_proj' of the "
+            "manager: not dcpc's") in out
+    assert ("missing: vllm/model_executor/layer.py:5: dcp_a2a_lse_reduce(...): keyword "
+            "'scale' is not a parameter of dcpc's") in out
+    assert "combine" not in out.split("missing:", 1)[1]
+    (pkg / "layer.py").write_text("x = self.dcp_manager.combine\n")
+    assert main([str(tmp_path)]) == 0
+    assert main([str(tmp_path / "nothing")]) == 2
+    (tmp_path / "broken.whl").write_text("not a zip")
+    assert main([str(tmp_path / "broken.whl")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing: no such file or folder" in err and "broken.whl: cannot be read" in err

@@ -434,8 +434,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m dcpc.engines.contract PATH (a vLLM wheel or the folder "
               "holding the vllm package)", file=sys.stderr)
         return 2
+    path = Path(args[0])
+    if not path.exists():
+        print(f"error: {path}: no such file or folder", file=sys.stderr)
+        return 2
     functions = replacements()
-    uses = scan(source_files(Path(args[0])), functions)
+    try:
+        uses = scan(source_files(path), functions)
+    except (OSError, zipfile.BadZipFile) as err:
+        print(f"error: {path}: cannot be read ({type(err).__name__}: {err})", file=sys.stderr)
+        return 2
     missing = check_uses(uses, V.MLADCPManager, functions, V.ENGINE_ONLY)
     print(f"{len(uses)} uses of the manager and of {', '.join(sorted(functions))}")
     for line in missing:
