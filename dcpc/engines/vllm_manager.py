@@ -190,9 +190,12 @@ class MLADCPManager:
         if self.dcp.world > 1:
             self._warm_v_up_proj(cp_attn_out, cp_attn_lse, w_uv, out, seq_lens,
                                  query_start_loc, slot)
+        # the latent merged first is combine's module: combine's label, so a refused
+        # call's empty call goes to the module its peers' call uses (dcpc.engines.agree)
         v_up_proj_merge(label, cp_attn_out, w_uv, out, self.dcp.rank, self.dcp.world,
-                        lambda x, into: self._merge(x, cp_attn_lse, seq_lens,
-                                                    query_start_loc, slot, into, label))
+                        lambda x, into: self._merge(
+                            x, cp_attn_lse, seq_lens, query_start_loc, slot, into,
+                            label if into is not None else "MLADCPManager.combine"))
 
     def _warm_v_up_proj(self, o: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor,
                         out: torch.Tensor, seq_lens: torch.Tensor | None,
