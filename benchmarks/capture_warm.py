@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- stand-in engines ---------------------------------------------------------------------
 class Standins:
-    """vLLM 0.33.0's and SGLang 0.5.23's module paths and names; their own functions
-    raise (the adapters' fallback must not be taken here)."""
+    """vLLM 0.33.0's and 0.34.0's and SGLang 0.5.23's module paths and names; their own
+    functions raise (the adapters' fallback must not be taken here)."""
 
     def __init__(self, sizes: list[int]):
         self.saved: dict[str, Any] = {}
@@ -323,8 +323,10 @@ def run_world(a: argparse.Namespace, w: int, compiles: dict[str, int]) -> dict[s
         V._installed_tokens.clear()
         V._free_tokens.cache_clear()
         C.forget()
-        patched = V.install() + S.install()
-        st.current[0] = None  # forward: no vLLM config is current any more
+        V.forget_config()
+        st.current[0] = None  # vLLM loads plugins with no config current: install()
+        patched = V.install() + S.install()  # reads none; the manager's construction
+        # (load_model) in rank_main is where the adapters first see vLLM's config
         dev = torch.device("cpu") if a.dry else torch.device("cuda", 0)
         group = LocalGroup(w, dev, timeout_s=a.timeout)
         recs = group.run(lambda rank: rank_main(rank, a, st, compiles), timeout_s=a.timeout)
@@ -336,7 +338,7 @@ def run_world(a: argparse.Namespace, w: int, compiles: dict[str, int]) -> dict[s
         V._originals.clear()
         V._originals.update(saved[0])
         V._installed_tokens[:], S._installed_tokens[:] = saved[1], saved[2]
-        V._free_tokens.cache_clear()
+        V.forget_config()
         C._found.clear()
         C._found.update(saved[3])
     return {"world": w, "patched": patched, "ranks": recs,

@@ -47,8 +47,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.fixture(autouse=True)
 def fresh_engine_workspace() -> Iterator[None]:
     """The vLLM adapters' workspace is decided once per process (a server's every call
-    must find the same module); tests set it per test (DCPC_MAX_NUM_TOKENS): no test
-    may inherit an earlier test's choice, whatever ran before it in this process."""
+    must find the same module), from the first vLLM config seen; tests set it per test
+    (DCPC_MAX_NUM_TOKENS, a config): no test may inherit an earlier test's choice or
+    config, whatever ran before it in this process."""
     _clear_workspace()
     yield
     _clear_workspace()
@@ -57,7 +58,7 @@ def fresh_engine_workspace() -> Iterator[None]:
 def _clear_workspace() -> None:
     vllm = sys.modules.get("dcpc.engines.vllm")
     if vllm is not None:
-        vllm._free_tokens.cache_clear()
+        vllm.forget_config()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,7 +1,9 @@
 """The released vLLM and SGLang wheels, fetched once and opened without installing them:
 the pins, the download into a cache folder, the extraction of the few files the tests
 load, and a loader that puts those files into ``sys.modules`` under their real names
-beside the smallest set of named stubs (tests/test_engines_wheels.py says which and why).
+beside the smallest set of named stubs (tests/test_engines_wheels.py says which and why),
+and that can transplant a class's methods from a wheel file (the MLA layer's weight
+loading and decode path) to run them with named stand-ins for what needs CUDA.
 
 The pins live here and nowhere else. A missing wheel is downloaded with
 ``python -m pip download --no-deps NAME==VERSION`` into ``$DCPC_WHEEL_CACHE`` (default
@@ -9,8 +11,10 @@ The pins live here and nowhere else. A missing wheel is downloaded with
 the command, unless ``DCPC_SKIP_ENGINE_WHEELS=1`` (then it skips, saying so)."""
 
 from __future__ import annotations
+import __future__
 
 import ast
+import builtins
 import importlib.util
 import os
 import subprocess
@@ -19,13 +23,14 @@ import tempfile
 import threading
 import types
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-PINS = {"vllm": "0.33.0", "sglang": "0.5.23"}  # the released wheels tested (one place)
+# the released wheels tested (one place): every vLLM release the adapters support
+PINS = {"vllm": ("0.33.0", "0.34.0"), "sglang": ("0.5.23",)}
 SKIP_ENV = "DCPC_SKIP_ENGINE_WHEELS"
 
 
@@ -33,24 +38,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DCPC_WHEEL_CACHE") or Path.home() / ".cache/dcpc/wheels")
 
 
-def _download_command(name: str, into: Path | None = None) -> list[str]:
+def _download_command(name: str, version: str, into: Path | None = None) -> list[str]:
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-            "-q", f"{name}=={PINS[name]}", "-d", str(into or cache_dir())]
+            "-q", f"{name}=={version}", "-d", str(into or cache_dir())]
 
 
-def wheel(name: str) -> Path:
-    """The pinned wheel of ``name`` in the cache, downloaded when missing."""
-    version = PINS[name]
+def wheel(name: str, version: str | None = None) -> Path:
+    """The pinned wheel of ``name`` (its newest pin unless ``version``) in the cache,
+    downloaded when missing."""
+    version = version or PINS[name][-1]
+    if version not in PINS[name]:
+        raise ValueError(f"{name} {version} is not pinned ({', '.join(PINS[name])})")
     folder = cache_dir()
     found = sorted(folder.glob(f"{name}-{version}-*.whl"))
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = _download_command(name)
+    cmd = _download_command(name, version)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one rename: a test
         try:  # running beside this one never sees half a wheel
-            done = subprocess.run(_download_command(name, Path(tmp)), capture_output=True,
-                                  text=True, timeout=600)
+            done = subprocess.run(_download_command(name, version, Path(tmp)),
+                                  capture_output=True, text=True, timeout=600)
             why = done.stderr.strip().splitlines()[-1:] if done.returncode else []
         except (OSError, subprocess.TimeoutExpired) as err:
             why = [f"{type(err).__name__}: {err}"]
@@ -68,9 +76,9 @@ def wheel(name: str) -> Path:
     pytest.fail(message, pytrace=False)
 
 
-def extract(name: str, members: Iterable[str]) -> Path:
+def extract(name: str, members: Iterable[str], version: str | None = None) -> Path:
     """Only ``members`` of the pinned wheel, into ``<cache>/src/<wheel>/`` (reused)."""
-    whl = wheel(name)
+    whl = wheel(name, version)
     root = cache_dir() / "src" / whl.stem
     missing = [m for m in members if not (root / m).is_file()]
     if missing:
@@ -100,6 +108,7 @@ class WheelModules:
         self.root = root
         self.added: list[str] = []
         self.stubs: dict[str, str] = {}
+        self.stand_ins: dict[str, dict[str, str]] = {}  # module -> {global: why}
 
     def _file(self, name: str) -> Path:
         base = self.root / name.replace(".", "/")
@@ -184,6 +193,66 @@ class WheelModules:
         self.stubs[name] = f"only its `from {source} import` (the wheel's statement)"
         return module
 
+    def transplant(self, name: str, functions: Iterable[str] = (),
+                   classes: Mapping[str, Iterable[str]] | None = None,
+                   stand_ins: Mapping[str, tuple[Any, str]] | None = None
+                   ) -> types.ModuleType:
+        """The wheel file ``name``'s top-level ``functions`` and, of each class in
+        ``classes``, the listed methods (in a class of that name without its bases: the
+        test sets the attributes an instance needs), compiled from the wheel's source
+        into module ``name`` (the shell() already there, or a new one), beside the file's
+        own imports that are not the engine's and import here; ``stand_ins`` {global:
+        (value, why)} provide the other names they use (recorded in ``stand_ins``). A
+        name nothing provides raises NameError where the code reaches it. Annotations
+        are not evaluated (as under ``from __future__ import annotations``)."""
+        path = self._file(name)
+        tree = ast.parse(path.read_text(), str(path))
+        engine = name.partition(".")[0]
+        methods_of = {k: set(v) for k, v in (classes or {}).items()}
+        wanted = set(functions) | {f"{c}.{m}" for c, ms in methods_of.items() for m in ms}
+        module = sys.modules.get(name) if name in self.added else None
+        if module is None:
+            module = types.ModuleType(name)
+            module.__file__ = str(path)
+            self._put(module)
+        ns = module.__dict__
+        ns.setdefault("__builtins__", builtins)
+        body: list[ast.stmt] = []
+        found: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mod = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                if getattr(node, "level", 0) or (mod or "").partition(".")[0] in (
+                        engine, "__future__"):
+                    continue
+                try:  # the file's own imports; one that is not installed here (tqdm) is
+                    exec(compile(ast.Module([node], []), str(path), "exec"), ns)
+                except ImportError:  # only reached by code paths no test runs
+                    continue
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.name in functions:
+                body.append(node)
+                found.add(node.name)
+            elif isinstance(node, ast.ClassDef) and node.name in methods_of:
+                kept = [m for m in node.body if isinstance(m, (ast.FunctionDef,
+                        ast.AsyncFunctionDef)) and m.name in methods_of[node.name]]
+                found |= {f"{node.name}.{m.name}" for m in kept}
+                body.append(ast.copy_location(ast.ClassDef(
+                    name=node.name, bases=[], keywords=[], body=kept, decorator_list=[]),
+                    node))
+        if found != wanted:
+            raise LookupError(f"{path} defines no {sorted(wanted - found)}")
+        for key, (value, why) in (stand_ins or {}).items():
+            ns[key] = value
+            self.stand_ins.setdefault(name, {})[key] = why
+        exec(compile(ast.fix_missing_locations(ast.Module(body, [])), str(path), "exec",
+                     flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
+        shell = self.stubs.get(name, "")
+        self.stubs[name] = (f"{shell}; " if shell else "") + (
+            f"the wheel's {', '.join(sorted(wanted))} with stand-ins for "
+            f"{', '.join(sorted(self.stand_ins.get(name, {})))}")
+        return module
+
     def stub(self, name: str, why: str, **attrs: Any) -> types.ModuleType:
         module = sys.modules.get(name) if name in self.added else None
         if module is None:
@@ -261,8 +330,13 @@ class _Platform:
     def log_warnings(self) -> None:
         pass
 
+    def fp8_dtype(self) -> Any:
+        import torch
 
-# ---- vLLM 0.33.0 ----------------------------------------------------------------------------
+        return torch.float8_e4m3fn
+
+
+# ---- vLLM (0.33.0, 0.34.0) -----------------------------------------------------------------
 VLLM_DCP = "vllm.v1.attention.ops.dcp"
 VLLM_REAL = (  # executed from the wheel, in this order
     "vllm.envs", "vllm.logging_utils.formatter", "vllm.logging_utils.lazy",
@@ -290,11 +364,11 @@ def _member(name: str, root_has_pkg: set[str]) -> str:
 VLLM_PACKAGES = {"vllm.logging_utils", "vllm.triton_utils", "vllm.plugins"}
 
 
-def load_vllm() -> WheelModules:
-    """vLLM 0.33.0's DCP module, its plugin loader and the modules importing it by name,
-    under their real names (close() removes them)."""
+def load_vllm(version: str | None = None) -> WheelModules:
+    """vLLM ``version``'s (a pin; default the newest) DCP module, its plugin loader and
+    the modules importing it by name, under their real names (close() removes them)."""
     names = (*VLLM_REAL, *VLLM_PARTS, *VLLM_IMPORTERS)
-    root = extract("vllm", [_member(n, VLLM_PACKAGES) for n in names])
+    root = extract("vllm", [_member(n, VLLM_PACKAGES) for n in names], version)
     m = WheelModules(root)
     stubs = {  # name: (why, attributes)
         "vllm.platforms": ("vllm/platforms/__init__.py detects CUDA/ROCm/... at first use; "
@@ -328,7 +402,114 @@ def load_vllm() -> WheelModules:
     return m
 
 
-# ---- SGLang 0.5.23 --------------------------------------------------------------------------
+# ---- vLLM's model-side code: the MLA layers' weight loading, decode path, context KV ----------
+MLA = "vllm.model_executor.layers.attention.mla_attention"
+KIMI = "vllm.models.kimi_k3.nvidia.mla"
+ATTENTION = "vllm.model_executor.layers.attention.attention"
+MLA_FUNCTIONS = ("split_kv_b_proj", "_detect_output_quant_key", "reorg_kvcache",
+                 "_get_kv_b_proj_input_dtype")
+MLA_METHODS = {  # run from the wheel's source (0.34.0 adds prepare_mqa_query)
+    "MLAAttention": ("process_weights_after_loading", "forward_impl", "_prepare_mqa_query",
+                     "_v_up_proj", "prepare_mqa_query"),
+    "MLACommonBaseImpl": ("_context_parallel_compute_prefill_context",
+                          "_concat_k_nope_k_pe"),
+}
+MLA_SINCE_034 = ("prepare_mqa_query", "_prepare_mqa_query")  # 0.33.0 prepares inline
+KIMI_METHODS = {"MultiHeadLatentAttention": ("process_weights_after_loading", "_attention",
+                                             "_v_up_proj")}
+forward = threading.local()  # the test's forward context of this rank's thread
+
+
+def _forward_context() -> Any:
+    context = getattr(forward, "context", None)
+    if context is None:
+        raise RuntimeError("get_forward_context(): no forward context in this thread")
+    return context
+
+
+def _attention_context(layer_name: str) -> tuple:
+    context = _forward_context()
+    return (context.attn_metadata[layer_name], None, None, context.slot_mapping[layer_name])
+
+
+def _replace_parameter(layer: Any, name: str, tensor: Any) -> None:
+    setattr(layer, name, tensor)
+
+
+def _cp_gather_cache(src_cache: Any, dst: Any, block_table: Any, cu_seq_lens: Any,
+                     batch_size: int, seq_starts: Any = None) -> None:
+    """vLLM's ops.cp_gather_cache (a CUDA kernel) in torch: request i's cached rows
+    ``seq_starts[i] ..`` (block_table[i]'s blocks of the paged cache) into
+    ``dst[cu_seq_lens[i]:cu_seq_lens[i + 1]]``."""
+    block = src_cache.shape[1]
+    for i in range(batch_size):
+        lo, hi = int(cu_seq_lens[i]), int(cu_seq_lens[i + 1])
+        first = 0 if seq_starts is None else int(seq_starts[i])
+        for j in range(hi - lo):
+            t = first + j
+            dst[lo + j] = src_cache[int(block_table[i, t // block]), t % block]
+
+
+def _platform() -> Any:
+    return _Platform()
+
+
+def load_vllm_model(version: str | None = None) -> WheelModules:
+    """load_vllm(version), then the model-side code that calls the DCP manager, run from
+    the wheel's source (transplant): mla_attention.py's MLAAttention (weight loading,
+    decode forward, query preparation, W_UV projection) and MLACommonBaseImpl (the
+    chunked-context prefill with its DCP KV gather), with the file's helpers; the
+    Kimi-K3 NVIDIA layer's weight loading and decode attention; attention.py's two
+    quantization-scale helpers. What they call that needs CUDA or the whole engine is a
+    named stand-in (tests/test_engines_wheels_mla.py's table)."""
+    m = load_vllm(version)
+    extract("vllm", [_member(n, VLLM_PACKAGES) for n in (ATTENTION,)], version)
+    attention = m.transplant(ATTENTION, ("should_load_quant_weights",
+                                         "set_default_quant_scales"))
+    own = "the wheel's own (attention.py), run as shipped"
+    from types import SimpleNamespace
+
+    common = {
+        "current_platform": (_platform(), "no accelerator: is_cuda() False, fp8_dtype() "
+                             "e4m3 (only compared, never used: the KV cache is bf16)"),
+        "replace_parameter": (_replace_parameter, "assigns the tensor (vLLM keeps the "
+                              "Parameter object for weight reloading; same values)"),
+        "should_load_quant_weights": (attention.should_load_quant_weights, own),
+        "set_default_quant_scales": (attention.set_default_quant_scales, own),
+        "is_quantized_kv_cache": (lambda kv_cache_dtype: kv_cache_dtype != "auto",
+                                  "KV cache dtype 'auto' (bf16) is not quantized, as "
+                                  "vLLM's get_kv_quant_mode says"),
+    }
+    text = (m.root / "vllm/model_executor/layers/attention/mla_attention.py").read_text()
+    methods = {k: tuple(x for x in v if x not in MLA_SINCE_034 or f"def {x}(" in text)
+               for k, v in MLA_METHODS.items()}
+    mla = m.transplant(MLA, MLA_FUNCTIONS, methods, {
+        **common,
+        "get_dcp_group": (current_group, "the test's Coordinator of this rank"),
+        "get_and_maybe_dequant_weights": (
+            lambda layer, out_dtype: layer.weight.to(out_dtype),
+            "an unquantized kv_b_proj: its weight in out_dtype (vLLM's for it)"),
+        "get_attention_context": (_attention_context, "the layer's attention metadata of "
+                                  "the test's forward context (vLLM's custom-op context)"),
+        "ops": (SimpleNamespace(cp_gather_cache=_cp_gather_cache),
+                "vllm._custom_ops: cp_gather_cache (a CUDA kernel) in torch"),
+    })
+    m.transplant(KIMI, (), KIMI_METHODS, {
+        **common,
+        "split_kv_b_proj": (mla.split_kv_b_proj, "the wheel's own (mla_attention.py)"),
+        "is_weights_pre_processed": (lambda: False, "no weight-cache daemon: the weights "
+                                     "are absorbed here"),
+        "refill_derived": (_replace_parameter, "assigns the tensor (as replace_parameter)"),
+        "get_forward_context": (_forward_context, "the test's forward context of this "
+                                "rank's thread"),
+        "eager_break_during_capture": (lambda fn: fn, "a CUDA-graph break around the "
+                                       "decorated method: nothing to break eagerly"),
+        "resolve_quant_method": (lambda *a, **k: None, "not reached: no quant_config"),
+    })
+    return m
+
+
+# ---- SGLang --------------------------------------------------------------------------
 SGLANG_COMM = "sglang.srt.layers.dcp.comm"
 SGLANG_REAL = (
     "sglang.srt.environ", "sglang.srt.plugins.hook_registry", "sglang.srt.plugins",
@@ -358,7 +539,7 @@ class _RadixAttention:
 
 
 def load_sglang() -> WheelModules:
-    """SGLang 0.5.23's DCP package, its plugin loader and hook registry, and the
+    """SGLang's (the pin) DCP package, its plugin loader and hook registry, and the
     DeepSeek MLA forward's import of the DCP names, under their real names."""
     names = (*SGLANG_REAL, *SGLANG_IMPORTERS)
     root = extract("sglang", [_member(n, SGLANG_PACKAGES) for n in names])

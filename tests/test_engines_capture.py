@@ -189,6 +189,55 @@ def test_vllm_manager_warms_every_capture_size_at_construction(fresh, vllm_confi
         assert found[0]["counts"]["plans"] > 0 and not said
 
 
+def _first_use_rank(rank, cfg) -> dict:
+    """The manager's W_UV-fused merge (its V-wide module: V is known at the first call
+    only) and the Helix combine: each warms every capture size at its first call."""
+    from dcpc.engines import helix
+    from dcpc.engines import vllm as V
+
+    r, v = rank.rank, 8
+    m = V.MLADCPManager(cfg, "cpu", HEADS // W, D, D, torch.bfloat16, torch.bfloat16,
+                        group=rank, max_num_tokens=8, num_ubatches=1, comm_backend="a2a",
+                        backend="local")
+    w_uv = torch.randn(HEADS, D, v, generator=torch.Generator().manual_seed(9)).bfloat16()
+
+    def both(n: int, seed: int) -> list[bool]:
+        outs, lses = _parts(seed, n)
+        lens, qsl = torch.ones(n, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32)
+        into = torch.empty(n, HEADS // W * v, dtype=torch.bfloat16)
+        m.v_up_proj_combine(outs[r], lses[r], w_uv, into, seq_lens=lens, query_start_loc=qsl)
+        fused = ref.vllm_v_up_proj_combine(outs, lses, w_uv)[r]
+        merged = helix.helix_alltoall_lse_reduce(outs[r], lses[r], rank)
+        return [_close(into, fused), _close(merged, ref.vllm_combine(outs, lses)[r][0])]
+
+    first = both(3, 99)  # vLLM's dummy run: not a capture size
+    ok: list[bool] = []
+    counts = _counted(rank, lambda: [ok.extend(both(n, n)) for n in SIZES])
+    return {"counts": counts, "ok": first + ok}
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_v_up_proj_combine_and_helix_warm_every_capture_size_at_first_use(
+        fresh, vllm_config, warm, monkeypatch):
+    """From 2 tokens up (the threshold lowered from vLLM's 8 to reach the capture sizes)
+    the manager's v_up_proj_combine merges V-wide partials through a module of its own,
+    built at its first call: that call warms every capture size, as the Helix combine's
+    first call does (before: neither warmed; a capture would have compiled)."""
+    from dcpc.engines import vllm as V
+
+    monkeypatch.setattr(V, "V_UP_PROJ_FIRST_MIN_TOKENS", 2)
+    if not warm:
+        monkeypatch.setenv(capture.SWITCH, "0")
+    found = LocalGroup(W, "cpu", timeout_s=300).run(
+        lambda rank: _first_use_rank(rank, vllm_config))
+    for f in found:
+        assert all(f["ok"]) and len(f["ok"]) == 2 + 2 * len(SIZES), f
+    if warm:
+        assert found[0]["counts"] == NOTHING, found[0]["counts"]
+    else:
+        assert found[0]["counts"]["plans"] > 0
+
+
 def _sglang_rank(rank) -> dict:
     from dcpc.engines import sglang as S
 

@@ -182,17 +182,42 @@ def test_workspace_tokens_without_vllm():
     assert V.get_dcp_workspace_max_num_tokens(cfg) == 100
 
 
-def test_workspace_tokens_with_parallel_drafting_follow_vllm():
-    """vLLM's own test of parallel drafting: 4 sequences, 3 speculative tokens -> 28
-    (1 + 2 * 3 tokens per sequence); without parallel drafting 16."""
-    spec = SimpleNamespace(num_speculative_tokens=3, parallel_drafting=True)
+def test_workspace_tokens_with_drafting_slots_follow_vllm_0_34():
+    """vLLM 0.34.0's formula without vLLM: tokens per sequence = max(1 + k,
+    max_decode_query_len) with max_decode_query_len = 1 + k + the speculator's extra
+    drafting slots: 4 sequences, k = 3, 3 slots -> 28; no slots -> 16. parallel_drafting
+    (0.33.0's 1 + 2k) is deprecated in 0.34.0 with no effect: it changes nothing."""
+    spec = SimpleNamespace(num_speculative_tokens=3, parallel_drafting=True,
+                           max_num_new_slots_for_drafting=3)
     cfg = SimpleNamespace(
         speculative_config=spec, num_speculative_tokens=3,
         scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=4),
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=None))
     assert V.get_dcp_workspace_max_num_tokens(cfg) == 28
-    spec.parallel_drafting = False
+    spec.max_num_new_slots_for_drafting = 0
     assert V.get_dcp_workspace_max_num_tokens(cfg) == 16
+    del spec.max_num_new_slots_for_drafting  # a config without the field: no slots
+    assert V.get_dcp_workspace_max_num_tokens(cfg) == 16
+
+
+def test_out_is_written_and_returned_also_on_one_rank():
+    """dcp_a2a_lse_reduce(..., out=) (vLLM 0.34.0): on one rank vLLM still runs its merge
+    into ``out`` (weight 1 per live row; a masked or NaN row is 0, LSE -inf) and returns
+    that buffer; an ``out`` of the wrong shape is refused naming the expected one."""
+    o = torch.randn(3, 2, 4)
+    o[2] = float("nan")
+    lse = torch.tensor([[0.5, 1.0], [float("nan"), 2.0], [1.0, 1.0]])
+    buf = torch.full((3, 2, 4), 7.0)
+    got, got_lse = V.dcp_a2a_lse_reduce(o, lse, None, out=buf, return_lse=True,
+                                         seq_lens=torch.tensor([1, 2]),
+                                         query_start_loc=torch.tensor([0, 1, 2]))
+    assert got is buf
+    assert torch.equal(buf[0], o[0]) and torch.equal(buf[1, 1], o[1, 1])
+    assert torch.equal(buf[1, 0], torch.zeros(4)) and torch.equal(buf[2], torch.zeros(2, 4))
+    assert got_lse[1, 0] == float("-inf") and got_lse[2].eq(float("-inf")).all()
+    assert torch.equal(got_lse[0], lse[0])
+    with pytest.raises(DcpcArgumentError, match=r"out has shape \(3, 1, 4\).*expected \(3, 2, 4\)"):
+        V.dcp_a2a_lse_reduce(o, lse, None, out=torch.empty(3, 1, 4))
 
 
 def test_a_single_rank_group_returns_its_inputs():

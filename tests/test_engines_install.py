@@ -6,6 +6,7 @@ modules are stand-ins with the names and signatures of vLLM 0.33.0 / SGLang 0.5.
 from __future__ import annotations
 
 import sys
+import textwrap
 import types
 
 import pytest
@@ -260,50 +261,130 @@ def test_sglang_install_from_load_plugins_registers_hooks_only(monkeypatch):
         assert applied.replaced is theirs, name  # SGLang's own, not dcpc's: one wrap
 
 
-def test_install_takes_the_workspace_from_the_current_vllm_config(fake_vllm, monkeypatch,
-                                                                  caplog):
-    """A plugin's install() runs while vLLM's config is current: the free functions keep
-    vLLM's workspace size for later calls (none is current in forward), and say so."""
+def _config(max_num_seqs: int = 96, graphs: int | None = 512,
+            sizes: list[int] | None = None):
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(
+    return SimpleNamespace(
         speculative_config=None, num_speculative_tokens=0,
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=96),
-        compilation_config=SimpleNamespace(max_cudagraph_capture_size=512))
-    current = [cfg]
-    monkeypatch.setattr(sys.modules["vllm.config"], "get_current_vllm_config_or_none",
-                        lambda: current[0])
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192,
+                                         max_num_seqs=max_num_seqs),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=graphs,
+                                           cudagraph_capture_sizes=sizes))
+
+
+def test_the_workspace_comes_from_the_config_of_the_first_forward_not_install(
+        fake_vllm, monkeypatch, caplog):
+    """vLLM 0.34.0 loads general plugins with no config current (worker_base.py:
+    load_general_plugins() before any set_current_vllm_config): install() fixes no
+    workspace and says where it will come from; the first set_forward_context (the
+    profile run's) carries vLLM's config, which the hooked function keeps: the free
+    functions' first call, later, with no config current, takes its workspace and
+    capture sizes from it. Before: install() logged a 256-token workspace and no
+    capture sizes, and kept them."""
+    import contextlib
+
+    from dcpc.engines import capture
+
+    @contextlib.contextmanager
+    def set_forward_context(attn_metadata, vllm_config, num_tokens=None):
+        yield "context"
+
+    fc = _module("vllm.forward_context", set_forward_context=set_forward_context)
+    monkeypatch.setitem(sys.modules, fc.__name__, fc)
+    monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
+    monkeypatch.delenv("DCPC_CAPTURE_SIZES", raising=False)
+    monkeypatch.setattr(V, "_installed_tokens", [])
+    with caplog.at_level("INFO", logger="dcpc.engines"):
+        V.install()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "workspace comes from vLLM's config once one is seen" in said, said
+    assert "workspace is" not in said and "capture sizes [" not in said, said
+    with fc.set_forward_context(None, _config(sizes=[1, 2, 4, 512])) as ctx:  # the profile run
+        assert ctx == "context"
+    with caplog.at_level("INFO", logger="dcpc.engines"):
+        assert V._free_tokens() == 512  # max(96 x 1, 512), no config current now
+    assert any("workspace is 512 tokens (vLLM's config" in r.getMessage()
+               for r in caplog.records), caplog.records
+    assert capture.vllm_sizes_now() == ([1, 2, 4, 512],
+                                        "vLLM's compilation_config.cudagraph_capture_sizes")
+    with fc.set_forward_context(None, _config(max_num_seqs=4096)):  # the first one stays
+        pass
+    V._free_tokens.cache_clear()
+    assert V._free_tokens() == 512
+
+
+def test_overrides_and_the_manager_config(fake_vllm, monkeypatch):
+    """DCPC_MAX_NUM_TOKENS and DCPC_CAPTURE_SIZES win over any config; the config an
+    MLADCPManager is built with (load_model) is a config seen; a config current at the
+    first call counts when none was seen; none at all: 256 and no sizes."""
+    from dcpc.engines import capture
+
     monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
     monkeypatch.setattr(V, "_installed_tokens", [])
+    assert V._free_tokens() == V.DEFAULT_MAX_NUM_TOKENS
+    assert capture.vllm_sizes_now()[0] is None
+    V.forget_config()
+    current = [_config(max_num_seqs=8, graphs=None)]
+    monkeypatch.setattr(sys.modules["vllm.config"], "get_current_vllm_config_or_none",
+                        lambda: current[0])
+    assert V._free_tokens() == 8  # current at the first call
+    current[0] = None
     V._free_tokens.cache_clear()
-    try:
-        with caplog.at_level("INFO", logger="dcpc.engines"):
-            V.install()
-        current[0] = None  # forward: no config is current
-        assert V._free_tokens() == 512
-        assert any("workspace is 512 tokens (vLLM's config" in r.getMessage()
-                   for r in caplog.records), caplog.records
-    finally:
-        V._free_tokens.cache_clear()
+    assert V._free_tokens() == 8  # kept: seen
+    V.forget_config()
+    V.note_config(_config(max_num_seqs=3, graphs=None, sizes=[2, 3]))  # the manager's
+    monkeypatch.setenv("DCPC_CAPTURE_SIZES", "1,5")
+    assert V._free_tokens() == 3
+    assert capture.vllm_sizes_now() == ([1, 5], "DCPC_CAPTURE_SIZES")
+    monkeypatch.setenv("DCPC_MAX_NUM_TOKENS", "40")
+    V._free_tokens.cache_clear()
+    assert V._free_tokens() == 40
 
 
-def test_install_leaves_an_unknown_vllm_layout_alone_and_says_so_once(monkeypatch, caplog):
-    """A layout neither 0.33.0's nor main's (a dcp_utils without main's free functions,
-    then a dcp module with main's init_kv_gather but no direct_kv_gather; main's own
-    layout is tests/test_engines_vllm_main.py): install() must not raise (it runs
-    inside the engine's plugin loader), patch nothing, and log why once."""
-    def dcp_a2a_lse_reduce(*a, **k):
+def test_install_keeps_vllms_piece_whose_contract_dcpc_does_not_hold(fake_vllm, caplog,
+                                                                     monkeypatch):
+    """The contract check, per piece: a dcp_a2a_lse_reduce with a parameter dcpc does
+    not take (a future ``scale=``), and a manager with an attribute dcpc does not have,
+    stay vLLM's, each named in one warning; cp_lse_ag_out_rs is still replaced."""
+    from dcpc.engines import common
+
+    def dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False,
+                           is_lse_base_on_e=True, seq_lens=None, query_start_loc=None,
+                           out=None, scale=None):
         return "vllm a2a"
 
     class MLADCPManager:
-        def init_kv_gather(self, max_gathered_tokens, token_dim, plane_split_dim, dtype):
-            return False
+        def __init__(self, vllm_config, device, num_heads, query_head_dim, output_head_dim,
+                     query_dtype, output_dtype, padded_num_heads, is_lse_base_on_e, use_pcp):
+            self.group = None
+            self.fused_out_proj = None
 
-    utils = _module("vllm.v1.attention.ops.dcp_utils", MLADCPManager=MLADCPManager,
-                    dcp_a2a_lse_reduce=dcp_a2a_lse_reduce)
+    ops = fake_vllm.ops
+    ops.dcp_a2a_lse_reduce, ops.MLADCPManager = dcp_a2a_lse_reduce, MLADCPManager
+    monkeypatch.setattr(common, "_logged", set())
+    with caplog.at_level("WARNING", logger="dcpc.engines"):
+        patched = V.install()
+        V.install()
+    assert ops.cp_lse_ag_out_rs is V.cp_lse_ag_out_rs
+    assert "vllm.v1.attention.ops.dcp.cp_lse_ag_out_rs" in patched
+    assert ops.dcp_a2a_lse_reduce is dcp_a2a_lse_reduce and ops.MLADCPManager is MLADCPManager
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "vLLM's own dcp_a2a_lse_reduce stays" in said[0]
+    assert "parameter 'scale' is vLLM's, not dcpc's" in said[0]
+    assert "vLLM's own MLADCPManager stays" in said[1]
+    assert "MLADCPManager.fused_out_proj: vLLM's attribute, not dcpc's" in said[1]
+
+
+def test_install_leaves_an_unknown_vllm_layout_alone_and_says_so_once(monkeypatch, caplog):
+    """Neither vllm.v1.attention.ops.dcp nor dcp_utils imports, or one imports without
+    any of the replaced names: install() must not raise (it runs inside the engine's
+    plugin loader), patch nothing, and log why once."""
     for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops"):
         monkeypatch.setitem(sys.modules, name, _module(name))
-    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    other = _module("vllm.v1.attention.ops.dcp_utils", reserve_query_head_storage=None)
+    monkeypatch.setitem(sys.modules, other.__name__, other)
     monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.dcp", None)  # import fails
     monkeypatch.setattr(V, "_originals", {})
     from dcpc.engines import common
@@ -311,19 +392,38 @@ def test_install_leaves_an_unknown_vllm_layout_alone_and_says_so_once(monkeypatc
     monkeypatch.setattr(common, "_logged", set())
     with caplog.at_level("WARNING", logger="dcpc.engines"):
         assert V.install() == [] and V.install() == []
-    assert utils.dcp_a2a_lse_reduce is dcp_a2a_lse_reduce
-    assert utils.MLADCPManager is MLADCPManager
     said = [r.getMessage() for r in caplog.records if "own DCP path stays" in r.getMessage()]
-    assert len(said) == 1 and "vllm.v1.attention.ops.dcp does not import" in said[0], said
-    # the released layout with the coming init_kv_gather: also left alone
-    ops = _module("vllm.v1.attention.ops.dcp", MLADCPManager=MLADCPManager,
-                  dcp_a2a_lse_reduce=dcp_a2a_lse_reduce, cp_lse_ag_out_rs=dcp_a2a_lse_reduce,
-                  cp_lse_ag_out_ar=dcp_a2a_lse_reduce)
-    monkeypatch.setitem(sys.modules, ops.__name__, ops)
-    monkeypatch.setattr(sys.modules["vllm.v1.attention.ops"], "dcp", ops, raising=False)
-    monkeypatch.setattr(common, "_logged", set())
-    with caplog.at_level("WARNING", logger="dcpc.engines"):
-        assert V.install() == []
-    assert ops.dcp_a2a_lse_reduce is dcp_a2a_lse_reduce
-    assert any("init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype)"
-               in r.getMessage() for r in caplog.records)
+    assert len(said) == 1, said
+    assert "vllm.v1.attention.ops.dcp does not import" in said[0]
+    assert "vllm.v1.attention.ops.dcp_utils holds none of cp_lse_ag_out_rs" in said[0]
+
+
+def test_the_contract_command_names_what_dcpc_lacks(tmp_path, capsys):
+    """``python -m dcpc.engines.contract PATH`` over a vLLM source tree: each use dcpc's
+    adapters do not take is named with its file and line (exit 1); none: exit 0; a path
+    that is not there or not a wheel: exit 2 with the reason, no traceback."""
+    from dcpc.engines.contract import main
+
+    pkg = tmp_path / "vllm" / "model_executor"
+    pkg.mkdir(parents=True)
+    (pkg / "layer.py").write_text(textwrap.dedent("""
+        def forward(self, q, lse):
+            if self.dcp_manager.fused_out_proj is not None:
+                return self.dcp_manager.combine(q, lse, seq_lens=None, query_start_loc=None)
+            return dcp_a2a_lse_reduce(q, lse, self.group, out=q, scale=2.0)
+        """))
+    assert main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "4 uses of the manager" in out  # two reads, a call of combine, the function
+    assert ("missing: vllm/model_executor/layer.py:3: attribute 'fused_out_proj' of the "
+            "manager: not dcpc's") in out
+    assert ("missing: vllm/model_executor/layer.py:5: dcp_a2a_lse_reduce(...): keyword "
+            "'scale' is not a parameter of dcpc's") in out
+    assert "combine" not in out.split("missing:", 1)[1]
+    (pkg / "layer.py").write_text("x = self.dcp_manager.combine\n")
+    assert main([str(tmp_path)]) == 0
+    assert main([str(tmp_path / "nothing")]) == 2
+    (tmp_path / "broken.whl").write_text("not a zip")
+    assert main([str(tmp_path / "broken.whl")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing: no such file or folder" in err and "broken.whl: cannot be read" in err

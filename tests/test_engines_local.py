@@ -78,7 +78,7 @@ def _compare(got: Any, want: Any, tol: float = ATOL) -> dict[str, Any]:
 
 def _helix_reference(outs: list[Any], lses: list[Any], world: int, base_e: bool
                      ) -> list[tuple[Any, Any]]:
-    """vLLM main's Helix merge (_lse_weighted_combine in vllm/v1/attention/ops/helix.py)
+    """closed vLLM PR #34024's Helix merge (_lse_weighted_combine in vllm/v1/attention/ops/helix.py)
     in float64, written from its math: NaN/+inf LSEs count as -inf, weights are
     softmax(lse) over the shards, rank r keeps heads r*H/N ..; finite partials only."""
     import torch
@@ -150,7 +150,7 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
                     seq_lens=x["lens"][r], query_start_loc=x["qsl"])
         check("out", o, want[r][0])
         check("lse", lse, want[r][1])
-    elif name == "vllm_helix":  # vLLM main's Helix combine (dcpc.engines.helix)
+    elif name == "vllm_helix":  # PR #34024's Helix combine (dcpc.engines.helix)
         from dcpc.engines.helix import helix_alltoall_lse_reduce
 
         for base_e in (True, False):

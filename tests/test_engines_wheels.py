@@ -70,6 +70,7 @@ fallback exchange), where vLLM/SGLang run NCCL.
 
 from __future__ import annotations
 
+import functools
 import sys
 import textwrap
 import traceback
@@ -127,14 +128,16 @@ def dcpc_state(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(V, "_originals", {})
     monkeypatch.setattr(V, "_installed_tokens", [])
-    V._free_tokens.cache_clear()
+    V.forget_config()
     yield
-    V._free_tokens.cache_clear()
+    V.forget_config()
 
 
-@pytest.fixture
-def real_vllm(dcpc_state):
-    mods = EW.load_vllm()
+@pytest.fixture(params=EW.PINS["vllm"])
+def real_vllm(request, dcpc_state):
+    """Every pinned vLLM release's modules (0.33.0, 0.34.0), one per test run."""
+    mods = EW.load_vllm(request.param)
+    mods.version = request.param
     try:
         yield mods
     finally:
@@ -201,22 +204,26 @@ def test_a_wheel_that_cannot_be_fetched_fails_naming_the_command(tmp_path, monke
         monkeypatch.setattr(EW.subprocess, "run", lambda *a, **k: runs[0])
     assert runs[0].returncode != 0
     for msg in messages:
-        assert (f"pip download --no-deps sglang=={EW.PINS['sglang']} -d {tmp_path / 'cache'}"
+        assert (f"pip download --no-deps sglang=={EW.PINS['sglang'][-1]} -d "
+                f"{tmp_path / 'cache'}"
                 in msg), msg
         assert "could not be downloaded" in msg and EW.SKIP_ENV in msg
     assert messages[1].startswith(f"{EW.SKIP_ENV}=1: ")
 
 
-# ---- vLLM 0.33.0 --------------------------------------------------------------------------
+# ---- vLLM (every pin) ---------------------------------------------------------------------
 def test_vllm_loader_picks_up_the_plugin_and_install_rebinds_the_real_names(
-        real_vllm, tmp_path, monkeypatch):
+        real_vllm, tmp_path, monkeypatch, caplog):
     """vLLM's own load_general_plugins (the wheel's) finds the entry point of group
     vllm.general_plugins, calls its register(), which calls install(): every binding of
-    the replaced names, in dcp.py and in each module importing them by name, is dcpc's;
-    vLLM's own functions are kept as the fallbacks; cp_lse_ag_out_ar stays vLLM's."""
+    the replaced names, in dcp.py and in each module importing them by name, is dcpc's
+    (dcpc holds each piece's contract: no warning); vLLM's own functions are kept as
+    the fallbacks; cp_lse_ag_out_ar stays vLLM's."""
     ops = sys.modules[EW.VLLM_DCP]
-    theirs = {n: vars(ops)[n] for n in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce",
-                                         "MLADCPManager", "cp_lse_ag_out_ar")}
+    names = ["cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "MLADCPManager", "cp_lse_ag_out_ar"]
+    if "dcp_a2a_v_up_proj_lse_reduce" in vars(ops):  # 0.34.0
+        names.append("dcp_a2a_v_up_proj_lse_reduce")
+    theirs = {n: vars(ops)[n] for n in names}
     _plugin_dist(tmp_path, "vllm.general_plugins", """
         CALLS = []
 
@@ -229,11 +236,16 @@ def test_vllm_loader_picks_up_the_plugin_and_install_rebinds_the_real_names(
     del sys.modules["dcpc_wheel_plugin"]
     plugins = sys.modules["vllm.plugins"]
     assert plugins.__file__.endswith("vllm/plugins/__init__.py")
-    plugins.load_general_plugins()
+    with caplog.at_level("INFO", logger="dcpc.engines"):
+        plugins.load_general_plugins()
     calls = sys.modules["dcpc_wheel_plugin"].CALLS
     assert len(calls) == 1, "vLLM's loader did not run the plugin"
-    for name in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce"):
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "stays" in m], said  # every contract held
+    assert any("vLLM's released layout (vllm.v1.attention.ops.dcp" in m for m in said), said
+    for name in names[:2] + names[4:]:
         assert vars(ops)[name] is getattr(V, name)
+    for name in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce"):
         for importer in ("vllm.v1.attention.backends.flash_attn",
                          "vllm.v1.attention.backends.flashinfer"):
             assert vars(sys.modules[importer])[name] is getattr(V, name)
@@ -267,8 +279,9 @@ def test_vllm_one_call_through_each_rebound_name(real_vllm):
         parallel_config=types.SimpleNamespace(num_ubatches=1, dcp_comm_backend="a2a",
                                               decode_context_parallel_size=W),
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4),
-        speculative_config=types.SimpleNamespace(num_speculative_tokens=3,
-                                                 parallel_drafting=False),
+        speculative_config=types.SimpleNamespace(  # 0.34.0's formula reads the last
+            num_speculative_tokens=3, parallel_drafting=False,
+            max_num_new_slots_for_drafting=0),
         num_speculative_tokens=3, use_v2_model_runner=False,
         compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=8),
         kernel_config=types.SimpleNamespace(enable_jit_warmup=False))
@@ -326,6 +339,171 @@ def test_vllm_one_call_through_each_rebound_name(real_vllm):
         _close(got["combine"], want[r][0])
         _close(got["kv"], ref.gather_rows(kv), tol=0)
         assert got["a2a"][0].shape == (T, heads, D)
+
+
+def _partials(world: int, tokens: int, dim: int, seed: int) -> dict[str, Any]:
+    """Every rank's partials [B, H, dim] of all heads with an empty shard (request 0 on
+    rank 0 only) whose rows hold NaN garbage, one request per token."""
+    g = torch.Generator().manual_seed(seed)
+    heads = 2 * world
+    full = [1] + [3 + i for i in range(tokens - 1)]
+    lens = [torch.tensor([(n - r + world - 1) // world for n in full], dtype=torch.int32)
+            for r in range(world)]
+    outs, lses = [], []
+    for r in range(world):
+        o, lse = torch.randn(tokens, heads, dim, generator=g), torch.randn(tokens, heads,
+                                                                         generator=g) * 2
+        o[lens[r] == 0], lse[lens[r] == 0] = float("nan"), float("nan")
+        outs.append(o.bfloat16())
+        lses.append(lse)
+    w_uv = (torch.randn(heads, dim, 8, generator=g) * 0.3).bfloat16()
+    return {"outs": outs, "lses": lses, "lens": lens, "w_uv": w_uv,
+            "qsl": torch.arange(tokens + 1, dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vllm_out_and_the_w_uv_fused_merge(real_vllm, world):
+    """vLLM 0.34.0's dcp_a2a_lse_reduce(..., out=) through a backend's binding (the
+    merge written into the caller's buffer, which is returned; before: RuntimeError
+    "Boolean value of Tensor with more than one value is ambiguous"), and the W_UV-fused
+    merge: vLLM's own dcp_a2a_v_up_proj_lse_reduce (the wheel's, 0.34.0: it calls the
+    rebound dcp_a2a_lse_reduce, with out= from 8 tokens up) and dcpc's, at 4 and 9
+    tokens, every rank against float64."""
+    V.install()
+    fa = sys.modules["vllm.v1.attention.backends.flash_attn"]
+    theirs = V._originals.get("dcp_a2a_v_up_proj_lse_reduce")
+    assert (theirs is not None) == (real_vllm.version != "0.33.0")
+    cases = {b: _partials(world, b, 16, 40 + b) for b in (4, 9)}
+
+    def rank_main(rank):
+        r, group = rank.rank, EW.set_group(rank)
+        got = {}
+        for b, x in cases.items():
+            kw = {"seq_lens": x["lens"][r], "query_start_loc": x["qsl"]}
+            buf = torch.full((b, 2, 16), float("nan"), dtype=torch.bfloat16)
+            res = fa.dcp_a2a_lse_reduce(x["outs"][r], x["lses"][r], group, out=buf,
+                                        return_lse=True, **kw)
+            got[(b, "out")] = (res[0] is buf, buf.clone(), res[1].clone())
+            for name, fn in (("dcpc", V.dcp_a2a_v_up_proj_lse_reduce), ("vllm", theirs)):
+                if fn is None:
+                    continue
+                into = torch.full((b, 2 * 8), float("nan"), dtype=torch.bfloat16)
+                assert fn(x["outs"][r], x["lses"][r], x["w_uv"], into, group, **kw) is None
+                got[(b, name)] = into
+        return got
+
+    for r, got in enumerate(LocalGroup(world, "cpu").run(rank_main)):
+        for b, x in cases.items():
+            want = ref.vllm_combine(x["outs"], x["lses"], local_lens=x["lens"], qsl=x["qsl"])
+            same, buf, lse = got[(b, "out")]
+            assert same, "dcp_a2a_lse_reduce(out=) must return the caller's buffer"
+            _close(buf, want[r][0])
+            _close(lse, want[r][1], tol=1e-4)
+            fused = ref.vllm_v_up_proj_combine(x["outs"], x["lses"], x["w_uv"],
+                                               local_lens=x["lens"], qsl=x["qsl"])[r]
+            for name in ("dcpc", "vllm"):
+                if (b, name) in got:
+                    _close(got[(b, name)], fused, tol=3e-2)
+
+
+# ---- the contract: what vLLM's source uses, and what dcpc provides ------------------------
+@functools.cache
+def _uses(version: str) -> tuple:
+    """Every use of the manager and of the replaced names in the whole vLLM wheel."""
+    from dcpc.engines.contract import scan, source_files
+    from dcpc.engines.vllm_install import replacements
+
+    return tuple(scan(source_files(EW.wheel("vllm", version)), replacements()))
+
+
+@pytest.mark.parametrize("version", EW.PINS["vllm"])
+def test_dcpc_provides_everything_vllms_source_uses(version, dcpc_state):
+    """Derived from the wheel's source, all of it: every attribute read off a DCP manager
+    object (``x.dcp_manager.NAME``), every call of the manager's attributes and of the
+    replaced functions and class (each keyword, the number of positional arguments,
+    ``functools.partial`` and aliases such as FlashAttention's ``self.dcp_combine``):
+    dcpc's manager and functions take all of it (on 0.34.0 before: the manager lacked
+    v_up_proj_combine and direct_query_gather_max_tokens, dcp_a2a_lse_reduce took out=
+    only into **kwargs). And every attribute vLLM reads is one vLLM's own class has (the
+    premise of install()'s class check)."""
+    from dcpc.engines import contract
+    from dcpc.engines.vllm_install import replacements
+
+    uses = _uses(version)
+    read = {u.name for u in uses if u.on_manager}
+    called = {u.name for u in uses if not u.on_manager}
+    assert {"combine", "query_gather", "init_kv_gather", "kv_gather", "group"} <= read
+    assert {"MLADCPManager", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce"} <= called
+    if version != "0.33.0":
+        assert {"v_up_proj_combine", "direct_query_gather_max_tokens"} <= read
+        assert any(u.name == "dcp_a2a_lse_reduce" and "out" in u.keywords for u in uses)
+    assert contract.check_uses(uses, V.MLADCPManager, replacements(), V.ENGINE_ONLY) == []
+    mods = EW.load_vllm(version)
+    try:  # vLLM's class has every attribute its callers read
+        theirs = contract.class_surface(sys.modules[EW.VLLM_DCP].MLADCPManager)
+        assert read <= theirs.names(), read - theirs.names()
+    finally:
+        mods.close()
+
+
+def test_the_contract_test_fails_when_dcpc_lacks_one_name(monkeypatch):
+    """The check above, with one thing removed from dcpc: an attribute of the manager
+    (direct_query_gather_max_tokens) and a keyword (dcp_a2a_lse_reduce's out): each is
+    named with the line of vLLM's source that uses it."""
+    from dcpc.engines import contract
+    from dcpc.engines.vllm_install import replacements
+
+    uses = _uses(EW.PINS["vllm"][-1])
+    real = contract.class_surface
+
+    def lacking(cls):
+        found = real(cls)
+        found.attributes.discard("direct_query_gather_max_tokens")
+        return found
+
+    monkeypatch.setattr(contract, "class_surface", lacking)
+    missing = contract.check_uses(uses, V.MLADCPManager, replacements(), V.ENGINE_ONLY)
+    assert missing == ["vllm/model_executor/layers/attention/mla_attention.py:1287: "
+                       "attribute 'direct_query_gather_max_tokens' of the manager: not "
+                       "dcpc's"], missing
+    monkeypatch.setattr(contract, "class_surface", real)
+
+    def no_out(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False,
+               is_lse_base_on_e=True, seq_lens=None, query_start_loc=None, **engine_kwargs):
+        raise AssertionError("not called")
+
+    functions = {**replacements(), "dcp_a2a_lse_reduce": no_out}
+    missing = contract.check_uses(uses, V.MLADCPManager, functions, V.ENGINE_ONLY)
+    assert missing == ["vllm/v1/attention/ops/dcp.py:1074: dcp_a2a_lse_reduce(...): "
+                       "keyword 'out' is not a parameter of dcpc's"], missing
+
+
+@pytest.mark.parametrize("version", EW.PINS["vllm"])
+def test_install_checks_the_real_classes_and_functions(version, dcpc_state):
+    """install()'s contract check, on the wheel's own MLADCPManager and free functions:
+    dcpc's hold every one (nothing kept as vLLM's), and a class of vLLM's with one more
+    public attribute would be kept, named."""
+    from dcpc.engines.vllm_install import contract as check
+
+    mods = EW.load_vllm(version)
+    try:
+        ops = sys.modules[EW.VLLM_DCP]
+        assert check("MLADCPManager", ops.MLADCPManager) == (V.MLADCPManager, [])
+        for name in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce",
+                     "dcp_a2a_v_up_proj_lse_reduce"):
+            if name in vars(ops):
+                assert check(name, vars(ops)[name]) == (getattr(V, name), []), name
+
+        class Later(ops.MLADCPManager):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.fused_o_proj = None
+
+        mine, why = check("MLADCPManager", Later)
+        assert mine is None and why == ["MLADCPManager.fused_o_proj: vLLM's attribute, not "
+                                        "dcpc's"], why
+    finally:
+        mods.close()
 
 
 # ---- SGLang 0.5.23 ------------------------------------------------------------------------

@@ -1,13 +1,13 @@
-"""vLLM's tests/distributed/test_dcp_direct_a2a_lse_reduce.py (vllm-project/vllm
-01b867e8, git main's layout), ported onto dcpc's vLLM adapters. The workers (query gather
-with padded_num_heads, the direct KV gather, the direct a2a combine with empty shards)
-are in tests/engine_ports/vllm_direct.py with what was replaced and what was not
+"""vLLM's tests/distributed/test_dcp_direct_a2a_lse_reduce.py (vllm-project/vllm 01b867e8,
+open PR #52239's dcp_utils layout), ported onto dcpc's vLLM adapters. The workers (query
+gather with padded_num_heads, the direct KV gather, the direct a2a combine with empty
+shards) are in tests/engine_ports/vllm_direct.py with what was replaced and what was not
 ported; the manager's selection tests and the workspace formula are below, with vLLM's
 MagicMock configs replaced by plain objects and its mocked workspaces by dcpc's real
-paths. The workers run on the ``local`` backend (the generated kernels, threads) at
-W = 2 and, with every ported file, on the ``torch`` backend at W = 2 and 3 and the
-``host`` backend (the kernels, ranks as processes) at W = 2 at the end of this file (the
-kernels at W = 3: the direct KV gather in test_engines_vllm_main.py, the combine in
+paths. The workers run on the ``local`` backend (the generated kernels, threads) at W =
+2 and, with every ported file, on the ``torch`` backend at W = 2 and 3 and the ``host``
+backend (the kernels, ranks as processes) at W = 2 at the end of this file (the kernels
+at W = 3: the direct KV gather in test_engines_vllm_pr52239.py, the combine in
 test_engines_local.py; a W = 3 local run of these workers takes ~3 min of CPU here)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from engine_ports.vllm_dcp_a2a import lse_weighted_combine
 from test_port_vllm_dcp_a2a import check
 
 from dcpc.engines import vllm as V
-from dcpc.engines.vllm_kv import MLADCPManagerMain
+from dcpc.engines.vllm_kv import MLADCPManagerPR52239
 from dcpc.harness.launch import launch
 from dcpc.runtime.local import LocalGroup
 
@@ -36,11 +36,15 @@ def _manager_config(dcp_comm_backend: str = "a2a") -> SimpleNamespace:
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=0))
 
 
-def test_dcp_workspace_covers_parallel_drafting():
+def test_dcp_workspace_covers_drafting_slots():
+    """vLLM's test of the parallel-drafting workspace (28 tokens for 4 sequences, k = 3),
+    as vLLM 0.34.0 states it: parallel drafting is deprecated there (no effect) and the
+    drafting slots are the speculator's max_num_new_slots_for_drafting."""
     config = _manager_config()
     config.scheduler_config.max_num_batched_tokens = 128
     config.num_speculative_tokens = 3
-    config.speculative_config = SimpleNamespace(parallel_drafting=True)
+    config.speculative_config = SimpleNamespace(num_speculative_tokens=3,
+                                                max_num_new_slots_for_drafting=3)
     assert V.get_dcp_workspace_max_num_tokens(config) == 28
 
 
@@ -56,7 +60,7 @@ def test_mla_dcp_manager_selects_pcp_combine():
     lses = [torch.randn(3, 4, generator=g) for _ in range(2)]
 
     def rank_main(rank, r):
-        m = MLADCPManagerMain(_manager_config("ag_rs"), "cpu", 2, 8, 16, torch.float32,
+        m = MLADCPManagerPR52239(_manager_config("ag_rs"), "cpu", 2, 8, 16, torch.float32,
                               torch.float32, None, True, True, group=rank, max_num_tokens=8)
         assert m.query_gather is None
         return m.combine(outs[r], lses[r], seq_lens=None, query_start_loc=None)
@@ -82,7 +86,7 @@ def test_mla_dcp_manager_selects_backends(switch, monkeypatch):
     local = [torch.randn(2, 16, generator=g).bfloat16() for _ in range(2)]
 
     def rank_main(rank, r):
-        m = MLADCPManagerMain(_manager_config(), "cpu", 2, 8, 4, torch.bfloat16,
+        m = MLADCPManagerPR52239(_manager_config(), "cpu", 2, 8, 4, torch.bfloat16,
                               torch.bfloat16, None, False, False, group=rank,
                               max_num_tokens=16)
         found = {"q": m.query_gather(queries[r]).clone(),

@@ -1,10 +1,12 @@
-"""Stand-ins for vLLM's DCP modules with the names, module paths and signatures of
-vLLM's git main (tests/test_engines_vllm_main.py).
+"""Stand-ins for vLLM's DCP modules with the names, module paths and signatures of open
+vLLM PR #52239's layout (tests/test_engines_vllm_pr52239.py), called "vLLM main" here
+before: no vLLM release has vllm/v1/attention/ops/dcp_utils.py (0.33.0 and 0.34.0 keep
+vllm/v1/attention/ops/dcp.py).
 
-Excerpted from vllm-project/vllm, vllm/v1/attention/ops/dcp_utils.py (the snapshot of
-git main after commit 1d57ea3a that has MLADCPKVGather: the index holds it without its
-commit hash), vllm/v1/attention/ops/dcp_alltoall.py (main's dcp_a2a_lse_reduce with the
-b12x keywords) and ops/common.py. What is kept: every public name the adapters replace,
+Excerpted from vllm/v1/attention/ops/dcp_utils.py (a snapshot after commit 1d57ea3a that
+has MLADCPKVGather: the index holds it without its commit hash),
+vllm/v1/attention/ops/dcp_alltoall.py (its dcp_a2a_lse_reduce with the b12x keywords)
+and ops/common.py. What is kept: every public name the adapters replace,
 each function's and method's parameters in vLLM's order with vLLM's defaults, the
 module each name is defined in and the ``from ... import`` bindings between them (what
 install() must find and rebind). What is stubbed, and why that is honest: the bodies
@@ -123,7 +125,7 @@ class MLADCPManager(MLADCPKVGather):
 
 
 def modules() -> dict[str, types.ModuleType]:
-    """The module tree of vLLM main's layout, every name bound where vLLM binds it (no
+    """The module tree of open PR #52239's layout, every name bound where vLLM binds it (no
     vllm.v1.attention.ops.dcp: main has none)."""
     def module(name: str, **attrs: Any) -> types.ModuleType:
         m = types.ModuleType(name)

@@ -105,14 +105,19 @@ def name_call(err: DcpcContractError) -> DcpcContractError:
 
 
 # ---- the engines' hooks (installed by the adapters' install()) ----------------------------
-def forward_hook(original: Callable[..., Any]) -> Callable[..., Any]:
-    """vLLM's ``set_forward_context`` (a context manager), beginning a forward first."""
+def forward_hook(original: Callable[..., Any],
+                 before: Callable[..., None] | None = None) -> Callable[..., Any]:
+    """vLLM's ``set_forward_context`` (a context manager), beginning a forward first;
+    ``before(*args, **kwargs)`` sees the call's arguments first (vLLM's adapter notes
+    the forward's ``vllm_config``: dcpc.engines.vllm.note_config)."""
     if getattr(original, "_dcpc_hook", False):
         return original
 
     @functools.wraps(original)
     @contextlib.contextmanager
     def hooked(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        if before is not None:
+            before(*args, **kwargs)
         begin_forward()
         with original(*args, **kwargs) as context:
             yield context

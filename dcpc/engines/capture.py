@@ -12,10 +12,13 @@ the adapters make them:
   inputs' layout), two calls at every capture size, with inputs of the first call's
   layout (``like``), before the call itself; ``MLADCPManager`` at construction (it
   knows its shapes then);
-- the sizes: ``DCPC_CAPTURE_SIZES`` (comma-separated tokens), else what ``install()``
-  read from the engine's config (vLLM: ``compilation_config.cudagraph_capture_sizes``;
-  SGLang: ``cuda_graph_bs`` times the tokens per batch), else the config found at the
-  first call; none known: nothing is warmed (said once);
+- the sizes: ``DCPC_CAPTURE_SIZES`` (comma-separated tokens), else the engine's config:
+  vLLM's ``compilation_config.cudagraph_capture_sizes`` of the first config the adapter
+  sees (dcpc.engines.vllm.note_config: the manager's construction, each forward's
+  ``set_forward_context``, or the config current at the first call; vLLM loads plugins
+  with none current, so not at ``install()``); SGLang's ``cuda_graph_bs`` times the
+  tokens per batch, read by ``install()`` or at the first call; none known: nothing is
+  warmed (said once);
 - bounded: sizes up to the workspace (larger ones take the fallback: the smallest of
   them is warmed once, for the fallback's empty call), at most ``MAX_SIZES``;
 - ``DCPC_WARM_CAPTURE=0`` turns it off; one INFO line per family says what was warmed.
@@ -45,7 +48,7 @@ _lock = threading.Lock()
 _done: dict[Hashable, Any] = {}  # family -> group handle (kept: its id is not reused)
 _fast: dict[Hashable, Any] = {}  # a call's cheap key -> group handle (first_use)
 MAX_FAST = 65536
-_found: dict[str, tuple[list[int], str]] = {}  # engine -> (sizes, source), by install()
+_found: dict[str, tuple[list[int], str]] = {}  # engine -> (sizes, source) of its config
 _said: dict[str, bool] = {}  # labels told that no sizes are known
 _tls = threading.local()
 
@@ -67,7 +70,8 @@ def parse_sizes(text: str, where: str) -> list[int]:
 
 
 def remember(engine: str, sizes: list[int] | None, source: str) -> None:
-    """What install() found in the engine's config (kept: none is current later)."""
+    """What the engine's config says (vLLM: the first config seen; SGLang: install()'s
+    read), kept: none is current later."""
     with _lock:
         if sizes:
             _found[engine] = (sorted({int(s) for s in sizes}), source)
@@ -77,8 +81,9 @@ def remember(engine: str, sizes: list[int] | None, source: str) -> None:
 
 def sizes_for(engine: str, config: Callable[[], tuple[list[int] | None, str]]
               ) -> tuple[list[int] | None, str]:
-    """(the capture sizes, where they came from): DCPC_CAPTURE_SIZES, else install()'s,
-    else ``config()`` (the engine's config current now), else (None, why)."""
+    """(the capture sizes, where they came from): DCPC_CAPTURE_SIZES, else what
+    ``remember`` kept, else ``config()`` (the engine's config current now), else
+    (None, why)."""
     env = os.environ.get(SIZES_ENV)
     if env and env.strip():
         return parse_sizes(env, SIZES_ENV), SIZES_ENV
@@ -112,15 +117,14 @@ def sglang_sizes(server_args: Any) -> tuple[list[int] | None, str]:
 
 
 def vllm_sizes_now() -> tuple[list[int] | None, str]:
-    """vLLM's capture sizes: DCPC_CAPTURE_SIZES, install()'s, or the current config's."""
+    """vLLM's capture sizes: DCPC_CAPTURE_SIZES, else those of the first vLLM config seen
+    (dcpc.engines.vllm.note_config), else of the config current now (then noted)."""
     def current() -> tuple[list[int] | None, str]:
-        try:
-            from vllm.config import get_current_vllm_config_or_none
-        except ImportError:
-            return None, "vLLM is not installed"
-        config = get_current_vllm_config_or_none()
+        from dcpc.engines.vllm import _current_config  # it imports this module
+
+        config = _current_config()
         if config is None:
-            return None, "no vLLM config is current"
+            return None, "no vLLM config seen or current"
         return vllm_sizes(config)
 
     return sizes_for("vllm", current)
@@ -210,8 +214,8 @@ def first_use(fast: Hashable, family: Callable[[], Hashable], handle: Any, label
             said, _said[label] = label in _said, True
         if not said:  # INFO: an eager-only engine has no capture sizes, rightly
             log.info("%s: no CUDA-graph capture sizes known (%s): not warmed up for "
-                     "capture (set %s, or install() while the engine's config is "
-                     "current)", label, source, SIZES_ENV)
+                     "capture (set %s; vLLM: its config once one is seen; SGLang: "
+                     "install() with the server args set)", label, source, SIZES_ENV)
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         log_once(f"capture:inside:{label}", f"{label}: first called inside a CUDA-graph "

@@ -1,4 +1,7 @@
-"""vLLM's Helix combine (vllm/v1/attention/ops/helix.py, vLLM main) on a dcpc module.
+"""The Helix combine of closed vLLM PR #34024 (vllm/v1/attention/ops/helix.py) on a dcpc
+module. PR #34024 was closed unmerged: no vLLM release has the module (0.33.0 and 0.34.0
+do not), so ``install()`` patches nothing on a released vLLM; it serves a vLLM built
+from that branch, or an engine calling the function itself.
 
 ``helix_alltoall_lse_reduce(local_output, local_lse, kvp_group, return_lse,
 is_lse_base_on_e)`` has vLLM's signature and results: every rank of the KV-parallel
@@ -9,7 +12,8 @@ shard, with their LSEs [B, H]; rank r gets the LSE-weighted merge of heads r*H/N
 ``all_to_all_single`` calls and a Triton merge; here it is the fused all-to-all +
 merge schedule that dcp_a2a_lse_reduce runs (dcpc path ``fused``: one launch on
 symmetric memory, proved by ``dcpc check``), the same schedule as the KVP axis of
-schedules/gallery/helix.yaml.
+schedules/gallery/helix.yaml. The first call of a family warms every CUDA-graph capture
+size up, as the other adapters' (dcpc.engines.capture).
 
 Non-finite LSEs: vLLM's Helix merge treats a NaN or +inf LSE as -inf (that shard adds
 nothing); so does dcpc's merge, and a row whose shards are all -inf merges to 0 with
@@ -43,7 +47,9 @@ def helix_alltoall_lse_reduce(local_output: torch.Tensor, local_lse: torch.Tenso
             return original(local_output, local_lse, kvp_group, return_lse, is_lse_base_on_e)
     got = _combine("fused", local_output, local_lse, kvp_group, return_lse,
                    is_lse_base_on_e, None, None, switch_name=HELIX_SWITCH,
-                   label="helix_alltoall_lse_reduce", engine=engine)
+                   label="helix_alltoall_lse_reduce", engine=engine,
+                   again=lambda o, lse, _s, _q: helix_alltoall_lse_reduce(
+                       o, lse, kvp_group, return_lse, is_lse_base_on_e))
     if not return_lse:
         return got
     out, lse = got
@@ -53,11 +59,12 @@ def helix_alltoall_lse_reduce(local_output: torch.Tensor, local_lse: torch.Tenso
 def install() -> list[str]:
     """Put ``helix_alltoall_lse_reduce`` over vLLM's in every module that holds it;
     vLLM's own stays the fallback. Idempotent; returns the bindings patched ([] when
-    this vLLM has no vllm.v1.attention.ops.helix, logged once)."""
+    this vLLM has no vllm.v1.attention.ops.helix, as no release has: logged once)."""
     try:
         import vllm.v1.attention.ops.helix as ops  # type: ignore[import-not-found]
     except ImportError as err:
-        log_once("vllm-helix", f"dcpc.engines.helix.install(): nothing to patch ({err})")
+        log_once("vllm-helix", f"dcpc.engines.helix.install(): nothing to patch ({err}; "
+                 "Helix is closed vLLM PR #34024, in no release)")
         return []
     name = "helix_alltoall_lse_reduce"
     old = vars(ops).get(name)

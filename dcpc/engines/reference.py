@@ -74,6 +74,24 @@ def vllm_combine(outs: list[torch.Tensor], lses: list[torch.Tensor], *, base2: b
             for r in range(world)]
 
 
+def vllm_v_up_proj_combine(outs: list[torch.Tensor], lses: list[torch.Tensor],
+                           w_uv: torch.Tensor, *, base2: bool = False,
+                           local_lens: list[torch.Tensor] | None = None,
+                           qsl: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """vLLM 0.34.0's dcp_a2a_v_up_proj_lse_reduce (and the manager's v_up_proj_combine):
+    per rank the merge of its heads (vllm_combine) up-projected by those heads' W_UV
+    (``w_uv`` [H, L, V], all heads in rank order): [B, H/W * V]. Either of vLLM's
+    orders (project, then merge; merge, then project) equals this in exact arithmetic."""
+    w64 = _f64(w_uv)
+    out = []
+    for r, (merged, _) in enumerate(vllm_combine(outs, lses, base2=base2,
+                                                 local_lens=local_lens, qsl=qsl)):
+        part = merged.shape[1]
+        heads = w64[r * part:(r + 1) * part]  # [H/W, L, V]
+        out.append(torch.einsum("bhl,hlv->bhv", merged, heads).reshape(merged.shape[0], -1))
+    return out
+
+
 def vllm_correct_attn_out(out: torch.Tensor, lses: torch.Tensor, rank: int,
                           base2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's correct_attn_out: (out * exp(lse_rank - G), 0 where the factor is 0; G)."""

@@ -1,4 +1,4 @@
-"""vLLM's DCP interface (vllm/v1/attention/ops/dcp.py, vLLM 0.33.0) on dcpc modules.
+"""vLLM's DCP interface (vllm/v1/attention/ops/dcp.py, vLLM 0.33.0 and 0.34.0) on dcpc modules.
 
 Same names, arguments and results as vLLM's, so a plugin can assign them over vLLM's
 (docs/engines.md, "Engine adapters: vLLM and SGLang"):
@@ -6,33 +6,39 @@ Same names, arguments and results as vLLM's, so a plugin can assign them over vL
 - ``cp_lse_ag_out_rs``: all-gather LSE, correct, reduce-scatter (dcpc path ``ag_rs``;
   the correction and the sum run in fp32, rounded once: vLLM reduces in bf16);
 - ``dcp_a2a_lse_reduce``: all-to-all + LSE-weighted merge (dcpc path ``fused``: one
-  launch);
+  launch); ``out=`` (vLLM 0.34.0) writes the merge into the caller's buffer;
+- ``dcp_a2a_v_up_proj_lse_reduce`` (vLLM 0.34.0): the a2a merge with MLA's W_UV
+  up-projection applied first (the all-to-all then carries V values per head, not L),
+  or, below vLLM's token threshold, after the merge of the latent;
 - ``cp_lse_ag_out_ar`` (PCP): torch only, as vLLM's math;
 - ``correct_attn_out``: the local correction, in torch (fp32);
 - ``get_dcp_workspace_max_num_tokens`` and ``MLADCPManager`` (dcpc.engines.vllm_manager;
-  vLLM main's, with its KV gather: dcpc.engines.vllm_kv).
+  the KV gather of open vLLM PR #52239's layout: dcpc.engines.vllm_kv).
 
-vLLM git main's layout (vllm/v1/attention/ops/dcp_utils.py) has the same free functions
-with extra keywords (``use_b12x``, ...): they are taken as ``**engine_kwargs``, and a set
-one runs vLLM's own function.
+The layout of open vLLM PR #52239 (vllm/v1/attention/ops/dcp_utils.py, unreleased) has
+the same free functions with extra keywords (``use_b12x``, ...: ``ENGINE_ONLY``): taken
+as ``**engine_kwargs``, and a set one runs vLLM's own function.
 
 ``seq_lens`` are THIS rank's local KV lengths [B] (what vLLM passes); rows at or past
 ``query_start_loc[-1]`` and requests with local length 0 get LSE -inf as in vLLM's
 mask_dcp_empty_shards_, but out of place (this adapter never writes its inputs; with
 DCPC_KERNEL_MASK=1 the kernels mask instead). Results are views of the module's
 persistent buffers: valid until the next call of the same shapes (consume or copy them
-before that, as vLLM's layers do).
+before that, as vLLM's layers do); with ``out=`` the result is copied into ``out``.
 
-``install()`` (dcpc.engines.vllm_install: which layout, which names) puts them over
-vLLM's and keeps vLLM's own as the fallback of every call
+``install()`` (dcpc.engines.vllm_install: which layout, which names, the contract
+check) puts them over vLLM's and keeps vLLM's own as the fallback of every call
 dcpc does not take; without it the fallback is torch collectives in fp32.
 
 Switches (tri-state env: unset = auto, 1 = force, 0 = the fallback):
 ``VLLM_USE_DIRECT_DCP_A2A`` (a2a), ``DCPC_VLLM_AG_RS`` (ag_rs), and, for the manager,
 ``VLLM_USE_DIRECT_DCP_Q_GATHER`` and ``VLLM_USE_DIRECT_DCP_KV_GATHER``. ``DCPC_BACKEND``
-picks the module backend (default ``auto``), ``DCPC_MAX_NUM_TOKENS`` the workspace of
-the free functions when no vLLM config is current. A family's first call warms every
-CUDA-graph capture size up first (dcpc.engines.capture; ``DCPC_WARM_CAPTURE=0``: off).
+picks the module backend (default ``auto``). The free functions' workspace and the
+CUDA-graph capture sizes come from the first vLLM config dcpc sees (``note_config``:
+the manager's construction in load_model, each forward's ``set_forward_context``, or
+the config current at a first call); ``DCPC_MAX_NUM_TOKENS`` / ``DCPC_CAPTURE_SIZES``
+override them. A family's first call warms every capture size up first
+(dcpc.engines.capture; ``DCPC_WARM_CAPTURE=0``: off).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import threading
 from typing import Any
 
 import torch
@@ -54,7 +61,7 @@ from dcpc.engines.combine import (
     refusing,
     reset,
 )
-from dcpc.engines.common import log_once, resolve_group, switch
+from dcpc.engines.common import log, log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm, correct, mask_at_source, torch_combine
 from dcpc.runtime.errors import DcpcArgumentError
 
@@ -62,7 +69,16 @@ A2A_SWITCH = "VLLM_USE_DIRECT_DCP_A2A"
 AG_RS_SWITCH = "DCPC_VLLM_AG_RS"
 Q_GATHER_SWITCH = "VLLM_USE_DIRECT_DCP_Q_GATHER"
 KV_GATHER_SWITCH = "VLLM_USE_DIRECT_DCP_KV_GATHER"
+# where vLLM defines its DCP names: the releases (0.33.0, 0.34.0), open PR #52239's layout
+MODULES = ("vllm.v1.attention.ops.dcp", "vllm.v1.attention.ops.dcp_utils")
 DEFAULT_MAX_NUM_TOKENS = 256  # the free functions' workspace without a vLLM config
+# keywords of vLLM's functions that dcpc leaves to vLLM's own path when set (open PR
+# #52239's dcp_a2a_lse_reduce), with the value at which dcpc runs the call itself
+ENGINE_ONLY = {"use_b12x": False, "b12x_max_batch_size": None, "b12x_query_head_dim": None}
+# vLLM 0.34.0's _V_UP_PROJ_FIRST_MIN_TOKENS when vLLM's module does not hold one: below
+# it the W_UV-fused merge merges the latent first (a smaller read of W_UV); the two
+# orders agree up to rounding
+V_UP_PROJ_FIRST_MIN_TOKENS = 8
 
 
 # ---- helpers --------------------------------------------------------------------------
@@ -80,25 +96,61 @@ def _ubatch() -> int:
 
 
 _installed_tokens: list[int] = []  # install(max_num_tokens=...): the free functions' workspace
+_seen: list[Any] = []  # the first vLLM config dcpc saw (note_config)
+_seen_lock = threading.Lock()
+
+
+def note_config(vllm_config: Any) -> None:
+    """A vLLM config became current: keep the first one seen (the free functions'
+    workspace and the capture sizes come from it: ``workspace_choice``,
+    ``capture.vllm_sizes_now``). Called by the manager's construction (load_model),
+    by the hooked ``set_forward_context`` (every forward, the profile run's first), and
+    at a free function's first call (the config current then). A config without a
+    scheduler config (a stand-in) is not kept."""
+    if vllm_config is None or getattr(vllm_config, "scheduler_config", None) is None:
+        return
+    with _seen_lock:
+        if _seen:
+            return
+        _seen.append(vllm_config)
+    sizes, source = capture.vllm_sizes(vllm_config)
+    capture.remember("vllm", sizes, source)
+
+
+def forget_config() -> None:
+    """Forget the config seen (tests; a new engine in the same process)."""
+    with _seen_lock:
+        _seen.clear()
+    capture.remember("vllm", None, "")
+    _free_tokens.cache_clear()
+
+
+def _current_config() -> Any:
+    """The config seen first, else vLLM's config current now (None without vLLM)."""
+    with _seen_lock:
+        if _seen:
+            return _seen[0]
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    config = get_current_vllm_config_or_none()
+    note_config(config)
+    return config
 
 
 def workspace_choice() -> tuple[int, str]:
     """(the free functions' workspace in tokens, where it came from): ``DCPC_MAX_NUM_TOKENS``,
     else ``install(max_num_tokens=)``, else vLLM's get_dcp_workspace_max_num_tokens of
-    the config current now (vLLM sets one around model construction, where plugins and
-    install() run in a worker), else 256."""
+    the first config seen (``note_config``) or of the config current now, else 256."""
     env = os.environ.get("DCPC_MAX_NUM_TOKENS")
     if env:
         return int(env), "DCPC_MAX_NUM_TOKENS"
     if _installed_tokens:
         return _installed_tokens[0], "install(max_num_tokens=)"
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:
-        return DEFAULT_MAX_NUM_TOKENS, "the default: no vLLM config"
-    config = get_current_vllm_config_or_none()
+    config = _current_config()
     if config is None:
-        return DEFAULT_MAX_NUM_TOKENS, "the default: no vLLM config is current"
+        return DEFAULT_MAX_NUM_TOKENS, "the default: no vLLM config seen or current"
     return (get_dcp_workspace_max_num_tokens(config),
             "vLLM's config: max_num_batched_tokens, max_num_seqs, speculative tokens, "
             "CUDA-graph capture sizes")
@@ -106,12 +158,14 @@ def workspace_choice() -> tuple[int, str]:
 
 @functools.cache
 def _free_tokens() -> int:
-    """The workspace of the free functions, decided once per process (every call must
-    find the same module): see workspace_choice. In a vLLM server no config is current
-    in forward, so the first call's choice may be the default: install() from a plugin
-    (a config is current when vLLM loads plugins in a worker), or set one of the
-    first two, and read install()'s log line."""
-    return workspace_choice()[0]
+    """The workspace of the free functions, decided once per process at their first call
+    (every call must find the same module): see workspace_choice. In a vLLM worker
+    the first call is in the profile run, inside its ``set_forward_context`` (whose
+    config install()'s hook keeps) and with the config current; logged once (INFO)."""
+    tokens, source = workspace_choice()
+    log.info("dcpc.engines.vllm: the free functions' workspace is %d tokens (%s)", tokens,
+             source)
+    return tokens
 
 
 # ---- vLLM's own, saved by install() (dcpc.engines.vllm_install) ---------------------------
@@ -130,12 +184,21 @@ def _engine_fallback(name: str, *args: Any, **kwargs: Any) -> Any:
     return lambda: original(*args, **kwargs)
 
 
+def _at_default(value: Any) -> bool:
+    """A keyword left at an "off" value: None, False or 0, judged on scalars only (a
+    tensor, or any other object, counts as set: never tested for truth)."""
+    if value is None:
+        return True
+    return type(value) in (bool, int, float) and value == 0
+
+
 def _engine_only(label: str, engine_kwargs: dict[str, Any], engine: Any) -> bool:
-    """vLLM main's extra keywords (e.g. dcp_a2a_lse_reduce's ``use_b12x``,
-    ``b12x_max_batch_size``, ``b12x_query_head_dim``): at their defaults (None, False, 0)
-    dcpc runs the call; a set one asks for vLLM's own path, which runs if install()
-    saved it, else the call is refused (no silent change of what was asked for)."""
-    asked = {k: v for k, v in engine_kwargs.items() if v not in (None, False, 0)}
+    """Keywords of vLLM's that dcpc does not implement (``ENGINE_ONLY``: open PR #52239's
+    ``use_b12x``, ``b12x_max_batch_size``, ``b12x_query_head_dim``; any other extra
+    keyword alike): at their off values (None, False, 0) dcpc runs the call; a set one
+    asks for vLLM's own path, which runs if install() saved it, else the call is
+    refused (no silent change of what was asked for)."""
+    asked = {k: v for k, v in engine_kwargs.items() if not _at_default(v)}
     if not asked:
         return False
     if engine is None:
@@ -162,46 +225,94 @@ def _combine(path: str, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp
              return_lse: bool, is_lse_base_on_e: bool, seq_lens: Any, query_start_loc: Any,
              *, switch_name: str, max_tokens: int | None = None, slots: int = 1,
              slot: int = 0, instance: int | None = None, backend: str | None = None,
-             label: str, engine: Any = None, again: Any = None) -> Any:
+             label: str, engine: Any = None, again: Any = None,
+             out: torch.Tensor | None = None) -> Any:
     """The free functions and the manager's combine: vLLM's argument handling (a 4-D
     output squeezed, W == 1 returns the inputs), then ``combine_call`` (``engine``:
     vLLM's own function as the fallback); the result as vLLM returns it (``out``, or
     ``(out, lse)`` with ``return_lse``). ``again(out, lse, seq_lens, qsl)``: the public
     function with the caller's other arguments, for the capture warm-up of a family's
-    first call (dcpc.engines.capture)."""
-    tokens, backend = max_tokens or _free_tokens(), backend or _backend()
+    first call (dcpc.engines.capture). ``out``: vLLM 0.34.0's output buffer [B, H/W, D]:
+    the merge is written into it (also at W == 1, as vLLM's kernel does) and it is
+    what is returned."""
+    tokens = max_tokens or _free_tokens()
+    backend = backend or _backend()
     instance = _ubatch() if instance is None else instance
     with refusing(cp_group, cp_attn_out, label,  # every rank raises, or none
                   lambda: combine_settings(switch_name, tokens, backend), slot,
                   instance=instance):
         check_mask_args(seq_lens, query_start_loc)
         check_tensors(label, out=cp_attn_out, lse=cp_attn_lse)
-        out, lse = _squeeze(cp_attn_out, cp_attn_lse)
-    group = resolve_group(cp_group, out.device)
+        o, lse = _squeeze(cp_attn_out, cp_attn_lse)
+        group = resolve_group(cp_group, o.device)
+        if out is not None:
+            _check_out(label, out, o, group.world)
     if group.world == 1:
-        return (out, lse) if return_lse else out
+        if out is None:
+            return (o, lse) if return_lse else o
+        return _merge_one(o, lse, seq_lens, query_start_loc, out, return_lse)
     if again is not None:
         rest = (label, id(group.handle), group.rank, seq_lens is None, return_lse,
                 is_lse_base_on_e, slot, instance, backend, tokens)
         capture.first_use(
-            (*rest, out.shape[1:], out.stride(), out.dtype, lse.shape[1:], lse.stride(),
-             lse.dtype), lambda: (*rest, capture.layout(out), capture.layout(lse),
+            (*rest, o.shape[1:], o.stride(), o.dtype, lse.shape[1:], lse.stride(),
+             lse.dtype), lambda: (*rest, capture.layout(o), capture.layout(lse),
                                   capture.mask_kind(seq_lens, query_start_loc)),
             group.handle, label, capture.vllm_sizes_now, tokens,
-            lambda n: again(capture.like(out, n), capture.like(lse, n),
+            lambda n: again(capture.like(o, n), capture.like(lse, n),
                             *capture.mask_args(seq_lens, query_start_loc, n)),
             lambda: switch(switch_name) != "off")
     got = combine_call(
-        path, out, lse, group, base2=not is_lse_base_on_e, seq_lens=seq_lens,
+        path, o, lse, group, base2=not is_lse_base_on_e, seq_lens=seq_lens,
         qsl=query_start_loc, switch_name=switch_name, max_tokens=tokens, slots=slots,
         slot=slot, instance=instance, backend=backend, label=label, engine=engine)
-    if isinstance(got, EngineResult):
-        return got.value
+    if isinstance(got, EngineResult):  # vLLM's own ran: its result, into ``out``
+        return _into(out, got.value)
     got, got_lse = got
+    if out is not None:  # a copy of the module's view: vLLM writes the merge in place
+        got = out.copy_(got.view(out.shape))
     if not return_lse:
         return got
     # ag_rs: the LSE in cp_attn_lse's dtype (vLLM's lse); a2a: fp32
     return got, (got_lse.to(cp_attn_lse.dtype) if path == "ag_rs" else got_lse)
+
+
+def _into(out: torch.Tensor | None, value: Any) -> Any:
+    """A result of vLLM's own function (a tensor, or (tensor, lse)) as a call with ``out``
+    returns it: the tensor copied into ``out``, ``out`` in its place."""
+    if out is None:
+        return value
+    first = value[0] if isinstance(value, tuple) else value
+    out.copy_(first.view(out.shape))
+    return (out, *value[1:]) if isinstance(value, tuple) else out
+
+
+def _check_out(label: str, out: torch.Tensor, o: torch.Tensor, world: int) -> None:
+    """``out`` must hold this rank's heads of the merge: [B, H/W, D], a float tensor on
+    the partials' device (vLLM's kernel writes it through its strides unchecked)."""
+    want = (o.shape[0], o.shape[1] // max(world, 1), o.shape[2])
+    if not isinstance(out, torch.Tensor):
+        raise DcpcArgumentError(f"{label}: out must be a tensor [B, H/W, D] = {want}, got "
+                                f"{type(out).__name__}")
+    if tuple(out.shape) != want or not out.dtype.is_floating_point or \
+            out.device != o.device:
+        raise DcpcArgumentError(f"{label}: out has shape {tuple(out.shape)}, dtype "
+                                f"{out.dtype} on {out.device}; expected {want}, a float "
+                                f"dtype, on {o.device} (this rank's H/W heads of the merge)")
+
+
+def _merge_one(o: torch.Tensor, lse: torch.Tensor, seq_lens: Any, qsl: Any,
+               out: torch.Tensor, return_lse: bool) -> Any:
+    """vLLM 0.34.0's dcp_a2a_lse_reduce with ``out=`` on one rank: the merge of one
+    partial (weight 1, in either LSE base, where the LSE is finite after the empty-shard
+    mask, else 0 with LSE -inf; NaN and +inf count as -inf), written into ``out``."""
+    lse32 = lse.float() if seq_lens is None else mask_at_source(lse.float(), seq_lens, qsl)
+    lse32 = torch.where(torch.isnan(lse32) | (lse32 == float("inf")),
+                        torch.full_like(lse32, float("-inf")), lse32)
+    live = torch.isfinite(lse32).unsqueeze(-1)
+    out.copy_(torch.where(live, o.float(), torch.zeros((), dtype=torch.float32,
+                                                       device=o.device)))
+    return (out, lse32) if return_lse else out
 
 
 # ---- the free functions -----------------------------------------------------------------
@@ -230,20 +341,85 @@ def dcp_a2a_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_
                        ctx: Any = None, return_lse: bool = False,
                        is_lse_base_on_e: bool = True, seq_lens: torch.Tensor | None = None,
                        query_start_loc: torch.Tensor | None = None,
-                       **engine_kwargs: Any) -> Any:
+                       out: torch.Tensor | None = None, **engine_kwargs: Any) -> Any:
     """vLLM's dcp_a2a_lse_reduce: as cp_lse_ag_out_rs, through one fused all-to-all +
-    merge; the returned LSE is fp32. H % W != 0 raises (a ValueError, as vLLM)."""
+    merge; the returned LSE is fp32. H % W != 0 raises (a ValueError, as vLLM).
+    ``out`` (vLLM 0.34.0): a [B, H/W, D] buffer the merge is written into and returned
+    (a copy of the module's result), also at W == 1."""
+    # vLLM's own, as the fallback, returns a fresh result that _combine copies into out
+    # (0.33.0's takes no out=)
     engine = _engine_fallback("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx,
                               return_lse, is_lse_base_on_e, seq_lens, query_start_loc,
                               **engine_kwargs)
     if _engine_only("dcp_a2a_lse_reduce", engine_kwargs, engine):
-        return engine()
+        return _into(out, engine())
     return _combine("fused", cp_attn_out, cp_attn_lse, cp_group, return_lse,
                     is_lse_base_on_e, seq_lens, query_start_loc, switch_name=A2A_SWITCH,
-                    label="dcp_a2a_lse_reduce", engine=engine,
+                    label="dcp_a2a_lse_reduce", engine=engine, out=out,
                     again=lambda o, lse, s, q: dcp_a2a_lse_reduce(
                         o, lse, cp_group, ctx, return_lse, is_lse_base_on_e, s, q,
                         **engine_kwargs))
+
+
+def v_up_proj_first_min_tokens() -> int:
+    """vLLM's own threshold of the W_UV-fused merge (its module's
+    ``_V_UP_PROJ_FIRST_MIN_TOKENS``, when install() saved vLLM's function), else
+    V_UP_PROJ_FIRST_MIN_TOKENS: below it the latent is merged first."""
+    theirs = _originals.get("dcp_a2a_v_up_proj_lse_reduce")
+    found = getattr(theirs, "__globals__", {}).get("_V_UP_PROJ_FIRST_MIN_TOKENS")
+    return found if isinstance(found, int) and not isinstance(found, bool) \
+        else V_UP_PROJ_FIRST_MIN_TOKENS
+
+
+def v_up_proj_merge(label: str, latent: torch.Tensor, w_uv: torch.Tensor,
+                    out: torch.Tensor, rank: int, world: int, merge: Any) -> None:
+    """vLLM 0.34.0's W_UV-fused merge over a merge function ``merge(x, out)`` (the a2a
+    merge of partials ``x`` [B, H, C] into ``out`` [B, H/W, C], or a fresh result when
+    ``out`` is None): ``latent`` [B, H, L] of all H heads, ``w_uv`` [H, L, V] of all
+    heads in rank order, ``out`` [B, H/W * V] this rank's up-projected heads. From
+    v_up_proj_first_min_tokens() tokens up each head is projected first, then merged (the
+    all-to-all moves V values per head instead of L); below, the latent is merged, then
+    this rank's heads are projected. The merge is linear per head, so both orders agree
+    up to rounding."""
+    if latent.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[:2] != latent.shape[1:]:
+        raise DcpcArgumentError(f"{label}: w_uv has shape {tuple(w_uv.shape)}, expected "
+                                f"[H, L, V] for partials {tuple(latent.shape)} [B, H, L]")
+    b, h, _ = latent.shape
+    v, part = w_uv.shape[-1], h // max(world, 1)
+    if h % world or not isinstance(out, torch.Tensor) or out.numel() != b * part * v:
+        raise DcpcArgumentError(f"{label}: out must hold [B, H/W * V] = [{b}, {part * v}] "
+                                f"values (this rank's heads), got "
+                                f"{tuple(getattr(out, 'shape', ()))} for {h} heads over "
+                                f"{world} ranks")
+    if b < v_up_proj_first_min_tokens():
+        merged = merge(latent, None)
+        torch.bmm(merged.transpose(0, 1), w_uv[rank * part:(rank + 1) * part],
+                  out=out.view(b, part, v).transpose(0, 1))
+        return
+    projected = latent.new_empty((b, h, v))
+    # (H, B, L) x (H, L, V) -> (H, B, V), written transposed into (B, H, V)
+    torch.bmm(latent.transpose(0, 1), w_uv, out=projected.transpose(0, 1))
+    merge(projected, out.view(b, part, v))
+
+
+def dcp_a2a_v_up_proj_lse_reduce(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor,
+                                 w_uv: torch.Tensor, out: torch.Tensor, cp_group: Any,
+                                 is_lse_base_on_e: bool = True,
+                                 seq_lens: torch.Tensor | None = None,
+                                 query_start_loc: torch.Tensor | None = None) -> None:
+    """vLLM 0.34.0's dcp_a2a_v_up_proj_lse_reduce: the a2a merge of MLA's partial latent
+    outputs [B, H, L] with the up-projection ``w_uv`` [H, L, V] (all heads, rank order)
+    into ``out`` [B, H/W * V] (see v_up_proj_merge), through dcpc's
+    dcp_a2a_lse_reduce (the fused module, or its fallbacks)."""
+    group = resolve_group(cp_group, cp_attn_out.device)
+
+    def merge(x: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        return dcp_a2a_lse_reduce(x, cp_attn_lse, cp_group,
+                                  is_lse_base_on_e=is_lse_base_on_e, seq_lens=seq_lens,
+                                  query_start_loc=query_start_loc, out=into)
+
+    v_up_proj_merge("dcp_a2a_v_up_proj_lse_reduce", cp_attn_out, w_uv, out, group.rank,
+                    group.world, merge)
 
 
 def cp_lse_ag_out_ar(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group: Any,
@@ -293,13 +469,15 @@ def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, cp_rank: int, ctx: A
 
 
 def get_dcp_workspace_max_num_tokens(vllm_config: Any) -> int:
-    """vLLM's own function when vLLM is installed; else vLLM's formula (git main,
-    2026-12): min(max_num_batched_tokens, max(max_num_seqs * tokens_per_seq, the
-    largest CUDA-graph capture size)), tokens_per_seq = 1 + k speculative tokens, or
-    1 + 2k with parallel drafting (vLLM's own test: 4 sequences, k = 3 -> 28)."""
+    """vLLM's own function when vLLM is installed; else vLLM 0.34.0's formula:
+    min(max_num_batched_tokens, max(max_num_seqs * tokens_per_seq, the largest CUDA-graph
+    capture size)) with tokens_per_seq = max(1 + k, max_decode_query_len), k speculative
+    tokens and max_decode_query_len = 1 + k + the speculator's extra drafting slots
+    (``max_num_new_slots_for_drafting``; 1 without a speculative config). 0.34.0
+    deprecated ``parallel_drafting`` (no effect): its slots are counted there."""
     theirs = None
-    for where in ("vllm.v1.attention.ops.dcp", "vllm.v1.attention.ops.dcp_utils"):
-        try:  # 0.33.0's module, vLLM main's
+    for where in MODULES:
+        try:
             theirs = getattr(importlib.import_module(where),
                              "get_dcp_workspace_max_num_tokens", None)
         except ImportError:
@@ -312,11 +490,14 @@ def get_dcp_workspace_max_num_tokens(vllm_config: Any) -> int:
     k = getattr(vllm_config, "num_speculative_tokens", None)
     if k is None:  # vLLM's VllmConfig has the property; older configs only the spec's
         k = getattr(spec, "num_speculative_tokens", 0) or 0
-    per_seq = 1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * k
+    widest = 1  # vLLM's max_decode_query_len
+    if spec is not None and getattr(spec, "num_speculative_tokens", None) is not None:
+        widest = (1 + spec.num_speculative_tokens
+                  + (getattr(spec, "max_num_new_slots_for_drafting", 0) or 0))
+    per_seq = max(1 + k, widest)
     sched = vllm_config.scheduler_config
     graphs = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
     return min(sched.max_num_batched_tokens, max(sched.max_num_seqs * per_seq, graphs))
-
 
 
 def install(max_num_tokens: int | None = None) -> list[str]:
@@ -344,6 +525,9 @@ __all__ = [
     "cp_lse_ag_out_ar",
     "cp_lse_ag_out_rs",
     "dcp_a2a_lse_reduce",
+    "dcp_a2a_v_up_proj_lse_reduce",
+    "forget_config",
     "get_dcp_workspace_max_num_tokens",
+    "note_config",
     "reset",
 ]

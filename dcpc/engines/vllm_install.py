@@ -1,29 +1,34 @@
-"""Putting dcpc's adapters over vLLM's DCP functions: which layout this vLLM has, and
-the names to patch in it.
+"""Putting dcpc's adapters over vLLM's DCP functions: where this vLLM keeps them, and
+which of them dcpc can stand in for (the contract check).
 
-Two layouts are known (docs/engines.md, "Versions"):
+Where (``dcpc.engines.vllm.MODULES``, the first that imports and holds a replaced name):
 
-- ``0.33.0``: vLLM 0.33.0's ``vllm.v1.attention.ops.dcp`` defines cp_lse_ag_out_rs,
-  dcp_a2a_lse_reduce, cp_lse_ag_out_ar and MLADCPManager with
-  ``init_kv_gather(workspace, max_gathered_tokens)``;
-- ``main``: vLLM's git main (read at commit 1d57ea3a and a later snapshot of
-  vllm/v1/attention/ops/dcp_utils.py, 2026-12) moved the managers to
-  ``vllm.v1.attention.ops.dcp_utils`` (MLADCPKVGather, MLADCPManager deriving from it,
-  ``init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype) -> bool``,
-  ``direct_kv_gather``); the free functions are defined in ``ops.common`` and
-  ``ops.dcp_alltoall`` and imported by name into dcp_utils, so the same rebinding
-  reaches every binding.
+- ``vllm.v1.attention.ops.dcp``: the releases, vLLM 0.33.0 and 0.34.0 (cp_lse_ag_out_rs,
+  dcp_a2a_lse_reduce, cp_lse_ag_out_ar, MLADCPManager with
+  ``init_kv_gather(workspace, max_gathered_tokens)``; 0.34.0 adds
+  dcp_a2a_v_up_proj_lse_reduce, ``dcp_a2a_lse_reduce(..., out=)`` and the manager's
+  ``v_up_proj_combine`` and ``direct_query_gather_max_tokens``);
+- ``vllm.v1.attention.ops.dcp_utils``: open vLLM PR #52239 (unreleased; read at commit
+  1d57ea3a and a later snapshot, 2026-12): MLADCPKVGather, MLADCPManager deriving from
+  it, ``init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype) -> bool``,
+  ``direct_kv_gather``; the free functions defined in ``ops.common`` and
+  ``ops.dcp_alltoall`` and imported by name into dcp_utils (the same rebinding reaches
+  every binding).
 
-The layout is recognised by what the module holds (the names and init_kv_gather's
-parameters), not by a version string. Anything else: nothing is patched, vLLM's own
-path stays, one warning says why, and install() returns [] (it runs inside vLLM's
-plugin loader: it never raises for a layout it does not know).
+Which (dcpc.engines.contract): each replaced name is a piece. A function is replaced
+when dcpc's takes every parameter of vLLM's (same position, same default; open PR
+#52239's ``use_b12x`` keywords through ``ENGINE_ONLY``); a class when dcpc's has every
+public attribute and method of vLLM's (read from vLLM's source, its bases included)
+and takes every method's parameters. Any difference keeps vLLM's own piece and logs
+one WARNING naming it and what differs; the other pieces are still replaced. A vLLM
+where neither module imports or holds a name: nothing is patched, one warning says
+why, install() returns [] (it runs inside vLLM's plugin loader: it never raises).
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,133 +36,172 @@ from dcpc.engines import capture
 from dcpc.engines import vllm as V
 from dcpc.engines.call_ids import forward_hook, layer_hook
 from dcpc.engines.common import log, log_once, rebind
+from dcpc.engines.contract import compare_callable, compare_class
 
-FREE = ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce")  # replaced by dcpc's
+FREE = ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "dcp_a2a_v_up_proj_lse_reduce")
+CLASSES = ("MLADCPManager", "MLADCPKVGather")
 KEPT = ("cp_lse_ag_out_ar",)  # not replaced (no dcpc schedule): vLLM's own is called
-KV_033 = ["workspace", "max_gathered_tokens"]
-KV_MAIN = ["max_gathered_tokens", "token_dim", "plane_split_dim", "dtype"]
-MODULES = ("vllm.v1.attention.ops.dcp", "vllm.v1.attention.ops.dcp_utils")
-# where a forward begins and which attention layer runs (vLLM 0.33.0): the call ids
-CALL_HOOKS = (("vllm.forward_context", "set_forward_context", forward_hook),
+LAYOUT_NAMES = {  # what each module of V.MODULES is
+    "vllm.v1.attention.ops.dcp": "vLLM's released layout (vllm.v1.attention.ops.dcp: "
+                                 "0.33.0, 0.34.0)",
+    "vllm.v1.attention.ops.dcp_utils": "open vLLM PR #52239's layout "
+                                       "(vllm.v1.attention.ops.dcp_utils, unreleased)",
+}
+
+
+def _note_forward(*args: Any, **kwargs: Any) -> None:
+    """set_forward_context(attn_metadata, vllm_config, ...): the config of the forward."""
+    V.note_config(kwargs.get("vllm_config", args[1] if len(args) > 1 else None))
+
+
+# where a forward begins (and its config) and which attention layer runs: the call ids
+CALL_HOOKS = (("vllm.forward_context", "set_forward_context",
+               lambda old: forward_hook(old, before=_note_forward)),
               ("vllm.model_executor.layers.attention.attention", "get_attention_context",
                layer_hook))
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A vLLM DCP layout met: its name, the module holding the names, and dcpc's
-    replacement of each name patched."""
+    """A vLLM DCP layout met: its name, the module holding the names, dcpc's replacement
+    of each name it replaces, and why each name it keeps as vLLM's is kept."""
 
     name: str
     module: Any
     ours: dict[str, Any]
+    kept: dict[str, list[str]]
 
 
-def _ours(kv: list[str]) -> dict[str, Any]:
-    free = {name: getattr(V, name) for name in FREE}
-    if kv == KV_033:
-        return {**free, "MLADCPManager": V.MLADCPManager}
-    from dcpc.engines.vllm_kv import MLADCPKVGather, MLADCPManagerMain
+def candidates(name: str) -> list[Any]:
+    """dcpc's stand-ins for vLLM's ``name``, in the order tried: the released layout's
+    manager before open PR #52239's."""
+    if name in FREE:
+        return [getattr(V, name)]
+    from dcpc.engines.vllm_kv import MLADCPKVGather, MLADCPManagerPR52239
 
-    return {**free, "MLADCPManager": MLADCPManagerMain, "MLADCPKVGather": MLADCPKVGather}
-
-
-def _params(fn: Any) -> list[str]:
-    try:
-        return list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return []
+    return {"MLADCPManager": [V.MLADCPManager, MLADCPManagerPR52239],
+            "MLADCPKVGather": [MLADCPKVGather]}[name]
 
 
-def _classify(module: Any) -> tuple[Layout | None, str]:
-    """The layout of one candidate module, or (None, why not)."""
+def replacements() -> dict[str, Any]:
+    """Every name dcpc replaces, with the released layout's stand-in (contract.main)."""
+    return {name: candidates(name)[0] for name in (*FREE, *CLASSES)}
+
+
+def contract(name: str, theirs: Any) -> tuple[Any | None, list[str]]:
+    """(dcpc's stand-in for vLLM's ``theirs``, []) when one holds its contract, else
+    (None, what differs for the closest one)."""
+    best: list[str] | None = None
+    for mine in candidates(name):
+        if isinstance(theirs, type) and isinstance(mine, type):
+            diffs = compare_class(name, theirs, mine)
+        elif callable(theirs) and not isinstance(theirs, type):
+            diffs = compare_callable(name, theirs, mine, engine_only=V.ENGINE_ONLY)
+        else:
+            diffs = [f"{name}: vLLM's is a {type(theirs).__name__}, dcpc's a "
+                     f"{type(mine).__name__}"]
+        if not diffs:
+            return mine, []
+        if best is None or len(diffs) < len(best):
+            best = diffs
+    return None, best or []
+
+
+def _layout(module: Any) -> Layout | None:
     namespace = vars(module)
-    missing = [n for n in (*FREE, *KEPT, "MLADCPManager") if n not in namespace]
-    if missing:
-        return None, f"{module.__name__} has no {', '.join(missing)}"
-    manager = namespace["MLADCPManager"]
-    init = getattr(manager, "init_kv_gather", None)
-    kv = KV_033 if init is None else _params(init)[1:]  # none: as the checks before
-    if kv == KV_033:
-        name = "0.33.0"
-    elif kv == KV_MAIN and hasattr(manager, "direct_kv_gather"):
-        name = "main"
-    else:
-        return None, (f"{module.__name__}.MLADCPManager.init_kv_gather({', '.join(kv)}) is "
-                      f"neither 0.33.0's ({', '.join(KV_033)}) nor main's "
-                      f"({', '.join(KV_MAIN)}) with direct_kv_gather")
-    ours = _ours(kv)
-    if name == "main" and "MLADCPKVGather" not in namespace:
-        ours.pop("MLADCPKVGather")
-    for fn in FREE:  # vLLM's parameters must sit where ours take them (extras by keyword)
-        theirs, mine = _params(namespace[fn]), _params(ours[fn])
-        shared = [p for p in theirs if p in mine]
-        if shared != theirs[: len(shared)] or shared != mine[: len(shared)]:
-            return None, (f"{module.__name__}.{fn}({', '.join(theirs)}) does not take "
-                          f"dcpc's arguments in dcpc's order ({', '.join(mine[:8])})")
-    return Layout(name, module, ours), ""
+    present = [n for n in (*FREE, *CLASSES) if n in namespace]
+    if not present:
+        return None
+    ours, kept = {}, {}
+    for name in present:
+        mine, diffs = contract(name, namespace[name])
+        if mine is not None:
+            ours[name] = mine
+        else:
+            kept[name] = diffs
+    name = LAYOUT_NAMES.get(module.__name__, module.__name__)
+    return Layout(name, module, ours, kept)
 
 
 def known_layout() -> tuple[Layout | None, str]:
-    """The first module of MODULES that imports and holds a known layout, else
-    (None, every reason)."""
+    """The first module of V.MODULES that imports and holds a replaced name, with the
+    contract check of each name, else (None, every reason)."""
     why = []
-    for where in MODULES:
+    for where in V.MODULES:
         try:
             module = importlib.import_module(where)
         except Exception as err:  # noqa: BLE001 - any import error leaves vLLM's path
             why.append(f"{where} does not import ({type(err).__name__}: {err})")
             continue
-        layout, reason = _classify(module)
+        layout = _layout(module)
         if layout is not None:
             return layout, ""
-        why.append(reason)
+        why.append(f"{where} holds none of {', '.join((*FREE, *CLASSES))}")
     return None, "; ".join(why)
+
+
+def _settings_said() -> str:
+    """install()'s words for the workspace and the capture sizes (decided later, at the
+    first call, unless an override is set now)."""
+    if V._installed_tokens or os.environ.get("DCPC_MAX_NUM_TOKENS"):
+        tokens, source = V.workspace_choice()
+        ws = f"the free functions' workspace is {tokens} tokens ({source})"
+    else:
+        ws = ("the free functions' workspace comes from vLLM's config once one is seen (the "
+              "manager's construction in load_model, the first forward's "
+              "set_forward_context, or the config current at the first call)")
+    sizes = os.environ.get(capture.SIZES_ENV)
+    cs = (f"CUDA-graph capture sizes {capture.SIZES_ENV}={sizes}" if sizes else
+          "the CUDA-graph capture sizes likewise")
+    return f"{ws}; {cs}"
 
 
 def install(max_num_tokens: int | None = None) -> list[str]:
     """Put dcpc's functions over vLLM's in every module that holds them (``from ...
-    import`` bindings included), keeping vLLM's own as the fallback of calls dcpc does
-    not take (more tokens than the workspace, an unsupported dtype, a switch at 0, a
-    keyword of vLLM main's that asks for its own path) and for PCP's all-reduce.
+    import`` bindings included), each one whose contract dcpc holds (see the module's
+    docstring: a difference keeps vLLM's piece, warned once), keeping vLLM's own as the
+    fallback of calls dcpc does not take (more tokens than the workspace, an unsupported
+    dtype, a switch at 0, a keyword dcpc leaves to vLLM) and for PCP's all-reduce.
     ``max_num_tokens``: the free functions' workspace (else DCPC_MAX_NUM_TOKENS, else
-    vLLM's config, else 256: see dcpc.engines.vllm.workspace_choice). Idempotent;
-    returns the bindings patched. Call it from a vLLM general plugin (docs/engines.md,
-    "Switching vLLM"). For a layout it does not know it patches nothing, logs why once
-    and returns []: vLLM's own path stays."""
+    vLLM's config once one is seen, else 256: see dcpc.engines.vllm.workspace_choice).
+    Idempotent; returns the bindings patched. Call it from a vLLM general plugin
+    (docs/engines.md, "Switching vLLM"). For a layout it does not know it patches
+    nothing, logs why once and returns []: vLLM's own path stays."""
     layout, why = known_layout()
     if layout is None:
         log_once("vllm-layout", f"dcpc.engines.vllm.install(): vLLM's own DCP path stays: "
-                 f"{why} (the adapters know vLLM 0.33.0's and git main's layouts)")
+                 f"{why} (the adapters know vLLM 0.33.0's and 0.34.0's layout and open "
+                 "PR #52239's)")
         return []
     if max_num_tokens is not None:
         V._installed_tokens[:] = [int(max_num_tokens)]
         V._free_tokens.cache_clear()
-    tokens, source = V.workspace_choice()
-    if source.startswith("vLLM"):  # kept: in forward no config is current any more
-        V._installed_tokens[:] = [tokens]
-        V._free_tokens.cache_clear()
-    sizes = capture.at_install("vllm", capture.vllm_sizes_now)  # kept likewise
-    log.info("dcpc.engines.vllm.install(): vLLM's %s layout (%s); the free functions' "
-             "workspace is %d tokens (%s); %s", layout.name, layout.module.__name__, tokens,
-             source, capture.said(*sizes))
+    for name, diffs in layout.kept.items():
+        log_once(f"vllm-contract:{layout.module.__name__}.{name}",
+                 f"dcpc.engines.vllm.install(): vLLM's own {name} stays (dcpc's does not "
+                 f"hold its contract): {'; '.join(diffs)}")
+    log.info("dcpc.engines.vllm.install(): %s; dcpc's %s; vLLM's own %s; %s", layout.name,
+             ", ".join(layout.ours) or "none", ", ".join([*layout.kept, *KEPT]),
+             _settings_said())
     namespace = vars(layout.module)
+    for name in (*layout.ours, *layout.kept, *KEPT):
+        old = namespace.get(name)
+        if old is not None and not V._is_ours(old):  # never keep a dcpc function as
+            V._originals.setdefault(name, old)  # vLLM's own: its fallback would recurse
     patched: list[str] = []
-    for name in (*layout.ours, *KEPT):
+    for name, new in layout.ours.items():
         old = namespace[name]
-        if not V._is_ours(old):  # never keep a dcpc function as vLLM's own: its
-            V._originals.setdefault(name, old)  # fallback would recurse
-        new = layout.ours.get(name)
-        if new is not None and old is not new:
+        if old is not new:
             patched += rebind(name, old, new)
     return patched + hook_calls()
 
 
 def hook_calls() -> list[str]:
-    """Wrap vLLM's ``set_forward_context`` (a forward begins) and ``get_attention_context``
-    (its custom attention ops name the layer) in every module that holds them, for the
-    call ids (dcpc.engines.call_ids). Idempotent; a module that does not import, or has
-    no such function, is logged (info) and left alone (no ids from it)."""
+    """Wrap vLLM's ``set_forward_context`` (a forward begins; its ``vllm_config`` is
+    noted: dcpc.engines.vllm.note_config) and ``get_attention_context`` (its custom
+    attention ops name the layer) in every module that holds them, for the call ids
+    (dcpc.engines.call_ids). Idempotent; a module that does not import, or has no such
+    function, is logged (info) and left alone (no ids from it)."""
     patched: list[str] = []
     for where, name, hook in CALL_HOOKS:
         try:
@@ -177,4 +221,5 @@ def hook_calls() -> list[str]:
     return patched
 
 
-__all__ = ["Layout", "hook_calls", "install", "known_layout"]
+__all__ = ["CLASSES", "FREE", "KEPT", "Layout", "candidates", "contract", "hook_calls",
+           "install", "known_layout", "replacements"]

@@ -1,7 +1,9 @@
-"""vLLM main's MLA DCP KV gather (vllm/v1/attention/ops/dcp_utils.py) on dcpc modules.
+"""The MLA DCP KV gather of open vLLM PR #52239 (vllm/v1/attention/ops/dcp_utils.py,
+unreleased: vLLM 0.33.0 and 0.34.0 have neither the module nor this interface) on dcpc
+modules.
 
-vLLM's git main split the KV gather out of ``MLADCPManager`` into ``MLADCPKVGather``
-(``MLADCPManager`` now derives from it) and changed its interface:
+The PR splits the KV gather out of ``MLADCPManager`` into ``MLADCPKVGather``
+(``MLADCPManager`` then derives from it) and changes its interface:
 
 - ``init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype) -> bool``:
   True when the "direct" final-layout gather is selected (then the caller keeps only
@@ -39,11 +41,11 @@ from dcpc.engines.fallback import Comm
 from dcpc.engines.vllm import KV_GATHER_SWITCH, _ubatch
 from dcpc.engines.vllm_manager import MLADCPManager
 
-SLOTS_ENV = "VLLM_DCP_KV_GATHER_SLOTS"  # vLLM main: slots per ubatch of the direct gather
+SLOTS_ENV = "VLLM_DCP_KV_GATHER_SLOTS"  # PR #52239: slots per ubatch of the direct gather
 
 
 def _slots() -> int:
-    """vLLM main's kv_gather_slots(): VLLM_DCP_KV_GATHER_SLOTS (default 2, at least 2)."""
+    """PR #52239's kv_gather_slots(): VLLM_DCP_KV_GATHER_SLOTS (default 2, at least 2)."""
     slots = int(os.environ.get(SLOTS_ENV) or 2)
     if slots < 2:
         raise ValueError(f"{SLOTS_ENV} must be at least 2, got {slots}")
@@ -57,7 +59,7 @@ def _index_columns(dst_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class MLADCPKVGather:
-    """vLLM main's MLADCPKVGather(group, device, num_ubatches): the chunked-context KV
+    """PR #52239's MLADCPKVGather(group, device, num_ubatches): the chunked-context KV
     gather of an MLA layer, on dcpc modules (see the module's docstring)."""
 
     _kv_runner = MLADCPManager._kv_runner  # the rank-major gather module of a dtype, width
@@ -70,16 +72,16 @@ class MLADCPKVGather:
         self.num_ubatches = max(int(num_ubatches), 1)
         self.backend = backend
         self._kv: tuple[Any, int] | None = None
-        self._kv_main_init(None)
+        self._kv_layout_init(None)
 
-    def _kv_main_init(self, layout: tuple[int, int, torch.dtype] | None) -> None:
+    def _kv_layout_init(self, layout: tuple[int, int, torch.dtype] | None) -> None:
         self._layout = layout  # (token_dim, plane_split_dim, dtype) of the direct path
         self._planes: torch.Tensor | None = None
 
     # ---- selection --------------------------------------------------------------------------
     def init_kv_gather(self, max_gathered_tokens: int, token_dim: int, plane_split_dim: int,
                        dtype: torch.dtype) -> bool:
-        """vLLM main's init_kv_gather: the capacity (a positive multiple of W) and the row
+        """PR #52239's init_kv_gather: the capacity (a positive multiple of W) and the row
         layout; returns whether the direct final-layout gather is selected."""
         w, t = self.dcp.world, max_gathered_tokens
         if t <= 0 or t % w:
@@ -98,7 +100,7 @@ class MLADCPKVGather:
             log_once(f"kv:direct:{dtype}", f"MLADCPKVGather: direct KV gather: {dtype} "
                      "is not supported: the rank-major gather instead")
             direct = False
-        self._kv_main_init((token_dim, plane_split_dim, dtype) if direct else None)
+        self._kv_layout_init((token_dim, plane_split_dim, dtype) if direct else None)
         width = token_dim + (_index_columns(torch.zeros(1), dtype).shape[1] if direct else 0)
         r = self._kv_runner(dtype, width)
         if r is not None:  # build and compile now (collective); release() runs next call
@@ -135,7 +137,7 @@ class MLADCPKVGather:
 
     # ---- the rank-major gather ----------------------------------------------------------------
     def kv_gather(self, gathered_kv: torch.Tensor, local_kv: torch.Tensor) -> None:
-        """vLLM main's kv_gather: all_gather_into_tensor semantics (``gathered_kv``
+        """PR #52239's kv_gather: all_gather_into_tensor semantics (``gathered_kv``
         [W*N, C] receives every rank's ``local_kv`` [N, C] in rank order)."""
         if self._kv is not None and self._layout is not None:
             raise RuntimeError("NCCL DCP KV gather is not selected")
@@ -145,7 +147,7 @@ class MLADCPKVGather:
     def direct_kv_gather(self, local_kv: torch.Tensor, dst_rows: torch.Tensor,
                          output_tokens: int, buffer_slot: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM main's direct_kv_gather (see the module's docstring)."""
+        """PR #52239's direct_kv_gather (see the module's docstring)."""
         if self._layout is None or self._planes is None or self._kv is None:
             raise RuntimeError("direct DCP KV gather is not enabled")
         token_dim, split, dtype = self._layout
@@ -191,7 +193,7 @@ class MLADCPKVGather:
                              runs: torch.Tensor, output_tokens: int, buffer_slot: int,
                              partner_runs: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM main's copy-engine variant: the same planes from plane-separated rows and
+        """PR #52239's copy-engine variant: the same planes from plane-separated rows and
         ``runs`` [n, 3] (source row, destination row, rows); ``partner_runs`` (the relay's
         route) does not change the result and is not used."""
         if self._layout is None:
@@ -203,9 +205,9 @@ class MLADCPKVGather:
         return self.direct_kv_gather(local, dst, output_tokens, buffer_slot)
 
 
-class MLADCPManagerMain(MLADCPKVGather, MLADCPManager):
-    """vLLM main's MLADCPManager: 0.33.0's combine and query gather (MLADCPManager) with
-    main's KV gather (MLADCPKVGather). Its microbatch count is main's
+class MLADCPManagerPR52239(MLADCPKVGather, MLADCPManager):
+    """PR #52239's MLADCPManager: the released combine and query gather (MLADCPManager)
+    with the PR's KV gather (MLADCPKVGather). Its microbatch count is the PR's
     dcp_kv_gather_ubatch_slots: two when VLLM_K3_UBATCH_PREFILL=1."""
 
     def __init__(self, vllm_config: Any, device: torch.device | str, num_heads: int,
@@ -219,7 +221,7 @@ class MLADCPManagerMain(MLADCPKVGather, MLADCPManager):
         MLADCPManager.__init__(self, vllm_config, device, num_heads, query_head_dim,
                                output_head_dim, query_dtype, output_dtype, padded_num_heads,
                                is_lse_base_on_e, use_pcp, **kwargs)
-        self._kv_main_init(None)
+        self._kv_layout_init(None)
 
 
-__all__ = ["MLADCPKVGather", "MLADCPManagerMain"]
+__all__ = ["MLADCPKVGather", "MLADCPManagerPR52239"]

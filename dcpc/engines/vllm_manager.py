@@ -1,7 +1,9 @@
-"""vLLM's MLADCPManager (vLLM 0.33.0's, vllm/v1/attention/ops/dcp.py) on dcpc modules:
-``combine``, ``query_gather`` and the KV gather of one MLA layer type. vLLM main's
-manager (``init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype)``,
-``direct_kv_gather``) is dcpc.engines.vllm_kv.MLADCPManagerMain."""
+"""vLLM's MLADCPManager (vllm/v1/attention/ops/dcp.py of vLLM 0.33.0 and 0.34.0) on dcpc
+modules: ``combine``, ``query_gather``, the KV gather of one MLA layer type and 0.34.0's
+``v_up_proj_combine`` (the a2a merge with the W_UV up-projection) and
+``direct_query_gather_max_tokens``. Open vLLM PR #52239's manager
+(``init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype)``,
+``direct_kv_gather``) is dcpc.engines.vllm_kv.MLADCPManagerPR52239."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from dcpc.engines.vllm import (
     _ubatch,
     cp_lse_ag_out_ar,
     get_dcp_workspace_max_num_tokens,
+    note_config,
+    v_up_proj_merge,
 )
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import sync_stream
@@ -37,7 +41,20 @@ class MLADCPManager:
     group constructs it), with the workspace fixed for ``max_num_tokens``.
 
     ``vllm_config`` may be None (tests): then pass ``group``, ``max_num_tokens``,
-    ``num_ubatches`` and ``comm_backend`` ("ag_rs" or "a2a") as keywords."""
+    ``num_ubatches`` and ``comm_backend`` ("ag_rs" or "a2a") as keywords.
+
+    vLLM 0.34.0's attributes: ``v_up_proj_combine`` (set on the a2a path without PCP, as
+    vLLM's NCCL path sets it: the MLA layer then gathers W_UV of every head at weight
+    loading and merges up-projected outputs; None otherwise) and
+    ``direct_query_gather_max_tokens`` (the workspace when dcpc's query gather runs on
+    a symmetric-memory backend, so vLLM's prepare_mqa_query may gather the query early;
+    0 when it runs over torch collectives, as vLLM's NCCL gather: such a gather could
+    race other collectives on the communicator)."""
+
+    # instance attributes holding a bound method (or None): the contract check
+    # (dcpc.engines.contract.callable_of) compares the callers' arguments with these
+    CALLABLE_ATTRIBUTES = {"query_gather": "_query_gather",
+                           "v_up_proj_combine": "_v_up_proj_combine"}
 
     def __init__(self, vllm_config: Any, device: torch.device | str, num_heads: int,
                  query_head_dim: int, output_head_dim: int, query_dtype: torch.dtype,
@@ -46,6 +63,7 @@ class MLADCPManager:
                  backend: str = "auto", max_num_tokens: int | None = None,
                  num_ubatches: int | None = None, comm_backend: str | None = None):
         device = torch.device(device)
+        note_config(vllm_config)  # load_model: the free functions' config too
         if group is None:
             from vllm.distributed import get_dcp_group
 
@@ -70,7 +88,11 @@ class MLADCPManager:
         self.is_lse_base_on_e, self.backend = is_lse_base_on_e, backend
         self._kv: tuple[torch.Tensor, int] | None = None
         self.query_gather = None if use_pcp else self._query_gather
+        self.v_up_proj_combine = (self._v_up_proj_combine if self.use_a2a and not use_pcp
+                                  else None)
+        self._capture: tuple[list[int] | None, str] = (None, "no capture sizes")
         self._warm_up(vllm_config)
+        self.direct_query_gather_max_tokens = self._direct_query_tokens()
 
     # ---- construction ---------------------------------------------------------------------
     def _warm_up(self, vllm_config: Any) -> None:
@@ -83,6 +105,7 @@ class MLADCPManager:
         sizes, source = capture.vllm_sizes(vllm_config)
         if os.environ.get(capture.SIZES_ENV) or not sizes:
             sizes, source = capture.vllm_sizes_now()
+        self._capture = (sizes, source)
         warm, above = capture.plan(sizes or [], self.max_num_tokens)
         tokens = sorted({1, *warm}) if capture.enabled() else [1]
         start = time.perf_counter()
@@ -121,13 +144,19 @@ class MLADCPManager:
     def _combine_switch(self) -> str:
         return A2A_SWITCH if self.use_a2a else AG_RS_SWITCH
 
-    # ---- combine --------------------------------------------------------------------------
+    # ---- combine ----------------------------------------------------------------------------
     def combine(self, partial_output: torch.Tensor, partial_lse: torch.Tensor, *,
                 seq_lens: torch.Tensor | None, query_start_loc: torch.Tensor | None,
                 slot: int | None = None) -> torch.Tensor:
         """vLLM's DCPCombine: partials [B, H, Dv] of all heads -> [B, H/W, Dv] of this
         rank's heads (PCP with ag_rs: [B, H, Dv], all-reduced). ``slot``: the DBO
         microbatch (default: vLLM's current ubatch id)."""
+        return self._merge(partial_output, partial_lse, seq_lens, query_start_loc, slot)
+
+    def _merge(self, partial_output: torch.Tensor, partial_lse: torch.Tensor,
+               seq_lens: torch.Tensor | None, query_start_loc: torch.Tensor | None,
+               slot: int | None, out: torch.Tensor | None = None,
+               label: str = "MLADCPManager.combine") -> torch.Tensor:
         if self._all_reduce:
             return cp_lse_ag_out_ar(partial_output, partial_lse, self.group,
                                     is_lse_base_on_e=self.is_lse_base_on_e,
@@ -139,10 +168,51 @@ class MLADCPManager:
                         query_start_loc, switch_name=self._combine_switch,
                         max_tokens=self.max_num_tokens, slots=self.num_ubatches,
                         slot=slot % self.num_ubatches, instance=0, backend=self.backend,
-                        label="MLADCPManager.combine", engine=_engine_fallback(
+                        label=label, out=out, engine=_engine_fallback(
                             name, partial_output, partial_lse, self.group,
                             is_lse_base_on_e=self.is_lse_base_on_e, seq_lens=seq_lens,
                             query_start_loc=query_start_loc))
+
+    def _v_up_proj_combine(self, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor,
+                           w_uv: torch.Tensor, out: torch.Tensor,
+                           seq_lens: torch.Tensor | None = None,
+                           query_start_loc: torch.Tensor | None = None,
+                           slot: int | None = None) -> None:
+        """vLLM 0.34.0's v_up_proj_combine (``dcp_a2a_v_up_proj_lse_reduce`` on this
+        manager's modules): MLA's partial latent outputs [B, H, L] of all heads merged
+        over the group and up-projected by ``w_uv`` [H, L, V] (every head, rank order:
+        the layer's W_UV_dcp) into ``out`` [B, H/W * V] (this rank's heads); see
+        dcpc.engines.vllm.v_up_proj_merge. From the threshold up the module merges V
+        values per head (its own schedule, warmed for the capture sizes at the first
+        call); below, it is the L-wide combine of ``combine``."""
+        label = "MLADCPManager.v_up_proj_combine"
+        slot = _ubatch() if slot is None else slot
+        if self.dcp.world > 1:
+            self._warm_v_up_proj(cp_attn_out, cp_attn_lse, w_uv, out, seq_lens,
+                                 query_start_loc, slot)
+        # the latent merged first is combine's module: combine's label, so a refused
+        # call's empty call goes to the module its peers' call uses (dcpc.engines.agree)
+        v_up_proj_merge(label, cp_attn_out, w_uv, out, self.dcp.rank, self.dcp.world,
+                        lambda x, into: self._merge(
+                            x, cp_attn_lse, seq_lens, query_start_loc, slot, into,
+                            label if into is not None else "MLADCPManager.combine"))
+
+    def _warm_v_up_proj(self, o: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor,
+                        out: torch.Tensor, seq_lens: torch.Tensor | None,
+                        qsl: torch.Tensor | None, slot: int) -> None:
+        """The first call of a W_UV shape warms every capture size (the V-wide module
+        is built then: the manager does not know V at construction)."""
+        rest = ("MLADCPManager.v_up_proj_combine", id(self), slot % self.num_ubatches,
+                tuple(w_uv.shape), w_uv.dtype, seq_lens is None)
+        capture.first_use(
+            (*rest, o.shape[1:], o.stride(), o.dtype, out.stride()),
+            lambda: (*rest, capture.layout(o), capture.layout(lse), capture.layout(out),
+                     capture.mask_kind(seq_lens, qsl)),
+            self.dcp.handle, rest[0], lambda: self._capture, self.max_num_tokens,
+            lambda n: self._v_up_proj_combine(
+                capture.like(o, n), capture.like(lse, n), w_uv, capture.like(out, n),
+                *capture.mask_args(seq_lens, qsl, n), slot=slot),
+            lambda: switch(self._combine_switch) != "off")
 
     # ---- query gather ---------------------------------------------------------------------
     def _q_runner(self) -> GatherRunner | None:
@@ -153,6 +223,12 @@ class MLADCPManager:
         spec = GatherSpec("q", self.query_head_dim, DTYPE_NAMES[self.query_dtype],
                           self.max_num_tokens, self.num_ubatches)
         return runner(GatherRunner, spec, self.dcp, self.heads, self.backend)
+
+    def _direct_query_tokens(self) -> int:
+        """vLLM's direct_query_gather_max_tokens: the workspace when the query gather runs
+        on dcpc's symmetric-memory kernels (any backend but ``torch``), else 0."""
+        r = self._q_runner() if self.query_gather is not None else None
+        return self.max_num_tokens if r is not None and r.module.backend != "torch" else 0
 
     def _unsupported_q(self, what: str) -> None:
         if switch(Q_GATHER_SWITCH) == "on":

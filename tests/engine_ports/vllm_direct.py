@@ -1,7 +1,7 @@
 """Port of the workers of vLLM's tests/distributed/test_dcp_direct_a2a_lse_reduce.py
-(vllm-project/vllm 01b867e8, git main's dcp_utils layout) onto dcpc's vLLM adapters:
+(vllm-project/vllm 01b867e8, open PR #52239's dcp_utils layout) onto dcpc's vLLM adapters:
 vLLM's direct symmetric-memory workspaces -> dcpc's manager (dcpc.engines.vllm
-MLADCPManager: combine, query_gather; dcpc.engines.vllm_kv MLADCPKVGather: main's
+MLADCPManager: combine, query_gather; dcpc.engines.vllm_kv MLADCPKVGather: the PR's
 init_kv_gather / direct_kv_gather).
 
 Replaced (fixtures): NCCL process groups -> a dcpc LocalGroup (threads, ``local``
@@ -180,7 +180,7 @@ def direct_q_gather(group: Any, r: int, world: int, barrier: Any) -> int:
     return checked
 
 
-# ---- KV gather (main's direct final-layout gather) ------------------------------------------
+# ---- KV gather (PR #52239's direct final-layout gather) -------------------------------------
 FULL = ([4, 4, 6], [4, 0, 0], [[8, 8, 7, 6], [4, 2, 2, 2], [6, 6, 5, 4]])
 ALTERNATE = ([4, 4, 6], [4, 0, 0], [[8, 8, 8, 6], [3, 2, 2, 2], [6, 6, 5, 4]])
 SMALL = ([4], [4], [[8, 8, 7, 6]])

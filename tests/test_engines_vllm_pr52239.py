@@ -1,10 +1,10 @@
-"""vLLM git main's DCP layout (vllm.v1.attention.ops.dcp_utils; MLADCPKVGather with
-init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim, dtype) and
-direct_kv_gather): install() recognises it and patches every binding, the adapters take
-main's signatures, and main's KV gather returns what vLLM main returns, on dcpc's
-kernels (local backend, W = 2 and 3) against the rows it must move, bit for bit.
-vLLM's modules are stand-ins (tests/vllm_layouts.py says what is excerpted and what
-is stubbed)."""
+"""The DCP layout of open vLLM PR #52239 (vllm.v1.attention.ops.dcp_utils, in no release;
+MLADCPKVGather with init_kv_gather(max_gathered_tokens, token_dim, plane_split_dim,
+dtype) and direct_kv_gather): install() recognises it and patches every binding, the
+adapters take the PR's signatures, and the PR's KV gather returns what the PR's code
+returns, on dcpc's kernels (local backend, W = 2 and 3) against the rows it must move,
+bit for bit. vLLM's modules are stand-ins (tests/vllm_layouts.py says what is excerpted
+and what is stubbed)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import vllm_layouts as L
 
 from dcpc.engines import common
 from dcpc.engines import vllm as V
-from dcpc.engines.vllm_kv import MLADCPKVGather, MLADCPManagerMain
+from dcpc.engines.vllm_kv import MLADCPKVGather, MLADCPManagerPR52239
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import LocalGroup
 
@@ -40,14 +40,14 @@ def vllm_main(monkeypatch):
     return tree
 
 
-def test_install_recognises_main_and_rebinds_every_binding(vllm_main, caplog):
+def test_install_recognises_the_pr_layout_and_rebinds_every_binding(vllm_main, caplog):
     with caplog.at_level("INFO", logger="dcpc.engines"):
         patched = V.install()
     utils = vllm_main["vllm.v1.attention.ops.dcp_utils"]
-    assert utils.MLADCPManager is MLADCPManagerMain
+    assert utils.MLADCPManager is MLADCPManagerPR52239
     assert utils.MLADCPKVGather is MLADCPKVGather
     assert vllm_main["vllm.model_executor.layers.attention.mla_attention"].MLADCPManager \
-        is MLADCPManagerMain
+        is MLADCPManagerPR52239
     assert vllm_main["vllm.v1.attention.ops.common"].cp_lse_ag_out_rs is V.cp_lse_ag_out_rs
     assert vllm_main["vllm.v1.attention.ops.dcp_alltoall"].dcp_a2a_lse_reduce \
         is V.dcp_a2a_lse_reduce
@@ -60,8 +60,8 @@ def test_install_recognises_main_and_rebinds_every_binding(vllm_main, caplog):
     assert V._originals["MLADCPManager"] is orig["MLADCPManager"]
     assert V._originals["cp_lse_ag_out_ar"] is orig["cp_lse_ag_out_ar"]
     assert V.install() == []  # idempotent
-    assert any("vLLM's main layout (vllm.v1.attention.ops.dcp_utils)" in r.getMessage()
-               for r in caplog.records)
+    assert any("open vLLM PR #52239's layout (vllm.v1.attention.ops.dcp_utils, "
+               "unreleased)" in r.getMessage() for r in caplog.records)
 
 
 def _public(cls: type) -> dict[str, object]:
@@ -75,7 +75,7 @@ def _params(fn: object) -> list[str]:
 
 
 @pytest.mark.parametrize(("theirs", "ours"), [(L.MLADCPKVGather, MLADCPKVGather),
-                                              (L.MLADCPManager, MLADCPManagerMain)])
+                                              (L.MLADCPManager, MLADCPManagerPR52239)])
 def test_the_adapters_take_mains_signatures(theirs, ours):
     mine = _public(ours)
     for name, value in _public(theirs).items():
@@ -85,7 +85,7 @@ def test_the_adapters_take_mains_signatures(theirs, ours):
         elif callable(value):
             assert _params(mine[name])[: len(_params(value))] == _params(value), name
     assert _params(ours.__init__)[: len(_params(theirs.__init__))] == _params(theirs.__init__)
-    for fn in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce"):  # main's extra keywords: **kwargs
+    for fn in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce"):  # the PR's extra keywords: **kwargs
         V_params = inspect.signature(getattr(V, fn)).parameters
         assert all(p in V_params or any(q.kind == q.VAR_KEYWORD for q in V_params.values())
                    for p in inspect.signature(getattr(L, fn)).parameters), fn
@@ -104,10 +104,11 @@ def test_a_b12x_keyword_takes_vllms_own_path(vllm_main):
         V.dcp_a2a_lse_reduce(out, lse, "group", use_b12x=True)
 
 
-def test_a_layout_with_another_argument_order_is_left_alone_once(vllm_main, caplog):
+def test_a_function_with_another_argument_order_is_left_alone_once(vllm_main, caplog):
     """vLLM's older dcp_a2a_lse_reduce(local_output, local_lse, kvp_group, return_lse,
     is_lse_base_on_e) (vllm-project/vllm 03752bec): dcpc's (.., ctx, return_lse, ..) would
-    bind return_lse to ctx: nothing is patched, said once."""
+    bind return_lse to ctx: that function stays vLLM's, said once with what differs; the
+    pieces whose contract dcpc holds are still replaced."""
     def dcp_a2a_lse_reduce(local_output, local_lse, kvp_group, return_lse=False,
                            is_lse_base_on_e=True):
         return "old"
@@ -115,10 +116,15 @@ def test_a_layout_with_another_argument_order_is_left_alone_once(vllm_main, capl
     utils = vllm_main["vllm.v1.attention.ops.dcp_utils"]
     utils.dcp_a2a_lse_reduce = dcp_a2a_lse_reduce
     with caplog.at_level("WARNING", logger="dcpc.engines"):
-        assert V.install() == [] and V.install() == []
-    assert utils.MLADCPManager is vllm_main["orig"]["MLADCPManager"]
-    said = [r.getMessage() for r in caplog.records if "own DCP path stays" in r.getMessage()]
-    assert len(said) == 1 and "does not take dcpc's arguments in dcpc's order" in said[0]
+        patched = V.install()
+        V.install()
+    assert utils.dcp_a2a_lse_reduce is dcp_a2a_lse_reduce
+    assert not [p for p in patched if p.endswith(".dcp_a2a_lse_reduce")], patched
+    assert utils.MLADCPManager is MLADCPManagerPR52239
+    said = [r.getMessage() for r in caplog.records if "stays" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "vLLM's own dcp_a2a_lse_reduce stays" in said[0]
+    assert "parameter 'return_lse' is vLLM's positional argument 3, not dcpc's" in said[0]
 
 
 def test_a_vllm_module_that_fails_to_import_leaves_vllms_path(vllm_main, monkeypatch,
@@ -143,9 +149,9 @@ def test_a_vllm_module_that_fails_to_import_leaves_vllms_path(vllm_main, monkeyp
         is vllm_main["orig"]["MLADCPManager"]
 
 
-# ---- main's KV gather on dcpc's kernels (local backend) -------------------------------------
+# ---- PR #52239's KV gather on dcpc's kernels (local backend) ---------------------------------
 def _maps(world: int) -> tuple[list[list[int]], int]:
-    """Per rank, local row -> compact row (-1: padding). W = 2: vLLM main's own example
+    """Per rank, local row -> compact row (-1: padding). W = 2: the PR's own example
     (test_dcp_final_layout_dst_rows_maps_padding_and_continuations); W = 3: a shuffled
     map of the same shape (5 local rows, some padding)."""
     if world == 2:
@@ -188,8 +194,8 @@ def _kv_rank(rank, world: int, dtype: torch.dtype, manager: bool) -> dict:
     local = _locals(world, rows, dtype)
     r = rank.rank
     capacity = world * 8
-    if manager:  # main's MLADCPManager: the KV gather of MLADCPKVGather (the combine and
-        m = MLADCPManagerMain(None, "cpu", 2, 16, 16, torch.bfloat16, torch.bfloat16,  # query
+    if manager:  # the PR's MLADCPManager: the KV gather of MLADCPKVGather (the combine and
+        m = MLADCPManagerPR52239(None, "cpu", 2, 16, 16, torch.bfloat16, torch.bfloat16,  # query
                               group=rank, max_num_tokens=8, num_ubatches=1,  # gather off)
                               comm_backend="a2a")
     else:
