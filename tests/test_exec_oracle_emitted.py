@@ -67,18 +67,23 @@ def test_the_sync_helpers_use_the_slots_and_the_compare_the_oracle_models() -> N
     assert "sig_bases = sig_words.to(tl.pointer_type(tl.int64))" in kernel
     assert "_dcpc_release(\n        sig_bases," in kernel
     assert "_dcpc_wait(\n        sig_ptrs,\n        sig_mine," in kernel
-    signal = _function(text, "_dcpc_release")
+    # the helpers: the device library every module imports them from (one definition)
+    assert re.search(r"^from dcpc\.runtime\.device import \(\n(    _dcpc_\w+,\n)+\)$", text,
+                     re.M)
+    library = (ROOT / "dcpc" / "runtime" / "device.py").read_text()
+    assert "\ndef _dcpc_release(" not in text and "\ndef _dcpc_wait(" not in text
+    signal = _function(library, "_dcpc_release")
     assert "bases + WORLD + (sig_channel * WORLD + RANK)" in signal  # its slot for this rank
     assert 'mask=live, sem="release"' in signal
-    wait = _function(text, "_dcpc_wait")
+    wait = _function(library, "_dcpc_wait")
     assert "mine + WORLD + (sig_channel * WORLD + peers)" in wait  # the slot the peer writes
     assert 'mask=live, sem="acquire"' in wait
     assert "(got.to(tl.int32) - epoch) < 0" in wait  # wrap-safe: passes when >= 0
     assert "_dcpc_spin(cells," in wait
-    spin = _function(text, "_dcpc_spin")
+    spin = _function(library, "_dcpc_spin")
     assert 'tl.atomic_add(cells, 0, mask=pending, sem="acquire"' in spin
     assert "(got.to(tl.int32) - epoch) < 0" in spin
-    advance = _function(text, "_dcpc_advance_epoch")
+    advance = _function(library, "_dcpc_advance_epoch")
     assert "epochs + channel * sig_programs" in advance and "+ 1" in advance
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import textwrap
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -148,7 +149,63 @@ def _strides(step: StepPlan, plan: Plan, role: str) -> str:
     roles = [r for r, *_ in engine_layouts(step, plan)]
     if role in roles:
         return f"*_st[{roles.index(role)}]"
-    return ", ".join(f"_{role}_s{i}" for i in range(3))
+    return ",\n".join(f"_{role}_s{i}" for i in range(3))  # one a line (indent them)
+
+
+DEVICE_LIBRARY = "dcpc.runtime.device"  # the @triton.jit helpers generated kernels call
+
+
+DEVICE_PATH = Path(__file__).resolve().parents[1] / "runtime" / "device.py"
+_DEVICE_IMPORT = re.compile(r"^from dcpc\.runtime\.device import (\([^)]*\)|[^\n]*)\n", re.M)
+
+
+@lru_cache(maxsize=1)
+def device_names() -> frozenset[str]:
+    """The names dcpc/runtime/device.py defines at its top level (its functions and
+    constants), read from its source with ``ast``: the compiler never imports triton."""
+    import ast
+
+    tree = ast.parse(DEVICE_PATH.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return frozenset(n for n in names if n.startswith(("_dcpc_", "DCPC_")))
+
+
+def device_imports(kernels: str) -> str:
+    """The import of every device-library name the kernels' text uses, sorted, in
+    ruff-format style (one line when it fits, else one name a line)."""
+    used = sorted(n for n in set(re.findall(r"\b(?:_dcpc|DCPC)_\w+", kernels))
+                  if n in device_names())
+    if not used:
+        return ""
+    line = f"from {DEVICE_LIBRARY} import {', '.join(used)}"
+    if len(line) <= WIDTH:
+        return line
+    return f"from {DEVICE_LIBRARY} import (\n" + "".join(f"    {n},\n" for n in used) + ")"
+
+
+def unpack(names: Any, value: str, indent: int) -> str:
+    """``a, b, c = value`` at ``indent`` in ruff-format style: one line when it fits, else
+    the names one a line in parentheses."""
+    names = list(names)
+    pad = " " * indent
+    line = f"{pad}{', '.join(names)} = {value}"
+    if len(line) <= WIDTH:
+        return line
+    return f"{pad}(\n" + "".join(f"{pad}    {n},\n" for n in names) + f"{pad}) = {value}"
+
+
+def inline_device(text: str) -> str:
+    """``text`` (an emitted module) with the device library's code in place of its
+    import: a self-contained module, whose copy of the signal/wait helpers a mutation
+    test can edit (dcpc.harness.run.compile_to's ``patch``)."""
+    library = DEVICE_PATH.read_text(encoding="utf-8")
+    body = library[library.index("from dcpc.runtime import errors as _errors"):]
+    return _DEVICE_IMPORT.sub(lambda _: "\n" + body + "\n\n", text, count=1)
 
 
 @lru_cache(maxsize=1)
@@ -173,6 +230,8 @@ def _env() -> jinja2.Environment:
         idents=lambda names: tuple(Ident(n) for n in names),  # a tuple of variables
         local=lambda name: f"_{name}",  # a local of a generated method (see lower.py)
         chomp=lambda text: text[:-1] if text.endswith("\n") else text,
+        device_imports=device_imports,
+        unpack=unpack,
     )
     return env
 
@@ -185,7 +244,6 @@ def emit(plan: Plan) -> str:
     env = _env()
     text = env.get_template("module.py.j2").render(
         plan=plan,
-        needs_math=any("base" in s.attrs or s.attrs.get("scale") for s in plan.steps),
         local=lambda step, role: _expr(step, plan, role),
         view=lambda step, role: _view(step, plan, role),
         strides=lambda step, role: _strides(step, plan, role),

@@ -181,6 +181,10 @@ def compile_to(schedule_path: str, out_dir: Path, world: int, *, lse_base: str |
     c = compile_stages(used, Options(worlds=[world], hb=hb), until="emit")
     assert c.schedule is not None and c.module_text is not None
     text = c.module_text
+    if patch:  # one self-contained module: a patch may edit the device library's code too
+        from dcpc.codegen.emit import inline_device
+
+        text = inline_device(text)
     for old, new in patch:
         if old not in text:
             raise ValueError(f"module patch: {old!r} is not in the generated module")

@@ -7,6 +7,25 @@ learn it through their waits (docs/engines.md, "The run-time guard").
 
 from __future__ import annotations
 
+# The error record of a module instance: ERROR_WORDS int32 words in device memory,
+# written by the first kernel that fails (dcpc.runtime.device) and read by the host
+# (dcpc.runtime.sync.SignalBank.check_errors). Word i holds RECORD[i]; the codes say
+# what failed. For a failed wait: the step, the peer, the epoch waited for, this call's
+# fingerprint ("here"), the one the peer's signal carried ("there"), the peer's failure
+# flag. OVER_CAPACITY: "epoch" holds the count, "here" the capacity, "there" 1 when the
+# receiver found it; BAD_INDEX: "peer" the token, "epoch" the row, "here" the rows. The
+# CPU watchdog sets "stop" at a call's deadline (a kernel cannot read a clock there).
+RECORD = ("code", "step", "peer", "epoch", "here", "there", "stop", "flag")
+ERROR_WORDS = len(RECORD)
+TIMEOUT_CODE = 1  # a wait expired (the deadline, or another program of this launch failed)
+CONTRACT_CODE = 2  # a peer's signal carried another call's fingerprint
+PEER_FAILED_CODE = 3  # the peer's failure flag was set while we waited for it
+OVER_CAPACITY_CODE = 4  # ragged_all_to_all: a count over capacity or < 0
+BAD_INDEX_CODE = 5  # weighted_combine: an index past the rows of x
+# A rank's failure flag, set in every peer's bank (flags[rank]): what a waiting peer reads.
+FLAG_FAILED = 1
+FLAG_CLOSED = 2
+
 
 class DcpcError(RuntimeError):
     """Base of every run-time error of a generated module."""

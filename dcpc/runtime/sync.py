@@ -31,7 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dcpc.runtime import errors
+from dcpc.runtime.device import _dcpc_flag_all
 from dcpc.runtime.errors import (
+    ERROR_WORDS,
+    FLAG_CLOSED,
+    FLAG_FAILED,
+    RECORD,
     DcpcArgumentError,
     DcpcContractError,
     DcpcError,
@@ -40,18 +46,13 @@ from dcpc.runtime.errors import (
 )
 from dcpc.runtime.heap import SymmetricBuffer
 from dcpc.runtime.local import sync_stream
+from dcpc.runtime.tiles import next_pow2
 
-# error codes (errors[0])
-TIMEOUT = 1  # a wait expired (the deadline, or another program of this launch failed)
-CONTRACT = 2  # a peer's signal carried another call's fingerprint
-PEER_FAILED = 3  # the peer's failure flag was set while we waited for it
-OVER_CAPACITY = 4  # ragged_all_to_all: counts[peer] over capacity or < 0 (errors[3], [4])
-BAD_INDEX = 5  # weighted_combine: index[token] (errors[2]) = errors[3] >= rows (errors[4])
-ERROR_WORDS = 8
-STOP_WORD = 6  # CPU: set by the watchdog thread at the deadline; a waiting loop polls it
-# failure flags (flags[src_rank])
-FLAG_FAILED = 1
-FLAG_CLOSED = 2
+STOP_WORD = RECORD.index("stop")  # CPU: the watchdog sets it at the deadline
+# the error codes by their short names (defined once: dcpc.runtime.errors)
+TIMEOUT, CONTRACT, PEER_FAILED = (errors.TIMEOUT_CODE, errors.CONTRACT_CODE,
+                                  errors.PEER_FAILED_CODE)
+OVER_CAPACITY, BAD_INDEX = errors.OVER_CAPACITY_CODE, errors.BAD_INDEX_CODE
 FLAG_REASONS = {
     FLAG_FAILED: "failed (an error in one of its calls: that rank's own error says which)",
     FLAG_CLOSED: "was closed",
@@ -161,14 +162,10 @@ class Fingerprints:
 
 
 @triton.jit
-def _dcpc_flag_peers(sig_ptrs, value, RANK: tl.constexpr, WORLD: tl.constexpr):
+def _dcpc_flag_peers(sig_ptrs, value, RANK: tl.constexpr, WORLD: tl.constexpr,
+                     WP2: tl.constexpr):
     """flags[RANK] = value in every peer's bank (release, system scope)."""
-    for k in range(1, WORLD):
-        peer = (RANK + k) % WORLD
-        addr = tl.load(sig_ptrs + peer)
-        if addr != 0:  # 0: a rank outside this heap's team (per-axis backends)
-            base = addr.to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(base + RANK, value, sem="release", scope="sys")
+    _dcpc_flag_all(sig_ptrs, value, RANK, WORLD, WP2)
 
 
 class Watchdog:
@@ -245,7 +242,7 @@ class SignalBank:
         """Tell every peer's waits that this rank failed or closed (one tiny kernel)."""
         if self.world > 1:
             _dcpc_flag_peers[(1,)](self.sig_ptrs, value, RANK=rank, WORLD=self.world,
-                                   num_warps=1)
+                                   WP2=next_pow2(self.world), num_warps=1)
 
     def check_errors(
         self,
