@@ -199,3 +199,39 @@ def test_the_readme_run_works_from_a_shell_without_triton_interpret() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "OK: every output matches (0 mismatches)" in done.stdout, done.stdout
     assert "Traceback" not in done.stdout + done.stderr
+
+
+# ---- dcpc run on a GPU, and what the CPU run adds (issue 29) ------------------------------
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine with a GPU")
+def test_run_on_cuda_without_a_gpu_says_so_before_any_work() -> None:
+    done = dcpc("run", KV, "--device", "cuda", "--world", "2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--device cuda: no CUDA GPU is visible to torch here" in done.stderr
+    assert "sizes" not in done.stdout  # refused before compiling or binding anything
+    assert "Traceback" not in done.stderr
+
+
+def test_run_repeats_with_the_next_seeds_and_writes_every_run_as_json(tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "runs.json"
+    done = dcpc("run", KV, "--world", "2", "--calls", "2", "--repeat", "2", "--seed", "7",
+                "--programs", "2", "--program-order", "reverse", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = json.loads(out.read_text())
+    assert [r["seed"] for r in records] == [7, 8] and all(r["ok"] for r in records)
+    assert records[0]["programs"] == 2 and records[0]["device"] == "cpu"
+    assert set(records[0]["outputs"]) >= {"kv_full"}
+    assert done.stdout.count("result     OK") == 2 and "run        2 of 2" in done.stdout
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--repeat", "0"], "--repeat must be in 1..1000"),
+    (["--programs", "0"], "--programs must be in 1..1024"),
+    (["--program-order", "random"], "invalid choice: 'random'"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_run_refuses_bad_gpu_and_order_options(args: list[str], said: str) -> None:
+    done = dcpc("run", KV, *args)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
