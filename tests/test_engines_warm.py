@@ -31,7 +31,7 @@ def test_warm_fills_what_the_adapters_look_up(tmp_path, monkeypatch, capsys):
     def no_compiling(*args, **kwargs):
         raise AssertionError(f"compiled at first call: {args[0][:200]}")
 
-    monkeypatch.setattr(common, "_compile_into", no_compiling)
+    monkeypatch.setattr(common, "compile_into", no_compiling)
     monkeypatch.setattr(common, "_classes", {})  # a fresh server process: only the folder
     F._free_tokens.cache_clear()
 
