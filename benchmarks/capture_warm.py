@@ -207,6 +207,7 @@ def rank_main(rank: Any, a: argparse.Namespace, st: Standins, compiles: dict[str
               ) -> dict[str, Any]:
     import dcpc.engines.vllm as V
     from dcpc.engines import sglang as S
+    from dcpc.engines import vllm_free as F
     from dcpc.runtime import calls
     from dcpc.runtime.local import compile_only, sync_stream
 
@@ -244,7 +245,7 @@ def rank_main(rank: Any, a: argparse.Namespace, st: Standins, compiles: dict[str
         warm = counted(first_calls)
     rec["warm"] = {**warm, "seconds": round(time.perf_counter() - t0, 2)}
     mgr = holder[0]
-    rec["workspace"] = {"vllm": V._free_tokens(), "sglang": S._tokens(),
+    rec["workspace"] = {"vllm": F._free_tokens(), "sglang": S._tokens(),
                         "manager": mgr.max_num_tokens}
 
     # made before any call: a host-to-device copy while this rank's stream waits on a
@@ -300,6 +301,7 @@ def run_world(a: argparse.Namespace, w: int, compiles: dict[str, int]) -> dict[s
     from dcpc.engines import combine
     from dcpc.engines import sglang as S
     from dcpc.engines import vllm as V
+    from dcpc.engines import vllm_free as F
     from dcpc.runtime.local import LocalGroup
 
     st = Standins(a.sizes)
@@ -316,12 +318,12 @@ def run_world(a: argparse.Namespace, w: int, compiles: dict[str, int]) -> dict[s
     log.setLevel(logging.INFO)
     # what install() changes in this process, put back after (the smoke test runs in
     # pytest's process)
-    saved = (dict(V._originals), list(V._installed_tokens), list(S._installed_tokens),
+    saved = (dict(F._originals), list(F._installed_tokens), list(S._installed_tokens),
              dict(C._found))
     try:
-        V._originals.clear()
-        V._installed_tokens.clear()
-        V._free_tokens.cache_clear()
+        F._originals.clear()
+        F._installed_tokens.clear()
+        F._free_tokens.cache_clear()
         C.forget()
         V.forget_config()
         st.current[0] = None  # vLLM loads plugins with no config current: install()
@@ -335,9 +337,9 @@ def run_world(a: argparse.Namespace, w: int, compiles: dict[str, int]) -> dict[s
         log.removeHandler(keep)
         log.setLevel(level)
         st.restore()
-        V._originals.clear()
-        V._originals.update(saved[0])
-        V._installed_tokens[:], S._installed_tokens[:] = saved[1], saved[2]
+        F._originals.clear()
+        F._originals.update(saved[0])
+        F._installed_tokens[:], S._installed_tokens[:] = saved[1], saved[2]
         V.forget_config()
         C._found.clear()
         C._found.update(saved[3])

@@ -60,7 +60,7 @@ def fresh(cache_dir, monkeypatch):
 @pytest.fixture
 def vllm_config(monkeypatch):
     """vllm.config with a current config whose capture sizes are SIZES."""
-    from dcpc.engines import vllm as V
+    from dcpc.engines import vllm_free as F
 
     cfg = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=SIZES),
                           parallel_config=SimpleNamespace(num_ubatches=1))
@@ -68,9 +68,9 @@ def vllm_config(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.config",
                         _module("vllm.config", get_current_vllm_config_or_none=lambda: cfg))
     monkeypatch.setitem(sys.modules, "vllm.v1", None)  # no ubatching, no vLLM ops
-    V._free_tokens.cache_clear()
+    F._free_tokens.cache_clear()
     yield cfg
-    V._free_tokens.cache_clear()
+    F._free_tokens.cache_clear()
 
 
 def _parts(seed: int, tokens: int) -> tuple[list, list]:
@@ -223,9 +223,9 @@ def test_v_up_proj_combine_and_helix_warm_every_capture_size_at_first_use(
     the manager's v_up_proj_combine merges V-wide partials through a module of its own,
     built at its first call: that call warms every capture size, as the Helix combine's
     first call does (before: neither warmed; a capture would have compiled)."""
-    from dcpc.engines import vllm as V
+    from dcpc.engines import vllm_free as F
 
-    monkeypatch.setattr(V, "V_UP_PROJ_FIRST_MIN_TOKENS", 2)
+    monkeypatch.setattr(F, "V_UP_PROJ_FIRST_MIN_TOKENS", 2)
     if not warm:
         monkeypatch.setenv(capture.SWITCH, "0")
     found = LocalGroup(W, "cpu", timeout_s=300).run(

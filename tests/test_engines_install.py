@@ -14,6 +14,7 @@ import torch
 
 from dcpc.engines import sglang as S
 from dcpc.engines import vllm as V
+from dcpc.engines import vllm_free as F
 from dcpc.engines.combine import check_mask_args
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import LocalGroup
@@ -60,7 +61,7 @@ def fake_vllm(monkeypatch):
     monkeypatch.setattr(sys.modules["vllm.v1.attention"], "ops", sys.modules[
         "vllm.v1.attention.ops"], raising=False)
     monkeypatch.setattr(sys.modules["vllm.v1.attention.ops"], "dcp", ops, raising=False)
-    monkeypatch.setattr(V, "_originals", {})
+    monkeypatch.setattr(F, "_originals", {})
     return types.SimpleNamespace(ops=ops, backend=backend, calls=calls,
                                  originals=(cp_lse_ag_out_rs, dcp_a2a_lse_reduce, MLADCPManager,
                                             cp_lse_ag_out_ar))
@@ -73,9 +74,9 @@ def test_install_patches_every_binding_and_keeps_vllms_own(fake_vllm):
         assert module.dcp_a2a_lse_reduce is V.dcp_a2a_lse_reduce
     assert fake_vllm.ops.MLADCPManager is V.MLADCPManager
     assert "vllm.v1.attention.backends.flash_attn.cp_lse_ag_out_rs" in patched
-    assert V._originals["cp_lse_ag_out_rs"] is fake_vllm.originals[0]
+    assert F._originals["cp_lse_ag_out_rs"] is fake_vllm.originals[0]
     assert V.install() == []  # idempotent: nothing left to patch
-    assert V._originals["MLADCPManager"] is fake_vllm.originals[2]
+    assert F._originals["MLADCPManager"] is fake_vllm.originals[2]
 
 
 def test_a_switch_at_0_takes_vllms_own_function_with_the_callers_arguments(fake_vllm,
@@ -110,8 +111,8 @@ def test_an_install_over_an_earlier_hand_patch_never_keeps_dcpc_as_vllms_own(fak
     function as the fallback (every fallback call would recurse)."""
     fake_vllm.ops.dcp_a2a_lse_reduce = V.dcp_a2a_lse_reduce
     V.install()
-    assert "dcp_a2a_lse_reduce" not in V._originals
-    assert V._engine_fallback("dcp_a2a_lse_reduce") is None
+    assert "dcp_a2a_lse_reduce" not in F._originals
+    assert F.engine_fallback("dcp_a2a_lse_reduce") is None
     monkeypatch.setenv("VLLM_USE_DIRECT_DCP_A2A", "0")
     out, lse = torch.randn(3, 4, 8).bfloat16(), torch.randn(3, 4)
     got = LocalGroup(2, "cpu").run(lambda rank: V.dcp_a2a_lse_reduce(out, lse, rank))
@@ -128,22 +129,22 @@ def test_pcp_all_reduce_is_vllms_own_once_installed(fake_vllm):
 
 def test_install_sets_the_free_functions_workspace(fake_vllm, monkeypatch):
     monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
-    monkeypatch.setattr(V, "_installed_tokens", [])
+    monkeypatch.setattr(F, "_installed_tokens", [])
     try:
         V.install(max_num_tokens=1024)
-        assert V._free_tokens() == 1024
+        assert F._free_tokens() == 1024
     finally:
-        V._free_tokens.cache_clear()
+        F._free_tokens.cache_clear()
 
 
 def test_without_a_current_vllm_config_the_workspace_is_the_default(fake_vllm, monkeypatch):
     monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
-    monkeypatch.setattr(V, "_installed_tokens", [])
-    V._free_tokens.cache_clear()
+    monkeypatch.setattr(F, "_installed_tokens", [])
+    F._free_tokens.cache_clear()
     try:
-        assert V._free_tokens() == V.DEFAULT_MAX_NUM_TOKENS
+        assert F._free_tokens() == F.DEFAULT_MAX_NUM_TOKENS
     finally:
-        V._free_tokens.cache_clear()
+        F._free_tokens.cache_clear()
 
 
 @pytest.mark.parametrize("lens, qsl, what", [
@@ -284,8 +285,6 @@ def test_the_workspace_comes_from_the_config_of_the_first_forward_not_install(
     capture sizes, and kept them."""
     import contextlib
 
-    from dcpc.engines import capture
-
     @contextlib.contextmanager
     def set_forward_context(attn_metadata, vllm_config, num_tokens=None):
         yield "context"
@@ -294,7 +293,7 @@ def test_the_workspace_comes_from_the_config_of_the_first_forward_not_install(
     monkeypatch.setitem(sys.modules, fc.__name__, fc)
     monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
     monkeypatch.delenv("DCPC_CAPTURE_SIZES", raising=False)
-    monkeypatch.setattr(V, "_installed_tokens", [])
+    monkeypatch.setattr(F, "_installed_tokens", [])
     with caplog.at_level("INFO", logger="dcpc.engines"):
         V.install()
     said = " ".join(r.getMessage() for r in caplog.records)
@@ -303,43 +302,41 @@ def test_the_workspace_comes_from_the_config_of_the_first_forward_not_install(
     with fc.set_forward_context(None, _config(sizes=[1, 2, 4, 512])) as ctx:  # the profile run
         assert ctx == "context"
     with caplog.at_level("INFO", logger="dcpc.engines"):
-        assert V._free_tokens() == 512  # max(96 x 1, 512), no config current now
+        assert F._free_tokens() == 512  # max(96 x 1, 512), no config current now
     assert any("workspace is 512 tokens (vLLM's config" in r.getMessage()
                for r in caplog.records), caplog.records
-    assert capture.vllm_sizes_now() == ([1, 2, 4, 512],
-                                        "vLLM's compilation_config.cudagraph_capture_sizes")
+    assert F.capture_sizes() == ([1, 2, 4, 512],
+                                 "vLLM's compilation_config.cudagraph_capture_sizes")
     with fc.set_forward_context(None, _config(max_num_seqs=4096)):  # the first one stays
         pass
-    V._free_tokens.cache_clear()
-    assert V._free_tokens() == 512
+    F._free_tokens.cache_clear()
+    assert F._free_tokens() == 512
 
 
 def test_overrides_and_the_manager_config(fake_vllm, monkeypatch):
     """DCPC_MAX_NUM_TOKENS and DCPC_CAPTURE_SIZES win over any config; the config an
     MLADCPManager is built with (load_model) is a config seen; a config current at the
     first call counts when none was seen; none at all: 256 and no sizes."""
-    from dcpc.engines import capture
-
     monkeypatch.delenv("DCPC_MAX_NUM_TOKENS", raising=False)
-    monkeypatch.setattr(V, "_installed_tokens", [])
-    assert V._free_tokens() == V.DEFAULT_MAX_NUM_TOKENS
-    assert capture.vllm_sizes_now()[0] is None
+    monkeypatch.setattr(F, "_installed_tokens", [])
+    assert F._free_tokens() == F.DEFAULT_MAX_NUM_TOKENS
+    assert F.capture_sizes()[0] is None
     V.forget_config()
     current = [_config(max_num_seqs=8, graphs=None)]
     monkeypatch.setattr(sys.modules["vllm.config"], "get_current_vllm_config_or_none",
                         lambda: current[0])
-    assert V._free_tokens() == 8  # current at the first call
+    assert F._free_tokens() == 8  # current at the first call
     current[0] = None
-    V._free_tokens.cache_clear()
-    assert V._free_tokens() == 8  # kept: seen
+    F._free_tokens.cache_clear()
+    assert F._free_tokens() == 8  # kept: seen
     V.forget_config()
     V.note_config(_config(max_num_seqs=3, graphs=None, sizes=[2, 3]))  # the manager's
     monkeypatch.setenv("DCPC_CAPTURE_SIZES", "1,5")
-    assert V._free_tokens() == 3
-    assert capture.vllm_sizes_now() == ([1, 5], "DCPC_CAPTURE_SIZES")
+    assert F._free_tokens() == 3
+    assert F.capture_sizes() == ([1, 5], "DCPC_CAPTURE_SIZES")
     monkeypatch.setenv("DCPC_MAX_NUM_TOKENS", "40")
-    V._free_tokens.cache_clear()
-    assert V._free_tokens() == 40
+    F._free_tokens.cache_clear()
+    assert F._free_tokens() == 40
 
 
 def test_install_keeps_vllms_piece_whose_contract_dcpc_does_not_hold(fake_vllm, caplog,
@@ -386,7 +383,7 @@ def test_install_leaves_an_unknown_vllm_layout_alone_and_says_so_once(monkeypatc
     other = _module("vllm.v1.attention.ops.dcp_utils", reserve_query_head_storage=None)
     monkeypatch.setitem(sys.modules, other.__name__, other)
     monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.dcp", None)  # import fails
-    monkeypatch.setattr(V, "_originals", {})
+    monkeypatch.setattr(F, "_originals", {})
     from dcpc.engines import common
 
     monkeypatch.setattr(common, "_logged", set())

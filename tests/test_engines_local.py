@@ -189,10 +189,10 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
         o = V.dcp_a2a_lse_reduce(x["outs"][r], x["lses"][r], rank,
                                  seq_lens=x["lens"][r], query_start_loc=x["qsl"])
         check("out", o, want[r][0])
-        from dcpc.engines import combine
+        from dcpc.engines import runners
 
         checks.append({"what": "no module", "ok": not any(
-            k[3] == 2 * H for k in combine._runners)})
+            k[3] == 2 * H for k, _ in runners.built())})
     elif name == "vllm_manager":
         for comm, ubatches in (("a2a", 2), ("ag_rs", 1)):
             m = V.MLADCPManager(None, DEV, 4, 48, D, torch.bfloat16, torch.bfloat16,
@@ -251,6 +251,7 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
               tol=0.13)  # one e4m3 step (2**-3)
     elif name == "fp8_output":
         import dcpc.engines.combine as C
+        from dcpc.engines import runners
         from dcpc.engines.common import CombineSpec, resolve_group
 
         x = _inputs(seed, world, T, H, D, garbage=True)
@@ -262,8 +263,8 @@ def scenario(name: str, rank: Any, r: int, world: int, barrier: Any, backend: st
         for path in ("fused", "a2a", "ag_rs"):
             spec = CombineSpec(path, D, out_dtype="fp8e4m3", max_tokens=WORKSPACE,
                                max_reqs=WORKSPACE, mask=km)
-            run = C.runner(C.CombineRunner, spec, resolve_group(rank, torch.device(DEV)),
-                           H, backend)
+            run = runners.runner(C.CombineRunner, spec,
+                                 resolve_group(rank, torch.device(DEV)), H, backend)
             o, _ = run.run(x["outs"][r], lse, *mask, scale=scale)
             q = (want[r][0] / 0.004).clamp(-448, 448)
             err = (to_host(o.double()) - q).abs() - 0.13 * q.abs()  # one e4m3 step: 2**-3
@@ -355,12 +356,12 @@ def _recorded_errors() -> list[str]:
     error), read after a scenario."""
     import torch
 
-    from dcpc.engines import combine
+    from dcpc.engines import runners
 
     if DEV != "cpu":  # the ranks' streams done: with DCPC_TRAP=0 every wait is bounded
         torch.cuda.synchronize(DEV)
     found = []
-    for key, run in list(combine._runners.items()):
+    for key, run in runners.built():
         module = getattr(run, "module", None)
         try:
             if module is not None:

@@ -15,6 +15,7 @@ from dcpc.engines import combine
 from dcpc.engines import reference as ref
 from dcpc.engines import sglang as S
 from dcpc.engines import vllm as V
+from dcpc.engines import vllm_free as F
 from dcpc.runtime.local import LocalGroup, LocalRankError
 
 W, T, H, D = 2, 4, 4, 16
@@ -68,7 +69,7 @@ def test_a_refused_first_call_of_a_second_microbatch_never_pairs_wrongly(monkeyp
     rendezvous, which names the missing rank)."""
     tls = threading.local()
     monkeypatch.setenv("DCPC_WARM_CAPTURE", "0")
-    monkeypatch.setattr(V, "_ubatch", lambda: getattr(tls, "ub", 0))
+    monkeypatch.setattr(F, "ubatch", lambda: getattr(tls, "ub", 0))
     seen: dict[int, list[str]] = {0: [], 1: []}
 
     def body(rank):

@@ -17,6 +17,7 @@ import vllm_layouts as L
 
 from dcpc.engines import common
 from dcpc.engines import vllm as V
+from dcpc.engines import vllm_free as F
 from dcpc.engines.vllm_kv import MLADCPKVGather, MLADCPManagerPR52239
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import LocalGroup
@@ -28,7 +29,7 @@ def vllm_main(monkeypatch):
     for name, module in tree.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.dcp", None)  # main has none
-    monkeypatch.setattr(V, "_originals", {})
+    monkeypatch.setattr(F, "_originals", {})
     monkeypatch.setattr(common, "_logged", set())
     L.CALLS.clear()
     orig = {}  # install() rebinds every module's binding, this stand-in file's too
@@ -57,8 +58,8 @@ def test_install_recognises_the_pr_layout_and_rebinds_every_binding(vllm_main, c
     assert {"vllm.v1.attention.ops.dcp_utils.MLADCPKVGather",
             "vllm.v1.attention.ops.common.cp_lse_ag_out_rs",
             "vllm.v1.attention.ops.dcp_alltoall.dcp_a2a_lse_reduce"} <= set(patched)
-    assert V._originals["MLADCPManager"] is orig["MLADCPManager"]
-    assert V._originals["cp_lse_ag_out_ar"] is orig["cp_lse_ag_out_ar"]
+    assert F._originals["MLADCPManager"] is orig["MLADCPManager"]
+    assert F._originals["cp_lse_ag_out_ar"] is orig["cp_lse_ag_out_ar"]
     assert V.install() == []  # idempotent
     assert any("open vLLM PR #52239's layout (vllm.v1.attention.ops.dcp_utils, "
                "unreleased)" in r.getMessage() for r in caplog.records)
@@ -99,7 +100,7 @@ def test_a_b12x_keyword_takes_vllms_own_path(vllm_main):
     name, args, kwargs = L.CALLS[-1]
     assert args[0] is out and args[1] is lse and args[2] == "group"
     assert kwargs["use_b12x"] is True and kwargs["b12x_max_batch_size"] == 8
-    V._originals.clear()  # not installed: refused, never silently run another way
+    F._originals.clear()  # not installed: refused, never silently run another way
     with pytest.raises(DcpcArgumentError, match="use_b12x asks for vLLM's own path"):
         V.dcp_a2a_lse_reduce(out, lse, "group", use_b12x=True)
 

@@ -10,6 +10,7 @@ import torch
 
 from dcpc.engines import common, warm
 from dcpc.engines import vllm as V
+from dcpc.engines import vllm_free as F
 from dcpc.runtime.local import LocalGroup
 
 TOKENS, D, KV_TOKENS = 8, 16, 8
@@ -30,9 +31,9 @@ def test_warm_fills_what_the_adapters_look_up(tmp_path, monkeypatch, capsys):
     def no_compiling(*args, **kwargs):
         raise AssertionError(f"compiled at first call: {args[0][:200]}")
 
-    monkeypatch.setattr(common, "_compile_into", no_compiling)
+    monkeypatch.setattr(common, "compile_into", no_compiling)
     monkeypatch.setattr(common, "_classes", {})  # a fresh server process: only the folder
-    V._free_tokens.cache_clear()
+    F._free_tokens.cache_clear()
 
     def rank_main(rank):
         g = torch.Generator().manual_seed(rank.rank)
@@ -54,7 +55,7 @@ def test_warm_fills_what_the_adapters_look_up(tmp_path, monkeypatch, capsys):
     try:
         got = LocalGroup(2, "cpu", timeout_s=120).run(rank_main)
     finally:
-        V._free_tokens.cache_clear()
+        F._free_tokens.cache_clear()
         V.reset()
     assert got == [((3, 2, D), (3, 2, D), (3, 4, D), True)] * 2
 

@@ -83,6 +83,7 @@ import torch
 
 from dcpc.engines import reference as ref
 from dcpc.engines import vllm as V
+from dcpc.engines import vllm_free as F
 from dcpc.runtime.local import LocalGroup
 
 W, T, H, D, DQ, KV = 2, 4, 4, 16, 24, 8  # H heads in all, H // W per rank; KV: rows
@@ -126,8 +127,8 @@ def dcpc_state(monkeypatch):
                 "VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER", "DCPC_SGLANG",
                 "DCPC_BACKEND", "VLLM_PLUGINS", "SGLANG_PLUGINS", "SGLANG_PLATFORM"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(V, "_originals", {})
-    monkeypatch.setattr(V, "_installed_tokens", [])
+    monkeypatch.setattr(F, "_originals", {})
+    monkeypatch.setattr(F, "_installed_tokens", [])
     V.forget_config()
     yield
     V.forget_config()
@@ -255,7 +256,7 @@ def test_vllm_loader_picks_up_the_plugin_and_install_rebinds_the_real_names(
     assert vars(ops)["cp_lse_ag_out_ar"] is theirs["cp_lse_ag_out_ar"]
     assert vars(sys.modules["vllm.v1.attention.backends.flashinfer"])[
         "mask_dcp_empty_shards_"] is ops.mask_dcp_empty_shards_  # not ours: untouched
-    assert V._originals == theirs  # the wheel's own, for the fallbacks
+    assert F._originals == theirs  # the wheel's own, for the fallbacks
     plugins.load_general_plugins()  # vLLM's once-per-process guard
     assert len(calls) == 1
 
@@ -328,7 +329,7 @@ def test_vllm_one_call_through_each_rebound_name(real_vllm):
         # kernel is a TritonPlaceholder function), as it would in a vLLM on this machine.
         assert isinstance(got["ar"], list), "vLLM's own cp_lse_ag_out_ar returned on CPU"
         ours = [i for i, (f, n) in enumerate(got["ar"]) if n == "cp_lse_ag_out_ar"]
-        assert got["ar"][ours[0]][0].endswith("/dcpc/engines/vllm.py")
+        assert got["ar"][ours[0]][0].endswith("/dcpc/engines/vllm_free.py")
         assert got["ar"][ours[1]][0].endswith("vllm/v1/attention/ops/dcp.py")
         assert ("correct_attn_out" in [n for _, n in got["ar"][ours[1]:]])
         _close(got["ar lse"], ar_lses[r].float(), tol=0)
@@ -371,7 +372,7 @@ def test_vllm_out_and_the_w_uv_fused_merge(real_vllm, world):
     tokens, every rank against float64."""
     V.install()
     fa = sys.modules["vllm.v1.attention.backends.flash_attn"]
-    theirs = V._originals.get("dcp_a2a_v_up_proj_lse_reduce")
+    theirs = F._originals.get("dcp_a2a_v_up_proj_lse_reduce")
     assert (theirs is not None) == (real_vllm.version != "0.33.0")
     cases = {b: _partials(world, b, 16, 40 + b) for b in (4, 9)}
 
@@ -411,7 +412,7 @@ def test_vllm_out_and_the_w_uv_fused_merge(real_vllm, world):
 def _uses(version: str) -> tuple:
     """Every use of the manager and of the replaced names in the whole vLLM wheel."""
     from dcpc.engines.contract import scan, source_files
-    from dcpc.engines.vllm_install import replacements
+    from dcpc.engines.vllm_pieces import replacements
 
     return tuple(scan(source_files(EW.wheel("vllm", version)), replacements()))
 
@@ -427,7 +428,7 @@ def test_dcpc_provides_everything_vllms_source_uses(version, dcpc_state):
     only into **kwargs). And every attribute vLLM reads is one vLLM's own class has (the
     premise of install()'s class check)."""
     from dcpc.engines import contract
-    from dcpc.engines.vllm_install import replacements
+    from dcpc.engines.vllm_pieces import replacements
 
     uses = _uses(version)
     read = {u.name for u in uses if u.on_manager}
@@ -437,7 +438,7 @@ def test_dcpc_provides_everything_vllms_source_uses(version, dcpc_state):
     if version != "0.33.0":
         assert {"v_up_proj_combine", "direct_query_gather_max_tokens"} <= read
         assert any(u.name == "dcp_a2a_lse_reduce" and "out" in u.keywords for u in uses)
-    assert contract.check_uses(uses, V.MLADCPManager, replacements(), V.ENGINE_ONLY) == []
+    assert contract.check_uses(uses, V.MLADCPManager, replacements(), F.ENGINE_ONLY) == []
     mods = EW.load_vllm(version)
     try:  # vLLM's class has every attribute its callers read
         theirs = contract.class_surface(sys.modules[EW.VLLM_DCP].MLADCPManager)
@@ -451,7 +452,7 @@ def test_the_contract_test_fails_when_dcpc_lacks_one_name(monkeypatch):
     (direct_query_gather_max_tokens) and a keyword (dcp_a2a_lse_reduce's out): each is
     named with the line of vLLM's source that uses it."""
     from dcpc.engines import contract
-    from dcpc.engines.vllm_install import replacements
+    from dcpc.engines.vllm_pieces import replacements
 
     uses = _uses(EW.PINS["vllm"][-1])
     real = contract.class_surface
@@ -462,7 +463,7 @@ def test_the_contract_test_fails_when_dcpc_lacks_one_name(monkeypatch):
         return found
 
     monkeypatch.setattr(contract, "class_surface", lacking)
-    missing = contract.check_uses(uses, V.MLADCPManager, replacements(), V.ENGINE_ONLY)
+    missing = contract.check_uses(uses, V.MLADCPManager, replacements(), F.ENGINE_ONLY)
     assert missing == ["vllm/model_executor/layers/attention/mla_attention.py:1287: "
                        "attribute 'direct_query_gather_max_tokens' of the manager: not "
                        "dcpc's"], missing
@@ -473,7 +474,7 @@ def test_the_contract_test_fails_when_dcpc_lacks_one_name(monkeypatch):
         raise AssertionError("not called")
 
     functions = {**replacements(), "dcp_a2a_lse_reduce": no_out}
-    missing = contract.check_uses(uses, V.MLADCPManager, functions, V.ENGINE_ONLY)
+    missing = contract.check_uses(uses, V.MLADCPManager, functions, F.ENGINE_ONLY)
     assert missing == ["vllm/v1/attention/ops/dcp.py:1074: dcp_a2a_lse_reduce(...): "
                        "keyword 'out' is not a parameter of dcpc's"], missing
 

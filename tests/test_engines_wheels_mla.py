@@ -70,6 +70,7 @@ import pytest
 import torch
 
 from dcpc.engines import vllm as V
+from dcpc.engines import vllm_free as F
 from dcpc.runtime.local import LocalGroup
 
 HL, L, R, P, VD = 2, 32, 8, 16, 16  # local heads, kv_lora_rank, rope, nope, v_head_dim
@@ -88,8 +89,8 @@ def dcpc_state(monkeypatch):
                 "VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER",
                 "DCPC_BACKEND", "DCPC_CAPTURE_SIZES"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(V, "_originals", {})
-    monkeypatch.setattr(V, "_installed_tokens", [])
+    monkeypatch.setattr(F, "_originals", {})
+    monkeypatch.setattr(F, "_installed_tokens", [])
     V.forget_config()
     yield
     V.forget_config()

@@ -17,7 +17,7 @@ ordinary later call returned wrong data without an error. What decides the path:
   ``DcpcContractError`` on both ranks ("T=5 here, T=0 on peer 1") instead of wrong data.
 
 A rank whose arguments fail an adapter's checks still takes part in the call
-(dcpc.engines.combine.refuse): at a first call its settings carry the error (``REFUSED``)
+(``refuse`` below): at a first call its settings carry the error (``REFUSED``)
 and every rank raises here, naming that rank and its error; at a later call it makes
 the empty call, and a peer that ran the kernel raises the contract error below.
 """
@@ -33,9 +33,10 @@ from typing import Any, NoReturn
 
 import torch
 
+from dcpc.engines import runners
 from dcpc.engines.common import Group, resolve_group
 from dcpc.engines.fallback import Comm
-from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError, DcpcError, DcpcFailedError
+from dcpc.runtime.errors import DcpcArgumentError, DcpcContractError, DcpcError
 from dcpc.runtime.local import sync_stream, to_host
 
 _WIDTH = 512  # bytes of one rank's settings (JSON), padded with zeros
@@ -109,16 +110,12 @@ def agreed(group: Group, label: str, settings: dict[str, Any]) -> bool:
 
 
 def forget(handles: set[int] | None = None) -> None:
-    """Drop the agreements of the group handles with these ids (all: None), and refuse's
-    record of their modules, for dcpc.engines.combine.reset: the next call of each
-    function agrees again."""
+    """Drop the agreements of the group handles with these ids (all: None), for
+    dcpc.engines.combine.reset: the next call of each function agrees again (refuse's
+    record of their modules goes with the modules: dcpc.engines.runners.close)."""
     with _lock:
         for key in [k for k in _agreed if handles is None or k[0] in handles]:
             del _agreed[key]
-        for key in [k for k in _last if handles is None or k[0] in handles]:
-            del _last[key]
-        for key in [k for k in _poisoned if handles is None or k[0] in handles]:
-            del _poisoned[key]
 
 
 # ---- a rank that refuses its call's arguments -------------------------------------------
@@ -135,58 +132,23 @@ def refuse(group: Group, label: str | None, settings: dict[str, Any], err: Excep
     with ``DcpcPeerFailedError``. Not reached: a peer that waits on no dcpc module in
     this call (dcpc switched off). No cost to calls that pass."""
     if group.world > 1:
-        last = _last.get((id(group.handle), group.rank, label, instance))
+        last = runners.last(group, label, instance)
         if label is not None and not agreed(group, label, settings):
             why = str(err).encode("ascii", "replace").decode()[:200]
             agree(group, label, {**settings, REFUSED: f"{type(err).__name__}: {why}"},
                   Comm(group).all_gather)
-        elif last is not None and last[0] is group.handle:
+        elif last is not None:
             try:  # the empty call: a peer that ran the kernel raises a contract error
-                last[1].mark(last[2] if slot is None else slot)
+                last[0].mark(last[1] if slot is None else slot)
             except DcpcError:
                 pass  # this rank raises its own error
-        elif fail or last is None or last[0] is not group.handle:
+        elif fail or last is None:
             # no empty call possible (a KV gather; or no module of this label and
             # instance yet, e.g. a second microbatch's first call): fail this rank's
-            # modules of the group, every peer's wait on them stops loudly
-            from dcpc.engines import combine  # the runners (combine imports this module)
-
-            with combine._runners_lock:
-                mine = [run for run in combine._runners.values()
-                        if run.group.handle is group.handle and run.group.rank == group.rank]
-            for run in mine:
-                run.module._fail(err)  # flags (or notifies) every peer, as a failed call
-            with _lock:  # and no module is built on the group here until reset()
-                _poisoned[(id(group.handle), group.rank)] = (group.handle, label, err)
+            # modules of the group, every peer's wait on them stops loudly, and build
+            # none on the group here until reset()
+            runners.fail(group, label, err)
     raise err
-
-
-# (group handle id, rank) -> (handle, label, error): a rank that refused a call with no
-# module to carry the refusal to its peers (a microbatch's or a new shape's first call):
-# a module built afterwards would pair its first call with a peer's refused one
-_poisoned: dict[tuple, tuple[Any, str | None, Exception]] = {}
-
-
-def check_not_poisoned(group: Group) -> None:
-    """Raise if this rank refused an earlier call that no module carried (see refuse):
-    every later module of the group would pair with the peers' call of that one."""
-    with _lock:
-        found = _poisoned.get((id(group.handle), group.rank))
-    if found is not None and found[0] is group.handle:
-        raise DcpcFailedError(
-            f"{found[1]}: this rank refused the arguments of an earlier call ({found[2]}) "
-            "that no dcpc module of the group could carry to its peers; its modules of "
-            "the group are failed: call dcpc.engines.reset(group) on every rank")
-
-
-# (group handle id, rank, label, instance) -> (group handle, its last runner, slot): the
-# module of refuse's empty call
-_last: dict[tuple, tuple[Any, Any, int]] = {}
-
-
-def used(group: Group, label: str, run: Any, slot: int, instance: int = 0) -> None:
-    """Remember ``run`` as ``label``'s module on this rank of ``group`` (for refuse)."""
-    _last[(id(group.handle), group.rank, label, instance)] = (group.handle, run, slot)
 
 
 @contextlib.contextmanager

@@ -116,20 +116,6 @@ def sglang_sizes(server_args: Any) -> tuple[list[int] | None, str]:
         f"SGLang's cuda_graph_bs x {per} token(s) per batch")
 
 
-def vllm_sizes_now() -> tuple[list[int] | None, str]:
-    """vLLM's capture sizes: DCPC_CAPTURE_SIZES, else those of the first vLLM config seen
-    (dcpc.engines.vllm.note_config), else of the config current now (then noted)."""
-    def current() -> tuple[list[int] | None, str]:
-        from dcpc.engines.vllm import _current_config  # it imports this module
-
-        config = _current_config()
-        if config is None:
-            return None, "no vLLM config seen or current"
-        return vllm_sizes(config)
-
-    return sizes_for("vllm", current)
-
-
 def at_install(engine: str, now: Callable[[], tuple[list[int] | None, str]]
                ) -> tuple[list[int] | None, str]:
     """install()'s read of the capture sizes: ``now()`` (DCPC_CAPTURE_SIZES or the

@@ -1,7 +1,8 @@
 """The combine and gather runners the adapters call, and their torch fallback.
 
 A runner owns one generated module instance (built collectively on first use, or at
-model load by ``MLADCPManager``) and makes its calls in the contract's order:
+model load by ``MLADCPManager``; the table of those built is dcpc.engines.runners) and
+makes its calls in the contract's order:
 
 - combine, a2a / fused: the exchange and merge, then ``release`` (a barrier), issued
   lazily at the start of the slot's next call: it closes the previous call (no peer
@@ -23,14 +24,13 @@ math over torch.distributed, or over the threads of a dcpc LocalGroup).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dcpc.engines import capture
-from dcpc.engines.agree import agree, check_not_poisoned, explain, forget, refusing, used
+from dcpc.engines import capture, runners
+from dcpc.engines.agree import agree, explain, forget, refusing
 from dcpc.engines.call_ids import current_call_id, name_call
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -215,27 +215,6 @@ class GatherRunner:
                              device=self.group.device), slot)
 
 
-_runners: dict[tuple, Any] = {}
-_runners_lock = threading.Lock()
-
-
-def runner(kind: type, spec: CombineSpec | GatherSpec, group: Group, heads: int | None,
-           backend: str, instance: int = 0) -> Any:
-    """The cached runner for (group, device, spec, heads, backend, instance); built
-    (collectively: every rank reaches the same call) the first time. ``instance``: one
-    module per microbatch for callers that have no slot to pass. The key holds the group
-    handle's id, and the runner a reference to it, so the id is not reused while cached."""
-    key = (id(group.handle), str(group.device), spec, heads, backend, group.rank, instance)
-    with _runners_lock:
-        found = _runners.get(key)
-    if found is None:
-        check_not_poisoned(group)
-        found = kind(spec, group, heads, backend)
-        with _runners_lock:
-            _runners.setdefault(key, found)
-    return found
-
-
 def reset(group: Any = None) -> int:
     """Close the modules the adapters built on this rank and forget them (and the agreed
     settings): the way out of the failed state after an error (a timeout, a contract
@@ -248,15 +227,10 @@ def reset(group: Any = None) -> int:
     handles = None if group is None else {id(h) for h in (
         group, getattr(group, "device_group", None), getattr(group, "cpu_group", None))
         if h is not None}
-    with _runners_lock:
-        found = [k for k, run in _runners.items()
-                 if handles is None or id(run.group.handle) in handles]
-        closing = [_runners.pop(k) for k in found]
-    for run in closing:
-        run.module.close()
+    closed = runners.close(handles)
     forget(handles)
     capture.forget(handles)  # new modules: their first calls warm up again
-    return len(closing)
+    return closed
 
 
 def combine_settings(switch_name: str, max_tokens: int, backend: str) -> dict[str, Any]:
@@ -329,8 +303,8 @@ def combine_call(path: str, out: torch.Tensor, lse: torch.Tensor, group: Group, 
         spec = CombineSpec(path, dv, o_dtype=dtype, out_dtype=dtype,
                            lse_base="2" if base2 else "e", max_tokens=max_tokens,
                            max_reqs=max_tokens, slots=slots, mask=in_kernel)
-        r = runner(CombineRunner, spec, group, heads, backend, instance)
-        used(group, label, r, slot, instance)
+        r = runners.runner(CombineRunner, spec, group, heads, backend, instance)
+        runners.used(group, label, r, slot, instance)
         reqs = None if seq_lens is None or not in_kernel else seq_lens.shape[0]
         if r.fits(tokens, reqs):
             if seq_lens is not None and not in_kernel:  # vLLM's mask, out of place

@@ -238,14 +238,14 @@ def module_class(spec: CombineSpec | GatherSpec, world: int = 2) -> type:
         if key not in _classes:
             path = cache_dir() / f"{key[:32]}.py"
             if not path.exists():
-                _compile_into(text, path, world)
+                compile_into(text, path, world)
                 calls.count("compiles")
             _classes[key] = schedule_class(import_file(path, f"dcpc_engines_{key[:16]}"))
             calls.count("imports")
         return _classes[key]
 
 
-def _compile_into(text: str, path: Path, world: int) -> None:
+def compile_into(text: str, path: Path, world: int) -> None:
     """Run dcpc's pipeline (parse .. hb .. emit) on ``text``; write the module to ``path``
     through a temporary file and os.replace (a concurrent rank sees all or nothing)."""
     from dcpc.diagnostics import DiagnosticError

@@ -426,8 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     the folder holding the ``vllm`` package) reads off its DCP manager and passes to
     the functions dcpc replaces, and what of it dcpc's adapters lack. Exit 1 when
     something is lacking."""
-    from dcpc.engines import vllm as V
-    from dcpc.engines.vllm_install import replacements
+    # the adapters (torch and all) only for the command: the readers above need none
+    from dcpc.engines.vllm_free import ENGINE_ONLY
+    from dcpc.engines.vllm_manager import MLADCPManager
+    from dcpc.engines.vllm_pieces import replacements
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -444,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, zipfile.BadZipFile) as err:
         print(f"error: {path}: cannot be read ({type(err).__name__}: {err})", file=sys.stderr)
         return 2
-    missing = check_uses(uses, V.MLADCPManager, functions, V.ENGINE_ONLY)
+    missing = check_uses(uses, MLADCPManager, functions, ENGINE_ONLY)
     print(f"{len(uses)} uses of the manager and of {', '.join(sorted(functions))}")
     for line in missing:
         print(f"missing: {line}")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dcpc.engines.common import log, log_once, rebind
+from dcpc.engines.vllm_free import vllm_combine
 
 HELIX_SWITCH = "DCPC_VLLM_HELIX"
 _originals: dict[str, Any] = {}
@@ -38,18 +39,16 @@ def helix_alltoall_lse_reduce(local_output: torch.Tensor, local_lse: torch.Tenso
                               kvp_group: Any, return_lse: bool = False,
                               is_lse_base_on_e: bool = True) -> Any:
     """vLLM's helix_alltoall_lse_reduce (see the module's docstring)."""
-    from dcpc.engines.vllm import _combine
-
     original = _originals.get("helix_alltoall_lse_reduce")
     engine = None
     if original is not None:
         def engine() -> Any:
             return original(local_output, local_lse, kvp_group, return_lse, is_lse_base_on_e)
-    got = _combine("fused", local_output, local_lse, kvp_group, return_lse,
-                   is_lse_base_on_e, None, None, switch_name=HELIX_SWITCH,
-                   label="helix_alltoall_lse_reduce", engine=engine,
-                   again=lambda o, lse, _s, _q: helix_alltoall_lse_reduce(
-                       o, lse, kvp_group, return_lse, is_lse_base_on_e))
+    got = vllm_combine("fused", local_output, local_lse, kvp_group, return_lse,
+                       is_lse_base_on_e, None, None, switch_name=HELIX_SWITCH,
+                       label="helix_alltoall_lse_reduce", engine=engine,
+                       again=lambda o, lse, _s, _q: helix_alltoall_lse_reduce(
+                           o, lse, kvp_group, return_lse, is_lse_base_on_e))
     if not return_lse:
         return got
     out, lse = got

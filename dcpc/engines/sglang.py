@@ -22,18 +22,15 @@ from typing import Any
 
 import torch
 
-from dcpc.engines import capture
-from dcpc.engines.agree import agree
+from dcpc.engines import capture, runners
+from dcpc.engines.agree import agree, refusing
 from dcpc.engines.call_ids import begin_forward, enter_layer
 from dcpc.engines.combine import (
     GatherRunner,
     check_tensors,
     combine_call,
     combine_settings,
-    refusing,
     reset,
-    runner,
-    used,
 )
 from dcpc.engines.common import (
     DTYPE_NAMES,
@@ -191,8 +188,8 @@ def _gather(group: Any, combined: torch.Tensor) -> torch.Tensor:
         raise DcpcArgumentError(f"all_gather_q_for_mla_decode: {SWITCH}=1 but {why}")
     if mode != "off" and not why:
         spec = GatherSpec("q", d, DTYPE_NAMES[combined.dtype], _tokens())
-        r = runner(GatherRunner, spec, group, local_heads * group.world, _backend())
-        used(group, "all_gather_q_for_mla_decode", r, 0)
+        r = runners.runner(GatherRunner, spec, group, local_heads * group.world, _backend())
+        runners.used(group, "all_gather_q_for_mla_decode", r, 0)
         if r.fits(tokens):
             return r.run(combined)
         r.skip(combined)  # every rank falls back, or every rank fails

@@ -1,7 +1,8 @@
 """Putting dcpc's adapters over vLLM's DCP functions: where this vLLM keeps them, and
 which of them dcpc can stand in for (the contract check).
 
-Where (``dcpc.engines.vllm.MODULES``, the first that imports and holds a replaced name):
+Where (``dcpc.engines.vllm_free.MODULES``, the first that imports and holds a replaced
+name):
 
 - ``vllm.v1.attention.ops.dcp``: the releases, vLLM 0.33.0 and 0.34.0 (cp_lse_ag_out_rs,
   dcp_a2a_lse_reduce, cp_lse_ag_out_ar, MLADCPManager with
@@ -15,14 +16,15 @@ Where (``dcpc.engines.vllm.MODULES``, the first that imports and holds a replace
   ``ops.dcp_alltoall`` and imported by name into dcp_utils (the same rebinding reaches
   every binding).
 
-Which (dcpc.engines.contract): each replaced name is a piece. A function is replaced
-when dcpc's takes every parameter of vLLM's (same position, same default; open PR
-#52239's ``use_b12x`` keywords through ``ENGINE_ONLY``); a class when dcpc's has every
-public attribute and method of vLLM's (read from vLLM's source, its bases included)
-and takes every method's parameters. Any difference keeps vLLM's own piece and logs
-one WARNING naming it and what differs; the other pieces are still replaced. A vLLM
-where neither module imports or holds a name: nothing is patched, one warning says
-why, install() returns [] (it runs inside vLLM's plugin loader: it never raises).
+Which (dcpc.engines.contract): each replaced name is a piece (dcpc.engines.vllm_pieces).
+A function is replaced when dcpc's takes every parameter of vLLM's (same position, same
+default; open PR #52239's ``use_b12x`` keywords through ``ENGINE_ONLY``); a class when
+dcpc's has every public attribute and method of vLLM's (read from vLLM's source, its
+bases included) and takes every method's parameters. Any difference keeps vLLM's own
+piece and logs one WARNING naming it and what differs; the other pieces are still
+replaced. A vLLM where neither module imports or holds a name: nothing is patched, one
+warning says why, install() returns [] (it runs inside vLLM's plugin loader: it never
+raises).
 """
 
 from __future__ import annotations
@@ -33,15 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcpc.engines import capture
-from dcpc.engines import vllm as V
+from dcpc.engines import vllm_free as F
 from dcpc.engines.call_ids import forward_hook, layer_hook
 from dcpc.engines.common import log, log_once, rebind
 from dcpc.engines.contract import compare_callable, compare_class
+from dcpc.engines.vllm_pieces import CLASSES, FREE, KEPT, candidates
 
-FREE = ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "dcp_a2a_v_up_proj_lse_reduce")
-CLASSES = ("MLADCPManager", "MLADCPKVGather")
-KEPT = ("cp_lse_ag_out_ar",)  # not replaced (no dcpc schedule): vLLM's own is called
-LAYOUT_NAMES = {  # what each module of V.MODULES is
+LAYOUT_NAMES = {  # what each module of F.MODULES is
     "vllm.v1.attention.ops.dcp": "vLLM's released layout (vllm.v1.attention.ops.dcp: "
                                  "0.33.0, 0.34.0)",
     "vllm.v1.attention.ops.dcp_utils": "open vLLM PR #52239's layout "
@@ -51,7 +51,7 @@ LAYOUT_NAMES = {  # what each module of V.MODULES is
 
 def _note_forward(*args: Any, **kwargs: Any) -> None:
     """set_forward_context(attn_metadata, vllm_config, ...): the config of the forward."""
-    V.note_config(kwargs.get("vllm_config", args[1] if len(args) > 1 else None))
+    F.note_config(kwargs.get("vllm_config", args[1] if len(args) > 1 else None))
 
 
 # where a forward begins (and its config) and which attention layer runs: the call ids
@@ -72,22 +72,6 @@ class Layout:
     kept: dict[str, list[str]]
 
 
-def candidates(name: str) -> list[Any]:
-    """dcpc's stand-ins for vLLM's ``name``, in the order tried: the released layout's
-    manager before open PR #52239's."""
-    if name in FREE:
-        return [getattr(V, name)]
-    from dcpc.engines.vllm_kv import MLADCPKVGather, MLADCPManagerPR52239
-
-    return {"MLADCPManager": [V.MLADCPManager, MLADCPManagerPR52239],
-            "MLADCPKVGather": [MLADCPKVGather]}[name]
-
-
-def replacements() -> dict[str, Any]:
-    """Every name dcpc replaces, with the released layout's stand-in (contract.main)."""
-    return {name: candidates(name)[0] for name in (*FREE, *CLASSES)}
-
-
 def contract(name: str, theirs: Any) -> tuple[Any | None, list[str]]:
     """(dcpc's stand-in for vLLM's ``theirs``, []) when one holds its contract, else
     (None, what differs for the closest one)."""
@@ -96,7 +80,7 @@ def contract(name: str, theirs: Any) -> tuple[Any | None, list[str]]:
         if isinstance(theirs, type) and isinstance(mine, type):
             diffs = compare_class(name, theirs, mine)
         elif callable(theirs) and not isinstance(theirs, type):
-            diffs = compare_callable(name, theirs, mine, engine_only=V.ENGINE_ONLY)
+            diffs = compare_callable(name, theirs, mine, engine_only=F.ENGINE_ONLY)
         else:
             diffs = [f"{name}: vLLM's is a {type(theirs).__name__}, dcpc's a "
                      f"{type(mine).__name__}"]
@@ -124,10 +108,10 @@ def _layout(module: Any) -> Layout | None:
 
 
 def known_layout() -> tuple[Layout | None, str]:
-    """The first module of V.MODULES that imports and holds a replaced name, with the
+    """The first module of F.MODULES that imports and holds a replaced name, with the
     contract check of each name, else (None, every reason)."""
     why = []
-    for where in V.MODULES:
+    for where in F.MODULES:
         try:
             module = importlib.import_module(where)
         except Exception as err:  # noqa: BLE001 - any import error leaves vLLM's path
@@ -143,8 +127,8 @@ def known_layout() -> tuple[Layout | None, str]:
 def _settings_said() -> str:
     """install()'s words for the workspace and the capture sizes (decided later, at the
     first call, unless an override is set now)."""
-    if V._installed_tokens or os.environ.get("DCPC_MAX_NUM_TOKENS"):
-        tokens, source = V.workspace_choice()
+    if F.workspace_set():
+        tokens, source = F.workspace_choice()
         ws = f"the free functions' workspace is {tokens} tokens ({source})"
     else:
         ws = ("the free functions' workspace comes from vLLM's config once one is seen (the "
@@ -163,7 +147,7 @@ def install(max_num_tokens: int | None = None) -> list[str]:
     fallback of calls dcpc does not take (more tokens than the workspace, an unsupported
     dtype, a switch at 0, a keyword dcpc leaves to vLLM) and for PCP's all-reduce.
     ``max_num_tokens``: the free functions' workspace (else DCPC_MAX_NUM_TOKENS, else
-    vLLM's config once one is seen, else 256: see dcpc.engines.vllm.workspace_choice).
+    vLLM's config once one is seen, else 256: see dcpc.engines.vllm_free.workspace_choice).
     Idempotent; returns the bindings patched. Call it from a vLLM general plugin
     (docs/engines.md, "Switching vLLM"). For a layout it does not know it patches
     nothing, logs why once and returns []: vLLM's own path stays."""
@@ -174,8 +158,7 @@ def install(max_num_tokens: int | None = None) -> list[str]:
                  "PR #52239's)")
         return []
     if max_num_tokens is not None:
-        V._installed_tokens[:] = [int(max_num_tokens)]
-        V._free_tokens.cache_clear()
+        F.set_workspace(max_num_tokens)
     for name, diffs in layout.kept.items():
         log_once(f"vllm-contract:{layout.module.__name__}.{name}",
                  f"dcpc.engines.vllm.install(): vLLM's own {name} stays (dcpc's does not "
@@ -185,9 +168,7 @@ def install(max_num_tokens: int | None = None) -> list[str]:
              _settings_said())
     namespace = vars(layout.module)
     for name in (*layout.ours, *layout.kept, *KEPT):
-        old = namespace.get(name)
-        if old is not None and not V._is_ours(old):  # never keep a dcpc function as
-            V._originals.setdefault(name, old)  # vLLM's own: its fallback would recurse
+        F.keep_original(name, namespace.get(name))  # never a dcpc function: it would recurse
     patched: list[str] = []
     for name, new in layout.ours.items():
         old = namespace[name]
@@ -221,5 +202,4 @@ def hook_calls() -> list[str]:
     return patched
 
 
-__all__ = ["CLASSES", "FREE", "KEPT", "Layout", "candidates", "contract", "hook_calls",
-           "install", "known_layout", "replacements"]
+__all__ = ["Layout", "contract", "hook_calls", "install", "known_layout"]

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from dcpc.engines.combine import refusing
+from dcpc.engines.agree import refusing
 from dcpc.engines.common import DTYPE_NAMES, log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm
-from dcpc.engines.vllm import KV_GATHER_SWITCH, _ubatch
+from dcpc.engines.vllm_free import KV_GATHER_SWITCH, ubatch
 from dcpc.engines.vllm_manager import MLADCPManager
 
 SLOTS_ENV = "VLLM_DCP_KV_GATHER_SLOTS"  # PR #52239: slots per ubatch of the direct gather
@@ -153,7 +153,7 @@ class MLADCPKVGather:
         token_dim, split, dtype = self._layout
         # a rank whose arguments are refused fails its modules: its peers' waits stop
         with refusing(self.dcp, local_kv, None, dict, fail=True):
-            ub = _ubatch()
+            ub = ubatch()
             if not 0 <= ub < self.num_ubatches:
                 raise ValueError(f"DCP kv-gather ubatch {ub} exceeds {self.num_ubatches} slots")
             if not 0 <= buffer_slot < self._planes.shape[1]:

@@ -13,23 +13,24 @@ from typing import Any
 
 import torch
 
-from dcpc.engines import capture
-from dcpc.engines.agree import agree
-from dcpc.engines.combine import GatherRunner, check_tensors, refusing, runner, used
+from dcpc.engines import capture, runners
+from dcpc.engines.agree import agree, refusing
+from dcpc.engines.combine import GatherRunner, check_tensors
 from dcpc.engines.common import DTYPE_NAMES, GatherSpec, log, log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm
-from dcpc.engines.vllm import (
+from dcpc.engines.vllm_free import (
     A2A_SWITCH,
     AG_RS_SWITCH,
     KV_GATHER_SWITCH,
     Q_GATHER_SWITCH,
-    _combine,
-    _engine_fallback,
-    _ubatch,
+    capture_sizes,
     cp_lse_ag_out_ar,
+    engine_fallback,
     get_dcp_workspace_max_num_tokens,
     note_config,
+    ubatch,
     v_up_proj_merge,
+    vllm_combine,
 )
 from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import sync_stream
@@ -104,7 +105,7 @@ class MLADCPManager:
             return
         sizes, source = capture.vllm_sizes(vllm_config)
         if os.environ.get(capture.SIZES_ENV) or not sizes:
-            sizes, source = capture.vllm_sizes_now()
+            sizes, source = capture_sizes()
         self._capture = (sizes, source)
         warm, above = capture.plan(sizes or [], self.max_num_tokens)
         tokens = sorted({1, *warm}) if capture.enabled() else [1]
@@ -161,17 +162,17 @@ class MLADCPManager:
             return cp_lse_ag_out_ar(partial_output, partial_lse, self.group,
                                     is_lse_base_on_e=self.is_lse_base_on_e,
                                     seq_lens=seq_lens, query_start_loc=query_start_loc)
-        slot = _ubatch() if slot is None else slot
+        slot = ubatch() if slot is None else slot
         name = "dcp_a2a_lse_reduce" if self.use_a2a else "cp_lse_ag_out_rs"
-        return _combine("fused" if self.use_a2a else "ag_rs", partial_output, partial_lse,
-                        self.group, False, self.is_lse_base_on_e, seq_lens,
-                        query_start_loc, switch_name=self._combine_switch,
-                        max_tokens=self.max_num_tokens, slots=self.num_ubatches,
-                        slot=slot % self.num_ubatches, instance=0, backend=self.backend,
-                        label=label, out=out, engine=_engine_fallback(
-                            name, partial_output, partial_lse, self.group,
-                            is_lse_base_on_e=self.is_lse_base_on_e, seq_lens=seq_lens,
-                            query_start_loc=query_start_loc))
+        return vllm_combine("fused" if self.use_a2a else "ag_rs", partial_output,
+                            partial_lse, self.group, False, self.is_lse_base_on_e, seq_lens,
+                            query_start_loc, switch_name=self._combine_switch,
+                            max_tokens=self.max_num_tokens, slots=self.num_ubatches,
+                            slot=slot % self.num_ubatches, instance=0, backend=self.backend,
+                            label=label, out=out, engine=engine_fallback(
+                                name, partial_output, partial_lse, self.group,
+                                is_lse_base_on_e=self.is_lse_base_on_e, seq_lens=seq_lens,
+                                query_start_loc=query_start_loc))
 
     def _v_up_proj_combine(self, cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor,
                            w_uv: torch.Tensor, out: torch.Tensor,
@@ -182,11 +183,11 @@ class MLADCPManager:
         manager's modules): MLA's partial latent outputs [B, H, L] of all heads merged
         over the group and up-projected by ``w_uv`` [H, L, V] (every head, rank order:
         the layer's W_UV_dcp) into ``out`` [B, H/W * V] (this rank's heads); see
-        dcpc.engines.vllm.v_up_proj_merge. From the threshold up the module merges V
+        dcpc.engines.vllm_free.v_up_proj_merge. From the threshold up the module merges V
         values per head (its own schedule, warmed for the capture sizes at the first
         call); below, it is the L-wide combine of ``combine``."""
         label = "MLADCPManager.v_up_proj_combine"
-        slot = _ubatch() if slot is None else slot
+        slot = ubatch() if slot is None else slot
         if self.dcp.world > 1:
             self._warm_v_up_proj(cp_attn_out, cp_attn_lse, w_uv, out, seq_lens,
                                  query_start_loc, slot)
@@ -222,7 +223,7 @@ class MLADCPManager:
             return self._unsupported_q(f"query dtype {self.query_dtype}")
         spec = GatherSpec("q", self.query_head_dim, DTYPE_NAMES[self.query_dtype],
                           self.max_num_tokens, self.num_ubatches)
-        return runner(GatherRunner, spec, self.dcp, self.heads, self.backend)
+        return runners.runner(GatherRunner, spec, self.dcp, self.heads, self.backend)
 
     def _direct_query_tokens(self) -> int:
         """vLLM's direct_query_gather_max_tokens: the workspace when the query gather runs
@@ -239,14 +240,14 @@ class MLADCPManager:
         """vLLM's query gather: [B, H/W, Dq] of this rank's heads -> [B, H, Dq] of all
         (rank p's block at heads p*H/W ..), in padded storage when padded_num_heads is
         set (a copy then: vLLM's reserve_query_head_storage)."""
-        slot = (_ubatch() if slot is None else slot) % self.num_ubatches
+        slot = (ubatch() if slot is None else slot) % self.num_ubatches
         with refusing(self.dcp, query, "MLADCPManager.query_gather",  # every rank raises
                       lambda: self._settings(Q_GATHER_SWITCH, self.max_num_tokens), slot):
             check_tensors("MLADCPManager.query_gather", query=query)
         self._agree("query_gather", Q_GATHER_SWITCH, self.max_num_tokens)
         r = self._q_runner()
         if r is not None:
-            used(self.dcp, "MLADCPManager.query_gather", r, slot)
+            runners.used(self.dcp, "MLADCPManager.query_gather", r, slot)
         if r is not None and r.fits(query.shape[0]):
             full = r.run(query, slot)
         else:
@@ -307,7 +308,7 @@ class MLADCPManager:
             return None
         spec = GatherSpec("kv", width, DTYPE_NAMES[dtype], self._kv[1] // self.dcp.world,
                           self.num_ubatches)
-        return runner(GatherRunner, spec, self.dcp, None, self.backend)
+        return runners.runner(GatherRunner, spec, self.dcp, None, self.backend)
 
     def kv_gather(self, gathered_kv: torch.Tensor, local_kv: torch.Tensor,
                   slot: int | None = None) -> None:
@@ -323,7 +324,7 @@ class MLADCPManager:
         if self._kv is not None:
             self._agree("kv_gather", KV_GATHER_SWITCH, self._kv[1])
         r = self._kv_runner(local_kv.dtype, local_kv.shape[1])
-        slot = (_ubatch() if slot is None else slot) % self.num_ubatches
+        slot = (ubatch() if slot is None else slot) % self.num_ubatches
         if r is not None and r.fits(local_kv.shape[0]):  # one slot per DBO microbatch
             gathered_kv.copy_(r.run(local_kv, slot=slot))
             return

@@ -84,7 +84,7 @@ def warm(wanted: list[CombineSpec | GatherSpec], world: int = 2) -> list[Warmed]
         compiled = not path.exists()
         start = time.perf_counter()
         if compiled:  # into the folder even when this process already holds the class
-            common._compile_into(text, path, world)
+            common.compile_into(text, path, world)
         module_class(spec, world)
         done.append(Warmed(spec, path, time.perf_counter() - start, compiled))
     return done
