@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from exec_oracle_agree import disagreements
-from hb_oracle import oracle_keys, random_shift_schedule_text
+from hb_oracle import oracle_keys, oracle_unwritten, random_shift_schedule_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -181,6 +181,7 @@ def test_checker_and_brute_force_agree_on_random_shift_schedules(data: st.DataOb
     for world in (2, 3, 4):
         report = hb.check(schedule, [world], hints=False)
         assert {f.key for f in report.findings} == oracle_keys(schedule, world), (text, world)
+        assert oracle_unwritten(schedule, world) == set(), (text, world)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -243,3 +244,124 @@ def test_dcpc_run_matches_float64(path: Path, world: int, backend: str) -> None:
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert report.outputs["y"].compared == 4 * world, text
+
+
+# --- issue 31 F1: a put's dst is in flight from the put to its wait --------------------
+# The language (and the float64 reference) lands a split-phase shift's data at its
+# `phase: wait`; the kernel stores at the put. Whatever touches the put's dst in between,
+# on any rank, is refused, also when a barrier or a credit orders it after the store.
+
+FLIGHT = """\
+schedule: flight
+sizes: {N: 4, D: 2}
+buffers:
+  a: {shape: [N, D], dtype: f32}
+  b: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32, symmetric: true}
+  z: {shape: [N, D], dtype: f32}
+steps:
+"""
+REVERSED = FLIGHT + """\
+  - put_a: {op: shift, src: a, dst: y, phase: put}
+  - put_b: {op: shift, src: b, dst: y, phase: put}
+  - wait_b: {op: shift, src: b, dst: y, phase: wait}
+  - wait_a: {op: shift, src: a, dst: y, phase: wait}
+  - use: {op: external, reads: [y], writes: [z]}
+  - done: {op: barrier}
+"""
+# between the put and its wait, ordered after the store by a barrier or a credit
+ORDER = {"barrier": "  - order: {op: barrier}\n",
+         "credit": "  - order: {op: signal, to: next, channel: c}\n"
+                   "  - ordered: {op: wait, from: prev, channel: c}\n"}
+
+
+def _between(access: str, order: str, fill: bool = True) -> str:
+    body = "  - fill: {op: external, reads: [a], writes: [y]}\n  - sync: {op: barrier}\n" \
+        if fill else ""
+    body += "  - put: {op: shift, src: a, dst: y, phase: put}\n" + ORDER[order]
+    body += {"read": "  - peek: {op: external, reads: [y], writes: [z]}\n",
+             "write": "  - peek: {op: external, reads: [b], writes: [y]}\n"}[access]
+    body += ("  - land: {op: shift, src: a, dst: y, phase: wait}\n"
+             "  - use: {op: external, reads: [y], writes: [z]}\n  - done: {op: barrier}\n")
+    return FLIGHT + body
+
+
+def _refused(tmp_path: Path, text: str) -> list:
+    """What `dcpc check --world 2..16` says of ``text`` (it must refuse it)."""
+    from dcpc import pipeline
+    from dcpc.diagnostics import DiagnosticError
+
+    path = tmp_path / "flight.yaml"
+    path.write_text(text)
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(path, pipeline.Options(worlds=range(2, 17)), until="hb")
+    errors = [d for d in err.value.diagnostics if d.severity == "error"]
+    assert all(d.mark.file == str(path) for d in errors)
+    return errors
+
+
+def _line(text: str, step: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if f"- {step}:" in line)
+
+
+def test_two_puts_whose_waits_land_the_other_way_round_are_refused(tmp_path: Path) -> None:
+    """F1: put_a then put_b into one dst, their waits in the other order: the kernel
+    leaves b in y, the data flow (and the reference) a. Was: ok for W 2..16."""
+    (diag,) = _refused(tmp_path, REVERSED)
+    assert diag.code == "race" and "write-after-write race on y" in diag.message
+    for name in ("put_a", "put_b", "wait_a", "wait_b"):
+        assert name in diag.message, diag.message
+    assert (diag.mark.line, diag.mark.col) == (_line(REVERSED, "put_a"), 5)
+    assert diag.hint is not None and "move put_a after put_b" in diag.hint, diag.hint
+    for world in (2, 3, 5):
+        keys = _keys(REVERSED, world)
+        assert keys == {("race", "write-after-write", "y", "put_b", "put_a")}
+        assert keys == oracle_keys(parse_text(REVERSED), world)
+
+
+@pytest.mark.parametrize("access", ["read", "write"])
+@pytest.mark.parametrize("order", ["barrier", "credit"])
+def test_an_access_to_a_dst_in_flight_is_refused_even_when_ordered(
+        tmp_path: Path, access: str, order: str) -> None:
+    """F1 variants: a read or a local write of the put's dst between the put and its
+    wait, with a barrier or a signal/wait between the put and it (the store happens
+    before it, the data flow lands it after). Was: ok."""
+    text = _between(access, order)
+    (diag,) = _refused(tmp_path, text)
+    cls = "write-after-read" if access == "read" else "write-after-write"
+    assert diag.code == "race" and f"{cls} race on y" in diag.message, diag.message
+    assert "peek" in diag.message and "put" in diag.message and "land" in diag.message
+    # the fix: the access before the barrier that orders the push after the fill
+    assert diag.hint is not None and "move peek before sync" in diag.hint, diag.hint
+    for world in (2, 3, 4):
+        keys = _keys(text, world)
+        assert keys == {("race", cls, "y", "peek", "put")}, keys
+        assert keys == oracle_keys(parse_text(text), world)
+
+
+def test_a_read_of_a_dst_in_flight_that_nothing_wrote_before_is_read_before_write(
+        tmp_path: Path) -> None:
+    """The data flow lands the put's data at the wait: a read before it reads what no
+    step of the call wrote (was: ok with the barrier)."""
+    text = _between("read", "barrier", fill=False)
+    (diag,) = _refused(tmp_path, text)
+    assert diag.code == "read-before-write", diag
+    assert "'peek'" in diag.message and "'land'" in diag.message, diag.message
+    assert diag.mark.line == _line(text, "peek")
+    assert diag.hint is not None and "land" in diag.hint
+    for world in (2, 3):  # the brute force: no write reaches the read on any rank
+        assert oracle_unwritten(parse_text(text), world) == {
+            ("read-before-write", "", "y", "peek", "")}
+
+
+def test_puts_landing_in_their_order_and_reads_after_the_wait_are_proved() -> None:
+    """The twins: the same puts with the waits in put order, the read after the wait."""
+    text = REVERSED.replace("put_a: {op: shift, src: a", "put_x: {op: shift, src: b").replace(
+        "put_b: {op: shift, src: b", "put_a: {op: shift, src: a").replace("put_x", "put_b")
+    for world in (2, 3, 4):
+        assert _keys(text, world) == set() == oracle_keys(parse_text(text), world)
+    after = _between("read", "barrier").replace(
+        "  - peek: {op: external, reads: [y], writes: [z]}\n", "").replace(
+        "  - use:", "  - peek: {op: external, reads: [y], writes: [z]}\n  - use:")
+    for world in (2, 3, 4):
+        assert _keys(after, world) == set() == oracle_keys(parse_text(after), world)

@@ -29,7 +29,10 @@ chosen by a scheduler:
 Happens-before of the ACTUAL run is tracked with vector clocks (one entry per stream):
 program order within a stream, and a wait that reads value v synchronises with the
 release store that wrote v. A race is two accesses to one instance, at least one a
-write, overlapping, that this run leaves unordered; a hang is a state where every
+write, overlapping, that this run leaves unordered, or orders against the data flow: a
+store with ``lands`` (a split-phase shift's) is made at its push, but the data flow has
+it at the wait of step ``lands``, and an access placed before that wait that runs after
+the store sees data the schedule does not mean it to. A hang is a state where every
 unfinished stream spins on a wait that cannot pass.
 
 Which runs. The sync is monotone (a signal slot only grows, so a wait that can pass
@@ -73,8 +76,9 @@ class OStep:
 
     name: str
     index: int
-    before: tuple[tuple[str, bool, tuple | None], ...]  # (buffer, write, partition)
-    after: tuple[tuple[str, bool, tuple | None], ...]
+    # (buffer, write, partition, the step whose wait lands a store in flight or None)
+    before: tuple[tuple[str, bool, tuple | None, int | None], ...]
+    after: tuple[tuple[str, bool, tuple | None, int | None], ...]
     signal: str | None
     wait: str | None
     polls: int | None
@@ -114,7 +118,7 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
             part = None if region is None else (
                 _attr(region, "scheme"), _attr(region, "dim"), _attr(region, "interleave", 0),
                 _attr(region, "offset", 0), _attr(region, "axes"))
-            item = (buffer, _attr(e, "kind") == "write", part)
+            item = (buffer, _attr(e, "kind") == "write", part, _attr(e, "lands"))
             (after if _attr(e, "when") == "after" else before).append(item)
         sync = _attr(s, "sync")
         signal, wait, polls = (_attr(sync, "signal"), _attr(sync, "wait"),
@@ -254,8 +258,9 @@ class _Compiled:
     """Per stream, a flat list of actions; instances, signal slots and streams numbered.
 
     Actions: (0, accesses, call) local effects, each (instance, write, partition,
-    writer, (step index, phase, effect index)); (1, cells, value) the release stores
-    of a signal; (2, cell, epoch, (rank, call, step index, peer)) one peer's spin.
+    writer, (step index, phase, effect index, data-flow step, data-flow phase)); (1,
+    cells, value) the release stores of a signal; (2, cell, epoch, (rank, call, step
+    index, peer)) one peer's spin.
     """
 
     def __init__(self, prog: OProgram, world: int, calls: int):
@@ -335,9 +340,11 @@ class _Compiled:
         return found
 
     def accesses(self, effects: Iterable[tuple], rank: int, slot: int, where: tuple) -> tuple:
-        """(instance, write, partition, writer, (step index, phase, effect index))."""
+        """(instance, write, partition, writer, (step index, phase, effect index, and
+        where the data flow places it: a store in flight at the wait that lands it))."""
         out = []
-        for k, (buffer, write, part) in enumerate(effects):
+        for k, (buffer, write, part, lands) in enumerate(effects):
+            place = where if lands is None else (lands, 1)
             if part is None:
                 owners: Sequence[int] = (rank,)
             elif part[0] == "peer":  # a shift: one rank's instance
@@ -348,7 +355,7 @@ class _Compiled:
                 owners = range(self.world)
             for owner in owners:
                 out.append((self.instance(buffer, owner, slot), write, part, rank,
-                            where + (k,)))
+                            where + (k,) + place))
         return tuple(out)
 
 
@@ -428,7 +435,10 @@ class _Run:
         for inst, write, part, writer, where in accs:
             prior = seen[inst]
             for (u, _), (ustamp, uwrite, upart, uwriter, ucall, uwhere) in prior.items():
-                if u == t or not (write or uwrite) or clock[u] >= ustamp:
+                if not (write or uwrite):
+                    continue
+                # ordered (the earlier access first), and the data flow agrees
+                if (u == t or clock[u] >= ustamp) and (ucall, *uwhere[3:]) <= (call, *where[3:]):
                     continue
                 if part is not None and upart is not None and part == upart \
                         and writer != uwriter:
@@ -527,9 +537,10 @@ def _race_findings(c: _Compiled, races: set[tuple], run: str) -> list[Finding]:
     steps = c.prog.steps
     out = []
     for inst, ainfo, awrite, binfo, bwrite in races:
-        # info = (rank, call, step index, phase, effect); intended order: call, step, phase
-        a = (ainfo[1], ainfo[2], ainfo[3], ainfo[0], awrite)
-        b = (binfo[1], binfo[2], binfo[3], binfo[0], bwrite)
+        # info = (rank, call, step index, phase, effect, data-flow step, data-flow phase);
+        # intended order: call, then where the data flow places the access
+        a = (ainfo[1], ainfo[5], ainfo[6], ainfo[0], awrite, ainfo[2])
+        b = (binfo[1], binfo[5], binfo[6], binfo[0], bwrite, binfo[2])
         first, second = sorted((a, b))
         if first[4] and second[4]:
             cls = WAW
@@ -538,7 +549,7 @@ def _race_findings(c: _Compiled, races: set[tuple], run: str) -> list[Finding]:
             cls = WAR if w[:3] > r[:3] else RAW
 
         def side(s: tuple) -> tuple:
-            return (s[3], s[0], steps[s[1]].name, "write" if s[4] else "read")
+            return (s[3], s[0], steps[s[5]].name, "write" if s[4] else "read")
 
         out.append(Finding("race", cls, c.inst_buffer[inst], side(first), side(second),
                            c.world, run))

@@ -98,6 +98,19 @@ class Effect:
     after its wait in others; the table lists it in both phases, each marked (the
     checkers take both: more reads only add races), and the access tracer
     (dcpc.harness.trace) demands it in one of the two.
+    ``lands``: a store the language places later than the kernel makes it: the index of
+    the step whose wait lands it (a shift's: its own wait, or its ``phase: wait``). The
+    store is made at the push and is IN FLIGHT until that wait: the data flow (what a
+    read sees, the float64 reference) has the write there, so every conflicting access
+    must be ordered with the push the way the data flow orders it with the landing
+    (``position``): one before the landing must happen before the push, one after it
+    after the push.
+    ``root``: the access happens on team member ``root`` only: a store into ``root``'s
+    instance only, a read or write of ``root``'s own instance by ``root`` only (a
+    reduce's ``via``). None: on every rank (SPMD). The data flow is exact about it (a
+    read on every rank needs a write on every rank); the happens-before checkers, whose
+    symmetry needs every rank to run the same accesses, take it on every rank (more
+    accesses: sound, docs/hb-checker.md).
     """
 
     buffer: str
@@ -106,6 +119,25 @@ class Effect:
     region: Region | None = None
     key: str = ""
     either: bool = False
+    lands: int | None = None
+    root: int | None = None
+
+
+def position(index: int, effect: Effect) -> tuple[int, int]:
+    """Where the data flow places ``effect`` of step ``index``: (step, 0 before the
+    signal | 1 after the wait); a store in flight at the step whose wait lands it."""
+    if effect.lands is not None:
+        return (effect.lands, 1)
+    return (index, 1 if effect.when == AFTER else 0)
+
+
+def data_flow(table: list[Semantics]) -> list[tuple[int, Effect]]:
+    """(step index, effect) of every step's effects (``table``: by step index) in the
+    order the data flow has them: step by step, each step's in the order it lists them,
+    then the stores in flight that land at that step's wait."""
+    found = [((e.lands if e.lands is not None else i, e.lands is not None, i, k), i, e)
+             for i, sem in enumerate(table) for k, e in enumerate(sem.effects)]
+    return [(i, e) for _, i, e in sorted(found, key=lambda item: item[0])]
 
 
 @dataclass(frozen=True)
@@ -352,8 +384,9 @@ def merge_inputs(op: m.OpBase) -> list[tuple[str, str]]:
 
 
 def effects(kind: str, when: str, pairs: list[tuple[str, str]],
-            region: Region | None = None, *, either: bool = False) -> list[Effect]:
-    return [Effect(b, kind, when, region, key, either) for b, key in pairs]
+            region: Region | None = None, *, either: bool = False,
+            lands: int | None = None, root: int | None = None) -> list[Effect]:
+    return [Effect(b, kind, when, region, key, either, lands, root) for b, key in pairs]
 
 
 def exchange(before: list[Effect], after: list[Effect], step: m.Step) -> Semantics:

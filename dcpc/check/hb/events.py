@@ -50,12 +50,17 @@ class Access:
     ``region is None``: this rank reads or writes its own whole instance.
     Otherwise a store into EVERY rank's instance (its own included) of the part
     ``region`` assigns to the writing rank, or (scheme ``peer``) into the whole
-    instance of rank ``writer + region.offset`` only.
+    instance of rank ``writer + region.offset`` only. ``lands``: a store in flight
+    until the wait of that step (``Effect.lands``): the data flow, and so the order its
+    conflicting accesses must have with it, places it there. An effect on the root only
+    (``Effect.root``) is taken on every rank: the symmetry needs every rank's accesses
+    alike, and more accesses only add races.
     """
 
     buffer: str
     kind: str  # "read" | "write"
     region: Region | None = None
+    lands: int | None = None
 
     @property
     def remote(self) -> bool:
@@ -237,4 +242,4 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
 
 
 def _access(effect: Effect) -> Access:
-    return Access(effect.buffer, effect.kind, effect.region)
+    return Access(effect.buffer, effect.kind, effect.region, effect.lands)

@@ -12,6 +12,14 @@ groups, one per (call, event, access):
 Two groups are compared with O(1) clock look-ups (local/local, or stores of the
 same partition, which only overlap for the same writer), O(W) (local/stores) or
 O(W^2) (stores of different partitions), never by enumerating event pairs.
+
+Two overlapping accesses, one a write, conflict unless happens-before orders them the
+way the data flow does (``intended``: call, step, then phase; a store in flight at the
+wait that lands it). For accesses made where the data flow has them that is "ordered
+at all": happens-before never runs against the order of calls and steps (a wait that
+polls a later step of its call never returns). A store in flight is made at its push,
+before the landing: an access between the two that happens after the push is ordered
+the wrong way round (``RawRace.inverted``).
 """
 
 from __future__ import annotations
@@ -35,21 +43,35 @@ class Touch:
     access: Access
     owner: int
 
+    def step_index(self, world: World) -> int:
+        """The index of the step that makes the access."""
+        return world.program.events[self.j].step
+
     def order_key(self, world: World) -> tuple[int, int, int]:
         """The order the schedule intends: call, step, then phase within the step."""
-        event = world.program.events[self.j]
-        return (self.call, event.step, PHASE_ORDER[event.phase])
+        return intended(world, self.call, self.j, self.access)
+
+
+def intended(world: World, call: int, j: int, access: Access) -> tuple[int, int, int]:
+    """Where the data flow places ``access`` of event j of ``call``: (call, step, phase
+    within the step); a store in flight at the wait of the step that lands it."""
+    if access.lands is not None:
+        return (call, access.lands, PHASE_ORDER["recv"])
+    event = world.program.events[j]
+    return (call, event.step, PHASE_ORDER[event.phase])
 
 
 @dataclass(frozen=True)
 class RawRace:
-    """Two unordered conflicting accesses, ``first`` before ``second`` in intended order."""
+    """Two conflicting accesses, ``first`` before ``second`` in intended order: unordered,
+    or (``inverted``) ``second`` happens before ``first`` (a store in flight)."""
 
     cls: str
     buffer: str
     first: Touch
     second: Touch
     slot: int | None  # the instance's slot; None for a shared buffer
+    inverted: bool = False
 
     def key(self, world: World) -> tuple[str, str, str, str, str]:
         steps = world.program.steps
@@ -112,12 +134,14 @@ def _writers(world: World, access: Access) -> list[int]:
 def _first_unordered(
     world: World, a: tuple[int, int, Access], b: tuple[int, int, Access]
 ) -> tuple[Touch, Touch] | None:
-    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race.
-    The caller has ruled out a pair ordered on every rank, either way (find_races:
-    the minimum over the ranks of one event's clock entries for the other's stream)."""
+    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race:
+    not ordered the way the data flow orders them (``intended``). The caller has ruled
+    out a pair ordered that way on every rank (find_races: the minimum over the ranks of
+    one event's clock entries for the other's stream)."""
     (ca, ja, xa), (cb, jb, xb) = a, b
     pa, pb = world.pos(ca, ja), world.pos(cb, jb)
     same_event = pa == pb
+    ia, ib = intended(world, ca, ja, xa), intended(world, cb, jb, xb)
 
     def touch(rank: int, call: int, j: int, access: Access) -> Touch:
         return Touch(rank, call, j, access, 0)
@@ -128,8 +152,13 @@ def _first_unordered(
     stream_b, need_b = program.stream(cb), program.stream_index(cb, jb) + 1
 
     def unordered(ra: int, rb: int) -> bool:
+        """Whether (ra, a) and (rb, b) are not ordered as the data flow orders them."""
         if same_event and ra == rb:
             return False
+        if ia < ib:
+            return count(pb, ra, rb, stream_a) < need_a
+        if ib < ia:
+            return count(pa, rb, ra, stream_b) < need_b
         return count(pb, ra, rb, stream_a) < need_a and count(pa, rb, ra, stream_b) < need_b
 
     if not xa.remote and not xb.remote:
@@ -174,15 +203,16 @@ def _pair_key(world: World, buffer: str, a: tuple[int, int, Access],
     """The key ``classify`` gives any race between groups a and b: it depends on the
     groups only (ranks break ties of one event, whose two sides name the same step)."""
     events, steps = world.program.events, world.program.steps
-    ka = (a[0], events[a[1]].step, PHASE_ORDER[events[a[1]].phase])
-    kb = (b[0], events[b[1]].step, PHASE_ORDER[events[b[1]].phase])
+    ka, kb = intended(world, *a), intended(world, *b)
     (kf, first), (ks, second) = sorted(((ka, a), (kb, b)), key=lambda item: item[0])
     if first[2].kind == "write" and second[2].kind == "write":
         cls = WAW
     else:
         write, read = (kf, ks) if first[2].kind == "write" else (ks, kf)
         cls = WAR if write > read else RAW
-    return ("race", cls, buffer, steps[kf[1]].name, steps[ks[1]].name)
+    # named by the steps that make the accesses (a store in flight: its put)
+    return ("race", cls, buffer, steps[events[first[1]].step].name,
+            steps[events[second[1]].step].name)
 
 
 PairKeys = dict[tuple[str, int | None], dict[tuple[int, int, bool], tuple[str, ...]]]
@@ -208,10 +238,12 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
         sig_of = {(j, id(access)): n for n, (j, access) in enumerate(signatures)}
         for slot, calls in _instances(world, buffer):
             groups = _groups(world, signatures, calls)
-            # per group: position, stream, stream index + 1, writes?, signature, call
+            # per group: position, stream, stream index + 1, writes?, signature, call,
+            # and where the data flow places it
             meta = [(world.pos(call, j), program.stream(call),
                      program.stream_index(call, j) + 1, access.kind == "write",
-                     sig_of[(j, id(access))], call) for call, j, access in groups]
+                     sig_of[(j, id(access))], call, intended(world, call, j, access))
+                    for call, j, access in groups]
             keys = pair_keys.setdefault((buffer, slot), {})
             writes = [a.kind == "write" for _, a in signatures]
             # the groups of each call end here (groups come call by call)
@@ -219,7 +251,7 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
             for k, item in enumerate(meta):
                 ends[item[5]] = k + 1
             for i, a in enumerate(groups):
-                pa, sa, na, wa, ga, ca = meta[i]
+                pa, sa, na, wa, ga, ca, ia = meta[i]
                 stop = len(groups)
                 if found:  # (with none found, a later call's pair that can race is left)
                     later = [keys.get((ga, gb, False)) for gb in range(len(signatures))
@@ -227,7 +259,7 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
                     if None not in later and all(key in found for key in later):
                         stop = ends[ca]  # every later call's pair has its race: this call only
                 for k in range(i + 1, stop):
-                    pb, sb, nb, wb, gb, cb = meta[k]
+                    pb, sb, nb, wb, gb, cb, ib = meta[k]
                     if not (wa or wb):
                         continue
                     b = groups[k]
@@ -236,24 +268,26 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
                         key = keys[(ga, gb, ca == cb)] = _pair_key(world, buffer, a, b)
                     if key in found:
                         continue
-                    # ordered on every rank, one way or the other: no race. The entries
-                    # of pb's clock for pa's stream on all ranks are what the O(W) (or
-                    # O(W^2)) rank loops would look at; their minimum decides it at once
+                    # ordered on every rank the way the data flow orders them: no race.
+                    # The entries of pb's clock for pa's stream on all ranks are what the
+                    # O(W) (or O(W^2)) rank loops would look at; their minimum decides it
                     low_b = lows.get((pb, sa))
                     if low_b is None:
                         low_b = low(pb, sa)
-                    if low_b >= na:
+                    if low_b >= na and ia <= ib:
                         continue
                     low_a = lows.get((pa, sb))
                     if low_a is None:
                         low_a = low(pa, sb)
-                    if low_a >= nb:
+                    if low_a >= nb and ib <= ia:
                         continue
                     pair = _first_unordered(world, a, b)
                     if pair is None:
                         continue
                     cls, first, second = classify(world, *pair)
-                    race = RawRace(cls, buffer, first, second, slot)
+                    inverted = world.hb(second.rank, world.pos(second.call, second.j),
+                                        first.rank, world.pos(first.call, first.j))
+                    race = RawRace(cls, buffer, first, second, slot, inverted)
                     assert race.key(world) == key
                     found.setdefault(key, race)
     return list(found.values())

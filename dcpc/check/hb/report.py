@@ -32,6 +32,7 @@ class Location:
     region: str  # e.g. "q_full[rank 0, slot 0] H block 1 (dim 1)", or a channel
     mark: Mark
     rank_name: str = field(default="", compare=False)  # a mesh's "rank (node=1, gpu=0)"
+    lands: str = field(default="", compare=False)  # a store in flight: the wait landing it
 
     def text(self) -> str:
         who = self.rank_name or f"rank {self.rank}"
@@ -156,8 +157,13 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
     region = _instance(world, t.access.buffer, t.owner, slot)
     if t.access.region is not None:
         region += " " + t.access.region.text(_member(world, t.rank, t.access.region.axes))
+    lands = ""
+    if t.access.lands is not None and t.access.lands != step.index:
+        wait = program.steps[t.access.lands]
+        region += f", in flight until its wait {wait.name} ({wait.mark})"
+        lands = wait.name
     return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
-                    t.access.kind, region, step.mark, _rk(world, t.rank))
+                    t.access.kind, region, step.mark, _rk(world, t.rank), lands)
 
 
 def race_cut(world: World, race: RawRace) -> list[int]:
@@ -185,7 +191,16 @@ def race_finding(world: World, race: RawRace) -> Finding:
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     where = f"(W={world.world})"
     na, nb = _rk(world, la.rank), _rk(world, lb.rank)
-    if race.cls == WAR:
+    if race.inverted:  # ordered, against the data flow: a store in flight
+        verbs = {"read": "reads", "write": "writes"}
+        lands = a.access.lands
+        landed = "" if lands is None or lands == a.step_index(world) else \
+            f" (its store lands at its wait {world.program.steps[lands].name})"
+        message = (f"{race.cls} race on {race.buffer}: {lb.step} on {nb} (call {lb.call}) "
+                   f"{verbs[lb.access]} {lb.region}, before {la.step} on {na} (call "
+                   f"{la.call}) {verbs[la.access]} it, but the data flow has {la.step} "
+                   f"first{landed} {where}")
+    elif race.cls == WAR:
         message = (f"write-after-read race on {race.buffer}: {lb.step} on {nb} "
                    f"(call {lb.call}) can write {lb.region} while {la.step} on {na} "
                    f"(call {la.call}) still reads it {where}")
