@@ -317,6 +317,8 @@ def test_two_puts_whose_waits_land_the_other_way_round_are_refused(tmp_path: Pat
         keys = _keys(REVERSED, world)
         assert keys == {("race", "write-after-write", "y", "put_b", "put_a")}
         assert keys == oracle_keys(parse_text(REVERSED), world)
+    (found,) = hb.check(parse_text(REVERSED), [3], hints=False).as_json()["findings"]
+    assert (found["first"]["lands"], found["second"]["lands"]) == ("wait_b", "wait_a")
 
 
 @pytest.mark.parametrize("access", ["read", "write"])

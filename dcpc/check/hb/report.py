@@ -40,9 +40,10 @@ class Location:
                 f"{self.access}s {self.region}, at {self.mark}")
 
     def as_dict(self) -> dict[str, Any]:
+        """As JSON; a store in flight also names the wait that lands it ("lands")."""
         return {"rank": self.rank, "call": self.call, "slot": self.slot, "step": self.step,
                 "step_index": self.step_index, "access": self.access, "region": self.region,
-                "mark": str(self.mark)}
+                "mark": str(self.mark), **({"lands": self.lands} if self.lands else {})}
 
 
 @dataclass
