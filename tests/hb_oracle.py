@@ -11,12 +11,12 @@ It then computes the full transitive closure (ancestor bitsets over a topologica
 order) and compares EVERY pair of accesses to every symmetric buffer instance. No
 symmetry, no coarse events, no vector clocks.
 
-Two accesses conflict unless the closure orders them the way the language's data flow
-does (call, step, before the signal / after the wait). A split-phase `shift`'s store is
-made at its put but the language writes `dst` at the matching `phase: wait` (the
-float64 reference lands it there): its data-flow place is that wait, so an access
-between the two that a barrier orders after the store is found as well as one nothing
-orders. A `reduce` pushes into, and reads, the root's `via` only.
+A split-phase `shift`'s store is made at its put, but the language writes `dst` at the
+matching `phase: wait` (the float64 reference lands it there): the store is in flight
+from the put to the owner's wait, an interval, and two accesses conflict unless one
+ends before the other starts (an ordinary access starts and ends at itself); an access
+between a put and its wait is found whether a barrier orders it after the store or
+nothing orders it. A `reduce` pushes into, and reads, the root's `via` only.
 
     oracle_keys(schedule, world, calls=None) -> set of (kind, class, buffer, step, step)
     oracle_unwritten(schedule, world) -> set of ("read-before-write", "", buffer, step, "")
@@ -336,6 +336,16 @@ def oracle_keys(schedule: Schedule, world: int, calls: int | None = None) -> set
         for p in live.predecessors(n):
             mask |= ancestors[p] | bit[p]
         ancestors[n] = mask
+    landed = {(d["rank"], d["call"], d["index"]): n for n, d in graph.nodes(data=True)
+              if d.get("landing")}
+
+    def end(n: int) -> int | None:
+        """Where an access ends: itself, or a shift's store at its owner's landing wait."""
+        d = graph.nodes[n]
+        if d.get("lands") is None:
+            return n
+        return landed.get((d["owner"], d["call"], d["lands"]))
+
     slots = schedule.slots
     instances: dict[tuple, list[int]] = {}
     for n in order:
@@ -351,10 +361,9 @@ def oracle_keys(schedule: Schedule, world: int, calls: int | None = None) -> set
                 dx, dy = live.nodes[x], live.nodes[y]
                 if dx["kind"] == "read" and dy["kind"] == "read" or not _overlap(dx, dy):
                     continue
-                # ordered the way the data flow orders them (either way for one place)
-                ix, iy = _intended(dx)[:3], _intended(dy)[:3]
-                x_y, y_x = bool(ancestors[y] & bit[x]), bool(ancestors[x] & bit[y])
-                if (x_y and ix <= iy) or (y_x and iy <= ix):
+                # one ends before the other starts (a store in flight ends where it lands)
+                ex, ey = end(x), end(y)
+                if (ex in bit and ancestors[y] & bit[ex]) or (ey in bit and ancestors[x] & bit[ey]):
                     continue
                 cls, first, second = _classify(dx, dy)
                 keys.add(("race", cls, buffer, first, second))
@@ -583,6 +592,7 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
         polled = name if op.phase is None else _shift_puts(schedule).get(name, "?")
         if source != b.rank:
             b.add(name, index, 1, wait=("step:" + polled, source))
+        b.add(name, index, 1, landing=True)  # the data that was in flight lands here
 
 
 SHIFT_HEADER = """\

@@ -29,11 +29,12 @@ chosen by a scheduler:
 Happens-before of the ACTUAL run is tracked with vector clocks (one entry per stream):
 program order within a stream, and a wait that reads value v synchronises with the
 release store that wrote v. A race is two accesses to one instance, at least one a
-write, overlapping, that this run leaves unordered, or orders against the data flow: a
-store with ``lands`` (a split-phase shift's) is made at its push, but the data flow has
-it at the wait of step ``lands``, and an access placed before that wait that runs after
-the store sees data the schedule does not mean it to. A hang is a state where every
-unfinished stream spins on a wait that cannot pass.
+write, overlapping, neither of which ends before the other starts in this run. An
+access starts and ends at itself; a store with ``lands`` (a split-phase shift's) starts
+at its push and ends when the owner of the instance has passed the wait of step
+``lands``, where the data flow writes it: anything that touches the instance between
+the two is a race, whether the run orders it after the push or not. A hang is a state
+where every unfinished stream spins on a wait that cannot pass.
 
 Which runs. The sync is monotone (a signal slot only grows, so a wait that can pass
 stays passable) and there is no other control flow, so every maximal run executes the
@@ -258,9 +259,10 @@ class _Compiled:
     """Per stream, a flat list of actions; instances, signal slots and streams numbered.
 
     Actions: (0, accesses, call) local effects, each (instance, write, partition,
-    writer, (step index, phase, effect index, data-flow step, data-flow phase)); (1,
-    cells, value) the release stores of a signal; (2, cell, epoch, (rank, call, step
-    index, peer)) one peer's spin.
+    writer, (step index, phase, effect index, data-flow step, data-flow phase), (owner,
+    landing step) of a store in flight or None); (1, cells, value) the release stores
+    of a signal; (2, cell, epoch, (rank, call, step index, peer)) one peer's spin; (3,
+    step index, call) this rank has passed the wait a store in flight lands at.
     """
 
     def __init__(self, prog: OProgram, world: int, calls: int):
@@ -295,8 +297,8 @@ class _Compiled:
                         template = templates[(rank, slot)] = self.template(rank, slot)
                     for entry in template:
                         kind = entry[0]
-                        if kind == 0:
-                            acts.append((0, entry[1], call))
+                        if kind in (0, 3):
+                            acts.append((kind, entry[1], call))
                         elif kind == 1:
                             self.signal_pos[(rank, call, entry[2])] = len(acts)
                             acts.append((1, entry[1], epoch))
@@ -308,9 +310,12 @@ class _Compiled:
 
     def template(self, rank: int, slot: int) -> list[tuple]:
         """One call of ``rank`` in ``slot``, without its call number and epoch: (0,
-        accesses), (1, cells, step index) a signal, (2, cell, step index, peer) a spin."""
+        accesses), (1, cells, step index) a signal, (2, cell, step index, peer) a spin,
+        (3, step index) a landing."""
         out: list[tuple] = []
         slots, world = self.prog.slots, self.world
+        lands = {e[3] for st in self.prog.steps for e in st.before + st.after
+                 if e[3] is not None}
         for st in self.prog.steps:
             for phase, effects in ((0, st.before), (1, st.after)):
                 if phase == 1 and st.wait is not None:
@@ -318,6 +323,8 @@ class _Compiled:
                         cell = self.nowhere if st.polls is None else \
                             self.cell(rank, st.polls * slots + slot, p)
                         out.append((2, cell, st.index, p))
+                    if st.index in lands:
+                        out.append((3, st.index))
                 accs = self.accesses(effects, rank, slot, (st.index, phase))
                 if accs:
                     out.append((0, accs))
@@ -341,7 +348,8 @@ class _Compiled:
 
     def accesses(self, effects: Iterable[tuple], rank: int, slot: int, where: tuple) -> tuple:
         """(instance, write, partition, writer, (step index, phase, effect index, and
-        where the data flow places it: a store in flight at the wait that lands it))."""
+        where the data flow places it: a store in flight at the wait that lands it),
+        (owner, landing step) of a store in flight or None)."""
         out = []
         for k, (buffer, write, part, lands) in enumerate(effects):
             place = where if lands is None else (lands, 1)
@@ -355,7 +363,7 @@ class _Compiled:
                 owners = range(self.world)
             for owner in owners:
                 out.append((self.instance(buffer, owner, slot), write, part, rank,
-                            where + (k,) + place))
+                            where + (k,) + place, None if lands is None else (owner, lands)))
         return tuple(out)
 
 
@@ -375,6 +383,8 @@ class _Run:
         self.seen: list[dict] = [dict() for _ in c.inst_buffer]
         self.races: set[tuple] = set()  # (instance, info_a, write_a, info_b, write_b)
         self.passed: set[tuple[int, int]] = set()  # (call, step index) of passed spins
+        # (rank, call, step index) -> (stream, stamp) of a wait a store in flight lands at
+        self.landed: dict[tuple[int, int, int], tuple[int, int]] = {}
 
     def clone(self) -> _Run:
         other = object.__new__(_Run)
@@ -386,6 +396,7 @@ class _Run:
         other.seen = [dict(d) for d in self.seen]
         other.races = set()
         other.passed = set(self.passed)
+        other.landed = dict(self.landed)
         return other
 
     def state(self) -> tuple:
@@ -406,7 +417,7 @@ class _Run:
         n = len(acts)
         p = self.pos[t]
         clock = self.clock[t]
-        if p < n and acts[p][0] != 0:
+        if p < n and acts[p][0] in (1, 2):
             a = acts[p]
             if a[0] == 1:
                 snap = tuple(clock)
@@ -424,28 +435,41 @@ class _Run:
                         if v > clock[i]:
                             clock[i] = v
             p += 1
-        while p < n and acts[p][0] == 0:
-            self._access(t, clock, acts[p][1], acts[p][2])
+        while p < n and acts[p][0] in (0, 3):
+            if acts[p][0] == 0:
+                self._access(t, clock, acts[p][1], acts[p][2])
+            else:  # later accesses that see this stamp happen after the landing
+                self.landed[(self.c.streams[t][0], acts[p][2], acts[p][1])] = (t, clock[t])
             p += 1
         self.pos[t] = p
 
     def _access(self, t: int, clock: list[int], accs: tuple, call: int) -> None:
         stamp = clock[t]
         seen = self.seen
-        for inst, write, part, writer, where in accs:
+        for inst, write, part, writer, where, land in accs:
             prior = seen[inst]
-            for (u, _), (ustamp, uwrite, upart, uwriter, ucall, uwhere) in prior.items():
+            for (u, *_), (ustamp, uwrite, upart, uwriter, ucall, uwhere, uland) in \
+                    prior.items():
                 if not (write or uwrite):
                     continue
-                # ordered (the earlier access first), and the data flow agrees
-                if (u == t or clock[u] >= ustamp) and (ucall, *uwhere[3:]) <= (call, *where[3:]):
-                    continue
+                # the earlier access ended before this one: itself, or the landing of a
+                # store in flight (not passed yet: it has not ended)
+                if uland is None:
+                    if u == t or clock[u] >= ustamp:
+                        continue
+                else:
+                    end = self.landed.get((uland[0], ucall, uland[1]))
+                    if end is not None and (end[0] == t or clock[end[0]] >= end[1]):
+                        continue
                 if part is not None and upart is not None and part == upart \
                         and writer != uwriter:
                     continue
                 self.races.add((inst, (uwriter, ucall) + uwhere, uwrite,
                                 (writer, call) + where, write))
-            prior[(t, where)] = (stamp, write, part, writer, call, where)
+            # the latest call's access per stream and access is enough, but a store in
+            # flight is kept per call: an older call's may not have landed yet
+            prior[(t, where) if land is None else (t, where, call)] = (
+                stamp, write, part, writer, call, where, land)
 
     def done(self) -> bool:
         return all(p >= len(a) for p, a in zip(self.pos, self.c.actions, strict=True))
@@ -488,7 +512,7 @@ def _run(c: _Compiled, policy: str, rng: random.Random) -> _Run:
             heapq.heappush(heap, (key(t), t))
 
     for t in range(n):
-        if acts[t] and acts[t][0][0] == 0:
+        if acts[t] and acts[t][0][0] in (0, 3):
             run.step(t)  # the local effects before the first sync action
         arrive(t)
     while heap:

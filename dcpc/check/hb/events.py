@@ -29,7 +29,7 @@ per rank when ``shared: true``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 
 from dcpc.diagnostics import Mark
@@ -100,6 +100,11 @@ class Program:
     shared: dict[str, bool]  # every tracked (symmetric) buffer -> shared: true?
     channel_names: dict[str, str]  # channel -> what the schedule calls it
     axis_names: tuple[str, ...] = ("world",)  # the mesh's axes (dcpc.lang.mesh)
+
+    @cached_property
+    def recv_of(self) -> dict[int, int]:
+        """Step index -> its recv event (where a store in flight into it lands)."""
+        return {e.step: j for j, e in enumerate(self.events) if e.phase == "recv"}
 
     @property
     def streams_per_rank(self) -> int:

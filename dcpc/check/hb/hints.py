@@ -156,12 +156,16 @@ def _race_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
 
 
 def _flight_edits(schedule: Schedule, f: Finding, index: dict[str, int]) -> Iterator[Edit]:
-    """A race with a store in flight (a split-phase shift): the pushes in the order their
-    data lands, or the other access before a sync that precedes the push."""
+    """A race with a store in flight (a split-phase shift's, from its put to its wait):
+    the other access before a sync that precedes the push; or, for two pushes in flight
+    at once, the later one after the earlier one's wait, with a barrier between (the
+    barrier orders the landing before the push on every rank)."""
     a, b = f.first, f.second
     assert b is not None
-    if a.call == b.call and index[b.step] < index[a.step]:
-        yield f"move {b.step} after {a.step}", lambda: _move_after(schedule, b.step, a.step)
+    if a.lands and a.call == b.call and index[b.step] < index[a.lands]:
+        def serial() -> Schedule:
+            return _barrier_after(_move_after(schedule, b.step, a.lands), a.lands)
+        yield f"move {b.step} after {a.lands} with a barrier between them", serial
     for name, op in _items(schedule):
         if getattr(op, "op", "") in ("signal", "barrier") \
                 and index[name] < min(index[a.step], index[b.step]):

@@ -13,13 +13,15 @@ Two groups are compared with O(1) clock look-ups (local/local, or stores of the
 same partition, which only overlap for the same writer), O(W) (local/stores) or
 O(W^2) (stores of different partitions), never by enumerating event pairs.
 
-Two overlapping accesses, one a write, conflict unless happens-before orders them the
-way the data flow does (``intended``: call, step, then phase; a store in flight at the
-wait that lands it). For accesses made where the data flow has them that is "ordered
-at all": happens-before never runs against the order of calls and steps (a wait that
-polls a later step of its call never returns). A store in flight is made at its push,
-before the landing: an access between the two that happens after the push is ordered
-the wrong way round (``RawRace.inverted``).
+A store in flight (``Access.lands``: a split-phase shift's) is an interval: it starts
+at the writer's push and ends at the owner's wait of the step that lands it, where the
+data flow writes it. Two overlapping accesses, one a write, conflict unless one ENDS
+before the other STARTS in happens-before (for an ordinary access start and end are the
+access itself): an access between a put and its wait, on any rank, is a race even when
+a barrier orders it after the push, and two stores in flight into one instance must
+not overlap. Ordered that way, two accesses are also ordered as the data flow orders
+them (``intended``, which classifies): happens-before never runs against the order of
+calls and steps (a wait that polls a later step of its call never returns).
 """
 
 from __future__ import annotations
@@ -43,13 +45,17 @@ class Touch:
     access: Access
     owner: int
 
-    def step_index(self, world: World) -> int:
-        """The index of the step that makes the access."""
-        return world.program.events[self.j].step
-
     def order_key(self, world: World) -> tuple[int, int, int]:
         """The order the schedule intends: call, step, then phase within the step."""
         return intended(world, self.call, self.j, self.access)
+
+
+def landing(world: World, call: int, j: int, access: Access) -> int:
+    """The flat position of the event that ends an access of event j of ``call`` (on the
+    instance's owner for a store in flight: its wait of the landing step), else its own."""
+    if access.lands is None:
+        return world.pos(call, j)
+    return world.pos(call, world.program.recv_of[access.lands])
 
 
 def intended(world: World, call: int, j: int, access: Access) -> tuple[int, int, int]:
@@ -63,15 +69,18 @@ def intended(world: World, call: int, j: int, access: Access) -> tuple[int, int,
 
 @dataclass(frozen=True)
 class RawRace:
-    """Two conflicting accesses, ``first`` before ``second`` in intended order: unordered,
-    or (``inverted``) ``second`` happens before ``first`` (a store in flight)."""
+    """Two conflicting accesses, ``first`` before ``second`` in intended order: neither
+    ends before the other starts (a store in flight ends where it lands)."""
 
     cls: str
     buffer: str
     first: Touch
     second: Touch
     slot: int | None  # the instance's slot; None for a shared buffer
-    inverted: bool = False
+
+    @property
+    def in_flight(self) -> bool:
+        return self.first.access.lands is not None or self.second.access.lands is not None
 
     def key(self, world: World) -> tuple[str, str, str, str, str]:
         steps = world.program.steps
@@ -135,31 +144,29 @@ def _first_unordered(
     world: World, a: tuple[int, int, Access], b: tuple[int, int, Access]
 ) -> tuple[Touch, Touch] | None:
     """A pair of concrete accesses of groups a and b, to rank 0's instance, that race:
-    not ordered the way the data flow orders them (``intended``). The caller has ruled
-    out a pair ordered that way on every rank (find_races: the minimum over the ranks of
-    one event's clock entries for the other's stream)."""
+    neither ends before the other starts. The caller has ruled out a pair ordered so on
+    every rank (find_races: the minimum over the ranks of one event's clock entries for
+    the other's stream)."""
     (ca, ja, xa), (cb, jb, xb) = a, b
     pa, pb = world.pos(ca, ja), world.pos(cb, jb)
     same_event = pa == pb
-    ia, ib = intended(world, ca, ja, xa), intended(world, cb, jb, xb)
 
     def touch(rank: int, call: int, j: int, access: Access) -> Touch:
         return Touch(rank, call, j, access, 0)
 
-    # World.hb(ra, pa, rb, pb) with pa's and pb's streams and stream positions read once
+    # World.hb(end of a, start of b) and back, with the streams and stream positions of
+    # the ends read once; a store in flight ends on the owner, rank 0
     program, count = world.program, world.count
-    stream_a, need_a = program.stream(ca), program.stream_index(ca, ja) + 1
-    stream_b, need_b = program.stream(cb), program.stream_index(cb, jb) + 1
+    stream_a, need_a = program.stream(ca), _stream_need(world, ca, landing(world, ca, ja, xa))
+    stream_b, need_b = program.stream(cb), _stream_need(world, cb, landing(world, cb, jb, xb))
+    fa, fb = xa.lands is not None, xb.lands is not None
 
     def unordered(ra: int, rb: int) -> bool:
-        """Whether (ra, a) and (rb, b) are not ordered as the data flow orders them."""
+        """Whether neither of (ra, a) and (rb, b) ends before the other starts."""
         if same_event and ra == rb:
             return False
-        if ia < ib:
-            return count(pb, ra, rb, stream_a) < need_a
-        if ib < ia:
-            return count(pa, rb, ra, stream_b) < need_b
-        return count(pb, ra, rb, stream_a) < need_a and count(pa, rb, ra, stream_b) < need_b
+        return (count(pb, 0 if fa else ra, rb, stream_a) < need_a
+                and count(pa, 0 if fb else rb, ra, stream_b) < need_b)
 
     if not xa.remote and not xb.remote:
         if unordered(0, 0):
@@ -184,6 +191,11 @@ def _first_unordered(
         if unordered(ra, rb):
             return touch(ra, ca, ja, xa), touch(rb, cb, jb, xb)
     return None
+
+
+def _stream_need(world: World, call: int, pos: int) -> int:
+    """1 + the stream index of the event at flat position ``pos`` of ``call``."""
+    return world.program.stream_index(call, pos - call * world.n) + 1
 
 
 def classify(world: World, x: Touch, y: Touch) -> tuple[str, Touch, Touch]:
@@ -238,11 +250,11 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
         sig_of = {(j, id(access)): n for n, (j, access) in enumerate(signatures)}
         for slot, calls in _instances(world, buffer):
             groups = _groups(world, signatures, calls)
-            # per group: position, stream, stream index + 1, writes?, signature, call,
-            # and where the data flow places it
+            # per group: position, stream, stream index + 1 of where it ends (a store in
+            # flight: where it lands), writes?, signature, call
             meta = [(world.pos(call, j), program.stream(call),
-                     program.stream_index(call, j) + 1, access.kind == "write",
-                     sig_of[(j, id(access))], call, intended(world, call, j, access))
+                     _stream_need(world, call, landing(world, call, j, access)),
+                     access.kind == "write", sig_of[(j, id(access))], call)
                     for call, j, access in groups]
             keys = pair_keys.setdefault((buffer, slot), {})
             writes = [a.kind == "write" for _, a in signatures]
@@ -251,7 +263,7 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
             for k, item in enumerate(meta):
                 ends[item[5]] = k + 1
             for i, a in enumerate(groups):
-                pa, sa, na, wa, ga, ca, ia = meta[i]
+                pa, sa, na, wa, ga, ca = meta[i]
                 stop = len(groups)
                 if found:  # (with none found, a later call's pair that can race is left)
                     later = [keys.get((ga, gb, False)) for gb in range(len(signatures))
@@ -259,7 +271,7 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
                     if None not in later and all(key in found for key in later):
                         stop = ends[ca]  # every later call's pair has its race: this call only
                 for k in range(i + 1, stop):
-                    pb, sb, nb, wb, gb, cb, ib = meta[k]
+                    pb, sb, nb, wb, gb, cb = meta[k]
                     if not (wa or wb):
                         continue
                     b = groups[k]
@@ -268,26 +280,24 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
                         key = keys[(ga, gb, ca == cb)] = _pair_key(world, buffer, a, b)
                     if key in found:
                         continue
-                    # ordered on every rank the way the data flow orders them: no race.
-                    # The entries of pb's clock for pa's stream on all ranks are what the
-                    # O(W) (or O(W^2)) rank loops would look at; their minimum decides it
+                    # one ends before the other starts on every rank: no race. The
+                    # entries of pb's clock for pa's stream on all ranks are what the O(W)
+                    # (or O(W^2)) rank loops would look at; their minimum decides it
                     low_b = lows.get((pb, sa))
                     if low_b is None:
                         low_b = low(pb, sa)
-                    if low_b >= na and ia <= ib:
+                    if low_b >= na:
                         continue
                     low_a = lows.get((pa, sb))
                     if low_a is None:
                         low_a = low(pa, sb)
-                    if low_a >= nb and ib <= ia:
+                    if low_a >= nb:
                         continue
                     pair = _first_unordered(world, a, b)
                     if pair is None:
                         continue
                     cls, first, second = classify(world, *pair)
-                    inverted = world.hb(second.rank, world.pos(second.call, second.j),
-                                        first.rank, world.pos(first.call, first.j))
-                    race = RawRace(cls, buffer, first, second, slot, inverted)
+                    race = RawRace(cls, buffer, first, second, slot)
                     assert race.key(world) == key
                     found.setdefault(key, race)
     return list(found.values())

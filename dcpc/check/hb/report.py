@@ -192,15 +192,8 @@ def race_finding(world: World, race: RawRace) -> Finding:
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     where = f"(W={world.world})"
     na, nb = _rk(world, la.rank), _rk(world, lb.rank)
-    if race.inverted:  # ordered, against the data flow: a store in flight
-        verbs = {"read": "reads", "write": "writes"}
-        lands = a.access.lands
-        landed = "" if lands is None or lands == a.step_index(world) else \
-            f" (its store lands at its wait {world.program.steps[lands].name})"
-        message = (f"{race.cls} race on {race.buffer}: {lb.step} on {nb} (call {lb.call}) "
-                   f"{verbs[lb.access]} {lb.region}, before {la.step} on {na} (call "
-                   f"{la.call}) {verbs[la.access]} it, but the data flow has {la.step} "
-                   f"first{landed} {where}")
+    if la.lands or lb.lands:  # a split-phase shift's store, in flight from put to wait
+        message = _flight_message(world, race, la, lb, where)
     elif race.cls == WAR:
         message = (f"write-after-read race on {race.buffer}: {lb.step} on {nb} "
                    f"(call {lb.call}) can write {lb.region} while {la.step} on {na} "
@@ -215,6 +208,23 @@ def race_finding(world: World, race: RawRace) -> Finding:
                    f"(call {la.call}) and {lb.step} on {nb} (call {lb.call}) can "
                    f"write {lb.region} in either order {where}")
     return Finding("race", race.cls, race.buffer, la, lb, world.world, message, timeline)
+
+
+def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
+                    where: str) -> str:
+    """A race with a store in flight: what touches the instance between the push and the
+    wait that lands it (another push, when both are in flight)."""
+    instance = _instance(world, race.buffer, race.first.owner, race.slot)
+    fly, other = (la, lb) if la.lands else (lb, la)
+    if la.lands and lb.lands:  # the later-landing push meets the earlier one in flight
+        fly, other = la, lb
+        does = f"push (landing at its wait {lb.lands}) into"
+    else:
+        does = {"read": "read", "write": "write"}[other.access]
+    return (f"{race.cls} race on {race.buffer}: {other.step} on {_rk(world, other.rank)} "
+            f"(call {other.call}) can {does} {instance} while the store of {fly.step} on "
+            f"{_rk(world, fly.rank)} (call {fly.call}) into it is in flight, until its wait "
+            f"{fly.lands} {where}")
 
 
 def _wait_text(world: World, j: int, rank: int) -> str:
