@@ -50,12 +50,12 @@ class Touch:
         return intended(world, self.call, self.j, self.access)
 
 
-def landing(world: World, call: int, j: int, access: Access) -> int:
-    """The flat position of the event that ends an access of event j of ``call`` (on the
-    instance's owner for a store in flight: its wait of the landing step), else its own."""
-    if access.lands is None:
-        return world.pos(call, j)
-    return world.pos(call, world.program.recv_of[access.lands])
+def end_need(world: World, call: int, j: int, access: Access) -> int:
+    """1 + the stream index of the event that ends an access of event j of ``call``: the
+    event itself, or for a store in flight its owner's wait of the landing step."""
+    if access.lands is not None:
+        j = world.program.recv_of[access.lands]
+    return world.program.stream_index(call, j) + 1
 
 
 def intended(world: World, call: int, j: int, access: Access) -> tuple[int, int, int]:
@@ -157,8 +157,8 @@ def _first_unordered(
     # World.hb(end of a, start of b) and back, with the streams and stream positions of
     # the ends read once; a store in flight ends on the owner, rank 0
     program, count = world.program, world.count
-    stream_a, need_a = program.stream(ca), _stream_need(world, ca, landing(world, ca, ja, xa))
-    stream_b, need_b = program.stream(cb), _stream_need(world, cb, landing(world, cb, jb, xb))
+    stream_a, need_a = program.stream(ca), end_need(world, ca, ja, xa)
+    stream_b, need_b = program.stream(cb), end_need(world, cb, jb, xb)
     fa, fb = xa.lands is not None, xb.lands is not None
 
     def unordered(ra: int, rb: int) -> bool:
@@ -193,11 +193,6 @@ def _first_unordered(
     return None
 
 
-def _stream_need(world: World, call: int, pos: int) -> int:
-    """1 + the stream index of the event at flat position ``pos`` of ``call``."""
-    return world.program.stream_index(call, pos - call * world.n) + 1
-
-
 def classify(world: World, x: Touch, y: Touch) -> tuple[str, Touch, Touch]:
     """Race class and the two accesses in intended order (first, second)."""
     first, second = sorted((x, y), key=lambda t: (t.order_key(world), t.rank))
@@ -215,7 +210,10 @@ def _pair_key(world: World, buffer: str, a: tuple[int, int, Access],
     """The key ``classify`` gives any race between groups a and b: it depends on the
     groups only (ranks break ties of one event, whose two sides name the same step)."""
     events, steps = world.program.events, world.program.steps
-    ka, kb = intended(world, *a), intended(world, *b)
+    ka = (a[0], a[2].lands, 1) if a[2].lands is not None else \
+        (a[0], events[a[1]].step, PHASE_ORDER[events[a[1]].phase])
+    kb = (b[0], b[2].lands, 1) if b[2].lands is not None else \
+        (b[0], events[b[1]].step, PHASE_ORDER[events[b[1]].phase])
     (kf, first), (ks, second) = sorted(((ka, a), (kb, b)), key=lambda item: item[0])
     if first[2].kind == "write" and second[2].kind == "write":
         cls = WAW
@@ -253,7 +251,7 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
             # per group: position, stream, stream index + 1 of where it ends (a store in
             # flight: where it lands), writes?, signature, call
             meta = [(world.pos(call, j), program.stream(call),
-                     _stream_need(world, call, landing(world, call, j, access)),
+                     end_need(world, call, j, access),
                      access.kind == "write", sig_of[(j, id(access))], call)
                     for call, j, access in groups]
             keys = pair_keys.setdefault((buffer, slot), {})
