@@ -100,11 +100,10 @@ class Effect:
     (dcpc.harness.trace) demands it in one of the two.
     ``lands``: a store the language places later than the kernel makes it: the index of
     the step whose wait lands it (a shift's: its own wait, or its ``phase: wait``). The
-    store is made at the push and is IN FLIGHT until that wait: the data flow (what a
-    read sees, the float64 reference) has the write there, so every conflicting access
-    must be ordered with the push the way the data flow orders it with the landing
-    (``position``): one before the landing must happen before the push, one after it
-    after the push.
+    store is made at the push and is IN FLIGHT until the receiver's wait of that step,
+    where the data flow (what a read sees, the float64 reference) writes it
+    (``data_flow``): every other access to that instance must end before the push or
+    start after that wait (dcpc.check.hb.races).
     ``root``: the access happens on team member ``root`` only: a store into ``root``'s
     instance only, a read or write of ``root``'s own instance by ``root`` only (a
     reduce's ``via``). None: on every rank (SPMD). The data flow is exact about it (a
@@ -121,14 +120,6 @@ class Effect:
     either: bool = False
     lands: int | None = None
     root: int | None = None
-
-
-def position(index: int, effect: Effect) -> tuple[int, int]:
-    """Where the data flow places ``effect`` of step ``index``: (step, 0 before the
-    signal | 1 after the wait); a store in flight at the step whose wait lands it."""
-    if effect.lands is not None:
-        return (effect.lands, 1)
-    return (index, 1 if effect.when == AFTER else 0)
 
 
 def data_flow(table: list[Semantics]) -> list[tuple[int, Effect]]:

@@ -51,8 +51,8 @@ class Access:
     Otherwise a store into EVERY rank's instance (its own included) of the part
     ``region`` assigns to the writing rank, or (scheme ``peer``) into the whole
     instance of rank ``writer + region.offset`` only. ``lands``: a store in flight
-    until the wait of that step (``Effect.lands``): the data flow, and so the order its
-    conflicting accesses must have with it, places it there. An effect on the root only
+    from the push until the owner's wait of that step (``Effect.lands``), an interval
+    (dcpc.check.hb.races), placed there by the data flow. An effect on the root only
     (``Effect.root``) is taken on every rank: the symmetry needs every rank's accesses
     alike, and more accesses only add races.
     """
