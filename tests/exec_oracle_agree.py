@@ -9,7 +9,9 @@ plan. They agree on a W when:
   iff a run reaches it. (The oracle keeps, per instance, stream and access, only the
   latest call's access: that finds every racing step pair; the class and the order
   of the pair could in principle differ for an older call, never seen on 3,000
-  schedules of up to 12 draws at W 2..5 with 4*slots calls.)
+  schedules of up to 12 draws at W 2..5 with 4*slots calls. A shift's store in flight
+  is kept per call: an older call's may still be in flight when a newer one starts,
+  and the pair then names the older call's step first.)
 - deadlocks: the checker reports one iff the oracle hangs; every wait the oracle finds
   stuck for good (nothing will ever satisfy it, or a cycle) is a checker deadlock on
   the same channel and steps; and a checker deadlock the oracle did not report is one

@@ -11,7 +11,15 @@ It then computes the full transitive closure (ancestor bitsets over a topologica
 order) and compares EVERY pair of accesses to every symmetric buffer instance. No
 symmetry, no coarse events, no vector clocks.
 
+A split-phase `shift`'s store is made at its put, but the language writes `dst` at the
+matching `phase: wait` (the float64 reference lands it there): the store is in flight
+from the put to the owner's wait, an interval, and two accesses conflict unless one
+ends before the other starts (an ordinary access starts and ends at itself); an access
+between a put and its wait is found whether a barrier orders it after the store or
+nothing orders it. A `reduce` pushes into, and reads, the root's `via` only.
+
     oracle_keys(schedule, world, calls=None) -> set of (kind, class, buffer, step, step)
+    oracle_unwritten(schedule, world) -> set of ("read-before-write", "", buffer, step, "")
 """
 
 from __future__ import annotations
@@ -90,9 +98,12 @@ class _Builder:
                             phase=phase, **attrs)
         self.nodes.append(node)
 
-    def access(self, step, index, phase, buffer, kind, owner=None, part=None) -> None:
+    def access(self, step, index, phase, buffer, kind, owner=None, part=None,
+               lands=None) -> None:
+        """``lands``: the index of the step at whose wait the data flow writes a store
+        made here (a shift's), None: here."""
         self.add(step, index, phase, buffer=buffer, kind=kind,
-                 owner=self.rank if owner is None else owner, part=part)
+                 owner=self.rank if owner is None else owner, part=part, lands=lands)
 
 
 def _partition(schedule: Schedule, op) -> tuple:
@@ -325,6 +336,16 @@ def oracle_keys(schedule: Schedule, world: int, calls: int | None = None) -> set
         for p in live.predecessors(n):
             mask |= ancestors[p] | bit[p]
         ancestors[n] = mask
+    landed = {(d["rank"], d["call"], d["index"]): n for n, d in graph.nodes(data=True)
+              if d.get("landing")}
+
+    def end(n: int) -> int | None:
+        """Where an access ends: itself, or a shift's store at its owner's landing wait."""
+        d = graph.nodes[n]
+        if d.get("lands") is None:
+            return n
+        return landed.get((d["owner"], d["call"], d["lands"]))
+
     slots = schedule.slots
     instances: dict[tuple, list[int]] = {}
     for n in order:
@@ -338,21 +359,54 @@ def oracle_keys(schedule: Schedule, world: int, calls: int | None = None) -> set
         for i, x in enumerate(nodes):
             for y in nodes[i + 1:]:
                 dx, dy = live.nodes[x], live.nodes[y]
-                if dx["kind"] == "read" and dy["kind"] == "read":
+                if dx["kind"] == "read" and dy["kind"] == "read" or not _overlap(dx, dy):
                     continue
-                if ancestors[y] & bit[x] or ancestors[x] & bit[y] or not _overlap(dx, dy):
+                # one ends before the other starts (a store in flight ends where it lands)
+                ex, ey = end(x), end(y)
+                if (ex in bit and ancestors[y] & bit[ex]) or (ey in bit and ancestors[x] & bit[ey]):
                     continue
                 cls, first, second = _classify(dx, dy)
                 keys.add(("race", cls, buffer, first, second))
     return keys
 
 
+def oracle_unwritten(schedule: Schedule, world: int) -> set[Key]:
+    """Reads of a symmetric instance that no write of the same call reaches earlier in
+    the data flow (or in the reading step itself: an in-place update), on any rank: one
+    key per buffer, at its first such read. The data flow's place of a write is its
+    step (a shift's store: the wait that lands it), before the signal or after the wait."""
+    graph = build(schedule, world, 1)
+    writes: dict[tuple, list[tuple]] = {}
+    reads = []
+    for _, d in graph.nodes(data=True):
+        if "buffer" not in d:
+            continue
+        place = _intended(d)[1:3]
+        if d["kind"] == "write":
+            writes.setdefault((d["buffer"], d["owner"]), []).append(place)
+        else:
+            reads.append((place, d))
+    first: dict[str, tuple] = {}
+    for place, d in sorted(reads, key=lambda item: item[0]):
+        done = writes.get((d["buffer"], d["owner"]), [])
+        if any(w < place or w[0] == place[0] for w in done):
+            continue
+        first.setdefault(d["buffer"], ("read-before-write", "", d["buffer"], d["step"], ""))
+    return set(first.values())
+
+
+def _intended(d: dict) -> tuple:
+    """(call, step index, phase, rank): where the data flow places an access; a store
+    that lands at a later wait, at that wait (after it)."""
+    if d.get("lands") is not None:
+        return (d["call"], d["lands"], 1, d["rank"])
+    return (d["call"], d["index"], d["phase"], d["rank"])
+
+
 def _classify(dx: dict, dy: dict) -> tuple[str, str, str]:
     """(class, first step, second step), ordered by (call, step, phase) then rank."""
 
-    def intended(d):
-        return (d["call"], d["index"], d["phase"], d["rank"])
-
+    intended = _intended
     first, second = sorted((dx, dy), key=intended)
     if first["kind"] == "write" and second["kind"] == "write":
         cls = "write-after-write"
@@ -390,14 +444,15 @@ steps:
 PARTNERS = {"all": "all", "next": "prev", "prev": "next"}
 
 
-def random_schedule_text(draw, st) -> str:
+def random_schedule_text(draw, st, root_reads: bool = False) -> str:
     """A small, structurally valid random schedule (YAML text), drawn with hypothesis.
 
     ``draw`` is hypothesis' draw function and ``st`` its strategies module. Steps
     are gathers, all-to-alls, reduce-scatters, copies, external reads/writes of
     what was written before, barriers, and split-phase signal/wait pairs (several
     on one channel, rings both ways) whose wait may come before its signal (a
-    deadlock).
+    deadlock). ``root_reads``: externals may also read a reduce's ``via``, which only
+    its root's instance holds (read-before-write elsewhere unless written before).
     """
     slots = draw(st.integers(1, 3))
     streams = draw(st.sampled_from(["per_slot", "single"]))
@@ -410,7 +465,7 @@ def random_schedule_text(draw, st) -> str:
     for _ in range(count_steps):
         kind = draw(st.sampled_from(
             ["gather", "gather", "a2a", "ext", "ext", "ext", "barrier", "sync", "rs", "copy",
-             "ar", "bc", "rd"]))
+             "ar", "bc", "rd"] + ["rd", "ext"] * root_reads))
         if kind == "gather":
             dst = draw(st.sampled_from(["g0", "g1"]))
             extra = ", interleave: 1" if draw(st.booleans()) else ""
@@ -433,11 +488,11 @@ def random_schedule_text(draw, st) -> str:
             if via:
                 written.append("v0")
         elif kind == "rd":  # the checker over-approximates (every rank's via); this is exact
-            via = ", via: v0" if draw(st.booleans()) else ""
+            via = ", via: v0" if root_reads or draw(st.booleans()) else ""
             # one root: two roots' pushes into one via are disjoint in fact, but overlap in
             # the checker's model (a false race, the sound direction; tests/test_reduce.py)
             steps.append(f"{{op: reduce, src: x, dst: y, root: 0{via}}}")
-            if via:
+            if via and root_reads:
                 written.append("v0")
         elif kind == "bc":  # the checker's model over-approximates; this oracle's is exact
             steps.append(f"{{op: broadcast, src: x, dst: s0, root: {draw(st.integers(0, 1))}}}")
@@ -470,6 +525,8 @@ def random_schedule_text(draw, st) -> str:
         else:
             reads = sorted(set(draw(st.lists(st.sampled_from(written), max_size=2)))) \
                 if written else []
+            if root_reads and "v0" in written and draw(st.booleans()):
+                reads = sorted(set(reads) | {"v0"})
             target = draw(st.sampled_from(["y", "s0", "g0", "s0"]))
             if target == "g0" and "g0" not in written:
                 target = "s0"
@@ -495,7 +552,7 @@ def _shift_offset(op) -> int:
 
 def _shift_puts(schedule: Schedule) -> dict[str, str]:
     """wait step -> the put it polls: the k-th `phase: wait` of a (src, dst, offset)
-    polls the k-th `phase: put` of it before it."""
+    polls the k-th `phase: put` of it before it (and lands its data)."""
     pending: dict[tuple, list[str]] = {}
     out: dict[str, str] = {}
     for item in schedule.steps:
@@ -517,16 +574,25 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
     k = _shift_offset(op)
     target, source = (b.rank + k) % world, (b.rank - k) % world
     if op.phase != "wait":
+        # the language writes dst at the wait: the put's own, or the `phase: wait` step
+        # that polls this put
+        landing = index
+        if op.phase == "put":
+            waits = {put: wait for wait, put in _shift_puts(schedule).items()}
+            landing = next(i for i, item in enumerate(schedule.steps)
+                           if waits.get(name) in item)
         if op.src in tracked:
             b.access(name, index, 0, op.src, "read")
         if op.dst in tracked:
-            b.access(name, index, 0, op.dst, "write", owner=target, part=(("peer", k), b.rank))
+            b.access(name, index, 0, op.dst, "write", owner=target, part=(("peer", k), b.rank),
+                     lands=landing)
         if target != b.rank:
             b.add(name, index, 0, signal=("step:" + name, target))
     if op.phase != "put":
         polled = name if op.phase is None else _shift_puts(schedule).get(name, "?")
         if source != b.rank:
             b.add(name, index, 1, wait=("step:" + polled, source))
+        b.add(name, index, 1, landing=True)  # the data that was in flight lands here
 
 
 SHIFT_HEADER = """\
@@ -548,27 +614,30 @@ steps:
 
 def random_shift_schedule_text(draw, st) -> str:
     """A small, structurally valid random schedule of shifts (whole, or put ... wait with
-    steps in between), externals that read and write the shifted buffers, gathers into
-    another buffer, barriers and split-phase credits (signal/wait next/prev)."""
+    steps in between, several puts in flight whose waits come in put order or not),
+    externals that read and write the shifted buffers (also while a put into them is in
+    flight), gathers into another buffer, barriers and split-phase credits (signal/wait
+    next/prev). A put's dst counts as written at its wait, where the language lands it."""
     slots = draw(st.integers(1, 2))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 4)) == 0 else "" for b in ("h0", "h1")}
     steps: list[str] = []
-    pending: list[str] = []
+    pending: list[tuple[str, str]] = []  # (a put's wait, its dst)
     written: list[str] = []  # symmetric buffers a step wrote (read-before-write)
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(["shift", "shift", "put", "ext", "ext", "barrier", "credit",
                                      "gather"]))
         src = draw(st.sampled_from(["x"] + [b for b in ("h0", "h1") if b in written]))
         dst = draw(st.sampled_from([b for b in ("h0", "h1") if b != src]))
-        if kind in ("shift", "put"):
+        if kind == "shift":
             written.append(dst)
         offset = draw(st.sampled_from(["next", "prev", "1", "-1", "2", "-2", "3"]))
         if kind == "shift":
             steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}}}")
         elif kind == "put":
             steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, phase: put}}")
-            pending.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, phase: wait}}")
+            pending.append((f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, "
+                            "phase: wait}", dst))
         elif kind == "barrier":
             steps.append("{op: barrier}")
         elif kind == "gather" and "h0" in written:
@@ -588,9 +657,13 @@ def random_shift_schedule_text(draw, st) -> str:
             written.append(target)
             steps.append(f"{{op: external, reads: [{', '.join(reads + ['x'])}], "
                          f"writes: [{target}]}}")
-        if pending and draw(st.booleans()):
-            steps.append(pending.pop(0))
-    steps += pending
+        while pending and draw(st.booleans()):  # the oldest put's wait, or the newest's
+            wait, landed = pending.pop(draw(st.sampled_from([0, -1])))
+            steps.append(wait)
+            written.append(landed)
+    if draw(st.booleans()):
+        pending.reverse()
+    steps += [wait for wait, _ in pending]
     if not steps:
         steps.append("{op: barrier}")
     body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))

@@ -28,11 +28,15 @@ from dcpc.lang.parse import parse_file
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = sorted((ROOT / "tests" / "hb_corpus").glob("*.yaml")) + sorted(
-    (ROOT / "schedules").glob("*.yaml"))
+    (ROOT / "schedules").glob("*.yaml")) + sorted((ROOT / "tests" / "shift").glob("*.yaml"))
 # the kernel's lanes (templates/sync.j2, prologue): which peers it signals and polls
 PEERS = re.compile(r"^\s*sig_peers = \(RANK \+ (1|WORLD - 1) \+ sig_lane\) % WORLD\s*$")
 LIVE = re.compile(r"^\s*sig_live = sig_lane < (WORLD - 1|tl\.minimum\(WORLD - 1, 1\))\s*$")
 KIND = {("1", "WORLD - 1"): "all", ("1", "1"): "next", ("WORLD - 1", "1"): "prev"}
+# a shift's one lane: the peer TO (its signal) or FROM (its wait), launch arguments
+ONE = re.compile(r"^\s*sig_peers = \((TO|FROM) \+ sig_lane\) % WORLD\s*$")
+ONE_LIVE = re.compile(r"^\s*sig_live = \(sig_lane < 1\) & \(sig_peers != RANK\)\s*$")
+ONE_ARG = re.compile(r"^\s*\((TO|FROM) \+ sig_lane\) % WORLD,$")
 
 
 def _function(text: str, name: str) -> str:
@@ -43,11 +47,26 @@ def _function(text: str, name: str) -> str:
 
 
 def _peer_lanes(body: str, call: str) -> list[str]:
-    """For each call of ``call`` in ``body``: the peers of the lanes it runs on."""
+    """For each call of ``call`` in ``body``: the peers of the lanes it runs on (a
+    shift's one peer: "TO" or "FROM", the launch argument that names it)."""
     lines = body.splitlines()
     out = []
     for i, line in enumerate(lines):
         if line.strip().startswith(call + "("):
+            args = lines[i + 1:i + 5]
+            inline = [m.group(1) for m in map(ONE_ARG.match, args) if m]
+            if inline:  # a whole shift's wait: the lane passed as the arguments
+                assert any(a.strip() == f"(sig_lane < 1) & (({inline[0]} + sig_lane) % WORLD"
+                           " != RANK)," for a in args), args
+                out.append(inline[0])
+                continue
+            one = [(k, m.group(1)) for k, m in enumerate(map(ONE.match, lines[:i])) if m]
+            if one:
+                k, name = one[-1]
+                assert ONE_LIVE.match(lines[k + 1]), lines[k + 1]
+                assert any("sig_live" in a for a in lines[i + 1:i + 5]), lines[i + 1:i + 5]
+                out.append(name)
+                continue
             peers = [m.group(1) for m in map(PEERS.match, lines[:i]) if m]
             live = [m.group(1) for m in map(LIVE.match, lines[:i]) if m]
             live = ["1" if x.startswith("tl.minimum") else x for x in live]  # next/prev
@@ -99,6 +118,18 @@ def _generated(count: int) -> list[tuple[str, object]]:
     return out
 
 
+def _one_peer(text: str, step: str, lane: str) -> str:
+    """A shift's TO/FROM lane as the sync names its peer ("next", "prev", "+k" / "-k":
+    dcpc.ops.common.offset_peers, rank + k), read off the step's launch; else ``lane``."""
+    if lane not in ("TO", "FROM"):
+        return lane
+    launch = text[text.index(f"_{step}_kernel[(_grid,)]("):]
+    found = re.search(rf"\n\s*{lane}=\(self\.rank ([+-]) (-?\d+)\) % self\.world,\n", launch)
+    assert found, f"no {lane} in the launch of _{step}_kernel"
+    k = int(found.group(2)) * (1 if found.group(1) == "+" else -1)
+    return {1: "next", -1: "prev"}.get(k, f"{k:+d}")
+
+
 CASES = [(p.name, p) for p in FILES] + _generated(40)
 
 
@@ -119,8 +150,8 @@ def test_every_kernel_signals_and_waits_as_its_plan_says(name: str, source: obje
             continue
         body = _function(text, f"_{step.name}_kernel")
         assert body.count("_dcpc_advance_epoch(epochs, channel,") == 1, step.name
-        signals = _peer_lanes(body, "_dcpc_release")
-        waits = _peer_lanes(body, "_dcpc_wait")
+        signals = [_one_peer(text, step.name, p) for p in _peer_lanes(body, "_dcpc_release")]
+        waits = [_one_peer(text, step.name, p) for p in _peer_lanes(body, "_dcpc_wait")]
         assert set(signals) == ({sync.signal} if sync.signal else set()), (step.name, signals)
         assert set(waits) == ({sync.wait} if sync.wait else set()), (step.name, waits)
         launch = re.search(

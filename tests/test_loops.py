@@ -111,7 +111,9 @@ def test_a_loop_past_the_step_bound_is_loop_too_long() -> None:
 
 def test_several_worlds_are_checked_one_by_one_and_compiled_for_one(tmp_path) -> None:
     path = tmp_path / "s.yaml"
-    path.write_text(_text().replace("writes: [y]}", "writes: [y]}\n        - done: {op: barrier}"))
+    # the barrier after each hop's wait: the next push into a slice only once every rank's
+    # wait returned it (before the wait it was a race: the push is in flight until it)
+    path.write_text(_text().replace('phase: wait}', 'phase: wait}\n        - done: {op: barrier}'))
     c = pipeline.run(path, pipeline.Options(worlds=[2, 3, 4]), until="hb")
     assert c.per_world == [2, 3, 4]
     with pytest.raises(DiagnosticError) as err:
@@ -119,9 +121,10 @@ def test_several_worlds_are_checked_one_by_one_and_compiled_for_one(tmp_path) ->
     assert [d.code for d in err.value.diagnostics] == ["loop-world"]
     one = pipeline.run(path, pipeline.Options(worlds=[3]), until="emit")
     assert "LOOP_WORLD = 3" in one.module_text
-    # a race at one W only is found: W=2 has one hop, so no hop's put meets a read
+    # a race at one W only is found: W=2 has one hop, so no hop's put meets a read (the
+    # last barrier keeps the next call's push after this call's wait)
     bad = tmp_path / "bad.yaml"
-    bad.write_text(_text())
+    bad.write_text(_text() + "  - last: {op: barrier}\n")
     pipeline.run(bad, pipeline.Options(worlds=[2]), until="hb")
     with pytest.raises(DiagnosticError) as err:
         pipeline.run(bad, pipeline.Options(worlds=[2, 3]), until="hb")
@@ -176,7 +179,9 @@ def test_a_module_unrolled_for_one_w_refuses_another(tmp_path) -> None:
     from dcpc.harness.worker import load_module_class
 
     path = tmp_path / "s.yaml"
-    path.write_text(_text().replace("writes: [y]}", "writes: [y]}\n        - done: {op: barrier}"))
+    # the barrier after each hop's wait: the next push into a slice only once every rank's
+    # wait returned it (before the wait it was a race: the push is in flight until it)
+    path.write_text(_text().replace('phase: wait}', 'phase: wait}\n        - done: {op: barrier}'))
     module = tmp_path / "s.py"
     module.write_text(pipeline.run(path, pipeline.Options(worlds=[3])).module_text)
     cls = load_module_class(str(module), "s")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hb_oracle import oracle_keys
+from hb_oracle import oracle_keys, oracle_unwritten
 
 from dcpc import pipeline
 from dcpc.check import hb
@@ -105,3 +105,74 @@ def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str,
     out = format_report(report)
     assert report.launch.ok and report.mismatches == 0, out
     assert report.outputs["y"].compared == 4 * world, out
+
+
+# --- issue 31 F2: a reduce writes its via on the root only ------------------------------
+
+VIA = """\
+schedule: rd_via
+sizes: {N: 4, D: 2}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32}
+  z: {shape: [W, N, D], dtype: f32}
+  v: {shape: [W, N, D], dtype: f32, symmetric: true}
+steps:
+  - red: {op: reduce, src: x, dst: y, root: 0, via: v}
+  - use: {op: external, reads: [v], writes: [z]}
+  - done: {op: barrier}
+"""
+# the same, with v written on every rank before the reduce: off the root, use reads that
+FILLED = VIA.replace("  - red:", "  - fill: {op: external, reads: [x], writes: [v]}\n"
+                     "  - sync: {op: barrier}\n  - red:")
+
+
+def test_a_read_of_via_off_the_root_is_read_before_write(tmp_path: Path) -> None:
+    """F2: only the root's via is written; a later step reads v on every rank, so on
+    the others it reads memory nothing wrote. Was: ok for W 2..16, and `dcpc run` died
+    with KeyError 'v' in the reference."""
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(_write(tmp_path, VIA), pipeline.Options(worlds=range(2, 17)),
+                     until="hb")
+    (diag,) = err.value.diagnostics
+    assert diag.code == "read-before-write", diag
+    assert "'use'" in diag.message and "'red'" in diag.message and "root" in diag.message
+    line = VIA.splitlines().index("  - use: {op: external, reads: [v], writes: [z]}") + 1
+    assert (diag.mark.file, diag.mark.line, diag.mark.col) == (str(tmp_path / "rd.yaml"),
+                                                               line, 33)
+    assert diag.hint is not None and "'y'" in diag.hint, diag.hint
+    for world in (2, 3, 4):  # the exact brute force: off the root no write reaches the read
+        assert oracle_unwritten(parse_text(VIA), world) == {
+            ("read-before-write", "", "v", "use", "")}
+        assert oracle_unwritten(parse_text(FILLED), world) == set()
+
+
+def test_dcpc_run_refuses_the_read_off_the_root_before_running(tmp_path: Path) -> None:
+    with pytest.raises(DiagnosticError) as err:
+        run_schedule(RunConfig(schedule=str(_write(tmp_path, VIA)), world=3, calls=1))
+    assert [d.code for d in err.value.diagnostics] == ["read-before-write"]
+
+
+def test_the_reference_keeps_what_the_other_ranks_had_in_via() -> None:
+    """With v written on every rank first, the read is defined: the root's v holds the
+    pushed parts, the other ranks' v what they wrote (the reference models it)."""
+    schedule = parse_text(FILLED, "rd.yaml")
+    for world in (2, 3, 4):
+        assert {f.key for f in hb.check(schedule, [world], hints=False).findings} == set()
+    gen = torch.Generator().manual_seed(5)
+    world = 3
+    inputs = [{"x": simulate.as_stored(schedule, "x", torch.randn(
+        4, 2, generator=gen, dtype=torch.float64))} for _ in range(world)]
+    filled = [torch.full((world, 4, 2), float(r + 10), dtype=torch.float64)
+              for r in range(world)]
+    trace: list = []
+
+    def external(step, rank, bufs):
+        return {"v": filled[rank]} if step.name == "fill" else {"z": bufs["v"].clone()}
+
+    out = simulate.simulate_call(schedule, world, {"N": 4, "D": 2}, inputs, external,
+                                 trace=trace)
+    stacked = torch.stack([inputs[p]["x"] for p in range(world)])
+    assert torch.equal(out[0]["z"], stacked)
+    for r in (1, 2):
+        assert torch.equal(out[r]["z"], filled[r])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from exec_oracle_agree import disagreements
-from hb_oracle import oracle_keys, random_shift_schedule_text
+from hb_oracle import oracle_keys, oracle_unwritten, random_shift_schedule_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -90,13 +90,16 @@ def test_the_semantics_store_into_the_offset_peer_only() -> None:
     assert Region("peer", 0, offset=-1).writers(0, 5) == [1]
 
 
+HOP_HOP = ("race", "write-after-write", "y", "hop", "hop")
 NO_CREDIT = HEAD + ("  - hop: {op: shift, src: x, dst: y}\n"
                     "  - use: {op: external, reads: [y], writes: [z]}\n")
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_a_ring_pass_without_credit_races_and_with_it_is_proved(world: int) -> None:
-    race = {("race", "write-after-read", "y", "use", "hop")}
+    # the next call's push can overwrite y before use reads it, and before this call's
+    # hop (its wait) has even returned it: y is in flight from the push to the wait
+    race = {("race", "write-after-read", "y", "use", "hop"), HOP_HOP}
     assert _keys(NO_CREDIT, world) == race == oracle_keys(parse_text(NO_CREDIT), world)
     # the credit goes to the ONE writer of y (prev): a model that let the shift write
     # every rank's y would call this a race at W >= 3 (rank r + 2 is not credited)
@@ -129,12 +132,13 @@ def test_a_far_offset_wraps_mod_w(world: int) -> None:
     text = NO_CREDIT.replace("dst: y}", "dst: y, offset: 2}")
     keys = _keys(text, world)
     assert keys == oracle_keys(parse_text(text), world)
-    assert keys == (set() if world == 2 else {("race", "write-after-read", "y", "use", "hop")})
+    assert keys == (set() if world == 2 else {("race", "write-after-read", "y", "use", "hop"),
+                                              HOP_HOP})
     credit = text + ("  - free: {op: signal, to: next, channel: f}\n"
                      "  - freed: {op: wait, from: prev, channel: f}\n")
     # the credit goes to rank r + 1, but y's writer is rank r - 2: proved only where they
     # coincide (W = 3) or where the shift is local (W = 2)
-    want = set() if world in (2, 3) else {("race", "write-after-read", "y", "use", "hop")}
+    want = set() if world in (2, 3) else {("race", "write-after-read", "y", "use", "hop"), HOP_HOP}
     assert _keys(credit, world) == want == oracle_keys(parse_text(credit), world)
 
 
@@ -181,6 +185,7 @@ def test_checker_and_brute_force_agree_on_random_shift_schedules(data: st.DataOb
     for world in (2, 3, 4):
         report = hb.check(schedule, [world], hints=False)
         assert {f.key for f in report.findings} == oracle_keys(schedule, world), (text, world)
+        assert oracle_unwritten(schedule, world) == set(), (text, world)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -243,3 +248,169 @@ def test_dcpc_run_matches_float64(path: Path, world: int, backend: str) -> None:
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert report.outputs["y"].compared == 4 * world, text
+
+
+# --- issue 31 F1: a put's dst is in flight from the put to its wait --------------------
+# The language (and the float64 reference) lands a split-phase shift's data at its
+# `phase: wait`; the kernel stores at the put. Whatever touches the put's dst in between,
+# on any rank, is refused, also when a barrier or a credit orders it after the store.
+
+FLIGHT = """\
+schedule: flight
+sizes: {N: 4, D: 2}
+buffers:
+  a: {shape: [N, D], dtype: f32}
+  b: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32, symmetric: true}
+  z: {shape: [N, D], dtype: f32}
+steps:
+"""
+REVERSED = FLIGHT + """\
+  - put_a: {op: shift, src: a, dst: y, phase: put}
+  - put_b: {op: shift, src: b, dst: y, phase: put}
+  - wait_b: {op: shift, src: b, dst: y, phase: wait}
+  - wait_a: {op: shift, src: a, dst: y, phase: wait}
+  - use: {op: external, reads: [y], writes: [z]}
+  - done: {op: barrier}
+"""
+# between the put and its wait, ordered after the store by a barrier or a credit
+ORDER = {"barrier": "  - order: {op: barrier}\n",
+         "credit": "  - order: {op: signal, to: next, channel: c}\n"
+                   "  - ordered: {op: wait, from: prev, channel: c}\n"}
+
+
+def _between(access: str, order: str, fill: bool = True) -> str:
+    body = "  - fill: {op: external, reads: [a], writes: [y]}\n  - sync: {op: barrier}\n" \
+        if fill else ""
+    body += "  - put: {op: shift, src: a, dst: y, phase: put}\n" + ORDER[order]
+    body += {"read": "  - peek: {op: external, reads: [y], writes: [z]}\n",
+             "write": "  - peek: {op: external, reads: [b], writes: [y]}\n"}[access]
+    body += ("  - land: {op: shift, src: a, dst: y, phase: wait}\n"
+             "  - use: {op: external, reads: [y], writes: [z]}\n  - done: {op: barrier}\n")
+    return FLIGHT + body
+
+
+def _refused(tmp_path: Path, text: str) -> list:
+    """What `dcpc check --world 2..16` says of ``text`` (it must refuse it)."""
+    from dcpc import pipeline
+    from dcpc.diagnostics import DiagnosticError
+
+    path = tmp_path / "flight.yaml"
+    path.write_text(text)
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(path, pipeline.Options(worlds=range(2, 17)), until="hb")
+    errors = [d for d in err.value.diagnostics if d.severity == "error"]
+    assert all(d.mark.file == str(path) for d in errors)
+    return errors
+
+
+def _line(text: str, step: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if f"- {step}:" in line)
+
+
+def test_two_puts_whose_waits_land_the_other_way_round_are_refused(tmp_path: Path) -> None:
+    """F1: put_a then put_b into one dst, their waits in the other order: the kernel
+    leaves b in y, the data flow (and the reference) a. Was: ok for W 2..16."""
+    (diag,) = _refused(tmp_path, REVERSED)
+    assert diag.code == "race" and "write-after-write race on y" in diag.message
+    for name in ("put_a", "put_b", "wait_a", "wait_b"):
+        assert name in diag.message, diag.message
+    assert (diag.mark.line, diag.mark.col) == (_line(REVERSED, "put_a"), 5)
+    assert diag.hint is not None and "move put_a after wait_b with a barrier" in diag.hint, \
+        diag.hint
+    for world in (2, 3, 5):
+        keys = _keys(REVERSED, world)
+        assert keys == {("race", "write-after-write", "y", "put_b", "put_a")}
+        assert keys == oracle_keys(parse_text(REVERSED), world)
+    (found,) = hb.check(parse_text(REVERSED), [3], hints=False).as_json()["findings"]
+    assert (found["first"]["lands"], found["second"]["lands"]) == ("wait_b", "wait_a")
+
+
+@pytest.mark.parametrize("access", ["read", "write"])
+@pytest.mark.parametrize("order", ["barrier", "credit"])
+def test_an_access_to_a_dst_in_flight_is_refused_even_when_ordered(
+        tmp_path: Path, access: str, order: str) -> None:
+    """F1 variants: a read or a local write of the put's dst between the put and its
+    wait, with a barrier or a signal/wait between the put and it (the store happens
+    before it, the data flow lands it after). Was: ok."""
+    text = _between(access, order)
+    (diag,) = _refused(tmp_path, text)
+    cls = "write-after-read" if access == "read" else "write-after-write"
+    assert diag.code == "race" and f"{cls} race on y" in diag.message, diag.message
+    assert "peek" in diag.message and "put" in diag.message and "land" in diag.message
+    # the fix: the access before the barrier that orders the push after the fill
+    assert diag.hint is not None and "move peek before sync" in diag.hint, diag.hint
+    for world in (2, 3, 4):
+        keys = _keys(text, world)
+        assert keys == {("race", cls, "y", "peek", "put")}, keys
+        assert keys == oracle_keys(parse_text(text), world)
+
+
+def test_a_read_of_a_dst_in_flight_that_nothing_wrote_before_is_read_before_write(
+        tmp_path: Path) -> None:
+    """The data flow lands the put's data at the wait: a read before it reads what no
+    step of the call wrote (was: ok with the barrier)."""
+    text = _between("read", "barrier", fill=False)
+    (diag,) = _refused(tmp_path, text)
+    assert diag.code == "read-before-write", diag
+    assert "'peek'" in diag.message and "'land'" in diag.message, diag.message
+    assert diag.mark.line == _line(text, "peek")
+    assert diag.hint is not None and "land" in diag.hint
+    for world in (2, 3):  # the brute force: no write reaches the read on any rank
+        assert oracle_unwritten(parse_text(text), world) == {
+            ("read-before-write", "", "y", "peek", "")}
+
+
+def test_two_puts_in_flight_at_once_are_refused_and_one_at_a_time_is_proved() -> None:
+    """With the waits in put order the second push still lands in y before the first
+    wait returns it (dcpc run: 6 mismatches at W=3): refused. One push in flight at a
+    time (the second after the first's wait and a barrier) and a read after the wait
+    are proved."""
+    in_order = REVERSED.replace("  - wait_b: {op: shift, src: b, dst: y, phase: wait}\n", "")
+    in_order = in_order.replace("  - use:", "  - wait_b: {op: shift, src: b, dst: y, phase: wait}\n"
+                                "  - use:")
+    one_at_a_time = REVERSED.replace(
+        "  - put_b: {op: shift, src: b, dst: y, phase: put}\n"
+        "  - wait_b: {op: shift, src: b, dst: y, phase: wait}\n", "").replace(
+        "  - put_a:", "  - put_b: {op: shift, src: b, dst: y, phase: put}\n"
+        "  - wait_b: {op: shift, src: b, dst: y, phase: wait}\n  - landed: {op: barrier}\n"
+        "  - put_a:")
+    after = _between("read", "barrier").replace(
+        "  - peek: {op: external, reads: [y], writes: [z]}\n", "").replace(
+        "  - use:", "  - peek: {op: external, reads: [y], writes: [z]}\n  - use:")
+    for world in (2, 3, 4):
+        want = {("race", "write-after-write", "y", "put_a", "put_b")}
+        assert _keys(in_order, world) == want == oracle_keys(parse_text(in_order), world)
+        for text in (one_at_a_time, after):
+            assert _keys(text, world) == set() == oracle_keys(parse_text(text), world)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["shift_puts_land_reversed", "shift_read_in_flight"])
+def test_dcpc_run_agrees_with_the_verdicts_on_stores_in_flight(name: str) -> None:
+    """The model against the kernels: each refused corpus case gives wrong data when run
+    (the push is ordered before the wrong access), its fixed twin none."""
+    corpus = Path(__file__).parent / "hb_corpus"
+    for twin, bad in ((f"{name}.yaml", True), (f"{name}.fixed.yaml", False)):
+        report = run_schedule(RunConfig(schedule=str(corpus / twin), world=3, calls=3,
+                                        seed=5))
+        text = format_report(report)
+        assert report.launch.ok, text
+        assert (report.mismatches > 0) == bad, text
+
+
+def test_two_whole_shifts_into_one_dst_are_refused_unless_the_first_has_landed() -> None:
+    """The same for whole shifts: the second push can land in y before the first hop
+    has returned it on the receiver (was: ok; dcpc run --world 3 showed 2 to 3
+    mismatches of hop1's output per 4 calls). A barrier between them proves it."""
+    text = FLIGHT + ("  - hop1: {op: shift, src: a, dst: y}\n"
+                     "  - hop2: {op: shift, src: b, dst: y}\n"
+                     "  - use: {op: external, reads: [y], writes: [z]}\n"
+                     "  - done: {op: barrier}\n")
+    fixed = text.replace("  - hop2:", "  - landed: {op: barrier}\n  - hop2:")
+    for world in (2, 3, 4):
+        keys = _keys(text, world)
+        assert ("race", "write-after-write", "y", "hop1", "hop2") in keys, keys
+        assert keys == oracle_keys(parse_text(text), world)
+        assert _keys(fixed, world) == set() == oracle_keys(parse_text(fixed), world)
+    assert disagreements(parse_text(text), [2, 3]) == []

@@ -2,59 +2,114 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
 from dcpc.lang.model import Signal, Step
 from dcpc.lang.semantics import READ, channels, effect_mark, table
+from dcpc.ops.common import data_flow
 
 
-def accesses(ctx: Context) -> list[tuple[Step, list[tuple[str, Ref]]]]:
-    """Per step, its buffer accesses in the order they happen ("r" or "w"), with marks
-    (dcpc.lang.semantics: the one definition of what an op reads and writes)."""
-    effects = table(ctx.schedule)
-    return [(step, [("r" if e.kind == READ else "w",
-                     Ref(e.buffer, e.key or "implicit", effect_mark(step, e)))
-                    for e in effects[step.index].effects])
-            for step in ctx.steps]
+@dataclass(frozen=True)
+class Access:
+    """One buffer access of a step, where the data flow places it.
+
+    ``step``: whose effect it is; ``at``: the step it happens at in the data flow (for a
+    store in flight, ``Effect.lands``: the step whose wait lands it, else ``step``);
+    ``root``: the team member it happens on (None: every rank)."""
+
+    step: Step
+    at: Step
+    mode: str  # "r" | "w"
+    ref: Ref
+    root: int | None = None
+
+
+def accesses(ctx: Context) -> list[Access]:
+    """Every buffer access of the call in the order the data flow has them
+    (dcpc.lang.semantics: the one definition of what an op reads and writes, and when;
+    ``data_flow``: a store in flight at the step whose wait lands it)."""
+    out = []
+    for i, e in data_flow(table(ctx.schedule)):
+        step = ctx.steps[i]
+        at = step if e.lands is None else ctx.steps[e.lands]
+        ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
+        out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root))
+    return out
 
 
 def check_reads(ctx: Context) -> None:
-    """A symmetric buffer is read only after a step of the call wrote it; an
-    engine-owned buffer is not read before the step that writes it (one that no step
-    writes is an input)."""
-    steps = accesses(ctx)
-    first_writer: dict[str, Step] = {}
-    for step, found in steps:
-        for mode, ref in found:
-            if mode == "w":
-                first_writer.setdefault(ref.name, step)
-    written: set[str] = set()
+    """A symmetric buffer is read only after a step of the call wrote it, on every rank
+    that reads it (a reduce writes its via on the root only), and not while a store into
+    it is still in flight (a shift's data lands at its wait); an engine-owned buffer is
+    not read before the step that writes it (one that no step writes is an input)."""
+    found = accesses(ctx)
+    first_writer: dict[str, Access] = {}
+    for acc in found:
+        if acc.mode == "w":
+            first_writer.setdefault(acc.ref.name, acc)
+    everywhere: set[str] = set()  # written on every rank
+    roots: dict[str, set[int]] = {}  # written on these team members only
     reported: set[str] = set()
-    for step, found in steps:
-        for mode, ref in found:
-            buffer = ctx.buffer(ref.name)
-            if mode == "w":
-                written.add(ref.name)
-                continue
-            if buffer is None or ref.name in written or ref.name in reported:
-                continue
-            writer = first_writer.get(ref.name)
-            if writer is step:
-                continue  # read and written by one step: an in-place update
-            if buffer.is_symmetric:
-                reported.add(ref.name)
-                ctx.error(ref.mark, "read-before-write",
-                          f"step '{step.name}' reads symmetric buffer '{ref.name}', but no "
-                          "earlier step of the call writes it",
-                          hint=f"move step '{writer.name}' before '{step.name}'" if writer
-                          else "write it in an earlier step, or make it engine-owned "
-                          "(drop 'symmetric: true') so the engine passes it in")
-            elif writer is not None and writer.index > step.index:
-                reported.add(ref.name)
-                ctx.error(ref.mark, "read-before-write",
-                          f"step '{step.name}' reads '{ref.name}' before step "
-                          f"'{writer.name}' writes it",
-                          hint=f"move step '{step.name}' after '{writer.name}'")
+    for acc in found:
+        step, ref = acc.step, acc.ref
+        buffer = ctx.buffer(ref.name)
+        if acc.mode == "w":
+            if acc.root is None:
+                everywhere.add(ref.name)
+            else:
+                roots.setdefault(ref.name, set()).add(acc.root)
+            continue
+        if buffer is None or ref.name in everywhere or ref.name in reported:
+            continue
+        if acc.root is not None and acc.root in roots.get(ref.name, ()):
+            continue
+        writer = first_writer.get(ref.name)
+        if writer is not None and writer.step is step and writer.at is step:
+            continue  # read and written by one step: an in-place update
+        if buffer.is_symmetric:
+            reported.add(ref.name)
+            _unwritten(ctx, acc, writer, roots.get(ref.name, set()))
+        elif writer is not None and writer.at.index > step.index:
+            reported.add(ref.name)
+            ctx.error(ref.mark, "read-before-write",
+                      f"step '{step.name}' reads '{ref.name}' before step "
+                      f"'{writer.step.name}' writes it",
+                      hint=f"move step '{step.name}' after '{writer.at.name}'")
+
+
+def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int]) -> None:
+    """The read-before-write error of a symmetric buffer: nothing wrote it on some rank
+    that reads it (``roots``: the team members whose instance was written)."""
+    step, name = read.step, read.ref.name
+    if roots and writer is not None:
+        root_writer = next(a for a in accesses(ctx) if a.mode == "w" and a.ref.name == name
+                           and a.root is not None and a.at.index <= step.index)
+        w = root_writer.step
+        on = ", ".join(str(r) for r in sorted(roots))
+        dst = getattr(w.op, "dst", None)
+        instead = f"read '{dst}' (what '{w.name}' computes) instead, or " if dst else ""
+        ctx.error(read.ref.mark, "read-before-write",
+                  f"step '{step.name}' reads symmetric buffer '{name}' on every rank, but "
+                  f"the earlier steps of the call write it on the root only ({w.kind} "
+                  f"'{w.name}', root {on}), so the other ranks read what nothing wrote",
+                  hint=f"{instead}write '{name}' on every rank before '{w.name}'")
+        return
+    if writer is not None and writer.at is not writer.step \
+            and writer.step.index < step.index < writer.at.index:
+        ctx.error(read.ref.mark, "read-before-write",
+                  f"step '{step.name}' reads symmetric buffer '{name}', but no earlier step "
+                  f"of the call writes it: the data of '{writer.step.name}' is in flight "
+                  f"until its wait '{writer.at.name}', after '{step.name}'",
+                  hint=f"move step '{step.name}' after '{writer.at.name}'")
+        return
+    ctx.error(read.ref.mark, "read-before-write",
+              f"step '{step.name}' reads symmetric buffer '{name}', but no "
+              "earlier step of the call writes it",
+              hint=f"move step '{writer.at.name}' before '{step.name}'" if writer
+              else "write it in an earlier step, or make it engine-owned "
+              "(drop 'symmetric: true') so the engine passes it in")
 
 
 def check_channels(ctx: Context) -> None:

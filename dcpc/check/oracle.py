@@ -29,8 +29,12 @@ chosen by a scheduler:
 Happens-before of the ACTUAL run is tracked with vector clocks (one entry per stream):
 program order within a stream, and a wait that reads value v synchronises with the
 release store that wrote v. A race is two accesses to one instance, at least one a
-write, overlapping, that this run leaves unordered; a hang is a state where every
-unfinished stream spins on a wait that cannot pass.
+write, overlapping, neither of which ends before the other starts in this run. An
+access starts and ends at itself; a store with ``lands`` (a split-phase shift's) starts
+at its push and ends when the owner of the instance has passed the wait of step
+``lands``, where the data flow writes it: anything that touches the instance between
+the two is a race, whether the run orders it after the push or not. A hang is a state
+where every unfinished stream spins on a wait that cannot pass.
 
 Which runs. The sync is monotone (a signal slot only grows, so a wait that can pass
 stays passable) and there is no other control flow, so every maximal run executes the
@@ -73,8 +77,9 @@ class OStep:
 
     name: str
     index: int
-    before: tuple[tuple[str, bool, tuple | None], ...]  # (buffer, write, partition)
-    after: tuple[tuple[str, bool, tuple | None], ...]
+    # (buffer, write, partition, the step whose wait lands a store in flight or None)
+    before: tuple[tuple[str, bool, tuple | None, int | None], ...]
+    after: tuple[tuple[str, bool, tuple | None, int | None], ...]
     signal: str | None
     wait: str | None
     polls: int | None
@@ -114,7 +119,7 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
             part = None if region is None else (
                 _attr(region, "scheme"), _attr(region, "dim"), _attr(region, "interleave", 0),
                 _attr(region, "offset", 0), _attr(region, "axes"))
-            item = (buffer, _attr(e, "kind") == "write", part)
+            item = (buffer, _attr(e, "kind") == "write", part, _attr(e, "lands"))
             (after if _attr(e, "when") == "after" else before).append(item)
         sync = _attr(s, "sync")
         signal, wait, polls = (_attr(sync, "signal"), _attr(sync, "wait"),
@@ -254,8 +259,10 @@ class _Compiled:
     """Per stream, a flat list of actions; instances, signal slots and streams numbered.
 
     Actions: (0, accesses, call) local effects, each (instance, write, partition,
-    writer, (step index, phase, effect index)); (1, cells, value) the release stores
-    of a signal; (2, cell, epoch, (rank, call, step index, peer)) one peer's spin.
+    writer, (step index, phase, effect index, data-flow step, data-flow phase), (owner,
+    landing step) of a store in flight or None); (1, cells, value) the release stores
+    of a signal; (2, cell, epoch, (rank, call, step index, peer)) one peer's spin; (3,
+    step index, call) this rank has passed the wait a store in flight lands at.
     """
 
     def __init__(self, prog: OProgram, world: int, calls: int):
@@ -290,8 +297,8 @@ class _Compiled:
                         template = templates[(rank, slot)] = self.template(rank, slot)
                     for entry in template:
                         kind = entry[0]
-                        if kind == 0:
-                            acts.append((0, entry[1], call))
+                        if kind in (0, 3):
+                            acts.append((kind, entry[1], call))
                         elif kind == 1:
                             self.signal_pos[(rank, call, entry[2])] = len(acts)
                             acts.append((1, entry[1], epoch))
@@ -303,9 +310,12 @@ class _Compiled:
 
     def template(self, rank: int, slot: int) -> list[tuple]:
         """One call of ``rank`` in ``slot``, without its call number and epoch: (0,
-        accesses), (1, cells, step index) a signal, (2, cell, step index, peer) a spin."""
+        accesses), (1, cells, step index) a signal, (2, cell, step index, peer) a spin,
+        (3, step index) a landing."""
         out: list[tuple] = []
         slots, world = self.prog.slots, self.world
+        lands = {e[3] for st in self.prog.steps for e in st.before + st.after
+                 if e[3] is not None}
         for st in self.prog.steps:
             for phase, effects in ((0, st.before), (1, st.after)):
                 if phase == 1 and st.wait is not None:
@@ -313,6 +323,8 @@ class _Compiled:
                         cell = self.nowhere if st.polls is None else \
                             self.cell(rank, st.polls * slots + slot, p)
                         out.append((2, cell, st.index, p))
+                    if st.index in lands:
+                        out.append((3, st.index))
                 accs = self.accesses(effects, rank, slot, (st.index, phase))
                 if accs:
                     out.append((0, accs))
@@ -335,9 +347,12 @@ class _Compiled:
         return found
 
     def accesses(self, effects: Iterable[tuple], rank: int, slot: int, where: tuple) -> tuple:
-        """(instance, write, partition, writer, (step index, phase, effect index))."""
+        """(instance, write, partition, writer, (step index, phase, effect index, and
+        where the data flow places it: a store in flight at the wait that lands it),
+        (owner, landing step) of a store in flight or None)."""
         out = []
-        for k, (buffer, write, part) in enumerate(effects):
+        for k, (buffer, write, part, lands) in enumerate(effects):
+            place = where if lands is None else (lands, 1)
             if part is None:
                 owners: Sequence[int] = (rank,)
             elif part[0] == "peer":  # a shift: one rank's instance
@@ -348,7 +363,7 @@ class _Compiled:
                 owners = range(self.world)
             for owner in owners:
                 out.append((self.instance(buffer, owner, slot), write, part, rank,
-                            where + (k,)))
+                            where + (k,) + place, None if lands is None else (owner, lands)))
         return tuple(out)
 
 
@@ -368,6 +383,8 @@ class _Run:
         self.seen: list[dict] = [dict() for _ in c.inst_buffer]
         self.races: set[tuple] = set()  # (instance, info_a, write_a, info_b, write_b)
         self.passed: set[tuple[int, int]] = set()  # (call, step index) of passed spins
+        # (rank, call, step index) -> (stream, stamp) of a wait a store in flight lands at
+        self.landed: dict[tuple[int, int, int], tuple[int, int]] = {}
 
     def clone(self) -> _Run:
         other = object.__new__(_Run)
@@ -379,6 +396,7 @@ class _Run:
         other.seen = [dict(d) for d in self.seen]
         other.races = set()
         other.passed = set(self.passed)
+        other.landed = dict(self.landed)
         return other
 
     def state(self) -> tuple:
@@ -399,7 +417,7 @@ class _Run:
         n = len(acts)
         p = self.pos[t]
         clock = self.clock[t]
-        if p < n and acts[p][0] != 0:
+        if p < n and acts[p][0] in (1, 2):
             a = acts[p]
             if a[0] == 1:
                 snap = tuple(clock)
@@ -417,25 +435,41 @@ class _Run:
                         if v > clock[i]:
                             clock[i] = v
             p += 1
-        while p < n and acts[p][0] == 0:
-            self._access(t, clock, acts[p][1], acts[p][2])
+        while p < n and acts[p][0] in (0, 3):
+            if acts[p][0] == 0:
+                self._access(t, clock, acts[p][1], acts[p][2])
+            else:  # later accesses that see this stamp happen after the landing
+                self.landed[(self.c.streams[t][0], acts[p][2], acts[p][1])] = (t, clock[t])
             p += 1
         self.pos[t] = p
 
     def _access(self, t: int, clock: list[int], accs: tuple, call: int) -> None:
         stamp = clock[t]
         seen = self.seen
-        for inst, write, part, writer, where in accs:
+        for inst, write, part, writer, where, land in accs:
             prior = seen[inst]
-            for (u, _), (ustamp, uwrite, upart, uwriter, ucall, uwhere) in prior.items():
-                if u == t or not (write or uwrite) or clock[u] >= ustamp:
+            for (u, *_), (ustamp, uwrite, upart, uwriter, ucall, uwhere, uland) in \
+                    prior.items():
+                if not (write or uwrite):
                     continue
+                # the earlier access ended before this one: itself, or the landing of a
+                # store in flight (not passed yet: it has not ended)
+                if uland is None:
+                    if u == t or clock[u] >= ustamp:
+                        continue
+                else:
+                    end = self.landed.get((uland[0], ucall, uland[1]))
+                    if end is not None and (end[0] == t or clock[end[0]] >= end[1]):
+                        continue
                 if part is not None and upart is not None and part == upart \
                         and writer != uwriter:
                     continue
                 self.races.add((inst, (uwriter, ucall) + uwhere, uwrite,
                                 (writer, call) + where, write))
-            prior[(t, where)] = (stamp, write, part, writer, call, where)
+            # the latest call's access per stream and access is enough, but a store in
+            # flight is kept per call: an older call's may not have landed yet
+            prior[(t, where) if land is None else (t, where, call)] = (
+                stamp, write, part, writer, call, where, land)
 
     def done(self) -> bool:
         return all(p >= len(a) for p, a in zip(self.pos, self.c.actions, strict=True))
@@ -478,7 +512,7 @@ def _run(c: _Compiled, policy: str, rng: random.Random) -> _Run:
             heapq.heappush(heap, (key(t), t))
 
     for t in range(n):
-        if acts[t] and acts[t][0][0] == 0:
+        if acts[t] and acts[t][0][0] in (0, 3):
             run.step(t)  # the local effects before the first sync action
         arrive(t)
     while heap:
@@ -527,9 +561,10 @@ def _race_findings(c: _Compiled, races: set[tuple], run: str) -> list[Finding]:
     steps = c.prog.steps
     out = []
     for inst, ainfo, awrite, binfo, bwrite in races:
-        # info = (rank, call, step index, phase, effect); intended order: call, step, phase
-        a = (ainfo[1], ainfo[2], ainfo[3], ainfo[0], awrite)
-        b = (binfo[1], binfo[2], binfo[3], binfo[0], bwrite)
+        # info = (rank, call, step index, phase, effect, data-flow step, data-flow phase);
+        # intended order: call, then where the data flow places the access
+        a = (ainfo[1], ainfo[5], ainfo[6], ainfo[0], awrite, ainfo[2])
+        b = (binfo[1], binfo[5], binfo[6], binfo[0], bwrite, binfo[2])
         first, second = sorted((a, b))
         if first[4] and second[4]:
             cls = WAW
@@ -538,7 +573,7 @@ def _race_findings(c: _Compiled, races: set[tuple], run: str) -> list[Finding]:
             cls = WAR if w[:3] > r[:3] else RAW
 
         def side(s: tuple) -> tuple:
-            return (s[3], s[0], steps[s[1]].name, "write" if s[4] else "read")
+            return (s[3], s[0], steps[s[5]].name, "write" if s[4] else "read")
 
         out.append(Finding("race", cls, c.inst_buffer[inst], side(first), side(second),
                            c.world, run))

@@ -98,6 +98,18 @@ class Effect:
     after its wait in others; the table lists it in both phases, each marked (the
     checkers take both: more reads only add races), and the access tracer
     (dcpc.harness.trace) demands it in one of the two.
+    ``lands``: a store the language places later than the kernel makes it: the index of
+    the step whose wait lands it (a shift's: its own wait, or its ``phase: wait``). The
+    store is made at the push and is IN FLIGHT until the receiver's wait of that step,
+    where the data flow (what a read sees, the float64 reference) writes it
+    (``data_flow``): every other access to that instance must end before the push or
+    start after that wait (dcpc.check.hb.races).
+    ``root``: the access happens on team member ``root`` only: a store into ``root``'s
+    instance only, a read or write of ``root``'s own instance by ``root`` only (a
+    reduce's ``via``). None: on every rank (SPMD). The data flow is exact about it (a
+    read on every rank needs a write on every rank); the happens-before checkers, whose
+    symmetry needs every rank to run the same accesses, take it on every rank (more
+    accesses: sound, docs/hb-checker.md).
     """
 
     buffer: str
@@ -106,6 +118,17 @@ class Effect:
     region: Region | None = None
     key: str = ""
     either: bool = False
+    lands: int | None = None
+    root: int | None = None
+
+
+def data_flow(table: list[Semantics]) -> list[tuple[int, Effect]]:
+    """(step index, effect) of every step's effects (``table``: by step index) in the
+    order the data flow has them: step by step, each step's in the order it lists them,
+    then the stores in flight that land at that step's wait."""
+    found = [((e.lands if e.lands is not None else i, e.lands is not None, i, k), i, e)
+             for i, sem in enumerate(table) for k, e in enumerate(sem.effects)]
+    return [(i, e) for _, i, e in sorted(found, key=lambda item: item[0])]
 
 
 @dataclass(frozen=True)
@@ -352,8 +375,9 @@ def merge_inputs(op: m.OpBase) -> list[tuple[str, str]]:
 
 
 def effects(kind: str, when: str, pairs: list[tuple[str, str]],
-            region: Region | None = None, *, either: bool = False) -> list[Effect]:
-    return [Effect(b, kind, when, region, key, either) for b, key in pairs]
+            region: Region | None = None, *, either: bool = False,
+            lands: int | None = None, root: int | None = None) -> list[Effect]:
+    return [Effect(b, kind, when, region, key, either, lands, root) for b, key in pairs]
 
 
 def exchange(before: list[Effect], after: list[Effect], step: m.Step) -> Semantics:

@@ -7,10 +7,12 @@ Lowered as: every rank pushes its whole ``src`` into index ``rank`` of the ROOT'
 symmetric receive buffer ``via`` ([W, *src]; implicit ``<step>_recv``), every rank
 signals every peer and waits for every peer, then the root reduces ``via[0] .. via[W-1]``
 in that order in fp32 into ``dst`` (the other ranks write 0).
-Modelled soundly: effects are the same on every rank (SPMD), so the pushes are modelled
-as stores into every rank's ``via`` (an over-approximation: only the root's instance is
-written), the reduction as a read of ``via`` and a write of ``dst`` on every rank (exact:
-the other ranks write their zeros then). The tests compare it with an exact brute force.
+Semantics, exact: the pushes store into the ROOT's ``via`` only and only the root reads
+it (``Effect.root``), so a later read of ``via`` on every rank reads, off the root, what
+nothing wrote (read-before-write, dcpc.check.flow); ``dst`` is written on every rank (the
+other ranks write their zeros). The happens-before checkers take root-only accesses on
+every rank (their symmetry needs the same accesses on every rank): an over-approximation,
+sound for races. The tests compare both with an exact brute force.
 Lowerings: dcpc/codegen/rules.py ``reduce`` + templates/ops/reduce.py.j2;
 dcpc/runtime/collectives.py ``reduce``.
 """
@@ -22,10 +24,20 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step
-from dcpc.ops.all_reduce import semantics as _all_reduce_semantics
 from dcpc.ops.all_reduce import verify_elementwise, via_of
 from dcpc.ops.broadcast import verify_root
-from dcpc.ops.common import Scope, Semantics
+from dcpc.ops.common import (
+    AFTER,
+    BEFORE,
+    READ,
+    WRITE,
+    Region,
+    Scope,
+    Semantics,
+    effects,
+    exchange,
+    keyed,
+)
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
@@ -45,8 +57,14 @@ class Reduce(OpBase):
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
-    """all_reduce's (sum, max) effects and sync: see the module's docstring for why."""
-    return _all_reduce_semantics(c, step)
+    """all_reduce's (sum, max) effects and sync, with the pushes into, and the reduction's
+    read of, the root's ``via`` only."""
+    op: Reduce = step.op  # type: ignore[assignment]
+    via = [via_of(step)]
+    before = effects(READ, BEFORE, keyed(op, "src"))
+    before += effects(WRITE, BEFORE, via, Region("index", 0), root=op.root)
+    after = effects(READ, AFTER, via, root=op.root) + effects(WRITE, AFTER, keyed(op, "dst"))
+    return exchange(before, after, step)
 
 
 def verify(v: Verify, step: Step) -> None:

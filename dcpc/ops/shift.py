@@ -6,6 +6,10 @@ for rank ``r - offset``'s signal (its own ``dst`` has then arrived).
 ``phase: wait`` step naming the same ``src``, ``dst`` and ``offset`` polls its slots
 (the k-th wait of a (src, dst, offset) polls the k-th put of it). Between the two, the
 kernel's push is in flight and other steps may run (a ring hop overlapping attention).
+The language lands the data at the wait (``dst`` is written there, as the float64
+reference writes it); the kernel stores at the put. So the store is modelled at the put,
+in flight until the wait (``Effect.lands``): any other access to ``dst`` in between, on
+any rank, is a race, even one a barrier orders after the store.
 
 Offsets: ``next`` (= 1), ``prev`` (= -1) or any other nonzero integer k; rank r + k is
 taken mod W, so at a W that divides k the shift is a local copy (no signal, no wait).
@@ -69,6 +73,7 @@ class Puts:
     """Which put each ``phase: wait`` shift polls (by step name), and what is unmatched."""
 
     polls: dict[str, Step] = field(default_factory=dict)
+    lands: dict[str, Step] = field(default_factory=dict)  # put -> the wait that polls it
     lonely_waits: list[Step] = field(default_factory=list)
     lonely_puts: list[Step] = field(default_factory=list)
 
@@ -85,7 +90,8 @@ def puts(schedule: Schedule) -> Puts:
         if op.phase == "put":
             pending.setdefault(_key(op), []).append(step)
         elif pending.get(_key(op)):
-            out.polls[step.name] = pending[_key(op)].pop(0)
+            put = out.polls[step.name] = pending[_key(op)].pop(0)
+            out.lands[put.name] = step
         else:
             out.lonely_waits.append(step)
     out.lonely_puts = [s for waiting in pending.values() for s in waiting]
@@ -110,8 +116,12 @@ def semantics(c: Scope, step: Step) -> Semantics:
     if op.phase == "wait":
         polled = matched(c).polls.get(step.name)
         return Semantics((), Sync(wait=back, polls=polled.index if polled else None))
+    # the store is made at the push and lands at the wait that polls it (its own, or
+    # the `phase: wait` step's; an unmatched put is the verifier's error)
+    wait = matched(c).lands.get(step.name) if op.phase == "put" else step
     push = effects(READ, BEFORE, keyed(op, "src"))
-    push += effects(WRITE, BEFORE, keyed(op, "dst"), Region("peer", 0, offset=k))
+    push += effects(WRITE, BEFORE, keyed(op, "dst"), Region("peer", 0, offset=k),
+                    lands=wait.index if wait is not None else None)
     if op.phase == "put":
         return Semantics(tuple(push), Sync(signal=to))
     return Semantics(tuple(push), Sync(signal=to, wait=back, polls=step.index))

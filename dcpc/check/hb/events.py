@@ -29,7 +29,7 @@ per rank when ``shared: true``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 
 from dcpc.diagnostics import Mark
@@ -50,12 +50,17 @@ class Access:
     ``region is None``: this rank reads or writes its own whole instance.
     Otherwise a store into EVERY rank's instance (its own included) of the part
     ``region`` assigns to the writing rank, or (scheme ``peer``) into the whole
-    instance of rank ``writer + region.offset`` only.
+    instance of rank ``writer + region.offset`` only. ``lands``: a store in flight
+    from the push until the owner's wait of that step (``Effect.lands``), an interval
+    (dcpc.check.hb.races), placed there by the data flow. An effect on the root only
+    (``Effect.root``) is taken on every rank: the symmetry needs every rank's accesses
+    alike, and more accesses only add races.
     """
 
     buffer: str
     kind: str  # "read" | "write"
     region: Region | None = None
+    lands: int | None = None
 
     @property
     def remote(self) -> bool:
@@ -95,6 +100,11 @@ class Program:
     shared: dict[str, bool]  # every tracked (symmetric) buffer -> shared: true?
     channel_names: dict[str, str]  # channel -> what the schedule calls it
     axis_names: tuple[str, ...] = ("world",)  # the mesh's axes (dcpc.lang.mesh)
+
+    @cached_property
+    def recv_of(self) -> dict[int, int]:
+        """Step index -> its recv event (where a store in flight into it lands)."""
+        return {e.step: j for j, e in enumerate(self.events) if e.phase == "recv"}
 
     @property
     def streams_per_rank(self) -> int:
@@ -237,4 +247,4 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
 
 
 def _access(effect: Effect) -> Access:
-    return Access(effect.buffer, effect.kind, effect.region)
+    return Access(effect.buffer, effect.kind, effect.region, effect.lands)

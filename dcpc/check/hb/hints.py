@@ -25,6 +25,7 @@ from dcpc.diagnostics import DiagnosticError
 from dcpc.lang.mesh import grown
 from dcpc.lang.model import Barrier, Peers, Schedule, Signal, Streams
 from dcpc.lang.semantics import REACHES, WRITE, table
+from dcpc.ops.common import data_flow
 
 Key = tuple[str, str, str, str, str]
 Edit = tuple[str, Callable[[], Schedule]]
@@ -47,12 +48,12 @@ def reaching_writes(schedule: Schedule) -> dict[tuple[str, str], str]:
     (reads of what nothing before wrote in the call are left out)."""
     last: dict[str, str] = {}
     seen: dict[tuple[str, str], str] = {}
-    for step, sem in zip(schedule.step_list(), table(schedule), strict=True):
-        for effect in sem.effects:
-            if effect.kind == WRITE:
-                last[effect.buffer] = step.name
-            elif effect.buffer in last:
-                seen.setdefault((step.name, effect.buffer), last[effect.buffer])
+    steps = schedule.step_list()
+    for i, effect in data_flow(table(schedule)):  # a store in flight where it lands
+        if effect.kind == WRITE:
+            last[effect.buffer] = steps[i].name
+        elif effect.buffer in last:
+            seen.setdefault((steps[i].name, effect.buffer), last[effect.buffer])
     return seen
 
 
@@ -88,6 +89,14 @@ def _move_after(schedule: Schedule, step: str, after: str) -> Schedule:
     rest = [i for i in items if i[0] != step]
     at = next(k for k, i in enumerate(rest) if i[0] == after)
     return _with_steps(schedule, rest[: at + 1] + [moving] + rest[at + 1:])
+
+
+def _move_before(schedule: Schedule, step: str, before: str) -> Schedule:
+    items = _items(schedule)
+    moving = next(i for i in items if i[0] == step)
+    rest = [i for i in items if i[0] != step]
+    at = next(k for k, i in enumerate(rest) if i[0] == before)
+    return _with_steps(schedule, rest[:at] + [moving] + rest[at:])
 
 
 def _barrier_after(schedule: Schedule, step: str) -> Schedule:
@@ -142,6 +151,26 @@ def _race_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
         yield f"add a barrier after {step}", lambda step=step: _barrier_after(schedule, step)
     if schedule.slots > 1 and schedule.streams == Streams.per_slot:
         yield "`streams: single`", lambda: schedule.model_copy(update={"streams": Streams.single})
+    if a.lands or b.lands:
+        yield from _flight_edits(schedule, f, index)
+
+
+def _flight_edits(schedule: Schedule, f: Finding, index: dict[str, int]) -> Iterator[Edit]:
+    """A race with a store in flight (a split-phase shift's, from its put to its wait):
+    the other access before a sync that precedes the push; or, for two pushes in flight
+    at once, the later one after the earlier one's wait, with a barrier between (the
+    barrier orders the landing before the push on every rank)."""
+    a, b = f.first, f.second
+    assert b is not None
+    if a.lands and a.call == b.call and index[b.step] < index[a.lands]:
+        def serial() -> Schedule:
+            return _barrier_after(_move_after(schedule, b.step, a.lands), a.lands)
+        yield f"move {b.step} after {a.lands} with a barrier between them", serial
+    for name, op in _items(schedule):
+        if getattr(op, "op", "") in ("signal", "barrier") \
+                and index[name] < min(index[a.step], index[b.step]):
+            yield (f"move {a.step} before {name}",
+                   lambda name=name: _move_before(schedule, a.step, name))  # type: ignore[misc]
 
 
 def _deadlock_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:

@@ -12,6 +12,16 @@ groups, one per (call, event, access):
 Two groups are compared with O(1) clock look-ups (local/local, or stores of the
 same partition, which only overlap for the same writer), O(W) (local/stores) or
 O(W^2) (stores of different partitions), never by enumerating event pairs.
+
+A store in flight (``Access.lands``: a split-phase shift's) is an interval: it starts
+at the writer's push and ends at the owner's wait of the step that lands it, where the
+data flow writes it. Two overlapping accesses, one a write, conflict unless one ENDS
+before the other STARTS in happens-before (for an ordinary access start and end are the
+access itself): an access between a put and its wait, on any rank, is a race even when
+a barrier orders it after the push, and two stores in flight into one instance must
+not overlap. Ordered that way, two accesses are also ordered as the data flow orders
+them (``intended``, which classifies): happens-before never runs against the order of
+calls and steps (a wait that polls a later step of its call never returns).
 """
 
 from __future__ import annotations
@@ -37,19 +47,40 @@ class Touch:
 
     def order_key(self, world: World) -> tuple[int, int, int]:
         """The order the schedule intends: call, step, then phase within the step."""
-        event = world.program.events[self.j]
-        return (self.call, event.step, PHASE_ORDER[event.phase])
+        return intended(world, self.call, self.j, self.access)
+
+
+def end_need(world: World, call: int, j: int, access: Access) -> int:
+    """1 + the stream index of the event that ends an access of event j of ``call``: the
+    event itself, or for a store in flight its owner's wait of the landing step."""
+    if access.lands is not None:
+        j = world.program.recv_of[access.lands]
+    return world.program.stream_index(call, j) + 1
+
+
+def intended(world: World, call: int, j: int, access: Access) -> tuple[int, int, int]:
+    """Where the data flow places ``access`` of event j of ``call``: (call, step, phase
+    within the step); a store in flight at the wait of the step that lands it."""
+    if access.lands is not None:
+        return (call, access.lands, PHASE_ORDER["recv"])
+    event = world.program.events[j]
+    return (call, event.step, PHASE_ORDER[event.phase])
 
 
 @dataclass(frozen=True)
 class RawRace:
-    """Two unordered conflicting accesses, ``first`` before ``second`` in intended order."""
+    """Two conflicting accesses, ``first`` before ``second`` in intended order: neither
+    ends before the other starts (a store in flight ends where it lands)."""
 
     cls: str
     buffer: str
     first: Touch
     second: Touch
     slot: int | None  # the instance's slot; None for a shared buffer
+
+    @property
+    def in_flight(self) -> bool:
+        return self.first.access.lands is not None or self.second.access.lands is not None
 
     def key(self, world: World) -> tuple[str, str, str, str, str]:
         steps = world.program.steps
@@ -112,9 +143,10 @@ def _writers(world: World, access: Access) -> list[int]:
 def _first_unordered(
     world: World, a: tuple[int, int, Access], b: tuple[int, int, Access]
 ) -> tuple[Touch, Touch] | None:
-    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race.
-    The caller has ruled out a pair ordered on every rank, either way (find_races:
-    the minimum over the ranks of one event's clock entries for the other's stream)."""
+    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race:
+    neither ends before the other starts. The caller has ruled out a pair ordered so on
+    every rank (find_races: the minimum over the ranks of one event's clock entries for
+    the other's stream)."""
     (ca, ja, xa), (cb, jb, xb) = a, b
     pa, pb = world.pos(ca, ja), world.pos(cb, jb)
     same_event = pa == pb
@@ -122,15 +154,19 @@ def _first_unordered(
     def touch(rank: int, call: int, j: int, access: Access) -> Touch:
         return Touch(rank, call, j, access, 0)
 
-    # World.hb(ra, pa, rb, pb) with pa's and pb's streams and stream positions read once
+    # World.hb(end of a, start of b) and back, with the streams and stream positions of
+    # the ends read once; a store in flight ends on the owner, rank 0
     program, count = world.program, world.count
-    stream_a, need_a = program.stream(ca), program.stream_index(ca, ja) + 1
-    stream_b, need_b = program.stream(cb), program.stream_index(cb, jb) + 1
+    stream_a, need_a = program.stream(ca), end_need(world, ca, ja, xa)
+    stream_b, need_b = program.stream(cb), end_need(world, cb, jb, xb)
+    fa, fb = xa.lands is not None, xb.lands is not None
 
     def unordered(ra: int, rb: int) -> bool:
+        """Whether neither of (ra, a) and (rb, b) ends before the other starts."""
         if same_event and ra == rb:
             return False
-        return count(pb, ra, rb, stream_a) < need_a and count(pa, rb, ra, stream_b) < need_b
+        return (count(pb, 0 if fa else ra, rb, stream_a) < need_a
+                and count(pa, 0 if fb else rb, ra, stream_b) < need_b)
 
     if not xa.remote and not xb.remote:
         if unordered(0, 0):
@@ -174,15 +210,19 @@ def _pair_key(world: World, buffer: str, a: tuple[int, int, Access],
     """The key ``classify`` gives any race between groups a and b: it depends on the
     groups only (ranks break ties of one event, whose two sides name the same step)."""
     events, steps = world.program.events, world.program.steps
-    ka = (a[0], events[a[1]].step, PHASE_ORDER[events[a[1]].phase])
-    kb = (b[0], events[b[1]].step, PHASE_ORDER[events[b[1]].phase])
+    ka = (a[0], a[2].lands, 1) if a[2].lands is not None else \
+        (a[0], events[a[1]].step, PHASE_ORDER[events[a[1]].phase])
+    kb = (b[0], b[2].lands, 1) if b[2].lands is not None else \
+        (b[0], events[b[1]].step, PHASE_ORDER[events[b[1]].phase])
     (kf, first), (ks, second) = sorted(((ka, a), (kb, b)), key=lambda item: item[0])
     if first[2].kind == "write" and second[2].kind == "write":
         cls = WAW
     else:
         write, read = (kf, ks) if first[2].kind == "write" else (ks, kf)
         cls = WAR if write > read else RAW
-    return ("race", cls, buffer, steps[kf[1]].name, steps[ks[1]].name)
+    # named by the steps that make the accesses (a store in flight: its put)
+    return ("race", cls, buffer, steps[events[first[1]].step].name,
+            steps[events[second[1]].step].name)
 
 
 PairKeys = dict[tuple[str, int | None], dict[tuple[int, int, bool], tuple[str, ...]]]
@@ -208,10 +248,12 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
         sig_of = {(j, id(access)): n for n, (j, access) in enumerate(signatures)}
         for slot, calls in _instances(world, buffer):
             groups = _groups(world, signatures, calls)
-            # per group: position, stream, stream index + 1, writes?, signature, call
+            # per group: position, stream, stream index + 1 of where it ends (a store in
+            # flight: where it lands), writes?, signature, call
             meta = [(world.pos(call, j), program.stream(call),
-                     program.stream_index(call, j) + 1, access.kind == "write",
-                     sig_of[(j, id(access))], call) for call, j, access in groups]
+                     end_need(world, call, j, access),
+                     access.kind == "write", sig_of[(j, id(access))], call)
+                    for call, j, access in groups]
             keys = pair_keys.setdefault((buffer, slot), {})
             writes = [a.kind == "write" for _, a in signatures]
             # the groups of each call end here (groups come call by call)
@@ -236,9 +278,9 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
                         key = keys[(ga, gb, ca == cb)] = _pair_key(world, buffer, a, b)
                     if key in found:
                         continue
-                    # ordered on every rank, one way or the other: no race. The entries
-                    # of pb's clock for pa's stream on all ranks are what the O(W) (or
-                    # O(W^2)) rank loops would look at; their minimum decides it at once
+                    # one ends before the other starts on every rank: no race. The
+                    # entries of pb's clock for pa's stream on all ranks are what the O(W)
+                    # (or O(W^2)) rank loops would look at; their minimum decides it
                     low_b = lows.get((pb, sa))
                     if low_b is None:
                         low_b = low(pb, sa)

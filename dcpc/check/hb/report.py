@@ -32,6 +32,7 @@ class Location:
     region: str  # e.g. "q_full[rank 0, slot 0] H block 1 (dim 1)", or a channel
     mark: Mark
     rank_name: str = field(default="", compare=False)  # a mesh's "rank (node=1, gpu=0)"
+    lands: str = field(default="", compare=False)  # a store in flight: the wait landing it
 
     def text(self) -> str:
         who = self.rank_name or f"rank {self.rank}"
@@ -39,9 +40,10 @@ class Location:
                 f"{self.access}s {self.region}, at {self.mark}")
 
     def as_dict(self) -> dict[str, Any]:
+        """As JSON; a store in flight also names the wait that lands it ("lands")."""
         return {"rank": self.rank, "call": self.call, "slot": self.slot, "step": self.step,
                 "step_index": self.step_index, "access": self.access, "region": self.region,
-                "mark": str(self.mark)}
+                "mark": str(self.mark), **({"lands": self.lands} if self.lands else {})}
 
 
 @dataclass
@@ -156,8 +158,13 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
     region = _instance(world, t.access.buffer, t.owner, slot)
     if t.access.region is not None:
         region += " " + t.access.region.text(_member(world, t.rank, t.access.region.axes))
+    lands = ""
+    if t.access.lands is not None and t.access.lands != step.index:
+        wait = program.steps[t.access.lands]
+        region += f", in flight until its wait {wait.name} ({wait.mark})"
+        lands = wait.name
     return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
-                    t.access.kind, region, step.mark, _rk(world, t.rank))
+                    t.access.kind, region, step.mark, _rk(world, t.rank), lands)
 
 
 def race_cut(world: World, race: RawRace) -> list[int]:
@@ -185,7 +192,9 @@ def race_finding(world: World, race: RawRace) -> Finding:
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     where = f"(W={world.world})"
     na, nb = _rk(world, la.rank), _rk(world, lb.rank)
-    if race.cls == WAR:
+    if la.lands or lb.lands:  # a split-phase shift's store, in flight from put to wait
+        message = _flight_message(world, race, la, lb, where)
+    elif race.cls == WAR:
         message = (f"write-after-read race on {race.buffer}: {lb.step} on {nb} "
                    f"(call {lb.call}) can write {lb.region} while {la.step} on {na} "
                    f"(call {la.call}) still reads it {where}")
@@ -199,6 +208,23 @@ def race_finding(world: World, race: RawRace) -> Finding:
                    f"(call {la.call}) and {lb.step} on {nb} (call {lb.call}) can "
                    f"write {lb.region} in either order {where}")
     return Finding("race", race.cls, race.buffer, la, lb, world.world, message, timeline)
+
+
+def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
+                    where: str) -> str:
+    """A race with a store in flight: what touches the instance between the push and the
+    wait that lands it (another push, when both are in flight)."""
+    instance = _instance(world, race.buffer, race.first.owner, race.slot)
+    fly, other = (la, lb) if la.lands else (lb, la)
+    if la.lands and lb.lands:  # the later-landing push meets the earlier one in flight
+        fly, other = la, lb
+        does = f"push (landing at its wait {lb.lands}) into"
+    else:
+        does = {"read": "read", "write": "write"}[other.access]
+    return (f"{race.cls} race on {race.buffer}: {other.step} on {_rk(world, other.rank)} "
+            f"(call {other.call}) can {does} {instance} while the store of {fly.step} on "
+            f"{_rk(world, fly.rank)} (call {fly.call}) into it is in flight, until its wait "
+            f"{fly.lands} {where}")
 
 
 def _wait_text(world: World, j: int, rank: int) -> str:
