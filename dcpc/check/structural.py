@@ -15,12 +15,13 @@ from collections.abc import Iterable
 
 from dcpc.check.context import Context, show
 from dcpc.check.flow import check_channels, check_reads
-from dcpc.check.mesh import check_mesh
+from dcpc.check.mesh import check_mesh, mesh_diagnostics
 from dcpc.check.names import check_buffers, check_names, check_references
 from dcpc.check.ops import check_ops
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
-from dcpc.lang.mesh import WorldError, fit_worlds, mesh_of
+from dcpc.lang.loops import MAX_STEPS
+from dcpc.lang.mesh import MeshWorld, WorldError, fit_worlds, mesh_of
 from dcpc.lang.model import AllGather, Schedule, Streams
 from dcpc.lang.nodes import Step
 from dcpc.lang.questions import Samples
@@ -42,6 +43,9 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     if bad:
         return [Diagnostic(Mark(schedule.source_file, 0, 0), "bad-world",
                            f"group sizes must be positive integers, not {bad[0]!r}")]
+    broken = mesh_diagnostics(schedule)  # every later check reads W through the mesh
+    if broken:
+        return broken
     try:
         worlds = sorted(set(fit_worlds(mesh_of(schedule), worlds)))
     except WorldError as err:
@@ -67,15 +71,19 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     return sorted(unique.values(), key=lambda d: (d.mark, d.code))
 
 
-MAX_STEPS = 256
 MAX_ACCESSES = 20_000
 
 
 # The happens-before analysis computes, for every W it analyses, a clock of W entries
 # per event of the calls it unrolls (copies of slot 0 cost nothing). A ring of many
 # next/prev waits raises the world bound, below which every W is analysed: 127 hops
-# analyse every W up to 511 (67 million entries, about 10 s of this machine).
-MAX_HB_WORK = 8_000_000
+# analyse every W up to 511 (67 million entries). The limit keeps the largest analysis
+# it admits near 1 s of CPU on this project's 2-core machine (a ring of 256 steps with
+# 28 next waits at --world 2..1024: issue 31), so a check answers within 2 s on a
+# loaded machine. A mesh's entries cost MESH_COST plain ones: its clocks are translated
+# by permutations of the torus, a plain W's by rotations (list slices).
+MAX_HB_WORK = 4_000_000
+MESH_COST = 4
 
 
 def check_limits(schedule: Schedule, worlds: list[int] | None = None) -> list[Diagnostic]:
@@ -94,23 +102,50 @@ def check_limits(schedule: Schedule, worlds: list[int] | None = None) -> list[Di
     return _hb_work(schedule, steps, worlds or [])
 
 
+def hb_calls(slots: int, per_slot_streams: bool) -> int:
+    """The calls per rank whose clocks the happens-before checker computes: 2 with
+    per-slot streams (the other slots' calls are copies), else 2 * slots."""
+    return 2 if per_slot_streams and slots > 1 else 2 * slots
+
+
+def hb_work(worlds: list[int], steps: int, calls: int) -> int:
+    """The clock entries of analysing ``worlds`` (those the checker analyses) for a
+    program of ``steps`` steps and ``calls`` computed calls: the limit's measure."""
+    return sum(int(w) * (MESH_COST if isinstance(w, MeshWorld) else 1)
+               for w in worlds) * steps * calls
+
+
 def _hb_work(schedule: Schedule, steps: list, worlds: list[int]) -> list[Diagnostic]:
-    from dcpc.check.hb.checker import bound_for, representatives  # hb imports this module
+    # the world bounds and representatives the checker itself uses (hb imports this
+    # module, hence imported here)
+    from dcpc.check.hb.checker import bound_for, mesh_representatives, representatives
     from dcpc.ops.common import ring_hops
 
     sems = table(schedule)
-    ring = sum(ring_hops(sem.sync.wait) for sem in sems)
     calls = 2 * schedule.slots
-    bound = bound_for(ring, calls)
-    per_slot = schedule.streams == Streams.per_slot and schedule.slots > 1
-    analysed = representatives(sorted(worlds), bound)
-    work = sum(analysed) * len(steps) * (2 if per_slot else calls)
+    worlds = sorted(worlds)
+    if schedule.mesh is None:
+        ring = sum(ring_hops(sem.sync.wait) for sem in sems)
+        bound = bound_for(ring, calls)
+        analysed = representatives(worlds, bound)
+        upto = f"every W up to {bound}"
+    else:  # each axis' bound from the next/prev waits along it alone (axis_bounds)
+        every = tuple(range(len(schedule.mesh)))
+        hops = [sum(ring_hops(sem.sync.wait) for sem in sems
+                    if (sem.sync.axes if sem.sync.axes is not None else every) == (a,))
+                for a in every]
+        ring = sum(hops)
+        bounds = [bound_for(h, calls) for h in hops]
+        analysed = mesh_representatives(worlds, bounds)
+        upto = "every axis size up to " + "x".join(map(str, bounds))
+    work = hb_work(analysed, len(steps),
+                   hb_calls(schedule.slots, schedule.streams == Streams.per_slot))
     if work <= MAX_HB_WORK:
         return []
     raised = f", raised by {ring} next/prev waits per call" if ring > 0 else ""
     return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
                        f"the happens-before checker would analyse {len(analysed)} group "
-                       f"sizes (every W up to {bound}{raised}) of {len(steps)} steps: "
+                       f"sizes ({upto}{raised}) of {len(steps)} steps: "
                        f"{work} clock entries, above the limit of {MAX_HB_WORK}",
                        hint="check a narrower --world range, or use fewer ring hops (a "
                        "'from: all' wait orders every rank at once), steps or slots")]

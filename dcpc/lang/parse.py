@@ -71,8 +71,10 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
     except ValidationError as exc:
         raise DiagnosticError(_diagnostics(exc, data, file)) from None
     schedule.set_source(file, digest)
-    if names_world:
-        schedule._loop_world = world
+    if names_world and world is not None:
+        # the unrolled steps depend on W only (a trip count or index reads W, never an
+        # axis size), so a mesh shape's module serves its W: LOOP_WORLD = 6, not 2x3
+        schedule._loop_world = int(world)
     return schedule
 
 

@@ -16,14 +16,15 @@ from typing import Any
 import yaml
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
+from dcpc.lang.expr import MAX_INT_DIGITS
 
 MARK = "__mark__"
 MARKS = "__marks__"
 NODE_BUDGET = 100_000
-# No integer of a schedule needs more: the language's own bounds (sizes, dims) are far
-# smaller and are checked later. Bounding here keeps Python's int/str limit (4,300
-# digits) and huge values out of every later stage and every message.
-MAX_INT_DIGITS = 30
+# No integer of a schedule needs more than MAX_INT_DIGITS (an expression's integers have
+# the same bound): the language's own bounds (sizes, dims) are far smaller and are
+# checked later. Bounding here keeps Python's int/str limit (4,300 digits) and huge
+# values out of every later stage and every message.
 INT_TAG = "tag:yaml.org,2002:int"
 _TAG_NAMES = {
     "tag:yaml.org,2002:int": "an integer", "tag:yaml.org,2002:float": "a number",
