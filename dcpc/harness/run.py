@@ -16,6 +16,7 @@ from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.harness.launch import LaunchResult, RankOutcome, launch
 from dcpc.harness.worker import OutputStats, RankReport
 from dcpc.lang.mesh import MeshWorld
+from dcpc.run_limits import check_compiled, check_config
 
 
 @dataclass
@@ -192,6 +193,7 @@ def sizes_line(sizes: dict[str, int], world: int) -> str:
 def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
     """Compile and run ``config``; ``announce(line)``, when given, hears the bound sizes
     before any rank starts."""
+    check_config(config)  # calls, delays, timeouts: refused before anything runs
     if _kinds(config.backend) & {"host"}:
         from dcpc.runtime.host import remove_orphan_segments
 
@@ -200,6 +202,7 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
         used, module, name, compile_s = compile_to(
             config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb,
             patch=config.module_patch)
+        check_compiled(config, used, module, name)  # what every rank would refuse
         sizes = bound_sizes(config, used, module, name)
         if announce is not None:
             announce(sizes_line(sizes, config.world))
