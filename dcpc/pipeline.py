@@ -220,7 +220,12 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
     looped = _world_loop(c)
     if looped is not None:
         return _per_world(c, looped, until)
-    for name, stage in STAGES:
+    return _stages(c, STAGE_NAMES[0], until)
+
+
+def _stages(c: Compilation, first: str, until: str) -> Compilation:
+    """Run the stages from ``first`` up to and including ``until`` on ``c``."""
+    for name, stage in STAGES[STAGE_NAMES.index(first):]:
         start = time.perf_counter()
         try:
             stage(c)
@@ -236,6 +241,31 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
     return c
 
 
+def _per_world_budget(c: Compilation, mark: Any, done: list[Compilation]) -> None:
+    """The happens-before work limit (dcpc.check.structural) over the W of a per-W file
+    together, from each W's parsed schedule, before any W is analysed."""
+    from dcpc.check.structural import MAX_HB_WORK, hb_cost
+    from dcpc.diagnostics import Mark
+    from dcpc.lang.mesh import worlds_text
+
+    work = 0
+    fits: list[int] = []
+    for one in done:
+        work += hb_cost(one.schedule, one.worlds).work
+        if work <= MAX_HB_WORK:
+            fits += one.worlds
+    if work <= MAX_HB_WORK:
+        return
+    asked = [w for one in done for w in one.worlds]
+    narrower = (f"check W {worlds_text(fits)} (or a few W at a time)" if fits
+                else "check fewer W at a time")
+    raise DiagnosticError([Diagnostic(
+        Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
+        f"the unrolled steps depend on W (a trip count or an index names W), so each W "
+        f"is analysed on its own: W {worlds_text(asked)} make {work} units of "
+        f"happens-before work in all, above the limit of {MAX_HB_WORK}; {narrower}")])
+
+
 def _world_loop(c: Compilation) -> Any:
     """The mark of a loop whose trip count names W, when several worlds are asked (the
     file's loaded YAML is kept in ``c.source``: the file is read once)."""
@@ -247,9 +277,9 @@ def _world_loop(c: Compilation) -> Any:
 
     try:
         text = read_capped(c.path, MAX_FILE_BYTES).decode("utf-8")
-        data = yamlsrc.load(text, str(c.path))
     except (DiagnosticError, UnicodeDecodeError):
         return None  # the parse stage reports it
+    data = yamlsrc.load(text, str(c.path))  # its error is the file's: not loaded twice
     c.source = (data, sha256(text))  # the parse stage (or each W's) starts from it
     return loops.world_dependent(data)
 
@@ -259,14 +289,8 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     unrolled schedule); a module is compiled for one W only."""
     from dataclasses import replace
 
-    from dcpc.check.structural import MAX_HB_WORK
     from dcpc.diagnostics import Mark
-    from dcpc.lang.loops import (
-        MAX_TOTAL_STEPS,
-        first_too_long,
-        per_world_work,
-        widest_within_budget,
-    )
+    from dcpc.lang.loops import MAX_TOTAL_STEPS, first_too_long, widest_within_budget
     from dcpc.lang.mesh import worlds_text
 
     worlds = list(c.options.worlds)
@@ -288,22 +312,21 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
             f"is unrolled and analysed on its own: "
             f"W {worlds_text(worlds)} make {total} unrolled steps in all, past the "
             f"{MAX_TOTAL_STEPS} one check analyses; {narrower}")])
-    work, fits = per_world_work(c.source[0], worlds) if c.source else (0, None)
-    if work > MAX_HB_WORK:
-        narrower = (f"check W {worlds_text([w for w in worlds if w <= fits])} (or a few "
-                    "W at a time)" if fits else "check fewer W at a time")
-        raise DiagnosticError([Diagnostic(
-            Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
-            f"the unrolled steps depend on W (a trip count or an index names W), so each W "
-            f"is unrolled and analysed on its own: "
-            f"W {worlds_text(worlds)} make {work} happens-before clock entries in all, "
-            f"above the limit of {MAX_HB_WORK}; {narrower}")])
+    # every W is parsed and structurally checked first (cheap); the happens-before work
+    # of all of them together is then bounded before any W is analysed
+    cheap = min(last, STAGE_NAMES.index("check"))
+    done = [run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[cheap],
+                source=c.source) for w in worlds]
+    if last > cheap:
+        if c.options.hb:
+            _per_world_budget(c, mark, done)
+        for one in done:
+            _stages(one, STAGE_NAMES[cheap + 1], STAGE_NAMES[last])
     seconds: dict[str, float] = {}
-    for w in worlds:
-        one = run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[last],
-                  source=c.source)
-        for stage, took in one.seconds.items():  # every W's, not the last W's alone
+    for one in done:  # every W's, not the last W's alone
+        for stage, took in one.seconds.items():
             seconds[stage] = seconds.get(stage, 0.0) + took
+    one = done[-1]
     one.seconds = seconds
     one.per_world = worlds
     one.options = c.options

@@ -452,7 +452,9 @@ def test_a_schedule_past_the_limits_is_refused_at_once() -> None:
             "  - gather: {op: all_gather, src: x, dst: g, dim: 0}\n")
     many = head + "".join(f"  - use{i}: {{op: external, reads: [g]}}\n"
                           for i in range(MAX_STEPS))
-    (found,) = diags(many)
+    with pytest.raises(DiagnosticError) as err:  # refused by the parse, before the model
+        parse_text(many, "t.yaml")
+    (found,) = err.value.diagnostics
     assert found.code == "schedule-too-large" and f"{MAX_STEPS + 1} steps" in found.message
     wide = head + "  - use: {op: external, reads: [" + ", ".join(["g"] * MAX_ACCESSES) + "]}\n"
     (found,) = diags(wide)

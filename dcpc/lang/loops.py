@@ -32,7 +32,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.yamlsrc import MARK, MARKS
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
-MAX_SLICES = 256  # slices of one indexed buffer: each becomes a buffer of its own
+MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
 LOOP_KEYS = ("repeat", "as", "steps", "doc")
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
@@ -455,26 +455,6 @@ def widest_within_budget(data: Any, worlds: list[int]) -> tuple[int, int | None]
     for w in worlds:
         total += unrolled_length(data, w) or 0
         if total <= MAX_TOTAL_STEPS:
-            widest = w
-    return total, widest
-
-
-def per_world_work(data: Any, worlds: list[int]) -> tuple[int, int | None]:
-    """The happens-before clock entries of checking a per-W file at each of ``worlds``
-    (each W alone: W x its unrolled steps x the calls computed, the measure of
-    dcpc.check.structural.MAX_HB_WORK), summed, and the largest W up to which the sum
-    stays within that limit (None: not even the first), from the trip counts alone."""
-    from dcpc.check.structural import MAX_HB_WORK, hb_calls, hb_work
-    from dcpc.lang.model import MAX_SLOTS
-
-    slots = data.get("slots", 1) if isinstance(data, dict) else 1
-    slots = slots if isinstance(slots, int) and 1 <= slots <= MAX_SLOTS else 1  # else refused
-    per_slot = not isinstance(data, dict) or data.get("streams", "per_slot") != "single"
-    calls = hb_calls(slots, per_slot)
-    total, widest = 0, None
-    for w in worlds:
-        total += hb_work([w], unrolled_length(data, w) or 0, calls)
-        if total <= MAX_HB_WORK:
             widest = w
     return total, widest
 

@@ -74,6 +74,7 @@ def _split_step_items(items: Any) -> Any:
 
 
 MAX_SLOTS = 64  # slots: independent workspaces (docs/language.md, "Limits")
+MAX_BUFFERS = 256  # buffers, an indexed one counted per slice (docs/language.md, "Limits")
 
 
 class Schedule(Node):
