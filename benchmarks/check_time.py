@@ -36,15 +36,18 @@ CASES: list[tuple[Path, str]] = (
     + [(p, w) for p in MESHES for w in ("1..8x2..8", "2x512")])
 
 
-def measure(code: Path, path: Path, worlds: str, timeout: float) -> tuple[float, float, str]:
-    """(wall seconds, CPU seconds, outcome) of one `dcpc check` run."""
+def measure(code: Path, path: Path, worlds: str | None,
+            timeout: float) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds, outcome) of one `dcpc check` run (``worlds`` None:
+    the default)."""
     env = {**os.environ, "PYTHONPATH": str(code)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "dcpc", "check", "--world", worlds,
-                               str(path)], capture_output=True, text=True, env=env,
-                              timeout=timeout, cwd=code)
+        asked = ["--world", worlds] if worlds is not None else []
+        done = subprocess.run([sys.executable, "-m", "dcpc", "check", *asked, str(path)],
+                              capture_output=True, text=True, env=env, timeout=timeout,
+                              cwd=code)
         last = (done.stdout + done.stderr).strip().splitlines()
         codes = sorted({line.rsplit("[", 1)[1].rstrip("]") for line in last
                         if ": error:" in line and line.endswith("]")})
