@@ -19,28 +19,35 @@ import click
 
 from dcpc import __version__
 from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
-from dcpc.lang.mesh import MeshWorld, WorldError, parse_shapes
+from dcpc.lang.mesh import (
+    MAX_WORLD,
+    MeshWorld,
+    WorldError,
+    parse_count,
+    parse_shapes,
+    worlds_text,
+)
 from dcpc.pipeline import DEFAULT_WORLDS, STAGE_NAMES, Options, run
-
-MAX_WORLD = 1024
 
 
 def parse_worlds(text: str) -> list[int]:
     """'2..8' -> [2..8]; '2,4,8' -> [2, 4, 8]; '4' -> [4]; mesh shapes (dcpc.lang.mesh)
-    '2x4' -> [2x4], '2..4x8' -> [2x8, 3x8, 4x8], '2x2,2x4' -> both."""
+    '2x4' -> [2x4], '2..4x8' -> [2x8, 3x8, 4x8], '2x2,2x4' -> both. Group sizes and
+    shapes are not mixed: no schedule takes both (and a shape equals its W as an int)."""
     worlds: set[int] = set()
+    shapes: set[MeshWorld] = set()
     for part in text.split(","):
         part = part.strip()
         if "x" in part:
             try:
-                worlds.update(parse_shapes(part, MAX_WORLD))
+                shapes.update(parse_shapes(part, MAX_WORLD))
             except WorldError as err:
                 raise click.BadParameter(f"'{part}': {err}") from None
             continue
         lo, sep, hi = part.partition("..")
         try:
-            first, last = (int(lo), int(hi)) if sep else (int(part), int(part))
-        except ValueError:
+            first, last = parse_count(lo), parse_count(hi if sep else lo)
+        except WorldError:
             raise click.BadParameter(
                 f"'{part}' is not a group size; use N, A..B or a comma list like 2,4,8"
             ) from None
@@ -49,7 +56,11 @@ def parse_worlds(text: str) -> list[int]:
         if first < 2 or last > MAX_WORLD:
             raise click.BadParameter(f"'{part}': group sizes must lie in 2..{MAX_WORLD}")
         worlds.update(range(first, last + 1))
-    return sorted(worlds)
+    if worlds and shapes:
+        raise click.BadParameter(
+            f"'{text}' mixes mesh shapes ({min(shapes)}) and group sizes ({min(worlds)}); a "
+            "schedule with 'mesh:' takes shapes, one without takes group sizes")
+    return sorted(shapes) if shapes else sorted(worlds)
 
 
 def one_world(text: str, *, largest: int = MAX_WORLD) -> int:
@@ -71,7 +82,7 @@ def _io_failure(diagnostics: list[Diagnostic]) -> bool:
 
 
 def _span(worlds: Sequence[int]) -> str:
-    return f"W={worlds[0]}" if len(worlds) == 1 else f"W {worlds[0]}..{worlds[-1]}"
+    return f"W={worlds_text(worlds)}" if len(worlds) == 1 else f"W {worlds_text(worlds)}"
 
 
 def _world_json(world: int) -> int | str:
@@ -167,20 +178,21 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
                 continue
             _report(c.warnings, fmt)
             stats = c.hb_report.stats if c.hb_report is not None else {}
-            done = c.worlds or worlds
+            done = c.per_world or c.worlds  # exactly the group sizes checked
             results.append({"file": file, "ok": True,
-                            "worlds": [_world_json(done[0]), _world_json(done[-1])],
+                            "worlds": [_world_json(w) for w in done],
                             "warnings": [d.as_dict() for d in c.warnings],
                             "stats": _jsonable(stats)})
             if fmt == "text":
+                steps = ("" if c.per_world else
+                         f"{len(c.schedule.step_list())} steps, ")  # a per-W file: per W
                 click.echo(
-                    f"{printable(file)}: ok ({_span(c.worlds or worlds)}, "
-                    f"{len(c.schedule.step_list())} steps, {c.schedule.slots} slot(s); "
-                    f"{sum(c.seconds.values()):.2f}s)"
+                    f"{printable(file)}: ok ({_span(done)}, "
+                    f"{steps}{c.schedule.slots} slot(s); {sum(c.seconds.values()):.2f}s)"
                 )
                 if c.per_world:  # a loop's trip count names W (docs/hb-checker.md, loops)
-                    click.echo(f"  a loop's trip count names W: each W of {_span(worlds)} was "
-                               f"unrolled and checked on its own; no claim past W={worlds[-1]}")
+                    click.echo(f"  a trip count or an index names W: each of {_span(done)} was "
+                               "unrolled and checked on its own; no claim for any other W")
         if fmt == "json":
             click.echo(json.dumps({"results": results}, indent=2))
         return 2 if io_failed else 1 if failed else 0
@@ -203,15 +215,19 @@ def _jsonable(value: Any) -> Any:
 @click.option("--hb", is_flag=True, help="draw the unrolled happens-before graph instead")
 @click.option("--world", "world", default=None, callback=lambda ctx, param, value: (
     None if value is None else one_world(value, largest=16)),
-    help="group size for --hb (one N in 2..16; default 2)")
+    help="group size for --hb (one N in 2..16, or a mesh shape of at most 16 ranks; "
+    "default 2, or 2x2... for a mesh)")
 @DEBUG
 def graph(file: str, output: str | None, hb: bool, world: int | None, debug: bool) -> None:
     """Print the schedule's dataflow graph (or, with --hb, its happens-before graph) as DOT."""
     if world is not None and not hb:
         raise click.UsageError("--world chooses the group size of --hb; add --hb or drop it")
-    world = world or 2
 
     def body() -> int:
+        from dcpc.pipeline import first_default_world
+
+        nonlocal world
+        world = world or first_default_world(file)  # 2, or a mesh's smallest shape (2x2)
         try:
             c = run(file, Options(worlds=[world], hb=False), until="check")
         except DiagnosticError as err:

@@ -13,10 +13,12 @@ torch or triton not installed).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
 from dcpc.diagnostics import DiagnosticError
+from dcpc.run_limits import MAX_CALLS, MAX_JITTER_S
 
 MAX_RUN_WORLD = 64  # W processes on one machine
 
@@ -33,6 +35,13 @@ def _world(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.message) from None
 
 
+def _integer(text: str) -> int:
+    """An integer option in ASCII digits (``int`` reads '１０', '1_0' and ' 5 ')."""
+    if not re.fullmatch(r"-?[0-9]{1,30}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    return int(text)
+
+
 def _sizes(text: str) -> dict[str, int]:
     """``--sizes T=8,B=4``: NAME=INT pairs (the names and ranges are checked against the
     schedule once it is compiled)."""
@@ -45,11 +54,9 @@ def _sizes(text: str) -> dict[str, int]:
                 f"{part.strip()!r} is not NAME=INT; write e.g. --sizes T=8,B=4")
         if name in out:
             raise argparse.ArgumentTypeError(f"size {name} given twice")
-        try:
-            out[name] = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"size {name}: {value!r} is not an integer") from None
+        if not re.fullmatch(r"-?[0-9]{1,30}", value):
+            raise argparse.ArgumentTypeError(f"size {name}: {value!r} is not an integer")
+        out[name] = int(value)
     return out
 
 
@@ -92,8 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                         "of one process (as on one GPU). On a mesh, one kind per axis, e.g. "
                         "--world 2x2 --backend node=torch,gpu=host: the node axis' steps run "
                         "on gloo, the gpu axis' kernels on host shared memory per gpu team")
-    p.add_argument("--calls", type=int, default=20, help="calls per rank, default 20")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calls", type=_integer, default=20,
+                   help=f"calls per rank, 1..{MAX_CALLS}, default 20")
+    p.add_argument("--seed", type=_integer, default=0)
     p.add_argument("--sizes", type=_sizes, default=None, metavar="NAME=INT,...",
                    help="constructor sizes (maxima) instead of the small defaults, e.g. "
                         "--sizes T=8,B=4; validated as the generated constructor does")
@@ -102,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lse-base", choices=("e", "2"), default=None,
                    help="rewrite the schedule's LSE buffers to this base first")
     p.add_argument("--jitter-ms", type=float, default=2.0,
-                   help="longest random delay before/after a step, default 2 ms")
+                   help=f"longest random delay before/after a step, 0..{MAX_JITTER_S * 1000:g} "
+                   "ms, default 2 ms")
     p.add_argument("--no-poison", action="store_true", help="zero-fill symmetric memory")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds for the whole run before ranks still working are killed "
@@ -139,9 +148,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(list(argv) if argv is not None else None)
     except SystemExit as exc:  # argparse's usage errors exit 2, --help exits 0
         return int(exc.code or 0)
-    if args.calls < 1:
-        print("dcpc run: --calls must be at least 1", file=sys.stderr)
-        return 2
     for flag, value, top in (("--repeat", args.repeat, 1000), ("--programs", args.programs,
                                                                1024)):
         if value is not None and not 1 <= value <= top:
@@ -155,6 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         print(f"dcpc run: {exc.name or 'torch'} is not installed; dcpc run needs torch and "
               "triton: pip install 'dcpc[run]'", file=sys.stderr)
+        return 2
+    from dcpc.run_limits import RunConfigError, check_options
+
+    try:  # before anything is compiled or started (dcpc.run_limits)
+        check_options(calls=args.calls, jitter_s=args.jitter_ms / 1000,
+                      timeout_s=args.timeout, wait_timeout_s=args.wait_timeout)
+    except RunConfigError as exc:
+        print(f"dcpc run: {exc}", file=sys.stderr)
         return 2
     from dcpc.harness.run import (
         RunConfig,
@@ -180,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"run        {attempt + 1} of {args.repeat}", flush=True)
         try:
             report = run_schedule(config, announce=lambda line: print(line, flush=True))
-        except (RunSizesError, RunDeviceError) as exc:
+        except (RunSizesError, RunDeviceError, RunConfigError) as exc:
             what = "--sizes: " if isinstance(exc, RunSizesError) else ""
             print(f"dcpc run: {what}{exc}", file=sys.stderr)
             return 2

@@ -29,6 +29,12 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
+def clipped(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters for a message (a 1 MiB value from the input
+    would otherwise be quoted whole), saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 @dataclass(frozen=True, order=True)
 class Mark:
     """A position in a source file (1-based line and column)."""

@@ -56,17 +56,61 @@ class Compilation:
 
 
 def default_worlds(schedule: Any) -> list[int]:
-    """The group sizes checked when none are asked: W 2..8, or for a mesh of several
-    axes every shape with each axis sized by a name in 2..4 (an int axis: its size)."""
-    from dcpc.lang.mesh import MeshWorld, mesh_of
+    """The group sizes checked when none are asked: W 2..8 (a mesh of one axis: at most
+    its size's max), or for a mesh of several axes every shape with each axis sized by
+    a name in 2..4 (at most its max; an int axis: its size)."""
+    from dcpc.lang.mesh import mesh_of
 
     mesh = mesh_of(schedule)
-    if len(mesh.axes) == 1:
-        return list(DEFAULT_WORLDS)
-    import itertools
+    maxima = {name: spec.max for name, spec in schedule.sizes.items()
+              if getattr(spec, "max", None) is not None}
+    return _defaults(mesh, maxima)
 
-    pools = [[s] if isinstance(s, int) else [2, 3, 4] for s in mesh.sizes]
-    return sorted(MeshWorld(shape) for shape in itertools.product(*pools))
+
+def _defaults(mesh: Any, maxima: dict[str, int]) -> list[int]:
+    from dcpc.lang.mesh import MeshWorld, default_shapes
+
+    if len(mesh.axes) > 1:
+        return list(default_shapes(mesh, maxima))
+    size = mesh.sizes[0]
+    if not mesh.declared or not isinstance(size, str) or size not in maxima:
+        return [mesh.world((w,)) for w in (DEFAULT_WORLDS if not isinstance(size, int)
+                                           else (size,))]
+    top = min(DEFAULT_WORLDS[-1], maxima[size])
+    return [MeshWorld((w,)) for w in range(DEFAULT_WORLDS[0], top + 1)] or [MeshWorld((top,))]
+
+
+def _raw_defaults(data: Any) -> list[int]:
+    """``default_worlds`` from the loaded YAML of a file that is parsed once per W (a
+    mesh of several axes: shapes, not W 2..8); a mesh that is no mapping of names and
+    sizes gets W 2..8, and the parse of its first W reports it."""
+    from dcpc.lang.mesh import MAX_AXES, Mesh
+    from dcpc.lang.yamlsrc import strip
+
+    raw = strip(data.get("mesh")) if isinstance(data, dict) else None
+    if not isinstance(raw, dict) or not raw or len(raw) > MAX_AXES or not all(
+            isinstance(k, str) and isinstance(v, (str, int)) and not isinstance(v, bool)
+            for k, v in raw.items()):
+        return list(DEFAULT_WORLDS)
+    sizes = strip(data.get("sizes"))
+    maxima = {k: v["max"] for k, v in (sizes.items() if isinstance(sizes, dict) else ())
+              if isinstance(v, dict) and isinstance(v.get("max"), int)}
+    return _defaults(Mesh(tuple(raw), tuple(raw.values()), True), maxima)
+
+
+def first_default_world(path: str | Path) -> int:
+    """The smallest group size ``dcpc check`` checks a file at by default: W=2, or its
+    mesh's smallest default shape (2x2): what a command of one group size uses when
+    none is given. A file that cannot be read or loaded gets 2 (its parse says why)."""
+    from dcpc.files import read_capped
+    from dcpc.lang import yamlsrc
+    from dcpc.lang.parse import MAX_FILE_BYTES
+
+    try:
+        data = yamlsrc.load(read_capped(Path(path), MAX_FILE_BYTES).decode("utf-8"), str(path))
+    except (DiagnosticError, UnicodeDecodeError):
+        return DEFAULT_WORLDS[0]
+    return _raw_defaults(data)[0]
 
 
 def _parse(c: Compilation) -> None:
@@ -97,9 +141,13 @@ def _tree_copy(data: Any) -> Any:
 def _fit_worlds(c: Compilation) -> list[int]:
     """The asked group sizes as the schedule's mesh reads them (dcpc.lang.mesh); a
     shape that does not fit the mesh is a located ``bad-world``."""
+    from dcpc.check.mesh import mesh_diagnostics
     from dcpc.diagnostics import Mark
     from dcpc.lang.mesh import WorldError, fit_worlds, mesh_of
 
+    broken = mesh_diagnostics(c.schedule)  # every group size is read through the mesh
+    if broken:
+        raise DiagnosticError(broken)
     asked = c.options.worlds
     if asked is DEFAULT_WORLDS:
         return default_worlds(c.schedule)
@@ -172,7 +220,12 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
     looped = _world_loop(c)
     if looped is not None:
         return _per_world(c, looped, until)
-    for name, stage in STAGES:
+    return _stages(c, STAGE_NAMES[0], until)
+
+
+def _stages(c: Compilation, first: str, until: str) -> Compilation:
+    """Run the stages from ``first`` up to and including ``until`` on ``c``."""
+    for name, stage in STAGES[STAGE_NAMES.index(first):]:
         start = time.perf_counter()
         try:
             stage(c)
@@ -188,6 +241,31 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
     return c
 
 
+def _per_world_budget(c: Compilation, mark: Any, done: list[Compilation]) -> None:
+    """The happens-before work limit (dcpc.check.structural) over the W of a per-W file
+    together, from each W's parsed schedule, before any W is analysed."""
+    from dcpc.check.structural import MAX_HB_WORK, hb_cost
+    from dcpc.diagnostics import Mark
+    from dcpc.lang.mesh import worlds_text
+
+    work = 0
+    fits: list[int] = []
+    for one in done:
+        work += hb_cost(one.schedule, one.worlds).work
+        if work <= MAX_HB_WORK:
+            fits += one.worlds
+    if work <= MAX_HB_WORK:
+        return
+    asked = [w for one in done for w in one.worlds]
+    narrower = (f"check W {worlds_text(fits)} (or a few W at a time)" if fits
+                else "check fewer W at a time")
+    raise DiagnosticError([Diagnostic(
+        Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
+        f"the unrolled steps depend on W (a trip count or an index names W), so each W "
+        f"is analysed on its own: W {worlds_text(asked)} make {work} units of "
+        f"happens-before work in all, above the limit of {MAX_HB_WORK}; {narrower}")])
+
+
 def _world_loop(c: Compilation) -> Any:
     """The mark of a loop whose trip count names W, when several worlds are asked (the
     file's loaded YAML is kept in ``c.source``: the file is read once)."""
@@ -199,9 +277,9 @@ def _world_loop(c: Compilation) -> Any:
 
     try:
         text = read_capped(c.path, MAX_FILE_BYTES).decode("utf-8")
-        data = yamlsrc.load(text, str(c.path))
     except (DiagnosticError, UnicodeDecodeError):
         return None  # the parse stage reports it
+    data = yamlsrc.load(text, str(c.path))  # its error is the file's: not loaded twice
     c.source = (data, sha256(text))  # the parse stage (or each W's) starts from it
     return loops.world_dependent(data)
 
@@ -213,8 +291,11 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
 
     from dcpc.diagnostics import Mark
     from dcpc.lang.loops import MAX_TOTAL_STEPS, first_too_long, widest_within_budget
+    from dcpc.lang.mesh import worlds_text
 
     worlds = list(c.options.worlds)
+    if c.options.worlds is DEFAULT_WORLDS and c.source is not None:
+        worlds = _raw_defaults(c.source[0])  # a mesh's default shapes, as for any file
     last = STAGE_NAMES.index("hb") if until == "emit" else STAGE_NAMES.index(until)
     # a W whose unrolling passes the step bound is refused before any W is analysed
     # (its parse raises loop-too-long); the trip counts alone say which W that is
@@ -223,16 +304,30 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
         run(c.path, replace(c.options, worlds=[too_long]), until="parse", source=c.source)
     total, widest = widest_within_budget(c.source[0], worlds) if c.source else (0, None)
     if total > MAX_TOTAL_STEPS:
-        narrower = (f"check W {worlds[0]}..{widest} (or a few W at a time)" if widest
-                    else "check fewer W at a time")
+        narrower = (f"check W {worlds_text([w for w in worlds if w <= widest])} (or a few "
+                    "W at a time)" if widest else "check fewer W at a time")
         raise DiagnosticError([Diagnostic(
             Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
-            f"a loop's trip count names W, so each W is unrolled and analysed on its own: "
-            f"W {worlds[0]}..{worlds[-1]} make {total} unrolled steps in all, past the "
+            f"the unrolled steps depend on W (a trip count or an index names W), so each W "
+            f"is unrolled and analysed on its own: "
+            f"W {worlds_text(worlds)} make {total} unrolled steps in all, past the "
             f"{MAX_TOTAL_STEPS} one check analyses; {narrower}")])
-    for w in worlds:
-        one = run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[last],
-                  source=c.source)
+    # every W is parsed and structurally checked first (cheap); the happens-before work
+    # of all of them together is then bounded before any W is analysed
+    cheap = min(last, STAGE_NAMES.index("check"))
+    done = [run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[cheap],
+                source=c.source) for w in worlds]
+    if last > cheap:
+        if c.options.hb:
+            _per_world_budget(c, mark, done)
+        for one in done:
+            _stages(one, STAGE_NAMES[cheap + 1], STAGE_NAMES[last])
+    seconds: dict[str, float] = {}
+    for one in done:  # every W's, not the last W's alone
+        for stage, took in one.seconds.items():
+            seconds[stage] = seconds.get(stage, 0.0) + took
+    one = done[-1]
+    one.seconds = seconds
     one.per_world = worlds
     one.options = c.options
     if until == "emit":

@@ -13,7 +13,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 Axes = tuple[int, ...]  # positions of a team's axes in the mesh, in mesh order
@@ -78,11 +78,15 @@ class Torus:
 
     shape: tuple[int, ...]
 
-    @property
+    # The happens-before checker asks coordinates, differences and teams millions of
+    # times on a mesh: each is a table lookup or a few additions (cached per shape, as
+    # ``torus()`` caches the object), not a coordinate round trip (issue 31).
+
+    @cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def strides(self) -> tuple[int, ...]:
         out, step = [], 1
         for s in reversed(self.shape):
@@ -90,7 +94,14 @@ class Torus:
             step *= s
         return tuple(reversed(out))
 
+    @cached_property
+    def _coords(self) -> list[tuple[int, ...]]:
+        """Every rank's coordinates: row-major, the last axis fastest."""
+        return list(itertools.product(*(range(s) for s in self.shape)))
+
     def coords(self, rank: int) -> tuple[int, ...]:
+        if 0 <= rank < self.size:
+            return self._coords[rank]
         return tuple((rank // st) % s for st, s in zip(self.strides, self.shape, strict=True))
 
     def index(self, coords: Iterable[int]) -> int:
@@ -100,12 +111,20 @@ class Torus:
     def add(self, a: int, b: int) -> int:
         if len(self.shape) == 1:
             return (a + b) % self.shape[0]
-        return self.index(x + y for x, y in zip(self.coords(a), self.coords(b), strict=True))
+        out = 0
+        for x, y, s, st in zip(self.coords(a), self.coords(b), self.shape, self.strides,
+                               strict=True):
+            out += (x + y) % s * st
+        return out
 
     def sub(self, a: int, b: int) -> int:
         if len(self.shape) == 1:
             return (a - b) % self.shape[0]
-        return self.index(x - y for x, y in zip(self.coords(a), self.coords(b), strict=True))
+        out = 0
+        for x, y, s, st in zip(self.coords(a), self.coords(b), self.shape, self.strides,
+                               strict=True):
+            out += (x - y) % s * st
+        return out
 
     def neg(self, a: int) -> int:
         return self.sub(0, a)
@@ -115,15 +134,21 @@ class Torus:
 
     def team(self, rank: int, axes: Axes | None) -> list[int]:
         """The ranks of ``rank``'s team along ``axes``, in member order (row-major over
-        the team's axes)."""
+        the team's axes): the rank with its team coordinates zeroed, plus each offset."""
         along = self.axes(axes)
-        base = list(self.coords(rank))
-        out = []
-        for values in itertools.product(*(range(self.shape[a]) for a in along)):
-            for a, v in zip(along, values, strict=True):
-                base[a] = v
-            out.append(self.index(base))
-        return out
+        c = self.coords(rank)
+        base = self.index(c) - sum(c[a] * self.strides[a] for a in along)
+        return [base + o for o in self._offsets(along)]
+
+    def _offsets(self, along: Axes) -> list[int]:
+        """The rank offsets of a team along ``along`` from its member 0, member order."""
+        cache = self.__dict__.setdefault("_team_offsets", {})
+        if along not in cache:
+            out = [0]
+            for a in along:
+                out = [o + v * self.strides[a] for o in out for v in range(self.shape[a])]
+            cache[along] = out
+        return cache[along]
 
     def member(self, rank: int, axes: Axes | None) -> int:
         """``rank``'s index in its team along ``axes``."""
@@ -170,8 +195,13 @@ def _deltas(shape: tuple[int, ...], peers: str, axes: Axes | None) -> frozenset[
 
 @cache
 def _shift(shape: tuple[int, ...], d: int) -> list[int]:
-    t = Torus(shape)
-    return [t.sub(q, d) for q in range(t.size)]
+    """perm[q] = q - d, built axis by axis (row-major: the last axis fastest), O(W)
+    cheap steps: the happens-before checker asks it for every translation of a clock,
+    and a coordinate round trip per rank made a mesh of 5 axes take 30 s."""
+    perm = [0]
+    for size, by in zip(shape, Torus(shape).coords(d), strict=True):
+        perm = [p * size + (c - by) % size for p in perm for c in range(size)]
+    return perm
 
 
 def rank_text(world: int, rank: int, axis_names: Sequence[str] | None = None) -> str:

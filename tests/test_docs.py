@@ -23,3 +23,15 @@ def test_readme_commands_are_the_ones_ci_runs():
     ci = (ROOT / ".ci/run").read_text()
     test_command = next(line.strip() for line in readme.splitlines() if "pytest" in line)
     assert test_command in ci
+
+
+def test_the_ops_that_take_axis_are_the_registry_s_team_ops():
+    """docs/language.md said every communication op takes `axis:` (issue 33): it lists
+    the ops whose OpDef.teams is set, and no other."""
+    from dcpc.check.mesh import team_ops
+
+    text = (ROOT / "docs/language.md").read_text()
+    start = text.index("- These communication ops take `axis:`")
+    listed = text[start:text.index("(the ops whose `OpDef.teams` is set", start)]
+    names = re.findall(r"`([a-z_]+)`( \(with `dim`\))?", listed.split(":", 1)[1])
+    assert [n + (" (dim)" if dim else "") for n, dim in names] == team_ops()

@@ -71,7 +71,8 @@ def test_a_constant_trip_count_needs_no_world() -> None:
 
 
 @pytest.mark.parametrize("swap,code,line,words", [
-    ({"h % 2]": "h % W]"}, "bad-index", 13, "'%' takes an integer constant, not 'W'"),
+    ({"h % 2]": "h % W]"}, "bad-index", 13,
+     "'%' takes an integer constant such as 2 on its right, not 'W'"),
     ({"(h + 1) % 2": "h + 2"}, "bad-index", 13, "slice 2 of 'kv'"),
     ({"(h + 1) % 2": "q"}, "bad-index", 13, "names 'q'"),
     ({"writes: [y]}": "writes: [kv]}"}, "mixed-index", 14, "used whole here and by slice"),

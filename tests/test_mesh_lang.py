@@ -139,7 +139,7 @@ def test_dcpc_check_takes_mesh_shapes(tmp_path: Path) -> None:
     path.write_text(TWO_LEVEL)
     result = CliRunner().invoke(main, ["check", str(path), "--world", "2x2,2x3"])
     assert result.exit_code == 0, result.output
-    assert "W 2x2..2x3" in result.output
+    assert "W 2x2..3" in result.output  # exactly the shapes asked, in --world syntax
     result = CliRunner().invoke(main, ["check", str(path), "--world", "4"])
     assert result.exit_code == 1 and "[bad-world]" in result.output
     assert f"{path}:2:" in result.output

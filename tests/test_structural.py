@@ -13,6 +13,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.parse import parse_file, parse_text
 from dcpc.lang.questions import Samples, equal_on_samples
 from dcpc.lang.sizes import max_binding, sample_bindings, size_table
+from dcpc.pipeline import default_worlds
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "schedules").glob("*.yaml"))
@@ -82,7 +83,8 @@ def _expectation(path: Path) -> re.Match[str]:
 def test_malformed(path: Path) -> None:
     want = _expectation(path)
     try:
-        found = check(parse_file(path), list(range(2, 9)))
+        schedule = parse_file(path)
+        found = check(schedule, default_worlds(schedule))  # 2..8, or a mesh's shapes
     except DiagnosticError as exc:
         found = exc.diagnostics
     matching = [
@@ -450,7 +452,9 @@ def test_a_schedule_past_the_limits_is_refused_at_once() -> None:
             "  - gather: {op: all_gather, src: x, dst: g, dim: 0}\n")
     many = head + "".join(f"  - use{i}: {{op: external, reads: [g]}}\n"
                           for i in range(MAX_STEPS))
-    (found,) = diags(many)
+    with pytest.raises(DiagnosticError) as err:  # refused by the parse, before the model
+        parse_text(many, "t.yaml")
+    (found,) = err.value.diagnostics
     assert found.code == "schedule-too-large" and f"{MAX_STEPS + 1} steps" in found.message
     wide = head + "  - use: {op: external, reads: [" + ", ".join(["g"] * MAX_ACCESSES) + "]}\n"
     (found,) = diags(wide)

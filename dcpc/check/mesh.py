@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 from dcpc.check.context import Context
-from dcpc.diagnostics import did_you_mean
-from dcpc.lang.mesh import mesh_of
-from dcpc.lang.model import Peers, SizeSpec, Step
+from dcpc.diagnostics import Diagnostic, did_you_mean
+from dcpc.lang.mesh import MAX_AXES, MAX_WORLD, mesh_of
+from dcpc.lang.model import Peers, Schedule, SizeSpec, Step
 from dcpc.lang.semantics import table
 from dcpc.lang.sizes import WORLD
 from dcpc.ops import OPS
@@ -14,8 +16,7 @@ from dcpc.ops import OPS
 def check_mesh(ctx: Context) -> None:
     """The axes and their sizes, then each step's ``axis:``."""
     schedule = ctx.schedule
-    if schedule.mesh is not None:
-        _check_axes(ctx)
+    ctx.out += mesh_diagnostics(schedule)
     mesh = mesh_of(schedule)
     sems = table(schedule)
     for step in ctx.steps:
@@ -38,8 +39,7 @@ def check_mesh(ctx: Context) -> None:
                       f"step '{step.name}' ({_what(step)}) runs over every mesh axis only so "
                       "far; its team lowering and proof are not written yet",
                       hint="drop 'axis' (every axis), or express the step with ops that "
-                      "take a team: all_gather, all_to_all (dim), all_to_all_combine, "
-                      "reduce_scatter, barrier, signal, wait")
+                      f"take a team: {', '.join(team_ops())}")
             continue
         seen: set[str] = set()
         for name, key in zip(names, keys, strict=True):
@@ -54,6 +54,12 @@ def check_mesh(ctx: Context) -> None:
                           f"step '{step.name}' runs over axis '{name}', but {where}",
                           hint=did_you_mean(name, mesh.axes)
                           or "name an axis of 'mesh:', or declare it there")
+
+
+def team_ops() -> list[str]:
+    """The ops that take ``axis:`` (``OpDef.teams``), as the docs list them."""
+    return [f"{name} (dim)" if name == "all_to_all" else name
+            for name, op in OPS.items() if op.teams]
 
 
 def _team_op(step: Step) -> bool:
@@ -100,39 +106,53 @@ def _check_peers(ctx: Context, step: Step) -> None:
                   hint=f"add 'axis: {mesh.axes[-1]}' (or another single axis)")
 
 
-def _check_axes(ctx: Context) -> None:
-    schedule = ctx.schedule
-    assert schedule.mesh is not None
+def mesh_diagnostics(schedule: Schedule) -> list[Diagnostic]:
+    """What is wrong with a schedule's ``mesh:`` (empty without one). Every later stage
+    reads the group sizes through the mesh, so a schedule with one of these is
+    refused before anything else is checked (no follow-on errors of a broken mesh)."""
+    out: list[Diagnostic] = []
+    if schedule.mesh is None:
+        return out
     mark = schedule.mark("mesh")
     if not schedule.mesh:
-        ctx.error(mark, "bad-mesh", "'mesh:' names no axis",
-                  hint="write e.g. 'mesh: {node: N, gpu: G}', or drop 'mesh:'")
-        return
+        return [Diagnostic(mark, "bad-mesh", "'mesh:' names no axis",
+                           hint="write e.g. 'mesh: {node: N, gpu: G}', or drop 'mesh:'")]
+    if len(schedule.mesh) > MAX_AXES:
+        return [Diagnostic(mark, "bad-mesh",
+                           f"'mesh:' has {len(schedule.mesh)} axes, above the limit of "
+                           f"{MAX_AXES}", hint="merge axes that always move together")]
     sized: dict[str, str] = {}
     for axis, size in schedule.mesh.items():
         at = schedule.mark(f"mesh/{axis}")
         if not axis.isidentifier():
-            ctx.error(schedule.mark(f"mesh/{axis}", of_key=True), "bad-mesh",
-                      f"mesh axis '{axis}' is not an identifier")
+            out.append(Diagnostic(schedule.mark(f"mesh/{axis}", of_key=True), "bad-mesh",
+                                  f"mesh axis '{axis}' is not an identifier"))
         if isinstance(size, int):
             if size < 1:
-                ctx.error(at, "bad-mesh", f"mesh axis '{axis}' has size {size}; sizes are "
-                          "positive")
+                out.append(Diagnostic(at, "bad-mesh", f"mesh axis '{axis}' has size {size}; "
+                                      "sizes are positive"))
             continue
         if not size.isidentifier() or size == WORLD:
-            ctx.error(at, "bad-mesh",
-                      f"mesh axis '{axis}' is sized by '{size}', which is not a size name"
-                      + (" (W is the product of the axes)" if size == WORLD else ""),
-                      hint="use a size name (e.g. 'G') or an integer")
+            out.append(Diagnostic(
+                at, "bad-mesh",
+                f"mesh axis '{axis}' is sized by '{size}', which is not a size name"
+                + (" (W is the product of the axes)" if size == WORLD else ""),
+                hint="use a size name (e.g. 'G') or an integer"))
             continue
         if size in sized:
-            ctx.error(at, "bad-mesh",
-                      f"mesh axes '{sized[size]}' and '{axis}' are both sized by '{size}'",
-                      hint="give each axis its own size name")
+            out.append(Diagnostic(
+                at, "bad-mesh", f"mesh axes '{sized[size]}' and '{axis}' are both sized by "
+                f"'{size}'", hint="give each axis its own size name"))
         sized[size] = axis
         spec = schedule.sizes.get(size)
         if spec is not None and not (isinstance(spec, SizeSpec) and spec.multiple_of is None):
-            ctx.error(schedule.mark(f"sizes/{size}"), "bad-mesh",
-                      f"size '{size}' sizes mesh axis '{axis}', so it is bound by the mesh "
-                      "shape (--world); it can have a 'max', not a value or a multiple",
-                      hint=f"write '{size}: {{max: 8}}', or leave it out of sizes")
+            out.append(Diagnostic(
+                schedule.mark(f"sizes/{size}"), "bad-mesh",
+                f"size '{size}' sizes mesh axis '{axis}', so it is bound by the mesh "
+                "shape (--world); it can have a 'max', not a value or a multiple",
+                hint=f"write '{size}: {{max: 8}}', or leave it out of sizes"))
+    fixed = math.prod(v for v in schedule.mesh.values() if isinstance(v, int) and v >= 1)
+    if fixed > MAX_WORLD:
+        out.append(Diagnostic(mark, "bad-mesh", f"the mesh's integer axes alone make "
+                              f"{fixed} ranks, above the largest group size {MAX_WORLD}"))
+    return out

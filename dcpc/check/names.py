@@ -18,7 +18,7 @@ from dcpc.codegen.lower import (
     method_names,
     module_imports,
 )
-from dcpc.diagnostics import Mark, did_you_mean
+from dcpc.diagnostics import NOWHERE, Mark, did_you_mean
 from dcpc.lang.model import Buffer, Schedule, Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
@@ -26,6 +26,7 @@ LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
 # name that module introduces itself starts with '_', so these may not.
 NAME_IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 SIZE_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_SLICE = re.compile(r"(.+)_([0-9]+)")  # slice i of an indexed buffer b: 'b_<i>'
 # Every name: the generated module's lines (at most 100 characters) and its file name
 # '<schedule>.py' must fit.
 MAX_NAME = 48
@@ -175,11 +176,21 @@ def check_references(ctx: Context) -> None:
                           "which is not declared under buffers",
                           hint=did_you_mean(ref.name, buffers)
                           or f"declare '{ref.name}' under buffers")
+    # the slices of an indexed buffer (dcpc.lang.loops: b_0 .. b_{P-1}, each with the
+    # declaration's mark) are one declared buffer: used when one slice is; a slice that
+    # a W leaves unused (ring_attention's second receive buffer at W=2) is no mistake
+    declared: dict[tuple[Mark, str], list[str]] = {}
     for name in buffers:
-        if name not in used:
-            ctx.error(ctx.schedule.mark(f"buffers/{name}", of_key=True), "unused-buffer",
-                      f"buffer '{name}' is not used by any step", severity="warning",
-                      hint="remove it, or name it in a step")
+        mark = ctx.schedule.mark(f"buffers/{name}", of_key=True)
+        sliced = _SLICE.fullmatch(name)
+        key = (mark, sliced.group(1)) if sliced and mark != NOWHERE else (mark, name)
+        declared.setdefault(key, []).append(name)
+    for (mark, base), names in declared.items():
+        if used.isdisjoint(names):
+            what = (f"buffer '{base}' (its slices {names[0]} .. {names[-1]})"
+                    if len(names) > 1 else f"buffer '{names[0]}'")
+            ctx.error(mark, "unused-buffer", f"{what} is not used by any step",
+                      severity="warning", hint="remove it, or name it in a step")
 
 
 def check_buffers(ctx: Context) -> None:

@@ -11,16 +11,19 @@ list; nothing raises for bad input, and nothing from the input is executed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from dcpc.check.context import Context, show
 from dcpc.check.flow import check_channels, check_reads
-from dcpc.check.mesh import check_mesh
+from dcpc.check.mesh import check_mesh, mesh_diagnostics
 from dcpc.check.names import check_buffers, check_names, check_references
 from dcpc.check.ops import check_ops
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
-from dcpc.lang.mesh import WorldError, fit_worlds, mesh_of
+from dcpc.lang.loops import MAX_STEPS
+from dcpc.lang.mesh import MeshWorld, WorldError, fit_worlds, mesh_of
 from dcpc.lang.model import AllGather, Schedule, Streams
 from dcpc.lang.nodes import Step
 from dcpc.lang.questions import Samples
@@ -42,6 +45,9 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     if bad:
         return [Diagnostic(Mark(schedule.source_file, 0, 0), "bad-world",
                            f"group sizes must be positive integers, not {bad[0]!r}")]
+    broken = mesh_diagnostics(schedule)  # every later check reads W through the mesh
+    if broken:
+        return broken
     try:
         worlds = sorted(set(fit_worlds(mesh_of(schedule), worlds)))
     except WorldError as err:
@@ -67,15 +73,23 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     return sorted(unique.values(), key=lambda d: (d.mark, d.code))
 
 
-MAX_STEPS = 256
 MAX_ACCESSES = 20_000
 
 
-# The happens-before analysis computes, for every W it analyses, a clock of W entries
-# per event of the calls it unrolls (copies of slot 0 cost nothing). A ring of many
-# next/prev waits raises the world bound, below which every W is analysed: 127 hops
-# analyse every W up to 511 (67 million entries, about 10 s of this machine).
-MAX_HB_WORK = 8_000_000
+# The happens-before checker's work, measured before it runs (issue 31: files within
+# every other limit took minutes), in units of one clock entry of a plain W (about
+# 0.05 us of CPU here): for every W it analyses, a clock of W entries per event of the
+# calls it computes (copies of slot 0 cost nothing); on a mesh each clock is joined by
+# one permutation per member of a partial team (MESH_COST units per entry and member)
+# plus SHAPE_COST units per rank of each shape for its set-up; and the race search
+# visits every pair of accesses to one instance of a symmetric buffer (PAIR_COST units
+# each). Fitted on this project's 2-core machine (rings, shared buffers over many
+# slots, meshes of 2..4 axes): the limit admits about 0.6 s of analysis, so a check of
+# a file within every limit answers within 2 s beside two busy processes.
+MAX_HB_WORK = 12_000_000
+MESH_COST = 2
+SHAPE_COST = 320
+PAIR_COST = 1.25
 
 
 def check_limits(schedule: Schedule, worlds: list[int] | None = None) -> list[Diagnostic]:
@@ -94,26 +108,108 @@ def check_limits(schedule: Schedule, worlds: list[int] | None = None) -> list[Di
     return _hb_work(schedule, steps, worlds or [])
 
 
-def _hb_work(schedule: Schedule, steps: list, worlds: list[int]) -> list[Diagnostic]:
-    from dcpc.check.hb.checker import bound_for, representatives  # hb imports this module
+def hb_calls(slots: int, per_slot_streams: bool) -> int:
+    """The calls per rank whose clocks the happens-before checker computes: 2 with
+    per-slot streams (the other slots' calls are copies), else 2 * slots."""
+    return 2 if per_slot_streams and slots > 1 else 2 * slots
+
+
+@dataclass
+class HbCost:
+    """What the happens-before checker would do for some group sizes, measured before
+    it runs (the W it analyses, its clock entries and race-search pairs) and its work."""
+
+    analysed: list[int]
+    entries: int  # clock entries (a mesh: W x events x the largest partial team)
+    pairs: int  # pairs of accesses the race search visits, over every W analysed
+    buffer: str  # the buffer with the most pairs
+    upto: str  # which W are analysed, in words
+    ring: int  # next/prev waits per call
+
+    @property
+    def work(self) -> int:
+        mesh = sum(int(w) for w in self.analysed if isinstance(w, MeshWorld))
+        return self.entries + SHAPE_COST * mesh + int(PAIR_COST * self.pairs)
+
+
+def hb_cost(schedule: Schedule, worlds: list[int]) -> HbCost:
+    """The cost of ``hb.check(schedule, worlds)`` from the W it will analyse (the world
+    bounds and representatives the checker itself uses)."""
+    from dcpc.check.hb.checker import (  # hb imports this module
+        bound_for,
+        mesh_representatives,
+        representatives,
+    )
     from dcpc.ops.common import ring_hops
 
     sems = table(schedule)
-    ring = sum(ring_hops(sem.sync.wait) for sem in sems)
     calls = 2 * schedule.slots
-    bound = bound_for(ring, calls)
-    per_slot = schedule.streams == Streams.per_slot and schedule.slots > 1
-    analysed = representatives(sorted(worlds), bound)
-    work = sum(analysed) * len(steps) * (2 if per_slot else calls)
-    if work <= MAX_HB_WORK:
+    worlds = sorted(worlds)
+    if schedule.mesh is None:
+        ring = sum(ring_hops(sem.sync.wait) for sem in sems)
+        bound = bound_for(ring, calls)
+        analysed = representatives(worlds, bound)
+        upto = f"every W up to {bound}"
+    else:  # each axis' bound from the next/prev waits along it alone (axis_bounds)
+        every = tuple(range(len(schedule.mesh)))
+        hops = [sum(ring_hops(sem.sync.wait) for sem in sems
+                    if (sem.sync.axes if sem.sync.axes is not None else every) == (a,))
+                for a in every]
+        ring = sum(hops)
+        bounds = [bound_for(h, calls) for h in hops]
+        analysed = mesh_representatives(worlds, bounds)
+        upto = "every axis size up to " + "x".join(map(str, bounds))
+    calls = hb_calls(schedule.slots, schedule.streams == Streams.per_slot)
+    events = len(schedule.step_list()) * calls
+    teams = sorted({sem.sync.axes for sem in sems if sem.sync.axes is not None})
+    entries = 0
+    for w in analysed:
+        joins = 1  # a plain W's clock is rotated by list slices
+        if isinstance(w, MeshWorld):
+            joins = MESH_COST * max([1] + [math.prod(w.shape[a] for a in axes)
+                                           for axes in teams])
+        entries += int(w) * joins * events
+    pairs, buffer = race_pairs(schedule, sems, calls)
+    return HbCost(analysed, entries, pairs * len(analysed), buffer, upto, ring)
+
+
+def _hb_work(schedule: Schedule, steps: list, worlds: list[int]) -> list[Diagnostic]:
+    cost = hb_cost(schedule, worlds)
+    if cost.work <= MAX_HB_WORK:
         return []
-    raised = f", raised by {ring} next/prev waits per call" if ring > 0 else ""
+    raised = f", raised by {cost.ring} next/prev waits per call" if cost.ring > 0 else ""
     return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
-                       f"the happens-before checker would analyse {len(analysed)} group "
-                       f"sizes (every W up to {bound}{raised}) of {len(steps)} steps: "
-                       f"{work} clock entries, above the limit of {MAX_HB_WORK}",
+                       f"the happens-before checker would analyse {len(cost.analysed)} "
+                       f"group sizes ({cost.upto}{raised}) of {len(steps)} steps: "
+                       f"{cost.work} units of work ({cost.entries} clock entries, "
+                       f"{cost.pairs} race-search pairs, most on buffer '{cost.buffer}'), "
+                       f"above the limit of {MAX_HB_WORK}",
                        hint="check a narrower --world range, or use fewer ring hops (a "
-                       "'from: all' wait orders every rank at once), steps or slots")]
+                       "'from: all' wait orders every rank at once), steps, slots, or "
+                       "steps that touch one symmetric buffer")]
+
+
+def race_pairs(schedule: Schedule, sems: list, calls: int) -> tuple[int, str]:
+    """The pairs of accesses the race search visits per W (an upper bound: accesses
+    are counted per step, not per event), and the buffer with the most of them. An
+    instance of a symmetric buffer holds its accesses of every computed call when it is
+    ``shared``, else of the calls of slot 0 (dcpc.check.hb.races._instances)."""
+    per_call: dict[str, int] = {}
+    for sem in sems:
+        for effect in sem.effects:
+            per_call[effect.buffer] = per_call.get(effect.buffer, 0) + 1
+    slot0 = len([c for c in range(calls) if c % schedule.slots == 0])
+    total, worst, most = 0, "", -1
+    for name, count in per_call.items():
+        buffer = schedule.buffers.get(name)
+        if buffer is not None and not buffer.is_symmetric:
+            continue  # only symmetric buffers are searched (an implicit one is)
+        groups = count * (calls if buffer is not None and buffer.shared else slot0)
+        pairs = groups * (groups - 1) // 2
+        total += pairs
+        if pairs > most:
+            worst, most = name, pairs
+    return total, worst
 
 
 def check_shapes(ctx: Context) -> None:

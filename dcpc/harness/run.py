@@ -17,6 +17,7 @@ from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.harness.launch import LaunchResult, RankOutcome, launch
 from dcpc.harness.worker import OutputStats, RankReport
 from dcpc.lang.mesh import MeshWorld
+from dcpc.run_limits import check_compiled, check_config
 
 
 @dataclass
@@ -241,6 +242,7 @@ def sizes_line(sizes: dict[str, int], world: int) -> str:
 def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
     """Compile and run ``config``; ``announce(line)``, when given, hears the bound sizes
     before any rank starts."""
+    check_config(config)  # calls, delays, timeouts: refused before anything runs
     plan = gpu_plan(config) if config.device != "cpu" else ""  # refused before any work
     if _kinds(config.backend) & {"host"}:
         from dcpc.runtime.host import remove_orphan_segments
@@ -250,6 +252,7 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
         used, module, name, compile_s = compile_to(
             config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb,
             patch=config.module_patch)
+        check_compiled(config, used, module, name)  # what every rank would refuse
         sizes = bound_sizes(config, used, module, name)
         if announce is not None:
             announce(sizes_line(sizes, config.world))

@@ -23,6 +23,7 @@ refuses the shape with a located diagnostic rather than guess.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -36,6 +37,10 @@ Point = tuple[int, ...]
 
 MAX_TERMS = 2_000  # terms of one polynomial (shape expressions have a handful)
 MAX_POINTS = 20_000  # polynomial evaluations for one question (about 0.1 s)
+# ... and for every question of one check together: 1,000 buffers of a square of two
+# large sizes each spent MAX_POINTS (300 s at W 2..1024, issue 31); past it the rest
+# are refused (shape-undecided), never passed
+MAX_TOTAL_POINTS = 50_000
 MAX_ROOT_SPAN = 20_000  # integers searched inside a univariate root bound
 
 
@@ -78,6 +83,14 @@ class Space:
         self.worlds = [w for w in worlds if all(self._domain(i, w) != (1, 0)
                                                 for i in range(1, len(self.vars)))]
         self._polys: dict[ex.Expr, Poly] = {}
+        self.spent = 0  # evaluations of every question so far (MAX_TOTAL_POINTS)
+
+    def spend(self, count: int) -> None:
+        """Count ``count`` evaluations against the budget of all questions together."""
+        self.spent += count
+        if self.spent > MAX_TOTAL_POINTS:
+            raise Undecided(f"the schedule's shape questions together need more than "
+                            f"{MAX_TOTAL_POINTS} evaluations")
 
     # ---- domains --------------------------------------------------------------------
     def step_at(self, var: Var, world: int) -> int:
@@ -179,6 +192,7 @@ class Space:
                 budget -= 1
                 if budget < 0:
                     raise Undecided("it has too many cases to try them all")
+                self.spend(1)
                 for i, v in zip(used, values, strict=True):
                     point[i] = v
                 yield tuple(point)
@@ -207,6 +221,7 @@ class Space:
             budget -= size
             if budget < 0:
                 raise Undecided("the expressions have too high a degree to compare")
+            self.spend(size)
             for rest in itertools.product(*pools):
                 yield (world, *rest)
 
@@ -240,6 +255,7 @@ class Space:
         point = self.base(world)
         if not used:
             budget[0] -= 1
+            self.spend(1)
             return tuple(point) if bad(evaluate(poly, tuple(point))) else None
         spans = {i: self._domain(i, world) for i in used}
         last = max(used, key=lambda i: float("inf") if spans[i][1] is None
@@ -256,9 +272,16 @@ class Space:
                 point[i] = v
             coeffs = _univariate(poly, tuple(point), last)
             lo, hi = spans[last]
-            for x in _candidates(coeffs, lo, hi, budget):
+            before = budget[0]
+            candidates = list(_candidates(coeffs, lo, hi, budget))
+            self.spend(1 + before - budget[0])
+            # over a common denominator the sign and zeros are the integer polynomial's,
+            # evaluated in ints (Fraction arithmetic was most of a large search's time)
+            scale = math.lcm(*(c.denominator for c in coeffs)) if coeffs else 1
+            whole = [int(c * scale) for c in coeffs]
+            for x in candidates:
                 point[last] = x
-                if bad(_horner(coeffs, x)):
+                if bad(_horner(whole, x)):
                     return tuple(point)
         return None
 
@@ -294,6 +317,7 @@ def integer_residues(poly: Poly, space: Space) -> Point | None:
             checked += 1
             if checked > MAX_POINTS:
                 raise Undecided("the division's remainders have too many cases")
+            space.spend(1)
             point = (world, *rest)
             if evaluate(poly, point).denominator != 1:
                 return point
@@ -386,8 +410,8 @@ def _univariate(poly: Poly, point: Point, var: int) -> list[Fraction]:
     return [coeffs.get(k, Fraction(0)) for k in range(degree + 1)]
 
 
-def _horner(coeffs: Sequence[Fraction], x: int) -> Fraction:
-    value = Fraction(0)
+def _horner(coeffs: Sequence[Fraction] | Sequence[int], x: int) -> Fraction | int:
+    value: Fraction | int = 0
     for c in reversed(coeffs):
         value = value * x + c
     return value

@@ -16,7 +16,16 @@ from collections.abc import Mapping
 
 Expr = tuple  # ("num", int) | ("sym", str) | (op, Expr, Expr)
 
-_TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(.))")
+# The language's limits on one expression (docs/language.md, "Limits"): checked before
+# any parsing work, so no input reaches the parser's recursion, Python's 4,300-digit
+# int limit or a huge number in a message.
+MAX_TEXT = 512  # characters
+MAX_DEPTH = 64  # nesting of parentheses, and of operators in the parsed tree
+MAX_INT_DIGITS = 30  # digits of one integer: the YAML's own integers have the same bound
+
+# ASCII digits and names only: str.isdigit and \d accept fullwidth and other Unicode
+# digits, which int() would read as ASCII ones
+_TOKEN = re.compile(r"[ \t\r\n]*(?:([0-9]+)|([A-Za-z_][A-Za-z0-9_]*)|(.))", re.S)
 
 
 class ExprSyntaxError(ValueError):
@@ -45,6 +54,9 @@ def _tokens(text: str) -> list[tuple[str, str | int, int]]:
         m = _TOKEN.match(text, pos)
         assert m is not None
         if m.group(1):
+            if len(m.group(1).lstrip("0")) > MAX_INT_DIGITS:
+                raise ExprSyntaxError(f"an integer of more than {MAX_INT_DIGITS} digits",
+                                      m.start(1))
             out.append(("num", int(m.group(1)), m.start(1)))
         elif m.group(2):
             out.append(("sym", m.group(2), m.start(2)))
@@ -99,22 +111,60 @@ class _Parser:
         raise ExprSyntaxError(f"expected a number, a size name or '(', found {what}", col)
 
 
+_KINDS = {bool: "a boolean", float: "a number with a fraction", type(None): "empty",
+          list: "a list", dict: "a mapping"}
+
+
 def parse(text: str | int) -> Expr:
-    """Parse an expression (an int is a constant)."""
-    if isinstance(text, bool):
-        raise ExprSyntaxError("expected a size expression, found a boolean", 0)
+    """Parse an expression (an int is a constant), within the limits above.
+
+    Raises ``ExprSyntaxError`` (with a 0-based column) for every bad input: another
+    type, too long, nested too deeply, an integer of too many digits, bad syntax.
+    """
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        what = _KINDS.get(type(text), type(text).__name__)
+        raise ExprSyntaxError(f"expected an integer or an expression, found {what}", 0)
     if isinstance(text, int):
         if text < 0:
             raise ExprSyntaxError("sizes cannot be negative", 0)
+        if text >= 10**MAX_INT_DIGITS:
+            raise ExprSyntaxError(f"an integer of more than {MAX_INT_DIGITS} digits", 0)
         return ("num", text)
+    if len(text) > MAX_TEXT:
+        raise ExprSyntaxError(f"the expression is longer than {MAX_TEXT} characters", 0)
     if not text.strip():
         raise ExprSyntaxError("empty expression", 0)
+    _check_parentheses(text)
     parser = _Parser(text)
     node = parser.expr()
     kind, value, col = parser.peek()
     if kind != "end":
         raise ExprSyntaxError(f"unexpected {value!r} after a complete expression", col)
+    if _depth(node) > MAX_DEPTH:
+        raise ExprSyntaxError(f"the expression is nested deeper than {MAX_DEPTH}", 0)
     return node
+
+
+def _check_parentheses(text: str) -> None:
+    """Parentheses nest at most MAX_DEPTH deep (the parser's recursion stays shallow);
+    the tree's depth alone misses '((((T))))', whose parentheses leave no node."""
+    level = 0
+    for column, char in enumerate(text):
+        level += (char == "(") - (char == ")")
+        if level > MAX_DEPTH:
+            raise ExprSyntaxError(
+                f"the expression's parentheses nest deeper than {MAX_DEPTH}", column)
+
+
+def _depth(node: Expr) -> int:
+    """Tree depth, computed without recursion."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if item[0] not in ("num", "sym"):
+            stack += [(item[1], level + 1), (item[2], level + 1)]
+    return deepest
 
 
 def symbols(expr: Expr) -> set[str]:

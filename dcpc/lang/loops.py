@@ -27,11 +27,12 @@ import copy
 import re
 from typing import Any
 
-from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
+from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped
 from dcpc.lang import expr as ex
 from dcpc.lang.yamlsrc import MARK, MARKS
 
-MAX_STEPS = 256  # the language's bound on steps (dcpc.check.structural.MAX_STEPS)
+MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
+MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
 LOOP_KEYS = ("repeat", "as", "steps", "doc")
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
@@ -155,17 +156,25 @@ class _Unroller:
         lead = self._leading(name)
         if lead is None:
             self.error(mark, "bad-index",
-                       f"'{text}' indexes buffer '{name}', whose leading axis is not an "
+                       f"'{clipped(text)}' indexes buffer '{name}', whose leading axis is not an "
                        "integer (or which is not a buffer of two or more axes)",
                        "declare the buffer with an integer leading axis, e.g. "
                        "'shape: [2, N, D]'")
+            return text
+        if lead > MAX_SLICES:  # refused before any slice is made (each is a buffer)
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' indexes buffer '{name}', whose leading axis has {lead} "
+                       f"slices; an indexed buffer is split into one buffer per slice, at "
+                       f"most {MAX_SLICES}",
+                       "index a buffer whose leading axis counts the slices the steps use "
+                       "(e.g. 'shape: [2, N, D]' for double buffering)")
             return text
         value = self._value(inner, env, mark, text)
         if value is None:
             return text
         if not 0 <= value < lead:
             self.error(mark, "bad-index",
-                       f"'{text}' is slice {value} of '{name}', whose leading axis has "
+                       f"'{clipped(text)}' is slice {value} of '{name}', whose leading axis has "
                        f"{lead} slices (0..{lead - 1})" + self._at(env))
             return text
         self.split[name] = lead
@@ -177,30 +186,41 @@ class _Unroller:
         return f" (at {', '.join(where)})" if where else ""
 
     def _value(self, inner: str, env: dict[str, int], mark: Mark, text: str) -> int | None:
+        if "[" in inner or "]" in inner:
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' has more than one index; an index names a slice of the "
+                       "buffer's leading axis, so a name takes one: 'b[e]'",
+                       "split the buffer's leading axis into the slices you need, e.g. "
+                       "'shape: [4, N, D]' indexed 'b[2 * (h % 2) + 1]'")
+            return None
         body, modulus = _split_mod(inner)
         try:
-            if modulus is not None and not re.fullmatch(r"\s*\d+\s*", modulus):
-                raise ValueError(f"'%' takes an integer constant, not '{modulus.strip()}'")
-            value = ex.evaluate(ex.parse(body), env)
+            m = None
             if modulus is not None:
-                m = int(modulus)
+                node = ex.parse(modulus)
+                if node[0] != "num":
+                    raise ValueError(f"'%' takes an integer constant such as 2 on its right, "
+                                     f"not '{modulus.strip()}' (write 'h % 2', or "
+                                     "'(h + 1) % 2')")
+                m = node[1]
                 if m == 0:
                     raise ValueError("'% 0' divides by zero")
-                value %= m
-            return value
+            value = ex.evaluate(ex.parse(body), env)
+            return value if m is None else value % m
         except ex.UnboundSymbol as err:
             if err.args[0] == "W" and self.world is None:
                 self.error(mark, "loop-world",
-                           f"index '{inner}' of '{text}' names W; a schedule that depends "
-                           "on W is unrolled for one W at a time",
+                           f"index '{clipped(inner)}' of '{clipped(text)}' names W; a "
+                           "schedule that depends on W is unrolled for one W at a time",
                            "check or compile with --world N (or a list: each W is checked "
                            "on its own)")
                 return None
             self.error(mark, "bad-index",
-                       f"index '{inner}' of '{text}' names '{err.args[0]}', which is not the "
-                       "hop index, W or an integer size here")
+                       f"index '{clipped(inner)}' of '{clipped(text)}' names "
+                       f"'{err.args[0]}', which is not the hop index, W or an integer size "
+                       "here")
         except (ex.ExprSyntaxError, ex.InexactDivision, ValueError) as err:
-            self.error(mark, "bad-index", f"index '{inner}' of '{text}': {err}",
+            self.error(mark, "bad-index", f"index '{clipped(inner)}' of '{clipped(text)}': {err}",
                        "an index is an expression of the hop index, W and integer sizes "
                        "(+ - * /), with '%' only by an integer constant, e.g. 'h % 2'")
         return None
@@ -231,29 +251,33 @@ class _Unroller:
         mark = _mark(body, "repeat", self.file)
         value = body.get("repeat")
         try:
-            tree = ex.parse(value) if not isinstance(value, bool) else None
-            if tree is None:
-                raise ex.ExprSyntaxError("expected an integer or an expression", 0)
+            tree = ex.parse(value)
             if "W" in ex.symbols(tree) and self.world is None:
                 self.error(mark, "loop-world",
-                           f"loop '{name}' repeats '{value}' times, which depends on W; "
-                           "it is unrolled for one W at a time",
+                           f"loop '{name}' repeats '{clipped(str(value))}' times, which "
+                           "depends on W; it is unrolled for one W at a time",
                            "check or compile with --world N (or a list: each W is checked "
                            "on its own)")
                 return None
             trips = ex.evaluate(tree, self.env)
         except ex.UnboundSymbol as err:
             self.error(mark, "bad-repeat",
-                       f"loop '{name}' repeats '{value}' times, but '{err.args[0]}' is not W "
-                       "or an integer size", "a trip count is an expression of W and sizes "
-                       "declared as plain integers")
+                       f"loop '{name}' repeats '{clipped(str(value))}' times, but "
+                       f"'{err.args[0]}' is not W or an integer size",
+                       "a trip count is an expression of W and sizes declared as plain "
+                       "integers")
             return None
         except (ex.ExprSyntaxError, ex.InexactDivision) as err:
-            self.error(mark, "bad-repeat", f"loop '{name}': 'repeat: {value}': {err}")
+            shown = (f"'repeat: {clipped(str(value))}'" if isinstance(value, (str, int))
+                     else "'repeat'")
+            self.error(mark, "bad-repeat", f"loop '{name}': {shown}: {err}",
+                       "a trip count is an integer or an expression of W and sizes "
+                       "declared as plain integers, e.g. 'W - 1'")
             return None
         if trips < 0:
             self.error(mark, "bad-repeat",
-                       f"loop '{name}' repeats '{value}' = {trips} times" + self._at({}))
+                       f"loop '{name}' repeats '{clipped(str(value))}' = {trips} times"
+                       + self._at({}))
             return None
         return trips
 

@@ -18,6 +18,7 @@ does arithmetic with W keeps working) that also carries the axis sizes, printed
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ from dcpc.topology import (  # noqa: F401  (re-exported: the compiler's names fo
 )
 
 DEFAULT_AXIS = "world"
+MAX_WORLD = 1024  # the largest group size dcpc checks (ranks of a mesh shape)
+MAX_AXES = 4  # axes of a mesh: the default shapes (2..4 per axis) stay within the work limit
 
 
 @dataclass(frozen=True)
@@ -103,16 +106,31 @@ class WorldError(ValueError):
     """A ``--world`` text, or a group size that does not fit the schedule's mesh."""
 
 
+_COUNT = re.compile(r"[0-9]{1,9}")  # ASCII digits only (int() reads '２' and '1_0')
+
+
+def parse_count(text: str) -> int:
+    """One group or axis size of ``--world``: ASCII digits (at most 9); ``WorldError``
+    otherwise."""
+    if not _COUNT.fullmatch(text.strip()):
+        raise WorldError(f"'{text.strip()}' is not a group size (digits 0-9)")
+    return int(text)
+
+
+def _bounds(part: str) -> tuple[int, int]:
+    first, sep, last = part.partition("..")
+    try:
+        return parse_count(first), parse_count(last if sep else first)
+    except WorldError:
+        raise WorldError(f"'{part}' is not a group size or range (e.g. 4 or 2..8)") from None
+
+
 def parse_range(text: str, limit: int) -> list[int]:
     """``4``, ``2..8`` or ``2,4,8`` -> the sizes, each in 1..limit."""
     out: set[int] = set()
     for part in text.split(","):
         part = part.strip()
-        first, sep, last = part.partition("..")
-        try:
-            lo, hi = int(first), int(last if sep else first)
-        except ValueError:
-            raise WorldError(f"'{part}' is not a group size or range (e.g. 4 or 2..8)") from None
+        lo, hi = _bounds(part)
         if lo < 1 or hi < lo:
             raise WorldError(f"'{part}' is not a range of positive sizes (e.g. 2..8)")
         if hi > limit:
@@ -122,14 +140,33 @@ def parse_range(text: str, limit: int) -> list[int]:
 
 
 def parse_shapes(text: str, limit: int) -> list[MeshWorld]:
-    """``2x4`` or ``2..4x8`` (one range per axis, outermost first) -> mesh shapes."""
-    axes = [parse_range(part, limit) for part in text.split("x")]
-    out = sorted({MeshWorld(s) for s in itertools.product(*axes)})
-    too_big = [w for w in out if int(w) > limit]
-    if too_big:
-        raise WorldError(f"mesh {too_big[0]} has {int(too_big[0])} ranks, above the largest "
-                         f"group size {limit}")
-    return out
+    """``2x4`` or ``2..4x8`` (one range per axis, outermost first) -> mesh shapes, each
+    of 2..``limit`` ranks. The axes and the extreme shapes are checked before the
+    shapes are listed (there are then at most ``limit`` of them)."""
+    parts = text.split("x")
+    if len(parts) > MAX_AXES:
+        raise WorldError(f"a mesh shape has at most {MAX_AXES} axes, not {len(parts)}")
+    axes = [parse_range(part, limit) for part in parts]
+    largest = MeshWorld(tuple(a[-1] for a in axes))
+    if int(largest) > limit:
+        raise WorldError(f"mesh {largest} has {int(largest)} ranks, above the largest group "
+                         f"size {limit}")
+    smallest = MeshWorld(tuple(a[0] for a in axes))
+    if int(smallest) < 2:
+        raise WorldError(f"mesh {smallest} has {int(smallest)} rank; a group has 2 to {limit} "
+                         "ranks (start an axis at 2)")
+    return sorted({MeshWorld(s) for s in itertools.product(*axes)})
+
+
+def default_shapes(mesh: Mesh, maxima: dict[str, int]) -> list[MeshWorld]:
+    """The shapes checked when ``--world`` is not given, for a mesh of several axes: each
+    axis sized by a name in 2..4 (at most its ``max``), an int axis its size."""
+    if len(mesh.axes) > MAX_AXES:  # refused as bad-mesh: no 3**axes shapes listed first
+        raise WorldError(f"a mesh has at most {MAX_AXES} axes, not {len(mesh.axes)}")
+    pools = [[size] if isinstance(size, int) else
+             [v for v in (2, 3, 4) if v <= maxima.get(size, 4)] or [maxima[size]]
+             for size in mesh.sizes]
+    return sorted(MeshWorld(shape) for shape in itertools.product(*pools))
 
 
 def fit_worlds(mesh: Mesh, worlds: Iterable[int]) -> list[int]:
@@ -153,4 +190,38 @@ def fit_worlds(mesh: Mesh, worlds: Iterable[int]) -> list[int]:
                 raise WorldError(f"group size {w} gives axis '{axis}' {value} ranks, but the "
                                  f"mesh fixes it at {size}")
         out.append(mesh.world(shape))
+    return out
+
+
+def _runs(values: Sequence[int]) -> str:
+    """Sorted distinct ints in ``--world`` syntax: [2, 3, 4, 8] -> '2..4,8'."""
+    parts: list[str] = []
+    start = prev = values[0]
+    for v in [*values[1:], None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}..{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(parts)
+
+
+def worlds_text(worlds: Sequence[int]) -> str:
+    """Exactly the group sizes checked, in ``--world`` syntax (``parse_worlds`` reads it
+    back to the same list): '2..8', '4,8', '2..4x2..4', '2x2,2x4'."""
+    shapes = sorted({w.shape for w in worlds if isinstance(w, MeshWorld)})
+    if not shapes:
+        return _runs(sorted({int(w) for w in worlds}))
+    axes = [sorted({s[i] for s in shapes}) for i in range(len(shapes[0]))]
+    whole = all(len(s) == len(axes) for s in shapes) and len(shapes) == _product(axes)
+    if whole and all(a[-1] - a[0] == len(a) - 1 for a in axes):  # a box of ranges
+        return "x".join(_runs(a) for a in axes)
+    return ",".join("x".join(map(str, s)) for s in shapes)
+
+
+def _product(axes: Sequence[Sequence[int]]) -> int:
+    out = 1
+    for a in axes:
+        out *= len(a)
     return out

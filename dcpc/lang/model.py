@@ -73,12 +73,16 @@ def _split_step_items(items: Any) -> Any:
     return out
 
 
+MAX_SLOTS = 64  # slots: independent workspaces (docs/language.md, "Limits")
+MAX_BUFFERS = 256  # buffers, an indexed one counted per slice (docs/language.md, "Limits")
+
+
 class Schedule(Node):
     """One schedule file: what ONE rank of the group does in a call (SPMD)."""
 
     schedule: Str = Field(description="identifier; the module is <schedule>.py")
     doc: Str | None = Field(default=None, description="free text, the module's docstring")
-    slots: Int = Field(default=1, ge=1, le=64, description="independent workspaces")
+    slots: Int = Field(default=1, ge=1, le=MAX_SLOTS, description="independent workspaces")
     streams: Streams = Field(default=Streams.per_slot)
     mesh: dict[str, Union[Int, Str]] | None = Field(  # noqa: UP007
         default=None, description="axes outermost first, each sized by a size name or an int")

@@ -66,14 +66,36 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
                 )
             ]
         )
+    _refuse_too_many(data, file)
     try:
         schedule = model.Schedule.model_validate(data)
     except ValidationError as exc:
         raise DiagnosticError(_diagnostics(exc, data, file)) from None
     schedule.set_source(file, digest)
-    if names_world:
-        schedule._loop_world = world
+    if names_world and world is not None:
+        # the unrolled steps depend on W only (a trip count or index reads W, never an
+        # axis size), so a mesh shape's module serves its W: LOOP_WORLD = 6, not 2x3
+        schedule._loop_world = int(world)
     return schedule
+
+
+def _refuse_too_many(data: dict[str, Any], file: str) -> None:
+    """More steps or buffers than the limits (docs/language.md) are refused before the
+    model reads them: each costs every later stage (14,000 buffers took 4 s)."""
+    found = []
+    for key, limit, what in (("steps", loops.MAX_STEPS, "steps"),
+                             ("buffers", model.MAX_BUFFERS, "buffers")):
+        value = data.get(key)
+        count = len([k for k in value if k not in (yamlsrc.MARK, yamlsrc.MARKS)]) if (
+            isinstance(value, (list, dict))) else 0
+        if count > limit:
+            sliced = " (an indexed buffer counts one per slice)" if key == "buffers" else ""
+            found.append(Diagnostic(
+                yamlsrc.locate(data, (key,)) or Mark(file, 1, 1), "schedule-too-large",
+                f"the schedule has {count} {what}{sliced}, above the limit of {limit}",
+                hint="split it into several schedules"))
+    if found:
+        raise DiagnosticError(found)
 
 
 _BRANCH_TAGS = ("int", "str", "list[str]", "SizeSpec")

@@ -16,15 +16,18 @@ from typing import Any
 import yaml
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
+from dcpc.lang.expr import MAX_INT_DIGITS
 
 MARK = "__mark__"
 MARKS = "__marks__"
-NODE_BUDGET = 100_000
-# No integer of a schedule needs more: the language's own bounds (sizes, dims) are far
-# smaller and are checked later. Bounding here keeps Python's int/str limit (4,300
-# digits) and huge values out of every later stage and every message.
-MAX_INT_DIGITS = 30
+NODE_BUDGET = 50_000  # a schedule at every other limit has about 25,000
+# No integer of a schedule needs more than MAX_INT_DIGITS (an expression's integers have
+# the same bound): the language's own bounds (sizes, dims) are far smaller and are
+# checked later. Bounding here keeps Python's int/str limit (4,300 digits) and huge
+# values out of every later stage and every message.
 INT_TAG = "tag:yaml.org,2002:int"
+_TOO_LARGE_HINT = ("a schedule needs far fewer (at most 256 steps): split it, or remove what "
+                   "the schema does not read")
 _TAG_NAMES = {
     "tag:yaml.org,2002:int": "an integer", "tag:yaml.org,2002:float": "a number",
     "tag:yaml.org,2002:bool": "true or false", "tag:yaml.org,2002:null": "empty",
@@ -67,9 +70,7 @@ class _Builder:
                               hint="do not nest anchors and aliases")
         return Diagnostic(_mark(self.file, node), "yaml-too-large",
                           f"the schedule has more than {NODE_BUDGET} YAML nodes (here the "
-                          "limit is passed)",
-                          hint="a schedule needs far fewer (at most 256 steps): split it, or "
-                          "remove what the schema does not read")
+                          "limit is passed)", hint=_TOO_LARGE_HINT)
 
     def key(self, node: yaml.ScalarNode) -> str | None:
         """A mapping key as the name it is written as; a key YAML reads as a number
@@ -183,14 +184,30 @@ def position_mark(text: str, file: str, position: int) -> Mark:
     return Mark(file, line, position - start + 1)
 
 
+# libyaml's parser (PyYAML's C binding) when it is installed: the pure-Python one took
+# 1 s for a file of 20,000 buffer names and 35 s to refuse a 1 MiB list (issue 31), ten
+# times libyaml's time; libyaml also bounds nesting at 1000 levels, without recursion.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_TOO_DEEP = "exceeded maximum nesting depth"  # libyaml's words for its nesting bound
+
+
 def load(text: str, file: str) -> Any:
     """Parse YAML text into plain data with marks; raise DiagnosticError on bad YAML."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        _count_events(text, file)
+        node = yaml.compose(text, Loader=_LOADER)
     except yaml.MarkedYAMLError as exc:
         where = exc.problem_mark or exc.context_mark
         mark = Mark(file, where.line + 1, where.column + 1) if where else Mark(file, 1, 1)
         what = " ".join(str(exc.problem or exc.context or "invalid YAML").split())
+        if _TOO_DEEP in what:
+            raise DiagnosticError([Diagnostic(
+                Mark(file, 1, 1), "yaml-too-deep",
+                f"the YAML is nested too deeply (more than 1000 levels; at line {mark.line})",
+            )]) from None
+        found = _char_at(text, where) if where else None
+        if found is not None and "found character" in what and repr(found) not in what:
+            what = what.replace("found character", f"found character {found!r}", 1)
         raise DiagnosticError(
             [Diagnostic(mark, "yaml-syntax", f"invalid YAML: {what}")]
         ) from None
@@ -224,6 +241,29 @@ def load(text: str, file: str) -> Any:
     if builder.errors:
         raise DiagnosticError(builder.errors)
     return data
+
+
+def _count_events(text: str, file: str) -> None:
+    """Refuse a file of more than NODE_BUDGET nodes before composing it: each node is
+    one or two parser events (a scalar or alias; a collection's start and end), and
+    the events cost a tenth of the nodes (a 1 MiB list took 35 s to compose and refuse).
+    Aliases, one event each, are counted as they expand, by ``_Builder``."""
+    limit = 2 * NODE_BUDGET + 4  # + the stream's and the document's start and end
+    for count, event in enumerate(yaml.parse(text, Loader=_LOADER)):
+        if count > limit:
+            mark = Mark(file, event.start_mark.line + 1, event.start_mark.column + 1)
+            raise DiagnosticError([Diagnostic(
+                mark, "yaml-too-large",
+                f"the schedule has more than {NODE_BUDGET} YAML nodes (here the limit is "
+                "passed)", hint=_TOO_LARGE_HINT)])
+
+
+def _char_at(text: str, mark: Any) -> str | None:
+    """The character a YAML error's mark points at (libyaml's messages do not name it)."""
+    lines = text.split("\n", mark.line + 1)
+    if mark.line >= len(lines) or mark.column >= len(lines[mark.line]):
+        return None
+    return lines[mark.line][mark.column]
 
 
 def strip(data: Any) -> Any:

@@ -210,7 +210,9 @@ def channels(schedule: Schedule) -> Channels:
     for step in steps:
         if step.kind == "signal":
             signals.setdefault(step.op.channel, []).append(step)
-    seen: dict[tuple[str, m.Peers], int] = {}
+    # the k-th wait from F over a team polls the k-th signal that reaches it: counted per
+    # (channel, from, team), so two teams may share a channel name (issue 31, m14)
+    seen: dict[tuple[str, m.Peers, Any], int] = {}
     polled: set[str] = set()
     from dcpc.lang.mesh import mesh_of
 
@@ -228,9 +230,9 @@ def channels(schedule: Schedule) -> Channels:
                 f"step '{step.name}' waits on channel '{op.channel}', but no step signals "
                 "it; the wait can never finish", None, "channel"))
             continue
-        k = seen.get((op.channel, op.from_), 0)
-        seen[(op.channel, op.from_)] = k + 1
         team = (op.channel, op.from_, mesh.team_axes(op))
+        k = seen.get(team, 0)
+        seen[team] = k + 1
         if team not in reaching:
             reaching[team] = [s for s in sent if s.op.to in REACHES[op.from_]  # type: ignore[attr-defined]
                               and team_reaches(schedule, s, step)]

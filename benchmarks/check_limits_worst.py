@@ -1,0 +1,117 @@
+"""Time `dcpc check` on the largest files the limits admit, one of each kind (issue 31:
+every file within the limits is checked within 2 s on a loaded machine), and on files
+just past them (refused at once). Written into a temporary folder, then timed as a
+user runs them (benchmarks/check_time.measure: a fresh process, wall and CPU).
+
+    python benchmarks/check_limits_worst.py [--code DIR] [--timeout 120]
+
+The sizes below were found by bisection against the limits of dcpc/check/structural.py
+(MAX_HB_WORK), dcpc/lang (slices, buffers, expressions, YAML nodes): raise one by one
+and the file is refused (`schedule-too-large`). ``--code`` times another checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from benchmarks.check_time import ROOT, measure
+
+HEAD = ["sizes: {D: 16}", "buffers:", "  x: {shape: [D], dtype: f32}"]
+
+
+def ring(waits: int) -> str:
+    """256 steps: a gather, `waits` next waits (each raises the world bound by 4), reads."""
+    lines = ["schedule: ring", *HEAD, "  g: {shape: [W*D], dtype: f32, symmetric: true}",
+             "  y: {shape: [D], dtype: f32}", "steps:",
+             "  - gather: {op: all_gather, src: x, dst: g}"]
+    for i in range(waits):
+        lines += [f"  - s{i}: {{op: signal, to: next, channel: c{i}}}",
+                  f"  - w{i}: {{op: wait, from: prev, channel: c{i}}}"]
+    lines += [f"  - e{i}: {{op: external, reads: [g], writes: [y]}}"
+              for i in range(254 - 2 * waits)]
+    return "\n".join([*lines, "  - fin: {op: barrier}"]) + "\n"
+
+
+def shared(reads: int, slots: int, index: str = "y") -> str:
+    """A shared buffer read by `reads` steps over `slots` slots of one stream."""
+    lines = ["schedule: pairs", f"slots: {slots}", "streams: single", *HEAD,
+             "  g: {shape: [W*D], dtype: f32, symmetric: true, shared: true}",
+             "  y: {shape: [2, D], dtype: f32}", "steps:",
+             "  - gather: {op: all_gather, src: x, dst: g}"]
+    lines += [f'  - e{i}: {{op: external, reads: [g], writes: ["{index}"]}}'
+              for i in range(reads)]
+    return "\n".join([*lines, "  - fin: {op: barrier}"]) + "\n"
+
+
+def mesh(steps: int, axes: int) -> str:
+    """A gather along each axis, then reads of the gathered buffers."""
+    names = "pqrs"[:axes]
+    lines = ["schedule: meshn", "mesh: {" + ", ".join(f"{a}: {a.upper()}" for a in names) + "}",
+             "sizes:", *[f"  {a.upper()}: {{max: 64}}" for a in names], "  D: 16", "buffers:",
+             "  x: {shape: [D], dtype: f32}", "  y: {shape: [D], dtype: f32}",
+             *[f"  g{a}: {{shape: [{a.upper()}*D], dtype: f32, symmetric: true}}"
+               for a in names], "steps:",
+             *[f"  - s{a}: {{op: all_gather, axis: {a}, src: x, dst: g{a}}}" for a in names]]
+    lines += [f"  - e{k}: {{op: external, reads: [g{names[k % axes]}], writes: [y]}}"
+              for k in range(axes, steps - 1)]
+    return "\n".join([*lines, "  - fin: {op: barrier}"]) + "\n"
+
+
+def accesses() -> str:
+    """256 steps naming buffers 19,700 times (the limit is 20,000)."""
+    lines = ["schedule: acc", *HEAD, "  g: {shape: [W*D], dtype: f32, symmetric: true}"]
+    lines += [f"  b{i}: {{shape: [D], dtype: f32}}" for i in range(78)]
+    reads = ", ".join(f"b{i}" for i in range(76))
+    lines += ["steps:", "  - gather: {op: all_gather, src: x, dst: g}"]
+    lines += [f"  - e{s}: {{op: external, reads: [g, {reads}], writes: [b77]}}"
+              for s in range(253)]
+    return "\n".join([*lines, "  - fin: {op: barrier}"]) + "\n"
+
+
+def shapes() -> str:
+    """255 buffers whose dimensions need the exact shape questions' whole budget."""
+    lines = ["schedule: poly", "sizes:", "  A: {max: 1000}", "  B: {max: 1000}",
+             "  C: {max: 64, multiple_of: 8}", "  H: {multiple_of: W}", "buffers:"]
+    lines += [f'  b{i}: {{shape: ["(A - B + {i}) * (A - B + {i}) + {i + 1}", '
+              f'"H / W * (C + {i})"], dtype: f32}}' for i in range(255)]
+    lines += ["  x: {shape: [A], dtype: f32}", "steps:", "  - e: {op: external, reads: ["
+              + ", ".join(f"b{i}" for i in range(255)) + "], writes: [x]}"]
+    return "\n".join(lines) + "\n"
+
+
+CASES = [  # (name, text, --world or None for the default), the largest admitted first
+    ("ring_19_waits", ring(19), "2..1024"),
+    ("shared_102_reads_8_slots", shared(102, 8), "2..8"),
+    ("shared_11_reads_64_slots", shared(11, 64), "2..8"),
+    ("mesh2_159_steps", mesh(159, 2), "2..32x2..32"),
+    ("mesh3_11_steps", mesh(11, 3), "2..7x2..7x2..7"),
+    ("mesh4_92_steps", mesh(92, 4), None),
+    ("per_w_48_reads_8_slots", shared(48, 8, "y[W % 2]"), "2..31"),
+    ("accesses_19700", accesses(), "2..1024"),
+    ("shapes_255_buffers", shapes(), "2..1024"),
+    ("ring_20_waits (refused)", ring(20), "2..1024"),
+    ("shared_250_reads_64_slots (refused)", shared(250, 64), "2..8"),
+    ("per_w_100_reads_8_slots (refused)", shared(100, 8, "y[W % 2]"), "2..31"),
+    ("mesh_5_axes (refused)", mesh(8, 4).replace("{p: P", "{o: O, p: P"), None),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--code", type=Path, default=ROOT)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    print("| file | --world | wall s | CPU s | outcome |\n| --- | --- | ---: | ---: | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text, worlds in CASES:
+            path = Path(tmp) / (name.split()[0] + ".yaml")
+            path.write_text(text)
+            wall, cpu, outcome = measure(args.code, path, worlds, args.timeout)
+            print(f"| {name} | {worlds or 'default'} | {wall:.1f} | {cpu:.2f} | {outcome} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
