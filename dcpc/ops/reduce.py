@@ -6,7 +6,8 @@ value (MPI leaves it undefined; a defined value keeps every rank's output checka
 Lowered as: every rank pushes its whole ``src`` into index ``rank`` of the ROOT's
 symmetric receive buffer ``via`` ([W, *src]; implicit ``<step>_recv``), every rank
 signals every peer and waits for every peer, then the root reduces ``via[0] .. via[W-1]``
-in that order in fp32 into ``dst`` (the other ranks write 0).
+in that order in fp32 into ``dst`` (an fp8 ``dst`` divided by ``output_scale``; the other
+ranks write 0).
 Modelled soundly: effects are the same on every rank (SPMD), so the pushes are modelled
 as stores into every rank's ``via`` (an over-approximation: only the root's instance is
 written), the reduction as a read of ``via`` and a write of ``dst`` on every rank (exact:
@@ -25,7 +26,7 @@ from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.all_reduce import semantics as _all_reduce_semantics
 from dcpc.ops.all_reduce import verify_elementwise, via_of
 from dcpc.ops.broadcast import verify_root
-from dcpc.ops.common import Scope, Semantics
+from dcpc.ops.common import Scope, Semantics, buffers_of, merge_inputs
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class Reduce(OpBase):
     via: Name | None = Field(
         default=None, description="symmetric receive buffer [W, *src]; implicit if omitted"
     )
+    output_scale: Name | None = Field(
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
+    )
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
@@ -57,17 +61,20 @@ def verify(v: Verify, step: Step) -> None:
 def reference(sim: Sim, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
+    from dcpc.numerics import ieee_max
+
     op: Reduce = step.op  # type: ignore[assignment]
     parts = torch.stack([sim.bufs[r][op.src].to(torch.float64) for r in range(sim.world)])
-    total = parts.sum(dim=0) if op.reduce == "sum" else parts.amax(dim=0)
-    for r in range(sim.world):
-        sim.store(r, op.dst, total if r == op.root else torch.zeros_like(total))
+    total = parts.sum(dim=0) if op.reduce == "sum" else ieee_max(parts)
+    for r in range(sim.world):  # every rank checks its own scale; the root's divides
+        value = total if r == op.root else torch.zeros_like(total)
+        sim.store(r, op.dst, sim.scaled(op, r, value))
     if op.via is not None:
         sim.store(op.root, op.via, parts.clone())
 
 
 def io(op: Reduce) -> IO:
-    return [op.src], [op.dst] + ([op.via] if op.via else [])
+    return [op.src] + buffers_of(merge_inputs(op)), [op.dst] + ([op.via] if op.via else [])
 
 
 __all__ = ["Reduce", "via_of"]

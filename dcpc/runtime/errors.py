@@ -102,3 +102,25 @@ class DcpcFailedError(DcpcError):
 
 class DcpcArgumentError(ValueError):
     """An argument of a generated method or constructor is not what is allowed."""
+
+
+class DcpcScaleError(DcpcArgumentError):
+    """A per-tensor fp8 scale (``output_scale``, a cast's ``per: tensor`` scale) that is
+    not a positive finite normal f32 (dcpc.numerics.scale_fault says ``why``). The
+    kernels record it (BAD_SCALE, dcpc.runtime.sync); the torch backend raises it before
+    it writes. ``step``/``rank`` are filled in by the calling method when the raiser
+    does not know them (dcpc.runtime.guard.guarded)."""
+
+    def __init__(self, value: float, why: str, step: str | None = None,
+                 rank: int | None = None):
+        self.value, self.why, self.step, self.rank = value, why, step, rank
+        super().__init__(value, why, step, rank)
+
+    def __str__(self) -> str:
+        step = f"step '{self.step}': " if self.step else ""
+        who = f"rank {self.rank}" if self.rank is not None else "this rank"
+        return (
+            f"{step}{who}'s fp8 scale is {self.value!r} ({self.why}); a per-tensor fp8 "
+            "scale must be a positive finite normal f32 (2**-126 <= scale < inf); this "
+            "call's output is not valid and this module instance is now failed: close() it"
+        )

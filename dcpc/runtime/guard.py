@@ -29,6 +29,7 @@ from dcpc.runtime.errors import (
     DcpcConcurrentUseError,
     DcpcContractError,
     DcpcPeerFailedError,
+    DcpcScaleError,
     DcpcTimeoutError,
 )
 from dcpc.runtime.sync import FLAG_FAILED, FLAG_REASONS, Fingerprints
@@ -62,8 +63,10 @@ def guarded(method: F) -> F:
                 exc.step = name
                 self._fail(exc)
                 raise exc from None
-            if isinstance(exc, DcpcCollectiveError) and exc.step is None:
+            if isinstance(exc, (DcpcCollectiveError, DcpcScaleError)) and exc.step is None:
                 exc.step = name
+            if isinstance(exc, DcpcScaleError) and exc.rank is None:
+                exc.rank = self.rank
             self._fail(exc)
             raise
         finally:

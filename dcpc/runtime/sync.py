@@ -22,6 +22,7 @@ On GPU the kernel then traps; on CPU it returns and the method raises
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 import zlib
@@ -31,11 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dcpc.numerics import scale_fault
 from dcpc.runtime.errors import (
     DcpcArgumentError,
     DcpcContractError,
     DcpcError,
     DcpcPeerFailedError,
+    DcpcScaleError,
     DcpcTimeoutError,
 )
 from dcpc.runtime.heap import SymmetricBuffer
@@ -47,6 +50,7 @@ CONTRACT = 2  # a peer's signal carried another call's fingerprint
 PEER_FAILED = 3  # the peer's failure flag was set while we waited for it
 OVER_CAPACITY = 4  # ragged_all_to_all: counts[peer] over capacity or < 0 (errors[3], [4])
 BAD_INDEX = 5  # weighted_combine: index[token] (errors[2]) = errors[3] >= rows (errors[4])
+BAD_SCALE = 6  # a per-tensor fp8 scale (its f32 bits in errors[3]) fails scale_fault
 ERROR_WORDS = 8
 STOP_WORD = 6  # CPU: set by the watchdog thread at the deadline; a waiting loop polls it
 # failure flags (flags[src_rank])
@@ -280,4 +284,7 @@ class SignalBank:
             raise over_capacity(name, rank, peer, epoch, here, received=there == 1)
         if code == BAD_INDEX:
             raise bad_index(name, rank, peer, epoch, here)
+        if code == BAD_SCALE:
+            value = struct.unpack("<f", struct.pack("<i", epoch))[0]
+            raise DcpcScaleError(value, scale_fault(value) or "refused", name, rank)
         raise DcpcError(f"step '{name}': kernel error code {code} (peer {peer}, epoch {epoch})")
