@@ -26,13 +26,14 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from dcpc.numerics import scale_fault
+from dcpc.runtime.clock import cpu_clock
 from dcpc.runtime.errors import (
     DcpcArgumentError,
     DcpcContractError,
@@ -179,20 +180,31 @@ class Watchdog:
     """CPU backends: sets ``errors[STOP_WORD]`` when an armed call passes its deadline.
 
     The Triton interpreter cannot read a clock inside a kernel, so on CPU a wait polls
-    this word; one daemon thread per module instance, idle unless a call is armed."""
+    this word; one daemon thread per module instance, idle unless a call is armed.
+
+    The deadline counts the CPU time of the thread that armed it (``timeout_s`` of it),
+    not wall time: a CPU wait spins, so its thread runs whenever the machine lets a
+    busy thread run, and the peers it waits for run at that same share. On an idle
+    machine that is wall time; on a loaded one it stretches as the peers slow down
+    (a fixed number of wall seconds timed out healthy ranks whose peer was merely
+    descheduled: issue 31), and a peer that stopped (dead, stuck, asleep) is still
+    named after ``timeout_s`` seconds of spinning."""
 
     def __init__(self, errors: torch.Tensor, timeout_s: float):
         self.errors, self.timeout_s = errors, timeout_s
-        self._deadline: float | None = None
+        self._deadline: float | None = None  # on self._clock
+        self._clock: Callable[[], float] = time.monotonic
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="dcpc-watchdog", daemon=True)
         self._thread.start()
 
     def arm(self) -> None:
+        clock = cpu_clock()  # the calling thread's (a thread id may be reused: not cached)
         with self._cond:
             self.errors[STOP_WORD] = 0
-            self._deadline = time.monotonic() + self.timeout_s
+            self._clock = clock
+            self._deadline = clock() + self.timeout_s
             self._cond.notify()
 
     def disarm(self) -> None:
@@ -210,9 +222,13 @@ class Watchdog:
                 if deadline is None:
                     self._cond.wait()
                     continue
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
+                try:
+                    left = deadline - self._clock()
+                except OSError:  # the armed thread is gone: nobody waits any more
+                    self._deadline = None
+                    continue
+                if left > 0:  # CPU time grows no faster than wall time: wake, look again
+                    self._cond.wait(max(left, 0.01))
                     continue
                 self.errors[STOP_WORD] = 1
                 self._deadline = None
