@@ -163,8 +163,8 @@ def test_torch_backend_never_pairs_collectives_across_slots(kimi: str, guard: bo
             assert re.search(r"step 'query_gather': rank \d (timed out waiting for|stopped "
                              r"waiting for) peer \d", message), message
         else:
-            assert re.search(r"step 'query_gather' \(slot [01]\): rank \d's all_gather of "
-                             r"its slot did not complete", message), message
+            assert re.search(r"step 'query_gather' \(slot [01]\): rank \d's all_gather with "
+                             r"peers? [\d, ]+ did not complete", message), message
 
 
 # ---- item 2: a rank that skips a whole call ---------------------------------------------

@@ -41,12 +41,17 @@ def wire(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SlotGroup:
-    """The process group of one slot, and how long a collective may wait on the host."""
+    """The process group of one slot, and how long a collective may wait on the host.
+    ``rank``: this rank's index in ``group`` (a team member index for a team op's group);
+    ``me`` and ``peers``: this rank and the other members as the module numbers them
+    (what an error names)."""
 
     group: Any
     slot: int
     rank: int
     timeout: timedelta | None  # gloo: the module's timeout_s; NCCL: None (stream-ordered)
+    me: int = 0
+    peers: tuple[int, ...] = ()
 
 
 _SLOT_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}  # (global ranks, slot) -> group
@@ -79,7 +84,8 @@ def slot_groups(group: Any, rank: int, world: int, slots: int, timeout_s: float 
             groups.append(new)
     elif slots > 1:
         groups = [group] * slots
-    return [SlotGroup(g, slot, rank, timeout) for slot, g in enumerate(groups)]
+    peers = tuple((rank + k) % world for k in range(1, world))
+    return [SlotGroup(g, slot, rank, timeout, rank, peers) for slot, g in enumerate(groups)]
 
 
 def _wait(comm: SlotGroup, work: Any, op: str) -> None:
@@ -90,7 +96,8 @@ def _wait(comm: SlotGroup, work: Any, op: str) -> None:
         work.wait(comm.timeout)
     except RuntimeError as exc:
         first = (str(exc).strip().splitlines() or ["?"])[0][:200]
-        raise DcpcCollectiveError(op, comm.rank, comm.slot, comm.timeout, first) from None
+        raise DcpcCollectiveError(op, comm.me, comm.slot, comm.timeout, first,
+                                  comm.peers) from None
 
 
 def _all_to_all_single(comm: SlotGroup, out: torch.Tensor, inp: torch.Tensor,

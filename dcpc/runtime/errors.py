@@ -57,20 +57,31 @@ class DcpcPeerFailedError(DcpcError):
 
 class DcpcCollectiveError(DcpcError):
     """torch backend: a collective of this rank's slot did not complete (a peer absent
-    from it past ``timeout_s``, or gone). ``step`` is filled in by the calling method."""
+    from it past ``timeout_s``, or gone). ``rank`` and ``peers`` are the module's ranks
+    (a team op's collective runs over its team: ``peers`` are the other members; empty
+    when unknown). ``step`` is filled in by the calling method."""
 
-    def __init__(self, op: str, rank: int, slot: int, timeout: object, detail: str):
+    def __init__(self, op: str, rank: int, slot: int, timeout: object, detail: str,
+                 peers: tuple[int, ...] = ()):
         self.op, self.rank, self.slot, self.detail = op, rank, slot, detail
+        self.peers = tuple(peers)
         self.seconds = getattr(timeout, "total_seconds", lambda: None)()
         self.step: str | None = None
-        super().__init__(op, rank, slot, detail)
+        super().__init__(op, rank, slot, detail, self.peers)
 
     def __str__(self) -> str:
         step = f"step '{self.step}' " if self.step else ""
-        waited = f" within {self.seconds:g} s (timeout_s)" if self.seconds is not None else ""
+        timed_out = "timeout" in self.detail.lower() or "timed out" in self.detail.lower()
+        waited = (f" within {self.seconds:g} s (timeout_s)"
+                  if self.seconds is not None and timed_out else "")
+        peers = self.peers
+        who = (f"peer {peers[0]}" if len(peers) == 1 else
+               f"one of peers {', '.join(map(str, peers))}" if peers else "a peer")
+        with_ = f" with {'peer' if len(peers) == 1 else 'peers'} " + ", ".join(
+            map(str, peers)) if peers else ""
         return (
-            f"{step}(slot {self.slot}): rank {self.rank}'s {self.op} of its slot did not "
-            f"complete{waited} (gloo: {self.detail}); a peer did not make the same call on "
+            f"{step}(slot {self.slot}): rank {self.rank}'s {self.op}{with_} did not "
+            f"complete{waited} (gloo: {self.detail}); {who} did not make the same call on "
             "this slot (a missing call, another step order in the slot, a dead process); "
             "this module instance is now failed: close() it"
         )

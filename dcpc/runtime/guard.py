@@ -28,6 +28,7 @@ from dcpc.runtime.errors import (
     DcpcCollectiveError,
     DcpcConcurrentUseError,
     DcpcContractError,
+    DcpcError,
     DcpcPeerFailedError,
     DcpcScaleError,
     DcpcTimeoutError,
@@ -56,7 +57,8 @@ def guarded(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         except BaseException as exc:
-            if isinstance(exc, RuntimeError) and "gloo/" in str(exc):  # issued, not waited
+            if (isinstance(exc, RuntimeError) and not isinstance(exc, DcpcError)
+                    and "gloo/" in str(exc)):  # issued, not waited (a Dcpc error says more)
                 first = (str(exc).strip().splitlines() or ["?"])[0][:200]
                 exc = DcpcCollectiveError("collective", self.rank, kwargs.get("slot", 0),
                                           None, first)

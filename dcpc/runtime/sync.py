@@ -5,8 +5,9 @@ Layout (docs/internals.md, "Signals and the guard"): ONE symmetric int64 buffer 
 module instance,
 
 - ``flags[src_rank]`` (the first ``world`` words): nonzero once rank ``src_rank``'s
-  instance failed (``FLAG_FAILED``) or was closed (``FLAG_CLOSED``); written by that
-  rank into every peer's bank, read by a wait only while its epoch is still pending;
+  instance failed (``FLAG_FAILED``) or was closed (``FLAG_CLOSED``), written by that
+  rank into every peer's bank; or once its process is gone (``FLAG_DIED``), written by
+  this rank's own watchdog (CPU); read by a wait only while its epoch is still pending;
 - ``sig[channel, src_rank, program]`` (the rest); channel = ``step_index * slots +
   slot``. A producer stores ``fingerprint << 32 | uint32(epoch)`` with release
   semantics into ``sig[channel, producer_rank, program]`` of every consumer: the
@@ -54,12 +55,15 @@ BAD_INDEX = 5  # weighted_combine: index[token] (errors[2]) = errors[3] >= rows 
 BAD_SCALE = 6  # a per-tensor fp8 scale (its f32 bits in errors[3]) fails scale_fault
 ERROR_WORDS = 8
 STOP_WORD = 6  # CPU: set by the watchdog thread at the deadline; a waiting loop polls it
+WATCH_S = 0.5  # CPU: how often an armed call's watchdog looks for dead peers (wall s)
 # failure flags (flags[src_rank])
 FLAG_FAILED = 1
 FLAG_CLOSED = 2
+FLAG_DIED = 3  # written by a peer's watchdog, not by the rank: its process is gone
 FLAG_REASONS = {
     FLAG_FAILED: "failed (an error in one of its calls: that rank's own error says which)",
     FLAG_CLOSED: "was closed",
+    FLAG_DIED: "died (its process is gone: killed or crashed)",
 }
 INT32_MAX = 2**31 - 1
 FINGERPRINT_BITS = 31  # fingerprints are in 0..2**31-1 (never -1)
@@ -188,10 +192,15 @@ class Watchdog:
     machine that is wall time; on a loaded one it stretches as the peers slow down
     (a fixed number of wall seconds timed out healthy ranks whose peer was merely
     descheduled: issue 31), and a peer that stopped (dead, stuck, asleep) is still
-    named after ``timeout_s`` seconds of spinning."""
+    named after ``timeout_s`` seconds of spinning.
 
-    def __init__(self, errors: torch.Tensor, timeout_s: float):
-        self.errors, self.timeout_s = errors, timeout_s
+    ``watch``: called every WATCH_S wall seconds while a call is armed (the module's
+    look for dead peers: it flags a peer whose process is gone, and the wait stops at
+    once, naming it, instead of spinning out its deadline)."""
+
+    def __init__(self, errors: torch.Tensor, timeout_s: float,
+                 watch: Callable[[], None] | None = None):
+        self.errors, self.timeout_s, self.watch = errors, timeout_s, watch
         self._deadline: float | None = None  # on self._clock
         self._clock: Callable[[], float] = time.monotonic
         self._cond = threading.Condition()
@@ -228,7 +237,12 @@ class Watchdog:
                     self._deadline = None
                     continue
                 if left > 0:  # CPU time grows no faster than wall time: wake, look again
-                    self._cond.wait(max(left, 0.01))
+                    if self.watch is None:
+                        self._cond.wait(max(left, 0.01))
+                        continue
+                    self._cond.wait(min(max(left, 0.01), WATCH_S))
+                    if not self._closed and self._deadline is deadline:  # still this call:
+                        self.watch()  # are its peers alive? (close() waits for it)
                     continue
                 self.errors[STOP_WORD] = 1
                 self._deadline = None
