@@ -245,6 +245,28 @@ def test_a_skipped_call_raises_on_the_call_with_call_ids(kimi: str, backend: str
         messages
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_without_call_ids_a_skipped_call_is_seen_only_at_the_end(kimi: str,
+                                                                 world: int) -> None:
+    """What docs/engines.md says no default can catch ("What the guard cannot see"):
+    calls pair by their order on the slot, so without call_id every call after the skip
+    returns data of the peers' other call, silently; the skipping rank never raises; the
+    others raise at their last call, which nobody answers, and say that the peer made
+    fewer calls. If this ever changes, that paragraph must too."""
+    result = launch("test_guard_runtime:skipped_call_worker", world,
+                    {"path": kimi, "backend": "host", "ids": False}, timeout_s=300)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    for rank, got in enumerate(result.values()):
+        assert got["wrong"], (rank, got)  # wrong data, no error, on every rank
+        if rank == 1:
+            assert got["error"][0] == "none", got
+            continue
+        assert got["failed_at"] == 4, got  # the last call, never one of the wrong ones
+        assert (f"step 'query_gather': rank {rank} stopped waiting for peer 1 (epoch 5): "
+                "peer 1 was closed before it made this call (it made fewer calls of this "
+                "slot than this rank") in got["error"][1], got
+
+
 # ---- item 5: a rank missing at construction is named, in seconds -------------------------
 
 

@@ -62,7 +62,11 @@ FLAG_CLOSED = 2
 FLAG_DIED = 3  # written by a peer's watchdog, not by the rank: its process is gone
 FLAG_REASONS = {
     FLAG_FAILED: "failed (an error in one of its calls: that rank's own error says which)",
-    FLAG_CLOSED: "was closed",
+    # a closed peer's flag stops only a wait for a signal it never sent: it made fewer
+    # calls of this slot than we did (a skipped call without call_id= shows only here)
+    FLAG_CLOSED: "was closed before it made this call (it made fewer calls of this slot "
+                 "than this rank: a rank that skipped or repeated a whole call is seen "
+                 "here, at the end, unless the engine passes call_id=)",
     FLAG_DIED: "died (its process is gone: killed or crashed)",
 }
 INT32_MAX = 2**31 - 1
