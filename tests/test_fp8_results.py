@@ -385,3 +385,23 @@ def test_merges_and_casts_refuse_bad_scales(tmp_path: Path, backend: str) -> Non
                     call(m, torch.tensor([scale]))
             finally:
                 m.close()
+
+
+def test_dcpc_runs_synthetic_scales_are_positive_normals() -> None:
+    """`dcpc run` draws every per-tensor scale (an output_scale, a cast's per: tensor
+    buffer) as a scale, whether an engine input or written by an engine step: before,
+    those drew randn, and half the runs of a per-tensor cast now refuse the scale."""
+    from dcpc.harness import synth
+    from dcpc.numerics import scale_fault
+
+    text = CASTS.replace("writes: [x, q, s]", "writes: [x, q]")  # s: an engine input
+    for source, written in ((text, False), (CASTS, True), (SUMS, True)):
+        schedule = parse_text(source, "s.yaml")
+        step = next(s for s in schedule.step_list() if s.name == "make")
+        sizes = {"R": 4, "H": 8, "N": 4, "W": 2}
+        for seed in range(20):
+            if written:
+                value = synth.make_external(schedule, 2, sizes, seed, 0)(step, 0, {})["s"]
+            else:
+                value = synth.call_inputs(schedule, 2, sizes, seed, 0)[0]["s"]
+            assert scale_fault(float(value.float()[0])) is None, (source[:20], seed, value)
