@@ -4,6 +4,8 @@ module (torch only): importing it starts no Triton."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
@@ -25,12 +27,46 @@ def round_e4m3(y: torch.Tensor) -> torch.Tensor:
     stays NaN: one NaN, positive, e4m3fn's byte 0x7F, whatever sign the NaN had: x86
     makes inf * 0 a negative NaN, a GPU a positive one), in fp32 bit arithmetic: the
     kernels' rule (templates/math.j2 ``_dcpc_quantize``, ``_dcpc_store_e4m3``), so that
-    the reference and every backend agree bit for bit."""
+    the reference and every backend agree bit for bit. The sign of a zero is kept (-0.0,
+    and a negative value that rounds to 0, give -0: e4m3's byte 0x80), as a conversion."""
     y = y.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     exponent = (y.view(torch.int32) >> 23) & 0xFF
     ulp = (torch.clamp(exponent - 3, min=127 - 9) << 23).view(torch.float32)
     r = torch.floor(y.abs() / ulp + 0.5) * ulp
-    return torch.where(torch.isnan(y), torch.nan, torch.where(y < 0, -r, r))
+    return torch.where(torch.isnan(y), torch.nan, torch.where(torch.signbit(y), -r, r))
+
+
+def ieee_max(parts: torch.Tensor) -> torch.Tensor:
+    """The maximum over dim 0 as ``reduce: max`` defines it on every backend: NaN if any
+    part is NaN, and +0 above -0 (IEEE 754-2019 maximum): a max of zeros is +0 unless
+    every one is -0, whatever their order (torch.maximum keeps its first argument on a
+    tie, numpy's its second). The kernels: templates/ops/all_reduce.py.j2, reduce.py.j2."""
+    top = parts.amax(dim=0)
+    positive_zero = ((parts == 0) & ~torch.signbit(parts)).any(dim=0)
+    zero = torch.zeros_like(top)
+    return torch.where(top == 0, torch.where(positive_zero, zero, -zero), top)
+
+
+SCALE_MIN = 2.0**-126  # the smallest normal f32: a per-tensor fp8 scale is at least this
+
+
+def scale_fault(value: float) -> str | None:
+    """Why ``value`` is no per-tensor fp8 scale (``output_scale``, a cast's ``per:
+    tensor`` scale), or None: a scale is a positive finite normal f32 (SCALE_MIN <= s <
+    inf). 0, a denormal, a negative, NaN or inf would quantise to +-448, flip signs, or
+    give NaN or 0. The one rule: the torch backend and the reference call this; the
+    kernels apply the same bounds (templates/math.j2 ``_dcpc_scale``)."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == 0:
+        return "zero" if math.copysign(1.0, value) > 0 else "negative zero"
+    if value < 0:
+        return "negative"
+    if value < SCALE_MIN:
+        return "a denormal"
+    return None
 
 
 def token_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,3 +84,14 @@ def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     a = torch.as_tensor(a, dtype=torch.float32)
     b = torch.as_tensor(b, dtype=torch.float32)
     return torch.div(a, b)
+
+
+def reference_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
+    """The float64 reference's per-tensor fp8 scale ``scale[0]`` as fp32, refused as the
+    backends refuse it (``scale_fault``: ValueError naming ``what``)."""
+    s = scale.reshape(-1)[0].to(torch.float32)
+    why = scale_fault(float(s))
+    if why is not None:
+        raise ValueError(f"simulator: {what} is {float(s)!r} ({why}); a per-tensor fp8 "
+                         "scale is a positive finite normal f32 (at least 2**-126)")
+    return s

@@ -267,3 +267,71 @@ def test_a_mesh_module_on_torch_runs_on_one_rank(two_level: type) -> None:
         assert torch.equal(module.gather_nodes(), q)
     finally:
         module.close()
+
+
+# ---- issue 31: a dead rank is named by every survivor, on every axis, in seconds ---------
+
+STEPS = ("gather_in_node", "gather_nodes", "sum_nodes", "sum_in_node")
+
+
+def dead_rank_worker(rank: int, world: int, module_path: str, dies_at: str, guard: bool,
+                     backend: Any) -> dict[str, Any]:
+    """2x2 (node x gpu), two calls; rank 3 dies (os._exit: it can tell nobody, like a
+    SIGKILL) just before ``dies_at`` of the second call. The modules' own wait is an
+    hour: a survivor that is not told of the death would be killed by the launcher as
+    hung, never report."""
+    import os
+
+    import torch.distributed as dist
+
+    cls = schedule_class(import_file(module_path, "dcpc_axes_dead"), "two_level")
+    module = cls(dist.group.WORLD, sizes={"N": 2, "G": 2, "H": 8}, device="cpu",
+                 backend=backend, guard=guard, timeout_s=3600.0)
+    q, part = torch.randn(3, 2, 8).to(torch.bfloat16), torch.randn(3, 8, 8)
+    args = {"gather_in_node": (q,), "gather_nodes": (), "sum_nodes": (part,),
+            "sum_in_node": ()}
+    try:
+        for call in range(2):
+            for step in STEPS:
+                if call == 1 and rank == 3 and step == dies_at:
+                    os._exit(17)
+                getattr(module, step)(*args[step], slot=0)
+        return {"error": ("none", "")}
+    except Exception as exc:  # noqa: BLE001 (the test asserts on it)
+        return {"error": (type(exc).__name__, str(exc))}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("dies_at", ["gather_in_node", "gather_nodes"])
+def test_a_dead_rank_is_named_on_every_axis(two_level: type, tmp_path: Path, dies_at: str,
+                                            guard: bool) -> None:
+    """Before: rank 3's gpu teammate (rank 2, host shared memory) waited out its whole
+    timeout (its torch-axis peers heard of the death from gloo in seconds), survivors
+    named a blocked live rank, and a torch collective's error named a team-local index
+    with no peer. Now a host wait watches its peers' processes (a dead one is flagged at
+    once), and every message names module ranks: this rank and the peer it waited for."""
+    c = pipeline.run(TWO_LEVEL, pipeline.Options(worlds=[MeshWorld((2, 2))]), until="emit")
+    module = tmp_path / "two_level.py"
+    module.write_text(c.module_text)
+    result = launch("test_axis_backends:dead_rank_worker", 4,
+                    {"module_path": str(module), "dies_at": dies_at, "guard": guard,
+                     "backend": dict(MIXED)}, timeout_s=600, grace_s=240)
+    statuses = [o.status for o in result.outcomes]
+    assert statuses == ["ok", "ok", "ok", "died"], result.summary() + "".join(
+        o.traceback or "" for o in result.outcomes)
+    import re
+
+    messages = [result.values()[rank]["error"] for rank in range(3)]
+    for rank, (kind, message) in enumerate(messages):
+        assert kind in ("DcpcPeerFailedError", "DcpcCollectiveError"), (rank, kind, message)
+        # named by module rank, with the peer it waited for
+        assert re.search(rf"rank {rank}('s [a-z_]+ with peer| stopped waiting for peer) "
+                         r"\d\b", message), (rank, message)
+    if dies_at == "gather_in_node":  # rank 2's gpu peer: on host shared memory
+        assert ("step 'gather_in_node': rank 2 stopped waiting for peer 3 (epoch 2): peer 3 "
+                "died (its process is gone") in messages[2][1], messages[2]
+    else:  # rank 1's node peer (the torch axis): a team of module ranks 1 and 3
+        assert re.search(r"step 'gather_nodes'( \(slot 0\): rank 1's all_gather with peer 3 "
+                         r"did not complete|: rank 1 stopped waiting for peer 3 \(epoch 2\): "
+                         r"peer 3 is unreachable)", messages[1][1]), messages[1]

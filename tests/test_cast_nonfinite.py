@@ -145,13 +145,15 @@ def test_an_fp8_merge_output_stores_nan_as_the_nan_byte(tmp_path: Path) -> None:
     dst = torch.zeros(t, g, dv, dtype=torch.float8_e4m3fn)
     scale = torch.tensor([0.01])
     qsl = torch.tensor([0, t], dtype=torch.int32)
+    errors = torch.zeros(8, dtype=torch.int32)  # the error record (a bad scale lands here)
     mod._merge_kernel[(t * g // 4 + 1,)](
-        o, lse, dst, lse, torch.tensor([t], dtype=torch.int32), qsl, scale, t * g, dv, g, 1,
-        WORLD=world, INTERLEAVE=1, MASK=False, BASE2=False, RETURN_LSE=False, SCALE=True,
-        SEARCH_STEPS=1, BLOCK_B=0, ROW_LEN=0, BLOCK_N=4, BLOCK_D=16)
+        o, lse, dst, lse, torch.tensor([t], dtype=torch.int32), qsl, scale, errors, t * g, dv,
+        g, 1, STEP=1, WORLD=world, INTERLEAVE=1, MASK=False, BASE2=False, RETURN_LSE=False,
+        SCALE=True, SEARCH_STEPS=1, BLOCK_B=0, ROW_LEN=0, BLOCK_N=4, BLOCK_D=16)
     ref, _ = merge.lse_combine(o.double(), lse.double(), "e", None, torch.float64)
     want = round_e4m3((ref / 0.01).float())
     got = _bits(dst)
+    assert not errors.any(), errors  # a good scale records nothing
     assert got[1, 0, 5].item() == 0x7F and int((got == 0x7F).sum()) == 1, got[1, 0]
     assert got[2, 1, 6].item() == _bits(torch.tensor([448.0]).to(dst.dtype)).item()
     assert dst[3, 2, 7].item() == -448.0

@@ -300,3 +300,87 @@ def test_init_kv_gather_checks_as_vllm(tmp_path, monkeypatch):
     assert "divide evenly across 2 ranks, got 15" in errors[0]
     assert "got 0" in errors[1] and "token dimension must be positive: 0" in errors[2]
     assert errors[3] == "direct DCP KV gather is not enabled"
+
+
+def _bad_dst_rank(rank, bad: dict) -> dict:
+    """W=2, 7 local rows each (capacity 16): rank r passes ``bad.get(r)`` as its
+    dst_rows (else the good map); what direct_kv_gather returned or raised."""
+    maps, out_tokens = _maps(2)
+    local = _locals(2, 7, torch.bfloat16)
+    m = MLADCPKVGather(rank, "cpu", 1)
+    assert m.init_kv_gather(16, TOKEN_DIM, SPLIT, torch.bfloat16)
+    r = rank.rank
+    dst = bad.get(r, torch.tensor(maps[r], dtype=torch.int32))
+    m._planes.fill_(float("nan"))
+    try:
+        kv_c, k_pe = m.direct_kv_gather(local[r], dst, out_tokens, 0)
+    except Exception as err:  # noqa: BLE001 (the test asserts on it)
+        return {"error": (type(err).__name__, str(err))}
+    return {"kv_c": kv_c.clone(), "k_pe": k_pe.clone()}
+
+
+GOOD0 = [0, 1, 2, 3, 7, 8, 9]  # _maps(2)[0][0]: rank 0's destinations
+
+
+@pytest.mark.parametrize(("dst", "words"), [
+    (torch.tensor([2**32, 1, 2, 3, 7, 8, 9]), r"dst_rows\[0\] = 4294967296 is outside 0..10"),
+    (torch.tensor([0.9, 1, 2, 3, 7, 8, 9]), "dst_rows must hold integer row numbers, got "
+                                            "torch.float32"),
+    (torch.tensor([0, 1, 2, 3, 7, 8, 8]), "dst_rows names destination row 8 twice"),
+    (torch.tensor([-2, 1, 2, 3, 7, 8, 9]), r"dst_rows\[0\] = -2 is outside 0..10"),
+    (torch.tensor([0, 1, 2, 3, 7, 8, 11]), r"dst_rows\[6\] = 11 is outside 0..10"),
+], ids=["int64-2**32", "float", "duplicate", "minus-2", "past-output"])
+def test_direct_kv_gather_refuses_destinations_that_are_not_rows(dst, words, tmp_path,
+                                                                 monkeypatch):
+    """Before, each of these landed somewhere silently: 2**32 and 0.9 on row 0 (the int32
+    cast before the bounds check), over rank 1's token there; a duplicate overwrote; -2
+    was dropped like -1. Now rank 0 refuses its arguments before anything moves, and its
+    peer's gather stops with an error instead of returning."""
+    monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_USE_DIRECT_DCP_KV_GATHER", "1")
+    found = LocalGroup(2, "cpu", timeout_s=120).run(
+        lambda rank: _bad_dst_rank(rank, {0: dst}))
+    kind, message = found[0]["error"]
+    assert kind == "ValueError", found[0]
+    import re
+
+    assert re.search(words, message), message
+    assert "error" in found[1], found[1]  # the peer's call fails too (never data)
+
+
+def test_two_ranks_naming_one_row_are_refused_on_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_USE_DIRECT_DCP_KV_GATHER", "1")
+    clash = torch.tensor([4, 5, 6, -1, 10, 0, -1], dtype=torch.int32)  # row 0 is rank 0's
+    found = LocalGroup(2, "cpu", timeout_s=120).run(
+        lambda rank: _bad_dst_rank(rank, {1: clash}))
+    for f in found:
+        assert f.get("error") == ("ValueError", "DCP kv-gather: two ranks write destination "
+                                  "row 0; each row of the output is written by one local row "
+                                  "of one rank"), f
+
+
+def _over_share_rank(rank) -> dict:
+    """capacity 12 at W=2: a share of 6 rows per rank; each rank passes 7 (the 11 output
+    rows fit the capacity): the documented fallback (torch collectives) moves them."""
+    maps, out_tokens = _maps(2)
+    local = _locals(2, 7, torch.bfloat16)
+    m = MLADCPKVGather(rank, "cpu", 1)
+    assert m.init_kv_gather(12, TOKEN_DIM, SPLIT, torch.bfloat16)
+    r = rank.rank
+    m._planes.fill_(float("nan"))
+    kv_c, k_pe = m.direct_kv_gather(local[r], torch.tensor(maps[r], dtype=torch.int32),
+                                    out_tokens, 0)
+    return {"kv_c": kv_c.clone(), "k_pe": k_pe.clone()}
+
+
+def test_more_local_rows_than_the_share_take_the_fallback(tmp_path, monkeypatch):
+    """Before: ZeroDivisionError on every rank (an empty call the gather module cannot
+    take); now the rows move through the fallback, bit for bit."""
+    monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_USE_DIRECT_DCP_KV_GATHER", "1")
+    found = LocalGroup(2, "cpu", timeout_s=120).run(_over_share_rank)
+    want = _expected(2, torch.bfloat16)
+    for r, f in enumerate(found):
+        assert _same(f["kv_c"][:, 0], want[:, :SPLIT]), r
+        assert _same(f["k_pe"][:, 0], want[:, SPLIT:]), r

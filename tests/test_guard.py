@@ -195,15 +195,21 @@ def test_a_contract_violation_fails_both_ranks_at_once(kimi: str, backend: str,
 
 
 def absent_peer_worker(rank: int, world: int, path: str, backend: str,
-                       wait_s: float) -> dict[str, Any]:
-    """Rank 1 constructs, then stays away (alive) for longer than rank 0's wait."""
+                       wait_s: float, done: str) -> dict[str, Any]:
+    """Rank 1 constructs, then stays away, alive, until rank 0 has given up (the file
+    ``done``; 600 s at most): rank 0's wait counts its own CPU time, so on a loaded
+    machine it ends later than wait_s wall seconds, and a rank that exits is named dead."""
+    import os
+
     import torch
     import torch.distributed as dist
 
     cls = _class(path)
     m = cls(dist.group.WORLD, sizes={"N": 4}, device="cpu", backend=backend, timeout_s=wait_s)
     if rank == 1:
-        time.sleep(wait_s + 8)
+        until = time.monotonic() + 600
+        while time.monotonic() < until and not os.path.exists(done):
+            time.sleep(0.2)
         return {}
     start = time.monotonic()
     try:
@@ -212,6 +218,8 @@ def absent_peer_worker(rank: int, world: int, path: str, backend: str,
     except Exception as exc:  # noqa: BLE001
         return {"error": (type(exc).__name__, str(exc)), "elapsed": time.monotonic() - start,
                 "fields": [getattr(exc, k, None) for k in ("step", "peer", "epoch")]}
+    finally:
+        open(done, "w").close()
 
 
 @pytest.mark.parametrize("backend", ["host", "torch"])
@@ -220,7 +228,8 @@ def test_waits_are_bounded_in_seconds_and_name_step_peer_and_epoch(tmp_path,
     path = str(compile_file(SCHEDULES / "kv_gather.yaml", tmp_path))
     wait_s = 2.0
     result = launch("test_guard:absent_peer_worker", 2,
-                    {"path": path, "backend": backend, "wait_s": wait_s}, timeout_s=180)
+                    {"path": path, "backend": backend, "wait_s": wait_s,
+                     "done": str(tmp_path / "done")}, timeout_s=900)
     assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
     got = result.values()[0]
     print(got)

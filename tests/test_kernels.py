@@ -61,6 +61,7 @@ def run_merge(mod, x, dtype, *, base, return_lse, mask, interleave, kernel, own=
     block_n, block_d = 4, 16
     o = x["o"] if own is None else x["o"][own]
     args = [o, x["lse"], dst, dst_lse, x["seq_lens"], x["qsl"], x["lse"]]  # no out_scale
+    args.append(torch.zeros(8, dtype=torch.int32))  # the error record (no scale: unused)
     if own is not None:
         args += list(o.stride())  # this rank's partial [T, G, dv]: (outer, mid, inner)
     args += [T * G, dv, G, x["seq_lens"].shape[0]]
@@ -73,6 +74,7 @@ def run_merge(mod, x, dtype, *, base, return_lse, mask, interleave, kernel, own=
         BASE2=base == "2",
         RETURN_LSE=return_lse,
         SCALE=False,
+        STEP=0,
         SEARCH_STEPS=3,
         BLOCK_B=8 if fast else 0,
         ROW_LEN=dv if fast else 0,

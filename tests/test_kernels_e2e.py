@@ -24,7 +24,11 @@ def _module(path: str) -> type:
     return the_class(load(path))
 
 
-def timeout_worker(rank: int, world: int, path: str) -> dict[str, Any]:
+def timeout_worker(rank: int, world: int, path: str, done: str) -> dict[str, Any]:
+    """Rank 1 constructs, then stays away, alive (a dead one is named dead at once),
+    until rank 0 has given up (the file ``done``; 600 s at most)."""
+    import time
+
     import torch.distributed as dist
 
     from dcpc.runtime import DcpcTimeoutError
@@ -34,6 +38,9 @@ def timeout_worker(rank: int, world: int, path: str) -> dict[str, Any]:
         dist.group.WORLD, sizes={"N": 4}, backend="host", programs=1, timeout_s=3, epoch_start=41
     )
     if rank == 1:
+        until = time.monotonic() + 600
+        while time.monotonic() < until and not os.path.exists(done):
+            time.sleep(0.2)
         return {"rank": 1}
     import torch
 
@@ -41,12 +48,15 @@ def timeout_worker(rank: int, world: int, path: str) -> dict[str, Any]:
         m.kv_gather(torch.randn(4, 576).bfloat16())
     except DcpcTimeoutError as exc:
         return {"step": exc.step, "peer": exc.peer, "epoch": exc.epoch, "text": str(exc)}
+    finally:
+        open(done, "w").close()
     return {"error": "no timeout"}
 
 
 def test_absent_peer_is_a_timeout_naming_step_peer_and_epoch(tmp_path):
     path = compile_file(SCHEDULES / "kv_gather.yaml", tmp_path)
-    result = launch("test_kernels_e2e:timeout_worker", 2, {"path": str(path)}, timeout_s=240)
+    result = launch("test_kernels_e2e:timeout_worker", 2,
+                    {"path": str(path), "done": str(tmp_path / "done")}, timeout_s=900)
     assert result.ok, result.summary() + result.outcomes[0].traceback
     got = result.values()[0]
     assert (got["step"], got["peer"], got["epoch"]) == ("kv_gather", 1, 42), got

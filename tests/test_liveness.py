@@ -22,11 +22,17 @@ pytestmark = pytest.mark.liveness
 TIMEOUT = re.compile(
     r"DcpcTimeoutError: step '(?P<step>\w+)': rank (?P<rank>\d+) timed out waiting for "
     r"peer (?P<peer>\d+) to signal epoch (?P<epoch>-?\d+)")
+# a dead peer is named at once, not after the wait (issue 31: the host watches its peers)
+DIED = re.compile(
+    r"DcpcPeerFailedError: step '(?P<step>\w+)': rank (?P<rank>\d+) stopped waiting for "
+    r"peer (?P<peer>\d+) \(epoch (?P<epoch>-?\d+)\): peer \d+ died \(its process is gone")
 
 
-@pytest.mark.parametrize("kind,status,grace", [("exit", "died", 45), ("sleep", "hung", 10)])
+@pytest.mark.parametrize("kind,status,grace,error", [("exit", "died", 45, DIED),
+                                                     ("sleep", "hung", 10, TIMEOUT)])
 def test_missing_peer_times_out_naming_step_peer_and_epoch(kind: str, status: str,
-                                                           grace: float) -> None:
+                                                           grace: float,
+                                                           error: re.Pattern) -> None:
     fault = {"rank": 1, "call": 3, "step": "out_exchange", "kind": kind}
     start = time.monotonic()
     report = run_schedule(RunConfig(schedule=KIMI, world=3, backend="host", calls=6, seed=3,
@@ -37,7 +43,7 @@ def test_missing_peer_times_out_naming_step_peer_and_epoch(kind: str, status: st
     statuses = [o.status for o in report.launch.outcomes]
     assert statuses == ["error", status, "error"], text
     for rank in (0, 2):
-        found = TIMEOUT.search(report.launch.outcomes[rank].error)
+        found = error.search(report.launch.outcomes[rank].error)
         assert found, report.launch.outcomes[rank].error
         assert found["step"] == "out_exchange" and int(found["peer"]) == 1
         assert int(found["rank"]) == rank

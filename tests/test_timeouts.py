@@ -58,3 +58,38 @@ def test_a_dead_peer_on_the_torch_backend_is_named_by_step_peer_and_epoch() -> N
             or "step 'out_exchange': rank 0 timed out waiting for peer 1 to signal epoch 2"
             in survivor.error), text
     assert survivor.reported_s is not None and survivor.reported_s < 60, text
+
+
+def test_the_cpu_deadline_counts_the_waiting_threads_cpu_time() -> None:
+    """Issue 31: a 2 s wait timed out healthy ranks on a loaded machine (their peer was
+    descheduled, not stuck). The CPU watchdog's deadline is the waiting thread's CPU
+    time: a thread that is not running (here: asleep, as a descheduled thread) does not
+    use it up; a spinning one (a CPU wait) does, and is stopped."""
+    import threading
+    import time
+
+    import torch
+
+    from dcpc.runtime.sync import STOP_WORD, Watchdog
+
+    errors = torch.zeros(8, dtype=torch.int32)
+    dog = Watchdog(errors, timeout_s=0.3)
+    seen: dict[str, object] = {}
+
+    def waiter() -> None:
+        dog.arm()
+        time.sleep(1.5)  # five deadlines of wall time, no CPU time
+        seen["asleep"] = int(errors[STOP_WORD])
+        start = time.thread_time()
+        while not errors[STOP_WORD] and time.thread_time() - start < 30:
+            pass  # a wait spins
+        seen["spun_s"] = time.thread_time() - start
+        seen["stopped"] = int(errors[STOP_WORD])
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    t.join(120)
+    dog.close()
+    assert seen["asleep"] == 0, seen  # wall time alone never ends a wait
+    assert seen["stopped"] == 1, seen  # the spinning thread's own CPU time does
+    assert seen["spun_s"] < 30, seen

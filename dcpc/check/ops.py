@@ -17,6 +17,7 @@ from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, OpBase, Step
 from dcpc.ops import OPS
+from dcpc.ops.common import OUTPUT_SCALE
 
 LSE_DTYPES = ("f32", "f16", "bf16")
 BASE_HINT = "add 'lse_base: e' (natural log, e.g. FlashMLA) or 'lse_base: 2' (FlashInfer)"
@@ -155,9 +156,19 @@ def _scatter(ctx: Context, step: Step, src: Ref, recv: Ref) -> list[ex.Expr] | N
     return part
 
 
-def _output_scale(ctx: Context, step: Step, dst: Ref) -> None:
-    """``output_scale`` is a [1] f32 buffer, for (and only for) an fp8 ``dst``."""
-    scale = refs(step.op, "output_scale")
+def _output_scale(ctx: Context, step: Step) -> None:
+    """The one rule of a computed fp8 result: an op that computes its ``dst`` (its model
+    declares ``output_scale``: a reduction, a merge, a weighted sum; a move copies bits
+    and refuses a dtype change) writes an fp8 ``dst`` only through ``output_scale``, a
+    [1] f32 buffer (e4m3 saturates at 448: a sum past it is no e4m3 value), and takes
+    ``output_scale`` for (and only for) an fp8 ``dst``."""
+    if OUTPUT_SCALE not in type(step.op).model_fields:
+        return
+    scale = refs(step.op, OUTPUT_SCALE)
+    dsts = refs(step.op, "dst")
+    if len(dsts) != 1:
+        return  # a list where one buffer goes: reported by the op's own verifier
+    (dst,) = dsts
     buf = ctx.buffer(dst.name)
     fp8 = buf is not None and buf.dtype.value == "fp8e4m3"
     if not scale:
@@ -181,9 +192,7 @@ def _output_scale(ctx: Context, step: Step, dst: Ref) -> None:
                   hint=f"declare '{dst.name}' with dtype fp8e4m3, or drop output_scale")
 
 
-def _merge(
-    ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool, scaled: bool = True
-) -> None:
+def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None:
     """Shapes, dtypes and bases of a merge of W partials (``o``, ``lse``) into dst."""
     W = team_expr(ctx, step)  # noqa: N806  (the team size G: W without a mesh)
     op = step.op
@@ -231,8 +240,6 @@ def _merge(
                       f"merges LSEs of base {base}",
                       hint=f"declare '{r.name}' with 'lse_base: {base}'")
     _mask(ctx, step)
-    if scaled:
-        _output_scale(ctx, step, dst)
     so, sl = ctx.shape(o.name), ctx.shape(lse.name)
     if so is None or sl is None:
         return
@@ -356,11 +363,8 @@ class Verify:
     def scatter(self, src: Ref, recv: Ref) -> list[ex.Expr] | None:
         return _scatter(self.ctx, self.step, src, recv)
 
-    def output_scale(self, dst: Ref) -> None:
-        _output_scale(self.ctx, self.step, dst)
-
-    def merge(self, o: Ref, lse: Ref, *, stacked: bool, scaled: bool = True) -> None:
-        _merge(self.ctx, self.step, o, lse, stacked=stacked, scaled=scaled)
+    def merge(self, o: Ref, lse: Ref, *, stacked: bool) -> None:
+        _merge(self.ctx, self.step, o, lse, stacked=stacked)
 
 
 # One verifier per op that names buffers, read from the op registry (dcpc/ops/).
@@ -376,3 +380,4 @@ def check_ops(ctx: Context) -> None:
         if rule is not None:
             _no_aliasing(ctx, step)
             rule(Verify(ctx, step), step)
+            _output_scale(ctx, step)

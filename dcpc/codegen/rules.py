@@ -353,7 +353,7 @@ def _elementwise(ctx: Ctx, step: m.Step, op: Any) -> StepPlan:
         ctx.buffers[via] = BufferPlan(
             via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric"
         )
-    return _step(
+    plan = _step(
         step,
         params=ctx.engine([op.src]),
         returns=[op.dst],
@@ -364,6 +364,8 @@ def _elementwise(ctx: Ctx, step: m.Step, op: Any) -> StepPlan:
         attrs={"reduce": ar.REDUCTIONS.index(op.reduce)},
         signalling=True,
     )
+    _scale(ctx, op, plan)
+    return plan
 
 
 def _all_reduce_lse(ctx: Ctx, step: m.Step, op: ar.AllReduce) -> StepPlan:
@@ -470,7 +472,7 @@ def _weighted_combine(ctx: Ctx, step: m.Step) -> StepPlan:
     roles = {"x": x, "weights": weights, "dst": op.dst}
     if op.index is not None:
         roles["index"] = op.index
-    return _step(
+    plan = _step(
         step,
         params=ctx.engine([x, weights, op.index]),
         returns=[op.dst],
@@ -480,3 +482,5 @@ def _weighted_combine(ctx: Ctx, step: m.Step) -> StepPlan:
         tiles=[xs[-1]],
         attrs={"index": op.index is not None},
     )
+    _scale(ctx, op, plan)
+    return plan

@@ -53,9 +53,40 @@ def _slots() -> int:
 
 
 def _index_columns(dst_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``dst_rows`` [N] as int32 bit-cast into columns of ``dtype`` [N, 4/itemsize]."""
+    """``dst_rows`` [N] as int32 bit-cast into columns of ``dtype`` [N, 4/itemsize]
+    (checked first: ``_check_destinations``, so the cast never wraps nor truncates)."""
     rows = dst_rows.to(torch.int32).contiguous().view(-1, 1)
     return rows.view(dtype).reshape(rows.shape[0], -1)
+
+
+def _duplicate(dst: torch.Tensor) -> int | None:
+    """A destination row that ``dst`` names twice (-1, a dropped row, may repeat)."""
+    live = dst[dst >= 0]
+    values, counts = torch.unique(live, return_counts=True)
+    twice = values[counts > 1]
+    return int(twice[0]) if len(twice) else None
+
+
+def _check_destinations(dst_rows: torch.Tensor, output_tokens: int) -> None:
+    """vLLM's direct gather contract, before anything moves: ``dst_rows`` holds integers,
+    each -1 (a padding row, dropped) or a row in 0..output_tokens-1, no row twice; else
+    ValueError naming the first offender (an int64 2**32 or a float 0.9 would otherwise
+    land on row 0 through the int32 cast, and -2 would be dropped like -1)."""
+    if dst_rows.dtype.is_floating_point or dst_rows.dtype.is_complex \
+            or dst_rows.dtype == torch.bool:
+        raise ValueError(f"DCP kv-gather: dst_rows must hold integer row numbers, got "
+                         f"{dst_rows.dtype}")
+    dst = dst_rows.to(torch.int64).reshape(-1).cpu()
+    bad = torch.nonzero((dst < -1) | (dst >= output_tokens)).flatten()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"DCP kv-gather: dst_rows[{i}] = {int(dst[i])} is outside "
+                         f"0..{output_tokens - 1} (output_tokens {output_tokens}); -1 drops a "
+                         "row")
+    row = _duplicate(dst)
+    if row is not None:
+        raise ValueError(f"DCP kv-gather: dst_rows names destination row {row} twice; each "
+                         "row of the output is written by one local row of one rank")
 
 
 class MLADCPKVGather:
@@ -168,20 +199,24 @@ class MLADCPKVGather:
                 raise ValueError(f"DCP kv-gather: local_kv {tuple(local_kv.shape)} "
                                  f"{local_kv.dtype} and dst_rows {tuple(dst_rows.shape)} must be "
                                  f"[N, {token_dim}] {dtype} and [N]")
+            _check_destinations(dst_rows, output_tokens)
         payload = torch.cat([local_kv, _index_columns(dst_rows.to(local_kv.device), dtype)],
                             dim=1)
         r = self._kv_runner(dtype, payload.shape[1])
         if r is not None and r.fits(payload.shape[0]):
             rows = r.run(payload, slot=ub)  # [W*N, C + k], rank-major
-        else:
-            if r is not None:
-                r.skip(payload, slot=ub)
+        else:  # over the workspace's share: the fallback, with no empty module call (the
+            # gather module cannot take T = 0; every rank's N is the same: all fall back)
             rows = Comm(self.dcp).all_gather(payload).reshape(-1, payload.shape[1])
         dst = rows[:, token_dim:].contiguous().view(torch.int32).reshape(-1).long()
         valid = dst >= 0
-        if bool((dst[valid] >= output_tokens).any()):
+        if bool((dst[valid] >= output_tokens).any()):  # a peer's output_tokens was larger
             raise ValueError(f"DCP kv-gather: a destination row is >= output_tokens "
                              f"{output_tokens}")
+        row = _duplicate(dst.cpu())  # two ranks naming one row: every rank sees it, raises
+        if row is not None:
+            raise ValueError(f"DCP kv-gather: two ranks write destination row {row}; each "
+                             "row of the output is written by one local row of one rank")
         flat = self._planes[ub, buffer_slot]
         kv_c = flat[: capacity * split].view(capacity, 1, split)
         k_pe = flat[capacity * split:].view(capacity, 1, token_dim - split)

@@ -18,7 +18,7 @@ import torch
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.lang.mesh import mesh_of, shape_of, torus
-from dcpc.numerics import FP8_E4M3_MAX, local_seq_len  # the facts, defined once (no Triton)
+from dcpc.numerics import local_seq_len, reference_scale, round_e4m3  # the facts, once
 from dcpc.ops import OPS
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -105,13 +105,17 @@ def empty_rows(
     return padding | empty
 
 
-def scaled(op: Any, bufs: Buffers, value: torch.Tensor) -> torch.Tensor:
-    """``output_scale``: value / scale[0], clamped to the fp8 e4m3 range (NaN stays)."""
+def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None = None
+           ) -> torch.Tensor:
+    """``output_scale``: value / scale[0], clamped to the fp8 e4m3 range and rounded to
+    its grid by the kernels' rule (NaN stays, the sign of zero kept: round_e4m3); a scale
+    that is no positive finite normal is refused (ValueError), as every backend does."""
     name = getattr(op, "output_scale", None)
     if name is None:
         return value
-    y = value / bufs[name].reshape(-1)[0]
-    return torch.where(torch.isnan(y), y, y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    who = f"rank {rank}'s" if rank is not None else "the"
+    s = reference_scale(bufs[name], f"{who} output_scale '{name}'")
+    return round_e4m3(value / s.double()).double()
 
 
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -215,7 +219,7 @@ class Sim:
         return _weighted_sum(weights, parts)
 
     def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor:
-        return scaled(op, self.bufs[rank], value)
+        return scaled(op, self.bufs[rank], value, rank)
 
 
 def _teams(schedule: m.Schedule, world: int, step: m.Step) -> list[list[int] | None]:

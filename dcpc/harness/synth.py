@@ -148,7 +148,7 @@ def call_inputs(
         if mask.local_seq_lens is not None:  # every rank's own lengths [B, W] (interleave 1)
             lengths = torch.stack([local_seq_len(lengths, p, world, 1) for p in range(world)], 1)
         shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
-    scales = {getattr(s.op, "output_scale", None) for s in schedule.step_list()} - {None}
+    scales = output_scales(schedule)
     out: list[Buffers] = []
     for rank in range(world):
         bufs: Buffers = {}
@@ -159,7 +159,7 @@ def call_inputs(
             gen = torch.Generator().manual_seed(_mix(seed, call, rank, index))
             shape = buffer_shape(schedule, name, sizes)
             if name in scales:  # an fp8 output's scale: positive, and overflows some values
-                value = 0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)
+                value = scale_value(shape, gen)
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:
@@ -223,6 +223,25 @@ def _mix(*parts: int) -> int:
     return value
 
 
+def output_scales(schedule: m.Schedule) -> set[str]:
+    """The per-tensor fp8 scales: every ``output_scale``, and every cast's ``per:
+    tensor`` scale buffer (a per-token one is the move's own output)."""
+    found = set()
+    for step in schedule.step_list():
+        found.add(getattr(step.op, "output_scale", None))
+        scale = getattr(step.op, "scale", None)
+        if scale is not None and getattr(scale, "per", None) == "tensor":
+            found.add(scale.buffer)
+    return found - {None}
+
+
+def scale_value(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A per-tensor fp8 scale, whoever writes it (an engine input, an engine step): a
+    positive normal (a scale that is not is refused), small enough that some values
+    overflow +-448 and saturate."""
+    return 0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)
+
+
 def make_external(
     schedule: m.Schedule, world: int, sizes: Mapping[str, int], seed: int, call: int
 ) -> Any:
@@ -230,6 +249,7 @@ def make_external(
     mask = mask_of(schedule)
     env = {**sizes, "W": world}
     masked = mask_rows(schedule, env)  # written rows of this count get garbage when masked
+    scales = output_scales(schedule)
 
     def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
         op = step.op
@@ -253,6 +273,8 @@ def make_external(
                 value = value - 0.3 * (torch.arange(shape[0]) % 3).unsqueeze(1)
             elif x is not None and tuple(x.shape) == shape:  # same shape: depends on x too
                 value = torch.tanh(x * (0.5 + 0.1 * rank) + 0.05 * rank)
+            elif name in scales:  # a scale an engine step writes: as an input one
+                value = scale_value(shape, gen)
             else:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             if mask is not None and len(shape) >= 2 and shape[0] == masked:

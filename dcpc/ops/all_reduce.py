@@ -3,8 +3,9 @@
 ``reduce: sum`` (default) or ``max``. Every rank pushes its whole ``src`` into index
 ``rank`` of every rank's symmetric receive buffer ``via`` ([W, *src shape]; implicit
 ``<step>_recv`` when omitted), signals, waits, then reduces ``via[0] .. via[W-1]`` IN
-THAT ORDER in fp32 into ``dst`` (src's shape): every rank adds the same values in the
-same order, so every rank's ``dst`` is bitwise identical.
+THAT ORDER in fp32 into ``dst`` (src's shape; an fp8 ``dst`` divided by
+``output_scale``): every rank adds the same values in the same order, so every rank's
+``dst`` is bitwise identical.
 
 ``reduce: lse`` (tree attention, PCP): ``src: [o, lse]`` partials ([*rows, D], [*rows]),
 ``via: [o_recv, lse_recv]`` ([W, *rows, D], [W, *rows], symmetric, required), and every
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from dcpc.harness.simulate import Sim
 
 REDUCTIONS = ("sum", "max", "lse")
-MERGE_KEYS = ("mask_empty", "return_lse", "lse_base", "output_scale")  # reduce: lse only
+MERGE_KEYS = ("mask_empty", "return_lse", "lse_base")  # reduce: lse only
 
 
 class AllReduce(OpBase):
@@ -59,7 +60,7 @@ class AllReduce(OpBase):
     return_lse: Name | None = Field(default=None, description="the merged LSE (reduce: lse)")
     lse_base: LseBase | None = None
     output_scale: Name | None = Field(
-        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst (lse)"
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
     )
 
     _norm_base = field_validator("lse_base", mode="before")(_lse_base)
@@ -99,7 +100,8 @@ def verify(v: Verify, step: Step) -> None:
 
 
 def verify_elementwise(v: Verify, step: Step) -> None:
-    """sum/max of one ``src`` into ``dst`` through ``via`` (shared with ``reduce``)."""
+    """sum/max of one ``src`` into ``dst`` through ``via`` (shared with ``reduce``); an fp8
+    ``dst``'s ``output_scale``: the rule every computed result shares (dcpc.check.ops)."""
     op = step.op
     for key in ("src", "via", *MERGE_KEYS):
         value = getattr(op, key, None)
@@ -152,6 +154,8 @@ def _verify_lse(v: Verify, step: Step) -> None:
 def reference(sim: Sim, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
+    from dcpc.numerics import ieee_max
+
     op: AllReduce = step.op  # type: ignore[assignment]
     if op.reduce == "lse":
         from dcpc.ops.lse_combine import combine
@@ -166,8 +170,8 @@ def reference(sim: Sim, step: Step) -> None:
     for r in range(sim.world):
         if op.via is not None:
             sim.store(r, op.via, parts.clone())
-        total = parts.sum(dim=0) if op.reduce == "sum" else parts.amax(dim=0)
-        sim.store(r, op.dst, total)
+        total = parts.sum(dim=0) if op.reduce == "sum" else ieee_max(parts)
+        sim.store(r, op.dst, sim.scaled(op, r, total))
 
 
 def io(op: AllReduce) -> IO:

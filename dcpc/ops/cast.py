@@ -138,15 +138,14 @@ def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the e4m3 values of rows ``x`` as a float64 tensor, the per-row scales sent) for a
     quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor)."""
-    import torch
 
-    from dcpc.numerics import ieee_div, round_e4m3, token_scales
+    from dcpc.numerics import ieee_div, reference_scale, round_e4m3, token_scales
 
     if per == "token":
         sent, inverse = token_scales(x)
         return round_e4m3(x.float() * inverse[..., None]).double(), sent.double()
     assert scale is not None
-    inverse = ieee_div(1.0, scale.reshape(-1)[0].to(torch.float32))
+    inverse = ieee_div(1.0, reference_scale(scale, "the cast's per-tensor scale"))
     return round_e4m3(x.float() * inverse).double(), None
 
 
@@ -154,8 +153,10 @@ def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor) -> torch.Ten
     """``q * scale`` in fp32 (per token: one scale per row), as float64."""
     import torch
 
+    from dcpc.numerics import reference_scale
+
     s = scale.to(torch.float32)
-    s = s[..., None] if per == "token" else s.reshape(-1)[0]
+    s = s[..., None] if per == "token" else reference_scale(s, "the cast's per-tensor scale")
     return (q.float() * s).double()
 
 

@@ -370,10 +370,17 @@ def mask_inputs(op: m.OpBase) -> list[tuple[str, str]]:
             (mask.query_start_loc, "mask_empty.query_start_loc")]
 
 
+# The key of an op that computes its dst (a reduction, a merge, a weighted sum): the [1]
+# f32 scale of an fp8 dst, dst = clamp(out / scale[0], -448, 448) rounded to e4m3. Every
+# op whose model declares it falls under one rule (dcpc.check.ops ``_output_scale``):
+# an fp8 dst needs it. The kernels refuse a scale that is not a positive finite normal.
+OUTPUT_SCALE = "output_scale"
+
+
 def merge_inputs(op: m.OpBase) -> list[tuple[str, str]]:
     """(buffer, key) a merge reads besides its partials: mask_empty's lengths and
     query_start_loc, and output_scale."""
-    return mask_inputs(op) + keyed(op, "output_scale")
+    return mask_inputs(op) + keyed(op, OUTPUT_SCALE)
 
 
 def effects(kind: str, when: str, pairs: list[tuple[str, str]],

@@ -1,6 +1,7 @@
 """lse_correct: scale this rank's own partial ``o`` ([*rows, D]) by its LSE weight
 among the W stacked LSEs ``lse_all`` ([W, *rows]): ``dst = w_rank * o`` (masked rows
-weigh 0); optionally the merged LSE (``return_lse``). Local: no peer is written. It
+weigh 0; an fp8 ``dst`` divided by ``output_scale``); optionally the merged LSE
+(``return_lse``). Local: no peer is written. It
 shares lse_combine's merge (semantics, verifier, weights).
 Lowerings: dcpc/codegen/rules.py ``lse_correct`` + templates/ops/lse_correct.py.j2;
 dcpc/runtime/collectives.py ``lse_correct``.
@@ -27,12 +28,15 @@ class LseCorrect(OpBase):
     dst: Name
     mask_empty: MaskEmpty | None = None
     return_lse: Name | None = None
+    output_scale: Name | None = Field(
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
+    )
 
 
 def verify(v: Verify, step: Step) -> None:
     assert isinstance(step.op, LseCorrect)
     o, lse = v.refs("src")
-    v.merge(o, lse, stacked=False, scaled=False)
+    v.merge(o, lse, stacked=False)
 
 
 def reference(sim: Sim, step: Step) -> None:
@@ -43,7 +47,8 @@ def reference(sim: Sim, step: Step) -> None:
     for r in range(sim.world):
         weights, merged = sim.merge_weights(op, r, lse_name)
         w = weights[r].unsqueeze(-1)
-        sim.store(r, op.dst, torch.where(w == 0, 0.0, w * sim.bufs[r][o_name]))
+        out = torch.where(w == 0, 0.0, w * sim.bufs[r][o_name])
+        sim.store(r, op.dst, sim.scaled(op, r, out))
         if op.return_lse:
             sim.store(r, op.return_lse, merged)
 

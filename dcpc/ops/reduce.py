@@ -6,7 +6,8 @@ value (MPI leaves it undefined; a defined value keeps every rank's output checka
 Lowered as: every rank pushes its whole ``src`` into index ``rank`` of the ROOT's
 symmetric receive buffer ``via`` ([W, *src]; implicit ``<step>_recv``), every rank
 signals every peer and waits for every peer, then the root reduces ``via[0] .. via[W-1]``
-in that order in fp32 into ``dst`` (the other ranks write 0).
+in that order in fp32 into ``dst`` (an fp8 ``dst`` divided by ``output_scale``; the other
+ranks write 0).
 Semantics, exact: the pushes store into the ROOT's ``via`` only and only the root reads
 it (``Effect.root``), so a later read of ``via`` on every rank reads, off the root, what
 nothing wrote (read-before-write, dcpc.check.flow); ``dst`` is written on every rank (the
@@ -34,9 +35,11 @@ from dcpc.ops.common import (
     Region,
     Scope,
     Semantics,
+    buffers_of,
     effects,
     exchange,
     keyed,
+    merge_inputs,
 )
 from dcpc.ops.registry import IO, OpDef, define
 
@@ -54,6 +57,9 @@ class Reduce(OpBase):
     via: Name | None = Field(
         default=None, description="symmetric receive buffer [W, *src]; implicit if omitted"
     )
+    output_scale: Name | None = Field(
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
+    )
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
@@ -63,7 +69,8 @@ def semantics(c: Scope, step: Step) -> Semantics:
     via = [via_of(step)]
     before = effects(READ, BEFORE, keyed(op, "src"))
     before += effects(WRITE, BEFORE, via, Region("index", 0), root=op.root)
-    after = effects(READ, AFTER, via, root=op.root) + effects(WRITE, AFTER, keyed(op, "dst"))
+    after = effects(READ, AFTER, via, root=op.root) + effects(READ, AFTER, merge_inputs(op))
+    after += effects(WRITE, AFTER, keyed(op, "dst"))  # every rank checks its own scale
     return exchange(before, after, step)
 
 
@@ -75,17 +82,20 @@ def verify(v: Verify, step: Step) -> None:
 def reference(sim: Sim, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
+    from dcpc.numerics import ieee_max
+
     op: Reduce = step.op  # type: ignore[assignment]
     parts = torch.stack([sim.bufs[r][op.src].to(torch.float64) for r in range(sim.world)])
-    total = parts.sum(dim=0) if op.reduce == "sum" else parts.amax(dim=0)
-    for r in range(sim.world):
-        sim.store(r, op.dst, total if r == op.root else torch.zeros_like(total))
+    total = parts.sum(dim=0) if op.reduce == "sum" else ieee_max(parts)
+    for r in range(sim.world):  # every rank checks its own scale; the root's divides
+        value = total if r == op.root else torch.zeros_like(total)
+        sim.store(r, op.dst, sim.scaled(op, r, value))
     if op.via is not None:
         sim.store(op.root, op.via, parts.clone())
 
 
 def io(op: Reduce) -> IO:
-    return [op.src], [op.dst] + ([op.via] if op.via else [])
+    return [op.src] + buffers_of(merge_inputs(op)), [op.dst] + ([op.via] if op.via else [])
 
 
 __all__ = ["Reduce", "via_of"]

@@ -78,7 +78,6 @@ def verify(v: Verify, step: Step) -> None:
         v.same_dtype(src, dst)  # floats: summed in fp32, rounded once into dst
     if part is not None and v.shape(dst.name) is not None:
         v.expect(dst, part, f"this rank's part of src '{src.name}'")
-    v.output_scale(dst)
 
 
 def reference(sim: Sim, step: Step) -> None:

@@ -2,9 +2,10 @@
 
 ``src: [x, weights]``, ``dst`` [T, H]: ``dst[t] = sum_k weights[t, k] * row(t, k)``,
 k = 0, 1, ..., K-1 in that order, accumulated in fp32 and rounded once into dst's
-dtype. ``weights`` is [T, K]. With ``index`` ([T, K] integers) ``row(t, k)`` is row
-``index[t, k]`` of ``x`` seen as [rows, H] (all dims but the last flattened: a ragged
-all_to_all's [W, capacity, H] receive buffer, DeepEP's combine layout); a negative
+dtype (an fp8 ``dst`` divided by ``output_scale``). ``weights`` is [T, K]. With
+``index`` ([T, K] integers) ``row(t, k)`` is row ``index[t, k]`` of ``x`` seen as
+[rows, H] (all dims but the last flattened: a ragged all_to_all's [W, capacity, H]
+receive buffer, DeepEP's combine layout); a negative
 index is an empty slot that contributes exactly 0 (never read), an index >= rows is an
 error (``DcpcArgumentError``). Without ``index`` ``x`` is [T, K, H] and ``row(t, k) =
 x[t, k]``. Local: no peer is read or written.
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from dcpc.lang.nodes import Name, OpBase, Step
-from dcpc.ops.common import Scope, Semantics, keyed, local
+from dcpc.ops.common import OUTPUT_SCALE, Scope, Semantics, keyed, local
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
@@ -34,11 +35,15 @@ class WeightedCombine(OpBase):
     index: Name | None = Field(
         default=None, description="[T, K] integers: the row of x of each slot (< 0: none)"
     )
+    output_scale: Name | None = Field(
+        default=None, description="[1] f32: dst = clamp(out / scale) for an fp8 dst"
+    )
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
     op = step.op
-    return local(keyed(op, "src") + keyed(op, "index"), keyed(op, "dst"))
+    return local(keyed(op, "src") + keyed(op, "index") + keyed(op, OUTPUT_SCALE),
+                 keyed(op, "dst"))
 
 
 def verify(v: Verify, step: Step) -> None:
@@ -106,11 +111,12 @@ def reference(sim: Sim, step: Step) -> None:
             live = index[:, k] >= 0
             part = weights[:, k, None] * rows[index[:, k].clamp(min=0)]
             out += torch.where(live[:, None], part, 0.0)  # an empty slot: exactly 0
-        sim.store(r, op.dst, out)
+        sim.store(r, op.dst, sim.scaled(op, r, out))
 
 
 def io(op: WeightedCombine) -> IO:
-    return list(op.src) + ([op.index] if op.index else []), [op.dst]
+    reads = list(op.src) + [n for n in (op.index, op.output_scale) if n]
+    return reads, [op.dst]
 
 
 DEF = define(OpDef("weighted_combine", WeightedCombine, semantics, verify, reference, io))

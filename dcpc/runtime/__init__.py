@@ -16,6 +16,7 @@ from dcpc.runtime.errors import (
     DcpcError,
     DcpcFailedError,
     DcpcPeerFailedError,
+    DcpcScaleError,
     DcpcTimeoutError,
 )
 from dcpc.runtime.fastlaunch import fast_launch
@@ -33,6 +34,7 @@ __all__ = [
     "DcpcError",
     "DcpcFailedError",
     "DcpcPeerFailedError",
+    "DcpcScaleError",
     "DcpcTimeoutError",
     "ScheduleModule",
     "SymmetricBuffer",

@@ -172,6 +172,14 @@ class TeamHeap:
             out.append(Segment(seg.local, ptrs.to(seg.peer_ptrs.device)))
         return out
 
+    def gone(self, rank: int) -> bool:
+        """Whether module rank ``rank``'s process is gone (a member of this team on a
+        heap that can tell, dcpc.runtime.host.HostHeap.gone); False otherwise."""
+        gone = getattr(self.inner, "gone", None)
+        if gone is None or rank not in self.members:
+            return False
+        return bool(gone(self.members.index(rank)))
+
     def barrier(self) -> None:
         self.inner.barrier()
 

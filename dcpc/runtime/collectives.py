@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcpc.numerics import ieee_max
 from dcpc.runtime import merge
 from dcpc.runtime.errors import DcpcArgumentError, DcpcCollectiveError
 
@@ -34,18 +35,23 @@ _AS_BYTES = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2"
 
 def wire(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a collective sends it: a uint8 view of an fp8 tensor (data movement
-    only; no collective here reduces fp8), else ``t`` itself."""
+    only: every reduction here gathers, then adds in fp32), else ``t`` itself."""
     return t.view(torch.uint8) if t.dtype in _AS_BYTES else t
 
 
 @dataclass(frozen=True)
 class SlotGroup:
-    """The process group of one slot, and how long a collective may wait on the host."""
+    """The process group of one slot, and how long a collective may wait on the host.
+    ``rank``: this rank's index in ``group`` (a team member index for a team op's group);
+    ``me`` and ``peers``: this rank and the other members as the module numbers them
+    (what an error names)."""
 
     group: Any
     slot: int
     rank: int
     timeout: timedelta | None  # gloo: the module's timeout_s; NCCL: None (stream-ordered)
+    me: int = 0
+    peers: tuple[int, ...] = ()
 
 
 _SLOT_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}  # (global ranks, slot) -> group
@@ -78,7 +84,8 @@ def slot_groups(group: Any, rank: int, world: int, slots: int, timeout_s: float 
             groups.append(new)
     elif slots > 1:
         groups = [group] * slots
-    return [SlotGroup(g, slot, rank, timeout) for slot, g in enumerate(groups)]
+    peers = tuple((rank + k) % world for k in range(1, world))
+    return [SlotGroup(g, slot, rank, timeout, rank, peers) for slot, g in enumerate(groups)]
 
 
 def _wait(comm: SlotGroup, work: Any, op: str) -> None:
@@ -89,7 +96,8 @@ def _wait(comm: SlotGroup, work: Any, op: str) -> None:
         work.wait(comm.timeout)
     except RuntimeError as exc:
         first = (str(exc).strip().splitlines() or ["?"])[0][:200]
-        raise DcpcCollectiveError(op, comm.rank, comm.slot, comm.timeout, first) from None
+        raise DcpcCollectiveError(op, comm.me, comm.slot, comm.timeout, first,
+                                  comm.peers) from None
 
 
 def _all_to_all_single(comm: SlotGroup, out: torch.Tensor, inp: torch.Tensor,
@@ -209,10 +217,11 @@ def lse_correct(
     interleave: int,
     world: int,
     rank: int,
+    scale: torch.Tensor | None = None,
 ) -> None:
     masked = _mask(seq_lens, query_start_loc, lse_all.shape[1], world, interleave)
     out, total = merge.lse_correct(o, lse_all, rank, base, masked)
-    dst.copy_(out)
+    dst.copy_(out if scale is None else merge.quantize(out, scale))
     if dst_lse is not None:
         dst_lse.copy_(total)
 
@@ -246,27 +255,31 @@ def all_reduce(
     numel: int,
     world: int,
     reduce: int,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """Every rank's src lands in via[rank] ([W, numel]) of every rank; then dst is the
     reduction over p = 0 .. W-1 in fp32 (``reduce`` 0: sum, 1: max), the same on every
-    rank (the kernels' order and accumulation)."""
+    rank (the kernels' order and accumulation: a sum starts from +0, so a sum of -0s is
+    +0 as on every backend; ``scale``: quantized, see merge.quantize)."""
     if numel == 0:
+        if scale is not None:
+            merge.checked_scale(scale)  # refused on every rank, as the kernels
         return
     staged = via.reshape(-1)[: world * numel]
     if world == 1:
         staged.copy_(src.reshape(-1))
     else:
-        _wait(comm, dist.all_gather_into_tensor(staged, src.reshape(-1), group=comm.group,
-                                                async_op=True), "all_reduce")
+        _wait(comm, dist.all_gather_into_tensor(wire(staged), wire(src.reshape(-1)),
+                                                group=comm.group, async_op=True), "all_reduce")
     total = acc[:numel]
     parts = staged.view(world, numel)
-    total.copy_(parts[0])
-    for p in range(1, world):  # rank order, as the kernels add
-        if reduce == 0:
+    if reduce == 0:
+        total.zero_()  # the kernels' start: a sum of -0s is +0
+        for p in range(world):  # rank order, as the kernels add
             total.add_(parts[p].to(torch.float32))
-        else:
-            torch.maximum(total, parts[p].to(torch.float32), out=total)
-    dst.reshape(-1).copy_(total)
+    else:  # exact in any order; NaN wins, +0 above -0 (numerics.ieee_max)
+        total.copy_(ieee_max(parts.to(torch.float32)))
+    dst.reshape(-1).copy_(total if scale is None else merge.quantize(total, scale))
 
 
 def all_to_all_concat(
@@ -343,12 +356,14 @@ def reduce(
     world: int,
     reduce: int,
     root: int,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """all_reduce's reduction (rank order, fp32) on rank ``root``; 0 in dst elsewhere
-    (every rank's src reaches every rank here: a reference backend, not a tuned one)."""
+    (every rank's src reaches every rank here: a reference backend, not a tuned one);
+    ``scale``: every rank's is checked, the root's quantizes (merge.quantize)."""
     if root >= world:
         raise DcpcArgumentError(f"reduce: root {root} is not a rank of a group of {world}")
-    all_reduce(comm, src, via, dst, acc, numel, world, reduce)
+    all_reduce(comm, src, via, dst, acc, numel, world, reduce, scale)
     if comm.rank != root:
         dst.zero_()
 
@@ -377,6 +392,8 @@ def ragged_all_to_all(
     over = torch.nonzero((sent > capacity) | (sent < 0)).flatten().tolist()
     if over:
         raise over_capacity(step, comm.rank, over[0], int(sent[over[0]]), capacity)
+    if cast in (2, 4) and scale is not None:
+        merge.checked_scale(scale)  # before anything is sent, as a bad count
     got = torch.empty_like(sent)
     _all_to_all_single(comm, got, sent, world)
     x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
@@ -399,10 +416,15 @@ def weighted_combine(
     index: torch.Tensor | None,
     dst: torch.Tensor,
     step: str,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """dst[t] = sum_k weights[t, k] * row(t, k) in fp32, k in order (the kernel's), one
-    rounding into dst; row(t, k) = x's row index[t, k] (< 0: none) or x[t, k]."""
+    rounding into dst; row(t, k) = x's row index[t, k] (< 0: none) or x[t, k];
+    ``scale``: quantized (merge.quantize)."""
     from dcpc.runtime.sync import bad_index
+
+    if scale is not None:
+        merge.checked_scale(scale)
 
     rows = x.reshape(-1, x.shape[-1])
     tokens, topk = weights.shape
@@ -418,7 +440,7 @@ def weighted_combine(
         live = (index[:, k] >= 0)[:, None]
         part = weights[:, k, None].float() * rows[index[:, k].clamp(min=0)].float()
         acc += torch.where(live, part, 0.0)
-    dst.copy_(acc)
+    dst.copy_(acc if scale is None else merge.quantize(acc, scale))
 
 
 def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.dtype
@@ -433,10 +455,10 @@ def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.d
         x = round_e4m3(x.float() * inverse[..., None])
     elif cast == 2:
         assert scale is not None
-        x = round_e4m3(x.float() * ieee_div(1.0, scale.reshape(-1)[0].float()))
+        x = round_e4m3(x.float() * ieee_div(1.0, merge.checked_scale(scale)))
     elif cast in (3, 4):
         assert scale is not None
-        s = scale.float()[..., None] if cast == 3 else scale.reshape(-1)[0].float()
+        s = scale.float()[..., None] if cast == 3 else merge.checked_scale(scale)
         x = x.float() * s
     return x.to(dtype), row_scales
 

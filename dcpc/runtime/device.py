@@ -32,6 +32,7 @@ DCPC_CONTRACT = tl.constexpr(_errors.CONTRACT_CODE)
 DCPC_PEER_FAILED = tl.constexpr(_errors.PEER_FAILED_CODE)
 DCPC_OVER_CAPACITY = tl.constexpr(_errors.OVER_CAPACITY_CODE)
 DCPC_BAD_INDEX = tl.constexpr(_errors.BAD_INDEX_CODE)
+DCPC_BAD_SCALE = tl.constexpr(_errors.BAD_SCALE_CODE)
 DCPC_FLAG_FAILED = tl.constexpr(_errors.FLAG_FAILED)
 DCPC_STEP_WORD = tl.constexpr(_errors.RECORD.index("step"))
 DCPC_PEER_WORD = tl.constexpr(_errors.RECORD.index("peer"))
@@ -201,7 +202,8 @@ def _dcpc_wait(
     arrived (its call failed), any signal once this launch failed (errors[0]), and with
     GUARD a word of exactly our epoch carrying another call's ``fingerprint`` (a peer
     that already moved on has passed this call). The first refused lane (in peer order
-    RANK+1, RANK+2, ...; a pending one first) goes to the error record (``_dcpc_fail``)."""
+    RANK+1, RANK+2, ...; a pending flagged one first, then a pending one) goes to the
+    error record (``_dcpc_fail``)."""
     cells = mine + WORLD + (sig_channel * WORLD + peers) * sig_programs + tl.program_id(0)
     got = tl.atomic_add(cells, 0, mask=live, sem="acquire", scope="sys")
     got = tl.where(live, got, 0)
@@ -210,15 +212,19 @@ def _dcpc_wait(
         got = _dcpc_spin(cells, mine + peers, pending, got, epoch, errors, timeout_ns, CLOCK)
         pending = live & ((got.to(tl.int32) - epoch) < 0)
     flags = tl.load(mine + peers, mask=live, other=0, volatile=True).to(tl.int32)
-    bad = pending | (live & (flags == 1))
+    bad = pending | (live & (flags == DCPC_FLAG_FAILED))
     if GUARD:
         stale = (got.to(tl.int32) == epoch) & ((got >> 32).to(tl.int32) != fingerprint)
         bad = bad | (live & stale)
     if (_dcpc_count(bad) > 0) | (tl.load(errors, volatile=True) != 0):
-        # a peer that never arrived is the cause; one that arrived and then failed, only
-        # when every peer arrived (a survivor's flag must not hide the absent peer)
+        # a peer that never arrived is the cause, a flagged one first (dead, failed or
+        # closed: what stopped the wait, not a live peer still blocked behind it); one
+        # that arrived and then failed, only when every peer arrived (a survivor's flag
+        # must not hide the absent peer)
         lane = tl.arange(0, WP2)
+        stopped = pending & (flags != 0)
         culprits = tl.where(_dcpc_count(pending) > 0, pending, bad)
+        culprits = tl.where(_dcpc_count(stopped) > 0, stopped, culprits)
         first = tl.min(tl.where(culprits, lane, WP2 - 1), axis=0)
         at = lane == first
         _dcpc_fail(
@@ -451,15 +457,42 @@ def _dcpc_quantize(x, inv_scale):
     exponent = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of |y|
     ulp = (tl.maximum(exponent - 3, 127 - 9) << 23).to(tl.float32, bitcast=True)
     r = tl.floor(tl.math.div_rn(tl.abs(y), ulp) + 0.5) * ulp
-    return tl.where(nan, float("nan"), tl.where(y < 0, -r, r))
+    # the sign bit decides, and -1.0 * r keeps it on a zero (-r is 0 - r: +0.0 for r = 0)
+    negative = y.to(tl.int32, bitcast=True) < 0
+    return tl.where(nan, float("nan"), tl.where(negative, -1.0 * r, r))
+
+
+@triton.jit
+def _dcpc_scale(scale, errors, STEP: tl.constexpr):
+    """The per-tensor fp8 scale scale[0] (f32), or NaN when it is not a positive finite
+    normal (>= 2^-126): 0, a denormal, a negative, NaN or inf would quantise to +-448,
+    flip signs, or give NaN or 0. Such a scale is recorded as BAD_SCALE with its f32 bits
+    in the record's "epoch" word (dcpc.runtime.errors): the call raises (CPU backends at
+    once, CUDA at check_errors(); no host sync here) and every value it scales is NaN."""
+    s = tl.load(scale).to(tl.float32)
+    bad = (s < 1.1754943508222875e-38) | (s == float("inf")) | (s != s)
+    if bad:
+        if tl.atomic_cas(errors, 0, DCPC_BAD_SCALE) == 0:
+            tl.store(errors + DCPC_STEP_WORD, STEP)
+            tl.store(errors + DCPC_EPOCH_WORD, s.to(tl.int32, bitcast=True))
+    return tl.where(bad, float("nan"), s)
+
+
+@triton.jit
+def _dcpc_inv_scale(scale, errors, STEP: tl.constexpr):
+    """1 / _dcpc_scale(scale), rounded to nearest (a GPU's ``/`` is approximate)."""
+    return tl.math.div_rn(1.0, _dcpc_scale(scale, errors, STEP))
 
 
 @triton.jit
 def _dcpc_store_e4m3(ptr, y, mask):
     """Store _dcpc_quantize's y into the fp8 e4m3 ``ptr`` as bytes, a NaN as e4m3fn's
     NaN 0x7F (dcpc.numerics.round_e4m3): never the conversion's own NaN (the Triton 3.6
-    interpreter stores an fp32 NaN as 0x7C = 384; a GPU's cvt may differ too)."""
+    interpreter stores an fp32 NaN as 0x7C = 384; a GPU's cvt may differ too), -0.0 as
+    0x80."""
     q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    # the sign bit of every negative y, -0.0 included (the interpreter drops it from -0.0)
+    q = tl.where(y.to(tl.int32, bitcast=True) < 0, q | 0x80, q)
     q = tl.where(y != y, 0x7F, q).to(tl.uint8)
     tl.store(ptr.to(tl.pointer_type(tl.uint8)), q, mask=mask)
 
@@ -612,7 +645,7 @@ def _dcpc_merge_masked(
     so1,
     sl0,
     sl1,
-    out_scale,
+    inv_scale,
     OWN: tl.constexpr,
     FROM_SRC: tl.constexpr,
     WORLD: tl.constexpr,
@@ -633,10 +666,8 @@ def _dcpc_merge_masked(
     loads issue with the LSE's). (so0, so1), (sl0, sl1): strides of the outer and mid
     axes of this rank's own partial o (OWN >= 0, or src_o for FROM_SRC) and of src_lse;
     OWN >= 0 reads o rows n as [n // part_rows, n % part_rows]. SCALE: dst is quantized,
-    x / out_scale[0] clamped to dst's range (fp8 output)."""
-    inv_scale = 1.0
-    if SCALE:
-        inv_scale = tl.math.div_rn(1.0, tl.load(out_scale).to(tl.float32))
+    x * inv_scale (_dcpc_inv_scale of the output scale) clamped to dst's range (fp8
+    output)."""
     top, inv_total, merged = _dcpc_merged_lse(
         lse,
         src_lse,
@@ -745,7 +776,7 @@ def _dcpc_merge_rows(
     so1,
     sl0,
     sl1,
-    out_scale,
+    inv_scale,
     OWN: tl.constexpr,
     FROM_SRC: tl.constexpr,
     WORLD: tl.constexpr,
@@ -793,7 +824,7 @@ def _dcpc_merge_rows(
         so1,
         sl0,
         sl1,
-        out_scale,
+        inv_scale,
         OWN,
         FROM_SRC,
         WORLD,

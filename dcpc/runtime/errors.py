@@ -13,8 +13,9 @@ from __future__ import annotations
 # what failed. For a failed wait: the step, the peer, the epoch waited for, this call's
 # fingerprint ("here"), the one the peer's signal carried ("there"), the peer's failure
 # flag. OVER_CAPACITY: "epoch" holds the count, "here" the capacity, "there" 1 when the
-# receiver found it; BAD_INDEX: "peer" the token, "epoch" the row, "here" the rows. The
-# CPU watchdog sets "stop" at a call's deadline (a kernel cannot read a clock there).
+# receiver found it; BAD_INDEX: "peer" the token, "epoch" the row, "here" the rows;
+# BAD_SCALE: "epoch" the scale's f32 bits. The CPU watchdog sets "stop" at a call's
+# deadline (a kernel cannot read a clock there).
 RECORD = ("code", "step", "peer", "epoch", "here", "there", "stop", "flag")
 ERROR_WORDS = len(RECORD)
 TIMEOUT_CODE = 1  # a wait expired (the deadline, or another program of this launch failed)
@@ -22,9 +23,11 @@ CONTRACT_CODE = 2  # a peer's signal carried another call's fingerprint
 PEER_FAILED_CODE = 3  # the peer's failure flag was set while we waited for it
 OVER_CAPACITY_CODE = 4  # ragged_all_to_all: a count over capacity or < 0
 BAD_INDEX_CODE = 5  # weighted_combine: an index past the rows of x
+BAD_SCALE_CODE = 6  # a per-tensor fp8 scale that dcpc.numerics.scale_fault refuses
 # A rank's failure flag, set in every peer's bank (flags[rank]): what a waiting peer reads.
 FLAG_FAILED = 1
 FLAG_CLOSED = 2
+FLAG_DIED = 3  # written by a peer's watchdog, not by the rank: its process is gone
 
 
 class DcpcError(RuntimeError):
@@ -76,20 +79,31 @@ class DcpcPeerFailedError(DcpcError):
 
 class DcpcCollectiveError(DcpcError):
     """torch backend: a collective of this rank's slot did not complete (a peer absent
-    from it past ``timeout_s``, or gone). ``step`` is filled in by the calling method."""
+    from it past ``timeout_s``, or gone). ``rank`` and ``peers`` are the module's ranks
+    (a team op's collective runs over its team: ``peers`` are the other members; empty
+    when unknown). ``step`` is filled in by the calling method."""
 
-    def __init__(self, op: str, rank: int, slot: int, timeout: object, detail: str):
+    def __init__(self, op: str, rank: int, slot: int, timeout: object, detail: str,
+                 peers: tuple[int, ...] = ()):
         self.op, self.rank, self.slot, self.detail = op, rank, slot, detail
+        self.peers = tuple(peers)
         self.seconds = getattr(timeout, "total_seconds", lambda: None)()
         self.step: str | None = None
-        super().__init__(op, rank, slot, detail)
+        super().__init__(op, rank, slot, detail, self.peers)
 
     def __str__(self) -> str:
         step = f"step '{self.step}' " if self.step else ""
-        waited = f" within {self.seconds:g} s (timeout_s)" if self.seconds is not None else ""
+        timed_out = "timeout" in self.detail.lower() or "timed out" in self.detail.lower()
+        waited = (f" within {self.seconds:g} s (timeout_s)"
+                  if self.seconds is not None and timed_out else "")
+        peers = self.peers
+        who = (f"peer {peers[0]}" if len(peers) == 1 else
+               f"one of peers {', '.join(map(str, peers))}" if peers else "a peer")
+        with_ = f" with {'peer' if len(peers) == 1 else 'peers'} " + ", ".join(
+            map(str, peers)) if peers else ""
         return (
-            f"{step}(slot {self.slot}): rank {self.rank}'s {self.op} of its slot did not "
-            f"complete{waited} (gloo: {self.detail}); a peer did not make the same call on "
+            f"{step}(slot {self.slot}): rank {self.rank}'s {self.op}{with_} did not "
+            f"complete{waited} (gloo: {self.detail}); {who} did not make the same call on "
             "this slot (a missing call, another step order in the slot, a dead process); "
             "this module instance is now failed: close() it"
         )
@@ -121,3 +135,25 @@ class DcpcFailedError(DcpcError):
 
 class DcpcArgumentError(ValueError):
     """An argument of a generated method or constructor is not what is allowed."""
+
+
+class DcpcScaleError(DcpcArgumentError):
+    """A per-tensor fp8 scale (``output_scale``, a cast's ``per: tensor`` scale) that is
+    not a positive finite normal f32 (dcpc.numerics.scale_fault says ``why``). The
+    kernels record it (BAD_SCALE, dcpc.runtime.sync); the torch backend raises it before
+    it writes. ``step``/``rank`` are filled in by the calling method when the raiser
+    does not know them (dcpc.runtime.guard.guarded)."""
+
+    def __init__(self, value: float, why: str, step: str | None = None,
+                 rank: int | None = None):
+        self.value, self.why, self.step, self.rank = value, why, step, rank
+        super().__init__(value, why, step, rank)
+
+    def __str__(self) -> str:
+        step = f"step '{self.step}': " if self.step else ""
+        who = f"rank {self.rank}" if self.rank is not None else "this rank"
+        return (
+            f"{step}{who}'s fp8 scale is {self.value!r} ({self.why}); a per-tensor fp8 "
+            "scale must be a positive finite normal f32 (2**-126 <= scale < inf); this "
+            "call's output is not valid and this module instance is now failed: close() it"
+        )

@@ -28,7 +28,9 @@ from dcpc.runtime.errors import (
     DcpcCollectiveError,
     DcpcConcurrentUseError,
     DcpcContractError,
+    DcpcError,
     DcpcPeerFailedError,
+    DcpcScaleError,
     DcpcTimeoutError,
 )
 from dcpc.runtime.sync import FLAG_FAILED, FLAG_REASONS, Fingerprints
@@ -55,15 +57,18 @@ def guarded(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         except BaseException as exc:
-            if isinstance(exc, RuntimeError) and "gloo/" in str(exc):  # issued, not waited
+            if (isinstance(exc, RuntimeError) and not isinstance(exc, DcpcError)
+                    and "gloo/" in str(exc)):  # issued, not waited (a Dcpc error says more)
                 first = (str(exc).strip().splitlines() or ["?"])[0][:200]
                 exc = DcpcCollectiveError("collective", self.rank, kwargs.get("slot", 0),
                                           None, first)
                 exc.step = name
                 self._fail(exc)
                 raise exc from None
-            if isinstance(exc, DcpcCollectiveError) and exc.step is None:
+            if isinstance(exc, (DcpcCollectiveError, DcpcScaleError)) and exc.step is None:
                 exc.step = name
+            if isinstance(exc, DcpcScaleError) and exc.rank is None:
+                exc.rank = self.rank
             self._fail(exc)
             raise
         finally:

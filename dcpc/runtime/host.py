@@ -99,6 +99,15 @@ def remove_orphan_segments(shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
+def _process_of(path: str) -> tuple[int, int] | None:
+    """(pid, start time) of the process that created segment ``path``, or None when its
+    name is not ours or it was made in another PID namespace (its PID means nothing here)."""
+    found = _SEGMENT_NAME.match(os.path.basename(path))
+    if found is None or int(found[1]) != _pid_namespace():
+        return None
+    return int(found[2]), int(found[3])
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -144,6 +153,9 @@ class HostHeap:
                 "triton) is imported, e.g. TRITON_INTERPRET=1 python your_engine.py")
         self.poison = poison
         self.closed = False
+        # per heap rank: (pid, start time) of its process, from its segment's name (the
+        # first allocate), when it runs in this PID namespace: ``gone`` asks /proc
+        self.processes: list[tuple[int, int] | None] = []
         self._maps = _Mappings()
         # runs on close(), on garbage collection, and at interpreter exit
         self._finalizer = weakref.finalize(self, self._maps.release)
@@ -185,6 +197,8 @@ class HostHeap:
             self._maps.own_paths.remove(path)
         self._maps.segments.append(maps)
 
+        if not self.processes:
+            self.processes = [_process_of(p) for p, _ in names]
         bases = [int(m.data_ptr()) for m in maps]
         local = maps[self.rank]
         return [
@@ -206,6 +220,17 @@ class HostHeap:
         finally:
             os.close(fd)
         return path
+
+    def gone(self, rank: int) -> bool:
+        """Whether heap rank ``rank``'s process no longer runs (killed, crashed, exited):
+        its PID is gone or now belongs to a later process. False when it cannot be seen
+        (another PID namespace)."""
+        found = self.processes[rank] if 0 <= rank < len(self.processes) else None
+        if found is None:
+            return False
+        pid, started = found
+        now = _start_time(pid)
+        return now is None or bool(started and now and now != started)
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from dcpc.numerics import FP8_E4M3_MAX, local_seq_len
+from dcpc.numerics import ieee_div, local_seq_len, round_e4m3, scale_fault
+from dcpc.runtime.errors import DcpcScaleError
 
 
 def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -53,11 +54,25 @@ def empty_mask_local(
     return (padding.unsqueeze(1) | (held == 0)).t()
 
 
+def checked_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A per-tensor fp8 scale ``scale[0]`` as an fp32 scalar, refused with
+    ``DcpcScaleError`` unless a positive finite normal (dcpc.numerics.scale_fault, the
+    rule the kernels apply in-kernel). Reads the value on the host: the torch backend's
+    way, as its other argument checks."""
+    s = scale.reshape(-1)[0].float()
+    value = float(s)
+    why = scale_fault(value)
+    if why is not None:
+        raise DcpcScaleError(value, why)
+    return s
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An fp8 e4m3 output: x / scale[0] in fp32, clamped to +-448 (NaN stays NaN), as
-    vLLM's merge_attn_states with output_scale."""
-    y = x.float() * (1.0 / scale.reshape(-1)[0].float())
-    return torch.where(torch.isnan(y), y, y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    """An fp8 e4m3 output: x * (1 / scale[0]) in fp32, clamped to +-448 and rounded to
+    the e4m3 grid by the kernels' rule (dcpc.numerics.round_e4m3: ties away from zero,
+    NaN stays NaN, the sign of zero kept), as vLLM's merge_attn_states with output_scale;
+    the same bits as the Triton backends."""
+    return round_e4m3(x.float() * ieee_div(1.0, checked_scale(scale)))
 
 
 def _exp_log(base: str) -> tuple:

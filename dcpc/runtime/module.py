@@ -402,7 +402,8 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         self._arms = (set(self.SIGNALLING) - self._on_torch
                       if self.world > 1 and self._check_each_call else set())
         self._watchdog = (
-            sync.Watchdog(self._bank.errors, self._timeout_s) if self._arms else None
+            sync.Watchdog(self._bank.errors, self._timeout_s, self._watch_peers)
+            if self._arms else None
         )
         if self.device.type == "cuda" and self.backend != "torch":
             # compile and load the failure-flag kernel now: a JIT compile while a peer's
@@ -472,6 +473,19 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         if method in self._fps.exact:  # the call id is the last digit: add it
             return self._fp + digit
         return self._fps.of(method, {**env, CALL_ID: digit})
+
+    def _watch_peers(self) -> None:
+        """The watchdog's look, while a call waits (CPU): a peer whose process is gone
+        (SIGKILL, a crash: it can flag nobody) gets FLAG_DIED in this rank's own bank, so
+        a wait for it stops at once and names it, instead of spinning out timeout_s. The
+        ranks of this heap run on this host (the host backend); others are not seen."""
+        heap, flags = self._heap, self._bank.flags
+        gone = getattr(heap, "gone", None)
+        if gone is None:
+            return
+        for peer in range(self.world):
+            if peer != self.rank and int(flags[peer]) == 0 and gone(peer):
+                flags[peer] = sync.FLAG_DIED
 
     def _handshake(self, step_index: int, slot: int) -> None:
         """torch backend (gloo): fingerprint, failure notice and bounded wait per peer."""

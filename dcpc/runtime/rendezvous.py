@@ -7,7 +7,8 @@ stuck, started late) leaves its peers in gloo's own wait (minutes, or a raw
 "Connection closed by peer"), and ranks constructed with different sizes learn it
 only as a byte count. Here each rank sends every peer one small message of facts
 (the schedule's hash, the backend, the sizes, the knobs that shape the signal bank)
-and waits for each peer's at most ``timeout_s``:
+and waits for each peer's at most ``timeout_s`` seconds of progress (wall seconds on an
+idle machine, more on a loaded one: dcpc.runtime.clock.wall_timeout):
 
 - a peer whose message does not come is named: ``DcpcConstructionError`` lists every
   missing rank and why (not arrived within timeout_s, or gone);
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dcpc.runtime.clock import wall_timeout
 from dcpc.runtime.errors import DcpcArgumentError, DcpcConstructionError
 
 Fact = tuple[str, int]  # (what it is, as the error names it; its value)
@@ -61,7 +63,9 @@ def _exchange_gloo(dist: Any, group: Any, rank: int, world: int, owner: str,
     out = torch.zeros(size, dtype=torch.int64)
     out[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
     inbox = {p: torch.zeros(size, dtype=torch.int64) for p in peers}
-    deadline = time.monotonic() + timeout_s
+    # timeout_s of progress: more wall seconds on a loaded machine, where a healthy peer
+    # also comes later (dcpc.runtime.clock); a gloo wait's timeout is fixed when it starts
+    deadline = time.monotonic() + wall_timeout(timeout_s)
     missing: dict[int, str] = {}
     sends = {}
     for p in peers:  # a send to a peer that is gone may fail at once

@@ -5,8 +5,9 @@ Layout (docs/internals.md, "Signals and the guard"): ONE symmetric int64 buffer 
 module instance,
 
 - ``flags[src_rank]`` (the first ``world`` words): nonzero once rank ``src_rank``'s
-  instance failed (``FLAG_FAILED``) or was closed (``FLAG_CLOSED``); written by that
-  rank into every peer's bank, read by a wait only while its epoch is still pending;
+  instance failed (``FLAG_FAILED``) or was closed (``FLAG_CLOSED``), written by that
+  rank into every peer's bank; or once its process is gone (``FLAG_DIED``), written by
+  this rank's own watchdog (CPU); read by a wait only while its epoch is still pending;
 - ``sig[channel, src_rank, program]`` (the rest); channel = ``step_index * slots +
   slot``. A producer stores ``fingerprint << 32 | uint32(epoch)`` with release
   semantics into ``sig[channel, producer_rank, program]`` of every consumer: the
@@ -22,26 +23,31 @@ On GPU the kernel then traps; on CPU it returns and the method raises
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from dcpc.numerics import scale_fault
 from dcpc.runtime import errors
+from dcpc.runtime.clock import cpu_clock
 from dcpc.runtime.device import _dcpc_flag_all
 from dcpc.runtime.errors import (
     ERROR_WORDS,
     FLAG_CLOSED,
+    FLAG_DIED,
     FLAG_FAILED,
     RECORD,
     DcpcArgumentError,
     DcpcContractError,
     DcpcError,
     DcpcPeerFailedError,
+    DcpcScaleError,
     DcpcTimeoutError,
 )
 from dcpc.runtime.heap import SymmetricBuffer
@@ -53,9 +59,16 @@ STOP_WORD = RECORD.index("stop")  # CPU: the watchdog sets it at the deadline
 TIMEOUT, CONTRACT, PEER_FAILED = (errors.TIMEOUT_CODE, errors.CONTRACT_CODE,
                                   errors.PEER_FAILED_CODE)
 OVER_CAPACITY, BAD_INDEX = errors.OVER_CAPACITY_CODE, errors.BAD_INDEX_CODE
+BAD_SCALE = errors.BAD_SCALE_CODE
+WATCH_S = 0.5  # CPU: how often an armed call's watchdog looks for dead peers (wall s)
 FLAG_REASONS = {
     FLAG_FAILED: "failed (an error in one of its calls: that rank's own error says which)",
-    FLAG_CLOSED: "was closed",
+    # a closed peer's flag stops only a wait for a signal it never sent: it made fewer
+    # calls of this slot than we did (a skipped call without call_id= shows only here)
+    FLAG_CLOSED: "was closed before it made this call (it made fewer calls of this slot "
+                 "than this rank: a rank that skipped or repeated a whole call is seen "
+                 "here, at the end, unless the engine passes call_id=)",
+    FLAG_DIED: "died (its process is gone: killed or crashed)",
 }
 INT32_MAX = 2**31 - 1
 FINGERPRINT_BITS = 31  # fingerprints are in 0..2**31-1 (never -1)
@@ -172,20 +185,36 @@ class Watchdog:
     """CPU backends: sets ``errors[STOP_WORD]`` when an armed call passes its deadline.
 
     The Triton interpreter cannot read a clock inside a kernel, so on CPU a wait polls
-    this word; one daemon thread per module instance, idle unless a call is armed."""
+    this word; one daemon thread per module instance, idle unless a call is armed.
 
-    def __init__(self, errors: torch.Tensor, timeout_s: float):
-        self.errors, self.timeout_s = errors, timeout_s
-        self._deadline: float | None = None
+    The deadline counts the CPU time of the thread that armed it (``timeout_s`` of it),
+    not wall time: a CPU wait spins, so its thread runs whenever the machine lets a
+    busy thread run, and the peers it waits for run at that same share. On an idle
+    machine that is wall time; on a loaded one it stretches as the peers slow down
+    (a fixed number of wall seconds timed out healthy ranks whose peer was merely
+    descheduled: issue 31), and a peer that stopped (dead, stuck, asleep) is still
+    named after ``timeout_s`` seconds of spinning.
+
+    ``watch``: called every WATCH_S wall seconds while a call is armed (the module's
+    look for dead peers: it flags a peer whose process is gone, and the wait stops at
+    once, naming it, instead of spinning out its deadline)."""
+
+    def __init__(self, errors: torch.Tensor, timeout_s: float,
+                 watch: Callable[[], None] | None = None):
+        self.errors, self.timeout_s, self.watch = errors, timeout_s, watch
+        self._deadline: float | None = None  # on self._clock
+        self._clock: Callable[[], float] = time.monotonic
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="dcpc-watchdog", daemon=True)
         self._thread.start()
 
     def arm(self) -> None:
+        clock = cpu_clock()  # the calling thread's (a thread id may be reused: not cached)
         with self._cond:
             self.errors[STOP_WORD] = 0
-            self._deadline = time.monotonic() + self.timeout_s
+            self._clock = clock
+            self._deadline = clock() + self.timeout_s
             self._cond.notify()
 
     def disarm(self) -> None:
@@ -203,9 +232,18 @@ class Watchdog:
                 if deadline is None:
                     self._cond.wait()
                     continue
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
+                try:
+                    left = deadline - self._clock()
+                except OSError:  # the armed thread is gone: nobody waits any more
+                    self._deadline = None
+                    continue
+                if left > 0:  # CPU time grows no faster than wall time: wake, look again
+                    if self.watch is None:
+                        self._cond.wait(max(left, 0.01))
+                        continue
+                    self._cond.wait(min(max(left, 0.01), WATCH_S))
+                    if not self._closed and self._deadline is deadline:  # still this call:
+                        self.watch()  # are its peers alive? (close() waits for it)
                     continue
                 self.errors[STOP_WORD] = 1
                 self._deadline = None
@@ -277,4 +315,7 @@ class SignalBank:
             raise over_capacity(name, rank, peer, epoch, here, received=there == 1)
         if code == BAD_INDEX:
             raise bad_index(name, rank, peer, epoch, here)
+        if code == BAD_SCALE:
+            value = struct.unpack("<f", struct.pack("<i", epoch))[0]
+            raise DcpcScaleError(value, scale_fault(value) or "refused", name, rank)
         raise DcpcError(f"step '{name}': kernel error code {code} (peer {peer}, epoch {epoch})")

@@ -139,9 +139,10 @@ class TeamsMixin:
                     elif group is None:
                         group = _TEAM_GROUPS[(ranks, slot)] = dist.new_group(list(ranks))
                     if self.rank in members:
-                        member = members.index(self.rank)
+                        member = members.index(self.rank)  # the group's; errors name ranks
                         self._team_cache[("comm", axes, slot)] = SlotGroup(
-                            group, slot, member, timeout)
+                            group, slot, member, timeout, self.rank,
+                            tuple(m for m in members if m != self.rank))
 
     # ---- per-axis backends (dcpc.runtime.axes) ------------------------------------------
     def _settle(self, step: str, slot: int) -> None:
