@@ -11,6 +11,8 @@ programs per launch), poisoned memory. JOBS cases run at once, so every case sha
 GPU with other GPU processes (the contention that showed races on 2026-12-04).
 
     python3 -m benchmarks.gpu_conformance --out DIR [--jobs 6] [--repeat 3] [FILE ...]
+    python3 -m benchmarks.gpu_conformance --out DIR --merge A.json B.json ...
+
 
 Writes DIR/gpu_conformance_<commit>.json (one record per schedule, world and repeat:
 status, mismatches, first mismatch, errors) and DIR/gpu_conformance_<commit>.md (a
@@ -179,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
     ap.add_argument("--deadline", type=float, default=520.0,
                     help="start no case after this many seconds (default 520)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="merge these result files of one commit into one table; run nothing")
     a = ap.parse_args(argv)
+    if a.merge:
+        return merge(a.merge, Path(a.out))
     files = [Path(f).resolve() for f in a.files] or schedule_files()
     todo = cases(files)
     if a.worlds:
@@ -227,6 +233,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_conformance: {sum(r['ok'] for r in records)}/{len(records)} clean in "
           f"{wall:.0f} s -> {out / name}.md", flush=True)
     return 0 if clean else 1
+
+
+def merge(paths: list[str], out: Path) -> int:
+    """One table of several result files: per (file, world) the records of the last file
+    that ran the case (not "not run (deadline)")."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    commits = {r["commit"] for r in runs}
+    if len(commits) != 1:
+        raise SystemExit(f"--merge: result files of several commits: {sorted(commits)}")
+    by_case: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        got: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for r in run["records"]:
+            got.setdefault((r["case"]["file"], r["case"]["world"]), []).append(r)
+        for key, records in got.items():
+            ran = [r for r in records if r.get("status") != "not run (deadline)"]
+            if ran or key not in by_case:
+                by_case[key] = ran or records
+    records = [r for rs in by_case.values() for r in rs]
+    commit, device = runs[0]["commit"], runs[0]["device"]
+    wall = sum(run["wall_s"] for run in runs)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"gpu_conformance_{commit}"
+    (out / f"{name}.json").write_text(json.dumps(
+        {"commit": commit, "device": device, "date": runs[0]["date"], "wall_s": wall,
+         "merged_from": [Path(p).name for p in paths],
+         "repeat": sorted({run["repeat"] for run in runs}), "calls": runs[0]["calls"],
+         "records": records}, indent=1))
+    (out / f"{name}.md").write_text(table(records, commit, device, wall))
+    clean = sum(r["ok"] for r in records)
+    print(f"gpu_conformance: merged {len(paths)} runs: {clean}/{len(records)} clean -> "
+          f"{out / name}.md")
+    return 0 if clean == len(records) else 1
 
 
 def eval_world(world: str) -> int:
