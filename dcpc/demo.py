@@ -113,6 +113,12 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"longest random delay before/after a step, 0..{MAX_JITTER_S * 1000:g} "
                    "ms, default 2 ms")
     p.add_argument("--no-poison", action="store_true", help="zero-fill symmetric memory")
+    p.add_argument("--no-handshake", action="store_true",
+                   help="construct the modules with handshake=False: a torch step (gloo) no "
+                        "longer first trades a message with every peer, a barrier over all "
+                        "ranks that hides races between the kernel axes' steps of a mixed "
+                        "mesh (--backend node=torch,gpu=host); for hunting races. A missing "
+                        "peer is then named by the collective's own timeout")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds for the whole run before ranks still working are killed "
                         "(reported as 'timeout'; default 4 x (60 + 0.15 x steps x calls x W, "
@@ -189,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             jitter_s=args.jitter_ms / 1000, poison=not args.no_poison, timeout_s=args.timeout,
             wait_timeout_s=args.wait_timeout, sizes=args.sizes, device=args.device,
             programs=programs, program_order=args.program_order,
+            handshake=not args.no_handshake,
         )
         if args.repeat > 1:
             print(f"run        {attempt + 1} of {args.repeat}", flush=True)

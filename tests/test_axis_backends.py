@@ -335,3 +335,35 @@ def test_a_dead_rank_is_named_on_every_axis(two_level: type, tmp_path: Path, die
         assert re.search(r"step 'gather_nodes'( \(slot 0\): rank 1's all_gather with peer 3 "
                          r"did not complete|: rank 1 stopped waiting for peer 3 \(epoch 2\): "
                          r"peer 3 is unreachable)", messages[1][1]), messages[1]
+
+
+# ---- issue 31 item 5: the torch handshake hides races between the kernel axes -----------
+
+HAND_OFF_RACE = ROOT / "tests" / "mesh_backends" / "node_hand_off_race.yaml"
+
+
+def test_the_race_schedule_is_one_the_checker_refuses() -> None:
+    from dcpc.diagnostics import DiagnosticError
+
+    with pytest.raises(DiagnosticError, match="write-after-read race on q_node"):
+        pipeline.run(HAND_OFF_RACE, pipeline.Options(worlds=[MeshWorld((2, 2))]), until="hb")
+
+
+@pytest.mark.e2e
+def test_a_run_without_the_handshake_finds_the_race_between_kernel_axes() -> None:
+    """Rank 1 (node 0, gpu 1) pauses before its node gather (gloo, with rank 3) in every
+    call, as a descheduled rank would. Its gpu teammate rank 0, whose node gather pairs
+    with rank 2, then runs the next call's in-node gather and pushes into rank 1's
+    q_node before rank 1 has sent it: rank 1 and 3 get the next call's query
+    (mismatches in q_full). With the handshake on (the default) every torch step first
+    waits for all four ranks, rank 0 included, and the same run showed no mismatch;
+    handshake=False leaves the torch step paired by its own collective only, as on
+    NCCL (which has no handshake)."""
+    pause = {"rank": 1, "call": -1, "step": "gather_nodes", "kind": "pause", "seconds": 0.5}
+    report = run_schedule(RunConfig(schedule=str(HAND_OFF_RACE), world=MeshWorld((2, 2)),
+                                    backend=dict(MIXED), calls=6, seed=1, fault=pause,
+                                    handshake=False))
+    out = format_report(report)
+    assert report.launch.ok, out
+    assert "torch handshake off" in out
+    assert report.outputs["q_full"].mismatches > 0, out

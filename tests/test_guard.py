@@ -314,6 +314,7 @@ def test_constructor_arguments_are_refused_by_name(kimi_class: type, backend: st
         ({"timeout_s": 0}, r"timeout_s \(seconds\) must be a number in 0.001..1e\+07"),
         ({"timeout_s": "60"}, r"timeout_s"),
         ({"guard": "yes"}, r"guard must be True or False"),
+        ({"handshake": 1}, r"handshake must be True or False"),
         ({"backend": "nccl"}, r"backend must be one of auto, symm_mem, host, torch"),
         ({"backend": "symm_mem"}, r"backend 'symm_mem' needs a CUDA device, got cpu; on CPU "
                                   r"use backend 'host'"),

@@ -39,6 +39,7 @@ class RunConfig:
     timeout_s: float | None = None  # default: grows with calls and world
     grace_s: float = 15.0  # after one rank fails, how long the others get
     hb: bool = False  # run the happens-before checker while compiling
+    handshake: bool = True  # False: the modules' torch handshake off (races can show)
     module_patch: tuple[tuple[str, str], ...] = ()  # (old, new) text edits: mutation tests
     sizes: dict[str, int] | None = None  # constructor sizes (maxima) instead of the small ones
     device: str = "cpu"  # or "cuda": the compiled kernels (gpu_plan says how ranks map)
@@ -53,6 +54,7 @@ class RunConfig:
             "epoch_start": self.epoch_start, "fault": self.fault, "programs": self.programs,
             **({"mesh": list(self.world.shape)} if isinstance(self.world, MeshWorld) else {}),
             "sizes": self.sizes, "program_order": self.program_order,
+            "handshake": self.handshake,
         }
 
 
@@ -341,7 +343,8 @@ def format_report(report: RunReport) -> str:
         f"slot order {c.order}, seed {c.seed}",
         sizes_line(report.sizes, c.world),
         f"adversary  poisoned memory: {'yes' if c.poison else 'no'}, delays up to "
-        f"{1000 * c.jitter_s:.1f} ms (p={c.jitter_p})",
+        f"{1000 * c.jitter_s:.1f} ms (p={c.jitter_p})"
+        + ("" if c.handshake else ", torch handshake off"),
         "output        compared  mismatches  max abs err vs float64",
     ]
     for name, s in report.outputs.items():
@@ -369,6 +372,7 @@ def report_record(report: RunReport) -> dict[str, Any]:
             "threads" if c.backend == "local" else "processes"),
         "backend": "local" if report.gpu_plan == "local" else show_backend(c.backend),
         "calls": c.calls, "seed": c.seed, "order": c.order, "programs": c.programs,
+        "handshake": c.handshake,
         "sizes": report.sizes, "ok": report.ok, "mismatches": report.mismatches,
         "status": "ok" if report.ok else ("mismatch" if report.launch.ok else
                                           ",".join(sorted({o.status for o in

@@ -186,6 +186,7 @@ def run_rank(
     device: str = "cpu",
     sims: dict[int, Any] | None = None,
     program_order: str = "natural",
+    handshake: bool = True,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -195,7 +196,8 @@ def run_rank(
     after each call, so a failed wait is named at the call that made it. ``sims``: the
     simulated calls by call index, shared between two passes over the same calls (the
     GPU warm-up). ``program_order``: the order in which the CPU interpreter takes the
-    programs of a launch (dcpc.harness.interpret)."""
+    programs of a launch (dcpc.harness.interpret). ``handshake``: the module's torch
+    handshake (False: its torch steps pair only through their collectives)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     if mesh:
         world = MeshWorld(mesh)
@@ -216,7 +218,7 @@ def run_rank(
         step: {"programs": programs} for step in getattr(cls, "TUNING", {})}
     kwargs = _constructor_kwargs(
         cls, {"timeout_s": timeout_s, "epoch_start": epoch_start, "poison": poison,
-              "tuning": tuning})
+              "tuning": tuning, "handshake": None if handshake else False})
     strike = adversary.Fault(**fault) if fault else None
     progress("construction")
     if strike is not None:  # step CONSTRUCT: the rank stops before it constructs

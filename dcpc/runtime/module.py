@@ -93,6 +93,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         groups: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
         guard: bool = True,
+        handshake: bool = True,
         epoch_start: int = 0,
         poison: bool = False,
         programs: int | None = None,
@@ -124,7 +125,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         if timeout_s is None:
             timeout_s = DEFAULT_TIMEOUT_S
         validate.check_number(name, "timeout_s (seconds)", timeout_s, 1e-3, MAX_TIMEOUT_S, float)
-        for flag, value in (("guard", guard), ("poison", poison)):
+        for flag, value in (("guard", guard), ("handshake", handshake), ("poison", poison)):
             if not isinstance(value, bool):
                 raise DcpcArgumentError(f"{name}: {flag} must be True or False, got {value!r}")
         validate.check_number(name, "epoch_start", epoch_start, -(2**31), 2**31 - 1)
@@ -133,6 +134,10 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         self.poison, self._epoch_start = poison, epoch_start
         self._timeout_s, self._timeout_ns = float(timeout_s), int(timeout_s * 1e9)
         self._guard = guard  # fingerprints, failure flags and the call order (the guard)
+        # the torch steps' message to every peer before each step (gloo): a barrier over
+        # all W ranks; off (dcpc run --no-handshake), a torch step pairs only through its
+        # own collective, as on NCCL, so a race between other axes' kernels can show
+        self._handshake_on = handshake
         self._fp = 0  # the fingerprint of the call being launched (set by _bind)
         self._fp_base = 0  # _fp before the call id (what a call plan keeps)
         # a failed wait on GPU traps (the process ends: its peers are flagged first);
@@ -271,7 +276,8 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                        validate.BACKENDS.index(self.backends.get(a, self.backend)))
                       for a, _ in self.MESH]
             facts += [("groups= given", int(bool(self._groups)))]
-        facts += [("guard", int(self._guard)), ("epoch_start", self._epoch_start)]
+        facts += [("guard", int(self._guard)), ("handshake", int(self._handshake_on)),
+                  ("epoch_start", self._epoch_start)]
         for step, tune in self._tune.items():
             facts += [(f"tuning['{step}']['programs']", tune.programs),
                       (f"tuning['{step}']['block']", tune.block)]
@@ -410,7 +416,8 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
             # kernel spins can hang (one process, one GPU); flags are 0 on every rank here
             self._bank.flag_peers(self.rank, 0)
         self._handshake_with = None
-        if self._on_torch and self.world > 1 and self.device.type == "cpu":
+        if (self._on_torch and self.world > 1 and self.device.type == "cpu"
+                and self._handshake_on):
             self._handshake_with = _guard.TorchHandshake(
                 [c.group for c in self._comms], self.rank, self.world, self.STEPS,
                 self._timeout_s, self._fps,
