@@ -11,6 +11,7 @@ from dcpc.lang.mesh import mesh_of
 from dcpc.lang.model import Buffer, OpBase, Schedule, Step
 from dcpc.lang.questions import Samples
 from dcpc.lang.sizes import SizeTable
+from dcpc.ops.iface import Ref  # defined below the ops, which build them too
 
 W: ex.Expr = ("sym", "W")
 
@@ -19,15 +20,6 @@ def team_expr(ctx: Context, step: Step) -> ex.Expr:
     """The size of a step's team (dcpc.lang.mesh): W, or ``G`` for a team op; replaces
     W in its shape rules."""
     return mesh_of(ctx.schedule).team_size(step.op)
-
-
-@dataclass
-class Ref:
-    """A buffer named by a step: the name, the role it plays and where it is written."""
-
-    name: str
-    role: str
-    mark: Mark
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dcpc.lang.model import Schedule
+    from dcpc.lang.nodes import ScheduleView
 
 from dcpc.topology import (  # noqa: F401  (re-exported: the compiler's names for them)
     Axes,
@@ -91,7 +91,7 @@ class Mesh:
         return int(shape[0]) if not self.declared else MeshWorld(shape)
 
 
-def mesh_of(schedule: Schedule) -> Mesh:
+def mesh_of(schedule: ScheduleView) -> Mesh:
     """The mesh of a schedule (the implicit ``world: W`` without ``mesh:``)."""
     declared = getattr(schedule, "mesh", None)
     if not declared:

@@ -1,4 +1,5 @@
-"""The language's building blocks: scalar types, buffers, sizes, ``OpBase``, ``Step``.
+"""The language's building blocks: scalar types, buffers, sizes, ``OpBase``, ``Step``,
+and ``ScheduleView``, what the ops and the mesh read of a schedule.
 
 The op models themselves are defined with the rest of each op in ``dcpc.ops``;
 ``dcpc.lang.model`` assembles them into ``Schedule``. Models validate types and keys
@@ -7,8 +8,9 @@ only; cross-references, shapes and ordering are the check stage's job.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Protocol, Union
 
 from pydantic import (
     BaseModel,
@@ -180,3 +182,17 @@ class Step:
 
     def __repr__(self) -> str:
         return f"Step({self.name!r}, {self.kind})"
+
+
+class ScheduleView(Protocol):
+    """What the ops and the mesh read of a schedule (``dcpc.lang.model.Schedule`` is
+    one): typed here, below the ops, so that no op imports the model that assembles
+    them."""
+
+    @property
+    def buffers(self) -> Mapping[str, Buffer]: ...
+
+    @property
+    def mesh(self) -> Mapping[str, int | str] | None: ...
+
+    def step_list(self) -> list[Step]: ...

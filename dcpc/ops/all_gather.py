@@ -32,9 +32,7 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
-    from dcpc.check.context import Ref
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import Ref, ShapeRules, SimView
 
 
 class AllGather(OpBase):
@@ -66,13 +64,13 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return exchange(before, [], step)
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(step.op, AllGather)
     for src, dst in v.pairs(v.refs("src"), v.refs("dst")):
         _verify_pair(v, step, src, dst)
 
 
-def _verify_pair(v: Verify, step: Step, src: Ref, dst: Ref) -> None:
+def _verify_pair(v: ShapeRules, step: Step, src: Ref, dst: Ref) -> None:
     op: AllGather = step.op  # type: ignore[assignment]
     v.transfer(src, dst, symmetric=True)
     s, d = v.shape(src.name), v.shape(dst.name)
@@ -107,13 +105,13 @@ def _verify_pair(v: Verify, step: Step, src: Ref, dst: Ref) -> None:
                 f"src '{src.name}' has {len(s)}")
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     op: AllGather = step.op  # type: ignore[assignment]
     for src, dst in zip(names(op.src), names(op.dst), strict=True):
         _gather(sim, op, src, dst)
 
 
-def _gather(sim: Sim, op: AllGather, src: str, dst: str) -> None:
+def _gather(sim: SimView, op: AllGather, src: str, dst: str) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     world = sim.world

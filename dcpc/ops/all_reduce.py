@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator
 
 from dcpc.lang.nodes import LseBase, MaskEmpty, Name, OpBase, Step, _lse_base
+from dcpc.ops._merge import combine
+from dcpc.ops._reduce import verify_elementwise, via_of
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -40,11 +42,9 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 REDUCTIONS = ("sum", "max", "lse")
-MERGE_KEYS = ("mask_empty", "return_lse", "lse_base")  # reduce: lse only
 
 
 class AllReduce(OpBase):
@@ -66,12 +66,6 @@ class AllReduce(OpBase):
     _norm_base = field_validator("lse_base", mode="before")(_lse_base)
 
 
-def via_of(step: Step) -> tuple[str, str]:
-    """A sum/max all_reduce's receive buffer and its key (implicit: ``<step>_recv``)."""
-    via = step.op.via  # type: ignore[attr-defined]
-    return (via, "via") if via else (f"{step.name}_recv", "")
-
-
 def vias(step: Step) -> list[tuple[str, str]]:
     """(buffer, key) of every receive buffer: [o_recv, lse_recv] for reduce: lse."""
     op: AllReduce = step.op  # type: ignore[assignment]
@@ -90,7 +84,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return exchange(before, after, step)
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     op = step.op
     assert isinstance(op, AllReduce)
     if op.reduce == "lse":
@@ -99,39 +93,7 @@ def verify(v: Verify, step: Step) -> None:
     verify_elementwise(v, step)
 
 
-def verify_elementwise(v: Verify, step: Step) -> None:
-    """sum/max of one ``src`` into ``dst`` through ``via`` (shared with ``reduce``); an fp8
-    ``dst``'s ``output_scale``: the rule every computed result shares (dcpc.check.ops)."""
-    op = step.op
-    for key in ("src", "via", *MERGE_KEYS):
-        value = getattr(op, key, None)
-        if (key in MERGE_KEYS and value is not None) or isinstance(value, list):
-            v.error(op.mark(key), "bad-reduce",
-                    f"{step.kind} '{step.name}' with reduce: {op.reduce} takes one buffer "
-                    f"as src and via and no {', '.join(MERGE_KEYS)}; '{key}' is for "
-                    "reduce: lse", hint="use 'reduce: lse' with 'src: [o, lse]', or drop it")
-            return
-    (src,), (dst,) = v.refs("src"), v.refs("dst")
-    a, b = v.buffer(src.name), v.buffer(dst.name)
-    for ref, buf in ((src, a), (dst, b)):
-        if buf is not None and not buf.dtype.is_float:
-            v.error(ref.mark, "non-float-output",
-                    f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
-                    f"{buf.dtype.value}; it reduces in fp32, so it reads and writes "
-                    "floating-point buffers",
-                    hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
-    shape = v.shape(src.name)
-    if shape is not None and v.shape(dst.name) is not None:
-        v.expect(dst, shape, f"the reduction of src '{src.name}' over ranks")
-    if op.via is not None and shape is not None:  # type: ignore[attr-defined]
-        (via,) = v.refs("via")
-        v.transfer(src, via, symmetric=True)
-        if v.shape(via.name) is not None:
-            v.expect(via, [v.W, *shape], f"src '{src.name}' of every rank, along a leading "
-                     "W axis")
-
-
-def _verify_lse(v: Verify, step: Step) -> None:
+def _verify_lse(v: ShapeRules, step: Step) -> None:
     op: AllReduce = step.op  # type: ignore[assignment]
     srcs, via = v.refs("src"), v.refs("via")
     if len(srcs) != 2 or len(via) != 2:
@@ -151,15 +113,13 @@ def _verify_lse(v: Verify, step: Step) -> None:
     v.merge(via[0], via[1], stacked=True)
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     from dcpc.numerics import ieee_max
 
     op: AllReduce = step.op  # type: ignore[assignment]
     if op.reduce == "lse":
-        from dcpc.ops.lse_combine import combine
-
         for src, recv in zip(op.src, op.via, strict=True):  # type: ignore[arg-type]
             parts = torch.stack([sim.bufs[r][src] for r in range(sim.world)])
             for r in range(sim.world):

@@ -36,8 +36,7 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class AllToAll(OpBase):
@@ -75,7 +74,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return exchange(before, [], step)
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     op: AllToAll = step.op  # type: ignore[assignment]
     if op.scale is not None and (op.split_dim is not None or op.concat_dim is not None):
         v.error(op.mark("scale"), "bad-cast",
@@ -105,7 +104,7 @@ def verify(v: Verify, step: Step) -> None:
         _verify_concat(v, step, src, dst)
 
 
-def _verify_concat(v: Verify, step: Step, src: Any, dst: Any) -> None:
+def _verify_concat(v: ShapeRules, step: Step, src: Any, dst: Any) -> None:
     op: AllToAll = step.op  # type: ignore[assignment]
     v.transfer(src, dst, symmetric=True)
     shape = v.shape(src.name)
@@ -129,7 +128,7 @@ def _verify_concat(v: Verify, step: Step, src: Any, dst: Any) -> None:
              f"as block p along dim {cat}")
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     op: AllToAll = step.op  # type: ignore[assignment]
     if op.scale is not None:
         cast.all_to_all_reference(sim, op)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator
 
 from dcpc.lang.nodes import Int, LseBase, MaskEmpty, Name, OpBase, Step, _lse_base
+from dcpc.ops._merge import combine
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -29,12 +30,10 @@ from dcpc.ops.common import (
     mask_inputs,
     merge_inputs,
 )
-from dcpc.ops.lse_combine import combine
-from dcpc.ops.registry import IO, OpDef, define
+from dcpc.ops.registry import IO, OPS, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class AllToAllCombine(OpBase):
@@ -58,7 +57,23 @@ class AllToAllCombine(OpBase):
 def self_copy(c: Scope, step: Step) -> bool:
     """Whether a fused exchange copies its own part into ``via[rank]``: only when
     another step reads ``via``; otherwise its merge reads that part from ``src``."""
-    return c.read_elsewhere(step, set(step.op.via))  # type: ignore[attr-defined]
+    return _read_elsewhere(c, step, set(step.op.via))  # type: ignore[attr-defined]
+
+
+def _read_elsewhere(c: Scope, step: Step, names: set[str]) -> bool:
+    """Whether a step other than ``step`` reads one of ``names``. Another fused exchange's
+    reads are its named buffers: its own semantics asks this question in turn."""
+    for other in c.steps:
+        if other.name == step.name:
+            continue
+        if other.kind == "all_to_all_combine":
+            named = {b for key in ("src", "via") for b, _ in keyed(other.op, key)}
+            reads = named | {b for b, _ in merge_inputs(other.op)}
+        else:
+            reads = set(OPS[other.kind].semantics(c, other).reads)
+        if names & reads:
+            return True
+    return False
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
@@ -79,7 +94,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return exchange(before, after, step)
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(step.op, AllToAllCombine)
     (o, lse), (vo, vl) = v.refs("src"), v.refs("via")
     v.scatter(o, vo)
@@ -87,7 +102,7 @@ def verify(v: Verify, step: Step) -> None:
     v.merge(vo, vl, stacked=True)
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     op: AllToAllCombine = step.op  # type: ignore[assignment]
     for src, dst in zip(op.src, op.via, strict=True):
         sim.all_to_all(src, dst, op.dim)

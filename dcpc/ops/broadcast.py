@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.ops._reduce import verify_root
 from dcpc.ops.common import (
     BEFORE,
     READ,
@@ -36,8 +37,7 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class Broadcast(OpBase):
@@ -54,18 +54,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return exchange(before, [], step)
 
 
-def verify_root(v: Verify, step: Step) -> None:
-    """``root`` names a rank at every W checked (shared with ``reduce``)."""
-    root = step.op.root  # type: ignore[attr-defined]
-    worlds = v.ctx.samples.worlds
-    if worlds and root >= min(worlds):
-        v.error(step.op.mark("root"), "root-out-of-range",
-                f"step '{step.name}' has root {root}, but the group has only {min(worlds)} "
-                f"ranks at W={min(worlds)} (checked: W {min(worlds)}..{max(worlds)})",
-                hint=f"use a root below {min(worlds)}, or check larger groups only")
-
-
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     (src,), (dst,) = v.refs("src"), v.refs("dst")
     v.transfer(src, dst, symmetric=True)
     shape = v.shape(src.name)
@@ -74,7 +63,7 @@ def verify(v: Verify, step: Step) -> None:
     verify_root(v, step)
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     op: Broadcast = step.op  # type: ignore[assignment]
     value = sim.bufs[op.root][op.src]
     for r in range(sim.world):

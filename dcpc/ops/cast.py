@@ -29,14 +29,13 @@ from pydantic import Field
 
 from dcpc.lang.nodes import Name, Node, OpBase
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
+from dcpc.ops.iface import Ref
 
 if TYPE_CHECKING:
     import torch
 
-    from dcpc.check.context import Ref
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
-    from dcpc.lang.model import Schedule
+    from dcpc.lang.nodes import ScheduleView
+    from dcpc.ops.iface import ShapeRules, SimView
 
 WIDE = ("bf16", "f16", "f32")
 
@@ -55,7 +54,7 @@ def _pair(a: str, b: str) -> str | None:
     return None
 
 
-def direction(schedule: Schedule, op: OpBase) -> str | None:
+def direction(schedule: ScheduleView, op: OpBase) -> str | None:
     """'quantise' | 'dequantise' for a move with a supported cast, else None."""
     scale = getattr(op, "scale", None)
     if scale is None or not isinstance(op.src, str) or not isinstance(op.dst, str):  # type: ignore[attr-defined]
@@ -67,7 +66,7 @@ def direction(schedule: Schedule, op: OpBase) -> str | None:
     return _pair(a.dtype.value, b.dtype.value)
 
 
-def effects(schedule: Schedule, op: OpBase) -> list[Effect]:
+def effects(schedule: ScheduleView, op: OpBase) -> list[Effect]:
     """The scale buffer's access: a per-token quantise stores the senders' scales into
     every peer's ``s`` (block p, like dst); every other cast reads ``s`` on the sender."""
     scale = getattr(op, "scale", None)
@@ -78,7 +77,7 @@ def effects(schedule: Schedule, op: OpBase) -> list[Effect]:
     return [Effect(scale.buffer, READ, BEFORE, None, "scale.buffer")]
 
 
-def verify(v: Verify, src: Ref, dst: Ref) -> None:
+def verify(v: ShapeRules, src: Ref, dst: Ref) -> None:
     """A move's dtypes: the same without ``scale``; a supported cast and its scale with."""
     op = v.step.op
     scale: Scale | None = getattr(op, "scale", None)
@@ -121,9 +120,7 @@ def verify(v: Verify, src: Ref, dst: Ref) -> None:
         v.error(mark, "bad-scale",
                 f"scale '{scale.buffer}' of step '{v.step.name}' is {s.dtype.value}; scales "
                 "are f32", hint=f"declare '{scale.buffer}' with dtype f32")
-    from dcpc.check.context import Ref as _Ref
-
-    ref = _Ref(scale.buffer, "scale.buffer", mark)
+    ref = Ref(scale.buffer, "scale.buffer", mark)
     if want is not None:
         v.expect(ref, want, why)
     sent = scale.per == "token" and way == "quantise"
@@ -160,7 +157,7 @@ def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor) -> torch.Ten
     return (q.float() * s).double()
 
 
-def verify_move(v: Verify) -> None:
+def verify_move(v: ShapeRules) -> None:
     """An all_to_all with a cast: one payload, split along dim 0 (rows: the last dim),
     dst [W, *part] symmetric, and the cast's own rules."""
     op = v.step.op
@@ -181,7 +178,7 @@ def verify_move(v: Verify) -> None:
                  f"W parts of src '{src.name}', one per peer, along a leading W axis")
 
 
-def all_to_all_reference(sim: Sim, op: OpBase) -> None:
+def all_to_all_reference(sim: SimView, op: OpBase) -> None:
     """An all_to_all with a cast, in float64: every rank's src cast as it travels
     (``quantise_rows``/``dequantise_rows``), then moved; per-token scales alongside."""
     src, dst = op.src, op.dst  # type: ignore[attr-defined]

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
 from dcpc.lang import nodes as m
-from dcpc.ops.registry import OPS
+from dcpc.lang.mesh import mesh_of
 
 if TYPE_CHECKING:
-    from dcpc.lang.model import Schedule
+    from dcpc.lang.nodes import ScheduleView
 
 READ, WRITE = "read", "write"
 BEFORE, AFTER = "before", "after"
@@ -202,7 +202,7 @@ class Channels:
     errors: list[ChannelError] = field(default_factory=list)
 
 
-def channels(schedule: Schedule) -> Channels:
+def channels(schedule: ScheduleView) -> Channels:
     """Match every ``wait`` step with the ``signal`` step whose slots it polls."""
     out = Channels()
     steps = schedule.step_list()
@@ -214,8 +214,6 @@ def channels(schedule: Schedule) -> Channels:
     # (channel, from, team), so two teams may share a channel name (issue 31, m14)
     seen: dict[tuple[str, m.Peers, Any], int] = {}
     polled: set[str] = set()
-    from dcpc.lang.mesh import mesh_of
-
     mesh = mesh_of(schedule)
     # the signals a wait may poll depend on its channel, its 'from' and its team only
     reaching: dict[tuple[str, m.Peers, Any], list[m.Step]] = {}
@@ -284,11 +282,9 @@ def channels(schedule: Schedule) -> Channels:
     return out
 
 
-def on_team(schedule: Schedule, step: m.Step, sem: Semantics) -> Semantics:
+def on_team(schedule: ScheduleView, step: m.Step, sem: Semantics) -> Semantics:
     """``sem`` of a step over its op's team: its remote stores' regions and its sync
     carry the team's axes (dcpc.lang.mesh). Every axis (the default): unchanged."""
-    from dcpc.lang.mesh import mesh_of
-
     axes = mesh_of(schedule).team_axes(step.op)
     if axes is None:
         return sem
@@ -300,12 +296,10 @@ def on_team(schedule: Schedule, step: m.Step, sem: Semantics) -> Semantics:
     return Semantics(effects, sync)
 
 
-def team_reaches(schedule: Schedule, signal: m.Step, wait: m.Step) -> bool:
+def team_reaches(schedule: ScheduleView, signal: m.Step, wait: m.Step) -> bool:
     """Whether ``signal``'s team covers the peers ``wait`` polls (dcpc.lang.mesh): a
     ``to: all`` over axes A reaches waits over axes within A; ``next``/``prev`` the
     waits along the same axis. Always true without a mesh."""
-    from dcpc.lang.mesh import mesh_of
-
     mesh = mesh_of(schedule)
     every = tuple(range(len(mesh.axes)))
     sent = mesh.team_axes(signal.op) or every
@@ -318,10 +312,10 @@ def team_reaches(schedule: Schedule, signal: m.Step, wait: m.Step) -> bool:
 # --- what the ops' rules share ---------------------------------------------------
 
 class Scope:
-    """What a rule may look at beyond its step: the schedule, its channels (matched
-    once) and what other steps read."""
+    """What a rule may look at beyond its step: the schedule, its steps and its
+    channels (matched once)."""
 
-    def __init__(self, schedule: Schedule):
+    def __init__(self, schedule: ScheduleView):
         self.schedule = schedule
         self.steps = schedule.step_list()
         self._channels: Channels | None = None
@@ -331,21 +325,6 @@ class Scope:
         if self._channels is None:
             self._channels = channels(self.schedule)
         return self._channels
-
-    def read_elsewhere(self, step: m.Step, names: set[str]) -> bool:
-        """Whether a step other than ``step`` reads one of ``names`` (its named buffers
-        for a fused exchange, whose own reads depend on this question)."""
-        for other in self.steps:
-            if other.name == step.name:
-                continue
-            if other.kind == "all_to_all_combine":
-                named = {b for key in ("src", "via") for b, _ in keyed(other.op, key)}
-                reads = named | {b for b, _ in merge_inputs(other.op)}
-            else:
-                reads = set(OPS[other.kind].semantics(self, other).reads)
-            if names & reads:
-                return True
-        return False
 
 
 Rule = Callable[[Scope, m.Step], Semantics]
@@ -394,7 +373,7 @@ def exchange(before: list[Effect], after: list[Effect], step: m.Step) -> Semanti
     return Semantics(tuple(before + after), Sync("all", "all", step.index))
 
 
-def dim_text(schedule: Schedule, buffer: str, dim: int) -> str:
+def dim_text(schedule: ScheduleView, buffer: str, dim: int) -> str:
     spec = schedule.buffers.get(buffer)
     if spec is None or not 0 <= dim < len(spec.shape):
         return f"dim {dim}"

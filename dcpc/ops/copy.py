@@ -13,8 +13,7 @@ from dcpc.ops.common import Scope, Semantics, keyed, local
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class Copy(OpBase):
@@ -29,7 +28,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return local(keyed(step.op, "src"), keyed(step.op, "dst"))
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(step.op, Copy)
     (src,), (dst,) = v.refs("src"), v.refs("dst")
     v.transfer(src, dst, symmetric=False)
@@ -38,7 +37,7 @@ def verify(v: Verify, step: Step) -> None:
         v.expect(dst, list(s), f"a copy of src '{src.name}'")
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     op: Copy = step.op  # type: ignore[assignment]
     for r in range(sim.world):
         sim.store(r, op.dst, sim.bufs[r][op.src].clone())

@@ -14,7 +14,7 @@ from dcpc.ops.common import Scope, Semantics, keyed, local
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import SimView
 
 
 class External(OpBase):
@@ -27,7 +27,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return local(keyed(step.op, "reads"), keyed(step.op, "writes"))
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     for r in range(sim.world):
         for name, value in sim.external(step, r, sim.bufs[r]).items():
             sim.store(r, name, value)

@@ -8,17 +8,16 @@ dcpc/runtime/collectives.py ``lse_combine``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
 from dcpc.lang.nodes import LseBase, MaskEmpty, Name, OpBase, Step, _lse_base
-from dcpc.ops.common import Scope, Semantics, buffers_of, keyed, local, merge_inputs
-from dcpc.ops.registry import IO, OpDef, define
+from dcpc.ops._merge import combine, merge_io, merge_semantics
+from dcpc.ops.registry import OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class LseCombine(OpBase):
@@ -35,37 +34,15 @@ class LseCombine(OpBase):
     _norm_base = field_validator("lse_base", mode="before")(_lse_base)
 
 
-def merge_semantics(c: Scope, step: Step) -> Semantics:
-    """A merge on this rank: reads its partials and masks, writes dst (and return_lse)."""
-    op = step.op
-    return local(keyed(op, "src") + merge_inputs(op), keyed(op, "dst") + keyed(op, "return_lse"))
-
-
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(step.op, LseCombine)
     o, lse = v.refs("src")
     v.merge(o, lse, stacked=True)
 
 
-def combine(sim: Sim, op: Any, o_name: str, lse_name: str) -> None:
-    """dst = sum_p w_p * o[p] on every rank, w the LSE weights (masked); the merged LSE
-    into return_lse. Shared with all_to_all_combine, which merges what it received."""
-    for r in range(sim.world):
-        weights, merged = sim.merge_weights(op, r, lse_name)
-        sim.store(r, op.dst, sim.scaled(op, r, sim.weighted_sum(weights, sim.bufs[r][o_name])))
-        if op.return_lse:
-            sim.store(r, op.return_lse, merged)
-
-
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     o_name, lse_name = step.op.src  # type: ignore[attr-defined]
     combine(sim, step.op, o_name, lse_name)
-
-
-def merge_io(op: Any) -> IO:
-    """A local merge's io: partials and masks in, dst and return_lse out."""
-    lse = [op.return_lse] if op.return_lse else []
-    return list(op.src) + buffers_of(merge_inputs(op)), [op.dst] + lse
 
 
 DEF = define(OpDef("lse_combine", LseCombine, merge_semantics, verify, reference, merge_io))

@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from dcpc.lang.nodes import MaskEmpty, Name, OpBase, Step
-from dcpc.ops.lse_combine import merge_io, merge_semantics
+from dcpc.ops._merge import merge_io, merge_semantics
 from dcpc.ops.registry import OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class LseCorrect(OpBase):
@@ -33,13 +32,13 @@ class LseCorrect(OpBase):
     )
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(step.op, LseCorrect)
     o, lse = v.refs("src")
     v.merge(o, lse, stacked=False)
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     op: LseCorrect = step.op  # type: ignore[assignment]

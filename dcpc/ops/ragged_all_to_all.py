@@ -44,8 +44,7 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class RaggedAllToAll(OpBase):
@@ -69,7 +68,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return exchange(before + cast.effects(c.schedule, op), after, step)
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     op = step.op
     assert isinstance(op, RaggedAllToAll)
     (src,), (dst,) = v.refs("src"), v.refs("dst")
@@ -109,7 +108,7 @@ def verify(v: Verify, step: Step) -> None:
         v.expect(ref, [v.W], "one row count per peer")
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     op: RaggedAllToAll = step.op  # type: ignore[assignment]

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step
-from dcpc.ops.all_reduce import verify_elementwise, via_of
-from dcpc.ops.broadcast import verify_root
+from dcpc.ops._reduce import verify_elementwise, verify_root, via_of
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -44,8 +43,7 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class Reduce(OpBase):
@@ -74,12 +72,12 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return exchange(before, after, step)
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     verify_elementwise(v, step)  # all_reduce's rules: floats, dst = src's shape, via [W, *src]
     verify_root(v, step)
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     from dcpc.numerics import ieee_max

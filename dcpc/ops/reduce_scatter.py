@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.ops._reduce import via_of
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -32,8 +33,8 @@ from dcpc.ops.registry import IO, OpDef, define
 if TYPE_CHECKING:
     import torch
 
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
+
 
 
 class ReduceScatter(OpBase):
@@ -49,12 +50,6 @@ class ReduceScatter(OpBase):
     )
 
 
-def via_of(step: Step) -> tuple[str, str]:
-    """A reduce_scatter's receive buffer and its key (implicit: ``<step>_recv``)."""
-    via = step.op.via  # type: ignore[attr-defined]
-    return (via, "via") if via else (f"{step.name}_recv", "")
-
-
 def semantics(c: Scope, step: Step) -> Semantics:
     op = step.op
     via = [via_of(step)]
@@ -64,7 +59,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return exchange(before, after, step)
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     op = step.op
     assert isinstance(op, ReduceScatter)
     (src,), (dst,) = v.refs("src"), v.refs("dst")
@@ -80,7 +75,7 @@ def verify(v: Verify, step: Step) -> None:
         v.expect(dst, part, f"this rank's part of src '{src.name}'")
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     op: ReduceScatter = step.op  # type: ignore[assignment]
     via = op.via or f"{op.dst}__via"
 

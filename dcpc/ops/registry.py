@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dcpc.lang.nodes import OpBase, Step
     from dcpc.ops.common import Scope, Semantics
+    from dcpc.ops.iface import ShapeRules, SimView
 
 IO = tuple[list[str], list[str]]
 
@@ -26,10 +27,11 @@ class OpDef:
     """Everything an op means, in one record.
 
     ``semantics(scope, step)``: its buffer effects and signal slots.
-    ``verify(v, step)``: its shape, dtype and base rules (``v`` is the check stage's
-    ``dcpc.check.ops.Verify``); None for an op with nothing to check beyond its names.
-    ``reference(sim, step)``: what it does to every rank's buffers in float64 (``sim``
-    is ``dcpc.harness.simulate.Sim``).
+    ``verify(v, step)``: its shape, dtype and base rules (``v``: the ``ShapeRules`` of
+    dcpc.ops.iface, which the check stage's ``dcpc.check.ops.Verify`` implements); None
+    for an op with nothing to check beyond its names.
+    ``reference(sim, step)``: what it does to every rank's buffers in float64 (``sim``:
+    the ``SimView`` of dcpc.ops.iface, which ``dcpc.harness.simulate.Sim`` implements).
     ``io(op)``: (buffers it reads, buffers it writes), in the order the step names them.
     ``teams``: whether the op may run over a subset of a mesh's axes (``axis:``, its
     team: dcpc.lang.mesh); an op without it runs over every axis only.
@@ -38,8 +40,8 @@ class OpDef:
     name: str
     model: type[OpBase]
     semantics: Callable[[Scope, Step], Semantics]
-    verify: Callable[[Any, Step], None] | None
-    reference: Callable[[Any, Step], None]
+    verify: Callable[[ShapeRules, Step], None] | None
+    reference: Callable[[SimView, Step], None]
     io: Callable[[Any], IO]
     teams: bool = False
 

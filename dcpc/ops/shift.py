@@ -40,9 +40,8 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
-    from dcpc.lang.model import Schedule
+    from dcpc.lang.nodes import ScheduleView
+    from dcpc.ops.iface import ShapeRules, SimView
 
 NAMED = {"next": 1, "prev": -1}
 MAX_OFFSET = 2**31 - 1
@@ -78,7 +77,7 @@ class Puts:
     lonely_puts: list[Step] = field(default_factory=list)
 
 
-def puts(schedule: Schedule) -> Puts:
+def puts(schedule: ScheduleView) -> Puts:
     """Match every ``phase: wait`` shift with the earliest earlier unmatched put of the
     same (src, dst, offset). The choice does not depend on W."""
     out = Puts()
@@ -127,7 +126,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
     return Semantics(tuple(push), Sync(signal=to, wait=back, polls=step.index))
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     op: Shift = step.op  # type: ignore[assignment]
     k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
     if not 0 < abs(k) <= MAX_OFFSET:
@@ -156,7 +155,7 @@ def verify(v: Verify, step: Step) -> None:
                 "add a 'phase: wait' step after it")
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     """Put: every rank's src leaves (held until its wait); wait: it lands; whole: both."""
     op: Shift = step.op  # type: ignore[assignment]
     k, w = delta(op), sim.world

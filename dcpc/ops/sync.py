@@ -17,7 +17,7 @@ from dcpc.ops.common import Scope, Semantics, Sync, exchange
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import SimView
 
 
 class Barrier(OpBase):
@@ -54,7 +54,7 @@ def wait_semantics(c: Scope, step: Step) -> Semantics:
                               polls=polled.index if polled is not None else None))
 
 
-def no_data(sim: Sim, step: Step) -> None:
+def no_data(sim: SimView, step: Step) -> None:
     """A sync op moves no data."""
 
 

@@ -24,8 +24,7 @@ from dcpc.ops.common import OUTPUT_SCALE, Scope, Semantics, keyed, local
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.check.ops import Verify
-    from dcpc.harness.simulate import Sim
+    from dcpc.ops.iface import ShapeRules, SimView
 
 
 class WeightedCombine(OpBase):
@@ -46,7 +45,7 @@ def semantics(c: Scope, step: Step) -> Semantics:
                  keyed(op, "dst"))
 
 
-def verify(v: Verify, step: Step) -> None:
+def verify(v: ShapeRules, step: Step) -> None:
     op = step.op
     assert isinstance(op, WeightedCombine)
     x, weights = v.refs("src")
@@ -88,7 +87,7 @@ def verify(v: Verify, step: Step) -> None:
         v.expect(dst, [ws[0], xs[-1]], "one combined row per token")
 
 
-def reference(sim: Sim, step: Step) -> None:
+def reference(sim: SimView, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     op: WeightedCombine = step.op  # type: ignore[assignment]

@@ -1,0 +1,65 @@
+"""What the reductions and the rooted ops share: all_reduce (sum, max), reduce_scatter,
+reduce and broadcast.
+
+A helper of the op modules, not an op: it imports only what an op may import
+(tests/test_layers.py), so that no op module imports another.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dcpc.lang.nodes import Step
+    from dcpc.ops.iface import ShapeRules
+
+MERGE_KEYS = ("mask_empty", "return_lse", "lse_base")  # all_reduce's reduce: lse only
+
+
+def via_of(step: Step) -> tuple[str, str]:
+    """A sum/max reduction's receive buffer and its key (implicit: ``<step>_recv``)."""
+    via = step.op.via  # type: ignore[attr-defined]
+    return (via, "via") if via else (f"{step.name}_recv", "")
+
+
+def verify_elementwise(v: ShapeRules, step: Step) -> None:
+    """sum/max of one ``src`` into ``dst`` through ``via`` (all_reduce, reduce); an fp8
+    ``dst``'s ``output_scale``: the rule every computed result shares (dcpc.check.ops)."""
+    op = step.op
+    for key in ("src", "via", *MERGE_KEYS):
+        value = getattr(op, key, None)
+        if (key in MERGE_KEYS and value is not None) or isinstance(value, list):
+            v.error(op.mark(key), "bad-reduce",
+                    f"{step.kind} '{step.name}' with reduce: {op.reduce} takes one buffer "
+                    f"as src and via and no {', '.join(MERGE_KEYS)}; '{key}' is for "
+                    "reduce: lse", hint="use 'reduce: lse' with 'src: [o, lse]', or drop it")
+            return
+    (src,), (dst,) = v.refs("src"), v.refs("dst")
+    a, b = v.buffer(src.name), v.buffer(dst.name)
+    for ref, buf in ((src, a), (dst, b)):
+        if buf is not None and not buf.dtype.is_float:
+            v.error(ref.mark, "non-float-output",
+                    f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
+                    f"{buf.dtype.value}; it reduces in fp32, so it reads and writes "
+                    "floating-point buffers",
+                    hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
+    shape = v.shape(src.name)
+    if shape is not None and v.shape(dst.name) is not None:
+        v.expect(dst, shape, f"the reduction of src '{src.name}' over ranks")
+    if op.via is not None and shape is not None:  # type: ignore[attr-defined]
+        (via,) = v.refs("via")
+        v.transfer(src, via, symmetric=True)
+        if v.shape(via.name) is not None:
+            v.expect(via, [v.W, *shape], f"src '{src.name}' of every rank, along a leading "
+                     "W axis")
+
+
+def verify_root(v: ShapeRules, step: Step) -> None:
+    """``root`` names a rank at every W checked (broadcast, reduce)."""
+    root = step.op.root  # type: ignore[attr-defined]
+    worlds = v.ctx.samples.worlds
+    if worlds and root >= min(worlds):
+        v.error(step.op.mark("root"), "root-out-of-range",
+                f"step '{step.name}' has root {root}, but the group has only {min(worlds)} "
+                f"ranks at W={min(worlds)} (checked: W {min(worlds)}..{max(worlds)})",
+                hint=f"use a root below {min(worlds)}, or check larger groups only")

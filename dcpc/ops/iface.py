@@ -1,0 +1,124 @@
+"""What an op's rules are handed, typed below the ops.
+
+An op's verifier (``OpDef.verify``) gets the check stage's ``Verify`` (dcpc.check.ops),
+its float64 reference (``OpDef.reference``) the simulator's ``Sim``
+(dcpc.harness.simulate). Those stages sit above the ops and import them; the ops see
+them only through the protocols here (what they actually use of each), so that no op
+imports a stage, not even for a type. ``Ref`` lives here because ops build them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dcpc.diagnostics import Mark
+
+if TYPE_CHECKING:
+    import torch
+
+    from dcpc.lang import expr as ex
+    from dcpc.lang.nodes import Buffer, ScheduleView, Step
+
+
+@dataclass
+class Ref:
+    """A buffer named by a step: the name, the role it plays and where it is written."""
+
+    name: str
+    role: str
+    mark: Mark
+
+
+class Samples(Protocol):
+    """What a verifier reads of the check's sampled bindings (dcpc.lang.questions)."""
+
+    @property
+    def worlds(self) -> Sequence[int]: ...
+
+
+class CheckContext(Protocol):
+    """What a verifier reads of the check context (dcpc.check.context.Context)."""
+
+    @property
+    def schedule(self) -> ScheduleView: ...
+
+    @property
+    def samples(self) -> Samples: ...
+
+
+class ShapeRules(Protocol):
+    """The shared shape, dtype and base rules bound to one step and the check context:
+    what ``OpDef.verify`` is handed (dcpc.check.ops.Verify implements it)."""
+
+    @property
+    def step(self) -> Step: ...
+
+    @property
+    def ctx(self) -> CheckContext: ...
+
+    @property
+    def W(self) -> ex.Expr: ...  # noqa: N802  (the op's team size G; W without a mesh)
+
+    def refs(self, key: str) -> list[Ref]: ...
+
+    def shape(self, name: str) -> list[ex.Expr] | None: ...
+
+    def buffer(self, name: str) -> Buffer | None: ...
+
+    def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None: ...
+
+    def dim(self, ref: Ref, rank: int) -> int | None: ...
+
+    def expect(self, ref: Ref, want: list[ex.Expr], why: str) -> None: ...
+
+    def part(self, ref: Ref) -> list[ex.Expr] | None: ...
+
+    def part_along(self, ref: Ref, dim: int) -> list[ex.Expr] | None: ...
+
+    def same_dtype(self, src: Ref, dst: Ref) -> None: ...
+
+    def transfer(self, src: Ref, dst: Ref, *, symmetric: bool) -> None: ...
+
+    def pairs(self, srcs: list[Ref], dsts: list[Ref]) -> list[tuple[Ref, Ref]]: ...
+
+    def scatter(self, src: Ref, recv: Ref) -> list[ex.Expr] | None: ...
+
+    def merge(self, o: Ref, lse: Ref, *, stacked: bool) -> None: ...
+
+
+Store = Callable[[int, str, "torch.Tensor"], None]  # (rank, buffer, value)
+
+
+class SimView(Protocol):
+    """One simulated call, as an op's float64 reference reads and writes it: what
+    ``OpDef.reference`` is handed (dcpc.harness.simulate.Sim implements it)."""
+
+    @property
+    def schedule(self) -> ScheduleView: ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def bufs(self) -> list[dict[str, torch.Tensor]]: ...  # every rank's buffers, float64
+
+    @property
+    def external(self) -> Callable[[Step, int, dict[str, torch.Tensor]],
+                                   Mapping[str, torch.Tensor]]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def store(self, rank: int, name: str, value: torch.Tensor) -> None: ...
+
+    def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None: ...
+
+    def all_to_all(self, src: str, dst: str, dim: int, store: Store | None = None) -> None: ...
+
+    def merge_weights(self, op: Any, rank: int, lse_name: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def weighted_sum(self, weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor: ...
+
+    def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor: ...
