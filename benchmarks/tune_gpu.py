@@ -7,7 +7,7 @@ Knobs (dcpc.runtime.module.Tune): ``num_warps`` and ``block`` (elements per tile
 decided at construction), ``programs`` (the most programs a launch uses) and
 ``tiles_per_program`` (below that, one program per this many tiles; both per call).
 Timing is benchmarks/gpu_common.bench: medians over CUDA-graph replays, max over ranks.
-The results (JSON) feed the defaults in dcpc/codegen/lower.py.
+The results (JSON) feed the defaults in dcpc/codegen/ctx.py.
 """
 
 from __future__ import annotations

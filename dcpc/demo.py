@@ -27,7 +27,7 @@ def _world(text: str) -> int:
     """``--world`` with the syntax and messages of every other dcpc subcommand."""
     import click
 
-    from dcpc.cli import one_world
+    from dcpc.worlds import one_world
 
     try:
         return one_world(text, largest=MAX_RUN_WORLD)

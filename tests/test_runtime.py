@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dcpc.runtime import merge, shapes, sync, tiles
+from dcpc.runtime.backend import make_heap, resolve_backend
 from dcpc.runtime.errors import DcpcArgumentError, DcpcTimeoutError
-from dcpc.runtime.heap import LocalHeap, aligned_offsets, make_heap, resolve_backend
+from dcpc.runtime.heap import LocalHeap, aligned_offsets
 from dcpc.runtime.validate import Signature
 
 T_, H_W = ("sym", "T"), ("/", ("sym", "H"), ("sym", "W"))

@@ -135,11 +135,9 @@ class HbCost:
 def hb_cost(schedule: Schedule, worlds: list[int]) -> HbCost:
     """The cost of ``hb.check(schedule, worlds)`` from the W it will analyse (the world
     bounds and representatives the checker itself uses)."""
-    from dcpc.check.hb.checker import (  # hb imports this module
-        bound_for,
-        mesh_representatives,
-        representatives,
-    )
+    # here, not at the top: dcpc.check.hb's package face imports the checker, whose hints
+    # import this module
+    from dcpc.check.hb.bound import bound_for, mesh_representatives, representatives
     from dcpc.ops.common import ring_hops
 
     sems = table(schedule)

@@ -1,7 +1,8 @@
 """Stage 4, lower: ``Schedule`` -> ``Plan``, one lowering rule per op.
 
 Rules live in ``LOWERINGS`` keyed by op name (JAX's register_lowering style): a rule
-gets a ``Ctx`` and the step and returns its ``StepPlan``. Adding an op = its module
+gets a ``Ctx`` and the step and returns its ``StepPlan`` (dcpc/codegen/ctx.py holds
+what rules may use; rules.py the rules). Adding an op = its module
 in dcpc/ops/ (docs/internals.md), one rule in rules.py, one template under
 templates/ops/, one test.
 
@@ -15,15 +16,16 @@ from __future__ import annotations
 import ast
 import keyword
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import dcpc
-from dcpc.codegen.plan import BufferPlan, Expr, Plan, SizePlan, StepPlan
+from dcpc.codegen import rules as _rules  # noqa: F401  (the rules register in LOWERINGS on import)
+from dcpc.codegen.ctx import DEFAULT_TUNING, LOWERINGS, OP_TUNING, Ctx
+from dcpc.codegen.plan import BufferPlan, Plan, SizePlan, StepPlan
 from dcpc.codegen.templates import template_dir
-from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark
+from dcpc.diagnostics import DiagnosticError
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.lang.mesh import mesh_of
@@ -89,86 +91,6 @@ AMBIGUOUS = frozenset({"l", "O", "I"})
 def class_name(schedule: str) -> str:
     """The generated class: the CamelCase form of the schedule name (kimi_k3 -> KimiK3)."""
     return "".join(part[:1].upper() + part[1:] for part in schedule.split("_"))
-
-
-# Launch defaults, from benchmarks/tune_gpu.py on 2xH200 (benchmarks/results/tuning.md):
-# 4 warps, 4096-element tiles (2048 for the fused exchange+merge), at most 128 programs;
-# a call with fewer tiles than that gets shorter tiles and fewer programs
-# (dcpc.runtime.module.ScheduleModule._launch). Both slots' kernels must be co-resident
-# (a program spins on its peer's twin): 2 x 128 programs of 4 warps fit an H200 (132
-# SMs) several times over, and two slots on two streams at 128 ran clean on 2xH200.
-DEFAULT_TUNING = {"programs": 128, "num_warps": 4, "block": 4096}
-OP_TUNING = {"all_to_all_combine": {"block": 2048}}
-SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}
-W: Expr = ("sym", "W")
-
-
-def team_w(ctx: Ctx, step: m.Step) -> Expr:
-    """The size of a step's team (dcpc.lang.mesh): what a team op splits its parts by."""
-    return mesh_of(ctx.schedule).team_size(step.op)
-ONE: Expr = ("num", 1)
-
-
-def product(exprs: Iterable[Expr]) -> Expr:
-    """The product of shape ASTs (constants folded, 1 when empty)."""
-    const, syms = 1, []
-    for e in exprs:
-        if e[0] == "num":
-            const *= e[1]
-        else:
-            syms.append(e)
-    out: Expr | None = ("num", const) if const != 1 or not syms else None
-    for e in syms:
-        out = e if out is None else ("*", out, e)
-    assert out is not None
-    return out
-
-
-def div(a: Expr, b: Expr) -> Expr:
-    return ("/", a, b)
-
-
-class Ctx:
-    """What a rule may look at: the schedule, its buffers (as plans) and its steps."""
-
-    def __init__(self, schedule: m.Schedule, buffers: dict[str, BufferPlan]):
-        self.schedule = schedule
-        self.buffers = buffers
-        self.steps = schedule.step_list()
-        self.errors: list[Diagnostic] = []
-
-    def shape(self, name: str) -> list[Expr]:
-        return self.buffers[name].shape
-
-    def engine(self, names: Iterable[str | None]) -> list[str]:
-        """The engine-owned buffers among ``names``: a method's arguments."""
-        out: list[str] = []
-        for n in names:
-            if n is not None and self.buffers[n].kind == "engine" and n not in out:
-                out.append(n)
-        return out
-
-    def base(self, op: Any, lse: str) -> str:
-        return getattr(op, "lse_base", None) or self.buffers[lse].lse_base or "e"
-
-    def fail(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
-        self.errors.append(Diagnostic(mark, code, message, hint))
-
-
-Rule = Callable[[Ctx, m.Step], StepPlan]
-LOWERINGS: dict[str, Rule] = {}
-
-
-def register(op: str) -> Callable[[Rule], Rule]:
-    def deco(rule: Rule) -> Rule:
-        LOWERINGS[op] = rule
-        return rule
-
-    return deco
-
-
-# The rules register themselves in LOWERINGS on import.
-from dcpc.codegen import rules as _rules  # noqa: E402,F401
 
 
 def _buffers(schedule: m.Schedule) -> dict[str, BufferPlan]:

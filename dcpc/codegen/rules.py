@@ -6,7 +6,8 @@ dcpc/ops/<op>.py; its Triton lowering is registered here against the same name
 
 A rule gets the lowering context and the step and returns the step's ``StepPlan``;
 its template is ``templates/ops/<op>.py.j2``. See dcpc/codegen/lower.py for the
-driver and the canonical-factor convention the rules follow.
+driver and the canonical-factor convention the rules follow, dcpc/codegen/ctx.py for
+what a rule may use.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from dcpc.codegen.lower import (
+from dcpc.codegen.ctx import (
     ONE,
     SYNC_TUNING,
     Ctx,

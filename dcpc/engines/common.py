@@ -31,8 +31,8 @@ import torch
 
 from dcpc import __version__
 from dcpc.runtime import calls
+from dcpc.runtime.backend import group_rank_world
 from dcpc.runtime.errors import DcpcArgumentError
-from dcpc.runtime.heap import group_rank_world
 from dcpc.runtime.loading import import_file, schedule_class
 
 log = logging.getLogger("dcpc.engines")

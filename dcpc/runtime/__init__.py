@@ -7,6 +7,7 @@ eager launch path of their kernels (``fast_launch``) and their call plans (``cal
 """
 
 from dcpc.runtime import calls, collectives, merge, shapes, sync, tiles, validate
+from dcpc.runtime.backend import make_heap, resolve_backend
 from dcpc.runtime.errors import (
     DcpcArgumentError,
     DcpcCollectiveError,
@@ -21,7 +22,7 @@ from dcpc.runtime.errors import (
 )
 from dcpc.runtime.fastlaunch import fast_launch
 from dcpc.runtime.guard import guarded
-from dcpc.runtime.heap import SymmetricBuffer, SymmetricHeap, make_heap, resolve_backend
+from dcpc.runtime.heap import SymmetricBuffer, SymmetricHeap
 from dcpc.runtime.module import Buf, ScheduleModule, Tune
 
 __all__ = [

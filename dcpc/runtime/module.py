@@ -20,8 +20,9 @@ import torch
 
 from dcpc.runtime import axes, calls, collectives, rendezvous, shapes, sync, tiles, validate
 from dcpc.runtime import guard as _guard
+from dcpc.runtime.backend import group_rank_world, make_heap, resolve_backend
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
-from dcpc.runtime.heap import group_rank_world, make_heap, poison_, resolve_backend
+from dcpc.runtime.heap import poison_
 from dcpc.runtime.local import sync_stream
 from dcpc.runtime.teams import TeamsMixin
 from dcpc.runtime.validate import DTYPES, Signature, check_sizes

@@ -175,7 +175,7 @@ class TeamsMixin:
         import torch.distributed as dist
 
         from dcpc.runtime.axes import TeamHeap
-        from dcpc.runtime.heap import make_heap
+        from dcpc.runtime.backend import make_heap
 
         symm = tuple(p for p, (axis, _) in enumerate(self.MESH)
                      if self.backends[axis] != "torch")
