@@ -54,7 +54,10 @@ def render() -> ModuleType:
         lstrip_blocks=True, autoescape=False)
     env.filters.update(chomp=lambda t: t[:-1] if t.endswith("\n") else t,
                        docstring=lambda t, *_: t)
+    from dcpc.codegen.emit import device_imports
+
     text = env.get_template("signal_floor.py.j2").render()
+    text = text.replace("# DEVICE_IMPORTS", device_imports(text) + "  #", 1)
     path = Path(tempfile.mkdtemp(prefix="dcpc-floor-")) / "dcpc_signal_floor.py"
     path.write_text(text)  # Triton reads a kernel's source from its file
     spec = importlib.util.spec_from_file_location("dcpc_signal_floor", path)
