@@ -4,6 +4,7 @@ its survivor reports the timeout by step, peer and epoch."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,28 @@ def test_the_cpu_deadline_counts_the_waiting_threads_cpu_time() -> None:
     assert seen["asleep"] == 0, seen  # wall time alone never ends a wait
     assert seen["stopped"] == 1, seen  # the spinning thread's own CPU time does
     assert seen["spun_s"] < 30, seen
+
+
+def test_a_closed_watchdog_s_thread_has_ended() -> None:
+    """close() returns after the watchdog's thread ended. A daemon thread still ending
+    when the interpreter finalises drops its tensors without the GIL and aborts the
+    process ("terminate called without an active exception": test_signal_floor in CI
+    beside two busy processes); an armed watchdog never closed is ended at exit."""
+    import torch
+
+    from dcpc.runtime.sync import Watchdog
+
+    dogs = [Watchdog(torch.zeros(8, dtype=torch.int32), timeout_s=5.0) for _ in range(4)]
+    dogs[1].arm()  # armed: its thread wakes on a timer
+    for dog in dogs:
+        dog.close()
+        assert not dog._thread.is_alive()
+    code = ("import torch\nfrom dcpc.runtime.sync import Watchdog\n"
+            "dogs = [Watchdog(torch.zeros(8, dtype=torch.int32), 60.0) for _ in range(8)]\n"
+            "for d in dogs: d.arm()\n"
+            "import dcpc.runtime.sync as s\ns._close_watchdogs()\n"
+            "print(sum(d._thread.is_alive() for d in dogs))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0", done.stdout

@@ -23,9 +23,11 @@ On GPU the kernel then traps; on CPU it returns and the method raises
 
 from __future__ import annotations
 
+import atexit
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 
@@ -61,6 +63,7 @@ TIMEOUT, CONTRACT, PEER_FAILED = (errors.TIMEOUT_CODE, errors.CONTRACT_CODE,
 OVER_CAPACITY, BAD_INDEX = errors.OVER_CAPACITY_CODE, errors.BAD_INDEX_CODE
 BAD_SCALE = errors.BAD_SCALE_CODE
 WATCH_S = 0.5  # CPU: how often an armed call's watchdog looks for dead peers (wall s)
+JOIN_S = 30.0  # close(): how long to wait for the watchdog's thread to end (wall s)
 FLAG_REASONS = {
     FLAG_FAILED: "failed (an error in one of its calls: that rank's own error says which)",
     # a closed peer's flag stops only a wait for a signal it never sent: it made fewer
@@ -208,6 +211,7 @@ class Watchdog:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="dcpc-watchdog", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def arm(self) -> None:
         clock = cpu_clock()  # the calling thread's (a thread id may be reused: not cached)
@@ -221,9 +225,14 @@ class Watchdog:
         self._deadline = None  # the thread sees it at its next wake-up (no lock needed)
 
     def close(self) -> None:
+        """Stop the thread and wait for it to end (at most JOIN_S): a daemon thread that
+        ends while the interpreter finalises drops its tensors without the GIL, which
+        aborts the process ("terminate called without an active exception", issue 31)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S)
 
     def _run(self) -> None:
         with self._cond:
@@ -247,6 +256,17 @@ class Watchdog:
                     continue
                 self.errors[STOP_WORD] = 1
                 self._deadline = None
+
+
+_LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()  # every watchdog not yet collected
+
+
+@atexit.register
+def _close_watchdogs() -> None:
+    """At exit, before the interpreter finalises: end every watchdog's thread (one that
+    was never closed, e.g. a module an engine keeps, may be armed and wake later)."""
+    for dog in list(_LIVE):
+        dog.close()
 
 
 class SignalBank:
