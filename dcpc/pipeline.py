@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError
-
-DEFAULT_WORLDS: tuple[int, ...] = tuple(range(2, 9))
+from dcpc.lang.mesh import DEFAULT_WORLDS
 
 
 @dataclass

@@ -9,6 +9,7 @@ from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.mesh import mesh_of
 from dcpc.lang.model import Buffer, OpBase, Schedule, Step
+from dcpc.lang.nodes import BUFFER_KEYS
 from dcpc.lang.questions import Samples
 from dcpc.lang.sizes import SizeTable
 from dcpc.ops.iface import Ref  # defined below the ops, which build them too
@@ -86,8 +87,7 @@ def mask_refs(op: OpBase) -> list[Ref]:
 def all_refs(op: OpBase) -> list[Ref]:
     """Every buffer an op names, in the order the step lists them."""
     found: list[Ref] = []
-    for key in ("src", "via", "dst", "return_lse", "output_scale", "reads", "writes",
-                "counts", "recv_counts", "index"):
+    for key in BUFFER_KEYS:
         found += refs(op, key)
     scale = _field(op, "scale")  # a cast's scale (dcpc/ops/cast.py)
     if scale is not None:

@@ -58,26 +58,17 @@ def check_mesh(ctx: Context) -> None:
 
 def team_ops() -> list[str]:
     """The ops that take ``axis:`` (``OpDef.teams``), as the docs list them."""
-    return [f"{name} (dim)" if name == "all_to_all" else name
+    return [f"{name} ({op.team_form})" if op.team_form else name
             for name, op in OPS.items() if op.teams]
 
 
 def _team_op(step: Step) -> bool:
-    """Whether the step's op runs over a team (``OpDef.teams``): not an all_to_all with
-    split_dim/concat_dim or a cast (their team lowering is not written)."""
-    op = step.op
-    if step.kind == "all_to_all" and (op.concat_dim is not None or op.scale is not None):
-        return False
-    return OPS[step.kind].teams
+    """Whether the step may run over a team (its op's ``OpDef.takes_team``)."""
+    return OPS[step.kind].takes_team(step.op)
 
 
 def _what(step: Step) -> str:
-    op = step.op
-    if step.kind == "all_to_all" and op.concat_dim is not None:
-        return "all_to_all with split_dim/concat_dim"
-    if step.kind == "all_to_all" and op.scale is not None:
-        return "all_to_all with a cast"
-    return step.kind
+    return OPS[step.kind].whole_mesh_form_of(step.op) or step.kind
 
 
 def _check_shift(ctx: Context, step: Step) -> None:

@@ -16,6 +16,7 @@ from dcpc.check.context import Context, Ref, mask_refs, refs, show, team_expr
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, OpBase, Step
+from dcpc.lang.nodes import BUFFER_KEYS
 from dcpc.ops import OPS
 from dcpc.ops.common import OUTPUT_SCALE
 
@@ -296,19 +297,23 @@ def _mask(ctx: Context, step: Step) -> None:
                       f"they differ for {_where(ctx, example, [seq[0], qsl[0]])}")
 
 
+WRITTEN_KEYS = [key for key, role in BUFFER_KEYS.items() if role == "write"]
+READ_KEYS = [key for key, role in BUFFER_KEYS.items() if role == "read"]
+
+
 def _no_aliasing(ctx: Context, step: Step) -> None:
     """A non-external step never writes a buffer twice, nor writes what it reads."""
     op: OpBase = step.op
     written: dict[str, Mark] = {}
-    for key in ("via", "dst", "return_lse", "recv_counts"):
+    for key in WRITTEN_KEYS:
         for ref in refs(op, key):
             if ref.name in written:
                 ctx.error(ref.mark, "aliased-buffer",
                           f"step '{step.name}' writes buffer '{ref.name}' twice", hint=
                           "give every output its own buffer")
             written.setdefault(ref.name, ref.mark)
-    reads = refs(op, "src") + refs(op, "counts") + refs(op, "index")
-    for ref in reads + mask_refs(op) + refs(op, "output_scale"):
+    reads = [ref for key in READ_KEYS for ref in refs(op, key)]
+    for ref in reads + mask_refs(op):
         if ref.name in written:
             ctx.error(ref.mark, "aliased-buffer",
                       f"step '{step.name}' reads buffer '{ref.name}' ({ref.role}) and also "

@@ -23,15 +23,13 @@ from dcpc.check.ops import check_ops
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.loops import MAX_STEPS
-from dcpc.lang.mesh import MeshWorld, WorldError, fit_worlds, mesh_of
+from dcpc.lang.mesh import DEFAULT_WORLDS, MeshWorld, WorldError, fit_worlds, mesh_of
 from dcpc.lang.model import AllGather, Schedule, Streams
 from dcpc.lang.nodes import Step
 from dcpc.lang.questions import Samples
 from dcpc.lang.semantics import table
 from dcpc.lang.sizes import MAX_SIZE, size_table, world_diagnostics
 from dcpc.ops.registry import names
-
-DEFAULT_WORLDS = tuple(range(2, 9))
 
 
 def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Diagnostic]:

@@ -6,15 +6,22 @@ Parsed by a small recursive-descent parser into a tuple AST, never ``eval``ed:
 
 ``/`` is exact division: evaluating it on values that do not divide raises
 ``InexactDivision``. The same AST is emitted into generated modules, where
-``dcpc.runtime.shapes`` evaluates it without importing the compiler.
+``dcpc.runtime.shapes`` evaluates it without importing the compiler; the AST's
+evaluation and printing are defined once, in ``dcpc.exprs``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 
-Expr = tuple  # ("num", int) | ("sym", str) | (op, Expr, Expr)
+from dcpc.exprs import (  # noqa: F401  (the language's names for them)
+    Expr,
+    InexactDivision,
+    UnboundSymbol,
+    evaluate,
+    symbols,
+    unparse,
+)
 
 # The language's limits on one expression (docs/language.md, "Limits"): checked before
 # any parsing work, so no input reaches the parser's recursion, Python's 4,300-digit
@@ -34,16 +41,6 @@ class ExprSyntaxError(ValueError):
     def __init__(self, message: str, column: int):
         super().__init__(message)
         self.column = column
-
-
-class InexactDivision(ArithmeticError):
-    def __init__(self, expr: Expr, lhs: int, rhs: int):
-        super().__init__(f"{unparse(expr)} is {lhs}/{rhs}, which is not a whole number")
-        self.expr, self.lhs, self.rhs = expr, lhs, rhs
-
-
-class UnboundSymbol(KeyError):
-    pass
 
 
 def _tokens(text: str) -> list[tuple[str, str | int, int]]:
@@ -165,44 +162,3 @@ def _depth(node: Expr) -> int:
         if item[0] not in ("num", "sym"):
             stack += [(item[1], level + 1), (item[2], level + 1)]
     return deepest
-
-
-def symbols(expr: Expr) -> set[str]:
-    if expr[0] == "num":
-        return set()
-    if expr[0] == "sym":
-        return {expr[1]}
-    return symbols(expr[1]) | symbols(expr[2])
-
-
-def evaluate(expr: Expr, env: Mapping[str, int]) -> int:
-    """Evaluate with exact division; raise InexactDivision or UnboundSymbol."""
-    kind = expr[0]
-    if kind == "num":
-        return expr[1]
-    if kind == "sym":
-        if expr[1] not in env:
-            raise UnboundSymbol(expr[1])
-        return env[expr[1]]
-    lhs, rhs = evaluate(expr[1], env), evaluate(expr[2], env)
-    if kind == "+":
-        return lhs + rhs
-    if kind == "-":
-        return lhs - rhs
-    if kind == "*":
-        return lhs * rhs
-    if rhs == 0 or lhs % rhs:
-        raise InexactDivision(expr, lhs, rhs)
-    return lhs // rhs
-
-
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
-
-
-def unparse(expr: Expr, parent: int = 0, right: bool = False) -> str:
-    kind = expr[0]
-    if kind in ("num", "sym"):
-        return str(expr[1])
-    prec = _PREC[kind]
-    text = f"{unparse(expr[1], prec)}{kind}{unparse(expr[2], prec, True)}"
-    return f"({text})" if prec < parent or (right and prec == parent) else text

@@ -38,6 +38,7 @@ from dcpc.topology import (  # noqa: F401  (re-exported: the compiler's names fo
 
 DEFAULT_AXIS = "world"
 MAX_WORLD = 1024  # the largest group size dcpc checks (ranks of a mesh shape)
+DEFAULT_WORLDS: tuple[int, ...] = tuple(range(2, 9))  # what check and compile prove without --world
 MAX_AXES = 4  # axes of a mesh: the default shapes (2..4 per axis) stay within the work limit
 
 

@@ -29,6 +29,17 @@ Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
 Name = Annotated[str, Strict(), Field(description="A name declared under buffers")]
+ChannelName = Annotated[str, Strict(), Field(description="A signal channel's name")]
+# The keys of a step that hold buffer names (``Name`` fields), in the order a step lists
+# them, with what the step does to the buffers: "read" or "write". Defined once: the
+# checker's reference, aliasing and flow rules read it, and an op whose model has a
+# ``Name`` field missing here is refused when it is registered (dcpc.ops.registry).
+# A cast's ``scale.buffer`` and ``mask_empty``'s buffers are nested, not keys of a step.
+BUFFER_KEYS: dict[str, str] = {
+    "src": "read", "via": "write", "dst": "write", "return_lse": "write",
+    "output_scale": "read", "reads": "read", "writes": "write",
+    "counts": "read", "recv_counts": "write", "index": "read",
+}
 SizeExpr = Annotated[
     Union[Int, Str],  # noqa: UP007 (pydantic's JSON schema reads Union well)
     Field(description="A size expression: integers, size names, + - * /, parentheses"),

@@ -150,5 +150,14 @@ def io(op: AllToAll) -> IO:
     return names(op.src) + scale, names(op.dst)
 
 
+def whole_mesh_form(op: AllToAll) -> str | None:
+    """The forms whose team lowering and proof are not written: over every axis only."""
+    if op.concat_dim is not None:
+        return "all_to_all with split_dim/concat_dim"
+    if op.scale is not None:
+        return "all_to_all with a cast"
+    return None
+
+
 DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io,
-                         teams=True))
+                   teams=True, whole_mesh_form=whole_mesh_form, team_form="dim"))

@@ -10,9 +10,12 @@ template templates/ops/<name>.py.j2, the torch backend in dcpc/runtime/collectiv
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from dcpc.lang.nodes import BUFFER_KEYS, Name
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import OpBase, Step
@@ -35,6 +38,10 @@ class OpDef:
     ``io(op)``: (buffers it reads, buffers it writes), in the order the step names them.
     ``teams``: whether the op may run over a subset of a mesh's axes (``axis:``, its
     team: dcpc.lang.mesh); an op without it runs over every axis only.
+    ``whole_mesh_form(op)``: for an op with teams, the forms of it that still run over
+    every axis only: a description of the step's form ("all_to_all with a cast"), or
+    None when this step may take a team; ``team_form``: how the docs name the forms
+    that take a team ("dim"), empty when all of them do.
     """
 
     name: str
@@ -44,6 +51,15 @@ class OpDef:
     reference: Callable[[SimView, Step], None]
     io: Callable[[Any], IO]
     teams: bool = False
+    whole_mesh_form: Callable[[Any], str | None] | None = None
+    team_form: str = ""
+
+    def takes_team(self, op: OpBase) -> bool:
+        """Whether this step of the op may run over a team (``axis:``)."""
+        return self.teams and self.whole_mesh_form_of(op) is None
+
+    def whole_mesh_form_of(self, op: OpBase) -> str | None:
+        return self.whole_mesh_form(op) if self.whole_mesh_form is not None else None
 
 
 OPS: dict[str, OpDef] = {}
@@ -53,8 +69,22 @@ def define(op: OpDef) -> OpDef:
     """Register ``op`` (once per name; the order of registration is the language's)."""
     if op.name in OPS:
         raise ValueError(f"op {op.name!r} is defined twice")
+    unlisted = sorted(set(buffer_fields(op.model)) - set(BUFFER_KEYS))
+    if unlisted:
+        raise ValueError(f"op {op.name!r}: its buffer keys {unlisted} are not in "
+                         "dcpc.lang.nodes.BUFFER_KEYS (say there whether it reads or writes them)")
     OPS[op.name] = op
     return op
+
+
+def buffer_fields(model: type[OpBase]) -> list[str]:
+    """The fields of an op's model that hold buffer names (typed ``Name``)."""
+    hints = typing.get_type_hints(model, include_extras=True)
+    return [f for f in model.model_fields if _names_a_buffer(hints.get(f))]
+
+
+def _names_a_buffer(hint: object) -> bool:
+    return hint == Name or any(_names_a_buffer(a) for a in typing.get_args(hint))
 
 
 def names(value: str | list[str] | None) -> list[str]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from dcpc.lang.nodes import Name, OpBase, Peers, Step
+from dcpc.lang.nodes import ChannelName, OpBase, Peers, Step
 from dcpc.ops.common import Scope, Semantics, Sync, exchange
 from dcpc.ops.registry import IO, OpDef, define
 
@@ -29,7 +29,7 @@ class Signal(OpBase):
 
     op: Literal["signal"]
     to: Peers = Peers.all
-    channel: Name
+    channel: ChannelName
 
 
 class Wait(OpBase):
@@ -37,7 +37,7 @@ class Wait(OpBase):
 
     op: Literal["wait"]
     from_: Peers = Field(default=Peers.all, alias="from")
-    channel: Name
+    channel: ChannelName
 
 
 def barrier_semantics(c: Scope, step: Step) -> Semantics:
