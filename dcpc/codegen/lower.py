@@ -2,9 +2,7 @@
 
 Rules live in ``LOWERINGS`` keyed by op name (JAX's register_lowering style): a rule
 gets a ``Ctx`` and the step and returns its ``StepPlan`` (dcpc/codegen/ctx.py holds
-what rules may use; rules.py the rules). Adding an op = its module
-in dcpc/ops/ (docs/internals.md), one rule in rules.py, one template under
-templates/ops/, one test.
+what rules may use; rules.py the rules). How to add an op: docs/internals.md.
 
 Every rule views its buffers through canonical factors (products of shape ASTs), so
 that one kernel template serves every layout: e.g. an all_gather along ``dim`` sees
