@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.schedules import errors, write
 
 from dcpc import pipeline
-from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import simulate
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.parse import parse_text
@@ -33,20 +33,8 @@ steps:
 """
 
 
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "ag_list.yaml"
-    path.write_text(text)
-    return path
-
-
-def _errors(path: Path) -> list[tuple[str, int, int, str]]:
-    with pytest.raises(DiagnosticError) as err:
-        pipeline.run(path, pipeline.Options(worlds=(2, 3)))
-    return [(d.code, d.mark.line, d.mark.col, d.message) for d in err.value.diagnostics]
-
-
 def test_the_list_form_checks_clean_and_lowers_one_kernel(tmp_path: Path) -> None:
-    c = pipeline.run(_write(tmp_path, SCHEDULE), pipeline.Options(worlds=(2, 3, 4)))
+    c = pipeline.run(write(tmp_path, SCHEDULE, "ag_list.yaml"), pipeline.Options(worlds=(2, 3, 4)))
     (gather,) = [s for s in c.plan.steps if s.name == "gather"]
     assert gather.roles == {"src": "q_local", "dst": "q_full", "src1": "lse_local",
                             "dst1": "lse_all"}
@@ -57,14 +45,14 @@ def test_the_list_form_checks_clean_and_lowers_one_kernel(tmp_path: Path) -> Non
 
 def test_unequal_lists_are_reported_at_dst(tmp_path: Path) -> None:
     text = SCHEDULE.replace("dst: [q_full, lse_all]", "dst: [q_full]")
-    found = _errors(_write(tmp_path, text))
+    found = errors(write(tmp_path, text, "ag_list.yaml"))
     assert ("list-length-mismatch", 12, 63,
             "step 'gather' has 2 src buffers but 1 dst buffers") in found
 
 
 def test_a_wrong_second_payload_is_reported_at_its_own_name(tmp_path: Path) -> None:
     text = SCHEDULE.replace("lse_all:   {shape: [T, W, H]", "lse_all:   {shape: [T, H, W]")
-    found = _errors(_write(tmp_path, text))
+    found = errors(write(tmp_path, text, "ag_list.yaml"))
     assert [(c, line, col) for c, line, col, _ in found] == [("shape-mismatch", 12, 72)]
     assert "dst 'lse_all' of step 'gather' has shape [T, H, W] but must be [T, W, H]" in \
         found[0][3]
@@ -73,7 +61,7 @@ def test_a_wrong_second_payload_is_reported_at_its_own_name(tmp_path: Path) -> N
 def test_an_empty_list_is_a_parse_error(tmp_path: Path) -> None:
     text = SCHEDULE.replace("src: [q_local, lse_local], dst: [q_full, lse_all]",
                             "src: [], dst: []")
-    found = _errors(_write(tmp_path, text))
+    found = errors(write(tmp_path, text, "ag_list.yaml"))
     assert found == [
         ("wrong-type", 12, 36,
          "'steps.gather.src' must be a name or a list of names, not an empty list"),
@@ -86,7 +74,7 @@ def test_the_second_payload_races_without_the_barrier(tmp_path: Path) -> None:
     """The HB checker sees payload 1's remote writes: only lse_all is read after."""
     text = SCHEDULE.replace("reads: [q_full, lse_all]", "reads: [lse_all]")
     text = text.replace("  - release: {op: barrier}\n", "")
-    found = _errors(_write(tmp_path, text))
+    found = errors(write(tmp_path, text, "ag_list.yaml"))
     assert [(c, line) for c, line, _, _ in found] == [("race", 12)]
     assert "race on lse_all" in found[0][3] and "index 1 of dim 1" in found[0][3]
 
@@ -117,7 +105,7 @@ def _run(path: Path, world: int, backend: str, **kw: object) -> object:
 @pytest.mark.e2e
 @pytest.mark.parametrize("world,backend", [(2, "host"), (3, "host"), (2, "torch")])
 def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str) -> None:
-    report = _run(_write(tmp_path, SCHEDULE), world, backend)
+    report = _run(write(tmp_path, SCHEDULE, "ag_list.yaml"), world, backend)
     text = format_report(report)  # type: ignore[arg-type]
     assert report.launch.ok and report.mismatches == 0, text  # type: ignore[attr-defined]
     for name in ("q_full", "lse_all"):
@@ -127,7 +115,7 @@ def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str) -> N
 @pytest.mark.e2e
 def test_dcpc_run_catches_a_second_payload_left_unsent(tmp_path: Path) -> None:
     """Mutation: the kernel pushes no tile of payload 1; the run must see it."""
-    report = _run(_write(tmp_path, SCHEDULE), 2, "host",
+    report = _run(write(tmp_path, SCHEDULE, "ag_list.yaml"), 2, "host",
                   module_patch=(("n_rows = outer1 * rows1", "n_rows = 0 * rows1"),))
     text = format_report(report)  # type: ignore[arg-type]
     assert report.outputs["lse_all"].mismatches > 0, text  # type: ignore[attr-defined]

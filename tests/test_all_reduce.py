@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from hb_oracle import oracle_keys
+from support.schedules import errors, write
 
 from dcpc import pipeline
 from dcpc.check import hb
-from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import simulate
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.parse import parse_text
@@ -39,21 +39,9 @@ VIA = SCHEDULE.replace("reduce: sum}", "reduce: sum, via: recv}").replace(
     "steps:", "  recv: {shape: [W, T, H, D], dtype: bf16, symmetric: true}\nsteps:")
 
 
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "ar.yaml"
-    path.write_text(text)
-    return path
-
-
-def _errors(path: Path) -> list[tuple[str, int, int, str]]:
-    with pytest.raises(DiagnosticError) as err:
-        pipeline.run(path, pipeline.Options(worlds=(2, 3)))
-    return [(d.code, d.mark.line, d.mark.col, d.message) for d in err.value.diagnostics]
-
-
 @pytest.mark.parametrize("text", [SCHEDULE, VIA], ids=["implicit", "via"])
 def test_checks_clean_and_the_brute_force_agrees(tmp_path: Path, text: str) -> None:
-    c = pipeline.run(_write(tmp_path, text), pipeline.Options(worlds=(2, 3, 4)))
+    c = pipeline.run(write(tmp_path, text, "ar.yaml"), pipeline.Options(worlds=(2, 3, 4)))
     (step,) = [s for s in c.plan.steps if s.name == "reduce"]
     assert step.sync.signal == "all" and step.sync.wait == "all"
     for world in (2, 3):
@@ -76,18 +64,18 @@ def test_the_next_call_overwrites_via_without_the_barrier(text: str, buffer: str
 def test_refusals_name_the_buffer_and_where(tmp_path: Path) -> None:
     text = SCHEDULE.replace("x:    {shape: [T, H, D], dtype: bf16}",
                             "x:    {shape: [T, H, D], dtype: i32}")
-    found = _errors(_write(tmp_path, text))
+    found = errors(write(tmp_path, text, "ar.yaml"))
     assert [(c, line, col) for c, line, col, _ in found] == [("non-float-output", 11, 36)]
     assert "src 'x' of all_reduce 'reduce' is i32" in found[0][3]
     text = VIA.replace("[W, T, H, D], dtype: bf16, symmetric: true",
                        "[T, H, D], dtype: bf16, symmetric: true")
-    found = _errors(_write(tmp_path, text))
+    found = errors(write(tmp_path, text, "ar.yaml"))
     assert [(c, line) for c, line, _, _ in found] == [("shape-mismatch", 12)]
     assert "has 3 dims [T, H, D] but must have 4, [W, T, H, D]" in found[0][3]
     text = VIA.replace("dtype: bf16, symmetric: true}", "dtype: bf16}")
-    assert [c for c, *_ in _errors(_write(tmp_path, text))] == ["not-symmetric"]
+    assert [c for c, *_ in errors(write(tmp_path, text, "ar.yaml"))] == ["not-symmetric"]
     text = SCHEDULE.replace("dst: y,", "dst: x,")
-    assert "aliased-buffer" in [c for c, *_ in _errors(_write(tmp_path, text))]
+    assert "aliased-buffer" in [c for c, *_ in errors(write(tmp_path, text, "ar.yaml"))]
 
 
 @pytest.mark.parametrize("reduce", ["sum", "max"])
@@ -109,7 +97,7 @@ def test_the_reference_reduces_every_rank(reduce: str) -> None:
     (3, "torch", "sum", VIA)])
 def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str, reduce: str,
                                   text: str) -> None:
-    path = _write(tmp_path, text.replace("reduce: sum", f"reduce: {reduce}"))
+    path = write(tmp_path, text.replace("reduce: sum", f"reduce: {reduce}"), "ar.yaml")
     report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
                                     calls=4, seed=11 + world))
     out = format_report(report)
@@ -167,7 +155,7 @@ def test_lse_checks_clean_and_races_without_the_barrier() -> None:
 ])
 def test_lse_refusals(tmp_path: Path, old: str, new: str, code: str, words: str) -> None:
     assert old in LSE
-    found = _errors(_write(tmp_path, LSE.replace(old, new, 1)))
+    found = errors(write(tmp_path, LSE.replace(old, new, 1), "ar.yaml"))
     assert any(c == code and words in msg for c, _, _, msg in found), found
 
 
@@ -203,7 +191,7 @@ def test_lse_reference_is_the_merge_of_every_rank() -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("world,backend", [(2, "host"), (2, "torch")])
 def test_lse_run_matches_float64(tmp_path: Path, world: int, backend: str) -> None:
-    report = run_schedule(RunConfig(schedule=str(_write(tmp_path, LSE)), world=world,
+    report = run_schedule(RunConfig(schedule=str(write(tmp_path, LSE, "ar.yaml")), world=world,
                                     backend=backend, calls=4, seed=21 + world))
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
@@ -215,7 +203,7 @@ def test_lse_run_matches_float64(tmp_path: Path, world: int, backend: str) -> No
 def test_every_rank_gets_the_same_bits(tmp_path: Path) -> None:
     """Ranks as threads (local backend): bf16 inputs of mixed magnitudes, summed in fp32
     in rank order, give bitwise equal outputs on every rank, equal to that order's sum."""
-    path = _write(tmp_path, SCHEDULE)
+    path = write(tmp_path, SCHEDULE, "ar.yaml")
     module = tmp_path / "ar.py"
     module.write_text(pipeline.run(path, pipeline.Options(worlds=(3,))).module_text)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}

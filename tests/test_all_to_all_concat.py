@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from hb_oracle import oracle_keys
+from support.schedules import errors, write
 
-from dcpc import pipeline
 from dcpc.check import hb
 from dcpc.codegen.lower import lower
-from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import simulate
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.parse import parse_text
@@ -39,18 +38,6 @@ steps:
 """
 
 
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "uly.yaml"
-    path.write_text(text)
-    return path
-
-
-def _errors(path: Path) -> list[tuple[str, int, int, str]]:
-    with pytest.raises(DiagnosticError) as err:
-        pipeline.run(path, pipeline.Options(worlds=(2, 3)))
-    return [(d.code, d.mark.line, d.mark.col, d.message) for d in err.value.diagnostics]
-
-
 @pytest.mark.parametrize("old,new,code,line,words", [
     ("split_dim: 1, concat_dim: 0}", "split_dim: 1}", "bad-dims", 13,
      "needs both split_dim and concat_dim"),
@@ -66,7 +53,7 @@ def _errors(path: Path) -> list[tuple[str, int, int, str]]:
 def test_refusals(tmp_path: Path, old: str, new: str, code: str, line: int,
                   words: str) -> None:
     assert old in SCHEDULE
-    found = _errors(_write(tmp_path, SCHEDULE.replace(old, new, 1)))
+    found = errors(write(tmp_path, SCHEDULE.replace(old, new, 1), "uly.yaml"))
     assert [(c, ln) for c, ln, _, _ in found] == [(code, line)], found
     assert words in found[0][3], found
 
@@ -124,8 +111,9 @@ def test_stacking_exchanges_keep_their_plan() -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("world,backend", [(2, "torch")])  # host: the ulysses gallery
 def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str) -> None:
-    report = run_schedule(RunConfig(schedule=str(_write(tmp_path, SCHEDULE)), world=world,
-                                    backend=backend, calls=4, seed=3 + world))
+    path = write(tmp_path, SCHEDULE, "uly.yaml")
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
+                                    calls=4, seed=3 + world))
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     for name in ("q_h", "o"):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from hb_oracle import oracle_keys
+from support.schedules import write
 
 from dcpc import pipeline
 from dcpc.check import hb
@@ -32,12 +33,6 @@ steps:
 """
 
 
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "bc.yaml"
-    path.write_text(text)
-    return path
-
-
 @pytest.mark.parametrize("old,new,code,words", [
     ("root: 1}", "root: 2}", "root-out-of-range",
      "step 'send' has root 2, but the group has only 2 ranks at W=2"),
@@ -48,7 +43,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 ])
 def test_refusals(tmp_path: Path, old: str, new: str, code: str, words: str) -> None:
     with pytest.raises(DiagnosticError) as err:
-        pipeline.run(_write(tmp_path, SCHEDULE.replace(old, new, 1)),
+        pipeline.run(write(tmp_path, SCHEDULE.replace(old, new, 1), "bc.yaml"),
                      pipeline.Options(worlds=(2, 3)))
     found = [(d.code, d.mark.line, d.message) for d in err.value.diagnostics]
     assert [(c, line) for c, line, _ in found] == [(code, 10)], found
@@ -81,7 +76,7 @@ def test_the_model_agrees_with_the_exact_brute_force(drop: str, want: set) -> No
 @pytest.mark.e2e
 @pytest.mark.parametrize("world,backend", [(2, "host"), (3, "torch")])
 def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str) -> None:
-    report = run_schedule(RunConfig(schedule=str(_write(tmp_path, SCHEDULE)), world=world,
+    report = run_schedule(RunConfig(schedule=str(write(tmp_path, SCHEDULE, "bc.yaml")), world=world,
                                     backend=backend, calls=4, seed=31 + world))
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text

@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 import torch
 from hb_oracle import oracle_keys
+from support.schedules import codes
 
 from dcpc.check import hb
-from dcpc.diagnostics import DiagnosticError
 from dcpc.lang.parse import parse_text
 from dcpc.numerics import ieee_div, round_e4m3, token_scales
-from dcpc.pipeline import Options, run
 
 
 def test_round_e4m3_is_nearest_with_ties_away_and_saturates() -> None:
@@ -77,16 +76,6 @@ def text(**kw: str) -> str:
     return SCHEDULE.format(**spec)
 
 
-def codes(source: str, tmp: Path) -> list[str]:
-    path = tmp / "cast.yaml"
-    path.write_text(source)
-    try:
-        run(path, Options(worlds=(2, 3)), until="hb")
-    except DiagnosticError as err:
-        return sorted({d.code for d in err.diagnostics if d.severity == "error"})
-    return []
-
-
 TENSOR = ", scale: {per: tensor, buffer: s}"
 READ = {"s_sym": "", "reads": "[y, m]"}  # s is the sender's: the engine passes it
 
@@ -106,7 +95,7 @@ READ = {"s_sym": "", "reads": "[y, m]"}  # s is the sender's: the engine passes 
     ({"s_sym": "", "reads": "[y, m]"}, ["bad-scale"]),  # the scales travel: symmetric
 ])
 def test_verifier(change: dict[str, str], want: list[str], tmp_path: Path) -> None:
-    assert codes(text(**change), tmp_path) == want
+    assert codes(text(**change), tmp_path, "cast.yaml") == want
 
 
 def test_checker_and_brute_force_see_the_scale_buffer() -> None:
@@ -250,7 +239,7 @@ def a2a_text(**kw: str) -> str:
 ])
 def test_all_to_all_cast_verifier(change: dict[str, str], want: list[str],
                                   tmp_path: Path) -> None:
-    assert codes(a2a_text(**change), tmp_path) == want
+    assert codes(a2a_text(**change), tmp_path, "cast.yaml") == want
 
 
 def _a2a_child() -> None:

@@ -19,12 +19,11 @@ import pytest
 import torch
 from exec_oracle_agree import disagreements
 from hb_oracle import oracle_keys
+from support.schedules import codes
 
 from dcpc.check import hb
-from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.simulate import simulate_call
 from dcpc.lang.parse import parse_text
-from dcpc.pipeline import Options, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,17 +54,6 @@ def text(**kw: Any) -> str:
     return BASE.format(**spec)
 
 
-def codes(source: str, tmp: Path) -> list[str]:
-    """The error codes the pipeline reports up to hb (empty: accepted and proved)."""
-    path = tmp / "rag.yaml"
-    path.write_text(source)
-    try:
-        run(path, Options(worlds=(2, 3, 4)), until="hb")
-    except DiagnosticError as err:
-        return sorted({d.code for d in err.diagnostics if d.severity == "error"})
-    return []
-
-
 @pytest.mark.parametrize(("change", "want"), [
     ({}, []),
     ({"sym": ""}, ["not-symmetric"]),
@@ -78,7 +66,7 @@ def codes(source: str, tmp: Path) -> list[str]:
     ({"dst": "fp8e4m3"}, ["dtype-mismatch"]),  # a cast needs its scale (docs/language.md)
 ])
 def test_verifier(change: dict[str, str], want: list[str], tmp_path: Path) -> None:
-    assert codes(text(**change), tmp_path) == want
+    assert codes(text(**change), tmp_path, "rag.yaml", (2, 3, 4)) == want
 
 
 def _inputs(world: int, cap: int, counts: list[list[int]]) -> list[dict[str, torch.Tensor]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from hb_oracle import oracle_keys, oracle_unwritten
+from support.schedules import write
 
 from dcpc import pipeline
 from dcpc.check import hb
@@ -33,12 +34,6 @@ steps:
 """
 
 
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "rd.yaml"
-    path.write_text(text)
-    return path
-
-
 @pytest.mark.parametrize("old,new,code,words", [
     ("root: 1,", "root: 3,", "root-out-of-range", "step 'to_one' has root 3"),
     ("dtype: bf16}", "dtype: i32}", "non-float-output", "src 'x' of reduce 'to_one' is i32"),
@@ -46,7 +41,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 ])
 def test_refusals(tmp_path: Path, old: str, new: str, code: str, words: str) -> None:
     with pytest.raises(DiagnosticError) as err:
-        pipeline.run(_write(tmp_path, SCHEDULE.replace(old, new, 1)),
+        pipeline.run(write(tmp_path, SCHEDULE.replace(old, new, 1), "rd.yaml"),
                      pipeline.Options(worlds=(2, 3)))
     found = [(d.code, d.message) for d in err.value.diagnostics]
     assert any(c == code and words in msg for c, msg in found), found
@@ -100,7 +95,7 @@ def test_two_roots_sharing_a_via_is_a_false_race_in_the_sound_direction() -> Non
 def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str,
                                   reduce: str) -> None:
     text = SCHEDULE.replace("reduce: sum", f"reduce: {reduce}")
-    report = run_schedule(RunConfig(schedule=str(_write(tmp_path, text)), world=world,
+    report = run_schedule(RunConfig(schedule=str(write(tmp_path, text, "rd.yaml")), world=world,
                                     backend=backend, calls=4, seed=41 + world))
     out = format_report(report)
     assert report.launch.ok and report.mismatches == 0, out
@@ -132,7 +127,7 @@ def test_a_read_of_via_off_the_root_is_read_before_write(tmp_path: Path) -> None
     the others it reads memory nothing wrote. Was: ok for W 2..16, and `dcpc run` died
     with KeyError 'v' in the reference."""
     with pytest.raises(DiagnosticError) as err:
-        pipeline.run(_write(tmp_path, VIA), pipeline.Options(worlds=range(2, 17)),
+        pipeline.run(write(tmp_path, VIA, "rd.yaml"), pipeline.Options(worlds=range(2, 17)),
                      until="hb")
     (diag,) = err.value.diagnostics
     assert diag.code == "read-before-write", diag
@@ -149,7 +144,7 @@ def test_a_read_of_via_off_the_root_is_read_before_write(tmp_path: Path) -> None
 
 def test_dcpc_run_refuses_the_read_off_the_root_before_running(tmp_path: Path) -> None:
     with pytest.raises(DiagnosticError) as err:
-        run_schedule(RunConfig(schedule=str(_write(tmp_path, VIA)), world=3, calls=1))
+        run_schedule(RunConfig(schedule=str(write(tmp_path, VIA, "rd.yaml")), world=3, calls=1))
     assert [d.code for d in err.value.diagnostics] == ["read-before-write"]
 
 

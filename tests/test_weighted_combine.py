@@ -14,11 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from support.schedules import codes
 
-from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.simulate import simulate_call
 from dcpc.lang.parse import parse_text
-from dcpc.pipeline import Options, run
 
 BASE = """\
 schedule: wc
@@ -42,16 +41,6 @@ def text(**kw: str) -> str:
     return BASE.format(**spec)
 
 
-def codes(source: str, tmp: Path) -> list[str]:
-    path = tmp / "wc.yaml"
-    path.write_text(source)
-    try:
-        run(path, Options(worlds=(2, 3)), until="hb")
-    except DiagnosticError as err:
-        return sorted({d.code for d in err.diagnostics if d.severity == "error"})
-    return []
-
-
 @pytest.mark.parametrize(("change", "want"), [
     ({}, []),
     ({"index": "", "x_shape": "[T, K, H]"}, []),
@@ -63,7 +52,7 @@ def codes(source: str, tmp: Path) -> list[str]:
     ({"x_shape": "[R]"}, ["shape-mismatch"]),
 ])
 def test_verifier(change: dict[str, str], want: list[str], tmp_path: Path) -> None:
-    assert codes(text(**change), tmp_path) == want
+    assert codes(text(**change), tmp_path, "wc.yaml") == want
 
 
 def _case(seed: int) -> dict[str, torch.Tensor]:
