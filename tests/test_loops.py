@@ -4,6 +4,7 @@ and the execution oracle on random loop schedules at W = 2, 3, 4."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,26 @@ def test_a_range_whose_w_together_pass_the_budget_is_refused_at_once(monkeypatch
     assert seen == []
     pipeline.run(ring, pipeline.Options(worlds=list(range(2, fits + 1))), until="hb")
     assert seen == [[w] for w in range(2, fits + 1)]
+
+
+@pytest.mark.parametrize("asked", ["4,8", "2,4..6,8", "5..7"])
+def test_the_cli_names_exactly_the_worlds_a_per_w_file_was_checked_for(asked: str) -> None:
+    """A file whose trip count names W is unrolled and checked once per W of --world:
+    the report names exactly those W (an old text said 'each W of W 4..8' for 4,8)."""
+    from click.testing import CliRunner
+
+    from dcpc.cli import main
+    from dcpc.worlds import parse_worlds
+
+    ring = str(ROOT / "schedules" / "gallery" / "ring_attention.yaml")
+    got = CliRunner().invoke(main, ["check", ring, "--world", asked], catch_exceptions=False)
+    assert got.exit_code == 0, got.output
+    head, claim = got.output.splitlines()[:2]
+    span = head.split(": ok (W", 1)[1].split(",  ")[0].split(", ")[0].lstrip("= ")
+    assert parse_worlds(span) == parse_worlds(asked), got.output
+    assert claim.strip().startswith("a trip count or an index names W: each of W"), claim
+    said = claim.split("each of W", 1)[1].split(" was unrolled")[0].lstrip("= ")
+    assert parse_worlds(said) == parse_worlds(asked), claim
+    assert "no claim for any other W" in claim
+    js = CliRunner().invoke(main, ["check", ring, "--world", asked, "--format", "json"])
+    assert json.loads(js.output)["results"][0]["worlds"] == parse_worlds(asked)
