@@ -73,7 +73,7 @@ def test_a_constant_trip_count_needs_no_world() -> None:
 
 @pytest.mark.parametrize("swap,code,line,words", [
     ({"h % 2]": "h % W]"}, "bad-index", 13,
-     "'%' takes an integer constant such as 2 on its right, not 'W'"),
+     "must be an integer constant (not W or a size); here it is 'W'"),
     ({"(h + 1) % 2": "h + 2"}, "bad-index", 13, "slice 2 of 'kv'"),
     ({"(h + 1) % 2": "q"}, "bad-index", 13, "names 'q'"),
     ({"writes: [y]}": "writes: [kv]}"}, "mixed-index", 14, "used whole here and by slice"),
@@ -318,3 +318,93 @@ def test_the_cli_names_exactly_the_worlds_a_per_w_file_was_checked_for(asked: st
     assert "no claim for any other W" in claim
     js = CliRunner().invoke(main, ["check", ring, "--world", asked, "--format", "json"])
     assert json.loads(js.output)["results"][0]["worlds"] == parse_worlds(asked)
+
+
+def _one_ring_line(index: str) -> str:
+    return ("schedule: s\nsizes: {N: 4, D: 2}\nbuffers:\n  x: {shape: [N, D], dtype: f32}\n"
+            "  kv: {shape: [2, 2, N, D], dtype: f32}\n"
+            "steps:\n  - ring:\n      repeat: 2\n      as: h\n      steps:\n"
+            f'        - use: {{op: external, reads: ["kv{index}"], writes: [x]}}\n')
+
+
+def test_an_index_with_two_subscripts_is_refused_with_a_hint_that_is_accepted() -> None:
+    """'k_recv[h % 2][0]' (issue 33 item 2): one index per name; the hint says exactly
+    what to declare and write instead, and what it says parses to the same slices."""
+    found = _error(_one_ring_line("[h % 2][1]"))
+    assert [d.code for d in found] == ["bad-index"], found
+    assert (found[0].mark.line, found[0].mark.col) == (11, 38)  # the reads list
+    assert "more than one index" in found[0].message
+    assert found[0].hint == ("declare its two leading axes as one of 2 x 2 = 4 slices "
+                             "('shape: [4, N, D]') and write 'kv[2 * (h % 2) + 1]'")
+    fixed = (_one_ring_line("[2 * (h % 2) + 1]")
+             .replace("[2, 2, N, D]", "[4, N, D]"))
+    reads = [s.op.reads[0] for s in parse_text(fixed, "s.yaml", 2).step_list()]
+    assert reads == ["kv_1", "kv_3"]  # [h % 2][1] at h = 0, 1
+
+
+@pytest.mark.parametrize("index,slices", [
+    ("2 * (h % 2) + 1", [1, 3, 1]),
+    ("(h % 2) + 2", [2, 3, 2]),
+    ("2 * ((h + 1) % 2) + (h % 2)", [2, 1, 2]),
+    ("(2 * h + 3) % 4", [3, 1, 3]),
+    ("h % 2 % 4", [0, 1, 0]),
+    ("((h % 3) + 1) % 4", [1, 2, 3]),
+])
+def test_a_remainder_in_parentheses_is_part_of_a_larger_index(index: str, slices) -> None:
+    text = (_one_ring_line(f"[{index}]").replace("[2, 2, N, D]", "[4, N, D]")
+            .replace("repeat: 2", "repeat: 3"))
+    reads = [s.op.reads[0] for s in parse_text(text, "s.yaml", 2).step_list()]
+    assert reads == [f"kv_{i}" for i in slices]
+
+
+@pytest.mark.parametrize("index,words", [
+    ("h % 2 + 1", "here it is '2 + 1': write '(h % 2) + 1' to take the remainder first"),
+    ("h % W", "must be an integer constant (not W or a size); here it is 'W'"),
+    ("(h % N) + 1", "here it is 'N'"),
+    ("2 * (h % 0)", "'% 0' divides by zero"),
+])
+def test_a_remainder_that_is_not_accepted_says_what_is(index: str, words: str) -> None:
+    text = _one_ring_line(f"[{index}]").replace("[2, 2, N, D]", "[4, N, D]")
+    found = _error(text)
+    assert [d.code for d in found] == ["bad-index"], found
+    assert (found[0].mark.line, found[0].mark.col) == (11, 38)  # the reads list
+    assert words in found[0].message, found[0].message
+    assert "takes an integer constant such as 2" not in found[0].message
+    assert "'2 * (h % 2) + 1'" in found[0].hint
+
+
+def test_an_index_naming_w_inside_parentheses_makes_the_schedule_per_w(tmp_path) -> None:
+    text = (_one_ring_line("[2 * ((W + h) % 2) + 1]").replace("[2, 2, N, D]", "[4, N, D]"))
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    assert pipeline.run(path, pipeline.Options(worlds=[2, 3]), until="check").per_world == [2, 3]
+    two = [s.op.reads[0] for s in parse_text(text, "s.yaml", 2).step_list()]
+    three = [s.op.reads[0] for s in parse_text(text, "s.yaml", 3).step_list()]
+    assert (two, three) == (["kv_1", "kv_3"], ["kv_3", "kv_1"])
+
+
+@pytest.mark.e2e
+def test_a_ring_indexed_through_a_remainder_in_parentheses_checks_and_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """schedules/ops/shift_ring.yaml with its two receive buffers as slices 1 and 3 of
+    four ('recv[2 * (h % 2) + 1]'): checked at W = 2..4 and run on CPU at W = 3."""
+    from dcpc.demo import main as run_main
+
+    text = (ROOT / "schedules" / "ops" / "shift_ring.yaml").read_text()
+    swaps = {"recv: {shape: [2, N, D]": "recv: {shape: [4, N, D]",
+             '"recv[0]"': '"recv[1]"',
+             '"recv[h % 2]"': '"recv[2 * (h % 2) + 1]"',
+             '"recv[(h + 1) % 2]"': '"recv[2 * ((h + 1) % 2) + 1]"',
+             '"recv[(W - 2) % 2]"': '"recv[2 * ((W - 2) % 2) + 1]"'}
+    for old, new in swaps.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "ring4.yaml"
+    path.write_text(text)
+    c = pipeline.run(path, pipeline.Options(worlds=[2, 3, 4]), until="hb")
+    assert c.per_world == [2, 3, 4] and c.warnings == []
+    assert sorted(n for n in c.schedule.buffers if n.startswith("recv")) == [
+        f"recv_{i}" for i in range(4)]
+    code = run_main([str(path), "--world", "3", "--backend", "local", "--calls", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and "OK: every output matches (0 mismatches)" in out, out
