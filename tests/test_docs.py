@@ -132,3 +132,54 @@ def test_every_code_the_checker_can_emit_is_in_the_error_class_table():
     missing = {c: w for c, w in codes.items() if c not in table}
     assert not missing, f"emitted but not in the error-class table: {missing}"
     assert all(len(meaning) > 10 for meaning in table.values()), table
+
+
+def _op_key_tables() -> dict[str, set[str]]:
+    """op -> the keys its rows of the `| op | keys | ... |` tables under "## Ops" name:
+    the backticked names of the keys cell outside parentheses (`to: all \\| next` is
+    key `to`; '(symmetric, `src`'s shape)' says something about a key, and is skipped)."""
+    text = (ROOT / "docs/language.md").read_text()
+    start = text.index("\n## Ops")
+    section = text[start:text.index("\n## ", start + 1)]
+    keys: dict[str, set[str]] = {}
+    in_table = False
+    for line in section.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if not cells:
+            in_table = False
+            continue
+        if cells[:2] == ["op", "keys"]:
+            in_table = True
+            continue
+        if not in_table or set(cells[0]) <= set("- "):
+            continue
+        (op,) = re.fullmatch(r"`([a-z_]+)`", cells[0]).groups()
+        outside, depth = [], 0
+        for char in cells[1]:
+            depth += char == "("
+            if depth == 0:
+                outside.append(char)
+            depth -= char == ")" and depth > 0
+        names = re.findall(r"`([a-z_]+)[^`]*`", "".join(outside))
+        keys.setdefault(op, set()).update(names)
+    return keys
+
+
+def test_the_op_tables_list_exactly_the_keys_of_each_op_s_model():
+    """Issue 33 item 5: the keys an op takes are its pydantic model's fields (by their
+    YAML names: `from`, not `from_`), less the ones every op has (`op`, the
+    discriminator, `doc`, the source marks); `axis` only where the op takes a team."""
+    from dcpc.lang.nodes import OpBase
+    from dcpc.ops.registry import OPS
+
+    common = {f.alias or name for name, f in OpBase.model_fields.items()}
+    documented = _op_key_tables()
+    assert set(documented) == set(OPS), set(documented) ^ set(OPS)
+    for name, op in OPS.items():
+        fields = {f.alias or key for key, f in op.model.model_fields.items()}
+        want = (fields - common - {"op"}) | ({"axis"} if op.teams else set())
+        assert documented[name] == want, (name, sorted(documented[name]), sorted(want))
+    text = (ROOT / "docs/language.md").read_text()
+    every = text[text.index("Every step may also carry"):].split("\n\n", 1)[0]
+    assert set(re.findall(r"`([a-z_]+)`", every)) == common - {"axis"} - {
+        f.alias for f in OpBase.model_fields.values() if f.exclude}
