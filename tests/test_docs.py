@@ -36,6 +36,19 @@ def test_the_ops_that_take_axis_are_the_registry_s_team_ops():
     listed = text[start:text.index("(the ops whose `OpDef.teams` is set", start)]
     names = re.findall(r"`([a-z_]+)`( \(with `dim`\))?", listed.split(":", 1)[1])
     assert [n + (" (dim)" if dim else "") for n, dim in names] == team_ops()
+    # the sentence after it names ops that run over every axis only: none takes a team
+    from dcpc.ops.registry import OPS
+
+    others = text[text.index("The others run over every axis only", start):]
+    others = others[:others.index("is `axis-unsupported`")]
+    named = set(re.findall(r"`([a-z_]+)`", others)) & set(OPS)
+    assert named and all(not OPS[n].teams or OPS[n].team_form for n in named), named
+    # and no other doc says every communication op takes `axis:` without saying which
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for claim in re.finditer(r"[Ee]very communication op takes `axis:`[^.]*",
+                                 path.read_text()):
+            assert "team_ops()" in claim.group(0) or "only" in claim.group(0), (
+                path, claim.group(0))
 
 
 # the packages whose diagnostics `dcpc check` / `dcpc compile` print: the parser, the
