@@ -408,3 +408,44 @@ def test_a_ring_indexed_through_a_remainder_in_parentheses_checks_and_runs(
     code = run_main([str(path), "--world", "3", "--backend", "local", "--calls", "3"])
     out = capsys.readouterr().out
     assert code == 0 and "OK: every output matches (0 mismatches)" in out, out
+
+
+BODY_ONLY = """\
+schedule: s
+sizes: {N: 4}
+buffers:
+  a: {shape: [N], dtype: f32}
+  tmp: {shape: [N], dtype: f32}
+  b: {shape: [N], dtype: f32}
+  z: {shape: [N], dtype: f32}
+steps:
+  - first: {op: external, reads: [a], writes: [b]}
+  - opened: {op: signal, to: next, channel: c}
+  - ring:
+      repeat: W - 2
+      as: h
+      steps:
+        - polled: {op: wait, from: prev, channel: c}
+        - use: {op: external, reads: [a], writes: [tmp]}
+        - used: {op: external, reads: [tmp], writes: [b]}
+"""
+
+
+def test_a_per_w_file_s_warnings_are_judged_over_every_w_checked(tmp_path) -> None:
+    """Issue 33 item 6: a buffer that only a loop's body uses is unused at W=2 (no hop);
+    used at another W checked, that is no warning (--strict passes). A warning of some W
+    only names them (W=2's unmatched signal was dropped: only the last W's warnings were
+    kept). One of every W is reported once, as it is."""
+    path = tmp_path / "s.yaml"
+    path.write_text(BODY_ONLY)
+    c = pipeline.run(path, pipeline.Options(worlds=[2, 3]), until="hb")
+    found = sorted(c.warnings, key=lambda d: d.code)
+    assert [d.code for d in found] == ["unmatched-signal", "unused-buffer"], found
+    assert found[0].message.endswith("(at W 2 of the W checked, 2..3)"), found[0].message
+    assert found[1].message == "buffer 'z' is not used by any step"  # at every W
+    path.write_text("".join(line + "\n" for line in BODY_ONLY.splitlines()
+                            if not line.startswith(("  z:", "  - opened:", "        - polled:"))))
+    strict = pipeline.run(path, pipeline.Options(worlds=[2, 3], strict=True), until="hb")
+    assert strict.warnings == []
+    alone = pipeline.run(path, pipeline.Options(worlds=[2]), until="hb")  # one W: its own
+    assert [d.code for d in alone.warnings] == ["unused-buffer"]
