@@ -283,6 +283,34 @@ def _world_loop(c: Compilation) -> Any:
     return loops.world_dependent(data)
 
 
+def _per_world_warnings(done: list[Compilation], worlds: list[int]) -> list[Diagnostic]:
+    """The warnings of a file checked once per W, over all of them: one that every W
+    gives is reported once; an unused buffer that some W uses is no warning (a ring of
+    W - 2 hops leaves its body's buffers unused at W=2); any other that some W only
+    gives names those W."""
+    from dataclasses import replace
+
+    from dcpc.lang.mesh import worlds_text
+
+    held: dict[tuple[Any, str, str], list[int]] = {}
+    first: dict[tuple[Any, str, str], Diagnostic] = {}
+    for world, one in zip(worlds, done, strict=True):
+        for d in one.warnings:
+            key = (d.mark, d.code, d.message)
+            held.setdefault(key, []).append(world)
+            first.setdefault(key, d)
+    out = []
+    for key, where in held.items():
+        d = first[key]
+        if len(where) < len(worlds):
+            if d.code == "unused-buffer":
+                continue
+            d = replace(d, message=f"{d.message} (at W {worlds_text(where)} of the W "
+                                   f"checked, {worlds_text(worlds)})")
+        out.append(d)
+    return sorted(out, key=lambda d: (d.mark, d.code))
+
+
 def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     """Check a schedule whose loop trip count names W once per W (each W is its own
     unrolled schedule); a module is compiled for one W only."""
@@ -314,8 +342,16 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     # every W is parsed and structurally checked first (cheap); the happens-before work
     # of all of them together is then bounded before any W is analysed
     cheap = min(last, STAGE_NAMES.index("check"))
-    done = [run(c.path, replace(c.options, worlds=[w]), until=STAGE_NAMES[cheap],
+    quiet = replace(c.options, strict=False)  # --strict judges the warnings of every W
+    done = [run(c.path, replace(quiet, worlds=[w]), until=STAGE_NAMES[cheap],
                 source=c.source) for w in worlds]
+    warnings = _per_world_warnings(done, worlds)
+    for one in done:  # a later stage's error lists these, as a single W's lists its own
+        one.warnings = warnings
+    if c.options.strict and warnings and cheap == STAGE_NAMES.index("check"):
+        err = DiagnosticError(warnings)
+        err.compilation = done[-1]  # type: ignore[attr-defined]
+        raise err
     if last > cheap:
         if c.options.hb:
             _per_world_budget(c, mark, done)

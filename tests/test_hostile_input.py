@@ -170,7 +170,7 @@ def test_a_bad_repeat_is_a_located_error(tmp_path: Path, repeat: str, words: str
     ("7" * 40, "more than 30 digits"),
     ("h % ２", "unexpected character '２'"),
     ("h % 2][0", "more than one index"),
-    ("h % W", "'%' takes an integer constant such as 2 on its right, not 'W'"),
+    ("h % W", "must be an integer constant (not W or a size); here it is 'W'"),
 ])
 def test_a_bad_index_is_a_located_error(tmp_path: Path, index: str, words: str) -> None:
     path = _loop(tmp_path, index=index)

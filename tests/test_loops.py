@@ -4,6 +4,7 @@ and the execution oracle on random loop schedules at W = 2, 3, 4."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def test_a_constant_trip_count_needs_no_world() -> None:
 
 @pytest.mark.parametrize("swap,code,line,words", [
     ({"h % 2]": "h % W]"}, "bad-index", 13,
-     "'%' takes an integer constant such as 2 on its right, not 'W'"),
+     "must be an integer constant (not W or a size); here it is 'W'"),
     ({"(h + 1) % 2": "h + 2"}, "bad-index", 13, "slice 2 of 'kv'"),
     ({"(h + 1) % 2": "q"}, "bad-index", 13, "names 'q'"),
     ({"writes: [y]}": "writes: [kv]}"}, "mixed-index", 14, "used whole here and by slice"),
@@ -294,3 +295,157 @@ def test_a_range_whose_w_together_pass_the_budget_is_refused_at_once(monkeypatch
     assert seen == []
     pipeline.run(ring, pipeline.Options(worlds=list(range(2, fits + 1))), until="hb")
     assert seen == [[w] for w in range(2, fits + 1)]
+
+
+@pytest.mark.parametrize("asked", ["4,8", "2,4..6,8", "5..7"])
+def test_the_cli_names_exactly_the_worlds_a_per_w_file_was_checked_for(asked: str) -> None:
+    """A file whose trip count names W is unrolled and checked once per W of --world:
+    the report names exactly those W (an old text said 'each W of W 4..8' for 4,8)."""
+    from click.testing import CliRunner
+
+    from dcpc.cli import main
+    from dcpc.worlds import parse_worlds
+
+    ring = str(ROOT / "schedules" / "gallery" / "ring_attention.yaml")
+    got = CliRunner().invoke(main, ["check", ring, "--world", asked], catch_exceptions=False)
+    assert got.exit_code == 0, got.output
+    head, claim = got.output.splitlines()[:2]
+    span = head.split(": ok (W", 1)[1].split(",  ")[0].split(", ")[0].lstrip("= ")
+    assert parse_worlds(span) == parse_worlds(asked), got.output
+    assert claim.strip().startswith("a trip count or an index names W: each of W"), claim
+    said = claim.split("each of W", 1)[1].split(" was unrolled")[0].lstrip("= ")
+    assert parse_worlds(said) == parse_worlds(asked), claim
+    assert "no claim for any other W" in claim
+    js = CliRunner().invoke(main, ["check", ring, "--world", asked, "--format", "json"])
+    assert json.loads(js.output)["results"][0]["worlds"] == parse_worlds(asked)
+
+
+def _one_ring_line(index: str) -> str:
+    return ("schedule: s\nsizes: {N: 4, D: 2}\nbuffers:\n  x: {shape: [N, D], dtype: f32}\n"
+            "  kv: {shape: [2, 2, N, D], dtype: f32}\n"
+            "steps:\n  - ring:\n      repeat: 2\n      as: h\n      steps:\n"
+            f'        - use: {{op: external, reads: ["kv{index}"], writes: [x]}}\n')
+
+
+def test_an_index_with_two_subscripts_is_refused_with_a_hint_that_is_accepted() -> None:
+    """'k_recv[h % 2][0]' (issue 33 item 2): one index per name; the hint says exactly
+    what to declare and write instead, and what it says parses to the same slices."""
+    found = _error(_one_ring_line("[h % 2][1]"))
+    assert [d.code for d in found] == ["bad-index"], found
+    assert (found[0].mark.line, found[0].mark.col) == (11, 38)  # the reads list
+    assert "more than one index" in found[0].message
+    assert found[0].hint == ("declare its two leading axes as one of 2 x 2 = 4 slices "
+                             "('shape: [4, N, D]') and write 'kv[2 * (h % 2) + 1]'")
+    fixed = (_one_ring_line("[2 * (h % 2) + 1]")
+             .replace("[2, 2, N, D]", "[4, N, D]"))
+    reads = [s.op.reads[0] for s in parse_text(fixed, "s.yaml", 2).step_list()]
+    assert reads == ["kv_1", "kv_3"]  # [h % 2][1] at h = 0, 1
+
+
+@pytest.mark.parametrize("index,slices", [
+    ("2 * (h % 2) + 1", [1, 3, 1]),
+    ("(h % 2) + 2", [2, 3, 2]),
+    ("2 * ((h + 1) % 2) + (h % 2)", [2, 1, 2]),
+    ("(2 * h + 3) % 4", [3, 1, 3]),
+    ("h % 2 % 4", [0, 1, 0]),
+    ("((h % 3) + 1) % 4", [1, 2, 3]),
+])
+def test_a_remainder_in_parentheses_is_part_of_a_larger_index(index: str, slices) -> None:
+    text = (_one_ring_line(f"[{index}]").replace("[2, 2, N, D]", "[4, N, D]")
+            .replace("repeat: 2", "repeat: 3"))
+    reads = [s.op.reads[0] for s in parse_text(text, "s.yaml", 2).step_list()]
+    assert reads == [f"kv_{i}" for i in slices]
+
+
+@pytest.mark.parametrize("index,words", [
+    ("h % 2 + 1", "here it is '2 + 1': write '(h % 2) + 1' to take the remainder first"),
+    ("h % W", "must be an integer constant (not W or a size); here it is 'W'"),
+    ("(h % N) + 1", "here it is 'N'"),
+    ("2 * (h % 0)", "'% 0' divides by zero"),
+])
+def test_a_remainder_that_is_not_accepted_says_what_is(index: str, words: str) -> None:
+    text = _one_ring_line(f"[{index}]").replace("[2, 2, N, D]", "[4, N, D]")
+    found = _error(text)
+    assert [d.code for d in found] == ["bad-index"], found
+    assert (found[0].mark.line, found[0].mark.col) == (11, 38)  # the reads list
+    assert words in found[0].message, found[0].message
+    assert "takes an integer constant such as 2" not in found[0].message
+    assert "'2 * (h % 2) + 1'" in found[0].hint
+
+
+def test_an_index_naming_w_inside_parentheses_makes_the_schedule_per_w(tmp_path) -> None:
+    text = (_one_ring_line("[2 * ((W + h) % 2) + 1]").replace("[2, 2, N, D]", "[4, N, D]"))
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    assert pipeline.run(path, pipeline.Options(worlds=[2, 3]), until="check").per_world == [2, 3]
+    two = [s.op.reads[0] for s in parse_text(text, "s.yaml", 2).step_list()]
+    three = [s.op.reads[0] for s in parse_text(text, "s.yaml", 3).step_list()]
+    assert (two, three) == (["kv_1", "kv_3"], ["kv_3", "kv_1"])
+
+
+@pytest.mark.e2e
+def test_a_ring_indexed_through_a_remainder_in_parentheses_checks_and_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """schedules/ops/shift_ring.yaml with its two receive buffers as slices 1 and 3 of
+    four ('recv[2 * (h % 2) + 1]'): checked at W = 2..4 and run on CPU at W = 3."""
+    from dcpc.demo import main as run_main
+
+    text = (ROOT / "schedules" / "ops" / "shift_ring.yaml").read_text()
+    swaps = {"recv: {shape: [2, N, D]": "recv: {shape: [4, N, D]",
+             '"recv[0]"': '"recv[1]"',
+             '"recv[h % 2]"': '"recv[2 * (h % 2) + 1]"',
+             '"recv[(h + 1) % 2]"': '"recv[2 * ((h + 1) % 2) + 1]"',
+             '"recv[(W - 2) % 2]"': '"recv[2 * ((W - 2) % 2) + 1]"'}
+    for old, new in swaps.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "ring4.yaml"
+    path.write_text(text)
+    c = pipeline.run(path, pipeline.Options(worlds=[2, 3, 4]), until="hb")
+    assert c.per_world == [2, 3, 4] and c.warnings == []
+    assert sorted(n for n in c.schedule.buffers if n.startswith("recv")) == [
+        f"recv_{i}" for i in range(4)]
+    code = run_main([str(path), "--world", "3", "--backend", "local", "--calls", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and "OK: every output matches (0 mismatches)" in out, out
+
+
+BODY_ONLY = """\
+schedule: s
+sizes: {N: 4}
+buffers:
+  a: {shape: [N], dtype: f32}
+  tmp: {shape: [N], dtype: f32}
+  b: {shape: [N], dtype: f32}
+  z: {shape: [N], dtype: f32}
+steps:
+  - first: {op: external, reads: [a], writes: [b]}
+  - opened: {op: signal, to: next, channel: c}
+  - ring:
+      repeat: W - 2
+      as: h
+      steps:
+        - polled: {op: wait, from: prev, channel: c}
+        - use: {op: external, reads: [a], writes: [tmp]}
+        - used: {op: external, reads: [tmp], writes: [b]}
+"""
+
+
+def test_a_per_w_file_s_warnings_are_judged_over_every_w_checked(tmp_path) -> None:
+    """Issue 33 item 6: a buffer that only a loop's body uses is unused at W=2 (no hop);
+    used at another W checked, that is no warning (--strict passes). A warning of some W
+    only names them (W=2's unmatched signal was dropped: only the last W's warnings were
+    kept). One of every W is reported once, as it is."""
+    path = tmp_path / "s.yaml"
+    path.write_text(BODY_ONLY)
+    c = pipeline.run(path, pipeline.Options(worlds=[2, 3]), until="hb")
+    found = sorted(c.warnings, key=lambda d: d.code)
+    assert [d.code for d in found] == ["unmatched-signal", "unused-buffer"], found
+    assert found[0].message.endswith("(at W 2 of the W checked, 2..3)"), found[0].message
+    assert found[1].message == "buffer 'z' is not used by any step"  # at every W
+    path.write_text("".join(line + "\n" for line in BODY_ONLY.splitlines()
+                            if not line.startswith(("  z:", "  - opened:", "        - polled:"))))
+    strict = pipeline.run(path, pipeline.Options(worlds=[2, 3], strict=True), until="hb")
+    assert strict.warnings == []
+    alone = pipeline.run(path, pipeline.Options(worlds=[2]), until="hb")  # one W: its own
+    assert [d.code for d in alone.warnings] == ["unused-buffer"]

@@ -9,10 +9,11 @@
 Hop ``h`` of inner step ``send`` becomes the step ``send_h<h>``; every step of hop h
 comes before every step of hop h + 1. A buffer index ``b[e]`` (in a loop or not) names
 slice ``e`` of ``b``'s leading axis, which must be an integer P; ``e`` is an expression
-of the hop index, W and integer sizes, ``%`` only by an integer constant, and its value
-lies in 0..P-1. A buffer used with an index is split into P buffers ``b_0`` ..
-``b_{P-1}`` of shape ``shape[1:]`` (disjoint slices, so the split is exact); it may not
-also be used whole.
+of the hop index, W and integer sizes, and its value lies in 0..P-1. ``%`` takes an
+integer constant on its right and everything on its left up to the enclosing ``(`` or
+the index's start: ``h % 2``, ``(h + 1) % 2``, ``2 * (h % 2) + 1``, not ``h % 2 + 1``.
+A buffer used with an index is split into P buffers ``b_0`` .. ``b_{P-1}`` of shape
+``shape[1:]`` (disjoint slices, so the split is exact); it may not also be used whole.
 
 Every later stage sees a flat schedule, so each one handles loops without a rule of its
 own: a step of hop h owns its own signal slots, and the k-th wait of a channel polls
@@ -78,7 +79,8 @@ def _names_w(text: Any) -> bool:
     if not isinstance(text, str):
         return False
     try:
-        return "W" in ex.symbols(ex.parse(_split_mod(text)[0]))
+        # '%' and '*' bind the same names; the parser reads '*' only
+        return "W" in ex.symbols(ex.parse(text.replace("%", "*")))
     except ex.ExprSyntaxError:
         return False
 
@@ -190,23 +192,10 @@ class _Unroller:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' has more than one index; an index names a slice of the "
                        "buffer's leading axis, so a name takes one: 'b[e]'",
-                       "split the buffer's leading axis into the slices you need, e.g. "
-                       "'shape: [4, N, D]' indexed 'b[2 * (h % 2) + 1]'")
+                       self._one_index_hint(text))
             return None
-        body, modulus = _split_mod(inner)
         try:
-            m = None
-            if modulus is not None:
-                node = ex.parse(modulus)
-                if node[0] != "num":
-                    raise ValueError(f"'%' takes an integer constant such as 2 on its right, "
-                                     f"not '{modulus.strip()}' (write 'h % 2', or "
-                                     "'(h + 1) % 2')")
-                m = node[1]
-                if m == 0:
-                    raise ValueError("'% 0' divides by zero")
-            value = ex.evaluate(ex.parse(body), env)
-            return value if m is None else value % m
+            return _mod_value(inner, env)
         except ex.UnboundSymbol as err:
             if err.args[0] == "W" and self.world is None:
                 self.error(mark, "loop-world",
@@ -222,8 +211,29 @@ class _Unroller:
         except (ex.ExprSyntaxError, ex.InexactDivision, ValueError) as err:
             self.error(mark, "bad-index", f"index '{clipped(inner)}' of '{clipped(text)}': {err}",
                        "an index is an expression of the hop index, W and integer sizes "
-                       "(+ - * /), with '%' only by an integer constant, e.g. 'h % 2'")
+                       "(+ - * /) and '%' by an integer constant, which takes everything on "
+                       "its left up to the enclosing '(': 'h % 2', '2 * (h % 2) + 1'")
         return None
+
+    def _one_index_hint(self, text: str) -> str:
+        """What to write for ``b[i][j]``: one leading axis of P * Q slices, index
+        ``Q * (i) + j`` (exact when the buffer's second axis is an integer Q)."""
+        found = _INDEXED.match(text.strip())
+        parts = found.group(2).split("][") if found else []
+        buffers = self.data.get("buffers")
+        spec = buffers.get(found.group(1)) if found and isinstance(buffers, dict) else None
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        dims = [d if isinstance(d, int) else self.env.get(d) if isinstance(d, str) else None
+                for d in (shape[:2] if isinstance(shape, list) else [])]
+        if (len(parts) == 2 and len(shape) > 2  # merged, still two axes or more
+                and all(isinstance(d, int) for d in dims)):
+            p, q = dims
+            rest = ", ".join(str(d) for d in shape[2:])
+            return (f"declare its two leading axes as one of {p} x {q} = {p * q} slices "
+                    f"('shape: [{p * q}{', ' + rest if rest else ''}]') and write "
+                    f"'{found.group(1)}[{q} * ({parts[0].strip()}) + {parts[1].strip()}]'")
+        return ("declare the leading axes as one (e.g. 'shape: [4, N, D]' for [2, 2, N, D]) "
+                "and write 'b[2 * (i) + j]' for 'b[i][j]'")
 
     def rewrite(self, value: Any, env: dict[str, int], mark: Mark) -> Any:
         if isinstance(value, str):
@@ -378,6 +388,50 @@ class _Unroller:
                 marks["key:" + part] = marks.get("key:" + name)
                 marks[part] = marks.get(name)
         data["buffers"] = {**out, MARKS: marks, MARK: buffers.get(MARK)}
+
+
+def _mod_value(text: str, env: dict[str, int]) -> int:
+    """The value of an index: an expression (dcpc.lang.expr) in which ``%`` by an
+    integer constant may end the whole text or a parenthesized part; a part ``(e % n)``
+    is replaced by its value first, innermost first, so the shared grammar stays + - * /.
+    ValueError (or the expression's errors) when it is not one."""
+    if len(text) > ex.MAX_TEXT:  # before the scans below, which are quadratic in it
+        raise ValueError(f"the index is longer than {ex.MAX_TEXT} characters")
+    while True:
+        group = _mod_group(text)
+        if group is None:
+            break
+        start, end = group
+        text = f"{text[:start]}{_mod_value(text[start + 1:end], env)}{text[end + 1:]}"
+    body, modulus = _split_mod(text)
+    if modulus is None:
+        return ex.evaluate(ex.parse(body), env)
+    node = ex.parse(modulus)
+    if node[0] != "num":
+        lead = re.match(r"\s*([0-9]+)(.+)", modulus, re.S)  # 'h % 2 + 1': meant (h % 2) + 1
+        raise ValueError(
+            "the right side of '%' is everything after it up to the enclosing ')' or the "
+            f"index's end, and must be an integer constant (not W or a size); here it is "
+            f"'{modulus.strip()}'" + (
+                f": write '({body.strip()} % {lead.group(1)}) {lead.group(2).strip()}' to "
+                "take the remainder first" if lead else ""))
+    if node[1] == 0:
+        raise ValueError("'% 0' divides by zero")
+    return _mod_value(body, env) % node[1]
+
+
+def _mod_group(text: str) -> tuple[int, int] | None:
+    """(start, end) of the innermost parenthesized part of ``text`` with a ``%`` of its
+    own (outside its inner parentheses), or None."""
+    opened: list[int] = []
+    for i, ch in enumerate(text):
+        if ch == "(":
+            opened.append(i)
+        elif ch == ")" and opened:
+            start = opened.pop()
+            if _split_mod(text[start + 1:i])[1] is not None:
+                return start, i
+    return None
 
 
 def _split_mod(text: str) -> tuple[str, str | None]:
