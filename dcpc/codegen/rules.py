@@ -15,18 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from dcpc.codegen.ctx import (
-    ONE,
-    SYNC_TUNING,
-    Ctx,
-    W,
-    div,
-    product,
-    register,
-    team_w,
-)
-from dcpc.codegen.plan import BufferPlan, StepPlan
+from dcpc.codegen.ctx import Ctx, register
+from dcpc.codegen.plan import StepPlan
 from dcpc.lang import model as m
+from dcpc.lang.expr import ONE, W, div, product
 from dcpc.ops import all_reduce as ar
 from dcpc.ops import all_to_all as a2a
 from dcpc.ops import broadcast as bc
@@ -46,54 +38,11 @@ def typed(step: m.Step, cls: type[OpT]) -> OpT:
     return step.op
 
 
-def _step(step: m.Step, **kw: Any) -> StepPlan:
-    return StepPlan(step.name, step.index, step.kind, f"ops/{step.kind}.py.j2", step.op.doc, **kw)
-
-
-def _layout(ctx: Ctx, plan: StepPlan, role: str, a: int, b: int, unit: bool = False) -> None:
-    """The kernel addresses ``role``'s buffer as axes dims[:a], dims[a:b], dims[b:], one
-    stride each. An engine buffer's strides come from the tensor passed in (checked and
-    read once per call by dcpc.runtime.validate); a module-owned one's are packed."""
-    plan.layouts[role] = (a, b, unit)
-    name = plan.roles[role]
-    if ctx.buffers[name].kind != "engine":
-        shape = ctx.shape(name)
-        plan.scalars += [
-            (f"{role}_s0", product(shape[a:])),
-            (f"{role}_s1", product(shape[b:])),
-            (f"{role}_s2", ONE),
-        ]
-
-
-def _mask(ctx: Ctx, op: Any, plan: StepPlan) -> None:
-    """Roles, scalars and statics of ``mask_empty`` (empty shards and padding rows)."""
-    mask = op.mask_empty
-    plan.attrs["mask"] = mask is not None
-    # the kernels' INTERLEAVE: >= 1 for full lengths, 0 for local ones ([B, W])
-    local = mask is not None and mask.local_seq_lens is not None
-    plan.attrs["mask_interleave"] = 0 if local else (mask.interleave if mask else 1)
-    if mask is None:
-        return
-    plan.roles["seq_lens"], plan.roles["query_start_loc"] = mask.lengths, mask.query_start_loc
-    plan.params += [n for n in ctx.engine([mask.lengths, mask.query_start_loc])]
-    plan.scalars.append(("batch", ctx.shape(mask.lengths)[0]))
-    plan.statics["batch"] = ctx.shape(mask.lengths)[0]
-
-
-def _scale(ctx: Ctx, op: Any, plan: StepPlan) -> None:
-    """``output_scale``: dst = clamp(out / scale[0]) (an fp8 output)."""
-    scale = getattr(op, "output_scale", None)
-    plan.attrs["scale"] = scale is not None
-    if scale is not None:
-        plan.roles["out_scale"] = scale
-        plan.params += [n for n in ctx.engine([scale]) if n not in plan.params]
-
-
 @register("all_gather")
 def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.AllGather)
     srcs, dsts = names(op.src), names(op.dst)
-    plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    plan = ctx.plan(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
     stacks = []
     for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
         p = str(k) if k else ""  # payload 0 keeps the unsuffixed names
@@ -116,7 +65,7 @@ def _all_gather(ctx: Ctx, step: m.Step) -> StepPlan:
         ]
         plan.tiles.append(row_len)
         plan.scratch[f"stage{p}"] = (product([W, *src]), ctx.buffers[s].dtype)
-        _layout(ctx, plan, f"src{p}", d, min(d + 1, len(src)))
+        ctx.layout(plan, f"src{p}", d, min(d + 1, len(src)))
         stacks.append(stack)
     plan.attrs["payloads"] = [("" if k == 0 else str(k), stack) for k, stack in enumerate(stacks)]
     return plan
@@ -128,13 +77,13 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
     if op.scale is not None:  # a cast: ragged_all_to_all's kernel at full counts
         return _cast_move(ctx, step)
     srcs, dsts = names(op.src), names(op.dst)
-    plan = _step(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    plan = ctx.plan(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
     concat = a2a.concat(op)
     for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
         shape = ctx.shape(s)
         d, cat = a2a.dims(op, len(shape)) if concat else (op.dim, 0)
         plan.roles[f"src{k}"], plan.roles[f"dst{k}"] = s, t
-        part = div(product(shape[d:]), team_w(ctx, step))
+        part = div(product(shape[d:]), ctx.team_w(step))
         plan.scalars += [
             (f"outer{k}", product(shape[:d])),
             (f"part{k}", part),
@@ -144,7 +93,7 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
             chunk = [div(x, W) if i == d else x for i, x in enumerate(shape)]
             plan.scalars.append((f"block{k}", product(chunk[cat:])))
             plan.scratch[f"recv{k}"] = (product(shape), ctx.buffers[s].dtype)
-        _layout(ctx, plan, f"src{k}", d, d + 1)
+        ctx.layout(plan, f"src{k}", d, d + 1)
         plan.tiles.append(part)
         plan.scratch[f"send{k}"] = (product(shape), ctx.buffers[s].dtype)
     plan.attrs["payloads"] = len(srcs)
@@ -157,13 +106,11 @@ def _all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
 def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.ReduceScatter)
     shape = ctx.shape(op.src)
-    outer, part = product(shape[: op.dim]), div(product(shape[op.dim :]), team_w(ctx, step))
+    outer, part = product(shape[: op.dim]), div(product(shape[op.dim :]), ctx.team_w(step))
     via = via_of(step)[0]  # the implicit <step>_recv when the schedule names none
     if op.via is None:  # implicit receive buffer [W, outer * part]
-        ctx.buffers[via] = BufferPlan(
-            via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric"
-        )
-    plan = _step(
+        ctx.add_buffer(via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric")
+    plan = ctx.plan(
         step,
         params=ctx.engine([op.src]),
         returns=[op.dst],
@@ -176,7 +123,7 @@ def _reduce_scatter(ctx: Ctx, step: m.Step) -> StepPlan:
         },
         signalling=True,
     )
-    _scale(ctx, op, plan)
+    ctx.output_scale(op, plan)
     return plan
 
 
@@ -194,8 +141,8 @@ def _merge_common(ctx: Ctx, step: m.Step, o: str, lse: str, plan: StepPlan) -> S
     if op.return_lse:
         plan.roles["dst_lse"] = op.return_lse
         plan.returns.append(op.return_lse)
-    _mask(ctx, op, plan)
-    _scale(ctx, op, plan)
+    ctx.mask(op, plan)
+    ctx.output_scale(op, plan)
     return plan
 
 
@@ -205,7 +152,7 @@ def _local_merge(cls: type[m.LseCombine] | type[m.LseCorrect]) -> Callable[[Ctx,
     def rule(ctx: Ctx, step: m.Step) -> StepPlan:
         op = typed(step, cls)
         o, lse = op.src
-        plan = _step(
+        plan = ctx.plan(
             step,
             params=ctx.engine([o, lse]),
             returns=[op.dst],
@@ -213,7 +160,7 @@ def _local_merge(cls: type[m.LseCombine] | type[m.LseCorrect]) -> Callable[[Ctx,
         )
         if cls is m.LseCorrect:  # o is this rank's partial [*rows, Dv]: rows = lse's [1:]
             n = len(ctx.shape(o))
-            _layout(ctx, plan, "o", n - len(ctx.shape(lse)) + 1, n - 1, unit=True)
+            ctx.layout(plan, "o", n - len(ctx.shape(lse)) + 1, n - 1, unit=True)
         return _merge_common(ctx, step, o, lse, plan)
 
     return rule
@@ -229,14 +176,14 @@ def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
     o, lse = op.src
     via_o, via_lse = op.via
     shape = ctx.shape(lse)
-    plan = _step(
+    plan = ctx.plan(
         step,
         params=ctx.engine([o, lse]),
         returns=[op.dst],
         roles={"src_o": o, "src_lse": lse, "o": via_o, "lse": via_lse, "dst": op.dst},
         scalars=[
             ("outer", product(shape[: op.dim])),
-            ("part_rows", div(product(shape[op.dim :]), team_w(ctx, step))),
+            ("part_rows", div(product(shape[op.dim :]), ctx.team_w(step))),
         ],
         scratch={
             "send_o": (product(ctx.shape(o)), ctx.buffers[o].dtype),
@@ -244,8 +191,8 @@ def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
         },
         signalling=True,
     )
-    _layout(ctx, plan, "src_o", op.dim, len(ctx.shape(o)) - 1, unit=True)
-    _layout(ctx, plan, "src_lse", op.dim, len(shape))
+    ctx.layout(plan, "src_o", op.dim, len(ctx.shape(o)) - 1, unit=True)
+    ctx.layout(plan, "src_lse", op.dim, len(shape))
     # The own part need not travel through via[RANK] unless another step reads via.
     plan.attrs["self_copy"] = self_copy(Scope(ctx.schedule), step)
     return _merge_common(ctx, step, via_o, via_lse, plan)
@@ -254,7 +201,7 @@ def _all_to_all_combine(ctx: Ctx, step: m.Step) -> StepPlan:
 @register("copy")
 def _copy(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.Copy)
-    return _step(
+    return ctx.plan(
         step,
         params=ctx.engine([op.src]),
         returns=[op.dst],
@@ -265,20 +212,18 @@ def _copy(ctx: Ctx, step: m.Step) -> StepPlan:
 
 @register("barrier")
 def _barrier(ctx: Ctx, step: m.Step) -> StepPlan:
-    return _step(
+    return ctx.plan(
         step,
         attrs={"peers": "all", "wait_index": step.index, "signal": True, "wait": True},
-        tuning=dict(SYNC_TUNING),
         signalling=True,
     )
 
 
 @register("signal")
 def _signal(ctx: Ctx, step: m.Step) -> StepPlan:
-    return _step(
+    return ctx.plan(
         step,
         attrs={"peers": typed(step, m.Signal).to.value, "signal": True, "wait": False},
-        tuning=dict(SYNC_TUNING),
         signalling=True,
     )
 
@@ -286,22 +231,18 @@ def _signal(ctx: Ctx, step: m.Step) -> StepPlan:
 @register("wait")
 def _wait(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, m.Wait)
-    return _step(
+    return ctx.plan(
         step,
         attrs={"peers": op.from_.value, "signal": False, "wait": True},
-        tuning=dict(SYNC_TUNING),
         signalling=True,
     )
 
 
 @register("external")
 def _external(ctx: Ctx, step: m.Step) -> StepPlan:
-    return StepPlan(
-        step.name,
-        step.index,
-        "external",
-        None,
-        step.op.doc,
+    return ctx.plan(
+        step,
+        template=None,
         reads=list(typed(step, m.External).reads),
         writes=list(typed(step, m.External).writes),
     )
@@ -318,7 +259,7 @@ def _shift(ctx: Ctx, step: m.Step) -> StepPlan:
     k = delta(op)
     shape = ctx.shape(op.src)
     put = matched(ctx).polls.get(step.name) if op.phase == "wait" else step
-    plan = _step(
+    plan = ctx.plan(
         step,
         params=[] if op.phase == "wait" else ctx.engine([op.src]),
         returns=[] if op.phase == "put" else [op.dst],
@@ -331,7 +272,7 @@ def _shift(ctx: Ctx, step: m.Step) -> StepPlan:
         signalling=True,
     )
     if op.phase != "wait":
-        _layout(ctx, plan, "src", 0, 1)
+        ctx.layout(plan, "src", 0, 1)
     return plan
 
 
@@ -351,10 +292,8 @@ def _elementwise(ctx: Ctx, step: m.Step, op: Any) -> StepPlan:
     outer, part = product(shape[:-1]), shape[-1]
     via = ar.via_of(step)[0]  # the implicit <step>_recv when the schedule names none
     if op.via is None:  # implicit receive buffer [W, outer * part]
-        ctx.buffers[via] = BufferPlan(
-            via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric"
-        )
-    plan = _step(
+        ctx.add_buffer(via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric")
+    plan = ctx.plan(
         step,
         params=ctx.engine([op.src]),
         returns=[op.dst],
@@ -365,7 +304,7 @@ def _elementwise(ctx: Ctx, step: m.Step, op: Any) -> StepPlan:
         attrs={"reduce": ar.REDUCTIONS.index(op.reduce)},
         signalling=True,
     )
-    _scale(ctx, op, plan)
+    ctx.output_scale(op, plan)
     return plan
 
 
@@ -374,7 +313,7 @@ def _all_reduce_lse(ctx: Ctx, step: m.Step, op: ar.AllReduce) -> StepPlan:
     tiles), signal, wait; then lse_combine's merge of via in a second launch."""
     o, lse = op.src
     via_o, via_lse = op.via  # type: ignore[misc]
-    plan = _step(
+    plan = ctx.plan(
         step,
         params=ctx.engine([o, lse]),
         returns=[op.dst],
@@ -391,7 +330,7 @@ def _all_reduce_lse(ctx: Ctx, step: m.Step, op: ar.AllReduce) -> StepPlan:
 def _broadcast(ctx: Ctx, step: m.Step) -> StepPlan:
     op = typed(step, bc.Broadcast)
     shape = ctx.shape(op.src)
-    return _step(
+    return ctx.plan(
         step,
         params=ctx.engine([op.src]),
         returns=[op.dst],
@@ -432,7 +371,7 @@ def _ragged_all_to_all(ctx: Ctx, step: m.Step) -> StepPlan:
     scale = op.scale.buffer if op.scale is not None else None
     if scale is not None:
         roles["scale"] = scale
-    return _step(
+    return ctx.plan(
         step,
         params=ctx.engine([op.src, op.counts, scale]),
         returns=[op.dst, op.recv_counts],
@@ -451,8 +390,9 @@ def _cast_move(ctx: Ctx, step: m.Step) -> StepPlan:
     assert isinstance(op.src, str) and isinstance(op.dst, str) and op.scale is not None
     shape = ctx.shape(op.src)
     row_len = shape[-1]
-    plan = _step(
+    return ctx.plan(
         step,
+        template="ops/ragged_all_to_all.py.j2",
         params=ctx.engine([op.src, op.scale.buffer]),
         returns=[op.dst],
         roles={"src": op.src, "dst": op.dst, "scale": op.scale.buffer},
@@ -461,8 +401,6 @@ def _cast_move(ctx: Ctx, step: m.Step) -> StepPlan:
         signalling=True,
         attrs={"ragged": False, **_cast_attrs(ctx, op)},
     )
-    plan.template = "ops/ragged_all_to_all.py.j2"
-    return plan
 
 
 @register("weighted_combine")
@@ -473,7 +411,7 @@ def _weighted_combine(ctx: Ctx, step: m.Step) -> StepPlan:
     roles = {"x": x, "weights": weights, "dst": op.dst}
     if op.index is not None:
         roles["index"] = op.index
-    plan = _step(
+    plan = ctx.plan(
         step,
         params=ctx.engine([x, weights, op.index]),
         returns=[op.dst],
@@ -483,5 +421,5 @@ def _weighted_combine(ctx: Ctx, step: m.Step) -> StepPlan:
         tiles=[xs[-1]],
         attrs={"index": op.index is not None},
     )
-    _scale(ctx, op, plan)
+    ctx.output_scale(op, plan)
     return plan
