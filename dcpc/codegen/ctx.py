@@ -10,7 +10,7 @@ builders the rules use (``W``, ``ONE``, ``product``, ``div``) are dcpc.lang.expr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from dcpc.codegen.plan import BufferPlan, Expr, StepPlan
@@ -108,14 +108,3 @@ class Ctx:
             plan.roles["out_scale"] = scale
             plan.params += [n for n in self.engine([scale]) if n not in plan.params]
 
-
-Rule = Callable[[Ctx, m.Step], StepPlan]
-LOWERINGS: dict[str, Rule] = {}
-
-
-def register(op: str) -> Callable[[Rule], Rule]:
-    def deco(rule: Rule) -> Rule:
-        LOWERINGS[op] = rule
-        return rule
-
-    return deco
