@@ -18,10 +18,9 @@ import import_graph as G
 
 import dcpc.ops
 
-# What an op module may import of dcpc: the facts and the op API below the ops.
-# (dcpc.codegen.ctx, the lowering context, is not one yet: it reads lang.model's
-# Schedule, which sits above the ops; an op's lowering moving into its module needs
-# ctx typed on lang.nodes' ScheduleView first.)
+# What an op module may import of dcpc: the facts and the op API below the ops. (Its
+# lowering rule sees dcpc.codegen.ctx.Ctx, which reads lang.model, only through
+# dcpc.ops.iface.LowerRules, typed on lang.nodes' ScheduleView.)
 LEAVES = frozenset({
     "dcpc.diagnostics", "dcpc.numerics", "dcpc.topology",
     "dcpc.lang.expr", "dcpc.lang.nodes", "dcpc.lang.mesh",

@@ -1,20 +1,22 @@
-"""What a lowering rule may use: ``Ctx``, the rule table ``LOWERINGS`` and ``register``,
-the shape-AST helpers (``W``, ``ONE``, ``product``, ``div``, ``team_w``) and the launch
-defaults.
+"""The lowering context ``Ctx``, which every op's Triton rule (``OpDef.lower`` in
+dcpc/ops/<op>.py) is handed, and the launch defaults the driver dcpc/codegen/lower.py
+applies.
 
-Below both dcpc/codegen/rules.py (the rules, which import this) and
-dcpc/codegen/lower.py (the driver, which imports the rules), so neither imports the
-other back.
+The ops see ``Ctx`` only through the ``LowerRules`` protocol of dcpc.ops.iface (they
+sit below this stage and never import it); it makes their ``StepPlan``s for them and
+holds what several rules do (``layout``, ``mask``, ``output_scale``). The shape-AST
+builders the rules use (``W``, ``ONE``, ``product``, ``div``) are dcpc.lang.expr's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from dcpc.codegen.plan import BufferPlan, Expr, StepPlan
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import model as m
+from dcpc.lang.expr import ONE, product
 from dcpc.lang.mesh import mesh_of
 
 # Launch defaults, from benchmarks/tune_gpu.py on 2xH200 (benchmarks/results/tuning.md):
@@ -24,38 +26,14 @@ from dcpc.lang.mesh import mesh_of
 # (a program spins on its peer's twin): 2 x 128 programs of 4 warps fit an H200 (132
 # SMs) several times over, and two slots on two streams at 128 ran clean on 2xH200.
 DEFAULT_TUNING = {"programs": 128, "num_warps": 4, "block": 4096}
-OP_TUNING = {"all_to_all_combine": {"block": 2048}}
-SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}
-W: Expr = ("sym", "W")
-ONE: Expr = ("num", 1)
-
-
-def team_w(ctx: Ctx, step: m.Step) -> Expr:
-    """The size of a step's team (dcpc.lang.mesh): what a team op splits its parts by."""
-    return mesh_of(ctx.schedule).team_size(step.op)
-
-
-def product(exprs: Iterable[Expr]) -> Expr:
-    """The product of shape ASTs (constants folded, 1 when empty)."""
-    const, syms = 1, []
-    for e in exprs:
-        if e[0] == "num":
-            const *= e[1]
-        else:
-            syms.append(e)
-    out: Expr | None = ("num", const) if const != 1 or not syms else None
-    for e in syms:
-        out = e if out is None else ("*", out, e)
-    assert out is not None
-    return out
-
-
-def div(a: Expr, b: Expr) -> Expr:
-    return ("/", a, b)
+SYNC_TUNING = {"programs": 1, "num_warps": 1, "block": 1}  # one signal/poll, one program
+OP_TUNING = {"all_to_all_combine": {"block": 2048},
+             "barrier": SYNC_TUNING, "signal": SYNC_TUNING, "wait": SYNC_TUNING}
 
 
 class Ctx:
-    """What a rule may look at: the schedule, its buffers (as plans) and its steps."""
+    """What a rule may look at and use: the schedule, its buffers (as plans) and its
+    steps; dcpc.ops.iface.LowerRules is the part the ops' rules see."""
 
     def __init__(self, schedule: m.Schedule, buffers: dict[str, BufferPlan]):
         self.schedule = schedule
@@ -77,17 +55,56 @@ class Ctx:
     def base(self, op: Any, lse: str) -> str:
         return getattr(op, "lse_base", None) or self.buffers[lse].lse_base or "e"
 
+    def team_w(self, step: m.Step) -> Expr:
+        """The size of a step's team (dcpc.lang.mesh): what a team op splits its parts by."""
+        return mesh_of(self.schedule).team_size(step.op)
+
     def fail(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
         self.errors.append(Diagnostic(mark, code, message, hint))
 
+    def plan(self, step: m.Step, **fields: Any) -> StepPlan:
+        """A new plan of ``step`` with ``fields`` set; its template is the op's
+        (templates/ops/<op>.py.j2) unless ``template`` says another (None: external)."""
+        template = fields.pop("template", f"ops/{step.kind}.py.j2")
+        return StepPlan(step.name, step.index, step.kind, template, step.op.doc, **fields)
 
-Rule = Callable[[Ctx, m.Step], StepPlan]
-LOWERINGS: dict[str, Rule] = {}
+    def add_buffer(self, name: str, shape: list[Expr], dtype: str, kind: str) -> None:
+        """A buffer the module owns that the schedule does not name (an implicit ``via``)."""
+        self.buffers[name] = BufferPlan(name, shape, dtype, kind)
 
+    def layout(self, plan: StepPlan, role: str, a: int, b: int, unit: bool = False) -> None:
+        """The kernel addresses ``role``'s buffer as axes dims[:a], dims[a:b], dims[b:], one
+        stride each. An engine buffer's strides come from the tensor passed in (checked and
+        read once per call by dcpc.runtime.validate); a module-owned one's are packed."""
+        plan.layouts[role] = (a, b, unit)
+        name = plan.roles[role]
+        if self.buffers[name].kind != "engine":
+            shape = self.shape(name)
+            plan.scalars += [
+                (f"{role}_s0", product(shape[a:])),
+                (f"{role}_s1", product(shape[b:])),
+                (f"{role}_s2", ONE),
+            ]
 
-def register(op: str) -> Callable[[Rule], Rule]:
-    def deco(rule: Rule) -> Rule:
-        LOWERINGS[op] = rule
-        return rule
+    def mask(self, op: Any, plan: StepPlan) -> None:
+        """Roles, scalars and statics of ``mask_empty`` (empty shards and padding rows)."""
+        mask = op.mask_empty
+        plan.attrs["mask"] = mask is not None
+        # the kernels' INTERLEAVE: >= 1 for full lengths, 0 for local ones ([B, W])
+        local = mask is not None and mask.local_seq_lens is not None
+        plan.attrs["mask_interleave"] = 0 if local else (mask.interleave if mask else 1)
+        if mask is None:
+            return
+        plan.roles["seq_lens"], plan.roles["query_start_loc"] = mask.lengths, mask.query_start_loc
+        plan.params += [n for n in self.engine([mask.lengths, mask.query_start_loc])]
+        plan.scalars.append(("batch", self.shape(mask.lengths)[0]))
+        plan.statics["batch"] = self.shape(mask.lengths)[0]
 
-    return deco
+    def output_scale(self, op: Any, plan: StepPlan) -> None:
+        """``output_scale``: dst = clamp(out / scale[0]) (an fp8 output)."""
+        scale = getattr(op, "output_scale", None)
+        plan.attrs["scale"] = scale is not None
+        if scale is not None:
+            plan.roles["out_scale"] = scale
+            plan.params += [n for n in self.engine([scale]) if n not in plan.params]
+

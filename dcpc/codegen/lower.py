@@ -1,8 +1,11 @@
 """Stage 4, lower: ``Schedule`` -> ``Plan``, one lowering rule per op.
 
-Rules live in ``LOWERINGS`` keyed by op name (JAX's register_lowering style): a rule
-gets a ``Ctx`` and the step and returns its ``StepPlan`` (dcpc/codegen/ctx.py holds
-what rules may use; rules.py the rules). How to add an op: docs/internals.md.
+An op's rule is its ``OpDef.lower``, in its module dcpc/ops/<op>.py (JAX's
+register_lowering style, with the registry below the ops): it gets a ``Ctx``
+(dcpc/codegen/ctx.py; the ops see it as dcpc.ops.iface.LowerRules) and the step and
+returns its ``StepPlan``, whose template is templates/ops/<op>.py.j2. This driver
+runs them and adds what every step's plan gets: launch defaults, effects and sync.
+How to add an op: docs/internals.md.
 
 Every rule views its buffers through canonical factors (products of shape ASTs), so
 that one kernel template serves every layout: e.g. an all_gather along ``dim`` sees
@@ -19,8 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import dcpc
-from dcpc.codegen import rules as _rules  # noqa: F401  (the rules register in LOWERINGS on import)
-from dcpc.codegen.ctx import DEFAULT_TUNING, LOWERINGS, OP_TUNING, Ctx
+from dcpc.codegen.ctx import DEFAULT_TUNING, OP_TUNING, Ctx
 from dcpc.codegen.plan import BufferPlan, Plan, SizePlan, StepPlan
 from dcpc.codegen.templates import template_dir
 from dcpc.diagnostics import DiagnosticError
@@ -28,6 +30,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.lang.mesh import mesh_of
 from dcpc.lang.semantics import table
+from dcpc.ops import OPS
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 RUNTIME_MODULE = Path(dcpc.__file__).resolve().parent / "runtime" / "module.py"
@@ -196,7 +199,7 @@ def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
     semantics = table(schedule)
     steps = []
     for step in ctx.steps:
-        plan = LOWERINGS[step.kind](ctx, step)
+        plan = OPS[step.kind].lower(ctx, step)
         if plan.template is not None and not plan.tuning:
             plan.tuning = {**DEFAULT_TUNING, **OP_TUNING.get(step.kind, {})}
         plan.effects = list(semantics[step.index].effects)

@@ -13,6 +13,7 @@ evaluation and printing are defined once, in ``dcpc.exprs``.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from dcpc.exprs import (  # noqa: F401  (the language's names for them)
     Expr,
@@ -29,6 +30,10 @@ from dcpc.exprs import (  # noqa: F401  (the language's names for them)
 MAX_TEXT = 512  # characters
 MAX_DEPTH = 64  # nesting of parentheses, and of operators in the parsed tree
 MAX_INT_DIGITS = 30  # digits of one integer: the YAML's own integers have the same bound
+
+# The builders the lowering rules view shapes with (dcpc/ops/<op>.py ``lower``)
+W: Expr = ("sym", "W")
+ONE: Expr = ("num", 1)
 
 # ASCII digits and names only: str.isdigit and \d accept fullwidth and other Unicode
 # digits, which int() would read as ASCII ones
@@ -162,3 +167,23 @@ def _depth(node: Expr) -> int:
         if item[0] not in ("num", "sym"):
             stack += [(item[1], level + 1), (item[2], level + 1)]
     return deepest
+
+
+def product(exprs: Iterable[Expr]) -> Expr:
+    """The product of shape ASTs (constants folded, 1 when empty)."""
+    const, syms = 1, []
+    for e in exprs:
+        if e[0] == "num":
+            const *= e[1]
+        else:
+            syms.append(e)
+    out: Expr | None = ("num", const) if const != 1 or not syms else None
+    for e in syms:
+        out = e if out is None else ("*", out, e)
+    assert out is not None
+    return out
+
+
+def div(a: Expr, b: Expr) -> Expr:
+    """``a / b``, exact (unevaluated)."""
+    return ("/", a, b)

@@ -1,7 +1,8 @@
 """The ops of the schedule language, one module each, registered in ``OPS``.
 
 A module holds everything an op means: its pydantic model, its semantics (effects
-and sync), its shape and dtype verifier, its float64 reference and its io. Importing
+and sync), its shape and dtype verifier, its float64 reference, its io and its Triton
+lowering rule (the torch backend alone is elsewhere: dcpc/runtime/collectives.py). Importing
 this package registers them all; the order of ``MODULES`` is the language's op order
 (``OP_NAMES``: error hints and the JSON Schema list the ops in it). See
 dcpc/ops/registry.py for the record, docs/internals.md for the recipe.

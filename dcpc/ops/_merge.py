@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dcpc.lang.expr import product
 from dcpc.ops.common import Scope, Semantics, buffers_of, keyed, local, merge_inputs
 from dcpc.ops.registry import IO
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import Step
-    from dcpc.ops.iface import SimView
+    from dcpc.ops.iface import LowerRules, SimView
 
 
 def merge_semantics(c: Scope, step: Step) -> Semantics:
@@ -38,3 +39,37 @@ def merge_io(op: Any) -> IO:
     """A local merge's io: partials and masks in, dst and return_lse out."""
     lse = [op.return_lse] if op.return_lse else []
     return list(op.src) + buffers_of(merge_inputs(op)), [op.dst] + lse
+
+
+def local_plan(ctx: LowerRules, step: Step) -> Any:
+    """The plan of a merge on this rank only, ``src: [o, lse]`` into ``dst`` (lse_combine,
+    lse_correct), before ``lower_merge``."""
+    op: Any = step.op
+    o, lse = op.src
+    return ctx.plan(
+        step,
+        params=ctx.engine([o, lse]),
+        returns=[op.dst],
+        roles={"o": o, "lse": lse, "dst": op.dst},
+    )
+
+
+def lower_merge(ctx: LowerRules, step: Step, o: str, lse: str, plan: Any) -> Any:
+    """What every merge's plan adds for its partials ``o`` and ``lse`` (as it reads them):
+    rows, the base, return_lse, mask_empty and output_scale."""
+    op: Any = step.op
+    lse_shape = ctx.shape(lse)
+    plan.scalars += [
+        ("rows", product(lse_shape[1:])),
+        ("group_rows", product(lse_shape[2:])),
+        ("row_len", ctx.shape(o)[-1]),
+    ]
+    plan.tiles.append(ctx.shape(o)[-1])
+    plan.attrs["base"] = ctx.base(op, lse)
+    plan.attrs["return_lse"] = op.return_lse is not None
+    if op.return_lse:
+        plan.roles["dst_lse"] = op.return_lse
+        plan.returns.append(op.return_lse)
+    ctx.mask(op, plan)
+    ctx.output_scale(op, plan)
+    return plan

@@ -7,13 +7,18 @@ A helper of the op modules, not an op: it imports only what an op may import
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from dcpc.lang import expr as ex
+from dcpc.lang.expr import W, product
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import Step
-    from dcpc.ops.iface import ShapeRules
+    from dcpc.ops.iface import LowerRules, ShapeRules
 
 MERGE_KEYS = ("mask_empty", "return_lse", "lse_base")  # all_reduce's reduce: lse only
+# the kernels' REDUCE: an index into this
+REDUCTIONS = ("sum", "max", "lse")
 
 
 def via_of(step: Step) -> tuple[str, str]:
@@ -63,3 +68,36 @@ def verify_root(v: ShapeRules, step: Step) -> None:
                 f"step '{step.name}' has root {root}, but the group has only {min(worlds)} "
                 f"ranks at W={min(worlds)} (checked: W {min(worlds)}..{max(worlds)})",
                 hint=f"use a root below {min(worlds)}, or check larger groups only")
+
+
+def receive_buffer(ctx: LowerRules, step: Step, outer: ex.Expr, part: ex.Expr) -> str:
+    """A sum/max reduction's ``via``: the schedule's, or the implicit ``<step>_recv``
+    [W, outer * part] (symmetric, src's dtype), which the module then owns."""
+    op: Any = step.op
+    via = via_of(step)[0]
+    if op.via is None:
+        ctx.add_buffer(via, [W, product([outer, part])], ctx.buffers[op.src].dtype, "symmetric")
+    return via
+
+
+def lower_elementwise(ctx: LowerRules, step: Step) -> Any:
+    """all_reduce (sum, max) and reduce: src pushed whole into via, reduced into dst."""
+    op: Any = step.op
+    assert isinstance(op.src, str)
+    shape = ctx.shape(op.src)
+    # src seen as [outer, part]: part its last dim (one tile row), outer the rest
+    outer, part = product(shape[:-1]), shape[-1]
+    via = receive_buffer(ctx, step, outer, part)
+    plan = ctx.plan(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "via": via, "dst": op.dst},
+        scalars=[("outer", outer), ("part", part)],
+        tiles=[part],
+        scratch={"acc": (product(shape), "f32")},
+        attrs={"reduce": REDUCTIONS.index(op.reduce)},
+        signalling=True,
+    )
+    ctx.output_scale(op, plan)
+    return plan

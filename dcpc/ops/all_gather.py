@@ -5,17 +5,18 @@
 rank: block ``rank`` along ``dim``, or with ``interleave`` I the rows
 ``(j // I) * W * I + rank * I + j % I``) or stacking (dst has one more dim: index
 ``rank`` of ``dim``, whose size is W).
-Lowerings: dcpc/codegen/rules.py ``all_gather`` + templates/ops/all_gather.py.j2;
+Lowerings: ``lower`` below + templates/ops/all_gather.py.j2;
 dcpc/runtime/collectives.py ``all_gather``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
 from dcpc.lang import expr as ex
+from dcpc.lang.expr import ONE, W, product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
     BEFORE,
@@ -28,11 +29,12 @@ from dcpc.ops.common import (
     effects,
     exchange,
     keyed,
+    typed,
 )
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import Ref, ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, Ref, ShapeRules, SimView
 
 
 class AllGather(OpBase):
@@ -136,5 +138,37 @@ def io(op: AllGather) -> IO:
     return names(op.src), names(op.dst)
 
 
-DEF = define(OpDef("all_gather", AllGather, semantics, verify, reference, io,
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, AllGather)
+    srcs, dsts = names(op.src), names(op.dst)
+    plan = ctx.plan(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    stacks = []
+    for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
+        p = str(k) if k else ""  # payload 0 keeps the unsuffixed names
+        src, dst = ctx.shape(s), ctx.shape(t)
+        d = op.dim
+        stack = len(dst) == len(src) + 1
+        outer = product(src[:d])
+        if stack:  # a concat of W blocks of src[d] rows each (interleave = rows): one layout
+            rows = src[d] if d < len(src) else ONE
+            row_len, interleave = product(src[d + 1 :]), rows
+        else:
+            rows, row_len = src[d], product(src[d + 1 :])
+            interleave = ("num", op.interleave) if op.interleave else rows
+        plan.roles[f"src{p}"], plan.roles[f"dst{p}"] = s, t
+        plan.scalars += [
+            (f"outer{p}", outer),
+            (f"rows{p}", rows),
+            (f"row_len{p}", row_len),
+            (f"interleave{p}", interleave),
+        ]
+        plan.tiles.append(row_len)
+        plan.scratch[f"stage{p}"] = (product([W, *src]), ctx.buffers[s].dtype)
+        ctx.layout(plan, f"src{p}", d, min(d + 1, len(src)))
+        stacks.append(stack)
+    plan.attrs["payloads"] = [("" if k == 0 else str(k), stack) for k, stack in enumerate(stacks)]
+    return plan
+
+
+DEF = define(OpDef("all_gather", AllGather, semantics, verify, reference, io, lower,
                          teams=True))

@@ -12,19 +12,20 @@ THAT ORDER in fp32 into ``dst`` (src's shape; an fp8 ``dst`` divided by
 rank gets the LSE-weighted merge of the W partials in ``dst`` (and the merged LSE in
 ``return_lse``), with ``mask_empty``/``lse_base``/``output_scale`` as ``lse_combine``:
 the push of every whole partial, then lse_combine's merge (the same math) of ``via``.
-Lowerings: dcpc/codegen/rules.py ``all_reduce`` + templates/ops/all_reduce.py.j2;
+Lowerings: ``lower`` below + templates/ops/all_reduce.py.j2;
 dcpc/runtime/collectives.py ``all_reduce``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
 
+from dcpc.lang.expr import product
 from dcpc.lang.nodes import LseBase, MaskEmpty, Name, OpBase, Step, _lse_base
-from dcpc.ops._merge import combine
-from dcpc.ops._reduce import verify_elementwise, via_of
+from dcpc.ops._merge import combine, lower_merge
+from dcpc.ops._reduce import REDUCTIONS, lower_elementwise, verify_elementwise, via_of
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -38,13 +39,12 @@ from dcpc.ops.common import (
     exchange,
     keyed,
     merge_inputs,
+    typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
-
-REDUCTIONS = ("sum", "max", "lse")
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class AllReduce(OpBase):
@@ -141,4 +141,25 @@ def io(op: AllReduce) -> IO:
     return srcs + buffers_of(merge_inputs(op)), [op.dst] + lse + via
 
 
-DEF = define(OpDef("all_reduce", AllReduce, semantics, verify, reference, io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, AllReduce)
+    if op.reduce != "lse":
+        return lower_elementwise(ctx, step)
+    # Push every whole partial [o, lse] into via[rank] of every rank (rows x row_len
+    # tiles), signal, wait; then lse_combine's merge of via in a second launch.
+    o, lse = op.src
+    via_o, via_lse = op.via  # type: ignore[misc]
+    plan = ctx.plan(
+        step,
+        params=ctx.engine([o, lse]),
+        returns=[op.dst],
+        roles={"src_o": o, "src_lse": lse, "o": via_o, "lse": via_lse, "dst": op.dst},
+        scalars=[("push_rows", product(ctx.shape(lse)))],
+        attrs={"reduce": REDUCTIONS.index(op.reduce)},
+        signalling=True,
+    )
+    plan.tiles.append(ctx.shape(o)[-1])  # the push's tiles; the merge's are tiles[1]
+    return lower_merge(ctx, step, via_o, via_lse, plan)
+
+
+DEF = define(OpDef("all_reduce", AllReduce, semantics, verify, reference, io, lower))

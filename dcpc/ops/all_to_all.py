@@ -8,7 +8,7 @@ With ``split_dim`` and ``concat_dim`` (both, and no ``dim``; JAX's
 ``all_to_all(x, split_axis, concat_axis)``): ``dst`` has src's rank; ``src`` split in W
 parts along ``split_dim``, part j of rank p lands on rank j as block p along
 ``concat_dim`` (DeepSpeed-Ulysses' sequence <-> head exchange lands in token order).
-Lowerings: dcpc/codegen/rules.py ``all_to_all`` + templates/ops/all_to_all.py.j2;
+Lowerings: ``lower`` below + templates/ops/all_to_all.py.j2;
 dcpc/runtime/collectives.py ``all_to_all``.
 """
 
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from dcpc.lang.expr import W, div, product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops import cast
 from dcpc.ops.cast import Scale
@@ -32,11 +33,12 @@ from dcpc.ops.common import (
     effects,
     exchange,
     keyed,
+    typed,
 )
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class AllToAll(OpBase):
@@ -159,5 +161,35 @@ def whole_mesh_form(op: AllToAll) -> str | None:
     return None
 
 
-DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io,
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, AllToAll)
+    if op.scale is not None:  # a cast: ragged_all_to_all's kernel at full counts
+        return cast.lower_move(ctx, step)
+    srcs, dsts = names(op.src), names(op.dst)
+    plan = ctx.plan(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    concatenating = concat(op)
+    for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
+        shape = ctx.shape(s)
+        d, cat = dims(op, len(shape)) if concatenating else (op.dim, 0)
+        plan.roles[f"src{k}"], plan.roles[f"dst{k}"] = s, t
+        part = div(product(shape[d:]), ctx.team_w(step))
+        plan.scalars += [
+            (f"outer{k}", product(shape[:d])),
+            (f"part{k}", part),
+            (f"inner{k}", product(shape[d + 1 :])),
+        ]
+        if concatenating:  # a part's dims [cat:] make one block of dst, rank p's at block p
+            chunk = [div(x, W) if i == d else x for i, x in enumerate(shape)]
+            plan.scalars.append((f"block{k}", product(chunk[cat:])))
+            plan.scratch[f"recv{k}"] = (product(shape), ctx.buffers[s].dtype)
+        ctx.layout(plan, f"src{k}", d, d + 1)
+        plan.tiles.append(part)
+        plan.scratch[f"send{k}"] = (product(shape), ctx.buffers[s].dtype)
+    plan.attrs["payloads"] = len(srcs)
+    if concatenating:  # absent otherwise: a stacking exchange's plan and module stay as they were
+        plan.attrs["concat"] = True
+    return plan
+
+
+DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io, lower,
                    teams=True, whole_mesh_form=whole_mesh_form, team_form="dim"))

@@ -3,18 +3,19 @@
 signal, wait and merge in one kernel). Its own part travels through ``via[rank]``
 only when another step reads ``via`` (``self_copy``); otherwise the merge reads it
 from ``src``.
-Lowerings: dcpc/codegen/rules.py ``all_to_all_combine`` +
-templates/ops/all_to_all_combine.py.j2; the torch backend runs all_to_all + lse_combine.
+Lowerings: ``lower`` below + templates/ops/all_to_all_combine.py.j2; the torch backend
+runs all_to_all + lse_combine.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
 
+from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, LseBase, MaskEmpty, Name, OpBase, Step, _lse_base
-from dcpc.ops._merge import combine
+from dcpc.ops._merge import combine, lower_merge
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -29,11 +30,12 @@ from dcpc.ops.common import (
     keyed,
     mask_inputs,
     merge_inputs,
+    typed,
 )
 from dcpc.ops.registry import IO, OPS, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class AllToAllCombine(OpBase):
@@ -114,5 +116,32 @@ def io(op: AllToAllCombine) -> IO:
     return list(op.src) + buffers_of(merge_inputs(op)), [op.dst] + lse + list(op.via)
 
 
-DEF = define(OpDef("all_to_all_combine", AllToAllCombine, semantics, verify, reference, io,
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, AllToAllCombine)
+    o, lse = op.src
+    via_o, via_lse = op.via
+    shape = ctx.shape(lse)
+    plan = ctx.plan(
+        step,
+        params=ctx.engine([o, lse]),
+        returns=[op.dst],
+        roles={"src_o": o, "src_lse": lse, "o": via_o, "lse": via_lse, "dst": op.dst},
+        scalars=[
+            ("outer", product(shape[: op.dim])),
+            ("part_rows", div(product(shape[op.dim :]), ctx.team_w(step))),
+        ],
+        scratch={
+            "send_o": (product(ctx.shape(o)), ctx.buffers[o].dtype),
+            "send_lse": (product(shape), ctx.buffers[lse].dtype),
+        },
+        signalling=True,
+    )
+    ctx.layout(plan, "src_o", op.dim, len(ctx.shape(o)) - 1, unit=True)
+    ctx.layout(plan, "src_lse", op.dim, len(shape))
+    # The own part need not travel through via[RANK] unless another step reads via.
+    plan.attrs["self_copy"] = self_copy(Scope(ctx.schedule), step)
+    return lower_merge(ctx, step, via_o, via_lse, plan)
+
+
+DEF = define(OpDef("all_to_all_combine", AllToAllCombine, semantics, verify, reference, io, lower,
                          teams=True))

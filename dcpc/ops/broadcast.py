@@ -11,16 +11,17 @@ different ranks are disjoint, from the same rank overlap, and overlap every othe
 partition and every local access). The root's real store is among them, so every race
 of the real store is found; the other ranks' stores exist only in the model (an
 over-approximation: it may refuse, never prove, more).
-Lowerings: dcpc/codegen/rules.py ``broadcast`` + templates/ops/broadcast.py.j2;
+Lowerings: ``lower`` below + templates/ops/broadcast.py.j2;
 dcpc/runtime/collectives.py ``broadcast``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from dcpc.lang.expr import product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops._reduce import verify_root
 from dcpc.ops.common import (
@@ -33,11 +34,12 @@ from dcpc.ops.common import (
     effects,
     exchange,
     keyed,
+    typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class Broadcast(OpBase):
@@ -74,4 +76,19 @@ def io(op: Broadcast) -> IO:
     return [op.src], [op.dst]
 
 
-DEF = define(OpDef("broadcast", Broadcast, semantics, verify, reference, io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, Broadcast)
+    shape = ctx.shape(op.src)
+    return ctx.plan(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "dst": op.dst},
+        scalars=[("outer", product(shape[:-1])), ("part", shape[-1])],
+        tiles=[shape[-1]],
+        attrs={"root": op.root},
+        signalling=True,
+    )
+
+
+DEF = define(OpDef("broadcast", Broadcast, semantics, verify, reference, io, lower))

@@ -23,10 +23,11 @@ applies bit for bit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from dcpc.lang.expr import W, div, product
 from dcpc.lang.nodes import Name, Node, OpBase
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref
@@ -34,8 +35,8 @@ from dcpc.ops.iface import Ref
 if TYPE_CHECKING:
     import torch
 
-    from dcpc.lang.nodes import ScheduleView
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.lang.nodes import ScheduleView, Step
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 WIDE = ("bf16", "f16", "f32")
 
@@ -198,3 +199,37 @@ def all_to_all_reference(sim: SimView, op: OpBase) -> None:
     sim.all_to_all(sent, dst, 0)
     if scales in sim.bufs[0]:
         sim.all_to_all(scales, scale.buffer, 0)
+
+
+# CAST of ragged_all_to_all's kernel: 0 none, 1 quantise per token (the scales travel),
+# 2 quantise per tensor, 3 dequantise per token, 4 dequantise per tensor
+CAST_MODES = {("quantise", "token"): 1, ("quantise", "tensor"): 2,
+              ("dequantise", "token"): 3, ("dequantise", "tensor"): 4}
+
+
+def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
+    """The attrs of a move's cast in ragged_all_to_all's kernel (none: ``cast`` 0)."""
+    way = direction(ctx.schedule, op)
+    mode = CAST_MODES[(way, op.scale.per)] if way is not None and op.scale is not None else 0
+    return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
+            "bf16_out": ctx.buffers[op.dst].dtype == "bf16"}
+
+
+def lower_move(ctx: LowerRules, step: Step) -> Any:
+    """An all_to_all with a cast (one payload along dim 0): src seen as [W, cap, row_len],
+    every row live: ragged_all_to_all's kernel without counts."""
+    op: Any = step.op
+    assert isinstance(op.src, str) and isinstance(op.dst, str) and op.scale is not None
+    shape = ctx.shape(op.src)
+    row_len = shape[-1]
+    return ctx.plan(
+        step,
+        template="ops/ragged_all_to_all.py.j2",
+        params=ctx.engine([op.src, op.scale.buffer]),
+        returns=[op.dst],
+        roles={"src": op.src, "dst": op.dst, "scale": op.scale.buffer},
+        scalars=[("cap", div(product(shape[:-1]), W)), ("row_len", row_len)],
+        tiles=[row_len],
+        signalling=True,
+        attrs={"ragged": False, **cast_attrs(ctx, op)},
+    )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
@@ -328,6 +328,13 @@ class Scope:
 
 
 Rule = Callable[[Scope, m.Step], Semantics]
+OpT = TypeVar("OpT", bound=m.OpBase)
+
+
+def typed(step: m.Step, cls: type[OpT]) -> OpT:
+    """The step's op as the model class of the op whose rule was handed the step."""
+    assert isinstance(step.op, cls), (step.name, type(step.op).__name__)
+    return step.op
 
 
 def keyed(op: m.OpBase, key: str) -> list[tuple[str, str]]:

@@ -1,19 +1,20 @@
 """copy: a local copy of ``src`` into ``dst`` of the same shape and dtype (the staging
 path's materialization).
-Lowerings: dcpc/codegen/rules.py ``copy`` + templates/ops/copy.py.j2; the torch
+Lowerings: ``lower`` below + templates/ops/copy.py.j2; the torch
 backend copies.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, Step
-from dcpc.ops.common import Scope, Semantics, keyed, local
+from dcpc.ops.common import Scope, Semantics, keyed, local, typed
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class Copy(OpBase):
@@ -47,4 +48,15 @@ def io(op: Copy) -> IO:
     return [op.src], [op.dst]
 
 
-DEF = define(OpDef("copy", Copy, semantics, verify, reference, io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, Copy)
+    return ctx.plan(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "dst": op.dst},
+        scalars=[("numel", product(ctx.shape(op.src)))],
+    )
+
+
+DEF = define(OpDef("copy", Copy, semantics, verify, reference, io, lower))

@@ -5,16 +5,16 @@ the module's method calls. The simulator asks a callback for its writes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from dcpc.lang.nodes import Name, OpBase, Step
-from dcpc.ops.common import Scope, Semantics, keyed, local
+from dcpc.ops.common import Scope, Semantics, keyed, local, typed
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import SimView
+    from dcpc.ops.iface import LowerRules, SimView
 
 
 class External(OpBase):
@@ -37,4 +37,10 @@ def io(op: External) -> IO:
     return list(op.reads), list(op.writes)
 
 
-DEF = define(OpDef("external", External, semantics, None, reference, io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    """No kernel: the engine's own, between calls (the contract names what it touches)."""
+    op = typed(step, External)
+    return ctx.plan(step, template=None, reads=list(op.reads), writes=list(op.writes))
+
+
+DEF = define(OpDef("external", External, semantics, None, reference, io, lower))

@@ -2,14 +2,15 @@
 
 An op's verifier (``OpDef.verify``) gets the check stage's ``Verify`` (dcpc.check.ops),
 its float64 reference (``OpDef.reference``) the simulator's ``Sim``
-(dcpc.harness.simulate). Those stages sit above the ops and import them; the ops see
+(dcpc.harness.simulate), its Triton lowering (``OpDef.lower``) the lowering's ``Ctx``
+(dcpc.codegen.ctx). Those stages sit above the ops and import them; the ops see
 them only through the protocols here (what they actually use of each), so that no op
 imports a stage, not even for a type. ``Ref`` lives here because ops build them too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -122,3 +123,38 @@ class SimView(Protocol):
     def weighted_sum(self, weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor: ...
 
     def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor: ...
+
+
+class LowerRules(Protocol):
+    """The lowering context, as an op's Triton rule uses it: what ``OpDef.lower`` is
+    handed (dcpc.codegen.ctx.Ctx implements it). A rule returns its step's plan, a
+    ``dcpc.codegen.plan.StepPlan`` made by ``plan`` (``Any`` here: the plan sits above
+    the ops); its template is templates/ops/<op>.py.j2. Buffers are
+    ``dcpc.codegen.plan.BufferPlan``s: ``.shape``, ``.dtype``, ``.kind`` (engine,
+    symmetric, shared, output), ``.lse_base``."""
+
+    @property
+    def schedule(self) -> ScheduleView: ...
+
+    @property
+    def buffers(self) -> Mapping[str, Any]: ...
+
+    def shape(self, name: str) -> list[ex.Expr]: ...
+
+    def engine(self, names: Iterable[str | None]) -> list[str]: ...
+
+    def base(self, op: Any, lse: str) -> str: ...
+
+    def team_w(self, step: Step) -> ex.Expr: ...
+
+    def fail(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None: ...
+
+    def plan(self, step: Step, **fields: Any) -> Any: ...
+
+    def add_buffer(self, name: str, shape: list[ex.Expr], dtype: str, kind: str) -> None: ...
+
+    def layout(self, plan: Any, role: str, a: int, b: int, unit: bool = False) -> None: ...
+
+    def mask(self, op: Any, plan: Any) -> None: ...
+
+    def output_scale(self, op: Any, plan: Any) -> None: ...

@@ -2,22 +2,23 @@
 lse [W, *rows]) into ``dst`` by their LSE weights; empty shards and padding rows
 (``mask_empty``) weigh 0; optionally the merged LSE (``return_lse``) and an fp8
 ``dst`` divided by ``output_scale``. Local: no peer is written.
-Lowerings: dcpc/codegen/rules.py ``lse_combine`` + templates/ops/lse_combine.py.j2;
+Lowerings: ``lower`` below + templates/ops/lse_combine.py.j2;
 dcpc/runtime/collectives.py ``lse_combine``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
 
 from dcpc.lang.nodes import LseBase, MaskEmpty, Name, OpBase, Step, _lse_base
-from dcpc.ops._merge import combine, merge_io, merge_semantics
+from dcpc.ops._merge import combine, local_plan, lower_merge, merge_io, merge_semantics
+from dcpc.ops.common import typed
 from dcpc.ops.registry import OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class LseCombine(OpBase):
@@ -45,4 +46,9 @@ def reference(sim: SimView, step: Step) -> None:
     combine(sim, step.op, o_name, lse_name)
 
 
-DEF = define(OpDef("lse_combine", LseCombine, merge_semantics, verify, reference, merge_io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    o, lse = typed(step, LseCombine).src
+    return lower_merge(ctx, step, o, lse, local_plan(ctx, step))
+
+
+DEF = define(OpDef("lse_combine", LseCombine, merge_semantics, verify, reference, merge_io, lower))

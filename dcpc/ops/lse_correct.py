@@ -3,22 +3,23 @@ among the W stacked LSEs ``lse_all`` ([W, *rows]): ``dst = w_rank * o`` (masked 
 weigh 0; an fp8 ``dst`` divided by ``output_scale``); optionally the merged LSE
 (``return_lse``). Local: no peer is written. It
 shares lse_combine's merge (semantics, verifier, weights).
-Lowerings: dcpc/codegen/rules.py ``lse_correct`` + templates/ops/lse_correct.py.j2;
+Lowerings: ``lower`` below + templates/ops/lse_correct.py.j2;
 dcpc/runtime/collectives.py ``lse_correct``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from dcpc.lang.nodes import MaskEmpty, Name, OpBase, Step
-from dcpc.ops._merge import merge_io, merge_semantics
+from dcpc.ops._merge import local_plan, lower_merge, merge_io, merge_semantics
+from dcpc.ops.common import typed
 from dcpc.ops.registry import OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class LseCorrect(OpBase):
@@ -52,4 +53,12 @@ def reference(sim: SimView, step: Step) -> None:
             sim.store(r, op.return_lse, merged)
 
 
-DEF = define(OpDef("lse_correct", LseCorrect, merge_semantics, verify, reference, merge_io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    o, lse = typed(step, LseCorrect).src
+    plan = local_plan(ctx, step)
+    n = len(ctx.shape(o))  # o is this rank's partial [*rows, Dv]: rows = lse's [1:]
+    ctx.layout(plan, "o", n - len(ctx.shape(lse)) + 1, n - 1, unit=True)
+    return lower_merge(ctx, step, o, lse, plan)
+
+
+DEF = define(OpDef("lse_correct", LseCorrect, merge_semantics, verify, reference, merge_io, lower))

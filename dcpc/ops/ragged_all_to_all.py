@@ -14,18 +14,19 @@ its receiver gets the count as sent (the flag) and the sender records a kernel e
 that its call raises (``DcpcArgumentError``, code ``OVER_CAPACITY``); the torch backend
 raises before it sends. ``scale``: a cast inside the move (dcpc/ops/cast.py: bf16 ->
 fp8 e4m3 with per-token or per-tensor scales, and back).
-Lowerings: dcpc/codegen/rules.py ``ragged_all_to_all`` + templates/ops/ragged_all_to_all.py.j2;
+Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from dcpc.lang import expr as ex
+from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
 from dcpc.ops import cast
 from dcpc.ops.cast import Scale
@@ -40,11 +41,12 @@ from dcpc.ops.common import (
     effects,
     exchange,
     keyed,
+    typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class RaggedAllToAll(OpBase):
@@ -154,4 +156,23 @@ def io(op: RaggedAllToAll) -> IO:
     return [op.src, op.counts, *scale], [op.dst, op.recv_counts]
 
 
-DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, RaggedAllToAll)
+    shape = ctx.shape(op.src)
+    roles = {"src": op.src, "dst": op.dst, "counts": op.counts, "recv_counts": op.recv_counts}
+    scale = op.scale.buffer if op.scale is not None else None
+    if scale is not None:
+        roles["scale"] = scale
+    return ctx.plan(
+        step,
+        params=ctx.engine([op.src, op.counts, scale]),
+        returns=[op.dst, op.recv_counts],
+        roles=roles,
+        scalars=[("cap", shape[1]), ("row_len", product(shape[2:]))],
+        tiles=[product(shape[2:])],
+        signalling=True,
+        attrs={"ragged": True, **cast.cast_attrs(ctx, op)},
+    )
+
+
+DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io, lower))

@@ -14,18 +14,18 @@ nothing wrote (read-before-write, dcpc.check.flow); ``dst`` is written on every 
 other ranks write their zeros). The happens-before checkers take root-only accesses on
 every rank (their symmetry needs the same accesses on every rank): an over-approximation,
 sound for races. The tests compare both with an exact brute force.
-Lowerings: dcpc/codegen/rules.py ``reduce`` + templates/ops/reduce.py.j2;
+Lowerings: ``lower`` below + templates/ops/reduce.py.j2;
 dcpc/runtime/collectives.py ``reduce``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step
-from dcpc.ops._reduce import verify_elementwise, verify_root, via_of
+from dcpc.ops._reduce import lower_elementwise, verify_elementwise, verify_root, via_of
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -39,11 +39,12 @@ from dcpc.ops.common import (
     exchange,
     keyed,
     merge_inputs,
+    typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class Reduce(OpBase):
@@ -96,5 +97,11 @@ def io(op: Reduce) -> IO:
     return [op.src] + buffers_of(merge_inputs(op)), [op.dst] + ([op.via] if op.via else [])
 
 
+def lower(ctx: LowerRules, step: Step) -> Any:
+    plan = lower_elementwise(ctx, step)
+    plan.attrs["root"] = typed(step, Reduce).root
+    return plan
+
+
 __all__ = ["Reduce", "via_of"]
-DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io))
+DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io, lower))

@@ -2,18 +2,19 @@
 in the symmetric receive buffer ``via`` ([W, part]; implicit ``<step>_recv`` when
 omitted) on rank j, which sums them in fp32 into ``dst`` (an fp8 ``dst`` divided by
 ``output_scale``).
-Lowerings: dcpc/codegen/rules.py ``reduce_scatter`` + templates/ops/reduce_scatter.py.j2;
+Lowerings: ``lower`` below + templates/ops/reduce_scatter.py.j2;
 dcpc/runtime/collectives.py ``reduce_scatter``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
-from dcpc.ops._reduce import via_of
+from dcpc.ops._reduce import receive_buffer, via_of
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -27,13 +28,14 @@ from dcpc.ops.common import (
     exchange,
     keyed,
     merge_inputs,
+    typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
     import torch
 
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 
@@ -91,5 +93,27 @@ def io(op: ReduceScatter) -> IO:
     return [op.src] + buffers_of(merge_inputs(op)), [op.dst] + ([op.via] if op.via else [])
 
 
-DEF = define(OpDef("reduce_scatter", ReduceScatter, semantics, verify, reference, io,
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, ReduceScatter)
+    shape = ctx.shape(op.src)
+    outer, part = product(shape[: op.dim]), div(product(shape[op.dim :]), ctx.team_w(step))
+    via = receive_buffer(ctx, step, outer, part)
+    plan = ctx.plan(
+        step,
+        params=ctx.engine([op.src]),
+        returns=[op.dst],
+        roles={"src": op.src, "via": via, "dst": op.dst},
+        scalars=[("outer", outer), ("part", part)],
+        tiles=[part],
+        scratch={
+            "send": (product(shape), ctx.buffers[op.src].dtype),
+            "acc": (product(ctx.shape(op.dst)), "f32"),
+        },
+        signalling=True,
+    )
+    ctx.output_scale(op, plan)
+    return plan
+
+
+DEF = define(OpDef("reduce_scatter", ReduceScatter, semantics, verify, reference, io, lower,
                          teams=True))

@@ -3,9 +3,10 @@
 Every stage reads an op through its entry: the model's discriminated union
 (dcpc.lang.model), the effects and sync (dcpc.lang.semantics), the shape and dtype
 verifier (dcpc.check.ops), the float64 reference (dcpc.harness.simulate) and what a
-step reads and writes for synthetic inputs (dcpc.harness.synth). The lowerings are
-registered against the same name: the Triton rule in dcpc/codegen/rules.py with its
-template templates/ops/<name>.py.j2, the torch backend in dcpc/runtime/collectives.py.
+step reads and writes for synthetic inputs (dcpc.harness.synth) and the Triton
+lowering rule (dcpc.codegen.lower), whose template is templates/ops/<name>.py.j2. The
+torch backend is the one part of an op outside its module: a function of the op's name
+in dcpc/runtime/collectives.py, because the runtime imports no compiler code.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dcpc.lang.nodes import BUFFER_KEYS, Name
 if TYPE_CHECKING:
     from dcpc.lang.nodes import OpBase, Step
     from dcpc.ops.common import Scope, Semantics
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 IO = tuple[list[str], list[str]]
 
@@ -36,6 +37,9 @@ class OpDef:
     ``reference(sim, step)``: what it does to every rank's buffers in float64 (``sim``:
     the ``SimView`` of dcpc.ops.iface, which ``dcpc.harness.simulate.Sim`` implements).
     ``io(op)``: (buffers it reads, buffers it writes), in the order the step names them.
+    ``lower(ctx, step)``: its Triton lowering, the step's ``dcpc.codegen.plan.StepPlan``
+    for templates/ops/<name>.py.j2 (``ctx``: the ``LowerRules`` of dcpc.ops.iface, which
+    the lowering's ``dcpc.codegen.ctx.Ctx`` implements; it makes the plan).
     ``teams``: whether the op may run over a subset of a mesh's axes (``axis:``, its
     team: dcpc.lang.mesh); an op without it runs over every axis only.
     ``whole_mesh_form(op)``: for an op with teams, the forms of it that still run over
@@ -50,6 +54,7 @@ class OpDef:
     verify: Callable[[ShapeRules, Step], None] | None
     reference: Callable[[SimView, Step], None]
     io: Callable[[Any], IO]
+    lower: Callable[[LowerRules, Step], Any]
     teams: bool = False
     whole_mesh_form: Callable[[Any], str | None] | None = None
     team_form: str = ""

@@ -14,7 +14,7 @@ any rank, is a race, even one a barrier orders after the store.
 Offsets: ``next`` (= 1), ``prev`` (= -1) or any other nonzero integer k; rank r + k is
 taken mod W, so at a W that divides k the shift is a local copy (no signal, no wait).
 The checker's world bound counts |k| ranks per wait of a shift.
-Lowerings: dcpc/codegen/rules.py ``shift`` + templates/ops/shift.py.j2 (a direct push
+Lowerings: ``lower`` below + templates/ops/shift.py.j2 (a direct push
 into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
 ``shift``.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from dcpc.lang.expr import product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
     BEFORE,
@@ -36,12 +37,13 @@ from dcpc.ops.common import (
     effects,
     keyed,
     offset_peers,
+    typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import ScheduleView
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 NAMED = {"next": 1, "prev": -1}
 MAX_OFFSET = 2**31 - 1
@@ -180,4 +182,29 @@ def io(op: Shift) -> IO:
     return [op.src], [op.dst]
 
 
-DEF = define(OpDef("shift", Shift, semantics, verify, reference, io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    """A direct push of src into the peer's whole dst, one signal (no staging copy). A
+    ``phase: wait`` step launches the grid its put launched (same scalars, the put's
+    tuning: program i polls the put's program i) and returns dst."""
+    op = typed(step, Shift)
+    k = delta(op)
+    shape = ctx.shape(op.src)
+    put = matched(ctx).polls.get(step.name) if op.phase == "wait" else step
+    plan = ctx.plan(
+        step,
+        params=[] if op.phase == "wait" else ctx.engine([op.src]),
+        returns=[] if op.phase == "put" else [op.dst],
+        roles={"dst": op.dst} if op.phase == "wait" else {"src": op.src, "dst": op.dst},
+        scalars=[("rows", shape[0]), ("row_len", product(shape[1:]))],
+        tiles=[product(shape[1:])],
+        attrs={"offset": k,
+               "signal": op.phase != "wait", "wait": op.phase != "put",
+               "tune_of": put.name if put is not None else step.name},
+        signalling=True,
+    )
+    if op.phase != "wait":
+        ctx.layout(plan, "src", 0, 1)
+    return plan
+
+
+DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower))

@@ -2,7 +2,8 @@
 split-phase ``signal`` (publish this step's epoch, no wait) and ``wait`` (poll the
 slots of ONE signal step, matched by ``dcpc.ops.common.channels``). They move no data:
 their float64 reference does nothing.
-Lowerings: dcpc/codegen/rules.py ``barrier``/``signal``/``wait`` + templates/ops/;
+Lowerings: ``lower_barrier``/``lower_signal``/``lower_wait`` below + templates/ops/ (one
+program of one warp: dcpc.codegen.ctx.OP_TUNING);
 dcpc/runtime/collectives.py ``barrier`` (the torch backend's signal/wait: its handshake).
 """
 
@@ -13,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from dcpc.lang.nodes import ChannelName, OpBase, Peers, Step
-from dcpc.ops.common import Scope, Semantics, Sync, exchange
+from dcpc.ops.common import Scope, Semantics, Sync, exchange, typed
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import SimView
+    from dcpc.ops.iface import LowerRules, SimView
 
 
 class Barrier(OpBase):
@@ -62,9 +63,34 @@ def no_io(op: Any) -> IO:
     return [], []
 
 
-BARRIER = define(OpDef("barrier", Barrier, barrier_semantics, None, no_data, no_io,
+def lower_barrier(ctx: LowerRules, step: Step) -> Any:
+    return ctx.plan(
+        step,
+        attrs={"peers": "all", "wait_index": step.index, "signal": True, "wait": True},
+        signalling=True,
+    )
+
+
+def lower_signal(ctx: LowerRules, step: Step) -> Any:
+    return ctx.plan(
+        step,
+        attrs={"peers": typed(step, Signal).to.value, "signal": True, "wait": False},
+        signalling=True,
+    )
+
+
+def lower_wait(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, Wait)
+    return ctx.plan(
+        step,
+        attrs={"peers": op.from_.value, "signal": False, "wait": True},
+        signalling=True,
+    )
+
+
+BARRIER = define(OpDef("barrier", Barrier, barrier_semantics, None, no_data, no_io, lower_barrier,
                            teams=True))
-SIGNAL = define(OpDef("signal", Signal, signal_semantics, None, no_data, no_io,
+SIGNAL = define(OpDef("signal", Signal, signal_semantics, None, no_data, no_io, lower_signal,
                           teams=True))
-WAIT = define(OpDef("wait", Wait, wait_semantics, None, no_data, no_io,
+WAIT = define(OpDef("wait", Wait, wait_semantics, None, no_data, no_io, lower_wait,
                         teams=True))

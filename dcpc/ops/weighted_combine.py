@@ -9,22 +9,23 @@ receive buffer, DeepEP's combine layout); a negative
 index is an empty slot that contributes exactly 0 (never read), an index >= rows is an
 error (``DcpcArgumentError``). Without ``index`` ``x`` is [T, K, H] and ``row(t, k) =
 x[t, k]``. Local: no peer is read or written.
-Lowerings: dcpc/codegen/rules.py ``weighted_combine`` + templates/ops/weighted_combine.py.j2;
+Lowerings: ``lower`` below + templates/ops/weighted_combine.py.j2;
 dcpc/runtime/collectives.py ``weighted_combine``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, Step
-from dcpc.ops.common import OUTPUT_SCALE, Scope, Semantics, keyed, local
+from dcpc.ops.common import OUTPUT_SCALE, Scope, Semantics, keyed, local, typed
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
 class WeightedCombine(OpBase):
@@ -118,4 +119,25 @@ def io(op: WeightedCombine) -> IO:
     return reads, [op.dst]
 
 
-DEF = define(OpDef("weighted_combine", WeightedCombine, semantics, verify, reference, io))
+def lower(ctx: LowerRules, step: Step) -> Any:
+    op = typed(step, WeightedCombine)
+    x, weights = op.src
+    xs, ws = ctx.shape(x), ctx.shape(weights)
+    roles = {"x": x, "weights": weights, "dst": op.dst}
+    if op.index is not None:
+        roles["index"] = op.index
+    plan = ctx.plan(
+        step,
+        params=ctx.engine([x, weights, op.index]),
+        returns=[op.dst],
+        roles=roles,
+        scalars=[("tokens", ws[0]), ("topk", ws[1]), ("row_len", xs[-1]),
+                 ("rows", product(xs[:-1]))],
+        tiles=[xs[-1]],
+        attrs={"index": op.index is not None},
+    )
+    ctx.output_scale(op, plan)
+    return plan
+
+
+DEF = define(OpDef("weighted_combine", WeightedCombine, semantics, verify, reference, io, lower))
