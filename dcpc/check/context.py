@@ -14,7 +14,7 @@ from dcpc.lang.questions import Samples
 from dcpc.lang.sizes import SizeTable
 from dcpc.ops.iface import Ref  # defined below the ops, which build them too
 
-W: ex.Expr = ("sym", "W")
+W = ex.W  # the group size symbol (dcpc.lang.expr)
 
 
 def team_expr(ctx: Context, step: Step) -> ex.Expr:
