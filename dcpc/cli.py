@@ -141,8 +141,9 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
                     f"{steps}{c.schedule.slots} slot(s); {sum(c.seconds.values()):.2f}s)"
                 )
                 if c.per_world:  # a loop's trip count names W (docs/hb-checker.md, loops)
-                    click.echo(f"  a trip count or an index names W: each of {_span(done)} was "
-                               "unrolled and checked on its own; no claim for any other W")
+                    click.echo(f"  a trip count, an index or an offset names W: each of "
+                               f"{_span(done)} was unrolled and checked on its own; no claim "
+                               "for any other W")
         if fmt == "json":
             click.echo(json.dumps({"results": results}, indent=2))
         return 2 if io_failed else 1 if failed else 0

@@ -260,8 +260,8 @@ def _per_world_budget(c: Compilation, mark: Any, done: list[Compilation]) -> Non
                 else "check fewer W at a time")
     raise DiagnosticError([Diagnostic(
         Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
-        f"the unrolled steps depend on W (a trip count or an index names W), so each W "
-        f"is analysed on its own: W {worlds_text(asked)} make {work} units of "
+        f"the unrolled steps depend on W (a trip count, an index or an offset names W), "
+        f"so each W is analysed on its own: W {worlds_text(asked)} make {work} units of "
         f"happens-before work in all, above the limit of {MAX_HB_WORK}; {narrower}")])
 
 
@@ -335,8 +335,8 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
                     "W at a time)" if widest else "check fewer W at a time")
         raise DiagnosticError([Diagnostic(
             Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
-            f"the unrolled steps depend on W (a trip count or an index names W), so each W "
-            f"is unrolled and analysed on its own: "
+            f"the unrolled steps depend on W (a trip count, an index or an offset names W), "
+            f"so each W is unrolled and analysed on its own: "
             f"W {worlds_text(worlds)} make {total} unrolled steps in all, past the "
             f"{MAX_TOTAL_STEPS} one check analyses; {narrower}")])
     # every W is parsed and structurally checked first (cheap); the happens-before work
@@ -368,7 +368,8 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     if until == "emit":
         err = DiagnosticError([Diagnostic(
             Mark(str(c.path), mark.line, mark.col), "loop-world",
-            f"a loop's trip count names W, so its module is unrolled for one W; "
+            f"the unrolled steps name W (a trip count, an index or an offset), so its "
+            f"module is unrolled for one W; "
             f"checked W={', '.join(map(str, worlds))}, but a module needs one --world N")])
         err.compilation = one  # type: ignore[attr-defined]
         raise err

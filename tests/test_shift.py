@@ -414,3 +414,128 @@ def test_two_whole_shifts_into_one_dst_are_refused_unless_the_first_has_landed()
         assert keys == oracle_keys(parse_text(text), world)
         assert _keys(fixed, world) == set() == oracle_keys(parse_text(fixed), world)
     assert disagreements(parse_text(text), [2, 3]) == []
+
+
+# --- offset expressions: W and the hop index, evaluated when the file is unrolled ------
+# (dcpc/lang/loops.py): `offset: W / 2` is the double ring's half-ring hop, one file for
+# every even W; every later stage sees the integer.
+
+HALF = HERE / "half_ring.yaml"
+
+
+def test_a_half_ring_offset_checks_clean_at_every_even_w() -> None:
+    from dcpc import pipeline
+
+    c = pipeline.run(HALF, pipeline.Options(worlds=[2, 4, 6, 8]), until="hb")
+    assert c.per_world == [2, 4, 6, 8]  # one unrolled schedule per W
+    for world in (2, 4, 6, 8):
+        steps = parse_file(HALF, world=world).step_list()
+        assert [s.op.offset for s in steps if s.op.op == "shift"] == [world // 2] * 2
+
+
+def test_a_half_ring_offset_at_an_odd_w_is_a_located_inexact_division() -> None:
+    from dcpc import pipeline
+    from dcpc.diagnostics import DiagnosticError
+
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(HALF, pipeline.Options(worlds=range(2, 9)), until="hb")
+    text = HALF.read_text()
+    lines = text.splitlines()
+    found = err.value.diagnostics
+    assert [(d.code, d.mark.line) for d in found] == [("bad-offset", 12), ("bad-offset", 13)]
+    for d in found:
+        assert d.mark.file == str(HALF)
+        assert d.mark.col == lines[d.mark.line - 1].index("W / 2") + 1
+        assert "(at W=3)" in d.message and "not a whole number" in d.message, d.message
+
+
+def test_a_half_ring_module_is_compiled_for_one_w() -> None:
+    from dcpc import pipeline
+    from dcpc.diagnostics import DiagnosticError
+
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(HALF, pipeline.Options(worlds=[2, 4]))
+    assert [d.code for d in err.value.diagnostics] == ["loop-world"]
+    text = pipeline.run(HALF, pipeline.Options(worlds=[4])).module_text
+    assert "LOOP_WORLD = 4" in text
+
+
+@pytest.mark.e2e
+def test_dcpc_run_of_a_half_ring_offset_matches_float64() -> None:
+    report = run_schedule(RunConfig(schedule=str(HALF), world=4, backend="host",
+                                    calls=4, seed=3))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert report.outputs["y"].compared == 4 * 4, text
+
+
+LOOPED = HEAD.replace("steps:\n", """\
+  r: {shape: [3, N, D], dtype: f32, symmetric: true}
+steps:
+""")
+
+
+def test_a_hop_index_offset_unrolls_to_the_integers_written_out() -> None:
+    looped = LOOPED + """\
+  - ring:
+      repeat: 3
+      as: h
+      steps:
+        - put: {op: shift, src: x, dst: "r[h]", offset: h + 1, phase: put}
+        - get: {op: shift, src: x, dst: "r[h]", offset: 2 * h - 5, phase: wait}
+"""
+    written = LOOPED + "".join(
+        f"  - put_h{h}: {{op: shift, src: x, dst: \"r[{h}]\", offset: {h + 1}, phase: put}}\n"
+        f"  - get_h{h}: {{op: shift, src: x, dst: \"r[{h}]\", offset: {2 * h - 5}, "
+        "phase: wait}\n" for h in range(3))
+
+    def offsets(text: str) -> list:
+        return [(s.name, s.op.offset) for s in parse_text(text, "s.yaml").step_list()]
+
+    assert offsets(looped) == offsets(written) == [
+        ("put_h0", 1), ("get_h0", -5), ("put_h1", 2), ("get_h1", -3), ("put_h2", 3),
+        ("get_h2", -1)]
+
+
+@pytest.mark.parametrize("offset,world,code,words", [
+    ("W / 2", 3, "bad-offset", "'W / 2' (at W=3): W/2 is 3/2, which is not a whole number"),
+    ("W", 4, "bad-offset", "'W' = 4 (at W=4), which sends every rank's data to itself "
+                           "(a multiple of W=4)"),
+    ("3 * W / 2 + W / 2", 2, "bad-offset", "= 4 (at W=2), which sends every rank's data"),
+    ("2 - 2", None, "bad-offset", "'2 - 2' = 0, which sends every rank's data to itself"),
+    ("h + 1", 4, "bad-offset", "names 'h': not the hop index of an enclosing loop"),
+    ("nxt", 4, "bad-offset", "names 'nxt'"),
+    ("W +", 4, "bad-offset", "'W +' (at W=4): expected a number"),
+    ("W / 2", None, "loop-world", "names W; a schedule that depends on W is unrolled"),
+])
+def test_bad_offset_expressions_are_located_errors(offset: str, world: int | None, code: str,
+                                                   words: str) -> None:
+    from dcpc.diagnostics import DiagnosticError
+
+    step = f"  - hop: {{op: shift, src: x, dst: y, offset: {offset}}}\n"
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(HEAD + step, "s.yaml", world=world)
+    found = err.value.diagnostics
+    assert [d.code for d in found] == [code], found
+    where = (found[0].mark.file, found[0].mark.line, found[0].mark.col)
+    assert where == ("s.yaml", 10, step.index("offset: ") + len("offset: ") + 1)
+    assert words in found[0].message, found[0].message
+    if offset == "nxt":
+        assert found[0].hint == "did you mean 'next'?"
+
+
+def test_a_zero_offset_at_one_hop_names_the_hop() -> None:
+    from dcpc.diagnostics import DiagnosticError
+
+    text = LOOPED + """\
+  - ring:
+      repeat: 3
+      as: h
+      steps:
+        - hop: {op: shift, src: x, dst: "r[h]", offset: h - 1}
+"""
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(text, "s.yaml")
+    (d,) = err.value.diagnostics
+    assert (d.code, d.mark.line) == ("bad-offset", 15)
+    assert "step 'hop' shifts by offset 'h - 1' = 0 (at h=1)" in d.message, d.message

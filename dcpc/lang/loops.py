@@ -14,12 +14,16 @@ integer constant on its right and everything on its left up to the enclosing ``(
 the index's start: ``h % 2``, ``(h + 1) % 2``, ``2 * (h % 2) + 1``, not ``h % 2 + 1``.
 A buffer used with an index is split into P buffers ``b_0`` .. ``b_{P-1}`` of shape
 ``shape[1:]`` (disjoint slices, so the split is exact); it may not also be used whole.
+A shift's ``offset`` (in a loop or not) may be such an expression too, without ``%``
+(``W / 2``, ``h + 1``): it is replaced by its integer value here, so every later stage
+sees an integer offset.
 
 Every later stage sees a flat schedule, so each one handles loops without a rule of its
 own: a step of hop h owns its own signal slots, and the k-th wait of a channel polls
 its k-th signal, so the wait of hop h is satisfied by the signal of hop h. The price:
-a trip count that depends on W gives a schedule per W, so such a file is checked once
-per W of ``--world`` (no claim past them) and compiled for one W at a time.
+a trip count (or an index, or an offset) that depends on W gives a schedule per W, so
+such a file is checked once per W of ``--world`` (no claim past them) and compiled for
+one W at a time.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import copy
 import re
 from typing import Any
 
-from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped
+from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
 from dcpc.lang.yamlsrc import MARK, MARKS
+from dcpc.ops import shift
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
 MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
@@ -85,10 +90,19 @@ def _names_w(text: Any) -> bool:
         return False
 
 
+def _offset_expr(body: Any) -> str | None:
+    """A shift step's ``offset`` when it is an expression (not an integer, next or
+    prev): the unroller evaluates it."""
+    if not isinstance(body, dict) or body.get("op") != shift.DEF.name:
+        return None
+    offset = body.get("offset")
+    return offset if isinstance(offset, str) and offset not in shift.NAMED else None
+
+
 def world_dependent(data: Any) -> Mark | None:
     """Where the unrolled schedule first depends on W: a ``repeat`` whose trip count
-    names W, a buffer index naming W, or an index into a buffer whose leading axis names
-    W (or None)."""
+    names W, a buffer index naming W, an index into a buffer whose leading axis names
+    W, or a shift offset naming W (or None)."""
     for _, body in loops(data):
         if _names_w(body.get("repeat")):
             return _mark(body, "repeat", "<memory>")
@@ -100,6 +114,8 @@ def world_dependent(data: Any) -> Mark | None:
         return isinstance(shape, list) and bool(shape) and _names_w(shape[0])
 
     def walk(node: Any, mark: Mark | None) -> Mark | None:
+        if _names_w(_offset_expr(node)):
+            return _mark(node, "offset", "<memory>")
         if isinstance(node, dict):
             for key, value in node.items():
                 if key not in (MARK, MARKS):
@@ -242,8 +258,11 @@ class _Unroller:
             return [self.rewrite(v, env, mark) for v in value]
         return value
 
-    def op(self, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
+    def op(self, name: str, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
         out = copy.copy(body)
+        text = _offset_expr(body)
+        if text is not None:
+            out["offset"] = self.offset(name, text, env, _mark(body, "offset", self.file))
         for key, value in body.items():
             if key in (MARK, MARKS, "op", "doc", "channel", "from", "to", "phase", "offset"):
                 continue
@@ -255,6 +274,42 @@ class _Unroller:
             else:
                 out[key] = self.rewrite(value, env, mark)
         return out
+
+    def offset(self, name: str, text: str, env: dict[str, int], mark: Mark) -> Any:
+        """The integer value of shift step ``name``'s offset expression at this W and
+        hop (``text`` unchanged, with an error, when it has none)."""
+        hint = ("an offset is a nonzero integer, next, prev, or an expression of W, the "
+                "hop index and integer sizes (+ - * /), e.g. 'W / 2', 'h + 1'")
+        what = f"step '{name}' shifts by offset '{clipped(text)}'"
+        try:
+            tree = ex.parse(text)
+            value = ex.evaluate(tree, env)
+        except ex.UnboundSymbol as err:
+            if err.args[0] == "W" and self.world is None:
+                self.error(mark, "loop-world",
+                           f"{what}, which names W; a schedule that depends on W is "
+                           "unrolled for one W at a time",
+                           "check or compile with --world N (or a list: each W is checked "
+                           "on its own)")
+            else:
+                self.error(mark, "bad-offset",
+                           f"{what}, which names '{err.args[0]}': not the hop index of an "
+                           "enclosing loop, W or an integer size",
+                           did_you_mean(err.args[0], shift.NAMED) or hint)
+            return text
+        except (ex.ExprSyntaxError, ex.InexactDivision) as err:
+            self.error(mark, "bad-offset", f"{what}{self._at(env)}: {err}", hint)
+            return text
+        # a fixed integer that W divides is a local copy; an expression of W that lands
+        # on the rank itself at some W is a mistake (W, or 2 * W / 2), refused here
+        if value == 0 or ("W" in ex.symbols(tree) and value % env["W"] == 0):
+            self.error(mark, "bad-offset",
+                       f"{what} = {value}{self._at(env)}, which sends every rank's data to "
+                       "itself" + (f" (a multiple of W={env['W']})" if value else ""),
+                       "use 'copy' to move data on this rank, or an offset that is not 0 "
+                       "mod W at any W checked")
+            return text
+        return value
 
     # --- loops ---------------------------------------------------------------
     def trips(self, name: str, body: dict[str, Any]) -> int | None:
@@ -333,7 +388,7 @@ class _Unroller:
                                f"loop '{step}' is inside loop '{name}'; loops do not nest")
                     return []
                 marks = dict(item.get(MARKS, {}))
-                out.append({f"{step}_h{h}": self.op(op, env), MARKS: {
+                out.append({f"{step}_h{h}": self.op(step, op, env), MARKS: {
                     "key:" + f"{step}_h{h}": marks.get("key:" + step),
                     f"{step}_h{h}": marks.get(step)}})
         return out
@@ -346,7 +401,7 @@ class _Unroller:
             if named and _is_loop(named[1]):
                 flat += self.loop(*named)
             elif named and isinstance(named[1], dict):
-                flat.append({**item, named[0]: self.op(named[1], dict(self.env))})
+                flat.append({**item, named[0]: self.op(*named, dict(self.env))})
             else:
                 flat.append(item)
         data["steps"] = flat
@@ -448,11 +503,14 @@ def _split_mod(text: str) -> tuple[str, str | None]:
 
 
 def uses_loops(data: Any) -> bool:
-    """Whether the raw data has a loop or an indexed buffer name anywhere in its steps."""
+    """Whether the raw data has a loop, an indexed buffer name or a shift offset
+    expression anywhere in its steps."""
     if loops(data):
         return True
 
     def indexed(value: Any) -> bool:
+        if _offset_expr(value) is not None:
+            return True
         if isinstance(value, str):
             return _INDEXED.match(value.strip()) is not None
         if isinstance(value, list):
