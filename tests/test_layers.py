@@ -29,6 +29,10 @@ LEAVES = frozenset({
 
 OP_MODULES = frozenset(f"dcpc.ops.{name}" for name in dcpc.ops.MODULES)
 
+# What the runtime (and so a generated module) may import of dcpc outside dcpc.runtime:
+# leaves of the standard library and torch only, which the compiler shares.
+RUNTIME_SHARED = frozenset({"dcpc", "dcpc.exprs", "dcpc.numerics", "dcpc.topology"})
+
 # The circle the ops tied until the layers were drawn (tests/import_graph.py): every
 # module of dcpc/ops (new ones included) and these.
 WAS_TIED = ("dcpc.check.context", "dcpc.check.ops", "dcpc.harness.simulate",
@@ -77,3 +81,14 @@ def test_no_import_circle_in_dcpc_or_benchmarks() -> None:
     """Issue 32: 0 circles (TYPE_CHECKING imports counted); a new one names its modules."""
     found = G.circles(G.graph(["dcpc", "benchmarks"]))
     assert found == [], "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_runtime_imports_no_compiler_code() -> None:
+    """dcpc.runtime reaches, outside itself, only RUNTIME_SHARED, which import nothing
+    of dcpc: a generated module needs none of the compiler (tests/test_run_cli.py runs
+    one with pydantic, networkx, jinja2, yaml and click made unimportable)."""
+    edges = G.graph(["dcpc"])
+    outside = {b for a, bs in edges.items() if a.startswith("dcpc.runtime")
+               for b in bs if not b.startswith("dcpc.runtime")}
+    assert outside <= RUNTIME_SHARED, sorted(outside - RUNTIME_SHARED)
+    assert {b for m in RUNTIME_SHARED for b in edges.get(m, ())} <= {"dcpc"}
