@@ -196,3 +196,19 @@ def test_the_op_tables_list_exactly_the_keys_of_each_op_s_model():
     every = text[text.index("Every step may also carry"):].split("\n\n", 1)[0]
     assert set(re.findall(r"`([a-z_]+)`", every)) == common - {"axis"} - {
         f.alias for f in OpBase.model_fields.values() if f.exclude}
+
+
+def test_the_internals_op_table_is_the_ops_rules_in_words() -> None:
+    """docs/internals.md's op table is made from each op's semantics rule over the
+    conformance files (tests/support/op_table.py), not copied by hand: an op whose rule
+    changes changes the table, and this test names the difference."""
+    from support import op_table
+
+    text = (ROOT / "docs" / "internals.md").read_text()
+    start, end = "<!-- op table: generated -->\n", "<!-- op table: end -->"
+    assert start in text and end in text
+    shown = text[text.index(start) + len(start):text.index(end)]
+    want = op_table.text()
+    assert shown == want, ("docs/internals.md's op table differs from the ops' rules; "
+                           "print it with: PYTHONPATH=. python tests/support/op_table.py\n"
+                           + want)

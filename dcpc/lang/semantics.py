@@ -16,6 +16,7 @@ stages' view of them.
 
 from __future__ import annotations
 
+import re
 import weakref
 
 from dcpc.lang import model as m
@@ -76,3 +77,39 @@ def _fields(schedule: m.Schedule) -> tuple:
     """The schedule's field values, compared by identity: a field assigned anew is a
     miss (they are held, so no new value can reuse an old one's address)."""
     return tuple(getattr(schedule, name) for name in type(schedule).model_fields)
+
+
+def describe(sem: Semantics) -> tuple[str, str, str]:
+    """One step's semantics in words, by the keys that name its buffers (a list's items
+    as one key), each key once: (before its signal, after its wait, its sync).
+    docs/internals.md's op table is made of these (tests/test_docs.py), so the table
+    and the ops' rules cannot drift."""
+
+    def region(e: Effect) -> str:
+        r = e.region
+        if r is None:
+            return ""
+        part = {"block": "block `r` along a dim", "index": "index `r` of a dim",
+                "interleave": "rows of `r`, interleaved",
+                "peer": f"rank r{r.offset:+d}'s, whole",
+                "root": "whole, as the root's broadcast"}[r.scheme]
+        if r.scheme == "peer":
+            return f" ({part})"
+        return f" ({'the root' if e.root is not None else 'every rank'}: {part})"
+
+    def one(e: Effect) -> str:
+        key = re.sub(r"\[\d+\]", "", e.key) or "an implicit buffer"
+        lands = ", landing at its wait" if e.lands is not None else ""
+        return f"{e.kind}s {key}{region(e)}{lands}" + (" (either phase)" if e.either else "")
+
+    def phase(when: str) -> str:
+        out: list[str] = []
+        for e in sem.effects:
+            if e.when == when and one(e) not in out:
+                out.append(one(e))
+        return "; ".join(out) or "-"
+
+    s = sem.sync
+    sync = "-" if s.signal is None and s.wait is None else (
+        f"signals {s.signal or '-'}, waits {s.wait or '-'}")
+    return phase(BEFORE), phase(AFTER), sync
