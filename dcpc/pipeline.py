@@ -311,6 +311,23 @@ def _per_world_warnings(done: list[Compilation], worlds: list[int]) -> list[Diag
     return sorted(out, key=lambda d: (d.mark, d.code))
 
 
+def _per_world_errors(failed: list[DiagnosticError]) -> DiagnosticError:
+    """The errors of the W that failed, each distinct one once, in the order found."""
+    if len(failed) == 1:
+        return failed[0]
+    seen: set[tuple[Any, str, str]] = set()
+    found: list[Diagnostic] = []
+    for err in failed:
+        for d in err.diagnostics:
+            if (d.mark, d.code, d.message) not in seen:
+                seen.add((d.mark, d.code, d.message))
+                found.append(d)
+    merged = DiagnosticError(found)
+    if hasattr(failed[0], "compilation"):
+        merged.compilation = failed[0].compilation  # type: ignore[attr-defined]
+    return merged
+
+
 def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     """Check a schedule whose loop trip count names W once per W (each W is its own
     unrolled schedule); a module is compiled for one W only."""
@@ -343,8 +360,16 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     # of all of them together is then bounded before any W is analysed
     cheap = min(last, STAGE_NAMES.index("check"))
     quiet = replace(c.options, strict=False)  # --strict judges the warnings of every W
-    done = [run(c.path, replace(quiet, worlds=[w]), until=STAGE_NAMES[cheap],
-                source=c.source) for w in worlds]
+    done: list[Compilation] = []
+    failed: list[DiagnosticError] = []
+    for w in worlds:  # every W, so that an error names each W it holds at
+        try:
+            done.append(run(c.path, replace(quiet, worlds=[w]), until=STAGE_NAMES[cheap],
+                            source=c.source))
+        except DiagnosticError as err:
+            failed.append(err)
+    if failed:
+        raise _per_world_errors(failed)
     warnings = _per_world_warnings(done, worlds)
     for one in done:  # a later stage's error lists these, as a single W's lists its own
         one.warnings = warnings
