@@ -49,7 +49,10 @@ def fresh_engine_workspace() -> Iterator[None]:
     """The vLLM adapters' workspace is decided once per process (a server's every call
     must find the same module), from the first vLLM config seen; tests set it per test
     (DCPC_MAX_NUM_TOKENS, a config): no test may inherit an earlier test's choice or
-    config, whatever ran before it in this process."""
+    config, whatever ran before it in this process. Nor the call ids (context variables
+    of the thread that runs the tests) that an installed hook set when a test entered a
+    forward or a layer: test_engines_call_ids expects none known (it failed after
+    test_engines_install in one worker)."""
     _clear_workspace()
     yield
     _clear_workspace()
@@ -59,6 +62,10 @@ def _clear_workspace() -> None:
     vllm = sys.modules.get("dcpc.engines.vllm")
     if vllm is not None:
         vllm.forget_config()
+    ids = sys.modules.get("dcpc.engines.call_ids")
+    if ids is not None:
+        ids._forward.set(None)
+        ids._layer.set(None)
 
 
 def pytest_configure(config: pytest.Config) -> None:
