@@ -198,6 +198,11 @@ class _Unroller:
         self.split[name] = lead
         return f"{name}_{value}"
 
+    def needs_world(self, mark: Mark, message: str) -> None:
+        """A trip count, index or offset names W, and no W was given (loop-world)."""
+        self.error(mark, "loop-world", message,
+                   "check or compile with --world N (or a list: each W is checked on its own)")
+
     def _at(self, env: dict[str, int]) -> str:
         hops = [f"{k}={v}" for k, v in env.items() if k not in self.env]
         where = ([f"W={self.world}"] if self.world is not None else []) + hops
@@ -214,11 +219,9 @@ class _Unroller:
             return _mod_value(inner, env)
         except ex.UnboundSymbol as err:
             if err.args[0] == "W" and self.world is None:
-                self.error(mark, "loop-world",
-                           f"index '{clipped(inner)}' of '{clipped(text)}' names W; a "
-                           "schedule that depends on W is unrolled for one W at a time",
-                           "check or compile with --world N (or a list: each W is checked "
-                           "on its own)")
+                self.needs_world(mark, f"index '{clipped(inner)}' of '{clipped(text)}' names "
+                                 "W; a schedule that depends on W is unrolled for one W "
+                                 "at a time")
                 return None
             self.error(mark, "bad-index",
                        f"index '{clipped(inner)}' of '{clipped(text)}' names "
@@ -286,11 +289,8 @@ class _Unroller:
             value = ex.evaluate(tree, env)
         except ex.UnboundSymbol as err:
             if err.args[0] == "W" and self.world is None:
-                self.error(mark, "loop-world",
-                           f"{what}, which names W; a schedule that depends on W is "
-                           "unrolled for one W at a time",
-                           "check or compile with --world N (or a list: each W is checked "
-                           "on its own)")
+                self.needs_world(mark, f"{what}, which names W; a schedule that depends "
+                                 "on W is unrolled for one W at a time")
             else:
                 self.error(mark, "bad-offset",
                            f"{what}, which names '{err.args[0]}': not the hop index of an "
@@ -318,11 +318,9 @@ class _Unroller:
         try:
             tree = ex.parse(value)
             if "W" in ex.symbols(tree) and self.world is None:
-                self.error(mark, "loop-world",
-                           f"loop '{name}' repeats '{clipped(str(value))}' times, which "
-                           "depends on W; it is unrolled for one W at a time",
-                           "check or compile with --world N (or a list: each W is checked "
-                           "on its own)")
+                self.needs_world(mark, f"loop '{name}' repeats '{clipped(str(value))}' "
+                                 "times, which depends on W; it is unrolled for one W at "
+                                 "a time")
                 return None
             trips = ex.evaluate(tree, self.env)
         except ex.UnboundSymbol as err:
