@@ -87,10 +87,15 @@ def test_bad_loops_are_located_errors(swap: dict, code: str, line: int, words: s
     assert words in found[0].message, found[0].message
 
 
-def test_a_nested_loop_is_refused() -> None:
+def test_a_nested_loop_unrolls_inside_its_hop() -> None:
+    """Loops nest (issue 33 item 3): the inner loop's steps of hop (h, g) are named
+    '<step>_h<h>_<g>' and come after hop h's steps before it; a single loop's names
+    are unchanged."""
     text = _text() + "        - inner: {repeat: 2, as: g, steps: [{z: {op: barrier}}]}\n"
-    found = _error(text)
-    assert [d.code for d in found] == ["bad-loop"] and "do not nest" in found[0].message
+    names = [s.name for s in parse_text(text, "s.yaml", 3).step_list()]
+    hop = ["send", "use", "recv"]
+    assert names == (["init"] + [f"{s}_h0" for s in hop] + ["z_h0_0", "z_h0_1"]
+                     + [f"{s}_h1" for s in hop] + ["z_h1_0", "z_h1_1"])
 
 
 def test_a_trip_count_naming_w_needs_a_world() -> None:

@@ -7,7 +7,11 @@
           - send: {op: shift, src: "kv[h % 2]", dst: "kv[(h + 1) % 2]", phase: put}
 
 Hop ``h`` of inner step ``send`` becomes the step ``send_h<h>``; every step of hop h
-comes before every step of hop h + 1. A buffer index ``b[e]`` (in a loop or not) names
+comes before every step of hop h + 1. A loop's steps may hold a loop (at most MAX_NEST
+deep), with its own hop index: hop ``g`` of a step ``send`` inside hop ``h`` becomes
+``send_h<h>_<g>``; an inner trip count, index or offset may name every enclosing index
+(``repeat: h + 1``). A trip count is an expression of W, the mesh's axis sizes, the
+enclosing hop indices and integer sizes. A buffer index ``b[e]`` (in a loop or not) names
 slice ``e`` of ``b``'s leading axis, which must be an integer P; ``e`` is an expression
 of the hop index, W and integer sizes, and its value lies in 0..P-1. ``%`` takes an
 integer constant on its right and everything on its left up to the enclosing ``(`` or
@@ -16,14 +20,16 @@ A buffer used with an index is split into P buffers ``b_0`` .. ``b_{P-1}`` of sh
 ``shape[1:]`` (disjoint slices, so the split is exact); it may not also be used whole.
 A shift's ``offset`` (in a loop or not) may be such an expression too, without ``%``
 (``W / 2``, ``h + 1``): it is replaced by its integer value here, so every later stage
-sees an integer offset.
+sees an integer offset. So may an all_gather's ``interleave`` (``C``, ``H / HK``).
 
 Every later stage sees a flat schedule, so each one handles loops without a rule of its
 own: a step of hop h owns its own signal slots, and the k-th wait of a channel polls
 its k-th signal, so the wait of hop h is satisfied by the signal of hop h. The price:
-a trip count (or an index, or an offset) that depends on W gives a schedule per W, so
-such a file is checked once per W of ``--world`` (no claim past them) and compiled for
-one W at a time.
+a trip count (or an index, an offset or an interleave) that depends on W gives a
+schedule per W, so such a file is checked once per W of ``--world`` (no claim past them)
+and compiled for one W at a time; one that names a mesh axis' size (``G - 1`` on
+``mesh: {node: N, gpu: G}``) gives a schedule per mesh shape, so its module serves that
+shape only (LOOP_WORLD is the shape).
 """
 
 from __future__ import annotations
@@ -34,11 +40,17 @@ from typing import Any
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
+from dcpc.lang.mesh import Mesh
 from dcpc.lang.yamlsrc import MARK, MARKS
-from dcpc.ops import shift
+from dcpc.ops import all_gather, shift
+from dcpc.topology import shape_of
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
 MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
+MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
+# hops of every loop, an inner loop's counted once per outer hop: what bounds the work of
+# a nest whose hops unroll to no step (an inner 'repeat: 0'), which the step bound misses
+MAX_HOPS = 4 * MAX_STEPS
 LOOP_KEYS = ("repeat", "as", "steps", "doc")
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
@@ -80,12 +92,27 @@ def _int_sizes(data: dict[str, Any]) -> dict[str, int]:
             and k not in (MARK, MARKS)}
 
 
-def _names_w(text: Any) -> bool:
+def _axis_sizes(data: Any) -> dict[str, int]:
+    """Size name -> mesh axis position, for the raw ``mesh:`` axes sized by a name (the
+    checker reports a broken mesh; nothing is bound from one)."""
+    mesh = data.get("mesh") if isinstance(data, dict) else None
+    if not isinstance(mesh, dict):
+        return {}
+    axes = {k: v for k, v in mesh.items() if k not in (MARK, MARKS)}
+    return Mesh(tuple(axes), tuple(axes.values()), True).size_names()
+
+
+def world_names(data: Any) -> set[str]:
+    """The names whose value a group size gives: W and the mesh's axis sizes."""
+    return {"W", *_axis_sizes(data)}
+
+
+def _names_w(text: Any, names: frozenset[str] | set[str] = frozenset({"W"})) -> bool:
     if not isinstance(text, str):
         return False
     try:
         # '%' and '*' bind the same names; the parser reads '*' only
-        return "W" in ex.symbols(ex.parse(text.replace("%", "*")))
+        return bool(names & ex.symbols(ex.parse(text.replace("%", "*"))))
     except ex.ExprSyntaxError:
         return False
 
@@ -99,23 +126,56 @@ def _offset_expr(body: Any) -> str | None:
     return offset if isinstance(offset, str) and offset not in shift.NAMED else None
 
 
+def _interleave_expr(body: Any) -> str | None:
+    """An all_gather step's ``interleave`` when it is an expression (not an integer):
+    the unroller evaluates it, as it does a shift's offset."""
+    if not isinstance(body, dict) or body.get("op") != all_gather.DEF.name:
+        return None
+    value = body.get("interleave")
+    return value if isinstance(value, str) else None
+
+
 def world_dependent(data: Any) -> Mark | None:
-    """Where the unrolled schedule first depends on W: a ``repeat`` whose trip count
-    names W, a buffer index naming W, an index into a buffer whose leading axis names
-    W, or a shift offset naming W (or None)."""
+    """Where the unrolled schedule first depends on the group size: a ``repeat`` whose
+    trip count names W (or a mesh axis' size), a buffer index naming it, an index into a
+    buffer whose leading axis names it, or a shift offset or a gather's interleave naming
+    it (or None)."""
+    return _first_naming(data, world_names(data))
+
+
+def names_axis_size(data: Any) -> bool:
+    """Whether the unrolled schedule depends on a mesh axis' size (not on W alone): it
+    is then one schedule per mesh shape, not per W."""
+    return _first_naming(data, set(_axis_sizes(data))) is not None
+
+
+def loop_world(data: Any, world: int) -> int | tuple[int, ...]:
+    """What a module unrolled at ``world`` serves (LOOP_WORLD): its mesh shape when the
+    unrolling names an axis size of a mesh of several axes, else its W."""
+    shape = shape_of(world)
+    return shape if len(shape) > 1 and names_axis_size(data) else int(world)
+
+
+def _first_naming(data: Any, names: set[str]) -> Mark | None:
+    if not names:
+        return None
     for _, body in loops(data):
-        if _names_w(body.get("repeat")):
+        if _names_w(body.get("repeat"), names):
             return _mark(body, "repeat", "<memory>")
     buffers = data.get("buffers") if isinstance(data, dict) else None
 
     def leading_w(name: str) -> bool:
         spec = buffers.get(name) if isinstance(buffers, dict) else None
         shape = spec.get("shape") if isinstance(spec, dict) else None
-        return isinstance(shape, list) and bool(shape) and _names_w(shape[0])
+        return isinstance(shape, list) and bool(shape) and _names_w(shape[0], names)
 
     def walk(node: Any, mark: Mark | None) -> Mark | None:
-        if _names_w(_offset_expr(node)):
+        if _names_w(_offset_expr(node), names):
             return _mark(node, "offset", "<memory>")
+        if _names_w(_interleave_expr(node), names):
+            return _mark(node, "interleave", "<memory>")
+        if _is_loop(node) and _names_w(node.get("repeat"), names):  # a nested loop's
+            return _mark(node, "repeat", "<memory>")
         if isinstance(node, dict):
             for key, value in node.items():
                 if key not in (MARK, MARKS):
@@ -129,19 +189,35 @@ def world_dependent(data: Any) -> Mark | None:
                     return found
         elif isinstance(node, str):
             indexed = _INDEXED.match(node.strip())
-            if indexed and (_names_w(indexed.group(2)) or leading_w(indexed.group(1))):
+            if indexed and (_names_w(indexed.group(2), names)
+                            or leading_w(indexed.group(1))):
                 return mark
         return None
 
     return walk(data.get("steps"), None) if isinstance(data, dict) else None
 
 
+def _world_env(data: Any, world: int | None) -> dict[str, int]:
+    """The integer sizes, W and the mesh's axis sizes at ``world`` (its shape binds the
+    axis sizes when it has as many axes as the mesh)."""
+    env = dict(_int_sizes(data))
+    if world is None:
+        return env
+    env["W"] = world
+    axes = _axis_sizes(data)
+    mesh = data.get("mesh") if isinstance(data, dict) else None
+    shape = shape_of(world)
+    if axes and isinstance(mesh, dict) and len(shape) == len(
+            [k for k in mesh if k not in (MARK, MARKS)]):
+        env.update({name: shape[at] for name, at in axes.items()})
+    return env
+
+
 class _Unroller:
     def __init__(self, data: dict[str, Any], file: str, world: int | None):
         self.data, self.file, self.world = data, file, world
-        self.env = dict(_int_sizes(data))
-        if world is not None:
-            self.env["W"] = world
+        self.env = _world_env(data, world)
+        self.axes = _axis_sizes(data)  # size name -> its mesh axis' position
         self.errors: list[Diagnostic] = []
         self.split: dict[str, int] = {}  # buffer -> P, for the buffers used with an index
         self.whole: dict[str, Mark] = {}  # buffer -> where it is used whole
@@ -198,10 +274,32 @@ class _Unroller:
         self.split[name] = lead
         return f"{name}_{value}"
 
-    def needs_world(self, mark: Mark, message: str) -> None:
-        """A trip count, index or offset names W, and no W was given (loop-world)."""
-        self.error(mark, "loop-world", message,
-                   "check or compile with --world N (or a list: each W is checked on its own)")
+    def needs_world(self, mark: Mark, message: str, name: str = "W") -> None:
+        """A trip count, index, offset or interleave names W (or a mesh axis' size,
+        ``name``), and no W (no mesh shape) was given (loop-world)."""
+        if name == "W":
+            hint = "check or compile with --world N (or a list: each W is checked on its own)"
+        else:
+            hint = ("check or compile with --world as mesh shapes, e.g. "
+                    + "x".join("2" for _ in self._axis_names())
+                    + " (or a list: each shape is checked on its own)")
+        self.error(mark, "loop-world", message, hint)
+
+    def _axis_names(self) -> list[str]:
+        mesh = self.data.get("mesh")
+        return [k for k in mesh if k not in (MARK, MARKS)] if isinstance(mesh, dict) else []
+
+    def unbound_world(self, name: str) -> bool:
+        """``name`` is W or a mesh axis' size, and the group size given binds none."""
+        return (name == "W" or name in self.axes) and name not in self.env
+
+    def depends(self, name: str) -> tuple[str, str]:
+        """('W', 'one W') or ('G (the size of mesh axis 'gpu')', 'one mesh shape'): how
+        a message names what the unrolling depends on, and what it is unrolled for."""
+        if name == "W":
+            return "W", "one W"
+        return (f"{name} (the size of mesh axis '{self._axis_names()[self.axes[name]]}')",
+                "one mesh shape")
 
     def _at(self, env: dict[str, int]) -> str:
         hops = [f"{k}={v}" for k, v in env.items() if k not in self.env]
@@ -218,10 +316,11 @@ class _Unroller:
         try:
             return _mod_value(inner, env)
         except ex.UnboundSymbol as err:
-            if err.args[0] == "W" and self.world is None:
+            if self.unbound_world(err.args[0]):
+                what, unit = self.depends(err.args[0])
                 self.needs_world(mark, f"index '{clipped(inner)}' of '{clipped(text)}' names "
-                                 "W; a schedule that depends on W is unrolled for one W "
-                                 "at a time")
+                                 f"{what}; a schedule that depends on {err.args[0]} is "
+                                 f"unrolled for {unit} at a time", err.args[0])
                 return None
             self.error(mark, "bad-index",
                        f"index '{clipped(inner)}' of '{clipped(text)}' names "
@@ -266,8 +365,13 @@ class _Unroller:
         text = _offset_expr(body)
         if text is not None:
             out["offset"] = self.offset(name, text, env, _mark(body, "offset", self.file))
+        text = _interleave_expr(body)
+        if text is not None:
+            out["interleave"] = self.interleave(name, text, env,
+                                                _mark(body, "interleave", self.file))
         for key, value in body.items():
-            if key in (MARK, MARKS, "op", "doc", "channel", "from", "to", "phase", "offset"):
+            if key in (MARK, MARKS, "op", "doc", "channel", "from", "to", "phase", "offset",
+                       "interleave"):
                 continue
             mark = _mark(body, key, self.file)
             if isinstance(value, dict):  # mask_empty
@@ -288,9 +392,11 @@ class _Unroller:
             tree = ex.parse(text)
             value = ex.evaluate(tree, env)
         except ex.UnboundSymbol as err:
-            if err.args[0] == "W" and self.world is None:
-                self.needs_world(mark, f"{what}, which names W; a schedule that depends "
-                                 "on W is unrolled for one W at a time")
+            if self.unbound_world(err.args[0]):
+                named, unit = self.depends(err.args[0])
+                self.needs_world(mark, f"{what}, which names {named}; a schedule that "
+                                 f"depends on {err.args[0]} is unrolled for {unit} at a time",
+                                 err.args[0])
             else:
                 self.error(mark, "bad-offset",
                            f"{what}, which names '{err.args[0]}': not the hop index of an "
@@ -302,7 +408,8 @@ class _Unroller:
             return text
         # a fixed integer that W divides is a local copy; an expression of W that lands
         # on the rank itself at some W is a mistake (W, or 2 * W / 2), refused here
-        if value == 0 or ("W" in ex.symbols(tree) and value % env["W"] == 0):
+        if value == 0 or (("W" in ex.symbols(tree) or self.axes.keys() & ex.symbols(tree))
+                          and value % env["W"] == 0):
             self.error(mark, "bad-offset",
                        f"{what} = {value}{self._at(env)}, which sends every rank's data to "
                        "itself" + (f" (a multiple of W={env['W']})" if value else ""),
@@ -311,22 +418,54 @@ class _Unroller:
             return text
         return value
 
+    def interleave(self, name: str, text: str, env: dict[str, int], mark: Mark) -> Any:
+        """The integer value of all_gather step ``name``'s interleave expression at this
+        W (shape) and hop (``text`` unchanged, with an error, when it has none)."""
+        hint = ("an interleave is a positive integer or an expression of W, the mesh's "
+                "axis sizes, the hop indices and integer sizes (+ - * /), e.g. 'C', 'H / HK'")
+        what = f"step '{name}' interleaves by '{clipped(text)}'"
+        try:
+            value = ex.evaluate(ex.parse(text), env)
+        except ex.UnboundSymbol as err:
+            if self.unbound_world(err.args[0]):
+                named, unit = self.depends(err.args[0])
+                self.needs_world(mark, f"{what}, which names {named}; a schedule that "
+                                 f"depends on {err.args[0]} is unrolled for {unit} at a time",
+                                 err.args[0])
+            else:
+                self.error(mark, "bad-interleave",
+                           f"{what}, which names '{err.args[0]}': not W, a mesh axis' size, "
+                           "a hop index or an integer size", hint)
+            return text
+        except (ex.ExprSyntaxError, ex.InexactDivision) as err:
+            self.error(mark, "bad-interleave", f"{what}{self._at(env)}: {err}", hint)
+            return text
+        if value < 1:
+            self.error(mark, "bad-interleave", f"{what} = {value}{self._at(env)}; an "
+                       "interleave is a positive number of rows", hint)
+            return text
+        return value
+
     # --- loops ---------------------------------------------------------------
-    def trips(self, name: str, body: dict[str, Any]) -> int | None:
+    def trips(self, name: str, body: dict[str, Any], env: dict[str, int]) -> int | None:
         mark = _mark(body, "repeat", self.file)
         value = body.get("repeat")
         try:
             tree = ex.parse(value)
-            if "W" in ex.symbols(tree) and self.world is None:
+            unbound = sorted((n != "W", n) for n in ex.symbols(tree) if self.unbound_world(n))
+            if unbound:
+                what, unit = self.depends(unbound[0][1])
                 self.needs_world(mark, f"loop '{name}' repeats '{clipped(str(value))}' "
-                                 "times, which depends on W; it is unrolled for one W at "
-                                 "a time")
+                                 f"times, which depends on {what}; it is unrolled for "
+                                 f"{unit} at a time", unbound[0][1])
                 return None
-            trips = ex.evaluate(tree, self.env)
+            trips = ex.evaluate(tree, env)
         except ex.UnboundSymbol as err:
+            also = (", a mesh axis' size" if self.axes else "") + (
+                ", an enclosing loop's hop index" if len(env) > len(self.env) else "")
             self.error(mark, "bad-repeat",
                        f"loop '{name}' repeats '{clipped(str(value))}' times, but "
-                       f"'{err.args[0]}' is not W or an integer size",
+                       f"'{err.args[0]}' is not W{also} or an integer size",
                        "a trip count is an expression of W and sizes declared as plain "
                        "integers")
             return None
@@ -340,11 +479,15 @@ class _Unroller:
         if trips < 0:
             self.error(mark, "bad-repeat",
                        f"loop '{name}' repeats '{clipped(str(value))}' = {trips} times"
-                       + self._at({}))
+                       + self._at(env if len(env) > len(self.env) else {}))
             return None
         return trips
 
-    def loop(self, name: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    def loop(self, name: str, body: dict[str, Any], env: dict[str, int] | None = None,
+             outer: tuple[tuple[str, str], ...] = (), tag: str = "") -> list[dict[str, Any]]:
+        """The unrolled steps of loop ``name``; ``outer``: (loop, hop index) of the loops
+        around it, outermost first, ``tag`` the name suffix of their hops (``_h1``)."""
+        env = dict(self.env) if env is None else env
         for key in body:
             if key not in (MARK, MARKS, *LOOP_KEYS):
                 self.error(_mark(body, "key:" + key, self.file), "unknown-key",
@@ -355,24 +498,27 @@ class _Unroller:
             self.error(_mark(body, "as", self.file), "bad-loop",
                        f"loop '{name}' needs 'as: <hop index name>' (a lowercase name)")
             return []
+        around = dict((index, loop) for loop, index in outer)
+        if hop in around:
+            self.error(_mark(body, "as", self.file), "bad-loop",
+                       f"loop '{name}' names its hop index '{hop}', as loop '{around[hop]}' "
+                       "around it does; the loops of a nest need one index each",
+                       f"name the inner index otherwise, e.g. 'as: {hop}2'")
+            return []
         inner = body.get("steps")
         if not isinstance(inner, list) or not inner:
             self.error(_mark(body, "steps", self.file), "bad-loop",
                        f"loop '{name}' needs 'steps:', a non-empty list of steps")
             return []
-        trips = self.trips(name, body)
+        trips = self.trips(name, body, env)
         if trips is None:
             return []
-        if trips * len(inner) > MAX_STEPS:
-            self.error(_mark(body, "repeat", self.file), "loop-too-long",
-                       f"loop '{name}' unrolls to {trips} hops x {len(inner)} steps = "
-                       f"{trips * len(inner)} steps{self._at({})}; the checker unrolls "
-                       f"every hop and analyses at most {MAX_STEPS} steps",
-                       "check a smaller --world, or fewer steps per hop")
+        if not outer and not self._fits(name, body, trips, inner):
             return []
         out = []
         for h in range(trips):
-            env = {**self.env, hop: h}
+            hop_env = {**env, hop: h}
+            hop_tag = f"{tag}_{h}" if outer else f"_h{h}"
             for item in inner:
                 named = _body(item)
                 if named is None or not isinstance(named[1], dict):
@@ -382,14 +528,46 @@ class _Unroller:
                     return []
                 step, op = named
                 if _is_loop(op):
-                    self.error(_mark(op, "repeat", self.file), "bad-loop",
-                               f"loop '{step}' is inside loop '{name}'; loops do not nest")
-                    return []
+                    if len(outer) + 1 >= MAX_NEST:
+                        self.error(_mark(op, "repeat", self.file), "bad-loop",
+                                   f"loop '{step}' is inside loop '{name}', "
+                                   f"{len(outer) + 2} loops deep; loops nest at most "
+                                   f"{MAX_NEST} deep", "unroll the innermost loop by hand")
+                        return []
+                    out += self.loop(step, op, hop_env, (*outer, (name, hop)), hop_tag)
+                    continue
                 marks = dict(item.get(MARKS, {}))
-                out.append({f"{step}_h{h}": self.op(step, op, env), MARKS: {
-                    "key:" + f"{step}_h{h}": marks.get("key:" + step),
-                    f"{step}_h{h}": marks.get(step)}})
+                out.append({f"{step}{hop_tag}": self.op(step, op, hop_env), MARKS: {
+                    "key:" + f"{step}{hop_tag}": marks.get("key:" + step),
+                    f"{step}{hop_tag}": marks.get(step)}})
         return out
+
+    def _fits(self, name: str, body: dict[str, Any], trips: int, inner: list[Any]) -> bool:
+        """Whether the nest of loop ``name`` (a loop of the schedule's own steps) unrolls
+        within the step and hop bounds: found from its trip counts, before any step of it
+        is unrolled (loop-too-long)."""
+        flat = not any(_is_loop(b[1]) for b in map(_body, inner) if b)
+        if flat:  # a loop of plain steps: its hops times its steps
+            steps, hops = trips * len(inner), trips
+        else:
+            count = [0, 0]
+            _tally([{name: body}], self.env, 0, count)
+            steps, hops = count
+        if steps > MAX_STEPS:
+            shape = (f"{trips} hops x {len(inner)} steps = {steps} steps" if flat else
+                     f"{steps} steps over the loops inside it")
+            self.error(_mark(body, "repeat", self.file), "loop-too-long",
+                       f"loop '{name}' unrolls to {shape}{self._at({})}; the checker unrolls "
+                       f"every hop and analyses at most {MAX_STEPS} steps",
+                       "check a smaller --world, or fewer steps per hop")
+            return False
+        if hops > MAX_HOPS:
+            self.error(_mark(body, "repeat", self.file), "loop-too-long",
+                       f"loop '{name}' and the loops inside it count {hops} hops"
+                       f"{self._at({})} (an inner loop's hops once per hop around it), above "
+                       f"the {MAX_HOPS} the unroller walks", "shorten the loops' trip counts")
+            return False
+        return True
 
     def run(self) -> dict[str, Any]:
         data = dict(self.data)
@@ -501,13 +679,13 @@ def _split_mod(text: str) -> tuple[str, str | None]:
 
 
 def uses_loops(data: Any) -> bool:
-    """Whether the raw data has a loop, an indexed buffer name or a shift offset
-    expression anywhere in its steps."""
+    """Whether the raw data has a loop, an indexed buffer name, a shift offset or a
+    gather interleave expression anywhere in its steps."""
     if loops(data):
         return True
 
     def indexed(value: Any) -> bool:
-        if _offset_expr(value) is not None:
+        if _offset_expr(value) is not None or _interleave_expr(value) is not None:
             return True
         if isinstance(value, str):
             return _INDEXED.match(value.strip()) is not None
@@ -520,31 +698,59 @@ def uses_loops(data: Any) -> bool:
     return isinstance(data, dict) and indexed(data.get("steps"))
 
 
-def unrolled_length(data: Any, world: int) -> int | None:
-    """How many steps the schedule has once unrolled at W = ``world``, from the trip
-    counts alone (no step is rewritten); None where a trip count cannot be evaluated
-    or is negative (the unroller reports that at this W)."""
-    steps = data.get("steps") if isinstance(data, dict) else None
-    if not isinstance(steps, list):
-        return None
-    env = {**_int_sizes(data), "W": world}
-    total = 0
-    for item in steps:
+def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) -> bool:
+    """Add the unrolled steps and the hops of ``items`` (steps at nesting ``depth``, hop
+    indices bound in ``env``) to ``count`` = [steps, hops], from the trip counts alone (no
+    step is rewritten). A loop's hops are walked only while the hops stay within MAX_HOPS,
+    so the work is bounded whatever the trip counts. False where a trip count cannot be
+    evaluated, is negative or a loop nests too deep (counted as no steps: the unroller
+    reports it)."""
+    complete = True
+    for item in items:
         named = _body(item)
         if not (named and _is_loop(named[1])):
-            total += 1
+            count[0] += 1
             continue
-        repeat, inner = named[1].get("repeat"), named[1].get("steps")
-        if isinstance(repeat, bool) or not isinstance(inner, list):
-            return None
+        repeat, inner, hop = (named[1].get(k) for k in ("repeat", "steps", "as"))
+        if isinstance(repeat, bool) or not isinstance(inner, list) or depth >= MAX_NEST:
+            complete = False
+            continue
         try:
             trips = ex.evaluate(ex.parse(repeat), env)
         except (ValueError, ArithmeticError, KeyError):  # the unroller says what is wrong
-            return None
+            complete = False
+            continue
         if trips < 0:
-            return None
-        total += trips * len(inner)
-    return total
+            complete = False
+            continue
+        count[1] += trips
+        if not any(_is_loop(b[1]) for b in map(_body, inner) if b):  # hops x steps
+            count[0] += trips * len(inner)
+            continue
+        if count[1] > MAX_HOPS:
+            continue
+        if not isinstance(hop, str):
+            complete = False
+            continue
+        for h in range(trips):
+            complete = _tally(inner, {**env, hop: h}, depth + 1, count) and complete
+            if count[1] > MAX_HOPS:
+                break
+    return complete
+
+
+def unrolled_length(data: Any, world: int) -> int | None:
+    """How many steps the schedule has once unrolled at W = ``world`` (a mesh shape), from
+    the trip counts alone (no step is rewritten); None where a trip count cannot be
+    evaluated or is negative (the unroller reports that at this W). A nest whose hops
+    pass MAX_HOPS counts as MAX_STEPS + 1 at least: refused at this W as well."""
+    steps = data.get("steps") if isinstance(data, dict) else None
+    if not isinstance(steps, list):
+        return None
+    count = [0, 0]
+    if not _tally(steps, _world_env(data, world), 0, count):
+        return None
+    return max(count[0], MAX_STEPS + 1) if count[1] > MAX_HOPS else count[0]
 
 
 def first_too_long(data: Any, worlds: list[int]) -> int | None:

@@ -120,11 +120,12 @@ class Schedule(Node):
     # attributes, so that no YAML key can set them.
     _source_file: str = PrivateAttr(default="<memory>")
     _source_sha256: str = PrivateAttr(default="")
-    # the W a loop whose trip count names W was unrolled for (dcpc.lang.loops), or None
-    _loop_world: int | None = PrivateAttr(default=None)
+    # the W a loop whose trip count names W was unrolled for (dcpc.lang.loops), its mesh
+    # shape when the unrolling names a mesh axis' size, or None
+    _loop_world: int | tuple[int, ...] | None = PrivateAttr(default=None)
 
     @property
-    def loop_world(self) -> int | None:
+    def loop_world(self) -> int | tuple[int, ...] | None:
         return self._loop_world
 
     @property

@@ -55,6 +55,9 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
     a file whose loop names W is loaded once and unrolled per W. The model may annotate
     ``raw`` in place: pass a copy of data that is used again."""
     names_world = loops.world_dependent(raw) is not None
+    # unrolled steps that read W only serve every shape of that W (LOOP_WORLD = 6 for
+    # 2x3); ones that read a mesh axis' size serve that shape only ((2, 3))
+    served = loops.loop_world(raw, world) if names_world and world is not None else None
     data = loops.expand(raw, file, world)
     if not isinstance(data, dict):
         raise DiagnosticError(
@@ -72,10 +75,7 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
     except ValidationError as exc:
         raise DiagnosticError(_diagnostics(exc, data, file)) from None
     schedule.set_source(file, digest)
-    if names_world and world is not None:
-        # the unrolled steps depend on W only (a trip count or index reads W, never an
-        # axis size), so a mesh shape's module serves its W: LOOP_WORLD = 6, not 2x3
-        schedule._loop_world = int(world)
+    schedule._loop_world = served
     return schedule
 
 

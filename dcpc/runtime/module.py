@@ -71,7 +71,9 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
     SCHEDULE: ClassVar[str] = ""
     SOURCE_SHA256: ClassVar[str] = ""
     SLOTS: ClassVar[int] = 1
-    LOOP_WORLD: ClassVar[int | None] = None  # unrolled for this W only (a loop names W)
+    # unrolled for this W only (a loop names W), or this mesh shape only (one names an
+    # axis' size: a tuple, outermost axis first)
+    LOOP_WORLD: ClassVar[int | tuple[int, ...] | None] = None
     STEPS: ClassVar[tuple[str, ...]] = ()
     SIZES: ClassVar[dict[str, tuple]] = {}  # name -> ("const", n) | ("max", n) | ("multiple_of", e)
     BUFFERS: ClassVar[dict[str, Buf]] = {}
@@ -109,7 +111,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         self._heap = None
         self.group = group
         self.rank, self.world = group_rank_world(group)
-        if self.LOOP_WORLD is not None and self.world != self.LOOP_WORLD:
+        if isinstance(self.LOOP_WORLD, int) and self.world != self.LOOP_WORLD:
             raise ValueError(
                 f"{name}: this module's loops were unrolled for W={self.LOOP_WORLD} (a trip "
                 f"count names W), but the group has {self.world} ranks; compile it with "
@@ -150,6 +152,13 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         self._check_each_call = self.device.type == "cpu" and self.backend != "torch"
         self._env_const, self._maxima = self._bind_sizes(check_sizes(name, sizes, self.SIZES))
         self._bind_mesh(self._env_const)  # dcpc.runtime.teams
+        if isinstance(self.LOOP_WORLD, tuple) and self.mesh_shape != self.LOOP_WORLD:
+            raise ValueError(
+                f"{name}: this module's loops were unrolled for the mesh "
+                f"{'x'.join(map(str, self.LOOP_WORLD))} (a trip count, an index, an offset or "
+                f"an interleave names a mesh axis' size), but the mesh is "
+                f"{'x'.join(map(str, self.mesh_shape))}; compile it with --world "
+                f"{'x'.join(map(str, self.mesh_shape))}")
         self._groups = axes.check_groups(
             name, groups, self.backends, self.MESH, self._axis_teams()) if groups else {}
         self._max_env = {**self._env_const, **self._maxima}
