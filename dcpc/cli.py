@@ -140,7 +140,11 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
                     f"{printable(file)}: ok ({_span(done)}, "
                     f"{steps}{c.schedule.slots} slot(s); {sum(c.seconds.values()):.2f}s)"
                 )
-                if c.per_world:  # a loop's trip count names W (docs/hb-checker.md, loops)
+                if c.per_world and isinstance(c.schedule.loop_world, tuple):  # per shape
+                    click.echo(f"  a trip count, an index, an offset or an interleave names "
+                               f"a mesh axis' size: each of {_span(done)} was unrolled and "
+                               "checked on its own; no claim for any other shape")
+                elif c.per_world:  # a loop's trip count names W (docs/hb-checker.md, loops)
                     click.echo(f"  a trip count, an index or an offset names W: each of "
                                f"{_span(done)} was unrolled and checked on its own; no claim "
                                "for any other W")

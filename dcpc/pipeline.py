@@ -391,8 +391,13 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     one.per_world = worlds
     one.options = c.options
     if until == "emit":
+        per_shape = isinstance(one.schedule.loop_world, tuple)  # it names an axis size
         err = DiagnosticError([Diagnostic(
             Mark(str(c.path), mark.line, mark.col), "loop-world",
+            f"the unrolled steps name a mesh axis' size (a trip count, an index, an offset "
+            f"or an interleave), so its module is unrolled for one mesh shape; checked "
+            f"W={', '.join(map(str, worlds))}, but a module needs one --world shape such "
+            f"as {worlds[0]}" if per_shape else
             f"the unrolled steps name W (a trip count, an index or an offset), so its "
             f"module is unrolled for one W; "
             f"checked W={', '.join(map(str, worlds))}, but a module needs one --world N")])

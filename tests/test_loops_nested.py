@@ -202,6 +202,29 @@ def test_a_mesh_loop_is_unrolled_per_shape_and_its_module_serves_that_shape(
     assert parse_text(by_w, "m.yaml", parse_worlds("2x2")[0]).loop_world == 4
 
 
+def test_the_cli_checks_a_mesh_loop_per_shape_and_compiles_one(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from dcpc.cli import main
+
+    path = tmp_path / "mesh_loop.yaml"
+    path.write_text(MESH)
+    got = CliRunner().invoke(main, ["check", str(path), "--world", "2x2,2x3"])
+    assert got.exit_code == 0, got.output
+    head, claim = got.output.splitlines()[:2]
+    assert head.startswith(f"{path}: ok (W 2x2..3, "), head
+    assert claim == ("  a trip count, an index, an offset or an interleave names a mesh axis' "
+                     "size: each of W 2x2..3 was unrolled and checked on its own; no claim "
+                     "for any other shape")
+    out = tmp_path / "out"
+    got = CliRunner().invoke(main, ["compile", str(path), "--world", "2x2,2x3", "-o", str(out)])
+    assert got.exit_code == 1 and "[loop-world]" in got.output, got.output
+    assert "a module needs one --world shape such as 2x2" in got.output
+    got = CliRunner().invoke(main, ["compile", str(path), "--world", "2x3", "-o", str(out)])
+    assert got.exit_code == 0, got.output
+    assert "    LOOP_WORLD = (2, 3)\n" in (out / "mesh_loop.py").read_text()
+
+
 def test_a_module_unrolled_for_one_shape_refuses_another_of_the_same_w(
         tmp_path: Path) -> None:
     from dcpc.harness.worker import load_module_class
