@@ -178,6 +178,16 @@ def test_a_range_whose_nest_passes_the_bound_at_one_w_is_refused_before_any_w(
     assert loops.first_too_long(loops_data(path), list(range(2, 65))) == 5
 
 
+def test_the_length_from_the_trip_counts_is_the_unrolled_nest_s() -> None:
+    from dcpc.lang import yamlsrc
+
+    for text in (NESTED, TRIANGLE.replace("REPEAT", "W + 1"), MESH):
+        worlds = parse_worlds("2x2,2x3,3x4") if "mesh:" in text else [2, 3, 5]
+        for world in worlds:
+            length = loops.unrolled_length(yamlsrc.load(text, "s.yaml"), world)
+            assert length == len(parse_text(text, "s.yaml", world).step_list()), (text, world)
+
+
 def loops_data(path: Path):
     from dcpc.lang import yamlsrc
 
