@@ -74,7 +74,7 @@ class Plan:
     source_name: str
     worlds: list[int]
     slots: int
-    loop_world: int | None  # a loop's trip count names W: the module serves this W only
+    loop_world: int | tuple[int, ...] | None  # the W or mesh shape a loop names: served only
     streams: str
     doc: str | None
     sizes: list[SizePlan]
