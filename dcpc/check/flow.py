@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
-from dcpc.lang.model import Signal, Step
+from dcpc.lang.model import Step
 from dcpc.lang.semantics import READ, channels, effect_mark, table
 from dcpc.ops.common import data_flow
+from dcpc.ops.sync import Signal
 
 
 @dataclass(frozen=True)

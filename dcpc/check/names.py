@@ -19,7 +19,8 @@ from dcpc.codegen.lower import (
     module_imports,
 )
 from dcpc.diagnostics import NOWHERE, Mark, did_you_mean
-from dcpc.lang.model import Buffer, Schedule, Signal, Wait
+from dcpc.lang.model import Buffer, Schedule
+from dcpc.ops.sync import Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
 # Schedule, buffer and step names become Python names of the generated module; every

@@ -24,11 +24,12 @@ from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.loops import MAX_STEPS
 from dcpc.lang.mesh import DEFAULT_WORLDS, MeshWorld, WorldError, fit_worlds, mesh_of
-from dcpc.lang.model import AllGather, Schedule, Streams
+from dcpc.lang.model import Schedule, Streams
 from dcpc.lang.nodes import Step
 from dcpc.lang.questions import Samples
 from dcpc.lang.semantics import table
 from dcpc.lang.sizes import MAX_SIZE, size_table, world_diagnostics
+from dcpc.ops.all_gather import AllGather
 from dcpc.ops.registry import names
 
 

@@ -20,6 +20,7 @@ from dcpc.lang import model as m
 from dcpc.lang.mesh import mesh_of, shape_of, torus
 from dcpc.numerics import local_seq_len, reference_scale, round_e4m3  # the facts, once
 from dcpc.ops import OPS
+from dcpc.ops.external import External as ExternalOp
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
@@ -253,7 +254,7 @@ def simulate_call(
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     for step in schedule.step_list():
         # the engine's own steps store as torch does (the harness's synthetic ones do)
-        sim.rounding = ("nearest" if isinstance(step.op, m.External)
+        sim.rounding = ("nearest" if isinstance(step.op, ExternalOp)
                         else rounding(step) if callable(rounding) else rounding)
         if trace is not None and step.index:
             trace.append(sim.written)

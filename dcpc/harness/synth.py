@@ -22,6 +22,7 @@ from dcpc.harness.simulate import Buffers, as_stored, buffer_shape, empty_rows, 
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.ops import OPS
+from dcpc.ops.external import External
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
 DEFAULT_SMALL_MAX = 8
@@ -253,7 +254,7 @@ def make_external(
 
     def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
         op = step.op
-        assert isinstance(op, m.External)
+        assert isinstance(op, External)
         reads = [bufs[n] for n in op.reads if schedule.buffers[n].dtype.is_float]
         x = reads[0].to(torch.float64) if reads else None
         gen = torch.Generator().manual_seed(_mix(seed, call, rank, step.index))

@@ -35,10 +35,11 @@ from dcpc.harness.simulate import (
 from dcpc.lang import model as m
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
+from dcpc.ops import OPS
+from dcpc.ops.external import External
 from dcpc.runtime.local import sync_stream, to_host
 
 CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
-MOVES = (m.AllGather, m.AllToAll, m.Copy, m.Shift, m.RaggedAllToAll, m.Broadcast)  # bit-exact
 TOLERANCE = {  # (atol, rtol); fp8 e4m3: one rounding step (3 mantissa bits)
     "bf16": (1e-2, 1e-2), "f16": (2e-3, 2e-3), "f32": (1e-5, 1e-5), "fp8e4m3": (2e-2, 0.125),
 }
@@ -153,7 +154,7 @@ def _kind_of_writer(steps: list[m.Step], before: int, name: str) -> str:
     read again is still a sum)."""
     for step in reversed(steps[:before]):
         if name in synth.op_io(step.op)[1]:
-            return "move" if isinstance(step.op, (*MOVES, m.External)) else "math"
+            return "move" if OPS[step.op.op].exact else "math"
     return "move"
 
 
@@ -229,7 +230,7 @@ def run_rank(
     jitter = adversary.Jitter(seed, rank, jitter_s, jitter_p)
     report = RankReport(rank, calls)
     for step in steps:
-        if not isinstance(step.op, m.External):
+        if not isinstance(step.op, External):
             for name in returned_names(step.op):
                 report.outputs.setdefault(name, OutputStats())
     returned = set(report.outputs)
@@ -254,12 +255,12 @@ def run_rank(
             live[event.call] = (trace, env, external, sizes)
         trace, env, external, sizes = live[event.call]
         step = steps[event.step]
-        kind = "engine step" if isinstance(step.op, m.External) else "method"
+        kind = "engine step" if isinstance(step.op, External) else "method"
         progress(f"call {event.call} (slot {event.slot}): {kind} {step.name}()")
         if strike is not None:
             strike.strike(rank, event.call, step.name)
         jitter.delay()
-        if isinstance(step.op, m.External):
+        if isinstance(step.op, External):
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
                 if name in env and not schedule.buffers[name].is_symmetric:
                     continue  # the engine's own tensor
@@ -298,7 +299,7 @@ def run_rank(
             names = returned_names(step.op)
             if len(values) != len(names):
                 raise TypeError(f"{step.name}() returned {len(values)} tensors, want {names}")
-            kind = "move" if isinstance(step.op, MOVES) else "math"
+            kind = "move" if OPS[step.op.op].exact else "math"
             for name, value in zip(names, values, strict=True):
                 env[name] = value
                 compare(name, kind, schedule.buffers[name].dtype.value, value,

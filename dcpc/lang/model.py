@@ -34,21 +34,10 @@ from dcpc.lang.nodes import (  # noqa: F401  (re-exported: the language's public
 )
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import OP_NAMES, OPS  # noqa: F401  (OP_NAMES re-exported)
-from dcpc.ops.all_gather import AllGather  # noqa: F401
-from dcpc.ops.all_reduce import AllReduce  # noqa: F401
-from dcpc.ops.all_to_all import AllToAll  # noqa: F401
-from dcpc.ops.all_to_all_combine import AllToAllCombine  # noqa: F401
-from dcpc.ops.broadcast import Broadcast  # noqa: F401
-from dcpc.ops.copy import Copy  # noqa: F401
-from dcpc.ops.external import External  # noqa: F401
-from dcpc.ops.lse_combine import LseCombine  # noqa: F401
-from dcpc.ops.lse_correct import LseCorrect  # noqa: F401
-from dcpc.ops.ragged_all_to_all import RaggedAllToAll  # noqa: F401
-from dcpc.ops.reduce import Reduce  # noqa: F401
-from dcpc.ops.reduce_scatter import ReduceScatter  # noqa: F401
-from dcpc.ops.shift import Shift  # noqa: F401
-from dcpc.ops.sync import Barrier, Signal, Wait  # noqa: F401
-from dcpc.ops.weighted_combine import WeightedCombine  # noqa: F401
+
+# each op's class under its public name (model.AllGather), read from the registry: an op's
+# module defines it once and no line here names it
+globals().update({d.model.__name__: d.model for d in OPS.values()})
 
 Op = Annotated[
     Union[tuple(d.model for d in OPS.values())],  # type: ignore[valid-type]  # noqa: UP007

@@ -3,15 +3,19 @@
 A module holds everything an op means: its pydantic model, its semantics (effects
 and sync), its shape and dtype verifier, its float64 reference, its io and its Triton
 lowering rule (the torch backend alone is elsewhere: dcpc/runtime/collectives.py). Importing
-this package registers them all; the order of ``MODULES`` is the language's op order
-(``OP_NAMES``: error hints and the JSON Schema list the ops in it). See
+this package imports every module of it, and each op module registers itself; the order of
+``MODULES``, then the other ops by name, is the language's op order (``OP_NAMES``). See
 dcpc/ops/registry.py for the record, docs/internals.md for the recipe.
 """
 
+import pkgutil
 from importlib import import_module
 
 from dcpc.ops.registry import OPS, OpDef
 
+# The language's op order for the ops it began with (error hints and the JSON Schema list
+# the ops in it, so their texts stay put); an op module not named here is found by the
+# scan below and joins after them, by name: adding an op touches no file but its own.
 MODULES = (
     "all_gather", "all_to_all", "lse_combine", "all_to_all_combine", "reduce_scatter",
     "lse_correct", "copy", "sync", "external",
@@ -19,8 +23,10 @@ MODULES = (
     "all_reduce", "broadcast", "reduce",
     "ragged_all_to_all", "weighted_combine",
 )
-for _module in MODULES:
-    import_module(f"dcpc.ops.{_module}")
+_FOUND = sorted(info.name for info in pkgutil.iter_modules(__path__)
+                if not info.name.startswith("_"))
+for _module in (*MODULES, *(name for name in _FOUND if name not in MODULES)):
+    import_module(f"dcpc.ops.{_module}")  # an op module registers itself (define)
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)
 

@@ -171,4 +171,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 DEF = define(OpDef("all_gather", AllGather, semantics, verify, reference, io, lower,
-                         teams=True))
+                         teams=True, exact=True))

@@ -192,4 +192,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io, lower,
-                   teams=True, whole_mesh_form=whole_mesh_form, team_form="dim"))
+                   teams=True, whole_mesh_form=whole_mesh_form, team_form="dim",
+                   exact=True))

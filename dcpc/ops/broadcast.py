@@ -91,4 +91,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     )
 
 
-DEF = define(OpDef("broadcast", Broadcast, semantics, verify, reference, io, lower))
+DEF = define(OpDef("broadcast", Broadcast, semantics, verify, reference, io, lower, exact=True))

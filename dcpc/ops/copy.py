@@ -59,4 +59,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     )
 
 
-DEF = define(OpDef("copy", Copy, semantics, verify, reference, io, lower))
+DEF = define(OpDef("copy", Copy, semantics, verify, reference, io, lower, exact=True))

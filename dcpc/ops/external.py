@@ -43,4 +43,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return ctx.plan(step, template=None, reads=list(op.reads), writes=list(op.writes))
 
 
-DEF = define(OpDef("external", External, semantics, None, reference, io, lower))
+DEF = define(OpDef("external", External, semantics, None, reference, io, lower, exact=True))

@@ -175,4 +175,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     )
 
 
-DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io, lower))
+DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io, lower,
+                          exact=True))

@@ -58,6 +58,7 @@ class OpDef:
     teams: bool = False
     whole_mesh_form: Callable[[Any], str | None] | None = None
     team_form: str = ""
+    exact: bool = False
 
     def takes_team(self, op: OpBase) -> bool:
         """Whether this step of the op may run over a team (``axis:``)."""

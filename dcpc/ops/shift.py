@@ -207,4 +207,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return plan
 
 
-DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower))
+DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower, exact=True))

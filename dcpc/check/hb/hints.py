@@ -23,9 +23,10 @@ from dcpc.codegen.lower import lower as lower_plan
 from dcpc.codegen.plan import Plan
 from dcpc.diagnostics import DiagnosticError
 from dcpc.lang.mesh import grown
-from dcpc.lang.model import Barrier, Peers, Schedule, Signal, Streams
+from dcpc.lang.model import Peers, Schedule, Streams
 from dcpc.lang.semantics import REACHES, WRITE, table
 from dcpc.ops.common import data_flow
+from dcpc.ops.sync import Barrier, Signal
 
 Key = tuple[str, str, str, str, str]
 Edit = tuple[str, Callable[[], Schedule]]

@@ -1,7 +1,9 @@
-import threading, time
+import threading
+import time
+
 try:
-    import triton.runtime.jit as jit
     import triton.compiler.compiler as cc
+    import triton.runtime.jit as jit
 except Exception:
     jit = None
 def _co():
