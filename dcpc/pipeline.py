@@ -20,10 +20,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError
 from dcpc.lang.mesh import DEFAULT_WORLDS
+
+if TYPE_CHECKING:  # the stages' products, typed; imported where a stage runs
+    import networkx as nx
+
+    from dcpc.check.hb import HbReport
+    from dcpc.codegen.plan import Plan
+    from dcpc.lang.model import Schedule
 
 
 @dataclass
@@ -39,14 +46,14 @@ class Compilation:
 
     path: Path
     options: Options
-    schedule: Any = None  # dcpc.lang.model.Schedule
+    schedule: Schedule | None = None  # parse
     # a trip count that names W: the worlds checked one at a time (dcpc.lang.loops);
     # the other fields then hold the last W's results
     per_world: list[int] = field(default_factory=list)
-    graph: Any = None  # networkx.DiGraph
-    hb_report: Any = None  # dcpc.check.hb.HbReport
-    plan: Any = None  # dcpc.codegen.lower.Plan
-    module_text: str | None = None
+    graph: nx.DiGraph | None = None  # graph
+    hb_report: HbReport | None = None  # hb
+    plan: Plan | None = None  # lower
+    module_text: str | None = None  # emit
     warnings: list[Diagnostic] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     worlds: list[int] = field(default_factory=list)  # the group sizes, as the mesh reads them
