@@ -155,3 +155,15 @@ def test_references_move_integers_exactly() -> None:
             for buf, value in rank.items():
                 if not schedule.buffers[buf].dtype.is_float:
                     assert value.dtype == torch.int64, (name, buf)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bfloat16])
+def test_poison_of_a_strided_tensor(dtype: torch.dtype) -> None:
+    """A strided tensor is filled, not poisoned through its bytes: an integer one was
+    filled with NaN, which it cannot hold (RuntimeError); now -1, its 0xFF bytes."""
+    from dcpc.runtime.heap import poison_
+
+    whole = torch.zeros(4, 6, dtype=dtype)
+    poison_(whole[:, :3])
+    poisoned = whole[:, :3].isnan() if dtype.is_floating_point else whole[:, :3] == -1
+    assert poisoned.all() and (whole[:, 3:] == 0).all()
