@@ -167,3 +167,18 @@ def test_poison_of_a_strided_tensor(dtype: torch.dtype) -> None:
     poison_(whole[:, :3])
     poisoned = whole[:, :3].isnan() if dtype.is_floating_point else whole[:, :3] == -1
     assert poisoned.all() and (whole[:, 3:] == 0).all()
+
+
+def test_the_docs_name_the_moves_that_carry_integers() -> None:
+    """docs/language.md's integer table: the ops whose `src` and `dst` may be integers
+    are the moves the harness compares bit for bit (synth.MOVES), no more, no fewer."""
+    from dcpc.ops import OPS
+
+    text = (ROOT / "docs" / "language.md").read_text()
+    table = text[text.index("| op | integer buffers |"):].split("\n\n", 1)[0]
+    listed = set()
+    for row in table.splitlines()[2:]:
+        op, buffers = row.split(" | ")[0:2]
+        if buffers.startswith("`src` and `dst`"):
+            listed |= set(re.findall(r"`([a-z_]+)`", op))
+    assert listed == {name for name, op in OPS.items() if op.model in synth.MOVES}
