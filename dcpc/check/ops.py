@@ -219,8 +219,8 @@ def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None
         if buf is not None and not buf.dtype.is_float:
             what = "output" if ref is dst else "partial output"
             ctx.error(ref.mark, "non-float-output",
-                      f"{what} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; "
-                      "a merge reads and writes floating-point outputs",
+                      f"{what} '{ref.name}' of {step.kind} '{step.name}' is "
+                      f"{buf.dtype.value}; a merge reads and writes floating-point outputs",
                       hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
     for r in ret:
         buf = ctx.buffer(r.name)

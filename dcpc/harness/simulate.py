@@ -28,6 +28,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 Buffers = dict[str, torch.Tensor]  # one rank's buffers, float64 (or int64)
+# What an integer buffer holds where nothing was written (rows past a ragged count): the
+# poison's value (0xFF bytes, dcpc.runtime.heap.poison_), which no drawn integer payload
+# takes (dcpc.harness.synth.payload_ints), as NaN marks them in a float buffer
+UNSENT_INT = -1
 External = Callable[[m.Step, int, Buffers], Buffers]  # (step, rank, bufs) -> writes
 
 
@@ -198,6 +202,13 @@ class Sim:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
         self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding)
         self.written[rank][name] = self.bufs[rank][name]
+
+    def unsent(self, name: str) -> torch.Tensor:
+        """A value of ``name``'s shape that says "never written": NaN (float64) for a
+        float buffer, ``UNSENT_INT`` (int64) for an integer one."""
+        if self.schedule.buffers[name].dtype.is_float:
+            return torch.full(self.shape(name), math.nan, dtype=torch.float64)
+        return torch.full(self.shape(name), UNSENT_INT, dtype=torch.int64)
 
     def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None:
         """Keep a value no schedule buffer holds (an implicit receive buffer), rounded to

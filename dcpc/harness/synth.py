@@ -18,14 +18,29 @@ from typing import Any
 
 import torch
 
-from dcpc.harness.simulate import Buffers, as_stored, buffer_shape, empty_rows, local_seq_len
+from dcpc.harness.simulate import (
+    UNSENT_INT,
+    Buffers,
+    as_stored,
+    buffer_shape,
+    empty_rows,
+    local_seq_len,
+)
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.ops import OPS
 from dcpc.ops.external import External
+from dcpc.ops.registry import names
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
 DEFAULT_SMALL_MAX = 8
+
+
+def is_move(op: m.OpBase) -> bool:
+    """An op that moves bits (``OpDef.exact``), not an engine step."""
+    return OPS[op.op].exact and not isinstance(op, External)
+
+
 O_GARBAGE = (math.nan, math.inf, -math.inf, 3.0e4)
 LSE_GARBAGE = (math.nan, math.inf, -math.inf, 25.0)
 
@@ -174,9 +189,12 @@ def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: B
               gen: torch.Generator) -> torch.Tensor:
     """An integer buffer's values within what the ops that read it declare: a ragged
     all_to_all's row counts in 0..capacity, a weighted combine's index rows that exist
-    (some -1), anything else 0..99. The same for an engine input and for what an engine
+    (some -1), an integer payload (``payload_ints``) over its dtype's whole range, anything
+    else 0..99. The same for an engine input and for what an engine
     step writes (an engine writes counts within their capacity)."""
     shape = buffer_shape(schedule, name, sizes)
+    if name in payload_ints(schedule):
+        return full_range_ints(schedule.buffers[name].dtype, shape, gen)
     capacities = ragged_capacities(schedule, sizes)
     if name in capacities:  # a ragged all_to_all's row counts: 0..capacity
         return torch.randint(0, capacities[name] + 1, shape, generator=gen)
@@ -184,6 +202,52 @@ def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: B
         if step.kind == "weighted_combine" and step.op.index == name:  # type: ignore[attr-defined]
             return combine_index(schedule, step, sizes, bufs, capacities, gen)
     return torch.randint(0, 100, shape, generator=gen, dtype=torch.int64)
+
+
+def payload_ints(schedule: m.Schedule) -> set[str]:
+    """The integer buffers that travel as data (top-k expert ids beside the tokens): the
+    src of a move (``is_move``) that no op but a move (as its src) or an engine step reads,
+    nor lands by a move in a buffer read for its value (counts, an index, lengths)."""
+    steps = schedule.step_list()
+    moved: set[str] = set()
+    valued: set[str] = set()  # read for its value by some op
+    mask = mask_of(schedule)
+    if mask is not None:
+        valued.update(n for n in (mask.lengths, mask.query_start_loc) if n)
+    for step in steps:
+        carried = set(names(getattr(step.op, "src", None))) if is_move(step.op) \
+            else set(op_io(step.op)[0]) if isinstance(step.op, m.External) else set()
+        moved.update(carried if is_move(step.op) else ())
+        valued.update(n for n in op_io(step.op)[0] if n not in carried)
+    grown = True
+    while grown:  # a move's src is read for its value where its dst is
+        grown = False
+        for step in steps:
+            if not is_move(step.op):
+                continue
+            for src, dst in zip(names(getattr(step.op, "src", None)),
+                                names(getattr(step.op, "dst", None)), strict=False):
+                if dst in valued and src not in valued:
+                    valued.add(src)
+                    grown = True
+    return {n for n in moved - valued if not schedule.buffers[n].dtype.is_float}
+
+
+def full_range_ints(dtype: m.DType, shape: tuple[int, ...], gen: torch.Generator
+                    ) -> torch.Tensor:
+    """Random integers (int64) over ``dtype``'s whole range, from its random bytes:
+    negatives, and for i64 values past 2**53 that a float64 would round; never
+    ``UNSENT_INT`` (the poison's value). The first elements are the range's edges."""
+    raw = torch.randint(0, 256, (*shape, dtype.itemsize), generator=gen, dtype=torch.uint8)
+    wide = {4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    value = raw.view(wide).reshape(shape).to(torch.int64)
+    value = torch.where(value == UNSENT_INT, UNSENT_INT - 1, value)
+    top = 2 ** (8 * dtype.itemsize - 1)
+    edges = [-top, top - 1, 2**53 + 1, -(2**53 + 1)] if top > 2**53 else [-top, top - 1]
+    flat = value.reshape(-1)
+    count = min(len(edges), flat.numel())
+    flat[:count] = torch.tensor(edges[:count], dtype=torch.int64)
+    return flat.reshape(shape)
 
 
 def ragged_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:

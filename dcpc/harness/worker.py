@@ -27,6 +27,7 @@ from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
 from dcpc.harness.simulate import (
     TORCH_DTYPES,
+    UNSENT_INT,
     Buffers,
     seen_at,
     simulate_call,
@@ -104,16 +105,21 @@ def compare(
     within the dtype's tolerance; NaN and inf must sit exactly where the reference has them.
     ``ragged``: a ragged all_to_all's receive buffer, whose rows past a count were never
     sent (the reference holds NaN there, so that a reader of them mismatches downstream):
-    those elements are not compared."""
+    those elements are not compared. Integers are compared as int64, bit for bit (a
+    float64 rounds them past 2**53), an unsent row of them holding ``UNSENT_INT``."""
     stats.compared += 1
-    got = _host(got.detach()).to(torch.float64)
-    if ragged and tuple(got.shape) == tuple(want.shape):
-        got = torch.where(torch.isnan(want), want, got)
+    integer = not m.DType(dtype).is_float
+    got = _host(got.detach()).to(torch.int64 if integer else torch.float64)
     if tuple(got.shape) != tuple(want.shape):
         stats.mismatches += 1
         stats.first_mismatch = stats.first_mismatch or (
             f"{where}: {name} has shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
         return
+    if integer:
+        _compare_ints(name, got, want, stats, where, ragged=ragged)
+        return
+    if ragged:
+        got = torch.where(torch.isnan(want), want, got)
     finite = torch.isfinite(want) & torch.isfinite(got)
     zero = torch.zeros((), dtype=torch.float64)
     err = (got - want).abs().where(finite, zero)
@@ -130,6 +136,26 @@ def compare(
         stats.first_mismatch = (
             f"{where}: {name}{list(index)} = {float(got[index])}, reference "
             f"{float(want[index])} ({int((~ok).sum())} elements off, max abs err {max_err:.3g})")
+
+
+def _compare_ints(name: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
+                  where: str, *, ragged: bool) -> None:
+    """``compare`` of integers (int64 both): equal, or unsent (``ragged``) where the
+    reference holds ``UNSENT_INT``; the error reported in float64 (a report only)."""
+    ok = got == want
+    if ragged:
+        ok |= want == UNSENT_INT
+    off = (got.double() - want.double()).abs().where(~ok, 0.0)
+    max_err = float(off.max()) if off.numel() else 0.0
+    stats.max_abs_err = max(stats.max_abs_err, max_err)
+    if bool(ok.all()):
+        return
+    stats.mismatches += 1
+    if not stats.first_mismatch:
+        index = tuple(int(i) for i in torch.nonzero(~ok)[0])
+        stats.first_mismatch = (
+            f"{where}: {name}{list(index)} = {int(got[index])}, reference "
+            f"{int(want[index])} ({int((~ok).sum())} elements off)")
 
 
 def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor,

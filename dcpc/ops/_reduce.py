@@ -27,6 +27,19 @@ def via_of(step: Step) -> tuple[str, str]:
     return (via, "via") if via else (f"{step.name}_recv", "")
 
 
+def floats_only(v: ShapeRules, step: Step, refs: list[Any]) -> None:
+    """A reduction's buffers are floats: it sums (or takes the max) in fp32, which an
+    integer does not survive (only the moves carry integers, bit for bit)."""
+    for ref in refs:
+        buf = v.buffer(ref.name)
+        if buf is not None and not buf.dtype.is_float:
+            v.error(ref.mark, "non-float-output",
+                    f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
+                    f"{buf.dtype.value}; it reduces in fp32, so it reads and writes "
+                    "floating-point buffers",
+                    hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
+
+
 def verify_elementwise(v: ShapeRules, step: Step) -> None:
     """sum/max of one ``src`` into ``dst`` through ``via`` (all_reduce, reduce); an fp8
     ``dst``'s ``output_scale``: the rule every computed result shares (dcpc.check.ops)."""
@@ -40,14 +53,7 @@ def verify_elementwise(v: ShapeRules, step: Step) -> None:
                     "reduce: lse", hint="use 'reduce: lse' with 'src: [o, lse]', or drop it")
             return
     (src,), (dst,) = v.refs("src"), v.refs("dst")
-    a, b = v.buffer(src.name), v.buffer(dst.name)
-    for ref, buf in ((src, a), (dst, b)):
-        if buf is not None and not buf.dtype.is_float:
-            v.error(ref.mark, "non-float-output",
-                    f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
-                    f"{buf.dtype.value}; it reduces in fp32, so it reads and writes "
-                    "floating-point buffers",
-                    hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
+    floats_only(v, step, [src, dst])
     shape = v.shape(src.name)
     if shape is not None and v.shape(dst.name) is not None:
         v.expect(dst, shape, f"the reduction of src '{src.name}' over ranks")

@@ -125,11 +125,11 @@ def _gather(sim: SimView, op: AllGather, src: str, dst: str) -> None:
         gathered = torch.cat(parts, dim=op.dim)
     else:
         n, inter = parts[0].shape[op.dim], op.interleave
-        gathered = torch.empty(dst_shape, dtype=torch.float64)
+        gathered = torch.empty(dst_shape, dtype=parts[0].dtype)  # float64 or int64: exact
         for r, part in enumerate(parts):
             j = torch.arange(n)
             rows = (j // inter) * world * inter + r * inter + j % inter
-            gathered.index_copy_(op.dim, rows, part.to(torch.float64))
+            gathered.index_copy_(op.dim, rows, part)
     for r in range(world):
         sim.store(r, dst, gathered.clone())
 

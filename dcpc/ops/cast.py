@@ -101,7 +101,7 @@ def verify(v: ShapeRules, src: Ref, dst: Ref) -> None:
     way = direction(v.ctx.schedule, op)
     if way is None:
         v.error(op.mark("scale"), "bad-cast",
-                f"step '{v.step.name}' casts {a.dtype.value} '{src.name}' into "
+                f"{v.step.kind} '{v.step.name}' casts {a.dtype.value} '{src.name}' into "
                 f"{b.dtype.value} '{dst.name}'; a move casts bf16, f16 or f32 to fp8e4m3, "
                 "or fp8e4m3 back to one of them",
                 hint="drop 'scale' for a move without a cast" if a.dtype == b.dtype else

@@ -103,7 +103,7 @@ class SimView(Protocol):
     def world(self) -> int: ...
 
     @property
-    def bufs(self) -> list[dict[str, torch.Tensor]]: ...  # every rank's buffers, float64
+    def bufs(self) -> list[dict[str, torch.Tensor]]: ...  # float64 (int64 for integers)
 
     @property
     def external(self) -> Callable[[Step, int, dict[str, torch.Tensor]],
@@ -114,6 +114,8 @@ class SimView(Protocol):
     def store(self, rank: int, name: str, value: torch.Tensor) -> None: ...
 
     def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None: ...
+
+    def unsent(self, name: str) -> torch.Tensor: ...  # "never written", in name's shape
 
     def all_to_all(self, src: str, dst: str, dim: int, store: Store | None = None) -> None: ...
 

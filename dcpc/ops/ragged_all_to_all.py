@@ -6,7 +6,8 @@ block per source rank); ``counts`` [W] (integers, read on this rank) says how ma
 of block j are live. Rank p sends rows ``[0, counts[j])`` of block j to rank j, where
 they land in ``dst[p, :counts[j]]`` (``dst`` [W, capacity, *row], symmetric), and the
 count travels with the payload into ``recv_counts[p]`` ([W] i32, symmetric). Rows of
-``dst`` past the count are never written (the float64 reference holds NaN there, so a
+``dst`` past the count are never written (the reference holds NaN there, or for an
+integer payload, such as top-k expert ids, ``UNSENT_INT`` of dcpc.harness.simulate, so a
 reader that takes them for data shows as a mismatch).
 
 A count over ``capacity`` (or negative) is not truncated: that part is not sent at all,
@@ -78,14 +79,6 @@ def verify(v: ShapeRules, step: Step) -> None:
     v.transfer(dst, dst, symmetric=True)  # peers write dst and recv_counts: symmetric
     v.transfer(recv, recv, symmetric=True)
     cast.verify(v, src, dst)
-    for ref in (src, dst):
-        buf = v.buffer(ref.name)
-        if buf is not None and not buf.dtype.is_float:
-            v.error(ref.mark, "bad-ragged-payload",
-                    f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; a "
-                    "ragged all_to_all moves floating-point rows (rows past a count are "
-                    "poisoned with NaN in the reference)",
-                    hint=f"declare '{ref.name}' with dtype bf16, f16, f32 or fp8e4m3")
     cap = ex.parse(op.capacity) if isinstance(op.capacity, str) else ("num", op.capacity)
     shape = v.shape(src.name)
     if shape is not None:
@@ -133,8 +126,9 @@ def reference(sim: SimView, step: Step) -> None:
         sent.append(x)
         scales.append(s)
     for j in range(sim.world):
-        # rows past a count: NaN, so that whoever reads them as data mismatches
-        out = torch.full(sim.shape(op.dst), math.nan, dtype=torch.float64)
+        # rows past a count: never written (NaN, or an int payload's UNSENT_INT), so
+        # that whoever reads them as data mismatches
+        out = sim.unsent(op.dst)
         got = torch.full(sim.shape(op.dst)[:-1], math.nan, dtype=torch.float64)
         for p in range(sim.world):
             n = counts[p][j]

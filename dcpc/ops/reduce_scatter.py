@@ -14,7 +14,7 @@ from pydantic import Field
 
 from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
-from dcpc.ops._reduce import receive_buffer, via_of
+from dcpc.ops._reduce import floats_only, receive_buffer, via_of
 from dcpc.ops.common import (
     AFTER,
     BEFORE,
@@ -70,9 +70,7 @@ def verify(v: ShapeRules, step: Step) -> None:
         part = v.scatter(src, via)
     else:
         part = v.part(src) if v.buffer(src.name) is not None else None
-    a, b = v.buffer(src.name), v.buffer(dst.name)
-    if a is not None and b is not None and not (a.dtype.is_float and b.dtype.is_float):
-        v.same_dtype(src, dst)  # floats: summed in fp32, rounded once into dst
+    floats_only(v, step, [src, dst])  # summed in fp32, rounded once into dst
     if part is not None and v.shape(dst.name) is not None:
         v.expect(dst, part, f"this rank's part of src '{src.name}'")
 

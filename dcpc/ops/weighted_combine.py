@@ -55,8 +55,9 @@ def verify(v: ShapeRules, step: Step) -> None:
         buf = v.buffer(ref.name)
         if buf is not None and not buf.dtype.is_float:
             v.error(ref.mark, "non-float-output",
-                    f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; a "
-                    "weighted combine reads and writes floating-point values",
+                    f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
+                    f"{buf.dtype.value}; it sums in fp32, so it reads and writes "
+                    "floating-point values",
                     hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
     ws, xs, ds = v.shape(weights.name), v.shape(x.name), v.shape(dst.name)
     if ws is None or xs is None:

@@ -72,8 +72,8 @@ def poison_(t: torch.Tensor) -> None:
     """Fill with 0xFF bytes: NaN for every float dtype, -1 for integers."""
     if t.is_contiguous():
         t.view(torch.uint8).fill_(0xFF)
-    else:
-        t.fill_(float("nan"))
+    else:  # an integer holds no NaN: -1 is its 0xFF bytes
+        t.fill_(float("nan") if t.dtype.is_floating_point else -1)
 
 
 class LocalHeap:
