@@ -24,6 +24,7 @@ class Access:
     mode: str  # "r" | "w"
     ref: Ref
     root: int | None = None
+    everywhere: bool = True  # False: a store some ranks' instances never get (Region.line)
 
 
 def accesses(ctx: Context) -> list[Access]:
@@ -35,7 +36,8 @@ def accesses(ctx: Context) -> list[Access]:
         step = ctx.steps[i]
         at = step if e.lands is None else ctx.steps[e.lands]
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
-        out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root))
+        out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
+                          e.region is None or e.region.covers_all))
     return out
 
 
@@ -56,7 +58,7 @@ def check_reads(ctx: Context) -> None:
         step, ref = acc.step, acc.ref
         buffer = ctx.buffer(ref.name)
         if acc.mode == "w":
-            if acc.root is None:
+            if acc.root is None and acc.everywhere:
                 everywhere.add(ref.name)
             else:
                 roots.setdefault(ref.name, set()).add(acc.root)
