@@ -685,3 +685,4 @@ def test_dcpc_run_of_a_nowrap_shift_matches_float64(path: Path, world: int,
     out = "recv" if path == NOWRAP else "y"
     # the rank at the end that receives nothing is not compared; every other rank is
     assert report.outputs[out].compared == 4 * (world - 1), text
+    assert report.outputs[out].kept == 4, text

@@ -47,6 +47,9 @@ TOLERANCE = {  # (atol, rtol); fp8 e4m3: one rounding step (3 mantissa bits)
 @dataclass
 class OutputStats:
     compared: int = 0
+    # returned where the reference left it as it was (a shift without wrap, on a rank
+    # with no source) and nothing earlier in the call wrote it: nothing to compare
+    kept: int = 0
     mismatches: int = 0
     max_abs_err: float = 0.0
     first_mismatch: str = ""
@@ -308,6 +311,7 @@ def run_rank(
                 if want is None:
                     want = seen_at(trace, step.index, rank, name)
                 if want is None:
+                    report.outputs.setdefault(name, OutputStats()).kept += 1
                     continue
                 compare(name, kind, schedule.buffers[name].dtype.value, value,
                         want, report.outputs[name],
