@@ -551,15 +551,15 @@ def _shift_offset(op) -> int:
 
 
 def _shift_puts(schedule: Schedule) -> dict[str, str]:
-    """wait step -> the put it polls: the k-th `phase: wait` of a (src, dst, offset)
-    polls the k-th `phase: put` of it before it (and lands its data)."""
+    """wait step -> the put it polls: the k-th `phase: wait` of a (src, dst, offset,
+    wrap) polls the k-th `phase: put` of it before it (and lands its data)."""
     pending: dict[tuple, list[str]] = {}
     out: dict[str, str] = {}
     for item in schedule.steps:
         for n, op in item.items():
             if op.op != "shift" or op.phase is None:
                 continue
-            key = (op.src, op.dst, _shift_offset(op))
+            key = (op.src, op.dst, _shift_offset(op), op.wrap)
             if op.phase == "put":
                 pending.setdefault(key, []).append(n)
             elif pending.get(key):
@@ -570,10 +570,17 @@ def _shift_puts(schedule: Schedule) -> dict[str, str]:
 def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
            tracked: set[str]) -> None:
     """Rank r stores src into rank r + k's whole dst (a part of its own: writer r), then
-    signals r + k; the wait (its own, or in the matching `phase: wait` step) is for r - k."""
+    signals r + k; the wait (its own, or in the matching `phase: wait` step) is for r - k.
+    `wrap: false`: r + k and r - k are ranks only inside 0 .. W-1, no mod: a rank with no
+    r + k stores and signals nothing, a rank with no r - k does not wait (the template's
+    launch masks that lane off) and its dst is not written."""
     k = _shift_offset(op)
-    target, source = (b.rank + k) % world, (b.rank - k) % world
-    if op.phase != "wait":
+    if op.wrap:
+        target, source = (b.rank + k) % world, (b.rank - k) % world
+    else:  # past an end: no peer; the rank itself stands in (no signal, no wait below)
+        target = b.rank + k if 0 <= b.rank + k < world else None
+        source = b.rank - k if 0 <= b.rank - k < world else b.rank
+    if op.phase != "wait" and target is not None:
         # the language writes dst at the wait: the put's own, or the `phase: wait` step
         # that polls this put
         landing = index
@@ -612,12 +619,14 @@ steps:
 """
 
 
-def random_shift_schedule_text(draw, st) -> str:
+def random_shift_schedule_text(draw, st, nowrap: bool = False) -> str:
     """A small, structurally valid random schedule of shifts (whole, or put ... wait with
     steps in between, several puts in flight whose waits come in put order or not),
     externals that read and write the shifted buffers (also while a put into them is in
     flight), gathers into another buffer, barriers and split-phase credits (signal/wait
-    next/prev). A put's dst counts as written at its wait, where the language lands it."""
+    next/prev). A put's dst counts as written at its wait, where the language lands it.
+    ``nowrap``: some shifts are `wrap: false`, whose dst does not count as written (the
+    first ranks of the line receive nothing)."""
     slots = draw(st.integers(1, 2))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 4)) == 0 else "" for b in ("h0", "h1")}
@@ -629,15 +638,18 @@ def random_shift_schedule_text(draw, st) -> str:
                                      "gather"]))
         src = draw(st.sampled_from(["x"] + [b for b in ("h0", "h1") if b in written]))
         dst = draw(st.sampled_from([b for b in ("h0", "h1") if b != src]))
-        if kind == "shift":
+        wrap = not (nowrap and draw(st.booleans()))
+        if kind == "shift" and wrap:
             written.append(dst)
         offset = draw(st.sampled_from(["next", "prev", "1", "-1", "2", "-2", "3"]))
+        if not wrap:
+            offset += ", wrap: false"
         if kind == "shift":
             steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}}}")
         elif kind == "put":
             steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, phase: put}}")
             pending.append((f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, "
-                            "phase: wait}", dst))
+                            "phase: wait}", dst if wrap else ""))
         elif kind == "barrier":
             steps.append("{op: barrier}")
         elif kind == "gather" and "h0" in written:
@@ -660,7 +672,7 @@ def random_shift_schedule_text(draw, st) -> str:
         while pending and draw(st.booleans()):  # the oldest put's wait, or the newest's
             wait, landed = pending.pop(draw(st.sampled_from([0, -1])))
             steps.append(wait)
-            written.append(landed)
+            written.append(landed)  # "" for a put without wrap: not written everywhere
     if draw(st.booleans()):
         pending.reverse()
     steps += [wait for wait, _ in pending]

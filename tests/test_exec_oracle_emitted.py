@@ -120,13 +120,20 @@ def _generated(count: int) -> list[tuple[str, object]]:
 
 def _one_peer(text: str, step: str, lane: str) -> str:
     """A shift's TO/FROM lane as the sync names its peer ("next", "prev", "+k" / "-k":
-    dcpc.ops.common.offset_peers, rank + k), read off the step's launch; else ``lane``."""
+    dcpc.ops.common.offset_peers, rank + k), read off the step's launch; else ``lane``.
+    Without wrap ("line+k"): rank + k only where it is a rank, else the rank itself (the
+    lane is masked off: no signal, no wait)."""
     if lane not in ("TO", "FROM"):
         return lane
     launch = text[text.index(f"_{step}_kernel[(_grid,)]("):]
-    found = re.search(rf"\n\s*{lane}=\(self\.rank ([+-]) (-?\d+)\) % self\.world,\n", launch)
+    line = re.search(rf"\n\s*{lane}=\(self\.rank ([+-]) (-?\d+)\n\s*if 0 <= self\.rank "
+                     r"\1 \2 < self\.world else self\.rank\),\n", launch)
+    found = line or re.search(rf"\n\s*{lane}=\(self\.rank ([+-]) (-?\d+)\) % self\.world,\n",
+                              launch)
     assert found, f"no {lane} in the launch of _{step}_kernel"
     k = int(found.group(2)) * (1 if found.group(1) == "+" else -1)
+    if line:
+        return f"line{k:+d}"
     return {1: "next", -1: "prev"}.get(k, f"{k:+d}")
 
 

@@ -286,7 +286,10 @@ def run_on_cpu(path: Path, world: Any) -> None:
     for step in schedule.step_list():
         if step.kind != "external":
             for name in returned_names(step.op):
-                assert report.outputs[name].compared >= CALLS * int(world), (name, text)
+                # on every rank in every call, but where the reference left it as it was
+                stats = report.outputs[name]
+                assert stats.compared + stats.kept >= CALLS * int(world), (name, text)
+                assert stats.compared > 0, (name, text)
 
 
 RUNS = [(p, w) for p in FILES for w in worlds(header(p, "run") or "")]

@@ -6,6 +6,8 @@ its float64 reference, the access tracer, and runs on the host and torch backend
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcpc.check import hb, structural
+from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import simulate
 from dcpc.harness import trace as tr
 from dcpc.harness.run import RunConfig, format_report, run_schedule
@@ -541,3 +544,145 @@ def test_a_zero_offset_at_one_hop_names_the_hop() -> None:
     (d,) = err.value.diagnostics
     assert (d.code, d.mark.line) == ("bad-offset", 15)
     assert "step 'hop' shifts by offset 'h - 1' = 0 (at h=1)" in d.message, d.message
+
+
+# --- wrap: false, the non-cyclic shift (issue 33): the pipeline stage hand-off ---------
+# Rank r stores into rank r + k only when 0 <= r + k < W; a rank whose r - k is not a
+# rank receives nothing (dst kept) and does not wait. The checker models every rank alike
+# (a "line" wait orders nothing, its dependency still counts): sound, so every race the
+# brute force (which models the edges exactly) finds, the checker reports.
+
+ROOT = Path(__file__).parent.parent
+NOWRAP = ROOT / "schedules" / "ops" / "shift_nowrap.yaml"
+SPLIT_NOWRAP = HERE / "split_nowrap.yaml"
+HAND_OFF = NOWRAP.read_text()
+NOWRAP_NO_CREDIT = HAND_OFF.split("  - credit:")[0]  # the receiver never frees recv
+NOWRAP_IN_FLIGHT = (  # a stage re-writes recv while the hand-off into it is in flight
+    HAND_OFF.replace("wrap: false}", "wrap: false, phase: put}")
+    .replace("  - credit:", "  - poke:   {op: external, reads: [x], writes: [recv]}\n"
+             "  - land:   {op: shift, src: act, dst: recv, offset: next, wrap: false, "
+             "phase: wait}\n  - credit:"))
+
+
+def test_a_nowrap_shift_stores_on_the_line_only() -> None:
+    schedule = parse_text(HAND_OFF)
+    hand = next(s for s in schedule.step_list() if s.name == "hand")
+    sem = semantics(schedule, hand)
+    (store,) = [e for e in sem.effects if e.kind == "write"]
+    assert store.region == Region("line", 0, offset=1) and not store.region.covers_all
+    assert (sem.sync.signal, sem.sync.wait) == ("line+1", "line-1")
+    gen = torch.Generator().manual_seed(5)
+    world = 4
+    inputs = [{"x": simulate.as_stored(schedule, "x", torch.randn(3, 40, generator=gen,
+                                                                  dtype=torch.float64))}
+              for _ in range(world)]
+    trace: list = []
+    out = simulate.simulate_call(schedule, world, {"N": 3, "D": 40}, inputs,
+                                 lambda step, rank, bufs: {"act": bufs["x"] * 0 + rank + 1},
+                                 trace=trace)
+    assert "recv" not in out[0]  # stage 0 receives nothing: its recv is left as it was
+    for r in range(1, world):
+        assert torch.equal(out[r]["recv"], torch.full((3, 40), float(r), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("path", [NOWRAP, SPLIT_NOWRAP], ids=["hand-off", "split"])
+def test_nowrap_shifts_check_clean_for_every_w(path: Path) -> None:
+    report = hb.check(parse_file(path), range(2, 9))
+    assert report.findings == [], [f.key for f in report.findings]
+    schedule = parse_file(path)
+    for world in (2, 3, 4, 5):
+        assert oracle_keys(schedule, world) == set(), world
+        assert disagreements(schedule, [world]) == [], world
+
+
+def test_a_nowrap_hand_off_without_credit_races() -> None:
+    race = ("race", "write-after-write", "recv", "hand", "hand")
+    for world in (2, 3, 4):
+        assert race in _keys(NOWRAP_NO_CREDIT, world)
+        assert race in oracle_keys(parse_text(NOWRAP_NO_CREDIT), world)
+
+
+def test_a_nowrap_dst_rewritten_in_flight_is_refused() -> None:
+    # the data flow lands hand's store at 'land', after 'poke': poke is the first
+    race = ("race", "write-after-write", "recv", "poke", "hand")
+    for world in (2, 3, 4):
+        assert race in _keys(NOWRAP_IN_FLIGHT, world)
+        assert race in oracle_keys(parse_text(NOWRAP_IN_FLIGHT), world)
+
+
+def test_dcpc_check_refuses_the_nowrap_twins_with_their_class(tmp_path: Path) -> None:
+    for name, text in (("no_credit", NOWRAP_NO_CREDIT), ("in_flight", NOWRAP_IN_FLIGHT)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        proc = subprocess.run([sys.executable, "-m", "dcpc", "check", str(path),
+                               "--world", "2..8"], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "write-after-write" in proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_a_read_of_a_nowrap_dst_is_read_before_write() -> None:
+    """Stage 0's recv is never written: a read of it on every rank reads nothing."""
+    text = HAND_OFF.replace("  - credit:", "  - use:    {op: external, reads: [recv], "
+                            "writes: [act]}\n  - credit:")
+    found = _errors(text)
+    assert [d.code for d in found] == ["read-before-write"], found
+    assert ("read-before-write", "", "recv", "use", "") in oracle_unwritten(parse_text(text), 3)
+
+
+@pytest.mark.parametrize("value,words", [("3", "not an integer"), ('"no"', "not a string"),
+                                         ("[false]", "not a list")])
+def test_a_bad_wrap_is_a_located_error(value: str, words: str) -> None:
+    step = f"  - hop: {{op: shift, src: x, dst: y, wrap: {value}}}\n"
+    with pytest.raises(DiagnosticError) as err:
+        _errors(HEAD + step)
+    (d,) = err.value.diagnostics
+    assert (d.mark.file, d.mark.line, d.mark.col) == ("s.yaml", 10, step.index(value) + 1)
+    assert "must be true or false" in d.message and words in d.message
+
+
+def test_a_nowrap_wait_does_not_poll_a_cyclic_put() -> None:
+    text = HEAD + ("  - send: {op: shift, src: x, dst: y, phase: put}\n"
+                   "  - recv: {op: shift, src: x, dst: y, wrap: false, phase: wait}\n")
+    assert sorted(d.code for d in _errors(text)) == ["unmatched-put", "unmatched-wait"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_checker_finds_every_race_the_brute_force_finds_without_wrap(
+        data: st.DataObject) -> None:
+    text = random_shift_schedule_text(data.draw, st, nowrap=True)
+    schedule = parse_text(text)
+    errors = [d for d in structural.check(schedule, range(2, 5)) if d.severity == "error"]
+    assert errors == [], text
+    for world in (2, 3, 4):
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        exact = oracle_keys(schedule, world)
+        assert exact <= found, (text, world, exact - found)
+        assert {k for k in found if k[0] == "deadlock"} == \
+            {k for k in exact if k[0] == "deadlock"}, (text, world)
+        assert oracle_unwritten(schedule, world) == set(), (text, world)
+
+
+@pytest.mark.parametrize("path,world", [(NOWRAP, 3), (SPLIT_NOWRAP, 3), (SPLIT_NOWRAP, 2)],
+                         ids=["hand-off-3", "split-3", "split-2"])
+def test_traced_nowrap_kernels_store_on_the_line_only(path: Path, world: int) -> None:
+    run = tr.run_traced(str(path), world, programs=2, block=256, calls=2)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("path,world,backend", [
+    (NOWRAP, 2, "host"), (NOWRAP, 3, "host"), (NOWRAP, 4, "host"), (NOWRAP, 3, "torch"),
+    (SPLIT_NOWRAP, 3, "host"), (SPLIT_NOWRAP, 2, "torch")])
+def test_dcpc_run_of_a_nowrap_shift_matches_float64(path: Path, world: int,
+                                                    backend: str) -> None:
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
+                                    calls=4, seed=3))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    out = "recv" if path == NOWRAP else "y"
+    # the rank at the end that receives nothing is not compared; every other rank is
+    assert report.outputs[out].compared == 4 * (world - 1), text
+    assert report.outputs[out].kept == 4, text

@@ -25,6 +25,7 @@ class Access:
     mode: str  # "r" | "w"
     ref: Ref
     root: int | None = None
+    everywhere: bool = True  # False: a store some ranks' instances never get (Region.line)
 
 
 def accesses(ctx: Context) -> list[Access]:
@@ -36,7 +37,8 @@ def accesses(ctx: Context) -> list[Access]:
         step = ctx.steps[i]
         at = step if e.lands is None else ctx.steps[e.lands]
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
-        out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root))
+        out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
+                          e.region is None or e.region.covers_all))
     return out
 
 
@@ -53,14 +55,17 @@ def check_reads(ctx: Context) -> None:
     everywhere: set[str] = set()  # written on every rank
     roots: dict[str, set[int]] = {}  # written on these team members only
     reported: set[str] = set()
+    partial: dict[str, Access] = {}  # written on some ranks only: the first such store
     for acc in found:
         step, ref = acc.step, acc.ref
         buffer = ctx.buffer(ref.name)
         if acc.mode == "w":
-            if acc.root is None:
+            if acc.root is None and acc.everywhere:
                 everywhere.add(ref.name)
-            else:
+            elif acc.root is not None:
                 roots.setdefault(ref.name, set()).add(acc.root)
+            else:  # on some ranks only (a shift without wrap)
+                partial.setdefault(ref.name, acc)
             continue
         if buffer is None or ref.name in everywhere or ref.name in reported:
             continue
@@ -69,7 +74,18 @@ def check_reads(ctx: Context) -> None:
         writer = first_writer.get(ref.name)
         if writer is not None and writer.step is step and writer.at is step:
             continue  # read and written by one step: an in-place update
-        if buffer.is_symmetric:
+        if buffer.is_symmetric and ref.name in partial:
+            reported.add(ref.name)
+            w = partial[ref.name].step
+            ctx.error(ref.mark, "read-before-write",
+                      f"step '{step.name}' reads symmetric buffer '{ref.name}' on every "
+                      f"rank, but the earlier steps of the call write it on some ranks only "
+                      f"({w.kind} '{w.name}' has no wrap: the ranks with no source at "
+                      "the end of the line receive nothing), so those ranks read what "
+                      "nothing wrote",
+                      hint=f"write '{ref.name}' on every rank before '{w.name}', or read "
+                      "it after the call, where the ranks that received know it")
+        elif buffer.is_symmetric:
             reported.add(ref.name)
             _unwritten(ctx, acc, writer, roots.get(ref.name, set()))
         elif writer is not None and writer.at.index > step.index:

@@ -23,8 +23,10 @@ chosen by a scheduler:
 - symmetric instances: one per (rank, slot), one per rank for ``shared`` buffers; a
   store with a region writes part ``writer`` of EVERY rank's instance (parts of one
   partition overlap only for equal writers, different partitions always overlap), a
-  ``peer`` region (shift) the whole instance of rank ``writer + offset`` only;
-  region None is the own instance, whole. Engine and output buffers are not tracked.
+  ``peer`` region (shift) the whole instance of rank ``writer + offset`` only, a
+  ``line`` region (shift, ``wrap: false``) that one when it is a rank (none past
+  either end, whose "line+k" signals and waits are skipped too); region None is the
+  own instance, whole. Engine and output buffers are not tracked.
 
 Happens-before of the ACTUAL run is tracked with vector clocks (one entry per stream):
 program order within a stream, and a wait that reads value v synchronises with the
@@ -145,6 +147,9 @@ def peers(spec: str | None, rank: int, world: int,
     members in the same loop order over member indices; next/prev move the one axis'
     coordinate. A shift is never on a mesh of several axes (the structural check)."""
     if spec is not None and spec not in ("all", "next", "prev"):  # one rank at "+k"/"-k"
+        if spec.startswith("line"):  # "line+k": none past either end (edge ranks skip it)
+            end = rank + int(spec[len("line"):])
+            return [end] if 0 <= end < world else []
         other = (rank + int(spec)) % world if world >= 2 else rank
         return [other] if other != rank else []
     if spec is None or world < 2:
@@ -357,6 +362,8 @@ class _Compiled:
                 owners: Sequence[int] = (rank,)
             elif part[0] == "peer":  # a shift: one rank's instance
                 owners = ((rank + part[3]) % self.world,)
+            elif part[0] == "line":  # a shift without wrap: none past either end
+                owners = tuple(o for o in (rank + part[3],) if 0 <= o < self.world)
             elif part[4] is not None:  # a team's store: its members' instances only
                 owners = team_of(rank, self.world.shape, part[4])  # type: ignore[attr-defined]
             else:

@@ -295,6 +295,7 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
         for out, stats in rank_report.outputs.items():
             merged = report.outputs.setdefault(out, OutputStats())
             merged.compared += stats.compared
+            merged.kept += stats.kept
             merged.mismatches += stats.mismatches
             merged.max_abs_err = max(merged.max_abs_err, stats.max_abs_err)
             merged.first_mismatch = merged.first_mismatch or stats.first_mismatch
@@ -351,6 +352,9 @@ def format_report(report: RunReport) -> str:
         lines.append(f"  {name:<12}{s.compared:>8}  {s.mismatches:>10}  {s.max_abs_err:.3g}")
         if s.first_mismatch:
             lines.append(f"    first: {s.first_mismatch}")
+        if s.kept:
+            lines.append(f"    and {s.kept} returned where nothing in the call wrote it (a "
+                         "shift without wrap, on a rank with no source): not compared")
     cpu = sum(r.cpu_s for r in report.ranks)  # local: every thread reads the process's
     if c.backend == "local" and report.ranks:
         cpu = max(r.cpu_s for r in report.ranks)

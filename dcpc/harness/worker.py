@@ -49,6 +49,9 @@ TOLERANCE = {  # (atol, rtol); fp8 e4m3: one rounding step (3 mantissa bits)
 @dataclass
 class OutputStats:
     compared: int = 0
+    # returned where the reference left it as it was (a shift without wrap, on a rank
+    # with no source) and nothing earlier in the call wrote it: nothing to compare
+    kept: int = 0
     mismatches: int = 0
     max_abs_err: float = 0.0
     first_mismatch: str = ""
@@ -328,8 +331,17 @@ def run_rank(
             kind = "move" if OPS[step.op.op].exact else "math"
             for name, value in zip(names, values, strict=True):
                 env[name] = value
+                # a step may leave a returned buffer as it was on some ranks (a shift
+                # without wrap: the first ranks receive nothing): what it held before,
+                # and nothing to compare when no step of the call wrote it there
+                want = trace[step.index][rank].get(name)
+                if want is None:
+                    want = seen_at(trace, step.index, rank, name)
+                if want is None:
+                    report.outputs.setdefault(name, OutputStats()).kept += 1
+                    continue
                 compare(name, kind, schedule.buffers[name].dtype.value, value,
-                        trace[step.index][rank][name], report.outputs[name],
+                        want, report.outputs[name],
                         f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
                         ragged=name in ragged)
         jitter.delay()

@@ -92,8 +92,9 @@ def describe(sem: Semantics) -> tuple[str, str, str]:
         part = {"block": "block `r` along a dim", "index": "index `r` of a dim",
                 "interleave": "rows of `r`, interleaved",
                 "peer": f"rank r{r.offset:+d}'s, whole",
+                "line": f"rank r{r.offset:+d}'s, whole, when it is a rank",
                 "root": "whole, as the root's broadcast"}[r.scheme]
-        if r.scheme == "peer":
+        if r.scheme in ("peer", "line"):
             return f" ({part})"
         return f" ({'the root' if e.root is not None else 'every rank'}: {part})"
 

@@ -46,9 +46,13 @@ class Region:
     Scheme ``peer`` (shift): writer ``p`` stores into the WHOLE instance of rank
     ``p + offset`` (mod W) only, no other rank's; two peer stores of one offset meet
     on an instance only when their writers are equal, so they form a partition too.
+    Scheme ``line`` (a shift with ``wrap: false``): the same store, made only when
+    ``0 <= p + offset < W``; the ranks ``r`` with ``r - offset`` outside get none
+    (``covers_all`` False: the data flow does not count it as written there). The
+    happens-before checkers take it as ``peer`` on every rank (more stores: sound).
     """
 
-    scheme: str  # "block" | "index" | "interleave" | "peer" | "root" (broadcast; dim: root)
+    scheme: str  # "block" | "index" | "interleave" | "peer" | "line" | "root" (broadcast)
     dim: int
     interleave: int = 0
     dim_text: str = ""
@@ -60,13 +64,20 @@ class Region:
     @property
     def owners_all(self) -> bool:
         """Whether one writer's store reaches every rank's instance (not ``peer``)."""
-        return self.scheme != "peer"
+        return self.scheme not in ("peer", "line")
+
+    @property
+    def covers_all(self) -> bool:
+        """Whether every rank's instance gets this store from some writer (not ``line``:
+        the first ``offset`` ranks of the line get none)."""
+        return self.scheme != "line"
 
     def writers(self, owner: int, world: int) -> list[int]:
         """The ranks whose store of this region reaches ``owner``'s instance, peers of
         ``owner`` first (the order counterexamples prefer), then ``owner`` itself (no
-        team: a shift is refused on a mesh of several axes)."""
-        if self.scheme == "peer":
+        team: a shift is refused on a mesh of several axes). ``line``: taken cyclically,
+        as the symmetric checkers model it (a writer outside the line only adds stores)."""
+        if self.scheme in ("peer", "line"):
             return [(owner - self.offset) % world]
         return [(owner + k) % world for k in range(1, world)] + [owner]
 
@@ -81,7 +92,7 @@ class Region:
             return f"{self.dim_text} block {writer} (dim {self.dim})"
         if self.scheme == "index":
             return f"index {writer} of dim {self.dim}"
-        if self.scheme == "peer":
+        if self.scheme in ("peer", "line"):
             return f"whole (shift from rank {writer}, offset {self.offset:+d})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
@@ -136,7 +147,9 @@ class Sync:
     """The signal slots a step's kernel uses.
 
     ``signal``: the peers ("all" | "next" | "prev", or one rank at an offset "+k" /
-    "-k", |k| >= 2: a shift) this step publishes its epoch to, in its own slots.
+    "-k", |k| >= 2: a shift; "line+k" / "line-k": the rank at offset k only when it is
+    one, 0 <= r + k < W, no wrap: a shift with ``wrap: false``, whose edge ranks skip
+    that signal or wait) this step publishes its epoch to, in its own slots.
     ``wait``: the peers it waits for, polling the slots of step ``polls`` (its own index
     for a communication op).
     """
@@ -161,9 +174,37 @@ class Semantics:
         return _unique(e.buffer for e in self.effects if e.kind == WRITE)
 
 
-def offset_peers(k: int) -> str:
-    """The sync peers of one rank at offset ``k``: "next", "prev" or "+k" / "-k"."""
+LINE = "line"  # the prefix of a non-cyclic offset's peers: "line+k" / "line-k"
+
+
+def offset_peers(k: int, wrap: bool = True) -> str:
+    """The sync peers of one rank at offset ``k``: "next", "prev" or "+k" / "-k";
+    ``wrap`` False: "line+k" / "line-k" (no peer past either end of 0 .. W-1)."""
+    if not wrap:
+        return f"{LINE}{k:+d}"
     return {1: "next", -1: "prev"}.get(k, f"{k:+d}")
+
+
+def peer_offset(peers: str) -> tuple[int, bool]:
+    """(k, wraps) of a one-rank peers spec ("next", "prev", "+k", "line+k")."""
+    if peers in ("next", "prev"):
+        return (1 if peers == "next" else -1), True
+    if peers.startswith(LINE):
+        return int(peers[len(LINE):]), False
+    return int(peers), True
+
+
+def line_peer(peers: str, rank: int, world: int) -> int | None:
+    """The rank a non-cyclic ("line+k") spec names from ``rank``: None past an end."""
+    k, _ = peer_offset(peers)
+    return rank + k if 0 <= rank + k < world else None
+
+
+def wraps(peers: str | None) -> bool:
+    """Whether the peers a sync names exist on every rank (not a "line" offset, whose
+    edge ranks skip the signal or wait: a happens-before checker that models every rank
+    alike takes no ordering from such a wait, only its dependency)."""
+    return peers is None or not peers.startswith(LINE)
 
 
 def ring_hops(peers: str | None) -> int:
@@ -171,7 +212,7 @@ def ring_hops(peers: str | None) -> int:
     (0 for none or "all", which reaches every rank at once): the world bound counts it."""
     if peers in (None, "all"):
         return 0
-    return 1 if peers in ("next", "prev") else abs(int(peers))  # type: ignore[arg-type]
+    return abs(peer_offset(peers)[0])  # type: ignore[arg-type]
 
 
 def _unique(names: object) -> tuple[str, ...]:

@@ -14,6 +14,12 @@ any rank, is a race, even one a barrier orders after the store.
 Offsets: ``next`` (= 1), ``prev`` (= -1) or any other nonzero integer k; rank r + k is
 taken mod W, so at a W that divides k the shift is a local copy (no signal, no wait).
 The checker's world bound counts |k| ranks per wait of a shift.
+
+``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
+r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
+outside receives nothing (its ``dst`` is left as it was) and does not wait: the
+pipeline stage hand-off (stage 0 receives nothing, the last stage sends nothing). Its
+peers are "line+k" and its store's region ``line`` (dcpc.ops.common).
 Lowerings: ``lower`` below + templates/ops/shift.py.j2 (a direct push
 into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
 ``shift``.
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import StrictBool
 
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
@@ -57,6 +65,7 @@ class Shift(OpBase):
     dst: Name
     offset: Int | Literal["next", "prev"] = 1
     phase: Literal["put", "wait"] | None = None
+    wrap: StrictBool = True  # false: no store past either end of the ranks 0 .. W-1
 
 
 def delta(op: Shift) -> int:
@@ -65,8 +74,8 @@ def delta(op: Shift) -> int:
     return k if isinstance(k, int) and 0 < abs(k) <= MAX_OFFSET else 1
 
 
-def _key(op: Shift) -> tuple[str, str, int]:
-    return (op.src, op.dst, delta(op))
+def _key(op: Shift) -> tuple[str, str, int, bool]:
+    return (op.src, op.dst, delta(op), op.wrap)
 
 
 @dataclass
@@ -81,9 +90,9 @@ class Puts:
 
 def puts(schedule: ScheduleView) -> Puts:
     """Match every ``phase: wait`` shift with the earliest earlier unmatched put of the
-    same (src, dst, offset). The choice does not depend on W."""
+    same (src, dst, offset, wrap). The choice does not depend on W."""
     out = Puts()
-    pending: dict[tuple[str, str, int], list[Step]] = {}
+    pending: dict[tuple[str, str, int, bool], list[Step]] = {}
     for step in schedule.step_list():
         op = step.op
         if not isinstance(op, Shift) or op.phase is None:
@@ -113,7 +122,7 @@ def matched(holder: Any) -> Puts:
 def semantics(c: Scope, step: Step) -> Semantics:
     op: Shift = step.op  # type: ignore[assignment]
     k = delta(op)
-    to, back = offset_peers(k), offset_peers(-k)
+    to, back = offset_peers(k, op.wrap), offset_peers(-k, op.wrap)
     if op.phase == "wait":
         polled = matched(c).polls.get(step.name)
         return Semantics((), Sync(wait=back, polls=polled.index if polled else None))
@@ -121,7 +130,8 @@ def semantics(c: Scope, step: Step) -> Semantics:
     # the `phase: wait` step's; an unmatched put is the verifier's error)
     wait = matched(c).lands.get(step.name) if op.phase == "put" else step
     push = effects(READ, BEFORE, keyed(op, "src"))
-    push += effects(WRITE, BEFORE, keyed(op, "dst"), Region("peer", 0, offset=k),
+    region = Region("peer" if op.wrap else "line", 0, offset=k)
+    push += effects(WRITE, BEFORE, keyed(op, "dst"), region,
                     lands=wait.index if wait is not None else None)
     if op.phase == "put":
         return Semantics(tuple(push), Sync(signal=to))
@@ -145,29 +155,31 @@ def verify(v: ShapeRules, step: Step) -> None:
     if any(w.name == step.name for w in found.lonely_waits):
         v.error(op.mark("phase"), "unmatched-wait",
                 f"step '{step.name}' waits for a shift of '{src.name}' into '{dst.name}', "
-                "but no earlier 'phase: put' step with the same src, dst and offset is "
+                "but no earlier 'phase: put' step with the same src, dst, offset and wrap is "
                 "left for it; the wait could never finish",
                 "add a put step before it, or drop 'phase' for a shift that waits itself")
     if any(p.name == step.name for p in found.lonely_puts):
         v.error(op.mark("phase"), "unmatched-put",
                 f"step '{step.name}' puts '{src.name}' into '{dst.name}' of rank "
                 f"r{delta(op):+d}, "
-                "but no later 'phase: wait' step with the same src, dst and offset waits "
+                "but no later 'phase: wait' step with the same src, dst, offset and wrap waits "
                 "for it; the receiver never learns that its data arrived",
                 "add a 'phase: wait' step after it")
 
 
 def reference(sim: SimView, step: Step) -> None:
-    """Put: every rank's src leaves (held until its wait); wait: it lands; whole: both."""
+    """Put: every rank's src leaves (held until its wait); wait: it lands; whole: both.
+    ``wrap: false``: a rank whose source r - k is not a rank gets nothing (dst kept)."""
     op: Shift = step.op  # type: ignore[assignment]
     k, w = delta(op), sim.world
+    fed = [r for r in range(w) if op.wrap or 0 <= r - k < w]
     if op.phase == "wait":
         put = matched(sim).polls[step.name]
-        for r in range(w):
+        for r in fed:
             sim.store(r, op.dst, sim.bufs[r][f"{put.name}@inflight"])
         return
-    moved = [sim.bufs[(r - k) % w][op.src].clone() for r in range(w)]
-    for r in range(w):
+    moved = {r: sim.bufs[(r - k) % w][op.src].clone() for r in fed}
+    for r in fed:
         if op.phase == "put":
             sim.stash(r, f"{step.name}@inflight", moved[r], like=op.dst)
         else:
@@ -199,7 +211,9 @@ def lower(ctx: LowerRules, step: Step) -> Any:
         tiles=[product(shape[1:])],
         attrs={"offset": k,
                "signal": op.phase != "wait", "wait": op.phase != "put",
-               "tune_of": put.name if put is not None else step.name},
+               "tune_of": put.name if put is not None else step.name,
+               # only when false: the plans of cyclic shifts stay as they were
+               **({} if op.wrap else {"wrap": False})},
         signalling=True,
     )
     if op.phase != "wait":

@@ -233,16 +233,22 @@ def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
 
 
 def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, rank: int,
-          world: int) -> None:
-    """dst on rank r + offset = src of rank r: one send and one receive per rank."""
+          world: int, wrap: bool = True) -> None:
+    """dst on rank r + offset = src of rank r: one send and one receive per rank.
+    ``wrap`` False: no send past either end of 0 .. W-1, no receive from past it (dst
+    kept)."""
     to, back = (rank + offset) % world, (rank - offset) % world
-    if to == rank:  # W divides the offset: a local copy
+    if wrap and to == rank:  # W divides the offset: a local copy
         dst.copy_(src)
         return
-    ops = [dist.P2POp(dist.isend, wire(src.contiguous()), dist.get_global_rank(comm.group, to),
-                      comm.group),
-           dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back), comm.group)]
-    for work in dist.batch_isend_irecv(ops):
+    ops = []
+    if wrap or 0 <= rank + offset < world:
+        ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
+                              dist.get_global_rank(comm.group, to), comm.group))
+    if wrap or 0 <= rank - offset < world:
+        ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
+                              comm.group))
+    for work in dist.batch_isend_irecv(ops) if ops else ():
         _wait(comm, work, "shift")
 
 

@@ -9,9 +9,11 @@ by r. We therefore compute clocks for rank 0's events only:
 
 A clock has one entry per stream (rank q, stream s): how many events of that
 stream happen before or equal the event. A wait joins the clocks of the signals
-it matched, each rotated by its source's offset; a wait from ``all`` peers joins
-W-1 rotations, which is "the maximum over every other rank" and costs O(W) with
-the two largest entries per stream.
+it matched (none for a non-cyclic "line" peer, which the edge ranks do not wait for:
+symmetry keeps only the orderings every rank has; its dependency still blocks),
+each rotated by its source's offset; a wait from ``all`` peers joins W-1 rotations,
+which is "the maximum over every other rank" and costs O(W) with the two largest
+entries per stream.
 
 Liveness: the constraint graph of a call (program order, plus each matched signal
 before its wait) is solved with Kahn's algorithm; a wait some peer never signals,
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 from dcpc.check.hb.events import Program, match_waits
 from dcpc.lang.mesh import MeshWorld, torus
+from dcpc.ops.common import wraps
 
 
 @dataclass
@@ -229,7 +232,10 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
                 base = clock[before * n + n - 1] if before >= 0 else None
             vc = list(base) if base is not None else [0] * (world * streams)
             by_signal: dict[int, list[int]] = {}
-            for d, js in match.get(j, ()):
+            wait = program.events[j].wait
+            # a wait on a non-cyclic ("line") peer orders nothing: the edge ranks skip it,
+            # and every rank is modelled alike (its dependency still counts for liveness)
+            for d, js in match.get(j, ()) if wraps(wait[1] if wait else None) else ():
                 by_signal.setdefault(js, []).append(d)  # type: ignore[arg-type]
             for js, deltas in by_signal.items():
                 other = clock[call * n + js]

@@ -36,6 +36,7 @@ from dcpc.diagnostics import Mark
 from dcpc.lang.mesh import MeshWorld, mesh_of, shape_of, torus
 from dcpc.lang.model import Peers, Schedule, Streams
 from dcpc.lang.semantics import AFTER, BEFORE, Effect, Region
+from dcpc.ops.common import peer_offset
 
 if TYPE_CHECKING:
     from dcpc.codegen.plan import Plan
@@ -136,7 +137,7 @@ def peer_deltas(peers: Peers | str, world: int, axes: tuple[int, ...] | None = N
                 ) -> frozenset[int]:
     """The translations of the peers ``all``/``next``/``prev`` name along ``axes`` (rank
     offsets mod W for one axis; torus translations of a mesh, dcpc.lang.mesh), or of a
-    shift's one offset "+k" / "-k"; never 0. Cached: match_waits asks it once per wait
+    shift's one offset "+k" / "-k" (or "line+k"); never 0. Cached: match_waits asks it once per wait
     and peer (O(W^2) sets at W=1024)."""
     if isinstance(world, MeshWorld):
         if isinstance(peers, Peers):
@@ -144,14 +145,16 @@ def peer_deltas(peers: Peers | str, world: int, axes: tuple[int, ...] | None = N
         # a shift: the structural check allows it on a one-axis mesh only, where a
         # translation is a rank offset
         assert len(world.shape) == 1, "a shift on a mesh of several axes"
-        return frozenset({int(peers) % world.shape[0]}) - {0}
+        return frozenset({peer_offset(peers)[0] % world.shape[0]}) - {0}
     if world < 2:
         return frozenset()
     if peers == Peers.all:
         return frozenset(range(1, world))
     if peers in (Peers.next, Peers.prev):
         return frozenset({1 % world if peers == Peers.next else (world - 1) % world})
-    return frozenset({int(peers) % world}) - {0}
+    # "line+k" (no wrap) is taken as "+k" on every rank: the edge ranks' missing signal
+    # and wait only remove orderings, and waits on it join no clock (clocks.analyze)
+    return frozenset({peer_offset(peers)[0] % world}) - {0}
 
 
 def _peers(spec: str) -> Peers | str:
