@@ -275,3 +275,99 @@ def _normalize(text: str) -> str:
     while out and not out[-1]:
         out.pop()
     return "\n".join(out) + "\n"
+
+
+def emit_worlds(plans: list[Plan]) -> str:
+    """One module serving several W, from the plans of a file whose loops name W (one
+    plan per W, each checked on its own): every W's class as ``emit`` writes it, renamed
+    ``_<Class>_W<W>``, and the class of the schedule's name, whose ``LOOP_WORLDS`` maps
+    each W to its class (dcpc.runtime.module: construction picks the group's). A kernel
+    whose text is the same in every W that has it is written once; one whose text
+    differs (a step index after the loop shifts with W) is written per W as
+    ``<kernel>_w<W>``, and that W's class calls it by that name."""
+    import ast
+
+    if len({p.loop_world for p in plans}) != len(plans) or not all(
+            isinstance(p.loop_world, int) for p in plans):
+        raise ValueError("emit_worlds takes one plan per W of a loop that names W")
+    pieces = [_module_pieces(emit(p)) for p in plans]
+    first_plan, (header, prelude, _, _) = plans[0], pieces[0]
+    texts: dict[str, dict[int, str]] = {}  # kernel -> W -> its text, in first-seen order
+    for plan, (_, _, kernels, _) in zip(plans, pieces, strict=True):
+        for name, text in kernels.items():
+            texts.setdefault(name, {})[plan.loop_world] = text  # type: ignore[index]
+    out_kernels: list[str] = []
+    renamed: dict[int, dict[str, str]] = {p.loop_world: {} for p in plans}  # type: ignore[misc]
+    for name, by_world in texts.items():
+        if len(set(by_world.values())) == 1:
+            out_kernels.append(next(iter(by_world.values())))
+            continue
+        for world, text in by_world.items():
+            renamed[world][name] = f"{name}_w{world}"
+            out_kernels.append(_rename(text, {name: f"{name}_w{world}"}))
+    classes: list[str] = []
+    variants: list[tuple[int, str]] = []
+    for plan, (_, _, _, cls) in zip(plans, pieces, strict=True):
+        world = plan.loop_world
+        variant = f"_{plan.class_name}_W{world}"
+        head = f"class {plan.class_name}(_rt.ScheduleModule):"
+        if not cls.startswith(head):
+            raise ValueError(f"the emitted class does not start with {head!r}")
+        classes.append(f"class {variant}(_rt.ScheduleModule):"
+                       + _rename(cls[len(head):], renamed[world]))  # type: ignore[index]
+        variants.append((world, variant))  # type: ignore[arg-type]
+    worlds = [w for p in plans for w in p.worlds]
+    kernels = "\n\n".join(out_kernels)
+    dispatcher = _env().get_template("module_worlds.py.j2").render(
+        plan=first_plan, name=first_plan.class_name, worlds=worlds, variants=variants)
+    text = _normalize(
+        _worlds_header(header, plans, worlds) + "\n" + prelude
+        + device_imports(kernels) + "\n\n\n" + kernels + "\n\n\n"
+        + "\n\n".join(classes) + dispatcher)
+    top = [n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+    if len(top) != len(set(top)):  # a suffixed kernel or a class named like another
+        raise ValueError(f"a module of several W defines a name twice: {sorted(top)}")
+    return text
+
+
+def _rename(text: str, names: dict[str, str]) -> str:
+    """``text`` with each whole-word name of ``names`` replaced (kernels are ``_x_kernel``)."""
+    for old, new in names.items():
+        text = re.sub(rf"(?<![\w.]){re.escape(old)}\b", new, text)
+    return text
+
+
+def _module_pieces(text: str) -> tuple[str, str, dict[str, str], str]:
+    """An emitted module as (its header comments, its imports without the device
+    library's, its kernels by name, its class), cut at the statements ``ast`` finds."""
+    import ast
+
+    lines = text.splitlines(keepends=True)
+    body = ast.parse(text).body
+
+    def span(node: ast.stmt) -> str:
+        first = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+        return "".join(lines[first - 1:node.end_lineno])
+
+    future = next(n for n in body if isinstance(n, ast.ImportFrom) and n.module == "__future__")
+    funcs = [n for n in body if isinstance(n, ast.FunctionDef)]
+    (cls,) = [n for n in body if isinstance(n, ast.ClassDef)]
+    end = (min(d.lineno for d in funcs[0].decorator_list) if funcs else cls.lineno) - 1
+    prelude = _DEVICE_IMPORT.sub("", "".join(lines[future.lineno - 1:end])).rstrip("\n") + "\n"
+    header = "".join(lines[:future.lineno - 1])
+    return header, prelude, {f.name: span(f) for f in funcs}, span(cls)
+
+
+def _worlds_header(header: str, plans: list[Plan], worlds: list[int]) -> str:
+    """The first W's header comments with the W checked, then each W's call-order
+    contract under the class that keeps it."""
+    lines = header.rstrip("\n").split("\n")
+    checked = next(i for i, line in enumerate(lines) if line.startswith("# checked for W in"))
+    out = lines[:checked]
+    out.append(comment_block(f"checked for W in {world_range(worlds)}, one class per W",
+                             "# ", "#   "))
+    out.append("# call-order contract (every rank keeps it; see docs/internals.md), per W:")
+    for plan in plans:
+        out.append(f"# at W={plan.loop_world} (class _{plan.class_name}_W{plan.loop_world}):")
+        out += [comment_block(line) for line in plan.contract]
+    return "\n".join(out) + "\n"
