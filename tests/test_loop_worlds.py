@@ -67,7 +67,7 @@ def test_a_module_of_another_text_is_refused(tmp_path: Path) -> None:
                                module=str(module)))
 
 
-def test_kernels_the_same_at_every_w_are_written_once(tmp_path: Path) -> None:
+def test_kernels_and_methods_the_same_at_several_w_are_written_once(tmp_path: Path) -> None:
     multi = _compile(RING, tmp_path, WORLDS).read_text()
     singles = []
     for world in WORLDS:
@@ -77,8 +77,14 @@ def test_kernels_the_same_at_every_w_are_written_once(tmp_path: Path) -> None:
     assert multi.count("\ndef _send_h0_kernel(") == 1  # a hop of W 3 and 4, the same text
     for world in WORLDS:  # after the loop a step's index shifts with W: one kernel per W
         assert f"\ndef _credit_end_kernel_w{world}(" in multi
-        assert f"class _RingAttention_W{world}(_rt.ScheduleModule):" in multi
+        assert f"    _credit_end_kernel_w{world}[" in multi  # its W's class calls it
     assert "\ndef _credit_end_kernel(" not in multi
+    # a method the same at several W lives in a base class of exactly those W's classes
+    assert multi.count("\n    def send_first(") == 1 and multi.count("\n    def send_h0(") == 1
+    assert multi.count("\n    def credit_end(") == 3
+    assert "class _RingAttention_W2(_RingAttention_Shared_W2to4, _rt.ScheduleModule):" in multi
+    assert ("class _RingAttention_W4(\n    _RingAttention_Shared_W2to4, "
+            "_RingAttention_Shared_W3_4, _rt.ScheduleModule\n):") in multi
     assert "class RingAttention(_rt.ModuleOfWorlds):" in multi
     names = re.findall(r"^(?:def|class) (\w+)", multi, re.M)
     assert len(names) == len(set(names))

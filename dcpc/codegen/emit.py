@@ -305,17 +305,13 @@ def emit_worlds(plans: list[Plan]) -> str:
         for world, text in by_world.items():
             renamed[world][name] = f"{name}_w{world}"
             out_kernels.append(_rename(text, {name: f"{name}_w{world}"}))
-    classes: list[str] = []
-    variants: list[tuple[int, str]] = []
+    bodies: dict[int, str] = {}
     for plan, (_, _, _, cls) in zip(plans, pieces, strict=True):
-        world = plan.loop_world
-        variant = f"_{plan.class_name}_W{world}"
-        head = f"class {plan.class_name}(_rt.ScheduleModule):"
+        head = f"class {plan.class_name}(_rt.ScheduleModule):\n"
         if not cls.startswith(head):
             raise ValueError(f"the emitted class does not start with {head!r}")
-        classes.append(f"class {variant}(_rt.ScheduleModule):"
-                       + _rename(cls[len(head):], renamed[world]))  # type: ignore[index]
-        variants.append((world, variant))  # type: ignore[arg-type]
+        bodies[plan.loop_world] = _rename(cls[len(head):], renamed[plan.loop_world])  # type: ignore[index]
+    classes, variants = _share_methods(first_plan.class_name, bodies)
     worlds = [w for p in plans for w in p.worlds]
     kernels = "\n\n".join(out_kernels)
     dispatcher = _env().get_template("module_worlds.py.j2").render(
@@ -328,6 +324,62 @@ def emit_worlds(plans: list[Plan]) -> str:
     if len(top) != len(set(top)):  # a suffixed kernel or a class named like another
         raise ValueError(f"a module of several W defines a name twice: {sorted(top)}")
     return text
+
+
+def _share_methods(name: str, bodies: dict[int, str]) -> tuple[list[str], list[tuple[int, str]]]:
+    """The classes of a module of several W from each W's class body: a method whose
+    text is the same in several W (a hop's, a step's before the loop) is written once,
+    in a base class of exactly those W's classes (``_<Class>_Shared_W3to8``); each W's
+    class keeps its tables and its own methods. (classes' text, (W, its class name))."""
+    import ast
+
+    methods: dict[int, dict[str, str]] = {}
+    heads: dict[int, str] = {}
+    for world, body in bodies.items():
+        lines = body.splitlines(keepends=True)
+        nodes = [n for n in ast.parse(textwrap.dedent(body)).body if isinstance(n, ast.FunctionDef)]
+        starts = [min([d.lineno for d in n.decorator_list] + [n.lineno]) for n in nodes]
+        heads[world] = "".join(lines[:starts[0] - 1] if nodes else lines)
+        methods[world] = {n.name: "".join(lines[s - 1:n.end_lineno])
+                          for n, s in zip(nodes, starts, strict=True)}
+    where: dict[tuple[str, str], list[int]] = {}  # (method, text) -> the W that have it
+    for world, table in methods.items():
+        for method, text in table.items():
+            where.setdefault((method, text), []).append(world)
+    shared: dict[tuple[int, ...], list[str]] = {}  # W -> the methods only they share
+    for (_, text), worlds in where.items():
+        if len(worlds) > 1:
+            shared.setdefault(tuple(worlds), []).append(text)
+    bases = {worlds: f"_{name}_Shared_W{_worlds_tag(worlds)}" for worlds in shared}
+    classes = [f"class {bases[worlds]}:\n" + "\n".join(texts).rstrip("\n") + "\n"
+               for worlds, texts in shared.items()]
+    variants = []
+    for world, table in methods.items():
+        variant = f"_{name}_W{world}"
+        own = [text for method, text in table.items() if where[(method, text)] == [world]]
+        parents = [bases[w] for w in shared if world in w] + ["_rt.ScheduleModule"]
+        classes.append(_class_head(variant, parents) + heads[world] + "\n".join(own))
+        variants.append((world, variant))
+    return classes, variants
+
+
+def _class_head(name: str, parents: list[str]) -> str:
+    """``class name(parents):`` in ruff-format style: one line when it fits, else the
+    parents on one line of their own, else one a line."""
+    line = f"class {name}({', '.join(parents)}):\n"
+    if len(line) <= WIDTH + 1:
+        return line
+    inner = f"    {', '.join(parents)}"
+    if len(inner) <= WIDTH:
+        return f"class {name}(\n{inner}\n):\n"
+    return f"class {name}(\n" + "".join(f"    {p},\n" for p in parents) + "):\n"
+
+
+def _worlds_tag(worlds: tuple[int, ...]) -> str:
+    """``3to8`` for W 3..8, ``2_4`` for W 2 and 4: a part of a class name."""
+    if len(worlds) > 2 and list(worlds) == list(range(worlds[0], worlds[-1] + 1)):
+        return f"{worlds[0]}to{worlds[-1]}"
+    return "_".join(map(str, worlds))
 
 
 def _rename(text: str, names: dict[str, str]) -> str:
