@@ -349,7 +349,8 @@ def _emit_worlds(one: Compilation, done: list[Compilation]) -> bool:
         # the shapes of one W share its unrolling: one class serves them (as --world 2x3)
         by_world.setdefault(served, each)
     start = time.perf_counter()
-    one.module_text = emit_worlds([each.plan for each in by_world.values()])  # type: ignore[misc]
+    one.module_text = emit_worlds([each.plan for each in by_world.values()],  # type: ignore[misc]
+                                  [w for each in done for w in each.worlds])
     one.seconds["emit"] = time.perf_counter() - start
     return True
 

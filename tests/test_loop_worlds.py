@@ -94,6 +94,19 @@ def test_kernels_and_methods_the_same_at_several_w_are_written_once(tmp_path: Pa
         assert f"    LOOP_WORLD = {world}\n" in single and "LOOP_WORLDS" not in single
 
 
+def test_a_mesh_loop_over_w_compiles_a_class_per_w_for_several_shapes(tmp_path: Path) -> None:
+    from test_loops_nested import MESH
+
+    from dcpc.worlds import parse_worlds
+
+    path = tmp_path / "by_w.yaml"
+    path.write_text(MESH.replace("repeat: G - 1", "repeat: W - 3"))  # names W, no axis size
+    text = pipeline.run(path, pipeline.Options(worlds=parse_worlds("2x2,2x3,3x2"))).module_text
+    assert "    LOOP_WORLD = 4\n" in text and "    LOOP_WORLD = 6\n" in text  # 2x3, 3x2: one
+    assert text.count("    LOOP_WORLD = ") == 2 and "# checked for W in 2x2, 2x3, 3x2," in text
+    assert "        4: _MeshLoop_W4,\n        6: _MeshLoop_W6,\n" in text
+
+
 def test_a_module_of_one_w_is_as_before(tmp_path: Path) -> None:
     text = _compile(RING, tmp_path, [3]).read_text()
     assert "class RingAttention(_rt.ScheduleModule):" in text and "ModuleOfWorlds" not in text

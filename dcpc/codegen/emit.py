@@ -277,14 +277,15 @@ def _normalize(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def emit_worlds(plans: list[Plan]) -> str:
+def emit_worlds(plans: list[Plan], checked: list[int] | None = None) -> str:
     """One module serving several W, from the plans of a file whose loops name W (one
     plan per W, each checked on its own): every W's class as ``emit`` writes it, renamed
     ``_<Class>_W<W>``, and the class of the schedule's name, whose ``LOOP_WORLDS`` maps
     each W to its class (dcpc.runtime.module: construction picks the group's). A kernel
     whose text is the same in every W that has it is written once; one whose text
     differs (a step index after the loop shifts with W) is written per W as
-    ``<kernel>_w<W>``, and that W's class calls it by that name."""
+    ``<kernel>_w<W>``, and that W's class calls it by that name. ``checked``: every W
+    (or mesh shape) checked, when several shapes of one W share its plan."""
     import ast
 
     if len({p.loop_world for p in plans}) != len(plans) or not all(
@@ -312,7 +313,7 @@ def emit_worlds(plans: list[Plan]) -> str:
             raise ValueError(f"the emitted class does not start with {head!r}")
         bodies[plan.loop_world] = _rename(cls[len(head):], renamed[plan.loop_world])  # type: ignore[index]
     classes, variants = _share_methods(first_plan.class_name, bodies)
-    worlds = [w for p in plans for w in p.worlds]
+    worlds = checked or [w for p in plans for w in p.worlds]
     kernels = "\n\n".join(out_kernels)
     dispatcher = _env().get_template("module_worlds.py.j2").render(
         plan=first_plan, name=first_plan.class_name, worlds=worlds, variants=variants)
