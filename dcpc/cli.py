@@ -306,6 +306,10 @@ def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str |
             target = out / f"{c.schedule.schedule}.py"
             click.echo(f"{printable(file)} -> {printable(str(target))} "
                        f"({sum(c.seconds.values()):.2f}s)")
+            if c.per_world and len(c.per_world) > 1:  # a loop names W: a class per W in it
+                click.echo(f"  a trip count, an index or an offset names W: one class per W "
+                           f"of {_span(c.per_world)}, each checked on its own; any other W "
+                           "is refused at construction")
         return 2 if io_failed else 1 if failed else 0
 
     _guard(debug, body)

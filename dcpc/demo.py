@@ -140,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="CPU: the order in which the interpreter runs a launch's programs "
                         "(a GPU runs them at once, in any order); default shuffle (seeded, "
                         "the same on every rank); matters with --programs 2 or more")
+    p.add_argument("--module", default=None, metavar="FILE",
+                   help="run this module, which dcpc compile wrote for the schedule (one "
+                        "compiled for several W serves each of them), instead of compiling")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run N times (seeds SEED, SEED+1, ...); fails if any run fails")
     p.add_argument("--json", default=None, metavar="FILE",
@@ -195,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             jitter_s=args.jitter_ms / 1000, poison=not args.no_poison, timeout_s=args.timeout,
             wait_timeout_s=args.wait_timeout, sizes=args.sizes, device=args.device,
             programs=programs, program_order=args.program_order,
-            handshake=not args.no_handshake,
+            handshake=not args.no_handshake, module=args.module,
         )
         if args.repeat > 1:
             print(f"run        {attempt + 1} of {args.repeat}", flush=True)

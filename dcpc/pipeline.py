@@ -335,9 +335,30 @@ def _per_world_errors(failed: list[DiagnosticError]) -> DiagnosticError:
     return merged
 
 
+def _emit_worlds(one: Compilation, done: list[Compilation]) -> bool:
+    """Emit one module for every W checked of a file whose loops name W (not a mesh
+    axis' size), each W's class in it (dcpc.codegen.emit.emit_worlds), into ``one``;
+    False when a W's loops name an axis size (a module is then per shape)."""
+    from dcpc.codegen.emit import emit_worlds
+
+    by_world: dict[int, Compilation] = {}
+    for each in done:
+        served = each.schedule.loop_world if each.schedule is not None else None
+        if not isinstance(served, int) or each.plan is None:
+            return False
+        # the shapes of one W share its unrolling: one class serves them (as --world 2x3)
+        by_world.setdefault(served, each)
+    start = time.perf_counter()
+    one.module_text = emit_worlds([each.plan for each in by_world.values()],  # type: ignore[misc]
+                                  [w for each in done for w in each.worlds])
+    one.seconds["emit"] = time.perf_counter() - start
+    return True
+
+
 def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     """Check a schedule whose loop trip count names W once per W (each W is its own
-    unrolled schedule); a module is compiled for one W only."""
+    unrolled schedule); its module holds one class per W (or, when a loop names a mesh
+    axis' size, is compiled for one shape only)."""
     from dataclasses import replace
 
     from dcpc.diagnostics import Mark
@@ -397,6 +418,8 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
     one.seconds = seconds
     one.per_world = worlds
     one.options = c.options
+    if until == "emit" and _emit_worlds(one, done):
+        return one
     if until == "emit":
         per_shape = isinstance(one.schedule.loop_world, tuple)  # it names an axis size
         err = DiagnosticError([Diagnostic(

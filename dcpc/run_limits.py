@@ -73,7 +73,7 @@ def check_compiled(config: Any, schedule_path: str, module_path: str, name: str)
     from dcpc.runtime import DcpcArgumentError
     from dcpc.runtime.axes import split
 
-    cls = load_module_class(module_path, name)
+    cls = load_module_class(module_path, name).for_world(config.world)
     try:
         split(cls.__name__, config.backend, cls.MESH, cls.TEAMS, cls.SIGNALLING)
     except DcpcArgumentError as exc:

@@ -72,8 +72,8 @@ def test_gallery_layout_is_proved_for_every_world_it_claims(path: Path) -> None:
     claimed = worlds(header(path, "check") or "")
     try:
         c = pipeline.run(path, pipeline.Options(worlds=claimed), until="emit")
-    except DiagnosticError as err:  # a loop's trip count names W: proved per W (above
-        # all of them, or another error), and a module is compiled for one W at a time
+    except DiagnosticError as err:  # a loop names a mesh axis' size: proved per shape
+        # (above all of them, or another error), and a module is compiled for one shape
         if [d.code for d in err.diagnostics] != ["loop-world"]:
             raise
         c = pipeline.run(path, pipeline.Options(worlds=claimed[-1:]), until="emit")

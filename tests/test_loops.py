@@ -116,18 +116,17 @@ def test_a_loop_past_the_step_bound_is_loop_too_long() -> None:
     assert "the schedule has 257 steps (at W=86)" in found[0].message
 
 
-def test_several_worlds_are_checked_one_by_one_and_compiled_for_one(tmp_path) -> None:
+def test_several_worlds_are_checked_one_by_one_and_compiled_into_one_module(tmp_path) -> None:
     path = tmp_path / "s.yaml"
     # the barrier after each hop's wait: the next push into a slice only once every rank's
     # wait returned it (before the wait it was a race: the push is in flight until it)
     path.write_text(_text().replace('phase: wait}', 'phase: wait}\n        - done: {op: barrier}'))
     c = pipeline.run(path, pipeline.Options(worlds=[2, 3, 4]), until="hb")
     assert c.per_world == [2, 3, 4]
-    with pytest.raises(DiagnosticError) as err:
-        pipeline.run(path, pipeline.Options(worlds=[2, 3]), until="emit")
-    assert [d.code for d in err.value.diagnostics] == ["loop-world"]
+    both = pipeline.run(path, pipeline.Options(worlds=[2, 3]), until="emit").module_text
+    assert "    LOOP_WORLDS = {\n        2: _S_W2,\n        3: _S_W3,\n    }\n" in both
     one = pipeline.run(path, pipeline.Options(worlds=[3]), until="emit")
-    assert "LOOP_WORLD = 3" in one.module_text
+    assert "LOOP_WORLD = 3" in one.module_text and "LOOP_WORLDS" not in one.module_text
     # a race at one W only is found: W=2 has one hop, so no hop's put meets a read (the
     # last barrier keeps the next call's push after this call's wait)
     bad = tmp_path / "bad.yaml"

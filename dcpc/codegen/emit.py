@@ -275,3 +275,152 @@ def _normalize(text: str) -> str:
     while out and not out[-1]:
         out.pop()
     return "\n".join(out) + "\n"
+
+
+def emit_worlds(plans: list[Plan], checked: list[int] | None = None) -> str:
+    """One module serving several W, from the plans of a file whose loops name W (one
+    plan per W, each checked on its own): every W's class as ``emit`` writes it, renamed
+    ``_<Class>_W<W>``, and the class of the schedule's name, whose ``LOOP_WORLDS`` maps
+    each W to its class (dcpc.runtime.module: construction picks the group's). A kernel
+    whose text is the same in every W that has it is written once; one whose text
+    differs (a step index after the loop shifts with W) is written per W as
+    ``<kernel>_w<W>``, and that W's class calls it by that name. ``checked``: every W
+    (or mesh shape) checked, when several shapes of one W share its plan."""
+    import ast
+
+    if len({p.loop_world for p in plans}) != len(plans) or not all(
+            isinstance(p.loop_world, int) for p in plans):
+        raise ValueError("emit_worlds takes one plan per W of a loop that names W")
+    pieces = [_module_pieces(emit(p)) for p in plans]
+    first_plan, (header, prelude, _, _) = plans[0], pieces[0]
+    texts: dict[str, dict[int, str]] = {}  # kernel -> W -> its text, in first-seen order
+    for plan, (_, _, kernels, _) in zip(plans, pieces, strict=True):
+        for name, text in kernels.items():
+            texts.setdefault(name, {})[plan.loop_world] = text  # type: ignore[index]
+    out_kernels: list[str] = []
+    renamed: dict[int, dict[str, str]] = {p.loop_world: {} for p in plans}  # type: ignore[misc]
+    for name, by_world in texts.items():
+        if len(set(by_world.values())) == 1:
+            out_kernels.append(next(iter(by_world.values())))
+            continue
+        for world, text in by_world.items():
+            renamed[world][name] = f"{name}_w{world}"
+            out_kernels.append(_rename(text, {name: f"{name}_w{world}"}))
+    bodies: dict[int, str] = {}
+    for plan, (_, _, _, cls) in zip(plans, pieces, strict=True):
+        head = f"class {plan.class_name}(_rt.ScheduleModule):\n"
+        if not cls.startswith(head):
+            raise ValueError(f"the emitted class does not start with {head!r}")
+        bodies[plan.loop_world] = _rename(cls[len(head):], renamed[plan.loop_world])  # type: ignore[index]
+    classes, variants = _share_methods(first_plan.class_name, bodies)
+    worlds = checked or [w for p in plans for w in p.worlds]
+    kernels = "\n\n".join(out_kernels)
+    dispatcher = _env().get_template("module_worlds.py.j2").render(
+        plan=first_plan, name=first_plan.class_name, worlds=worlds, variants=variants)
+    text = _normalize(
+        _worlds_header(header, plans, worlds) + "\n" + prelude
+        + device_imports(kernels) + "\n\n\n" + kernels + "\n\n\n"
+        + "\n\n".join(classes) + dispatcher)
+    top = [n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+    if len(top) != len(set(top)):  # a suffixed kernel or a class named like another
+        raise ValueError(f"a module of several W defines a name twice: {sorted(top)}")
+    return text
+
+
+def _share_methods(name: str, bodies: dict[int, str]) -> tuple[list[str], list[tuple[int, str]]]:
+    """The classes of a module of several W from each W's class body: a method whose
+    text is the same in several W (a hop's, a step's before the loop) is written once,
+    in a base class of exactly those W's classes (``_<Class>_Shared_W3to8``); each W's
+    class keeps its tables and its own methods. (classes' text, (W, its class name))."""
+    import ast
+
+    methods: dict[int, dict[str, str]] = {}
+    heads: dict[int, str] = {}
+    for world, body in bodies.items():
+        lines = body.splitlines(keepends=True)
+        nodes = [n for n in ast.parse(textwrap.dedent(body)).body if isinstance(n, ast.FunctionDef)]
+        starts = [min([d.lineno for d in n.decorator_list] + [n.lineno]) for n in nodes]
+        heads[world] = "".join(lines[:starts[0] - 1] if nodes else lines)
+        methods[world] = {n.name: "".join(lines[s - 1:n.end_lineno])
+                          for n, s in zip(nodes, starts, strict=True)}
+    where: dict[tuple[str, str], list[int]] = {}  # (method, text) -> the W that have it
+    for world, table in methods.items():
+        for method, text in table.items():
+            where.setdefault((method, text), []).append(world)
+    shared: dict[tuple[int, ...], list[str]] = {}  # W -> the methods only they share
+    for (_, text), worlds in where.items():
+        if len(worlds) > 1:
+            shared.setdefault(tuple(worlds), []).append(text)
+    bases = {worlds: f"_{name}_Shared_W{_worlds_tag(worlds)}" for worlds in shared}
+    classes = [f"class {bases[worlds]}:\n" + "\n".join(texts).rstrip("\n") + "\n"
+               for worlds, texts in shared.items()]
+    variants = []
+    for world, table in methods.items():
+        variant = f"_{name}_W{world}"
+        own = [text for method, text in table.items() if where[(method, text)] == [world]]
+        parents = [bases[w] for w in shared if world in w] + ["_rt.ScheduleModule"]
+        classes.append(_class_head(variant, parents) + heads[world] + "\n".join(own))
+        variants.append((world, variant))
+    return classes, variants
+
+
+def _class_head(name: str, parents: list[str]) -> str:
+    """``class name(parents):`` in ruff-format style: one line when it fits, else the
+    parents on one line of their own, else one a line."""
+    line = f"class {name}({', '.join(parents)}):\n"
+    if len(line) <= WIDTH + 1:
+        return line
+    inner = f"    {', '.join(parents)}"
+    if len(inner) <= WIDTH:
+        return f"class {name}(\n{inner}\n):\n"
+    return f"class {name}(\n" + "".join(f"    {p},\n" for p in parents) + "):\n"
+
+
+def _worlds_tag(worlds: tuple[int, ...]) -> str:
+    """``3to8`` for W 3..8, ``2_4`` for W 2 and 4: a part of a class name."""
+    if len(worlds) > 2 and list(worlds) == list(range(worlds[0], worlds[-1] + 1)):
+        return f"{worlds[0]}to{worlds[-1]}"
+    return "_".join(map(str, worlds))
+
+
+def _rename(text: str, names: dict[str, str]) -> str:
+    """``text`` with each whole-word name of ``names`` replaced (kernels are ``_x_kernel``)."""
+    for old, new in names.items():
+        text = re.sub(rf"(?<![\w.]){re.escape(old)}\b", new, text)
+    return text
+
+
+def _module_pieces(text: str) -> tuple[str, str, dict[str, str], str]:
+    """An emitted module as (its header comments, its imports without the device
+    library's, its kernels by name, its class), cut at the statements ``ast`` finds."""
+    import ast
+
+    lines = text.splitlines(keepends=True)
+    body = ast.parse(text).body
+
+    def span(node: ast.stmt) -> str:
+        first = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+        return "".join(lines[first - 1:node.end_lineno])
+
+    future = next(n for n in body if isinstance(n, ast.ImportFrom) and n.module == "__future__")
+    funcs = [n for n in body if isinstance(n, ast.FunctionDef)]
+    (cls,) = [n for n in body if isinstance(n, ast.ClassDef)]
+    end = (min(d.lineno for d in funcs[0].decorator_list) if funcs else cls.lineno) - 1
+    prelude = _DEVICE_IMPORT.sub("", "".join(lines[future.lineno - 1:end])).rstrip("\n") + "\n"
+    header = "".join(lines[:future.lineno - 1])
+    return header, prelude, {f.name: span(f) for f in funcs}, span(cls)
+
+
+def _worlds_header(header: str, plans: list[Plan], worlds: list[int]) -> str:
+    """The first W's header comments with the W checked, then each W's call-order
+    contract under the class that keeps it."""
+    lines = header.rstrip("\n").split("\n")
+    checked = next(i for i, line in enumerate(lines) if line.startswith("# checked for W in"))
+    out = lines[:checked]
+    out.append(comment_block(f"checked for W in {world_range(worlds)}, one class per W",
+                             "# ", "#   "))
+    out.append("# call-order contract (every rank keeps it; see docs/internals.md), per W:")
+    for plan in plans:
+        out.append(f"# at W={plan.loop_world} (class _{plan.class_name}_W{plan.loop_world}):")
+        out += [comment_block(line) for line in plan.contract]
+    return "\n".join(out) + "\n"

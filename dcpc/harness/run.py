@@ -44,6 +44,7 @@ class RunConfig:
     sizes: dict[str, int] | None = None  # constructor sizes (maxima) instead of the small ones
     device: str = "cpu"  # or "cuda": the compiled kernels (gpu_plan says how ranks map)
     program_order: str = "natural"  # CPU: the interpreter's order of a launch's programs
+    module: str | None = None  # a module `dcpc compile` wrote for the schedule: run, not compiled
 
     def worker_args(self, schedule_path: str, module_path: str) -> dict[str, Any]:
         return {
@@ -205,6 +206,37 @@ def compile_to(schedule_path: str, out_dir: Path, world: int, *, lse_base: str |
     return str(used), str(module), c.schedule.schedule, sum(c.seconds.values())
 
 
+def given_module(config: RunConfig) -> tuple[str, str, str, float]:
+    """``compile_to``'s answer for ``config.module``, a module ``dcpc compile`` wrote (one
+    may serve several W): RunConfigError when it is not this schedule file's (its source
+    hash) or serves no group of ``config.world``."""
+    from dcpc.files import read_capped
+    from dcpc.harness.worker import load_module_class
+    from dcpc.lang.parse import MAX_FILE_BYTES, parse_file, sha256
+    from dcpc.run_limits import RunConfigError
+
+    path = config.module
+    if config.lse_base is not None or config.module_patch:
+        raise RunConfigError(f"--module {printable(str(path))}: runs the module as compiled; "
+                             "--lse-base (a variant of the schedule) needs a compile")
+    schedule = parse_file(config.schedule, world=config.world)  # its errors: the file's
+    try:
+        cls = load_module_class(str(path), schedule.schedule)
+    except (ImportError, OSError, SyntaxError) as exc:
+        raise RunConfigError(f"--module {printable(str(path))}: {exc}") from None
+    digest = sha256(read_capped(Path(config.schedule), MAX_FILE_BYTES).decode("utf-8"))
+    if getattr(cls, "SOURCE_SHA256", None) != digest:
+        raise RunConfigError(
+            f"--module {printable(str(path))} was compiled from another text of schedule "
+            f"'{schedule.schedule}' (source sha256 {getattr(cls, 'SOURCE_SHA256', '?')[:12]}, "
+            f"{printable(config.schedule)}'s {digest[:12]}); compile it again")
+    try:
+        cls.for_world(config.world)
+    except ValueError as exc:
+        raise RunConfigError(f"--module {printable(str(path))}: {exc}") from None
+    return str(config.schedule), str(path), schedule.schedule, 0.0
+
+
 class RunSizesError(ValueError):
     """``--sizes`` the generated constructor refuses (its message names size and range)."""
 
@@ -220,7 +252,7 @@ def bound_sizes(config: RunConfig, schedule_path: str, module_path: str,
     from dcpc.runtime import DcpcArgumentError
     from dcpc.runtime.validate import check_sizes
 
-    cls = load_module_class(module_path, name)
+    cls = load_module_class(module_path, name).for_world(config.world)
     try:
         given = check_sizes(cls.__name__, config.sizes, cls.SIZES)
         schedule = parse_file(schedule_path, world=config.world)  # a loop may name W
@@ -251,9 +283,12 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
 
         remove_orphan_segments()  # segments of ranks killed in earlier runs
     with tempfile.TemporaryDirectory(prefix="dcpc-run-") as tmp:
-        used, module, name, compile_s = compile_to(
-            config.schedule, Path(tmp), config.world, lse_base=config.lse_base, hb=config.hb,
-            patch=config.module_patch)
+        if config.module is not None:
+            used, module, name, compile_s = given_module(config)
+        else:
+            used, module, name, compile_s = compile_to(
+                config.schedule, Path(tmp), config.world, lse_base=config.lse_base,
+                hb=config.hb, patch=config.module_patch)
         check_compiled(config, used, module, name)  # what every rank would refuse
         sizes = bound_sizes(config, used, module, name)
         if announce is not None:

@@ -240,14 +240,15 @@ def run_rank(
     schedule = parse_file(schedule_path, world=world)
     steps = schedule.step_list()
     cls = load_module_class(module_path, schedule.schedule)
+    served = cls.for_world(world)  # a module of several W: the class of this W (its tables)
     ctor = synth.constructor_sizes(schedule, world, sizes)
     rounding = step_rounding(schedule, backend)  # how each step's stores round into bf16
     # ``programs`` for every step (signalling or not): the interpreter runs programs
     # one after another, so fewer programs is the cheap way to run on CPU
     tuning = None if programs is None else {
-        step: {"programs": programs} for step in getattr(cls, "TUNING", {})}
+        step: {"programs": programs} for step in getattr(served, "TUNING", {})}
     kwargs = _constructor_kwargs(
-        cls, {"timeout_s": timeout_s, "epoch_start": epoch_start, "poison": poison,
+        served, {"timeout_s": timeout_s, "epoch_start": epoch_start, "poison": poison,
               "tuning": tuning, "handshake": None if handshake else False})
     strike = adversary.Fault(**fault) if fault else None
     progress("construction")
@@ -313,7 +314,7 @@ def run_rank(
                     value = target
                 env[name] = value
         else:
-            args = [env[name] for name in method_arguments(cls, step.name)]
+            args = [env[name] for name in method_arguments(served, step.name)]
             method = getattr(module, step.name)
             bind = {}  # the call's run-time sizes, for methods no argument binds them from
             if "sizes" in inspect.signature(method).parameters:

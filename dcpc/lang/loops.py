@@ -27,9 +27,9 @@ own: a step of hop h owns its own signal slots, and the k-th wait of a channel p
 its k-th signal, so the wait of hop h is satisfied by the signal of hop h. The price:
 a trip count (or an index, an offset or an interleave) that depends on W gives a
 schedule per W, so such a file is checked once per W of ``--world`` (no claim past them)
-and compiled for one W at a time; one that names a mesh axis' size (``G - 1`` on
-``mesh: {node: N, gpu: G}``) gives a schedule per mesh shape, so its module serves that
-shape only (LOOP_WORLD is the shape).
+and its module holds one class per W (dcpc.codegen.emit.emit_worlds); one that names
+a mesh axis' size (``G - 1`` on ``mesh: {node: N, gpu: G}``) gives a schedule per mesh
+shape, so its module serves that shape only (LOOP_WORLD is the shape).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dcpc.runtime.errors import (
 from dcpc.runtime.fastlaunch import fast_launch
 from dcpc.runtime.guard import guarded
 from dcpc.runtime.heap import SymmetricBuffer, SymmetricHeap
-from dcpc.runtime.module import Buf, ScheduleModule, Tune
+from dcpc.runtime.module import Buf, ModuleOfWorlds, ScheduleModule, Tune
 
 __all__ = [
     "Buf",
@@ -37,6 +37,7 @@ __all__ = [
     "DcpcPeerFailedError",
     "DcpcScaleError",
     "DcpcTimeoutError",
+    "ModuleOfWorlds",
     "ScheduleModule",
     "SymmetricBuffer",
     "SymmetricHeap",

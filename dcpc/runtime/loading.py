@@ -42,6 +42,9 @@ def schedule_class(module: ModuleType, schedule: str | None = None) -> type:
     found = [v for v in vars(module).values() if isinstance(v, type)
              and issubclass(v, ScheduleModule) and v is not ScheduleModule
              and (schedule is None or getattr(v, "SCHEDULE", None) == schedule)]
+    # a module of several W: its per-W classes (LOOP_WORLDS' values) are not the entry
+    variants = {id(c) for v in found for c in getattr(v, "LOOP_WORLDS", {}).values()}
+    found = [v for v in found if id(v) not in variants]
     if len(found) != 1:
         what = f" with SCHEDULE = {schedule!r}" if schedule else ""
         raise ImportError(f"{getattr(module, '__file__', module)} defines {len(found)} "

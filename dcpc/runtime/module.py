@@ -74,6 +74,9 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
     # unrolled for this W only (a loop names W), or this mesh shape only (one names an
     # axis' size: a tuple, outermost axis first)
     LOOP_WORLD: ClassVar[int | tuple[int, ...] | None] = None
+    # one module for several W (`dcpc compile --world 2..4` of a file whose loops name W):
+    # W -> the class unrolled for it (set on a ModuleOfWorlds)
+    LOOP_WORLDS: ClassVar[Mapping[int, type[ScheduleModule]]] = {}
     STEPS: ClassVar[tuple[str, ...]] = ()
     SIZES: ClassVar[dict[str, tuple]] = {}  # name -> ("const", n) | ("max", n) | ("multiple_of", e)
     BUFFERS: ClassVar[dict[str, Buf]] = {}
@@ -85,6 +88,23 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
     SCRATCH: ClassVar[dict[str, dict[str, tuple[tuple, str]]]] = {}  # torch backend only
     TUNING: ClassVar[dict[str, dict[str, int]]] = {}
     SIGNALLING: ClassVar[tuple[str, ...]] = ()  # steps whose kernels use signal slots
+
+    @classmethod
+    def for_world(cls, world: int) -> type[ScheduleModule]:
+        """The class that serves a group of ``world`` ranks: the variant unrolled for it
+        in a module of several W (``LOOP_WORLDS``), else this class (whose constructor
+        checks ``LOOP_WORLD``)."""
+        if not cls.LOOP_WORLDS:
+            return cls
+        variant = cls.LOOP_WORLDS.get(int(world))
+        if variant is None:
+            served = sorted(cls.LOOP_WORLDS)
+            raise ValueError(
+                f"{cls.__name__}: this module's loops were unrolled for each W in "
+                f"{', '.join(map(str, served))} (a trip count names W), but the group has "
+                f"{int(world)} ranks; compile it with --world {int(world)} (or a list of W "
+                f"that holds it)")
+        return variant
 
     def __init__(
         self,
@@ -664,3 +684,13 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ModuleOfWorlds(ScheduleModule):
+    """The class of a module compiled for several W (its loops name W): constructing it
+    builds the class of ``LOOP_WORLDS`` for the group's W, so the engine gets an object
+    with that W's hop methods (``send_h1`` at W=4); any other W is refused by name."""
+
+    def __new__(cls, group: Any = None, *args: Any, **kwargs: Any) -> ScheduleModule:  # type: ignore[misc]
+        # the variant is no subclass of ``cls``: type.__call__ does not init it again
+        return cls.for_world(group_rank_world(group)[1])(group, *args, **kwargs)
