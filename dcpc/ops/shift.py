@@ -221,4 +221,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return plan
 
 
-DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower, exact=True))
+DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower, teams=True,
+                   exact=True))
