@@ -78,8 +78,11 @@ def _check_shift(ctx: Context, step: Step) -> None:
     mesh = mesh_of(ctx.schedule)
     team = mesh.team_axes(step.op)
     width = len(mesh.axes) if team is None else len(team)
+    named = step.op.axis is not None
+    names = [step.op.axis] if isinstance(step.op.axis, str) else step.op.axis or []
+    if any(mesh.position(n) is None for n in names):
+        return  # an unknown axis: its own error (unknown-axis) says what is wrong
     if step.kind == "shift" and width > 1:
-        named = step.op.axis is not None
         ctx.error(step.op.mark("axis", of_key=True) if named else step.mark(),
                   "axis-unsupported",
                   f"step '{step.name}' (shift) runs over {width} mesh axes "

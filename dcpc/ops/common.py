@@ -99,7 +99,8 @@ class Region:
         if self.scheme == "index":
             return f"index {writer} of dim {self.dim}"
         if self.scheme in ("peer", "line"):
-            return f"whole (shift from rank {writer}, offset {self.offset:+d})"
+            source = "rank" if self.axes is None else "team member"  # ``writer``: its index
+            return f"whole (shift from {source} {writer}, offset {self.offset:+d})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
