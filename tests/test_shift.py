@@ -766,6 +766,8 @@ def test_the_shift_axis_record_is_proved_and_the_oracles_agree() -> None:
 ], ids=["no-gpu-credit", "two-axes-one-dst"])
 def test_the_wrong_twins_of_a_shift_along_an_axis_race(text: str, race: tuple) -> None:
     schedule = parse_text(text)
+    # well formed (shifts along one axis are the language's), wrong only in their order
+    assert [d for d in structural.check(schedule, SHAPES) if d.severity == "error"] == []
     for world in SHAPES:
         found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
         assert race in found, (world, found)
@@ -806,6 +808,7 @@ def test_a_shift_over_no_single_axis_is_a_located_error(step: str, code: str, at
 
 
 def test_axis_on_a_shift_without_a_mesh_is_the_unknown_axis_error() -> None:
+    """Unchanged by shifts along an axis (a guard: it passed before them too)."""
     found = _errors(HEAD + "  - hop: {op: shift, axis: gpu, src: x, dst: y}\n")
     assert [d.code for d in found] == ["unknown-axis"], found
     assert "declares no 'mesh:'" in found[0].message
