@@ -160,9 +160,19 @@ class Torus:
     def team_size(self, axes: Axes | None) -> int:
         return math.prod(self.shape[a] for a in self.axes(axes))
 
+    def peer(self, rank: int, axes: Axes | None, k: int, wrap: bool = True) -> int | None:
+        """The rank at member index ``member(rank) + k`` of ``rank``'s team along ``axes``
+        (mod the team size; ``wrap`` False: None past either end): next/prev (k = +-1)
+        and a shift's offset along a team, one definition for every stage."""
+        team, me = self.team(rank, axes), self.member(rank, axes)
+        if not wrap and not 0 <= me + k < len(team):
+            return None
+        return team[(me + k) % len(team)]
+
     def deltas(self, peers: str, axes: Axes | None) -> frozenset[int]:
         """The translations (as ranks: the peer of rank 0) that ``all``/``next``/``prev``
-        along ``axes`` name; never 0. next/prev need a team of one axis."""
+        (or a shift's "+k", cyclic) along ``axes`` name; never 0. next/prev and a shift
+        need a team of one axis."""
         return _deltas(self.shape, peers, axes)
 
     def shift(self, d: int) -> list[int]:
@@ -185,11 +195,9 @@ def _deltas(shape: tuple[int, ...], peers: str, axes: Axes | None) -> frozenset[
     t = Torus(shape)
     if peers == "all":
         return frozenset(r for r in t.team(0, axes) if r != 0)
-    along = t.axes(axes)
-    assert len(along) == 1, "next/prev need a team of one axis"
-    a = along[0]
-    step = 1 if peers == "next" else shape[a] - 1
-    delta = (step % shape[a]) * t.strides[a]
+    assert len(t.axes(axes)) == 1, "next/prev and a shift need a team of one axis"
+    k = {"next": 1, "prev": -1}.get(peers)
+    delta = t.peer(0, axes, int(peers) if k is None else k)  # a shift's "+k": its offset
     return frozenset({delta}) if delta else frozenset()
 
 

@@ -573,13 +573,19 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
     signals r + k; the wait (its own, or in the matching `phase: wait` step) is for r - k.
     `wrap: false`: r + k and r - k are ranks only inside 0 .. W-1, no mod: a rank with no
     r + k stores and signals nothing, a rank with no r - k does not wait (the template's
-    launch masks that lane off) and its dst is not written."""
+    launch masks that lane off) and its dst is not written.
+    `axis: a` on a mesh: r, r + k and W are read in r's team (the ranks sharing every
+    coordinate off axis a, in rank order): r + k is the team's member at r's position
+    plus k, and the team's size replaces W."""
     k = _shift_offset(op)
+    axes = _axes(schedule, op)
+    team = _team(b.rank, world, axes)
+    me, size = team.index(b.rank), len(team)
     if op.wrap:
-        target, source = (b.rank + k) % world, (b.rank - k) % world
+        target, source = team[(me + k) % size], team[(me - k) % size]
     else:  # past an end: no peer; the rank itself stands in (no signal, no wait below)
-        target = b.rank + k if 0 <= b.rank + k < world else None
-        source = b.rank - k if 0 <= b.rank - k < world else b.rank
+        target = team[me + k] if 0 <= me + k < size else None
+        source = team[me - k] if 0 <= me - k < size else b.rank
     if op.phase != "wait" and target is not None:
         # the language writes dst at the wait: the put's own, or the `phase: wait` step
         # that polls this put
@@ -591,8 +597,8 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
         if op.src in tracked:
             b.access(name, index, 0, op.src, "read")
         if op.dst in tracked:
-            b.access(name, index, 0, op.dst, "write", owner=target, part=(("peer", k), b.rank),
-                     lands=landing)
+            b.access(name, index, 0, op.dst, "write", owner=target,
+                     part=(("peer", k, axes), b.rank), lands=landing)
         if target != b.rank:
             b.add(name, index, 0, signal=("step:" + name, target))
     if op.phase != "put":
@@ -759,10 +765,11 @@ steps:
 TEAMS = {"a": ("a", "ga", "ta"), "b": ("b", "gb", "tb"), "ab": (None, "gw", None)}
 
 
-def random_mesh_schedule_text(draw, st) -> str:
+def random_mesh_schedule_text(draw, st, shifts: bool = False) -> str:
     """A small, structurally valid random schedule over ``mesh: {a: A, b: B}``: gathers
     and all-to-alls over axis a, b or both, barriers and signal/wait pairs over a team
-    (next/prev along one axis), externals reading what was written."""
+    (next/prev along one axis), externals reading what was written. ``shifts``: shifts
+    along axis a or b too (whole or put ... wait, any offset, with or without wrap)."""
     slots = draw(st.integers(1, 2))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
@@ -772,11 +779,24 @@ def random_mesh_schedule_text(draw, st) -> str:
     pending_waits: list[str] = []
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(["gather", "gather", "a2a", "ext", "ext", "barrier",
-                                     "sync", "sync"]))
+                                     "sync", "sync"] + ["shift", "shift"] * shifts))
         team = draw(st.sampled_from(["a", "b", "ab"]))
         axis, gdst, tdst = TEAMS[team]
         on = f", axis: {axis}" if axis else (", axis: [a, b]" if draw(st.booleans()) else "")
-        if kind == "gather":
+        if kind == "shift":
+            along = draw(st.sampled_from(["a", "b"]))
+            offset = draw(st.sampled_from(["next", "prev", "2", "-1"]))
+            wrap = draw(st.integers(0, 2)) > 0
+            offset += "" if wrap else ", wrap: false"
+            move = f"op: shift, axis: {along}, src: x, dst: s0, offset: {offset}"
+            if draw(st.booleans()):
+                steps.append(f"{{{move}}}")
+            else:
+                steps.append(f"{{{move}, phase: put}}")
+                pending_waits.append(f"{{{move}, phase: wait}}")
+            if wrap:  # without wrap, the line's first ranks get no s0 from it
+                written.append("s0")
+        elif kind == "gather":
             steps.append(f"{{op: all_gather{on}, src: x, dst: {gdst}, dim: 0}}")
             written.append(gdst)
         elif kind == "a2a" and tdst is not None:

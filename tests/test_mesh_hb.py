@@ -145,3 +145,26 @@ steps:
     lines = [d.render() for d in report.diagnostics()]
     assert any("block 1 (dim 0)" in x and "rank (a=1, b=0)" in x for x in lines), lines
     assert not any("block 2" in x or "block 3" in x for x in lines), lines
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_checker_and_brute_force_agree_on_random_mesh_schedules_with_shifts(
+        data: st.DataObject) -> None:
+    """Shifts along one axis (issue 33): the checker's team regions and peers (dcpc.topology
+    Torus.peer) agree with the brute force's team shift, written from the language."""
+    text = random_mesh_schedule_text(data.draw, st, shifts=True)
+    schedule = parse_text(text)
+    errors = [d for d in structural.check(schedule, SHAPES) if d.severity == "error"]
+    assert errors == [], text
+    for world in SHAPES:
+        report = hb.check(schedule, [world], hints=False)
+        assert {f.key for f in report.findings} == oracle_keys(schedule, world), (text, world)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_checker_and_execution_oracle_agree_on_random_mesh_schedules_with_shifts(
+        data: st.DataObject) -> None:
+    schedule = parse_text(random_mesh_schedule_text(data.draw, st, shifts=True))
+    assert disagreements(schedule, SHAPES[:2]) == []

@@ -22,6 +22,7 @@ from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import simulate
 from dcpc.harness import trace as tr
 from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.mesh import MeshWorld, torus
 from dcpc.lang.parse import parse_file, parse_text
 from dcpc.lang.semantics import Region, semantics
 
@@ -684,3 +685,149 @@ def test_dcpc_run_of_a_nowrap_shift_matches_float64(path: Path, world: int,
     # the rank at the end that receives nothing is not compared; every other rank is
     assert report.outputs[out].compared == 4 * (world - 1), text
     assert report.outputs[out].kept == 4, text
+
+
+# --- shift along one mesh axis (issue 33 item 1: `axis:`, like ppermute over one axis) --
+
+AXIS = Path(__file__).parent.parent / "schedules" / "ops" / "shift_axis.yaml"
+SHAPES = [MeshWorld(s) for s in ((2, 2), (2, 3), (3, 2))]
+
+MESH_HEAD = """\
+schedule: m
+mesh: {node: N, gpu: G}
+sizes: {T: 4, D: 2}
+buffers:
+  x: {shape: [T, D], dtype: f32}
+  y: {shape: [T, D], dtype: f32, symmetric: true}
+  z: {shape: [T, D], dtype: f32}
+steps:
+"""
+
+TWO_AXES_ONE_DST = MESH_HEAD + (  # two pushes along different axes in flight into y
+    "  - along_gpu:  {op: shift, axis: gpu, src: x, dst: y, offset: next, phase: put}\n"
+    "  - along_node: {op: shift, axis: node, src: x, dst: y, offset: next, phase: put}\n"
+    "  - land_gpu:   {op: shift, axis: gpu, src: x, dst: y, offset: next, phase: wait}\n"
+    "  - land_node:  {op: shift, axis: node, src: x, dst: y, offset: next, phase: wait}\n"
+    "  - use:        {op: external, reads: [y], writes: [z]}\n"
+    "  - done:       {op: barrier}\n")
+# the gpu ring's receive buffer without its credit: the next call's push meets the read
+NO_GPU_CREDIT = "".join(line + "\n" for line in AXIS.read_text().splitlines()
+                        if "free_g" not in line)
+
+
+def test_a_shift_along_an_axis_moves_within_its_team() -> None:
+    """Rank (n, g) pushes into (n, g + k mod G) along gpu, (n + k mod N, g) along node:
+    its region and sync carry the team's axis, the peer is Torus.peer's, and the
+    float64 reference (run per team) lands each member's src in the next one's dst."""
+    schedule = parse_file(AXIS)
+    steps = {s.name: s for s in schedule.step_list()}
+    ring = semantics(schedule, steps["ring"])
+    (store,) = [e for e in ring.effects if e.kind == "write"]
+    assert store.region == Region("peer", 0, offset=1, axes=(1,))
+    assert (ring.sync.signal, ring.sync.wait, ring.sync.axes) == ("next", "prev", (1,))
+    t = torus((2, 3))
+    assert [t.peer(r, (1,), 1) for r in range(6)] == [1, 2, 0, 4, 5, 3]
+    assert [t.peer(r, (0,), -1) for r in range(6)] == [3, 4, 5, 0, 1, 2]
+    assert [t.peer(r, (1,), 1, wrap=False) for r in range(6)] == [1, 2, None, 4, 5, None]
+    assert store.region.writers(5, MeshWorld((2, 3))) == [4]  # (1, 2) <- (1, 1)
+    world, gen = MeshWorld((2, 3)), torch.Generator().manual_seed(7)
+    inputs = [{"x": simulate.as_stored(schedule, "x", torch.randn(
+        3, 40, generator=gen, dtype=torch.float64)), "w": torch.zeros(3, 40,
+                                                                      dtype=torch.float64)}
+              for _ in range(6)]
+    out = simulate.simulate_call(schedule, world, {"N": 2, "G": 3, "T": 3, "D": 40}, inputs,
+                                 lambda step, rank, bufs: {"o": bufs["x"] * 0 + rank,
+                                                           "z": bufs["x"]})
+    for r in range(6):
+        n, g = divmod(r, 3)
+        assert torch.equal(out[r]["y_gpu"], inputs[n * 3 + (g - 1) % 3]["x"]), r
+        assert torch.equal(out[r]["y_node"], inputs[((n + 1) % 2) * 3 + g]["x"]), r
+        if g == 0:  # wrap: false: gpu 0 has no source, its y_line is left as it was
+            assert "y_line" not in out[r]
+        else:
+            assert torch.equal(out[r]["y_line"], torch.full((3, 40), float(r - 1),
+                                                            dtype=torch.float64)), r
+
+
+def test_the_shift_axis_record_is_proved_and_the_oracles_agree() -> None:
+    schedule = parse_file(AXIS)
+    report = hb.check(schedule, SHAPES)
+    assert report.findings == [], [f.key for f in report.findings]
+    for world in SHAPES:
+        assert oracle_keys(schedule, world) == set(), world
+    assert disagreements(schedule, SHAPES[:2]) == []
+
+
+@pytest.mark.parametrize("text,race", [
+    (NO_GPU_CREDIT, ("race", "write-after-read", "y_gpu", "use", "ring")),
+    (TWO_AXES_ONE_DST, ("race", "write-after-write", "y", "along_gpu", "along_node")),
+], ids=["no-gpu-credit", "two-axes-one-dst"])
+def test_the_wrong_twins_of_a_shift_along_an_axis_race(text: str, race: tuple) -> None:
+    schedule = parse_text(text)
+    # well formed (shifts along one axis are the language's), wrong only in their order
+    assert [d for d in structural.check(schedule, SHAPES) if d.severity == "error"] == []
+    for world in SHAPES:
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert race in found, (world, found)
+        assert race in oracle_keys(schedule, world), world
+
+
+def test_dcpc_check_refuses_the_axis_twins_with_their_class(tmp_path: Path) -> None:
+    for name, text, cls in (("no_credit", NO_GPU_CREDIT, "write-after-read race on y_gpu"),
+                            ("two_axes", TWO_AXES_ONE_DST, "write-after-write race on y")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        proc = subprocess.run([sys.executable, "-m", "dcpc", "check", str(path),
+                               "--world", "2x2,2x3,3x2"], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert cls in proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("step,code,at,words", [
+    ("{op: shift, axis: nosuch, src: x, dst: y}", "unknown-axis", "nosuch",
+     "the mesh's axes are node, gpu"),
+    ("{op: shift, axis: gpus, src: x, dst: y}", "unknown-axis", "gpus", "did you mean 'gpu'"),
+    ("{op: shift, axis: [node, gpu], src: x, dst: y}", "axis-unsupported", "axis",
+     "a shift moves along one axis"),
+    ("{op: shift, src: x, dst: y}", "axis-unsupported", "{op", "runs over 2 mesh axes"),
+])
+def test_a_shift_over_no_single_axis_is_a_located_error(step: str, code: str, at: str,
+                                                        words: str) -> None:
+    line = f"  - hop: {step}\n"
+    schedule = parse_text(MESH_HEAD + line + "  - use: {op: external, reads: [y]}\n"
+                          "  - done: {op: barrier}\n", "s.yaml")
+    found = [d for d in structural.check(schedule, SHAPES) if d.severity == "error"]
+    assert [d.code for d in found] == [code], found
+    col = line.index(at) + 1 if at != "{op" else 5  # the axis key, or the step's name
+    assert (found[0].mark.file, found[0].mark.line, found[0].mark.col) == ("s.yaml", 9, col)
+    assert words in found[0].message + (found[0].hint or "")
+
+
+def test_axis_on_a_shift_without_a_mesh_is_the_unknown_axis_error() -> None:
+    """Unchanged by shifts along an axis (a guard: it passed before them too)."""
+    found = _errors(HEAD + "  - hop: {op: shift, axis: gpu, src: x, dst: y}\n")
+    assert [d.code for d in found] == ["unknown-axis"], found
+    assert "declares no 'mesh:'" in found[0].message
+
+
+def test_w_in_the_offset_of_a_shift_along_an_axis_is_the_team_size() -> None:
+    """`offset: W - 1` along gpu is the previous gpu (G - 1), not rank r + N*G - 1."""
+    text = MESH_HEAD + ("  - hop: {op: shift, axis: gpu, src: x, dst: y, offset: W - 1}\n"
+                        "  - use: {op: external, reads: [y]}\n  - done: {op: barrier}\n")
+    for shape, want in (((2, 3), 2), ((3, 2), 1), ((2, 4), 3)):
+        schedule = parse_text(text, world=MeshWorld(shape))
+        (hop,) = [s for s in schedule.step_list() if s.name == "hop"]
+        assert hop.op.offset == want, shape
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["host", "torch"])
+def test_dcpc_run_of_a_shift_along_an_axis_matches_float64(backend: str) -> None:
+    report = run_schedule(RunConfig(schedule=str(AXIS), world=MeshWorld((2, 2)),
+                                    backend=backend, calls=3, seed=4))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert report.outputs["y_gpu"].compared == 3 * 4, text
+    assert report.outputs["y_line"].compared == 3 * 2, text  # gpu 0 receives nothing

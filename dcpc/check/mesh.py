@@ -72,14 +72,22 @@ def _what(step: Step) -> str:
 
 
 def _check_shift(ctx: Context, step: Step) -> None:
-    """A shift moves the linear rank (r + k mod W): on a mesh of several axes that is not
-    a translation of the torus, which the proof's symmetry needs."""
+    """A shift moves one coordinate (member r + k of a team of one axis, like ``ppermute``
+    over one axis name): over several axes, r + k of the linear rank is not a
+    translation of the torus, which the proof's symmetry needs."""
     mesh = mesh_of(ctx.schedule)
-    if step.kind == "shift" and len(mesh.axes) > 1:
-        ctx.error(step.mark(), "axis-unsupported",
-                  f"step '{step.name}' (shift) runs on a mesh of {len(mesh.axes)} axes "
-                  f"({', '.join(mesh.axes)}); a shift along one mesh axis is not written yet",
-                  hint="use a schedule without 'mesh:' (or one axis) for a ring")
+    team = mesh.team_axes(step.op)
+    width = len(mesh.axes) if team is None else len(team)
+    named = step.op.axis is not None
+    names = [step.op.axis] if isinstance(step.op.axis, str) else step.op.axis or []
+    if any(mesh.position(n) is None for n in names):
+        return  # an unknown axis: its own error (unknown-axis) says what is wrong
+    if step.kind == "shift" and width > 1:
+        ctx.error(step.op.mark("axis", of_key=True) if named else step.mark(),
+                  "axis-unsupported",
+                  f"step '{step.name}' (shift) runs over {width} mesh axes "
+                  f"({', '.join(mesh.names(team))}); a shift moves along one axis",
+                  hint=f"name one axis: 'axis: {mesh.axes[-1]}' (or another single axis)")
 
 
 def _check_peers(ctx: Context, step: Step) -> None:

@@ -145,13 +145,11 @@ def peers(spec: str | None, rank: int, world: int,
     the kernel's loop order (templates/sync.j2 peer_loop: ``(RANK + k) % WORLD`` for k =
     1 .. W-1). On a mesh (``world.shape``, row-major ranks) along ``axes``: the team's
     members in the same loop order over member indices; next/prev move the one axis'
-    coordinate. A shift is never on a mesh of several axes (the structural check)."""
+    coordinate. A shift's "+k" along one axis: member ``+k`` of the team (mod its size)."""
     if spec is not None and spec not in ("all", "next", "prev"):  # one rank at "+k"/"-k"
-        if spec.startswith("line"):  # "line+k": none past either end (edge ranks skip it)
-            end = rank + int(spec[len("line"):])
-            return [end] if 0 <= end < world else []
-        other = (rank + int(spec)) % world if world >= 2 else rank
-        return [other] if other != rank else []
+        wrap = not spec.startswith("line")
+        other = shift_peer(rank, int(spec[0 if wrap else len("line"):]), world, axes, wrap)
+        return [other] if other is not None and other != rank else []
     if spec is None or world < 2:
         return []
     shape = getattr(world, "shape", None)
@@ -171,6 +169,18 @@ def peers(spec: str | None, rank: int, world: int,
     coords[axis] = (coords[axis] + (1 if spec == "next" else -1)) % shape[axis]
     other = _rank(coords, shape)
     return [other] if other != rank else []
+
+
+def shift_peer(rank: int, k: int, world: int, axes: tuple[int, ...] | None,
+               wrap: bool = True) -> int | None:
+    """The rank a shift by ``k`` from ``rank`` reaches: member ``+k`` of its team along
+    ``axes`` (every rank: None), mod the team size; ``wrap`` False: None past an end."""
+    shape = getattr(world, "shape", None)
+    team = list(range(world)) if shape is None or axes is None else team_of(rank, shape, axes)
+    me = team.index(rank)
+    if not wrap:
+        return team[me + k] if 0 <= me + k < len(team) else None
+    return team[(me + k) % len(team)]
 
 
 def _coords(rank: int, shape: Sequence[int]) -> list[int]:
@@ -360,10 +370,9 @@ class _Compiled:
             place = where if lands is None else (lands, 1)
             if part is None:
                 owners: Sequence[int] = (rank,)
-            elif part[0] == "peer":  # a shift: one rank's instance
-                owners = ((rank + part[3]) % self.world,)
-            elif part[0] == "line":  # a shift without wrap: none past either end
-                owners = tuple(o for o in (rank + part[3],) if 0 <= o < self.world)
+            elif part[0] in ("peer", "line"):  # a shift: one rank's instance (line: none
+                end = shift_peer(rank, part[3], self.world, part[4], part[0] == "peer")
+                owners = () if end is None else (end,)  # past either end of its team)
             elif part[4] is not None:  # a team's store: its members' instances only
                 owners = team_of(rank, self.world.shape, part[4])  # type: ignore[attr-defined]
             else:

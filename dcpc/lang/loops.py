@@ -126,6 +126,25 @@ def _offset_expr(body: Any) -> str | None:
     return offset if isinstance(offset, str) and offset not in shift.NAMED else None
 
 
+def _team_w(body: Any, data: Any) -> str | int | None:
+    """What sizes the team of a shift step along one axis of a mesh of several axes
+    (``axis: gpu``): that axis' size name or integer, which W in its offset names (the
+    team size replaces W, as in every team op's shape rules); None otherwise."""
+    mesh = data.get("mesh") if isinstance(data, dict) else None
+    axis = body.get("axis") if isinstance(body, dict) else None
+    if not isinstance(mesh, dict) or not isinstance(axis, str):
+        return None
+    axes = {k: v for k, v in mesh.items() if k not in (MARK, MARKS)}
+    return axes[axis] if len(axes) > 1 and axis in axes else None
+
+
+def _offset_names(body: Any, data: Any) -> str | None:
+    """A shift's offset expression as it depends on the group size: W read as its
+    team's size (``_team_w``)."""
+    text, team = _offset_expr(body), _team_w(body, data)
+    return text if text is None or team is None else re.sub(r"\bW\b", f"({team})", text)
+
+
 def _interleave_expr(body: Any) -> str | None:
     """An all_gather step's ``interleave`` when it is an expression (not an integer):
     the unroller evaluates it, as it does a shift's offset."""
@@ -170,7 +189,7 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
         return isinstance(shape, list) and bool(shape) and _names_w(shape[0], names)
 
     def walk(node: Any, mark: Mark | None) -> Mark | None:
-        if _names_w(_offset_expr(node), names):
+        if _names_w(_offset_names(node, data), names):
             return _mark(node, "offset", "<memory>")
         if _names_w(_interleave_expr(node), names):
             return _mark(node, "interleave", "<memory>")
@@ -364,7 +383,12 @@ class _Unroller:
         out = copy.copy(body)
         text = _offset_expr(body)
         if text is not None:
-            out["offset"] = self.offset(name, text, env, _mark(body, "offset", self.file))
+            at, team = env, _team_w(body, self.data)  # along one axis: W is the team's size
+            if team is not None:
+                at = {k: v for k, v in env.items() if k != "W"}
+                if isinstance(team, int) or team in env:
+                    at["W"] = team if isinstance(team, int) else env[team]
+            out["offset"] = self.offset(name, text, at, _mark(body, "offset", self.file))
         text = _interleave_expr(body)
         if text is not None:
             out["interleave"] = self.interleave(name, text, env,

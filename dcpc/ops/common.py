@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
 from dcpc.lang import nodes as m
-from dcpc.lang.mesh import mesh_of
+from dcpc.lang.mesh import mesh_of, shape_of, torus
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import ScheduleView
@@ -44,12 +44,14 @@ class Region:
     of different partitions may always overlap.
 
     Scheme ``peer`` (shift): writer ``p`` stores into the WHOLE instance of rank
-    ``p + offset`` (mod W) only, no other rank's; two peer stores of one offset meet
+    ``p + offset`` (mod W) only, no other rank's (with ``axes``: of member ``p + offset``
+    of its team, mod the team size); two peer stores of one offset meet
     on an instance only when their writers are equal, so they form a partition too.
     Scheme ``line`` (a shift with ``wrap: false``): the same store, made only when
-    ``0 <= p + offset < W``; the ranks ``r`` with ``r - offset`` outside get none
-    (``covers_all`` False: the data flow does not count it as written there). The
-    happens-before checkers take it as ``peer`` on every rank (more stores: sound).
+    ``0 <= p + offset < W`` (the team size, member indices); the ranks ``r`` with
+    ``r - offset`` outside get none (``covers_all`` False: the data flow does not
+    count it as written there). The happens-before checkers take it as ``peer`` on
+    every rank (more stores: sound).
     """
 
     scheme: str  # "block" | "index" | "interleave" | "peer" | "line" | "root" (broadcast)
@@ -74,11 +76,15 @@ class Region:
 
     def writers(self, owner: int, world: int) -> list[int]:
         """The ranks whose store of this region reaches ``owner``'s instance, peers of
-        ``owner`` first (the order counterexamples prefer), then ``owner`` itself (no
-        team: a shift is refused on a mesh of several axes). ``line``: taken cyclically,
+        ``owner`` first (the order counterexamples prefer), then ``owner`` itself. A
+        shift's (``peer``/``line``): member ``-offset`` of ``owner``'s team along
+        ``axes`` (one axis, dcpc.topology ``Torus.peer``); ``line``: taken cyclically,
         as the symmetric checkers model it (a writer outside the line only adds stores)."""
         if self.scheme in ("peer", "line"):
-            return [(owner - self.offset) % world]
+            if self.axes is None:
+                return [(owner - self.offset) % world]
+            writer = torus(shape_of(world)).peer(owner, self.axes, -self.offset)
+            return [owner if writer is None else writer]
         return [(owner + k) % world for k in range(1, world)] + [owner]
 
     @property
@@ -93,7 +99,8 @@ class Region:
         if self.scheme == "index":
             return f"index {writer} of dim {self.dim}"
         if self.scheme in ("peer", "line"):
-            return f"whole (shift from rank {writer}, offset {self.offset:+d})"
+            source = "rank" if self.axes is None else "team member"  # ``writer``: its index
+            return f"whole (shift from {source} {writer}, offset {self.offset:+d})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"

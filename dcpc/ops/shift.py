@@ -20,6 +20,12 @@ r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source 
 outside receives nothing (its ``dst`` is left as it was) and does not wait: the
 pipeline stage hand-off (stage 0 receives nothing, the last stage sends nothing). Its
 peers are "line+k" and its store's region ``line`` (dcpc.ops.common).
+``axis: a`` (one mesh axis, like ``ppermute`` over one axis name; the op's team,
+dcpc.lang.mesh): r is the rank's index in its team along a and W the team's size, so
+rank (n, g) of ``mesh: {node: N, gpu: G}`` stores into (n, g + k mod G) along gpu. The
+rules below are written for the team (``on_team`` gives the region and sync its axis,
+the float64 reference runs once per team: dcpc.harness.simulate); the peer ranks are
+dcpc.topology ``Torus.peer``'s. A shift over several axes is refused (dcpc.check.mesh).
 Lowerings: ``lower`` below + templates/ops/shift.py.j2 (a direct push
 into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
 ``shift``.
@@ -221,4 +227,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return plan
 
 
-DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower, exact=True))
+DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower, teams=True,
+                   exact=True))

@@ -79,6 +79,17 @@ class TeamsMixin:
     def _team_size(self, step: str) -> int:
         return len(self._team(step)[0])
 
+    def _team_peer(self, step: str, k: int, wrap: bool) -> int:
+        """The global rank of member ``+k`` of this rank's team of ``step`` (a shift's TO
+        / FROM: dcpc.topology ``Torus.peer``); this rank itself where ``wrap`` False
+        finds none past an end (the kernel then masks its lane off)."""
+        key = ("peer", step, k, wrap)
+        found = self._team_cache.get(key)
+        if found is None:
+            peer = torus(self.mesh_shape).peer(self.rank, self.TEAMS[step], k, wrap)
+            found = self._team_cache[key] = self.rank if peer is None else peer
+        return found
+
     def _team_table(self, step: str) -> torch.Tensor:
         """The team's global ranks (int32, on the device): the kernel's signal lanes."""
         key = ("table", step)

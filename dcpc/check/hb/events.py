@@ -142,10 +142,9 @@ def peer_deltas(peers: Peers | str, world: int, axes: tuple[int, ...] | None = N
     if isinstance(world, MeshWorld):
         if isinstance(peers, Peers):
             return torus(world.shape).deltas(peers.value, axes)
-        # a shift: the structural check allows it on a one-axis mesh only, where a
-        # translation is a rank offset
-        assert len(world.shape) == 1, "a shift on a mesh of several axes"
-        return frozenset({peer_offset(peers)[0] % world.shape[0]}) - {0}
+        # a shift along one axis (the structural check: a team of one axis), "line+k"
+        # taken cyclically as below
+        return torus(world.shape).deltas(f"{peer_offset(peers)[0]:+d}", axes)
     if world < 2:
         return frozenset()
     if peers == Peers.all:

@@ -131,8 +131,8 @@ def _writers(world: World, access: Access) -> list[int]:
     """The ranks whose store of ``access`` reaches rank 0's instance: rank 0's team
     along the store's axes (every rank without a mesh), peers first, then rank 0."""
     region = access.region
-    if region is not None and not region.owners_all:  # a shift: its one writer (no mesh
-        return region.writers(0, int(world.world))   # of several axes: structural check)
+    if region is not None and not region.owners_all:  # a shift: its one writer (along
+        return region.writers(0, world.world)  # one axis: the structural check)
     axes = region.axes if region is not None else None
     if axes is None:
         return _peer_first(world.world)
