@@ -18,6 +18,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ import torch.distributed as dist
 
 from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
+from dcpc.harness.replay import hold as hold_replay
+from dcpc.harness.replay import release as release_replay
 from dcpc.harness.simulate import (
     TORCH_DTYPES,
     Buffers,
@@ -62,6 +65,7 @@ class RankReport:
     cpu_s: float = 0.0  # CPU time of this process (the machine may be shared)
     epochs: list[int] = field(default_factory=list)  # the signal bank's epochs at the end
     notes: list[str] = field(default_factory=list)
+    replay: str = ""  # the held rank of a replay: how its hold ended (dcpc.harness.replay)
 
 
 def load_module_class(path: str, schedule: str) -> type:
@@ -157,6 +161,11 @@ def _kind_of_writer(steps: list[m.Step], before: int, name: str) -> str:
     return "move"
 
 
+def _watched(module: Any, name: str, slot: int, sizes: dict[str, int]) -> torch.Tensor:
+    """This rank's instance of ``name`` (a replay's hold watches it change)."""
+    return _host(module.buffer(name, slot, sizes))
+
+
 def _module_owned(module: Any, name: str) -> bool:
     """The module allocates ``name`` (symmetric, or a persistent output it returns)."""
     table = getattr(module, "BUFFERS", {})
@@ -187,6 +196,7 @@ def run_rank(
     sims: dict[int, Any] | None = None,
     program_order: str = "natural",
     handshake: bool = True,
+    replay: dict[str, Any] | None = None,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -197,7 +207,8 @@ def run_rank(
     simulated calls by call index, shared between two passes over the same calls (the
     GPU warm-up). ``program_order``: the order in which the CPU interpreter takes the
     programs of a launch (dcpc.harness.interpret). ``handshake``: the module's torch
-    handshake (False: its torch steps pair only through their collectives)."""
+    handshake (False: its torch steps pair only through their collectives). ``replay``:
+    hold one step back until a race's other access happened (dcpc.harness.replay)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     if mesh:
         world = MeshWorld(mesh)
@@ -259,6 +270,11 @@ def run_rank(
         if strike is not None:
             strike.strike(rank, event.call, step.name)
         jitter.delay()
+        here = [rank, event.call, step.name]
+        if replay is not None and here == replay["hold"]:
+            progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
+            report.replay = hold_replay(replay, partial(
+                _watched, module, replay["watch"], event.slot, sizes))
         if isinstance(step.op, m.External):
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
                 if name in env and not schedule.buffers[name].is_symmetric:
@@ -305,6 +321,8 @@ def run_rank(
                         trace[step.index][rank][name], report.outputs[name],
                         f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
                         ragged=name in ragged)
+        if replay is not None and here == replay["release"]:
+            release_replay(replay)
         jitter.delay()
         if event.step == len(steps) - 1:
             del live[event.call]
