@@ -152,3 +152,22 @@ def test_replay_options_that_cannot_show_the_race_are_refused(no_ranks, capsys, 
     assert demo.main([str(WRONG), "--replay", str(found), *args]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err, err
+
+
+def test_replay_of_two_calls_in_flight_interleaves_them(tmp_path: Path) -> None:
+    """shared_scratch_local: with two slots on their own streams, pre of call 1 may write
+    the shared scratch while attention of call 0 on the same rank still reads it. One
+    rank runs its events in one order, so a hold alone could never release (it ran to
+    its bound, unforced): the replay interleaves calls 0 and 1 with pre of call 1 first,
+    and attention of call 0 reads call 1's scratch."""
+    schedule = ROOT / "tests" / "hb_corpus" / "shared_scratch_local.yaml"
+    found = counterexample(schedule, tmp_path / "race.json")
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--replay", str(found), "--wait-timeout", "240",
+                "--calls", "2", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "slot order interleaved" in done.stdout, done.stdout
+    result = json.loads(record.read_text())[0]
+    assert result["replay"]["outcome"].startswith("released"), result
+    assert result["outputs"]["scratch"]["first"].startswith(
+        "call 0 slot 1 rank 0 (attention reads): scratch"), result

@@ -43,14 +43,18 @@ def slot_of(call: int, slots: int) -> int:
 
 
 def plan_events(
-    schedule: m.Schedule, calls: int, order: str, seed: int
+    schedule: m.Schedule, calls: int, order: str, seed: int,
+    lead: tuple[tuple[int, int], tuple[int, int]] | None = None,
 ) -> list[Event]:
     """Every (call, slot, step) of a run, in the order every rank executes them.
 
     ``sequential``: call after call, slots alternating. ``interleaved``: two calls on
     different slots in flight at once (dual-batch overlap), their steps merged in a
     seeded random order that keeps each call's program order; every rank uses the
-    same merge, so the collectives still match across ranks.
+    same merge, so the collectives still match across ranks. ``lead``: ((call a, step
+    i), (call b, step j)) of one pair: its merge runs a's steps before i, then b's up
+    to j, so that b's step j comes before a's step i (a replay's race of two calls in
+    flight, dcpc.harness.replay).
     """
     steps = len(schedule.step_list())
     slots = schedule.slots
@@ -67,6 +71,11 @@ def plan_events(
     for first in range(0, calls, 2):
         pair = [c for c in (first, first + 1) if c < calls]
         next_step = {c: 0 for c in pair}
+        if lead is not None and {lead[0][0], lead[1][0]} == set(pair):
+            (a, i), (b, j) = lead
+            events += [Event(a, slot_of(a, slots), s) for s in range(i)]
+            events += [Event(b, slot_of(b, slots), s) for s in range(j + 1)]
+            next_step.update({a: i, b: j + 1})
         while any(next_step[c] < steps for c in pair):
             ready = [c for c in pair if next_step[c] < steps]
             call = rng.choice(ready)

@@ -42,6 +42,16 @@ class Replay:
     world: int
     calls: int  # calls the replay needs: its later call + 1
 
+    def in_flight(self, schedule: Any) -> bool:
+        """Whether the race is between two calls the interleaved order runs at once
+        (calls 2k and 2k + 1 on their own slots and streams): then the run interleaves
+        them, the other access's step first (adversary.plan_events' ``lead``)."""
+        from dcpc.lang import model as m
+
+        calls = sorted((self.hold[1], self.release[1]))
+        return (calls[0] % 2 == 0 and calls[1] == calls[0] + 1 and schedule.slots >= 2
+                and schedule.streams == m.Streams.per_slot)
+
     def worker_args(self, flag: str, hold_s: float) -> dict[str, Any]:
         return {"hold": list(self.hold), "release": list(self.release), "watch": self.watch,
                 "flag": flag, "hold_s": hold_s}

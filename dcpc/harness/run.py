@@ -268,6 +268,8 @@ def run_calls(config: RunConfig, schedule_path: str) -> int:
 def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
     """Compile and run ``config``; ``announce(line)``, when given, hears the bound sizes
     before any rank starts."""
+    from dcpc.lang.parse import parse_file
+
     check_config(config)  # calls, delays, timeouts: refused before anything runs
     if config.replay is not None and config.device != "cpu":
         raise RunConfigError("--replay runs on CPU (--device cpu) only, for now")
@@ -282,6 +284,9 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
             patch=config.module_patch)
         check_compiled(config, used, module, name)  # what every rank would refuse
         config = replace(config, calls=run_calls(config, used))
+        if config.replay is not None and config.replay.in_flight(
+                parse_file(used, world=config.world)):  # two calls at once: interleave them
+            config = replace(config, order="interleaved")
         sizes = bound_sizes(config, used, module, name)
         if announce is not None:
             announce(sizes_line(sizes, config.world))

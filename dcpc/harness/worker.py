@@ -248,7 +248,12 @@ def run_rank(
               for b in (s.op.dst, getattr(s.op.scale, "buffer", None)) if b}  # type: ignore[attr-defined]
 
     live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
-    for event in adversary.plan_events(schedule, calls, order, seed):
+    lead = None  # a replay of two calls in flight: the other access's step runs first
+    if replay is not None and replay["hold"][1] != replay["release"][1]:
+        at = {s.name: k for k, s in enumerate(steps)}
+        lead = ((replay["hold"][1], at[replay["hold"][2]]),
+                (replay["release"][1], at[replay["release"][2]]))
+    for event in adversary.plan_events(schedule, calls, order, seed, lead):
         if event.call not in live:
             if sims is not None and event.call in sims:
                 sizes, inputs, external, trace = sims[event.call]
