@@ -21,6 +21,7 @@ import pytest
 
 from dcpc import demo
 from dcpc.harness import launch, run
+from dcpc.harness.run import RunConfig, run_schedule
 from dcpc.run_limits import MAX_CALLS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,3 +172,20 @@ def test_replay_of_two_calls_in_flight_interleaves_them(tmp_path: Path) -> None:
     assert result["replay"]["outcome"].startswith("released"), result
     assert result["outputs"]["scratch"]["first"].startswith(
         "call 0 slot 1 rank 0 (attention reads): scratch"), result
+
+
+def test_replay_releases_when_the_write_landed_before_the_hold(tmp_path: Path) -> None:
+    """Rank 0 paused before attention (a fault): rank 1's gather of call 1 lands in
+    q_full before rank 0's hold begins. The hold compares the instance with what
+    attention should read (the reference), so it lets go at once; a hold that waited
+    for the bytes to change from where the hold began waited to its bound, unforced."""
+    from dcpc.harness.replay import plan
+
+    found = counterexample(WRONG, tmp_path / "race.json")
+    report = run_schedule(RunConfig(
+        schedule=str(WRONG), world=2, backend="host", calls=2, wait_timeout_s=240,
+        replay=plan(str(found), str(WRONG), None),
+        fault={"rank": 0, "call": 0, "step": "attention", "kind": "pause", "seconds": 10}))
+    assert report.replay_outcome.startswith("released when q_full was written"), \
+        report.replay_outcome
+    assert report.outputs["q_full@attention"].mismatches >= 1

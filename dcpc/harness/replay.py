@@ -6,7 +6,8 @@ after it). A replay holds ``first``'s rank back before ``first``'s step of its c
 until ``second`` has happened, so the run executes the bad interleaving and the
 outputs mismatch the float64 reference. The hold is an ordering wait, not a tuned
 sleep: it ends when ``second``'s write has landed in the raced instance (when that
-instance is the held rank's own: its bytes change) or when ``second``'s rank has
+instance is the held rank's own: it no longer holds what the held step should see, by
+the float64 reference) or when ``second``'s rank has
 finished ``second``'s step (a flag file), whichever comes first, and at the latest
 after a bound (half a module's wait, so a peer waiting on the held rank never times
 out); a hold that ends at the bound is reported as not forced.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,22 +191,23 @@ def _checker_finding(schedule_path: str, world: int, cls: Any, buffer: str,
 # --- in the ranks ---------------------------------------------------------------------
 
 
-def _bits(t: Any) -> Any:
+def bits(t: Any) -> Any:
     """``t``'s bytes (NaN-poisoned memory compares equal to itself this way)."""
-    return t.detach().contiguous().reshape(-1).view(__import__("torch").uint8).clone()
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
 
 
-def hold(replay: dict[str, Any], read: Any) -> str:
-    """Wait before the held step until the race's other access happened: ``read()``
-    gives the watched instance (None: no watch); returns what the wait saw, for the
-    report."""
+def hold(replay: dict[str, Any], written: Callable[[], bool] | None) -> str:
+    """Wait before the held step until the race's other access happened: ``written()``
+    says whether the watched instance no longer holds what the held step should see
+    (None: no watch); returns what the wait saw, for the report."""
     start = time.monotonic()
-    before = _bits(read()) if replay["watch"] else None
     while True:
         waited = time.monotonic() - start
         if os.path.exists(replay["flag"]):
             return f"released by the other access's step after {waited:.2f} s"
-        if before is not None and not bool((_bits(read()) == before).all()):
+        if written is not None and written():
             return f"released when {replay['watch']} was written, after {waited:.2f} s"
         if waited >= replay["hold_s"]:
             return (f"NOT FORCED: nothing happened within {replay['hold_s']:g} s of holding "

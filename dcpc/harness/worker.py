@@ -17,8 +17,8 @@ import inspect
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
+from dcpc.harness.replay import bits
 from dcpc.harness.replay import hold as hold_replay
 from dcpc.harness.replay import release as release_replay
 from dcpc.harness.simulate import (
@@ -161,9 +162,28 @@ def _kind_of_writer(steps: list[m.Step], before: int, name: str) -> str:
     return "move"
 
 
-def _watched(module: Any, name: str, slot: int, sizes: dict[str, int]) -> torch.Tensor:
-    """This rank's instance of ``name`` (a replay's hold watches it change)."""
-    return _host(module.buffer(name, slot, sizes))
+def _written(module: Any, schedule: m.Schedule, steps: list[m.Step], step: m.Step,
+             rank: int, slot: int, sizes: dict[str, int], trace: Any, ragged: set[str],
+             name: str | None) -> Callable[[], bool] | None:
+    """A replay's watch (None without one): whether this rank's instance of ``name`` no
+    longer holds what ``step`` should see (the reference of the call, or when the call
+    has not written it yet, what it held when the hold began): the race's other write
+    landed, even one that landed before the hold began."""
+    if name is None:
+        return None
+    want = seen_at(trace, step.index, rank, name)
+    if want is None:
+        before = bits(_host(module.buffer(name, slot, sizes)))
+        return lambda: not bool((bits(_host(module.buffer(name, slot, sizes))) == before).all())
+
+    def differs() -> bool:
+        stats = OutputStats()
+        compare(name, _kind_of_writer(steps, step.index, name),
+                schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
+                stats, "", ragged=name in ragged)
+        return stats.mismatches > 0
+
+    return differs
 
 
 def _module_owned(module: Any, name: str) -> bool:
@@ -278,8 +298,9 @@ def run_rank(
         here = [rank, event.call, step.name]
         if replay is not None and here == replay["hold"]:
             progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
-            report.replay = hold_replay(replay, partial(
-                _watched, module, replay["watch"], event.slot, sizes))
+            report.replay = hold_replay(replay, _written(
+                module, schedule, steps, step, rank, event.slot, sizes, trace, ragged,
+                replay["watch"]))
         if isinstance(step.op, m.External):
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
                 if name in env and not schedule.buffers[name].is_symmetric:
