@@ -18,9 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from dcpc.diagnostics import DiagnosticError
-from dcpc.run_limits import DEFAULT_CALLS, MAX_CALLS, MAX_JITTER_S
-
-MAX_RUN_WORLD = 64  # W processes on one machine
+from dcpc.run_limits import DEFAULT_CALLS, MAX_CALLS, MAX_JITTER_S, MAX_RUN_WORLD
 
 
 def _world(text: str) -> int:

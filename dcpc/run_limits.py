@@ -19,6 +19,7 @@ from typing import Any
 # the shipped schedules take hours on CPU, and their event plan (about 740 bytes per
 # call and rank) stays below 10 MB per rank.
 MAX_CALLS = 10_000
+MAX_RUN_WORLD = 64  # W processes on one machine
 # A random delay before/after a step stands for a slow rank; one of a second already
 # reorders everything a run can reorder, and stays far below a wait's timeout (60 s).
 MAX_JITTER_S = 1.0

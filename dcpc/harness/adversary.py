@@ -1,4 +1,5 @@
-"""The adversarial parts of a run: delays, slot orders, and injected faults.
+"""The adversarial parts of a run: delays, slot orders, injected faults, and a replay's
+hold (``dcpc run --replay``, planned by dcpc.harness.replay).
 
 In the spirit of JAX Pallas interpret mode: ranks are delayed at random (seeded per
 rank) before and after every step, so that a missing wait shows up as a wrong
@@ -11,7 +12,9 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dcpc.lang import model as m
 
@@ -104,3 +107,26 @@ class Fault:
         if self.kind == "exit":
             os._exit(17)
         time.sleep(3600)  # the launcher kills this process at its deadline
+
+
+def replay_hold(replay: dict[str, Any], written: Callable[[], bool] | None) -> str:
+    """Wait before the held step until the race's other access happened: ``written()``
+    says whether the watched instance no longer holds what the held step should see
+    (None: no watch); returns what the wait saw, for the report."""
+    start = time.monotonic()
+    while True:
+        waited = time.monotonic() - start
+        if os.path.exists(replay["flag"]):
+            return f"released by the other access's step after {waited:.2f} s"
+        if written is not None and written():
+            return f"released when {replay['watch']} was written, after {waited:.2f} s"
+        if waited >= replay["hold_s"]:
+            return (f"NOT FORCED: nothing happened within {replay['hold_s']:g} s of holding "
+                    "(the harness orders these steps another way)")
+        time.sleep(0.001)
+
+
+def replay_release(replay: dict[str, Any]) -> None:
+    """The other access's step has run on its rank: let the held rank go."""
+    with open(replay["flag"], "w"):
+        pass

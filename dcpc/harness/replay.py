@@ -16,14 +16,11 @@ out); a hold that ends at the bound is reported as not forced.
 from __future__ import annotations
 
 import json
-import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dcpc.run_limits import MAX_CALLS
+from dcpc.run_limits import MAX_CALLS, MAX_RUN_WORLD
 
 
 class ReplayError(ValueError):
@@ -138,8 +135,6 @@ def plan(path: str, schedule_path: str, world: int | None) -> Replay:
     """The replay of the first race in ``path`` on ``schedule_path``: the race must be one
     the checker finds in that schedule at the counterexample's W (else ReplayError)."""
     finding, where = load(path)
-    from dcpc.demo import MAX_RUN_WORLD
-
     w = finding.get("world")
     if isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= MAX_RUN_WORLD:
         raise _at(path, f"{where}.world", "must be a group size dcpc run runs (an integer "
@@ -186,36 +181,3 @@ def _checker_finding(schedule_path: str, world: int, cls: Any, buffer: str,
             if (f.cls, f.buffer) == (cls, buffer) and sides == (first, second):
                 return f
     return None
-
-
-# --- in the ranks ---------------------------------------------------------------------
-
-
-def bits(t: Any) -> Any:
-    """``t``'s bytes (NaN-poisoned memory compares equal to itself this way)."""
-    import torch
-
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
-
-
-def hold(replay: dict[str, Any], written: Callable[[], bool] | None) -> str:
-    """Wait before the held step until the race's other access happened: ``written()``
-    says whether the watched instance no longer holds what the held step should see
-    (None: no watch); returns what the wait saw, for the report."""
-    start = time.monotonic()
-    while True:
-        waited = time.monotonic() - start
-        if os.path.exists(replay["flag"]):
-            return f"released by the other access's step after {waited:.2f} s"
-        if written is not None and written():
-            return f"released when {replay['watch']} was written, after {waited:.2f} s"
-        if waited >= replay["hold_s"]:
-            return (f"NOT FORCED: nothing happened within {replay['hold_s']:g} s of holding "
-                    "(the harness orders these steps another way)")
-        time.sleep(0.001)
-
-
-def release(replay: dict[str, Any]) -> None:
-    """The other access's step has run on its rank: let the held rank go."""
-    with open(replay["flag"], "w"):
-        pass

@@ -26,9 +26,6 @@ import torch.distributed as dist
 
 from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
-from dcpc.harness.replay import bits
-from dcpc.harness.replay import hold as hold_replay
-from dcpc.harness.replay import release as release_replay
 from dcpc.harness.simulate import (
     TORCH_DTYPES,
     Buffers,
@@ -162,6 +159,11 @@ def _kind_of_writer(steps: list[m.Step], before: int, name: str) -> str:
     return "move"
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes on the host (NaN-poisoned memory equals itself this way)."""
+    return _host(t.detach()).contiguous().reshape(-1).view(torch.uint8).clone()
+
+
 def _written(module: Any, schedule: m.Schedule, steps: list[m.Step], step: m.Step,
              rank: int, slot: int, sizes: dict[str, int], trace: Any, ragged: set[str],
              name: str | None) -> Callable[[], bool] | None:
@@ -173,8 +175,8 @@ def _written(module: Any, schedule: m.Schedule, steps: list[m.Step], step: m.Ste
         return None
     want = seen_at(trace, step.index, rank, name)
     if want is None:
-        before = bits(_host(module.buffer(name, slot, sizes)))
-        return lambda: not bool((bits(_host(module.buffer(name, slot, sizes))) == before).all())
+        before = _bits(module.buffer(name, slot, sizes))
+        return lambda: not bool((_bits(module.buffer(name, slot, sizes)) == before).all())
 
     def differs() -> bool:
         stats = OutputStats()
@@ -298,7 +300,7 @@ def run_rank(
         here = [rank, event.call, step.name]
         if replay is not None and here == replay["hold"]:
             progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
-            report.replay = hold_replay(replay, _written(
+            report.replay = adversary.replay_hold(replay, _written(
                 module, schedule, steps, step, rank, event.slot, sizes, trace, ragged,
                 replay["watch"]))
         if isinstance(step.op, m.External):
@@ -348,7 +350,7 @@ def run_rank(
                         f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
                         ragged=name in ragged)
         if replay is not None and here == replay["release"]:
-            release_replay(replay)
+            adversary.replay_release(replay)
         jitter.delay()
         if event.step == len(steps) - 1:
             del live[event.call]
