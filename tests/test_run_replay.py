@@ -3,8 +3,9 @@
 The default calls cover slot reuse (call c and call c + slots both run), and
 ``dcpc run --replay FILE`` makes the race of a ``dcpc check --format json``
 counterexample happen: the rank of the race's first access is held before that step
-until the other access has happened (an ordering wait: the raced instance's bytes
-change, or the other step's rank says it ran), so the run shows the wrong data.
+until the other access has happened (an ordering wait: the raced instance no longer
+holds what the read should see, or the other step's rank says it ran), so the run
+shows the wrong data.
 Real ranks (host backend: processes over shared memory) for the runs; the refusals run
 in process with a launcher that fails the test if a rank starts.
 """
@@ -189,3 +190,18 @@ def test_replay_releases_when_the_write_landed_before_the_hold(tmp_path: Path) -
     assert report.replay_outcome.startswith("released when q_full was written"), \
         report.replay_outcome
     assert report.outputs["q_full@attention"].mismatches >= 1
+
+
+def test_a_replay_a_per_step_hold_cannot_force_says_so(tmp_path: Path) -> None:
+    """implicit_via_reuse: out_scatter of call 0 reads the via that a peer's out_scatter
+    of call 1 writes, inside one kernel step. No hold before a step orders that; the
+    hold ends at its bound (half of --wait-timeout) and the result says the race was
+    not shown (before: a peer's store of the same call changed the via and the hold
+    reported itself released, and the run said OK as if the race had been tried)."""
+    schedule = ROOT / "tests" / "hb_corpus" / "implicit_via_reuse.yaml"
+    found = counterexample(schedule, tmp_path / "race.json")
+    done = dcpc("run", str(schedule), "--replay", str(found), "--wait-timeout", "10",
+                "--calls", "2")
+    assert "NOT FORCED: nothing happened within 5 s of holding" in done.stdout, done.stdout
+    assert "the replay's order was not forced, so this run does not show its race" in \
+        done.stdout, done.stdout

@@ -159,24 +159,17 @@ def _kind_of_writer(steps: list[m.Step], before: int, name: str) -> str:
     return "move"
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes on the host (NaN-poisoned memory equals itself this way)."""
-    return _host(t.detach()).contiguous().reshape(-1).view(torch.uint8).clone()
-
-
 def _written(module: Any, schedule: m.Schedule, steps: list[m.Step], step: m.Step,
              rank: int, slot: int, sizes: dict[str, int], trace: Any, ragged: set[str],
              name: str | None) -> Callable[[], bool] | None:
     """A replay's watch (None without one): whether this rank's instance of ``name`` no
-    longer holds what ``step`` should see (the reference of the call, or when the call
-    has not written it yet, what it held when the hold began): the race's other write
-    landed, even one that landed before the hold began."""
-    if name is None:
+    longer holds what ``step`` should see by the call's reference: the race's other
+    write landed, even one that landed before the hold began. None too when the call
+    has not written ``name`` before ``step``: then a change could be this call's own
+    store as well, and only the other step's flag releases the hold."""
+    want = None if name is None else seen_at(trace, step.index, rank, name)
+    if name is None or want is None:
         return None
-    want = seen_at(trace, step.index, rank, name)
-    if want is None:
-        before = _bits(module.buffer(name, slot, sizes))
-        return lambda: not bool((_bits(module.buffer(name, slot, sizes)) == before).all())
 
     def differs() -> bool:
         stats = OutputStats()
