@@ -22,6 +22,7 @@ import pytest
 
 from dcpc import demo
 from dcpc.harness import launch, run
+from dcpc.harness.replay import MAX_REPLAY_BYTES
 from dcpc.harness.run import RunConfig, run_schedule
 from dcpc.run_limits import MAX_CALLS
 
@@ -109,6 +110,7 @@ def _edit(data: dict, **first: object) -> dict:
 
 @pytest.mark.parametrize("content, words", [
     (None, "cannot read it (FileNotFoundError"),
+    ("huge", f"{MAX_REPLAY_BYTES + 1} bytes, more than a counterexample takes"),
     ('{"results": [\n', ":2:1: not JSON (Expecting value)"),
     ("[" * 100_000, "nested too deeply"),
     ('{"results": 3}', "results: is not a list"),
@@ -126,7 +128,11 @@ def _edit(data: dict, **first: object) -> dict:
 def test_a_bad_replay_file_is_a_located_usage_error(no_ranks, capsys, tmp_path: Path,
                                                     content: object, words: str) -> None:
     path = tmp_path / "replay.json"
-    if content == "deadlock":  # a schedule the checker refuses with a deadlock only
+    if content == "huge":  # sparse: no disk is written
+        with open(path, "wb") as f:
+            f.truncate(MAX_REPLAY_BYTES + 1)
+        content = None
+    elif content == "deadlock":  # a schedule the checker refuses with a deadlock only
         content = counterexample(DEADLOCK, tmp_path / "dead.json").read_text()
     elif isinstance(content, dict):
         data = _race(tmp_path)

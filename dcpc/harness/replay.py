@@ -22,6 +22,10 @@ from typing import Any
 
 from dcpc.run_limits import MAX_CALLS, MAX_RUN_WORLD
 
+# What ``dcpc check --format json`` writes for one file is kilobytes (its timelines
+# list one line per rank involved); a file far larger is not one, and is not read.
+MAX_REPLAY_BYTES = 16 * 2**20
+
 
 class ReplayError(ValueError):
     """A replay file that cannot be read, or a counterexample that does not apply to the
@@ -108,6 +112,11 @@ def load(path: str) -> tuple[dict[str, Any], str]:
     """The first race of the counterexample file ``path``, checked field by field, and
     where it is in the file."""
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_REPLAY_BYTES:
+            raise ReplayError(f"--replay {path}: {size} bytes, more than a counterexample "
+                              f"takes (at most {MAX_REPLAY_BYTES}); give the file `dcpc check "
+                              "--format json` wrote")
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ReplayError(f"--replay {path}: cannot read it ({exc.__class__.__name__}: "
