@@ -123,7 +123,8 @@ def _edit(data: dict, **first: object) -> dict:
     ({"step": ""}, "findings[0].first.step: must name a step"),
     ({"access": "peek"}, "findings[0].first.access: must be read or write"),
     ({"step": "nowhere"}, "does not apply to"),
-    ({"world": 99}, "findings[0].world: must be a group size dcpc run runs"),
+    ({"world": 99}, "findings[0].world: '99': group sizes must lie in 2..64 here, got 99"),
+    ({"world": [2]}, "findings[0].world: must be a group size (W or a mesh shape"),
 ])
 def test_a_bad_replay_file_is_a_located_usage_error(no_ranks, capsys, tmp_path: Path,
                                                     content: object, words: str) -> None:
@@ -211,3 +212,19 @@ def test_a_replay_a_per_step_hold_cannot_force_says_so(tmp_path: Path) -> None:
     assert "NOT FORCED: nothing happened within 5 s of holding" in done.stdout, done.stdout
     assert "the replay's order was not forced, so this run does not show its race" in \
         done.stdout, done.stdout
+
+
+def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
+    """A mesh counterexample names its shape ("world": "2x2"; it was 4, which dcpc run
+    refused for a two-axis mesh, 'give a shape such as 2x2'), and the replay runs it."""
+    schedule = ROOT / "tests" / "gallery_twins" / "hierarchical_two_level.shared_hand_off.yaml"
+    found = counterexample(schedule, tmp_path / "race.json")
+    assert json.loads(found.read_text())["results"][0]["hb"]["findings"][0]["world"] == "2x2"
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--replay", str(found), "--wait-timeout", "240",
+                "--calls", "2", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads(record.read_text())[0]
+    assert result["world"] == "2x2" and result["replay"]["outcome"].startswith("released")
+    assert result["outputs"]["q_full"]["first"].startswith(
+        "call 0 slot 1 rank 0 (gather_nodes): q_full"), result

@@ -87,6 +87,22 @@ def _findings(path: str, data: Any) -> list[tuple[str, Any]]:
               "with a race)")
 
 
+def _world(path: str, where: str, value: Any) -> int:
+    """The counterexample's group size: W, or a mesh shape's text ('2x2')."""
+    import click
+
+    from dcpc.worlds import one_world
+
+    ok = isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool)
+    try:
+        if ok:
+            return one_world(str(value), largest=MAX_RUN_WORLD)
+    except click.BadParameter as exc:
+        raise _at(path, where, f"{exc.message}, got {value!r}") from None
+    raise _at(path, where, f"must be a group size (W or a mesh shape such as 2x2), got "
+              f"{value!r}")
+
+
 def _access(path: str, where: str, value: Any, world: int) -> tuple[int, int, str, str]:
     """(rank, call, step, access) of one side of a race, every field checked."""
     if not isinstance(value, dict):
@@ -144,11 +160,8 @@ def plan(path: str, schedule_path: str, world: int | None) -> Replay:
     """The replay of the first race in ``path`` on ``schedule_path``: the race must be one
     the checker finds in that schedule at the counterexample's W (else ReplayError)."""
     finding, where = load(path)
-    w = finding.get("world")
-    if isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= MAX_RUN_WORLD:
-        raise _at(path, f"{where}.world", "must be a group size dcpc run runs (an integer "
-                  f"2..{MAX_RUN_WORLD}), got {w!r}")
-    if world is not None and int(world) != w:
+    w = _world(path, f"{where}.world", finding.get("world"))
+    if world is not None and str(world) != str(w):
         raise _at(path, f"{where}.world", f"the race was found at W={w}, the run asks "
                   f"--world {world}: drop --world or give --world {w}")
     first = _access(path, f"{where}.first", finding.get("first"), w)

@@ -102,8 +102,9 @@ class Finding:
         return Diagnostic(self.mark, self.kind, self.message, hint=self.hint, notes=tuple(notes))
 
     def as_dict(self) -> dict[str, Any]:
+        world = str(self.world) if isinstance(self.world, MeshWorld) else self.world  # 2x2
         return {"kind": self.kind, "class": self.cls, "buffer": self.buffer,
-                "steps": list(self.steps), "world": self.world, "message": self.message,
+                "steps": list(self.steps), "world": world, "message": self.message,
                 "first": self.first.as_dict(),
                 "second": self.second.as_dict() if self.second is not None else None,
                 "timeline": list(self.timeline), "hint": self.hint}
