@@ -18,9 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from dcpc.diagnostics import DiagnosticError
-from dcpc.run_limits import MAX_CALLS, MAX_JITTER_S
-
-MAX_RUN_WORLD = 64  # W processes on one machine
+from dcpc.run_limits import DEFAULT_CALLS, MAX_CALLS, MAX_JITTER_S, MAX_RUN_WORLD
 
 
 def _world(text: str) -> int:
@@ -91,16 +89,19 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dcpc run", description="Run a schedule end to end on CPU and check every output.")
     p.add_argument("schedule", help="schedule YAML file")
-    p.add_argument("--world", "-W", type=_world, default=2,
-                   help=f"group size: processes (ranks), one N in 2..{MAX_RUN_WORLD}, default 2")
+    p.add_argument("--world", "-W", type=_world, default=None,
+                   help=f"group size: processes (ranks), one N in 2..{MAX_RUN_WORLD}, default 2 "
+                        "(with --replay: the counterexample's W)")
     p.add_argument("--backend", type=_backend, default="host", metavar="KIND|AXIS=KIND,...",
                    help="host: Triton interpreter + shared memory, one process per rank; "
                         "torch: gloo collectives; local: the same kernels, ranks as threads "
                         "of one process (as on one GPU). On a mesh, one kind per axis, e.g. "
                         "--world 2x2 --backend node=torch,gpu=host: the node axis' steps run "
                         "on gloo, the gpu axis' kernels on host shared memory per gpu team")
-    p.add_argument("--calls", type=_integer, default=20,
-                   help=f"calls per rank, 1..{MAX_CALLS}, default 20")
+    p.add_argument("--calls", type=_integer, default=None,
+                   help=f"calls per rank, 1..{MAX_CALLS}; default {DEFAULT_CALLS}, or 2 x slots "
+                        "+ 1 when the schedule's slots need more (call c and call c + slots, "
+                        "the next user of its slot, both run), or more for --replay's call")
     p.add_argument("--seed", type=_integer, default=0)
     p.add_argument("--sizes", type=_sizes, default=None, metavar="NAME=INT,...",
                    help="constructor sizes (maxima) instead of the small defaults, e.g. "
@@ -143,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--module", default=None, metavar="FILE",
                    help="run this module, which dcpc compile wrote for the schedule (one "
                         "compiled for several W serves each of them), instead of compiling")
+    p.add_argument("--replay", default=None, metavar="FILE",
+                   help="make the race of a counterexample happen: FILE is what `dcpc check "
+                        "SCHEDULE --format json` writes for a schedule it refuses with a race; "
+                        "the rank of the race's first access is held before that step until "
+                        "the other access has happened (at most half of --wait-timeout), so "
+                        "the outputs show the wrong data (CPU only)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run N times (seeds SEED, SEED+1, ...); fails if any run fails")
     p.add_argument("--json", default=None, metavar="FILE",
@@ -188,17 +195,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_schedule,
     )
 
+    replay = None
+    if args.replay is not None:  # the race must be one the checker finds in the schedule
+        from dcpc.harness.replay import ReplayError, plan
+
+        try:
+            replay = plan(args.replay, args.schedule, args.world)
+        except ReplayError as exc:
+            print(f"dcpc run: {exc}", file=sys.stderr)
+            return 2
+        except DiagnosticError as exc:
+            for diagnostic in exc.diagnostics:
+                print(diagnostic.render(), file=sys.stderr)
+            return 2 if any(d.code == "io" for d in exc.diagnostics) else 1
+    world = args.world if args.world is not None else replay.world if replay else 2
     programs = args.programs if args.programs is not None else (
         1 if args.device == "cpu" else None)
     records, ok = [], True
     for attempt in range(args.repeat):
         config = RunConfig(
-            schedule=args.schedule, world=args.world, backend=args.backend, calls=args.calls,
+            schedule=args.schedule, world=world, backend=args.backend, calls=args.calls,
             seed=args.seed + attempt, order=args.order, lse_base=args.lse_base,
             jitter_s=args.jitter_ms / 1000, poison=not args.no_poison, timeout_s=args.timeout,
             wait_timeout_s=args.wait_timeout, sizes=args.sizes, device=args.device,
             programs=programs, program_order=args.program_order,
-            handshake=not args.no_handshake, module=args.module,
+            handshake=not args.no_handshake, module=args.module, replay=replay,
         )
         if args.repeat > 1:
             print(f"run        {attempt + 1} of {args.repeat}", flush=True)

@@ -19,10 +19,19 @@ from typing import Any
 # the shipped schedules take hours on CPU, and their event plan (about 740 bytes per
 # call and rank) stays below 10 MB per rank.
 MAX_CALLS = 10_000
+MAX_RUN_WORLD = 64  # W processes on one machine
 # A random delay before/after a step stands for a slow rank; one of a second already
 # reorders everything a run can reorder, and stays far below a wait's timeout (60 s).
 MAX_JITTER_S = 1.0
 MAX_RUN_TIMEOUT_S = 10**7  # the modules' own bound on a wait (dcpc.runtime.module)
+DEFAULT_CALLS = 20  # calls per rank when none are asked, unless the slots need more
+
+
+def default_calls(slots: int) -> int:
+    """Calls run when ``--calls`` is not given: at least 2 x slots + 1, so that call c and
+    call c + slots (the next user of c's slot) both run for every slot, and the calls
+    0 .. 2 x slots - 1 the happens-before checker unrolls (dcpc.check.hb) all run."""
+    return max(DEFAULT_CALLS, 2 * slots + 1)
 
 
 class RunConfigError(ValueError):
@@ -42,9 +51,10 @@ def _number(option: str, value: object, low: float, high: float, *,
 
 def check_options(*, calls: object, jitter_s: object, jitter_p: object = 0.3,
                   timeout_s: object = None, wait_timeout_s: object = None) -> None:
-    """The run's own options: calls, delays, timeouts (``RunConfigError`` naming the
-    option and its range)."""
-    if isinstance(calls, bool) or not isinstance(calls, int) or not 1 <= calls <= MAX_CALLS:
+    """The run's own options: calls (None: the schedule's default), delays, timeouts
+    (``RunConfigError`` naming the option and its range)."""
+    if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int)
+                              or not 1 <= calls <= MAX_CALLS):
         raise RunConfigError(f"--calls must be an integer in 1..{MAX_CALLS}, got {calls!r}")
     _number("--jitter-ms", jitter_s if not isinstance(jitter_s, (int, float)) else
             jitter_s * 1000, 0, MAX_JITTER_S * 1000)

@@ -119,5 +119,5 @@ def test_json_report_round_trips() -> None:
     assert classes == {"write-after-read", "read-after-write", "write-after-write"}
     first = again["findings"][0]
     assert set(first["first"]) == {"rank", "call", "slot", "step", "step_index", "access",
-                                   "region", "mark"}
+                                   "region", "mark", "owner"}  # owner: whose instance
     assert first["timeline"] and first["hint"]

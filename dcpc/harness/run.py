@@ -9,15 +9,16 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.harness.launch import LaunchResult, RankOutcome, launch
+from dcpc.harness.replay import Replay
 from dcpc.harness.worker import OutputStats, RankReport
 from dcpc.lang.mesh import MeshWorld
-from dcpc.run_limits import check_compiled, check_config
+from dcpc.run_limits import RunConfigError, check_compiled, check_config, default_calls
 
 
 @dataclass
@@ -25,7 +26,7 @@ class RunConfig:
     schedule: str  # path of the YAML file
     world: int = 2
     backend: str | dict[str, str] = "host"  # or one kind per mesh axis
-    calls: int = 50
+    calls: int | None = 50  # None: default_calls(the schedule's slots)
     seed: int = 0
     jitter_s: float = 0.002  # longest random delay before/after a step
     jitter_p: float = 0.3  # chance of a delay
@@ -45,6 +46,7 @@ class RunConfig:
     device: str = "cpu"  # or "cuda": the compiled kernels (gpu_plan says how ranks map)
     program_order: str = "natural"  # CPU: the interpreter's order of a launch's programs
     module: str | None = None  # a module `dcpc compile` wrote for the schedule: run, not compiled
+    replay: Replay | None = None  # a checker's race to make happen (replay.plan)
 
     def worker_args(self, schedule_path: str, module_path: str) -> dict[str, Any]:
         return {
@@ -126,6 +128,11 @@ class RunReport:
         if not self.ranks:
             return float("nan")
         return 1000 * sum(r.module_s for r in self.ranks) / len(self.ranks) / self.config.calls
+
+    @property
+    def replay_outcome(self) -> str:
+        """How the held rank's hold ended ("" without a replay, or when it never held)."""
+        return next((r.replay for r in self.ranks if r.replay), "")
 
     def errors(self) -> list[str]:
         return [f"rank {o.rank} {o.status}: {o.error}" for o in self.launch.outcomes
@@ -273,10 +280,31 @@ def sizes_line(sizes: dict[str, int], world: int) -> str:
             + " (a size with a max: call 0 at it, call 1 at 1, later calls random)")
 
 
+def run_calls(config: RunConfig, schedule_path: str) -> int:
+    """The calls a run makes: ``config.calls``, or ``default_calls`` of the schedule's
+    slots; a replay needs its later call (RunConfigError when ``config.calls`` is less)."""
+    from dcpc.lang.parse import parse_file
+
+    calls = config.calls
+    if calls is None:
+        calls = default_calls(parse_file(schedule_path, world=config.world).slots)
+        if config.replay is not None:
+            calls = max(calls, config.replay.calls)
+    elif config.replay is not None and calls < config.replay.calls:
+        raise RunConfigError(f"--calls {calls}: the replayed race is in call "
+                             f"{config.replay.calls - 1}; give at least {config.replay.calls} "
+                             "calls, or leave --calls out")
+    return calls
+
+
 def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
     """Compile and run ``config``; ``announce(line)``, when given, hears the bound sizes
     before any rank starts."""
+    from dcpc.lang.parse import parse_file
+
     check_config(config)  # calls, delays, timeouts: refused before anything runs
+    if config.replay is not None and config.device != "cpu":
+        raise RunConfigError("--replay runs on CPU (--device cpu) only, for now")
     plan = gpu_plan(config) if config.device != "cpu" else ""  # refused before any work
     if _kinds(config.backend) & {"host"}:
         from dcpc.runtime.host import remove_orphan_segments
@@ -290,6 +318,10 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
                 config.schedule, Path(tmp), config.world, lse_base=config.lse_base,
                 hb=config.hb, patch=config.module_patch)
         check_compiled(config, used, module, name)  # what every rank would refuse
+        config = replace(config, calls=run_calls(config, used))
+        if config.replay is not None and config.replay.in_flight(
+                parse_file(used, world=config.world)):  # two calls at once: interleave them
+            config = replace(config, order="interleaved")
         sizes = bound_sizes(config, used, module, name)
         if announce is not None:
             announce(sizes_line(sizes, config.world))
@@ -297,6 +329,10 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
 
         # a survivor of a dead rank must outlive its own wait, to say what it waited for
         wait = config.wait_timeout_s or DEFAULT_TIMEOUT_S
+        args = config.worker_args(used, module)
+        if config.replay is not None:  # held at most half a wait: no peer times out on it
+            args["replay"] = config.replay.worker_args(str(Path(tmp) / "replay-released"),
+                                                       wait / 2)
         timeout = config.timeout_s or default_timeout_s(
             config.calls, config.world, wait, *run_elements(used, config.world, sizes))
         grace = max(config.grace_s, wait + 10)
@@ -306,11 +342,10 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
         if plan == "gpus":  # one process per GPU
             env = {**os.environ, **GPU_ENV}
             result = launch("dcpc.harness.worker:run_gpus", int(config.world),
-                            config.worker_args(used, module), timeout_s=timeout,
+                            args, timeout_s=timeout,
                             grace_s=grace, stall_s=stall, env=env, interpret=False)
         elif plan == "local" or _kinds(config.backend) == {"local"}:  # W threads, 1 process
-            args = {**config.worker_args(used, module), "ranks": int(config.world),
-                    "group_timeout_s": timeout}
+            args = {**args, "ranks": int(config.world), "group_timeout_s": timeout}
             if plan:
                 args.update(backend="local", device="cuda")
             result = _per_rank(launch("dcpc.harness.worker:run_local", 1, args,
@@ -319,7 +354,7 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
                                       interpret=not plan), int(config.world))
         else:
             result = launch("dcpc.harness.worker:run_rank", int(config.world),
-                            config.worker_args(used, module), timeout_s=timeout, grace_s=grace,
+                            args, timeout_s=timeout, grace_s=grace,
                             stall_s=stall)
     report = RunReport(config, name, result, compile_s=compile_s, sizes=sizes, gpu_plan=plan)
     for outcome in result.outcomes:
@@ -381,8 +416,13 @@ def format_report(report: RunReport) -> str:
         f"adversary  poisoned memory: {'yes' if c.poison else 'no'}, delays up to "
         f"{1000 * c.jitter_s:.1f} ms (p={c.jitter_p})"
         + ("" if c.handshake else ", torch handshake off"),
-        "output        compared  mismatches  max abs err vs float64",
     ]
+    if c.replay is not None:
+        (hr, hc, hs), (rr, rc, rs) = c.replay.hold, c.replay.release
+        lines += [f"replay     {c.replay.text}",
+                  f"           {hs} on rank {hr} (call {hc}) held until {rs} on rank {rr} "
+                  f"(call {rc}) ran: {report.replay_outcome or 'never reached'}"]
+    lines.append("output        compared  mismatches  max abs err vs float64")
     for name, s in report.outputs.items():
         lines.append(f"  {name:<12}{s.compared:>8}  {s.mismatches:>10}  {s.max_abs_err:.3g}")
         if s.first_mismatch:
@@ -397,8 +437,11 @@ def format_report(report: RunReport) -> str:
                  f"({backend} backend {where}), {report.launch.wall_s:.1f} s "
                  f"wall, {cpu:.1f} s CPU over all ranks, compile {report.compile_s:.2f} s")
     lines += [f"error      {e}" for e in report.errors()]
+    unforced = c.replay is not None and not report.replay_outcome.startswith("released")
     lines.append(f"result     {'OK: every output matches' if report.ok else 'FAILED'}"
-                 f" ({report.mismatches} mismatches)")
+                 f" ({report.mismatches} mismatches)" + (
+                     "; the replay's order was not forced, so this run does not show its race"
+                     if unforced else ""))
     return "\n".join(lines)
 
 
@@ -412,6 +455,9 @@ def report_record(report: RunReport) -> dict[str, Any]:
         "backend": "local" if report.gpu_plan == "local" else show_backend(c.backend),
         "calls": c.calls, "seed": c.seed, "order": c.order, "programs": c.programs,
         "handshake": c.handshake,
+        **({"replay": {"race": c.replay.text, "hold": list(c.replay.hold),
+                       "until": list(c.replay.release), "outcome": report.replay_outcome}}
+           if c.replay is not None else {}),
         "sizes": report.sizes, "ok": report.ok, "mismatches": report.mismatches,
         "status": "ok" if report.ok else ("mismatch" if report.launch.ok else
                                           ",".join(sorted({o.status for o in

@@ -17,6 +17,7 @@ import inspect
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ class RankReport:
     cpu_s: float = 0.0  # CPU time of this process (the machine may be shared)
     epochs: list[int] = field(default_factory=list)  # the signal bank's epochs at the end
     notes: list[str] = field(default_factory=list)
+    replay: str = ""  # the held rank of a replay: how its hold ended (dcpc.harness.replay)
 
 
 def load_module_class(path: str, schedule: str) -> type:
@@ -187,6 +189,28 @@ def _kind_of_writer(steps: list[m.Step], before: int, name: str) -> str:
     return "move"
 
 
+def _written(module: Any, schedule: m.Schedule, steps: list[m.Step], step: m.Step,
+             rank: int, slot: int, sizes: dict[str, int], trace: Any, ragged: set[str],
+             name: str | None) -> Callable[[], bool] | None:
+    """A replay's watch (None without one): whether this rank's instance of ``name`` no
+    longer holds what ``step`` should see by the call's reference: the race's other
+    write landed, even one that landed before the hold began. None too when the call
+    has not written ``name`` before ``step``: then a change could be this call's own
+    store as well, and only the other step's flag releases the hold."""
+    want = None if name is None else seen_at(trace, step.index, rank, name)
+    if name is None or want is None:
+        return None
+
+    def differs() -> bool:
+        stats = OutputStats()
+        compare(name, _kind_of_writer(steps, step.index, name),
+                schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
+                stats, "", ragged=name in ragged)
+        return stats.mismatches > 0
+
+    return differs
+
+
 def _module_owned(module: Any, name: str) -> bool:
     """The module allocates ``name`` (symmetric, or a persistent output it returns)."""
     table = getattr(module, "BUFFERS", {})
@@ -217,6 +241,7 @@ def run_rank(
     sims: dict[int, Any] | None = None,
     program_order: str = "natural",
     handshake: bool = True,
+    replay: dict[str, Any] | None = None,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -227,7 +252,8 @@ def run_rank(
     simulated calls by call index, shared between two passes over the same calls (the
     GPU warm-up). ``program_order``: the order in which the CPU interpreter takes the
     programs of a launch (dcpc.harness.interpret). ``handshake``: the module's torch
-    handshake (False: its torch steps pair only through their collectives)."""
+    handshake (False: its torch steps pair only through their collectives). ``replay``:
+    hold one step back until a race's other access happened (dcpc.harness.replay)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     if mesh:
         world = MeshWorld(mesh)
@@ -268,7 +294,12 @@ def run_rank(
               for b in (s.op.dst, getattr(s.op.scale, "buffer", None)) if b}  # type: ignore[attr-defined]
 
     live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
-    for event in adversary.plan_events(schedule, calls, order, seed):
+    lead = None  # a replay of two calls in flight: the other access's step runs first
+    if replay is not None and replay["hold"][1] != replay["release"][1]:
+        at = {s.name: k for k, s in enumerate(steps)}
+        lead = ((replay["hold"][1], at[replay["hold"][2]]),
+                (replay["release"][1], at[replay["release"][2]]))
+    for event in adversary.plan_events(schedule, calls, order, seed, lead):
         if event.call not in live:
             if sims is not None and event.call in sims:
                 sizes, inputs, external, trace = sims[event.call]
@@ -290,6 +321,12 @@ def run_rank(
         if strike is not None:
             strike.strike(rank, event.call, step.name)
         jitter.delay()
+        here = [rank, event.call, step.name]
+        if replay is not None and here == replay["hold"]:
+            progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
+            report.replay = adversary.replay_hold(replay, _written(
+                module, schedule, steps, step, rank, event.slot, sizes, trace, ragged,
+                replay["watch"]))
         if isinstance(step.op, External):
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
                 if name in env and not schedule.buffers[name].is_symmetric:
@@ -345,6 +382,8 @@ def run_rank(
                         want, report.outputs[name],
                         f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
                         ragged=name in ragged)
+        if replay is not None and here == replay["release"]:
+            adversary.replay_release(replay)
         jitter.delay()
         if event.step == len(steps) - 1:
             del live[event.call]

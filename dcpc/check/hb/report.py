@@ -33,6 +33,7 @@ class Location:
     mark: Mark
     rank_name: str = field(default="", compare=False)  # a mesh's "rank (node=1, gpu=0)"
     lands: str = field(default="", compare=False)  # a store in flight: the wait landing it
+    owner: int = field(default=-1, compare=False)  # an access: the rank whose instance it is
 
     def text(self) -> str:
         who = self.rank_name or f"rank {self.rank}"
@@ -43,7 +44,8 @@ class Location:
         """As JSON; a store in flight also names the wait that lands it ("lands")."""
         return {"rank": self.rank, "call": self.call, "slot": self.slot, "step": self.step,
                 "step_index": self.step_index, "access": self.access, "region": self.region,
-                "mark": str(self.mark), **({"lands": self.lands} if self.lands else {})}
+                "mark": str(self.mark), **({"lands": self.lands} if self.lands else {}),
+                **({"owner": self.owner} if self.owner >= 0 else {})}
 
 
 @dataclass
@@ -100,8 +102,9 @@ class Finding:
         return Diagnostic(self.mark, self.kind, self.message, hint=self.hint, notes=tuple(notes))
 
     def as_dict(self) -> dict[str, Any]:
+        world = str(self.world) if isinstance(self.world, MeshWorld) else self.world  # 2x2
         return {"kind": self.kind, "class": self.cls, "buffer": self.buffer,
-                "steps": list(self.steps), "world": self.world, "message": self.message,
+                "steps": list(self.steps), "world": world, "message": self.message,
                 "first": self.first.as_dict(),
                 "second": self.second.as_dict() if self.second is not None else None,
                 "timeline": list(self.timeline), "hint": self.hint}
@@ -164,7 +167,7 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
         region += f", in flight until its wait {wait.name} ({wait.mark})"
         lands = wait.name
     return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
-                    t.access.kind, region, step.mark, _rk(world, t.rank), lands)
+                    t.access.kind, region, step.mark, _rk(world, t.rank), lands, t.owner)
 
 
 def race_cut(world: World, race: RawRace) -> list[int]:
