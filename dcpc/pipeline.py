@@ -12,6 +12,11 @@ The happens-before stage comes after ``lower`` because it analyses the plan: the
 signal slots and epochs the emitted kernels use, not an idea of the schedule.
 Warnings are collected in ``Compilation.warnings`` and never stop a stage, unless
 ``Options.strict`` makes them errors.
+
+Each stage's product is a field of ``Compilation``; ``run_plan`` enters the table
+with a given product: a plan dumped by ``--dump lower`` (dcpc.codegen.plan
+``load_plan``) is proved against its schedule (parse, check, its facts of the
+schedule, hb on the loaded plan) and emitted without lowering again.
 """
 
 from __future__ import annotations
@@ -227,6 +232,75 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
     if looped is not None:
         return _per_world(c, looped, until)
     return _stages(c, STAGE_NAMES[0], until)
+
+
+def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = None,
+             until: str = "emit") -> Compilation:
+    """Emit the plan dumped in ``plan_path`` (``dcpc compile --dump lower``) for the
+    schedule file ``path`` without lowering it again, once it is proved: the file is
+    the one the plan was lowered from (its sha256), the schedule checks at the plan's
+    worlds, the plan's facts of the schedule (names, sizes, buffers) are the
+    schedule's, and the happens-before checker accepts the loaded plan's slots and
+    epochs. Anything else is a DiagnosticError located in one of the two files."""
+    from dataclasses import replace
+
+    from dcpc.codegen.plan import MAX_PLAN_BYTES, PlanFormatError, load_plan
+    from dcpc.diagnostics import Mark
+    from dcpc.files import read_capped
+
+    at = Mark(str(plan_path), 1, 1)
+    try:
+        plan = load_plan(read_capped(plan_path, MAX_PLAN_BYTES))
+    except PlanFormatError as exc:
+        raise DiagnosticError([Diagnostic(at, "bad-plan", f"not a dumped plan: {exc}",
+                                          hint="dump it with dcpc compile FILE --dump lower")])
+    except (TypeError, ValueError) as exc:  # a record built of values of the wrong kind
+        raise DiagnosticError([Diagnostic(at, "bad-plan", f"not a dumped plan: {exc}")])
+    c = Compilation(Path(path), replace(options or Options(), worlds=plan.worlds, hb=True))
+    _stages(c, "parse", "parse")
+    if c.schedule.source_sha256 != plan.source_sha256:
+        raise DiagnosticError([Diagnostic(
+            at, "plan-stale", f"the plan was lowered from a file whose sha256 is "
+            f"{str(plan.source_sha256)[:64]}, not {c.path}'s ({c.schedule.source_sha256}): "
+            "the schedule changed since the plan was dumped",
+            hint="dump the plan again from this file")])
+    _stages(c, "graph", "check")
+    mismatch = _plan_mismatch(c, plan)
+    if mismatch:
+        raise DiagnosticError([Diagnostic(
+            at, "plan-mismatch", f"the plan's {mismatch} is not what {c.path} declares")])
+    c.plan = plan
+    if until in STAGE_NAMES[STAGE_NAMES.index("hb"):]:
+        _stages(c, "hb", until)
+    return c
+
+
+def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
+    """The first fact of a loaded plan that the lowering copies from the schedule and
+    the schedule does not give (the names, sizes and buffers the module declares)."""
+    from dcpc.codegen.lower import _buffers, _sizes, class_name
+
+    s = c.schedule
+    facts: tuple[tuple[str, Any, Any], ...] = (
+        ("schedule", plan.schedule, s.schedule),
+        ("class_name", plan.class_name, class_name(s.schedule)),
+        ("worlds", plan.worlds, sorted(set(c.worlds))),
+        ("slots", plan.slots, s.slots),
+        ("loop_world", plan.loop_world, s.loop_world),
+        ("streams", plan.streams, s.streams.value),
+        ("doc", plan.doc, s.doc),
+        ("mesh", plan.mesh, tuple(s.mesh.items()) if s.mesh else ()),
+        ("sizes", plan.sizes, _sizes(s)),
+        # the declared buffers come first; the lowering's own (an implicit ``via``) follow
+        ("buffers", plan.buffers[:len(s.buffers)], list(_buffers(s).values())),
+        ("steps", [(p.name, p.index, p.op) for p in plan.steps],
+         [(p.name, p.index, p.kind) for p in s.step_list()]),
+    )
+    for what, got, want in facts:
+        if got != want or (what == "worlds" and [getattr(w, "shape", None) for w in got]
+                           != [getattr(w, "shape", None) for w in want]):
+            return what
+    return None
 
 
 def _stages(c: Compilation, first: str, until: str) -> Compilation:
