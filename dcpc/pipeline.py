@@ -252,10 +252,9 @@ def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = 
     try:
         plan = load_plan(read_capped(plan_path, MAX_PLAN_BYTES))
     except PlanFormatError as exc:
-        raise DiagnosticError([Diagnostic(at, "bad-plan", f"not a dumped plan: {exc}",
-                                          hint="dump it with dcpc compile FILE --dump lower")])
-    except (TypeError, ValueError) as exc:  # a record built of values of the wrong kind
-        raise DiagnosticError([Diagnostic(at, "bad-plan", f"not a dumped plan: {exc}")])
+        raise DiagnosticError([Diagnostic(
+            at, "bad-plan", f"not a plan that this dcpc dumps: {exc}",
+            hint="dump it again with dcpc compile FILE -o DIR --dump lower")]) from None
     c = Compilation(Path(path), replace(options or Options(), worlds=plan.worlds, hb=True))
     _stages(c, "parse", "parse")
     if c.schedule.source_sha256 != plan.source_sha256:
@@ -271,17 +270,28 @@ def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = 
             at, "plan-mismatch", f"the plan's {mismatch} is not what {c.path} declares")])
     c.plan = plan
     if until in STAGE_NAMES[STAGE_NAMES.index("hb"):]:
-        _stages(c, "hb", until)
+        try:
+            _stages(c, "hb", until)
+        except DiagnosticError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (input: a plan no lowering makes)
+            raise DiagnosticError([Diagnostic(
+                at, "plan-mismatch", f"the plan cannot be analysed or emitted "
+                f"({type(exc).__name__}: {str(exc)[:200]}); no lowering of {c.path} "
+                "makes it")]) from None
     return c
 
 
 def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
     """The first fact of a loaded plan that the lowering copies from the schedule and
     the schedule does not give (the names, sizes and buffers the module declares)."""
-    from dcpc.codegen.lower import _buffers, _sizes, class_name
+    import dcpc
+    from dcpc.codegen.lower import _buffers, _contract, _sizes, class_name
 
     s = c.schedule
     facts: tuple[tuple[str, Any, Any], ...] = (
+        ("version", plan.version, dcpc.__version__),  # the lowering rules are a version's
+        ("source_name", plan.source_name, c.path.name),
         ("schedule", plan.schedule, s.schedule),
         ("class_name", plan.class_name, class_name(s.schedule)),
         ("worlds", plan.worlds, sorted(set(c.worlds))),
@@ -295,6 +305,8 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
         ("buffers", plan.buffers[:len(s.buffers)], list(_buffers(s).values())),
         ("steps", [(p.name, p.index, p.op) for p in plan.steps],
          [(p.name, p.index, p.kind) for p in s.step_list()]),
+        # free text that reaches the module: what the lowering derives from the steps
+        ("contract", plan.contract, _contract(plan.steps, plan.slots, plan.streams)),
     )
     for what, got, want in facts:
         if got != want or (what == "worlds" and [getattr(w, "shape", None) for w in got]

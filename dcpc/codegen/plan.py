@@ -14,6 +14,9 @@ against its schedule (dcpc.pipeline ``run_plan``) before anything is emitted.
 from __future__ import annotations
 
 import json
+import re
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -143,13 +146,16 @@ def _encode(value: Any) -> Any:
 def _decode(data: Any, where: str, depth: int = 0) -> Any:
     if depth > _MAX_DEPTH:
         raise PlanFormatError(where, f"nested deeper than {_MAX_DEPTH}")
+    if type(data) is int and abs(data) >= _MAX_INT:
+        raise PlanFormatError(where, f"an integer of more than {len(str(_MAX_INT)) - 1} digits")
     if data is None or type(data) in (bool, int, str, float):
         return data
     if isinstance(data, list):
         return [_decode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(data)]
     if not isinstance(data, dict) or len(data) != 1:
+        kinds = ", ".join(["tuple", "dict", "MeshWorld", *_RECORDS])
         raise PlanFormatError(where, "expected a value, an array or an object of one key "
-                              f"naming its kind ({', '.join(['tuple', 'dict', 'MeshWorld', *_RECORDS])})")
+                              f"naming its kind ({kinds})")
     ((tag, body),) = data.items()
     here = f"{where}.{tag}" if where else tag
     if tag == "tuple" and isinstance(body, list):
@@ -179,7 +185,88 @@ def _decode(data: Any, where: str, depth: int = 0) -> Any:
     missing = [n for n in names if n not in body]
     if missing:
         raise PlanFormatError(here, f"missing field {missing[0]!r} of {tag}")
-    return cls(**{n: _decode(body[n], f"{here}.{n}", depth + 1) for n in names})
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for n in names:
+        values[n] = _decode(body[n], f"{here}.{n}", depth + 1)
+        _check_kind(values[n], hints[n], f"{here}.{n}", n)
+    return cls(**values)
+
+
+_MAX_INT = 10**30  # the language's own integers have at most 30 digits (dcpc.lang.expr)
+_EXPR_OPS = ("+", "-", "*", "/")
+# Every string a template puts into code unescaped (names, enums, dtypes, slots' peers,
+# effect keys, template paths) is made of these; free text (``doc``, ``contract``) is
+# escaped where it reaches the module, and the contract is re-derived (run_plan).
+_SAFE_TEXT = re.compile(r"[A-Za-z0-9_.+\-*/\[\]]*")
+_TEMPLATE = re.compile(r"ops/[a-z0-9_]+\.py\.j2")
+_FREE_TEXT = ("doc", "contract")
+
+
+def _is_expr(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is a shape AST (dcpc.lang.expr) of at most _MAX_DEPTH levels."""
+    if type(value) is not tuple or depth > _MAX_DEPTH:
+        return False
+    if len(value) == 2 and value[0] == "num":
+        return type(value[1]) is int
+    if len(value) == 2 and value[0] == "sym":
+        return type(value[1]) is str and value[1].isidentifier()
+    return len(value) == 3 and value[0] in _EXPR_OPS and all(
+        _is_expr(v, depth + 1) for v in value[1:])
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a decoded value has the kind a record field is annotated with."""
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is tuple:  # Expr
+        return _is_expr(value)
+    if hint in (int, str, bool, float):
+        return type(value) is hint or (hint is int and type(value) is MeshWorld)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return type(value) is list and all(_fits(v, args[0]) for v in value)
+    if origin is tuple:
+        if type(value) is not tuple:
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(
+            _fits(v, a) for v, a in zip(value, args, strict=True))
+    if origin is dict:
+        return type(value) is dict and all(_fits(k, args[0]) and _fits(v, args[1])
+                                           for k, v in value.items())
+    if isinstance(hint, type) and hint in _RECORDS.values():
+        return type(value) is hint
+    return False
+
+
+def _strings(value: Any) -> typing.Iterator[str]:
+    if type(value) is str:
+        yield value
+    elif type(value) in (list, tuple):
+        for v in value:
+            yield from _strings(v)
+    elif type(value) is dict:
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+
+
+def _check_kind(value: Any, hint: Any, where: str, name: str) -> None:
+    if not _fits(value, hint):
+        raise PlanFormatError(where, f"not a value of the field's kind ({hint})")
+    if name == "template" and value is not None and not _TEMPLATE.fullmatch(value):
+        raise PlanFormatError(where, "not a template of an op (ops/<op>.py.j2)")
+    if name not in _FREE_TEXT:
+        for text in _strings(value):
+            if not _SAFE_TEXT.fullmatch(text):
+                raise PlanFormatError(where, f"the string {text[:80]!r} holds a character "
+                                      "no name, enum or shape of a plan has")
 
 
 def dump_plan(plan: Plan) -> str:
