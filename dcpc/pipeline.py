@@ -287,6 +287,7 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
     the schedule does not give (the names, sizes and buffers the module declares)."""
     import dcpc
     from dcpc.codegen.lower import _buffers, _contract, _sizes, class_name
+    from dcpc.lang.semantics import table
 
     s = c.schedule
     facts: tuple[tuple[str, Any, Any], ...] = (
@@ -305,6 +306,10 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
         ("buffers", plan.buffers[:len(s.buffers)], list(_buffers(s).values())),
         ("steps", [(p.name, p.index, p.op) for p in plan.steps],
          [(p.name, p.index, p.kind) for p in s.step_list()]),
+        # what the happens-before checker takes as each kernel's accesses (the kernels'
+        # own come from roles, not from these): the op rules' (dcpc.lang.semantics);
+        # the slots and epochs (``sync``) are the kernels' own, which the hb stage proves
+        ("effects", [p.effects for p in plan.steps], [list(e.effects) for e in table(s)]),
         # free text that reaches the module: what the lowering derives from the steps
         ("contract", plan.contract, _contract(plan.steps, plan.slots, plan.streams)),
     )
