@@ -291,7 +291,7 @@ def load_plan(text: str | bytes) -> Plan:
         raise PlanFormatError("format", f"expected {PLAN_FORMAT!r}, got "
                               f"{str(data.get('format'))[:80]!r}")
     if type(data.get("version")) is not int or data["version"] != PLAN_VERSION:
-        raise PlanFormatError("version", f"unknown version {str(data.get('version'))[:80]!r}; "
+        raise PlanFormatError("version", f"unknown version {str(data.get('version'))[:80]}; "
                               f"this dcpc reads version {PLAN_VERSION} (dump the plan again)")
     extra = sorted(set(data) - {"format", "version", "plan"})
     if extra:
