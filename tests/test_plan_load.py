@@ -121,6 +121,10 @@ def test_a_schedule_edited_after_the_dump_is_refused(kimi_plan: dict, tmp_path: 
     ("[]", "expected an object"),
     ('{"format": "dcpc-plan", "version": 99, "plan": null}', "at version: unknown version 99"),
     ('{"format": "other", "version": 1, "plan": null}', "at format:"),
+    ('{"format": "dcpc-plan", "version": 1, "plan": NaN}', "NaN is no JSON number"),
+    ('{"format": "dcpc-plan", "version": 1, "plan": {"Plan": []}}', "at plan: unknown kind"),
+    ('{"format": "dcpc-plan", "version": 1, "plan": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "not JSON"),
 ])
 def test_a_file_that_is_no_plan_is_refused(text: str, where: str, tmp_path: Path):
     out = refused(from_plan(KIMI, text, tmp_path), "bad-plan")

@@ -275,6 +275,11 @@ def dump_plan(plan: Plan) -> str:
                        "plan": _encode(plan)}, indent=1) + "\n"
 
 
+def _no_constant(name: str) -> Any:
+    """NaN and Infinity, which Python's JSON reads by default: no plan holds them."""
+    raise ValueError(f"{name} is no JSON number")
+
+
 def load_plan(text: str | bytes) -> Plan:
     """The plan of a ``dump_plan`` text; a text that is not one raises PlanFormatError
     naming the key path where it goes wrong. The plan is not checked here: see
@@ -282,7 +287,7 @@ def load_plan(text: str | bytes) -> Plan:
     if len(text) > MAX_PLAN_BYTES:
         raise PlanFormatError("", f"the file is larger than {MAX_PLAN_BYTES} bytes")
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
         raise PlanFormatError("", f"not JSON: {exc}") from None
     if not isinstance(data, dict):
