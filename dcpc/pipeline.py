@@ -255,6 +255,9 @@ def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = 
         raise DiagnosticError([Diagnostic(
             at, "bad-plan", f"not a plan that this dcpc dumps: {exc}",
             hint="dump it again with dcpc compile FILE -o DIR --dump lower")]) from None
+    bad = _bad_worlds(plan.worlds)
+    if bad:
+        raise DiagnosticError([Diagnostic(at, "bad-plan", f"{bad} (at plan.Plan.worlds)")])
     c = Compilation(Path(path), replace(options or Options(), worlds=plan.worlds, hb=True))
     _stages(c, "parse", "parse")
     if c.schedule.source_sha256 != plan.source_sha256:
@@ -280,6 +283,24 @@ def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = 
                 f"({type(exc).__name__}: {str(exc)[:200]}); no lowering of {c.path} "
                 "makes it")]) from None
     return c
+
+
+def _bad_worlds(worlds: list[int]) -> str | None:
+    """What is wrong with a loaded plan's worlds, by ``--world``'s rules (at least one;
+    group sizes 2..MAX_WORLD; mesh shapes as dcpc.lang.mesh parses them)."""
+    from dcpc.lang.mesh import MAX_WORLD, MeshWorld, WorldError, parse_shapes
+
+    if not worlds:  # the proof is for the worlds the plan names: none proves nothing
+        return "the plan names no worlds"
+    for w in worlds:
+        if isinstance(w, MeshWorld):
+            try:
+                parse_shapes("x".join(map(str, w.shape)), MAX_WORLD)
+            except WorldError as err:
+                return f"mesh shape {w}: {err}"
+        elif not 2 <= w <= MAX_WORLD:
+            return f"group size {w}: group sizes must lie in 2..{MAX_WORLD}"
+    return None
 
 
 def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:

@@ -142,6 +142,10 @@ def test_a_file_that_is_no_plan_is_refused(text: str, where: str, tmp_path: Path
     (lambda p: steps(p)[0]["params"].__setitem__(0, 'q"); import os; ("'),
      "at plan.Plan.steps[0].StepPlan.params: the string"),
     (lambda p: p["plan"]["Plan"].update(slots=10**40), "at plan.Plan.slots: an integer of"),
+    (lambda p: p["plan"]["Plan"].update(worlds=[]), "names no worlds (at plan.Plan.worlds)"),
+    (lambda p: p["plan"]["Plan"].update(worlds=[1]), "group size 1: group sizes must lie in"),
+    (lambda p: p["plan"]["Plan"].update(worlds=[10**6]), "group size 1000000: group sizes"),
+    (lambda p: p["plan"]["Plan"].update(worlds=[{"MeshWorld": [1, 1]}]), "mesh shape"),
 ])
 def test_a_malformed_plan_is_refused_where_it_breaks(kimi_plan: dict, tmp_path: Path,
                                                      edit, where):
