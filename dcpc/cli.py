@@ -20,7 +20,7 @@ import click
 from dcpc import __version__
 from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.lang.mesh import MeshWorld, worlds_text
-from dcpc.pipeline import DEFAULT_WORLDS, STAGE_NAMES, Options, run
+from dcpc.pipeline import DEFAULT_WORLDS, STAGE_NAMES, Options, run, run_plan
 from dcpc.worlds import one_world, parse_worlds
 
 
@@ -265,12 +265,20 @@ def schema(output: str | None) -> None:
               help="directory for the generated modules")
 @WORLDS
 @click.option("--dump", type=click.Choice(STAGE_NAMES),
-              help="stop after this stage and print what it produced")
+              help="stop after this stage and print what it produced (lower: the plan, "
+                   "as JSON that --plan reads)")
+@click.option("--plan", "plan_file", type=click.Path(),
+              help="emit this plan (dumped by --dump lower) for the one FILE it was lowered "
+                   "from, without lowering again: refused unless the file is unchanged and "
+                   "the plan passes the checks")
 @STRICT
 @DEBUG
 def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str | None,
-             strict: bool, debug: bool) -> None:
+             plan_file: str | None, strict: bool, debug: bool) -> None:
     """Check schedules and emit one Python module per schedule into DIR."""
+    if plan_file is not None and (len(files) != 1 or worlds or dump):
+        raise click.UsageError("--plan takes the one schedule FILE the plan was lowered "
+                               "from, and no --world (the plan records its worlds) or --dump")
 
     def body() -> int:
         from dcpc.files import write_atomically
@@ -281,8 +289,11 @@ def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str |
         written: dict[str, str] = {}  # schedule name -> the file that produced it
         for file in files:
             try:
-                c = run(file, Options(worlds=worlds or DEFAULT_WORLDS, strict=strict),
-                        until=dump or "emit")
+                if plan_file is not None:
+                    c = run_plan(file, plan_file, Options(strict=strict))
+                else:
+                    c = run(file, Options(worlds=worlds or DEFAULT_WORLDS, strict=strict),
+                            until=dump or "emit")
                 name = c.schedule.schedule
                 if not dump and name in written:
                     raise DiagnosticError([Diagnostic(
@@ -327,9 +338,9 @@ def _dump(c: Any, stage: str) -> str:
     if stage == "hb":
         return json.dumps(c.hb_report.as_json() if c.hb_report else {}, indent=2, default=str)
     if stage == "lower":
-        import dataclasses
+        from dcpc.codegen.plan import dump_plan
 
-        return json.dumps(dataclasses.asdict(c.plan), indent=2, default=str)
+        return dump_plan(c.plan).rstrip("\n")
     return c.module_text or ""
 
 

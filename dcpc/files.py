@@ -44,10 +44,13 @@ def read_capped(path: str | Path, cap: int) -> bytes:
         hint = "check the path" if exc.errno == errno.ENOENT else None
         raise io_error(path, f"cannot read the file: {_reason(exc)}", hint) from None
     try:
-        mode = os.fstat(fd).st_mode
+        info = os.fstat(fd)
+        mode = info.st_mode
         if not stat.S_ISREG(mode):
             kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
             raise io_error(path, f"cannot read the schedule: it is {kind}, not a regular file")
+        if info.st_size > cap:  # refused unread (the loop below bounds one that grows)
+            raise _too_large(path, cap)
         chunks, left = [], cap + 1
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 16))
@@ -61,9 +64,13 @@ def read_capped(path: str | Path, cap: int) -> bytes:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > cap:
-        raise DiagnosticError([Diagnostic(
-            Mark(str(path), 1, 1), "too-large", f"the file is larger than {cap} bytes")])
+        raise _too_large(path, cap)
     return data
+
+
+def _too_large(path: Path, cap: int) -> DiagnosticError:
+    return DiagnosticError([Diagnostic(
+        Mark(str(path), 1, 1), "too-large", f"the file is larger than {cap} bytes")])
 
 
 def write_atomically(path: str | Path, text: str, *, make_parents: bool = False) -> None:

@@ -12,6 +12,11 @@ The happens-before stage comes after ``lower`` because it analyses the plan: the
 signal slots and epochs the emitted kernels use, not an idea of the schedule.
 Warnings are collected in ``Compilation.warnings`` and never stop a stage, unless
 ``Options.strict`` makes them errors.
+
+Each stage's product is a field of ``Compilation``; ``run_plan`` enters the table
+with a given product: a plan dumped by ``--dump lower`` (dcpc.codegen.plan
+``load_plan``) is proved against its schedule (parse, check, its facts of the
+schedule, hb on the loaded plan) and emitted without lowering again.
 """
 
 from __future__ import annotations
@@ -227,6 +232,113 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
     if looped is not None:
         return _per_world(c, looped, until)
     return _stages(c, STAGE_NAMES[0], until)
+
+
+def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = None,
+             until: str = "emit") -> Compilation:
+    """Emit the plan dumped in ``plan_path`` (``dcpc compile --dump lower``) for the
+    schedule file ``path`` without lowering it again, once it is proved: the file is
+    the one the plan was lowered from (its sha256), the schedule checks at the plan's
+    worlds, the plan's facts of the schedule (names, sizes, buffers) are the
+    schedule's, and the happens-before checker accepts the loaded plan's slots and
+    epochs. Anything else is a DiagnosticError located in one of the two files."""
+    from dataclasses import replace
+
+    from dcpc.codegen.plan import MAX_PLAN_BYTES, PlanFormatError, load_plan
+    from dcpc.diagnostics import Mark
+    from dcpc.files import read_capped
+
+    at = Mark(str(plan_path), 1, 1)
+    try:
+        plan = load_plan(read_capped(plan_path, MAX_PLAN_BYTES))
+    except PlanFormatError as exc:
+        raise DiagnosticError([Diagnostic(
+            at, "bad-plan", f"not a plan that this dcpc dumps: {exc}",
+            hint="dump it again with dcpc compile FILE -o DIR --dump lower")]) from None
+    bad = _bad_worlds(plan.worlds)
+    if bad:
+        raise DiagnosticError([Diagnostic(at, "bad-plan", f"{bad} (at plan.Plan.worlds)")])
+    c = Compilation(Path(path), replace(options or Options(), worlds=plan.worlds, hb=True))
+    _stages(c, "parse", "parse")
+    if c.schedule.source_sha256 != plan.source_sha256:
+        raise DiagnosticError([Diagnostic(
+            at, "plan-stale", f"the plan was lowered from a file whose sha256 is "
+            f"{str(plan.source_sha256)[:64]}, not {c.path}'s ({c.schedule.source_sha256}): "
+            "the schedule changed since the plan was dumped",
+            hint="dump the plan again from this file")])
+    _stages(c, "graph", "check")
+    mismatch = _plan_mismatch(c, plan)
+    if mismatch:
+        raise DiagnosticError([Diagnostic(
+            at, "plan-mismatch", f"the plan's {mismatch} is not what {c.path} declares")])
+    c.plan = plan
+    if until in STAGE_NAMES[STAGE_NAMES.index("hb"):]:
+        try:
+            _stages(c, "hb", until)
+        except DiagnosticError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (input: a plan no lowering makes)
+            raise DiagnosticError([Diagnostic(
+                at, "plan-mismatch", f"the plan cannot be analysed or emitted "
+                f"({type(exc).__name__}: {str(exc)[:200]}); no lowering of {c.path} "
+                "makes it")]) from None
+    return c
+
+
+def _bad_worlds(worlds: list[int]) -> str | None:
+    """What is wrong with a loaded plan's worlds, by ``--world``'s rules (at least one;
+    group sizes 2..MAX_WORLD; mesh shapes as dcpc.lang.mesh parses them)."""
+    from dcpc.lang.mesh import MAX_WORLD, MeshWorld, WorldError, parse_shapes
+
+    if not worlds:  # the proof is for the worlds the plan names: none proves nothing
+        return "the plan names no worlds"
+    for w in worlds:
+        if isinstance(w, MeshWorld):
+            try:
+                parse_shapes("x".join(map(str, w.shape)), MAX_WORLD)
+            except WorldError as err:
+                return f"mesh shape {w}: {err}"
+        elif not 2 <= w <= MAX_WORLD:
+            return f"group size {w}: group sizes must lie in 2..{MAX_WORLD}"
+    return None
+
+
+def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
+    """The first fact of a loaded plan that the lowering copies from the schedule and
+    the schedule does not give (the names, sizes and buffers the module declares)."""
+    import dcpc
+    from dcpc.codegen.lower import _buffers, _contract, _sizes, class_name
+    from dcpc.lang.semantics import table
+
+    s = c.schedule
+    facts: tuple[tuple[str, Any, Any], ...] = (
+        ("version", plan.version, dcpc.__version__),  # the lowering rules are a version's
+        ("source_name", plan.source_name, c.path.name),
+        ("schedule", plan.schedule, s.schedule),
+        ("class_name", plan.class_name, class_name(s.schedule)),
+        ("worlds", plan.worlds, sorted(set(c.worlds))),
+        ("slots", plan.slots, s.slots),
+        ("loop_world", plan.loop_world, s.loop_world),
+        ("streams", plan.streams, s.streams.value),
+        ("doc", plan.doc, s.doc),
+        ("mesh", plan.mesh, tuple(s.mesh.items()) if s.mesh else ()),
+        ("sizes", plan.sizes, _sizes(s)),
+        # the declared buffers come first; the lowering's own (an implicit ``via``) follow
+        ("buffers", plan.buffers[:len(s.buffers)], list(_buffers(s).values())),
+        ("steps", [(p.name, p.index, p.op) for p in plan.steps],
+         [(p.name, p.index, p.kind) for p in s.step_list()]),
+        # what the happens-before checker takes as each kernel's accesses (the kernels'
+        # own come from roles, not from these): the op rules' (dcpc.lang.semantics);
+        # the slots and epochs (``sync``) are the kernels' own, which the hb stage proves
+        ("effects", [p.effects for p in plan.steps], [list(e.effects) for e in table(s)]),
+        # free text that reaches the module: what the lowering derives from the steps
+        ("contract", plan.contract, _contract(plan.steps, plan.slots, plan.streams)),
+    )
+    for what, got, want in facts:
+        if got != want or (what == "worlds" and [getattr(w, "shape", None) for w in got]
+                           != [getattr(w, "shape", None) for w in want]):
+            return what
+    return None
 
 
 def _stages(c: Compilation, first: str, until: str) -> Compilation:

@@ -4,15 +4,24 @@ Everything a template receives comes from here and is an identifier, an integer,
 enum string or a shape AST (``("num", n) | ("sym", name) | (op, lhs, rhs)``), except
 ``doc`` fields, which are free text and only ever reach the module escaped.
 ``effects`` and ``sync`` are dcpc.lang.semantics records made of the same kinds.
+
+``dump_plan`` / ``load_plan``: the plan as lossless JSON (format ``PLAN_FORMAT``,
+version ``PLAN_VERSION``): ``emit(load_plan(dump_plan(p)))`` is ``emit(p)`` byte for
+byte. A loaded plan is only data: ``dcpc compile SCHEDULE --plan FILE`` proves it
+against its schedule (dcpc.pipeline ``run_plan``) before anything is emitted.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import re
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
-from dcpc.lang.semantics import Effect, Sync
+from dcpc.lang.semantics import Effect, Region, Sync
+from dcpc.topology import MeshWorld
 
 Expr = tuple  # a shape AST, as in dcpc.lang.expr
 
@@ -93,3 +102,206 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+
+PLAN_FORMAT = "dcpc-plan"
+PLAN_VERSION = 1  # bump when the encoding or a record's fields change
+MAX_PLAN_BYTES = 64 * 1024 * 1024  # a dumped plan is a few hundred KiB at most
+_MAX_DEPTH = 64  # shape ASTs nest a few levels; deeper is not a plan
+
+
+class PlanFormatError(ValueError):
+    """A plan file that is not a plan this dcpc reads; ``where``: the key path."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(f"at {where or 'the top'}: {message}")
+        self.where = where
+
+
+# The records a plan is made of, by the tag that names them in the JSON form.
+_RECORDS: dict[str, type] = {cls.__name__: cls for cls in (
+    Plan, SizePlan, BufferPlan, StepPlan, Effect, Region, Sync)}
+
+
+def _encode(value: Any) -> Any:
+    """JSON of one value, lossless: a list is an array; a tuple, a dict (its order and
+    key types kept), a MeshWorld and each record are a one-key object naming the kind."""
+    if value is None or type(value) in (bool, int, str, float):
+        return value
+    if type(value) is MeshWorld:
+        return {"MeshWorld": list(value.shape)}
+    if type(value) is list:
+        return [_encode(v) for v in value]
+    if type(value) is tuple:
+        return {"tuple": [_encode(v) for v in value]}
+    if type(value) is dict:
+        return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if is_dataclass(value) and _RECORDS.get(type(value).__name__) is type(value):
+        return {type(value).__name__: {f.name: _encode(getattr(value, f.name))
+                                       for f in fields(value)}}
+    raise TypeError(f"a plan holds a {type(value).__qualname__}, which its JSON form "
+                    "does not carry")
+
+
+def _decode(data: Any, where: str, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        raise PlanFormatError(where, f"nested deeper than {_MAX_DEPTH}")
+    if type(data) is int and abs(data) >= _MAX_INT:
+        raise PlanFormatError(where, f"an integer of more than {len(str(_MAX_INT)) - 1} digits")
+    if data is None or type(data) in (bool, int, str, float):
+        return data
+    if isinstance(data, list):
+        return [_decode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(data)]
+    if not isinstance(data, dict) or len(data) != 1:
+        kinds = ", ".join(["tuple", "dict", "MeshWorld", *_RECORDS])
+        raise PlanFormatError(where, "expected a value, an array or an object of one key "
+                              f"naming its kind ({kinds})")
+    ((tag, body),) = data.items()
+    here = f"{where}.{tag}" if where else tag
+    if tag == "tuple" and isinstance(body, list):
+        return tuple(_decode(v, f"{here}[{i}]", depth + 1) for i, v in enumerate(body))
+    if tag == "dict" and isinstance(body, list):
+        out: dict[Any, Any] = {}
+        for i, pair in enumerate(body):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise PlanFormatError(f"{here}[{i}]", "expected a [key, value] pair")
+            key = _decode(pair[0], f"{here}[{i}][0]", depth + 1)
+            try:
+                out[key] = _decode(pair[1], f"{here}[{i}][1]", depth + 1)
+            except TypeError:  # an unhashable key
+                raise PlanFormatError(f"{here}[{i}][0]", "a key must be a value") from None
+        return out
+    if tag == "MeshWorld" and isinstance(body, list) and body and all(
+            type(s) is int and s >= 1 for s in body):
+        return MeshWorld(body)
+    cls = _RECORDS.get(tag)
+    if cls is None or not isinstance(body, dict):
+        raise PlanFormatError(where, f"unknown kind {tag!r} (or its body is not the "
+                              "array or object it takes)")
+    names = [f.name for f in fields(cls)]
+    extra = sorted(set(body) - set(names))
+    if extra:
+        raise PlanFormatError(here, f"unknown field {extra[0]!r} of {tag}")
+    missing = [n for n in names if n not in body]
+    if missing:
+        raise PlanFormatError(here, f"missing field {missing[0]!r} of {tag}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for n in names:
+        values[n] = _decode(body[n], f"{here}.{n}", depth + 1)
+        _check_kind(values[n], hints[n], f"{here}.{n}", n)
+    return cls(**values)
+
+
+_MAX_INT = 10**30  # the language's own integers have at most 30 digits (dcpc.lang.expr)
+_EXPR_OPS = ("+", "-", "*", "/")
+# Every string a template puts into code unescaped (names, enums, dtypes, slots' peers,
+# effect keys, template paths) is made of these; free text (``doc``, ``contract``) is
+# escaped where it reaches the module, and the contract is re-derived (run_plan).
+_SAFE_TEXT = re.compile(r"[A-Za-z0-9_.+\-*/\[\]]*")
+_TEMPLATE = re.compile(r"ops/[a-z0-9_]+\.py\.j2")
+_FREE_TEXT = ("doc", "contract")
+
+
+def _is_expr(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is a shape AST (dcpc.lang.expr) of at most _MAX_DEPTH levels."""
+    if type(value) is not tuple or depth > _MAX_DEPTH:
+        return False
+    if len(value) == 2 and value[0] == "num":
+        return type(value[1]) is int
+    if len(value) == 2 and value[0] == "sym":
+        return type(value[1]) is str and value[1].isidentifier()
+    return len(value) == 3 and value[0] in _EXPR_OPS and all(
+        _is_expr(v, depth + 1) for v in value[1:])
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a decoded value has the kind a record field is annotated with."""
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is tuple:  # Expr
+        return _is_expr(value)
+    if hint in (int, str, bool, float):
+        return type(value) is hint or (hint is int and type(value) is MeshWorld)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return type(value) is list and all(_fits(v, args[0]) for v in value)
+    if origin is tuple:
+        if type(value) is not tuple:
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(
+            _fits(v, a) for v, a in zip(value, args, strict=True))
+    if origin is dict:
+        return type(value) is dict and all(_fits(k, args[0]) and _fits(v, args[1])
+                                           for k, v in value.items())
+    if isinstance(hint, type) and hint in _RECORDS.values():
+        return type(value) is hint
+    return False
+
+
+def _strings(value: Any) -> typing.Iterator[str]:
+    if type(value) is str:
+        yield value
+    elif type(value) in (list, tuple):
+        for v in value:
+            yield from _strings(v)
+    elif type(value) is dict:
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+
+
+def _check_kind(value: Any, hint: Any, where: str, name: str) -> None:
+    if not _fits(value, hint):
+        raise PlanFormatError(where, f"not a value of the field's kind ({hint})")
+    if name == "template" and value is not None and not _TEMPLATE.fullmatch(value):
+        raise PlanFormatError(where, "not a template of an op (ops/<op>.py.j2)")
+    if name not in _FREE_TEXT:
+        for text in _strings(value):
+            if not _SAFE_TEXT.fullmatch(text):
+                raise PlanFormatError(where, f"the string {text[:80]!r} holds a character "
+                                      "no name, enum or shape of a plan has")
+
+
+def dump_plan(plan: Plan) -> str:
+    """The plan's lossless JSON form (``load_plan`` reads it back)."""
+    return json.dumps({"format": PLAN_FORMAT, "version": PLAN_VERSION,
+                       "plan": _encode(plan)}, indent=1) + "\n"
+
+
+def _no_constant(name: str) -> Any:
+    """NaN and Infinity, which Python's JSON reads by default: no plan holds them."""
+    raise ValueError(f"{name} is no JSON number")
+
+
+def load_plan(text: str | bytes) -> Plan:
+    """The plan of a ``dump_plan`` text; a text that is not one raises PlanFormatError
+    naming the key path where it goes wrong. The plan is not checked here: see
+    dcpc.pipeline ``run_plan``."""
+    if len(text) > MAX_PLAN_BYTES:
+        raise PlanFormatError("", f"the file is larger than {MAX_PLAN_BYTES} bytes")
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
+        raise PlanFormatError("", f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PlanFormatError("", "expected an object with format, version and plan")
+    if data.get("format") != PLAN_FORMAT:
+        raise PlanFormatError("format", f"expected {PLAN_FORMAT!r}, got "
+                              f"{str(data.get('format'))[:80]!r}")
+    if type(data.get("version")) is not int or data["version"] != PLAN_VERSION:
+        raise PlanFormatError("version", f"unknown version {str(data.get('version'))[:80]}; "
+                              f"this dcpc reads version {PLAN_VERSION} (dump the plan again)")
+    extra = sorted(set(data) - {"format", "version", "plan"})
+    if extra:
+        raise PlanFormatError(extra[0], "unknown key")
+    plan = _decode(data.get("plan"), "plan")
+    if not isinstance(plan, Plan):
+        raise PlanFormatError("plan", "expected a Plan record")
+    return plan
