@@ -159,6 +159,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _refused(exc: DiagnosticError) -> int:
+    """Print a refusal's diagnostics; its exit code (2: a file could not be read)."""
+    for diagnostic in exc.diagnostics:
+        print(diagnostic.render(), file=sys.stderr)
+    return 2 if any(d.code == "io" for d in exc.diagnostics) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(list(argv) if argv is not None else None)
@@ -205,9 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"dcpc run: {exc}", file=sys.stderr)
             return 2
         except DiagnosticError as exc:
-            for diagnostic in exc.diagnostics:
-                print(diagnostic.render(), file=sys.stderr)
-            return 2 if any(d.code == "io" for d in exc.diagnostics) else 1
+            return _refused(exc)
     world = args.world if args.world is not None else replay.world if replay else 2
     programs = args.programs if args.programs is not None else (
         1 if args.device == "cpu" else None)
@@ -230,9 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"dcpc run: {what}{exc}", file=sys.stderr)
             return 2
         except DiagnosticError as exc:
-            for diagnostic in exc.diagnostics:
-                print(diagnostic.render(), file=sys.stderr)
-            return 2 if any(d.code == "io" for d in exc.diagnostics) else 1
+            return _refused(exc)
         print(format_report(report), flush=True)
         records.append(report_record(report))
         ok = ok and report.ok

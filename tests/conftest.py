@@ -44,6 +44,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.fixture
+def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `dcpc run` refused before any rank starts: starting one fails the test."""
+    from dcpc.harness import launch, run
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "launch", started)
+    monkeypatch.setattr(run, "launch", started)
+
+
 @pytest.fixture(autouse=True)
 def fresh_engine_workspace() -> Iterator[None]:
     """The vLLM adapters' workspace is decided once per process (a server's every call

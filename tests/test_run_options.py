@@ -11,21 +11,12 @@ from pathlib import Path
 import pytest
 
 from dcpc import demo
-from dcpc.harness import launch, run
+from dcpc.harness import run
 from dcpc.run_limits import MAX_CALLS, RunConfigError, check_options
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI = str(ROOT / "schedules" / "kimi_k3_dcp.yaml")
 TWO_LEVEL = str(ROOT / "schedules" / "gallery" / "hierarchical_two_level.yaml")
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    def started(*args, **kwargs):
-        raise AssertionError("ranks were started")
-
-    monkeypatch.setattr(launch, "launch", started)
-    monkeypatch.setattr(run, "launch", started)
 
 
 @pytest.mark.parametrize("args, words", [

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from dcpc import demo
-from dcpc.harness import launch, run
 from dcpc.harness.replay import MAX_REPLAY_BYTES
 from dcpc.harness.run import RunConfig, run_schedule
 from dcpc.run_limits import MAX_CALLS
@@ -43,15 +42,6 @@ def counterexample(schedule: Path, out: Path) -> Path:
     assert done.returncode == 1, done.stdout + done.stderr
     out.write_text(done.stdout)
     return out
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    def started(*args, **kwargs):
-        raise AssertionError("ranks were started")
-
-    monkeypatch.setattr(launch, "launch", started)
-    monkeypatch.setattr(run, "launch", started)
 
 
 def test_default_calls_reach_every_slot_s_next_user(tmp_path: Path) -> None:

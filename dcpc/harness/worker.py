@@ -133,14 +133,7 @@ def compare(
     atol, rtol = (0.0, 0.0) if kind == "move" else TOLERANCE.get(dtype, (0.0, 0.0))
     special_ok = (got == want) | (torch.isnan(got) & torch.isnan(want))
     ok = torch.where(finite, err <= atol + rtol * want.abs().where(finite, zero), special_ok)
-    if bool(ok.all()):
-        return
-    stats.mismatches += 1
-    if not stats.first_mismatch:
-        index = tuple(int(i) for i in torch.nonzero(~ok)[0])
-        stats.first_mismatch = (
-            f"{where}: {name}{list(index)} = {float(got[index])}, reference "
-            f"{float(want[index])} ({int((~ok).sum())} elements off, max abs err {max_err:.3g})")
+    _count(stats, ok, where, name, got, want, float, f", max abs err {max_err:.3g}")
 
 
 def _compare_ints(name: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
@@ -153,14 +146,21 @@ def _compare_ints(name: str, got: torch.Tensor, want: torch.Tensor, stats: Outpu
     off = (got.double() - want.double()).abs().where(~ok, 0.0)
     max_err = float(off.max()) if off.numel() else 0.0
     stats.max_abs_err = max(stats.max_abs_err, max_err)
+    _count(stats, ok, where, name, got, want, int)
+
+
+def _count(stats: OutputStats, ok: torch.Tensor, where: str, name: str, got: torch.Tensor,
+           want: torch.Tensor, value: Any, more: str = "") -> None:
+    """A compared output with elements off (``ok`` False) counts one mismatch; the first
+    is described at its first element (``value``: float or int, how it is printed)."""
     if bool(ok.all()):
         return
     stats.mismatches += 1
     if not stats.first_mismatch:
         index = tuple(int(i) for i in torch.nonzero(~ok)[0])
         stats.first_mismatch = (
-            f"{where}: {name}{list(index)} = {int(got[index])}, reference "
-            f"{int(want[index])} ({int((~ok).sum())} elements off)")
+            f"{where}: {name}{list(index)} = {value(got[index])}, reference "
+            f"{value(want[index])} ({int((~ok).sum())} elements off{more})")
 
 
 def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor,

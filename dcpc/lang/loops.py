@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you_mean
@@ -412,24 +413,12 @@ class _Unroller:
         hint = ("an offset is a nonzero integer, next, prev, or an expression of W, the "
                 "hop index and integer sizes (+ - * /), e.g. 'W / 2', 'h + 1'")
         what = f"step '{name}' shifts by offset '{clipped(text)}'"
-        try:
-            tree = ex.parse(text)
-            value = ex.evaluate(tree, env)
-        except ex.UnboundSymbol as err:
-            if self.unbound_world(err.args[0]):
-                named, unit = self.depends(err.args[0])
-                self.needs_world(mark, f"{what}, which names {named}; a schedule that "
-                                 f"depends on {err.args[0]} is unrolled for {unit} at a time",
-                                 err.args[0])
-            else:
-                self.error(mark, "bad-offset",
-                           f"{what}, which names '{err.args[0]}': not the hop index of an "
-                           "enclosing loop, W or an integer size",
-                           did_you_mean(err.args[0], shift.NAMED) or hint)
+        found = self._expression(what, text, env, mark, "bad-offset", hint,
+                                 "not the hop index of an enclosing loop, W or an integer size",
+                                 shift.NAMED)
+        if found is None:
             return text
-        except (ex.ExprSyntaxError, ex.InexactDivision) as err:
-            self.error(mark, "bad-offset", f"{what}{self._at(env)}: {err}", hint)
-            return text
+        tree, value = found
         # a fixed integer that W divides is a local copy; an expression of W that lands
         # on the rank itself at some W is a mistake (W, or 2 * W / 2), refused here
         if value == 0 or (("W" in ex.symbols(tree) or self.axes.keys() & ex.symbols(tree))
@@ -442,14 +431,15 @@ class _Unroller:
             return text
         return value
 
-    def interleave(self, name: str, text: str, env: dict[str, int], mark: Mark) -> Any:
-        """The integer value of all_gather step ``name``'s interleave expression at this
-        W (shape) and hop (``text`` unchanged, with an error, when it has none)."""
-        hint = ("an interleave is a positive integer or an expression of W, the mesh's "
-                "axis sizes, the hop indices and integer sizes (+ - * /), e.g. 'C', 'H / HK'")
-        what = f"step '{name}' interleaves by '{clipped(text)}'"
+    def _expression(self, what: str, text: str, env: dict[str, int], mark: Mark, code: str,
+                    hint: str, unknown: str, names: Iterable[str] = ()) -> tuple[Any, int] | None:
+        """``text`` (a step's offset or interleave, ``what``) parsed and evaluated at this
+        W (shape) and hop: (its tree, its value); None after the error: ``loop-world``
+        when it names W or an axis' size that no --world binds, else ``code`` (``unknown``
+        says what a name must be; ``names``: the words a misspelt one may mean)."""
         try:
-            value = ex.evaluate(ex.parse(text), env)
+            tree = ex.parse(text)
+            return tree, ex.evaluate(tree, env)
         except ex.UnboundSymbol as err:
             if self.unbound_world(err.args[0]):
                 named, unit = self.depends(err.args[0])
@@ -457,13 +447,23 @@ class _Unroller:
                                  f"depends on {err.args[0]} is unrolled for {unit} at a time",
                                  err.args[0])
             else:
-                self.error(mark, "bad-interleave",
-                           f"{what}, which names '{err.args[0]}': not W, a mesh axis' size, "
-                           "a hop index or an integer size", hint)
-            return text
+                self.error(mark, code, f"{what}, which names '{err.args[0]}': {unknown}",
+                           did_you_mean(err.args[0], names) or hint)
         except (ex.ExprSyntaxError, ex.InexactDivision) as err:
-            self.error(mark, "bad-interleave", f"{what}{self._at(env)}: {err}", hint)
+            self.error(mark, code, f"{what}{self._at(env)}: {err}", hint)
+        return None
+
+    def interleave(self, name: str, text: str, env: dict[str, int], mark: Mark) -> Any:
+        """The integer value of all_gather step ``name``'s interleave expression at this
+        W (shape) and hop (``text`` unchanged, with an error, when it has none)."""
+        hint = ("an interleave is a positive integer or an expression of W, the mesh's "
+                "axis sizes, the hop indices and integer sizes (+ - * /), e.g. 'C', 'H / HK'")
+        what = f"step '{name}' interleaves by '{clipped(text)}'"
+        found = self._expression(what, text, env, mark, "bad-interleave", hint,
+                                 "not W, a mesh axis' size, a hop index or an integer size")
+        if found is None:
             return text
+        value = found[1]
         if value < 1:
             self.error(mark, "bad-interleave", f"{what} = {value}{self._at(env)}; an "
                        "interleave is a positive number of rows", hint)

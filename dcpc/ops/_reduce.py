@@ -27,16 +27,18 @@ def via_of(step: Step) -> tuple[str, str]:
     return (via, "via") if via else (f"{step.name}_recv", "")
 
 
-def floats_only(v: ShapeRules, step: Step, refs: list[Any]) -> None:
+def floats_only(v: ShapeRules, step: Step, refs: list[Any],
+                why: str = "it reduces in fp32, so it reads and writes floating-point "
+                           "buffers") -> None:
     """A reduction's buffers are floats: it sums (or takes the max) in fp32, which an
-    integer does not survive (only the moves carry integers, bit for bit)."""
+    integer does not survive (only the moves carry integers, bit for bit); ``why``: what
+    the error says of the op (weighted_combine's sum says its own)."""
     for ref in refs:
         buf = v.buffer(ref.name)
         if buf is not None and not buf.dtype.is_float:
             v.error(ref.mark, "non-float-output",
                     f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
-                    f"{buf.dtype.value}; it reduces in fp32, so it reads and writes "
-                    "floating-point buffers",
+                    f"{buf.dtype.value}; {why}",
                     hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
 
 

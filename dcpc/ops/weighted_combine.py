@@ -21,6 +21,7 @@ from pydantic import Field
 
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, Step
+from dcpc.ops._reduce import floats_only
 from dcpc.ops.common import OUTPUT_SCALE, Scope, Semantics, keyed, local, typed
 from dcpc.ops.registry import IO, OpDef, define
 
@@ -51,14 +52,8 @@ def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(op, WeightedCombine)
     x, weights = v.refs("src")
     (dst,) = v.refs("dst")
-    for ref in (x, weights, dst):
-        buf = v.buffer(ref.name)
-        if buf is not None and not buf.dtype.is_float:
-            v.error(ref.mark, "non-float-output",
-                    f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
-                    f"{buf.dtype.value}; it sums in fp32, so it reads and writes "
-                    "floating-point values",
-                    hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
+    floats_only(v, step, [x, weights, dst],
+                "it sums in fp32, so it reads and writes floating-point values")
     ws, xs, ds = v.shape(weights.name), v.shape(x.name), v.shape(dst.name)
     if ws is None or xs is None:
         return
