@@ -11,7 +11,7 @@ from pathlib import Path
 
 from exec_oracle_agree import disagreements
 from hb_oracle import oracle_keys, random_mesh_schedule_text
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from dcpc.check import hb, structural
@@ -158,14 +158,34 @@ steps:
 def test_checker_and_brute_force_agree_on_random_mesh_schedules_with_shifts(
         data: st.DataObject) -> None:
     """Shifts along one axis (issue 33): the checker's team regions and peers (dcpc.topology
-    Torus.peer) agree with the brute force's team shift, written from the language."""
+    Torus.peer) agree with the brute force's team shift, written from the language. The
+    generator may read a split-phase put's dst while it is in flight, which the checker
+    refuses before the happens-before stage (read-before-write, as it must): such a draw
+    is not a schedule to compare. With `wrap: false` the checker is sound, not exact
+    (docs/hb-checker.md: the edge ranks' phantom store only adds races): every race the
+    brute force finds it finds too."""
     text = random_mesh_schedule_text(data.draw, st, shifts=True)
-    _agree_with_brute_force(text)
+    schedule = parse_text(text)
+    errors = [d for d in structural.check(schedule, SHAPES) if d.severity == "error"]
+    assume(not any(d.code == "read-before-write" for d in errors))
+    assert errors == [], text
+    for world in SHAPES:
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        want = oracle_keys(schedule, world)
+        if "wrap: false" in text:
+            assert want <= found, (text, world)
+        else:
+            assert found == want, (text, world)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_checker_and_execution_oracle_agree_on_random_mesh_schedules_with_shifts(
         data: st.DataObject) -> None:
-    schedule = parse_text(random_mesh_schedule_text(data.draw, st, shifts=True))
-    assert disagreements(schedule, SHAPES[:2]) == []
+    """With `wrap: false` the checker is sound, not exact (as above): a race it reports
+    that no run reaches is allowed there, never one a run reaches that it misses."""
+    text = random_mesh_schedule_text(data.draw, st, shifts=True)
+    found = disagreements(parse_text(text), SHAPES[:2])
+    if "wrap: false" in text:
+        found = [d for d in found if not d.endswith(", no run reaches it")]
+    assert found == [], text
