@@ -5,7 +5,7 @@
 Checks schedules/kimi_k3_dcp.yaml with `slots` rewritten to 1..4 at W = 2, 8, 32
 and 72 (each the median of several runs), the whole sweep W = 2..72 per slot
 count (what `dcpc check --world 2..72` runs), and for comparison the brute-force
-oracle (tests/hb_oracle.py: every per-peer event, full transitive closure) where
+oracle (tests/support/hb_oracle.py: every per-peer event, full transitive closure) where
 it is affordable. Writes a markdown table and JSON with date, machine and commit.
 """
 

@@ -40,7 +40,7 @@ done
 # empty-shard mask in-kernel); in this one process (no parallel workers: the ranks'
 # threads share the GPU, and the device may not have pytest-xdist)
 DCPC_TEST_DEVICE=cuda:0 timeout -k 10 "$CHECK_DEADLINE" "$PY" -m pytest -q -o addopts= \
-  -p no:xdist -p no:cacheprovider tests/test_engines_local.py > "$OUT/parts/engines.log" 2>&1 &
+  -p no:xdist -p no:cacheprovider tests/engines/test_engines_local.py > "$OUT/parts/engines.log" 2>&1 &
 pids+=($!)
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done

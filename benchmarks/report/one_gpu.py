@@ -96,8 +96,9 @@ def render(results: dict[str, Any]) -> str:
     eng = results.get("engines")
     if eng:
         counts = ", ".join(f"{n} {k}" for k, n in eng.get("counts", {}).items())
-        out += ["", "## Engine adapters on this GPU (dcpc.engines; tests/test_engines_local.py "
-                "with DCPC_TEST_DEVICE=cuda:0, the kernel-side empty-shard mask)", "",
+        out += ["", "## Engine adapters on this GPU (dcpc.engines; "
+                "tests/engines/test_engines_local.py with DCPC_TEST_DEVICE=cuda:0, "
+                "the kernel-side empty-shard mask)", "",
                 f"- status: {eng.get('status')}; {counts or 'no counts'}"]
         if eng.get("status") != "ok":
             out += ["", "```", *eng.get("tail", []), "```"]

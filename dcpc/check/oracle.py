@@ -50,7 +50,7 @@ belongs to a later call, so it waits until the readers of the previous one polle
 ``hold`` delays every signal until nothing else can move (each store is then read at
 once), ``random`` picks any runnable stream, ``delay`` starves one rank. ``exhaustive``
 (tiny cases) explores every interleaving of the sync actions, memoised on the state;
-tests/test_exec_oracle_agreement.py checks that one lockstep run reaches what every
+tests/check/test_exec_oracle_agreement.py checks that one lockstep run reaches what every
 interleaving reaches.
 
 Not modelled: a kernel's programs (one program per kernel: each program of a real

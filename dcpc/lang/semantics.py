@@ -82,7 +82,7 @@ def _fields(schedule: m.Schedule) -> tuple:
 def describe(sem: Semantics) -> tuple[str, str, str]:
     """One step's semantics in words, by the keys that name its buffers (a list's items
     as one key), each key once: (before its signal, after its wait, its sync).
-    docs/internals.md's op table is made of these (tests/test_docs.py), so the table
+    docs/internals.md's op table is made of these (tests/cli/test_docs.py), so the table
     and the ops' rules cannot drift."""
 
     def region(e: Effect) -> str:

@@ -2,7 +2,7 @@
 reduce and broadcast.
 
 A helper of the op modules, not an op: it imports only what an op may import
-(tests/test_layers.py), so that no op module imports another.
+(tests/codegen/test_layers.py), so that no op module imports another.
 """
 
 from __future__ import annotations

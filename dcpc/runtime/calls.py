@@ -34,7 +34,7 @@ key's first plan), module instances whose buffers were allocated (``allocations`
 and, counted by dcpc.engines.common's module cache, schedules compiled (``compiles``)
 and module files imported (``imports``). Inside a CUDA-graph capture only ``replans``
 may grow: dcpc.engines.capture's warm-up is tested by them
-(tests/test_engines_capture.py).
+(tests/engines/test_engines_capture.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dcpc.runtime.errors import DcpcArgumentError
 
 def torus(shape: tuple[int, ...]) -> Any:
     """dcpc.topology's torus, imported on first use: a module without ``mesh:`` imports
-    nothing beyond dcpc.runtime (tests/test_run_cli.py); dcpc.topology is stdlib only."""
+    nothing beyond dcpc.runtime (tests/run/test_run_cli.py); dcpc.topology is stdlib only."""
     from dcpc.topology import torus as make
 
     return make(shape)

@@ -35,7 +35,7 @@ Why calls 0 .. 2*slots-1 per rank are enough (the unroll bound)
    slots); a ``shared`` instance by every call, so partners at distance
    1 .. slots cover every other slot. With first calls 0 .. slots-1 and
    distances 0 .. slots, calls 0 .. 2*slots-1 contain every case.
-tests/test_hb_unroll.py checks this empirically: unrolling more calls finds
+tests/check/test_hb_unroll.py checks this empirically: unrolling more calls finds
 nothing new on the corpus and on random schedules.
 """
 

@@ -31,7 +31,7 @@ def world_bound(program: Program, calls: int | None = None) -> int:
     and all larger offsets are alike (only ``all`` waits reach them), and exist; the
     regions' overlap rules do not depend on W, and neither does wait matching once
     ``next`` and ``prev`` differ (W >= 3). Below the bound every W is analysed.
-    tests/test_hb_unroll.py compares this with analysing every W.
+    tests/check/test_hb_unroll.py compares this with analysing every W.
     """
     per_call = sum(ring_hops(e.wait[1]) for e in program.events if e.wait is not None)
     return bound_for(per_call, calls or program.default_calls())

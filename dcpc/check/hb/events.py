@@ -17,7 +17,7 @@ Merging the per-peer stores with the signals (and the wait with what follows it)
 loses nothing: anything ordered after one store of a send is ordered after its
 signals too (a peer only learns of a store through the signal), and the accesses
 after a wait are ordered exactly like the wait. The brute-force oracle
-(tests/hb_oracle.py) keeps every per-peer store, signal and wait apart and agrees
+(tests/support/hb_oracle.py) keeps every per-peer store, signal and wait apart and agrees
 with this model; the execution oracle (dcpc.check.oracle) runs the plan's slots and
 epochs themselves.
 

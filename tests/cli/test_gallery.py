@@ -1,0 +1,96 @@
+"""The layout gallery (schedules/gallery/): every layout proved, run and its wrong twins refused.
+
+A gallery file is one published layout, written as its source describes it. Its header
+says what it claims, and this test holds it to that:
+
+    # gallery: <the layout's name as published>
+    # check: 2..16            worlds `dcpc check` proves (ints and ranges; mesh shapes
+    #                          such as 2x2 once the schedule declares a mesh)
+    # run: 2 3 4              worlds CI runs on CPU against float64 (host backend)
+
+A wrong twin lives in tests/gallery_twins/<gallery stem>.<what>.yaml:
+
+    # twin-of: <gallery stem>
+    # expect: <diagnostic code> <word> ...   e.g. `# expect: race write-after-read kv`
+
+and must be refused by the pipeline (check, lower, hb) with a diagnostic of that code
+whose message holds every word.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+from support.gallery import CALLS, header, worlds
+
+from dcpc import pipeline
+from dcpc.diagnostics import DiagnosticError
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.parse import parse_file
+from dcpc.ops import OPS
+
+ROOT = Path(__file__).resolve().parents[2]
+GALLERY = sorted((ROOT / "schedules" / "gallery").glob("*.yaml"))
+TWINS = sorted((ROOT / "tests" / "gallery_twins").glob("*.yaml"))
+
+
+def test_every_gallery_file_states_its_claims_and_has_a_twin() -> None:
+    twinned = {header(t, "twin-of") for t in TWINS}
+    for path in GALLERY:
+        for key in ("gallery", "check", "run"):
+            assert header(path, key), f"{path.name} has no '# {key}:' header"
+        assert path.stem in twinned, f"{path.name} has no wrong twin in tests/gallery_twins/"
+    stems = {p.stem for p in GALLERY}
+    for twin in TWINS:
+        assert header(twin, "twin-of") in stems, f"{twin.name}: twin-of names no gallery file"
+        assert header(twin, "expect"), f"{twin.name} has no '# expect:' header"
+
+
+@pytest.mark.parametrize("path", GALLERY, ids=lambda p: p.stem)
+def test_gallery_layout_is_proved_for_every_world_it_claims(path: Path) -> None:
+    claimed = worlds(header(path, "check") or "")
+    try:
+        c = pipeline.run(path, pipeline.Options(worlds=claimed), until="emit")
+    except DiagnosticError as err:  # a loop names a mesh axis' size: proved per shape
+        # (above all of them, or another error), and a module is compiled for one shape
+        if [d.code for d in err.diagnostics] != ["loop-world"]:
+            raise
+        c = pipeline.run(path, pipeline.Options(worlds=claimed[-1:]), until="emit")
+    assert c.module_text, path.name
+
+
+RUNS = [(p, w) for p in GALLERY for w in worlds(header(p, "run") or "")]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("path", "world"), RUNS, ids=lambda v: getattr(v, "stem", str(v)))
+def test_gallery_layout_matches_float64(path: Path, world: int) -> None:
+    seed = zlib.crc32(f"{path.stem}/{world}".encode()) % 10_000
+    config = RunConfig(schedule=str(path), world=world, backend="host", calls=CALLS, seed=seed)
+    report = run_schedule(config)
+    text = format_report(report)
+    print(text)
+    assert report.launch.ok, text + "\n" + "\n".join(o.traceback for o in report.launch.outcomes)
+    assert report.mismatches == 0, text
+    assert report.outputs, text
+    schedule = parse_file(path, world)
+    for name, stats in report.outputs.items():
+        # a buffer returned by k steps of a call is compared k times (a ring's receive
+        # buffer at every other hop); a read by an external step once
+        k = 1 if "@" in name else max(1, sum(  # a cast's scales: sent, not in io's writes
+            name in OPS[s.kind].io(s.op)[1] for s in schedule.step_list() if s.kind != "external"))
+        assert stats.compared == CALLS * world * k, (name, text)
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=lambda p: p.stem)
+def test_wrong_twin_is_refused_with_its_class(twin: Path) -> None:
+    code, *words = (header(twin, "expect") or "").split()
+    original = ROOT / "schedules" / "gallery" / f"{header(twin, 'twin-of')}.yaml"
+    claimed = worlds(header(original, "check") or "2..8")
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(twin, pipeline.Options(worlds=claimed), until="hb")
+    found = [d for d in err.value.diagnostics if d.code == code]
+    assert found, err.value
+    assert any(all(w in d.message for w in words) for d in found), err.value

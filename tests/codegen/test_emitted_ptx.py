@@ -1,0 +1,77 @@
+"""The emitted kernels as the GPU runs them: compiled for sm_90 on this CPU-only machine
+(dcpc.harness.ptx) and read for what the interpreter cannot show: a signal released
+before a block barrier orders the other threads' stores, a data load after a wait with no
+block barrier, an approximate division where the reference divides in IEEE arithmetic.
+
+Every shipped, gallery and per-op schedule is clean; a missing barrier before a release
+and an approximate division are found when put back into an emitted module (the
+mutations below): the CPU suite fails on them. (The barrier after a wait cannot go
+missing this way: Triton 3.6 broadcasts a vector atomic's result through shared memory
+with a bar.sync, so every acquire of the spin is followed by one; the reader still
+checks it.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dcpc.harness.ptx import check_ptx, check_schedules
+from dcpc.lang.mesh import MeshWorld
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = [p for folder in ("schedules", "schedules/gallery", "schedules/ops")
+         for p in sorted((ROOT / folder).glob("*.yaml"))]
+RELEASE_BARRIER = ("tl.debug_barrier()  # Triton 3.6 does not order the block's stores "
+                   "before a release")
+
+
+def _world(path: Path) -> int | MeshWorld:
+    return MeshWorld([2, 2]) if "\nmesh:" in path.read_text() else 2
+
+
+def _codes(findings: list) -> set[str]:
+    return {f.code for f in findings}
+
+
+# ---- the reader, on hand-written PTX -------------------------------------------------
+STORE = "st.global.b32 [ %rd1 + 0 ], { %r1 };"
+RELEASE = "@%p1 atom.global.sys.release.exch.b64 %rd2, [ %rd3 + 0 ], %rd4;"
+ACQUIRE = "@%p2 atom.global.sys.acquire.add.u64 %rd5, [ %rd6 + 0 ], %rd7;"
+LOAD = "ld.global.b32 { %r2 }, [ %rd8 + 0 ];"
+
+
+@pytest.mark.parametrize("body,codes", [
+    ([STORE, RELEASE], {"release-without-barrier"}),
+    ([STORE, "bar.sync 0;", RELEASE], set()),
+    ([RELEASE, STORE], set()),  # a store after the release is the next call's
+    ([ACQUIRE, LOAD], {"acquire-without-barrier"}),
+    ([ACQUIRE, "bar.sync 0;", LOAD], set()),
+    ([ACQUIRE, "ld.volatile.global.b64 %rd9, [ %rd10 + 0 ];", "bar.sync 0;", LOAD], set()),
+    (["div.full.f32 %r3, %r4, %r5;"], {"approximate-division"}),
+    (["div.rn.f32 %r3, %r4, %r5;"], set()),
+    (["ex2.approx.f32 %r3, %r4;"], set()),  # exp/log: math, compared within tolerance
+], ids=["store-release", "store-bar-release", "release-store", "acquire-load",
+        "acquire-bar-load", "volatile-flags", "div-full", "div-rn", "ex2"])
+def test_the_reader_finds_each_class(body: list[str], codes: set[str]) -> None:
+    assert _codes(check_ptx("k", "\n".join(body))) == codes
+
+
+# ---- every schedule as emitted ---------------------------------------------------------
+def test_every_schedule_compiles_for_sm90_with_no_finding() -> None:
+    results = check_schedules([(p, _world(p)) for p in FILES])
+    for path, (findings, variants) in zip(FILES, results, strict=True):
+        assert variants > 0, f"{path.name}: no kernel was launched"
+        assert not findings, f"{path.name}:\n" + "\n".join(f.render() for f in findings)
+
+
+# ---- each class, put back into an emitted module -----------------------------------
+@pytest.mark.parametrize("schedule,patch,code", [
+    ("schedules/kimi_k3_dcp.yaml", (RELEASE_BARRIER, "pass"), "release-without-barrier"),
+    ("schedules/gallery/moe_dispatch_combine.yaml",
+     ("tl.math.div_rn(448.0, amax)", "448.0 / amax"), "approximate-division"),
+], ids=["no-barrier-before-release", "approximate-scale"])
+def test_a_mutation_of_each_class_is_found(schedule: str, patch: tuple[str, str],
+                                           code: str) -> None:
+    ((findings, _),) = check_schedules([(ROOT / schedule, 2)], patch=(patch,))
+    assert code in _codes(findings), [f.render() for f in findings]

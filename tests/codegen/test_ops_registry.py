@@ -1,0 +1,105 @@
+"""Each op is one definition (dcpc/ops/), and every stage reads that one.
+
+Which keys of a step name buffers (and whether the step reads or writes them) is
+dcpc.lang.nodes.BUFFER_KEYS, which the checker's reference and aliasing rules read; an
+op whose model has a buffer field not listed there is refused when it is defined."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import Field
+
+from dcpc.check import ops as check_ops
+from dcpc.harness import synth
+from dcpc.lang import model, semantics
+from dcpc.lang.nodes import BUFFER_KEYS, Name, OpBase
+from dcpc.lang.parse import parse_text
+from dcpc.ops import OP_NAMES, OPS
+from dcpc.ops.registry import OpDef, buffer_fields, define
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_op_is_one_registered_definition():
+    assert OP_NAMES == model.OP_NAMES == tuple(OPS)
+    for name, op in OPS.items():
+        assert op.model.model_fields["op"].annotation == typing.Literal[name]
+        assert op.model.__module__.startswith("dcpc.ops."), name
+        assert (ROOT / "dcpc/ops" / f"{op.model.__module__.rsplit('.', 1)[1]}.py").is_file()
+        # the Triton rule is the op's too: in its module, read by the lowering from OPS
+        assert callable(op.lower) and op.lower.__module__ == op.model.__module__, name
+        assert getattr(model, op.model.__name__) is op.model  # the public name stays
+        assert semantics.RULES[name] is op.semantics
+        assert check_ops.RULES.get(name) is op.verify
+        if name != "external":
+            assert (ROOT / "templates" / "ops" / f"{name}.py.j2").is_file(), name
+
+
+def test_the_union_parses_each_op_into_its_registered_class():
+    text = """
+schedule: every_op
+buffers:
+  x: {shape: [4], dtype: f32, symmetric: true}
+  y: {shape: [4], dtype: f32, symmetric: true}
+steps:
+  - a: {op: copy, src: x, dst: y}
+  - b: {op: barrier}
+  - c: {op: signal, channel: k}
+  - d: {op: wait, channel: k}
+  - e: {op: external, reads: [y], writes: [x]}
+"""
+    steps = parse_text(text, "every_op.yaml").step_list()
+    assert [type(s.op) for s in steps] == [OPS[s.kind].model for s in steps]
+    assert [s.kind for s in steps] == ["copy", "barrier", "signal", "wait", "external"]
+    # the simulator and the synthetic inputs go through the same entries
+    assert synth.op_io(steps[0].op) == (["x"], ["y"])
+    assert synth.op_io(steps[4].op) == (["y"], ["x"])
+    assert synth.op_io(steps[1].op) == ([], [])
+
+
+def test_the_compiler_imports_no_torch():
+    """The op modules import torch only inside their float64 reference."""
+    script = (
+        "import sys\n"
+        "from dcpc import pipeline\n"
+        "pipeline.run('schedules/kimi_k3_dcp.yaml', pipeline.Options(worlds=(2, 3)))\n"
+        "print(sorted(k for k in ('torch', 'triton') if k in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[]"
+
+
+def test_every_op_s_buffer_fields_are_listed_once() -> None:
+    seen = {f for op in OPS.values() for f in buffer_fields(op.model)}
+    assert seen == set(BUFFER_KEYS)  # no listed key without an op, none missing
+    assert set(BUFFER_KEYS.values()) == {"read", "write"}
+    assert buffer_fields(OPS["signal"].model) == []  # a channel is not a buffer
+
+
+def test_an_op_with_an_unlisted_buffer_key_is_refused() -> None:
+    class Odd(OpBase):
+        src: Name
+        dst: Name
+        scratch: Name | list[Name] = Field(default="x")
+
+    ref = OPS["copy"]
+    odd = OpDef("odd_copy", Odd, ref.semantics, ref.verify, ref.reference, ref.io, ref.lower)
+    with pytest.raises(ValueError, match=r"'odd_copy'.*\['scratch'\].*BUFFER_KEYS"):
+        define(odd)
+    assert "odd_copy" not in OPS
+
+
+def test_the_checker_reads_and_writes_by_the_table() -> None:
+    from dcpc.check.ops import READ_KEYS, WRITTEN_KEYS
+
+    assert set(READ_KEYS) | set(WRITTEN_KEYS) == set(BUFFER_KEYS)
+    assert not set(READ_KEYS) & set(WRITTEN_KEYS)
+    assert {"dst", "via", "return_lse", "recv_counts"} <= set(WRITTEN_KEYS)
+    assert {"src", "counts", "index", "output_scale"} <= set(READ_KEYS)

@@ -1,0 +1,170 @@
+"""A dumped plan is loaded and emitted: ``dcpc compile FILE --dump lower`` writes the
+plan as lossless JSON, ``dcpc compile FILE --plan PLAN`` emits it without lowering
+again, byte for byte the module a plain compile writes, and only after the proof:
+the file's hash, the checks at the plan's worlds, the plan's facts of the schedule
+and the happens-before checker on the loaded plan."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dcpc.cli import main
+from dcpc.codegen.plan import MAX_PLAN_BYTES, PLAN_VERSION
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = ROOT / "schedules" / "kimi_k3_dcp.yaml"
+
+# (file, its --world arguments): the file's own default worlds, a mesh at 2x2, a loop
+# whose trip count names W at one W, an fp8 payload, an int payload
+ROUND_TRIPS = [
+    ("kimi_k3_dcp.yaml", []),
+    ("gallery/helix.yaml", ["--world", "2x2"]),
+    ("gallery/ring_attention.yaml", ["--world", "3"]),
+    ("ops/lse_combine_fp8.yaml", ["--world", "2..8"]),
+    ("ops/ragged_all_to_all_int.yaml", ["--world", "2"]),
+    ("ops/all_gather_int.yaml", ["--world", "3"]),
+]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def dump(schedule: Path, tmp_path: Path, *worlds: str) -> dict:
+    result = invoke("compile", str(schedule), "-o", str(tmp_path / "unused"),
+                    "--dump", "lower", *worlds)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def from_plan(schedule: Path, plan: dict | str, tmp_path: Path):
+    """``dcpc compile schedule --plan`` of ``plan`` (a dict is written as JSON)."""
+    path = tmp_path / "plan.json"
+    path.write_text(plan if isinstance(plan, str) else json.dumps(plan))
+    return invoke("compile", str(schedule), "-o", str(tmp_path / "from_plan"),
+                  "--plan", str(path))
+
+
+def refused(result, code: str) -> str:
+    assert result.exit_code == 1, result.output
+    assert f"[{code}]" in result.output, result.output
+    assert "Traceback" not in result.output
+    return result.output
+
+
+def steps(plan: dict) -> list[dict]:
+    return [s["StepPlan"] for s in plan["plan"]["Plan"]["steps"]]
+
+
+@pytest.mark.parametrize("name, worlds", ROUND_TRIPS, ids=[n for n, _ in ROUND_TRIPS])
+def test_dumped_plan_emits_the_same_module(name: str, worlds: list[str], tmp_path: Path):
+    schedule = ROOT / "schedules" / name
+    plain = invoke("compile", str(schedule), "-o", str(tmp_path / "plain"), *worlds)
+    assert plain.exit_code == 0, plain.output
+    plan = dump(schedule, tmp_path, *worlds)
+    assert plan["format"] == "dcpc-plan" and plan["version"] == PLAN_VERSION
+    loaded = from_plan(schedule, plan, tmp_path)
+    assert loaded.exit_code == 0, loaded.output
+    (module,) = (tmp_path / "plain").glob("*.py")
+    again = tmp_path / "from_plan" / module.name
+    assert again.read_bytes() == module.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def kimi_plan(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return dump(KIMI, tmp_path_factory.mktemp("kimi"))
+
+
+def test_a_tampered_signal_fails_the_proof(kimi_plan: dict, tmp_path: Path):
+    plan = copy.deepcopy(kimi_plan)
+    steps(plan)[0]["sync"]["Sync"]["signal"] = None  # the gather's peers wait forever
+    out = refused(from_plan(KIMI, plan, tmp_path), "deadlock")
+    assert "query_gather" in out
+    assert not (tmp_path / "from_plan").exists()
+
+
+def test_a_tampered_wait_fails_the_proof(kimi_plan: dict, tmp_path: Path):
+    plan = copy.deepcopy(kimi_plan)
+    steps(plan)[2]["sync"]["Sync"]["wait"] = None  # the exchange stops waiting
+    refused(from_plan(KIMI, plan, tmp_path), "race")
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda p: p["plan"]["Plan"]["buffers"][0]["BufferPlan"]["shape"].__setitem__(
+        0, {"tuple": ["num", 7]}), "buffers"),
+    (lambda p: p["plan"]["Plan"].update(slots=1), "slots"),
+    (lambda p: steps(p)[2]["effects"].pop(), "effects"),  # an access the proof would miss
+    (lambda p: steps(p)[1].update(writes=["o_part"]), "contract"),
+    (lambda p: p["plan"]["Plan"].update(version="0.0.1"), "version"),
+])
+def test_a_plan_unlike_its_schedule_is_refused(kimi_plan: dict, tmp_path: Path, edit, what):
+    plan = copy.deepcopy(kimi_plan)
+    edit(plan)
+    out = refused(from_plan(KIMI, plan, tmp_path), "plan-mismatch")
+    assert f"the plan's {what} is not what" in out
+
+
+def test_a_schedule_edited_after_the_dump_is_refused(kimi_plan: dict, tmp_path: Path):
+    edited = tmp_path / KIMI.name
+    edited.write_text(KIMI.read_text() + "\n# edited after the dump\n")
+    out = refused(from_plan(edited, kimi_plan, tmp_path), "plan-stale")
+    assert "changed since the plan was dumped" in out
+
+
+@pytest.mark.parametrize("text, where", [
+    ("{", "not JSON"),
+    ("[]", "expected an object"),
+    ('{"format": "dcpc-plan", "version": 99, "plan": null}', "at version: unknown version 99"),
+    ('{"format": "other", "version": 1, "plan": null}', "at format:"),
+    ('{"format": "dcpc-plan", "version": 1, "plan": NaN}', "NaN is no JSON number"),
+    ('{"format": "dcpc-plan", "version": 1, "plan": {"Plan": []}}', "at plan: unknown kind"),
+    ('{"format": "dcpc-plan", "version": 1, "plan": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "not JSON"),
+])
+def test_a_file_that_is_no_plan_is_refused(text: str, where: str, tmp_path: Path):
+    out = refused(from_plan(KIMI, text, tmp_path), "bad-plan")
+    assert where in out
+
+
+@pytest.mark.parametrize("edit, where", [
+    (lambda p: steps(p)[0].update(bogus=1),
+     "at plan.Plan.steps[0].StepPlan: unknown field 'bogus'"),
+    (lambda p: p["plan"]["Plan"].pop("slots"), "at plan.Plan: missing field 'slots'"),
+    (lambda p: p["plan"]["Plan"].update(slots="2"), "at plan.Plan.slots: not a value"),
+    (lambda p: steps(p)[0]["sync"].update(Bogus={}), "at plan.Plan.steps[0].StepPlan.sync"),
+    (lambda p: steps(p)[0].update(template="../../etc/passwd"), "not a template of an op"),
+    # a name that would be code in the module
+    (lambda p: steps(p)[0]["params"].__setitem__(0, 'q"); import os; ("'),
+     "at plan.Plan.steps[0].StepPlan.params: the string"),
+    (lambda p: p["plan"]["Plan"].update(slots=10**40), "at plan.Plan.slots: an integer of"),
+    (lambda p: p["plan"]["Plan"].update(worlds=[]), "names no worlds (at plan.Plan.worlds)"),
+    (lambda p: p["plan"]["Plan"].update(worlds=[1]), "group size 1: group sizes must lie in"),
+    (lambda p: p["plan"]["Plan"].update(worlds=[10**6]), "group size 1000000: group sizes"),
+    (lambda p: p["plan"]["Plan"].update(worlds=[{"MeshWorld": [1, 1]}]), "mesh shape"),
+])
+def test_a_malformed_plan_is_refused_where_it_breaks(kimi_plan: dict, tmp_path: Path,
+                                                     edit, where):
+    plan = copy.deepcopy(kimi_plan)
+    edit(plan)
+    assert where in refused(from_plan(KIMI, plan, tmp_path), "bad-plan")
+
+
+def test_a_huge_plan_file_is_refused_unread(tmp_path: Path):
+    path = tmp_path / "huge.json"
+    with path.open("wb") as f:  # sparse: no disk, no memory
+        f.truncate(MAX_PLAN_BYTES + 1)
+    result = invoke("compile", str(KIMI), "-o", str(tmp_path / "out"), "--plan", str(path))
+    assert f"larger than {MAX_PLAN_BYTES} bytes" in refused(result, "too-large")
+
+
+def test_plan_takes_one_schedule_and_no_world(kimi_plan: dict, tmp_path: Path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(kimi_plan))
+    for extra in ([str(KIMI)], ["--world", "2"], ["--dump", "hb"]):
+        result = invoke("compile", str(KIMI), *extra, "-o", str(tmp_path), "--plan", str(path))
+        assert result.exit_code == 2 and "--plan takes" in result.output

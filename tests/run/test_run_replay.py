@@ -1,0 +1,220 @@
+"""Issue 33 item 6: ``dcpc run`` finds the races the checker names.
+
+The default calls cover slot reuse (call c and call c + slots both run), and
+``dcpc run --replay FILE`` makes the race of a ``dcpc check --format json``
+counterexample happen: the rank of the race's first access is held before that step
+until the other access has happened (an ordering wait: the raced instance no longer
+holds what the read should see, or the other step's rank says it ran), so the run
+shows the wrong data.
+Real ranks (host backend: processes over shared memory) for the runs; the refusals run
+in process with a launcher that fails the test if a rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dcpc import demo
+from dcpc.harness.replay import MAX_REPLAY_BYTES
+from dcpc.harness.run import RunConfig, run_schedule
+from dcpc.run_limits import MAX_CALLS
+
+ROOT = Path(__file__).resolve().parents[2]
+WRONG = ROOT / "tests" / "hb_corpus" / "barrier_before_consumer.yaml"  # WAR on q_full
+FIXED = ROOT / "tests" / "hb_corpus" / "barrier_before_consumer.fixed.yaml"
+DEADLOCK = ROOT / "tests" / "hb_corpus" / "ring_wait_before_signal.yaml"
+
+
+def dcpc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dcpc", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ})
+
+
+def counterexample(schedule: Path, out: Path) -> Path:
+    """What ``dcpc check --format json`` writes for ``schedule`` (exit 1: refused)."""
+    done = dcpc("check", str(schedule), "--format", "json", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out.write_text(done.stdout)
+    return out
+
+
+def test_default_calls_reach_every_slot_s_next_user(tmp_path: Path) -> None:
+    """Without --calls, a schedule of 12 slots runs 2 x 12 + 1 = 25 calls (the fixed 20
+    before: calls 20..23 of slots 9..0's second users never ran); --help says so."""
+    many = tmp_path / "twelve_slots.yaml"
+    many.write_text(FIXED.read_text().replace("slots: 1", "slots: 12"))
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(many), "--jitter-ms", "0", "--json", str(record))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "25 calls" in done.stdout, done.stdout
+    assert json.loads(record.read_text())[0]["calls"] == 25
+    assert "2 x slots + 1" in " ".join(dcpc("run", "--help", timeout=120).stdout.split())
+
+
+def test_replay_makes_the_checker_s_race_happen(tmp_path: Path) -> None:
+    """barrier_before_consumer: attention on rank 0 (call 0) reads q_full while rank 1's
+    query_gather of call 1 may write it. Held until that write lands, rank 0 reads call
+    1's block: q_full mismatches the float64 reference, on every run (a plain run caught
+    it in 1 of 5 seeds when measured)."""
+    found = counterexample(WRONG, tmp_path / "race.json")
+    record = tmp_path / "run.json"
+    # a long wait: the hold lasts at most half of it, and a loaded machine is slow
+    done = dcpc("run", str(WRONG), "--replay", str(found), "--wait-timeout", "240",
+                "--calls", "2", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert "released when q_full was written" in done.stdout, done.stdout
+    result = json.loads(record.read_text())[0]
+    assert result["outputs"]["q_full@attention"]["mismatches"] >= 1, result
+    assert result["outputs"]["q_full@attention"]["first"].startswith(
+        "call 0 slot 0 rank 0 (attention reads): q_full"), result
+    assert result["replay"]["hold"] == [0, 0, "attention"]
+    assert result["replay"]["until"] == [1, 1, "query_gather"]
+
+
+def test_replay_on_the_fixed_twin_says_the_race_does_not_apply(no_ranks, capsys,
+                                                                tmp_path: Path) -> None:
+    found = counterexample(WRONG, tmp_path / "race.json")
+    assert demo.main([str(FIXED), "--replay", str(found)]) == 2
+    err = capsys.readouterr().err
+    assert "does not apply to" in err and "finds no such race there" in err, err
+    assert "write-after-read on q_full between attention on rank 0 (call 0)" in err, err
+    assert "Traceback" not in err
+
+
+def _race(tmp_path: Path) -> dict:
+    return json.loads(counterexample(WRONG, tmp_path / "race.json").read_text())
+
+
+def _edit(data: dict, **first: object) -> dict:
+    finding = data["results"][0]["hb"]["findings"][0]
+    finding["first"].update(first)
+    return data
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "cannot read it (FileNotFoundError"),
+    ("huge", f"{MAX_REPLAY_BYTES + 1} bytes, more than a counterexample takes"),
+    ('{"results": [\n', ":2:1: not JSON (Expecting value)"),
+    ("[" * 100_000, "nested too deeply"),
+    ('{"results": 3}', "results: is not a list"),
+    ("[1, 2]", "(top level): is not a counterexample"),
+    ("deadlock", "holds no race to replay (only: deadlock"),
+    ({"rank": 9}, "findings[0].first.rank: 9 is not a rank of W=2 (0..1)"),
+    ({"rank": True}, "findings[0].first.rank: must be an integer, got True"),
+    ({"call": 10**30}, f"findings[0].first.call: {10**30} is not in 0..{MAX_CALLS - 1}"),
+    ({"call": -1}, "findings[0].first.call: -1 is not in"),
+    ({"step": ""}, "findings[0].first.step: must name a step"),
+    ({"access": "peek"}, "findings[0].first.access: must be read or write"),
+    ({"step": "nowhere"}, "does not apply to"),
+    ({"world": 99}, "findings[0].world: '99': group sizes must lie in 2..64 here, got 99"),
+    ({"world": [2]}, "findings[0].world: must be a group size (W or a mesh shape"),
+])
+def test_a_bad_replay_file_is_a_located_usage_error(no_ranks, capsys, tmp_path: Path,
+                                                    content: object, words: str) -> None:
+    path = tmp_path / "replay.json"
+    if content == "huge":  # sparse: no disk is written
+        with open(path, "wb") as f:
+            f.truncate(MAX_REPLAY_BYTES + 1)
+        content = None
+    elif content == "deadlock":  # a schedule the checker refuses with a deadlock only
+        content = counterexample(DEADLOCK, tmp_path / "dead.json").read_text()
+    elif isinstance(content, dict):
+        data = _race(tmp_path)
+        if "world" in content:
+            data["results"][0]["hb"]["findings"][0]["world"] = content["world"]
+        else:
+            data = _edit(data, **content)
+        content = json.dumps(data)
+    if content is not None:
+        path.write_text(str(content))
+    assert demo.main([str(WRONG), "--replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err, err
+    assert f"--replay {path}" in err, err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--world", "3"], "the race was found at W=2, the run asks --world 3"),
+    (["--calls", "1"], "--calls 1: the replayed race is in call 1; give at least 2 calls"),
+])
+def test_replay_options_that_cannot_show_the_race_are_refused(no_ranks, capsys, tmp_path,
+                                                              args: list[str],
+                                                              words: str) -> None:
+    found = counterexample(WRONG, tmp_path / "race.json")
+    assert demo.main([str(WRONG), "--replay", str(found), *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err, err
+
+
+def test_replay_of_two_calls_in_flight_interleaves_them(tmp_path: Path) -> None:
+    """shared_scratch_local: with two slots on their own streams, pre of call 1 may write
+    the shared scratch while attention of call 0 on the same rank still reads it. One
+    rank runs its events in one order, so a hold alone could never release (it ran to
+    its bound, unforced): the replay interleaves calls 0 and 1 with pre of call 1 first,
+    and attention of call 0 reads call 1's scratch."""
+    schedule = ROOT / "tests" / "hb_corpus" / "shared_scratch_local.yaml"
+    found = counterexample(schedule, tmp_path / "race.json")
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--replay", str(found), "--wait-timeout", "240",
+                "--calls", "2", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "slot order interleaved" in done.stdout, done.stdout
+    result = json.loads(record.read_text())[0]
+    assert result["replay"]["outcome"].startswith("released"), result
+    assert result["outputs"]["scratch"]["first"].startswith(
+        "call 0 slot 1 rank 0 (attention reads): scratch"), result
+
+
+def test_replay_releases_when_the_write_landed_before_the_hold(tmp_path: Path) -> None:
+    """Rank 0 paused before attention (a fault): rank 1's gather of call 1 lands in
+    q_full before rank 0's hold begins. The hold compares the instance with what
+    attention should read (the reference), so it lets go at once; a hold that waited
+    for the bytes to change from where the hold began waited to its bound, unforced."""
+    from dcpc.harness.replay import plan
+
+    found = counterexample(WRONG, tmp_path / "race.json")
+    report = run_schedule(RunConfig(
+        schedule=str(WRONG), world=2, backend="host", calls=2, wait_timeout_s=240,
+        replay=plan(str(found), str(WRONG), None),
+        fault={"rank": 0, "call": 0, "step": "attention", "kind": "pause", "seconds": 10}))
+    assert report.replay_outcome.startswith("released when q_full was written"), \
+        report.replay_outcome
+    assert report.outputs["q_full@attention"].mismatches >= 1
+
+
+def test_a_replay_a_per_step_hold_cannot_force_says_so(tmp_path: Path) -> None:
+    """implicit_via_reuse: out_scatter of call 0 reads the via that a peer's out_scatter
+    of call 1 writes, inside one kernel step. No hold before a step orders that; the
+    hold ends at its bound (half of --wait-timeout) and the result says the race was
+    not shown (before: a peer's store of the same call changed the via and the hold
+    reported itself released, and the run said OK as if the race had been tried)."""
+    schedule = ROOT / "tests" / "hb_corpus" / "implicit_via_reuse.yaml"
+    found = counterexample(schedule, tmp_path / "race.json")
+    done = dcpc("run", str(schedule), "--replay", str(found), "--wait-timeout", "10",
+                "--calls", "2")
+    assert "NOT FORCED: nothing happened within 5 s of holding" in done.stdout, done.stdout
+    assert "the replay's order was not forced, so this run does not show its race" in \
+        done.stdout, done.stdout
+
+
+def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
+    """A mesh counterexample names its shape ("world": "2x2"; it was 4, which dcpc run
+    refused for a two-axis mesh, 'give a shape such as 2x2'), and the replay runs it."""
+    schedule = ROOT / "tests" / "gallery_twins" / "hierarchical_two_level.shared_hand_off.yaml"
+    found = counterexample(schedule, tmp_path / "race.json")
+    assert json.loads(found.read_text())["results"][0]["hb"]["findings"][0]["world"] == "2x2"
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--replay", str(found), "--wait-timeout", "240",
+                "--calls", "2", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads(record.read_text())[0]
+    assert result["world"] == "2x2" and result["replay"]["outcome"].startswith("released")
+    assert result["outputs"]["q_full"]["first"].startswith(
+        "call 0 slot 1 rank 0 (gather_nodes): q_full"), result

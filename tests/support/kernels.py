@@ -1,0 +1,99 @@
+"""Helpers shared by the kernel and end-to-end tests (no tests here).
+
+``compile_text`` compiles a schedule to a module file and imports it; ``load`` imports
+a generated file (in child processes too). Workers for ``dcpc.harness.launch`` live in
+test_kernels_e2e.py and import this module by name (tests/ is on sys.path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULES = ROOT / "schedules"
+
+
+def compile_text(text: str, out_dir: Path, worlds: tuple[int, ...] = (1, 2, 3, 4)) -> Path:
+    """Parse, lower and emit a schedule; write <schedule>.py into ``out_dir``."""
+    from dcpc.codegen.emit import emit
+    from dcpc.codegen.lower import lower
+    from dcpc.lang.parse import parse_text
+
+    schedule = parse_text(text, "test.yaml")
+    plan = lower(schedule, worlds)
+    path = out_dir / f"{plan.schedule}.py"
+    path.write_text(emit(plan))
+    return path
+
+
+def compile_file(path: Path, out_dir: Path) -> Path:
+    return compile_text(path.read_text(), out_dir, tuple(range(1, 9)))
+
+
+def load(path: str | Path) -> ModuleType:
+    """Import a generated module from its file (a unique name per file content)."""
+    from dcpc.runtime.loading import import_file
+
+    path = Path(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    return import_file(path, f"dcpc_gen_{path.stem}_{digest}")
+
+
+def the_class(module: ModuleType) -> type:
+    from dcpc.runtime.loading import schedule_class
+
+    return schedule_class(module)
+
+
+MERGE_SCHEDULE = """
+schedule: merge_{tag}
+slots: 1
+sizes:
+  T: {{max: 16}}
+  B: {{max: 8}}
+  G: 3
+  Dv: {dv}
+buffers:
+  o:        {{shape: [W, T, G, Dv], dtype: {odtype}, symmetric: true}}
+  lse:      {{shape: [W, T, G], dtype: f32, symmetric: true, lse_base: {base}}}
+  o_own:    {{shape: [T, G, Dv], dtype: {odtype}}}
+  out:      {{shape: [T, G, Dv], dtype: {odtype}}}
+  out_lse:  {{shape: [T, G], dtype: f32, lse_base: {base}}}
+  seq_lens: {{shape: [B], dtype: i32}}
+  query_start_loc: {{shape: [B+1], dtype: i32}}
+steps:
+  - produce: {{op: external, writes: [o, lse, o_own]}}
+  - merge:   {{op: lse_combine, src: [o, lse], dst: out{ret}{mask}}}
+  - correct: {{op: lse_correct, src: [o_own, lse], dst: out{ret2}{mask}}}
+"""
+
+
+def merge_schedule(
+    odtype: str = "bf16",
+    base: str = "e",
+    return_lse: bool = True,
+    mask: bool = True,
+    interleave: int = 1,
+    dv: int = 40,
+) -> str:
+    mask_text = (
+        f", mask_empty: {{seq_lens: seq_lens, query_start_loc: query_start_loc, "
+        f"interleave: {interleave}}}"
+        if mask
+        else ""
+    )
+    tag = f"{odtype}_{base}_{int(return_lse)}_{int(mask)}_{interleave}_{dv}"
+    return MERGE_SCHEDULE.format(
+        tag=tag,
+        dv=dv,
+        odtype=odtype,
+        base=base,
+        ret=", return_lse: out_lse" if return_lse else "",
+        ret2=", return_lse: out_lse" if return_lse else "",
+        mask=mask_text,
+    )
