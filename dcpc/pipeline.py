@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the stages' products, typed; imported where a stage runs
     from dcpc.check.hb import HbReport
     from dcpc.codegen.plan import Plan
     from dcpc.lang.model import Schedule
+    from dcpc.lang.semantics import Semantics
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Compilation:
     path: Path
     options: Options
     schedule: Schedule | None = None  # parse
+    # parse: every step's effects and sync (dcpc.lang.semantics.table), which the later
+    # stages read: made once per schedule
+    semantics: list[Semantics] | None = None
     # a trip count that names W: the worlds checked one at a time (dcpc.lang.loops);
     # the other fields then hold the last W's results
     per_world: list[int] = field(default_factory=list)
@@ -126,6 +130,7 @@ def first_default_world(path: str | Path) -> int:
 
 def _parse(c: Compilation) -> None:
     from dcpc.lang.parse import parse_file
+    from dcpc.lang.semantics import table
 
     worlds = list(c.options.worlds)
     world = worlds[0] if len(worlds) == 1 else None
@@ -137,6 +142,7 @@ def _parse(c: Compilation) -> None:
         raw, digest = c.source
         c.schedule = parse_loaded(_tree_copy(raw), digest, str(c.path), world)
     c.worlds = _fit_worlds(c)
+    c.semantics = table(c.schedule)
 
 
 def _tree_copy(data: Any) -> Any:
@@ -173,13 +179,13 @@ def _fit_worlds(c: Compilation) -> list[int]:
 def _graph(c: Compilation) -> None:
     from dcpc.graph import dataflow
 
-    c.graph = dataflow(c.schedule)
+    c.graph = dataflow(c.schedule, c.semantics)
 
 
 def _check(c: Compilation) -> None:
     from dcpc.check import structural
 
-    found = structural.check(c.schedule, c.worlds)
+    found = structural.check(c.schedule, c.worlds, c.semantics)
     c.warnings = [d for d in found if d.severity == "warning"]
     if c.options.strict and c.warnings:
         raise DiagnosticError(found)
@@ -190,7 +196,7 @@ def _check(c: Compilation) -> None:
 def _lower(c: Compilation) -> None:
     from dcpc.codegen.lower import lower
 
-    c.plan = lower(c.schedule, c.worlds)
+    c.plan = lower(c.schedule, c.worlds, c.semantics)
 
 
 def _hb(c: Compilation) -> None:
@@ -198,7 +204,7 @@ def _hb(c: Compilation) -> None:
         return
     from dcpc.check import hb
 
-    c.hb_report = hb.check(c.schedule, c.worlds, plan=c.plan)
+    c.hb_report = hb.check(c.schedule, c.worlds, plan=c.plan, semantics=c.semantics)
     found = c.hb_report.diagnostics()
     if found:
         raise DiagnosticError(found)
@@ -308,8 +314,6 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
     the schedule does not give (the names, sizes and buffers the module declares)."""
     import dcpc
     from dcpc.codegen.lower import _buffers, _contract, _sizes, class_name
-    from dcpc.lang.semantics import table
-
     s = c.schedule
     facts: tuple[tuple[str, Any, Any], ...] = (
         ("version", plan.version, dcpc.__version__),  # the lowering rules are a version's
@@ -330,7 +334,7 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
         # what the happens-before checker takes as each kernel's accesses (the kernels'
         # own come from roles, not from these): the op rules' (dcpc.lang.semantics);
         # the slots and epochs (``sync``) are the kernels' own, which the hb stage proves
-        ("effects", [p.effects for p in plan.steps], [list(e.effects) for e in table(s)]),
+        ("effects", [p.effects for p in plan.steps], [list(e.effects) for e in c.semantics]),
         # free text that reaches the module: what the lowering derives from the steps
         ("contract", plan.contract, _contract(plan.steps, plan.slots, plan.streams)),
     )
@@ -369,7 +373,7 @@ def _per_world_budget(c: Compilation, mark: Any, done: list[Compilation]) -> Non
     work = 0
     fits: list[int] = []
     for one in done:
-        work += hb_cost(one.schedule, one.worlds).work
+        work += hb_cost(one.schedule, one.worlds, one.semantics).work
         if work <= MAX_HB_WORK:
             fits += one.worlds
     if work <= MAX_HB_WORK:
