@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dcpc.lang import model
-from dcpc.lang.semantics import table
+from dcpc.lang.semantics import Semantics, table
 
 
 class DiGraph:
@@ -49,8 +49,9 @@ class DiGraph:
         return len(self._nodes)
 
 
-def dataflow(schedule: model.Schedule) -> DiGraph:
-    """The dataflow graph: ``step:<name>`` and ``buf:<name>`` nodes, read/write edges."""
+def dataflow(schedule: model.Schedule, semantics: list[Semantics] | None = None) -> DiGraph:
+    """The dataflow graph: ``step:<name>`` and ``buf:<name>`` nodes, read/write edges
+    (``semantics``: the schedule's table, asked when not given)."""
     graph = DiGraph(name=schedule.schedule)
     for name, buf in schedule.buffers.items():
         graph.add_node(
@@ -62,7 +63,7 @@ def dataflow(schedule: model.Schedule) -> DiGraph:
             symmetric=buf.is_symmetric,
             shared=buf.shared,
         )
-    semantics = table(schedule)
+    semantics = table(schedule, semantics)
     for step in schedule.step_list():
         node = f"step:{step.name}"
         graph.add_node(node, kind="step", label=step.name, op=step.kind, index=step.index)

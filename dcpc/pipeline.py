@@ -1,9 +1,19 @@
-"""The driver: the compiler's stages in one ordered table.
+"""The driver: the compiler's stages in one ordered table, each making its product.
 
-    parse -> graph -> check -> lower -> hb -> emit
+    parse  -> schedule, worlds, semantics   (the table every later stage reads)
+    graph  -> graph                         (the dataflow graph)
+    check  -> warnings                      (structural errors stop here)
+    lower  -> plan
+    hb     -> hb_report                     (races and deadlocks stop here)
+    emit   -> module_text
 
-Each stage is a function of the previous stage's result (and the options); a stage
-that cannot go on raises DiagnosticError. ``run(..., until=NAME)`` stops after a
+    a file whose unrolled steps name W, several W asked:
+    per W  -> Worlds                        (each W through parse .. hb on its own)
+    emit   -> module_text                   (one class per W)
+
+Each stage is a function of the products before it (and the options), kept in the
+fields of ``Compilation`` that ``STAGES`` names; a stage that cannot go on raises
+DiagnosticError. ``run(..., until=NAME)`` stops after a
 stage, which gives ``dcpc compile --dump NAME`` and one test per stage for free.
 ``dcpc check`` runs up to ``hb``, ``dcpc compile`` to ``emit``: what check accepts,
 compile accepts.
@@ -36,6 +46,7 @@ if TYPE_CHECKING:  # the stages' products, typed; imported where a stage runs
     from dcpc.check.hb import HbReport
     from dcpc.codegen.plan import Plan
     from dcpc.lang.model import Schedule
+    from dcpc.lang.semantics import Semantics
 
 
 @dataclass
@@ -52,6 +63,9 @@ class Compilation:
     path: Path
     options: Options
     schedule: Schedule | None = None  # parse
+    # parse: every step's effects and sync (dcpc.lang.semantics.table), which the later
+    # stages read: made once per schedule
+    semantics: list[Semantics] | None = None
     # a trip count that names W: the worlds checked one at a time (dcpc.lang.loops);
     # the other fields then hold the last W's results
     per_world: list[int] = field(default_factory=list)
@@ -124,19 +138,27 @@ def first_default_world(path: str | Path) -> int:
     return _raw_defaults(data)[0]
 
 
-def _parse(c: Compilation) -> None:
+def _parse(c: Compilation) -> tuple[Schedule, list[int], list[Semantics]]:
+    """The schedule (its loops unrolled), the group sizes as its mesh reads them, and
+    its semantics table (dcpc.lang.semantics): every later stage reads that table."""
     from dcpc.lang.parse import parse_file
+    from dcpc.lang.semantics import table
 
     worlds = list(c.options.worlds)
     world = worlds[0] if len(worlds) == 1 else None
     if c.source is None:
-        c.schedule = parse_file(c.path, world=world)
+        schedule = parse_file(c.path, world=world)
     else:
         from dcpc.lang.parse import parse_loaded
 
         raw, digest = c.source
-        c.schedule = parse_loaded(_tree_copy(raw), digest, str(c.path), world)
-    c.worlds = _fit_worlds(c)
+        schedule = parse_loaded(_tree_copy(raw), digest, str(c.path), world)
+    try:
+        fitted = _fit_worlds(schedule, c.options.worlds)
+    except DiagnosticError as err:  # the schedule is kept: what the stages got to
+        err.product = (schedule, c.worlds, None)  # type: ignore[attr-defined]
+        raise
+    return schedule, fitted, table(schedule)
 
 
 def _tree_copy(data: Any) -> Any:
@@ -149,76 +171,95 @@ def _tree_copy(data: Any) -> Any:
     return data
 
 
-def _fit_worlds(c: Compilation) -> list[int]:
+def _fit_worlds(s: Schedule, asked: Sequence[int]) -> list[int]:
     """The asked group sizes as the schedule's mesh reads them (dcpc.lang.mesh); a
     shape that does not fit the mesh is a located ``bad-world``."""
     from dcpc.check.mesh import mesh_diagnostics
     from dcpc.diagnostics import Mark
     from dcpc.lang.mesh import WorldError, fit_worlds, mesh_of
 
-    broken = mesh_diagnostics(c.schedule)  # every group size is read through the mesh
+    broken = mesh_diagnostics(s)  # every group size is read through the mesh
     if broken:
         raise DiagnosticError(broken)
-    asked = c.options.worlds
     if asked is DEFAULT_WORLDS:
-        return default_worlds(c.schedule)
+        return default_worlds(s)
     try:
-        return sorted(set(fit_worlds(mesh_of(c.schedule), asked)))
+        return sorted(set(fit_worlds(mesh_of(s), asked)))
     except WorldError as err:
-        s = c.schedule
         mark = s.mark("mesh") if s.mesh is not None else Mark(s.source_file, 1, 1)
         raise DiagnosticError([Diagnostic(mark, "bad-world", str(err))]) from None
 
 
-def _graph(c: Compilation) -> None:
+def _graph(c: Compilation) -> nx.DiGraph:
     from dcpc.graph import dataflow
 
-    c.graph = dataflow(c.schedule)
+    return dataflow(c.schedule, c.semantics)
 
 
-def _check(c: Compilation) -> None:
+def _check(c: Compilation) -> list[Diagnostic]:
+    """The structural checks' warnings; their errors (with --strict, any warning too)
+    stop the table, the warnings kept as the product."""
     from dcpc.check import structural
 
-    found = structural.check(c.schedule, c.worlds)
-    c.warnings = [d for d in found if d.severity == "warning"]
-    if c.options.strict and c.warnings:
-        raise DiagnosticError(found)
-    if any(d.severity == "error" for d in found):
-        raise DiagnosticError(found)
+    found = structural.check(c.schedule, c.worlds, c.semantics)
+    warnings = [d for d in found if d.severity == "warning"]
+    if (c.options.strict and warnings) or any(d.severity == "error" for d in found):
+        raise _stop(found, warnings)
+    return warnings
 
 
-def _lower(c: Compilation) -> None:
+def _lower(c: Compilation) -> Plan:
     from dcpc.codegen.lower import lower
 
-    c.plan = lower(c.schedule, c.worlds)
+    return lower(c.schedule, c.worlds, c.semantics)
 
 
-def _hb(c: Compilation) -> None:
+def _hb(c: Compilation) -> HbReport | None:
+    """The happens-before report of the plan; its races and deadlocks stop the table,
+    the report kept (``dcpc check --format json`` prints it)."""
     if not c.options.hb:
-        return
+        return None
     from dcpc.check import hb
 
-    c.hb_report = hb.check(c.schedule, c.worlds, plan=c.plan)
-    found = c.hb_report.diagnostics()
+    report = hb.check(c.schedule, c.worlds, plan=c.plan, semantics=c.semantics)
+    found = report.diagnostics()
     if found:
-        raise DiagnosticError(found)
+        raise _stop(found, report)
+    return report
 
 
-def _emit(c: Compilation) -> None:
+def _emit(c: Compilation) -> str:
     from dcpc.codegen.emit import emit
 
-    c.module_text = emit(c.plan)
+    return emit(c.plan)
 
 
-STAGES: tuple[tuple[str, Callable[[Compilation], None]], ...] = (
-    ("parse", _parse),
-    ("graph", _graph),
-    ("check", _check),
-    ("lower", _lower),
-    ("hb", _hb),
-    ("emit", _emit),
+def _stop(found: list[Diagnostic], product: Any) -> DiagnosticError:
+    """A stage's refusal that still hands on its product (``_stages`` keeps it)."""
+    err = DiagnosticError(found)
+    err.product = product  # type: ignore[attr-defined]
+    return err
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its name (``until``, ``--dump``), the function that makes its product
+    from the products before it, and the fields of ``Compilation`` that hold it."""
+
+    name: str
+    make: Callable[[Compilation], Any]
+    product: tuple[str, ...]
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("parse", _parse, ("schedule", "worlds", "semantics")),
+    Stage("graph", _graph, ("graph",)),
+    Stage("check", _check, ("warnings",)),
+    Stage("lower", _lower, ("plan",)),
+    Stage("hb", _hb, ("hb_report",)),
+    Stage("emit", _emit, ("module_text",)),
 )
-STAGE_NAMES = tuple(name for name, _ in STAGES)
+STAGE_NAMES = tuple(stage.name for stage in STAGES)
 
 
 def run(path: str | Path, options: Options | None = None, until: str = "emit",
@@ -228,9 +269,9 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
     if until not in STAGE_NAMES:
         raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGE_NAMES)}")
     c = Compilation(Path(path), options or Options(), source=source)
-    looped = _world_loop(c)
-    if looped is not None:
-        return _per_world(c, looped, until)
+    loop = _world_loop(c)  # a loop whose trip count names W: the per-W stage
+    if loop is not None:
+        return _per_world(c, loop, until)
     return _stages(c, STAGE_NAMES[0], until)
 
 
@@ -308,8 +349,6 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
     the schedule does not give (the names, sizes and buffers the module declares)."""
     import dcpc
     from dcpc.codegen.lower import _buffers, _contract, _sizes, class_name
-    from dcpc.lang.semantics import table
-
     s = c.schedule
     facts: tuple[tuple[str, Any, Any], ...] = (
         ("version", plan.version, dcpc.__version__),  # the lowering rules are a version's
@@ -330,7 +369,7 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
         # what the happens-before checker takes as each kernel's accesses (the kernels'
         # own come from roles, not from these): the op rules' (dcpc.lang.semantics);
         # the slots and epochs (``sync``) are the kernels' own, which the hb stage proves
-        ("effects", [p.effects for p in plan.steps], [list(e.effects) for e in table(s)]),
+        ("effects", [p.effects for p in plan.steps], [list(e.effects) for e in c.semantics]),
         # free text that reaches the module: what the lowering derives from the steps
         ("contract", plan.contract, _contract(plan.steps, plan.slots, plan.streams)),
     )
@@ -342,21 +381,31 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
 
 
 def _stages(c: Compilation, first: str, until: str) -> Compilation:
-    """Run the stages from ``first`` up to and including ``until`` on ``c``."""
-    for name, stage in STAGES[STAGE_NAMES.index(first):]:
+    """Run the stages from ``first`` up to and including ``until`` on ``c``, each
+    stage's product kept in its fields of ``c``."""
+    for stage in STAGES[STAGE_NAMES.index(first):]:
         start = time.perf_counter()
         try:
-            stage(c)
+            _keep(c, stage, stage.make(c))
         except DiagnosticError as err:
+            if hasattr(err, "product"):  # a refusal's product (_stop)
+                _keep(c, stage, err.product)
+                del err.product
             err.compilation = c  # type: ignore[attr-defined]  # what the stages got to
-            if name != "check":  # the check stage's error already lists its warnings
+            if stage.name != "check":  # the check stage's error already lists its warnings
                 err.diagnostics = sorted([*c.warnings, *err.diagnostics],
                                          key=lambda d: (d.mark, d.code))
             raise
-        c.seconds[name] = time.perf_counter() - start
-        if name == until:
+        c.seconds[stage.name] = time.perf_counter() - start
+        if stage.name == until:
             break
     return c
+
+
+def _keep(c: Compilation, stage: Stage, product: Any) -> None:
+    values = product if len(stage.product) > 1 else (product,)
+    for name, value in zip(stage.product, values, strict=True):
+        setattr(c, name, value)
 
 
 def _per_world_budget(c: Compilation, mark: Any, done: list[Compilation]) -> None:
@@ -369,7 +418,7 @@ def _per_world_budget(c: Compilation, mark: Any, done: list[Compilation]) -> Non
     work = 0
     fits: list[int] = []
     for one in done:
-        work += hb_cost(one.schedule, one.worlds).work
+        work += hb_cost(one.schedule, one.worlds, one.semantics).work
         if work <= MAX_HB_WORK:
             fits += one.worlds
     if work <= MAX_HB_WORK:
@@ -447,30 +496,45 @@ def _per_world_errors(failed: list[DiagnosticError]) -> DiagnosticError:
     return merged
 
 
-def _emit_worlds(one: Compilation, done: list[Compilation]) -> bool:
-    """Emit one module for every W checked of a file whose loops name W (not a mesh
-    axis' size), each W's class in it (dcpc.codegen.emit.emit_worlds), into ``one``;
-    False when a W's loops name an axis size (a module is then per shape)."""
-    from dcpc.codegen.emit import emit_worlds
+@dataclass
+class Worlds:
+    """The per-W stage's product, for a file whose unrolled steps name W (a trip count,
+    an index or an offset): each W's own compilation, its stages run up to the one
+    asked (``hb`` at most; the module of every W is emitted from them at once)."""
 
-    by_world: dict[int, Compilation] = {}
-    for each in done:
-        served = each.schedule.loop_world if each.schedule is not None else None
-        if not isinstance(served, int) or each.plan is None:
-            return False
-        # the shapes of one W share its unrolling: one class serves them (as --world 2x3)
-        by_world.setdefault(served, each)
-    start = time.perf_counter()
-    one.module_text = emit_worlds([each.plan for each in by_world.values()],  # type: ignore[misc]
-                                  [w for each in done for w in each.worlds])
-    one.seconds["emit"] = time.perf_counter() - start
-    return True
+    loop: Any  # the mark of the loop that names W (dcpc.lang.loops.world_dependent)
+    worlds: list[int]  # the W checked, in the order asked
+    each: list[Compilation]  # one per W, in that order
+
+    def merged(self, options: Options) -> Compilation:
+        """The last W's compilation standing for every W: the stage times of every W
+        summed, ``per_world`` the W checked."""
+        seconds: dict[str, float] = {}
+        for one in self.each:  # every W's, not the last W's alone
+            for stage, took in one.seconds.items():
+                seconds[stage] = seconds.get(stage, 0.0) + took
+        one = self.each[-1]
+        one.seconds = seconds
+        one.per_world = self.worlds
+        one.options = options
+        return one
 
 
-def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
-    """Check a schedule whose loop trip count names W once per W (each W is its own
-    unrolled schedule); its module holds one class per W (or, when a loop names a mesh
-    axis' size, is compiled for one shape only)."""
+def _per_world(c: Compilation, loop: Any, until: str) -> Compilation:
+    """The stages of a file whose unrolled steps name W: the per-W stage, then (to
+    ``emit``) one module of every W's class."""
+    found = _each_world(c, loop, until)
+    one = found.merged(c.options)
+    if until == "emit":
+        start = time.perf_counter()
+        one.module_text = _emit_worlds(found, one)
+        one.seconds["emit"] = time.perf_counter() - start
+    return one
+
+
+def _each_world(c: Compilation, loop: Any, until: str) -> Worlds:
+    """The per-W stage: each W its own unrolled schedule, through the stages up to
+    ``until`` (``hb`` at most); the bounds over every W together come first."""
     from dataclasses import replace
 
     from dcpc.diagnostics import Mark
@@ -491,7 +555,7 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
         narrower = (f"check W {worlds_text([w for w in worlds if w <= widest])} (or a few "
                     "W at a time)" if widest else "check fewer W at a time")
         raise DiagnosticError([Diagnostic(
-            Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
+            Mark(str(c.path), loop.line, loop.col), "schedule-too-large",
             f"the unrolled steps depend on W (a trip count, an index or an offset names W), "
             f"so each W is unrolled and analysed on its own: "
             f"W {worlds_text(worlds)} make {total} unrolled steps in all, past the "
@@ -519,30 +583,45 @@ def _per_world(c: Compilation, mark: Any, until: str) -> Compilation:
         raise err
     if last > cheap:
         if c.options.hb:
-            _per_world_budget(c, mark, done)
+            _per_world_budget(c, loop, done)
         for one in done:
             _stages(one, STAGE_NAMES[cheap + 1], STAGE_NAMES[last])
-    seconds: dict[str, float] = {}
-    for one in done:  # every W's, not the last W's alone
-        for stage, took in one.seconds.items():
-            seconds[stage] = seconds.get(stage, 0.0) + took
-    one = done[-1]
-    one.seconds = seconds
-    one.per_world = worlds
-    one.options = c.options
-    if until == "emit" and _emit_worlds(one, done):
-        return one
-    if until == "emit":
-        per_shape = isinstance(one.schedule.loop_world, tuple)  # it names an axis size
-        err = DiagnosticError([Diagnostic(
-            Mark(str(c.path), mark.line, mark.col), "loop-world",
-            f"the unrolled steps name a mesh axis' size (a trip count, an index, an offset "
-            f"or an interleave), so its module is unrolled for one mesh shape; checked "
-            f"W={', '.join(map(str, worlds))}, but a module needs one --world shape such "
-            f"as {worlds[0]}" if per_shape else
-            f"the unrolled steps name W (a trip count, an index or an offset), so its "
-            f"module is unrolled for one W; "
-            f"checked W={', '.join(map(str, worlds))}, but a module needs one --world N")])
-        err.compilation = one  # type: ignore[attr-defined]
-        raise err
-    return one
+    return Worlds(loop, worlds, done)
+
+
+def _emit_worlds(found: Worlds, one: Compilation) -> str:
+    """One module for every W checked of a file whose loops name W (not a mesh axis'
+    size), each W's class in it (dcpc.codegen.emit.emit_worlds); when a W's loops name
+    an axis size (a module is then per shape), a ``loop-world`` error."""
+    from dcpc.codegen.emit import emit_worlds
+
+    by_world: dict[int, Compilation] = {}
+    for each in found.each:
+        served = each.schedule.loop_world if each.schedule is not None else None
+        if not isinstance(served, int) or each.plan is None:
+            raise _one_world_only(found, one)
+        # the shapes of one W share its unrolling: one class serves them (as --world 2x3)
+        by_world.setdefault(served, each)
+    return emit_worlds([each.plan for each in by_world.values()],  # type: ignore[misc]
+                       [w for each in found.each for w in each.worlds])
+
+
+def _one_world_only(found: Worlds, one: Compilation) -> DiagnosticError:
+    """The ``loop-world`` error of a per-W file compiled for several W whose W cannot
+    each give a class of one module (its loops name a mesh axis' size): a module is
+    then unrolled for one W or shape."""
+    from dcpc.diagnostics import Mark
+
+    worlds, mark = found.worlds, found.loop
+    per_shape = isinstance(one.schedule.loop_world, tuple)  # it names an axis size
+    err = DiagnosticError([Diagnostic(
+        Mark(str(one.path), mark.line, mark.col), "loop-world",
+        f"the unrolled steps name a mesh axis' size (a trip count, an index, an offset "
+        f"or an interleave), so its module is unrolled for one mesh shape; checked "
+        f"W={', '.join(map(str, worlds))}, but a module needs one --world shape such "
+        f"as {worlds[0]}" if per_shape else
+        f"the unrolled steps name W (a trip count, an index or an offset), so its "
+        f"module is unrolled for one W; "
+        f"checked W={', '.join(map(str, worlds))}, but a module needs one --world N")])
+    err.compilation = one  # type: ignore[attr-defined]
+    return err

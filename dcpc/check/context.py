@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
@@ -13,6 +14,9 @@ from dcpc.lang.nodes import BUFFER_KEYS
 from dcpc.lang.questions import Samples
 from dcpc.lang.sizes import SizeTable
 from dcpc.ops.iface import Ref  # defined below the ops, which build them too
+
+if TYPE_CHECKING:
+    from dcpc.lang.semantics import Semantics
 
 W = ex.W  # the group size symbol (dcpc.lang.expr)
 
@@ -29,6 +33,7 @@ class Context:
     table: SizeTable
     samples: Samples
     steps: list[Step]
+    semantics: list[Semantics]  # every step's effects and sync (dcpc.lang.semantics.table)
     out: list[Diagnostic] = field(default_factory=list)
 
     def error(

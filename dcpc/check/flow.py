@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
 from dcpc.lang.model import Step
-from dcpc.lang.semantics import READ, channels, effect_mark, table
+from dcpc.lang.semantics import READ, channels, effect_mark
 from dcpc.ops.common import data_flow
 from dcpc.ops.sync import Signal
 
@@ -33,7 +33,7 @@ def accesses(ctx: Context) -> list[Access]:
     (dcpc.lang.semantics: the one definition of what an op reads and writes, and when;
     ``data_flow``: a store in flight at the step whose wait lands it)."""
     out = []
-    for i, e in data_flow(table(ctx.schedule)):
+    for i, e in data_flow(ctx.semantics):
         step = ctx.steps[i]
         at = step if e.lands is None else ctx.steps[e.lands]
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))

@@ -8,7 +8,6 @@ from dcpc.check.context import Context
 from dcpc.diagnostics import Diagnostic, did_you_mean
 from dcpc.lang.mesh import MAX_AXES, MAX_WORLD, mesh_of
 from dcpc.lang.model import Peers, Schedule, SizeSpec, Step
-from dcpc.lang.semantics import table
 from dcpc.lang.sizes import WORLD
 from dcpc.ops import OPS
 
@@ -18,7 +17,7 @@ def check_mesh(ctx: Context) -> None:
     schedule = ctx.schedule
     ctx.out += mesh_diagnostics(schedule)
     mesh = mesh_of(schedule)
-    sems = table(schedule)
+    sems = ctx.semantics
     for step in ctx.steps:
         _check_peers(ctx, step)
         _check_shift(ctx, step)

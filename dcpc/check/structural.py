@@ -27,17 +27,19 @@ from dcpc.lang.mesh import DEFAULT_WORLDS, MeshWorld, WorldError, fit_worlds, me
 from dcpc.lang.model import Schedule, Streams
 from dcpc.lang.nodes import Step
 from dcpc.lang.questions import Samples
-from dcpc.lang.semantics import table
+from dcpc.lang.semantics import Semantics, table
 from dcpc.lang.sizes import MAX_SIZE, size_table, world_diagnostics
 from dcpc.ops.all_gather import AllGather
 from dcpc.ops.registry import names
 
 
-def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Diagnostic]:
+def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS,
+          semantics: list[Semantics] | None = None) -> list[Diagnostic]:
     """Every structural error (and warning) of a parsed schedule, sorted by position.
 
     ``worlds`` are the group sizes W to check sizes and shapes for (e.g. 2..72).
-    An empty result means the schedule is structurally clean.
+    ``semantics``: the schedule's ``dcpc.lang.semantics.table`` (the pipeline's; asked
+    here when not given). An empty result means the schedule is structurally clean.
     """
     worlds = sorted(set(worlds))
     bad = [w for w in worlds if not isinstance(w, int) or isinstance(w, bool) or w < 1]
@@ -52,13 +54,14 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS) -> list[Di
     except WorldError as err:
         return [Diagnostic(schedule.mark("mesh") if schedule.mesh is not None
                            else Mark(schedule.source_file, 0, 0), "bad-world", str(err))]
-    too_large = check_limits(schedule, worlds)
+    sems = table(schedule, semantics)
+    too_large = check_limits(schedule, worlds, sems)
     if too_large:
         return too_large
-    table = size_table(schedule)
-    found = table.diagnostics + world_diagnostics(schedule, table, worlds)
-    samples = Samples(table, worlds)
-    ctx = Context(schedule, table, samples, schedule.step_list(), out=found)
+    sizes = size_table(schedule)
+    found = sizes.diagnostics + world_diagnostics(schedule, sizes, worlds)
+    samples = Samples(sizes, worlds)
+    ctx = Context(schedule, sizes, samples, schedule.step_list(), sems, out=found)
     check_names(ctx)
     check_mesh(ctx)
     check_references(ctx)
@@ -91,20 +94,23 @@ SHAPE_COST = 320
 PAIR_COST = 1.25
 
 
-def check_limits(schedule: Schedule, worlds: list[int] | None = None) -> list[Diagnostic]:
+def check_limits(schedule: Schedule, worlds: list[int] | None = None,
+                 semantics: list[Semantics] | None = None) -> list[Diagnostic]:
     """A schedule past these limits is refused at once: checking it would take minutes
-    (docs/language.md, "Limits"); within them `dcpc check` takes seconds."""
+    (docs/language.md, "Limits"); within them `dcpc check` takes seconds. ``semantics``:
+    the schedule's table, asked when not given."""
     steps = schedule.step_list()
     if len(steps) > MAX_STEPS:
         return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
                            f"the schedule has {len(steps)} steps, above the limit of "
                            f"{MAX_STEPS}", hint="split it into several schedules")]
-    accesses = sum(len(sem.effects) for sem in table(schedule))
+    sems = table(schedule, semantics)
+    accesses = sum(len(sem.effects) for sem in sems)
     if accesses > MAX_ACCESSES:
         return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
                            f"the steps name buffers {accesses} times in all, above the limit "
                            f"of {MAX_ACCESSES}", hint="split it into several schedules")]
-    return _hb_work(schedule, steps, worlds or [])
+    return _hb_work(schedule, steps, worlds or [], sems)
 
 
 def hb_calls(slots: int, per_slot_streams: bool) -> int:
@@ -131,15 +137,17 @@ class HbCost:
         return self.entries + SHAPE_COST * mesh + int(PAIR_COST * self.pairs)
 
 
-def hb_cost(schedule: Schedule, worlds: list[int]) -> HbCost:
+def hb_cost(schedule: Schedule, worlds: list[int],
+            semantics: list[Semantics] | None = None) -> HbCost:
     """The cost of ``hb.check(schedule, worlds)`` from the W it will analyse (the world
-    bounds and representatives the checker itself uses)."""
+    bounds and representatives the checker itself uses; ``semantics``: the schedule's
+    table, asked when not given)."""
     # here, not at the top: dcpc.check.hb's package face imports the checker, whose hints
     # import this module
     from dcpc.check.hb.bound import bound_for, mesh_representatives, representatives
     from dcpc.ops.common import ring_hops
 
-    sems = table(schedule)
+    sems = table(schedule, semantics)
     calls = 2 * schedule.slots
     worlds = sorted(worlds)
     if schedule.mesh is None:
@@ -170,8 +178,9 @@ def hb_cost(schedule: Schedule, worlds: list[int]) -> HbCost:
     return HbCost(analysed, entries, pairs * len(analysed), buffer, upto, ring)
 
 
-def _hb_work(schedule: Schedule, steps: list, worlds: list[int]) -> list[Diagnostic]:
-    cost = hb_cost(schedule, worlds)
+def _hb_work(schedule: Schedule, steps: list, worlds: list[int],
+             sems: list[Semantics]) -> list[Diagnostic]:
+    cost = hb_cost(schedule, worlds, sems)
     if cost.work <= MAX_HB_WORK:
         return []
     raised = f", raised by {cost.ring} next/prev waits per call" if cost.ring > 0 else ""

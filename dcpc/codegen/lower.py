@@ -29,7 +29,7 @@ from dcpc.diagnostics import DiagnosticError
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.lang.mesh import mesh_of
-from dcpc.lang.semantics import table
+from dcpc.lang.semantics import Semantics, table
 from dcpc.ops import OPS
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -192,11 +192,13 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str) -> list[str]
     return lines
 
 
-def lower(schedule: m.Schedule, worlds: Iterable[int]) -> Plan:
-    """Lower a checked schedule to a kernel plan (raises DiagnosticError if it cannot)."""
+def lower(schedule: m.Schedule, worlds: Iterable[int],
+          semantics: list[Semantics] | None = None) -> Plan:
+    """Lower a checked schedule to a kernel plan (raises DiagnosticError if it cannot);
+    ``semantics``: the schedule's table, asked when not given."""
     ctx = Ctx(schedule, _buffers(schedule))
     _check_names(ctx)
-    semantics = table(schedule)
+    semantics = table(schedule, semantics)
     steps = []
     for step in ctx.steps:
         plan = OPS[step.kind].lower(ctx, step)

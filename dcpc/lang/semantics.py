@@ -17,7 +17,6 @@ stages' view of them.
 from __future__ import annotations
 
 import re
-import weakref
 
 from dcpc.lang import model as m
 from dcpc.ops import OPS
@@ -51,32 +50,18 @@ def semantics(schedule: m.Schedule, step: m.Step) -> Semantics:
     return on_team(schedule, step, OPS[step.kind].semantics(Scope(schedule), step))
 
 
-def table(schedule: m.Schedule) -> list[Semantics]:
+def table(schedule: m.Schedule, known: list[Semantics] | None = None) -> list[Semantics]:
     """The semantics of every step, by step index (program order).
 
-    Every stage asks it of the same schedule object (six times per ``dcpc check``), so
-    the last answer is kept: for that very object (a weak reference: an edited copy,
-    such as a hint's, is another object) while its fields are the same objects. Schedules
-    are not edited in place (edits make copies); the entries are frozen."""
-    global _LAST
-    fields = _fields(schedule)
-    if (_LAST is not None and _LAST[0]() is schedule
-            and all(a is b for a, b in zip(_LAST[1], fields, strict=True))):
-        return list(_LAST[2])
+    The pipeline makes it once per schedule, in its parse stage
+    (``Compilation.semantics``), and hands it to the stages that read it, which pass it
+    here as ``known`` (returned as is); called without it (tests, the hints' edited
+    schedules) it is made anew."""
+    if known is not None:
+        return known
     scope = Scope(schedule)
-    found = [on_team(schedule, step, OPS[step.kind].semantics(scope, step))
-             for step in scope.steps]
-    _LAST = (weakref.ref(schedule), fields, tuple(found))
-    return found
-
-
-_LAST: tuple[weakref.ref, tuple, tuple[Semantics, ...]] | None = None
-
-
-def _fields(schedule: m.Schedule) -> tuple:
-    """The schedule's field values, compared by identity: a field assigned anew is a
-    miss (they are held, so no new value can reuse an old one's address)."""
-    return tuple(getattr(schedule, name) for name in type(schedule).model_fields)
+    return [on_team(schedule, step, OPS[step.kind].semantics(scope, step))
+            for step in scope.steps]
 
 
 def describe(sem: Semantics) -> tuple[str, str, str]:

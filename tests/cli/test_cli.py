@@ -130,6 +130,28 @@ def test_stage_table_order_and_until():
     assert list(c.seconds) == ["parse", "graph"]
 
 
+def test_the_semantics_table_is_made_once_per_schedule(monkeypatch: pytest.MonkeyPatch):
+    """The parse stage makes each schedule's semantics table and every later stage reads
+    that one (a per-W file: one schedule, so one table, per W), with no cache behind it."""
+    import dcpc.lang.semantics as semantics
+    from dcpc.pipeline import Options
+
+    made: list[object] = []
+
+    class Counted(semantics.Scope):  # table() makes one Scope per table
+        def __init__(self, schedule: object) -> None:
+            made.append(schedule)
+            super().__init__(schedule)
+
+    monkeypatch.setattr(semantics, "Scope", Counted)
+    c = run(KIMI, Options(worlds=(2, 3, 4)))
+    assert made == [c.schedule] and c.semantics == semantics.table(c.schedule)
+    made.clear()
+    ring = ROOT / "schedules" / "gallery" / "ring_attention.yaml"
+    c = run(ring, Options(worlds=(2, 3, 4)), until="hb")
+    assert c.per_world == [2, 3, 4] and len(made) == 3
+
+
 def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "dcpc", "--version"], capture_output=True,
                           text=True, timeout=60)

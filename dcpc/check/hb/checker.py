@@ -15,6 +15,7 @@ from dcpc.check.hb.races import PairKeys, find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
 from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of
 from dcpc.lang.model import Schedule
+from dcpc.lang.semantics import Semantics
 
 if TYPE_CHECKING:
     from dcpc.codegen.plan import Plan
@@ -28,6 +29,7 @@ def check(
     hints: bool = True,
     plan: Plan | None = None,
     every_world: bool = False,
+    semantics: list[Semantics] | None = None,
 ) -> HbReport:
     """Prove the buffer/epoch ordering of ``schedule`` for every W in ``worlds``.
 
@@ -39,7 +41,8 @@ def check(
     what is analysed; it is lowered here when not given. Past the world bound
     (dcpc.check.hb.bound) one W stands for every larger one; ``every_world`` analyses each
     W asked anyway (tests compare the two). Assumes a structurally clean schedule
-    (dcpc.check.structural runs first).
+    (dcpc.check.structural runs first). ``semantics``: the schedule's table
+    (dcpc.lang.semantics), which the hints read; asked there when not given.
     """
     start = time.perf_counter()
     worlds = sorted({w for w in fit_worlds(mesh_of(schedule), worlds) if w >= 1})
@@ -67,7 +70,8 @@ def check(
     if hints and ordered:
         budget = HintBudget(schedule, calls, plan)
         for finding in ordered:
-            finding.hint = suggest(schedule, finding, calls, worlds, budget=budget)
+            finding.hint = suggest(schedule, finding, calls, worlds, budget=budget,
+                                   semantics=semantics)
     stats = {
         "events": events,
         "events_per_rank": len(program.events) * (calls or program.default_calls()),

@@ -24,7 +24,7 @@ from dcpc.codegen.plan import Plan
 from dcpc.diagnostics import DiagnosticError
 from dcpc.lang.mesh import grown
 from dcpc.lang.model import Peers, Schedule, Streams
-from dcpc.lang.semantics import REACHES, WRITE, table
+from dcpc.lang.semantics import REACHES, WRITE, Semantics, table
 from dcpc.ops.common import data_flow
 from dcpc.ops.sync import Barrier, Signal
 
@@ -44,13 +44,15 @@ def finding_keys(schedule: Schedule, worlds: list[int], calls: int | None = None
     return keys
 
 
-def reaching_writes(schedule: Schedule) -> dict[tuple[str, str], str]:
+def reaching_writes(schedule: Schedule,
+                    semantics: list[Semantics]) -> dict[tuple[str, str], str]:
     """For every (step, buffer) read, the step of the same call whose write it sees
-    (reads of what nothing before wrote in the call are left out)."""
+    (reads of what nothing before wrote in the call are left out); ``semantics``: the
+    schedule's table."""
     last: dict[str, str] = {}
     seen: dict[tuple[str, str], str] = {}
     steps = schedule.step_list()
-    for i, effect in data_flow(table(schedule)):  # a store in flight where it lands
+    for i, effect in data_flow(semantics):  # a store in flight where it lands
         if effect.kind == WRITE:
             last[effect.buffer] = steps[i].name
         elif effect.buffer in last:
@@ -59,18 +61,21 @@ def reaching_writes(schedule: Schedule) -> dict[tuple[str, str], str]:
 
 
 def proved_keys(edited: Schedule, original: Schedule, worlds: list[int],
-                calls: int | None) -> set[Key] | None:
+                calls: int | None, semantics: list[Semantics] | None = None) -> set[Key] | None:
     """The findings of an edited schedule through the whole pipeline (structure,
     read-before-write, lowering, happens-before), or None when the edit breaks the
     schedule: a structural error, a lowering error, or a read that no longer sees the
-    write it saw (an edit that wipes the data it was meant to protect)."""
-    if any(d.severity == "error" for d in structural.check(edited, worlds)):
+    write it saw (an edit that wipes the data it was meant to protect). ``semantics``:
+    the original's table, asked when not given; the edited one's is asked once here."""
+    edited_sems = table(edited)
+    if any(d.severity == "error" for d in structural.check(edited, worlds, edited_sems)):
         return None
     try:
-        plan = lower_plan(edited, worlds)
+        plan = lower_plan(edited, worlds, edited_sems)
     except DiagnosticError:
         return None
-    before, after = reaching_writes(original), reaching_writes(edited)
+    before = reaching_writes(original, table(original, semantics))
+    after = reaching_writes(edited, edited_sems)
     if any(after.get(read) != writer for read, writer in before.items()):
         return None
     return finding_keys(edited, worlds, calls, plan)
@@ -122,13 +127,13 @@ def _with_op(schedule: Schedule, step: str, **update: object) -> Schedule:
     return _with_steps(schedule, items)
 
 
-def _touching(schedule: Schedule, buffer: str) -> list[str]:
+def _touching(schedule: Schedule, semantics: list[Semantics], buffer: str) -> list[str]:
     """Steps that read or write ``buffer`` (an implicit receive buffer included), in order."""
-    return [step.name for step, sem in zip(schedule.step_list(), table(schedule), strict=True)
+    return [step.name for step, sem in zip(schedule.step_list(), semantics, strict=True)
             if any(e.buffer == buffer for e in sem.effects)]
 
 
-def _race_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
+def _race_edits(schedule: Schedule, f: Finding, semantics: list[Semantics]) -> Iterator[Edit]:
     a, b = f.first, f.second
     assert b is not None
     index = {n: i for i, (n, _) in enumerate(_items(schedule))}
@@ -147,7 +152,7 @@ def _race_edits(schedule: Schedule, f: Finding) -> Iterator[Edit]:
         also = "" if schedule.streams == Streams.single else " with `streams: single`"
         yield (f"add `slots: {n}`{also}", lambda: schedule.model_copy(
             update={"slots": n, "streams": Streams.single}))
-    last = _touching(schedule, f.buffer)[-1:]
+    last = _touching(schedule, semantics, f.buffer)[-1:]
     for step in dict.fromkeys(last + [a.step, b.step]):
         yield f"add a barrier after {step}", lambda step=step: _barrier_after(schedule, step)
     if schedule.slots > 1 and schedule.streams == Streams.per_slot:
@@ -244,11 +249,13 @@ def suggest(
     worlds: list[int] | None = None,
     most: int = 2,
     budget: HintBudget | None = None,
+    semantics: list[Semantics] | None = None,
 ) -> str | None:
     """Up to ``most`` candidate fixes, joined with "; or ", or None.
 
     ``budget`` (shared by the findings of one check) bounds the re-checking: once
     spent, a finding gets NOT_SEARCHED, or the fixes proved before it ran out.
+    ``semantics``: the schedule's table (dcpc.lang.semantics), asked when not given.
 
     Each is proved through the whole pipeline (``proved_keys``): the edited schedule
     passes the structural checks and lowers, every read still sees the write it saw,
@@ -260,14 +267,17 @@ def suggest(
     check_at = sorted({w, grown(w), max(worlds or [w])})
     if budget is not None and not budget.spend():
         return NOT_SEARCHED
-    before = finding_keys(schedule, check_at, calls)
-    edits = _race_edits if finding.kind == "race" else _deadlock_edits
+    sems = table(schedule, semantics)
+    # the plan events.lower would lower when given none (dcpc.check.hb.events)
+    before = finding_keys(schedule, check_at, calls, lower_plan(schedule, [2], sems))
+    edits = (_race_edits(schedule, finding, sems) if finding.kind == "race"
+             else _deadlock_edits(schedule, finding))
     proved: list[tuple[int, int, str]] = []
-    for rank, (text, make) in enumerate(edits(schedule, finding)):
+    for rank, (text, make) in enumerate(edits):
         if budget is not None and not budget.spend():
             break  # what is proved so far is still true
         try:
-            after = proved_keys(make(), schedule, check_at, calls)
+            after = proved_keys(make(), schedule, check_at, calls, sems)
         except (KeyError, StopIteration, ValueError):
             continue
         if after is None:
