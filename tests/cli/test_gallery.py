@@ -14,11 +14,16 @@ A wrong twin lives in tests/gallery_twins/<gallery stem>.<what>.yaml:
     # expect: <diagnostic code> <word> ...   e.g. `# expect: race write-after-read kv`
 
 and must be refused by the pipeline (check, lower, hb) with a diagnostic of that code
-whose message holds every word.
+whose message holds every word. A twin may also say what `dcpc run --replay` of its
+counterexample shows (the raced output and the start of its first mismatch):
+
+    # replay: <output> <first mismatch>   e.g. `# replay: q_h@regroup call 0 slot 0 rank 0`
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from support.gallery import CALLS, header, worlds
 
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
+from dcpc.harness.replay import plan
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.parse import parse_file
 from dcpc.ops import OPS
@@ -94,3 +100,27 @@ def test_wrong_twin_is_refused_with_its_class(twin: Path) -> None:
     found = [d for d in err.value.diagnostics if d.code == code]
     assert found, err.value
     assert any(all(w in d.message for w in words) for d in found), err.value
+
+
+REPLAYED = [t for t in TWINS if header(t, "replay")]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("twin", REPLAYED, ids=lambda p: p.stem)
+def test_wrong_twin_s_replayed_race_shows_wrong_data(twin: Path, tmp_path: Path) -> None:
+    """`dcpc check --format json` of the twin, then its first race replayed on real ranks
+    (host backend): the held step reads or keeps the raced instance's wrong data."""
+    output, first = (header(twin, "replay") or "").split(" ", 1)
+    done = subprocess.run([sys.executable, "-m", "dcpc", "check", str(twin), "--format", "json"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = tmp_path / "race.json"
+    found.write_text(done.stdout)
+    replay = plan(str(found), str(twin), None)
+    # a long wait: the hold lasts at most half of it, and a loaded machine is slow
+    report = run_schedule(RunConfig(schedule=str(twin), world=replay.world, backend="host",
+                                    calls=replay.calls, wait_timeout_s=240, replay=replay))
+    text = format_report(report)
+    assert report.replay_outcome.startswith("released"), text
+    assert report.outputs[output].mismatches >= 1, text
+    assert report.outputs[output].first_mismatch.startswith(first), text

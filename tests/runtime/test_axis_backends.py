@@ -140,6 +140,22 @@ def test_dcpc_run_2x2_node_on_torch_gpu_on_host() -> None:
         assert report.outputs[name].compared == 3 * 4 and not report.outputs[name].mismatches
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("stem, backend", [
+    ("double_ring", {"outer": "torch", "inner": "host"}),
+    ("usp", {"ring": "torch", "uly": "host"}),
+    ("usp", {"ring": "host", "uly": "torch"}),
+], ids=["double_ring-outer_torch", "usp-ring_torch", "usp-uly_torch"])
+def test_gallery_layouts_of_one_axis_steps_run_mixed(stem: str, backend: dict) -> None:
+    """The gallery's double ring and USP run every step over one mesh axis, so each axis
+    may run on its own kind: every output still matches float64 at 2x2."""
+    report = run_schedule(RunConfig(schedule=str(ROOT / "schedules" / "gallery" / f"{stem}.yaml"),
+                                    world=MeshWorld((2, 2)), backend=backend, calls=3, seed=7))
+    out = format_report(report)
+    assert report.ok and report.mismatches == 0, out
+    assert "backend " + ",".join(f"{a}={k}" for a, k in backend.items()) in out, out
+
+
 def test_a_torch_step_of_a_mixed_module_settles_its_team(two_level: type) -> None:
     """The node steps run their torch body and then meet their team (docs/hb-checker.md,
     "Per-axis backends"); the gpu steps run their kernels and never do (1x1 mesh)."""
