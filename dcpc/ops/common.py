@@ -4,7 +4,7 @@ An op's semantics rule (in its module under dcpc/ops/) returns ``Semantics(effec
 sync)``. Effects happen ``before`` the step's signal (its push; the whole step for an
 op that does not synchronise) or ``after`` its wait. A remote store carries a
 ``Region``: it writes the writing rank's part of EVERY rank's instance, its own
-included.
+included; a remote read (pull) carries ``Region("whole")``: it reads every rank's.
 
 Signals (docs/internals.md): a signalling step owns the signal slots of channel
 ``index * slots + slot`` and advances its own epoch there once per call; a
@@ -52,9 +52,12 @@ class Region:
     ``r - offset`` outside get none (``covers_all`` False: the data flow does not
     count it as written there). The happens-before checkers take it as ``peer`` on
     every rank (more stores: sound).
+    Scheme ``whole`` (a remote READ, pull's): reader ``p`` reads the WHOLE of every rank's
+    instance; reads only (``Effect`` refuses a write of it), so two accesses of the
+    partition are never compared, and every other access overlaps it.
     """
 
-    scheme: str  # "block" | "index" | "interleave" | "peer" | "line" | "root" (broadcast)
+    scheme: str  # "block" | "index" | "interleave" | "peer" | "line" | "root" | "whole"
     dim: int
     interleave: int = 0
     dim_text: str = ""
@@ -103,6 +106,8 @@ class Region:
             return f"whole (shift from {source} {writer}, offset {self.offset:+d})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
+        if self.scheme == "whole":
+            return f"the whole buffer (a remote read by rank {writer})"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
 
 
@@ -138,6 +143,10 @@ class Effect:
     either: bool = False
     lands: int | None = None
     root: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.region is not None and self.region.scheme == "whole" and self.kind != READ:
+            raise ValueError(f"a region 'whole' is a remote read; {self.buffer!r} is written")
 
 
 def data_flow(table: list[Semantics]) -> list[tuple[int, Effect]]:

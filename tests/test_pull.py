@@ -1,0 +1,140 @@
+"""pull, a remote read (issue 33 item 2): every rank reads every peer's symmetric src out
+of the peer's memory. Proved at W 2..8 with its credit; without the credit the next
+call's write of src is a write-after-read race (the read modelled as a read of every
+rank's instance, Region "whole"), and the execution oracle agrees; the kernels touch
+what the plan says (a load from a peer's instance needs that region); runs on the CPU
+backends match float64 bit for bit; bad keys are located errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from exec_oracle_agree import disagreements
+
+from dcpc import pipeline
+from dcpc.check import hb, structural
+from dcpc.harness import trace as tr
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.parse import parse_file, parse_text
+from dcpc.lang.semantics import Effect, Region, semantics
+
+ROOT = Path(__file__).resolve().parent.parent
+PULL = ROOT / "schedules" / "ops" / "pull.yaml"
+CREDIT = ("  - read:", "  - freed:")  # the credit: signal after the pulls, wait at the end
+
+
+def _without_credit() -> str:
+    return "".join(line for line in PULL.read_text().splitlines(keepends=True)
+                   if not line.startswith(CREDIT))
+
+
+def test_the_pull_schedule_is_proved_for_w_2_to_8() -> None:
+    c = pipeline.run(PULL, pipeline.Options(worlds=list(range(2, 9))), until="hb")
+    assert c.hb_report is not None and c.hb_report.findings == []
+
+
+def test_the_read_is_of_every_rank_s_src_after_the_wait() -> None:
+    schedule = parse_file(PULL)
+    step = next(s for s in schedule.step_list() if s.name == "pull_y")
+    sem = semantics(schedule, step)
+    assert sem.sync.signal == "all" and sem.sync.wait == "all" and sem.sync.polls == step.index
+    assert [(e.buffer, e.kind, e.when, e.region) for e in sem.effects] == [
+        ("y_sym", "read", "after", Region("whole", 0)), ("y_all", "write", "after", None)]
+    with pytest.raises(ValueError, match="remote read"):  # a region "whole" is reads only
+        Effect("y_sym", "write", "after", Region("whole", 0))
+
+
+def test_rewriting_src_without_the_credit_is_a_write_after_read_race() -> None:
+    text = _without_credit()
+    twin = parse_text(text, "twin.yaml")
+    report = hb.check(twin, list(range(2, 9)), hints=False)
+    # y_sym only: pull_y's wait orders every peer's earlier pull_x read before the next
+    # stage_x, so x_sym needs no credit of its own
+    assert [f.key for f in report.findings] == [
+        ("race", "write-after-read", "y_sym", "pull_y", "stage_y")]
+    (found,) = report.findings
+    assert found.world == 2
+    diag = found.diagnostic()
+    line = text.splitlines().index(
+        next(s for s in text.splitlines() if s.startswith("  - stage_y:"))) + 1
+    assert (diag.mark.line, diag.mark.col) == (line, 5), diag
+    assert diag.message.startswith("write-after-read race on y_sym: stage_y on rank 0 "
+                                   "(call 2) can write y_sym[rank 0, slot 0] while pull_y on "
+                                   "rank 1 (call 0) still reads it"), diag.message
+    assert found.first.region.endswith("the whole buffer (a remote read by rank 1)")
+    # the execution oracle runs the plan's slots and epochs and finds the same (and
+    # nothing in the schedule with its credit)
+    assert disagreements(twin, [2, 3, 4]) == []
+    assert disagreements(parse_file(PULL), [2, 3, 4]) == []
+
+
+def test_the_kernels_read_peers_where_the_plan_says() -> None:
+    run = tr.run_traced(str(PULL), 3, programs=3, block=256, calls=2)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+    # the tracer has teeth: the same read said to be of this rank's own instance only
+    plan = dataclasses.replace(run.plan, steps=[
+        dataclasses.replace(s, effects=[dataclasses.replace(e, region=None) if e.region
+                                        else e for e in s.effects])
+        if s.op == "pull" else s for s in run.plan.steps])
+    problems = tr.check(run.trace, plan, 3)
+    assert any("reads rank" in p and "instance of 'y_sym'" in p for p in problems), problems
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("world", "backend", "dim"), [
+    (2, "host", "1"), (3, "host", "1"), (4, "host", "1"), (3, "torch", "1"), (3, "local", "1"),
+    (3, "host", "-2")])  # a negative dim counts from dst's end (the lowering once took it raw)
+def test_dcpc_run_matches_float64_bit_for_bit(world: int, backend: str, dim: str,
+                                              tmp_path: Path) -> None:
+    path = PULL
+    if dim != "1":
+        path = tmp_path / "pull.yaml"
+        text = PULL.read_text().replace("dst: y_all, dim: 1}", f"dst: y_all, dim: {dim}}}")
+        path.write_text(text)
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
+                                    calls=5, seed=world, programs=2,
+                                    sizes={"T": 24}))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    for name in ("x_all", "y_all"):  # a move: compared bit for bit (OpDef.exact)
+        stats = report.outputs[name]
+        assert stats.compared == 5 * world and stats.max_abs_err == 0.0, (name, text)
+    assert report.outputs["y_sum"].compared == 5 * world, text
+
+
+HEAD = """\
+schedule: s
+sizes: {T: {max: 8}, D: 4}
+buffers:
+  x:     {shape: [T, D], dtype: f32}
+  x_sym: {shape: [T, D], dtype: f32, symmetric: true}
+  x_all: {shape: [W, T, D], dtype: f32}
+  x_bf:  {shape: [W, T, D], dtype: bf16}
+  x_bad: {shape: [T, W, D, 1], dtype: f32}
+steps:
+  - stage: {op: copy, src: x, dst: x_sym}
+"""
+
+
+@pytest.mark.parametrize(("step", "code", "col"), [
+    ("{op: pull, src: x_sym, dst: x_all, bogus: 1}", "unknown-key", 46),
+    ("{op: pull, src: x, dst: x_all}", "not-symmetric", 27),
+    ("{op: pull, src: x_sym, dst: x_bad}", "shape-mismatch", 39),
+    ("{op: pull, src: x_sym, dst: x_all, dim: 1}", "shape-mismatch", 39),
+    ("{op: pull, src: x_sym, dst: x_all, dim: 3}", "dim-out-of-range", 51),
+    ("{op: pull, src: x_sym, dst: x_bf}", "dtype-mismatch", 39),
+    ("{op: pull, src: [x_sym], dst: x_all}", "wrong-type", 27),
+    ("{op: pull, src: x_sym}", "missing-key", 11),
+])
+def test_bad_keys_are_located_errors(step: str, code: str, col: int) -> None:
+    text = HEAD + f"  - pull: {step}\n"
+    line = text.count("\n")
+    try:
+        found = [d for d in structural.check(parse_text(text, "s.yaml"), range(2, 5))
+                 if d.severity == "error"]
+    except Exception as error:  # a parse error is raised with its diagnostics
+        found = list(error.diagnostics)  # type: ignore[attr-defined]
+    assert [(d.code, d.mark.line, d.mark.col) for d in found][:1] == [(code, line, col)], found
