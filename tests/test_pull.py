@@ -82,17 +82,27 @@ def test_the_kernels_read_peers_where_the_plan_says() -> None:
     assert any("reads rank" in p and "instance of 'y_sym'" in p for p in problems), problems
 
 
+# variants of pull.yaml: a negative dim counts from dst's end (the lowering once took it
+# raw: 12 mismatches at W=3); an integer payload over i64's whole range, bit for bit
+VARIANTS = {
+    "": [],
+    "dim -2": [("dst: y_all, dim: 1}", "dst: y_all, dim: -2}")],
+    "i64": [(f"{name} dtype: bf16", f"{name} dtype: i64") for name in (
+        "x:      {shape: [T, D],   ", "x_sym:  {shape: [T, D],   ", "x_all:  {shape: [W, T, D],")],
+}
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize(("world", "backend", "dim"), [
-    (2, "host", "1"), (3, "host", "1"), (4, "host", "1"), (3, "torch", "1"), (3, "local", "1"),
-    (3, "host", "-2")])  # a negative dim counts from dst's end (the lowering once took it raw)
-def test_dcpc_run_matches_float64_bit_for_bit(world: int, backend: str, dim: str,
+@pytest.mark.parametrize(("world", "backend", "variant"), [
+    (2, "host", ""), (3, "host", ""), (4, "host", ""), (3, "torch", ""), (3, "local", ""),
+    (3, "host", "dim -2"), (2, "host", "i64")])
+def test_dcpc_run_matches_float64_bit_for_bit(world: int, backend: str, variant: str,
                                               tmp_path: Path) -> None:
-    path = PULL
-    if dim != "1":
-        path = tmp_path / "pull.yaml"
-        text = PULL.read_text().replace("dst: y_all, dim: 1}", f"dst: y_all, dim: {dim}}}")
-        path.write_text(text)
+    path, text = tmp_path / "pull.yaml", PULL.read_text()
+    for old, new in VARIANTS[variant]:
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
     report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
                                     calls=5, seed=world, programs=2,
                                     sizes={"T": 24}))
