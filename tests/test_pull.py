@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from exec_oracle_agree import disagreements
+from hb_oracle import oracle_keys
 
 from dcpc import pipeline
 from dcpc.check import hb, structural
@@ -65,9 +66,13 @@ def test_rewriting_src_without_the_credit_is_a_write_after_read_race() -> None:
                                    "rank 1 (call 0) still reads it"), diag.message
     assert found.first.region.endswith("the whole buffer (a remote read by rank 1)")
     # the execution oracle runs the plan's slots and epochs and finds the same (and
-    # nothing in the schedule with its credit)
+    # nothing in the schedule with its credit); so does the brute force, which models the
+    # read on its own (every member's src after the reader's waits)
     assert disagreements(twin, [2, 3, 4]) == []
     assert disagreements(parse_file(PULL), [2, 3, 4]) == []
+    for world in (2, 3, 4):
+        assert oracle_keys(twin, world) == {f.key for f in report.findings}, world
+        assert oracle_keys(parse_file(PULL), world) == set(), world
 
 
 def test_the_kernels_read_peers_where_the_plan_says() -> None:
