@@ -12,6 +12,9 @@ pull (``signal`` to all after it, ``wait`` from all before the next write of ``s
 split-phase barrier) or a barrier. The read is modelled as what it is, a read of EVERY
 rank's ``src`` by every rank after its wait (``Region("whole")``), so a schedule that
 rewrites ``src`` without the credit is a write-after-read race of the checker's.
+``axis:`` (the op's team, dcpc.lang.mesh): r and p are team members, W the team's size;
+the rules are written for the team (``on_team`` gives the region and the sync its axes,
+the reference runs once per team).
 Lowerings: ``lower`` below + templates/ops/pull.py.j2 (signal, wait, then loads through
 the peers' pointers of ``src``); on the torch backend the template's body is an
 all_gather of the stack form (complete on return, as every torch step).
@@ -118,4 +121,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return plan
 
 
-DEF = define(OpDef("pull", Pull, semantics, verify, reference, io, lower, exact=True))
+DEF = define(OpDef("pull", Pull, semantics, verify, reference, io, lower, teams=True,
+                   exact=True))
