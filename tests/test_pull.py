@@ -16,11 +16,14 @@ from hb_oracle import oracle_keys
 
 from dcpc import pipeline
 from dcpc.check import hb, structural
+from dcpc.codegen.plan import dump_plan
+from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import trace as tr
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file, parse_text
-from dcpc.lang.semantics import Effect, Region, semantics
+from dcpc.lang.semantics import Region, semantics
+from dcpc.ops.common import effects
 
 ROOT = Path(__file__).resolve().parent.parent
 PULL = ROOT / "schedules" / "ops" / "pull.yaml"
@@ -46,7 +49,21 @@ def test_the_read_is_of_every_rank_s_src_after_the_wait() -> None:
     assert [(e.buffer, e.kind, e.when, e.region) for e in sem.effects] == [
         ("y_sym", "read", "after", Region("whole", 0)), ("y_all", "write", "after", None)]
     with pytest.raises(ValueError, match="remote read"):  # a region "whole" is reads only
-        Effect("y_sym", "write", "after", Region("whole", 0))
+        effects("write", "after", [("y_sym", "dst")], Region("whole", 0))
+
+
+def test_an_edited_plan_that_writes_a_whole_region_is_refused_as_a_mismatch(
+        tmp_path: Path) -> None:
+    """A plan file is input: an effect edited to a 'whole' write is plan-mismatch, located,
+    never an internal error."""
+    out = pipeline.run(PULL, pipeline.Options(worlds=[2]), until="lower")
+    text = dump_plan(out.plan).replace('"kind": "read"', '"kind": "write"')
+    assert '"scheme": "whole"' in text
+    plan = tmp_path / "plan.json"
+    plan.write_text(text)
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run_plan(PULL, plan, until="hb")
+    assert [d.code for d in err.value.diagnostics] == ["plan-mismatch"], err.value.diagnostics
 
 
 def test_rewriting_src_without_the_credit_is_a_write_after_read_race() -> None:

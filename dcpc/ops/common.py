@@ -53,7 +53,7 @@ class Region:
     count it as written there). The happens-before checkers take it as ``peer`` on
     every rank (more stores: sound).
     Scheme ``whole`` (a remote READ, pull's): reader ``p`` reads the WHOLE of every rank's
-    instance; reads only (``Effect`` refuses a write of it), so two accesses of the
+    instance; reads only (``effects`` refuses a write of it), so two accesses of the
     partition are never compared, and every other access overlaps it.
     """
 
@@ -143,10 +143,6 @@ class Effect:
     either: bool = False
     lands: int | None = None
     root: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.region is not None and self.region.scheme == "whole" and self.kind != READ:
-            raise ValueError(f"a region 'whole' is a remote read; {self.buffer!r} is written")
 
 
 def data_flow(table: list[Semantics]) -> list[tuple[int, Effect]]:
@@ -429,6 +425,10 @@ def merge_inputs(op: m.OpBase) -> list[tuple[str, str]]:
 def effects(kind: str, when: str, pairs: list[tuple[str, str]],
             region: Region | None = None, *, either: bool = False,
             lands: int | None = None, root: int | None = None) -> list[Effect]:
+    # an op's rule error, not input's: the race search compares one writer only within a
+    # partition, which a write of every rank's whole instance would break
+    if region is not None and region.scheme == "whole" and kind != READ:
+        raise ValueError("a region 'whole' is a remote read; it is never written")
     return [Effect(b, kind, when, region, key, either, lands, root) for b, key in pairs]
 
 
