@@ -18,7 +18,8 @@ touches signal memory only; a launch with ``PUSH=False`` runs after a wait entir
 - every data access has an effect with the same buffer, kind (an atomic is a read and a
   write) and phase; a store into a peer's instance needs a region effect, and every
   element a rank stores under a region effect lies in that rank's part (index /
-  block / interleave of the region's axis); a symmetric buffer is touched in the
+  block / interleave of the region's axis); a load from a peer's instance needs a
+  region effect too (a remote read: pull); a symmetric buffer is touched in the
   call's slot only;
 - every effect of the table happened somewhere in the run (on some rank, some call); an
   effect marked ``either`` (listed before the signal and after the wait: the phase
@@ -337,7 +338,7 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
                 continue
             if kinds.get(buffer) == "symmetric" and slot not in (-1, call.slot):
                 problems.append(f"{where}: {kind}s '{buffer}' of slot {slot}")
-            if kind == "read" and owner != call.rank:
+            if kind == "read" and owner != call.rank and not any(e.region for e in match):
                 problems.append(f"{where}: reads rank {owner}'s instance of '{buffer}'")
             if kind != "write":
                 continue

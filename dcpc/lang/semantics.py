@@ -78,7 +78,8 @@ def describe(sem: Semantics) -> tuple[str, str, str]:
                 "interleave": "rows of `r`, interleaved",
                 "peer": f"rank r{r.offset:+d}'s, whole",
                 "line": f"rank r{r.offset:+d}'s, whole, when it is a rank",
-                "root": "whole, as the root's broadcast"}[r.scheme]
+                "root": "whole, as the root's broadcast",
+                "whole": "whole, read by `r`"}[r.scheme]
         if r.scheme in ("peer", "line"):
             return f" ({part})"
         return f" ({'the root' if e.root is not None else 'every rank'}: {part})"

@@ -4,7 +4,7 @@ An op's semantics rule (in its module under dcpc/ops/) returns ``Semantics(effec
 sync)``. Effects happen ``before`` the step's signal (its push; the whole step for an
 op that does not synchronise) or ``after`` its wait. A remote store carries a
 ``Region``: it writes the writing rank's part of EVERY rank's instance, its own
-included.
+included; a remote read (pull) carries ``Region("whole")``: it reads every rank's.
 
 Signals (docs/internals.md): a signalling step owns the signal slots of channel
 ``index * slots + slot`` and advances its own epoch there once per call; a
@@ -52,9 +52,12 @@ class Region:
     ``r - offset`` outside get none (``covers_all`` False: the data flow does not
     count it as written there). The happens-before checkers take it as ``peer`` on
     every rank (more stores: sound).
+    Scheme ``whole`` (a remote READ, pull's): reader ``p`` reads the WHOLE of every rank's
+    instance; reads only (``effects`` refuses a write of it), so two accesses of the
+    partition are never compared, and every other access overlaps it.
     """
 
-    scheme: str  # "block" | "index" | "interleave" | "peer" | "line" | "root" (broadcast)
+    scheme: str  # "block" | "index" | "interleave" | "peer" | "line" | "root" | "whole"
     dim: int
     interleave: int = 0
     dim_text: str = ""
@@ -103,6 +106,8 @@ class Region:
             return f"whole (shift from {source} {writer}, offset {self.offset:+d})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
+        if self.scheme == "whole":
+            return f"the whole buffer (a remote read by rank {writer})"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
 
 
@@ -420,6 +425,10 @@ def merge_inputs(op: m.OpBase) -> list[tuple[str, str]]:
 def effects(kind: str, when: str, pairs: list[tuple[str, str]],
             region: Region | None = None, *, either: bool = False,
             lands: int | None = None, root: int | None = None) -> list[Effect]:
+    # an op's rule error, not input's: the race search compares one writer only within a
+    # partition, which a write of every rank's whole instance would break
+    if region is not None and region.scheme == "whole" and kind != READ:
+        raise ValueError("a region 'whole' is a remote read; it is never written")
     return [Effect(b, kind, when, region, key, either, lands, root) for b, key in pairs]
 
 

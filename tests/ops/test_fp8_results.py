@@ -99,7 +99,7 @@ def test_every_op_that_computes_its_dst_declares_output_scale() -> None:
                       "lse_combine", "lse_correct", "all_to_all_combine"}
     moves = {n for n, op in OPS.items() if "dst" in op.model.model_fields} - scaled
     assert moves == {"all_gather", "all_to_all", "broadcast", "copy", "ragged_all_to_all",
-                     "shift"}, moves
+                     "shift", "pull"}, moves
 
 
 # ---- running it: every CPU backend, and the reference ------------------------------------

@@ -203,6 +203,12 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
         reads(list(op.src) + _as_list(op.index), 0)
         writes([op.dst], 0)
+    elif kind == "pull":  # a remote read: after its wait, every member's whole src
+        exchange()
+        if op.src in tracked:
+            for target in _team(b.rank, world, axes):
+                b.access(name, index, 1, op.src, "read", owner=target)
+        writes([op.dst], 1)
     elif kind == "barrier":
         exchange()
     elif kind == "signal":
