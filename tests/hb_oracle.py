@@ -765,11 +765,12 @@ steps:
 TEAMS = {"a": ("a", "ga", "ta"), "b": ("b", "gb", "tb"), "ab": (None, "gw", None)}
 
 
-def random_mesh_schedule_text(draw, st, shifts: bool = False) -> str:
+def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool = False) -> str:
     """A small, structurally valid random schedule over ``mesh: {a: A, b: B}``: gathers
     and all-to-alls over axis a, b or both, barriers and signal/wait pairs over a team
     (next/prev along one axis), externals reading what was written. ``shifts``: shifts
-    along axis a or b too (whole or put ... wait, any offset, with or without wrap)."""
+    along axis a or b too (whole or put ... wait, any offset, with or without wrap).
+    ``reductions``: all_reduce over a team too (an implicit receive buffer)."""
     slots = draw(st.integers(1, 2))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
@@ -779,7 +780,8 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False) -> str:
     pending_waits: list[str] = []
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(["gather", "gather", "a2a", "ext", "ext", "barrier",
-                                     "sync", "sync"] + ["shift", "shift"] * shifts))
+                                     "sync", "sync"] + ["shift", "shift"] * shifts
+                                    + ["ar"] * reductions))
         team = draw(st.sampled_from(["a", "b", "ab"]))
         axis, gdst, tdst = TEAMS[team]
         on = f", axis: {axis}" if axis else (", axis: [a, b]" if draw(st.booleans()) else "")
@@ -804,6 +806,8 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False) -> str:
             written.append(tdst)
         elif kind == "barrier":
             steps.append(f"{{op: barrier{on}}}")
+        elif kind == "ar":
+            steps.append(f"{{op: all_reduce{on}, src: x, dst: y}}")
         elif kind == "sync":
             to = draw(st.sampled_from(["all", "next", "prev"]))
             if to != "all" and axis is None:

@@ -1,0 +1,154 @@
+"""all_reduce (sum, max) over a team (issue 33 item 1): `axis:` runs the op within each
+team separately. The float64 reference says so on values written by hand; the checker
+proves the conformance files at several mesh shapes and finds a team's missing credit
+(with the brute force and the execution oracle agreeing on random mesh schedules); the
+kernels and gloo match float64 at 2x2 and 2x3 (the host backend:
+tests/test_op_schedules.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from exec_oracle_agree import disagreements
+from hb_oracle import oracle_keys, random_mesh_schedule_text
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_mesh_hb import SHAPES  # the mesh proofs' shapes: 2x2, 2x3, 3x2
+
+from dcpc.check import hb, structural
+from dcpc.cli import main
+from dcpc.harness import simulate
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.harness.worker import returned_names
+from dcpc.lang.mesh import MeshWorld
+from dcpc.lang.parse import parse_file, parse_text
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = [ROOT / "schedules" / "ops" / f"{op}_axis.yaml" for op in ("all_reduce",)]
+
+HEAD = """\
+schedule: teams
+mesh: {node: N, gpu: G}
+sizes: {T: 2, D: 4}
+buffers:
+  x:   {shape: [T, D], dtype: f32}
+  s:   {shape: [T, D], dtype: f32}
+  b:   {shape: [T, D], dtype: f32, symmetric: true}
+  r:   {shape: [T, D], dtype: f32}
+  v:   {shape: [G, T, D], dtype: f32, symmetric: true}
+  y:   {shape: [T, D], dtype: f32}
+steps:
+"""
+
+
+def _errors(text: str, shapes: list[int] | None = None) -> list:
+    schedule = parse_text(text, "t.yaml")
+    return [d for d in structural.check(schedule, shapes or SHAPES) if d.severity == "error"]
+
+
+def test_the_reference_runs_each_team_on_its_own() -> None:
+    """On 2x3 (node x gpu): the sum over gpu is each node's own."""
+    text = HEAD + "  - total: {op: all_reduce, axis: gpu, src: x, dst: s, via: v}\n"
+    schedule = parse_text(text, "t.yaml")
+    world = MeshWorld((2, 3))
+    assert _errors(text, [world]) == []
+    inputs = [{"x": torch.full((2, 4), float(10 * r + 1), dtype=torch.float64)}
+              for r in range(6)]
+    out = simulate.simulate_call(schedule, world, {"N": 2, "G": 3, "T": 2, "D": 4}, inputs,
+                                 lambda step, rank, bufs: {})
+    for r in range(6):
+        n = r // 3
+        node = [inputs[n * 3 + k]["x"] for k in range(3)]
+        assert torch.equal(out[r]["s"], sum(node)), r
+        assert torch.equal(out[r]["v"], torch.stack(node)), r  # via[member]
+
+
+def test_dcpc_check_proves_the_team_files_at_several_mesh_shapes() -> None:
+    for path in FILES:
+        got = CliRunner().invoke(main, ["check", str(path), "--world", "2x2,2x3,3x2,3x3,2x4"])
+        assert got.exit_code == 0, got.output
+        assert f"{path}: ok (W " in got.output, got.output
+
+
+def test_a_team_s_via_is_sized_by_the_team() -> None:
+    """via: [G, *src] over gpu; over node it must be [N, *src]: a shape-mismatch."""
+    assert _errors(HEAD + "  - t: {op: all_reduce, axis: gpu, src: x, dst: s, via: v}\n") == []
+    (err,) = _errors(HEAD + "  - t: {op: all_reduce, axis: node, src: x, dst: s, via: v}\n")
+    assert err.code == "shape-mismatch" and "'v'" in err.message
+
+
+TWINS = {  # op: its steps, and the races (buffer, first, second) a credit over node leaves
+    "all_reduce": ("  - total: {op: all_reduce, axis: gpu, reduce: max, src: x, dst: s, via: v}\n"
+                   "  - use:   {op: external, reads: [v], writes: [y]}\n",
+                   {("v", "use", "total"), ("v", "total", "total")}),
+}
+
+
+@pytest.mark.parametrize("op", list(TWINS))
+def test_a_team_buffer_reused_without_its_team_s_credit_is_a_race(op: str,
+                                                                  tmp_path: Path) -> None:
+    """What the team reads after the step (the via) must be read by every member before
+    the next call's pushes into it: a barrier over gpu (the op's team) orders them; one
+    over node orders other ranks, so the race stays, found by the checker, the brute
+    force and the execution oracle alike, and `dcpc check` refuses the file with its
+    class."""
+    steps, races = TWINS[op]
+    fixed, wrong = (parse_text(HEAD + steps + f"  - free:  {{op: barrier, axis: {a}}}\n",
+                               "c.yaml") for a in ("gpu", "node"))
+    for world in SHAPES:
+        assert hb.check(fixed, [world], hints=False).findings == []
+        assert oracle_keys(fixed, world) == set()
+        keys = {f.key for f in hb.check(wrong, [world], hints=False).findings}
+        assert keys == oracle_keys(wrong, world) == {
+            ("race", "write-after-read", *race) for race in races}, world
+    assert disagreements(wrong, SHAPES[:2]) == []
+    path = tmp_path / "c.yaml"
+    path.write_text(HEAD + steps + "  - free:  {op: barrier, axis: node}\n")
+    got = CliRunner().invoke(main, ["check", "--world", "2x2", str(path)])
+    assert got.exit_code != 0 and "[race]" in got.output, got.output
+    assert all(f"race on {buffer}:" in got.output for buffer, _, _ in races), got.output
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_checker_and_brute_force_agree_on_random_mesh_schedules_with_reductions(
+        data: st.DataObject) -> None:
+    """all_reduce over axis a, b or both, among gathers, barriers and credits: the
+    checker's team regions agree with the brute force's."""
+    text = random_mesh_schedule_text(data.draw, st, reductions=True)
+    schedule = parse_text(text)
+    assert [d for d in structural.check(schedule, SHAPES) if d.severity == "error"] == [], text
+    for world in SHAPES:
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert found == oracle_keys(schedule, world), (text, world)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_checker_and_execution_oracle_agree_on_random_mesh_schedules_with_reductions(
+        data: st.DataObject) -> None:
+    text = random_mesh_schedule_text(data.draw, st, reductions=True)
+    schedule = parse_text(text)
+    assert [d for d in structural.check(schedule, SHAPES) if d.severity == "error"] == [], text
+    assert disagreements(schedule, SHAPES[:2]) == [], text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("path", "world", "backend"), [
+    (p, w, b) for p in FILES for w, b in (((2, 2), "torch"), ((2, 3), "torch"),
+                                          ((2, 2), "local"))],
+    ids=lambda v: getattr(v, "stem", str(v)))
+def test_the_team_files_match_float64(path: Path, world: tuple[int, int], backend: str) -> None:
+    """On gloo (one process group per team) and on the local backend (the kernels,
+    ranks as threads); the host backend runs them in tests/test_op_schedules.py."""
+    w = MeshWorld(world)
+    report = run_schedule(RunConfig(schedule=str(path), world=w, backend=backend, calls=3,
+                                    seed=5))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    for step in parse_file(path, w).step_list():
+        for name in (returned_names(step.op) if step.kind != "external" else []):
+            assert report.outputs[name].compared == 3 * int(w), (name, text)
