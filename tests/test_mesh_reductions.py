@@ -1,9 +1,9 @@
-"""all_reduce (sum, max) over a team (issue 33 item 1): `axis:` runs the op within each
-team separately. The float64 reference says so on values written by hand; the checker
-proves the conformance files at several mesh shapes and finds a team's missing credit
-(with the brute force and the execution oracle agreeing on random mesh schedules); the
-kernels and gloo match float64 at 2x2 and 2x3 (the host backend:
-tests/test_op_schedules.py)."""
+"""all_reduce (sum, max), broadcast and reduce over a team (issue 33 item 1): `axis:`
+runs the op within each team separately, `root` is a member index of the team. The
+float64 reference says so on values written by hand; the checker proves the
+conformance files at several mesh shapes and finds a team's missing credit (with the
+brute force and the execution oracle agreeing on random mesh schedules); the kernels
+and gloo match float64 at 2x2 and 2x3 (the host backend: tests/test_op_schedules.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file, parse_text
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = [ROOT / "schedules" / "ops" / f"{op}_axis.yaml" for op in ("all_reduce",)]
+FILES = [ROOT / "schedules" / "ops" / f"{op}_axis.yaml" for op in ("all_reduce", "broadcast",
+                                                                    "reduce")]
 
 HEAD = """\
 schedule: teams
@@ -49,9 +50,12 @@ def _errors(text: str, shapes: list[int] | None = None) -> list:
     return [d for d in structural.check(schedule, shapes or SHAPES) if d.severity == "error"]
 
 
-def test_the_reference_runs_each_team_on_its_own() -> None:
-    """On 2x3 (node x gpu): the sum over gpu is each node's own."""
-    text = HEAD + "  - total: {op: all_reduce, axis: gpu, src: x, dst: s, via: v}\n"
+def test_the_reference_runs_each_team_on_its_own_with_root_a_member_index() -> None:
+    """On 2x3 (node x gpu): the sum over gpu is each node's own, the broadcast from root 1
+    hands gpu 1's x to its node only, and the reduce lands on gpu 2 of each node."""
+    text = HEAD + ("  - total: {op: all_reduce, axis: gpu, src: x, dst: s, via: v}\n"
+                   "  - bcast: {op: broadcast, axis: gpu, src: x, dst: b, root: 1}\n"
+                   "  - red:   {op: reduce, axis: gpu, src: x, dst: r, root: 2}\n")
     schedule = parse_text(text, "t.yaml")
     world = MeshWorld((2, 3))
     assert _errors(text, [world]) == []
@@ -60,10 +64,13 @@ def test_the_reference_runs_each_team_on_its_own() -> None:
     out = simulate.simulate_call(schedule, world, {"N": 2, "G": 3, "T": 2, "D": 4}, inputs,
                                  lambda step, rank, bufs: {})
     for r in range(6):
-        n = r // 3
+        n, g = divmod(r, 3)
         node = [inputs[n * 3 + k]["x"] for k in range(3)]
         assert torch.equal(out[r]["s"], sum(node)), r
         assert torch.equal(out[r]["v"], torch.stack(node)), r  # via[member]
+        assert torch.equal(out[r]["b"], inputs[n * 3 + 1]["x"]), r
+        assert torch.equal(out[r]["r"], sum(node) if g == 2 else torch.zeros(2, 4,
+                                                                        dtype=torch.float64)), r
 
 
 def test_dcpc_check_proves_the_team_files_at_several_mesh_shapes() -> None:
@@ -71,6 +78,24 @@ def test_dcpc_check_proves_the_team_files_at_several_mesh_shapes() -> None:
         got = CliRunner().invoke(main, ["check", str(path), "--world", "2x2,2x3,3x2,3x3,2x4"])
         assert got.exit_code == 0, got.output
         assert f"{path}: ok (W " in got.output, got.output
+
+
+def test_a_team_root_is_checked_against_the_smallest_team() -> None:
+    """root 2 over gpu fits a 2x3 mesh (3 gpus) but not 3x2; over node the other way
+    round; without axis a root stays a rank of the group (4 fits 2x3, not 2x2)."""
+    step = "  - red: {op: reduce, axis: AXIS, src: x, dst: r, root: 2}\n"
+    on_gpu, on_node = (HEAD + step.replace("AXIS", a) for a in ("gpu", "node"))
+    small, wide, tall = MeshWorld((2, 2)), MeshWorld((2, 3)), MeshWorld((3, 2))
+    assert _errors(on_gpu, [wide]) == [] and _errors(on_node, [tall]) == []
+    (err,) = _errors(on_gpu, [wide, tall])
+    assert err.code == "root-out-of-range" and err.mark.line == 12
+    assert "its team has only 2 ranks at W=3x2" in err.message and "over gpu" in err.message
+    (err,) = _errors(on_node, [wide, tall])
+    assert "its team has only 2 ranks at W=2x3" in err.message and "over node" in err.message
+    whole = HEAD + "  - bc: {op: broadcast, src: x, dst: b, root: 4}\n"
+    assert _errors(whole, [wide]) == []
+    (err,) = _errors(whole, [small, wide])
+    assert err.code == "root-out-of-range" and "at W=2x2" in err.message  # the whole group
 
 
 def test_a_team_s_via_is_sized_by_the_team() -> None:
@@ -84,17 +109,21 @@ TWINS = {  # op: its steps, and the races (buffer, first, second) a credit over 
     "all_reduce": ("  - total: {op: all_reduce, axis: gpu, reduce: max, src: x, dst: s, via: v}\n"
                    "  - use:   {op: external, reads: [v], writes: [y]}\n",
                    {("v", "use", "total"), ("v", "total", "total")}),
+    "broadcast": ("  - bcast: {op: broadcast, axis: gpu, src: x, dst: b, root: 1}\n"
+                  "  - use:   {op: external, reads: [b], writes: [y]}\n", {("b", "use", "bcast")}),
+    "reduce": ("  - red:   {op: reduce, axis: gpu, src: x, dst: r, root: 1}\n",
+               {("red_recv", "red", "red")}),  # the root's read of its via, the next push
 }
 
 
 @pytest.mark.parametrize("op", list(TWINS))
 def test_a_team_buffer_reused_without_its_team_s_credit_is_a_race(op: str,
                                                                   tmp_path: Path) -> None:
-    """What the team reads after the step (the via) must be read by every member before
-    the next call's pushes into it: a barrier over gpu (the op's team) orders them; one
-    over node orders other ranks, so the race stays, found by the checker, the brute
-    force and the execution oracle alike, and `dcpc check` refuses the file with its
-    class."""
+    """What the team reads after the step (the via, the broadcast's dst, the root's
+    receive buffer) must be read by every member before the next call's pushes into it: a
+    barrier over gpu (the op's team) orders them; one over node orders other ranks, so
+    the race stays, found by the checker, the brute force and the execution oracle
+    alike, and `dcpc check` refuses the file with its class."""
     steps, races = TWINS[op]
     fixed, wrong = (parse_text(HEAD + steps + f"  - free:  {{op: barrier, axis: {a}}}\n",
                                "c.yaml") for a in ("gpu", "node"))
@@ -116,8 +145,9 @@ def test_a_team_buffer_reused_without_its_team_s_credit_is_a_race(op: str,
 @given(st.data())
 def test_checker_and_brute_force_agree_on_random_mesh_schedules_with_reductions(
         data: st.DataObject) -> None:
-    """all_reduce over axis a, b or both, among gathers, barriers and credits: the
-    checker's team regions agree with the brute force's."""
+    """all_reduce, broadcast (root 0 or 1) and reduce over axis a, b or both, among
+    gathers, barriers and credits: the checker's team regions and root effects agree with
+    the brute force, whose root is the team's member ``root`` written from the language."""
     text = random_mesh_schedule_text(data.draw, st, reductions=True)
     schedule = parse_text(text)
     assert [d for d in structural.check(schedule, SHAPES) if d.severity == "error"] == [], text

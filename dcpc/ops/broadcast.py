@@ -91,4 +91,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     )
 
 
-DEF = define(OpDef("broadcast", Broadcast, semantics, verify, reference, io, lower, exact=True))
+DEF = define(OpDef("broadcast", Broadcast, semantics, verify, reference, io, lower, teams=True,
+                   exact=True))

@@ -104,4 +104,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 __all__ = ["Reduce", "via_of"]
-DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io, lower))
+DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io, lower, teams=True))
