@@ -1,5 +1,6 @@
-"""all_reduce (sum, max), broadcast and reduce over a team (issue 33 item 1): `axis:`
-runs the op within each team separately, `root` is a member index of the team. The
+"""all_reduce (sum, max), broadcast, reduce and all_to_all's split_dim/concat_dim form over
+a team (issue 33 item 1): `axis:` runs the op within each team separately, `root` is a
+member index of the team, a split/concat exchange splits in G parts. The
 float64 reference says so on values written by hand; the checker proves the
 conformance files at several mesh shapes and finds a team's missing credit (with the
 brute force and the execution oracle agreeing on random mesh schedules); the kernels
@@ -27,8 +28,8 @@ from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file, parse_text
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = [ROOT / "schedules" / "ops" / f"{op}_axis.yaml" for op in ("all_reduce", "broadcast",
-                                                                    "reduce")]
+FILES = [ROOT / "schedules" / "ops" / f"{op}_axis.yaml"
+         for op in ("all_reduce", "broadcast", "reduce", "all_to_all_concat")]
 
 HEAD = """\
 schedule: teams
@@ -41,6 +42,8 @@ buffers:
   r:   {shape: [T, D], dtype: f32}
   v:   {shape: [G, T, D], dtype: f32, symmetric: true}
   y:   {shape: [T, D], dtype: f32}
+  c:   {shape: [T, G], dtype: f32}
+  ch:  {shape: [G*T, 1], dtype: f32, symmetric: true}
 steps:
 """
 
@@ -73,6 +76,22 @@ def test_the_reference_runs_each_team_on_its_own_with_root_a_member_index() -> N
                                                                         dtype=torch.float64)), r
 
 
+def test_a_split_concat_exchange_over_a_team_moves_member_p_s_part_to_block_p() -> None:
+    """On 2x3 over gpu: c [T, G] split in G parts along dim 1; rank (n, g)'s ch [G*T, 1]
+    holds member p's column g at rows p*T .. p*T + T-1, members of its own node only."""
+    text = HEAD + ("  - a2a: {op: all_to_all, axis: gpu, src: c, dst: ch, split_dim: 1, "
+                   "concat_dim: 0}\n")
+    schedule, world = parse_text(text, "t.yaml"), MeshWorld((2, 3))
+    assert _errors(text, [world]) == []
+    inputs = [{"c": torch.arange(6, dtype=torch.float64).view(2, 3) + 100 * r} for r in range(6)]
+    out = simulate.simulate_call(schedule, world, {"N": 2, "G": 3, "T": 2, "D": 4}, inputs,
+                                 lambda step, rank, bufs: {})
+    for r in range(6):
+        n, g = divmod(r, 3)
+        want = torch.cat([inputs[n * 3 + p]["c"][:, g:g + 1] for p in range(3)])
+        assert torch.equal(out[r]["ch"], want), r
+
+
 def test_dcpc_check_proves_the_team_files_at_several_mesh_shapes() -> None:
     for path in FILES:
         got = CliRunner().invoke(main, ["check", str(path), "--world", "2x2,2x3,3x2,3x3,2x4"])
@@ -88,7 +107,7 @@ def test_a_team_root_is_checked_against_the_smallest_team() -> None:
     small, wide, tall = MeshWorld((2, 2)), MeshWorld((2, 3)), MeshWorld((3, 2))
     assert _errors(on_gpu, [wide]) == [] and _errors(on_node, [tall]) == []
     (err,) = _errors(on_gpu, [wide, tall])
-    assert err.code == "root-out-of-range" and err.mark.line == 12
+    assert err.code == "root-out-of-range" and err.mark.line == on_gpu.count("\n")
     assert "its team has only 2 ranks at W=3x2" in err.message and "over gpu" in err.message
     (err,) = _errors(on_node, [wide, tall])
     assert "its team has only 2 ranks at W=2x3" in err.message and "over node" in err.message
@@ -111,6 +130,9 @@ TWINS = {  # op: its steps, and the races (buffer, first, second) a credit over 
                    {("v", "use", "total"), ("v", "total", "total")}),
     "broadcast": ("  - bcast: {op: broadcast, axis: gpu, src: x, dst: b, root: 1}\n"
                   "  - use:   {op: external, reads: [b], writes: [y]}\n", {("b", "use", "bcast")}),
+    "all_to_all": ("  - a2a:   {op: all_to_all, axis: gpu, src: c, dst: ch, split_dim: 1, "
+                   "concat_dim: 0}\n  - use:   {op: external, reads: [ch], writes: [y]}\n",
+                   {("ch", "use", "a2a")}),
     "reduce": ("  - red:   {op: reduce, axis: gpu, src: x, dst: r, root: 1}\n",
                {("red_recv", "red", "red")}),  # the root's read of its via, the next push
 }
