@@ -229,6 +229,8 @@ VARIANTS: dict[str, Variant] = {
                                                   and p.attrs.get("scale")),
     "all_reduce: implicit via": lambda s, step, p, w: (step.kind == "all_reduce"
                                                       and step.op.via is None),
+    "all_reduce: lse over a team": lambda s, step, p, w: (
+        step.kind == "all_reduce" and step.op.reduce == "lse" and p.sync.axes is not None),
     "reduce: implicit via": lambda s, step, p, w: step.kind == "reduce" and step.op.via is None,
     "reduce: root 0": lambda s, step, p, w: step.kind == "reduce" and step.op.root == 0,
     "reduce: another root": lambda s, step, p, w: step.kind == "reduce" and step.op.root > 0,

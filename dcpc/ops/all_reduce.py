@@ -162,11 +162,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return lower_merge(ctx, step, via_o, via_lse, plan)
 
 
-def whole_mesh_form(op: AllReduce) -> str | None:
-    """``reduce: lse`` runs over every axis only: its merge's team lowering and proof
-    (mask_empty's [B, W] lengths over a team) are not written."""
-    return "all_reduce with reduce: lse" if op.reduce == "lse" else None
-
-
 DEF = define(OpDef("all_reduce", AllReduce, semantics, verify, reference, io, lower,
-                   teams=True, whole_mesh_form=whole_mesh_form, team_form="reduce: sum|max"))
+                   teams=True))
