@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import W, product
+from dcpc.lang.mesh import mesh_of, shape_of, torus
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import Step
@@ -68,14 +69,29 @@ def verify_elementwise(v: ShapeRules, step: Step) -> None:
 
 
 def verify_root(v: ShapeRules, step: Step) -> None:
-    """``root`` names a rank at every W checked (broadcast, reduce)."""
+    """``root`` names a member of the step's team at every group size checked: a rank
+    without ``axis:``, a member index (0 .. G-1) of each team over ``axis:`` (broadcast,
+    reduce)."""
     root = step.op.root  # type: ignore[attr-defined]
     worlds = v.ctx.samples.worlds
-    if worlds and root >= min(worlds):
+    if not worlds:
+        return
+    axes = mesh_of(v.ctx.schedule).team_axes(step.op)
+    if axes is None:
+        if root >= min(worlds):
+            v.error(step.op.mark("root"), "root-out-of-range",
+                    f"step '{step.name}' has root {root}, but the group has only "
+                    f"{min(worlds)} ranks at W={min(worlds)} (checked: W "
+                    f"{min(worlds)}..{max(worlds)})",
+                    hint=f"use a root below {min(worlds)}, or check larger groups only")
+        return
+    size, world = min((torus(shape_of(w)).team_size(axes), w) for w in worlds)
+    if root >= size:
+        names = ", ".join(mesh_of(v.ctx.schedule).names(axes))
         v.error(step.op.mark("root"), "root-out-of-range",
-                f"step '{step.name}' has root {root}, but the group has only {min(worlds)} "
-                f"ranks at W={min(worlds)} (checked: W {min(worlds)}..{max(worlds)})",
-                hint=f"use a root below {min(worlds)}, or check larger groups only")
+                f"step '{step.name}' has root {root} (a member index of its team over "
+                f"{names}), but its team has only {size} ranks at W={world}",
+                hint=f"use a root below {size}, or check larger meshes only")
 
 
 def receive_buffer(ctx: LowerRules, step: Step, outer: ex.Expr, part: ex.Expr) -> str:

@@ -1,4 +1,5 @@
-"""all_reduce: every rank gets the elementwise reduction over ranks of ``src``.
+"""all_reduce: every rank gets the elementwise reduction over ranks of ``src`` (over the
+ranks of its team with ``axis:``, W then the team's size).
 
 ``reduce: sum`` (default) or ``max``. Every rank pushes its whole ``src`` into index
 ``rank`` of every rank's symmetric receive buffer ``via`` ([W, *src shape]; implicit
@@ -162,4 +163,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return lower_merge(ctx, step, via_o, via_lse, plan)
 
 
-DEF = define(OpDef("all_reduce", AllReduce, semantics, verify, reference, io, lower))
+DEF = define(OpDef("all_reduce", AllReduce, semantics, verify, reference, io, lower,
+                   teams=True))

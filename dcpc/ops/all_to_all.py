@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from dcpc.lang.expr import W, div, product
+from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops import cast
 from dcpc.ops.cast import Scale
@@ -154,8 +154,6 @@ def io(op: AllToAll) -> IO:
 
 def whole_mesh_form(op: AllToAll) -> str | None:
     """The forms whose team lowering and proof are not written: over every axis only."""
-    if op.concat_dim is not None:
-        return "all_to_all with split_dim/concat_dim"
     if op.scale is not None:
         return "all_to_all with a cast"
     return None
@@ -179,7 +177,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
             (f"inner{k}", product(shape[d + 1 :])),
         ]
         if concatenating:  # a part's dims [cat:] make one block of dst, rank p's at block p
-            chunk = [div(x, W) if i == d else x for i, x in enumerate(shape)]
+            chunk = [div(x, ctx.team_w(step)) if i == d else x for i, x in enumerate(shape)]
             plan.scalars.append((f"block{k}", product(chunk[cat:])))
             plan.scratch[f"recv{k}"] = (product(shape), ctx.buffers[s].dtype)
         ctx.layout(plan, f"src{k}", d, d + 1)
@@ -192,5 +190,6 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io, lower,
-                   teams=True, whole_mesh_form=whole_mesh_form, team_form="dim",
+                   teams=True, whole_mesh_form=whole_mesh_form,
+                   team_form="dim or split_dim/concat_dim",
                    exact=True))

@@ -1,5 +1,6 @@
 """broadcast: rank ``root``'s ``src`` lands in every rank's symmetric ``dst`` (src's
-shape); ``root`` is a team index (0 <= root < W for every W checked).
+shape); ``root`` is a team index: a rank, or over ``axis:`` a member index of each team
+(below the team's size at every shape checked: ``_reduce.verify_root``).
 
 Lowered as: the root pushes its whole ``src`` into every rank's ``dst`` (its own
 included); every rank signals every peer and waits for every peer (so no rank returns
@@ -91,4 +92,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     )
 
 
-DEF = define(OpDef("broadcast", Broadcast, semantics, verify, reference, io, lower, exact=True))
+DEF = define(OpDef("broadcast", Broadcast, semantics, verify, reference, io, lower, teams=True,
+                   exact=True))

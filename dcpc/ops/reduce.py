@@ -1,7 +1,8 @@
 """reduce: rank ``root`` gets the elementwise reduction over ranks of ``src`` in ``dst``
-(``reduce: sum | max``, floats); ``root`` is a team index (0 <= root < W for every W
-checked). Every other rank's ``dst`` is set to 0, so that no reader there sees a stale
-value (MPI leaves it undefined; a defined value keeps every rank's output checkable).
+(``reduce: sum | max``, floats); ``root`` is a team index: a rank, or over ``axis:`` a
+member index of each team (below the team's size at every shape checked). Every other
+rank's ``dst`` is set to 0, so that no reader there sees a stale value (MPI leaves it
+undefined; a defined value keeps every rank's output checkable).
 
 Lowered as: every rank pushes its whole ``src`` into index ``rank`` of the ROOT's
 symmetric receive buffer ``via`` ([W, *src]; implicit ``<step>_recv``), every rank
@@ -104,4 +105,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 __all__ = ["Reduce", "via_of"]
-DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io, lower))
+DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io, lower, teams=True))

@@ -12,14 +12,14 @@ from pathlib import Path
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import disagreements
-from support.hb_oracle import oracle_keys, random_mesh_schedule_text
+from support.hb_oracle import MESH_SHAPES, oracle_keys, random_mesh_schedule_text
 
 from dcpc.check import hb, structural
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAPES = [MeshWorld(s) for s in ((2, 2), (2, 3), (3, 2))]
+SHAPES = MESH_SHAPES
 
 
 def _agree_with_brute_force(text: str) -> None:

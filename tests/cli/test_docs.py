@@ -34,8 +34,10 @@ def test_the_ops_that_take_axis_are_the_registry_s_team_ops():
     text = (ROOT / "docs/language.md").read_text()
     start = text.index("- These communication ops take `axis:`")
     listed = text[start:text.index("(the ops whose `OpDef.teams` is set", start)]
-    names = re.findall(r"`([a-z_]+)`( \(with `dim`\))?", listed.split(":", 1)[1])
-    assert [n + (" (dim)" if dim else "") for n, dim in names] == team_ops()
+    # an op of which some forms take a team names them: `all_to_all` (with `dim` or ...)
+    names = re.findall(r"`([a-z_]+)`(?: \(with ([^)]+)\))?", listed.split(":", 1)[1])
+    forms = [(n, " ".join(form.replace("`", "").split())) for n, form in names]
+    assert [n + (f" ({form})" if form else "") for n, form in forms] == team_ops()
     # the sentence after it names ops that run over every axis only: none takes a team
     from dcpc.ops.registry import OPS
 

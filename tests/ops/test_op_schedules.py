@@ -166,8 +166,7 @@ def test_every_key_and_value_of_every_op_is_exercised() -> None:
 
 # Kernel variants: one per path through a template (its attrs, constexprs and branches)
 # that a key alone does not name. Left out, as tests/op_known_failures/ says why: a
-# dequantise into bf16 (ragged_all_to_all.py.j2's bf16_out rounding), all_to_all with
-# split_dim/concat_dim over a team.
+# dequantise into bf16 (ragged_all_to_all.py.j2's bf16_out rounding).
 Variant = Callable[[m.Schedule, m.Step, StepPlan, Any], bool]
 
 
@@ -214,6 +213,8 @@ VARIANTS: dict[str, Variant] = {
     "all_to_all: several payloads": lambda s, step, p, w: (
         p.template == "ops/all_to_all.py.j2" and p.attrs.get("payloads", 0) > 1),
     "all_to_all: split_dim/concat_dim": lambda s, step, p, w: bool(p.attrs.get("concat")),
+    "all_to_all: split_dim/concat_dim over a team": lambda s, step, p, w: bool(
+        p.attrs.get("concat")) and p.sync.axes is not None,
     **{f"all_to_all: cast {k}": _cast("all_to_all", k) for k in (1, 2, 3, 4)},
     **{f"ragged_all_to_all: cast {k}": _cast("ragged_all_to_all", k) for k in (0, 1, 2, 3, 4)},
     **{f"{op}: {name}": _merge(op, **attrs) for op in MERGES for name, attrs in MERGE_ATTRS.items()
@@ -228,6 +229,8 @@ VARIANTS: dict[str, Variant] = {
                                                   and p.attrs.get("scale")),
     "all_reduce: implicit via": lambda s, step, p, w: (step.kind == "all_reduce"
                                                       and step.op.via is None),
+    "all_reduce: lse over a team": lambda s, step, p, w: (
+        step.kind == "all_reduce" and step.op.reduce == "lse" and p.sync.axes is not None),
     "reduce: implicit via": lambda s, step, p, w: step.kind == "reduce" and step.op.via is None,
     "reduce: root 0": lambda s, step, p, w: step.kind == "reduce" and step.op.root == 0,
     "reduce: another root": lambda s, step, p, w: step.kind == "reduce" and step.op.root > 0,

@@ -28,6 +28,7 @@ from itertools import count
 
 import networkx as nx
 
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import channels
 
@@ -163,17 +164,18 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         writes([op.dst] + _as_list(getattr(op, "return_lse", None)), 1)
     elif kind == "reduce":  # exact: pushes into the root's via only, which only it reads
         via = op.via or f"{name}_recv"
+        root = _team(b.rank, world, axes)[op.root]  # root: a member index of the team
         reads([op.src], 0)
         if via in tracked:
-            b.access(name, index, 0, via, "write", owner=op.root,
+            b.access(name, index, 0, via, "write", owner=root,
                      part=(("index", 0, 0, axes), b.rank))
         exchange()
-        if b.rank == op.root:
+        if b.rank == root:
             reads([via], 1)
         writes([op.dst], 1)
     elif kind == "broadcast":  # exactly what the kernel does: only the root stores, all of dst
         reads([op.src], 0)
-        if b.rank == op.root:
+        if b.rank == _team(b.rank, world, axes)[op.root]:
             stores([op.dst], None)
         exchange()
     elif kind == "all_to_all_combine":
@@ -771,11 +773,17 @@ steps:
 TEAMS = {"a": ("a", "ga", "ta"), "b": ("b", "gb", "tb"), "ab": (None, "gw", None)}
 
 
-def random_mesh_schedule_text(draw, st, shifts: bool = False) -> str:
+# The mesh shapes the random mesh schedules are proved and compared at.
+MESH_SHAPES = [MeshWorld(s) for s in ((2, 2), (2, 3), (3, 2))]
+
+
+def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool = False) -> str:
     """A small, structurally valid random schedule over ``mesh: {a: A, b: B}``: gathers
     and all-to-alls over axis a, b or both, barriers and signal/wait pairs over a team
     (next/prev along one axis), externals reading what was written. ``shifts``: shifts
-    along axis a or b too (whole or put ... wait, any offset, with or without wrap)."""
+    along axis a or b too (whole or put ... wait, any offset, with or without wrap).
+    ``reductions``: all_reduce, broadcast and reduce over a team too (root: member 0 or
+    1 of each team; implicit receive buffers)."""
     slots = draw(st.integers(1, 2))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
@@ -785,7 +793,8 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False) -> str:
     pending_waits: list[str] = []
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(["gather", "gather", "a2a", "ext", "ext", "barrier",
-                                     "sync", "sync"] + ["shift", "shift"] * shifts))
+                                     "sync", "sync"] + ["shift", "shift"] * shifts
+                                    + ["ar", "bc", "rd"] * reductions))
         team = draw(st.sampled_from(["a", "b", "ab"]))
         axis, gdst, tdst = TEAMS[team]
         on = f", axis: {axis}" if axis else (", axis: [a, b]" if draw(st.booleans()) else "")
@@ -810,6 +819,14 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False) -> str:
             written.append(tdst)
         elif kind == "barrier":
             steps.append(f"{{op: barrier{on}}}")
+        elif kind == "ar":
+            steps.append(f"{{op: all_reduce{on}, src: x, dst: y}}")
+        elif kind == "bc":
+            steps.append(f"{{op: broadcast{on}, src: x, dst: s0, root: "
+                         f"{draw(st.integers(0, 1))}}}")
+            written.append("s0")
+        elif kind == "rd":
+            steps.append(f"{{op: reduce{on}, src: x, dst: y, root: {draw(st.integers(0, 1))}}}")
         elif kind == "sync":
             to = draw(st.sampled_from(["all", "next", "prev"]))
             if to != "all" and axis is None:
