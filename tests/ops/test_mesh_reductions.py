@@ -4,7 +4,7 @@ is a member index of the team, a split/concat exchange splits in G parts. The
 float64 reference says so on values written by hand; the checker proves the
 conformance files at several mesh shapes and finds a team's missing credit (with the
 brute force and the execution oracle agreeing on random mesh schedules); the kernels
-and gloo match float64 at 2x2 and 2x3 (the host backend: tests/test_op_schedules.py)."""
+and gloo match float64 at 2x2 and 2x3 (the host backend: tests/ops/test_op_schedules.py)."""
 
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def test_checker_and_execution_oracle_agree_on_random_mesh_schedules_with_reduct
     ids=lambda v: getattr(v, "stem", str(v)))
 def test_the_team_files_match_float64(path: Path, world: tuple[int, int], backend: str) -> None:
     """On gloo (one process group per team) and on the local backend (the kernels,
-    ranks as threads); the host backend runs them in tests/test_op_schedules.py."""
+    ranks as threads); the host backend runs them in tests/ops/test_op_schedules.py."""
     w = MeshWorld(world)
     report = run_schedule(RunConfig(schedule=str(path), world=w, backend=backend, calls=3,
                                     seed=5))
