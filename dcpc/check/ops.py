@@ -31,13 +31,18 @@ def _where(ctx: Context, example: object, nodes: Sequence[ex.Expr]) -> str:
 
 
 def _dim(ctx: Context, step: Step, ref: Ref, rank: int) -> int | None:
-    """The op's ``dim`` normalised like Python for a buffer of ``rank`` dims."""
+    """The op's ``dim``, in range for a buffer of ``rank`` dims and counted from the front:
+    the semantics, the lowerings and the references read ``dim`` as it is written, so a
+    negative one (which a run read as another dim, or past the buffer) is refused here,
+    with the index it means."""
     dim = getattr(step.op, "dim", 0)
-    if -rank <= dim < rank:
-        return dim % rank
+    if 0 <= dim < rank:
+        return dim
+    means = f"; write {dim % rank} (dim {dim} of {rank} dims, counted from the end)" \
+        if -rank <= dim < 0 else ""
     ctx.error(step.op.mark("dim"), "dim-out-of-range",
               f"dim {dim} is out of range for {ref.role} '{ref.name}', which has {rank} "
-              f"dims (valid: {-rank}..{rank - 1})")
+              f"dims (valid: 0..{rank - 1}{means})")
     return None
 
 

@@ -104,7 +104,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     row_len]; both packed (src symmetric, dst written by this module)."""
     op = typed(step, Pull)
     src = ctx.shape(op.src)
-    d = op.dim if op.dim >= 0 else op.dim + len(src) + 1  # of dst's dims (the verifier's)
+    d = op.dim  # of dst's dims (the verifier refuses a negative one)
     rows = src[d] if d < len(src) else ONE
     plan = ctx.plan(
         step,

@@ -242,8 +242,11 @@ def test_deep_and_long_expressions_are_diagnostics() -> None:
 # ---- per-op rules ----------------------------------------------------------------
 
 def test_all_gather_stack_and_negative_dim() -> None:
-    text = edit(AG_RS, "dst: lse_all, dim: 0", "dst: lse_all, dim: -3")
-    assert errors(text) == []  # -3 of the 3-dim dst is dim 0
+    # a negative dim is refused with the index it means (the lowerings read dim as
+    # written: all_gather at dim -1 ran past its buffer, at -2 stored 6 wrong values)
+    found = errors(edit(AG_RS, "dst: lse_all, dim: 0", "dst: lse_all, dim: -3"))
+    assert [e.code for e in found] == ["dim-out-of-range"]
+    assert "write 0 (dim -3 of 3 dims, counted from the end)" in found[0].message
     text = edit(AG_RS, "lse_all:   {shape: [W, T, H]", "lse_all:   {shape: [T, W, H]")
     assert "shape-mismatch" in codes(text)
     assert codes(edit(AG_RS, "dst: lse_all, dim: 0", "dst: lse_all, dim: 3")) == [
@@ -460,3 +463,31 @@ def test_a_schedule_past_the_limits_is_refused_at_once() -> None:
     (found,) = diags(wide)
     assert found.code == "schedule-too-large" and str(MAX_ACCESSES + 2) in found.message
     assert diags(head + "  - use: {op: external, reads: [g]}\n") == []
+
+
+NEGATIVE_DIM = """
+schedule: neg
+sizes: {T: {max: 8}, D: 4}
+buffers:
+  x:     {shape: [T, W * D], dtype: f32, symmetric: true}
+  x_all: {shape: [T, W, W * D], dtype: f32, symmetric: true}
+  y:     {shape: [W, T, D], dtype: f32, symmetric: true}
+  z:     {shape: [T, D], dtype: f32}
+steps:
+  - stage: {op: external, writes: [x]}
+  - STEP
+  - release: {op: barrier}
+"""
+
+
+@pytest.mark.parametrize("step", [
+    "gather: {op: all_gather, src: x, dst: x_all, dim: -2}",
+    "swap: {op: all_to_all, src: x, dst: y, dim: -1}",
+    "rs: {op: reduce_scatter, src: x, dst: z, dim: -1}",
+])
+def test_a_negative_dim_is_refused_with_the_dim_it_means(step: str) -> None:
+    """Checked and proved before, a negative dim ran wrong: all_gather at -1 past its
+    buffer (the ranks died of SIGSEGV), at -2 and all_to_all at -1 with wrong values."""
+    found = errors(NEGATIVE_DIM.replace("STEP", step))
+    assert [e.code for e in found] == ["dim-out-of-range"], found
+    assert "counted from the end" in found[0].message
