@@ -22,6 +22,7 @@ Over gloo the messages are point-to-point with a bounded wait; on other backends
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -42,6 +43,7 @@ def meet(group: Any, rank: int, world: int, owner: str, facts: Sequence[Fact],
 
     if world == 1:
         return
+    facts = fold(facts)
     mine = [len(facts), *(int(v) for _, v in facts)]
     if "gloo" in str(dist.get_backend(group)):
         theirs = _exchange_gloo(dist, group, rank, world, owner, mine, timeout_s)
@@ -53,13 +55,29 @@ def meet(group: Any, rank: int, world: int, owner: str, facts: Sequence[Fact],
     _compare(owner, rank, facts, theirs)
 
 
+MESSAGE = 64  # int64 slots of one rank's message over gloo: the count and 63 facts
+
+
+def fold(facts: Sequence[Fact]) -> list[Fact]:
+    """``facts`` fitted into one message: past the first 62 (the schedule, backend, sizes,
+    knobs and the first steps' tuning), the rest as one digest fact that names them, so a
+    long unrolled schedule (two tuning facts per step) constructs, and a difference among
+    the rest is still found (named by the range of facts it is in)."""
+    keep = MESSAGE - 2
+    if len(facts) <= MESSAGE - 1:
+        return list(facts)
+    rest = facts[keep:]
+    text = ";".join(f"{what}={int(v)}" for what, v in rest).encode()
+    digest = int(hashlib.sha256(text).hexdigest()[:15], 16)
+    return [*facts[:keep], (f"one of {rest[0][0]} .. {rest[-1][0]} ({len(rest)} facts)",
+                            digest)]
+
+
 def _exchange_gloo(dist: Any, group: Any, rank: int, world: int, owner: str,
                    mine: list[int], timeout_s: float) -> dict[int, list[int]]:
     peers = [(rank + k) % world for k in range(1, world)]
-    size = 64  # facts per message at most (a schedule has a handful)
-    if len(mine) > size:
-        raise DcpcArgumentError(f"{owner}: {len(mine) - 1} construction facts, at most "
-                                f"{size - 1} (a schedule with that many sizes is refused)")
+    size = MESSAGE
+    assert len(mine) <= size, len(mine)  # meet() folds the facts to fit
     out = torch.zeros(size, dtype=torch.int64)
     out[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
     inbox = {p: torch.zeros(size, dtype=torch.int64) for p in peers}

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dcpc.runtime import merge, shapes, sync, tiles
+from dcpc.runtime import merge, rendezvous, shapes, sync, tiles
 from dcpc.runtime.backend import make_heap, resolve_backend
 from dcpc.runtime.errors import DcpcArgumentError, DcpcTimeoutError
 from dcpc.runtime.heap import LocalHeap, aligned_offsets
@@ -207,3 +207,20 @@ def test_small_calls_get_shorter_tiles_and_fewer_programs(rows, programs, want):
 def test_request_lookup_is_a_vector_up_to_1024_requests():
     assert [tiles.request_block(b) for b in (1, 3, 256, 1024)] == [1, 4, 256, 1024]
     assert tiles.request_block(1025) == 0  # binary search beyond
+
+
+def test_construction_facts_past_one_message_fold_into_a_digest_that_still_differs():
+    """A long unrolled schedule (two tuning facts per step: double_ring at 2x3 has 84) was
+    refused at construction over gloo ("84 construction facts, at most 63"); the facts
+    now fold into one message, and a difference among the folded ones is still named."""
+    facts = [("schedule", 7)] + [(f"tuning['s{i}']['programs']", 2) for i in range(90)]
+    folded = rendezvous.fold(facts)
+    assert len(folded) == rendezvous.MESSAGE - 1 and folded[:62] == facts[:62]
+    assert rendezvous.fold(facts[:63]) == facts[:63]  # what fits is sent as it is
+    other = facts[:80] + [("tuning['s79']['block']", 3)] + facts[81:]
+    theirs = {r: [len(f), *(v for _, v in f)]
+              for r, f in enumerate([folded, rendezvous.fold(other)])}
+    with pytest.raises(DcpcArgumentError, match=r"one of tuning\['s61'\]\['programs'\] \.\. "
+                       r"tuning\['s89'\]\['programs'\] \(29 facts\)"):
+        rendezvous._compare("DoubleRing", 0, folded, theirs)
+    rendezvous._compare("DoubleRing", 0, folded, {0: theirs[0], 1: list(theirs[0])})
