@@ -7,6 +7,7 @@ No traceback reaches the user unless ``--debug`` is given.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,10 @@ def _guard(debug: bool, body: Callable[[], int]) -> None:
         raise
     except click.ClickException:
         raise
+    except BrokenPipeError:  # the reader left (`dcpc check ... | head -1`): stop as a
+        # Unix tool does on SIGPIPE; stdout to /dev/null so that the exit's flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except Exception as exc:  # an internal error: never a traceback unless --debug
         if debug:
             traceback.print_exc()

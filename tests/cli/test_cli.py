@@ -187,3 +187,17 @@ def test_graph_renders_png_with_dot(tmp_path):
         result = invoke(*args, "-o", str(target))
         assert result.exit_code == 0, result.output
         assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly() -> None:
+    """`dcpc check ... | head -1` printed "dcpc: internal error: BrokenPipeError" (exit 3);
+    now the command stops as a Unix tool does on SIGPIPE (141), with nothing on stderr."""
+    files = sorted(str(p) for p in (ROOT / "schedules" / "ops").glob("*.yaml"))
+    proc = subprocess.Popen([sys.executable, "-m", "dcpc", "check", *files],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert b": ok (" in proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves; the next line's write breaks the pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 141, err
+    assert err == b"", err
