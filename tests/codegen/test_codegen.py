@@ -205,3 +205,24 @@ def test_the_seed_schedule_module_keeps_only_what_is_its_own(generated) -> None:
     helper copied in)."""
     lines = generated["kimi_k3_dcp"].read_text().count("\n")
     assert lines < 900, lines
+
+
+def test_a_long_wait_step_name_over_a_team_stays_ruff_clean(tmp_path: Path) -> None:
+    """A team wait's torch body named the step twice on one line: a name past 13
+    characters made a line over 100 (the gallery's double_ring had to shorten its names)."""
+    from dcpc import pipeline
+    from dcpc.lang.mesh import MeshWorld
+
+    name = "all_peers_in_this_node_have_read_it"
+    text = (ROOT / "schedules" / "ops" / "sync_axis.yaml").read_text()
+    assert "  - all_read:  {op: wait" in text
+    path = tmp_path / "sync_axis.yaml"
+    path.write_text(text.replace("  - all_read:  {op: wait", f"  - {name}: {{op: wait"))
+    c = pipeline.run(path, pipeline.Options(worlds=[MeshWorld([2, 2])]), until="emit")
+    assert f'_team_comm("{name}", slot)' in c.module_text
+    (tmp_path / "sync_axis.py").write_text(c.module_text)
+    for args in (["check"], ["format", "--check", "--diff"]):
+        done = subprocess.run(RUFF + [*args, "--no-cache", *RUFF_CONFIG,
+                                      str(tmp_path / "sync_axis.py")],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
