@@ -274,14 +274,15 @@ def missing_at_construction_worker(rank: int, world: int, path: str, backend: st
                                    how: str, done: str) -> dict[str, Any]:
     """Rank 1 never constructs: it exits (``how='exit'``) or stays away, alive, until every
     other rank has finished constructing (each leaves a file ``done.<rank>``; at most
-    60 s), so the others cannot see it gone."""
+    180 s, the launch's deadline less its margin: on a loaded machine a peer may start
+    constructing a minute after this rank started), so the others cannot see it gone."""
     import torch.distributed as dist
 
     if rank == 1:
         if how == "exit":
             os._exit(17)
         others = [f"{done}.{r}" for r in range(world) if r != 1]
-        until = time.monotonic() + 60
+        until = time.monotonic() + 180
         while time.monotonic() < until and not all(os.path.exists(f) for f in others):
             time.sleep(0.2)
         return {}
@@ -320,7 +321,9 @@ def test_a_rank_missing_at_construction_is_named_in_seconds(kv_gather: str, back
 
         assert re.search(rf"KvGather\(\): rank {rank} could not construct: missing rank 1 "
                          rf"\(rank 1 {why}", message), message
-        assert got["elapsed"] < 40, got["elapsed"]  # timeout_s (5 s) plus a loaded machine
+        # timeout_s (5 s) of progress, which is more wall seconds on a loaded machine
+        # (36.9 s seen beside a full CI run); named by dcpc, well before gloo's 120 s
+        assert got["elapsed"] < 100, got["elapsed"]
 
 
 # ---- item 6: closed instances, absurd sizes, sizes that differ per rank ------------------
