@@ -58,6 +58,7 @@ def table(schedule: m.Schedule, known: list[Semantics] | None = None) -> list[Se
     here as ``known`` (returned as is); called without it (tests, the hints' edited
     schedules) it is made anew."""
     if known is not None:
+        assert len(known) == len(schedule.steps), (len(known), len(schedule.steps))
         return known
     scope = Scope(schedule)
     return [on_team(schedule, step, OPS[step.kind].semantics(scope, step))

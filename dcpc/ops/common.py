@@ -106,8 +106,9 @@ class Region:
             return f"whole (shift from {source} {writer}, offset {self.offset:+d})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
-        if self.scheme == "whole":
-            return f"the whole buffer (a remote read by rank {writer})"
+        if self.scheme == "whole":  # ``writer``: the reader's index in its team, if any
+            reader = "rank" if self.axes is None else "team member"
+            return f"the whole buffer (a remote read by {reader} {writer})"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
 
 

@@ -151,6 +151,10 @@ def test_over_teams_the_credit_less_twin_races_on_every_team_s_pull() -> None:
         assert {f.key for f in hb.check(twin, [world], hints=False).findings} == want, world
         assert oracle_keys(twin, world) == want, world
         assert disagreements(twin, [world]) == [], world
+    # the reader is named by its index in its team, and said to be one (it said "rank")
+    texts = ["\n".join(f.timeline) for f in hb.check(twin, [MeshWorld((2, 3))],
+                                                   hints=False).findings]
+    assert all("a remote read by team member" in m for m in texts), texts
 
 
 HEAD = """\
