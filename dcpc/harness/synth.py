@@ -30,6 +30,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.ops import OPS
 from dcpc.ops.external import External
+from dcpc.ops.iface import Counts, InputRule, Requests, RowIndex, TensorScale
 from dcpc.ops.registry import names
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
@@ -64,12 +65,28 @@ def engine_inputs(schedule: m.Schedule) -> list[str]:
     return [n for n in found if not schedule.buffers[n].is_symmetric]
 
 
-def mask_of(schedule: m.Schedule) -> m.MaskEmpty | None:
+def input_rules(schedule: m.Schedule) -> list[dict[str, InputRule]]:
+    """Every step's rules for the values of buffers it reads (its op's ``OpDef.inputs``,
+    dcpc/ops/), in step order."""
+    found: list[dict[str, InputRule]] = []
     for step in schedule.step_list():
-        mask = getattr(step.op, "mask_empty", None)
-        if mask is not None:
-            return mask
+        rules = OPS[step.op.op].inputs
+        found.append(rules(step.op) if rules is not None else {})
+    return found
+
+
+def _request_mask(schedule: m.Schedule) -> Requests | None:
+    """The request mask: the first step's that reads one."""
+    for rules in input_rules(schedule):
+        for rule in rules.values():
+            if isinstance(rule, Requests):
+                return rule
     return None
+
+
+def mask_of(schedule: m.Schedule) -> m.MaskEmpty | None:
+    requests = _request_mask(schedule)
+    return requests.mask if requests is not None else None
 
 
 def mesh_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
@@ -85,10 +102,8 @@ def mesh_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
 def mask_rows(schedule: m.Schedule, sizes: Mapping[str, int]) -> int | None:
     """The rows ``query_start_loc`` indexes in one call: the leading dim of the masked
     merge's ``dst`` (``T``, ``B*T`` for MTP, ``N``, whatever the schedule calls it)."""
-    for step in schedule.step_list():
-        if getattr(step.op, "mask_empty", None) is not None:
-            return buffer_shape(schedule, step.op.dst, sizes)[0]
-    return None
+    requests = _request_mask(schedule)
+    return buffer_shape(schedule, requests.rows, sizes)[0] if requests is not None else None
 
 
 def runtime_sizes(schedule: m.Schedule) -> list[str]:
@@ -187,20 +202,21 @@ def call_inputs(
 
 def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
               gen: torch.Generator) -> torch.Tensor:
-    """An integer buffer's values within what the ops that read it declare: a ragged
-    all_to_all's row counts in 0..capacity, a weighted combine's index rows that exist
-    (some -1), an integer payload (``payload_ints``) over its dtype's whole range, anything
-    else 0..99. The same for an engine input and for what an engine
+    """An integer buffer's values within what the ops that read it declare (``OpDef.inputs``,
+    dcpc.ops.iface ``InputRule``): row counts in 0..capacity (``Counts``), index rows that
+    exist, some -1 (``RowIndex``); an integer payload (``payload_ints``) over its dtype's
+    whole range, anything else 0..99. The same for an engine input and for what an engine
     step writes (an engine writes counts within their capacity)."""
     shape = buffer_shape(schedule, name, sizes)
     if name in payload_ints(schedule):
         return full_range_ints(schedule.buffers[name].dtype, shape, gen)
-    capacities = ragged_capacities(schedule, sizes)
-    if name in capacities:  # a ragged all_to_all's row counts: 0..capacity
+    capacities = count_capacities(schedule, sizes)
+    if name in capacities:
         return torch.randint(0, capacities[name] + 1, shape, generator=gen)
-    for step in schedule.step_list():  # a weighted combine's rows: live ones, some empty
-        if step.kind == "weighted_combine" and step.op.index == name:  # type: ignore[attr-defined]
-            return combine_index(schedule, step, sizes, bufs, capacities, gen)
+    for rules in input_rules(schedule):  # the first step's that reads it as an index
+        rule = rules.get(name)
+        if isinstance(rule, RowIndex):
+            return row_index(schedule, rule, sizes, bufs, capacities, gen)
     return torch.randint(0, 100, shape, generator=gen, dtype=torch.int64)
 
 
@@ -250,23 +266,25 @@ def full_range_ints(dtype: m.DType, shape: tuple[int, ...], gen: torch.Generator
     return flat.reshape(shape)
 
 
-def ragged_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
-    """The ``counts`` buffers of ragged all_to_alls, each with its capacity this call."""
+def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
+    """The buffers of row counts (``Counts``), each with its capacity this call (the last
+    step's that names it)."""
     env = {**sizes}
-    return {s.op.counts: ex.evaluate(ex.parse(str(s.op.capacity)), env)  # type: ignore[attr-defined]
-            for s in schedule.step_list() if s.kind == "ragged_all_to_all"}
+    return {name: ex.evaluate(ex.parse(rule.capacity), env)
+            for rules in input_rules(schedule) for name, rule in rules.items()
+            if isinstance(rule, Counts)}
 
 
-def combine_index(schedule: m.Schedule, step: m.Step, sizes: Mapping[str, int],
-                  bufs: Buffers, capacities: Mapping[str, int],
-                  gen: torch.Generator) -> torch.Tensor:
-    """A weighted combine's ``index`` [T, K]: distinct rows of x per token where it can,
-    a quarter of the slots empty (-1). x [W, capacity, H] on a rank that sent a ragged
-    all_to_all: only the rows its return trip brings back (rows ``[0, counts[j])`` of
-    block j, counts this rank's own: the MoE round trip), never a row past a count."""
-    x_name, w_name = step.op.src  # type: ignore[attr-defined]
-    tokens, topk = buffer_shape(schedule, w_name, sizes)
-    x_shape = buffer_shape(schedule, x_name, sizes)
+def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
+              bufs: Buffers, capacities: Mapping[str, int],
+              gen: torch.Generator) -> torch.Tensor:
+    """An index [T, K] into the rows of ``rule.rows`` (x): distinct rows per token where
+    it can, a quarter of the slots empty (-1). x [W, capacity, H] on a rank whose counts
+    of that capacity the engine passes: only the rows those counts make live (rows
+    ``[0, counts[j])`` of block j, counts this rank's own: the MoE round trip, a ragged
+    move's return trip), never a row past a count."""
+    tokens, topk = buffer_shape(schedule, rule.weights, sizes)
+    x_shape = buffer_shape(schedule, rule.rows, sizes)
     rows = torch.arange(math.prod(x_shape[:-1]))
     for counts, cap in capacities.items():
         if counts in bufs and len(x_shape) == 3 and x_shape[1] == cap:
@@ -289,15 +307,10 @@ def _mix(*parts: int) -> int:
 
 
 def output_scales(schedule: m.Schedule) -> set[str]:
-    """The per-tensor fp8 scales: every ``output_scale``, and every cast's ``per:
-    tensor`` scale buffer (a per-token one is the move's own output)."""
-    found = set()
-    for step in schedule.step_list():
-        found.add(getattr(step.op, "output_scale", None))
-        scale = getattr(step.op, "scale", None)
-        if scale is not None and getattr(scale, "per", None) == "tensor":
-            found.add(scale.buffer)
-    return found - {None}
+    """The per-tensor fp8 scales (``TensorScale``): every ``output_scale``, and every
+    cast's ``per: tensor`` scale buffer (a per-token one is the move's own output)."""
+    return {name for rules in input_rules(schedule) for name, rule in rules.items()
+            if isinstance(rule, TensorScale)}
 
 
 def scale_value(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

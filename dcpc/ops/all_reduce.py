@@ -39,6 +39,7 @@ from dcpc.ops.common import (
     effects,
     exchange,
     keyed,
+    merge_input_rules,
     merge_inputs,
     typed,
 )
@@ -164,4 +165,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 DEF = define(OpDef("all_reduce", AllReduce, semantics, verify, reference, io, lower,
-                   teams=True))
+                   teams=True, inputs=merge_input_rules))

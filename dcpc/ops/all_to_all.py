@@ -192,4 +192,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io, lower,
                    teams=True, whole_mesh_form=whole_mesh_form,
                    team_form="dim or split_dim/concat_dim",
-                   exact=True))
+                   exact=True, inputs=cast.input_rules))

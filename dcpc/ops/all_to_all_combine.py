@@ -29,6 +29,7 @@ from dcpc.ops.common import (
     exchange,
     keyed,
     mask_inputs,
+    merge_input_rules,
     merge_inputs,
     typed,
 )
@@ -144,4 +145,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 DEF = define(OpDef("all_to_all_combine", AllToAllCombine, semantics, verify, reference, io, lower,
-                         teams=True))
+                         teams=True, inputs=merge_input_rules))

@@ -30,13 +30,13 @@ from pydantic import Field
 from dcpc.lang.expr import W, div, product
 from dcpc.lang.nodes import Name, Node, OpBase
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
-from dcpc.ops.iface import Ref
+from dcpc.ops.iface import Ref, TensorScale
 
 if TYPE_CHECKING:
     import torch
 
     from dcpc.lang.nodes import ScheduleView, Step
-    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
+    from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
 
 WIDE = ("bf16", "f16", "f32")
 
@@ -76,6 +76,13 @@ def effects(schedule: ScheduleView, op: OpBase) -> list[Effect]:
     if scale.per == "token" and direction(schedule, op) == "quantise":
         return [Effect(scale.buffer, WRITE, BEFORE, Region("index", 0), "scale.buffer")]
     return [Effect(scale.buffer, READ, BEFORE, None, "scale.buffer")]
+
+
+def input_rules(op: OpBase) -> dict[str, InputRule]:
+    """A move's synthetic-input rules (``OpDef.inputs``): a ``per: tensor`` scale is one
+    fp8 scale (a per-token one is the move's own output)."""
+    scale: Scale | None = getattr(op, "scale", None)
+    return {scale.buffer: TensorScale()} if scale is not None and scale.per == "tensor" else {}
 
 
 def verify(v: ShapeRules, src: Ref, dst: Ref) -> None:

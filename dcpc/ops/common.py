@@ -25,9 +25,11 @@ from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
 from dcpc.lang import nodes as m
 from dcpc.lang.mesh import mesh_of, shape_of, torus
+from dcpc.ops.iface import Requests, TensorScale
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import ScheduleView
+    from dcpc.ops.iface import InputRule
 
 READ, WRITE = "read", "write"
 BEFORE, AFTER = "before", "after"
@@ -421,6 +423,18 @@ def merge_inputs(op: m.OpBase) -> list[tuple[str, str]]:
     """(buffer, key) a merge reads besides its partials: mask_empty's lengths and
     query_start_loc, and output_scale."""
     return mask_inputs(op) + keyed(op, OUTPUT_SCALE)
+
+
+def merge_input_rules(op: m.OpBase) -> dict[str, InputRule]:
+    """The synthetic-input rules (``OpDef.inputs``) of an op that computes its dst: its
+    ``output_scale`` is a per-tensor fp8 scale; ``mask_empty``'s buffers are the
+    request mask over the rows of ``dst``."""
+    mask = getattr(op, "mask_empty", None)
+    rules: dict[str, InputRule] = {}
+    if mask is not None:
+        rules.update({name: Requests(mask, op.dst) for name, _ in mask_inputs(op)})  # type: ignore[attr-defined]
+    rules.update({name: TensorScale() for name, _ in keyed(op, OUTPUT_SCALE)})
+    return rules
 
 
 def effects(kind: str, when: str, pairs: list[tuple[str, str]],

@@ -5,7 +5,8 @@ its float64 reference (``OpDef.reference``) the simulator's ``Sim``
 (dcpc.harness.simulate), its Triton lowering (``OpDef.lower``) the lowering's ``Ctx``
 (dcpc.codegen.ctx). Those stages sit above the ops and import them; the ops see
 them only through the protocols here (what they actually use of each), so that no op
-imports a stage, not even for a type. ``Ref`` lives here because ops build them too.
+imports a stage, not even for a type. ``Ref`` lives here because ops build them too,
+and the ``InputRule``s an op's ``OpDef.inputs`` returns (dcpc.harness.synth reads them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from dcpc.lang import expr as ex
-    from dcpc.lang.nodes import Buffer, ScheduleView, Step
+    from dcpc.lang.nodes import Buffer, MaskEmpty, ScheduleView, Step
 
 
 @dataclass
@@ -30,6 +31,47 @@ class Ref:
     name: str
     role: str
     mark: Mark
+
+
+# What ``dcpc run``'s synthetic inputs must respect in a buffer an op reads: an op's
+# ``OpDef.inputs`` names them, dcpc.harness.synth makes the values (an engine input, or
+# what an engine step writes). A buffer no op names gets random values (integers 0..99).
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Row counts: integers in 0..``capacity`` (a size expression), whoever writes them."""
+
+    capacity: str
+
+
+@dataclass(frozen=True)
+class RowIndex:
+    """[T, K] row numbers into ``rows`` seen as [rows, H] (``weights`` [T, K] gives T and
+    K): rows that exist, or -1 (an empty slot); of a ``rows`` [W, capacity, H] whose
+    capacity is that of a ``Counts`` buffer the engine passes, only rows ``[0, counts[j])``
+    of block j."""
+
+    rows: str
+    weights: str
+
+
+@dataclass(frozen=True)
+class TensorScale:
+    """A per-tensor fp8 scale [1]: a positive normal, small enough that some values
+    saturate."""
+
+
+@dataclass(frozen=True)
+class Requests:
+    """A buffer of the request mask ``mask`` (its lengths or query_start_loc), whose rows
+    are the leading dim of ``rows`` (``T``, ``B*T``, ...)."""
+
+    mask: MaskEmpty
+    rows: str
+
+
+InputRule = Counts | RowIndex | TensorScale | Requests
 
 
 class Samples(Protocol):

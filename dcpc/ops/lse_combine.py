@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 
 from dcpc.lang.nodes import LseBase, MaskEmpty, Name, OpBase, Step, _lse_base
 from dcpc.ops._merge import combine, local_plan, lower_merge, merge_io, merge_semantics
-from dcpc.ops.common import typed
+from dcpc.ops.common import merge_input_rules, typed
 from dcpc.ops.registry import OpDef, define
 
 if TYPE_CHECKING:
@@ -51,4 +51,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return lower_merge(ctx, step, o, lse, local_plan(ctx, step))
 
 
-DEF = define(OpDef("lse_combine", LseCombine, merge_semantics, verify, reference, merge_io, lower))
+DEF = define(OpDef("lse_combine", LseCombine, merge_semantics, verify, reference, merge_io, lower,
+                   inputs=merge_input_rules))

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from dcpc.lang.nodes import MaskEmpty, Name, OpBase, Step
 from dcpc.ops._merge import local_plan, lower_merge, merge_io, merge_semantics
-from dcpc.ops.common import typed
+from dcpc.ops.common import merge_input_rules, typed
 from dcpc.ops.registry import OpDef, define
 
 if TYPE_CHECKING:
@@ -61,4 +61,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return lower_merge(ctx, step, o, lse, plan)
 
 
-DEF = define(OpDef("lse_correct", LseCorrect, merge_semantics, verify, reference, merge_io, lower))
+DEF = define(OpDef("lse_correct", LseCorrect, merge_semantics, verify, reference, merge_io, lower,
+                   inputs=merge_input_rules))

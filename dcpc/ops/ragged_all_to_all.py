@@ -44,10 +44,11 @@ from dcpc.ops.common import (
     keyed,
     typed,
 )
+from dcpc.ops.iface import Counts
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
+    from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
 
 
 class RaggedAllToAll(OpBase):
@@ -169,5 +170,11 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     )
 
 
+def inputs(op: RaggedAllToAll) -> dict[str, InputRule]:
+    """Counts within the capacity (an engine sends no more rows than a block holds), and
+    the cast's per-tensor scale."""
+    return {op.counts: Counts(str(op.capacity)), **cast.input_rules(op)}
+
+
 DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io, lower,
-                          exact=True))
+                          exact=True, inputs=inputs))

@@ -39,6 +39,7 @@ from dcpc.ops.common import (
     effects,
     exchange,
     keyed,
+    merge_input_rules,
     merge_inputs,
     typed,
 )
@@ -105,4 +106,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 __all__ = ["Reduce", "via_of"]
-DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io, lower, teams=True))
+DEF = define(OpDef("reduce", Reduce, semantics, verify, reference, io, lower, teams=True,
+                   inputs=merge_input_rules))

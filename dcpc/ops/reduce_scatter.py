@@ -27,6 +27,7 @@ from dcpc.ops.common import (
     effects,
     exchange,
     keyed,
+    merge_input_rules,
     merge_inputs,
     typed,
 )
@@ -114,4 +115,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 DEF = define(OpDef("reduce_scatter", ReduceScatter, semantics, verify, reference, io, lower,
-                         teams=True))
+                         teams=True, inputs=merge_input_rules))

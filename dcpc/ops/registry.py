@@ -3,7 +3,8 @@
 Every stage reads an op through its entry: the model's discriminated union
 (dcpc.lang.model), the effects and sync (dcpc.lang.semantics), the shape and dtype
 verifier (dcpc.check.ops), the float64 reference (dcpc.harness.simulate) and what a
-step reads and writes for synthetic inputs (dcpc.harness.synth) and the Triton
+step reads and writes and what its inputs must respect, for synthetic inputs
+(dcpc.harness.synth), and the Triton
 lowering rule (dcpc.codegen.lower), whose template is templates/ops/<name>.py.j2. The
 torch backend is the one part of an op outside its module: a function of the op's name
 in dcpc/runtime/collectives.py, because the runtime imports no compiler code.
@@ -21,7 +22,7 @@ from dcpc.lang.nodes import BUFFER_KEYS, Name
 if TYPE_CHECKING:
     from dcpc.lang.nodes import OpBase, Step
     from dcpc.ops.common import Scope, Semantics
-    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
+    from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
 
 IO = tuple[list[str], list[str]]
 
@@ -46,6 +47,9 @@ class OpDef:
     every axis only: a description of the step's form ("all_to_all with a cast"), or
     None when this step may take a team; ``team_form``: how the docs name the forms
     that take a team ("dim"), empty when all of them do.
+    ``inputs(op)``: what ``dcpc run``'s synthetic values of the buffers it reads must
+    respect (dcpc.ops.iface ``InputRule``: counts within a capacity, rows that exist, an
+    fp8 scale, the request mask), by buffer; None: nothing (dcpc.harness.synth).
     """
 
     name: str
@@ -59,6 +63,7 @@ class OpDef:
     whole_mesh_form: Callable[[Any], str | None] | None = None
     team_form: str = ""
     exact: bool = False
+    inputs: Callable[[Any], dict[str, InputRule]] | None = None
 
     def takes_team(self, op: OpBase) -> bool:
         """Whether this step of the op may run over a team (``axis:``)."""

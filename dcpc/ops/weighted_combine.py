@@ -22,11 +22,20 @@ from pydantic import Field
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, Step
 from dcpc.ops._reduce import floats_only
-from dcpc.ops.common import OUTPUT_SCALE, Scope, Semantics, keyed, local, typed
+from dcpc.ops.common import (
+    OUTPUT_SCALE,
+    Scope,
+    Semantics,
+    keyed,
+    local,
+    merge_input_rules,
+    typed,
+)
+from dcpc.ops.iface import RowIndex
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import LowerRules, ShapeRules, SimView
+    from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
 
 
 class WeightedCombine(OpBase):
@@ -136,4 +145,11 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return plan
 
 
-DEF = define(OpDef("weighted_combine", WeightedCombine, semantics, verify, reference, io, lower))
+def inputs(op: WeightedCombine) -> dict[str, InputRule]:
+    """``index``: rows of x that exist (some -1), and the fp8 ``output_scale``."""
+    rows = {op.index: RowIndex(*op.src)} if op.index is not None else {}
+    return {**rows, **merge_input_rules(op)}
+
+
+DEF = define(OpDef("weighted_combine", WeightedCombine, semantics, verify, reference, io, lower,
+                   inputs=inputs))

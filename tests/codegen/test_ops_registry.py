@@ -6,6 +6,7 @@ op whose model has a buffer field not listed there is refused when it is defined
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import typing
@@ -103,3 +104,67 @@ def test_the_checker_reads_and_writes_by_the_table() -> None:
     assert not set(READ_KEYS) & set(WRITTEN_KEYS)
     assert {"dst", "via", "return_lse", "recv_counts"} <= set(WRITTEN_KEYS)
     assert {"src", "counts", "index", "output_scale"} <= set(READ_KEYS)
+
+
+def test_the_synthetic_inputs_name_no_op() -> None:
+    """Issue 32: an op's rules for ``dcpc run``'s synthetic inputs (counts within their
+    capacity, index rows that exist, fp8 scales, the request mask) are its module's
+    (``OpDef.inputs``); dcpc/harness/synth.py asks the registry. Before, synth.py named
+    ragged_all_to_all and weighted_combine and read their fields (counts, capacity,
+    index, src) and any op's mask_empty, output_scale and scale. Allowed: the engine
+    step (``external``, which synth stands in for) and a move's src/dst (every move's)."""
+    tree = ast.parse((ROOT / "dcpc/harness/synth.py").read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef) and node.body
+            and isinstance(node.body[0], ast.Expr)}
+    named = sorted({node.value for node in ast.walk(tree)
+                    if isinstance(node, ast.Constant) and id(node) not in docs
+                    and node.value in OPS and node.value != "external"})
+    generic = {"op", "src", "dst"}
+
+    def on_op(node: ast.AST) -> bool:  # ``<anything>.op``
+        return isinstance(node, ast.Attribute) and node.attr == "op"
+
+    fields = sorted({node.attr for node in ast.walk(tree)
+                     if isinstance(node, ast.Attribute) and on_op(node.value)
+                     and node.attr not in generic}
+                    | {node.args[1].value for node in ast.walk(tree)
+                       if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                       and node.func.id == "getattr" and len(node.args) >= 2
+                       and on_op(node.args[0]) and isinstance(node.args[1], ast.Constant)
+                       and node.args[1].value not in generic})
+    assert (named, fields) == ([], []), (named, fields)
+
+
+def test_every_scale_and_mask_of_the_conformance_schedules_has_its_input_rule() -> None:
+    """The keys several ops share get their rule from the op's ``OpDef.inputs`` (no longer
+    from synth reading any op's fields): on every schedules/ops/ record, each
+    ``output_scale`` and ``per: tensor`` cast scale is a ``TensorScale``, each
+    ``mask_empty`` buffer the ``Requests`` mask over dst's rows, each ragged move's
+    counts ``Counts`` of its capacity, each weighted combine's index a ``RowIndex``."""
+    from dcpc.lang.parse import parse_file
+    from dcpc.ops import iface
+
+    seen: set[str] = set()
+    for path in sorted((ROOT / "schedules/ops").glob("*.yaml")):
+        if "_axis" in path.name:
+            continue  # a mesh's record: the same ops
+        schedule = parse_file(path, world=2)
+        for step, rules in zip(schedule.step_list(), synth.input_rules(schedule), strict=True):
+            op = step.op
+            want: dict[str, object] = {}
+            if getattr(op, "output_scale", None):
+                want[op.output_scale] = iface.TensorScale()
+            scale = getattr(op, "scale", None)
+            if scale is not None and scale.per == "tensor":
+                want[scale.buffer] = iface.TensorScale()
+            mask = getattr(op, "mask_empty", None)
+            if mask is not None:
+                want[mask.lengths] = want[mask.query_start_loc] = iface.Requests(mask, op.dst)
+            if step.kind == "ragged_all_to_all":
+                want[op.counts] = iface.Counts(str(op.capacity))
+            if step.kind == "weighted_combine" and op.index:
+                want[op.index] = iface.RowIndex(*op.src)
+            assert rules == want, (path.name, step.name)
+            seen.update(type(r).__name__ for r in want.values())
+    assert seen == {"TensorScale", "Requests", "Counts", "RowIndex"}
