@@ -95,7 +95,9 @@ def test_every_op_that_computes_its_dst_declares_output_scale() -> None:
     from dcpc.ops.common import OUTPUT_SCALE
 
     scaled = {n for n, op in OPS.items() if OUTPUT_SCALE in op.model.model_fields}
-    assert scaled == {"all_reduce", "reduce", "reduce_scatter", "weighted_combine",
+    # a floor, as the moves' below: a new op that computes its dst joins by the rule
+    # (with_dst - moves), not by a second list here (docs/internals.md's recipe)
+    assert scaled >= {"all_reduce", "reduce", "reduce_scatter", "weighted_combine",
                       "lse_combine", "lse_correct", "all_to_all_combine"}
     with_dst = {n for n, op in OPS.items() if "dst" in op.model.model_fields}
     moves = {n for n in with_dst if OPS[n].exact}  # OpDef.exact: its dst holds src's bits
