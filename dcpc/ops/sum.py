@@ -15,7 +15,15 @@ from pydantic import Field
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops._reduce import floats_only
-from dcpc.ops.common import OUTPUT_SCALE, Scope, Semantics, keyed, local, typed
+from dcpc.ops.common import (
+    OUTPUT_SCALE,
+    Scope,
+    Semantics,
+    keyed,
+    local,
+    merge_input_rules,
+    typed,
+)
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
@@ -91,4 +99,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return plan
 
 
-DEF = define(OpDef("sum", Sum, semantics, verify, reference, io, lower))
+DEF = define(OpDef("sum", Sum, semantics, verify, reference, io, lower,
+                   inputs=merge_input_rules))
