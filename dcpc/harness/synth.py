@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -82,6 +83,20 @@ def _request_mask(schedule: m.Schedule) -> Requests | None:
             if isinstance(rule, Requests):
                 return rule
     return None
+
+
+def mask_team(schedule: m.Schedule, world: int) -> tuple[int, Callable[[int], int]]:
+    """The team the request mask's KV is sharded over: the team of the first step that
+    reads the mask (its ``axis:``; every rank without one): its size G and each rank's
+    index in it (``local_seq_lens`` is [B, G], member i's lengths in column i)."""
+    from dcpc.lang.mesh import mesh_of
+    from dcpc.topology import shape_of, torus
+
+    for step, rules in zip(schedule.step_list(), input_rules(schedule), strict=True):
+        if schedule.mesh and any(isinstance(r, Requests) for r in rules.values()):
+            axes, ranks = mesh_of(schedule).team_axes(step.op), torus(shape_of(world))
+            return ranks.team_size(axes), partial(ranks.member, axes=axes)
+    return int(world), lambda rank: rank
 
 
 def mask_of(schedule: m.Schedule) -> m.MaskEmpty | None:
@@ -174,10 +189,12 @@ def call_inputs(
         requests = buffer_shape(schedule, mask.lengths, sizes)[0]
         rows = mask_rows(schedule, sizes)
         assert rows is not None
-        req = _requests(rng, rows, requests, world, mask.interleave)
+        members, _ = mask_team(schedule, world)  # the team's size G (W: every axis)
+        req = _requests(rng, rows, requests, members, mask.interleave)
         lengths = req["seq_lens"]
-        if mask.local_seq_lens is not None:  # every rank's own lengths [B, W] (interleave 1)
-            lengths = torch.stack([local_seq_len(lengths, p, world, 1) for p in range(world)], 1)
+        if mask.local_seq_lens is not None:  # every member's own lengths [B, G] (interleave 1)
+            lengths = torch.stack([local_seq_len(lengths, p, members, 1)
+                                   for p in range(members)], 1)
         shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
     scales = output_scales(schedule)
     out: list[Buffers] = []
@@ -325,6 +342,7 @@ def make_external(
 ) -> Any:
     """The harness's external steps for one call: ``fn(step, rank, bufs) -> writes``."""
     mask = mask_of(schedule)
+    members, member = mask_team(schedule, world)  # the mask's KV shards: a team's members
     env = {**sizes, "W": world}
     masked = mask_rows(schedule, env)  # written rows of this count get garbage when masked
     scales = output_scales(schedule)
@@ -356,7 +374,7 @@ def make_external(
             else:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             if mask is not None and len(shape) >= 2 and shape[0] == masked:
-                rows = empty_rows(mask, bufs, rank, world, shape[0])
+                rows = empty_rows(mask, bufs, member(rank), members, shape[0])
                 pool = O_GARBAGE if len(shape) == 3 else LSE_GARBAGE
                 for t in torch.nonzero(rows).flatten().tolist():
                     value[t] = garbage.choice(pool)

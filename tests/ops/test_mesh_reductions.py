@@ -207,3 +207,17 @@ def test_the_team_files_match_float64(path: Path, world: tuple[int, int], backen
     for step in parse_file(path, w).step_list():
         for name in (returned_names(step.op) if step.kind != "external" else []):
             assert report.outputs[name].compared == 3 * int(w), (name, text)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["local", "host"])
+def test_a_team_merge_masked_by_local_seq_lens_runs(backend: str) -> None:
+    """An lse all_reduce over one axis masked by `local_seq_lens` ([B, G]: one column per
+    team member) could not be run: the synthetic inputs made it [B, W] and the engine
+    step's garbage rows were chosen by global rank (an independent review, 2026-12-04).
+    At 3x2 (G = 3 of W = 6 along node)."""
+    path = Path(__file__).resolve().parents[1] / "mesh_cases" / "team_local_lens.yaml"
+    report = run_schedule(RunConfig(schedule=str(path), world=MeshWorld((3, 2)),
+                                    backend=backend, calls=3, seed=5))
+    assert report.launch.ok and report.mismatches == 0, format_report(report)
+    assert report.outputs["out"].compared == 3 * 6
