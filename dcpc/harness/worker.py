@@ -178,18 +178,46 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return to_host(t) if t.device.type != "cpu" else t
 
 
-def _kind_of_writer(steps: list[m.Step], before: int, name: str) -> str:
-    """How a buffer an engine step reads is compared: "move" (bit for bit) when the last
-    step before ``before`` that wrote it moves data (or is an engine step: its values are
-    stored as they are), "math" (its dtype's tolerance) when an op computed it (a sum
-    read again is still a sum)."""
-    for step in reversed(steps[:before]):
-        if name in synth.op_io(step.op)[1]:
-            return "move" if OPS[step.op.op].exact else "math"
-    return "move"
+class ValueKinds:
+    """How each value is compared, by the ops that made it: "move" (bit for bit) or
+    "math" (its dtype's tolerance). An op's own output is "math" when it computes it,
+    "move" when it moves bits. What a move carries is compared bit for bit too (the
+    reference rounds where the kernel stores, issue 21 item 6: a bf16 sum gathered is
+    the bits the sum stored), except a value computed into f32: there the kernel's fp32
+    order and float64's differ by an ulp that no rounding hides, which the move carries
+    along (a sum broadcast is still a sum). An engine step reads an op's output as
+    "math" when an op computed it. Made once per rank's run, in program order."""
+
+    def __init__(self, schedule: m.Schedule, steps: list[m.Step]):
+        held: dict[str, str] = {}  # buffer -> "move" | "math" | "math-f32" (carried)
+        self._before: list[dict[str, str]] = []
+        self._of_step: list[str] = []
+        for step in steps:
+            self._before.append(dict(held))
+            reads, writes = synth.op_io(step.op)
+            if not OPS[step.op.op].exact:
+                kind = "math"
+                for w in writes:
+                    held[w] = "math-f32" if schedule.buffers[w].dtype == m.DType.f32 else "math"
+            elif step.kind != "external" and any(held.get(r) == "math-f32" for r in reads):
+                kind = "math"
+                held.update({w: "math-f32" for w in writes})
+            else:
+                kind = "move"
+                held.update({w: "move" for w in writes})
+            self._of_step.append(kind)
+
+    def before(self, index: int, name: str) -> str:
+        """How the value ``name`` holds before step ``index`` is compared (an engine
+        step's read, a replay's watch)."""
+        return "move" if self._before[index].get(name, "move") == "move" else "math"
+
+    def of_step(self, index: int) -> str:
+        """How what step ``index`` returns is compared."""
+        return self._of_step[index]
 
 
-def _written(module: Any, schedule: m.Schedule, steps: list[m.Step], step: m.Step,
+def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
              rank: int, slot: int, sizes: dict[str, int], trace: Any, ragged: set[str],
              name: str | None) -> Callable[[], bool] | None:
     """A replay's watch (None without one): whether this rank's instance of ``name`` no
@@ -203,7 +231,7 @@ def _written(module: Any, schedule: m.Schedule, steps: list[m.Step], step: m.Ste
 
     def differs() -> bool:
         stats = OutputStats()
-        compare(name, _kind_of_writer(steps, step.index, name),
+        compare(name, kinds.before(step.index, name),
                 schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
                 stats, "", ragged=name in ragged)
         return stats.mismatches > 0
@@ -265,6 +293,7 @@ def run_rank(
         order_programs(program_order, seed)
     schedule = parse_file(schedule_path, world=world)
     steps = schedule.step_list()
+    kinds = ValueKinds(schedule, steps)
     cls = load_module_class(module_path, schedule.schedule)
     served = cls.for_world(world)  # a module of several W: the class of this W (its tables)
     ctor = synth.constructor_sizes(schedule, world, sizes)
@@ -325,7 +354,7 @@ def run_rank(
         if replay is not None and here == replay["hold"]:
             progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
             report.replay = adversary.replay_hold(replay, _written(
-                module, schedule, steps, step, rank, event.slot, sizes, trace, ragged,
+                module, schedule, kinds, step, rank, event.slot, sizes, trace, ragged,
                 replay["watch"]))
         if isinstance(step.op, External):
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
@@ -337,7 +366,7 @@ def run_rank(
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
                     # a method's output read again by the engine: counted on its own
                     key = f"{name}@{step.name}" if name in returned else name
-                    compare(name, _kind_of_writer(steps, step.index, name),
+                    compare(name, kinds.before(step.index, name),
                             schedule.buffers[name].dtype.value, got, want,
                             report.outputs.setdefault(key, OutputStats()), where,
                             ragged=name in ragged)
@@ -366,7 +395,7 @@ def run_rank(
             names = returned_names(step.op)
             if len(values) != len(names):
                 raise TypeError(f"{step.name}() returned {len(values)} tensors, want {names}")
-            kind = "move" if OPS[step.op.op].exact else "math"
+            kind = kinds.of_step(step.index)
             for name, value in zip(names, values, strict=True):
                 env[name] = value
                 # a step may leave a returned buffer as it was on some ranks (a shift
