@@ -17,7 +17,7 @@ from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.harness.launch import LaunchResult, RankOutcome, launch
 from dcpc.harness.replay import Replay
 from dcpc.harness.worker import OutputStats, RankReport
-from dcpc.lang.mesh import MeshWorld
+from dcpc.lang.mesh import MeshWorld, worlds_text
 from dcpc.run_limits import RunConfigError, check_compiled, check_config, default_calls
 
 
@@ -238,9 +238,18 @@ def given_module(config: RunConfig) -> tuple[str, str, str, float]:
             f"'{schedule.schedule}' (source sha256 {getattr(cls, 'SOURCE_SHA256', '?')[:12]}, "
             f"{printable(config.schedule)}'s {digest[:12]}); compile it again")
     try:
-        cls.for_world(config.world)
+        variant = cls.for_world(config.world)
     except ValueError as exc:
         raise RunConfigError(f"--module {printable(str(path))}: {exc}") from None
+    proved = tuple(getattr(variant, "WORLDS", ()))
+    want = tuple(config.world.shape) if isinstance(config.world, MeshWorld) else \
+        int(config.world)
+    if want not in proved:  # a run outside the proof (and its checks: a root past W)
+        shown = worlds_text([MeshWorld(w) if isinstance(w, tuple) else w for w in proved])
+        raise RunConfigError(
+            f"--module {printable(str(path))} was proved and compiled for W {shown}, not "
+            f"--world {config.world}; compile it with --world {config.world} (or a range "
+            "that holds it)")
     return str(config.schedule), str(path), schedule.schedule, 0.0
 
 

@@ -111,3 +111,20 @@ def test_a_module_of_one_w_is_as_before(tmp_path: Path) -> None:
     text = _compile(RING, tmp_path, [3]).read_text()
     assert "class RingAttention(_rt.ScheduleModule):" in text and "ModuleOfWorlds" not in text
     assert "    LOOP_WORLD = 3\n" in text
+
+
+
+def test_a_module_is_refused_at_a_world_it_was_not_proved_for(tmp_path: Path) -> None:
+    """A module compiled (and proved) for W=3 run at W=2: its float64 reference died on
+    an index (a broadcast's root 2 is no rank at W=2) where the proof said nothing; it
+    is refused, naming the worlds the module holds."""
+    path = tmp_path / "root_two.yaml"
+    path.write_text("schedule: root_two\nsizes: {T: {max: 8}, D: 16}\nbuffers:\n"
+                    "  x: {shape: [T, D], dtype: f32}\n"
+                    "  d: {shape: [T, D], dtype: f32, symmetric: true}\n"
+                    "steps:\n  - bc: {op: broadcast, src: x, dst: d, root: 2}\n"
+                    "  - release: {op: barrier}\n")
+    module = _compile(path, tmp_path, [3])
+    with pytest.raises(RunConfigError, match=r"proved and compiled for W 3, not --world 2"):
+        run_schedule(RunConfig(schedule=str(path), world=2, backend="local", calls=1,
+                               module=str(module)))
