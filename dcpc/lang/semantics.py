@@ -58,7 +58,9 @@ def table(schedule: m.Schedule, known: list[Semantics] | None = None) -> list[Se
     here as ``known`` (returned as is); called without it (tests, the hints' edited
     schedules) it is made anew."""
     if known is not None:
-        assert len(known) == len(schedule.steps), (len(known), len(schedule.steps))
+        # one entry per step of step_list(), which numbers an item of two steps (or
+        # none, both the checker's bad-step) consecutively: not len(schedule.steps)
+        assert len(known) == len(schedule.step_list()), (len(known), schedule.schedule)
         return known
     scope = Scope(schedule)
     return [on_team(schedule, step, OPS[step.kind].semantics(scope, step))
