@@ -76,32 +76,32 @@ def input_rules(schedule: m.Schedule) -> list[dict[str, InputRule]]:
     return found
 
 
-def _request_mask(schedule: m.Schedule) -> Requests | None:
-    """The request mask: the first step's that reads one."""
-    for rules in input_rules(schedule):
+def _request_mask(schedule: m.Schedule) -> tuple[m.Step, Requests] | None:
+    """The request mask and the step that reads it: the first step's that reads one."""
+    for step, rules in zip(schedule.step_list(), input_rules(schedule), strict=True):
         for rule in rules.values():
             if isinstance(rule, Requests):
-                return rule
+                return step, rule
     return None
 
 
 def mask_team(schedule: m.Schedule, world: int) -> tuple[int, Callable[[int], int]]:
-    """The team the request mask's KV is sharded over: the team of the first step that
-    reads the mask (its ``axis:``; every rank without one): its size G and each rank's
-    index in it (``local_seq_lens`` is [B, G], member i's lengths in column i)."""
+    """The team the request mask's KV is sharded over: the team of the step that reads
+    the mask (its ``axis:``; every rank without one): its size G and each rank's index
+    in it (``local_seq_lens`` is [B, G], member i's lengths in column i)."""
     from dcpc.lang.mesh import mesh_of
     from dcpc.topology import shape_of, torus
 
-    for step, rules in zip(schedule.step_list(), input_rules(schedule), strict=True):
-        if schedule.mesh and any(isinstance(r, Requests) for r in rules.values()):
-            axes, ranks = mesh_of(schedule).team_axes(step.op), torus(shape_of(world))
-            return ranks.team_size(axes), partial(ranks.member, axes=axes)
-    return int(world), lambda rank: rank
+    found = _request_mask(schedule) if schedule.mesh else None
+    if found is None:
+        return int(world), lambda rank: rank
+    axes, ranks = mesh_of(schedule).team_axes(found[0].op), torus(shape_of(world))
+    return ranks.team_size(axes), partial(ranks.member, axes=axes)
 
 
 def mask_of(schedule: m.Schedule) -> m.MaskEmpty | None:
-    requests = _request_mask(schedule)
-    return requests.mask if requests is not None else None
+    found = _request_mask(schedule)
+    return found[1].mask if found is not None else None
 
 
 def mesh_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
@@ -117,8 +117,8 @@ def mesh_sizes(schedule: m.Schedule, world: int) -> dict[str, int]:
 def mask_rows(schedule: m.Schedule, sizes: Mapping[str, int]) -> int | None:
     """The rows ``query_start_loc`` indexes in one call: the leading dim of the masked
     merge's ``dst`` (``T``, ``B*T`` for MTP, ``N``, whatever the schedule calls it)."""
-    requests = _request_mask(schedule)
-    return buffer_shape(schedule, requests.rows, sizes)[0] if requests is not None else None
+    found = _request_mask(schedule)
+    return buffer_shape(schedule, found[1].rows, sizes)[0] if found is not None else None
 
 
 def runtime_sizes(schedule: m.Schedule) -> list[str]:
