@@ -361,3 +361,7 @@ def run_(args: tuple[str, ...]) -> None:
     from dcpc.demo import main as demo_main
 
     sys.exit(demo_main(list(args)))
+
+
+if __name__ == "__main__":  # `python -m dcpc.cli` as `python -m dcpc`
+    main()

@@ -152,9 +152,11 @@ def test_the_semantics_table_is_made_once_per_schedule(monkeypatch: pytest.Monke
     assert c.per_world == [2, 3, 4] and len(made) == 3
 
 
-def test_module_entry_point_runs():
-    done = subprocess.run([sys.executable, "-m", "dcpc", "--version"], capture_output=True,
-                          text=True, timeout=60)
+@pytest.mark.parametrize("module", ["dcpc", "dcpc.cli"])
+def test_module_entry_point_runs(module):
+    # `python -m dcpc.cli` once imported the commands and exited 0 having done nothing
+    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0 and "dcpc" in done.stdout
 
 
