@@ -79,19 +79,24 @@ def verify_root(v: ShapeRules, step: Step) -> None:
     axes = mesh_of(v.ctx.schedule).team_axes(step.op)
     if axes is None:
         if root >= min(worlds):
+            # int(): a mesh shape prints as "2x2", its rank count is 4
             v.error(step.op.mark("root"), "root-out-of-range",
                     f"step '{step.name}' has root {root}, but the group has only "
-                    f"{min(worlds)} ranks at W={min(worlds)} (checked: W "
+                    f"{_ranks(int(min(worlds)))} at W={min(worlds)} (checked: W "
                     f"{min(worlds)}..{max(worlds)})",
-                    hint=f"use a root below {min(worlds)}, or check larger groups only")
+                    hint=f"use a root below {int(min(worlds))}, or check larger groups only")
         return
     size, world = min((torus(shape_of(w)).team_size(axes), w) for w in worlds)
     if root >= size:
         names = ", ".join(mesh_of(v.ctx.schedule).names(axes))
         v.error(step.op.mark("root"), "root-out-of-range",
                 f"step '{step.name}' has root {root} (a member index of its team over "
-                f"{names}), but its team has only {size} ranks at W={world}",
+                f"{names}), but its team has only {_ranks(size)} at W={world}",
                 hint=f"use a root below {size}, or check larger meshes only")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 def receive_buffer(ctx: LowerRules, step: Step, outer: ex.Expr, part: ex.Expr) -> str:

@@ -118,6 +118,9 @@ def test_a_team_root_is_checked_against_the_smallest_team() -> None:
     assert _errors(whole, [wide]) == []
     (err,) = _errors(whole, [small, wide])
     assert err.code == "root-out-of-range" and "at W=2x2" in err.message  # the whole group
+    assert "only 4 ranks at W=2x2" in err.message  # its rank count, not the shape
+    (err,) = _errors(on_gpu, [MeshWorld((2, 1)), wide])
+    assert "its team has only 1 rank at W=2x1" in err.message
 
 
 def test_a_team_s_via_is_sized_by_the_team() -> None:
