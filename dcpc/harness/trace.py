@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from dcpc.codegen.plan import Plan, StepPlan
+from dcpc.lang.mesh import shape_of, torus
 
 SYNC = "<sync>"  # signal words, epochs, error words, pointer tables
 OUTSIDE = "<outside every buffer>"
@@ -102,6 +103,9 @@ class Trace:
             self.ranges.append(Range(bank.flags.data_ptr(), words_end, SYNC, -1, -1, 8))
             for t in (bank.sig_ptrs, bank.epochs, bank.errors):
                 self._add(t, SYNC, -1, -1)
+            for t in getattr(module, "_team_cache", {}).values():  # teams' pointer tables
+                if isinstance(t, torch.Tensor):
+                    self._add(t, SYNC, -1, -1)
 
     def _add(self, t: torch.Tensor, name: str, owner: int, slot: int) -> None:
         end = t.data_ptr() + t.numel() * t.element_size()
@@ -309,6 +313,36 @@ def _part_ok(region: Any, offs: np.ndarray, shape: tuple[int, ...], writer: int,
     return (idx // region.interleave) % world == writer
 
 
+def _team_part_ok(region: Any, offs: np.ndarray, shape: tuple[int, ...], writer: int,
+                  owner: int, world: int) -> bool:
+    """Whether ``writer``'s store into ``owner``'s instance lies in its part: over a team
+    (``region.axes``) the owner is a member of the writer's team and the part is the
+    writer's member index of G parts."""
+    if region.axes is None:
+        return bool(_part_ok(region, offs, shape, writer, world).all())
+    team = torus(shape_of(world)).team(writer, region.axes)
+    return owner in team and bool(
+        _part_ok(region, offs, shape, team.index(writer), len(team)).all())
+
+
+def _remote_read(where: str, buffer: str, owner: int, reader: int, world: int,
+                 regions: list[Any], offs: np.ndarray, shape: tuple[int, ...]) -> list[str]:
+    """What is wrong with ``reader``'s read of rank ``owner``'s instance: the plan allows
+    it only by a region effect (pull's ``whole``), whose team must hold the owner, and
+    within the buffer's shape."""
+    regions = [r for r in regions if r is not None]
+    if not regions:
+        return [f"{where}: reads rank {owner}'s instance of '{buffer}'"]
+    out = []
+    if not any(r.axes is None or owner in torus(shape_of(world)).team(reader, r.axes)
+               for r in regions):
+        out.append(f"{where}: reads rank {owner}'s instance of '{buffer}', which is not "
+                   "in its team")
+    if (offs >= int(np.prod(shape, dtype=np.int64))).any():
+        out.append(f"{where}: reads '{buffer}' of rank {owner} past its shape {shape}")
+    return out
+
+
 def check(trace: Trace, plan: Plan, world: int) -> list[str]:
     """What the kernels did that the plan's effects do not say, and what the effects say
     that no kernel did (see the module doc). Empty: they agree."""
@@ -338,8 +372,10 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
                 continue
             if kinds.get(buffer) == "symmetric" and slot not in (-1, call.slot):
                 problems.append(f"{where}: {kind}s '{buffer}' of slot {slot}")
-            if kind == "read" and owner != call.rank and not any(e.region for e in match):
-                problems.append(f"{where}: reads rank {owner}'s instance of '{buffer}'")
+            if kind == "read" and owner != call.rank:
+                problems.extend(_remote_read(where, buffer, owner, call.rank, world,
+                                             [e.region for e in match], offs,
+                                             shapes.shape(plan.buffer(buffer).shape, call.env)))
             if kind != "write":
                 continue
             regions = [e.region for e in match if e.region is not None]
@@ -353,7 +389,8 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
             if (offs >= size).any():
                 problems.append(f"{where}: writes '{buffer}' past its shape {shape}")
             if not any(r.writers(owner, world) == [call.rank] if r.scheme in ("peer", "line")
-                       else _part_ok(r, offs, shape, call.rank, world).all() for r in regions):
+                       else _team_part_ok(r, offs, shape, call.rank, owner, world)
+                       for r in regions):
                 problems.append(f"{where}: writes '{buffer}' of rank {owner} outside rank "
                                 f"{call.rank}'s part ({regions[0].scheme}, dim "
                                 f"{regions[0].dim})")

@@ -364,6 +364,8 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
             elif buf.kind == "output":
                 n = self._numel(buf, self._max_env)
                 self._local[name] = [self._empty(n, buf.dtype) for _ in range(self.SLOTS)]
+        if self.TEAMS:
+            self._make_team_tables()  # dcpc.runtime.teams
         self._scratch: dict[str, dict[str, list[torch.Tensor]]] = {}
         if self._on_torch:
             for step, table in self.SCRATCH.items():

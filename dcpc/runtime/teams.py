@@ -109,6 +109,15 @@ class TeamsMixin:
             found = self._team_cache[key] = table.index_select(0, index).contiguous()
         return found
 
+    def _make_team_tables(self) -> None:
+        """Every team's rank table and pointer tables, made at construction so that a call
+        allocates nothing (CUDA-graph capture; several ranks in one process)."""
+        for step in self.TEAMS:
+            self._team_table(step)
+            for name, tables in self._peers.items():
+                for slot in range(len(tables)):
+                    self._team_peers(step, name, slot)
+
     def _team_comm(self, step: str, slot: int) -> Any:
         """The torch backend's SlotGroup of this rank's team of ``step`` for ``slot``."""
         return self._team_cache[("comm", self.TEAMS[step], slot)]

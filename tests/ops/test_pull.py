@@ -106,6 +106,23 @@ def test_the_kernels_read_peers_where_the_plan_says() -> None:
     assert any("reads rank" in p and "instance of 'y_sym'" in p for p in problems), problems
 
 
+
+def test_a_team_pull_reads_its_team_only() -> None:
+    """On a 2x2 mesh the kernels read their team's instances (the tracer asks each read
+    of a peer's instance for a region whose team holds that peer); the same trace against
+    a plan whose gpu pull is said to read over node is refused on every cross-team read."""
+    run = tr.run_traced(str(AXIS), MeshWorld((2, 2)), programs=2, block=256, calls=1)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+    node = next(e.region.axes for s in run.plan.steps if s.name == "nodes"
+                for e in s.effects if e.region is not None)
+    plan = dataclasses.replace(run.plan, steps=[
+        dataclasses.replace(s, effects=[dataclasses.replace(
+            e, region=dataclasses.replace(e.region, axes=node)) if e.region else e
+            for e in s.effects]) if s.name == "in_node" else s for s in run.plan.steps])
+    problems = tr.check(run.trace, plan, MeshWorld((2, 2)))
+    assert problems and all("step 'in_node'" in p and "not in its team" in p
+                            for p in problems), problems
+
 # variants of pull.yaml: an integer payload over i64's whole range, bit for bit
 VARIANTS = {
     "": [],

@@ -299,3 +299,39 @@ def test_a_template_that_reads_the_masks_after_the_wait_is_rightly_not_caught(mo
     assert mask_phases(run) == {"after"}
     assert any(f"reads '{MASK}' after its signal/wait; the plan says: read before" in p
                for p in mutated(run, "combine", only("before"))), run.problems
+
+
+# ---- teams: the mesh files, where a writer's part is its member index of its team ------
+MESH_FILES = sorted((ROOT / "schedules" / "ops").glob("*_axis.yaml")) + [
+    ROOT / "schedules" / "gallery" / f"{name}.yaml"
+    for name in ("usp", "double_ring", "hierarchical_two_level")]
+
+
+@pytest.mark.parametrize("path", MESH_FILES, ids=lambda p: p.stem)
+def test_team_kernels_touch_their_team_s_part(path):
+    """At 2x3 (teams of 2 and of 3): the tracer once took a team store's writer as its
+    global rank and its part as one of W (every team file "outside rank r's part"), and
+    read the team pointer tables, made at the first call, as outside every buffer."""
+    from dcpc.lang.mesh import MeshWorld
+
+    run = tr.run_traced(str(path), MeshWorld((2, 3)), programs=2, block=256, calls=2)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+
+
+def test_a_team_store_into_another_team_is_caught():
+    """The same trace against a plan whose gather over gpu says it is over node."""
+    from dcpc.lang.mesh import MeshWorld
+
+    world = MeshWorld((2, 2))
+    run = tr.run_traced(str(ROOT / "schedules" / "ops" / "all_gather_axis.yaml"), world,
+                        programs=1, block=None, calls=1)
+    assert run.problems == []
+    axes = {s.name: next(e.region.axes for e in s.effects if e.region is not None)
+            for s in run.plan.steps if any(e.region is not None for e in s.effects)}
+    first, other = next((a, b) for a in axes for b in axes if axes[a] != axes[b])
+    plan = dataclasses.replace(run.plan, steps=[
+        dataclasses.replace(s, effects=[dataclasses.replace(
+            e, region=dataclasses.replace(e.region, axes=axes[other])) if e.region else e
+            for e in s.effects]) if s.name == first else s for s in run.plan.steps])
+    problems = tr.check(run.trace, plan, world)
+    assert any(f"step '{first}'" in p and "outside rank" in p for p in problems), problems
