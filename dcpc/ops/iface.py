@@ -6,7 +6,8 @@ its float64 reference (``OpDef.reference``) the simulator's ``Sim``
 (dcpc.codegen.ctx). Those stages sit above the ops and import them; the ops see
 them only through the protocols here (what they actually use of each), so that no op
 imports a stage, not even for a type. ``Ref`` lives here because ops build them too,
-and the ``InputRule``s an op's ``OpDef.inputs`` returns (dcpc.harness.synth reads them).
+the ``InputRule``s an op's ``OpDef.inputs`` returns (dcpc.harness.synth reads them) and
+the ``OutputRule``s of its ``OpDef.outputs`` (dcpc.harness.worker reads them).
 """
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ class Requests:
 
 
 InputRule = Counts | RowIndex | TensorScale | Requests
+
+
+# What ``dcpc run`` compares of a buffer an op writes: an op's ``OpDef.outputs`` names
+# the buffers with a rule (dcpc.harness.worker reads them); a buffer no op names is
+# compared whole.
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """Elements no rank sent may stay as they were (the rows past a count of a ragged
+    exchange): the float64 reference holds ``SimView.unsent`` there (NaN, or an integer
+    payload's poison), and ``dcpc run`` compares only the other elements."""
+
+
+OutputRule = Unsent
 
 
 class Samples(Protocol):

@@ -4,7 +4,8 @@ Every stage reads an op through its entry: the model's discriminated union
 (dcpc.lang.model), the effects and sync (dcpc.lang.semantics), the shape and dtype
 verifier (dcpc.check.ops), the float64 reference (dcpc.harness.simulate) and what a
 step reads and writes and what its inputs must respect, for synthetic inputs
-(dcpc.harness.synth), and the Triton
+(dcpc.harness.synth), what of its outputs ``dcpc run`` compares (dcpc.harness.worker),
+and the Triton
 lowering rule (dcpc.codegen.lower), whose template is templates/ops/<name>.py.j2. The
 torch backend is the one part of an op outside its module: a function of the op's name
 in dcpc/runtime/collectives.py, because the runtime imports no compiler code.
@@ -22,7 +23,7 @@ from dcpc.lang.nodes import BUFFER_KEYS, Name
 if TYPE_CHECKING:
     from dcpc.lang.nodes import OpBase, Step
     from dcpc.ops.common import Scope, Semantics
-    from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
+    from dcpc.ops.iface import InputRule, LowerRules, OutputRule, ShapeRules, SimView
 
 IO = tuple[list[str], list[str]]
 
@@ -50,6 +51,9 @@ class OpDef:
     ``inputs(op)``: what ``dcpc run``'s synthetic values of the buffers it reads must
     respect (dcpc.ops.iface ``InputRule``: counts within a capacity, rows that exist, an
     fp8 scale, the request mask), by buffer; None: nothing (dcpc.harness.synth).
+    ``outputs(op)``: what ``dcpc run`` may leave uncompared of the buffers it writes
+    (dcpc.ops.iface ``OutputRule``: ``Unsent``, elements no rank sent), by buffer;
+    None: every written element is compared (dcpc.harness.worker).
     """
 
     name: str
@@ -64,6 +68,7 @@ class OpDef:
     team_form: str = ""
     exact: bool = False
     inputs: Callable[[Any], dict[str, InputRule]] | None = None
+    outputs: Callable[[Any], dict[str, OutputRule]] | None = None
 
     def takes_team(self, op: OpBase) -> bool:
         """Whether this step of the op may run over a team (``axis:``)."""
