@@ -7,7 +7,8 @@ its float64 reference (``OpDef.reference``) the simulator's ``Sim``
 them only through the protocols here (what they actually use of each), so that no op
 imports a stage, not even for a type. ``Ref`` lives here because ops build them too,
 the ``InputRule``s an op's ``OpDef.inputs`` returns (dcpc.harness.synth reads them) and
-the ``OutputRule``s of its ``OpDef.outputs`` (dcpc.harness.worker reads them).
+the ``OutputRule``s of its ``OpDef.outputs`` (dcpc.harness.worker reads them); an
+op's own torch body (``OpDef.torch``) gets a ``TorchComm`` (the runtime's slot group).
 """
 
 from __future__ import annotations
@@ -218,3 +219,24 @@ class LowerRules(Protocol):
     def mask(self, op: Any, plan: Any) -> None: ...
 
     def output_scale(self, op: Any, plan: Any) -> None: ...
+
+
+class TorchComm(Protocol):
+    """One slot's process group, as an op's own torch body (``OpDef.torch``) uses it
+    (dcpc.runtime.collectives.SlotGroup implements it). The body is copied into each
+    generated module that has the op (the runtime imports no compiler code), so it
+    reaches the runtime only through this: ``group`` (a torch.distributed group),
+    ``rank`` (this rank's index in it: a team member index for a team op), and the
+    helpers below."""
+
+    @property
+    def group(self) -> Any: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def wait(self, work: Any, op: str) -> None: ...  # an async collective, within the timeout
+
+    def wire(self, t: torch.Tensor) -> torch.Tensor: ...  # as sent: an fp8 tensor as bytes
+
+    def refuse(self, message: str) -> None: ...  # bad arguments: DcpcArgumentError
