@@ -188,6 +188,63 @@ def device_imports(kernels: str) -> str:
     return f"from {DEVICE_LIBRARY} import (\n" + "".join(f"    {n},\n" for n in used) + ")"
 
 
+def torch_bodies(plan: Plan) -> str:
+    """The ops' own torch bodies (``OpDef.torch``) that the plan's steps use, each once,
+    in step order, as the module-level functions their templates' ``torch_body`` macros
+    call (``OpDef.torch_name``); "" when no op of the plan has one."""
+    from dcpc.ops import OPS
+
+    used = [OPS[kind] for kind in dict.fromkeys(s.op for s in plan.steps) if kind in OPS]
+    return "\n\n\n".join(torch_source(op.torch, op.torch_name)
+                          for op in used if op.torch is not None)
+
+
+def torch_source(fn: Any, name: str) -> str:
+    """``fn``'s source as the generated module's function ``name``: a plain ``def`` (no
+    decorator), its signature without annotations (they name compiler types the module
+    does not import), its body as written."""
+    import ast
+    import inspect
+
+    source = textwrap.dedent(inspect.getsource(fn))
+    (node,) = ast.parse(source).body
+    if not isinstance(node, ast.FunctionDef) or node.decorator_list:
+        raise ValueError(f"{name}: an op's torch body is a plain def, not {source[:40]!r}")
+    params = _params(node.args, source)
+    head = f"def {name}({', '.join(params)}):"
+    if len(head) > WIDTH:  # ruff-format style: one parameter a line
+        head = f"def {name}(\n" + "".join(f"    {p},\n" for p in params) + "):"
+    body = source.splitlines(keepends=True)[node.body[0].lineno - 1:node.end_lineno]
+    if node.body[0].lineno == node.lineno:
+        raise ValueError(f"{name}: an op's torch body starts on the line after its def")
+    return head + "\n" + "".join(body).rstrip("\n")
+
+
+def _params(args: Any, source: str) -> list[str]:
+    """A def's parameters (an ``ast.arguments`` of ``source``) as written (a default's
+    own text), without annotations."""
+    import ast
+
+    def one(arg: ast.arg, default: ast.expr | None) -> str:
+        if default is None:
+            return arg.arg
+        return f"{arg.arg}={ast.get_source_segment(source, default)}"
+
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    out = [one(a, d) for a, d in zip(positional, defaults, strict=True)]
+    if args.posonlyargs:
+        out.insert(len(args.posonlyargs), "/")
+    if args.vararg is not None:
+        out.append(f"*{args.vararg.arg}")
+    elif args.kwonlyargs:
+        out.append("*")
+    out += [one(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)]
+    if args.kwarg is not None:
+        out.append(f"**{args.kwarg.arg}")
+    return out
+
+
 def unpack(names: Any, value: str, indent: int) -> str:
     """``a, b, c = value`` at ``indent`` in ruff-format style: one line when it fits, else
     the names one a line in parentheses."""
@@ -261,6 +318,7 @@ def emit(plan: Plan) -> str:
                                  else f'self._team_size("{step.name}")'),
         member=lambda step: ("self.rank" if step.sync.axes is None
                              else f'self._team_member("{step.name}")'),
+        torch_bodies=torch_bodies(plan),
     )
     return _normalize(text)
 
@@ -405,7 +463,8 @@ def _module_pieces(text: str) -> tuple[str, str, dict[str, str], str]:
     future = next(n for n in body if isinstance(n, ast.ImportFrom) and n.module == "__future__")
     funcs = [n for n in body if isinstance(n, ast.FunctionDef)]
     (cls,) = [n for n in body if isinstance(n, ast.ClassDef)]
-    end = (min(d.lineno for d in funcs[0].decorator_list) if funcs else cls.lineno) - 1
+    end = (min((d.lineno for d in funcs[0].decorator_list), default=funcs[0].lineno)
+           if funcs else cls.lineno) - 1
     prelude = _DEVICE_IMPORT.sub("", "".join(lines[future.lineno - 1:end])).rstrip("\n") + "\n"
     header = "".join(lines[:future.lineno - 1])
     return header, prelude, {f.name: span(f) for f in funcs}, span(cls)

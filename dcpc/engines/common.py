@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dcpc import __version__
+from dcpc.lang.mesh import DEFAULT_WORLDS
 from dcpc.runtime import calls
 from dcpc.runtime.backend import group_rank_world
 from dcpc.runtime.errors import DcpcArgumentError
@@ -45,7 +46,9 @@ DTYPE_NAMES = {
     torch.float8_e4m3fn: "fp8e4m3",
 }
 PATHS = ("a2a", "fused", "ag_rs")
-CHECKED_WORLDS = (2, 8)  # every schedule is proved for W 2..8, or up to the group's W
+# every schedule is proved for the W dcpc check proves by default (2..8), or up to the
+# group's W
+CHECKED_WORLDS = (DEFAULT_WORLDS[0], DEFAULT_WORLDS[-1])
 
 
 # ---- the schedules ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from dcpc.engines.agree import refusing
 from dcpc.engines.common import DTYPE_NAMES, log_once, resolve_group, switch
 from dcpc.engines.fallback import Comm
 from dcpc.engines.vllm_free import KV_GATHER_SWITCH, ubatch
-from dcpc.engines.vllm_manager import MLADCPManager
+from dcpc.engines.vllm_manager import MLADCPManager, kv_runner
 
 SLOTS_ENV = "VLLM_DCP_KV_GATHER_SLOTS"  # PR #52239: slots per ubatch of the direct gather
 
@@ -93,8 +93,7 @@ class MLADCPKVGather:
     """PR #52239's MLADCPKVGather(group, device, num_ubatches): the chunked-context KV
     gather of an MLA layer, on dcpc modules (see the module's docstring)."""
 
-    _kv_runner = MLADCPManager._kv_runner  # the rank-major gather module of a dtype, width
-    _agree = MLADCPManager._agree
+    _kv_runner = kv_runner  # the rank-major gather module of a dtype, width (MLADCPManager's)
 
     def __init__(self, group: Any, device: torch.device | str, num_ubatches: int, *,
                  backend: str = "auto"):

@@ -36,6 +36,25 @@ from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import sync_stream
 
 
+def kv_runner(self: Any, dtype: torch.dtype, width: int) -> GatherRunner | None:
+    """The rank-major KV gather module of ``dtype`` and ``width`` for a manager (``self``:
+    MLADCPManager, or PR #52239's MLADCPKVGather, which shares it: dcpc.engines.vllm_kv),
+    or None for the torch fallback."""
+    if self._kv is None:
+        raise DcpcArgumentError("kv_gather: call init_kv_gather(workspace, T) first")
+    if self.dcp.world == 1 or switch(KV_GATHER_SWITCH) == "off":
+        return None
+    if dtype not in DTYPE_NAMES:
+        if switch(KV_GATHER_SWITCH) == "on":
+            raise DcpcArgumentError(f"{KV_GATHER_SWITCH}=1 but KV dtype {dtype} is "
+                                    "not supported")
+        log_once(f"kv:{dtype}", f"MLADCPManager.kv_gather: torch fallback: {dtype}")
+        return None
+    spec = GatherSpec("kv", width, DTYPE_NAMES[dtype], self._kv[1] // self.dcp.world,
+                      self.num_ubatches)
+    return runners.runner(GatherRunner, spec, self.dcp, None, self.backend)
+
+
 class MLADCPManager:
     """vLLM's MLADCPManager: ``combine``, ``query_gather`` and the KV gather of one MLA
     layer type, on modules built here, at model load (collective: every rank of the
@@ -295,20 +314,7 @@ class MLADCPManager:
             for ub in [*range(self.num_ubatches)] * 2:
                 r.run(workspace[: t // w], slot=ub)
 
-    def _kv_runner(self, dtype: torch.dtype, width: int) -> GatherRunner | None:
-        if self._kv is None:
-            raise DcpcArgumentError("kv_gather: call init_kv_gather(workspace, T) first")
-        if self.dcp.world == 1 or switch(KV_GATHER_SWITCH) == "off":
-            return None
-        if dtype not in DTYPE_NAMES:
-            if switch(KV_GATHER_SWITCH) == "on":
-                raise DcpcArgumentError(f"{KV_GATHER_SWITCH}=1 but KV dtype {dtype} is "
-                                        "not supported")
-            log_once(f"kv:{dtype}", f"MLADCPManager.kv_gather: torch fallback: {dtype}")
-            return None
-        spec = GatherSpec("kv", width, DTYPE_NAMES[dtype], self._kv[1] // self.dcp.world,
-                          self.num_ubatches)
-        return runners.runner(GatherRunner, spec, self.dcp, None, self.backend)
+    _kv_runner = kv_runner  # the rank-major gather module of a dtype and width
 
     def kv_gather(self, gathered_kv: torch.Tensor, local_kv: torch.Tensor,
                   slot: int | None = None) -> None:

@@ -70,8 +70,8 @@ def table(schedule: m.Schedule, known: list[Semantics] | None = None) -> list[Se
 def describe(sem: Semantics) -> tuple[str, str, str]:
     """One step's semantics in words, by the keys that name its buffers (a list's items
     as one key), each key once: (before its signal, after its wait, its sync).
-    docs/internals.md's op table is made of these (tests/cli/test_docs.py), so the table
-    and the ops' rules cannot drift."""
+    docs/language.md's generated op table is made of these (tests/cli/test_docs.py), so
+    the table and the ops' rules cannot drift."""
 
     def region(e: Effect) -> str:
         r = e.region

@@ -1,8 +1,9 @@
 """The ops of the schedule language, one module each, registered in ``OPS``.
 
 A module holds everything an op means: its pydantic model, its semantics (effects
-and sync), its shape and dtype verifier, its float64 reference, its io and its Triton
-lowering rule (the torch backend alone is elsewhere: dcpc/runtime/collectives.py). Importing
+and sync), its shape and dtype verifier, its float64 reference, its io, its Triton
+lowering rule and, when no collective of dcpc/runtime/collectives.py serves it, its own
+torch body (``OpDef.torch``, copied into the generated modules). Importing
 this package imports every module of it, and each op module registers itself; the order of
 ``MODULES``, then the other ops by name, is the language's op order (``OP_NAMES``). See
 dcpc/ops/registry.py for the record, docs/internals.md for the recipe.

@@ -6,7 +6,9 @@ its float64 reference (``OpDef.reference``) the simulator's ``Sim``
 (dcpc.codegen.ctx). Those stages sit above the ops and import them; the ops see
 them only through the protocols here (what they actually use of each), so that no op
 imports a stage, not even for a type. ``Ref`` lives here because ops build them too,
-and the ``InputRule``s an op's ``OpDef.inputs`` returns (dcpc.harness.synth reads them).
+the ``InputRule``s an op's ``OpDef.inputs`` returns (dcpc.harness.synth reads them) and
+the ``OutputRule``s of its ``OpDef.outputs`` (dcpc.harness.worker reads them); an
+op's own torch body (``OpDef.torch``) gets a ``TorchComm`` (the runtime's slot group).
 """
 
 from __future__ import annotations
@@ -72,6 +74,21 @@ class Requests:
 
 
 InputRule = Counts | RowIndex | TensorScale | Requests
+
+
+# What ``dcpc run`` compares of a buffer an op writes: an op's ``OpDef.outputs`` names
+# the buffers with a rule (dcpc.harness.worker reads them); a buffer no op names is
+# compared whole.
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """Elements no rank sent may stay as they were (the rows past a count of a ragged
+    exchange): the float64 reference holds ``SimView.unsent`` there (NaN, or an integer
+    payload's poison), and ``dcpc run`` compares only the other elements."""
+
+
+OutputRule = Unsent
 
 
 class Samples(Protocol):
@@ -202,3 +219,24 @@ class LowerRules(Protocol):
     def mask(self, op: Any, plan: Any) -> None: ...
 
     def output_scale(self, op: Any, plan: Any) -> None: ...
+
+
+class TorchComm(Protocol):
+    """One slot's process group, as an op's own torch body (``OpDef.torch``) uses it
+    (dcpc.runtime.collectives.SlotGroup implements it). The body is copied into each
+    generated module that has the op (the runtime imports no compiler code), so it
+    reaches the runtime only through this: ``group`` (a torch.distributed group),
+    ``rank`` (this rank's index in it: a team member index for a team op), and the
+    helpers below."""
+
+    @property
+    def group(self) -> Any: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def wait(self, work: Any, op: str) -> None: ...  # an async collective, within the timeout
+
+    def wire(self, t: torch.Tensor) -> torch.Tensor: ...  # as sent: an fp8 tensor as bytes
+
+    def refuse(self, message: str) -> None: ...  # bad arguments: DcpcArgumentError

@@ -44,11 +44,11 @@ from dcpc.ops.common import (
     keyed,
     typed,
 )
-from dcpc.ops.iface import Counts
+from dcpc.ops.iface import Counts, Unsent
 from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
-    from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
+    from dcpc.ops.iface import InputRule, LowerRules, OutputRule, ShapeRules, SimView
 
 
 class RaggedAllToAll(OpBase):
@@ -176,5 +176,13 @@ def inputs(op: RaggedAllToAll) -> dict[str, InputRule]:
     return {op.counts: Counts(str(op.capacity)), **cast.input_rules(op)}
 
 
+def outputs(op: RaggedAllToAll) -> dict[str, OutputRule]:
+    """The rows past a count were never sent (``reference`` leaves them unsent): in
+    ``dst`` and in a per-token cast's scale buffer (either direction: the op cannot tell
+    which without the dtypes, and a read buffer's rule compares what it compared)."""
+    scale = [op.scale.buffer] if op.scale is not None else []
+    return {name: Unsent() for name in (op.dst, *scale)}
+
+
 DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io, lower,
-                          exact=True, inputs=inputs))
+                          exact=True, inputs=inputs, outputs=outputs))

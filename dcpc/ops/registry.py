@@ -4,10 +4,12 @@ Every stage reads an op through its entry: the model's discriminated union
 (dcpc.lang.model), the effects and sync (dcpc.lang.semantics), the shape and dtype
 verifier (dcpc.check.ops), the float64 reference (dcpc.harness.simulate) and what a
 step reads and writes and what its inputs must respect, for synthetic inputs
-(dcpc.harness.synth), and the Triton
+(dcpc.harness.synth), what of its outputs ``dcpc run`` compares (dcpc.harness.worker),
+and the Triton
 lowering rule (dcpc.codegen.lower), whose template is templates/ops/<name>.py.j2. The
-torch backend is the one part of an op outside its module: a function of the op's name
-in dcpc/runtime/collectives.py, because the runtime imports no compiler code.
+torch backend is the op template's ``torch_body`` macro: a call of a collective of
+dcpc/runtime/collectives.py, or of the op's own torch body (``OpDef.torch``), which the
+emitter copies into the generated module (the runtime imports no compiler code).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dcpc.lang.nodes import BUFFER_KEYS, Name
 if TYPE_CHECKING:
     from dcpc.lang.nodes import OpBase, Step
     from dcpc.ops.common import Scope, Semantics
-    from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
+    from dcpc.ops.iface import InputRule, LowerRules, OutputRule, ShapeRules, SimView
 
 IO = tuple[list[str], list[str]]
 
@@ -50,6 +52,15 @@ class OpDef:
     ``inputs(op)``: what ``dcpc run``'s synthetic values of the buffers it reads must
     respect (dcpc.ops.iface ``InputRule``: counts within a capacity, rows that exist, an
     fp8 scale, the request mask), by buffer; None: nothing (dcpc.harness.synth).
+    ``outputs(op)``: what ``dcpc run`` may leave uncompared of the buffers it writes
+    (dcpc.ops.iface ``OutputRule``: ``Unsent``, elements no rank sent), by buffer;
+    None: every written element is compared (dcpc.harness.worker).
+    ``torch``: the op's torch-backend body, when no collective of
+    dcpc/runtime/collectives.py serves it: a function ``(comm, *args)`` (``comm``: the
+    ``TorchComm`` of dcpc.ops.iface, which the runtime's ``SlotGroup`` implements) that
+    imports what it needs of torch inside itself; dcpc.codegen.emit copies its source,
+    without the signature's annotations, into every generated module that has the op, as
+    ``_<name>_torch`` (``torch_name``), which the template's ``torch_body`` macro calls.
     """
 
     name: str
@@ -64,6 +75,8 @@ class OpDef:
     team_form: str = ""
     exact: bool = False
     inputs: Callable[[Any], dict[str, InputRule]] | None = None
+    outputs: Callable[[Any], dict[str, OutputRule]] | None = None
+    torch: Callable[..., None] | None = None
 
     def takes_team(self, op: OpBase) -> bool:
         """Whether this step of the op may run over a team (``axis:``)."""
@@ -71,6 +84,11 @@ class OpDef:
 
     def whole_mesh_form_of(self, op: OpBase) -> str | None:
         return self.whole_mesh_form(op) if self.whole_mesh_form is not None else None
+
+    @property
+    def torch_name(self) -> str:
+        """The name a generated module gives the op's own torch body (``torch``)."""
+        return f"_{self.name}_torch"
 
 
 OPS: dict[str, OpDef] = {}

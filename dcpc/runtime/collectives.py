@@ -53,6 +53,21 @@ class SlotGroup:
     me: int = 0
     peers: tuple[int, ...] = ()
 
+    # what an op's own torch body (``OpDef.torch``, copied into the generated module: it
+    # imports no runtime) calls: dcpc.ops.iface.TorchComm
+    def wait(self, work: Any, op: str) -> None:
+        """Wait for an async collective's ``work`` (within the timeout on gloo: else
+        ``DcpcCollectiveError`` naming ``op``, this rank, the slot and the peers)."""
+        _wait(self, work, op)
+
+    def wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a collective sends it (``wire``: an fp8 tensor as its bytes)."""
+        return wire(t)
+
+    def refuse(self, message: str) -> None:
+        """Refuse a call's arguments: ``DcpcArgumentError(message)``."""
+        raise DcpcArgumentError(message)
+
 
 _SLOT_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}  # (global ranks, slot) -> group
 

@@ -106,21 +106,19 @@ def test_the_checker_reads_and_writes_by_the_table() -> None:
     assert {"src", "counts", "index", "output_scale"} <= set(READ_KEYS)
 
 
-def test_the_synthetic_inputs_name_no_op() -> None:
-    """Issue 32: an op's rules for ``dcpc run``'s synthetic inputs (counts within their
-    capacity, index rows that exist, fp8 scales, the request mask) are its module's
-    (``OpDef.inputs``); dcpc/harness/synth.py asks the registry. Before, synth.py named
-    ragged_all_to_all and weighted_combine and read their fields (counts, capacity,
-    index, src) and any op's mask_empty, output_scale and scale. Allowed: the engine
-    step (``external``, which synth stands in for) and a move's src/dst (every move's)."""
-    tree = ast.parse((ROOT / "dcpc/harness/synth.py").read_text())
+def _names_of_ops(path: Path) -> tuple[list[str], list[str]]:
+    """The op names (outside docstrings) and the op-specific fields (``<x>.op.<field>``,
+    ``getattr(<x>.op, "<field>")``) a file's syntax tree holds. Allowed: the engine step
+    (``external``, which the harness stands in for: its ``reads``/``writes``) and a
+    move's src/dst (every move's)."""
+    tree = ast.parse(path.read_text())
     docs = {id(node.body[0].value) for node in ast.walk(tree)
             if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef) and node.body
             and isinstance(node.body[0], ast.Expr)}
     named = sorted({node.value for node in ast.walk(tree)
                     if isinstance(node, ast.Constant) and id(node) not in docs
                     and node.value in OPS and node.value != "external"})
-    generic = {"op", "src", "dst"}
+    generic = {"op", "src", "dst", "reads", "writes"}
 
     def on_op(node: ast.AST) -> bool:  # ``<anything>.op``
         return isinstance(node, ast.Attribute) and node.attr == "op"
@@ -133,7 +131,21 @@ def test_the_synthetic_inputs_name_no_op() -> None:
                        and node.func.id == "getattr" and len(node.args) >= 2
                        and on_op(node.args[0]) and isinstance(node.args[1], ast.Constant)
                        and node.args[1].value not in generic})
-    assert (named, fields) == ([], []), (named, fields)
+    return named, fields
+
+
+def test_the_harness_names_no_op() -> None:
+    """Issue 32: an op's rules for ``dcpc run`` are its module's: its synthetic inputs
+    (``OpDef.inputs``: counts within their capacity, index rows that exist, fp8 scales,
+    the request mask) and what of its outputs is compared (``OpDef.outputs``: a ragged
+    exchange's unsent rows); every file of dcpc/harness/ asks the registry. Before,
+    synth.py named ragged_all_to_all and weighted_combine and read their fields (counts,
+    capacity, index, src) and any op's mask_empty, output_scale and scale; worker.py
+    named ragged_all_to_all and read its dst and scale to find the unsent rows."""
+    files = sorted((ROOT / "dcpc" / "harness").glob("*.py"))
+    assert ROOT / "dcpc/harness/synth.py" in files and ROOT / "dcpc/harness/worker.py" in files
+    found = {p.name: _names_of_ops(p) for p in files}
+    assert {k: v for k, v in found.items() if v != ([], [])} == {}
 
 
 def test_every_scale_and_mask_of_the_conformance_schedules_has_its_input_rule() -> None:

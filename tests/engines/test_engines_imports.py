@@ -6,13 +6,15 @@ inside functions alike):
 - the vLLM plugin face (dcpc.engines.vllm: install() and the names that mirror vLLM's)
   is imported by no module of dcpc: its helpers sit below it;
 - no engines module reads another dcpc module's private name (``from m import _x``,
-  ``m._x``): the runner table, the switches and vLLM's saved functions are read through
-  functions.
+  ``m._x``, ``C._x`` of a class ``C`` it imports): the runner table, the switches and
+  vLLM's saved functions are read through functions.
 
 Before: dcpc.engines.agree and dcpc.engines.combine imported each other (agree's refuse
 read combine's ``_runners`` and ``_runners_lock``), and vllm, vllm_install, vllm_kv,
 vllm_manager, capture and contract formed one circle of 8 (the helpers took switches
-and ``_combine``, ``_engine_fallback``, ``_ubatch`` from the face)."""
+and ``_combine``, ``_engine_fallback``, ``_ubatch`` from the face); vllm_kv borrowed
+``MLADCPManager._kv_runner`` and ``._agree`` (issue 32: now vllm_manager's ``kv_runner``;
+``_agree`` was never called there)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def _private_reads(name: str, known: dict) -> list[str]:
     """Where module ``name`` reads a private name of another dcpc module."""
     path = known[name]
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    modules: set[str] = set()  # local names bound to a dcpc module
+    modules: set[str] = set()  # local names bound to a dcpc module or to a name of one
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dcpc"):
@@ -56,8 +58,7 @@ def _private_reads(name: str, known: dict) -> list[str]:
                 if _private(alias.name):
                     found.append(f"{path.name}:{node.lineno}: from {node.module} import "
                                  f"{alias.name}")
-                if f"{node.module}.{alias.name}" in known:
-                    modules.add(alias.asname or alias.name)
+                modules.add(alias.asname or alias.name)  # a module, a class, a function
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name in known and alias.asname:

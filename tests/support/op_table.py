@@ -1,12 +1,16 @@
-"""docs/internals.md's op table, made from the ops' own semantics rules
-(``dcpc.lang.semantics.describe``) over the per-op conformance files schedules/ops/:
-one row per distinct form of each op, with the first step that shows it.
+"""docs/language.md's generated op table ("What each op reads, writes and
+synchronises"), made from the ops' own semantics rules (``dcpc.lang.semantics.describe``)
+over the per-op conformance files schedules/ops/: one row per distinct form of each op,
+with the first step that shows it. An op's docs live in that one file, so a new op
+touches docs/language.md and not docs/internals.md.
 
-    PYTHONPATH=. python tests/support/op_table.py     # prints the table
+    PYTHONPATH=. python tests/support/op_table.py          # prints the table
+    PYTHONPATH=. python tests/support/op_table.py --write  # rewrites it in language.md
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from dcpc.diagnostics import DiagnosticError
@@ -15,6 +19,8 @@ from dcpc.lang.semantics import describe, table
 from dcpc.ops import OPS
 
 ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "language.md"
+START, END = "<!-- op table: generated -->\n", "<!-- op table: end -->"
 HEAD = ("| op | before its signal | after its wait | sync | first shown by |\n"
         "| --- | --- | --- | --- | --- |\n")
 
@@ -39,5 +45,22 @@ def text() -> str:
     return HEAD + "\n".join(rows()) + "\n"
 
 
+def shown(doc: str) -> str:
+    """The table as docs/language.md holds it (between its two markers)."""
+    if START not in doc or END not in doc:
+        raise ValueError(f"{DOC}: no {START.strip()} ... {END} block")
+    return doc[doc.index(START) + len(START):doc.index(END)]
+
+
+def write() -> None:
+    """Rewrite the table in docs/language.md from the ops' rules."""
+    doc = DOC.read_text()
+    shown(doc)  # both markers present
+    DOC.write_text(doc[:doc.index(START) + len(START)] + text() + doc[doc.index(END):])
+
+
 if __name__ == "__main__":
-    print(text(), end="")
+    if sys.argv[1:] == ["--write"]:
+        write()
+    else:
+        print(text(), end="")
