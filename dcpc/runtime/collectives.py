@@ -136,6 +136,51 @@ def all_gather(
     )
 
 
+def pull_parts(
+    comm: SlotGroup,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    stage: torch.Tensor,
+    outer: int,
+    rows: int,
+    prows: int,
+    row_len: int,
+    world: int,
+    rank: int,
+    reduce: bool,
+) -> None:
+    """pull over a split dim of ``rows`` rows (dcpc/ops/pull.py): part p is ``rows // W``
+    rows from ``p * (rows // W)``, the last also the remainder. Every rank's whole src is
+    gathered; ``reduce``: dst ([outer, prows, row_len]) = this rank's part of every src
+    summed in fp32 from this rank's on (the kernel's order), rows past it +0; else dst
+    ([outer, rows, row_len]) part p = the first rows of rank p's src ([outer, prows, ...])."""
+    n = outer * (rows if reduce else prows) * row_len
+    if n == 0:  # an empty call: nothing moves
+        return
+    staged = stage[: world * n]
+    if world == 1:
+        staged.copy_(src.reshape(-1))
+    else:
+        _wait(comm, dist.all_gather_into_tensor(wire(staged), wire(src.reshape(-1)),
+                                                group=comm.group, async_op=True), "pull")
+    part = rows // world
+    lengths = [part] * (world - 1) + [rows - (world - 1) * part]
+    if reduce:
+        every = staged.view(world, outer, rows, row_len)
+        start, mine = rank * part, lengths[rank]
+        acc = every[rank, :, start:start + mine].to(torch.float32, copy=True)
+        for k in range(1, world):
+            acc += every[(rank + k) % world, :, start:start + mine]
+        out = dst.view(outer, prows, row_len)
+        out.zero_()
+        out[:, :mine].copy_(acc)
+        return
+    every = staged.view(world, outer, prows, row_len)
+    out = dst.view(outer, rows, row_len)
+    for p, length in enumerate(lengths):
+        out[:, p * part:p * part + length].copy_(every[p, :, :length])
+
+
 def all_to_all(
     comm: SlotGroup,
     src: torch.Tensor,
