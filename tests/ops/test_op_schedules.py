@@ -226,6 +226,8 @@ VARIANTS: dict[str, Variant] = {
     "pull: stack": lambda s, step, p, w: step.kind == "pull" and not p.attrs.get("form"),
     "pull: concat of a split dim": lambda s, step, p, w: p.attrs.get("form") == "concat",
     "pull: reduce of a split dim": lambda s, step, p, w: p.attrs.get("form") == "reduce",
+    "pull: a split dim over a team": lambda s, step, p, w: (bool(p.attrs.get("form"))
+                                                          and p.sync.axes is not None),
     "reduce_scatter: implicit via": lambda s, step, p, w: (step.kind == "reduce_scatter"
                                                           and step.op.via is None),
     "reduce_scatter: fp8": lambda s, step, p, w: (step.kind == "reduce_scatter"

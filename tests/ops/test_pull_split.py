@@ -19,6 +19,7 @@ from dcpc import pipeline
 from dcpc.check import hb, structural
 from dcpc.harness import trace as tr
 from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file, parse_text
 from dcpc.ops import OPS
 from dcpc.ops.pull import parts
@@ -27,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SPLIT = ROOT / "schedules" / "ops" / "pull_split.yaml"
 TWO_SHOT = ROOT / "schedules" / "gallery" / "custom_all_reduce_two_shot.yaml"
 TWIN = ROOT / "tests" / "gallery_twins" / "custom_all_reduce_two_shot.shared_tmp.yaml"
+AXIS = ROOT / "schedules" / "ops" / "pull_split_axis.yaml"
+MESHES = [MeshWorld((2, 2)), MeshWorld((2, 3)), MeshWorld((3, 2))]
 
 
 def test_the_parts_are_vllm_s_floor_parts_with_the_remainder_on_the_last_rank() -> None:
@@ -72,6 +75,17 @@ def test_the_shared_tmp_twin_races_and_the_oracles_agree() -> None:
     assert disagreements(twin, [2, 3, 4]) == []
 
 
+def test_over_teams_proved_and_the_oracles_agree() -> None:
+    """The parts of a team's split: W the team's size, r the member index; the brute
+    force computes the teams on its own."""
+    c = pipeline.run(AXIS, pipeline.Options(worlds=MESHES), until="hb")
+    assert c.hb_report is not None and c.hb_report.findings == []
+    for world in MESHES:
+        schedule = parse_file(AXIS, world)
+        assert oracle_keys(schedule, world) == set(), world
+        assert disagreements(schedule, [world]) == [], world
+
+
 def test_the_kernels_read_peers_where_the_plan_says() -> None:
     run = tr.run_traced(str(SPLIT), 3, programs=2, block=256, calls=2)
     assert run.mismatches == 0 and run.problems == [], run.problems
@@ -104,6 +118,18 @@ def test_the_two_shot_all_reduce_matches_float64(world: int, backend: str) -> No
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert report.outputs["out"].compared == 4 * world, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("world", "backend"), [
+    (MeshWorld((2, 3)), "host"), (MeshWorld((3, 2)), "torch")], ids=str)
+def test_over_teams_dcpc_run_matches_float64(world: MeshWorld, backend: str) -> None:
+    report = run_schedule(RunConfig(schedule=str(AXIS), world=world, backend=backend,
+                                    calls=4, seed=3, programs=2, sizes={"T": 23}))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert report.outputs["y_all"].compared == 4 * int(world), text
+    assert report.outputs["x_gpus"].max_abs_err == 0.0, text
 
 
 HEAD = """\
