@@ -132,6 +132,36 @@ def test_over_teams_dcpc_run_matches_float64(world: MeshWorld, backend: str) -> 
     assert report.outputs["x_gpus"].max_abs_err == 0.0, text
 
 
+INT_CONCAT = """\
+schedule: op_pull_split_int
+sizes: {T: {max: 13}, D: 8}
+buffers:
+  n:     {shape: [T, D], dtype: i64}
+  n_sym: {shape: [T, D], dtype: i64, symmetric: true}
+  n_all: {shape: [T, D], dtype: i64}
+steps:
+  - stage:  {op: copy, src: n, dst: n_sym}
+  - gather: {op: pull, src: n_sym, dst: n_all, split: last}
+  - read:   {op: signal, to: all, channel: pulled}
+  - freed:  {op: wait, from: all, channel: pulled}
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("world", "backend"), [(3, "host"), (4, "torch")], ids=str)
+def test_an_integer_concat_moves_bit_for_bit(world: int, backend: str,
+                                            tmp_path: Path) -> None:
+    """An i64 payload, 13 rows in 3 or 4 parts (the last the longer), bit for bit."""
+    path = tmp_path / "op_pull_split_int.yaml"
+    path.write_text(INT_CONCAT)
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
+                                    calls=4, seed=2, programs=2, sizes={"T": 13}))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    stats = report.outputs["n_all"]
+    assert stats.compared == 4 * world and stats.max_abs_err == 0.0, text
+
+
 HEAD = """\
 schedule: s
 sizes: {T: {max: 8}, D: 4, F: {multiple_of: W}}
