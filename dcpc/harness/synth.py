@@ -39,8 +39,8 @@ DEFAULT_SMALL_MAX = 8
 
 
 def is_move(op: m.OpBase) -> bool:
-    """An op that moves bits (``OpDef.exact``), not an engine step."""
-    return OPS[op.op].exact and not isinstance(op, External)
+    """An op that moves bits (``OpDef.exact``, ``OpDef.moves``), not an engine step."""
+    return OPS[op.op].moves(op) and not isinstance(op, External)
 
 
 O_GARBAGE = (math.nan, math.inf, -math.inf, 3.0e4)

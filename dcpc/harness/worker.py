@@ -204,7 +204,7 @@ class ValueKinds:
         for step in steps:
             self._before.append(dict(held))
             reads, writes = synth.op_io(step.op)
-            if not OPS[step.op.op].exact:
+            if not OPS[step.op.op].moves(step.op):
                 kind = "math"
                 for w in writes:
                     held[w] = "math-f32" if schedule.buffers[w].dtype == m.DType.f32 else "math"

@@ -49,6 +49,9 @@ class OpDef:
     every axis only: a description of the step's form ("all_to_all with a cast"), or
     None when this step may take a team; ``team_form``: how the docs name the forms
     that take a team ("dim"), empty when all of them do.
+    ``exact``: the op moves bits (``dcpc run`` compares its outputs bit for bit);
+    ``computes(op)``: a step of an exact op that computes instead (pull with ``reduce``),
+    None: none does; ``moves(op)`` says it for one step.
     ``inputs(op)``: what ``dcpc run``'s synthetic values of the buffers it reads must
     respect (dcpc.ops.iface ``InputRule``: counts within a capacity, rows that exist, an
     fp8 scale, the request mask), by buffer; None: nothing (dcpc.harness.synth).
@@ -77,6 +80,11 @@ class OpDef:
     inputs: Callable[[Any], dict[str, InputRule]] | None = None
     outputs: Callable[[Any], dict[str, OutputRule]] | None = None
     torch: Callable[..., None] | None = None
+    computes: Callable[[Any], bool] | None = None
+
+    def moves(self, op: OpBase) -> bool:
+        """Whether this step moves bits (compared bit for bit by ``dcpc run``)."""
+        return self.exact and not (self.computes is not None and self.computes(op))
 
     def takes_team(self, op: OpBase) -> bool:
         """Whether this step of the op may run over a team (``axis:``)."""

@@ -223,6 +223,11 @@ VARIANTS: dict[str, Variant] = {
     **{f"{op}: a KV interleave": _interleaved(op, 2) for op in MERGES},
     "all_to_all_combine: own part from src": _merge("all_to_all_combine", self_copy=False),
     "all_to_all_combine: own part through via": _merge("all_to_all_combine", self_copy=True),
+    "pull: stack": lambda s, step, p, w: step.kind == "pull" and not p.attrs.get("form"),
+    "pull: concat of a split dim": lambda s, step, p, w: p.attrs.get("form") == "concat",
+    "pull: reduce of a split dim": lambda s, step, p, w: p.attrs.get("form") == "reduce",
+    "pull: a split dim over a team": lambda s, step, p, w: (bool(p.attrs.get("form"))
+                                                          and p.sync.axes is not None),
     "reduce_scatter: implicit via": lambda s, step, p, w: (step.kind == "reduce_scatter"
                                                           and step.op.via is None),
     "reduce_scatter: fp8": lambda s, step, p, w: (step.kind == "reduce_scatter"
