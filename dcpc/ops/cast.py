@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from dcpc.lang.expr import W, div, product
+from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Name, Node, OpBase
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
@@ -235,7 +235,7 @@ def lower_move(ctx: LowerRules, step: Step) -> Any:
         params=ctx.engine([op.src, op.scale.buffer]),
         returns=[op.dst],
         roles={"src": op.src, "dst": op.dst, "scale": op.scale.buffer},
-        scalars=[("cap", div(product(shape[:-1]), W)), ("row_len", row_len)],
+        scalars=[("cap", div(product(shape[:-1]), ctx.team_w(step))), ("row_len", row_len)],
         tiles=[row_len],
         signalling=True,
         attrs={"ragged": False, **cast_attrs(ctx, op)},

@@ -14,7 +14,9 @@ A count over ``capacity`` (or negative) is not truncated: that part is not sent 
 its receiver gets the count as sent (the flag) and the sender records a kernel error
 that its call raises (``DcpcArgumentError``, code ``OVER_CAPACITY``); the torch backend
 raises before it sends. ``scale``: a cast inside the move (dcpc/ops/cast.py: bf16 ->
-fp8 e4m3 with per-token or per-tensor scales, and back).
+fp8 e4m3 with per-token or per-tensor scales, and back). ``axis:`` (a team): W is the
+team's size, j and p member indices (the kernel's RANK/WORLD); the error record names
+the peer's global rank (dcpc.runtime.errors, OVER_CAPACITY).
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -177,4 +179,4 @@ def inputs(op: RaggedAllToAll) -> dict[str, InputRule]:
 
 
 DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io, lower,
-                          exact=True, inputs=inputs))
+                   teams=True, exact=True, inputs=inputs))

@@ -44,7 +44,8 @@ class SlotGroup:
     """The process group of one slot, and how long a collective may wait on the host.
     ``rank``: this rank's index in ``group`` (a team member index for a team op's group);
     ``me`` and ``peers``: this rank and the other members as the module numbers them
-    (what an error names)."""
+    (what an error names); ``members``: every member as the module numbers it, in member
+    order (a team's; empty: the group's own numbering, member i is rank i)."""
 
     group: Any
     slot: int
@@ -52,6 +53,11 @@ class SlotGroup:
     timeout: timedelta | None  # gloo: the module's timeout_s; NCCL: None (stream-ordered)
     me: int = 0
     peers: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()
+
+    def rank_of(self, member: int) -> int:
+        """The module's rank of member ``member`` (what an error names)."""
+        return self.members[member] if self.members else member
 
 
 _SLOT_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}  # (global ranks, slot) -> group
@@ -396,8 +402,9 @@ def ragged_all_to_all(
 
     sent = counts.reshape(-1).to(torch.int32)
     over = torch.nonzero((sent > capacity) | (sent < 0)).flatten().tolist()
-    if over:
-        raise over_capacity(step, comm.rank, over[0], int(sent[over[0]]), capacity)
+    if over:  # counts is indexed by member; the error names module ranks
+        j = over[0]
+        raise over_capacity(step, comm.me, comm.rank_of(j), int(sent[j]), capacity, index=j)
     if cast in (2, 4) and scale is not None:
         merge.checked_scale(scale)  # before anything is sent, as a bad count
     got = torch.empty_like(sent)
