@@ -39,6 +39,7 @@ from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
 from dcpc.ops import OPS
 from dcpc.ops.external import External
+from dcpc.ops.registry import names as named_buffers
 from dcpc.runtime.local import sync_stream, to_host
 
 CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
@@ -320,7 +321,7 @@ def run_rank(
                 report.outputs.setdefault(name, OutputStats())
     returned = set(report.outputs)
     ragged = {b for s in steps if s.kind == "ragged_all_to_all"  # with a per-token scale
-              for b in (s.op.dst, getattr(s.op.scale, "buffer", None)) if b}  # type: ignore[attr-defined]
+              for b in (*named_buffers(s.op.dst), getattr(s.op.scale, "buffer", None)) if b}  # type: ignore[attr-defined]
 
     live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
     lead = None  # a replay of two calls in flight: the other access's step runs first

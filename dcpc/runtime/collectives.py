@@ -15,6 +15,7 @@ stop with ``DcpcCollectiveError`` after ``timeout_s`` instead of pairing).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -391,10 +392,12 @@ def ragged_all_to_all(
     step: str,
     cast: int = 0,
     scale: torch.Tensor | None = None,
+    more: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
     over capacity or negative raises before anything is sent (sync.over_capacity).
+    ``more``: further (src, dst) payloads, the same rows of each, never cast.
     ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
     land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
     sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``."""
@@ -421,6 +424,11 @@ def ragged_all_to_all(
         dst[p, :n].copy_(staged[p, :n])
         if scales_in is not None and scale is not None:
             scale[p, :n].copy_(scales_in[p, :n])
+    for extra_src, extra_dst in more:  # as is: integer ids, f32 weights, bit for bit
+        staged = torch.empty_like(extra_dst)
+        _all_to_all_single(comm, staged.reshape(-1), extra_src.contiguous().reshape(-1), world)
+        for p, n in enumerate(got.tolist()):
+            extra_dst[p, :n].copy_(staged[p, :n])
 
 
 def weighted_combine(

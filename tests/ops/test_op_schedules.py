@@ -218,6 +218,12 @@ VARIANTS: dict[str, Variant] = {
     **{f"all_to_all: cast {k}": _cast("all_to_all", k) for k in (1, 2, 3, 4)},
     **{f"ragged_all_to_all: cast {k}": _cast("ragged_all_to_all", k) for k in (0, 1, 2, 3, 4)},
     "ragged_all_to_all: over a team": _team("ragged_all_to_all"),
+    "ragged_all_to_all: several payloads, the first cast": lambda s, step, p, w: (
+        step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
+        and p.attrs.get("cast") == 1),
+    "ragged_all_to_all: several payloads, uncast": lambda s, step, p, w: (
+        step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
+        and p.attrs.get("cast") == 0),
     "ragged_all_to_all: per-token cast over a team": lambda s, step, p, w: (
         step.kind == "ragged_all_to_all" and p.attrs.get("cast") == 1
         and p.sync.axes is not None),

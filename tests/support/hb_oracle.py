@@ -197,8 +197,8 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         reads(op.reads, 0)
         writes(op.writes, 0)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
-        reads([op.src, op.counts], 0)
-        stores([op.dst, op.recv_counts], (("index", 0, 0, axes), b.rank))
+        reads(_as_list(op.src) + [op.counts], 0)
+        stores(_as_list(op.dst) + [op.recv_counts], (("index", 0, 0, axes), b.rank))
         _cast_scale(op, schedule, reads, stores, b.rank, axes)
         exchange()
         reads([op.recv_counts], 1)  # the receiver's over-capacity check reads every count
@@ -234,7 +234,7 @@ def _cast_scale(op, schedule: Schedule, reads, stores, rank: int, axes) -> None:
     scale = getattr(op, "scale", None)
     if scale is None:
         return
-    if scale.per == "token" and schedule.buffers[op.dst].dtype.value == "fp8e4m3":
+    if scale.per == "token" and schedule.buffers[_as_list(op.dst)[0]].dtype.value == "fp8e4m3":
         stores([scale.buffer], (("index", 0, 0, axes), rank))
     else:
         reads([scale.buffer], 0)
