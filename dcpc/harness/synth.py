@@ -300,7 +300,8 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
     of that capacity the engine passes: only the rows those counts make live (rows
     ``[0, counts[j])`` of block j, counts this rank's own: the MoE round trip, a ragged
     move's return trip), never a row past a count."""
-    tokens, topk = buffer_shape(schedule, rule.weights, sizes)
+    *lead, topk = buffer_shape(schedule, rule.weights, sizes)  # [*T, K]
+    tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)
     rows = torch.arange(math.prod(x_shape[:-1]))
     for counts, cap in capacities.items():
@@ -313,7 +314,7 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
         pick = rows[torch.randperm(len(rows), generator=gen)[:topk]]
         out[t, : len(pick)] = pick
     empty = torch.rand(tokens, topk, generator=gen) < 0.25
-    return torch.where(empty, -1, out)
+    return torch.where(empty, -1, out).reshape(*lead, topk)
 
 
 def _mix(*parts: int) -> int:

@@ -448,10 +448,11 @@ def weighted_combine(
         merge.checked_scale(scale)
 
     rows = x.reshape(-1, x.shape[-1])
+    weights = weights.reshape(-1, weights.shape[-1])  # tokens over [*T]
     tokens, topk = weights.shape
     if index is None:
         index = torch.arange(tokens * topk, device=x.device).reshape(tokens, topk)
-    index = index.to(torch.int64)
+    index = index.to(torch.int64).reshape(tokens, topk)
     past = torch.nonzero((index >= len(rows)).any(dim=1)).flatten().tolist()
     if past:
         t = past[0]
@@ -461,7 +462,8 @@ def weighted_combine(
         live = (index[:, k] >= 0)[:, None]
         part = weights[:, k, None].float() * rows[index[:, k].clamp(min=0)].float()
         acc += torch.where(live, part, 0.0)
-    dst.copy_(acc if scale is None else merge.quantize(acc, scale))
+    out = acc if scale is None else merge.quantize(acc, scale)
+    dst.copy_(out.reshape(dst.shape))
 
 
 def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.dtype
