@@ -347,11 +347,16 @@ def make_external(
     env = {**sizes, "W": world}
     masked = mask_rows(schedule, env)  # written rows of this count get garbage when masked
     scales = output_scales(schedule)
+    # a ragged receive buffer's rows past a count were never written (NaN in the
+    # reference, stale in a run): what an engine step writes is not derived from it
+    unsent = {n for s in schedule.step_list() if s.kind == "ragged_all_to_all"
+              for n in names(s.op.dst)}  # type: ignore[attr-defined]
 
     def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
         op = step.op
         assert isinstance(op, External)
-        reads = [bufs[n] for n in op.reads if schedule.buffers[n].dtype.is_float]
+        reads = [bufs[n] for n in op.reads
+                 if schedule.buffers[n].dtype.is_float and n not in unsent]
         x = reads[0].to(torch.float64) if reads else None
         gen = torch.Generator().manual_seed(_mix(seed, call, rank, step.index))
         garbage = random.Random(_mix(seed, call, rank, step.index, 7))
@@ -360,7 +365,8 @@ def make_external(
             shape = buffer_shape(schedule, name, env)
             three = x is not None and x.dim() == 3  # [T, H, D]-like: attention's input
             if not schedule.buffers[name].dtype.is_float:  # counts, indexes: in bounds
-                writes[name] = int_value(schedule, name, env, bufs, gen)
+                # an index this step writes picks live rows of the counts it wrote first
+                writes[name] = int_value(schedule, name, env, {**bufs, **writes}, gen)
                 continue
             if three and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
                 cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]

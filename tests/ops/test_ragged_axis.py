@@ -170,3 +170,21 @@ def test_the_team_file_matches_float64(world: tuple[int, int], backend: str) -> 
     assert report.launch.ok and report.mismatches == 0, text
     for name in ("x_rail", "q_recv", "n_recv", "y_back", "n_back", "z_recv"):
         assert report.outputs[name].compared == 3 * int(w), (name, text)
+
+
+GALLERY = ROOT / "schedules" / "gallery" / "deepep_normal.yaml"
+TWIN = ROOT / "tests" / "gallery_twins" / "deepep_normal.one_rdma_buffer.yaml"
+
+
+@pytest.mark.parametrize("path", [GALLERY, TWIN], ids=["gallery", "one_rdma_buffer"])
+def test_deepep_normal_checker_agrees_with_brute_force_and_execution(path: Path) -> None:
+    """DeepEP normal mode (rail over node, NVLink over gpu, several payloads a hop, the
+    forwarder's reduce into [N, C, H]) is clean; its twin, whose combine lands in the
+    dispatch's RDMA receive buffer, races there: checker = brute force = execution."""
+    for world in SHAPES:
+        schedule = parse_file(path, world)
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert found == oracle_keys(schedule, world), (path.name, world)
+        assert bool(found) == (path == TWIN), found
+        assert all(k[2] == "x_rail" for k in found), found
+    assert disagreements(parse_file(path, SHAPES[0]), SHAPES[:2]) == [], path.name
