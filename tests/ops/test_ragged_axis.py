@@ -188,3 +188,44 @@ def test_deepep_normal_checker_agrees_with_brute_force_and_execution(path: Path)
         assert bool(found) == (path == TWIN), found
         assert all(k[2] == "x_rail" for k in found), found
     assert disagreements(parse_file(path, SHAPES[0]), SHAPES[:2]) == [], path.name
+
+
+def test_zero_and_full_counts_in_a_team_on_the_kernel(tmp_path: Path) -> None:
+    """2x2 over gpu, two payloads (bf16 rows, i32 ids): member 0 sends nothing to member
+    0 and a full block (capacity 4) to member 1, member 1 the reverse; each receiver gets
+    exactly those rows of each payload, bit for bit, and the counts 4 and 0."""
+    from dcpc.harness.run import compile_to
+    from dcpc.harness.worker import load_module_class
+    from dcpc.runtime.local import LocalGroup
+
+    path = tmp_path / "rteam.yaml"
+    path.write_text(head().replace("src: x, dst: y", "src: [x, ids], dst: [y, idr]")
+                    .replace("  n:  {shape: [G]",
+                             "  ids: {shape: [G, C, 2], dtype: i32}\n"
+                             "  idr: {shape: [G, C, 2], dtype: i32, symmetric: true}\n"
+                             "  n:  {shape: [G]"))
+    _, module, _, _ = compile_to(str(path), tmp_path, MeshWorld((2, 2)))  # type: ignore[arg-type]
+
+    def rank_main(rank: Any) -> Any:
+        inst = load_module_class(module, "rteam")(rank, sizes={"N": 2, "G": 2, "C": 4},
+                                                  device="cpu", backend="local", timeout_s=20)
+        g = torch.Generator().manual_seed(rank.rank)
+        x = torch.randn(2, 4, 8, generator=g).bfloat16()
+        ids = torch.randint(-2**31, 2**31 - 1, (2, 4, 2), generator=g, dtype=torch.int32)
+        member = rank.rank % 2
+        counts = torch.tensor([0, 4] if member == 0 else [4, 0], dtype=torch.int32)
+        try:
+            y, idr, m = inst.move(x, ids, counts)
+            return x, ids, y.clone(), idr.clone(), m.clone()
+        finally:
+            inst.close()
+
+    got = LocalGroup(4, "cpu", timeout_s=60).run(rank_main)
+    for node in range(2):
+        a, b = got[2 * node], got[2 * node + 1]  # members 0 and 1 of one node's team
+        for me, other, j in ((a, b, 0), (b, a, 1)):
+            _, _, y, idr, m = me
+            x_o, ids_o = other[0], other[1]
+            p = 1 - j  # the other member's index: it sent me its full block j
+            assert m[p] == 4 and m[j] == 0, m
+            assert torch.equal(y[p], x_o[j]) and torch.equal(idr[p], ids_o[j])
