@@ -347,10 +347,11 @@ def make_external(
     env = {**sizes, "W": world}
     masked = mask_rows(schedule, env)  # written rows of this count get garbage when masked
     scales = output_scales(schedule)
-    # a ragged receive buffer's rows past a count were never written (NaN in the
-    # reference, stale in a run): what an engine step writes is not derived from it
-    unsent = {n for s in schedule.step_list() if s.kind == "ragged_all_to_all"
-              for n in names(s.op.dst)}  # type: ignore[attr-defined]
+    # a move of row counts leaves rows past a count unwritten (NaN in the reference,
+    # stale in a run): what an engine step writes is not derived from its dst
+    unsent = {n for s, rules in zip(schedule.step_list(), input_rules(schedule), strict=True)
+              if any(isinstance(r, Counts) for r in rules.values())
+              for n in names(getattr(s.op, "dst", None))}
 
     def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
         op = step.op

@@ -86,6 +86,7 @@ steps:
   - dispatch: {op: ragged_all_to_all, src: x_send, dst: x_recv, counts: counts,
                recv_counts: n_recv, capacity: C}
   - experts:  {op: external, reads: [x_recv, n_recv]}
+  - done:     {op: barrier}  # without it the next call's dispatch races experts
 """
 
 
