@@ -31,7 +31,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.ops import OPS
 from dcpc.ops.external import External
-from dcpc.ops.iface import Counts, InputRule, Requests, RowIndex, TensorScale
+from dcpc.ops.iface import Counts, InputRule, Requests, RowIndex, TensorScale, Unsent
 from dcpc.ops.registry import names
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
@@ -64,6 +64,13 @@ def engine_inputs(schedule: m.Schedule) -> list[str]:
                 found.append(name)
         written.update(writes)
     return [n for n in found if not schedule.buffers[n].is_symmetric]
+
+
+def unsent_outputs(steps: list[m.Step]) -> set[str]:
+    """The buffers whose unsent elements ``compare`` skips: those an op's
+    ``OpDef.outputs`` gives the ``Unsent`` rule (a ragged exchange's rows past a count)."""
+    return {name for s in steps if (rules := OPS[s.kind].outputs) is not None
+            for name, rule in rules(s.op).items() if isinstance(rule, Unsent)}
 
 
 def input_rules(schedule: m.Schedule) -> list[dict[str, InputRule]]:
@@ -300,7 +307,8 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
     of that capacity the engine passes: only the rows those counts make live (rows
     ``[0, counts[j])`` of block j, counts this rank's own: the MoE round trip, a ragged
     move's return trip), never a row past a count."""
-    tokens, topk = buffer_shape(schedule, rule.weights, sizes)
+    *lead, topk = buffer_shape(schedule, rule.weights, sizes)  # [*T, K]
+    tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)
     rows = torch.arange(math.prod(x_shape[:-1]))
     for counts, cap in capacities.items():
@@ -313,7 +321,7 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
         pick = rows[torch.randperm(len(rows), generator=gen)[:topk]]
         out[t, : len(pick)] = pick
     empty = torch.rand(tokens, topk, generator=gen) < 0.25
-    return torch.where(empty, -1, out)
+    return torch.where(empty, -1, out).reshape(*lead, topk)
 
 
 def _mix(*parts: int) -> int:
@@ -346,11 +354,15 @@ def make_external(
     env = {**sizes, "W": world}
     masked = mask_rows(schedule, env)  # written rows of this count get garbage when masked
     scales = output_scales(schedule)
+    # rows an op leaves unsent (NaN in the reference, stale in a run): what an engine
+    # step writes is not derived from them
+    unsent = unsent_outputs(schedule.step_list())
 
     def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
         op = step.op
         assert isinstance(op, External)
-        reads = [bufs[n] for n in op.reads if schedule.buffers[n].dtype.is_float]
+        reads = [bufs[n] for n in op.reads
+                 if schedule.buffers[n].dtype.is_float and n not in unsent]
         x = reads[0].to(torch.float64) if reads else None
         gen = torch.Generator().manual_seed(_mix(seed, call, rank, step.index))
         garbage = random.Random(_mix(seed, call, rank, step.index, 7))
@@ -359,7 +371,8 @@ def make_external(
             shape = buffer_shape(schedule, name, env)
             three = x is not None and x.dim() == 3  # [T, H, D]-like: attention's input
             if not schedule.buffers[name].dtype.is_float:  # counts, indexes: in bounds
-                writes[name] = int_value(schedule, name, env, bufs, gen)
+                # an index this step writes picks live rows of the counts it wrote first
+                writes[name] = int_value(schedule, name, env, {**bufs, **writes}, gen)
                 continue
             if three and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
                 cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]

@@ -39,7 +39,6 @@ from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
 from dcpc.ops import OPS
 from dcpc.ops.external import External
-from dcpc.ops.iface import Unsent
 from dcpc.runtime.local import sync_stream, to_host
 
 CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
@@ -103,20 +102,13 @@ def returned_names(op: Any) -> list[str]:
     return [w for w in writes if w not in via]
 
 
-def unsent_outputs(steps: list[m.Step]) -> set[str]:
-    """The buffers whose unsent elements ``compare`` skips: those an op's
-    ``OpDef.outputs`` gives the ``Unsent`` rule (a ragged exchange's rows past a count)."""
-    return {name for s in steps if (rules := OPS[s.kind].outputs) is not None
-            for name, rule in rules(s.op).items() if isinstance(rule, Unsent)}
-
-
 def compare(
     name: str, kind: str, dtype: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
     where: str, *, ragged: bool = False,
 ) -> None:
     """Count a mismatch unless ``got`` matches ``want``: data movement bit-exact, math
     within the dtype's tolerance; NaN and inf must sit exactly where the reference has them.
-    ``ragged``: a buffer whose op declares elements that no rank sent (``unsent_outputs``:
+    ``ragged``: a buffer whose op declares elements that no rank sent (``synth.unsent_outputs``:
     a ragged exchange's rows past a count; the reference holds NaN there, so that a
     reader of them mismatches downstream): those elements are not compared. Integers are
     compared as int64, bit for bit (a float64 rounds them past 2**53), an unsent row of
@@ -328,7 +320,7 @@ def run_rank(
             for name in returned_names(step.op):
                 report.outputs.setdefault(name, OutputStats())
     returned = set(report.outputs)
-    ragged = unsent_outputs(steps)
+    ragged = synth.unsent_outputs(steps)
 
     live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
     lead = None  # a replay of two calls in flight: the other access's step runs first

@@ -2,7 +2,7 @@
 ``dst[p]`` on rank j (dst has a leading W axis). ``src``/``dst`` may be lists of the
 same length: one exchange of several payloads. ``scale``: a cast inside the move
 (dcpc/ops/cast.py; one payload split along dim 0, lowered with ragged_all_to_all's
-kernel at full counts; not with split_dim/concat_dim).
+kernel at full counts; not with split_dim/concat_dim). Every form takes ``axis:``.
 
 With ``split_dim`` and ``concat_dim`` (both, and no ``dim``; JAX's
 ``all_to_all(x, split_axis, concat_axis)``): ``dst`` has src's rank; ``src`` split in W
@@ -152,13 +152,6 @@ def io(op: AllToAll) -> IO:
     return names(op.src) + scale, names(op.dst)
 
 
-def whole_mesh_form(op: AllToAll) -> str | None:
-    """The forms whose team lowering and proof are not written: over every axis only."""
-    if op.scale is not None:
-        return "all_to_all with a cast"
-    return None
-
-
 def lower(ctx: LowerRules, step: Step) -> Any:
     op = typed(step, AllToAll)
     if op.scale is not None:  # a cast: ragged_all_to_all's kernel at full counts
@@ -190,6 +183,4 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 DEF = define(OpDef("all_to_all", AllToAll, semantics, verify, reference, io, lower,
-                   teams=True, whole_mesh_form=whole_mesh_form,
-                   team_form="dim or split_dim/concat_dim",
-                   exact=True, inputs=cast.input_rules))
+                   teams=True, exact=True, inputs=cast.input_rules))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from dcpc.lang.expr import W, div, product
+from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Name, Node, OpBase
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
@@ -55,13 +55,25 @@ def _pair(a: str, b: str) -> str | None:
     return None
 
 
+def payload(op: OpBase) -> tuple[str, str] | None:
+    """(src, dst) of the payload a move's ``scale`` casts: its one payload, or the FIRST of
+    a ragged_all_to_all's list (the tokens; the ids and weights beside them move as they
+    are); None for an all_to_all's list (verify_move refuses a cast there)."""
+    src, dst = op.src, op.dst  # type: ignore[attr-defined]
+    if isinstance(src, str) and isinstance(dst, str):
+        return src, dst
+    if op.op == "ragged_all_to_all" and isinstance(src, list) and isinstance(dst, list):
+        return (src[0], dst[0]) if src and dst else None
+    return None
+
+
 def direction(schedule: ScheduleView, op: OpBase) -> str | None:
     """'quantise' | 'dequantise' for a move with a supported cast, else None."""
     scale = getattr(op, "scale", None)
-    if scale is None or not isinstance(op.src, str) or not isinstance(op.dst, str):  # type: ignore[attr-defined]
-        return None  # a list of payloads casts nothing (verify_move refuses it)
-    a = schedule.buffers.get(op.src)  # type: ignore[attr-defined]
-    b = schedule.buffers.get(op.dst)  # type: ignore[attr-defined]
+    pair = payload(op)
+    if scale is None or pair is None:
+        return None
+    a, b = schedule.buffers.get(pair[0]), schedule.buffers.get(pair[1])
     if a is None or b is None:
         return None
     return _pair(a.dtype.value, b.dtype.value)
@@ -85,10 +97,11 @@ def input_rules(op: OpBase) -> dict[str, InputRule]:
     return {scale.buffer: TensorScale()} if scale is not None and scale.per == "tensor" else {}
 
 
-def verify(v: ShapeRules, src: Ref, dst: Ref) -> None:
-    """A move's dtypes: the same without ``scale``; a supported cast and its scale with."""
+def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
+    """A move's dtypes: the same without ``scale``; a supported cast and its scale with.
+    ``cast`` False: a payload the step's ``scale`` does not cast (not the first)."""
     op = v.step.op
-    scale: Scale | None = getattr(op, "scale", None)
+    scale: Scale | None = getattr(op, "scale", None) if cast else None
     if scale is None:
         a, b = v.buffer(src.name), v.buffer(dst.name)
         if a is not None and b is not None and a.dtype != b.dtype and _pair(a.dtype.value,
@@ -97,7 +110,9 @@ def verify(v: ShapeRules, src: Ref, dst: Ref) -> None:
                     f"step '{v.step.name}' moves {a.dtype.value} data from '{src.name}' into "
                     f"'{dst.name}', which is {b.dtype.value}",
                     hint=f"declare '{dst.name}' with dtype {a.dtype.value}, or cast in the "
-                    "move: add 'scale: {per: token, buffer: <f32 scales>}' (docs/language.md)")
+                    "move: add 'scale: {per: token, buffer: <f32 scales>}' (docs/language.md)"
+                    if cast else f"declare '{dst.name}' with dtype {a.dtype.value}: 'scale' "
+                    "casts the first payload only (list the one to cast first)")
             return
         v.same_dtype(src, dst)
         return
@@ -218,8 +233,10 @@ def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
     """The attrs of a move's cast in ragged_all_to_all's kernel (none: ``cast`` 0)."""
     way = direction(ctx.schedule, op)
     mode = CAST_MODES[(way, op.scale.per)] if way is not None and op.scale is not None else 0
+    pair = payload(op)
+    assert pair is not None
     return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
-            "bf16_out": ctx.buffers[op.dst].dtype == "bf16"}
+            "bf16_out": ctx.buffers[pair[1]].dtype == "bf16"}
 
 
 def lower_move(ctx: LowerRules, step: Step) -> Any:
@@ -235,7 +252,7 @@ def lower_move(ctx: LowerRules, step: Step) -> Any:
         params=ctx.engine([op.src, op.scale.buffer]),
         returns=[op.dst],
         roles={"src": op.src, "dst": op.dst, "scale": op.scale.buffer},
-        scalars=[("cap", div(product(shape[:-1]), W)), ("row_len", row_len)],
+        scalars=[("cap", div(product(shape[:-1]), ctx.team_w(step))), ("row_len", row_len)],
         tiles=[row_len],
         signalling=True,
         attrs={"ragged": False, **cast_attrs(ctx, op)},

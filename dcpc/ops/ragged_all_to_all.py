@@ -15,6 +15,14 @@ its receiver gets the count as sent (the flag) and the sender records a kernel e
 that its call raises (``DcpcArgumentError``, code ``OVER_CAPACITY``); the torch backend
 raises before it sends. ``scale``: a cast inside the move (dcpc/ops/cast.py: bf16 ->
 fp8 e4m3 with per-token or per-tensor scales, and back).
+
+``src``/``dst`` may be lists of the same length (DeepEP's dispatch: the tokens, their
+top-k expert ids and weights): every payload [W, capacity, *row_k] moves the same rows
+with the one ``counts``, in one kernel and one signal; a cast applies to the FIRST
+payload only (cast.payload), the others move bit for bit in their own dtype.
+``axis:`` (a team): W is the team's size, j and p member indices (the kernel's
+RANK/WORLD); the error record names the peer's global rank (dcpc.runtime.errors,
+OVER_CAPACITY).
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -45,7 +53,7 @@ from dcpc.ops.common import (
     typed,
 )
 from dcpc.ops.iface import Counts, Unsent
-from dcpc.ops.registry import IO, OpDef, define
+from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
     from dcpc.ops.iface import InputRule, LowerRules, OutputRule, ShapeRules, SimView
@@ -53,8 +61,10 @@ if TYPE_CHECKING:
 
 class RaggedAllToAll(OpBase):
     op: Literal["ragged_all_to_all"]
-    src: Name = Field(description="[W, capacity, *row]: block j holds the rows for peer j")
-    dst: Name = Field(description="[W, capacity, *row], symmetric: block p from peer p")
+    src: Name | list[Name] = Field(
+        description="[W, capacity, *row] (one or a list): block j holds the rows for peer j")
+    dst: Name | list[Name] = Field(
+        description="[W, capacity, *row], symmetric, one per src: block p from peer p")
     counts: Name = Field(description="[W] integers: live rows of each block of src")
     recv_counts: Name = Field(description="[W] i32, symmetric: counts[rank] of each peer")
     capacity: SizeExpr = Field(description="rows of one block: src and dst dim 1")
@@ -75,23 +85,13 @@ def semantics(c: Scope, step: Step) -> Semantics:
 def verify(v: ShapeRules, step: Step) -> None:
     op = step.op
     assert isinstance(op, RaggedAllToAll)
-    (src,), (dst,) = v.refs("src"), v.refs("dst")
     (counts,), (recv,) = v.refs("counts"), v.refs("recv_counts")
-    v.transfer(dst, dst, symmetric=True)  # peers write dst and recv_counts: symmetric
-    v.transfer(recv, recv, symmetric=True)
-    cast.verify(v, src, dst)
+    v.transfer(recv, recv, symmetric=True)  # peers write dst and recv_counts: symmetric
     cap = ex.parse(op.capacity) if isinstance(op.capacity, str) else ("num", op.capacity)
-    shape = v.shape(src.name)
-    if shape is not None:
-        if len(shape) < 2:
-            v.error(src.mark, "shape-mismatch",
-                    f"src '{src.name}' of step '{step.name}' has {len(shape)} dims; a ragged "
-                    "all_to_all needs [W, capacity, ...]: one block of capacity rows per peer")
-        else:
-            v.expect(src, [v.W, cap, *shape[2:]], "one block of capacity rows per peer")
-            if v.shape(dst.name) is not None:
-                v.expect(dst, [v.W, cap, *shape[2:]],
-                         f"one block of capacity rows per peer, rows as in src '{src.name}'")
+    for k, (src, dst) in enumerate(v.pairs(v.refs("src"), v.refs("dst"))):
+        v.transfer(dst, dst, symmetric=True)
+        cast.verify(v, src, dst, cast=k == 0)  # the first payload is the one cast
+        _verify_rows(v, step, src, dst, cap)
     for ref, dtypes, what in ((counts, ("i32", "i64"), "integers"), (recv, ("i32",), "i32")):
         buf = v.buffer(ref.name)
         if buf is None:
@@ -104,21 +104,48 @@ def verify(v: ShapeRules, step: Step) -> None:
         v.expect(ref, [v.W], "one row count per peer")
 
 
+def _verify_rows(v: ShapeRules, step: Step, src: Any, dst: Any, cap: ex.Expr) -> None:
+    """A payload: [W, capacity, *row], its dst the same shape."""
+    shape = v.shape(src.name)
+    if shape is not None:
+        if len(shape) < 2:
+            v.error(src.mark, "shape-mismatch",
+                    f"src '{src.name}' of step '{step.name}' has {len(shape)} dims; a ragged "
+                    "all_to_all needs [W, capacity, ...]: one block of capacity rows per peer")
+        else:
+            v.expect(src, [v.W, cap, *shape[2:]], "one block of capacity rows per peer")
+            if v.shape(dst.name) is not None:
+                v.expect(dst, [v.W, cap, *shape[2:]],
+                         f"one block of capacity rows per peer, rows as in src '{src.name}'")
+
+
 def reference(sim: SimView, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     op: RaggedAllToAll = step.op  # type: ignore[assignment]
-    cap = sim.shape(op.src)[1]
+    srcs, dsts = names(op.src), names(op.dst)
+    cap = sim.shape(srcs[0])[1]
     counts = [[int(c) for c in sim.bufs[p][op.counts].reshape(-1)] for p in range(sim.world)]
     for p, row in enumerate(counts):
         for j, n in enumerate(row):
             if not 0 <= n <= cap:
                 raise ValueError(f"simulator: step {step.name}: rank {p}'s counts[{j}] = {n} "
                                  f"is outside [0, capacity {cap}]")
-    way = cast.direction(sim.schedule, op)
+    for k, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
+        _move(sim, op, src, dst, counts, cast.direction(sim.schedule, op) if k == 0 else None)
+    for j in range(sim.world):
+        sim.store(j, op.recv_counts,
+                  torch.tensor([counts[p][j] for p in range(sim.world)], dtype=torch.int64))
+
+
+def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[list[int]],
+          way: str | None) -> None:
+    """One payload's rows, cast on the way when ``way`` says so."""
+    import torch
+
     sent, scales = [], []  # every sender's src as it travels (cast), and its row scales
     for p in range(sim.world):
-        x, s = sim.bufs[p][op.src], None
+        x, s = sim.bufs[p][src], None
         if way == "quantise":  # per token: the scales are made here, not read
             tensor = sim.bufs[p].get(op.scale.buffer)  # type: ignore[union-attr]
             x, s = cast.quantise_rows(x, op.scale.per, tensor)  # type: ignore[union-attr]
@@ -129,18 +156,16 @@ def reference(sim: SimView, step: Step) -> None:
     for j in range(sim.world):
         # rows past a count: never written (NaN, or an int payload's UNSENT_INT), so
         # that whoever reads them as data mismatches
-        out = sim.unsent(op.dst)
-        got = torch.full(sim.shape(op.dst)[:-1], math.nan, dtype=torch.float64)
+        out = sim.unsent(dst)
+        got = torch.full(sim.shape(dst)[:-1], math.nan, dtype=torch.float64)
         for p in range(sim.world):
             n = counts[p][j]
             out[p, :n] = sent[p][j, :n]
             if scales[p] is not None:
                 got[p, :n] = scales[p][j, :n]  # type: ignore[index]
-        sim.store(j, op.dst, out)
+        sim.store(j, dst, out)
         if scales[0] is not None:
             sim.store(j, op.scale.buffer, got)  # type: ignore[union-attr]
-        sim.store(j, op.recv_counts,
-                  torch.tensor([counts[p][j] for p in range(sim.world)], dtype=torch.int64))
 
 
 def io(op: RaggedAllToAll) -> IO:
@@ -148,25 +173,33 @@ def io(op: RaggedAllToAll) -> IO:
     the cast's direction without the dtypes): it is symmetric, so never an engine input,
     and the method does not return it (``module.buffer`` reads it, as ``via``)."""
     scale = [op.scale.buffer] if op.scale is not None else []
-    return [op.src, op.counts, *scale], [op.dst, op.recv_counts]
+    return [*names(op.src), op.counts, *scale], [*names(op.dst), op.recv_counts]
 
 
 def lower(ctx: LowerRules, step: Step) -> Any:
     op = typed(step, RaggedAllToAll)
-    shape = ctx.shape(op.src)
-    roles = {"src": op.src, "dst": op.dst, "counts": op.counts, "recv_counts": op.recv_counts}
+    srcs, dsts = names(op.src), names(op.dst)
+    shape = ctx.shape(srcs[0])
+    # payload 0 keeps the roles and scalars of a one-payload step (its module unchanged)
+    roles = {"src": srcs[0], "dst": dsts[0], "counts": op.counts,
+             "recv_counts": op.recv_counts}
+    scalars = [("cap", shape[1]), ("row_len", product(shape[2:]))]
+    for k in range(1, len(srcs)):
+        roles[f"src{k}"], roles[f"dst{k}"] = srcs[k], dsts[k]
+        scalars.append((f"row_len{k}", product(ctx.shape(srcs[k])[2:])))
     scale = op.scale.buffer if op.scale is not None else None
     if scale is not None:
         roles["scale"] = scale
+    more = {"payloads": len(srcs)} if len(srcs) > 1 else {}
     return ctx.plan(
         step,
-        params=ctx.engine([op.src, op.counts, scale]),
-        returns=[op.dst, op.recv_counts],
+        params=ctx.engine([*srcs, op.counts, scale]),
+        returns=[*dsts, op.recv_counts],
         roles=roles,
-        scalars=[("cap", shape[1]), ("row_len", product(shape[2:]))],
+        scalars=scalars,
         tiles=[product(shape[2:])],
         signalling=True,
-        attrs={"ragged": True, **cast.cast_attrs(ctx, op)},
+        attrs={"ragged": True, **cast.cast_attrs(ctx, op), **more},
     )
 
 
@@ -181,8 +214,8 @@ def outputs(op: RaggedAllToAll) -> dict[str, OutputRule]:
     ``dst`` and in a per-token cast's scale buffer (either direction: the op cannot tell
     which without the dtypes, and a read buffer's rule compares what it compared)."""
     scale = [op.scale.buffer] if op.scale is not None else []
-    return {name: Unsent() for name in (op.dst, *scale)}
+    return {name: Unsent() for name in (*names(op.dst), *scale)}
 
 
 DEF = define(OpDef("ragged_all_to_all", RaggedAllToAll, semantics, verify, reference, io, lower,
-                          exact=True, inputs=inputs, outputs=outputs))
+                   teams=True, exact=True, inputs=inputs, outputs=outputs))

@@ -2,7 +2,9 @@
 
 ``src: [x, weights]``, ``dst`` [T, H]: ``dst[t] = sum_k weights[t, k] * row(t, k)``,
 k = 0, 1, ..., K-1 in that order, accumulated in fp32 and rounded once into dst's
-dtype (an fp8 ``dst`` divided by ``output_scale``). ``weights`` is [T, K]. With
+dtype (an fp8 ``dst`` divided by ``output_scale``). ``weights`` is [T, K]. T may be
+several dims (``weights`` [*T, K], ``dst`` [*T, H], ``index`` [*T, K]): DeepEP normal
+mode's forwarder reduces straight into its [N, C, H] RDMA send blocks. With
 ``index`` ([T, K] integers) ``row(t, k)`` is row ``index[t, k]`` of ``x`` seen as
 [rows, H] (all dims but the last flattened: a ragged all_to_all's [W, capacity, H]
 receive buffer, DeepEP's combine layout); a negative
@@ -66,10 +68,10 @@ def verify(v: ShapeRules, step: Step) -> None:
     ws, xs, ds = v.shape(weights.name), v.shape(x.name), v.shape(dst.name)
     if ws is None or xs is None:
         return
-    if len(ws) != 2:
+    if len(ws) < 2:
         v.error(weights.mark, "shape-mismatch",
                 f"weights '{weights.name}' of step '{step.name}' has {len(ws)} dims; it must "
-                "be [T, K]: the top-k weights of each token")
+                "be [T, K] (or [*T, K]): the top-k weights of each token")
         return
     index = v.refs("index")
     if index:
@@ -90,7 +92,7 @@ def verify(v: ShapeRules, step: Step) -> None:
     else:
         v.expect(x, [*ws, xs[-1]], f"one row per weight of '{weights.name}', then H")
     if ds is not None:
-        v.expect(dst, [ws[0], xs[-1]], "one combined row per token")
+        v.expect(dst, [*ws[:-1], xs[-1]], "one combined row per token")
 
 
 def reference(sim: SimView, step: Step) -> None:
@@ -103,11 +105,13 @@ def reference(sim: SimView, step: Step) -> None:
         weights = bufs[w_name]
         x = bufs[x_name]
         rows = x.reshape(-1, x.shape[-1])
-        tokens, topk = weights.shape
+        topk = weights.shape[-1]
+        weights = weights.reshape(-1, topk)  # tokens over [*T]
+        tokens = weights.shape[0]
         if op.index is None:
             index = torch.arange(tokens * topk).reshape(tokens, topk)
         else:
-            index = bufs[op.index].to(torch.int64)
+            index = bufs[op.index].to(torch.int64).reshape(tokens, topk)
             if bool((index >= len(rows)).any()):
                 raise ValueError(f"simulator: step {step.name}: rank {r}'s index holds a row "
                                  f"past the {len(rows)} rows of {x_name}")
@@ -116,6 +120,7 @@ def reference(sim: SimView, step: Step) -> None:
             live = index[:, k] >= 0
             part = weights[:, k, None] * rows[index[:, k].clamp(min=0)]
             out += torch.where(live[:, None], part, 0.0)  # an empty slot: exactly 0
+        out = out.reshape(*sim.shape(op.dst)[:-1], x.shape[-1])
         sim.store(r, op.dst, sim.scaled(op, r, out))
 
 
@@ -136,7 +141,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
         params=ctx.engine([x, weights, op.index]),
         returns=[op.dst],
         roles=roles,
-        scalars=[("tokens", ws[0]), ("topk", ws[1]), ("row_len", xs[-1]),
+        scalars=[("tokens", product(ws[:-1])), ("topk", ws[-1]), ("row_len", xs[-1]),
                  ("rows", product(xs[:-1]))],
         tiles=[xs[-1]],
         attrs={"index": op.index is not None},

@@ -15,6 +15,7 @@ stop with ``DcpcCollectiveError`` after ``timeout_s`` instead of pairing).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,7 +45,8 @@ class SlotGroup:
     """The process group of one slot, and how long a collective may wait on the host.
     ``rank``: this rank's index in ``group`` (a team member index for a team op's group);
     ``me`` and ``peers``: this rank and the other members as the module numbers them
-    (what an error names)."""
+    (what an error names); ``members``: every member as the module numbers it, in member
+    order (a team's; empty: the group's own numbering, member i is rank i)."""
 
     group: Any
     slot: int
@@ -52,6 +54,11 @@ class SlotGroup:
     timeout: timedelta | None  # gloo: the module's timeout_s; NCCL: None (stream-ordered)
     me: int = 0
     peers: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()
+
+    def rank_of(self, member: int) -> int:
+        """The module's rank of member ``member`` (what an error names)."""
+        return self.members[member] if self.members else member
 
     # what an op's own torch body (``OpDef.torch``, copied into the generated module: it
     # imports no runtime) calls: dcpc.ops.iface.TorchComm
@@ -400,10 +407,12 @@ def ragged_all_to_all(
     step: str,
     cast: int = 0,
     scale: torch.Tensor | None = None,
+    more: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
     over capacity or negative raises before anything is sent (sync.over_capacity).
+    ``more``: further (src, dst) payloads, the same rows of each, never cast.
     ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
     land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
     sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``."""
@@ -411,8 +420,9 @@ def ragged_all_to_all(
 
     sent = counts.reshape(-1).to(torch.int32)
     over = torch.nonzero((sent > capacity) | (sent < 0)).flatten().tolist()
-    if over:
-        raise over_capacity(step, comm.rank, over[0], int(sent[over[0]]), capacity)
+    if over:  # counts is indexed by member; the error names module ranks
+        j = over[0]
+        raise over_capacity(step, comm.me, comm.rank_of(j), int(sent[j]), capacity, index=j)
     if cast in (2, 4) and scale is not None:
         merge.checked_scale(scale)  # before anything is sent, as a bad count
     got = torch.empty_like(sent)
@@ -429,6 +439,11 @@ def ragged_all_to_all(
         dst[p, :n].copy_(staged[p, :n])
         if scales_in is not None and scale is not None:
             scale[p, :n].copy_(scales_in[p, :n])
+    for extra_src, extra_dst in more:  # as is: integer ids, f32 weights, bit for bit
+        staged = torch.empty_like(extra_dst)
+        _all_to_all_single(comm, staged.reshape(-1), extra_src.contiguous().reshape(-1), world)
+        for p, n in enumerate(got.tolist()):
+            extra_dst[p, :n].copy_(staged[p, :n])
 
 
 def weighted_combine(
@@ -448,10 +463,11 @@ def weighted_combine(
         merge.checked_scale(scale)
 
     rows = x.reshape(-1, x.shape[-1])
+    weights = weights.reshape(-1, weights.shape[-1])  # tokens over [*T]
     tokens, topk = weights.shape
     if index is None:
         index = torch.arange(tokens * topk, device=x.device).reshape(tokens, topk)
-    index = index.to(torch.int64)
+    index = index.to(torch.int64).reshape(tokens, topk)
     past = torch.nonzero((index >= len(rows)).any(dim=1)).flatten().tolist()
     if past:
         t = past[0]
@@ -461,7 +477,8 @@ def weighted_combine(
         live = (index[:, k] >= 0)[:, None]
         part = weights[:, k, None].float() * rows[index[:, k].clamp(min=0)].float()
         acc += torch.where(live, part, 0.0)
-    dst.copy_(acc if scale is None else merge.quantize(acc, scale))
+    out = acc if scale is None else merge.quantize(acc, scale)
+    dst.copy_(out.reshape(dst.shape))
 
 
 def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.dtype

@@ -12,8 +12,10 @@ from __future__ import annotations
 # (dcpc.runtime.sync.SignalBank.check_errors). Word i holds RECORD[i]; the codes say
 # what failed. For a failed wait: the step, the peer, the epoch waited for, this call's
 # fingerprint ("here"), the one the peer's signal carried ("there"), the peer's failure
-# flag. OVER_CAPACITY: "epoch" holds the count, "here" the capacity, "there" 1 when the
-# receiver found it; BAD_INDEX: "peer" the token, "epoch" the row, "here" the rows;
+# flag. OVER_CAPACITY: "peer" the peer's rank, "epoch" the count, "here" the capacity,
+# "there" 1 when the receiver found it, "flag" 1 + the peer's member index in a team
+# step (its index into counts; 0: the whole group, where index and rank agree);
+# BAD_INDEX: "peer" the token, "epoch" the row, "here" the rows;
 # BAD_SCALE: "epoch" the scale's f32 bits. The CPU watchdog sets "stop" at a call's
 # deadline (a kernel cannot read a clock there).
 RECORD = ("code", "step", "peer", "epoch", "here", "there", "stop", "flag")

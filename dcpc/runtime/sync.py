@@ -78,12 +78,16 @@ FINGERPRINT_BITS = 31  # fingerprints are in 0..2**31-1 (never -1)
 
 
 def over_capacity(step: str, rank: int | None, peer: int, count: int, capacity: int,
-                  received: bool = False) -> DcpcArgumentError:
+                  received: bool = False, index: int | None = None) -> DcpcArgumentError:
     """A ragged_all_to_all's count over its capacity or negative (nothing of that part
-    was sent), as its sender (``counts[peer]``) or its receiver (``peer`` sent it) saw it."""
+    was sent), as its sender (``counts[index]``, the rows for rank ``peer``) or its
+    receiver (rank ``peer`` sent it) saw it. ``index``: the peer's member index in the
+    step's team (None: the whole group, where it is ``peer``)."""
     who = f"rank {rank}" if rank is not None else "this rank"
+    at = peer if index is None else index
     what = (f"peer {peer} routed {count} rows to {who}" if received
-            else f"{who}'s counts[{peer}] = {count}")
+            else f"{who}'s counts[{at}] = {count}"
+            + (f" (the rows for rank {peer})" if at != peer else ""))
     why = f"over the capacity {capacity}" if count >= 0 else "a negative count"
     return DcpcArgumentError(
         f"step '{step}': {what}, {why}; no row of that part was "
@@ -332,7 +336,8 @@ class SignalBank:
             reason = FLAG_REASONS.get(flag, f"set failure flag {flag}")
             raise DcpcPeerFailedError(name, peer, epoch, rank, reason)
         if code == OVER_CAPACITY:
-            raise over_capacity(name, rank, peer, epoch, here, received=there == 1)
+            raise over_capacity(name, rank, peer, epoch, here, received=there == 1,
+                                index=flag - 1 if flag > 0 else None)
         if code == BAD_INDEX:
             raise bad_index(name, rank, peer, epoch, here)
         if code == BAD_SCALE:

@@ -139,7 +139,7 @@ class TeamsMixin:
             for axes in wanted:
                 for slot in range(slots):
                     self._team_cache[("comm", axes, slot)] = SlotGroup(
-                        self.group, slot, 0, timeout)
+                        self.group, slot, 0, timeout, 0, (), (0,))
             return
         glob = dist.get_process_group_ranks(self.group)
         t = torus(self.mesh_shape)
@@ -162,7 +162,7 @@ class TeamsMixin:
                         member = members.index(self.rank)  # the group's; errors name ranks
                         self._team_cache[("comm", axes, slot)] = SlotGroup(
                             group, slot, member, timeout, self.rank,
-                            tuple(m for m in members if m != self.rank))
+                            tuple(m for m in members if m != self.rank), tuple(members))
 
     # ---- per-axis backends (dcpc.runtime.axes) ------------------------------------------
     def _settle(self, step: str, slot: int) -> None:

@@ -217,6 +217,18 @@ VARIANTS: dict[str, Variant] = {
         p.attrs.get("concat")) and p.sync.axes is not None,
     **{f"all_to_all: cast {k}": _cast("all_to_all", k) for k in (1, 2, 3, 4)},
     **{f"ragged_all_to_all: cast {k}": _cast("ragged_all_to_all", k) for k in (0, 1, 2, 3, 4)},
+    "ragged_all_to_all: over a team": _team("ragged_all_to_all"),
+    "ragged_all_to_all: several payloads, the first cast": lambda s, step, p, w: (
+        step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
+        and p.attrs.get("cast") == 1),
+    "ragged_all_to_all: several payloads, uncast": lambda s, step, p, w: (
+        step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
+        and p.attrs.get("cast") == 0),
+    "ragged_all_to_all: per-token cast over a team": lambda s, step, p, w: (
+        step.kind == "ragged_all_to_all" and p.attrs.get("cast") == 1
+        and p.sync.axes is not None),
+    "all_to_all: cast over a team": lambda s, step, p, w: (
+        step.kind == "all_to_all" and bool(p.attrs.get("cast")) and p.sync.axes is not None),
     **{f"{op}: {name}": _merge(op, **attrs) for op in MERGES for name, attrs in MERGE_ATTRS.items()
        if (op, name) != ("lse_correct", "fp8")},  # lse_correct has no output_scale
     **{f"{op}: full lengths": _interleaved(op, 1) for op in MERGES},

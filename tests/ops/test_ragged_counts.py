@@ -86,6 +86,7 @@ steps:
   - dispatch: {op: ragged_all_to_all, src: x_send, dst: x_recv, counts: counts,
                recv_counts: n_recv, capacity: C}
   - experts:  {op: external, reads: [x_recv, n_recv]}
+  - done:     {op: barrier}  # without it the next call's dispatch races experts
 """
 
 
@@ -113,3 +114,32 @@ def test_counts_an_engine_step_writes_are_drawn_within_their_capacity(tmp_path: 
     path.write_text(ROUTED)
     report = run_schedule(RunConfig(str(path), world=2, calls=4))
     assert report.ok, report.errors()
+
+
+def test_an_index_an_engine_step_writes_picks_live_rows_of_its_own_counts() -> None:
+    """DeepEP normal mode's forwarding step writes the NVLink counts (n_fwd) and the slots
+    its reduce reads later (fwd_slot, into the rows those counts return); it also reads
+    only ragged receive buffers. The index was drawn against the previous call's counts
+    and the float outputs derived from rows past a count (NaN in the reference, stale in
+    a run): 3 to 7 mismatches at 2x2 in `dcpc run`. Now every slot is a live row and
+    every value finite."""
+    from dcpc.harness import synth
+    from dcpc.harness.simulate import simulate_call
+    from dcpc.lang.mesh import MeshWorld
+    from dcpc.lang.parse import parse_file
+
+    world = MeshWorld((2, 2))
+    path = Path(__file__).resolve().parents[2] / "schedules" / "gallery" / "deepep_normal.yaml"
+    schedule = parse_file(path, world)
+    for call in range(3):
+        sizes = synth.call_sizes(schedule, world, {"N": 2, "G": 2, "C": 4, "T": 4}, 0, call)
+        inputs = synth.call_inputs(schedule, world, sizes, 0, call)
+        out = simulate_call(schedule, world, sizes, inputs,
+                            external=synth.make_external(schedule, world, sizes, 0, call))
+        cap = sizes["N"] * sizes["C"]
+        for rank in out:
+            live = {g * cap + c for g, n in enumerate(rank["n_fwd"].tolist()) for c in range(n)}
+            slots = set(rank["fwd_slot"].reshape(-1).tolist()) - {-1}
+            assert slots <= live, (call, sorted(slots - live))
+            assert bool(rank["fwd_w"].isfinite().all()) and bool(rank["z_rail"].isfinite().all())
+            assert bool(rank["out"].isfinite().all())

@@ -163,3 +163,30 @@ def test_kernel_matches_float64_and_refuses_a_bad_index() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["kernel"]:
     _kernel_child()
+
+
+def _stacked() -> str:
+    return text(w_shape="[T, 1, K]", out_shape="[T, 1, H]").replace(
+        "idx: {shape: [T, K]", "idx: {shape: [T, 1, K]")
+
+
+def test_tokens_may_span_several_dims(tmp_path: Path) -> None:
+    """weights and index [*T, K], dst [*T, H] (DeepEP normal mode's forwarder reduces into
+    its [N, C, H] RDMA send blocks): the same sums as [T, K]; a dst whose token dims
+    differ from the weights' is refused (it was refused for any weights of 3 dims)."""
+    assert codes(_stacked(), tmp_path, "wc.yaml") == []
+    bad = _stacked().replace("out: {shape: [T, 1, H]", "out: {shape: [T, H]")
+    assert codes(bad, tmp_path, "wc.yaml") == ["shape-mismatch"]
+    case = _case(3)
+    stacked = {"x": case["x"], "w": case["w"].reshape(5, 1, 3),
+               "idx": case["idx"].reshape(5, 1, 3)}
+    out = simulate_call(parse_text(_stacked()), 2, SIZES, [stacked, stacked],  # type: ignore[arg-type]
+                        external=None)
+    want = _float64(case).to(torch.bfloat16).double().reshape(5, 1, 16)
+    assert torch.equal(out[0]["out"], want)
+    from dcpc.runtime import collectives
+
+    dst = torch.zeros(5, 1, 16, dtype=torch.bfloat16)
+    collectives.weighted_combine(case["x"].bfloat16(), stacked["w"].float(),
+                                 stacked["idx"].int(), dst, "combine")
+    assert torch.equal(dst.double(), want)

@@ -145,10 +145,12 @@ def test_dcpc_run_2x2_node_on_torch_gpu_on_host() -> None:
     ("double_ring", {"outer": "torch", "inner": "host"}),
     ("usp", {"ring": "torch", "uly": "host"}),
     ("usp", {"ring": "host", "uly": "torch"}),
-], ids=["double_ring-outer_torch", "usp-ring_torch", "usp-uly_torch"])
+    ("deepep_normal", {"node": "torch", "gpu": "host"}),
+], ids=["double_ring-outer_torch", "usp-ring_torch", "usp-uly_torch", "deepep-node_torch"])
 def test_gallery_layouts_of_one_axis_steps_run_mixed(stem: str, backend: dict) -> None:
-    """The gallery's double ring and USP run every step over one mesh axis, so each axis
-    may run on its own kind: every output still matches float64 at 2x2."""
+    """The gallery's double ring, USP and DeepEP normal mode run every step over one mesh
+    axis (or none), so each axis may run on its own kind: every output still matches
+    float64 at 2x2 (DeepEP's rail on gloo, its NVLink hops on host shared memory)."""
     report = run_schedule(RunConfig(schedule=str(ROOT / "schedules" / "gallery" / f"{stem}.yaml"),
                                     world=MeshWorld((2, 2)), backend=backend, calls=3, seed=7))
     out = format_report(report)

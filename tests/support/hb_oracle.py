@@ -153,7 +153,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     if kind in ("all_gather", "all_to_all"):
         reads(_as_list(op.src), 0)
         stores(_as_list(op.dst), (_partition(schedule, op), b.rank))
-        _cast_scale(op, schedule, reads, stores, b.rank)
+        _cast_scale(op, schedule, reads, stores, b.rank, axes)
         exchange()
     elif kind in ("reduce_scatter", "all_reduce"):  # all_reduce: whole src, same sync
         via = _as_list(op.via) or [f"{name}_recv"]  # reduce: lse: [o_recv, lse_recv]
@@ -197,9 +197,9 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         reads(op.reads, 0)
         writes(op.writes, 0)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
-        reads([op.src, op.counts], 0)
-        stores([op.dst, op.recv_counts], (("index", 0, 0, axes), b.rank))
-        _cast_scale(op, schedule, reads, stores, b.rank)
+        reads(_as_list(op.src) + [op.counts], 0)
+        stores(_as_list(op.dst) + [op.recv_counts], (("index", 0, 0, axes), b.rank))
+        _cast_scale(op, schedule, reads, stores, b.rank, axes)
         exchange()
         reads([op.recv_counts], 1)  # the receiver's over-capacity check reads every count
     elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
@@ -227,14 +227,15 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         raise AssertionError(f"oracle does not know op {kind}")
 
 
-def _cast_scale(op, schedule: Schedule, reads, stores, rank: int) -> None:
+def _cast_scale(op, schedule: Schedule, reads, stores, rank: int, axes) -> None:
     """A cast's scale buffer: a per-token cast into fp8 sends its row scales along (a
-    store into block `rank` of every peer's), any other cast reads them here."""
+    store into block `rank`, its member index in a team, of every team peer's), any
+    other cast reads them here."""
     scale = getattr(op, "scale", None)
     if scale is None:
         return
-    if scale.per == "token" and schedule.buffers[op.dst].dtype.value == "fp8e4m3":
-        stores([scale.buffer], (("index", 0, 0, None), rank))  # casts: no team
+    if scale.per == "token" and schedule.buffers[_as_list(op.dst)[0]].dtype.value == "fp8e4m3":
+        stores([scale.buffer], (("index", 0, 0, axes), rank))
     else:
         reads([scale.buffer], 0)
 
