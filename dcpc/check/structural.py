@@ -20,6 +20,7 @@ from dcpc.check.flow import check_channels, check_reads
 from dcpc.check.mesh import check_mesh, mesh_diagnostics
 from dcpc.check.names import check_buffers, check_names, check_references
 from dcpc.check.ops import check_ops
+from dcpc.check.when import check_when
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
 from dcpc.lang.loops import MAX_STEPS
@@ -69,6 +70,7 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS,
     check_shapes(ctx)
     check_ops(ctx)
     check_interleave(ctx)
+    check_when(ctx)
     check_reads(ctx)
     check_channels(ctx)
     unique = {(d.mark, d.code, d.message): d for d in ctx.out}

@@ -356,7 +356,9 @@ def run_rank(
             report.replay = adversary.replay_hold(replay, _written(
                 module, schedule, kinds, step, rank, event.slot, sizes, trace, ragged,
                 replay["watch"]))
-        if isinstance(step.op, External):
+        if isinstance(step.op, External) and not module.runs(step.name):
+            pass  # a guarded engine step whose when: fails on this rank (module.runs)
+        elif isinstance(step.op, External):
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
                 if name in env and not schedule.buffers[name].is_symmetric:
                     continue  # the engine's own tensor
