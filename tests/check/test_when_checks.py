@@ -166,3 +166,7 @@ def test_a_race_s_counterexample_names_ranks_where_its_steps_run() -> None:
             # lower (s <= r) runs on ranks >= s, upper (s > r) on ranks < s
             s = int(when.split()[0])
             assert (loc.rank >= s) if "<=" in when else (loc.rank < s), (f.message, when)
+    # and its timeline shows a guarded step a rank passes over as skipped, not done
+    lines = "\n".join(hb.check(schedule, [4], hints=False).findings[0].timeline)
+    assert "rank 0: call 0 " in lines and "attend_lower_h0 (skipped)" in lines, lines
+    assert "attend_lower_h0 ✓" not in lines.split("rank 1:")[0], lines

@@ -64,6 +64,7 @@ def check(
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
     for w in analysed:
         world = analyze(program, w, calls)
+        world.skipped = _skipped(schedule, w)
         events += w * len(world.live)
         for dead in find_deadlocks(world):
             if dead.key(world) not in findings:
@@ -118,6 +119,16 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
                 schedule, step_b, (b.rank + d) % n, world.world):
             return replace(race, first=_rotated(a, d, n), second=_rotated(b, d, n))
     return race
+
+
+def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
+    """(rank, step index) of every guarded step that does not run on that rank at W
+    (none on a mesh: its races are not rotated either)."""
+    if schedule.mesh is not None:
+        return frozenset()
+    return frozenset((r, s.index) for s in schedule.step_list()
+                     if getattr(s.op, "when", None) is not None
+                     for r in range(int(w)) if not wh.runs(schedule, s, r, w))
 
 
 def _rotated(t: Touch, d: int, n: int) -> Touch:
