@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
-from dcpc.lang import expr as ex
 from dcpc.lang import when as wh
 from dcpc.lang.model import Step
 from dcpc.lang.semantics import READ, channels, effect_mark
@@ -50,12 +49,12 @@ def check_reads(ctx: Context) -> None:
     it is still in flight (a shift's data lands at its wait); an engine-owned buffer is
     not read before the step that writes it (one that no step writes is an input)."""
     found = accesses(ctx)
-    guarded = _guards(ctx)
+    guarded = {s.index for s in wh.guarded(ctx.schedule)}
     # a buffer a guarded step writes is written on the ranks where its guard holds:
     # its reads are checked rank by rank (exact), not by the SPMD rules below
     exact = {a.ref.name for a in found if a.mode == "w" and a.step.index in guarded}
     if exact:
-        _check_per_rank(ctx, [a for a in found if a.ref.name in exact], guarded)
+        _check_per_rank(ctx, [a for a in found if a.ref.name in exact])
         found = [a for a in found if a.ref.name not in exact]
     first_writer: dict[str, Access] = {}
     for acc in found:
@@ -105,42 +104,23 @@ def check_reads(ctx: Context) -> None:
                       hint=f"move step '{step.name}' after '{writer.at.name}'")
 
 
-def _guards(ctx: Context) -> dict[int, ex.Expr]:
-    """Step index -> its ``when:`` condition, for the steps whose condition parses and
-    evaluates (dcpc.check.when reports the others; they count as unguarded here)."""
-    out = {}
-    for step in ctx.steps:
-        try:
-            cond = wh.condition(step)
-        except ex.ExprSyntaxError:
-            continue
-        if cond is not None:
-            out[step.index] = cond
-    return out
-
-
-def _runs(ctx: Context, guarded: dict[int, ex.Expr], step: Step, rank: int,
-          world: int) -> bool:
-    cond = guarded.get(step.index)
-    if cond is None:
-        return True
-    try:
-        return ex.holds(cond, wh.env(ctx.schedule, rank, world))
-    except (ArithmeticError, ValueError, KeyError):  # dcpc.check.when reports it
-        return True
-
-
-def _check_per_rank(ctx: Context, found: list[Access], guarded: dict[int, ex.Expr]) -> None:
+def _check_per_rank(ctx: Context, found: list[Access]) -> None:
     """The reads of buffers that guarded steps write, rank by rank at every W checked: a
     read on rank r needs an earlier write on rank r by a step that runs there (a guarded
     one whose condition holds at r, or a store every rank gets)."""
     reported: set[str] = set()
     for world in ctx.samples.worlds:
+        running = wh.running(ctx.schedule, world)
+
+        def runs(step: Step, rank: int, running: dict = running) -> bool:
+            ranks = running.get(step.index)
+            return ranks is None or rank in ranks
+
         for rank in range(int(world)):
             written: set[str] = set()
             for acc in found:
                 name = acc.ref.name
-                if name in reported or not _runs(ctx, guarded, acc.step, rank, world):
+                if name in reported or not runs(acc.step, rank):
                     continue
                 if acc.mode == "w":
                     # a root's store counts on the root (without a mesh: team = group);
@@ -155,8 +135,7 @@ def _check_per_rank(ctx: Context, found: list[Access], guarded: dict[int, ex.Exp
                     continue  # written before here, or updated in place by this step
                 reported.add(name)
                 skipped = [a.step.name for a in found if a.mode == "w" and a.ref.name == name
-                           and a.step.index < acc.step.index
-                           and not _runs(ctx, guarded, a.step, rank, world)]
+                           and a.step.index < acc.step.index and not runs(a.step, rank)]
                 why = (f"; the earlier steps that write it do not run there (their when: "
                        f"does not hold): {', '.join(skipped)}" if skipped else
                        "; no earlier step writes it")

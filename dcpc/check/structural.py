@@ -23,6 +23,7 @@ from dcpc.check.ops import check_ops
 from dcpc.check.when import check_when
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
+from dcpc.lang import when as wh
 from dcpc.lang.loops import MAX_STEPS
 from dcpc.lang.mesh import DEFAULT_WORLDS, MeshWorld, WorldError, fit_worlds, mesh_of
 from dcpc.lang.model import Schedule, Streams
@@ -112,6 +113,15 @@ def check_limits(schedule: Schedule, worlds: list[int] | None = None,
         return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
                            f"the steps name buffers {accesses} times in all, above the limit "
                            f"of {MAX_ACCESSES}", hint="split it into several schedules")]
+    checks = wh.rank_checks(schedule, worlds or [])
+    if checks > wh.MAX_RANK_CHECKS:
+        return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
+                           f"{len(wh.guarded(schedule))} steps with when: are decided rank "
+                           f"by rank at every W checked: {checks} (step, rank) pairs over "
+                           f"the {len(worlds or [])} W asked, above the limit of "
+                           f"{wh.MAX_RANK_CHECKS}",
+                           hint="check a narrower --world range (each W is proved on its "
+                           "own: no W stands for another)")]
     return _hb_work(schedule, steps, worlds or [], sems)
 
 
@@ -166,6 +176,9 @@ def hb_cost(schedule: Schedule, worlds: list[int],
         bounds = [bound_for(h, calls) for h in hops]
         analysed = mesh_representatives(worlds, bounds)
         upto = "every axis size up to " + "x".join(map(str, bounds))
+    if any(getattr(s.op, "when", None) is not None for s in schedule.step_list()):
+        # a when: reads the rank: the checker analyses every W asked (dcpc.check.hb.checker)
+        analysed, upto = list(worlds), "every W asked (a step's when: reads the rank)"
     calls = hb_calls(schedule.slots, schedule.streams == Streams.per_slot)
     events = len(schedule.step_list()) * calls
     teams = sorted({sem.sync.axes for sem in sems if sem.sync.axes is not None})

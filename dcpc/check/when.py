@@ -65,9 +65,9 @@ def _evaluates(ctx: Context, step: object, cond: ex.Expr, text: str) -> None:
     """The condition has a value on every rank of every W checked (no '/' or '%' that
     divides by zero or inexactly)."""
     for world in ctx.samples.worlds:
-        for rank in range(int(world)):
+        for rank, env in enumerate(wh.envs(ctx.schedule, world)):
             try:
-                ex.holds(cond, wh.env(ctx.schedule, rank, world))
+                ex.holds(cond, env)
             except (ArithmeticError, ValueError) as err:
                 where = f"rank {rank}, W={world}"
                 if len(shape_of(world)) > 1:

@@ -288,6 +288,7 @@ def simulate_call(
     a value moved after the step that rounded it is compared with the bits it has.
     """
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
+    running = wh.running(schedule, world)  # the guarded steps' ranks (when:)
     for step in schedule.step_list():
         # the engine's own steps store as torch does (the harness's synthetic ones do)
         sim.rounding = ("nearest" if isinstance(step.op, ExternalOp)
@@ -300,7 +301,8 @@ def simulate_call(
             raise NotImplementedError(f"simulator: op {step.kind} of step {step.name}")
         # a guarded step (when:, a local op): the ranks where its condition fails keep
         # what they had (its reference runs there on throwaway buffers)
-        skipped = {r for r in range(int(world)) if not wh.runs(schedule, step, r, world)}
+        ranks = running.get(step.index)
+        skipped = set() if ranks is None else set(range(int(world))) - ranks
         view = sim.guarded(skipped) if skipped else sim
         for team in _teams(schedule, world, step):
             op.reference(view if team is None else view.team(team), step)

@@ -161,3 +161,24 @@ def test_the_module_says_which_steps_run_where(tmp_path: Path) -> None:
         assert module.runs("make") is want
         assert module.runs("keep") is want
     assert module.runs("nothing_guarded") is True
+
+
+def test_a_range_whose_ranks_pass_the_bound_is_refused_at_once(tmp_path: Path) -> None:
+    """Each W is decided rank by rank (no W stands for another): (guarded steps) x (ranks
+    summed over the W asked) past MAX_RANK_CHECKS is schedule-too-large before any
+    analysis, with the count and a narrower range to check."""
+    from dcpc.lang.when import MAX_RANK_CHECKS
+
+    steps = "".join(f'  - use{i}: {{op: external, when: "rank != {i}", reads: [x], '
+                    f"writes: [y]}}\n" for i in range(4))
+    path = tmp_path / "s.yaml"
+    path.write_text(HEAD.replace("  g: {shape: [N, D], dtype: f32, symmetric: true}\n", "")
+                    .replace("  z: {shape: [N, D], dtype: f32}\n", "") + steps)
+    wide = list(range(2, 1025))
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(path, pipeline.Options(worlds=wide), until="hb")
+    (found,) = err.value.diagnostics
+    assert found.code == "schedule-too-large"
+    assert f"{4 * sum(wide)} (step, rank) pairs" in found.message
+    assert str(MAX_RANK_CHECKS) in found.message
+    pipeline.run(path, pipeline.Options(worlds=list(range(2, 65))), until="hb")

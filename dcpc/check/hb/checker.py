@@ -111,12 +111,13 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
                                      and wh.condition(step_b) is None):
         return race
     n = int(world.world)
-    for step in (step_a, step_b):  # a step that runs on no rank at this W races nothing
-        if not any(wh.runs(schedule, step, r, world.world) for r in range(n)):
-            return None
+    running = wh.running(schedule, world.world)
+    every = frozenset(range(n))
+    on_a, on_b = running.get(step_a.index, every), running.get(step_b.index, every)
+    if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
+        return None
     for d in range(n):
-        if wh.runs(schedule, step_a, (a.rank + d) % n, world.world) and wh.runs(
-                schedule, step_b, (b.rank + d) % n, world.world):
+        if (a.rank + d) % n in on_a and (b.rank + d) % n in on_b:
             return replace(race, first=_rotated(a, d, n), second=_rotated(b, d, n))
     return race
 
@@ -126,9 +127,8 @@ def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
     (none on a mesh: its races are not rotated either)."""
     if schedule.mesh is not None:
         return frozenset()
-    return frozenset((r, s.index) for s in schedule.step_list()
-                     if getattr(s.op, "when", None) is not None
-                     for r in range(int(w)) if not wh.runs(schedule, s, r, w))
+    return frozenset((r, index) for index, ranks in wh.running(schedule, w).items()
+                     for r in range(int(w)) if r not in ranks)
 
 
 def _rotated(t: Touch, d: int, n: int) -> Touch:
