@@ -170,3 +170,42 @@ def test_a_race_s_counterexample_names_ranks_where_its_steps_run() -> None:
     lines = "\n".join(hb.check(schedule, [4], hints=False).findings[0].timeline)
     assert "rank 0: call 0 " in lines and "attend_lower_h0 (skipped)" in lines, lines
     assert "attend_lower_h0 ✓" not in lines.split("rank 1:")[0], lines
+
+
+MESH = """\
+schedule: m
+mesh: {node: N, gpu: G}
+sizes: {N: {max: 4}, G: {max: 4}, T: 4, D: 2}
+buffers:
+  x: {shape: [T, D], dtype: f32}
+  g: {shape: [G, T, D], dtype: f32, symmetric: true}
+  z: {shape: [T, D], dtype: f32}
+steps:
+  - gather: {op: all_gather, src: x, dst: g, dim: 0, axis: gpu}
+  - lead: {op: external, when: "gpu == 0 and node < N", reads: [g], writes: [z]}
+"""
+
+
+@pytest.mark.parametrize(("when", "tail", "racy"), [
+    ("gpu == 0 and node < N", "", True),
+    ("gpu == 0 and node < N", "  - done: {op: barrier}\n", False),
+    ("gpu >= G", "", False),  # runs on no rank: no race
+])
+def test_a_condition_on_mesh_coordinates_agrees_with_both_oracles(
+        when: str, tail: str, racy: bool) -> None:
+    """On a mesh a condition reads each axis' coordinate (and size): the checker, the
+    brute force and the execution oracle agree at 2x2 and 2x3 (no rotation there: the
+    counterexample is the model's)."""
+    from dcpc.topology import MeshWorld
+
+    schedule = parse_text(MESH.replace("gpu == 0 and node < N", when) + tail)
+    assert [d for d in structural.check(schedule, [MeshWorld((2, 2))])
+            if d.severity == "error"] == []
+    for shape in ((2, 2), (2, 3)):
+        world = MeshWorld(shape)
+        checker = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert checker == oracle_keys(schedule, world), (shape, checker)
+        executed = {f.key for f in explore(lower(schedule, [world]), world,
+                                           randoms=2).findings}
+        assert checker == executed, (shape, checker, executed)
+        assert bool(checker) is racy

@@ -102,13 +102,12 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     local steps only, so happens-before is the same whichever ranks skip), and every
     rotation of a race of that model is one; a race no rotation fits is kept as found
     (another pair of the same groups may fit). None: a step of it runs on no rank at this
-    W, so no execution makes it. Without a mesh only (a mesh's symmetry is
-    its torus, not a rotation of rank numbers)."""
+    W, so no execution makes it. Rotated without a mesh only (a mesh's symmetry is its
+    torus, not a rotation of rank numbers)."""
     a, b = race.first, race.second
     steps = schedule.step_list()
     step_a, step_b = (steps[world.program.events[t.j].step] for t in (a, b))
-    if schedule.mesh is not None or (wh.condition(step_a) is None
-                                     and wh.condition(step_b) is None):
+    if wh.condition(step_a) is None and wh.condition(step_b) is None:
         return race
     n = int(world.world)
     running = wh.running(schedule, world.world)
@@ -116,6 +115,8 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     on_a, on_b = running.get(step_a.index, every), running.get(step_b.index, every)
     if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
         return None
+    if schedule.mesh is not None:
+        return race
     for d in range(n):
         if (a.rank + d) % n in on_a and (b.rank + d) % n in on_b:
             return replace(race, first=_rotated(a, d, n), second=_rotated(b, d, n))
