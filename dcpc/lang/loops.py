@@ -529,7 +529,10 @@ class _Unroller:
             if key not in (MARK, MARKS, *LOOP_KEYS):
                 self.error(_mark(body, "key:" + key, self.file), "unknown-key",
                            f"unknown key '{key}' in loop '{name}'",
-                           f"a loop has keys {', '.join(LOOP_KEYS)}")
+                           f"a loop has keys {', '.join(LOOP_KEYS)}" + (
+                               "; a loop has no when: of its own, its local steps take "
+                               "one each (the hop index may appear in it)"
+                               if key == "when" else ""))
         hop = body.get("as")
         if not isinstance(hop, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", hop):
             self.error(_mark(body, "as", self.file), "bad-loop",

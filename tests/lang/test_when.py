@@ -182,3 +182,17 @@ def test_a_range_whose_ranks_pass_the_bound_is_refused_at_once(tmp_path: Path) -
     assert f"{4 * sum(wide)} (step, rank) pairs" in found.message
     assert str(MAX_RANK_CHECKS) in found.message
     pipeline.run(path, pipeline.Options(worlds=list(range(2, 65))), until="hb")
+
+
+def test_when_on_a_loop_says_where_it_goes(tmp_path: Path) -> None:
+    found = _errors("""\
+  - ring:
+      repeat: 2
+      when: "rank == 0"
+      as: h
+      steps:
+        - use: {op: external, reads: [x], writes: [y]}
+""", tmp_path)
+    assert [d.code for d in found] == ["unknown-key"], found
+    assert "its local steps take one each" in (found[0].hint or "")
+    assert found[0].mark.line == 11
