@@ -27,6 +27,7 @@ class Access:
     ref: Ref
     root: int | None = None
     everywhere: bool = True  # False: a store some ranks' instances never get (Region.line)
+    line: int | None = None  # such a store's offset: rank r gets it when r - offset is a rank
 
 
 def accesses(ctx: Context) -> list[Access]:
@@ -38,8 +39,10 @@ def accesses(ctx: Context) -> list[Access]:
         step = ctx.steps[i]
         at = step if e.lands is None else ctx.steps[e.lands]
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
+        line = e.region.offset if (e.region is not None and not e.region.covers_all
+                                   and e.region.axes is None) else None
         out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
-                          e.region is None or e.region.covers_all))
+                          e.region is None or e.region.covers_all, line))
     return out
 
 
@@ -50,9 +53,11 @@ def check_reads(ctx: Context) -> None:
     not read before the step that writes it (one that no step writes is an input)."""
     found = accesses(ctx)
     guarded = {s.index for s in wh.guarded(ctx.schedule)}
-    # a buffer a guarded step writes is written on the ranks where its guard holds:
-    # its reads are checked rank by rank (exact), not by the SPMD rules below
-    exact = {a.ref.name for a in found if a.mode == "w" and a.step.index in guarded}
+    # a buffer a guarded step writes is written on the ranks where its guard holds, and
+    # one a guarded step reads is read there only: their reads are checked rank by rank
+    # (exact), not by the SPMD rules below
+    written = {a.ref.name for a in found if a.mode == "w"}  # what no step writes: an input
+    exact = {a.ref.name for a in found if a.step.index in guarded} & written
     if exact:
         _check_per_rank(ctx, [a for a in found if a.ref.name in exact])
         found = [a for a in found if a.ref.name not in exact]
@@ -124,21 +129,30 @@ def _check_per_rank(ctx: Context, found: list[Access]) -> None:
                     continue
                 if acc.mode == "w":
                     # a root's store counts on the root (without a mesh: team = group);
-                    # a store some ranks do not get (no wrap) counts on none: sound
+                    # a shift's without wrap on the ranks with a source (over one whole
+                    # axis of W); any other partial store on none: sound
                     if (acc.root is None and acc.everywhere) or (
                             acc.root is not None and ctx.schedule.mesh is None
-                            and acc.root == rank):
+                            and acc.root == rank) or (
+                            acc.line is not None and ctx.schedule.mesh is None
+                            and 0 <= rank - acc.line < int(world)):
                         written.add(name)
                     continue
                 if name in written or any(a.step is acc.step and a.mode == "w"
                                           and a.ref.name == name for a in found):
                     continue  # written before here, or updated in place by this step
                 reported.add(name)
-                skipped = [a.step.name for a in found if a.mode == "w" and a.ref.name == name
-                           and a.step.index < acc.step.index and not runs(a.step, rank)]
-                why = (f"; the earlier steps that write it do not run there (their when: "
-                       f"does not hold): {', '.join(skipped)}" if skipped else
-                       "; no earlier step writes it")
+                earlier = [a for a in found if a.mode == "w" and a.ref.name == name
+                           and a.step.index < acc.step.index]
+                skipped = [a.step.name for a in earlier if not runs(a.step, rank)]
+                missed = [a.step.name for a in earlier if runs(a.step, rank)]
+                why = "; ".join(
+                    ([f"the earlier steps that write it do not run there (their when: does "
+                      f"not hold): {', '.join(skipped)}"] if skipped else []) +
+                    ([f"the stores of {', '.join(missed)} do not reach it there (a shift "
+                      "without wrap: no source on that side of the line; a root's "
+                      "store)"] if missed else []))
+                why = "; " + (why or "no earlier step writes it")
                 ctx.error(acc.ref.mark, "read-before-write",
                           f"step '{acc.step.name}' reads '{name}' on rank {rank} at W="
                           f"{world}, where nothing the call ran before wrote it{why}",

@@ -209,3 +209,44 @@ def test_a_condition_on_mesh_coordinates_agrees_with_both_oracles(
                                            randoms=2).findings}
         assert checker == executed, (shape, checker, executed)
         assert bool(checker) is racy
+
+
+PIPE = """\
+schedule: pipe
+sizes: {N: 4, D: 2}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  act: {shape: [N, D], dtype: f32}
+  recv: {shape: [N, D], dtype: f32, symmetric: true}
+  y: {shape: [N, D], dtype: f32}
+steps:
+  - stage: {op: external, reads: [x], writes: [act]}
+  - hand: {op: shift, src: act, dst: recv, offset: next, wrap: false}
+  - consume: {op: external, when: "WHEN", reads: [recv], writes: [y]}
+  - credit: {op: signal, to: prev, channel: free}
+  - freed: {op: wait, from: next, channel: free}
+"""
+
+
+@pytest.mark.parametrize(("when", "refused"), [("rank > 0", False), ("rank >= 0", True),
+                                                ("rank != 0 and rank < W", False)])
+def test_a_pipeline_stage_consumes_only_where_it_received(when: str, refused: bool) -> None:
+    """The pipeline hand-off (a shift without wrap: stage 0 receives nothing) with the
+    consumer guarded to the stages that receive: clean; guarded so that stage 0 reads
+    too: read-before-write on rank 0, naming the shift whose store does not reach it;
+    the brute force finds the same (before, any read of recv after a shift without wrap
+    was refused, guarded or not)."""
+    schedule = parse_text(PIPE.replace("WHEN", when))
+    found = [d for d in structural.check(schedule, range(2, 5)) if d.severity == "error"]
+    if refused:
+        assert [d.code for d in found] == ["read-before-write"], found
+        assert "on rank 0 at W=2" in found[0].message
+        assert "the stores of hand do not reach it there" in found[0].message
+    else:
+        assert found == []
+    for world in (2, 3, 4):
+        brute = oracle_unwritten(schedule, world)
+        assert bool(brute) is refused, (when, world, brute)
+        if not refused:
+            assert {f.key for f in hb.check(schedule, [world], hints=False).findings} \
+                == oracle_keys(schedule, world) == set()
