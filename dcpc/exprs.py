@@ -23,6 +23,10 @@ class InexactDivision(ArithmeticError, ValueError):
         self.expr, self.lhs, self.rhs = expr, lhs, rhs
 
 
+class RemainderByZero(ArithmeticError, ValueError):
+    """``%`` by 0 (a condition's remainder)."""
+
+
 class UnboundSymbol(KeyError):
     pass
 
@@ -46,7 +50,7 @@ def evaluate(expr: Expr, env: Mapping[str, int]) -> int:
         return lhs * rhs
     if kind == "%":
         if rhs == 0:
-            raise InexactDivision(expr, lhs, rhs)
+            raise RemainderByZero(f"{unparse(expr)} is {lhs} % 0, which has no value")
         return lhs % rhs
     if rhs == 0 or lhs % rhs:
         raise InexactDivision(expr, lhs, rhs)

@@ -673,7 +673,7 @@ def _substitute(tree: Any, values: dict[str, int]) -> Any:
     if kind in "+-*/%" and all(p[0] == "num" for p in parts):
         try:
             value = ex.evaluate((kind, *parts), {})
-        except ex.InexactDivision:
+        except ArithmeticError:  # inexact, or % 0: left for the checker's bad-when
             return (kind, *parts)
         # the language writes no negative number: 0 - n
         return ("num", value) if value >= 0 else ("-", ("num", 0), ("num", -value))

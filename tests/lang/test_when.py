@@ -81,7 +81,7 @@ def _errors(steps: str, tmp_path: Path, worlds: list[int] | None = None) -> list
     ('"rank < W < 8"', "bad-when", "comparisons do not chain"),
     ('"rnk == 0"', "bad-when", "names 'rnk'"),
     ('"h == 0"', "bad-when", "names 'h'"),  # no loop around it: no hop index
-    ('"rank % (W - W) == 0"', "bad-when", "has no value on rank 0, W=2"),
+    ('"rank % (W - W) == 0"', "bad-when", "has no value on rank 0, W=2: rank%(W-W) is 0 % 0"),
     ('"rank / 2 == 0"', "bad-when", "has no value on rank 1, W=2"),
     ("1", "wrong-type", ""),
 ])
@@ -196,3 +196,19 @@ def test_when_on_a_loop_says_where_it_goes(tmp_path: Path) -> None:
     assert [d.code for d in found] == ["unknown-key"], found
     assert "its local steps take one each" in (found[0].hint or "")
     assert found[0].mark.line == 11
+
+
+def test_a_remainder_by_zero_in_a_loop_is_a_located_error(tmp_path: Path) -> None:
+    """The unroller folds the hop's constants; one that has no value (h % 0, h / 2 at an
+    odd hop) is left for the checker, which says where: never a traceback."""
+    found = _errors("""\
+  - ring:
+      repeat: 2
+      as: h
+      steps:
+        - use: {op: external, when: "h % (h - h) == 0", reads: [x], writes: [y]}
+""", tmp_path)
+    found = [d for d in found if d.severity == "error"]
+    assert {d.code for d in found} == {"bad-when"}, found
+    assert "0 % 0, which has no value" in found[0].message
+    assert found[0].mark.line == 13
