@@ -1,9 +1,11 @@
 """Shape and size expressions as values: the AST, evaluation and printing, defined once.
 
 An expression is ``("num", n) | ("sym", name) | (op, lhs, rhs)`` with op in ``+ - * /``;
-``/`` is exact. Stdlib only, never ``eval``: the compiler (``dcpc.lang.expr`` adds the
-parser) and the runtime (``dcpc.runtime.shapes``, which generated modules use to
-evaluate the ASTs they carry) both import it.
+``/`` is exact. A condition (a step's ``when:``) adds ``%`` (an integer's remainder, the
+sign of the divisor's, as Python's), the comparisons ``< <= > >= == !=`` and ``and`` /
+``or`` / ``("not", c)``: ``holds`` evaluates one. Stdlib only, never ``eval``: the
+compiler (``dcpc.lang.expr`` adds the parser) and the runtime (``dcpc.runtime.shapes``,
+which generated modules use to evaluate the ASTs they carry) both import it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ class InexactDivision(ArithmeticError, ValueError):
     def __init__(self, expr: Expr, lhs: int, rhs: int):
         super().__init__(f"{unparse(expr)} is {lhs}/{rhs}, which is not a whole number")
         self.expr, self.lhs, self.rhs = expr, lhs, rhs
+
+
+class RemainderByZero(ArithmeticError, ValueError):
+    """``%`` by 0 (a condition's remainder)."""
 
 
 class UnboundSymbol(KeyError):
@@ -42,9 +48,33 @@ def evaluate(expr: Expr, env: Mapping[str, int]) -> int:
         return lhs - rhs
     if kind == "*":
         return lhs * rhs
+    if kind == "%":
+        if rhs == 0:
+            raise RemainderByZero(f"{unparse(expr)} is {lhs} % 0, which has no value")
+        return lhs % rhs
     if rhs == 0 or lhs % rhs:
         raise InexactDivision(expr, lhs, rhs)
     return lhs // rhs
+
+
+COMPARISONS = ("<=", ">=", "==", "!=", "<", ">")  # longest first: how the tokenizer reads them
+
+
+def holds(cond: Expr, env: Mapping[str, int]) -> bool:
+    """Whether condition ``cond`` holds in ``env`` (the errors of ``evaluate``; a
+    ValueError for a tree that is not a condition)."""
+    kind = cond[0]
+    if kind == "not":
+        return not holds(cond[1], env)
+    if kind == "and":
+        return holds(cond[1], env) and holds(cond[2], env)
+    if kind == "or":
+        return holds(cond[1], env) or holds(cond[2], env)
+    if kind not in COMPARISONS:
+        raise ValueError(f"'{unparse(cond)}' is not a condition")
+    lhs, rhs = evaluate(cond[1], env), evaluate(cond[2], env)
+    return {"<": lhs < rhs, "<=": lhs <= rhs, ">": lhs > rhs, ">=": lhs >= rhs,
+            "==": lhs == rhs, "!=": lhs != rhs}[kind]
 
 
 def symbols(expr: Expr) -> set[str]:
@@ -52,16 +82,24 @@ def symbols(expr: Expr) -> set[str]:
         return set()
     if expr[0] == "sym":
         return {expr[1]}
+    if expr[0] == "not":
+        return symbols(expr[1])
     return symbols(expr[1]) | symbols(expr[2])
 
 
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+_PREC = {"or": -3, "and": -2, "not": -1, **dict.fromkeys(COMPARISONS, 0),
+         "+": 1, "-": 1, "*": 2, "/": 2, "%": 2}
 
 
-def unparse(expr: Expr, parent: int = 0, right: bool = False) -> str:
+def unparse(expr: Expr, parent: int = -9, right: bool = False) -> str:
     kind = expr[0]
     if kind in ("num", "sym"):
         return str(expr[1])
     prec = _PREC[kind]
-    text = f"{unparse(expr[1], prec)}{kind}{unparse(expr[2], prec, True)}"
+    if kind == "not":
+        text = f"not {unparse(expr[1], prec)}"
+    elif prec <= 0:  # a comparison or and/or: spaced, as written
+        text = f"{unparse(expr[1], prec)} {kind} {unparse(expr[2], prec, True)}"
+    else:
+        text = f"{unparse(expr[1], prec)}{kind}{unparse(expr[2], prec, True)}"
     return f"({text})" if prec < parent or (right and prec == parent) else text

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
+from dcpc.lang import when as wh
 from dcpc.lang.model import Step
 from dcpc.lang.semantics import READ, channels, effect_mark
 from dcpc.ops.common import data_flow
@@ -26,6 +27,7 @@ class Access:
     ref: Ref
     root: int | None = None
     everywhere: bool = True  # False: a store some ranks' instances never get (Region.line)
+    line: int | None = None  # such a store's offset: rank r gets it when r - offset is a rank
 
 
 def accesses(ctx: Context) -> list[Access]:
@@ -37,8 +39,10 @@ def accesses(ctx: Context) -> list[Access]:
         step = ctx.steps[i]
         at = step if e.lands is None else ctx.steps[e.lands]
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
+        line = e.region.offset if (e.region is not None and not e.region.covers_all
+                                   and e.region.axes is None) else None
         out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
-                          e.region is None or e.region.covers_all))
+                          e.region is None or e.region.covers_all, line))
     return out
 
 
@@ -48,6 +52,15 @@ def check_reads(ctx: Context) -> None:
     it is still in flight (a shift's data lands at its wait); an engine-owned buffer is
     not read before the step that writes it (one that no step writes is an input)."""
     found = accesses(ctx)
+    guarded = {s.index for s in wh.guarded(ctx.schedule)}
+    # a buffer a guarded step writes is written on the ranks where its guard holds, and
+    # one a guarded step reads is read there only: their reads are checked rank by rank
+    # (exact), not by the SPMD rules below
+    written = {a.ref.name for a in found if a.mode == "w"}  # what no step writes: an input
+    exact = {a.ref.name for a in found if a.step.index in guarded} & written
+    if exact:
+        _check_per_rank(ctx, [a for a in found if a.ref.name in exact])
+        found = [a for a in found if a.ref.name not in exact]
     first_writer: dict[str, Access] = {}
     for acc in found:
         if acc.mode == "w":
@@ -94,6 +107,57 @@ def check_reads(ctx: Context) -> None:
                       f"step '{step.name}' reads '{ref.name}' before step "
                       f"'{writer.step.name}' writes it",
                       hint=f"move step '{step.name}' after '{writer.at.name}'")
+
+
+def _check_per_rank(ctx: Context, found: list[Access]) -> None:
+    """The reads of buffers that guarded steps write, rank by rank at every W checked: a
+    read on rank r needs an earlier write on rank r by a step that runs there (a guarded
+    one whose condition holds at r, or a store every rank gets)."""
+    reported: set[str] = set()
+    for world in ctx.samples.worlds:
+        running = wh.running(ctx.schedule, world)
+
+        def runs(step: Step, rank: int, running: dict = running) -> bool:
+            ranks = running.get(step.index)
+            return ranks is None or rank in ranks
+
+        for rank in range(int(world)):
+            written: set[str] = set()
+            for acc in found:
+                name = acc.ref.name
+                if name in reported or not runs(acc.step, rank):
+                    continue
+                if acc.mode == "w":
+                    # a root's store counts on the root (without a mesh: team = group);
+                    # a shift's without wrap on the ranks with a source (over one whole
+                    # axis of W); any other partial store on none: sound
+                    if (acc.root is None and acc.everywhere) or (
+                            acc.root is not None and ctx.schedule.mesh is None
+                            and acc.root == rank) or (
+                            acc.line is not None and ctx.schedule.mesh is None
+                            and 0 <= rank - acc.line < int(world)):
+                        written.add(name)
+                    continue
+                if name in written or any(a.step is acc.step and a.mode == "w"
+                                          and a.ref.name == name for a in found):
+                    continue  # written before here, or updated in place by this step
+                reported.add(name)
+                earlier = [a for a in found if a.mode == "w" and a.ref.name == name
+                           and a.step.index < acc.step.index]
+                skipped = [a.step.name for a in earlier if not runs(a.step, rank)]
+                missed = [a.step.name for a in earlier if runs(a.step, rank)]
+                why = "; ".join(
+                    ([f"the earlier steps that write it do not run there (their when: does "
+                      f"not hold): {', '.join(skipped)}"] if skipped else []) +
+                    ([f"the stores of {', '.join(missed)} do not reach it there (a shift "
+                      "without wrap: no source on that side of the line; a root's "
+                      "store)"] if missed else []))
+                why = "; " + (why or "no earlier step writes it")
+                ctx.error(acc.ref.mark, "read-before-write",
+                          f"step '{acc.step.name}' reads '{name}' on rank {rank} at W="
+                          f"{world}, where nothing the call ran before wrote it{why}",
+                          hint=f"guard '{acc.step.name}' by the condition of the step that "
+                          f"writes '{name}', or write '{name}' on every rank that reads it")
 
 
 def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int]) -> None:

@@ -68,6 +68,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcpc.exprs import holds
+
 WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
 POLICIES = ("lockstep", "hold", "random", "delay")
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
@@ -87,6 +89,7 @@ class OStep:
     polls: int | None
     channel: str  # how findings name its channel
     axes: tuple[int, ...] | None = None  # the team's mesh axes; None: every axis
+    when: tuple | None = None  # its when: condition (a dcpc.exprs AST): runs where it holds
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,10 @@ class OProgram:
     per_slot: bool
     steps: tuple[OStep, ...]
     shared: dict[str, bool]  # tracked buffer -> one instance for all slots
+    # what a when: condition reads besides rank and W: the integer sizes, and the mesh
+    # (axis, its size name or int) outermost first
+    sizes: dict[str, int] = field(default_factory=dict)
+    mesh: tuple[tuple[str, Any], ...] = ()
 
 
 def _attr(obj: Any, name: str, default: Any = None) -> Any:
@@ -132,11 +139,37 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
         if channel is None:
             channel = name if polls is None or polls == _attr(s, "index") else \
                 _attr(plan_steps[polls], "name")
+        when = (_attr(s, "attrs") or {}).get("when")
         steps.append(OStep(name, _attr(s, "index"), tuple(before), tuple(after), signal,
-                           wait, polls, channel, axes))
+                           wait, polls, channel, axes, _tuple(when)))
     slots = _attr(plan, "slots")
+    sizes = {_attr(z, "name"): _attr(z, "value") for z in _attr(plan, "sizes") or ()
+             if _attr(z, "kind") == "const"}
     return OProgram(slots, _attr(plan, "streams") == "per_slot" and slots > 1, tuple(steps),
-                    tracked)
+                    tracked, sizes, tuple(tuple(a) for a in _attr(plan, "mesh") or ()))
+
+
+def _tuple(tree: Any) -> Any:
+    """A condition AST as tuples (a plan read back from JSON holds lists)."""
+    return tuple(_tuple(t) for t in tree) if isinstance(tree, list | tuple) else tree
+
+
+def runs(prog: OProgram, st: OStep, rank: int, world: int) -> bool:
+    """Whether ``st`` runs on ``rank`` (its ``when:``; a condition that cannot be
+    evaluated counts as holding: more accesses only add races)."""
+    if st.when is None:
+        return True
+    env = {**prog.sizes, "rank": rank, "W": int(world)}
+    shape = getattr(world, "shape", None)
+    if prog.mesh and shape is not None and len(shape) == len(prog.mesh):
+        for (axis, size), coord, n in zip(prog.mesh, _coords(rank, shape), shape, strict=True):
+            env[axis] = coord
+            if isinstance(size, str):
+                env[size] = n
+    try:
+        return holds(st.when, env)
+    except (ArithmeticError, ValueError, KeyError):
+        return True
 
 
 def peers(spec: str | None, rank: int, world: int,
@@ -340,7 +373,8 @@ class _Compiled:
                         out.append((2, cell, st.index, p))
                     if st.index in lands:
                         out.append((3, st.index))
-                accs = self.accesses(effects, rank, slot, (st.index, phase))
+                skipped = not runs(self.prog, st, rank, world)  # its when: fails here
+                accs = () if skipped else self.accesses(effects, rank, slot, (st.index, phase))
                 if accs:
                     out.append((0, accs))
                 if phase == 0 and st.signal is not None:

@@ -20,8 +20,10 @@ from dcpc.check.flow import check_channels, check_reads
 from dcpc.check.mesh import check_mesh, mesh_diagnostics
 from dcpc.check.names import check_buffers, check_names, check_references
 from dcpc.check.ops import check_ops
+from dcpc.check.when import check_when
 from dcpc.diagnostics import Diagnostic, Mark
 from dcpc.lang import expr as ex
+from dcpc.lang import when as wh
 from dcpc.lang.loops import MAX_STEPS
 from dcpc.lang.mesh import DEFAULT_WORLDS, MeshWorld, WorldError, fit_worlds, mesh_of
 from dcpc.lang.model import Schedule, Streams
@@ -69,6 +71,7 @@ def check(schedule: Schedule, worlds: Iterable[int] = DEFAULT_WORLDS,
     check_shapes(ctx)
     check_ops(ctx)
     check_interleave(ctx)
+    check_when(ctx)
     check_reads(ctx)
     check_channels(ctx)
     unique = {(d.mark, d.code, d.message): d for d in ctx.out}
@@ -110,6 +113,15 @@ def check_limits(schedule: Schedule, worlds: list[int] | None = None,
         return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
                            f"the steps name buffers {accesses} times in all, above the limit "
                            f"of {MAX_ACCESSES}", hint="split it into several schedules")]
+    checks = wh.rank_checks(schedule, worlds or [])
+    if checks > wh.MAX_RANK_CHECKS:
+        return [Diagnostic(schedule.mark("steps"), "schedule-too-large",
+                           f"{len(wh.guarded(schedule))} steps with when: are decided rank "
+                           f"by rank at every W checked: {checks} (step, rank) pairs over "
+                           f"the {len(worlds or [])} W asked, above the limit of "
+                           f"{wh.MAX_RANK_CHECKS}",
+                           hint="check a narrower --world range (each W is proved on its "
+                           "own: no W stands for another)")]
     return _hb_work(schedule, steps, worlds or [], sems)
 
 
@@ -164,6 +176,9 @@ def hb_cost(schedule: Schedule, worlds: list[int],
         bounds = [bound_for(h, calls) for h in hops]
         analysed = mesh_representatives(worlds, bounds)
         upto = "every axis size up to " + "x".join(map(str, bounds))
+    if any(getattr(s.op, "when", None) is not None for s in schedule.step_list()):
+        # a when: reads the rank: the checker analyses every W asked (dcpc.check.hb.checker)
+        analysed, upto = list(worlds), "every W asked (a step's when: reads the rank)"
     calls = hb_calls(schedule.slots, schedule.streams == Streams.per_slot)
     events = len(schedule.step_list()) * calls
     teams = sorted({sem.sync.axes for sem in sems if sem.sync.axes is not None})

@@ -29,7 +29,8 @@ TL_DTYPES = {
     "i64": "tl.int64",
     "fp8e4m3": "tl.float8e4nv",
 }
-_SAFE_STR = re.compile(r"[A-Za-z0-9_./:+\-* ]*\Z")
+# a condition's operators (when:, dcpc.exprs) too: no quote, backslash or newline
+_SAFE_STR = re.compile(r"[A-Za-z0-9_./:+\-*%<>=! ]*\Z")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 

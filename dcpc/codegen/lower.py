@@ -28,6 +28,7 @@ from dcpc.codegen.templates import template_dir
 from dcpc.diagnostics import DiagnosticError
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
+from dcpc.lang import when as wh
 from dcpc.lang.mesh import mesh_of
 from dcpc.lang.semantics import Semantics, table
 from dcpc.ops import OPS
@@ -188,6 +189,8 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str) -> list[str]
             lines.append(
                 f"{s.name} reads {', '.join(s.reads) or 'nothing'}; "
                 f"writes {', '.join(s.writes) or 'nothing'}"
+                + (f"; only where {ex.unparse(s.attrs['when'])} (runs('{s.name}'))"
+                   if "when" in s.attrs else "")
             )
     return lines
 
@@ -206,6 +209,9 @@ def lower(schedule: m.Schedule, worlds: Iterable[int],
             plan.tuning = {**DEFAULT_TUNING, **OP_TUNING.get(step.kind, {})}
         plan.effects = list(semantics[step.index].effects)
         plan.sync = semantics[step.index].sync  # polls None: a wait nothing signals (emit refuses)
+        cond = wh.condition(step)
+        if cond is not None:  # when: the module's WHEN, and the method's early return
+            plan.attrs["when"] = cond
         steps.append(plan)
     if ctx.errors:
         raise DiagnosticError(ctx.errors)

@@ -438,7 +438,8 @@ def format_report(report: RunReport) -> str:
             lines.append(f"    first: {s.first_mismatch}")
         if s.kept:
             lines.append(f"    and {s.kept} returned where nothing in the call wrote it (a "
-                         "shift without wrap, on a rank with no source): not compared")
+                         "shift without wrap, on a rank with no source; a step whose when: "
+                         "fails on that rank): not compared")
     cpu = sum(r.cpu_s for r in report.ranks)  # local: every thread reads the process's
     if c.backend == "local" and report.ranks:
         cpu = max(r.cpu_s for r in report.ranks)

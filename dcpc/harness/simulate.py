@@ -17,6 +17,7 @@ import torch
 
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
+from dcpc.lang import when as wh
 from dcpc.lang.mesh import mesh_of, shape_of, torus
 from dcpc.numerics import local_seq_len, reference_scale, round_e4m3  # the facts, once
 from dcpc.ops import OPS
@@ -169,6 +170,17 @@ def _split(value: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
     return list(torch.chunk(value, world, dim=dim))
 
 
+class _Unsent(dict):
+    """A skipped rank's buffers (``Sim.guarded``): what it holds reads as never written."""
+
+    def __init__(self, sim: Sim):
+        super().__init__()
+        self.sim = sim
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        return self.sim.unsent(name)
+
+
 class Sim:
     """One simulated call: every rank's buffers, and what an op's float64 reference
     (``OpDef.reference`` in dcpc/ops/) uses to read and write them."""
@@ -193,6 +205,19 @@ class Sim:
         sub.bufs = [self.bufs[r] for r in ranks]
         sub.written = [self.written[r] for r in ranks]
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
+        return sub
+
+    def guarded(self, skipped: set[int]) -> Sim:
+        """The same call for a step that does not run on the ranks ``skipped`` (its
+        ``when:`` fails there): their buffers read as never written and take the
+        step's stores into a throwaway copy, so they keep what they had."""
+        sub = Sim.__new__(Sim)
+        sub.schedule, sub.world, sub.env, sub.external = (
+            self.schedule, self.world, self.env, self.external)
+        sub.bufs = [_Unsent(self) if r in skipped else self.bufs[r]
+                    for r in range(int(self.world))]
+        sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
+        sub.rounding = self.rounding
         return sub
 
     def store(self, rank: int, name: str, value: torch.Tensor) -> None:
@@ -263,6 +288,7 @@ def simulate_call(
     a value moved after the step that rounded it is compared with the bits it has.
     """
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
+    running = wh.running(schedule, world)  # the guarded steps' ranks (when:)
     for step in schedule.step_list():
         # the engine's own steps store as torch does (the harness's synthetic ones do)
         sim.rounding = ("nearest" if isinstance(step.op, ExternalOp)
@@ -273,8 +299,13 @@ def simulate_call(
         op = OPS.get(step.kind)
         if op is None:
             raise NotImplementedError(f"simulator: op {step.kind} of step {step.name}")
+        # a guarded step (when:, a local op): the ranks where its condition fails keep
+        # what they had (its reference runs there on throwaway buffers)
+        ranks = running.get(step.index)
+        skipped = set() if ranks is None else set(range(int(world))) - ranks
+        view = sim.guarded(skipped) if skipped else sim
         for team in _teams(schedule, world, step):
-            op.reference(sim if team is None else sim.team(team), step)
+            op.reference(view if team is None else view.team(team), step)
     if trace is not None:
         trace.append(sim.written)
     return sim.bufs

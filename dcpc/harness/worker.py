@@ -30,6 +30,7 @@ from dcpc.harness.simulate import (
     TORCH_DTYPES,
     UNSENT_INT,
     Buffers,
+    buffer_shape,
     seen_at,
     simulate_call,
     step_rounding,
@@ -356,7 +357,9 @@ def run_rank(
             report.replay = adversary.replay_hold(replay, _written(
                 module, schedule, kinds, step, rank, event.slot, sizes, trace, ragged,
                 replay["watch"]))
-        if isinstance(step.op, External):
+        if isinstance(step.op, External) and not module.runs(step.name):
+            pass  # a guarded engine step whose when: fails on this rank (module.runs)
+        elif isinstance(step.op, External):
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
                 if name in env and not schedule.buffers[name].is_symmetric:
                     continue  # the engine's own tensor
@@ -380,7 +383,11 @@ def run_rank(
                     value = target
                 env[name] = value
         else:
-            args = [env[name] for name in method_arguments(served, step.name)]
+            # a guarded method whose when: fails here still gets its arguments; what
+            # the rank's engine never made (a skipped engine step's output) is zeros
+            args = [env[name] if name in env else _to_engine(schedule, name, torch.zeros(
+                buffer_shape(schedule, name, {**sizes, "W": int(world)})), dev)
+                for name in method_arguments(served, step.name)]
             method = getattr(module, step.name)
             bind = {}  # the call's run-time sizes, for methods no argument binds them from
             if "sizes" in inspect.signature(method).parameters:

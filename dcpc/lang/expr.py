@@ -16,10 +16,12 @@ import re
 from collections.abc import Iterable
 
 from dcpc.exprs import (  # noqa: F401  (the language's names for them)
+    COMPARISONS,
     Expr,
     InexactDivision,
     UnboundSymbol,
     evaluate,
+    holds,
     symbols,
     unparse,
 )
@@ -38,6 +40,9 @@ ONE: Expr = ("num", 1)
 # ASCII digits and names only: str.isdigit and \d accept fullwidth and other Unicode
 # digits, which int() would read as ASCII ones
 _TOKEN = re.compile(r"[ \t\r\n]*(?:([0-9]+)|([A-Za-z_][A-Za-z0-9_]*)|(.))", re.S)
+# a condition's operators besides a size expression's: '%' and the comparisons
+_COND_OP = re.compile("|".join(re.escape(c) for c in (*COMPARISONS, "%")))
+KEYWORDS = ("and", "or", "not")  # a condition's words: not names
 
 
 class ExprSyntaxError(ValueError):
@@ -48,7 +53,7 @@ class ExprSyntaxError(ValueError):
         self.column = column
 
 
-def _tokens(text: str) -> list[tuple[str, str | int, int]]:
+def _tokens(text: str, condition: bool = False) -> list[tuple[str, str | int, int]]:
     out: list[tuple[str, str | int, int]] = []
     pos = 0
     text = text.rstrip()
@@ -62,6 +67,12 @@ def _tokens(text: str) -> list[tuple[str, str | int, int]]:
             out.append(("num", int(m.group(1)), m.start(1)))
         elif m.group(2):
             out.append(("sym", m.group(2), m.start(2)))
+        elif condition and _COND_OP.match(text, m.start(3)):
+            op = _COND_OP.match(text, m.start(3))
+            assert op is not None
+            out.append(("op", op.group(0), m.start(3)))
+            pos = op.end()
+            continue
         else:
             ch = m.group(3)
             if ch not in "+-*/()":
@@ -73,8 +84,9 @@ def _tokens(text: str) -> list[tuple[str, str | int, int]]:
 
 
 class _Parser:
-    def __init__(self, text: str):
-        self.toks = _tokens(text)
+    def __init__(self, text: str, condition: bool = False):
+        self.toks = _tokens(text, condition)
+        self.condition = condition
         self.i = 0
 
     def peek(self) -> tuple[str, str | int, int]:
@@ -92,15 +104,18 @@ class _Parser:
             node = (op, node, self.term())
         return node
 
-    def term(self) -> Expr:  # term := atom (("*"|"/") atom)*
+    def term(self) -> Expr:  # term := atom (("*"|"/"|"%") atom)*, '%' in a condition
         node = self.atom()
-        while self.peek()[:2] in (("op", "*"), ("op", "/")):
+        while self.peek()[:2] in (("op", "*"), ("op", "/"), ("op", "%")):
             op = self.take()[1]
             node = (op, node, self.atom())
         return node
 
     def atom(self) -> Expr:  # atom := int | symbol | "(" expr ")"
         kind, value, col = self.take()
+        if kind == "sym" and self.condition and value in KEYWORDS:
+            raise ExprSyntaxError(f"'{value}' joins conditions; here a number, a name or "
+                                  "'(' is expected", col)
         if kind in ("num", "sym"):
             return (kind, value)
         if (kind, value) == ("op", "("):
@@ -111,6 +126,56 @@ class _Parser:
             return node
         what = "end of expression" if kind == "end" else repr(value)
         raise ExprSyntaxError(f"expected a number, a size name or '(', found {what}", col)
+
+
+    # a condition (a step's when:) := conj ("or" conj)*; conj := neg ("and" neg)*;
+    # neg := "not" neg | "(" cond ")" | expr cmp expr, cmp one of < <= > >= == !=
+    def cond(self) -> Expr:
+        node = self.conj()
+        while self.peek()[:2] == ("sym", "or"):
+            self.take()
+            node = ("or", node, self.conj())
+        return node
+
+    def conj(self) -> Expr:
+        node = self.neg()
+        while self.peek()[:2] == ("sym", "and"):
+            self.take()
+            node = ("and", node, self.neg())
+        return node
+
+    def neg(self) -> Expr:
+        if self.peek()[:2] == ("sym", "not"):
+            self.take()
+            return ("not", self.neg())
+        start = self.i
+        if self.peek()[:2] == ("op", "("):
+            try:  # '(h + 1) % 2 == 0' is a comparison, '(h < rank)' a condition
+                return self.comparison()
+            except ExprSyntaxError:
+                self.i = start
+            self.take()
+            node = self.cond()
+            kind, value, col = self.take()
+            if (kind, value) != ("op", ")"):
+                raise ExprSyntaxError("expected ')'", col)
+            return node
+        return self.comparison()
+
+    def comparison(self) -> Expr:
+        lhs = self.expr()
+        kind, value, col = self.peek()
+        if kind != "op" or value not in COMPARISONS:
+            found = "the end" if kind == "end" else repr(value)
+            raise ExprSyntaxError(
+                f"expected a comparison (< <= > >= == !=), found {found}: a condition "
+                "compares two expressions, e.g. 'h <= rank'", col)
+        self.take()
+        node = (value, lhs, self.expr())
+        kind, value, col = self.peek()
+        if kind == "op" and value in COMPARISONS:
+            raise ExprSyntaxError("comparisons do not chain: write 'a < b and b < c'", col)
+        return node
 
 
 _KINDS = {bool: "a boolean", float: "a number with a fraction", type(None): "empty",
@@ -147,6 +212,29 @@ def parse(text: str | int) -> Expr:
     return node
 
 
+def parse_condition(text: object) -> Expr:
+    """Parse a condition (a step's ``when:``): comparisons of expressions (with ``%``)
+    joined by ``and``, ``or``, ``not`` and parentheses, within the limits above.
+    ``ExprSyntaxError`` (with a 0-based column) for every bad input."""
+    if not isinstance(text, str):
+        what = _KINDS.get(type(text), "a number" if isinstance(text, int)
+                          else type(text).__name__)
+        raise ExprSyntaxError(f"expected a condition such as 'h <= rank', found {what}", 0)
+    if len(text) > MAX_TEXT:
+        raise ExprSyntaxError(f"the condition is longer than {MAX_TEXT} characters", 0)
+    if not text.strip():
+        raise ExprSyntaxError("empty condition", 0)
+    _check_parentheses(text)
+    parser = _Parser(text, condition=True)
+    node = parser.cond()
+    kind, value, col = parser.peek()
+    if kind != "end":
+        raise ExprSyntaxError(f"unexpected {value!r} after a complete condition", col)
+    if _depth(node) > MAX_DEPTH:
+        raise ExprSyntaxError(f"the condition is nested deeper than {MAX_DEPTH}", 0)
+    return node
+
+
 def _check_parentheses(text: str) -> None:
     """Parentheses nest at most MAX_DEPTH deep (the parser's recursion stays shallow);
     the tree's depth alone misses '((((T))))', whose parentheses leave no node."""
@@ -165,7 +253,7 @@ def _depth(node: Expr) -> int:
         item, level = stack.pop()
         deepest = max(deepest, level)
         if item[0] not in ("num", "sym"):
-            stack += [(item[1], level + 1), (item[2], level + 1)]
+            stack += [(child, level + 1) for child in item[1:]]
     return deepest
 
 

@@ -394,9 +394,11 @@ class _Unroller:
         if text is not None:
             out["interleave"] = self.interleave(name, text, env,
                                                 _mark(body, "interleave", self.file))
+        if isinstance(body.get("when"), str):
+            out["when"] = self.when(body["when"], env)
         for key, value in body.items():
             if key in (MARK, MARKS, "op", "doc", "channel", "from", "to", "phase", "offset",
-                       "interleave"):
+                       "interleave", "when"):
                 continue
             mark = _mark(body, key, self.file)
             if isinstance(value, dict):  # mask_empty
@@ -406,6 +408,17 @@ class _Unroller:
             else:
                 out[key] = self.rewrite(value, env, mark)
         return out
+
+    def when(self, text: str, env: dict[str, int]) -> str:
+        """A step's ``when:`` with the hop indices of the loops around it replaced by
+        their values (constant parts folded): the condition then names the rank, W and
+        sizes only; unchanged when it does not parse (the checker says why, located)."""
+        try:
+            tree = ex.parse_condition(text)
+        except ex.ExprSyntaxError:
+            return text
+        hops = {k: v for k, v in env.items() if k not in self.env}
+        return ex.unparse(_substitute(tree, hops)) if hops else text
 
     def offset(self, name: str, text: str, env: dict[str, int], mark: Mark) -> Any:
         """The integer value of shift step ``name``'s offset expression at this W and
@@ -516,7 +529,10 @@ class _Unroller:
             if key not in (MARK, MARKS, *LOOP_KEYS):
                 self.error(_mark(body, "key:" + key, self.file), "unknown-key",
                            f"unknown key '{key}' in loop '{name}'",
-                           f"a loop has keys {', '.join(LOOP_KEYS)}")
+                           f"a loop has keys {', '.join(LOOP_KEYS)}" + (
+                               "; a loop has no when: of its own, its local steps take "
+                               "one each (the hop index may appear in it)"
+                               if key == "when" else ""))
         hop = body.get("as")
         if not isinstance(hop, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", hop):
             self.error(_mark(body, "as", self.file), "bad-loop",
@@ -643,6 +659,25 @@ class _Unroller:
                 marks["key:" + part] = marks.get("key:" + name)
                 marks[part] = marks.get(name)
         data["buffers"] = {**out, MARKS: marks, MARK: buffers.get(MARK)}
+
+
+def _substitute(tree: Any, values: dict[str, int]) -> Any:
+    """``tree`` with the names of ``values`` replaced by them, arithmetic without a name
+    folded (a division or remainder that is not exact is left as written)."""
+    kind = tree[0]
+    if kind == "num":
+        return tree
+    if kind == "sym":
+        return ("num", values[tree[1]]) if tree[1] in values else tree
+    parts = tuple(_substitute(t, values) for t in tree[1:])
+    if kind in "+-*/%" and all(p[0] == "num" for p in parts):
+        try:
+            value = ex.evaluate((kind, *parts), {})
+        except ArithmeticError:  # inexact, or % 0: left for the checker's bad-when
+            return (kind, *parts)
+        # the language writes no negative number: 0 - n
+        return ("num", value) if value >= 0 else ("-", ("num", 0), ("num", -value))
+    return (kind, *parts)
 
 
 def _mod_value(text: str, env: dict[str, int]) -> int:

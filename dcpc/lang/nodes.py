@@ -172,6 +172,10 @@ class MaskEmpty(Node):
 
 class OpBase(Node):
     doc: Str | None = None
+    # a condition on the rank (and hop): the step runs only where it holds
+    # (dcpc.lang.when; a step that runs on its rank alone)
+    when: Str | None = Field(default=None,
+                             description="run only where this holds, e.g. 'h <= rank'")
     # the mesh axes a communication op runs over (dcpc.lang.mesh); None: every axis
     axis: Str | Annotated[list[Str], Field(min_length=1)] | None = None
 

@@ -25,6 +25,7 @@ from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import poison_
 from dcpc.runtime.local import sync_stream
 from dcpc.runtime.teams import TeamsMixin
+from dcpc.runtime.teams import torus as _teams_torus
 from dcpc.runtime.validate import DTYPES, Signature, check_sizes
 
 # Bounded waits, in seconds, on every backend: a wait for a peer that lasts longer
@@ -88,6 +89,26 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
     SCRATCH: ClassVar[dict[str, dict[str, tuple[tuple, str]]]] = {}  # torch backend only
     TUNING: ClassVar[dict[str, dict[str, int]]] = {}
     SIGNALLING: ClassVar[tuple[str, ...]] = ()  # steps whose kernels use signal slots
+    # step -> its ``when:`` condition (a dcpc.exprs AST): it runs where that holds
+    WHEN: ClassVar[dict[str, tuple]] = {}
+
+    def runs(self, step: str) -> bool:
+        """Whether step ``step`` runs on this rank: False where its ``when:`` fails (a
+        guarded method then returns without launching; an engine skips a guarded
+        engine step). The rank is fixed per process, so the answer is the same on every
+        call and a CUDA graph captured on a rank stays right for it."""
+        cond = self.WHEN.get(step)
+        if cond is None:
+            return True
+        env = {k: v[1] for k, v in self.SIZES.items() if v[0] == "const"}
+        env.update(rank=self.rank, W=self.world)
+        shape = getattr(self, "mesh_shape", None)
+        if self.MESH and shape is not None:  # each axis' coordinate, each size name's size
+            coords = _teams_torus(tuple(shape)).coords(self.rank)
+            env.update({a: c for (a, _), c in zip(self.MESH, coords, strict=True)})
+            env.update({s: n for (_, s), n in zip(self.MESH, shape, strict=True)
+                        if isinstance(s, str)})
+        return shapes.holds(cond, env)
 
     @classmethod
     def for_world(cls, world: int) -> type[ScheduleModule]:

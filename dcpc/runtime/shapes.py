@@ -14,6 +14,7 @@ from dcpc.exprs import (  # noqa: F401  (generated modules and the runtime use t
     InexactDivision,
     UnboundSymbol,
     evaluate,
+    holds,
     symbols,
     unparse,
 )

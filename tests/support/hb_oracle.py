@@ -9,7 +9,8 @@ step the language matches it with (dcpc.lang.semantics.channels), and call c's w
 is satisfied by the same call's signal of that step (epochs count a slot's calls).
 It then computes the full transitive closure (ancestor bitsets over a topological
 order) and compares EVERY pair of accesses to every symmetric buffer instance. No
-symmetry, no coarse events, no vector clocks.
+symmetry, no coarse events, no vector clocks. A step with ``when:`` is lowered on the
+ranks where its condition holds only (exact per rank).
 
 A split-phase `shift`'s store is made at its put, but the language writes `dst` at the
 matching `phase: wait` (the float64 reference lands it there): the store is in flight
@@ -28,6 +29,8 @@ from itertools import count
 
 import networkx as nx
 
+from dcpc.exprs import holds
+from dcpc.lang.expr import parse_condition
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import channels
@@ -260,7 +263,8 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
         for call in range(calls):
             b = _Builder(graph, ids, rank, call, slots)
             for index, (name, op) in enumerate(steps):
-                _lower_step(b, schedule, name, index, op, world, tracked)
+                if _runs(schedule, op, rank, world):  # a when: that fails: no accesses
+                    _lower_step(b, schedule, name, index, op, world, tracked)
             per_call[(rank, call)] = b.nodes
             graph.add_edges_from(zip(b.nodes, b.nodes[1:], strict=False))
     for rank in range(int(world)):
@@ -289,6 +293,24 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
                 else:
                     graph.nodes[node]["unmatched"] = True
     return graph
+
+
+def _runs(schedule: Schedule, op, rank: int, world) -> bool:
+    """Whether a step runs on ``rank``: its ``when:`` evaluated on that rank's own
+    values (its index, W, the integer sizes, its mesh coordinates and axis sizes)."""
+    text = getattr(op, "when", None)
+    if text is None:
+        return True
+    env = {k: v for k, v in schedule.sizes.items() if isinstance(v, int)}
+    env.update(rank=rank, W=int(world))
+    if schedule.mesh:
+        shape = _shape(world)
+        for (axis, size), coord, n in zip(schedule.mesh.items(), _coords(rank, shape), shape,
+                                          strict=True):
+            env[axis] = coord
+            if isinstance(size, str):
+                env[size] = n
+    return holds(parse_condition(text), env)
 
 
 def _channel(channel: str) -> str:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representatives, world_bound
-from dcpc.check.hb.clocks import analyze
+from dcpc.check.hb.clocks import World, analyze
 from dcpc.check.hb.deadlock import find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
-from dcpc.check.hb.races import PairKeys, find_races
+from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
+from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of
 from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import Semantics
@@ -47,6 +49,10 @@ def check(
     start = time.perf_counter()
     worlds = sorted({w for w in fit_worlds(mesh_of(schedule), worlds) if w >= 1})
     program = lower(schedule, plan)
+    # a when: reads the rank and W: which ranks run a step differs from W to W, so no W
+    # stands for another (races of a step that runs nowhere are dropped per W)
+    every_world = every_world or any(
+        getattr(s.op, "when", None) is not None for s in schedule.step_list())
     bound: int | list[int] = world_bound(program, calls)
     if schedule.mesh is not None:
         bound = axis_bounds(program, calls)
@@ -58,13 +64,16 @@ def check(
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
     for w in analysed:
         world = analyze(program, w, calls)
+        world.skipped = _skipped(schedule, w)
         events += w * len(world.live)
         for dead in find_deadlocks(world):
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead)
         for race in find_races(world, pair_keys):
             if race.key(world) not in findings:
-                findings[race.key(world)] = race_finding(world, race)
+                placed = _where_both_run(schedule, world, race)
+                if placed is not None:
+                    findings[race.key(world)] = race_finding(world, placed)
     checked = time.perf_counter()
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
@@ -84,6 +93,47 @@ def check(
         "hint_seconds": round(time.perf_counter() - checked, 4),
     }
     return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats)
+
+
+def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
+    """The race rotated to ranks where both its steps run (``when:``, dcpc.lang.when),
+    so that its counterexample happens as written and ``dcpc run --replay`` can show it.
+    The analysis takes a guarded step's accesses on every rank (sound: guards are on
+    local steps only, so happens-before is the same whichever ranks skip), and every
+    rotation of a race of that model is one; a race no rotation fits is kept as found
+    (another pair of the same groups may fit). None: a step of it runs on no rank at this
+    W, so no execution makes it. Rotated without a mesh only (a mesh's symmetry is its
+    torus, not a rotation of rank numbers)."""
+    a, b = race.first, race.second
+    steps = schedule.step_list()
+    step_a, step_b = (steps[world.program.events[t.j].step] for t in (a, b))
+    if wh.condition(step_a) is None and wh.condition(step_b) is None:
+        return race
+    n = int(world.world)
+    running = wh.running(schedule, world.world)
+    every = frozenset(range(n))
+    on_a, on_b = running.get(step_a.index, every), running.get(step_b.index, every)
+    if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
+        return None
+    if schedule.mesh is not None:
+        return race
+    for d in range(n):
+        if (a.rank + d) % n in on_a and (b.rank + d) % n in on_b:
+            return replace(race, first=_rotated(a, d, n), second=_rotated(b, d, n))
+    return race
+
+
+def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
+    """(rank, step index) of every guarded step that does not run on that rank at W
+    (none on a mesh: its races are not rotated either)."""
+    if schedule.mesh is not None:
+        return frozenset()
+    return frozenset((r, index) for index, ranks in wh.running(schedule, w).items()
+                     for r in range(int(w)) if r not in ranks)
+
+
+def _rotated(t: Touch, d: int, n: int) -> Touch:
+    return replace(t, rank=(t.rank + d) % n, owner=(t.owner + d) % n)
 
 
 def _json(world: int) -> int | str:

@@ -59,11 +59,12 @@ def render(
                 continue  # an idle extra stream says nothing
             who = rank_text(world.world, rank, program.axis_names) + (
                 f", slot {stream}" if program.per_slot else "")
-            lines.append(f"{who}: {_stream_text(world, positions, done, note)}")
+            lines.append(f"{who}: {_stream_text(world, positions, done, note, rank)}")
     return lines
 
 
-def _stream_text(world: World, positions: list[int], count: int, note: str | None) -> str:
+def _stream_text(world: World, positions: list[int], count: int, note: str | None,
+                 rank: int = 0) -> str:
     program = world.program
     done = set(positions[:count])
     nxt = positions[count] if count < len(positions) else -1
@@ -78,7 +79,9 @@ def _stream_text(world: World, positions: list[int], count: int, note: str | Non
             own = [world.pos(call, j) for j in js]
             name = program.steps[step].name
             if all(p in done for p in own):
-                items.append(f"{name} ✓")
+                # a guarded step whose when: fails on this rank: passed over, not run
+                skip = (rank, step) in world.skipped and not (nxt in own and note)
+                items.append(f"{name} (skipped)" if skip else f"{name} ✓")
                 continue
             started = any(p in done for p in own)
             # a started step has sent; it waits unless what runs next is past its wait
