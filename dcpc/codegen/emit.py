@@ -189,15 +189,17 @@ def device_imports(kernels: str) -> str:
     return f"from {DEVICE_LIBRARY} import (\n" + "".join(f"    {n},\n" for n in used) + ")"
 
 
-def torch_bodies(plan: Plan) -> str:
-    """The ops' own torch bodies (``OpDef.torch``) that the plan's steps use, each once,
-    in step order, as the module-level functions their templates' ``torch_body`` macros
-    call (``OpDef.torch_name``); "" when no op of the plan has one."""
+def torch_bodies(plan: Plan, module: str) -> str:
+    """The ops' own torch bodies (``OpDef.torch``) that the plan's steps call in
+    ``module`` (the module rendered without them), each once, in step order, as the
+    module-level functions their templates' ``torch_body`` macros call
+    (``OpDef.torch_name``); "" when none is called (a form of the op that a collective
+    of the runtime serves writes no dead body)."""
     from dcpc.ops import OPS
 
     used = [OPS[kind] for kind in dict.fromkeys(s.op for s in plan.steps) if kind in OPS]
-    return "\n\n\n".join(torch_source(op.torch, op.torch_name)
-                          for op in used if op.torch is not None)
+    return "\n\n\n".join(torch_source(op.torch, op.torch_name) for op in used
+                          if op.torch is not None and f"{op.torch_name}(" in module)
 
 
 def torch_source(fn: Any, name: str) -> str:
@@ -300,8 +302,11 @@ def emit(plan: Plan) -> str:
         if step.sync.wait is not None and step.sync.polls is None:
             raise ValueError(f"step '{step.name}' waits, but no signal step is matched to it")
     env = _env()
-    text = env.get_template("module.py.j2").render(
-        plan=plan,
+
+    def render(bodies: str) -> str:
+        return env.get_template("module.py.j2").render(plan=plan, torch_bodies=bodies, **args)
+
+    args: dict[str, Any] = dict(
         local=lambda step, role: _expr(step, plan, role),
         view=lambda step, role: _view(step, plan, role),
         strides=lambda step, role: _strides(step, plan, role),
@@ -319,9 +324,10 @@ def emit(plan: Plan) -> str:
                                  else f'self._team_size("{step.name}")'),
         member=lambda step: ("self.rank" if step.sync.axes is None
                              else f'self._team_member("{step.name}")'),
-        torch_bodies=torch_bodies(plan),
     )
-    return _normalize(text)
+    text = render("")
+    bodies = torch_bodies(plan, text)
+    return _normalize(render(bodies) if bodies else text)
 
 
 def _normalize(text: str) -> str:
