@@ -42,6 +42,10 @@ def evaluate(expr: Expr, env: Mapping[str, int]) -> int:
         return lhs - rhs
     if kind == "*":
         return lhs * rhs
+    if kind == "%":  # only where the parser was asked for it (a shift's perm: rank arithmetic)
+        if rhs == 0:
+            raise InexactDivision(expr, lhs, rhs)
+        return lhs % rhs
     if rhs == 0 or lhs % rhs:
         raise InexactDivision(expr, lhs, rhs)
     return lhs // rhs
@@ -55,7 +59,7 @@ def symbols(expr: Expr) -> set[str]:
     return symbols(expr[1]) | symbols(expr[2])
 
 
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "%": 2}
 
 
 def unparse(expr: Expr, parent: int = 0, right: bool = False) -> str:

@@ -48,7 +48,7 @@ class ExprSyntaxError(ValueError):
         self.column = column
 
 
-def _tokens(text: str) -> list[tuple[str, str | int, int]]:
+def _tokens(text: str, modulo: bool = False) -> list[tuple[str, str | int, int]]:
     out: list[tuple[str, str | int, int]] = []
     pos = 0
     text = text.rstrip()
@@ -64,7 +64,7 @@ def _tokens(text: str) -> list[tuple[str, str | int, int]]:
             out.append(("sym", m.group(2), m.start(2)))
         else:
             ch = m.group(3)
-            if ch not in "+-*/()":
+            if ch not in "+-*/()" + ("%" if modulo else ""):
                 raise ExprSyntaxError(f"unexpected character {ch!r}", m.start(3))
             out.append(("op", ch, m.start(3)))
         pos = m.end()
@@ -73,8 +73,8 @@ def _tokens(text: str) -> list[tuple[str, str | int, int]]:
 
 
 class _Parser:
-    def __init__(self, text: str):
-        self.toks = _tokens(text)
+    def __init__(self, text: str, modulo: bool = False):
+        self.toks = _tokens(text, modulo)
         self.i = 0
 
     def peek(self) -> tuple[str, str | int, int]:
@@ -92,9 +92,9 @@ class _Parser:
             node = (op, node, self.term())
         return node
 
-    def term(self) -> Expr:  # term := atom (("*"|"/") atom)*
+    def term(self) -> Expr:  # term := atom (("*"|"/"|"%") atom)*, "%" only when asked
         node = self.atom()
-        while self.peek()[:2] in (("op", "*"), ("op", "/")):
+        while self.peek()[:2] in (("op", "*"), ("op", "/"), ("op", "%")):
             op = self.take()[1]
             node = (op, node, self.atom())
         return node
@@ -117,8 +117,10 @@ _KINDS = {bool: "a boolean", float: "a number with a fraction", type(None): "emp
           list: "a list", dict: "a mapping"}
 
 
-def parse(text: str | int) -> Expr:
-    """Parse an expression (an int is a constant), within the limits above.
+def parse(text: str | int, modulo: bool = False) -> Expr:
+    """Parse an expression (an int is a constant), within the limits above. ``modulo``:
+    ``%`` is an operator too (Python's remainder, as tight as ``*``): a shift's ``perm``
+    (rank arithmetic, ``(r + W / 2) % W``); shapes, trip counts and indices stay without.
 
     Raises ``ExprSyntaxError`` (with a 0-based column) for every bad input: another
     type, too long, nested too deeply, an integer of too many digits, bad syntax.
@@ -137,7 +139,7 @@ def parse(text: str | int) -> Expr:
     if not text.strip():
         raise ExprSyntaxError("empty expression", 0)
     _check_parentheses(text)
-    parser = _Parser(text)
+    parser = _Parser(text, modulo)
     node = parser.expr()
     kind, value, col = parser.peek()
     if kind != "end":
