@@ -51,8 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import StrictBool
 
-from dcpc.exprs import Expr, evaluate, symbols
-from dcpc.lang.expr import product
+from dcpc.lang.expr import Expr, evaluate, product, symbols
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
     BEFORE,
