@@ -401,7 +401,7 @@ class _Unroller:
                     at["W"] = team if isinstance(team, int) else env[team]
             out["offset"] = self.offset(name, text, at, _mark(body, "offset", self.file))
         if _perm(body) is not None:
-            out["perm"] = self.perm(name, body["perm"], _mark(body, "perm", self.file))
+            out["perm"] = self.perm(name, body["perm"], _mark(body, "perm", self.file), env)
         text = _interleave_expr(body)
         if text is not None:
             out["interleave"] = self.interleave(name, text, env,
@@ -443,7 +443,7 @@ class _Unroller:
             return text
         return value
 
-    def perm(self, name: str, value: Any, mark: Mark) -> Any:
+    def perm(self, name: str, value: Any, mark: Mark, env: dict[str, int]) -> Any:
         """Shift step ``name``'s ``perm`` as the destination table at this W
         (dcpc.ops.shift.table_at); ``value`` unchanged, with an error, when it is none:
         ``loop-world`` without a W or at a W its pairs or table do not name, else
@@ -456,7 +456,7 @@ class _Unroller:
             fixed = shift.fixed_world(value)
             if fixed is not None:  # pairs or a table: what is wrong with them, at their W
                 try:
-                    shift.table_at(value, fixed, lambda text: ex.parse(text, modulo=True))
+                    shift.table_at(value, fixed)
                 except shift.PermError as err:
                     self.error(mark, "bad-perm", f"{what} its perm is no permutation of the "
                                f"ranks: {err}", hint)
@@ -471,13 +471,14 @@ class _Unroller:
                        "use 'offset' along one axis")
             return value
         try:
-            return shift.table_at(value, self.env["W"],
-                                  lambda text: ex.parse(text, modulo=True))
+            return shift.table_at(value, self.env["W"], env)
         except shift.PermError as err:
             text = str(err)
             if text.startswith("W:"):
                 self.error(mark, "loop-world", f"{what} {text[2:]}",
-                           "check or compile with --world set to the W it names")
+                           f"check or compile with --world {shift.fixed_world(value)} (a "
+                           "perm written as a list serves that W only; an expression of r "
+                           "and W serves every W)")
             else:
                 self.error(mark, "bad-perm", f"{what} its perm is not one-to-one onto ranks: "
                            f"{text}", hint)

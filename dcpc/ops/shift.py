@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import StrictBool
 
-from dcpc.lang.expr import Expr, evaluate, product, symbols
+from dcpc.lang.expr import Expr, evaluate, parse, product, symbols
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
     BEFORE,
@@ -98,25 +98,27 @@ class PermError(ValueError):
 PERM_NAMES = frozenset({"r", "W"})
 
 
-def table_at(value: Any, world: int, parse: Any) -> list[int]:
+def table_at(value: Any, world: int, names: dict[str, int] | None = None) -> list[int]:
     """``perm`` (any written form) as the destination of each rank 0 .. W-1 at ``world``
-    (-1: that rank sends nothing). ``parse``: the expression parser with ``%``
-    (dcpc.lang.expr, which the ops do not import). PermError when it is not one: a
-    bad expression, a rank out of range, two sources onto one destination (``bad-perm``),
+    (-1: that rank sends nothing). ``names``: what else an expression may name (the hop
+    indices of the enclosing loops, integer sizes). PermError when it is not one: a bad
+    expression, a rank out of range, two sources onto one destination (``bad-perm``),
     or pairs / a table written for another W (``loop-world``, message starts "W:")."""
     if isinstance(value, str):
+        env = {**(names or {}), "W": world}
         try:
-            tree: Expr = parse(value)
+            tree: Expr = parse(value, modulo=True)
         except ValueError as err:
             raise PermError(f"'{value}' is not an expression of r and W: {err}") from err
-        unknown = sorted(symbols(tree) - PERM_NAMES)
+        unknown = sorted(symbols(tree) - PERM_NAMES - set(env))
         if unknown:
             raise PermError(f"'{value}' names '{unknown[0]}'; a perm expression names the "
-                            "rank r and the group size W only")
+                            "rank r, the group size W, the hop indices of enclosing loops "
+                            "and integer sizes only")
         out = []
         for r in range(world):
             try:
-                d = evaluate(tree, {"r": r, "W": world})
+                d = evaluate(tree, {**env, "r": r})
             except ArithmeticError as err:
                 raise PermError(f"'{value}' at W={world}, r={r}: {err}") from err
             out.append(d if 0 <= d < world else -1)  # off the group: sends nothing

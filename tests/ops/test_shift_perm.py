@@ -243,3 +243,36 @@ def test_dcpc_check_names_the_w_a_pair_list_was_written_for(tmp_path: Path) -> N
     assert "written for W=4, not W=2" in proc.stdout + proc.stderr
     assert "[loop-world]" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+LOOP = HEAD + """\
+  - ring:
+      repeat: W - 1
+      as: h
+      steps:
+        - hop:  {op: shift, src: x, dst: y, perm: "(r + h + 1) % W"}
+        - use:  {op: external, reads: [y], writes: [z]}
+        - done: {op: barrier}
+"""
+
+
+def test_a_perm_in_a_hop_loop_reads_the_hop_index() -> None:
+    schedule = parse_text(LOOP, world=4)
+    tables = [s.op.perm for s in schedule.step_list() if s.kind == "shift"]
+    assert tables == [[1, 2, 3, 0], [2, 3, 0, 1], [3, 0, 1, 2]]
+    for world in (2, 3, 4, 5):
+        found, exact = _agree(LOOP, world)
+        assert found == exact == set(), world
+    racy = LOOP.replace("        - done: {op: barrier}\n", "")
+    for world in (3, 4):
+        found, exact = _agree(racy, world)
+        assert ("race", "write-after-read", "y", "use_h0", "hop_h1") in exact, world
+
+
+@pytest.mark.e2e
+def test_dcpc_run_of_a_perm_in_a_hop_loop_matches_float64(tmp_path: Path) -> None:
+    path = tmp_path / "loop.yaml"
+    path.write_text(LOOP.replace("[N, D]", "[N, 40]"))
+    report = run_schedule(RunConfig(schedule=str(path), world=3, backend="host", calls=2,
+                                    seed=3))
+    assert report.launch.ok and report.mismatches == 0, format_report(report)
