@@ -641,9 +641,10 @@ steps:
 
 
 # perms (a shift's `perm:`) valid at every W: the mirror, a rotation by 2 (every rank a
-# fixed point at W=2), the negation (rank 0 fixed), swapped pairs (partial at odd W: the
-# last rank sends nothing and receives nothing) and a line (partial: rank 0 gets none)
-FULL_PERMS = ("W - 1 - r", "(r + 2) % W", "(W - r) % W")
+# fixed point at W=2), the half rotation (by (W + 1) / 2 at odd W), the negation (rank 0
+# fixed), swapped pairs (partial at odd W: the last rank sends nothing and receives
+# nothing) and a line (partial: rank 0 gets none)
+FULL_PERMS = ("W - 1 - r", "(r + 2) % W", "(r + (W + W % 2) / 2) % W", "(W - r) % W")
 PARTIAL_PERMS = ("r + 1 - 2 * (r % 2)", "r + 1")
 
 
