@@ -1,9 +1,10 @@
 """Shape and size expressions as values: the AST, evaluation and printing, defined once.
 
 An expression is ``("num", n) | ("sym", name) | (op, lhs, rhs)`` with op in ``+ - * /``;
-``/`` is exact. Stdlib only, never ``eval``: the compiler (``dcpc.lang.expr`` adds the
-parser) and the runtime (``dcpc.runtime.shapes``, which generated modules use to
-evaluate the ASTs they carry) both import it.
+``/`` is exact; ``%`` (Python's remainder) only where the parser is asked for it (a
+shift's ``perm``, dcpc.lang.expr.parse). Stdlib only, never ``eval``: the compiler
+(``dcpc.lang.expr`` adds the parser) and the runtime (``dcpc.runtime.shapes``, which
+generated modules use to evaluate the ASTs they carry) both import it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def evaluate(expr: Expr, env: Mapping[str, int]) -> int:
         return lhs * rhs
     if kind == "%":  # only where the parser was asked for it (a shift's perm: rank arithmetic)
         if rhs == 0:
-            raise InexactDivision(expr, lhs, rhs)
+            raise ZeroDivisionError(f"{unparse(expr)} takes a remainder by 0")
         return lhs % rhs
     if rhs == 0 or lhs % rhs:
         raise InexactDivision(expr, lhs, rhs)
