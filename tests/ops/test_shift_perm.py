@@ -277,3 +277,13 @@ def test_dcpc_run_of_a_perm_in_a_hop_loop_matches_float64(tmp_path: Path) -> Non
     report = run_schedule(RunConfig(schedule=str(path), world=3, backend="host", calls=2,
                                     seed=3))
     assert report.launch.ok and report.mismatches == 0, format_report(report)
+
+
+def test_a_read_of_a_partial_perm_s_dst_on_every_rank_is_read_before_write() -> None:
+    text = ONE.replace("PERM", '"r + 1 - 2 * (r % 2)"') + CREDIT
+    found = _errors(text, 3)  # rank 2 has no partner at W=3: its y is never written
+    assert [d.code for d in found] == ["read-before-write"], found
+    assert "has a perm in which some ranks are no destination" in found[0].message
+    assert ("read-before-write", "", "y", "use", "") in oracle_unwritten(
+        parse_text(text, world=3), 3)
+    assert _errors(text, 4) == []  # at W=4 every rank has a partner
