@@ -366,12 +366,23 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                "tune_of": put.name if put is not None else step.name,
                # only when false: the plans of cyclic shifts stay as they were
                **({} if op.wrap else {"wrap": False}),
-               **({"perm": list(table(op))} if op.perm is not None else {})},
+               **(_perm_attrs(table(op)) if op.perm is not None else {})},
         signalling=True,
     )
     if op.phase != "wait":
         ctx.layout(plan, "src", 0, 1)
     return plan
+
+
+def _perm_attrs(dests: tuple[int, ...]) -> dict[str, Any]:
+    """A perm's launch constants, indexed by rank in the module (tuples of constants: no
+    work per call): the table, each rank's TO and FROM (itself where it has none: its
+    lane masked off) and whether it sends (a rank that is no source stores no tile)."""
+    back = inverse(dests)
+    return {"perm": list(dests),
+            "perm_to": tuple(d if d >= 0 else r for r, d in enumerate(dests)),
+            "perm_from": tuple(s if s >= 0 else r for r, s in enumerate(back)),
+            "perm_sends": tuple(d >= 0 for d in dests)}
 
 
 DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower, teams=True,
