@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import StrictBool
 
 from dcpc.lang.expr import Expr, evaluate, parse, product, symbols
+from dcpc.lang.mesh import MAX_WORLD
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
     BEFORE,
@@ -142,6 +143,9 @@ def table_at(value: Any, world: int, names: dict[str, int] | None = None) -> lis
                 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                            for v in item)):
             raise PermError(f"{item!r} is not a [source, destination] pair of ranks")
+        if max(item) >= MAX_WORLD:  # before a table of that many ranks is made
+            raise PermError(f"rank {max(item)} is past the largest group dcpc checks "
+                            f"({MAX_WORLD} ranks)")
         pairs.append((item[0], item[1]))
     fixed = fixed_world(value) or 1
     if fixed != world:

@@ -103,6 +103,7 @@ def test_every_form_unrolls_to_the_destination_table(perm: str, world: int,
     ("[[0, 1], [1, 0]]", 3, "loop-world", "written for W=2, not W=3"),
     ("[1, 0]", 3, "loop-world", "written for W=2, not W=3"),
     ("[[0, -1]]", 2, "bad-perm", "is not a [source, destination] pair"),
+    ("[[0, 999999999999]]", None, "bad-perm", "past the largest group dcpc checks"),
     ('"r % (W - W)"', 2, "bad-perm", "takes a remainder by 0"),
     ('"W - 1 - r"', None, "loop-world", "depend on W"),
 ])
