@@ -480,7 +480,7 @@ class _Unroller:
                            "perm written as a list serves that W only; an expression of r "
                            "and W serves every W)")
             else:
-                self.error(mark, "bad-perm", f"{what} its perm is not one-to-one onto ranks: "
+                self.error(mark, "bad-perm", f"{what} its perm is no permutation of the ranks: "
                            f"{text}", hint)
         return value
 
