@@ -99,8 +99,12 @@ class Region:
         if self.scheme == "perm":  # every delta of the table, taken on every rank
             found = {(owner - perm_delta(self.table, p, world)) % world
                      for p in range(len(self.table)) if self.table[p] >= 0}
-            return sorted(found - {owner}, key=lambda q: (q - owner) % world) + (
-                [owner] if owner in found else [])
+            # the real writer of ``owner``'s instance first (a counterexample then names
+            # ranks of the real program when it can), then the other deltas' phantoms
+            real = [p for p in range(len(self.table)) if self.table[p] == owner]
+            return real + sorted(found - {owner} - set(real),
+                                 key=lambda q: (q - owner) % world) + (
+                [owner] if owner in found and owner not in real else [])
         if self.scheme in ("peer", "line"):
             if self.axes is None:
                 return [(owner - self.offset) % world]

@@ -288,3 +288,13 @@ def test_a_read_of_a_partial_perm_s_dst_on_every_rank_is_read_before_write() -> 
     assert ("read-before-write", "", "y", "use", "") in oracle_unwritten(
         parse_text(text, world=3), 3)
     assert _errors(text, 4) == []  # at W=4 every rank has a partner
+
+
+def test_a_perm_race_names_the_real_writer_where_it_races() -> None:
+    """Rank 0's y is written by rank 2 under the mirror at W=3; the symmetric model
+    also has phantom writers (rank 1, at the other delta): the counterexample names the
+    real one, so `dcpc run --replay` delays ranks that really meet (it named rank 1)."""
+    text = ONE.replace("PERM", '"W - 1 - r"')
+    report = hb.check(parse_text(text, world=3), [3], hints=False)
+    war = next(f for f in report.findings if f.cls == "write-after-read")
+    assert "a perm's store from rank 2" in war.message, war.message
