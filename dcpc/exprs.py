@@ -23,8 +23,8 @@ class InexactDivision(ArithmeticError, ValueError):
         self.expr, self.lhs, self.rhs = expr, lhs, rhs
 
 
-class RemainderByZero(ArithmeticError, ValueError):
-    """``%`` by 0 (a condition's remainder)."""
+class RemainderByZero(ZeroDivisionError, ValueError):
+    """``%`` by 0 (a condition's or a perm's remainder)."""
 
 
 class UnboundSymbol(KeyError):

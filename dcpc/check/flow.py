@@ -93,9 +93,12 @@ def check_reads(ctx: Context) -> None:
             ctx.error(ref.mark, "read-before-write",
                       f"step '{step.name}' reads symmetric buffer '{ref.name}' on every "
                       f"rank, but the earlier steps of the call write it on some ranks only "
-                      f"({w.kind} '{w.name}' has no wrap: the ranks with no source at "
-                      "the end of the line receive nothing), so those ranks read what "
-                      "nothing wrote",
+                      + (f"({w.kind} '{w.name}' has a perm in which some ranks are no "
+                         "destination: they receive nothing)"
+                         if getattr(w.op, "perm", None) is not None else
+                         f"({w.kind} '{w.name}' has no wrap: the ranks with no source at "
+                         "the end of the line receive nothing)")
+                      + ", so those ranks read what nothing wrote",
                       hint=f"write '{ref.name}' on every rank before '{w.name}', or read "
                       "it after the call, where the ranks that received know it")
         elif buffer.is_symmetric:

@@ -25,7 +25,10 @@ chosen by a scheduler:
   partition overlap only for equal writers, different partitions always overlap), a
   ``peer`` region (shift) the whole instance of rank ``writer + offset`` only, a
   ``line`` region (shift, ``wrap: false``) that one when it is a rank (none past
-  either end, whose "line+k" signals and waits are skipped too); region None is the
+  either end, whose "line+k" signals and waits are skipped too), a ``perm`` region
+  (shift's ``perm:``) the whole instance of rank ``table[writer]`` only (none for -1;
+  its "perm:<table>" signals and waits go to each rank's own peer in the table, none
+  where it is -1 or the rank itself); region None is the
   own instance, whole. Engine and output buffers are not tracked.
 
 Happens-before of the ACTUAL run is tracked with vector clocks (one entry per stream):
@@ -127,7 +130,8 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
             region = _attr(e, "region")
             part = None if region is None else (
                 _attr(region, "scheme"), _attr(region, "dim"), _attr(region, "interleave", 0),
-                _attr(region, "offset", 0), _attr(region, "axes"))
+                _attr(region, "offset", 0), _attr(region, "axes"),
+                tuple(_attr(region, "table", ()) or ()))
             item = (buffer, _attr(e, "kind") == "write", part, _attr(e, "lands"))
             (after if _attr(e, "when") == "after" else before).append(item)
         sync = _attr(s, "sync")
@@ -179,6 +183,9 @@ def peers(spec: str | None, rank: int, world: int,
     1 .. W-1). On a mesh (``world.shape``, row-major ranks) along ``axes``: the team's
     members in the same loop order over member indices; next/prev move the one axis'
     coordinate. A shift's "+k" along one axis: member ``+k`` of the team (mod its size)."""
+    if spec is not None and spec.startswith("perm:"):  # rank r's own peer: table[r]
+        other = int(spec[len("perm:"):].split(",")[rank])
+        return [other] if other >= 0 and other != rank else []
     if spec is not None and spec not in ("all", "next", "prev"):  # one rank at "+k"/"-k"
         wrap = not spec.startswith("line")
         other = shift_peer(rank, int(spec[0 if wrap else len("line"):]), world, axes, wrap)
@@ -404,6 +411,8 @@ class _Compiled:
             place = where if lands is None else (lands, 1)
             if part is None:
                 owners: Sequence[int] = (rank,)
+            elif part[0] == "perm":  # a perm: rank table[r]'s instance only (-1: none)
+                owners = (part[5][rank],) if part[5][rank] >= 0 else ()
             elif part[0] in ("peer", "line"):  # a shift: one rank's instance (line: none
                 end = shift_peer(rank, part[3], self.world, part[4], part[0] == "peer")
                 owners = () if end is None else (end,)  # past either end of its team)

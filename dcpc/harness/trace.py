@@ -388,7 +388,8 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
             size = int(np.prod(shape, dtype=np.int64))
             if (offs >= size).any():
                 problems.append(f"{where}: writes '{buffer}' past its shape {shape}")
-            if not any(r.writers(owner, world) == [call.rank] if r.scheme in ("peer", "line")
+            if not any(r.table[call.rank] == owner if r.scheme == "perm"
+                       else r.writers(owner, world) == [call.rank] if r.scheme in ("peer", "line")
                        else _team_part_ok(r, offs, shape, call.rank, owner, world)
                        for r in regions):
                 problems.append(f"{where}: writes '{buffer}' of rank {owner} outside rank "

@@ -53,7 +53,8 @@ class ExprSyntaxError(ValueError):
         self.column = column
 
 
-def _tokens(text: str, condition: bool = False) -> list[tuple[str, str | int, int]]:
+def _tokens(text: str, condition: bool = False, modulo: bool = False
+            ) -> list[tuple[str, str | int, int]]:
     out: list[tuple[str, str | int, int]] = []
     pos = 0
     text = text.rstrip()
@@ -75,7 +76,7 @@ def _tokens(text: str, condition: bool = False) -> list[tuple[str, str | int, in
             continue
         else:
             ch = m.group(3)
-            if ch not in "+-*/()":
+            if ch not in "+-*/()" + ("%" if modulo else ""):
                 raise ExprSyntaxError(f"unexpected character {ch!r}", m.start(3))
             out.append(("op", ch, m.start(3)))
         pos = m.end()
@@ -84,8 +85,8 @@ def _tokens(text: str, condition: bool = False) -> list[tuple[str, str | int, in
 
 
 class _Parser:
-    def __init__(self, text: str, condition: bool = False):
-        self.toks = _tokens(text, condition)
+    def __init__(self, text: str, condition: bool = False, modulo: bool = False):
+        self.toks = _tokens(text, condition, modulo)
         self.condition = condition
         self.i = 0
 
@@ -104,7 +105,7 @@ class _Parser:
             node = (op, node, self.term())
         return node
 
-    def term(self) -> Expr:  # term := atom (("*"|"/"|"%") atom)*, '%' in a condition
+    def term(self) -> Expr:  # term := atom (("*"|"/"|"%") atom)*, '%' in a condition or a perm
         node = self.atom()
         while self.peek()[:2] in (("op", "*"), ("op", "/"), ("op", "%")):
             op = self.take()[1]
@@ -182,8 +183,10 @@ _KINDS = {bool: "a boolean", float: "a number with a fraction", type(None): "emp
           list: "a list", dict: "a mapping"}
 
 
-def parse(text: str | int) -> Expr:
-    """Parse an expression (an int is a constant), within the limits above.
+def parse(text: str | int, modulo: bool = False) -> Expr:
+    """Parse an expression (an int is a constant), within the limits above. ``modulo``:
+    ``%`` is an operator too (Python's remainder, as tight as ``*``): a shift's ``perm``
+    (rank arithmetic, ``(r + W / 2) % W``); shapes, trip counts and indices stay without.
 
     Raises ``ExprSyntaxError`` (with a 0-based column) for every bad input: another
     type, too long, nested too deeply, an integer of too many digits, bad syntax.
@@ -202,7 +205,7 @@ def parse(text: str | int) -> Expr:
     if not text.strip():
         raise ExprSyntaxError("empty expression", 0)
     _check_parentheses(text)
-    parser = _Parser(text)
+    parser = _Parser(text, modulo=modulo)
     node = parser.expr()
     kind, value, col = parser.peek()
     if kind != "end":

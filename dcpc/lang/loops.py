@@ -127,6 +127,14 @@ def _offset_expr(body: Any) -> str | None:
     return offset if isinstance(offset, str) and offset not in shift.NAMED else None
 
 
+def _perm(body: Any) -> Any:
+    """A shift step's ``perm`` (any form; None without one): the unroller turns it into
+    the destination table at each W, so a perm makes the file one schedule per W."""
+    if not isinstance(body, dict) or body.get("op") != shift.DEF.name:
+        return None
+    return body.get("perm")
+
+
 def _team_w(body: Any, data: Any) -> str | int | None:
     """What sizes the team of a shift step along one axis of a mesh of several axes
     (``axis: gpu``): that axis' size name or integer, which W in its offset names (the
@@ -190,6 +198,8 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
         return isinstance(shape, list) and bool(shape) and _names_w(shape[0], names)
 
     def walk(node: Any, mark: Mark | None) -> Mark | None:
+        if "W" in names and _perm(node) is not None:  # a perm's table is one W's
+            return _mark(node, "perm", "<memory>")
         if _names_w(_offset_names(node, data), names):
             return _mark(node, "offset", "<memory>")
         if _names_w(_interleave_expr(node), names):
@@ -390,6 +400,8 @@ class _Unroller:
                 if isinstance(team, int) or team in env:
                     at["W"] = team if isinstance(team, int) else env[team]
             out["offset"] = self.offset(name, text, at, _mark(body, "offset", self.file))
+        if _perm(body) is not None:
+            out["perm"] = self.perm(name, body["perm"], _mark(body, "perm", self.file), env)
         text = _interleave_expr(body)
         if text is not None:
             out["interleave"] = self.interleave(name, text, env,
@@ -398,7 +410,7 @@ class _Unroller:
             out["when"] = self.when(body["when"], env)
         for key, value in body.items():
             if key in (MARK, MARKS, "op", "doc", "channel", "from", "to", "phase", "offset",
-                       "interleave", "when"):
+                       "interleave", "when", "perm"):
                 continue
             mark = _mark(body, key, self.file)
             if isinstance(value, dict):  # mask_empty
@@ -442,6 +454,47 @@ class _Unroller:
                        "use 'copy' to move data on this rank, or an offset that is not 0 "
                        "mod W at any W checked")
             return text
+        return value
+
+    def perm(self, name: str, value: Any, mark: Mark, env: dict[str, int]) -> Any:
+        """Shift step ``name``'s ``perm`` as the destination table at this W
+        (dcpc.ops.shift.table_at); ``value`` unchanged, with an error, when it is none:
+        ``loop-world`` without a W or at a W its pairs or table do not name, else
+        ``bad-perm``."""
+        what = f"step '{name}':"
+        hint = ("a perm is an expression of r and W ('W - 1 - r', '(r + W / 2) % W'), a "
+                "list of [source, destination] pairs or of destinations (-1: none), "
+                "one-to-one")
+        if self.world is None:
+            fixed = shift.fixed_world(value)
+            if fixed is not None:  # pairs or a table: what is wrong with them, at their W
+                try:
+                    shift.table_at(value, fixed)
+                except shift.PermError as err:
+                    self.error(mark, "bad-perm", f"{what} its perm is no permutation of the "
+                               f"ranks: {err}", hint)
+                    return value
+            self.needs_world(mark, f"{what} its perm's ranks depend on W; a schedule "
+                             "with a perm is unrolled for one W at a time"
+                             + (f" (its ranks are those of W={fixed})" if fixed else ""))
+            return value
+        if "W" not in self.env or len(shape_of(self.world)) > 1:
+            self.error(mark, "axis-unsupported", f"{what} a perm on a mesh of several axes; "
+                       "a perm runs over the whole group of a plain W so far",
+                       "use 'offset' along one axis")
+            return value
+        try:
+            return shift.table_at(value, self.env["W"], env)
+        except shift.PermError as err:
+            text = str(err)
+            if text.startswith("W:"):
+                self.error(mark, "loop-world", f"{what} {text[2:]}",
+                           f"check or compile with --world {shift.fixed_world(value)} (a "
+                           "perm written as a list serves that W only; an expression of r "
+                           "and W serves every W)")
+            else:
+                self.error(mark, "bad-perm", f"{what} its perm is no permutation of the ranks: "
+                           f"{text}", hint)
         return value
 
     def _expression(self, what: str, text: str, env: dict[str, int], mark: Mark, code: str,
@@ -744,6 +797,8 @@ def uses_loops(data: Any) -> bool:
         return True
 
     def indexed(value: Any) -> bool:
+        if _perm(value) is not None:
+            return True
         if _offset_expr(value) is not None or _interleave_expr(value) is not None:
             return True
         if isinstance(value, str):

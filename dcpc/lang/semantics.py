@@ -81,9 +81,10 @@ def describe(sem: Semantics) -> tuple[str, str, str]:
                 "interleave": "rows of `r`, interleaved",
                 "peer": f"rank r{r.offset:+d}'s, whole",
                 "line": f"rank r{r.offset:+d}'s, whole, when it is a rank",
+                "perm": "rank perm(r)'s, whole, when r is a source",
                 "root": "whole, as the root's broadcast",
                 "whole": "whole, read by `r`"}[r.scheme]
-        if r.scheme in ("peer", "line"):
+        if r.scheme in ("peer", "line", "perm"):
             return f" ({part})"
         return f" ({'the root' if e.root is not None else 'every rank'}: {part})"
 
@@ -100,6 +101,9 @@ def describe(sem: Semantics) -> tuple[str, str, str]:
         return "; ".join(out) or "-"
 
     s = sem.sync
+    # a perm's peers are a table of one W: in words, the same for every perm
+    signal = "perm(r)" if (s.signal or "").startswith("perm:") else s.signal
+    wait = "perm^-1(r)" if (s.wait or "").startswith("perm:") else s.wait
     sync = "-" if s.signal is None and s.wait is None else (
-        f"signals {s.signal or '-'}, waits {s.wait or '-'}")
+        f"signals {signal or '-'}, waits {wait or '-'}")
     return phase(BEFORE), phase(AFTER), sync

@@ -54,6 +54,13 @@ class Region:
     ``r - offset`` outside get none (``covers_all`` False: the data flow does not
     count it as written there). The happens-before checkers take it as ``peer`` on
     every rank (more stores: sound).
+    Scheme ``perm`` (a shift's ``perm:``): writer ``p`` stores into the whole instance of
+    rank ``table[p]`` only (none where it is -1); two stores of one table meet on an
+    instance only when their writers are equal (a perm is one-to-one). ``covers_all``
+    only when every rank is a destination. The happens-before checkers, whose model is
+    rotation-symmetric, take every rank's store at every delta ``table[p] - p`` of the
+    table (``writers``: phantom stores only add races); the brute force and the
+    execution oracle use the table itself.
     Scheme ``whole`` (a remote READ, pull's): reader ``p`` reads the WHOLE of every rank's
     instance; reads only (``effects`` refuses a write of it), so two accesses of the
     partition are never compared, and every other access overlaps it.
@@ -67,16 +74,20 @@ class Region:
     # the writer's team (dcpc.lang.mesh): its store reaches the instances of its team
     # members only, and ``writer`` is its index in that team. None: every axis.
     axes: tuple[int, ...] | None = None
+    table: tuple[int, ...] = ()  # scheme "perm": the destination of each rank, -1: none
 
     @property
     def owners_all(self) -> bool:
         """Whether one writer's store reaches every rank's instance (not ``peer``)."""
-        return self.scheme not in ("peer", "line")
+        return self.scheme not in ("peer", "line", "perm")
 
     @property
     def covers_all(self) -> bool:
         """Whether every rank's instance gets this store from some writer (not ``line``:
-        the first ``offset`` ranks of the line get none)."""
+        the first ``offset`` ranks of the line get none; ``perm``: when every rank is a
+        destination)."""
+        if self.scheme == "perm":
+            return sorted(self.table) == list(range(len(self.table)))
         return self.scheme != "line"
 
     def writers(self, owner: int, world: int) -> list[int]:
@@ -85,6 +96,15 @@ class Region:
         shift's (``peer``/``line``): member ``-offset`` of ``owner``'s team along
         ``axes`` (one axis, dcpc.topology ``Torus.peer``); ``line``: taken cyclically,
         as the symmetric checkers model it (a writer outside the line only adds stores)."""
+        if self.scheme == "perm":  # every delta of the table, taken on every rank
+            found = {(owner - perm_delta(self.table, p, world)) % world
+                     for p in range(len(self.table)) if self.table[p] >= 0}
+            # the real writer of ``owner``'s instance first (a counterexample then names
+            # ranks of the real program when it can), then the other deltas' phantoms
+            real = [p for p in range(len(self.table)) if self.table[p] == owner]
+            return real + sorted(found - {owner} - set(real),
+                                 key=lambda q: (q - owner) % world) + (
+                [owner] if owner in found and owner not in real else [])
         if self.scheme in ("peer", "line"):
             if self.axes is None:
                 return [(owner - self.offset) % world]
@@ -95,6 +115,7 @@ class Region:
     @property
     def partition(self) -> tuple:
         base = (self.scheme, self.dim, self.interleave, self.offset)
+        base = base if not self.table else (*base, self.table)
         return base if self.axes is None else (*base, self.axes)
 
     def text(self, writer: int) -> str:
@@ -106,6 +127,8 @@ class Region:
         if self.scheme in ("peer", "line"):
             source = "rank" if self.axes is None else "team member"  # ``writer``: its index
             return f"whole (shift from {source} {writer}, offset {self.offset:+d})"
+        if self.scheme == "perm":
+            return f"whole (a perm's store from rank {writer})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
         if self.scheme == "whole":  # ``writer``: the reader's index in its team, if any
@@ -190,6 +213,34 @@ class Semantics:
 
 
 LINE = "line"  # the prefix of a non-cyclic offset's peers: "line+k" / "line-k"
+PERM = "perm:"  # the prefix of a perm's peers: "perm:3,2,1,0" (rank r's peer, -1: none)
+
+
+def perm_peers(table: tuple[int, ...]) -> str:
+    """The sync peers of a shift's perm: rank r signals (or waits for) ``table[r]``."""
+    return PERM + ",".join(str(d) for d in table)
+
+
+def perm_table(peers: str | None) -> tuple[int, ...] | None:
+    """The table of a perm's peers spec, or None for any other spec."""
+    if not isinstance(peers, str) or not peers.startswith(PERM):
+        return None
+    return tuple(int(d) for d in peers[len(PERM):].split(","))
+
+
+def perm_delta(table: tuple[int, ...], rank: int, world: int | None = None) -> int:
+    """How far rank ``rank``'s peer in ``table`` is along the ring (mod ``world``, by
+    default the table's length)."""
+    return (table[rank] - rank) % (world or len(table))
+
+
+def perm_deltas(table: tuple[int, ...], world: int) -> frozenset[int]:
+    """Every nonzero delta of a perm table (mod W): the rotation-symmetric checker takes
+    each rank's signal, wait and store at every one of them. A table is unrolled at one
+    W (dcpc.lang.loops); the hints' re-checks at a larger W (dcpc.check.hb.hints) take
+    its deltas mod that W, as they take a loop unrolled at one W."""
+    return frozenset(perm_delta(table, r, world) for r in range(len(table))
+                     if table[r] >= 0) - {0}
 
 
 def offset_peers(k: int, wrap: bool = True) -> str:
@@ -202,6 +253,7 @@ def offset_peers(k: int, wrap: bool = True) -> str:
 
 def peer_offset(peers: str) -> tuple[int, bool]:
     """(k, wraps) of a one-rank peers spec ("next", "prev", "+k", "line+k")."""
+    assert not peers.startswith(PERM), peers  # a perm has no one offset (perm_table)
     if peers in ("next", "prev"):
         return (1 if peers == "next" else -1), True
     if peers.startswith(LINE):
@@ -218,14 +270,15 @@ def line_peer(peers: str, rank: int, world: int) -> int | None:
 def wraps(peers: str | None) -> bool:
     """Whether the peers a sync names exist on every rank (not a "line" offset, whose
     edge ranks skip the signal or wait: a happens-before checker that models every rank
-    alike takes no ordering from such a wait, only its dependency)."""
-    return peers is None or not peers.startswith(LINE)
+    alike takes no ordering from such a wait, only its dependency; nor a perm, whose
+    ranks wait on different peers, some on none)."""
+    return peers is None or not peers.startswith((LINE, PERM))
 
 
 def ring_hops(peers: str | None) -> int:
     """How many ranks a wait from ``peers`` moves a happens-before chain along the ring
     (0 for none or "all", which reaches every rank at once): the world bound counts it."""
-    if peers in (None, "all"):
+    if peers in (None, "all") or perm_table(peers) is not None:  # a perm's joins no clock
         return 0
     return abs(peer_offset(peers)[0])  # type: ignore[arg-type]
 

@@ -26,6 +26,19 @@ rank (n, g) of ``mesh: {node: N, gpu: G}`` stores into (n, g + k mod G) along gp
 rules below are written for the team (``on_team`` gives the region and sync its axis,
 the float64 reference runs once per team: dcpc.harness.simulate); the peer ranks are
 dcpc.topology ``Torus.peer``'s. A shift over several axes is refused (dcpc.check.mesh).
+``perm:`` (instead of ``offset``, JAX's ``ppermute``): rank r stores its src into the
+dst of rank perm(r) and waits for perm^-1(r). Written as an expression of ``r`` and
+``W`` (``W - 1 - r``, ``(r + W / 2) % W``: a value outside 0 .. W-1 sends nothing), a
+list of [source, destination] pairs (which fixes W: the largest rank named + 1) or a
+list of destinations, one per rank (-1: none; its length fixes W). The unroller
+(dcpc.lang.loops, through ``table_at`` below) turns every form into the destination
+table at the W it unrolls, so every later stage sees ``perm`` as that table. A rank
+that is no source sends nothing, one that is no destination waits for nothing and
+keeps its dst (as ``wrap: false``); a fixed point is a local copy. The region is
+``perm`` and the peers "perm:<table>" (dcpc.ops.common): the happens-before checker
+takes the stores as the union over the table's deltas on every rank and joins no clock
+at its wait, as for ``wrap: false``; the brute force and the execution oracle are exact.
+No ``axis:`` yet (a perm over the whole group).
 Lowerings: ``lower`` below + templates/ops/shift.py.j2 (a direct push
 into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
 ``shift``.
@@ -38,7 +51,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import StrictBool
 
-from dcpc.lang.expr import product
+from dcpc.lang.expr import Expr, evaluate, parse, product, symbols
+from dcpc.lang.mesh import MAX_WORLD
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops.common import (
     BEFORE,
@@ -51,6 +65,7 @@ from dcpc.ops.common import (
     effects,
     keyed,
     offset_peers,
+    perm_peers,
     typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
@@ -72,6 +87,118 @@ class Shift(OpBase):
     offset: Int | Literal["next", "prev"] = 1
     phase: Literal["put", "wait"] | None = None
     wrap: StrictBool = True  # false: no store past either end of the ranks 0 .. W-1
+    # any fixed permutation, instead of offset: an expression of r and W, [src, dst]
+    # pairs, or (after the unroller, always) the destination of each rank, -1: none
+    perm: str | list[Int] | list[list[Int]] | None = None
+
+
+class PermError(ValueError):
+    """A ``perm`` that is no (partial) permutation at some W: the message says why."""
+
+
+PERM_NAMES = frozenset({"r", "W"})
+
+
+def table_at(value: Any, world: int, names: dict[str, int] | None = None) -> list[int]:
+    """``perm`` (any written form) as the destination of each rank 0 .. W-1 at ``world``
+    (-1: that rank sends nothing). ``names``: what else an expression may name (the hop
+    indices of the enclosing loops, integer sizes). PermError when it is not one: a bad
+    expression, a rank out of range, two sources onto one destination (``bad-perm``),
+    or pairs / a table written for another W (``loop-world``, message starts "W:")."""
+    if isinstance(value, str):
+        env = {**(names or {}), "W": world}
+        try:
+            tree: Expr = parse(value, modulo=True)
+        except ValueError as err:
+            raise PermError(f"'{value}' is not an expression of r and W: {err}") from err
+        unknown = sorted(symbols(tree) - PERM_NAMES - set(env))
+        if unknown:
+            raise PermError(f"'{value}' names '{unknown[0]}'; a perm expression names the "
+                            "rank r, the group size W, the hop indices of enclosing loops "
+                            "and integer sizes only")
+        out = []
+        for r in range(world):
+            try:
+                d = evaluate(tree, {**env, "r": r})
+            except ArithmeticError as err:
+                raise PermError(f"'{value}' at W={world}, r={r}: {err}") from err
+            out.append(d if 0 <= d < world else -1)  # off the group: sends nothing
+        return _injective(out, world, f"'{value}'")
+    if not isinstance(value, list) or not value:
+        raise PermError("a perm is an expression of r and W, a list of [source, "
+                        "destination] pairs or a list of destinations, one per rank")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        table = list(value)
+        if len(table) != world:
+            raise PermError(f"W:the perm lists the destinations of {len(table)} ranks, so "
+                            f"it is written for W={len(table)}, not W={world}")
+        bad = [d for d in table if not -1 <= d < len(table)]
+        if bad:
+            raise PermError(f"destination {bad[0]} is not a rank of W={len(table)} (or -1: "
+                            "sends nothing)")
+        return _injective(table, world, "the perm")
+    pairs = []
+    for item in value:
+        if (not isinstance(item, list) or len(item) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in item)):
+            raise PermError(f"{item!r} is not a [source, destination] pair of ranks")
+        if max(item) >= MAX_WORLD:  # before a table of that many ranks is made
+            raise PermError(f"rank {max(item)} is past the largest group dcpc checks "
+                            f"({MAX_WORLD} ranks)")
+        pairs.append((item[0], item[1]))
+    fixed = fixed_world(value) or 1
+    if fixed != world:
+        raise PermError(f"W:the perm's pairs name ranks 0..{fixed - 1}, so it is written for "
+                        f"W={fixed}, not W={world}")
+    out = [-1] * world
+    for src, dst in pairs:
+        if out[src] != -1:
+            raise PermError(f"rank {src} is the source of two pairs ({src} -> {out[src]}, "
+                            f"{src} -> {dst}) at W={world}")
+        out[src] = dst
+    return _injective(out, world, "the perm")
+
+
+def fixed_world(value: Any) -> int | None:
+    """The W a perm written as a list fixes (a table's length, the largest rank of its
+    pairs + 1), or None (an expression, or not a list of ranks: table_at says why)."""
+    if not isinstance(value, list) or not value:
+        return None
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return len(value)
+    ranks = [v for item in value if isinstance(item, list) for v in item
+             if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    return 1 + max(ranks) if ranks else None
+
+
+def _injective(table: list[int], world: int, what: str) -> list[int]:
+    seen: dict[int, int] = {}
+    for r, d in enumerate(table):
+        if d < 0:
+            continue
+        if d in seen:
+            raise PermError(f"{what} sends ranks {seen[d]} and {r} both to rank {d} at "
+                            f"W={world}; a perm is one-to-one")
+        seen[d] = r
+    return table
+
+
+def table(op: Shift) -> tuple[int, ...]:
+    """The unrolled perm: the destination of each rank (-1: none); () for an offset."""
+    value = op.perm
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return tuple(value)  # type: ignore[arg-type]
+    return ()
+
+
+def inverse(dests: tuple[int, ...]) -> tuple[int, ...]:
+    """The source of each rank (-1: none) of a destination table."""
+    out = [-1] * len(dests)
+    for r, d in enumerate(dests):
+        if d >= 0:
+            out[d] = r
+    return tuple(out)
 
 
 def delta(op: Shift) -> int:
@@ -80,8 +207,8 @@ def delta(op: Shift) -> int:
     return k if isinstance(k, int) and 0 < abs(k) <= MAX_OFFSET else 1
 
 
-def _key(op: Shift) -> tuple[str, str, int, bool]:
-    return (op.src, op.dst, delta(op), op.wrap)
+def _key(op: Shift) -> tuple[Any, ...]:
+    return (op.src, op.dst, delta(op), op.wrap) + ((table(op),) if op.perm is not None else ())
 
 
 @dataclass
@@ -98,7 +225,7 @@ def puts(schedule: ScheduleView) -> Puts:
     """Match every ``phase: wait`` shift with the earliest earlier unmatched put of the
     same (src, dst, offset, wrap). The choice does not depend on W."""
     out = Puts()
-    pending: dict[tuple[str, str, int, bool], list[Step]] = {}
+    pending: dict[tuple[Any, ...], list[Step]] = {}
     for step in schedule.step_list():
         op = step.op
         if not isinstance(op, Shift) or op.phase is None:
@@ -129,6 +256,9 @@ def semantics(c: Scope, step: Step) -> Semantics:
     op: Shift = step.op  # type: ignore[assignment]
     k = delta(op)
     to, back = offset_peers(k, op.wrap), offset_peers(-k, op.wrap)
+    dests = table(op)
+    if op.perm is not None:
+        to, back = perm_peers(dests), perm_peers(inverse(dests))
     if op.phase == "wait":
         polled = matched(c).polls.get(step.name)
         return Semantics((), Sync(wait=back, polls=polled.index if polled else None))
@@ -136,7 +266,8 @@ def semantics(c: Scope, step: Step) -> Semantics:
     # the `phase: wait` step's; an unmatched put is the verifier's error)
     wait = matched(c).lands.get(step.name) if op.phase == "put" else step
     push = effects(READ, BEFORE, keyed(op, "src"))
-    region = Region("peer" if op.wrap else "line", 0, offset=k)
+    region = (Region("perm", 0, table=dests) if op.perm is not None
+              else Region("peer" if op.wrap else "line", 0, offset=k))
     push += effects(WRITE, BEFORE, keyed(op, "dst"), region,
                     lands=wait.index if wait is not None else None)
     if op.phase == "put":
@@ -147,6 +278,21 @@ def semantics(c: Scope, step: Step) -> Semantics:
 def verify(v: ShapeRules, step: Step) -> None:
     op: Shift = step.op  # type: ignore[assignment]
     k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
+    if op.perm is not None and ("offset" in op.src_marks or not op.wrap):
+        key = "offset" if "offset" in op.src_marks else "wrap"
+        v.error(op.mark(key), "bad-perm",
+                f"step '{step.name}' has both 'perm' and '{key}'; a perm names every rank's "
+                "destination itself",
+                "drop 'offset' (a perm of 'r + k' is the offset k) and 'wrap' (a value "
+                "outside 0 .. W-1 sends nothing)")
+    elif op.perm is not None and op.axis is not None:
+        v.error(op.mark("axis"), "axis-unsupported",
+                f"step '{step.name}' permutes along axis {op.axis!r}; a 'perm' runs over the "
+                "whole group so far", "drop 'axis' (on a mesh, use 'offset' along one axis)")
+    elif op.perm is not None and not table(op):
+        v.error(op.mark("perm"), "bad-perm",
+                f"step '{step.name}' has a perm that was not unrolled at a W",
+                "check or compile with --world N")
     if not 0 < abs(k) <= MAX_OFFSET:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' shifts by {k}; an offset is a nonzero integer of at "
@@ -179,12 +325,16 @@ def reference(sim: SimView, step: Step) -> None:
     op: Shift = step.op  # type: ignore[assignment]
     k, w = delta(op), sim.world
     fed = [r for r in range(w) if op.wrap or 0 <= r - k < w]
+    source = {r: (r - k) % w for r in fed}
+    if op.perm is not None:  # rank r gets perm^-1(r)'s src, where r is a destination
+        source = {d: r for r, d in enumerate(table(op)) if d >= 0}
+        fed = sorted(source)
     if op.phase == "wait":
         put = matched(sim).polls[step.name]
         for r in fed:
             sim.store(r, op.dst, sim.bufs[r][f"{put.name}@inflight"])
         return
-    moved = {r: sim.bufs[(r - k) % w][op.src].clone() for r in fed}
+    moved = {r: sim.bufs[source[r]][op.src].clone() for r in fed}
     for r in fed:
         if op.phase == "put":
             sim.stash(r, f"{step.name}@inflight", moved[r], like=op.dst)
@@ -219,12 +369,24 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                "signal": op.phase != "wait", "wait": op.phase != "put",
                "tune_of": put.name if put is not None else step.name,
                # only when false: the plans of cyclic shifts stay as they were
-               **({} if op.wrap else {"wrap": False})},
+               **({} if op.wrap else {"wrap": False}),
+               **(_perm_attrs(table(op)) if op.perm is not None else {})},
         signalling=True,
     )
     if op.phase != "wait":
         ctx.layout(plan, "src", 0, 1)
     return plan
+
+
+def _perm_attrs(dests: tuple[int, ...]) -> dict[str, Any]:
+    """A perm's launch constants, indexed by rank in the module (tuples of constants: no
+    work per call): the table, each rank's TO and FROM (itself where it has none: its
+    lane masked off) and whether it sends (a rank that is no source stores no tile)."""
+    back = inverse(dests)
+    return {"perm": list(dests),
+            "perm_to": tuple(d if d >= 0 else r for r, d in enumerate(dests)),
+            "perm_from": tuple(s if s >= 0 else r for r, s in enumerate(back)),
+            "perm_sends": tuple(d >= 0 for d in dests)}
 
 
 DEF = define(OpDef("shift", Shift, semantics, verify, reference, io, lower, teams=True,

@@ -255,10 +255,15 @@ def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
 
 
 def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, rank: int,
-          world: int, wrap: bool = True) -> None:
+          world: int, wrap: bool = True, perm: list[int] | None = None) -> None:
     """dst on rank r + offset = src of rank r: one send and one receive per rank.
     ``wrap`` False: no send past either end of 0 .. W-1, no receive from past it (dst
-    kept)."""
+    kept). ``perm`` (the destination of each rank, -1: none; the offset unused): dst on
+    rank perm[r] = src of rank r; a rank that is no source sends nothing, one that is
+    no destination receives nothing (dst kept), a fixed point copies locally."""
+    if perm is not None:
+        _permute(comm, src, dst, rank, perm)
+        return
     to, back = (rank + offset) % world, (rank - offset) % world
     if wrap and to == rank:  # W divides the offset: a local copy
         dst.copy_(src)
@@ -268,6 +273,25 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
         ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
                               dist.get_global_rank(comm.group, to), comm.group))
     if wrap or 0 <= rank - offset < world:
+        ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
+                              comm.group))
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        _wait(comm, work, "shift")
+
+
+def _permute(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, rank: int,
+             perm: list[int]) -> None:
+    """``shift`` with a perm table: one send to perm[rank], one receive from its source."""
+    to = perm[rank]
+    back = next((r for r, d in enumerate(perm) if d == rank), -1)
+    if to == rank:  # a fixed point: a local copy, no message
+        dst.copy_(src)
+        return
+    ops = []
+    if to >= 0:
+        ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
+                              dist.get_global_rank(comm.group, to), comm.group))
+    if back >= 0:
         ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
                               comm.group))
     for work in dist.batch_isend_irecv(ops) if ops else ():

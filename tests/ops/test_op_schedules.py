@@ -271,6 +271,12 @@ VARIANTS: dict[str, Variant] = {
         step.kind == "shift" and p.attrs["offset"] % int(w) not in (0, 1, int(w) - 1)),
     "shift: in a hop loop": lambda s, step, p, w: (step.kind == "shift"
                                                   and s.loop_world is not None),
+    "shift: perm, a fixed point (a local copy on that rank)": lambda s, step, p, w: (
+        step.kind == "shift" and any(d == r for r, d in enumerate(p.attrs.get("perm", [])))),
+    "shift: perm, partial (a rank that is no source)": lambda s, step, p, w: (
+        step.kind == "shift" and -1 in p.attrs.get("perm", [])),
+    "shift: perm, split in put and wait": lambda s, step, p, w: (
+        step.kind == "shift" and "perm" in p.attrs and step.op.phase == "put"),
     **{f"{op}: over a team": _team(op) for op, d in OPS.items() if d.teams},
 }
 

@@ -590,7 +590,7 @@ def _shift_puts(schedule: Schedule) -> dict[str, str]:
         for n, op in item.items():
             if op.op != "shift" or op.phase is None:
                 continue
-            key = (op.src, op.dst, _shift_offset(op), op.wrap)
+            key = (op.src, op.dst, _shift_offset(op), op.wrap, str(op.perm))
             if op.phase == "put":
                 pending.setdefault(key, []).append(n)
             elif pending.get(key):
@@ -612,7 +612,14 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
     axes = _axes(schedule, op)
     team = _team(b.rank, world, axes)
     me, size = team.index(b.rank), len(team)
-    if op.wrap:
+    if op.perm is not None:
+        # perm (the destination of each rank after unrolling, -1: none): r stores into
+        # perm[r] and waits for the rank whose destination is r; none: itself stands in
+        dests = list(op.perm)
+        target = dests[b.rank] if dests[b.rank] >= 0 else None
+        source = dests.index(b.rank) if b.rank in dests else b.rank
+        k = ("perm", tuple(dests))  # the partition: one per table
+    elif op.wrap:
         target, source = team[(me + k) % size], team[(me - k) % size]
     else:  # past an end: no peer; the rank itself stands in (no signal, no wait below)
         target = team[me + k] if 0 <= me + k < size else None
@@ -656,14 +663,23 @@ steps:
 """
 
 
-def random_shift_schedule_text(draw, st, nowrap: bool = False) -> str:
+# perms (a shift's `perm:`) valid at every W: the mirror, a rotation by 2 (every rank a
+# fixed point at W=2), the half rotation (by (W + 1) / 2 at odd W), the negation (rank 0
+# fixed), swapped pairs (partial at odd W: the last rank sends nothing and receives
+# nothing) and a line (partial: rank 0 gets none)
+FULL_PERMS = ("W - 1 - r", "(r + 2) % W", "(r + (W + W % 2) / 2) % W", "(W - r) % W")
+PARTIAL_PERMS = ("r + 1 - 2 * (r % 2)", "r + 1")
+
+
+def random_shift_schedule_text(draw, st, nowrap: bool = False, perm: bool = False) -> str:
     """A small, structurally valid random schedule of shifts (whole, or put ... wait with
     steps in between, several puts in flight whose waits come in put order or not),
     externals that read and write the shifted buffers (also while a put into them is in
     flight), gathers into another buffer, barriers and split-phase credits (signal/wait
     next/prev). A put's dst counts as written at its wait, where the language lands it.
     ``nowrap``: some shifts are `wrap: false`, whose dst does not count as written (the
-    first ranks of the line receive nothing)."""
+    first ranks of the line receive nothing). ``perm``: most shifts take a `perm:`
+    (FULL_PERMS, PARTIAL_PERMS; a partial one's dst does not count as written)."""
     slots = draw(st.integers(1, 2))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 4)) == 0 else "" for b in ("h0", "h1")}
@@ -676,16 +692,22 @@ def random_shift_schedule_text(draw, st, nowrap: bool = False) -> str:
         src = draw(st.sampled_from(["x"] + [b for b in ("h0", "h1") if b in written]))
         dst = draw(st.sampled_from([b for b in ("h0", "h1") if b != src]))
         wrap = not (nowrap and draw(st.booleans()))
+        offset = draw(st.sampled_from(["next", "prev", "1", "-1", "2", "-2", "3"]))
+        text = ""
+        if perm and draw(st.integers(0, 3)):
+            text = draw(st.sampled_from(FULL_PERMS + PARTIAL_PERMS))
+            wrap = text in FULL_PERMS  # a partial perm leaves some ranks' dst unwritten
         if kind == "shift" and wrap:
             written.append(dst)
-        offset = draw(st.sampled_from(["next", "prev", "1", "-1", "2", "-2", "3"]))
-        if not wrap:
-            offset += ", wrap: false"
+        move = f"offset: {offset}" + ("" if wrap else ", wrap: false")
+        if perm and text:
+            move = f'perm: "{text}"'
+
         if kind == "shift":
-            steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}}}")
+            steps.append(f"{{op: shift, src: {src}, dst: {dst}, {move}}}")
         elif kind == "put":
-            steps.append(f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, phase: put}}")
-            pending.append((f"{{op: shift, src: {src}, dst: {dst}, offset: {offset}, "
+            steps.append(f"{{op: shift, src: {src}, dst: {dst}, {move}, phase: put}}")
+            pending.append((f"{{op: shift, src: {src}, dst: {dst}, {move}, "
                             "phase: wait}", dst if wrap else ""))
         elif kind == "barrier":
             steps.append("{op: barrier}")

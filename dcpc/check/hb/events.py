@@ -36,7 +36,7 @@ from dcpc.diagnostics import Mark
 from dcpc.lang.mesh import MeshWorld, mesh_of, shape_of, torus
 from dcpc.lang.model import Peers, Schedule, Streams
 from dcpc.lang.semantics import AFTER, BEFORE, Effect, Region
-from dcpc.ops.common import peer_offset
+from dcpc.ops.common import peer_offset, perm_deltas, perm_table
 
 if TYPE_CHECKING:
     from dcpc.codegen.plan import Plan
@@ -139,6 +139,9 @@ def peer_deltas(peers: Peers | str, world: int, axes: tuple[int, ...] | None = N
     offsets mod W for one axis; torus translations of a mesh, dcpc.lang.mesh), or of a
     shift's one offset "+k" / "-k" (or "line+k"); never 0. Cached: match_waits asks it once per wait
     and peer (O(W^2) sets at W=1024)."""
+    found = perm_table(peers) if isinstance(peers, str) else None
+    if found is not None:  # a perm: every delta on every rank (its waits join no clock)
+        return perm_deltas(found, world)
     if isinstance(world, MeshWorld):
         if isinstance(peers, Peers):
             return torus(world.shape).deltas(peers.value, axes)

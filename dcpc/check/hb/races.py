@@ -178,8 +178,13 @@ def _first_unordered(
             # writer p's parts overlap only with writer p's: by translation, any p of
             # rank 0's team is the same (whether p's events are ordered does not
             # depend on whose instance they store into)
-            p = _writers(world, xa)[0]
-            return (touch(p, ca, ja, xa), touch(p, cb, jb, xb)) if unordered(p, p) else None
+            # (a perm's store has a writer at each of its deltas, and one in flight ends
+            # on the owner, rank 0, whose distance to the writer matters: each is tried)
+            ps = _writers(world, xa) if xa.region.scheme == "perm" else _writers(world, xa)[:1]
+            for p in ps:
+                if unordered(p, p):
+                    return touch(p, ca, ja, xa), touch(p, cb, jb, xb)
+            return None
         for p in _writers(world, xa):
             for q in _writers(world, xb):
                 if unordered(p, q):
