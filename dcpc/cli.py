@@ -21,7 +21,7 @@ import click
 from dcpc import __version__
 from dcpc.diagnostics import Diagnostic, DiagnosticError, printable
 from dcpc.lang.mesh import MeshWorld, worlds_text
-from dcpc.pipeline import DEFAULT_WORLDS, STAGE_NAMES, Options, run, run_plan
+from dcpc.pipeline import DEFAULT_WORLDS, NAMES_W, STAGE_NAMES, Options, run, run_plan
 from dcpc.worlds import one_world, parse_worlds
 
 
@@ -34,6 +34,12 @@ def _io_failure(diagnostics: list[Diagnostic]) -> bool:
 
 def _span(worlds: Sequence[int]) -> str:
     return f"W={worlds_text(worlds)}" if len(worlds) == 1 else f"W {worlds_text(worlds)}"
+
+
+def _names_w(c: Any) -> str:
+    """What makes a file one schedule per W, and where it first does."""
+    where = f" (first at line {c.per_world_line})" if c.per_world_line else ""
+    return f"{NAMES_W}{where}"
 
 
 def _world_json(world: int) -> int | str:
@@ -149,10 +155,9 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
                     click.echo(f"  a trip count, an index, an offset or an interleave names "
                                f"a mesh axis' size: each of {_span(done)} was unrolled and "
                                "checked on its own; no claim for any other shape")
-                elif c.per_world:  # a loop's trip count names W (docs/hb-checker.md, loops)
-                    click.echo(f"  a trip count, an index or an offset names W: each of "
-                               f"{_span(done)} was unrolled and checked on its own; no claim "
-                               "for any other W")
+                elif c.per_world:  # its unrolled steps name W (docs/hb-checker.md, loops)
+                    click.echo(f"  {_names_w(c)}: each of {_span(done)} was unrolled and "
+                               "checked on its own; no claim for any other W")
         if fmt == "json":
             click.echo(json.dumps({"results": results}, indent=2))
         return 2 if io_failed else 1 if failed else 0
@@ -323,9 +328,8 @@ def compile_(files: tuple[str, ...], outdir: str, worlds: list[int], dump: str |
             click.echo(f"{printable(file)} -> {printable(str(target))} "
                        f"({sum(c.seconds.values()):.2f}s)")
             if c.per_world and len(c.per_world) > 1:  # a loop names W: a class per W in it
-                click.echo(f"  a trip count, an index or an offset names W: one class per W "
-                           f"of {_span(c.per_world)}, each checked on its own; any other W "
-                           "is refused at construction")
+                click.echo(f"  {_names_w(c)}: one class per W of {_span(c.per_world)}, "
+                           "each checked on its own; any other W is refused at construction")
         return 2 if io_failed else 1 if failed else 0
 
     _guard(debug, body)

@@ -69,6 +69,7 @@ class Compilation:
     # a trip count that names W: the worlds checked one at a time (dcpc.lang.loops);
     # the other fields then hold the last W's results
     per_world: list[int] = field(default_factory=list)
+    per_world_line: int = 0  # where the file first names W (its line), with per_world
     graph: nx.DiGraph | None = None  # graph
     hb_report: HbReport | None = None  # hb
     plan: Plan | None = None  # lower
@@ -428,7 +429,7 @@ def _per_world_budget(c: Compilation, mark: Any, done: list[Compilation]) -> Non
                 else "check fewer W at a time")
     raise DiagnosticError([Diagnostic(
         Mark(str(c.path), mark.line, mark.col), "schedule-too-large",
-        f"the unrolled steps depend on W (a trip count, an index or an offset names W), "
+        f"the unrolled steps depend on W ({NAMES_W}), "
         f"so each W is analysed on its own: W {worlds_text(asked)} make {work} units of "
         f"happens-before work in all, above the limit of {MAX_HB_WORK}; {narrower}")])
 
@@ -496,6 +497,10 @@ def _per_world_errors(failed: list[DiagnosticError]) -> DiagnosticError:
     return merged
 
 
+# what makes a file one schedule per W (dcpc.lang.loops.world_dependent), in messages
+NAMES_W = "a trip count, an index, an offset, an interleave or a perm names W"
+
+
 @dataclass
 class Worlds:
     """The per-W stage's product, for a file whose unrolled steps name W (a trip count,
@@ -516,6 +521,7 @@ class Worlds:
         one = self.each[-1]
         one.seconds = seconds
         one.per_world = self.worlds
+        one.per_world_line = getattr(self.loop, "line", 0)
         one.options = options
         return one
 
@@ -556,7 +562,7 @@ def _each_world(c: Compilation, loop: Any, until: str) -> Worlds:
                     "W at a time)" if widest else "check fewer W at a time")
         raise DiagnosticError([Diagnostic(
             Mark(str(c.path), loop.line, loop.col), "schedule-too-large",
-            f"the unrolled steps depend on W (a trip count, an index or an offset names W), "
+            f"the unrolled steps depend on W ({NAMES_W}), "
             f"so each W is unrolled and analysed on its own: "
             f"W {worlds_text(worlds)} make {total} unrolled steps in all, past the "
             f"{MAX_TOTAL_STEPS} one check analyses; {narrower}")])

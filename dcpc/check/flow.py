@@ -28,6 +28,7 @@ class Access:
     root: int | None = None
     everywhere: bool = True  # False: a store some ranks' instances never get (Region.line)
     line: int | None = None  # such a store's offset: rank r gets it when r - offset is a rank
+    dests: tuple[int, ...] | None = None  # a perm's table: the ranks its store reaches
 
 
 def accesses(ctx: Context) -> list[Access]:
@@ -39,10 +40,11 @@ def accesses(ctx: Context) -> list[Access]:
         step = ctx.steps[i]
         at = step if e.lands is None else ctx.steps[e.lands]
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
-        line = e.region.offset if (e.region is not None and not e.region.covers_all
-                                   and e.region.axes is None) else None
+        scheme = e.region.scheme if e.region is not None and e.region.axes is None else None
+        line = e.region.offset if scheme == "line" else None  # type: ignore[union-attr]
+        dests = e.region.table if scheme == "perm" else None  # type: ignore[union-attr]
         out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
-                          e.region is None or e.region.covers_all, line))
+                          e.region is None or e.region.covers_all, line, dests))
     return out
 
 
@@ -85,8 +87,10 @@ def check_reads(ctx: Context) -> None:
         if acc.root is not None and acc.root in roots.get(ref.name, ()):
             continue
         writer = first_writer.get(ref.name)
-        if writer is not None and writer.step is step and writer.at is step:
-            continue  # read and written by one step: an in-place update
+        if writer is not None and writer.step is step and writer.at is step \
+                and not buffer.is_symmetric:
+            continue  # an engine buffer read and written by one step: an in-place update
+            # (a symmetric one is the module's: nothing wrote it before this call's step)
         if buffer.is_symmetric and ref.name in partial:
             reported.add(ref.name)
             w = partial[ref.name].step
@@ -138,12 +142,16 @@ def _check_per_rank(ctx: Context, found: list[Access]) -> None:
                             acc.root is not None and ctx.schedule.mesh is None
                             and acc.root == rank) or (
                             acc.line is not None and ctx.schedule.mesh is None
-                            and 0 <= rank - acc.line < int(world)):
+                            and 0 <= rank - acc.line < int(world)) or (
+                            acc.dests is not None and len(acc.dests) == int(world)
+                            and rank in acc.dests):
                         written.add(name)
                     continue
-                if name in written or any(a.step is acc.step and a.mode == "w"
-                                          and a.ref.name == name for a in found):
-                    continue  # written before here, or updated in place by this step
+                buffer = ctx.buffer(name)
+                if name in written or (buffer is not None and not buffer.is_symmetric and any(
+                        a.step is acc.step and a.mode == "w" and a.ref.name == name
+                        for a in found)):
+                    continue  # written before here, or an engine buffer updated in place
                 reported.add(name)
                 earlier = [a for a in found if a.mode == "w" and a.ref.name == name
                            and a.step.index < acc.step.index]
@@ -188,10 +196,14 @@ def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int
                   f"until its wait '{writer.at.name}', after '{step.name}'",
                   hint=f"move step '{step.name}' after '{writer.at.name}'")
         return
+    in_place = writer is not None and writer.step is step
     ctx.error(read.ref.mark, "read-before-write",
               f"step '{step.name}' reads symmetric buffer '{name}', but no "
-              "earlier step of the call writes it",
-              hint=f"move step '{writer.at.name}' before '{step.name}'" if writer
+              "earlier step of the call writes it"
+              + (" (it updates it in place: the module's buffer holds nothing this call "
+                 "wrote)" if in_place else ""),
+              hint=f"move step '{writer.at.name}' before '{step.name}'"
+              if writer and not in_place
               else "write it in an earlier step, or make it engine-owned "
               "(drop 'symmetric: true') so the engine passes it in")
 

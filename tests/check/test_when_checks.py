@@ -250,3 +250,33 @@ def test_a_pipeline_stage_consumes_only_where_it_received(when: str, refused: bo
         if not refused:
             assert {f.key for f in hb.check(schedule, [world], hints=False).findings} \
                 == oracle_keys(schedule, world) == set()
+
+
+# ---- found by the review of this change ------------------------------------------------
+@pytest.mark.parametrize(("steps", "rank", "world"), [
+    # a partial perm's store counted on every rank once a guarded step read its dst:
+    # proved, and dcpc run's float64 reference then read a buffer nothing wrote
+    ('  - hand: {op: shift, src: x, dst: s, perm: "r + 1"}\n'
+     '  - use: {op: external, when: "rank < W - 1", reads: [s], writes: [y]}\n', 0, 2),
+    ('  - swap: {op: shift, src: x, dst: s, perm: "r + 1 - 2 * (r % 2)"}\n'
+     '  - use: {op: external, when: "rank >= 0", reads: [s], writes: [y]}\n', 2, 3),
+    # a symmetric buffer updated in place on a rank its writer's guard skips
+    ('  - init: {op: external, when: "rank == 0", reads: [x], writes: [s]}\n'
+     '  - merge: {op: external, when: "rank < W", reads: [s, x], writes: [s]}\n', 1, 2),
+])
+def test_a_read_no_store_reaches_on_some_rank_is_refused(steps: str, rank: int,
+                                                          world: int) -> None:
+    schedule = parse_text(HEAD + steps, world=world)  # a perm: one schedule per W
+    (err,) = [d for d in structural.check(schedule, [world]) if d.severity == "error"]
+    assert err.code == "read-before-write"
+    assert f"on rank {rank} at W={world}" in err.message, err.message
+    assert oracle_unwritten(schedule, world), "the brute force agrees"
+
+
+def test_a_symmetric_buffer_updated_in_place_first_is_read_before_write() -> None:
+    """The module's symmetric buffer holds nothing this call wrote when a step's in-place
+    update is its first access (an engine buffer so updated is an input: clean)."""
+    (err,) = _flow('  - merge: {op: external, reads: [s, x], writes: [s]}\n'
+                   '  - use: {op: external, reads: [s], writes: [y]}\n')
+    assert err.code == "read-before-write" and "updates it in place" in err.message
+    assert _flow('  - merge: {op: external, reads: [y, x], writes: [y]}\n') == []

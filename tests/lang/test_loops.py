@@ -316,8 +316,8 @@ def test_the_cli_names_exactly_the_worlds_a_per_w_file_was_checked_for(asked: st
     head, claim = got.output.splitlines()[:2]
     span = head.split(": ok (W", 1)[1].split(",  ")[0].split(", ")[0].lstrip("= ")
     assert parse_worlds(span) == parse_worlds(asked), got.output
-    assert claim.strip().startswith(
-        "a trip count, an index or an offset names W: each of W"), claim
+    assert claim.strip().startswith("a trip count, an index, an offset, an interleave or a "
+                                    "perm names W (first at line 50): each of W"), claim
     said = claim.split("each of W", 1)[1].split(" was unrolled")[0].lstrip("= ")
     assert parse_worlds(said) == parse_worlds(asked), claim
     assert "no claim for any other W" in claim

@@ -403,7 +403,8 @@ def oracle_keys(schedule: Schedule, world: int, calls: int | None = None) -> set
 
 def oracle_unwritten(schedule: Schedule, world: int) -> set[Key]:
     """Reads of a symmetric instance that no write of the same call reaches earlier in
-    the data flow (or in the reading step itself: an in-place update), on any rank: one
+    the data flow, on any rank (a step's in-place update of one, its write in the same
+    phase as its read, does not count: the module's buffer held nothing of the call): one
     key per buffer, at its first such read. The data flow's place of a write is its
     step (a shift's store: the wait that lands it), before the signal or after the wait."""
     graph = build(schedule, world, 1)
@@ -420,7 +421,7 @@ def oracle_unwritten(schedule: Schedule, world: int) -> set[Key]:
     first: dict[str, tuple] = {}
     for place, d in sorted(reads, key=lambda item: item[0]):
         done = writes.get((d["buffer"], d["owner"]), [])
-        if any(w < place or w[0] == place[0] for w in done):
+        if any(w < place for w in done):
             continue
         first.setdefault(d["buffer"], ("read-before-write", "", d["buffer"], d["step"], ""))
     return set(first.values())
