@@ -23,7 +23,9 @@ What one process needs that W processes do not (measured on one H200, docs/engin
   while a peer's kernel spins hung. Run every call once inside ``compile_only()``
   (compiles and loads every kernel, launches nothing), then ``rank.barrier()``; set
   ``CUDA_MODULE_LOADING=EAGER`` before CUDA starts (``LocalGroup`` does it when it can);
-  allocate nothing while kernels may spin.
+  allocate nothing while kernels may spin. The warm-up also grows the context's local
+  memory to what every loaded kernel needs: the driver grows it at a kernel's first
+  launch only with the device idle, which a spinning peer never lets happen.
 - CUDA graphs: ``with rank.capture(graph):`` captures one rank after another (capture
   synchronises the device on entry); replays then run concurrently.
 - CPU (``TRITON_INTERPRET=1``): Triton 3.6's interpreter patches ``triton.language``
@@ -136,6 +138,7 @@ def _install_compile_only() -> None:
                 init()
                 with _record_lock:
                     _record(kernel)
+                    _reserve_local_memory(kernel)
             return kernel
 
         run._dcpc_local = True  # type: ignore[attr-defined]
@@ -149,7 +152,57 @@ def _record(kernel: Any) -> None:
         return
     _loaded[f"{kernel.name}:{str(getattr(kernel, 'hash', ''))[:8]}"] = {
         "regs": int(regs), "spills": int(getattr(kernel, "n_spills", 0)),
-        "shared": int(getattr(meta, "shared", 0)), "num_warps": int(meta.num_warps)}
+        "shared": int(getattr(meta, "shared", 0)), "num_warps": int(meta.num_warps),
+        "local_bytes": local_bytes(kernel)}
+
+
+_CU_LIMIT_STACK_SIZE = 0  # CUlimit: per-thread local memory the context keeps
+_CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3  # CUfunction_attribute
+
+
+def _cuda_driver() -> Any:
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def local_bytes(kernel: Any) -> int:
+    """Per-thread local memory (spills, stack frame) of a loaded kernel; 0 off CUDA."""
+    import ctypes
+
+    handle = getattr(kernel, "function", None)
+    if not handle or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    value = ctypes.c_int(0)
+    if _cuda_driver().cuFuncGetAttribute(ctypes.byref(value),
+                                         _CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                                         ctypes.c_void_p(handle)) != 0:
+        return 0
+    return value.value
+
+
+def _reserve_local_memory(kernel: Any) -> None:
+    """Grow the context's per-thread local memory to what ``kernel`` needs, now (in
+    warm-up, nothing spins). Otherwise its first launch grows it, and the driver does
+    that only with the device idle: queued behind a rank's spinning kernel while the
+    peers that would release it cannot launch (one context), that was the all_reduce
+    ``reduce: lse`` hang at W = 4 and 8 (its merge spills: 2.7 KB per thread at W=4,
+    6 KB at W=8, past the default 1 KB; benchmarks/diag/all_reduce_lse_hang)."""
+    import ctypes
+
+    need = local_bytes(kernel)
+    if need <= 0:
+        return
+    cuda = _cuda_driver()
+    have = ctypes.c_size_t(0)
+    if cuda.cuCtxGetLimit(ctypes.byref(have), _CU_LIMIT_STACK_SIZE) != 0:
+        return
+    if need > have.value:
+        code = cuda.cuCtxSetLimit(_CU_LIMIT_STACK_SIZE, ctypes.c_size_t(-(-need // 16) * 16))
+        if code != 0:
+            raise RuntimeError(f"cuCtxSetLimit(stack size, {need}) failed: CUresult {code} "
+                               f"(kernel {getattr(kernel, 'name', '?')} needs {need} bytes "
+                               "of local memory per thread)")
 
 
 @contextlib.contextmanager
