@@ -220,15 +220,25 @@ def main(argv: list[str] | None = None) -> int:
                      if bad else ""), flush=True)
             return got
 
+        name = f"gpu_conformance_{commit}"
+
+        def save() -> float:
+            """The records so far (after every case: a device call cut short keeps them)."""
+            wall = time.monotonic() - start
+            for suffix, text in (("json", json.dumps(
+                    {"commit": commit, "device": device, "date": time.strftime("%Y-%m-%d"),
+                     "wall_s": round(wall, 1), "repeat": a.repeat, "calls": a.calls,
+                     "records": records}, indent=1)),
+                    ("md", table(records, commit, device, wall))):
+                part = out / f"{name}.{suffix}.part"
+                part.write_text(text)
+                part.replace(out / f"{name}.{suffix}")
+            return wall
+
         for got in pool.map(one, todo):
             records.extend(got)
-    wall = time.monotonic() - start
-    name = f"gpu_conformance_{commit}"
-    (out / f"{name}.json").write_text(json.dumps(
-        {"commit": commit, "device": device, "date": time.strftime("%Y-%m-%d"),
-         "wall_s": round(wall, 1), "repeat": a.repeat, "calls": a.calls,
-         "records": records}, indent=1))
-    (out / f"{name}.md").write_text(table(records, commit, device, wall))
+            save()
+    wall = save()
     clean = all(r["ok"] for r in records)
     print(f"gpu_conformance: {sum(r['ok'] for r in records)}/{len(records)} clean in "
           f"{wall:.0f} s -> {out / name}.md", flush=True)
