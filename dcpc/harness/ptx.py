@@ -44,6 +44,7 @@ _ACQUIRE = re.compile(r"\b(atom|ld)\.[\w.]*\bacquire\b[\w.]*")
 _STORE = re.compile(r"\bst\.global\b")
 _LOAD = re.compile(r"\bld\.global\b")
 _BARRIER = re.compile(r"\b(bar|barrier)\.(sync|red|cta\.sync)\b|\bbar\.sync\b")
+_RANK_BRANCH = re.compile(r"\bRANK\s*==|==\s*RANK\b")  # a kernel with a rank's own branch
 _DIVISION = re.compile(r"\bdiv\.(full|approx)\.f32\b|\brcp\.approx\.f32\b")
 
 
@@ -98,12 +99,27 @@ def _encode(value: Any) -> tuple:
     return ("value", value)
 
 
+def _source(fn: Any) -> str:
+    """A kernel's Python source (a JITFunction's ``src``; the interpreter's wraps ``fn``)."""
+    import inspect
+
+    src = getattr(fn, "src", None)
+    if src:
+        return str(src)
+    try:
+        return inspect.getsource(getattr(fn, "fn", fn))
+    except (OSError, TypeError):
+        return ""
+
+
 def capture_rank0(process: int, processes: int, *, runs: list[dict[str, Any]]
                   ) -> list[list[tuple]]:
     """For each run (schedule_path, module_path, world, calls, programs, mesh): run the
     module on CPU (ranks as threads) and return rank 0's launches: (kernel, args,
-    constexprs) with arguments as Triton specialises on them (``_encode``). Rank 0's
-    variants only: another rank's differ in its RANK constants alone."""
+    constexprs) with arguments as Triton specialises on them (``_encode``). Another rank's
+    variants differ in its RANK constants alone, which matters where a kernel branches on
+    its rank (``RANK == ROOT``, ``RANK == WORLD - 1``: rank 0 never compiles the other
+    side): of those kernels the last rank's launches too."""
     import threading
 
     from dcpc.harness import worker
@@ -112,12 +128,13 @@ def capture_rank0(process: int, processes: int, *, runs: list[dict[str, Any]]
 
     del process, processes
     seen: dict[tuple, None] = {}
+    last = [0]  # the run's last rank
     lock = threading.Lock()
     original = fastlaunch.FastKernel.launch
 
     def launch(self: Any, grid: tuple, args: tuple, kwargs: dict[str, Any]) -> Any:
         rank = kwargs.get("GRANK", kwargs.get("RANK", 0))
-        if rank == 0:
+        if rank == 0 or (rank == last[0] and _RANK_BRANCH.search(_source(self.fn))):
             key = (self.__name__, tuple(_encode(a) for a in args),
                    tuple((k, _encode(v)) for k, v in kwargs.items()))
             with lock:
@@ -130,6 +147,7 @@ def capture_rank0(process: int, processes: int, *, runs: list[dict[str, Any]]
         for run in runs:
             seen.clear()
             world = run["world"]
+            last[0] = world - 1
             group = LocalGroup(world, "cpu")
             group.run(lambda rank, run=run, world=world: worker.run_rank(
                 rank.rank, world, group=rank, schedule_path=run["schedule_path"],
