@@ -61,7 +61,7 @@ def check_reads(ctx: Context) -> None:
     written = {a.ref.name for a in found if a.mode == "w"}  # what no step writes: an input
     exact = {a.ref.name for a in found if a.step.index in guarded} & written
     if exact:
-        _check_per_rank(ctx, [a for a in found if a.ref.name in exact])
+        _check_per_rank(ctx, [a for a in found if a.ref.name in exact], found)
         found = [a for a in found if a.ref.name not in exact]
     first_writer: dict[str, Access] = {}
     for acc in found:
@@ -116,11 +116,13 @@ def check_reads(ctx: Context) -> None:
                       hint=f"move step '{step.name}' after '{writer.at.name}'")
 
 
-def _check_per_rank(ctx: Context, found: list[Access]) -> None:
+def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> None:
     """The reads of buffers that guarded steps write, rank by rank at every W checked: a
     read on rank r needs an earlier write on rank r by a step that runs there (a guarded
-    one whose condition holds at r, or a store every rank gets)."""
+    one whose condition holds at r, or a store every rank gets). ``every``: all the
+    call's accesses (a push's source is read only where its store goes anywhere)."""
     reported: set[str] = set()
+    silent = {int(w): _silent_pushes(ctx, every, int(w)) for w in ctx.samples.worlds}
     for world in ctx.samples.worlds:
         running = wh.running(ctx.schedule, world)
 
@@ -147,6 +149,8 @@ def _check_per_rank(ctx: Context, found: list[Access]) -> None:
                             and rank in acc.dests):
                         written.add(name)
                     continue
+                if acc.step.index in silent[int(world)].get(rank, ()):
+                    continue  # its push reads its source where it sends: not on this rank
                 buffer = ctx.buffer(name)
                 if name in written or (buffer is not None and not buffer.is_symmetric and any(
                         a.step is acc.step and a.mode == "w" and a.ref.name == name
@@ -169,6 +173,22 @@ def _check_per_rank(ctx: Context, found: list[Access]) -> None:
                           f"{world}, where nothing the call ran before wrote it{why}",
                           hint=f"guard '{acc.step.name}' by the condition of the step that "
                           f"writes '{name}', or write '{name}' on every rank that reads it")
+
+
+def _silent_pushes(ctx: Context, found: list[Access], world: int) -> dict[int, set[int]]:
+    """rank -> the indices of the steps whose store from that rank reaches no rank (a perm's -1, a
+    shift without wrap past the end of the line): such a rank makes no push, so it
+    reads none of the step's sources (the brute force and the template agree)."""
+    out: dict[int, set[int]] = {}
+    for acc in found:
+        if acc.mode != "w" or acc.root is not None:
+            continue
+        for rank in range(world):
+            if (acc.dests is not None and len(acc.dests) == world and acc.dests[rank] < 0) \
+                    or (acc.line is not None and ctx.schedule.mesh is None
+                        and not 0 <= rank + acc.line < world):
+                out.setdefault(rank, set()).add(acc.step.index)
+    return out
 
 
 def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int]) -> None:

@@ -280,3 +280,28 @@ def test_a_symmetric_buffer_updated_in_place_first_is_read_before_write() -> Non
                    '  - use: {op: external, reads: [s], writes: [y]}\n')
     assert err.code == "read-before-write" and "updates it in place" in err.message
     assert _flow('  - merge: {op: external, reads: [y, x], writes: [y]}\n') == []
+
+
+@pytest.mark.parametrize(("move", "guard", "refused"), [
+    ('perm: "r + 1"', "rank < W - 1", False),
+    ("offset: 1, wrap: false", "rank < W - 1", False),
+    ('perm: "r + 1"', "rank < W - 2", True),  # rank W - 2 sends what it did not make
+    ("offset: 1, wrap: false", "rank < W - 2", True),
+])
+def test_a_push_reads_its_source_only_on_the_ranks_that_send(move: str, guard: str,
+                                                           refused: bool) -> None:
+    """A partial perm's (or a line's) source is read by the ranks whose store goes
+    somewhere: the last rank sends nothing, so its unwritten src is no error there (it
+    was refused at every W); the checker and the brute force agree rank by rank."""
+    head = HEAD.replace("steps:\n", "  t: {shape: [N, D], dtype: f32, symmetric: true}\n"
+                        "steps:\n")
+    steps = (f'  - make: {{op: external, when: "{guard}", reads: [x], writes: [s]}}\n'
+             f"  - send: {{op: shift, src: s, dst: t, {move}}}\n"
+             '  - done: {op: barrier}\n')
+    for world in (2, 3, 4):
+        schedule = parse_text(head + steps, world=world)
+        found = [d for d in structural.check(schedule, [world]) if d.severity == "error"]
+        assert [d.code for d in found] == ["read-before-write"] * refused, (world, found)
+        if refused:
+            assert f"'send' reads 's' on rank {world - 2} at W={world}" in found[0].message
+        assert bool(oracle_unwritten(schedule, world)) is refused, (world, "brute force")
