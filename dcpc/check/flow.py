@@ -137,16 +137,7 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                 if name in reported or not runs(acc.step, rank):
                     continue
                 if acc.mode == "w":
-                    # a root's store counts on the root (without a mesh: team = group);
-                    # a shift's without wrap on the ranks with a source (over one whole
-                    # axis of W); any other partial store on none: sound
-                    if (acc.root is None and acc.everywhere) or (
-                            acc.root is not None and ctx.schedule.mesh is None
-                            and acc.root == rank) or (
-                            acc.line is not None and ctx.schedule.mesh is None
-                            and 0 <= rank - acc.line < int(world)) or (
-                            acc.dests is not None and len(acc.dests) == int(world)
-                            and rank in acc.dests):
+                    if _reaches(ctx, acc, rank, int(world)):
                         written.add(name)
                     continue
                 if acc.step.index in silent[int(world)].get(rank, ()):
@@ -160,25 +151,58 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                 earlier = [a for a in found if a.mode == "w" and a.ref.name == name
                            and a.step.index < acc.step.index]
                 skipped = [a.step.name for a in earlier if not runs(a.step, rank)]
-                missed = [a.step.name for a in earlier if runs(a.step, rank)]
+                made = [a for a in earlier if runs(a.step, rank)]
+                # a store that would reach this rank but lands at a wait after the read
+                flight = [a for a in made if _reaches(ctx, a, rank, int(world))
+                          and a.at.index > acc.step.index]
+                missed = [a for a in made if a not in flight]
                 why = "; ".join(
                     ([f"the earlier steps that write it do not run there (their when: does "
                       f"not hold): {', '.join(skipped)}"] if skipped else []) +
-                    ([f"the stores of {', '.join(missed)} do not reach it there (a shift "
-                      "without wrap: no source on that side of the line; a root's "
-                      "store)"] if missed else []))
+                    [f"the data of '{a.step.name}' is in flight until its wait "
+                     f"'{a.at.name}', after '{acc.step.name}'" for a in flight] +
+                    ([f"the stores of {', '.join(a.step.name for a in missed)} do not reach "
+                      f"it there ({'; '.join(dict.fromkeys(_why_not(a, rank) for a in missed))}"
+                      ")"] if missed else []))
                 why = "; " + (why or "no earlier step writes it")
+                hint = (f"move step '{acc.step.name}' after '{flight[0].at.name}'" if flight
+                        and not skipped and not missed else
+                        f"guard '{acc.step.name}' by the condition of the step that "
+                        f"writes '{name}', or write '{name}' on every rank that reads it")
                 ctx.error(acc.ref.mark, "read-before-write",
                           f"step '{acc.step.name}' reads '{name}' on rank {rank} at W="
                           f"{world}, where nothing the call ran before wrote it{why}",
-                          hint=f"guard '{acc.step.name}' by the condition of the step that "
-                          f"writes '{name}', or write '{name}' on every rank that reads it")
+                          hint=hint)
+
+
+def _reaches(ctx: Context, store: Access, rank: int, world: int) -> bool:
+    """Whether ``store`` writes ``rank``'s instance in the per-rank data flow: a root's
+    on the root (without a mesh: team = group); a shift's without wrap on the ranks with
+    a source (over one whole axis of W); a perm's on its destinations; any other
+    partial store on none (sound)."""
+    return (store.root is None and store.everywhere) or (
+        store.root is not None and ctx.schedule.mesh is None and store.root == rank) or (
+        store.line is not None and ctx.schedule.mesh is None
+        and 0 <= rank - store.line < world) or (
+        store.dests is not None and len(store.dests) == world and rank in store.dests)
+
+
+def _why_not(store: Access, rank: int) -> str:
+    """Why ``store`` (one that runs on ``rank``) does not write ``rank``'s instance."""
+    if store.dests is not None:
+        return f"a perm in which rank {rank} is no destination"
+    if store.line is not None:
+        return "a shift without wrap: no source on that side of the line"
+    if store.root is not None:
+        return f"a root's store (root {store.root})"
+    return "a store that does not reach every rank"
 
 
 def _silent_pushes(ctx: Context, found: list[Access], world: int) -> dict[int, set[int]]:
-    """rank -> the indices of the steps whose store from that rank reaches no rank (a perm's -1, a
-    shift without wrap past the end of the line): such a rank makes no push, so it
-    reads none of the step's sources (the brute force and the template agree)."""
+    """rank -> the indices of the steps whose store from that rank reaches no rank (a
+    perm's -1, a shift without wrap past the end of the line): such a rank makes no
+    push, so it reads none of the step's sources (the brute force and the template
+    agree)."""
     out: dict[int, set[int]] = {}
     for acc in found:
         if acc.mode != "w" or acc.root is not None:

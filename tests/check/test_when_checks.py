@@ -305,3 +305,30 @@ def test_a_push_reads_its_source_only_on_the_ranks_that_send(move: str, guard: s
         if refused:
             assert f"'send' reads 's' on rank {world - 2} at W={world}" in found[0].message
         assert bool(oracle_unwritten(schedule, world)) is refused, (world, "brute force")
+
+
+@pytest.mark.parametrize("move", ['perm: "W - 1 - r"', "offset: 1"])
+def test_a_guarded_read_of_a_store_in_flight_names_its_wait(move: str) -> None:
+    """A guarded read between a put and its wait: the reason is the data in flight
+    (it said 'the stores of put do not reach it there (a shift without wrap...)')."""
+    steps = (f"  - put: {{op: shift, src: x, dst: s, {move}, phase: put}}\n"
+             '  - use: {op: external, when: "rank == 0", reads: [s], writes: [y]}\n'
+             f"  - land: {{op: shift, src: x, dst: s, {move}, phase: wait}}\n"
+             "  - done: {op: barrier}\n")
+    schedule = parse_text(HEAD + steps, world=3)
+    (err,) = [d for d in structural.check(schedule, [3]) if d.severity == "error"]
+    assert err.code == "read-before-write"
+    assert err.message.endswith("on rank 0 at W=3, where nothing the call ran before wrote "
+                                "it; the data of 'put' is in flight until its wait 'land', "
+                                "after 'use'"), err.message
+    assert err.hint == "move step 'use' after 'land'"
+    assert oracle_unwritten(schedule, 3), "the brute force agrees"
+
+
+def test_a_perm_that_skips_the_reading_rank_says_so() -> None:
+    schedule = parse_text(HEAD + '  - swap: {op: shift, src: x, dst: s, perm: '
+                          '"r + 1 - 2 * (r % 2)"}\n  - use: {op: external, when: '
+                          '"rank >= 0", reads: [s], writes: [y]}\n', world=3)
+    (err,) = [d for d in structural.check(schedule, [3]) if d.severity == "error"]
+    assert err.message.endswith("the stores of swap do not reach it there (a perm in which "
+                                "rank 2 is no destination)"), err.message
