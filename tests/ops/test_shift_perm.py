@@ -298,3 +298,24 @@ def test_a_perm_race_names_the_real_writer_where_it_races() -> None:
     report = hb.check(parse_text(text, world=3), [3], hints=False)
     war = next(f for f in report.findings if f.cls == "write-after-read")
     assert "a perm's store from rank 2" in war.message, war.message
+
+
+def test_a_race_only_a_phantom_writer_of_rank_0_makes_is_shown_at_a_real_one() -> None:
+    """At W=3 the swap's table is [1, 0, -1]: rank 0's real writer (rank 1) waits for
+    rank 0's credit, but rank 0's store into rank 1 waits for rank 2's. The race found
+    on rank 0's instance comes from the phantom writer (rank 2 at delta +1, which sends
+    nothing at W=3: it was named); it is shown rotated, rank 0 writing rank 1's y."""
+    text = HEAD + ('  - swap: {op: shift, src: x, dst: y, perm: "r + 1 - 2 * (r % 2)"}\n'
+                   '  - use: {op: external, when: "rank < 2", reads: [y], writes: [z]}\n'
+                   "  - credit: {op: signal, to: next, channel: free}\n"
+                   "  - freed: {op: wait, from: prev, channel: free}\n")
+    found, exact = _agree(text, 3)
+    assert ("race", "write-after-read", "y", "use", "swap") in exact & found
+    table = [1, 0, -1]
+    report = hb.check(parse_text(text, world=3), [3], hints=False)
+    assert report.findings
+    for f in report.findings:
+        for loc in (f.first, f.second):
+            if loc.step == "swap" and loc.access == "write":
+                assert table[loc.rank] == loc.owner, f.message
+                assert f"a perm's store from rank {loc.rank}" in f.message

@@ -96,18 +96,22 @@ def check(
 
 
 def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
-    """The race rotated to ranks where both its steps run (``when:``, dcpc.lang.when),
-    so that its counterexample happens as written and ``dcpc run --replay`` can show it.
-    The analysis takes a guarded step's accesses on every rank (sound: guards are on
-    local steps only, so happens-before is the same whichever ranks skip), and every
-    rotation of a race of that model is one; a race no rotation fits is kept as found
-    (another pair of the same groups may fit). None: a step of it runs on no rank at this
-    W, so no execution makes it. Rotated without a mesh only (a mesh's symmetry is its
-    torus, not a rotation of rank numbers)."""
+    """The race rotated to ranks where both its steps run (``when:``, dcpc.lang.when)
+    and where a perm's store is one the table makes (a writer p into table[p]'s
+    instance: the analysis takes every rank's store at every delta of the table, so the
+    race it finds may name a writer with no store there), so that its counterexample
+    happens as written and ``dcpc run --replay`` can show it. The analysis takes a
+    guarded step's accesses on every rank (sound: guards are on local steps only, so
+    happens-before is the same whichever ranks skip), and every rotation of a race of
+    that model is one; a race no rotation fits is kept as found (another pair of the
+    same groups may fit). None: a step of it runs on no rank at this W, so no execution
+    makes it. Rotated without a mesh only (a mesh's symmetry is its torus, not a
+    rotation of rank numbers; a perm takes no axis)."""
     a, b = race.first, race.second
     steps = schedule.step_list()
     step_a, step_b = (steps[world.program.events[t.j].step] for t in (a, b))
-    if wh.condition(step_a) is None and wh.condition(step_b) is None:
+    perm = any(_perm_table(t) for t in (a, b))
+    if wh.condition(step_a) is None and wh.condition(step_b) is None and not perm:
         return race
     n = int(world.world)
     running = wh.running(schedule, world.world)
@@ -117,10 +121,24 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
         return None
     if schedule.mesh is not None:
         return race
+
+    def made(t: Touch, d: int) -> bool:  # the store of t rotated by d is the table's
+        table = _perm_table(t)
+        return not table or len(table) != n or table[(t.rank + d) % n] == (t.owner + d) % n
+
     for d in range(n):
-        if (a.rank + d) % n in on_a and (b.rank + d) % n in on_b:
+        if (a.rank + d) % n in on_a and (b.rank + d) % n in on_b and made(a, d) \
+                and made(b, d):
             return replace(race, first=_rotated(a, d, n), second=_rotated(b, d, n))
     return race
+
+
+def _perm_table(t: Touch) -> tuple[int, ...]:
+    """The destination table of a perm's store (a shift's ``perm:``), else ()."""
+    region = t.access.region
+    if t.access.kind != "write" or region is None or region.scheme != "perm":
+        return ()
+    return tuple(region.table)
 
 
 def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
