@@ -170,6 +170,32 @@ def _split(value: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
     return list(torch.chunk(value, world, dim=dim))
 
 
+class UnwrittenRead(ValueError):
+    """The float64 reference of a step read a buffer that nothing of the call wrote on
+    that rank and that is no input: a schedule the checker should have refused
+    (read-before-write), named by step, buffer and rank instead of a bare KeyError."""
+
+    def __init__(self, buffer: str, rank: int, step: str = ""):
+        self.buffer, self.rank, self.step = buffer, rank, step
+        at = f"step '{step}' " if step else ""
+        super().__init__(
+            f"the float64 reference of {at}reads '{buffer}' on rank {rank}, where no "
+            "earlier step of the call wrote it and it is no input (a read-before-write "
+            "the checker missed: please report it with the schedule)")
+
+
+class _RankBuffers(dict):
+    """One rank's buffers in the simulator: a read of one nothing wrote is an
+    ``UnwrittenRead`` naming the buffer and the rank (``simulate_call`` adds the step)."""
+
+    def __init__(self, items: Mapping[str, torch.Tensor], rank: int):
+        super().__init__(items)
+        self.rank = rank
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        raise UnwrittenRead(name, self.rank)
+
+
 class _Unsent(dict):
     """A skipped rank's buffers (``Sim.guarded``): what it holds reads as never written."""
 
@@ -188,7 +214,7 @@ class Sim:
     def __init__(self, schedule: m.Schedule, world: int, env: Mapping[str, int],
                  inputs: list[Buffers], external: External):
         self.schedule, self.world, self.env, self.external = schedule, world, env, external
-        self.bufs = [dict(rank_inputs) for rank_inputs in inputs]
+        self.bufs = [_RankBuffers(rank_inputs, r) for r, rank_inputs in enumerate(inputs)]
         self.written: list[Buffers] = [{} for _ in range(world)]
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
 
@@ -304,8 +330,11 @@ def simulate_call(
         ranks = running.get(step.index)
         skipped = set() if ranks is None else set(range(int(world))) - ranks
         view = sim.guarded(skipped) if skipped else sim
-        for team in _teams(schedule, world, step):
-            op.reference(view if team is None else view.team(team), step)
+        try:
+            for team in _teams(schedule, world, step):
+                op.reference(view if team is None else view.team(team), step)
+        except UnwrittenRead as err:
+            raise UnwrittenRead(err.buffer, err.rank, step.name) from None
     if trace is not None:
         trace.append(sim.written)
     return sim.bufs
