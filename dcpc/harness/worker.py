@@ -95,12 +95,12 @@ def method_arguments(cls: type, step: str) -> list[str]:
     return [p.name for p in params if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
 
 
-def returned_names(op: Any) -> list[str]:
-    """What a method returns, in order: its dst buffers, then return_lse (never via)."""
-    _, writes = synth.op_io(op)
-    via = getattr(op, "via", None) or []
-    via = via if isinstance(via, list) else [via]
-    return [w for w in writes if w not in via]
+def returned_names(schedule: m.Schedule, world: int) -> dict[str, list[str]]:
+    """What each step's method returns, in order: the plan's ``StepPlan.returns`` (the
+    op's lowering says it once; lowering again here is milliseconds)."""
+    from dcpc.codegen.lower import lower  # the compiler's: only a rank's run needs it
+
+    return {s.name: list(s.returns) for s in lower(schedule, [world]).steps}
 
 
 def compare(
@@ -316,10 +316,10 @@ def run_rank(
                  backend=backend, **kwargs)
     jitter = adversary.Jitter(seed, rank, jitter_s, jitter_p)
     report = RankReport(rank, calls)
+    returns = returned_names(schedule, world)
     for step in steps:
-        if not isinstance(step.op, External):
-            for name in returned_names(step.op):
-                report.outputs.setdefault(name, OutputStats())
+        for name in returns[step.name]:
+            report.outputs.setdefault(name, OutputStats())
     returned = set(report.outputs)
     ragged = synth.unsent_outputs(steps)
 
@@ -399,7 +399,7 @@ def run_rank(
                 module.check_errors()
             values = [] if result is None else list(result) if isinstance(
                 result, (tuple, list)) else [result]
-            names = returned_names(step.op)
+            names = returns[step.name]
             if len(values) != len(names):
                 raise TypeError(f"{step.name}() returned {len(values)} tensors, want {names}")
             kind = kinds.of_step(step.index)
