@@ -33,6 +33,9 @@ Buffers = dict[str, torch.Tensor]  # one rank's buffers, float64 (or int64)
 # poison's value (0xFF bytes, dcpc.runtime.heap.poison_), which no drawn integer payload
 # takes (dcpc.harness.synth.payload_ints), as NaN marks them in a float buffer
 UNSENT_INT = -1
+# a trace entry's key for the elements of buffer NAME that its write left unsent: NAME + this
+# ('@' is no name's character, as the stash's '@inflight')
+UNSENT_KEY = "@unsent"
 External = Callable[[m.Step, int, Buffers], Buffers]  # (step, rank, bufs) -> writes
 
 
@@ -246,13 +249,21 @@ class Sim:
         sub.rounding = self.rounding
         return sub
 
-    def store(self, rank: int, name: str, value: torch.Tensor) -> None:
-        """Write ``name`` on ``rank``, rounded to its dtype as the module stores it."""
+    def store(self, rank: int, name: str, value: torch.Tensor, *,
+              unsent: torch.Tensor | None = None) -> None:
+        """Write ``name`` on ``rank``, rounded to its dtype as the module stores it.
+        ``unsent``: the elements no rank sent (an op's ``Unsent`` output: ``value``
+        holds ``unsent(name)`` there), kept beside the value in the trace (``unsent_at``)
+        so that ``dcpc run`` skips exactly those, and compares a NaN a rank did send."""
         want = self.shape(name)
         if tuple(value.shape) != want:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
         self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding)
         self.written[rank][name] = self.bufs[rank][name]
+        if unsent is not None:
+            self.written[rank][name + UNSENT_KEY] = unsent
+        else:
+            self.written[rank].pop(name + UNSENT_KEY, None)
 
     def unsent(self, name: str) -> torch.Tensor:
         """A value of ``name``'s shape that says "never written": NaN (float64) for a
@@ -338,6 +349,16 @@ def simulate_call(
     if trace is not None:
         trace.append(sim.written)
     return sim.bufs
+
+
+def unsent_at(trace: list[list[Buffers]], step: int, rank: int, name: str
+              ) -> torch.Tensor | None:
+    """The elements of what ``seen_at`` gives (the same write) that no rank sent, or
+    None where that write sent every element."""
+    for entry in reversed(trace[:step]):
+        if name in entry[rank]:
+            return entry[rank].get(name + UNSENT_KEY)
+    return None
 
 
 def seen_at(trace: list[list[Buffers]], step: int, rank: int, name: str) -> torch.Tensor | None:
