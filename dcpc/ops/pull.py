@@ -269,5 +269,12 @@ def torch_body(comm: TorchComm, src: torch.Tensor, dst: torch.Tensor, stage: tor
         out[:, p * part : p * part + length].copy_(every[p, :, :length])
 
 
+def calls_torch(step: Any) -> bool:
+    """A split form's plan calls ``torch_body`` (its parts); a stack, the runtime's
+    all_gather."""
+    return bool(step.attrs.get("form"))
+
+
 DEF = define(OpDef("pull", Pull, semantics, verify, reference, io, lower, teams=True,
-                   exact=True, computes=lambda op: not moves(op), torch=torch_body))
+                   exact=True, computes=lambda op: not moves(op), torch=torch_body,
+                   calls_torch=calls_torch))
