@@ -36,3 +36,28 @@ def codes(source: str, folder: Path, name: str = "schedule.yaml",
     except DiagnosticError as err:
         return sorted({d.code for d in err.diagnostics if d.severity == "error"})
     return []
+
+
+def first_error(text: str, worlds: Sequence[int] = (2, 3, 4)) -> list[tuple[str, int, int]]:
+    """(code, line, col) of the first error the parser or the structural check reports
+    of schedule ``text`` (file 's.yaml'), as a list of at most one (empty: none)."""
+    from dcpc.check import structural
+    from dcpc.lang.parse import parse_text
+
+    try:
+        found = [d for d in structural.check(parse_text(text, "s.yaml"), worlds)
+                 if d.severity == "error"]
+    except DiagnosticError as error:  # a parse error is raised with its diagnostics
+        found = list(error.diagnostics)
+    return [(d.code, d.mark.line, d.mark.col) for d in found][:1]
+
+
+def run_clean(**config: object) -> tuple[object, str]:
+    """``dcpc run`` of ``RunConfig(**config)``: the report and its text, asserting every
+    rank ran and every compared output matches float64."""
+    from dcpc.harness.run import RunConfig, format_report, run_schedule
+
+    report = run_schedule(RunConfig(**config))  # type: ignore[arg-type]
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    return report, text
