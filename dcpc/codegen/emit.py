@@ -190,14 +190,18 @@ def device_imports(kernels: str) -> str:
 
 
 def torch_bodies(plan: Plan) -> str:
-    """The ops' own torch bodies (``OpDef.torch``) that the plan's steps call
-    (``OpDef.torch_called``, decided from the plan), each once, in step order, as the
+    """The ops' own torch bodies (``OpDef.torch``, after the functions they call:
+    ``OpDef.torch_uses``) that the plan's steps call (``OpDef.torch_called``, decided
+    from the plan), each once, in step order, as the
     module-level functions their templates' ``torch_body`` macros call
     (``OpDef.torch_name``); "" when none is called (a form of the op that a collective
     of the runtime serves writes no dead body)."""
     OPS = _ops()  # noqa: N806  (the registry, imported when a module is emitted)
     used = dict.fromkeys(s.op for s in plan.steps if s.op in OPS and OPS[s.op].torch_called(s))
-    return "\n\n\n".join(torch_source(OPS[kind].torch, OPS[kind].torch_name) for kind in used)
+    # the functions the bodies call (OpDef.torch_uses) first, then the bodies
+    functions = [(fn, f"_{kind}_{fn.__name__}") for kind in used for fn in OPS[kind].torch_uses]
+    functions += [(OPS[kind].torch, OPS[kind].torch_name) for kind in used]
+    return "\n\n\n".join(torch_source(fn, name) for fn, name in functions)
 
 
 def _ops() -> dict[str, Any]:
