@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from support.hb_oracle import oracle_keys, oracle_unwritten
+from support.schedules import check_errors
 
 from dcpc.check import hb, structural
 from dcpc.check.oracle import explore
@@ -32,8 +33,7 @@ steps:
 
 
 def _flow(steps: str) -> list:
-    schedule = parse_text(HEAD + steps)
-    return [d for d in structural.check(schedule, range(2, 6)) if d.severity == "error"]
+    return check_errors(HEAD + steps, range(2, 6))
 
 
 @pytest.mark.parametrize("steps", [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -26,30 +26,42 @@ def errors(path: Path, worlds: Sequence[int] = (2, 3)) -> list[tuple[str, int, i
     return [(d.code, d.mark.line, d.mark.col, d.message) for d in err.value.diagnostics]
 
 
-def codes(source: str, folder: Path, name: str = "schedule.yaml",
-          worlds: Sequence[int] = (2, 3)) -> list[str]:
-    """The error codes the pipeline reports up to the happens-before check, sorted and
-    each once (empty: accepted and proved)."""
+def diagnostics(source: str, folder: Path, name: str = "schedule.yaml",
+                worlds: Sequence[int] = (2, 3)) -> list:
+    """What the pipeline reports up to the happens-before check of a schedule it refuses
+    (empty: accepted and proved)."""
     try:
         pipeline.run(write(folder, source, name), pipeline.Options(worlds=tuple(worlds)),
                      until="hb")
     except DiagnosticError as err:
-        return sorted({d.code for d in err.diagnostics if d.severity == "error"})
+        return list(err.diagnostics)
     return []
 
 
-def first_error(text: str, worlds: Sequence[int] = (2, 3, 4)) -> list[tuple[str, int, int]]:
-    """(code, line, col) of the first error the parser or the structural check reports
-    of schedule ``text`` (file 's.yaml'), as a list of at most one (empty: none)."""
+def codes(source: str, folder: Path, name: str = "schedule.yaml",
+          worlds: Sequence[int] = (2, 3)) -> list[str]:
+    """The error codes the pipeline reports up to the happens-before check, sorted and
+    each once (empty: accepted and proved)."""
+    return sorted({d.code for d in diagnostics(source, folder, name, worlds)
+                   if d.severity == "error"})
+
+
+def check_errors(text: str, worlds: Iterable[int] = (2, 3, 4)) -> list:
+    """The errors the parser or the structural check reports of schedule ``text`` (file
+    's.yaml'), without the happens-before check."""
     from dcpc.check import structural
     from dcpc.lang.parse import parse_text
 
     try:
-        found = [d for d in structural.check(parse_text(text, "s.yaml"), worlds)
-                 if d.severity == "error"]
+        return [d for d in structural.check(parse_text(text, "s.yaml"), worlds)
+                if d.severity == "error"]
     except DiagnosticError as error:  # a parse error is raised with its diagnostics
-        found = list(error.diagnostics)
-    return [(d.code, d.mark.line, d.mark.col) for d in found][:1]
+        return list(error.diagnostics)
+
+
+def first_error(text: str, worlds: Iterable[int] = (2, 3, 4)) -> list[tuple[str, int, int]]:
+    """(code, line, col) of ``check_errors``' first, as a list of at most one."""
+    return [(d.code, d.mark.line, d.mark.col) for d in check_errors(text, worlds)][:1]
 
 
 def run_clean(**config: object) -> tuple[object, str]:
