@@ -61,7 +61,7 @@ def check_reads(ctx: Context) -> None:
     written = {a.ref.name for a in found if a.mode == "w"}  # what no step writes: an input
     exact = {a.ref.name for a in found if a.step.index in guarded} & written
     if exact:
-        _check_per_rank(ctx, [a for a in found if a.ref.name in exact])
+        _check_per_rank(ctx, [a for a in found if a.ref.name in exact], found)
         found = [a for a in found if a.ref.name not in exact]
     first_writer: dict[str, Access] = {}
     for acc in found:
@@ -116,11 +116,13 @@ def check_reads(ctx: Context) -> None:
                       hint=f"move step '{step.name}' after '{writer.at.name}'")
 
 
-def _check_per_rank(ctx: Context, found: list[Access]) -> None:
+def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> None:
     """The reads of buffers that guarded steps write, rank by rank at every W checked: a
     read on rank r needs an earlier write on rank r by a step that runs there (a guarded
-    one whose condition holds at r, or a store every rank gets)."""
+    one whose condition holds at r, or a store every rank gets). ``every``: all the
+    call's accesses (a push's source is read only where its store goes anywhere)."""
     reported: set[str] = set()
+    silent = {int(w): _silent_pushes(ctx, every, int(w)) for w in ctx.samples.worlds}
     for world in ctx.samples.worlds:
         running = wh.running(ctx.schedule, world)
 
@@ -135,18 +137,11 @@ def _check_per_rank(ctx: Context, found: list[Access]) -> None:
                 if name in reported or not runs(acc.step, rank):
                     continue
                 if acc.mode == "w":
-                    # a root's store counts on the root (without a mesh: team = group);
-                    # a shift's without wrap on the ranks with a source (over one whole
-                    # axis of W); any other partial store on none: sound
-                    if (acc.root is None and acc.everywhere) or (
-                            acc.root is not None and ctx.schedule.mesh is None
-                            and acc.root == rank) or (
-                            acc.line is not None and ctx.schedule.mesh is None
-                            and 0 <= rank - acc.line < int(world)) or (
-                            acc.dests is not None and len(acc.dests) == int(world)
-                            and rank in acc.dests):
+                    if _reaches(ctx, acc, rank, int(world)):
                         written.add(name)
                     continue
+                if acc.step.index in silent[int(world)].get(rank, ()):
+                    continue  # its push reads its source where it sends: not on this rank
                 buffer = ctx.buffer(name)
                 if name in written or (buffer is not None and not buffer.is_symmetric and any(
                         a.step is acc.step and a.mode == "w" and a.ref.name == name
@@ -156,19 +151,68 @@ def _check_per_rank(ctx: Context, found: list[Access]) -> None:
                 earlier = [a for a in found if a.mode == "w" and a.ref.name == name
                            and a.step.index < acc.step.index]
                 skipped = [a.step.name for a in earlier if not runs(a.step, rank)]
-                missed = [a.step.name for a in earlier if runs(a.step, rank)]
+                made = [a for a in earlier if runs(a.step, rank)]
+                # a store that would reach this rank but lands at a wait after the read
+                flight = [a for a in made if _reaches(ctx, a, rank, int(world))
+                          and a.at.index > acc.step.index]
+                missed = [a for a in made if a not in flight]
                 why = "; ".join(
                     ([f"the earlier steps that write it do not run there (their when: does "
                       f"not hold): {', '.join(skipped)}"] if skipped else []) +
-                    ([f"the stores of {', '.join(missed)} do not reach it there (a shift "
-                      "without wrap: no source on that side of the line; a root's "
-                      "store)"] if missed else []))
+                    [f"the data of '{a.step.name}' is in flight until its wait "
+                     f"'{a.at.name}', after '{acc.step.name}'" for a in flight] +
+                    ([f"the stores of {', '.join(a.step.name for a in missed)} do not reach "
+                      f"it there ({'; '.join(dict.fromkeys(_why_not(a, rank) for a in missed))}"
+                      ")"] if missed else []))
                 why = "; " + (why or "no earlier step writes it")
+                hint = (f"move step '{acc.step.name}' after '{flight[0].at.name}'" if flight
+                        and not skipped and not missed else
+                        f"guard '{acc.step.name}' by the condition of the step that "
+                        f"writes '{name}', or write '{name}' on every rank that reads it")
                 ctx.error(acc.ref.mark, "read-before-write",
                           f"step '{acc.step.name}' reads '{name}' on rank {rank} at W="
                           f"{world}, where nothing the call ran before wrote it{why}",
-                          hint=f"guard '{acc.step.name}' by the condition of the step that "
-                          f"writes '{name}', or write '{name}' on every rank that reads it")
+                          hint=hint)
+
+
+def _reaches(ctx: Context, store: Access, rank: int, world: int) -> bool:
+    """Whether ``store`` writes ``rank``'s instance in the per-rank data flow: a root's
+    on the root (without a mesh: team = group); a shift's without wrap on the ranks with
+    a source (over one whole axis of W); a perm's on its destinations; any other
+    partial store on none (sound)."""
+    return (store.root is None and store.everywhere) or (
+        store.root is not None and ctx.schedule.mesh is None and store.root == rank) or (
+        store.line is not None and ctx.schedule.mesh is None
+        and 0 <= rank - store.line < world) or (
+        store.dests is not None and len(store.dests) == world and rank in store.dests)
+
+
+def _why_not(store: Access, rank: int) -> str:
+    """Why ``store`` (one that runs on ``rank``) does not write ``rank``'s instance."""
+    if store.dests is not None:
+        return f"a perm in which rank {rank} is no destination"
+    if store.line is not None:
+        return "a shift without wrap: no source on that side of the line"
+    if store.root is not None:
+        return f"a root's store (root {store.root})"
+    return "a store that does not reach every rank"
+
+
+def _silent_pushes(ctx: Context, found: list[Access], world: int) -> dict[int, set[int]]:
+    """rank -> the indices of the steps whose store from that rank reaches no rank (a
+    perm's -1, a shift without wrap past the end of the line): such a rank makes no
+    push, so it reads none of the step's sources (the brute force and the template
+    agree)."""
+    out: dict[int, set[int]] = {}
+    for acc in found:
+        if acc.mode != "w" or acc.root is not None:
+            continue
+        for rank in range(world):
+            if (acc.dests is not None and len(acc.dests) == world and acc.dests[rank] < 0) \
+                    or (acc.line is not None and ctx.schedule.mesh is None
+                        and not 0 <= rank + acc.line < world):
+                out.setdefault(rank, set()).add(acc.step.index)
+    return out
 
 
 def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int]) -> None:

@@ -189,17 +189,26 @@ def device_imports(kernels: str) -> str:
     return f"from {DEVICE_LIBRARY} import (\n" + "".join(f"    {n},\n" for n in used) + ")"
 
 
-def torch_bodies(plan: Plan, module: str) -> str:
-    """The ops' own torch bodies (``OpDef.torch``) that the plan's steps call in
-    ``module`` (the module rendered without them), each once, in step order, as the
+def torch_bodies(plan: Plan) -> str:
+    """The ops' own torch bodies (``OpDef.torch``, after the functions they call:
+    ``OpDef.torch_uses``) that the plan's steps call (``OpDef.torch_called``, decided
+    from the plan), each once, in step order, as the
     module-level functions their templates' ``torch_body`` macros call
     (``OpDef.torch_name``); "" when none is called (a form of the op that a collective
     of the runtime serves writes no dead body)."""
+    OPS = _ops()  # noqa: N806  (the registry, imported when a module is emitted)
+    used = dict.fromkeys(s.op for s in plan.steps if s.op in OPS and OPS[s.op].torch_called(s))
+    # the functions the bodies call (OpDef.torch_uses) first, then the bodies
+    functions = [(fn, f"_{kind}_{fn.__name__}") for kind in used for fn in OPS[kind].torch_uses]
+    functions += [(OPS[kind].torch, OPS[kind].torch_name) for kind in used]
+    return "\n\n\n".join(torch_source(fn, name) for fn, name in functions)
+
+
+def _ops() -> dict[str, Any]:
+    """The op registry (dcpc.ops), imported when a module is emitted, not with emit."""
     from dcpc.ops import OPS
 
-    used = [OPS[kind] for kind in dict.fromkeys(s.op for s in plan.steps) if kind in OPS]
-    return "\n\n\n".join(torch_source(op.torch, op.torch_name) for op in used
-                          if op.torch is not None and f"{op.torch_name}(" in module)
+    return OPS
 
 
 def torch_source(fn: Any, name: str) -> str:
@@ -303,9 +312,6 @@ def emit(plan: Plan) -> str:
             raise ValueError(f"step '{step.name}' waits, but no signal step is matched to it")
     env = _env()
 
-    def render(bodies: str) -> str:
-        return env.get_template("module.py.j2").render(plan=plan, torch_bodies=bodies, **args)
-
     args: dict[str, Any] = dict(
         local=lambda step, role: _expr(step, plan, role),
         view=lambda step, role: _view(step, plan, role),
@@ -324,10 +330,10 @@ def emit(plan: Plan) -> str:
                                  else f'self._team_size("{step.name}")'),
         member=lambda step: ("self.rank" if step.sync.axes is None
                              else f'self._team_member("{step.name}")'),
+        torch_called=lambda step: _ops()[step.op].torch_called(step),  # the body's call
     )
-    text = render("")
-    bodies = torch_bodies(plan, text)
-    return _normalize(render(bodies) if bodies else text)
+    return _normalize(env.get_template("module.py.j2").render(
+        plan=plan, torch_bodies=torch_bodies(plan), **args))
 
 
 def _normalize(text: str) -> str:

@@ -33,6 +33,9 @@ Buffers = dict[str, torch.Tensor]  # one rank's buffers, float64 (or int64)
 # poison's value (0xFF bytes, dcpc.runtime.heap.poison_), which no drawn integer payload
 # takes (dcpc.harness.synth.payload_ints), as NaN marks them in a float buffer
 UNSENT_INT = -1
+# a trace entry's key for the elements of buffer NAME that its write left unsent: NAME + this
+# ('@' is no name's character, as the stash's '@inflight')
+UNSENT_KEY = "@unsent"
 External = Callable[[m.Step, int, Buffers], Buffers]  # (step, rank, bufs) -> writes
 
 
@@ -170,6 +173,32 @@ def _split(value: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
     return list(torch.chunk(value, world, dim=dim))
 
 
+class UnwrittenRead(ValueError):
+    """The float64 reference of a step read a buffer that nothing of the call wrote on
+    that rank and that is no input: a schedule the checker should have refused
+    (read-before-write), named by step, buffer and rank instead of a bare KeyError."""
+
+    def __init__(self, buffer: str, rank: int, step: str = ""):
+        self.buffer, self.rank, self.step = buffer, rank, step
+        at = f"step '{step}' " if step else ""
+        super().__init__(
+            f"the float64 reference of {at}reads '{buffer}' on rank {rank}, where no "
+            "earlier step of the call wrote it and it is no input (a read-before-write "
+            "the checker missed: please report it with the schedule)")
+
+
+class _RankBuffers(dict):
+    """One rank's buffers in the simulator: a read of one nothing wrote is an
+    ``UnwrittenRead`` naming the buffer and the rank (``simulate_call`` adds the step)."""
+
+    def __init__(self, items: Mapping[str, torch.Tensor], rank: int):
+        super().__init__(items)
+        self.rank = rank
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        raise UnwrittenRead(name, self.rank)
+
+
 class _Unsent(dict):
     """A skipped rank's buffers (``Sim.guarded``): what it holds reads as never written."""
 
@@ -188,7 +217,7 @@ class Sim:
     def __init__(self, schedule: m.Schedule, world: int, env: Mapping[str, int],
                  inputs: list[Buffers], external: External):
         self.schedule, self.world, self.env, self.external = schedule, world, env, external
-        self.bufs = [dict(rank_inputs) for rank_inputs in inputs]
+        self.bufs = [_RankBuffers(rank_inputs, r) for r, rank_inputs in enumerate(inputs)]
         self.written: list[Buffers] = [{} for _ in range(world)]
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
 
@@ -220,13 +249,21 @@ class Sim:
         sub.rounding = self.rounding
         return sub
 
-    def store(self, rank: int, name: str, value: torch.Tensor) -> None:
-        """Write ``name`` on ``rank``, rounded to its dtype as the module stores it."""
+    def store(self, rank: int, name: str, value: torch.Tensor, *,
+              unsent: torch.Tensor | None = None) -> None:
+        """Write ``name`` on ``rank``, rounded to its dtype as the module stores it.
+        ``unsent``: the elements no rank sent (an op's ``Unsent`` output: ``value``
+        holds ``unsent(name)`` there), kept beside the value in the trace (``unsent_at``)
+        so that ``dcpc run`` skips exactly those, and compares a NaN a rank did send."""
         want = self.shape(name)
         if tuple(value.shape) != want:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
         self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding)
         self.written[rank][name] = self.bufs[rank][name]
+        if unsent is not None:
+            self.written[rank][name + UNSENT_KEY] = unsent
+        else:
+            self.written[rank].pop(name + UNSENT_KEY, None)
 
     def unsent(self, name: str) -> torch.Tensor:
         """A value of ``name``'s shape that says "never written": NaN (float64) for a
@@ -304,11 +341,24 @@ def simulate_call(
         ranks = running.get(step.index)
         skipped = set() if ranks is None else set(range(int(world))) - ranks
         view = sim.guarded(skipped) if skipped else sim
-        for team in _teams(schedule, world, step):
-            op.reference(view if team is None else view.team(team), step)
+        try:
+            for team in _teams(schedule, world, step):
+                op.reference(view if team is None else view.team(team), step)
+        except UnwrittenRead as err:
+            raise UnwrittenRead(err.buffer, err.rank, step.name) from None
     if trace is not None:
         trace.append(sim.written)
     return sim.bufs
+
+
+def unsent_at(trace: list[list[Buffers]], step: int, rank: int, name: str
+              ) -> torch.Tensor | None:
+    """The elements of what ``seen_at`` gives (the same write) that no rank sent, or
+    None where that write sent every element."""
+    for entry in reversed(trace[:step]):
+        if name in entry[rank]:
+            return entry[rank].get(name + UNSENT_KEY)
+    return None
 
 
 def seen_at(trace: list[list[Buffers]], step: int, rank: int, name: str) -> torch.Tensor | None:

@@ -28,12 +28,12 @@ from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
 from dcpc.harness.simulate import (
     TORCH_DTYPES,
-    UNSENT_INT,
     Buffers,
     buffer_shape,
     seen_at,
     simulate_call,
     step_rounding,
+    unsent_at,
 )
 from dcpc.lang import model as m
 from dcpc.lang.mesh import MeshWorld
@@ -95,25 +95,25 @@ def method_arguments(cls: type, step: str) -> list[str]:
     return [p.name for p in params if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
 
 
-def returned_names(op: Any) -> list[str]:
-    """What a method returns, in order: its dst buffers, then return_lse (never via)."""
-    _, writes = synth.op_io(op)
-    via = getattr(op, "via", None) or []
-    via = via if isinstance(via, list) else [via]
-    return [w for w in writes if w not in via]
+def returned_names(schedule: m.Schedule, world: int) -> dict[str, list[str]]:
+    """What each step's method returns, in order: the plan's ``StepPlan.returns`` (the
+    op's lowering says it once; lowering again here is milliseconds)."""
+    from dcpc.codegen.lower import lower  # the compiler's: only a rank's run needs it
+
+    return {s.name: list(s.returns) for s in lower(schedule, [world]).steps}
 
 
 def compare(
     name: str, kind: str, dtype: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
-    where: str, *, ragged: bool = False,
+    where: str, *, unsent: torch.Tensor | None = None,
 ) -> None:
     """Count a mismatch unless ``got`` matches ``want``: data movement bit-exact, math
     within the dtype's tolerance; NaN and inf must sit exactly where the reference has them.
-    ``ragged``: a buffer whose op declares elements that no rank sent (``synth.unsent_outputs``:
-    a ragged exchange's rows past a count; the reference holds NaN there, so that a
-    reader of them mismatches downstream): those elements are not compared. Integers are
-    compared as int64, bit for bit (a float64 rounds them past 2**53), an unsent row of
-    them holding ``UNSENT_INT``."""
+    ``unsent``: the elements no rank sent (``simulate.unsent_at``: a ragged exchange's
+    rows past a count; the reference holds NaN there, or ``UNSENT_INT``, so that a
+    reader of them mismatches downstream): those elements are not compared; every other
+    one is, a NaN a rank sent included. Integers are compared as int64, bit for bit (a
+    float64 rounds them past 2**53)."""
     stats.compared += 1
     integer = not m.DType(dtype).is_float
     got = _host(got.detach()).to(torch.int64 if integer else torch.float64)
@@ -123,10 +123,10 @@ def compare(
             f"{where}: {name} has shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
         return
     if integer:
-        _compare_ints(name, got, want, stats, where, ragged=ragged)
+        _compare_ints(name, got, want, stats, where, unsent=unsent)
         return
-    if ragged:
-        got = torch.where(torch.isnan(want), want, got)
+    if unsent is not None:
+        got = torch.where(unsent, want, got)
     finite = torch.isfinite(want) & torch.isfinite(got)
     zero = torch.zeros((), dtype=torch.float64)
     err = (got - want).abs().where(finite, zero)
@@ -139,12 +139,12 @@ def compare(
 
 
 def _compare_ints(name: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
-                  where: str, *, ragged: bool) -> None:
-    """``compare`` of integers (int64 both): equal, or unsent (``ragged``) where the
-    reference holds ``UNSENT_INT``; the error reported in float64 (a report only)."""
+                  where: str, *, unsent: torch.Tensor | None) -> None:
+    """``compare`` of integers (int64 both): equal, or ``unsent`` (the reference holds
+    ``UNSENT_INT`` there); the error reported in float64 (a report only)."""
     ok = got == want
-    if ragged:
-        ok |= want == UNSENT_INT
+    if unsent is not None:
+        ok |= unsent
     off = (got.double() - want.double()).abs().where(~ok, 0.0)
     max_err = float(off.max()) if off.numel() else 0.0
     stats.max_abs_err = max(stats.max_abs_err, max_err)
@@ -220,7 +220,7 @@ class ValueKinds:
 
 
 def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
-             rank: int, slot: int, sizes: dict[str, int], trace: Any, ragged: set[str],
+             rank: int, slot: int, sizes: dict[str, int], trace: Any,
              name: str | None) -> Callable[[], bool] | None:
     """A replay's watch (None without one): whether this rank's instance of ``name`` no
     longer holds what ``step`` should see by the call's reference: the race's other
@@ -230,12 +230,13 @@ def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
     want = None if name is None else seen_at(trace, step.index, rank, name)
     if name is None or want is None:
         return None
+    unsent = unsent_at(trace, step.index, rank, name)
 
     def differs() -> bool:
         stats = OutputStats()
         compare(name, kinds.before(step.index, name),
                 schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
-                stats, "", ragged=name in ragged)
+                stats, "", unsent=unsent)
         return stats.mismatches > 0
 
     return differs
@@ -316,12 +317,11 @@ def run_rank(
                  backend=backend, **kwargs)
     jitter = adversary.Jitter(seed, rank, jitter_s, jitter_p)
     report = RankReport(rank, calls)
+    returns = returned_names(schedule, world)
     for step in steps:
-        if not isinstance(step.op, External):
-            for name in returned_names(step.op):
-                report.outputs.setdefault(name, OutputStats())
+        for name in returns[step.name]:
+            report.outputs.setdefault(name, OutputStats())
     returned = set(report.outputs)
-    ragged = synth.unsent_outputs(steps)
 
     live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
     lead = None  # a replay of two calls in flight: the other access's step runs first
@@ -355,7 +355,7 @@ def run_rank(
         if replay is not None and here == replay["hold"]:
             progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
             report.replay = adversary.replay_hold(replay, _written(
-                module, schedule, kinds, step, rank, event.slot, sizes, trace, ragged,
+                module, schedule, kinds, step, rank, event.slot, sizes, trace,
                 replay["watch"]))
         if isinstance(step.op, External) and not module.runs(step.name):
             pass  # a guarded engine step whose when: fails on this rank (module.runs)
@@ -372,7 +372,7 @@ def run_rank(
                     compare(name, kinds.before(step.index, name),
                             schedule.buffers[name].dtype.value, got, want,
                             report.outputs.setdefault(key, OutputStats()), where,
-                            ragged=name in ragged)
+                            unsent=unsent_at(trace, step.index, rank, name))
                 env[name] = got
             seen = {k: _host(v).to(torch.float64) for k, v in env.items()}
             for name, value in external(step, rank, seen).items():
@@ -399,7 +399,7 @@ def run_rank(
                 module.check_errors()
             values = [] if result is None else list(result) if isinstance(
                 result, (tuple, list)) else [result]
-            names = returned_names(step.op)
+            names = returns[step.name]
             if len(values) != len(names):
                 raise TypeError(f"{step.name}() returned {len(values)} tensors, want {names}")
             kind = kinds.of_step(step.index)
@@ -417,7 +417,7 @@ def run_rank(
                 compare(name, kind, schedule.buffers[name].dtype.value, value,
                         want, report.outputs[name],
                         f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
-                        ragged=name in ragged)
+                        unsent=unsent_at(trace, step.index + 1, rank, name))
         if replay is not None and here == replay["release"]:
             adversary.replay_release(replay)
         jitter.delay()

@@ -13,7 +13,7 @@ evaluation and printing are defined once, in ``dcpc.exprs``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dcpc.exprs import (  # noqa: F401  (the language's names for them)
     COMPARISONS,
@@ -200,19 +200,7 @@ def parse(text: str | int, modulo: bool = False) -> Expr:
         if text >= 10**MAX_INT_DIGITS:
             raise ExprSyntaxError(f"an integer of more than {MAX_INT_DIGITS} digits", 0)
         return ("num", text)
-    if len(text) > MAX_TEXT:
-        raise ExprSyntaxError(f"the expression is longer than {MAX_TEXT} characters", 0)
-    if not text.strip():
-        raise ExprSyntaxError("empty expression", 0)
-    _check_parentheses(text)
-    parser = _Parser(text, modulo=modulo)
-    node = parser.expr()
-    kind, value, col = parser.peek()
-    if kind != "end":
-        raise ExprSyntaxError(f"unexpected {value!r} after a complete expression", col)
-    if _depth(node) > MAX_DEPTH:
-        raise ExprSyntaxError(f"the expression is nested deeper than {MAX_DEPTH}", 0)
-    return node
+    return _parse_within_limits(text, "expression", _Parser.expr, modulo=modulo)
 
 
 def parse_condition(text: object) -> Expr:
@@ -223,18 +211,26 @@ def parse_condition(text: object) -> Expr:
         what = _KINDS.get(type(text), "a number" if isinstance(text, int)
                           else type(text).__name__)
         raise ExprSyntaxError(f"expected a condition such as 'h <= rank', found {what}", 0)
+    return _parse_within_limits(text, "condition", _Parser.cond, condition=True)
+
+
+def _parse_within_limits(text: str, what: str, rule: Callable[[_Parser], Expr],
+                         condition: bool = False, modulo: bool = False) -> Expr:
+    """Parse ``text`` as ``what`` ('expression' or 'condition') with ``rule`` (a
+    ``_Parser`` method) within the limits every parsed text keeps: length, emptiness,
+    nesting. The bounds are checked before the text is tokenized."""
     if len(text) > MAX_TEXT:
-        raise ExprSyntaxError(f"the condition is longer than {MAX_TEXT} characters", 0)
+        raise ExprSyntaxError(f"the {what} is longer than {MAX_TEXT} characters", 0)
     if not text.strip():
-        raise ExprSyntaxError("empty condition", 0)
+        raise ExprSyntaxError(f"empty {what}", 0)
     _check_parentheses(text)
-    parser = _Parser(text, condition=True)
-    node = parser.cond()
+    parser = _Parser(text, condition=condition, modulo=modulo)
+    node = rule(parser)
     kind, value, col = parser.peek()
     if kind != "end":
-        raise ExprSyntaxError(f"unexpected {value!r} after a complete condition", col)
+        raise ExprSyntaxError(f"unexpected {value!r} after a complete {what}", col)
     if _depth(node) > MAX_DEPTH:
-        raise ExprSyntaxError(f"the condition is nested deeper than {MAX_DEPTH}", 0)
+        raise ExprSyntaxError(f"the {what} is nested deeper than {MAX_DEPTH}", 0)
     return node
 
 

@@ -85,7 +85,8 @@ InputRule = Counts | RowIndex | TensorScale | Requests
 class Unsent:
     """Elements no rank sent may stay as they were (the rows past a count of a ragged
     exchange): the float64 reference holds ``SimView.unsent`` there (NaN, or an integer
-    payload's poison), and ``dcpc run`` compares only the other elements."""
+    payload's poison) and says which they are (``SimView.store``'s ``unsent`` mask), and
+    ``dcpc run`` compares every other element (a NaN a rank sent too)."""
 
 
 OutputRule = Unsent
@@ -170,7 +171,8 @@ class SimView(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def store(self, rank: int, name: str, value: torch.Tensor) -> None: ...
+    def store(self, rank: int, name: str, value: torch.Tensor, *,
+              unsent: torch.Tensor | None = None) -> None: ...  # unsent: elements no rank sent
 
     def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None: ...
 

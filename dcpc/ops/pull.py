@@ -84,6 +84,9 @@ def parts(rows: int, world: int) -> list[tuple[int, int]]:
     return [(p * part, part if p < world - 1 else rows - p * part) for p in range(world)]
 
 
+_pull_parts = parts  # the name torch_body calls it by in a generated module (OpDef.torch_uses)
+
+
 def form(op: Pull, src_dims: int, dst_dims: int) -> str:
     """"stack" (dst: src with a new W axis), "reduce" (``reduce: sum``) or "concat" (dst of
     src's rank: the parts of every rank side by side)."""
@@ -251,11 +254,10 @@ def torch_body(comm: TorchComm, src: torch.Tensor, dst: torch.Tensor, stage: tor
             comm.wire(staged), comm.wire(src.reshape(-1)), group=comm.group, async_op=True
         )
         comm.wait(work, "pull")
-    part = rows // world
-    lengths = [part] * (world - 1) + [rows - (world - 1) * part]
+    split = _pull_parts(rows, world)  # the op's parts(): (start, length) of each part
     if reduce:
         every = staged.view(world, outer, rows, row_len)
-        start, mine = comm.rank * part, lengths[comm.rank]
+        start, mine = split[comm.rank]
         acc = every[comm.rank, :, start : start + mine].to(torch.float32, copy=True)
         for k in range(1, world):
             acc += every[(comm.rank + k) % world, :, start : start + mine]
@@ -265,9 +267,16 @@ def torch_body(comm: TorchComm, src: torch.Tensor, dst: torch.Tensor, stage: tor
         return
     every = staged.view(world, outer, prows, row_len)
     out = dst.view(outer, rows, row_len)
-    for p, length in enumerate(lengths):
-        out[:, p * part : p * part + length].copy_(every[p, :, :length])
+    for p, (start, length) in enumerate(split):
+        out[:, start : start + length].copy_(every[p, :, :length])
+
+
+def calls_torch(step: Any) -> bool:
+    """A split form's plan calls ``torch_body`` (its parts); a stack, the runtime's
+    all_gather."""
+    return bool(step.attrs.get("form"))
 
 
 DEF = define(OpDef("pull", Pull, semantics, verify, reference, io, lower, teams=True,
-                   exact=True, computes=lambda op: not moves(op), torch=torch_body))
+                   exact=True, computes=lambda op: not moves(op), torch=torch_body,
+                   calls_torch=calls_torch, torch_uses=(parts,)))

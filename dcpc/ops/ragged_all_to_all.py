@@ -155,17 +155,25 @@ def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[lis
         scales.append(s)
     for j in range(sim.world):
         # rows past a count: never written (NaN, or an int payload's UNSENT_INT), so
-        # that whoever reads them as data mismatches
+        # that whoever reads them as data mismatches; the mask says which they are
         out = sim.unsent(dst)
         got = torch.full(sim.shape(dst)[:-1], math.nan, dtype=torch.float64)
+        unsent = torch.ones(sim.shape(dst)[:2], dtype=torch.bool)  # [W, capacity]
         for p in range(sim.world):
             n = counts[p][j]
             out[p, :n] = sent[p][j, :n]
+            unsent[p, :n] = False
             if scales[p] is not None:
                 got[p, :n] = scales[p][j, :n]  # type: ignore[index]
-        sim.store(j, dst, out)
+        sim.store(j, dst, out, unsent=_by_row(unsent, out.shape))
         if scales[0] is not None:
-            sim.store(j, op.scale.buffer, got)  # type: ignore[union-attr]
+            sim.store(j, op.scale.buffer, got,  # type: ignore[union-attr]
+                      unsent=_by_row(unsent, got.shape))
+
+
+def _by_row(rows: Any, shape: Any) -> Any:
+    """A [W, capacity] mask of rows spread over every element of those rows."""
+    return rows.reshape(tuple(rows.shape) + (1,) * (len(shape) - 2)).expand(shape)
 
 
 def io(op: RaggedAllToAll) -> IO:

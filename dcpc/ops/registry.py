@@ -64,6 +64,12 @@ class OpDef:
     imports what it needs of torch inside itself; dcpc.codegen.emit copies its source,
     without the signature's annotations, into every generated module that has the op, as
     ``_<name>_torch`` (``torch_name``), which the template's ``torch_body`` macro calls.
+    ``torch_uses``: the op's own functions that body calls (a rule the reference shares,
+    one definition), copied before it as ``_<name>_<function>``, the name the body
+    calls them by (the op's module binds that name to the function too).
+    ``calls_torch(step)``: which lowered steps (a ``StepPlan``) call that body (None:
+    every step of the op); the emitter writes the body into a module only when one of
+    its steps does (``torch_called``), and the template asks the same question.
     """
 
     name: str
@@ -81,6 +87,8 @@ class OpDef:
     outputs: Callable[[Any], dict[str, OutputRule]] | None = None
     torch: Callable[..., None] | None = None
     computes: Callable[[Any], bool] | None = None
+    calls_torch: Callable[[Any], bool] | None = None
+    torch_uses: tuple[Callable[..., Any], ...] = ()
 
     def moves(self, op: OpBase) -> bool:
         """Whether this step moves bits (compared bit for bit by ``dcpc run``)."""
@@ -92,6 +100,10 @@ class OpDef:
 
     def whole_mesh_form_of(self, op: OpBase) -> str | None:
         return self.whole_mesh_form(op) if self.whole_mesh_form is not None else None
+
+    def torch_called(self, step: Any) -> bool:
+        """Whether lowered step ``step`` (a ``StepPlan``) calls the op's own torch body."""
+        return self.torch is not None and (self.calls_torch is None or self.calls_torch(step))
 
     @property
     def torch_name(self) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from support.hb_oracle import oracle_keys, oracle_unwritten
+from support.schedules import check_errors
 
 from dcpc.check import hb, structural
 from dcpc.check.oracle import explore
@@ -32,8 +33,7 @@ steps:
 
 
 def _flow(steps: str) -> list:
-    schedule = parse_text(HEAD + steps)
-    return [d for d in structural.check(schedule, range(2, 6)) if d.severity == "error"]
+    return check_errors(HEAD + steps, range(2, 6))
 
 
 @pytest.mark.parametrize("steps", [
@@ -280,3 +280,55 @@ def test_a_symmetric_buffer_updated_in_place_first_is_read_before_write() -> Non
                    '  - use: {op: external, reads: [s], writes: [y]}\n')
     assert err.code == "read-before-write" and "updates it in place" in err.message
     assert _flow('  - merge: {op: external, reads: [y, x], writes: [y]}\n') == []
+
+
+@pytest.mark.parametrize(("move", "guard", "refused"), [
+    ('perm: "r + 1"', "rank < W - 1", False),
+    ("offset: 1, wrap: false", "rank < W - 1", False),
+    ('perm: "r + 1"', "rank < W - 2", True),  # rank W - 2 sends what it did not make
+    ("offset: 1, wrap: false", "rank < W - 2", True),
+])
+def test_a_push_reads_its_source_only_on_the_ranks_that_send(move: str, guard: str,
+                                                           refused: bool) -> None:
+    """A partial perm's (or a line's) source is read by the ranks whose store goes
+    somewhere: the last rank sends nothing, so its unwritten src is no error there (it
+    was refused at every W); the checker and the brute force agree rank by rank."""
+    head = HEAD.replace("steps:\n", "  t: {shape: [N, D], dtype: f32, symmetric: true}\n"
+                        "steps:\n")
+    steps = (f'  - make: {{op: external, when: "{guard}", reads: [x], writes: [s]}}\n'
+             f"  - send: {{op: shift, src: s, dst: t, {move}}}\n"
+             '  - done: {op: barrier}\n')
+    for world in (2, 3, 4):
+        schedule = parse_text(head + steps, world=world)
+        found = [d for d in structural.check(schedule, [world]) if d.severity == "error"]
+        assert [d.code for d in found] == ["read-before-write"] * refused, (world, found)
+        if refused:
+            assert f"'send' reads 's' on rank {world - 2} at W={world}" in found[0].message
+        assert bool(oracle_unwritten(schedule, world)) is refused, (world, "brute force")
+
+
+@pytest.mark.parametrize("move", ['perm: "W - 1 - r"', "offset: 1"])
+def test_a_guarded_read_of_a_store_in_flight_names_its_wait(move: str) -> None:
+    """A guarded read between a put and its wait: the reason is the data in flight
+    (it said 'the stores of put do not reach it there (a shift without wrap...)')."""
+    steps = (f"  - put: {{op: shift, src: x, dst: s, {move}, phase: put}}\n"
+             '  - use: {op: external, when: "rank == 0", reads: [s], writes: [y]}\n'
+             f"  - land: {{op: shift, src: x, dst: s, {move}, phase: wait}}\n"
+             "  - done: {op: barrier}\n")
+    schedule = parse_text(HEAD + steps, world=3)
+    (err,) = [d for d in structural.check(schedule, [3]) if d.severity == "error"]
+    assert err.code == "read-before-write"
+    assert err.message.endswith("on rank 0 at W=3, where nothing the call ran before wrote "
+                                "it; the data of 'put' is in flight until its wait 'land', "
+                                "after 'use'"), err.message
+    assert err.hint == "move step 'use' after 'land'"
+    assert oracle_unwritten(schedule, 3), "the brute force agrees"
+
+
+def test_a_perm_that_skips_the_reading_rank_says_so() -> None:
+    schedule = parse_text(HEAD + '  - swap: {op: shift, src: x, dst: s, perm: '
+                          '"r + 1 - 2 * (r % 2)"}\n  - use: {op: external, when: '
+                          '"rank >= 0", reads: [s], writes: [y]}\n', world=3)
+    (err,) = [d for d in structural.check(schedule, [3]) if d.severity == "error"]
+    assert err.message.endswith("the stores of swap do not reach it there (a perm in which "
+                                "rank 2 is no destination)"), err.message

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.schedules import diagnostics
 
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
@@ -69,11 +70,9 @@ def test_size_expressions_still_take_no_comparison_and_no_remainder() -> None:
 
 
 def _errors(steps: str, tmp_path: Path, worlds: list[int] | None = None) -> list:
-    path = tmp_path / "s.yaml"
-    path.write_text(HEAD + steps)
-    with pytest.raises(DiagnosticError) as err:
-        pipeline.run(path, pipeline.Options(worlds=worlds or [2, 3, 4]), until="hb")
-    return err.value.diagnostics
+    found = diagnostics(HEAD + steps, tmp_path, "s.yaml", worlds or [2, 3, 4])
+    assert found, "refused"
+    return found
 
 
 @pytest.mark.parametrize(("when", "code", "words"), [

@@ -15,6 +15,7 @@ from dcpc.check import hb
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import simulate
 from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
 
 SCHEDULE = """\
@@ -81,3 +82,24 @@ def test_dcpc_run_matches_float64(tmp_path: Path, world: int, backend: str) -> N
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert report.outputs["y"].compared == 4 * world, text
+
+
+@pytest.mark.parametrize(("text", "world", "root_of"), [
+    # root 2 at W=3: the race on rank 0's y was shown with rank 1 (a phantom) storing
+    (SCHEDULE.replace("root: 1}", "root: 2}"), 3, lambda owner: 2),
+    # a team broadcast over node from node 0 (2x2, rank = 2 node + gpu): the root of
+    # rank 0's team is rank 0, whose own store does not race its read; node 1 was named
+    (SCHEDULE.replace("sizes:\n", "mesh: {node: N, gpu: G}\nsizes:\n  N: {max: 4}\n"
+                      "  G: {max: 4}\n").replace("root: 1}", "axis: node}"),
+     MeshWorld((2, 2)), lambda owner: owner % 2),
+])
+def test_a_race_s_counterexample_names_the_root_as_the_writer(text: str, world: int,
+                                                              root_of) -> None:
+    """The model gives every rank a store; the counterexample is translated (a rotation;
+    on a mesh, of the torus) so the store it shows is the root's, as the kernel's."""
+    schedule = parse_text(text.replace("  - done:  {op: barrier}\n", ""), "bc.yaml")
+    findings = hb.check(schedule, [world], hints=False).findings
+    assert {f.key for f in findings} == {("race", "write-after-read", "y", "use", "send")}
+    for f in findings:
+        store = f.first if f.first.access == "write" else f.second
+        assert store.step == "send" and store.rank == root_of(store.owner), f.message

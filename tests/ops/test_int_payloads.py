@@ -120,7 +120,7 @@ def test_integers_compare_bit_for_bit() -> None:
     unsent = torch.tensor([2**53 + 1, simulate.UNSENT_INT, 7])
     stats = OutputStats()
     compare("x", "move", "i32", torch.tensor([2**53 + 1, 12345, 7]), unsent, stats, "here",
-            ragged=True)
+            unsent=torch.tensor([False, True, False]))
     assert stats.mismatches == 0
     compare("x", "move", "i32", torch.tensor([2**53 + 1, 12345, 7]), unsent, stats, "here")
     assert stats.mismatches == 1

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from support.exec_oracle_agree import disagreements
 from support.hb_oracle import oracle_keys
+from support.schedules import first_error, run_clean
 
 from dcpc import pipeline
 from dcpc.check import hb, structural
@@ -113,10 +114,8 @@ def test_dcpc_run_matches_float64_with_rows_w_does_not_divide(world: int,
 @pytest.mark.parametrize(("world", "backend"), [(3, "host"), (3, "torch"), (4, "local")],
                          ids=str)
 def test_the_two_shot_all_reduce_matches_float64(world: int, backend: str) -> None:
-    report = run_schedule(RunConfig(schedule=str(TWO_SHOT), world=world, backend=backend,
-                                    calls=4, seed=5, programs=2))
-    text = format_report(report)
-    assert report.launch.ok and report.mismatches == 0, text
+    report, text = run_clean(schedule=str(TWO_SHOT), world=world, backend=backend, calls=4, seed=5,
+                             programs=2)
     assert report.outputs["out"].compared == 4 * world, text
 
 
@@ -124,10 +123,8 @@ def test_the_two_shot_all_reduce_matches_float64(world: int, backend: str) -> No
 @pytest.mark.parametrize(("world", "backend"), [
     (MeshWorld((2, 3)), "host"), (MeshWorld((3, 2)), "torch")], ids=str)
 def test_over_teams_dcpc_run_matches_float64(world: MeshWorld, backend: str) -> None:
-    report = run_schedule(RunConfig(schedule=str(AXIS), world=world, backend=backend,
-                                    calls=4, seed=3, programs=2, sizes={"T": 23}))
-    text = format_report(report)
-    assert report.launch.ok and report.mismatches == 0, text
+    report, text = run_clean(schedule=str(AXIS), world=world, backend=backend, calls=4, seed=3,
+                             programs=2, sizes={"T": 23})
     assert report.outputs["y_all"].compared == 4 * int(world), text
     assert report.outputs["x_gpus"].max_abs_err == 0.0, text
 
@@ -154,10 +151,8 @@ def test_an_integer_concat_moves_bit_for_bit(world: int, backend: str,
     """An i64 payload, 13 rows in 3 or 4 parts (the last the longer), bit for bit."""
     path = tmp_path / "op_pull_split_int.yaml"
     path.write_text(INT_CONCAT)
-    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
-                                    calls=4, seed=2, programs=2, sizes={"T": 13}))
-    text = format_report(report)
-    assert report.launch.ok and report.mismatches == 0, text
+    report, text = run_clean(schedule=str(path), world=world, backend=backend, calls=4, seed=2,
+                             programs=2, sizes={"T": 13})
     stats = report.outputs["n_all"]
     assert stats.compared == 4 * world and stats.max_abs_err == 0.0, text
 
@@ -204,13 +199,7 @@ steps:
 ])
 def test_bad_split_keys_are_located_errors(step: str, code: str, col: int) -> None:
     text = HEAD + f"  - pull: {step}\n"
-    line = text.count("\n")
-    try:
-        found = [d for d in structural.check(parse_text(text, "s.yaml"), range(2, 5))
-                 if d.severity == "error"]
-    except Exception as error:  # a parse error is raised with its diagnostics
-        found = list(error.diagnostics)  # type: ignore[attr-defined]
-    assert [(d.code, d.mark.line, d.mark.col) for d in found][:1] == [(code, line, col)], found
+    assert first_error(text) == [(code, text.count("\n"), col)]
 
 
 def test_the_two_shot_with_equal_parts_is_refused_where_w_does_not_divide() -> None:

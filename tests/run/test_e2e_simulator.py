@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcpc.harness import simulate, synth
-from dcpc.lang.parse import parse_file
+from dcpc.lang.parse import parse_file, parse_text
 
 SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
 
@@ -93,3 +93,23 @@ def test_inputs_cover_empty_shards_padding_and_token_extremes() -> None:
         garbage += int((~torch.isfinite(bufs[0]["o_part"])).any())
     assert {1, ctor["T"]} <= tokens
     assert padded >= 5 and empty >= 5 and garbage >= 5
+
+
+def test_a_reference_read_of_an_unwritten_buffer_names_step_buffer_and_rank() -> None:
+    """A schedule the checker refuses (rank 2 is no destination of the swap at W=3, yet
+    'use' reads its s): were it ever proved (a checker bug, as one was), the reference
+    says where it read nothing; it raised a bare KeyError: 's'."""
+    schedule = parse_text(
+        "schedule: s\nsizes: {N: 4, D: 2}\nbuffers:\n  x: {shape: [N, D], dtype: f32}\n"
+        "  y: {shape: [N, D], dtype: f32}\n"
+        "  s: {shape: [N, D], dtype: f32, symmetric: true}\nsteps:\n"
+        '  - swap: {op: shift, src: x, dst: s, perm: "r + 1 - 2 * (r % 2)"}\n'
+        '  - use: {op: external, when: "rank >= 0", reads: [s], writes: [y]}\n', world=3)
+    sizes = synth.call_sizes(schedule, 3, synth.constructor_sizes(schedule, 3, {}), 1, 0)
+    inputs = synth.call_inputs(schedule, 3, sizes, 1, 0)
+    external = synth.make_external(schedule, 3, sizes, 1, 0)
+    with pytest.raises(simulate.UnwrittenRead) as err:
+        simulate.simulate_call(schedule, 3, sizes, inputs, external, trace=[])
+    assert (err.value.step, err.value.buffer, err.value.rank) == ("use", "s", 2)
+    assert str(err.value).startswith("the float64 reference of step 'use' reads 's' on "
+                                     "rank 2, where no earlier step of the call wrote it")

@@ -218,3 +218,40 @@ def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
     assert result["world"] == "2x2" and result["replay"]["outcome"].startswith("released")
     assert result["outputs"]["q_full"]["first"].startswith(
         "call 0 slot 1 rank 0 (gather_nodes): q_full"), result
+
+
+PHANTOM = """\
+schedule: p
+sizes: {N: 4, D: 40}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32}
+  s: {shape: [N, D], dtype: f32, symmetric: true}
+steps:
+  - swap: {op: shift, src: x, dst: s, perm: "r + 1 - 2 * (r % 2)"}
+  - use: {op: external, when: "rank < 2", reads: [s], writes: [y]}
+  - credit: {op: signal, to: next, channel: free}
+  - freed: {op: wait, from: prev, channel: free}
+"""
+
+
+def test_replay_of_a_perm_race_holds_ranks_the_table_joins(tmp_path: Path) -> None:
+    """At W=3 the swap's table is [1, 0, -1]; the race the checker finds on rank 0's s
+    comes from a phantom writer (rank 2, which sends nothing). Its counterexample named
+    that store, so the replay held rank 0 for rank 2's swap, which never writes s: the
+    run matched (0 mismatches). Shown at a store the table makes (rank 0 into rank 1),
+    the replay makes the race happen."""
+    schedule = tmp_path / "p.yaml"
+    schedule.write_text(PHANTOM)
+    done = dcpc("check", str(schedule), "--world", "3", "--format", "json", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = tmp_path / "race.json"
+    found.write_text(done.stdout)
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--replay", str(found), "--wait-timeout", "240",
+                "--calls", "2", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads(record.read_text())[0]
+    assert result["replay"]["hold"] == [1, 0, "use"], result["replay"]
+    assert result["replay"]["until"] == [0, 1, "swap"], result["replay"]
+    assert result["outputs"]["s@use"]["mismatches"] >= 1, result

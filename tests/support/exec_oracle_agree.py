@@ -92,3 +92,42 @@ def disagreements(schedule: Any, worlds: Iterable[int],
         oracle = explore(plan, world, channels=names, **runs(world))
         out += [f"W={world}: {d}" for d in compare(checker, oracle)]
     return out
+
+
+def assert_three_agree(schedule: Any, want: set, label: str,
+                       worlds: Iterable[int] = (2, 3, 4), executed: Iterable[int] = (2, 3)
+                       ) -> None:
+    """The checker and the brute force (tests/support/hb_oracle.py) find exactly ``want``
+    at each of ``worlds``, and the execution oracle disagrees with the checker nowhere
+    at ``executed``."""
+    from support.hb_oracle import oracle_keys
+
+    for world in worlds:
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert found == oracle_keys(schedule, world) == want, (label, world)
+    assert disagreements(schedule, list(executed)) == [], label
+
+
+def checker_covers(text: str, world: int, executed: bool = True) -> tuple[set, set]:
+    """The checker's findings and the brute force's for schedule ``text`` at ``world``
+    (parsed at that W: a perm is one schedule per W); asserts the structural check is
+    clean, the checker reports every race the brute force (and, ``executed``, the
+    execution oracle) finds, the same deadlocks, and no unwritten read."""
+    from dcpc.check import structural
+    from dcpc.lang.parse import parse_text
+    from support.hb_oracle import oracle_keys, oracle_unwritten
+
+    schedule = parse_text(text, world=world)
+    errors = [d for d in structural.check(schedule, [world]) if d.severity == "error"]
+    assert errors == [], (text, world, errors)
+    found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+    exact = oracle_keys(schedule, world)
+    assert exact <= found, (text, world, exact - found)
+    assert {k for k in found if k[0] == "deadlock"} == \
+        {k for k in exact if k[0] == "deadlock"}, (text, world)
+    assert oracle_unwritten(schedule, world) == set(), (text, world)
+    if executed:
+        run = explore(lower(schedule, [world]), world, channels=channel_names(schedule))
+        assert {f.key for f in run.findings if f.kind == "race"} <= found, (text, world)
+        assert run.hung == any(k[0] == "deadlock" for k in found), (text, world)
+    return found, exact

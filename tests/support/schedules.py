@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -26,13 +26,50 @@ def errors(path: Path, worlds: Sequence[int] = (2, 3)) -> list[tuple[str, int, i
     return [(d.code, d.mark.line, d.mark.col, d.message) for d in err.value.diagnostics]
 
 
-def codes(source: str, folder: Path, name: str = "schedule.yaml",
-          worlds: Sequence[int] = (2, 3)) -> list[str]:
-    """The error codes the pipeline reports up to the happens-before check, sorted and
-    each once (empty: accepted and proved)."""
+def diagnostics(source: str, folder: Path, name: str = "schedule.yaml",
+                worlds: Sequence[int] = (2, 3)) -> list:
+    """What the pipeline reports up to the happens-before check of a schedule it refuses
+    (empty: accepted and proved)."""
     try:
         pipeline.run(write(folder, source, name), pipeline.Options(worlds=tuple(worlds)),
                      until="hb")
     except DiagnosticError as err:
-        return sorted({d.code for d in err.diagnostics if d.severity == "error"})
+        return list(err.diagnostics)
     return []
+
+
+def codes(source: str, folder: Path, name: str = "schedule.yaml",
+          worlds: Sequence[int] = (2, 3)) -> list[str]:
+    """The error codes the pipeline reports up to the happens-before check, sorted and
+    each once (empty: accepted and proved)."""
+    return sorted({d.code for d in diagnostics(source, folder, name, worlds)
+                   if d.severity == "error"})
+
+
+def check_errors(text: str, worlds: Iterable[int] = (2, 3, 4)) -> list:
+    """The errors the parser or the structural check reports of schedule ``text`` (file
+    's.yaml'), without the happens-before check."""
+    from dcpc.check import structural
+    from dcpc.lang.parse import parse_text
+
+    try:
+        return [d for d in structural.check(parse_text(text, "s.yaml"), worlds)
+                if d.severity == "error"]
+    except DiagnosticError as error:  # a parse error is raised with its diagnostics
+        return list(error.diagnostics)
+
+
+def first_error(text: str, worlds: Iterable[int] = (2, 3, 4)) -> list[tuple[str, int, int]]:
+    """(code, line, col) of ``check_errors``' first, as a list of at most one."""
+    return [(d.code, d.mark.line, d.mark.col) for d in check_errors(text, worlds)][:1]
+
+
+def run_clean(**config: object) -> tuple[object, str]:
+    """``dcpc run`` of ``RunConfig(**config)``: the report and its text, asserting every
+    rank ran and every compared output matches float64."""
+    from dcpc.harness.run import RunConfig, format_report, run_schedule
+
+    report = run_schedule(RunConfig(**config))  # type: ignore[arg-type]
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    return report, text

@@ -15,9 +15,9 @@ from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
 from dcpc.lang import when as wh
-from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of
+from dcpc.lang.mesh import MeshWorld, Torus, fit_worlds, mesh_of, shape_of, torus
 from dcpc.lang.model import Schedule
-from dcpc.lang.semantics import Semantics
+from dcpc.lang.semantics import Region, Semantics
 
 if TYPE_CHECKING:
     from dcpc.codegen.plan import Plan
@@ -96,31 +96,60 @@ def check(
 
 
 def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
-    """The race rotated to ranks where both its steps run (``when:``, dcpc.lang.when),
-    so that its counterexample happens as written and ``dcpc run --replay`` can show it.
-    The analysis takes a guarded step's accesses on every rank (sound: guards are on
-    local steps only, so happens-before is the same whichever ranks skip), and every
-    rotation of a race of that model is one; a race no rotation fits is kept as found
-    (another pair of the same groups may fit). None: a step of it runs on no rank at this
-    W, so no execution makes it. Rotated without a mesh only (a mesh's symmetry is its
-    torus, not a rotation of rank numbers)."""
+    """The race translated to ranks where both its steps run (``when:``, dcpc.lang.when)
+    and where a store the model gives every rank is one the program makes: a perm's
+    writer p into table[p]'s instance, a broadcast's root (the analysis takes every
+    rank's store at every delta of a table, and every rank as a broadcast's root, so
+    the race it finds may name a writer with no such store), so that its counterexample
+    happens as written and ``dcpc run --replay`` can show it. The analysis takes a
+    guarded step's accesses on every rank (sound: guards are on local steps only, so
+    happens-before is the same whichever ranks skip), and every translation of a race
+    of that model is one (a rotation; on a mesh, of its torus); a race no translation
+    fits is kept as found (another pair of the same groups may fit). None: a step of it
+    runs on no rank at this W, so no execution makes it. A guarded race on a mesh is
+    kept as found (its timeline marks no skipped step: ``_skipped``)."""
     a, b = race.first, race.second
     steps = schedule.step_list()
     step_a, step_b = (steps[world.program.events[t.j].step] for t in (a, b))
-    if wh.condition(step_a) is None and wh.condition(step_b) is None:
+    guarded = wh.condition(step_a) is not None or wh.condition(step_b) is not None
+    if not guarded and not any(_modelled_store(t) for t in (a, b)):
         return race
     n = int(world.world)
-    running = wh.running(schedule, world.world)
     every = frozenset(range(n))
-    on_a, on_b = running.get(step_a.index, every), running.get(step_b.index, every)
-    if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
-        return None
-    if schedule.mesh is not None:
-        return race
+    on_a = on_b = every
+    if guarded:
+        running = wh.running(schedule, world.world)
+        on_a, on_b = running.get(step_a.index, every), running.get(step_b.index, every)
+        if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
+            return None
+        if schedule.mesh is not None:
+            return race
+    topo = torus(shape_of(world.world))
+
+    def made(t: Touch, d: int) -> bool:  # the store of t translated by d is the program's
+        region = _modelled_store(t)
+        if region is None:
+            return True
+        rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
+        if region.scheme == "perm":
+            return len(region.table) != n or region.table[rank] == owner
+        team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
+        return team[region.dim] == rank
+
     for d in range(n):
-        if (a.rank + d) % n in on_a and (b.rank + d) % n in on_b:
-            return replace(race, first=_rotated(a, d, n), second=_rotated(b, d, n))
+        if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b and made(a, d) \
+                and made(b, d):
+            return replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
     return race
+
+
+def _modelled_store(t: Touch) -> Region | None:
+    """The region of a store the model gives ranks the program does not (a perm's at
+    every delta of its table, a broadcast's from every rank), else None."""
+    region = t.access.region
+    if t.access.kind != "write" or region is None or region.scheme not in ("perm", "root"):
+        return None
+    return region
 
 
 def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
@@ -132,8 +161,8 @@ def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
                      for r in range(int(w)) if r not in ranks)
 
 
-def _rotated(t: Touch, d: int, n: int) -> Touch:
-    return replace(t, rank=(t.rank + d) % n, owner=(t.owner + d) % n)
+def _rotated(t: Touch, d: int, topo: Torus) -> Touch:
+    return replace(t, rank=topo.add(t.rank, d), owner=topo.add(t.owner, d))
 
 
 def _json(world: int) -> int | str:
