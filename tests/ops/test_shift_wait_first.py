@@ -96,6 +96,22 @@ def test_a_communicating_step_between_a_wait_and_its_later_put_is_located() -> N
     assert "'early'" in found[0].message and "'send'" in found[0].message
 
 
+def test_the_span_rule_is_what_keeps_the_chain_live() -> None:
+    """A ping-pong between the wait and its put: rank r's pong waits for rank r + 1's
+    ping, which rank r + 1 makes only after its receive, which needs rank r's put, after
+    the pong: a deadlock the brute force finds. The liveness graph without the chain's
+    edge cannot see it (it orders nothing through the receive), which is why such a step
+    there is refused before the analysis."""
+    text = STAGE.replace("  - send:", "  - ping: {op: signal, to: prev, channel: c}\n"
+                         "  - pong: {op: wait, from: next, channel: c}\n  - send:")
+    assert [d.code for d in _errors(text)] == ["wait-first-span"]
+    for world in (2, 3, 4):
+        schedule = parse_text(text)
+        assert any(k[0] == "deadlock" for k in oracle_keys(schedule, world)), world
+        assert not any(f.kind == "deadlock"
+                       for f in hb.check(schedule, [world], hints=False).findings), world
+
+
 @pytest.mark.parametrize("move,words", [
     ("offset: 2", "at W=2 the shift by 2 is a local copy"),
     ('perm: "(W - r) % W"', "rank 0 is a fixed point of the perm")])
