@@ -230,3 +230,35 @@ def test_dcpc_run_of_the_pipeline_hand_off_matches_float64(world: int, backend: 
     assert report.ok, text
     assert report.outputs["recv"].compared > 0, text
     assert all(o.mismatches == 0 for o in report.outputs.values()), text
+
+
+OPS_FILE = ROOT / "schedules" / "ops" / "shift_wait_first.yaml"
+BACKWARDS = [("offset: next, wrap: false", "offset: prev, wrap: false"),
+             ('when: "rank == 0"', 'when: "rank == X"'),
+             ('when: "rank > 0"', 'when: "rank < W - 1"'),
+             ('when: "rank == W - 1"', 'when: "rank == 0"'),
+             ('when: "rank == X"', 'when: "rank == W - 1"'),
+             ("to: prev, channel", "to: next, channel"),
+             ("from: next, channel", "from: prev, channel")]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["host", "torch"])
+@pytest.mark.parametrize("variant", ["perm", "backwards"])
+def test_dcpc_run_of_a_perm_chain_and_a_backward_chain_matches_float64(
+        variant: str, backend: str, tmp_path: Path) -> None:
+    """The chain by a perm (r + 1) and the chain run backwards (offset prev: the last
+    rank starts it), reference and kernels alike."""
+    text = OPS_FILE.read_text()
+    edits = ([("offset: next, wrap: false", 'perm: "r + 1"')] if variant == "perm"
+             else BACKWARDS)
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / f"{variant}.yaml"
+    path.write_text(text)
+    report = run_schedule(RunConfig(schedule=str(path), world=3, backend=backend, calls=5,
+                                    seed=3))
+    text = format_report(report)
+    assert report.ok and report.outputs["recv"].compared > 0, text
+    assert all(o.mismatches == 0 for o in report.outputs.values()), text
