@@ -20,8 +20,9 @@ from dcpc.lang import model as m
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import mesh_of, shape_of, torus
 from dcpc.numerics import local_seq_len, reference_scale, round_e4m3  # the facts, once
-from dcpc.ops import OPS
+from dcpc.ops import OPS, shift
 from dcpc.ops.external import External as ExternalOp
+from dcpc.ops.shift import Shift as ShiftOp
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
@@ -326,13 +327,24 @@ def simulate_call(
     """
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     running = wh.running(schedule, world)  # the guarded steps' ranks (when:)
-    for step in schedule.step_list():
-        # the engine's own steps store as torch does (the harness's synthetic ones do)
-        sim.rounding = ("nearest" if isinstance(step.op, ExternalOp)
-                        else rounding(step) if callable(rounding) else rounding)
+    steps = schedule.step_list()
+    early = {s.index: put for s in steps if isinstance(s.op, ShiftOp)
+             and (put := shift.wait_first(sim, s)) is not None}
+    done = -1  # the last step a chain below ran already
+    for step in steps:
+        if step.index <= done:
+            continue
+        sim.rounding = _rounding(step, rounding)
         if trace is not None and step.index:
             trace.append(sim.written)
             sim.written = [{} for _ in range(world)]
+        if step.index in early:
+            written = _chain(sim, steps[step.index:early[step.index].index + 1], running,
+                             rounding)
+            if trace is not None:
+                trace.extend(written[:-1])
+            sim.written, done = written[-1], early[step.index].index
+            continue
         op = OPS.get(step.kind)
         if op is None:
             raise NotImplementedError(f"simulator: op {step.kind} of step {step.name}")
@@ -359,6 +371,42 @@ def unsent_at(trace: list[list[Buffers]], step: int, rank: int, name: str
         if name in entry[rank]:
             return entry[rank].get(name + UNSENT_KEY)
     return None
+
+
+def _rounding(step: m.Step, rounding: str | Callable[[m.Step], str]) -> str:
+    # the engine's own steps store as torch does (the harness's synthetic ones do)
+    if isinstance(step.op, ExternalOp):
+        return "nearest"
+    return rounding(step) if callable(rounding) else rounding
+
+
+def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
+           rounding: str | Callable[[m.Step], str]) -> list[list[Buffers]]:
+    """A shift's wait written before its put (``steps``: the wait, the local steps
+    between, the put; dcpc.ops.shift ``wait_first``), in dependency order, not in lock
+    step: rank by rank along the chain (a rank after the rank it receives from), each
+    rank runs the wait (its dst gets its source's src as the source put it: that rank
+    ran up to its put already), the steps between (on that rank alone: they are local)
+    and the put. Returns what each step wrote, per rank (the trace's entries)."""
+    wait, put = steps[0], steps[-1]
+    op = wait.op
+    world = int(sim.world)
+    written: list[list[Buffers]] = [[{} for _ in range(world)] for _ in steps]
+    source = shift.sources(op, world)
+    for r in shift.chain_order(op, world):
+        if r in source:
+            sim.written = written[0]
+            value = as_stored(sim.schedule, op.dst, sim.bufs[source[r]][op.src],
+                              _rounding(put, rounding))  # as the put pushed it
+            sim.rounding = _rounding(wait, rounding)
+            sim.store(r, op.dst, value.clone())
+        for k, step in enumerate(steps[1:-1], start=1):
+            sim.written, sim.rounding = written[k], _rounding(step, rounding)
+            ranks = running.get(step.index)
+            skipped = {q for q in range(world) if q != r or (ranks is not None
+                                                              and q not in ranks)}
+            OPS[step.kind].reference(sim.guarded(skipped), step)
+    return written
 
 
 def seen_at(trace: list[list[Buffers]], step: int, rank: int, name: str) -> torch.Tensor | None:

@@ -275,6 +275,26 @@ def wraps(peers: str | None) -> bool:
     return peers is None or not peers.startswith((LINE, PERM))
 
 
+def chain(peers: str | None) -> bool:
+    """Whether the ranks a one-rank peers spec links form chains, no cycle: a "line"
+    offset always, a perm when following it never comes back to a rank (a fixed point
+    is a cycle of one). A wait before its put on such peers is live whatever W (edge
+    ranks start it: dcpc.check.hb.clocks); on a cycle, every rank would wait first."""
+    if isinstance(peers, str) and peers.startswith(LINE):
+        return True
+    table = perm_table(peers)
+    if table is None:
+        return False
+    for start in range(len(table)):
+        seen, r = set(), start
+        while r >= 0:
+            if r in seen:
+                return False
+            seen.add(r)
+            r = table[r]
+    return True
+
+
 def ring_hops(peers: str | None) -> int:
     """How many ranks a wait from ``peers`` moves a happens-before chain along the ring
     (0 for none or "all", which reaches every rank at once): the world bound counts it."""

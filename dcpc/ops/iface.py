@@ -108,6 +108,9 @@ class CheckContext(Protocol):
     @property
     def samples(self) -> Samples: ...
 
+    @property
+    def semantics(self) -> Sequence[Any]: ...  # each step's Semantics, by step index
+
 
 class ShapeRules(Protocol):
     """The shared shape, dtype and base rules bound to one step and the check context:

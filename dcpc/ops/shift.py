@@ -15,6 +15,14 @@ Offsets: ``next`` (= 1), ``prev`` (= -1) or any other nonzero integer k; rank r 
 taken mod W, so at a W that divides k the shift is a local copy (no signal, no wait).
 The checker's world bound counts |k| ranks per wait of a shift.
 
+A ``phase: wait`` may come BEFORE its put on a chain (``wrap: false``, a perm with no
+cycle): the pipeline stage's receive, compute, send (``wait_first``). The k-th wait of
+a (src, dst, offset, wrap) polls the k-th put of it whichever comes first; only local
+steps may stand between such a wait and its put (``wait-first-span``: the chain's
+liveness, docs/hb-checker.md); the float64 reference runs that span rank by rank along
+the chain (dcpc.harness.simulate); on the torch backend the wait receives and the put
+only sends. On a ring every rank would wait first: the checker's deadlock.
+
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
 outside receives nothing (its ``dst`` is left as it was) and does not wait: the
@@ -222,23 +230,38 @@ class Puts:
 
 
 def puts(schedule: ScheduleView) -> Puts:
-    """Match every ``phase: wait`` shift with the earliest earlier unmatched put of the
-    same (src, dst, offset, wrap). The choice does not depend on W."""
+    """Match the k-th ``phase: wait`` shift of a (src, dst, offset, wrap) with the k-th
+    put of it, whichever comes first: a wait before its put (the pipeline stage's
+    receive, compute, send: ``wait_first``) pairs with the earliest later unmatched put.
+    The choice does not depend on W."""
     out = Puts()
     pending: dict[tuple[Any, ...], list[Step]] = {}
+    early: dict[tuple[Any, ...], list[Step]] = {}  # waits written before their put
     for step in schedule.step_list():
         op = step.op
         if not isinstance(op, Shift) or op.phase is None:
             continue
-        if op.phase == "put":
+        if op.phase == "put" and early.get(_key(op)):
+            wait = early[_key(op)].pop(0)
+            out.polls[wait.name], out.lands[step.name] = step, wait
+        elif op.phase == "put":
             pending.setdefault(_key(op), []).append(step)
         elif pending.get(_key(op)):
             put = out.polls[step.name] = pending[_key(op)].pop(0)
             out.lands[put.name] = step
         else:
-            out.lonely_waits.append(step)
+            early.setdefault(_key(op), []).append(step)
+    out.lonely_waits = sorted((s for waiting in early.values() for s in waiting),
+                              key=lambda s: s.index)
     out.lonely_puts = [s for waiting in pending.values() for s in waiting]
     return out
+
+
+def wait_first(holder: Any, step: Step) -> Step | None:
+    """The put a ``phase: wait`` step polls when it is written BEFORE that put (a
+    pipeline stage: receive, compute, send), else None."""
+    put = matched(holder).polls.get(step.name)
+    return put if put is not None and put.index > step.index else None
 
 
 def matched(holder: Any) -> Puts:
@@ -307,16 +330,88 @@ def verify(v: ShapeRules, step: Step) -> None:
     if any(w.name == step.name for w in found.lonely_waits):
         v.error(op.mark("phase"), "unmatched-wait",
                 f"step '{step.name}' waits for a shift of '{src.name}' into '{dst.name}', "
-                "but no earlier 'phase: put' step with the same src, dst, offset and wrap is "
-                "left for it; the wait could never finish",
-                "add a put step before it, or drop 'phase' for a shift that waits itself")
+                "but no 'phase: put' step with the same src, dst, offset and wrap is left "
+                "for it, earlier or later; the wait could never finish",
+                "add a put step, or drop 'phase' for a shift that waits itself")
+    put = wait_first(v.ctx, step)
+    if put is not None:
+        _verify_wait_first(v, step, put)
     if any(p.name == step.name for p in found.lonely_puts):
         v.error(op.mark("phase"), "unmatched-put",
                 f"step '{step.name}' puts '{src.name}' into '{dst.name}' of rank "
                 f"r{delta(op):+d}, "
-                "but no later 'phase: wait' step with the same src, dst, offset and wrap waits "
+                "but no 'phase: wait' step with the same src, dst, offset and wrap is left "
                 "for it; the receiver never learns that its data arrived",
-                "add a 'phase: wait' step after it")
+                "add a 'phase: wait' step after it (or, on a chain, before it)")
+
+
+def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
+    """A wait written before its put (receive, compute, send) is live only as a chain:
+    its rank's steps up to the put must not wait for anything (or signal, or reach
+    another rank), else a wait in between may need what only this wait's rank makes
+    later (docs/hb-checker.md, "A wait before its put"). ``axis:`` is not written yet
+    (the float64 reference runs the chain over the whole group)."""
+    op: Shift = step.op  # type: ignore[assignment]
+    if op.axis is not None:
+        v.error(op.mark("axis"), "axis-unsupported",
+                f"step '{step.name}' waits before its put '{put.name}' along axis "
+                f"{op.axis!r}; a wait before its put runs over the whole group so far",
+                "drop 'axis', or move the wait after the put")
+        return
+    dests, k = table(op), delta(op)
+    copies = ([r for r, d in enumerate(dests) if d == r] if op.perm is not None
+              else [int(w) for w in v.ctx.samples.worlds if op.wrap and k % int(w) == 0])
+    if copies:
+        where = (f"rank {copies[0]} is a fixed point of the perm" if op.perm is not None
+                 else f"at W={copies[0]} the shift by {k} is a local copy")
+        v.error(op.mark("phase"), "wait-first-span",
+                f"step '{step.name}' waits before its put '{put.name}', but {where}: the "
+                "copy is made at the put, so the wait would return before its data exists",
+                "move the wait after the put")
+        return
+    steps = v.ctx.schedule.step_list()
+    for between in steps[step.index + 1:put.index]:
+        sem = v.ctx.semantics[between.index]
+        if (sem.sync.signal is None and sem.sync.wait is None
+                and all(e.region is None and e.root is None for e in sem.effects)):
+            continue
+        v.error(op.mark("phase"), "wait-first-span",
+                f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
+                f"send), but step '{between.name}' ({between.kind}) between them "
+                "communicates (it signals, waits or reaches another rank's buffers); only "
+                "steps that run on their rank alone may stand between a wait and its later "
+                "put, or a wait there could need what this rank sends only after it",
+                f"move '{between.name}' before '{step.name}' or after '{put.name}'")
+        return
+
+
+def sources(op: Shift, world: int) -> dict[int, int]:
+    """Each rank that receives (at ``world``) -> the rank whose src it receives."""
+    if op.perm is not None:
+        return {d: r for r, d in enumerate(table(op)) if d >= 0}
+    k = delta(op)
+    return {r: (r - k) % world for r in range(world) if op.wrap or 0 <= r - k < world}
+
+
+def chain_order(op: Shift, world: int) -> list[int]:
+    """The ranks in the order a wait written before its put finishes on them: a rank
+    after the rank it receives from (the first rank of each chain waits for nobody).
+    Only for a chain (``wrap: false``, an acyclic perm): the checker refuses a cycle."""
+    source = sources(op, world)
+    order: list[int] = []
+    done: set[int] = set()
+    for start in range(world):
+        path = []
+        r = start
+        while r not in done and r not in path:
+            path.append(r)
+            if r not in source:
+                break
+            r = source[r]
+        for q in reversed(path):  # the chain's head (no source) first
+            done.add(q)
+            order.append(q)
+    return order
 
 
 def reference(sim: SimView, step: Step) -> None:
@@ -370,12 +465,23 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                "tune_of": put.name if put is not None else step.name,
                # only when false: the plans of cyclic shifts stay as they were
                **({} if op.wrap else {"wrap": False}),
+               # a wait written before its put: on the torch backend the wait receives
+               # and the put only sends (its receiver waits already); only when so
+               **({"first": True} if _first(ctx, step) else {}),
                **(_perm_attrs(table(op)) if op.perm is not None else {})},
         signalling=True,
     )
     if op.phase != "wait":
         ctx.layout(plan, "src", 0, 1)
     return plan
+
+
+def _first(holder: Any, step: Step) -> bool:
+    """Whether ``step`` is half of a pair whose wait is written before its put."""
+    if step.op.phase == "wait":
+        return wait_first(holder, step) is not None
+    wait = matched(holder).lands.get(step.name) if step.op.phase == "put" else None
+    return wait is not None and wait.index < step.index
 
 
 def _perm_attrs(dests: tuple[int, ...]) -> dict[str, Any]:

@@ -255,24 +255,28 @@ def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
 
 
 def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, rank: int,
-          world: int, wrap: bool = True, perm: list[int] | None = None) -> None:
+          world: int, wrap: bool = True, perm: list[int] | None = None,
+          half: str | None = None) -> None:
     """dst on rank r + offset = src of rank r: one send and one receive per rank.
     ``wrap`` False: no send past either end of 0 .. W-1, no receive from past it (dst
     kept). ``perm`` (the destination of each rank, -1: none; the offset unused): dst on
     rank perm[r] = src of rank r; a rank that is no source sends nothing, one that is
-    no destination receives nothing (dst kept), a fixed point copies locally."""
+    no destination receives nothing (dst kept), a fixed point copies locally.
+    ``half``: "recv" (a shift's wait written before its put: receive only) or "send"
+    (that put: send only, its receiver posted the receive at its wait); a chain only
+    (the checker refuses a wait-first ring), so no local copy."""
     if perm is not None:
-        _permute(comm, src, dst, rank, perm)
+        _permute(comm, src, dst, rank, perm, half)
         return
     to, back = (rank + offset) % world, (rank - offset) % world
     if wrap and to == rank:  # W divides the offset: a local copy
         dst.copy_(src)
         return
     ops = []
-    if wrap or 0 <= rank + offset < world:
+    if half != "recv" and (wrap or 0 <= rank + offset < world):
         ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
                               dist.get_global_rank(comm.group, to), comm.group))
-    if wrap or 0 <= rank - offset < world:
+    if half != "send" and (wrap or 0 <= rank - offset < world):
         ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
                               comm.group))
     for work in dist.batch_isend_irecv(ops) if ops else ():
@@ -280,7 +284,7 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
 
 
 def _permute(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, rank: int,
-             perm: list[int]) -> None:
+             perm: list[int], half: str | None = None) -> None:
     """``shift`` with a perm table: one send to perm[rank], one receive from its source."""
     to = perm[rank]
     back = next((r for r, d in enumerate(perm) if d == rank), -1)
@@ -288,10 +292,10 @@ def _permute(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, rank: int,
         dst.copy_(src)
         return
     ops = []
-    if to >= 0:
+    if to >= 0 and half != "recv":
         ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
                               dist.get_global_rank(comm.group, to), comm.group))
-    if back >= 0:
+    if back >= 0 and half != "send":
         ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
                               comm.group))
     for work in dist.batch_isend_irecv(ops) if ops else ():

@@ -95,7 +95,8 @@ def test_gallery_layout_matches_float64(path: Path, world: int) -> None:
             continue
         k = max(1, sum(  # a cast's scales: sent, not in io's writes
             name in OPS[s.kind].io(s.op)[1] for s in schedule.step_list() if s.kind != "external"))
-        assert stats.compared == CALLS * world * k, (name, text)
+        # a shift without wrap leaves the ranks with no source as they were: kept
+        assert stats.compared + stats.kept == CALLS * world * k, (name, text)
 
 
 @pytest.mark.parametrize("twin", TWINS, ids=lambda p: p.stem)

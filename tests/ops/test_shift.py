@@ -63,9 +63,9 @@ steps:
     ("  - hop: {op: shift, src: x, dst: e}\n", "not-symmetric", "e}", "engine-owned"),
     ("  - hop: {op: shift, src: x, dst: b}\n", "shape-mismatch", "b}", "the shift of src 'x'"),
     ("  - hop: {op: shift, src: x, dst: y, phase: wait}\n", "unmatched-wait", "wait}",
-     "no earlier 'phase: put'"),
+     "no 'phase: put' step"),
     ("  - hop: {op: shift, src: x, dst: y, phase: put}\n", "unmatched-put", "put}",
-     "no later 'phase: wait'"),
+     "no 'phase: wait' step"),
 ])
 def test_bad_shifts_are_located_errors(step: str, code: str, at: str, words: str) -> None:
     found = _errors(HEAD + step)

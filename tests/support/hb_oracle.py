@@ -584,19 +584,18 @@ def _shift_offset(op) -> int:
 
 def _shift_puts(schedule: Schedule) -> dict[str, str]:
     """wait step -> the put it polls: the k-th `phase: wait` of a (src, dst, offset,
-    wrap) polls the k-th `phase: put` of it before it (and lands its data)."""
-    pending: dict[tuple, list[str]] = {}
-    out: dict[str, str] = {}
+    wrap) polls the k-th `phase: put` of it, before it or after it (a wait written first:
+    the pipeline stage's receive, compute, send), and lands its data."""
+    puts: dict[tuple, list[str]] = {}
+    waits: dict[tuple, list[str]] = {}
     for item in schedule.steps:
         for n, op in item.items():
             if op.op != "shift" or op.phase is None:
                 continue
             key = (op.src, op.dst, _shift_offset(op), op.wrap, str(op.perm))
-            if op.phase == "put":
-                pending.setdefault(key, []).append(n)
-            elif pending.get(key):
-                out[n] = pending[key].pop(0)
-    return out
+            (puts if op.phase == "put" else waits).setdefault(key, []).append(n)
+    return {w: p for key, ws in waits.items()
+            for w, p in zip(ws, puts.get(key, []), strict=False)}
 
 
 def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
@@ -902,3 +901,70 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool =
     body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
     return RANDOM_MESH_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots,
                                      streams=streams, **flags) + body
+
+
+# --- a shift's wait written before its put (the pipeline stage's receive, compute, send)
+
+FIRST_HEADER = """\
+schedule: first_{seed}
+slots: {slots}
+streams: {streams}
+sizes:
+  N: 4
+  K: 2
+buffers:
+  x:  {{shape: [N, K], dtype: f32}}
+  y:  {{shape: [N, K], dtype: f32}}
+  o:  {{shape: [N, K], dtype: f32}}
+  h0: {{shape: [N, K], dtype: f32, symmetric: true}}
+  h1: {{shape: [N, K], dtype: f32, symmetric: true}}
+steps:
+  - fill: {{op: external, reads: [x], writes: [h0, h1, y, o]}}
+"""
+
+# how a wait-first pair moves: chains (no wrap, a line perm, swapped pairs are a cycle
+# of two) and rings (every rank waits first: a deadlock the checker must report)
+FIRST_MOVES = ("offset: next, wrap: false", "offset: prev, wrap: false",
+               "offset: 2, wrap: false", 'perm: "r + 1"', 'perm: "(r + 1) % W"',
+               "offset: next", 'perm: "r + 1 - 2 * (r % 2)"')
+
+
+def random_wait_first_schedule_text(draw, st) -> str:
+    """A small random schedule with one or two shifts whose wait is written before its
+    put (chains and rings), local steps between them that read the landed dst and write
+    the src (the stage's compute), and credits (signal/wait next/prev), barriers and
+    externals around them, placed at random: correct pipelines, races (no credit, a
+    write of the dst while a push into it may be in flight) and deadlocks (rings)."""
+    slots = draw(st.integers(1, 2))
+    streams = draw(st.sampled_from(["per_slot", "single"]))
+    steps: list[str] = []
+
+    def around() -> None:
+        for _ in range(draw(st.integers(0, 2))):
+            kind = draw(st.sampled_from(["credit", "barrier", "ext"]))
+            if kind == "credit":
+                to = draw(st.sampled_from(["next", "prev"]))
+                channel = f"c{draw(st.integers(0, 1))}"
+                pair = [f"{{op: signal, to: {to}, channel: {channel}}}",
+                        f"{{op: wait, from: {PARTNERS[to]}, channel: {channel}}}"]
+                steps.extend(pair if draw(st.integers(0, 4)) else pair[::-1])
+            elif kind == "barrier":
+                steps.append("{op: barrier}")
+            else:
+                target = draw(st.sampled_from(["y", "h0", "h1"]))
+                steps.append(f"{{op: external, reads: [x], writes: [{target}]}}")
+
+    for _ in range(draw(st.integers(1, 2))):
+        around()
+        move = draw(st.sampled_from(FIRST_MOVES))
+        dst = draw(st.sampled_from(["h0", "h1"]))
+        src = draw(st.sampled_from(["y", "o"]))
+        steps.append(f"{{op: shift, src: {src}, dst: {dst}, {move}, phase: wait}}")
+        for _ in range(draw(st.integers(0, 2))):  # the stage's compute: local steps
+            reads = draw(st.sampled_from([[dst], ["x"], [dst, "x"]]))
+            steps.append(f"{{op: external, reads: [{', '.join(reads)}], writes: [{src}]}}")
+        steps.append(f"{{op: shift, src: {src}, dst: {dst}, {move}, phase: put}}")
+    around()
+    body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
+    return FIRST_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots,
+                               streams=streams) + body

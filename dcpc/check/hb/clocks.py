@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from dcpc.check.hb.events import Program, match_waits
 from dcpc.lang.mesh import MeshWorld, torus
-from dcpc.ops.common import wraps
+from dcpc.ops.common import chain, wraps
 
 
 @dataclass
@@ -122,11 +122,22 @@ class World:
         return _translate(self.clock_at(pos), rank % self.world, self.world, self.streams)
 
 
-def _call_graph(n: int, match: dict[int, list[tuple[int, int | None]]]) -> dict[int, set[int]]:
-    """Predecessors of each event j within a call (program order + matched signals)."""
+def _call_graph(program: Program, match: dict[int, list[tuple[int, int | None]]]
+                ) -> dict[int, set[int]]:
+    """Predecessors of each event j within a call (program order + matched signals).
+    A wait before the signal it polls on a chain (a shift's wait written before its put,
+    ``wrap: false`` or an acyclic perm) is no predecessor here: every rank alike would
+    wait on the rank before it around the ring, a cycle the line does not have. It is
+    live by the chain argument instead (docs/hb-checker.md, "A wait before its put"):
+    the ranks between it and its put run local steps only (dcpc.ops.shift's verifier),
+    and on a chain the first rank waits for nobody. On a cycle (a ring) it stays, and
+    the cycle is reported as a deadlock."""
+    n = len(program.events)
     preds: dict[int, set[int]] = {j: ({j - 1} if j else set()) for j in range(n)}
     for j, sources in match.items():
-        preds[j] |= {js for _, js in sources if js is not None}
+        wait = program.events[j].wait
+        first = chain(wait[1]) if wait else False
+        preds[j] |= {js for _, js in sources if js is not None and not (first and js > j)}
     return preds
 
 
@@ -202,7 +213,7 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
     n, streams = len(program.events), program.streams_per_rank
     match = match_waits(program, world)
     unmatched = [(j, d) for j, sources in sorted(match.items()) for d, js in sources if js is None]
-    preds = _call_graph(n, match)
+    preds = _call_graph(program, match)
     order = _kahn(n, preds, {j for j, _ in unmatched})
     cycles: list[set[int]] = []
     if len(order) < n:
