@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
@@ -53,7 +53,10 @@ def check_reads(ctx: Context) -> None:
     that reads it (a reduce writes its via on the root only), and not while a store into
     it is still in flight (a shift's data lands at its wait); an engine-owned buffer is
     not read before the step that writes it (one that no step writes is an input)."""
-    found = accesses(ctx)
+    # a buffer used whole and by slice is its slices here: a whole read needs each
+    # slice written (the missing one is named), a whole write writes each
+    found = [replace(a, ref=Ref(cell, a.ref.role, a.ref.mark)) if cell != a.ref.name else a
+             for a in accesses(ctx) for cell in ctx.schedule.cells(a.ref.name)]
     guarded = {s.index for s in wh.guarded(ctx.schedule)}
     # a buffer a guarded step writes is written on the ranks where its guard holds, and
     # one a guarded step reads is read there only: their reads are checked rank by rank
@@ -164,8 +167,10 @@ def _check_per_rank(ctx: Context, found: list[Access]) -> None:
                       "without wrap: no source on that side of the line; a root's "
                       "store)"] if missed else []))
                 why = "; " + (why or "no earlier step writes it")
+                part = ctx.schedule.slice_of(name)
+                shown = f"'{part[0]}[{part[1]}]' ('{name}')" if part else f"'{name}'"
                 ctx.error(acc.ref.mark, "read-before-write",
-                          f"step '{acc.step.name}' reads '{name}' on rank {rank} at W="
+                          f"step '{acc.step.name}' reads {shown} on rank {rank} at W="
                           f"{world}, where nothing the call ran before wrote it{why}",
                           hint=f"guard '{acc.step.name}' by the condition of the step that "
                           f"writes '{name}', or write '{name}' on every rank that reads it")

@@ -1,0 +1,235 @@
+"""Owner-indexed slices (issue 33 items 4 and 7): an index that names the rank ``r``
+(``o_parts[(r - h) % W]``) is unrolled per W into one guarded copy of its step per rank
+(dcpc.lang.loops), an engine-owned buffer may be used whole and by slice (its slices are
+views of it), and the per-rank data flow needs, on every rank, a write of each slice a
+whole read takes; the checker, the brute force (tests/support/hb_oracle.py) and the
+execution oracle (dcpc/check/oracle.py) agree on an owner-indexed race at W = 2, 3, 4."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.hb_oracle import oracle_keys
+
+from dcpc.check import hb, structural
+from dcpc.check.oracle import explore
+from dcpc.codegen.lower import lower
+from dcpc.diagnostics import DiagnosticError
+from dcpc.harness import synth
+from dcpc.harness.simulate import simulate_call
+from dcpc.lang import when as wh
+from dcpc.lang.parse import parse_file, parse_text
+
+ROOT = Path(__file__).resolve().parents[2]
+PASS_KV = ROOT / "schedules" / "gallery" / "meta_cp_pass_kv.yaml"
+PASS_Q = ROOT / "schedules" / "gallery" / "meta_cp_pass_q.yaml"
+
+# the hops of a ring write the partial of block (r - h) mod W into its owner's slot;
+# a merge reads every slot
+RING = """\
+schedule: s
+sizes: {N: 4, D: 2}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32}
+  parts: {shape: [W, N, D], dtype: f32}
+steps:
+  - hops:
+      repeat: TRIPS
+      as: h
+      steps:
+        - attend: {op: external, reads: [x], writes: ["parts[INDEX]"]}
+  - merge: {op: external, reads: [parts], writes: [y]}
+"""
+
+
+def _ring(trips: str = "W", index: str = "(r - h) % W") -> str:
+    return RING.replace("TRIPS", trips).replace("INDEX", index)
+
+
+def _errors(text: str, worlds: range = range(2, 5)) -> list:
+    found = []
+    for world in worlds:
+        try:
+            schedule = parse_text(text, "s.yaml", world)
+        except DiagnosticError as err:
+            found += err.diagnostics
+            continue
+        found += [d for d in structural.check(schedule, [world]) if d.severity == "error"]
+    return found
+
+
+def test_an_owner_index_unrolls_into_one_guarded_copy_per_rank() -> None:
+    schedule = parse_text(_ring(), "s.yaml", 3)
+    steps = schedule.step_list()
+    assert [s.name for s in steps] == [f"attend_h{h}_r{p}" for h in range(3)
+                                       for p in range(3)] + ["merge"]
+    for step in steps[:-1]:
+        h, p = int(step.name[8]), int(step.name[-1])
+        assert step.op.when == f"rank == {p}"
+        assert step.op.writes == [f"parts_{(p - h) % 3}"]
+    # the merge reads the whole buffer; its slices are views of it
+    assert steps[-1].op.reads == ["parts"]
+    assert schedule.slices == {"parts": 3} and schedule.slice_of("parts_2") == ("parts", 2)
+    assert schedule.cells("parts") == ["parts_0", "parts_1", "parts_2"]
+    # an unrolled copy's errors point at the index it came from (the writes list)
+    assert (steps[0].op.mark("when").line, steps[0].op.mark("when").col) == (12, 54)
+
+
+def test_ranks_whose_slices_agree_share_one_copy() -> None:
+    """``parts[r % 2]`` at W = 4: ranks 0 and 2, 1 and 3 take the same slice."""
+    schedule = parse_text(_ring("1", "r % 2"), "s.yaml", 4)
+    guarded = [(s.name, s.op.when, s.op.writes) for s in schedule.step_list()[:-1]]
+    assert guarded == [("attend_h0_r0", "rank == 0 or rank == 2", ["parts_0"]),
+                       ("attend_h0_r1", "rank == 1 or rank == 3", ["parts_1"])]
+
+
+def test_an_index_that_names_the_rank_and_a_hop_index_named_r() -> None:
+    """A hop index named r hides the rank (tests/lang/test_loops_nested.py names one)."""
+    text = _ring("W", "r").replace("as: h", "as: r")
+    schedule = parse_text(text, "s.yaml", 3)
+    assert [s.op.writes for s in schedule.step_list()[:-1]] == [["parts_0"], ["parts_1"],
+                                                                ["parts_2"]]
+    assert all(s.op.when is None for s in schedule.step_list())
+
+
+def test_the_hops_covering_every_slot_on_every_rank_are_proved() -> None:
+    assert _errors(_ring()) == []
+
+
+def test_a_missing_hop_is_read_before_write_naming_the_rank_and_the_slot() -> None:
+    found = _errors(_ring("W - 1"))
+    assert {d.code for d in found} == {"read-before-write"}, found
+    first = found[0]
+    assert (first.mark.line, first.mark.col) == (13, 35)  # the merge's reads list
+    # W = 2, one hop: rank 0 wrote slot 0 only, so slot 1 is missing there
+    assert ("step 'merge' reads 'parts[1]' ('parts_1') on rank 0 at W=2" in first.message
+            ), first.message
+    assert "attend_h0_r1" in first.message  # the copy that writes it runs elsewhere
+
+
+def test_an_index_of_the_rank_out_of_range_names_the_rank() -> None:
+    found = _errors(_ring("1", "r + 1"), range(3, 4))
+    assert [d.code for d in found] == ["bad-index"], found
+    assert "'parts[r + 1]' is slice 3 of 'parts'" in found[0].message
+    assert "(at W=3, h=0, r=2)" in found[0].message
+
+
+def test_an_index_of_the_rank_needs_a_world() -> None:
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(_ring("1", "r"), "s.yaml", None)
+    assert [d.code for d in err.value.diagnostics] == ["loop-world"]
+    assert "names the rank 'r'" in err.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("index,words", [
+    ("(r - h) % (W + 1)", "here it is '(W + 1)'"),
+    ("(r - h) % M", "here it is 'M'"),
+    ("rank", "names 'rank', which is not the hop index"),
+])
+def test_a_bad_owner_index_is_bad_index(index: str, words: str) -> None:
+    found = _errors(_ring("W", index), range(2, 3))
+    assert [d.code for d in found] == ["bad-index"], found
+    assert words in found[0].message, found[0].message
+
+
+def test_an_owner_index_on_a_communication_step_is_refused_once() -> None:
+    text = """\
+schedule: s
+sizes: {N: 4, D: 2}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  g: {shape: [W, N, D], dtype: f32, symmetric: true}
+steps:
+  - send: {op: shift, src: x, dst: "g[r]", offset: next}
+  - done: {op: barrier}
+"""
+    found = _errors(text, range(3, 4))
+    assert [d.code for d in found] == ["bad-index"], found
+    assert "step 'send' (shift) has an index that names the rank" in found[0].message
+    assert (found[0].mark.line, found[0].mark.col) == (7, 36)
+
+
+def test_a_symmetric_buffer_used_whole_and_by_slice_stays_mixed_index() -> None:
+    text = _ring().replace("parts: {shape: [W, N, D], dtype: f32}",
+                           "parts: {shape: [W, N, D], dtype: f32, symmetric: true}")
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(text, "s.yaml", 3)
+    assert [d.code for d in err.value.diagnostics] == ["mixed-index"]
+
+
+# an owner-indexed reader of symmetric slices: even ranks read what prev sent, odd ranks
+# what next sent; with nothing after it, the next call's shift into that slice races the
+# read (on the ranks that read it); with the barrier after it, clean
+GATHERED = """\
+schedule: s
+sizes: {N: 4, D: 2}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32}
+  g: {shape: [2, N, D], dtype: f32, symmetric: true}
+steps:
+  - right: {op: shift, src: x, dst: "g[0]", offset: next}
+  - left: {op: shift, src: x, dst: "g[1]", offset: prev}
+  - use: {op: external, reads: ["g[r % 2]"], writes: [y]}
+"""
+
+
+@pytest.mark.parametrize("tail", ["", "  - done: {op: barrier}\n"], ids=["racy", "clean"])
+def test_checker_brute_force_and_execution_oracle_agree_on_an_owner_indexed_race(
+        tail: str) -> None:
+    for world in (2, 3, 4):
+        try:
+            schedule = parse_text(GATHERED + tail, "s.yaml", world)
+        except DiagnosticError as err:
+            pytest.fail(str(err.diagnostics))
+        assert [d for d in structural.check(schedule, [world]) if d.severity == "error"] == []
+        checker = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        brute = oracle_keys(schedule, world)
+        executed = {f.key for f in explore(lower(schedule, [world]), world,
+                                           randoms=2).findings}
+        assert checker == brute == executed, (world, checker, brute, executed)
+        assert bool(checker) is (tail == ""), (world, checker)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_pass_kv_s_reference_holds_each_block_s_partial_in_its_owner_s_slot(
+        world: int) -> None:
+    """The float64 reference of the gallery's pass-KV ring: on rank r, slot j of the
+    partials is what the hop that attended rank j's block wrote (its copy for rank r),
+    and the whole buffer the merge reads is those slices, stacked."""
+    schedule = parse_file(PASS_KV, world)
+    sizes = synth.call_sizes(schedule, world, synth.constructor_sizes(schedule, world, None),
+                             0, 0)
+    inputs = synth.call_inputs(schedule, world, sizes, 0, 0)
+    seen: dict[tuple[int, str], str] = {}  # (rank, slot buffer) -> the step that wrote it
+    external = synth.make_external(schedule, world, sizes, 0, 0)
+
+    def spy(step, rank, bufs):  # noqa: ANN001, ANN202
+        out = external(step, rank, bufs)
+        # the reference runs a guarded step on every rank, into throwaway buffers
+        # where it does not run (simulate.Sim.guarded): count where it runs
+        for name in out if wh.runs(schedule, step, rank, world) else ():
+            if name.startswith("o_parts_"):
+                seen[(rank, name)] = step.name
+        return out
+
+    final = simulate_call(schedule, world, sizes, inputs, spy)
+    for rank in range(world):
+        for j in range(world):
+            s = (rank - j) % world  # ring step s holds the block of rank r - s
+            want = ("attend_first" if s == 0 else "attend_last" if s == world - 1
+                    else f"attend_h{s - 1}") + f"_r{rank}"
+            assert seen[(rank, f"o_parts_{j}")] == want, (rank, j, seen)
+            got = final[rank]["o_parts"][j]
+            assert torch.equal(got.nan_to_num(7.0), final[rank][f"o_parts_{j}"].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("path", [PASS_KV, PASS_Q], ids=lambda p: p.stem)
+def test_the_meta_cp_layouts_are_proved_and_their_flow_is_exact(path: Path) -> None:
+    for world in (2, 3, 4, 5):
+        schedule = parse_file(path, world)
+        assert [d for d in structural.check(schedule, [world]) if d.severity == "error"] == []
+        assert schedule.slices == {"o_parts": world, "lse_parts": world}
