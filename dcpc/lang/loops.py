@@ -716,15 +716,19 @@ class _Unroller:
         within the step and hop bounds: found from its trip counts, before any step of it
         is unrolled (loop-too-long)."""
         flat = not any(_is_loop(b[1]) for b in map(_body, inner) if b)
-        if flat:  # a loop of plain steps: its hops times its steps
-            steps, hops = trips * len(inner), trips
+        if flat:  # a loop of plain steps: its hops times its steps (a step per rank of
+            # one whose index names the rank)
+            steps, hops = trips * sum(_copies(i, self.env) for i in inner), trips
         else:
             count = [0, 0]
             _tally([{name: body}], self.env, 0, count)
             steps, hops = count
         if steps > MAX_STEPS:
-            shape = (f"{trips} hops x {len(inner)} steps = {steps} steps" if flat else
-                     f"{steps} steps over the loops inside it")
+            per = steps // trips if flat and trips else len(inner)
+            shape = (f"{trips} hops x {per} steps = {steps} steps" if flat else
+                     f"{steps} steps over the loops inside it") + (
+                " (a step whose index names the rank counts once per rank)"
+                if per != len(inner) else "")
             self.error(_mark(body, "repeat", self.file), "loop-too-long",
                        f"loop '{name}' unrolls to {shape}{self._at({})}; the checker unrolls "
                        f"every hop and analyses at most {MAX_STEPS} steps",
@@ -938,6 +942,15 @@ def uses_loops(data: Any) -> bool:
     return isinstance(data, dict) and indexed(data.get("steps"))
 
 
+def _copies(item: Any, env: dict[str, int]) -> int:
+    """The steps a plain step unrolls to at most: one per rank (W) when an index of it
+    names the rank (``_Unroller.owned``), else one."""
+    named = _body(item)
+    owned = (named is not None and isinstance(named[1], dict) and OWNER not in env
+             and "W" in env and _owner_mark(named[1], "<memory>") is not None)
+    return int(env["W"]) if owned else 1
+
+
 def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) -> bool:
     """Add the unrolled steps and the hops of ``items`` (steps at nesting ``depth``, hop
     indices bound in ``env``) to ``count`` = [steps, hops], from the trip counts alone (no
@@ -946,10 +959,14 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) 
     evaluated, is negative or a loop nests too deep (counted as no steps: the unroller
     reports it)."""
     complete = True
+
+    def copies(item: Any) -> int:
+        return _copies(item, env)
+
     for item in items:
         named = _body(item)
         if not (named and _is_loop(named[1])):
-            count[0] += 1
+            count[0] += copies(item)
             continue
         repeat, inner, hop = (named[1].get(k) for k in ("repeat", "steps", "as"))
         if isinstance(repeat, bool) or not isinstance(inner, list) or depth >= MAX_NEST:
@@ -965,7 +982,7 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) 
             continue
         count[1] += trips
         if not any(_is_loop(b[1]) for b in map(_body, inner) if b):  # hops x steps
-            count[0] += trips * len(inner)
+            count[0] += trips * sum(copies(i) for i in inner)
             continue
         if count[1] > MAX_HOPS:
             continue

@@ -19,6 +19,7 @@ from dcpc.codegen.lower import lower
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import synth
 from dcpc.harness.simulate import simulate_call
+from dcpc.lang import loops, yamlsrc
 from dcpc.lang import when as wh
 from dcpc.lang.parse import parse_file, parse_text
 
@@ -233,3 +234,14 @@ def test_the_meta_cp_layouts_are_proved_and_their_flow_is_exact(path: Path) -> N
         schedule = parse_file(path, world)
         assert [d for d in structural.check(schedule, [world]) if d.severity == "error"] == []
         assert schedule.slices == {"o_parts": world, "lse_parts": world}
+
+
+def test_the_step_bound_counts_a_copy_per_rank_before_unrolling() -> None:
+    """The bounds found from the trip counts alone (loop-too-long, the per-W budget)
+    count an owner-indexed step once per rank: exact for pass-KV, whose ranks all take
+    different slots, so W = 15 (285 steps) is refused before any step is rewritten."""
+    raw = yamlsrc.load(PASS_KV.read_text(), str(PASS_KV))
+    for world in (2, 3, 4, 5, 6, 14):
+        assert loops.unrolled_length(raw, world) == len(parse_file(PASS_KV, world).step_list())
+    assert loops.unrolled_length(raw, 15) == 285 > loops.MAX_STEPS
+    assert loops.first_too_long(raw, list(range(2, 41))) == 15
