@@ -222,6 +222,11 @@ def call_inputs(
             else:
                 value = int_value(schedule, name, sizes, bufs, gen)
             bufs[name] = as_stored(schedule, name, value)
+        for whole in schedule.slices:  # an input used whole and by slice: one memory
+            views = schedule.cells(whole)
+            if whole in bufs:
+                bufs.update({v: bufs[whole][k].clone() for k, v in enumerate(views)
+                             if v in bufs})
         out.append(bufs)
     return out
 

@@ -245,3 +245,28 @@ def test_the_step_bound_counts_a_copy_per_rank_before_unrolling() -> None:
         assert loops.unrolled_length(raw, world) == len(parse_file(PASS_KV, world).step_list())
     assert loops.unrolled_length(raw, 15) == 285 > loops.MAX_STEPS
     assert loops.first_too_long(raw, list(range(2, 41))) == 15
+
+
+def test_an_input_used_whole_and_by_slice_is_one_memory_in_the_reference() -> None:
+    """An engine input read whole and by the rank's slice: the call's inputs give the
+    slice the whole's values (they were two independent random tensors)."""
+    text = """\
+schedule: s
+sizes: {T: {max: 4}, D: 8}
+buffers:
+  x: {shape: [W, T, D], dtype: f32}
+  y: {shape: [T, D], dtype: f32}
+  z: {shape: [T, D], dtype: f32}
+steps:
+  - mine: {op: copy, src: "x[r]", dst: y}
+  - all: {op: sum, src: x, dst: z}
+"""
+    world = 3
+    schedule = parse_text(text, "s.yaml", world)
+    sizes = synth.call_sizes(schedule, world, synth.constructor_sizes(schedule, world, None),
+                             0, 0)
+    inputs = synth.call_inputs(schedule, world, sizes, 0, 0)
+    final = simulate_call(schedule, world, sizes, inputs,
+                          synth.make_external(schedule, world, sizes, 0, 0))
+    for rank in range(world):
+        assert torch.equal(final[rank]["y"], final[rank]["x"][rank])
