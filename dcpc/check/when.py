@@ -39,7 +39,7 @@ def check_when(ctx: Context) -> None:
             # a copy the unroller made of a step whose index names the rank: said once,
             # of the step as written (its copies are '<name>_r<rank>')
             written = re.sub(r"_r[0-9]+\Z", "", step.name)
-            ctx.error(mark, "bad-index",
+            ctx.error(step.op.mark(wh.OWNER_MARK), "bad-index",
                       f"step '{written}' ({step.kind}) has an index that names the rank "
                       "'r', but it communicates (it signals, waits or reaches another "
                       "rank's buffers): a slice that depends on the rank is taken per rank "

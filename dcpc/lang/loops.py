@@ -470,8 +470,10 @@ class _Unroller:
         for ranks, out in groups.values():
             cond = " or ".join(f"{RANK} == {p}" for p in ranks)
             own = out.get("when")
+            marks = out.get(MARKS, {})  # a when: of the step's own keeps its place
             out = {**out, "when": cond if own is None else f"({own}) and ({cond})",
-                   MARKS: {**out.get(MARKS, {}), "when": mark, OWNER_MARK: mark}}
+                   MARKS: {**marks, "when": marks.get("when", mark) if own else mark,
+                           OWNER_MARK: mark}}
             copies.append((f"_r{ranks[0]}", out))
         return copies
 

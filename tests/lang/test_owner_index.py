@@ -270,3 +270,19 @@ steps:
                           synth.make_external(schedule, world, sizes, 0, 0))
     for rank in range(world):
         assert torch.equal(final[rank]["y"], final[rank]["x"][rank])
+
+
+def test_a_step_s_own_when_joins_its_owner_guard_and_keeps_its_place() -> None:
+    text = _ring().replace('- attend: {op: external, reads',
+                           '- attend: {op: external, when: "rank > 0", reads')
+    schedule = parse_text(text, "s.yaml", 2)
+    first = schedule.step_list()[0]
+    assert first.name == "attend_h0_r0" and first.op.when == "(rank > 0) and (rank == 0)"
+    assert (first.op.mark("when").line, first.op.mark("when").col) == (12, 40)
+    # rank 0 writes nothing at hop 0 now: slot 0 is missing there
+    found = [d for d in structural.check(schedule, [2]) if d.severity == "error"]
+    assert "reads 'parts[0]' ('parts_0') on rank 0 at W=2" in found[0].message
+    bad = text.replace('"rank > 0"', '"rank >"')
+    found = _errors(bad, range(2, 3))
+    assert {d.code for d in found} == {"bad-when"}
+    assert (found[0].mark.line, found[0].mark.col) == (12, 40)
