@@ -45,7 +45,7 @@ from dcpc.lang.mesh import Mesh
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import all_gather, shift
-from dcpc.topology import shape_of
+from dcpc.topology import shape_of, torus
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
 MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
@@ -161,6 +161,17 @@ def _offset_names(body: Any, data: Any) -> str | None:
     return text if text is None or team is None else re.sub(r"\bW\b", f"({team})", text)
 
 
+def _coordinates(data: Any) -> set[str]:
+    """The mesh's axis names: in an index, the rank's coordinate along that axis."""
+    mesh = data.get("mesh") if isinstance(data, dict) else None
+    return {k for k in mesh if k not in (MARK, MARKS)} if isinstance(mesh, dict) else set()
+
+
+def _owner_names(data: Any) -> frozenset[str]:
+    """What an index may name of the rank: ``r`` and, on a mesh, each axis' coordinate."""
+    return frozenset({OWNER} | _coordinates(data))
+
+
 def _shard(body: Any) -> Any:
     """An external step's ``shard`` (None without one): a rank, evaluated per rank and
     bounded at each W by the unroller, so it makes the file one schedule per W."""
@@ -239,7 +250,9 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
         elif isinstance(node, str):
             indexed = _INDEXED.match(node.strip())
             # an index naming the rank is unrolled into one copy per rank group at each W
-            owner = {OWNER} - hops if "W" in names else set()
+            # (a coordinate's at each mesh shape: the file is then one schedule per shape)
+            owner = (({OWNER} if "W" in names else set())
+                     | (_coordinates(data) if names & set(_axis_sizes(data)) else set())) - hops
             if indexed and (_names_w(indexed.group(2), names | owner)
                             or leading_w(indexed.group(1))):
                 return mark
@@ -451,7 +464,8 @@ class _Unroller:
         ``("_r<first rank>", op)``, each guarded by ``when: rank == p or ...`` (and by
         the step's own ``when:``): the rank-by-rank checks, the float64 reference and
         the module then treat it as any guarded step (dcpc.lang.when)."""
-        mark = _owner_mark(body, self.file) if OWNER not in env else None
+        hops = env.keys() - self.env.keys()  # a hop index hides a name of the rank
+        mark = _owner_mark(body, self.file, _owner_names(self.data) - hops)
         if mark is None:
             return [("", self.op(name, body, env))]
         if "W" not in self.env:
@@ -460,8 +474,15 @@ class _Unroller:
                              "into one guarded copy per rank, for one W at a time")
             return []
         groups: dict[str, tuple[list[int], dict[str, Any]]] = {}
+        axes, shape = sorted(_coordinates(self.data), key=self._axis_names().index), ()
+        if axes and self.world is not None and len(shape_of(self.world)) == len(axes):
+            shape = shape_of(self.world)  # the coordinates are the mesh shape's
         for rank in range(int(self.env["W"])):
-            out = self.op(name, body, {**env, OWNER: rank})
+            coords = zip(axes, torus(shape).coords(rank), strict=True) if shape else ()
+            at = {**env, **{k: v for k, v in coords if k not in hops}}
+            if OWNER not in hops:
+                at[OWNER] = rank
+            out = self.op(name, body, at)
             key = repr({k: v for k, v in out.items() if k not in (MARK, MARKS)})
             groups.setdefault(key, ([], out))[0].append(rank)
         if len(groups) == 1:  # the same slices on every rank at this W: no guard
@@ -720,10 +741,11 @@ class _Unroller:
         flat = not any(_is_loop(b[1]) for b in map(_body, inner) if b)
         if flat:  # a loop of plain steps: its hops times its steps (a step per rank of
             # one whose index names the rank)
-            steps, hops = trips * sum(_copies(i, self.env) for i in inner), trips
+            steps, hops = trips * sum(_copies(i, self.env, _owner_names(self.data))
+                                      for i in inner), trips
         else:
             count = [0, 0]
-            _tally([{name: body}], self.env, 0, count)
+            _tally([{name: body}], self.env, 0, count, _owner_names(self.data))
             steps, hops = count
         if steps > MAX_STEPS:
             per = steps // trips if flat and trips else len(inner)
@@ -814,11 +836,13 @@ class _Unroller:
             data[SLICES] = aliased
 
 
-def _owner_mark(body: dict[str, Any], file: str) -> Mark | None:
-    """Where the first index of step ``body`` that names the rank (``OWNER``) is, or
-    None (a step's keys and a mask_empty's, as ``_Unroller.op`` rewrites them)."""
+def _owner_mark(body: dict[str, Any], file: str,
+                names: frozenset[str] | set[str] = frozenset({OWNER})) -> Mark | None:
+    """Where the first index of step ``body`` that names the rank (one of ``names``:
+    ``r``, a mesh coordinate) is, or None (a step's keys and a mask_empty's, as
+    ``_Unroller.op`` rewrites them)."""
     shard = _shard(body)
-    if isinstance(shard, str) and _names_w(shard, {OWNER}):
+    if isinstance(shard, str) and _names_w(shard, names):
         return _mark(body, "shard", file)
     for key, value in body.items():
         if key in (MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave", "shard"):
@@ -829,7 +853,7 @@ def _owner_mark(body: dict[str, Any], file: str) -> Mark | None:
         for text, mark in inner.values():
             for one in text if isinstance(text, list) else [text]:
                 found = _INDEXED.match(one.strip()) if isinstance(one, str) else None
-                if found and _names_w(found.group(2), {OWNER}):
+                if found and _names_w(found.group(2), names):
                     return mark
     return None
 
@@ -944,16 +968,18 @@ def uses_loops(data: Any) -> bool:
     return isinstance(data, dict) and indexed(data.get("steps"))
 
 
-def _copies(item: Any, env: dict[str, int]) -> int:
+def _copies(item: Any, env: dict[str, int],
+            owners: frozenset[str] = frozenset({OWNER})) -> int:
     """The steps a plain step unrolls to at most: one per rank (W) when an index of it
-    names the rank (``_Unroller.owned``), else one."""
+    names the rank (``owners`` not bound in ``env``: ``_Unroller.owned``), else one."""
     named = _body(item)
-    owned = (named is not None and isinstance(named[1], dict) and OWNER not in env
-             and "W" in env and _owner_mark(named[1], "<memory>") is not None)
+    owned = (named is not None and isinstance(named[1], dict) and "W" in env
+             and _owner_mark(named[1], "<memory>", owners - env.keys()) is not None)
     return int(env["W"]) if owned else 1
 
 
-def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) -> bool:
+def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],
+           owners: frozenset[str] = frozenset({OWNER})) -> bool:
     """Add the unrolled steps and the hops of ``items`` (steps at nesting ``depth``, hop
     indices bound in ``env``) to ``count`` = [steps, hops], from the trip counts alone (no
     step is rewritten). A loop's hops are walked only while the hops stay within MAX_HOPS,
@@ -963,7 +989,7 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) 
     complete = True
 
     def copies(item: Any) -> int:
-        return _copies(item, env)
+        return _copies(item, env, owners)
 
     for item in items:
         named = _body(item)
@@ -992,7 +1018,7 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) 
             complete = False
             continue
         for h in range(trips):
-            complete = _tally(inner, {**env, hop: h}, depth + 1, count) and complete
+            complete = _tally(inner, {**env, hop: h}, depth + 1, count, owners) and complete
             if count[1] > MAX_HOPS:
                 break
     return complete
@@ -1007,7 +1033,7 @@ def unrolled_length(data: Any, world: int) -> int | None:
     if not isinstance(steps, list):
         return None
     count = [0, 0]
-    if not _tally(steps, _world_env(data, world), 0, count):
+    if not _tally(steps, _world_env(data, world), 0, count, _owner_names(data)):
         return None
     return max(count[0], MAX_STEPS + 1) if count[1] > MAX_HOPS else count[0]
 

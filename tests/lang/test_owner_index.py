@@ -21,6 +21,7 @@ from dcpc.harness import synth
 from dcpc.harness.simulate import simulate_call
 from dcpc.lang import loops, yamlsrc
 from dcpc.lang import when as wh
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file, parse_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,3 +287,49 @@ def test_a_step_s_own_when_joins_its_owner_guard_and_keeps_its_place() -> None:
     found = _errors(bad, range(2, 3))
     assert {d.code for d in found} == {"bad-when"}
     assert (found[0].mark.line, found[0].mark.col) == (12, 40)
+
+
+# on a mesh an index may name the rank's coordinate along an axis: each GPU of a node
+# writes its own slot, then the G - 1 others', then reads its own; the sum reads all
+MESH = """\
+schedule: s
+mesh: {node: N, gpu: G}
+sizes: {T: {max: 4}, D: 8}
+buffers:
+  x: {shape: [T, D], dtype: f32}
+  y: {shape: [T, D], dtype: f32}
+  parts: {shape: [G, T, D], dtype: f32}
+  total: {shape: [T, D], dtype: f32}
+steps:
+  - put: {op: copy, src: x, dst: "parts[gpu]"}
+  - rest:
+      repeat: TRIPS
+      as: h
+      steps:
+        - other: {op: copy, src: x, dst: "parts[(gpu + h + 1) % G]"}
+  - mine: {op: copy, src: "parts[gpu]", dst: y}
+  - all: {op: sum, src: parts, dst: total}
+"""
+
+
+def test_an_index_of_a_mesh_coordinate_unrolls_per_shape() -> None:
+    schedule = parse_text(MESH.replace("TRIPS", "G - 1"), "s.yaml", MeshWorld([2, 3]))
+    assert schedule.loop_world == (2, 3)  # the coordinates are the shape's
+    by_name = {s.name: s.op for s in schedule.step_list()}
+    # rank = 3 * node + gpu: gpu 0 is ranks 0 and 3
+    assert (by_name["put_r0"].when, by_name["put_r0"].dst) == ("rank == 0 or rank == 3",
+                                                               "parts_0")
+    assert (by_name["other_h1_r2"].when, by_name["other_h1_r2"].dst) == (
+        "rank == 2 or rank == 5", "parts_1")
+    assert by_name["mine_r1"].src == "parts_1" and by_name["all"].src == "parts"
+    found = [d for d in structural.check(schedule, [MeshWorld([2, 3])])
+             if d.severity == "error"]
+    assert found == []
+
+
+def test_a_missing_coordinate_hop_is_read_before_write() -> None:
+    schedule = parse_text(MESH.replace("TRIPS", "G - 2"), "s.yaml", MeshWorld([2, 3]))
+    found = [d for d in structural.check(schedule, [MeshWorld([2, 3])])
+             if d.severity == "error"]
+    assert {d.code for d in found} == {"read-before-write"}, found
+    assert "step 'all' reads 'parts[2]' ('parts_2') on rank 0" in found[0].message

@@ -14,6 +14,7 @@ from support.gallery import CALLS
 from dcpc.harness import synth
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.harness.simulate import simulate_call
+from dcpc.lang.mesh import parse_shapes
 from dcpc.lang.parse import parse_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,3 +66,42 @@ def test_a_hop_s_shard_puts_an_empty_block_s_garbage_where_the_merge_masks_it() 
     assert _nonfinite_rows(text) == 0
     assert _nonfinite_rows("\n".join(line for line in text.split("\n")
                                      if "shard:" not in line)) > 0
+
+
+MESH = """\
+schedule: mesh_owner
+mesh: {node: N, gpu: G}
+sizes: {T: {max: 4}, D: 8}
+buffers:
+  x: {shape: [T, D], dtype: f32}
+  y: {shape: [T, D], dtype: f32}
+  parts: {shape: [G, T, D], dtype: f32}
+  total: {shape: [T, D], dtype: f32}
+steps:
+  - put: {op: external, reads: [x], writes: ["parts[gpu]"]}
+  - rest:
+      repeat: G - 1
+      as: h
+      steps:
+        - other: {op: copy, src: "parts[gpu]", dst: "parts[(gpu + h + 1) % G]"}
+  - mine: {op: copy, src: "parts[gpu]", dst: y}
+  - all: {op: sum, src: parts, dst: total}
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("shape", ["2x2", "1x3"])
+def test_an_index_of_a_mesh_coordinate_runs_against_float64(shape: str, tmp_path: Path
+                                                             ) -> None:
+    """Each GPU's engine step writes its own slot, copies fill the others from it, the
+    sum reads every slot: `total` is G times the own slot's value on every rank, as the
+    float64 reference (which unrolls the same copies) has it."""
+    path = tmp_path / "mesh_owner.yaml"
+    path.write_text(MESH)
+    world = parse_shapes(shape, 64)[0]
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend="host",
+                                    calls=3, seed=5))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["total"].compared == 3 * int(world), text
