@@ -53,6 +53,7 @@ def check_reads(ctx: Context) -> None:
     that reads it (a reduce writes its via on the root only), and not while a store into
     it is still in flight (a shift's data lands at its wait); an engine-owned buffer is
     not read before the step that writes it (one that no step writes is an input)."""
+    _check_views(ctx)
     # a buffer used whole and by slice is its slices here: a whole read needs each
     # slice written (the missing one is named), a whole write writes each
     found = [replace(a, ref=Ref(cell, a.ref.role, a.ref.mark)) if cell != a.ref.name else a
@@ -117,6 +118,30 @@ def check_reads(ctx: Context) -> None:
                       f"step '{step.name}' reads '{ref.name}' before step "
                       f"'{writer.step.name}' writes it",
                       hint=f"move step '{step.name}' after '{writer.at.name}'")
+
+
+def _check_views(ctx: Context) -> None:
+    """A buffer used whole and by slice is the engine's tensor and its views: a method
+    (a step that is not external) that writes it or a slice would make that one the
+    module's own memory (dcpc.codegen.lower: a method's output), no view of the engine's
+    tensor, so the other side would never see the write (mixed-index)."""
+    slices = ctx.schedule.slices
+    reported: set[str] = set()
+    for acc in accesses(ctx):
+        part = ctx.schedule.slice_of(acc.ref.name)
+        whole = part[0] if part else acc.ref.name if acc.ref.name in slices else None
+        if acc.mode != "w" or whole is None or acc.step.kind == "external" \
+                or whole in reported:
+            continue
+        reported.add(whole)
+        shown = f"slice '{whole}[{part[1]}]'" if part else f"'{whole}'"
+        ctx.error(acc.ref.mark, "mixed-index",
+                  f"step '{acc.step.name}' ({acc.step.kind}) writes {shown}, and '{whole}' "
+                  "is used both whole and by slice: its slices are views of the engine's "
+                  "tensor, but what a method writes is the module's own buffer, so the "
+                  "whole and its slices would not be one memory",
+                  hint=f"write '{whole}' and its slices in engine steps only, or copy "
+                  "into a buffer of its own")
 
 
 def _check_per_rank(ctx: Context, found: list[Access]) -> None:

@@ -301,12 +301,12 @@ buffers:
   parts: {shape: [G, T, D], dtype: f32}
   total: {shape: [T, D], dtype: f32}
 steps:
-  - put: {op: copy, src: x, dst: "parts[gpu]"}
+  - put: {op: external, reads: [x], writes: ["parts[gpu]"]}
   - rest:
       repeat: TRIPS
       as: h
       steps:
-        - other: {op: copy, src: x, dst: "parts[(gpu + h + 1) % G]"}
+        - other: {op: external, reads: [x], writes: ["parts[(gpu + h + 1) % G]"]}
   - mine: {op: copy, src: "parts[gpu]", dst: y}
   - all: {op: sum, src: parts, dst: total}
 """
@@ -317,10 +317,10 @@ def test_an_index_of_a_mesh_coordinate_unrolls_per_shape() -> None:
     assert schedule.loop_world == (2, 3)  # the coordinates are the shape's
     by_name = {s.name: s.op for s in schedule.step_list()}
     # rank = 3 * node + gpu: gpu 0 is ranks 0 and 3
-    assert (by_name["put_r0"].when, by_name["put_r0"].dst) == ("rank == 0 or rank == 3",
-                                                               "parts_0")
-    assert (by_name["other_h1_r2"].when, by_name["other_h1_r2"].dst) == (
-        "rank == 2 or rank == 5", "parts_1")
+    assert (by_name["put_r0"].when, by_name["put_r0"].writes) == ("rank == 0 or rank == 3",
+                                                                  ["parts_0"])
+    assert (by_name["other_h1_r2"].when, by_name["other_h1_r2"].writes) == (
+        "rank == 2 or rank == 5", ["parts_1"])
     assert by_name["mine_r1"].src == "parts_1" and by_name["all"].src == "parts"
     found = [d for d in structural.check(schedule, [MeshWorld([2, 3])])
              if d.severity == "error"]
@@ -333,3 +333,17 @@ def test_a_missing_coordinate_hop_is_read_before_write() -> None:
              if d.severity == "error"]
     assert {d.code for d in found} == {"read-before-write"}, found
     assert "step 'all' reads 'parts[2]' ('parts_2') on rank 0" in found[0].message
+
+
+@pytest.mark.parametrize("step", [
+    '  - fill: {op: copy, src: y, dst: "parts[r]"}\n',  # a slice, by the rank
+    '  - fill: {op: copy, src: y, dst: "parts[0]"}\n',  # a slice, fixed
+])
+def test_a_method_that_writes_a_view_of_the_engine_s_tensor_is_mixed_index(step: str) -> None:
+    """The module owns what a method writes (dcpc.codegen.lower), so a slice a method
+    writes would be no view of the engine's whole tensor: refused, at the write."""
+    text = _ring() + step
+    found = _errors(text, range(2, 3))
+    assert [d.code for d in found] == ["mixed-index"], found
+    assert "writes slice 'parts[0]'" in found[0].message and "copy" in found[0].message
+    assert found[0].mark.line == 14

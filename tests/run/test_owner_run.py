@@ -83,7 +83,7 @@ steps:
       repeat: G - 1
       as: h
       steps:
-        - other: {op: copy, src: "parts[gpu]", dst: "parts[(gpu + h + 1) % G]"}
+        - other: {op: external, reads: [x], writes: ["parts[(gpu + h + 1) % G]"]}
   - mine: {op: copy, src: "parts[gpu]", dst: y}
   - all: {op: sum, src: parts, dst: total}
 """
@@ -93,9 +93,9 @@ steps:
 @pytest.mark.parametrize("shape", ["2x2", "1x3"])
 def test_an_index_of_a_mesh_coordinate_runs_against_float64(shape: str, tmp_path: Path
                                                              ) -> None:
-    """Each GPU's engine step writes its own slot, copies fill the others from it, the
-    sum reads every slot: `total` is G times the own slot's value on every rank, as the
-    float64 reference (which unrolls the same copies) has it."""
+    """Each GPU's engine steps write its own slot and the others', a copy (a method) reads
+    its own slot (the engine passes the view), the sum reads every slot, as the float64
+    reference (which unrolls the same copies) has them."""
     path = tmp_path / "mesh_owner.yaml"
     path.write_text(MESH)
     world = parse_shapes(shape, 64)[0]
