@@ -347,3 +347,25 @@ def test_a_method_that_writes_a_view_of_the_engine_s_tensor_is_mixed_index(step:
     assert [d.code for d in found] == ["mixed-index"], found
     assert "writes slice 'parts[0]'" in found[0].message and "copy" in found[0].message
     assert found[0].mark.line == 14
+
+
+META = sorted([PASS_KV, PASS_Q, *(ROOT / "tests" / "gallery_twins").glob("meta_cp_*.yaml")])
+
+
+@pytest.mark.parametrize("path", META, ids=lambda p: p.stem)
+def test_the_meta_cp_layouts_and_their_twins_agree_with_both_oracles(path: Path) -> None:
+    """Clean, their twins without the hop credit racing from W = 4 on, as the checker,
+    the brute force and the execution oracle all find; pass-Q's early give_back is the
+    data flow's (read-before-write on every W), not a race."""
+    for world in (2, 3, 4):
+        schedule = parse_file(path, world)
+        if "early_give_back" in path.stem:
+            assert {d.code for d in structural.check(schedule, [world])
+                    if d.severity == "error"} == {"read-before-write"}
+            continue
+        checker = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert checker == oracle_keys(schedule, world), (path.name, world)
+        executed = {f.key for f in explore(lower(schedule, [world]), world,
+                                           randoms=2).findings}
+        assert checker == executed, (path.name, world)
+        assert bool(checker) is ("no_hop_credit" in path.stem and world >= 4)
