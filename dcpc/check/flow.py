@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
@@ -53,7 +53,11 @@ def check_reads(ctx: Context) -> None:
     that reads it (a reduce writes its via on the root only), and not while a store into
     it is still in flight (a shift's data lands at its wait); an engine-owned buffer is
     not read before the step that writes it (one that no step writes is an input)."""
-    found = accesses(ctx)
+    _check_views(ctx)
+    # a buffer used whole and by slice is its slices here: a whole read needs each
+    # slice written (the missing one is named), a whole write writes each
+    found = [replace(a, ref=Ref(cell, a.ref.role, a.ref.mark)) if cell != a.ref.name else a
+             for a in accesses(ctx) for cell in ctx.schedule.cells(a.ref.name)]
     guarded = {s.index for s in wh.guarded(ctx.schedule)}
     # a buffer a guarded step writes is written on the ranks where its guard holds, and
     # one a guarded step reads is read there only: their reads are checked rank by rank
@@ -116,6 +120,30 @@ def check_reads(ctx: Context) -> None:
                       hint=f"move step '{step.name}' after '{writer.at.name}'")
 
 
+def _check_views(ctx: Context) -> None:
+    """A buffer used whole and by slice is the engine's tensor and its views: a method
+    (a step that is not external) that writes it or a slice would make that one the
+    module's own memory (dcpc.codegen.lower: a method's output), no view of the engine's
+    tensor, so the other side would never see the write (mixed-index)."""
+    slices = ctx.schedule.slices
+    reported: set[str] = set()
+    for acc in accesses(ctx):
+        part = ctx.schedule.slice_of(acc.ref.name)
+        whole = part[0] if part else acc.ref.name if acc.ref.name in slices else None
+        if acc.mode != "w" or whole is None or acc.step.kind == "external" \
+                or whole in reported:
+            continue
+        reported.add(whole)
+        shown = f"slice '{whole}[{part[1]}]'" if part else f"'{whole}'"
+        ctx.error(acc.ref.mark, "mixed-index",
+                  f"step '{acc.step.name}' ({acc.step.kind}) writes {shown}, and '{whole}' "
+                  "is used both whole and by slice: its slices are views of the engine's "
+                  "tensor, but what a method writes is the module's own buffer, so the "
+                  "whole and its slices would not be one memory",
+                  hint=f"write '{whole}' and its slices in engine steps only, or copy "
+                  "into a buffer of its own")
+
+
 def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> None:
     """The reads of buffers that guarded steps write, rank by rank at every W checked: a
     read on rank r needs an earlier write on rank r by a step that runs there (a guarded
@@ -165,12 +193,14 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                       f"it there ({'; '.join(dict.fromkeys(_why_not(a, rank) for a in missed))}"
                       ")"] if missed else []))
                 why = "; " + (why or "no earlier step writes it")
+                part = ctx.schedule.slice_of(name)
+                shown = f"'{part[0]}[{part[1]}]' ('{name}')" if part else f"'{name}'"
                 hint = (f"move step '{acc.step.name}' after '{flight[0].at.name}'" if flight
                         and not skipped and not missed else
                         f"guard '{acc.step.name}' by the condition of the step that "
                         f"writes '{name}', or write '{name}' on every rank that reads it")
                 ctx.error(acc.ref.mark, "read-before-write",
-                          f"step '{acc.step.name}' reads '{name}' on rank {rank} at W="
+                          f"step '{acc.step.name}' reads {shown} on rank {rank} at W="
                           f"{world}, where nothing the call ran before wrote it{why}",
                           hint=hint)
 

@@ -5,6 +5,8 @@ is untouched)."""
 
 from __future__ import annotations
 
+import re
+
 from dcpc.check.context import Context
 from dcpc.diagnostics import clipped, did_you_mean
 from dcpc.lang import expr as ex
@@ -33,6 +35,19 @@ def check_when(ctx: Context) -> None:
         if text is None:
             continue
         mark = step.op.mark("when")
+        if not local(sem) and wh.OWNER_MARK in step.op.src_marks:
+            # a copy the unroller made of a step whose index names the rank: said once,
+            # of the step as written (its copies are '<name>_r<rank>')
+            written = re.sub(r"_r[0-9]+\Z", "", step.name)
+            ctx.error(step.op.mark(wh.OWNER_MARK), "bad-index",
+                      f"step '{written}' ({step.kind}) has an index that names the rank "
+                      "'r', but it communicates (it signals, waits or reaches another "
+                      "rank's buffers): a slice that depends on the rank is taken per rank "
+                      "by a copy of the step that runs there alone, and every rank must run "
+                      "a communication step", hint="index by the rank in the local steps "
+                      "(the attention that writes a partial, a copy), and keep the "
+                      "exchange's buffers whole or indexed by the hop")
+            continue
         if not local(sem):
             ctx.error(mark, "when-on-communication",
                       f"step '{step.name}' ({step.kind}) has 'when:', but it communicates "

@@ -10,7 +10,7 @@ come from a callback.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -42,6 +42,27 @@ External = Callable[[m.Step, int, Buffers], Buffers]  # (step, rank, bufs) -> wr
 
 def buffer_shape(schedule: m.Schedule, name: str, sizes: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(ex.evaluate(ex.parse(d), sizes) for d in schedule.buffers[name].shape)
+
+
+def alias_views(schedule: m.Schedule, bufs: MutableMapping[str, torch.Tensor], name: str,
+                blank: Callable[[str], torch.Tensor]) -> list[str]:
+    """After ``bufs[name]`` was written: a buffer used whole and by slice
+    (``Schedule.slices``) and its slices hold one memory, so write the other side too
+    (a slice into index k of the whole, ``blank(whole)`` where the whole is not held yet;
+    the whole into each slice). Returns the names it wrote."""
+    part = schedule.slice_of(name)
+    if part is not None:
+        whole, k = part
+        value = (bufs[whole] if whole in bufs else blank(whole)).clone()
+        value[k] = bufs[name].to(value.dtype)
+        bufs[whole] = value
+        return [whole]
+    if name in schedule.slices:
+        views = schedule.cells(name)
+        for k, view in enumerate(views):
+            bufs[view] = bufs[name][k].clone()
+        return views
+    return []
 
 
 # How a kernel rounds an fp32 value it stores into bf16, by backend: Triton 3.6's CPU
@@ -265,6 +286,8 @@ class Sim:
             self.written[rank][name + UNSENT_KEY] = unsent
         else:
             self.written[rank].pop(name + UNSENT_KEY, None)
+        for other in alias_views(self.schedule, self.bufs[rank], name, self.unsent):
+            self.written[rank][other] = self.bufs[rank][other]
 
     def unsent(self, name: str) -> torch.Tensor:
         """A value of ``name``'s shape that says "never written": NaN (float64) for a

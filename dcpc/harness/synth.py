@@ -62,7 +62,9 @@ def engine_inputs(schedule: m.Schedule) -> list[str]:
         for name in reads:
             if name not in written and name not in found:
                 found.append(name)
-        written.update(writes)
+        for name in writes:  # a slice of a buffer used whole too writes part of it
+            part = schedule.slice_of(name)
+            written.update([name, *schedule.cells(name), *(part[:1] if part else ())])
     return [n for n in found if not schedule.buffers[n].is_symmetric]
 
 
@@ -220,6 +222,11 @@ def call_inputs(
             else:
                 value = int_value(schedule, name, sizes, bufs, gen)
             bufs[name] = as_stored(schedule, name, value)
+        for whole in schedule.slices:  # an input used whole and by slice: one memory
+            views = schedule.cells(whole)
+            if whole in bufs:
+                bufs.update({v: bufs[whole][k].clone() for k, v in enumerate(views)
+                             if v in bufs})
         out.append(bufs)
     return out
 
@@ -387,7 +394,9 @@ def make_external(
             else:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             if mask is not None and len(shape) >= 2 and shape[0] == masked:
-                rows = empty_rows(mask, bufs, member(rank), members, shape[0])
+                # the partials of another rank's KV block (a ring hop's shard): its rows
+                shard = rank if op.shard is None else op.shard
+                rows = empty_rows(mask, bufs, member(shard), members, shape[0])
                 pool = O_GARBAGE if len(shape) == 3 else LSE_GARBAGE
                 for t in torch.nonzero(rows).flatten().tolist():
                     value[t] = garbage.choice(pool)

@@ -29,6 +29,7 @@ from dcpc.harness.launch import progress
 from dcpc.harness.simulate import (
     TORCH_DTYPES,
     Buffers,
+    alias_views,
     buffer_shape,
     seen_at,
     simulate_call,
@@ -173,6 +174,17 @@ def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor,
         return value
     sync_stream(device)  # never a pageable copy behind a kernel that may spin (to_host)
     return value.to(device)
+
+
+def _views(schedule: m.Schedule, env: dict[str, torch.Tensor], name: str,
+           sizes: dict[str, int], world: Any, dev: torch.device) -> None:
+    """The engine's tensor used whole and by slice is one memory (simulate.alias_views):
+    a write of one side shows in the other (zeros where the whole was never written)."""
+    def blank(whole: str) -> torch.Tensor:
+        shape = buffer_shape(schedule, whole, {**sizes, "W": int(world)})
+        return _to_engine(schedule, whole, torch.zeros(shape), dev)
+
+    alias_views(schedule, env, name, blank)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -382,6 +394,7 @@ def run_rank(
                     target.copy_(value)
                     value = target
                 env[name] = value
+                _views(schedule, env, name, sizes, world, dev)
         else:
             # a guarded method whose when: fails here still gets its arguments; what
             # the rank's engine never made (a skipped engine step's output) is zeros
@@ -405,6 +418,7 @@ def run_rank(
             kind = kinds.of_step(step.index)
             for name, value in zip(names, values, strict=True):
                 env[name] = value
+                _views(schedule, env, name, sizes, world, dev)
                 # a step may leave a returned buffer as it was on some ranks (a shift
                 # without wrap: the first ranks receive nothing): what it held before,
                 # and nothing to compare when no step of the call wrote it there

@@ -42,17 +42,24 @@ from typing import Any
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
 from dcpc.lang.mesh import Mesh
+from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import all_gather, shift
-from dcpc.topology import shape_of
+from dcpc.topology import shape_of, torus
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
 MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
+# the key under which the unrolled data names the engine-owned buffers used both whole and
+# by slice (buffer -> its slice count); dcpc.lang.parse moves it to Schedule.slices
+SLICES = "__slices__"
 MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
 # hops of every loop, an inner loop's counted once per outer hop: what bounds the work of
 # a nest whose hops unroll to no step (an inner 'repeat: 0'), which the step bound misses
 MAX_HOPS = 4 * MAX_STEPS
 LOOP_KEYS = ("repeat", "as", "steps", "doc")
+# the rank in an index (``o_parts[(r - h) % W]``: the slice of the rank's own block), as
+# in a shift's perm; a hop index of the same name hides it
+OWNER = "r"
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 
@@ -154,6 +161,25 @@ def _offset_names(body: Any, data: Any) -> str | None:
     return text if text is None or team is None else re.sub(r"\bW\b", f"({team})", text)
 
 
+def _coordinates(data: Any) -> set[str]:
+    """The mesh's axis names: in an index, the rank's coordinate along that axis."""
+    mesh = data.get("mesh") if isinstance(data, dict) else None
+    return {k for k in mesh if k not in (MARK, MARKS)} if isinstance(mesh, dict) else set()
+
+
+def _owner_names(data: Any) -> frozenset[str]:
+    """What an index may name of the rank: ``r`` and, on a mesh, each axis' coordinate."""
+    return frozenset({OWNER} | _coordinates(data))
+
+
+def _shard(body: Any) -> Any:
+    """An external step's ``shard`` (None without one): a rank, evaluated per rank and
+    bounded at each W by the unroller, so it makes the file one schedule per W."""
+    if not isinstance(body, dict) or body.get("op") != "external":
+        return None
+    return body.get("shard")
+
+
 def _interleave_expr(body: Any) -> str | None:
     """An all_gather step's ``interleave`` when it is an expression (not an integer):
     the unroller evaluates it, as it does a shift's offset."""
@@ -197,29 +223,37 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
         shape = spec.get("shape") if isinstance(spec, dict) else None
         return isinstance(shape, list) and bool(shape) and _names_w(shape[0], names)
 
-    def walk(node: Any, mark: Mark | None) -> Mark | None:
+    def walk(node: Any, mark: Mark | None, hops: frozenset[str] = frozenset()) -> Mark | None:
         if "W" in names and _perm(node) is not None:  # a perm's table is one W's
             return _mark(node, "perm", "<memory>")
         if _names_w(_offset_names(node, data), names):
             return _mark(node, "offset", "<memory>")
         if _names_w(_interleave_expr(node), names):
             return _mark(node, "interleave", "<memory>")
+        if "W" in names and _shard(node) is not None:  # a rank: checked at each W
+            return _mark(node, "shard", "<memory>")
         if _is_loop(node) and _names_w(node.get("repeat"), names):  # a nested loop's
             return _mark(node, "repeat", "<memory>")
+        if _is_loop(node) and isinstance(node.get("as"), str):
+            hops = hops | {node["as"]}
         if isinstance(node, dict):
             for key, value in node.items():
                 if key not in (MARK, MARKS):
-                    found = walk(value, node.get(MARKS, {}).get(key) or mark)
+                    found = walk(value, node.get(MARKS, {}).get(key) or mark, hops)
                     if found is not None:
                         return found
         elif isinstance(node, list):
             for value in node:
-                found = walk(value, mark)
+                found = walk(value, mark, hops)
                 if found is not None:
                     return found
         elif isinstance(node, str):
             indexed = _INDEXED.match(node.strip())
-            if indexed and (_names_w(indexed.group(2), names)
+            # an index naming the rank is unrolled into one copy per rank group at each W
+            # (a coordinate's at each mesh shape: the file is then one schedule per shape)
+            owner = (({OWNER} if "W" in names else set())
+                     | (_coordinates(data) if names & set(_axis_sizes(data)) else set())) - hops
+            if indexed and (_names_w(indexed.group(2), names | owner)
                             or leading_w(indexed.group(1))):
                 return mark
         return None
@@ -408,9 +442,11 @@ class _Unroller:
                                                 _mark(body, "interleave", self.file))
         if isinstance(body.get("when"), str):
             out["when"] = self.when(body["when"], env)
+        if _shard(body) is not None:
+            out["shard"] = self.shard(name, body["shard"], env, _mark(body, "shard", self.file))
         for key, value in body.items():
             if key in (MARK, MARKS, "op", "doc", "channel", "from", "to", "phase", "offset",
-                       "interleave", "when", "perm"):
+                       "interleave", "when", "perm", "shard"):
                 continue
             mark = _mark(body, key, self.file)
             if isinstance(value, dict):  # mask_empty
@@ -420,6 +456,68 @@ class _Unroller:
             else:
                 out[key] = self.rewrite(value, env, mark)
         return out
+
+    def owned(self, name: str, body: dict[str, Any], env: dict[str, int]
+              ) -> list[tuple[str, dict[str, Any]]]:
+        """Step ``name`` unrolled at this hop: [("", its op)], or, when an index of it
+        names the rank (``OWNER``), one copy per group of ranks whose indices agree,
+        ``("_r<first rank>", op)``, each guarded by ``when: rank == p or ...`` (and by
+        the step's own ``when:``): the rank-by-rank checks, the float64 reference and
+        the module then treat it as any guarded step (dcpc.lang.when)."""
+        hops = env.keys() - self.env.keys()  # a hop index hides a name of the rank
+        mark = _owner_mark(body, self.file, _owner_names(self.data) - hops)
+        if mark is None:
+            return [("", self.op(name, body, env))]
+        if "W" not in self.env:
+            self.needs_world(mark, f"step '{name}' has an index that names the rank "
+                             f"'{OWNER}'; a step whose slice depends on the rank is unrolled "
+                             "into one guarded copy per rank, for one W at a time")
+            return []
+        groups: dict[str, tuple[list[int], dict[str, Any]]] = {}
+        axes, shape = sorted(_coordinates(self.data), key=self._axis_names().index), ()
+        if axes and self.world is not None and len(shape_of(self.world)) == len(axes):
+            shape = shape_of(self.world)  # the coordinates are the mesh shape's
+        for rank in range(int(self.env["W"])):
+            coords = zip(axes, torus(shape).coords(rank), strict=True) if shape else ()
+            at = {**env, **{k: v for k, v in coords if k not in hops}}
+            if OWNER not in hops:
+                at[OWNER] = rank
+            out = self.op(name, body, at)
+            key = repr({k: v for k, v in out.items() if k not in (MARK, MARKS)})
+            groups.setdefault(key, ([], out))[0].append(rank)
+        if len(groups) == 1:  # the same slices on every rank at this W: no guard
+            return [("", next(iter(groups.values()))[1])]
+        copies = []
+        for ranks, out in groups.values():
+            cond = " or ".join(f"{RANK} == {p}" for p in ranks)
+            own = out.get("when")
+            marks = out.get(MARKS, {})  # a when: of the step's own keeps its place
+            out = {**out, "when": cond if own is None else f"({own}) and ({cond})",
+                   MARKS: {**marks, "when": marks.get("when", mark) if own else mark,
+                           OWNER_MARK: mark}}
+            copies.append((f"_r{ranks[0]}", out))
+        return copies
+
+    def shard(self, name: str, value: Any, env: dict[str, int], mark: Mark) -> Any:
+        """External step ``name``'s ``shard`` on this rank: its value, a rank of this W
+        (``value`` unchanged, with ``bad-index``, when it is none)."""
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            self.error(mark, "bad-index", f"step '{name}': shard {value!r} is not a rank "
+                       "or an expression of r, the hop index and W")
+            return value
+        if self.world is None:
+            self.needs_world(mark, f"step '{name}' names a shard, a rank; a schedule with "
+                             "one is checked for one W at a time")
+            return value
+        found = value if isinstance(value, int) else self._value(
+            value, env, mark, f"shard: {value}")
+        if found is None:
+            return value
+        if not 0 <= found < int(self.env["W"]):
+            self.error(mark, "bad-index", f"step '{name}': shard '{value}' is {found}"
+                       f"{self._at(env)}, not a rank 0..{int(self.env['W']) - 1}")
+            return value
+        return found
 
     def when(self, text: str, env: dict[str, int]) -> str:
         """A step's ``when:`` with the hop indices of the loops around it replaced by
@@ -630,9 +728,10 @@ class _Unroller:
                     out += self.loop(step, op, hop_env, (*outer, (name, hop)), hop_tag)
                     continue
                 marks = dict(item.get(MARKS, {}))
-                out.append({f"{step}{hop_tag}": self.op(step, op, hop_env), MARKS: {
-                    "key:" + f"{step}{hop_tag}": marks.get("key:" + step),
-                    f"{step}{hop_tag}": marks.get(step)}})
+                for tag_r, body_r in self.owned(step, op, hop_env):
+                    out.append({f"{step}{hop_tag}{tag_r}": body_r, MARKS: {
+                        "key:" + f"{step}{hop_tag}{tag_r}": marks.get("key:" + step),
+                        f"{step}{hop_tag}{tag_r}": marks.get(step)}})
         return out
 
     def _fits(self, name: str, body: dict[str, Any], trips: int, inner: list[Any]) -> bool:
@@ -640,15 +739,20 @@ class _Unroller:
         within the step and hop bounds: found from its trip counts, before any step of it
         is unrolled (loop-too-long)."""
         flat = not any(_is_loop(b[1]) for b in map(_body, inner) if b)
-        if flat:  # a loop of plain steps: its hops times its steps
-            steps, hops = trips * len(inner), trips
+        if flat:  # a loop of plain steps: its hops times its steps (a step per rank of
+            # one whose index names the rank)
+            steps, hops = trips * sum(_copies(i, self.env, _owner_names(self.data))
+                                      for i in inner), trips
         else:
             count = [0, 0]
-            _tally([{name: body}], self.env, 0, count)
+            _tally([{name: body}], self.env, 0, count, _owner_names(self.data))
             steps, hops = count
         if steps > MAX_STEPS:
-            shape = (f"{trips} hops x {len(inner)} steps = {steps} steps" if flat else
-                     f"{steps} steps over the loops inside it")
+            per = steps // trips if flat and trips else len(inner)
+            shape = (f"{trips} hops x {per} steps = {steps} steps" if flat else
+                     f"{steps} steps over the loops inside it") + (
+                " (a step whose index names the rank counts once per rank)"
+                if per != len(inner) else "")
             self.error(_mark(body, "repeat", self.file), "loop-too-long",
                        f"loop '{name}' unrolls to {shape}{self._at({})}; the checker unrolls "
                        f"every hop and analyses at most {MAX_STEPS} steps",
@@ -670,7 +774,15 @@ class _Unroller:
             if named and _is_loop(named[1]):
                 flat += self.loop(*named)
             elif named and isinstance(named[1], dict):
-                flat.append({**item, named[0]: self.op(*named, dict(self.env))})
+                marks = dict(item.get(MARKS, {}))
+                for tag_r, body_r in self.owned(*named, dict(self.env)):
+                    step = named[0] + tag_r
+                    if not tag_r:
+                        flat.append({**item, step: body_r})
+                        continue
+                    flat.append({step: body_r, MARKS: {
+                        **marks, "key:" + step: marks.get("key:" + named[0]),
+                        step: marks.get(named[0])}})
             else:
                 flat.append(item)
         data["steps"] = flat
@@ -692,14 +804,22 @@ class _Unroller:
             return
         out = {k: v for k, v in buffers.items() if k not in (MARK, MARKS)}
         marks = dict(buffers.get(MARKS, {}))
+        aliased: dict[str, int] = {}
         for name, lead in self.split.items():
-            if name in self.whole:
+            spec = out.get(name)
+            if name in self.whole and isinstance(spec, dict) and not (
+                    spec.get("symmetric") or spec.get("shared")):
+                # the engine's own tensor, used whole and by slice: it stays, and its
+                # slices are views of it (Schedule.slices); every stage sees the views'
+                # accesses as accesses of the parts of the whole (one set of cells)
+                aliased[name] = lead
+            elif name in self.whole:
                 self.error(self.whole[name], "mixed-index",
                            f"buffer '{name}' is used whole here and by slice elsewhere "
                            "('" + name + "[i]'); a sliced buffer is split into its slices",
                            f"name a slice, e.g. '{name}[0]'")
                 continue
-            spec = dict(out.pop(name))
+            spec = dict(out[name] if name in aliased else out.pop(name))
             spec["shape"] = spec["shape"][1:]
             for i in range(lead):
                 part = f"{name}_{i}"
@@ -712,6 +832,30 @@ class _Unroller:
                 marks["key:" + part] = marks.get("key:" + name)
                 marks[part] = marks.get(name)
         data["buffers"] = {**out, MARKS: marks, MARK: buffers.get(MARK)}
+        if aliased:
+            data[SLICES] = aliased
+
+
+def _owner_mark(body: dict[str, Any], file: str,
+                names: frozenset[str] | set[str] = frozenset({OWNER})) -> Mark | None:
+    """Where the first index of step ``body`` that names the rank (one of ``names``:
+    ``r``, a mesh coordinate) is, or None (a step's keys and a mask_empty's, as
+    ``_Unroller.op`` rewrites them)."""
+    shard = _shard(body)
+    if isinstance(shard, str) and _names_w(shard, names):
+        return _mark(body, "shard", file)
+    for key, value in body.items():
+        if key in (MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave", "shard"):
+            continue
+        inner = ({k: (v, _mark(value, k, file)) for k, v in value.items()
+                  if k not in (MARK, MARKS)} if isinstance(value, dict)
+                 else {key: (value, _mark(body, key, file))})
+        for text, mark in inner.values():
+            for one in text if isinstance(text, list) else [text]:
+                found = _INDEXED.match(one.strip()) if isinstance(one, str) else None
+                if found and _names_w(found.group(2), names):
+                    return mark
+    return None
 
 
 def _substitute(tree: Any, values: dict[str, int]) -> Any:
@@ -750,17 +894,27 @@ def _mod_value(text: str, env: dict[str, int]) -> int:
     if modulus is None:
         return ex.evaluate(ex.parse(body), env)
     node = ex.parse(modulus)
-    if node[0] != "num":
-        lead = re.match(r"\s*([0-9]+)(.+)", modulus, re.S)  # 'h % 2 + 1': meant (h % 2) + 1
+    # one number or one name (W, an integer size: '(r - h) % W'), never more: the right
+    # side runs to the ')' or the end, so 'h % 2 + 1' would silently mean h % 3
+    if node[0] not in ("num", "sym"):
+        lead = re.match(r"\s*([0-9A-Za-z_]+)(.+)", modulus, re.S)  # 'h % 2 + 1'
         raise ValueError(
             "the right side of '%' is everything after it up to the enclosing ')' or the "
-            f"index's end, and must be an integer constant (not W or a size); here it is "
-            f"'{modulus.strip()}'" + (
+            f"index's end, and must be an integer constant or one name (W, an integer "
+            f"size); here it is '{modulus.strip()}'" + (
                 f": write '({body.strip()} % {lead.group(1)}) {lead.group(2).strip()}' to "
                 "take the remainder first" if lead else ""))
-    if node[1] == 0:
+    if node[0] == "sym" and node[1] not in env:
+        raise ValueError(
+            "the right side of '%' must be an integer constant, W or an integer size "
+            f"(a name bound when the file is unrolled); here it is '{modulus.strip()}'")
+    divisor = ex.evaluate(node, env)
+    if node == ("num", 0):
         raise ValueError("'% 0' divides by zero")
-    return _mod_value(body, env) % node[1]
+    if divisor <= 0:
+        raise ValueError(f"'% {modulus.strip()}' is '% {divisor}': a remainder needs a "
+                         "positive divisor")
+    return _mod_value(body, env) % divisor
 
 
 def _mod_group(text: str) -> tuple[int, int] | None:
@@ -801,6 +955,8 @@ def uses_loops(data: Any) -> bool:
             return True
         if _offset_expr(value) is not None or _interleave_expr(value) is not None:
             return True
+        if _shard(value) is not None:
+            return True
         if isinstance(value, str):
             return _INDEXED.match(value.strip()) is not None
         if isinstance(value, list):
@@ -812,7 +968,18 @@ def uses_loops(data: Any) -> bool:
     return isinstance(data, dict) and indexed(data.get("steps"))
 
 
-def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) -> bool:
+def _copies(item: Any, env: dict[str, int],
+            owners: frozenset[str] = frozenset({OWNER})) -> int:
+    """The steps a plain step unrolls to at most: one per rank (W) when an index of it
+    names the rank (``owners`` not bound in ``env``: ``_Unroller.owned``), else one."""
+    named = _body(item)
+    owned = (named is not None and isinstance(named[1], dict) and "W" in env
+             and _owner_mark(named[1], "<memory>", owners - env.keys()) is not None)
+    return int(env["W"]) if owned else 1
+
+
+def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],
+           owners: frozenset[str] = frozenset({OWNER})) -> bool:
     """Add the unrolled steps and the hops of ``items`` (steps at nesting ``depth``, hop
     indices bound in ``env``) to ``count`` = [steps, hops], from the trip counts alone (no
     step is rewritten). A loop's hops are walked only while the hops stay within MAX_HOPS,
@@ -820,10 +987,14 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) 
     evaluated, is negative or a loop nests too deep (counted as no steps: the unroller
     reports it)."""
     complete = True
+
+    def copies(item: Any) -> int:
+        return _copies(item, env, owners)
+
     for item in items:
         named = _body(item)
         if not (named and _is_loop(named[1])):
-            count[0] += 1
+            count[0] += copies(item)
             continue
         repeat, inner, hop = (named[1].get(k) for k in ("repeat", "steps", "as"))
         if isinstance(repeat, bool) or not isinstance(inner, list) or depth >= MAX_NEST:
@@ -839,7 +1010,7 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) 
             continue
         count[1] += trips
         if not any(_is_loop(b[1]) for b in map(_body, inner) if b):  # hops x steps
-            count[0] += trips * len(inner)
+            count[0] += trips * sum(copies(i) for i in inner)
             continue
         if count[1] > MAX_HOPS:
             continue
@@ -847,7 +1018,7 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int]) 
             complete = False
             continue
         for h in range(trips):
-            complete = _tally(inner, {**env, hop: h}, depth + 1, count) and complete
+            complete = _tally(inner, {**env, hop: h}, depth + 1, count, owners) and complete
             if count[1] > MAX_HOPS:
                 break
     return complete
@@ -862,7 +1033,7 @@ def unrolled_length(data: Any, world: int) -> int | None:
     if not isinstance(steps, list):
         return None
     count = [0, 0]
-    if not _tally(steps, _world_env(data, world), 0, count):
+    if not _tally(steps, _world_env(data, world), 0, count, _owner_names(data)):
         return None
     return max(count[0], MAX_STEPS + 1) if count[1] > MAX_HOPS else count[0]
 

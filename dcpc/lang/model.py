@@ -113,9 +113,31 @@ class Schedule(Node):
     # shape when the unrolling names a mesh axis' size, or None
     _loop_world: int | tuple[int, ...] | None = PrivateAttr(default=None)
 
+    # the engine-owned buffers used both whole and by slice (dcpc.lang.loops): buffer ->
+    # its slice count; slice k is the buffer '<name>_<k>', a view of index k of it
+    _slices: dict[str, int] = PrivateAttr(default_factory=dict)
+
     @property
     def loop_world(self) -> int | tuple[int, ...] | None:
         return self._loop_world
+
+    @property
+    def slices(self) -> dict[str, int]:
+        return self._slices
+
+    def slice_of(self, name: str) -> tuple[str, int] | None:
+        """(whole buffer, index) when ``name`` is a view of a buffer used whole too."""
+        head, _, index = name.rpartition("_")
+        if head in self._slices and index.isdigit() and int(index) < self._slices[head]:
+            return head, int(index)
+        return None
+
+    def cells(self, name: str) -> list[str]:
+        """The buffers an access of ``name`` touches as the data flow sees them: the
+        slices of a buffer used whole and by slice, else ``name`` itself."""
+        if name in self._slices:
+            return [f"{name}_{k}" for k in range(self._slices[name])]
+        return [name]
 
     @property
     def source_file(self) -> str:

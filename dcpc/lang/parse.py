@@ -69,6 +69,7 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
                 )
             ]
         )
+    slices = data.pop(loops.SLICES, {}) if isinstance(data, dict) else {}
     _refuse_too_many(data, file)
     try:
         schedule = model.Schedule.model_validate(data)
@@ -76,6 +77,7 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
         raise DiagnosticError(_diagnostics(exc, data, file)) from None
     schedule.set_source(file, digest)
     schedule._loop_world = served
+    schedule._slices = dict(slices)
     return schedule
 
 

@@ -21,6 +21,9 @@ from dcpc.lang.mesh import mesh_of
 from dcpc.topology import shape_of, torus
 
 RANK = "rank"
+# the marks key of a guard the unroller made from an index that names the rank
+# (dcpc.lang.loops.OWNER): where that index is, for the checker's messages
+OWNER_MARK = "owner-index"
 
 
 # the rank-by-rank work of one check: (guarded steps) x (ranks of every W checked) is

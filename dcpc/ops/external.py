@@ -5,11 +5,11 @@ the module's method calls. The simulator asks a callback for its writes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import Field
 
-from dcpc.lang.nodes import Name, OpBase, Step
+from dcpc.lang.nodes import Int, Name, OpBase, Step, Str
 from dcpc.ops.common import Scope, Semantics, keyed, local, typed
 from dcpc.ops.registry import IO, OpDef, define
 
@@ -21,6 +21,13 @@ class External(OpBase):
     op: Literal["external"]
     reads: list[Name] = Field(default_factory=list)
     writes: list[Name] = Field(default_factory=list)
+    # which rank's KV shard the partials this step writes belong to, when not its own
+    # (a ring's hop attends another rank's block): an expression of r, the hop index
+    # and W that the unroller evaluates per rank (dcpc.lang.loops); only the harness's
+    # synthetic engine step reads it (its empty-shard rows, docs/language.md)
+    shard: Union[Int, Str, None] = Field(  # noqa: UP007
+        default=None, description="the rank whose KV shard this step's partials belong "
+        "to (an expression of r, the hop index and W), for the harness's synthetic step")
 
 
 def semantics(c: Scope, step: Step) -> Semantics:

@@ -170,7 +170,8 @@ def test_a_bad_repeat_is_a_located_error(tmp_path: Path, repeat: str, words: str
     ("7" * 40, "more than 30 digits"),
     ("h % ２", "unexpected character '２'"),
     ("h % 2][0", "more than one index"),
-    ("h % W", "must be an integer constant (not W or a size); here it is 'W'"),
+    ("h % (W + 1)", "must be an integer constant or one name (W, an integer size); "
+     "here it is '(W + 1)'"),
 ])
 def test_a_bad_index_is_a_located_error(tmp_path: Path, index: str, words: str) -> None:
     path = _loop(tmp_path, index=index)

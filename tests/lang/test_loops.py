@@ -72,8 +72,8 @@ def test_a_constant_trip_count_needs_no_world() -> None:
 
 
 @pytest.mark.parametrize("swap,code,line,words", [
-    ({"h % 2]": "h % W]"}, "bad-index", 13,
-     "must be an integer constant (not W or a size); here it is 'W'"),
+    ({"h % 2]": "h % (W + 1)]"}, "bad-index", 13,
+     "must be an integer constant or one name (W, an integer size); here it is '(W + 1)'"),
     ({"(h + 1) % 2": "h + 2"}, "bad-index", 13, "slice 2 of 'kv'"),
     ({"(h + 1) % 2": "q"}, "bad-index", 13, "names 'q'"),
     ({"writes: [y]}": "writes: [kv]}"}, "mixed-index", 14, "used whole here and by slice"),
@@ -364,8 +364,9 @@ def test_a_remainder_in_parentheses_is_part_of_a_larger_index(index: str, slices
 
 @pytest.mark.parametrize("index,words", [
     ("h % 2 + 1", "here it is '2 + 1': write '(h % 2) + 1' to take the remainder first"),
-    ("h % W", "must be an integer constant (not W or a size); here it is 'W'"),
-    ("(h % N) + 1", "here it is 'N'"),
+    ("h % (W + 1)", "must be an integer constant or one name (W, an integer size); "
+     "here it is '(W + 1)'"),
+    ("(h % M) + 1", "here it is 'M'"),
     ("2 * (h % 0)", "'% 0' divides by zero"),
 ])
 def test_a_remainder_that_is_not_accepted_says_what_is(index: str, words: str) -> None:
