@@ -61,7 +61,7 @@ from pydantic import StrictBool
 
 from dcpc.lang.expr import Expr, evaluate, parse, product, symbols
 from dcpc.lang.mesh import MAX_WORLD
-from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
 from dcpc.ops.common import (
     BEFORE,
     READ,
@@ -357,6 +357,17 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
                 f"step '{step.name}' waits before its put '{put.name}' along axis "
                 f"{op.axis!r}; a wait before its put runs over the whole group so far",
                 "drop 'axis', or move the wait after the put")
+        return
+    schedule = v.ctx.schedule
+    if schedule.slots > 1 and schedule.streams == Streams.per_slot:
+        v.error(op.mark("phase"), "wait-first-span",
+                f"step '{step.name}' waits before its put '{put.name}', but the schedule "
+                f"has {schedule.slots} slots on their own streams (streams: per_slot): "
+                "another call in flight may run its steps between the wait and the put, and "
+                "a wait of that call (its credit) can need what this rank sends only after "
+                "it (two micro-batches on a chain deadlock where the host blocks: CPU, the "
+                "torch backend)",
+                "use 'slots: 1', or 'streams: single' (calls one after another)")
         return
     dests, k = table(op), delta(op)
     copies = ([r for r, d in enumerate(dests) if d == r] if op.perm is not None

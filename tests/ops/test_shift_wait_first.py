@@ -96,6 +96,24 @@ def test_a_communicating_step_between_a_wait_and_its_later_put_is_located() -> N
     assert "'early'" in found[0].message and "'send'" in found[0].message
 
 
+@pytest.mark.parametrize("streams,refused", [("per_slot", True), ("single", False)])
+def test_two_calls_in_flight_around_a_wait_first_are_located(streams: str,
+                                                            refused: bool) -> None:
+    """Two slots on their own streams: the other call's steps may run between the wait and
+    its put, its credit wait among them (seen: the local backend's interleaved order of
+    the ops file with 2 slots hung on CPU at W=2, rank 1's receive waiting for rank 0's
+    put behind rank 0's wait for the other call's credit). One stream runs the calls one
+    after another."""
+    text = STAGE.replace("steps:\n", f"slots: 2\nstreams: {streams}\nsteps:\n")
+    found = _errors(text)
+    if not refused:
+        assert found == []
+        return
+    assert [d.code for d in found] == ["wait-first-span"], found
+    assert "2 slots on their own streams" in found[0].message
+    assert "slots: 1" in found[0].hint
+
+
 def test_the_span_rule_is_what_keeps_the_chain_live() -> None:
     """A ping-pong between the wait and its put: rank r's pong waits for rank r + 1's
     ping, which rank r + 1 makes only after its receive, which needs rank r's put, after
