@@ -312,7 +312,7 @@ def run_rank(
     cls = load_module_class(module_path, schedule.schedule)
     served = cls.for_world(world)  # a module of several W: the class of this W (its tables)
     ctor = synth.constructor_sizes(schedule, world, sizes)
-    rounding = step_rounding(schedule, backend)  # how each step's stores round into bf16
+    rounding = step_rounding(schedule, backend, device)  # how stores round into bf16
     # ``programs`` for every step (signalling or not): the interpreter runs programs
     # one after another, so fewer programs is the cheap way to run on CPU
     tuning = None if programs is None else {
