@@ -280,3 +280,26 @@ def test_dcpc_run_of_a_perm_chain_and_a_backward_chain_matches_float64(
     text = format_report(report)
     assert report.ok and report.outputs["recv"].compared > 0, text
     assert all(o.mismatches == 0 for o in report.outputs.values()), text
+
+
+@pytest.mark.parametrize("order", ["wait-first", "put-first"])
+def test_a_line_race_names_a_writer_the_line_has(order: str) -> None:
+    """The symmetric model gives the last rank of a line a store past its end (into rank
+    0): a race found there was shown as 'send on rank 2' into rank 0's recv at W=3, and
+    `dcpc run --replay` then waited for a store that never comes (NOT FORCED). Shown
+    rotated, the writer is a rank with a successor, storing into that successor."""
+    steps = ("  - clear: {op: external, reads: [x], writes: [recv]}\n"
+             "  - receive: {op: shift, src: act, dst: recv, offset: next, wrap: false, "
+             "phase: wait}\n"
+             "  - send: {op: shift, src: act, dst: recv, offset: next, wrap: false, "
+             "phase: put}\n")
+    if order == "put-first":
+        lines = steps.splitlines(keepends=True)
+        steps = lines[0] + lines[2] + lines[1]
+    text = HEAD + ("  - first: {op: external, reads: [x], writes: [act]}\n") + steps
+    report = hb.check(parse_text(text, "s.yaml"), [3], hints=False)
+    shown = [loc for f in report.findings for loc in (f.first, f.second)
+             if loc.step == "send" and loc.access == "write"]
+    assert shown, [f.message for f in report.findings]
+    for loc in shown:
+        assert 0 <= loc.rank + 1 < 3 and loc.owner == loc.rank + 1, loc

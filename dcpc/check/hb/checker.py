@@ -131,6 +131,9 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
         if region is None:
             return True
         rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
+        if region.scheme == "line":  # made where the line has its target (whole group)
+            return region.axes is not None or schedule.mesh is not None \
+                or 0 <= rank + region.offset < n
         if region.scheme == "perm":
             return len(region.table) != n or region.table[rank] == owner
         team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
@@ -145,9 +148,11 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
 
 def _modelled_store(t: Touch) -> Region | None:
     """The region of a store the model gives ranks the program does not (a perm's at
-    every delta of its table, a broadcast's from every rank), else None."""
+    every delta of its table, a broadcast's from every rank, a line's past its end),
+    else None."""
     region = t.access.region
-    if t.access.kind != "write" or region is None or region.scheme not in ("perm", "root"):
+    if t.access.kind != "write" or region is None or region.scheme not in (
+            "perm", "root", "line"):
         return None
     return region
 
