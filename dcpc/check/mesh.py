@@ -6,9 +6,11 @@ import math
 
 from dcpc.check.context import Context
 from dcpc.diagnostics import Diagnostic, did_you_mean
+from dcpc.lang.loops import OWNER
 from dcpc.lang.mesh import MAX_AXES, MAX_WORLD, mesh_of
 from dcpc.lang.model import Peers, Schedule, SizeSpec, Step
 from dcpc.lang.sizes import WORLD
+from dcpc.lang.when import RANK
 from dcpc.ops import OPS
 
 
@@ -125,6 +127,13 @@ def mesh_diagnostics(schedule: Schedule) -> list[Diagnostic]:
         if not axis.isidentifier():
             out.append(Diagnostic(schedule.mark(f"mesh/{axis}", of_key=True), "bad-mesh",
                                   f"mesh axis '{axis}' is not an identifier"))
+        elif axis in (OWNER, RANK, WORLD):  # an axis coordinate would shadow them
+            out.append(Diagnostic(schedule.mark(f"mesh/{axis}", of_key=True), "bad-mesh",
+                                  f"mesh axis '{axis}' has a name expressions reserve "
+                                  f"('{OWNER}' and '{RANK}': the rank in the group, "
+                                  f"'{WORLD}': the group's size)",
+                                  hint="name the axis after what it spans, e.g. 'ring', "
+                                  "'node', 'gpu'"))
         if isinstance(size, int):
             if size < 1:
                 out.append(Diagnostic(at, "bad-mesh", f"mesh axis '{axis}' has size {size}; "

@@ -87,6 +87,8 @@ def test_bad_axes_get_located_errors() -> None:
     ("{node: G, gpu: G}", "", "both sized by 'G'"),
     ("{node: N, gpu: G}", "  G: 4\n", "bound by the mesh shape"),
     ("{}", "", "names no axis"),
+    ("{node: N, r: G}", "", "a name expressions reserve"),  # r: the rank in an index
+    ("{rank: N, gpu: G}", "", "a name expressions reserve"),  # rank: in a when:
 ])
 def test_bad_meshes_are_refused(mesh: str, sizes: str, words: str) -> None:
     text = (f"schedule: m\nmesh: {mesh}\nsizes:\n  T: 2\n{sizes}buffers:\n"
