@@ -129,7 +129,7 @@ def _one_peer(text: str, step: str, lane: str) -> str:
     table = re.search(rf"\n\s*{lane}=\(([-\d, ]+)\)\[self\.rank\],\n", launch)
     if table:  # a perm: each rank's peer, itself where it has none (its lane masked)
         return _no_self("perm:" + ",".join(table.group(1).replace(" ", "").split(",")))
-    line = re.search(rf"\n\s*{lane}=\(self\.rank ([+-]) (-?\d+)\n\s*if 0 <= self\.rank "
+    line = re.search(rf"\n\s*{lane}=\(self\.rank ([+-]) (-?\d+)\s+if 0 <= self\.rank "
                      r"\1 \2 < self\.world else self\.rank\),\n", launch)
     found = line or re.search(rf"\n\s*{lane}=\(self\.rank ([+-]) (-?\d+)\) % self\.world,\n",
                               launch)
