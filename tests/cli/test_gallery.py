@@ -126,10 +126,20 @@ def test_wrong_twin_s_replayed_race_shows_wrong_data(twin: Path, tmp_path: Path)
     found = tmp_path / "race.json"
     found.write_text(done.stdout)
     replay = plan(str(found), str(twin), None)
-    # a long wait: the hold lasts at most half of it, and a loaded machine is slow
-    report = run_schedule(RunConfig(schedule=str(twin), world=replay.world, backend="host",
-                                    calls=replay.calls, wait_timeout_s=240, replay=replay))
-    text = format_report(report)
-    assert report.replay_outcome.startswith("released"), text
+    for seed in (0, 1):
+        # a long wait: the hold lasts at most half of it, and a loaded machine is slow
+        report = run_schedule(RunConfig(schedule=str(twin), world=replay.world, backend="host",
+                                        calls=replay.calls, wait_timeout_s=240, replay=replay,
+                                        seed=seed))
+        text = format_report(report)
+        assert report.replay_outcome.startswith("released"), text
+        # A twin races everywhere, not only where the replay holds: on a loaded machine the
+        # free ranks' own races can carry the very block the held step should see into the
+        # buffer it reads (seen once at a load of 10: 6 mismatches, none at the held read).
+        # Such a run shows wrong data elsewhere; it is drawn once more with another seed.
+        stacked = report.outputs[output].mismatches == 0 and any(
+            s.mismatches for s in report.outputs.values())
+        if not stacked:
+            break
     assert report.outputs[output].mismatches >= 1, text
     assert report.outputs[output].first_mismatch.startswith(first), text
