@@ -18,10 +18,13 @@ The checker's world bound counts |k| ranks per wait of a shift.
 A ``phase: wait`` may come BEFORE its put on a chain (``wrap: false``, a perm with no
 cycle): the pipeline stage's receive, compute, send (``wait_first``). The k-th wait of
 a (src, dst, offset, wrap) polls the k-th put of it whichever comes first; only local
-steps may stand between such a wait and its put (``wait-first-span``: the chain's
-liveness, docs/hb-checker.md); the float64 reference runs that span rank by rank along
-the chain (dcpc.harness.simulate); on the torch backend the wait receives and the put
-only sends. On a ring every rank would wait first: the checker's deadlock.
+steps, and other such waits of the same chain (the same ``peers``) with their puts, may
+stand between such a wait and its put, the puts in the order of their waits (two pairs
+interleaved: wait A, wait B, compute, put A, put B; ``wait-first-span``: the chain's
+liveness, docs/hb-checker.md); the float64 reference runs that span (overlapping spans
+merged) rank by rank along the chain (dcpc.harness.simulate); on the torch backend the
+wait receives and the put only sends. On a ring every rank would wait first: the
+checker's deadlock.
 
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
@@ -354,8 +357,9 @@ def verify(v: ShapeRules, step: Step) -> None:
 def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
     """A wait written before its put (receive, compute, send) is live only as a chain:
     its rank's steps up to the put must not wait for anything (or signal, or reach
-    another rank), else a wait in between may need what only this wait's rank makes
-    later (docs/hb-checker.md, "A wait before its put"). ``axis:`` is not written yet
+    another rank) but the chain's own waits written before their puts and those puts,
+    else a wait in between may need what only this wait's rank makes later
+    (docs/hb-checker.md, "A wait before its put"). ``axis:`` is not written yet
     (the float64 reference runs the chain over the whole group)."""
     op: Shift = step.op  # type: ignore[assignment]
     if op.axis is not None:
@@ -553,7 +557,8 @@ def _first(holder: Any, step: Step) -> bool:
 def _inner(holder: Any, step: Step) -> bool:
     """Whether ``step`` is a wait written before its put that stands between an earlier
     such wait and its put (the second receive of two interleaved pairs)."""
-    if step.op.phase != "wait" or wait_first(holder, step) is None:
+    if (not isinstance(step.op, Shift) or step.op.phase != "wait"
+            or wait_first(holder, step) is None):
         return False
     return any(put.index > step.index for other in holder.schedule.step_list()[:step.index]
                if isinstance(other.op, Shift) and (put := wait_first(holder, other)))
