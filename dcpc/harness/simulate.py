@@ -355,8 +355,7 @@ def simulate_call(
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     running = wh.running(schedule, world)  # the guarded steps' ranks (when:)
     steps = schedule.step_list()
-    early = {s.index: put for s in steps if isinstance(s.op, ShiftOp)
-             and (put := shift.wait_first(sim, s)) is not None}
+    early = _chains(sim, steps)
     done = -1  # the last step a chain below ran already
     for step in steps:
         if step.index <= done:
@@ -366,11 +365,11 @@ def simulate_call(
             trace.append(sim.written)
             sim.written = [{} for _ in range(world)]
         if step.index in early:
-            written = _chain(sim, steps[step.index:early[step.index].index + 1], running,
+            written = _chain(sim, steps[step.index:early[step.index] + 1], running,
                              rounding)
             if trace is not None:
                 trace.extend(written[:-1])
-            sim.written, done = written[-1], early[step.index].index
+            sim.written, done = written[-1], early[step.index]
             continue
         op = OPS.get(step.kind)
         if op is None:
@@ -407,32 +406,54 @@ def _rounding(step: m.Step, rounding: str | Callable[[m.Step], str]) -> str:
     return rounding(step) if callable(rounding) else rounding
 
 
+def _chains(sim: Sim, steps: list[m.Step]) -> dict[int, int]:
+    """The spans that run along a chain: from a shift's wait written before its put to
+    that put (dcpc.ops.shift ``wait_first``), overlapping spans merged (interleaved
+    pairs of one chain: wait A, wait B, compute, put A, put B): first step -> last."""
+    spans = sorted((s.index, put.index) for s in steps if isinstance(s.op, ShiftOp)
+                   and (put := shift.wait_first(sim, s)) is not None)
+    out: dict[int, int] = {}
+    first = -1
+    for start, end in spans:
+        if first >= 0 and start <= out[first]:
+            out[first] = max(out[first], end)
+        else:
+            out[start] = end
+            first = start
+    return out
+
+
 def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
            rounding: str | Callable[[m.Step], str]) -> list[list[Buffers]]:
-    """A shift's wait written before its put (``steps``: the wait, the local steps
-    between, the put; dcpc.ops.shift ``wait_first``), in dependency order, not in lock
-    step: rank by rank along the chain (a rank after the rank it receives from), each
-    rank runs the wait (its dst gets its source's src as the source put it: that rank
-    ran up to its put already), the steps between (on that rank alone: they are local)
-    and the put. Returns what each step wrote, per rank (the trace's entries)."""
-    wait, put = steps[0], steps[-1]
-    op = wait.op
+    """A span that runs along a chain (``_chains``: the waits written before their
+    puts, the local steps between, the puts; the checker allows nothing else there), in
+    dependency order, not in lock step: rank by rank along the chain (a rank after the
+    rank it receives from), each rank runs the whole span on its own: a wait stores in
+    its dst what its source pushed at the put it polls (that rank ran the span already),
+    a put takes its src as it stands there, a local step runs on that rank alone.
+    Returns what each step wrote, per rank (the trace's entries)."""
     world = int(sim.world)
     written: list[list[Buffers]] = [[{} for _ in range(world)] for _ in steps]
+    op = steps[0].op
     source = shift.sources(op, world)
+    pushed: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src as pushed
     for r in shift.chain_order(op, world):
-        if r in source:
-            sim.written = written[0]
-            value = as_stored(sim.schedule, op.dst, sim.bufs[source[r]][op.src],
-                              _rounding(put, rounding))  # as the put pushed it
-            sim.rounding = _rounding(wait, rounding)
-            sim.store(r, op.dst, value.clone())
-        for k, step in enumerate(steps[1:-1], start=1):
+        for k, step in enumerate(steps):
             sim.written, sim.rounding = written[k], _rounding(step, rounding)
-            ranks = running.get(step.index)
-            skipped = {q for q in range(world) if q != r or (ranks is not None
-                                                              and q not in ranks)}
-            OPS[step.kind].reference(sim.guarded(skipped), step)
+            phase = step.op.phase if isinstance(step.op, ShiftOp) else None
+            if phase == "put":
+                pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
+                                                 sim.bufs[r][step.op.src],
+                                                 sim.rounding).clone()
+            elif phase == "wait":
+                if r in source:
+                    put = shift.matched(sim).polls[step.name]
+                    sim.store(r, step.op.dst, pushed[put.name, source[r]].clone())
+            else:
+                ranks = running.get(step.index)
+                skipped = {q for q in range(world)
+                           if q != r or (ranks is not None and q not in ranks)}
+                OPS[step.kind].reference(sim.guarded(skipped), step)
     return written
 
 

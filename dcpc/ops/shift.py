@@ -18,10 +18,13 @@ The checker's world bound counts |k| ranks per wait of a shift.
 A ``phase: wait`` may come BEFORE its put on a chain (``wrap: false``, a perm with no
 cycle): the pipeline stage's receive, compute, send (``wait_first``). The k-th wait of
 a (src, dst, offset, wrap) polls the k-th put of it whichever comes first; only local
-steps may stand between such a wait and its put (``wait-first-span``: the chain's
-liveness, docs/hb-checker.md); the float64 reference runs that span rank by rank along
-the chain (dcpc.harness.simulate); on the torch backend the wait receives and the put
-only sends. On a ring every rank would wait first: the checker's deadlock.
+steps, and other such waits of the same chain (the same ``peers``) with their puts, may
+stand between such a wait and its put, the puts in the order of their waits (two pairs
+interleaved: wait A, wait B, compute, put A, put B; ``wait-first-span``: the chain's
+liveness, docs/hb-checker.md); the float64 reference runs that span (overlapping spans
+merged) rank by rank along the chain (dcpc.harness.simulate); on the torch backend the
+wait receives and the put only sends. On a ring every rank would wait first: the
+checker's deadlock.
 
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
@@ -275,13 +278,19 @@ def matched(holder: Any) -> Puts:
     return memo[1]
 
 
+def peers(op: Shift) -> tuple[str, str]:
+    """The sync peers of a shift: (those it signals, those it waits for); two shifts
+    with the same are on the same ring, line or perm (one chain of a wait first)."""
+    k, dests = delta(op), table(op)
+    if op.perm is not None:
+        return perm_peers(dests), perm_peers(inverse(dests))
+    return offset_peers(k, op.wrap), offset_peers(-k, op.wrap)
+
+
 def semantics(c: Scope, step: Step) -> Semantics:
     op: Shift = step.op  # type: ignore[assignment]
-    k = delta(op)
-    to, back = offset_peers(k, op.wrap), offset_peers(-k, op.wrap)
-    dests = table(op)
-    if op.perm is not None:
-        to, back = perm_peers(dests), perm_peers(inverse(dests))
+    k, dests = delta(op), table(op)
+    to, back = peers(op)
     if op.phase == "wait":
         polled = matched(c).polls.get(step.name)
         return Semantics((), Sync(wait=back, polls=polled.index if polled else None))
@@ -348,8 +357,9 @@ def verify(v: ShapeRules, step: Step) -> None:
 def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
     """A wait written before its put (receive, compute, send) is live only as a chain:
     its rank's steps up to the put must not wait for anything (or signal, or reach
-    another rank), else a wait in between may need what only this wait's rank makes
-    later (docs/hb-checker.md, "A wait before its put"). ``axis:`` is not written yet
+    another rank) but the chain's own waits written before their puts and those puts,
+    else a wait in between may need what only this wait's rank makes later
+    (docs/hb-checker.md, "A wait before its put"). ``axis:`` is not written yet
     (the float64 reference runs the chain over the whole group)."""
     op: Shift = step.op  # type: ignore[assignment]
     if op.axis is not None:
@@ -380,19 +390,64 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
                 "copy is made at the put, so the wait would return before its data exists",
                 "move the wait after the put")
         return
-    steps = v.ctx.schedule.step_list()
-    for between in steps[step.index + 1:put.index]:
+    for between in v.ctx.schedule.step_list()[step.index + 1:put.index]:
         sem = v.ctx.semantics[between.index]
         if (sem.sync.signal is None and sem.sync.wait is None
                 and all(e.region is None and e.root is None for e in sem.effects)):
             continue
+        why = _between(v.ctx, op, between)
+        if why is None:  # a wait first of the same chain, or the put of one
+            continue
         v.error(op.mark("phase"), "wait-first-span",
                 f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
-                f"send), but step '{between.name}' ({between.kind}) between them "
-                "communicates (it signals, waits or reaches another rank's buffers); only "
-                "steps that run on their rank alone may stand between a wait and its later "
-                "put, or a wait there could need what this rank sends only after it",
+                f"send), but step '{between.name}' ({between.kind}) between them {why}; "
+                "only steps that run on their rank alone, and the waits written before "
+                "their puts of the same chain with those puts, may stand between a wait "
+                "and its later put, or a wait there could need what this rank sends only "
+                "after it",
                 f"move '{between.name}' before '{step.name}' or after '{put.name}'")
+        return
+    _verify_put_order(v, step, put)
+
+
+def _between(holder: Any, op: Shift, between: Step) -> str | None:
+    """Why ``between`` (a communicating step between the wait first ``op`` and its put)
+    breaks the chain's liveness, or None: it is another wait first of the same chain
+    (the same peers) or the put of one (docs/hb-checker.md, "A wait before its put")."""
+    other = between.op
+    if not isinstance(other, Shift) or other.phase is None:
+        return "communicates (it signals, waits or reaches another rank's buffers)"
+    if peers(other) != peers(op):
+        return (f"is a {other.phase} of another chain (peers {peers(other)[0]}, not "
+                f"{peers(op)[0]}): its rank may wait there for what this rank sends "
+                "only after its put")
+    if other.phase == "wait" and wait_first(holder, between) is None:
+        return ("waits for a put written before it (only waits written before their "
+                "puts, with those puts, may stand there)")
+    if other.phase == "put" and not _first(holder, between):
+        return ("puts for a wait written after it (on the torch backend its exchange "
+                "would be taken by this wait's receive: only the puts of waits written "
+                "before them may stand there)")
+    return None
+
+
+def _verify_put_order(v: ShapeRules, step: Step, put: Step) -> None:
+    """Two waits written before their puts, interleaved (wait A, wait B, put A, put B):
+    the puts come in the order of their waits. Any order is live (the chain argument),
+    but a backend that matches the messages between two ranks in order (torch: gloo,
+    NCCL) would hand wait A the data of put B."""
+    for other in v.ctx.schedule.step_list()[step.index + 1:put.index]:
+        theirs = wait_first(v.ctx, other) if isinstance(other.op, Shift) else None
+        if theirs is None or theirs.index > put.index:
+            continue
+        v.error(theirs.op.mark("phase"), "wait-first-span",
+                f"step '{theirs.name}' puts before '{put.name}', but their waits come the "
+                f"other way round ('{step.name}' waits before '{other.name}'): the puts of "
+                "interleaved waits written before them come in the order of those waits "
+                "(the torch backend, gloo or NCCL, matches the messages between two ranks "
+                f"in order: '{step.name}' would receive what '{theirs.name}' sends)",
+                f"put '{put.name}' before '{theirs.name}', or wait for '{other.name}' "
+                f"before '{step.name}'")
         return
 
 
@@ -479,6 +534,10 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                # a wait written before its put: on the torch backend the wait receives
                # and the put only sends (its receiver waits already); only when so
                **({"first": True} if _first(ctx, step) else {}),
+               # a wait first inside another's span (interleaved pairs): no torch-backend
+               # handshake there, a message every rank must reach (its predecessor is
+               # still before its puts); only when so
+               **({"handshake": False} if _inner(ctx, step) else {}),
                **(_perm_attrs(table(op)) if op.perm is not None else {})},
         signalling=True,
     )
@@ -493,6 +552,16 @@ def _first(holder: Any, step: Step) -> bool:
         return wait_first(holder, step) is not None
     wait = matched(holder).lands.get(step.name) if step.op.phase == "put" else None
     return wait is not None and wait.index < step.index
+
+
+def _inner(holder: Any, step: Step) -> bool:
+    """Whether ``step`` is a wait written before its put that stands between an earlier
+    such wait and its put (the second receive of two interleaved pairs)."""
+    if (not isinstance(step.op, Shift) or step.op.phase != "wait"
+            or wait_first(holder, step) is None):
+        return False
+    return any(put.index > step.index for other in holder.schedule.step_list()[:step.index]
+               if isinstance(other.op, Shift) and (put := wait_first(holder, other)))
 
 
 def _perm_attrs(dests: tuple[int, ...]) -> dict[str, Any]:

@@ -931,7 +931,8 @@ FIRST_MOVES = ("offset: next, wrap: false", "offset: prev, wrap: false",
 
 def random_wait_first_schedule_text(draw, st) -> str:
     """A small random schedule with one or two shifts whose wait is written before its
-    put (chains and rings), local steps between them that read the landed dst and write
+    put (chains and rings; now and then two such pairs of one chain, interleaved: wait,
+    wait, compute, put, put), local steps between them that read the landed dst and write
     the src (the stage's compute), and credits (signal/wait next/prev), barriers and
     externals around them, placed at random: correct pipelines, races (no credit, a
     write of the dst while a push into it may be in flight) and deadlocks (rings)."""
@@ -955,15 +956,29 @@ def random_wait_first_schedule_text(draw, st) -> str:
                 target = draw(st.sampled_from(["y", "h0", "h1"]))
                 steps.append(f"{{op: external, reads: [x], writes: [{target}]}}")
 
+    def compute(dsts: list[str], srcs: list[str], most: int) -> None:
+        for _ in range(draw(st.integers(0, most))):  # the stage's compute: local steps
+            reads = draw(st.sampled_from([dsts, ["x"], [*dsts, "x"]]))
+            writes = draw(st.sampled_from([srcs[:1], srcs[-1:], srcs]))
+            steps.append(f"{{op: external, reads: [{', '.join(reads)}], "
+                         f"writes: [{', '.join(writes)}]}}")
+
     for _ in range(draw(st.integers(1, 2))):
         around()
         move = draw(st.sampled_from(FIRST_MOVES))
+        if draw(st.integers(0, 2)) == 2:  # two pairs of one chain, interleaved
+            shifts = [f"{{op: shift, src: y, dst: h0, {move}, phase: ",
+                      f"{{op: shift, src: o, dst: h1, {move}, phase: "]
+            steps.extend(half + "wait}" for half in shifts)
+            compute(["h0", "h1"], ["y", "o"], 2)
+            steps.append(shifts[0] + "put}")
+            compute(["h1"], ["o"], 1)  # between the puts: the second put's src
+            steps.append(shifts[1] + "put}")
+            continue
         dst = draw(st.sampled_from(["h0", "h1"]))
         src = draw(st.sampled_from(["y", "o"]))
         steps.append(f"{{op: shift, src: {src}, dst: {dst}, {move}, phase: wait}}")
-        for _ in range(draw(st.integers(0, 2))):  # the stage's compute: local steps
-            reads = draw(st.sampled_from([[dst], ["x"], [dst, "x"]]))
-            steps.append(f"{{op: external, reads: [{', '.join(reads)}], writes: [{src}]}}")
+        compute([dst], [src], 2)
         steps.append(f"{{op: shift, src: {src}, dst: {dst}, {move}, phase: put}}")
     around()
     body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
