@@ -319,11 +319,13 @@ FP8_EDGES = (0x7F, 0xFF, 0x80, 0x00, 0x7E, 0xFE, 0x01, 0x81)  # NaN, -NaN, -0, 0
 
 def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random fp8 e4m3 values (float64) over every byte, NaN of both signs and -0
-    included; the first elements are ``FP8_EDGES``."""
-    raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).reshape(-1)
-    count = min(len(FP8_EDGES), raw.numel())
-    raw[:count] = torch.tensor(FP8_EDGES[:count], dtype=torch.uint8)
-    return raw.view(torch.float8_e4m3fn).to(torch.float64).reshape(shape)
+    included; every row (the last dim) starts with ``FP8_EDGES``, so that every row a
+    ragged move sends carries them."""
+    raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    rows = raw.reshape(-1, shape[-1] if shape else 1)
+    count = min(len(FP8_EDGES), rows.shape[1])
+    rows[:, :count] = torch.tensor(FP8_EDGES[:count], dtype=torch.uint8)
+    return rows.view(torch.float8_e4m3fn).to(torch.float64).reshape(shape)
 
 
 def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
