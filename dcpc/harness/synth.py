@@ -279,7 +279,7 @@ def _payloads(schedule: m.Schedule) -> set[str]:
             else set(op_io(step.op)[0]) if isinstance(step.op, m.External) else set()
         moved.update(carried if is_move(step.op) else ())
         valued.update(n for n in op_io(step.op)[0] if n not in carried)
-        if getattr(step.op, "scale", None) is not None:  # a cast's operand is read for its value
+        if is_move(step.op) and cast.direction(schedule, step.op):  # a cast reads its operand
             valued.update((cast.payload(step.op) or ("",))[:1])
     grown = True
     while grown:  # a move's src is read for its value where its dst is
