@@ -29,7 +29,7 @@ from dcpc.harness.simulate import (
 )
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
-from dcpc.ops import OPS
+from dcpc.ops import OPS, cast
 from dcpc.ops.external import External
 from dcpc.ops.iface import Counts, InputRule, Requests, RowIndex, TensorScale, Unsent
 from dcpc.ops.registry import names
@@ -205,7 +205,7 @@ def call_inputs(
             lengths = torch.stack([local_seq_len(lengths, p, members, 1)
                                    for p in range(members)], 1)
         shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
-    scales = output_scales(schedule)
+    scales, fp8 = output_scales(schedule), payload_fp8(schedule)
     out: list[Buffers] = []
     for rank in range(world):
         bufs: Buffers = {}
@@ -217,6 +217,8 @@ def call_inputs(
             shape = buffer_shape(schedule, name, sizes)
             if name in scales:  # an fp8 output's scale: positive, and overflows some values
                 value = scale_value(shape, gen)
+            elif name in fp8:  # a moved fp8 payload: every byte, NaNs and -0 included
+                value = full_range_fp8(shape, gen)
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:
@@ -252,9 +254,20 @@ def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: B
 
 
 def payload_ints(schedule: m.Schedule) -> set[str]:
-    """The integer buffers that travel as data (top-k expert ids beside the tokens): the
-    src of a move (``is_move``) that no op but a move (as its src) or an engine step reads,
-    nor lands by a move in a buffer read for its value (counts, an index, lengths)."""
+    """The integer buffers that travel as data (top-k expert ids beside the tokens)."""
+    return {n for n in _payloads(schedule) if not schedule.buffers[n].dtype.is_float}
+
+
+def payload_fp8(schedule: m.Schedule) -> set[str]:
+    """The fp8 buffers that travel as data (tokens the caller quantised, DeepEP's normal
+    dispatch): drawn over every byte (``full_range_fp8``), as they move bit for bit."""
+    return {n for n in _payloads(schedule) if schedule.buffers[n].dtype == m.DType.fp8e4m3}
+
+
+def _payloads(schedule: m.Schedule) -> set[str]:
+    """The buffers that travel as data: the src of a move (``is_move``) that no op but a
+    move (as its src) or an engine step reads, nor lands by a move in a buffer read for
+    its value (counts, an index, lengths, a cast's or a reduction's operand)."""
     steps = schedule.step_list()
     moved: set[str] = set()
     valued: set[str] = set()  # read for its value by some op
@@ -266,6 +279,8 @@ def payload_ints(schedule: m.Schedule) -> set[str]:
             else set(op_io(step.op)[0]) if isinstance(step.op, m.External) else set()
         moved.update(carried if is_move(step.op) else ())
         valued.update(n for n in op_io(step.op)[0] if n not in carried)
+        if is_move(step.op) and cast.direction(schedule, step.op):  # a cast reads its operand
+            valued.update((cast.payload(step.op) or ("",))[:1])
     grown = True
     while grown:  # a move's src is read for its value where its dst is
         grown = False
@@ -277,7 +292,7 @@ def payload_ints(schedule: m.Schedule) -> set[str]:
                 if dst in valued and src not in valued:
                     valued.add(src)
                     grown = True
-    return {n for n in moved - valued if not schedule.buffers[n].dtype.is_float}
+    return moved - valued
 
 
 def full_range_ints(dtype: m.DType, shape: tuple[int, ...], gen: torch.Generator
@@ -295,6 +310,22 @@ def full_range_ints(dtype: m.DType, shape: tuple[int, ...], gen: torch.Generator
     count = min(len(edges), flat.numel())
     flat[:count] = torch.tensor(edges[:count], dtype=torch.int64)
     return flat.reshape(shape)
+
+
+FP8_EDGES = (0x7F, 0xFF, 0x80, 0x00, 0x7E, 0xFE, 0x01, 0x81)  # NaN, -NaN, -0, 0, +-448,
+# the smallest subnormal and its negative: what a move that converts, or a comparison by
+# value, would lose (a NaN's sign, a zero's)
+
+
+def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random fp8 e4m3 values (float64) over every byte, NaN of both signs and -0
+    included; every row (the last dim) starts with ``FP8_EDGES``, so that every row a
+    ragged move sends carries them."""
+    raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    rows = raw.reshape(-1, shape[-1] if shape else 1)
+    count = min(len(FP8_EDGES), rows.shape[1])
+    rows[:, :count] = torch.tensor(FP8_EDGES[:count], dtype=torch.uint8)
+    return rows.view(torch.float8_e4m3fn).to(torch.float64).reshape(shape)
 
 
 def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:

@@ -173,20 +173,21 @@ def test_the_team_file_matches_float64(world: tuple[int, int], backend: str) -> 
 
 
 GALLERY = ROOT / "schedules" / "gallery" / "deepep_normal.yaml"
-TWIN = ROOT / "tests" / "gallery_twins" / "deepep_normal.one_rdma_buffer.yaml"
+TWIN = ROOT / "tests" / "gallery_twins" / "deepep_normal.late_rdma_read.yaml"
 
 
-@pytest.mark.parametrize("path", [GALLERY, TWIN], ids=["gallery", "one_rdma_buffer"])
+@pytest.mark.parametrize("path", [GALLERY, TWIN], ids=["gallery", "late_rdma_read"])
 def test_deepep_normal_checker_agrees_with_brute_force_and_execution(path: Path) -> None:
-    """DeepEP normal mode (rail over node, NVLink over gpu, several payloads a hop, the
-    forwarder's reduce into [N, C, H]) is clean; its twin, whose combine lands in the
-    dispatch's RDMA receive buffer, races there: checker = brute force = execution."""
+    """DeepEP normal mode (rail over node, NVLink over gpu, fp8 tokens with their scales,
+    ids and weights in one hop, the forwarder's reduce into [N, C, H]) is clean; its
+    twin, which reads the dispatch's RDMA receive buffer after the combine's rail hop,
+    races there: checker = brute force = execution."""
     for world in SHAPES:
         schedule = parse_file(path, world)
         found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
         assert found == oracle_keys(schedule, world), (path.name, world)
         assert bool(found) == (path == TWIN), found
-        assert all(k[2] == "x_rail" for k in found), found
+        assert all(k[2] == "ids_rail" for k in found), found
     assert disagreements(parse_file(path, SHAPES[0]), SHAPES[:2]) == [], path.name
 
 

@@ -1,0 +1,109 @@
+"""fp8 e4m3 tokens moved as they are, with their per-128-channel f32 scales beside them
+(DeepEP's normal dispatch takes x = (fp8 [tokens, hidden], f32 [tokens, hidden / 128]),
+the caller having quantised): schedules/ops/ragged_all_to_all_fp8.yaml. No cast: every
+payload moves bit for bit. `dcpc run` draws such a payload over every byte (NaN of both
+signs, -0) and compares an fp8 move by its bytes; a scale buffer of the wrong shape is
+refused where it is declared in the step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.schedules import errors, write
+
+from dcpc.harness import synth
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.harness.worker import OutputStats, compare
+from dcpc.lang.parse import parse_file
+
+ROOT = Path(__file__).resolve().parents[2]
+FILE = ROOT / "schedules" / "ops" / "ragged_all_to_all_fp8.yaml"
+
+
+def _at(text: str, needle: str) -> tuple[int, int]:
+    """(line, col), 1-based, of the first ``needle`` after the 'steps:' line."""
+    lines = text.splitlines()
+    start = lines.index("steps:")
+    for i, line in enumerate(lines[start:], start + 1):
+        if needle in line:
+            return i, line.index(needle) + 1
+    raise AssertionError(needle)
+
+
+@pytest.mark.parametrize(("old", "new", "step_key", "want"), [
+    # the receiver's scales per 64 channels, the sender's per 128
+    ("s_recv:   {shape: [W, C, H/128]", "s_recv:   {shape: [W, C, H/64]", "s_recv,",
+     "dst 's_recv' of step 'dispatch' has shape [W, C, H/64] but must be [W, C, H/128]"),
+    # one scale row more than the tokens' capacity
+    ("s_send:   {shape: [W, C, H/128]", "s_send:   {shape: [W, C + 1, H/128]", "s_send,",
+     "src 's_send' of step 'dispatch' has shape [W, C+1, H/128] but must be [W, C, H/128]"),
+])
+def test_a_wrong_scale_shape_is_refused_where_the_step_names_it(
+        tmp_path: Path, old: str, new: str, step_key: str, want: str) -> None:
+    text = FILE.read_text()
+    assert old in text
+    text = text.replace(old, new)
+    found = errors(write(tmp_path, text, "fp8.yaml"))
+    line, col = _at(text, step_key)
+    hits = [f for f in found if f[0] == "shape-mismatch" and f[1:3] == (line, col)]
+    assert hits and want in hits[0][3], found
+
+
+def test_scales_of_an_h_not_a_multiple_of_128_are_refused(tmp_path: Path) -> None:
+    text = FILE.read_text().replace("  H: 256", "  H: 200")
+    found = errors(write(tmp_path, text, "fp8.yaml"))
+    assert {f[0] for f in found} == {"inexact-division"}, found
+    assert any("H/128 is not a whole number" in f[3] and "'s_send'" in f[3] for f in found)
+
+
+def test_fp8_payloads_are_drawn_over_every_byte() -> None:
+    schedule = parse_file(FILE, 2)
+    assert synth.payload_fp8(schedule) & set(synth.engine_inputs(schedule)) == {"x_send"}
+    sizes = synth.call_sizes(schedule, 2, synth.constructor_sizes(schedule, 2), 0, 0)
+    for rank in synth.call_inputs(schedule, 2, sizes, 0, 0):
+        raw = rank["x_send"].to(torch.float8_e4m3fn).view(torch.uint8)
+        for row in raw.reshape(-1, raw.shape[-1]).tolist():  # every row sent carries
+            assert row[:len(synth.FP8_EDGES)] == list(synth.FP8_EDGES)  # both NaNs, -0
+        assert len(set(raw.flatten().tolist())) > 200  # every byte, not only the edges
+        assert rank["s_send"].isfinite().all()  # the scales: f32 values, not moved bytes
+
+
+def test_a_cast_operand_is_not_drawn_as_bytes() -> None:
+    """An fp8 buffer a move dequantises is read for its value: drawn as values."""
+    path = ROOT / "tests" / "op_known_failures" / "dequant_into_bf16.yaml"
+    assert synth.payload_fp8(parse_file(path, 2)) == set()
+
+
+@pytest.mark.parametrize(("got", "want", "kind", "off"), [
+    (0x7F, 0xFF, "move", True),   # a NaN's sign lost
+    (0x00, 0x80, "move", True),   # a zero's sign lost
+    (0x7F, 0x7F, "move", False),
+    (0x7F, 0xFF, "math", False),  # computed values: NaN is NaN
+    (0x00, 0x80, "math", False),
+])
+def test_an_fp8_move_is_compared_by_its_bytes(got: int, want: int, kind: str,
+                                              off: bool) -> None:
+    def value(byte: int) -> torch.Tensor:
+        raw = torch.tensor([0x38, byte], dtype=torch.uint8)  # 1.0 and the byte
+        return raw.view(torch.float8_e4m3fn).to(torch.float64)
+
+    stats = OutputStats()
+    compare("x", kind, "fp8e4m3", value(got), value(want), stats, "call 0")
+    assert stats.mismatches == int(off), stats
+    if off:
+        assert "x[1]" in stats.first_mismatch, stats.first_mismatch
+
+
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_fp8_and_scales_move_bit_for_bit(backend: str) -> None:
+    """gloo (fp8 as bytes) and the kernels (ranks as threads; typed fp8 loads and
+    stores) move every byte drawn, NaNs of both signs included, there and back;
+    the host backend runs the file in tests/ops/test_op_schedules.py."""
+    report = run_schedule(RunConfig(schedule=str(FILE), world=3, backend=backend, calls=3,
+                                    seed=4))
+    text = format_report(report)
+    assert report.ok and report.mismatches == 0, text
+    for name in ("x_recv", "s_recv", "ids_recv", "x_back", "s_back"):
+        assert report.outputs[name].compared == 3 * 3, (name, text)
