@@ -41,6 +41,7 @@ from typing import Any
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
+from dcpc.lang.expr import OWNER
 from dcpc.lang.mesh import Mesh
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
@@ -57,9 +58,6 @@ MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
 # a nest whose hops unroll to no step (an inner 'repeat: 0'), which the step bound misses
 MAX_HOPS = 4 * MAX_STEPS
 LOOP_KEYS = ("repeat", "as", "steps", "doc")
-# the rank in an index (``o_parts[(r - h) % W]``: the slice of the rank's own block), as
-# in a shift's perm; a hop index of the same name hides it
-OWNER = "r"
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 
