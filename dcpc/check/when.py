@@ -5,8 +5,6 @@ is untouched)."""
 
 from __future__ import annotations
 
-import re
-
 from dcpc.check.context import Context
 from dcpc.diagnostics import clipped, did_you_mean
 from dcpc.lang import expr as ex
@@ -36,9 +34,9 @@ def check_when(ctx: Context) -> None:
             continue
         mark = step.op.mark("when")
         if not local(sem) and wh.OWNER_MARK in step.op.src_marks:
-            # a copy the unroller made of a step whose index names the rank: said once,
-            # of the step as written (its copies are '<name>_r<rank>')
-            written = re.sub(r"_r[0-9]+\Z", "", step.name)
+            # a copy the unroller made of a step whose index names the rank: said of
+            # the step as written
+            written = step.op.src_copy.step if step.op.src_copy else step.name
             ctx.error(step.op.mark(wh.OWNER_MARK), "bad-index",
                       f"step '{written}' ({step.kind}) has an index that names the rank "
                       "'r', but it communicates (it signals, waits or reaches another "

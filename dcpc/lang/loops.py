@@ -43,6 +43,7 @@ from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import OWNER
 from dcpc.lang.mesh import Mesh
+from dcpc.lang.nodes import OWNER_COPY, OwnerCopy
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import all_gather, shift
@@ -492,7 +493,7 @@ class _Unroller:
             marks = out.get(MARKS, {})  # a when: of the step's own keeps its place
             out = {**out, "when": cond if own is None else f"({own}) and ({cond})",
                    MARKS: {**marks, "when": marks.get("when", mark) if own else mark,
-                           OWNER_MARK: mark}}
+                           OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(name, ranks[0])}
             copies.append((f"_r{ranks[0]}", out))
         return copies
 
