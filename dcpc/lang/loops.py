@@ -385,10 +385,14 @@ class _Unroller:
                                  f"{what}; a schedule that depends on {err.args[0]} is "
                                  f"unrolled for {unit} at a time", err.args[0])
                 return None
+            named = err.args[0]
             self.error(mark, "bad-index",
                        f"index '{clipped(inner)}' of '{clipped(text)}' names "
-                       f"'{err.args[0]}', which is not the hop index, W or an integer size "
-                       "here")
+                       f"'{named}', which is not the hop index, W or an integer size here"
+                       + (f": an index writes the rank as '{OWNER}' ('{RANK}' is its name "
+                          "in a when: condition)" if named == RANK else ""),
+                       f"write '{clipped(_renamed(text, RANK, OWNER))}'"
+                       if named == RANK else None)
         except (ex.ExprSyntaxError, ex.InexactDivision, ValueError) as err:
             self.error(mark, "bad-index", f"index '{clipped(inner)}' of '{clipped(text)}': {err}",
                        "an index is an expression of the hop index, W and integer sizes "
@@ -464,13 +468,15 @@ class _Unroller:
         the step's own ``when:``): the rank-by-rank checks, the float64 reference and
         the module then treat it as any guarded step (dcpc.lang.when)."""
         hops = env.keys() - self.env.keys()  # a hop index hides a name of the rank
-        mark = _owner_mark(body, self.file, _owner_names(self.data) - hops)
-        if mark is None:
+        found = _owner_mark(body, self.file, _owner_names(self.data) - hops)
+        if found is None:
             return [("", self.op(name, body, env))]
+        mark, index = found
         if "W" not in self.env:
-            self.needs_world(mark, f"step '{name}' has an index that names the rank "
-                             f"'{OWNER}'; a step whose slice depends on the rank is unrolled "
-                             "into one guarded copy per rank, for one W at a time")
+            self.needs_world(mark, f"step '{name}' has an index that "
+                             f"{names_the_rank(index)}; a step whose slice depends on the "
+                             "rank is unrolled into one guarded copy per rank, for one W at "
+                             "a time")
             return []
         groups: dict[str, tuple[list[int], dict[str, Any]]] = {}
         axes, shape = sorted(_coordinates(self.data), key=self._axis_names().index), ()
@@ -493,7 +499,7 @@ class _Unroller:
             marks = out.get(MARKS, {})  # a when: of the step's own keeps its place
             out = {**out, "when": cond if own is None else f"({own}) and ({cond})",
                    MARKS: {**marks, "when": marks.get("when", mark) if own else mark,
-                           OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(name, ranks[0])}
+                           OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(name, ranks[0], index)}
             copies.append((f"_r{ranks[0]}", out))
         return copies
 
@@ -836,13 +842,15 @@ class _Unroller:
 
 
 def _owner_mark(body: dict[str, Any], file: str,
-                names: frozenset[str] | set[str] = frozenset({OWNER})) -> Mark | None:
+                names: frozenset[str] | set[str] = frozenset({OWNER})
+                ) -> tuple[Mark, str] | None:
     """Where the first index of step ``body`` that names the rank (one of ``names``:
-    ``r``, a mesh coordinate) is, or None (a step's keys and a mask_empty's, as
-    ``_Unroller.op`` rewrites them)."""
+    ``r``, a mesh coordinate) is, and the name it writes the rank by (the first, by
+    name, of several), or None (a step's keys and a mask_empty's, as ``_Unroller.op``
+    rewrites them)."""
     shard = _shard(body)
     if isinstance(shard, str) and _names_w(shard, names):
-        return _mark(body, "shard", file)
+        return _mark(body, "shard", file), _owner_name(shard, names)
     for key, value in body.items():
         if key in (MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave", "shard"):
             continue
@@ -853,8 +861,25 @@ def _owner_mark(body: dict[str, Any], file: str,
             for one in text if isinstance(text, list) else [text]:
                 found = _INDEXED.match(one.strip()) if isinstance(one, str) else None
                 if found and _names_w(found.group(2), names):
-                    return mark
+                    return mark, _owner_name(found.group(2), names)
     return None
+
+
+def _renamed(text: str, old: str, new: str) -> str:
+    """``text`` with the name ``old`` written ``new`` (whole names only)."""
+    return re.sub(rf"(?<![A-Za-z0-9_]){old}(?![A-Za-z0-9_])", new, text)
+
+
+def _owner_name(text: str, names: frozenset[str] | set[str]) -> str:
+    """The name of the rank an expression that names one (``_names_w``) writes."""
+    return min(names & ex.symbols(ex.parse(text.replace("%", "*"))))
+
+
+def names_the_rank(name: str) -> str:
+    """How a message says that an index names the rank by ``name``: ``r`` or a mesh
+    coordinate."""
+    return (f"names the rank '{name}'" if name == OWNER else
+            f"names the rank's mesh coordinate '{name}'")
 
 
 def _substitute(tree: Any, values: dict[str, int]) -> Any:

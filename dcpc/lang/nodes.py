@@ -178,11 +178,13 @@ OWNER_COPY = "__copy__"
 @dataclass(frozen=True)
 class OwnerCopy:
     """What a copy the unroller made of a step whose index names the rank came from
-    (dcpc.lang.loops): the step as written and the first rank the copy runs on (its
-    name is ``<step>[_<hop>...]_r<rank>``, never parsed back)."""
+    (dcpc.lang.loops): the step as written, the first rank the copy runs on (its name
+    is ``<step>[_<hop>...]_r<rank>``, never parsed back) and the name the index writes
+    the rank by (``r`` or a mesh coordinate)."""
 
     step: str
     rank: int
+    index: str
 
 
 class OpBase(Node):

@@ -137,6 +137,16 @@ def test_a_bad_owner_index_is_bad_index(index: str, words: str) -> None:
     assert words in found[0].message, found[0].message
 
 
+def test_an_index_written_with_rank_says_an_index_writes_it_r() -> None:
+    """Review finding: 'parts[rank]' (the when: condition's name) said only that 'rank'
+    is not the hop index, W or an integer size."""
+    found = _errors(_ring("W", "(rank - h) % W"), range(2, 3))
+    assert [d.code for d in found] == ["bad-index"], found
+    assert "an index writes the rank as 'r' ('rank' is its name in a when: condition)" in (
+        found[0].message), found[0].message
+    assert found[0].hint == "write 'parts[(r - h) % W]'", found[0].hint
+
+
 def test_an_owner_index_on_a_communication_step_is_refused_once() -> None:
     text = """\
 schedule: s
@@ -152,6 +162,34 @@ steps:
     assert [d.code for d in found] == ["bad-index"], found
     assert "step 'send' (shift) has an index that names the rank" in found[0].message
     assert (found[0].mark.line, found[0].mark.col) == (7, 36)
+
+
+def test_a_mesh_coordinate_index_on_a_communication_step_in_a_loop_is_named_once() -> None:
+    """Review finding: the message said "names the rank 'r'" for ``g[gpu]`` and came once
+    per hop copy ('send_h0', 'send_h1'); it names the coordinate and the step as written."""
+    text = """\
+schedule: s
+mesh: {node: N, gpu: G}
+sizes: {T: 4, D: 2}
+buffers: {x: {shape: [T, D], dtype: f32}, g: {shape: [G, T, D], dtype: f32, symmetric: true}}
+steps:
+  - hops:
+      repeat: 2
+      as: h
+      steps:
+        - send: {op: shift, src: x, dst: "g[gpu]", offset: next, axis: gpu}
+  - done: {op: barrier}
+"""
+    world = MeshWorld([2, 2])
+    found = [d for d in structural.check(parse_text(text, "s.yaml", world), [world])
+             if d.severity == "error"]
+    assert [d.code for d in found] == ["bad-index"], found
+    assert ("step 'send' (shift) has an index that names the rank's mesh coordinate "
+            "'gpu', but it communicates") in found[0].message, found[0].message
+    assert (found[0].mark.line, found[0].mark.col) == (10, 42)
+    with pytest.raises(DiagnosticError) as err:  # no shape given: which name it needs
+        parse_text(text, "s.yaml", None)
+    assert "names the rank's mesh coordinate 'gpu'" in err.value.diagnostics[0].message
 
 
 def test_a_symmetric_buffer_used_whole_and_by_slice_stays_mixed_index() -> None:
