@@ -311,6 +311,13 @@ class _Unroller:
             return text
         name, inner = found.group(1), found.group(2)
         lead = self._leading(name)
+        first = self._lead_name(name)
+        if lead is None and first is not None and self.unbound_world(first):
+            what, unit = self.depends(first)
+            self.needs_world(mark, f"'{clipped(text)}' indexes buffer '{name}', whose leading "
+                             f"axis is {what}; a schedule that depends on {first} is "
+                             f"unrolled for {unit} at a time", first)
+            return text
         if lead is None:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' indexes buffer '{name}', whose leading axis is not an "
@@ -337,15 +344,28 @@ class _Unroller:
         self.split[name] = lead
         return f"{name}_{value}"
 
+    def _lead_name(self, name: str) -> str | None:
+        """The size name buffer ``name``'s leading axis is declared as (None: another)."""
+        buffers = self.data.get("buffers")
+        spec = buffers.get(name) if isinstance(buffers, dict) else None
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        first = shape[0] if isinstance(shape, list) and len(shape) >= 2 else None
+        return first if isinstance(first, str) else None
+
     def needs_world(self, mark: Mark, message: str, name: str = "W") -> None:
         """A trip count, index, offset or interleave names W (or a mesh axis' size,
         ``name``), and no W (no mesh shape) was given (loop-world)."""
+        shape = "x".join("2" for _ in self._axis_names())
         if name == "W":
             hint = "check or compile with --world N (or a list: each W is checked on its own)"
+        elif self.world is not None and len(shape_of(self.world)) == 1:
+            # a flat group size given for a mesh file: it binds W only
+            message += (f"; the file declares a mesh ({' x '.join(self._axis_names())}), "
+                        f"and the group size {self.world} given is no mesh shape")
+            hint = f"give --world as a mesh shape, e.g. --world {shape}"
         else:
-            hint = ("check or compile with --world as mesh shapes, e.g. "
-                    + "x".join("2" for _ in self._axis_names())
-                    + " (or a list: each shape is checked on its own)")
+            hint = (f"check or compile with --world as mesh shapes, e.g. {shape} (or a "
+                    "list: each shape is checked on its own)")
         self.error(mark, "loop-world", message, hint)
 
     def _axis_names(self) -> list[str]:

@@ -365,6 +365,22 @@ def test_an_index_of_a_mesh_coordinate_unrolls_per_shape() -> None:
     assert found == []
 
 
+def test_a_flat_world_for_a_mesh_file_says_the_file_declares_a_mesh() -> None:
+    """Review finding: '--world 4' on this file said 'parts[gpu]' indexes a buffer "whose
+    leading axis is not an integer" (G, unbound by a flat W)."""
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(MESH.replace("TRIPS", "G - 1"), "s.yaml", 4)
+    found = err.value.diagnostics
+    assert {d.code for d in found} == {"loop-world"}, found
+    first = found[0]
+    assert (first.mark.line, first.mark.col) == (10, 45)
+    assert ("'parts[gpu]' indexes buffer 'parts', whose leading axis is G (the size of "
+            "mesh axis 'gpu')") in first.message, first.message
+    assert ("the file declares a mesh (node x gpu), and the group size 4 given is no mesh "
+            "shape") in first.message
+    assert all(d.hint == "give --world as a mesh shape, e.g. --world 2x2" for d in found)
+
+
 def test_a_missing_coordinate_hop_is_read_before_write() -> None:
     schedule = parse_text(MESH.replace("TRIPS", "G - 2"), "s.yaml", MeshWorld([2, 3]))
     found = [d for d in structural.check(schedule, [MeshWorld([2, 3])])
