@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.hb_oracle import oracle_keys
+from support.schedules import mesh_owner
 
 from dcpc.check import hb, structural
 from dcpc.check.oracle import explore
@@ -327,31 +328,8 @@ def test_a_step_s_own_when_joins_its_owner_guard_and_keeps_its_place() -> None:
     assert (found[0].mark.line, found[0].mark.col) == (12, 40)
 
 
-# on a mesh an index may name the rank's coordinate along an axis: each GPU of a node
-# writes its own slot, then the G - 1 others', then reads its own; the sum reads all
-MESH = """\
-schedule: s
-mesh: {node: N, gpu: G}
-sizes: {T: {max: 4}, D: 8}
-buffers:
-  x: {shape: [T, D], dtype: f32}
-  y: {shape: [T, D], dtype: f32}
-  parts: {shape: [G, T, D], dtype: f32}
-  total: {shape: [T, D], dtype: f32}
-steps:
-  - put: {op: external, reads: [x], writes: ["parts[gpu]"]}
-  - rest:
-      repeat: TRIPS
-      as: h
-      steps:
-        - other: {op: external, reads: [x], writes: ["parts[(gpu + h + 1) % G]"]}
-  - mine: {op: copy, src: "parts[gpu]", dst: y}
-  - all: {op: sum, src: parts, dst: total}
-"""
-
-
 def test_an_index_of_a_mesh_coordinate_unrolls_per_shape() -> None:
-    schedule = parse_text(MESH.replace("TRIPS", "G - 1"), "s.yaml", MeshWorld([2, 3]))
+    schedule = parse_text(mesh_owner("G - 1"), "s.yaml", MeshWorld([2, 3]))
     assert schedule.loop_world == (2, 3)  # the coordinates are the shape's
     by_name = {s.name: s.op for s in schedule.step_list()}
     # rank = 3 * node + gpu: gpu 0 is ranks 0 and 3
@@ -369,7 +347,7 @@ def test_a_flat_world_for_a_mesh_file_says_the_file_declares_a_mesh() -> None:
     """Review finding: '--world 4' on this file said 'parts[gpu]' indexes a buffer "whose
     leading axis is not an integer" (G, unbound by a flat W)."""
     with pytest.raises(DiagnosticError) as err:
-        parse_text(MESH.replace("TRIPS", "G - 1"), "s.yaml", 4)
+        parse_text(mesh_owner("G - 1"), "s.yaml", 4)
     found = err.value.diagnostics
     assert {d.code for d in found} == {"loop-world"}, found
     first = found[0]
@@ -382,7 +360,7 @@ def test_a_flat_world_for_a_mesh_file_says_the_file_declares_a_mesh() -> None:
 
 
 def test_a_missing_coordinate_hop_is_read_before_write() -> None:
-    schedule = parse_text(MESH.replace("TRIPS", "G - 2"), "s.yaml", MeshWorld([2, 3]))
+    schedule = parse_text(mesh_owner("G - 2"), "s.yaml", MeshWorld([2, 3]))
     found = [d for d in structural.check(schedule, [MeshWorld([2, 3])])
              if d.severity == "error"]
     assert {d.code for d in found} == {"read-before-write"}, found
