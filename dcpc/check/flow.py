@@ -176,14 +176,18 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                         for a in found)):
                     continue  # written before here, or an engine buffer updated in place
                 reported.add(name)
+                # made before the read, or landed before it (a wait written before its
+                # put: the chain, whose store lands at the wait)
                 earlier = [a for a in found if a.mode == "w" and a.ref.name == name
-                           and a.step.index < acc.step.index]
+                           and min(a.step.index, a.at.index) < acc.step.index]
                 skipped = [a.step.name for a in earlier if not runs(a.step, rank)]
                 made = [a for a in earlier if runs(a.step, rank)]
                 # a store that would reach this rank but lands at a wait after the read
                 flight = [a for a in made if _reaches(ctx, a, rank, int(world))
                           and a.at.index > acc.step.index]
                 missed = [a for a in made if a not in flight]
+                chained = [a for a in missed if a.at.index < a.step.index]
+                missed = [a for a in missed if a not in chained]
                 why = "; ".join(
                     ([f"the earlier steps that write it do not run there (their when: does "
                       f"not hold): {', '.join(skipped)}"] if skipped else []) +
@@ -191,7 +195,10 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                      f"'{a.at.name}', after '{acc.step.name}'" for a in flight] +
                     ([f"the stores of {', '.join(a.step.name for a in missed)} do not reach "
                       f"it there ({'; '.join(dict.fromkeys(_why_not(a, rank) for a in missed))}"
-                      ")"] if missed else []))
+                      ")"] if missed else []) +
+                    [f"'{a.step.name}' stores it at its wait '{a.at.name}' (a wait written "
+                     f"before its put: the chain), but rank {rank} receives nothing at "
+                     f"W={world} ({_why_not(a, rank)})" for a in chained])
                 why = "; " + (why or "no earlier step writes it")
                 part = ctx.schedule.slice_of(name)
                 shown = f"'{part[0]}[{part[1]}]' ('{name}')" if part else f"'{name}'"

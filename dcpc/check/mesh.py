@@ -6,7 +6,7 @@ import math
 
 from dcpc.check.context import Context
 from dcpc.diagnostics import Diagnostic, did_you_mean
-from dcpc.lang.loops import OWNER
+from dcpc.lang.expr import OWNER
 from dcpc.lang.mesh import MAX_AXES, MAX_WORLD, mesh_of
 from dcpc.lang.model import Peers, Schedule, SizeSpec, Step
 from dcpc.lang.sizes import WORLD

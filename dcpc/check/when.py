@@ -5,12 +5,11 @@ is untouched)."""
 
 from __future__ import annotations
 
-import re
-
 from dcpc.check.context import Context
-from dcpc.diagnostics import clipped, did_you_mean
+from dcpc.diagnostics import Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
 from dcpc.lang import when as wh
+from dcpc.lang.loops import names_the_rank
 from dcpc.lang.semantics import Semantics
 from dcpc.topology import shape_of
 
@@ -30,19 +29,24 @@ def check_when(ctx: Context) -> None:
     """Every ``when:`` condition: ``bad-when`` (syntax, a name no rank knows, a value that
     cannot be computed on some rank) or ``when-on-communication``."""
     known = wh.names(ctx.schedule)
+    owned: set[tuple[str, Mark]] = set()  # the written steps whose copies were refused
     for step, sem in zip(ctx.steps, ctx.semantics, strict=True):
         text = getattr(step.op, "when", None)
         if text is None:
             continue
         mark = step.op.mark("when")
-        if not local(sem) and wh.OWNER_MARK in step.op.src_marks:
+        copy = step.op.src_copy
+        if not local(sem) and copy is not None:
             # a copy the unroller made of a step whose index names the rank: said once,
-            # of the step as written (its copies are '<name>_r<rank>')
-            written = re.sub(r"_r[0-9]+\Z", "", step.name)
+            # of the step as written (its first copy)
+            if (copy.step, step.op.mark(wh.OWNER_MARK)) in owned:
+                continue
+            owned.add((copy.step, step.op.mark(wh.OWNER_MARK)))
             ctx.error(step.op.mark(wh.OWNER_MARK), "bad-index",
-                      f"step '{written}' ({step.kind}) has an index that names the rank "
-                      "'r', but it communicates (it signals, waits or reaches another "
-                      "rank's buffers): a slice that depends on the rank is taken per rank "
+                      f"step '{copy.step}' ({step.kind}) has an index that "
+                      f"{names_the_rank(copy.index)}, but it communicates (it signals, "
+                      "waits or reaches another rank's buffers): a slice that depends on "
+                      "the rank is taken per rank "
                       "by a copy of the step that runs there alone, and every rank must run "
                       "a communication step", hint="index by the rank in the local steps "
                       "(the attention that writes a partial, a copy), and keep the "

@@ -173,6 +173,13 @@ def device_names() -> frozenset[str]:
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    # and DCPC_<name> of every error code, which it makes from the errors' table
+    errors = ast.parse((DEVICE_PATH.parent / "errors.py").read_text(encoding="utf-8"))
+    for node in errors.body:
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and node.target.id == "KERNEL_ERRORS" and isinstance(node.value, ast.Dict)):
+            names.update(f"DCPC_{k.value}" for k in node.value.keys
+                         if isinstance(k, ast.Constant))
     return frozenset(n for n in names if n.startswith(("_dcpc_", "DCPC_")))
 
 
@@ -196,12 +203,65 @@ def torch_bodies(plan: Plan) -> str:
     module-level functions their templates' ``torch_body`` macros call
     (``OpDef.torch_name``); "" when none is called (a form of the op that a collective
     of the runtime serves writes no dead body)."""
+    return "\n\n\n".join(torch_source(fn, name) for fn, name, _ in _torch_functions(plan))
+
+
+def _torch_functions(plan: Plan) -> list[tuple[Any, str, str]]:
+    """(function, its name in the module, its op) of what ``torch_bodies`` copies: the
+    functions the bodies call (OpDef.torch_uses) first, then the bodies."""
     OPS = _ops()  # noqa: N806  (the registry, imported when a module is emitted)
     used = dict.fromkeys(s.op for s in plan.steps if s.op in OPS and OPS[s.op].torch_called(s))
-    # the functions the bodies call (OpDef.torch_uses) first, then the bodies
-    functions = [(fn, f"_{kind}_{fn.__name__}") for kind in used for fn in OPS[kind].torch_uses]
-    functions += [(OPS[kind].torch, OPS[kind].torch_name) for kind in used]
-    return "\n\n\n".join(torch_source(fn, name) for fn, name in functions)
+    functions = [(fn, f"_{kind}_{fn.__name__}", kind)
+                 for kind in used for fn in OPS[kind].torch_uses]
+    return functions + [(OPS[kind].torch, OPS[kind].torch_name, kind) for kind in used]
+
+
+def check_torch_names(text: str, plan: Plan) -> None:
+    """Every global name an op's copied torch function uses (``torch_bodies``) is one the
+    emitted module ``text`` defines (an import, a function, a class, a constant) or a
+    builtin: a body that calls a helper of its op module (not listed in
+    ``OpDef.torch_uses``) is refused here, naming the op and the name, not found when
+    the torch backend first runs it (NameError)."""
+    import ast
+    import builtins
+    import symtable
+
+    functions = {name: kind for _, name, kind in _torch_functions(plan)}
+    if not functions:
+        return
+    tree = ast.parse(text)
+    defined = set(dir(builtins))
+    for node in tree.body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(n.id for t in targets for n in ast.walk(t)
+                           if isinstance(n, ast.Name))
+    for node in tree.body:
+        if not (isinstance(node, ast.FunctionDef) and node.name in functions):
+            continue
+        table = symtable.symtable(ast.get_source_segment(text, node) or "", node.name,
+                                  "exec")
+        missing = sorted(_free_globals(table.get_children()[0]) - defined)
+        if missing:
+            raise ValueError(
+                f"op '{functions[node.name]}': its torch function {node.name} (copied "
+                f"into the module) uses '{missing[0]}', which the emitted module does not "
+                "define; a function of the op module that the body calls is listed in "
+                "its OpDef.torch_uses (then copied, and called by the name "
+                f"'_{functions[node.name]}_<function>'), a module it needs is imported "
+                "in the body")
+
+
+def _free_globals(table: Any) -> set[str]:
+    """The global names a function's symbol table (and the scopes inside it) use."""
+    out = {s.get_name() for s in table.get_symbols() if s.is_global() and s.is_referenced()}
+    for child in table.get_children():
+        out |= _free_globals(child)
+    return out
 
 
 def _ops() -> dict[str, Any]:
@@ -332,8 +392,10 @@ def emit(plan: Plan) -> str:
                              else f'self._team_member("{step.name}")'),
         torch_called=lambda step: _ops()[step.op].torch_called(step),  # the body's call
     )
-    return _normalize(env.get_template("module.py.j2").render(
+    text = _normalize(env.get_template("module.py.j2").render(
         plan=plan, torch_bodies=torch_bodies(plan), **args))
+    check_torch_names(text, plan)
+    return text
 
 
 def _normalize(text: str) -> str:

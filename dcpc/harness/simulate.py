@@ -10,7 +10,8 @@ come from a callback.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -213,6 +214,16 @@ class UnwrittenRead(ValueError):
             "the checker missed: please report it with the schedule)")
 
 
+@contextmanager
+def _naming(step: m.Step) -> Iterator[None]:
+    """An ``UnwrittenRead`` raised inside (by a reference, or a chain's put reading its
+    source) names ``step``."""
+    try:
+        yield
+    except UnwrittenRead as err:
+        raise UnwrittenRead(err.buffer, err.rank, err.step or step.name) from None
+
+
 class _RankBuffers(dict):
     """One rank's buffers in the simulator: a read of one nothing wrote is an
     ``UnwrittenRead`` naming the buffer and the rank (``simulate_call`` adds the step)."""
@@ -379,11 +390,9 @@ def simulate_call(
         ranks = running.get(step.index)
         skipped = set() if ranks is None else set(range(int(world))) - ranks
         view = sim.guarded(skipped) if skipped else sim
-        try:
+        with _naming(step):
             for team in _teams(schedule, world, step):
                 op.reference(view if team is None else view.team(team), step)
-        except UnwrittenRead as err:
-            raise UnwrittenRead(err.buffer, err.rank, step.name) from None
     if trace is not None:
         trace.append(sim.written)
     return sim.bufs
@@ -442,9 +451,10 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
             sim.written, sim.rounding = written[k], _rounding(step, rounding)
             phase = step.op.phase if isinstance(step.op, ShiftOp) else None
             if phase == "put":
-                pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
-                                                 sim.bufs[r][step.op.src],
-                                                 sim.rounding).clone()
+                with _naming(step):
+                    pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
+                                                     sim.bufs[r][step.op.src],
+                                                     sim.rounding).clone()
             elif phase == "wait":
                 if r in source:
                     put = shift.matched(sim).polls[step.name]
@@ -453,7 +463,8 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
                 ranks = running.get(step.index)
                 skipped = {q for q in range(world)
                            if q != r or (ranks is not None and q not in ranks)}
-                OPS[step.kind].reference(sim.guarded(skipped), step)
+                with _naming(step):
+                    OPS[step.kind].reference(sim.guarded(skipped), step)
     return written
 
 

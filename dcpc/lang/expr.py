@@ -33,6 +33,11 @@ MAX_TEXT = 512  # characters
 MAX_DEPTH = 64  # nesting of parentheses, and of operators in the parsed tree
 MAX_INT_DIGITS = 30  # digits of one integer: the YAML's own integers have the same bound
 
+# The rank's name in an index (``o_parts[(r - h) % W]``: the slice of the rank's own
+# block, dcpc.lang.loops) and in a shift's perm expression (dcpc.ops.shift); a hop
+# index of the same name hides it
+OWNER = "r"
+
 # The builders the lowering rules view shapes with (dcpc/ops/<op>.py ``lower``)
 W: Expr = ("sym", "W")
 ONE: Expr = ("num", 1)

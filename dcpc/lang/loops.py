@@ -41,7 +41,9 @@ from typing import Any
 
 from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
+from dcpc.lang.expr import OWNER
 from dcpc.lang.mesh import Mesh
+from dcpc.lang.nodes import OWNER_COPY, OwnerCopy
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import all_gather, shift
@@ -57,9 +59,6 @@ MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
 # a nest whose hops unroll to no step (an inner 'repeat: 0'), which the step bound misses
 MAX_HOPS = 4 * MAX_STEPS
 LOOP_KEYS = ("repeat", "as", "steps", "doc")
-# the rank in an index (``o_parts[(r - h) % W]``: the slice of the rank's own block), as
-# in a shift's perm; a hop index of the same name hides it
-OWNER = "r"
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 
@@ -312,6 +311,13 @@ class _Unroller:
             return text
         name, inner = found.group(1), found.group(2)
         lead = self._leading(name)
+        first = self._lead_name(name)
+        if lead is None and first is not None and self.unbound_world(first):
+            what, unit = self.depends(first)
+            self.needs_world(mark, f"'{clipped(text)}' indexes buffer '{name}', whose leading "
+                             f"axis is {what}; a schedule that depends on {first} is "
+                             f"unrolled for {unit} at a time", first)
+            return text
         if lead is None:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' indexes buffer '{name}', whose leading axis is not an "
@@ -338,15 +344,28 @@ class _Unroller:
         self.split[name] = lead
         return f"{name}_{value}"
 
+    def _lead_name(self, name: str) -> str | None:
+        """The size name buffer ``name``'s leading axis is declared as (None: another)."""
+        buffers = self.data.get("buffers")
+        spec = buffers.get(name) if isinstance(buffers, dict) else None
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        first = shape[0] if isinstance(shape, list) and len(shape) >= 2 else None
+        return first if isinstance(first, str) else None
+
     def needs_world(self, mark: Mark, message: str, name: str = "W") -> None:
         """A trip count, index, offset or interleave names W (or a mesh axis' size,
         ``name``), and no W (no mesh shape) was given (loop-world)."""
+        shape = "x".join("2" for _ in self._axis_names())
         if name == "W":
             hint = "check or compile with --world N (or a list: each W is checked on its own)"
+        elif self.world is not None and len(shape_of(self.world)) == 1:
+            # a flat group size given for a mesh file: it binds W only
+            message += (f"; the file declares a mesh ({' x '.join(self._axis_names())}), "
+                        f"and the group size {self.world} given is no mesh shape")
+            hint = f"give --world as a mesh shape, e.g. --world {shape}"
         else:
-            hint = ("check or compile with --world as mesh shapes, e.g. "
-                    + "x".join("2" for _ in self._axis_names())
-                    + " (or a list: each shape is checked on its own)")
+            hint = (f"check or compile with --world as mesh shapes, e.g. {shape} (or a "
+                    "list: each shape is checked on its own)")
         self.error(mark, "loop-world", message, hint)
 
     def _axis_names(self) -> list[str]:
@@ -386,10 +405,14 @@ class _Unroller:
                                  f"{what}; a schedule that depends on {err.args[0]} is "
                                  f"unrolled for {unit} at a time", err.args[0])
                 return None
+            named = err.args[0]
             self.error(mark, "bad-index",
                        f"index '{clipped(inner)}' of '{clipped(text)}' names "
-                       f"'{err.args[0]}', which is not the hop index, W or an integer size "
-                       "here")
+                       f"'{named}', which is not the hop index, W or an integer size here"
+                       + (f": an index writes the rank as '{OWNER}' ('{RANK}' is its name "
+                          "in a when: condition)" if named == RANK else ""),
+                       f"write '{clipped(_renamed(text, RANK, OWNER))}'"
+                       if named == RANK else None)
         except (ex.ExprSyntaxError, ex.InexactDivision, ValueError) as err:
             self.error(mark, "bad-index", f"index '{clipped(inner)}' of '{clipped(text)}': {err}",
                        "an index is an expression of the hop index, W and integer sizes "
@@ -465,13 +488,15 @@ class _Unroller:
         the step's own ``when:``): the rank-by-rank checks, the float64 reference and
         the module then treat it as any guarded step (dcpc.lang.when)."""
         hops = env.keys() - self.env.keys()  # a hop index hides a name of the rank
-        mark = _owner_mark(body, self.file, _owner_names(self.data) - hops)
-        if mark is None:
+        found = _owner_mark(body, self.file, _owner_names(self.data) - hops)
+        if found is None:
             return [("", self.op(name, body, env))]
+        mark, index = found
         if "W" not in self.env:
-            self.needs_world(mark, f"step '{name}' has an index that names the rank "
-                             f"'{OWNER}'; a step whose slice depends on the rank is unrolled "
-                             "into one guarded copy per rank, for one W at a time")
+            self.needs_world(mark, f"step '{name}' has an index that "
+                             f"{names_the_rank(index)}; a step whose slice depends on the "
+                             "rank is unrolled into one guarded copy per rank, for one W at "
+                             "a time")
             return []
         groups: dict[str, tuple[list[int], dict[str, Any]]] = {}
         axes, shape = sorted(_coordinates(self.data), key=self._axis_names().index), ()
@@ -494,7 +519,7 @@ class _Unroller:
             marks = out.get(MARKS, {})  # a when: of the step's own keeps its place
             out = {**out, "when": cond if own is None else f"({own}) and ({cond})",
                    MARKS: {**marks, "when": marks.get("when", mark) if own else mark,
-                           OWNER_MARK: mark}}
+                           OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(name, ranks[0], index)}
             copies.append((f"_r{ranks[0]}", out))
         return copies
 
@@ -837,13 +862,15 @@ class _Unroller:
 
 
 def _owner_mark(body: dict[str, Any], file: str,
-                names: frozenset[str] | set[str] = frozenset({OWNER})) -> Mark | None:
+                names: frozenset[str] | set[str] = frozenset({OWNER})
+                ) -> tuple[Mark, str] | None:
     """Where the first index of step ``body`` that names the rank (one of ``names``:
-    ``r``, a mesh coordinate) is, or None (a step's keys and a mask_empty's, as
-    ``_Unroller.op`` rewrites them)."""
+    ``r``, a mesh coordinate) is, and the name it writes the rank by (the first, by
+    name, of several), or None (a step's keys and a mask_empty's, as ``_Unroller.op``
+    rewrites them)."""
     shard = _shard(body)
     if isinstance(shard, str) and _names_w(shard, names):
-        return _mark(body, "shard", file)
+        return _mark(body, "shard", file), _owner_name(shard, names)
     for key, value in body.items():
         if key in (MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave", "shard"):
             continue
@@ -854,8 +881,25 @@ def _owner_mark(body: dict[str, Any], file: str,
             for one in text if isinstance(text, list) else [text]:
                 found = _INDEXED.match(one.strip()) if isinstance(one, str) else None
                 if found and _names_w(found.group(2), names):
-                    return mark
+                    return mark, _owner_name(found.group(2), names)
     return None
+
+
+def _renamed(text: str, old: str, new: str) -> str:
+    """``text`` with the name ``old`` written ``new`` (whole names only)."""
+    return re.sub(rf"(?<![A-Za-z0-9_]){old}(?![A-Za-z0-9_])", new, text)
+
+
+def _owner_name(text: str, names: frozenset[str] | set[str]) -> str:
+    """The name of the rank an expression that names one (``_names_w``) writes."""
+    return min(names & ex.symbols(ex.parse(text.replace("%", "*"))))
+
+
+def names_the_rank(name: str) -> str:
+    """How a message says that an index names the rank by ``name``: ``r`` or a mesh
+    coordinate."""
+    return (f"names the rank '{name}'" if name == OWNER else
+            f"names the rank's mesh coordinate '{name}'")
 
 
 def _substitute(tree: Any, values: dict[str, int]) -> Any:

@@ -9,6 +9,7 @@ only; cross-references, shapes and ordering are the check stage's job.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal, Protocol, Union
 
@@ -170,8 +171,28 @@ class MaskEmpty(Node):
         return "seq_lens" if self.seq_lens is not None else "local_seq_lens"
 
 
+# the key under which the unroller puts a step copy's ``OwnerCopy`` (``OpBase.src_copy``)
+OWNER_COPY = "__copy__"
+
+
+@dataclass(frozen=True)
+class OwnerCopy:
+    """What a copy the unroller made of a step whose index names the rank came from
+    (dcpc.lang.loops): the step as written, the first rank the copy runs on (its name
+    is ``<step>[_<hop>...]_r<rank>``, never parsed back) and the name the index writes
+    the rank by (``r`` or a mesh coordinate)."""
+
+    step: str
+    rank: int
+    index: str
+
+
 class OpBase(Node):
     doc: Str | None = None
+    # set by the unroller only (a schedule cannot write it): the step this one is a
+    # rank's copy of; None: the step as written (or a hop's copy of it)
+    src_copy: SkipJsonSchema[OwnerCopy | None] = Field(default=None, alias=OWNER_COPY,
+                                                       exclude=True)
     # a condition on the rank (and hop): the step runs only where it holds
     # (dcpc.lang.when; a step that runs on its rank alone)
     when: Str | None = Field(default=None,

@@ -22,7 +22,7 @@ from dcpc.topology import shape_of, torus
 
 RANK = "rank"
 # the marks key of a guard the unroller made from an index that names the rank
-# (dcpc.lang.loops.OWNER): where that index is, for the checker's messages
+# (dcpc.lang.expr.OWNER): where that index is, for the checker's messages
 OWNER_MARK = "owner-index"
 
 

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import StrictBool
 
-from dcpc.lang.expr import Expr, evaluate, parse, product, symbols
+from dcpc.lang.expr import OWNER, Expr, evaluate, parse, product, symbols
 from dcpc.lang.mesh import MAX_WORLD
 from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
 from dcpc.ops.common import (
@@ -107,7 +107,7 @@ class PermError(ValueError):
     """A ``perm`` that is no (partial) permutation at some W: the message says why."""
 
 
-PERM_NAMES = frozenset({"r", "W"})
+PERM_NAMES = frozenset({OWNER, "W"})
 
 
 def table_at(value: Any, world: int, names: dict[str, int] | None = None) -> list[int]:
@@ -121,18 +121,18 @@ def table_at(value: Any, world: int, names: dict[str, int] | None = None) -> lis
         try:
             tree: Expr = parse(value, modulo=True)
         except ValueError as err:
-            raise PermError(f"'{value}' is not an expression of r and W: {err}") from err
+            raise PermError(f"'{value}' is not an expression of {OWNER} and W: {err}") from err
         unknown = sorted(symbols(tree) - PERM_NAMES - set(env))
         if unknown:
             raise PermError(f"'{value}' names '{unknown[0]}'; a perm expression names the "
-                            "rank r, the group size W, the hop indices of enclosing loops "
+                            f"rank {OWNER}, the group size W, the hop indices of enclosing loops "
                             "and integer sizes only")
         out = []
         for r in range(world):
             try:
-                d = evaluate(tree, {**env, "r": r})
+                d = evaluate(tree, {**env, OWNER: r})
             except ArithmeticError as err:
-                raise PermError(f"'{value}' at W={world}, r={r}: {err}") from err
+                raise PermError(f"'{value}' at W={world}, {OWNER}={r}: {err}") from err
             out.append(d if 0 <= d < world else -1)  # off the group: sends nothing
         return _injective(out, world, f"'{value}'")
     if not isinstance(value, list) or not value:

@@ -439,12 +439,12 @@ def ragged_all_to_all(
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
-    over capacity or negative raises before anything is sent (sync.over_capacity).
+    over capacity or negative raises before anything is sent (errors.over_capacity).
     ``more``: further (src, dst) payloads, the same rows of each, never cast.
     ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
     land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
     sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``."""
-    from dcpc.runtime.sync import over_capacity
+    from dcpc.runtime.errors import over_capacity
 
     sent = counts.reshape(-1).to(torch.int32)
     over = torch.nonzero((sent > capacity) | (sent < 0)).flatten().tolist()
@@ -485,7 +485,7 @@ def weighted_combine(
     """dst[t] = sum_k weights[t, k] * row(t, k) in fp32, k in order (the kernel's), one
     rounding into dst; row(t, k) = x's row index[t, k] (< 0: none) or x[t, k];
     ``scale``: quantized (merge.quantize)."""
-    from dcpc.runtime.sync import bad_index
+    from dcpc.runtime.errors import bad_index
 
     if scale is not None:
         merge.checked_scale(scale)

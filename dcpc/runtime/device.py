@@ -26,13 +26,17 @@ import triton.language as tl
 from dcpc.runtime import errors as _errors
 
 # The error record and the failure flags as the kernels see them (defined once, in
-# dcpc.runtime.errors): the codes, and the index of each word of the record.
-DCPC_TIMEOUT = tl.constexpr(_errors.TIMEOUT_CODE)
-DCPC_CONTRACT = tl.constexpr(_errors.CONTRACT_CODE)
-DCPC_PEER_FAILED = tl.constexpr(_errors.PEER_FAILED_CODE)
-DCPC_OVER_CAPACITY = tl.constexpr(_errors.OVER_CAPACITY_CODE)
-DCPC_BAD_INDEX = tl.constexpr(_errors.BAD_INDEX_CODE)
-DCPC_BAD_SCALE = tl.constexpr(_errors.BAD_SCALE_CODE)
+# dcpc.runtime.errors): the codes, and the index of each word of the record. Every code
+# of errors.KERNEL_ERRORS is DCPC_<name> here (an op's template's kernels import it by
+# that name; a new op's code needs no line here); the helpers below name the ones they
+# use.
+for _name, _error in _errors.KERNEL_ERRORS.items():
+    globals()[f"DCPC_{_name}"] = tl.constexpr(_error.code)
+del _name, _error
+DCPC_TIMEOUT = tl.constexpr(_errors.KERNEL_ERRORS["TIMEOUT"].code)
+DCPC_CONTRACT = tl.constexpr(_errors.KERNEL_ERRORS["CONTRACT"].code)
+DCPC_PEER_FAILED = tl.constexpr(_errors.KERNEL_ERRORS["PEER_FAILED"].code)
+DCPC_BAD_SCALE = tl.constexpr(_errors.KERNEL_ERRORS["BAD_SCALE"].code)
 DCPC_FLAG_FAILED = tl.constexpr(_errors.FLAG_FAILED)
 DCPC_STEP_WORD = tl.constexpr(_errors.RECORD.index("step"))
 DCPC_PEER_WORD = tl.constexpr(_errors.RECORD.index("peer"))

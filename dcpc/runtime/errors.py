@@ -7,6 +7,10 @@ learn it through their waits (docs/engines.md, "The run-time guard").
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
 # The error record of a module instance: ERROR_WORDS int32 words in device memory,
 # written by the first kernel that fails (dcpc.runtime.device) and read by the host
 # (dcpc.runtime.sync.SignalBank.check_errors). Word i holds RECORD[i]; the codes say
@@ -20,12 +24,8 @@ from __future__ import annotations
 # deadline (a kernel cannot read a clock there).
 RECORD = ("code", "step", "peer", "epoch", "here", "there", "stop", "flag")
 ERROR_WORDS = len(RECORD)
-TIMEOUT_CODE = 1  # a wait expired (the deadline, or another program of this launch failed)
-CONTRACT_CODE = 2  # a peer's signal carried another call's fingerprint
-PEER_FAILED_CODE = 3  # the peer's failure flag was set while we waited for it
-OVER_CAPACITY_CODE = 4  # ragged_all_to_all: a count over capacity or < 0
-BAD_INDEX_CODE = 5  # weighted_combine: an index past the rows of x
-BAD_SCALE_CODE = 6  # a per-tensor fp8 scale that dcpc.numerics.scale_fault refuses
+# The codes are defined once, in KERNEL_ERRORS (at the end of this file, with how the
+# host raises each).
 # A rank's failure flag, set in every peer's bank (flags[rank]): what a waiting peer reads.
 FLAG_FAILED = 1
 FLAG_CLOSED = 2
@@ -159,3 +159,71 @@ class DcpcScaleError(DcpcArgumentError):
             "scale must be a positive finite normal f32 (2**-126 <= scale < inf); this "
             "call's output is not valid and this module instance is now failed: close() it"
         )
+
+
+def over_capacity(step: str, rank: int | None, peer: int, count: int, capacity: int,
+                  received: bool = False, index: int | None = None) -> DcpcArgumentError:
+    """A ragged_all_to_all's count over its capacity or negative (nothing of that part
+    was sent), as its sender (``counts[index]``, the rows for rank ``peer``) or its
+    receiver (rank ``peer`` sent it) saw it. ``index``: the peer's member index in the
+    step's team (None: the whole group, where it is ``peer``)."""
+    who = f"rank {rank}" if rank is not None else "this rank"
+    at = peer if index is None else index
+    what = (f"peer {peer} routed {count} rows to {who}" if received
+            else f"{who}'s counts[{at}] = {count}"
+            + (f" (the rows for rank {peer})" if at != peer else ""))
+    why = f"over the capacity {capacity}" if count >= 0 else "a negative count"
+    return DcpcArgumentError(
+        f"step '{step}': {what}, {why}; no row of that part was "
+        "sent (never truncated) and this module instance is now failed: route "
+        f"{'at most' if count >= 0 else '0 to'} capacity rows to each peer")
+
+
+def bad_index(step: str, rank: int | None, token: int, row: int,
+              rows: int) -> DcpcArgumentError:
+    """A weighted_combine's index past the rows of its x (that slot was not read)."""
+    who = f"rank {rank}" if rank is not None else "this rank"
+    return DcpcArgumentError(
+        f"step '{step}': {who}'s index of token {token} holds row {row}, past the {rows} "
+        "rows of x; an index is a row of x, or negative for an empty slot")
+
+
+def _bad_scale(step: str, rank: int | None, words: dict[str, int]) -> DcpcScaleError:
+    from dcpc.numerics import scale_fault
+
+    value = struct.unpack("<f", struct.pack("<i", words["epoch"]))[0]
+    return DcpcScaleError(value, scale_fault(value) or "refused", step, rank)
+
+
+@dataclass(frozen=True)
+class KernelError:
+    """A code of the error record: its value, and how the host raises it from the
+    record (``decode(step name, rank, words)``, ``words``: RECORD's name -> value); None:
+    the signal/wait protocol's own, which dcpc.runtime.sync raises with what it knows of
+    the call (fingerprints, the deadline, the peer's flag)."""
+
+    code: int
+    decode: Callable[[str, int | None, dict[str, int]], Exception] | None = None
+
+
+# The error record's codes, defined once: the kernels see each as DCPC_<name>
+# (dcpc.runtime.device makes them from this table, and dcpc.codegen.emit reads their
+# names from it), and dcpc.runtime.sync.SignalBank.check_errors raises an op's code
+# through its decode. A new op's code is one row here, its decode next to it.
+KERNEL_ERRORS: dict[str, KernelError] = {
+    # a wait expired (the deadline, or another program of this launch failed)
+    "TIMEOUT": KernelError(1),
+    # a peer's signal carried another call's fingerprint
+    "CONTRACT": KernelError(2),
+    # the peer's failure flag was set while we waited for it
+    "PEER_FAILED": KernelError(3),
+    # ragged_all_to_all: a count over capacity or < 0
+    "OVER_CAPACITY": KernelError(4, lambda step, rank, w: over_capacity(
+        step, rank, w["peer"], w["epoch"], w["here"], received=w["there"] == 1,
+        index=w["flag"] - 1 if w["flag"] > 0 else None)),
+    # weighted_combine: an index past the rows of x
+    "BAD_INDEX": KernelError(5, lambda step, rank, w: bad_index(
+        step, rank, w["peer"], w["epoch"], w["here"])),
+    # a per-tensor fp8 scale that dcpc.numerics.scale_fault refuses
+    "BAD_SCALE": KernelError(6, _bad_scale),
+}

@@ -38,6 +38,7 @@ What one process needs that W processes do not (measured on one H200, docs/engin
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -160,7 +161,9 @@ _CU_LIMIT_STACK_SIZE = 0  # CUlimit: per-thread local memory the context keeps
 _CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3  # CUfunction_attribute
 
 
+@functools.cache
 def _cuda_driver() -> Any:
+    """The CUDA driver library, opened once (it was opened again for every kernel)."""
     import ctypes
 
     return ctypes.CDLL("libcuda.so.1")

@@ -24,7 +24,6 @@ On GPU the kernel then traps; on CPU it returns and the method raises
 from __future__ import annotations
 
 import atexit
-import struct
 import threading
 import time
 import weakref
@@ -35,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dcpc.numerics import scale_fault
 from dcpc.runtime import errors
 from dcpc.runtime.clock import cpu_clock
 from dcpc.runtime.device import _dcpc_flag_all
@@ -45,11 +43,9 @@ from dcpc.runtime.errors import (
     FLAG_DIED,
     FLAG_FAILED,
     RECORD,
-    DcpcArgumentError,
     DcpcContractError,
     DcpcError,
     DcpcPeerFailedError,
-    DcpcScaleError,
     DcpcTimeoutError,
 )
 from dcpc.runtime.heap import SymmetricBuffer
@@ -57,11 +53,11 @@ from dcpc.runtime.local import sync_stream
 from dcpc.runtime.tiles import next_pow2
 
 STOP_WORD = RECORD.index("stop")  # CPU: the watchdog sets it at the deadline
-# the error codes by their short names (defined once: dcpc.runtime.errors)
-TIMEOUT, CONTRACT, PEER_FAILED = (errors.TIMEOUT_CODE, errors.CONTRACT_CODE,
-                                  errors.PEER_FAILED_CODE)
-OVER_CAPACITY, BAD_INDEX = errors.OVER_CAPACITY_CODE, errors.BAD_INDEX_CODE
-BAD_SCALE = errors.BAD_SCALE_CODE
+# the signal/wait protocol's codes by their short names (defined once, with every op's:
+# dcpc.runtime.errors.KERNEL_ERRORS)
+TIMEOUT, CONTRACT, PEER_FAILED = (errors.KERNEL_ERRORS[k].code
+                                  for k in ("TIMEOUT", "CONTRACT", "PEER_FAILED"))
+DECODE = {e.code: e.decode for e in errors.KERNEL_ERRORS.values() if e.decode is not None}
 WATCH_S = 0.5  # CPU: how often an armed call's watchdog looks for dead peers (wall s)
 JOIN_S = 30.0  # close(): how long to wait for the watchdog's thread to end (wall s)
 FLAG_REASONS = {
@@ -75,33 +71,6 @@ FLAG_REASONS = {
 }
 INT32_MAX = 2**31 - 1
 FINGERPRINT_BITS = 31  # fingerprints are in 0..2**31-1 (never -1)
-
-
-def over_capacity(step: str, rank: int | None, peer: int, count: int, capacity: int,
-                  received: bool = False, index: int | None = None) -> DcpcArgumentError:
-    """A ragged_all_to_all's count over its capacity or negative (nothing of that part
-    was sent), as its sender (``counts[index]``, the rows for rank ``peer``) or its
-    receiver (rank ``peer`` sent it) saw it. ``index``: the peer's member index in the
-    step's team (None: the whole group, where it is ``peer``)."""
-    who = f"rank {rank}" if rank is not None else "this rank"
-    at = peer if index is None else index
-    what = (f"peer {peer} routed {count} rows to {who}" if received
-            else f"{who}'s counts[{at}] = {count}"
-            + (f" (the rows for rank {peer})" if at != peer else ""))
-    why = f"over the capacity {capacity}" if count >= 0 else "a negative count"
-    return DcpcArgumentError(
-        f"step '{step}': {what}, {why}; no row of that part was "
-        "sent (never truncated) and this module instance is now failed: route "
-        f"{'at most' if count >= 0 else '0 to'} capacity rows to each peer")
-
-
-def bad_index(step: str, rank: int | None, token: int, row: int,
-              rows: int) -> DcpcArgumentError:
-    """A weighted_combine's index past the rows of its x (that slot was not read)."""
-    who = f"rank {rank}" if rank is not None else "this rank"
-    return DcpcArgumentError(
-        f"step '{step}': {who}'s index of token {token} holds row {row}, past the {rows} "
-        "rows of x; an index is a row of x, or negative for an empty slot")
 
 
 def channel(step_index: int, slot: int, slots: int) -> int:
@@ -315,7 +284,8 @@ class SignalBank:
     ) -> None:
         """Raise the error recorded by a kernel, if any (reads device memory: a host sync)."""
         sync_stream(self.errors.device)  # first: see dcpc.runtime.local.to_host
-        code, step, peer, epoch, here, there, _, flag = (int(v) for v in self.errors.tolist())
+        record = [int(v) for v in self.errors.tolist()]
+        code, step, peer, epoch, here, there, _, flag = record
         if code == 0:
             return
         name = step_names[step] if 0 <= step < len(step_names) else f"#{step}"
@@ -335,12 +305,6 @@ class SignalBank:
         if code == PEER_FAILED:
             reason = FLAG_REASONS.get(flag, f"set failure flag {flag}")
             raise DcpcPeerFailedError(name, peer, epoch, rank, reason)
-        if code == OVER_CAPACITY:
-            raise over_capacity(name, rank, peer, epoch, here, received=there == 1,
-                                index=flag - 1 if flag > 0 else None)
-        if code == BAD_INDEX:
-            raise bad_index(name, rank, peer, epoch, here)
-        if code == BAD_SCALE:
-            value = struct.unpack("<f", struct.pack("<i", epoch))[0]
-            raise DcpcScaleError(value, scale_fault(value) or "refused", name, rank)
+        if code in DECODE:  # an op's code
+            raise DECODE[code](name, rank, dict(zip(RECORD, record, strict=True)))
         raise DcpcError(f"step '{name}': kernel error code {code} (peer {peer}, epoch {epoch})")

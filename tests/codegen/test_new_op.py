@@ -199,3 +199,39 @@ def test_a_torch_body_is_copied_with_its_parameters_and_without_annotations() ->
 
     with pytest.raises(ValueError, match="plain def"):
         torch_source(decorated.__wrapped__, "_d_torch")
+
+
+def _rows_of(rows: int, world: int) -> list[tuple[int, int]]:
+    """A helper of a (test) op module, which a torch body may not call by this name."""
+    return [(0, rows)] * world
+
+
+def _body_calling_a_helper(comm, src, dst, stage, outer, rows, prows, row_len, world,
+                           reduce):
+    """pull's split forms, calling a helper of its module that is not in torch_uses."""
+    return _rows_of(rows, world)
+
+
+def test_a_torch_body_that_calls_a_module_helper_is_refused_at_emit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op's torch body is copied into the module as text: a helper of its op module
+    that it calls (not listed in ``OpDef.torch_uses``) is not there, and the module would
+    compile and fail only on the torch backend (NameError). Emit refuses it, naming the
+    op and the name (the real body calls pull's parts by its copy's name, _pull_parts,
+    which torch_uses puts in the module: it emits)."""
+    import dataclasses
+
+    from dcpc.codegen.emit import emit
+    from dcpc.codegen.lower import lower
+    from dcpc.lang.parse import parse_file
+    from dcpc.ops import OPS
+
+    plan = lower(parse_file(ROOT / "schedules/ops/pull_split.yaml"), range(2, 5))
+    text = emit(plan)  # the real body: every name it uses is there
+    assert "def _pull_torch(" in text and "\ndef _pull_parts(" in text
+    monkeypatch.setitem(OPS, "pull", dataclasses.replace(OPS["pull"],
+                                                         torch=_body_calling_a_helper))
+    with pytest.raises(ValueError, match=r"^op 'pull': its torch function _pull_torch "
+                       r"\(copied into the module\) uses '_rows_of', which the emitted "
+                       r"module does not define"):
+        emit(plan)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.hb_oracle import oracle_keys
+from support.schedules import mesh_owner
 
 from dcpc.check import hb, structural
 from dcpc.check.oracle import explore
@@ -137,6 +138,16 @@ def test_a_bad_owner_index_is_bad_index(index: str, words: str) -> None:
     assert words in found[0].message, found[0].message
 
 
+def test_an_index_written_with_rank_says_an_index_writes_it_r() -> None:
+    """Review finding: 'parts[rank]' (the when: condition's name) said only that 'rank'
+    is not the hop index, W or an integer size."""
+    found = _errors(_ring("W", "(rank - h) % W"), range(2, 3))
+    assert [d.code for d in found] == ["bad-index"], found
+    assert "an index writes the rank as 'r' ('rank' is its name in a when: condition)" in (
+        found[0].message), found[0].message
+    assert found[0].hint == "write 'parts[(r - h) % W]'", found[0].hint
+
+
 def test_an_owner_index_on_a_communication_step_is_refused_once() -> None:
     text = """\
 schedule: s
@@ -152,6 +163,34 @@ steps:
     assert [d.code for d in found] == ["bad-index"], found
     assert "step 'send' (shift) has an index that names the rank" in found[0].message
     assert (found[0].mark.line, found[0].mark.col) == (7, 36)
+
+
+def test_a_mesh_coordinate_index_on_a_communication_step_in_a_loop_is_named_once() -> None:
+    """Review finding: the message said "names the rank 'r'" for ``g[gpu]`` and came once
+    per hop copy ('send_h0', 'send_h1'); it names the coordinate and the step as written."""
+    text = """\
+schedule: s
+mesh: {node: N, gpu: G}
+sizes: {T: 4, D: 2}
+buffers: {x: {shape: [T, D], dtype: f32}, g: {shape: [G, T, D], dtype: f32, symmetric: true}}
+steps:
+  - hops:
+      repeat: 2
+      as: h
+      steps:
+        - send: {op: shift, src: x, dst: "g[gpu]", offset: next, axis: gpu}
+  - done: {op: barrier}
+"""
+    world = MeshWorld([2, 2])
+    found = [d for d in structural.check(parse_text(text, "s.yaml", world), [world])
+             if d.severity == "error"]
+    assert [d.code for d in found] == ["bad-index"], found
+    assert ("step 'send' (shift) has an index that names the rank's mesh coordinate "
+            "'gpu', but it communicates") in found[0].message, found[0].message
+    assert (found[0].mark.line, found[0].mark.col) == (10, 42)
+    with pytest.raises(DiagnosticError) as err:  # no shape given: which name it needs
+        parse_text(text, "s.yaml", None)
+    assert "names the rank's mesh coordinate 'gpu'" in err.value.diagnostics[0].message
 
 
 def test_a_symmetric_buffer_used_whole_and_by_slice_stays_mixed_index() -> None:
@@ -289,31 +328,8 @@ def test_a_step_s_own_when_joins_its_owner_guard_and_keeps_its_place() -> None:
     assert (found[0].mark.line, found[0].mark.col) == (12, 40)
 
 
-# on a mesh an index may name the rank's coordinate along an axis: each GPU of a node
-# writes its own slot, then the G - 1 others', then reads its own; the sum reads all
-MESH = """\
-schedule: s
-mesh: {node: N, gpu: G}
-sizes: {T: {max: 4}, D: 8}
-buffers:
-  x: {shape: [T, D], dtype: f32}
-  y: {shape: [T, D], dtype: f32}
-  parts: {shape: [G, T, D], dtype: f32}
-  total: {shape: [T, D], dtype: f32}
-steps:
-  - put: {op: external, reads: [x], writes: ["parts[gpu]"]}
-  - rest:
-      repeat: TRIPS
-      as: h
-      steps:
-        - other: {op: external, reads: [x], writes: ["parts[(gpu + h + 1) % G]"]}
-  - mine: {op: copy, src: "parts[gpu]", dst: y}
-  - all: {op: sum, src: parts, dst: total}
-"""
-
-
 def test_an_index_of_a_mesh_coordinate_unrolls_per_shape() -> None:
-    schedule = parse_text(MESH.replace("TRIPS", "G - 1"), "s.yaml", MeshWorld([2, 3]))
+    schedule = parse_text(mesh_owner("G - 1"), "s.yaml", MeshWorld([2, 3]))
     assert schedule.loop_world == (2, 3)  # the coordinates are the shape's
     by_name = {s.name: s.op for s in schedule.step_list()}
     # rank = 3 * node + gpu: gpu 0 is ranks 0 and 3
@@ -327,8 +343,24 @@ def test_an_index_of_a_mesh_coordinate_unrolls_per_shape() -> None:
     assert found == []
 
 
+def test_a_flat_world_for_a_mesh_file_says_the_file_declares_a_mesh() -> None:
+    """Review finding: '--world 4' on this file said 'parts[gpu]' indexes a buffer "whose
+    leading axis is not an integer" (G, unbound by a flat W)."""
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(mesh_owner("G - 1"), "s.yaml", 4)
+    found = err.value.diagnostics
+    assert {d.code for d in found} == {"loop-world"}, found
+    first = found[0]
+    assert (first.mark.line, first.mark.col) == (10, 45)
+    assert ("'parts[gpu]' indexes buffer 'parts', whose leading axis is G (the size of "
+            "mesh axis 'gpu')") in first.message, first.message
+    assert ("the file declares a mesh (node x gpu), and the group size 4 given is no mesh "
+            "shape") in first.message
+    assert all(d.hint == "give --world as a mesh shape, e.g. --world 2x2" for d in found)
+
+
 def test_a_missing_coordinate_hop_is_read_before_write() -> None:
-    schedule = parse_text(MESH.replace("TRIPS", "G - 2"), "s.yaml", MeshWorld([2, 3]))
+    schedule = parse_text(mesh_owner("G - 2"), "s.yaml", MeshWorld([2, 3]))
     found = [d for d in structural.check(schedule, [MeshWorld([2, 3])])
              if d.severity == "error"]
     assert {d.code for d in found} == {"read-before-write"}, found

@@ -155,6 +155,20 @@ def test_a_wait_before_a_local_copy_is_located(move: str, words: str) -> None:
     assert words in found[0].message and found[0].mark.line == 9
 
 
+def test_a_read_on_a_rank_the_chain_does_not_reach_names_the_wait() -> None:
+    """Review finding: a read of recv on rank 0 (the line's first rank receives nothing)
+    said "no earlier step writes it"; the put that lands at the wait written before it
+    does, on every other rank."""
+    found = _errors(STAGE.replace('when: "rank > 0", reads: [recv]',
+                                  'when: "rank >= 0", reads: [recv]'))
+    assert [d.code for d in found] == ["read-before-write"], found
+    assert ("step 'compute' reads 'recv' on rank 0 at W=2, where nothing the call ran "
+            "before wrote it; 'send' stores it at its wait 'receive' (a wait written "
+            "before its put: the chain), but rank 0 receives nothing at W=2 (a shift "
+            "without wrap: no source on that side of the line)") == found[0].message
+    assert "no earlier step writes it" not in found[0].message
+
+
 def test_a_wait_first_shift_along_an_axis_is_refused() -> None:
     text = STAGE.replace("schedule: s\n", "schedule: s\nmesh: {node: 2, gpu: 2}\n").replace(
         "wrap: false,", "wrap: false, axis: gpu,")

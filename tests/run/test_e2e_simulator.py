@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -95,6 +96,17 @@ def test_inputs_cover_empty_shards_padding_and_token_extremes() -> None:
     assert padded >= 5 and empty >= 5 and garbage >= 5
 
 
+def _unwritten(schedule: Any, world: int) -> Any:
+    """The UnwrittenRead the float64 reference of one call of ``schedule`` raises."""
+    sizes = synth.call_sizes(schedule, world, synth.constructor_sizes(schedule, world, {}),
+                             1, 0)
+    inputs = synth.call_inputs(schedule, world, sizes, 1, 0)
+    external = synth.make_external(schedule, world, sizes, 1, 0)
+    with pytest.raises(simulate.UnwrittenRead) as err:
+        simulate.simulate_call(schedule, world, sizes, inputs, external, trace=[])
+    return err
+
+
 def test_a_reference_read_of_an_unwritten_buffer_names_step_buffer_and_rank() -> None:
     """A schedule the checker refuses (rank 2 is no destination of the swap at W=3, yet
     'use' reads its s): were it ever proved (a checker bug, as one was), the reference
@@ -105,11 +117,23 @@ def test_a_reference_read_of_an_unwritten_buffer_names_step_buffer_and_rank() ->
         "  s: {shape: [N, D], dtype: f32, symmetric: true}\nsteps:\n"
         '  - swap: {op: shift, src: x, dst: s, perm: "r + 1 - 2 * (r % 2)"}\n'
         '  - use: {op: external, when: "rank >= 0", reads: [s], writes: [y]}\n', world=3)
-    sizes = synth.call_sizes(schedule, 3, synth.constructor_sizes(schedule, 3, {}), 1, 0)
-    inputs = synth.call_inputs(schedule, 3, sizes, 1, 0)
-    external = synth.make_external(schedule, 3, sizes, 1, 0)
-    with pytest.raises(simulate.UnwrittenRead) as err:
-        simulate.simulate_call(schedule, 3, sizes, inputs, external, trace=[])
+    err = _unwritten(schedule, 3)
     assert (err.value.step, err.value.buffer, err.value.rank) == ("use", "s", 2)
     assert str(err.value).startswith("the float64 reference of step 'use' reads 's' on "
                                      "rank 2, where no earlier step of the call wrote it")
+
+
+def test_a_reference_read_in_a_wait_first_chain_names_the_step() -> None:
+    """Review finding: the chain of a wait written before its put (simulate._chain) raised
+    UnwrittenRead with no step. Rank 0 receives nothing from the line, yet 'stage' reads
+    its recv there (the checker refuses it: read-before-write)."""
+    schedule = parse_text(
+        "schedule: s\nsizes: {N: 4, D: 2}\nbuffers:\n  a: {shape: [N, D], dtype: f32}\n"
+        "  r: {shape: [N, D], dtype: f32, symmetric: true}\nsteps:\n"
+        "  - receive: {op: shift, src: a, dst: r, offset: next, wrap: false, phase: wait}\n"
+        '  - stage: {op: external, when: "rank >= 0", reads: [r], writes: [a]}\n'
+        "  - send: {op: shift, src: a, dst: r, offset: next, wrap: false, phase: put}\n",
+        world=2)
+    err = _unwritten(schedule, 2)
+    assert (err.value.step, err.value.buffer, err.value.rank) == ("stage", "r", 0)
+    assert str(err.value).startswith("the float64 reference of step 'stage' reads 'r'")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.gallery import CALLS
+from support.schedules import mesh_owner
 
 from dcpc.harness import synth
 from dcpc.harness.run import RunConfig, format_report, run_schedule
@@ -68,27 +69,6 @@ def test_a_hop_s_shard_puts_an_empty_block_s_garbage_where_the_merge_masks_it() 
                                      if "shard:" not in line)) > 0
 
 
-MESH = """\
-schedule: mesh_owner
-mesh: {node: N, gpu: G}
-sizes: {T: {max: 4}, D: 8}
-buffers:
-  x: {shape: [T, D], dtype: f32}
-  y: {shape: [T, D], dtype: f32}
-  parts: {shape: [G, T, D], dtype: f32}
-  total: {shape: [T, D], dtype: f32}
-steps:
-  - put: {op: external, reads: [x], writes: ["parts[gpu]"]}
-  - rest:
-      repeat: G - 1
-      as: h
-      steps:
-        - other: {op: external, reads: [x], writes: ["parts[(gpu + h + 1) % G]"]}
-  - mine: {op: copy, src: "parts[gpu]", dst: y}
-  - all: {op: sum, src: parts, dst: total}
-"""
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize("shape", ["2x2", "1x3"])
 def test_an_index_of_a_mesh_coordinate_runs_against_float64(shape: str, tmp_path: Path
@@ -97,7 +77,7 @@ def test_an_index_of_a_mesh_coordinate_runs_against_float64(shape: str, tmp_path
     its own slot (the engine passes the view), the sum reads every slot, as the float64
     reference (which unrolls the same copies) has them."""
     path = tmp_path / "mesh_owner.yaml"
-    path.write_text(MESH)
+    path.write_text(mesh_owner())
     world = parse_shapes(shape, 64)[0]
     report = run_schedule(RunConfig(schedule=str(path), world=world, backend="host",
                                     calls=3, seed=5))

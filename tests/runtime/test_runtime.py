@@ -130,6 +130,32 @@ def test_signal_bank_starts_at_epoch_start_and_reports_timeouts():
         sync.SignalBank(seg, 4, 1, 2, torch.device("cpu"), epoch_start=2**31)
 
 
+@pytest.mark.parametrize("name,record,words", [
+    ("OVER_CAPACITY", [0, 1, 3, 9, 8, 1, 0, 0],
+     "step 'b': peer 3 routed 9 rows to rank 1, over the capacity 8"),
+    ("BAD_INDEX", [0, 0, 5, 12, 10, 0, 0, 0],
+     "step 'a': rank 1's index of token 5 holds row 12, past the 10 rows of x"),
+    ("BAD_SCALE", [0, 1, 0, 0x7FC00000, 0, 0, 0, 0], "step 'b': rank 1's fp8 scale is nan"),
+])
+def test_an_op_s_error_code_is_one_row_of_the_errors_table(name, record, words):
+    """An op's kernel error code is defined once (errors.KERNEL_ERRORS): the kernels'
+    DCPC_<name> (dcpc.runtime.device, which emit imports from) and the host's decoding
+    of a recorded error (SignalBank.check_errors) both come from its row."""
+    from dcpc.codegen.emit import device_names
+    from dcpc.runtime import device, errors
+
+    code = errors.KERNEL_ERRORS[name].code
+    assert getattr(device, f"DCPC_{name}").value == code and f"DCPC_{name}" in device_names()
+    assert len({e.code for e in errors.KERNEL_ERRORS.values()}) == len(errors.KERNEL_ERRORS)
+    heap = LocalHeap(0, 1, torch.device("cpu"), poison=True)
+    (seg,) = heap.allocate([sync.signal_nbytes(4, 1, 2)])
+    bank = sync.SignalBank(seg, 4, 1, 2, torch.device("cpu"))
+    bank.errors.copy_(torch.tensor([code, *record[1:]], dtype=torch.int32))
+    with pytest.raises(errors.DcpcArgumentError) as err:
+        bank.check_errors(["a", "b"], rank=1)
+    assert str(err.value).startswith(words), str(err.value)
+
+
 def naive_merge(o, lse, base, masked):
     """One row at a time, straight from domain.md, in float64."""
     W = lse.shape[0]

@@ -646,21 +646,21 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
         b.add(name, index, 1, landing=True)  # the data that was in flight lands here
 
 
-SHIFT_HEADER = """\
-schedule: shift_{seed}
-slots: {slots}
-streams: {streams}
-sizes:
-  N: 4
-  K: 2
-buffers:
-  x:  {{shape: [N, K], dtype: f32}}
-  y:  {{shape: [N, K], dtype: f32}}
-  h0: {{shape: [N, K], dtype: f32, symmetric: true{h0}}}
-  h1: {{shape: [N, K], dtype: f32, symmetric: true{h1}}}
-  g0: {{shape: [W*N, K], dtype: f32, symmetric: true}}
-steps:
-"""
+def shift_header(name: str, seed: int, slots: int, streams: str, *,
+                 local: tuple[str, ...] = ("x", "y"), h0: str = "", h1: str = "",
+                 gather: bool = True, steps: tuple[str, ...] = ()) -> str:
+    """The header of the shift generators' schedules (random_shift_schedule_text,
+    random_wait_first_schedule_text): the local buffers ``local``, the symmetric h0 and
+    h1 the shifts move between (``h0``/``h1``: their extra keys, e.g. ", shared: true"),
+    with ``gather`` the gathers' g0, and the first ``steps`` ("name: {op ...}")."""
+    lines = [f"schedule: {name}_{seed}", f"slots: {slots}", f"streams: {streams}",
+             "sizes:", "  N: 4", "  K: 2", "buffers:"]
+    lines += [f"  {b}:  {{shape: [N, K], dtype: f32}}" for b in local]
+    lines += [f"  {b}: {{shape: [N, K], dtype: f32, symmetric: true{extra}}}"
+              for b, extra in (("h0", h0), ("h1", h1))]
+    if gather:
+        lines.append("  g0: {shape: [W*N, K], dtype: f32, symmetric: true}")
+    return "\n".join([*lines, "steps:", *(f"  - {step}" for step in steps)]) + "\n"
 
 
 # perms (a shift's `perm:`) valid at every W: the mirror, a rotation by 2 (every rank a
@@ -738,8 +738,7 @@ def random_shift_schedule_text(draw, st, nowrap: bool = False, perm: bool = Fals
     if not steps:
         steps.append("{op: barrier}")
     body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
-    return SHIFT_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots, streams=streams,
-                               **flags) + body
+    return shift_header("shift", draw(st.integers(0, 999)), slots, streams, **flags) + body
 
 
 # --- hop loops (dcpc.lang.loops): random ring loops on a double buffer ---------------
@@ -905,23 +904,6 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool =
 
 # --- a shift's wait written before its put (the pipeline stage's receive, compute, send)
 
-FIRST_HEADER = """\
-schedule: first_{seed}
-slots: {slots}
-streams: {streams}
-sizes:
-  N: 4
-  K: 2
-buffers:
-  x:  {{shape: [N, K], dtype: f32}}
-  y:  {{shape: [N, K], dtype: f32}}
-  o:  {{shape: [N, K], dtype: f32}}
-  h0: {{shape: [N, K], dtype: f32, symmetric: true}}
-  h1: {{shape: [N, K], dtype: f32, symmetric: true}}
-steps:
-  - fill: {{op: external, reads: [x], writes: [h0, h1, y, o]}}
-"""
-
 # how a wait-first pair moves: chains (no wrap, a line perm, swapped pairs are a cycle
 # of two) and rings (every rank waits first: a deadlock the checker must report)
 FIRST_MOVES = ("offset: next, wrap: false", "offset: prev, wrap: false",
@@ -982,5 +964,7 @@ def random_wait_first_schedule_text(draw, st) -> str:
         steps.append(f"{{op: shift, src: {src}, dst: {dst}, {move}, phase: put}}")
     around()
     body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
-    return FIRST_HEADER.format(seed=draw(st.integers(0, 999)), slots=slots,
-                               streams=streams) + body
+    return shift_header("first", draw(st.integers(0, 999)), slots, streams,
+                        local=("x", "y", "o"), gather=False,
+                        steps=("fill: {op: external, reads: [x], writes: [h0, h1, y, o]}",)
+                        ) + body

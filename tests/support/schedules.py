@@ -10,6 +10,34 @@ import pytest
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
 
+# on a mesh an index may name the rank's coordinate along an axis: each GPU of a node
+# writes its own slot, then ``trips`` (G - 1: all) others', then reads its own; the sum
+# reads all (tests/lang/test_owner_index.py checks it, tests/run/test_owner_run.py runs it)
+MESH_OWNER = """\
+schedule: mesh_owner
+mesh: {node: N, gpu: G}
+sizes: {T: {max: 4}, D: 8}
+buffers:
+  x: {shape: [T, D], dtype: f32}
+  y: {shape: [T, D], dtype: f32}
+  parts: {shape: [G, T, D], dtype: f32}
+  total: {shape: [T, D], dtype: f32}
+steps:
+  - put: {op: external, reads: [x], writes: ["parts[gpu]"]}
+  - rest:
+      repeat: TRIPS
+      as: h
+      steps:
+        - other: {op: external, reads: [x], writes: ["parts[(gpu + h + 1) % G]"]}
+  - mine: {op: copy, src: "parts[gpu]", dst: y}
+  - all: {op: sum, src: parts, dst: total}
+"""
+
+
+def mesh_owner(trips: str = "G - 1") -> str:
+    """``MESH_OWNER`` whose loop makes ``trips`` hops."""
+    return MESH_OWNER.replace("TRIPS", trips)
+
 
 def write(folder: Path, text: str, name: str = "schedule.yaml") -> Path:
     """``text`` as ``folder/name`` (the name shows in located messages)."""
