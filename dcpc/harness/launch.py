@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from dcpc.runtime.clock import wall_timeout
+
 PROGRESS_ENV = "DCPC_PROGRESS_FILE"
 # A rank that has said nothing yet is still starting (spawn, import torch and triton:
 # seconds on an idle machine, a minute on a loaded one): its stall clock starts at its
@@ -173,7 +175,9 @@ def launch(
     watched: when no rank still running has said anything new for ``stall_s`` seconds,
     they are killed as ``hung``; ranks still progressing at ``timeout_s`` are killed as
     ``timeout`` (a slow run, not a hang: a larger timeout lets it finish). A rank that
-    has said nothing yet is starting, not stalled, for ``STARTUP_S``. ``env``: the
+    has said nothing yet is starting, not stalled, for ``STARTUP_S``. ``stall_s`` and
+    ``grace_s`` count the progress a busy thread makes (``wall_timeout``: on a loaded
+    machine more wall seconds), as the ranks' own waits do. ``env``: the
     children's environment (default: the launcher's of the moment). ``interpret``: the
     children run Triton's interpreter (CPU); False for the compiled kernels on a GPU."""
     ctx = _context(interpret)
@@ -223,14 +227,18 @@ def launch(
                     if text != said[rank] or (not text and now - start < STARTUP_S):
                         said[rank], changed[rank] = text, now
                 running = [changed[r] for r in range(world) if r not in outcomes]
-                if running and now - max(running) >= stall_s:
+                # the ranks' own waits end on their CPU time (dcpc.runtime.clock): on a
+                # loaded machine a stall is as many seconds of the progress a busy
+                # thread makes now, not of the wall (sampled only when it may be one)
+                if running and now - max(running) >= stall_s and (
+                        time.monotonic() - max(running) >= wall_timeout(stall_s)):
                     break  # nobody still running moved for stall_s: a hang
             try:
                 rank, status, value, error, tb = results.get(timeout=0.1)
                 outcomes[rank] = RankOutcome(rank, status, value, error, tb,
                                              reported_s=time.monotonic() - start)
-                if status != "ok":
-                    deadline = min(deadline, time.monotonic() + grace_s)
+                if status != "ok":  # the others' grace, in progress as their waits
+                    deadline = min(deadline, time.monotonic() + wall_timeout(grace_s))
                 continue
             except queue.Empty:
                 pass
@@ -246,7 +254,7 @@ def launch(
                         rank, "died", error=f"exited with code {code} before reporting",
                         exitcode=code,
                     )
-                    deadline = min(deadline, time.monotonic() + grace_s)
+                    deadline = min(deadline, time.monotonic() + wall_timeout(grace_s))
         _drain(results, outcomes)
         now = time.monotonic()
         for rank in range(world):
