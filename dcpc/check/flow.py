@@ -42,7 +42,9 @@ def accesses(ctx: Context) -> list[Access]:
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
         scheme = e.region.scheme if e.region is not None and e.region.axes is None else None
         line = e.region.offset if scheme == "line" else None  # type: ignore[union-attr]
-        dests = e.region.table if scheme == "perm" else None  # type: ignore[union-attr]
+        # a perm's table is over ranks, along an axis too
+        dests = e.region.table if e.region is not None and e.region.scheme == "perm" \
+            else None
         out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
                           e.region is None or e.region.covers_all, line, dests))
     return out

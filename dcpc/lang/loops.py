@@ -224,7 +224,8 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
         return isinstance(shape, list) and bool(shape) and _names_w(shape[0], names)
 
     def walk(node: Any, mark: Mark | None, hops: frozenset[str] = frozenset()) -> Mark | None:
-        if "W" in names and _perm(node) is not None:  # a perm's table is one W's
+        # a perm's table is one W's (on a mesh, one shape's: its ranks are the mesh's)
+        if ("W" in names or names & set(_axis_sizes(data))) and _perm(node) is not None:
             return _mark(node, "perm", "<memory>")
         if _names_w(_offset_names(node, data), names):
             return _mark(node, "offset", "<memory>")
@@ -435,7 +436,7 @@ class _Unroller:
                     at["W"] = team if isinstance(team, int) else env[team]
             out["offset"] = self.offset(name, text, at, _mark(body, "offset", self.file))
         if _perm(body) is not None:
-            out["perm"] = self.perm(name, body["perm"], _mark(body, "perm", self.file), env)
+            out["perm"] = self.perm(name, body, _mark(body, "perm", self.file), env)
         text = _interleave_expr(body)
         if text is not None:
             out["interleave"] = self.interleave(name, text, env,
@@ -554,12 +555,14 @@ class _Unroller:
             return text
         return value
 
-    def perm(self, name: str, value: Any, mark: Mark, env: dict[str, int]) -> Any:
+    def perm(self, name: str, body: dict[str, Any], mark: Mark, env: dict[str, int]) -> Any:
         """Shift step ``name``'s ``perm`` as the destination table at this W
         (dcpc.ops.shift.table_at); ``value`` unchanged, with an error, when it is none:
         ``loop-world`` without a W or at a W its pairs or table do not name, else
-        ``bad-perm``."""
-        what = f"step '{name}':"
+        ``bad-perm``. Along one axis of a mesh (``axis: gpu``) the perm names member
+        indices of a team of that axis' size, mapped to ranks (dcpc.topology
+        ``Torus.perm_ranks``); over several axes, ``axis-unsupported``."""
+        value, what = body["perm"], f"step '{name}':"
         hint = ("a perm is an expression of r and W ('W - 1 - r', '(r + W / 2) % W'), a "
                 "list of [source, destination] pairs or of destinations (-1: none), "
                 "one-to-one")
@@ -576,24 +579,44 @@ class _Unroller:
                              "with a perm is unrolled for one W at a time"
                              + (f" (its ranks are those of W={fixed})" if fixed else ""))
             return value
-        if "W" not in self.env or len(shape_of(self.world)) > 1:
-            self.error(mark, "axis-unsupported", f"{what} a perm on a mesh of several axes; "
-                       "a perm runs over the whole group of a plain W so far",
-                       "use 'offset' along one axis")
+        shape, axis = shape_of(self.world), self._perm_axis(body)
+        if len(shape) > 1 and axis is None:
+            axes = self._axis_names()
+            self.error(mark, "axis-unsupported", f"{what} a perm over {len(axes)} mesh axes "
+                       f"({', '.join(axes)}); a perm runs along one axis (r: the member "
+                       "index in a team of that axis, W: its size, like ppermute over one "
+                       "axis name)", f"name one axis: 'axis: {axes[-1]}'")
             return value
         try:
-            return shift.table_at(value, self.env["W"], env)
+            if axis is None:
+                return shift.table_at(value, self.env["W"], env)
+            members = shift.table_at(value, shape[axis], {**env, "W": shape[axis]})
+            return list(torus(shape).perm_ranks(members, (axis,)))
         except shift.PermError as err:
             text = str(err)
             if text.startswith("W:"):
+                fixed = shift.fixed_world(value)
+                given = f"{fixed}" if axis is None else (
+                    "x".join(str(fixed) if a == axis else "2" for a in range(len(shape)))
+                    + f" (axis '{self._axis_names()[axis]}' of {fixed} ranks)")
                 self.error(mark, "loop-world", f"{what} {text[2:]}",
-                           f"check or compile with --world {shift.fixed_world(value)} (a "
-                           "perm written as a list serves that W only; an expression of r "
-                           "and W serves every W)")
+                           f"check or compile with --world {given} (a perm written as "
+                           "a list serves that W only; an expression of r and W serves "
+                           "every W)")
             else:
                 self.error(mark, "bad-perm", f"{what} its perm is no permutation of the ranks: "
                            f"{text}", hint)
         return value
+
+    def _perm_axis(self, body: dict[str, Any]) -> int | None:
+        """The position of the one mesh axis a perm step names (``axis: gpu`` or
+        ``[gpu]``) on a mesh of several axes; None otherwise (unknown names: the
+        structural check's unknown-axis)."""
+        names, value = self._axis_names(), body.get("axis")
+        named = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        if len(names) < 2 or len(named) != 1 or named[0] not in names:
+            return None
+        return names.index(named[0])
 
     def _expression(self, what: str, text: str, env: dict[str, int], mark: Mark, code: str,
                     hint: str, unknown: str, names: Iterable[str] = ()) -> tuple[Any, int] | None:
