@@ -47,8 +47,8 @@ def accesses(ctx: Context) -> list[Access]:
         # a perm's table is over ranks, along an axis too
         dests = e.region.table if scheme == "perm" else None  # type: ignore[union-attr]
         out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
-                          e.region is None or e.region.covers_all, line, dests,
-                          e.region.axes if e.region is not None else None))
+                          e.region is None or e.region.covers_all, line, dests=dests,
+                          axes=e.region.axes if e.region is not None else None))
     return out
 
 
