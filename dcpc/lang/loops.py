@@ -563,6 +563,12 @@ class _Unroller:
         indices of a team of that axis' size, mapped to ranks (dcpc.topology
         ``Torus.perm_ranks``); over several axes, ``axis-unsupported``."""
         value, what = body["perm"], f"step '{name}':"
+        axes = self._axis_names()
+        if len(axes) > 1 and (self.world is None or len(shape_of(self.world)) != len(axes)):
+            size = next(iter(self.axes), "W")  # a mesh axis' size: the mesh-shape hint
+            self.needs_world(mark, f"{what} its perm's ranks depend on the mesh shape; a "
+                             "schedule with a perm is unrolled for one shape at a time", size)
+            return value
         hint = ("a perm is an expression of r and W ('W - 1 - r', '(r + W / 2) % W'), a "
                 "list of [source, destination] pairs or of destinations (-1: none), "
                 "one-to-one")

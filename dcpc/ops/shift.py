@@ -20,8 +20,10 @@ cycle): the pipeline stage's receive, compute, send (``wait_first``). The k-th w
 a (src, dst, offset, wrap) polls the k-th put of it whichever comes first; only local
 steps may stand between such a wait and its put (``wait-first-span``: the chain's
 liveness, docs/hb-checker.md); the float64 reference runs that span rank by rank along
-the chain (dcpc.harness.simulate); on the torch backend the wait receives and the put
-only sends. On a ring every rank would wait first: the checker's deadlock.
+the chain (dcpc.harness.simulate; along an axis, each team's chain: ``sources`` by
+dcpc.topology ``Torus.peer``); on the torch backend the wait receives and the put only
+sends (on the team's group). On a ring every rank would wait first: the checker's
+deadlock.
 
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
@@ -46,7 +48,12 @@ keeps its dst (as ``wrap: false``); a fixed point is a local copy. The region is
 ``perm`` and the peers "perm:<table>" (dcpc.ops.common): the happens-before checker
 takes the stores as the union over the table's deltas on every rank and joins no clock
 at its wait, as for ``wrap: false``; the brute force and the execution oracle are exact.
-No ``axis:`` yet (a perm over the whole group).
+Along one mesh axis (``axis: gpu``, ``ppermute`` over one axis name) the perm names member
+indices of a team of that axis' size; the unroller maps it to ranks once (dcpc.topology
+``Torus.perm_ranks``), so every later stage sees the table over ranks: the checker's
+deltas are torus translations along the axis (dcpc.ops.common ``perm_delta``), the
+team's float64 reference and the torch backend (the team's group, member indices) read
+it back per team (``team_table``). A perm over several axes is ``axis-unsupported``.
 Lowerings: ``lower`` below + templates/ops/shift.py.j2 (a direct push
 into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
 ``shift``.
