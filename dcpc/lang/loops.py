@@ -586,8 +586,15 @@ class _Unroller:
                              + (f" (its ranks are those of W={fixed})" if fixed else ""))
             return value
         shape, axis = shape_of(self.world), self._perm_axis(body)
+        unknown = [n for n in (body.get("axis") if isinstance(body.get("axis"), list)
+                               else [body.get("axis")]) if n is not None and n not in axes]
+        if len(shape) > 1 and unknown:  # a typo: said as the structural check says it
+            self.error(_mark(body, "axis", self.file), "unknown-axis",
+                       f"step '{name}' runs over axis '{unknown[0]}', but the mesh's axes "
+                       f"are {', '.join(axes)}", did_you_mean(str(unknown[0]), axes)
+                       or "name an axis of 'mesh:', or declare it there")
+            return value
         if len(shape) > 1 and axis is None:
-            axes = self._axis_names()
             self.error(mark, "axis-unsupported", f"{what} a perm over {len(axes)} mesh axes "
                        f"({', '.join(axes)}); a perm runs along one axis (r: the member "
                        "index in a team of that axis, W: its size, like ppermute over one "

@@ -158,6 +158,34 @@ def test_a_wait_first_along_an_axis_whose_team_divides_the_offset_is_located() -
     assert "at W=6 the shift by 2 is a local copy" in found[0].message
 
 
+LOOP = HEAD + """\
+  - ring:
+      repeat: G - 1
+      as: h
+      steps:
+        - hop:  {op: shift, axis: gpu, src: x, dst: y, perm: "(r + h + 1) % W"}
+        - use:  {op: external, reads: [y], writes: [z]}
+        - done: {op: barrier, axis: gpu}
+"""
+
+
+@pytest.mark.parametrize("world", SHAPES, ids=str)
+def test_a_ring_pass_by_perm_along_an_axis_reads_the_hop_index(world: MeshWorld) -> None:
+    """A ring along gpu by perm (hop h: member r -> r + h + 1 mod G), freed by a barrier
+    of the team: proved; without it the next hop's store races the read."""
+    g = world.shape[1]
+    tables = [s.op.perm for s in parse_text(LOOP, world=world).step_list()
+              if s.kind == "shift"]
+    t = torus(world.shape)
+    assert tables == [[t.team(r, (1,))[(t.member(r, (1,)) + h + 1) % g]
+                       for r in range(t.size)] for h in range(g - 1)]
+    assert checker_covers(LOOP, world) == (set(), set())
+    if g > 2:
+        found, exact = checker_covers(LOOP.replace("        - done: {op: barrier, axis: gpu}\n",
+                                                   ""), world)
+        assert ("race", "write-after-read", "y", "use_h0", "hop_h1") in exact & found
+
+
 # --- the float64 reference and the runs ----------------------------------------------------
 
 def test_the_reference_moves_src_to_the_member_the_perm_names_in_each_team() -> None:
@@ -235,3 +263,9 @@ def test_the_checker_covers_both_exact_models_on_random_mesh_schedules_with_perm
         assume(not any(d.code == "read-before-write" for d in errors))
         assert errors == [], text
         checker_covers(text, world)
+
+
+def test_a_perm_along_a_misspelt_axis_is_unknown_axis() -> None:
+    (err,) = _errors(_one("gpuu", '"W - 1 - r"'), MeshWorld((2, 2)))
+    assert err.code == "unknown-axis" and err.hint == "did you mean 'gpu'?"
+    assert "runs over axis 'gpuu', but the mesh's axes are node, gpu" in err.message
