@@ -269,3 +269,26 @@ def test_a_perm_along_a_misspelt_axis_is_unknown_axis() -> None:
     (err,) = _errors(_one("gpuu", '"W - 1 - r"'), MeshWorld((2, 2)))
     assert err.code == "unknown-axis" and err.hint == "did you mean 'gpu'?"
     assert "runs over axis 'gpuu', but the mesh's axes are node, gpu" in err.message
+
+
+PERM_CHAIN = CHAIN.read_text().replace("offset: next, wrap: false", 'perm: "r + 1"')
+
+
+@pytest.mark.parametrize("world", SHAPES, ids=str)
+def test_a_wait_first_perm_chain_along_an_axis_is_proved_and_its_ring_deadlocks(
+        world: MeshWorld) -> None:
+    assert checker_covers(PERM_CHAIN, world) == (set(), set())
+    ring = PERM_CHAIN.replace('perm: "r + 1"', 'perm: "(r + 1) % W"')
+    found, _ = checker_covers(ring, world)
+    assert ("deadlock", "cycle", "send", "receive", "send") in found
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["host", "torch"])
+def test_dcpc_run_of_a_wait_first_perm_chain_along_an_axis_matches_float64(
+        tmp_path: Path, backend: str) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_text(PERM_CHAIN)
+    report, text = run_clean(schedule=str(path), world=MeshWorld((2, 3)), backend=backend,
+                             calls=2, seed=6)
+    assert report.outputs["recv"].compared == 2 * 4, text
