@@ -35,6 +35,7 @@ shape, so its module serves that shape only (LOOP_WORLD is the shape).
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -561,7 +562,8 @@ class _Unroller:
         ``loop-world`` without a W or at a W its pairs or table do not name, else
         ``bad-perm``. Along one axis of a mesh (``axis: gpu``) the perm names member
         indices of a team of that axis' size, mapped to ranks (dcpc.topology
-        ``Torus.perm_ranks``); over several axes, ``axis-unsupported``."""
+        ``Torus.perm_ranks``); over several axes (or none named on a mesh), of the team
+        of those axes (row-major member order: over every axis, the rank itself)."""
         value, what = body["perm"], f"step '{name}':"
         axes = self._axis_names()
         if len(axes) > 1 and (self.world is None or len(shape_of(self.world)) != len(axes)):
@@ -585,33 +587,31 @@ class _Unroller:
                              "with a perm is unrolled for one W at a time"
                              + (f" (its ranks are those of W={fixed})" if fixed else ""))
             return value
-        shape, axis = shape_of(self.world), self._perm_axis(body)
-        unknown = [n for n in (body.get("axis") if isinstance(body.get("axis"), list)
-                               else [body.get("axis")]) if n is not None and n not in axes]
+        shape = shape_of(self.world)
+        named = body.get("axis")
+        named = named if isinstance(named, list) else [named] if named is not None else []
+        unknown = [n for n in named if n not in axes]
         if len(shape) > 1 and unknown:  # a typo: said as the structural check says it
             self.error(_mark(body, "axis", self.file), "unknown-axis",
                        f"step '{name}' runs over axis '{unknown[0]}', but the mesh's axes "
                        f"are {', '.join(axes)}", did_you_mean(str(unknown[0]), axes)
                        or "name an axis of 'mesh:', or declare it there")
             return value
-        if len(shape) > 1 and axis is None:
-            self.error(mark, "axis-unsupported", f"{what} a perm over {len(axes)} mesh axes "
-                       f"({', '.join(axes)}); a perm runs along one axis (r: the member "
-                       "index in a team of that axis, W: its size, like ppermute over one "
-                       "axis name)", f"name one axis: 'axis: {axes[-1]}'")
-            return value
+        # the team's axes (every axis when none is named): r is the member index in it
+        team = tuple(sorted({axes.index(n) for n in named})) or tuple(range(len(shape)))
+        size = math.prod(shape[a] for a in team) if len(shape) > 1 else self.env["W"]
         try:
-            if axis is None:
-                return shift.table_at(value, self.env["W"], env)
-            members = shift.table_at(value, shape[axis], {**env, "W": shape[axis]})
-            return list(torus(shape).perm_ranks(members, (axis,)))
+            members = shift.table_at(value, size, {**env, "W": size})
+            return members if len(shape) == 1 else list(torus(shape).perm_ranks(members, team))
         except shift.PermError as err:
             text = str(err)
             if text.startswith("W:"):
                 fixed = shift.fixed_world(value)
-                given = f"{fixed}" if axis is None else (
-                    "x".join(str(fixed) if a == axis else "2" for a in range(len(shape)))
-                    + f" (axis '{self._axis_names()[axis]}' of {fixed} ranks)")
+                given = f"{fixed}" if len(team) == len(shape) else (
+                    "x".join(str(fixed) if a in team else "2" for a in range(len(shape)))
+                    + f" (axis '{axes[team[0]]}' of {fixed} ranks)" if len(team) == 1
+                    else f"a mesh shape whose axes {', '.join(axes[a] for a in team)} make "
+                    f"{fixed} ranks")
                 self.error(mark, "loop-world", f"{what} {text[2:]}",
                            f"check or compile with --world {given} (a perm written as "
                            "a list serves that W only; an expression of r and W serves "
@@ -620,16 +620,6 @@ class _Unroller:
                 self.error(mark, "bad-perm", f"{what} its perm is no permutation of the ranks: "
                            f"{text}", hint)
         return value
-
-    def _perm_axis(self, body: dict[str, Any]) -> int | None:
-        """The position of the one mesh axis a perm step names (``axis: gpu`` or
-        ``[gpu]``) on a mesh of several axes; None otherwise (unknown names: the
-        structural check's unknown-axis)."""
-        names, value = self._axis_names(), body.get("axis")
-        named = [value] if isinstance(value, str) else value if isinstance(value, list) else []
-        if len(names) < 2 or len(named) != 1 or named[0] not in names:
-            return None
-        return names.index(named[0])
 
     def _expression(self, what: str, text: str, env: dict[str, int], mark: Mark, code: str,
                     hint: str, unknown: str, names: Iterable[str] = ()) -> tuple[Any, int] | None:

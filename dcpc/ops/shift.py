@@ -35,7 +35,8 @@ dcpc.lang.mesh): r is the rank's index in its team along a and W the team's size
 rank (n, g) of ``mesh: {node: N, gpu: G}`` stores into (n, g + k mod G) along gpu. The
 rules below are written for the team (``on_team`` gives the region and sync its axis,
 the float64 reference runs once per team: dcpc.harness.simulate); the peer ranks are
-dcpc.topology ``Torus.peer``'s. A shift over several axes is refused (dcpc.check.mesh).
+dcpc.topology ``Torus.peer``'s. A shift by an offset over several axes is refused
+(dcpc.check.mesh).
 ``perm:`` (instead of ``offset``, JAX's ``ppermute``): rank r stores its src into the
 dst of rank perm(r) and waits for perm^-1(r). Written as an expression of ``r`` and
 ``W`` (``W - 1 - r``, ``(r + W / 2) % W``: a value outside 0 .. W-1 sends nothing), a
@@ -53,7 +54,8 @@ indices of a team of that axis' size; the unroller maps it to ranks once (dcpc.t
 ``Torus.perm_ranks``), so every later stage sees the table over ranks: the checker's
 deltas are torus translations along the axis (dcpc.ops.common ``perm_delta``), the
 team's float64 reference and the torch backend (the team's group, member indices) read
-it back per team (``team_table``). A perm over several axes is ``axis-unsupported``.
+it back per team (``team_table``). Over several axes (none named on a mesh: every
+axis) the team is those axes' ranks in row-major member order.
 Lowerings: ``lower`` below + templates/ops/shift.py.j2 (a direct push
 into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
 ``shift``.

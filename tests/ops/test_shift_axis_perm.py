@@ -94,14 +94,13 @@ def test_a_member_outside_the_axis_is_bad_perm_located() -> None:
 
 
 @pytest.mark.parametrize("axis", ["[node, gpu]", "null"])
-def test_a_perm_over_two_axes_is_refused_with_the_axis_to_name(axis: str) -> None:
-    text = _one(axis, '"W - 1 - r"').replace("axis: null, ", "")
-    (err,) = _errors(text, MeshWorld((2, 2)))
-    assert err.code == "axis-unsupported"
-    assert "a perm over 2 mesh axes (node, gpu); a perm runs along one axis" in err.message
-    assert err.hint == "name one axis: 'axis: gpu'"
-    line = next(i for i, t in enumerate(text.splitlines(), 1) if "perm:" in t)
-    assert err.mark.line == line
+def test_a_perm_over_both_axes_is_a_perm_of_the_ranks(axis: str) -> None:
+    """Over every axis (listed, or none named) the team is the whole mesh and its member
+    index is the rank (row-major): ppermute over both axis names."""
+    text = _one(axis, '"W - 1 - r"').replace("axis: null, ", "") + CREDIT
+    schedule = parse_text(text, world=MeshWorld((2, 3)))
+    assert schedule.step_list()[0].op.perm == [5, 4, 3, 2, 1, 0]
+    assert _errors(text, MeshWorld((2, 3))) == []
 
 
 # --- the checker, the brute force and the execution oracle ------------------------------
@@ -111,10 +110,12 @@ def test_a_perm_over_two_axes_is_refused_with_the_axis_to_name(axis: str) -> Non
     ("gpu", '"W - 1 - r"'),  # mirror (a fixed point at odd G)
     ("node", '"(r + 1) % W"'),  # rotation across nodes
     ("gpu", '"r + 1 - 2 * (r % 2)"'),  # swapped pairs (at odd G the last has none)
+    ("[node, gpu]", '"(r + 1) % W"'),  # over the whole mesh: rank r + 1 (no translation)
+    ("[node, gpu]", '"W - 1 - r"'),  # the mesh's mirror: both coordinates mirrored
 ])
 def test_a_perm_along_an_axis_races_without_a_credit_and_is_proved_with_one(
         world: MeshWorld, axis: str, perm: str) -> None:
-    size = world.shape[1 if axis == "gpu" else 0]
+    size = {"gpu": world.shape[1], "node": world.shape[0]}.get(axis, int(world))
     racy = _one(axis, perm)
     if "r % 2" in perm and size % 2:  # the last member of each team is no destination
         (err,) = _errors(racy + CREDIT, world)

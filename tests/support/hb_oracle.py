@@ -830,7 +830,7 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool =
     along axis a or b too (whole or put ... wait, any offset, with or without wrap).
     ``reductions``: all_reduce, broadcast and reduce over a team too (root: member 0 or
     1 of each team; implicit receive buffers). ``perms``: the shifts take a `perm:` (of
-    FULL_PERMS: its member indices along the axis) half the time; such a text is one
+    FULL_PERMS: member indices along the axis, or ranks over both) half the time; such a text is one
     schedule per mesh shape (parse it at each)."""
     slots = draw(st.integers(1, 2))
     streams = draw(st.sampled_from(["per_slot", "single"]))
@@ -851,8 +851,9 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool =
             offset = draw(st.sampled_from(["next", "prev", "2", "-1"]))
             wrap = draw(st.integers(0, 2)) > 0
             offset += "" if wrap else ", wrap: false"
-            if perms and draw(st.booleans()):
+            if perms and draw(st.booleans()):  # along a, b or both (the whole mesh)
                 offset, wrap = f'perm: "{draw(st.sampled_from(FULL_PERMS))}"', True
+                along = draw(st.sampled_from([along, "[a, b]"]))
             else:
                 offset = f"offset: {offset}"
             move = f"op: shift, axis: {along}, src: x, dst: s0, {offset}"
