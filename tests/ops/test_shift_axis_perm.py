@@ -293,3 +293,19 @@ def test_dcpc_run_of_a_wait_first_perm_chain_along_an_axis_matches_float64(
     report, text = run_clean(schedule=str(path), world=MeshWorld((2, 3)), backend=backend,
                              calls=2, seed=6)
     assert report.outputs["recv"].compared == 2 * 4, text
+
+
+def test_a_perm_s_deltas_at_a_mesh_shape_are_not_those_of_its_w() -> None:
+    """A mesh shape equals its W as an int (MeshWorld): the checker's cached deltas of a
+    perm were served across the two (the mirror of 6 ranks as rank offsets mod 6 at
+    2x3), and races of the mesh were missed when a plain W=6 had been checked first."""
+    from dcpc.check.hb.events import peer_deltas
+    from dcpc.ops.common import perm_peers
+
+    mirror = perm_peers((5, 4, 3, 2, 1, 0))
+    plain = peer_deltas(mirror, 6)
+    mesh = peer_deltas(mirror, MeshWorld((2, 3)))
+    t = torus((2, 3))
+    assert plain == {(d - r) % 6 for r, d in enumerate(range(5, -1, -1))} - {0}
+    assert mesh == {t.sub(d, r) for r, d in enumerate(range(5, -1, -1))} - {0}
+    assert plain != mesh
