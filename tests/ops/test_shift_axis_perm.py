@@ -309,3 +309,17 @@ def test_a_perm_s_deltas_at_a_mesh_shape_are_not_those_of_its_w() -> None:
     assert plain == {(d - r) % 6 for r, d in enumerate(range(5, -1, -1))} - {0}
     assert mesh == {t.sub(d, r) for r, d in enumerate(range(5, -1, -1))} - {0}
     assert plain != mesh
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", [{"node": "torch", "gpu": "host"},
+                                     {"node": "host", "gpu": "torch"}], ids=str)
+@pytest.mark.parametrize("path", [PERM, CHAIN], ids=lambda p: p.stem)
+def test_dcpc_run_with_a_backend_per_axis_matches_float64(path: Path, backend: dict) -> None:
+    """Each axis on its own kind: a torch step's team settles (a barrier) after it, but
+    not after a wait written before its put (its later members still wait for this
+    rank's put: the chain would deadlock; the put settles)."""
+    world = MeshWorld((2, 3))
+    report, text = run_clean(schedule=str(path), world=world, backend=backend, calls=3, seed=7)
+    out = "mirror" if path == PERM else "recv"
+    assert report.outputs[out].compared == 3 * (6 if path == PERM else 4), text
