@@ -152,8 +152,11 @@ def check(files: tuple[str, ...], worlds: list[int], fmt: str, strict: bool,
                     f"{steps}{c.schedule.slots} slot(s); {sum(c.seconds.values()):.2f}s)"
                 )
                 if c.per_world and isinstance(c.schedule.loop_world, tuple):  # per shape
-                    click.echo(f"  a trip count, an index, an offset or an interleave names "
-                               f"a mesh axis' size: each of {_span(done)} was unrolled and "
+                    why = ("a shift's perm names the ranks of one mesh shape" if any(
+                        getattr(s.op, "perm", None) is not None for s in c.schedule.step_list())
+                        else "a trip count, an index, an offset or an interleave names a "
+                        "mesh axis' size")
+                    click.echo(f"  {why}: each of {_span(done)} was unrolled and "
                                "checked on its own; no claim for any other shape")
                 elif c.per_world:  # its unrolled steps name W (docs/hb-checker.md, loops)
                     click.echo(f"  {_names_w(c)}: each of {_span(done)} was unrolled and "

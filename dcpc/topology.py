@@ -169,6 +169,18 @@ class Torus:
             return None
         return team[(me + k) % len(team)]
 
+    def perm_ranks(self, members: Sequence[int], axes: Axes | None) -> tuple[int, ...]:
+        """A perm along ``axes`` as ranks: ``members`` names the destination of each
+        member index of a team (-1: none; JAX's ``ppermute`` over an axis name), the
+        same on every team; the result is the destination rank of each rank (-1:
+        none). The one mapping member index -> rank of a perm (``team_table`` inverts
+        it for one team)."""
+        out = []
+        for rank in range(self.size):
+            d = members[self.member(rank, axes)]
+            out.append(self.team(rank, axes)[d] if d >= 0 else -1)
+        return tuple(out)
+
     def deltas(self, peers: str, axes: Axes | None) -> frozenset[int]:
         """The translations (as ranks: the peer of rank 0) that ``all``/``next``/``prev``
         (or a shift's "+k", cyclic) along ``axes`` name; never 0. next/prev and a shift
@@ -183,6 +195,13 @@ class Torus:
         """``(node=1, gpu=0)``."""
         return "(" + ", ".join(f"{n}={c}" for n, c in zip(axis_names, self.coords(rank),
                                                            strict=True)) + ")"
+
+
+def team_table(ranks: Sequence[int], team: Sequence[int]) -> list[int]:
+    """A perm's destination table over ranks (``Torus.perm_ranks``) read by one team
+    (its global ranks in member order): the destination member of each member (-1:
+    none, or a destination off the team)."""
+    return [team.index(ranks[g]) if ranks[g] in team else -1 for g in team]
 
 
 @cache

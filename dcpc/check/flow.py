@@ -11,6 +11,7 @@ from dcpc.lang.model import Step
 from dcpc.lang.semantics import READ, channels, effect_mark
 from dcpc.ops.common import data_flow
 from dcpc.ops.sync import Signal
+from dcpc.topology import shape_of, torus
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Access:
     root: int | None = None
     everywhere: bool = True  # False: a store some ranks' instances never get (Region.line)
     line: int | None = None  # such a store's offset: rank r gets it when r - offset is a rank
+    axes: tuple[int, ...] | None = None  # a line's team (member r - offset, not rank)
     dests: tuple[int, ...] | None = None  # a perm's table: the ranks its store reaches
 
 
@@ -40,11 +42,13 @@ def accesses(ctx: Context) -> list[Access]:
         step = ctx.steps[i]
         at = step if e.lands is None else ctx.steps[e.lands]
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
-        scheme = e.region.scheme if e.region is not None and e.region.axes is None else None
+        scheme = e.region.scheme if e.region is not None else None
         line = e.region.offset if scheme == "line" else None  # type: ignore[union-attr]
+        # a perm's table is over ranks, along an axis too
         dests = e.region.table if scheme == "perm" else None  # type: ignore[union-attr]
         out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
-                          e.region is None or e.region.covers_all, line, dests))
+                          e.region is None or e.region.covers_all, line, dests=dests,
+                          axes=e.region.axes if e.region is not None else None))
     return out
 
 
@@ -150,7 +154,7 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
     one whose condition holds at r, or a store every rank gets). ``every``: all the
     call's accesses (a push's source is read only where its store goes anywhere)."""
     reported: set[str] = set()
-    silent = {int(w): _silent_pushes(ctx, every, int(w)) for w in ctx.samples.worlds}
+    silent = {int(w): _silent_pushes(ctx, every, w) for w in ctx.samples.worlds}
     for world in ctx.samples.worlds:
         running = wh.running(ctx.schedule, world)
 
@@ -165,7 +169,7 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                 if name in reported or not runs(acc.step, rank):
                     continue
                 if acc.mode == "w":
-                    if _reaches(ctx, acc, rank, int(world)):
+                    if _reaches(ctx, acc, rank, world):
                         written.add(name)
                     continue
                 if acc.step.index in silent[int(world)].get(rank, ()):
@@ -183,7 +187,7 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                 skipped = [a.step.name for a in earlier if not runs(a.step, rank)]
                 made = [a for a in earlier if runs(a.step, rank)]
                 # a store that would reach this rank but lands at a wait after the read
-                flight = [a for a in made if _reaches(ctx, a, rank, int(world))
+                flight = [a for a in made if _reaches(ctx, a, rank, world)
                           and a.at.index > acc.step.index]
                 missed = [a for a in made if a not in flight]
                 chained = [a for a in missed if a.at.index < a.step.index]
@@ -219,9 +223,14 @@ def _reaches(ctx: Context, store: Access, rank: int, world: int) -> bool:
     partial store on none (sound)."""
     return (store.root is None and store.everywhere) or (
         store.root is not None and ctx.schedule.mesh is None and store.root == rank) or (
-        store.line is not None and ctx.schedule.mesh is None
-        and 0 <= rank - store.line < world) or (
+        store.line is not None and _on_line(store, rank, -store.line, world)) or (
         store.dests is not None and len(store.dests) == world and rank in store.dests)
+
+
+def _on_line(store: Access, rank: int, k: int, world: int) -> bool:
+    """Whether member ``rank + k`` of ``rank``'s team (along a line: no wrap) is one
+    (dcpc.topology ``Torus.peer``; ``world`` a mesh shape for a team along an axis)."""
+    return torus(shape_of(world)).peer(rank, store.axes, k, wrap=False) is not None
 
 
 def _why_not(store: Access, rank: int) -> str:
@@ -246,8 +255,7 @@ def _silent_pushes(ctx: Context, found: list[Access], world: int) -> dict[int, s
             continue
         for rank in range(world):
             if (acc.dests is not None and len(acc.dests) == world and acc.dests[rank] < 0) \
-                    or (acc.line is not None and ctx.schedule.mesh is None
-                        and not 0 <= rank + acc.line < world):
+                    or (acc.line is not None and not _on_line(acc, rank, acc.line, world)):
                 out.setdefault(rank, set()).add(acc.step.index)
     return out
 

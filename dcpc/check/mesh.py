@@ -73,9 +73,10 @@ def _what(step: Step) -> str:
 
 
 def _check_shift(ctx: Context, step: Step) -> None:
-    """A shift moves one coordinate (member r + k of a team of one axis, like ``ppermute``
-    over one axis name): over several axes, r + k of the linear rank is not a
-    translation of the torus, which the proof's symmetry needs."""
+    """A shift by an offset moves one coordinate (member r + k of a team of one axis, like
+    ``ppermute`` over one axis name): over several axes, r + k of the linear rank is not
+    a translation of the torus, which the proof's symmetry needs. A perm takes any team
+    (its deltas are translations: dcpc.ops.common ``perm_delta``)."""
     mesh = mesh_of(ctx.schedule)
     team = mesh.team_axes(step.op)
     width = len(mesh.axes) if team is None else len(team)
@@ -83,7 +84,7 @@ def _check_shift(ctx: Context, step: Step) -> None:
     names = [step.op.axis] if isinstance(step.op.axis, str) else step.op.axis or []
     if any(mesh.position(n) is None for n in names):
         return  # an unknown axis: its own error (unknown-axis) says what is wrong
-    if step.kind == "shift" and width > 1:
+    if step.kind == "shift" and width > 1 and step.op.perm is None:  # a perm: any team
         ctx.error(step.op.mark("axis", of_key=True) if named else step.mark(),
                   "axis-unsupported",
                   f"step '{step.name}' (shift) runs over {width} mesh axes "

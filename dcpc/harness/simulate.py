@@ -257,6 +257,7 @@ class Sim:
         self.bufs = [_RankBuffers(rank_inputs, r) for r, rank_inputs in enumerate(inputs)]
         self.written: list[Buffers] = [{} for _ in range(world)]
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
+        self.members: list[int] | None = None  # a team's view: its ranks (``team``)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return buffer_shape(self.schedule, name, self.env)
@@ -270,6 +271,7 @@ class Sim:
             self.schedule, len(ranks), self.env, self.external)
         sub.bufs = [self.bufs[r] for r in ranks]
         sub.written = [self.written[r] for r in ranks]
+        sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
         return sub
 
@@ -283,7 +285,7 @@ class Sim:
         sub.bufs = [_Unsent(self) if r in skipped else self.bufs[r]
                     for r in range(int(self.world))]
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
-        sub.rounding = self.rounding
+        sub.rounding, sub.members = self.rounding, self.members
         return sub
 
     def store(self, rank: int, name: str, value: torch.Tensor, *,
@@ -444,9 +446,10 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
     world = int(sim.world)
     written: list[list[Buffers]] = [[{} for _ in range(world)] for _ in steps]
     op = steps[0].op
-    source = shift.sources(op, world)
+    # along an axis, each team's chain (the team arithmetic needs the mesh shape)
+    source = shift.sources(sim.schedule, op, sim.world)
     pushed: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src as pushed
-    for r in shift.chain_order(op, world):
+    for r in shift.chain_order(sim.schedule, op, sim.world):
         for k, step in enumerate(steps):
             sim.written, sim.rounding = written[k], _rounding(step, rounding)
             phase = step.op.phase if isinstance(step.op, ShiftOp) else None

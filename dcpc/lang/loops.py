@@ -35,6 +35,7 @@ shape, so its module serves that shape only (LOOP_WORLD is the shape).
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -223,7 +224,8 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
         return isinstance(shape, list) and bool(shape) and _names_w(shape[0], names)
 
     def walk(node: Any, mark: Mark | None, hops: frozenset[str] = frozenset()) -> Mark | None:
-        if "W" in names and _perm(node) is not None:  # a perm's table is one W's
+        # a perm's table is one W's (on a mesh, one shape's: its ranks are the mesh's)
+        if ("W" in names or names & set(_axis_sizes(data))) and _perm(node) is not None:
             return _mark(node, "perm", "<memory>")
         if _names_w(_offset_names(node, data), names):
             return _mark(node, "offset", "<memory>")
@@ -458,7 +460,7 @@ class _Unroller:
                     at["W"] = team if isinstance(team, int) else env[team]
             out["offset"] = self.offset(name, text, at, _mark(body, "offset", self.file))
         if _perm(body) is not None:
-            out["perm"] = self.perm(name, body["perm"], _mark(body, "perm", self.file), env)
+            out["perm"] = self.perm(name, body, _mark(body, "perm", self.file), env)
         text = _interleave_expr(body)
         if text is not None:
             out["interleave"] = self.interleave(name, text, env,
@@ -579,12 +581,21 @@ class _Unroller:
             return text
         return value
 
-    def perm(self, name: str, value: Any, mark: Mark, env: dict[str, int]) -> Any:
+    def perm(self, name: str, body: dict[str, Any], mark: Mark, env: dict[str, int]) -> Any:
         """Shift step ``name``'s ``perm`` as the destination table at this W
         (dcpc.ops.shift.table_at); ``value`` unchanged, with an error, when it is none:
         ``loop-world`` without a W or at a W its pairs or table do not name, else
-        ``bad-perm``."""
-        what = f"step '{name}':"
+        ``bad-perm``. Along one axis of a mesh (``axis: gpu``) the perm names member
+        indices of a team of that axis' size, mapped to ranks (dcpc.topology
+        ``Torus.perm_ranks``); over several axes (or none named on a mesh), of the team
+        of those axes (row-major member order: over every axis, the rank itself)."""
+        value, what = body["perm"], f"step '{name}':"
+        axes = self._axis_names()
+        if len(axes) > 1 and (self.world is None or len(shape_of(self.world)) != len(axes)):
+            size = next(iter(self.axes), "W")  # a mesh axis' size: the mesh-shape hint
+            self.needs_world(mark, f"{what} its perm's ranks depend on the mesh shape; a "
+                             "schedule with a perm is unrolled for one shape at a time", size)
+            return value
         hint = ("a perm is an expression of r and W ('W - 1 - r', '(r + W / 2) % W'), a "
                 "list of [source, destination] pairs or of destinations (-1: none), "
                 "one-to-one")
@@ -601,20 +612,35 @@ class _Unroller:
                              "with a perm is unrolled for one W at a time"
                              + (f" (its ranks are those of W={fixed})" if fixed else ""))
             return value
-        if "W" not in self.env or len(shape_of(self.world)) > 1:
-            self.error(mark, "axis-unsupported", f"{what} a perm on a mesh of several axes; "
-                       "a perm runs over the whole group of a plain W so far",
-                       "use 'offset' along one axis")
+        shape = shape_of(self.world)
+        named = body.get("axis")
+        named = named if isinstance(named, list) else [named] if named is not None else []
+        unknown = [n for n in named if n not in axes]
+        if len(shape) > 1 and unknown:  # a typo: said as the structural check says it
+            self.error(_mark(body, "axis", self.file), "unknown-axis",
+                       f"step '{name}' runs over axis '{unknown[0]}', but the mesh's axes "
+                       f"are {', '.join(axes)}", did_you_mean(str(unknown[0]), axes)
+                       or "name an axis of 'mesh:', or declare it there")
             return value
+        # the team's axes (every axis when none is named): r is the member index in it
+        team = tuple(sorted({axes.index(n) for n in named})) or tuple(range(len(shape)))
+        size = math.prod(shape[a] for a in team) if len(shape) > 1 else self.env["W"]
         try:
-            return shift.table_at(value, self.env["W"], env)
+            members = shift.table_at(value, size, {**env, "W": size})
+            return members if len(shape) == 1 else list(torus(shape).perm_ranks(members, team))
         except shift.PermError as err:
             text = str(err)
             if text.startswith("W:"):
+                fixed = shift.fixed_world(value)
+                given = f"{fixed}" if len(team) == len(shape) else (
+                    "x".join(str(fixed) if a in team else "2" for a in range(len(shape)))
+                    + f" (axis '{axes[team[0]]}' of {fixed} ranks)" if len(team) == 1
+                    else f"a mesh shape whose axes {', '.join(axes[a] for a in team)} make "
+                    f"{fixed} ranks")
                 self.error(mark, "loop-world", f"{what} {text[2:]}",
-                           f"check or compile with --world {shift.fixed_world(value)} (a "
-                           "perm written as a list serves that W only; an expression of r "
-                           "and W serves every W)")
+                           f"check or compile with --world {given} (a perm written as "
+                           "a list serves that W only; an expression of r and W serves "
+                           "every W)")
             else:
                 self.error(mark, "bad-perm", f"{what} its perm is no permutation of the ranks: "
                            f"{text}", hint)

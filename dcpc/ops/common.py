@@ -97,7 +97,8 @@ class Region:
         ``axes`` (one axis, dcpc.topology ``Torus.peer``); ``line``: taken cyclically,
         as the symmetric checkers model it (a writer outside the line only adds stores)."""
         if self.scheme == "perm":  # every delta of the table, taken on every rank
-            found = {(owner - perm_delta(self.table, p, world)) % world
+            topo = torus(shape_of(world))
+            found = {topo.sub(owner, perm_delta(self.table, p, world))
                      for p in range(len(self.table)) if self.table[p] >= 0}
             # the real writer of ``owner``'s instance first (a counterexample then names
             # ranks of the real program when it can), then the other deltas' phantoms
@@ -128,7 +129,8 @@ class Region:
             source = "rank" if self.axes is None else "team member"  # ``writer``: its index
             return f"whole (shift from {source} {writer}, offset {self.offset:+d})"
         if self.scheme == "perm":
-            return f"whole (a perm's store from rank {writer})"
+            source = "rank" if self.axes is None else "team member"  # ``writer``: its index
+            return f"whole (a perm's store from {source} {writer})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
         if self.scheme == "whole":  # ``writer``: the reader's index in its team, if any
@@ -230,7 +232,10 @@ def perm_table(peers: str | None) -> tuple[int, ...] | None:
 
 def perm_delta(table: tuple[int, ...], rank: int, world: int | None = None) -> int:
     """How far rank ``rank``'s peer in ``table`` is along the ring (mod ``world``, by
-    default the table's length)."""
+    default the table's length); on a mesh shape, the torus translation (as a rank: the
+    peer of rank 0) that takes ``rank`` to it (a perm along one axis: along that axis)."""
+    if len(shape_of(world or len(table))) > 1:
+        return torus(shape_of(world)).sub(table[rank], rank)  # type: ignore[arg-type]
     return (table[rank] - rank) % (world or len(table))
 
 

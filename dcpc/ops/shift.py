@@ -22,9 +22,10 @@ steps, and other such waits of the same chain (the same ``peers``) with their pu
 stand between such a wait and its put, the puts in the order of their waits (two pairs
 interleaved: wait A, wait B, compute, put A, put B; ``wait-first-span``: the chain's
 liveness, docs/hb-checker.md); the float64 reference runs that span (overlapping spans
-merged) rank by rank along the chain (dcpc.harness.simulate); on the torch backend the
-wait receives and the put only sends. On a ring every rank would wait first: the
-checker's deadlock.
+merged) rank by rank along the chain (dcpc.harness.simulate; along an axis, each team's
+chain: ``sources`` by dcpc.topology ``Torus.peer``); on the torch backend the wait
+receives and the put only sends (on the team's group). On a ring every rank would wait
+first: the checker's deadlock.
 
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
@@ -36,7 +37,8 @@ dcpc.lang.mesh): r is the rank's index in its team along a and W the team's size
 rank (n, g) of ``mesh: {node: N, gpu: G}`` stores into (n, g + k mod G) along gpu. The
 rules below are written for the team (``on_team`` gives the region and sync its axis,
 the float64 reference runs once per team: dcpc.harness.simulate); the peer ranks are
-dcpc.topology ``Torus.peer``'s. A shift over several axes is refused (dcpc.check.mesh).
+dcpc.topology ``Torus.peer``'s. A shift by an offset over several axes is refused
+(dcpc.check.mesh).
 ``perm:`` (instead of ``offset``, JAX's ``ppermute``): rank r stores its src into the
 dst of rank perm(r) and waits for perm^-1(r). Written as an expression of ``r`` and
 ``W`` (``W - 1 - r``, ``(r + W / 2) % W``: a value outside 0 .. W-1 sends nothing), a
@@ -49,7 +51,13 @@ keeps its dst (as ``wrap: false``); a fixed point is a local copy. The region is
 ``perm`` and the peers "perm:<table>" (dcpc.ops.common): the happens-before checker
 takes the stores as the union over the table's deltas on every rank and joins no clock
 at its wait, as for ``wrap: false``; the brute force and the execution oracle are exact.
-No ``axis:`` yet (a perm over the whole group).
+Along one mesh axis (``axis: gpu``, ``ppermute`` over one axis name) the perm names member
+indices of a team of that axis' size; the unroller maps it to ranks once (dcpc.topology
+``Torus.perm_ranks``), so every later stage sees the table over ranks: the checker's
+deltas are torus translations along the axis (dcpc.ops.common ``perm_delta``), the
+team's float64 reference and the torch backend (the team's group, member indices) read
+it back per team (``team_table``). Over several axes (none named on a mesh: every
+axis) the team is those axes' ranks in row-major member order.
 Lowerings: ``lower`` below + templates/ops/shift.py.j2 (a direct push
 into the peer's buffer and one signal, no staging copy); dcpc/runtime/collectives.py
 ``shift``.
@@ -63,7 +71,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import StrictBool
 
 from dcpc.lang.expr import OWNER, Expr, evaluate, parse, product, symbols
-from dcpc.lang.mesh import MAX_WORLD
+from dcpc.lang.mesh import MAX_WORLD, mesh_of
 from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
 from dcpc.ops.common import (
     BEFORE,
@@ -80,6 +88,7 @@ from dcpc.ops.common import (
     typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
+from dcpc.topology import shape_of, team_table, torus
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import ScheduleView
@@ -317,10 +326,6 @@ def verify(v: ShapeRules, step: Step) -> None:
                 "destination itself",
                 "drop 'offset' (a perm of 'r + k' is the offset k) and 'wrap' (a value "
                 "outside 0 .. W-1 sends nothing)")
-    elif op.perm is not None and op.axis is not None:
-        v.error(op.mark("axis"), "axis-unsupported",
-                f"step '{step.name}' permutes along axis {op.axis!r}; a 'perm' runs over the "
-                "whole group so far", "drop 'axis' (on a mesh, use 'offset' along one axis)")
     elif op.perm is not None and not table(op):
         v.error(op.mark("perm"), "bad-perm",
                 f"step '{step.name}' has a perm that was not unrolled at a W",
@@ -359,15 +364,9 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
     its rank's steps up to the put must not wait for anything (or signal, or reach
     another rank) but the chain's own waits written before their puts and those puts,
     else a wait in between may need what only this wait's rank makes later
-    (docs/hb-checker.md, "A wait before its put"). ``axis:`` is not written yet
-    (the float64 reference runs the chain over the whole group)."""
+    (docs/hb-checker.md, "A wait before its put"). Along an axis (``axis:``) the chain
+    runs in each team (its offset moves the member index, W is the team's size)."""
     op: Shift = step.op  # type: ignore[assignment]
-    if op.axis is not None:
-        v.error(op.mark("axis"), "axis-unsupported",
-                f"step '{step.name}' waits before its put '{put.name}' along axis "
-                f"{op.axis!r}; a wait before its put runs over the whole group so far",
-                "drop 'axis', or move the wait after the put")
-        return
     schedule = v.ctx.schedule
     if schedule.slots > 1 and schedule.streams == Streams.per_slot:
         v.error(op.mark("phase"), "wait-first-span",
@@ -381,7 +380,8 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
         return
     dests, k = table(op), delta(op)
     copies = ([r for r, d in enumerate(dests) if d == r] if op.perm is not None
-              else [int(w) for w in v.ctx.samples.worlds if op.wrap and k % int(w) == 0])
+              else [int(w) for w in v.ctx.samples.worlds
+                    if op.wrap and k % _team_size(schedule, op, w) == 0])
     if copies:
         where = (f"rank {copies[0]} is a fixed point of the perm" if op.perm is not None
                  else f"at W={copies[0]} the shift by {k} is a local copy")
@@ -451,22 +451,31 @@ def _verify_put_order(v: ShapeRules, step: Step, put: Step) -> None:
         return
 
 
-def sources(op: Shift, world: int) -> dict[int, int]:
-    """Each rank that receives (at ``world``) -> the rank whose src it receives."""
+def _team_size(schedule: ScheduleView, op: Shift, world: int) -> int:
+    """The size of ``op``'s team at ``world`` (W without ``axis:``)."""
+    return torus(shape_of(world)).team_size(mesh_of(schedule).team_axes(op))
+
+
+def sources(schedule: ScheduleView, op: Shift, world: int) -> dict[int, int]:
+    """Each rank that receives (at ``world``, a mesh shape for a team along an axis) ->
+    the rank whose src it receives: member r - k of its team (dcpc.topology
+    ``Torus.peer``), or a perm's source."""
     if op.perm is not None:
         return {d: r for r, d in enumerate(table(op)) if d >= 0}
-    k = delta(op)
-    return {r: (r - k) % world for r in range(world) if op.wrap or 0 <= r - k < world}
+    t, axes = torus(shape_of(world)), mesh_of(schedule).team_axes(op)
+    found = {r: t.peer(r, axes, -delta(op), op.wrap) for r in range(t.size)}
+    return {r: s for r, s in found.items() if s is not None}
 
 
-def chain_order(op: Shift, world: int) -> list[int]:
+def chain_order(schedule: ScheduleView, op: Shift, world: int) -> list[int]:
     """The ranks in the order a wait written before its put finishes on them: a rank
-    after the rank it receives from (the first rank of each chain waits for nobody).
-    Only for a chain (``wrap: false``, an acyclic perm): the checker refuses a cycle."""
-    source = sources(op, world)
+    after the rank it receives from (the first rank of each chain waits for nobody; a
+    team along an axis: each team's chain in that order). Only for a chain (``wrap:
+    false``, an acyclic perm): the checker refuses a cycle."""
+    source = sources(schedule, op, world)
     order: list[int] = []
     done: set[int] = set()
-    for start in range(world):
+    for start in range(int(world)):
         path = []
         r = start
         while r not in done and r not in path:
@@ -488,7 +497,10 @@ def reference(sim: SimView, step: Step) -> None:
     fed = [r for r in range(w) if op.wrap or 0 <= r - k < w]
     source = {r: (r - k) % w for r in fed}
     if op.perm is not None:  # rank r gets perm^-1(r)'s src, where r is a destination
-        source = {d: r for r, d in enumerate(table(op)) if d >= 0}
+        dests = table(op)  # over ranks; a team's view (sim.members) reads it per team
+        members = getattr(sim, "members", None)
+        dests = tuple(team_table(dests, members)) if members is not None else dests
+        source = {d: r for r, d in enumerate(dests) if d >= 0}
         fed = sorted(source)
     if op.phase == "wait":
         put = matched(sim).polls[step.name]
@@ -538,7 +550,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                # handshake there, a message every rank must reach (its predecessor is
                # still before its puts); only when so
                **({"handshake": False} if _inner(ctx, step) else {}),
-               **(_perm_attrs(table(op)) if op.perm is not None else {})},
+               **(_perm_attrs(ctx.schedule, op) if op.perm is not None else {})},
         signalling=True,
     )
     if op.phase != "wait":
@@ -564,12 +576,22 @@ def _inner(holder: Any, step: Step) -> bool:
                if isinstance(other.op, Shift) and (put := wait_first(holder, other)))
 
 
-def _perm_attrs(dests: tuple[int, ...]) -> dict[str, Any]:
+def _perm_attrs(schedule: ScheduleView, op: Shift) -> dict[str, Any]:
     """A perm's launch constants, indexed by rank in the module (tuples of constants: no
-    work per call): the table, each rank's TO and FROM (itself where it has none: its
-    lane masked off) and whether it sends (a rank that is no source stores no tile)."""
+    work per call): the table (along an axis, the team's: the torch backend runs on the
+    team's group with the member index), each rank's TO and FROM (global ranks; itself
+    where it has none: its lane masked off) and whether it sends (a rank that is no
+    source stores no tile)."""
+    dests = table(op)
     back = inverse(dests)
-    return {"perm": list(dests),
+    mesh = mesh_of(schedule)
+    axes = mesh.team_axes(op)
+    # a perm on a mesh is unrolled for one shape: the mesh's ints, else the one served
+    served = getattr(schedule, "loop_world", None)
+    shape = served if isinstance(served, tuple) else mesh.sizes
+    members = dests if axes is None else tuple(
+        team_table(dests, torus(tuple(int(s) for s in shape)).team(0, axes)))
+    return {"perm": list(members),
             "perm_to": tuple(d if d >= 0 else r for r, d in enumerate(dests)),
             "perm_from": tuple(s if s >= 0 else r for r, s in enumerate(back)),
             "perm_sends": tuple(d >= 0 for d in dests)}

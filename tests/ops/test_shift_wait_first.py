@@ -169,14 +169,18 @@ def test_a_read_on_a_rank_the_chain_does_not_reach_names_the_wait() -> None:
     assert "no earlier step writes it" not in found[0].message
 
 
-def test_a_wait_first_shift_along_an_axis_is_refused() -> None:
+def test_a_wait_first_shift_along_an_axis_is_a_chain_per_team() -> None:
+    """Along an axis the chain runs in each team (tests/ops/test_shift_axis_perm.py runs
+    it); the stage's guards name the rank, so the guarded read on gpu 0 of node 1 (rank
+    2, which receives nothing along gpu) is what the structural check locates."""
     text = STAGE.replace("schedule: s\n", "schedule: s\nmesh: {node: 2, gpu: 2}\n").replace(
-        "wrap: false,", "wrap: false, axis: gpu,")
+        "wrap: false,", "wrap: false, axis: gpu,").replace(
+        "from: next, channel", "axis: gpu, from: next, channel").replace(
+        "to: prev, channel", "axis: gpu, to: prev, channel")
     schedule = parse_text(text, "s.yaml")
     found = [d for d in structural.check(schedule, [MeshWorld((2, 2))]) if d.severity == "error"]
-    (refused,) = [d for d in found if d.code == "axis-unsupported"]
-    assert "runs over the whole group so far" in refused.message
-    assert (refused.mark.line, refused.mark.col) == (10, text.splitlines()[9].index("gpu") + 1)
+    assert [d.code for d in found] == ["read-before-write"], found
+    assert "reads 'recv' on rank 2" in found[0].message
 
 
 # two interleaved pairs of one chain (the gallery's hidden_states and residual)

@@ -821,13 +821,16 @@ TEAMS = {"a": ("a", "ga", "ta"), "b": ("b", "gb", "tb"), "ab": (None, "gw", None
 MESH_SHAPES = [MeshWorld(s) for s in ((2, 2), (2, 3), (3, 2))]
 
 
-def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool = False) -> str:
+def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool = False,
+                              perms: bool = False) -> str:
     """A small, structurally valid random schedule over ``mesh: {a: A, b: B}``: gathers
     and all-to-alls over axis a, b or both, barriers and signal/wait pairs over a team
     (next/prev along one axis), externals reading what was written. ``shifts``: shifts
     along axis a or b too (whole or put ... wait, any offset, with or without wrap).
     ``reductions``: all_reduce, broadcast and reduce over a team too (root: member 0 or
-    1 of each team; implicit receive buffers)."""
+    1 of each team; implicit receive buffers). ``perms``: the shifts take a `perm:` (of
+    FULL_PERMS: member indices along the axis, or ranks over both) half the time; such a text is one
+    schedule per mesh shape (parse it at each)."""
     slots = draw(st.integers(1, 2))
     streams = draw(st.sampled_from(["per_slot", "single"]))
     flags = {b: ", shared: true" if draw(st.integers(0, 3)) == 0 else ""
@@ -837,7 +840,7 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool =
     pending_waits: list[str] = []
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(["gather", "gather", "a2a", "ext", "ext", "barrier",
-                                     "sync", "sync"] + ["shift", "shift"] * shifts
+                                     "sync", "sync"] + ["shift", "shift"] * (shifts + 2 * perms)
                                     + ["ar", "bc", "rd"] * reductions))
         team = draw(st.sampled_from(["a", "b", "ab"]))
         axis, gdst, tdst = TEAMS[team]
@@ -847,7 +850,12 @@ def random_mesh_schedule_text(draw, st, shifts: bool = False, reductions: bool =
             offset = draw(st.sampled_from(["next", "prev", "2", "-1"]))
             wrap = draw(st.integers(0, 2)) > 0
             offset += "" if wrap else ", wrap: false"
-            move = f"op: shift, axis: {along}, src: x, dst: s0, offset: {offset}"
+            if perms and draw(st.booleans()):  # along a, b or both (the whole mesh)
+                offset, wrap = f'perm: "{draw(st.sampled_from(FULL_PERMS))}"', True
+                along = draw(st.sampled_from([along, "[a, b]"]))
+            else:
+                offset = f"offset: {offset}"
+            move = f"op: shift, axis: {along}, src: x, dst: s0, {offset}"
             if draw(st.booleans()):
                 steps.append(f"{{{move}}}")
             else:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from dcpc.diagnostics import DiagnosticError
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
 from dcpc.lang.semantics import describe, table
 from dcpc.ops import OPS
@@ -30,8 +31,11 @@ def rows() -> list[str]:
     for path in sorted((ROOT / "schedules" / "ops").glob("*.yaml")):
         try:
             schedule = parse_file(path)
-        except DiagnosticError:  # a file whose loops name W: its steps at W=4
-            schedule = parse_file(path, world=4)
+        except DiagnosticError:  # a file whose loops name W: its steps at W=4 (2x2)
+            try:
+                schedule = parse_file(path, world=4)
+            except DiagnosticError:  # one whose perm runs along an axis: at a shape
+                schedule = parse_file(path, world=MeshWorld((2, 2)))
         for step, sem in zip(schedule.step_list(), table(schedule), strict=True):
             if step.kind != "external":
                 seen.setdefault((step.kind, *describe(sem)), f"{path.name}: {step.name}")
