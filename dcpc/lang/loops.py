@@ -615,15 +615,19 @@ class _Unroller:
         shape = shape_of(self.world)
         named = body.get("axis")
         named = named if isinstance(named, list) else [named] if named is not None else []
-        unknown = [n for n in named if n not in axes]
-        if len(shape) > 1 and unknown:  # a typo: said as the structural check says it
+        known = axes or ["world"]  # with no 'mesh:', the one axis is 'world'
+        unknown = [n for n in named if n not in known]
+        if unknown:  # a typo: said as the structural check says it
+            where = (f"the mesh's axes are {', '.join(axes)}" if axes else
+                     "the schedule declares no 'mesh:' (its one axis is 'world')")
             self.error(_mark(body, "axis", self.file), "unknown-axis",
-                       f"step '{name}' runs over axis '{unknown[0]}', but the mesh's axes "
-                       f"are {', '.join(axes)}", did_you_mean(str(unknown[0]), axes)
+                       f"step '{name}' runs over axis '{unknown[0]}', but {where}",
+                       did_you_mean(str(unknown[0]), known)
                        or "name an axis of 'mesh:', or declare it there")
             return value
         # the team's axes (every axis when none is named): r is the member index in it
-        team = tuple(sorted({axes.index(n) for n in named})) or tuple(range(len(shape)))
+        team = (tuple(sorted({axes.index(n) for n in named if n in axes}))
+                or tuple(range(len(shape))))
         size = math.prod(shape[a] for a in team) if len(shape) > 1 else self.env["W"]
         try:
             members = shift.table_at(value, size, {**env, "W": size})

@@ -417,10 +417,11 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
     other = between.op
     if not isinstance(other, Shift) or other.phase is None:
         return "communicates (it signals, waits or reaches another rank's buffers)"
-    if peers(other) != peers(op):
-        return (f"is a {other.phase} of another chain (peers {peers(other)[0]}, not "
-                f"{peers(op)[0]}): its rank may wait there for what this rank sends "
-                "only after its put")
+    if _chain(holder, other) != _chain(holder, op):
+        return (f"is a {other.phase} of a shift written with other peers or axes "
+                f"({_chain_text(holder, other)}, not {_chain_text(holder, op)}; one chain "
+                "is one offset with 'wrap: false', or one perm, along the same axes): its "
+                "rank may wait there for what this rank sends only after its put")
     if other.phase == "wait" and wait_first(holder, between) is None:
         return ("waits for a put written before it (only waits written before their "
                 "puts, with those puts, may stand there)")
@@ -429,6 +430,20 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
                 "would be taken by this wait's receive: only the puts of waits written "
                 "before them may stand there)")
     return None
+
+
+def _chain(holder: Any, op: Shift) -> tuple[tuple[str, str], Any]:
+    """What makes two waits written before their puts one chain: the same sync peers
+    (``peers``) along the same team (an offset along gpu and one along node have the
+    same peers, line+1, in different teams)."""
+    return peers(op), mesh_of(holder.schedule).team_axes(op)
+
+
+def _chain_text(holder: Any, op: Shift) -> str:
+    mesh = mesh_of(holder.schedule)
+    axes = mesh.team_axes(op)
+    along = "" if axes is None else f" along {', '.join(mesh.names(axes))}"
+    return f"peers {peers(op)[0]}{along}"
 
 
 def _verify_put_order(v: ShapeRules, step: Step, put: Step) -> None:

@@ -107,3 +107,14 @@ def test_fp8_and_scales_move_bit_for_bit(backend: str) -> None:
     assert report.ok and report.mismatches == 0, text
     for name in ("x_recv", "s_recv", "ids_recv", "x_back", "s_back"):
         assert report.outputs[name].compared == 3 * 3, (name, text)
+
+
+@pytest.mark.parametrize("got", [float("inf"), 1e6, 0.3])
+def test_a_value_e4m3_cannot_hold_is_not_taken_for_its_byte(got: float) -> None:
+    """Review: the byte comparison alone took inf or 1e6 for 448 (e4m3 saturates) and
+    0.3 for the byte it rounds to; the value comparison stays beside it."""
+    want = torch.tensor([got], dtype=torch.float64).to(torch.float8_e4m3fn).to(torch.float64)
+    stats = OutputStats()
+    compare("x", "move", "fp8e4m3", torch.tensor([got], dtype=torch.float64), want, stats,
+            "call 0")
+    assert stats.mismatches == 1, stats

@@ -28,6 +28,7 @@ from dcpc.topology import team_table, torus
 ROOT = Path(__file__).resolve().parents[2]
 PERM = ROOT / "schedules" / "ops" / "shift_perm_axis.yaml"
 CHAIN = ROOT / "schedules" / "ops" / "shift_wait_first_axis.yaml"
+PAIR = ROOT / "tests" / "shift" / "wait_first_pair_axis.yaml"
 SHAPES = [MeshWorld((2, 2)), MeshWorld((2, 3)), MeshWorld((3, 2))]
 
 HEAD = """\
@@ -314,12 +315,47 @@ def test_a_perm_s_deltas_at_a_mesh_shape_are_not_those_of_its_w() -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("backend", [{"node": "torch", "gpu": "host"},
                                      {"node": "host", "gpu": "torch"}], ids=str)
-@pytest.mark.parametrize("path", [PERM, CHAIN], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [PERM, CHAIN, PAIR], ids=lambda p: p.stem)
 def test_dcpc_run_with_a_backend_per_axis_matches_float64(path: Path, backend: dict) -> None:
     """Each axis on its own kind: a torch step's team settles (a barrier) after it, but
-    not after a wait written before its put (its later members still wait for this
-    rank's put: the chain would deadlock; the put settles)."""
+    not after either half of a wait written before its put (its later members still
+    wait for this rank's puts: the chain would deadlock; with two interleaved pairs the
+    first put's barrier waited for a member blocked in the second receive)."""
     world = MeshWorld((2, 3))
     report, text = run_clean(schedule=str(path), world=world, backend=backend, calls=3, seed=7)
-    out = "mirror" if path == PERM else "recv"
-    assert report.outputs[out].compared == 3 * (6 if path == PERM else 4), text
+    outs = {PERM: ["mirror"], CHAIN: ["recv"], PAIR: ["ra", "rb"]}[path]
+    for out in outs:  # PERM: every rank receives; a chain: the 4 members with a source
+        assert report.outputs[out].compared == 3 * (6 if path == PERM else 4), text
+
+
+def test_pairs_along_two_axes_are_two_chains() -> None:
+    """Review: an offset along gpu and one along node have the same peers (line+1) in
+    different teams; taken for one chain, the float64 reference ran the node wait from
+    the gpu line's sources (an UnwrittenRead). Interleaved, they are refused, located."""
+    text = PAIR.read_text().replace(
+        "src: aux, dst: rb, offset: next, wrap: false, phase: wait",
+        "src: aux, dst: rb, offset: next, wrap: false, phase: wait, axis: node").replace(
+        "{op: shift, axis: gpu, src: aux", "{op: shift, src: aux").replace(
+        "src: aux, dst: rb, offset: next, wrap: false, phase: put",
+        "src: aux, dst: rb, offset: next, wrap: false, phase: put, axis: node")
+    found = [d for d in _errors(text, MeshWorld((2, 2))) if d.code == "wait-first-span"]
+    assert found, text
+    assert any("peers line+1 along node, not peers line+1 along gpu" in d.message
+               for d in found), found
+
+
+def test_a_perm_along_an_axis_without_a_mesh_is_an_unknown_axis() -> None:
+    """Review: with no 'mesh:' a perm along 'gpu' was an internal error (ValueError)."""
+    text = ("schedule: s\nslots: 1\nsizes: {T: 4}\nbuffers:\n"
+            "  kv: {shape: [T], dtype: f32}\n"
+            "  m: {shape: [T], dtype: f32, symmetric: true}\n"
+            "steps:\n"
+            '  - send: {op: shift, axis: gpu, src: kv, dst: m, perm: "W - 1 - r"}\n'
+            "  - done: {op: barrier}\n")
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(text, "s.yaml", 4)
+    (d,) = err.value.diagnostics
+    col = text.splitlines()[7].index("gpu") + 1
+    assert d.code == "unknown-axis" and (d.mark.line, d.mark.col) == (8, col), d
+    assert "declares no 'mesh:' (its one axis is 'world')" in d.message
+    parse_text(text.replace("axis: gpu", "axis: world"), "s.yaml", 4)  # the one axis

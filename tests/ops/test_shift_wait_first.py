@@ -210,9 +210,9 @@ def test_two_interleaved_pairs_of_one_chain_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("move,words", [
-    ("offset: prev, wrap: false", "another chain (peers line-1, not line+1)"),
-    ("offset: next", "another chain (peers next, not line+1)"),
-    ('perm: "r + 1"', "another chain")])
+    ("offset: prev, wrap: false", "other peers or axes (peers line-1, not peers line+1;"),
+    ("offset: next", "other peers or axes (peers next, not peers line+1;"),
+    ('perm: "r + 1"', "other peers or axes")])
 def test_a_wait_of_another_chain_between_is_located(move: str, words: str) -> None:
     """The second pair on another direction (or a ring, or the same line by a perm, not
     recognised as the same chain): its wait may need what its rank sends only later."""
