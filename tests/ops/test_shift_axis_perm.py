@@ -28,7 +28,7 @@ from dcpc.topology import team_table, torus
 ROOT = Path(__file__).resolve().parents[2]
 PERM = ROOT / "schedules" / "ops" / "shift_perm_axis.yaml"
 CHAIN = ROOT / "schedules" / "ops" / "shift_wait_first_axis.yaml"
-PAIR = ROOT / "tests" / "shift" / "wait_first_pair_axis.yaml"
+PAIR = ROOT / "tests" / "mesh_backends" / "wait_first_pair_axis.yaml"
 SHAPES = [MeshWorld((2, 2)), MeshWorld((2, 3)), MeshWorld((3, 2))]
 
 HEAD = """\
