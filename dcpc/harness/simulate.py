@@ -452,13 +452,13 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
     for r in shift.chain_order(sim.schedule, op, sim.world):
         for k, step in enumerate(steps):
             sim.written, sim.rounding = written[k], _rounding(step, rounding)
-            phase = step.op.phase if isinstance(step.op, ShiftOp) else None
-            if phase == "put":
+            half = shift.half(step)
+            if half == shift.PUT:
                 with _naming(step):
                     pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
                                                      sim.bufs[r][step.op.src],
                                                      sim.rounding).clone()
-            elif phase == "wait":
+            elif half == shift.WAIT:
                 if r in source:
                     put = shift.matched(sim).polls[step.name]
                     sim.store(r, step.op.dst, pushed[put.name, source[r]].clone())

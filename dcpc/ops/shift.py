@@ -287,6 +287,15 @@ def matched(holder: Any) -> Puts:
     return memo[1]
 
 
+PUT, WAIT = "put", "wait"  # the halves of a split shift (``phase:``)
+
+
+def half(step: Step) -> str | None:
+    """Which half of a split shift ``step`` is (PUT, WAIT), or None (the float64
+    reference's chain asks: the harness names no op's keys)."""
+    return step.op.phase if isinstance(step.op, Shift) else None
+
+
 def peers(op: Shift) -> tuple[str, str]:
     """The sync peers of a shift: (those it signals, those it waits for); two shifts
     with the same are on the same ring, line or perm (one chain of a wait first)."""
