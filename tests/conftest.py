@@ -6,11 +6,19 @@ import os
 import sys
 from collections.abc import Iterator
 
+import hypothesis
 import pytest
 
 # Every CPU test runs Triton's interpreter, which Triton reads when it is imported: set it
 # before any test module (some import dcpc.runtime, hence triton, at collection) loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Property tests draw the same examples on every run (a red CI is reproducible, and main
+# does not turn red on a new draw): HYPOTHESIS_PROFILE=explore draws fresh ones, for a
+# search by hand. Each test's own @settings (max_examples) still applies.
+hypothesis.settings.register_profile("ci", derandomize=True, database=None)
+hypothesis.settings.register_profile("explore", derandomize=False)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SHM_DIR = "/dev/shm"
 PREFIX = "dcpc-"  # dcpc.runtime.host.SEGMENT_PREFIX (not imported: keeps collection light)

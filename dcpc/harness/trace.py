@@ -85,6 +85,10 @@ class Trace:
     ranges: list[Range] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _seen: set[int] = field(default_factory=set)  # modules whose memory is registered
+    # per raw key, the address sets already recorded: a wait's spin polls the same words
+    # each iteration, and a peer that is slow under load made a traced run grow without
+    # bound (a CI worker reached 23 GB); a repeat adds nothing to the union taken later
+    _recorded: dict[tuple[int, str, str], set[bytes]] = field(default_factory=dict)
 
     def add_module(self, module: Any) -> None:
         with self.lock:
@@ -118,8 +122,14 @@ class Trace:
         if state.call is None or state.trace is not self or addrs.size == 0:
             return  # outside a call of this trace (a thread's state from an earlier one)
         addrs = np.unique(addrs.astype(np.uint64).ravel())
+        key = (state.call_id, state.phase, kind)
+        digest = addrs.tobytes()
         with self.lock:
-            self.raw.setdefault((state.call_id, state.phase, kind), []).append(addrs)
+            recorded = self._recorded.setdefault(key, set())
+            if digest in recorded:
+                return
+            recorded.add(digest)
+            self.raw.setdefault(key, []).append(addrs)
 
     def progress(self, world: int) -> str:
         """Where each rank got to, by its last call: for a run that failed or hung."""

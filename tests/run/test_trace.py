@@ -95,6 +95,19 @@ def test_a_failed_traced_run_says_where_each_rank_got_to():
     assert tail[1].startswith("  rank 1: "), text
 
 
+def test_a_wait_that_spins_long_records_its_polls_once():
+    """Rank 1 pauses 1.5 s before its first query_gather, so rank 0's wait polls the same
+    words for that long: each address set is recorded once per call and phase (before,
+    every poll was appended: a traced run with a slow peer grew one CI worker to 23 GB),
+    and the run still matches float64 with the plan's effects."""
+    staging = ROOT / "schedules" / "kimi_k3_dcp_staging.yaml"
+    pause = {"rank": 1, "call": 0, "step": "query_gather", "kind": "pause", "seconds": 1.5}
+    run = tr.run_traced(str(staging), 2, programs=1, calls=1, fault=pause)
+    assert run.mismatches == 0 and run.problems == []
+    for key, parts in run.trace.raw.items():
+        assert len({a.tobytes() for a in parts}) == len(parts), key
+
+
 # ---- mutations: the tracer must catch a wrong table row and a wrong template -----------
 SCHEDULE = ROOT / "tests" / "engine_schedules" / "agrs_f32.yaml"
 
