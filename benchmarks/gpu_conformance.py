@@ -124,7 +124,8 @@ def run_case(case: dict[str, Any], repeat: int, calls: int, wait_s: float, timeo
     return records
 
 
-def table(records: list[dict[str, Any]], commit: str, device: str, wall_s: float) -> str:
+def table(records: list[dict[str, Any]], commit: str, device: str, wall_s: float,
+          merged: int = 0) -> str:
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for r in records:
         rows.setdefault(r["case"]["file"], {}).setdefault(r["case"]["world"], []).append(r)
@@ -132,7 +133,9 @@ def table(records: list[dict[str, Any]], commit: str, device: str, wall_s: float
     clean = sum(r["ok"] for r in records)
     lines = [f"# GPU conformance at {commit}", "",
              f"{time.strftime('%Y-%m-%d')}, {device}, `python3 -m benchmarks.gpu_conformance`: "
-             f"{clean} of {len(records)} runs clean, {wall_s:.0f} s. Each cell: clean runs of "
+             f"{clean} of {len(records)} runs clean, "
+             + (f"{wall_s:.0f} s summed over {merged} result files merged (their runs side "
+                "by side)" if merged else f"{wall_s:.0f} s") + ". Each cell: clean runs of "
              "the repeats (backend local, W ranks as threads on one GPU, other cases "
              "running beside it).", "",
              "| schedule | " + " | ".join(worlds) + " |",
@@ -271,7 +274,7 @@ def merge(paths: list[str], out: Path) -> int:
          "merged_from": [Path(p).name for p in paths],
          "repeat": sorted({run["repeat"] for run in runs}), "calls": runs[0]["calls"],
          "records": records}, indent=1))
-    (out / f"{name}.md").write_text(table(records, commit, device, wall))
+    (out / f"{name}.md").write_text(table(records, commit, device, wall, merged=len(runs)))
     clean = sum(r["ok"] for r in records)
     print(f"gpu_conformance: merged {len(paths)} runs: {clean}/{len(records)} clean -> "
           f"{out / name}.md")
