@@ -9,6 +9,8 @@ harness) changed between that commit and HEAD. Everything else is pending, with 
 
     python3 -m benchmarks.gpu_pending            # the table and the commands to run
     python3 -m benchmarks.gpu_pending --json     # the same as data
+    python3 -m benchmarks.gpu_pending --plans DIR [--shards 4] [--first FILE ...]
+        # DIR/plan<i>.txt for benchmarks/conformance_shards.sh (one device call)
 
 Exit 0 either way (a report, not a gate): CI has no GPU.
 """
@@ -97,13 +99,54 @@ def commands(rows: list[dict[str, Any]]) -> list[str]:
                                                                        MESH_WORLDS, kv[0]))]
 
 
+def plans(rows: list[dict[str, Any]], shards: int, first: list[str]) -> list[list[str]]:
+    """The pending cases as ``shards`` lists of lines "WORLDS FILE ...", each line one
+    gpu_conformance run: in each shard the files named in ``first`` and those that never
+    ran clean come first (all their pending worlds), then every other file at its smallest
+    pending world (a small world runs fast: breadth before depth), then the rest."""
+    worlds: dict[str, list[str]] = {}
+    never: set[str] = set()
+    for r in rows:
+        if r["settled"] is None:
+            worlds.setdefault(r["file"], []).append(r["world"])
+            if r["why"] == "never ran clean on a GPU":
+                never.add(r["file"])
+    urgent = [f for f in worlds if f in first or f in never]
+    stages: list[list[tuple[str, list[str]]]] = [
+        [(f, worlds[f]) for f in urgent],
+        [(f, worlds[f][:1]) for f in worlds if f not in urgent],
+        [(f, worlds[f][1:]) for f in worlds if f not in urgent and len(worlds[f]) > 1]]
+    out: list[list[str]] = [[] for _ in range(shards)]
+    turn = 0
+    for stage in stages:
+        lines: list[dict[str, list[str]]] = [{} for _ in range(shards)]
+        for file, ws in stage:
+            lines[turn % shards].setdefault(",".join(ws), []).append(file)
+            turn += 1
+        for i, by_worlds in enumerate(lines):
+            out[i] += [f"{ws} {' '.join(files)}" for ws, files in by_worlds.items()]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=RESULTS,
                     help="the folder of gpu_conformance_*.json (default: the committed)")
     ap.add_argument("--json", action="store_true", help="print the cases as JSON")
+    ap.add_argument("--plans", type=Path, default=None, metavar="DIR",
+                    help="write DIR/plan<i>.txt for benchmarks/conformance_shards.sh")
+    ap.add_argument("--shards", type=int, default=4, help="processes side by side (4)")
+    ap.add_argument("--first", nargs="+", default=[], metavar="FILE",
+                    help="schedule files to run first, every pending world")
     args = ap.parse_args(argv)
     rows = pending(args.results)
+    if args.plans is not None:
+        args.plans.mkdir(parents=True, exist_ok=True)
+        for i, lines in enumerate(plans(rows, args.shards, args.first), 1):
+            (args.plans / f"plan{i}.txt").write_text("".join(f"{x}\n" for x in lines))
+        print(f"{sum(r['settled'] is None for r in rows)} pending cases in {args.shards} "
+              f"plans under {args.plans}")
+        return 0
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

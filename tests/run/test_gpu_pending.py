@@ -60,3 +60,27 @@ def test_a_change_since_the_run_or_an_unknown_commit_keeps_it_pending(tmp_path: 
     (tmp_path / "other").mkdir()
     rows = _rows(_results(tmp_path / "other", "0" * 40, [(COPY, "2", True)]))
     assert rows[(COPY, "2")]["why"] == f"ran clean at {'0' * 40}, a commit this clone does not have"
+
+
+def test_the_shard_plans_run_every_pending_case_once_urgent_first() -> None:
+    """plans(): every pending (file, world) in exactly one line of one shard; a file named
+    first and a file that never ran open their shards with all their worlds; the others
+    run at their smallest pending world before any second world."""
+    rows = [{"file": f, "world": w, "settled": None if pend else "abc1234",
+             "why": why if pend else None}
+            for f, w, pend, why in [
+                ("a.yaml", "2", True, "ran clean at x; the file changed since"),
+                ("a.yaml", "4", True, "ran clean at x; the file changed since"),
+                ("b.yaml", "2", True, "never ran clean on a GPU"),
+                ("b.yaml", "8", True, "never ran clean on a GPU"),
+                ("c.yaml", "2", False, None),
+                ("c.yaml", "4", True, "ran clean at x; device code changed since"),
+                ("d.yaml", "2x2", True, "ran clean at x; device code changed since"),
+                ("d.yaml", "4x2", True, "ran clean at x; device code changed since"),
+                ("e.yaml", "2", True, "ran clean at x; device code changed since")]]
+    shards = gp.plans(rows, 2, first=["e.yaml"])
+    got = [(f, w) for lines in shards for line in lines
+           for w in line.split()[0].split(",") for f in line.split()[1:]]
+    assert sorted(got) == sorted((r["file"], r["world"]) for r in rows if r["settled"] is None)
+    assert shards == [["2,8 b.yaml", "2 a.yaml", "2x2 d.yaml", "4x2 d.yaml"],
+                      ["2 e.yaml", "4 c.yaml", "4 a.yaml"]]

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call, one GPU: the GPU conformance suite's pending cases in shards side by side.
+#   python3 -m benchmarks.gpu_pending --plans PLANS [--shards 4] [--first FILE ...]  # here
+#   COMMIT=<sha> OUT=<dir> bash benchmarks/conformance_shards.sh PLANS                  # there
+# Each shard runs its plan's lines ("WORLDS FILE ...") one after another through
+# benchmarks.gpu_conformance (JOBS cases at once, default 3: 4 shards of 4 ran 8-rank meshes
+# out of an H100's 80 GB), all within END seconds (default 540). Every result file ends up
+# in OUT/conformance.tgz (a device call returns few files); merge them here with
+#   python3 -m benchmarks.gpu_conformance --out benchmarks/results --merge .../*.json
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PLANS=${1:?plan folder}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" COMMIT=${COMMIT:?the commit the results name}
+OUT=${OUT:?a folder for the results}; END=${END:-540}; JOBS=${JOBS:-3}
+work=$(mktemp -d /tmp/dcpc-shards.XXXXXX); t0=$(date +%s)
+shard() {  # shard PLAN INDEX
+  local k=0 worlds files left
+  while read -r worlds files; do
+    k=$((k + 1)); left=$(( END - 40 - ($(date +%s) - t0) ))
+    [ "$left" -gt 30 ] || { echo "shard $2: out of time before line $k"; break; }
+    timeout -k 5 $((left + 35)) python3 -m benchmarks.gpu_conformance --out "$work/s$2_$k" \
+      --repeat 1 --jobs "$JOBS" --deadline "$left" --worlds "$worlds" $files
+  done < "$1"
+}
+i=0
+for plan in "$PLANS"/plan*.txt; do
+  i=$((i + 1)); shard "$plan" "$i" > "$work/shard$i.log" 2>&1 &
+done
+wait
+grep -h "^FAIL\|clean in\|out of time" "$work"/shard*.log | cut -c1-600
+rm -f "$work"/s*/*.md
+mkdir -p "$OUT" && tar czf "$OUT/conformance.tgz" -C "$work" . && ls -l "$OUT"
