@@ -176,8 +176,14 @@ class Effect:
 def data_flow(table: list[Semantics]) -> list[tuple[int, Effect]]:
     """(step index, effect) of every step's effects (``table``: by step index) in the
     order the data flow has them: step by step, each step's in the order it lists them,
-    then the stores in flight that land at that step's wait."""
-    found = [((e.lands if e.lands is not None else i, e.lands is not None, i, k), i, e)
+    the stores in flight that land at that step's wait after its effects before the wait
+    and before those after it (a split ragged_all_to_all's wait reads what landed)."""
+    landing = {e.lands for sem in table for e in sem.effects if e.lands is not None}
+
+    def order(i: int, e: Effect) -> int:
+        return 1 if e.lands is not None else 2 if e.when == AFTER and i in landing else 0
+
+    found = [((e.lands if e.lands is not None else i, order(i, e), i, k), i, e)
              for i, sem in enumerate(table) for k, e in enumerate(sem.effects)]
     return [(i, e) for _, i, e in sorted(found, key=lambda item: item[0])]
 
