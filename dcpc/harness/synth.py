@@ -349,7 +349,12 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
     tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)
     rows = torch.arange(math.prod(x_shape[:-1]))
-    for counts, cap in capacities.items():
+    # x a slice (`z_back[k]`, unrolled to z_back_<k>): the counts of the same slice first
+    # (the chunk's own counts: DeepEP normal mode's chunks, schedules/gallery)
+    chunk = _slice_index(rule.rows)
+    ordered = sorted(capacities.items(), key=lambda item: chunk is not None
+                     and _slice_index(item[0]) != chunk)
+    for counts, cap in ordered:
         if counts in bufs and len(x_shape) == 3 and x_shape[1] == cap:
             live = bufs[counts].to(torch.int64).reshape(-1)
             rows = torch.cat([j * cap + torch.arange(int(n)) for j, n in enumerate(live)])
@@ -360,6 +365,12 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
         out[t, : len(pick)] = pick
     empty = torch.rand(tokens, topk, generator=gen) < 0.25
     return torch.where(empty, -1, out).reshape(*lead, topk)
+
+
+def _slice_index(name: str) -> str | None:
+    """k of a slice's unrolled name ``b_<k>`` (dcpc.lang.loops), else None."""
+    head, _, tail = name.rpartition("_")
+    return tail if head and tail.isdigit() else None
 
 
 def _mix(*parts: int) -> int:
