@@ -8,10 +8,14 @@ tests/ops/test_op_schedules.py)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from support import child_result
 from support.exec_oracle_agree import assert_three_agree
 from support.schedules import diagnostics
 
@@ -171,3 +175,53 @@ def test_the_split_file_matches_float64_on(backend: str) -> None:
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert {"x_recv", "k_recv", "n_recv", "y_back", "n_back"} <= set(report.outputs), text
+
+
+def _over_capacity_child() -> None:
+    """W = 2 ranks as threads (the kernels on the local backend): rank 0 routes 5 rows to
+    rank 1 under capacity 4, with the move split; each rank calls the put, then the wait."""
+    import tempfile
+
+    from dcpc.harness.run import compile_to
+    from dcpc.harness.worker import load_module_class
+    from dcpc.runtime.local import LocalGroup
+
+    def rank_main(rank: Any, path: str) -> str:
+        module = load_module_class(path, "rags")(rank, sizes={"C": 4}, device="cpu",
+                                                 backend="local", timeout_s=20)
+        x = torch.randn(2, 4, 8).bfloat16()
+        counts = torch.tensor([1, 5 if rank.rank == 0 else 2], dtype=torch.int32)
+        done = []
+        try:
+            module.send(x, counts)
+            done.append("put returned")
+            module.recv()
+            done.append("wait returned")
+        except Exception as exc:  # noqa: BLE001 (the test reads what each rank raised)
+            done.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            module.close()
+        return " | ".join(done)
+
+    with tempfile.TemporaryDirectory(prefix="dcpc-rags-") as tmp:
+        src = Path(tmp) / "rags.yaml"
+        src.write_text(text(PUT, WAIT))
+        _, module, _, _ = compile_to(str(src), Path(tmp), 2)
+        print("RESULT " + json.dumps(LocalGroup(2, "cpu", timeout_s=60).run(rank_main, module)))
+
+
+@pytest.mark.e2e
+def test_a_count_over_capacity_fails_the_put_and_its_wait() -> None:
+    """The sender's kernel records the error at the put (its call raises); the receiver,
+    whose put returned, fails at its wait: the count it found, or the peer's flag."""
+    ranks = child_result(__file__, "over")
+    assert ranks[0].startswith("DcpcArgumentError: step 'send': rank 0's counts[1] = 5, "
+                               "over the capacity 4"), ranks
+    assert ranks[1].startswith("put returned | "), ranks
+    assert ranks[1].split(" | ")[1].startswith((
+        "DcpcArgumentError: step 'recv': peer 0 routed 5 rows to rank 1, over the capacity 4",
+        "DcpcPeerFailedError: step 'recv': rank 1 stopped waiting for peer 0")), ranks
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["over"]:
+    _over_capacity_child()
