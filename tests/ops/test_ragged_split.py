@@ -119,6 +119,41 @@ def test_checker_agrees_with_brute_force_and_execution(case: str) -> None:
                        worlds=(2, 3))
 
 
+CAST = """\
+schedule: ragq
+slots: 1
+sizes: {C: {max: 4}, H: 8}
+buffers:
+  x_send: {shape: [W, C, H], dtype: bf16}
+  counts: {shape: [W], dtype: i32}
+  q_recv: {shape: [W, C, H], dtype: fp8e4m3, symmetric: true}
+  s_recv: {shape: [W, C], dtype: f32, symmetric: true}
+  n_recv: {shape: [W], dtype: i32, symmetric: true}
+  y:      {shape: [W, C], dtype: f32}
+steps:
+  - send: {op: ragged_all_to_all, src: x_send, dst: q_recv, counts: counts, phase: put,
+           recv_counts: n_recv, capacity: C, scale: {per: token, buffer: s_recv}}
+{between}  - recv: {op: ragged_all_to_all, src: x_send, dst: q_recv, counts: counts, phase: wait,
+           recv_counts: n_recv, capacity: C, scale: {per: token, buffer: s_recv}}
+  - use:  {op: external, reads: [q_recv, s_recv, n_recv], writes: [y]}
+  - done: {op: barrier}
+"""
+
+
+@pytest.mark.parametrize("case", ["safe", "scales_read_early"])
+def test_a_cast_s_row_scales_are_in_flight_too(case: str) -> None:
+    """A per-token fp8 cast sends each row's scale along (s_recv, block r of every
+    peer's): in flight from the put to its wait, as the rows are."""
+    between = ("" if case == "safe" else
+               "  - fill: {op: external, reads: [x_send], writes: [s_recv]}\n"
+               "  - peek: {op: external, reads: [s_recv], writes: [y]}\n")
+    want = set() if case == "safe" else {
+        ("race", "write-after-read", "s_recv", "peek", "send"),
+        ("race", "write-after-write", "s_recv", "fill", "send")}
+    assert_three_agree(parse_text(CAST.replace("{between}", between)), want, case,
+                       worlds=(2, 3))
+
+
 def test_the_rows_land_at_the_wait_as_the_whole_op_moves_them() -> None:
     """The float64 reference: nothing lands at the put; at the wait every rank holds
     what the whole op gives (its counts too)."""

@@ -678,12 +678,21 @@ def _ragged_split(b: _Builder, schedule: Schedule, name: str, index: int, op, wo
     if op.phase == "put":
         landing = next(i for i, item in enumerate(schedule.steps)
                        if {w for w, p in _ragged_puts(schedule).items() if p == name} & set(item))
-        for n in _as_list(op.src) + [op.counts]:
-            if n in tracked:
-                b.access(name, index, 0, n, "read")
-        for n in _as_list(op.dst) + [op.recv_counts]:
-            for target in team if n in tracked else ():
-                b.access(name, index, 0, n, "write", owner=target, part=part, lands=landing)
+
+        def reads(names, phase):
+            for n in names:
+                if n in tracked:
+                    b.access(name, index, phase, n, "read")
+
+        def stores(names, part):  # every store of the put lands at its wait
+            for n in names:
+                for target in team if n in tracked else ():
+                    b.access(name, index, 0, n, "write", owner=target, part=part,
+                             lands=landing)
+
+        reads(_as_list(op.src) + [op.counts], 0)
+        stores(_as_list(op.dst) + [op.recv_counts], part)
+        _cast_scale(op, schedule, reads, stores, b.rank, axes)
         for peer in _peers("all", b.rank, world, axes):
             b.add(name, index, 0, signal=("step:" + name, peer))
         return
