@@ -201,6 +201,24 @@ def test_the_put_only_pushes_and_the_wait_only_polls(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("world", [3, (2, 2)], ids=["W3", "deepep_2x2"])
+def test_the_kernels_touch_what_the_plan_says(world: Any) -> None:
+    """The access tracer (dcpc/harness/trace.py): the put's stores lie in block `rank`
+    of every peer's dst and recv_counts before its signal, the wait's read of
+    recv_counts after its wait (its first poll), in the split op file and in DeepEP
+    normal mode's pipelined chunks."""
+    from dcpc.harness import trace as tr
+    from dcpc.lang.mesh import MeshWorld
+
+    path = FILE if world == 3 else ROOT / "schedules" / "gallery" / "deepep_normal.yaml"
+    run = tr.run_traced(str(path), world if world == 3 else MeshWorld(world), programs=2,
+                        block=256, calls=2 if world == 3 else 1)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+    waits = [s.name for s in run.plan.steps if s.attrs.get("signal") is False]
+    assert waits and all(run.trace.programs.get(w, 0) >= 1 for w in waits), waits
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["torch", "local"])
 def test_the_split_file_matches_float64_on(backend: str) -> None:
     from dcpc.harness.run import RunConfig, format_report, run_schedule
