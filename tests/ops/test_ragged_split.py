@@ -2,8 +2,9 @@
 matched by dcpc/ops/_split.py as shift's are): the verifier's unmatched halves, the
 race of a read between the put and its wait (the checker, the brute force of
 tests/support/hb_oracle.py and the execution oracle agree), the float64 reference
-(the rows land at the wait), the two kernels, and the torch and local backends against
-float64 (the host backend runs schedules/ops/ragged_all_to_all_split.yaml in
+(the rows land at the wait), the two kernels and what they touch (the access tracer), a
+count over capacity on the kernels, and the torch and local backends against float64
+(the host backend runs schedules/ops/ragged_all_to_all_split.yaml in
 tests/ops/test_op_schedules.py)."""
 
 from __future__ import annotations
