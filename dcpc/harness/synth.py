@@ -235,17 +235,19 @@ def call_inputs(
 
 def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
               gen: torch.Generator) -> torch.Tensor:
-    """An integer buffer's values within what the ops that read it declare (``OpDef.inputs``,
-    dcpc.ops.iface ``InputRule``): row counts in 0..capacity (``Counts``), index rows that
-    exist, some -1 (``RowIndex``); an integer payload (``payload_ints``) over its dtype's
-    whole range, anything else 0..99. The same for an engine input and for what an engine
-    step writes (an engine writes counts within their capacity)."""
+    """An integer buffer's values within its range (``value_ranges``: what it declares,
+    row counts in 0..capacity), both ends among them; else within what the ops that read
+    it declare (``OpDef.inputs``, dcpc.ops.iface ``InputRule``): index rows that exist,
+    some -1 (``RowIndex``); an integer payload (``payload_ints``) over its dtype's whole
+    range, anything else 0..99. The same for an engine input and for what an engine step
+    writes (an engine writes counts within their capacity, ids within their range)."""
     shape = buffer_shape(schedule, name, sizes)
+    bounds = value_ranges(schedule, sizes).get(name)
+    if bounds is not None:
+        return in_range(*bounds, shape, gen)
     if name in payload_ints(schedule):
         return full_range_ints(schedule.buffers[name].dtype, shape, gen)
     capacities = count_capacities(schedule, sizes)
-    if name in capacities:
-        return torch.randint(0, capacities[name] + 1, shape, generator=gen)
     for rules in input_rules(schedule):  # the first step's that reads it as an index
         rule = rules.get(name)
         if isinstance(rule, RowIndex):
@@ -326,6 +328,32 @@ def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor
     count = min(len(FP8_EDGES), rows.shape[1])
     rows[:, :count] = torch.tensor(FP8_EDGES[:count], dtype=torch.uint8)
     return rows.view(torch.float8_e4m3fn).to(torch.float64).reshape(shape)
+
+
+def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """The values of the integer buffers that have a range this call, both ends included:
+    a buffer of row counts (``Counts``) 0..its capacity, within what the buffer declares
+    (``values: {min, max}``, docs/language.md)."""
+    found = {name: (0, cap) for name, cap in count_capacities(schedule, sizes).items()}
+    for name, buffer in schedule.buffers.items():
+        if buffer.values is not None:
+            low, high = (ex.evaluate(ex.parse(end), {**sizes})
+                         for end in (buffer.values.min, buffer.values.max))
+            rule = found.get(name, (low, high))
+            found[name] = (max(low, rule[0]), min(high, rule[1]))
+    return found
+
+
+def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator
+             ) -> torch.Tensor:
+    """Random integers (int64) in ``low..high``, both ends included; ``low`` and ``high``
+    each at a random element (one of them, at random, when there is one element)."""
+    value = torch.randint(low, high + 1, shape, generator=gen, dtype=torch.int64)
+    flat = value.reshape(-1)
+    ends = torch.tensor([low, high], dtype=torch.int64)[torch.randperm(2, generator=gen)]
+    spots = torch.randperm(flat.numel(), generator=gen)[:2]
+    flat[spots] = ends[: len(spots)]
+    return flat.reshape(shape)
 
 
 def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:

@@ -118,9 +118,20 @@ class SizeSpec(Node):
         return self
 
 
+class ValueRange(Node):
+    """The values an integer buffer holds, both ends included (``values: {min: 0,
+    max: W*L - 1}``: expert ids); each end a size expression."""
+
+    min: SizeExpr = Field(description="the smallest value, a size expression")
+    max: SizeExpr = Field(description="the largest value, a size expression")
+
+
 class Buffer(Node):
     shape: list[SizeExpr] = Field(min_length=1, description="dimensions, outermost first")
     dtype: DType
+    values: ValueRange | None = Field(
+        default=None, description="an integer buffer's values, both ends included"
+    )
     symmetric: Bool = Field(
         default=False, description="allocated by the module in symmetric memory, per slot"
     )
