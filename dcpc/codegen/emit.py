@@ -28,6 +28,7 @@ TL_DTYPES = {
     "i32": "tl.int32",
     "i64": "tl.int64",
     "fp8e4m3": "tl.float8e4nv",
+    "fp8e5m2": "tl.float8e5",
 }
 # a condition's operators (when:, dcpc.exprs) too: no quote, backslash or newline
 _SAFE_STR = re.compile(r"[A-Za-z0-9_./:+\-*%<>=! ]*\Z")
