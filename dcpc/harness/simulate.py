@@ -25,11 +25,9 @@ from dcpc.ops import OPS, shift
 from dcpc.ops import _split as split
 from dcpc.ops.external import External as ExternalOp
 from dcpc.ops.shift import Shift as ShiftOp
+from dcpc.runtime.validate import DTYPES
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
-    "i32": torch.int32, "i64": torch.int64, "fp8e4m3": torch.float8_e4m3fn,
-}
+TORCH_DTYPES = DTYPES  # each dtype of the language as torch stores it (one table)
 
 Buffers = dict[str, torch.Tensor]  # one rank's buffers, float64 (or int64)
 # What an integer buffer holds where nothing was written (rows past a ragged count): the
