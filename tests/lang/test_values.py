@@ -89,20 +89,24 @@ def test_the_draws_stay_in_the_range_with_both_ends_in_every_call() -> None:
 
 
 def test_an_engine_step_writes_ids_in_their_range() -> None:
-    """deepep_normal's forwarder (an external step) writes ids_fwd: within [0, N*G*L),
-    both ends, as the counts it writes stay within their capacity."""
+    """deepep_normal's forwarder (an external step, once per chunk k) writes ids_fwd[k]:
+    within [0, N*G*L), both ends, as the counts it writes stay within their capacity."""
     world = MeshWorld((2, 3))
     schedule = parse_file(GALLERY / "deepep_normal.yaml", world)
     sizes = synth.call_sizes(schedule, world, synth.constructor_sizes(schedule, world), 0, 0)
     external = synth.make_external(schedule, world, sizes, 0, 0)
-    forward = next(s for s in schedule.step_list() if s.name == "forward")
     inputs = synth.call_inputs(schedule, world, sizes, 0, 0)
-    for rank, bufs in enumerate(inputs):
-        assert bufs["ids_send"].min() == 0 and bufs["ids_send"].max() == 6 * sizes["L"] - 1
-        wrote = external(forward, rank, bufs)
-        ids = wrote["ids_fwd"]
-        assert ids.min() == 0 and ids.max() == 2 * 3 * sizes["L"] - 1, ids
-        assert int(wrote["n_fwd"].max()) <= sizes["N"] * sizes["C"]
+    top = 2 * 3 * sizes["L"] - 1
+    chunks = [s for s in schedule.step_list() if s.name.startswith("forward_h")]
+    assert len(chunks) == sizes["P"] >= 2
+    for k, forward in enumerate(chunks):
+        for rank, bufs in enumerate(inputs):
+            sent = bufs[f"ids_send_{k}"]
+            assert sent.min() == 0 and sent.max() == top
+            wrote = external(forward, rank, bufs)
+            ids = wrote[f"ids_fwd_{k}"]
+            assert ids.min() == 0 and ids.max() == top, ids
+            assert int(wrote[f"n_fwd_{k}"].max()) <= sizes["N"] * sizes["C"]
 
 
 def test_a_range_narrows_the_counts_it_bounds() -> None:
