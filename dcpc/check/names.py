@@ -19,7 +19,9 @@ from dcpc.codegen.lower import (
     module_imports,
 )
 from dcpc.diagnostics import NOWHERE, Mark, did_you_mean
+from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, Schedule
+from dcpc.lang.questions import Counterexample
 from dcpc.ops.sync import Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
@@ -207,6 +209,7 @@ def _check_buffer(ctx: Context, name: str, buffer: Buffer) -> None:
                   f"buffer '{name}' is shared (symmetric, one instance for all slots) "
                   "but says 'symmetric: false'",
                   hint="drop 'symmetric: false' (shared implies symmetric)")
+    _check_values(ctx, name, buffer)
     if buffer.lse_base is not None:
         if not buffer.dtype.is_float:
             ctx.error(buffer.mark("lse_base"), "lse-base-not-float",
@@ -218,6 +221,58 @@ def _check_buffer(ctx: Context, name: str, buffer: Buffer) -> None:
                       f"LSE buffer '{name}' has dtype {buffer.dtype.value}; "
                       "an LSE must be f32, f16 or bf16",
                       hint="use dtype f32")
+
+
+def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
+    """``values: {min, max}``: an integer buffer's, within its dtype, never empty, for
+    every admissible binding (its ends parse in ``size_table``)."""
+    if buffer.values is None:
+        return
+    if buffer.dtype.is_float:
+        ctx.error(buffer.mark("values"), "bad-values",
+                  f"buffer '{name}' is {buffer.dtype.value}, but 'values' bounds the values "
+                  "of an integer buffer (i32, i64: expert ids, counts)",
+                  hint="drop 'values', or declare the buffer i32 or i64")
+        return
+    bounds = ctx.table.values.get(name)
+    if bounds is None:
+        return  # an end that does not parse or names an unknown size: reported
+    low, high = bounds
+    top = 2 ** (8 * buffer.dtype.itemsize - 1) - 1
+    for node, end in ((low, "min"), (high, "max")):
+        where = ctx.samples.inexact(node)
+        if where is not None:
+            ctx.error(buffer.values.mark(end), "shape-undecided" if where.undecided
+                      else "inexact-division",
+                      f"'values: {end}' of buffer '{name}' ({ex.unparse(node)}) is not a whole "
+                      f"number at W={where.world}{_also(where, node)}: {where.detail}",
+                      hint="divide only by what divides it for every W checked")
+            return
+    asks = (  # (what must stay positive, what is wrong where it does not)
+        (("+", ("-", high, low), ("num", 1)),
+         lambda at: f"'values' of buffer '{name}' is empty at W={at.world}"
+         f"{_also(at, low, high)}: min {ex.unparse(low)} = {ex.evaluate(low, at.binding)} "
+         f"is above max {ex.unparse(high)} = {ex.evaluate(high, at.binding)}",
+         "both ends are included: 'values: {min: 0, max: E - 1}' is 0 .. E-1"),
+        (("-", ("num", top + 1), high),
+         lambda at: f"'values: max' of buffer '{name}' ({ex.unparse(high)}) is "
+         f"{ex.evaluate(high, at.binding)} at W={at.world}{_also(at, high)}, above the "
+         f"largest {buffer.dtype.value} {top}",
+         "declare the buffer i64, or lower the bound"))
+    for positive, says, hint in asks:
+        at = ctx.samples.nonpositive(positive)
+        if at is not None and at.undecided:
+            ctx.error(buffer.values.mark("max"), "shape-undecided",
+                      f"'values' of buffer '{name}' cannot be checked for every binding of "
+                      f"its sizes: {at.detail}", hint="write its ends as simpler expressions")
+        elif at is not None:
+            ctx.error(buffer.values.mark("max"), "bad-values", says(at), hint=hint)
+
+
+def _also(where: Counterexample, *nodes: ex.Expr) -> str:
+    """``", C=4, L=2"``: the other sizes of a counterexample that ``nodes`` use."""
+    named = where.names(nodes)
+    return f", {named}" if named else ""
 
 
 def _check_slots(ctx: Context, schedule: Schedule) -> None:

@@ -221,11 +221,12 @@ def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None
                       f"'{lse.name}' has base {lse_buf.lse_base}",
                       hint=f"use 'lse_base: {lse_buf.lse_base}' or drop it from the step")
     for ref, buf in ((o, o_buf), (dst, dst_buf)):
-        if buf is not None and not buf.dtype.is_float:
+        if buf is not None and not buf.dtype.computes:  # an integer; fp8e5m2 only moves
             what = "output" if ref is dst else "partial output"
             ctx.error(ref.mark, "non-float-output",
                       f"{what} '{ref.name}' of {step.kind} '{step.name}' is "
-                      f"{buf.dtype.value}; a merge reads and writes floating-point outputs",
+                      f"{buf.dtype.value}; a merge reads and writes floating-point outputs "
+                      "it computes on (bf16, f16, f32, fp8e4m3)",
                       hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
     for r in ret:
         buf = ctx.buffer(r.name)

@@ -28,6 +28,7 @@ TL_DTYPES = {
     "i32": "tl.int32",
     "i64": "tl.int64",
     "fp8e4m3": "tl.float8e4nv",
+    "fp8e5m2": "tl.float8e5",
 }
 # a condition's operators (when:, dcpc.exprs) too: no quote, backslash or newline
 _SAFE_STR = re.compile(r"[A-Za-z0-9_./:+\-*%<>=! ]*\Z")
@@ -173,13 +174,6 @@ def device_names() -> frozenset[str]:
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    # and DCPC_<name> of every error code, which it makes from the errors' table
-    errors = ast.parse((DEVICE_PATH.parent / "errors.py").read_text(encoding="utf-8"))
-    for node in errors.body:
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and node.target.id == "KERNEL_ERRORS" and isinstance(node.value, ast.Dict)):
-            names.update(f"DCPC_{k.value}" for k in node.value.keys
-                         if isinstance(k, ast.Constant))
     return frozenset(n for n in names if n.startswith(("_dcpc_", "DCPC_")))
 
 

@@ -22,13 +22,12 @@ from dcpc.lang import when as wh
 from dcpc.lang.mesh import mesh_of, shape_of, torus
 from dcpc.numerics import local_seq_len, reference_scale, round_e4m3  # the facts, once
 from dcpc.ops import OPS, shift
+from dcpc.ops import _split as split
 from dcpc.ops.external import External as ExternalOp
 from dcpc.ops.shift import Shift as ShiftOp
+from dcpc.runtime.validate import DTYPES
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
-    "i32": torch.int32, "i64": torch.int64, "fp8e4m3": torch.float8_e4m3fn,
-}
+TORCH_DTYPES = DTYPES  # each dtype of the language as torch stores it (one table)
 
 Buffers = dict[str, torch.Tensor]  # one rank's buffers, float64 (or int64)
 # What an integer buffer holds where nothing was written (rows past a ragged count): the
@@ -419,10 +418,10 @@ def _rounding(step: m.Step, rounding: str | Callable[[m.Step], str]) -> str:
 
 def _chains(sim: Sim, steps: list[m.Step]) -> dict[int, int]:
     """The spans that run along a chain: from a shift's wait written before its put to
-    that put (dcpc.ops.shift ``wait_first``), overlapping spans merged (interleaved
+    that put (dcpc.ops._split ``wait_first``), overlapping spans merged (interleaved
     pairs of one chain: wait A, wait B, compute, put A, put B): first step -> last."""
     spans = sorted((s.index, put.index) for s in steps if isinstance(s.op, ShiftOp)
-                   and (put := shift.wait_first(sim, s)) is not None)
+                   and (put := split.wait_first(sim, s)) is not None)
     out: dict[int, int] = {}
     first = -1
     for start, end in spans:
@@ -452,15 +451,15 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
     for r in shift.chain_order(sim.schedule, op, sim.world):
         for k, step in enumerate(steps):
             sim.written, sim.rounding = written[k], _rounding(step, rounding)
-            half = shift.half(step)
-            if half == shift.PUT:
+            half = split.half(step)
+            if half == split.PUT:
                 with _naming(step):
                     pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
                                                      sim.bufs[r][step.op.src],
                                                      sim.rounding).clone()
-            elif half == shift.WAIT:
+            elif half == split.WAIT:
                 if r in source:
-                    put = shift.matched(sim).polls[step.name]
+                    put = split.matched(sim).polls[step.name]
                     sim.store(r, step.op.dst, pushed[put.name, source[r]].clone())
             else:
                 ranks = running.get(step.index)

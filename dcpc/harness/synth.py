@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dcpc.harness.simulate import (
+    TORCH_DTYPES,
     UNSENT_INT,
     Buffers,
     as_stored,
@@ -218,7 +219,7 @@ def call_inputs(
             if name in scales:  # an fp8 output's scale: positive, and overflows some values
                 value = scale_value(shape, gen)
             elif name in fp8:  # a moved fp8 payload: every byte, NaNs and -0 included
-                value = full_range_fp8(shape, gen)
+                value = full_range_fp8(shape, gen, schedule.buffers[name].dtype)
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:
@@ -235,17 +236,19 @@ def call_inputs(
 
 def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
               gen: torch.Generator) -> torch.Tensor:
-    """An integer buffer's values within what the ops that read it declare (``OpDef.inputs``,
-    dcpc.ops.iface ``InputRule``): row counts in 0..capacity (``Counts``), index rows that
-    exist, some -1 (``RowIndex``); an integer payload (``payload_ints``) over its dtype's
-    whole range, anything else 0..99. The same for an engine input and for what an engine
-    step writes (an engine writes counts within their capacity)."""
+    """An integer buffer's values within its range (``value_ranges``: what it declares,
+    row counts in 0..capacity), both ends among them; else within what the ops that read
+    it declare (``OpDef.inputs``, dcpc.ops.iface ``InputRule``): index rows that exist,
+    some -1 (``RowIndex``); an integer payload (``payload_ints``) over its dtype's whole
+    range, anything else 0..99. The same for an engine input and for what an engine step
+    writes (an engine writes counts within their capacity, ids within their range)."""
     shape = buffer_shape(schedule, name, sizes)
+    bounds = value_ranges(schedule, sizes).get(name)
+    if bounds is not None:
+        return in_range(*bounds, shape, gen)
     if name in payload_ints(schedule):
         return full_range_ints(schedule.buffers[name].dtype, shape, gen)
     capacities = count_capacities(schedule, sizes)
-    if name in capacities:
-        return torch.randint(0, capacities[name] + 1, shape, generator=gen)
     for rules in input_rules(schedule):  # the first step's that reads it as an index
         rule = rules.get(name)
         if isinstance(rule, RowIndex):
@@ -261,7 +264,7 @@ def payload_ints(schedule: m.Schedule) -> set[str]:
 def payload_fp8(schedule: m.Schedule) -> set[str]:
     """The fp8 buffers that travel as data (tokens the caller quantised, DeepEP's normal
     dispatch): drawn over every byte (``full_range_fp8``), as they move bit for bit."""
-    return {n for n in _payloads(schedule) if schedule.buffers[n].dtype == m.DType.fp8e4m3}
+    return {n for n in _payloads(schedule) if schedule.buffers[n].dtype in FP8_EDGES}
 
 
 def _payloads(schedule: m.Schedule) -> set[str]:
@@ -312,20 +315,55 @@ def full_range_ints(dtype: m.DType, shape: tuple[int, ...], gen: torch.Generator
     return flat.reshape(shape)
 
 
-FP8_EDGES = (0x7F, 0xFF, 0x80, 0x00, 0x7E, 0xFE, 0x01, 0x81)  # NaN, -NaN, -0, 0, +-448,
-# the smallest subnormal and its negative: what a move that converts, or a comparison by
-# value, would lose (a NaN's sign, a zero's)
+# the bytes every row of a moved fp8 payload starts with: what a move that converts, or
+# a comparison by value, would lose (a NaN's sign, a zero's, an inf's), and the ends of
+# the range: NaN, -NaN, -0, 0, +-the largest finite value, +-the smallest subnormal;
+# e5m2 also +-inf and its largest subnormal
+FP8_EDGES = {
+    m.DType.fp8e4m3: (0x7F, 0xFF, 0x80, 0x00, 0x7E, 0xFE, 0x01, 0x81),  # +-448
+    m.DType.fp8e5m2: (0x7F, 0xFF, 0x80, 0x00, 0x7B, 0xFB, 0x01, 0x81, 0x7C, 0xFC, 0x03,
+                      0x83),  # +-57344, +-inf
+}
 
 
-def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Random fp8 e4m3 values (float64) over every byte, NaN of both signs and -0
-    included; every row (the last dim) starts with ``FP8_EDGES``, so that every row a
-    ragged move sends carries them."""
+def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator,
+                   dtype: m.DType = m.DType.fp8e4m3) -> torch.Tensor:
+    """Random fp8 values of ``dtype`` (float64) over every byte, NaN of both signs and -0
+    included; every row (the last dim) starts with its ``FP8_EDGES``, so that every row a
+    ragged move sends carries them. An e5m2 NaN is held as float64, so its payload is
+    lost: bytes 0x7D, 0x7E are 0x7F (0xFD, 0xFE are 0xFF), NaNs still of both signs."""
     raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     rows = raw.reshape(-1, shape[-1] if shape else 1)
-    count = min(len(FP8_EDGES), rows.shape[1])
-    rows[:, :count] = torch.tensor(FP8_EDGES[:count], dtype=torch.uint8)
-    return rows.view(torch.float8_e4m3fn).to(torch.float64).reshape(shape)
+    edges = FP8_EDGES[dtype]
+    count = min(len(edges), rows.shape[1])
+    rows[:, :count] = torch.tensor(edges[:count], dtype=torch.uint8)
+    return rows.view(TORCH_DTYPES[dtype.value]).to(torch.float64).reshape(shape)
+
+
+def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """The values of the integer buffers that have a range this call, both ends included:
+    a buffer of row counts (``Counts``) 0..its capacity, within what the buffer declares
+    (``values: {min, max}``, docs/language.md)."""
+    found = {name: (0, cap) for name, cap in count_capacities(schedule, sizes).items()}
+    for name, buffer in schedule.buffers.items():
+        if buffer.values is not None:
+            low, high = (ex.evaluate(ex.parse(end), {**sizes})
+                         for end in (buffer.values.min, buffer.values.max))
+            rule = found.get(name, (low, high))
+            found[name] = (max(low, rule[0]), min(high, rule[1]))
+    return found
+
+
+def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator
+             ) -> torch.Tensor:
+    """Random integers (int64) in ``low..high``, both ends included; ``low`` and ``high``
+    each at a random element (one of them, at random, when there is one element)."""
+    value = torch.randint(low, high + 1, shape, generator=gen, dtype=torch.int64)
+    flat = value.reshape(-1)
+    ends = torch.tensor([low, high], dtype=torch.int64)[torch.randperm(2, generator=gen)]
+    spots = torch.randperm(flat.numel(), generator=gen)[:2]
+    flat[spots] = ends[: len(spots)]
+    return flat.reshape(shape)
 
 
 def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
@@ -349,7 +387,12 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
     tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)
     rows = torch.arange(math.prod(x_shape[:-1]))
-    for counts, cap in capacities.items():
+    # x a slice (`z_back[k]`, unrolled to z_back_<k>): the counts of the same slice first
+    # (the chunk's own counts: DeepEP normal mode's chunks, schedules/gallery)
+    chunk = _slice_index(rule.rows)
+    ordered = sorted(capacities.items(), key=lambda item: chunk is not None
+                     and _slice_index(item[0]) != chunk)
+    for counts, cap in ordered:
         if counts in bufs and len(x_shape) == 3 and x_shape[1] == cap:
             live = bufs[counts].to(torch.int64).reshape(-1)
             rows = torch.cat([j * cap + torch.arange(int(n)) for j, n in enumerate(live)])
@@ -360,6 +403,12 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
         out[t, : len(pick)] = pick
     empty = torch.rand(tokens, topk, generator=gen) < 0.25
     return torch.where(empty, -1, out).reshape(*lead, topk)
+
+
+def _slice_index(name: str) -> str | None:
+    """k of a slice's unrolled name ``b_<k>`` (dcpc.lang.loops), else None."""
+    head, _, tail = name.rpartition("_")
+    return tail if head and tail.isdigit() else None
 
 
 def _mix(*parts: int) -> int:

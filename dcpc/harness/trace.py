@@ -9,7 +9,9 @@ records every load, store and atomic of every kernel program: the address, mappe
 (buffer, owning rank, slot, element), and the phase of its program, ``before`` its
 signal (or the whole kernel, for a step that does not signal) or ``after`` it (once a
 program has published its signal, its next data access follows its wait: the spin
-touches signal memory only; a launch with ``PUSH=False`` runs after a wait entirely).
+touches signal memory only; a launch with ``PUSH=False`` runs after a wait entirely; a
+launch that waits without signalling, a split ``phase: wait``, is ``after`` from its
+first poll, an acquire of a signal cell).
 
 ``check`` then demands, for every step call on every rank:
 
@@ -240,6 +242,8 @@ def tracing() -> Iterator[Trace]:
                 if _tls.call is not None and _tls.trace is _active:
                     with _active.lock:
                         _tls.call.xchg += 1
+            elif "ADD" in str(op) and "ACQUIRE" in str(a[:1]).upper():
+                _tls.phase = AFTER  # a poll (_dcpc_wait): a wait-only launch's wait began
         return saved["create_atomic_rmw"](self, op, ptr, val, mask, *a)
 
     def cas(self: Any, ptr: Any, *a: Any) -> Any:

@@ -136,17 +136,17 @@ def compare(
     atol, rtol = (0.0, 0.0) if kind == "move" else TOLERANCE.get(dtype, (0.0, 0.0))
     special_ok = (got == want) | (torch.isnan(got) & torch.isnan(want))
     ok = torch.where(finite, err <= atol + rtol * want.abs().where(finite, zero), special_ok)
-    if kind == "move" and dtype == "fp8e4m3":  # every e4m3 byte is a value (float64 holds
-        # each exactly, a NaN's sign too): compare the bytes too, so a -NaN or -0 a move
-        # turned positive mismatches (a comparison by value takes them for equal); the
-        # value comparison stays, so a value e4m3 cannot hold (inf, 1e6, 0.3) is not
-        # taken for the byte it rounds or saturates to
-        ok = ok & (_e4m3_bytes(got) == _e4m3_bytes(want))
+    if kind == "move" and dtype.startswith("fp8"):  # every fp8 byte is a value (float64
+        # holds each exactly, a NaN's sign too; e5m2's NaNs of one sign as one): compare the
+        # bytes too, so a -NaN or -0 a move turned positive mismatches (a comparison by
+        # value takes them for equal); the value comparison stays, so a value the fp8
+        # cannot hold (inf in e4m3, 1e6, 0.3) is not taken for the byte it rounds to
+        ok = ok & (_fp8_bytes(got, dtype) == _fp8_bytes(want, dtype))
     _count(stats, ok, where, name, got, want, float, f", max abs err {max_err:.3g}")
 
 
-def _e4m3_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float8_e4m3fn).view(torch.uint8)
+def _fp8_bytes(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    return t.to(TORCH_DTYPES[dtype]).view(torch.uint8)
 
 
 def _compare_ints(name: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,

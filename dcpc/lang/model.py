@@ -31,6 +31,7 @@ from dcpc.lang.nodes import (  # noqa: F401  (re-exported: the language's public
     Step,
     Str,
     Streams,
+    ValueRange,
 )
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import OP_NAMES, OPS  # noqa: F401  (OP_NAMES re-exported)

@@ -54,14 +54,22 @@ class DType(str, Enum):
     i32 = "i32"
     i64 = "i64"
     fp8e4m3 = "fp8e4m3"
+    fp8e5m2 = "fp8e5m2"
 
     @property
     def is_float(self) -> bool:
-        return self in (DType.bf16, DType.f16, DType.f32, DType.fp8e4m3)
+        return self in (DType.bf16, DType.f16, DType.f32, DType.fp8e4m3, DType.fp8e5m2)
+
+    @property
+    def computes(self) -> bool:
+        """A float the ops compute on (sum, merge, cast); fp8e5m2 only moves, bit for bit,
+        where an integer moves (docs/language.md, "Buffers")."""
+        return self.is_float and self != DType.fp8e5m2
 
     @property
     def itemsize(self) -> int:
-        return {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "fp8e4m3": 1}[self.value]
+        return {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "fp8e4m3": 1,
+                "fp8e5m2": 1}[self.value]
 
 
 class Streams(str, Enum):
@@ -118,9 +126,20 @@ class SizeSpec(Node):
         return self
 
 
+class ValueRange(Node):
+    """The values an integer buffer holds, both ends included (``values: {min: 0,
+    max: W*L - 1}``: expert ids); each end a size expression."""
+
+    min: SizeExpr = Field(description="the smallest value, a size expression")
+    max: SizeExpr = Field(description="the largest value, a size expression")
+
+
 class Buffer(Node):
     shape: list[SizeExpr] = Field(min_length=1, description="dimensions, outermost first")
     dtype: DType
+    values: ValueRange | None = Field(
+        default=None, description="an integer buffer's values, both ends included"
+    )
     symmetric: Bool = Field(
         default=False, description="allocated by the module in symmetric memory, per slot"
     )

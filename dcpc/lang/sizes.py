@@ -64,6 +64,8 @@ class SizeTable:
 
     sizes: dict[str, Size] = field(default_factory=dict)
     shapes: dict[str, list[ex.Expr] | None] = field(default_factory=dict)
+    # an integer buffer's ``values: {min, max}``, parsed; absent when not declared or broken
+    values: dict[str, tuple[ex.Expr, ex.Expr]] = field(default_factory=dict)
     diagnostics: list[Diagnostic] = field(default_factory=list)
     mesh_constants: list[int] = field(default_factory=list)  # axes sized by an integer
 
@@ -122,27 +124,41 @@ def size_table(schedule: Schedule) -> SizeTable:
     for name, buffer in schedule.buffers.items():
         dims: list[ex.Expr] | None = []
         for i, text in enumerate(buffer.shape):
-            mark = buffer.mark(f"shape[{i}]")
-            try:
-                node = parse_expr(text)
-            except ex.ExprSyntaxError as err:
-                table.diagnostics.append(
-                    _syntax_diag(mark, text, err, f"dimension {i} of buffer '{name}',")
-                )
+            node = _size_expr(table, text, buffer.mark(f"shape[{i}]"), name,
+                              f"dimension {i} of buffer '{name}',")
+            if node is None or dims is None:
                 dims = None
-                continue
-            for symbol in sorted(ex.symbols(node) - set(table.sizes)):
-                table.diagnostics.append(Diagnostic(
-                    mark, "unknown-size",
-                    f"buffer '{name}' uses size '{symbol}', which is not declared under sizes",
-                    hint=did_you_mean(symbol, table.sizes)
-                    or f"declare it, e.g. 'sizes: {{{symbol}: {{max: 1024}}}}'",
-                ))
-                dims = None
-            if dims is not None:
+            else:
                 dims.append(node)
         table.shapes[name] = dims
+        if buffer.values is not None:
+            bounds = [_size_expr(table, getattr(buffer.values, end), buffer.values.mark(end),
+                                 name, f"'values: {end}' of buffer '{name}',")
+                      for end in ("min", "max")]
+            if bounds[0] is not None and bounds[1] is not None:
+                table.values[name] = (bounds[0], bounds[1])
     return table
+
+
+def _size_expr(table: SizeTable, text: str | int, mark: Mark, name: str, what: str
+               ) -> ex.Expr | None:
+    """A buffer's size expression (a dimension, an end of its ``values``), parsed; None
+    when it does not parse (``shape-syntax``) or names a size nobody declared
+    (``unknown-size``), both reported in ``table``."""
+    try:
+        node = parse_expr(text)
+    except ex.ExprSyntaxError as err:
+        table.diagnostics.append(_syntax_diag(mark, text, err, what))
+        return None
+    unknown = sorted(ex.symbols(node) - set(table.sizes))
+    for symbol in unknown:
+        table.diagnostics.append(Diagnostic(
+            mark, "unknown-size",
+            f"buffer '{name}' uses size '{symbol}', which is not declared under sizes",
+            hint=did_you_mean(symbol, table.sizes)
+            or f"declare it, e.g. 'sizes: {{{symbol}: {{max: 1024}}}}'",
+        ))
+    return None if unknown else node
 
 
 def _eval(node: ex.Expr, env: Mapping[str, int]) -> int | None:

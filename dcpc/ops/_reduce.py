@@ -31,15 +31,17 @@ def via_of(step: Step) -> tuple[str, str]:
 def floats_only(v: ShapeRules, step: Step, refs: list[Any],
                 why: str = "it reduces in fp32, so it reads and writes floating-point "
                            "buffers") -> None:
-    """A reduction's buffers are floats: it sums (or takes the max) in fp32, which an
-    integer does not survive (only the moves carry integers, bit for bit); ``why``: what
-    the error says of the op (weighted_combine's sum says its own)."""
+    """A reduction's buffers are floats it computes on: it sums (or takes the max) in
+    fp32, which an integer does not survive, and fp8e5m2 is not summed either (only the
+    moves carry integers and fp8e5m2, bit for bit: ``DType.computes``); ``why``: what the
+    error says of the op (weighted_combine's sum says its own)."""
     for ref in refs:
         buf = v.buffer(ref.name)
-        if buf is not None and not buf.dtype.is_float:
+        if buf is not None and not buf.dtype.computes:
+            only = " (fp8e5m2 only moves, bit for bit)" if buf.dtype.is_float else ""
             v.error(ref.mark, "non-float-output",
                     f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
-                    f"{buf.dtype.value}; {why}",
+                    f"{buf.dtype.value}{only}; {why}",
                     hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from dcpc.diagnostics import Mark
 from dcpc.lang import expr as ex
 from dcpc.lang import nodes as m
-from dcpc.lang.mesh import mesh_of, shape_of, torus
+from dcpc.lang.mesh import Torus, mesh_of, shape_of, torus
 from dcpc.ops.iface import Requests, TensorScale
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class Region:
         as the symmetric checkers model it (a writer outside the line only adds stores)."""
         if self.scheme == "perm":  # every delta of the table, taken on every rank
             topo = torus(shape_of(world))
-            found = {topo.sub(owner, perm_delta(self.table, p, world))
+            found = {topo.sub(owner, perm_delta(self.table, p, topo))
                      for p in range(len(self.table)) if self.table[p] >= 0}
             # the real writer of ``owner``'s instance first (a counterexample then names
             # ranks of the real program when it can), then the other deltas' phantoms
@@ -121,21 +121,20 @@ class Region:
 
     def text(self, writer: int) -> str:
         """The part of writer ``writer`` in words."""
+        # ``writer`` of a peer, line, perm or whole (a reader): its index in its team, if any
+        who = f"{'rank' if self.axes is None else 'team member'} {writer}"
         if self.scheme == "block":
             return f"{self.dim_text} block {writer} (dim {self.dim})"
         if self.scheme == "index":
             return f"index {writer} of dim {self.dim}"
         if self.scheme in ("peer", "line"):
-            source = "rank" if self.axes is None else "team member"  # ``writer``: its index
-            return f"whole (shift from {source} {writer}, offset {self.offset:+d})"
+            return f"whole (shift from {who}, offset {self.offset:+d})"
         if self.scheme == "perm":
-            source = "rank" if self.axes is None else "team member"  # ``writer``: its index
-            return f"whole (a perm's store from {source} {writer})"
+            return f"whole (a perm's store from {who})"
         if self.scheme == "root":  # broadcast: every rank modelled as the root (dim: root)
             return f"the whole buffer (a store of root {self.dim}'s broadcast)"
-        if self.scheme == "whole":  # ``writer``: the reader's index in its team, if any
-            reader = "rank" if self.axes is None else "team member"
-            return f"the whole buffer (a remote read by {reader} {writer})"
+        if self.scheme == "whole":
+            return f"the whole buffer (a remote read by {who})"
         return f"rows of rank {writer}, interleave {self.interleave} (dim {self.dim})"
 
 
@@ -176,8 +175,14 @@ class Effect:
 def data_flow(table: list[Semantics]) -> list[tuple[int, Effect]]:
     """(step index, effect) of every step's effects (``table``: by step index) in the
     order the data flow has them: step by step, each step's in the order it lists them,
-    then the stores in flight that land at that step's wait."""
-    found = [((e.lands if e.lands is not None else i, e.lands is not None, i, k), i, e)
+    the stores in flight that land at that step's wait after its effects before the wait
+    and before those after it (a split ragged_all_to_all's wait reads what landed)."""
+    landing = {e.lands for sem in table for e in sem.effects if e.lands is not None}
+
+    def order(i: int, e: Effect) -> int:
+        return 1 if e.lands is not None else 2 if e.when == AFTER and i in landing else 0
+
+    found = [((e.lands if e.lands is not None else i, order(i, e), i, k), i, e)
              for i, sem in enumerate(table) for k, e in enumerate(sem.effects)]
     return [(i, e) for _, i, e in sorted(found, key=lambda item: item[0])]
 
@@ -230,13 +235,11 @@ def perm_table(peers: str | None) -> tuple[int, ...] | None:
     return tuple(int(d) for d in peers[len(PERM):].split(","))
 
 
-def perm_delta(table: tuple[int, ...], rank: int, world: int | None = None) -> int:
-    """How far rank ``rank``'s peer in ``table`` is along the ring (mod ``world``, by
-    default the table's length); on a mesh shape, the torus translation (as a rank: the
-    peer of rank 0) that takes ``rank`` to it (a perm along one axis: along that axis)."""
-    if len(shape_of(world or len(table))) > 1:
-        return torus(shape_of(world)).sub(table[rank], rank)  # type: ignore[arg-type]
-    return (table[rank] - rank) % (world or len(table))
+def perm_delta(table: tuple[int, ...], rank: int, topo: Torus) -> int:
+    """How far rank ``rank``'s peer in ``table`` is along the ring of ``topo`` (one axis:
+    mod W); on a mesh shape, the torus translation (as a rank: the peer of rank 0) that
+    takes ``rank`` to it (a perm along one axis: along that axis)."""
+    return topo.sub(table[rank], rank)
 
 
 def perm_deltas(table: tuple[int, ...], world: int) -> frozenset[int]:
@@ -244,7 +247,8 @@ def perm_deltas(table: tuple[int, ...], world: int) -> frozenset[int]:
     each rank's signal, wait and store at every one of them. A table is unrolled at one
     W (dcpc.lang.loops); the hints' re-checks at a larger W (dcpc.check.hb.hints) take
     its deltas mod that W, as they take a loop unrolled at one W."""
-    return frozenset(perm_delta(table, r, world) for r in range(len(table))
+    topo = torus(shape_of(world))
+    return frozenset(perm_delta(table, r, topo) for r in range(len(table))
                      if table[r] >= 0) - {0}
 
 

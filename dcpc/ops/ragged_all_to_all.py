@@ -23,6 +23,10 @@ payload only (cast.payload), the others move bit for bit in their own dtype.
 ``axis:`` (a team): W is the team's size, j and p member indices (the kernel's
 RANK/WORLD); the error record names the peer's global rank (dcpc.runtime.errors,
 OVER_CAPACITY).
+``phase: put`` / ``phase: wait`` split it as shift's (dcpc.ops._split matches them): the put
+pushes and signals, its stores in flight (``Effect.lands``) until the wait, which waits
+for every peer and then reads the counts; the reference holds the rows at the put and
+lands them at the wait; the torch backend moves them at the put.
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -30,6 +34,7 @@ dcpc/runtime/collectives.py ``ragged_all_to_all``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -38,6 +43,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
 from dcpc.ops import cast
+from dcpc.ops._split import PUT, WAIT, matched, verify_matched
 from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
     AFTER,
@@ -47,6 +53,7 @@ from dcpc.ops.common import (
     Region,
     Scope,
     Semantics,
+    Sync,
     effects,
     exchange,
     keyed,
@@ -69,17 +76,38 @@ class RaggedAllToAll(OpBase):
     recv_counts: Name = Field(description="[W] i32, symmetric: counts[rank] of each peer")
     capacity: SizeExpr = Field(description="rows of one block: src and dst dim 1")
     scale: Scale | None = Field(default=None, description="a cast inside the move")
+    phase: Literal["put", "wait"] | None = Field(
+        default=None, description="put: push and signal, no wait; wait: a later step "
+        "naming the same payloads polls it (dcpc.ops._split)")
+
+    def split_key(self) -> tuple[Any, ...]:
+        """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
+        return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
+                self.recv_counts, str(self.capacity),
+                self.scale.buffer if self.scale is not None else None, str(self.axis))
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
+    """Split (``phase``): the put pushes and signals every peer, its stores in flight
+    until the wait that polls it (``Effect.lands``); the wait waits for every peer's
+    put, then reads the counts."""
     op = step.op
+    # after the wait the receiver reads every peer's count (its over-capacity check)
+    after = effects(READ, AFTER, keyed(op, "recv_counts"))
+    if op.phase == WAIT:
+        polled = matched(c).polls.get(step.name)
+        return Semantics(tuple(after), Sync(wait="all", polls=polled.index if polled else None))
     before = effects(READ, BEFORE, keyed(op, "src") + keyed(op, "counts"))
     # over-approximated: the whole block p of every peer's dst, whatever the count
     before += effects(WRITE, BEFORE, keyed(op, "dst") + keyed(op, "recv_counts"),
                       Region("index", 0))
-    # after the wait the receiver reads every peer's count (its over-capacity check)
-    after = effects(READ, AFTER, keyed(op, "recv_counts"))
-    return exchange(before + cast.effects(c.schedule, op), after, step)
+    before += cast.effects(c.schedule, op)
+    if op.phase == PUT:  # unmatched: the verifier's error; the store lands nowhere
+        wait = matched(c).lands.get(step.name)
+        lands = wait.index if wait is not None else None
+        before = [replace(e, lands=lands) if e.kind == WRITE else e for e in before]
+        return Semantics(tuple(before), Sync(signal="all"))
+    return exchange(before, after, step)
 
 
 def verify(v: ShapeRules, step: Step) -> None:
@@ -102,6 +130,13 @@ def verify(v: ShapeRules, step: Step) -> None:
                     f"row counts are {what}, one per peer",
                     hint=f"declare '{ref.name}' as {{shape: [W], dtype: i32}}")
         v.expect(ref, [v.W], "one row count per peer")
+    if op.phase is not None:
+        verify_matched(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
+                       puts=f"the rows of '{names(op.src)[0]}' to every peer",
+                       same="src, dst, counts, recv_counts, capacity, scale and axis",
+                       wait_hint="add a 'phase: put' step before it, or drop 'phase' for "
+                       "a ragged_all_to_all that waits itself",
+                       put_hint="add a 'phase: wait' step after it")
 
 
 def _verify_rows(v: ShapeRules, step: Step, src: Any, dst: Any, cap: ex.Expr) -> None:
@@ -123,6 +158,15 @@ def reference(sim: SimView, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     op: RaggedAllToAll = step.op  # type: ignore[assignment]
+    if op.phase == WAIT:  # what the put it polls pushed lands here
+        put = matched(sim).polls[step.name]
+        for j in range(sim.world):
+            for key in [k for k in sim.bufs[j] if k.startswith(f"{put.name}@inflight:")]:
+                name = key.split(":", 1)[1]
+                sim.store(j, name, sim.bufs[j].pop(key),
+                          unsent=sim.bufs[j].pop(f"{put.name}@unsent:{name}", None))
+        return
+    store = sim.store if op.phase is None else _holder(sim, step.name)
     srcs, dsts = names(op.src), names(op.dst)
     cap = sim.shape(srcs[0])[1]
     counts = [[int(c) for c in sim.bufs[p][op.counts].reshape(-1)] for p in range(sim.world)]
@@ -132,15 +176,27 @@ def reference(sim: SimView, step: Step) -> None:
                 raise ValueError(f"simulator: step {step.name}: rank {p}'s counts[{j}] = {n} "
                                  f"is outside [0, capacity {cap}]")
     for k, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
-        _move(sim, op, src, dst, counts, cast.direction(sim.schedule, op) if k == 0 else None)
+        _move(sim, op, src, dst, counts, cast.direction(sim.schedule, op) if k == 0 else None,
+              store)
     for j in range(sim.world):
-        sim.store(j, op.recv_counts,
+        store(j, op.recv_counts,
                   torch.tensor([counts[p][j] for p in range(sim.world)], dtype=torch.int64))
 
 
+def _holder(sim: SimView, put: str) -> Any:
+    """A ``phase: put``'s store: held on the receiver (rounded as stored, with its
+    unsent mask) until the wait that polls ``put`` lands it."""
+    def hold(rank: int, name: str, value: Any, *, unsent: Any = None) -> None:
+        sim.stash(rank, f"{put}@inflight:{name}", value, like=name)
+        if unsent is not None:
+            sim.bufs[rank][f"{put}@unsent:{name}"] = unsent
+    return hold
+
+
 def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[list[int]],
-          way: str | None) -> None:
-    """One payload's rows, cast on the way when ``way`` says so."""
+          way: str | None, store: Any) -> None:
+    """One payload's rows, cast on the way when ``way`` says so (``store``: the
+    simulator's, or a put's ``_holder``)."""
     import torch
 
     sent, scales = [], []  # every sender's src as it travels (cast), and its row scales
@@ -165,9 +221,9 @@ def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[lis
             unsent[p, :n] = False
             if scales[p] is not None:
                 got[p, :n] = scales[p][j, :n]  # type: ignore[index]
-        sim.store(j, dst, out, unsent=_by_row(unsent, out.shape))
+        store(j, dst, out, unsent=_by_row(unsent, out.shape))
         if scales[0] is not None:
-            sim.store(j, op.scale.buffer, got,  # type: ignore[union-attr]
+            store(j, op.scale.buffer, got,  # type: ignore[union-attr]
                       unsent=_by_row(unsent, got.shape))
 
 
@@ -181,7 +237,8 @@ def io(op: RaggedAllToAll) -> IO:
     the cast's direction without the dtypes): it is symmetric, so never an engine input,
     and the method does not return it (``module.buffer`` reads it, as ``via``)."""
     scale = [op.scale.buffer] if op.scale is not None else []
-    return [*names(op.src), op.counts, *scale], [*names(op.dst), op.recv_counts]
+    sent, landed = [*names(op.src), op.counts, *scale], [*names(op.dst), op.recv_counts]
+    return {PUT: (sent, []), WAIT: ([], landed)}.get(op.phase, (sent, landed))  # type: ignore[arg-type]
 
 
 def lower(ctx: LowerRules, step: Step) -> Any:
@@ -199,10 +256,14 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     if scale is not None:
         roles["scale"] = scale
     more = {"payloads": len(srcs)} if len(srcs) > 1 else {}
+    if op.phase is not None:  # a wait launches its put's grid (program i polls program i)
+        put = matched(ctx).polls.get(step.name) if op.phase == WAIT else step
+        more |= {"signal": op.phase == PUT, "wait": op.phase == WAIT,
+                 "tune_of": (put or step).name}
     return ctx.plan(
         step,
-        params=ctx.engine([*srcs, op.counts, scale]),
-        returns=[*dsts, op.recv_counts],
+        params=[] if op.phase == WAIT else ctx.engine([*srcs, op.counts, scale]),
+        returns=[] if op.phase == PUT else [*dsts, op.recv_counts],
         roles=roles,
         scalars=scalars,
         tiles=[product(shape[2:])],

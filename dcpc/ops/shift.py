@@ -4,7 +4,8 @@ for rank ``r - offset``'s signal (its own ``dst`` has then arrived).
 
 ``phase: put`` is the split-phase half that pushes and signals without waiting; a later
 ``phase: wait`` step naming the same ``src``, ``dst`` and ``offset`` polls its slots
-(the k-th wait of a (src, dst, offset) polls the k-th put of it). Between the two, the
+(the k-th wait of a (src, dst, offset) polls the k-th put of it: dcpc.ops._split, which
+ragged_all_to_all's split shares). Between the two, the
 kernel's push is in flight and other steps may run (a ring hop overlapping attention).
 The language lands the data at the wait (``dst`` is written there, as the float64
 reference writes it); the kernel stores at the put. So the store is modelled at the put,
@@ -65,14 +66,14 @@ into the peer's buffer and one signal, no staging copy); dcpc/runtime/collective
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import StrictBool
 
 from dcpc.lang.expr import OWNER, Expr, evaluate, parse, product, symbols
 from dcpc.lang.mesh import MAX_WORLD, mesh_of
 from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
+from dcpc.ops._split import matched, verify_matched, wait_first
 from dcpc.ops.common import (
     BEFORE,
     READ,
@@ -110,6 +111,12 @@ class Shift(OpBase):
     # any fixed permutation, instead of offset: an expression of r and W, [src, dst]
     # pairs, or (after the unroller, always) the destination of each rank, -1: none
     perm: str | list[Int] | list[list[Int]] | None = None
+    WAITS_FIRST: ClassVar[bool] = True  # a chain's wait may come before its put (_split)
+
+    def split_key(self) -> tuple[Any, ...]:
+        """What a ``phase: wait`` shares with the put it polls (dcpc.ops._split)."""
+        return ((self.src, self.dst, delta(self), self.wrap)
+                + ((table(self),) if self.perm is not None else ()))
 
 
 class PermError(ValueError):
@@ -227,75 +234,6 @@ def delta(op: Shift) -> int:
     return k if isinstance(k, int) and 0 < abs(k) <= MAX_OFFSET else 1
 
 
-def _key(op: Shift) -> tuple[Any, ...]:
-    return (op.src, op.dst, delta(op), op.wrap) + ((table(op),) if op.perm is not None else ())
-
-
-@dataclass
-class Puts:
-    """Which put each ``phase: wait`` shift polls (by step name), and what is unmatched."""
-
-    polls: dict[str, Step] = field(default_factory=dict)
-    lands: dict[str, Step] = field(default_factory=dict)  # put -> the wait that polls it
-    lonely_waits: list[Step] = field(default_factory=list)
-    lonely_puts: list[Step] = field(default_factory=list)
-
-
-def puts(schedule: ScheduleView) -> Puts:
-    """Match the k-th ``phase: wait`` shift of a (src, dst, offset, wrap) with the k-th
-    put of it, whichever comes first: a wait before its put (the pipeline stage's
-    receive, compute, send: ``wait_first``) pairs with the earliest later unmatched put.
-    The choice does not depend on W."""
-    out = Puts()
-    pending: dict[tuple[Any, ...], list[Step]] = {}
-    early: dict[tuple[Any, ...], list[Step]] = {}  # waits written before their put
-    for step in schedule.step_list():
-        op = step.op
-        if not isinstance(op, Shift) or op.phase is None:
-            continue
-        if op.phase == "put" and early.get(_key(op)):
-            wait = early[_key(op)].pop(0)
-            out.polls[wait.name], out.lands[step.name] = step, wait
-        elif op.phase == "put":
-            pending.setdefault(_key(op), []).append(step)
-        elif pending.get(_key(op)):
-            put = out.polls[step.name] = pending[_key(op)].pop(0)
-            out.lands[put.name] = step
-        else:
-            early.setdefault(_key(op), []).append(step)
-    out.lonely_waits = sorted((s for waiting in early.values() for s in waiting),
-                              key=lambda s: s.index)
-    out.lonely_puts = [s for waiting in pending.values() for s in waiting]
-    return out
-
-
-def wait_first(holder: Any, step: Step) -> Step | None:
-    """The put a ``phase: wait`` step polls when it is written BEFORE that put (a
-    pipeline stage: receive, compute, send), else None."""
-    put = matched(holder).polls.get(step.name)
-    return put if put is not None and put.index > step.index else None
-
-
-def matched(holder: Any) -> Puts:
-    """``puts(holder.schedule)``, computed once per holder: a pass over one schedule (a
-    rule ``Scope``, a structural ``Context``, a lowering ``Ctx``, a ``Sim``) asks it for
-    every shift step, and each answer walks every step (quadratic in a ring of hops)."""
-    memo = getattr(holder, "_shift_puts", None)
-    if memo is None or memo[0] is not holder.schedule:
-        memo = (holder.schedule, puts(holder.schedule))
-        holder._shift_puts = memo
-    return memo[1]
-
-
-PUT, WAIT = "put", "wait"  # the halves of a split shift (``phase:``)
-
-
-def half(step: Step) -> str | None:
-    """Which half of a split shift ``step`` is (PUT, WAIT), or None (the float64
-    reference's chain asks: the harness names no op's keys)."""
-    return step.op.phase if isinstance(step.op, Shift) else None
-
-
 def peers(op: Shift) -> tuple[str, str]:
     """The sync peers of a shift: (those it signals, those it waits for); two shifts
     with the same are on the same ring, line or perm (one chain of a wait first)."""
@@ -349,23 +287,14 @@ def verify(v: ShapeRules, step: Step) -> None:
     s = v.shape(src.name)
     if s is not None and v.shape(dst.name) is not None:
         v.expect(dst, list(s), f"the shift of src '{src.name}'")
-    found = matched(v.ctx)
-    if any(w.name == step.name for w in found.lonely_waits):
-        v.error(op.mark("phase"), "unmatched-wait",
-                f"step '{step.name}' waits for a shift of '{src.name}' into '{dst.name}', "
-                "but no 'phase: put' step with the same src, dst, offset and wrap is left "
-                "for it, earlier or later; the wait could never finish",
-                "add a put step, or drop 'phase' for a shift that waits itself")
+    verify_matched(v, step, waits=f"for a shift of '{src.name}' into '{dst.name}'",
+                   puts=f"'{src.name}' into '{dst.name}' of rank r{delta(op):+d}",
+                   same="src, dst, offset and wrap",
+                   wait_hint="add a put step, or drop 'phase' for a shift that waits itself",
+                   put_hint="add a 'phase: wait' step after it (or, on a chain, before it)")
     put = wait_first(v.ctx, step)
     if put is not None:
         _verify_wait_first(v, step, put)
-    if any(p.name == step.name for p in found.lonely_puts):
-        v.error(op.mark("phase"), "unmatched-put",
-                f"step '{step.name}' puts '{src.name}' into '{dst.name}' of rank "
-                f"r{delta(op):+d}, "
-                "but no 'phase: wait' step with the same src, dst, offset and wrap is left "
-                "for it; the receiver never learns that its data arrived",
-                "add a 'phase: wait' step after it (or, on a chain, before it)")
 
 
 def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:

@@ -27,15 +27,15 @@ from dcpc.runtime import errors as _errors
 
 # The error record and the failure flags as the kernels see them (defined once, in
 # dcpc.runtime.errors): the codes, and the index of each word of the record. Every code
-# of errors.KERNEL_ERRORS is DCPC_<name> here (an op's template's kernels import it by
-# that name; a new op's code needs no line here); the helpers below name the ones they
-# use.
-for _name, _error in _errors.KERNEL_ERRORS.items():
-    globals()[f"DCPC_{_name}"] = tl.constexpr(_error.code)
-del _name, _error
+# of errors.KERNEL_ERRORS is DCPC_<name> here, its value read from its row (an op's
+# template's kernels import it by that name): one line each, so that a reader and a type
+# checker see every name (a new op's code is its row there and its line here;
+# tests/runtime/test_runtime.py fails on a row without its line or a line off its row).
 DCPC_TIMEOUT = tl.constexpr(_errors.KERNEL_ERRORS["TIMEOUT"].code)
 DCPC_CONTRACT = tl.constexpr(_errors.KERNEL_ERRORS["CONTRACT"].code)
 DCPC_PEER_FAILED = tl.constexpr(_errors.KERNEL_ERRORS["PEER_FAILED"].code)
+DCPC_OVER_CAPACITY = tl.constexpr(_errors.KERNEL_ERRORS["OVER_CAPACITY"].code)
+DCPC_BAD_INDEX = tl.constexpr(_errors.KERNEL_ERRORS["BAD_INDEX"].code)
 DCPC_BAD_SCALE = tl.constexpr(_errors.KERNEL_ERRORS["BAD_SCALE"].code)
 DCPC_FLAG_FAILED = tl.constexpr(_errors.FLAG_FAILED)
 DCPC_STEP_WORD = tl.constexpr(_errors.RECORD.index("step"))

@@ -22,6 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
     "i32": torch.int32,
     "i64": torch.int64,
     "fp8e4m3": torch.float8_e4m3fn,
+    "fp8e5m2": torch.float8_e5m2,
 }
 
 Param = tuple[str, tuple, str]  # (argument name, shape ASTs, dtype name)

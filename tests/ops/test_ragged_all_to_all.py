@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from support import script_env
+from support import child_result
 from support.exec_oracle_agree import assert_three_agree, disagreements
 from support.hb_oracle import oracle_keys
 from support.schedules import codes
@@ -195,12 +194,7 @@ def _over_capacity_child() -> None:
 
 @pytest.mark.e2e
 def test_count_over_capacity_raises_in_the_kernel() -> None:
-    env = script_env(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, "over"], capture_output=True, text=True,
-                          timeout=300, env=env)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    ranks = json.loads(lines[-1][len("RESULT "):])
+    ranks = child_result(__file__, "over")
     assert ranks[0].startswith("DcpcArgumentError: step 'dispatch': rank 0's counts[1] = 5, "
                                "over the capacity 4; no row of that part was sent"), ranks
     # the receiver finds the count (the flag) after its wait: never a silent short part;

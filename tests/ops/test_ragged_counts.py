@@ -138,8 +138,11 @@ def test_an_index_an_engine_step_writes_picks_live_rows_of_its_own_counts() -> N
                             external=synth.make_external(schedule, world, sizes, 0, call))
         cap = sizes["N"] * sizes["C"]
         for rank in out:
-            live = {g * cap + c for g, n in enumerate(rank["n_fwd"].tolist()) for c in range(n)}
-            slots = set(rank["fwd_slot"].reshape(-1).tolist()) - {-1}
-            assert slots <= live, (call, sorted(slots - live))
-            assert bool(rank["fwd_w"].isfinite().all()) and bool(rank["z_rail"].isfinite().all())
-            assert bool(rank["out"].isfinite().all())
+            for k in range(2):  # each chunk's slots: live rows of that chunk's counts
+                live = {g * cap + c for g, n in enumerate(rank[f"n_fwd_{k}"].tolist())
+                        for c in range(n)}
+                slots = set(rank[f"fwd_slot_{k}"].reshape(-1).tolist()) - {-1}
+                assert slots <= live, (call, k, sorted(slots - live))
+                assert bool(rank[f"fwd_w_{k}"].isfinite().all())
+                assert bool(rank[f"z_rail_{k}"].isfinite().all())
+                assert bool(rank[f"out_{k}"].isfinite().all())

@@ -1,4 +1,4 @@
-"""fp8 e4m3 tokens moved as they are, with their per-128-channel f32 scales beside them
+"""fp8 e4m3 (and e5m2) tokens moved as they are, with their per-128-channel f32 scales beside them
 (DeepEP's normal dispatch takes x = (fp8 [tokens, hidden], f32 [tokens, hidden / 128]),
 the caller having quantised): schedules/ops/ragged_all_to_all_fp8.yaml. No cast: every
 payload moves bit for bit. `dcpc run` draws such a payload over every byte (NaN of both
@@ -15,11 +15,14 @@ from support.schedules import errors, write
 
 from dcpc.harness import synth
 from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.harness.simulate import TORCH_DTYPES
 from dcpc.harness.worker import OutputStats, compare
+from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE = ROOT / "schedules" / "ops" / "ragged_all_to_all_fp8.yaml"
+E5M2 = ROOT / "schedules" / "ops" / "ragged_all_to_all_fp8e5m2.yaml"
 
 
 def _at(text: str, needle: str) -> tuple[int, int]:
@@ -65,7 +68,8 @@ def test_fp8_payloads_are_drawn_over_every_byte() -> None:
     for rank in synth.call_inputs(schedule, 2, sizes, 0, 0):
         raw = rank["x_send"].to(torch.float8_e4m3fn).view(torch.uint8)
         for row in raw.reshape(-1, raw.shape[-1]).tolist():  # every row sent carries
-            assert row[:len(synth.FP8_EDGES)] == list(synth.FP8_EDGES)  # both NaNs, -0
+            edges = synth.FP8_EDGES[m.DType.fp8e4m3]
+            assert row[:len(edges)] == list(edges)  # both NaNs, -0
         assert len(set(raw.flatten().tolist())) > 200  # every byte, not only the edges
         assert rank["s_send"].isfinite().all()  # the scales: f32 values, not moved bytes
 
@@ -76,21 +80,30 @@ def test_a_cast_operand_is_not_drawn_as_bytes() -> None:
     assert synth.payload_fp8(parse_file(path, 2)) == set()
 
 
-@pytest.mark.parametrize(("got", "want", "kind", "off"), [
-    (0x7F, 0xFF, "move", True),   # a NaN's sign lost
-    (0x00, 0x80, "move", True),   # a zero's sign lost
-    (0x7F, 0x7F, "move", False),
-    (0x7F, 0xFF, "math", False),  # computed values: NaN is NaN
-    (0x00, 0x80, "math", False),
+ONE = {"fp8e4m3": 0x38, "fp8e5m2": 0x3C}  # 1.0
+
+
+@pytest.mark.parametrize(("dtype", "got", "want", "kind", "off"), [
+    ("fp8e4m3", 0x7F, 0xFF, "move", True),   # a NaN's sign lost
+    ("fp8e4m3", 0x00, 0x80, "move", True),   # a zero's sign lost
+    ("fp8e4m3", 0x7F, 0x7F, "move", False),
+    ("fp8e4m3", 0x7F, 0xFF, "math", False),  # computed values: NaN is NaN
+    ("fp8e4m3", 0x00, 0x80, "math", False),
+    ("fp8e5m2", 0x7F, 0xFF, "move", True),   # a NaN's sign lost
+    ("fp8e5m2", 0x00, 0x80, "move", True),   # a zero's sign lost
+    ("fp8e5m2", 0x7C, 0x7B, "move", True),   # inf for the largest finite value
+    ("fp8e5m2", 0x01, 0x00, "move", True),   # the smallest subnormal for 0
+    ("fp8e5m2", 0xFC, 0xFC, "move", False),  # -inf as -inf
+    ("fp8e5m2", 0x7F, 0xFF, "math", False),
 ])
-def test_an_fp8_move_is_compared_by_its_bytes(got: int, want: int, kind: str,
+def test_an_fp8_move_is_compared_by_its_bytes(dtype: str, got: int, want: int, kind: str,
                                               off: bool) -> None:
     def value(byte: int) -> torch.Tensor:
-        raw = torch.tensor([0x38, byte], dtype=torch.uint8)  # 1.0 and the byte
-        return raw.view(torch.float8_e4m3fn).to(torch.float64)
+        raw = torch.tensor([ONE[dtype], byte], dtype=torch.uint8)
+        return raw.view(TORCH_DTYPES[dtype]).to(torch.float64)
 
     stats = OutputStats()
-    compare("x", kind, "fp8e4m3", value(got), value(want), stats, "call 0")
+    compare("x", kind, dtype, value(got), value(want), stats, "call 0")
     assert stats.mismatches == int(off), stats
     if off:
         assert "x[1]" in stats.first_mismatch, stats.first_mismatch
@@ -118,3 +131,54 @@ def test_a_value_e4m3_cannot_hold_is_not_taken_for_its_byte(got: float) -> None:
     compare("x", "move", "fp8e4m3", torch.tensor([got], dtype=torch.float64), want, stats,
             "call 0")
     assert stats.mismatches == 1, stats
+
+
+# ---- fp8 e5m2: moves where e4m3 moves, bit for bit; no op computes on it ----------------
+def test_e5m2_payloads_are_drawn_over_every_byte() -> None:
+    """NaN of both signs, +-inf, -0, +-57344 and the subnormals in every row sent; every
+    byte but the NaN payloads a float64 cannot keep (0x7D, 0x7E, 0xFD, 0xFE)."""
+    schedule = parse_file(E5M2, 2)
+    assert synth.payload_fp8(schedule) & set(synth.engine_inputs(schedule)) == {"x_send"}
+    sizes = synth.call_sizes(schedule, 2, synth.constructor_sizes(schedule, 2), 0, 0)
+    edges = synth.FP8_EDGES[m.DType.fp8e5m2]
+    for rank in synth.call_inputs(schedule, 2, sizes, 0, 0):
+        raw = rank["x_send"].to(torch.float8_e5m2).view(torch.uint8)
+        for row in raw.reshape(-1, raw.shape[-1]).tolist():
+            assert row[:len(edges)] == list(edges)
+        drawn = set(raw.flatten().tolist())
+        assert drawn == set(range(256)) - {0x7D, 0x7E, 0xFD, 0xFE}, sorted(
+            set(range(256)) - drawn)
+
+
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_e5m2_moves_bit_for_bit(backend: str) -> None:
+    """gloo (fp8 as bytes) and the kernels (typed fp8e5 loads and stores) move every e5m2
+    byte drawn there and back; the host backend runs the file in test_op_schedules.py."""
+    report = run_schedule(RunConfig(schedule=str(E5M2), world=3, backend=backend, calls=3,
+                                    seed=4))
+    text = format_report(report)
+    assert report.ok and report.mismatches == 0, text
+    for name in ("x_recv", "x_back"):
+        assert report.outputs[name].compared == 3 * 3, (name, text)
+
+
+@pytest.mark.parametrize(("old", "new", "code", "needle", "words"), [
+    # a sum of e5m2 rows: refused where the step names it
+    ("  - release:  {op: barrier}",
+     "  - total:    {op: all_reduce, src: x_send, dst: x_sum}\n  - release:  {op: barrier}",
+     "non-float-output", "x_send, dst: x_sum", "fp8e5m2 only moves"),
+    # a cast into e5m2: casts are e4m3 only
+    ("capacity: C}\n  - use:", "capacity: C, scale: {per: token, buffer: s_tok}}\n  - use:",
+     "bad-cast", "{per: token, buffer: s_tok}", "casts fp8e5m2 'x_send' into fp8e5m2"),
+])
+def test_no_op_computes_on_e5m2(tmp_path: Path, old: str, new: str, code: str,
+                                needle: str, words: str) -> None:
+    text = E5M2.read_text()
+    assert old in text, old
+    text = text.replace(old, new).replace(
+        "  n_back:", "  x_sum:    {shape: [W, C, H], dtype: fp8e5m2}\n"
+        "  s_tok:    {shape: [W, C], dtype: f32, symmetric: true}\n  n_back:")
+    found = errors(write(tmp_path, text, "e5m2.yaml"))
+    line, col = _at(text, needle)
+    hits = [f for f in found if f[:3] == (code, line, col)]
+    assert hits and words in hits[0][3], found

@@ -21,7 +21,7 @@ from dcpc.harness import simulate
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
-from dcpc.ops import shift
+from dcpc.ops import _split, shift
 
 ROOT = Path(__file__).resolve().parents[2]
 GALLERY = ROOT / "schedules" / "gallery" / "pipeline_handoff.yaml"
@@ -92,7 +92,7 @@ def _agree(text: str, world: int) -> tuple[set, set]:
 
 def test_the_kth_wait_polls_the_kth_put_whichever_comes_first() -> None:
     schedule = parse_text(STAGE)
-    found = shift.puts(schedule)
+    found = _split.puts(schedule)
     assert found.polls["receive"].name == "send" and found.lands["send"].name == "receive"
     assert found.lonely_waits == found.lonely_puts == []
     assert _errors(STAGE) == []
@@ -203,7 +203,7 @@ def _line(text: str, name: str) -> int:
 
 
 def test_two_interleaved_pairs_of_one_chain_are_accepted() -> None:
-    found = shift.puts(parse_text(PAIR))
+    found = _split.puts(parse_text(PAIR))
     assert {w: p.name for w, p in found.polls.items()} == {"receive": "send",
                                                           "receive_b": "send_b"}
     assert _errors(PAIR) == []

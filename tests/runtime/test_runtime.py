@@ -145,7 +145,11 @@ def test_an_op_s_error_code_is_one_row_of_the_errors_table(name, record, words):
     from dcpc.runtime import device, errors
 
     code = errors.KERNEL_ERRORS[name].code
-    assert getattr(device, f"DCPC_{name}").value == code and f"DCPC_{name}" in device_names()
+    for row, error in errors.KERNEL_ERRORS.items():  # every row's constant, off no row
+        assert getattr(device, f"DCPC_{row}").value == error.code, row
+        assert f"DCPC_{row}" in device_names(), row
+    assert {n for n in vars(device) if n.startswith("DCPC_") and not n.endswith("_WORD")
+            and n not in ("DCPC_FLAG_FAILED",)} == {f"DCPC_{r}" for r in errors.KERNEL_ERRORS}
     assert len({e.code for e in errors.KERNEL_ERRORS.values()}) == len(errors.KERNEL_ERRORS)
     heap = LocalHeap(0, 1, torch.device("cpu"), poison=True)
     (seg,) = heap.allocate([sync.signal_nbytes(4, 1, 2)])

@@ -199,6 +199,8 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind == "external":
         reads(op.reads, 0)
         writes(op.writes, 0)
+    elif kind == "ragged_all_to_all" and op.phase is not None:
+        _ragged_split(b, schedule, name, index, op, world, tracked)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
         reads(_as_list(op.src) + [op.counts], 0)
         stores(_as_list(op.dst) + [op.recv_counts], (("index", 0, 0, axes), b.rank))
@@ -644,6 +646,62 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
         if source != b.rank:
             b.add(name, index, 1, wait=("step:" + polled, source))
         b.add(name, index, 1, landing=True)  # the data that was in flight lands here
+
+
+def _ragged_puts(schedule: Schedule) -> dict[str, str]:
+    """wait step -> the put it polls: the k-th `phase: wait` ragged_all_to_all naming the
+    same src, dst, counts and recv_counts polls the k-th `phase: put` of them written
+    before it."""
+    puts: dict[tuple, list[str]] = {}
+    out = {}
+    for item in schedule.steps:
+        for n, op in item.items():
+            if op.op != "ragged_all_to_all" or op.phase is None:
+                continue
+            key = (str(op.src), str(op.dst), op.counts, op.recv_counts)
+            if op.phase == "put":
+                puts.setdefault(key, []).append(n)
+            elif puts.get(key):
+                out[n] = puts[key].pop(0)
+    return out
+
+
+def _ragged_split(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
+                  tracked: set[str]) -> None:
+    """A split ragged_all_to_all: the put reads its rows and counts and stores block
+    `rank` of every team member's dst and recv_counts, landing at the wait that polls
+    it, and signals every member; the wait waits for every member's put, lands what
+    they pushed, then reads every count (the receiver's over-capacity check)."""
+    axes = _axes(schedule, op)
+    team = _team(b.rank, world, axes)
+    part = (("index", 0, 0, axes), b.rank)
+    if op.phase == "put":
+        landing = next(i for i, item in enumerate(schedule.steps)
+                       if {w for w, p in _ragged_puts(schedule).items() if p == name} & set(item))
+
+        def reads(names, phase):
+            for n in names:
+                if n in tracked:
+                    b.access(name, index, phase, n, "read")
+
+        def stores(names, part):  # every store of the put lands at its wait
+            for n in names:
+                for target in team if n in tracked else ():
+                    b.access(name, index, 0, n, "write", owner=target, part=part,
+                             lands=landing)
+
+        reads(_as_list(op.src) + [op.counts], 0)
+        stores(_as_list(op.dst) + [op.recv_counts], part)
+        _cast_scale(op, schedule, reads, stores, b.rank, axes)
+        for peer in _peers("all", b.rank, world, axes):
+            b.add(name, index, 0, signal=("step:" + name, peer))
+        return
+    polled = _ragged_puts(schedule).get(name, "?")
+    for peer in _peers("all", b.rank, world, axes):
+        b.add(name, index, 1, wait=("step:" + polled, peer))
+    b.add(name, index, 1, landing=True)  # the data that was in flight lands here
+    if op.recv_counts in tracked:
+        b.access(name, index, 1, op.recv_counts, "read")
 
 
 def shift_header(name: str, seed: int, slots: int, streams: str, *,

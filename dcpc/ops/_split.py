@@ -1,0 +1,114 @@
+"""Split-phase steps (``phase: put`` / ``phase: wait``), shared by the ops that take
+them (shift, ragged_all_to_all): which put each wait polls, and the verifier's
+unmatched-put / unmatched-wait errors.
+
+An op opts in with a ``split_key()`` method on its model: the k-th ``phase: wait`` step
+of a key polls the k-th ``phase: put`` step of it (the key starts with the op's name,
+so two ops never match). ``WAITS_FIRST`` (a class attribute, default False): a wait
+may also be written BEFORE its put (a shift's chain: receive, compute, send); such a
+wait pairs with the earliest later unmatched put of its key. Without it a wait with no
+earlier unmatched put is lonely. The choice does not depend on W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dcpc.lang.nodes import ScheduleView, Step
+    from dcpc.ops.iface import ShapeRules
+
+PUT, WAIT = "put", "wait"  # the halves of a split step (``phase:``)
+
+
+@dataclass
+class Puts:
+    """Which put each ``phase: wait`` step polls (by step name), and what is unmatched."""
+
+    polls: dict[str, Step] = field(default_factory=dict)
+    lands: dict[str, Step] = field(default_factory=dict)  # put -> the wait that polls it
+    lonely_waits: list[Step] = field(default_factory=list)
+    lonely_puts: list[Step] = field(default_factory=list)
+
+
+def key(step: Step) -> tuple[Any, ...] | None:
+    """The split key of ``step`` (its op's name first), or None: not a split step."""
+    op = step.op
+    split_key = getattr(op, "split_key", None)
+    if split_key is None or getattr(op, "phase", None) is None:
+        return None
+    return (step.kind, *split_key())
+
+
+def half(step: Step) -> str | None:
+    """Which half of a split step ``step`` is (PUT, WAIT), or None (the float64
+    reference's chain asks: the harness names no op's keys)."""
+    return step.op.phase if key(step) is not None else None  # type: ignore[attr-defined]
+
+
+def puts(schedule: ScheduleView) -> Puts:
+    """Match the k-th ``phase: wait`` step of a key with the k-th put of it (module
+    docstring: a wait written first pairs only where its op allows it)."""
+    out = Puts()
+    pending: dict[tuple[Any, ...], list[Step]] = {}
+    early: dict[tuple[Any, ...], list[Step]] = {}  # waits written before their put
+    lonely: list[Step] = []
+    for step in schedule.step_list():
+        k = key(step)
+        if k is None:
+            continue
+        if half(step) == PUT and early.get(k):
+            wait = early[k].pop(0)
+            out.polls[wait.name], out.lands[step.name] = step, wait
+        elif half(step) == PUT:
+            pending.setdefault(k, []).append(step)
+        elif pending.get(k):
+            put = out.polls[step.name] = pending[k].pop(0)
+            out.lands[put.name] = step
+        elif getattr(step.op, "WAITS_FIRST", False):
+            early.setdefault(k, []).append(step)
+        else:
+            lonely.append(step)
+    out.lonely_waits = sorted([*lonely, *(s for waiting in early.values() for s in waiting)],
+                              key=lambda s: s.index)
+    out.lonely_puts = [s for waiting in pending.values() for s in waiting]
+    return out
+
+
+def matched(holder: Any) -> Puts:
+    """``puts(holder.schedule)``, computed once per holder: a pass over one schedule (a
+    rule ``Scope``, a structural ``Context``, a lowering ``Ctx``, a ``Sim``) asks it for
+    every split step, and each answer walks every step (quadratic in a ring of hops)."""
+    memo = getattr(holder, "_split_puts", None)
+    if memo is None or memo[0] is not holder.schedule:
+        memo = (holder.schedule, puts(holder.schedule))
+        holder._split_puts = memo
+    return memo[1]
+
+
+def wait_first(holder: Any, step: Step) -> Step | None:
+    """The put a ``phase: wait`` step polls when it is written BEFORE that put (a
+    pipeline stage: receive, compute, send), else None."""
+    put = matched(holder).polls.get(step.name)
+    return put if put is not None and put.index > step.index else None
+
+
+def verify_matched(v: ShapeRules, step: Step, *, waits: str, puts: str, same: str,
+                   wait_hint: str, put_hint: str) -> None:
+    """``unmatched-wait`` / ``unmatched-put`` at ``step``'s ``phase``: ``waits`` and
+    ``puts`` say what it moves ("for a shift of 'x' into 'y'", "'x' into 'y' of rank
+    r+1"), ``same`` the keys a pair shares ("src, dst, offset and wrap")."""
+    found = matched(v.ctx)
+    op = step.op
+    if any(w.name == step.name for w in found.lonely_waits):
+        where = ("is left for it, earlier or later" if getattr(op, "WAITS_FIRST", False)
+                 else "is written before it")
+        v.error(op.mark("phase"), "unmatched-wait",
+                f"step '{step.name}' waits {waits}, but no 'phase: put' step with the same "
+                f"{same} {where}; the wait could never finish", wait_hint)
+    if any(p.name == step.name for p in found.lonely_puts):
+        v.error(op.mark("phase"), "unmatched-put",
+                f"step '{step.name}' puts {puts}, but no 'phase: wait' step with the same "
+                f"{same} is left for it; the receiver never learns that its data arrived",
+                put_hint)
