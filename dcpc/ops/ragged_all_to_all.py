@@ -43,7 +43,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
 from dcpc.ops import cast
-from dcpc.ops._split import PUT, WAIT, matched, verify_matched
+from dcpc.ops._split import PUT, WAIT, matched, torch_handshake, verify_matched
 from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
     AFTER,
@@ -259,7 +259,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     if op.phase is not None:  # a wait launches its put's grid (program i polls program i)
         put = matched(ctx).polls.get(step.name) if op.phase == WAIT else step
         more |= {"signal": op.phase == PUT, "wait": op.phase == WAIT,
-                 "tune_of": (put or step).name}
+                 "tune_of": (put or step).name, **torch_handshake(ctx, step)}
     return ctx.plan(
         step,
         params=[] if op.phase == WAIT else ctx.engine([*srcs, op.counts, scale]),

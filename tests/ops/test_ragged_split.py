@@ -277,5 +277,87 @@ def test_a_count_over_capacity_fails_the_put_and_its_wait() -> None:
         "DcpcPeerFailedError: step 'recv': rank 1 stopped waiting for peer 0")), ranks
 
 
+SHIFTS = """\
+schedule: shifts
+sizes: {C: {max: 4}, H: 8}
+buffers:
+  x_send: {shape: [C, H], dtype: bf16}
+  x_recv: {shape: [C, H], dtype: bf16, symmetric: true}
+steps:
+  - send: {op: shift, src: x_send, dst: x_recv, offset: next, phase: put}
+  - recv: {op: shift, src: x_send, dst: x_recv, offset: next, phase: wait}
+"""
+HANDSHAKE_S = 60.0  # the module's bound on a wait for a peer; gloo's is longer
+
+
+def handshake_worker(rank: int, world: int, path: str, case: str, done: str) -> dict[str, Any]:
+    """torch backend (gloo), W = 2 processes, put then wait: ``sizes``: rank 1 calls the
+    put with C = 3, rank 0 with C = 4; ``failed``: rank 1's instance fails before the
+    put (an f32 src where bf16 is declared), rank 0 calls the put as it should."""
+    import time
+    import warnings
+
+    import torch.distributed as dist
+    from support.kernels import load, the_class
+
+    warnings.filterwarnings("ignore")
+    module = the_class(load(path))(dist.group.WORLD, sizes={"C": 4}, device="cpu",
+                                   backend="torch", timeout_s=HANDSHAKE_S)
+    ragged = "rags" in Path(path).name
+    x = torch.zeros(*[2] * ragged, 3 if case == "sizes" and rank == 1 else 4, 8,
+                    dtype=torch.bfloat16)
+    if case == "failed" and rank == 1:
+        x = x.float()
+    start, got = time.monotonic(), {}
+    try:
+        module.send(x, *[torch.tensor([1, 1], dtype=torch.int32)] * ragged)
+        module.recv()
+        got["error"] = None
+    except Exception as exc:  # noqa: BLE001 (the test reads what each rank raised)
+        got["error"] = f"{type(exc).__name__}: {exc}"
+    got["seconds"] = time.monotonic() - start
+    # rank 1 stays until rank 0 has its answer (a process gone would answer it instead;
+    # a failed instance leaves no gloo pair to wait on)
+    if rank == 0:
+        Path(done).touch()
+    while not Path(done).exists() and time.monotonic() - start < 4 * HANDSHAKE_S:
+        time.sleep(0.1)
+    module.close()
+    return got
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", ["sizes", "failed"])
+@pytest.mark.parametrize("op", ["ragged", "shift"])
+def test_the_torch_put_handshakes_before_it_moves(op: str, case: str, tmp_path: Path) -> None:
+    """The torch backend moves the data at the put (a blocking exchange, a split
+    ragged_all_to_all's or shift's): the handshake (fingerprint, failure notice, bounded
+    wait per peer) runs there, before it, so ranks that bound other sizes fail naming
+    the put, not in gloo, and a peer that failed earlier is named within the module's
+    bound, not at gloo's timeout."""
+    from support.kernels import compile_text
+
+    from dcpc.harness.launch import launch
+
+    source = text(PUT, WAIT) if op == "ragged" else SHIFTS
+    path = str(compile_text(source, tmp_path, (2,)))
+    result = launch("test_ragged_split:handshake_worker", 2,
+                    {"path": path, "case": case, "done": str(tmp_path / "done")},
+                    timeout_s=400, gloo_timeout_s=4 * HANDSHAKE_S)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    ranks = result.values()
+    if case == "sizes":
+        for rank, got in enumerate(ranks):
+            assert got["error"].startswith(
+                f"DcpcContractError: step 'send': rank {rank}'s call differs from peer "
+                f"{1 - rank}'s: "), ranks
+            assert "C" in got["error"], ranks
+    else:
+        assert ranks[1]["error"].startswith("DcpcArgumentError: "), ranks
+        assert ranks[0]["error"].startswith(
+            "DcpcPeerFailedError: step 'send': rank 0 stopped waiting for peer 1"), ranks
+        assert ranks[0]["seconds"] < HANDSHAKE_S, ranks
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["over"]:
     _over_capacity_child()
