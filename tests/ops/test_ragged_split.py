@@ -215,8 +215,12 @@ def test_the_kernels_touch_what_the_plan_says(world: Any) -> None:
     run = tr.run_traced(str(path), world if world == 3 else MeshWorld(world), programs=2,
                         block=256, calls=2 if world == 3 else 1)
     assert run.mismatches == 0 and run.problems == [], run.problems
-    waits = [s.name for s in run.plan.steps if s.attrs.get("signal") is False]
-    assert waits and all(run.trace.programs.get(w, 0) >= 1 for w in waits), waits
+    # each wait kernel launches on its put's grid (program i polls program i)
+    waits = {s.name: s.attrs["tune_of"] for s in run.plan.steps if s.attrs.get("signal") is False}
+    assert waits, run.plan.steps
+    for wait, put in waits.items():
+        assert run.trace.programs[wait] == run.trace.programs[put] >= 2, (wait, put,
+                                                                         run.trace.programs)
 
 
 @pytest.mark.e2e
@@ -226,6 +230,25 @@ def test_the_split_file_matches_float64_on(backend: str) -> None:
 
     report = run_schedule(RunConfig(schedule=str(FILE), world=3, backend=backend, calls=4,
                                     seed=5))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert {"x_recv", "k_recv", "n_recv", "y_back", "n_back"} <= set(report.outputs), text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("put", "wait"), [(3, 1), (1, 3)], ids=["put_3_wait_1", "put_1_wait_3"])
+def test_the_wait_launches_on_the_put_s_grid_whatever_its_own_tuning(put: int,
+                                                                     wait: int) -> None:
+    """The put and its wait tuned to other programs: the wait launches its put's grid
+    (program i polls program i), so every call finishes and matches float64 (a wait on
+    its own grid of more programs than the put would wait for a signal never sent; of
+    fewer, it would return before the put's other programs landed)."""
+    from dcpc.harness.run import RunConfig, format_report, run_schedule
+
+    tuned = tuple((f'"{step}": {{"programs": 128,', f'"{step}": {{"programs": {n},')
+                  for step, n in (("send", put), ("recv", wait)))
+    report = run_schedule(RunConfig(schedule=str(FILE), world=2, backend="local", calls=3,
+                                    seed=11, programs=None, module_patch=tuned))
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert {"x_recv", "k_recv", "n_recv", "y_back", "n_back"} <= set(report.outputs), text
