@@ -82,8 +82,12 @@ class RaggedAllToAll(OpBase):
 
     def split_key(self) -> tuple[Any, ...]:
         """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
+        try:  # the expression, not its spelling: `N*C` is `N * C` (a bad one: verify's error)
+            capacity: Any = ex.parse(self.capacity)
+        except ex.ExprSyntaxError:
+            capacity = str(self.capacity)
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
-                self.recv_counts, str(self.capacity),
+                self.recv_counts, capacity,
                 self.scale.buffer if self.scale is not None else None, str(self.axis))
 
 
