@@ -26,7 +26,8 @@ OVER_CAPACITY).
 ``phase: put`` / ``phase: wait`` split it as shift's (dcpc.ops._split matches them): the put
 pushes and signals, its stores in flight (``Effect.lands``) until the wait, which waits
 for every peer and then reads the counts; the reference holds the rows at the put and
-lands them at the wait; the torch backend moves them at the put.
+lands them at the wait; the torch backend moves them at the put, and handshakes there
+(dcpc.ops._split.torch_handshake).
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
