@@ -214,6 +214,9 @@ def tracing() -> Iterator[Trace]:
         "create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas",
         "set_grid_idx")}
     grid_call, bind = interpreter.GridExecutor.__call__, ScheduleModule._bind
+    # _dcpc_wait's poll: an atomic add of 0 with acquire semantics exactly (tl.atomic_add's
+    # default, acquire_release, is no poll)
+    poll = (interpreter._ir.ATOMIC_OP.ADD, interpreter._ir.MEM_SEMANTIC.ACQUIRE)
     record = ScheduleModule._record
 
     def checked_only(self: Any, key: tuple, method: str, index: int, body: Any,
@@ -242,7 +245,7 @@ def tracing() -> Iterator[Trace]:
                 if _tls.call is not None and _tls.trace is _active:
                     with _active.lock:
                         _tls.call.xchg += 1
-            elif "ADD" in str(op) and "ACQUIRE" in str(a[:1]).upper():
+            elif not getattr(_tls, "signals", True) and (op, *a[:1]) == poll:
                 _tls.phase = AFTER  # a poll (_dcpc_wait): a wait-only launch's wait began
         return saved["create_atomic_rmw"](self, op, ptr, val, mask, *a)
 
@@ -260,6 +263,9 @@ def tracing() -> Iterator[Trace]:
         # _<step>_merge: all_reduce (reduce: lse)'s merge launch, likewise
         merge = getattr(getattr(self, "fn", None), "__name__", "").endswith("_merge")
         _tls.launch_phase = AFTER if kwargs.get("PUSH", True) is False or merge else BEFORE
+        # a kernel that signals (calls _dcpc_release) is after its wait from its signal only
+        code = getattr(getattr(self, "fn", None), "__code__", None)
+        _tls.signals = code is None or "_dcpc_release" in code.co_names
         grid = self.grid if not callable(self.grid) else (0,)
         if _active is not None and _tls.call is not None and _tls.trace is _active:
             with _active.lock:
@@ -269,7 +275,7 @@ def tracing() -> Iterator[Trace]:
         try:
             return grid_call(self, *args, **kwargs)
         finally:
-            _tls.launch_phase = BEFORE
+            _tls.launch_phase, _tls.signals = BEFORE, True
 
     def traced_bind(self: Any, slot: int, method: str, tensors: tuple, sizes: Any,
                     *rest: Any) -> Any:

@@ -94,6 +94,23 @@ def wait_first(holder: Any, step: Step) -> Step | None:
     return put if put is not None and put.index > step.index else None
 
 
+def torch_handshake(holder: Any, step: Step) -> dict[str, bool]:
+    """Where a split pair's torch-backend handshake runs (the plan attr ``handshake``;
+    templates/module.py.j2 defaults it to the step that waits): before the torch body's
+    blocking exchange, which is at the put when the put is written before its wait (the
+    data moves at the put), so that a peer that failed or bound other sizes is found
+    before it; then not at that wait again. ``{}`` elsewhere (a wait written first
+    receives there, its handshake before it)."""
+    found = matched(holder)
+    if half(step) == PUT:
+        wait = found.lands.get(step.name)
+        return {"handshake": True} if wait is None or wait.index > step.index else {}
+    if half(step) == WAIT:
+        put = found.polls.get(step.name)
+        return {"handshake": False} if put is not None and put.index < step.index else {}
+    return {}
+
+
 def verify_matched(v: ShapeRules, step: Step, *, waits: str, puts: str, same: str,
                    wait_hint: str, put_hint: str) -> None:
     """``unmatched-wait`` / ``unmatched-put`` at ``step``'s ``phase``: ``waits`` and

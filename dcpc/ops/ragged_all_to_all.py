@@ -26,7 +26,8 @@ OVER_CAPACITY).
 ``phase: put`` / ``phase: wait`` split it as shift's (dcpc.ops._split matches them): the put
 pushes and signals, its stores in flight (``Effect.lands``) until the wait, which waits
 for every peer and then reads the counts; the reference holds the rows at the put and
-lands them at the wait; the torch backend moves them at the put.
+lands them at the wait; the torch backend moves them at the put, and handshakes there
+(dcpc.ops._split.torch_handshake).
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -43,7 +44,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
 from dcpc.ops import cast
-from dcpc.ops._split import PUT, WAIT, matched, verify_matched
+from dcpc.ops._split import PUT, WAIT, matched, torch_handshake, verify_matched
 from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
     AFTER,
@@ -82,8 +83,12 @@ class RaggedAllToAll(OpBase):
 
     def split_key(self) -> tuple[Any, ...]:
         """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
+        try:  # the expression, not its spelling: `N*C` is `N * C` (a bad one: verify's error)
+            capacity: Any = ex.parse(self.capacity)
+        except ex.ExprSyntaxError:
+            capacity = str(self.capacity)
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
-                self.recv_counts, str(self.capacity),
+                self.recv_counts, capacity,
                 self.scale.buffer if self.scale is not None else None, str(self.axis))
 
 
@@ -259,7 +264,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     if op.phase is not None:  # a wait launches its put's grid (program i polls program i)
         put = matched(ctx).polls.get(step.name) if op.phase == WAIT else step
         more |= {"signal": op.phase == PUT, "wait": op.phase == WAIT,
-                 "tune_of": (put or step).name}
+                 "tune_of": (put or step).name, **torch_handshake(ctx, step)}
     return ctx.plan(
         step,
         params=[] if op.phase == WAIT else ctx.engine([*srcs, op.counts, scale]),

@@ -73,7 +73,7 @@ from pydantic import StrictBool
 from dcpc.lang.expr import OWNER, Expr, evaluate, parse, product, symbols
 from dcpc.lang.mesh import MAX_WORLD, mesh_of
 from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
-from dcpc.ops._split import matched, verify_matched, wait_first
+from dcpc.ops._split import matched, torch_handshake, verify_matched, wait_first
 from dcpc.ops.common import (
     BEFORE,
     READ,
@@ -503,6 +503,9 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                # handshake there, a message every rank must reach (its predecessor is
                # still before its puts); only when so
                **({"handshake": False} if _inner(ctx, step) else {}),
+               # a put written before its wait: the torch backend moves the data and
+               # handshakes there, not at the wait (dcpc.ops._split.torch_handshake)
+               **torch_handshake(ctx, step),
                **(_perm_attrs(ctx.schedule, op) if op.perm is not None else {})},
         signalling=True,
     )

@@ -120,6 +120,46 @@ def test_checker_agrees_with_brute_force_and_execution(case: str) -> None:
                        worlds=(2, 3))
 
 
+SPELLED = """\
+schedule: spelled
+sizes: {C: {max: 2}, H: 8}
+buffers:
+  x_send: {shape: [W, 2*C, H], dtype: bf16}
+  counts: {shape: [W], dtype: i32}
+  x_recv: {shape: [W, 2*C, H], dtype: bf16, symmetric: true}
+  n_recv: {shape: [W], dtype: i32, symmetric: true}
+  w:      {shape: [W, 2*C, H], dtype: f32}
+  y:      {shape: [W, 2*C, H], dtype: f32}
+steps:
+  - send: {op: ragged_all_to_all, src: x_send, dst: x_recv, counts: counts,
+           recv_counts: n_recv, capacity: 2*C, phase: put}
+  - work: {op: external, reads: [w], writes: [y]}
+  - recv: {op: ragged_all_to_all, src: [x_send], dst: [x_recv], counts: counts,
+           recv_counts: n_recv, capacity: (2 * C), phase: wait}
+  - use:  {op: external, reads: [x_recv, n_recv], writes: [y]}
+  - done: {op: barrier}
+"""
+
+
+def test_a_pair_matches_whatever_the_spelling(tmp_path: Path) -> None:
+    """The wait names its payloads as a list and its capacity as `(2 * C)`, the put as one
+    name and `2*C`: the same names and the same expression, so one pair for the checker
+    (dcpc.ops._split) and for the brute force of tests/support/hb_oracle.py (each by its
+    own matching), and the execution oracle agrees: no race."""
+    assert errors(SPELLED, tmp_path) == []
+    assert_three_agree(parse_text(SPELLED), set(), "spelled", worlds=(2, 3))
+
+
+def test_the_brute_force_names_an_unmatched_put() -> None:
+    """The brute force is asked only about matched schedules; an unmatched put is a
+    clear assertion naming it, not a StopIteration."""
+    from support.hb_oracle import build
+
+    with pytest.raises(AssertionError, match="brute force: put 'send' has no later "
+                       "'phase: wait' ragged_all_to_all"):
+        build(parse_text(text(PUT, WORK, DONE)), 2)
+
+
 CAST = """\
 schedule: ragq
 slots: 1
@@ -215,8 +255,12 @@ def test_the_kernels_touch_what_the_plan_says(world: Any) -> None:
     run = tr.run_traced(str(path), world if world == 3 else MeshWorld(world), programs=2,
                         block=256, calls=2 if world == 3 else 1)
     assert run.mismatches == 0 and run.problems == [], run.problems
-    waits = [s.name for s in run.plan.steps if s.attrs.get("signal") is False]
-    assert waits and all(run.trace.programs.get(w, 0) >= 1 for w in waits), waits
+    # each wait kernel launches on its put's grid (program i polls program i)
+    waits = {s.name: s.attrs["tune_of"] for s in run.plan.steps if s.attrs.get("signal") is False}
+    assert waits, run.plan.steps
+    for wait, put in waits.items():
+        assert run.trace.programs[wait] == run.trace.programs[put] >= 2, (wait, put,
+                                                                         run.trace.programs)
 
 
 @pytest.mark.e2e
@@ -226,6 +270,25 @@ def test_the_split_file_matches_float64_on(backend: str) -> None:
 
     report = run_schedule(RunConfig(schedule=str(FILE), world=3, backend=backend, calls=4,
                                     seed=5))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert {"x_recv", "k_recv", "n_recv", "y_back", "n_back"} <= set(report.outputs), text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("put", "wait"), [(3, 1), (1, 3)], ids=["put_3_wait_1", "put_1_wait_3"])
+def test_the_wait_launches_on_the_put_s_grid_whatever_its_own_tuning(put: int,
+                                                                     wait: int) -> None:
+    """The put and its wait tuned to other programs: the wait launches its put's grid
+    (program i polls program i), so every call finishes and matches float64 (a wait on
+    its own grid of more programs than the put would wait for a signal never sent; of
+    fewer, it would return before the put's other programs landed)."""
+    from dcpc.harness.run import RunConfig, format_report, run_schedule
+
+    tuned = tuple((f'"{step}": {{"programs": 128,', f'"{step}": {{"programs": {n},')
+                  for step, n in (("send", put), ("recv", wait)))
+    report = run_schedule(RunConfig(schedule=str(FILE), world=2, backend="local", calls=3,
+                                    seed=11, programs=None, module_patch=tuned))
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert {"x_recv", "k_recv", "n_recv", "y_back", "n_back"} <= set(report.outputs), text
@@ -275,6 +338,88 @@ def test_a_count_over_capacity_fails_the_put_and_its_wait() -> None:
     assert ranks[1].split(" | ")[1].startswith((
         "DcpcArgumentError: step 'recv': peer 0 routed 5 rows to rank 1, over the capacity 4",
         "DcpcPeerFailedError: step 'recv': rank 1 stopped waiting for peer 0")), ranks
+
+
+SHIFTS = """\
+schedule: shifts
+sizes: {C: {max: 4}, H: 8}
+buffers:
+  x_send: {shape: [C, H], dtype: bf16}
+  x_recv: {shape: [C, H], dtype: bf16, symmetric: true}
+steps:
+  - send: {op: shift, src: x_send, dst: x_recv, offset: next, phase: put}
+  - recv: {op: shift, src: x_send, dst: x_recv, offset: next, phase: wait}
+"""
+HANDSHAKE_S = 60.0  # the module's bound on a wait for a peer; gloo's is longer
+
+
+def handshake_worker(rank: int, world: int, path: str, case: str, done: str) -> dict[str, Any]:
+    """torch backend (gloo), W = 2 processes, put then wait: ``sizes``: rank 1 calls the
+    put with C = 3, rank 0 with C = 4; ``failed``: rank 1's instance fails before the
+    put (an f32 src where bf16 is declared), rank 0 calls the put as it should."""
+    import time
+    import warnings
+
+    import torch.distributed as dist
+    from support.kernels import load, the_class
+
+    warnings.filterwarnings("ignore")
+    module = the_class(load(path))(dist.group.WORLD, sizes={"C": 4}, device="cpu",
+                                   backend="torch", timeout_s=HANDSHAKE_S)
+    ragged = "rags" in Path(path).name
+    x = torch.zeros(*[2] * ragged, 3 if case == "sizes" and rank == 1 else 4, 8,
+                    dtype=torch.bfloat16)
+    if case == "failed" and rank == 1:
+        x = x.float()
+    start, got = time.monotonic(), {}
+    try:
+        module.send(x, *[torch.tensor([1, 1], dtype=torch.int32)] * ragged)
+        module.recv()
+        got["error"] = None
+    except Exception as exc:  # noqa: BLE001 (the test reads what each rank raised)
+        got["error"] = f"{type(exc).__name__}: {exc}"
+    got["seconds"] = time.monotonic() - start
+    # rank 1 stays until rank 0 has its answer (a process gone would answer it instead;
+    # a failed instance leaves no gloo pair to wait on)
+    if rank == 0:
+        Path(done).touch()
+    while not Path(done).exists() and time.monotonic() - start < 4 * HANDSHAKE_S:
+        time.sleep(0.1)
+    module.close()
+    return got
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", ["sizes", "failed"])
+@pytest.mark.parametrize("op", ["ragged", "shift"])
+def test_the_torch_put_handshakes_before_it_moves(op: str, case: str, tmp_path: Path) -> None:
+    """The torch backend moves the data at the put (a blocking exchange, a split
+    ragged_all_to_all's or shift's): the handshake (fingerprint, failure notice, bounded
+    wait per peer) runs there, before it, so ranks that bound other sizes fail naming
+    the put, not in gloo, and a peer that failed earlier is named within the module's
+    bound, not at gloo's timeout."""
+    from support.kernels import compile_text
+
+    from dcpc.harness.launch import launch
+
+    source = text(PUT, WAIT) if op == "ragged" else SHIFTS
+    path = str(compile_text(source, tmp_path, (2,)))
+    result = launch("test_ragged_split:handshake_worker", 2,
+                    {"path": path, "case": case, "done": str(tmp_path / "done")},
+                    timeout_s=400, gloo_timeout_s=4 * HANDSHAKE_S)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    ranks = result.values()
+    if case == "sizes":
+        for rank, got in enumerate(ranks):
+            assert got["error"].startswith(
+                f"DcpcContractError: step 'send': rank {rank}'s call differs from peer "
+                f"{1 - rank}'s: "), ranks
+            assert "C" in got["error"], ranks
+    else:
+        assert ranks[1]["error"].startswith("DcpcArgumentError: "), ranks
+        assert ranks[0]["error"].startswith(
+            "DcpcPeerFailedError: step 'send': rank 0 stopped waiting for peer 1"), ranks
+        assert ranks[0]["seconds"] < HANDSHAKE_S, ranks
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["over"]:

@@ -25,6 +25,7 @@ nothing orders it. A `reduce` pushes into, and reads, the root's `via` only.
 
 from __future__ import annotations
 
+import ast
 from itertools import count
 
 import networkx as nx
@@ -648,17 +649,26 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
         b.add(name, index, 1, landing=True)  # the data that was in flight lands here
 
 
+def _expression(size) -> str:
+    """A size expression, whatever its spacing and outer parentheses (Python's own
+    parser: this oracle does not ask the checker's)."""
+    return ast.dump(ast.parse(str(size).strip(), mode="eval").body)
+
+
 def _ragged_puts(schedule: Schedule) -> dict[str, str]:
     """wait step -> the put it polls: the k-th `phase: wait` ragged_all_to_all naming the
-    same src, dst, counts and recv_counts polls the k-th `phase: put` of them written
-    before it."""
+    same src, dst (one name or a list alike), counts, recv_counts, capacity (as an
+    expression: `N*C` is `(N * C)`), scale buffer and axis polls the k-th `phase: put` of them
+    written before it."""
     puts: dict[tuple, list[str]] = {}
     out = {}
     for item in schedule.steps:
         for n, op in item.items():
             if op.op != "ragged_all_to_all" or op.phase is None:
                 continue
-            key = (str(op.src), str(op.dst), op.counts, op.recv_counts)
+            key = (tuple(_as_list(op.src)), tuple(_as_list(op.dst)), op.counts,
+                   op.recv_counts, _expression(op.capacity),
+                   op.scale.buffer if op.scale is not None else None, str(op.axis))
             if op.phase == "put":
                 puts.setdefault(key, []).append(n)
             elif puts.get(key):
@@ -676,8 +686,12 @@ def _ragged_split(b: _Builder, schedule: Schedule, name: str, index: int, op, wo
     team = _team(b.rank, world, axes)
     part = (("index", 0, 0, axes), b.rank)
     if op.phase == "put":
-        landing = next(i for i, item in enumerate(schedule.steps)
-                       if {w for w, p in _ragged_puts(schedule).items() if p == name} & set(item))
+        waits = {w for w, p in _ragged_puts(schedule).items() if p == name}
+        landing = next((i for i, item in enumerate(schedule.steps) if waits & set(item)), None)
+        assert landing is not None, (
+            f"brute force: put '{name}' has no later 'phase: wait' ragged_all_to_all with "
+            "the same src, dst, counts, recv_counts, capacity, scale and axis (the "
+            "checker's unmatched-put: a schedule the oracles are not asked about)")
 
         def reads(names, phase):
             for n in names:
