@@ -238,11 +238,11 @@ def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: B
               gen: torch.Generator, where: tuple[int, int, int] = (0, 0, 1)) -> torch.Tensor:
     """An integer buffer's values within its range (``value_ranges``: what it declares,
     row counts in 0..capacity), its ends placed by ``where`` (call, rank, W: ``in_range``);
-    else within what the ops that read
-    it declare (``OpDef.inputs``, dcpc.ops.iface ``InputRule``): index rows that exist,
-    some -1 (``RowIndex``); an integer payload (``payload_ints``) over its dtype's whole
-    range, anything else 0..99. The same for an engine input and for what an engine step
-    writes (an engine writes counts within their capacity, ids within their range)."""
+    else within what the ops that read it declare (``OpDef.inputs``, dcpc.ops.iface
+    ``InputRule``): index rows that exist, some -1 (``RowIndex``); an integer payload
+    (``payload_ints``) over its dtype's whole range, anything else 0..99. The same for an
+    engine input and for what an engine step writes (an engine writes counts within
+    their capacity, ids within their range)."""
     shape = buffer_shape(schedule, name, sizes)
     bounds = value_ranges(schedule, sizes).get(name)
     if bounds is not None:
@@ -366,8 +366,9 @@ def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator,
     calls of a run and values between in others: in an even call the low end on rank
     (call / 2) % W, the high end on the next rank (at a random element; one of them, at
     random, on a rank with both and one element), the rest anywhere in the range; in an
-    odd call none at the low end (``low + 1..high``, where the range has room): counts
-    of which none is 0, a partly filled block beside a full one and an empty one."""
+    odd call none at the low end (``low + 1..high``, where the range has room). Row
+    counts so come empty and full, partly filled, and in odd calls none empty (every
+    peer gets rows)."""
     floor = low + 1 if call % 2 and high > low else low
     # drawn in (floor - 1, high], plus 1: high + 1 would overflow at the largest i64
     value = torch.randint(floor - 1, high, shape, generator=gen, dtype=torch.int64) + 1
