@@ -8,6 +8,7 @@ import re
 import site
 import sys
 import sysconfig
+from collections.abc import Callable
 from functools import cache
 
 from dcpc.check.context import Context, all_refs
@@ -20,8 +21,11 @@ from dcpc.codegen.lower import (
 )
 from dcpc.diagnostics import NOWHERE, Mark, did_you_mean
 from dcpc.lang import expr as ex
-from dcpc.lang.model import Buffer, Schedule
+from dcpc.lang.model import Buffer, Schedule, Step
 from dcpc.lang.questions import Counterexample
+from dcpc.lang.sizes import WORLD
+from dcpc.ops import OPS
+from dcpc.ops.iface import Counts, RowIndex
 from dcpc.ops.sync import Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
@@ -224,8 +228,10 @@ def _check_buffer(ctx: Context, name: str, buffer: Buffer) -> None:
 
 
 def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
-    """``values: {min, max}``: an integer buffer's, within its dtype, never empty, for
-    every admissible binding (its ends parse in ``size_table``)."""
+    """``values: {min, max}``: an integer buffer's, within its dtype and 0.., never empty,
+    with a value a count's capacity admits, for every admissible binding (its ends parse
+    in ``size_table``); never on a buffer an op reads as row numbers (``RowIndex``: which
+    rows exist is the op's rule, dcpc.ops.iface)."""
     if buffer.values is None:
         return
     if buffer.dtype.is_float:
@@ -234,11 +240,18 @@ def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
                   "of an integer buffer (i32, i64: expert ids, counts)",
                   hint="drop 'values', or declare the buffer i32 or i64")
         return
+    reads = _value_rules(ctx.schedule, name)
+    index = next((step for step, rule in reads if isinstance(rule, RowIndex)), None)
+    if index is not None:
+        ctx.error(buffer.mark("values", of_key=True), "bad-values",
+                  f"buffer '{name}' is read as row numbers by step '{index.name}' "
+                  f"({index.op.op}): an index takes the rows that exist (or -1, an empty "
+                  "slot), not a declared range", hint="drop 'values' (the op bounds an index)")
+        return
     bounds = ctx.table.values.get(name)
     if bounds is None:
         return  # an end that does not parse or names an unknown size: reported
     low, high = bounds
-    top = 2 ** (8 * buffer.dtype.itemsize - 1) - 1
     for node, end in ((low, "min"), (high, "max")):
         where = ctx.samples.inexact(node)
         if where is not None:
@@ -248,25 +261,72 @@ def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
                       f"number at W={where.world}{_also(where, node)}: {where.detail}",
                       hint="divide only by what divides it for every W checked")
             return
-    asks = (  # (what must stay positive, what is wrong where it does not)
+    for positive, says, hint, end in _range_asks(ctx, name, buffer, bounds, reads):
+        at = ctx.samples.nonpositive(positive)
+        if at is not None and at.undecided:
+            ctx.error(buffer.values.mark(end), "shape-undecided",
+                      f"'values' of buffer '{name}' cannot be checked for every binding of "
+                      f"its sizes: {at.detail}", hint="write its ends as simpler expressions")
+        elif at is not None:
+            ctx.error(buffer.values.mark(end), "bad-values", says(at), hint=hint)
+
+
+_Ask = tuple[ex.Expr, Callable[[Counterexample], str], str, str]
+
+
+def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, ex.Expr],
+                reads: list[tuple[Step, object]]) -> list[_Ask]:
+    """What must stay positive for every binding, what is wrong where it does not, the
+    hint, the end to point at: not empty, max within the dtype, min not below 0 (-1 is
+    the poison), min within the capacity of every count the buffer is read as."""
+    low, high = bounds
+    top = 2 ** (8 * buffer.dtype.itemsize - 1) - 1
+    asks: list[_Ask] = [
         (("+", ("-", high, low), ("num", 1)),
          lambda at: f"'values' of buffer '{name}' is empty at W={at.world}"
          f"{_also(at, low, high)}: min {ex.unparse(low)} = {ex.evaluate(low, at.binding)} "
          f"is above max {ex.unparse(high)} = {ex.evaluate(high, at.binding)}",
-         "both ends are included: 'values: {min: 0, max: E - 1}' is 0 .. E-1"),
+         "both ends are included: 'values: {min: 0, max: E - 1}' is 0 .. E-1", "max"),
         (("-", ("num", top + 1), high),
          lambda at: f"'values: max' of buffer '{name}' ({ex.unparse(high)}) is "
          f"{ex.evaluate(high, at.binding)} at W={at.world}{_also(at, high)}, above the "
          f"largest {buffer.dtype.value} {top}",
-         "declare the buffer i64, or lower the bound"))
-    for positive, says, hint in asks:
-        at = ctx.samples.nonpositive(positive)
-        if at is not None and at.undecided:
-            ctx.error(buffer.values.mark("max"), "shape-undecided",
-                      f"'values' of buffer '{name}' cannot be checked for every binding of "
-                      f"its sizes: {at.detail}", hint="write its ends as simpler expressions")
-        elif at is not None:
-            ctx.error(buffer.values.mark("max"), "bad-values", says(at), hint=hint)
+         "declare the buffer i64, or lower the bound", "max"),
+        (("+", low, ("num", 1)),
+         lambda at: f"'values: min' of buffer '{name}' ({ex.unparse(low)}) is "
+         f"{ex.evaluate(low, at.binding)} at W={at.world}{_also(at, low)}, below 0 (-1 is "
+         "the poison value: no buffer holds it)", "keep the range in 0 .., e.g. 'min: 0'",
+         "min")]
+    known = {*ctx.table.sizes, WORLD}
+    for step, rule in reads:
+        if not isinstance(rule, Counts):
+            continue
+        try:
+            cap = ex.parse(rule.capacity)
+        except ex.ExprSyntaxError:
+            continue  # the step's capacity: reported with the step
+        if ex.symbols(cap) <= known:
+            asks.append((
+                ("+", ("-", cap, low), ("num", 1)),
+                lambda at, step=step, cap=cap: f"'values: min' of buffer '{name}' "
+                f"({ex.unparse(low)}) is {ex.evaluate(low, at.binding)} at W={at.world}"
+                f"{_also(at, low, cap)}, above the capacity {ex.unparse(cap)} = "
+                f"{ex.evaluate(cap, at.binding)} of the row counts step '{step.name}' "
+                f"({step.op.op}) reads it as: no count is both",
+                "a count is 0 .. its capacity: lower 'min'", "min"))
+    return asks
+
+
+def _value_rules(schedule: Schedule, name: str) -> list[tuple[Step, object]]:
+    """(step, rule): what each step's op declares about the values of ``name`` that it
+    reads (``OpDef.inputs``, dcpc.ops.iface), in step order."""
+    found = []
+    for step in schedule.step_list():
+        rules = OPS[step.op.op].inputs
+        rule = rules(step.op).get(name) if rules is not None else None
+        if rule is not None:
+            found.append((step, rule))
+    return found
 
 
 def _also(where: Counterexample, *nodes: ex.Expr) -> str:

@@ -38,7 +38,7 @@ class SizePlan:
 class BufferPlan:
     name: str
     shape: list[Expr]
-    dtype: str  # bf16 f16 f32 i32 i64 fp8e4m3
+    dtype: str  # a DType value (dcpc.lang.nodes.DType: bf16 ... fp8e5m2)
     kind: str  # engine (passed in) | symmetric | shared | output (module-owned, local)
     lse_base: str | None = None
 

@@ -223,7 +223,7 @@ def call_inputs(
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:
-                value = int_value(schedule, name, sizes, bufs, gen)
+                value = int_value(schedule, name, sizes, bufs, gen, (call, rank, world))
             bufs[name] = as_stored(schedule, name, value)
         for whole in schedule.slices:  # an input used whole and by slice: one memory
             views = schedule.cells(whole)
@@ -235,17 +235,18 @@ def call_inputs(
 
 
 def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
-              gen: torch.Generator) -> torch.Tensor:
+              gen: torch.Generator, where: tuple[int, int, int] = (0, 0, 1)) -> torch.Tensor:
     """An integer buffer's values within its range (``value_ranges``: what it declares,
-    row counts in 0..capacity), both ends among them; else within what the ops that read
-    it declare (``OpDef.inputs``, dcpc.ops.iface ``InputRule``): index rows that exist,
-    some -1 (``RowIndex``); an integer payload (``payload_ints``) over its dtype's whole
-    range, anything else 0..99. The same for an engine input and for what an engine step
-    writes (an engine writes counts within their capacity, ids within their range)."""
+    row counts in 0..capacity), its ends placed by ``where`` (call, rank, W: ``in_range``);
+    else within what the ops that read it declare (``OpDef.inputs``, dcpc.ops.iface
+    ``InputRule``): index rows that exist, some -1 (``RowIndex``); an integer payload
+    (``payload_ints``) over its dtype's whole range, anything else 0..99. The same for an
+    engine input and for what an engine step writes (an engine writes counts within
+    their capacity, ids within their range)."""
     shape = buffer_shape(schedule, name, sizes)
     bounds = value_ranges(schedule, sizes).get(name)
     if bounds is not None:
-        return in_range(*bounds, shape, gen)
+        return in_range(*bounds, shape, gen, *where)
     if name in payload_ints(schedule):
         return full_range_ints(schedule.buffers[name].dtype, shape, gen)
     capacities = count_capacities(schedule, sizes)
@@ -315,10 +316,10 @@ def full_range_ints(dtype: m.DType, shape: tuple[int, ...], gen: torch.Generator
     return flat.reshape(shape)
 
 
-# the bytes every row of a moved fp8 payload starts with: what a move that converts, or
-# a comparison by value, would lose (a NaN's sign, a zero's, an inf's), and the ends of
-# the range: NaN, -NaN, -0, 0, +-the largest finite value, +-the smallest subnormal;
-# e5m2 also +-inf and its largest subnormal
+# the bytes every row of a moved fp8 payload carries, in this order from a random column
+# on (wrapping): what a move that converts, or a comparison by value, would lose (a NaN's
+# sign, a zero's, an inf's), and the ends of the range: NaN, -NaN, -0, 0, +-the largest
+# finite value, +-the smallest subnormal; e5m2 also +-inf and its largest subnormal
 FP8_EDGES = {
     m.DType.fp8e4m3: (0x7F, 0xFF, 0x80, 0x00, 0x7E, 0xFE, 0x01, 0x81),  # +-448
     m.DType.fp8e5m2: (0x7F, 0xFF, 0x80, 0x00, 0x7B, 0xFB, 0x01, 0x81, 0x7C, 0xFC, 0x03,
@@ -329,14 +330,19 @@ FP8_EDGES = {
 def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator,
                    dtype: m.DType = m.DType.fp8e4m3) -> torch.Tensor:
     """Random fp8 values of ``dtype`` (float64) over every byte, NaN of both signs and -0
-    included; every row (the last dim) starts with its ``FP8_EDGES``, so that every row a
-    ragged move sends carries them. An e5m2 NaN is held as float64, so its payload is
-    lost: bytes 0x7D, 0x7E are 0x7F (0xFD, 0xFE are 0xFF), NaNs still of both signs."""
+    included; every row (the last dim) carries its ``FP8_EDGES`` in a run of columns from
+    a random one on (wrapping), so that every row a ragged move sends carries them, and no
+    column always holds 0xFF (the poison's byte: a store dropped there would pass). An
+    e5m2 NaN's payload is lost where torch converts the float64 into float8_e5m2
+    (``as_stored``): bytes 0x7D, 0x7E are stored as 0x7F (0xFD, 0xFE as 0xFF), NaNs still
+    of both signs."""
     raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     rows = raw.reshape(-1, shape[-1] if shape else 1)
-    edges = FP8_EDGES[dtype]
-    count = min(len(edges), rows.shape[1])
-    rows[:, :count] = torch.tensor(edges[:count], dtype=torch.uint8)
+    count = min(len(FP8_EDGES[dtype]), rows.shape[1])
+    edges = torch.tensor(FP8_EDGES[dtype][:count], dtype=torch.uint8)
+    start = torch.randint(0, rows.shape[1], (rows.shape[0], 1), generator=gen)
+    rows.scatter_(1, (start + torch.arange(count)) % rows.shape[1],
+                  edges.expand(rows.shape[0], count))
     return rows.view(TORCH_DTYPES[dtype.value]).to(torch.float64).reshape(shape)
 
 
@@ -354,15 +360,25 @@ def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tu
     return found
 
 
-def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator
-             ) -> torch.Tensor:
-    """Random integers (int64) in ``low..high``, both ends included; ``low`` and ``high``
-    each at a random element (one of them, at random, when there is one element)."""
-    value = torch.randint(low, high + 1, shape, generator=gen, dtype=torch.int64)
+def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator,
+             call: int = 0, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """Random integers (int64) in ``low..high``, both ends included, each end in some
+    calls of a run and values between in others: in an even call the low end on rank
+    (call / 2) % W, the high end on the next rank (at a random element; one of them, at
+    random, on a rank with both and one element), the rest anywhere in the range; in an
+    odd call none at the low end (``low + 1..high``, where the range has room). Row
+    counts so come empty and full, partly filled, and in odd calls none empty (every
+    peer gets rows)."""
+    floor = low + 1 if call % 2 and high > low else low
+    # drawn in (floor - 1, high], plus 1: high + 1 would overflow at the largest i64
+    value = torch.randint(floor - 1, high, shape, generator=gen, dtype=torch.int64) + 1
+    lead = (call // 2) % max(world, 1)
+    ends = [end for end, on in ((low, lead), (high, (lead + 1) % max(world, 1)))
+            if on == rank and not call % 2]
     flat = value.reshape(-1)
-    ends = torch.tensor([low, high], dtype=torch.int64)[torch.randperm(2, generator=gen)]
-    spots = torch.randperm(flat.numel(), generator=gen)[:2]
-    flat[spots] = ends[: len(spots)]
+    picked = torch.tensor(ends, dtype=torch.int64)[torch.randperm(len(ends), generator=gen)]
+    spots = torch.randperm(flat.numel(), generator=gen)[:len(ends)]
+    flat[spots] = picked[: len(spots)]
     return flat.reshape(shape)
 
 
@@ -459,7 +475,8 @@ def make_external(
             three = x is not None and x.dim() == 3  # [T, H, D]-like: attention's input
             if not schedule.buffers[name].dtype.is_float:  # counts, indexes: in bounds
                 # an index this step writes picks live rows of the counts it wrote first
-                writes[name] = int_value(schedule, name, env, {**bufs, **writes}, gen)
+                writes[name] = int_value(schedule, name, env, {**bufs, **writes}, gen,
+                                         (call, rank, world))
                 continue
             if three and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
                 cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]

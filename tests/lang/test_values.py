@@ -1,7 +1,7 @@
 """An integer buffer's value range (`values: {min, max}`, docs/language.md "Buffers"):
 its ends are size expressions, parsed and checked with located errors, and `dcpc run`'s
-synthetic inputs and engine steps draw the buffer within it, both ends in every call
-(one mechanism with the row counts an op reads: 0..capacity)."""
+synthetic inputs and engine steps draw the buffer within it, both ends and values
+between over a run (one mechanism with the row counts an op reads: 0..capacity)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ BAD = [
     ("values: {min: 0, max: W*L/3}", "inexact-division", "max: ", "(W*L/3) is not a whole"),
     ("values: {min: 0, max: 2147483647*W}", "bad-values", "max: ", "above the largest i32"),
     ("values: {min: 0, max: -1}", "shape-syntax", "max: ", "sizes cannot be negative"),
+    ("values: {min: W - 3, max: W*L - 1}", "bad-values", "min: ",
+     "(W-3) is -1 at W=2, below 0 (-1 is the poison"),
     ("values: {min: 0}", "missing-key", "values: ", "values.max"),
     ("values: [0, 4]", "wrong-type", "values: ", "mapping"),
 ]
@@ -73,24 +75,54 @@ def test_a_float_buffer_takes_no_range() -> None:
     assert "'x' is bf16" in found.message and found.hint
 
 
-def test_the_draws_stay_in_the_range_with_both_ends_in_every_call() -> None:
+def test_the_draws_stay_in_the_range_with_both_ends_in_a_run() -> None:
     """Expert ids beside the tokens were drawn over the whole i32 range: now over
-    [0, W*L) (the moe gallery's e_send), 0 and W*L - 1 in every call; the counts an op
-    reads by the same mechanism, 0 and the capacity in every call."""
-    schedule = parse_file(GALLERY / "moe_dispatch_combine.yaml", 3)
-    ctor = synth.constructor_sizes(schedule, 3)
-    for call in range(6):
-        sizes = synth.call_sizes(schedule, 3, ctor, 0, call)
-        top = 3 * sizes["L"] - 1
-        for bufs in synth.call_inputs(schedule, 3, sizes, 0, call):
-            ids, counts = bufs["e_send"], bufs["counts"]
-            assert ids.min() == 0 and ids.max() == top, (call, ids)
-            assert counts.min() == 0 and counts.max() == sizes["L"] * sizes["C"], call
+    [0, W*L) (the moe gallery's e_send); the counts an op reads by the same mechanism,
+    0..capacity. At W=2 over 8 calls: both ends appear, a count strictly between (a
+    partly filled block), and a call where no count is 0 (every peer gets rows)."""
+    schedule = parse_file(GALLERY / "moe_dispatch_combine.yaml", 2)
+    ctor = synth.constructor_sizes(schedule, 2)
+    ids: set[int] = set()
+    seen: list[tuple[int, list[int]]] = []  # (capacity, every rank's counts) per call
+    for call in range(8):
+        sizes = synth.call_sizes(schedule, 2, ctor, 0, call)
+        cap = sizes["L"] * sizes["C"]
+        calls = synth.call_inputs(schedule, 2, sizes, 0, call)
+        ids.update(v for bufs in calls for v in bufs["e_send"].flatten().tolist())
+        seen.append((cap, [v for bufs in calls for v in bufs["counts"].tolist()]))
+    assert ids == set(range(2 * 2))  # W*L = 4 experts: every id, none outside
+    assert all(0 <= n <= cap for cap, counts in seen for n in counts), seen
+    assert any(0 in counts for _, counts in seen) and any(cap in counts for cap, counts in seen)
+    assert any(0 < n < cap for cap, counts in seen for n in counts), seen
+    assert any(0 not in counts for _, counts in seen), seen
+
+
+def test_the_ends_move_across_ranks_and_calls() -> None:
+    """An even call puts the low end on rank (call / 2) % W and the high end on the next;
+    an odd call none at the low end."""
+    for call in range(4):
+        drawn = [synth.in_range(0, 9, (3,), torch.Generator().manual_seed(rank), call, rank, 3)
+                 for rank in range(3)]
+        lead = (call // 2) % 3
+        for rank, value in enumerate(drawn):
+            assert 0 <= value.min() and value.max() <= 9
+            assert (0 in value.tolist()) >= (not call % 2 and rank == lead), (call, drawn)
+            assert (9 in value.tolist()) >= (not call % 2 and rank == (lead + 1) % 3)
+            assert call % 2 == 0 or 0 not in value.tolist(), (call, drawn)
+
+
+def test_the_largest_i64_is_drawn() -> None:
+    """A range ending at 2**63 - 1 (randint's exclusive end would overflow)."""
+    top = 2**63 - 1
+    value = synth.in_range(top - 2, top, (64,), torch.Generator().manual_seed(0), 0, 0, 2)
+    assert value.max() == top and value.min() >= top - 2
+    assert synth.in_range(0, top, (64,), torch.Generator(), 1, 0, 2).min() >= 1
 
 
 def test_an_engine_step_writes_ids_in_their_range() -> None:
     """deepep_normal's forwarder (an external step, once per chunk k) writes ids_fwd[k]:
-    within [0, N*G*L), both ends, as the counts it writes stay within their capacity."""
+    within [0, N*G*L), the low end on rank 0 and the high end on rank 1 in call 0, as
+    the counts it writes stay within their capacity."""
     world = MeshWorld((2, 3))
     schedule = parse_file(GALLERY / "deepep_normal.yaml", world)
     sizes = synth.call_sizes(schedule, world, synth.constructor_sizes(schedule, world), 0, 0)
@@ -102,10 +134,11 @@ def test_an_engine_step_writes_ids_in_their_range() -> None:
     for k, forward in enumerate(chunks):
         for rank, bufs in enumerate(inputs):
             sent = bufs[f"ids_send_{k}"]
-            assert sent.min() == 0 and sent.max() == top
             wrote = external(forward, rank, bufs)
             ids = wrote[f"ids_fwd_{k}"]
-            assert ids.min() == 0 and ids.max() == top, ids
+            for value in (sent, ids):
+                assert 0 <= value.min() and value.max() <= top, value
+                assert (value.min() == 0) >= (rank == 0) and (value.max() == top) >= (rank == 1)
             assert int(wrote[f"n_fwd_{k}"].max()) <= sizes["N"] * sizes["C"]
 
 
@@ -117,3 +150,34 @@ def test_a_range_narrows_the_counts_it_bounds() -> None:
     assert synth.value_ranges(schedule, {"W": 2, "C": 4, "L": 2, "H": 8}) == {
         "n": (1, 4), "ids": (0, 3)}
     assert torch.equal(synth.in_range(2, 2, (3,), torch.Generator()), torch.tensor([2, 2, 2]))
+
+
+def test_an_index_takes_no_range() -> None:
+    """A range on what an op reads as row numbers would replace the in-bounds rule
+    (`dcpc run` drew rows past the end): refused on the key, naming the op."""
+    text = (GALLERY / "moe_dispatch_combine.yaml").read_text()
+    spot = "slot_of:  {shape: [T, K], dtype: i32"
+    text = text.replace(spot, spot + ", values: {min: 0, max: 1000}")
+    (found,) = check_errors(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if spot in t)
+    col = text.splitlines()[line - 1].index("values:") + 1
+    assert (found.code, found.mark.line, found.mark.col) == ("bad-values", line, col)
+    assert "'slot_of' is read as row numbers by step 'combine' (weighted_combine)" \
+        in found.message, found.message
+
+
+@pytest.mark.parametrize(("spelling", "words"), [
+    ("{min: 5, max: 9}", "(5) is 5 at W=2, C=1, above the capacity C = 1"),
+    ("{min: C + 1, max: 2*C}", "(C+1) is 2 at W=2, C=1, above the capacity C = 1"),
+])
+def test_a_range_with_no_count_in_it_is_refused(spelling: str, words: str) -> None:
+    """Counts are 0..capacity: a declared min above the capacity for some binding leaves
+    no value (`dcpc run` failed in torch); located on min, naming W and the sizes."""
+    text = TEXT.replace("n:     {shape: [W], dtype: i32}",
+                        f"n:     {{shape: [W], dtype: i32, values: {spelling}}}")
+    (found,) = check_errors(text)
+    col = text.splitlines()[7].index("min: ") + len("min: ") + 1
+    assert (found.code, found.mark.line, found.mark.col) == ("bad-values", 8, col)
+    assert words in found.message and "step 'go' (ragged_all_to_all)" in found.message, \
+        found.message
+    assert check_errors(text.replace(spelling, "{min: 1, max: 2*C}")) == []
