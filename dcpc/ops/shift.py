@@ -18,8 +18,9 @@ The checker's world bound counts |k| ranks per wait of a shift.
 A ``phase: wait`` may come BEFORE its put on a chain (``wrap: false``, a perm with no
 cycle): the pipeline stage's receive, compute, send (``wait_first``). The k-th wait of
 a (src, dst, offset, wrap) polls the k-th put of it whichever comes first; only local
-steps, and other such waits of the same chain (the same ``peers``) with their puts, may
-stand between such a wait and its put, the puts in the order of their waits (two pairs
+steps, and other such waits of the same chain (the same rank -> peer edges at the W
+checked, however written: ``perm: r + 1`` is ``offset: next, wrap: false``) with their
+puts, may stand between such a wait and its put, the puts in the order of their waits (two pairs
 interleaved: wait A, wait B, compute, put A, put B; ``wait-first-span``: the chain's
 liveness, docs/hb-checker.md); the float64 reference runs that span (overlapping spans
 merged) rank by rank along the chain (dcpc.harness.simulate; along an axis, each team's
@@ -297,8 +298,8 @@ def half(step: Step) -> str | None:
 
 
 def peers(op: Shift) -> tuple[str, str]:
-    """The sync peers of a shift: (those it signals, those it waits for); two shifts
-    with the same are on the same ring, line or perm (one chain of a wait first)."""
+    """The sync peers of a shift: (those it signals, those it waits for), as written
+    (which ranks a wait first's chain links is ``_differ``'s, by edges at each W)."""
     k, dests = delta(op), table(op)
     if op.perm is not None:
         return perm_peers(dests), perm_peers(inverse(dests))
@@ -426,11 +427,12 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
     other = between.op
     if not isinstance(other, Shift) or other.phase is None:
         return "communicates (it signals, waits or reaches another rank's buffers)"
-    if _chain(holder, other) != _chain(holder, op):
-        return (f"is a {other.phase} of a shift written with other peers or axes "
-                f"({_chain_text(holder, other)}, not {_chain_text(holder, op)}; one chain "
-                "is one offset with 'wrap: false', or one perm, along the same axes): its "
-                "rank may wait there for what this rank sends only after its put")
+    differ = _differ(holder, op, other)
+    if differ is not None:
+        return (f"is a {other.phase} of a shift along another chain ({differ}: one chain "
+                "is one set of rank -> peer edges at each W, however it is written: an "
+                "offset with 'wrap: false', or a perm with no cycle, along the same axes): "
+                "its rank may wait there for what this rank sends only after its put")
     if other.phase == "wait" and wait_first(holder, between) is None:
         return ("waits for a put written before it (only waits written before their "
                 "puts, with those puts, may stand there)")
@@ -441,18 +443,20 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
     return None
 
 
-def _chain(holder: Any, op: Shift) -> tuple[tuple[str, str], Any]:
-    """What makes two waits written before their puts one chain: the same sync peers
-    (``peers``) along the same team (an offset along gpu and one along node have the
-    same peers, line+1, in different teams)."""
-    return peers(op), mesh_of(holder.schedule).team_axes(op)
-
-
-def _chain_text(holder: Any, op: Shift) -> str:
-    mesh = mesh_of(holder.schedule)
-    axes = mesh.team_axes(op)
-    along = "" if axes is None else f" along {', '.join(mesh.names(axes))}"
-    return f"peers {peers(op)[0]}{along}"
+def _differ(holder: Any, op: Shift, other: Shift) -> str | None:
+    """Where ``other`` moves data along another chain than ``op``, or None: one chain is
+    the set of (source -> receiving rank) edges the shift realises at each W checked
+    (``sources``; along an axis, every team's), not its spelling: ``perm: r + 1`` and
+    ``offset: next, wrap: false`` are one chain, a perm that differs at one rank is not."""
+    for world in holder.samples.worlds:
+        mine = sources(holder.schedule, op, world)
+        theirs = sources(holder.schedule, other, world)
+        if mine == theirs:
+            continue
+        r = min(set(mine) ^ set(theirs) or {q for q in mine if mine[q] != theirs[q]})
+        there, here = (f"from rank {q[r]}" if r in q else "nothing" for q in (theirs, mine))
+        return f"at W={world} rank {r} receives {there} by it, {here} by the wait"
+    return None
 
 
 def _verify_put_order(v: ShapeRules, step: Step, put: Step) -> None:

@@ -340,8 +340,34 @@ def test_pairs_along_two_axes_are_two_chains() -> None:
         "src: aux, dst: rb, offset: next, wrap: false, phase: put, axis: node")
     found = [d for d in _errors(text, MeshWorld((2, 2))) if d.code == "wait-first-span"]
     assert found, text
-    assert any("peers line+1 along node, not peers line+1 along gpu" in d.message
-               for d in found), found
+    assert any("along another chain (at W=2x2 rank 1 receives nothing by it, from rank 0 "
+               "by the wait:" in d.message for d in found), found
+
+
+PAIR_TWO_WAYS = "".join(
+    ln.replace("offset: next, wrap: false", 'perm: "r + 1"') if "src: aux" in ln else ln
+    for ln in PAIR.read_text().splitlines(keepends=True))
+
+
+@pytest.mark.parametrize("world", SHAPES, ids=str)
+def test_one_chain_along_an_axis_written_two_ways_interleaves(world: MeshWorld) -> None:
+    """The second pair by the member perm r + 1 along gpu, the first by 'offset: next,
+    wrap: false': the same edges in every team, so one chain, proved by all three."""
+    assert PAIR_TWO_WAYS.count('perm: "r + 1"') == 2
+    assert _errors(PAIR_TWO_WAYS, world) == []
+    assert checker_covers(PAIR_TWO_WAYS, world) == (set(), set())
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("world", SHAPES[:2], ids=str)
+def test_dcpc_run_of_one_chain_along_an_axis_written_two_ways_matches_float64(
+        tmp_path: Path, world: MeshWorld) -> None:
+    path = tmp_path / "two_ways.yaml"
+    path.write_text(PAIR_TWO_WAYS)
+    report, text = run_clean(schedule=str(path), world=world, backend="host", calls=2,
+                             seed=8)
+    for out in ("ra", "rb"):  # the members with a source: all but gpu 0 of each node
+        assert report.outputs[out].compared == 2 * (int(world) - world.shape[0]), text
 
 
 def test_a_perm_along_an_axis_without_a_mesh_is_an_unknown_axis() -> None:
