@@ -211,12 +211,12 @@ def test_two_interleaved_pairs_of_one_chain_are_accepted() -> None:
 
 @pytest.mark.parametrize("move,world,words", [
     ("offset: prev, wrap: false", None,
-     "another chain (at W=2 rank 0 receives from rank 1 by it, nothing by the wait:"),
+     "(at W=2 rank 0 receives from rank 1 by it, nothing by the wait)"),
     ("offset: next", None,
-     "another chain (at W=2 rank 0 receives from rank 1 by it, nothing by the wait:"),
+     "(at W=2 rank 0 receives from rank 1 by it, nothing by the wait)"),
     # the line r + 1 but for rank 2, which sends nothing: one edge off
     ("perm: [1, 2, -1, -1]", 4,
-     "another chain (at W=4 rank 3 receives nothing by it, from rank 2 by the wait:")])
+     "(at W=4 rank 3 receives nothing by it, from rank 2 by the wait)")])
 def test_a_wait_of_another_chain_between_is_located(move: str, world: int | None,
                                                     words: str) -> None:
     """The second pair on another direction, or a ring, or a perm that differs from the
@@ -227,8 +227,10 @@ def test_a_wait_of_another_chain_between_is_located(move: str, world: int | None
     refused = next(d for d in found if d.mark.line == _line(text, "receive"))
     assert refused.mark.file == "s.yaml"
     assert refused.mark.col == text.splitlines()[refused.mark.line - 1].index("wait}") + 1
-    assert "'receive_b' (shift)" in refused.message and words in refused.message
-    assert refused.hint == "move 'receive_b' before 'receive' or after 'send'"
+    assert "include 'receive_b', a shift along another chain on a common axis" in \
+        refused.message and words in refused.message
+    assert refused.hint == ("move 'receive_b' and its put out of the span of 'receive', "
+                            "or run the two chains along different axes")
 
 
 SPELLINGS = ['perm: "r + 1"', "offset: 1, wrap: false"]
