@@ -8,6 +8,7 @@ reference per team, and `dcpc run` of the ops files on the host and torch backen
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -368,6 +369,17 @@ def test_dcpc_run_of_pairs_along_two_axes_matches_float64(
     n, g = world.shape  # ra: all but gpu 0 of each node; rb: all but one node's ranks
     assert report.outputs["ra"].compared == 3 * n * (g - 1), text
     assert report.outputs["rb"].compared == 3 * (n - 1) * g, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", {"node": "torch", "gpu": "host"}], ids=str)
+def test_dcpc_run_of_pairs_along_two_axes_on_gloo_matches_float64(backend: Any) -> None:
+    """The two chains on gloo (each on its team's group), and the node chain on gloo
+    beside the gpu chain's host kernels."""
+    report, text = run_clean(schedule=str(CROSS), world=MeshWorld((2, 3)), backend=backend,
+                             calls=3, seed=10)
+    assert report.outputs["ra"].compared == 3 * 2 * 2, text
+    assert report.outputs["rb"].compared == 3 * 1 * 3, text
 
 
 # two chains on a common axis that close a cycle: (a) the gpu line and the gpu line
