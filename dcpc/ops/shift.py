@@ -544,19 +544,22 @@ def chain_order(schedule: ScheduleView, ops: list[Shift], world: int) -> list[in
     order: list[int] = []
     done: set[int] = set()
     for start in range(int(world)):
-        stack = [start]
+        stack, path = [start], {start}
         while stack:  # depth first: every source of a rank before it
             r = stack[-1]
-            if r in done:
-                stack.pop()
-                continue
-            pending = [q for m in source if (q := m.get(r)) is not None and q not in done]
+            # a source on the path would be a cycle (refused): not waited for, so this
+            # ends on any input
+            pending = [q for m in source
+                       if (q := m.get(r)) is not None and q not in done and q not in path]
             if pending:
-                stack.extend(pending)
+                stack.append(pending[0])
+                path.add(pending[0])
             else:
-                done.add(r)
-                order.append(r)
                 stack.pop()
+                path.discard(r)
+                if r not in done:
+                    done.add(r)
+                    order.append(r)
     return order
 
 
