@@ -444,11 +444,12 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
     Returns what each step wrote, per rank (the trace's entries)."""
     world = int(sim.world)
     written: list[list[Buffers]] = [[{} for _ in range(world)] for _ in steps]
-    op = steps[0].op
-    # along an axis, each team's chain (the team arithmetic needs the mesh shape)
-    source = shift.sources(sim.schedule, op, sim.world)
+    waits = [s for s in steps if split.half(s) == split.WAIT]
+    # along an axis, each team's chain (the team arithmetic needs the mesh shape); two
+    # chains along axes apart: each wait its own sources, a rank after all of them
+    source = {s.name: shift.sources(sim.schedule, s.op, sim.world) for s in waits}
     pushed: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src as pushed
-    for r in shift.chain_order(sim.schedule, op, sim.world):
+    for r in shift.chain_order(sim.schedule, [s.op for s in waits], sim.world):
         for k, step in enumerate(steps):
             sim.written, sim.rounding = written[k], _rounding(step, rounding)
             half = split.half(step)
@@ -458,9 +459,10 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
                                                      sim.bufs[r][step.op.src],
                                                      sim.rounding).clone()
             elif half == split.WAIT:
-                if r in source:
+                if r in source[step.name]:
                     put = split.matched(sim).polls[step.name]
-                    sim.store(r, step.op.dst, pushed[put.name, source[r]].clone())
+                    sim.store(r, step.op.dst,
+                              pushed[put.name, source[step.name][r]].clone())
             else:
                 ranks = running.get(step.index)
                 skipped = {q for q in range(world)

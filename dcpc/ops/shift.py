@@ -19,8 +19,10 @@ The checker's world bound counts |k| ranks per wait of a shift.
 A ``phase: wait`` may come BEFORE its put on a chain (``wrap: false``, a perm with no
 cycle): the pipeline stage's receive, compute, send (``wait_first``). The k-th wait of
 a (src, dst, offset, wrap) polls the k-th put of it whichever comes first; only local
-steps, and other such waits of the same chain (the same ``peers``) with their puts, may
-stand between such a wait and its put, the puts in the order of their waits (two pairs
+steps, and other such waits of the same chain (the same rank -> peer edges at the W
+checked, however written: ``perm: r + 1`` is ``offset: next, wrap: false``; or of a
+chain along mesh axes apart, ``_span_clash``) with their puts, may stand between such a
+wait and its put, the puts in the order of their waits (two pairs
 interleaved: wait A, wait B, compute, put A, put B; ``wait-first-span``: the chain's
 liveness, docs/hb-checker.md); the float64 reference runs that span (overlapping spans
 merged) rank by rank along the chain (dcpc.harness.simulate; along an axis, each team's
@@ -235,8 +237,8 @@ def delta(op: Shift) -> int:
 
 
 def peers(op: Shift) -> tuple[str, str]:
-    """The sync peers of a shift: (those it signals, those it waits for); two shifts
-    with the same are on the same ring, line or perm (one chain of a wait first)."""
+    """The sync peers of a shift: (those it signals, those it waits for), as written
+    (which ranks a wait first's chain links is ``_differ``'s, by edges at each W)."""
     k, dests = delta(op), table(op)
     if op.perm is not None:
         return perm_peers(dests), perm_peers(inverse(dests))
@@ -345,7 +347,51 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
                 "after it",
                 f"move '{between.name}' before '{step.name}' or after '{put.name}'")
         return
+    clash = _span_clash(v.ctx, step)
+    if clash is not None:
+        other, differ = clash
+        v.error(op.mark("phase"), "wait-first-span",
+                f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
+                f"send), and the waits written before their puts that overlap it include "
+                f"'{other.name}', a shift along another chain on a common axis ({differ}): "
+                "one chain is one set of rank -> peer edges at each W, however it is "
+                "written; two chains may interleave only along axes apart (no axis in "
+                "common), else a rank may wait there for what it sends only after its put",
+                f"move '{other.name}' and its put out of the span of '{step.name}', or "
+                "run the two chains along different axes")
+        return
     _verify_put_order(v, step, put)
+
+
+def _span_clash(holder: Any, step: Step) -> tuple[Step, str] | None:
+    """Another wait written before its put, in the merged span that holds ``step``'s
+    (overlapping spans, docs/hb-checker.md), whose chain differs from ``step``'s on a
+    common axis (with where the edges differ), or None. Chains equal, or along axes
+    apart, are live interleaved: a cycle through their edges would be a closed walk in
+    each chain's own team graph (an edge along other axes keeps those coordinates)."""
+    spans = sorted((s.index, p.index) for s in holder.schedule.step_list()
+                   if isinstance(s.op, Shift) and (p := wait_first(holder, s)) is not None)
+    start, end = step.index, wait_first(holder, step).index  # type: ignore[union-attr]
+    grown = True
+    while grown:  # the overlapping spans, merged
+        grown = False
+        for a, b in spans:
+            if a <= end and b >= start and (a < start or b > end):
+                start, end, grown = min(a, start), max(b, end), True
+    mesh = mesh_of(holder.schedule)
+    every = frozenset(range(len(mesh.axes)))
+
+    def axes(op: Shift) -> frozenset[int]:
+        return frozenset(mesh.team_axes(op) or every)
+
+    steps = holder.schedule.step_list()
+    for a, _ in spans:
+        other = steps[a]
+        if start <= a <= end and a != step.index and axes(other.op) & axes(step.op):
+            differ = _differ(holder, step.op, other.op)
+            if differ is not None:
+                return other, differ
+    return None
 
 
 def _between(holder: Any, op: Shift, between: Step) -> str | None:
@@ -355,11 +401,6 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
     other = between.op
     if not isinstance(other, Shift) or other.phase is None:
         return "communicates (it signals, waits or reaches another rank's buffers)"
-    if _chain(holder, other) != _chain(holder, op):
-        return (f"is a {other.phase} of a shift written with other peers or axes "
-                f"({_chain_text(holder, other)}, not {_chain_text(holder, op)}; one chain "
-                "is one offset with 'wrap: false', or one perm, along the same axes): its "
-                "rank may wait there for what this rank sends only after its put")
     if other.phase == "wait" and wait_first(holder, between) is None:
         return ("waits for a put written before it (only waits written before their "
                 "puts, with those puts, may stand there)")
@@ -370,18 +411,20 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
     return None
 
 
-def _chain(holder: Any, op: Shift) -> tuple[tuple[str, str], Any]:
-    """What makes two waits written before their puts one chain: the same sync peers
-    (``peers``) along the same team (an offset along gpu and one along node have the
-    same peers, line+1, in different teams)."""
-    return peers(op), mesh_of(holder.schedule).team_axes(op)
-
-
-def _chain_text(holder: Any, op: Shift) -> str:
-    mesh = mesh_of(holder.schedule)
-    axes = mesh.team_axes(op)
-    along = "" if axes is None else f" along {', '.join(mesh.names(axes))}"
-    return f"peers {peers(op)[0]}{along}"
+def _differ(holder: Any, op: Shift, other: Shift) -> str | None:
+    """Where ``other`` moves data along another chain than ``op``, or None: one chain is
+    the set of (source -> receiving rank) edges the shift realises at each W checked
+    (``sources``; along an axis, every team's), not its spelling: ``perm: r + 1`` and
+    ``offset: next, wrap: false`` are one chain, a perm that differs at one rank is not."""
+    for world in holder.samples.worlds:
+        mine = sources(holder.schedule, op, world)
+        theirs = sources(holder.schedule, other, world)
+        if mine == theirs:
+            continue
+        r = min(set(mine) ^ set(theirs) or {q for q in mine if mine[q] != theirs[q]})
+        there, here = (f"from rank {q[r]}" if r in q else "nothing" for q in (theirs, mine))
+        return f"at W={world} rank {r} receives {there} by it, {here} by the wait"
+    return None
 
 
 def _verify_put_order(v: ShapeRules, step: Step, put: Step) -> None:
@@ -420,25 +463,32 @@ def sources(schedule: ScheduleView, op: Shift, world: int) -> dict[int, int]:
     return {r: s for r, s in found.items() if s is not None}
 
 
-def chain_order(schedule: ScheduleView, op: Shift, world: int) -> list[int]:
-    """The ranks in the order a wait written before its put finishes on them: a rank
-    after the rank it receives from (the first rank of each chain waits for nobody; a
-    team along an axis: each team's chain in that order). Only for a chain (``wrap:
-    false``, an acyclic perm): the checker refuses a cycle."""
-    source = sources(schedule, op, world)
+def chain_order(schedule: ScheduleView, ops: list[Shift], world: int) -> list[int]:
+    """The ranks in the order the waits written before their puts of one merged span
+    (``ops``: their shifts) finish on them: a rank after every rank it receives from by
+    any of them (the first rank of each chain waits for nobody; a team along an axis:
+    each team's chain in that order). Only for chains whose edges together have no
+    cycle (one chain, or chains along axes apart: ``_span_clash``)."""
+    source = [sources(schedule, op, world) for op in ops]
     order: list[int] = []
     done: set[int] = set()
     for start in range(int(world)):
-        path = []
-        r = start
-        while r not in done and r not in path:
-            path.append(r)
-            if r not in source:
-                break
-            r = source[r]
-        for q in reversed(path):  # the chain's head (no source) first
-            done.add(q)
-            order.append(q)
+        stack, path = [start], {start}
+        while stack:  # depth first: every source of a rank before it
+            r = stack[-1]
+            # a source on the path would be a cycle (refused): not waited for, so this
+            # ends on any input
+            pending = [q for m in source
+                       if (q := m.get(r)) is not None and q not in done and q not in path]
+            if pending:
+                stack.append(pending[0])
+                path.add(pending[0])
+            else:
+                stack.pop()
+                path.discard(r)
+                if r not in done:
+                    done.add(r)
+                    order.append(r)
     return order
 
 

@@ -8,16 +8,19 @@ reference per team, and `dcpc run` of the ops files on the host and torch backen
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from support.exec_oracle_agree import checker_covers
-from support.hb_oracle import random_mesh_schedule_text
+from support.exec_oracle_agree import channel_names, checker_covers
+from support.hb_oracle import oracle_keys, random_mesh_schedule_text
 from support.schedules import run_clean
 
 from dcpc.check import hb, structural
+from dcpc.check.oracle import explore
+from dcpc.codegen.lower import lower
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import simulate
 from dcpc.harness import trace as tr
@@ -328,20 +331,114 @@ def test_dcpc_run_with_a_backend_per_axis_matches_float64(path: Path, backend: d
         assert report.outputs[out].compared == 3 * (6 if path == PERM else 4), text
 
 
-def test_pairs_along_two_axes_are_two_chains() -> None:
-    """Review: an offset along gpu and one along node have the same peers (line+1) in
-    different teams; taken for one chain, the float64 reference ran the node wait from
-    the gpu line's sources (an UnwrittenRead). Interleaved, they are refused, located."""
-    text = PAIR.read_text().replace(
-        "src: aux, dst: rb, offset: next, wrap: false, phase: wait",
-        "src: aux, dst: rb, offset: next, wrap: false, phase: wait, axis: node").replace(
-        "{op: shift, axis: gpu, src: aux", "{op: shift, src: aux").replace(
-        "src: aux, dst: rb, offset: next, wrap: false, phase: put",
-        "src: aux, dst: rb, offset: next, wrap: false, phase: put, axis: node")
-    found = [d for d in _errors(text, MeshWorld((2, 2))) if d.code == "wait-first-span"]
-    assert found, text
-    assert any("peers line+1 along node, not peers line+1 along gpu" in d.message
-               for d in found), found
+CROSS = ROOT / "tests" / "mesh_backends" / "wait_first_cross_axes.yaml"
+# the node chain run backwards (offset prev: the last node starts it)
+CROSS_BACK = CROSS.read_text().replace(
+    "axis: node, src: aux, dst: rb, offset: next", "axis: node, src: aux, dst: rb, offset: prev"
+).replace('"node == 0"', '"node == N - 1"').replace('"node > 0"', '"node < N - 1"').replace(
+    "axis: node, to: prev", "axis: node, to: next").replace(
+    "axis: node, from: next", "axis: node, from: prev")
+
+
+def _cross(which: str) -> str:
+    return CROSS.read_text() if which == "forward" else CROSS_BACK
+
+
+@pytest.mark.parametrize("world", SHAPES + [MeshWorld((3, 3))], ids=str)
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_pairs_along_two_axes_interleave(which: str, world: MeshWorld) -> None:
+    """Two chains along axes apart (gpu, node; either direction) close no cycle: an edge
+    along node keeps the gpu coordinate, so a cycle would be one of the gpu line alone.
+    Interleaved, they are proved by the checker, the brute force and the execution
+    oracle alike (the review's UnwrittenRead: the reference now takes each wait's own
+    sources, a rank after all of them)."""
+    assert CROSS_BACK.count("offset: prev") == 2
+    assert _errors(_cross(which), world) == []
+    assert checker_covers(_cross(which), world) == (set(), set())
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("world", SHAPES[:2], ids=str)
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_dcpc_run_of_pairs_along_two_axes_matches_float64(
+        which: str, world: MeshWorld, tmp_path: Path) -> None:
+    path = tmp_path / f"{which}.yaml"
+    path.write_text(_cross(which))
+    report, text = run_clean(schedule=str(path), world=world, backend="host", calls=3,
+                             seed=9)
+    n, g = world.shape  # ra: all but gpu 0 of each node; rb: all but one node's ranks
+    assert report.outputs["ra"].compared == 3 * n * (g - 1), text
+    assert report.outputs["rb"].compared == 3 * (n - 1) * g, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", {"node": "torch", "gpu": "host"}], ids=str)
+def test_dcpc_run_of_pairs_along_two_axes_on_gloo_matches_float64(backend: Any) -> None:
+    """The two chains on gloo (each on its team's group), and the node chain on gloo
+    beside the gpu chain's host kernels."""
+    report, text = run_clean(schedule=str(CROSS), world=MeshWorld((2, 3)), backend=backend,
+                             calls=3, seed=10)
+    assert report.outputs["ra"].compared == 3 * 2 * 2, text
+    assert report.outputs["rb"].compared == 3 * 1 * 3, text
+
+
+# two chains on a common axis that close a cycle: (a) the gpu line and the gpu line
+# backwards; (b) the gpu line and a perm over the whole mesh (both axes) that sends
+# each odd gpu back to its even one (2x2: ranks 1 -> 0 and 3 -> 2)
+ON_ONE_AXIS = {
+    "gpu backwards": CROSS.read_text().replace(
+        "axis: node, src: aux, dst: rb, offset: next", "axis: gpu, src: aux, dst: rb, "
+        "offset: prev"),
+    "whole-mesh perm": CROSS.read_text().replace(
+        "axis: node, src: aux, dst: rb, offset: next, wrap: false",
+        "src: aux, dst: rb, perm: [-1, 0, -1, 2]")}
+
+
+@pytest.mark.parametrize("case", sorted(ON_ONE_AXIS))
+def test_pairs_on_a_common_axis_that_deadlock_are_refused_located(case: str) -> None:
+    """Refused (wait-first-span, at the first wait, naming the other chain and where the
+    edges differ); without the refusal the brute force and the execution oracle both
+    find the deadlock the happens-before model (which drops each chain's wait edges)
+    would miss."""
+    text, world = ON_ONE_AXIS[case], MeshWorld((2, 2))
+    found = [d for d in _errors(text, world) if d.code == "wait-first-span"]
+    first = next(d for d in found if "'wa' waits before its put 'pa'" in d.message)
+    assert first.mark.line == next(i for i, t in enumerate(text.splitlines(), 1)
+                                   if "- wa:" in t)
+    assert "include 'wb', a shift along another chain on a common axis (at W=2x2" in \
+        first.message
+    assert "run the two chains along different axes" in first.hint
+    schedule = parse_text(text, "s.yaml", world)
+    dead = {k for k in oracle_keys(schedule, world) if k[0] == "deadlock"}
+    assert ("deadlock", "cycle", "pa", "wa", "pa") in dead, dead
+    run = explore(lower(schedule, [world]), world, channels=channel_names(schedule))
+    assert run.hung
+
+
+PAIR_TWO_WAYS = "".join(
+    ln.replace("offset: next, wrap: false", 'perm: "r + 1"') if "src: aux" in ln else ln
+    for ln in PAIR.read_text().splitlines(keepends=True))
+
+
+@pytest.mark.parametrize("world", SHAPES, ids=str)
+def test_one_chain_along_an_axis_written_two_ways_interleaves(world: MeshWorld) -> None:
+    """The second pair by the member perm r + 1 along gpu, the first by 'offset: next,
+    wrap: false': the same edges in every team, so one chain, proved by all three."""
+    assert PAIR_TWO_WAYS.count('perm: "r + 1"') == 2
+    assert _errors(PAIR_TWO_WAYS, world) == []
+    assert checker_covers(PAIR_TWO_WAYS, world) == (set(), set())
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("world", SHAPES[:2], ids=str)
+def test_dcpc_run_of_one_chain_along_an_axis_written_two_ways_matches_float64(
+        tmp_path: Path, world: MeshWorld) -> None:
+    path = tmp_path / "two_ways.yaml"
+    path.write_text(PAIR_TWO_WAYS)
+    report, text = run_clean(schedule=str(path), world=world, backend="host", calls=2,
+                             seed=8)
+    for out in ("ra", "rb"):  # the members with a source: all but gpu 0 of each node
+        assert report.outputs[out].compared == 2 * (int(world) - world.shape[0]), text
 
 
 def test_a_perm_along_an_axis_without_a_mesh_is_an_unknown_axis() -> None:
