@@ -261,7 +261,10 @@ def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
                       f"number at W={where.world}{_also(where, node)}: {where.detail}",
                       hint="divide only by what divides it for every W checked")
             return
+    reported: set[str] = set()  # one error per end (several counts' capacities: the first)
     for positive, says, hint, end in _range_asks(ctx, name, buffer, bounds, reads):
+        if end in reported:
+            continue
         at = ctx.samples.nonpositive(positive)
         if at is not None and at.undecided:
             ctx.error(buffer.values.mark(end), "shape-undecided",
@@ -269,6 +272,8 @@ def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
                       f"its sizes: {at.detail}", hint="write its ends as simpler expressions")
         elif at is not None:
             ctx.error(buffer.values.mark(end), "bad-values", says(at), hint=hint)
+        if at is not None:
+            reported.add(end)
 
 
 _Ask = tuple[ex.Expr, Callable[[Counterexample], str], str, str]

@@ -415,7 +415,14 @@ def _differ(holder: Any, op: Shift, other: Shift) -> str | None:
     """Where ``other`` moves data along another chain than ``op``, or None: one chain is
     the set of (source -> receiving rank) edges the shift realises at each W checked
     (``sources``; along an axis, every team's), not its spelling: ``perm: r + 1`` and
-    ``offset: next, wrap: false`` are one chain, a perm that differs at one rank is not."""
+    ``offset: next, wrap: false`` are one chain, a perm that differs at one rank is not.
+    Two offsets are compared as written (team axes, offset, wrap): their edges at the W
+    checked may agree (none at all when the offset passes every team size checked) while
+    a larger W, which the module does not refuse, links other ranks."""
+    team = mesh_of(holder.schedule).team_axes
+    offsets = op.perm is None and other.perm is None
+    if offsets and (team(op), delta(op), op.wrap) == (team(other), delta(other), other.wrap):
+        return None
     for world in holder.samples.worlds:
         mine = sources(holder.schedule, op, world)
         theirs = sources(holder.schedule, other, world)
@@ -424,6 +431,9 @@ def _differ(holder: Any, op: Shift, other: Shift) -> str | None:
         r = min(set(mine) ^ set(theirs) or {q for q in mine if mine[q] != theirs[q]})
         there, here = (f"from rank {q[r]}" if r in q else "nothing" for q in (theirs, mine))
         return f"at W={world} rank {r} receives {there} by it, {here} by the wait"
+    if offsets:  # no W checked shows it (an offset past every team size checked)
+        return (f"its offset {delta(other)} is not the wait's {delta(op)}: at a W past both "
+                "they link other ranks")
     return None
 
 

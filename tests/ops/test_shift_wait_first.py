@@ -508,3 +508,40 @@ def test_a_line_race_names_a_writer_the_line_has(order: str) -> None:
     assert shown, [f.message for f in report.findings]
     for loc in shown:
         assert 0 <= loc.rank + 1 < 3 and loc.owner == loc.rank + 1, loc
+
+
+FAR = """\
+schedule: far_both_ways
+slots: 1
+sizes:
+  T: {max: 8}
+  D: 8
+buffers:
+  x:    {shape: [T, D], dtype: f32}
+  act:  {shape: [T, D], dtype: f32}
+  aux:  {shape: [T, D], dtype: f32}
+  ra:   {shape: [T, D], dtype: f32, symmetric: true}
+  rb:   {shape: [T, D], dtype: f32, symmetric: true}
+  out:  {shape: [T, D], dtype: f32}
+steps:
+  - wa:     {op: shift, src: act, dst: ra, offset: 9, wrap: false, phase: wait}
+  - wb:     {op: shift, src: aux, dst: rb, offset: -9, wrap: false, phase: wait}
+  - mk:     {op: external, reads: [x], writes: [act, aux]}
+  - pa:     {op: shift, src: act, dst: ra, offset: 9, wrap: false, phase: put}
+  - pb:     {op: shift, src: aux, dst: rb, offset: -9, wrap: false, phase: put}
+  - credit_a: {op: signal, to: all, channel: free_a}
+  - freed_a: {op: wait, from: all, channel: free_a}
+  - last:   {op: external, reads: [act, aux], writes: [out]}
+"""
+
+
+def test_two_offsets_past_every_w_checked_are_still_two_chains() -> None:
+    """Offsets 9 and -9 (wrap: false) link no ranks at W 2..4, so their edges agree
+    there; at W = 10 rank 0 waits for rank 9 and rank 9 for rank 0, each before its put,
+    and the module does not refuse W = 10. Offsets are compared as written (found by
+    review: compared by their edges at the W checked, this file passed)."""
+    errors = _errors(FAR)
+    assert [e.code for e in errors] == ["wait-first-span"] * 2, errors
+    assert "its offset -9 is not the wait's 9" in errors[0].message
+    same = FAR.replace("offset: -9", "offset: 9")
+    assert _errors(same) == []  # the same offset twice: one chain, two pairs
