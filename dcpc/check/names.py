@@ -24,8 +24,8 @@ from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, Schedule, Step
 from dcpc.lang.questions import Counterexample
 from dcpc.lang.sizes import WORLD
-from dcpc.ops import OPS
 from dcpc.ops.iface import Counts, RowIndex
+from dcpc.ops.registry import input_rules
 from dcpc.ops.sync import Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
@@ -325,13 +325,8 @@ def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, 
 def _value_rules(schedule: Schedule, name: str) -> list[tuple[Step, object]]:
     """(step, rule): what each step's op declares about the values of ``name`` that it
     reads (``OpDef.inputs``, dcpc.ops.iface), in step order."""
-    found = []
-    for step in schedule.step_list():
-        rules = OPS[step.op.op].inputs
-        rule = rules(step.op).get(name) if rules is not None else None
-        if rule is not None:
-            found.append((step, rule))
-    return found
+    return [(step, rules[name]) for step, rules
+            in zip(schedule.step_list(), input_rules(schedule), strict=True) if name in rules]
 
 
 def _also(where: Counterexample, *nodes: ex.Expr) -> str:

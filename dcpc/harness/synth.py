@@ -32,8 +32,8 @@ from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.ops import OPS, cast
 from dcpc.ops.external import External
-from dcpc.ops.iface import Counts, InputRule, Requests, RowIndex, TensorScale, Unsent
-from dcpc.ops.registry import names
+from dcpc.ops.iface import Counts, Requests, RowIndex, TensorScale, Unsent
+from dcpc.ops.registry import input_rules, names
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
 DEFAULT_SMALL_MAX = 8
@@ -74,16 +74,6 @@ def unsent_outputs(steps: list[m.Step]) -> set[str]:
     ``OpDef.outputs`` gives the ``Unsent`` rule (a ragged exchange's rows past a count)."""
     return {name for s in steps if (rules := OPS[s.kind].outputs) is not None
             for name, rule in rules(s.op).items() if isinstance(rule, Unsent)}
-
-
-def input_rules(schedule: m.Schedule) -> list[dict[str, InputRule]]:
-    """Every step's rules for the values of buffers it reads (its op's ``OpDef.inputs``,
-    dcpc/ops/), in step order."""
-    found: list[dict[str, InputRule]] = []
-    for step in schedule.step_list():
-        rules = OPS[step.op.op].inputs
-        found.append(rules(step.op) if rules is not None else {})
-    return found
 
 
 def _request_mask(schedule: m.Schedule) -> tuple[m.Step, Requests] | None:

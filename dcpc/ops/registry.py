@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from dcpc.lang.nodes import BUFFER_KEYS, Name
 
 if TYPE_CHECKING:
-    from dcpc.lang.nodes import OpBase, Step
+    from dcpc.lang.nodes import OpBase, ScheduleView, Step
     from dcpc.ops.common import Scope, Semantics
     from dcpc.ops.iface import InputRule, LowerRules, OutputRule, ShapeRules, SimView
 
@@ -124,6 +124,17 @@ def define(op: OpDef) -> OpDef:
                          "dcpc.lang.nodes.BUFFER_KEYS (say there whether it reads or writes them)")
     OPS[op.name] = op
     return op
+
+
+def input_rules(schedule: ScheduleView) -> list[dict[str, InputRule]]:
+    """Every step's rules for the values of the buffers it reads (its op's ``inputs``),
+    in step order: what ``dcpc run``'s synthetic values respect (dcpc.harness.synth) and
+    what a buffer's declared ``values`` range is checked against (dcpc.check.names)."""
+    found: list[dict[str, InputRule]] = []
+    for step in schedule.step_list():
+        rules = OPS[step.op.op].inputs
+        found.append(rules(step.op) if rules is not None else {})
+    return found
 
 
 def buffer_fields(model: type[OpBase]) -> list[str]:
