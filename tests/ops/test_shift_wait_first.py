@@ -510,28 +510,15 @@ def test_a_line_race_names_a_writer_the_line_has(order: str) -> None:
         assert 0 <= loc.rank + 1 < 3 and loc.owner == loc.rank + 1, loc
 
 
-FAR = """\
-schedule: far_both_ways
-slots: 1
-sizes:
-  T: {max: 8}
-  D: 8
-buffers:
-  x:    {shape: [T, D], dtype: f32}
-  act:  {shape: [T, D], dtype: f32}
-  aux:  {shape: [T, D], dtype: f32}
-  ra:   {shape: [T, D], dtype: f32, symmetric: true}
-  rb:   {shape: [T, D], dtype: f32, symmetric: true}
-  out:  {shape: [T, D], dtype: f32}
-steps:
-  - wa:     {op: shift, src: act, dst: ra, offset: 9, wrap: false, phase: wait}
-  - wb:     {op: shift, src: aux, dst: rb, offset: -9, wrap: false, phase: wait}
-  - mk:     {op: external, reads: [x], writes: [act, aux]}
-  - pa:     {op: shift, src: act, dst: ra, offset: 9, wrap: false, phase: put}
-  - pb:     {op: shift, src: aux, dst: rb, offset: -9, wrap: false, phase: put}
-  - credit_a: {op: signal, to: all, channel: free_a}
-  - freed_a: {op: wait, from: all, channel: free_a}
-  - last:   {op: external, reads: [act, aux], writes: [out]}
+FAR = PAIR_HEAD + """\
+  - wa: {op: shift, src: act, dst: recv, offset: 9, wrap: false, phase: wait}
+  - wb: {op: shift, src: aux, dst: recv_b, offset: -9, wrap: false, phase: wait}
+  - mk: {op: external, reads: [x], writes: [act, aux]}
+  - pa: {op: shift, src: act, dst: recv, offset: 9, wrap: false, phase: put}
+  - pb: {op: shift, src: aux, dst: recv_b, offset: -9, wrap: false, phase: put}
+  - credit: {op: signal, to: all, channel: free}
+  - freed: {op: wait, from: all, channel: free}
+  - last: {op: external, reads: [act, aux], writes: [out]}
 """
 
 
