@@ -34,6 +34,8 @@ class TeamsMixin:
     """The team helpers the emitted code of team ops calls (``self._team_*``)."""
 
     MESH: ClassVar[tuple[tuple[str, str | int], ...]] = ()
+    # the worlds the schedule was checked for (W, or mesh shapes on a mesh); () for none
+    WORLDS: ClassVar[tuple[int | tuple[int, ...], ...]] = ()
     TEAMS: ClassVar[dict[str, tuple[int, ...]]] = {}
 
     rank: int
@@ -62,6 +64,19 @@ class TeamsMixin:
             raise DcpcArgumentError(
                 f"{type(self).__name__}: the mesh {shape} has {total} ranks, but the group "
                 f"has {self.world}")
+        # the proof covers the worlds the module was checked for, no other: a ring
+        # offset, a chain or a credit that is safe at W 2..8 need not be at W = 10. A
+        # group of one rank (group=None) has no peer to race with and is always served.
+        here = self.mesh_shape if self.MESH else self.world
+        proved = self.WORLDS
+        if self.world > 1 and proved and here not in proved:
+            said = "x".join(map(str, here)) if self.MESH else str(here)
+            shown = ", ".join("x".join(map(str, w)) if isinstance(w, tuple) else str(w)
+                              for w in proved)
+            raise DcpcArgumentError(
+                f"{type(self).__name__}: this module was proved and compiled for W "
+                f"{shown}, but the group is {said}; compile it with --world {said} (or a "
+                "list of worlds that holds it)")
         self._team_cache: dict[tuple, Any] = {}
 
     def _team(self, step: str) -> tuple[list[int], int]:
