@@ -393,9 +393,10 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
     tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)
     rows = torch.arange(math.prod(x_shape[:-1]))
-    # x a slice (`z_back[k]`, unrolled to z_back_<k>): the counts of the same slice first
-    # (the chunk's own counts: DeepEP normal mode's chunks, schedules/gallery)
-    chunk = _slice_index(rule.rows)
+    # the weights a slice (`tok_w[k]`, unrolled to tok_w_<k>: chunk k's), else x: the counts
+    # of the same slice first (the chunk's own counts: DeepEP normal mode's chunks,
+    # schedules/gallery, whose x is the slot `z_back[k % R]` of a ring)
+    chunk = _slice_index(rule.weights) or _slice_index(rule.rows)
     ordered = sorted(capacities.items(), key=lambda item: chunk is not None
                      and _slice_index(item[0]) != chunk)
     for counts, cap in ordered:
