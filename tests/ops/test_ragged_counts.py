@@ -138,11 +138,14 @@ def test_an_index_an_engine_step_writes_picks_live_rows_of_its_own_counts() -> N
                             external=synth.make_external(schedule, world, sizes, 0, call))
         cap = sizes["N"] * sizes["C"]
         for rank in out:
-            for k in range(2):  # each chunk's slots: live rows of that chunk's counts
-                live = {g * cap + c for g, n in enumerate(rank[f"n_fwd_{k}"].tolist())
-                        for c in range(n)}
-                slots = set(rank[f"fwd_slot_{k}"].reshape(-1).tolist()) - {-1}
-                assert slots <= live, (call, k, sorted(slots - live))
+            for k in range(3):  # each chunk's slots: live rows of that chunk's counts
+                # (not of the ring slot's name: chunk 2 lands in y_fwd[0], z_back[0])
+                for index, counts, size in (("fwd_slot", "n_fwd", cap),
+                                            ("tok_slot", "n_send", sizes["C"])):
+                    live = {g * size + c for g, n in enumerate(rank[f"{counts}_{k}"].tolist())
+                            for c in range(n)}
+                    slots = set(rank[f"{index}_{k}"].reshape(-1).tolist()) - {-1}
+                    assert slots <= live, (call, k, index, sorted(slots - live))
                 assert bool(rank[f"fwd_w_{k}"].isfinite().all())
                 assert bool(rank[f"z_rail_{k}"].isfinite().all())
                 assert bool(rank[f"out_{k}"].isfinite().all())
