@@ -231,6 +231,46 @@ def test_deepep_normal_sender_without_the_rdma_head_overwrites_a_slot() -> None:
     assert disagreements(parse_file(NO_HEAD, SHAPES[0]), SHAPES[:1]) == []
 
 
+def without_channel(text: str, channel: str, loops: tuple[str, ...]) -> str:
+    """``text`` less every step on ``channel`` and the loops named (their open/drain)."""
+    kept: list[str] = []
+    skip = -1
+    for line in text.splitlines(keepends=True):
+        indent = len(line) - len(line.lstrip())
+        if skip >= 0 and (not line.strip() or indent > skip):
+            continue
+        skip = -1
+        if any(line.lstrip().startswith(f"- {name}:") for name in loops):
+            skip = indent
+        elif f"channel: {channel}" not in line:
+            kept.append(line)
+    return "".join(kept)
+
+
+@pytest.mark.parametrize(("channel", "loops", "rdma", "nvl", "ring"), [
+    ("nvl_head", ("nvl_open", "nvl_drain"), 2, 1,
+     ("x_recv", "s_recv", "ids_recv", "w_recv", "n_recv")),
+    ("back_head", ("rail_open", "rail_drain"), 1, 2, ("z_back", "n_back"))],
+    ids=["dispatch_nvl_head_v1", "combine_back_head_r1"])
+def test_deepep_normal_second_hop_credits_matter_at_one_slot(
+        tmp_path: Path, channel: str, loops: tuple[str, ...], rdma: int, nvl: int,
+        ring: tuple[str, ...]) -> None:
+    """Only the first hop's ring (the dispatch's RDMA, the combine's NVLink) runs ahead in
+    this program order; the second hop's put and read of a chunk fall in one loop
+    iteration, so its credits (nvl_head, back_head) guard a slot only at a ring of one:
+    without them the next chunk's put lands in slot 0 while the receiver still reads it.
+    Refused there with a race on that ring's slot 0; checker = brute force."""
+    path = ring_slots(tmp_path, rdma, nvl)
+    path.write_text(without_channel(path.read_text(), channel, loops))
+    assert f"channel: {channel}" not in path.read_text()
+    result = CliRunner().invoke(main, ["check", str(path)])
+    assert result.exit_code != 0 and "race on" in result.output, result.output
+    schedule = parse_file(path, SHAPES[0])
+    found = {f.key for f in hb.check(schedule, [SHAPES[0]], hints=False).findings}
+    assert found and found == oracle_keys(schedule, SHAPES[0]), found
+    assert {k[2] for k in found} <= {f"{b}_0" for b in ring}, found
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(("rdma", "nvl", "backend"), [
     (1, 1, "host"), (3, 3, "host"), (1, 2, {"node": "torch", "gpu": "host"})],
