@@ -205,7 +205,7 @@ def ring_slots(tmp_path: Path, rdma: int, nvl: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("rdma", "nvl"), [(1, 1), (1, 3), (2, 1), (3, 3)])
+@pytest.mark.parametrize(("rdma", "nvl"), [(1, 1), (1, 3), (2, 1), (2, 3), (3, 1), (3, 3)])
 def test_deepep_normal_rings_of_any_slot_count_are_proved(tmp_path: Path, rdma: int,
                                                           nvl: int) -> None:
     """Rings of R (RDMA) and V (NVLink) chunk slots, 1 <= R, V <= P = 3 (R = P: no refill
