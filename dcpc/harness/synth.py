@@ -243,7 +243,7 @@ def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: B
     for rules in input_rules(schedule):  # the first step's that reads it as an index
         rule = rules.get(name)
         if isinstance(rule, RowIndex):
-            return row_index(schedule, rule, sizes, bufs, capacities, gen)
+            return row_index(schedule, name, rule, sizes, bufs, capacities, gen)
     return torch.randint(0, 100, shape, generator=gen, dtype=torch.int64)
 
 
@@ -381,21 +381,22 @@ def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str
             if isinstance(rule, Counts)}
 
 
-def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
+def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[str, int],
               bufs: Buffers, capacities: Mapping[str, int],
               gen: torch.Generator) -> torch.Tensor:
-    """An index [T, K] into the rows of ``rule.rows`` (x): distinct rows per token where
-    it can, a quarter of the slots empty (-1). x [W, capacity, H] on a rank whose counts
-    of that capacity the engine passes: only the rows those counts make live (rows
-    ``[0, counts[j])`` of block j, counts this rank's own: the MoE round trip, a ragged
-    move's return trip), never a row past a count."""
-    *lead, topk = buffer_shape(schedule, rule.weights, sizes)  # [*T, K]
+    """The index ``name`` [T, K] into the rows of ``rule.rows`` (x): distinct rows per
+    token where it can, a quarter of the slots empty (-1). x [W, capacity, H] on a rank
+    whose counts of that capacity the engine passes: only the rows those counts make live
+    (rows ``[0, counts[j])`` of block j, counts this rank's own: the MoE round trip, a
+    ragged move's return trip), never a row past a count. Of several such counts, those
+    of the index's own slice first (``tok_slot[k]``, unrolled to ``tok_slot_<k>``: chunk
+    k's index picks rows of chunk k's counts, also where x is the slot ``z_back[k % R]``
+    of a ring: DeepEP normal mode, schedules/gallery), else of x's slice."""
+    *lead, topk = buffer_shape(schedule, name, sizes)  # [*T, K]
     tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)
     rows = torch.arange(math.prod(x_shape[:-1]))
-    # x a slice (`z_back[k]`, unrolled to z_back_<k>): the counts of the same slice first
-    # (the chunk's own counts: DeepEP normal mode's chunks, schedules/gallery)
-    chunk = _slice_index(rule.rows)
+    chunk = _slice_index(name) or _slice_index(rule.rows)
     ordered = sorted(capacities.items(), key=lambda item: chunk is not None
                      and _slice_index(item[0]) != chunk)
     for counts, cap in ordered:

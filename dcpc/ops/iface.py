@@ -49,13 +49,11 @@ class Counts:
 
 @dataclass(frozen=True)
 class RowIndex:
-    """[T, K] row numbers into ``rows`` seen as [rows, H] (``weights`` [T, K] gives T and
-    K): rows that exist, or -1 (an empty slot); of a ``rows`` [W, capacity, H] whose
-    capacity is that of a ``Counts`` buffer the engine passes, only rows ``[0, counts[j])``
-    of block j."""
+    """The index buffer's [T, K] row numbers into ``rows`` seen as [rows, H]: rows that
+    exist, or -1 (an empty slot); of a ``rows`` [W, capacity, H] whose capacity is that of
+    a ``Counts`` buffer the engine passes, only rows ``[0, counts[j])`` of block j."""
 
     rows: str
-    weights: str
 
 
 @dataclass(frozen=True)

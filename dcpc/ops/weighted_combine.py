@@ -152,7 +152,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 def inputs(op: WeightedCombine) -> dict[str, InputRule]:
     """``index``: rows of x that exist (some -1), and the fp8 ``output_scale``."""
-    rows = {op.index: RowIndex(*op.src)} if op.index is not None else {}
+    rows = {op.index: RowIndex(op.src[0])} if op.index is not None else {}
     return {**rows, **merge_input_rules(op)}
 
 

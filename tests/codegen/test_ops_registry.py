@@ -176,7 +176,7 @@ def test_every_scale_and_mask_of_the_conformance_schedules_has_its_input_rule() 
             if step.kind == "ragged_all_to_all":
                 want[op.counts] = iface.Counts(str(op.capacity))
             if step.kind == "weighted_combine" and op.index:
-                want[op.index] = iface.RowIndex(*op.src)
+                want[op.index] = iface.RowIndex(op.src[0])
             assert rules == want, (path.name, step.name)
             seen.update(type(r).__name__ for r in want.values())
     assert seen == {"TensorScale", "Requests", "Counts", "RowIndex"}

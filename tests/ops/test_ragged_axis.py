@@ -191,6 +191,102 @@ def test_deepep_normal_checker_agrees_with_brute_force_and_execution(path: Path)
     assert disagreements(parse_file(path, SHAPES[0]), SHAPES[:2]) == [], path.name
 
 
+NO_HEAD = ROOT / "tests" / "gallery_twins" / "deepep_normal.no_rdma_head.yaml"
+
+
+def ring_slots(tmp_path: Path, rdma: int, nvl: int) -> Path:
+    """The gallery file with R RDMA and V NVLink chunk slots per receive ring (P = 3)."""
+    text = GALLERY.read_text()
+    sized = text.replace("\n  R: 2 ", f"\n  R: {rdma} ").replace("\n  V: 2 ", f"\n  V: {nvl} ")
+    assert "\n  P: 3 " in text and sized.count(f"\n  R: {rdma} ") == 1 \
+        and sized.count(f"\n  V: {nvl} ") == 1
+    path = tmp_path / f"deepep_normal_r{rdma}v{nvl}.yaml"
+    path.write_text(sized)
+    return path
+
+
+@pytest.mark.parametrize(("rdma", "nvl"), [(1, 1), (1, 3), (2, 1), (2, 3), (3, 1), (3, 3)])
+def test_deepep_normal_rings_of_any_slot_count_are_proved(tmp_path: Path, rdma: int,
+                                                          nvl: int) -> None:
+    """Rings of R (RDMA) and V (NVLink) chunk slots, 1 <= R, V <= P = 3 (R = P: no refill
+    hop, a loop of 0 hops): clean, and the brute force agrees at every shape."""
+    path = ring_slots(tmp_path, rdma, nvl)
+    for world in SHAPES[:2]:
+        schedule = parse_file(path, world)
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert found == oracle_keys(schedule, world) == set(), (rdma, nvl, world, found)
+
+
+def test_deepep_normal_sender_without_the_rdma_head_overwrites_a_slot() -> None:
+    """The twin whose RDMA sender refills slot c % R without every node peer's head: chunk
+    2 lands in slot 0 while a node peer may still forward chunk 0 out of it. Every race
+    is on the RDMA ring's slot 0 (x, scales, ids, weights, counts); checker = brute force
+    = execution."""
+    for world in SHAPES[:2]:
+        schedule = parse_file(NO_HEAD, world)
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert found and found == oracle_keys(schedule, world), (world, found)
+        assert {k[2] for k in found} <= {f"{b}_rail_0" for b in ("x", "s", "ids", "w", "n")}, \
+            found
+    assert disagreements(parse_file(NO_HEAD, SHAPES[0]), SHAPES[:1]) == []
+
+
+def without_channel(text: str, channel: str, loops: tuple[str, ...]) -> str:
+    """``text`` less every step on ``channel`` and the loops named (their open/drain)."""
+    kept: list[str] = []
+    skip = -1
+    for line in text.splitlines(keepends=True):
+        indent = len(line) - len(line.lstrip())
+        if skip >= 0 and (not line.strip() or indent > skip):
+            continue
+        skip = -1
+        if any(line.lstrip().startswith(f"- {name}:") for name in loops):
+            skip = indent
+        elif f"channel: {channel}" not in line:
+            kept.append(line)
+    return "".join(kept)
+
+
+@pytest.mark.parametrize(("channel", "loops", "rdma", "nvl", "ring"), [
+    ("nvl_head", ("nvl_open", "nvl_drain"), 2, 1,
+     ("x_recv", "s_recv", "ids_recv", "w_recv", "n_recv")),
+    ("back_head", ("rail_open", "rail_drain"), 1, 2, ("z_back", "n_back"))],
+    ids=["dispatch_nvl_head_v1", "combine_back_head_r1"])
+def test_deepep_normal_second_hop_credits_matter_at_one_slot(
+        tmp_path: Path, channel: str, loops: tuple[str, ...], rdma: int, nvl: int,
+        ring: tuple[str, ...]) -> None:
+    """Only the first hop's ring (the dispatch's RDMA, the combine's NVLink) runs ahead in
+    this program order; the second hop's put and read of a chunk fall in one loop
+    iteration, so its credits (nvl_head, back_head) guard a slot only at a ring of one:
+    without them the next chunk's put lands in slot 0 while the receiver still reads it.
+    Refused there with a race on that ring's slot 0; checker = brute force."""
+    path = ring_slots(tmp_path, rdma, nvl)
+    path.write_text(without_channel(path.read_text(), channel, loops))
+    assert f"channel: {channel}" not in path.read_text()
+    result = CliRunner().invoke(main, ["check", str(path)])
+    assert result.exit_code != 0 and "race on" in result.output, result.output
+    schedule = parse_file(path, SHAPES[0])
+    found = {f.key for f in hb.check(schedule, [SHAPES[0]], hints=False).findings}
+    assert found and found == oracle_keys(schedule, SHAPES[0]), found
+    assert {k[2] for k in found} <= {f"{b}_0" for b in ring}, found
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("rdma", "nvl", "backend"), [
+    (1, 1, "host"), (3, 3, "host"), (1, 2, {"node": "torch", "gpu": "host"})],
+    ids=["r1v1-host", "r3v3-host", "r1v2-node_torch"])
+def test_deepep_normal_rings_match_float64(tmp_path: Path, rdma: int, nvl: int,
+                                           backend: Any) -> None:
+    """One slot per ring (every chunk after the first waits for the head), a slot per
+    chunk, and the rail on gloo with the NVLink hops on host shared memory: every
+    output matches float64 at 2x2, the fp8 tokens and ids bit for bit."""
+    report = run_schedule(RunConfig(schedule=str(ring_slots(tmp_path, rdma, nvl)),
+                                    world=MeshWorld((2, 2)), backend=backend, calls=3, seed=3))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert report.outputs["out_2"].compared == 3 * 4, text
+
+
 def test_zero_and_full_counts_in_a_team_on_the_kernel(tmp_path: Path) -> None:
     """2x2 over gpu, two payloads (bf16 rows, i32 ids): member 0 sends nothing to member
     0 and a full block (capacity 4) to member 1, member 1 the reverse; each receiver gets

@@ -116,21 +116,33 @@ def test_counts_an_engine_step_writes_are_drawn_within_their_capacity(tmp_path: 
     assert report.ok, report.errors()
 
 
-def test_an_index_an_engine_step_writes_picks_live_rows_of_its_own_counts() -> None:
+ONE_WEIGHTS = (  # every chunk's reduce takes one [T, N] of weights: only the index is sliced
+    ("tok_w:      {shape: [P, T, N]", "tok_w:      {shape: [T, N]"),
+    ('"tok_w[c]"', "tok_w"), ('"tok_w[P - V + t]"', "tok_w"))
+
+
+@pytest.mark.parametrize("edits", [(), ONE_WEIGHTS], ids=["shipped", "one_weights"])
+def test_an_index_an_engine_step_writes_picks_live_rows_of_its_own_counts(
+        edits: tuple[tuple[str, str], ...]) -> None:
     """DeepEP normal mode's forwarding step writes the NVLink counts (n_fwd) and the slots
     its reduce reads later (fwd_slot, into the rows those counts return); it also reads
     only ragged receive buffers. The index was drawn against the previous call's counts
     and the float outputs derived from rows past a count (NaN in the reference, stale in
     a run): 3 to 7 mismatches at 2x2 in `dcpc run`. Now every slot is a live row and
-    every value finite."""
+    every value finite, also where the weights are one buffer for every chunk (the
+    counts are the index's own slice's, not the weights')."""
     from dcpc.harness import synth
     from dcpc.harness.simulate import simulate_call
     from dcpc.lang.mesh import MeshWorld
-    from dcpc.lang.parse import parse_file
+    from dcpc.lang.parse import parse_text
 
     world = MeshWorld((2, 2))
     path = Path(__file__).resolve().parents[2] / "schedules" / "gallery" / "deepep_normal.yaml"
-    schedule = parse_file(path, world)
+    text = path.read_text()
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    schedule = parse_text(text, path.name, world)
     for call in range(3):
         sizes = synth.call_sizes(schedule, world, {"N": 2, "G": 2, "C": 4, "T": 4}, 0, call)
         inputs = synth.call_inputs(schedule, world, sizes, 0, call)
@@ -138,11 +150,14 @@ def test_an_index_an_engine_step_writes_picks_live_rows_of_its_own_counts() -> N
                             external=synth.make_external(schedule, world, sizes, 0, call))
         cap = sizes["N"] * sizes["C"]
         for rank in out:
-            for k in range(2):  # each chunk's slots: live rows of that chunk's counts
-                live = {g * cap + c for g, n in enumerate(rank[f"n_fwd_{k}"].tolist())
-                        for c in range(n)}
-                slots = set(rank[f"fwd_slot_{k}"].reshape(-1).tolist()) - {-1}
-                assert slots <= live, (call, k, sorted(slots - live))
+            for k in range(3):  # each chunk's slots: live rows of that chunk's counts
+                # (not of the ring slot's name: chunk 2 lands in y_fwd[0], z_back[0])
+                for index, counts, size in (("fwd_slot", "n_fwd", cap),
+                                            ("tok_slot", "n_send", sizes["C"])):
+                    live = {g * size + c for g, n in enumerate(rank[f"{counts}_{k}"].tolist())
+                            for c in range(n)}
+                    slots = set(rank[f"{index}_{k}"].reshape(-1).tolist()) - {-1}
+                    assert slots <= live, (call, k, index, sorted(slots - live))
                 assert bool(rank[f"fwd_w_{k}"].isfinite().all())
                 assert bool(rank[f"z_rail_{k}"].isfinite().all())
                 assert bool(rank[f"out_{k}"].isfinite().all())
