@@ -249,8 +249,10 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
             by_signal: dict[int, list[int]] = {}
             wait = program.events[j].wait
             # a wait on a non-cyclic ("line") peer orders nothing: the edge ranks skip it,
-            # and every rank is modelled alike (its dependency still counts for liveness)
-            for d, js in match.get(j, ()) if wraps(wait[1] if wait else None) else ():
+            # and every rank is modelled alike (its dependency still counts for liveness);
+            # nor does a guarded one (when:), which some ranks skip
+            orders = wraps(wait[1] if wait else None) and program.events[j].orders
+            for d, js in match.get(j, ()) if orders else ():
                 by_signal.setdefault(js, []).append(d)  # type: ignore[arg-type]
             for js, deltas in by_signal.items():
                 other = clock[call * n + js]
