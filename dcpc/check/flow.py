@@ -158,15 +158,18 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
     for world in ctx.samples.worlds:
         running = wh.running(ctx.schedule, world)
 
-        def runs(step: Step, rank: int, running: dict = running) -> bool:
-            ranks = running.get(step.index)
+        def runs(acc: Access, rank: int, running: dict = running) -> bool:
+            # a store runs on the rank it writes where it lands there: at its own step,
+            # or at the receiver's wait (a split shift's put and wait, guarded apart:
+            # dcpc.check.when proved the put ran on the sender wherever the wait runs)
+            ranks = running.get((acc.at if acc.mode == "w" else acc.step).index)
             return ranks is None or rank in ranks
 
         for rank in range(int(world)):
             written: set[str] = set()
             for acc in found:
                 name = acc.ref.name
-                if name in reported or not runs(acc.step, rank):
+                if name in reported or not runs(acc, rank):
                     continue
                 if acc.mode == "w":
                     if _reaches(ctx, acc, rank, world):
@@ -184,8 +187,8 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                 # put: the chain, whose store lands at the wait)
                 earlier = [a for a in found if a.mode == "w" and a.ref.name == name
                            and min(a.step.index, a.at.index) < acc.step.index]
-                skipped = [a.step.name for a in earlier if not runs(a.step, rank)]
-                made = [a for a in earlier if runs(a.step, rank)]
+                skipped = [a.step.name for a in earlier if not runs(a, rank)]
+                made = [a for a in earlier if runs(a, rank)]
                 # a store that would reach this rank but lands at a wait after the read
                 flight = [a for a in made if _reaches(ctx, a, rank, world)
                           and a.at.index > acc.step.index]

@@ -254,6 +254,10 @@ class Sim:
                  inputs: list[Buffers], external: External):
         self.schedule, self.world, self.env, self.external = schedule, world, env, external
         self.bufs = [_RankBuffers(rank_inputs, r) for r, rank_inputs in enumerate(inputs)]
+        # where ``stash`` keeps a value: each rank's buffers, also for a rank that skips
+        # the step (``guarded``: a put's data held for the receiver's wait, which runs
+        # where the sender's put does, as dcpc.check.when proved)
+        self.held: list[Buffers] = self.bufs
         self.written: list[Buffers] = [{} for _ in range(world)]
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
         self.members: list[int] | None = None  # a team's view: its ranks (``team``)
@@ -269,6 +273,7 @@ class Sim:
         sub.schedule, sub.world, sub.env, sub.external = (
             self.schedule, len(ranks), self.env, self.external)
         sub.bufs = [self.bufs[r] for r in ranks]
+        sub.held = [self.held[r] for r in ranks]
         sub.written = [self.written[r] for r in ranks]
         sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
@@ -283,6 +288,7 @@ class Sim:
             self.schedule, self.world, self.env, self.external)
         sub.bufs = [_Unsent(self) if r in skipped else self.bufs[r]
                     for r in range(int(self.world))]
+        sub.held = self.held
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
         sub.rounding, sub.members = self.rounding, self.members
         return sub
@@ -315,7 +321,7 @@ class Sim:
     def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None:
         """Keep a value no schedule buffer holds (an implicit receive buffer), rounded to
         the dtype of buffer ``like``; not traced."""
-        self.bufs[rank][name] = as_stored(self.schedule, like, value, self.rounding)
+        self.held[rank][name] = as_stored(self.schedule, like, value, self.rounding)
 
     def all_to_all(self, src: str, dst: str, dim: int,
                    store: Callable[[int, str, torch.Tensor], None] | None = None) -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representatives, world_bound
-from dcpc.check.hb.clocks import World, analyze
+from dcpc.check.hb.clocks import World, analyze, gates
 from dcpc.check.hb.deadlock import find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
@@ -63,7 +63,7 @@ def check(
     events = 0
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
     for w in analysed:
-        world = analyze(program, w, calls)
+        world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
         events += w * len(world.live)
         for dead in find_deadlocks(world):

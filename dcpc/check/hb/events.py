@@ -78,9 +78,6 @@ class Event:
     signal: tuple[str, Peers | str] | None = None  # (channel: the step's own slots, to)
     wait: tuple[str, Peers | str] | None = None  # (channel: the polled step's slots, from)
     axes: tuple[int, ...] | None = None  # its team's mesh axes (dcpc.lang.mesh); None: all
-    # False: a wait whose step, or the step it polls, has a when: (some ranks skip it):
-    # every rank is modelled alike, so it orders nothing (its dependency still counts)
-    orders: bool = True
 
 
 @dataclass(frozen=True)
@@ -224,7 +221,6 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
     tracked = {b.name: b.kind == "shared" for b in plan.buffers
                if b.kind in ("symmetric", "shared")}
     steps = schedule.step_list()
-    guarded = {s.index for s in steps if getattr(s.op, "when", None) is not None}
     events: list[Event] = []
     names: dict[str, str] = {}
     for i, step in enumerate(plan.steps):
@@ -246,8 +242,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
             else:
                 channel = slot_channel(sync.polls)
             events.append(Event(i, "recv", after, wait=(channel, _peers(sync.wait)),
-                                axes=sync.axes,
-                                orders=not guarded & {i, sync.polls}))
+                                axes=sync.axes))
         elif after:
             events.append(Event(i, "local", after))
     return Program(
