@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.gallery import CALLS
+from support.gallery import CALLS, worlds
 
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 
@@ -52,3 +52,40 @@ def test_guarded_kernels_run_on_torch_against_float64() -> None:
     assert report.outputs["x_copy"].compared == CALLS * 2, text
     assert report.outputs["y"].compared == CALLS * 1, text
     assert report.outputs["out"].compared == CALLS * 2, text
+
+
+OPS_COMM = ROOT / "schedules" / "ops" / "when_communication.yaml"
+OPS_COMM_AXIS = ROOT / "schedules" / "ops" / "when_communication_axis.yaml"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_guarded_exchanges_run_against_float64(backend: str, world: int) -> None:
+    """schedules/ops/when_communication.yaml (the host backend: tests/ops): the swap runs
+    on ranks 0 and 1 only, the hand-off's wait on ranks 1.. W-1; a skipped step returns
+    what its buffer held (not compared) and shifts no signal epoch of the steps after."""
+    report = run_schedule(RunConfig(schedule=str(OPS_COMM), world=world, backend=backend,
+                                    calls=CALLS, seed=19))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["recv"].compared == CALLS * 2, text
+    assert report.outputs["hand"].compared == CALLS * (world - 1), text
+    assert report.outputs["s"].compared >= CALLS * world, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+@pytest.mark.parametrize("shape", worlds("2x2 2x3"), ids=str)
+def test_guarded_team_collectives_run_against_float64(backend: str, shape: int) -> None:
+    """schedules/ops/when_communication_axis.yaml: node 0's teams gather along gpu, the
+    teams of gpu 0 reduce along node, the others skip together."""
+    nodes, gpus = shape.shape  # type: ignore[attr-defined]
+    report = run_schedule(RunConfig(schedule=str(OPS_COMM_AXIS), world=shape,
+                                    backend=backend, calls=CALLS, seed=19))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["x_node"].compared == CALLS * gpus, text
+    assert report.outputs["x_sum"].compared == CALLS * nodes, text

@@ -1,0 +1,173 @@
+"""`when:` on communication steps (dcpc.check.when ``_matched``; docs/language.md,
+"Rank-dependent steps"): proved rank by rank at every W and mesh shape checked to leave
+no rank waiting, refused with a counterexample (W, the two ranks, what hangs) otherwise;
+the happens-before model takes a guarded step's wait only for what a rank does once it
+ran the step (dcpc.check.hb.clocks ``Gates``), so an ordering that only the skipped
+ranks would miss is a race; the data flow stays exact rank by rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.gallery import worlds
+from support.schedules import diagnostics
+
+MESH = """\
+schedule: s
+slots: 1
+mesh: {node: N, gpu: G}
+sizes:
+  N: {max: 4}
+  G: {max: 4}
+  T: {max: 8}
+  D: 8
+buffers:
+  q:      {shape: [T, D],   dtype: f32}
+  q_node: {shape: [G*T, D], dtype: f32, symmetric: true}
+  out:    {shape: [T, D],   dtype: f32}
+steps:
+"""
+
+LINE = """\
+schedule: s
+slots: 1
+sizes:
+  T: {max: 8}
+  D: 8
+buffers:
+  x:    {shape: [T, D],   dtype: f32}
+  g:    {shape: [W*T, D], dtype: f32, symmetric: true}
+  s:    {shape: [T, D],   dtype: f32}
+  hand: {shape: [T, D],   dtype: f32, symmetric: true}
+  out:  {shape: [T, D],   dtype: f32}
+steps:
+"""
+
+SHAPES = worlds("2x2 2x3 3x2")
+
+
+def _errors(text: str, tmp_path: Path, shapes: list) -> list:
+    return [d for d in diagnostics(text, tmp_path, "s.yaml", shapes) if d.severity == "error"]
+
+
+def test_a_guard_on_the_coordinates_outside_the_team_is_proved(tmp_path: Path) -> None:
+    """`node == 0` on a gather along gpu: every member of a team agrees, so node 0's
+    teams gather and node 1's skip together; the reader guarded alike is exact."""
+    text = MESH + """\
+  - in_node: {op: all_gather, axis: gpu, when: "node == 0", src: q, dst: q_node}
+  - use:     {op: external, when: "node == 0", reads: [q_node], writes: [out]}
+  - release: {op: barrier}
+"""
+    assert _errors(text, tmp_path, SHAPES) == []
+
+
+def test_a_guard_that_splits_a_team_is_refused_with_its_counterexample(tmp_path: Path
+                                                                       ) -> None:
+    text = MESH + """\
+  - in_node: {op: all_gather, axis: gpu, when: "gpu == 0", src: q, dst: q_node}
+  - use:     {op: external, when: "gpu == 0", reads: [q_node], writes: [out]}
+  - release: {op: barrier}
+"""
+    found = [d for d in _errors(text, tmp_path, SHAPES) if d.code == "when-on-communication"]
+    assert len(found) == 1, found
+    message = found[0].message
+    assert "at W=4 (mesh 2x2) the condition differs between ranks 0 and 1 (one team)" \
+        in message, message
+    assert "rank 1 skips 'in_node'; rank 0 runs 'in_node' and waits for rank 1's signal " \
+        "forever" in message, message
+    assert (found[0].mark.line, found[0].mark.col) == (14, 48)  # at the condition
+    assert "'node == 0' on an all_gather along 'gpu'" in (found[0].hint or "")
+
+
+@pytest.mark.parametrize("step", [
+    '{op: all_reduce, reduce: sum, when: "rank == 0", src: x, dst: s}',
+    '{op: barrier, when: "rank < W - 1"}',
+    '{op: shift, offset: next, when: "rank % 2 == 0", src: x, dst: hand}',
+])
+def test_a_rank_dependent_guard_on_a_group_exchange_is_refused(tmp_path: Path,
+                                                                step: str) -> None:
+    found = _errors(LINE + f"  - talk: {step}\n", tmp_path, [2, 3])
+    assert [d.code for d in found] == ["when-on-communication"], found
+    assert "W=2" in found[0].message and "forever" in found[0].message
+
+
+def test_a_guard_on_the_hop_and_w_is_proved_and_an_ordering_only_it_gives_is_not(
+        tmp_path: Path) -> None:
+    """The barrier that frees the gather's buffer for the next call runs at W > 2 only:
+    at W = 2 nothing orders the next call's gather after this call's read (a race,
+    named at W=2); the model keeps the barrier's ordering at W = 3 and 4, where every
+    rank runs it."""
+    text = LINE + """\
+  - gather:  {op: all_gather, src: x, dst: g}
+  - use:     {op: external, reads: [g], writes: [out]}
+  - release: {op: barrier, when: "W > 2"}
+"""
+    assert _errors(text, tmp_path, [3, 4]) == []
+    found = _errors(text, tmp_path, [2, 3, 4])
+    assert [d.code for d in found] == ["race"], found
+    assert "(W=2)" in found[0].message, found[0].message
+
+
+def test_a_barrier_some_teams_skip_orders_nothing_for_them(tmp_path: Path) -> None:
+    """The barrier along gpu runs on node 0's teams only: node 1's next gather may
+    overwrite a member's buffer while it still reads it. Each rank is modelled alike,
+    so the ordering the running teams have is not taken for every rank: a race."""
+    text = MESH + """\
+  - in_node: {op: all_gather, axis: gpu, src: q, dst: q_node}
+  - use:     {op: external, reads: [q_node], writes: [out]}
+  - release: {op: barrier, axis: gpu, when: "node == 0"}
+"""
+    found = _errors(text, tmp_path, SHAPES)
+    assert [d.code for d in found] == ["race"], found
+    assert "q_node" in found[0].message
+    ok = text.replace('when: "node == 0"', 'when: "N > 1"')  # every team runs it
+    assert _errors(ok, tmp_path, SHAPES) == []
+
+
+def test_a_read_of_what_a_skipped_team_never_gathered_is_read_before_write(
+        tmp_path: Path) -> None:
+    text = MESH + """\
+  - in_node: {op: all_gather, axis: gpu, when: "node == 0", src: q, dst: q_node}
+  - use:     {op: external, reads: [q_node], writes: [out]}
+  - release: {op: barrier}
+"""
+    found = _errors(text, tmp_path, SHAPES)
+    assert [d.code for d in found] == ["read-before-write"], found
+    assert "reads 'q_node' on rank 2 at W=2x2" in found[0].message, found[0].message
+    assert "do not run there (their when: does not hold): in_node" in found[0].message
+
+
+SPLIT = """\
+  - put:     {op: shift, when: "PUT", src: x, dst: hand, offset: next, wrap: false, phase: put}
+  - wait:    {op: shift, when: "WAIT", src: x, dst: hand, offset: next, wrap: false, phase: wait}
+  - use:     {op: external, when: "rank > 0", reads: [hand], writes: [out]}
+  - release: {op: barrier}
+"""
+
+
+def test_split_halves_guarded_to_match_are_proved(tmp_path: Path) -> None:
+    """A put where a next rank exists, its wait where a previous one does: on a line
+    (wrap: false) every edge r -> r + 1 has both ends."""
+    text = LINE + SPLIT.replace("PUT", "rank < W - 1").replace("WAIT", "rank > 0")
+    assert _errors(text, tmp_path, [2, 3, 4, 5]) == []
+
+
+@pytest.mark.parametrize(("put", "wait", "words"), [
+    # rank 0 pushes into rank 1, which never waits: the data lands unseen
+    ("rank < W - 1", "rank > 1",
+     "at W=2 the condition differs between ranks 0 and 1, which it connects: rank 0 runs "
+     "'put' and stores into and signals rank 1, which skips 'wait'"),
+    # the last rank waits for a put its source skips
+    ("rank < W - 2", "rank > 0",
+     "at W=2 the condition differs between ranks 0 and 1, which it connects: rank 0 skips "
+     "'put'; rank 1 runs 'wait' and waits for rank 0's signal forever"),
+])
+def test_split_halves_guarded_apart_are_refused_naming_the_edge(
+        tmp_path: Path, put: str, wait: str, words: str) -> None:
+    text = LINE + SPLIT.replace("PUT", put).replace("WAIT", wait)
+    found = [d for d in _errors(text, tmp_path, [2, 3, 4])
+             if d.code == "when-on-communication"]
+    assert len(found) == 1, found
+    assert "steps 'put' (shift, the signal) and 'wait' (shift, its wait)" in found[0].message
+    assert words in found[0].message, found[0].message
