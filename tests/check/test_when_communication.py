@@ -15,34 +15,23 @@ from support.schedules import diagnostics
 
 MESH = """\
 schedule: s
-slots: 1
 mesh: {node: N, gpu: G}
-sizes:
-  N: {max: 4}
-  G: {max: 4}
-  T: {max: 8}
-  D: 8
+sizes: {N: {max: 4}, G: {max: 4}, T: {max: 8}, D: 8}
 buffers:
-  q:      {shape: [T, D],   dtype: f32}
+  q: {shape: [T, D], dtype: f32}
   q_node: {shape: [G*T, D], dtype: f32, symmetric: true}
-  out:    {shape: [T, D],   dtype: f32}
+  out: {shape: [T, D], dtype: f32}
 steps:
 """
 
+# a group of W ranks: a gather's, a reduction's and a hand-off's buffers
 LINE = """\
 schedule: s
-slots: 1
-sizes:
-  T: {max: 8}
-  D: 8
+sizes: {T: {max: 8}, D: 8}
 buffers:
-  x:    {shape: [T, D],   dtype: f32}
-  g:    {shape: [W*T, D], dtype: f32, symmetric: true}
-  s:    {shape: [T, D],   dtype: f32}
-  hand: {shape: [T, D],   dtype: f32, symmetric: true}
-  out:  {shape: [T, D],   dtype: f32}
-steps:
-"""
+""" + "".join(f"  {name}: {{shape: [{rows}, D], dtype: f32{more}}}\n" for name, rows, more in (
+    ("x", "T", ""), ("g", "W*T", ", symmetric: true"), ("s", "T", ""),
+    ("hand", "T", ", symmetric: true"), ("out", "T", ""))) + "steps:\n"
 
 SHAPES = worlds("2x2 2x3 3x2")
 
@@ -76,7 +65,7 @@ def test_a_guard_that_splits_a_team_is_refused_with_its_counterexample(tmp_path:
         in message, message
     assert "rank 1 skips 'in_node'; rank 0 runs 'in_node' and waits for rank 1's signal " \
         "forever" in message, message
-    assert (found[0].mark.line, found[0].mark.col) == (14, 48)  # at the condition
+    assert (found[0].mark.line, found[0].mark.col) == (9, 48)  # at the condition
     assert "'node == 0' on an all_gather along 'gpu'" in (found[0].hint or "")
 
 
