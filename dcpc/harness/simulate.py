@@ -236,13 +236,17 @@ class _RankBuffers(dict):
 
 
 class _Unsent(dict):
-    """A skipped rank's buffers (``Sim.guarded``): what it holds reads as never written."""
+    """A skipped rank's buffers (``Sim.guarded``): what it holds reads as never written;
+    a value no schedule buffer holds (``Sim.stash``: a put's data in flight) reads as
+    kept in ``held``, the rank's own buffers (a wait skipped there leaves it unread)."""
 
-    def __init__(self, sim: Sim):
+    def __init__(self, sim: Sim, held: Buffers):
         super().__init__()
-        self.sim = sim
+        self.sim, self.held = sim, held
 
     def __missing__(self, name: str) -> torch.Tensor:
+        if name not in self.sim.schedule.buffers and name in self.held:
+            return self.held[name]
         return self.sim.unsent(name)
 
 
@@ -286,7 +290,7 @@ class Sim:
         sub = Sim.__new__(Sim)
         sub.schedule, sub.world, sub.env, sub.external = (
             self.schedule, self.world, self.env, self.external)
-        sub.bufs = [_Unsent(self) if r in skipped else self.bufs[r]
+        sub.bufs = [_Unsent(self, self.held[r]) if r in skipped else self.bufs[r]
                     for r in range(int(self.world))]
         sub.held = self.held
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]

@@ -160,3 +160,26 @@ def test_split_halves_guarded_apart_are_refused_naming_the_edge(
     assert len(found) == 1, found
     assert "steps 'put' (shift, the signal) and 'wait' (shift, its wait)" in found[0].message
     assert words in found[0].message, found[0].message
+
+
+RING = Path(__file__).resolve().parents[2] / "schedules" / "ops" / "when_ring_attention.yaml"
+
+
+@pytest.mark.parametrize(("edit", "code", "words"), [
+    # no credit: the put of hop h + 1 may overwrite the block the receiver still attends
+    (("        - credit: {op: wait, from: next, channel: free}\n", ""), "race", "recv"),
+    # the wait of the last send guarded off: its put lands where nobody waits
+    (('arrive: {op: shift, when: "h < W - 1"', 'arrive: {op: shift, when: "h < W - 2"'),
+     "when-on-communication", "rank 0 runs 'send_h0' and stores into and signals rank 1, "
+     "which skips 'arrive_h0'"),
+])
+def test_the_one_loop_ring_s_wrong_twins_are_refused(tmp_path: Path, edit: tuple,
+                                                       code: str, words: str) -> None:
+    """schedules/ops/when_ring_attention.yaml (vLLM's `for step in range(W)` with the send
+    while step + 1 != W) is proved (tests/ops); without its credit, or with the wait of
+    its last send guarded off, it is refused."""
+    text = RING.read_text()
+    assert edit[0] in text
+    found = [d for d in _errors(text.replace(*edit), tmp_path, [2, 3, 4]) if d.code == code]
+    assert found, code
+    assert words in found[0].message, found[0].message

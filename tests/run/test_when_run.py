@@ -89,3 +89,18 @@ def test_guarded_team_collectives_run_against_float64(backend: str, shape: int) 
     assert report.mismatches == 0, text
     assert report.outputs["x_node"].compared == CALLS * gpus, text
     assert report.outputs["x_sum"].compared == CALLS * nodes, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_one_loop_ring_runs_against_float64(backend: str, world: int) -> None:
+    """schedules/ops/when_ring_attention.yaml: the last hop's send and its wait are
+    skipped on every rank (at W = 2 the only other hop), the first hop initialises."""
+    path = ROOT / "schedules" / "ops" / "when_ring_attention.yaml"
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
+                                    calls=CALLS, seed=19))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["recv_1@attend_h1"].compared == CALLS * world, text
