@@ -183,3 +183,41 @@ def test_the_one_loop_ring_s_wrong_twins_are_refused(tmp_path: Path, edit: tuple
     found = [d for d in _errors(text.replace(*edit), tmp_path, [2, 3, 4]) if d.code == code]
     assert found, code
     assert words in found[0].message, found[0].message
+
+
+BARRIERS = [  # a barrier some W or some teams skip: a race there, found by both
+    (LINE + """\
+  - gather:  {op: all_gather, src: x, dst: g}
+  - use:     {op: external, reads: [g], writes: [out]}
+  - release: {op: barrier, when: "W > 2"}
+""", "2 3"),
+    (MESH + """\
+  - in_node: {op: all_gather, axis: gpu, src: q, dst: q_node}
+  - use:     {op: external, reads: [q_node], writes: [out]}
+  - release: {op: barrier, axis: gpu, when: "node == 0"}
+""", "2x2"),
+]
+OPS = Path(__file__).resolve().parents[2] / "schedules" / "ops"
+
+
+@pytest.mark.parametrize(("text", "shapes"), [
+    *BARRIERS,
+    ((OPS / "when_communication.yaml").read_text(), "2 3 4"),
+    ((OPS / "when_communication_axis.yaml").read_text(), "2x2 2x3"),
+    (RING.read_text(), "2 3 4"),
+], ids=["barrier_w", "barrier_team", "ops", "ops_axis", "ring"])
+def test_the_execution_oracle_agrees_on_guarded_exchanges(text: str, shapes: str) -> None:
+    """dcpc.check.oracle runs the plan rank by rank, a skipped step's accesses, signals
+    and waits left out: it reaches exactly the races the checker reports (none in the op
+    files; the skipped barrier's at W=2 and on node 1's teams)."""
+    from support.exec_oracle_agree import disagreements
+
+    from dcpc.check import hb
+    from dcpc.lang.parse import parse_text
+
+    for world in worlds(shapes):
+        schedule = parse_text(text, world=world)
+        assert disagreements(schedule, [world]) == [], world
+        if text.startswith(LINE) and int(world) == 2 or text.startswith(MESH):
+            assert {f.kind for f in hb.check(schedule, [world], hints=False).findings} \
+                == {"race"}, world
