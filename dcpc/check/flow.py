@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
 from dcpc.lang import when as wh
+from dcpc.lang.mesh import mesh_of
 from dcpc.lang.model import Step
 from dcpc.lang.semantics import READ, channels, effect_mark
 from dcpc.ops.common import data_flow
@@ -175,6 +176,8 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                     if _reaches(ctx, acc, rank, world):
                         written.add(name)
                     continue
+                if acc.root is not None and not _on_root(ctx, acc, rank, world):
+                    continue  # a read on the root only (a reduce's via): not this rank
                 if acc.step.index in silent[int(world)].get(rank, ()):
                     continue  # its push reads its source where it sends: not on this rank
                 buffer = ctx.buffer(name)
@@ -225,9 +228,18 @@ def _reaches(ctx: Context, store: Access, rank: int, world: int) -> bool:
     a source (over one whole axis of W); a perm's on its destinations; any other
     partial store on none (sound)."""
     return (store.root is None and store.everywhere) or (
-        store.root is not None and ctx.schedule.mesh is None and store.root == rank) or (
+        store.root is not None and _on_root(ctx, store, rank, world)) or (
         store.line is not None and _on_line(store, rank, -store.line, world)) or (
         store.dests is not None and len(store.dests) == world and rank in store.dests)
+
+
+def _on_root(ctx: Context, acc: Access, rank: int, world: int) -> bool:
+    """Whether ``rank`` is the root of ``acc`` (a team member index: of the whole group
+    without a mesh, of the rank's team along the step's axes on one)."""
+    if ctx.schedule.mesh is None:
+        return acc.root == rank
+    axes = mesh_of(ctx.schedule).team_axes(acc.step.op)
+    return torus(shape_of(world)).team(rank, axes).index(rank) == acc.root
 
 
 def _on_line(store: Access, rank: int, k: int, world: int) -> bool:

@@ -221,3 +221,24 @@ def test_the_execution_oracle_agrees_on_guarded_exchanges(text: str, shapes: str
         if text.startswith(LINE) and int(world) == 2 or text.startswith(MESH):
             assert {f.kind for f in hb.check(schedule, [world], hints=False).findings} \
                 == {"race"}, world
+
+
+@pytest.mark.parametrize(("name", "shapes"), [
+    ("reduce", "2 3 4"), ("reduce_scatter", "2 3 4"), ("pull_split", "2 3 4"),
+    ("sync", "2 3 4"), ("reduce_axis", "2x2 3x2"), ("broadcast_axis", "2x2 2x3"),
+])
+def test_each_collective_guarded_by_w_is_proved(tmp_path: Path, name: str, shapes: str
+                                                ) -> None:
+    """Every communication step of an op file guarded by a condition on W and the axis
+    sizes (each team agrees): proved, a root's reads and stores (a reduce's via)
+    taken on the root only by the per-rank data flow."""
+    import re
+
+    text = (OPS / f"{name}.yaml").read_text()
+    cond = '"N > 1"' if "mesh:" in text else '"W > 2"'
+    ops = "barrier|signal|wait" if name == "sync" else \
+        "reduce_scatter|reduce|pull|broadcast|barrier|signal|wait"  # sync's readers: unguarded
+    guarded, n = re.subn(rf"\{{op: ({ops})\b",
+                         lambda m: f"{{op: {m.group(1)}, when: {cond}", text)
+    assert n >= 2, name
+    assert _errors(guarded, tmp_path, worlds(shapes)) == []
