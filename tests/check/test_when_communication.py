@@ -206,11 +206,14 @@ OPS = Path(__file__).resolve().parents[2] / "schedules" / "ops"
     ((OPS / "when_communication_axis.yaml").read_text(), "2x2 2x3"),
     (RING.read_text(), "2 3 4"),
 ], ids=["barrier_w", "barrier_team", "ops", "ops_axis", "ring"])
-def test_the_execution_oracle_agrees_on_guarded_exchanges(text: str, shapes: str) -> None:
-    """dcpc.check.oracle runs the plan rank by rank, a skipped step's accesses, signals
-    and waits left out: it reaches exactly the races the checker reports (none in the op
-    files; the skipped barrier's at W=2 and on node 1's teams)."""
+def test_the_exact_models_agree_on_guarded_exchanges(text: str, shapes: str) -> None:
+    """The execution oracle (dcpc.check.oracle: the plan run rank by rank) and the brute
+    force (tests/support/hb_oracle.py: every rank's events, every edge), each leaving a
+    skipped step's accesses, signals and waits out, reach exactly the races the
+    checker reports (none in the op files; the skipped barrier's at W=2 and on node
+    1's teams)."""
     from support.exec_oracle_agree import disagreements
+    from support.hb_oracle import oracle_keys
 
     from dcpc.check import hb
     from dcpc.lang.parse import parse_text
@@ -218,9 +221,10 @@ def test_the_execution_oracle_agrees_on_guarded_exchanges(text: str, shapes: str
     for world in worlds(shapes):
         schedule = parse_text(text, world=world)
         assert disagreements(schedule, [world]) == [], world
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert oracle_keys(schedule, world) == found, world
         if text.startswith(LINE) and int(world) == 2 or text.startswith(MESH):
-            assert {f.kind for f in hb.check(schedule, [world], hints=False).findings} \
-                == {"race"}, world
+            assert {key[0] for key in found} == {"race"}, world
 
 
 @pytest.mark.parametrize(("name", "shapes"), [
