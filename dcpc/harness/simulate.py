@@ -403,6 +403,8 @@ def simulate_call(
         view = sim.guarded(skipped) if skipped else sim
         with _naming(step):
             for team in _teams(schedule, world, step):
+                if skipped.issuperset(range(int(world)) if team is None else team):
+                    continue  # a team (or the group) that skips it together: nothing moves
                 op.reference(view if team is None else view.team(team), step)
     if trace is not None:
         trace.append(sim.written)

@@ -104,3 +104,27 @@ def test_the_one_loop_ring_runs_against_float64(backend: str, world: int) -> Non
     assert report.launch.ok, text
     assert report.mismatches == 0, text
     assert report.outputs["recv_1@attend_h1"].compared == CALLS * world, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_ragged_exchanges_guarded_by_node_run_against_float64(tmp_path: Path,
+                                                              backend: str) -> None:
+    """schedules/ops/ragged_all_to_all_axis.yaml with every step along gpu (and the
+    engine steps around them) guarded by `node == 0`: node 1's teams skip the ragged
+    exchanges together (the float64 reference runs no op for a team that skips it,
+    whose counts nothing wrote) and the rail along node still runs everywhere."""
+    import re
+
+    text = (ROOT / "schedules" / "ops" / "ragged_all_to_all_axis.yaml").read_text()
+    text, n = re.subn(r"(- (route|nvlink|back|cast|use):\s+\{op: [a-z_]+,)",
+                      r'\1 when: "node == 0",', text)
+    assert n == 5
+    path = tmp_path / "ragged_when.yaml"
+    path.write_text(text)
+    report = run_schedule(RunConfig(schedule=str(path), world=worlds("2x2")[0],
+                                    backend=backend, calls=CALLS, seed=19))
+    out = format_report(report)
+    assert report.launch.ok, out
+    assert report.mismatches == 0, out
+    assert report.outputs["q_recv"].compared == CALLS * 2, out  # node 0's two ranks
