@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from dcpc.check.context import Context, Ref
 from dcpc.diagnostics import did_you_mean
 from dcpc.lang import when as wh
+from dcpc.lang.mesh import mesh_of
 from dcpc.lang.model import Step
 from dcpc.lang.semantics import READ, channels, effect_mark
 from dcpc.ops.common import data_flow
@@ -158,20 +159,25 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
     for world in ctx.samples.worlds:
         running = wh.running(ctx.schedule, world)
 
-        def runs(step: Step, rank: int, running: dict = running) -> bool:
-            ranks = running.get(step.index)
+        def runs(acc: Access, rank: int, running: dict = running) -> bool:
+            # a store runs on the rank it writes where it lands there: at its own step,
+            # or at the receiver's wait (a split shift's put and wait, guarded apart:
+            # dcpc.check.when proved the put ran on the sender wherever the wait runs)
+            ranks = running.get((acc.at if acc.mode == "w" else acc.step).index)
             return ranks is None or rank in ranks
 
         for rank in range(int(world)):
             written: set[str] = set()
             for acc in found:
                 name = acc.ref.name
-                if name in reported or not runs(acc.step, rank):
+                if name in reported or not runs(acc, rank):
                     continue
                 if acc.mode == "w":
                     if _reaches(ctx, acc, rank, world):
                         written.add(name)
                     continue
+                if acc.root is not None and not _on_root(ctx, acc, rank, world):
+                    continue  # a read on the root only (a reduce's via): not this rank
                 if acc.step.index in silent[int(world)].get(rank, ()):
                     continue  # its push reads its source where it sends: not on this rank
                 buffer = ctx.buffer(name)
@@ -184,8 +190,8 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                 # put: the chain, whose store lands at the wait)
                 earlier = [a for a in found if a.mode == "w" and a.ref.name == name
                            and min(a.step.index, a.at.index) < acc.step.index]
-                skipped = [a.step.name for a in earlier if not runs(a.step, rank)]
-                made = [a for a in earlier if runs(a.step, rank)]
+                skipped = [a.step.name for a in earlier if not runs(a, rank)]
+                made = [a for a in earlier if runs(a, rank)]
                 # a store that would reach this rank but lands at a wait after the read
                 flight = [a for a in made if _reaches(ctx, a, rank, world)
                           and a.at.index > acc.step.index]
@@ -222,9 +228,18 @@ def _reaches(ctx: Context, store: Access, rank: int, world: int) -> bool:
     a source (over one whole axis of W); a perm's on its destinations; any other
     partial store on none (sound)."""
     return (store.root is None and store.everywhere) or (
-        store.root is not None and ctx.schedule.mesh is None and store.root == rank) or (
+        store.root is not None and _on_root(ctx, store, rank, world)) or (
         store.line is not None and _on_line(store, rank, -store.line, world)) or (
         store.dests is not None and len(store.dests) == world and rank in store.dests)
+
+
+def _on_root(ctx: Context, acc: Access, rank: int, world: int) -> bool:
+    """Whether ``rank`` is the root of ``acc`` (a team member index: of the whole group
+    without a mesh, of the rank's team along the step's axes on one)."""
+    if ctx.schedule.mesh is None:
+        return acc.root == rank
+    axes = mesh_of(ctx.schedule).team_axes(acc.step.op)
+    return torus(shape_of(world)).team(rank, axes).index(rank) == acc.root
 
 
 def _on_line(store: Access, rank: int, k: int, world: int) -> bool:

@@ -372,6 +372,8 @@ class _Compiled:
         lands = {e[3] for st in self.prog.steps for e in st.before + st.after
                  if e[3] is not None}
         for st in self.prog.steps:
+            if not runs(self.prog, st, rank, world):
+                continue  # its when: fails here: no access, no signal, no wait
             for phase, effects in ((0, st.before), (1, st.after)):
                 if phase == 1 and st.wait is not None:
                     for p in peers(st.wait, rank, world, st.axes):
@@ -380,8 +382,7 @@ class _Compiled:
                         out.append((2, cell, st.index, p))
                     if st.index in lands:
                         out.append((3, st.index))
-                skipped = not runs(self.prog, st, rank, world)  # its when: fails here
-                accs = () if skipped else self.accesses(effects, rank, slot, (st.index, phase))
+                accs = self.accesses(effects, rank, slot, (st.index, phase))
                 if accs:
                     out.append((0, accs))
                 if phase == 0 and st.signal is not None:

@@ -236,13 +236,17 @@ class _RankBuffers(dict):
 
 
 class _Unsent(dict):
-    """A skipped rank's buffers (``Sim.guarded``): what it holds reads as never written."""
+    """A skipped rank's buffers (``Sim.guarded``): what it holds reads as never written;
+    a value no schedule buffer holds (``Sim.stash``: a put's data in flight) reads as
+    kept in ``held``, the rank's own buffers (a wait skipped there leaves it unread)."""
 
-    def __init__(self, sim: Sim):
+    def __init__(self, sim: Sim, held: Buffers):
         super().__init__()
-        self.sim = sim
+        self.sim, self.held = sim, held
 
     def __missing__(self, name: str) -> torch.Tensor:
+        if name not in self.sim.schedule.buffers and name in self.held:
+            return self.held[name]
         return self.sim.unsent(name)
 
 
@@ -254,6 +258,10 @@ class Sim:
                  inputs: list[Buffers], external: External):
         self.schedule, self.world, self.env, self.external = schedule, world, env, external
         self.bufs = [_RankBuffers(rank_inputs, r) for r, rank_inputs in enumerate(inputs)]
+        # where ``stash`` keeps a value: each rank's buffers, also for a rank that skips
+        # the step (``guarded``: a put's data held for the receiver's wait, which runs
+        # where the sender's put does, as dcpc.check.when proved)
+        self.held: list[Buffers] = self.bufs
         self.written: list[Buffers] = [{} for _ in range(world)]
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
         self.members: list[int] | None = None  # a team's view: its ranks (``team``)
@@ -269,6 +277,7 @@ class Sim:
         sub.schedule, sub.world, sub.env, sub.external = (
             self.schedule, len(ranks), self.env, self.external)
         sub.bufs = [self.bufs[r] for r in ranks]
+        sub.held = [self.held[r] for r in ranks]
         sub.written = [self.written[r] for r in ranks]
         sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
@@ -281,8 +290,9 @@ class Sim:
         sub = Sim.__new__(Sim)
         sub.schedule, sub.world, sub.env, sub.external = (
             self.schedule, self.world, self.env, self.external)
-        sub.bufs = [_Unsent(self) if r in skipped else self.bufs[r]
+        sub.bufs = [_Unsent(self, self.held[r]) if r in skipped else self.bufs[r]
                     for r in range(int(self.world))]
+        sub.held = self.held
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
         sub.rounding, sub.members = self.rounding, self.members
         return sub
@@ -315,7 +325,7 @@ class Sim:
     def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None:
         """Keep a value no schedule buffer holds (an implicit receive buffer), rounded to
         the dtype of buffer ``like``; not traced."""
-        self.bufs[rank][name] = as_stored(self.schedule, like, value, self.rounding)
+        self.held[rank][name] = as_stored(self.schedule, like, value, self.rounding)
 
     def all_to_all(self, src: str, dst: str, dim: int,
                    store: Callable[[int, str, torch.Tensor], None] | None = None) -> None:
@@ -393,6 +403,8 @@ def simulate_call(
         view = sim.guarded(skipped) if skipped else sim
         with _naming(step):
             for team in _teams(schedule, world, step):
+                if skipped.issuperset(range(int(world)) if team is None else team):
+                    continue  # a team (or the group) that skips it together: nothing moves
                 op.reference(view if team is None else view.team(team), step)
     if trace is not None:
         trace.append(sim.written)

@@ -59,7 +59,7 @@ MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
 # hops of every loop, an inner loop's counted once per outer hop: what bounds the work of
 # a nest whose hops unroll to no step (an inner 'repeat: 0'), which the step bound misses
 MAX_HOPS = 4 * MAX_STEPS
-LOOP_KEYS = ("repeat", "as", "steps", "doc")
+LOOP_KEYS = ("repeat", "as", "steps", "doc", "when")
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 
@@ -69,6 +69,23 @@ def _body(item: Any) -> tuple[str, Any] | None:
         return None
     named = [(k, v) for k, v in item.items() if k not in (MARK, MARKS)]
     return named[0] if len(named) == 1 else None
+
+
+def _guarded(op: dict[str, Any], loop: dict[str, Any], file: str) -> dict[str, Any]:
+    """A step (or loop) inside ``loop`` with the loop's ``when:`` conjoined with its own
+    (a loop's guard guards every step inside); the step's own mark stays, else the
+    loop's. A guard that is not a string is left to the step's check (bad-when)."""
+    cond = loop.get("when")
+    if cond is None:
+        return op
+    own = op.get("when")
+    marks = dict(op.get(MARKS, {}))
+    if own is None:
+        marks["when"] = _mark(loop, "when", file)
+    both = cond if own is None else (f"({cond}) and ({own})"
+                                    if isinstance(cond, str) and isinstance(own, str)
+                                    else own)
+    return {**op, "when": both, MARKS: marks}
 
 
 def _is_loop(body: Any) -> bool:
@@ -735,10 +752,7 @@ class _Unroller:
             if key not in (MARK, MARKS, *LOOP_KEYS):
                 self.error(_mark(body, "key:" + key, self.file), "unknown-key",
                            f"unknown key '{key}' in loop '{name}'",
-                           f"a loop has keys {', '.join(LOOP_KEYS)}" + (
-                               "; a loop has no when: of its own, its local steps take "
-                               "one each (the hop index may appear in it)"
-                               if key == "when" else ""))
+                           f"a loop has keys {', '.join(LOOP_KEYS)}")
         hop = body.get("as")
         if not isinstance(hop, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", hop):
             self.error(_mark(body, "as", self.file), "bad-loop",
@@ -773,6 +787,7 @@ class _Unroller:
                                f"a step of loop '{name}' is a mapping with one name")
                     return []
                 step, op = named
+                op = _guarded(op, body, self.file)
                 if _is_loop(op):
                     if len(outer) + 1 >= MAX_NEST:
                         self.error(_mark(op, "repeat", self.file), "bad-loop",

@@ -557,8 +557,9 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                # only when false: the plans of cyclic shifts stay as they were
                **({} if op.wrap else {"wrap": False}),
                # a wait written before its put: on the torch backend the wait receives
-               # and the put only sends (its receiver waits already); only when so
-               **({"first": True} if _first(ctx, step) else {}),
+               # and the put only sends (its receiver waits already); only when so; also
+               # a pair guarded apart (when:), whose put and wait run on other ranks
+               **({"first": True} if _first(ctx, step) or _apart(ctx, step) else {}),
                # a wait first inside another's span (interleaved pairs): no torch-backend
                # handshake there, a message every rank must reach (its predecessor is
                # still before its puts); only when so
@@ -580,6 +581,16 @@ def _first(holder: Any, step: Step) -> bool:
         return wait_first(holder, step) is not None
     wait = matched(holder).lands.get(step.name) if step.op.phase == "put" else None
     return wait is not None and wait.index < step.index
+
+
+def _apart(holder: Any, step: Step) -> bool:
+    """Whether ``step`` is half of a split pair whose put and wait have different
+    ``when:`` (a rank may run one half and not the other: on the torch backend each half
+    then moves its own side, the put sends and the wait receives, as a chain's do)."""
+    found = matched(holder)
+    other = (found.lands.get(step.name) if step.op.phase == "put" else
+             found.polls.get(step.name) if step.op.phase == "wait" else None)
+    return other is not None and other.op.when != step.op.when
 
 
 def _inner(holder: Any, step: Step) -> bool:

@@ -194,20 +194,23 @@ class TorchHandshake:
         return DcpcPeerFailedError(step, peer, epoch, self.rank,
                                    f"is unreachable (slot {slot}; gloo: {first})")
 
-    def exchange(self, step: str, chan: int, slot: int, fingerprint: int) -> None:
+    def exchange(self, step: str, chan: int, slot: int, fingerprint: int,
+                 ranks: set[int] | None = None) -> None:
         """Every gloo call here (isend, irecv, wait: a peer gone raises in any of them)
-        raises a Dcpc error naming the step, the slot, this rank and the peer."""
+        raises a Dcpc error naming the step, the slot, this rank and the peer.
+        ``ranks``: the ranks that run the step (a guarded one), None: every rank."""
         self.epochs[chan] += 1
         epoch = self.epochs[chan]
         group, global_rank = self.groups[slot], self.global_rank[slot]
+        peers = self.peers if ranks is None else [p for p in self.peers if p in ranks]
         sends = []
-        for p in self.peers:
+        for p in peers:
             self.outbox[p].copy_(torch.tensor([fingerprint, chan, epoch, 0]))
             try:
                 sends.append(self.dist.isend(self.outbox[p], global_rank[p], group=group))
             except RuntimeError as exc:
                 raise self._gloo_error(exc, step, p, epoch, slot) from None
-        for p in self.peers:
+        for p in peers:
             try:
                 work = self.dist.irecv(self.inbox[p], global_rank[p], group=group)
                 work.wait(self.timeout)
@@ -231,7 +234,7 @@ class TorchHandshake:
                     "docs/engines.md); this module instance is now failed",
                     p,
                 )
-        for p, work in zip(self.peers, sends, strict=True):
+        for p, work in zip(peers, sends, strict=True):
             try:
                 work.wait(self.timeout)
             except RuntimeError as exc:

@@ -92,19 +92,20 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
     # step -> its ``when:`` condition (a dcpc.exprs AST): it runs where that holds
     WHEN: ClassVar[dict[str, tuple]] = {}
 
-    def runs(self, step: str) -> bool:
-        """Whether step ``step`` runs on this rank: False where its ``when:`` fails (a
-        guarded method then returns without launching; an engine skips a guarded
-        engine step). The rank is fixed per process, so the answer is the same on every
-        call and a CUDA graph captured on a rank stays right for it."""
+    def runs(self, step: str, rank: int | None = None) -> bool:
+        """Whether step ``step`` runs on this rank (or on ``rank``): False where its
+        ``when:`` fails (a guarded method then returns without launching; an engine
+        skips a guarded engine step). The rank is fixed per process, so the answer is
+        the same on every call and a CUDA graph captured on a rank stays right for it."""
         cond = self.WHEN.get(step)
         if cond is None:
             return True
+        rank = self.rank if rank is None else rank
         env = {k: v[1] for k, v in self.SIZES.items() if v[0] == "const"}
-        env.update(rank=self.rank, W=self.world)
+        env.update(rank=rank, W=self.world)
         shape = getattr(self, "mesh_shape", None)
         if self.MESH and shape is not None:  # each axis' coordinate, each size name's size
-            coords = _teams_torus(tuple(shape)).coords(self.rank)
+            coords = _teams_torus(tuple(shape)).coords(rank)
             env.update({a: c for (a, _), c in zip(self.MESH, coords, strict=True)})
             env.update({s: n for (_, s), n in zip(self.MESH, shape, strict=True)
                         if isinstance(s, str)})
@@ -550,9 +551,13 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
     def _handshake(self, step_index: int, slot: int) -> None:
         """torch backend (gloo): fingerprint, failure notice and bounded wait per peer."""
         if self._handshake_with is not None and self._guard:
+            step = self.STEPS[step_index]
+            # a guarded step (when:) runs on some ranks only: the handshake is with
+            # the peers that run it too (the checker proved they are its peers)
+            ranks = (None if step not in self.WHEN else
+                     {r for r in range(self.world) if self.runs(step, r)})
             self._handshake_with.exchange(
-                self.STEPS[step_index], sync.channel(step_index, slot, self.SLOTS), slot,
-                self._fp,
+                step, sync.channel(step_index, slot, self.SLOTS), slot, self._fp, ranks,
             )
 
     def _unusable(self, method: str) -> DcpcFailedError:

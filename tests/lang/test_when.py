@@ -110,8 +110,10 @@ def test_when_on_a_communication_step_is_refused(tmp_path: Path, step: str) -> N
         text = text.replace("g, dim", "h, dim")
     found = [d for d in _errors(text, tmp_path) if d.code == "when-on-communication"]
     assert found, text
-    assert "every rank must run it" in found[0].message
-    assert "keep the exchange unconditional" in (found[0].hint or "")
+    # the counterexample: the W, the two ranks of the edge, what hangs
+    assert "at W=2 the condition differs between ranks 0 and 1" in found[0].message
+    assert ("forever" in found[0].message) or ("left over" in found[0].message)
+    assert "one value on every member of its team" in (found[0].hint or "")
     assert found[0].mark.line == 9
 
 
@@ -183,18 +185,37 @@ def test_a_range_whose_ranks_pass_the_bound_is_refused_at_once(tmp_path: Path) -
     pipeline.run(path, pipeline.Options(worlds=list(range(2, 65))), until="hb")
 
 
-def test_when_on_a_loop_says_where_it_goes(tmp_path: Path) -> None:
-    found = _errors("""\
+def test_when_on_a_loop_guards_every_step_inside(tmp_path: Path) -> None:
+    """A loop's when: is conjoined with the when: of every step inside it, nested loops
+    included (their hop indices put in as for a step's own); a bad name in it is located
+    at the loop's when:, the steps inside that have none of their own."""
+    steps = """\
   - ring:
       repeat: 2
-      when: "rank == 0"
+      when: "rank == h"
       as: h
       steps:
         - use: {op: external, reads: [x], writes: [y]}
-""", tmp_path)
-    assert [d.code for d in found] == ["unknown-key"], found
-    assert "its local steps take one each" in (found[0].hint or "")
-    assert found[0].mark.line == 11
+        - more:
+            repeat: 2
+            as: g
+            when: "g < 1"
+            steps:
+              - inner: {op: copy, when: "rank < W", src: x, dst: z}
+"""
+    guards = {s.name: s.op.when for s in parse_text(HEAD + steps).step_list()}
+    assert guards == {
+        "use_h0": "rank == 0", "use_h1": "rank == 1",
+        "inner_h0_0": "rank == 0 and 0 < 1 and rank < W",
+        "inner_h0_1": "rank == 0 and 1 < 1 and rank < W",
+        "inner_h1_0": "rank == 1 and 0 < 1 and rank < W",
+        "inner_h1_1": "rank == 1 and 1 < 1 and rank < W",
+    }
+    found = [d for d in _errors(steps.replace('"rank == h"', '"rnk == h"'), tmp_path)
+             if d.severity == "error"]
+    assert {d.code for d in found} == {"bad-when"}, found
+    # use (no when: of its own) at the loop's; inner at its own, which it is part of
+    assert {(d.mark.line, d.mark.col) for d in found} == {(11, 13), (20, 41)}, found
 
 
 def test_a_remainder_by_zero_in_a_loop_is_a_located_error(tmp_path: Path) -> None:

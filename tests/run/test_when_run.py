@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.gallery import CALLS
+from support.gallery import CALLS, worlds
 
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 
@@ -52,3 +52,79 @@ def test_guarded_kernels_run_on_torch_against_float64() -> None:
     assert report.outputs["x_copy"].compared == CALLS * 2, text
     assert report.outputs["y"].compared == CALLS * 1, text
     assert report.outputs["out"].compared == CALLS * 2, text
+
+
+OPS_COMM = ROOT / "schedules" / "ops" / "when_communication.yaml"
+OPS_COMM_AXIS = ROOT / "schedules" / "ops" / "when_communication_axis.yaml"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_guarded_exchanges_run_against_float64(backend: str, world: int) -> None:
+    """schedules/ops/when_communication.yaml (the host backend: tests/ops): the swap runs
+    on ranks 0 and 1 only, the hand-off's wait on ranks 1.. W-1; a skipped step returns
+    what its buffer held (not compared) and shifts no signal epoch of the steps after."""
+    report = run_schedule(RunConfig(schedule=str(OPS_COMM), world=world, backend=backend,
+                                    calls=CALLS, seed=19))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["recv"].compared == CALLS * 2, text
+    assert report.outputs["hand"].compared == CALLS * (world - 1), text
+    assert report.outputs["s"].compared >= CALLS * world, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+@pytest.mark.parametrize("shape", worlds("2x2 2x3"), ids=str)
+def test_guarded_team_collectives_run_against_float64(backend: str, shape: int) -> None:
+    """schedules/ops/when_communication_axis.yaml: node 0's teams gather along gpu, the
+    teams of gpu 0 reduce along node, the others skip together."""
+    nodes, gpus = shape.shape  # type: ignore[attr-defined]
+    report = run_schedule(RunConfig(schedule=str(OPS_COMM_AXIS), world=shape,
+                                    backend=backend, calls=CALLS, seed=19))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["x_node"].compared == CALLS * gpus, text
+    assert report.outputs["x_sum"].compared == CALLS * nodes, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_one_loop_ring_runs_against_float64(backend: str, world: int) -> None:
+    """schedules/ops/when_ring_attention.yaml: the last hop's send and its wait are
+    skipped on every rank (at W = 2 the only other hop), the first hop initialises."""
+    path = ROOT / "schedules" / "ops" / "when_ring_attention.yaml"
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
+                                    calls=CALLS, seed=19))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["recv_1@attend_h1"].compared == CALLS * world, text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_ragged_exchanges_guarded_by_node_run_against_float64(tmp_path: Path,
+                                                              backend: str) -> None:
+    """schedules/ops/ragged_all_to_all_axis.yaml with every step along gpu (and the
+    engine steps around them) guarded by `node == 0`: node 1's teams skip the ragged
+    exchanges together (the float64 reference runs no op for a team that skips it,
+    whose counts nothing wrote) and the rail along node still runs everywhere."""
+    import re
+
+    text = (ROOT / "schedules" / "ops" / "ragged_all_to_all_axis.yaml").read_text()
+    text, n = re.subn(r"(- (route|nvlink|back|cast|use):\s+\{op: [a-z_]+,)",
+                      r'\1 when: "node == 0",', text)
+    assert n == 5
+    path = tmp_path / "ragged_when.yaml"
+    path.write_text(text)
+    report = run_schedule(RunConfig(schedule=str(path), world=worlds("2x2")[0],
+                                    backend=backend, calls=CALLS, seed=19))
+    out = format_report(report)
+    assert report.launch.ok, out
+    assert report.mismatches == 0, out
+    assert report.outputs["q_recv"].compared == CALLS * 2, out  # node 0's two ranks

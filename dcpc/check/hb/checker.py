@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representatives, world_bound
-from dcpc.check.hb.clocks import World, analyze
+from dcpc.check.hb.clocks import World, analyze, gates
 from dcpc.check.hb.deadlock import find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
@@ -63,7 +63,7 @@ def check(
     events = 0
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
     for w in analysed:
-        world = analyze(program, w, calls)
+        world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
         events += w * len(world.live)
         for dead in find_deadlocks(world):
@@ -102,8 +102,9 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     rank's store at every delta of a table, and every rank as a broadcast's root, so
     the race it finds may name a writer with no such store), so that its counterexample
     happens as written and ``dcpc run --replay`` can show it. The analysis takes a
-    guarded step's accesses on every rank (sound: guards are on local steps only, so
-    happens-before is the same whichever ranks skip), and every translation of a race
+    guarded step's accesses on every rank (sound: a guarded local step changes no
+    ordering, and a guarded communication step's wait orders only what runs after it
+    where it runs: clocks.Gates), and every translation of a race
     of that model is one (a rotation; on a mesh, of its torus); a race no translation
     fits is kept as found (another pair of the same groups may fit). None: a step of it
     runs on no rank at this W, so no execution makes it. A guarded race on a mesh is

@@ -24,10 +24,13 @@ cycle of the full graph and back), blocks it and everything after it.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dcpc.check.hb.events import Program, match_waits
+from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, torus
+from dcpc.lang.model import Schedule
 from dcpc.ops.common import chain, wraps
 
 
@@ -207,8 +210,10 @@ def _join(clock: list[int], other: list[int], deltas: list[int], world: int, str
             clock[only::streams] = list(map(max, clock[only::streams], rotated[only::streams]))
 
 
-def analyze(program: Program, world: int, calls: int | None = None) -> World:
-    """Liveness, deadlock roots and rank 0's vector clocks for calls 0..calls-1."""
+def analyze(program: Program, world: int, calls: int | None = None,
+            gates: Gates | None = None) -> World:
+    """Liveness, deadlock roots and rank 0's vector clocks for calls 0..calls-1.
+    ``gates``: the waits of guarded communication steps (``Gates``), None: none."""
     calls = program.default_calls() if calls is None else calls
     n, streams = len(program.events), program.streams_per_rank
     match = match_waits(program, world)
@@ -226,6 +231,9 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
                         key=min)
     live = [False] * (calls * n)
     clock: list[list[int] | None] = [None] * (calls * n)
+    # per set of guarded steps a rank is assumed to run: every event's clock so
+    guarded: dict[frozenset[int], list[list[int] | None]] = (
+        {} if gates is None else {v: [None] * (calls * n) for v in set(gates.valid)})
     copies: dict[int, tuple[int, int]] = {}
     for call in range(calls):
         before = program.previous_call(call)
@@ -252,13 +260,60 @@ def analyze(program: Program, world: int, calls: int | None = None) -> World:
             # and every rank is modelled alike (its dependency still counts for liveness)
             for d, js in match.get(j, ()) if wraps(wait[1] if wait else None) else ():
                 by_signal.setdefault(js, []).append(d)  # type: ignore[arg-type]
-            for js, deltas in by_signal.items():
-                other = clock[call * n + js]
-                assert other is not None
-                _join(vc, other, deltas, world, streams, stream if program.per_slot else None)
-            vc[stream] = program.stream_index(call, j) + 1
-            clock[pos] = vc
+            for assumed, column in guarded.items():  # the clocks assuming guarded steps run
+                if j == 0 and before < 0:
+                    last = None
+                else:
+                    last = column[pos - 1] if j else column[before * n + n - 1]
+                column[pos] = _clock(vc if last is None else list(last), world, streams,
+                                     by_signal if gates.joins(j, assumed) else {},
+                                     lambda js, at=call * n: guarded[gates.valid[js]][at + js],
+                                     stream if program.per_slot else None,
+                                     stream, program.stream_index(call, j) + 1)
+            if guarded:
+                clock[pos] = guarded[gates.valid[j]][pos]
+                continue
+            clock[pos] = _clock(vc, world, streams, by_signal,
+                                lambda js, at=call * n: clock[at + js],
+                                stream if program.per_slot else None,
+                                stream, program.stream_index(call, j) + 1)
     return World(program, world, calls, match, live, clock, unmatched, cycles, copies)
+
+
+def _clock(vc: list[int], world: int, streams: int, by_signal: dict[int, list[int]],
+           signal: Callable[[int], list[int] | None], only: int | None, stream: int,
+           index: int) -> list[int]:
+    """An event's clock: its base ``vc`` (its predecessor's, in place) joined with the
+    signals it matched (``signal``: the clock of signal event js), its own entry set."""
+    for js, deltas in by_signal.items():
+        other = signal(js)
+        assert other is not None
+        _join(vc, other, deltas, world, streams, only)
+    vc[stream] = index
+    return vc
+
+
+@dataclass(frozen=True)
+class Gates:
+    """The waits of guarded communication steps (``when:``, dcpc.check.when) at one W.
+
+    Every rank is modelled alike, but such a wait is made only on the ranks where its
+    step runs (there its senders run too: dcpc.check.when proved every edge). So its
+    ordering holds only for what a rank does once it has run the step: the clock of
+    an event counts the joins of exactly the guarded steps that run wherever its own
+    step runs (``valid``), and a signal passes on the clock of its own event so
+    (docs/hb-checker.md, "Guarded communication steps").
+
+    ``guard``: recv event j -> its guarded step; ``valid``: per event j, the guarded
+    steps that run on every rank where j's step runs at this W."""
+
+    guard: dict[int, int]
+    valid: tuple[frozenset[int], ...]
+
+    def joins(self, j: int, assumed: frozenset[int]) -> bool:
+        """Whether event j's wait orders, on a rank assumed to run ``assumed``."""
+        step = self.guard.get(j)
+        return step is None or step in assumed
 
 
 def _copy_slot0(program: Program, clock: list[list[int] | None], live: list[bool],
@@ -276,3 +331,16 @@ def _copy_slot0(program: Program, clock: list[list[int] | None], live: list[bool
         live[call * n + j] = True
         if clocks:
             copies[call * n + j] = (source * n + j, stream)
+
+
+def gates(schedule: Schedule, program: Program, w: int) -> Gates | None:
+    """The waits of the guarded communication steps at W (``Gates``), None: none."""
+    running = wh.running(schedule, w)
+    comm = {e.step for e in program.events if e.phase == "recv" and e.step in running}
+    if not comm:
+        return None
+    every = frozenset(range(int(w)))
+    return Gates({j: e.step for j, e in enumerate(program.events)
+                  if e.phase == "recv" and e.step in comm},
+                 tuple(frozenset(s for s in comm if running.get(e.step, every) <= running[s])
+                       for e in program.events))

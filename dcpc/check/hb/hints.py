@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from dcpc.check import structural
-from dcpc.check.hb.clocks import analyze
+from dcpc.check.hb.clocks import analyze, gates
 from dcpc.check.hb.deadlock import NO_SIGNAL, find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.races import find_races
@@ -38,7 +38,7 @@ def finding_keys(schedule: Schedule, worlds: list[int], calls: int | None = None
     program = lower(schedule, plan)
     keys: set[Key] = set()
     for w in worlds:
-        world = analyze(program, w, calls)
+        world = analyze(program, w, calls, gates(schedule, program, w))
         keys |= {d.key(world) for d in find_deadlocks(world)}
         keys |= {r.key(world) for r in find_races(world)}
     return keys
