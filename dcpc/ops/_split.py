@@ -189,6 +189,18 @@ def land(sim: SimView, step: Step) -> bool:
     return True
 
 
+def verify_exchange(v: ShapeRules, step: Step, *, waits: str, puts: str, same: str) -> None:
+    """``verify_matched`` for a split exchange with every peer (its wait after its put);
+    nothing for a whole op."""
+    if getattr(step.op, "phase", None) is None:
+        return
+    article = "an" if step.kind[0] in "aeiou" else "a"
+    verify_matched(v, step, waits=waits, puts=puts, same=same,
+                   wait_hint=f"add a 'phase: put' step before it, or drop 'phase' for "
+                   f"{article} {step.kind} that waits itself",
+                   put_hint="add a 'phase: wait' step after it")
+
+
 def io(op: Any, sent: list[str], landed: list[str]) -> IO:
     """The whole op reads ``sent`` and writes ``landed``: a put only reads, a wait only
     writes (returns)."""

@@ -23,7 +23,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.expr import ONE, W, product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops import _split as split
-from dcpc.ops._split import PUT, WAIT, verify_matched
+from dcpc.ops._split import PUT, WAIT
 from dcpc.ops.common import (
     BEFORE,
     READ,
@@ -84,13 +84,9 @@ def verify(v: ShapeRules, step: Step) -> None:
     for src, dst in v.pairs(v.refs("src"), v.refs("dst")):
         _verify_pair(v, step, src, dst)
     op = step.op
-    if op.phase is not None:
-        verify_matched(v, step, waits=f"for the gather into '{names(op.dst)[0]}'",
-                       puts=f"'{names(op.src)[0]}' into every peer's '{names(op.dst)[0]}'",
-                       same="src, dst, dim, interleave and axis",
-                       wait_hint="add a 'phase: put' step before it, or drop 'phase' for "
-                       "an all_gather that waits itself",
-                       put_hint="add a 'phase: wait' step after it")
+    split.verify_exchange(v, step, waits=f"for the gather into '{names(op.dst)[0]}'",
+                          puts=f"'{names(op.src)[0]}' into every peer's '{names(op.dst)[0]}'",
+                          same="src, dst, dim, interleave and axis")
 
 
 def _verify_pair(v: ShapeRules, step: Step, src: Ref, dst: Ref) -> None:

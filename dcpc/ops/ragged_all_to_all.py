@@ -44,7 +44,7 @@ from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
 from dcpc.ops import _split as split
 from dcpc.ops import cast
-from dcpc.ops._split import PUT, WAIT, verify_matched
+from dcpc.ops._split import PUT, WAIT
 from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
     AFTER,
@@ -125,13 +125,9 @@ def verify(v: ShapeRules, step: Step) -> None:
                     f"row counts are {what}, one per peer",
                     hint=f"declare '{ref.name}' as {{shape: [W], dtype: i32}}")
         v.expect(ref, [v.W], "one row count per peer")
-    if op.phase is not None:
-        verify_matched(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
-                       puts=f"the rows of '{names(op.src)[0]}' to every peer",
-                       same="src, dst, counts, recv_counts, capacity, scale and axis",
-                       wait_hint="add a 'phase: put' step before it, or drop 'phase' for "
-                       "a ragged_all_to_all that waits itself",
-                       put_hint="add a 'phase: wait' step after it")
+    split.verify_exchange(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
+                          puts=f"the rows of '{names(op.src)[0]}' to every peer",
+                          same="src, dst, counts, recv_counts, capacity, scale and axis")
 
 
 def _verify_rows(v: ShapeRules, step: Step, src: Any, dst: Any, cap: ex.Expr) -> None:

@@ -215,6 +215,10 @@ VARIANTS: dict[str, Variant] = {
         stack for _, stack in _payloads(p)),
     "all_gather: several payloads": lambda s, step, p, w: (step.kind == "all_gather"
                                                            and len(_payloads(p)) > 1),
+    "all_gather: phase put (push, no wait)": lambda s, step, p, w: (
+        step.kind == "all_gather" and p.attrs.get("wait") is False),
+    "all_gather: phase wait (its put's grid)": lambda s, step, p, w: (
+        step.kind == "all_gather" and p.attrs.get("signal") is False),
     "all_to_all: stack": lambda s, step, p, w: (p.template == "ops/all_to_all.py.j2"
                                                 and not p.attrs.get("concat")),
     "all_to_all: several payloads": lambda s, step, p, w: (
