@@ -224,6 +224,10 @@ VARIANTS: dict[str, Variant] = {
     "all_to_all: several payloads": lambda s, step, p, w: (
         p.template == "ops/all_to_all.py.j2" and p.attrs.get("payloads", 0) > 1),
     "all_to_all: split_dim/concat_dim": lambda s, step, p, w: bool(p.attrs.get("concat")),
+    "all_to_all: phase put (push, no wait)": lambda s, step, p, w: (
+        step.kind == "all_to_all" and p.attrs.get("wait") is False),
+    "all_to_all: phase wait (its put's grid)": lambda s, step, p, w: (
+        step.kind == "all_to_all" and p.attrs.get("signal") is False),
     "all_to_all: split_dim/concat_dim over a team": lambda s, step, p, w: bool(
         p.attrs.get("concat")) and p.sync.axes is not None,
     **{f"all_to_all: cast {k}": _cast("all_to_all", k) for k in (1, 2, 3, 4)},

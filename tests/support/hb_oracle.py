@@ -655,15 +655,18 @@ def _expression(size) -> str:
     return ast.dump(ast.parse(str(size).strip(), mode="eval").body)
 
 
-SPLIT_EXCHANGES = ("ragged_all_to_all", "all_gather")  # a put, then its wait polls every peer
+SPLIT_EXCHANGES = ("ragged_all_to_all", "all_gather", "all_to_all")  # a put, then its wait
 
 
 def _split_key(op) -> tuple:
     """What a `phase: wait` names as the put it polls: the payloads (one name or a list
     alike) and axis, and a ragged's counts, recv_counts, capacity (as an expression:
-    `N*C` is `(N * C)`) and scale buffer, an all_gather's dim and interleave."""
+    `N*C` is `(N * C)`) and scale buffer, an all_gather's dim and interleave, an
+    all_to_all's dim, split_dim and concat_dim."""
     if op.op == "all_gather":
         extra = (op.dim, op.interleave)
+    elif op.op == "all_to_all":
+        extra = (op.dim, op.split_dim, op.concat_dim)
     else:
         extra = (op.counts, op.recv_counts, _expression(op.capacity),
                  op.scale.buffer if op.scale is not None else None)
@@ -690,8 +693,8 @@ def _exchange_puts(schedule: Schedule) -> dict[str, str]:
 
 def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
                     tracked: set[str]) -> None:
-    """A split ragged_all_to_all or all_gather: the put reads its payloads (a ragged's
-    counts too) and stores its part (block `rank`; an all_gather's partition) of every
+    """A split ragged_all_to_all, all_gather or all_to_all: the put reads its payloads (a
+    ragged's counts too) and stores its part (block `rank`; the op's partition) of every
     team member's dst (and recv_counts), landing at the wait that polls it, and signals
     every member; the wait waits for every member's put, lands what they pushed, then a
     ragged's reads every count (the receiver's over-capacity check)."""
