@@ -100,24 +100,29 @@ def verify(v: ShapeRules, step: Step) -> None:
 
 
 def reference(sim: SimView, step: Step) -> None:
+    """The parts pushed (held, with an explicit via's landing, from a put until its
+    wait: dcpc.ops._split), then summed where the op waits (reading output_scale then)."""
     op: ReduceScatter = step.op  # type: ignore[assignment]
-    if split.land(sim, step):  # a wait: the parts and their sum land here
-        return
-    store = split.store(sim, step)
-    via = op.via or f"{op.dst}__via"
-    held = f"{step.name}@parts"
+    pushed = step
+    if op.phase == WAIT:
+        split.land(sim, step)  # an explicit via lands here
+        pushed = split.matched(sim).polls[step.name]
+    else:
+        store = split.store(sim, step)
 
-    def keep(r: int, name: str, value: torch.Tensor) -> None:
-        sim.stash(r, held, value, like=op.via or op.src)  # an implicit via: src's dtype
+        def keep(r: int, name: str, value: torch.Tensor) -> None:
+            # rounded as via stores (an implicit one has src's dtype)
+            sim.stash(r, f"{step.name}@parts", value, like=op.via or op.src)
 
-    sim.all_to_all(op.src, via, op.dim, keep)
+        sim.all_to_all(op.src, op.via or f"{op.dst}__via", op.dim, keep)
+        for r in range(sim.world):
+            if op.via:
+                store(r, op.via, sim.bufs[r][f"{step.name}@parts"])
+        if op.phase == PUT:
+            return
     for r in range(sim.world):
-        parts = sim.bufs[r].pop(held)
-        if op.via:
-            store(r, via, parts)
-        else:
-            sim.stash(r, via, parts, like=op.src)
-        store(r, op.dst, sim.scaled(op, r, parts.sum(dim=0)))
+        parts = sim.bufs[r].pop(f"{pushed.name}@parts")
+        sim.store(r, op.dst, sim.scaled(op, r, parts.sum(dim=0)))
 
 
 def io(op: ReduceScatter) -> IO:
