@@ -263,6 +263,10 @@ VARIANTS: dict[str, Variant] = {
                                                           and step.op.via is None),
     "reduce_scatter: fp8": lambda s, step, p, w: (step.kind == "reduce_scatter"
                                                   and p.attrs.get("scale")),
+    "reduce_scatter: phase put (push, no sum)": lambda s, step, p, w: (
+        step.kind == "reduce_scatter" and p.attrs.get("wait") is False),
+    "reduce_scatter: phase wait (the sum, its put's grid)": lambda s, step, p, w: (
+        step.kind == "reduce_scatter" and p.attrs.get("signal") is False),
     "all_reduce: implicit via": lambda s, step, p, w: (step.kind == "all_reduce"
                                                       and step.op.via is None),
     "all_reduce: lse over a team": lambda s, step, p, w: (

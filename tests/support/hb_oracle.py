@@ -655,18 +655,21 @@ def _expression(size) -> str:
     return ast.dump(ast.parse(str(size).strip(), mode="eval").body)
 
 
-SPLIT_EXCHANGES = ("ragged_all_to_all", "all_gather", "all_to_all")  # a put, then its wait
+SPLIT_EXCHANGES = ("ragged_all_to_all", "all_gather", "all_to_all", "reduce_scatter")
 
 
 def _split_key(op) -> tuple:
     """What a `phase: wait` names as the put it polls: the payloads (one name or a list
     alike) and axis, and a ragged's counts, recv_counts, capacity (as an expression:
     `N*C` is `(N * C)`) and scale buffer, an all_gather's dim and interleave, an
-    all_to_all's dim, split_dim and concat_dim."""
+    all_to_all's dim, split_dim and concat_dim, a reduce_scatter's dim, via and
+    output_scale."""
     if op.op == "all_gather":
         extra = (op.dim, op.interleave)
     elif op.op == "all_to_all":
         extra = (op.dim, op.split_dim, op.concat_dim)
+    elif op.op == "reduce_scatter":
+        extra = (op.dim, op.via, op.output_scale)
     else:
         extra = (op.counts, op.recv_counts, _expression(op.capacity),
                  op.scale.buffer if op.scale is not None else None)
@@ -693,14 +696,16 @@ def _exchange_puts(schedule: Schedule) -> dict[str, str]:
 
 def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
                     tracked: set[str]) -> None:
-    """A split ragged_all_to_all, all_gather or all_to_all: the put reads its payloads (a
-    ragged's counts too) and stores its part (block `rank`; the op's partition) of every
-    team member's dst (and recv_counts), landing at the wait that polls it, and signals
+    """A split ragged_all_to_all, all_gather, all_to_all or reduce_scatter: the put reads
+    its payloads (a ragged's counts too) and stores its part (block `rank`; the op's
+    partition) of every team member's dst (and recv_counts; a reduce_scatter's via, its
+    implicit one named after the put), landing at the wait that polls it, and signals
     every member; the wait waits for every member's put, lands what they pushed, then a
-    ragged's reads every count (the receiver's over-capacity check)."""
+    ragged's reads every count (the receiver's over-capacity check), a reduce_scatter
+    reads its via and writes dst (the sum)."""
     axes = _axes(schedule, op)
     team = _team(b.rank, world, axes)
-    ragged = op.op == "ragged_all_to_all"
+    ragged, summed = op.op == "ragged_all_to_all", op.op == "reduce_scatter"
     part = (("index", 0, 0, axes) if ragged else _partition(schedule, op), b.rank)
     if op.phase == "put":
         waits = {w for w, p in _exchange_puts(schedule).items() if p == name}
@@ -722,7 +727,8 @@ def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, 
                              lands=landing)
 
         reads(_as_list(op.src) + ([op.counts] if ragged else []), 0)
-        stores(_as_list(op.dst) + ([op.recv_counts] if ragged else []), part)
+        into = [op.via or f"{name}_recv"] if summed else _as_list(op.dst)
+        stores(into + ([op.recv_counts] if ragged else []), part)
         if ragged:
             _cast_scale(op, schedule, reads, stores, b.rank, axes)
         for peer in _peers("all", b.rank, world, axes):
@@ -734,6 +740,9 @@ def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, 
     b.add(name, index, 1, landing=True)  # the data that was in flight lands here
     if ragged and op.recv_counts in tracked:
         b.access(name, index, 1, op.recv_counts, "read")
+    for n, kind in ([(op.via or f"{polled}_recv", "read"), (op.dst, "write")] if summed else []):
+        if n in tracked:
+            b.access(name, index, 1, n, kind)
 
 
 def shift_header(name: str, seed: int, slots: int, streams: str, *,
