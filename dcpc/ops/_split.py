@@ -1,6 +1,7 @@
 """Split-phase steps (``phase: put`` / ``phase: wait``), shared by the ops that take
-them (shift, ragged_all_to_all): which put each wait polls, and the verifier's
-unmatched-put / unmatched-wait errors.
+them (shift, ragged_all_to_all, all_gather): which put each wait polls, the verifier's
+unmatched-put / unmatched-wait errors, and, for an exchange with every peer (ragged,
+all_gather), its semantics, float64 reference, io and lowering attrs, once.
 
 An op opts in with a ``split_key()`` method on its model: the k-th ``phase: wait`` step
 of a key polls the k-th ``phase: put`` step of it (the key starts with the op's name,
@@ -12,12 +13,19 @@ earlier unmatched put is lonely. The choice does not depend on W.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from dcpc.ops.common import WRITE, Effect, Semantics, Sync
+from dcpc.ops.common import exchange as whole
+
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from dcpc.lang.nodes import ScheduleView, Step
-    from dcpc.ops.iface import ShapeRules
+    from dcpc.ops.common import Scope
+    from dcpc.ops.iface import ShapeRules, SimView
+    from dcpc.ops.registry import IO
 
 PUT, WAIT = "put", "wait"  # the halves of a split step (``phase:``)
 
@@ -129,3 +137,83 @@ def verify_matched(v: ShapeRules, step: Step, *, waits: str, puts: str, same: st
                 f"step '{step.name}' puts {puts}, but no 'phase: wait' step with the same "
                 f"{same} is left for it; the receiver never learns that its data arrived",
                 put_hint)
+
+
+# An exchange with every peer split in two (ragged_all_to_all, all_gather): the put
+# pushes and signals every peer, the wait waits for every peer's put and then lands it.
+
+
+def exchange(c: Scope, step: Step, before: list[Effect], after: list[Effect]) -> Semantics:
+    """The whole op's effects (``before`` its signal, ``after`` its wait) as the step's
+    half: a put keeps ``before``, its stores in flight until the wait that polls it
+    (``Effect.lands``; unmatched: the verifier's error, they land nowhere), and signals
+    every peer; a wait waits for every peer's put, then ``after``. Not split: both, as
+    ``dcpc.ops.common.exchange``."""
+    phase = getattr(step.op, "phase", None)
+    if phase == WAIT:
+        polled = matched(c).polls.get(step.name)
+        return Semantics(tuple(after), Sync(wait="all", polls=polled.index if polled else None))
+    if phase == PUT:
+        wait = matched(c).lands.get(step.name)
+        lands = wait.index if wait is not None else None
+        return Semantics(tuple(replace(e, lands=lands) if e.kind == WRITE else e
+                               for e in before), Sync(signal="all"))
+    return whole(before, after, step)
+
+
+def store(sim: SimView, step: Step) -> Callable[..., None]:
+    """Where the float64 reference of ``step`` stores: the simulator (``sim.store``), or,
+    for a put, held on the receiver (rounded as stored, with its unsent mask) until the
+    wait that polls it lands it (``land``)."""
+    if getattr(step.op, "phase", None) != PUT:
+        return sim.store
+
+    def hold(rank: int, name: str, value: Any, *, unsent: Any = None) -> None:
+        sim.stash(rank, f"{step.name}@inflight:{name}", value, like=name)
+        if unsent is not None:
+            sim.bufs[rank][f"{step.name}@unsent:{name}"] = unsent
+    return hold
+
+
+def land(sim: SimView, step: Step) -> bool:
+    """At a ``phase: wait``: store what the put it polls holds (``store``) on every rank;
+    True. False elsewhere (the caller computes the op)."""
+    if getattr(step.op, "phase", None) != WAIT:
+        return False
+    put = matched(sim).polls[step.name]
+    for j in range(sim.world):
+        for k in [k for k in sim.bufs[j] if k.startswith(f"{put.name}@inflight:")]:
+            name = k.split(":", 1)[1]
+            sim.store(j, name, sim.bufs[j].pop(k),
+                      unsent=sim.bufs[j].pop(f"{put.name}@unsent:{name}", None))
+    return True
+
+
+def verify_exchange(v: ShapeRules, step: Step, *, waits: str, puts: str, same: str) -> None:
+    """``verify_matched`` for a split exchange with every peer (its wait after its put);
+    nothing for a whole op."""
+    if getattr(step.op, "phase", None) is None:
+        return
+    article = "an" if step.kind[0] in "aeiou" else "a"
+    verify_matched(v, step, waits=waits, puts=puts, same=same,
+                   wait_hint=f"add a 'phase: put' step before it, or drop 'phase' for "
+                   f"{article} {step.kind} that waits itself",
+                   put_hint="add a 'phase: wait' step after it")
+
+
+def io(op: Any, sent: list[str], landed: list[str]) -> IO:
+    """The whole op reads ``sent`` and writes ``landed``: a put only reads, a wait only
+    writes (returns)."""
+    return {PUT: (sent, []), WAIT: ([], landed)}.get(op.phase, (sent, landed))  # type: ignore[return-value]
+
+
+def lowered(ctx: Any, step: Step) -> dict[str, Any]:
+    """A split step's plan attrs: its kernel signals (a put) or waits (a wait), a wait
+    launches its put's grid (``tune_of``: program i polls program i), and where the
+    torch backend handshakes (``torch_handshake``); ``{}`` for a whole op."""
+    phase = getattr(step.op, "phase", None)
+    if phase is None:
+        return {}
+    put = matched(ctx).polls.get(step.name) if phase == WAIT else step
+    return {"signal": phase == PUT, "wait": phase == WAIT, "tune_of": (put or step).name,
+            **torch_handshake(ctx, step)}

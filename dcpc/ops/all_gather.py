@@ -5,6 +5,10 @@
 rank: block ``rank`` along ``dim``, or with ``interleave`` I the rows
 ``(j // I) * W * I + rank * I + j % I``) or stacking (dst has one more dim: index
 ``rank`` of ``dim``, whose size is W).
+``phase: put`` / ``phase: wait`` split it as ragged_all_to_all's (dcpc.ops._split: the
+k-th wait of the same src, dst, dim, interleave and axis polls the k-th put): the put
+pushes and signals, its stores in flight until the wait, which waits for every peer;
+the reference lands the gathered dst at the wait; the torch backend moves at the put.
 Lowerings: ``lower`` below + templates/ops/all_gather.py.j2;
 dcpc/runtime/collectives.py ``all_gather``.
 """
@@ -18,6 +22,8 @@ from pydantic import Field
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import ONE, W, product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.ops import _split as split
+from dcpc.ops._split import PUT, WAIT
 from dcpc.ops.common import (
     BEFORE,
     READ,
@@ -27,7 +33,6 @@ from dcpc.ops.common import (
     Semantics,
     dim_text,
     effects,
-    exchange,
     keyed,
     typed,
 )
@@ -43,6 +48,14 @@ class AllGather(OpBase):
     dst: Name | Annotated[list[Name], Field(min_length=1)]
     dim: Int = 0
     interleave: Int | None = Field(default=None, ge=1)
+    phase: Literal["put", "wait"] | None = Field(
+        default=None, description="put: push and signal, no wait; wait: a later step "
+        "naming the same src, dst, dim, interleave and axis polls it (dcpc.ops._split)")
+
+    def split_key(self) -> tuple[Any, ...]:
+        """What a ``phase: wait`` shares with the put it polls (dcpc.ops._split)."""
+        return (tuple(names(self.src)), tuple(names(self.dst)), self.dim, self.interleave,
+                str(self.axis))
 
 
 def _region(c: Scope, op: AllGather, src_name: str | None, dst_name: str) -> Region:
@@ -63,13 +76,17 @@ def semantics(c: Scope, step: Step) -> Semantics:
     for k, dst in enumerate(keyed(op, "dst")):  # payload k: src[k] into dst[k]
         src = srcs[k][0] if k < len(srcs) else None  # (unequal lists are reported)
         before += effects(WRITE, BEFORE, [dst], _region(c, op, src, dst[0]))
-    return exchange(before, [], step)
+    return split.exchange(c, step, before, [])
 
 
 def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(step.op, AllGather)
     for src, dst in v.pairs(v.refs("src"), v.refs("dst")):
         _verify_pair(v, step, src, dst)
+    op = step.op
+    split.verify_exchange(v, step, waits=f"for the gather into '{names(op.dst)[0]}'",
+                          puts=f"'{names(op.src)[0]}' into every peer's '{names(op.dst)[0]}'",
+                          same="src, dst, dim, interleave and axis")
 
 
 def _verify_pair(v: ShapeRules, step: Step, src: Ref, dst: Ref) -> None:
@@ -109,11 +126,13 @@ def _verify_pair(v: ShapeRules, step: Step, src: Ref, dst: Ref) -> None:
 
 def reference(sim: SimView, step: Step) -> None:
     op: AllGather = step.op  # type: ignore[assignment]
+    if split.land(sim, step):  # a wait: what its put gathered lands here
+        return
     for src, dst in zip(names(op.src), names(op.dst), strict=True):
-        _gather(sim, op, src, dst)
+        _gather(sim, op, src, dst, split.store(sim, step))
 
 
-def _gather(sim: SimView, op: AllGather, src: str, dst: str) -> None:
+def _gather(sim: SimView, op: AllGather, src: str, dst: str, store: Any) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     world = sim.world
@@ -131,17 +150,19 @@ def _gather(sim: SimView, op: AllGather, src: str, dst: str) -> None:
             rows = (j // inter) * world * inter + r * inter + j % inter
             gathered.index_copy_(op.dim, rows, part)
     for r in range(world):
-        sim.store(r, dst, gathered.clone())
+        store(r, dst, gathered.clone())
 
 
 def io(op: AllGather) -> IO:
-    return names(op.src), names(op.dst)
+    return split.io(op, names(op.src), names(op.dst))
 
 
 def lower(ctx: LowerRules, step: Step) -> Any:
     op = typed(step, AllGather)
     srcs, dsts = names(op.src), names(op.dst)
-    plan = ctx.plan(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    waits = op.phase == WAIT  # no src: the scalars only (its put's grid)
+    plan = ctx.plan(step, params=[] if waits else ctx.engine(srcs),
+                    returns=[] if op.phase == PUT else list(dsts), signalling=True)
     stacks = []
     for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
         p = str(k) if k else ""  # payload 0 keeps the unsuffixed names
@@ -163,10 +184,12 @@ def lower(ctx: LowerRules, step: Step) -> Any:
             (f"interleave{p}", interleave),
         ]
         plan.tiles.append(row_len)
-        plan.scratch[f"stage{p}"] = (product([W, *src]), ctx.buffers[s].dtype)
-        ctx.layout(plan, f"src{p}", d, min(d + 1, len(src)))
+        if not waits:
+            plan.scratch[f"stage{p}"] = (product([W, *src]), ctx.buffers[s].dtype)
+            ctx.layout(plan, f"src{p}", d, min(d + 1, len(src)))
         stacks.append(stack)
     plan.attrs["payloads"] = [("" if k == 0 else str(k), stack) for k, stack in enumerate(stacks)]
+    plan.attrs |= split.lowered(ctx, step)
     return plan
 
 

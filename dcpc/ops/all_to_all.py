@@ -8,6 +8,10 @@ With ``split_dim`` and ``concat_dim`` (both, and no ``dim``; JAX's
 ``all_to_all(x, split_axis, concat_axis)``): ``dst`` has src's rank; ``src`` split in W
 parts along ``split_dim``, part j of rank p lands on rank j as block p along
 ``concat_dim`` (DeepSpeed-Ulysses' sequence <-> head exchange lands in token order).
+``phase: put`` / ``phase: wait`` split it as all_gather's (dcpc.ops._split: the k-th
+wait of the same src, dst, dim, split_dim, concat_dim and axis polls the k-th put; not
+with ``scale``): the put pushes and signals, its stores in flight until the wait, which
+waits for every peer; the reference lands dst there; the torch backend moves at the put.
 Lowerings: ``lower`` below + templates/ops/all_to_all.py.j2;
 dcpc/runtime/collectives.py ``all_to_all``.
 """
@@ -20,7 +24,9 @@ from pydantic import Field
 
 from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, OpBase, Step
+from dcpc.ops import _split as split
 from dcpc.ops import cast
+from dcpc.ops._split import PUT, WAIT
 from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
     BEFORE,
@@ -31,7 +37,6 @@ from dcpc.ops.common import (
     Semantics,
     dim_text,
     effects,
-    exchange,
     keyed,
     typed,
 )
@@ -49,6 +54,14 @@ class AllToAll(OpBase):
     scale: Scale | None = None
     split_dim: Int | None = Field(default=None, description="with concat_dim: dst has src's rank")
     concat_dim: Int | None = Field(default=None, description="where rank p's part lands: block p")
+    phase: Literal["put", "wait"] | None = Field(
+        default=None, description="put: push and signal, no wait; wait: a later step "
+        "naming the same src, dst, dims and axis polls it (dcpc.ops._split)")
+
+    def split_key(self) -> tuple[Any, ...]:
+        """What a ``phase: wait`` shares with the put it polls (dcpc.ops._split)."""
+        return (tuple(names(self.src)), tuple(names(self.dst)), self.dim, self.split_dim,
+                self.concat_dim, str(self.axis))
 
 
 def concat(op: AllToAll) -> bool:
@@ -67,16 +80,30 @@ def semantics(c: Scope, step: Step) -> Semantics:
     before = effects(READ, BEFORE, keyed(op, "src"))
     if not concat(op):
         before += effects(WRITE, BEFORE, keyed(op, "dst"), Region("index", 0))
-        return exchange(before + cast.effects(c.schedule, op), [], step)
+        return split.exchange(c, step, before + cast.effects(c.schedule, op), [])
     for dst in keyed(op, "dst"):  # writer p: block p along concat_dim of every rank's dst
         spec = c.schedule.buffers.get(dst[0])
         d = op.concat_dim % len(spec.shape) if spec is not None and spec.shape else 0
         region = Region("block", d, 0, dim_text(c.schedule, dst[0], d))
         before += effects(WRITE, BEFORE, [dst], region)
-    return exchange(before, [], step)
+    return split.exchange(c, step, before, [])
 
 
 def verify(v: ShapeRules, step: Step) -> None:
+    op: AllToAll = step.op  # type: ignore[assignment]
+    if op.scale is not None and op.phase is not None:
+        v.error(op.mark("phase"), "bad-cast",
+                f"all_to_all '{step.name}' casts ('scale'); a cast does not split in "
+                "'phase: put' / 'phase: wait'",
+                hint="split an all_to_all without 'scale', or drop 'phase'")
+        return
+    split.verify_exchange(v, step, waits=f"for the parts into '{names(op.dst)[0]}'",
+                          puts=f"the parts of '{names(op.src)[0]}' to every peer",
+                          same="src, dst, dim, split_dim, concat_dim and axis")
+    _verify_forms(v, step)
+
+
+def _verify_forms(v: ShapeRules, step: Step) -> None:
     op: AllToAll = step.op  # type: ignore[assignment]
     if op.scale is not None and (op.split_dim is not None or op.concat_dim is not None):
         v.error(op.mark("scale"), "bad-cast",
@@ -120,13 +147,13 @@ def _verify_concat(v: ShapeRules, step: Step, src: Any, dst: Any) -> None:
                     f"{key} {value} is out of range for src '{src.name}', which has {n} dims "
                     f"(valid: {-n}..{n - 1})")
             return
-    split, cat = dims(op, n)
-    part = v.part_along(src, split)
+    along, cat = dims(op, n)
+    part = v.part_along(src, along)
     if part is None or v.shape(dst.name) is None:
         return
     want = list(part)
     want[cat] = ("*", v.W, want[cat])
-    v.expect(dst, want, f"src '{src.name}' split in W parts along dim {split}, rank p's part "
+    v.expect(dst, want, f"src '{src.name}' split in W parts along dim {along}, rank p's part "
              f"as block p along dim {cat}")
 
 
@@ -135,21 +162,24 @@ def reference(sim: SimView, step: Step) -> None:
     if op.scale is not None:
         cast.all_to_all_reference(sim, op)
         return
+    if split.land(sim, step):  # a wait: what its put moved lands here
+        return
+    store = split.store(sim, step)
     for src, dst in zip(names(op.src), names(op.dst), strict=True):
         if not concat(op):
-            sim.all_to_all(src, dst, op.dim)
+            sim.all_to_all(src, dst, op.dim, store)
             continue
         import torch  # the compiler imports no torch; only the simulator runs this
 
-        split, cat = dims(op, sim.bufs[0][src].dim())
-        parts = [torch.chunk(sim.bufs[p][src], sim.world, dim=split) for p in range(sim.world)]
+        along, cat = dims(op, sim.bufs[0][src].dim())
+        parts = [torch.chunk(sim.bufs[p][src], sim.world, dim=along) for p in range(sim.world)]
         for j in range(sim.world):
-            sim.store(j, dst, torch.cat([parts[p][j] for p in range(sim.world)], dim=cat))
+            store(j, dst, torch.cat([parts[p][j] for p in range(sim.world)], dim=cat))
 
 
 def io(op: AllToAll) -> IO:
     scale = [op.scale.buffer] if op.scale is not None else []  # read, or sent (symmetric)
-    return names(op.src) + scale, names(op.dst)
+    return split.io(op, names(op.src) + scale, names(op.dst))
 
 
 def lower(ctx: LowerRules, step: Step) -> Any:
@@ -157,7 +187,9 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     if op.scale is not None:  # a cast: ragged_all_to_all's kernel at full counts
         return cast.lower_move(ctx, step)
     srcs, dsts = names(op.src), names(op.dst)
-    plan = ctx.plan(step, params=ctx.engine(srcs), returns=list(dsts), signalling=True)
+    waits = op.phase == WAIT  # no src: the scalars only (its put's grid)
+    plan = ctx.plan(step, params=[] if waits else ctx.engine(srcs),
+                    returns=[] if op.phase == PUT else list(dsts), signalling=True)
     concatenating = concat(op)
     for k, (s, t) in enumerate(zip(srcs, dsts, strict=True)):
         shape = ctx.shape(s)
@@ -172,11 +204,14 @@ def lower(ctx: LowerRules, step: Step) -> Any:
         if concatenating:  # a part's dims [cat:] make one block of dst, rank p's at block p
             chunk = [div(x, ctx.team_w(step)) if i == d else x for i, x in enumerate(shape)]
             plan.scalars.append((f"block{k}", product(chunk[cat:])))
-            plan.scratch[f"recv{k}"] = (product(shape), ctx.buffers[s].dtype)
-        ctx.layout(plan, f"src{k}", d, d + 1)
+            if not waits:
+                plan.scratch[f"recv{k}"] = (product(shape), ctx.buffers[s].dtype)
         plan.tiles.append(part)
-        plan.scratch[f"send{k}"] = (product(shape), ctx.buffers[s].dtype)
+        if not waits:
+            ctx.layout(plan, f"src{k}", d, d + 1)
+            plan.scratch[f"send{k}"] = (product(shape), ctx.buffers[s].dtype)
     plan.attrs["payloads"] = len(srcs)
+    plan.attrs |= split.lowered(ctx, step)
     if concatenating:  # absent otherwise: a stacking exchange's plan and module stay as they were
         plan.attrs["concat"] = True
     return plan

@@ -35,7 +35,6 @@ dcpc/runtime/collectives.py ``ragged_all_to_all``.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -43,8 +42,9 @@ from pydantic import Field
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
+from dcpc.ops import _split as split
 from dcpc.ops import cast
-from dcpc.ops._split import PUT, WAIT, matched, torch_handshake, verify_matched
+from dcpc.ops._split import PUT, WAIT
 from dcpc.ops.cast import Scale
 from dcpc.ops.common import (
     AFTER,
@@ -54,9 +54,7 @@ from dcpc.ops.common import (
     Region,
     Scope,
     Semantics,
-    Sync,
     effects,
-    exchange,
     keyed,
     typed,
 )
@@ -95,24 +93,16 @@ class RaggedAllToAll(OpBase):
 def semantics(c: Scope, step: Step) -> Semantics:
     """Split (``phase``): the put pushes and signals every peer, its stores in flight
     until the wait that polls it (``Effect.lands``); the wait waits for every peer's
-    put, then reads the counts."""
+    put, then reads the counts (dcpc.ops._split.exchange)."""
     op = step.op
     # after the wait the receiver reads every peer's count (its over-capacity check)
     after = effects(READ, AFTER, keyed(op, "recv_counts"))
-    if op.phase == WAIT:
-        polled = matched(c).polls.get(step.name)
-        return Semantics(tuple(after), Sync(wait="all", polls=polled.index if polled else None))
     before = effects(READ, BEFORE, keyed(op, "src") + keyed(op, "counts"))
     # over-approximated: the whole block p of every peer's dst, whatever the count
     before += effects(WRITE, BEFORE, keyed(op, "dst") + keyed(op, "recv_counts"),
                       Region("index", 0))
     before += cast.effects(c.schedule, op)
-    if op.phase == PUT:  # unmatched: the verifier's error; the store lands nowhere
-        wait = matched(c).lands.get(step.name)
-        lands = wait.index if wait is not None else None
-        before = [replace(e, lands=lands) if e.kind == WRITE else e for e in before]
-        return Semantics(tuple(before), Sync(signal="all"))
-    return exchange(before, after, step)
+    return split.exchange(c, step, before, after)
 
 
 def verify(v: ShapeRules, step: Step) -> None:
@@ -135,13 +125,9 @@ def verify(v: ShapeRules, step: Step) -> None:
                     f"row counts are {what}, one per peer",
                     hint=f"declare '{ref.name}' as {{shape: [W], dtype: i32}}")
         v.expect(ref, [v.W], "one row count per peer")
-    if op.phase is not None:
-        verify_matched(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
-                       puts=f"the rows of '{names(op.src)[0]}' to every peer",
-                       same="src, dst, counts, recv_counts, capacity, scale and axis",
-                       wait_hint="add a 'phase: put' step before it, or drop 'phase' for "
-                       "a ragged_all_to_all that waits itself",
-                       put_hint="add a 'phase: wait' step after it")
+    split.verify_exchange(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
+                          puts=f"the rows of '{names(op.src)[0]}' to every peer",
+                          same="src, dst, counts, recv_counts, capacity, scale and axis")
 
 
 def _verify_rows(v: ShapeRules, step: Step, src: Any, dst: Any, cap: ex.Expr) -> None:
@@ -163,15 +149,9 @@ def reference(sim: SimView, step: Step) -> None:
     import torch  # the compiler imports no torch; only the simulator runs this
 
     op: RaggedAllToAll = step.op  # type: ignore[assignment]
-    if op.phase == WAIT:  # what the put it polls pushed lands here
-        put = matched(sim).polls[step.name]
-        for j in range(sim.world):
-            for key in [k for k in sim.bufs[j] if k.startswith(f"{put.name}@inflight:")]:
-                name = key.split(":", 1)[1]
-                sim.store(j, name, sim.bufs[j].pop(key),
-                          unsent=sim.bufs[j].pop(f"{put.name}@unsent:{name}", None))
+    if split.land(sim, step):  # a wait: what the put it polls pushed lands here
         return
-    store = sim.store if op.phase is None else _holder(sim, step.name)
+    store = split.store(sim, step)
     srcs, dsts = names(op.src), names(op.dst)
     cap = sim.shape(srcs[0])[1]
     counts = [[int(c) for c in sim.bufs[p][op.counts].reshape(-1)] for p in range(sim.world)]
@@ -188,20 +168,10 @@ def reference(sim: SimView, step: Step) -> None:
                   torch.tensor([counts[p][j] for p in range(sim.world)], dtype=torch.int64))
 
 
-def _holder(sim: SimView, put: str) -> Any:
-    """A ``phase: put``'s store: held on the receiver (rounded as stored, with its
-    unsent mask) until the wait that polls ``put`` lands it."""
-    def hold(rank: int, name: str, value: Any, *, unsent: Any = None) -> None:
-        sim.stash(rank, f"{put}@inflight:{name}", value, like=name)
-        if unsent is not None:
-            sim.bufs[rank][f"{put}@unsent:{name}"] = unsent
-    return hold
-
-
 def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[list[int]],
           way: str | None, store: Any) -> None:
     """One payload's rows, cast on the way when ``way`` says so (``store``: the
-    simulator's, or a put's ``_holder``)."""
+    simulator's, or a put's holder: dcpc.ops._split.store)."""
     import torch
 
     sent, scales = [], []  # every sender's src as it travels (cast), and its row scales
@@ -243,7 +213,7 @@ def io(op: RaggedAllToAll) -> IO:
     and the method does not return it (``module.buffer`` reads it, as ``via``)."""
     scale = [op.scale.buffer] if op.scale is not None else []
     sent, landed = [*names(op.src), op.counts, *scale], [*names(op.dst), op.recv_counts]
-    return {PUT: (sent, []), WAIT: ([], landed)}.get(op.phase, (sent, landed))  # type: ignore[arg-type]
+    return split.io(op, sent, landed)
 
 
 def lower(ctx: LowerRules, step: Step) -> Any:
@@ -261,10 +231,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     if scale is not None:
         roles["scale"] = scale
     more = {"payloads": len(srcs)} if len(srcs) > 1 else {}
-    if op.phase is not None:  # a wait launches its put's grid (program i polls program i)
-        put = matched(ctx).polls.get(step.name) if op.phase == WAIT else step
-        more |= {"signal": op.phase == PUT, "wait": op.phase == WAIT,
-                 "tune_of": (put or step).name, **torch_handshake(ctx, step)}
+    more |= split.lowered(ctx, step)  # a wait launches its put's grid (program i polls i)
     return ctx.plan(
         step,
         params=[] if op.phase == WAIT else ctx.engine([*srcs, op.counts, scale]),

@@ -189,6 +189,13 @@ def reduce_scatter(
     """Sum over ranks in fp32 (the kernels' accumulation); rank j keeps part j, rounded
     once into dst's dtype (``scale``: quantized, see merge.quantize)."""
     all_to_all(comm, src, via, send, outer, part, world)
+    sum_parts(via, dst, acc, outer, part, world, scale)
+
+
+def sum_parts(via: torch.Tensor, dst: torch.Tensor, acc: torch.Tensor, outer: int,
+              part: int, world: int, scale: torch.Tensor | None = None) -> None:
+    """reduce_scatter's local half: the W parts that landed in ``via`` summed in fp32
+    into dst (a split reduce_scatter's wait; its put is ``all_to_all`` into via)."""
     total = acc[: outer * part]
     rows = via.reshape(-1)[: world * outer * part].view(world, outer * part)  # the team's
     torch.sum(rows, dim=0, dtype=torch.float32, out=total)

@@ -215,11 +215,19 @@ VARIANTS: dict[str, Variant] = {
         stack for _, stack in _payloads(p)),
     "all_gather: several payloads": lambda s, step, p, w: (step.kind == "all_gather"
                                                            and len(_payloads(p)) > 1),
+    "all_gather: phase put (push, no wait)": lambda s, step, p, w: (
+        step.kind == "all_gather" and p.attrs.get("wait") is False),
+    "all_gather: phase wait (its put's grid)": lambda s, step, p, w: (
+        step.kind == "all_gather" and p.attrs.get("signal") is False),
     "all_to_all: stack": lambda s, step, p, w: (p.template == "ops/all_to_all.py.j2"
                                                 and not p.attrs.get("concat")),
     "all_to_all: several payloads": lambda s, step, p, w: (
         p.template == "ops/all_to_all.py.j2" and p.attrs.get("payloads", 0) > 1),
     "all_to_all: split_dim/concat_dim": lambda s, step, p, w: bool(p.attrs.get("concat")),
+    "all_to_all: phase put (push, no wait)": lambda s, step, p, w: (
+        step.kind == "all_to_all" and p.attrs.get("wait") is False),
+    "all_to_all: phase wait (its put's grid)": lambda s, step, p, w: (
+        step.kind == "all_to_all" and p.attrs.get("signal") is False),
     "all_to_all: split_dim/concat_dim over a team": lambda s, step, p, w: bool(
         p.attrs.get("concat")) and p.sync.axes is not None,
     **{f"all_to_all: cast {k}": _cast("all_to_all", k) for k in (1, 2, 3, 4)},
@@ -255,6 +263,10 @@ VARIANTS: dict[str, Variant] = {
                                                           and step.op.via is None),
     "reduce_scatter: fp8": lambda s, step, p, w: (step.kind == "reduce_scatter"
                                                   and p.attrs.get("scale")),
+    "reduce_scatter: phase put (push, no sum)": lambda s, step, p, w: (
+        step.kind == "reduce_scatter" and p.attrs.get("wait") is False),
+    "reduce_scatter: phase wait (the sum, its put's grid)": lambda s, step, p, w: (
+        step.kind == "reduce_scatter" and p.attrs.get("signal") is False),
     "all_reduce: implicit via": lambda s, step, p, w: (step.kind == "all_reduce"
                                                       and step.op.via is None),
     "all_reduce: lse over a team": lambda s, step, p, w: (

@@ -352,6 +352,20 @@ steps:
   - send: {op: shift, src: x_send, dst: x_recv, offset: next, phase: put}
   - recv: {op: shift, src: x_send, dst: x_recv, offset: next, phase: wait}
 """
+GATHERS = SHIFTS.replace("schedule: shifts", "schedule: gathers").replace(
+    "[C, H], dtype: bf16, symmetric", "[W*C, H], dtype: bf16, symmetric").replace(
+    "op: shift", "op: all_gather").replace(", offset: next", "")
+PARTS = """\
+schedule: parts
+sizes: {C: {max: 4}, H: 8}
+buffers:
+  x_send: {shape: [C, H], dtype: bf16}
+  x_recv: {shape: [W, C, H / W], dtype: bf16, symmetric: true}
+  x_sum:  {shape: [C, H / W], dtype: bf16}
+steps:
+"""
+SPLIT = {"all_to_all": "{op: all_to_all, src: x_send, dst: x_recv, dim: 1, phase: %s}",
+         "reduce_scatter": "{op: reduce_scatter, src: x_send, dst: x_sum, dim: 1, phase: %s}"}
 HANDSHAKE_S = 60.0  # the module's bound on a wait for a peer; gloo's is longer
 
 
@@ -393,18 +407,21 @@ def handshake_worker(rank: int, world: int, path: str, case: str, done: str) -> 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", ["sizes", "failed"])
-@pytest.mark.parametrize("op", ["ragged", "shift"])
+@pytest.mark.parametrize("op", ["ragged", "shift", "all_gather", "all_to_all",
+                                "reduce_scatter"])
 def test_the_torch_put_handshakes_before_it_moves(op: str, case: str, tmp_path: Path) -> None:
     """The torch backend moves the data at the put (a blocking exchange, a split
-    ragged_all_to_all's or shift's): the handshake (fingerprint, failure notice, bounded
-    wait per peer) runs there, before it, so ranks that bound other sizes fail naming
-    the put, not in gloo, and a peer that failed earlier is named within the module's
-    bound, not at gloo's timeout."""
+    ragged_all_to_all's, shift's, all_gather's, all_to_all's or reduce_scatter's): the
+    handshake (fingerprint, failure notice, bounded wait per peer) runs there, before
+    it, so ranks that bound other sizes fail naming the put, not in gloo, and a peer
+    that failed earlier is named within the module's bound, not at gloo's timeout."""
     from support.kernels import compile_text
 
     from dcpc.harness.launch import launch
 
-    source = text(PUT, WAIT) if op == "ragged" else SHIFTS
+    source = {"ragged": text(PUT, WAIT), "shift": SHIFTS, "all_gather": GATHERS}.get(op) or (
+        PARTS + "".join(f"  - {name}: {SPLIT[op] % phase}\n"
+                        for name, phase in (("send", "put"), ("recv", "wait"))))
     path = str(compile_text(source, tmp_path, (2,)))
     result = launch("test_ragged_split:handshake_worker", 2,
                     {"path": path, "case": case, "done": str(tmp_path / "done")},

@@ -206,8 +206,8 @@ def once(old: str, new: str):
 def test_a_template_that_pushes_after_its_wait_is_caught(monkeypatch):
     """reduce_scatter rendered with its signal/wait before the push: it reads src and
     writes the peers' receive buffers after its wait, where the plan says before."""
-    exchange = "{{ sync.exchange(step=step) | chomp }}\n"
-    prologue = "{{ sync.prologue(step=step) | chomp }}\n"
+    exchange = "{{ sync.exchange(pushes, sums, step=step) | chomp }}\n"
+    prologue = "{{ sync.prologue(step=step, signal=pushes, wait=sums) | chomp }}\n"
     render_variant(monkeypatch, "ops/reduce_scatter.py.j2", lambda text: once(
         prologue, prologue + exchange)(once(exchange, "")(text)))
     run = tr.run_traced(str(SCHEDULE), 2, programs=2, block=256, calls=1)

@@ -154,7 +154,9 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     masks = []
     if getattr(op, "mask_empty", None) is not None:
         masks = [op.mask_empty.seq_lens, op.mask_empty.query_start_loc]
-    if kind in ("all_gather", "all_to_all"):
+    if kind in SPLIT_EXCHANGES and getattr(op, "phase", None) is not None:
+        _split_exchange(b, schedule, name, index, op, world, tracked)
+    elif kind in ("all_gather", "all_to_all"):
         reads(_as_list(op.src), 0)
         stores(_as_list(op.dst), (_partition(schedule, op), b.rank))
         _cast_scale(op, schedule, reads, stores, b.rank, axes)
@@ -200,8 +202,6 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind == "external":
         reads(op.reads, 0)
         writes(op.writes, 0)
-    elif kind == "ragged_all_to_all" and op.phase is not None:
-        _ragged_split(b, schedule, name, index, op, world, tracked)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
         reads(_as_list(op.src) + [op.counts], 0)
         stores(_as_list(op.dst) + [op.recv_counts], (("index", 0, 0, axes), b.rank))
@@ -655,20 +655,38 @@ def _expression(size) -> str:
     return ast.dump(ast.parse(str(size).strip(), mode="eval").body)
 
 
-def _ragged_puts(schedule: Schedule) -> dict[str, str]:
-    """wait step -> the put it polls: the k-th `phase: wait` ragged_all_to_all naming the
-    same src, dst (one name or a list alike), counts, recv_counts, capacity (as an
-    expression: `N*C` is `(N * C)`), scale buffer and axis polls the k-th `phase: put` of them
+SPLIT_EXCHANGES = ("ragged_all_to_all", "all_gather", "all_to_all", "reduce_scatter")
+
+
+def _split_key(op) -> tuple:
+    """What a `phase: wait` names as the put it polls: the payloads (one name or a list
+    alike) and axis, and a ragged's counts, recv_counts, capacity (as an expression:
+    `N*C` is `(N * C)`) and scale buffer, an all_gather's dim and interleave, an
+    all_to_all's dim, split_dim and concat_dim, a reduce_scatter's dim, via and
+    output_scale."""
+    if op.op == "all_gather":
+        extra = (op.dim, op.interleave)
+    elif op.op == "all_to_all":
+        extra = (op.dim, op.split_dim, op.concat_dim)
+    elif op.op == "reduce_scatter":
+        extra = (op.dim, op.via, op.output_scale)
+    else:
+        extra = (op.counts, op.recv_counts, _expression(op.capacity),
+                 op.scale.buffer if op.scale is not None else None)
+    return (op.op, tuple(_as_list(op.src)), tuple(_as_list(op.dst)), *extra, str(op.axis))
+
+
+def _exchange_puts(schedule: Schedule) -> dict[str, str]:
+    """wait step -> the put it polls: the k-th `phase: wait` of a split exchange
+    (SPLIT_EXCHANGES) with a key (`_split_key`) polls the k-th `phase: put` of it
     written before it."""
     puts: dict[tuple, list[str]] = {}
     out = {}
     for item in schedule.steps:
         for n, op in item.items():
-            if op.op != "ragged_all_to_all" or op.phase is None:
+            if op.op not in SPLIT_EXCHANGES or op.phase is None:
                 continue
-            key = (tuple(_as_list(op.src)), tuple(_as_list(op.dst)), op.counts,
-                   op.recv_counts, _expression(op.capacity),
-                   op.scale.buffer if op.scale is not None else None, str(op.axis))
+            key = _split_key(op)
             if op.phase == "put":
                 puts.setdefault(key, []).append(n)
             elif puts.get(key):
@@ -676,20 +694,24 @@ def _ragged_puts(schedule: Schedule) -> dict[str, str]:
     return out
 
 
-def _ragged_split(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
-                  tracked: set[str]) -> None:
-    """A split ragged_all_to_all: the put reads its rows and counts and stores block
-    `rank` of every team member's dst and recv_counts, landing at the wait that polls
-    it, and signals every member; the wait waits for every member's put, lands what
-    they pushed, then reads every count (the receiver's over-capacity check)."""
+def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, world: int,
+                    tracked: set[str]) -> None:
+    """A split ragged_all_to_all, all_gather, all_to_all or reduce_scatter: the put reads
+    its payloads (a ragged's counts too) and stores its part (block `rank`; the op's
+    partition) of every team member's dst (and recv_counts; a reduce_scatter's via, its
+    implicit one named after the put), landing at the wait that polls it, and signals
+    every member; the wait waits for every member's put, lands what they pushed, then a
+    ragged's reads every count (the receiver's over-capacity check), a reduce_scatter
+    reads its via and writes dst (the sum)."""
     axes = _axes(schedule, op)
     team = _team(b.rank, world, axes)
-    part = (("index", 0, 0, axes), b.rank)
+    ragged, summed = op.op == "ragged_all_to_all", op.op == "reduce_scatter"
+    part = (("index", 0, 0, axes) if ragged else _partition(schedule, op), b.rank)
     if op.phase == "put":
-        waits = {w for w, p in _ragged_puts(schedule).items() if p == name}
+        waits = {w for w, p in _exchange_puts(schedule).items() if p == name}
         landing = next((i for i, item in enumerate(schedule.steps) if waits & set(item)), None)
         assert landing is not None, (
-            f"brute force: put '{name}' has no later 'phase: wait' ragged_all_to_all with "
+            f"brute force: put '{name}' has no later 'phase: wait' {op.op} with "
             "the same src, dst, counts, recv_counts, capacity, scale and axis (the "
             "checker's unmatched-put: a schedule the oracles are not asked about)")
 
@@ -704,18 +726,23 @@ def _ragged_split(b: _Builder, schedule: Schedule, name: str, index: int, op, wo
                     b.access(name, index, 0, n, "write", owner=target, part=part,
                              lands=landing)
 
-        reads(_as_list(op.src) + [op.counts], 0)
-        stores(_as_list(op.dst) + [op.recv_counts], part)
-        _cast_scale(op, schedule, reads, stores, b.rank, axes)
+        reads(_as_list(op.src) + ([op.counts] if ragged else []), 0)
+        into = [op.via or f"{name}_recv"] if summed else _as_list(op.dst)
+        stores(into + ([op.recv_counts] if ragged else []), part)
+        if ragged:
+            _cast_scale(op, schedule, reads, stores, b.rank, axes)
         for peer in _peers("all", b.rank, world, axes):
             b.add(name, index, 0, signal=("step:" + name, peer))
         return
-    polled = _ragged_puts(schedule).get(name, "?")
+    polled = _exchange_puts(schedule).get(name, "?")
     for peer in _peers("all", b.rank, world, axes):
         b.add(name, index, 1, wait=("step:" + polled, peer))
     b.add(name, index, 1, landing=True)  # the data that was in flight lands here
-    if op.recv_counts in tracked:
+    if ragged and op.recv_counts in tracked:
         b.access(name, index, 1, op.recv_counts, "read")
+    for n, kind in ([(op.via or f"{polled}_recv", "read"), (op.dst, "write")] if summed else []):
+        if n in tracked:
+            b.access(name, index, 1, n, kind)
 
 
 def shift_header(name: str, seed: int, slots: int, streams: str, *,

@@ -66,6 +66,14 @@ def diagnostics(source: str, folder: Path, name: str = "schedule.yaml",
     return []
 
 
+def error_marks(source: str, folder: Path, name: str = "schedule.yaml",
+                worlds: Sequence[object] = (2, 3)) -> list[tuple[str, int, int]]:
+    """(code, line, col) of every error ``diagnostics`` reports, sorted."""
+    return sorted((d.code, d.mark.line, d.mark.col)
+                  for d in diagnostics(source, folder, name, worlds)  # type: ignore[arg-type]
+                  if d.severity == "error")
+
+
 def codes(source: str, folder: Path, name: str = "schedule.yaml",
           worlds: Sequence[int] = (2, 3)) -> list[str]:
     """The error codes the pipeline reports up to the happens-before check, sorted and
