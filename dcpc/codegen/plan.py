@@ -41,6 +41,7 @@ class BufferPlan:
     dtype: str  # a DType value (dcpc.lang.nodes.DType: bf16 ... fp8e5m2)
     kind: str  # engine (passed in) | symmetric | shared | output (module-owned, local)
     lse_base: str | None = None
+    persist: bool = False  # one instance for all slots, zeros at construction, never reset
 
 
 @dataclass

@@ -23,7 +23,8 @@ epochs themselves.
 
 Only symmetric buffers are tracked: engine-owned buffers are passed in per call and
 never written by peers. A symmetric buffer has one instance per (rank, slot), or one
-per rank when ``shared: true``.
+per rank when ``shared: true`` (or ``persist: true``; a persistent local buffer is
+tracked too, as one instance per rank that only its rank touches).
 """
 
 from __future__ import annotations
@@ -218,8 +219,9 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         from dcpc.codegen.lower import lower as lower_plan
 
         plan = lower_plan(schedule, [2])
-    tracked = {b.name: b.kind == "shared" for b in plan.buffers
-               if b.kind in ("symmetric", "shared")}
+    # a persistent local buffer is one instance per rank too: two calls in flight race on it
+    tracked = {b.name: b.kind == "shared" or b.persist for b in plan.buffers
+               if b.kind in ("symmetric", "shared") or b.persist}
     steps = schedule.step_list()
     events: list[Event] = []
     names: dict[str, str] = {}
