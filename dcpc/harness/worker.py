@@ -352,15 +352,15 @@ def run_rank(
         at = {s.name: k for k, s in enumerate(steps)}
         lead = ((replay["hold"][1], at[replay["hold"][2]]),
                 (replay["release"][1], at[replay["release"][2]]))
+    keep = sims is not None  # the caller's, for a second pass: every call stays
     sims = {} if sims is None else sims  # call -> (sizes, inputs, external, trace, end)
     persist = {n for n, b in schedule.buffers.items() if b.persist}
 
     def simulated(call: int) -> tuple:
         """The call simulated after every call before it (a persistent buffer starts a
         call with what the call before left at its ``end``: simulate.persistent_start)."""
-        for k in range(0 if persist else call, call + 1):
-            if k in sims:
-                continue
+        while call not in sims:
+            k = max(sims, default=-1) + 1 if persist else call
             sizes = synth.call_sizes(schedule, world, ctor, seed, k)
             inputs = synth.call_inputs(schedule, world, sizes, seed, k)
             if persist:
@@ -468,6 +468,9 @@ def run_rank(
         jitter.delay()
         if event.step == len(steps) - 1:
             del live[event.call]
+            # a call no one runs any more, whose next call has its start: dropped
+            for k in [k for k in sims if not keep and k not in live and k + 1 in sims]:
+                del sims[k]
     bank = getattr(module, "_bank", None)
     if bank is not None and hasattr(bank, "epochs"):
         report.epochs = sorted(set(bank.epochs.flatten().tolist()))
