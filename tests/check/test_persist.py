@@ -110,3 +110,22 @@ def test_it_runs_against_float64(backend: str) -> None:
     report, text = run_clean(schedule=str(PERSIST), world=2, backend=backend, calls=5)
     for name in ("from_prev", "mine_before", "inbox", "last"):
         assert report.outputs[name].compared == 10, text  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    ("streams: single\n", ""),
+    ("  - free:   {op: barrier}\n", ""),
+], ids=["proved", "two_streams", "no_barrier"])
+def test_the_execution_oracle_agrees(change: tuple[str, str]) -> None:
+    """The oracle runs the plan's slots and epochs on one instance per rank of each
+    persistent buffer (the local one too): it finds the races the checker reports, and
+    none in the proved file."""
+    from support.exec_oracle_agree import disagreements
+
+    from dcpc.lang.parse import parse_text
+
+    schedule = parse_text(TEXT.replace(*change), "persist.yaml")
+    found = disagreements(schedule, (2, 3), runs=lambda world: {
+        "policies": ("lockstep", "hold"), "randoms": 2, "seed": world})
+    assert not found, "\n".join(found)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 
+from dcpc.codegen.plan import tracked as tracked_buffers
 from dcpc.diagnostics import Mark
 from dcpc.lang.mesh import MeshWorld, mesh_of, shape_of, torus
 from dcpc.lang.model import Peers, Schedule, Streams
@@ -219,9 +220,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         from dcpc.codegen.lower import lower as lower_plan
 
         plan = lower_plan(schedule, [2])
-    # a persistent local buffer is one instance per rank too: two calls in flight race on it
-    tracked = {b.name: b.kind == "shared" or b.persist for b in plan.buffers
-               if b.kind in ("symmetric", "shared") or b.persist}
+    tracked = tracked_buffers(plan.buffers)
     steps = schedule.step_list()
     events: list[Event] = []
     names: dict[str, str] = {}
