@@ -129,3 +129,14 @@ def test_the_execution_oracle_agrees(change: tuple[str, str]) -> None:
     found = disagreements(schedule, (2, 3), runs=lambda world: {
         "policies": ("lockstep", "hold"), "randoms": 2, "seed": world})
     assert not found, "\n".join(found)
+
+
+@pytest.mark.e2e
+def test_the_kernels_touch_what_the_plan_says() -> None:
+    """Traced (every kernel's loads and stores against the plan's effects, the one local
+    instance of 'last' and the one symmetric 'inbox' per rank for both slots)."""
+    from dcpc.harness import trace as tr
+
+    run = tr.run_traced(str(PERSIST), 2, programs=1, block=None, calls=3)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+    assert run.trace.calls and run.trace.raw
