@@ -103,6 +103,7 @@ class Program:
     shared: dict[str, bool]  # every tracked (symmetric) buffer -> shared: true?
     channel_names: dict[str, str]  # channel -> what the schedule calls it
     axis_names: tuple[str, ...] = ("world",)  # the mesh's axes (dcpc.lang.mesh)
+    persistent: frozenset[str] = frozenset()  # the tracked buffers with persist: true
 
     @cached_property
     def recv_of(self) -> dict[int, int]:
@@ -256,6 +257,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         shared=tracked,
         channel_names=names,
         axis_names=mesh_of(schedule).axes,
+        persistent=frozenset(b.name for b in plan.buffers if b.persist),
     )
 
 
