@@ -140,3 +140,11 @@ def test_the_kernels_touch_what_the_plan_says() -> None:
     run = tr.run_traced(str(PERSIST), 2, programs=1, block=None, calls=3)
     assert run.mismatches == 0 and run.problems == [], run.problems
     assert run.trace.calls and run.trace.raw
+
+
+def test_a_persistent_buffer_no_step_writes_is_read_before_write(tmp_path: Path) -> None:
+    text = TEXT.replace("  - hand:   {op: shift, src: x, dst: inbox, offset: next}\n", "")
+    found = [d for d in diagnostics(text, tmp_path) if d.severity == "error"]
+    assert [(d.code, d.mark.line, d.message) for d in found] == [(
+        "read-before-write", _line(text, "take:"), "step 'take' reads persistent buffer "
+        "'inbox', but no step writes it: it holds its initial zeros in every call")], found
