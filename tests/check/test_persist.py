@@ -148,3 +148,29 @@ def test_a_persistent_buffer_no_step_writes_is_read_before_write(tmp_path: Path)
     assert [(d.code, d.mark.line, d.message) for d in found] == [(
         "read-before-write", _line(text, "take:"), "step 'take' reads persistent buffer "
         "'inbox', but no step writes it: it holds its initial zeros in every call")], found
+
+
+@pytest.mark.e2e
+def test_the_race_across_calls_replayed_shows_the_stale_read(tmp_path: Path) -> None:
+    """The two-streams variant's first race (call 1's take may read inbox before rank
+    1's hand of call 0 wrote it), replayed: the hold makes call 1 read call -1's value."""
+    import subprocess
+    import sys
+
+    from dcpc.harness.replay import plan
+    from dcpc.harness.run import RunConfig, format_report, run_schedule
+
+    twin = tmp_path / "two_streams.yaml"
+    twin.write_text(TEXT.replace("streams: single\n", ""))
+    done = subprocess.run([sys.executable, "-m", "dcpc", "check", str(twin), "--world", "2",
+                           "--format", "json"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    (tmp_path / "race.json").write_text(done.stdout)
+    replay = plan(str(tmp_path / "race.json"), str(twin), None)
+    report = run_schedule(RunConfig(schedule=str(twin), world=2, backend="host",
+                                    calls=replay.calls, wait_timeout_s=240, replay=replay))
+    text = format_report(report)
+    assert report.replay_outcome.startswith("released"), text
+    first = report.outputs["from_prev"].first_mismatch
+    assert first.startswith("call 1 slot 0 rank 0 (take)"), text
