@@ -63,6 +63,11 @@ def check_reads(ctx: Context) -> None:
     # slice written (the missing one is named), a whole write writes each
     found = [replace(a, ref=Ref(cell, a.ref.role, a.ref.mark)) if cell != a.ref.name else a
              for a in accesses(ctx) for cell in ctx.schedule.cells(a.ref.name)]
+    # a persistent buffer's read before the call writes it reads what the previous call
+    # left (zeros at call 0): the happens-before checker orders it after that write
+    persistent = {n for n, b in ctx.schedule.buffers.items() if b.persist}
+    _never_written(ctx, [a for a in found if a.ref.name in persistent])
+    found = [a for a in found if a.mode == "w" or a.ref.name not in persistent]
     guarded = {s.index for s in wh.guarded(ctx.schedule)}
     # a buffer a guarded step writes is written on the ranks where its guard holds, and
     # one a guarded step reads is read there only: their reads are checked rank by rank
@@ -123,6 +128,20 @@ def check_reads(ctx: Context) -> None:
                       f"step '{step.name}' reads '{ref.name}' before step "
                       f"'{writer.step.name}' writes it",
                       hint=f"move step '{step.name}' after '{writer.at.name}'")
+
+
+def _never_written(ctx: Context, found: list[Access]) -> None:
+    """A persistent symmetric buffer that no step writes holds its zeros in every call
+    (a local one is the engine's then: names.py's persist-engine-owned)."""
+    written = {a.ref.name for a in found if a.mode == "w"}
+    for name in dict.fromkeys(a.ref.name for a in found if a.ref.name not in written
+                              and ctx.schedule.buffers[a.ref.name].is_symmetric):
+        read = next(a for a in found if a.ref.name == name)
+        ctx.error(read.ref.mark, "read-before-write",
+                  f"step '{read.step.name}' reads persistent buffer '{name}', but no step "
+                  "writes it: it holds its initial zeros in every call",
+                  hint=f"write '{name}' in a step (what it writes carries to the next "
+                  "call), or drop 'persist: true'")
 
 
 def _check_views(ctx: Context) -> None:

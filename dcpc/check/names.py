@@ -214,6 +214,8 @@ def _check_buffer(ctx: Context, name: str, buffer: Buffer) -> None:
                   "but says 'symmetric: false'",
                   hint="drop 'symmetric: false' (shared implies symmetric)")
     _check_values(ctx, name, buffer)
+    if buffer.persist:
+        _check_persist(ctx, name, buffer)
     if buffer.lse_base is not None:
         if not buffer.dtype.is_float:
             ctx.error(buffer.mark("lse_base"), "lse-base-not-float",
@@ -225,6 +227,33 @@ def _check_buffer(ctx: Context, name: str, buffer: Buffer) -> None:
                       f"LSE buffer '{name}' has dtype {buffer.dtype.value}; "
                       "an LSE must be f32, f16 or bf16",
                       hint="use dtype f32")
+
+
+def _check_persist(ctx: Context, name: str, buffer: Buffer) -> None:
+    """A persistent buffer is the module's (symmetric, or local and written by a method)
+    and has one shape for every call (no size bound per call)."""
+    if not buffer.is_symmetric and name not in ctx.schedule.method_outputs():
+        ctx.error(buffer.mark("persist"), "persist-engine-owned",
+                  f"buffer '{name}' persists across calls, but it is the engine's (not "
+                  "symmetric, and no method writes it): the engine passes it in every "
+                  "call, so what it holds from call to call is the engine's to keep",
+                  hint="drop 'persist: true' (the engine keeps its tensor), or add "
+                  "'symmetric: true' so the module owns it")
+    per_call = {n for n, spec in ctx.schedule.sizes.items()
+                if not isinstance(spec, int) and spec.max is not None}
+    for dim in buffer.shape:
+        try:
+            named = sorted(ex.symbols(ex.parse(dim)) & per_call)
+        except ValueError:
+            continue  # a bad expression: the shape check reports it
+        if named:
+            ctx.error(buffer.mark("persist"), "persist-size",
+                      f"buffer '{name}' persists across calls, but its shape names "
+                      f"{', '.join(named)}, a size bound per call ({{max: ...}}): one "
+                      "call's contents would not have the next call's shape",
+                      hint="size it by constants, W or sizes bound at construction "
+                      "(multiple_of)")
+            return
 
 
 def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
@@ -343,7 +372,7 @@ def _check_slots(ctx: Context, schedule: Schedule) -> None:
                   severity="warning")
     if schedule.slots == 1:
         for name, buffer in schedule.buffers.items():
-            if buffer.shared:
+            if buffer.shared and "shared" in buffer.src_marks:  # not one persist made
                 ctx.error(buffer.mark("shared"), "slots-streams",
                           f"buffer '{name}' is shared between slots, but the schedule "
                           "has only one slot", severity="warning",

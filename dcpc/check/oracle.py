@@ -29,7 +29,8 @@ chosen by a scheduler:
   (shift's ``perm:``) the whole instance of rank ``table[writer]`` only (none for -1;
   its "perm:<table>" signals and waits go to each rank's own peer in the table, none
   where it is -1 or the rank itself); region None is the
-  own instance, whole. Engine and output buffers are not tracked.
+  own instance, whole. Engine and output buffers are not tracked, but a persistent
+  output (one instance per rank: dcpc.codegen.plan.tracked).
 
 Happens-before of the ACTUAL run is tracked with vector clocks (one entry per stream):
 program order within a stream, and a wait that reads value v synchronises with the
@@ -71,6 +72,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcpc.codegen.plan import tracked as tracked_buffers
 from dcpc.exprs import holds
 
 WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
@@ -117,8 +119,7 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
     """The oracle's view of a plan (duck-typed: a dcpc.codegen.plan.Plan or the same
     fields as attributes or dict keys). ``channels``: step name -> channel name for
     findings (default: the plan step's ``attrs["channel"]``, else the polled step)."""
-    tracked = {_attr(b, "name"): _attr(b, "kind") == "shared" for b in _attr(plan, "buffers")
-               if _attr(b, "kind") in ("symmetric", "shared")}
+    tracked = tracked_buffers(_attr(plan, "buffers"))
     plan_steps = list(_attr(plan, "steps"))
     steps = []
     for s in plan_steps:

@@ -214,7 +214,8 @@ def race_pairs(schedule: Schedule, sems: list, calls: int) -> tuple[int, str]:
     """The pairs of accesses the race search visits per W (an upper bound: accesses
     are counted per step, not per event), and the buffer with the most of them. An
     instance of a symmetric buffer holds its accesses of every computed call when it is
-    ``shared``, else of the calls of slot 0 (dcpc.check.hb.races._instances)."""
+    ``shared`` (or ``persist``, a local one too), else of the calls of slot 0
+    (dcpc.check.hb.races._instances)."""
     per_call: dict[str, int] = {}
     for sem in sems:
         for effect in sem.effects:
@@ -223,9 +224,11 @@ def race_pairs(schedule: Schedule, sems: list, calls: int) -> tuple[int, str]:
     total, worst, most = 0, "", -1
     for name, count in per_call.items():
         buffer = schedule.buffers.get(name)
-        if buffer is not None and not buffer.is_symmetric:
-            continue  # only symmetric buffers are searched (an implicit one is)
-        groups = count * (calls if buffer is not None and buffer.shared else slot0)
+        if buffer is not None and not buffer.is_symmetric and not buffer.persist:
+            continue  # only symmetric buffers are searched (an implicit one is), and
+            # persistent ones (one instance for all slots, as a shared one)
+        one = buffer is not None and (buffer.shared or buffer.persist)
+        groups = count * (calls if one else slot0)
         pairs = groups * (groups - 1) // 2
         total += pairs
         if pairs > most:

@@ -96,12 +96,7 @@ def class_name(schedule: str) -> str:
 
 
 def _buffers(schedule: m.Schedule) -> dict[str, BufferPlan]:
-    written: set[str | None] = set()
-    for step in schedule.step_list():
-        if step.kind != "external":
-            for key in ("dst", "return_lse"):
-                value = getattr(step.op, key, None)
-                written.update(value if isinstance(value, list) else [value])
+    written = schedule.method_outputs()
     out = {}
     for name, b in schedule.buffers.items():
         kind = (
@@ -112,7 +107,7 @@ def _buffers(schedule: m.Schedule) -> dict[str, BufferPlan]:
             else ("output" if name in written else "engine")
         )
         out[name] = BufferPlan(
-            name, [ex.parse(d) for d in b.shape], b.dtype.value, kind, b.lse_base
+            name, [ex.parse(d) for d in b.shape], b.dtype.value, kind, b.lse_base, b.persist
         )
     return out
 
@@ -170,7 +165,8 @@ def _check_names(ctx: Ctx) -> None:
             )
 
 
-def _contract(plan_steps: list[StepPlan], slots: int, streams: str) -> list[str]:
+def _contract(plan_steps: list[StepPlan], slots: int, streams: str,
+              buffers: Iterable[BufferPlan] = ()) -> list[str]:
     order = " -> ".join(f"[{s.name}]" if s.op == "external" else f"{s.name}()" for s in plan_steps)
     lines = [
         f"per call, on every rank, in this order: {order}",
@@ -191,6 +187,13 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str) -> list[str]
                 f"writes {', '.join(s.writes) or 'nothing'}"
                 + (f"; only where {ex.unparse(s.attrs['when'])} (runs('{s.name}'))"
                    if "when" in s.attrs else "")
+            )
+    for b in buffers:
+        if b.persist:
+            lines.append(
+                f"{b.name} persists: one instance for all slots, zeros at construction, "
+                "never reset by a call (call k reads what call k - 1 left); to reset it, "
+                f"write module.buffer('{b.name}') while no call is in flight"
             )
     return lines
 
@@ -230,6 +233,7 @@ def lower(schedule: m.Schedule, worlds: Iterable[int],
         sizes=_sizes(schedule),
         buffers=list(ctx.buffers.values()),
         steps=steps,
-        contract=_contract(steps, schedule.slots, schedule.streams.value),
+        contract=_contract(steps, schedule.slots, schedule.streams.value,
+                           ctx.buffers.values()),
         mesh=tuple(schedule.mesh.items()) if schedule.mesh else (),
     )

@@ -17,6 +17,7 @@ import json
 import re
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -41,6 +42,20 @@ class BufferPlan:
     dtype: str  # a DType value (dcpc.lang.nodes.DType: bf16 ... fp8e5m2)
     kind: str  # engine (passed in) | symmetric | shared | output (module-owned, local)
     lse_base: str | None = None
+    persist: bool = False  # one instance for all slots, zeros at construction, never reset
+
+
+def tracked(buffers: Iterable[Any]) -> dict[str, bool]:
+    """The buffers the race models track (the checker's dcpc.check.hb.events and the
+    execution oracle's), each -> one instance for all slots: the symmetric ones, and a
+    persistent local one (one instance, touched by its own rank only). ``buffers``:
+    BufferPlans, or their fields as dict keys (a plan read back from JSON)."""
+    def field(b: Any, name: str) -> Any:
+        return b.get(name) if isinstance(b, dict) else getattr(b, name, None)
+
+    return {field(b, "name"): field(b, "kind") == "shared" or bool(field(b, "persist"))
+            for b in buffers
+            if field(b, "kind") in ("symmetric", "shared") or field(b, "persist")}
 
 
 @dataclass

@@ -411,6 +411,20 @@ def simulate_call(
     return sim.bufs
 
 
+def persistent_start(schedule: m.Schedule, world: int, sizes: Mapping[str, int],
+                     previous: list[Buffers] | None) -> list[Buffers]:
+    """Every rank's ``persist: true`` buffers at the start of a call: what ``previous``
+    (the buffers at the end of the call before, as ``simulate_call`` returns them) holds,
+    zeros at call 0 (``previous`` None)."""
+    env = {**sizes, "W": int(world)}
+    names = [n for n, b in schedule.buffers.items() if b.persist]
+    if previous is not None:
+        return [{n: bufs[n].clone() for n in names if n in bufs} for bufs in previous]
+    return [{n: torch.zeros(buffer_shape(schedule, n, env), dtype=torch.float64
+                            if schedule.buffers[n].dtype.is_float else torch.int64)
+             for n in names} for _ in range(int(world))]
+
+
 def unsent_at(trace: list[list[Buffers]], step: int, rank: int, name: str
               ) -> torch.Tensor | None:
     """The elements of what ``seen_at`` gives (the same write) that no rank sent, or

@@ -55,7 +55,8 @@ def op_io(op: Any) -> tuple[list[str], list[str]]:
 
 
 def engine_inputs(schedule: m.Schedule) -> list[str]:
-    """Non-symmetric buffers read before any step writes them: the engine passes them."""
+    """Non-symmetric buffers read before any step writes them: the engine passes them
+    (not a persistent one: it holds what the previous call left)."""
     written: set[str] = set()
     found: list[str] = []
     for step in schedule.step_list():
@@ -66,7 +67,8 @@ def engine_inputs(schedule: m.Schedule) -> list[str]:
         for name in writes:  # a slice of a buffer used whole too writes part of it
             part = schedule.slice_of(name)
             written.update([name, *schedule.cells(name), *(part[:1] if part else ())])
-    return [n for n in found if not schedule.buffers[n].is_symmetric]
+    return [n for n in found if not schedule.buffers[n].is_symmetric
+            and not schedule.buffers[n].persist]  # the module's: the previous call's
 
 
 def unsent_outputs(steps: list[m.Step]) -> set[str]:

@@ -98,7 +98,8 @@ class Trace:
                 return
             self._seen.add(id(module))
             for name, per_slot in module._local.items():
-                shared = module.BUFFERS[name].kind == "shared"
+                buf = module.BUFFERS[name]  # one instance for all slots: shared, persist
+                shared = buf.kind == "shared" or getattr(buf, "persist", False)
                 for slot, flat in enumerate(per_slot):
                     self._add(flat, name, module.rank, -1 if shared else slot)
             for tables in module._peers.values():

@@ -31,6 +31,7 @@ from dcpc.harness.simulate import (
     Buffers,
     alias_views,
     buffer_shape,
+    persistent_start,
     seen_at,
     simulate_call,
     step_rounding,
@@ -351,20 +352,40 @@ def run_rank(
         at = {s.name: k for k, s in enumerate(steps)}
         lead = ((replay["hold"][1], at[replay["hold"][2]]),
                 (replay["release"][1], at[replay["release"][2]]))
+    keep = sims is not None  # the caller's, for a second pass: every call stays
+    sims = {} if sims is None else sims  # call -> (sizes, inputs, external, trace, end)
+    persist = {n for n, b in schedule.buffers.items() if b.persist}
+
+    def simulated(call: int) -> tuple:
+        """The call simulated after every call before it (a persistent buffer starts a
+        call with what the call before left at its ``end``: simulate.persistent_start)."""
+        while call not in sims:
+            k = max(sims, default=-1) + 1 if persist else call
+            sizes = synth.call_sizes(schedule, world, ctor, seed, k)
+            inputs = synth.call_inputs(schedule, world, sizes, seed, k)
+            if persist:
+                for bufs, start in zip(inputs, persistent_start(
+                        schedule, world, sizes, sims[k - 1][4] if k else None), strict=True):
+                    bufs.update(start)
+            external = synth.make_external(schedule, world, sizes, seed, k)
+            trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
+            end = simulate_call(schedule, world, sizes, inputs, external, trace=trace,
+                                rounding=rounding)
+            sims[k] = (sizes, inputs, external, trace, end)
+        return sims[call][:4]
+
+    def held(call: int, index: int, name: str) -> torch.Tensor | None:
+        """What ``name`` holds on this rank before step ``index`` of ``call``: the call's
+        last write, else a persistent buffer's value at the call's start."""
+        want = seen_at(sims[call][3], index, rank, name)
+        return sims[call][1][rank][name] if want is None and name in persist else want
+
     for event in adversary.plan_events(schedule, calls, order, seed, lead):
         if event.call not in live:
-            if sims is not None and event.call in sims:
-                sizes, inputs, external, trace = sims[event.call]
-            else:
-                sizes = synth.call_sizes(schedule, world, ctor, seed, event.call)
-                inputs = synth.call_inputs(schedule, world, sizes, seed, event.call)
-                external = synth.make_external(schedule, world, sizes, seed, event.call)
-                trace = []  # per step: what it wrote, on every rank
-                simulate_call(schedule, world, sizes, inputs, external, trace=trace,
-                              rounding=rounding)
-                if sims is not None:
-                    sims[event.call] = (sizes, inputs, external, trace)
-            env = {k: _to_engine(schedule, k, v, dev) for k, v in inputs[rank].items()}
+            sizes, inputs, external, trace = simulated(event.call)
+            # a persistent buffer is the module's, not the engine's: kept apart (start)
+            env = {k: _to_engine(schedule, k, v, dev) for k, v in inputs[rank].items()
+                   if k not in persist}
             live[event.call] = (trace, env, external, sizes)
         trace, env, external, sizes = live[event.call]
         step = steps[event.step]
@@ -386,7 +407,7 @@ def run_rank(
                 if name in env and not schedule.buffers[name].is_symmetric:
                     continue  # the engine's own tensor
                 got = module.buffer(name, event.slot, sizes)
-                want = seen_at(trace, step.index, rank, name)
+                want = held(event.call, step.index, name)
                 if want is not None:  # what the call wrote before this step
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
                     # a method's output read again by the engine: counted on its own
@@ -434,7 +455,7 @@ def run_rank(
                 # and nothing to compare when no step of the call wrote it there
                 want = trace[step.index][rank].get(name)
                 if want is None:
-                    want = seen_at(trace, step.index, rank, name)
+                    want = held(event.call, step.index, name)
                 if want is None:
                     report.outputs.setdefault(name, OutputStats()).kept += 1
                     continue
@@ -447,6 +468,9 @@ def run_rank(
         jitter.delay()
         if event.step == len(steps) - 1:
             del live[event.call]
+            # a call no one runs any more, whose next call has its start: dropped
+            for k in [k for k in sims if not keep and k not in live and k + 1 in sims]:
+                del sims[k]
     bank = getattr(module, "_bank", None)
     if bank is not None and hasattr(bank, "epochs"):
         report.epochs = sorted(set(bank.epochs.flatten().tolist()))

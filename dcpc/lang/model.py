@@ -151,6 +151,19 @@ class Schedule(Node):
     def set_source(self, file: str, sha256: str) -> None:
         self._source_file, self._source_sha256 = file, sha256
 
+    def method_outputs(self) -> set[str]:
+        """The buffers a method (a step that is not external) writes as its ``dst`` or
+        ``return_lse``: a local one of these is the module's own (dcpc.codegen.lower's
+        "output"), every other local buffer the engine's."""
+        written: set[str] = set()
+        for step in self.step_list():
+            if step.kind != "external":
+                for key in ("dst", "return_lse"):
+                    value = getattr(step.op, key, None)
+                    written.update(v for v in (value if isinstance(value, list) else [value])
+                                   if v is not None)
+        return written
+
     def step_list(self) -> list[Step]:
         """Every step in program order; ``index`` is its position in this list.
 

@@ -146,10 +146,22 @@ class Buffer(Node):
     shared: Bool = Field(
         default=False, description="symmetric, one instance for all slots"
     )
+    persist: Bool = Field(
+        default=False,
+        description="module-owned, one instance for all slots, its contents carried from "
+        "call to call (zeros at construction)",
+    )
     lse_base: LseBase | None = Field(default=None, description="marks an LSE buffer")
     doc: Str | None = None
 
     _norm_base = field_validator("lse_base", mode="before")(_lse_base)
+
+    @model_validator(mode="after")
+    def _persist_one_instance(self) -> Buffer:
+        # a persistent symmetric buffer is one instance for all slots: shared
+        if self.persist and self.symmetric:
+            self.shared = True
+        return self
 
     @property
     def is_symmetric(self) -> bool:

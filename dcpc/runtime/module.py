@@ -52,6 +52,7 @@ class Buf:
     shape: tuple
     dtype: str
     kind: str  # engine | symmetric | shared | output
+    persist: bool = False  # one instance for all slots, zeros at construction, never reset
 
 
 @dataclass
@@ -385,7 +386,11 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                 self._peers[name] *= self.SLOTS
             elif buf.kind == "output":
                 n = self._numel(buf, self._max_env)
-                self._local[name] = [self._empty(n, buf.dtype) for _ in range(self.SLOTS)]
+                self._local[name] = [self._empty(n, buf.dtype)
+                                     for _ in range(1 if buf.persist else self.SLOTS)]
+                self._local[name] *= self.SLOTS if buf.persist else 1
+            if buf.persist:  # its declared value at call 0, poison or not
+                self._local[name][0].zero_()
         if self.TEAMS:
             self._make_team_tables()  # dcpc.runtime.teams
         self._scratch: dict[str, dict[str, list[torch.Tensor]]] = {}
@@ -655,7 +660,8 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         return self._local[name][slot][:n].view(shape)
 
     def _poison_output(self, name: str, slot: int) -> None:
-        if self.poison and self.BUFFERS[name].kind == "output":
+        if self.poison and self.BUFFERS[name].kind == "output" \
+                and not self.BUFFERS[name].persist:
             poison_(self._local[name][slot])
             calls.note(self._local[name][slot])  # a repeat call poisons it too
 

@@ -23,7 +23,8 @@ epochs themselves.
 
 Only symmetric buffers are tracked: engine-owned buffers are passed in per call and
 never written by peers. A symmetric buffer has one instance per (rank, slot), or one
-per rank when ``shared: true``.
+per rank when ``shared: true`` (or ``persist: true``; a persistent local buffer is
+tracked too, as one instance per rank that only its rank touches).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 
+from dcpc.codegen.plan import tracked as tracked_buffers
 from dcpc.diagnostics import Mark
 from dcpc.lang.mesh import MeshWorld, mesh_of, shape_of, torus
 from dcpc.lang.model import Peers, Schedule, Streams
@@ -101,6 +103,7 @@ class Program:
     shared: dict[str, bool]  # every tracked (symmetric) buffer -> shared: true?
     channel_names: dict[str, str]  # channel -> what the schedule calls it
     axis_names: tuple[str, ...] = ("world",)  # the mesh's axes (dcpc.lang.mesh)
+    persistent: frozenset[str] = frozenset()  # the tracked buffers with persist: true
 
     @cached_property
     def recv_of(self) -> dict[int, int]:
@@ -218,8 +221,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         from dcpc.codegen.lower import lower as lower_plan
 
         plan = lower_plan(schedule, [2])
-    tracked = {b.name: b.kind == "shared" for b in plan.buffers
-               if b.kind in ("symmetric", "shared")}
+    tracked = tracked_buffers(plan.buffers)
     steps = schedule.step_list()
     events: list[Event] = []
     names: dict[str, str] = {}
@@ -255,6 +257,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         shared=tracked,
         channel_names=names,
         axis_names=mesh_of(schedule).axes,
+        persistent=frozenset(b.name for b in plan.buffers if b.persist),
     )
 
 

@@ -143,7 +143,8 @@ def _rk(world: World, rank: int) -> str:
 
 
 def _instance(world: World, buffer: str, owner: int, slot: int | None) -> str:
-    tail = f", slot {slot}]" if slot is not None else "] (shared)"
+    tail = (f", slot {slot}]" if slot is not None else
+            "] (persists)" if buffer in world.program.persistent else "] (shared)")
     return f"{buffer}[{_rk(world, owner)}" + tail
 
 
