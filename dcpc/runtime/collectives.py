@@ -465,7 +465,7 @@ def ragged_all_to_all(
     out_of = _slot_view(world, groups, combine, sender=True)
     into = _slot_view(world, groups, combine, sender=False)
     got = torch.empty(world, groups, dtype=torch.int32)
-    _all_to_all_single(comm, got, out_of(sent).reshape(world, groups), world)
+    _all_to_all_single(comm, got, out_of(sent).contiguous().reshape(world, groups), world)
     x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
     landed = [(x, dst)] + [(extra.contiguous(), extra_dst) for extra, extra_dst in more]
     if row_scales is not None and scale is not None:

@@ -36,20 +36,11 @@ steps:
 """
 
 ONE = GROUPED.replace("L: 2", "L: 1")
-PLAIN = """\
-schedule: grouped
-sizes: {C: {max: 3}, H: 8}
-buffers:
-  x:  {shape: [W, C, H], dtype: bf16}
-  k:  {shape: [W, C], dtype: i32}
-  n:  {shape: [W], dtype: i32}
-  y:  {shape: [W, C, H], dtype: bf16, symmetric: true}
-  q:  {shape: [W, C], dtype: i32, symmetric: true}
-  m:  {shape: [W], dtype: i32, symmetric: true}
-steps:
-  - move: {op: ragged_all_to_all, src: [x, k], dst: [y, q], counts: n, recv_counts: m,
-           capacity: C}
-"""
+# the plain form: the same step without groups (dst [W, C, H], counts [W])
+PLAIN = GROUPED
+for _old, _new in (("L: 2, ", ""), ("[W, L*C", "[W, C"), ("[L, W*C", "[W, C"),
+                   ("[W, L]", "[W]"), ("[L, W]", "[W]"), (", groups: L", "")):
+    PLAIN = PLAIN.replace(_old, _new)
 
 
 def _payload(rank: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
