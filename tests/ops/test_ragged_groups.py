@@ -159,3 +159,13 @@ def test_the_torch_backend_lays_out_the_slots_and_refuses_over_capacity(
                        rf"{C + 1} \(the rows for rank 0\), over the capacity {C}"):
         collectives.ragged_all_to_all(one, src, counts, dst, recv, C, 1, "move",
                                       groups=groups, combine=combine)
+
+
+def test_the_torch_backend_runs_the_conformance_file_against_float64() -> None:
+    """Gloo at W = 3 (the conformance suite runs the host backend): a grouped dispatch
+    with its cast and ids, and the split combine back, every output as float64 says."""
+    from dcpc.harness.run import RunConfig, run_schedule
+
+    path = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_groups.yaml"
+    report = run_schedule(RunConfig(str(path), world=3, backend="torch", calls=3))
+    assert report.ok, report.errors()
