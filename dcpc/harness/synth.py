@@ -385,9 +385,10 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
               bufs: Buffers, capacities: Mapping[str, int],
               gen: torch.Generator) -> torch.Tensor:
     """An index [T, K] into the rows of ``rule.rows`` (x): distinct rows per token where
-    it can, a quarter of the slots empty (-1). x [W, capacity, H] on a rank whose counts
-    of that capacity the engine passes: only the rows those counts make live (rows
-    ``[0, counts[j])`` of block j, counts this rank's own: the MoE round trip, a ragged
+    it can, a quarter of the slots empty (-1). x [W, capacity, H] (or [W, G*capacity, H]
+    with counts [W, G]: slots of a grouped ragged move) on a rank whose counts of that
+    capacity the engine passes: only the rows those counts make live (rows
+    ``[0, counts[j])`` of slot j, counts this rank's own: the MoE round trip, a ragged
     move's return trip), never a row past a count."""
     *lead, topk = buffer_shape(schedule, rule.weights, sizes)  # [*T, K]
     tokens = math.prod(lead)
@@ -399,8 +400,10 @@ def row_index(schedule: m.Schedule, rule: RowIndex, sizes: Mapping[str, int],
     ordered = sorted(capacities.items(), key=lambda item: chunk is not None
                      and _slice_index(item[0]) != chunk)
     for counts, cap in ordered:
-        if counts in bufs and len(x_shape) == 3 and x_shape[1] == cap:
-            live = bufs[counts].to(torch.int64).reshape(-1)
+        # a slot of cap rows per count: [W, cap] blocks, or a grouped ragged's [W, G*cap]
+        # with counts [W, G] (flat slot j * G + g)
+        live = bufs[counts].to(torch.int64).reshape(-1) if counts in bufs else None
+        if live is not None and len(x_shape) == 3 and x_shape[0] * x_shape[1] == live.numel() * cap:
             rows = torch.cat([j * cap + torch.arange(int(n)) for j, n in enumerate(live)])
             break
     out = torch.full((tokens, topk), -1, dtype=torch.int64)
