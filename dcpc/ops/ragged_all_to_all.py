@@ -28,6 +28,14 @@ pushes and signals, its stores in flight (``Effect.lands``) until the wait, whic
 for every peer and then reads the counts; the reference holds the rows at the put and
 lands them at the wait; the torch backend moves them at the put, and handshakes there
 (dcpc.ops._split.torch_handshake).
+``groups: G`` (DeepEP's low-latency layout, G local experts per rank): a slot of
+``capacity`` rows and a count per (peer, group). src [W, G*capacity, *row] (slot (j, g):
+the rows for group g of rank j), counts [W, G]; they land group-major in dst
+[G, W*capacity, *row] (slot (g, p): rows p*capacity .. of group g, DeepEP's
+packed_recv_x) with the count in recv_counts [G, W]. ``direction: combine`` is the
+inverse (src [G, W*capacity], counts [G, W]; dst [W, G*capacity], recv_counts [W, G]);
+``_slots`` is the one definition of where a slot goes. G = 1 is the plain form, bytes
+and all.
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -178,7 +186,8 @@ def verify(v: ShapeRules, step: Step) -> None:
     if op.phase is not None:
         verify_matched(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
                        puts=f"the rows of '{names(op.src)[0]}' to every peer",
-                       same="src, dst, counts, recv_counts, capacity, scale and axis",
+                       same="src, dst, counts, recv_counts, capacity, scale, groups, "
+                       "direction and axis",
                        wait_hint="add a 'phase: put' step before it, or drop 'phase' for "
                        "a ragged_all_to_all that waits itself",
                        put_hint="add a 'phase: wait' step after it")

@@ -169,3 +169,40 @@ def test_the_torch_backend_runs_the_conformance_file_against_float64() -> None:
     path = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_groups.yaml"
     report = run_schedule(RunConfig(str(path), world=3, backend="torch", calls=3))
     assert report.ok, report.errors()
+
+
+CONFORMANCE = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_groups.yaml"
+# the grouped dispatch split, and a step between its put and its wait reading what lands
+EARLY = (("  - experts:  {op: external", "  - recv:     {op: ragged_all_to_all, src: [x_send, "
+          "k_send], dst: [x_recv, k_recv], counts: counts, recv_counts: n_recv, capacity: C, "
+          "groups: L, direction: dispatch, scale: {per: token, buffer: s_recv}, phase: wait}\n"
+          "  - experts:  {op: external"),
+         ("direction: dispatch, scale: {per: token, buffer: s_recv}}",
+          "direction: dispatch, scale: {per: token, buffer: s_recv}, phase: put}\n"
+          "  - peek:     {op: external, reads: [x_recv], writes: [o]}"))
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["conformance", "read_before_landed"])
+def test_the_checker_and_both_oracles_agree_on_grouped_layouts(early: bool) -> None:
+    """A grouped dispatch stores block `rank` of dim 1 of every peer's dst [L, W*C, H]
+    (and index `rank` of dim 1 of recv_counts): the checker, the brute force
+    (tests/support/hb_oracle.py) and the execution oracle say the same, clean for the
+    conformance file, a race for a read of x_recv between a split dispatch's put and
+    its wait."""
+    from support.exec_oracle_agree import disagreements
+    from support.hb_oracle import oracle_keys
+
+    from dcpc.check import hb
+    from dcpc.lang.parse import parse_text
+
+    text = CONFORMANCE.read_text()
+    if early:
+        for old, new in EARLY:
+            assert old in text
+            text = text.replace(old, new, 1)
+    schedule = parse_text(text, "groups.yaml")
+    for world in (2, 3):
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert found == oracle_keys(schedule, world), world
+        assert bool(found) == early and all(k[2] == "x_recv" for k in found), found
+    assert disagreements(schedule, [2, 3]) == []

@@ -203,9 +203,11 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind == "ragged_all_to_all" and op.phase is not None:
         _ragged_split(b, schedule, name, index, op, world, tracked)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
+        rows, counts = _ragged_parts(op, axes)
         reads(_as_list(op.src) + [op.counts], 0)
-        stores(_as_list(op.dst) + [op.recv_counts], (("index", 0, 0, axes), b.rank))
-        _cast_scale(op, schedule, reads, stores, b.rank, axes)
+        stores(_as_list(op.dst), (rows, b.rank))
+        stores([op.recv_counts], (counts, b.rank))
+        _cast_scale(op, schedule, reads, stores, b.rank, axes, rows)
         exchange()
         reads([op.recv_counts], 1)  # the receiver's over-capacity check reads every count
     elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
@@ -233,15 +235,24 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         raise AssertionError(f"oracle does not know op {kind}")
 
 
-def _cast_scale(op, schedule: Schedule, reads, stores, rank: int, axes) -> None:
+def _ragged_parts(op, axes) -> tuple[tuple, tuple]:
+    """The partitions a ragged_all_to_all's stores cover (dst's rows, recv_counts): index
+    `rank` of dim 0, or in a grouped dispatch (dst [G, W*C], recv_counts [G, W]) block
+    `rank` of dim 1 and index `rank` of dim 1."""
+    if getattr(op, "groups", None) is not None and op.direction == "dispatch":
+        return ("block", 1, 0, axes), ("index", 1, 0, axes)
+    return ("index", 0, 0, axes), ("index", 0, 0, axes)
+
+
+def _cast_scale(op, schedule: Schedule, reads, stores, rank: int, axes, rows=None) -> None:
     """A cast's scale buffer: a per-token cast into fp8 sends its row scales along (a
-    store into block `rank`, its member index in a team, of every team peer's), any
-    other cast reads them here."""
+    store into block `rank`, its member index in a team, of every team peer's, as the
+    rows land: ``rows``), any other cast reads them here."""
     scale = getattr(op, "scale", None)
     if scale is None:
         return
     if scale.per == "token" and schedule.buffers[_as_list(op.dst)[0]].dtype.value == "fp8e4m3":
-        stores([scale.buffer], (("index", 0, 0, axes), rank))
+        stores([scale.buffer], (rows or ("index", 0, 0, axes), rank))
     else:
         reads([scale.buffer], 0)
 
@@ -684,7 +695,7 @@ def _ragged_split(b: _Builder, schedule: Schedule, name: str, index: int, op, wo
     they pushed, then reads every count (the receiver's over-capacity check)."""
     axes = _axes(schedule, op)
     team = _team(b.rank, world, axes)
-    part = (("index", 0, 0, axes), b.rank)
+    rows, counts = _ragged_parts(op, axes)
     if op.phase == "put":
         waits = {w for w, p in _ragged_puts(schedule).items() if p == name}
         landing = next((i for i, item in enumerate(schedule.steps) if waits & set(item)), None)
@@ -705,8 +716,9 @@ def _ragged_split(b: _Builder, schedule: Schedule, name: str, index: int, op, wo
                              lands=landing)
 
         reads(_as_list(op.src) + [op.counts], 0)
-        stores(_as_list(op.dst) + [op.recv_counts], part)
-        _cast_scale(op, schedule, reads, stores, b.rank, axes)
+        stores(_as_list(op.dst), (rows, b.rank))
+        stores([op.recv_counts], (counts, b.rank))
+        _cast_scale(op, schedule, reads, stores, b.rank, axes, rows)
         for peer in _peers("all", b.rank, world, axes):
             b.add(name, index, 0, signal=("step:" + name, peer))
         return
