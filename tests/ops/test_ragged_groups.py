@@ -206,3 +206,27 @@ def test_the_checker_and_both_oracles_agree_on_grouped_layouts(early: bool) -> N
         assert found == oracle_keys(schedule, world), world
         assert bool(found) == early and all(k[2] == "x_recv" for k in found), found
     assert disagreements(schedule, [2, 3]) == []
+
+
+@pytest.mark.parametrize(("old", "new", "where", "words"), [
+    ("n:  {shape: [W, L]", "n:  {shape: [W]", "counts: n",
+     "counts 'n' of step 'move' has 1 dims [W] but must have 2, [W, L] (one row count "
+     "per (peer, group))"),
+    ("y:  {shape: [L, W*C, H]", "y:  {shape: [W, L*C, H]", "dst: [y",
+     "dst 'y' of step 'move' has shape [W, L*C, H] but must be [L, W*C, H] (one slot of "
+     "capacity rows per (peer, group), rows as in src 'x')"),
+    ("groups: L}", "groups: L, direction: combine}", "src: [x",
+     "src 'x' of step 'move' has shape [W, L*C, H] but must be [L, W*C, H]"),
+])
+def test_a_grouped_shape_that_is_not_the_layout_is_located(old: str, new: str, where: str,
+                                                           words: str) -> None:
+    """The plain form's shapes under ``groups`` (or a dispatch's under ``direction:
+    combine``) are shape-mismatch on the buffer's entry in the step, saying the layout."""
+    from support.schedules import check_errors
+
+    text = GROUPED.replace(old, new)
+    found = [e for e in check_errors(text) if words in e.message]
+    assert found and found[0].code == "shape-mismatch", [e.message for e in check_errors(text)]
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if where in t)
+    col = text.splitlines()[line - 1].index(where) + len(where)  # the name's (1-based)
+    assert (found[0].mark.line, found[0].mark.col) == (line, col), found[0]
