@@ -158,11 +158,12 @@ def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(op, RaggedAllToAll)
     (counts,), (recv,) = v.refs("counts"), v.refs("recv_counts")
     v.transfer(recv, recv, symmetric=True)  # peers write dst and recv_counts: symmetric
-    cap = ex.parse(op.capacity) if isinstance(op.capacity, str) else ("num", op.capacity)
+    cap, g = _size(v, step, "capacity"), _size(v, step, "groups")
+    if cap is None or (g is None and op.groups is not None):
+        return  # not a size expression: reported
     # (lead, rows) of src and dst, and the counts' shape on each side
     lead, rows, sent, got = (v.W, v.W), (cap, cap), [v.W], [v.W]
-    if op.groups is not None:
-        g = ex.parse(op.groups) if isinstance(op.groups, str) else ("num", op.groups)
+    if g is not None:
         lead, rows = (v.W, g), (("*", g, cap), ("*", v.W, cap))
         sent, got = [v.W, g], [g, v.W]
         if op.direction == "combine":
@@ -180,7 +181,8 @@ def verify(v: ShapeRules, step: Step) -> None:
             v.error(ref.mark, "bad-counts",
                     f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; "
                     f"row counts are {what}, one per peer",
-                    hint=f"declare '{ref.name}' as {{shape: [W], dtype: i32}}")
+                    hint=f"declare '{ref.name}' as {{shape: "
+                    f"[{', '.join(ex.unparse(e) for e in want)}], dtype: i32}}")
         v.expect(ref, want, "one row count per peer" if len(want) == 1 else
                  "one row count per (peer, group)")
     if op.phase is not None:
@@ -191,6 +193,21 @@ def verify(v: ShapeRules, step: Step) -> None:
                        wait_hint="add a 'phase: put' step before it, or drop 'phase' for "
                        "a ragged_all_to_all that waits itself",
                        put_hint="add a 'phase: wait' step after it")
+
+
+def _size(v: ShapeRules, step: Step, key: str) -> ex.Expr | None:
+    """The op's size expression ``key`` (capacity, groups), parsed; None where it is
+    unset or does not parse (then a located ``shape-syntax``)."""
+    value = getattr(step.op, key)
+    if value is None or not isinstance(value, str):
+        return None if value is None else ("num", value)
+    try:
+        return ex.parse(value)
+    except ex.ExprSyntaxError as err:
+        v.error(step.op.mark(key), "shape-syntax",
+                f"{key} {value!r} of step '{step.name}' is not a size expression: {err}",
+                hint="use integers, size names, + - * / and parentheses, e.g. 'L*C'")
+        return None
 
 
 def _verify_rows(v: ShapeRules, step: Step, src: Any, dst: Any, lead: Any, rows: Any) -> None:

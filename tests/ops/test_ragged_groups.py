@@ -230,3 +230,19 @@ def test_a_grouped_shape_that_is_not_the_layout_is_located(old: str, new: str, w
     line = next(i for i, t in enumerate(text.splitlines(), 1) if where in t)
     col = text.splitlines()[line - 1].index(where) + len(where)  # the name's (1-based)
     assert (found[0].mark.line, found[0].mark.col) == (line, col), found[0]
+
+
+@pytest.mark.parametrize(("old", "new", "key"), [("capacity: C,", "capacity: C +,", "capacity"),
+                                                 ("groups: L}", "groups: L +}", "groups")])
+def test_a_size_that_does_not_parse_is_located(old: str, new: str, key: str) -> None:
+    """capacity or groups that is not a size expression: a located shape-syntax on its
+    value (it was an internal error with a traceback hint)."""
+    from support.schedules import check_errors
+
+    text = GROUPED.replace(old, new)
+    (found,) = check_errors(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if new in t)
+    col = text.splitlines()[line - 1].index(new) + len(key) + 3
+    assert (found.code, found.mark.line, found.mark.col) == ("shape-syntax", line, col)
+    assert f"{key} '{new.split(': ')[1].rstrip(',}')}' of step 'move' is not a size " \
+        "expression" in found.message, found.message
