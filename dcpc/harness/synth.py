@@ -387,13 +387,14 @@ def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[st
               bufs: Buffers, capacities: Mapping[str, int],
               gen: torch.Generator) -> torch.Tensor:
     """The index ``name`` [T, K] into the rows of ``rule.rows`` (x): distinct rows per
-    token where it can, a quarter of the slots empty (-1). x [W, capacity, H] on a rank
-    whose counts of that capacity the engine passes: only the rows those counts make live
-    (rows ``[0, counts[j])`` of block j, counts this rank's own: the MoE round trip, a
-    ragged move's return trip), never a row past a count. Of several such counts, those
-    of the index's own slice first (``tok_slot[k]``, unrolled to ``tok_slot_<k>``: chunk
-    k's index picks rows of chunk k's counts, also where x is the slot ``z_back[k % R]``
-    of a ring: DeepEP normal mode, schedules/gallery), else of x's slice."""
+    token where it can, a quarter of the slots empty (-1). x [W, capacity, H] (or
+    [W, G*capacity, H] with counts [W, G]: slots of a grouped ragged move) on a rank whose
+    counts of that capacity the engine passes: only the rows those counts make live (rows
+    ``[0, counts[j])`` of slot j, counts this rank's own: the MoE round trip, a ragged
+    move's return trip), never a row past a count. Of several such counts, those of the
+    index's own slice first (``tok_slot[k]``, unrolled to ``tok_slot_<k>``: chunk k's
+    index picks rows of chunk k's counts, also where x is the slot ``z_back[k % R]`` of a
+    ring: DeepEP normal mode, schedules/gallery), else of x's slice."""
     *lead, topk = buffer_shape(schedule, name, sizes)  # [*T, K]
     tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)
@@ -402,8 +403,10 @@ def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[st
     ordered = sorted(capacities.items(), key=lambda item: chunk is not None
                      and _slice_index(item[0]) != chunk)
     for counts, cap in ordered:
-        if counts in bufs and len(x_shape) == 3 and x_shape[1] == cap:
-            live = bufs[counts].to(torch.int64).reshape(-1)
+        # a slot of cap rows per count: [W, cap] blocks, or a grouped ragged's [W, G*cap]
+        # with counts [W, G] (flat slot j * G + g)
+        live = bufs[counts].to(torch.int64).reshape(-1) if counts in bufs else None
+        if live is not None and len(x_shape) == 3 and x_shape[0] * x_shape[1] == live.numel() * cap:
             rows = torch.cat([j * cap + torch.arange(int(n)) for j, n in enumerate(live)])
             break
     out = torch.full((tokens, topk), -1, dtype=torch.int64)

@@ -28,6 +28,14 @@ pushes and signals, its stores in flight (``Effect.lands``) until the wait, whic
 for every peer and then reads the counts; the reference holds the rows at the put and
 lands them at the wait; the torch backend moves them at the put, and handshakes there
 (dcpc.ops._split.torch_handshake).
+``groups: G`` (DeepEP's low-latency layout, G local experts per rank): a slot of
+``capacity`` rows and a count per (peer, group). src [W, G*capacity, *row] (slot (j, g):
+the rows for group g of rank j), counts [W, G]; they land group-major in dst
+[G, W*capacity, *row] (slot (g, p): rows p*capacity .. of group g, DeepEP's
+packed_recv_x) with the count in recv_counts [G, W]. ``direction: combine`` is the
+inverse (src [G, W*capacity], counts [G, W]; dst [W, G*capacity], recv_counts [W, G]);
+``_slots`` is the one definition of where a slot goes. G = 1 is the plain form, bytes
+and all.
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -35,6 +43,7 @@ dcpc/runtime/collectives.py ``ragged_all_to_all``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -78,6 +87,15 @@ class RaggedAllToAll(OpBase):
     phase: Literal["put", "wait"] | None = Field(
         default=None, description="put: push and signal, no wait; wait: a later step "
         "naming the same payloads polls it (dcpc.ops._split)")
+    groups: SizeExpr | None = Field(
+        default=None, description="G slots of capacity rows per peer, one per group (the "
+        "peer's local experts): src [W, G*capacity, *row], counts [W, G]; dst "
+        "[G, W*capacity, *row] (group g's block: peer p's rows at p*capacity), "
+        "recv_counts [G, W]")
+    direction: Literal["dispatch", "combine"] = Field(
+        default="dispatch", description="combine: the inverse of a grouped dispatch "
+        "(src [G, W*capacity, *row], counts [G, W]; dst [W, G*capacity, *row], "
+        "recv_counts [W, G])")
 
     def split_key(self) -> tuple[Any, ...]:
         """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
@@ -87,7 +105,18 @@ class RaggedAllToAll(OpBase):
             capacity = str(self.capacity)
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
                 self.recv_counts, capacity,
-                self.scale.buffer if self.scale is not None else None, str(self.axis))
+                self.scale.buffer if self.scale is not None else None, str(self.axis),
+                str(self.groups), self.direction)
+
+
+def _slots(op: RaggedAllToAll, world: int, groups: int) -> Any:
+    """``(src slot, dst slot)`` of the rows sender p sends peer j for group g, each the
+    flat index of a slot of capacity rows (and of its count) in src/counts and in
+    dst/recv_counts: ``slot(p, j, g)``. Without groups (G = 1) both directions are
+    the plain form: block j of src lands in block p of dst."""
+    if op.direction == "combine":  # src [G, W*C]: (g, j); dst [W, G*C]: (p, g)
+        return lambda p, j, g: (g * world + j, p * groups + g)
+    return lambda p, j, g: (j * groups + g, g * world + p)  # src (j, g); dst (g, p)
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
@@ -98,11 +127,21 @@ def semantics(c: Scope, step: Step) -> Semantics:
     # after the wait the receiver reads every peer's count (its over-capacity check)
     after = effects(READ, AFTER, keyed(op, "recv_counts"))
     before = effects(READ, BEFORE, keyed(op, "src") + keyed(op, "counts"))
-    # over-approximated: the whole block p of every peer's dst, whatever the count
-    before += effects(WRITE, BEFORE, keyed(op, "dst") + keyed(op, "recv_counts"),
-                      Region("index", 0))
-    before += cast.effects(c.schedule, op)
+    # over-approximated: the whole block p of every peer's dst, whatever the count; a
+    # grouped dispatch's dst [G, W*C]: block p of dim 1 (every group's slot p)
+    rows, counts = (Region("block", 1), Region("index", 1)) if _grouped_dst(op) else (
+        Region("index", 0), Region("index", 0))
+    before += effects(WRITE, BEFORE, keyed(op, "dst"), rows)
+    before += effects(WRITE, BEFORE, keyed(op, "recv_counts"), counts)
+    # a per-token quantise's scales land as dst's rows do
+    before += [replace(e, region=rows) if e.region is not None else e
+               for e in cast.effects(c.schedule, op)]
     return split.exchange(c, step, before, after)
+
+
+def _grouped_dst(op: RaggedAllToAll) -> bool:
+    """A grouped dispatch: dst (and recv_counts) group-major, [G, W*capacity, ...]."""
+    return op.groups is not None and op.direction == "dispatch"
 
 
 def verify(v: ShapeRules, step: Step) -> None:
@@ -110,12 +149,22 @@ def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(op, RaggedAllToAll)
     (counts,), (recv,) = v.refs("counts"), v.refs("recv_counts")
     v.transfer(recv, recv, symmetric=True)  # peers write dst and recv_counts: symmetric
-    cap = ex.parse(op.capacity) if isinstance(op.capacity, str) else ("num", op.capacity)
+    cap, g = _size(v, step, "capacity"), _size(v, step, "groups")
+    if cap is None or (g is None and op.groups is not None):
+        return  # not a size expression: reported
+    # (lead, rows) of src and dst, and the counts' shape on each side
+    lead, rows, sent, got = (v.W, v.W), (cap, cap), [v.W], [v.W]
+    if g is not None:
+        lead, rows = (v.W, g), (("*", g, cap), ("*", v.W, cap))
+        sent, got = [v.W, g], [g, v.W]
+        if op.direction == "combine":
+            lead, rows, sent, got = lead[::-1], rows[::-1], got, sent
     for k, (src, dst) in enumerate(v.pairs(v.refs("src"), v.refs("dst"))):
         v.transfer(dst, dst, symmetric=True)
         cast.verify(v, src, dst, cast=k == 0)  # the first payload is the one cast
-        _verify_rows(v, step, src, dst, cap)
-    for ref, dtypes, what in ((counts, ("i32", "i64"), "integers"), (recv, ("i32",), "i32")):
+        _verify_rows(v, step, src, dst, lead, rows)
+    for ref, dtypes, what, want in ((counts, ("i32", "i64"), "integers", sent),
+                                    (recv, ("i32",), "i32", got)):
         buf = v.buffer(ref.name)
         if buf is None:
             continue
@@ -123,26 +172,47 @@ def verify(v: ShapeRules, step: Step) -> None:
             v.error(ref.mark, "bad-counts",
                     f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; "
                     f"row counts are {what}, one per peer",
-                    hint=f"declare '{ref.name}' as {{shape: [W], dtype: i32}}")
-        v.expect(ref, [v.W], "one row count per peer")
+                    hint=f"declare '{ref.name}' as {{shape: "
+                    f"[{', '.join(ex.unparse(e) for e in want)}], dtype: i32}}")
+        v.expect(ref, want, "one row count per peer" if len(want) == 1 else
+                 "one row count per (peer, group)")
     split.verify_exchange(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
                           puts=f"the rows of '{names(op.src)[0]}' to every peer",
-                          same="src, dst, counts, recv_counts, capacity, scale and axis")
+                          same="src, dst, counts, recv_counts, capacity, scale, groups, "
+                          "direction and axis")
 
 
-def _verify_rows(v: ShapeRules, step: Step, src: Any, dst: Any, cap: ex.Expr) -> None:
-    """A payload: [W, capacity, *row], its dst the same shape."""
+def _size(v: ShapeRules, step: Step, key: str) -> ex.Expr | None:
+    """The op's size expression ``key`` (capacity, groups), parsed; None where it is
+    unset or does not parse (then a located ``shape-syntax``)."""
+    value = getattr(step.op, key)
+    if value is None or not isinstance(value, str):
+        return None if value is None else ("num", value)
+    try:
+        return ex.parse(value)
+    except ex.ExprSyntaxError as err:
+        v.error(step.op.mark(key), "shape-syntax",
+                f"{key} {value!r} of step '{step.name}' is not a size expression: {err}",
+                hint="use integers, size names, + - * / and parentheses, e.g. 'L*C'")
+        return None
+
+
+def _verify_rows(v: ShapeRules, step: Step, src: Any, dst: Any, lead: Any, rows: Any) -> None:
+    """A payload: src [lead[0], rows[0], *row], dst [lead[1], rows[1], *row] (without
+    groups both [W, capacity, *row])."""
     shape = v.shape(src.name)
+    why = ("one block of capacity rows per peer" if step.op.groups is None  # type: ignore[attr-defined]
+           else "one slot of capacity rows per (peer, group)")
     if shape is not None:
         if len(shape) < 2:
             v.error(src.mark, "shape-mismatch",
                     f"src '{src.name}' of step '{step.name}' has {len(shape)} dims; a ragged "
                     "all_to_all needs [W, capacity, ...]: one block of capacity rows per peer")
         else:
-            v.expect(src, [v.W, cap, *shape[2:]], "one block of capacity rows per peer")
+            v.expect(src, [lead[0], rows[0], *shape[2:]], why)
             if v.shape(dst.name) is not None:
-                v.expect(dst, [v.W, cap, *shape[2:]],
-                         f"one block of capacity rows per peer, rows as in src '{src.name}'")
+                v.expect(dst, [lead[1], rows[1], *shape[2:]],
+                         f"{why}, rows as in src '{src.name}'")
 
 
 def reference(sim: SimView, step: Step) -> None:
@@ -153,49 +223,60 @@ def reference(sim: SimView, step: Step) -> None:
         return
     store = split.store(sim, step)
     srcs, dsts = names(op.src), names(op.dst)
-    cap = sim.shape(srcs[0])[1]
     counts = [[int(c) for c in sim.bufs[p][op.counts].reshape(-1)] for p in range(sim.world)]
+    groups = len(counts[0]) // sim.world
+    cap = math.prod(sim.shape(srcs[0])[:2]) // len(counts[0])  # rows of one slot
     for p, row in enumerate(counts):
         for j, n in enumerate(row):
             if not 0 <= n <= cap:
                 raise ValueError(f"simulator: step {step.name}: rank {p}'s counts[{j}] = {n} "
                                  f"is outside [0, capacity {cap}]")
+    slot = _slots(op, sim.world, groups)
+    # sends[j]: (p, src slot, dst slot) of every part that lands on rank j
+    sends = [[(p, *slot(p, j, g)) for p in range(sim.world) for g in range(groups)]
+             for j in range(sim.world)]
     for k, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
         _move(sim, op, src, dst, counts, cast.direction(sim.schedule, op) if k == 0 else None,
-              store)
+              store, sends)
     for j in range(sim.world):
-        store(j, op.recv_counts,
-                  torch.tensor([counts[p][j] for p in range(sim.world)], dtype=torch.int64))
+        recv = torch.zeros(len(counts[0]), dtype=torch.int64)
+        for p, a, b in sends[j]:
+            recv[b] = counts[p][a]
+        store(j, op.recv_counts, recv.reshape(sim.shape(op.recv_counts)))
 
 
 def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[list[int]],
-          way: str | None, store: Any) -> None:
+          way: str | None, store: Any, sends: list[list[tuple[int, int, int]]]) -> None:
     """One payload's rows, cast on the way when ``way`` says so (``store``: the
-    simulator's, or a put's holder: dcpc.ops._split.store)."""
+    simulator's, or a put's holder: dcpc.ops._split.store); ``sends``: ``reference``'s
+    parts, by receiver."""
     import torch
 
     sent, scales = [], []  # every sender's src as it travels (cast), and its row scales
+    slots = len(counts[0])
     for p in range(sim.world):
         x, s = sim.bufs[p][src], None
         if way == "quantise":  # per token: the scales are made here, not read
             tensor = sim.bufs[p].get(op.scale.buffer)  # type: ignore[union-attr]
             x, s = cast.quantise_rows(x, op.scale.per, tensor)  # type: ignore[union-attr]
+            s = s.reshape(slots, -1) if s is not None else None  # per token: by slot
         elif way == "dequantise":
             x = cast.dequantise_rows(x, op.scale.per, sim.bufs[p][op.scale.buffer])  # type: ignore[union-attr]
-        sent.append(x)
+        sent.append(x.reshape(slots, -1, *x.shape[2:]))  # [slots, capacity, *row]
         scales.append(s)
     for j in range(sim.world):
         # rows past a count: never written (NaN, or an int payload's UNSENT_INT), so
         # that whoever reads them as data mismatches; the mask says which they are
         out = sim.unsent(dst)
+        rows = out.view(slots, -1, *out.shape[2:])
         got = torch.full(sim.shape(dst)[:-1], math.nan, dtype=torch.float64)
         unsent = torch.ones(sim.shape(dst)[:2], dtype=torch.bool)  # [W, capacity]
-        for p in range(sim.world):
-            n = counts[p][j]
-            out[p, :n] = sent[p][j, :n]
-            unsent[p, :n] = False
+        for p, a, b in sends[j]:
+            n = counts[p][a]
+            rows[b, :n] = sent[p][a, :n]
+            unsent.view(slots, -1)[b, :n] = False
             if scales[p] is not None:
-                got[p, :n] = scales[p][j, :n]  # type: ignore[index]
+                got.view(slots, -1)[b, :n] = scales[p][a, :n]  # type: ignore[index]
         store(j, dst, out, unsent=_by_row(unsent, out.shape))
         if scales[0] is not None:
             store(j, op.scale.buffer, got,  # type: ignore[union-attr]
@@ -230,7 +311,11 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     scale = op.scale.buffer if op.scale is not None else None
     if scale is not None:
         roles["scale"] = scale
-    more = {"payloads": len(srcs)} if len(srcs) > 1 else {}
+    more: dict[str, Any] = {"payloads": len(srcs)} if len(srcs) > 1 else {}
+    if op.groups is not None:  # slots of capacity rows, G per peer (the kernel's groups)
+        scalars = [("cap", ex.parse(str(op.capacity))), *scalars[1:],
+                   ("groups", ex.parse(str(op.groups)))]
+        more["groups"] = op.direction
     more |= split.lowered(ctx, step)  # a wait launches its put's grid (program i polls i)
     return ctx.plan(
         step,

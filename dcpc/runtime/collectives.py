@@ -15,6 +15,7 @@ stop with ``DcpcCollectiveError`` after ``timeout_s`` instead of pairing).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -443,6 +444,8 @@ def ragged_all_to_all(
     cast: int = 0,
     scale: torch.Tensor | None = None,
     more: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    groups: int = 1,
+    combine: bool = False,
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
@@ -450,35 +453,53 @@ def ragged_all_to_all(
     ``more``: further (src, dst) payloads, the same rows of each, never cast.
     ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
     land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
-    sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``."""
+    sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``.
+    ``groups`` G > 1 (dcpc/ops/ragged_all_to_all.py): slots of ``capacity`` rows per
+    (peer, group); src [W, G*cap] and counts [W, G] land as dst [G, W*cap] and
+    recv_counts [G, W], or (``combine``) src [G, W*cap], counts [G, W] as dst [W, G*cap],
+    recv_counts [W, G]."""
     from dcpc.runtime.errors import over_capacity
 
     sent = counts.reshape(-1).to(torch.int32)
     over = torch.nonzero((sent > capacity) | (sent < 0)).flatten().tolist()
     if over:  # counts is indexed by member; the error names module ranks
-        j = over[0]
-        raise over_capacity(step, comm.me, comm.rank_of(j), int(sent[j]), capacity, index=j)
+        i = over[0]
+        j = i if groups == 1 else i % world if combine else i // groups
+        raise over_capacity(step, comm.me, comm.rank_of(j), int(sent[i]), capacity, index=i)
     if cast in (2, 4) and scale is not None:
         merge.checked_scale(scale)  # before anything is sent, as a bad count
-    got = torch.empty_like(sent)
-    _all_to_all_single(comm, got, sent, world)
+    # peer-major [W, G, ...] on the way out; dst's slots as [p, g, ...] on the way in
+    out_of = _slot_view(world, groups, combine, sender=True)
+    into = _slot_view(world, groups, combine, sender=False)
+    got = torch.empty(world, groups, dtype=torch.int32)
+    _all_to_all_single(comm, got, out_of(sent).contiguous().reshape(world, groups), world)
     x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
-    staged = torch.empty_like(dst)
-    _all_to_all_single(comm, staged.reshape(-1), x.reshape(-1), world)
-    scales_in = None
-    if row_scales is not None:
-        scales_in = torch.empty_like(row_scales)
-        _all_to_all_single(comm, scales_in.reshape(-1), row_scales.reshape(-1), world)
-    recv_counts.copy_(got)
-    for p, n in enumerate(got.tolist()):
-        dst[p, :n].copy_(staged[p, :n])
-        if scales_in is not None and scale is not None:
-            scale[p, :n].copy_(scales_in[p, :n])
-    for extra_src, extra_dst in more:  # as is: integer ids, f32 weights, bit for bit
-        staged = torch.empty_like(extra_dst)
-        _all_to_all_single(comm, staged.reshape(-1), extra_src.contiguous().reshape(-1), world)
-        for p, n in enumerate(got.tolist()):
-            extra_dst[p, :n].copy_(staged[p, :n])
+    landed = [(x, dst)] + [(extra.contiguous(), extra_dst) for extra, extra_dst in more]
+    if row_scales is not None and scale is not None:
+        landed.append((row_scales, scale))
+    for payload, target in landed:  # as is past the first: ids, weights, bit for bit
+        staged = torch.empty(world, groups, capacity, *payload.shape[2:], dtype=target.dtype)
+        _all_to_all_single(comm, staged.reshape(-1), out_of(payload).contiguous().reshape(-1),
+                           world)
+        slots = into(target)
+        for (p, g), n in zip(itertools.product(range(world), range(groups)),
+                             got.reshape(-1).tolist(), strict=True):
+            slots[p, g, :n].copy_(staged[p, g, :n])
+    into(recv_counts).copy_(got.reshape(world, groups, 1))
+
+
+def _slot_view(world: int, groups: int, combine: bool, *, sender: bool) -> Any:
+    """A ragged buffer (rows or counts) seen as its slots [W, G, ...] by peer, then
+    group: the sender's src/counts ([W, G*cap] / [W, G], or [G, W*cap] / [G, W] in a
+    combine), the receiver's dst/recv_counts (the other way round). A view: what is
+    copied into it lands in the buffer."""
+    group_major = combine if sender else not combine
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        if group_major:
+            return t.view(groups, world, -1, *t.shape[2:]).transpose(0, 1)
+        return t.view(world, groups, -1, *t.shape[2:])
+    return view
 
 
 def weighted_combine(

@@ -76,21 +76,25 @@ def test_a_float_buffer_takes_no_range() -> None:
 
 
 def test_the_draws_stay_in_the_range_with_both_ends_in_a_run() -> None:
-    """Expert ids beside the tokens were drawn over the whole i32 range: now over
-    [0, W*L) (the moe gallery's e_send); the counts an op reads by the same mechanism,
-    0..capacity. At W=2 over 8 calls: both ends appear, a count strictly between (a
-    partly filled block), and a call where no count is 0 (every peer gets rows)."""
+    """Integer payloads beside the tokens were drawn over the whole i32 range: now over
+    their declared values (the moe gallery's i_send, token indices in [0, T)); the counts
+    an op reads by the same mechanism, 0..capacity. At W=2 over 8 calls: both ends
+    appear, a count strictly between (a partly filled slot), and a call where no count
+    is 0 (every slot gets rows)."""
     schedule = parse_file(GALLERY / "moe_dispatch_combine.yaml", 2)
     ctor = synth.constructor_sizes(schedule, 2)
     ids: set[int] = set()
     seen: list[tuple[int, list[int]]] = []  # (capacity, every rank's counts) per call
     for call in range(8):
         sizes = synth.call_sizes(schedule, 2, ctor, 0, call)
-        cap = sizes["L"] * sizes["C"]
+        cap = sizes["C"]
         calls = synth.call_inputs(schedule, 2, sizes, 0, call)
-        ids.update(v for bufs in calls for v in bufs["e_send"].flatten().tolist())
-        seen.append((cap, [v for bufs in calls for v in bufs["counts"].tolist()]))
-    assert ids == set(range(2 * 2))  # W*L = 4 experts: every id, none outside
+        for bufs in calls:
+            got = bufs["i_send"].flatten().tolist()
+            assert all(0 <= v < sizes["T"] for v in got), (sizes, got)
+            ids.update(got)
+        seen.append((cap, [v for bufs in calls for v in bufs["counts"].flatten().tolist()]))
+    assert ids == set(range(ctor["T"]))  # call 0 at T's max: every index, none outside
     assert all(0 <= n <= cap for cap, counts in seen for n in counts), seen
     assert any(0 in counts for _, counts in seen) and any(cap in counts for cap, counts in seen)
     assert any(0 < n < cap for cap, counts in seen for n in counts), seen

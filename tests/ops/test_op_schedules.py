@@ -239,6 +239,9 @@ VARIANTS: dict[str, Variant] = {
     "ragged_all_to_all: several payloads, uncast": lambda s, step, p, w: (
         step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
         and p.attrs.get("cast") == 0),
+    **{f"ragged_all_to_all: groups, {way}": lambda s, step, p, w, way=way: (
+        step.kind == "ragged_all_to_all" and p.attrs.get("groups") == way)
+       for way in ("dispatch", "combine")},
     "ragged_all_to_all: phase put (push, no wait)": lambda s, step, p, w: (
         step.kind == "ragged_all_to_all" and p.attrs.get("wait") is False),
     "ragged_all_to_all: phase wait (its own kernel)": lambda s, step, p, w: (

@@ -235,7 +235,7 @@ def test_moe_layout_on_the_torch_backend_matches_float64() -> None:
                                     seed=7))
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
-    assert {"x_recv", "n_recv", "y_back", "n_back", "out"} <= set(report.outputs), text
+    assert {"x_recv", "layout", "y_back", "n_back", "out"} <= set(report.outputs), text
 
 
 def test_the_receivers_count_check_after_the_wait_is_a_read_of_recv_counts() -> None:

@@ -203,9 +203,11 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         reads(op.reads, 0)
         writes(op.writes, 0)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
+        rows, counts = _ragged_parts(op, axes)
         reads(_as_list(op.src) + [op.counts], 0)
-        stores(_as_list(op.dst) + [op.recv_counts], (("index", 0, 0, axes), b.rank))
-        _cast_scale(op, schedule, reads, stores, b.rank, axes)
+        stores(_as_list(op.dst), (rows, b.rank))
+        stores([op.recv_counts], (counts, b.rank))
+        _cast_scale(op, schedule, reads, stores, b.rank, axes, rows)
         exchange()
         reads([op.recv_counts], 1)  # the receiver's over-capacity check reads every count
     elif kind == "weighted_combine":  # local: its rows, weights and index, then dst
@@ -233,15 +235,24 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         raise AssertionError(f"oracle does not know op {kind}")
 
 
-def _cast_scale(op, schedule: Schedule, reads, stores, rank: int, axes) -> None:
+def _ragged_parts(op, axes) -> tuple[tuple, tuple]:
+    """The partitions a ragged_all_to_all's stores cover (dst's rows, recv_counts): index
+    `rank` of dim 0, or in a grouped dispatch (dst [G, W*C], recv_counts [G, W]) block
+    `rank` of dim 1 and index `rank` of dim 1."""
+    if getattr(op, "groups", None) is not None and op.direction == "dispatch":
+        return ("block", 1, 0, axes), ("index", 1, 0, axes)
+    return ("index", 0, 0, axes), ("index", 0, 0, axes)
+
+
+def _cast_scale(op, schedule: Schedule, reads, stores, rank: int, axes, rows=None) -> None:
     """A cast's scale buffer: a per-token cast into fp8 sends its row scales along (a
-    store into block `rank`, its member index in a team, of every team peer's), any
-    other cast reads them here."""
+    store into block `rank`, its member index in a team, of every team peer's, as the
+    rows land: ``rows``), any other cast reads them here."""
     scale = getattr(op, "scale", None)
     if scale is None:
         return
     if scale.per == "token" and schedule.buffers[_as_list(op.dst)[0]].dtype.value == "fp8e4m3":
-        stores([scale.buffer], (("index", 0, 0, axes), rank))
+        stores([scale.buffer], (rows or ("index", 0, 0, axes), rank))
     else:
         reads([scale.buffer], 0)
 
@@ -706,7 +717,8 @@ def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, 
     axes = _axes(schedule, op)
     team = _team(b.rank, world, axes)
     ragged, summed = op.op == "ragged_all_to_all", op.op == "reduce_scatter"
-    part = (("index", 0, 0, axes) if ragged else _partition(schedule, op), b.rank)
+    rows, counts = _ragged_parts(op, axes) if ragged else (_partition(schedule, op), None)
+    part = (rows, b.rank)
     if op.phase == "put":
         waits = {w for w, p in _exchange_puts(schedule).items() if p == name}
         landing = next((i for i, item in enumerate(schedule.steps) if waits & set(item)), None)
@@ -728,9 +740,10 @@ def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, 
 
         reads(_as_list(op.src) + ([op.counts] if ragged else []), 0)
         into = [op.via or f"{name}_recv"] if summed else _as_list(op.dst)
-        stores(into + ([op.recv_counts] if ragged else []), part)
+        stores(into, part)
         if ragged:
-            _cast_scale(op, schedule, reads, stores, b.rank, axes)
+            stores([op.recv_counts], (counts, b.rank))
+            _cast_scale(op, schedule, reads, stores, b.rank, axes, rows)
         for peer in _peers("all", b.rank, world, axes):
             b.add(name, index, 0, signal=("step:" + name, peer))
         return
