@@ -464,14 +464,15 @@ def ragged_all_to_all(
     # peer-major [W, G, ...] on the way out; dst's slots as [p, g, ...] on the way in
     out_of = _slot_view(world, groups, combine, sender=True)
     into = _slot_view(world, groups, combine, sender=False)
-    got = torch.empty(world, groups, dtype=torch.int32)
+    got = torch.empty(world, groups, dtype=torch.int32, device=sent.device)
     _all_to_all_single(comm, got, out_of(sent).contiguous().reshape(world, groups), world)
     x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
     landed = [(x, dst)] + [(extra.contiguous(), extra_dst) for extra, extra_dst in more]
     if row_scales is not None and scale is not None:
         landed.append((row_scales, scale))
     for payload, target in landed:  # as is past the first: ids, weights, bit for bit
-        staged = torch.empty(world, groups, capacity, *payload.shape[2:], dtype=target.dtype)
+        staged = torch.empty(world, groups, capacity, *payload.shape[2:], dtype=target.dtype,
+                             device=target.device)
         _all_to_all_single(comm, staged.reshape(-1), out_of(payload).contiguous().reshape(-1),
                            world)
         slots = into(target)

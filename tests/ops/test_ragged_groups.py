@@ -161,6 +161,31 @@ def test_the_torch_backend_lays_out_the_slots_and_refuses_over_capacity(
                                       groups=groups, combine=combine)
 
 
+@pytest.mark.parametrize("combine", [False, True])
+def test_the_torch_backend_stages_on_the_tensors_device(combine: bool) -> None:
+    """The staging tensors (the counts received, each payload's slots) are made on the
+    tensors' device, not torch's default one: with a default device other than the
+    tensors' (meta here, as cpu is on a CUDA run) the move still lands, counts and rows,
+    in float and in the integer payload."""
+    from dcpc.runtime import collectives
+
+    one = collectives.SlotGroup(None, 0, 0, None)
+    groups = 3
+    src = torch.randn((1, groups * C, H) if not combine else (groups, C, H))
+    ids = torch.arange(groups * C, dtype=torch.int32).reshape(src.shape[:2])
+    counts = torch.tensor([1, C, 0], dtype=torch.int32)
+    dst = torch.full((groups, C, H) if not combine else (1, groups * C, H), -7.0)
+    ids_dst = torch.full(dst.shape[:2], -1, dtype=torch.int32)
+    recv = torch.zeros(groups, dtype=torch.int32)
+    with torch.device("meta"):
+        collectives.ragged_all_to_all(one, src, counts, dst, recv, C, 1, "move",
+                                      more=[(ids, ids_dst)], groups=groups, combine=combine)
+    assert recv.tolist() == counts.tolist()
+    for e, n in enumerate(counts.tolist()):
+        assert torch.equal(dst.reshape(groups, C, H)[e, :n], src.reshape(groups, C, H)[e, :n])
+        assert torch.equal(ids_dst.reshape(groups, C)[e, :n], ids.reshape(groups, C)[e, :n])
+
+
 def test_the_torch_backend_runs_the_conformance_file_against_float64() -> None:
     """Gloo at W = 3 (the conformance suite runs the host backend): a grouped dispatch
     with its cast and ids, and the split combine back, every output as float64 says."""
