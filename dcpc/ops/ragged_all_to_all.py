@@ -34,7 +34,13 @@ the rows for group g of rank j), counts [W, G]; they land group-major in dst
 [G, W*capacity, *row] (slot (g, p): rows p*capacity .. of group g, DeepEP's
 packed_recv_x) with the count in recv_counts [G, W]. ``direction: combine`` is the
 inverse (src [G, W*capacity], counts [G, W]; dst [W, G*capacity], recv_counts [W, G]);
-``_slots`` is the one definition of where a slot goes. G = 1 is the plain form, bytes
+dcpc.exprs ``ragged_slot`` is the one definition of where a slot goes:
+the simulator (``_slots``) and the torch backend evaluate it, ``lower`` renders the
+kernel's indices from it (``_kernel_slots``). Not derived from it: ``semantics``'s
+regions (a dispatch stores block p of dst's dim 1, a combine index p of dim 0: the slots
+of sender p, over-approximated) and tests/support/hb_oracle.py (a brute force, separate
+on purpose); tests/ops/test_ragged_groups.py ties them to the simulator (the checker and
+both oracles agree, at W = 2 and 3). G = 1 is the plain form, bytes
 and all.
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
@@ -48,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from dcpc.exprs import ragged_slot
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
@@ -111,13 +118,35 @@ class RaggedAllToAll(OpBase):
 
 
 def _slots(op: RaggedAllToAll, world: int, groups: int) -> Any:
-    """``(src slot, dst slot)`` of the rows sender p sends peer j for group g, each the
-    flat index of a slot of capacity rows (and of its count) in src/counts and in
-    dst/recv_counts: ``slot(p, j, g)``. Without groups (G = 1) both directions are
-    the plain form: block j of src lands in block p of dst."""
-    if op.direction == "combine":  # src [G, W*C]: (g, j); dst [W, G*C]: (p, g)
-        return lambda p, j, g: (g * world + j, p * groups + g)
-    return lambda p, j, g: (j * groups + g, g * world + p)  # src (j, g); dst (g, p)
+    """``slot(p, j, g)``: dcpc.exprs.ragged_slot for this step's direction."""
+    combine = op.direction == "combine"
+    return lambda p, j, g: ragged_slot(combine, world, groups, p, j, g)
+
+
+class _Name:
+    """A kernel name that ``ragged_slot``'s arithmetic builds an expression of (lower
+    renders the slot indices into the template from the one definition)."""
+
+    def __init__(self, e: ex.Expr) -> None:
+        self.e = e
+
+    def __add__(self, other: _Name) -> _Name:
+        return _Name(("+", self.e, other.e))
+
+    def __mul__(self, other: _Name) -> _Name:
+        return _Name(("*", self.e, other.e))
+
+
+def _kernel_slots(combine: bool) -> dict[str, str]:
+    """The template's slot indices: the sender's (src_slot, dst_slot: this rank RANK
+    sends ``peer`` group ``g``) and the receiver's (recv_slot: where peer ``p``'s count
+    for group ``g`` landed on RANK), rendered from ``ragged_slot``."""
+    world, groups, rank, peer, p, g = (_Name(("sym", n)) for n in
+                                       ("WORLD", "groups", "RANK", "peer", "p", "g"))
+    src, dst = ragged_slot(combine, world, groups, rank, peer, g)
+    recv = ragged_slot(combine, world, groups, p, rank, g)[1]
+    return {"src_slot": ex.unparse(src.e), "dst_slot": ex.unparse(dst.e),
+            "recv_slot": ex.unparse(recv.e)}
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
@@ -343,7 +372,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     if op.groups is not None:  # slots of capacity rows, G per peer (the kernel's groups)
         scalars = [("cap", ex.parse(str(op.capacity))), *scalars[1:],
                    ("groups", ex.parse(str(op.groups)))]
-        more["groups"] = op.direction
+        more |= {"groups": op.direction, **_kernel_slots(op.direction == "combine")}
     if op.phase is not None:  # a wait launches its put's grid (program i polls program i)
         put = matched(ctx).polls.get(step.name) if op.phase == WAIT else step
         more |= {"signal": op.phase == PUT, "wait": op.phase == WAIT,
