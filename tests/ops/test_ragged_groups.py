@@ -18,11 +18,11 @@ import torch
 
 from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
 
-W, L, C, H = 2, 2, 3, 8
+W, L, C, H = 2, 3, 3, 8  # W != L: a peer and a group swapped fail
 
 GROUPED = """\
 schedule: grouped
-sizes: {C: {max: 3}, L: 2, H: 8}
+sizes: {C: {max: 3}, L: 3, H: 8}
 buffers:
   x:  {shape: [W, L*C, H], dtype: bf16}
   k:  {shape: [W, L*C], dtype: i32}
@@ -35,10 +35,10 @@ steps:
            capacity: C, groups: L}
 """
 
-ONE = GROUPED.replace("L: 2", "L: 1")
+ONE = GROUPED.replace("L: 3", "L: 1")
 # the plain form: the same step without groups (dst [W, C, H], counts [W])
 PLAIN = GROUPED
-for _old, _new in (("L: 2, ", ""), ("[W, L*C", "[W, C"), ("[L, W*C", "[W, C"),
+for _old, _new in (("L: 3, ", ""), ("[W, L*C", "[W, C"), ("[L, W*C", "[W, C"),
                    ("[W, L]", "[W]"), ("[L, W]", "[W]"), (", groups: L", "")):
     PLAIN = PLAIN.replace(_old, _new)
 
@@ -75,7 +75,7 @@ def _run(text: str, call: Callable[[Any, int], Any]) -> list[Any]:
 
 
 # counts[p][j, e]: rows rank p sends rank j's expert e; 0 and C (full) on both ranks
-COUNTS = [[[0, C], [2, 1]], [[C, 1], [0, C]]]
+COUNTS = [[[0, C, 1], [2, 1, C]], [[C, 1, 2], [0, C, 1]]]
 
 
 def test_each_slot_lands_in_its_expert_block_at_its_source_rows() -> None:
@@ -194,6 +194,62 @@ def test_the_torch_backend_runs_the_conformance_file_against_float64() -> None:
     path = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_groups.yaml"
     report = run_schedule(RunConfig(str(path), world=3, backend="torch", calls=3))
     assert report.ok, report.errors()
+
+
+# the grouped combine back: src [L, W*C, H], counts [L, W]; dst [W, L*C, H], [W, L]
+COMBINE = GROUPED
+for _old, _new in (("[W, L*C", "[T, W*C"), ("[L, W*C", "[W, L*C"), ("[T, W*C", "[L, W*C"),
+                   ("[W, L]", "[T, W]"), ("[L, W]", "[W, L]"), ("[T, W]", "[L, W]"),
+                   ("groups: L}", "groups: L, direction: combine}")):
+    COMBINE = COMBINE.replace(_old, _new)
+
+
+def over_capacity_worker(rank: int, world: int, path: str, bad: list[list[int]],
+                         combine: bool) -> str:
+    """torch backend (gloo): every rank's counts over the capacity at its own ``bad``
+    entry (so no rank waits on one that raised): what its call raised."""
+    import torch.distributed as dist
+    from support.kernels import load, the_class
+
+    module = the_class(load(path))(dist.group.WORLD, sizes={"C": C}, device="cpu",
+                                   backend="torch", timeout_s=60)
+    lead, rows = (L, W) if combine else (W, L)
+    x, k = _payload(rank, (lead, rows * C))
+    counts = torch.ones(lead, rows, dtype=torch.int32)
+    counts[tuple(bad[rank])] = C + 1
+    try:
+        module.move(x, k, counts)
+        return "no error"
+    except DcpcArgumentError as exc:
+        return str(exc)
+    finally:
+        module.close()
+
+
+@pytest.mark.parametrize(("text", "bad", "peers"), [
+    # dispatch counts [W, L]: (j, e), index j*L + e; rank 0's [1, 1] is for rank 1
+    (GROUPED, [[1, 1], [0, 1]], [1, 0]),
+    # combine counts [L, W]: (e, j), index e*W + j
+    (COMBINE, [[0, 1], [2, 0]], [1, 0]),
+], ids=["dispatch", "combine"])
+def test_the_torch_backend_names_the_peer_of_a_count_over_capacity(
+        text: str, bad: list[list[int]], peers: list[int], tmp_path: Path) -> None:
+    """Gloo at W = 2, L = 3: the error names the counts index and the rank those rows
+    were for (entries whose index // L and index % W name different ranks; the rank is
+    left out where it is the index)."""
+    from support.kernels import compile_text
+
+    from dcpc.harness.launch import launch
+
+    path = str(compile_text(text, tmp_path, (W,)))
+    result = launch("test_ragged_groups:over_capacity_worker", W,
+                    {"path": path, "bad": bad, "combine": text is COMBINE}, timeout_s=400)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    for rank, got in enumerate(result.values()):
+        index = bad[rank][0] * (W if text is COMBINE else L) + bad[rank][1]
+        peer = f" (the rows for rank {peers[rank]})" if index != peers[rank] else ""
+        assert got.startswith(f"step 'move': rank {rank}'s counts[{index}] = {C + 1}{peer}, "
+                              f"over the capacity {C}"), got
 
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_groups.yaml"
