@@ -107,14 +107,19 @@ class RaggedAllToAll(OpBase):
 
     def split_key(self) -> tuple[Any, ...]:
         """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
-        try:  # the expression, not its spelling: `N*C` is `N * C` (a bad one: verify's error)
-            capacity: Any = ex.parse(self.capacity)
-        except ex.ExprSyntaxError:
-            capacity = str(self.capacity)
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
-                self.recv_counts, capacity,
+                self.recv_counts, _parsed(self.capacity),
                 self.scale.buffer if self.scale is not None else None, str(self.axis),
-                str(self.groups), self.direction)
+                _parsed(self.groups), self.direction)
+
+
+def _parsed(size: SizeExpr | None) -> Any:
+    """A size as ``split_key`` compares it: the expression, not its spelling (`L*C` is
+    `L * C`); a bad one as written (verify's error)."""
+    try:
+        return ex.parse(size) if size is not None else None
+    except ex.ExprSyntaxError:
+        return str(size)
 
 
 def _slots(op: RaggedAllToAll, world: int, groups: int) -> Any:
@@ -190,6 +195,20 @@ def verify(v: ShapeRules, step: Step) -> None:
     cap, g = _size(v, step, "capacity"), _size(v, step, "groups")
     if cap is None or (g is None and op.groups is not None):
         return  # not a size expression: reported
+    if g is not None and not ex.symbols(g) and ex.evaluate(g, {}) < 1:
+        v.error(op.mark("groups"), "bad-counts",
+                f"groups {op.groups} of step '{step.name}': groups must be >= 1 (a slot of "
+                "capacity rows per (peer, group))",
+                hint="give the groups (local experts) of each rank, at least 1; 1 is the "
+                "plain form's layout")
+        return
+    if op.direction == "combine" and g is None:
+        v.error(op.mark("direction"), "bad-counts",
+                f"step '{step.name}' has 'direction: combine' but no 'groups': a combine is "
+                "the inverse of a grouped dispatch, and without groups the plain form is "
+                "its own inverse",
+                hint="add the dispatch's 'groups', or drop 'direction'")
+        return
     # (lead, rows) of src and dst, and the counts' shape on each side
     lead, rows, sent, got = (v.W, v.W), (cap, cap), [v.W], [v.W]
     if g is not None:

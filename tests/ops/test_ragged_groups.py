@@ -327,3 +327,43 @@ def test_a_size_that_does_not_parse_is_located(old: str, new: str, key: str) -> 
     assert (found.code, found.mark.line, found.mark.col) == ("shape-syntax", line, col)
     assert f"{key} '{new.split(': ')[1].rstrip(',}')}' of step 'move' is not a size " \
         "expression" in found.message, found.message
+
+
+@pytest.mark.parametrize(("text", "old", "new", "key", "words"), [
+    (GROUPED, "groups: L}", "groups: 0}", "groups",
+     "groups 0 of step 'move': groups must be >= 1"),
+    (GROUPED, "groups: L}", "groups: -1}", "groups",
+     "groups -1 of step 'move': groups must be >= 1"),
+    (PLAIN, "capacity: C}", "capacity: C, direction: combine}", "direction",
+     "step 'move' has 'direction: combine' but no 'groups'"),
+], ids=["zero", "negative", "combine_without_groups"])
+def test_groups_below_one_and_a_combine_without_groups_are_located(
+        text: str, old: str, new: str, key: str, words: str) -> None:
+    """One bad-counts on the value, with a hint (not the six shape errors a layout of 0 or
+    -1 slots per peer would make, nor a combine silently taken for the plain form)."""
+    from support.schedules import check_errors
+
+    assert old in text
+    text = text.replace(old, new)
+    (found,) = check_errors(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if f"{key}: " in t)
+    col = text.splitlines()[line - 1].index(f"{key}: ") + len(key) + 3
+    assert (found.code, found.mark.line, found.mark.col) == ("bad-counts", line, col), found
+    assert words in found.message and found.hint, found
+
+
+def test_a_wait_matches_its_put_by_the_groups_expression_not_its_spelling() -> None:
+    """The split combine's put with `groups: 1*L`, its wait with `groups: 1 * L`: the same
+    put (clean, as the conformance file is); `groups: L + 0` on the wait is another."""
+    from support.schedules import check_errors
+
+    put = "capacity: C, groups: L, direction: combine, phase: put}"
+    wait = "capacity: C, groups: L, direction: combine, phase: wait}"
+    text = CONFORMANCE.read_text()
+    assert put in text and wait in text
+    spaced = text.replace(put, put.replace("L,", "1*L,")).replace(
+        wait, wait.replace("L,", "1 * L,"))
+    assert check_errors(spaced) == []
+    other = text.replace(put, put.replace("L,", "1*L,")).replace(
+        wait, wait.replace("L,", "L + 0,"))
+    assert {e.code for e in check_errors(other)} == {"unmatched-wait", "unmatched-put"}
