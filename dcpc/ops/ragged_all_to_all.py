@@ -228,7 +228,8 @@ def verify(v: ShapeRules, step: Step) -> None:
         if buf.dtype.value not in dtypes:
             v.error(ref.mark, "bad-counts",
                     f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; "
-                    f"row counts are {what}, one per peer",
+                    f"row counts are {what}, one per "
+                    f"{'peer' if len(want) == 1 else '(peer, group)'}",
                     hint=f"declare '{ref.name}' as {{shape: "
                     f"[{', '.join(ex.unparse(e) for e in want)}], dtype: i32}}")
         v.expect(ref, want, "one row count per peer" if len(want) == 1 else

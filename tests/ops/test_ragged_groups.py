@@ -8,6 +8,7 @@ split phase) are schedules/ops/ragged_all_to_all_groups.yaml's."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -283,9 +284,13 @@ def test_the_checker_and_both_oracles_agree_on_grouped_layouts(early: bool) -> N
             text = text.replace(old, new, 1)
     schedule = parse_text(text, "groups.yaml")
     for world in (2, 3):
-        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        findings = hb.check(schedule, [world], hints=False).findings
+        found = {f.key for f in findings}
         assert found == oracle_keys(schedule, world), world
         assert bool(found) == early and all(k[2] == "x_recv" for k in found), found
+        # the store's part in words: one block of dim 1 (no leading space)
+        assert all(re.match(r"x_recv\[rank \d, slot 0\] block \d \(dim 1\), in flight",
+                            f.second.region) for f in findings), findings
     assert disagreements(schedule, [2, 3]) == []
 
 
@@ -367,3 +372,13 @@ def test_a_wait_matches_its_put_by_the_groups_expression_not_its_spelling() -> N
     other = text.replace(put, put.replace("L,", "1*L,")).replace(
         wait, wait.replace("L,", "L + 0,"))
     assert {e.code for e in check_errors(other)} == {"unmatched-wait", "unmatched-put"}
+
+
+def test_counts_of_a_float_dtype_under_groups_say_one_per_peer_and_group() -> None:
+    from support.schedules import check_errors
+
+    text = GROUPED.replace("n:  {shape: [W, L], dtype: i32}", "n:  {shape: [W, L], dtype: f32}")
+    found = [e for e in check_errors(text) if e.code == "bad-counts"]
+    assert [e.message for e in found] == [
+        "counts 'n' of step 'move' is f32; row counts are integers, one per (peer, group)"]
+    assert found[0].hint == "declare 'n' as {shape: [W, L], dtype: i32}", found[0].hint
