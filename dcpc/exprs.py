@@ -11,6 +11,7 @@ which generated modules use to evaluate the ASTs they carry) both import it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 Expr = tuple  # ("num", int) | ("sym", str) | (op, Expr, Expr)
 
@@ -103,3 +104,19 @@ def unparse(expr: Expr, parent: int = -9, right: bool = False) -> str:
     else:
         text = f"{unparse(expr[1], prec)}{kind}{unparse(expr[2], prec, True)}"
     return f"({text})" if prec < parent or (right and prec == parent) else text
+
+
+def ragged_slot(combine: bool, world: Any, groups: Any, p: Any, j: Any,
+                g: Any) -> tuple[Any, Any]:
+    """ragged_all_to_all's slots with ``groups`` (DeepEP's low-latency layout), defined
+    once, here, because the compiler and the runtime both import this leaf:
+    ``(src slot, dst slot)`` of the rows sender p sends receiver j for group g, each the
+    flat index of a slot of capacity rows (and of its count) in src/counts and in
+    dst/recv_counts. A dispatch: src [W, G*C] (j, g), dst [G, W*C] (g, p); a combine the
+    other way round. Plain arithmetic: on ints in the torch backend
+    (dcpc.runtime.collectives) and the simulator (dcpc.ops.ragged_all_to_all ``_slots``),
+    on the kernel's names where its ``lower`` renders the template's indices. G = 1:
+    block j of src lands in block p of dst."""
+    if combine:
+        return g * world + j, p * groups + g
+    return j * groups + g, g * world + p

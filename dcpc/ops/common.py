@@ -124,7 +124,7 @@ class Region:
         # ``writer`` of a peer, line, perm or whole (a reader): its index in its team, if any
         who = f"{'rank' if self.axes is None else 'team member'} {writer}"
         if self.scheme == "block":
-            return f"{self.dim_text} block {writer} (dim {self.dim})"
+            return f"{self.dim_text} block {writer} (dim {self.dim})".lstrip()
         if self.scheme == "index":
             return f"index {writer} of dim {self.dim}"
         if self.scheme in ("peer", "line"):

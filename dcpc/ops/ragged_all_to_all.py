@@ -34,7 +34,13 @@ the rows for group g of rank j), counts [W, G]; they land group-major in dst
 [G, W*capacity, *row] (slot (g, p): rows p*capacity .. of group g, DeepEP's
 packed_recv_x) with the count in recv_counts [G, W]. ``direction: combine`` is the
 inverse (src [G, W*capacity], counts [G, W]; dst [W, G*capacity], recv_counts [W, G]);
-``_slots`` is the one definition of where a slot goes. G = 1 is the plain form, bytes
+dcpc.exprs ``ragged_slot`` is the one definition of where a slot goes:
+the simulator (``_slots``) and the torch backend evaluate it, ``lower`` renders the
+kernel's indices from it (``_kernel_slots``). Not derived from it: ``semantics``'s
+regions (a dispatch stores block p of dst's dim 1, a combine index p of dim 0: the slots
+of sender p, over-approximated) and tests/support/hb_oracle.py (a brute force, separate
+on purpose); tests/ops/test_ragged_groups.py ties them to the simulator (the checker and
+both oracles agree, at W = 2 and 3). G = 1 is the plain form, bytes
 and all.
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
@@ -48,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from dcpc.exprs import ragged_slot
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import product
 from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
@@ -99,24 +106,51 @@ class RaggedAllToAll(OpBase):
 
     def split_key(self) -> tuple[Any, ...]:
         """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
-        try:  # the expression, not its spelling: `N*C` is `N * C` (a bad one: verify's error)
-            capacity: Any = ex.parse(self.capacity)
-        except ex.ExprSyntaxError:
-            capacity = str(self.capacity)
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
-                self.recv_counts, capacity,
+                self.recv_counts, _parsed(self.capacity),
                 self.scale.buffer if self.scale is not None else None, str(self.axis),
-                str(self.groups), self.direction)
+                _parsed(self.groups), self.direction)
+
+
+def _parsed(size: SizeExpr | None) -> Any:
+    """A size as ``split_key`` compares it: the expression, not its spelling (`L*C` is
+    `L * C`); a bad one as written (verify's error)."""
+    try:
+        return ex.parse(size) if size is not None else None
+    except ex.ExprSyntaxError:
+        return str(size)
 
 
 def _slots(op: RaggedAllToAll, world: int, groups: int) -> Any:
-    """``(src slot, dst slot)`` of the rows sender p sends peer j for group g, each the
-    flat index of a slot of capacity rows (and of its count) in src/counts and in
-    dst/recv_counts: ``slot(p, j, g)``. Without groups (G = 1) both directions are
-    the plain form: block j of src lands in block p of dst."""
-    if op.direction == "combine":  # src [G, W*C]: (g, j); dst [W, G*C]: (p, g)
-        return lambda p, j, g: (g * world + j, p * groups + g)
-    return lambda p, j, g: (j * groups + g, g * world + p)  # src (j, g); dst (g, p)
+    """``slot(p, j, g)``: dcpc.exprs.ragged_slot for this step's direction."""
+    combine = op.direction == "combine"
+    return lambda p, j, g: ragged_slot(combine, world, groups, p, j, g)
+
+
+class _Name:
+    """A kernel name that ``ragged_slot``'s arithmetic builds an expression of (lower
+    renders the slot indices into the template from the one definition)."""
+
+    def __init__(self, e: ex.Expr) -> None:
+        self.e = e
+
+    def __add__(self, other: _Name) -> _Name:
+        return _Name(("+", self.e, other.e))
+
+    def __mul__(self, other: _Name) -> _Name:
+        return _Name(("*", self.e, other.e))
+
+
+def _kernel_slots(combine: bool) -> dict[str, str]:
+    """The template's slot indices: the sender's (src_slot, dst_slot: this rank RANK
+    sends ``peer`` group ``g``) and the receiver's (recv_slot: where peer ``p``'s count
+    for group ``g`` landed on RANK), rendered from ``ragged_slot``."""
+    world, groups, rank, peer, p, g = (_Name(("sym", n)) for n in
+                                       ("WORLD", "groups", "RANK", "peer", "p", "g"))
+    src, dst = ragged_slot(combine, world, groups, rank, peer, g)
+    recv = ragged_slot(combine, world, groups, p, rank, g)[1]
+    return {"src_slot": ex.unparse(src.e), "dst_slot": ex.unparse(dst.e),
+            "recv_slot": ex.unparse(recv.e)}
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
@@ -152,6 +186,20 @@ def verify(v: ShapeRules, step: Step) -> None:
     cap, g = _size(v, step, "capacity"), _size(v, step, "groups")
     if cap is None or (g is None and op.groups is not None):
         return  # not a size expression: reported
+    if g is not None and not ex.symbols(g) and ex.evaluate(g, {}) < 1:
+        v.error(op.mark("groups"), "bad-counts",
+                f"groups {op.groups} of step '{step.name}': groups must be >= 1 (a slot of "
+                "capacity rows per (peer, group))",
+                hint="give the groups (local experts) of each rank, at least 1; 1 is the "
+                "plain form's layout")
+        return
+    if op.direction == "combine" and g is None:
+        v.error(op.mark("direction"), "bad-counts",
+                f"step '{step.name}' has 'direction: combine' but no 'groups': a combine is "
+                "the inverse of a grouped dispatch, and without groups the plain form is "
+                "its own inverse",
+                hint="add the dispatch's 'groups', or drop 'direction'")
+        return
     # (lead, rows) of src and dst, and the counts' shape on each side
     lead, rows, sent, got = (v.W, v.W), (cap, cap), [v.W], [v.W]
     if g is not None:
@@ -171,7 +219,8 @@ def verify(v: ShapeRules, step: Step) -> None:
         if buf.dtype.value not in dtypes:
             v.error(ref.mark, "bad-counts",
                     f"{ref.role} '{ref.name}' of step '{step.name}' is {buf.dtype.value}; "
-                    f"row counts are {what}, one per peer",
+                    f"row counts are {what}, one per "
+                    f"{'peer' if len(want) == 1 else '(peer, group)'}",
                     hint=f"declare '{ref.name}' as {{shape: "
                     f"[{', '.join(ex.unparse(e) for e in want)}], dtype: i32}}")
         v.expect(ref, want, "one row count per peer" if len(want) == 1 else
@@ -315,7 +364,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     if op.groups is not None:  # slots of capacity rows, G per peer (the kernel's groups)
         scalars = [("cap", ex.parse(str(op.capacity))), *scalars[1:],
                    ("groups", ex.parse(str(op.groups)))]
-        more["groups"] = op.direction
+        more |= {"groups": op.direction, **_kernel_slots(op.direction == "combine")}
     more |= split.lowered(ctx, step)  # a wait launches its put's grid (program i polls i)
     return ctx.plan(
         step,

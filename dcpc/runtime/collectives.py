@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcpc.exprs import ragged_slot
 from dcpc.numerics import ieee_max
 from dcpc.runtime import merge
 from dcpc.runtime.errors import DcpcArgumentError, DcpcCollectiveError
@@ -461,45 +462,32 @@ def ragged_all_to_all(
     from dcpc.runtime.errors import over_capacity
 
     sent = counts.reshape(-1).to(torch.int32)
+    # the wire's order: (peer, group), peer-major; the slot each is in src/counts and dst
+    pairs = list(itertools.product(range(world), range(groups)))
+    out_of = [ragged_slot(combine, world, groups, comm.rank, j, g)[0] for j, g in pairs]
+    into = [ragged_slot(combine, world, groups, p, comm.rank, g)[1] for p, g in pairs]
     over = torch.nonzero((sent > capacity) | (sent < 0)).flatten().tolist()
     if over:  # counts is indexed by member; the error names module ranks
         i = over[0]
-        j = i if groups == 1 else i % world if combine else i // groups
+        j = pairs[out_of.index(i)][0]
         raise over_capacity(step, comm.me, comm.rank_of(j), int(sent[i]), capacity, index=i)
     if cast in (2, 4) and scale is not None:
         merge.checked_scale(scale)  # before anything is sent, as a bad count
-    # peer-major [W, G, ...] on the way out; dst's slots as [p, g, ...] on the way in
-    out_of = _slot_view(world, groups, combine, sender=True)
-    into = _slot_view(world, groups, combine, sender=False)
-    got = torch.empty(world, groups, dtype=torch.int32)
-    _all_to_all_single(comm, got, out_of(sent).contiguous().reshape(world, groups), world)
+    got = torch.empty(world * groups, dtype=torch.int32, device=sent.device)
+    _all_to_all_single(comm, got, sent[out_of], world)
     x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype)
     landed = [(x, dst)] + [(extra.contiguous(), extra_dst) for extra, extra_dst in more]
     if row_scales is not None and scale is not None:
         landed.append((row_scales, scale))
     for payload, target in landed:  # as is past the first: ids, weights, bit for bit
-        staged = torch.empty(world, groups, capacity, *payload.shape[2:], dtype=target.dtype)
-        _all_to_all_single(comm, staged.reshape(-1), out_of(payload).contiguous().reshape(-1),
-                           world)
-        slots = into(target)
-        for (p, g), n in zip(itertools.product(range(world), range(groups)),
-                             got.reshape(-1).tolist(), strict=True):
-            slots[p, g, :n].copy_(staged[p, g, :n])
-    into(recv_counts).copy_(got.reshape(world, groups, 1))
-
-
-def _slot_view(world: int, groups: int, combine: bool, *, sender: bool) -> Any:
-    """A ragged buffer (rows or counts) seen as its slots [W, G, ...] by peer, then
-    group: the sender's src/counts ([W, G*cap] / [W, G], or [G, W*cap] / [G, W] in a
-    combine), the receiver's dst/recv_counts (the other way round). A view: what is
-    copied into it lands in the buffer."""
-    group_major = combine if sender else not combine
-
-    def view(t: torch.Tensor) -> torch.Tensor:
-        if group_major:
-            return t.view(groups, world, -1, *t.shape[2:]).transpose(0, 1)
-        return t.view(world, groups, -1, *t.shape[2:])
-    return view
+        staged = torch.empty(world * groups, capacity, *payload.shape[2:], dtype=target.dtype,
+                             device=target.device)
+        slots = payload.view(world * groups, capacity, *payload.shape[2:])
+        _all_to_all_single(comm, staged.reshape(-1), slots[out_of].reshape(-1), world)
+        slots = target.view(world * groups, capacity, *target.shape[2:])
+        for k, n in enumerate(got.tolist()):
+            slots[into[k], :n].copy_(staged[k, :n])
+    recv_counts.view(-1)[into] = got.to(recv_counts.dtype)
 
 
 def weighted_combine(

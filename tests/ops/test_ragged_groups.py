@@ -8,6 +8,7 @@ split phase) are schedules/ops/ragged_all_to_all_groups.yaml's."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,11 +19,11 @@ import torch
 
 from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
 
-W, L, C, H = 2, 2, 3, 8
+W, L, C, H = 2, 3, 3, 8  # W != L: a peer and a group swapped fail
 
 GROUPED = """\
 schedule: grouped
-sizes: {C: {max: 3}, L: 2, H: 8}
+sizes: {C: {max: 3}, L: 3, H: 8}
 buffers:
   x:  {shape: [W, L*C, H], dtype: bf16}
   k:  {shape: [W, L*C], dtype: i32}
@@ -35,10 +36,10 @@ steps:
            capacity: C, groups: L}
 """
 
-ONE = GROUPED.replace("L: 2", "L: 1")
+ONE = GROUPED.replace("L: 3", "L: 1")
 # the plain form: the same step without groups (dst [W, C, H], counts [W])
 PLAIN = GROUPED
-for _old, _new in (("L: 2, ", ""), ("[W, L*C", "[W, C"), ("[L, W*C", "[W, C"),
+for _old, _new in (("L: 3, ", ""), ("[W, L*C", "[W, C"), ("[L, W*C", "[W, C"),
                    ("[W, L]", "[W]"), ("[L, W]", "[W]"), (", groups: L", "")):
     PLAIN = PLAIN.replace(_old, _new)
 
@@ -75,7 +76,7 @@ def _run(text: str, call: Callable[[Any, int], Any]) -> list[Any]:
 
 
 # counts[p][j, e]: rows rank p sends rank j's expert e; 0 and C (full) on both ranks
-COUNTS = [[[0, C], [2, 1]], [[C, 1], [0, C]]]
+COUNTS = [[[0, C, 1], [2, 1, C]], [[C, 1, 2], [0, C, 1]]]
 
 
 def test_each_slot_lands_in_its_expert_block_at_its_source_rows() -> None:
@@ -161,6 +162,31 @@ def test_the_torch_backend_lays_out_the_slots_and_refuses_over_capacity(
                                       groups=groups, combine=combine)
 
 
+@pytest.mark.parametrize("combine", [False, True])
+def test_the_torch_backend_stages_on_the_tensors_device(combine: bool) -> None:
+    """The staging tensors (the counts received, each payload's slots) are made on the
+    tensors' device, not torch's default one: with a default device other than the
+    tensors' (meta here, as cpu is on a CUDA run) the move still lands, counts and rows,
+    in float and in the integer payload."""
+    from dcpc.runtime import collectives
+
+    one = collectives.SlotGroup(None, 0, 0, None)
+    groups = 3
+    src = torch.randn((1, groups * C, H) if not combine else (groups, C, H))
+    ids = torch.arange(groups * C, dtype=torch.int32).reshape(src.shape[:2])
+    counts = torch.tensor([1, C, 0], dtype=torch.int32)
+    dst = torch.full((groups, C, H) if not combine else (1, groups * C, H), -7.0)
+    ids_dst = torch.full(dst.shape[:2], -1, dtype=torch.int32)
+    recv = torch.zeros(groups, dtype=torch.int32)
+    with torch.device("meta"):
+        collectives.ragged_all_to_all(one, src, counts, dst, recv, C, 1, "move",
+                                      more=[(ids, ids_dst)], groups=groups, combine=combine)
+    assert recv.tolist() == counts.tolist()
+    for e, n in enumerate(counts.tolist()):
+        assert torch.equal(dst.reshape(groups, C, H)[e, :n], src.reshape(groups, C, H)[e, :n])
+        assert torch.equal(ids_dst.reshape(groups, C)[e, :n], ids.reshape(groups, C)[e, :n])
+
+
 def test_the_torch_backend_runs_the_conformance_file_against_float64() -> None:
     """Gloo at W = 3 (the conformance suite runs the host backend): a grouped dispatch
     with its cast and ids, and the split combine back, every output as float64 says."""
@@ -169,6 +195,62 @@ def test_the_torch_backend_runs_the_conformance_file_against_float64() -> None:
     path = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_groups.yaml"
     report = run_schedule(RunConfig(str(path), world=3, backend="torch", calls=3))
     assert report.ok, report.errors()
+
+
+# the grouped combine back: src [L, W*C, H], counts [L, W]; dst [W, L*C, H], [W, L]
+COMBINE = GROUPED
+for _old, _new in (("[W, L*C", "[T, W*C"), ("[L, W*C", "[W, L*C"), ("[T, W*C", "[L, W*C"),
+                   ("[W, L]", "[T, W]"), ("[L, W]", "[W, L]"), ("[T, W]", "[L, W]"),
+                   ("groups: L}", "groups: L, direction: combine}")):
+    COMBINE = COMBINE.replace(_old, _new)
+
+
+def over_capacity_worker(rank: int, world: int, path: str, bad: list[list[int]],
+                         combine: bool) -> str:
+    """torch backend (gloo): every rank's counts over the capacity at its own ``bad``
+    entry (so no rank waits on one that raised): what its call raised."""
+    import torch.distributed as dist
+    from support.kernels import load, the_class
+
+    module = the_class(load(path))(dist.group.WORLD, sizes={"C": C}, device="cpu",
+                                   backend="torch", timeout_s=60)
+    lead, rows = (L, W) if combine else (W, L)
+    x, k = _payload(rank, (lead, rows * C))
+    counts = torch.ones(lead, rows, dtype=torch.int32)
+    counts[tuple(bad[rank])] = C + 1
+    try:
+        module.move(x, k, counts)
+        return "no error"
+    except DcpcArgumentError as exc:
+        return str(exc)
+    finally:
+        module.close()
+
+
+@pytest.mark.parametrize(("text", "bad", "peers"), [
+    # dispatch counts [W, L]: (j, e), index j*L + e; rank 0's [1, 1] is for rank 1
+    (GROUPED, [[1, 1], [0, 1]], [1, 0]),
+    # combine counts [L, W]: (e, j), index e*W + j
+    (COMBINE, [[0, 1], [2, 0]], [1, 0]),
+], ids=["dispatch", "combine"])
+def test_the_torch_backend_names_the_peer_of_a_count_over_capacity(
+        text: str, bad: list[list[int]], peers: list[int], tmp_path: Path) -> None:
+    """Gloo at W = 2, L = 3: the error names the counts index and the rank those rows
+    were for (entries whose index // L and index % W name different ranks; the rank is
+    left out where it is the index)."""
+    from support.kernels import compile_text
+
+    from dcpc.harness.launch import launch
+
+    path = str(compile_text(text, tmp_path, (W,)))
+    result = launch("test_ragged_groups:over_capacity_worker", W,
+                    {"path": path, "bad": bad, "combine": text is COMBINE}, timeout_s=400)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    for rank, got in enumerate(result.values()):
+        index = bad[rank][0] * (W if text is COMBINE else L) + bad[rank][1]
+        peer = f" (the rows for rank {peers[rank]})" if index != peers[rank] else ""
+        assert got.startswith(f"step 'move': rank {rank}'s counts[{index}] = {C + 1}{peer}, "
+                              f"over the capacity {C}"), got
 
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_groups.yaml"
@@ -202,9 +284,13 @@ def test_the_checker_and_both_oracles_agree_on_grouped_layouts(early: bool) -> N
             text = text.replace(old, new, 1)
     schedule = parse_text(text, "groups.yaml")
     for world in (2, 3):
-        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        findings = hb.check(schedule, [world], hints=False).findings
+        found = {f.key for f in findings}
         assert found == oracle_keys(schedule, world), world
         assert bool(found) == early and all(k[2] == "x_recv" for k in found), found
+        # the store's part in words: one block of dim 1 (no leading space)
+        assert all(re.match(r"x_recv\[rank \d, slot 0\] block \d \(dim 1\), in flight",
+                            f.second.region) for f in findings), findings
     assert disagreements(schedule, [2, 3]) == []
 
 
@@ -246,3 +332,53 @@ def test_a_size_that_does_not_parse_is_located(old: str, new: str, key: str) -> 
     assert (found.code, found.mark.line, found.mark.col) == ("shape-syntax", line, col)
     assert f"{key} '{new.split(': ')[1].rstrip(',}')}' of step 'move' is not a size " \
         "expression" in found.message, found.message
+
+
+@pytest.mark.parametrize(("text", "old", "new", "key", "words"), [
+    (GROUPED, "groups: L}", "groups: 0}", "groups",
+     "groups 0 of step 'move': groups must be >= 1"),
+    (GROUPED, "groups: L}", "groups: -1}", "groups",
+     "groups -1 of step 'move': groups must be >= 1"),
+    (PLAIN, "capacity: C}", "capacity: C, direction: combine}", "direction",
+     "step 'move' has 'direction: combine' but no 'groups'"),
+], ids=["zero", "negative", "combine_without_groups"])
+def test_groups_below_one_and_a_combine_without_groups_are_located(
+        text: str, old: str, new: str, key: str, words: str) -> None:
+    """One bad-counts on the value, with a hint (not the six shape errors a layout of 0 or
+    -1 slots per peer would make, nor a combine silently taken for the plain form)."""
+    from support.schedules import check_errors
+
+    assert old in text
+    text = text.replace(old, new)
+    (found,) = check_errors(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if f"{key}: " in t)
+    col = text.splitlines()[line - 1].index(f"{key}: ") + len(key) + 3
+    assert (found.code, found.mark.line, found.mark.col) == ("bad-counts", line, col), found
+    assert words in found.message and found.hint, found
+
+
+def test_a_wait_matches_its_put_by_the_groups_expression_not_its_spelling() -> None:
+    """The split combine's put with `groups: 1*L`, its wait with `groups: 1 * L`: the same
+    put (clean, as the conformance file is); `groups: L + 0` on the wait is another."""
+    from support.schedules import check_errors
+
+    put = "capacity: C, groups: L, direction: combine, phase: put}"
+    wait = "capacity: C, groups: L, direction: combine, phase: wait}"
+    text = CONFORMANCE.read_text()
+    assert put in text and wait in text
+    spaced = text.replace(put, put.replace("L,", "1*L,")).replace(
+        wait, wait.replace("L,", "1 * L,"))
+    assert check_errors(spaced) == []
+    other = text.replace(put, put.replace("L,", "1*L,")).replace(
+        wait, wait.replace("L,", "L + 0,"))
+    assert {e.code for e in check_errors(other)} == {"unmatched-wait", "unmatched-put"}
+
+
+def test_counts_of_a_float_dtype_under_groups_say_one_per_peer_and_group() -> None:
+    from support.schedules import check_errors
+
+    text = GROUPED.replace("n:  {shape: [W, L], dtype: i32}", "n:  {shape: [W, L], dtype: f32}")
+    found = [e for e in check_errors(text) if e.code == "bad-counts"]
+    assert [e.message for e in found] == [
+        "counts 'n' of step 'move' is f32; row counts are integers, one per (peer, group)"]
+    assert found[0].hint == "declare 'n' as {shape: [W, L], dtype: i32}", found[0].hint

@@ -331,6 +331,19 @@ def test_team_kernels_touch_their_team_s_part(path):
     assert run.mismatches == 0 and run.problems == [], run.problems
 
 
+# the grouped ragged files off a team: a grouped dispatch's slots (block `rank` of dst's
+# dim 1), its casts, and the split combine (a grouped put and its wait)
+GROUPED_FILES = [ROOT / "schedules" / "ops" / f"ragged_all_to_all_{name}.yaml"
+                 for name in ("groups", "groups_cast")]
+
+
+@pytest.mark.parametrize("path", GROUPED_FILES, ids=lambda p: p.stem)
+def test_grouped_ragged_kernels_touch_their_slots(path):
+    """At W = 3 (L = 2 groups): every grouped store lands in the part the plan says."""
+    run = tr.run_traced(str(path), 3, programs=2, block=256, calls=2)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+
+
 def test_a_team_store_into_another_team_is_caught():
     """The same trace against a plan whose gather over gpu says it is over node."""
     from dcpc.lang.mesh import MeshWorld
