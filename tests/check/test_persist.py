@@ -218,3 +218,28 @@ def test_an_interleaved_run_of_two_streams_finishes() -> None:
     assert report.launch.ok
     for name in ("from_prev", "mine_before", "inbox", "last"):
         assert report.outputs[name].compared == 12, name  # type: ignore[attr-defined]
+
+
+def test_a_persistent_buffer_no_step_writes_on_a_rank_is_read_before_write_there(
+        tmp_path: Path) -> None:
+    """Rank by rank: a read on rank r needs a step that writes it on r in some call. The
+    gallery's stage 0 without the guard of 'layers' would run its layers on zeros (the
+    wrap: false send reaches no stage 0); a guarded 'keep' leaves rank 0's 'last' zeros."""
+    gallery = (ROOT / "schedules" / "gallery" / "pipeline_batch_queue.yaml").read_text()
+    text = gallery.replace('  - layers: {op: external, when: "rank > 0", ',
+                           "  - layers: {op: external, ")
+    assert text != gallery
+    found = [d for d in diagnostics(text, tmp_path) if d.severity == "error"]
+    line = _line(text, "- layers:")
+    assert [(d.code, d.mark.line, d.message) for d in found] == [(
+        "read-before-write", line, f"step 'layers' reads persistent buffer '{name}' on rank "
+        f"0 at W=2, but no step writes it there: the store of '{send}' does not reach it "
+        "(a shift without wrap: no source on that side of the line), so it holds its "
+        "initial zeros in every call there") for name, send in (
+            ("inbox_hidden", "send_hidden"), ("inbox_residual", "send_residual"))], found
+    text = TEXT.replace("dst: last}", 'dst: last, when: "rank > 0"}')
+    found = [d for d in diagnostics(text, tmp_path) if d.severity == "error"]
+    assert [(d.code, d.mark.line, d.message) for d in found] == [(
+        "read-before-write", _line(text, "recall:"), "step 'recall' reads persistent buffer "
+        "'last' on rank 0 at W=2, but no step writes it there: 'keep' does not run there "
+        "(its when: does not hold), so it holds its initial zeros in every call there")]
