@@ -99,8 +99,13 @@ def test_the_module_allocates_it_once_and_says_it_persists() -> None:
     text = pipeline.run(PERSIST, pipeline.Options(worlds=(2,)), until="emit").module_text
     assert text is not None
     assert text.count("persist=True") == 2, text
+    said = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
     for name in ("inbox", "last"):
         assert f"{name} persists: one instance for all slots, zeros at construction" in text
+        # a reset: every rank together, no peer's call in flight, after the warm-up calls
+        assert (f"write module.buffer('{name}') on every rank, all ranks together, while "
+                "no call of any peer is in flight") in said, said
+    assert said.count("advance it: reset after warm-up") == 2, said
 
 
 @pytest.mark.e2e
