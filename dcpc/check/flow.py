@@ -66,7 +66,7 @@ def check_reads(ctx: Context) -> None:
     # a persistent buffer's read before the call writes it reads what the previous call
     # left (zeros at call 0): the happens-before checker orders it after that write
     persistent = {n for n, b in ctx.schedule.buffers.items() if b.persist}
-    _never_written(ctx, [a for a in found if a.ref.name in persistent])
+    _persistent_reads(ctx, [a for a in found if a.ref.name in persistent], found)
     found = [a for a in found if a.mode == "w" or a.ref.name not in persistent]
     guarded = {s.index for s in wh.guarded(ctx.schedule)}
     # a buffer a guarded step writes is written on the ranks where its guard holds, and
@@ -130,18 +130,59 @@ def check_reads(ctx: Context) -> None:
                       hint=f"move step '{step.name}' after '{writer.at.name}'")
 
 
-def _never_written(ctx: Context, found: list[Access]) -> None:
-    """A persistent symmetric buffer that no step writes holds its zeros in every call
-    (a local one is the engine's then: names.py's persist-engine-owned)."""
+def _persistent_reads(ctx: Context, found: list[Access], every: list[Access]) -> None:
+    """A persistent buffer read on rank r needs a step that writes it there, in some call:
+    one that runs on r (its when: holds) whose store reaches r (a shift without wrap
+    reaches the ranks with a source only), at every W checked; else rank r's instance
+    holds its initial zeros in every call. One that no step writes at all is named so,
+    if symmetric (a local one is the engine's then: names.py's persist-engine-owned).
+    ``every``: all the call's accesses (a push reads its source only where it sends)."""
     written = {a.ref.name for a in found if a.mode == "w"}
+    reported: set[str] = set()
     for name in dict.fromkeys(a.ref.name for a in found if a.ref.name not in written
                               and ctx.schedule.buffers[a.ref.name].is_symmetric):
+        reported.add(name)
         read = next(a for a in found if a.ref.name == name)
         ctx.error(read.ref.mark, "read-before-write",
                   f"step '{read.step.name}' reads persistent buffer '{name}', but no step "
                   "writes it: it holds its initial zeros in every call",
                   hint=f"write '{name}' in a step (what it writes carries to the next "
                   "call), or drop 'persist: true'")
+    for world in ctx.samples.worlds:
+        running = wh.running(ctx.schedule, world)
+        silent = _silent_pushes(ctx, every, world)
+        for rank in range(int(world)):
+            for read in found:
+                name = read.ref.name
+                if read.mode != "r" or name in reported or name not in written \
+                        or not _runs(running, read, rank) \
+                        or read.step.index in silent.get(rank, ()):
+                    continue
+                writes = [a for a in found if a.mode == "w" and a.ref.name == name]
+                made = [a for a in writes if _runs(running, a, rank)]
+                if any(_reaches(ctx, a, rank, world) for a in made):
+                    continue
+                reported.add(name)
+                why = "; ".join(
+                    [f"'{a.step.name}' does not run there (its when: does not hold)"
+                     for a in writes if a not in made] +
+                    [f"the store of '{a.step.name}' does not reach it ({_why_not(a, rank)})"
+                     for a in made])
+                ctx.error(read.ref.mark, "read-before-write",
+                          f"step '{read.step.name}' reads persistent buffer '{name}' on rank "
+                          f"{rank} at W={world}, but no step writes it there: {why}, so it "
+                          "holds its initial zeros in every call there",
+                          hint=f"guard '{read.step.name}' to the ranks where '{name}' is "
+                          f"written, or write '{name}' on every rank that reads it")
+
+
+def _runs(running: dict[int, frozenset[int]], acc: Access, rank: int) -> bool:
+    """Whether ``acc`` happens on ``rank`` (``running``: dcpc.lang.when.running's): a
+    store where it lands there, at its own step or at the receiver's wait (a split
+    shift's put and wait, guarded apart: dcpc.check.when proved the put ran on the
+    sender wherever the wait runs); any other access where its step runs."""
+    ranks = running.get((acc.at if acc.mode == "w" else acc.step).index)
+    return ranks is None or rank in ranks
 
 
 def _check_views(ctx: Context) -> None:
@@ -178,18 +219,11 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
     for world in ctx.samples.worlds:
         running = wh.running(ctx.schedule, world)
 
-        def runs(acc: Access, rank: int, running: dict = running) -> bool:
-            # a store runs on the rank it writes where it lands there: at its own step,
-            # or at the receiver's wait (a split shift's put and wait, guarded apart:
-            # dcpc.check.when proved the put ran on the sender wherever the wait runs)
-            ranks = running.get((acc.at if acc.mode == "w" else acc.step).index)
-            return ranks is None or rank in ranks
-
         for rank in range(int(world)):
             written: set[str] = set()
             for acc in found:
                 name = acc.ref.name
-                if name in reported or not runs(acc, rank):
+                if name in reported or not _runs(running, acc, rank):
                     continue
                 if acc.mode == "w":
                     if _reaches(ctx, acc, rank, world):
@@ -209,8 +243,8 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                 # put: the chain, whose store lands at the wait)
                 earlier = [a for a in found if a.mode == "w" and a.ref.name == name
                            and min(a.step.index, a.at.index) < acc.step.index]
-                skipped = [a.step.name for a in earlier if not runs(a, rank)]
-                made = [a for a in earlier if runs(a, rank)]
+                skipped = [a.step.name for a in earlier if not _runs(running, a, rank)]
+                made = [a for a in earlier if _runs(running, a, rank)]
                 # a store that would reach this rank but lands at a wait after the read
                 flight = [a for a in made if _reaches(ctx, a, rank, world)
                           and a.at.index > acc.step.index]

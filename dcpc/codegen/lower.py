@@ -193,7 +193,10 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str,
             lines.append(
                 f"{b.name} persists: one instance for all slots, zeros at construction, "
                 "never reset by a call (call k reads what call k - 1 left); to reset it, "
-                f"write module.buffer('{b.name}') while no call is in flight"
+                f"write module.buffer('{b.name}') on every rank, all ranks together, "
+                "while no call of any peer is in flight; warm-up calls (CUDA-graph "
+                "warm-up makes eager calls: dcpc.engines.capture) advance it: reset "
+                "after warm-up"
             )
     return lines
 

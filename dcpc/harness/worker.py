@@ -271,6 +271,65 @@ def _module_owned(module: Any, name: str) -> bool:
     return name in table and getattr(table[name], "kind", "engine") != "engine"
 
 
+class CallSims:
+    """One rank's float64 simulations of a run's calls, ``sims``: call -> (sizes, inputs,
+    external, trace, end). With a persistent buffer, calls are simulated in order (a call
+    starts with what the call before left at its ``end``: simulate.persistent_start), so
+    a call may be simulated before it starts (interleaved order can run all of call b
+    before call b - 1). A call is dropped once it finished on this rank and no call needs
+    it any more (the next call has its start, or nothing persists): the simulations kept
+    are the calls in flight or ahead, and the last one's end (``most``: the most kept at
+    once). ``sims`` given (a caller's second pass): every call stays."""
+
+    def __init__(self, schedule: m.Schedule, world: Any, ctor: dict[str, int], seed: int,
+                 rounding: Any, sims: dict[int, Any] | None = None) -> None:
+        self.schedule, self.world, self.ctor, self.seed = schedule, world, ctor, seed
+        self.rounding = rounding
+        self.keep = sims is not None
+        self.sims: dict[int, Any] = {} if sims is None else sims
+        self.persist = {n for n, b in schedule.buffers.items() if b.persist}
+        self.finished: set[int] = set()
+        self.most = 0
+
+    def get(self, call: int) -> tuple:
+        """The call's (sizes, inputs, external, trace), simulated after every call before
+        it where a buffer persists."""
+        while call not in self.sims:
+            k = max(self.sims, default=-1) + 1 if self.persist else call
+            if k > call or call in self.finished:  # dropped: it would never come back
+                raise RuntimeError(f"call {call}'s simulation was dropped before it ran")
+            self._simulate(k)
+        return self.sims[call][:4]
+
+    def _simulate(self, k: int) -> None:
+        schedule, world = self.schedule, self.world
+        sizes = synth.call_sizes(schedule, world, self.ctor, self.seed, k)
+        inputs = synth.call_inputs(schedule, world, sizes, self.seed, k)
+        if self.persist:
+            for bufs, start in zip(inputs, persistent_start(
+                    schedule, world, sizes, self.sims[k - 1][4] if k else None), strict=True):
+                bufs.update(start)
+        external = synth.make_external(schedule, world, sizes, self.seed, k)
+        trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
+        end = simulate_call(schedule, world, sizes, inputs, external, trace=trace,
+                            rounding=self.rounding)
+        self.sims[k] = (sizes, inputs, external, trace, end)
+        self.most = max(self.most, len(self.sims))
+        self._drop()
+
+    def finish(self, call: int) -> None:
+        """This rank ran the call's last step."""
+        self.finished.add(call)
+        self._drop()
+
+    def _drop(self) -> None:
+        if self.keep:
+            return
+        for k in [k for k in self.sims if k in self.finished
+                  and (not self.persist or k + 1 in self.sims)]:
+            del self.sims[k]
+
+
 def run_rank(
     rank: int,
     world: int,
@@ -352,27 +411,9 @@ def run_rank(
         at = {s.name: k for k, s in enumerate(steps)}
         lead = ((replay["hold"][1], at[replay["hold"][2]]),
                 (replay["release"][1], at[replay["release"][2]]))
-    keep = sims is not None  # the caller's, for a second pass: every call stays
-    sims = {} if sims is None else sims  # call -> (sizes, inputs, external, trace, end)
-    persist = {n for n, b in schedule.buffers.items() if b.persist}
-
-    def simulated(call: int) -> tuple:
-        """The call simulated after every call before it (a persistent buffer starts a
-        call with what the call before left at its ``end``: simulate.persistent_start)."""
-        while call not in sims:
-            k = max(sims, default=-1) + 1 if persist else call
-            sizes = synth.call_sizes(schedule, world, ctor, seed, k)
-            inputs = synth.call_inputs(schedule, world, sizes, seed, k)
-            if persist:
-                for bufs, start in zip(inputs, persistent_start(
-                        schedule, world, sizes, sims[k - 1][4] if k else None), strict=True):
-                    bufs.update(start)
-            external = synth.make_external(schedule, world, sizes, seed, k)
-            trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
-            end = simulate_call(schedule, world, sizes, inputs, external, trace=trace,
-                                rounding=rounding)
-            sims[k] = (sizes, inputs, external, trace, end)
-        return sims[call][:4]
+    calls_sim = CallSims(schedule, world, ctor, seed, rounding, sims)
+    sims = calls_sim.sims
+    persist = calls_sim.persist
 
     def held(call: int, index: int, name: str) -> torch.Tensor | None:
         """What ``name`` holds on this rank before step ``index`` of ``call``: the call's
@@ -382,7 +423,7 @@ def run_rank(
 
     for event in adversary.plan_events(schedule, calls, order, seed, lead):
         if event.call not in live:
-            sizes, inputs, external, trace = simulated(event.call)
+            sizes, inputs, external, trace = calls_sim.get(event.call)
             # a persistent buffer is the module's, not the engine's: kept apart (start)
             env = {k: _to_engine(schedule, k, v, dev) for k, v in inputs[rank].items()
                    if k not in persist}
@@ -468,9 +509,7 @@ def run_rank(
         jitter.delay()
         if event.step == len(steps) - 1:
             del live[event.call]
-            # a call no one runs any more, whose next call has its start: dropped
-            for k in [k for k in sims if not keep and k not in live and k + 1 in sims]:
-                del sims[k]
+            calls_sim.finish(event.call)
     bank = getattr(module, "_bank", None)
     if bank is not None and hasattr(bank, "epochs"):
         report.epochs = sorted(set(bank.epochs.flatten().tolist()))

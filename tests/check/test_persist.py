@@ -99,8 +99,13 @@ def test_the_module_allocates_it_once_and_says_it_persists() -> None:
     text = pipeline.run(PERSIST, pipeline.Options(worlds=(2,)), until="emit").module_text
     assert text is not None
     assert text.count("persist=True") == 2, text
+    said = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
     for name in ("inbox", "last"):
         assert f"{name} persists: one instance for all slots, zeros at construction" in text
+        # a reset: every rank together, no peer's call in flight, after the warm-up calls
+        assert (f"write module.buffer('{name}') on every rank, all ranks together, while "
+                "no call of any peer is in flight") in said, said
+    assert said.count("advance it: reset after warm-up") == 2, said
 
 
 @pytest.mark.e2e
@@ -112,11 +117,14 @@ def test_it_runs_against_float64(backend: str) -> None:
         assert report.outputs[name].compared == 10, text  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("change", [
+CHANGES = pytest.mark.parametrize("change", [
     ("", ""),
     ("streams: single\n", ""),
     ("  - free:   {op: barrier}\n", ""),
 ], ids=["proved", "two_streams", "no_barrier"])
+
+
+@CHANGES
 def test_the_execution_oracle_agrees(change: tuple[str, str]) -> None:
     """The oracle runs the plan's slots and epochs on one instance per rank of each
     persistent buffer (the local one too): it finds the races the checker reports, and
@@ -129,6 +137,25 @@ def test_the_execution_oracle_agrees(change: tuple[str, str]) -> None:
     found = disagreements(schedule, (2, 3), runs=lambda world: {
         "policies": ("lockstep", "hold"), "randoms": 2, "seed": world})
     assert not found, "\n".join(found)
+
+
+@CHANGES
+def test_the_brute_force_agrees(change: tuple[str, str]) -> None:
+    """tests/support/hb_oracle.py's unrolled graph has one instance per rank of each
+    persistent buffer for all slots, the local 'last' too (it tracked symmetric ones
+    only, per slot, and so missed the races on 'last' of two calls in flight), and
+    reads of one before the call writes it are no read-before-write."""
+    from support.hb_oracle import oracle_keys, oracle_unwritten
+
+    from dcpc.check import hb
+    from dcpc.lang.parse import parse_text
+
+    schedule = parse_text(TEXT.replace(*change), "persist.yaml")
+    for world in (2, 3):
+        keys = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert oracle_keys(schedule, world) == keys, world
+        assert oracle_unwritten(schedule, world) == set(), world
+        assert bool(keys) == bool(change[0]), keys
 
 
 @pytest.mark.e2e
@@ -174,3 +201,72 @@ def test_the_race_across_calls_replayed_shows_the_stale_read(tmp_path: Path) -> 
     assert report.replay_outcome.startswith("released"), text
     first = report.outputs["from_prev"].first_mismatch
     assert first.startswith("call 1 slot 0 rank 0 (take)"), text
+
+
+def test_an_interleaved_run_keeps_the_simulations_of_the_calls_in_flight_only() -> None:
+    """Interleaved order (seed 29) runs all of call 5 before call 4 starts: call 4 is
+    simulated for call 5's start and kept until it ran (it was dropped, and the run
+    simulated calls 5, 6, 7, ... for it forever); at most slots + 1 calls kept."""
+    from dcpc.harness import adversary
+    from dcpc.harness.worker import CallSims
+    from dcpc.lang.parse import parse_text
+
+    schedule = parse_text(TEXT.replace("streams: single\n", ""), "two_streams.yaml")
+    events = adversary.plan_events(schedule, 12, "interleaved", 29)
+    starts = [e.call for e in events if e.step == 0]
+    assert starts.index(5) < starts.index(4), starts  # the order this test is about
+    sims = CallSims(schedule, 2, {}, 29, None)
+    last = len(schedule.step_list()) - 1
+    ran = []
+    for event in events:
+        if event.step == 0:
+            sims.get(event.call)
+        if event.step == last:
+            sims.finish(event.call)
+            ran.append(event.call)
+    assert sorted(ran) == list(range(12)) and max(sims.sims) == 11
+    assert sims.most <= schedule.slots + 1, sims.most
+    assert len(sims.sims) == 1  # the last call's end only
+
+
+@pytest.mark.e2e
+def test_an_interleaved_run_of_two_streams_finishes() -> None:
+    """``dcpc run`` of the two-streams variant, interleaved (seed 29: call 5 before call
+    4): every call runs (before, the run hung, its memory growing)."""
+    import tempfile
+
+    from dcpc.harness.run import RunConfig, run_schedule
+
+    with tempfile.TemporaryDirectory() as tmp:
+        twin = Path(tmp) / "two_streams.yaml"
+        twin.write_text(TEXT.replace("streams: single\n", ""))
+        report = run_schedule(RunConfig(schedule=str(twin), world=2, backend="local",
+                                        calls=6, seed=29, order="interleaved"))
+    assert report.launch.ok
+    for name in ("from_prev", "mine_before", "inbox", "last"):
+        assert report.outputs[name].compared == 12, name  # type: ignore[attr-defined]
+
+
+def test_a_persistent_buffer_no_step_writes_on_a_rank_is_read_before_write_there(
+        tmp_path: Path) -> None:
+    """Rank by rank: a read on rank r needs a step that writes it on r in some call. The
+    gallery's stage 0 without the guard of 'layers' would run its layers on zeros (the
+    wrap: false send reaches no stage 0); a guarded 'keep' leaves rank 0's 'last' zeros."""
+    gallery = (ROOT / "schedules" / "gallery" / "pipeline_batch_queue.yaml").read_text()
+    text = gallery.replace('  - layers: {op: external, when: "rank > 0", ',
+                           "  - layers: {op: external, ")
+    assert text != gallery
+    found = [d for d in diagnostics(text, tmp_path) if d.severity == "error"]
+    line = _line(text, "- layers:")
+    assert [(d.code, d.mark.line, d.message) for d in found] == [(
+        "read-before-write", line, f"step 'layers' reads persistent buffer '{name}' on rank "
+        f"0 at W=2, but no step writes it there: the store of '{send}' does not reach it "
+        "(a shift without wrap: no source on that side of the line), so it holds its "
+        "initial zeros in every call there") for name, send in (
+            ("inbox_hidden", "send_hidden"), ("inbox_residual", "send_residual"))], found
+    text = TEXT.replace("dst: last}", 'dst: last, when: "rank > 0"}')
+    found = [d for d in diagnostics(text, tmp_path) if d.severity == "error"]
+    assert [(d.code, d.mark.line, d.message) for d in found] == [(
+        "read-before-write", _line(text, "recall:"), "step 'recall' reads persistent buffer "
+        "'last' on rank 0 at W=2, but no step writes it there: 'keep' does not run there "
+        "(its when: does not hold), so it holds its initial zeros in every call there")]

@@ -265,7 +265,9 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
     slots = schedule.slots
     calls = 2 * slots if calls is None else calls
     per_slot = schedule.streams.value == "per_slot"
-    tracked = {n for n, buf in schedule.buffers.items() if buf.symmetric or buf.shared}
+    # a persistent buffer, local too: one instance per rank for all slots and calls
+    tracked = {n for n, buf in schedule.buffers.items()
+               if buf.symmetric or buf.shared or buf.persist}
     steps = [(n, op) for item in schedule.steps for n, op in item.items()]
     for n, op in steps:
         if op.op in ("reduce_scatter", "all_reduce", "reduce") and op.via is None:
@@ -398,7 +400,7 @@ def oracle_keys(schedule: Schedule, world: int, calls: int | None = None) -> set
         if "buffer" not in d:
             continue
         buf = schedule.buffers.get(d["buffer"])
-        slot = None if buf is not None and buf.shared else d["call"] % slots
+        slot = None if buf is not None and (buf.shared or buf.persist) else d["call"] % slots
         instances.setdefault((d["buffer"], d["owner"], slot), []).append(n)
     for (buffer, _, _), nodes in instances.items():
         for i, x in enumerate(nodes):
@@ -425,8 +427,9 @@ def oracle_unwritten(schedule: Schedule, world: int) -> set[Key]:
     writes: dict[tuple, list[tuple]] = {}
     reads = []
     for _, d in graph.nodes(data=True):
-        if "buffer" not in d:
-            continue
+        buf = schedule.buffers.get(d.get("buffer"))
+        if "buffer" not in d or buf is not None and buf.persist:
+            continue  # a persistent buffer's read before a write reads the call before
         place = _intended(d)[1:3]
         if d["kind"] == "write":
             writes.setdefault((d["buffer"], d["owner"]), []).append(place)
