@@ -143,7 +143,15 @@ steps:
   - got:    {op: wait, from: prev, channel: c, when: "rank > 0"}
   - gather: {op: all_gather, src: x, dst: g}
   - use:    {op: external, when: "rank > 0", reads: [g], writes: [out]}
+  - done:   {op: barrier}
 """
+
+
+def _proved(path: Path, world: object) -> None:
+    """The file passes every check at ``world`` (a run of a refused file proves nothing)."""
+    from dcpc import pipeline
+
+    pipeline.run(path, pipeline.Options(worlds=[world]), until="hb")
 
 
 @pytest.mark.e2e
@@ -154,6 +162,7 @@ def test_a_signal_and_wait_guarded_by_rank_run(tmp_path: Path, backend: str) -> 
     runners' own group per slot), not over the group, which would wait for rank 0."""
     path = tmp_path / "sigwait.yaml"
     path.write_text(SIGWAIT)
+    _proved(path, 3)
     report = run_schedule(RunConfig(schedule=str(path), world=3, backend=backend,
                                     calls=CALLS, seed=19))
     text = format_report(report)
@@ -182,6 +191,7 @@ def test_a_guarded_axis_shift_runs_on_per_axis_backends(tmp_path: Path) -> None:
     barrier over the team's members that run it, not the team (node 2 skips it)."""
     path = tmp_path / "permaxis.yaml"
     path.write_text(PERM_AXIS)
+    _proved(path, worlds("3x2")[0])
     report = run_schedule(RunConfig(schedule=str(path), world=worlds("3x2")[0],
                                     backend={"node": "torch", "gpu": "host"},
                                     calls=CALLS, seed=19))
