@@ -74,7 +74,8 @@ def _body(item: Any) -> tuple[str, Any] | None:
 def _guarded(op: dict[str, Any], loop: dict[str, Any], file: str) -> dict[str, Any]:
     """A step (or loop) inside ``loop`` with the loop's ``when:`` conjoined with its own
     (a loop's guard guards every step inside); the step's own mark stays, else the
-    loop's. A guard that is not a string is left to the step's check (bad-when)."""
+    loop's. The loop's own is a condition by now (``_Unroller._loop_when`` refused and
+    dropped any other); a step's own that is not a string is left to the step's check."""
     cond = loop.get("when")
     if cond is None:
         return op
@@ -770,6 +771,7 @@ class _Unroller:
             self.error(_mark(body, "steps", self.file), "bad-loop",
                        f"loop '{name}' needs 'steps:', a non-empty list of steps")
             return []
+        body = self._loop_when(name, body, {hop, *(i for _, i in outer)})
         trips = self.trips(name, body, env)
         if trips is None:
             return []
@@ -803,6 +805,39 @@ class _Unroller:
                         "key:" + f"{step}{hop_tag}{tag_r}": marks.get("key:" + step),
                         f"{step}{hop_tag}{tag_r}": marks.get(step)}})
         return out
+
+    def _loop_when(self, name: str, body: dict[str, Any], hops: set[str]) -> dict[str, Any]:
+        """Loop ``name`` with its ``when:`` checked once, at its own mark and with its own
+        text (bad-when: not a string, no condition, a name no rank knows; ``hops``: its
+        hop index and those of the loops around it); a bad one is dropped (the file is
+        refused already), so the steps inside repeat no error of it."""
+        cond = body.get("when")
+        if cond is None:
+            return body
+        mark = _mark(body, "when", self.file)
+        hint = ("a condition (a string) compares expressions of rank, W, integer sizes, "
+                "mesh axes and the hop indices with < <= > >= == !=, joined by and, or, "
+                "not: e.g. when: \"h < W - 1\"")
+        if not isinstance(cond, str):
+            self.error(mark, "bad-when", f"loop '{name}': when: is "
+                       f"{clipped(repr(cond))}, not a condition", hint)
+            return {k: v for k, v in body.items() if k != "when"}
+        try:
+            tree = ex.parse_condition(cond)
+        except ex.ExprSyntaxError as err:
+            self.error(mark, "bad-when", f"loop '{name}': when '{clipped(cond)}': {err} "
+                       f"(at character {err.column + 1} of the condition)", hint)
+            return {k: v for k, v in body.items() if k != "when"}
+        mesh = self.data.get("mesh")
+        axes = {k for k in mesh if k not in (MARK, MARKS)} if isinstance(mesh, dict) else set()
+        known = {RANK, "W", *_int_sizes(self.data), *_axis_sizes(self.data), *axes, *hops}
+        bad = min(ex.symbols(tree) - known, default=None)
+        if bad is None:
+            return body
+        self.error(mark, "bad-when", f"loop '{name}': when '{clipped(cond)}' names '{bad}', "
+                   "which is not rank, W, an integer size, a mesh axis or the hop index of "
+                   "this loop or of a loop around it", did_you_mean(bad, known) or hint)
+        return {k: v for k, v in body.items() if k != "when"}
 
     def _fits(self, name: str, body: dict[str, Any], trips: int, inner: list[Any]) -> bool:
         """Whether the nest of loop ``name`` (a loop of the schedule's own steps) unrolls

@@ -414,6 +414,9 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         elif self._mixed:
             self._make_team_groups(self.SLOTS, self._timeout_s if self.device.type == "cpu"
                                    else None, set(self._torch_teams.values()), self._groups)
+        if self.WHEN and self._on_torch:  # a guarded torch step's barrier: its runners only
+            self._make_runner_groups(self.SLOTS, self._timeout_s if self.device.type == "cpu"
+                                     else None)
         self._make_guard(channels)
         sync_stream(self.device)  # this stream's initialisation done (not the device)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal

@@ -37,6 +37,8 @@ class TeamsMixin:
     # the worlds the schedule was checked for (W, or mesh shapes on a mesh); () for none
     WORLDS: ClassVar[tuple[int | tuple[int, ...], ...]] = ()
     TEAMS: ClassVar[dict[str, tuple[int, ...]]] = {}
+    SIGNALLING: ClassVar[tuple[str, ...]] = ()
+    WHEN: ClassVar[dict[str, tuple]] = {}
 
     rank: int
     world: int
@@ -47,6 +49,8 @@ class TeamsMixin:
     backends: dict[str, str]
     _groups: dict[str, Any]
     _one: torch.Tensor
+    _comms: list[Any]
+    _on_torch: frozenset[str]
     _peers: dict[str, list[torch.Tensor]]
 
     def _bind_mesh(self, env: dict[str, int]) -> None:
@@ -179,6 +183,57 @@ class TeamsMixin:
                             group, slot, member, timeout, self.rank,
                             tuple(m for m in members if m != self.rank), tuple(members))
 
+    def _make_runner_groups(self, slots: int, timeout_s: float | None) -> None:
+        """The torch steps' guarded signalling steps (``when:``): for each, the ranks of
+        each of its teams (the group, off a mesh) that run it, and one process group per
+        such set that is neither the whole team nor one rank, made by EVERY rank in the
+        same order (each computes every rank's ``runs()``): ``_meet`` is a barrier over
+        exactly the ranks that reach it (a wait guarded by rank, a guarded team shift's
+        settle), where one over the team would wait for a rank that skips the step."""
+        import torch.distributed as dist
+
+        from dcpc.runtime.collectives import SlotGroup
+
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        glob, t = self._global_ranks(), torus(self.mesh_shape)
+        for step in self.SIGNALLING:
+            if step not in self.WHEN or step not in self._on_torch:
+                continue
+            axes = self.TEAMS.get(step)
+            teams = ([list(range(self.world))] if axes is None else
+                     sorted({tuple(t.team(r, axes)) for r in range(self.world)}))
+            for team in teams:
+                runners = [m for m in team if self.runs(step, m)]
+                mine = self.rank in runners
+                for slot in range(slots):
+                    if len(runners) == len(team):  # the team's own group
+                        if mine:
+                            comm = (self._comms[slot] if axes is None
+                                    else self._team_comm(step, slot))
+                            self._team_cache[("runners", step, slot)] = (comm, len(team))
+                        continue
+                    if len(runners) < 2:  # nobody to meet
+                        if mine:
+                            self._team_cache[("runners", step, slot)] = (None, 1)
+                        continue
+                    ranks = tuple(glob[m] for m in runners)
+                    group = _TEAM_GROUPS.get((ranks, slot))
+                    if group is None:
+                        group = _TEAM_GROUPS[(ranks, slot)] = dist.new_group(list(ranks))
+                    if mine:
+                        comm = SlotGroup(group, slot, runners.index(self.rank), timeout,
+                                         self.rank, tuple(m for m in runners
+                                                          if m != self.rank), tuple(runners))
+                        self._team_cache[("runners", step, slot)] = (comm, len(runners))
+
+    def _meet(self, step: str, slot: int) -> None:
+        """A barrier over the ranks of this rank's team of guarded ``step`` (the group,
+        off a mesh) that run it (``_make_runner_groups``)."""
+        from dcpc.runtime.collectives import barrier
+
+        comm, size = self._team_cache[("runners", step, slot)]
+        barrier(comm, self._one, size)
+
     # ---- per-axis backends (dcpc.runtime.axes) ------------------------------------------
     def _settle(self, step: str, slot: int) -> None:
         """After a torch step of a module whose other axes run kernels: its team meets
@@ -188,6 +243,9 @@ class TeamsMixin:
         peer may still be receiving."""
         from dcpc.runtime.collectives import barrier
 
+        if step in self.WHEN:  # guarded: only the team's members that run it meet
+            self._meet(step, slot)
+            return
         barrier(self._team_comm(step, slot), self._one, self._team_size(step))
 
     def _global_ranks(self) -> list[int]:

@@ -188,7 +188,7 @@ def test_a_range_whose_ranks_pass_the_bound_is_refused_at_once(tmp_path: Path) -
 def test_when_on_a_loop_guards_every_step_inside(tmp_path: Path) -> None:
     """A loop's when: is conjoined with the when: of every step inside it, nested loops
     included (their hop indices put in as for a step's own); a bad name in it is located
-    at the loop's when:, the steps inside that have none of their own."""
+    at the loop's when: once, with the loop's own text (not per step or hop copy)."""
     steps = """\
   - ring:
       repeat: 2
@@ -213,9 +213,29 @@ def test_when_on_a_loop_guards_every_step_inside(tmp_path: Path) -> None:
     }
     found = [d for d in _errors(steps.replace('"rank == h"', '"rnk == h"'), tmp_path)
              if d.severity == "error"]
-    assert {d.code for d in found} == {"bad-when"}, found
-    # use (no when: of its own) at the loop's; inner at its own, which it is part of
-    assert {(d.mark.line, d.mark.col) for d in found} == {(11, 13), (20, 41)}, found
+    (one,) = found
+    assert (one.code, one.mark.line, one.mark.col) == ("bad-when", 11, 13), found
+    assert "loop 'ring': when 'rnk == h' names 'rnk'" in one.message, found
+    assert one.hint == "did you mean 'rank'?", found
+
+
+@pytest.mark.parametrize("cond", ["7", "[rank]", '"rank <"'])
+def test_a_loops_bad_when_is_refused_at_its_when(tmp_path: Path, cond: str) -> None:
+    """A loop's when: that is no condition (not a string, a syntax error) is refused once,
+    at the loop's when:, also where the step inside has a when: of its own (which the
+    conjunction dropped a non-string guard of)."""
+    found = _errors(f"""\
+  - ring:
+      repeat: 2
+      as: h
+      when: {cond}
+      steps:
+        - use: {{op: external, when: "rank > 0", reads: [x], writes: [y]}}
+""", tmp_path)
+    found = [d for d in found if d.severity == "error"]
+    (one,) = found
+    assert (one.code, one.mark.line, one.mark.col) == ("bad-when", 12, 13), found
+    assert one.message.startswith("loop 'ring': when"), found
 
 
 def test_a_remainder_by_zero_in_a_loop_is_a_located_error(tmp_path: Path) -> None:

@@ -128,3 +128,74 @@ def test_ragged_exchanges_guarded_by_node_run_against_float64(tmp_path: Path,
     assert report.launch.ok, out
     assert report.mismatches == 0, out
     assert report.outputs["q_recv"].compared == CALLS * 2, out  # node 0's two ranks
+
+
+SIGWAIT = """\
+schedule: sigwait_run
+slots: 2
+sizes: {T: {max: 8}, D: 8}
+buffers:
+  x:   {shape: [T, D], dtype: f32}
+  g:   {shape: [W*T, D], dtype: f32, symmetric: true}
+  out: {shape: [T, D], dtype: f32}
+steps:
+  - go:     {op: signal, to: next, channel: c, when: "rank < W - 1"}
+  - got:    {op: wait, from: prev, channel: c, when: "rank > 0"}
+  - gather: {op: all_gather, src: x, dst: g}
+  - use:    {op: external, when: "rank > 0", reads: [g], writes: [out]}
+  - done:   {op: barrier}
+"""
+
+
+def _proved(path: Path, world: object) -> None:
+    """The file passes every check at ``world`` (a run of a refused file proves nothing)."""
+    from dcpc import pipeline
+
+    pipeline.run(path, pipeline.Options(worlds=[world]), until="hb")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_a_signal_and_wait_guarded_by_rank_run(tmp_path: Path, backend: str) -> None:
+    """A signal sent where a next rank exists and its wait where a previous one does
+    (rank 0 never waits): on torch the wait is a barrier over ranks 1..W-1 only (its
+    runners' own group per slot), not over the group, which would wait for rank 0."""
+    path = tmp_path / "sigwait.yaml"
+    path.write_text(SIGWAIT)
+    _proved(path, 3)
+    report = run_schedule(RunConfig(schedule=str(path), world=3, backend=backend,
+                                    calls=CALLS, seed=19))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["g@use"].compared == CALLS * 2, text
+
+
+PERM_AXIS = """\
+schedule: perm_axis_run
+mesh: {node: N, gpu: G}
+sizes: {N: {max: 4}, G: {max: 4}, T: {max: 8}, D: 8}
+buffers: {x: {shape: [T, D], dtype: f32}, hand: {shape: [T, D], dtype: f32, symmetric: true},
+          out: {shape: [T, D], dtype: f32}}
+steps:
+  - swap: {op: shift, axis: node, when: "node < 2", src: x, dst: hand, perm: "r + 1 - 2 * (r % 2)"}
+  - use:  {op: external, when: "node < 2", reads: [hand], writes: [out]}
+  - done: {op: barrier, axis: node}
+"""
+
+
+@pytest.mark.e2e
+def test_a_guarded_axis_shift_runs_on_per_axis_backends(tmp_path: Path) -> None:
+    """A swap along node run by nodes 0 and 1 of three, node on torch and gpu on host:
+    the torch step's settle (its team's writes all land before any member returns) is a
+    barrier over the team's members that run it, not the team (node 2 skips it)."""
+    path = tmp_path / "permaxis.yaml"
+    path.write_text(PERM_AXIS)
+    _proved(path, worlds("3x2")[0])
+    report = run_schedule(RunConfig(schedule=str(path), world=worlds("3x2")[0],
+                                    backend={"node": "torch", "gpu": "host"},
+                                    calls=CALLS, seed=19))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs["hand@use"].compared == CALLS * 4, text  # nodes 0, 1 of 3x2

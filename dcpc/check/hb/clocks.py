@@ -265,7 +265,8 @@ def analyze(program: Program, world: int, calls: int | None = None,
                     last = None
                 else:
                     last = column[pos - 1] if j else column[before * n + n - 1]
-                column[pos] = _clock(vc if last is None else list(last), world, streams,
+                # a list of its own per column: _clock sets its entries in place
+                column[pos] = _clock(list(vc if last is None else last), world, streams,
                                      by_signal if gates.joins(j, assumed) else {},
                                      lambda js, at=call * n: guarded[gates.valid[js]][at + js],
                                      stream if program.per_slot else None,
