@@ -5,7 +5,8 @@
 # Each shard runs its plan's lines ("WORLDS FILE ...") one after another through
 # benchmarks.gpu_conformance (JOBS cases at once, default 3: 4 shards of 4 ran 8-rank meshes
 # out of an H100's 80 GB), all within END seconds (default 540). Every result file ends up
-# in OUT/conformance.tgz (a device call returns few files); merge them here with
+# in OUT/conformance.tgz (a device call returns few files; DEVICE=cpu: a smoke test here);
+# merge them here with
 #   python3 -m benchmarks.gpu_conformance --out benchmarks/results --merge .../*.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,14 +21,23 @@ shard() {  # shard PLAN INDEX
     k=$((k + 1)); left=$(( END - 40 - ($(date +%s) - t0) ))
     [ "$left" -gt 30 ] || { echo "shard $2: out of time before line $k"; break; }
     timeout -k 5 $((left + 35)) python3 -m benchmarks.gpu_conformance --out "$work/s$2_$k" \
-      --repeat 1 --jobs "$JOBS" --deadline "$left" --worlds "$worlds" $files
+      --repeat 1 --jobs "$JOBS" --deadline "$left" --device "${DEVICE:-cuda}" \
+      --worlds "$worlds" $files
   done < "$1"
 }
-i=0
+# the archive is packed every 30 s too: a call cut short (its device time spent, its
+# limit below the one asked for) still returns every case finished so far
+mkdir -p "$OUT"
+pack() {
+  tar czf "$OUT/partial.tgz" -C "$work" --exclude='*.md' --exclude='*.part' . 2>/dev/null \
+    && mv -f "$OUT/partial.tgz" "$OUT/conformance.tgz"
+}
+( while sleep 30; do pack; done ) & packer=$!
+i=0; shards=()
 for plan in "$PLANS"/plan*.txt; do
-  i=$((i + 1)); shard "$plan" "$i" > "$work/shard$i.log" 2>&1 &
+  i=$((i + 1)); shard "$plan" "$i" > "$work/shard$i.log" 2>&1 & shards+=($!)
 done
-wait
+wait "${shards[@]}"
+kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
 grep -h "^FAIL\|clean in\|out of time" "$work"/shard*.log | cut -c1-600
-rm -f "$work"/s*/*.md
-mkdir -p "$OUT" && tar czf "$OUT/conformance.tgz" -C "$work" . && ls -l "$OUT"
+pack && ls -l "$OUT"
