@@ -252,7 +252,7 @@ def test_a_persistent_buffer_no_step_writes_on_a_rank_is_read_before_write_there
     """Rank by rank: a read on rank r needs a step that writes it on r in some call. The
     gallery's stage 0 without the guard of 'layers' would run its layers on zeros (the
     wrap: false send reaches no stage 0); a guarded 'keep' leaves rank 0's 'last' zeros."""
-    gallery = (ROOT / "schedules" / "gallery" / "pipeline_batch_queue.yaml").read_text()
+    gallery = (ROOT / "schedules" / "gallery" / "pipeline_clock_cycles.yaml").read_text()
     text = gallery.replace('  - layers: {op: external, when: "rank > 0", ',
                            "  - layers: {op: external, ")
     assert text != gallery
