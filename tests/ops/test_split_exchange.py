@@ -395,3 +395,69 @@ def test_the_kernels_touch_what_the_plan_says(op: str) -> None:
     assert waits == PAIRS[op], waits
     for wait, put in waits.items():
         assert run.trace.programs[wait] == run.trace.programs[put] >= 2, run.trace.programs
+
+
+
+MID = "  - mid:  {op: all_gather, src: w, dst: g}\n"  # binds the sizes from its argument
+
+
+def _sizes_source(op: str) -> tuple[str, str]:
+    """op's put, a whole all_gather of w into g, then the wait; the size the put binds."""
+    if op == "ragged_all_to_all":
+        from test_ragged_split import PUT as RPUT
+        from test_ragged_split import WAIT as RWAIT
+        from test_ragged_split import text as rtext
+        source = rtext(RPUT, MID, RWAIT).replace(
+            "steps:\n", "  g:      {shape: [W*W, C, H], dtype: f32, symmetric: true}\nsteps:\n")
+        return source, "C"
+    source = text(op, PUT, MID, WAIT).replace(
+        "x_all: {", "g: {shape: [W*T, D], dtype: f32, symmetric: true},\n          x_all: {")
+    return source, "T"
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "unguarded"])
+@pytest.mark.parametrize("op", [*OPS, "ragged_all_to_all"])
+def test_a_wait_on_other_sizes_than_its_put_s_is_refused(op: str, guard: bool,
+                                                         tmp_path: Path) -> None:
+    """A wait launches its put's grid from its own sizes: other sizes give another grid
+    (programs that poll what the put's never sent, or sum, unguarded, what has not
+    landed), so a wait that binds other sizes than its put's is refused, naming the put,
+    the size and both values; guarded or not, checked (sizes=) or replayed (the fast
+    path: the step between binds the sizes back to those the wait's plan was made at)."""
+    from support.kernels import compile_text, load, the_class
+
+    from dcpc.runtime.errors import DcpcArgumentError
+
+    source, size = _sizes_source(op)
+    cls = the_class(load(compile_text(source, tmp_path, (1,))))
+    assert cls.PUTS == {"recv": "send"}
+    ragged = op == "ragged_all_to_all"
+
+    def put(module, n: int) -> None:
+        if ragged:
+            module.send(torch.zeros(1, n, 8, dtype=torch.bfloat16),
+                        torch.tensor([n], dtype=torch.int32))
+        else:
+            module.send(torch.zeros(n, 8, dtype=torch.bfloat16))
+
+    def mid(module, n: int) -> None:
+        module.mid(torch.zeros(*[1] * ragged, n, 8))
+
+    module = cls(None, device="cpu", backend="host", guard=guard)
+    put(module, 4)
+    mid(module, 4)
+    module.recv()  # the same sizes: its plan is kept
+    put(module, 2)
+    mid(module, 4)  # binds the size back: the wait's plan would replay
+    with pytest.raises(DcpcArgumentError) as got:
+        module.recv()
+    assert (f"recv(): the wait of the split put 'send' runs on its sizes, but binds "
+            f"{size}=4 where 'send' bound {size}=2 (slot 0)") in str(got.value)
+    module.close()
+
+    module = cls(None, device="cpu", backend="host", guard=guard)
+    put(module, 4)
+    mid(module, 4)
+    with pytest.raises(DcpcArgumentError, match=f"binds {size}=3 where 'send' bound {size}=4"):
+        module.recv(sizes={size: 3})
+    module.close()
