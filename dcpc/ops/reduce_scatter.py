@@ -156,7 +156,10 @@ def lower(ctx: LowerRules, step: Step) -> Any:
         signalling=True,
         attrs=split.lowered(ctx, step),
     )
-    ctx.output_scale(op, plan)
+    if sums:  # only the sum reads output_scale: a put takes no scale
+        ctx.output_scale(op, plan)
+    else:
+        plan.attrs["scale"] = False
     return plan
 
 

@@ -354,6 +354,21 @@ def test_the_put_only_pushes_and_the_wait_only_polls(op: str, tmp_path: Path) ->
         assert f'_tune = self._tune["{put}"]  # a wait launches on its put\'s grid' in code
 
 
+def test_a_reduce_scatter_put_takes_no_output_scale(tmp_path: Path) -> None:
+    """Only the wait reads output_scale (it sums, then scales): the put's method takes
+    src alone and its kernel is built without SCALE; the wait takes the scale."""
+    from support.kernels import load, the_class
+
+    from dcpc.harness.run import compile_to
+
+    _, module, _, _ = compile_to(str(FILES["reduce_scatter"]), tmp_path, 2)
+    cls = the_class(load(module))
+    assert cls.METHODS["q_put"] == ("q_part",) and cls.METHODS["q_sum"] == ("scale",)
+    code = Path(module).read_text()
+    put = code[code.index("def _checked_q_put("):code.index("def q_sum(")]
+    assert "SCALE=False" in put and "scale" not in put.replace("q_put", ""), put
+
+
 OUTPUTS = {"all_gather": {"q_full", "lse_all", "k_all"},
            "all_to_all": {"q_h", "o_recv", "lse_recv"},
            "reduce_scatter": {"y_shard", "z_shard", "q_shard"}}
