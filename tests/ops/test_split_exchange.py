@@ -383,17 +383,29 @@ def test_the_split_file_matches_float64_on(op: str, backend: str) -> None:
     assert OUTPUTS[op] <= set(report.outputs), said
 
 
+GRID_BLOCK = 256  # elements per tile: the harness's sizes then make several tiles
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize(("put", "wait"), [(3, 1), (1, 3)], ids=["put_3_wait_1", "put_1_wait_3"])
 def test_the_wait_launches_on_the_put_s_grid_whatever_its_own_tuning(op: str, put: int,
                                                                      wait: int) -> None:
     """The put and its wait tuned to other programs: the wait launches its put's grid
-    (program i polls program i), so every call finishes and matches float64."""
-    tuned = tuple((f'"{step}": {{"programs": 128,', f'"{step}": {{"programs": {n},')
+    (program i polls program i), so every call finishes and matches float64. Not
+    vacuous: at these sizes and tiles 3 programs give a grid of at least 2 (the
+    tracer's count of the put's programs at call 0, the maxima), so the two tunings'
+    grids differ."""
+    from dcpc.harness import trace as tr
+
+    default = '"programs": 128, "num_warps": 4, "block": 4096}'
+    tuned = tuple((f'"{step}": {{{default}',
+                   f'"{step}": {{{default}'.replace("128", str(n)).replace("4096", str(GRID_BLOCK)))
                   for step, n in (("send", put), ("recv", wait)))
     run_clean(schedule=str(FILES[op]), world=2, backend="local", calls=3, seed=11,
               programs=None, module_patch=tuned)
+    run = tr.run_traced(str(FILES[op]), 2, programs=3, block=GRID_BLOCK, calls=1)
+    assert run.trace.programs["send"] >= 2, run.trace.programs
 
 
 @pytest.mark.e2e
