@@ -96,10 +96,10 @@ def verify(v: ShapeRules, step: Step) -> None:
                 f"all_to_all '{step.name}' casts ('scale'); a cast does not split in "
                 "'phase: put' / 'phase: wait'",
                 hint="split an all_to_all without 'scale', or drop 'phase'")
-        return
-    split.verify_exchange(v, step, waits=f"for the parts into '{names(op.dst)[0]}'",
-                          puts=f"the parts of '{names(op.src)[0]}' to every peer",
-                          same="src, dst, dim, split_dim, concat_dim and axis")
+    else:
+        split.verify_exchange(v, step, waits=f"for the parts into '{names(op.dst)[0]}'",
+                              puts=f"the parts of '{names(op.src)[0]}' to every peer",
+                              same="src, dst, dim, split_dim, concat_dim and axis")
     _verify_forms(v, step)
 
 

@@ -325,6 +325,19 @@ def test_an_all_to_all_cast_is_not_split(tmp_path: Path) -> None:
     assert found and "a cast does not split" in found[0].message, found
 
 
+
+def test_a_split_cast_s_forms_are_still_verified(tmp_path: Path) -> None:
+    """The refused split cast does not hide the cast's other errors: a put that casts
+    with split_dim/concat_dim is told both (each at its key)."""
+    source = text("all_to_all", PUT, WAIT).replace(
+        ", phase: put}", ", scale: {per: tensor, buffer: s}, split_dim: 0, concat_dim: 0,\n"
+        "           phase: put}")
+    source = source.replace("x2: {shape:", "s: {shape: [1], dtype: f32}, x2: {shape:")
+    found = [(d.code, d.message) for d in diagnostics(source, tmp_path, "split.yaml")]
+    assert [c for c, m in found if "a cast does not split" in m] == ["bad-cast"], found
+    assert [c for c, m in found if "only with dim" in m] == ["bad-cast"], found
+
+
 FILES = {op: OPS_DIR / f"{op}_split.yaml" for op in OPS}
 PAIRS = {"all_gather": {"recv": "send", "kv_wait": "kv_put"},
          "all_to_all": {"recv": "send", "landed": "back"},
