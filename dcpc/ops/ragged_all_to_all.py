@@ -62,6 +62,7 @@ from dcpc.ops.iface import Counts, Unsent
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
+    from dcpc.lang.nodes import ScheduleView
     from dcpc.ops.iface import InputRule, LowerRules, OutputRule, ShapeRules, SimView
 
 
@@ -79,7 +80,7 @@ class RaggedAllToAll(OpBase):
         default=None, description="put: push and signal, no wait; wait: a later step "
         "naming the same payloads polls it (dcpc.ops._split)")
 
-    def split_key(self) -> tuple[Any, ...]:
+    def split_key(self, schedule: ScheduleView) -> tuple[Any, ...]:
         """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
         try:  # the expression, not its spelling: `N*C` is `N * C` (a bad one: verify's error)
             capacity: Any = ex.parse(self.capacity)
@@ -87,7 +88,8 @@ class RaggedAllToAll(OpBase):
             capacity = str(self.capacity)
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
                 self.recv_counts, capacity,
-                self.scale.buffer if self.scale is not None else None, str(self.axis))
+                self.scale.buffer if self.scale is not None else None,
+                split.axis_key(schedule, self))
 
 
 def semantics(c: Scope, step: Step) -> Semantics:

@@ -316,6 +316,25 @@ def test_a_team_s_split_exchange(op: str, tmp_path: Path) -> None:
         assert "x_node" in report.outputs, said
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_a_wait_s_keys_compare_as_meant_not_as_written(op: str, tmp_path: Path) -> None:
+    """``axis: gpu`` is ``axis: [gpu]``, and a dim counted from the end is the dim it
+    means: a wait written the other way still polls its put. A negative ``dim`` is
+    refused (dim-out-of-range), alone: no unmatched halves besides."""
+    team = AXIS.format(op=op, x=TEAM[op][0], team=TEAM[op][1]).replace(
+        "axis: gpu, src: x, dst: x_node, phase: wait", "axis: [gpu], src: x, dst: x_node, "
+        "phase: wait")
+    assert errors(team, tmp_path, (MeshWorld((2, 2)),)) == []
+    negative = text(op, PUT, WAIT).replace(", phase: put}", ", dim: -2, phase: put}")
+    assert {c for c, _, _ in errors(negative, tmp_path)} == {"dim-out-of-range"}
+    if op == "all_to_all":  # split_dim/concat_dim may count from the end
+        concat = text(op, PUT, WAIT, DONE).replace("x_all: {shape: [W, T, D]",
+                                                    "x_all: {shape: [W*T, D]")
+        concat = concat.replace(", phase: put}", ", split_dim: 0, concat_dim: -2, phase: put}")
+        concat = concat.replace(", phase: wait}", ", split_dim: -2, concat_dim: 0, phase: wait}")
+        assert errors(concat, tmp_path) == []
+
+
 def test_an_all_to_all_cast_is_not_split(tmp_path: Path) -> None:
     source = text("all_to_all", PUT, WAIT, USE, DONE).replace(
         "x_all: {shape: [W, T, D], dtype: bf16,", "x_all: {shape: [W, T, D], dtype: fp8e4m3,")
