@@ -3,9 +3,10 @@ them (shift, ragged_all_to_all, all_gather): which put each wait polls, the veri
 unmatched-put / unmatched-wait errors, and, for an exchange with every peer (ragged,
 all_gather), its semantics, float64 reference, io and lowering attrs, once.
 
-An op opts in with a ``split_key()`` method on its model: the k-th ``phase: wait`` step
-of a key polls the k-th ``phase: put`` step of it (the key starts with the op's name,
-so two ops never match). ``WAITS_FIRST`` (a class attribute, default False): a wait
+An op opts in with a ``split_key(schedule)`` method on its model: the k-th ``phase:
+wait`` step of a key polls the k-th ``phase: put`` step of it (the key starts with the
+op's name, so two ops never match; ``dim_key`` and ``axis_key`` compare a dim and an
+``axis:`` as meant, not as written). ``WAITS_FIRST`` (a class attribute, default False): a wait
 may also be written BEFORE its put (a shift's chain: receive, compute, send); such a
 wait pairs with the earliest later unmatched put of its key. Without it a wait with no
 earlier unmatched put is lonely. The choice does not depend on W.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from dcpc.lang.mesh import mesh_of
 from dcpc.ops.common import WRITE, Effect, Semantics, Sync
 from dcpc.ops.common import exchange as whole
 
@@ -40,19 +42,34 @@ class Puts:
     lonely_puts: list[Step] = field(default_factory=list)
 
 
-def key(step: Step) -> tuple[Any, ...] | None:
+def key(step: Step, schedule: ScheduleView) -> tuple[Any, ...] | None:
     """The split key of ``step`` (its op's name first), or None: not a split step."""
-    op = step.op
-    split_key = getattr(op, "split_key", None)
-    if split_key is None or getattr(op, "phase", None) is None:
+    if half(step) is None:
         return None
-    return (step.kind, *split_key())
+    return (step.kind, *step.op.split_key(schedule))  # type: ignore[attr-defined]
 
 
 def half(step: Step) -> str | None:
     """Which half of a split step ``step`` is (PUT, WAIT), or None (the float64
     reference's chain asks: the harness names no op's keys)."""
-    return step.op.phase if key(step) is not None else None  # type: ignore[attr-defined]
+    if getattr(step.op, "split_key", None) is None:
+        return None
+    return getattr(step.op, "phase", None)
+
+
+def dim_key(schedule: ScheduleView, buffer: str, dim: int | None) -> int | None:
+    """``dim`` of ``buffer`` counted from its first dim (``dim: -1`` of a 2-D buffer is
+    ``dim: 1``), as a wait's key compares it with its put's; out of range or of an
+    unknown buffer: as written (the shape check's error)."""
+    spec = schedule.buffers.get(buffer)
+    n = len(spec.shape) if spec is not None else 0
+    return dim % n if dim is not None and -n <= dim < n else dim
+
+
+def axis_key(schedule: ScheduleView, op: Any) -> tuple[int, ...] | None:
+    """The team ``op``'s ``axis:`` names, as its mesh positions (``axis: gpu`` is
+    ``axis: [gpu]``; naming every axis is none), as a wait's key compares it."""
+    return mesh_of(schedule).team_axes(op)
 
 
 def puts(schedule: ScheduleView) -> Puts:
@@ -63,7 +80,7 @@ def puts(schedule: ScheduleView) -> Puts:
     early: dict[tuple[Any, ...], list[Step]] = {}  # waits written before their put
     lonely: list[Step] = []
     for step in schedule.step_list():
-        k = key(step)
+        k = key(step, schedule)
         if k is None:
             continue
         if half(step) == PUT and early.get(k):

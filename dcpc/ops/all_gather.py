@@ -39,6 +39,7 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
+    from dcpc.lang.nodes import ScheduleView
     from dcpc.ops.iface import LowerRules, Ref, ShapeRules, SimView
 
 
@@ -52,10 +53,11 @@ class AllGather(OpBase):
         default=None, description="put: push and signal, no wait; wait: a later step "
         "naming the same src, dst, dim, interleave and axis polls it (dcpc.ops._split)")
 
-    def split_key(self) -> tuple[Any, ...]:
+    def split_key(self, schedule: ScheduleView) -> tuple[Any, ...]:
         """What a ``phase: wait`` shares with the put it polls (dcpc.ops._split)."""
-        return (tuple(names(self.src)), tuple(names(self.dst)), self.dim, self.interleave,
-                str(self.axis))
+        dst = tuple(names(self.dst))
+        return (tuple(names(self.src)), dst, split.dim_key(schedule, dst[0], self.dim),
+                self.interleave, split.axis_key(schedule, self))
 
 
 def _region(c: Scope, op: AllGather, src_name: str | None, dst_name: str) -> Region:

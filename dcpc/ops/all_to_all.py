@@ -43,6 +43,7 @@ from dcpc.ops.common import (
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
+    from dcpc.lang.nodes import ScheduleView
     from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
@@ -58,10 +59,12 @@ class AllToAll(OpBase):
         default=None, description="put: push and signal, no wait; wait: a later step "
         "naming the same src, dst, dims and axis polls it (dcpc.ops._split)")
 
-    def split_key(self) -> tuple[Any, ...]:
+    def split_key(self, schedule: ScheduleView) -> tuple[Any, ...]:
         """What a ``phase: wait`` shares with the put it polls (dcpc.ops._split)."""
-        return (tuple(names(self.src)), tuple(names(self.dst)), self.dim, self.split_dim,
-                self.concat_dim, str(self.axis))
+        src, dst = tuple(names(self.src)), tuple(names(self.dst))
+        return (src, dst, *(split.dim_key(schedule, b[0], d) for b, d in (
+            (src, self.dim), (src, self.split_dim), (dst, self.concat_dim))),
+                split.axis_key(schedule, self))
 
 
 def concat(op: AllToAll) -> bool:
@@ -96,10 +99,10 @@ def verify(v: ShapeRules, step: Step) -> None:
                 f"all_to_all '{step.name}' casts ('scale'); a cast does not split in "
                 "'phase: put' / 'phase: wait'",
                 hint="split an all_to_all without 'scale', or drop 'phase'")
-        return
-    split.verify_exchange(v, step, waits=f"for the parts into '{names(op.dst)[0]}'",
-                          puts=f"the parts of '{names(op.src)[0]}' to every peer",
-                          same="src, dst, dim, split_dim, concat_dim and axis")
+    else:
+        split.verify_exchange(v, step, waits=f"for the parts into '{names(op.dst)[0]}'",
+                              puts=f"the parts of '{names(op.src)[0]}' to every peer",
+                              same="src, dst, dim, split_dim, concat_dim and axis")
     _verify_forms(v, step)
 
 

@@ -78,6 +78,7 @@ from dcpc.ops.iface import Counts, Unsent
 from dcpc.ops.registry import IO, OpDef, define, names
 
 if TYPE_CHECKING:
+    from dcpc.lang.nodes import ScheduleView
     from dcpc.ops.iface import InputRule, LowerRules, OutputRule, ShapeRules, SimView
 
 
@@ -104,12 +105,12 @@ class RaggedAllToAll(OpBase):
         "(src [G, W*capacity, *row], counts [G, W]; dst [W, G*capacity, *row], "
         "recv_counts [W, G])")
 
-    def split_key(self) -> tuple[Any, ...]:
+    def split_key(self, schedule: ScheduleView) -> tuple[Any, ...]:
         """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
                 self.recv_counts, _parsed(self.capacity),
-                self.scale.buffer if self.scale is not None else None, str(self.axis),
-                _parsed(self.groups), self.direction)
+                self.scale.buffer if self.scale is not None else None,
+                split.axis_key(schedule, self), _parsed(self.groups), self.direction)
 
 
 def _parsed(size: SizeExpr | None) -> Any:

@@ -42,6 +42,7 @@ from dcpc.ops.registry import IO, OpDef, define
 if TYPE_CHECKING:
     import torch
 
+    from dcpc.lang.nodes import ScheduleView
     from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 
@@ -61,9 +62,10 @@ class ReduceScatter(OpBase):
         default=None, description="put: push the parts and signal, no wait; wait: a later "
         "step naming the same src, dst, dim, via, output_scale and axis polls it, then sums")
 
-    def split_key(self) -> tuple[Any, ...]:
+    def split_key(self, schedule: ScheduleView) -> tuple[Any, ...]:
         """What a ``phase: wait`` shares with the put it polls (dcpc.ops._split)."""
-        return (self.src, self.dst, self.dim, self.via, self.output_scale, str(self.axis))
+        return (self.src, self.dst, split.dim_key(schedule, self.src, self.dim), self.via,
+                self.output_scale, split.axis_key(schedule, self))
 
 
 def _via(holder: Any, step: Step) -> tuple[str, str]:
@@ -156,7 +158,10 @@ def lower(ctx: LowerRules, step: Step) -> Any:
         signalling=True,
         attrs=split.lowered(ctx, step),
     )
-    ctx.output_scale(op, plan)
+    if sums:  # only the sum reads output_scale: a put takes no scale
+        ctx.output_scale(op, plan)
+    else:
+        plan.attrs["scale"] = False
     return plan
 
 

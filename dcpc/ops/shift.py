@@ -115,7 +115,7 @@ class Shift(OpBase):
     perm: str | list[Int] | list[list[Int]] | None = None
     WAITS_FIRST: ClassVar[bool] = True  # a chain's wait may come before its put (_split)
 
-    def split_key(self) -> tuple[Any, ...]:
+    def split_key(self, schedule: ScheduleView) -> tuple[Any, ...]:
         """What a ``phase: wait`` shares with the put it polls (dcpc.ops._split)."""
         return ((self.src, self.dst, delta(self), self.wrap)
                 + ((table(self),) if self.perm is not None else ()))

@@ -177,6 +177,8 @@ class CallPlans:
     _check: Callable[[int], None]
     _fail: Callable[[BaseException], None]
     _unusable: Callable[[str], BaseException]
+    PUTS: dict[str, str]
+    _split_sizes: Callable[[str, int, Any], None]
 
     def _owned(self) -> dict[int, torch.Tensor]:
         """The tensors this instance holds for its lifetime (by id), which a plan may keep.
@@ -234,6 +236,8 @@ class CallPlans:
                     self._fp = self._with_call_id(plan.method, plan.env,
                                                   call_id % self._call_ids)
             self._env[slot] = plan.env
+            if self.PUTS:
+                self._split_sizes(plan.method, slot, plan.env)
             if plan.arm:
                 self._watchdog.arm()
             for action in plan.actions:

@@ -92,6 +92,9 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
     SIGNALLING: ClassVar[tuple[str, ...]] = ()  # steps whose kernels use signal slots
     # step -> its ``when:`` condition (a dcpc.exprs AST): it runs where that holds
     WHEN: ClassVar[dict[str, tuple]] = {}
+    # a split wait -> its put (written before it): the wait launches the put's grid from
+    # its own sizes, so it must repeat the put's (_split_sizes)
+    PUTS: ClassVar[dict[str, str]] = {}
 
     def runs(self, step: str, rank: int | None = None) -> bool:
         """Whether step ``step`` runs on this rank (or on ``rank``): False where its
@@ -222,6 +225,13 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                 self._envs,
             )
             for method, params in self.METHODS.items()
+        }
+        # per split put, the run-time sizes its launch shape reads, and the values its
+        # last call bound per slot (_split_sizes)
+        self._put_sizes = {
+            put: (sorted({s for e in (*(a for _, a in self.SCALARS[put]), *self.TILES[put])
+                          for s in shapes.symbols(e)} & set(self._maxima)), [None] * self.SLOTS)
+            for put in set(self.PUTS.values())
         }
         self._allocate()
         self._owned_tensors = self._owned()
@@ -534,9 +544,33 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
             if call_id is not None and call_id % CALL_IDS:
                 self._fp = self._with_call_id(method, env, call_id % CALL_IDS)
         self._env[slot] = env
+        if self.PUTS:
+            self._split_sizes(method, slot, env)
         if method in self._arms:
             self._watchdog.arm()  # type: ignore[union-attr]
         return env
+
+    def _split_sizes(self, method: str, slot: int, env: Mapping[str, int]) -> None:
+        """A split put keeps the sizes it launched with (per slot); its wait, which
+        launches the put's grid from its own sizes (program i polls program i), must have
+        the same: other sizes give another grid, whose programs wait for what the put's
+        did not send (a timeout) or, unguarded, sum what has not landed. On every call,
+        checked or replayed (calls._replay)."""
+        put = self.PUTS.get(method)
+        kept = self._put_sizes.get(put or method)
+        if kept is None:
+            return
+        names, bound = kept
+        if put is None:
+            bound[slot] = env
+            return
+        before = bound[slot]
+        for size in names if before is not None else ():
+            if env.get(size) != before.get(size):
+                raise DcpcArgumentError(
+                    f"{method}(): the wait of the split put '{put}' runs on its sizes, but "
+                    f"binds {size}={env.get(size)} where '{put}' bound {size}="
+                    f"{before.get(size)} (slot {slot}): pass the put's sizes")
 
     def _with_call_id(self, method: str, env: Mapping[str, int], digit: int) -> int:
         if method in self._fps.exact:  # the call id is the last digit: add it

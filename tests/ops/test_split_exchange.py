@@ -316,6 +316,25 @@ def test_a_team_s_split_exchange(op: str, tmp_path: Path) -> None:
         assert "x_node" in report.outputs, said
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_a_wait_s_keys_compare_as_meant_not_as_written(op: str, tmp_path: Path) -> None:
+    """``axis: gpu`` is ``axis: [gpu]``, and a dim counted from the end is the dim it
+    means: a wait written the other way still polls its put. A negative ``dim`` is
+    refused (dim-out-of-range), alone: no unmatched halves besides."""
+    team = AXIS.format(op=op, x=TEAM[op][0], team=TEAM[op][1]).replace(
+        "axis: gpu, src: x, dst: x_node, phase: wait", "axis: [gpu], src: x, dst: x_node, "
+        "phase: wait")
+    assert errors(team, tmp_path, (MeshWorld((2, 2)),)) == []
+    negative = text(op, PUT, WAIT).replace(", phase: put}", ", dim: -2, phase: put}")
+    assert {c for c, _, _ in errors(negative, tmp_path)} == {"dim-out-of-range"}
+    if op == "all_to_all":  # split_dim/concat_dim may count from the end
+        concat = text(op, PUT, WAIT, DONE).replace("x_all: {shape: [W, T, D]",
+                                                    "x_all: {shape: [W*T, D]")
+        concat = concat.replace(", phase: put}", ", split_dim: 0, concat_dim: -2, phase: put}")
+        concat = concat.replace(", phase: wait}", ", split_dim: -2, concat_dim: 0, phase: wait}")
+        assert errors(concat, tmp_path) == []
+
+
 def test_an_all_to_all_cast_is_not_split(tmp_path: Path) -> None:
     source = text("all_to_all", PUT, WAIT, USE, DONE).replace(
         "x_all: {shape: [W, T, D], dtype: bf16,", "x_all: {shape: [W, T, D], dtype: fp8e4m3,")
@@ -323,6 +342,19 @@ def test_an_all_to_all_cast_is_not_split(tmp_path: Path) -> None:
     source = source.replace("x2: {shape:", "s: {shape: [1], dtype: f32}, x2: {shape:")
     found = [d for d in diagnostics(source, tmp_path, "split.yaml") if d.code == "bad-cast"]
     assert found and "a cast does not split" in found[0].message, found
+
+
+
+def test_a_split_cast_s_forms_are_still_verified(tmp_path: Path) -> None:
+    """The refused split cast does not hide the cast's other errors: a put that casts
+    with split_dim/concat_dim is told both (each at its key)."""
+    source = text("all_to_all", PUT, WAIT).replace(
+        ", phase: put}", ", scale: {per: tensor, buffer: s}, split_dim: 0, concat_dim: 0,\n"
+        "           phase: put}")
+    source = source.replace("x2: {shape:", "s: {shape: [1], dtype: f32}, x2: {shape:")
+    found = [(d.code, d.message) for d in diagnostics(source, tmp_path, "split.yaml")]
+    assert [c for c, m in found if "a cast does not split" in m] == ["bad-cast"], found
+    assert [c for c, m in found if "only with dim" in m] == ["bad-cast"], found
 
 
 FILES = {op: OPS_DIR / f"{op}_split.yaml" for op in OPS}
@@ -354,6 +386,21 @@ def test_the_put_only_pushes_and_the_wait_only_polls(op: str, tmp_path: Path) ->
         assert f'_tune = self._tune["{put}"]  # a wait launches on its put\'s grid' in code
 
 
+def test_a_reduce_scatter_put_takes_no_output_scale(tmp_path: Path) -> None:
+    """Only the wait reads output_scale (it sums, then scales): the put's method takes
+    src alone and its kernel is built without SCALE; the wait takes the scale."""
+    from support.kernels import load, the_class
+
+    from dcpc.harness.run import compile_to
+
+    _, module, _, _ = compile_to(str(FILES["reduce_scatter"]), tmp_path, 2)
+    cls = the_class(load(module))
+    assert cls.METHODS["q_put"] == ("q_part",) and cls.METHODS["q_sum"] == ("scale",)
+    code = Path(module).read_text()
+    put = code[code.index("def _checked_q_put("):code.index("def q_sum(")]
+    assert "SCALE=False" in put and "scale" not in put.replace("q_put", ""), put
+
+
 OUTPUTS = {"all_gather": {"q_full", "lse_all", "k_all"},
            "all_to_all": {"q_h", "o_recv", "lse_recv"},
            "reduce_scatter": {"y_shard", "z_shard", "q_shard"}}
@@ -368,17 +415,29 @@ def test_the_split_file_matches_float64_on(op: str, backend: str) -> None:
     assert OUTPUTS[op] <= set(report.outputs), said
 
 
+GRID_BLOCK = 256  # elements per tile: the harness's sizes then make several tiles
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize(("put", "wait"), [(3, 1), (1, 3)], ids=["put_3_wait_1", "put_1_wait_3"])
 def test_the_wait_launches_on_the_put_s_grid_whatever_its_own_tuning(op: str, put: int,
                                                                      wait: int) -> None:
     """The put and its wait tuned to other programs: the wait launches its put's grid
-    (program i polls program i), so every call finishes and matches float64."""
-    tuned = tuple((f'"{step}": {{"programs": 128,', f'"{step}": {{"programs": {n},')
+    (program i polls program i), so every call finishes and matches float64. Not
+    vacuous: at these sizes and tiles 3 programs give a grid of at least 2 (the
+    tracer's count of the put's programs at call 0, the maxima), so the two tunings'
+    grids differ."""
+    from dcpc.harness import trace as tr
+
+    default = '"programs": 128, "num_warps": 4, "block": 4096}'
+    tuned = tuple((f'"{step}": {{{default}',
+                   f'"{step}": {{{default}'.replace("128", str(n)).replace("4096", str(GRID_BLOCK)))
                   for step, n in (("send", put), ("recv", wait)))
     run_clean(schedule=str(FILES[op]), world=2, backend="local", calls=3, seed=11,
               programs=None, module_patch=tuned)
+    run = tr.run_traced(str(FILES[op]), 2, programs=3, block=GRID_BLOCK, calls=1)
+    assert run.trace.programs["send"] >= 2, run.trace.programs
 
 
 @pytest.mark.e2e
@@ -395,3 +454,69 @@ def test_the_kernels_touch_what_the_plan_says(op: str) -> None:
     assert waits == PAIRS[op], waits
     for wait, put in waits.items():
         assert run.trace.programs[wait] == run.trace.programs[put] >= 2, run.trace.programs
+
+
+
+MID = "  - mid:  {op: all_gather, src: w, dst: g}\n"  # binds the sizes from its argument
+
+
+def _sizes_source(op: str) -> tuple[str, str]:
+    """op's put, a whole all_gather of w into g, then the wait; the size the put binds."""
+    if op == "ragged_all_to_all":
+        from test_ragged_split import PUT as RPUT
+        from test_ragged_split import WAIT as RWAIT
+        from test_ragged_split import text as rtext
+        source = rtext(RPUT, MID, RWAIT).replace(
+            "steps:\n", "  g:      {shape: [W*W, C, H], dtype: f32, symmetric: true}\nsteps:\n")
+        return source, "C"
+    source = text(op, PUT, MID, WAIT).replace(
+        "x_all: {", "g: {shape: [W*T, D], dtype: f32, symmetric: true},\n          x_all: {")
+    return source, "T"
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "unguarded"])
+@pytest.mark.parametrize("op", [*OPS, "ragged_all_to_all"])
+def test_a_wait_on_other_sizes_than_its_put_s_is_refused(op: str, guard: bool,
+                                                         tmp_path: Path) -> None:
+    """A wait launches its put's grid from its own sizes: other sizes give another grid
+    (programs that poll what the put's never sent, or sum, unguarded, what has not
+    landed), so a wait that binds other sizes than its put's is refused, naming the put,
+    the size and both values; guarded or not, checked (sizes=) or replayed (the fast
+    path: the step between binds the sizes back to those the wait's plan was made at)."""
+    from support.kernels import compile_text, load, the_class
+
+    from dcpc.runtime.errors import DcpcArgumentError
+
+    source, size = _sizes_source(op)
+    cls = the_class(load(compile_text(source, tmp_path, (1,))))
+    assert cls.PUTS == {"recv": "send"}
+    ragged = op == "ragged_all_to_all"
+
+    def put(module, n: int) -> None:
+        if ragged:
+            module.send(torch.zeros(1, n, 8, dtype=torch.bfloat16),
+                        torch.tensor([n], dtype=torch.int32))
+        else:
+            module.send(torch.zeros(n, 8, dtype=torch.bfloat16))
+
+    def mid(module, n: int) -> None:
+        module.mid(torch.zeros(*[1] * ragged, n, 8))
+
+    module = cls(None, device="cpu", backend="host", guard=guard)
+    put(module, 4)
+    mid(module, 4)
+    module.recv()  # the same sizes: its plan is kept
+    put(module, 2)
+    mid(module, 4)  # binds the size back: the wait's plan would replay
+    with pytest.raises(DcpcArgumentError) as got:
+        module.recv()
+    assert (f"recv(): the wait of the split put 'send' runs on its sizes, but binds "
+            f"{size}=4 where 'send' bound {size}=2 (slot 0)") in str(got.value)
+    module.close()
+
+    module = cls(None, device="cpu", backend="host", guard=guard)
+    put(module, 4)
+    mid(module, 4)
+    with pytest.raises(DcpcArgumentError, match=f"binds {size}=3 where 'send' bound {size}=4"):
+        module.recv(sizes={size: 3})
+    module.close()
