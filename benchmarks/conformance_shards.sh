@@ -28,16 +28,17 @@ shard() {  # shard PLAN INDEX
 # the archive is packed every 30 s too: a call cut short (its device time spent, its
 # limit below the one asked for) still returns every case finished so far
 mkdir -p "$OUT"
-pack() {
-  tar czf "$OUT/partial.tgz" -C "$work" --exclude='*.md' --exclude='*.part' . 2>/dev/null \
-    && mv -f "$OUT/partial.tgz" "$OUT/conformance.tgz"
+pack() {  # pack TEMP: the archive so far (growing logs: tar exits 1, the archive stands)
+  tar czf "$OUT/$1" -C "$work" --warning=no-file-changed --exclude='*.md' --exclude='*.part' .
+  [ $? -le 1 ] && mv -f "$OUT/$1" "$OUT/conformance.tgz"
 }
-( while sleep 30; do pack; done ) & packer=$!
+( trap exit TERM; while :; do sleep 30 & wait $!; pack partial.tgz; done ) & packer=$!
+trap 'kill "$packer" 2>/dev/null' EXIT
 i=0; shards=()
 for plan in "$PLANS"/plan*.txt; do
   i=$((i + 1)); shard "$plan" "$i" > "$work/shard$i.log" 2>&1 & shards+=($!)
 done
 wait "${shards[@]}"
-kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
+kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null  # a pack under way ends first
 grep -h "^FAIL\|clean in\|out of time" "$work"/shard*.log | cut -c1-600
-pack && ls -l "$OUT"
+pack final.tgz && ls -l "$OUT"

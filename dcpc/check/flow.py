@@ -164,7 +164,8 @@ def _persistent_reads(ctx: Context, found: list[Access], every: list[Access]) ->
                     continue
                 reported.add(name)
                 why = "; ".join(
-                    [f"'{a.step.name}' does not run there (its when: does not hold)"
+                    [f"'{_decides(a).name}'{_landing(a)} does not run there (its when: does "
+                     "not hold)"
                      for a in writes if a not in made] +
                     [f"the store of '{a.step.name}' does not reach it ({_why_not(a, rank)})"
                      for a in made])
@@ -179,10 +180,21 @@ def _persistent_reads(ctx: Context, found: list[Access], every: list[Access]) ->
 def _runs(running: dict[int, frozenset[int]], acc: Access, rank: int) -> bool:
     """Whether ``acc`` happens on ``rank`` (``running``: dcpc.lang.when.running's): a
     store where it lands there, at its own step or at the receiver's wait (a split
-    shift's put and wait, guarded apart: dcpc.check.when proved the put ran on the
-    sender wherever the wait runs); any other access where its step runs."""
-    ranks = running.get((acc.at if acc.mode == "w" else acc.step).index)
+    put and its wait, guarded apart: dcpc.check.when proved the put ran on the sender
+    wherever the wait runs); any other access where its step runs."""
+    ranks = running.get(_decides(acc).index)
     return ranks is None or rank in ranks
+
+
+def _decides(acc: Access) -> Step:
+    """The step whose ``when:`` decides whether ``acc`` happens on a rank (``_runs``)."""
+    return acc.at if acc.mode == "w" else acc.step
+
+
+def _landing(acc: Access) -> str:
+    """Said after ``_decides``'s name when it is a split wait, not the storing step."""
+    return "" if _decides(acc) is acc.step else \
+        f" (the wait where the store of '{acc.step.name}' lands)"
 
 
 def _check_views(ctx: Context) -> None:
@@ -243,7 +255,8 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                 # put: the chain, whose store lands at the wait)
                 earlier = [a for a in found if a.mode == "w" and a.ref.name == name
                            and min(a.step.index, a.at.index) < acc.step.index]
-                skipped = [a.step.name for a in earlier if not _runs(running, a, rank)]
+                skipped = [_decides(a).name + _landing(a) for a in earlier
+                           if not _runs(running, a, rank)]
                 made = [a for a in earlier if _runs(running, a, rank)]
                 # a store that would reach this rank but lands at a wait after the read
                 flight = [a for a in made if _reaches(ctx, a, rank, world)

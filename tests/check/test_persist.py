@@ -270,3 +270,37 @@ def test_a_persistent_buffer_no_step_writes_on_a_rank_is_read_before_write_there
         "read-before-write", _line(text, "recall:"), "step 'recall' reads persistent buffer "
         "'last' on rank 0 at W=2, but no step writes it there: 'keep' does not run there "
         "(its when: does not hold), so it holds its initial zeros in every call there")]
+
+
+SPLIT_GUARDED = """\
+schedule: persist_split_guarded
+slots: 1
+streams: single
+sizes:
+  N: 16
+  D: 40
+buffers:
+  x:         {shape: [N, D], dtype: bf16}
+  inbox:     {shape: [N, D], dtype: bf16, symmetric: true, persist: true}
+  from_prev: {shape: [N, D], dtype: bf16}
+steps:
+  - take:   {op: copy, src: inbox, dst: from_prev%s}
+  - free:   {op: barrier}
+  - put:    {op: shift, when: "rank < W - 1", src: x, dst: inbox, offset: next, wrap: false, phase: put}
+  - wait:   {op: shift, when: "rank > 0", src: x, dst: inbox, offset: next, wrap: false, phase: wait}
+  - done:   {op: barrier}
+"""
+
+
+def test_a_split_put_s_store_is_where_its_wait_runs(tmp_path: Path) -> None:
+    """A put and its wait guarded apart: the store lands at the wait, so a read on a rank
+    where the wait does not run (rank 0) reads zeros, and the message names the wait,
+    not the put (which does run on rank 0)."""
+    assert [d for d in diagnostics(SPLIT_GUARDED % ', when: "rank > 0"', tmp_path)
+            if d.severity == "error"] == []
+    found = [d for d in diagnostics(SPLIT_GUARDED % "", tmp_path) if d.severity == "error"]
+    assert [(d.code, d.message) for d in found] == [(
+        "read-before-write", "step 'take' reads persistent buffer 'inbox' on rank 0 at W=2, "
+        "but no step writes it there: 'wait' (the wait where the store of 'put' lands) does "
+        "not run there (its when: does not hold), so it holds its initial zeros in every "
+        "call there")], found
