@@ -286,8 +286,10 @@ buffers:
 steps:
   - take:   {op: copy, src: inbox, dst: from_prev%s}
   - free:   {op: barrier}
-  - put:    {op: shift, when: "rank < W - 1", src: x, dst: inbox, offset: next, wrap: false, phase: put}
-  - wait:   {op: shift, when: "rank > 0", src: x, dst: inbox, offset: next, wrap: false, phase: wait}
+  - put: {op: shift, when: "rank < W - 1", src: x, dst: inbox, offset: next, wrap: false,
+          phase: put}
+  - wait: {op: shift, when: "rank > 0", src: x, dst: inbox, offset: next, wrap: false,
+           phase: wait}
   - done:   {op: barrier}
 """
 
