@@ -675,7 +675,7 @@ SPLIT_EXCHANGES = ("ragged_all_to_all", "all_gather", "all_to_all", "reduce_scat
 def _split_key(op) -> tuple:
     """What a `phase: wait` names as the put it polls: the payloads (one name or a list
     alike) and axis, and a ragged's counts, recv_counts, capacity (as an expression:
-    `N*C` is `(N * C)`) and scale buffer, an all_gather's dim and interleave, an
+    `N*C` is `(N * C)`), scale buffer, groups and direction, an all_gather's dim and interleave, an
     all_to_all's dim, split_dim and concat_dim, a reduce_scatter's dim, via and
     output_scale."""
     if op.op == "all_gather":
@@ -686,7 +686,8 @@ def _split_key(op) -> tuple:
         extra = (op.dim, op.via, op.output_scale)
     else:
         extra = (op.counts, op.recv_counts, _expression(op.capacity),
-                 op.scale.buffer if op.scale is not None else None)
+                 op.scale.buffer if op.scale is not None else None,
+                 _expression(op.groups) if op.groups is not None else None, op.direction)
     return (op.op, tuple(_as_list(op.src)), tuple(_as_list(op.dst)), *extra, str(op.axis))
 
 
