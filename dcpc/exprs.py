@@ -92,17 +92,20 @@ _PREC = {"or": -3, "and": -2, "not": -1, **dict.fromkeys(COMPARISONS, 0),
          "+": 1, "-": 1, "*": 2, "/": 2, "%": 2}
 
 
-def unparse(expr: Expr, parent: int = -9, right: bool = False) -> str:
+def unparse(expr: Expr, parent: int = -9, right: bool = False, *,
+            spaced: bool = False) -> str:
+    """The text of ``expr``, arithmetic tight (``N*C``) or, ``spaced``, as Python code is
+    written (``N * C``: what an emitted kernel shows)."""
     kind = expr[0]
     if kind in ("num", "sym"):
         return str(expr[1])
     prec = _PREC[kind]
     if kind == "not":
-        text = f"not {unparse(expr[1], prec)}"
-    elif prec <= 0:  # a comparison or and/or: spaced, as written
-        text = f"{unparse(expr[1], prec)} {kind} {unparse(expr[2], prec, True)}"
-    else:
-        text = f"{unparse(expr[1], prec)}{kind}{unparse(expr[2], prec, True)}"
+        text = f"not {unparse(expr[1], prec, spaced=spaced)}"
+    else:  # a comparison or and/or is spaced, as written
+        op = f" {kind} " if prec <= 0 or spaced else kind
+        text = (f"{unparse(expr[1], prec, spaced=spaced)}{op}"
+                f"{unparse(expr[2], prec, True, spaced=spaced)}")
     return f"({text})" if prec < parent or (right and prec == parent) else text
 
 

@@ -150,8 +150,9 @@ def _kernel_slots(combine: bool) -> dict[str, str]:
                                        ("WORLD", "groups", "RANK", "peer", "p", "g"))
     src, dst = ragged_slot(combine, world, groups, rank, peer, g)
     recv = ragged_slot(combine, world, groups, p, rank, g)[1]
-    return {"src_slot": ex.unparse(src.e), "dst_slot": ex.unparse(dst.e),
-            "recv_slot": ex.unparse(recv.e)}
+    return {"src_slot": ex.unparse(src.e, spaced=True),
+            "dst_slot": ex.unparse(dst.e, spaced=True),
+            "recv_slot": ex.unparse(recv.e, spaced=True)}
 
 
 def semantics(c: Scope, step: Step) -> Semantics:

@@ -205,6 +205,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                 f"an interleave names a mesh axis' size), but the mesh is "
                 f"{'x'.join(map(str, self.mesh_shape))}; compile it with --world "
                 f"{'x'.join(map(str, self.mesh_shape))}")
+        self._check_proved()
         self._groups = axes.check_groups(
             name, groups, self.backends, self.MESH, self._axis_teams()) if groups else {}
         self._max_env = {**self._env_const, **self._maxima}

@@ -68,6 +68,11 @@ class TeamsMixin:
             raise DcpcArgumentError(
                 f"{type(self).__name__}: the mesh {shape} has {total} ranks, but the group "
                 f"has {self.world}")
+        self._team_cache: dict[tuple, Any] = {}
+
+    def _check_proved(self) -> None:
+        """The group is one of the worlds the module was proved for (after the checks
+        of a module unrolled for one W or mesh shape, whose message says more)."""
         # the proof covers the worlds the module was checked for, no other: a ring
         # offset, a chain or a credit that is safe at W 2..8 need not be at W = 10. A
         # group of one rank (group=None) has no peer to race with and is always served.
@@ -81,7 +86,6 @@ class TeamsMixin:
                 f"{type(self).__name__}: this module was proved and compiled for W "
                 f"{shown}, but the group is {said}; compile it with --world {said} (or a "
                 "list of worlds that holds it)")
-        self._team_cache: dict[tuple, Any] = {}
 
     def _team(self, step: str) -> tuple[list[int], int]:
         """(the team's global ranks in member order, this rank's member index)."""

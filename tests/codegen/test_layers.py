@@ -24,6 +24,8 @@ import dcpc.ops
 # dcpc.ops.iface.LowerRules, typed on lang.nodes' ScheduleView.)
 LEAVES = frozenset({
     "dcpc.diagnostics", "dcpc.numerics", "dcpc.topology",
+    "dcpc.exprs",  # the expression values under dcpc.lang.expr (stdlib only), and the
+                   # ragged slots the compiler and the runtime share (ragged_slot)
     "dcpc.lang.expr", "dcpc.lang.nodes", "dcpc.lang.mesh",
     "dcpc.ops.common", "dcpc.ops.registry", "dcpc.ops.iface",
 })
