@@ -8,28 +8,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from support.kernels import construct_on_local_ranks
 
 from dcpc.engines.common import GatherSpec, module_class
-from dcpc.runtime.errors import DcpcArgumentError
 from dcpc.runtime.local import LocalGroup
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_local_construction_sizes_differ(world: int) -> None:
     cls = module_class(GatherSpec("q", 16, "bf16", 4), world)
-    got: dict[int, Any] = {}
-
-    def body(rank: Any) -> None:
-        heads = 4 * world if rank.rank == 0 else 2 * world
-        try:
-            m = cls(rank, sizes={"H": heads}, device="cpu", backend="local", timeout_s=10)
-        except DcpcArgumentError as err:
-            got[rank.rank] = str(err)
-            return
-        got[rank.rank] = "constructed"
-        m.close()
-
-    LocalGroup(world, "cpu", timeout_s=60).run(body, timeout_s=60)
+    got = construct_on_local_ranks(
+        cls, world, lambda r: {"H": 4 * world if r == 0 else 2 * world}, timeout_s=10)
     others = ", ".join(str(r) for r in range(1, world))
     want = (f"constructed it with different arguments: size H: {4 * world} (rank 0), "
             f"{2 * world} (rank{'s' if world > 2 else ''} {others})")

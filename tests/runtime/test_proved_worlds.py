@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from support.kernels import construct_on_local_ranks
+
 from dcpc import pipeline
 from dcpc.harness.worker import load_module_class
-from dcpc.runtime.errors import DcpcArgumentError
-from dcpc.runtime.local import LocalGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,19 +25,7 @@ def _module(tmp_path: Path, schedule: str, worlds: list[Any]) -> type:
 
 
 def _construct(cls: type, world: int, sizes: dict[str, int]) -> dict[int, str]:
-    said: dict[int, str] = {}
-
-    def body(rank: Any) -> None:
-        try:
-            m = cls(rank, sizes=sizes, device="cpu", backend="local", timeout_s=20)
-        except DcpcArgumentError as err:
-            said[rank.rank] = str(err)
-            return
-        said[rank.rank] = "constructed"
-        m.close()
-
-    LocalGroup(world, "cpu", timeout_s=60).run(body, timeout_s=60)
-    return said
+    return construct_on_local_ranks(cls, world, lambda rank: sizes)
 
 
 def test_a_world_outside_the_proof_is_refused_on_every_rank(tmp_path: Path) -> None:

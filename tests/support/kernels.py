@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -97,3 +99,27 @@ def merge_schedule(
         ret2=", return_lse: out_lse" if return_lse else "",
         mask=mask_text,
     )
+
+
+def construct_on_local_ranks(cls: type, world: int, sizes_of: Callable[[int], dict[str, int]],
+                             timeout_s: float = 20) -> dict[int, str]:
+    """Construct ``cls`` on every rank of a LocalGroup of ``world`` CPU ranks (backend
+    ``local``, each rank's sizes ``sizes_of(rank)``): rank -> its DcpcArgumentError's
+    message, or "constructed" (the module then closed)."""
+    from dcpc.runtime.errors import DcpcArgumentError
+    from dcpc.runtime.local import LocalGroup
+
+    said: dict[int, str] = {}
+
+    def body(rank: Any) -> None:
+        try:
+            m = cls(rank, sizes=sizes_of(rank.rank), device="cpu", backend="local",
+                    timeout_s=timeout_s)
+        except DcpcArgumentError as err:
+            said[rank.rank] = str(err)
+            return
+        said[rank.rank] = "constructed"
+        m.close()
+
+    LocalGroup(world, "cpu", timeout_s=60).run(body, timeout_s=60)
+    return said
