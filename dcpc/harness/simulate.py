@@ -118,7 +118,35 @@ def as_stored(schedule: m.Schedule, name: str, value: torch.Tensor,
         return value.to(torch.int64)
     if rounding == "toward_zero" and dtype.value == "bf16":
         return bf16_toward_zero(value).to(torch.float64)
+    if dtype.value.startswith("fp8"):
+        return fp8_value(fp8_bytes(value, dtype.value), dtype.value)
     return value.to(TORCH_DTYPES[dtype.value]).to(torch.float64)
+
+
+# an fp8 NaN's byte kept in the float64 NaN that holds it (torch's conversions keep a NaN's
+# sign only: e5m2's 0x7D, 0x7E come back as 0x7F), so that a move that changes a NaN's
+# payload mismatches: the quiet NaN's bits with this tag and the byte's low 7 bits (the
+# sign is the float64's own); a NaN computed (no tag) is stored as torch stores it
+_NAN_TAG, _NAN_MASK = 0x7FF8_0000_0000_0100, 0x7FFF_FFFF_FFFF_FF00
+
+
+def fp8_value(raw: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The float64 of fp8 bytes (uint8) of ``dtype``: the value, a NaN with its byte."""
+    value = raw.view(TORCH_DTYPES[dtype]).to(torch.float64)
+    sign = (raw.to(torch.int64) >> 7) << 63
+    tagged = (sign | _NAN_TAG | (raw.to(torch.int64) & 0x7F)).view(torch.float64)
+    return torch.where(torch.isnan(value), tagged, value)
+
+
+def fp8_bytes(value: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The fp8 bytes (uint8) of ``dtype`` that hold float64 ``value`` (``fp8_value``'s
+    inverse: a tagged NaN as its byte; anything else rounded as torch rounds it)."""
+    value = value.to(torch.float64).contiguous()
+    raw = value.to(TORCH_DTYPES[dtype]).view(torch.uint8)
+    bits = value.view(torch.int64)
+    tagged = torch.isnan(value) & ((bits & _NAN_MASK) == _NAN_TAG)
+    kept = ((bits < 0).to(torch.int64) << 7) | (bits & 0x7F)
+    return torch.where(tagged, kept.to(torch.uint8), raw)
 
 
 def empty_rows(

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from dcpc.harness.simulate import (
-    TORCH_DTYPES,
     UNSENT_INT,
     Buffers,
     as_stored,
     buffer_shape,
     empty_rows,
+    fp8_value,
     local_seq_len,
 )
 from dcpc.lang import expr as ex
@@ -324,10 +324,8 @@ def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator,
     """Random fp8 values of ``dtype`` (float64) over every byte, NaN of both signs and -0
     included; every row (the last dim) carries its ``FP8_EDGES`` in a run of columns from
     a random one on (wrapping), so that every row a ragged move sends carries them, and no
-    column always holds 0xFF (the poison's byte: a store dropped there would pass). An
-    e5m2 NaN's payload is lost where torch converts the float64 into float8_e5m2
-    (``as_stored``): bytes 0x7D, 0x7E are stored as 0x7F (0xFD, 0xFE as 0xFF), NaNs still
-    of both signs."""
+    column always holds 0xFF (the poison's byte: a store dropped there would pass). A
+    NaN keeps its byte (``fp8_value``): e5m2's payloads 0x7D, 0x7E, 0xFD, 0xFE too."""
     raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     rows = raw.reshape(-1, shape[-1] if shape else 1)
     count = min(len(FP8_EDGES[dtype]), rows.shape[1])
@@ -335,7 +333,7 @@ def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator,
     start = torch.randint(0, rows.shape[1], (rows.shape[0], 1), generator=gen)
     rows.scatter_(1, (start + torch.arange(count)) % rows.shape[1],
                   edges.expand(rows.shape[0], count))
-    return rows.view(TORCH_DTYPES[dtype.value]).to(torch.float64).reshape(shape)
+    return fp8_value(rows, dtype.value).reshape(shape)
 
 
 def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:

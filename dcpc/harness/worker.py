@@ -31,6 +31,8 @@ from dcpc.harness.simulate import (
     Buffers,
     alias_views,
     buffer_shape,
+    fp8_bytes,
+    fp8_value,
     persistent_start,
     seen_at,
     simulate_call,
@@ -118,7 +120,10 @@ def compare(
     float64 rounds them past 2**53)."""
     stats.compared += 1
     integer = not m.DType(dtype).is_float
-    got = _host(got.detach()).to(torch.int64 if integer else torch.float64)
+    got = _host(got.detach())
+    got = (fp8_value(got.contiguous().view(torch.uint8), dtype)
+           if got.dtype == TORCH_DTYPES.get(dtype) and dtype.startswith("fp8")
+           else got.to(torch.int64 if integer else torch.float64))
     if tuple(got.shape) != tuple(want.shape):
         stats.mismatches += 1
         stats.first_mismatch = stats.first_mismatch or (
@@ -138,16 +143,12 @@ def compare(
     special_ok = (got == want) | (torch.isnan(got) & torch.isnan(want))
     ok = torch.where(finite, err <= atol + rtol * want.abs().where(finite, zero), special_ok)
     if kind == "move" and dtype.startswith("fp8"):  # every fp8 byte is a value (float64
-        # holds each exactly, a NaN's sign too; e5m2's NaNs of one sign as one): compare the
-        # bytes too, so a -NaN or -0 a move turned positive mismatches (a comparison by
-        # value takes them for equal); the value comparison stays, so a value the fp8
+        # holds each exactly, a NaN's byte too: simulate.fp8_value): compare the bytes too,
+        # so that a NaN's payload or sign, or a -0, a move changed mismatches (a comparison
+        # by value takes them for equal); the value comparison stays, so a value the fp8
         # cannot hold (inf in e4m3, 1e6, 0.3) is not taken for the byte it rounds to
-        ok = ok & (_fp8_bytes(got, dtype) == _fp8_bytes(want, dtype))
+        ok = ok & (fp8_bytes(got, dtype) == fp8_bytes(want, dtype))
     _count(stats, ok, where, name, got, want, float, f", max abs err {max_err:.3g}")
-
-
-def _fp8_bytes(t: torch.Tensor, dtype: str) -> torch.Tensor:
-    return t.to(TORCH_DTYPES[dtype]).view(torch.uint8)
 
 
 def _compare_ints(name: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
@@ -180,7 +181,9 @@ def _count(stats: OutputStats, ok: torch.Tensor, where: str, name: str, got: tor
 def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor,
                device: torch.device | None = None) -> torch.Tensor:
     """``value`` as the engine holds ``name``: its dtype, contiguous, on ``device``."""
-    value = value.to(TORCH_DTYPES[schedule.buffers[name].dtype.value]).contiguous()
+    dtype = schedule.buffers[name].dtype.value
+    value = (fp8_bytes(value, dtype).view(TORCH_DTYPES[dtype]) if dtype.startswith("fp8")
+             else value.to(TORCH_DTYPES[dtype]).contiguous())
     if device is None or device.type == "cpu" or value.device == device:
         return value
     sync_stream(device)  # never a pageable copy behind a kernel that may spin (to_host)

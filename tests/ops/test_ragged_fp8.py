@@ -15,7 +15,7 @@ from support.schedules import errors, write
 
 from dcpc.harness import synth
 from dcpc.harness.run import RunConfig, format_report, run_schedule
-from dcpc.harness.simulate import TORCH_DTYPES
+from dcpc.harness.simulate import TORCH_DTYPES, fp8_bytes, fp8_value
 from dcpc.harness.worker import OutputStats, compare
 from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file
@@ -146,17 +146,38 @@ def test_a_value_e4m3_cannot_hold_is_not_taken_for_its_byte(got: float) -> None:
 # ---- fp8 e5m2: moves where e4m3 moves, bit for bit; no op computes on it ----------------
 def test_e5m2_payloads_are_drawn_over_every_byte() -> None:
     """NaN of both signs, +-inf, -0, +-57344 and the subnormals in every row sent; every
-    byte but the NaN payloads a float64 cannot keep (0x7D, 0x7E, 0xFD, 0xFE)."""
+    byte, the NaN payloads (0x7D, 0x7E, 0xFD, 0xFE) too: the float64 keeps a NaN's byte."""
     schedule = parse_file(E5M2, 2)
     assert synth.payload_fp8(schedule) & set(synth.engine_inputs(schedule)) == {"x_send"}
     sizes = synth.call_sizes(schedule, 2, synth.constructor_sizes(schedule, 2), 0, 0)
     edges = synth.FP8_EDGES[m.DType.fp8e5m2]
     for rank in synth.call_inputs(schedule, 2, sizes, 0, 0):
-        raw = rank["x_send"].to(torch.float8_e5m2).view(torch.uint8)
+        raw = fp8_bytes(rank["x_send"], "fp8e5m2")
         assert_rows_carry_edges(raw, edges)
         drawn = set(raw.flatten().tolist())
-        assert drawn == set(range(256)) - {0x7D, 0x7E, 0xFD, 0xFE}, sorted(
-            set(range(256)) - drawn)
+        assert drawn == set(range(256)), sorted(set(range(256)) - drawn)
+
+
+@pytest.mark.parametrize(("dtype", "sent", "got"), [
+    ("fp8e5m2", 0x7D, 0x7F), ("fp8e5m2", 0x7F, 0x7E), ("fp8e5m2", 0xFE, 0xFD),
+    ("fp8e5m2", 0x7E, 0xFE), ("fp8e4m3", 0x7F, 0xFF)])
+def test_a_nan_payload_a_move_changed_mismatches(dtype: str, sent: int, got: int) -> None:
+    """Issue 33: torch's float64 -> e5m2 made every NaN of a sign one byte, so a move that
+    changed a NaN's payload passed; the reference keeps the byte drawn (the engine gets it,
+    the comparison reads the engine's bytes), so one NaN byte flipped in a moved output
+    is a located mismatch; the same bytes pass."""
+    drawn = synth.full_range_fp8((2, 16), torch.Generator().manual_seed(1),
+                                 m.DType(dtype))
+    raw = fp8_bytes(drawn, dtype)
+    raw[1, 5] = sent
+    want = fp8_value(raw, dtype)  # the reference: the source's bytes, moved
+    out = raw.clone()
+    stats = OutputStats()
+    compare("x", "move", dtype, out.view(TORCH_DTYPES[dtype]), want, stats, "call 0")
+    assert stats.mismatches == 0, stats
+    out[1, 5] = got
+    compare("x", "move", dtype, out.view(TORCH_DTYPES[dtype]), want, stats, "call 0")
+    assert stats.mismatches == 1 and "x[1, 5] = nan" in stats.first_mismatch, stats
 
 
 @pytest.mark.parametrize("backend", ["torch", "local"])
