@@ -120,10 +120,7 @@ def compare(
     float64 rounds them past 2**53)."""
     stats.compared += 1
     integer = not m.DType(dtype).is_float
-    got = _host(got.detach())
-    got = (fp8_value(got.contiguous().view(torch.uint8), dtype)
-           if got.dtype == TORCH_DTYPES.get(dtype) and dtype.startswith("fp8")
-           else got.to(torch.int64 if integer else torch.float64))
+    got = _reference_form(_host(got.detach()), dtype)
     if tuple(got.shape) != tuple(want.shape):
         stats.mismatches += 1
         stats.first_mismatch = stats.first_mismatch or (
@@ -149,6 +146,14 @@ def compare(
         # cannot hold (inf in e4m3, 1e6, 0.3) is not taken for the byte it rounds to
         ok = ok & (fp8_bytes(got, dtype) == fp8_bytes(want, dtype))
     _count(stats, ok, where, name, got, want, float, f", max abs err {max_err:.3g}")
+
+
+def _reference_form(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """An engine's tensor of ``dtype`` as the reference holds it: float64 (an fp8 NaN with
+    its byte, ``fp8_value``), int64 for integers."""
+    if t.dtype == TORCH_DTYPES.get(dtype) and dtype.startswith("fp8"):
+        return fp8_value(t.contiguous().view(torch.uint8), dtype)
+    return t.to(torch.float64 if m.DType(dtype).is_float else torch.int64)
 
 
 def _compare_ints(name: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
@@ -461,7 +466,9 @@ def run_rank(
                             report.outputs.setdefault(key, OutputStats()), where,
                             unsent=unsent_at(trace, step.index, rank, name))
                 env[name] = got
-            seen = {k: _host(v).to(torch.float64) for k, v in env.items()}
+            seen = {k: _host(v).to(torch.float64) if k not in schedule.buffers else
+                    _reference_form(_host(v), schedule.buffers[k].dtype.value).double()
+                    for k, v in env.items()}
             for name, value in external(step, rank, seen).items():
                 value = _to_engine(schedule, name, value, dev)
                 if _module_owned(module, name):  # into the module's memory, as an engine would
