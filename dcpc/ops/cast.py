@@ -33,7 +33,7 @@ from pydantic import Field
 
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
-from dcpc.lang.nodes import Name, Node, OpBase
+from dcpc.lang.nodes import Name, Node, OpBase, int_sizes
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -148,6 +148,9 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
         why = f"one f32 scale per row of '{rows_of.name}' (its shape without the last dim)"
     if scale.group is not None:
         want, why = _grouped(v, scale, rows_of, shape)
+    elif shape is not None and middle_dims(op, shape) and tile_group(v.ctx.schedule, op,
+                                                                     shape) is None:
+        _no_tile(v, scale, rows_of, shape)
     if s.dtype.value != "f32":
         v.error(mark, "bad-scale",
                 f"scale '{scale.buffer}' of step '{v.step.name}' is {s.dtype.value}; scales "
@@ -171,7 +174,7 @@ def _grouped(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list | None
     g, mark = scale.group, scale.mark("group")
     why = (f"one f32 scale per {g} channels of each row of '{rows_of.name}': its shape "
            f"with the last dim divided by {g}")
-    if scale.per != "token" or g is None or g < 1 or g > 1024 or g & (g - 1):
+    if scale.per != "token" or g is None or not _tile(g):
         v.error(mark, "bad-scale",
                 f"step '{v.step.name}' groups its scales by {g} channels"
                 + ("" if scale.per == "token" else " with 'per: tensor'")
@@ -191,6 +194,46 @@ def _grouped(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list | None
                 hint=f"make the last dim of '{rows_of.name}' a multiple of {g}")
         return None, why
     return [*shape[:-1], last], why
+
+
+def middle_dims(op: OpBase, shape: list) -> bool:
+    """A per-token cast without ``group`` on a ragged_all_to_all whose rows have more than
+    one dim after the capacity (``[W, C, 2, H]``): one scale per row of the LAST dim (the
+    reference's rule), which the kernel, whose row is every dim after the capacity, takes
+    as ``group`` = the last dim (``tile_group``)."""
+    scale: Scale | None = getattr(op, "scale", None)
+    return (op.op == "ragged_all_to_all" and scale is not None and scale.per == "token"
+            and scale.group is None and len(shape) > 3)
+
+
+def _tile(g: int) -> bool:
+    """A group the kernel tiles: a power of two up to 1024 (its column tile)."""
+    return 1 <= g <= 1024 and not g & (g - 1)
+
+
+def tile_group(schedule: ScheduleView, op: OpBase, shape: list) -> int | None:
+    """The channels per scale of the kernel's grouped tile: ``group``, or for a cast with
+    ``middle_dims`` its last dim, when that is an integer (of sizes declared as plain
+    integers) the kernel tiles; None otherwise (one scale per kernel row, or refused)."""
+    scale: Scale | None = getattr(op, "scale", None)
+    if scale is None or not middle_dims(op, shape):
+        return scale.group if scale is not None else None
+    fixed = int_sizes(schedule)
+    last = shape[-1]
+    g = ex.evaluate(last, fixed) if ex.symbols(last) <= fixed.keys() else None
+    return g if g is not None and _tile(g) else None
+
+
+def _no_tile(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list) -> None:
+    """A ``middle_dims`` cast whose last dim the kernel cannot tile: refused, located."""
+    dims = ", ".join(ex.unparse(d) for d in shape)
+    v.error(scale.mark("per"), "bad-scale",
+            f"step '{v.step.name}' scales '{rows_of.name}' [{dims}] per token: one scale per "
+            f"row of its last dim {ex.unparse(shape[-1])}, which the kernel takes as a group "
+            "of channels, so that dim must be a power of two up to 1024, of integer sizes",
+            hint=f"make the last dim of '{rows_of.name}' a power of two up to 1024 (a size "
+            "declared as an integer, e.g. 'H: 128'), or give its rows one dim after the "
+            "capacity (one scale per whole row)")
 
 
 def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None,
@@ -277,7 +320,7 @@ def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
     mode = CAST_MODES[(way, op.scale.per)] if way is not None and op.scale is not None else 0
     pair = payload(op)
     assert pair is not None
-    group = op.scale.group if op.scale is not None else None
+    group = tile_group(ctx.schedule, op, ctx.shape(pair[1]))
     return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
             "bf16_out": ctx.buffers[pair[1]].dtype == "bf16",
             **({"group": group} if group is not None else {})}  # per G channels: a tile

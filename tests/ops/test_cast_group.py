@@ -217,5 +217,56 @@ def test_grouped_casts_are_exact_on_kernels_torch_and_reference() -> None:
     assert result == {f"{h}/{m}": want for h in (128, 256) for m in (1, 3)}, result
 
 
+MIDDLE = """\
+schedule: token_mid
+sizes: {{C: {{max: 3}}, H: {h}}}
+buffers:
+  x_send: {{shape: [W, C, 2, H], dtype: bf16}}
+  counts: {{shape: [W], dtype: i32}}
+  q_recv: {{shape: [W, C, 2, H], dtype: fp8e4m3, symmetric: true}}
+  s_recv: {{shape: [W, C, 2], dtype: f32, symmetric: true}}
+  n_recv: {{shape: [W], dtype: i32, symmetric: true}}
+  y_back: {{shape: [W, C, 2, H], dtype: f16, symmetric: true}}
+  n_back: {{shape: [W], dtype: i32, symmetric: true}}
+steps:
+  - there: {{op: ragged_all_to_all, src: x_send, dst: q_recv, counts: counts,
+            recv_counts: n_recv, capacity: C, scale: {{per: token, buffer: s_recv}}}}
+  - back:  {{op: ragged_all_to_all, src: q_recv, dst: y_back, counts: n_recv,
+            recv_counts: n_back, capacity: C, scale: {{per: token, buffer: s_recv}}}}
+  - use:   {{op: external, reads: [q_recv, s_recv, y_back, n_back]}}
+  - done:  {{op: barrier}}
+"""
+
+
+@pytest.mark.e2e
+def test_per_token_rows_with_middle_dims_match_float64_on_the_kernels(tmp_path: Path) -> None:
+    """Rows [2, H] after the capacity, per token without ``group``: one scale per row of
+    the last dim (the reference's rule), which the kernel takes as ``group: H`` (its own
+    row is every dim after the capacity: it made one scale of 2H channels before)."""
+    from support.schedules import run_clean
+
+    path = tmp_path / "token_mid.yaml"
+    path.write_text(MIDDLE.format(h=32))
+    report, text = run_clean(schedule=str(path), world=2, backend="local", calls=3, seed=0,
+                             programs=2)
+    for name in ("q_recv", "s_recv", "y_back"):
+        assert report.outputs[name].compared == 3 * 2, (name, text)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("h", ["24", "{multiple_of: W}"])
+def test_middle_dims_with_a_last_dim_the_kernel_cannot_tile_are_refused(h: str,
+                                                                       tmp_path: Path) -> None:
+    """No power of two (24), or no integer (bound at construction): ``bad-scale`` at each
+    cast's ``per: token``, naming the buffer's shape and what to write."""
+    from support.schedules import diagnostics
+
+    found = diagnostics(MIDDLE.format(h=h), tmp_path, "mid.yaml")
+    assert [(d.code, d.mark.line, d.mark.col) for d in found] == [
+        ("bad-scale", 13, 60), ("bad-scale", 15, 60)], found  # at "token"
+    assert "'q_recv' [W, C, 2, H] per token" in found[0].message, found[0].message
+    assert "power of two up to 1024" in found[0].message
+    assert found[0].hint is not None and "one dim after the capacity" in found[0].hint
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["group"]:
     _child()
