@@ -33,7 +33,7 @@ from pydantic import Field
 
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
-from dcpc.lang.nodes import Name, Node, OpBase, int_sizes
+from dcpc.lang.nodes import Int, Name, Node, OpBase, int_sizes
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -49,7 +49,7 @@ WIDE = ("bf16", "f16", "f32")
 class Scale(Node):
     per: Literal["tensor", "token"] = Field(description="one scale per tensor or per row")
     buffer: Name = Field(description="f32: [1] (tensor), or the rows' shape (token)")
-    group: int | None = Field(default=None, description="per token: one scale per this "
+    group: Int | None = Field(default=None, description="per token: one scale per this "
                               "many channels (a power of two, e.g. DeepEP's 128)")
 
 

@@ -108,6 +108,9 @@ BACK = {"src": "fp8e4m3", "dst": "f16", "s_sym": "", "reads": "[y, m]"}  # s: th
     ({"group": 2048, "s_shape": "[W, C, 1]"}, [("bad-scale", 11, 38)]),  # past 1024
     ({"per": "tensor", "s_shape": "[1]", "s_sym": "", "reads": "[y, m]"},
      [("bad-scale", 11, 39)]),
+    ({"group": "true"}, [("wrong-type", 11, 38)]),  # a strict integer, as 'groups'
+    ({"group": '"128"'}, [("wrong-type", 11, 38)]),
+    ({"group": "128.0"}, [("wrong-type", 11, 38)]),
 ])
 def test_verifier(change: dict[str, Any], want: list[tuple[str, int, int]],
                   tmp_path: Path) -> None:
