@@ -187,10 +187,13 @@ def _grouped(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list | None
     last = div(shape[-1], ("num", g))
     example = v.ctx.samples.inexact(last)
     if example is not None:
+        names = example.names([shape[-1]])  # type: ignore[attr-defined]
+        world = example.world  # type: ignore[attr-defined]
+        where = (f" for W={world}" if ex.symbols(shape[-1]) else "") + (
+            f" ({names})" if names else "")  # a literal length: no W, no sizes
         v.error(mark, "inexact-division",
                 f"step '{v.step.name}' groups the rows of '{rows_of.name}' by {g} channels, "
-                f"but their length {ex.unparse(shape[-1])} is not a multiple of {g} for "
-                f"W={example.world} ({example.names([shape[-1]])})",  # type: ignore[attr-defined]
+                f"but their length {ex.unparse(shape[-1])} is not a multiple of {g}{where}",
                 hint=f"make the last dim of '{rows_of.name}' a multiple of {g}")
         return None, why
     return [*shape[:-1], last], why

@@ -125,6 +125,10 @@ def test_a_located_message_names_the_group_and_the_rows(tmp_path: Path) -> None:
     (d,) = diagnostics(text(h=192, s_shape="[W, C, 2]"), tmp_path, "cast.yaml")
     assert "by 128 channels" in d.message and "'y'" in d.message and "H=192" in d.message
     assert d.hint == "make the last dim of 'y' a multiple of 128"
+    assert "H=192" in d.message and "for W=" in d.message, d.message  # H named: its binding
+    literal = text(s_shape="[W, C, 2]").replace("[W, C, H]", "[W, C, 192]")
+    (d,) = diagnostics(literal, tmp_path, "cast.yaml")  # a literal length: nothing to bind
+    assert d.message.endswith("their length 192 is not a multiple of 128"), d.message
     (d,) = diagnostics(text(s_shape="[W, C]"), tmp_path, "cast.yaml")
     assert "per 128 channels" in d.message, d.message
 
