@@ -5,8 +5,9 @@ verifier (a wrong ``s`` shape, a row that is no whole number of groups, a group 
 no power of two or per tensor: refused, located), and the kernels (ranks as threads:
 the ``local`` backend on CPU) equal bit for bit to the torch backend and the float64
 reference on rows with a group of zeros, NaN, inf and values past 448, at H = G and
-H = 2G. The runs at W = 2, 3, 4 against float64 on every backend are
-schedules/ops/ragged_all_to_all_fp8_group.yaml's (tests/ops/test_op_schedules.py).
+H = 2G. schedules/ops/ragged_all_to_all_fp8_group.yaml runs against float64 at W = 2, 3,
+4 on the host backend (tests/ops/test_op_schedules.py), and here on the torch backend
+(W = 3) and the local one (W = 2).
 """
 
 from __future__ import annotations
@@ -222,6 +223,22 @@ def test_grouped_casts_are_exact_on_kernels_torch_and_reference() -> None:
     result = child_result(__file__, "group")  # about 10 s of interpreter
     want = {"exact": True, "torch": True, "nan": True}
     assert result == {f"{h}/{m}": want for h in (128, 256) for m in (1, 3)}, result
+
+
+OP_FILE = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_fp8_group.yaml"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("world", "backend"), [(3, "torch"), (2, "local")], ids=str)
+def test_the_op_file_matches_float64_on_torch_and_local(world: int, backend: str) -> None:
+    """Every output and both scale buffers, every call, bit for bit (about 10 s each)."""
+    from support.schedules import run_clean
+
+    report, text = run_clean(schedule=str(OP_FILE), world=world, backend=backend, calls=4,
+                             seed=1, programs=2)
+    for name in ("q_recv", "s_recv", "y_back", "q", "s", "y"):
+        stats = report.outputs[name]  # type: ignore[attr-defined]
+        assert stats.compared == 4 * world and stats.max_abs_err == 0.0, (name, text)
 
 
 MIDDLE = """\
