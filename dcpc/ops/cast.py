@@ -323,10 +323,12 @@ def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
     mode = CAST_MODES[(way, op.scale.per)] if way is not None and op.scale is not None else 0
     pair = payload(op)
     assert pair is not None
-    group = tile_group(ctx.schedule, op, ctx.shape(pair[1]))
+    group = op.scale.group if op.scale is not None else None  # s's shape (torch's call)
+    tile = tile_group(ctx.schedule, op, ctx.shape(pair[1]))  # the kernel's channels per scale
     return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
             "bf16_out": ctx.buffers[pair[1]].dtype == "bf16",
-            **({"group": group} if group is not None else {})}  # per G channels: a tile
+            **({"group": group} if group is not None else {}),
+            **({"tile": tile} if tile is not None else {})}
 
 
 def lower_move(ctx: LowerRules, step: Step) -> Any:

@@ -263,18 +263,22 @@ steps:
 
 
 @pytest.mark.e2e
-def test_per_token_rows_with_middle_dims_match_float64_on_the_kernels(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("world", "backend"), [(2, "local"), (3, "torch")], ids=str)
+def test_per_token_rows_with_middle_dims_match_float64(world: int, backend: str,
+                                                       tmp_path: Path) -> None:
     """Rows [2, H] after the capacity, per token without ``group``: one scale per row of
-    the last dim (the reference's rule), which the kernel takes as ``group: H`` (its own
-    row is every dim after the capacity: it made one scale of 2H channels before)."""
+    the last dim (the reference's rule), which the kernel takes as its tile of H channels
+    (its own row is every dim after the capacity: it made one scale of 2H channels
+    before), while the torch backend's call keeps the scales' shape [W, C, 2]."""
     from support.schedules import run_clean
 
     path = tmp_path / "token_mid.yaml"
     path.write_text(MIDDLE.format(h=32))
-    report, text = run_clean(schedule=str(path), world=2, backend="local", calls=3, seed=0,
-                             programs=2)
+    report, text = run_clean(schedule=str(path), world=world, backend=backend, calls=3,
+                             seed=0, programs=2)
     for name in ("q_recv", "s_recv", "y_back"):
-        assert report.outputs[name].compared == 3 * 2, (name, text)  # type: ignore[attr-defined]
+        stats = report.outputs[name]  # type: ignore[attr-defined]
+        assert stats.compared == 3 * world, (name, text)
 
 
 @pytest.mark.parametrize("h", ["24", "{multiple_of: W}"])
