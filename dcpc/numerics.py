@@ -69,12 +69,26 @@ def scale_fault(value: float) -> str | None:
     return None
 
 
-def token_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, inverse) of each row (last dim) for a per-token e4m3 cast, in fp32:
-    ``amax = max(|row|, SCALE_FLOOR)``, ``scale = amax / 448``, ``inverse = 448 / amax``;
-    the row is sent as ``round_e4m3(row * inverse)`` and read back as ``q * scale``."""
-    amax = rows.float().abs().amax(dim=-1).clamp(min=SCALE_FLOOR)
+def token_scales(rows: torch.Tensor, group: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, inverse) of each group of ``group`` channels of each row (last dim) for an
+    e4m3 cast, in fp32: ``amax = max(|group|, SCALE_FLOOR)``, ``scale = amax / 448``,
+    ``inverse = 448 / amax``; a group is sent as ``round_e4m3(x * inverse)`` and read
+    back as ``q * scale`` (``spread`` puts a group's scale on each of its channels).
+    ``group`` None: per token, the whole row one group, the scales ``rows``' shape
+    without its last dim; else DeepEP's per-128-channel scales, ``[..., H / group]``."""
+    x = rows.float()
+    width = x.shape[-1] if group is None else group
+    groups = x.abs().reshape(*x.shape[:-1], x.shape[-1] // width, width)
+    amax = groups.amax(dim=-1).clamp(min=SCALE_FLOOR)
+    amax = amax.squeeze(-1) if group is None else amax
     return ieee_div(amax, FP8_E4M3_MAX), ieee_div(FP8_E4M3_MAX, amax)
+
+
+def spread(scales: torch.Tensor, group: int | None) -> torch.Tensor:
+    """``token_scales``' per-group values on every channel of their group (broadcastable
+    against the rows): per token ``s[..., None]``; per group ``s[..., c // group]``."""
+    return scales[..., None] if group is None else scales.repeat_interleave(group, dim=-1)
 
 
 def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
