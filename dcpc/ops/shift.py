@@ -75,6 +75,7 @@ from pydantic import StrictBool
 from dcpc.lang.expr import OWNER, Expr, evaluate, parse, product, symbols
 from dcpc.lang.mesh import MAX_WORLD, mesh_of
 from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
+from dcpc.lang.when import running as running_at
 from dcpc.ops._split import matched, torch_handshake, verify_matched, wait_first
 from dcpc.ops.common import (
     BEFORE,
@@ -84,6 +85,7 @@ from dcpc.ops.common import (
     Scope,
     Semantics,
     Sync,
+    chain,
     effects,
     keyed,
     offset_peers,
@@ -91,13 +93,16 @@ from dcpc.ops.common import (
     typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
-from dcpc.topology import shape_of, team_table, torus
+from dcpc.topology import MeshWorld, shape_of, team_table, torus
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Set
+
     from dcpc.lang.nodes import ScheduleView
     from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 NAMED = {"next": 1, "prev": -1}
+Stuck = dict[int, tuple[int, int]]  # rank -> (its step in a span, the rank it waits for)
 MAX_OFFSET = 2**31 - 1
 
 
@@ -347,51 +352,72 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
                 "after it",
                 f"move '{between.name}' before '{step.name}' or after '{put.name}'")
         return
-    clash = _span_clash(v.ctx, step)
-    if clash is not None:
-        other, differ = clash
-        v.error(op.mark("phase"), "wait-first-span",
-                f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
-                f"send), and the waits written before their puts that overlap it include "
-                f"'{other.name}', a shift along another chain on a common axis ({differ}): "
-                "one chain is one set of rank -> peer edges at each W, however it is "
-                "written; two chains may interleave only along axes apart (no axis in "
-                "common), else a rank may wait there for what it sends only after its put",
-                f"move '{other.name}' and its put out of the span of '{step.name}', or "
-                "run the two chains along different axes")
-        return
+    _verify_live(v, step, put)
     _verify_put_order(v, step, put)
 
 
-def _span_clash(holder: Any, step: Step) -> tuple[Step, str] | None:
-    """Another wait written before its put, in the merged span that holds ``step``'s
-    (overlapping spans, docs/hb-checker.md), whose chain differs from ``step``'s on a
-    common axis (with where the edges differ), or None. Chains equal, or along axes
-    apart, are live interleaved: a cycle through their edges would be a closed walk in
-    each chain's own team graph (an edge along other axes keeps those coordinates)."""
-    spans = sorted((s.index, p.index) for s in holder.schedule.step_list()
-                   if isinstance(s.op, Shift) and (p := wait_first(holder, s)) is not None)
-    start, end = step.index, wait_first(holder, step).index  # type: ignore[union-attr]
-    grown = True
-    while grown:  # the overlapping spans, merged
-        grown = False
-        for a, b in spans:
-            if a <= end and b >= start and (a < start or b > end):
-                start, end, grown = min(a, start), max(b, end), True
+def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
+    """The merged span that ``step`` opens (said once, at its first wait) run under its
+    blocking semantics at every W (and mesh shape) checked (``span_run``): refused where
+    some rank blocks forever, with the cycle of waits; then again with each put waiting
+    for its receive (the torch backend), refused where only that hangs."""
+    holder = v.ctx
+    ends = spans(holder)
+    if step.index not in ends:
+        return
+    steps = holder.schedule.step_list()[step.index:ends[step.index] + 1]
+    if not all(chain(holder.semantics[s.index].sync.wait) for s in steps
+               if isinstance(s.op, Shift) and s.op.phase == "wait"):
+        return  # a ring's wait first: its edge stays, the cycle is the checker's deadlock
+    for world in _span_worlds(holder, steps):
+        running = running_at(holder.schedule, world)
+        _, stuck = span_run(holder, steps, world, running)
+        torch = not stuck
+        if torch:
+            _, stuck = span_run(holder, steps, world, running, rendezvous=True)
+        if not stuck:
+            continue
+        at = f"W={int(world)}" + (f" (mesh {'x'.join(map(str, shape_of(world)))})"
+                                  if len(shape_of(world)) > 1 else "")
+        where = (" where a put blocks until its receiver posts the receive (the torch "
+                 "backend, gloo or NCCL; the kernels' put does not block)" if torch else "")
+        v.error(step.op.mark("phase"), "wait-first-span",
+                f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
+                f"send), but the span of waits written before their puts from it to "
+                f"'{steps[-1].name}', run rank by rank at {at}, hangs{where}: "
+                f"{hang_text(holder, steps, stuck)}",
+                "make each rank's waits come after what they wait for: e.g. a forward and a "
+                "backward hand-off on one axis each its own span (wait, compute, put), one "
+                "after the other")
+        return
+
+
+SPAN_WORLDS = 64  # the largest team size _span_worlds adds to those checked
+
+
+def _span_worlds(holder: Any, steps: list[Step]) -> list[Any]:
+    """Where a span's liveness is decided: every W (mesh shape) checked and, for offsets
+    (a module of them runs at a W past those checked), each team size up to the
+    happens-before checker's world bound for the span's waits (|k| ranks per wait of a
+    shift by k: a cycle of waits links ranks at most that far apart), at most
+    SPAN_WORLDS; a perm fixes W (one file per W)."""
+    from dcpc.check.hb.bound import bound_for  # the check layer's fact (imports ops)
+
+    worlds = list(holder.samples.worlds)
+    ops = [s.op for s in steps if isinstance(s.op, Shift) and s.op.phase == "wait"]
+    if any(op.perm is not None for op in ops):
+        return worlds
+    reach = min(bound_for(sum(abs(delta(op)) for op in ops), 1), SPAN_WORLDS)
     mesh = mesh_of(holder.schedule)
-    every = frozenset(range(len(mesh.axes)))
-
-    def axes(op: Shift) -> frozenset[int]:
-        return frozenset(mesh.team_axes(op) or every)
-
-    steps = holder.schedule.step_list()
-    for a, _ in spans:
-        other = steps[a]
-        if start <= a <= end and a != step.index and axes(other.op) & axes(step.op):
-            differ = _differ(holder, step.op, other.op)
-            if differ is not None:
-                return other, differ
-    return None
+    axes = {a for op in ops for a in mesh.team_axes(op) or range(len(mesh.axes))}
+    out = dict.fromkeys(worlds)
+    for world in worlds:
+        shape = shape_of(world)
+        for a in sorted(axes):
+            for size in range(2, reach + 1):
+                grown = (*shape[:a], size, *shape[a + 1:])
+                out.setdefault(MeshWorld(grown) if len(shape) > 1 else size)
+    return list(out)
 
 
 def _between(holder: Any, op: Shift, between: Step) -> str | None:
@@ -408,32 +434,6 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
         return ("puts for a wait written after it (on the torch backend its exchange "
                 "would be taken by this wait's receive: only the puts of waits written "
                 "before them may stand there)")
-    return None
-
-
-def _differ(holder: Any, op: Shift, other: Shift) -> str | None:
-    """Where ``other`` moves data along another chain than ``op``, or None: one chain is
-    the set of (source -> receiving rank) edges the shift realises at each W checked
-    (``sources``; along an axis, every team's), not its spelling: ``perm: r + 1`` and
-    ``offset: next, wrap: false`` are one chain, a perm that differs at one rank is not.
-    Two offsets are compared as written (team axes, offset, wrap): their edges at the W
-    checked may agree (none at all when the offset passes every team size checked) while
-    a larger W, which the module does not refuse, links other ranks."""
-    team = mesh_of(holder.schedule).team_axes
-    offsets = op.perm is None and other.perm is None
-    if offsets and (team(op), delta(op), op.wrap) == (team(other), delta(other), other.wrap):
-        return None
-    for world in holder.samples.worlds:
-        mine = sources(holder.schedule, op, world)
-        theirs = sources(holder.schedule, other, world)
-        if mine == theirs:
-            continue
-        r = min(set(mine) ^ set(theirs) or {q for q in mine if mine[q] != theirs[q]})
-        there, here = (f"from rank {q[r]}" if r in q else "nothing" for q in (theirs, mine))
-        return f"at W={world} rank {r} receives {there} by it, {here} by the wait"
-    if offsets:  # no W checked shows it (an offset past every team size checked)
-        return (f"its offset {delta(other)} is not the wait's {delta(op)}: at a W past both "
-                "they link other ranks")
     return None
 
 
@@ -473,33 +473,105 @@ def sources(schedule: ScheduleView, op: Shift, world: int) -> dict[int, int]:
     return {r: s for r, s in found.items() if s is not None}
 
 
-def chain_order(schedule: ScheduleView, ops: list[Shift], world: int) -> list[int]:
-    """The ranks in the order the waits written before their puts of one merged span
-    (``ops``: their shifts) finish on them: a rank after every rank it receives from by
-    any of them (the first rank of each chain waits for nobody; a team along an axis:
-    each team's chain in that order). Only for chains whose edges together have no
-    cycle (one chain, or chains along axes apart: ``_span_clash``)."""
-    source = [sources(schedule, op, world) for op in ops]
-    order: list[int] = []
-    done: set[int] = set()
-    for start in range(int(world)):
-        stack, path = [start], {start}
-        while stack:  # depth first: every source of a rank before it
-            r = stack[-1]
-            # a source on the path would be a cycle (refused): not waited for, so this
-            # ends on any input
-            pending = [q for m in source
-                       if (q := m.get(r)) is not None and q not in done and q not in path]
-            if pending:
-                stack.append(pending[0])
-                path.add(pending[0])
-            else:
-                stack.pop()
-                path.discard(r)
-                if r not in done:
-                    done.add(r)
-                    order.append(r)
-    return order
+def spans(holder: Any) -> dict[int, int]:
+    """The spans that run along chains: from a shift's wait written before its put to
+    that put (``wait_first``), overlapping spans merged (wait A, wait B, compute, put B,
+    put A: one span, of one chain or several): first step index -> last."""
+    found = sorted((s.index, p.index) for s in holder.schedule.step_list()
+                   if isinstance(s.op, Shift) and (p := wait_first(holder, s)) is not None)
+    out: dict[int, int] = {}
+    first = -1
+    for start, end in found:
+        if first >= 0 and start <= out[first]:
+            out[first] = max(out[first], end)
+        else:
+            out[start] = end
+            first = start
+    return out
+
+
+def receiver(holder: Any, steps: list[Step], world: Any, k: int) -> dict[int, int]:
+    """Sender -> receiving rank of the put ``steps[k]`` at ``world`` (by its wait's
+    ``sources``)."""
+    wait = matched(holder).lands[steps[k].name]
+    return {q: r for r, q in sources(holder.schedule, wait.op, world).items()}
+
+
+def span_run(holder: Any, steps: list[Step], world: Any, running: Mapping[int, Set[int]],
+             *, rendezvous: bool = False) -> tuple[list[tuple[int, int]], Stuck]:
+    """A merged span (``spans``: the waits written before their puts, those puts, the
+    local steps between) run under its blocking semantics at ``world``: each rank runs
+    its steps in order (the ones its ``when:`` runs, ``running``), a wait on a rank that
+    receives by it returns once its source ran the put it polls (the k-th of the edge),
+    a put and a local step never block; ``rendezvous``: a put also waits until its
+    receiver has posted the receive (the torch backend: gloo, NCCL), which the receiver
+    does at the first wait for that sender whose put the sender makes at or after this
+    one (``collectives.shift`` receives there every earlier message of that sender).
+    Each rank runs as far as it can, over and over, until none moves. Returns the steps
+    run, in an order that respects every wait ((rank, position in ``steps``)), and the
+    ranks that block forever: rank -> (position, the rank it waits for). Exact: the
+    blocking is monotone (a step that may run stays so), so the order tried is
+    immaterial."""
+    found, n = matched(holder), int(world)
+    at = {s.index: k for k, s in enumerate(steps)}
+    waits = {k: sources(holder.schedule, s.op, world) for k, s in enumerate(steps)
+             if isinstance(s.op, Shift) and s.op.phase == "wait"}
+    polls = {k: at[found.polls[steps[k].name].index] for k in waits}
+    to = {k: receiver(holder, steps, world, k) for k, s in enumerate(steps)
+          if isinstance(s.op, Shift) and s.op.phase == "put"}
+    pos = [0] * n
+
+    def runs(k: int, r: int) -> bool:
+        ranks = running.get(steps[k].index)
+        return ranks is None or r in ranks
+
+    def posted(k: int, r: int, p: int) -> int | None:
+        """Where rank ``p`` posts the receive of rank ``r``'s put ``steps[k]``."""
+        return next((w for w in sorted(waits) if runs(w, p) and waits[w].get(p) == r
+                     and polls[w] >= k), None)
+
+    def blocker(r: int) -> int | None:
+        k = pos[r]
+        if not runs(k, r):
+            return None
+        if k in waits and (q := waits[k].get(r)) is not None:
+            return None if pos[q] > polls[k] else q
+        if rendezvous and k in to and (p := to[k].get(r)) is not None:
+            w = posted(k, r, p)
+            return None if w is None or pos[p] >= w else p
+        return None
+
+    events: list[tuple[int, int]] = []
+    moved = True
+    while moved:
+        moved = False
+        for r in range(n):
+            while pos[r] < len(steps) and blocker(r) is None:
+                if runs(pos[r], r):
+                    events.append((r, pos[r]))
+                pos[r] += 1
+                moved = True
+    return events, {r: (pos[r], q) for r in range(n) if pos[r] < len(steps)
+                    and (q := blocker(r)) is not None}
+
+
+def hang_text(holder: Any, steps: list[Step], stuck: Stuck) -> str:
+    """The cycle of waits of a span that hangs (``span_run``), as words."""
+    r, seen = min(stuck), []
+    while r not in seen and r in stuck:
+        seen.append(r)
+        r = stuck[r][1]
+    cycle = seen[seen.index(r):] if r in seen else seen
+    parts = []
+    for q in cycle:
+        k, peer = stuck[q]
+        step = steps[k]
+        parts.append(f"rank {q} waits at '{step.name}' for rank {peer}'s "
+                     f"'{matched(holder).polls[step.name].name}'" if step.op.phase == "wait"
+                     else f"rank {q}'s put '{step.name}' waits for rank {peer} to post its "
+                     "receive")
+    ring = " -> ".join(map(str, [*cycle, cycle[0]]))
+    return f"{'; '.join(parts)} (the cycle of waits {ring})"
 
 
 def reference(sim: SimView, step: Step) -> None:
