@@ -438,20 +438,22 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
 
 
 def _verify_put_order(v: ShapeRules, step: Step, put: Step) -> None:
-    """Two waits written before their puts, interleaved (wait A, wait B, put A, put B):
-    the puts come in the order of their waits. Any order is live (the chain argument),
-    but a backend that matches the messages between two ranks in order (torch: gloo,
-    NCCL) would hand wait A the data of put B."""
+    """Two waits written before their puts, interleaved, their puts the other way round
+    (wait A, wait B, put B, put A): live where the span's run says so, and the torch
+    backend receives put B's message at wait A where it comes from the same rank
+    (``_early``), but only where both waits run on every rank: refused where either has a
+    ``when:`` (the rank that would receive early may skip the later wait)."""
     for other in v.ctx.schedule.step_list()[step.index + 1:put.index]:
         theirs = wait_first(v.ctx, other) if isinstance(other.op, Shift) else None
-        if theirs is None or theirs.index > put.index:
+        if theirs is None or theirs.index > put.index or (
+                step.op.when is None and other.op.when is None):
             continue
         v.error(theirs.op.mark("phase"), "wait-first-span",
                 f"step '{theirs.name}' puts before '{put.name}', but their waits come the "
-                f"other way round ('{step.name}' waits before '{other.name}'): the puts of "
-                "interleaved waits written before them come in the order of those waits "
-                "(the torch backend, gloo or NCCL, matches the messages between two ranks "
-                f"in order: '{step.name}' would receive what '{theirs.name}' sends)",
+                f"other way round ('{step.name}' waits before '{other.name}') and one of "
+                "them has a 'when:': the torch backend (gloo or NCCL matches the messages "
+                f"between two ranks in order) receives '{theirs.name}''s message at "
+                f"'{step.name}' only where both waits run on every rank",
                 f"put '{put.name}' before '{theirs.name}', or wait for '{other.name}' "
                 f"before '{step.name}'")
         return
@@ -505,8 +507,9 @@ def span_run(holder: Any, steps: list[Step], world: Any, running: Mapping[int, S
     receives by it returns once its source ran the put it polls (the k-th of the edge),
     a put and a local step never block; ``rendezvous``: a put also waits until its
     receiver has posted the receive (the torch backend: gloo, NCCL), which the receiver
-    does at the first wait for that sender whose put the sender makes at or after this
-    one (``collectives.shift`` receives there every earlier message of that sender).
+    does at its first wait for that sender on the put's group (team axes) whose put the
+    sender makes at or after this one (``collectives.shift`` receives there every
+    earlier message of that sender on the group: ``_early``).
     Each rank runs as far as it can, over and over, until none moves. Returns the steps
     run, in an order that respects every wait ((rank, position in ``steps``)), and the
     ranks that block forever: rank -> (position, the rank it waits for). Exact: the
@@ -525,10 +528,14 @@ def span_run(holder: Any, steps: list[Step], world: Any, running: Mapping[int, S
         ranks = running.get(steps[k].index)
         return ranks is None or r in ranks
 
+    team = mesh_of(holder.schedule).team_axes
+    group = {k: team(found.lands[s.name].op) for k, s in enumerate(steps) if k in to}
+
     def posted(k: int, r: int, p: int) -> int | None:
-        """Where rank ``p`` posts the receive of rank ``r``'s put ``steps[k]``."""
+        """Where rank ``p`` posts the receive of rank ``r``'s put ``steps[k]``: its first
+        wait on the put's group (team axes) from ``r`` whose put comes at or after it."""
         return next((w for w in sorted(waits) if runs(w, p) and waits[w].get(p) == r
-                     and polls[w] >= k), None)
+                     and polls[w] >= k and team(steps[w].op) == group[k]), None)
 
     def blocker(r: int) -> int | None:
         k = pos[r]
@@ -639,6 +646,9 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                # a put written before its wait: the torch backend moves the data and
                # handshakes there, not at the wait (dcpc.ops._split.torch_handshake)
                **torch_handshake(ctx, step),
+               # a span whose puts some sender makes in another order than their
+               # waits: on the torch backend a wait receives the earlier messages too
+               **_early(ctx, step),
                **(_perm_attrs(ctx.schedule, op) if op.perm is not None else {})},
         signalling=True,
     )
@@ -673,6 +683,30 @@ def _inner(holder: Any, step: Step) -> bool:
         return False
     return any(put.index > step.index for other in holder.schedule.step_list()[:step.index]
                if isinstance(other.op, Shift) and (put := wait_first(holder, other)))
+
+
+def _early(holder: Any, step: Step) -> dict[str, Any]:
+    """At a wait written before its put, in a span where two such waits on one group
+    (the same team axes) have their puts the other way round: ``early``, the indices of
+    the later waits of the span on its group whose puts come before its put, in the
+    order of those puts (the torch backend receives their messages here where they
+    come from the same rank: ``collectives.shift``); else nothing (every plan as it was)."""
+    if wait_first(holder, step) is None:
+        return {}
+    ends = spans(holder)
+    start = max(s for s in ends if s <= step.index)
+    found, team = matched(holder), mesh_of(holder.schedule).team_axes
+    firsts = [s for s in holder.schedule.step_list()[start:ends[start] + 1]
+              if isinstance(s.op, Shift) and wait_first(holder, s) is not None]
+
+    def put(s: Step) -> int:
+        return found.polls[s.name].index
+
+    if not any(put(a) > put(b) for a in firsts for b in firsts
+               if a.index < b.index and team(a.op) == team(b.op)):
+        return {}
+    return {"early": [b.index for b in sorted(firsts, key=put) if b.index > step.index
+                      and put(b) < put(step) and team(b.op) == team(step.op)]}
 
 
 def _perm_attrs(schedule: ScheduleView, op: Shift) -> dict[str, Any]:
