@@ -19,16 +19,16 @@ The checker's world bound counts |k| ranks per wait of a shift.
 A ``phase: wait`` may come BEFORE its put on a chain (``wrap: false``, a perm with no
 cycle): the pipeline stage's receive, compute, send (``wait_first``). The k-th wait of
 a (src, dst, offset, wrap) polls the k-th put of it whichever comes first; only local
-steps, and other such waits of the same chain (the same rank -> peer edges at the W
-checked, however written: ``perm: r + 1`` is ``offset: next, wrap: false``; or of a
-chain along mesh axes apart, ``_span_clash``) with their puts, may stand between such a
-wait and its put, the puts in the order of their waits (two pairs
-interleaved: wait A, wait B, compute, put A, put B; ``wait-first-span``: the chain's
-liveness, docs/hb-checker.md); the float64 reference runs that span (overlapping spans
-merged) rank by rank along the chain (dcpc.harness.simulate; along an axis, each team's
-chain: ``sources`` by dcpc.topology ``Torus.peer``); on the torch backend the wait
-receives and the put only sends (on the team's group). On a ring every rank would wait
-first: the checker's deadlock.
+steps, and other such waits (of any chain) with their puts, may stand between such a
+wait and its put (``_between``); the span (overlapping spans merged: ``spans``) is
+proved live by running it rank by rank (``span_run``: a wait returns once its source
+ran the put it polls; again with puts that block until received, as on torch) at every
+W checked, and refused with the cycle of waits where a rank blocks forever
+(``wait-first-span``, docs/hb-checker.md); the float64 reference runs it in that run's
+order (dcpc.harness.simulate); on the torch backend the wait receives (first, in the
+sender's put order, that sender's earlier messages on its group: ``_early``) and the
+put only sends (on the team's group). On a ring every rank would wait first: the
+checker's deadlock.
 
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
@@ -243,7 +243,7 @@ def delta(op: Shift) -> int:
 
 def peers(op: Shift) -> tuple[str, str]:
     """The sync peers of a shift: (those it signals, those it waits for), as written
-    (which ranks a wait first's chain links is ``_differ``'s, by edges at each W)."""
+    (which ranks a wait first's span links at each W is ``sources``')."""
     k, dests = delta(op), table(op)
     if op.perm is not None:
         return perm_peers(dests), perm_peers(inverse(dests))
@@ -305,12 +305,12 @@ def verify(v: ShapeRules, step: Step) -> None:
 
 
 def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
-    """A wait written before its put (receive, compute, send) is live only as a chain:
-    its rank's steps up to the put must not wait for anything (or signal, or reach
-    another rank) but the chain's own waits written before their puts and those puts,
-    else a wait in between may need what only this wait's rank makes later
-    (docs/hb-checker.md, "A wait before its put"). Along an axis (``axis:``) the chain
-    runs in each team (its offset moves the member index, W is the team's size)."""
+    """A wait written before its put (receive, compute, send): its rank's steps up to
+    the put must not wait for anything (or signal, or reach another rank) but waits
+    written before their puts and those puts, and the span they make must not hang
+    when run rank by rank (``_verify_live``; docs/hb-checker.md, "A wait before its
+    put"). Along an axis (``axis:``) the chain runs in each team (its offset moves the
+    member index, W is the team's size)."""
     op: Shift = step.op  # type: ignore[assignment]
     schedule = v.ctx.schedule
     if schedule.slots > 1 and schedule.streams == Streams.per_slot:
@@ -341,13 +341,13 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
                 and all(e.region is None and e.root is None for e in sem.effects)):
             continue
         why = _between(v.ctx, op, between)
-        if why is None:  # a wait first of the same chain, or the put of one
+        if why is None:  # a wait first, or the put of one: the span's run decides
             continue
         v.error(op.mark("phase"), "wait-first-span",
                 f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
                 f"send), but step '{between.name}' ({between.kind}) between them {why}; "
                 "only steps that run on their rank alone, and the waits written before "
-                "their puts of the same chain with those puts, may stand between a wait "
+                "their puts (of any chain) with those puts, may stand between a wait "
                 "and its later put, or a wait there could need what this rank sends only "
                 "after it",
                 f"move '{between.name}' before '{step.name}' or after '{put.name}'")
@@ -422,8 +422,9 @@ def _span_worlds(holder: Any, steps: list[Step]) -> list[Any]:
 
 def _between(holder: Any, op: Shift, between: Step) -> str | None:
     """Why ``between`` (a communicating step between the wait first ``op`` and its put)
-    breaks the chain's liveness, or None: it is another wait first of the same chain
-    (the same peers) or the put of one (docs/hb-checker.md, "A wait before its put")."""
+    breaks the chain's liveness, or None: it is another wait first (of any chain) or the
+    put of one, which the span's run decides (docs/hb-checker.md, "A wait before its
+    put")."""
     other = between.op
     if not isinstance(other, Shift) or other.phase is None:
         return "communicates (it signals, waits or reaches another rank's buffers)"
