@@ -93,7 +93,7 @@ from dcpc.ops.common import (
     typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
-from dcpc.topology import MeshWorld, shape_of, team_table, torus
+from dcpc.topology import shape_of, team_table, torus
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Set
@@ -358,9 +358,10 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
 
 def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
     """The merged span that ``step`` opens (said once, at its first wait) run under its
-    blocking semantics at every W (and mesh shape) checked (``span_run``): refused where
-    some rank blocks forever, with the cycle of waits; then again with each put waiting
-    for its receive (the torch backend), refused where only that hangs."""
+    blocking semantics at every W (and mesh shape) checked (``span_run``; a compiled
+    module refuses any other, ``_check_proved``): refused where some rank blocks
+    forever, with the cycle of waits; then again with each put waiting for its receive
+    (the torch backend), refused where only that hangs."""
     holder = v.ctx
     ends = spans(holder)
     if step.index not in ends:
@@ -369,7 +370,7 @@ def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
     if not all(chain(holder.semantics[s.index].sync.wait) for s in steps
                if isinstance(s.op, Shift) and s.op.phase == "wait"):
         return  # a ring's wait first: its edge stays, the cycle is the checker's deadlock
-    for world in _span_worlds(holder, steps):
+    for world in holder.samples.worlds:  # the worlds checked: a module refuses others
         running = running_at(holder.schedule, world)
         _, stuck = span_run(holder, steps, world, running)
         torch = not stuck
@@ -390,34 +391,6 @@ def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
                 "backward hand-off on one axis each its own span (wait, compute, put), one "
                 "after the other")
         return
-
-
-SPAN_WORLDS = 64  # the largest team size _span_worlds adds to those checked
-
-
-def _span_worlds(holder: Any, steps: list[Step]) -> list[Any]:
-    """Where a span's liveness is decided: every W (mesh shape) checked and, for offsets
-    (a module of them runs at a W past those checked), each team size up to the
-    happens-before checker's world bound for the span's waits (|k| ranks per wait of a
-    shift by k: a cycle of waits links ranks at most that far apart), at most
-    SPAN_WORLDS; a perm fixes W (one file per W)."""
-    from dcpc.check.hb.bound import bound_for  # the check layer's fact (imports ops)
-
-    worlds = list(holder.samples.worlds)
-    ops = [s.op for s in steps if isinstance(s.op, Shift) and s.op.phase == "wait"]
-    if any(op.perm is not None for op in ops):
-        return worlds
-    reach = min(bound_for(sum(abs(delta(op)) for op in ops), 1), SPAN_WORLDS)
-    mesh = mesh_of(holder.schedule)
-    axes = {a for op in ops for a in mesh.team_axes(op) or range(len(mesh.axes))}
-    out = dict.fromkeys(worlds)
-    for world in worlds:
-        shape = shape_of(world)
-        for a in sorted(axes):
-            for size in range(2, reach + 1):
-                grown = (*shape[:a], size, *shape[a + 1:])
-                out.setdefault(MeshWorld(grown) if len(shape) > 1 else size)
-    return list(out)
 
 
 def _between(holder: Any, op: Shift, between: Step) -> str | None:

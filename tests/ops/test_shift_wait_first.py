@@ -13,12 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import channel_names
 from support.hb_oracle import oracle_keys, oracle_unwritten, random_wait_first_schedule_text
+from support.kernels import construct_on_local_ranks
 
+from dcpc import pipeline
 from dcpc.check import hb, structural
 from dcpc.check.oracle import explore
 from dcpc.codegen.lower import lower
 from dcpc.harness import simulate
 from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.harness.worker import load_module_class
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
 from dcpc.ops import _split, shift
@@ -594,15 +597,24 @@ FAR = PAIR_HEAD + """\
 """
 
 
-def test_two_offsets_past_every_w_checked_are_still_two_chains() -> None:
-    """Offsets 9 and -9 (wrap: false) link no ranks at W 2..4, the W checked; at W = 10
-    rank 0 waits for rank 9 and rank 9 for rank 0, each before its put, and the module
-    does not refuse W = 10: a span of offsets is run at every team size up to the world
-    bound of its waits too (found by review: compared by their edges at the W checked,
-    this file passed)."""
-    errors = _errors(FAR)
-    assert [e.code for e in errors] == ["wait-first-span"], errors
-    assert ("at W=10, hangs: rank 0 waits at 'wb' for rank 9's 'pb'; rank 9 waits at 'wa' "
-            "for rank 0's 'pa' (the cycle of waits 0 -> 9 -> 0)") in errors[0].message
-    same = FAR.replace("offset: -9", "offset: 9")
-    assert _errors(same) == []  # the same offset twice: one chain, two pairs
+def test_two_offsets_past_every_w_checked_are_proved_there_and_refused_past(
+        tmp_path: Path) -> None:
+    """Offsets 9 and -9 (wrap: false) link no ranks at W 2..4, the W checked: the file is
+    proved there, and only there. At W = 10 rank 0 would wait for rank 9 and rank 9 for
+    rank 0, each before its put, but the compiled module refuses W = 10 (``WORLDS``:
+    runtime/teams.py ``_check_proved``); the span is decided at exactly the W checked, and
+    deciding it at W past them too (as a review fix once did) only refused files that are
+    live at every W they claim."""
+    assert _errors(FAR) == []
+    assert _errors(FAR.replace("offset: -9", "offset: 9")) == []  # one chain, two pairs
+    path = tmp_path / "far.yaml"
+    path.write_text(FAR)
+    c = pipeline.run(path, pipeline.Options(worlds=[2, 3, 4]))
+    module = tmp_path / "far.py"
+    module.write_text(c.module_text)
+    cls = load_module_class(str(module), c.schedule.schedule)
+    assert cls.WORLDS == (2, 3, 4)
+    said = construct_on_local_ranks(cls, 10, lambda rank: {})
+    assert len(said) == 10, said
+    for text in said.values():
+        assert "proved and compiled for W 2, 3, 4, but the group is 10" in text, text
