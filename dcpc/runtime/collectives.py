@@ -291,7 +291,7 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
             return
         mine = source(rank, world, offset, wrap, perm)
         for other, into, k, w, table in early:
-            if (mine is not None and other not in comm.received
+            if (mine not in (None, rank) and other not in comm.received
                     and source(rank, world, k, w, table) == mine):
                 _exchange(comm, [dist.P2POp(dist.irecv, wire(into),
                                             dist.get_global_rank(comm.group, mine),
@@ -300,7 +300,7 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
     if perm is not None:
         _permute(comm, src, dst, rank, perm, half)
         return
-    to, back = (rank + offset) % world, (rank - offset) % world
+    to, back = (rank + offset) % world, source(rank, world, offset, wrap, None)
     if wrap and to == rank:  # W divides the offset: a local copy
         dst.copy_(src)
         return
@@ -308,7 +308,7 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
     if half != "recv" and (wrap or 0 <= rank + offset < world):
         ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
                               dist.get_global_rank(comm.group, to), comm.group))
-    if half != "send" and (wrap or 0 <= rank - offset < world):
+    if half != "send" and back is not None:
         ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
                               comm.group))
     _exchange(comm, ops)
@@ -316,9 +316,11 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
 
 def source(rank: int, world: int, offset: int, wrap: bool, perm: list[int] | None
            ) -> int | None:
-    """The member a shift's receive on member ``rank`` takes from, or None."""
+    """The member a shift's receive on member ``rank`` takes from (``rank`` itself: a
+    local copy), or None (it receives nothing): the one definition ``shift``,
+    ``_permute`` and the early receive use."""
     if perm is not None:
-        return next((r for r, d in enumerate(perm) if d == rank and r != rank), None)
+        return next((r for r, d in enumerate(perm) if d == rank), None)
     if not wrap and not 0 <= rank - offset < world:
         return None
     return (rank - offset) % world
@@ -334,7 +336,7 @@ def _permute(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, rank: int,
              perm: list[int], half: str | None = None) -> None:
     """``shift`` with a perm table: one send to perm[rank], one receive from its source."""
     to = perm[rank]
-    back = next((r for r, d in enumerate(perm) if d == rank), -1)
+    back = source(rank, len(perm), 0, True, perm)
     if to == rank:  # a fixed point: a local copy, no message
         dst.copy_(src)
         return
@@ -342,7 +344,7 @@ def _permute(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, rank: int,
     if to >= 0 and half != "recv":
         ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
                               dist.get_global_rank(comm.group, to), comm.group))
-    if back >= 0 and half != "send":
+    if back is not None and half != "send":
         ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
                               comm.group))
     _exchange(comm, ops)
