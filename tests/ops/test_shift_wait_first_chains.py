@@ -27,6 +27,12 @@ TWO = OPS / "shift_wait_first_two_chains.yaml"
 AXIS = OPS / "shift_wait_first_two_chains_axis.yaml"
 REVERSED = OPS / "shift_wait_first_reversed.yaml"
 FILES = {TWO: [2, 3, 4], REVERSED: [2, 3, 4], AXIS: [MeshWorld((2, 2)), MeshWorld((2, 3))]}
+TESTS = Path(__file__).resolve().parents[2] / "tests"
+# the reversed puts along gpu (a team group's early receive; found by review), and waits
+# whose sources differ at some ranks (the early receive's run-time source filter)
+REVERSED_AXIS = TESTS / "mesh_backends" / "wait_first_reversed_axis.yaml"
+SOURCES = TESTS / "shift" / "wait_first_sources.yaml"
+MORE = {REVERSED_AXIS: [MeshWorld((2, 2)), MeshWorld((2, 3))], SOURCES: [4]}
 
 
 def _errors(text: str, world: int) -> list:
@@ -46,8 +52,8 @@ def _line(text: str, name: str) -> int:
     return next(i for i, ln in enumerate(text.splitlines(), 1) if f"- {name}:" in ln)
 
 
-@pytest.mark.parametrize("path,world", [(p, w) for p, ws in FILES.items() for w in ws],
-                         ids=str)
+@pytest.mark.parametrize("path,world", [(p, w) for p, ws in {**FILES, **MORE}.items()
+                                          for w in ws], ids=str)
 def test_the_files_are_proved_by_the_checker_and_both_exact_models(path: Path,
                                                                    world: int) -> None:
     found, exact = checker_covers(path.read_text(), world)
@@ -120,3 +126,22 @@ def test_dcpc_run_matches_float64(path: Path, world: int, backend: str) -> None:
     """Every backend but host (tests/ops/test_op_schedules.py runs host at the files'
     run worlds); torch receives the reversed file's second message at its first wait."""
     run_clean(schedule=str(path), world=world, backend=backend, calls=3, seed=5)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("path,world,backend,receivers", [
+    (REVERSED_AXIS, MeshWorld((2, 3)), "torch", 4),
+    (REVERSED_AXIS, MeshWorld((2, 3)), {"node": "host", "gpu": "torch"}, 4),
+    (REVERSED_AXIS, MeshWorld((2, 2)), "host", 2),
+    (SOURCES, 4, "torch", 2), (SOURCES, 4, "local", 2), (SOURCES, 4, "host", 2)], ids=str)
+def test_the_test_files_match_float64(path: Path, world: int, backend: str,
+                                      receivers: int) -> None:
+    """The reversed puts along gpu: the early receive on each node's gpu team group (the
+    mesh's backends mixed too: gpu on gloo, node on host). The sources file: at rank 2
+    both waits' sources are rank 0 (received early), at rank 3 they differ (not: with the
+    filter removed from collectives.shift this run hangs, rank 2 in send_b). Each
+    receive buffer compared on every rank that receives, in every call."""
+    report, text = run_clean(schedule=str(path), world=world, backend=backend, calls=3,
+                             seed=5)
+    for name in ("recv_a", "recv_b"):
+        assert report.outputs[name].compared == 3 * receivers, (name, text)
