@@ -24,7 +24,6 @@ from dcpc.numerics import local_seq_len, reference_scale, round_e4m3  # the fact
 from dcpc.ops import OPS, shift
 from dcpc.ops import _split as split
 from dcpc.ops.external import External as ExternalOp
-from dcpc.ops.shift import Shift as ShiftOp
 from dcpc.runtime.validate import DTYPES
 
 TORCH_DTYPES = DTYPES  # each dtype of the language as torch stores it (one table)
@@ -405,7 +404,7 @@ def simulate_call(
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     running = wh.running(schedule, world)  # the guarded steps' ranks (when:)
     steps = schedule.step_list()
-    early = _chains(sim, steps)
+    early = shift.spans(sim)
     done = -1  # the last step a chain below ran already
     for step in steps:
         if step.index <= done:
@@ -470,59 +469,40 @@ def _rounding(step: m.Step, rounding: str | Callable[[m.Step], str]) -> str:
     return rounding(step) if callable(rounding) else rounding
 
 
-def _chains(sim: Sim, steps: list[m.Step]) -> dict[int, int]:
-    """The spans that run along a chain: from a shift's wait written before its put to
-    that put (dcpc.ops._split ``wait_first``), overlapping spans merged (interleaved
-    pairs of one chain: wait A, wait B, compute, put A, put B): first step -> last."""
-    spans = sorted((s.index, put.index) for s in steps if isinstance(s.op, ShiftOp)
-                   and (put := split.wait_first(sim, s)) is not None)
-    out: dict[int, int] = {}
-    first = -1
-    for start, end in spans:
-        if first >= 0 and start <= out[first]:
-            out[first] = max(out[first], end)
-        else:
-            out[start] = end
-            first = start
-    return out
-
-
 def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
            rounding: str | Callable[[m.Step], str]) -> list[list[Buffers]]:
-    """A span that runs along a chain (``_chains``: the waits written before their
+    """A span that runs along chains (``shift.spans``: the waits written before their
     puts, the local steps between, the puts; the checker allows nothing else there), in
-    dependency order, not in lock step: rank by rank along the chain (a rank after the
-    rank it receives from), each rank runs the whole span on its own: a wait stores in
-    its dst what its source pushed at the put it polls (that rank ran the span already),
-    a put takes its src as it stands there, a local step runs on that rank alone.
+    dependency order, not in lock step: in the order its blocking semantics runs the
+    ranks' steps (``shift.span_run``, one chain or several): a wait stores in its dst
+    what its source pushed at the put it polls (run already), a put takes its src as it
+    stands there, a local step runs on that rank alone.
     Returns what each step wrote, per rank (the trace's entries)."""
     world = int(sim.world)
     written: list[list[Buffers]] = [[{} for _ in range(world)] for _ in steps]
-    waits = [s for s in steps if split.half(s) == split.WAIT]
-    # along an axis, each team's chain (the team arithmetic needs the mesh shape); two
-    # chains along axes apart: each wait its own sources, a rank after all of them
-    source = {s.name: shift.sources(sim.schedule, s.op, sim.world) for s in waits}
+    # each wait from its own sources (along an axis, its team's); the ranks in the order
+    # the span's blocking semantics runs them (the checker proved that none blocks)
+    source = {s.name: shift.sources(sim.schedule, s.op, sim.world) for s in steps
+              if split.half(s) == split.WAIT}
     pushed: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src as pushed
-    for r in shift.chain_order(sim.schedule, [s.op for s in waits], sim.world):
-        for k, step in enumerate(steps):
-            sim.written, sim.rounding = written[k], _rounding(step, rounding)
-            half = split.half(step)
-            if half == split.PUT:
-                with _naming(step):
-                    pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
-                                                     sim.bufs[r][step.op.src],
-                                                     sim.rounding).clone()
-            elif half == split.WAIT:
-                if r in source[step.name]:
-                    put = split.matched(sim).polls[step.name]
-                    sim.store(r, step.op.dst,
-                              pushed[put.name, source[step.name][r]].clone())
-            else:
-                ranks = running.get(step.index)
-                skipped = {q for q in range(world)
-                           if q != r or (ranks is not None and q not in ranks)}
-                with _naming(step):
-                    OPS[step.kind].reference(sim.guarded(skipped), step)
+    events, _ = shift.span_run(sim, steps, sim.world, running)
+    for r, k in events:
+        step = steps[k]
+        sim.written, sim.rounding = written[k], _rounding(step, rounding)
+        half = split.half(step)
+        if half == split.PUT:
+            with _naming(step):
+                pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
+                                                 sim.bufs[r][step.op.src],
+                                                 sim.rounding).clone()
+        elif half == split.WAIT:
+            if r in source[step.name]:
+                put = split.matched(sim).polls[step.name]
+                sim.store(r, step.op.dst, pushed[put.name, source[step.name][r]].clone())
+        else:
+            skipped = set(range(world)) - {r}
+            with _naming(step):
+                OPS[step.kind].reference(sim.guarded(skipped), step)
     return written
 
 

@@ -19,16 +19,16 @@ The checker's world bound counts |k| ranks per wait of a shift.
 A ``phase: wait`` may come BEFORE its put on a chain (``wrap: false``, a perm with no
 cycle): the pipeline stage's receive, compute, send (``wait_first``). The k-th wait of
 a (src, dst, offset, wrap) polls the k-th put of it whichever comes first; only local
-steps, and other such waits of the same chain (the same rank -> peer edges at the W
-checked, however written: ``perm: r + 1`` is ``offset: next, wrap: false``; or of a
-chain along mesh axes apart, ``_span_clash``) with their puts, may stand between such a
-wait and its put, the puts in the order of their waits (two pairs
-interleaved: wait A, wait B, compute, put A, put B; ``wait-first-span``: the chain's
-liveness, docs/hb-checker.md); the float64 reference runs that span (overlapping spans
-merged) rank by rank along the chain (dcpc.harness.simulate; along an axis, each team's
-chain: ``sources`` by dcpc.topology ``Torus.peer``); on the torch backend the wait
-receives and the put only sends (on the team's group). On a ring every rank would wait
-first: the checker's deadlock.
+steps, and other such waits (of any chain) with their puts, may stand between such a
+wait and its put (``_between``); the span (overlapping spans merged: ``spans``) is
+proved live by running it rank by rank (``span_run``: a wait returns once its source
+ran the put it polls; again with puts that block until received, as on torch) at every
+W checked, and refused with the cycle of waits where a rank blocks forever
+(``wait-first-span``, docs/hb-checker.md); the float64 reference runs it in that run's
+order (dcpc.harness.simulate); on the torch backend the wait receives (first, in the
+sender's put order, that sender's earlier messages on its group: ``_early``) and the
+put only sends (on the team's group). On a ring every rank would wait first: the
+checker's deadlock.
 
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
@@ -75,6 +75,7 @@ from pydantic import StrictBool
 from dcpc.lang.expr import OWNER, Expr, evaluate, parse, product, symbols
 from dcpc.lang.mesh import MAX_WORLD, mesh_of
 from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
+from dcpc.lang.when import running as running_at
 from dcpc.ops._split import matched, torch_handshake, verify_matched, wait_first
 from dcpc.ops.common import (
     BEFORE,
@@ -84,6 +85,7 @@ from dcpc.ops.common import (
     Scope,
     Semantics,
     Sync,
+    chain,
     effects,
     keyed,
     offset_peers,
@@ -94,10 +96,13 @@ from dcpc.ops.registry import IO, OpDef, define
 from dcpc.topology import shape_of, team_table, torus
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Set
+
     from dcpc.lang.nodes import ScheduleView
     from dcpc.ops.iface import LowerRules, ShapeRules, SimView
 
 NAMED = {"next": 1, "prev": -1}
+Stuck = dict[int, tuple[int, int]]  # rank -> (its step in a span, the rank it waits for)
 MAX_OFFSET = 2**31 - 1
 
 
@@ -238,7 +243,7 @@ def delta(op: Shift) -> int:
 
 def peers(op: Shift) -> tuple[str, str]:
     """The sync peers of a shift: (those it signals, those it waits for), as written
-    (which ranks a wait first's chain links is ``_differ``'s, by edges at each W)."""
+    (which ranks a wait first's span links at each W is ``sources``')."""
     k, dests = delta(op), table(op)
     if op.perm is not None:
         return perm_peers(dests), perm_peers(inverse(dests))
@@ -300,12 +305,12 @@ def verify(v: ShapeRules, step: Step) -> None:
 
 
 def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
-    """A wait written before its put (receive, compute, send) is live only as a chain:
-    its rank's steps up to the put must not wait for anything (or signal, or reach
-    another rank) but the chain's own waits written before their puts and those puts,
-    else a wait in between may need what only this wait's rank makes later
-    (docs/hb-checker.md, "A wait before its put"). Along an axis (``axis:``) the chain
-    runs in each team (its offset moves the member index, W is the team's size)."""
+    """A wait written before its put (receive, compute, send): its rank's steps up to
+    the put must not wait for anything (or signal, or reach another rank) but waits
+    written before their puts and those puts, and the span they make must not hang
+    when run rank by rank (``_verify_live``; docs/hb-checker.md, "A wait before its
+    put"). Along an axis (``axis:``) the chain runs in each team (its offset moves the
+    member index, W is the team's size)."""
     op: Shift = step.op  # type: ignore[assignment]
     schedule = v.ctx.schedule
     if schedule.slots > 1 and schedule.streams == Streams.per_slot:
@@ -336,68 +341,63 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
                 and all(e.region is None and e.root is None for e in sem.effects)):
             continue
         why = _between(v.ctx, op, between)
-        if why is None:  # a wait first of the same chain, or the put of one
+        if why is None:  # a wait first, or the put of one: the span's run decides
             continue
         v.error(op.mark("phase"), "wait-first-span",
                 f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
                 f"send), but step '{between.name}' ({between.kind}) between them {why}; "
                 "only steps that run on their rank alone, and the waits written before "
-                "their puts of the same chain with those puts, may stand between a wait "
+                "their puts (of any chain) with those puts, may stand between a wait "
                 "and its later put, or a wait there could need what this rank sends only "
                 "after it",
                 f"move '{between.name}' before '{step.name}' or after '{put.name}'")
         return
-    clash = _span_clash(v.ctx, step)
-    if clash is not None:
-        other, differ = clash
-        v.error(op.mark("phase"), "wait-first-span",
-                f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
-                f"send), and the waits written before their puts that overlap it include "
-                f"'{other.name}', a shift along another chain on a common axis ({differ}): "
-                "one chain is one set of rank -> peer edges at each W, however it is "
-                "written; two chains may interleave only along axes apart (no axis in "
-                "common), else a rank may wait there for what it sends only after its put",
-                f"move '{other.name}' and its put out of the span of '{step.name}', or "
-                "run the two chains along different axes")
-        return
+    _verify_live(v, step, put)
     _verify_put_order(v, step, put)
 
 
-def _span_clash(holder: Any, step: Step) -> tuple[Step, str] | None:
-    """Another wait written before its put, in the merged span that holds ``step``'s
-    (overlapping spans, docs/hb-checker.md), whose chain differs from ``step``'s on a
-    common axis (with where the edges differ), or None. Chains equal, or along axes
-    apart, are live interleaved: a cycle through their edges would be a closed walk in
-    each chain's own team graph (an edge along other axes keeps those coordinates)."""
-    spans = sorted((s.index, p.index) for s in holder.schedule.step_list()
-                   if isinstance(s.op, Shift) and (p := wait_first(holder, s)) is not None)
-    start, end = step.index, wait_first(holder, step).index  # type: ignore[union-attr]
-    grown = True
-    while grown:  # the overlapping spans, merged
-        grown = False
-        for a, b in spans:
-            if a <= end and b >= start and (a < start or b > end):
-                start, end, grown = min(a, start), max(b, end), True
-    mesh = mesh_of(holder.schedule)
-    every = frozenset(range(len(mesh.axes)))
-
-    def axes(op: Shift) -> frozenset[int]:
-        return frozenset(mesh.team_axes(op) or every)
-
-    steps = holder.schedule.step_list()
-    for a, _ in spans:
-        other = steps[a]
-        if start <= a <= end and a != step.index and axes(other.op) & axes(step.op):
-            differ = _differ(holder, step.op, other.op)
-            if differ is not None:
-                return other, differ
-    return None
+def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
+    """The merged span that ``step`` opens (said once, at its first wait) run under its
+    blocking semantics at every W (and mesh shape) checked (``span_run``; a compiled
+    module refuses any other, ``_check_proved``): refused where some rank blocks
+    forever, with the cycle of waits; then again with each put waiting for its receive
+    (the torch backend), refused where only that hangs."""
+    holder = v.ctx
+    ends = spans(holder)
+    if step.index not in ends:
+        return
+    steps = holder.schedule.step_list()[step.index:ends[step.index] + 1]
+    if not all(chain(holder.semantics[s.index].sync.wait) for s in steps
+               if isinstance(s.op, Shift) and s.op.phase == "wait"):
+        return  # a ring's wait first: its edge stays, the cycle is the checker's deadlock
+    for world in holder.samples.worlds:  # the worlds checked: a module refuses others
+        running = running_at(holder.schedule, world)
+        _, stuck = span_run(holder, steps, world, running)
+        torch = not stuck
+        if torch:
+            _, stuck = span_run(holder, steps, world, running, rendezvous=True)
+        if not stuck:
+            continue
+        at = f"W={int(world)}" + (f" (mesh {'x'.join(map(str, shape_of(world)))})"
+                                  if len(shape_of(world)) > 1 else "")
+        where = (" where a put blocks until its receiver posts the receive (the torch "
+                 "backend, gloo or NCCL; the kernels' put does not block)" if torch else "")
+        v.error(step.op.mark("phase"), "wait-first-span",
+                f"step '{step.name}' waits before its put '{put.name}' (receive, compute, "
+                f"send), but the span of waits written before their puts from it to "
+                f"'{steps[-1].name}', run rank by rank at {at}, hangs{where}: "
+                f"{hang_text(holder, steps, stuck)}",
+                "make each rank's waits come after what they wait for: e.g. a forward and a "
+                "backward hand-off on one axis each its own span (wait, compute, put), one "
+                "after the other")
+        return
 
 
 def _between(holder: Any, op: Shift, between: Step) -> str | None:
     """Why ``between`` (a communicating step between the wait first ``op`` and its put)
-    breaks the chain's liveness, or None: it is another wait first of the same chain
-    (the same peers) or the put of one (docs/hb-checker.md, "A wait before its put")."""
+    breaks the chain's liveness, or None: it is another wait first (of any chain) or the
+    put of one, which the span's run decides (docs/hb-checker.md, "A wait before its
+    put")."""
     other = between.op
     if not isinstance(other, Shift) or other.phase is None:
         return "communicates (it signals, waits or reaches another rank's buffers)"
@@ -411,47 +411,23 @@ def _between(holder: Any, op: Shift, between: Step) -> str | None:
     return None
 
 
-def _differ(holder: Any, op: Shift, other: Shift) -> str | None:
-    """Where ``other`` moves data along another chain than ``op``, or None: one chain is
-    the set of (source -> receiving rank) edges the shift realises at each W checked
-    (``sources``; along an axis, every team's), not its spelling: ``perm: r + 1`` and
-    ``offset: next, wrap: false`` are one chain, a perm that differs at one rank is not.
-    Two offsets are compared as written (team axes, offset, wrap): their edges at the W
-    checked may agree (none at all when the offset passes every team size checked) while
-    a larger W, which the module does not refuse, links other ranks."""
-    team = mesh_of(holder.schedule).team_axes
-    offsets = op.perm is None and other.perm is None
-    if offsets and (team(op), delta(op), op.wrap) == (team(other), delta(other), other.wrap):
-        return None
-    for world in holder.samples.worlds:
-        mine = sources(holder.schedule, op, world)
-        theirs = sources(holder.schedule, other, world)
-        if mine == theirs:
-            continue
-        r = min(set(mine) ^ set(theirs) or {q for q in mine if mine[q] != theirs[q]})
-        there, here = (f"from rank {q[r]}" if r in q else "nothing" for q in (theirs, mine))
-        return f"at W={world} rank {r} receives {there} by it, {here} by the wait"
-    if offsets:  # no W checked shows it (an offset past every team size checked)
-        return (f"its offset {delta(other)} is not the wait's {delta(op)}: at a W past both "
-                "they link other ranks")
-    return None
-
-
 def _verify_put_order(v: ShapeRules, step: Step, put: Step) -> None:
-    """Two waits written before their puts, interleaved (wait A, wait B, put A, put B):
-    the puts come in the order of their waits. Any order is live (the chain argument),
-    but a backend that matches the messages between two ranks in order (torch: gloo,
-    NCCL) would hand wait A the data of put B."""
+    """Two waits written before their puts, interleaved, their puts the other way round
+    (wait A, wait B, put B, put A): live where the span's run says so, and the torch
+    backend receives put B's message at wait A where it comes from the same rank
+    (``_early``), but only where both waits run on every rank: refused where either has a
+    ``when:`` (the rank that would receive early may skip the later wait)."""
     for other in v.ctx.schedule.step_list()[step.index + 1:put.index]:
         theirs = wait_first(v.ctx, other) if isinstance(other.op, Shift) else None
-        if theirs is None or theirs.index > put.index:
+        if theirs is None or theirs.index > put.index or (
+                step.op.when is None and other.op.when is None):
             continue
         v.error(theirs.op.mark("phase"), "wait-first-span",
                 f"step '{theirs.name}' puts before '{put.name}', but their waits come the "
-                f"other way round ('{step.name}' waits before '{other.name}'): the puts of "
-                "interleaved waits written before them come in the order of those waits "
-                "(the torch backend, gloo or NCCL, matches the messages between two ranks "
-                f"in order: '{step.name}' would receive what '{theirs.name}' sends)",
+                f"other way round ('{step.name}' waits before '{other.name}') and one of "
+                "them has a 'when:': the torch backend (gloo or NCCL matches the messages "
+                f"between two ranks in order) receives '{theirs.name}''s message at "
+                f"'{step.name}' only where both waits run on every rank",
                 f"put '{put.name}' before '{theirs.name}', or wait for '{other.name}' "
                 f"before '{step.name}'")
         return
@@ -473,33 +449,110 @@ def sources(schedule: ScheduleView, op: Shift, world: int) -> dict[int, int]:
     return {r: s for r, s in found.items() if s is not None}
 
 
-def chain_order(schedule: ScheduleView, ops: list[Shift], world: int) -> list[int]:
-    """The ranks in the order the waits written before their puts of one merged span
-    (``ops``: their shifts) finish on them: a rank after every rank it receives from by
-    any of them (the first rank of each chain waits for nobody; a team along an axis:
-    each team's chain in that order). Only for chains whose edges together have no
-    cycle (one chain, or chains along axes apart: ``_span_clash``)."""
-    source = [sources(schedule, op, world) for op in ops]
-    order: list[int] = []
-    done: set[int] = set()
-    for start in range(int(world)):
-        stack, path = [start], {start}
-        while stack:  # depth first: every source of a rank before it
-            r = stack[-1]
-            # a source on the path would be a cycle (refused): not waited for, so this
-            # ends on any input
-            pending = [q for m in source
-                       if (q := m.get(r)) is not None and q not in done and q not in path]
-            if pending:
-                stack.append(pending[0])
-                path.add(pending[0])
-            else:
-                stack.pop()
-                path.discard(r)
-                if r not in done:
-                    done.add(r)
-                    order.append(r)
-    return order
+def spans(holder: Any) -> dict[int, int]:
+    """The spans that run along chains: from a shift's wait written before its put to
+    that put (``wait_first``), overlapping spans merged (wait A, wait B, compute, put B,
+    put A: one span, of one chain or several): first step index -> last."""
+    found = sorted((s.index, p.index) for s in holder.schedule.step_list()
+                   if isinstance(s.op, Shift) and (p := wait_first(holder, s)) is not None)
+    out: dict[int, int] = {}
+    first = -1
+    for start, end in found:
+        if first >= 0 and start <= out[first]:
+            out[first] = max(out[first], end)
+        else:
+            out[start] = end
+            first = start
+    return out
+
+
+def receiver(holder: Any, steps: list[Step], world: Any, k: int) -> dict[int, int]:
+    """Sender -> receiving rank of the put ``steps[k]`` at ``world`` (by its wait's
+    ``sources``)."""
+    wait = matched(holder).lands[steps[k].name]
+    return {q: r for r, q in sources(holder.schedule, wait.op, world).items()}
+
+
+def span_run(holder: Any, steps: list[Step], world: Any, running: Mapping[int, Set[int]],
+             *, rendezvous: bool = False) -> tuple[list[tuple[int, int]], Stuck]:
+    """A merged span (``spans``: the waits written before their puts, those puts, the
+    local steps between) run under its blocking semantics at ``world``: each rank runs
+    its steps in order (the ones its ``when:`` runs, ``running``), a wait on a rank that
+    receives by it returns once its source ran the put it polls (the k-th of the edge),
+    a put and a local step never block; ``rendezvous``: a put also waits until its
+    receiver has posted the receive (the torch backend: gloo, NCCL), which the receiver
+    does at its first wait for that sender on the put's group (team axes) whose put the
+    sender makes at or after this one (``collectives.shift`` receives there every
+    earlier message of that sender on the group: ``_early``).
+    Each rank runs as far as it can, over and over, until none moves. Returns the steps
+    run, in an order that respects every wait ((rank, position in ``steps``)), and the
+    ranks that block forever: rank -> (position, the rank it waits for). Exact: the
+    blocking is monotone (a step that may run stays so), so the order tried is
+    immaterial."""
+    found, n = matched(holder), int(world)
+    at = {s.index: k for k, s in enumerate(steps)}
+    waits = {k: sources(holder.schedule, s.op, world) for k, s in enumerate(steps)
+             if isinstance(s.op, Shift) and s.op.phase == "wait"}
+    polls = {k: at[found.polls[steps[k].name].index] for k in waits}
+    to = {k: receiver(holder, steps, world, k) for k, s in enumerate(steps)
+          if isinstance(s.op, Shift) and s.op.phase == "put"}
+    pos = [0] * n
+
+    def runs(k: int, r: int) -> bool:
+        ranks = running.get(steps[k].index)
+        return ranks is None or r in ranks
+
+    team = mesh_of(holder.schedule).team_axes
+    group = {k: team(found.lands[s.name].op) for k, s in enumerate(steps) if k in to}
+
+    def posted(k: int, r: int, p: int) -> int | None:
+        """Where rank ``p`` posts the receive of rank ``r``'s put ``steps[k]``: its first
+        wait on the put's group (team axes) from ``r`` whose put comes at or after it."""
+        return next((w for w in sorted(waits) if runs(w, p) and waits[w].get(p) == r
+                     and polls[w] >= k and team(steps[w].op) == group[k]), None)
+
+    def blocker(r: int) -> int | None:
+        k = pos[r]
+        if not runs(k, r):
+            return None
+        if k in waits and (q := waits[k].get(r)) is not None:
+            return None if pos[q] > polls[k] else q
+        if rendezvous and k in to and (p := to[k].get(r)) is not None:
+            w = posted(k, r, p)
+            return None if w is None or pos[p] >= w else p
+        return None
+
+    events: list[tuple[int, int]] = []
+    moved = True
+    while moved:
+        moved = False
+        for r in range(n):
+            while pos[r] < len(steps) and blocker(r) is None:
+                if runs(pos[r], r):
+                    events.append((r, pos[r]))
+                pos[r] += 1
+                moved = True
+    return events, {r: (pos[r], q) for r in range(n) if pos[r] < len(steps)
+                    and (q := blocker(r)) is not None}
+
+
+def hang_text(holder: Any, steps: list[Step], stuck: Stuck) -> str:
+    """The cycle of waits of a span that hangs (``span_run``), as words."""
+    r, seen = min(stuck), []
+    while r not in seen and r in stuck:
+        seen.append(r)
+        r = stuck[r][1]
+    cycle = seen[seen.index(r):] if r in seen else seen
+    parts = []
+    for q in cycle:
+        k, peer = stuck[q]
+        step = steps[k]
+        parts.append(f"rank {q} waits at '{step.name}' for rank {peer}'s "
+                     f"'{matched(holder).polls[step.name].name}'" if step.op.phase == "wait"
+                     else f"rank {q}'s put '{step.name}' waits for rank {peer} to post its "
+                     "receive")
+    ring = " -> ".join(map(str, [*cycle, cycle[0]]))
+    return f"{'; '.join(parts)} (the cycle of waits {ring})"
 
 
 def reference(sim: SimView, step: Step) -> None:
@@ -567,6 +620,9 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                # a put written before its wait: the torch backend moves the data and
                # handshakes there, not at the wait (dcpc.ops._split.torch_handshake)
                **torch_handshake(ctx, step),
+               # a span whose puts some sender makes in another order than their
+               # waits: on the torch backend a wait receives the earlier messages too
+               **_early(ctx, step),
                **(_perm_attrs(ctx.schedule, op) if op.perm is not None else {})},
         signalling=True,
     )
@@ -601,6 +657,30 @@ def _inner(holder: Any, step: Step) -> bool:
         return False
     return any(put.index > step.index for other in holder.schedule.step_list()[:step.index]
                if isinstance(other.op, Shift) and (put := wait_first(holder, other)))
+
+
+def _early(holder: Any, step: Step) -> dict[str, Any]:
+    """At a wait written before its put, in a span where two such waits on one group
+    (the same team axes) have their puts the other way round: ``early``, the indices of
+    the later waits of the span on its group whose puts come before its put, in the
+    order of those puts (the torch backend receives their messages here where they
+    come from the same rank: ``collectives.shift``); else nothing (every plan as it was)."""
+    if wait_first(holder, step) is None:
+        return {}
+    ends = spans(holder)
+    start = max(s for s in ends if s <= step.index)
+    found, team = matched(holder), mesh_of(holder.schedule).team_axes
+    firsts = [s for s in holder.schedule.step_list()[start:ends[start] + 1]
+              if isinstance(s.op, Shift) and wait_first(holder, s) is not None]
+
+    def put(s: Step) -> int:
+        return found.polls[s.name].index
+
+    if not any(put(a) > put(b) for a in firsts for b in firsts
+               if a.index < b.index and team(a.op) == team(b.op)):
+        return {}
+    return {"early": [b.index for b in sorted(firsts, key=put) if b.index > step.index
+                      and put(b) < put(step) and team(b.op) == team(step.op)]}
 
 
 def _perm_attrs(schedule: ScheduleView, op: Shift) -> dict[str, Any]:

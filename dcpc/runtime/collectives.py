@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -57,6 +57,9 @@ class SlotGroup:
     me: int = 0
     peers: tuple[int, ...] = ()
     members: tuple[int, ...] = ()
+    # the waits written before their puts whose message an earlier wait of their span
+    # received (``shift``'s ``early``): their own wait receives nothing
+    received: set[str] = field(default_factory=set, compare=False, hash=False)
 
     def rank_of(self, member: int) -> int:
         """The module's rank of member ``member`` (what an error names)."""
@@ -265,7 +268,9 @@ def barrier(comm: SlotGroup, token: torch.Tensor, world: int) -> None:
 
 def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, rank: int,
           world: int, wrap: bool = True, perm: list[int] | None = None,
-          half: str | None = None) -> None:
+          half: str | None = None, name: str | None = None,
+          early: Sequence[tuple[str, torch.Tensor, int, bool, list[int] | None]] = ()
+          ) -> None:
     """dst on rank r + offset = src of rank r: one send and one receive per rank.
     ``wrap`` False: no send past either end of 0 .. W-1, no receive from past it (dst
     kept). ``perm`` (the destination of each rank, -1: none; the offset unused): dst on
@@ -273,11 +278,29 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
     no destination receives nothing (dst kept), a fixed point copies locally.
     ``half``: "recv" (a shift's wait written before its put: receive only) or "send"
     (that put: send only, its receiver posted the receive at its wait); a chain only
-    (the checker refuses a wait-first ring), so no local copy."""
+    (the checker refuses a wait-first ring), so no local copy. ``early`` (at such a
+    wait, ``name`` its step): the later waits of its span, on this group, whose puts
+    come before this one's put, in the order of those puts, each as (name, dst, offset,
+    wrap, perm): gloo and NCCL match the messages between two ranks in order, so where
+    one's source on this rank is this wait's, its message is first on the wire: it is
+    received here, into its own dst (in flight: nothing touches it until its wait, the
+    checker's rule), and its own wait receives nothing."""
+    if half == "recv" and name is not None:
+        if name in comm.received:  # an earlier wait received it
+            comm.received.discard(name)
+            return
+        mine = source(rank, world, offset, wrap, perm)
+        for other, into, k, w, table in early:
+            if (mine not in (None, rank) and other not in comm.received
+                    and source(rank, world, k, w, table) == mine):
+                _exchange(comm, [dist.P2POp(dist.irecv, wire(into),
+                                            dist.get_global_rank(comm.group, mine),
+                                            comm.group)])
+                comm.received.add(other)
     if perm is not None:
         _permute(comm, src, dst, rank, perm, half)
         return
-    to, back = (rank + offset) % world, (rank - offset) % world
+    to, back = (rank + offset) % world, source(rank, world, offset, wrap, None)
     if wrap and to == rank:  # W divides the offset: a local copy
         dst.copy_(src)
         return
@@ -285,9 +308,26 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
     if half != "recv" and (wrap or 0 <= rank + offset < world):
         ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
                               dist.get_global_rank(comm.group, to), comm.group))
-    if half != "send" and (wrap or 0 <= rank - offset < world):
+    if half != "send" and back is not None:
         ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
                               comm.group))
+    _exchange(comm, ops)
+
+
+def source(rank: int, world: int, offset: int, wrap: bool, perm: list[int] | None
+           ) -> int | None:
+    """The member a shift's receive on member ``rank`` takes from (``rank`` itself: a
+    local copy), or None (it receives nothing): the one definition ``shift``,
+    ``_permute`` and the early receive use."""
+    if perm is not None:
+        return next((r for r, d in enumerate(perm) if d == rank), None)
+    if not wrap and not 0 <= rank - offset < world:
+        return None
+    return (rank - offset) % world
+
+
+def _exchange(comm: SlotGroup, ops: list[Any]) -> None:
+    """Post ``ops`` (point-to-point) at once and wait for each."""
     for work in dist.batch_isend_irecv(ops) if ops else ():
         _wait(comm, work, "shift")
 
@@ -296,7 +336,7 @@ def _permute(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, rank: int,
              perm: list[int], half: str | None = None) -> None:
     """``shift`` with a perm table: one send to perm[rank], one receive from its source."""
     to = perm[rank]
-    back = next((r for r, d in enumerate(perm) if d == rank), -1)
+    back = source(rank, len(perm), 0, True, perm)
     if to == rank:  # a fixed point: a local copy, no message
         dst.copy_(src)
         return
@@ -304,11 +344,10 @@ def _permute(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, rank: int,
     if to >= 0 and half != "recv":
         ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
                               dist.get_global_rank(comm.group, to), comm.group))
-    if back >= 0 and half != "send":
+    if back is not None and half != "send":
         ops.append(dist.P2POp(dist.irecv, wire(dst), dist.get_global_rank(comm.group, back),
                               comm.group))
-    for work in dist.batch_isend_irecv(ops) if ops else ():
-        _wait(comm, work, "shift")
+    _exchange(comm, ops)
 
 
 def all_reduce(

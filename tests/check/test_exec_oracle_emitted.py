@@ -125,7 +125,10 @@ def _one_peer(text: str, step: str, lane: str) -> str:
     lane is masked off: no signal, no wait)."""
     if lane not in ("TO", "FROM"):
         return lane
-    launch = text[text.index(f"_{step}_kernel[(_grid,)]("):]
+    head = f"_{step}_kernel[(_grid,)]("
+    start = text.index(head)
+    after = re.compile(r"\b_\w+_kernel\[").search(text, start + len(head))
+    launch = text[start:after.start() if after else len(text)]  # this launch's, no later
     table = re.search(rf"\n\s*{lane}=\(([-\d, ]+)\)\[self\.rank\],\n", launch)
     if table:  # a perm: each rank's peer, itself where it has none (its lane masked)
         return _no_self("perm:" + ",".join(table.group(1).replace(" ", "").split(",")))

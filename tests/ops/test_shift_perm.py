@@ -296,3 +296,25 @@ def test_a_race_only_a_phantom_writer_of_rank_0_makes_is_shown_at_a_real_one() -
             if loc.step == "swap" and loc.access == "write":
                 assert table[loc.rank] == loc.owner, f.message
                 assert f"a perm's store from rank {loc.rank}" in f.message
+
+
+# a perm's wait before its put, with a when: (the when checks pair its ranks' puts and
+# waits by the table: oracle.peers), on a perm with a cycle (0 <-> 1), the checker's
+# deadlock; the table is W = 4's alone
+RING_FIRST = HEAD + """\
+  - wr: {op: shift, src: x, dst: y, perm: PERM, when: "rank >= 2", phase: wait}
+  - pr: {op: shift, src: x, dst: y, perm: PERM, when: "rank >= 2", phase: put}
+  - use: {op: external, reads: [y], writes: [z]}
+  - done: {op: barrier}
+"""
+
+
+@pytest.mark.parametrize("perm", ["[1, 0, 3, -1]", "[[0, 1], [1, 0], [2, 3]]"])
+def test_a_fix_for_a_perm_list_is_searched_at_its_own_w(perm: str) -> None:
+    """The hint search re-checked its candidate edits at W, W + 1 and the largest W, but
+    a perm written as a list (or pairs) is one W's: at W = 5 `peers` indexed its table past
+    its end and `dcpc check --world 4` died with an internal IndexError (found by review).
+    A schedule unrolled for one W (``loop_world``) is searched at that W alone."""
+    schedule = parse_text(RING_FIRST.replace("PERM", perm), "s.yaml", 4)
+    report = hb.check(schedule, [4])
+    assert [(f.kind, f.world) for f in report.findings] == [("deadlock", 4)], report.findings

@@ -1035,13 +1035,16 @@ FIRST_MOVES = ("offset: next, wrap: false", "offset: prev, wrap: false",
                "offset: next", 'perm: "r + 1 - 2 * (r % 2)"')
 
 
-def random_wait_first_schedule_text(draw, st) -> str:
+def random_wait_first_schedule_text(draw, st, mixed: bool = False) -> str:
     """A small random schedule with one or two shifts whose wait is written before its
     put (chains and rings; now and then two such pairs of one chain, interleaved: wait,
     wait, compute, put, put), local steps between them that read the landed dst and write
     the src (the stage's compute), and credits (signal/wait next/prev), barriers and
     externals around them, placed at random: correct pipelines, races (no credit, a
-    write of the dst while a push into it may be in flight) and deadlocks (rings)."""
+    write of the dst while a push into it may be in flight) and deadlocks (rings).
+    ``mixed``: the two interleaved pairs move each its own way (two chains on the one
+    axis: a forward and a backward hand-off, a line and a perm...) and their puts come
+    in either order (live, or a deadlock the span's run finds)."""
     slots = draw(st.integers(1, 2))
     # two slots on their own streams around a wait-first are refused (wait-first-span)
     streams = "single" if slots == 2 else draw(st.sampled_from(["per_slot", "single"]))
@@ -1072,14 +1075,16 @@ def random_wait_first_schedule_text(draw, st) -> str:
     for _ in range(draw(st.integers(1, 2))):
         around()
         move = draw(st.sampled_from(FIRST_MOVES))
-        if draw(st.integers(0, 2)) == 2:  # two pairs of one chain, interleaved
+        if draw(st.integers(0, 2 - mixed)) == 2 - mixed:  # two pairs, interleaved
+            other = draw(st.sampled_from(FIRST_MOVES)) if mixed else move
             shifts = [f"{{op: shift, src: y, dst: h0, {move}, phase: ",
-                      f"{{op: shift, src: o, dst: h1, {move}, phase: "]
+                      f"{{op: shift, src: o, dst: h1, {other}, phase: "]
             steps.extend(half + "wait}" for half in shifts)
             compute(["h0", "h1"], ["y", "o"], 2)
-            steps.append(shifts[0] + "put}")
-            compute(["h1"], ["o"], 1)  # between the puts: the second put's src
-            steps.append(shifts[1] + "put}")
+            first = draw(st.integers(0, 1)) if mixed else 0
+            steps.append(shifts[first] + "put}")
+            compute([["h1"], ["h0"]][first], [["o"], ["y"]][first], 1)  # the second's src
+            steps.append(shifts[1 - first] + "put}")
             continue
         dst = draw(st.sampled_from(["h0", "h1"]))
         src = draw(st.sampled_from(["y", "o"]))

@@ -131,10 +131,10 @@ def _call_graph(program: Program, match: dict[int, list[tuple[int, int | None]]]
     A wait before the signal it polls on a chain (a shift's wait written before its put,
     ``wrap: false`` or an acyclic perm) is no predecessor here: every rank alike would
     wait on the rank before it around the ring, a cycle the line does not have. It is
-    live by the chain argument instead (docs/hb-checker.md, "A wait before its put"):
-    the ranks between it and its put run local steps only (dcpc.ops.shift's verifier),
-    and on a chain the first rank waits for nobody. On a cycle (a ring) it stays, and
-    the cycle is reported as a deadlock."""
+    proved live instead by running its span rank by rank (dcpc.ops.shift ``span_run``,
+    docs/hb-checker.md, "A wait before its put"): between it and its put only local
+    steps and other such waits with their puts (dcpc.ops.shift's verifier). On a cycle
+    (a ring) it stays, and the cycle is reported as a deadlock."""
     n = len(program.events)
     preds: dict[int, set[int]] = {j: ({j - 1} if j else set()) for j in range(n)}
     for j, sources in match.items():

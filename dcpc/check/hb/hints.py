@@ -260,11 +260,14 @@ def suggest(
     Each is proved through the whole pipeline (``proved_keys``): the edited schedule
     passes the structural checks and lowers, every read still sees the write it saw,
     it no longer has ``finding`` and has no finding the original lacks, at the W it
-    was found, the next W and the largest of ``worlds``. Among proved fixes, those
+    was found, the next W and the largest of ``worlds`` (at that W alone where the
+    schedule was unrolled for it: ``loop_world``). Among proved fixes, those
     leaving fewer findings come first.
     """
     w = finding.world
-    check_at = sorted({w, grown(w), max(worlds or [w])})
+    # a schedule unrolled for one W (its perm, loop or offset names W) is that W's alone
+    check_at = [w] if schedule.loop_world is not None else sorted(
+        {w, grown(w), max(worlds or [w])})
     if budget is not None and not budget.spend():
         return NOT_SEARCHED
     sems = table(schedule, semantics)
