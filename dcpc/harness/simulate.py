@@ -116,37 +116,47 @@ def as_stored(schedule: m.Schedule, name: str, value: torch.Tensor,
     dtype = schedule.buffers[name].dtype
     if not dtype.is_float:
         return value.to(torch.int64)
-    if rounding == "toward_zero" and dtype.value == "bf16":
-        return bf16_toward_zero(value).to(torch.float64)
-    if dtype.value.startswith("fp8"):
-        return fp8_value(fp8_bytes(value, dtype.value), dtype.value)
-    return value.to(TORCH_DTYPES[dtype.value]).to(torch.float64)
+    return float_value(float_bits(value, dtype.value, rounding), dtype.value)
 
 
-# an fp8 NaN's byte kept in the float64 NaN that holds it (torch's conversions keep a NaN's
-# sign only: e5m2's 0x7D, 0x7E come back as 0x7F), so that a move that changes a NaN's
-# payload mismatches: the quiet NaN's bits with this tag and the byte's low 7 bits (the
-# sign is the float64's own); a NaN computed (no tag) is stored as torch stores it
-_NAN_TAG, _NAN_MASK = 0x7FF8_0000_0000_0100, 0x7FFF_FFFF_FFFF_FF00
+# A float NaN's bits kept in the float64 NaN that holds it (torch's conversions keep a
+# NaN's sign only: e5m2's 0x7D, bf16's 0x7FC1 come back as 0x7F, 0x7FC0; an f32 signalling
+# NaN comes back quiet), so that a move that changes a NaN's payload or sign mismatches:
+# the float64 is a quiet NaN with the dtype's tag (``_NAN_TAG``) and the bits' low
+# 8 x itemsize - 1 (the sign is the float64's own). Every float a buffer holds is made so
+# (``as_stored``): a NaN computed (no tag, or another dtype's) is stored as torch stores it.
+_NAN_QUIET, _NAN_MASK = 0x7FF8_0000_0000_0000, 0x7FFF_FFFF_8000_0000
+_NAN_TAG = {dtype: _NAN_QUIET | (code << 32) for code, dtype in enumerate(
+    ("fp8e4m3", "fp8e5m2", "bf16", "f16", "f32"), 1)}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # a float's bits, by itemsize
 
 
-def fp8_value(raw: torch.Tensor, dtype: str) -> torch.Tensor:
-    """The float64 of fp8 bytes (uint8) of ``dtype``: the value, a NaN with its byte."""
+def float_value(raw: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The float64 of float ``dtype``'s bits ``raw`` (``BITS``: uint8, int16, int32):
+    the value, a NaN with its bits (tagged)."""
+    width = 8 * TORCH_DTYPES[dtype].itemsize
     value = raw.view(TORCH_DTYPES[dtype]).to(torch.float64)
-    sign = (raw.to(torch.int64) >> 7) << 63
-    tagged = (sign | _NAN_TAG | (raw.to(torch.int64) & 0x7F)).view(torch.float64)
+    bits = raw.to(torch.int64) & ((1 << width) - 1)
+    sign = (bits >> (width - 1)) << 63
+    tagged = (sign | _NAN_TAG[dtype] | (bits & ((1 << (width - 1)) - 1))).view(torch.float64)
     return torch.where(torch.isnan(value), tagged, value)
 
 
-def fp8_bytes(value: torch.Tensor, dtype: str) -> torch.Tensor:
-    """The fp8 bytes (uint8) of ``dtype`` that hold float64 ``value`` (``fp8_value``'s
-    inverse: a tagged NaN as its byte; anything else rounded as torch rounds it)."""
+def float_bits(value: torch.Tensor, dtype: str, rounding: str = "nearest") -> torch.Tensor:
+    """The bits (``BITS``) of float ``dtype`` that hold float64 ``value``
+    (``float_value``'s inverse: a NaN tagged for ``dtype`` as its bits; anything else
+    rounded as the kernel that stores it rounds: ``rounding``, ``KERNEL_ROUNDING``)."""
     value = value.to(torch.float64).contiguous()
-    raw = value.to(TORCH_DTYPES[dtype]).view(torch.uint8)
+    stored = (bf16_toward_zero(value) if rounding == "toward_zero" and dtype == "bf16"
+              else value.to(TORCH_DTYPES[dtype]))
+    width = 8 * stored.element_size()
+    raw = stored.view(BITS[stored.element_size()])
     bits = value.view(torch.int64)
-    tagged = torch.isnan(value) & ((bits & _NAN_MASK) == _NAN_TAG)
-    kept = ((bits < 0).to(torch.int64) << 7) | (bits & 0x7F)
-    return torch.where(tagged, kept.to(torch.uint8), raw)
+    tagged = torch.isnan(value) & ((bits & _NAN_MASK) == _NAN_TAG[dtype])
+    kept = ((bits < 0).to(torch.int64) << (width - 1)) | (bits & ((1 << (width - 1)) - 1))
+    if raw.dtype != torch.uint8:  # the signed view's value of those bits
+        kept = torch.where(kept >= 1 << (width - 1), kept - (1 << width), kept)
+    return torch.where(tagged, kept.to(raw.dtype), raw)
 
 
 def empty_rows(

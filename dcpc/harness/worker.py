@@ -27,12 +27,13 @@ import torch.distributed as dist
 from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
 from dcpc.harness.simulate import (
+    BITS,
     TORCH_DTYPES,
     Buffers,
     alias_views,
     buffer_shape,
-    fp8_bytes,
-    fp8_value,
+    float_bits,
+    float_value,
     persistent_start,
     seen_at,
     simulate_call,
@@ -139,20 +140,21 @@ def compare(
     atol, rtol = (0.0, 0.0) if kind == "move" else TOLERANCE.get(dtype, (0.0, 0.0))
     special_ok = (got == want) | (torch.isnan(got) & torch.isnan(want))
     ok = torch.where(finite, err <= atol + rtol * want.abs().where(finite, zero), special_ok)
-    if kind == "move" and dtype.startswith("fp8"):  # every fp8 byte is a value (float64
-        # holds each exactly, a NaN's byte too: simulate.fp8_value): compare the bytes too,
-        # so that a NaN's payload or sign, or a -0, a move changed mismatches (a comparison
-        # by value takes them for equal); the value comparison stays, so a value the fp8
-        # cannot hold (inf in e4m3, 1e6, 0.3) is not taken for the byte it rounds to
-        ok = ok & (fp8_bytes(got, dtype) == fp8_bytes(want, dtype))
+    if kind == "move":  # a float's bits are its value (float64 holds each, a NaN's bits
+        # too: simulate.float_value): compare the bits too (bf16/f16 as int16, f32 as
+        # int32, fp8 as bytes), so that a NaN's payload or sign, or a -0, a move changed
+        # mismatches (a comparison by value takes them for equal); the value comparison
+        # stays, so a value the dtype cannot hold (inf in e4m3, 0.3) is not taken for the
+        # bits it rounds to
+        ok = ok & (float_bits(got, dtype) == float_bits(want, dtype))
     _count(stats, ok, where, name, got, want, float, f", max abs err {max_err:.3g}")
 
 
 def _reference_form(t: torch.Tensor, dtype: str) -> torch.Tensor:
-    """An engine's tensor of ``dtype`` as the reference holds it: float64 (an fp8 NaN with
-    its byte, ``fp8_value``), int64 for integers."""
-    if t.dtype == TORCH_DTYPES.get(dtype) and dtype.startswith("fp8"):
-        return fp8_value(t.contiguous().view(torch.uint8), dtype)
+    """An engine's tensor of ``dtype`` as the reference holds it: float64 (a NaN with its
+    bits, ``float_value``), int64 for integers."""
+    if t.dtype == TORCH_DTYPES.get(dtype) and m.DType(dtype).is_float:
+        return float_value(t.contiguous().view(BITS[t.element_size()]), dtype)
     return t.to(torch.float64 if m.DType(dtype).is_float else torch.int64)
 
 
@@ -187,7 +189,7 @@ def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor,
                device: torch.device | None = None) -> torch.Tensor:
     """``value`` as the engine holds ``name``: its dtype, contiguous, on ``device``."""
     dtype = schedule.buffers[name].dtype.value
-    value = (fp8_bytes(value, dtype).view(TORCH_DTYPES[dtype]) if dtype.startswith("fp8")
+    value = (float_bits(value, dtype).view(TORCH_DTYPES[dtype]) if m.DType(dtype).is_float
              else value.to(TORCH_DTYPES[dtype]).contiguous())
     if device is None or device.type == "cpu" or value.device == device:
         return value
