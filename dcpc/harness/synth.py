@@ -45,6 +45,13 @@ def is_move(op: m.OpBase) -> bool:
     return OPS[op.op].moves(op) and not isinstance(op, External)
 
 
+def carries(op: m.OpBase) -> list[tuple[str, str]]:
+    """(src, dst) of each payload a move carries: src[k] into dst[k] (as each op's
+    ``semantics`` and the checker's ``pairs`` take them)."""
+    return list(zip(names(getattr(op, "src", None)), names(getattr(op, "dst", None)),
+                    strict=False))
+
+
 O_GARBAGE = (math.nan, math.inf, -math.inf, 3.0e4)
 LSE_GARBAGE = (math.nan, math.inf, -math.inf, 25.0)
 
@@ -292,8 +299,7 @@ def _payloads(schedule: m.Schedule) -> set[str]:
         for step in steps:
             if not is_move(step.op):
                 continue
-            for src, dst in zip(names(getattr(step.op, "src", None)),
-                                names(getattr(step.op, "dst", None)), strict=False):
+            for src, dst in carries(step.op):
                 if dst in valued and src not in valued:
                     valued.add(src)
                     grown = True

@@ -119,3 +119,51 @@ def test_a_bad_move_is_found_on_every_backend(backend: str, bad: str | None) -> 
     assert not report.ok and stats.mismatches >= 1, text
     said = "= 0.0, reference -0.0" if bad == "minus_zero_made_plus" else "= nan, reference nan"
     assert "(hop): kv_recv[" in stats.first_mismatch and said in stats.first_mismatch, text
+
+
+# one all_gather carrying a moved bf16 block beside an f32 one a reduce_scatter computed
+MIXED_GATHER = """\
+schedule: mixed_gather
+slots: 1
+sizes:
+  T: {max: 8}
+  H: 3
+  D: 16
+buffers:
+  q:        {shape: [T, H, D],    dtype: bf16}
+  lse_part: {shape: [T, W*H],     dtype: f32}
+  lse:      {shape: [T, H],       dtype: f32}
+  q_full:   {shape: [T, W*H, D],  dtype: bf16, symmetric: true}
+  lse_all:  {shape: [T, W, H],    dtype: f32, symmetric: true}
+  out:      {shape: [T, H, D],    dtype: bf16}
+steps:
+  - scatter: {op: reduce_scatter, src: lse_part, dst: lse, dim: 1}
+  - gather:  {op: all_gather, src: [q, lse], dst: [q_full, lse_all], dim: 1}
+  - use:     {op: external, reads: [q_full, lse_all], writes: [out]}
+  - release: {op: barrier}
+"""
+GATHERED = '            self._view("q_full", slot, _env),\n'
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_move_beside_a_computed_payload_is_compared_by_bits(tmp_path: Path,
+                                                              bad: bool) -> None:
+    """Each dst of a move takes its own src's kind: the gathered q is compared bit for
+    bit though the same step carries a computed lse (by value); a gather that makes q's
+    -0 +0 and canonicalises its NaNs mismatches (it passed when the step decided)."""
+    path = tmp_path / "mixed_gather.yaml"
+    path.write_text(MIXED_GATHER)
+    flip = ("def _flip(_v):\n    _b = _v.view(torch.int16)\n    _nan = (_b & 0x7FFF) > 0x7F80\n"
+            "    _b.copy_(torch.where(_b == -32768, 0, torch.where(_nan, (_b & -32768) | 0x7FC0,"
+            " _b)))\n    return _v\n\n\nclass ")
+    patch = ((GATHERED, f"            _flip({GATHERED.strip()[:-1]}),\n"), ("class ", flip)) \
+        if bad else ()
+    report = run_schedule(RunConfig(schedule=str(path), world=2, backend="torch", calls=2,
+                                    seed=3, module_patch=patch))
+    text = format_report(report)
+    if not bad:
+        assert report.ok and report.mismatches == 0, text
+        return
+    assert report.outputs["q_full"].mismatches >= 1, text
+    assert report.outputs["lse_all"].mismatches == 0, text
