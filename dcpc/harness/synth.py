@@ -279,7 +279,9 @@ def payload_floats(schedule: m.Schedule) -> set[str]:
 def _payloads(schedule: m.Schedule) -> set[str]:
     """The buffers that travel as data: the src of a move (``is_move``) that no op but a
     move (as its src) or an engine step reads, nor lands by a move in a buffer read for
-    its value (counts, an index, lengths, a cast's or a reduction's operand)."""
+    its value (counts, an index, lengths, a cast's or a reduction's operand). A buffer
+    used whole and by slice is one memory: a value read of a slice marks the whole and
+    its slices, and a value read of the whole its slices."""
     steps = schedule.step_list()
     moved: set[str] = set()
     valued: set[str] = set()  # read for its value by some op
@@ -293,6 +295,12 @@ def _payloads(schedule: m.Schedule) -> set[str]:
         valued.update(n for n in op_io(step.op)[0] if n not in carried)
         if is_move(step.op) and cast.direction(schedule, step.op):  # a cast reads its operand
             valued.update((cast.payload(step.op) or ("",))[:1])
+    def one_memory(name: str) -> set[str]:  # a buffer used whole and by slice
+        part = schedule.slice_of(name)
+        whole = part[0] if part else name
+        return {whole, *schedule.cells(whole)}
+
+    valued = {n for v in valued for n in one_memory(v)}
     grown = True
     while grown:  # a move's src is read for its value where its dst is
         grown = False
@@ -301,7 +309,7 @@ def _payloads(schedule: m.Schedule) -> set[str]:
                 continue
             for src, dst in carries(step.op):
                 if dst in valued and src not in valued:
-                    valued.add(src)
+                    valued.update(one_memory(src))
                     grown = True
     return moved - valued
 
