@@ -110,12 +110,15 @@ def bf16_toward_zero(value: torch.Tensor) -> torch.Tensor:
 
 
 def as_stored(schedule: m.Schedule, name: str, value: torch.Tensor,
-              rounding: str = "nearest") -> torch.Tensor:
+              rounding: str = "nearest", *, computed: bool = False) -> torch.Tensor:
     """``value`` rounded to the buffer's dtype, back in float64 (int64 for integers);
-    ``rounding``: how the kernel that stores it rounds into bf16 (``KERNEL_ROUNDING``)."""
+    ``rounding``: how the kernel that stores it rounds into bf16 (``KERNEL_ROUNDING``);
+    ``computed``: an op that computes stores it (its NaNs are plain: ``_untagged``)."""
     dtype = schedule.buffers[name].dtype
     if not dtype.is_float:
         return value.to(torch.int64)
+    if computed:
+        value = _untagged(value)
     return float_value(float_bits(value, dtype.value, rounding), dtype.value)
 
 
@@ -124,11 +127,20 @@ def as_stored(schedule: m.Schedule, name: str, value: torch.Tensor,
 # NaN comes back quiet), so that a move that changes a NaN's payload or sign mismatches:
 # the float64 is a quiet NaN with the dtype's tag (``_NAN_TAG``) and the bits' low
 # 8 x itemsize - 1 (the sign is the float64's own). Every float a buffer holds is made so
-# (``as_stored``): a NaN computed (no tag, or another dtype's) is stored as torch stores it.
+# (``as_stored``). float64 arithmetic keeps a NaN's payload (abs of a tagged NaN, divided
+# by a scale, is still tagged), so what an op that computes stores drops the tag first
+# (``_untagged``: a plain NaN with its sign); a NaN without this dtype's tag is stored as
+# torch stores it (its sign kept, the payload canonical).
 _NAN_QUIET, _NAN_MASK = 0x7FF8_0000_0000_0000, 0x7FFF_FFFF_8000_0000
 _NAN_TAG = {dtype: _NAN_QUIET | (code << 32) for code, dtype in enumerate(
     ("fp8e4m3", "fp8e5m2", "bf16", "f16", "f32"), 1)}
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # a float's bits, by itemsize
+
+
+def _untagged(value: torch.Tensor) -> torch.Tensor:
+    """``value`` with each NaN made a plain quiet NaN of its sign (no payload, no tag)."""
+    plain = torch.copysign(torch.full_like(value, math.nan), value)
+    return torch.where(torch.isnan(value), plain, value)
 
 
 def float_value(raw: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -302,6 +314,7 @@ class Sim:
         self.held: list[Buffers] = self.bufs
         self.written: list[Buffers] = [{} for _ in range(world)]
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
+        self.computes = False  # the step computes what it stores (as_stored's computed)
         self.members: list[int] | None = None  # a team's view: its ranks (``team``)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -319,6 +332,7 @@ class Sim:
         sub.written = [self.written[r] for r in ranks]
         sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
+        sub.computes = self.computes
         return sub
 
     def guarded(self, skipped: set[int]) -> Sim:
@@ -332,7 +346,7 @@ class Sim:
                     for r in range(int(self.world))]
         sub.held = self.held
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
-        sub.rounding, sub.members = self.rounding, self.members
+        sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
         return sub
 
     def store(self, rank: int, name: str, value: torch.Tensor, *,
@@ -344,7 +358,8 @@ class Sim:
         want = self.shape(name)
         if tuple(value.shape) != want:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
-        self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding)
+        self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding,
+                                          computed=self.computes)
         self.written[rank][name] = self.bufs[rank][name]
         if unsent is not None:
             self.written[rank][name + UNSENT_KEY] = unsent
@@ -363,7 +378,8 @@ class Sim:
     def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None:
         """Keep a value no schedule buffer holds (an implicit receive buffer), rounded to
         the dtype of buffer ``like``; not traced."""
-        self.held[rank][name] = as_stored(self.schedule, like, value, self.rounding)
+        self.held[rank][name] = as_stored(self.schedule, like, value, self.rounding,
+                                          computed=self.computes)
 
     def all_to_all(self, src: str, dst: str, dim: int,
                    store: Callable[[int, str, torch.Tensor], None] | None = None) -> None:
@@ -420,7 +436,7 @@ def simulate_call(
     for step in steps:
         if step.index <= done:
             continue
-        sim.rounding = _rounding(step, rounding)
+        _storing(sim, step, rounding)
         if trace is not None and step.index:
             trace.append(sim.written)
             sim.written = [{} for _ in range(world)]
@@ -473,6 +489,13 @@ def unsent_at(trace: list[list[Buffers]], step: int, rank: int, name: str
     return None
 
 
+def _storing(sim: Sim, step: m.Step, rounding: str | Callable[[m.Step], str]) -> None:
+    """How ``step`` stores: its kernels' bf16 rounding, and whether it computes."""
+    sim.rounding = _rounding(step, rounding)
+    op = OPS.get(step.kind)
+    sim.computes = op is not None and not op.moves(step.op)
+
+
 def _rounding(step: m.Step, rounding: str | Callable[[m.Step], str]) -> str:
     # the engine's own steps store as torch does (the harness's synthetic ones do)
     if isinstance(step.op, ExternalOp):
@@ -515,7 +538,8 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
     pushed: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src as pushed
     for r in shift.chain_order(sim.schedule, [s.op for s in waits], sim.world):
         for k, step in enumerate(steps):
-            sim.written, sim.rounding = written[k], _rounding(step, rounding)
+            sim.written = written[k]
+            _storing(sim, step, rounding)
             half = split.half(step)
             if half == split.PUT:
                 with _naming(step):

@@ -13,7 +13,7 @@ import torch
 
 from dcpc.harness import synth
 from dcpc.harness.run import RunConfig, format_report, run_schedule
-from dcpc.harness.simulate import BITS, TORCH_DTYPES, float_bits, float_value
+from dcpc.harness.simulate import BITS, TORCH_DTYPES, float_bits, float_value, simulate_call
 from dcpc.harness.worker import OutputStats, compare
 from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file, parse_text
@@ -205,3 +205,26 @@ def test_a_slice_reduced_beside_a_whole_move_runs_clean(tmp_path: Path, backend:
                                     seed=3))
     assert report.ok and report.mismatches == 0, format_report(report)
 
+
+REDUCE = """\
+schedule: reduce_nan
+slots: 1
+sizes:
+  E: 4
+buffers:
+  x: {shape: [W*E], dtype: bf16}
+  y: {shape: [E],    dtype: bf16}
+steps:
+  - scatter: {op: reduce_scatter, src: x, dst: y, dim: 0}
+"""
+
+
+def test_a_computed_nan_drops_a_moved_nan_s_payload() -> None:
+    """float64 arithmetic keeps a NaN's payload: a sum over a NaN tagged 0xFF81 is stored
+    as a plain NaN (0x7FC0 or 0xFFC0: its sign is the arithmetic's), not the moved bits."""
+    raw = torch.tensor([-127, 0x7FC1, 0, 0, 0, 0, 0, 0], dtype=torch.int16)  # 0xFF81
+    x = float_value(raw, "bf16")
+    inputs = [{"x": x.clone()}, {"x": x.clone()}]
+    out = simulate_call(parse_text(REDUCE), 2, {"E": 4}, inputs, external=None)  # type: ignore[arg-type]
+    bits = float_bits(out[0]["y"], "bf16").tolist()
+    assert [b & 0x7FFF for b in bits[:2]] == [0x7FC0, 0x7FC0], bits
