@@ -137,6 +137,12 @@ _NAN_TAG = {dtype: _NAN_QUIET | (code << 32) for code, dtype in enumerate(
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # a float's bits, by itemsize
 
 
+def signed_view(bits: Any, width: int) -> Any:
+    """The value that the signed view (``BITS``: int16, int32) of ``width``-bit pattern
+    ``bits`` (0 .. 2**width - 1: an int, or an int64 tensor) reads."""
+    return bits - ((bits >> (width - 1)) & 1) * (1 << width)
+
+
 def _untagged(value: torch.Tensor) -> torch.Tensor:
     """``value`` with each NaN made a plain quiet NaN of its sign (no payload, no tag)."""
     plain = torch.copysign(torch.full_like(value, math.nan), value)
@@ -166,8 +172,8 @@ def float_bits(value: torch.Tensor, dtype: str, rounding: str = "nearest") -> to
     bits = value.view(torch.int64)
     tagged = torch.isnan(value) & ((bits & _NAN_MASK) == _NAN_TAG[dtype])
     kept = ((bits < 0).to(torch.int64) << (width - 1)) | (bits & ((1 << (width - 1)) - 1))
-    if raw.dtype != torch.uint8:  # the signed view's value of those bits
-        kept = torch.where(kept >= 1 << (width - 1), kept - (1 << width), kept)
+    if raw.dtype != torch.uint8:
+        kept = signed_view(kept, width)
     return torch.where(tagged, kept.to(raw.dtype), raw)
 
 

@@ -28,6 +28,7 @@ from dcpc.harness.simulate import (
     float_bits,
     float_value,
     local_seq_len,
+    signed_view,
 )
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
@@ -383,8 +384,8 @@ def _carry(raw: torch.Tensor, bits: tuple[int, ...], gen: torch.Generator,
     rows = raw.reshape(-1, raw.shape[-1] if raw.dim() else 1)
     count = min(len(bits), max(1, rows.shape[1] // share))
     width = 8 * raw.element_size()
-    edges = torch.tensor([b - (1 << width) if raw.is_signed() and b >> (width - 1) else b
-                          for b in bits], dtype=raw.dtype)
+    edges = torch.tensor([signed_view(b, width) if raw.is_signed() else b for b in bits],
+                         dtype=raw.dtype)
     picked = torch.arange(count).expand(rows.shape[0], count)
     if count < len(bits):  # a short row: which edges, from a random one on
         picked = (picked + torch.randint(0, len(bits), (rows.shape[0], 1), generator=gen)

@@ -13,7 +13,14 @@ import torch
 
 from dcpc.harness import synth
 from dcpc.harness.run import RunConfig, format_report, run_schedule
-from dcpc.harness.simulate import BITS, TORCH_DTYPES, float_bits, float_value, simulate_call
+from dcpc.harness.simulate import (
+    BITS,
+    TORCH_DTYPES,
+    float_bits,
+    float_value,
+    signed_view,
+    simulate_call,
+)
 from dcpc.harness.worker import OutputStats, compare
 from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file, parse_text
@@ -23,8 +30,7 @@ SIGN = {"bf16": 1 << 15, "f16": 1 << 15, "f32": 1 << 31}
 
 
 def _signed(bits: int, dtype: str) -> int:
-    width = 8 * TORCH_DTYPES[dtype].itemsize
-    return bits - (1 << width) if bits >> (width - 1) else bits
+    return signed_view(bits, 8 * TORCH_DTYPES[dtype].itemsize)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "fp8e4m3", "fp8e5m2"])
