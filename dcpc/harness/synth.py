@@ -380,7 +380,10 @@ def _carry(raw: torch.Tensor, bits: tuple[int, ...], gen: torch.Generator,
            share: int = 1) -> torch.Tensor:
     """``raw`` (a float's bits) with ``bits`` in every row (the last dim), in a run of
     columns from a random one on (wrapping): all of them where the row has room (at most
-    1 / ``share`` of its columns), else a run of them from a random one on."""
+    1 / ``share`` of its columns), else a run of them from a random one on; an empty
+    ``raw`` (a size 0 this call) as it is."""
+    if raw.numel() == 0:
+        return raw
     rows = raw.reshape(-1, raw.shape[-1] if raw.dim() else 1)
     count = min(len(bits), max(1, rows.shape[1] // share))
     width = 8 * raw.element_size()

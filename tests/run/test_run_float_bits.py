@@ -234,3 +234,12 @@ def test_a_computed_nan_drops_a_moved_nan_s_payload() -> None:
     out = simulate_call(parse_text(REDUCE), 2, {"E": 4}, inputs, external=None)  # type: ignore[arg-type]
     bits = float_bits(out[0]["y"], "bf16").tolist()
     assert [b & 0x7FFF for b in bits[:2]] == [0x7FC0, 0x7FC0], bits
+
+
+@pytest.mark.parametrize("dtype", [m.DType.bf16, m.DType.f32])
+def test_an_empty_payload_draws_nothing(dtype: m.DType) -> None:
+    """A payload of size 0 this call (``[4, T - 1]`` at T = 1) draws an empty tensor
+    (the edges' reshape raised on it, as full_range_fp8's did before this branch)."""
+    g = torch.Generator().manual_seed(0)
+    assert synth.with_edges((4, 0), g, dtype).shape == (4, 0)
+    assert synth.full_range_fp8((0, 3), g).shape == (0, 3)
