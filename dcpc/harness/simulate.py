@@ -109,43 +109,71 @@ def bf16_toward_zero(value: torch.Tensor) -> torch.Tensor:
 
 
 def as_stored(schedule: m.Schedule, name: str, value: torch.Tensor,
-              rounding: str = "nearest") -> torch.Tensor:
+              rounding: str = "nearest", *, computed: bool = False) -> torch.Tensor:
     """``value`` rounded to the buffer's dtype, back in float64 (int64 for integers);
-    ``rounding``: how the kernel that stores it rounds into bf16 (``KERNEL_ROUNDING``)."""
+    ``rounding``: how the kernel that stores it rounds into bf16 (``KERNEL_ROUNDING``);
+    ``computed``: an op that computes stores it (its NaNs are plain: ``_untagged``)."""
     dtype = schedule.buffers[name].dtype
     if not dtype.is_float:
         return value.to(torch.int64)
-    if rounding == "toward_zero" and dtype.value == "bf16":
-        return bf16_toward_zero(value).to(torch.float64)
-    if dtype.value.startswith("fp8"):
-        return fp8_value(fp8_bytes(value, dtype.value), dtype.value)
-    return value.to(TORCH_DTYPES[dtype.value]).to(torch.float64)
+    if computed:
+        value = _untagged(value)
+    return float_value(float_bits(value, dtype.value, rounding), dtype.value)
 
 
-# an fp8 NaN's byte kept in the float64 NaN that holds it (torch's conversions keep a NaN's
-# sign only: e5m2's 0x7D, 0x7E come back as 0x7F), so that a move that changes a NaN's
-# payload mismatches: the quiet NaN's bits with this tag and the byte's low 7 bits (the
-# sign is the float64's own); a NaN computed (no tag) is stored as torch stores it
-_NAN_TAG, _NAN_MASK = 0x7FF8_0000_0000_0100, 0x7FFF_FFFF_FFFF_FF00
+# A float NaN's bits kept in the float64 NaN that holds it (torch's conversions keep a
+# NaN's sign only: e5m2's 0x7D, bf16's 0x7FC1 come back as 0x7F, 0x7FC0; an f32 signalling
+# NaN comes back quiet), so that a move that changes a NaN's payload or sign mismatches:
+# the float64 is a quiet NaN with the dtype's tag (``_NAN_TAG``) and the bits' low
+# 8 x itemsize - 1 (the sign is the float64's own). Every float a buffer holds is made so
+# (``as_stored``). float64 arithmetic keeps a NaN's payload (abs of a tagged NaN, divided
+# by a scale, is still tagged), so what an op that computes stores drops the tag first
+# (``_untagged``: a plain NaN with its sign); a NaN without this dtype's tag is stored as
+# torch stores it (its sign kept, the payload canonical).
+_NAN_QUIET, _NAN_MASK = 0x7FF8_0000_0000_0000, 0x7FFF_FFFF_8000_0000
+_NAN_TAG = {dtype: _NAN_QUIET | (code << 32) for code, dtype in enumerate(
+    ("fp8e4m3", "fp8e5m2", "bf16", "f16", "f32"), 1)}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # a float's bits, by itemsize
 
 
-def fp8_value(raw: torch.Tensor, dtype: str) -> torch.Tensor:
-    """The float64 of fp8 bytes (uint8) of ``dtype``: the value, a NaN with its byte."""
+def signed_view(bits: Any, width: int) -> Any:
+    """The value that the signed view (``BITS``: int16, int32) of ``width``-bit pattern
+    ``bits`` (0 .. 2**width - 1: an int, or an int64 tensor) reads."""
+    return bits - ((bits >> (width - 1)) & 1) * (1 << width)
+
+
+def _untagged(value: torch.Tensor) -> torch.Tensor:
+    """``value`` with each NaN made a plain quiet NaN of its sign (no payload, no tag)."""
+    plain = torch.copysign(torch.full_like(value, math.nan), value)
+    return torch.where(torch.isnan(value), plain, value)
+
+
+def float_value(raw: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The float64 of float ``dtype``'s bits ``raw`` (``BITS``: uint8, int16, int32):
+    the value, a NaN with its bits (tagged)."""
+    width = 8 * TORCH_DTYPES[dtype].itemsize
     value = raw.view(TORCH_DTYPES[dtype]).to(torch.float64)
-    sign = (raw.to(torch.int64) >> 7) << 63
-    tagged = (sign | _NAN_TAG | (raw.to(torch.int64) & 0x7F)).view(torch.float64)
+    bits = raw.to(torch.int64) & ((1 << width) - 1)
+    sign = (bits >> (width - 1)) << 63
+    tagged = (sign | _NAN_TAG[dtype] | (bits & ((1 << (width - 1)) - 1))).view(torch.float64)
     return torch.where(torch.isnan(value), tagged, value)
 
 
-def fp8_bytes(value: torch.Tensor, dtype: str) -> torch.Tensor:
-    """The fp8 bytes (uint8) of ``dtype`` that hold float64 ``value`` (``fp8_value``'s
-    inverse: a tagged NaN as its byte; anything else rounded as torch rounds it)."""
+def float_bits(value: torch.Tensor, dtype: str, rounding: str = "nearest") -> torch.Tensor:
+    """The bits (``BITS``) of float ``dtype`` that hold float64 ``value``
+    (``float_value``'s inverse: a NaN tagged for ``dtype`` as its bits; anything else
+    rounded as the kernel that stores it rounds: ``rounding``, ``KERNEL_ROUNDING``)."""
     value = value.to(torch.float64).contiguous()
-    raw = value.to(TORCH_DTYPES[dtype]).view(torch.uint8)
+    stored = (bf16_toward_zero(value) if rounding == "toward_zero" and dtype == "bf16"
+              else value.to(TORCH_DTYPES[dtype]))
+    width = 8 * stored.element_size()
+    raw = stored.view(BITS[stored.element_size()])
     bits = value.view(torch.int64)
-    tagged = torch.isnan(value) & ((bits & _NAN_MASK) == _NAN_TAG)
-    kept = ((bits < 0).to(torch.int64) << 7) | (bits & 0x7F)
-    return torch.where(tagged, kept.to(torch.uint8), raw)
+    tagged = torch.isnan(value) & ((bits & _NAN_MASK) == _NAN_TAG[dtype])
+    kept = ((bits < 0).to(torch.int64) << (width - 1)) | (bits & ((1 << (width - 1)) - 1))
+    if raw.dtype != torch.uint8:
+        kept = signed_view(kept, width)
+    return torch.where(tagged, kept.to(raw.dtype), raw)
 
 
 def empty_rows(
@@ -291,6 +319,7 @@ class Sim:
         self.held: list[Buffers] = self.bufs
         self.written: list[Buffers] = [{} for _ in range(world)]
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
+        self.computes = False  # the step computes what it stores (as_stored's computed)
         self.members: list[int] | None = None  # a team's view: its ranks (``team``)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -308,6 +337,7 @@ class Sim:
         sub.written = [self.written[r] for r in ranks]
         sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
+        sub.computes = self.computes
         return sub
 
     def guarded(self, skipped: set[int]) -> Sim:
@@ -321,7 +351,7 @@ class Sim:
                     for r in range(int(self.world))]
         sub.held = self.held
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
-        sub.rounding, sub.members = self.rounding, self.members
+        sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
         return sub
 
     def store(self, rank: int, name: str, value: torch.Tensor, *,
@@ -333,7 +363,8 @@ class Sim:
         want = self.shape(name)
         if tuple(value.shape) != want:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
-        self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding)
+        self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding,
+                                          computed=self.computes)
         self.written[rank][name] = self.bufs[rank][name]
         if unsent is not None:
             self.written[rank][name + UNSENT_KEY] = unsent
@@ -352,7 +383,8 @@ class Sim:
     def stash(self, rank: int, name: str, value: torch.Tensor, *, like: str) -> None:
         """Keep a value no schedule buffer holds (an implicit receive buffer), rounded to
         the dtype of buffer ``like``; not traced."""
-        self.held[rank][name] = as_stored(self.schedule, like, value, self.rounding)
+        self.held[rank][name] = as_stored(self.schedule, like, value, self.rounding,
+                                          computed=self.computes)
 
     def all_to_all(self, src: str, dst: str, dim: int,
                    store: Callable[[int, str, torch.Tensor], None] | None = None) -> None:
@@ -409,7 +441,7 @@ def simulate_call(
     for step in steps:
         if step.index <= done:
             continue
-        sim.rounding = _rounding(step, rounding)
+        _storing(sim, step, rounding)
         if trace is not None and step.index:
             trace.append(sim.written)
             sim.written = [{} for _ in range(world)]
@@ -462,6 +494,13 @@ def unsent_at(trace: list[list[Buffers]], step: int, rank: int, name: str
     return None
 
 
+def _storing(sim: Sim, step: m.Step, rounding: str | Callable[[m.Step], str]) -> None:
+    """How ``step`` stores: its kernels' bf16 rounding, and whether it computes."""
+    sim.rounding = _rounding(step, rounding)
+    op = OPS.get(step.kind)
+    sim.computes = op is not None and not op.moves(step.op)
+
+
 def _rounding(step: m.Step, rounding: str | Callable[[m.Step], str]) -> str:
     # the engine's own steps store as torch does (the harness's synthetic ones do)
     if isinstance(step.op, ExternalOp):
@@ -488,7 +527,8 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
     events, _ = shift.span_run(sim, steps, sim.world, running)
     for r, k in events:
         step = steps[k]
-        sim.written, sim.rounding = written[k], _rounding(step, rounding)
+        sim.written = written[k]
+        _storing(sim, step, rounding)
         half = split.half(step)
         if half == split.PUT:
             with _naming(step):

@@ -25,8 +25,10 @@ from dcpc.harness.simulate import (
     as_stored,
     buffer_shape,
     empty_rows,
-    fp8_value,
+    float_bits,
+    float_value,
     local_seq_len,
+    signed_view,
 )
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
@@ -42,6 +44,13 @@ DEFAULT_SMALL_MAX = 8
 def is_move(op: m.OpBase) -> bool:
     """An op that moves bits (``OpDef.exact``, ``OpDef.moves``), not an engine step."""
     return OPS[op.op].moves(op) and not isinstance(op, External)
+
+
+def carries(op: m.OpBase) -> list[tuple[str, str]]:
+    """(src, dst) of each payload a move carries: src[k] into dst[k] (as each op's
+    ``semantics`` and the checker's ``pairs`` take them)."""
+    return list(zip(names(getattr(op, "src", None)), names(getattr(op, "dst", None)),
+                    strict=False))
 
 
 O_GARBAGE = (math.nan, math.inf, -math.inf, 3.0e4)
@@ -198,7 +207,7 @@ def call_inputs(
             lengths = torch.stack([local_seq_len(lengths, p, members, 1)
                                    for p in range(members)], 1)
         shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
-    scales, fp8 = output_scales(schedule), payload_fp8(schedule)
+    scales, fp8, floats = output_scales(schedule), payload_fp8(schedule), payload_floats(schedule)
     out: list[Buffers] = []
     for rank in range(world):
         bufs: Buffers = {}
@@ -212,6 +221,8 @@ def call_inputs(
                 value = scale_value(shape, gen)
             elif name in fp8:  # a moved fp8 payload: every byte, NaNs and -0 included
                 value = full_range_fp8(shape, gen, schedule.buffers[name].dtype)
+            elif name in floats:  # a moved bf16/f16/f32 payload: NaNs, -0, inf among values
+                value = with_edges(shape, gen, schedule.buffers[name].dtype)
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:
@@ -260,10 +271,18 @@ def payload_fp8(schedule: m.Schedule) -> set[str]:
     return {n for n in _payloads(schedule) if schedule.buffers[n].dtype in FP8_EDGES}
 
 
+def payload_floats(schedule: m.Schedule) -> set[str]:
+    """The bf16/f16/f32 buffers that travel as data (tokens, K/V blocks): drawn with their
+    ``FLOAT_EDGES`` (``with_edges``), as they move bit for bit."""
+    return {n for n in _payloads(schedule) if schedule.buffers[n].dtype in FLOAT_EDGES}
+
+
 def _payloads(schedule: m.Schedule) -> set[str]:
     """The buffers that travel as data: the src of a move (``is_move``) that no op but a
     move (as its src) or an engine step reads, nor lands by a move in a buffer read for
-    its value (counts, an index, lengths, a cast's or a reduction's operand)."""
+    its value (counts, an index, lengths, a cast's or a reduction's operand). A buffer
+    used whole and by slice is one memory: a value read of a slice marks the whole and
+    its slices, and a value read of the whole its slices."""
     steps = schedule.step_list()
     moved: set[str] = set()
     valued: set[str] = set()  # read for its value by some op
@@ -277,16 +296,21 @@ def _payloads(schedule: m.Schedule) -> set[str]:
         valued.update(n for n in op_io(step.op)[0] if n not in carried)
         if is_move(step.op) and cast.direction(schedule, step.op):  # a cast reads its operand
             valued.update((cast.payload(step.op) or ("",))[:1])
+    def one_memory(name: str) -> set[str]:  # a buffer used whole and by slice
+        part = schedule.slice_of(name)
+        whole = part[0] if part else name
+        return {whole, *schedule.cells(whole)}
+
+    valued = {n for v in valued for n in one_memory(v)}
     grown = True
     while grown:  # a move's src is read for its value where its dst is
         grown = False
         for step in steps:
             if not is_move(step.op):
                 continue
-            for src, dst in zip(names(getattr(step.op, "src", None)),
-                                names(getattr(step.op, "dst", None)), strict=False):
+            for src, dst in carries(step.op):
                 if dst in valued and src not in valued:
-                    valued.add(src)
+                    valued.update(one_memory(src))
                     grown = True
     return moved - valued
 
@@ -325,15 +349,53 @@ def full_range_fp8(shape: tuple[int, ...], gen: torch.Generator,
     included; every row (the last dim) carries its ``FP8_EDGES`` in a run of columns from
     a random one on (wrapping), so that every row a ragged move sends carries them, and no
     column always holds 0xFF (the poison's byte: a store dropped there would pass). A
-    NaN keeps its byte (``fp8_value``): e5m2's payloads 0x7D, 0x7E, 0xFD, 0xFE too."""
+    NaN keeps its byte (``float_value``): e5m2's payloads 0x7D, 0x7E, 0xFD, 0xFE too."""
     raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
-    rows = raw.reshape(-1, shape[-1] if shape else 1)
-    count = min(len(FP8_EDGES[dtype]), rows.shape[1])
-    edges = torch.tensor(FP8_EDGES[dtype][:count], dtype=torch.uint8)
+    return float_value(_carry(raw, FP8_EDGES[dtype], gen), dtype.value)
+
+
+# the bits every row of a moved bf16/f16/f32 payload carries among normal values (as
+# ``FP8_EDGES``): NaNs with payloads and of both signs (a signalling one: bf16 0xFF81, f16
+# 0xFC01, f32 0xFFA00000), -0, +-inf, +-the smallest subnormal, +-the largest finite value;
+# never all ones (0xFFFF: the poison's bits, where a store dropped would pass)
+FLOAT_EDGES = {
+    m.DType.bf16: (0x7FC1, 0xFF81, 0xFFC0, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x8001, 0x7F7F,
+                   0xFF7F),
+    m.DType.f16: (0x7E01, 0xFC01, 0xFE00, 0x8000, 0x7C00, 0xFC00, 0x0001, 0x8001, 0x7BFF,
+                  0xFBFF),
+    m.DType.f32: (0x7FC00001, 0xFFA00000, 0xFFC00000, 0x80000000, 0x7F800000, 0xFF800000,
+                  0x00000001, 0x80000001, 0x7F7FFFFF, 0xFF7FFFFF),
+}
+
+
+def with_edges(shape: tuple[int, ...], gen: torch.Generator, dtype: m.DType) -> torch.Tensor:
+    """Random normal values of ``dtype`` (float64, a NaN with its bits: ``float_value``),
+    every row carrying its ``FLOAT_EDGES`` as ``full_range_fp8`` carries its bytes, in at
+    most half its columns (a short row: some of them, a row of 2 one)."""
+    raw = float_bits(torch.randn(shape, generator=gen, dtype=torch.float64), dtype.value)
+    return float_value(_carry(raw, FLOAT_EDGES[dtype], gen, share=2), dtype.value)
+
+
+def _carry(raw: torch.Tensor, bits: tuple[int, ...], gen: torch.Generator,
+           share: int = 1) -> torch.Tensor:
+    """``raw`` (a float's bits) with ``bits`` in every row (the last dim), in a run of
+    columns from a random one on (wrapping): all of them where the row has room (at most
+    1 / ``share`` of its columns), else a run of them from a random one on; an empty
+    ``raw`` (a size 0 this call) as it is."""
+    if raw.numel() == 0:
+        return raw
+    rows = raw.reshape(-1, raw.shape[-1] if raw.dim() else 1)
+    count = min(len(bits), max(1, rows.shape[1] // share))
+    width = 8 * raw.element_size()
+    edges = torch.tensor([signed_view(b, width) if raw.is_signed() else b for b in bits],
+                         dtype=raw.dtype)
+    picked = torch.arange(count).expand(rows.shape[0], count)
+    if count < len(bits):  # a short row: which edges, from a random one on
+        picked = (picked + torch.randint(0, len(bits), (rows.shape[0], 1), generator=gen)
+                  ) % len(bits)
     start = torch.randint(0, rows.shape[1], (rows.shape[0], 1), generator=gen)
-    rows.scatter_(1, (start + torch.arange(count)) % rows.shape[1],
-                  edges.expand(rows.shape[0], count))
-    return fp8_value(rows, dtype.value).reshape(shape)
+    rows.scatter_(1, (start + torch.arange(count)) % rows.shape[1], edges[picked])
+    return rows.reshape(raw.shape)
 
 
 def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
@@ -460,7 +522,9 @@ def make_external(
         assert isinstance(op, External)
         reads = [bufs[n] for n in op.reads
                  if schedule.buffers[n].dtype.is_float and n not in unsent]
-        x = reads[0].to(torch.float64) if reads else None
+        # a moved payload's NaN, inf (``with_edges``, ``full_range_fp8``) read as 0, +-1:
+        # what the step computes stays finite where its rows are live
+        x = torch.nan_to_num(reads[0].to(torch.float64), 0.0, 1.0, -1.0) if reads else None
         gen = torch.Generator().manual_seed(_mix(seed, call, rank, step.index))
         garbage = random.Random(_mix(seed, call, rank, step.index, 7))
         writes: Buffers = {}

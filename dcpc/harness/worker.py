@@ -27,12 +27,13 @@ import torch.distributed as dist
 from dcpc.harness import adversary, synth
 from dcpc.harness.launch import progress
 from dcpc.harness.simulate import (
+    BITS,
     TORCH_DTYPES,
     Buffers,
     alias_views,
     buffer_shape,
-    fp8_bytes,
-    fp8_value,
+    float_bits,
+    float_value,
     persistent_start,
     seen_at,
     simulate_call,
@@ -139,20 +140,21 @@ def compare(
     atol, rtol = (0.0, 0.0) if kind == "move" else TOLERANCE.get(dtype, (0.0, 0.0))
     special_ok = (got == want) | (torch.isnan(got) & torch.isnan(want))
     ok = torch.where(finite, err <= atol + rtol * want.abs().where(finite, zero), special_ok)
-    if kind == "move" and dtype.startswith("fp8"):  # every fp8 byte is a value (float64
-        # holds each exactly, a NaN's byte too: simulate.fp8_value): compare the bytes too,
-        # so that a NaN's payload or sign, or a -0, a move changed mismatches (a comparison
-        # by value takes them for equal); the value comparison stays, so a value the fp8
-        # cannot hold (inf in e4m3, 1e6, 0.3) is not taken for the byte it rounds to
-        ok = ok & (fp8_bytes(got, dtype) == fp8_bytes(want, dtype))
+    if kind == "move":  # a float's bits are its value (float64 holds each, a NaN's bits
+        # too: simulate.float_value): compare the bits too (bf16/f16 as int16, f32 as
+        # int32, fp8 as bytes), so that a NaN's payload or sign, or a -0, a move changed
+        # mismatches (a comparison by value takes them for equal); the value comparison
+        # stays, so a value the dtype cannot hold (inf in e4m3, 0.3) is not taken for the
+        # bits it rounds to
+        ok = ok & (float_bits(got, dtype) == float_bits(want, dtype))
     _count(stats, ok, where, name, got, want, float, f", max abs err {max_err:.3g}")
 
 
 def _reference_form(t: torch.Tensor, dtype: str) -> torch.Tensor:
-    """An engine's tensor of ``dtype`` as the reference holds it: float64 (an fp8 NaN with
-    its byte, ``fp8_value``), int64 for integers."""
-    if t.dtype == TORCH_DTYPES.get(dtype) and dtype.startswith("fp8"):
-        return fp8_value(t.contiguous().view(torch.uint8), dtype)
+    """An engine's tensor of ``dtype`` as the reference holds it: float64 (a NaN with its
+    bits, ``float_value``), int64 for integers."""
+    if t.dtype == TORCH_DTYPES.get(dtype) and m.DType(dtype).is_float:
+        return float_value(t.contiguous().view(BITS[t.element_size()]), dtype)
     return t.to(torch.float64 if m.DType(dtype).is_float else torch.int64)
 
 
@@ -187,7 +189,7 @@ def _to_engine(schedule: m.Schedule, name: str, value: torch.Tensor,
                device: torch.device | None = None) -> torch.Tensor:
     """``value`` as the engine holds ``name``: its dtype, contiguous, on ``device``."""
     dtype = schedule.buffers[name].dtype.value
-    value = (fp8_bytes(value, dtype).view(TORCH_DTYPES[dtype]) if dtype.startswith("fp8")
+    value = (float_bits(value, dtype).view(TORCH_DTYPES[dtype]) if m.DType(dtype).is_float
              else value.to(TORCH_DTYPES[dtype]).contiguous())
     if device is None or device.type == "cpu" or value.device == device:
         return value
@@ -218,36 +220,40 @@ class ValueKinds:
     reference rounds where the kernel stores, issue 21 item 6: a bf16 sum gathered is
     the bits the sum stored), except a value computed into f32: there the kernel's fp32
     order and float64's differ by an ulp that no rounding hides, which the move carries
-    along (a sum broadcast is still a sum). An engine step reads an op's output as
+    along (a sum broadcast is still a sum). Decided per buffer: each dst of a move takes
+    its own src's kind (``synth.carries``), so a moved block beside a computed one in
+    one step is still compared bit for bit. An engine step reads an op's output as
     "math" when an op computed it. Made once per rank's run, in program order."""
 
     def __init__(self, schedule: m.Schedule, steps: list[m.Step]):
         held: dict[str, str] = {}  # buffer -> "move" | "math" | "math-f32" (carried)
         self._before: list[dict[str, str]] = []
-        self._of_step: list[str] = []
+        self._after: list[dict[str, str]] = []  # per step: each buffer it writes
         for step in steps:
             self._before.append(dict(held))
             reads, writes = synth.op_io(step.op)
+            wrote: dict[str, str] = {}
             if not OPS[step.op.op].moves(step.op):
-                kind = "math"
                 for w in writes:
-                    held[w] = "math-f32" if schedule.buffers[w].dtype == m.DType.f32 else "math"
-            elif step.kind != "external" and any(held.get(r) == "math-f32" for r in reads):
-                kind = "math"
-                held.update({w: "math-f32" for w in writes})
-            else:
-                kind = "move"
-                held.update({w: "move" for w in writes})
-            self._of_step.append(kind)
+                    wrote[w] = "math-f32" if schedule.buffers[w].dtype == m.DType.f32 else "math"
+            elif step.kind == "external":
+                wrote.update({w: "move" for w in writes})
+            else:  # each dst takes its own src's kind; another write, any read's
+                carried = any(held.get(r) == "math-f32" for r in reads)
+                wrote.update({w: "math-f32" if carried else "move" for w in writes})
+                for src, dst in synth.carries(step.op):
+                    wrote[dst] = "math-f32" if held.get(src) == "math-f32" else "move"
+            held.update(wrote)
+            self._after.append(wrote)
 
     def before(self, index: int, name: str) -> str:
         """How the value ``name`` holds before step ``index`` is compared (an engine
         step's read, a replay's watch)."""
         return "move" if self._before[index].get(name, "move") == "move" else "math"
 
-    def of_step(self, index: int) -> str:
-        """How what step ``index`` returns is compared."""
-        return self._of_step[index]
+    def written(self, index: int, name: str) -> str:
+        """How what step ``index`` writes into ``name`` is compared."""
+        return "move" if self._after[index].get(name, "move") == "move" else "math"
 
 
 def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
@@ -497,7 +503,6 @@ def run_rank(
             names = returns[step.name]
             if len(values) != len(names):
                 raise TypeError(f"{step.name}() returned {len(values)} tensors, want {names}")
-            kind = kinds.of_step(step.index)
             for name, value in zip(names, values, strict=True):
                 env[name] = value
                 _views(schedule, env, name, sizes, world, dev)
@@ -510,7 +515,8 @@ def run_rank(
                 if want is None:
                     report.outputs.setdefault(name, OutputStats()).kept += 1
                     continue
-                compare(name, kind, schedule.buffers[name].dtype.value, value,
+                compare(name, kinds.written(step.index, name),
+                        schedule.buffers[name].dtype.value, value,
                         want, report.outputs[name],
                         f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
                         unsent=unsent_at(trace, step.index + 1, rank, name))

@@ -15,7 +15,7 @@ from support.schedules import errors, write
 
 from dcpc.harness import synth
 from dcpc.harness.run import RunConfig, format_report, run_schedule
-from dcpc.harness.simulate import TORCH_DTYPES, fp8_bytes, fp8_value
+from dcpc.harness.simulate import TORCH_DTYPES, float_bits, float_value
 from dcpc.harness.worker import OutputStats, compare
 from dcpc.lang import model as m
 from dcpc.lang.parse import parse_file
@@ -81,7 +81,10 @@ def test_fp8_payloads_are_drawn_over_every_byte() -> None:
         raw = rank["x_send"].to(torch.float8_e4m3fn).view(torch.uint8)
         assert_rows_carry_edges(raw, synth.FP8_EDGES[m.DType.fp8e4m3])  # both NaNs, -0
         assert len(set(raw.flatten().tolist())) > 200  # every byte, not only the edges
-        assert rank["s_send"].isfinite().all()  # the scales: f32 values, not moved bytes
+        # the scales: moved f32 values (synth.with_edges), one edge in a row of 2
+        bits = float_bits(rank["s_send"], "f32").reshape(-1, 2)
+        edge = torch.isin(bits, torch.tensor(synth.FLOAT_EDGES[m.DType.f32]).int())
+        assert (edge.sum(1) == 1).all(), bits
 
 
 def test_a_cast_operand_is_not_drawn_as_bytes() -> None:
@@ -152,7 +155,7 @@ def test_e5m2_payloads_are_drawn_over_every_byte() -> None:
     sizes = synth.call_sizes(schedule, 2, synth.constructor_sizes(schedule, 2), 0, 0)
     edges = synth.FP8_EDGES[m.DType.fp8e5m2]
     for rank in synth.call_inputs(schedule, 2, sizes, 0, 0):
-        raw = fp8_bytes(rank["x_send"], "fp8e5m2")
+        raw = float_bits(rank["x_send"], "fp8e5m2")
         assert_rows_carry_edges(raw, edges)
         drawn = set(raw.flatten().tolist())
         assert drawn == set(range(256)), sorted(set(range(256)) - drawn)
@@ -168,9 +171,9 @@ def test_a_nan_payload_a_move_changed_mismatches(dtype: str, sent: int, got: int
     is a located mismatch; the same bytes pass."""
     drawn = synth.full_range_fp8((2, 16), torch.Generator().manual_seed(1),
                                  m.DType(dtype))
-    raw = fp8_bytes(drawn, dtype)
+    raw = float_bits(drawn, dtype)
     raw[1, 5] = sent
-    want = fp8_value(raw, dtype)  # the reference: the source's bytes, moved
+    want = float_value(raw, dtype)  # the reference: the source's bytes, moved
     out = raw.clone()
     stats = OutputStats()
     compare("x", "move", dtype, out.view(TORCH_DTYPES[dtype]), want, stats, "call 0")
