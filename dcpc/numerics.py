@@ -18,22 +18,35 @@ def local_seq_len(seq_lens: torch.Tensor, rank: int, world: int, interleave: int
     return base + rem
 
 
-FP8_E4M3_MIN_EXP = -6  # below 2**-6, e4m3's grid is 2**-9 (subnormals)
 SCALE_FLOOR = 1e-4  # a token's amax below this is taken as this (DeepEP's floor): no 1/0
+
+# the fp8 formats a cast or an fp8 output rounds into, by dtype: (largest finite value,
+# mantissa bits, smallest normal exponent); one rule for both (round_fp8, the kernels'
+# _dcpc_store_fp8 in dcpc/runtime/device.py)
+FP8_FORMATS = {"fp8e4m3": (FP8_E4M3_MAX, 3, -6), "fp8e5m2": (57344.0, 2, -14)}
+
+
+def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3") -> torch.Tensor:
+    """fp32 ``y`` clamped to the finite range of fp8 ``dtype`` (+-448 e4m3, +-57344 e5m2:
+    saturated, an inf too, as Transformer Engine's satfinite casts) and rounded to its
+    grid, half away from zero (3 or 2 mantissa bits; below the smallest normal, 2**-6 or
+    2**-14, the subnormal grid 2**-9 or 2**-16); NaN stays NaN (one NaN, positive, byte
+    0x7F, whatever sign the NaN had: x86 makes inf * 0 a negative NaN, a GPU a positive
+    one), in fp32 bit arithmetic: the kernels' rule (``_dcpc_store_fp8``), so that the
+    reference and every backend agree bit for bit. The sign of a zero is kept (-0.0, and
+    a negative value that rounds to 0, give -0: byte 0x80), as a conversion."""
+    top, mantissa, min_exp = FP8_FORMATS[dtype]
+    y = y.float().clamp(-top, top)
+    exponent = (y.view(torch.int32) >> 23) & 0xFF
+    ulp = (torch.clamp(exponent - mantissa, min=127 + min_exp - mantissa) << 23
+           ).view(torch.float32)
+    r = torch.floor(y.abs() / ulp + 0.5) * ulp
+    return torch.where(torch.isnan(y), torch.nan, torch.where(torch.signbit(y), -r, r))
 
 
 def round_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """fp32 ``y`` clamped to +-448 and rounded to the e4m3 grid, half away from zero (NaN
-    stays NaN: one NaN, positive, e4m3fn's byte 0x7F, whatever sign the NaN had: x86
-    makes inf * 0 a negative NaN, a GPU a positive one), in fp32 bit arithmetic: the
-    kernels' rule (templates/math.j2 ``_dcpc_quantize``, ``_dcpc_store_e4m3``), so that
-    the reference and every backend agree bit for bit. The sign of a zero is kept (-0.0,
-    and a negative value that rounds to 0, give -0: e4m3's byte 0x80), as a conversion."""
-    y = y.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    exponent = (y.view(torch.int32) >> 23) & 0xFF
-    ulp = (torch.clamp(exponent - 3, min=127 - 9) << 23).view(torch.float32)
-    r = torch.floor(y.abs() / ulp + 0.5) * ulp
-    return torch.where(torch.isnan(y), torch.nan, torch.where(torch.signbit(y), -r, r))
+    """``round_fp8`` into e4m3."""
+    return round_fp8(y, "fp8e4m3")
 
 
 def ieee_max(parts: torch.Tensor) -> torch.Tensor:
@@ -69,12 +82,15 @@ def scale_fault(value: float) -> str | None:
     return None
 
 
-def token_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, inverse) of each row (last dim) for a per-token e4m3 cast, in fp32:
-    ``amax = max(|row|, SCALE_FLOOR)``, ``scale = amax / 448``, ``inverse = 448 / amax``;
-    the row is sent as ``round_e4m3(row * inverse)`` and read back as ``q * scale``."""
+def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, inverse) of each row (last dim) for a per-token cast into fp8 ``dtype``, in
+    fp32: ``amax = max(|row|, SCALE_FLOOR)``, ``scale = amax / top``, ``inverse = top /
+    amax`` (top: 448 e4m3, 57344 e5m2); the row is sent as ``round_fp8(row * inverse)``
+    and read back as ``q * scale``."""
+    top = FP8_FORMATS[dtype][0]
     amax = rows.float().abs().amax(dim=-1).clamp(min=SCALE_FLOOR)
-    return ieee_div(amax, FP8_E4M3_MAX), ieee_div(FP8_E4M3_MAX, amax)
+    return ieee_div(amax, top), ieee_div(top, amax)
 
 
 def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:

@@ -22,24 +22,37 @@ from support.schedules import codes
 
 from dcpc.check import hb
 from dcpc.lang.parse import parse_text
-from dcpc.numerics import ieee_div, round_e4m3, token_scales
+from dcpc.numerics import FP8_FORMATS, ieee_div, round_e4m3, round_fp8, token_scales
+
+# per format: ties (half a step between two grid values, a subnormal one too), a value
+# past the largest, an inf, and what the rule gives them (away from zero; saturated)
+TIES = {
+    "fp8e4m3": ([168.0, -168.0, 9.5 * 2.0**-9, 2.0**-10, 1e6, -float("inf")],
+                [176.0, -176.0, 10 * 2.0**-9, 2.0**-9, 448.0, -448.0]),
+    "fp8e5m2": ([36864.0, -36864.0, 2.5 * 2.0**-16, 2.0**-17, 61440.0, float("inf")],
+                [40960.0, -40960.0, 3 * 2.0**-16, 2.0**-16, 57344.0, 57344.0]),
+}
 
 
-def test_round_e4m3_is_nearest_with_ties_away_and_saturates() -> None:
+@pytest.mark.parametrize("fp8", ["fp8e4m3", "fp8e5m2"])
+def test_round_fp8_is_nearest_with_ties_away_and_saturates(fp8: str) -> None:
+    top = FP8_FORMATS[fp8][0]
+    torch_dtype = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}[fp8]
     g = torch.Generator().manual_seed(0)
-    y = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-12, 10, (20000,),
+    y = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-20, 17, (20000,),
                                                                    generator=g).float())
-    r = round_e4m3(y)
-    clamped = y.clamp(-448, 448)
-    assert torch.equal(r.to(torch.float8_e4m3fn).float(), r)  # on the e4m3 grid
-    nearest = clamped.to(torch.float8_e4m3fn).float()  # torch: to nearest, ties to even
+    r = round_fp8(y, fp8)
+    clamped = y.clamp(-top, top)
+    assert torch.equal(r.to(torch_dtype).float(), r)  # on the grid
+    nearest = clamped.to(torch_dtype).float()  # torch: to nearest, ties to even
     tie = (r - clamped).abs() == (nearest - clamped).abs()
-    assert bool(tie.all()), "round_e4m3 is not a nearest rounding"
-    # ties: away from zero (168 = 10.5 steps of 16; 2**-10 = half the subnormal step)
-    ties = torch.tensor([168.0, -168.0, 9.5 * 2.0**-9, 2.0**-10, 1e6, -1e6, float("nan")])
-    want = [176.0, -176.0, 10 * 2.0**-9, 2.0**-9, 448.0, -448.0]
-    assert round_e4m3(ties)[:6].tolist() == want
-    assert bool(round_e4m3(ties)[6].isnan())
+    assert bool(tie.all()), "round_fp8 is not a nearest rounding"
+    assert bool((r == 0).any()) and bool((r.abs() == top).any())  # both ends were drawn
+    ties, want = TIES[fp8]
+    got = round_fp8(torch.tensor([*ties, float("nan"), -0.0]), fp8)
+    assert got[:6].tolist() == want
+    assert bool(got[6].isnan()) and got[7].item() == 0 and bool(torch.signbit(got[7]))
+    assert torch.equal(round_e4m3(y), round_fp8(y, "fp8e4m3"))
 
 
 def test_scales_divide_as_the_kernels_do() -> None:
