@@ -1,8 +1,8 @@
-"""A cast inside a move (dcpc/ops/cast.py, on ragged_all_to_all): the e4m3 rounding rule,
+"""A cast inside a move (dcpc/ops/cast.py, on ragged_all_to_all): the fp8 rounding rule,
 the verifier (every mismatch without a supported cast and scale is still refused), the
 checker against the brute force on the scale buffer, and the kernels (ranks as threads:
 the ``local`` backend on CPU) equal bit for bit to the torch backend and the float64
-reference in all four modes, with random inputs and amax per token.
+reference in all four modes, into e4m3 and e5m2, with random inputs and amax per token.
 """
 
 from __future__ import annotations
@@ -106,6 +106,11 @@ READ = {"s_sym": "", "reads": "[y, m]"}  # s is the sender's: the engine passes 
     ({"scale": TENSOR, **READ}, ["shape-mismatch"]),  # a tensor scale is [1]
     ({"s_dtype": "bf16"}, ["bad-scale"]),
     ({"s_sym": "", "reads": "[y, m]"}, ["bad-scale"]),  # the scales travel: symmetric
+    ({"src": "f16", "dst": "fp8e5m2"}, []),  # e5m2 both ways, as e4m3
+    ({"src": "fp8e5m2", "dst": "f32", "scale": TENSOR, "s_shape": "[1]", **READ}, []),
+    ({"src": "fp8e4m3", "dst": "fp8e5m2", **READ}, ["bad-cast"]),  # fp8 to fp8: none
+    ({"src": "fp8e5m2", "dst": "fp8e4m3", **READ}, ["bad-cast"]),
+    ({"src": "i32", "dst": "fp8e5m2", **READ}, ["bad-cast"]),  # an integer never casts
 ])
 def test_verifier(change: dict[str, str], want: list[str], tmp_path: Path) -> None:
     assert codes(text(**change), tmp_path, "cast.yaml") == want
@@ -125,18 +130,20 @@ def test_checker_and_brute_force_see_the_scale_buffer() -> None:
     assert {f.key for f in hb.check(back, [2], hints=False).findings} == oracle_keys(back, 2)
 
 
-MODES = {  # the kernel's CAST: (src, dst, per)
-    1: ("bf16", "fp8e4m3", "token"), 2: ("bf16", "fp8e4m3", "tensor"),
-    3: ("fp8e4m3", "bf16", "token"), 4: ("fp8e4m3", "f32", "tensor"),
+MODES = {  # the kernel's CAST, by e4m3 and e5m2: (CAST, src, dst, per)
+    "1": (1, "bf16", "fp8e4m3", "token"), "2": (2, "bf16", "fp8e4m3", "tensor"),
+    "3": (3, "fp8e4m3", "bf16", "token"), "4": (4, "fp8e4m3", "f32", "tensor"),
+    "1e5": (1, "f16", "fp8e5m2", "token"), "2e5": (2, "bf16", "fp8e5m2", "tensor"),
+    "3e5": (3, "fp8e5m2", "f16", "token"), "4e5": (4, "fp8e5m2", "f32", "tensor"),
 }
 
 
-def _mode_text(mode: int) -> str:
-    src, dst, per = MODES[mode]
+def _mode_text(mode: str) -> str:
+    cast, src, dst, per = MODES[mode]
     shape = "[W, C]" if per == "token" else "[1]"
-    sym = ", symmetric: true" if mode == 1 else ""
+    sym = ", symmetric: true" if cast == 1 else ""
     return text(src=src, dst=dst, s_shape=shape, s_sym=sym, tail="",
-                reads="[y, s, m]" if mode == 1 else "[y, m]",
+                reads="[y, s, m]" if cast == 1 else "[y, m]",
                 scale=f", scale: {{per: {per}, buffer: s}}")
 
 
@@ -153,9 +160,10 @@ def _child() -> None:
 
     world, cap, h = 2, 4, 8
     out: dict[str, Any] = {}
-    for mode, (src_t, dst_t, per) in MODES.items():
-        g = torch.Generator().manual_seed(mode)
-        dtype = {"bf16": torch.bfloat16, "fp8e4m3": torch.float8_e4m3fn, "f32": torch.float32}
+    for mode, (cast, src_t, dst_t, per) in MODES.items():
+        g = torch.Generator().manual_seed(cast + (100 if "e5" in mode else 0))
+        dtype = {"bf16": torch.bfloat16, "fp8e4m3": torch.float8_e4m3fn, "f32": torch.float32,
+                 "f16": torch.float16, "fp8e5m2": torch.float8_e5m2}
         xs = [(torch.randn(world, cap, h, generator=g) * (1 + 30 * torch.rand(world, cap, 1,
                generator=g))).to(dtype[src_t]) for _ in range(world)]
         counts = [torch.randint(0, cap + 1, (world,), generator=g, dtype=torch.int32)
@@ -167,7 +175,7 @@ def _child() -> None:
             path.write_text(_mode_text(mode))
             _, module, _, _ = compile_to(str(path), Path(tmp), world)
 
-            def rank_main(rank: Any, module: str = module, mode: int = mode,
+            def rank_main(rank: Any, module: str = module, mode: int = cast,
                           xs: list = xs, counts: list = counts, scales: list = scales) -> Any:
                 r = rank.rank
                 inst = load_module_class(module, "cast")(rank, sizes={"C": cap},
@@ -183,7 +191,7 @@ def _child() -> None:
             got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
         schedule = parse_text(_mode_text(mode))
         inputs = [{"x": xs[p].double(), "n": counts[p].long(),
-                   **({"s": scales[p].double()} if mode != 1 else {})} for p in range(world)]
+                   **({"s": scales[p].double()} if cast != 1 else {})} for p in range(world)]
         ref = simulate_call(schedule, world, {"C": cap, "H": h}, inputs,
                             lambda step, r, bufs: {"e": torch.zeros(world, cap, h)})
         exact, torch_exact = True, True
@@ -192,20 +200,20 @@ def _child() -> None:
             for p in range(world):
                 n = int(counts[p][j])
                 exact &= torch.equal(y[p, :n].double(), ref[j]["y"][p, :n])
-                if mode == 1:
+                if cast == 1:
                     exact &= torch.equal(s[p, :n].double(), ref[j]["s"][p, :n])
             # the torch backend's cast, one sender at a time (W = 1: the collective copies)
             for p in range(world):
                 block = xs[p][j : j + 1]
                 dst = torch.zeros(1, cap, h, dtype=dtype[dst_t])
-                sc = torch.zeros(1, cap) if mode == 1 else (
+                sc = torch.zeros(1, cap) if cast == 1 else (
                     scales[p][j : j + 1] if per == "token" else scales[p])
                 collectives.ragged_all_to_all(
                     collectives.SlotGroup(None, 0, 0, None), block, counts[p][j : j + 1],
-                    dst, torch.zeros(1, dtype=torch.int32), cap, 1, "move", mode, sc)
+                    dst, torch.zeros(1, dtype=torch.int32), cap, 1, "move", cast, sc)
                 n = int(counts[p][j])
                 torch_exact &= torch.equal(dst[0, :n].double(), ref[j]["y"][p, :n])
-        out[str(mode)] = {"exact": bool(exact), "torch": bool(torch_exact)}
+        out[mode] = {"exact": bool(exact), "torch": bool(torch_exact)}
     print("RESULT " + json.dumps(out))
 
 
@@ -217,7 +225,7 @@ def test_every_cast_mode_is_exact_on_kernels_torch_and_reference() -> None:
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    assert result == {str(m): {"exact": True, "torch": True} for m in MODES}, result
+    assert result == {m: {"exact": True, "torch": True} for m in MODES}, result
 
 
 A2A = """\
