@@ -82,15 +82,28 @@ def scale_fault(value: float) -> str | None:
     return None
 
 
-def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3"
+def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, inverse) of each row (last dim) for a per-token cast into fp8 ``dtype``, in
-    fp32: ``amax = max(|row|, SCALE_FLOOR)``, ``scale = amax / top``, ``inverse = top /
-    amax`` (top: 448 e4m3, 57344 e5m2); the row is sent as ``round_fp8(row * inverse)``
-    and read back as ``q * scale``."""
+    """(scale, inverse) of each group of ``group`` channels of each row (last dim) for a
+    cast into fp8 ``dtype``, in fp32: ``amax = max(|group|, SCALE_FLOOR)``, ``scale =
+    amax / top``, ``inverse = top / amax`` (top: FP8_FORMATS' largest finite value, 448
+    e4m3, 57344 e5m2); a group is sent as ``round_fp8(x * inverse, dtype)`` and read back
+    as ``q * scale`` (``spread`` puts a group's scale on each of its channels).
+    ``group`` None: per token, the whole row one group, the scales ``rows``' shape
+    without its last dim; else DeepEP's per-128-channel scales, ``[..., H / group]``."""
     top = FP8_FORMATS[dtype][0]
-    amax = rows.float().abs().amax(dim=-1).clamp(min=SCALE_FLOOR)
+    x = rows.float()
+    width = x.shape[-1] if group is None else group
+    groups = x.abs().reshape(*x.shape[:-1], x.shape[-1] // width, width)
+    amax = groups.amax(dim=-1).clamp(min=SCALE_FLOOR)
+    amax = amax.squeeze(-1) if group is None else amax
     return ieee_div(amax, top), ieee_div(top, amax)
+
+
+def spread(scales: torch.Tensor, group: int | None) -> torch.Tensor:
+    """``token_scales``' per-group values on every channel of their group (broadcastable
+    against the rows): per token ``s[..., None]``; per group ``s[..., c // group]``."""
+    return scales[..., None] if group is None else scales.repeat_interleave(group, dim=-1)
 
 
 def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:

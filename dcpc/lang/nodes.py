@@ -269,4 +269,13 @@ class ScheduleView(Protocol):
     @property
     def mesh(self) -> Mapping[str, int | str] | None: ...
 
+    @property
+    def sizes(self) -> Mapping[str, Any]: ...
+
     def step_list(self) -> list[Step]: ...
+
+
+def int_sizes(schedule: ScheduleView) -> dict[str, int]:
+    """The sizes declared as plain integers."""
+    return {k: v for k, v in schedule.sizes.items()
+            if isinstance(v, int) and not isinstance(v, bool)}

@@ -18,6 +18,7 @@ from typing import Any
 
 from dcpc.lang import expr as ex
 from dcpc.lang.mesh import mesh_of
+from dcpc.lang.nodes import int_sizes
 from dcpc.topology import shape_of, torus
 
 RANK = "rank"
@@ -52,12 +53,6 @@ def guarded(schedule: Any) -> list[Any]:
 def rank_checks(schedule: Any, worlds: Iterable[int]) -> int:
     """How many (guarded step, rank) pairs a check of ``worlds`` decides."""
     return len(guarded(schedule)) * sum(int(w) for w in worlds)
-
-
-def int_sizes(schedule: Any) -> dict[str, int]:
-    """The sizes declared as plain integers."""
-    return {k: v for k, v in schedule.sizes.items()
-            if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def names(schedule: Any) -> set[str]:

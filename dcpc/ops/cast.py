@@ -10,12 +10,16 @@ Two casts, by the pair of dtypes (anything else is ``bad-cast``; a dtype change 
   ``per: token``: each row (the last dim) gets ``scale = max(amax, 1e-4) / top`` and is
   sent as ``round_fp8(row * (top / max(amax, 1e-4)))``; the scale travels with it
   into ``s`` on the receiver (``s`` symmetric f32, ``dst``'s shape without its last dim:
-  DeepEP's ``recv_x_scales``). ``per: tensor``: ``s`` is a ``[1]`` f32 scale read on the
-  sender (a static scale): ``round_fp8(x * (1 / s[0]))``.
+  DeepEP's ``recv_x_scales``). ``group: G`` (with ``per: token``): the same rule per G
+  consecutive channels of a row (DeepEP's and DeepSeek-V3's per-128-channel scales),
+  ``s`` with ``dst``'s shape, its last dim divided by G (dcpc.numerics.token_scales: the
+  whole row is the one-group case). ``per: tensor``: ``s`` is a ``[1]`` f32 scale read
+  on the sender (a static scale): ``round_fp8(x * (1 / s[0]))``.
 - dequantise (fp8e4m3 or fp8e5m2 ``src`` -> bf16, f16 or f32 ``dst``), on the push: ``dst = q *
   scale`` in fp32, rounded once into dst (to nearest even); ``per: token``: ``s`` is
-  f32 with ``src``'s shape without its last dim, read on the sender (the scales the
-  quantising move delivered); ``per: tensor``: ``s`` is ``[1]`` f32.
+  f32 with ``src``'s shape without its last dim (with ``group``: its last dim divided
+  by G, ``q * s[row, c // G]``), read on the sender (the scales the quantising move
+  delivered); ``per: tensor``: ``s`` is ``[1]`` f32.
 
 ``round_fp8`` (dcpc.numerics, FP8_FORMATS): clamp to +-top (an inf too: saturated),
 round half away from zero to the format's grid (e4m3: 2**-9 below 2**-6; e5m2: 2**-16
@@ -29,8 +33,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
-from dcpc.lang.nodes import Name, Node, OpBase
+from dcpc.lang.nodes import Int, Name, Node, OpBase, int_sizes
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -47,6 +52,8 @@ FP8 = ("fp8e4m3", "fp8e5m2")  # the formats of dcpc.numerics.FP8_FORMATS
 class Scale(Node):
     per: Literal["tensor", "token"] = Field(description="one scale per tensor or per row")
     buffer: Name = Field(description="f32: [1] (tensor), or the rows' shape (token)")
+    group: Int | None = Field(default=None, description="per token: one scale per this "
+                              "many channels (a power of two, e.g. DeepEP's 128)")
 
 
 def _pair(a: str, b: str) -> str | None:
@@ -144,6 +151,11 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
     else:
         want = shape[:-1] if shape is not None else None
         why = f"one f32 scale per row of '{rows_of.name}' (its shape without the last dim)"
+    if scale.group is not None:
+        want, why = _grouped(v, scale, rows_of, shape)
+    elif shape is not None and middle_dims(op, shape) and tile_group(v.ctx.schedule, op,
+                                                                     shape) is None:
+        _no_tile(v, scale, rows_of, shape)
     if s.dtype.value != "f32":
         v.error(mark, "bad-scale",
                 f"scale '{scale.buffer}' of step '{v.step.name}' is {s.dtype.value}; scales "
@@ -159,29 +171,105 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
                 hint=f"add 'symmetric: true' to buffer '{scale.buffer}'")
 
 
-def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None, dtype: str
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the fp8 ``dtype`` values of rows ``x`` as a float64 tensor, the per-row scales
-    sent) for a quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor)."""
+def _grouped(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list | None
+             ) -> tuple[list | None, str]:
+    """The shape of a ``group: G`` cast's ``s`` (the rows' shape, the last dim divided
+    by G) and why; a G that is no power of two up to 1024 (the kernel's column tile),
+    ``per: tensor``, or a row not a whole number of groups is refused."""
+    g, mark = scale.group, scale.mark("group")
+    why = (f"one f32 scale per {g} channels of each row of '{rows_of.name}': its shape "
+           f"with the last dim divided by {g}")
+    if scale.per != "token" or g is None or not _tile(g):
+        v.error(mark, "bad-scale",
+                f"step '{v.step.name}' groups its scales by {g} channels"
+                + ("" if scale.per == "token" else " with 'per: tensor'")
+                + "; a group is a power of two up to 1024, with 'per: token'",
+                hint="write 'scale: {per: token, group: 128, buffer: s}' (DeepEP's "
+                "per-128-channel scales), or drop 'group'")
+        return None, why
+    if shape is None:
+        return None, why
+    last = div(shape[-1], ("num", g))
+    example = v.ctx.samples.inexact(last)
+    if example is not None:
+        names = example.names([shape[-1]])  # type: ignore[attr-defined]
+        world = example.world  # type: ignore[attr-defined]
+        where = (f" for W={world}" if ex.symbols(shape[-1]) else "") + (
+            f" ({names})" if names else "")  # a literal length: no W, no sizes
+        v.error(mark, "inexact-division",
+                f"step '{v.step.name}' groups the rows of '{rows_of.name}' by {g} channels, "
+                f"but their length {ex.unparse(shape[-1])} is not a multiple of {g}{where}",
+                hint=f"make the last dim of '{rows_of.name}' a multiple of {g}")
+        return None, why
+    return [*shape[:-1], last], why
 
-    from dcpc.numerics import ieee_div, reference_scale, round_fp8, token_scales
+
+def middle_dims(op: OpBase, shape: list) -> bool:
+    """A per-token cast without ``group`` on a ragged_all_to_all whose rows have more than
+    one dim after the capacity (``[W, C, 2, H]``): one scale per row of the LAST dim (the
+    reference's rule), which the kernel, whose row is every dim after the capacity, takes
+    as ``group`` = the last dim (``tile_group``)."""
+    scale: Scale | None = getattr(op, "scale", None)
+    return (op.op == "ragged_all_to_all" and scale is not None and scale.per == "token"
+            and scale.group is None and len(shape) > 3)
+
+
+def _tile(g: int) -> bool:
+    """A group the kernel tiles: a power of two up to 1024 (its column tile)."""
+    return 1 <= g <= 1024 and not g & (g - 1)
+
+
+def tile_group(schedule: ScheduleView, op: OpBase, shape: list) -> int | None:
+    """The channels per scale of the kernel's grouped tile: ``group``, or for a cast with
+    ``middle_dims`` its last dim, when that is an integer (of sizes declared as plain
+    integers) the kernel tiles; None otherwise (one scale per kernel row, or refused)."""
+    scale: Scale | None = getattr(op, "scale", None)
+    if scale is None or not middle_dims(op, shape):
+        return scale.group if scale is not None else None
+    fixed = int_sizes(schedule)
+    last = shape[-1]
+    g = ex.evaluate(last, fixed) if ex.symbols(last) <= fixed.keys() else None
+    return g if g is not None and _tile(g) else None
+
+
+def _no_tile(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list) -> None:
+    """A ``middle_dims`` cast whose last dim the kernel cannot tile: refused, located."""
+    dims = ", ".join(ex.unparse(d) for d in shape)
+    v.error(scale.mark("per"), "bad-scale",
+            f"step '{v.step.name}' scales '{rows_of.name}' [{dims}] per token: one scale per "
+            f"row of its last dim {ex.unparse(shape[-1])}, which the kernel takes as a group "
+            "of channels, so that dim must be a power of two up to 1024, of integer sizes",
+            hint=f"make the last dim of '{rows_of.name}' a power of two up to 1024 (a size "
+            "declared as an integer, e.g. 'H: 128'), or give its rows one dim after the "
+            "capacity (one scale per whole row)")
+
+
+def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None, dtype: str,
+                  group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the fp8 ``dtype`` values of rows ``x`` as a float64 tensor, the per-row scales
+    sent) for a quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor);
+    ``group``: per token, one scale per ``group`` channels (the scales' last dim H / group)."""
+
+    from dcpc.numerics import ieee_div, reference_scale, round_fp8, spread, token_scales
 
     if per == "token":
-        sent, inverse = token_scales(x, dtype)
-        return round_fp8(x.float() * inverse[..., None], dtype).double(), sent.double()
+        sent, inverse = token_scales(x, dtype, group)
+        return round_fp8(x.float() * spread(inverse, group), dtype).double(), sent.double()
     assert scale is not None
     inverse = ieee_div(1.0, reference_scale(scale, "the cast's per-tensor scale"))
     return round_fp8(x.float() * inverse, dtype).double(), None
 
 
-def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` in fp32 (per token: one scale per row), as float64."""
+def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor,
+                    group: int | None = None) -> torch.Tensor:
+    """``q * scale`` in fp32 (per token: one scale per row, or per ``group`` channels),
+    as float64."""
     import torch
 
-    from dcpc.numerics import reference_scale
+    from dcpc.numerics import reference_scale, spread
 
     s = scale.to(torch.float32)
-    s = s[..., None] if per == "token" else reference_scale(s, "the cast's per-tensor scale")
+    s = spread(s, group) if per == "token" else reference_scale(s, "the cast's per-tensor scale")
     return (q.float() * s).double()
 
 
@@ -218,11 +306,11 @@ def all_to_all_reference(sim: SimView, op: OpBase) -> None:
         x = sim.bufs[p][src]
         if way == "quantise":
             x, s = quantise_rows(x, scale.per, sim.bufs[p].get(scale.buffer),
-                                 sim.schedule.buffers[dst].dtype.value)
+                                 sim.schedule.buffers[dst].dtype.value, scale.group)
             if s is not None:
                 sim.stash(p, scales, s, like=scale.buffer)
         else:
-            x = dequantise_rows(x, scale.per, sim.bufs[p][scale.buffer])
+            x = dequantise_rows(x, scale.per, sim.bufs[p][scale.buffer], scale.group)
         sim.stash(p, sent, x, like=dst)
     sim.all_to_all(sent, dst, 0)
     if scales in sim.bufs[0]:
@@ -245,8 +333,12 @@ def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
     pair = payload(op)
     assert pair is not None
     out = ctx.buffers[pair[1]].dtype
+    group = op.scale.group if op.scale is not None else None  # s's shape (torch's call)
+    tile = tile_group(ctx.schedule, op, ctx.shape(pair[1]))  # the kernel's channels per scale
     return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
-            "bf16_out": out == "bf16", "fp8_top": FP8_FORMATS.get(out, (None,))[0]}
+            "bf16_out": out == "bf16", "fp8_top": FP8_FORMATS.get(out, (None,))[0],
+            **({"group": group} if group is not None else {}),
+            **({"tile": tile} if tile is not None else {})}
 
 
 def lower_move(ctx: LowerRules, step: Step) -> Any:

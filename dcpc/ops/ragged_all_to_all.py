@@ -310,10 +310,12 @@ def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[lis
         if way == "quantise":  # per token: the scales are made here, not read
             tensor = sim.bufs[p].get(op.scale.buffer)  # type: ignore[union-attr]
             x, s = cast.quantise_rows(x, op.scale.per, tensor,  # type: ignore[union-attr]
-                                      sim.schedule.buffers[dst].dtype.value)
-            s = s.reshape(slots, -1) if s is not None else None  # per token: by slot
+                                      sim.schedule.buffers[dst].dtype.value,
+                                      op.scale.group)  # type: ignore[union-attr]
+            s = s.reshape(slots, -1, *s.shape[2:]) if s is not None else None  # by slot
         elif way == "dequantise":
-            x = cast.dequantise_rows(x, op.scale.per, sim.bufs[p][op.scale.buffer])  # type: ignore[union-attr]
+            x = cast.dequantise_rows(x, op.scale.per, sim.bufs[p][op.scale.buffer],  # type: ignore[union-attr]
+                                     op.scale.group)  # type: ignore[union-attr]
         sent.append(x.reshape(slots, -1, *x.shape[2:]))  # [slots, capacity, *row]
         scales.append(s)
     for j in range(sim.world):
@@ -321,14 +323,15 @@ def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[lis
         # that whoever reads them as data mismatches; the mask says which they are
         out = sim.unsent(dst)
         rows = out.view(slots, -1, *out.shape[2:])
-        got = torch.full(sim.shape(dst)[:-1], math.nan, dtype=torch.float64)
+        got = torch.full(sim.shape(op.scale.buffer) if scales[0] is not None else (1, 1),  # type: ignore[union-attr]
+                         math.nan, dtype=torch.float64)
         unsent = torch.ones(sim.shape(dst)[:2], dtype=torch.bool)  # [W, capacity]
         for p, a, b in sends[j]:
             n = counts[p][a]
             rows[b, :n] = sent[p][a, :n]
             unsent.view(slots, -1)[b, :n] = False
             if scales[p] is not None:
-                got.view(slots, -1)[b, :n] = scales[p][a, :n]  # type: ignore[index]
+                got.view(slots, -1, *got.shape[2:])[b, :n] = scales[p][a, :n]  # type: ignore[index]
         store(j, dst, out, unsent=_by_row(unsent, out.shape))
         if scales[0] is not None:
             store(j, op.scale.buffer, got,  # type: ignore[union-attr]

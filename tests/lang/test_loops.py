@@ -19,6 +19,10 @@ from dcpc.diagnostics import DiagnosticError
 from dcpc.lang.parse import parse_text
 
 ROOT = Path(__file__).resolve().parents[2]
+RING = ROOT / "schedules" / "gallery" / "ring_attention.yaml"
+# the line of the gallery ring's trip count (`repeat: W - 2`), where its W-naming is reported
+RING_LOOP_LINE = next(i for i, line in enumerate(RING.read_text().splitlines(), 1)
+                      if line.strip() == "repeat: W - 2")
 HEAD = """\
 schedule: s
 sizes: {N: 4, D: 2, P: 3}
@@ -247,7 +251,7 @@ def test_a_range_past_the_step_bound_is_refused_before_any_w_is_analysed(monkeyp
         pipeline.run(ring, pipeline.Options(worlds=list(range(2, 1025))), until="hb")
     found = err.value.diagnostics
     assert [d.code for d in found] == ["loop-too-long"], found
-    assert "258 steps (at W=43)" in found[0].message and found[0].mark.line == 50
+    assert "258 steps (at W=43)" in found[0].message and found[0].mark.line == RING_LOOP_LINE
     assert seen == {"structural": [], "hb": [], "unrolled": [43]}
     # a range inside the bound is still analysed at every W, each W on its own
     pipeline.run(ring, pipeline.Options(worlds=[2, 3]), until="hb")
@@ -295,7 +299,7 @@ def test_a_range_whose_w_together_pass_the_budget_is_refused_at_once(monkeypatch
     found = err.value.diagnostics
     assert [d.code for d in found] == ["schedule-too-large"], found
     assert f"{total} unrolled steps" in found[0].message
-    assert f"check W 2..{fits}" in found[0].message and found[0].mark.line == 50
+    assert f"check W 2..{fits}" in found[0].message and found[0].mark.line == RING_LOOP_LINE
     assert seen == []
     pipeline.run(ring, pipeline.Options(worlds=list(range(2, fits + 1))), until="hb")
     assert seen == [[w] for w in range(2, fits + 1)]
@@ -316,8 +320,9 @@ def test_the_cli_names_exactly_the_worlds_a_per_w_file_was_checked_for(asked: st
     head, claim = got.output.splitlines()[:2]
     span = head.split(": ok (W", 1)[1].split(",  ")[0].split(", ")[0].lstrip("= ")
     assert parse_worlds(span) == parse_worlds(asked), got.output
-    assert claim.strip().startswith("a trip count, an index, an offset, an interleave or a "
-                                    "perm names W (first at line 50): each of W"), claim
+    assert claim.strip().startswith(
+        "a trip count, an index, an offset, an interleave or a "
+        f"perm names W (first at line {RING_LOOP_LINE}): each of W"), claim
     said = claim.split("each of W", 1)[1].split(" was unrolled")[0].lstrip("= ")
     assert parse_worlds(said) == parse_worlds(asked), claim
     assert "no claim for any other W" in claim

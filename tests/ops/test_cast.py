@@ -353,4 +353,5 @@ def test_a_read_scale_is_an_engine_input_of_dcpc_run() -> None:
     a2a = parse_text(a2a_text(back="f32", back_scale=tensor, go=tensor))
     assert engine_inputs(a2a) == ["x", "t"]
     assert engine_inputs(parse_text(text())) == ["x", "n"]
-    assert engine_inputs(parse_text(_mode_text(4))) == ["x", "n", "s"]
+    assert engine_inputs(parse_text(_mode_text("4"))) == ["x", "n", "s"]
+    assert engine_inputs(parse_text(_mode_text("4e5"))) == ["x", "n", "s"]

@@ -233,6 +233,9 @@ VARIANTS: dict[str, Variant] = {
     **{f"all_to_all: cast {k}": _cast("all_to_all", k) for k in (1, 2, 3, 4)},
     **{f"ragged_all_to_all: cast {k}": _cast("ragged_all_to_all", k) for k in (0, 1, 2, 3, 4)},
     "ragged_all_to_all: over a team": _team("ragged_all_to_all"),
+    **{f"{op}: cast {k} per G channels": lambda s, step, p, w, op=op, k=k: (
+        step.kind == op and p.attrs.get("cast") == k and bool(p.attrs.get("group")))
+       for op in ("ragged_all_to_all", "all_to_all") for k in (1, 3)},
     "ragged_all_to_all: several payloads, the first cast": lambda s, step, p, w: (
         step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
         and p.attrs.get("cast") == 1),
