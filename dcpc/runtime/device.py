@@ -522,11 +522,16 @@ def _dcpc_store_fp8(ptr, y, mask):
 
 @triton.jit
 def _dcpc_widen(v):
-    """An fp8 value (or any float) as fp32. e5m2 by its bits, as fp16's high byte: the
-    Triton 3.6 interpreter's e5m2 conversion reads inf and NaN as finite (0x7C: 65536)."""
+    """An fp8 value (or any float) as fp32: every fp8 operand's load. e5m2 by its bits,
+    as fp16's high byte: the Triton 3.6 interpreter's e5m2 conversion reads inf and NaN
+    as finite (0x7C: 65536). e4m3 converted, its NaN bytes (0x7F, 0xFF: the low 7 bits
+    set) NaN by a select: the interpreter reads them as +-480 (a GPU as NaN)."""
     if v.dtype == tl.float8e5:
         h = v.to(tl.uint8, bitcast=True).to(tl.uint16) << 8
         return h.to(tl.float16, bitcast=True).to(tl.float32)
+    if v.dtype == tl.float8e4nv:
+        nan = (v.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+        return tl.where(nan, float("nan"), v.to(tl.float32))
     return v.to(tl.float32)
 
 
@@ -589,7 +594,7 @@ def _dcpc_merge_cols(
             ptrs = _dcpc_part_ptrs(
                 o, src_o, p, n, rows, part_rows, row_len, so0, so1, WORLD, FROM_SRC
             )
-            part = tl.load(ptrs[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            part = _dcpc_widen(tl.load(ptrs[:, None] + c[None, :], mask=m, other=0.0))
             acc += tl.where(w > 0, w * part, 0.0)
     else:
         lse_p = _dcpc_partial_lse(
@@ -611,7 +616,7 @@ def _dcpc_merge_cols(
         )
         w = _dcpc_weight(lse_p, top, inv_total, BASE2)[:, None]
         at = (n // part_rows).to(tl.int64) * so0 + (n % part_rows).to(tl.int64) * so1
-        part = tl.load(o + at[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+        part = _dcpc_widen(tl.load(o + at[:, None] + c[None, :], mask=m, other=0.0))
         acc = tl.where(w > 0, w * part, 0.0)
     out = dst + n.to(tl.int64)[:, None] * row_len + c[None, :]
     if SCALE:

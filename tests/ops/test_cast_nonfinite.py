@@ -226,7 +226,7 @@ WIDEN = """\
 schedule: widen
 sizes: {{C: 4, H: 64}}
 buffers:
-  q:  {{shape: [W*C, H], dtype: fp8e5m2}}
+  q:  {{shape: [W*C, H], dtype: {fp8}}}
   s:  {{shape: {shape}, dtype: f32}}
   y:  {{shape: [W, C, H], dtype: {wide}, symmetric: true}}
 steps:
@@ -236,12 +236,15 @@ steps:
 
 @pytest.mark.parametrize("wide", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("per", ["token", "tensor"])
-def test_every_e5m2_byte_dequantises_as_the_reference(per: str, wide: str,
-                                                      tmp_path: Path) -> None:
-    """Every e5m2 byte (NaNs of each payload, +-inf, -0, subnormals, +-57344) times its
-    scale, on the kernels (the interpreter reads e5m2's inf and NaN as finite, 65536 ...:
-    _dcpc_widen reads the bits) and the torch backend: the reference's value (dcpc.ops.
-    cast.dequantise_rows) rounded once into dst; a NaN stays NaN, an inf inf."""
+@pytest.mark.parametrize("fp8", ["fp8e5m2", "fp8e4m3"])
+def test_every_fp8_byte_dequantises_as_the_reference(fp8: str, per: str, wide: str,
+                                                     tmp_path: Path) -> None:
+    """Every e5m2 byte (NaNs of each payload, +-inf, -0, subnormals, +-57344) and every
+    e4m3 byte (its NaNs 0x7F and 0xFF, -0, subnormals, +-448) times its scale, on the
+    kernels (the Triton 3.6 interpreter reads e5m2's inf and NaN as finite, 65536 ...,
+    and e4m3's NaN bytes as +-480: _dcpc_widen reads the bits) and the torch backend: the
+    reference's value (dcpc.ops.cast.dequantise_rows) rounded once into dst; a NaN stays
+    NaN, an inf inf."""
     from dcpc.harness.run import compile_to
     from dcpc.harness.worker import load_module_class
     from dcpc.ops.cast import dequantise_rows
@@ -250,13 +253,13 @@ def test_every_e5m2_byte_dequantises_as_the_reference(per: str, wide: str,
 
     gen = torch.Generator().manual_seed(7)
     qs = [torch.randperm(256, generator=gen).to(torch.uint8).repeat(WORLD).view(
-        WORLD * 4, 64).view(torch.float8_e5m2) for _ in range(WORLD)]
+        WORLD * 4, 64).view(TORCH_DTYPES[fp8]) for _ in range(WORLD)]
     # a power of two keeps every byte's value exact; 3 rounds (and overflows f16, bf16)
     ss = [torch.tensor([0.25]) if per == "tensor" else
           torch.tensor([0.25, 3.0, 2.0**-10, 1.0] * 2) for _ in range(WORLD)]
     path = tmp_path / "widen.yaml"
     path.write_text(WIDEN.format(shape="[1]" if per == "tensor" else "[W*C]", wide=wide,
-                                 per=per))
+                                 per=per, fp8=fp8))
     _, module, _, _ = compile_to(str(path), tmp_path, WORLD)
 
     def rank_main(rank: Any) -> torch.Tensor:
@@ -287,6 +290,11 @@ def test_every_e5m2_byte_dequantises_as_the_reference(per: str, wide: str,
                                         scale)
             assert same(dst[0], want), (j, p)
     q = qs[0].view(torch.uint8)
+    if fp8 == "fp8e4m3":  # rank 1's block from rank 0 (its rows 4..7): its NaN bytes NaN
+        assert {0x7F, 0xFF, 0x80, 0x01, 0x7E} <= set(q.flatten().tolist())
+        nan = got[1][0].float()[(q[4:] & 0x7F) == 0x7F]
+        assert bool(nan.isnan().all()) and nan.numel() > 0
+        return
     assert {0x7D, 0x7E, 0x7F, 0x7C, 0xFC, 0x80, 0x01, 0x7B} <= set(q.flatten().tolist())
     inf = got[1][0].float()[q[4:] == 0x7C]  # rank 1's block from rank 0: its rows 4..7
     assert bool((inf == float("inf")).all()) and inf.numel() > 0
