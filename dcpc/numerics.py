@@ -1,12 +1,15 @@
 """Numeric facts every stage reads from one place (the float64 simulator, the torch
-backend's math): where a request's KV tokens live, and the fp8 e4m3 range. A leaf
-module (torch only): importing it starts no Triton."""
+backend's math): where a request's KV tokens live, and the fp8 formats. A leaf module:
+importing it imports neither torch nor Triton (the compiler reads FP8_FORMATS; the
+functions import torch when called)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
 
@@ -35,6 +38,8 @@ def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3") -> torch.Tensor:
     one), in fp32 bit arithmetic: the kernels' rule (``_dcpc_store_fp8``), so that the
     reference and every backend agree bit for bit. The sign of a zero is kept (-0.0, and
     a negative value that rounds to 0, give -0: byte 0x80), as a conversion."""
+    import torch
+
     top, mantissa, min_exp = FP8_FORMATS[dtype]
     y = y.float().clamp(-top, top)
     exponent = (y.view(torch.int32) >> 23) & 0xFF
@@ -54,6 +59,8 @@ def ieee_max(parts: torch.Tensor) -> torch.Tensor:
     part is NaN, and +0 above -0 (IEEE 754-2019 maximum): a max of zeros is +0 unless
     every one is -0, whatever their order (torch.maximum keeps its first argument on a
     tie, numpy's its second). The kernels: templates/ops/all_reduce.py.j2, reduce.py.j2."""
+    import torch
+
     top = parts.amax(dim=0)
     positive_zero = ((parts == 0) & ~torch.signbit(parts)).any(dim=0)
     zero = torch.zeros_like(top)
@@ -110,6 +117,8 @@ def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     """a / b in fp32, correctly rounded as the kernels divide: torch computes ``2.0 / t``
     as ``t.reciprocal() * 2.0`` (one ulp off, e.g. 448 / 1.9140625), so both operands
     are made fp32 tensors first."""
+    import torch
+
     a = torch.as_tensor(a, dtype=torch.float32)
     b = torch.as_tensor(b, dtype=torch.float32)
     return torch.div(a, b)
@@ -118,6 +127,8 @@ def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
 def reference_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
     """The float64 reference's per-tensor fp8 scale ``scale[0]`` as fp32, refused as the
     backends refuse it (``scale_fault``: ValueError naming ``what``)."""
+    import torch
+
     s = scale.reshape(-1)[0].to(torch.float32)
     why = scale_fault(float(s))
     if why is not None:

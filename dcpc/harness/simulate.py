@@ -168,8 +168,8 @@ def empty_rows(
     return padding | empty
 
 
-def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None = None,
-           dtype: str = "fp8e4m3") -> torch.Tensor:
+def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None, dtype: str
+           ) -> torch.Tensor:
     """``output_scale``: value / scale[0], clamped to the range of fp8 ``dtype`` (dst's)
     and rounded to its grid by the kernels' rule (NaN stays, the sign of zero kept:
     round_fp8); a scale that is no positive finite normal is refused (ValueError), as
@@ -372,9 +372,12 @@ class Sim:
         return _weighted_sum(weights, parts)
 
     def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor:
-        dst = getattr(op, "dst", None)  # an output_scale's op has one dst
-        fp8 = self.schedule.buffers[dst].dtype.value if isinstance(dst, str) else "fp8e4m3"
-        return scaled(op, self.bufs[rank], value, rank, fp8)
+        dst = getattr(op, "dst", None)  # an output_scale's op has one dst (bad-output-scale)
+        if getattr(op, "output_scale", None) is None:
+            return value
+        if not isinstance(dst, str):
+            raise ValueError(f"output_scale of {type(op).__name__} without one dst: {dst!r}")
+        return scaled(op, self.bufs[rank], value, rank, self.schedule.buffers[dst].dtype.value)
 
 
 def _teams(schedule: m.Schedule, world: int, step: m.Step) -> list[list[int] | None]:

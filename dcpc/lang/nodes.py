@@ -25,6 +25,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from dcpc.diagnostics import NOWHERE, Mark
 from dcpc.lang.yamlsrc import MARK, MARKS
+from dcpc.numerics import FP8_FORMATS
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -71,7 +72,7 @@ class DType(str, Enum):
     def is_fp8(self) -> bool:
         """An fp8 format (dcpc.numerics.FP8_FORMATS): a computed one goes through
         ``output_scale``, a cast through ``scale``."""
-        return self in (DType.fp8e4m3, DType.fp8e5m2)
+        return self.value in FP8_FORMATS
 
     @property
     def itemsize(self) -> int:

@@ -36,6 +36,7 @@ from pydantic import Field
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, Node, OpBase, int_sizes
+from dcpc.numerics import FP8_FORMATS
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
 
 WIDE = ("bf16", "f16", "f32")
-FP8 = ("fp8e4m3", "fp8e5m2")  # the formats of dcpc.numerics.FP8_FORMATS
+FP8 = tuple(FP8_FORMATS)  # the formats a cast quantises into and dequantises from
 
 
 class Scale(Node):
@@ -139,6 +140,9 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
                 f"{b.dtype.value} '{dst.name}'; a move casts bf16, f16 or f32 to fp8e4m3 "
                 "or fp8e5m2, or an fp8 back to one of them",
                 hint="drop 'scale' for a move without a cast" if a.dtype == b.dtype else
+                f"dequantise '{src.name}' to bf16, f16 or f32 first (a move into a buffer of "
+                f"one), then quantise that into '{dst.name}'"
+                if a.dtype.value in FP8 and b.dtype.value in FP8 else
                 f"declare '{dst.name}' with dtype fp8e4m3 (or '{src.name}')")
         return
     if s is None:
@@ -326,7 +330,6 @@ CAST_MODES = {("quantise", "token"): 1, ("quantise", "tensor"): 2,
 def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
     """The attrs of a move's cast in ragged_all_to_all's kernel (none: ``cast`` 0);
     ``fp8_top``: the quantised dst's largest finite value (dcpc.numerics.FP8_FORMATS)."""
-    from dcpc.numerics import FP8_FORMATS
 
     way = direction(ctx.schedule, op)
     mode = CAST_MODES[(way, op.scale.per)] if way is not None and op.scale is not None else 0

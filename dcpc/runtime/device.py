@@ -512,6 +512,7 @@ def _dcpc_store_fp8(ptr, y, mask):
         r = _dcpc_round_fp8(y, DCPC_E5M2_TOP, DCPC_E5M2_MANTISSA, DCPC_E5M2_MIN_EXP)
         q = ((r.to(tl.float16).to(tl.int16, bitcast=True) >> 8) & 0xFF).to(tl.uint8)
     else:
+        tl.static_assert(ptr.dtype.element_ty == tl.float8e4nv)  # FP8_FORMATS: e4m3 or e5m2
         r = _dcpc_round_fp8(y, DCPC_E4M3_TOP, DCPC_E4M3_MANTISSA, DCPC_E4M3_MIN_EXP)
         q = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     # the sign bit of every negative y, -0.0 included (the interpreter drops it from -0.0)

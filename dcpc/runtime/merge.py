@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dcpc.numerics import ieee_div, local_seq_len, round_fp8, scale_fault
+from dcpc.numerics import FP8_FORMATS, ieee_div, local_seq_len, round_fp8, scale_fault
 from dcpc.runtime.errors import DcpcScaleError
 
 
@@ -68,8 +68,15 @@ def checked_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_format(dtype: torch.dtype) -> str:
-    """The fp8 format (dcpc.numerics.FP8_FORMATS) of a torch fp8 dtype."""
-    return "fp8e5m2" if dtype == torch.float8_e5m2 else "fp8e4m3"
+    """The fp8 format (dcpc.numerics.FP8_FORMATS) of a torch fp8 dtype; any other dtype
+    is a caller's bug (ValueError), never taken as e4m3."""
+    from dcpc.runtime.validate import DTYPES
+
+    for name in FP8_FORMATS:
+        if DTYPES[name] == dtype:
+            return name
+    raise ValueError(f"{dtype} is no fp8 format of dcpc.numerics.FP8_FORMATS "
+                     f"({', '.join(FP8_FORMATS)})")
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -116,6 +116,40 @@ def test_verifier(change: dict[str, str], want: list[str], tmp_path: Path) -> No
     assert codes(text(**change), tmp_path, "cast.yaml") == want
 
 
+def test_bad_cast_hints_by_the_pair(tmp_path: Path) -> None:
+    """fp8 to fp8 names the two moves through a wide float; a wide float to a wide float
+    names the fp8 dst; one dtype, dropping the scale."""
+    from support.schedules import diagnostics
+
+    def hint(**change: str) -> str:
+        (d,) = diagnostics(text(**change, **READ), tmp_path, "cast.yaml")
+        assert d.code == "bad-cast", d
+        return str(d.hint)
+
+    assert hint(src="fp8e4m3", dst="fp8e5m2") == (
+        "dequantise 'x' to bf16, f16 or f32 first (a move into a buffer of one), then "
+        "quantise that into 'y'")
+    assert "dequantise 'x'" in hint(src="fp8e5m2", dst="fp8e4m3")
+    assert hint(dst="f32") == "declare 'y' with dtype fp8e4m3 (or 'x')"
+    assert hint(dst="bf16") == "drop 'scale' for a move without a cast"
+
+
+def test_the_fp8_formats_are_read_from_one_table() -> None:
+    """cast.FP8, DType.is_fp8 and merge.fp8_format follow dcpc.numerics.FP8_FORMATS; a
+    dtype that is no fp8 format is an error, never taken as e4m3."""
+    from dcpc.lang.nodes import DType
+    from dcpc.numerics import FP8_FORMATS
+    from dcpc.ops import cast
+    from dcpc.runtime import merge
+    from dcpc.runtime.validate import DTYPES
+
+    assert cast.FP8 == tuple(FP8_FORMATS)
+    assert [d.value for d in DType if d.is_fp8] == list(FP8_FORMATS)
+    assert [merge.fp8_format(DTYPES[f]) for f in FP8_FORMATS] == list(FP8_FORMATS)
+    with pytest.raises(ValueError, match="no fp8 format"):
+        merge.fp8_format(torch.bfloat16)
+
+
 def test_checker_and_brute_force_see_the_scale_buffer() -> None:
     """Without the barrier the next call's move stores into y, m and the receiving s
     while `use` may still read them: the same races from both, the scale's included."""

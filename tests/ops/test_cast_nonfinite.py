@@ -14,9 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dcpc.numerics import FP8_FORMATS, round_e4m3
 from dcpc.ops.cast import quantise_rows
+from dcpc.runtime.device import _dcpc_store_fp8
 from dcpc.runtime.validate import DTYPES as TORCH_DTYPES
 
 WORLD, CAP, H = 2, 4, 8
@@ -298,3 +301,21 @@ def test_every_fp8_byte_dequantises_as_the_reference(fp8: str, per: str, wide: s
     assert {0x7D, 0x7E, 0x7F, 0x7C, 0xFC, 0x80, 0x01, 0x7B} <= set(q.flatten().tolist())
     inf = got[1][0].float()[q[4:] == 0x7C]  # rank 1's block from rank 0: its rows 4..7
     assert bool((inf == float("inf")).all()) and inf.numel() > 0
+
+
+@triton.jit
+def _store_fp8(dst, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    o = tl.arange(0, BLOCK)
+    _dcpc_store_fp8(dst + o, tl.full([BLOCK], 1.5, tl.float32), o < BLOCK)
+
+
+def test_an_fp8_store_into_no_fp8_buffer_fails_at_compile() -> None:
+    """_dcpc_store_fp8 picks the format by dst's type: e5m2, else e4m3, which it asserts
+    (tl.static_assert), so a bf16 dst is an error, not bytes of e4m3 in it."""
+    store = _store_fp8
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        dst = torch.zeros(4, dtype=fp8)
+        store[(1,)](dst, BLOCK=4)
+        assert dst.float().tolist() == [1.5] * 4
+    with pytest.raises(Exception, match="AssertionError"):
+        store[(1,)](torch.zeros(4, dtype=torch.bfloat16), BLOCK=4)
