@@ -45,7 +45,9 @@ def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3") -> torch.Tensor:
     exponent = (y.view(torch.int32) >> 23) & 0xFF
     ulp = (torch.clamp(exponent - mantissa, min=127 + min_exp - mantissa) << 23
            ).view(torch.float32)
-    r = torch.floor(y.abs() / ulp + 0.5) * ulp
+    x = y.abs() / ulp  # exact (a power of two); x - floor(x) too, where x + 0.5 rounds
+    t = torch.floor(x)  # (0.5 - 2**-25 + 0.5 is 1.0 in fp32): the half compared apart
+    r = torch.where(x - t >= 0.5, t + 1.0, t) * ulp
     return torch.where(torch.isnan(y), torch.nan, torch.where(torch.signbit(y), -r, r))
 
 

@@ -472,7 +472,9 @@ def _dcpc_round_fp8(y, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.co
     ulp = (tl.maximum(exponent - MANTISSA, 127 + MIN_EXP - MANTISSA) << 23).to(
         tl.float32, bitcast=True
     )
-    r = tl.floor(tl.math.div_rn(tl.abs(y), ulp) + 0.5) * ulp
+    x = tl.math.div_rn(tl.abs(y), ulp)  # exact; x - floor(x) too (x + 0.5 may round up)
+    t = tl.floor(x)
+    r = tl.where(x - t >= 0.5, t + 1.0, t) * ulp
     # the sign bit decides, and -1.0 * r keeps it on a zero (-r is 0 - r: +0.0 for r = 0)
     negative = y.to(tl.int32, bitcast=True) < 0
     return tl.where(nan, float("nan"), tl.where(negative, -1.0 * r, r))

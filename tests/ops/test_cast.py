@@ -55,6 +55,22 @@ def test_round_fp8_is_nearest_with_ties_away_and_saturates(fp8: str) -> None:
     assert torch.equal(round_e4m3(y), round_fp8(y, "fp8e4m3"))
 
 
+# just below half the smallest subnormal (e4m3 2**-9, e5m2 2**-16): x / ulp = 0.5 - 2**-25,
+# which floor(x + 0.5) rounds up (1 - 2**-25 is 1.0 in fp32); nearest is 0 (-0 negative)
+BELOW_HALF = {"fp8e4m3": 2.0**-10 - 2.0**-34, "fp8e5m2": 2.0**-17 - 2.0**-41}
+
+
+@pytest.mark.parametrize("fp8", ["fp8e4m3", "fp8e5m2"])
+def test_round_fp8_rounds_just_below_a_half_down(fp8: str) -> None:
+    v = BELOW_HALF[fp8]
+    got = round_fp8(torch.tensor([v, -v, 3 * v]), fp8)
+    assert got[0].item() == 0.0 and got[1].item() == 0.0 and bool(torch.signbit(got[1]))
+    step = 2.0**-9 if fp8 == "fp8e4m3" else 2.0**-16
+    assert got[2].item() == step  # 1.5 - 3 * 2**-25 steps: one step
+    assert got.tolist() == torch.tensor([v, -v, 3 * v]).double().to(
+        {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}[fp8]).float().tolist()
+
+
 def test_scales_divide_as_the_kernels_do() -> None:
     """448 / 1.9140625: torch's scalar / tensor is one ulp off; numpy (the interpreter)
     and a GPU divide correctly rounded, and so does ieee_div."""

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcpc.numerics import FP8_FORMATS, round_e4m3
+from dcpc.numerics import FP8_FORMATS, round_e4m3, round_fp8
 from dcpc.ops.cast import quantise_rows
 from dcpc.runtime.device import _dcpc_store_fp8
 from dcpc.runtime.validate import DTYPES as TORCH_DTYPES
@@ -304,18 +304,34 @@ def test_every_fp8_byte_dequantises_as_the_reference(fp8: str, per: str, wide: s
 
 
 @triton.jit
-def _store_fp8(dst, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _store_fp8(src, dst, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     o = tl.arange(0, BLOCK)
-    _dcpc_store_fp8(dst + o, tl.full([BLOCK], 1.5, tl.float32), o < BLOCK)
+    _dcpc_store_fp8(dst + o, tl.load(src + o), o < BLOCK)
+
+
+def test_the_kernel_rounds_just_below_a_half_down() -> None:
+    """x / ulp = 0.5 - 2**-25 (half the smallest subnormal less 2**-25 of a step): 0, -0
+    and one step for 3x, the bytes of round_fp8 (floor(x + 0.5) stored 1 step)."""
+    for fp8, v in (("fp8e4m3", 2.0**-10 - 2.0**-34), ("fp8e5m2", 2.0**-17 - 2.0**-41)):
+        src = torch.tensor([v, -v, 3 * v, -3 * v])
+        dst = torch.zeros(4, dtype=TORCH_DTYPES[fp8])
+        _store_fp8[(1,)](src, dst, BLOCK=4)
+        assert dst.view(torch.uint8).tolist() == [0x00, 0x80, 0x01, 0x81], fp8
+        want = round_fp8(src, fp8).to(TORCH_DTYPES[fp8]).view(torch.uint8)
+        assert torch.equal(dst.view(torch.uint8), want), fp8
 
 
 def test_an_fp8_store_into_no_fp8_buffer_fails_at_compile() -> None:
     """_dcpc_store_fp8 picks the format by dst's type: e5m2, else e4m3, which it asserts
     (tl.static_assert), so a bf16 dst is an error, not bytes of e4m3 in it."""
-    store = _store_fp8
+    one = torch.full((4,), 1.5)
+
+    def store(dst: torch.Tensor, BLOCK: int) -> None:  # noqa: N803
+        _store_fp8[(1,)](one, dst, BLOCK=BLOCK)
+
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         dst = torch.zeros(4, dtype=fp8)
-        store[(1,)](dst, BLOCK=4)
+        store(dst, BLOCK=4)
         assert dst.float().tolist() == [1.5] * 4
     with pytest.raises(Exception, match="AssertionError"):
-        store[(1,)](torch.zeros(4, dtype=torch.bfloat16), BLOCK=4)
+        store(torch.zeros(4, dtype=torch.bfloat16), BLOCK=4)
