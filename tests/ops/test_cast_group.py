@@ -157,10 +157,13 @@ def _child() -> None:
             back = mode == 3
             source = text(h=h, s_shape=f"[W, C, {h // g}]", **(BACK if back else {}))
             gen = torch.Generator().manual_seed(h + mode)
-            if back:  # e4m3 values and positive scales, one NaN (a NaN group's scale):
-                # no NaN byte in q: triton 3.6's interpreter reads e4m3fn's 0x7F as 480
+            if back:  # e4m3 values and positive scales, one NaN (a NaN group's scale),
+                # and NaN bytes 0x7F, 0xFF in q (the interpreter read them as +-480 before
+                # _dcpc_widen mapped them)
                 xs = [round_e4m3(torch.randn(world, cap, h, generator=gen) * 100)
-                      .to(torch.float8_e4m3fn) for _ in range(world)]
+                      for _ in range(world)]
+                xs[1][0, 1, :2] = torch.tensor([NAN, -NAN])
+                xs = [x.to(torch.float8_e4m3fn) for x in xs]
                 scales = [torch.rand(world, cap, h // g, generator=gen) + 0.01
                           for _ in range(world)]
                 scales[0][1, 0, h // g - 1] = NAN
