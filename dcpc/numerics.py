@@ -1,12 +1,15 @@
 """Numeric facts every stage reads from one place (the float64 simulator, the torch
-backend's math): where a request's KV tokens live, and the fp8 e4m3 range. A leaf
-module (torch only): importing it starts no Triton."""
+backend's math): where a request's KV tokens live, and the fp8 formats. A leaf module:
+importing it imports neither torch nor Triton (the compiler reads FP8_FORMATS; the
+functions import torch when called)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
 
@@ -18,22 +21,39 @@ def local_seq_len(seq_lens: torch.Tensor, rank: int, world: int, interleave: int
     return base + rem
 
 
-FP8_E4M3_MIN_EXP = -6  # below 2**-6, e4m3's grid is 2**-9 (subnormals)
 SCALE_FLOOR = 1e-4  # a token's amax below this is taken as this (DeepEP's floor): no 1/0
+
+# the fp8 formats a cast or an fp8 output rounds into, by dtype: (largest finite value,
+# mantissa bits, smallest normal exponent); one rule for both (round_fp8, the kernels'
+# _dcpc_store_fp8 in dcpc/runtime/device.py)
+FP8_FORMATS = {"fp8e4m3": (FP8_E4M3_MAX, 3, -6), "fp8e5m2": (57344.0, 2, -14)}
+
+
+def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3") -> torch.Tensor:
+    """fp32 ``y`` clamped to the finite range of fp8 ``dtype`` (+-448 e4m3, +-57344 e5m2:
+    saturated, an inf too, as Transformer Engine's satfinite casts) and rounded to its
+    grid, half away from zero (3 or 2 mantissa bits; below the smallest normal, 2**-6 or
+    2**-14, the subnormal grid 2**-9 or 2**-16); NaN stays NaN (one NaN, positive, byte
+    0x7F, whatever sign the NaN had: x86 makes inf * 0 a negative NaN, a GPU a positive
+    one), in fp32 bit arithmetic: the kernels' rule (``_dcpc_store_fp8``), so that the
+    reference and every backend agree bit for bit. The sign of a zero is kept (-0.0, and
+    a negative value that rounds to 0, give -0: byte 0x80), as a conversion."""
+    import torch
+
+    top, mantissa, min_exp = FP8_FORMATS[dtype]
+    y = y.float().clamp(-top, top)
+    exponent = (y.view(torch.int32) >> 23) & 0xFF
+    ulp = (torch.clamp(exponent - mantissa, min=127 + min_exp - mantissa) << 23
+           ).view(torch.float32)
+    x = y.abs() / ulp  # exact (a power of two); x - floor(x) too, where x + 0.5 rounds
+    t = torch.floor(x)  # (0.5 - 2**-25 + 0.5 is 1.0 in fp32): the half compared apart
+    r = torch.where(x - t >= 0.5, t + 1.0, t) * ulp
+    return torch.where(torch.isnan(y), torch.nan, torch.where(torch.signbit(y), -r, r))
 
 
 def round_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """fp32 ``y`` clamped to +-448 and rounded to the e4m3 grid, half away from zero (NaN
-    stays NaN: one NaN, positive, e4m3fn's byte 0x7F, whatever sign the NaN had: x86
-    makes inf * 0 a negative NaN, a GPU a positive one), in fp32 bit arithmetic: the
-    kernels' rule (templates/math.j2 ``_dcpc_quantize``, ``_dcpc_store_e4m3``), so that
-    the reference and every backend agree bit for bit. The sign of a zero is kept (-0.0,
-    and a negative value that rounds to 0, give -0: e4m3's byte 0x80), as a conversion."""
-    y = y.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    exponent = (y.view(torch.int32) >> 23) & 0xFF
-    ulp = (torch.clamp(exponent - 3, min=127 - 9) << 23).view(torch.float32)
-    r = torch.floor(y.abs() / ulp + 0.5) * ulp
-    return torch.where(torch.isnan(y), torch.nan, torch.where(torch.signbit(y), -r, r))
+    """``round_fp8`` into e4m3."""
+    return round_fp8(y, "fp8e4m3")
 
 
 def ieee_max(parts: torch.Tensor) -> torch.Tensor:
@@ -41,6 +61,8 @@ def ieee_max(parts: torch.Tensor) -> torch.Tensor:
     part is NaN, and +0 above -0 (IEEE 754-2019 maximum): a max of zeros is +0 unless
     every one is -0, whatever their order (torch.maximum keeps its first argument on a
     tie, numpy's its second). The kernels: templates/ops/all_reduce.py.j2, reduce.py.j2."""
+    import torch
+
     top = parts.amax(dim=0)
     positive_zero = ((parts == 0) & ~torch.signbit(parts)).any(dim=0)
     zero = torch.zeros_like(top)
@@ -69,20 +91,22 @@ def scale_fault(value: float) -> str | None:
     return None
 
 
-def token_scales(rows: torch.Tensor, group: int | None = None
+def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, inverse) of each group of ``group`` channels of each row (last dim) for an
-    e4m3 cast, in fp32: ``amax = max(|group|, SCALE_FLOOR)``, ``scale = amax / 448``,
-    ``inverse = 448 / amax``; a group is sent as ``round_e4m3(x * inverse)`` and read
-    back as ``q * scale`` (``spread`` puts a group's scale on each of its channels).
+    """(scale, inverse) of each group of ``group`` channels of each row (last dim) for a
+    cast into fp8 ``dtype``, in fp32: ``amax = max(|group|, SCALE_FLOOR)``, ``scale =
+    amax / top``, ``inverse = top / amax`` (top: FP8_FORMATS' largest finite value, 448
+    e4m3, 57344 e5m2); a group is sent as ``round_fp8(x * inverse, dtype)`` and read back
+    as ``q * scale`` (``spread`` puts a group's scale on each of its channels).
     ``group`` None: per token, the whole row one group, the scales ``rows``' shape
     without its last dim; else DeepEP's per-128-channel scales, ``[..., H / group]``."""
+    top = FP8_FORMATS[dtype][0]
     x = rows.float()
     width = x.shape[-1] if group is None else group
     groups = x.abs().reshape(*x.shape[:-1], x.shape[-1] // width, width)
     amax = groups.amax(dim=-1).clamp(min=SCALE_FLOOR)
     amax = amax.squeeze(-1) if group is None else amax
-    return ieee_div(amax, FP8_E4M3_MAX), ieee_div(FP8_E4M3_MAX, amax)
+    return ieee_div(amax, top), ieee_div(top, amax)
 
 
 def spread(scales: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -95,6 +119,8 @@ def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     """a / b in fp32, correctly rounded as the kernels divide: torch computes ``2.0 / t``
     as ``t.reciprocal() * 2.0`` (one ulp off, e.g. 448 / 1.9140625), so both operands
     are made fp32 tensors first."""
+    import torch
+
     a = torch.as_tensor(a, dtype=torch.float32)
     b = torch.as_tensor(b, dtype=torch.float32)
     return torch.div(a, b)
@@ -103,6 +129,8 @@ def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
 def reference_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
     """The float64 reference's per-tensor fp8 scale ``scale[0]`` as fp32, refused as the
     backends refuse it (``scale_fault``: ValueError naming ``what``)."""
+    import torch
+
     s = scale.reshape(-1)[0].to(torch.float32)
     why = scale_fault(float(s))
     if why is not None:

@@ -176,7 +176,7 @@ def _output_scale(ctx: Context, step: Step) -> None:
         return  # a list where one buffer goes: reported by the op's own verifier
     (dst,) = dsts
     buf = ctx.buffer(dst.name)
-    fp8 = buf is not None and buf.dtype.value == "fp8e4m3"
+    fp8 = buf is not None and buf.dtype.is_fp8
     if not scale:
         if fp8:
             ctx.error(dst.mark, "missing-output-scale",
@@ -194,8 +194,10 @@ def _output_scale(ctx: Context, step: Step) -> None:
     if buf is not None and not fp8:
         ctx.error(ref.mark, "bad-output-scale",
                   f"step '{step.name}' has output_scale, but its dst '{dst.name}' is "
-                  f"{buf.dtype.value}; the scale quantizes an fp8 (fp8e4m3) output",
-                  hint=f"declare '{dst.name}' with dtype fp8e4m3, or drop output_scale")
+                  f"{buf.dtype.value}; the scale quantizes an fp8 (fp8e4m3, fp8e5m2) "
+                  "output",
+                  hint=f"declare '{dst.name}' with dtype fp8e4m3 or fp8e5m2, or drop "
+                  "output_scale")
 
 
 def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None:
@@ -221,12 +223,14 @@ def _merge(ctx: Context, step: Step, o: Ref, lse: Ref, *, stacked: bool) -> None
                       f"'{lse.name}' has base {lse_buf.lse_base}",
                       hint=f"use 'lse_base: {lse_buf.lse_base}' or drop it from the step")
     for ref, buf in ((o, o_buf), (dst, dst_buf)):
-        if buf is not None and not buf.dtype.computes:  # an integer; fp8e5m2 only moves
+        # an integer; an fp8e5m2 partial (e5m2 is merged into, never read by a merge)
+        if buf is not None and not (buf.dtype.is_float if ref is dst else buf.dtype.computes):
             what = "output" if ref is dst else "partial output"
             ctx.error(ref.mark, "non-float-output",
                       f"{what} '{ref.name}' of {step.kind} '{step.name}' is "
-                      f"{buf.dtype.value}; a merge reads and writes floating-point outputs "
-                      "it computes on (bf16, f16, f32, fp8e4m3)",
+                      f"{buf.dtype.value}; a merge reads floating-point partials it computes "
+                      "on (bf16, f16, f32, fp8e4m3) and writes a float (fp8 through "
+                      "output_scale)",
                       hint=f"declare '{ref.name}' with dtype bf16, f16 or f32")
     for r in ret:
         buf = ctx.buffer(r.name)

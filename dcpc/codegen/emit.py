@@ -327,7 +327,7 @@ def inline_device(text: str) -> str:
     import: a self-contained module, whose copy of the signal/wait helpers a mutation
     test can edit (dcpc.harness.run.compile_to's ``patch``)."""
     library = DEVICE_PATH.read_text(encoding="utf-8")
-    body = library[library.index("from dcpc.runtime import errors as _errors"):]
+    body = library[library.index("\nfrom dcpc.") + 1:]  # its own imports of dcpc on
     return _DEVICE_IMPORT.sub(lambda _: "\n" + body + "\n\n", text, count=1)
 
 

@@ -20,7 +20,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import mesh_of, shape_of, torus
-from dcpc.numerics import local_seq_len, reference_scale, round_e4m3  # the facts, once
+from dcpc.numerics import local_seq_len, reference_scale, round_fp8  # the facts, once
 from dcpc.ops import OPS, shift
 from dcpc.ops import _split as split
 from dcpc.ops.external import External as ExternalOp
@@ -195,17 +195,18 @@ def empty_rows(
     return padding | empty
 
 
-def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None = None
+def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None, dtype: str
            ) -> torch.Tensor:
-    """``output_scale``: value / scale[0], clamped to the fp8 e4m3 range and rounded to
-    its grid by the kernels' rule (NaN stays, the sign of zero kept: round_e4m3); a scale
-    that is no positive finite normal is refused (ValueError), as every backend does."""
+    """``output_scale``: value / scale[0], clamped to the range of fp8 ``dtype`` (dst's)
+    and rounded to its grid by the kernels' rule (NaN stays, the sign of zero kept:
+    round_fp8); a scale that is no positive finite normal is refused (ValueError), as
+    every backend does."""
     name = getattr(op, "output_scale", None)
     if name is None:
         return value
     who = f"rank {rank}'s" if rank is not None else "the"
     s = reference_scale(bufs[name], f"{who} output_scale '{name}'")
-    return round_e4m3(value / s.double()).double()
+    return round_fp8(value / s.double(), dtype).double()
 
 
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -402,7 +403,12 @@ class Sim:
         return _weighted_sum(weights, parts)
 
     def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor:
-        return scaled(op, self.bufs[rank], value, rank)
+        dst = getattr(op, "dst", None)  # an output_scale's op has one dst (bad-output-scale)
+        if getattr(op, "output_scale", None) is None:
+            return value
+        if not isinstance(dst, str):
+            raise ValueError(f"output_scale of {type(op).__name__} without one dst: {dst!r}")
+        return scaled(op, self.bufs[rank], value, rank, self.schedule.buffers[dst].dtype.value)
 
 
 def _teams(schedule: m.Schedule, world: int, step: m.Step) -> list[list[int] | None]:

@@ -32,6 +32,7 @@ from dcpc.harness.simulate import (
 )
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
+from dcpc.numerics import FP8_E4M3_MAX, FP8_FORMATS
 from dcpc.ops import OPS, cast
 from dcpc.ops.external import External
 from dcpc.ops.iface import Counts, Requests, RowIndex, TensorScale, Unsent
@@ -218,7 +219,7 @@ def call_inputs(
             gen = torch.Generator().manual_seed(_mix(seed, call, rank, index))
             shape = buffer_shape(schedule, name, sizes)
             if name in scales:  # an fp8 output's scale: positive, and overflows some values
-                value = scale_value(shape, gen)
+                value = scale_value(shape, gen, scales[name])
             elif name in fp8:  # a moved fp8 payload: every byte, NaNs and -0 included
                 value = full_range_fp8(shape, gen, schedule.buffers[name].dtype)
             elif name in floats:  # a moved bf16/f16/f32 payload: NaNs, -0, inf among values
@@ -490,18 +491,27 @@ def _mix(*parts: int) -> int:
     return value
 
 
-def output_scales(schedule: m.Schedule) -> set[str]:
+def output_scales(schedule: m.Schedule) -> dict[str, float]:
     """The per-tensor fp8 scales (``TensorScale``): every ``output_scale``, and every
-    cast's ``per: tensor`` scale buffer (a per-token one is the move's own output)."""
-    return {name for rules in input_rules(schedule) for name, rule in rules.items()
-            if isinstance(rule, TensorScale)}
+    cast's ``per: tensor`` scale buffer (a per-token one is the move's own output), each
+    with the largest finite value of the fp8 it scales (dcpc.numerics.FP8_FORMATS)."""
+    tops: dict[str, float] = {}
+    for rules in input_rules(schedule):
+        for name, rule in rules.items():
+            if isinstance(rule, TensorScale):
+                fp8 = [schedule.buffers[b].dtype.value for b in rule.between
+                       if b in schedule.buffers and schedule.buffers[b].dtype.is_fp8]
+                tops[name] = max([FP8_FORMATS[f][0] for f in fp8], default=FP8_E4M3_MAX)
+    return tops
 
 
-def scale_value(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def scale_value(shape: tuple[int, ...], gen: torch.Generator, top: float = FP8_E4M3_MAX
+                ) -> torch.Tensor:
     """A per-tensor fp8 scale, whoever writes it (an engine input, an engine step): a
     positive normal (a scale that is not is refused), small enough that some values
-    overflow +-448 and saturate."""
-    return 0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    overflow +-``top`` (448 e4m3, 57344 e5m2) and saturate."""
+    return (0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)) * (
+        FP8_E4M3_MAX / top)
 
 
 def make_external(
@@ -545,7 +555,7 @@ def make_external(
             elif x is not None and tuple(x.shape) == shape:  # same shape: depends on x too
                 value = torch.tanh(x * (0.5 + 0.1 * rank) + 0.05 * rank)
             elif name in scales:  # a scale an engine step writes: as an input one
-                value = scale_value(shape, gen)
+                value = scale_value(shape, gen, scales[name])
             else:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             if mask is not None and len(shape) >= 2 and shape[0] == masked:

@@ -25,6 +25,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from dcpc.diagnostics import NOWHERE, Mark
 from dcpc.lang.yamlsrc import MARK, MARKS
+from dcpc.numerics import FP8_FORMATS
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -62,9 +63,16 @@ class DType(str, Enum):
 
     @property
     def computes(self) -> bool:
-        """A float the ops compute on (sum, merge, cast); fp8e5m2 only moves, bit for bit,
-        where an integer moves (docs/language.md, "Buffers")."""
+        """A float the ops compute on (a sum's or a merge's operand); fp8e5m2 is no
+        operand (a cast reads it; an op computes into it: ``is_float``), it moves bit for
+        bit where an integer moves (docs/language.md, "Buffers")."""
         return self.is_float and self != DType.fp8e5m2
+
+    @property
+    def is_fp8(self) -> bool:
+        """An fp8 format (dcpc.numerics.FP8_FORMATS): a computed one goes through
+        ``output_scale``, a cast through ``scale``."""
+        return self.value in FP8_FORMATS
 
     @property
     def itemsize(self) -> int:

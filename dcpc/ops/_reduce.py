@@ -33,12 +33,15 @@ def floats_only(v: ShapeRules, step: Step, refs: list[Any],
                            "buffers") -> None:
     """A reduction's buffers are floats it computes on: it sums (or takes the max) in
     fp32, which an integer does not survive, and fp8e5m2 is not summed either (only the
-    moves carry integers and fp8e5m2, bit for bit: ``DType.computes``); ``why``: what the
+    moves carry integers and fp8e5m2, bit for bit: ``DType.computes``); its ``dst`` may be
+    any float (an fp8 one through ``output_scale``: dcpc.check.ops); ``why``: what the
     error says of the op (weighted_combine's sum says its own)."""
     for ref in refs:
         buf = v.buffer(ref.name)
-        if buf is not None and not buf.dtype.computes:
-            only = " (fp8e5m2 only moves, bit for bit)" if buf.dtype.is_float else ""
+        ok = buf is None or (buf.dtype.is_float if ref.role == "dst" else buf.dtype.computes)
+        if buf is not None and not ok:
+            only = (" (fp8e5m2 is summed into, through output_scale, never read by a sum)"
+                    if buf.dtype.is_float else "")
             v.error(ref.mark, "non-float-output",
                     f"{ref.role} '{ref.name}' of {step.kind} '{step.name}' is "
                     f"{buf.dtype.value}{only}; {why}",

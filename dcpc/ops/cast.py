@@ -5,24 +5,26 @@ payload along dim 0, lowered with ragged_all_to_all's kernel at full counts).
 Two casts, by the pair of dtypes (anything else is ``bad-cast``; a dtype change without
 ``scale`` stays ``dtype-mismatch``):
 
-- quantise (bf16, f16 or f32 ``src`` -> fp8e4m3 ``dst``), on the push:
-  ``per: token``: each row (the last dim) gets ``scale = max(amax, 1e-4) / 448`` and is
-  sent as ``round_e4m3(row * (448 / max(amax, 1e-4)))``; the scale travels with it
+- quantise (bf16, f16 or f32 ``src`` -> fp8e4m3 or fp8e5m2 ``dst``; top = 448 or
+  57344, its largest finite value), on the push:
+  ``per: token``: each row (the last dim) gets ``scale = max(amax, 1e-4) / top`` and is
+  sent as ``round_fp8(row * (top / max(amax, 1e-4)))``; the scale travels with it
   into ``s`` on the receiver (``s`` symmetric f32, ``dst``'s shape without its last dim:
   DeepEP's ``recv_x_scales``). ``group: G`` (with ``per: token``): the same rule per G
   consecutive channels of a row (DeepEP's and DeepSeek-V3's per-128-channel scales),
   ``s`` with ``dst``'s shape, its last dim divided by G (dcpc.numerics.token_scales: the
   whole row is the one-group case). ``per: tensor``: ``s`` is a ``[1]`` f32 scale read
-  on the sender (a static scale): ``round_e4m3(x * (1 / s[0]))``.
-- dequantise (fp8e4m3 ``src`` -> bf16, f16 or f32 ``dst``), on the push: ``dst = q *
+  on the sender (a static scale): ``round_fp8(x * (1 / s[0]))``.
+- dequantise (fp8e4m3 or fp8e5m2 ``src`` -> bf16, f16 or f32 ``dst``), on the push: ``dst = q *
   scale`` in fp32, rounded once into dst (to nearest even); ``per: token``: ``s`` is
   f32 with ``src``'s shape without its last dim (with ``group``: its last dim divided
   by G, ``q * s[row, c // G]``), read on the sender (the scales the quantising move
   delivered); ``per: tensor``: ``s`` is ``[1]`` f32.
 
-``round_e4m3`` (dcpc.numerics): clamp to +-448, round half away from zero to the e4m3
-grid (2**-9 below 2**-6), NaN stays NaN: the kernels' rule, which the float64 reference
-applies bit for bit.
+``round_fp8`` (dcpc.numerics, FP8_FORMATS): clamp to +-top (an inf too: saturated),
+round half away from zero to the format's grid (e4m3: 2**-9 below 2**-6; e5m2: 2**-16
+below 2**-14), NaN stays NaN (byte 0x7F): the kernels' rule, which the float64 reference
+applies bit for bit. A dequantised e5m2 inf stays inf (times the scale), a NaN NaN.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pydantic import Field
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, Node, OpBase, int_sizes
+from dcpc.numerics import FP8_FORMATS
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from dcpc.ops.iface import InputRule, LowerRules, ShapeRules, SimView
 
 WIDE = ("bf16", "f16", "f32")
+FP8 = tuple(FP8_FORMATS)  # the formats a cast quantises into and dequantises from
 
 
 class Scale(Node):
@@ -55,9 +59,9 @@ class Scale(Node):
 
 def _pair(a: str, b: str) -> str | None:
     """'quantise' | 'dequantise' for a supported (src, dst) dtype pair, else None."""
-    if a in WIDE and b == "fp8e4m3":
+    if a in WIDE and b in FP8:
         return "quantise"
-    if a == "fp8e4m3" and b in WIDE:
+    if a in FP8 and b in WIDE:
         return "dequantise"
     return None
 
@@ -101,7 +105,9 @@ def input_rules(op: OpBase) -> dict[str, InputRule]:
     """A move's synthetic-input rules (``OpDef.inputs``): a ``per: tensor`` scale is one
     fp8 scale (a per-token one is the move's own output)."""
     scale: Scale | None = getattr(op, "scale", None)
-    return {scale.buffer: TensorScale()} if scale is not None and scale.per == "tensor" else {}
+    if scale is None or scale.per != "tensor":
+        return {}
+    return {scale.buffer: TensorScale(payload(op) or ())}
 
 
 def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
@@ -131,9 +137,12 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
     if way is None:
         v.error(op.mark("scale"), "bad-cast",
                 f"{v.step.kind} '{v.step.name}' casts {a.dtype.value} '{src.name}' into "
-                f"{b.dtype.value} '{dst.name}'; a move casts bf16, f16 or f32 to fp8e4m3, "
-                "or fp8e4m3 back to one of them",
+                f"{b.dtype.value} '{dst.name}'; a move casts bf16, f16 or f32 to fp8e4m3 "
+                "or fp8e5m2, or an fp8 back to one of them",
                 hint="drop 'scale' for a move without a cast" if a.dtype == b.dtype else
+                f"dequantise '{src.name}' to bf16, f16 or f32 first (a move into a buffer of "
+                f"one), then quantise that into '{dst.name}'"
+                if a.dtype.value in FP8 and b.dtype.value in FP8 else
                 f"declare '{dst.name}' with dtype fp8e4m3 (or '{src.name}')")
         return
     if s is None:
@@ -239,20 +248,20 @@ def _no_tile(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list) -> None:
             "capacity (one scale per whole row)")
 
 
-def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None,
+def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None, dtype: str,
                   group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the e4m3 values of rows ``x`` as a float64 tensor, the per-row scales sent) for a
-    quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor); ``group``:
-    per token, one scale per ``group`` channels (the scales' last dim H / group)."""
+    """(the fp8 ``dtype`` values of rows ``x`` as a float64 tensor, the per-row scales
+    sent) for a quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor);
+    ``group``: per token, one scale per ``group`` channels (the scales' last dim H / group)."""
 
-    from dcpc.numerics import ieee_div, reference_scale, round_e4m3, spread, token_scales
+    from dcpc.numerics import ieee_div, reference_scale, round_fp8, spread, token_scales
 
     if per == "token":
-        sent, inverse = token_scales(x, group)
-        return round_e4m3(x.float() * spread(inverse, group)).double(), sent.double()
+        sent, inverse = token_scales(x, dtype, group)
+        return round_fp8(x.float() * spread(inverse, group), dtype).double(), sent.double()
     assert scale is not None
     inverse = ieee_div(1.0, reference_scale(scale, "the cast's per-tensor scale"))
-    return round_e4m3(x.float() * inverse).double(), None
+    return round_fp8(x.float() * inverse, dtype).double(), None
 
 
 def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor,
@@ -300,7 +309,8 @@ def all_to_all_reference(sim: SimView, op: OpBase) -> None:
     for p in range(sim.world):
         x = sim.bufs[p][src]
         if way == "quantise":
-            x, s = quantise_rows(x, scale.per, sim.bufs[p].get(scale.buffer), scale.group)
+            x, s = quantise_rows(x, scale.per, sim.bufs[p].get(scale.buffer),
+                                 sim.schedule.buffers[dst].dtype.value, scale.group)
             if s is not None:
                 sim.stash(p, scales, s, like=scale.buffer)
         else:
@@ -318,15 +328,18 @@ CAST_MODES = {("quantise", "token"): 1, ("quantise", "tensor"): 2,
 
 
 def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
-    """The attrs of a move's cast in ragged_all_to_all's kernel (none: ``cast`` 0)."""
+    """The attrs of a move's cast in ragged_all_to_all's kernel (none: ``cast`` 0);
+    ``fp8_top``: the quantised dst's largest finite value (dcpc.numerics.FP8_FORMATS)."""
+
     way = direction(ctx.schedule, op)
     mode = CAST_MODES[(way, op.scale.per)] if way is not None and op.scale is not None else 0
     pair = payload(op)
     assert pair is not None
+    out = ctx.buffers[pair[1]].dtype
     group = op.scale.group if op.scale is not None else None  # s's shape (torch's call)
     tile = tile_group(ctx.schedule, op, ctx.shape(pair[1]))  # the kernel's channels per scale
     return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
-            "bf16_out": ctx.buffers[pair[1]].dtype == "bf16",
+            "bf16_out": out == "bf16", "fp8_top": FP8_FORMATS.get(out, (None,))[0],
             **({"group": group} if group is not None else {}),
             **({"tile": tile} if tile is not None else {})}
 

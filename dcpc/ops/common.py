@@ -515,7 +515,7 @@ def merge_input_rules(op: m.OpBase) -> dict[str, InputRule]:
     rules: dict[str, InputRule] = {}
     if mask is not None:
         rules.update({name: Requests(mask, op.dst) for name, _ in mask_inputs(op)})  # type: ignore[attr-defined]
-    rules.update({name: TensorScale() for name, _ in keyed(op, OUTPUT_SCALE)})
+    rules.update({name: TensorScale((op.dst,)) for name, _ in keyed(op, OUTPUT_SCALE)})  # type: ignore[attr-defined]
     return rules
 
 

@@ -59,7 +59,9 @@ class RowIndex:
 @dataclass(frozen=True)
 class TensorScale:
     """A per-tensor fp8 scale [1]: a positive normal, small enough that some values
-    saturate."""
+    saturate the fp8 buffer among ``between`` (the buffers it scales from and into)."""
+
+    between: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

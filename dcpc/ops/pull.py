@@ -41,7 +41,7 @@ from pydantic import Field
 
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import ONE, W, product
-from dcpc.lang.nodes import DType, Int, Name, OpBase, Step
+from dcpc.lang.nodes import Int, Name, OpBase, Step
 from dcpc.ops._reduce import floats_only
 from dcpc.ops.common import (
     AFTER,
@@ -116,9 +116,10 @@ def verify(v: ShapeRules, step: Step) -> None:
         floats_only(v, step, [src, dst], "with reduce: sum it sums in fp32, so it reads "
                     "and writes floating-point values")
         target = v.buffer(dst.name)
-        if target is not None and target.dtype == DType.fp8e4m3:
+        if target is not None and target.dtype.is_fp8:
             v.error(op.mark("reduce"), "bad-reduce",
-                    f"pull '{step.name}' sums into fp8e4m3 dst '{dst.name}', but it takes no "
+                    f"pull '{step.name}' sums into {target.dtype.value} dst '{dst.name}', but "
+                    "it takes no "
                     "output_scale", hint="sum into bf16, f16 or f32 and cast after")
     s, d = v.shape(src.name), v.shape(dst.name)
     if s is None or d is None:

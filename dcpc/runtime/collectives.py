@@ -204,7 +204,7 @@ def sum_parts(via: torch.Tensor, dst: torch.Tensor, acc: torch.Tensor, outer: in
     total = acc[: outer * part]
     rows = via.reshape(-1)[: world * outer * part].view(world, outer * part)  # the team's
     torch.sum(rows, dim=0, dtype=torch.float32, out=total)
-    dst.reshape(-1).copy_(total if scale is None else merge.quantize(total, scale))
+    dst.reshape(-1).copy_(total if scale is None else merge.quantize(total, scale, dst.dtype))
 
 
 def _mask(
@@ -235,7 +235,7 @@ def lse_combine(
 ) -> None:
     masked = _mask(seq_lens, query_start_loc, lse.shape[1], world, interleave)
     out, total = merge.lse_combine(o, lse, base, masked)
-    dst.copy_(out if scale is None else merge.quantize(out, scale))
+    dst.copy_(out if scale is None else merge.quantize(out, scale, dst.dtype))
     if dst_lse is not None:
         dst_lse.copy_(total)
 
@@ -255,7 +255,7 @@ def lse_correct(
 ) -> None:
     masked = _mask(seq_lens, query_start_loc, lse_all.shape[1], world, interleave)
     out, total = merge.lse_correct(o, lse_all, rank, base, masked)
-    dst.copy_(out if scale is None else merge.quantize(out, scale))
+    dst.copy_(out if scale is None else merge.quantize(out, scale, dst.dtype))
     if dst_lse is not None:
         dst_lse.copy_(total)
 
@@ -383,7 +383,7 @@ def all_reduce(
             total.add_(parts[p].to(torch.float32))
     else:  # exact in any order; NaN wins, +0 above -0 (numerics.ieee_max)
         total.copy_(ieee_max(parts.to(torch.float32)))
-    dst.reshape(-1).copy_(total if scale is None else merge.quantize(total, scale))
+    dst.reshape(-1).copy_(total if scale is None else merge.quantize(total, scale, dst.dtype))
 
 
 def all_to_all_concat(
@@ -562,7 +562,7 @@ def weighted_combine(
         live = (index[:, k] >= 0)[:, None]
         part = weights[:, k, None].float() * rows[index[:, k].clamp(min=0)].float()
         acc += torch.where(live, part, 0.0)
-    out = acc if scale is None else merge.quantize(acc, scale)
+    out = acc if scale is None else merge.quantize(acc, scale, dst.dtype)
     dst.copy_(out.reshape(dst.shape))
 
 
@@ -570,15 +570,16 @@ def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.d
           group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` ([..., row]) cast as the kernels' CAST does (dcpc/ops/cast.py), in ``dtype``,
     and the per-row (per ``group`` channels) scales a per-token quantise sends along."""
-    from dcpc.numerics import ieee_div, round_e4m3, spread, token_scales
+    from dcpc.numerics import round_fp8, spread, token_scales
 
     row_scales = None
     if cast == 1:
-        row_scales, inverse = token_scales(x, group)
-        x = round_e4m3(x.float() * spread(inverse, group))
+        fmt = merge.fp8_format(dtype)
+        row_scales, inverse = token_scales(x, fmt, group)
+        x = round_fp8(x.float() * spread(inverse, group), fmt)
     elif cast == 2:
         assert scale is not None
-        x = round_e4m3(x.float() * ieee_div(1.0, merge.checked_scale(scale)))
+        x = merge.quantize(x, scale, dtype)
     elif cast in (3, 4):
         assert scale is not None
         s = spread(scale.float(), group) if cast == 3 else merge.checked_scale(scale)

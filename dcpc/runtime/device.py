@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dcpc.numerics import FP8_FORMATS
 from dcpc.runtime import errors as _errors
 
 # The error record and the failure flags as the kernels see them (defined once, in
@@ -43,6 +44,9 @@ DCPC_PEER_WORD = tl.constexpr(_errors.RECORD.index("peer"))
 DCPC_EPOCH_WORD = tl.constexpr(_errors.RECORD.index("epoch"))
 DCPC_HERE_WORD = tl.constexpr(_errors.RECORD.index("here"))
 DCPC_THERE_WORD = tl.constexpr(_errors.RECORD.index("there"))
+# the fp8 formats' (largest finite value, mantissa bits, smallest normal exponent)
+DCPC_E4M3_TOP, DCPC_E4M3_MANTISSA, DCPC_E4M3_MIN_EXP = map(tl.constexpr, FP8_FORMATS["fp8e4m3"])
+DCPC_E5M2_TOP, DCPC_E5M2_MANTISSA, DCPC_E5M2_MIN_EXP = map(tl.constexpr, FP8_FORMATS["fp8e5m2"])
 DCPC_STOP_WORD = tl.constexpr(_errors.RECORD.index("stop"))
 DCPC_FLAG_WORD = tl.constexpr(_errors.RECORD.index("flag"))
 
@@ -450,17 +454,27 @@ def _dcpc_round_bf16(x):
 
 @triton.jit
 def _dcpc_quantize(x, inv_scale):
-    """x / scale, clamped to the finite range of fp8 e4m3 (+-448; NaN stays NaN, also
-    through the clamp, whose min/max drop a NaN) and rounded to its grid here, in fp32
-    (half away from zero; 3 mantissa bits, 2^-9 below 2^-6), so that the store converts
-    exactly: the Triton 3.6 interpreter's fp32 -> fp8 conversion drops the carry of a
-    rounding into the exponent (7.9 -> 4.0). Store it with _dcpc_store_e4m3."""
-    y = x * inv_scale
+    """x / scale, the value an fp8 output holds before _dcpc_store_fp8 clamps and rounds
+    it to dst's format."""
+    return x * inv_scale
+
+
+@triton.jit
+def _dcpc_round_fp8(y, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """y clamped to +-TOP (NaN stays NaN, also through the clamp, whose min/max drop a
+    NaN) and rounded to the fp8 grid of MANTISSA bits (2^(MIN_EXP - MANTISSA) below
+    2^MIN_EXP) here, in fp32, half away from zero (dcpc.numerics.round_fp8, the one rule:
+    FP8_FORMATS), so that the store converts exactly: the Triton 3.6 interpreter's
+    fp32 -> fp8 conversion drops the carry of a rounding into the exponent (7.9 -> 4.0)."""
     nan = y != y
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    y = tl.minimum(tl.maximum(y, -TOP), TOP)
     exponent = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of |y|
-    ulp = (tl.maximum(exponent - 3, 127 - 9) << 23).to(tl.float32, bitcast=True)
-    r = tl.floor(tl.math.div_rn(tl.abs(y), ulp) + 0.5) * ulp
+    ulp = (tl.maximum(exponent - MANTISSA, 127 + MIN_EXP - MANTISSA) << 23).to(
+        tl.float32, bitcast=True
+    )
+    x = tl.math.div_rn(tl.abs(y), ulp)  # exact; x - floor(x) too (x + 0.5 may round up)
+    t = tl.floor(x)
+    r = tl.where(x - t >= 0.5, t + 1.0, t) * ulp
     # the sign bit decides, and -1.0 * r keeps it on a zero (-r is 0 - r: +0.0 for r = 0)
     negative = y.to(tl.int32, bitcast=True) < 0
     return tl.where(nan, float("nan"), tl.where(negative, -1.0 * r, r))
@@ -489,16 +503,39 @@ def _dcpc_inv_scale(scale, errors, STEP: tl.constexpr):
 
 
 @triton.jit
-def _dcpc_store_e4m3(ptr, y, mask):
-    """Store _dcpc_quantize's y into the fp8 e4m3 ``ptr`` as bytes, a NaN as e4m3fn's
-    NaN 0x7F (dcpc.numerics.round_e4m3): never the conversion's own NaN (the Triton 3.6
-    interpreter stores an fp32 NaN as 0x7C = 384; a GPU's cvt may differ too), -0.0 as
-    0x80."""
-    q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+def _dcpc_store_fp8(ptr, y, mask):
+    """Store _dcpc_quantize's y into the fp8 ``ptr`` (e4m3 or e5m2, by its type) as bytes:
+    clamped and rounded to the format's grid (_dcpc_round_fp8, dcpc.numerics
+    FP8_FORMATS), a NaN as the byte 0x7F (dcpc.numerics.round_fp8): never the
+    conversion's own NaN (the Triton 3.6 interpreter stores an fp32 NaN as e4m3's 0x7C =
+    384; a GPU's cvt may differ too), -0.0 as 0x80. e5m2 is fp16's high byte: the
+    rounded value converts to fp16 exactly (no fp8 conversion at all)."""
+    if ptr.dtype.element_ty == tl.float8e5:
+        r = _dcpc_round_fp8(y, DCPC_E5M2_TOP, DCPC_E5M2_MANTISSA, DCPC_E5M2_MIN_EXP)
+        q = ((r.to(tl.float16).to(tl.int16, bitcast=True) >> 8) & 0xFF).to(tl.uint8)
+    else:
+        tl.static_assert(ptr.dtype.element_ty == tl.float8e4nv)  # FP8_FORMATS: e4m3 or e5m2
+        r = _dcpc_round_fp8(y, DCPC_E4M3_TOP, DCPC_E4M3_MANTISSA, DCPC_E4M3_MIN_EXP)
+        q = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     # the sign bit of every negative y, -0.0 included (the interpreter drops it from -0.0)
     q = tl.where(y.to(tl.int32, bitcast=True) < 0, q | 0x80, q)
     q = tl.where(y != y, 0x7F, q).to(tl.uint8)
     tl.store(ptr.to(tl.pointer_type(tl.uint8)), q, mask=mask)
+
+
+@triton.jit
+def _dcpc_widen(v):
+    """An fp8 value (or any float) as fp32: every fp8 operand's load. e5m2 by its bits,
+    as fp16's high byte: the Triton 3.6 interpreter's e5m2 conversion reads inf and NaN
+    as finite (0x7C: 65536). e4m3 converted, its NaN bytes (0x7F, 0xFF: the low 7 bits
+    set) NaN by a select: the interpreter reads them as +-480 (a GPU as NaN)."""
+    if v.dtype == tl.float8e5:
+        h = v.to(tl.uint8, bitcast=True).to(tl.uint16) << 8
+        return h.to(tl.float16, bitcast=True).to(tl.float32)
+    if v.dtype == tl.float8e4nv:
+        nan = (v.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+        return tl.where(nan, float("nan"), v.to(tl.float32))
+    return v.to(tl.float32)
 
 
 @triton.jit
@@ -560,7 +597,7 @@ def _dcpc_merge_cols(
             ptrs = _dcpc_part_ptrs(
                 o, src_o, p, n, rows, part_rows, row_len, so0, so1, WORLD, FROM_SRC
             )
-            part = tl.load(ptrs[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            part = _dcpc_widen(tl.load(ptrs[:, None] + c[None, :], mask=m, other=0.0))
             acc += tl.where(w > 0, w * part, 0.0)
     else:
         lse_p = _dcpc_partial_lse(
@@ -582,12 +619,12 @@ def _dcpc_merge_cols(
         )
         w = _dcpc_weight(lse_p, top, inv_total, BASE2)[:, None]
         at = (n // part_rows).to(tl.int64) * so0 + (n % part_rows).to(tl.int64) * so1
-        part = tl.load(o + at[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+        part = _dcpc_widen(tl.load(o + at[:, None] + c[None, :], mask=m, other=0.0))
         acc = tl.where(w > 0, w * part, 0.0)
     out = dst + n.to(tl.int64)[:, None] * row_len + c[None, :]
     if SCALE:
         acc = _dcpc_quantize(acc, inv_scale)
-        _dcpc_store_e4m3(out, acc, m)
+        _dcpc_store_fp8(out, acc, m)
     else:
         tl.store(out, acc, mask=m)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dcpc.numerics import ieee_div, local_seq_len, round_e4m3, scale_fault
+from dcpc.numerics import FP8_FORMATS, ieee_div, local_seq_len, round_fp8, scale_fault
 from dcpc.runtime.errors import DcpcScaleError
 
 
@@ -67,12 +67,24 @@ def checked_scale(scale: torch.Tensor) -> torch.Tensor:
     return s
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An fp8 e4m3 output: x * (1 / scale[0]) in fp32, clamped to +-448 and rounded to
-    the e4m3 grid by the kernels' rule (dcpc.numerics.round_e4m3: ties away from zero,
-    NaN stays NaN, the sign of zero kept), as vLLM's merge_attn_states with output_scale;
-    the same bits as the Triton backends."""
-    return round_e4m3(x.float() * ieee_div(1.0, checked_scale(scale)))
+def fp8_format(dtype: torch.dtype) -> str:
+    """The fp8 format (dcpc.numerics.FP8_FORMATS) of a torch fp8 dtype; any other dtype
+    is a caller's bug (ValueError), never taken as e4m3."""
+    from dcpc.runtime.validate import DTYPES
+
+    for name in FP8_FORMATS:
+        if DTYPES[name] == dtype:
+            return name
+    raise ValueError(f"{dtype} is no fp8 format of dcpc.numerics.FP8_FORMATS "
+                     f"({', '.join(FP8_FORMATS)})")
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 output of torch ``dtype`` (e4m3 or e5m2): x * (1 / scale[0]) in fp32, clamped
+    to the format's range and rounded to its grid by the kernels' rule
+    (dcpc.numerics.round_fp8: ties away from zero, NaN stays NaN, the sign of zero kept),
+    as vLLM's merge_attn_states with output_scale; the same bits as the Triton backends."""
+    return round_fp8(x.float() * ieee_div(1.0, checked_scale(scale)), fp8_format(dtype))
 
 
 def _exp_log(base: str) -> tuple:

@@ -165,11 +165,12 @@ def test_every_scale_and_mask_of_the_conformance_schedules_has_its_input_rule() 
         for step, rules in zip(schedule.step_list(), synth.input_rules(schedule), strict=True):
             op = step.op
             want: dict[str, object] = {}
-            if getattr(op, "output_scale", None):
-                want[op.output_scale] = iface.TensorScale()
+            if getattr(op, "output_scale", None):  # it scales into dst (its fp8 range)
+                want[op.output_scale] = iface.TensorScale((op.dst,))
             scale = getattr(op, "scale", None)
-            if scale is not None and scale.per == "tensor":
-                want[scale.buffer] = iface.TensorScale()
+            if scale is not None and scale.per == "tensor":  # between the cast payload's
+                src, dst = (op.src, op.dst) if isinstance(op.src, str) else (op.src[0], op.dst[0])
+                want[scale.buffer] = iface.TensorScale((src, dst))
             mask = getattr(op, "mask_empty", None)
             if mask is not None:
                 want[mask.lengths] = want[mask.query_start_loc] = iface.Requests(mask, op.dst)

@@ -1,8 +1,8 @@
-"""A cast inside a move (dcpc/ops/cast.py, on ragged_all_to_all): the e4m3 rounding rule,
+"""A cast inside a move (dcpc/ops/cast.py, on ragged_all_to_all): the fp8 rounding rule,
 the verifier (every mismatch without a supported cast and scale is still refused), the
 checker against the brute force on the scale buffer, and the kernels (ranks as threads:
 the ``local`` backend on CPU) equal bit for bit to the torch backend and the float64
-reference in all four modes, with random inputs and amax per token.
+reference in all four modes, into e4m3 and e5m2, with random inputs and amax per token.
 """
 
 from __future__ import annotations
@@ -22,24 +22,53 @@ from support.schedules import codes
 
 from dcpc.check import hb
 from dcpc.lang.parse import parse_text
-from dcpc.numerics import ieee_div, round_e4m3, token_scales
+from dcpc.numerics import FP8_FORMATS, ieee_div, round_e4m3, round_fp8, token_scales
+
+# per format: ties (half a step between two grid values, a subnormal one too), a value
+# past the largest, an inf, and what the rule gives them (away from zero; saturated)
+TIES = {
+    "fp8e4m3": ([168.0, -168.0, 9.5 * 2.0**-9, 2.0**-10, 1e6, -float("inf")],
+                [176.0, -176.0, 10 * 2.0**-9, 2.0**-9, 448.0, -448.0]),
+    "fp8e5m2": ([36864.0, -36864.0, 2.5 * 2.0**-16, 2.0**-17, 61440.0, float("inf")],
+                [40960.0, -40960.0, 3 * 2.0**-16, 2.0**-16, 57344.0, 57344.0]),
+}
 
 
-def test_round_e4m3_is_nearest_with_ties_away_and_saturates() -> None:
+@pytest.mark.parametrize("fp8", ["fp8e4m3", "fp8e5m2"])
+def test_round_fp8_is_nearest_with_ties_away_and_saturates(fp8: str) -> None:
+    top = FP8_FORMATS[fp8][0]
+    torch_dtype = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}[fp8]
     g = torch.Generator().manual_seed(0)
-    y = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-12, 10, (20000,),
+    y = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-20, 17, (20000,),
                                                                    generator=g).float())
-    r = round_e4m3(y)
-    clamped = y.clamp(-448, 448)
-    assert torch.equal(r.to(torch.float8_e4m3fn).float(), r)  # on the e4m3 grid
-    nearest = clamped.to(torch.float8_e4m3fn).float()  # torch: to nearest, ties to even
+    r = round_fp8(y, fp8)
+    clamped = y.clamp(-top, top)
+    assert torch.equal(r.to(torch_dtype).float(), r)  # on the grid
+    nearest = clamped.to(torch_dtype).float()  # torch: to nearest, ties to even
     tie = (r - clamped).abs() == (nearest - clamped).abs()
-    assert bool(tie.all()), "round_e4m3 is not a nearest rounding"
-    # ties: away from zero (168 = 10.5 steps of 16; 2**-10 = half the subnormal step)
-    ties = torch.tensor([168.0, -168.0, 9.5 * 2.0**-9, 2.0**-10, 1e6, -1e6, float("nan")])
-    want = [176.0, -176.0, 10 * 2.0**-9, 2.0**-9, 448.0, -448.0]
-    assert round_e4m3(ties)[:6].tolist() == want
-    assert bool(round_e4m3(ties)[6].isnan())
+    assert bool(tie.all()), "round_fp8 is not a nearest rounding"
+    assert bool((r == 0).any()) and bool((r.abs() == top).any())  # both ends were drawn
+    ties, want = TIES[fp8]
+    got = round_fp8(torch.tensor([*ties, float("nan"), -0.0]), fp8)
+    assert got[:6].tolist() == want
+    assert bool(got[6].isnan()) and got[7].item() == 0 and bool(torch.signbit(got[7]))
+    assert torch.equal(round_e4m3(y), round_fp8(y, "fp8e4m3"))
+
+
+# just below half the smallest subnormal (e4m3 2**-9, e5m2 2**-16): x / ulp = 0.5 - 2**-25,
+# which floor(x + 0.5) rounds up (1 - 2**-25 is 1.0 in fp32); nearest is 0 (-0 negative)
+BELOW_HALF = {"fp8e4m3": 2.0**-10 - 2.0**-34, "fp8e5m2": 2.0**-17 - 2.0**-41}
+
+
+@pytest.mark.parametrize("fp8", ["fp8e4m3", "fp8e5m2"])
+def test_round_fp8_rounds_just_below_a_half_down(fp8: str) -> None:
+    v = BELOW_HALF[fp8]
+    got = round_fp8(torch.tensor([v, -v, 3 * v]), fp8)
+    assert got[0].item() == 0.0 and got[1].item() == 0.0 and bool(torch.signbit(got[1]))
+    step = 2.0**-9 if fp8 == "fp8e4m3" else 2.0**-16
+    assert got[2].item() == step  # 1.5 - 3 * 2**-25 steps: one step
+    assert got.tolist() == torch.tensor([v, -v, 3 * v]).double().to(
+        {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}[fp8]).float().tolist()
 
 
 def test_scales_divide_as_the_kernels_do() -> None:
@@ -93,9 +122,48 @@ READ = {"s_sym": "", "reads": "[y, m]"}  # s is the sender's: the engine passes 
     ({"scale": TENSOR, **READ}, ["shape-mismatch"]),  # a tensor scale is [1]
     ({"s_dtype": "bf16"}, ["bad-scale"]),
     ({"s_sym": "", "reads": "[y, m]"}, ["bad-scale"]),  # the scales travel: symmetric
+    ({"src": "f16", "dst": "fp8e5m2"}, []),  # e5m2 both ways, as e4m3
+    ({"src": "fp8e5m2", "dst": "f32", "scale": TENSOR, "s_shape": "[1]", **READ}, []),
+    ({"src": "fp8e4m3", "dst": "fp8e5m2", **READ}, ["bad-cast"]),  # fp8 to fp8: none
+    ({"src": "fp8e5m2", "dst": "fp8e4m3", **READ}, ["bad-cast"]),
+    ({"src": "i32", "dst": "fp8e5m2", **READ}, ["bad-cast"]),  # an integer never casts
 ])
 def test_verifier(change: dict[str, str], want: list[str], tmp_path: Path) -> None:
     assert codes(text(**change), tmp_path, "cast.yaml") == want
+
+
+def test_bad_cast_hints_by_the_pair(tmp_path: Path) -> None:
+    """fp8 to fp8 names the two moves through a wide float; a wide float to a wide float
+    names the fp8 dst; one dtype, dropping the scale."""
+    from support.schedules import diagnostics
+
+    def hint(**change: str) -> str:
+        (d,) = diagnostics(text(**change, **READ), tmp_path, "cast.yaml")
+        assert d.code == "bad-cast", d
+        return str(d.hint)
+
+    assert hint(src="fp8e4m3", dst="fp8e5m2") == (
+        "dequantise 'x' to bf16, f16 or f32 first (a move into a buffer of one), then "
+        "quantise that into 'y'")
+    assert "dequantise 'x'" in hint(src="fp8e5m2", dst="fp8e4m3")
+    assert hint(dst="f32") == "declare 'y' with dtype fp8e4m3 (or 'x')"
+    assert hint(dst="bf16") == "drop 'scale' for a move without a cast"
+
+
+def test_the_fp8_formats_are_read_from_one_table() -> None:
+    """cast.FP8, DType.is_fp8 and merge.fp8_format follow dcpc.numerics.FP8_FORMATS; a
+    dtype that is no fp8 format is an error, never taken as e4m3."""
+    from dcpc.lang.nodes import DType
+    from dcpc.numerics import FP8_FORMATS
+    from dcpc.ops import cast
+    from dcpc.runtime import merge
+    from dcpc.runtime.validate import DTYPES
+
+    assert cast.FP8 == tuple(FP8_FORMATS)
+    assert [d.value for d in DType if d.is_fp8] == list(FP8_FORMATS)
+    assert [merge.fp8_format(DTYPES[f]) for f in FP8_FORMATS] == list(FP8_FORMATS)
+    with pytest.raises(ValueError, match="no fp8 format"):
+        merge.fp8_format(torch.bfloat16)
 
 
 def test_checker_and_brute_force_see_the_scale_buffer() -> None:
@@ -112,18 +180,20 @@ def test_checker_and_brute_force_see_the_scale_buffer() -> None:
     assert {f.key for f in hb.check(back, [2], hints=False).findings} == oracle_keys(back, 2)
 
 
-MODES = {  # the kernel's CAST: (src, dst, per)
-    1: ("bf16", "fp8e4m3", "token"), 2: ("bf16", "fp8e4m3", "tensor"),
-    3: ("fp8e4m3", "bf16", "token"), 4: ("fp8e4m3", "f32", "tensor"),
+MODES = {  # the kernel's CAST, by e4m3 and e5m2: (CAST, src, dst, per)
+    "1": (1, "bf16", "fp8e4m3", "token"), "2": (2, "bf16", "fp8e4m3", "tensor"),
+    "3": (3, "fp8e4m3", "bf16", "token"), "4": (4, "fp8e4m3", "f32", "tensor"),
+    "1e5": (1, "f16", "fp8e5m2", "token"), "2e5": (2, "bf16", "fp8e5m2", "tensor"),
+    "3e5": (3, "fp8e5m2", "f16", "token"), "4e5": (4, "fp8e5m2", "f32", "tensor"),
 }
 
 
-def _mode_text(mode: int) -> str:
-    src, dst, per = MODES[mode]
+def _mode_text(mode: str) -> str:
+    cast, src, dst, per = MODES[mode]
     shape = "[W, C]" if per == "token" else "[1]"
-    sym = ", symmetric: true" if mode == 1 else ""
+    sym = ", symmetric: true" if cast == 1 else ""
     return text(src=src, dst=dst, s_shape=shape, s_sym=sym, tail="",
-                reads="[y, s, m]" if mode == 1 else "[y, m]",
+                reads="[y, s, m]" if cast == 1 else "[y, m]",
                 scale=f", scale: {{per: {per}, buffer: s}}")
 
 
@@ -140,9 +210,10 @@ def _child() -> None:
 
     world, cap, h = 2, 4, 8
     out: dict[str, Any] = {}
-    for mode, (src_t, dst_t, per) in MODES.items():
-        g = torch.Generator().manual_seed(mode)
-        dtype = {"bf16": torch.bfloat16, "fp8e4m3": torch.float8_e4m3fn, "f32": torch.float32}
+    for mode, (cast, src_t, dst_t, per) in MODES.items():
+        g = torch.Generator().manual_seed(cast + (100 if "e5" in mode else 0))
+        dtype = {"bf16": torch.bfloat16, "fp8e4m3": torch.float8_e4m3fn, "f32": torch.float32,
+                 "f16": torch.float16, "fp8e5m2": torch.float8_e5m2}
         xs = [(torch.randn(world, cap, h, generator=g) * (1 + 30 * torch.rand(world, cap, 1,
                generator=g))).to(dtype[src_t]) for _ in range(world)]
         counts = [torch.randint(0, cap + 1, (world,), generator=g, dtype=torch.int32)
@@ -154,7 +225,7 @@ def _child() -> None:
             path.write_text(_mode_text(mode))
             _, module, _, _ = compile_to(str(path), Path(tmp), world)
 
-            def rank_main(rank: Any, module: str = module, mode: int = mode,
+            def rank_main(rank: Any, module: str = module, mode: int = cast,
                           xs: list = xs, counts: list = counts, scales: list = scales) -> Any:
                 r = rank.rank
                 inst = load_module_class(module, "cast")(rank, sizes={"C": cap},
@@ -170,7 +241,7 @@ def _child() -> None:
             got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
         schedule = parse_text(_mode_text(mode))
         inputs = [{"x": xs[p].double(), "n": counts[p].long(),
-                   **({"s": scales[p].double()} if mode != 1 else {})} for p in range(world)]
+                   **({"s": scales[p].double()} if cast != 1 else {})} for p in range(world)]
         ref = simulate_call(schedule, world, {"C": cap, "H": h}, inputs,
                             lambda step, r, bufs: {"e": torch.zeros(world, cap, h)})
         exact, torch_exact = True, True
@@ -179,20 +250,20 @@ def _child() -> None:
             for p in range(world):
                 n = int(counts[p][j])
                 exact &= torch.equal(y[p, :n].double(), ref[j]["y"][p, :n])
-                if mode == 1:
+                if cast == 1:
                     exact &= torch.equal(s[p, :n].double(), ref[j]["s"][p, :n])
             # the torch backend's cast, one sender at a time (W = 1: the collective copies)
             for p in range(world):
                 block = xs[p][j : j + 1]
                 dst = torch.zeros(1, cap, h, dtype=dtype[dst_t])
-                sc = torch.zeros(1, cap) if mode == 1 else (
+                sc = torch.zeros(1, cap) if cast == 1 else (
                     scales[p][j : j + 1] if per == "token" else scales[p])
                 collectives.ragged_all_to_all(
                     collectives.SlotGroup(None, 0, 0, None), block, counts[p][j : j + 1],
-                    dst, torch.zeros(1, dtype=torch.int32), cap, 1, "move", mode, sc)
+                    dst, torch.zeros(1, dtype=torch.int32), cap, 1, "move", cast, sc)
                 n = int(counts[p][j])
                 torch_exact &= torch.equal(dst[0, :n].double(), ref[j]["y"][p, :n])
-        out[str(mode)] = {"exact": bool(exact), "torch": bool(torch_exact)}
+        out[mode] = {"exact": bool(exact), "torch": bool(torch_exact)}
     print("RESULT " + json.dumps(out))
 
 
@@ -204,7 +275,7 @@ def test_every_cast_mode_is_exact_on_kernels_torch_and_reference() -> None:
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    assert result == {str(m): {"exact": True, "torch": True} for m in MODES}, result
+    assert result == {m: {"exact": True, "torch": True} for m in MODES}, result
 
 
 A2A = """\
@@ -332,4 +403,5 @@ def test_a_read_scale_is_an_engine_input_of_dcpc_run() -> None:
     a2a = parse_text(a2a_text(back="f32", back_scale=tensor, go=tensor))
     assert engine_inputs(a2a) == ["x", "t"]
     assert engine_inputs(parse_text(text())) == ["x", "n"]
-    assert engine_inputs(parse_text(_mode_text(4))) == ["x", "n", "s"]
+    assert engine_inputs(parse_text(_mode_text("4"))) == ["x", "n", "s"]
+    assert engine_inputs(parse_text(_mode_text("4e5"))) == ["x", "n", "s"]

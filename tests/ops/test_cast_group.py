@@ -46,7 +46,7 @@ def edge_rows(h: int, g: int) -> torch.Tensor:
 @pytest.mark.parametrize(("h", "g"), [(128, 128), (256, 128), (64, 16), (8, 8)])
 def test_a_group_is_cast_as_a_token_of_its_channels(h: int, g: int) -> None:
     x = edge_rows(h, g)
-    scale, inverse = token_scales(x, g)
+    scale, inverse = token_scales(x, group=g)
     assert scale.shape == inverse.shape == (6, h // g)
     for k in range(h // g):  # the per-token rule on the group's slice: the same bits
         alone, alone_inv = token_scales(x[:, k * g:(k + 1) * g])
@@ -157,10 +157,13 @@ def _child() -> None:
             back = mode == 3
             source = text(h=h, s_shape=f"[W, C, {h // g}]", **(BACK if back else {}))
             gen = torch.Generator().manual_seed(h + mode)
-            if back:  # e4m3 values and positive scales, one NaN (a NaN group's scale):
-                # no NaN byte in q: triton 3.6's interpreter reads e4m3fn's 0x7F as 480
+            if back:  # e4m3 values and positive scales, one NaN (a NaN group's scale),
+                # and NaN bytes 0x7F, 0xFF in q (the interpreter read them as +-480 before
+                # _dcpc_widen mapped them)
                 xs = [round_e4m3(torch.randn(world, cap, h, generator=gen) * 100)
-                      .to(torch.float8_e4m3fn) for _ in range(world)]
+                      for _ in range(world)]
+                xs[1][0, 1, :2] = torch.tensor([NAN, -NAN])
+                xs = [x.to(torch.float8_e4m3fn) for x in xs]
                 scales = [torch.rand(world, cap, h // g, generator=gen) + 0.01
                           for _ in range(world)]
                 scales[0][1, 0, h // g - 1] = NAN
@@ -239,6 +242,24 @@ def test_the_op_file_matches_float64_on_torch_and_local(world: int, backend: str
     for name in ("q_recv", "s_recv", "y_back", "q", "s", "y"):
         stats = report.outputs[name]  # type: ignore[attr-defined]
         assert stats.compared == 4 * world and stats.max_abs_err == 0.0, (name, text)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["host", "torch", "local"])
+def test_grouped_e5m2_round_trip_matches_float64(backend: str, tmp_path: Path) -> None:
+    """The op file with fp8e5m2 for fp8e4m3: a group's scale is its amax / 57344
+    (numerics.token_scales by FP8_FORMATS' top; the kernel's attrs.fp8_top), quantised
+    and dequantised per group, W = 2, every output and scale bit for bit."""
+    from support.schedules import run_clean
+
+    path = tmp_path / "group_e5m2.yaml"
+    path.write_text(OP_FILE.read_text().replace("fp8e4m3", "fp8e5m2"))
+    assert "fp8e5m2" in path.read_text()
+    report, text = run_clean(schedule=str(path), world=2, backend=backend, calls=3, seed=2,
+                             programs=2)
+    for name in ("q_recv", "s_recv", "y_back", "q", "s", "y"):
+        stats = report.outputs[name]  # type: ignore[attr-defined]
+        assert stats.compared == 3 * 2 and stats.max_abs_err == 0.0, (name, text)
 
 
 MIDDLE = """\

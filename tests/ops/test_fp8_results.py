@@ -120,7 +120,7 @@ def _steps(cls: type) -> list[str]:
 
 def _bits(t: torch.Tensor) -> list[int]:
     t = t.detach().contiguous()
-    view = torch.uint8 if t.dtype == torch.float8_e4m3fn else torch.int32
+    view = torch.uint8 if t.element_size() == 1 else torch.int32
     return t.view(view).flatten().tolist()
 
 
@@ -241,6 +241,30 @@ def test_sums_past_448_saturate_on_every_backend(tmp_path: Path) -> None:
     sums = _reference(SUMS, 1.0, None)[0]["sum"][:4]  # 576, 480, 1000, 200: saturated
     e4m3 = torch.tensor(sums, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
     assert e4m3 == [448.0, 448.0, 448.0, 208.0], e4m3  # 200: a tie, away from zero
+
+
+# the same results into e5m2 (the fp8 src of sum8 stays e4m3: no op sums e5m2)
+SUMS_E5M2 = "\n".join(line.replace("fp8e4m3", "fp8e5m2") if not line.startswith("  x8:")
+                       else line for line in SUMS.splitlines()) + "\n"
+
+
+def test_sums_into_e5m2_saturate_and_round_on_every_backend(tmp_path: Path) -> None:
+    """Sums of 576, 480, 1000 and 200 into fp8e5m2 (output_scale; issue 33): scale 2**-6
+    gives 36864 and 30720, ties (away from zero: 40960, 32768; torch's conversion, to
+    even, gives 32768, 32768), 64000 saturates to 57344, 12800 rounds to 12288; scale
+    2**22 makes 200 a subnormal (3 * 2**-16); every backend gives the reference's bytes."""
+    cases = [(2.0**-6, None, None), (2.0**22, None, None), (2.0**-20, None, None)]
+    _agree(_every_backend(tmp_path, SUMS_E5M2, cases), SUMS_E5M2, cases)
+
+    def values(scale: float, step: str) -> list[float]:
+        got = _reference(SUMS_E5M2, scale, None)[0][step][:4]
+        return torch.tensor(got, dtype=torch.uint8).view(torch.float8_e5m2).float().tolist()
+
+    assert values(2.0**-6, "sum") == [40960.0, 32768.0, 57344.0, 12288.0]
+    assert values(2.0**-6, "top") == [20480.0, 16384.0, 32768.0, 6144.0]  # 18432: a tie
+    assert values(2.0**22, "sum")[3] == 3 * 2.0**-16
+    assert values(2.0**-20, "rsum") == [57344.0] * 4  # rank 0's part: saturated
+    assert values(2.0**-6, "comb") == values(2.0**-6, "sum")  # 2 * x, as the sum
 
 
 ZERO_STEPS = """\

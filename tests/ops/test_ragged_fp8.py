@@ -146,7 +146,7 @@ def test_a_value_e4m3_cannot_hold_is_not_taken_for_its_byte(got: float) -> None:
     assert stats.mismatches == 1, stats
 
 
-# ---- fp8 e5m2: moves where e4m3 moves, bit for bit; no op computes on it ----------------
+# ---- fp8 e5m2: moves where e4m3 moves, bit for bit; no op sums or merges it ------------
 def test_e5m2_payloads_are_drawn_over_every_byte() -> None:
     """NaN of both signs, +-inf, -0, +-57344 and the subnormals in every row sent; every
     byte, the NaN payloads (0x7D, 0x7E, 0xFD, 0xFE) too: the float64 keeps a NaN's byte."""
@@ -196,15 +196,19 @@ def test_e5m2_moves_bit_for_bit(backend: str) -> None:
 
 
 @pytest.mark.parametrize(("old", "new", "code", "needle", "words"), [
-    # a sum of e5m2 rows: refused where the step names it
+    # a sum of e5m2 rows: refused where the step names it (a sum INTO e5m2 is not)
     ("  - release:  {op: barrier}",
      "  - total:    {op: all_reduce, src: x_send, dst: x_sum}\n  - release:  {op: barrier}",
-     "non-float-output", "x_send, dst: x_sum", "fp8e5m2 only moves"),
-    # a cast into e5m2: casts are e4m3 only
+     "non-float-output", "x_send, dst: x_sum", "never read by a sum"),
+    # a sum into e5m2 goes through output_scale, as into e4m3
+    ("  - release:  {op: barrier}",
+     "  - total:    {op: all_reduce, src: s_send, dst: x_sum}\n  - release:  {op: barrier}",
+     "missing-output-scale", "x_sum}", "writes fp8 output 'x_sum' without a scale"),
+    # a cast from e5m2 to e5m2: a cast is between bf16/f16/f32 and an fp8
     ("capacity: C}\n  - use:", "capacity: C, scale: {per: token, buffer: s_tok}}\n  - use:",
      "bad-cast", "{per: token, buffer: s_tok}", "casts fp8e5m2 'x_send' into fp8e5m2"),
 ])
-def test_no_op_computes_on_e5m2(tmp_path: Path, old: str, new: str, code: str,
+def test_no_op_sums_e5m2(tmp_path: Path, old: str, new: str, code: str,
                                 needle: str, words: str) -> None:
     text = E5M2.read_text()
     assert old in text, old
