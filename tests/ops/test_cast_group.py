@@ -120,6 +120,29 @@ def test_verifier(change: dict[str, Any], want: list[tuple[str, int, int]],
     assert error_marks(text(**change), tmp_path, "cast.yaml") == want
 
 
+A2A = """\
+schedule: cast_a2a
+sizes: {C: {max: 4}}
+buffers:
+  x: {shape: [W*C, 128], dtype: f32}
+  q: {shape: [W, C, 128], dtype: fp8e4m3, symmetric: true}
+  s: {shape: [W, C, 1], dtype: f32, symmetric: true}
+steps:
+  - there: {op: all_to_all, src: x, dst: q, scale: {per: token, group: 128, buffer: s}}
+  - use:   {op: external, reads: [q, s]}
+  - done:  {op: barrier}
+"""
+
+
+def test_a_group_on_an_all_to_all_is_refused_located(tmp_path: Path) -> None:
+    """The all_to_all's grouped kernel gave wrong bytes on an H100 (7e96ad4,
+    benchmarks/diag/grouped_cast_a2a): refused at its ``group`` until it runs clean there;
+    the same cast per token is proved."""
+    assert error_marks(A2A, tmp_path, "a2a.yaml") == [("bad-scale", 8, 72)]
+    per_token = A2A.replace("group: 128, ", "").replace("[W, C, 1]", "[W, C]")
+    assert error_marks(per_token, tmp_path, "a2a_token.yaml") == []
+
+
 def test_a_located_message_names_the_group_and_the_rows(tmp_path: Path) -> None:
     from support.schedules import diagnostics
 

@@ -144,6 +144,12 @@ def _given(node: BaseModel, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield from _given(value, f"{prefix}{name}.")
 
 
+# keys a model takes that the checker refuses on that op (a file could not set them):
+# their refusal has its own test (tests/ops/test_cast_group.py: the all_to_all's grouped
+# kernel has not run clean on a GPU)
+REFUSED = {("all_to_all", "scale.group")}
+
+
 def test_every_key_and_value_of_every_op_is_exercised() -> None:
     """Every key of every op's model (`axis` on the ops that take a team) is set by some
     step, `when` on the ops that run on their rank alone, and every value of its
@@ -164,6 +170,8 @@ def test_every_key_and_value_of_every_op_is_exercised() -> None:
     for op, d in OPS.items():
         for key, annotation in _keys(d.model):
             if (key == "axis" and not d.teams) or (key == "when" and op not in local):
+                continue
+            if (op, key) in REFUSED:
                 continue
             missing += [f"{op}.{key}"] if (op, key, None) not in seen else []
             missing += [f"{op}.{key}: {v}" for v in sorted(_choices(annotation), key=str)
@@ -235,7 +243,7 @@ VARIANTS: dict[str, Variant] = {
     "ragged_all_to_all: over a team": _team("ragged_all_to_all"),
     **{f"{op}: cast {k} per G channels": lambda s, step, p, w, op=op, k=k: (
         step.kind == op and p.attrs.get("cast") == k and bool(p.attrs.get("group")))
-       for op in ("ragged_all_to_all", "all_to_all") for k in (1, 3)},
+       for op in ("ragged_all_to_all",) for k in (1, 3)},  # all_to_all: refused (cast.py)
     "ragged_all_to_all: several payloads, the first cast": lambda s, step, p, w: (
         step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
         and p.attrs.get("cast") == 1),
