@@ -262,7 +262,7 @@ def test_the_op_file_matches_float64_on_torch_and_local(world: int, backend: str
 
     report, text = run_clean(schedule=str(OP_FILE), world=world, backend=backend, calls=4,
                              seed=1, programs=2)
-    for name in ("q_recv", "s_recv", "y_back", "q", "s", "y"):
+    for name in ("q_recv", "s_recv", "y_back"):
         stats = report.outputs[name]  # type: ignore[attr-defined]
         assert stats.compared == 4 * world and stats.max_abs_err == 0.0, (name, text)
 
@@ -280,7 +280,7 @@ def test_grouped_e5m2_round_trip_matches_float64(backend: str, tmp_path: Path) -
     assert "fp8e5m2" in path.read_text()
     report, text = run_clean(schedule=str(path), world=2, backend=backend, calls=3, seed=2,
                              programs=2)
-    for name in ("q_recv", "s_recv", "y_back", "q", "s", "y"):
+    for name in ("q_recv", "s_recv", "y_back"):
         stats = report.outputs[name]  # type: ignore[attr-defined]
         assert stats.compared == 3 * 2 and stats.max_abs_err == 0.0, (name, text)
 
