@@ -243,3 +243,46 @@ def test_an_empty_payload_draws_nothing(dtype: m.DType) -> None:
     g = torch.Generator().manual_seed(0)
     assert synth.with_edges((4, 0), g, dtype).shape == (4, 0)
     assert synth.full_range_fp8((0, 3), g).shape == (0, 3)
+
+
+SPAN_SUM = """\
+schedule: span_sum
+slots: 1
+sizes: {N: 4, D: 8}
+buffers:
+  x:    {shape: [2, N, D], dtype: bf16}
+  act:  {shape: [2, N, D], dtype: bf16}
+  recv: {shape: [2, N, D], dtype: bf16, symmetric: true}
+  tot:  {shape: [N, D], dtype: bf16}
+  out:  {shape: [N, D], dtype: bf16}
+steps:
+  - receive: {op: shift, src: act, dst: recv, offset: next, wrap: false, phase: wait}
+  - first:   {op: copy, when: "rank == 0", src: x, dst: act}
+  - stage:   {op: copy, when: "rank > 0", src: recv, dst: act}
+  - add:     {op: sum, when: "rank > 0", src: recv, dst: tot, dim: 0}
+  - send:    {op: shift, src: act, dst: recv, offset: next, wrap: false, phase: put}
+  - credit:  {op: signal, to: prev, channel: free}
+  - last:    {op: external, reads: [act], writes: [out]}
+  - look:    {op: external, when: "rank > 0", reads: [tot]}
+  - freed:   {op: wait, from: next, channel: free}
+"""
+
+
+def test_a_sum_inside_a_wait_first_span_stores_a_plain_nan() -> None:
+    """The reference runs a wait-first span's steps in the span's own order
+    (simulate._chain); a step there that computes stores as every computing step does:
+    the NaN a moved bf16 payload (0xFF81) brings into a sum is stored plain, not with the
+    moved tag (the merge of chains20's span loop with bits20's _storing)."""
+    schedule = parse_text(SPAN_SUM)
+    raw = torch.zeros(2 * 4 * 8, dtype=torch.int16)
+    raw[0] = _signed(0xFF81, "bf16")
+    x = float_value(raw.view(2, 4, 8), "bf16")
+    inputs = [{"x": x.clone()} for _ in range(2)]
+
+    def external(step: m.Step, rank: int, bufs: dict) -> dict:
+        return {"out": bufs["act"][0].clone()} if step.name == "last" else {}
+
+    out = simulate_call(schedule, 2, {"N": 4, "D": 8}, inputs, external)
+    assert bool(out[1]["recv"][0, 0, 0].isnan())  # the moved NaN reached rank 1
+    stored = float_bits(out[1]["tot"], "bf16").flatten()[0].item() & 0xFFFF
+    assert stored & 0x7FC0 == 0x7FC0 and stored != 0xFF81, hex(stored)
