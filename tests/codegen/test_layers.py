@@ -27,6 +27,8 @@ LEAVES = frozenset({
     "dcpc.exprs",  # the expression values under dcpc.lang.expr (stdlib only), and the
                    # ragged slots the compiler and the runtime share (ragged_slot)
     "dcpc.lang.expr", "dcpc.lang.nodes", "dcpc.lang.mesh",
+    "dcpc.lang.when",  # a step's `when:` per rank (running): only the leaves above under it;
+                       # shift's wait-first span runs each rank's guarded steps
     "dcpc.ops.common", "dcpc.ops.registry", "dcpc.ops.iface",
 })
 
