@@ -505,12 +505,21 @@ def output_scales(schedule: m.Schedule) -> dict[str, float]:
     return tops
 
 
+SCALE_LOW = 0.0015  # the smallest draw of scale_value for e4m3 (scaled by 448 / top)
+
+
+def smallest_scale(top: float = FP8_E4M3_MAX) -> float:
+    """The smallest per-tensor scale ``scale_value`` draws for an fp8 of largest value
+    ``top``: it divides every fp32 error of a computed fp8 output (worker.TOLERANCE)."""
+    return SCALE_LOW * (FP8_E4M3_MAX / top)
+
+
 def scale_value(shape: tuple[int, ...], gen: torch.Generator, top: float = FP8_E4M3_MAX
                 ) -> torch.Tensor:
     """A per-tensor fp8 scale, whoever writes it (an engine input, an engine step): a
     positive normal (a scale that is not is refused), small enough that some values
     overflow +-``top`` (448 e4m3, 57344 e5m2) and saturate."""
-    return (0.0015 + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)) * (
+    return (SCALE_LOW + 0.02 * torch.rand(shape, generator=gen, dtype=torch.float64)) * (
         FP8_E4M3_MAX / top)
 
 
