@@ -28,7 +28,9 @@ W checked, and refused with the cycle of waits where a rank blocks forever
 order (dcpc.harness.simulate); on the torch backend the wait receives (first, in the
 sender's put order, that sender's earlier messages on its group: ``_early``) and the
 put only sends (on the team's group). On a ring every rank would wait first: the
-checker's deadlock.
+checker's deadlock. A put written before its wait with another ``when:`` (``_apart``)
+also only sends, its wait only receives: only local steps may stand between the two
+(``_verify_apart``), as nothing may take the message on the wire or wait behind it.
 
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
