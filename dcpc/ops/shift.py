@@ -380,8 +380,7 @@ def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
             _, stuck = span_run(holder, steps, world, running, rendezvous=True)
         if not stuck:
             continue
-        at = f"W={int(world)}" + (f" (mesh {'x'.join(map(str, shape_of(world)))})"
-                                  if len(shape_of(world)) > 1 else "")
+        at = _at(world)
         where = (" where a put blocks until its receiver posts the receive (the torch "
                  "backend, gloo or NCCL; the kernels' put does not block)" if torch else "")
         v.error(step.op.mark("phase"), "wait-first-span",
@@ -448,8 +447,14 @@ def _edge(holder: Any, put: Step, wait: Step, between: Step) -> str:
     if not found:
         return "no rank runs both ends at a W checked"
     _, world, q, p = max(found, key=lambda f: f[0])
-    return (f"at W={int(world)} rank {q} puts at '{put.name}' and rank {p} receives "
-            f"it at '{wait.name}'")
+    return f"at {_at(world)} rank {q} puts at '{put.name}' and rank {p} receives it at " \
+           f"'{wait.name}'"
+
+
+def _at(world: Any) -> str:
+    """A world checked, as words: ``W=4``, ``W=4 (mesh 2x2)``."""
+    return f"W={int(world)}" + (f" (mesh {'x'.join(map(str, shape_of(world)))})"
+                                if len(shape_of(world)) > 1 else "")
 
 
 def _between(holder: Any, op: Shift, between: Step) -> str | None:
