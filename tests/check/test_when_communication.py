@@ -222,6 +222,25 @@ def test_a_put_and_its_wait_guarded_apart_adjacent_or_local_between_are_proved(
     assert _errors(adjacent, tmp_path, [2, 3, 4, 5, 6]) == []
 
 
+@pytest.mark.parametrize(("mid", "refused"), [
+    ("{op: barrier}", True), ("{op: external, reads: [q], writes: [out]}", False)])
+def test_a_put_and_its_wait_guarded_apart_along_an_axis_name_the_mesh(
+        tmp_path: Path, mid: str, refused: bool) -> None:
+    """Along gpu of a mesh: the same rule, the world named with its mesh shape."""
+    text = MESH.replace("q_node: {shape: [G*T, D]", "q_node: {shape: [T, D]") + f"""\
+  - put:   {{op: shift, axis: gpu, when: "gpu < G - 1", HAND, phase: put}}
+  - mid:   {mid}
+  - wait:  {{op: shift, axis: gpu, when: "gpu > 0", HAND, phase: wait}}
+  - use:   {{op: external, when: "gpu > 0", reads: [q_node], writes: [out]}}
+  - done:  {{op: barrier}}
+""".replace("HAND", "src: q, dst: q_node, offset: next, wrap: false")
+    found = [d for d in _errors(text, tmp_path, SHAPES) if d.code == "wait-first-span"]
+    assert len(found) == int(refused), found
+    if refused:
+        assert ("(at W=4 (mesh 2x2) rank 0 puts at 'put' and rank 1 receives it at "
+                "'wait'), but step 'mid' (barrier)") in found[0].message, found[0].message
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["torch", "host", "local"])
 @pytest.mark.parametrize("world", [2, 3])
