@@ -28,7 +28,9 @@ W checked, and refused with the cycle of waits where a rank blocks forever
 order (dcpc.harness.simulate); on the torch backend the wait receives (first, in the
 sender's put order, that sender's earlier messages on its group: ``_early``) and the
 put only sends (on the team's group). On a ring every rank would wait first: the
-checker's deadlock.
+checker's deadlock. A put written before its wait with another ``when:`` (``_apart``)
+also only sends, its wait only receives: only local steps may stand between the two
+(``_verify_apart``), as nothing may take the message on the wire or wait behind it.
 
 ``wrap: false`` (default true) makes the shift non-cyclic: rank r stores into rank
 r + k only when 0 <= r + k < W and only those ranks signal; a rank whose source r - k is
@@ -302,6 +304,8 @@ def verify(v: ShapeRules, step: Step) -> None:
     put = wait_first(v.ctx, step)
     if put is not None:
         _verify_wait_first(v, step, put)
+    elif op.phase == "put" and _apart(v.ctx, step):
+        _verify_apart(v, step)
 
 
 def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
@@ -336,9 +340,7 @@ def _verify_wait_first(v: ShapeRules, step: Step, put: Step) -> None:
                 "move the wait after the put")
         return
     for between in v.ctx.schedule.step_list()[step.index + 1:put.index]:
-        sem = v.ctx.semantics[between.index]
-        if (sem.sync.signal is None and sem.sync.wait is None
-                and all(e.region is None and e.root is None for e in sem.effects)):
+        if _local(v.ctx, between):
             continue
         why = _between(v.ctx, op, between)
         if why is None:  # a wait first, or the put of one: the span's run decides
@@ -378,8 +380,7 @@ def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
             _, stuck = span_run(holder, steps, world, running, rendezvous=True)
         if not stuck:
             continue
-        at = f"W={int(world)}" + (f" (mesh {'x'.join(map(str, shape_of(world)))})"
-                                  if len(shape_of(world)) > 1 else "")
+        at = _at(world)
         where = (" where a put blocks until its receiver posts the receive (the torch "
                  "backend, gloo or NCCL; the kernels' put does not block)" if torch else "")
         v.error(step.op.mark("phase"), "wait-first-span",
@@ -391,6 +392,69 @@ def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
                 "backward hand-off on one axis each its own span (wait, compute, put), one "
                 "after the other")
         return
+
+
+def _local(holder: Any, step: Step) -> bool:
+    """Whether ``step`` runs on its rank alone: no signal, no wait, no store into or
+    read of another rank's buffers (no torch-backend message either)."""
+    sem = holder.semantics[step.index]
+    return (sem.sync.signal is None and sem.sync.wait is None
+            and all(e.region is None and e.root is None for e in sem.effects))
+
+
+def _verify_apart(v: ShapeRules, step: Step) -> None:
+    """A put written before its wait, the two with different ``when:`` (``_apart``: on
+    the torch backend the put only sends and the wait only receives): the put's message
+    stays on the wire until the receiver's wait (gloo and NCCL match the messages
+    between two ranks in order; a gloo send blocks until its receive is posted), so any
+    receive or collective between them (a shift, a barrier, a torch step's handshake)
+    could take it or block on it: only local steps (``_local``) may stand there."""
+    wait = matched(v.ctx).lands.get(step.name)
+    if wait is None or wait.index < step.index:
+        return
+    op: Shift = step.op  # type: ignore[assignment]
+    for between in v.ctx.schedule.step_list()[step.index + 1:wait.index]:
+        if _local(v.ctx, between):
+            continue
+        v.error(op.mark("when"), "wait-first-span",
+                f"step '{step.name}' puts and its wait '{wait.name}' has another 'when:' "
+                f"({_edge(v.ctx, step, wait, between)}), but step '{between.name}' "
+                f"({between.kind}) between them communicates: on the torch backend the "
+                "put only sends and the wait only receives, gloo and NCCL match the "
+                "messages between two ranks in order and a send blocks until its "
+                f"receive is posted, so '{between.name}' would take the put's message "
+                "or block on it; only steps that run on their rank alone may stand "
+                "between such a put and its wait",
+                f"move '{between.name}' before '{step.name}' or after '{wait.name}' (or "
+                "give the put and the wait the same 'when:')")
+        return
+
+
+def _edge(holder: Any, put: Step, wait: Step, between: Step) -> str:
+    """The first W checked and a sender and its receiver of the apart pair ``put``,
+    ``wait`` there, preferring a pair where ``between`` runs on either end."""
+    found = []
+    for world in holder.samples.worlds:
+        running = running_at(holder.schedule, world)
+
+        def runs(s: Step, r: int, running: Any = running) -> bool:
+            ranks = running.get(s.index)
+            return ranks is None or r in ranks
+
+        for p, q in sorted(sources(holder.schedule, wait.op, world).items()):
+            if runs(put, q) and runs(wait, p):
+                found.append((runs(between, p) or runs(between, q), world, q, p))
+    if not found:
+        return "no rank runs both ends at a W checked"
+    _, world, q, p = max(found, key=lambda f: f[0])
+    return f"at {_at(world)} rank {q} puts at '{put.name}' and rank {p} receives it at " \
+           f"'{wait.name}'"
+
+
+def _at(world: Any) -> str:
+    """A world checked, as words: ``W=4``, ``W=4 (mesh 2x2)``."""
+    return f"W={int(world)}" + (f" (mesh {'x'.join(map(str, shape_of(world)))})"
+                                if len(shape_of(world)) > 1 else "")
 
 
 def _between(holder: Any, op: Shift, between: Step) -> str | None:

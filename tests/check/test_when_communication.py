@@ -13,6 +13,8 @@ import pytest
 from support.gallery import worlds
 from support.schedules import diagnostics
 
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+
 MESH = """\
 schedule: s
 mesh: {node: N, gpu: G}
@@ -160,6 +162,100 @@ def test_split_halves_guarded_apart_are_refused_naming_the_edge(
     assert len(found) == 1, found
     assert "steps 'put' (shift, the signal) and 'wait' (shift, its wait)" in found[0].message
     assert words in found[0].message, found[0].message
+
+
+# a hand-off guarded apart (review21 F1): the put runs where a next rank exists, its
+# wait where a previous one does, MID between them; on the torch backend the put only
+# sends and the wait only receives (dcpc.ops.shift ``_apart``)
+APART = """\
+schedule: apart
+slots: 1
+sizes: {T: 4, D: 8}
+buffers:
+  x:    {shape: [T, D], dtype: f32}
+  y:    {shape: [T, D], dtype: f32}
+  hand: {shape: [T, D], dtype: f32, symmetric: true}
+  recv: {shape: [T, D], dtype: f32, symmetric: true}
+  o_r:  {shape: [T, D], dtype: f32}
+  o_h:  {shape: [T, D], dtype: f32}
+steps:
+  - put:   {op: shift, when: "rank < W - 1", HAND, phase: put}
+  - mid:   MID
+  - use_r: {op: external, when: "rank > 0", reads: [recv], writes: [o_r]}
+  - wait:  {op: shift, when: "rank > 0", HAND, phase: wait}
+  - use_h: {op: external, when: "rank > 0", reads: [hand], writes: [o_h]}
+  - done:  {op: barrier}
+""".replace("HAND", "src: x, dst: hand, offset: next, wrap: false")
+
+
+@pytest.mark.parametrize(("mid", "kind"), [
+    # a receive from the put's sender: it would take the put's message (gloo: a size
+    # mismatch in the handshake, or the data swapped without it)
+    ("{op: shift, src: y, dst: recv, offset: next, wrap: false}", "shift"),
+    # a collective: the sender's send blocks until the receiver's wait, which waits
+    # behind the barrier for the sender (a crash, or a hang without the handshake)
+    ("{op: barrier}", "barrier"),
+])
+def test_a_step_that_communicates_between_a_put_and_its_wait_guarded_apart_is_located(
+        tmp_path: Path, mid: str, kind: str) -> None:
+    text = APART.replace("MID", mid)
+    found = [d for d in _errors(text, tmp_path, [2, 3, 4, 5, 6])
+             if d.code == "wait-first-span"]
+    assert len(found) == 1, found
+    (refused,) = found
+    at = text.splitlines().index(next(ln for ln in text.splitlines()
+                                      if ln.startswith("  - put:")))
+    assert (refused.mark.line, refused.mark.col) == (at + 1, text.splitlines()[at].index(
+        '"rank < W - 1"') + 1)
+    assert ("step 'put' puts and its wait 'wait' has another 'when:' (at W=2 rank 0 puts "
+            f"at 'put' and rank 1 receives it at 'wait'), but step 'mid' ({kind}) "
+            "between them communicates") in refused.message, refused.message
+    assert "move 'mid' before 'put' or after 'wait'" in (refused.hint or "")
+
+
+def test_a_put_and_its_wait_guarded_apart_adjacent_or_local_between_are_proved(
+        tmp_path: Path) -> None:
+    assert _errors(APART.replace("MID", "{op: copy, src: y, dst: recv}"), tmp_path,
+                   [2, 3, 4, 5, 6]) == []
+    adjacent = APART.replace("  - mid:   MID\n", "").replace(
+        '  - use_r: {op: external, when: "rank > 0", reads: [recv], writes: [o_r]}\n', "")
+    assert _errors(adjacent, tmp_path, [2, 3, 4, 5, 6]) == []
+
+
+@pytest.mark.parametrize(("mid", "refused"), [
+    ("{op: barrier}", True), ("{op: external, reads: [q], writes: [out]}", False)])
+def test_a_put_and_its_wait_guarded_apart_along_an_axis_name_the_mesh(
+        tmp_path: Path, mid: str, refused: bool) -> None:
+    """Along gpu of a mesh: the same rule, the world named with its mesh shape."""
+    text = MESH.replace("q_node: {shape: [G*T, D]", "q_node: {shape: [T, D]") + f"""\
+  - put:   {{op: shift, axis: gpu, when: "gpu < G - 1", HAND, phase: put}}
+  - mid:   {mid}
+  - wait:  {{op: shift, axis: gpu, when: "gpu > 0", HAND, phase: wait}}
+  - use:   {{op: external, when: "gpu > 0", reads: [q_node], writes: [out]}}
+  - done:  {{op: barrier}}
+""".replace("HAND", "src: q, dst: q_node, offset: next, wrap: false")
+    found = [d for d in _errors(text, tmp_path, SHAPES) if d.code == "wait-first-span"]
+    assert len(found) == int(refused), found
+    if refused:
+        assert ("(at W=4 (mesh 2x2) rank 0 puts at 'put' and rank 1 receives it at "
+                "'wait'), but step 'mid' (barrier)") in found[0].message, found[0].message
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "host", "local"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_dcpc_run_of_a_put_and_its_wait_guarded_apart_matches_float64(
+        tmp_path: Path, backend: str, world: int) -> None:
+    """Only a local step between (a copy): the torch backend's put sends and its wait
+    receives with nothing to take the message in between."""
+    path = tmp_path / "apart.yaml"
+    path.write_text(APART.replace("MID", "{op: copy, src: y, dst: recv}"))
+    report = run_schedule(RunConfig(schedule=str(path), world=world, backend=backend,
+                                    calls=3, seed=world))
+    shown = format_report(report)
+    assert report.ok, shown
+    assert report.outputs["hand@use_h"].compared > 0, shown
+    assert all(o.mismatches == 0 for o in report.outputs.values()), shown
 
 
 RING = Path(__file__).resolve().parents[2] / "schedules" / "ops" / "when_ring_attention.yaml"
