@@ -126,6 +126,17 @@ def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     return torch.div(a, b)
 
 
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: str = "fp8e4m3"
+                 ) -> torch.Tensor:
+    """``x`` quantised into fp8 ``dtype`` by a per-tensor scale (``output_scale``, a
+    cast's ``per: tensor`` scale; ``scale`` its fp32 value, checked by scale_fault):
+    ``round_fp8(fl32(x) * fl32(1 / scale))``, the kernels' rule (``_dcpc_quantize`` of
+    ``_dcpc_inv_scale``'s div_rn(1, s)), never ``x / scale`` (e4m3, s = 3: 7.1249995
+    * fl32(1/3) is 2.5, 7.1249995 / 3 2.25). The one quantiser: the torch backend
+    (merge.quantize) and the float64 reference (simulate.scaled, the cast's) call it."""
+    return round_fp8(x.float() * ieee_div(1.0, scale), dtype)
+
+
 def reference_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
     """The float64 reference's per-tensor fp8 scale ``scale[0]`` as fp32, refused as the
     backends refuse it (``scale_fault``: ValueError naming ``what``)."""

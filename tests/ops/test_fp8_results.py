@@ -441,3 +441,24 @@ def test_dcpc_runs_synthetic_scales_are_positive_normals() -> None:
             else:
                 value = synth.call_inputs(schedule, 2, sizes, seed, 0)[0]["s"]
             assert scale_fault(float(value.float()[0])) is None, (source[:20], seed, value)
+
+
+@pytest.mark.parametrize(("dtype", "acc", "want"), [
+    ("fp8e4m3", 7.124999523162842, 2.5), ("fp8e5m2", 0.00011444091069279239, 2.0**-15 * 1.5)])
+def test_the_reference_quantises_as_the_kernels_do(dtype: str, acc: float, want: float) -> None:
+    """output_scale in the float64 reference: fl32(acc) * fl32(1 / s) rounded, the kernels'
+    (and the torch backend's) rule; it computed acc / s (e4m3, s = 3: 2.25 for the
+    kernels' 2.5; e5m2: 31 such accumulators near the grid's midpoints)."""
+    from types import SimpleNamespace
+
+    from dcpc.runtime.merge import quantize
+    from dcpc.runtime.validate import DTYPES
+
+    s = torch.tensor([3.0])
+    value = torch.tensor([acc, -acc], dtype=torch.float64)
+    ref = simulate.scaled(SimpleNamespace(output_scale="s"), {"s": s}, value, 0, dtype)
+    assert ref.tolist() == [want, -want]
+    assert quantize(value.float(), s, DTYPES[dtype]).double().tolist() == [want, -want]
+    from dcpc.numerics import round_fp8
+
+    assert round_fp8(value / 3.0, dtype).tolist() != [want, -want]  # the quotient: apart
