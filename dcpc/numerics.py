@@ -118,11 +118,14 @@ def spread(scales: torch.Tensor, group: int | None) -> torch.Tensor:
 def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     """a / b in fp32, correctly rounded as the kernels divide: torch computes ``2.0 / t``
     as ``t.reciprocal() * 2.0`` (one ulp off, e.g. 448 / 1.9140625), so both operands
-    are made fp32 tensors first."""
+    are made fp32 tensors first, on one device (a's, else b's): CUDA divides by a CPU
+    scalar tensor as a * (1 / b) too."""
     import torch
 
-    a = torch.as_tensor(a, dtype=torch.float32)
-    b = torch.as_tensor(b, dtype=torch.float32)
+    device = a.device if isinstance(a, torch.Tensor) else (
+        b.device if isinstance(b, torch.Tensor) else None)
+    a = torch.as_tensor(a, dtype=torch.float32, device=device)
+    b = torch.as_tensor(b, dtype=torch.float32, device=device)
     return torch.div(a, b)
 
 
