@@ -70,14 +70,17 @@ def ieee_max(parts: torch.Tensor) -> torch.Tensor:
 
 
 SCALE_MIN = 2.0**-126  # the smallest normal f32: a per-tensor fp8 scale is at least this
+SCALE_MAX = 2.0**126  # and at most this: 1 / s stays normal (a GPU's div_rn flushes to 0)
 
 
 def scale_fault(value: float) -> str | None:
     """Why ``value`` is no per-tensor fp8 scale (``output_scale``, a cast's ``per:
-    tensor`` scale), or None: a scale is a positive finite normal f32 (SCALE_MIN <= s <
-    inf). 0, a denormal, a negative, NaN or inf would quantise to +-448, flip signs, or
-    give NaN or 0. The one rule: the torch backend and the reference call this; the
-    kernels apply the same bounds (templates/math.j2 ``_dcpc_scale``)."""
+    tensor`` scale), or None: a scale is a positive finite normal f32 whose inverse is
+    normal too (SCALE_MIN <= s <= SCALE_MAX, 2**-126 to 2**126). 0, a denormal, a
+    negative, NaN or inf would quantise to +-448, flip signs, or give NaN or 0; above
+    2**126, 1 / s is a denormal on the CPU and 0 on a GPU (Triton's div_rn is
+    div.rn.ftz). The one rule: the torch backend and the reference call this; the
+    kernels read the same bounds (dcpc/runtime/device.py ``_dcpc_scale``)."""
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
@@ -88,6 +91,8 @@ def scale_fault(value: float) -> str | None:
         return "negative"
     if value < SCALE_MIN:
         return "a denormal"
+    if value > SCALE_MAX:
+        return "above 2**126: its inverse is no normal f32"
     return None
 
 
@@ -149,5 +154,5 @@ def reference_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
     why = scale_fault(float(s))
     if why is not None:
         raise ValueError(f"simulator: {what} is {float(s)!r} ({why}); a per-tensor fp8 "
-                         "scale is a positive finite normal f32 (at least 2**-126)")
+                         "scale is a positive finite normal f32, 2**-126 to 2**126")
     return s

@@ -56,7 +56,7 @@ steps:
   - release: {op: barrier}
 """
 OUTPUTS = {"sum": "ar", "top": "mx", "sum8": "ar8", "red": "rd", "rsum": "rs", "comb": "wc"}
-BAD_SCALES = [0.0, -0.0, 2.0**-127, -1.0, math.nan, math.inf, -math.inf]
+BAD_SCALES = [0.0, -0.0, 2.0**-127, -1.0, math.nan, math.inf, -math.inf, 2.0**127]
 BACKENDS = ("host", "local", "torch")
 
 
@@ -315,6 +315,17 @@ def test_zeros_have_one_sign_on_every_backend(tmp_path: Path) -> None:
 def test_the_reference_refuses_a_bad_scale(scale: float) -> None:
     with pytest.raises(ValueError, match=r"simulator: rank 0's output_scale 's' is "):
         _reference(SUMS, scale, None)
+
+
+def test_a_scale_above_2_126_is_refused_its_inverse_is_no_normal() -> None:
+    """1 / s of s above 2**126 is an f32 denormal on the CPU and 0 on a GPU (div.rn.ftz):
+    refused, as a denormal scale is; 2**-126 and 2**126 themselves are scales."""
+    from dcpc.numerics import SCALE_MAX, SCALE_MIN, ieee_div, scale_fault
+
+    above = torch.nextafter(torch.tensor(SCALE_MAX), torch.tensor(math.inf))
+    assert scale_fault(float(above)) == "above 2**126: its inverse is no normal f32"
+    assert scale_fault(SCALE_MAX) is None and scale_fault(SCALE_MIN) is None
+    assert ieee_div(1.0, above).item() < SCALE_MIN <= ieee_div(1.0, SCALE_MAX).item()
 
 
 def test_bad_scales_are_refused_on_every_backend(tmp_path: Path) -> None:
