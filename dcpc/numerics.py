@@ -31,13 +31,15 @@ FP8_FORMATS = {"fp8e4m3": (FP8_E4M3_MAX, 3, -6), "fp8e5m2": (57344.0, 2, -14)}
 
 def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3") -> torch.Tensor:
     """fp32 ``y`` clamped to the finite range of fp8 ``dtype`` (+-448 e4m3, +-57344 e5m2:
-    saturated, an inf too, as Transformer Engine's satfinite casts) and rounded to its
-    grid, half away from zero (3 or 2 mantissa bits; below the smallest normal, 2**-6 or
-    2**-14, the subnormal grid 2**-9 or 2**-16); NaN stays NaN (one NaN, positive, byte
+    saturated, an inf too) and rounded to its grid, ties away from zero (3 or 2 mantissa
+    bits; below the smallest normal, 2**-6 or 2**-14, the subnormal grid 2**-9 or
+    2**-16); NaN stays NaN (one NaN, positive, byte
     0x7F, whatever sign the NaN had: x86 makes inf * 0 a negative NaN, a GPU a positive
     one), in fp32 bit arithmetic: the kernels' rule (``_dcpc_store_fp8``), so that the
     reference and every backend agree bit for bit. The sign of a zero is kept (-0.0, and
-    a negative value that rounds to 0, give -0: byte 0x80), as a conversion."""
+    a negative value that rounds to 0, give -0: byte 0x80), as a conversion. Not the bits
+    of Transformer Engine's or torch's fp8 casts: those round ties to even, so a value
+    exactly halfway between two fp8 values rounds apart (e4m3: 8.5 is 9 here, 8 there)."""
     import torch
 
     top, mantissa, min_exp = FP8_FORMATS[dtype]
