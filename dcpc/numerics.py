@@ -31,13 +31,15 @@ FP8_FORMATS = {"fp8e4m3": (FP8_E4M3_MAX, 3, -6), "fp8e5m2": (57344.0, 2, -14)}
 
 def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3") -> torch.Tensor:
     """fp32 ``y`` clamped to the finite range of fp8 ``dtype`` (+-448 e4m3, +-57344 e5m2:
-    saturated, an inf too, as Transformer Engine's satfinite casts) and rounded to its
-    grid, half away from zero (3 or 2 mantissa bits; below the smallest normal, 2**-6 or
-    2**-14, the subnormal grid 2**-9 or 2**-16); NaN stays NaN (one NaN, positive, byte
+    saturated, an inf too) and rounded to its grid, ties away from zero (3 or 2 mantissa
+    bits; below the smallest normal, 2**-6 or 2**-14, the subnormal grid 2**-9 or
+    2**-16); NaN stays NaN (one NaN, positive, byte
     0x7F, whatever sign the NaN had: x86 makes inf * 0 a negative NaN, a GPU a positive
     one), in fp32 bit arithmetic: the kernels' rule (``_dcpc_store_fp8``), so that the
     reference and every backend agree bit for bit. The sign of a zero is kept (-0.0, and
-    a negative value that rounds to 0, give -0: byte 0x80), as a conversion."""
+    a negative value that rounds to 0, give -0: byte 0x80), as a conversion. Not the bits
+    of Transformer Engine's or torch's fp8 casts: those round ties to even, so a value
+    exactly halfway between two fp8 values rounds apart (e4m3: 8.5 is 9 here, 8 there)."""
     import torch
 
     top, mantissa, min_exp = FP8_FORMATS[dtype]
@@ -70,14 +72,17 @@ def ieee_max(parts: torch.Tensor) -> torch.Tensor:
 
 
 SCALE_MIN = 2.0**-126  # the smallest normal f32: a per-tensor fp8 scale is at least this
+SCALE_MAX = 2.0**126  # and at most this: 1 / s stays normal (a GPU's div_rn flushes to 0)
 
 
 def scale_fault(value: float) -> str | None:
     """Why ``value`` is no per-tensor fp8 scale (``output_scale``, a cast's ``per:
-    tensor`` scale), or None: a scale is a positive finite normal f32 (SCALE_MIN <= s <
-    inf). 0, a denormal, a negative, NaN or inf would quantise to +-448, flip signs, or
-    give NaN or 0. The one rule: the torch backend and the reference call this; the
-    kernels apply the same bounds (templates/math.j2 ``_dcpc_scale``)."""
+    tensor`` scale), or None: a scale is a positive finite normal f32 whose inverse is
+    normal too (SCALE_MIN <= s <= SCALE_MAX, 2**-126 to 2**126). 0, a denormal, a
+    negative, NaN or inf would quantise to +-448, flip signs, or give NaN or 0; above
+    2**126, 1 / s is a denormal on the CPU and 0 on a GPU (Triton's div_rn is
+    div.rn.ftz). The one rule: the torch backend and the reference call this; the
+    kernels read the same bounds (dcpc/runtime/device.py ``_dcpc_scale``)."""
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
@@ -88,6 +93,8 @@ def scale_fault(value: float) -> str | None:
         return "negative"
     if value < SCALE_MIN:
         return "a denormal"
+    if value > SCALE_MAX:
+        return "above 2**126: its inverse is no normal f32"
     return None
 
 
@@ -118,12 +125,26 @@ def spread(scales: torch.Tensor, group: int | None) -> torch.Tensor:
 def ieee_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     """a / b in fp32, correctly rounded as the kernels divide: torch computes ``2.0 / t``
     as ``t.reciprocal() * 2.0`` (one ulp off, e.g. 448 / 1.9140625), so both operands
-    are made fp32 tensors first."""
+    are made fp32 tensors first, on one device (a's, else b's): CUDA divides by a CPU
+    scalar tensor as a * (1 / b) too."""
     import torch
 
-    a = torch.as_tensor(a, dtype=torch.float32)
-    b = torch.as_tensor(b, dtype=torch.float32)
+    device = a.device if isinstance(a, torch.Tensor) else (
+        b.device if isinstance(b, torch.Tensor) else None)
+    a = torch.as_tensor(a, dtype=torch.float32, device=device)
+    b = torch.as_tensor(b, dtype=torch.float32, device=device)
     return torch.div(a, b)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: str = "fp8e4m3"
+                 ) -> torch.Tensor:
+    """``x`` quantised into fp8 ``dtype`` by a per-tensor scale (``output_scale``, a
+    cast's ``per: tensor`` scale; ``scale`` its fp32 value, checked by scale_fault):
+    ``round_fp8(fl32(x) * fl32(1 / scale))``, the kernels' rule (``_dcpc_quantize`` of
+    ``_dcpc_inv_scale``'s div_rn(1, s)), never ``x / scale`` (e4m3, s = 3: 7.1249995
+    * fl32(1/3) is 2.5, 7.1249995 / 3 2.25). The one quantiser: the torch backend
+    (merge.quantize) and the float64 reference (simulate.scaled, the cast's) call it."""
+    return round_fp8(x.float() * ieee_div(1.0, scale), dtype)
 
 
 def reference_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
@@ -135,5 +156,5 @@ def reference_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
     why = scale_fault(float(s))
     if why is not None:
         raise ValueError(f"simulator: {what} is {float(s)!r} ({why}); a per-tensor fp8 "
-                         "scale is a positive finite normal f32 (at least 2**-126)")
+                         "scale is a positive finite normal f32, 2**-126 to 2**126")
     return s

@@ -20,7 +20,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import mesh_of, shape_of, torus
-from dcpc.numerics import local_seq_len, reference_scale, round_fp8  # the facts, once
+from dcpc.numerics import local_seq_len, quantize_fp8, reference_scale  # the facts, once
 from dcpc.ops import OPS, shift
 from dcpc.ops import _split as split
 from dcpc.ops.external import External as ExternalOp
@@ -197,16 +197,16 @@ def empty_rows(
 
 def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None, dtype: str
            ) -> torch.Tensor:
-    """``output_scale``: value / scale[0], clamped to the range of fp8 ``dtype`` (dst's)
-    and rounded to its grid by the kernels' rule (NaN stays, the sign of zero kept:
-    round_fp8); a scale that is no positive finite normal is refused (ValueError), as
-    every backend does."""
+    """``output_scale``: value (as the kernels' fp32 accumulator) times fl32(1 / scale[0]),
+    clamped to the range of fp8 ``dtype`` (dst's) and rounded to its grid by the kernels'
+    rule (NaN stays, the sign of zero kept: numerics.quantize_fp8); a scale that is no
+    positive finite normal is refused (ValueError), as every backend does."""
     name = getattr(op, "output_scale", None)
     if name is None:
         return value
     who = f"rank {rank}'s" if rank is not None else "the"
     s = reference_scale(bufs[name], f"{who} output_scale '{name}'")
-    return round_fp8(value / s.double(), dtype).double()
+    return quantize_fp8(value, s, dtype).double()
 
 
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:

@@ -247,14 +247,27 @@ class ValueKinds:
     along (a sum broadcast is still a sum). Decided per buffer: each dst of a move takes
     its own src's kind (``synth.carries``), so a moved block beside a computed one in
     one step is still compared bit for bit. An engine step reads an op's output as
-    "math" when an op computed it. Made once per rank's run, in program order."""
+    "math" when an op computed it. A ``persist: true`` buffer starts a call with the
+    kind of the previous call's last write (zeros, a "move", at call 0): a sum kept
+    for the next call and moved there is still a sum. Made once per rank's run, in
+    program order; a call's table by the kinds its persistent buffers start with."""
 
     def __init__(self, schedule: m.Schedule, steps: list[m.Step]):
-        held: dict[str, str] = {}  # buffer -> "move" | "math" | "math-f32" (carried)
-        self._before: list[dict[str, str]] = []
-        self._after: list[dict[str, str]] = []  # per step: each buffer it writes
-        for step in steps:
-            self._before.append(dict(held))
+        self._schedule, self._steps = schedule, steps
+        self._persist = sorted(n for n, b in schedule.buffers.items() if b.persist)
+        self._tables: dict[tuple, tuple[list, list, dict[str, str]]] = {}
+        self._starts: list[tuple] = [()]  # per call: its persistent buffers' kinds
+
+    def _table(self, start: tuple) -> tuple[list, list, dict[str, str]]:
+        """(before, after, end) of a call whose persistent buffers start as ``start``."""
+        if start in self._tables:
+            return self._tables[start]
+        schedule = self._schedule
+        held: dict[str, str] = dict(start)  # buffer -> "move" | "math" | "math-f32" (carried)
+        before: list[dict[str, str]] = []
+        after: list[dict[str, str]] = []  # per step: each buffer it writes
+        for step in self._steps:
+            before.append(dict(held))
             reads, writes = synth.op_io(step.op)
             wrote: dict[str, str] = {}
             if not OPS[step.op.op].moves(step.op):
@@ -268,20 +281,28 @@ class ValueKinds:
                 for src, dst in synth.carries(step.op):
                     wrote[dst] = "math-f32" if held.get(src) == "math-f32" else "move"
             held.update(wrote)
-            self._after.append(wrote)
+            after.append(wrote)
+        self._tables[start] = (before, after, held)
+        return self._tables[start]
 
-    def before(self, index: int, name: str) -> str:
-        """How the value ``name`` holds before step ``index`` is compared (an engine
-        step's read, a replay's watch)."""
-        return "move" if self._before[index].get(name, "move") == "move" else "math"
+    def _call(self, call: int) -> tuple[list, list, dict[str, str]]:
+        while len(self._starts) <= call:  # the next call starts where this one ended
+            end = self._table(self._starts[-1])[2]
+            self._starts.append(tuple((n, end[n]) for n in self._persist if n in end))
+        return self._table(self._starts[call])
 
-    def written(self, index: int, name: str) -> str:
-        """How what step ``index`` writes into ``name`` is compared."""
-        return "move" if self._after[index].get(name, "move") == "move" else "math"
+    def before(self, call: int, index: int, name: str) -> str:
+        """How the value ``name`` holds before step ``index`` of ``call`` is compared
+        (an engine step's read, a replay's watch)."""
+        return "move" if self._call(call)[0][index].get(name, "move") == "move" else "math"
+
+    def written(self, call: int, index: int, name: str) -> str:
+        """How what step ``index`` of ``call`` writes into ``name`` is compared."""
+        return "move" if self._call(call)[1][index].get(name, "move") == "move" else "math"
 
 
 def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
-             rank: int, slot: int, sizes: dict[str, int], trace: Any,
+             call: int, rank: int, slot: int, sizes: dict[str, int], trace: Any,
              name: str | None) -> Callable[[], bool] | None:
     """A replay's watch (None without one): whether this rank's instance of ``name`` no
     longer holds what ``step`` should see by the call's reference: the race's other
@@ -295,7 +316,7 @@ def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
 
     def differs() -> bool:
         stats = OutputStats()
-        compare(name, kinds.before(step.index, name),
+        compare(name, kinds.before(call, step.index, name),
                 schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
                 stats, "", unsent=unsent)
         return stats.mismatches > 0
@@ -477,7 +498,7 @@ def run_rank(
         if replay is not None and here == replay["hold"]:
             progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
             report.replay = adversary.replay_hold(replay, _written(
-                module, schedule, kinds, step, rank, event.slot, sizes, trace,
+                module, schedule, kinds, step, event.call, rank, event.slot, sizes, trace,
                 replay["watch"]))
         if isinstance(step.op, External) and not module.runs(step.name):
             pass  # a guarded engine step whose when: fails on this rank (module.runs)
@@ -491,7 +512,7 @@ def run_rank(
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
                     # a method's output read again by the engine: counted on its own
                     key = f"{name}@{step.name}" if name in returned else name
-                    compare(name, kinds.before(step.index, name),
+                    compare(name, kinds.before(event.call, step.index, name),
                             schedule.buffers[name].dtype.value, got, want,
                             report.outputs.setdefault(key, OutputStats()), where,
                             unsent=unsent_at(trace, step.index, rank, name))
@@ -539,7 +560,7 @@ def run_rank(
                 if want is None:
                     report.outputs.setdefault(name, OutputStats()).kept += 1
                     continue
-                compare(name, kinds.written(step.index, name),
+                compare(name, kinds.written(event.call, step.index, name),
                         schedule.buffers[name].dtype.value, value,
                         want, report.outputs[name],
                         f"call {event.call} slot {event.slot} rank {rank} ({step.name})",

@@ -264,14 +264,14 @@ def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None, dtype: 
     sent) for a quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor);
     ``group``: per token, one scale per ``group`` channels (the scales' last dim H / group)."""
 
-    from dcpc.numerics import ieee_div, reference_scale, round_fp8, spread, token_scales
+    from dcpc.numerics import quantize_fp8, reference_scale, round_fp8, spread, token_scales
 
     if per == "token":
         sent, inverse = token_scales(x, dtype, group)
         return round_fp8(x.float() * spread(inverse, group), dtype).double(), sent.double()
     assert scale is not None
-    inverse = ieee_div(1.0, reference_scale(scale, "the cast's per-tensor scale"))
-    return round_fp8(x.float() * inverse, dtype).double(), None
+    s = reference_scale(scale, "the cast's per-tensor scale")
+    return quantize_fp8(x, s, dtype).double(), None
 
 
 def dequantise_rows(q: torch.Tensor, per: str, scale: torch.Tensor,

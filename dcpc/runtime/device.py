@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dcpc.numerics import FP8_FORMATS
+from dcpc.numerics import FP8_FORMATS, SCALE_MAX, SCALE_MIN
 from dcpc.runtime import errors as _errors
 
 # The error record and the failure flags as the kernels see them (defined once, in
@@ -47,6 +47,8 @@ DCPC_THERE_WORD = tl.constexpr(_errors.RECORD.index("there"))
 # the fp8 formats' (largest finite value, mantissa bits, smallest normal exponent)
 DCPC_E4M3_TOP, DCPC_E4M3_MANTISSA, DCPC_E4M3_MIN_EXP = map(tl.constexpr, FP8_FORMATS["fp8e4m3"])
 DCPC_E5M2_TOP, DCPC_E5M2_MANTISSA, DCPC_E5M2_MIN_EXP = map(tl.constexpr, FP8_FORMATS["fp8e5m2"])
+DCPC_SCALE_MIN = tl.constexpr(SCALE_MIN)  # a per-tensor fp8 scale's bounds (scale_fault)
+DCPC_SCALE_MAX = tl.constexpr(SCALE_MAX)
 DCPC_STOP_WORD = tl.constexpr(_errors.RECORD.index("stop"))
 DCPC_FLAG_WORD = tl.constexpr(_errors.RECORD.index("flag"))
 
@@ -483,12 +485,14 @@ def _dcpc_round_fp8(y, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.co
 @triton.jit
 def _dcpc_scale(scale, errors, STEP: tl.constexpr):
     """The per-tensor fp8 scale scale[0] (f32), or NaN when it is not a positive finite
-    normal (>= 2^-126): 0, a denormal, a negative, NaN or inf would quantise to +-448,
-    flip signs, or give NaN or 0. Such a scale is recorded as BAD_SCALE with its f32 bits
-    in the record's "epoch" word (dcpc.runtime.errors): the call raises (CPU backends at
-    once, CUDA at check_errors(); no host sync here) and every value it scales is NaN."""
+    normal of a normal inverse (2^-126 to 2^126: dcpc.numerics.scale_fault's bounds):
+    0, a denormal, a negative, NaN or inf would quantise to +-448, flip signs, or give
+    NaN or 0; above 2^126 div_rn's 1 / s flushes to 0 on a GPU. Such a scale is
+    recorded as BAD_SCALE with its f32 bits in the record's "epoch" word
+    (dcpc.runtime.errors): the call raises (CPU backends at once, CUDA at
+    check_errors(); no host sync here) and every value it scales is NaN."""
     s = tl.load(scale).to(tl.float32)
-    bad = (s < 1.1754943508222875e-38) | (s == float("inf")) | (s != s)
+    bad = (s < DCPC_SCALE_MIN) | (s > DCPC_SCALE_MAX) | (s != s)  # inf > SCALE_MAX
     if bad:
         if tl.atomic_cas(errors, 0, DCPC_BAD_SCALE) == 0:
             tl.store(errors + DCPC_STEP_WORD, STEP)

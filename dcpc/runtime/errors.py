@@ -156,7 +156,7 @@ class DcpcScaleError(DcpcArgumentError):
         who = f"rank {self.rank}" if self.rank is not None else "this rank"
         return (
             f"{step}{who}'s fp8 scale is {self.value!r} ({self.why}); a per-tensor fp8 "
-            "scale must be a positive finite normal f32 (2**-126 <= scale < inf); this "
+            "scale must be a positive finite normal f32 (2**-126 <= scale <= 2**126); this "
             "call's output is not valid and this module instance is now failed: close() it"
         )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dcpc.numerics import FP8_FORMATS, ieee_div, local_seq_len, round_fp8, scale_fault
+from dcpc.numerics import FP8_FORMATS, local_seq_len, quantize_fp8, scale_fault
 from dcpc.runtime.errors import DcpcScaleError
 
 
@@ -82,9 +82,10 @@ def fp8_format(dtype: torch.dtype) -> str:
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An fp8 output of torch ``dtype`` (e4m3 or e5m2): x * (1 / scale[0]) in fp32, clamped
     to the format's range and rounded to its grid by the kernels' rule
-    (dcpc.numerics.round_fp8: ties away from zero, NaN stays NaN, the sign of zero kept),
-    as vLLM's merge_attn_states with output_scale; the same bits as the Triton backends."""
-    return round_fp8(x.float() * ieee_div(1.0, checked_scale(scale)), fp8_format(dtype))
+    (dcpc.numerics.quantize_fp8, the one quantiser: ties away from zero, NaN stays NaN,
+    the sign of zero kept), as vLLM's merge_attn_states with output_scale; the same bits
+    as the Triton backends and the float64 reference."""
+    return quantize_fp8(x, checked_scale(scale), fp8_format(dtype))
 
 
 def _exp_log(base: str) -> tuple:

@@ -82,6 +82,31 @@ def test_scales_divide_as_the_kernels_do() -> None:
     assert scale[1].item() == float(np.float32(1e-4) / np.float32(448.0))  # the floor
 
 
+def test_scales_divide_on_the_operands_device() -> None:
+    """ieee_div divides on a's device (else b's), never by a CPU scalar tensor: CUDA's
+    true divide by one computes a * (1 / b) (one bit off the kernels' div_rn). The
+    meta device stands in for a GPU: every operand of the division is seen on it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.devices: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket is torch.ops.aten.div:
+                self.devices += [str(t.device) for t in args if isinstance(t, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    on = torch.ones(3, device="meta")
+    with Seen() as seen:
+        results = [ieee_div(on, 448.0), ieee_div(448.0, on), ieee_div(1.0, on[:1]),
+                   ieee_div(on, torch.tensor([2.0]))]
+    assert seen.devices == ["meta"] * 8
+    assert {str(r.device) for r in results} == {"meta"}
+    assert ieee_div(448.0, 1.9140625).device.type == "cpu"  # no tensor: the default device
+
+
 SCHEDULE = """\
 schedule: cast
 sizes: {{C: {{max: 4}}, H: 8}}

@@ -56,7 +56,7 @@ steps:
   - release: {op: barrier}
 """
 OUTPUTS = {"sum": "ar", "top": "mx", "sum8": "ar8", "red": "rd", "rsum": "rs", "comb": "wc"}
-BAD_SCALES = [0.0, -0.0, 2.0**-127, -1.0, math.nan, math.inf, -math.inf]
+BAD_SCALES = [0.0, -0.0, 2.0**-127, -1.0, math.nan, math.inf, -math.inf, 2.0**127]
 BACKENDS = ("host", "local", "torch")
 
 
@@ -317,6 +317,17 @@ def test_the_reference_refuses_a_bad_scale(scale: float) -> None:
         _reference(SUMS, scale, None)
 
 
+def test_a_scale_above_2_126_is_refused_its_inverse_is_no_normal() -> None:
+    """1 / s of s above 2**126 is an f32 denormal on the CPU and 0 on a GPU (div.rn.ftz):
+    refused, as a denormal scale is; 2**-126 and 2**126 themselves are scales."""
+    from dcpc.numerics import SCALE_MAX, SCALE_MIN, ieee_div, scale_fault
+
+    above = torch.nextafter(torch.tensor(SCALE_MAX), torch.tensor(math.inf))
+    assert scale_fault(float(above)) == "above 2**126: its inverse is no normal f32"
+    assert scale_fault(SCALE_MAX) is None and scale_fault(SCALE_MIN) is None
+    assert ieee_div(1.0, above).item() < SCALE_MIN <= ieee_div(1.0, SCALE_MAX).item()
+
+
 def test_bad_scales_are_refused_on_every_backend(tmp_path: Path) -> None:
     """Every bad scale on the first scaled step, and a zero scale on each scaled step:
     DcpcScaleError naming step, rank and value, on host and local (W=2) and torch (W=1
@@ -441,3 +452,24 @@ def test_dcpc_runs_synthetic_scales_are_positive_normals() -> None:
             else:
                 value = synth.call_inputs(schedule, 2, sizes, seed, 0)[0]["s"]
             assert scale_fault(float(value.float()[0])) is None, (source[:20], seed, value)
+
+
+@pytest.mark.parametrize(("dtype", "acc", "want"), [
+    ("fp8e4m3", 7.124999523162842, 2.5), ("fp8e5m2", 0.00011444091069279239, 2.0**-15 * 1.5)])
+def test_the_reference_quantises_as_the_kernels_do(dtype: str, acc: float, want: float) -> None:
+    """output_scale in the float64 reference: fl32(acc) * fl32(1 / s) rounded, the kernels'
+    (and the torch backend's) rule; it computed acc / s (e4m3, s = 3: 2.25 for the
+    kernels' 2.5; e5m2: 31 such accumulators near the grid's midpoints)."""
+    from types import SimpleNamespace
+
+    from dcpc.runtime.merge import quantize
+    from dcpc.runtime.validate import DTYPES
+
+    s = torch.tensor([3.0])
+    value = torch.tensor([acc, -acc], dtype=torch.float64)
+    ref = simulate.scaled(SimpleNamespace(output_scale="s"), {"s": s}, value, 0, dtype)
+    assert ref.tolist() == [want, -want]
+    assert quantize(value.float(), s, DTYPES[dtype]).double().tolist() == [want, -want]
+    from dcpc.numerics import round_fp8
+
+    assert round_fp8(value / 3.0, dtype).tolist() != [want, -want]  # the quotient: apart
