@@ -435,7 +435,12 @@ def run_rank(
         served, {"timeout_s": timeout_s, "epoch_start": epoch_start, "poison": poison,
               "tuning": tuning, "handshake": None if handshake else False})
     strike = adversary.Fault(**fault) if fault else None
-    progress("construction")
+    def say(text: str) -> None:  # the launcher's record; a LocalRank's, for its group
+        progress(text)
+        if hasattr(group, "progress"):
+            group.progress(text)
+
+    say("construction")
     if strike is not None:  # step CONSTRUCT: the rank stops before it constructs
         strike.strike(rank, 0, CONSTRUCT)
     dev = torch.device(device)
@@ -476,13 +481,13 @@ def run_rank(
         trace, env, external, sizes, _ = live[event.call]
         step = steps[event.step]
         kind = "engine step" if isinstance(step.op, External) else "method"
-        progress(f"call {event.call} (slot {event.slot}): {kind} {step.name}()")
+        say(f"call {event.call} (slot {event.slot}): {kind} {step.name}()")
         if strike is not None:
             strike.strike(rank, event.call, step.name)
         jitter.delay()
         here = [rank, event.call, step.name]
         if replay is not None and here == replay["hold"]:
-            progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
+            say(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
             report.replay = adversary.replay_hold(replay, _written(
                 module, schedule, kinds, step, rank, event.slot, sizes, trace,
                 replay["watch"]))
@@ -585,10 +590,11 @@ def run_local(process: int, processes: int, *, ranks: int, device: str = "cpu",
 
     del process, processes  # one process, launched alone
     group = LocalGroup(ranks, device, timeout_s=float(args.pop("group_timeout_s", 600.0)))
+    stall = args.pop("group_stall_s", None)  # a hang: no rank said anything new that long
     if group.device.type == "cpu":  # the ranks share the float64 simulation of each call
         sims = SharedSims(ranks)
         return group.run(lambda rank: run_rank(rank.rank, ranks, group=rank, sims=sims,
-                                               **args))
+                                               **args), stall_s=stall)
     os.environ["DCPC_TRAP"] = "0"
     sims = SharedSims(ranks, keep=True)  # every rank's, both passes
 
@@ -600,7 +606,7 @@ def run_local(process: int, processes: int, *, ranks: int, device: str = "cpu",
         return run_rank(rank.rank, ranks, group=rank, device=str(group.device),
                         sims=sims, **args)
 
-    return group.run(body)
+    return group.run(body, stall_s=stall)
 
 
 def run_gpus(rank: int, world: int, **args: Any) -> RankReport:
