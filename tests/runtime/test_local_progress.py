@@ -91,3 +91,27 @@ def test_dcpc_run_local_names_a_stopped_rank_hung_at_the_stall_bound() -> None:
     assert "rank 1 is at (call 1 (slot 0): method out_exchange())" in error, text
     assert "rank 0 failed" in error and "timed out waiting for peer 1" in error, text
     assert report.launch.wall_s < 200, text
+
+
+def test_local_ranks_share_one_simulation_per_call(tmp_path: Path, monkeypatch: Any) -> None:
+    """The W threads of a local run simulate each call once between them (each rank made
+    its own: W times the float64 reference, the host work that kept deepep_normal's
+    ranks busy on one GPU), and every rank still compares every output with it."""
+    from dcpc.harness import worker
+    from dcpc.harness.run import compile_to
+
+    used, module, _, _ = compile_to(KIMI, tmp_path, 3)
+    made: list[int] = []
+    real = worker.simulate_call
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "simulate_call", counted)
+    args = RunConfig(schedule=KIMI, world=3, backend="local", calls=2).worker_args(used, module)
+    reports = worker.run_local(0, 1, ranks=3, **args)
+    assert len(made) == 2, len(made)
+    assert [r.rank for r in reports] == [0, 1, 2]
+    for r in reports:
+        assert all(s.compared == 2 and s.mismatches == 0 for s in r.outputs.values()), r.outputs
