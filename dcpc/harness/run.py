@@ -354,7 +354,8 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
                             args, timeout_s=timeout,
                             grace_s=grace, stall_s=stall, env=env, interpret=False)
         elif plan == "local" or _kinds(config.backend) == {"local"}:  # W threads, 1 process
-            args = {**args, "ranks": int(config.world), "group_timeout_s": timeout}
+            args = {**args, "ranks": int(config.world), "group_timeout_s": timeout,
+                    "group_stall_s": stall}  # the group tells its threads' hang from slow
             if plan:
                 args.update(backend="local", device="cuda")
             result = _per_rank(launch("dcpc.harness.worker:run_local", 1, args,
@@ -392,10 +393,16 @@ def show_backend(backend: str | dict[str, str]) -> str:
 
 
 def _per_rank(result: LaunchResult, world: int) -> LaunchResult:
-    """The one process of a ``local`` run as W rank outcomes (its threads' reports)."""
+    """The one process of a ``local`` run as W rank outcomes (its threads' reports); a
+    group that stopped on its ranks' progress (dcpc.runtime.local) as the launcher names
+    processes: ``hung`` (nothing new for the stall bound), ``timeout`` (still
+    progressing at the deadline)."""
     (only,) = result.outcomes
     if only.status != "ok":
-        return LaunchResult(world, [RankOutcome(r, only.status, None, only.error, only.traceback)
+        kind = only.error.partition(":")[0]
+        status = {"LocalRankHang": "hung", "LocalRankTimeout": "timeout"}.get(
+            kind, only.status) if only.status == "error" else only.status
+        return LaunchResult(world, [RankOutcome(r, status, None, only.error, only.traceback)
                                     for r in range(world)], result.wall_s, result.notes)
     return LaunchResult(world, [RankOutcome(r, "ok", value, reported_s=only.reported_s)
                                 for r, value in enumerate(only.value)], result.wall_s,

@@ -9,6 +9,7 @@ come from a callback.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -40,7 +41,14 @@ External = Callable[[m.Step, int, Buffers], Buffers]  # (step, rank, bufs) -> wr
 
 
 def buffer_shape(schedule: m.Schedule, name: str, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    return tuple(ex.evaluate(ex.parse(d), sizes) for d in schedule.buffers[name].shape)
+    return tuple(ex.evaluate(_dim(d), sizes) for d in schedule.buffers[name].shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dim(text: str | int) -> ex.Expr:
+    """A shape's dimension parsed once (a simulated call asks for shapes thousands of
+    times; an expression is an immutable tuple)."""
+    return ex.parse(text)
 
 
 def alias_views(schedule: m.Schedule, bufs: MutableMapping[str, torch.Tensor], name: str,
@@ -153,10 +161,13 @@ def float_value(raw: torch.Tensor, dtype: str) -> torch.Tensor:
     the value, a NaN with its bits (tagged)."""
     width = 8 * TORCH_DTYPES[dtype].itemsize
     value = raw.view(TORCH_DTYPES[dtype]).to(torch.float64)
+    nan = torch.isnan(value)
+    if not bool(nan.any()):  # no NaN: the value is all (one pass over the tensor)
+        return value
     bits = raw.to(torch.int64) & ((1 << width) - 1)
     sign = (bits >> (width - 1)) << 63
     tagged = (sign | _NAN_TAG[dtype] | (bits & ((1 << (width - 1)) - 1))).view(torch.float64)
-    return torch.where(torch.isnan(value), tagged, value)
+    return torch.where(nan, tagged, value)
 
 
 def float_bits(value: torch.Tensor, dtype: str, rounding: str = "nearest") -> torch.Tensor:
@@ -168,8 +179,11 @@ def float_bits(value: torch.Tensor, dtype: str, rounding: str = "nearest") -> to
               else value.to(TORCH_DTYPES[dtype]))
     width = 8 * stored.element_size()
     raw = stored.view(BITS[stored.element_size()])
+    nan = torch.isnan(value)
+    if not bool(nan.any()):  # no NaN, no tag: the rounded bits are all (one pass)
+        return raw
     bits = value.view(torch.int64)
-    tagged = torch.isnan(value) & ((bits & _NAN_MASK) == _NAN_TAG[dtype])
+    tagged = nan & ((bits & _NAN_MASK) == _NAN_TAG[dtype])
     kept = ((bits < 0).to(torch.int64) << (width - 1)) | (bits & ((1 << (width - 1)) - 1))
     if raw.dtype != torch.uint8:
         kept = signed_view(kept, width)

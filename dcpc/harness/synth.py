@@ -209,10 +209,12 @@ def call_inputs(
                                    for p in range(members)], 1)
         shared = {mask.lengths: lengths, mask.query_start_loc: req["query_start_loc"]}
     scales, fp8, floats = output_scales(schedule), payload_fp8(schedule), payload_floats(schedule)
+    known = IntRules(schedule, sizes)
+    inputs = engine_inputs(schedule)
     out: list[Buffers] = []
     for rank in range(world):
         bufs: Buffers = {}
-        for index, name in enumerate(engine_inputs(schedule)):
+        for index, name in enumerate(inputs):
             if name in shared:
                 bufs[name] = shared[name].clone()
                 continue
@@ -227,7 +229,8 @@ def call_inputs(
             elif schedule.buffers[name].dtype.is_float:
                 value = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:
-                value = int_value(schedule, name, sizes, bufs, gen, (call, rank, world))
+                value = int_value(schedule, name, sizes, bufs, gen, (call, rank, world),
+                                  known)
             bufs[name] = as_stored(schedule, name, value)
         for whole in schedule.slices:  # an input used whole and by slice: one memory
             views = schedule.cells(whole)
@@ -238,26 +241,41 @@ def call_inputs(
     return out
 
 
+class IntRules:
+    """What ``int_value`` reads of a schedule at one call's sizes: its integer buffers'
+    ranges, integer payloads, count capacities and the ops' input rules. Made once per
+    call (``call_inputs``, ``make_external``), not once per buffer and rank (that was
+    most of the harness's host time in an engine step of deepep_normal)."""
+
+    def __init__(self, schedule: m.Schedule, sizes: Mapping[str, int]) -> None:
+        self.ranges = value_ranges(schedule, sizes)
+        self.payloads = payload_ints(schedule)
+        self.capacities = count_capacities(schedule, sizes)
+        self.rules = input_rules(schedule)
+
+
 def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
-              gen: torch.Generator, where: tuple[int, int, int] = (0, 0, 1)) -> torch.Tensor:
+              gen: torch.Generator, where: tuple[int, int, int] = (0, 0, 1),
+              known: IntRules | None = None) -> torch.Tensor:
     """An integer buffer's values within its range (``value_ranges``: what it declares,
     row counts in 0..capacity), its ends placed by ``where`` (call, rank, W: ``in_range``);
     else within what the ops that read it declare (``OpDef.inputs``, dcpc.ops.iface
     ``InputRule``): index rows that exist, some -1 (``RowIndex``); an integer payload
     (``payload_ints``) over its dtype's whole range, anything else 0..99. The same for an
     engine input and for what an engine step writes (an engine writes counts within
-    their capacity, ids within their range)."""
+    their capacity, ids within their range). ``known``: the schedule's ``IntRules`` at
+    ``sizes``, made once per call by the caller."""
     shape = buffer_shape(schedule, name, sizes)
-    bounds = value_ranges(schedule, sizes).get(name)
+    known = known or IntRules(schedule, sizes)
+    bounds = known.ranges.get(name)
     if bounds is not None:
         return in_range(*bounds, shape, gen, *where)
-    if name in payload_ints(schedule):
+    if name in known.payloads:
         return full_range_ints(schedule.buffers[name].dtype, shape, gen)
-    capacities = count_capacities(schedule, sizes)
-    for rules in input_rules(schedule):  # the first step's that reads it as an index
+    for rules in known.rules:  # the first step's that reads it as an index
         rule = rules.get(name)
         if isinstance(rule, RowIndex):
-            return row_index(schedule, name, rule, sizes, bufs, capacities, gen)
+            return row_index(schedule, name, rule, sizes, bufs, known.capacities, gen)
     return torch.randint(0, 100, shape, generator=gen, dtype=torch.int64)
 
 
@@ -535,6 +553,7 @@ def make_external(
     # rows an op leaves unsent (NaN in the reference, stale in a run): what an engine
     # step writes is not derived from them
     unsent = unsent_outputs(schedule.step_list())
+    known = IntRules(schedule, env)
 
     def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
         op = step.op
@@ -553,7 +572,7 @@ def make_external(
             if not schedule.buffers[name].dtype.is_float:  # counts, indexes: in bounds
                 # an index this step writes picks live rows of the counts it wrote first
                 writes[name] = int_value(schedule, name, env, {**bufs, **writes}, gen,
-                                         (call, rank, world))
+                                         (call, rank, world), known)
                 continue
             if three and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
                 cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -331,34 +332,41 @@ def _module_owned(module: Any, name: str) -> bool:
 
 
 class CallSims:
-    """One rank's float64 simulations of a run's calls, ``sims``: call -> (sizes, inputs,
-    external, trace, end). With a persistent buffer, calls are simulated in order (a call
-    starts with what the call before left at its ``end``: simulate.persistent_start), so
-    a call may be simulated before it starts (interleaved order can run all of call b
-    before call b - 1). A call is dropped once it finished on this rank and no call needs
-    it any more (the next call has its start, or nothing persists): the simulations kept
-    are the calls in flight or ahead, and the last one's end (``most``: the most kept at
-    once). ``sims`` given (a caller's second pass): every call stays."""
+    """The float64 simulations of a run's calls, ``sims``: call -> (sizes, inputs,
+    external, trace, end), every rank's at once (``simulate_call``), so that the ranks
+    of one process (backend local: ``users`` threads) share one: made once per call, not
+    once per rank (the ranks' host work was W times the simulation: deepep_normal at 2x4
+    on one GPU, past its 150 s deadline). With a persistent buffer, calls are simulated
+    in order (a call starts with what the call before left at its ``end``:
+    simulate.persistent_start), so a call may be simulated before it starts (interleaved
+    order can run all of call b before call b - 1). A call is dropped once every user
+    finished it and no call needs it any more (the next call has its start, or nothing
+    persists): the simulations kept are the calls in flight or ahead, and the last one's
+    end (``most``: the most kept at once). ``keep`` (two passes over the same calls, the
+    GPU warm-up): every call stays. Thread-safe: the first rank to ask for a call
+    simulates it, the others wait for it (host work only: it always ends)."""
 
     def __init__(self, schedule: m.Schedule, world: Any, ctor: dict[str, int], seed: int,
-                 rounding: Any, sims: dict[int, Any] | None = None) -> None:
+                 rounding: Any, *, users: int = 1, keep: bool = False) -> None:
         self.schedule, self.world, self.ctor, self.seed = schedule, world, ctor, seed
-        self.rounding = rounding
-        self.keep = sims is not None
-        self.sims: dict[int, Any] = {} if sims is None else sims
+        self.rounding, self.users, self.keep = rounding, users, keep
+        self.sims: dict[int, Any] = {}
         self.persist = {n for n, b in schedule.buffers.items() if b.persist}
-        self.finished: set[int] = set()
+        self.finished: set[int] = set()  # calls every user finished
+        self._done: dict[int, int] = {}  # call -> users that finished it
+        self._lock = threading.Lock()
         self.most = 0
 
     def get(self, call: int) -> tuple:
         """The call's (sizes, inputs, external, trace), simulated after every call before
         it where a buffer persists."""
-        while call not in self.sims:
-            k = max(self.sims, default=-1) + 1 if self.persist else call
-            if k > call or call in self.finished:  # dropped: it would never come back
-                raise RuntimeError(f"call {call}'s simulation was dropped before it ran")
-            self._simulate(k)
-        return self.sims[call][:4]
+        with self._lock:
+            while call not in self.sims:
+                k = max(self.sims, default=-1) + 1 if self.persist else call
+                if k > call or call in self.finished:  # dropped: it would never come back
+                    raise RuntimeError(f"call {call}'s simulation was dropped before it ran")
+                self._simulate(k)
+            return self.sims[call][:4]
 
     def _simulate(self, k: int) -> None:
         schedule, world = self.schedule, self.world
@@ -377,9 +385,12 @@ class CallSims:
         self._drop()
 
     def finish(self, call: int) -> None:
-        """This rank ran the call's last step."""
-        self.finished.add(call)
-        self._drop()
+        """One user (a rank) ran the call's last step."""
+        with self._lock:
+            self._done[call] = self._done.get(call, 0) + 1
+            if self._done[call] >= self.users:
+                self.finished.add(call)
+            self._drop()
 
     def _drop(self) -> None:
         if self.keep:
@@ -387,6 +398,24 @@ class CallSims:
         for k in [k for k in self.sims if k in self.finished
                   and (not self.persist or k + 1 in self.sims)]:
             del self.sims[k]
+
+
+class SharedSims:
+    """One ``CallSims`` for the ranks (threads) of one process, made by the first rank
+    that asks (``run_rank`` knows the schedule, sizes and rounding: the same on every
+    rank). ``keep``: every call stays (two passes, the GPU warm-up)."""
+
+    def __init__(self, users: int, keep: bool = False) -> None:
+        self.users, self.keep = users, keep
+        self._lock = threading.Lock()
+        self._sims: CallSims | None = None
+
+    def bind(self, *args: Any) -> CallSims:
+        """The shared ``CallSims(*args)``; made at the first call."""
+        with self._lock:
+            if self._sims is None:
+                self._sims = CallSims(*args, users=self.users, keep=self.keep)
+            return self._sims
 
 
 def run_rank(
@@ -410,10 +439,11 @@ def run_rank(
     mesh: list[int] | None = None,
     sizes: dict[str, int] | None = None,
     device: str = "cpu",
-    sims: dict[int, Any] | None = None,
+    sims: SharedSims | None = None,
     program_order: str = "natural",
     handshake: bool = True,
     replay: dict[str, Any] | None = None,
+    check: bool = True,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -421,11 +451,13 @@ def run_rank(
     ``device``: where the module, its inputs and the engine steps' values live (the
     float64 simulation stays on the CPU); on a GPU every kernel's error record is read
     after each call, so a failed wait is named at the call that made it. ``sims``: the
-    simulated calls by call index, shared between two passes over the same calls (the
-    GPU warm-up). ``program_order``: the order in which the CPU interpreter takes the
-    programs of a launch (dcpc.harness.interpret). ``handshake``: the module's torch
-    handshake (False: its torch steps pair only through their collectives). ``replay``:
-    hold one step back until a race's other access happened (dcpc.harness.replay)."""
+    float64 simulations shared by the ranks of this process (backend local), and between
+    two passes over the same calls (the GPU warm-up). ``program_order``: the order in
+    which the CPU interpreter takes the programs of a launch (dcpc.harness.interpret).
+    ``handshake``: the module's torch handshake (False: its torch steps pair only through
+    their collectives). ``replay``: hold one step back until a race's other access
+    happened (dcpc.harness.replay). ``check``: compare each value with the reference
+    (False: a pass whose report nobody reads, the GPU warm-up's, skips that host work)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     if mesh:
         world = MeshWorld(mesh)
@@ -450,7 +482,12 @@ def run_rank(
         served, {"timeout_s": timeout_s, "epoch_start": epoch_start, "poison": poison,
               "tuning": tuning, "handshake": None if handshake else False})
     strike = adversary.Fault(**fault) if fault else None
-    progress("construction")
+    def say(text: str) -> None:  # the launcher's record; a LocalRank's, for its group
+        progress(text)
+        if hasattr(group, "progress"):
+            group.progress(text)
+
+    say("construction")
     if strike is not None:  # step CONSTRUCT: the rank stops before it constructs
         strike.strike(rank, 0, CONSTRUCT)
     dev = torch.device(device)
@@ -464,21 +501,22 @@ def run_rank(
             report.outputs.setdefault(name, OutputStats())
     returned = set(report.outputs)
 
-    live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any]] = {}
+    # call -> (trace, the engine's tensors, external, sizes, this rank's inputs)
+    live: dict[int, tuple[list[list[Buffers]], dict[str, torch.Tensor], Any, Any, Buffers]] = {}
     lead = None  # a replay of two calls in flight: the other access's step runs first
     if replay is not None and replay["hold"][1] != replay["release"][1]:
         at = {s.name: k for k, s in enumerate(steps)}
         lead = ((replay["hold"][1], at[replay["hold"][2]]),
                 (replay["release"][1], at[replay["release"][2]]))
-    calls_sim = CallSims(schedule, world, ctor, seed, rounding, sims)
-    sims = calls_sim.sims
+    calls_sim = (CallSims(schedule, world, ctor, seed, rounding) if sims is None
+                 else sims.bind(schedule, world, ctor, seed, rounding))
     persist = calls_sim.persist
 
     def held(call: int, index: int, name: str) -> torch.Tensor | None:
         """What ``name`` holds on this rank before step ``index`` of ``call``: the call's
         last write, else a persistent buffer's value at the call's start."""
-        want = seen_at(sims[call][3], index, rank, name)
-        return sims[call][1][rank][name] if want is None and name in persist else want
+        want = seen_at(live[call][0], index, rank, name)
+        return live[call][4][name] if want is None and name in persist else want
 
     for event in adversary.plan_events(schedule, calls, order, seed, lead):
         if event.call not in live:
@@ -486,17 +524,17 @@ def run_rank(
             # a persistent buffer is the module's, not the engine's: kept apart (start)
             env = {k: _to_engine(schedule, k, v, dev) for k, v in inputs[rank].items()
                    if k not in persist}
-            live[event.call] = (trace, env, external, sizes)
-        trace, env, external, sizes = live[event.call]
+            live[event.call] = (trace, env, external, sizes, inputs[rank])
+        trace, env, external, sizes, _ = live[event.call]
         step = steps[event.step]
         kind = "engine step" if isinstance(step.op, External) else "method"
-        progress(f"call {event.call} (slot {event.slot}): {kind} {step.name}()")
+        say(f"call {event.call} (slot {event.slot}): {kind} {step.name}()")
         if strike is not None:
             strike.strike(rank, event.call, step.name)
         jitter.delay()
         here = [rank, event.call, step.name]
         if replay is not None and here == replay["hold"]:
-            progress(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
+            say(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
             report.replay = adversary.replay_hold(replay, _written(
                 module, schedule, kinds, step, event.call, rank, event.slot, sizes, trace,
                 replay["watch"]))
@@ -508,7 +546,7 @@ def run_rank(
                     continue  # the engine's own tensor
                 got = module.buffer(name, event.slot, sizes)
                 want = held(event.call, step.index, name)
-                if want is not None:  # what the call wrote before this step
+                if want is not None and check:  # what the call wrote before this step
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
                     # a method's output read again by the engine: counted on its own
                     key = f"{name}@{step.name}" if name in returned else name
@@ -560,11 +598,12 @@ def run_rank(
                 if want is None:
                     report.outputs.setdefault(name, OutputStats()).kept += 1
                     continue
-                compare(name, kinds.written(event.call, step.index, name),
-                        schedule.buffers[name].dtype.value, value,
-                        want, report.outputs[name],
-                        f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
-                        unsent=unsent_at(trace, step.index + 1, rank, name))
+                if check:
+                    compare(name, kinds.written(event.call, step.index, name),
+                            schedule.buffers[name].dtype.value, value,
+                            want, report.outputs[name],
+                            f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
+                            unsent=unsent_at(trace, step.index + 1, rank, name))
         if replay is not None and here == replay["release"]:
             adversary.replay_release(replay)
         jitter.delay()
@@ -599,20 +638,23 @@ def run_local(process: int, processes: int, *, ranks: int, device: str = "cpu",
 
     del process, processes  # one process, launched alone
     group = LocalGroup(ranks, device, timeout_s=float(args.pop("group_timeout_s", 600.0)))
-    if group.device.type == "cpu":
-        return group.run(lambda rank: run_rank(rank.rank, ranks, group=rank, **args))
+    stall = args.pop("group_stall_s", None)  # a hang: no rank said anything new that long
+    if group.device.type == "cpu":  # the ranks share the float64 simulation of each call
+        sims = SharedSims(ranks)
+        return group.run(lambda rank: run_rank(rank.rank, ranks, group=rank, sims=sims,
+                                               **args), stall_s=stall)
     os.environ["DCPC_TRAP"] = "0"
-    sims: list[dict[int, Any]] = [{} for _ in range(ranks)]  # each rank's, both passes
+    sims = SharedSims(ranks, keep=True)  # every rank's, both passes
 
     def body(rank: Any) -> RankReport:
-        with compile_only():
+        with compile_only():  # its report is not read: no comparison
             run_rank(rank.rank, ranks, group=rank, device=str(group.device),
-                     sims=sims[rank.rank], **args)
+                     sims=sims, check=False, **args)
         rank.barrier()
         return run_rank(rank.rank, ranks, group=rank, device=str(group.device),
-                        sims=sims[rank.rank], **args)
+                        sims=sims, **args)
 
-    return group.run(body)
+    return group.run(body, stall_s=stall)
 
 
 def run_gpus(rank: int, world: int, **args: Any) -> RankReport:

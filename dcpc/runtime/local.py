@@ -78,6 +78,19 @@ class LocalRankError(RuntimeError):
     """A rank of a ``LocalGroup.run`` failed or did not finish in time."""
 
 
+class LocalRankHang(LocalRankError):
+    """Ranks of a ``LocalGroup.run`` stopped: none said anything new (``LocalRank.progress``)
+    for the stall bound, or, without one, they were not done at the deadline."""
+
+
+class LocalRankTimeout(LocalRankError):
+    """Ranks of a ``LocalGroup.run`` still progressing at its deadline: a slow run, not a
+    hang (a larger timeout lets it finish)."""
+
+
+POLL_S = 0.5  # how often LocalGroup.run looks at its ranks' progress
+
+
 def program_cap(device: torch.device, world: int, slots: int, num_warps: int = 4,
                 regs_per_thread: int = ASSUMED_REGS) -> int:
     """Programs per signalling launch so that ``world`` ranks x ``slots`` in flight are
@@ -384,12 +397,19 @@ class LocalGroup:
                 rank.extra_streams = [torch.cuda.Stream(self.device)
                                       for _ in range(EXTRA_STREAMS)]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None
-            ) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
+            stall_s: float | None = None) -> list[Any]:
         """``fn(rank, *args)`` in one thread per rank, each on its own CUDA stream; the
         ranks' return values. A failing rank breaks the group's barrier so that the
-        others stop too; a rank not done after ``timeout_s`` raises ``LocalRankError``
-        (its thread is left behind: a kernel spinning on the device cannot be stopped)."""
+        others stop too; ranks not done after ``timeout_s`` raise ``LocalRankHang``
+        (their threads are left behind: a kernel spinning on the device cannot be
+        stopped). With ``stall_s`` the ranks' progress (``LocalRank.progress``) tells a
+        hang from a slow run, as the launcher does for processes (dcpc.harness.launch):
+        when no rank still running said anything new for ``stall_s`` seconds of the
+        progress a busy thread makes (``wall_timeout``), ``LocalRankHang`` at once;
+        ranks still progressing at ``timeout_s`` raise ``LocalRankTimeout``, not a hang
+        (a rank's host work, the harness's float64 reference and comparisons, may be
+        slow on a busy machine while its calls advance)."""
         results: list[Any] = [None] * self.world
         errors: dict[int, str] = {}
         order: list[int] = []
@@ -414,11 +434,13 @@ class LocalGroup:
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True,
                                     name=f"dcpc-local-rank{r.rank}") for r in self.ranks]
+        start = time.monotonic()
+        for rank in self.ranks:  # before the threads start: their first words count
+            rank.said, rank.moved = "", start
         for t in threads:
             t.start()
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        bound = timeout_s or self.timeout_s
+        stalled = self._join(threads, start + bound, stall_s)
         hung = [r for r, t in enumerate(threads) if t.is_alive()]
         stacks = ""
         if hung:  # where each hung rank is: a kernel launch, a sync, a barrier
@@ -426,17 +448,47 @@ class LocalGroup:
             for r in hung:
                 frame = frames.get(threads[r].ident or -1)
                 where = "".join(traceback.format_stack(frame)[-4:]) if frame else "?\n"
-                stacks += f"rank {r} is at:\n{where}"
+                said = self.ranks[r].said
+                stacks += f"rank {r} is at{f' ({said})' if said else ''}:\n{where}"
+        now = time.monotonic()
+        moving = stall_s is not None and not stalled and any(
+            now - self.ranks[r].moved < stall_s for r in hung)
+        first = order[0] if order else None
+        failed = f"rank {first} failed:\n{errors[first]}" if first is not None else ""
+        if hung and moving:
+            raise LocalRankTimeout(
+                f"ranks {hung} timed out after {now - start:.0f} s, still progressing (not "
+                f"a hang: a larger timeout lets them finish);\n{stacks}{failed}")
         if hung or errors:
-            first = order[0] if order else None
-            raise LocalRankError(
-                (f"ranks {hung} did not finish within {timeout_s or self.timeout_s:.0f} s "
+            quiet = "" if not hung or stall_s is None else (
+                f", nothing new from any rank for "
+                f"{now - max(self.ranks[r].moved for r in hung):.0f} s")
+            raise (LocalRankHang if hung else LocalRankError)(
+                (f"ranks {hung} did not finish within {now - start:.0f} s{quiet} "
                  f"(a wait on a peer that never signalled, or kernels not co-resident);\n"
-                 f"{stacks}" if hung else "")
-                + (f"rank {first} failed:\n{errors[first]}" if first is not None else ""))
+                 f"{stacks}" if hung else "") + failed)
         if self._barrier.broken:
             self._barrier.reset()
         return results
+
+    def _join(self, threads: list[threading.Thread], deadline: float,
+              stall_s: float | None) -> bool:
+        """Wait for ``threads`` until ``deadline``; with ``stall_s``, stop early when no
+        rank still running said anything new for ``stall_s`` seconds of the progress a
+        busy thread makes now (``wall_timeout``, sampled only when it may be a stall).
+        True when it stopped on such a stall."""
+        from dcpc.runtime.clock import wall_timeout
+
+        while True:
+            alive = [r for r, t in enumerate(threads) if t.is_alive()]
+            now = time.monotonic()
+            if not alive or now >= deadline:
+                return False
+            if stall_s is not None:
+                last = max(self.ranks[r].moved for r in alive)
+                if now - last >= stall_s and time.monotonic() - last >= wall_timeout(stall_s):
+                    return True
+            threads[alive[0]].join(min(POLL_S, max(0.0, deadline - now)))
 
 
 @dataclass
@@ -449,6 +501,14 @@ class LocalRank:
     # more streams of its own (a second DBO slot, a warm-up side stream): never make one
     # with torch.cuda.Stream() in a rank's thread (see LocalGroup._make_streams)
     extra_streams: list[Any] = field(default_factory=list)
+    said: str = ""  # what it said last (``progress``), and when (time.monotonic)
+    moved: float = 0.0
+
+    def progress(self, text: str) -> None:
+        """Record what this rank is doing now: ``LocalGroup.run(stall_s=...)`` takes a
+        rank that says something new for a rank still moving, and names the last words
+        of a hung one."""
+        self.said, self.moved = text, time.monotonic()
 
     @property
     def world(self) -> int:

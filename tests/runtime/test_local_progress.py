@@ -1,0 +1,117 @@
+"""The ``local`` backend tells a slow run from a hang by its ranks' progress, as the
+launcher does for processes (tests/run/test_launch_progress.py). Before, a LocalGroup's
+only bound was its deadline: deepep_normal at 2x4 on one GPU, its ranks' threads busy
+in the harness's host work (every call advancing), was reported as "did not finish (a
+wait on a peer that never signalled ...)" at 150 s. Now ranks still saying something new
+at the deadline are a timeout (``LocalRankTimeout``: not a hang), and ranks that all
+stopped are a hang (``LocalRankHang``) once the stall bound passes, long before the
+deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.runtime.local import LocalGroup, LocalRankHang, LocalRankTimeout
+
+KIMI = str(Path(__file__).resolve().parents[2] / "schedules" / "kimi_k3_dcp.yaml")
+
+
+def _steps(rank: Any, steps: int, pause: float) -> int:
+    for i in range(steps):
+        rank.progress(f"step {i}")
+        time.sleep(pause)
+    return rank.rank
+
+
+def test_a_slow_run_that_keeps_progressing_finishes_past_the_stall_bound() -> None:
+    """Each step is shorter than the stall bound, the run three times longer: done."""
+    got = LocalGroup(2, "cpu", timeout_s=120).run(_steps, 12, 0.5, stall_s=2)
+    assert got == [0, 1]
+
+
+def test_ranks_still_progressing_at_the_deadline_are_a_timeout_not_a_hang() -> None:
+    start = time.monotonic()
+    with pytest.raises(LocalRankTimeout) as info:
+        LocalGroup(2, "cpu", timeout_s=4).run(_steps, 400, 0.1, stall_s=30)
+    text = str(info.value)
+    assert "still progressing (not a hang" in text and "did not finish" not in text, text
+    assert "rank 1 is at (step " in text, text
+    assert time.monotonic() - start < 60, text
+    time.sleep(0.5)  # the threads left behind end by themselves (400 x 0.1 s at most)
+
+
+def test_ranks_that_all_stopped_are_hung_at_the_stall_bound_not_the_deadline() -> None:
+    """A wait on a peer that never signals: nothing new from any rank, a hang named with
+    each rank's last words and where it is, well before the 600 s deadline."""
+    never = threading.Event()
+
+    def body(rank: Any) -> None:
+        rank.progress("call 0: method exchange()")
+        never.wait(600)  # the peer's signal that never comes
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(LocalRankHang) as info:
+            LocalGroup(2, "cpu", timeout_s=600).run(body, stall_s=3)
+    finally:
+        never.set()  # let the threads left behind end
+    text = str(info.value)
+    assert time.monotonic() - start < 120, text  # the stall bound, stretched on a busy machine
+    assert "ranks [0, 1] did not finish within" in text and "nothing new from any rank" in text
+    assert "rank 0 is at (call 0: method exchange()):" in text and "in wait" in text, text
+
+
+def test_without_a_stall_bound_the_deadline_still_names_a_hang() -> None:
+    never = threading.Event()
+    try:
+        with pytest.raises(LocalRankHang, match=r"ranks \[0, 1\] did not finish within"):
+            LocalGroup(2, "cpu", timeout_s=2).run(lambda rank: never.wait(600))
+    finally:
+        never.set()
+
+
+@pytest.mark.e2e
+def test_dcpc_run_local_names_a_stopped_rank_hung_at_the_stall_bound() -> None:
+    """``dcpc run --backend local``: rank 1 stops for good before a step (a peer that
+    never signals); its peer's wait times out; the run is ``hung`` once nothing moved for
+    the stall bound (wait + 30 s), not at the run's deadline (over 240 s here)."""
+    fault = {"rank": 1, "call": 1, "step": "out_exchange", "kind": "sleep"}
+    report = run_schedule(RunConfig(schedule=KIMI, world=2, backend="local", calls=3, seed=2,
+                                    wait_timeout_s=2.0, fault=fault))
+    text = format_report(report)
+    assert [o.status for o in report.launch.outcomes] == ["hung", "hung"], text
+    error = report.launch.outcomes[1].error
+    assert "LocalRankHang: ranks [1] did not finish" in error, text
+    assert "rank 1 is at (call 1 (slot 0): method out_exchange())" in error, text
+    assert "rank 0 failed" in error and "timed out waiting for peer 1" in error, text
+    assert report.launch.wall_s < 200, text
+
+
+def test_local_ranks_share_one_simulation_per_call(tmp_path: Path, monkeypatch: Any) -> None:
+    """The W threads of a local run simulate each call once between them (each rank made
+    its own: W times the float64 reference, the host work that kept deepep_normal's
+    ranks busy on one GPU), and every rank still compares every output with it."""
+    from dcpc.harness import worker
+    from dcpc.harness.run import compile_to
+
+    used, module, _, _ = compile_to(KIMI, tmp_path, 3)
+    made: list[int] = []
+    real = worker.simulate_call
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "simulate_call", counted)
+    args = RunConfig(schedule=KIMI, world=3, backend="local", calls=2).worker_args(used, module)
+    reports = worker.run_local(0, 1, ranks=3, **args)
+    assert len(made) == 2, len(made)
+    assert [r.rank for r in reports] == [0, 1, 2]
+    for r in reports:
+        assert all(s.compared == 2 and s.mismatches == 0 for s in r.outputs.values()), r.outputs
