@@ -16,6 +16,12 @@ read here from the compiled code itself; the second and third too:
   ``/`` on fp32): up to 2 ulp off the IEEE quotient the float64 reference and the
   interpreter compute, e.g. a per-token fp8 scale one ulp off; ``tl.math.div_rn`` is
   the IEEE division.
+- ``byte-pair-shared-store``: ``st.shared.v2.b8`` / ``.v4.b8``: Triton 3.6 moving a
+  byte tile (fp8) to a store's layout through shared memory in byte vectors, a thread's
+  bytes of two rows side by side. An [8, 128] f32 tile on 4 warps quantised this way
+  stored wrong fp8 bytes on an H100 where the same kernel storing byte by byte did not
+  (benchmarks/diag/grouped_cast_a2a/README.md; the PTX reads right, so the fault is
+  below it); ragged_all_to_all.py.j2 launches its fp8 stores around it.
 
 How: ``capture`` runs the schedule's module on CPU (Triton's interpreter, ranks as
 threads) and records every launch's kinds of arguments (each tensor's dtype and 16-byte
@@ -46,12 +52,14 @@ _LOAD = re.compile(r"\bld\.global\b")
 _BARRIER = re.compile(r"\b(bar|barrier)\.(sync|red|cta\.sync)\b|\bbar\.sync\b")
 _RANK_BRANCH = re.compile(r"\bRANK\s*==|==\s*RANK\b")  # a kernel with a rank's own branch
 _DIVISION = re.compile(r"\bdiv\.(full|approx)\.f32\b|\brcp\.approx\.f32\b")
+_BYTE_PAIR = re.compile(r"\bst\.shared\.v[24]\.b8\b")
 
 
 @dataclass(frozen=True)
 class Finding:
     kernel: str
     code: str  # release-without-barrier | acquire-without-barrier | approximate-division
+    # | byte-pair-shared-store
     line: int  # in the kernel's PTX
     text: str  # the instruction
 
@@ -70,6 +78,8 @@ def check_ptx(kernel: str, ptx: str) -> list[Finding]:
             continue
         if _DIVISION.search(ln):
             out.append(Finding(kernel, "approximate-division", i + 1, ln))
+        if _BYTE_PAIR.search(ln):
+            out.append(Finding(kernel, "byte-pair-shared-store", i + 1, ln))
         if _BARRIER.search(ln):
             last_barrier = i
             pending_acquire = -1

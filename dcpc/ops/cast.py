@@ -155,17 +155,7 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
     else:
         want = shape[:-1] if shape is not None else None
         why = f"one f32 scale per row of '{rows_of.name}' (its shape without the last dim)"
-    if scale.group is not None and op.op != "ragged_all_to_all":
-        # the all_to_all's grouped kernel (f32 rows of one group) gave wrong bytes on an
-        # H100 at 7e96ad4 (benchmarks/diag/grouped_cast_a2a, cause open): refused until it
-        # runs clean there; the ragged one ran clean there on bf16 rows of two groups
-        v.error(scale.mark("group"), "bad-scale",
-                f"step '{v.step.name}' ({op.op}) groups its scales by {scale.group} "
-                "channels; per-channel-group scales are on ragged_all_to_all only (the "
-                "all_to_all's grouped kernel has not run clean on a GPU)",
-                hint="cast with 'per: token' (one scale per row) on the all_to_all")
-        want, why = None, ""
-    elif scale.group is not None:
+    if scale.group is not None:
         want, why = _grouped(v, scale, rows_of, shape)
     elif shape is not None and middle_dims(op, shape) and tile_group(v.ctx.schedule, op,
                                                                      shape) is None:

@@ -37,6 +37,8 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 10**7  # ~4 months: keeps timeout_ns far inside int64
 CPU_PROGRAMS = 4  # default cap on programs per launch on CPU (host backend)
 MIN_BLOCK = 1024  # elements: small calls split their tiles down to this (see _launch)
+FP8_VECTOR = 4  # elements a thread of a tile that stores fp8 into a peer (_fp8_tile)
+WARP_THREADS = 32
 MAX_BYTES = 2**46  # a rank's buffers above this (64 TiB) are refused at construction
 # A call's ``call_id`` enters its fingerprint modulo CALL_IDS, as the last digit of the
 # mixed-radix number (a pseudo-size that no schedule can name): ranks whose calls pair
@@ -652,6 +654,23 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
             block_r //= 2
         tiles = -(-rows // block_r) * col_tiles
         return max(1, min(tune.programs, -(-tiles // tune.tiles_per_program))), block_r, block_c
+
+    @staticmethod
+    def _fp8_tile(tune: Tune, block_r: int, block_c: int, group: int | None
+                  ) -> tuple[int, int, int]:
+        """(BLOCK_R, BLOCK_C, num_warps) of a launch that stores fp8 bytes into a peer's
+        buffer (ragged_all_to_all.py.j2's quantising casts, 1 and 2): its [BLOCK_R, cols]
+        tile (cols: the group, else BLOCK_C) holds at most FP8_VECTOR elements a thread,
+        one row's vector. The store's layout there is one byte a thread (a peer's pointer:
+        no alignment known), so Triton 3.6 moves the bytes through shared memory; a thread
+        with elements of two rows (an [8, 128] f32 tile on 4 warps) writes them as byte
+        pairs (st.shared.v2.b8), which stored wrong bytes on an H100 where byte stores
+        did not (benchmarks/diag/grouped_cast_a2a/README.md; dcpc.harness.ptx finds them).
+        A group wider than 4 warps' vectors takes more warps."""
+        per_warp = WARP_THREADS * FP8_VECTOR
+        warps = max(tune.num_warps, (group or 0) // per_warp)
+        block_c = min(block_c, per_warp * warps)
+        return max(1, min(block_r, per_warp * warps // (group or block_c))), block_c, warps
 
     def _memoised(self, what: tuple, env: Mapping[str, int], make: Any) -> Any:
         """``make()`` once per (what, env object): envs are interned (Signature.bind), so

@@ -1,7 +1,8 @@
 """The emitted kernels as the GPU runs them: compiled for sm_90 on this CPU-only machine
 (dcpc.harness.ptx) and read for what the interpreter cannot show: a signal released
 before a block barrier orders the other threads' stores, a data load after a wait with no
-block barrier, an approximate division where the reference divides in IEEE arithmetic.
+block barrier, an approximate division where the reference divides in IEEE arithmetic,
+fp8 bytes moved through shared memory in byte pairs (wrong bytes on an H100).
 
 Every shipped, gallery and per-op schedule is clean; a missing barrier before a release
 and an approximate division are found when put back into an emitted module (the
@@ -51,8 +52,11 @@ LOAD = "ld.global.b32 { %r2 }, [ %rd8 + 0 ];"
     (["div.full.f32 %r3, %r4, %r5;"], {"approximate-division"}),
     (["div.rn.f32 %r3, %r4, %r5;"], set()),
     (["ex2.approx.f32 %r3, %r4;"], set()),  # exp/log: math, compared within tolerance
+    (["st.shared.v2.b8 [%r14], {%rs34, %rs33};"], {"byte-pair-shared-store"}),
+    (["st.shared.b8 [%r14], %rs17;", "st.shared.v2.b32 [%r11], {%r1, %r2};"], set()),
 ], ids=["store-release", "store-bar-release", "release-store", "acquire-load",
-        "acquire-bar-load", "volatile-flags", "div-full", "div-rn", "ex2"])
+        "acquire-bar-load", "volatile-flags", "div-full", "div-rn", "ex2", "byte-pairs",
+        "bytes-words"])
 def test_the_reader_finds_each_class(body: list[str], codes: set[str]) -> None:
     assert _codes(check_ptx("k", "\n".join(body))) == codes
 
@@ -70,7 +74,11 @@ def test_every_schedule_compiles_for_sm90_with_no_finding() -> None:
     ("schedules/kimi_k3_dcp.yaml", (RELEASE_BARRIER, "pass"), "release-without-barrier"),
     ("schedules/gallery/moe_dispatch_combine.yaml",
      ("tl.math.div_rn(448.0, amax)", "448.0 / amax"), "approximate-division"),
-], ids=["no-barrier-before-release", "approximate-scale"])
+    # the all_to_all's [8, 128] f32 tile on 4 warps, as launched before _fp8_tile
+    ("schedules/ops/ragged_all_to_all_fp8_group.yaml",
+     ("self._fp8_tile(_tune, _block_r, _block_c, 128)", "(_block_r, _block_c, _tune.num_warps)"),
+     "byte-pair-shared-store"),
+], ids=["no-barrier-before-release", "approximate-scale", "fp8-byte-pairs"])
 def test_a_mutation_of_each_class_is_found(schedule: str, patch: tuple[str, str],
                                            code: str) -> None:
     ((findings, _),) = check_schedules([(ROOT / schedule, 2)], patch=(patch,))

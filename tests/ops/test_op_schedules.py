@@ -144,10 +144,9 @@ def _given(node: BaseModel, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield from _given(value, f"{prefix}{name}.")
 
 
-# keys a model takes that the checker refuses on that op (a file could not set them):
-# their refusal has its own test (tests/ops/test_cast_group.py: the all_to_all's grouped
-# kernel has not run clean on a GPU)
-REFUSED = {("all_to_all", "scale.group")}
+# keys a model takes that the checker refuses on that op (a file could not set them),
+# each refusal with its own test: none now (`group` on an all_to_all was, 9f82130)
+REFUSED: set[tuple[str, str]] = set()
 
 
 def test_every_key_and_value_of_every_op_is_exercised() -> None:
@@ -243,7 +242,7 @@ VARIANTS: dict[str, Variant] = {
     "ragged_all_to_all: over a team": _team("ragged_all_to_all"),
     **{f"{op}: cast {k} per G channels": lambda s, step, p, w, op=op, k=k: (
         step.kind == op and p.attrs.get("cast") == k and bool(p.attrs.get("group")))
-       for op in ("ragged_all_to_all",) for k in (1, 3)},  # all_to_all: refused (cast.py)
+       for op in ("ragged_all_to_all", "all_to_all") for k in (1, 3)},
     "ragged_all_to_all: several payloads, the first cast": lambda s, step, p, w: (
         step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
         and p.attrs.get("cast") == 1),

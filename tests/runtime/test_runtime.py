@@ -240,6 +240,27 @@ def test_small_calls_get_shorter_tiles_and_fewer_programs(rows, programs, want):
     assert grid == min(programs, -(-rows // block_r) * -(-576 // block_c))
 
 
+@pytest.mark.parametrize(
+    ("block_r", "block_c", "group", "warps", "want"),
+    [
+        (8, 128, 128, 4, (4, 128, 4)),  # the H100's wrong [8, 128] f32 tile: 4 rows
+        (8, 256, None, 4, (2, 256, 4)),  # per token, rows of 256: 2 rows
+        (4, 1024, None, 4, (1, 512, 4)),  # a column tile past 4 warps' vectors: halved
+        (4, 256, 1024, 4, (1, 256, 8)),  # a group of 1024: one row on 8 warps
+        (2, 128, 16, 4, (2, 128, 4)),  # already one vector a thread: unchanged
+    ],
+)
+def test_fp8_stores_get_one_row_vector_a_thread(block_r, block_c, group, warps, want):
+    """ScheduleModule._fp8_tile: at most FP8_VECTOR elements of the stored tile a thread
+    (benchmarks/diag/grouped_cast_a2a: two rows a thread stored wrong fp8 on an H100)."""
+    from dcpc.runtime.module import FP8_VECTOR, WARP_THREADS, ScheduleModule, Tune
+
+    got = ScheduleModule._fp8_tile(Tune(128, warps, 4096), block_r, block_c, group)
+    assert got == want
+    r, c, w = got
+    assert r * (group or c) <= FP8_VECTOR * WARP_THREADS * w
+
+
 def test_request_lookup_is_a_vector_up_to_1024_requests():
     assert [tiles.request_block(b) for b in (1, 3, 256, 1024)] == [1, 4, 256, 1024]
     assert tiles.request_block(1025) == 0  # binary search beyond
