@@ -661,12 +661,14 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         """(BLOCK_R, BLOCK_C, num_warps) of a launch that stores fp8 bytes into a peer's
         buffer (ragged_all_to_all.py.j2's quantising casts, 1 and 2): its [BLOCK_R, cols]
         tile (cols: the group, else BLOCK_C) holds at most FP8_VECTOR elements a thread,
-        one row's vector. The store's layout there is one byte a thread (a peer's pointer:
-        no alignment known), so Triton 3.6 moves the bytes through shared memory; a thread
-        with elements of two rows (an [8, 128] f32 tile on 4 warps) writes them as byte
-        pairs (st.shared.v2.b8), which stored wrong bytes on an H100 where byte stores
-        did not (benchmarks/diag/grouped_cast_a2a/README.md; dcpc.harness.ptx finds them).
-        A group wider than 4 warps' vectors takes more warps."""
+        one row's vector (rows narrower than FP8_VECTOR: up to FP8_VECTOR rows' elements,
+        which sm_90 code packs without byte pairs). The store's layout there is one byte
+        a thread (a peer's pointer: no alignment known), so Triton 3.6 moves the bytes
+        through shared memory; a thread with elements of two rows (an [8, 128] f32 tile
+        on 4 warps) writes them as byte pairs (st.shared.v2.b8), which stored wrong bytes
+        on an H100 where byte stores did not (benchmarks/diag/grouped_cast_a2a/README.md;
+        dcpc.harness.ptx finds them). A group wider than 4 warps' vectors takes more
+        warps."""
         per_warp = WARP_THREADS * FP8_VECTOR
         warps = max(tune.num_warps, (group or 0) // per_warp)
         block_c = min(block_c, per_warp * warps)

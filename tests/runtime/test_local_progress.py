@@ -43,7 +43,7 @@ def test_ranks_still_progressing_at_the_deadline_are_a_timeout_not_a_hang() -> N
     assert "still progressing (not a hang" in text and "did not finish" not in text, text
     assert "rank 1 is at (step " in text, text
     assert time.monotonic() - start < 60, text
-    time.sleep(0.5)  # the threads left behind end by themselves (400 x 0.1 s at most)
+    time.sleep(0.5)  # the threads left behind run on (up to 400 x 0.1 s) and end by themselves
 
 
 def test_ranks_that_all_stopped_are_hung_at_the_stall_bound_not_the_deadline() -> None:
