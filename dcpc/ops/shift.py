@@ -436,19 +436,22 @@ def _edge(holder: Any, put: Step, wait: Step, between: Step) -> str:
     found = []
     for world in holder.samples.worlds:
         running = running_at(holder.schedule, world)
-
-        def runs(s: Step, r: int, running: Any = running) -> bool:
-            ranks = running.get(s.index)
-            return ranks is None or r in ranks
-
         for p, q in sorted(sources(holder.schedule, wait.op, world).items()):
-            if runs(put, q) and runs(wait, p):
-                found.append((runs(between, p) or runs(between, q), world, q, p))
+            if _runs(running, put, q) and _runs(running, wait, p):
+                found.append((_runs(running, between, p) or _runs(running, between, q),
+                              world, q, p))
     if not found:
         return "no rank runs both ends at a W checked"
     _, world, q, p = max(found, key=lambda f: f[0])
     return f"at {_at(world)} rank {q} puts at '{put.name}' and rank {p} receives it at " \
            f"'{wait.name}'"
+
+
+def _runs(running: Mapping[int, Set[int]], step: Step, rank: int) -> bool:
+    """Whether ``step`` runs on ``rank`` by ``running`` (dcpc.lang.when ``running``'s
+    table at one W: a step not in it has no ``when:`` and runs on every rank)."""
+    ranks = running.get(step.index)
+    return ranks is None or rank in ranks
 
 
 def _at(world: Any) -> str:
@@ -563,8 +566,7 @@ def span_run(holder: Any, steps: list[Step], world: Any, running: Mapping[int, S
     pos = [0] * n
 
     def runs(k: int, r: int) -> bool:
-        ranks = running.get(steps[k].index)
-        return ranks is None or r in ranks
+        return _runs(running, steps[k], r)
 
     team = mesh_of(holder.schedule).team_axes
     group = {k: team(found.lands[s.name].op) for k, s in enumerate(steps) if k in to}
