@@ -164,10 +164,9 @@ class Torus:
         """The rank at member index ``member(rank) + k`` of ``rank``'s team along ``axes``
         (mod the team size; ``wrap`` False: None past either end): next/prev (k = +-1)
         and a shift's offset along a team, one definition for every stage."""
-        team, me = self.team(rank, axes), self.member(rank, axes)
-        if not wrap and not 0 <= me + k < len(team):
-            return None
-        return team[(me + k) % len(team)]
+        team = self.team(rank, axes)
+        found = along(self.member(rank, axes), len(team), k, wrap)
+        return None if found is None else team[found]
 
     def perm_ranks(self, members: Sequence[int], axes: Axes | None) -> tuple[int, ...]:
         """A perm along ``axes`` as ranks: ``members`` names the destination of each
@@ -195,6 +194,26 @@ class Torus:
         """``(node=1, gpu=0)``."""
         return "(" + ", ".join(f"{n}={c}" for n, c in zip(axis_names, self.coords(rank),
                                                            strict=True)) + ")"
+
+
+def along(member: int, size: int, k: int, wrap: bool = True) -> int | None:
+    """Member ``member + k`` of a team of ``size`` members: mod ``size`` on a ring, None
+    past either end where ``wrap`` is False (a line: a shift with ``wrap: false``). The
+    one definition of a shift's peer by offset: over ranks through ``Torus.peer``, over
+    member indices in the float64 reference and the torch backend."""
+    if not wrap and not 0 <= member + k < size:
+        return None
+    return (member + k) % size
+
+
+def perm_sources(dests: Sequence[int]) -> tuple[int, ...]:
+    """The source of each member of a perm's destination table (-1: none, as in
+    ``dests``): the one inverse of a perm (who a member receives from)."""
+    out = [-1] * len(dests)
+    for r, d in enumerate(dests):
+        if d >= 0:
+            out[d] = r
+    return tuple(out)
 
 
 def team_table(ranks: Sequence[int], team: Sequence[int]) -> list[int]:

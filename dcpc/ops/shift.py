@@ -95,7 +95,7 @@ from dcpc.ops.common import (
     typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
-from dcpc.topology import shape_of, team_table, torus
+from dcpc.topology import along, perm_sources, shape_of, team_table, torus
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Set
@@ -228,15 +228,6 @@ def table(op: Shift) -> tuple[int, ...]:
     return ()
 
 
-def inverse(dests: tuple[int, ...]) -> tuple[int, ...]:
-    """The source of each rank (-1: none) of a destination table."""
-    out = [-1] * len(dests)
-    for r, d in enumerate(dests):
-        if d >= 0:
-            out[d] = r
-    return tuple(out)
-
-
 def delta(op: Shift) -> int:
     """The offset as an integer (0 or a huge one is the verifier's error; 1 here)."""
     k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
@@ -248,7 +239,7 @@ def peers(op: Shift) -> tuple[str, str]:
     (which ranks a wait first's span links at each W is ``sources``')."""
     k, dests = delta(op), table(op)
     if op.perm is not None:
-        return perm_peers(dests), perm_peers(inverse(dests))
+        return perm_peers(dests), perm_peers(perm_sources(dests))
     return offset_peers(k, op.wrap), offset_peers(-k, op.wrap)
 
 
@@ -510,7 +501,7 @@ def sources(schedule: ScheduleView, op: Shift, world: int) -> dict[int, int]:
     the rank whose src it receives: member r - k of its team (dcpc.topology
     ``Torus.peer``), or a perm's source."""
     if op.perm is not None:
-        return {d: r for r, d in enumerate(table(op)) if d >= 0}
+        return {d: s for d, s in enumerate(perm_sources(table(op))) if s >= 0}
     t, axes = torus(shape_of(world)), mesh_of(schedule).team_axes(op)
     found = {r: t.peer(r, axes, -delta(op), op.wrap) for r in range(t.size)}
     return {r: s for r, s in found.items() if s is not None}
@@ -626,14 +617,14 @@ def reference(sim: SimView, step: Step) -> None:
     ``wrap: false``: a rank whose source r - k is not a rank gets nothing (dst kept)."""
     op: Shift = step.op  # type: ignore[assignment]
     k, w = delta(op), sim.world
-    fed = [r for r in range(w) if op.wrap or 0 <= r - k < w]
-    source = {r: (r - k) % w for r in fed}
+    found = [along(r, w, -k, op.wrap) for r in range(w)]
     if op.perm is not None:  # rank r gets perm^-1(r)'s src, where r is a destination
         dests = table(op)  # over ranks; a team's view (sim.members) reads it per team
         members = getattr(sim, "members", None)
         dests = tuple(team_table(dests, members)) if members is not None else dests
-        source = {d: r for r, d in enumerate(dests) if d >= 0}
-        fed = sorted(source)
+        found = [None if s < 0 else s for s in perm_sources(dests)]
+    source = {r: s for r, s in enumerate(found) if s is not None}
+    fed = sorted(source)
     if op.phase == "wait":
         put = matched(sim).polls[step.name]
         for r in fed:
@@ -756,7 +747,7 @@ def _perm_attrs(schedule: ScheduleView, op: Shift) -> dict[str, Any]:
     where it has none: its lane masked off) and whether it sends (a rank that is no
     source stores no tile)."""
     dests = table(op)
-    back = inverse(dests)
+    back = perm_sources(dests)
     mesh = mesh_of(schedule)
     axes = mesh.team_axes(op)
     # a perm on a mesh is unrolled for one shape: the mesh's ints, else the one served
