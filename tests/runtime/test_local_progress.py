@@ -115,3 +115,29 @@ def test_local_ranks_share_one_simulation_per_call(tmp_path: Path, monkeypatch: 
     assert [r.rank for r in reports] == [0, 1, 2]
     for r in reports:
         assert all(s.compared == 2 and s.mismatches == 0 for s in r.outputs.values()), r.outputs
+
+
+def local_group_stops(rank: int, world: int, hang: bool) -> list[int]:
+    """A launched process (the one process of a ``local`` run) whose LocalGroup of two
+    ranks hangs (both stop: LocalRankHang) or is still progressing at its deadline
+    (LocalRankTimeout)."""
+    if hang:
+        return LocalGroup(2, "cpu", timeout_s=600).run(
+            lambda r: (r.progress("call 0"), time.sleep(3600)), stall_s=2)
+    return LocalGroup(2, "cpu", timeout_s=3).run(_steps, 400, 0.1, stall_s=30)
+
+
+@pytest.mark.parametrize(("hang", "status"), [(True, "hung"), (False, "timeout")])
+def test_a_local_runs_status_is_its_exceptions_launch_status(hang: bool, status: str) -> None:
+    """The launcher takes a process's status from the exception it raised
+    (``launch_status``), and a ``local`` run's W ranks get it (dcpc.harness.run
+    ``_per_rank``), not from the exception's text."""
+    from dcpc.harness.launch import launch
+    from dcpc.harness.run import _per_rank
+
+    result = launch("tests.runtime.test_local_progress:local_group_stops", 1, {"hang": hang},
+                    timeout_s=300)
+    assert [o.status for o in result.outcomes] == [status], result.summary()
+    ranks = _per_rank(result, 3)
+    assert [o.status for o in ranks.outcomes] == [status] * 3, ranks.summary()
+    assert ranks.outcomes[2].error == result.outcomes[0].error
