@@ -407,23 +407,32 @@ def _verify_apart(v: ShapeRules, step: Step) -> None:
     for between in v.ctx.schedule.step_list()[step.index + 1:wait.index]:
         if _local(v.ctx, between):
             continue
+        edge, elsewhere = _edge(v.ctx, step, wait, between)
+        rule = ("on the torch backend the put only sends and the wait only receives, gloo "
+                "and NCCL match the messages between two ranks in order and a send blocks "
+                "until its receive is posted")
+        why = (f": {rule}, so '{between.name}' would take the put's message or block on it"
+               if elsewhere is None else
+               f" (it signals, waits or reaches another rank's buffers), though on neither "
+               f"end of any such pair at a W checked ({elsewhere}), so it cannot take this "
+               "put's message; it is refused by where it stands, not by where it runs: "
+               f"{rule}, so a communicating step there takes the message or blocks on it "
+               "wherever it runs on an end")
         v.error(op.mark("when"), "wait-first-span",
                 f"step '{step.name}' puts and its wait '{wait.name}' has another 'when:' "
-                f"({_edge(v.ctx, step, wait, between)}), but step '{between.name}' "
-                f"({between.kind}) between them communicates: on the torch backend the "
-                "put only sends and the wait only receives, gloo and NCCL match the "
-                "messages between two ranks in order and a send blocks until its "
-                f"receive is posted, so '{between.name}' would take the put's message "
-                "or block on it; only steps that run on their rank alone may stand "
+                f"({edge}), but step '{between.name}' ({between.kind}) between them "
+                f"communicates{why}; only steps that run on their rank alone may stand "
                 "between such a put and its wait",
                 f"move '{between.name}' before '{step.name}' or after '{wait.name}' (or "
                 "give the put and the wait the same 'when:')")
         return
 
 
-def _edge(holder: Any, put: Step, wait: Step, between: Step) -> str:
+def _edge(holder: Any, put: Step, wait: Step, between: Step) -> tuple[str, str | None]:
     """The first W checked and a sender and its receiver of the apart pair ``put``,
-    ``wait`` there, preferring a pair where ``between`` runs on either end."""
+    ``wait`` there, preferring a pair where ``between`` runs on either end; and, where it
+    runs on neither end of any pair, the ranks it runs on at that W (None: on an end, or
+    no pair)."""
     found = []
     for world in holder.samples.worlds:
         running = running_at(holder.schedule, world)
@@ -432,10 +441,16 @@ def _edge(holder: Any, put: Step, wait: Step, between: Step) -> str:
                 found.append((_runs(running, between, p) or _runs(running, between, q),
                               world, q, p))
     if not found:
-        return "no rank runs both ends at a W checked"
-    _, world, q, p = max(found, key=lambda f: f[0])
-    return f"at {_at(world)} rank {q} puts at '{put.name}' and rank {p} receives it at " \
+        return "no rank runs both ends at a W checked", None
+    on_end, world, q, p = max(found, key=lambda f: f[0])
+    edge = f"at {_at(world)} rank {q} puts at '{put.name}' and rank {p} receives it at " \
            f"'{wait.name}'"
+    if on_end:
+        return edge, None
+    ranks = sorted(running_at(holder.schedule, world).get(between.index, ()))
+    shown = ", ".join(map(str, ranks[:4])) + (", ..." if len(ranks) > 4 else "")
+    return edge, (f"at {_at(world)} it runs on rank{'s' if len(ranks) > 1 else ''} {shown}"
+                  if ranks else f"at {_at(world)} it runs on no rank")
 
 
 def _runs(running: Mapping[int, Set[int]], step: Step, rank: int) -> bool:
