@@ -442,6 +442,7 @@ def simulate_call(
     external: External,
     trace: list[list[Buffers]] | None = None,
     rounding: str | Callable[[m.Step], str] = "nearest",
+    progress: Callable[[m.Step], None] | None = None,
 ) -> list[Buffers]:
     """Run every step of one call on all ranks; return every rank's buffers at the end.
 
@@ -452,6 +453,8 @@ def simulate_call(
     ``rounding``: how the backend's kernels store into bf16 (``KERNEL_ROUNDING``; per step
     on a mesh whose axes run on different backends: ``step_rounding``), so that
     a value moved after the step that rounded it is compared with the bits it has.
+    ``progress``: called with each step before it runs (or the span of steps it opens):
+    a long simulation says it is moving (dcpc.harness.worker ``CallSims``).
     """
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     running = wh.running(schedule, world)  # the guarded steps' ranks (when:)
@@ -461,6 +464,8 @@ def simulate_call(
     for step in steps:
         if step.index <= done:
             continue
+        if progress is not None:
+            progress(step)
         _storing(sim, step, rounding)
         if trace is not None and step.index:
             trace.append(sim.written)

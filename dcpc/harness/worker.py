@@ -344,7 +344,10 @@ class CallSims:
     persists): the simulations kept are the calls in flight or ahead, and the last one's
     end (``most``: the most kept at once). ``keep`` (two passes over the same calls, the
     GPU warm-up): every call stays. Thread-safe: the first rank to ask for a call
-    simulates it, the others wait for it (host work only: it always ends)."""
+    simulates it, the others wait for it (host work only: it always ends); ``get``'s
+    ``say`` hears each step the simulation runs, so a simulation longer than the stall
+    bound reads as progress (the launcher's, a LocalGroup's: any rank that moves), not
+    as a hang."""
 
     def __init__(self, schedule: m.Schedule, world: Any, ctor: dict[str, int], seed: int,
                  rounding: Any, *, users: int = 1, keep: bool = False) -> None:
@@ -357,19 +360,21 @@ class CallSims:
         self._lock = threading.Lock()
         self.most = 0
 
-    def get(self, call: int) -> tuple:
+    def get(self, call: int, say: Callable[[str], None] | None = None) -> tuple:
         """The call's (sizes, inputs, external, trace), simulated after every call before
-        it where a buffer persists."""
+        it where a buffer persists; ``say``: told what the simulation is at (progress)."""
         with self._lock:
             while call not in self.sims:
                 k = max(self.sims, default=-1) + 1 if self.persist else call
                 if k > call or call in self.finished:  # dropped: it would never come back
                     raise RuntimeError(f"call {call}'s simulation was dropped before it ran")
-                self._simulate(k)
+                self._simulate(k, say)
             return self.sims[call][:4]
 
-    def _simulate(self, k: int) -> None:
+    def _simulate(self, k: int, say: Callable[[str], None] | None = None) -> None:
         schedule, world = self.schedule, self.world
+        if say is not None:
+            say(f"call {k}: the float64 reference's inputs")
         sizes = synth.call_sizes(schedule, world, self.ctor, self.seed, k)
         inputs = synth.call_inputs(schedule, world, sizes, self.seed, k)
         if self.persist:
@@ -379,7 +384,9 @@ class CallSims:
         external = synth.make_external(schedule, world, sizes, self.seed, k)
         trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
         end = simulate_call(schedule, world, sizes, inputs, external, trace=trace,
-                            rounding=self.rounding)
+                            rounding=self.rounding, progress=None if say is None else (
+                                lambda s: say(f"call {k}: the float64 reference of step "
+                                              f"{s.name}")))
         self.sims[k] = (sizes, inputs, external, trace, end)
         self.most = max(self.most, len(self.sims))
         self._drop()
@@ -520,7 +527,7 @@ def run_rank(
 
     for event in adversary.plan_events(schedule, calls, order, seed, lead):
         if event.call not in live:
-            sizes, inputs, external, trace = calls_sim.get(event.call)
+            sizes, inputs, external, trace = calls_sim.get(event.call, say)
             # a persistent buffer is the module's, not the engine's: kept apart (start)
             env = {k: _to_engine(schedule, k, v, dev) for k, v in inputs[rank].items()
                    if k not in persist}

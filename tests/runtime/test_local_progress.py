@@ -141,3 +141,41 @@ def test_a_local_runs_status_is_its_exceptions_launch_status(hang: bool, status:
     ranks = _per_rank(result, 3)
     assert [o.status for o in ranks.outcomes] == [status] * 3, ranks.summary()
     assert ranks.outcomes[2].error == result.outcomes[0].error
+
+
+RING = str(Path(__file__).resolve().parents[2] / "schedules" / "gallery" / "ring_attention.yaml")
+
+
+@pytest.mark.parametrize("says", [True, False])
+def test_a_shared_simulation_longer_than_the_stall_bound_is_progress_not_a_hang(
+        says: bool) -> None:
+    """The ranks of a local run share each call's float64 simulation (``CallSims``): one
+    rank simulates, the others wait for it. ring_attention at W=8, T=N=2048 is about 10 s
+    of simulation (2-core machine, unloaded) in 49 steps of at most about 1 s each, past
+    a stall bound of 3 s: the simulating rank says each step (``get``'s ``say``, as
+    run_rank passes its own), so the group finishes. Silent, the same simulation reads
+    as a hang: shown against a stall bound of 0.5 s, which leaves it about 20 times the
+    bound (the detector stretches its bound by the CPU share a loaded machine gives, as
+    the simulation stretches: at 3 s the margin would be too thin to fail for sure)."""
+    from dcpc.harness import synth
+    from dcpc.harness.worker import CallSims
+    from dcpc.lang.parse import parse_file
+
+    schedule = parse_file(RING, world=8)
+    sims = CallSims(schedule, 8, synth.constructor_sizes(schedule, 8, {"T": 2048, "N": 2048}),
+                    0, "nearest", users=2)
+
+    def body(rank: Any) -> int:
+        rank.progress("call 0")
+        sims.get(0, rank.progress if says else None)
+        return rank.rank
+
+    start = time.monotonic()
+    if says:
+        assert LocalGroup(2, "cpu", timeout_s=600).run(body, stall_s=3) == [0, 1]
+        assert time.monotonic() - start > 3  # longer than the stall bound: a real test
+        return
+    with pytest.raises(LocalRankHang, match=r"nothing new from any rank"):
+        LocalGroup(2, "cpu", timeout_s=600).run(body, stall_s=0.5)
+    while 0 not in sims.sims and time.monotonic() - start < 300:
+        time.sleep(0.5)  # the thread left behind ends its simulation
