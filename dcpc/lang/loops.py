@@ -304,6 +304,10 @@ class _Unroller:
         self.errors: list[Diagnostic] = []
         self.split: dict[str, int] = {}  # buffer -> P, for the buffers used with an index
         self.whole: dict[str, Mark] = {}  # buffer -> where it is used whole
+        # a rotation of the rank's slice of a symmetric buffer (``_rotated``): its name ->
+        # (buffer, c, where first used); ``fixed``: buffers left to copies per rank
+        self.rotated: dict[str, tuple[str, int, Mark]] = {}
+        self.fixed: set[str] = set()
 
     def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
         if all((d.mark, d.code) != (mark, code) for d in self.errors):  # once, not per hop
@@ -508,6 +512,7 @@ class _Unroller:
         the step's own ``when:``): the rank-by-rank checks, the float64 reference and
         the module then treat it as any guarded step (dcpc.lang.when)."""
         hops = env.keys() - self.env.keys()  # a hop index hides a name of the rank
+        body = self._rotated(body, env)
         found = _owner_mark(body, self.file, _owner_names(self.data) - hops)
         if found is None:
             return [("", self.op(name, body, env))]
@@ -519,14 +524,7 @@ class _Unroller:
                              "a time")
             return []
         groups: dict[str, tuple[list[int], dict[str, Any]]] = {}
-        axes, shape = sorted(_coordinates(self.data), key=self._axis_names().index), ()
-        if axes and self.world is not None and len(shape_of(self.world)) == len(axes):
-            shape = shape_of(self.world)  # the coordinates are the mesh shape's
-        for rank in range(int(self.env["W"])):
-            coords = zip(axes, torus(shape).coords(rank), strict=True) if shape else ()
-            at = {**env, **{k: v for k, v in coords if k not in hops}}
-            if OWNER not in hops:
-                at[OWNER] = rank
+        for rank, at in self._ranks(env):
             out = self.op(name, body, at)
             key = repr({k: v for k, v in out.items() if k not in (MARK, MARKS)})
             groups.setdefault(key, ([], out))[0].append(rank)
@@ -542,6 +540,73 @@ class _Unroller:
                            OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(name, ranks[0], index)}
             copies.append((f"_r{ranks[0]}", out))
         return copies
+
+    def _ranks(self, env: dict[str, int]) -> Iterable[tuple[int, dict[str, int]]]:
+        """(rank, ``env`` with the rank's names bound) for every rank of this W: ``r``
+        and, on a mesh, each axis' coordinate (a hop index of the same name hides it)."""
+        hops = env.keys() - self.env.keys()
+        axes, shape = sorted(_coordinates(self.data), key=self._axis_names().index), ()
+        if axes and self.world is not None and len(shape_of(self.world)) == len(axes):
+            shape = shape_of(self.world)  # the coordinates are the mesh shape's
+        for rank in range(int(self.env["W"])):
+            coords = zip(axes, torus(shape).coords(rank), strict=True) if shape else ()
+            at = {**env, **{k: v for k, v in coords if k not in hops}}
+            if OWNER not in hops:
+                at[OWNER] = rank
+            yield rank, at
+
+    def _rotated(self, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
+        """Step ``body`` with each index that is a ROTATION of the rank written as the
+        buffer it names: ``b[e]`` of a symmetric buffer whose leading axis is W, where
+        ``e`` is ``r + c`` mod W on every rank r for one c, is ``b_rot<c>``, a buffer of
+        its own (slice (r + c) mod W of b on rank r, in every rank's view alike, so the
+        per-rank renaming of b's slices is one-to-one on each rank and every stage may
+        treat ``b_rot<c>`` as any buffer: one step that every rank runs, no copies). A
+        buffer also indexed otherwise (``fixed``) keeps the copies per rank."""
+        if "W" not in self.env:
+            return body
+        out = dict(body)
+        for key, value in body.items():
+            if key in (MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave",
+                       "shard", "channel", "from", "to", "phase"):
+                continue
+            if isinstance(value, dict):  # mask_empty
+                out[key] = {k: (v if k in (MARK, MARKS) else self._rotation(
+                    v, env, _mark(value, k, self.file))) for k, v in value.items()}
+            else:
+                out[key] = self._rotation(value, env, _mark(body, key, self.file))
+        return out
+
+    def _rotation(self, value: Any, env: dict[str, int], mark: Mark) -> Any:
+        """``value`` (a name, an indexed name or a list) with a rotation index renamed."""
+        if isinstance(value, list):
+            return [self._rotation(v, env, mark) for v in value]
+        found = _INDEXED.match(value.strip()) if isinstance(value, str) else None
+        hops = env.keys() - self.env.keys()
+        if found is None or not _names_w(found.group(2), _owner_names(self.data) - hops):
+            return value
+        name, inner, world = found.group(1), found.group(2), int(self.env["W"])
+        buffers = self.data.get("buffers")
+        spec = buffers.get(name) if isinstance(buffers, dict) else None
+        if (name in self.fixed or not isinstance(spec, dict)
+                or not (spec.get("symmetric") or spec.get("shared"))
+                or self._leading(name) != world or "[" in inner):
+            return value
+        turns = set()
+        for rank, at in self._ranks(env):
+            try:
+                got = _mod_value(inner, at)
+            except (ex.UnboundSymbol, ex.ExprSyntaxError, ex.InexactDivision, ValueError,
+                    ArithmeticError):
+                return value  # the copies' unrolling reports it
+            if not 0 <= got < world:
+                return value
+            turns.add((got - rank) % world)
+        if len(turns) != 1:
+            return value
+        alias = f"{name}_rot{turns.pop()}"
+        self.rotated.setdefault(alias, (name, int(alias.rpartition("rot")[2]), mark))
+        return alias
 
     def shard(self, name: str, value: Any, env: dict[str, int], mark: Mark) -> Any:
         """External step ``name``'s ``shard`` on this rank: its value, a rank of this W
@@ -872,6 +937,22 @@ class _Unroller:
         return True
 
     def run(self) -> dict[str, Any]:
+        data = self._unroll()
+        # a buffer indexed by rotations and also by a fixed slice or whole: its slices
+        # are not renamed per rank (one name, one memory); unrolled again with its
+        # rank-indexed steps copied per rank, as before rotations were taken
+        mixed = {base for base, _, _ in self.rotated.values()} & (
+            set(self.split) | set(self.whole))
+        if mixed and not self.errors:
+            self.fixed |= mixed
+            self.errors, self.split, self.whole, self.rotated = [], {}, {}, {}
+            data = self._unroll()
+        self._split_buffers(data)
+        if self.errors:
+            raise DiagnosticError(self.errors)
+        return data
+
+    def _unroll(self) -> dict[str, Any]:
         data = dict(self.data)
         flat: list[Any] = []
         for item in data.get("steps") or []:
@@ -898,17 +979,28 @@ class _Unroller:
                        f"with loop '{name}' unrolled the schedule has {len(flat)} steps"
                        f"{self._at({})}; the checker unrolls every hop and analyses at most "
                        f"{MAX_STEPS} steps", "check a smaller --world, or fewer steps per hop")
-        self._split_buffers(data)
-        if self.errors:
-            raise DiagnosticError(self.errors)
         return data
 
     def _split_buffers(self, data: dict[str, Any]) -> None:
         buffers = data.get("buffers")
-        if not isinstance(buffers, dict) or not self.split:
+        if not isinstance(buffers, dict) or not (self.split or self.rotated):
             return
         out = {k: v for k, v in buffers.items() if k not in (MARK, MARKS)}
         marks = dict(buffers.get(MARKS, {}))
+        for alias, (name, _, mark) in sorted(self.rotated.items()):
+            if alias in out or alias in buffers:
+                self.error(mark, "mixed-index",
+                           f"buffer '{alias}' is declared, but it is also the name of the "
+                           f"rank's rotated slice of '{name}' this index takes",
+                           "rename one of them")
+                continue
+            spec = dict(buffers[name])
+            spec["shape"] = spec["shape"][1:]
+            out[alias] = spec
+            marks["key:" + alias] = marks.get("key:" + name)
+            marks[alias] = marks.get(name)
+        for name in {base for base, _, _ in self.rotated.values()}:
+            out.pop(name, None)  # only its rotations are used (a mixed one was unrolled again)
         aliased: dict[str, int] = {}
         for name, lead in self.split.items():
             spec = out.get(name)

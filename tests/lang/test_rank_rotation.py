@@ -1,0 +1,137 @@
+"""A communication step whose slice names the rank (issue 33 item 4): an index of a
+symmetric buffer whose leading axis is W that is a ROTATION of the rank (``r + c`` mod W,
+one c on every rank) names the buffer ``<b>_rot<c>`` (dcpc.lang.loops ``_rotated``): one
+step that every rank runs, no copies per rank, so a shift may take the sender's slot as
+``src`` and the receiver's view of the sender as ``dst``. schedules/ops/shift_rank_index.yaml
+(a ring all-gather in place, every block in its owner's slot) is proved, its twin without
+the barrier is refused with a counterexample, and the checker, the brute force and the
+execution oracle agree on both; any other index of the rank on a communication step stays
+``bad-index``, and a buffer indexed by rotations and otherwise keeps the copies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from support.hb_oracle import oracle_keys
+
+from dcpc.check import hb, structural
+from dcpc.check.oracle import explore
+from dcpc.cli import main
+from dcpc.codegen.lower import lower
+from dcpc.diagnostics import DiagnosticError
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.parse import parse_file, parse_text
+
+ROOT = Path(__file__).resolve().parents[2]
+RING = ROOT / "schedules" / "ops" / "shift_rank_index.yaml"
+BARRIER = "  - done: {op: barrier}\n"
+
+
+def _twin(tmp_path: Path) -> Path:
+    """The ring without its barrier: the call that reuses a slot (call c + 2) stores
+    into the owner's slot while the call before it may still be passing that block."""
+    text = RING.read_text()
+    assert text.endswith(BARRIER)
+    path = tmp_path / "shift_rank_index.no_barrier.yaml"
+    path.write_text(text.removesuffix(BARRIER))
+    return path
+
+
+def test_a_rotation_of_the_rank_is_one_step_every_rank_runs() -> None:
+    schedule = parse_file(RING, 3)
+    steps = {s.name: s for s in schedule.step_list()}
+    assert list(steps) == ["own", "pass_h0", "pass_h1", "done"]  # no copies per rank
+    assert all(getattr(s.op, "when", None) is None for s in steps.values())
+    # hop h: src is slot r - h (c = -h), dst on the receiver slot r - h - 1 (c = -h - 1)
+    assert (steps["own"].op.dst, steps["pass_h0"].op.src, steps["pass_h0"].op.dst,
+            steps["pass_h1"].op.src, steps["pass_h1"].op.dst) == (
+        "parts_rot0", "parts_rot0", "parts_rot2", "parts_rot2", "parts_rot1")
+    assert "parts" not in schedule.buffers
+    assert all(schedule.buffers[f"parts_rot{c}"].shape == ["N", "D"] for c in range(3))
+
+
+def test_the_ring_is_proved_and_its_twin_without_the_barrier_is_a_located_race(
+        tmp_path: Path) -> None:
+    done = CliRunner().invoke(main, ["check", str(RING), "--world", "2..5"])
+    assert done.exit_code == 0, done.output
+    twin = _twin(tmp_path)
+    done = CliRunner().invoke(main, ["check", str(twin), "--world", "2..4"])
+    out = done.output
+    assert done.exit_code == 1, out
+    assert f"{twin}:28:11: error: write-after-write race on parts_rot1" in out, out
+    assert "pass_h0 on rank 1 (call 0) and pass_h0 on rank 1 (call 2)" in out, out
+    assert "parts_rot1[rank 0, slot 0] whole (shift from rank 1, offset +1)" in out, out
+    assert "a legal execution" in out and "[race]" in out, out
+
+
+@pytest.mark.parametrize("racy", [False, True], ids=["clean", "no_barrier"])
+def test_checker_brute_force_and_execution_oracle_agree_on_the_rotated_ring(
+        racy: bool, tmp_path: Path) -> None:
+    """The three follow each slot on each rank (the per-rank renaming is one-to-one), so
+    they find the same races: none with the barrier, the slot reuse without it."""
+    path = _twin(tmp_path) if racy else RING
+    for world in (2, 3, 4):
+        schedule = parse_file(path, world)
+        assert [d for d in structural.check(schedule, [world]) if d.severity == "error"] == []
+        checker = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert checker == oracle_keys(schedule, world), world
+        executed = {f.key for f in explore(lower(schedule, [world]), world,
+                                           randoms=2).findings}
+        assert checker == executed, world
+        assert bool(checker) is racy, (world, checker)
+
+
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_the_ring_runs_against_float64(backend: str) -> None:
+    """host runs in tests/ops/test_op_schedules.py (the file's '# run:' worlds)."""
+    report = run_schedule(RunConfig(schedule=str(RING), world=3, backend=backend, calls=5))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    for c in range(3):  # every slot on every rank is compared
+        assert f"parts_rot{c}" in text, text
+
+
+# one shift into a slot of g that names the rank (INDEX), read on the receiver
+SHIFT = ("schedule: rotation\nslots: 2\nsizes: {T: 3, C: 8}\n"
+         "buffers: {x: {shape: [T, C], dtype: f32}, "
+         "g: {shape: [W, T, C], dtype: f32, symmetric: true}}\nsteps:\n"
+         '  - send: {op: shift, src: x, dst: "INDEX", offset: next}\n'
+         "  - done: {op: barrier}\n")
+
+
+@pytest.mark.parametrize("index", ["g[W - 1 - r]", "g[(2 * r) % W]"])
+def test_an_index_of_the_rank_that_is_no_rotation_stays_bad_index(index: str) -> None:
+    schedule = parse_text(SHIFT.replace("INDEX", index), "s.yaml", 4)
+    found = [d for d in structural.check(schedule, [4]) if d.severity == "error"]
+    assert [d.code for d in found] == ["bad-index"], found
+    assert "rotation of the rank ('parts[(r - h) % W]'" in (found[0].hint or ""), found[0]
+
+
+def test_the_receiver_s_slot_of_the_sender_is_its_own_rotation() -> None:
+    """dst 'g[(r - 1) % W]' read on the receiver is the sender's rank: one step."""
+    schedule = parse_text(SHIFT.replace("INDEX", "g[(r - 1) % W]"), "s.yaml", 4)
+    assert [s.name for s in schedule.step_list()] == ["send", "done"]
+    assert schedule.step_list()[0].op.dst == "g_rot3"
+    assert [d for d in structural.check(schedule, [4]) if d.severity == "error"] == []
+
+
+def test_a_buffer_indexed_by_a_rotation_and_a_fixed_slice_keeps_the_copies() -> None:
+    """At W=2 'g[r % 2]' is a rotation, but g[0] is taken too: the slices keep their
+    names on every rank and the step is copied per rank, as at every other W."""
+    text = SHIFT.replace("INDEX", "g[0]").replace(
+        "  - done", "  - use: {op: external, reads: [\"g[r % 2]\"], writes: [x]}\n  - done")
+    schedule = parse_text(text, "s.yaml", 2)
+    assert [s.name for s in schedule.step_list()] == ["send", "use_r0", "use_r1", "done"]
+    assert not any("_rot" in b for b in schedule.buffers)
+
+
+def test_a_rotation_named_like_a_declared_buffer_is_mixed_index() -> None:
+    text = SHIFT.replace("INDEX", "g[r]").replace(
+        "buffers: {x:", "buffers: {g_rot0: {shape: [T, C], dtype: f32}, x:")
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(text, "s.yaml", 3)
+    assert [d.code for d in err.value.diagnostics] == ["mixed-index"]
+    assert "rotated slice of 'g'" in err.value.diagnostics[0].message
