@@ -911,11 +911,13 @@ class _Unroller:
         flat = not any(_is_loop(b[1]) for b in map(_body, inner) if b)
         if flat:  # a loop of plain steps: its hops times its steps (a step per rank of
             # one whose index names the rank)
-            steps, hops = trips * sum(_copies(i, self.env, _owner_names(self.data))
+            steps, hops = trips * sum(_copies(i, self.env, _owner_names(self.data),
+                                              _rotating(self.data, self.env))
                                       for i in inner), trips
         else:
             count = [0, 0]
-            _tally([{name: body}], self.env, 0, count, _owner_names(self.data))
+            _tally([{name: body}], self.env, 0, count, _owner_names(self.data),
+                   _rotating(self.data, self.env))
             steps, hops = count
         if steps > MAX_STEPS:
             per = steps // trips if flat and trips else len(inner)
@@ -1034,12 +1036,12 @@ class _Unroller:
 
 
 def _owner_mark(body: dict[str, Any], file: str,
-                names: frozenset[str] | set[str] = frozenset({OWNER})
-                ) -> tuple[Mark, str] | None:
+                names: frozenset[str] | set[str] = frozenset({OWNER}),
+                skip: frozenset[str] = frozenset()) -> tuple[Mark, str] | None:
     """Where the first index of step ``body`` that names the rank (one of ``names``:
     ``r``, a mesh coordinate) is, and the name it writes the rank by (the first, by
     name, of several), or None (a step's keys and a mask_empty's, as ``_Unroller.op``
-    rewrites them)."""
+    rewrites them); an index of a buffer in ``skip`` does not count."""
     shard = _shard(body)
     if isinstance(shard, str) and _names_w(shard, names):
         return _mark(body, "shard", file), _owner_name(shard, names)
@@ -1052,7 +1054,7 @@ def _owner_mark(body: dict[str, Any], file: str,
         for text, mark in inner.values():
             for one in text if isinstance(text, list) else [text]:
                 found = _INDEXED.match(one.strip()) if isinstance(one, str) else None
-                if found and _names_w(found.group(2), names):
+                if found and found.group(1) not in skip and _names_w(found.group(2), names):
                     return mark, _owner_name(found.group(2), names)
     return None
 
@@ -1185,17 +1187,35 @@ def uses_loops(data: Any) -> bool:
 
 
 def _copies(item: Any, env: dict[str, int],
-            owners: frozenset[str] = frozenset({OWNER})) -> int:
-    """The steps a plain step unrolls to at most: one per rank (W) when an index of it
-    names the rank (``owners`` not bound in ``env``: ``_Unroller.owned``), else one."""
+            owners: frozenset[str] = frozenset({OWNER}),
+            rotating: frozenset[str] = frozenset()) -> int:
+    """The steps a plain step unrolls to: one per rank (W) when an index of it names the
+    rank (``owners`` not bound in ``env``: ``_Unroller.owned``), else one; an index of a
+    buffer of ``rotating`` (``_rotating``) counts as the rotation it may be (one step: if
+    it is none, the unrolled schedule's own count says so)."""
     named = _body(item)
     owned = (named is not None and isinstance(named[1], dict) and "W" in env
-             and _owner_mark(named[1], "<memory>", owners - env.keys()) is not None)
+             and _owner_mark(named[1], "<memory>", owners - env.keys(), rotating) is not None)
     return int(env["W"]) if owned else 1
 
 
+def _rotating(data: Any, env: dict[str, int]) -> frozenset[str]:
+    """The buffers whose slots an index may take by a rotation of the rank at W =
+    ``env["W"]`` (``_Unroller._rotated``): symmetric, leading axis W."""
+    buffers = data.get("buffers") if isinstance(data, dict) else None
+    if not isinstance(buffers, dict) or "W" not in env:
+        return frozenset()
+    return frozenset(
+        name for name, spec in buffers.items()
+        if isinstance(spec, dict) and (spec.get("symmetric") or spec.get("shared"))
+        and isinstance(spec.get("shape"), list) and len(spec["shape"]) >= 2
+        and isinstance(spec["shape"][0], (str, int))
+        and env.get(spec["shape"][0], spec["shape"][0]) == env["W"])
+
+
 def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],
-           owners: frozenset[str] = frozenset({OWNER})) -> bool:
+           owners: frozenset[str] = frozenset({OWNER}),
+           rotating: frozenset[str] = frozenset()) -> bool:
     """Add the unrolled steps and the hops of ``items`` (steps at nesting ``depth``, hop
     indices bound in ``env``) to ``count`` = [steps, hops], from the trip counts alone (no
     step is rewritten). A loop's hops are walked only while the hops stay within MAX_HOPS,
@@ -1205,7 +1225,7 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],
     complete = True
 
     def copies(item: Any) -> int:
-        return _copies(item, env, owners)
+        return _copies(item, env, owners, rotating)
 
     for item in items:
         named = _body(item)
@@ -1234,7 +1254,8 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],
             complete = False
             continue
         for h in range(trips):
-            complete = _tally(inner, {**env, hop: h}, depth + 1, count, owners) and complete
+            complete = _tally(inner, {**env, hop: h}, depth + 1, count, owners,
+                              rotating) and complete
             if count[1] > MAX_HOPS:
                 break
     return complete
@@ -1249,7 +1270,8 @@ def unrolled_length(data: Any, world: int) -> int | None:
     if not isinstance(steps, list):
         return None
     count = [0, 0]
-    if not _tally(steps, _world_env(data, world), 0, count, _owner_names(data)):
+    env = _world_env(data, world)
+    if not _tally(steps, env, 0, count, _owner_names(data), _rotating(data, env)):
         return None
     return max(count[0], MAX_STEPS + 1) if count[1] > MAX_HOPS else count[0]
 

@@ -94,6 +94,25 @@ def test_the_ring_runs_against_float64(backend: str) -> None:
         assert f"parts_rot{c}" in text, text
 
 
+def test_a_pull_of_every_rank_s_rotated_slot_is_one_step_too(tmp_path: Path) -> None:
+    """Nothing in the rotation is the shift's: a pull reads slot (p + 1) mod W of every
+    rank p (its src, 'parts[(r + 1) % W]'), one step, proved and run against float64."""
+    path = tmp_path / "pull_rotation.yaml"
+    path.write_text(RING.read_text().split("steps:")[0].replace(
+        "op_shift_rank_index", "pull_rotation")
+        + "  got: {shape: [W, N, D], dtype: bf16}\nsteps:\n"
+        '  - own: {op: copy, src: mine, dst: "parts[(r + 1) % W]"}\n'
+        '  - fetch: {op: pull, src: "parts[(r + 1) % W]", dst: got}\n'
+        "  - read: {op: signal, to: all, channel: pulled}\n"
+        "  - freed: {op: wait, from: all, channel: pulled}\n")
+    schedule = parse_file(path, 3)
+    assert [s.name for s in schedule.step_list()] == ["own", "fetch", "read", "freed"]
+    done = CliRunner().invoke(main, ["check", str(path), "--world", "2..4"])
+    assert done.exit_code == 0, done.output
+    report = run_schedule(RunConfig(schedule=str(path), world=3, backend="torch", calls=5))
+    assert report.launch.ok and report.mismatches == 0, format_report(report)
+
+
 # one shift into a slot of g that names the rank (INDEX), read on the receiver
 SHIFT = ("schedule: rotation\nslots: 2\nsizes: {T: 3, C: 8}\n"
          "buffers: {x: {shape: [T, C], dtype: f32}, "
@@ -135,3 +154,20 @@ def test_a_rotation_named_like_a_declared_buffer_is_mixed_index() -> None:
         parse_text(text, "s.yaml", 3)
     assert [d.code for d in err.value.diagnostics] == ["mixed-index"]
     assert "rotated slice of 'g'" in err.value.diagnostics[0].message
+
+
+def test_the_step_bound_counts_a_rotation_once_and_a_non_rotation_after_unrolling() -> None:
+    """The bound from the trip counts takes an index of a symmetric buffer whose leading
+    axis is W as the one step a rotation is (the ring at W=20: 21 steps, not 20 per hop);
+    an index there that is no rotation is copied per rank and refused by the unrolled
+    schedule's own count."""
+    assert len(parse_file(RING, 20).step_list()) == 21
+    text = SHIFT.replace("INDEX", "g[r]").replace(
+        "  - send: {op: shift, src: x, dst: \"g[r]\", offset: next}\n",
+        "  - hops:\n      repeat: W\n      as: h\n      steps:\n"
+        "        - fill: {op: copy, src: x, dst: \"g[(W - 1 - r + h) % W]\"}\n")
+    assert len(parse_text(text, "s.yaml", 3).step_list()) == 3 * 3 + 1
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(text, "s.yaml", 17)
+    assert [d.code for d in err.value.diagnostics] == ["loop-too-long"]
+    assert "the schedule has 290 steps (at W=17)" in err.value.diagnostics[0].message
