@@ -610,8 +610,9 @@ class _Unroller:
             turns.add((got - rank) % world)
         if len(turns) != 1:
             return value
-        alias = f"{name}_rot{turns.pop()}"
-        self.rotated.setdefault(alias, (name, int(alias.rpartition("rot")[2]), mark))
+        turn = turns.pop()
+        alias = f"{name}_rot{turn}"
+        self.rotated.setdefault(alias, (name, turn, mark))
         return alias
 
     def shard(self, name: str, value: Any, env: dict[str, int], mark: Mark) -> Any:
@@ -951,7 +952,7 @@ class _Unroller:
         # rank-indexed steps copied per rank, as before rotations were taken
         mixed = {base for base, _, _ in self.rotated.values()} & (
             set(self.split) | set(self.whole))
-        if mixed and not self.errors:
+        if mixed:
             self.fixed |= mixed
             self.errors, self.split, self.whole, self.rotated = [], {}, {}, {}
             data = self._unroll()
