@@ -67,6 +67,9 @@ MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
 MAX_HOPS = 4 * MAX_STEPS
 LOOP_KEYS = ("repeat", "as", "steps", "doc", "when")
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
+# a step's keys whose values name no buffer slice (what a rotation's renaming skips)
+_NOT_SLICES = frozenset({MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave",
+                         "shard", "channel", "from", "to", "phase"})
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
@@ -314,6 +317,8 @@ class _Unroller:
         # (buffer, c, where first used); ``fixed``: buffers left to copies per rank
         self.rotated: dict[str, tuple[str, int, Mark]] = {}
         self.fixed: set[str] = set()
+        self.count = 0  # the steps unrolled so far (``loop``'s backstop)
+        self.rotating = _rotating(data, self.env)
 
     def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
         if all((d.mark, d.code) != (mark, code) for d in self.errors):  # once, not per hop
@@ -573,44 +578,46 @@ class _Unroller:
             return body
         out = dict(body)
         for key, value in body.items():
-            if key in (MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave",
-                       "shard", "channel", "from", "to", "phase"):
+            if key in _NOT_SLICES:
                 continue
             if isinstance(value, dict):  # mask_empty
                 out[key] = {k: (v if k in (MARK, MARKS) else self._rotation(
-                    v, env, _mark(value, k, self.file))) for k, v in value.items()}
+                    v, env, _mark(value, k, self.file), body)) for k, v in value.items()}
             else:
-                out[key] = self._rotation(value, env, _mark(body, key, self.file))
+                out[key] = self._rotation(value, env, _mark(body, key, self.file), body)
         return out
 
-    def _rotation(self, value: Any, env: dict[str, int], mark: Mark) -> Any:
-        """``value`` (a name, an indexed name or a list) with a rotation index renamed."""
+    def _rotation(self, value: Any, env: dict[str, int], mark: Mark,
+                  body: dict[str, Any]) -> Any:
+        """``value`` (a name, an indexed name or a list) with a rotation index renamed:
+        one recognised by its form (``_rotation_offset``), its c computed once, never
+        rank by rank."""
         if isinstance(value, list):
-            return [self._rotation(v, env, mark) for v in value]
+            return [self._rotation(v, env, mark, body) for v in value]
         found = _INDEXED.match(value.strip()) if isinstance(value, str) else None
         hops = env.keys() - self.env.keys()
-        if found is None or not _names_w(found.group(2), _owner_names(self.data) - hops):
+        if (found is None or OWNER in hops
+                or not _names_w(found.group(2), _owner_names(self.data) - hops)):
             return value
-        name, inner, world = found.group(1), found.group(2), int(self.env["W"])
-        buffers = self.data.get("buffers")
-        spec = buffers.get(name) if isinstance(buffers, dict) else None
-        if (name in self.fixed or not isinstance(spec, dict)
-                or not (spec.get("symmetric") or spec.get("shared"))
-                or self._leading(name) != world or "[" in inner):
+        name, world = found.group(1), int(self.env["W"])
+        offset = _rotation_offset(found.group(2), _owner_names(self.data) - hops)
+        if offset is None or name not in self.rotating:
             return value
-        turns = set()
-        for rank, at in self._ranks(env):
-            try:
-                got = _mod_value(inner, at)
-            except (ex.UnboundSymbol, ex.ExprSyntaxError, ex.InexactDivision, ValueError,
-                    ArithmeticError):
-                return value  # the copies' unrolling reports it
-            if not 0 <= got < world:
-                return value
-            turns.add((got - rank) % world)
-        if len(turns) != 1:
+        if _team_w(body, self.data) is not None:  # refused in both passes of ``run``
+            self.error(mark, "bad-index",
+                       f"'{value.strip()}' rotates the rank on a step along mesh axis "
+                       f"'{body.get('axis')}', but r is the rank in the whole mesh, not in "
+                       "the axis' team: the rotation would not name the team's sender",
+                       "index by the axis' coordinate in the local steps, or take the "
+                       "rotation on a step of the whole world")
             return value
-        turn = turns.pop()
+        if name in self.fixed:
+            return value
+        try:
+            turn = _mod_value(offset, env) % world
+        except (ex.UnboundSymbol, ex.ExprSyntaxError, ex.InexactDivision, ValueError,
+                ArithmeticError):
+            return value  # the copies' unrolling reports it
         alias = f"{name}_rot{turn}"
         self.rotated.setdefault(alias, (name, turn, mark))
         return alias
@@ -870,12 +877,23 @@ class _Unroller:
                                    f"{MAX_NEST} deep", "unroll the innermost loop by hand")
                         return []
                     out += self.loop(step, op, hop_env, (*outer, (name, hop)), hop_tag)
+                    if self.count > MAX_HOPS:
+                        return out
                     continue
                 marks = dict(item.get(MARKS, {}))
                 for tag_r, body_r in self.owned(step, op, hop_env):
                     out.append({f"{step}{hop_tag}{tag_r}": body_r, MARKS: {
                         "key:" + f"{step}{hop_tag}{tag_r}": marks.get("key:" + step),
                         f"{step}{hop_tag}{tag_r}": marks.get(step)}})
+                    self.count += 1
+                if self.count > MAX_HOPS:  # the backstop: the trip counts' bound took a
+                    # step for one that unrolled to more (copies per rank after all)
+                    self.error(_mark(body, "repeat", self.file), "loop-too-long",
+                               f"with loop '{name}' unrolled the schedule has more than "
+                               f"{MAX_HOPS} steps{self._at({})} (the unroller stopped "
+                               f"there); the checker analyses at most {MAX_STEPS} steps",
+                               "check a smaller --world, or fewer steps per hop")
+                    return out
         return out
 
     def _loop_when(self, name: str, body: dict[str, Any], hops: set[str]) -> dict[str, Any]:
@@ -919,12 +937,11 @@ class _Unroller:
         if flat:  # a loop of plain steps: its hops times its steps (a step per rank of
             # one whose index names the rank)
             steps, hops = trips * sum(_copies(i, self.env, _owner_names(self.data),
-                                              _rotating(self.data, self.env))
-                                      for i in inner), trips
+                                              self.rotating) for i in inner), trips
         else:
             count = [0, 0]
             _tally([{name: body}], self.env, 0, count, _owner_names(self.data),
-                   _rotating(self.data, self.env))
+                   self.rotating)
             steps, hops = count
         if steps > MAX_STEPS:
             per = steps // trips if flat and trips else len(inner)
@@ -955,6 +972,7 @@ class _Unroller:
         if mixed:
             self.fixed |= mixed
             self.errors, self.split, self.whole, self.rotated = [], {}, {}, {}
+            self.count = 0
             data = self._unroll()
         self._split_buffers(data)
         if self.errors:
@@ -966,7 +984,10 @@ class _Unroller:
         flat: list[Any] = []
         for item in data.get("steps") or []:
             named = _body(item)
+            if self.count > MAX_HOPS:
+                break
             if named and _is_loop(named[1]):
+                self.count = len(flat)
                 flat += self.loop(*named)
             elif named and isinstance(named[1], dict):
                 marks = dict(item.get(MARKS, {}))
@@ -1048,7 +1069,8 @@ def _owner_mark(body: dict[str, Any], file: str,
     """Where the first index of step ``body`` that names the rank (one of ``names``:
     ``r``, a mesh coordinate) is, and the name it writes the rank by (the first, by
     name, of several), or None (a step's keys and a mask_empty's, as ``_Unroller.op``
-    rewrites them); an index of a buffer in ``skip`` does not count."""
+    rewrites them); a rotation's index (``_rotation_offset``) of a buffer in ``skip``
+    does not count."""
     shard = _shard(body)
     if isinstance(shard, str) and _names_w(shard, names):
         return _mark(body, "shard", file), _owner_name(shard, names)
@@ -1061,9 +1083,42 @@ def _owner_mark(body: dict[str, Any], file: str,
         for text, mark in inner.values():
             for one in text if isinstance(text, list) else [text]:
                 found = _INDEXED.match(one.strip()) if isinstance(one, str) else None
-                if found and found.group(1) not in skip and _names_w(found.group(2), names):
+                if (found and _names_w(found.group(2), names) and not (
+                        found.group(1) in skip
+                        and _rotation_offset(found.group(2), names) is not None)):
                     return mark, _owner_name(found.group(2), names)
     return None
+
+
+def _rotation_offset(inner: str, owners: frozenset[str] | set[str]) -> str | None:
+    """The offset c of index ``inner`` when its FORM is a rotation of the rank (r + c mod
+    W on every rank): ``r``, ``(r + E) % W``, ``(r - E) % W`` or ``(E + r) % W`` with E
+    naming neither the rank nor a mesh coordinate (``owners``); the text of c (the
+    index's r read as 0, without its ``% W``), or None. O(1) in W: no rank evaluated."""
+    text = inner.strip()
+    if text == OWNER:
+        return "0"
+    body, modulus = _split_mod(text)
+    body = body.strip()
+    if modulus is None or modulus.strip() != "W" or not body.startswith("("):
+        return None
+    depth = 0
+    for i, ch in enumerate(body):  # the '(' must close at the end: '(r + h) % W'
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and i != len(body) - 1:
+            return None
+    inside = body[1:-1]
+    if _split_mod(inside)[1] is not None:
+        return None  # '(r + h % 2) % W' is ((r + h) % 2) % W
+    lead = re.fullmatch(rf"\s*{OWNER}\s*([+-])(.*)", inside, re.S)
+    tail = re.fullmatch(rf"(.*?)\+\s*{OWNER}\s*", inside, re.S)
+    if lead:
+        offset = f"0 {lead.group(1)}{lead.group(2)}"
+    elif tail and tail.group(1).strip():
+        offset = f"{tail.group(1)}+ 0"
+    else:
+        return None
+    return None if _names_w(offset, owners) else offset
 
 
 def _renamed(text: str, old: str, new: str) -> str:
@@ -1198,8 +1253,9 @@ def _copies(item: Any, env: dict[str, int],
             rotating: frozenset[str] = frozenset()) -> int:
     """The steps a plain step unrolls to: one per rank (W) when an index of it names the
     rank (``owners`` not bound in ``env``: ``_Unroller.owned``), else one; an index of a
-    buffer of ``rotating`` (``_rotating``) counts as the rotation it may be (one step: if
-    it is none, the unrolled schedule's own count says so)."""
+    buffer of ``rotating`` (``_rotating``) written as a rotation (``_rotation_offset``,
+    by its form) counts as one step (the unroller's running count is the backstop when
+    that buffer is unrolled with copies after all: ``_Unroller.loop``)."""
     named = _body(item)
     owned = (named is not None and isinstance(named[1], dict) and "W" in env
              and _owner_mark(named[1], "<memory>", owners - env.keys(), rotating) is not None)
@@ -1208,16 +1264,51 @@ def _copies(item: Any, env: dict[str, int],
 
 def _rotating(data: Any, env: dict[str, int]) -> frozenset[str]:
     """The buffers whose slots an index may take by a rotation of the rank at W =
-    ``env["W"]`` (``_Unroller._rotated``): symmetric, leading axis W."""
+    ``env["W"]`` (``_Unroller._rotated``): symmetric, leading axis W, and every use of
+    them in the steps an index written as a rotation (``_rotation_offset``): a buffer
+    also used whole or indexed otherwise is unrolled with copies per rank, and the
+    trip counts' bound counts them so (one scan of the file's text, no rank evaluated)."""
     buffers = data.get("buffers") if isinstance(data, dict) else None
     if not isinstance(buffers, dict) or "W" not in env:
         return frozenset()
-    return frozenset(
+    found = {
         name for name, spec in buffers.items()
         if isinstance(spec, dict) and (spec.get("symmetric") or spec.get("shared"))
         and isinstance(spec.get("shape"), list) and len(spec["shape"]) >= 2
         and isinstance(spec["shape"][0], (str, int))
-        and env.get(spec["shape"][0], spec["shape"][0]) == env["W"])
+        and env.get(spec["shape"][0], spec["shape"][0]) == env["W"]}
+    owners = _owner_names(data)
+
+    def use(value: Any) -> None:
+        if isinstance(value, list):
+            for one in value:
+                use(one)
+        elif isinstance(value, dict):
+            for key, one in value.items():
+                if key not in (MARK, MARKS):
+                    use(one)
+        elif isinstance(value, str):
+            indexed = _INDEXED.match(value.strip())
+            if indexed is None:
+                found.discard(value.strip())
+            elif _rotation_offset(indexed.group(2), owners) is None:
+                found.discard(indexed.group(1))
+
+    def walk(items: Any) -> None:
+        for item in items if isinstance(items, list) else []:
+            named = _body(item)
+            if named is None or not isinstance(named[1], dict):
+                continue
+            if _is_loop(named[1]):
+                walk(named[1].get("steps"))
+                continue
+            for key, value in named[1].items():
+                if key not in _NOT_SLICES:
+                    use(value)
+
+    if found:
+        walk(data.get("steps"))
+    return frozenset(found)
 
 
 def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],

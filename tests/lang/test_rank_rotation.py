@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from support.hb_oracle import oracle_keys
 
@@ -22,7 +23,9 @@ from dcpc.cli import main
 from dcpc.codegen.lower import lower
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.harness.simulate import simulate_call
 from dcpc.lang.parse import parse_file, parse_text
+from dcpc.topology import MeshWorld
 
 ROOT = Path(__file__).resolve().parents[2]
 RING = ROOT / "schedules" / "ops" / "shift_rank_index.yaml"
@@ -156,11 +159,11 @@ def test_a_rotation_named_like_a_declared_buffer_is_mixed_index() -> None:
     assert "rotated slice of 'g'" in err.value.diagnostics[0].message
 
 
-def test_the_step_bound_counts_a_rotation_once_and_a_non_rotation_after_unrolling() -> None:
-    """The bound from the trip counts takes an index of a symmetric buffer whose leading
-    axis is W as the one step a rotation is (the ring at W=20: 21 steps, not 20 per hop);
-    an index there that is no rotation is copied per rank and refused by the unrolled
-    schedule's own count."""
+def test_the_step_bound_counts_a_rotation_once_and_anything_else_once_per_rank() -> None:
+    """The bound from the trip counts takes an index written as a rotation ('(r + E) %
+    W') of a symmetric buffer whose leading axis is W as the one step it is (the ring at
+    W=20: 21 steps, not 20 per hop); any other index of the rank there counts once per
+    rank, so the loop is refused before any step is unrolled, as for any copies."""
     assert len(parse_file(RING, 20).step_list()) == 21
     text = SHIFT.replace("INDEX", "g[r]").replace(
         "  - send: {op: shift, src: x, dst: \"g[r]\", offset: next}\n",
@@ -170,4 +173,55 @@ def test_the_step_bound_counts_a_rotation_once_and_a_non_rotation_after_unrollin
     with pytest.raises(DiagnosticError) as err:
         parse_text(text, "s.yaml", 17)
     assert [d.code for d in err.value.diagnostics] == ["loop-too-long"]
-    assert "the schedule has 290 steps (at W=17)" in err.value.diagnostics[0].message
+    assert ("unrolls to 17 hops x 17 steps = 289 steps (a step whose index names the rank "
+            "counts once per rank) (at W=17)") in err.value.diagnostics[0].message
+
+
+def test_a_rotated_buffer_also_used_whole_is_counted_with_its_copies() -> None:
+    """12 hops x 20 rotations of g fit the bound as rotations, but g is also used whole,
+    so its rank indices are copies per rank: refused from the trip counts (12 x 20 x W),
+    before the unroller takes any copy (W=1024 unrolled 20 copies of W per hop)."""
+    reads = "".join(f"        - rd{k}: {{op: copy, src: \"g[(r + h + {k}) % W]\", dst: x}}\n"
+                    for k in range(20))
+    text = SHIFT.replace("INDEX", "g[r]").replace(
+        "  - send: {op: shift, src: x, dst: \"g[r]\", offset: next}\n",
+        f"  - hops:\n      repeat: 12\n      as: h\n      steps:\n{reads}"
+        "  - whole: {op: copy, src: g, dst: g}\n")
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(text, "s.yaml", 1024)
+    assert [d.code for d in err.value.diagnostics] == ["loop-too-long"]
+    assert "12 hops x 20480 steps" in err.value.diagnostics[0].message
+    assert "(at W=1024)" in err.value.diagnostics[0].message
+
+
+def test_a_rotation_on_an_axis_team_of_a_mesh_is_refused() -> None:
+    """On 'axis: gpu' of a mesh of several axes r is the rank in the whole mesh, not in
+    the gpu team: '(r + W - 1) % W' would not name the team's sender."""
+    text = ("schedule: mesh_rot\nmesh: {node: N, gpu: G}\nslots: 2\n"
+            "sizes: {T: 3, D: 8}\nbuffers:\n  mine: {shape: [T, D], dtype: f32}\n"
+            "  parts: {shape: [W, T, D], dtype: f32, symmetric: true}\nsteps:\n"
+            '  - own: {op: copy, src: mine, dst: "parts[r]"}\n'
+            '  - hand: {op: shift, src: "parts[r]", dst: "parts[(r + W - 1) % W]", '
+            "offset: next, axis: gpu}\n  - done: {op: barrier}\n")
+    with pytest.raises(DiagnosticError) as err:
+        parse_text(text, "s.yaml", MeshWorld((2, 2)))
+    found = err.value.diagnostics
+    assert [(d.code, d.mark.line, d.mark.col) for d in found] == [
+        ("bad-index", 10, 28), ("bad-index", 10, 45)], found
+    assert "'parts[(r + W - 1) % W]' rotates the rank on a step along mesh axis 'gpu'" in (
+        found[1].message) and "whole mesh" in found[1].message
+
+
+def test_on_rank_r_the_rotation_c_holds_rank_r_plus_c_s_block() -> None:
+    """The layout the module's docstring states: after the ring, parts_rot<c> on rank r
+    is the block of rank (r + c) mod W, in the float64 reference, and the backends match
+    that reference (test_the_ring_runs_against_float64: 0 mismatches on every slot)."""
+    world = 3
+    schedule = parse_file(RING, world)
+    g = torch.Generator().manual_seed(0)
+    inputs = [{"mine": torch.randn(4, 40, generator=g, dtype=torch.float64)
+               .to(torch.bfloat16).double()} for _ in range(world)]
+    out = simulate_call(schedule, world, {"N": 4, "D": 40}, inputs, external=None)  # type: ignore[arg-type]
+    for r in range(world):
+        for c in range(world):
+            assert torch.equal(out[r][f"parts_rot{c}"], inputs[(r + c) % world]["mine"]), (r, c)
