@@ -52,7 +52,8 @@ def check_when(ctx: Context) -> None:
             owned.add((copy.step, step.op.mark(wh.OWNER_MARK)))
             ctx.error(step.op.mark(wh.OWNER_MARK), "bad-index",
                       f"step '{copy.step}' ({step.kind}) has an index that "
-                      f"{names_the_rank(copy.index)}, but it communicates (it signals, "
+                      f"{names_the_rank(copy.index)}"
+                      f"{f' ({copy.why})' if copy.why else ''}, but it communicates (it signals, "
                       "waits or reaches another rank's buffers): a slice that depends on "
                       "the rank is taken per rank "
                       "by a copy of the step that runs there alone, and every rank must run "

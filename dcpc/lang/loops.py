@@ -318,7 +318,9 @@ class _Unroller:
         self.rotated: dict[str, tuple[str, int, Mark]] = {}
         self.fixed: set[str] = set()
         self.count = 0  # the steps unrolled so far (``loop``'s backstop)
-        self.rotating = _rotating(data, self.env)
+        # symmetric buffers whose leading axis is W -> where a use is no rotation (or None)
+        self.rotation_uses = _rotation_uses(data, self.env, file)
+        self.rotating = frozenset(k for k, v in self.rotation_uses.items() if v is None)
 
     def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
         if all((d.mark, d.code) != (mark, code) for d in self.errors):  # once, not per hop
@@ -548,9 +550,43 @@ class _Unroller:
             marks = out.get(MARKS, {})  # a when: of the step's own keeps its place
             out = {**out, "when": cond if own is None else f"({own}) and ({cond})",
                    MARKS: {**marks, "when": marks.get("when", mark) if own else mark,
-                           OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(name, ranks[0], index)}
+                           OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(
+                       name, ranks[0], index, self._no_rotation(body, env))}
             copies.append((f"_r{ranks[0]}", out))
         return copies
+
+    def _no_rotation(self, body: dict[str, Any], env: dict[str, int]) -> str:
+        """Why the first index of ``r`` of step ``body`` on a symmetric buffer whose
+        leading axis is W is no rotation (its c at two ranks, or the buffer's other use
+        that forced the copies), for ``bad-index`` on a communication step; "" if none."""
+        owners = _owner_names(self.data) - (env.keys() - self.env.keys())
+        texts = [v for k, v in body.items() if k not in _NOT_SLICES]
+        for text in (t for v in texts for t in (v if isinstance(v, list) else [v])):
+            found = _INDEXED.match(text.strip()) if isinstance(text, str) else None
+            if (found is None or found.group(1) not in self.rotation_uses
+                    or not _names_w(found.group(2), {OWNER} & owners)):
+                continue
+            name, inner, world = found.group(1), found.group(2), int(self.env["W"])
+            if _rotation_offset(inner, owners) is not None:
+                where = self.rotation_uses[name]
+                return ("" if where is None else f"'{name}' is also used at {where} "
+                        "otherwise than by a rotation, so its rank indices are copies per rank")
+            seen: dict[int, int] = {}
+            for rank, at in self._ranks(env):
+                try:
+                    turn = (_mod_value(inner, at) - rank) % world
+                except (ex.UnboundSymbol, ex.ExprSyntaxError, ex.InexactDivision,
+                        ValueError, ArithmeticError):
+                    return ""
+                seen.setdefault(turn, rank)
+                if len(seen) == 2:
+                    (c0, r0), (c1, r1) = seen.items()
+                    return (f"'{clipped(text.strip())}' is no rotation r + c mod W (at "
+                            f"W={world}: r={r0} gives c={c0}, r={r1} gives c={c1})")
+            return (f"'{clipped(text.strip())}' is r + {next(iter(seen), 0)} mod W on "
+                    f"every rank at W={world} but not written as a rotation: write "
+                    "'r', '(r + E) % W' or '(r - E) % W'")
+        return ""
 
     def _ranks(self, env: dict[str, int]) -> Iterable[tuple[int, dict[str, int]]]:
         """(rank, ``env`` with the rank's names bound) for every rank of this W: ``r``
@@ -1268,31 +1304,39 @@ def _rotating(data: Any, env: dict[str, int]) -> frozenset[str]:
     them in the steps an index written as a rotation (``_rotation_offset``): a buffer
     also used whole or indexed otherwise is unrolled with copies per rank, and the
     trip counts' bound counts them so (one scan of the file's text, no rank evaluated)."""
+    return frozenset(k for k, v in _rotation_uses(data, env).items() if v is None)
+
+
+def _rotation_uses(data: Any, env: dict[str, int], file: str = "<memory>"
+                   ) -> dict[str, Mark | None]:
+    """Each symmetric buffer whose leading axis is W (``_rotating``) -> where the steps
+    first use it otherwise than by an index written as a rotation (whole, a fixed
+    slice, another index of the rank), None where they never do."""
     buffers = data.get("buffers") if isinstance(data, dict) else None
     if not isinstance(buffers, dict) or "W" not in env:
-        return frozenset()
-    found = {
-        name for name, spec in buffers.items()
+        return {}
+    found: dict[str, Mark | None] = {
+        name: None for name, spec in buffers.items()
         if isinstance(spec, dict) and (spec.get("symmetric") or spec.get("shared"))
         and isinstance(spec.get("shape"), list) and len(spec["shape"]) >= 2
         and isinstance(spec["shape"][0], (str, int))
         and env.get(spec["shape"][0], spec["shape"][0]) == env["W"]}
     owners = _owner_names(data)
 
-    def use(value: Any) -> None:
+    def use(value: Any, mark: Mark) -> None:
         if isinstance(value, list):
             for one in value:
-                use(one)
+                use(one, mark)
         elif isinstance(value, dict):
             for key, one in value.items():
                 if key not in (MARK, MARKS):
-                    use(one)
+                    use(one, _mark(value, key, file))
         elif isinstance(value, str):
             indexed = _INDEXED.match(value.strip())
-            if indexed is None:
-                found.discard(value.strip())
-            elif _rotation_offset(indexed.group(2), owners) is None:
-                found.discard(indexed.group(1))
+            name = value.strip() if indexed is None else indexed.group(1)
+            if found.get(name, mark) is None and (indexed is None or _rotation_offset(
+                    indexed.group(2), owners) is None):
+                found[name] = mark
 
     def walk(items: Any) -> None:
         for item in items if isinstance(items, list) else []:
@@ -1304,11 +1348,11 @@ def _rotating(data: Any, env: dict[str, int]) -> frozenset[str]:
                 continue
             for key, value in named[1].items():
                 if key not in _NOT_SLICES:
-                    use(value)
+                    use(value, _mark(named[1], key, file))
 
     if found:
         walk(data.get("steps"))
-    return frozenset(found)
+    return found
 
 
 def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],

@@ -124,12 +124,25 @@ SHIFT = ("schedule: rotation\nslots: 2\nsizes: {T: 3, C: 8}\n"
          "  - done: {op: barrier}\n")
 
 
-@pytest.mark.parametrize("index", ["g[W - 1 - r]", "g[(2 * r) % W]"])
-def test_an_index_of_the_rank_that_is_no_rotation_stays_bad_index(index: str) -> None:
+@pytest.mark.parametrize(("index", "why"), [
+    ("g[W - 1 - r]", "r=0 gives c=3, r=1 gives c=1"),
+    ("g[(2 * r) % W]", "r=0 gives c=0, r=1 gives c=1")])
+def test_an_index_of_the_rank_that_is_no_rotation_stays_bad_index(index: str, why: str
+                                                                   ) -> None:
     schedule = parse_text(SHIFT.replace("INDEX", index), "s.yaml", 4)
     found = [d for d in structural.check(schedule, [4]) if d.severity == "error"]
     assert [d.code for d in found] == ["bad-index"], found
+    assert f"('{index}' is no rotation r + c mod W (at W=4: {why}))" in found[0].message
     assert "rotation of the rank ('parts[(r - h) % W]'" in (found[0].hint or ""), found[0]
+
+
+def test_a_rotation_copied_for_a_fixed_use_of_its_buffer_locates_that_use() -> None:
+    text = SHIFT.replace("src: x, dst: \"INDEX\"", "src: \"g[1]\", dst: \"g[(r + 1) % W]\"")
+    schedule = parse_text(text, "s.yaml", 3)
+    found = [d for d in structural.check(schedule, [3]) if d.code == "bad-index"]
+    assert len(found) == 1, found
+    assert ("('g' is also used at s.yaml:6:28 otherwise than by a rotation, so its rank "
+            "indices are copies per rank)") in found[0].message, found[0]
 
 
 def test_the_receiver_s_slot_of_the_sender_is_its_own_rotation() -> None:
