@@ -67,6 +67,9 @@ MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
 MAX_HOPS = 4 * MAX_STEPS
 LOOP_KEYS = ("repeat", "as", "steps", "doc", "when")
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
+# the buffer a rotation of the rank names (``_Unroller._rotated``): slot (r + c) mod W
+# of buffer b on rank r; ``rotations`` reads the names back (the module's header)
+ROTATION = "{}_rot{}"
 # a step's keys whose values name no buffer slice (what a rotation's renaming skips)
 _NOT_SLICES = frozenset({MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave",
                          "shard", "channel", "from", "to", "phase"})
@@ -654,7 +657,7 @@ class _Unroller:
         except (ex.UnboundSymbol, ex.ExprSyntaxError, ex.InexactDivision, ValueError,
                 ArithmeticError):
             return value  # the copies' unrolling reports it
-        alias = f"{name}_rot{turn}"
+        alias = ROTATION.format(name, turn)
         self.rotated.setdefault(alias, (name, turn, mark))
         return alias
 
@@ -1155,6 +1158,18 @@ def _rotation_offset(inner: str, owners: frozenset[str] | set[str]) -> str | Non
     else:
         return None
     return None if _names_w(offset, owners) else offset
+
+
+def rotations(names: Iterable[str]) -> dict[str, list[int]]:
+    """Of the buffer names of an unrolled schedule, each buffer held as rotations of the
+    rank (``ROTATION``: ``b_rot<c>`` with no ``b`` beside them) -> its c's, sorted."""
+    names = set(names)
+    found: dict[str, list[int]] = {}
+    for name in names:
+        hit = re.fullmatch(ROTATION.format("([a-z][a-z0-9_]*)", "([0-9]+)"), name)
+        if hit and hit.group(1) not in names:
+            found.setdefault(hit.group(1), []).append(int(hit.group(2)))
+    return {k: sorted(v) for k, v in sorted(found.items())}
 
 
 def _renamed(text: str, old: str, new: str) -> str:

@@ -11,6 +11,7 @@ execution oracle agree on both; any other index of the rank on a communication s
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -238,3 +239,43 @@ def test_on_rank_r_the_rotation_c_holds_rank_r_plus_c_s_block() -> None:
     for r in range(world):
         for c in range(world):
             assert torch.equal(out[r][f"parts_rot{c}"], inputs[(r + c) % world]["mine"]), (r, c)
+
+
+def buffer_worker(rank: int, world: int, path: str) -> dict[str, Any]:
+    """The compiled ring on the torch backend: module.buffer of the user's name and of a
+    rotation."""
+    import torch.distributed as dist
+    from support.kernels import load, the_class
+
+    m = the_class(load(path))(dist.group.WORLD, sizes={"N": 4}, device="cpu",
+                              backend="torch")
+    try:
+        m.buffer("parts")
+        message = ""
+    except KeyError as err:
+        message = str(err)
+    shape = tuple(m.buffer("parts_rot1").shape)
+    m.close()
+    return {"message": message, "shape": shape}
+
+
+def test_the_module_says_how_it_holds_the_rotated_buffer(tmp_path: Path) -> None:
+    """No buffer 'parts' in the module: its header lists the rotations and what each is,
+    and module.buffer('parts') raises a KeyError that says so; a rotation is a buffer."""
+    from dcpc.harness.launch import launch
+
+    done = CliRunner().invoke(main, ["compile", str(RING), "--world", "2", "-o",
+                                     str(tmp_path)])
+    assert done.exit_code == 0, done.output
+    path = tmp_path / "op_shift_rank_index.py"
+    header = " ".join(line.lstrip("# ").strip() for line in path.read_text().splitlines()
+                      if line.startswith("#"))
+    assert ("parts (symmetric, leading axis W) is held as parts_rot0, parts_rot1: on rank "
+            "r, parts_rot<c> is slot (r + c) mod W of parts") in header, header
+    result = launch("test_rank_rotation:buffer_worker", 2, {"path": str(path)},
+                    timeout_s=240, gloo_timeout_s=120)
+    assert result.ok, result.summary() + "".join(o.traceback for o in result.outcomes)
+    for outcome in result.outcomes:
+        assert "no module-owned buffer 'parts'; it is held as parts_rot0, parts_rot1: on " \
+            "rank r, parts_rot<c> is slot (r + c) mod W of parts" in outcome.value["message"]
+        assert outcome.value["shape"] == (4, 40), outcome.value
