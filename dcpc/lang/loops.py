@@ -20,10 +20,11 @@ A buffer used with an index is split into P buffers ``b_0`` .. ``b_{P-1}`` of sh
 ``shape[1:]`` (disjoint slices, so the split is exact); it may not also be used whole.
 An index that names the rank is unrolled into one guarded copy of its step per group of
 ranks whose slices agree (``_Unroller.owned``), except a ROTATION of the rank on a
-symmetric buffer whose leading axis is W (``r + c`` mod W on every rank for one c, and
-the buffer indexed no other way): that is the buffer ``b_rot<c>``, slot (r + c) mod W of
-b on rank r, one step every rank runs (``_Unroller._rotated``), so a communication step
-may take it.
+symmetric buffer whose leading axis is W, written as one (``r``, ``(r + E) % W``,
+``(r - E) % W``, ``(E + r) % W``: ``_rotation_offset``, c = E mod W, no rank evaluated),
+the buffer indexed no other way (``_rotation_uses``): that is the buffer ``b_rot<c>``,
+slot (r + c) mod W of b on rank r, one step every rank runs (``_Unroller._rotated``), so
+a communication step may take it.
 A shift's ``offset`` (in a loop or not) may be such an expression too, without ``%``
 (``W / 2``, ``h + 1``): it is replaced by its integer value here, so every later stage
 sees an integer offset. So may an all_gather's ``interleave`` (``C``, ``H / HK``).

@@ -64,7 +64,7 @@ def test_the_ring_is_proved_and_its_twin_without_the_barrier_is_a_located_race(
     done = CliRunner().invoke(main, ["check", str(twin), "--world", "2..4"])
     out = done.output
     assert done.exit_code == 1, out
-    assert f"{twin}:28:11: error: write-after-write race on parts_rot1" in out, out
+    assert f"{twin}:30:11: error: write-after-write race on parts_rot1" in out, out
     assert "pass_h0 on rank 1 (call 0) and pass_h0 on rank 1 (call 2)" in out, out
     assert "parts_rot1[rank 0, slot 0] whole (shift from rank 1, offset +1)" in out, out
     assert "a legal execution" in out and "[race]" in out, out
