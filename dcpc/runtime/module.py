@@ -11,6 +11,7 @@ methods cheap helpers: ``_bind`` (run-time sizes from argument shapes, validated
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -752,7 +753,12 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         if self._heap is None:
             raise self._unusable("buffer")
         if name not in self.BUFFERS or self.BUFFERS[name].kind == "engine":
-            raise KeyError(f"{type(self).__name__}: no module-owned buffer {name!r}")
+            # b_rot<c>: slot (r + c) mod W of b on rank r (dcpc.lang.loops.ROTATION)
+            held = [b for b in self.BUFFERS if re.fullmatch(rf"{re.escape(name)}_rot\d+", b)]
+            raise KeyError(f"{type(self).__name__}: no module-owned buffer {name!r}" + (
+                f"; it is held as {', '.join(held)}: on rank r, {name}_rot<c> is slot "
+                f"(r + c) mod W of {name} (an index that rotates the rank): ask for those"
+                if held and name not in self.BUFFERS else ""))
         return self._view_of(name, slot, {**self._max_env, **(sizes or {})})
 
     def close(self) -> None:
