@@ -37,6 +37,12 @@ UNSENT_INT = -1
 # a trace entry's key for the elements of buffer NAME that its write left unsent: NAME + this
 # ('@' is no name's character, as the stash's '@inflight')
 UNSENT_KEY = "@unsent"
+# a trace entry's key for the interval [lo, hi] (stacked, [2, *shape]) a kernel's fp8
+# output_scale value of buffer NAME may take: NAME + this (``fp8_bounds``, ``bounds_at``)
+BOUNDS_KEY = "@bounds"
+# the fp32 error terms of a computed value beyond its n operands' roundings: the tanh,
+# exp and reciprocal of a merge's weights, the fp32 rounding of each operand (``fp32_error``)
+FP32_EXTRA_TERMS = 16
 External = Callable[[m.Step, int, Buffers], Buffers]  # (step, rank, bufs) -> writes
 
 
@@ -223,6 +229,33 @@ def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None, dtype:
     return quantize_fp8(value, s, dtype).double()
 
 
+def fp32_error(terms: int, magnitude: torch.Tensor | float) -> torch.Tensor:
+    """An upper bound of how far an fp32 kernel's value lies from the float64 one, before
+    its output_scale: a sum of ``terms`` products whose magnitudes add up to
+    ``magnitude`` (sum_i |w_i o_i| of a merge, sum_i |x_i| of a sum) is off by at most
+    (terms + FP32_EXTRA_TERMS) * 2**-24 * magnitude; cancellation leaves it whole (issue
+    33: W = 4's merge 0.1006 + 0.4618 - 0.5624 is 4.44e-8 in float64, 5.96e-8 in fp32)."""
+    if not terms:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.as_tensor(magnitude, dtype=torch.float64) * (
+        (terms + FP32_EXTRA_TERMS) * 2.0**-24)
+
+
+def fp8_bounds(value: torch.Tensor, err: torch.Tensor, scale: torch.Tensor, dtype: str
+               ) -> torch.Tensor:
+    """[lo, hi] stacked: what the kernels' quantiser (numerics.quantize_fp8, monotone:
+    fp32 rounding, fp32 multiply and fp8 rounding with saturation each keep order) gives
+    for an fp32 value within ``err`` of ``value``: quantize(value - err) and
+    quantize(value + err). A NaN value (or a non-finite err) leaves lo = hi =
+    quantize(value): NaN only for NaN, an infinity saturated exactly."""
+    err = torch.broadcast_to(torch.as_tensor(err, dtype=torch.float64), value.shape)
+    exact = torch.isnan(value) | ~torch.isfinite(err)
+    err = torch.where(exact, 0.0, err)
+    lo = quantize_fp8(value - err, scale, dtype).double()
+    hi = quantize_fp8(value + err, scale, dtype).double()
+    return torch.stack([lo, hi])
+
+
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
     """NaN and +inf LSE count as -inf (weight 0)."""
     return torch.where(torch.isnan(lse) | (lse == math.inf), -math.inf, lse)
@@ -336,6 +369,8 @@ class Sim:
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
         self.computes = False  # the step computes what it stores (as_stored's computed)
         self.members: list[int] | None = None  # a team's view: its ranks (``team``)
+        # (rank, dst) -> the fp8 bounds ``scaled`` made for the store that follows it
+        self.pending: dict[tuple[int, str], torch.Tensor] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return buffer_shape(self.schedule, name, self.env)
@@ -353,6 +388,7 @@ class Sim:
         sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
         sub.computes = self.computes
+        sub.pending = {}
         return sub
 
     def guarded(self, skipped: set[int]) -> Sim:
@@ -367,6 +403,7 @@ class Sim:
         sub.held = self.held
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
         sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
+        sub.pending = {}
         return sub
 
     def store(self, rank: int, name: str, value: torch.Tensor, *,
@@ -385,6 +422,11 @@ class Sim:
             self.written[rank][name + UNSENT_KEY] = unsent
         else:
             self.written[rank].pop(name + UNSENT_KEY, None)
+        bounds = self.pending.pop((rank, name), None)
+        if bounds is not None:
+            self.written[rank][name + BOUNDS_KEY] = bounds
+        else:
+            self.written[rank].pop(name + BOUNDS_KEY, None)
         for other in alias_views(self.schedule, self.bufs[rank], name, self.unsent):
             self.written[rank][other] = self.bufs[rank][other]
 
@@ -416,13 +458,23 @@ class Sim:
     def weighted_sum(self, weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
         return _weighted_sum(weights, parts)
 
-    def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor:
+    def scaled(self, op: Any, rank: int, value: torch.Tensor, terms: int,
+               magnitude: torch.Tensor | float) -> torch.Tensor:
+        """``scaled``, and for the store of dst that follows, the interval the kernel's
+        value may take (``fp8_bounds`` within ``fp32_error(terms, magnitude)``: value a
+        sum of ``terms`` products whose magnitudes add up to ``magnitude``; 0 terms and
+        magnitude 0 where the kernel computes it exactly, a max), kept beside it in the
+        trace (``bounds_at``)."""
         dst = getattr(op, "dst", None)  # an output_scale's op has one dst (bad-output-scale)
         if getattr(op, "output_scale", None) is None:
             return value
         if not isinstance(dst, str):
             raise ValueError(f"output_scale of {type(op).__name__} without one dst: {dst!r}")
-        return scaled(op, self.bufs[rank], value, rank, self.schedule.buffers[dst].dtype.value)
+        dtype = self.schedule.buffers[dst].dtype.value
+        out = scaled(op, self.bufs[rank], value, rank, dtype)
+        s = reference_scale(self.bufs[rank][op.output_scale], "output_scale")
+        self.pending[(rank, dst)] = fp8_bounds(value, fp32_error(terms, magnitude), s, dtype)
+        return out
 
 
 def _teams(schedule: m.Schedule, world: int, step: m.Step) -> list[list[int] | None]:
@@ -508,9 +560,21 @@ def unsent_at(trace: list[list[Buffers]], step: int, rank: int, name: str
               ) -> torch.Tensor | None:
     """The elements of what ``seen_at`` gives (the same write) that no rank sent, or
     None where that write sent every element."""
+    return _beside(trace, step, rank, name, UNSENT_KEY)
+
+
+def bounds_at(trace: list[list[Buffers]], step: int, rank: int, name: str
+              ) -> torch.Tensor | None:
+    """The [lo, hi] interval (``fp8_bounds``) of what ``seen_at`` gives (the same write)
+    where an output_scale wrote it, else None."""
+    return _beside(trace, step, rank, name, BOUNDS_KEY)
+
+
+def _beside(trace: list[list[Buffers]], step: int, rank: int, name: str, key: str
+            ) -> torch.Tensor | None:
     for entry in reversed(trace[:step]):
         if name in entry[rank]:
-            return entry[rank].get(name + UNSENT_KEY)
+            return entry[rank].get(name + key)
     return None
 
 

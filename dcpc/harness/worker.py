@@ -32,6 +32,7 @@ from dcpc.harness.simulate import (
     TORCH_DTYPES,
     Buffers,
     alias_views,
+    bounds_at,
     buffer_shape,
     float_bits,
     float_value,
@@ -44,38 +45,16 @@ from dcpc.harness.simulate import (
 from dcpc.lang import model as m
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
-from dcpc.numerics import FP8_FORMATS
 from dcpc.ops import OPS
 from dcpc.ops.external import External
 from dcpc.runtime.local import sync_stream, to_host
 
 CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
-# the absolute error, before its scale, of a value an fp32 kernel computes from the
-# harness's data: a sum of n terms whose magnitudes add up to S is off by at most about
-# n * 2**-24 * S (a merge: weights adding up to 1 over partials |o| < 1, synth's tanh,
-# exp and the reciprocal a few 2**-24 more); 2**-15 = 2**9 * 2**-24 covers n * S <= 512
-# (W = 64 operands of |x| <= 8). Cancellation leaves it whole: W = 4's merge 0.1006 +
-# 0.4618 - 0.5624 is 4.44e-8 in float64, 5.96e-8 in fp32 (issue 33, GPU and CPU alike)
-FP32_ABS_ERR = 2.0**-15
-
-
-def fp8_tolerance(dtype: str) -> tuple[float, float]:
-    """(atol, rtol) of an fp8 output a kernel computes (``output_scale``: fp32 value /
-    scale, rounded to the grid), one rule for every FP8_FORMATS entry: the kernel's fp32
-    value and the float64 one differ by at most FP32_ABS_ERR / scale, and each rounds to
-    within half a grid step, so they may land one step (2**-mantissa of a normal value,
-    rtol) plus that error apart; atol is that error at the smallest scale the harness
-    draws (synth.smallest_scale) plus one subnormal step. e4m3: (0.022, 1/8); e5m2, 128
-    times smaller scales: (2.6, 1/4). A NaN never passes (compare: NaN only for NaN)."""
-    top, mantissa, min_exp = FP8_FORMATS[dtype]
-    return (2.0 ** (min_exp - mantissa) + FP32_ABS_ERR / synth.smallest_scale(top),
-            2.0**-mantissa)
 
 
 TOLERANCE = {  # (atol, rtol) of a computed value, by dtype
     "bf16": (1e-2, 1e-2), "f16": (2e-3, 2e-3), "f32": (1e-5, 1e-5),
-    **{dtype: fp8_tolerance(dtype) for dtype in FP8_FORMATS},
-}
+}  # a computed fp8 value (output_scale): within its interval (simulate.fp8_bounds)
 
 
 @dataclass
@@ -135,14 +114,16 @@ def returned_names(schedule: m.Schedule, world: int) -> dict[str, list[str]]:
 
 def compare(
     name: str, kind: str, dtype: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
-    where: str, *, unsent: torch.Tensor | None = None,
+    where: str, *, unsent: torch.Tensor | None = None, bounds: torch.Tensor | None = None,
 ) -> None:
     """Count a mismatch unless ``got`` matches ``want``: data movement bit-exact, math
     within the dtype's tolerance; NaN and inf must sit exactly where the reference has them.
     ``unsent``: the elements no rank sent (``simulate.unsent_at``: a ragged exchange's
     rows past a count; the reference holds NaN there, or ``UNSENT_INT``, so that a
     reader of them mismatches downstream): those elements are not compared; every other
-    one is, a NaN a rank sent included. Integers are compared as int64, bit for bit (a
+    one is, a NaN a rank sent included. ``bounds``: [lo, hi] of a computed fp8 value
+    (``simulate.bounds_at``; kind "math" only): a finite element passes where lo <= got
+    <= hi. Integers are compared as int64, bit for bit (a
     float64 rounds them past 2**53)."""
     stats.compared += 1
     integer = not m.DType(dtype).is_float
@@ -164,7 +145,10 @@ def compare(
     stats.max_abs_err = max(stats.max_abs_err, max_err)
     atol, rtol = (0.0, 0.0) if kind == "move" else TOLERANCE.get(dtype, (0.0, 0.0))
     special_ok = (got == want) | (torch.isnan(got) & torch.isnan(want))
-    ok = torch.where(finite, err <= atol + rtol * want.abs().where(finite, zero), special_ok)
+    close = err <= atol + rtol * want.abs().where(finite, zero)
+    if bounds is not None and kind != "move":
+        close = (bounds[0] <= got) & (got <= bounds[1])
+    ok = torch.where(finite, close, special_ok)
     if kind == "move":  # a float's bits are its value (float64 holds each, a NaN's bits
         # too: simulate.float_value): compare the bits too (bf16/f16 as int16, f32 as
         # int32, fp8 as bytes), so that a NaN's payload or sign, or a -0, a move changed
@@ -314,12 +298,13 @@ def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
     if name is None or want is None:
         return None
     unsent = unsent_at(trace, step.index, rank, name)
+    bounds = bounds_at(trace, step.index, rank, name)
 
     def differs() -> bool:
         stats = OutputStats()
         compare(name, kinds.before(call, step.index, name),
                 schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
-                stats, "", unsent=unsent)
+                stats, "", unsent=unsent, bounds=bounds)
         return stats.mismatches > 0
 
     return differs
@@ -553,7 +538,8 @@ def run_rank(
                     compare(name, kinds.before(event.call, step.index, name),
                             schedule.buffers[name].dtype.value, got, want,
                             report.outputs.setdefault(key, OutputStats()), where,
-                            unsent=unsent_at(trace, step.index, rank, name))
+                            unsent=unsent_at(trace, step.index, rank, name),
+                            bounds=bounds_at(trace, step.index, rank, name))
                 env[name] = got
             seen = {k: _host(v).to(torch.float64) if k not in schedule.buffers else
                     _reference_form(_host(v), schedule.buffers[k].dtype.value).double()
@@ -603,7 +589,8 @@ def run_rank(
                             schedule.buffers[name].dtype.value, value,
                             want, report.outputs[name],
                             f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
-                            unsent=unsent_at(trace, step.index + 1, rank, name))
+                            unsent=unsent_at(trace, step.index + 1, rank, name),
+                            bounds=bounds_at(trace, step.index + 1, rank, name))
         if replay is not None and here == replay["release"]:
             adversary.replay_release(replay)
         jitter.delay()

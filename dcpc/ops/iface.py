@@ -188,7 +188,11 @@ class SimView(Protocol):
 
     def weighted_sum(self, weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor: ...
 
-    def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor: ...
+    # value, scaled into fp8 by the op's output_scale (unchanged without one); value is a
+    # sum of ``terms`` products whose magnitudes add up to ``magnitude`` (what bounds the
+    # kernel's fp32 error: simulate.fp32_error; 0 terms where it computes value exactly)
+    def scaled(self, op: Any, rank: int, value: torch.Tensor, terms: int,
+               magnitude: torch.Tensor | float) -> torch.Tensor: ...
 
 
 class LowerRules(Protocol):
