@@ -1,12 +1,16 @@
-"""A computed fp8 output is compared within one grid step plus its fp32 error over the
-scale, one rule for e4m3 and e5m2 (worker.fp8_tolerance, from numerics.FP8_FORMATS).
+"""A computed fp8 output (output_scale) is compared against an interval: the float64
+reference knows the unrounded value v and the call's scale s, and an fp32 error bound e
+of v (simulate.fp32_error: (terms + FP32_EXTRA_TERMS) * 2**-24 * the terms' magnitude),
+so the kernel's byte must lie in [quantize(v - e), quantize(v + e)] (simulate.fp8_bounds,
+carried in the trace: bounds_at; worker.compare). No rtol/atol: a value far from a
+rounding boundary must be the very byte the kernels' rule gives.
 
-Before: e5m2 had no tolerance (bit exact against float64), so lse_combine_fp8e5m2 at
-W = 4 (8 calls, seed 0, T=24, B=5, interleaved) failed on the GPU and on the CPU alike
-at call 6 rank 2, out[17, 0, 9]: its partials 0.1006 + 0.4618 - 0.5624 cancel to
-4.44e-8 in float64 and to 5.96e-8 (one ulp of 0.5) in fp32, which over the scale
-1.164e-4 is 1.56 * 2**-12 -> 1.5 * 2**-12 against 2.10 * 2**-12 -> 2**-11: two e5m2
-steps apart, though the kernel computed exactly what fp32 gives.
+Before: a fixed (atol, rtol) of one grid step (e5m2: (2.6, 1/4)), which a truncating
+quantiser passed. Why not exact: lse_combine_fp8e5m2 at W = 4 (8 calls, seed 0, T=24,
+B=5, interleaved) at call 6 rank 2, out[17, 0, 9]: its partials 0.1006 + 0.4618 -
+0.5624 cancel to 4.44e-8 in float64 and to 5.96e-8 (one ulp of 0.5) in fp32, which over
+the scale 1.164e-4 is 1.56 * 2**-12 -> 1.5 * 2**-12 against 2.10 * 2**-12 -> 2**-11:
+two e5m2 steps apart, though the kernel computed exactly what fp32 gives.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import torch
 
 from dcpc.harness import simulate
 from dcpc.harness.run import RunConfig, format_report, run_schedule
-from dcpc.harness.worker import OutputStats, compare, fp8_tolerance
-from dcpc.numerics import FP8_FORMATS, round_fp8
+from dcpc.harness.worker import OutputStats, compare
+from dcpc.numerics import FP8_FORMATS, quantize_fp8, round_fp8
 
 OPS = Path(__file__).resolve().parents[2] / "schedules" / "ops"
 
@@ -46,9 +50,25 @@ def _fp32_merge(o: list[float], lse: list[float], scale: float) -> float:
     return float(acc * (torch.tensor(1.0, dtype=f) / torch.tensor(scale, dtype=f)))
 
 
-def test_a_merge_cancelling_in_fp32_is_within_tolerance() -> None:
+def _merge_bounds(weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """The interval the merge's reference records (dcpc.ops._merge.combine)."""
+    v = simulate._weighted_sum(weights, parts)
+    size = simulate._weighted_sum(weights.abs(), parts.abs())
+    err = simulate.fp32_error(len(parts), size)
+    return simulate.fp8_bounds(v, err, torch.tensor(SCALE, dtype=torch.float32), "fp8e5m2")
+
+
+def _check(dtype: str, got: torch.Tensor, want: torch.Tensor,
+           bounds: torch.Tensor | None) -> OutputStats:
+    stats = OutputStats()
+    compare("out", "math", dtype, got, want, stats, "here", bounds=bounds)
+    return stats
+
+
+def test_a_merge_cancelling_in_fp32_is_within_its_interval() -> None:
     """The recorded element: the reference rounds to 1.5 * 2**-12, fp32 to 2**-11; both
-    are right to fp32's precision, so compare passes it (before: 1 mismatch)."""
+    lie in the interval the fp32 error bound gives, so compare passes it; compared
+    exactly (no interval) it is the mismatch it was."""
     weights, _ = simulate.merge_weights(torch.tensor(LSE, dtype=torch.float64)[:, None], "e")
     parts = torch.tensor(PARTS, dtype=torch.float64)[:, None, None]
     exact = float(simulate._weighted_sum(weights, parts))
@@ -56,47 +76,96 @@ def test_a_merge_cancelling_in_fp32_is_within_tolerance() -> None:
     want = round_fp8(torch.tensor([exact / SCALE], dtype=torch.float64), "fp8e5m2").double()
     got = round_fp8(torch.tensor([_fp32_merge(PARTS, LSE, SCALE)]), "fp8e5m2").double()
     assert float(want) == 1.5 * 2**-12 and float(got) == 2**-11
-    stats = OutputStats()
-    compare("out", "math", "fp8e5m2", got, want, stats, "call 6")
-    assert stats.mismatches == 0, stats.first_mismatch
+    bounds = _merge_bounds(weights, parts).reshape(2, 1)
+    assert float(bounds[0]) <= float(want) <= float(bounds[1])
+    assert _check("fp8e5m2", got, want, bounds).mismatches == 0
+    assert _check("fp8e5m2", got, want, None).mismatches == 1  # no fp8 rtol/atol left
+
+
+def _truncate(x: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A wrong quantiser: fl32(x) * fl32(1 / scale) rounded toward zero on the fp8 grid."""
+    top, mantissa, min_exp = FP8_FORMATS[dtype]
+    y = (x.float() * (1.0 / scale.float())).clamp(-top, top)
+    exponent = (y.view(torch.int32) >> 23) & 0xFF
+    ulp = (torch.clamp(exponent - mantissa, min=127 + min_exp - mantissa) << 23
+           ).view(torch.float32)
+    return (torch.trunc(y / ulp) * ulp).double()
+
+
+def _drawn(dtype: str, n: int = 4000) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merged values v as the harness draws them (|v| < 1, over many magnitudes), a
+    scale putting the largest near the format's top, and the interval of a 4-partial
+    merge of magnitude |v| + 1 (the partials' sizes)."""
+    g = torch.Generator().manual_seed(7)
+    v = (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1) * 2.0 ** -(
+        torch.randint(0, 12, (n,), generator=g).double())
+    scale = torch.tensor(1.0 / (FP8_FORMATS[dtype][0] / 2), dtype=torch.float32)
+    bounds = simulate.fp8_bounds(v, simulate.fp32_error(4, v.abs() + 1.0), scale, dtype)
+    return v, scale, bounds
 
 
 @pytest.mark.parametrize("dtype", sorted(FP8_FORMATS))
-def test_one_grid_step_passes_two_fail_nan_never(dtype: str) -> None:
-    """Away from zero (where atol is small beside the grid) a result one step from the
-    reference passes and two steps fail; a NaN passes only against a NaN."""
+def test_the_kernels_rule_passes_a_truncating_one_does_not(dtype: str) -> None:
+    """The kernels' rule applied to the fp32 value (within 2**-24 of v) passes every
+    element; rounding toward zero instead is caught (before: the one-step rtol passed
+    it: 0 mismatches where the exact comparison found 1136)."""
+    v, scale, bounds = _drawn(dtype)
+    want = quantize_fp8(v, scale, dtype).double()
+    fp32 = v.float().double()
+    assert _check(dtype, quantize_fp8(fp32, scale, dtype).double(), want, bounds
+                  ).mismatches == 0
+    stats = _check(dtype, _truncate(fp32, scale, dtype), want, bounds)
+    assert stats.mismatches == 1 and stats.first_mismatch  # counted once per compare
+    wrong = _truncate(fp32, scale, dtype)
+    outside = (wrong < bounds[0]) | (wrong > bounds[1])
+    assert int(outside.sum()) > len(v) // 10, int(outside.sum())
+
+
+@pytest.mark.parametrize("dtype", sorted(FP8_FORMATS))
+def test_ties_to_even_is_caught_where_the_value_is_exact(dtype: str) -> None:
+    """Where the kernel computes v exactly (e = 0: a max), the interval is one byte,
+    so a quantiser rounding ties to even (torch's, Transformer Engine's fp8 casts) is
+    caught at a tie: e4m3 8.5 is 9 by the kernels' rule, 8 by ties to even."""
+    _, mantissa, _ = FP8_FORMATS[dtype]
+    tie = torch.tensor([8.0 + 2.0 ** (3 - mantissa) / 2], dtype=torch.float64)
+    one = torch.tensor(1.0, dtype=torch.float32)
+    bounds = simulate.fp8_bounds(tie, simulate.fp32_error(0, 0.0), one, dtype)
+    want = quantize_fp8(tie, one, dtype).double()
+    even = torch.tensor([8.0], dtype=torch.float64)
+    assert float(want) == 8.0 + 2.0 ** (3 - mantissa)
+    assert _check(dtype, want, want, bounds).mismatches == 0
+    assert _check(dtype, even, want, bounds).mismatches == 1
+
+
+@pytest.mark.parametrize("dtype", sorted(FP8_FORMATS))
+def test_one_step_off_far_from_a_boundary_fails_nan_never_passes(dtype: str) -> None:
+    """A value in the middle of a grid cell (its interval one byte wide) one step
+    off mismatches, at several magnitudes; a NaN passes only against a NaN."""
     top, mantissa, _ = FP8_FORMATS[dtype]
-    atol, rtol = fp8_tolerance(dtype)
-    assert rtol == 2.0**-mantissa
-    for value in (top / 64, -top / 8, top / 2):
-        assert atol < abs(value) * rtol / 8
+    one = torch.tensor(1.0, dtype=torch.float32)
+    for value in (top / 64, -top / 8, top / 2, 2.0**-3):
         step = 2.0 ** (math.floor(math.log2(abs(value))) - mantissa)
-        want = torch.tensor([value], dtype=torch.float64)
-        for steps, bad in ((1, 0), (2, 1), (-2, 1)):
-            got = want + steps * step
-            stats = OutputStats()
-            compare("out", "math", dtype, got, want, stats, "here")
+        v = torch.tensor([value + step / 4], dtype=torch.float64)  # a quarter step in
+        bounds = simulate.fp8_bounds(v, simulate.fp32_error(8, v.abs() * 8), one, dtype)
+        want = quantize_fp8(v, one, dtype).double()
+        assert float(bounds[0]) == float(bounds[1]) == value
+        for steps, bad in ((0, 0), (1, 1), (-1, 1)):
+            stats = _check(dtype, want + steps * step, want, bounds)
             assert stats.mismatches == bad, (value, steps, stats.first_mismatch)
-    for got, want in ((math.nan, 0.0), (0.0, math.nan), (math.nan, math.nan)):
-        stats = OutputStats()
-        compare("out", "math", dtype, torch.tensor([got], dtype=torch.float64),
-                torch.tensor([want], dtype=torch.float64), stats, "here")
-        assert stats.mismatches == (0 if math.isnan(got) and math.isnan(want) else 1)
-
-
-def test_the_tolerance_is_each_formats_own() -> None:
-    """One rule, two formats: e5m2's scales are 128 times smaller (its top 57344 against
-    448), so its fp32 error over the scale is 128 times larger; its rtol is twice e4m3's
-    (2 mantissa bits against 3)."""
-    (a4, r4), (a5, r5) = fp8_tolerance("fp8e4m3"), fp8_tolerance("fp8e5m2")
-    assert r5 == 2 * r4
-    assert (a5 - 2.0**-16) == pytest.approx((a4 - 2.0**-9) * 57344 / 448)
+    nan = torch.tensor([math.nan], dtype=torch.float64)
+    zero = torch.tensor([0.0], dtype=torch.float64)
+    wide = simulate.fp8_bounds(zero, torch.tensor([math.inf]), one, dtype)
+    assert _check(dtype, nan, zero, wide).mismatches == 1
+    nan_bounds = simulate.fp8_bounds(nan, simulate.fp32_error(4, 1.0), one, dtype)
+    assert torch.isnan(nan_bounds).all()
+    assert _check(dtype, zero, nan, nan_bounds).mismatches == 1
+    assert _check(dtype, nan, nan, nan_bounds).mismatches == 0
 
 
 @pytest.mark.e2e
 def test_lse_combine_e5m2_at_w4_runs_clean() -> None:
     """The run the GPU failed, on the CPU (ranks as threads): the same element off by
-    two steps before the rule, within it now; every other element still compared."""
+    two steps before the interval, within it now; every other element still compared."""
     report = run_schedule(RunConfig(
         schedule=str(OPS / "lse_combine_fp8e5m2.yaml"), world=4, backend="local", calls=8,
         seed=0, order="interleaved", sizes={"T": 24, "B": 5}))
@@ -107,7 +176,7 @@ def test_lse_combine_e5m2_at_w4_runs_clean() -> None:
 
 
 def test_a_wrong_e5m2_merge_still_mismatches() -> None:
-    """The tolerance does not hide a wrong weight: the same partials merged with the
+    """The interval does not hide a wrong weight: the same partials merged with the
     weights of partials 0 and 1 swapped land far outside it."""
     weights, _ = simulate.merge_weights(torch.tensor(LSE, dtype=torch.float64)[:, None], "e")
     parts = torch.tensor(PARTS, dtype=torch.float64)[:, None, None]
@@ -115,7 +184,6 @@ def test_a_wrong_e5m2_merge_still_mismatches() -> None:
     bad = simulate._weighted_sum(weights[[1, 0, 2]], parts) / SCALE
     want = round_fp8(good.reshape(1), "fp8e5m2").double()
     got = round_fp8(bad.reshape(1), "fp8e5m2").double()
-    stats = OutputStats()
-    compare("out", "math", "fp8e5m2", got, want, stats, "here")
+    stats = _check("fp8e5m2", got, want, _merge_bounds(weights, parts).reshape(2, 1))
     assert stats.mismatches == 1, (float(got), float(want))
 
