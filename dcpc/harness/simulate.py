@@ -40,8 +40,11 @@ UNSENT_KEY = "@unsent"
 # a trace entry's key for the interval [lo, hi] (stacked, [2, *shape]) a kernel's fp8
 # output_scale value of buffer NAME may take: NAME + this (``fp8_bounds``, ``bounds_at``)
 BOUNDS_KEY = "@bounds"
-# the fp32 error terms of a computed value beyond its n operands' roundings: the tanh,
-# exp and reciprocal of a merge's weights, the fp32 rounding of each operand (``fp32_error``)
+# the 2**-24 units of a computed value's fp32 error beyond its n additions, times its
+# magnitude (``fp32_error``, ``merge_error``): each product's own rounding (w_k * x_k), a
+# merge's reciprocal 1 / S and the constant part of its exps' error, and a margin (the
+# reviewer's emulation of the kernels' merge, CPU and GPU exp, used at most 0.57 of
+# ``merge_error``); the operands are exact (inputs, or values stored in their dtype)
 FP32_EXTRA_TERMS = 16
 External = Callable[[m.Step, int, Buffers], Buffers]  # (step, rank, bufs) -> writes
 
@@ -215,30 +218,60 @@ def empty_rows(
     return padding | empty
 
 
+def output_scale(op: Any, bufs: Buffers, rank: int | None) -> torch.Tensor | None:
+    """The op's ``output_scale`` as the kernels read it (numerics.reference_scale: a
+    scale that is no positive finite normal is refused, ValueError, as every backend
+    does), or None without one."""
+    name = getattr(op, "output_scale", None)
+    if name is None:
+        return None
+    who = f"rank {rank}'s" if rank is not None else "the"
+    return reference_scale(bufs[name], f"{who} output_scale '{name}'")
+
+
 def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None, dtype: str
            ) -> torch.Tensor:
     """``output_scale``: value (as the kernels' fp32 accumulator) times fl32(1 / scale[0]),
     clamped to the range of fp8 ``dtype`` (dst's) and rounded to its grid by the kernels'
-    rule (NaN stays, the sign of zero kept: numerics.quantize_fp8); a scale that is no
-    positive finite normal is refused (ValueError), as every backend does."""
-    name = getattr(op, "output_scale", None)
-    if name is None:
-        return value
-    who = f"rank {rank}'s" if rank is not None else "the"
-    s = reference_scale(bufs[name], f"{who} output_scale '{name}'")
-    return quantize_fp8(value, s, dtype).double()
+    rule (NaN stays, the sign of zero kept: numerics.quantize_fp8)."""
+    s = output_scale(op, bufs, rank)
+    return value if s is None else quantize_fp8(value, s, dtype).double()
 
 
 def fp32_error(terms: int, magnitude: torch.Tensor | float) -> torch.Tensor:
-    """An upper bound of how far an fp32 kernel's value lies from the float64 one, before
-    its output_scale: a sum of ``terms`` products whose magnitudes add up to
-    ``magnitude`` (sum_i |w_i o_i| of a merge, sum_i |x_i| of a sum) is off by at most
-    (terms + FP32_EXTRA_TERMS) * 2**-24 * magnitude; cancellation leaves it whole (issue
-    33: W = 4's merge 0.1006 + 0.4618 - 0.5624 is 4.44e-8 in float64, 5.96e-8 in fp32)."""
+    """A bound of how far an fp32 kernel's sum lies from the float64 one, before its
+    output_scale, assuming its operands exact (each an input or a value stored in its
+    dtype, which both sides read alike): a sum of ``terms`` products whose magnitudes add
+    up to ``magnitude`` (sum_i |x_i| of a sum, sum_k |w_k x_k| of a weighted combine)
+    is off by at most (terms + FP32_EXTRA_TERMS) * 2**-24 * magnitude, in any order of
+    addition (0 terms: computed exactly, a max); cancellation leaves it whole (issue 33:
+    W = 4's merge 0.1006 + 0.4618 - 0.5624 is 4.44e-8 in float64, 5.96e-8 in fp32). A
+    merge's weights carry more error: ``merge_error``."""
     if not terms:
         return torch.zeros((), dtype=torch.float64)
     return torch.as_tensor(magnitude, dtype=torch.float64) * (
         (terms + FP32_EXTRA_TERMS) * 2.0**-24)
+
+
+def merge_error(weights: torch.Tensor, parts: torch.Tensor, only: int | None = None
+                ) -> torch.Tensor:
+    """A bound of how far an fp32 kernel's LSE merge lies from the float64 one, before
+    its output_scale (the one rule of every merge: lse_combine, all_to_all_combine,
+    all_reduce's ``reduce: lse``, lse_correct): sum_p w_p o_p over the P partials
+    (``weights`` [P, ...], ``parts`` [P, ..., Dv]), or with ``only`` = r partial r's term
+    w_r o_r alone (``parts`` its o_r [..., Dv]: lse_correct), is off by at most
+    2**-24 * sum_p w_p |o_p| (P + FP32_EXTRA_TERMS + 3 |x_p|). The kernel's weight
+    w_p = exp(x_p) * fl(1 / S), x_p = lse_p - max (in natural-log units, ln(w_max / w_p),
+    whatever the LSE's base), carries the argument's rounding |x_p| 2**-24, the exp's own
+    error (a GPU's ex2.approx about 2 + 1.16 |x_p| ulp after fl(x_p * log2 e)) and the
+    sum S's (P - 1 additions, the exps'); an empty partial (w_p = 0) adds nothing."""
+    w = weights.unsqueeze(-1)
+    spread = torch.log(w.max(dim=0).values / w)  # x_p = max - lse_p, natural-log units
+    if only is not None:
+        w, spread = w[only], spread[only]
+    size = torch.where(w == 0, 0.0, w * parts.abs() * (
+        len(weights) + FP32_EXTRA_TERMS + 3 * spread))
+    return 2.0**-24 * (size if only is not None else size.sum(dim=0))
 
 
 def fp8_bounds(value: torch.Tensor, err: torch.Tensor, scale: torch.Tensor, dtype: str
@@ -458,23 +491,24 @@ class Sim:
     def weighted_sum(self, weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
         return _weighted_sum(weights, parts)
 
-    def scaled(self, op: Any, rank: int, value: torch.Tensor, terms: int,
-               magnitude: torch.Tensor | float) -> torch.Tensor:
+    def scaled(self, op: Any, rank: int, value: torch.Tensor, err: torch.Tensor
+               ) -> torch.Tensor:
         """``scaled``, and for the store of dst that follows, the interval the kernel's
-        value may take (``fp8_bounds`` within ``fp32_error(terms, magnitude)``: value a
-        sum of ``terms`` products whose magnitudes add up to ``magnitude``; 0 terms and
-        magnitude 0 where the kernel computes it exactly, a max), kept beside it in the
+        value may take (``fp8_bounds``: within ``err`` of value, an absolute bound of the
+        kernel's fp32 error: ``fp32_error``, ``merge_error``), kept beside it in the
         trace (``bounds_at``)."""
         dst = getattr(op, "dst", None)  # an output_scale's op has one dst (bad-output-scale)
-        if getattr(op, "output_scale", None) is None:
+        s = output_scale(op, self.bufs[rank], rank)
+        if s is None:
             return value
         if not isinstance(dst, str):
             raise ValueError(f"output_scale of {type(op).__name__} without one dst: {dst!r}")
         dtype = self.schedule.buffers[dst].dtype.value
-        out = scaled(op, self.bufs[rank], value, rank, dtype)
-        s = reference_scale(self.bufs[rank][op.output_scale], "output_scale")
-        self.pending[(rank, dst)] = fp8_bounds(value, fp32_error(terms, magnitude), s, dtype)
-        return out
+        self.pending[(rank, dst)] = fp8_bounds(value, err, s, dtype)
+        return quantize_fp8(value, s, dtype).double()
+
+    fp32_error = staticmethod(fp32_error)
+    merge_error = staticmethod(merge_error)
 
 
 def _teams(schedule: m.Schedule, world: int, step: m.Step) -> list[list[int] | None]:

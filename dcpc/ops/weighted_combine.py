@@ -124,7 +124,8 @@ def reference(sim: SimView, step: Step) -> None:
             out += part
             size += part.abs()
         shape = (*sim.shape(op.dst)[:-1], x.shape[-1])
-        sim.store(r, op.dst, sim.scaled(op, r, out.reshape(shape), topk, size.reshape(shape)))
+        sim.store(r, op.dst, sim.scaled(op, r, out.reshape(shape),
+                                        sim.fp32_error(topk, size.reshape(shape))))
 
 
 def io(op: WeightedCombine) -> IO:
