@@ -404,6 +404,9 @@ class Sim:
         self.members: list[int] | None = None  # a team's view: its ranks (``team``)
         # (rank, dst) -> the fp8 bounds ``scaled`` made for the store that follows it
         self.pending: dict[tuple[int, str], torch.Tensor] = {}
+        # per rank: the interval ([2, *shape], ``fp8_bounds``) of each value it holds that
+        # an output_scale computed, or a move carried from one (``_moving``)
+        self.bounds: list[Buffers] = [{} for _ in range(world)]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return buffer_shape(self.schedule, name, self.env)
@@ -421,7 +424,7 @@ class Sim:
         sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
         sub.computes = self.computes
-        sub.pending = {}
+        sub.pending, sub.bounds = {}, [self.bounds[r] for r in ranks]
         return sub
 
     def guarded(self, skipped: set[int]) -> Sim:
@@ -437,14 +440,36 @@ class Sim:
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
         sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
         sub.pending = {}
+        sub.bounds = [{} if r in skipped else self.bounds[r] for r in range(int(self.world))]
+        return sub
+
+    def side(self, k: int) -> Sim:
+        """The same call with each value that has an interval (``bounds``) replaced by
+        its bound ``k`` (0: lo, 1: hi; 2: NaN, a mark), on copies of the buffers: a move
+        run on it carries the bounds (the mark) where it carries the values (``_moving``)."""
+        sub = Sim.__new__(Sim)
+        sub.schedule, sub.world, sub.env, sub.external = (
+            self.schedule, self.world, self.env, self.external)
+        def pick(b: torch.Tensor) -> torch.Tensor:
+            return b[k] if k < 2 else torch.full_like(b[0], math.nan)
+
+        sub.bufs = [_RankBuffers({n: pick(b[n]) if n in b else v for n, v in bufs.items()}, r)
+                    for r, (bufs, b) in enumerate(zip(self.bufs, self.bounds, strict=True))]
+        sub.held = sub.bufs
+        sub.written = [{} for _ in range(int(self.world))]
+        sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
+        sub.pending, sub.bounds = {}, [{} for _ in range(int(self.world))]
         return sub
 
     def store(self, rank: int, name: str, value: torch.Tensor, *,
-              unsent: torch.Tensor | None = None) -> None:
+              unsent: torch.Tensor | None = None, bounds: torch.Tensor | None = None) -> None:
         """Write ``name`` on ``rank``, rounded to its dtype as the module stores it.
         ``unsent``: the elements no rank sent (an op's ``Unsent`` output: ``value``
         holds ``unsent(name)`` there), kept beside the value in the trace (``unsent_at``)
-        so that ``dcpc run`` skips exactly those, and compares a NaN a rank did send."""
+        so that ``dcpc run`` skips exactly those, and compares a NaN a rank did send.
+        ``bounds``: the value's interval (else the one ``scaled`` made for it, if any),
+        kept beside it in the trace (``bounds_at``), the other side of a buffer used whole
+        and by slice taking its part (``alias_views``)."""
         want = self.shape(name)
         if tuple(value.shape) != want:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
@@ -455,13 +480,31 @@ class Sim:
             self.written[rank][name + UNSENT_KEY] = unsent
         else:
             self.written[rank].pop(name + UNSENT_KEY, None)
-        bounds = self.pending.pop((rank, name), None)
-        if bounds is not None:
-            self.written[rank][name + BOUNDS_KEY] = bounds
-        else:
-            self.written[rank].pop(name + BOUNDS_KEY, None)
-        for other in alias_views(self.schedule, self.bufs[rank], name, self.unsent):
+        pending = self.pending.pop((rank, name), None)
+        self._bound(rank, name, pending if bounds is None else bounds)
+        views = alias_views(self.schedule, self.bufs[rank], name, self.unsent)
+        held = self.bounds[rank]
+        sides = [{n: held[n][k] if n in held else self.bufs[rank][n] for n in (name, *views)}
+                 for k in (0, 1)] if any(n in held for n in (name, *views)) else None
+        for side in sides or ():  # the views' bounds, as their values
+            alias_views(self.schedule, side, name, self.bufs[rank].__getitem__)
+        for other in views:
             self.written[rank][other] = self.bufs[rank][other]
+            self._bound(rank, other, None if sides is None else torch.stack(
+                [sides[0][other], sides[1][other]]))
+
+    def _bound(self, rank: int, name: str, bounds: torch.Tensor | None) -> None:
+        """``name``'s interval on ``rank`` (None: it has none), in the trace too where
+        this step wrote it."""
+        if bounds is None:
+            self.bounds[rank].pop(name, None)
+        else:
+            self.bounds[rank][name] = bounds
+        if name in self.written[rank]:
+            if bounds is None:
+                self.written[rank].pop(name + BOUNDS_KEY, None)
+            else:
+                self.written[rank][name + BOUNDS_KEY] = bounds
 
     def unsent(self, name: str) -> torch.Tensor:
         """A value of ``name``'s shape that says "never written": NaN (float64) for a
@@ -475,6 +518,8 @@ class Sim:
         the dtype of buffer ``like``; not traced."""
         self.held[rank][name] = as_stored(self.schedule, like, value, self.rounding,
                                           computed=self.computes)
+        if self.held is self.bufs:  # a value kept is a new one (``_moving`` carries)
+            self.bounds[rank].pop(name, None)
 
     def all_to_all(self, src: str, dst: str, dim: int,
                    store: Callable[[int, str, torch.Tensor], None] | None = None) -> None:
@@ -565,15 +610,48 @@ def simulate_call(
         # what they had (its reference runs there on throwaway buffers)
         ranks = running.get(step.index)
         skipped = set() if ranks is None else set(range(int(world))) - ranks
-        view = sim.guarded(skipped) if skipped else sim
-        with _naming(step):
+        def run(on: Sim, step: m.Step = step, skipped: set[int] = skipped) -> None:
+            view = on.guarded(skipped) if skipped else on
             for team in _teams(schedule, world, step):
                 if skipped.issuperset(range(int(world)) if team is None else team):
                     continue  # a team (or the group) that skips it together: nothing moves
-                op.reference(view if team is None else view.team(team), step)
+                OPS[step.kind].reference(view if team is None else view.team(team), step)
+
+        with _naming(step):
+            _moving(sim, step, run)
     if trace is not None:
         trace.append(sim.written)
     return sim.bufs
+
+
+def _moving(sim: Sim, step: m.Step, run: Callable[[Sim], None]) -> None:
+    """Run ``step`` (``run(sim)``), and where it moves a value that has an interval
+    (an fp8 output_scale's, ``Sim.bounds``), carry the interval with it: run the step
+    again on the values' lo and on their hi (``Sim.side``); a move puts them where it
+    puts the value (it copies, gathers, slices or reshapes values, and a cast's scaling
+    keeps their order), so what it wrote there is the moved value's interval. A value it
+    wrote from values without one gets none: where a third run, on NaN in their place,
+    wrote no NaN that the value does not hold."""
+    reads, _ = OPS[step.kind].io(step.op)
+    if not OPS[step.kind].moves(step.op) or not any(
+            n in reads or n not in sim.schedule.buffers for b in sim.bounds for n in b):
+        run(sim)  # computes (its output_scale bounds what it stores), or no interval moves
+        return
+    before = [dict(bufs) for bufs in sim.bufs]
+    sides = []
+    for k in (0, 1, 2):
+        side = sim.side(k)
+        run(side)
+        sides.append(side.bufs)
+    run(sim)
+    for r, bufs in enumerate(sim.bufs):
+        for name, value in bufs.items():
+            if before[r].get(name) is value:
+                continue  # not written by the step: keeps its interval
+            lo, hi, mark = (side[r].get(name) for side in sides)
+            carried = mark is not None and value.is_floating_point() and bool(
+                (torch.isnan(mark) & ~torch.isnan(value)).any())
+            sim._bound(r, name, torch.stack([lo, hi]) if carried else None)
 
 
 def persistent_start(schedule: m.Schedule, world: int, sizes: Mapping[str, int],
@@ -642,6 +720,7 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
     source = {s.name: shift.sources(sim.schedule, s.op, sim.world) for s in steps
               if split.half(s) == split.WAIT}
     pushed: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src as pushed
+    carried: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src's interval
     events, _ = shift.span_run(sim, steps, sim.world, running)
     for r, k in events:
         step = steps[k]
@@ -653,14 +732,18 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
                 pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
                                                  sim.bufs[r][step.op.src],
                                                  sim.rounding).clone()
+                if step.op.src in sim.bounds[r]:
+                    carried[step.name, r] = sim.bounds[r][step.op.src]
         elif half == split.WAIT:
             if r in source[step.name]:
                 put = split.matched(sim).polls[step.name]
-                sim.store(r, step.op.dst, pushed[put.name, source[step.name][r]].clone())
+                sim.store(r, step.op.dst, pushed[put.name, source[step.name][r]].clone(),
+                          bounds=carried.get((put.name, source[step.name][r])))
         else:
             skipped = set(range(world)) - {r}
             with _naming(step):
-                OPS[step.kind].reference(sim.guarded(skipped), step)
+                _moving(sim, step, lambda on, step=step, skipped=skipped:
+                        OPS[step.kind].reference(on.guarded(skipped), step))
     return written
 
 

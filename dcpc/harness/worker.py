@@ -112,6 +112,22 @@ def returned_names(schedule: m.Schedule, world: int) -> dict[str, list[str]]:
     return {s.name: list(s.returns) for s in lower(schedule, [world]).steps}
 
 
+class NoInterval(ValueError):
+    """A computed fp8 value (kind "math": an output_scale's, or what a move carried from
+    one or from a computed f32) that the float64 simulation holds no interval for
+    (simulate.bounds_at): a persistent buffer read in the next call, a cast of a computed
+    f32 into fp8. Compared exactly, a kernel's fp32 error could move its byte; compared
+    loosely, a wrong rounding passes: ``dcpc run`` says so, naming the buffer."""
+
+    def __init__(self, name: str, dtype: str, where: str):
+        self.name = name
+        super().__init__(
+            f"{where}: '{name}' ({dtype}) holds a computed fp8 value that dcpc run keeps "
+            "no interval for (a persistent buffer read in the next call, or a cast of a "
+            "computed f32 into fp8), so it cannot compare it (exactly, a kernel's fp32 "
+            "error could move its byte): please report it with the schedule")
+
+
 def compare(
     name: str, kind: str, dtype: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
     where: str, *, unsent: torch.Tensor | None = None, bounds: torch.Tensor | None = None,
@@ -123,8 +139,8 @@ def compare(
     reader of them mismatches downstream): those elements are not compared; every other
     one is, a NaN a rank sent included. ``bounds``: [lo, hi] of a computed fp8 value
     (``simulate.bounds_at``; kind "math" only): a finite element passes where lo <= got
-    <= hi. Integers are compared as int64, bit for bit (a
-    float64 rounds them past 2**53)."""
+    <= hi; a computed fp8 value without one is ``NoInterval``, never compared exactly.
+    Integers are compared as int64, bit for bit (a float64 rounds them past 2**53)."""
     stats.compared += 1
     integer = not m.DType(dtype).is_float
     got = _reference_form(_host(got.detach()), dtype)
@@ -136,6 +152,8 @@ def compare(
     if integer:
         _compare_ints(name, got, want, stats, where, unsent=unsent)
         return
+    if kind != "move" and bounds is None and m.DType(dtype).is_fp8:
+        raise NoInterval(name, dtype, where)
     if unsent is not None:
         got = torch.where(unsent, want, got)
     finite = torch.isfinite(want) & torch.isfinite(got)
@@ -222,6 +240,9 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return to_host(t) if t.device.type != "cpu" else t
 
 
+CARRIED = ("math-f32", "math-fp8")  # the computed values a move's dst compares as computed
+
+
 class ValueKinds:
     """How each value is compared, by the ops that made it: "move" (bit for bit) or
     "math" (its dtype's tolerance). An op's own output is "math" when it computes it,
@@ -229,7 +250,9 @@ class ValueKinds:
     reference rounds where the kernel stores, issue 21 item 6: a bf16 sum gathered is
     the bits the sum stored), except a value computed into f32: there the kernel's fp32
     order and float64's differ by an ulp that no rounding hides, which the move carries
-    along (a sum broadcast is still a sum). Decided per buffer: each dst of a move takes
+    along (a sum broadcast is still a sum), and a value computed into fp8 (an
+    output_scale), which a move carries with its interval (simulate.bounds_at: the
+    kernel's byte may be any in it). Decided per buffer: each dst of a move takes
     its own src's kind (``synth.carries``), so a moved block beside a computed one in
     one step is still compared bit for bit. An engine step reads an op's output as
     "math" when an op computed it. A ``persist: true`` buffer starts a call with the
@@ -248,7 +271,8 @@ class ValueKinds:
         if start in self._tables:
             return self._tables[start]
         schedule = self._schedule
-        held: dict[str, str] = dict(start)  # buffer -> "move" | "math" | "math-f32" (carried)
+        # buffer -> "move" | "math" | "math-f32" | "math-fp8" (the last two: carried)
+        held: dict[str, str] = dict(start)
         before: list[dict[str, str]] = []
         after: list[dict[str, str]] = []  # per step: each buffer it writes
         for step in self._steps:
@@ -257,14 +281,16 @@ class ValueKinds:
             wrote: dict[str, str] = {}
             if not OPS[step.op.op].moves(step.op):
                 for w in writes:
-                    wrote[w] = "math-f32" if schedule.buffers[w].dtype == m.DType.f32 else "math"
+                    dtype = schedule.buffers[w].dtype
+                    wrote[w] = ("math-f32" if dtype == m.DType.f32 else
+                                "math-fp8" if dtype.is_fp8 else "math")
             elif step.kind == "external":
                 wrote.update({w: "move" for w in writes})
             else:  # each dst takes its own src's kind; another write, any read's
-                carried = any(held.get(r) == "math-f32" for r in reads)
-                wrote.update({w: "math-f32" if carried else "move" for w in writes})
+                carried = next((held[r] for r in reads if held.get(r) in CARRIED), "move")
+                wrote.update({w: carried for w in writes})
                 for src, dst in synth.carries(step.op):
-                    wrote[dst] = "math-f32" if held.get(src) == "math-f32" else "move"
+                    wrote[dst] = held[src] if held.get(src) in CARRIED else "move"
             held.update(wrote)
             after.append(wrote)
         self._tables[start] = (before, after, held)

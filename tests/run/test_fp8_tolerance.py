@@ -1,9 +1,17 @@
 """A computed fp8 output (output_scale) is compared against an interval: the float64
 reference knows the unrounded value v and the call's scale s, and an fp32 error bound e
-of v (simulate.fp32_error: (terms + FP32_EXTRA_TERMS) * 2**-24 * the terms' magnitude),
-so the kernel's byte must lie in [quantize(v - e), quantize(v + e)] (simulate.fp8_bounds,
+of v (simulate.fp32_error: (terms + FP32_EXTRA_TERMS) * 2**-24 * the terms' magnitude;
+a merge's, simulate.merge_error, adds its weights' exp error per partial), so the
+kernel's byte must lie in [quantize(v - e), quantize(v + e)] (simulate.fp8_bounds,
 carried in the trace: bounds_at; worker.compare). No rtol/atol: a value far from a
-rounding boundary must be the very byte the kernels' rule gives.
+rounding boundary must be the very byte the kernels' rule gives. A move carries the
+interval with the value (simulate._moving); a computed fp8 value with none is a loud
+``worker.NoInterval``, never an exact comparison.
+
+Not caught by runs: a quantiser rounding ties to even instead of away from zero where
+e > 0 (every merge and sum): a tie lies within e of v only, so both bytes are in the
+interval; tests/ops/test_fp8_results.py's exact-byte tests catch it (the kernels' own
+fp32 values, quantised). Runs catch it only where the value is exact (e = 0, a max).
 
 Before: a fixed (atol, rtol) of one grid step (e5m2: (2.6, 1/4)), which a truncating
 quantiser passed. Why not exact: lse_combine_fp8e5m2 at W = 4 (8 calls, seed 0, T=24,
@@ -23,7 +31,7 @@ import torch
 
 from dcpc.harness import simulate
 from dcpc.harness.run import RunConfig, format_report, run_schedule
-from dcpc.harness.worker import OutputStats, compare
+from dcpc.harness.worker import NoInterval, OutputStats, compare
 from dcpc.numerics import FP8_FORMATS, quantize_fp8, round_fp8
 
 OPS = Path(__file__).resolve().parents[2] / "schedules" / "ops"
@@ -53,8 +61,7 @@ def _fp32_merge(o: list[float], lse: list[float], scale: float) -> float:
 def _merge_bounds(weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     """The interval the merge's reference records (dcpc.ops._merge.combine)."""
     v = simulate._weighted_sum(weights, parts)
-    size = simulate._weighted_sum(weights.abs(), parts.abs())
-    err = simulate.fp32_error(len(parts), size)
+    err = simulate.merge_error(weights, parts)
     return simulate.fp8_bounds(v, err, torch.tensor(SCALE, dtype=torch.float32), "fp8e5m2")
 
 
@@ -67,8 +74,8 @@ def _check(dtype: str, got: torch.Tensor, want: torch.Tensor,
 
 def test_a_merge_cancelling_in_fp32_is_within_its_interval() -> None:
     """The recorded element: the reference rounds to 1.5 * 2**-12, fp32 to 2**-11; both
-    lie in the interval the fp32 error bound gives, so compare passes it; compared
-    exactly (no interval) it is the mismatch it was."""
+    lie in the interval the fp32 error bound gives, so compare passes it; without an
+    interval compare refuses to judge it (NoInterval): exactly, it is the mismatch it was."""
     weights, _ = simulate.merge_weights(torch.tensor(LSE, dtype=torch.float64)[:, None], "e")
     parts = torch.tensor(PARTS, dtype=torch.float64)[:, None, None]
     exact = float(simulate._weighted_sum(weights, parts))
@@ -79,7 +86,41 @@ def test_a_merge_cancelling_in_fp32_is_within_its_interval() -> None:
     bounds = _merge_bounds(weights, parts).reshape(2, 1)
     assert float(bounds[0]) <= float(want) <= float(bounds[1])
     assert _check("fp8e5m2", got, want, bounds).mismatches == 0
-    assert _check("fp8e5m2", got, want, None).mismatches == 1  # no fp8 rtol/atol left
+    assert float(got) != float(want)  # no fp8 rtol/atol left, and no exact comparison:
+    with pytest.raises(NoInterval, match="'out' \\(fp8e5m2\\) holds a computed fp8 value"):
+        _check("fp8e5m2", got, want, None)
+
+
+# an e4m3 tie at scale 1: 8.5 rounds to 9 (away from zero), below it to 8
+TIE = 8.5
+
+
+@pytest.mark.parametrize("rule", ["sum", "merge"])
+def test_the_bound_is_tight_64_ulps_off_fails_4_passes(rule: str) -> None:
+    """The error bound's size is pinned: v lies 30 * 2**-24 * M below a tie (M the
+    terms' magnitude), beyond the bound of a 4-term sum (20 * 2**-24 * M) and of a
+    2-partial merge of equal LSEs (18 * 2**-24 * M); a kernel value 4 * 2**-24 * M
+    off v rounds as v does and passes, one 64 * 2**-24 * M off crosses the tie and
+    fails (with FP32_EXTRA_TERMS 200 it would pass)."""
+    u, one = 2.0**-24, torch.tensor(1.0, dtype=torch.float32)
+    if rule == "sum":
+        x = torch.tensor([[TIE * 0.4], [TIE * 0.3], [TIE * 0.2], [TIE * 0.1]],
+                         dtype=torch.float64)
+        size = float(x.abs().sum())
+        err = simulate.fp32_error(len(x), x.abs().sum(dim=0))
+    else:
+        weights = simulate.merge_weights(torch.zeros(2, 1, dtype=torch.float64), "e")[0]
+        parts = torch.full((2, 1, 1), TIE, dtype=torch.float64)
+        size = TIE
+        err = simulate.merge_error(weights, parts).reshape(1)
+    assert float(err) < 21 * u * size
+    v = torch.tensor([TIE - 30 * u * size], dtype=torch.float64)
+    bounds = simulate.fp8_bounds(v, err, one, "fp8e4m3")
+    want = quantize_fp8(v, one, "fp8e4m3").double()
+    assert float(want) == 8.0 and float(bounds[0]) == float(bounds[1]) == 8.0
+    for off, bad in ((4, 0), (-4, 0), (64, 1)):
+        got = quantize_fp8(v + off * u * size, one, "fp8e4m3").double()
+        assert _check("fp8e4m3", got, want, bounds).mismatches == bad, off
 
 
 def _truncate(x: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -186,6 +227,77 @@ def test_a_wrong_e5m2_merge_still_mismatches() -> None:
     got = round_fp8(bad.reshape(1), "fp8e5m2").double()
     stats = _check("fp8e5m2", got, want, _merge_bounds(weights, parts).reshape(2, 1))
     assert stats.mismatches == 1, (float(got), float(want))
+
+
+# the W = 4 record's schedule with its merged fp8 output moved on by a copy
+COPY = (OPS / "lse_combine_fp8e5m2.yaml").read_text().replace(
+    "schedule: op_lse_combine_fp8e5m2", "schedule: op_lse_combine_fp8e5m2_copy").replace(
+    "  out:      {shape: [T, Hl, Dv],     dtype: fp8e5m2}",
+    "  out:      {shape: [T, Hl, Dv],     dtype: fp8e5m2}\n"
+    "  out2:     {shape: [T, Hl, Dv],     dtype: fp8e5m2}").replace(
+    "  - release:", "  - keep:      {op: copy, src: out, dst: out2}\n  - release:")
+KEEP = ("        if _step in self._on_torch:  # the torch backend, or this step's axes"
+        " are on torch\n"
+        '            self._view("out2", slot, _env).copy_(self._view("out", slot, _env))\n')
+BUMP = ("        if True:\n"
+        '            _o2 = self._view("out2", slot, _env)\n'
+        '            _o2.copy_(self._view("out", slot, _env))\n'
+        "            _o2.view(torch.uint8).view(-1)[0] += 1  # one grid step up\n")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("bump", [False, True])
+def test_a_moved_fp8_result_is_compared_against_its_interval(tmp_path: Path, bump: bool
+                                                             ) -> None:
+    """A copy of the merge's fp8 output carries its interval (simulate._moving): at the
+    W = 4 record out2 holds the byte 2**-11 where the reference rounds to 1.5 * 2**-12,
+    as out does, and passes (before: 1 mismatch, the copy compared bit for bit); a copy
+    that moves its first byte one step up is still caught."""
+    path = tmp_path / "copy.yaml"
+    path.write_text(COPY)
+    report = run_schedule(RunConfig(
+        schedule=str(path), world=4, backend="local", calls=8, seed=0, order="interleaved",
+        sizes={"T": 24, "B": 5}, module_patch=((KEEP, BUMP),) if bump else ()))
+    text = format_report(report)
+    assert report.outputs["out"].mismatches == 0, text
+    assert report.outputs["out2"].compared == 32, text
+    if not bump:
+        assert report.ok and report.mismatches == 0, text
+        assert report.outputs["out2"].max_abs_err == pytest.approx(2.0**-11 - 1.5 * 2**-12)
+        return
+    assert not report.ok and report.outputs["out2"].mismatches >= 1, text
+    assert "(keep): out2[0, 0, 0]" in report.outputs["out2"].first_mismatch, text
+
+
+CAST_OF_A_SUM = """\
+schedule: cast_of_a_sum
+slots: 2
+sizes:
+  C: 4
+  H: 16
+buffers:
+  x:      {shape: [W*C, H],  dtype: f32}
+  y:      {shape: [W*C, H],  dtype: f32}
+  s_in:   {shape: [1],       dtype: f32}
+  q:      {shape: [W, C, H], dtype: fp8e4m3, symmetric: true}
+steps:
+  - total: {op: all_reduce, src: x, dst: y}
+  - quant: {op: all_to_all, src: y, dst: q, scale: {per: tensor, buffer: s_in}}
+  - release: {op: barrier}
+"""
+
+
+@pytest.mark.e2e
+def test_a_computed_fp8_value_without_an_interval_is_loud(tmp_path: Path) -> None:
+    """A cast of a computed f32 (an all_reduce's sum) into fp8: the kernel's f32 sum may
+    differ from float64's by an ulp, which can move the byte, and no interval is kept
+    for it: the run fails naming the buffer (NoInterval), not an exact comparison."""
+    path = tmp_path / "cast.yaml"
+    path.write_text(CAST_OF_A_SUM)
+    report = run_schedule(RunConfig(schedule=str(path), world=2, backend="local", calls=1))
+    text = format_report(report)
+    assert not report.ok, text
+    assert "(quant): 'q' (fp8e4m3) holds a computed fp8 value that dcpc run keeps" in text
 
 
 
