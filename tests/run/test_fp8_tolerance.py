@@ -335,3 +335,26 @@ def test_a_truncating_merge_mismatches_in_a_run(file: str, truncating: bool) -> 
     stats = report.outputs["out"]
     assert not report.ok and stats.mismatches >= 1, text
     assert "(merge): out[" in stats.first_mismatch, text
+
+
+def test_a_buffer_used_whole_and_by_slice_shares_its_interval() -> None:
+    """The interval of a value stored whole carries into its slices' views, and a slice
+    stored with one into the whole's part (Sim.store, as alias_views does the values):
+    owner_index's o_parts (2 slots at W = 2), with exact bf16 values and bounds."""
+    from dcpc.lang.parse import parse_file
+
+    schedule = parse_file(OPS / "owner_index.yaml", world=2)
+    shape = (2, 24, 3, 40)
+    sizes = {"T": 24, "B": 5, "Hl": 3, "D": 40, "W": 2}
+    sim = simulate.Sim(schedule, 2, sizes, [{}, {}], lambda *_: {})
+    value = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) % 64
+    bounds = torch.stack([value - 1, value + 1])
+    sim.store(0, "o_parts", value, bounds=bounds)
+    for k in (0, 1):
+        assert torch.equal(sim.bounds[0][f"o_parts_{k}"], bounds[:, k])
+        assert torch.equal(simulate.bounds_at([sim.written], 1, 0, f"o_parts_{k}"), bounds[:, k])
+    part = torch.full(shape[1:], 2.0, dtype=torch.float64)
+    sim.store(0, "o_parts_1", part)  # no interval: the whole's part 1 is the value itself
+    whole = sim.bounds[0]["o_parts"]
+    assert torch.equal(whole[:, 0], bounds[:, 0]) and (whole[:, 1] == 2.0).all()
+    assert "o_parts_1" not in sim.bounds[0] and not sim.bounds[1]
