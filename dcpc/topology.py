@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
 
+# the buffer a rotation of the rank names (dcpc.lang.loops' ``_Unroller._rotated``): slot
+# (r + c) mod W of buffer b on rank r; ``rotations`` reads the names back (the module's
+# header, ScheduleModule.buffer's message)
+ROTATION = "{}_rot{}"
 Axes = tuple[int, ...]  # positions of a team's axes in the mesh, in mesh order
 
 
@@ -256,3 +261,15 @@ def rank_text(world: int, rank: int, axis_names: Sequence[str] | None = None) ->
         return f"rank {rank}"
     names = axis_names or [f"a{i}" for i in range(len(world.shape))]
     return "rank " + torus(world.shape).name(rank, names)
+
+
+def rotations(names: Iterable[str]) -> dict[str, list[int]]:
+    """Of the buffer names of an unrolled schedule, each buffer held as rotations of the
+    rank (``ROTATION``: ``b_rot<c>`` with no ``b`` beside them) -> its c's, sorted."""
+    names = set(names)
+    found: dict[str, list[int]] = {}
+    for name in names:
+        hit = re.fullmatch(ROTATION.format("([a-z][a-z0-9_]*)", "([0-9]+)"), name)
+        if hit and hit.group(1) not in names:
+            found.setdefault(hit.group(1), []).append(int(hit.group(2)))
+    return {k: sorted(v) for k, v in sorted(found.items())}

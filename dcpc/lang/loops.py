@@ -55,7 +55,7 @@ from dcpc.lang.nodes import OWNER_COPY, OwnerCopy
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import all_gather, shift
-from dcpc.topology import shape_of, torus
+from dcpc.topology import ROTATION, rotations, shape_of, torus  # noqa: F401 (rotations: re-exported)
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
 MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
@@ -68,9 +68,6 @@ MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
 MAX_HOPS = 4 * MAX_STEPS
 LOOP_KEYS = ("repeat", "as", "steps", "doc", "when")
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
-# the buffer a rotation of the rank names (``_Unroller._rotated``): slot (r + c) mod W
-# of buffer b on rank r; ``rotations`` reads the names back (the module's header)
-ROTATION = "{}_rot{}"
 # a step's keys whose values name no buffer slice (what a rotation's renaming skips)
 _NOT_SLICES = frozenset({MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave",
                          "shard", "channel", "from", "to", "phase"})
@@ -1159,18 +1156,6 @@ def _rotation_offset(inner: str, owners: frozenset[str] | set[str]) -> str | Non
     else:
         return None
     return None if _names_w(offset, owners) else offset
-
-
-def rotations(names: Iterable[str]) -> dict[str, list[int]]:
-    """Of the buffer names of an unrolled schedule, each buffer held as rotations of the
-    rank (``ROTATION``: ``b_rot<c>`` with no ``b`` beside them) -> its c's, sorted."""
-    names = set(names)
-    found: dict[str, list[int]] = {}
-    for name in names:
-        hit = re.fullmatch(ROTATION.format("([a-z][a-z0-9_]*)", "([0-9]+)"), name)
-        if hit and hit.group(1) not in names:
-            found.setdefault(hit.group(1), []).append(int(hit.group(2)))
-    return {k: sorted(v) for k, v in sorted(found.items())}
 
 
 def _renamed(text: str, old: str, new: str) -> str:
