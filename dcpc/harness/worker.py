@@ -477,6 +477,12 @@ def run_rank(
     happened (dcpc.harness.replay). ``check``: compare each value with the reference
     (False: a pass whose report nobody reads, the GPU warm-up's, skips that host work)."""
     start, cpu_start = time.perf_counter(), time.process_time()
+    if device == "cpu":  # Triton's interpreter patches triton.language once per process,
+        # not around every launch and device-function call (the local backend's shim):
+        # a quarter to a third of a rank's CPU time under the interpreter
+        from dcpc.runtime.local import _install_interpreter_threads
+
+        _install_interpreter_threads()
     if mesh:
         world = MeshWorld(mesh)
     # -inf LSEs of empty shards make numpy warn inside the interpreter: expected, not news
