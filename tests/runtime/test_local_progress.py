@@ -150,25 +150,30 @@ RING = str(Path(__file__).resolve().parents[2] / "schedules" / "gallery" / "ring
 def test_a_shared_simulation_longer_than_the_stall_bound_is_progress_not_a_hang(
         says: bool) -> None:
     """The ranks of a local run share each call's float64 simulation (``CallSims``): one
-    rank simulates, the others wait for it. ring_attention at W=8, T=N=2048 is about 10 s
-    of simulation (2-core machine, unloaded) in 49 steps of at most about 1 s each, past
-    a stall bound of 5 s (five steps' margin on a loaded machine): the simulating rank
-    says each step (``get``'s ``say``, as run_rank passes its own), so the group finishes.
-    Silent, the same simulation reads as a hang: shown against a stall bound of 0.5 s,
-    which leaves it about 20 times the bound (the detector stretches its bound by the
-    CPU share a loaded machine gives, as the simulation stretches: at 5 s the margin
-    would be too thin to fail for sure)."""
+    rank simulates, the others wait for it. The simulating rank says each step (``get``'s
+    ``say``, as run_rank passes its own), so a simulation longer than the stall bound is
+    progress: here each step's say also waits 0.2 s (ring_attention at W=8 has 49 steps:
+    at least 9.8 s in all, whatever the machine), past a stall bound of 5 s, and the
+    group finishes. Silent, the same simulation reads as a hang (a stall bound of 0.5 s:
+    about 20 times that bound, which the detector stretches by the CPU share a loaded
+    machine gives)."""
     from dcpc.harness import synth
     from dcpc.harness.worker import CallSims
     from dcpc.lang.parse import parse_file
 
     schedule = parse_file(RING, world=8)
-    sims = CallSims(schedule, 8, synth.constructor_sizes(schedule, 8, {"T": 2048, "N": 2048}),
+    sims = CallSims(schedule, 8, synth.constructor_sizes(schedule, 8, {"T": 64, "N": 64}),
                     0, "nearest", users=2)
 
     def body(rank: Any) -> int:
         rank.progress("call 0")
-        sims.get(0, rank.progress if says else None)
+
+        def say(what: str) -> None:
+            time.sleep(0.2)  # a slow step
+            if says:
+                rank.progress(what)
+
+        sims.get(0, say)
         return rank.rank
 
     start = time.monotonic()
