@@ -321,7 +321,7 @@ class _Unroller:
         self.count = 0  # the steps unrolled so far (``loop``'s backstop)
         # symmetric buffers whose leading axis is W -> where a use is no rotation (or None)
         self.rotation_uses = _rotation_uses(data, self.env, file)
-        self.rotating = frozenset(k for k, v in self.rotation_uses.items() if v is None)
+        self.rotating = _rotating(self.rotation_uses)
 
     def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
         if all((d.mark, d.code) != (mark, code) for d in self.errors):  # once, not per hop
@@ -1299,13 +1299,12 @@ def _copies(item: Any, env: dict[str, int],
     return int(env["W"]) if owned else 1
 
 
-def _rotating(data: Any, env: dict[str, int]) -> frozenset[str]:
-    """The buffers whose slots an index may take by a rotation of the rank at W =
-    ``env["W"]`` (``_Unroller._rotated``): symmetric, leading axis W, and every use of
-    them in the steps an index written as a rotation (``_rotation_offset``): a buffer
-    also used whole or indexed otherwise is unrolled with copies per rank, and the
-    trip counts' bound counts them so (one scan of the file's text, no rank evaluated)."""
-    return frozenset(k for k, v in _rotation_uses(data, env).items() if v is None)
+def _rotating(uses: dict[str, Mark | None]) -> frozenset[str]:
+    """Of ``_rotation_uses``' buffers, those whose slots an index may take by a rotation
+    of the rank (``_Unroller._rotated``): every use of them in the steps an index written
+    as a rotation (``_rotation_offset``); a buffer also used whole or indexed otherwise
+    is unrolled with copies per rank, and the trip counts' bound counts them so."""
+    return frozenset(k for k, v in uses.items() if v is None)
 
 
 def _rotation_uses(data: Any, env: dict[str, int], file: str = "<memory>"
@@ -1414,7 +1413,8 @@ def unrolled_length(data: Any, world: int) -> int | None:
         return None
     count = [0, 0]
     env = _world_env(data, world)
-    if not _tally(steps, env, 0, count, _owner_names(data), _rotating(data, env)):
+    if not _tally(steps, env, 0, count, _owner_names(data),
+                  _rotating(_rotation_uses(data, env))):
         return None
     return max(count[0], MAX_STEPS + 1) if count[1] > MAX_HOPS else count[0]
 
