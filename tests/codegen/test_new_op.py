@@ -29,6 +29,7 @@ buffers:
 steps:
   - keep: {op: echo, src: x, dst: y}
   - gather: {op: all_gather, src: y, dst: g, dim: 1}
+  - release: {op: barrier}
 """
 
 

@@ -272,6 +272,11 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
     for n, op in steps:
         if op.op in ("reduce_scatter", "all_reduce", "reduce") and op.via is None:
             tracked.add(f"{n}_recv")
+    # what each step's method returns (the plan's one definition): the engine reads it
+    # at the return, after the step's own accesses
+    from dcpc.codegen.lower import lower
+
+    returns = {s.name: list(s.returns) for s in lower(schedule, [world]).steps}
     graph = nx.DiGraph()
     ids = count()
     per_call: dict[tuple[int, int], list[int]] = {}
@@ -281,6 +286,9 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
             for index, (name, op) in enumerate(steps):
                 if _runs(schedule, op, rank, world):  # a when: that fails: no accesses
                     _lower_step(b, schedule, name, index, op, world, tracked)
+                    for n in returns[name]:
+                        if n in tracked:
+                            b.access(name, index, 1, n, "read")
             per_call[(rank, call)] = b.nodes
             graph.add_edges_from(zip(b.nodes, b.nodes[1:], strict=False))
     for rank in range(int(world)):
