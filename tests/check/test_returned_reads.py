@@ -10,20 +10,12 @@ from support.hb_oracle import oracle_keys
 from dcpc.check import hb
 from dcpc.lang.parse import parse_text
 
-HEAD = """\
-schedule: q
-slots: 1
-sizes:
-  T: {max: 8}
-  D: 16
-buffers:
-  x: {shape: [T, D], dtype: f32}
-  y: {shape: [T, D], dtype: f32}
-  g: {shape: [T, W * D], dtype: f32, symmetric: true}
-steps:
-  - keep: {op: copy, src: x, dst: y}
-  - gather: {op: all_gather, src: y, dst: g, dim: 1}
-"""
+HEAD = (  # tests/codegen/test_new_op.py's schedule, its echo a copy, no barrier
+    "schedule: q\nslots: 1\nsizes: {T: {max: 8}, D: 16}\nbuffers:\n"
+    "  x: {shape: [T, D], dtype: f32}\n  y: {shape: [T, D], dtype: f32}\n"
+    "  g: {shape: [T, W * D], dtype: f32, symmetric: true}\nsteps:\n"
+    "  - keep: {op: copy, src: x, dst: y}\n"
+    "  - gather: {op: all_gather, src: y, dst: g, dim: 1}\n")
 RETURN_RACE = ("race", "write-after-read", "g", "gather", "gather")
 
 
