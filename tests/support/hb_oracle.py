@@ -104,11 +104,14 @@ class _Builder:
         self.nodes.append(node)
 
     def access(self, step, index, phase, buffer, kind, owner=None, part=None,
-               lands=None) -> None:
+               lands=None, returned=False) -> None:
         """``lands``: the index of the step at whose wait the data flow writes a store
-        made here (a shift's), None: here."""
+        made here (a shift's), None: here. ``returned``: the engine's read of what the
+        method returns (a race, never a read-before-write: a rank that received nothing
+        returns what its buffer held)."""
         self.add(step, index, phase, buffer=buffer, kind=kind,
-                 owner=self.rank if owner is None else owner, part=part, lands=lands)
+                 owner=self.rank if owner is None else owner, part=part, lands=lands,
+                 returned=returned)
 
 
 def _partition(schedule: Schedule, op) -> tuple:
@@ -288,7 +291,7 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
                     _lower_step(b, schedule, name, index, op, world, tracked)
                     for n in returns[name]:
                         if n in tracked:
-                            b.access(name, index, 1, n, "read")
+                            b.access(name, index, 1, n, "read", returned=True)
             per_call[(rank, call)] = b.nodes
             graph.add_edges_from(zip(b.nodes, b.nodes[1:], strict=False))
     for rank in range(int(world)):
@@ -441,7 +444,7 @@ def oracle_unwritten(schedule: Schedule, world: int) -> set[Key]:
         place = _intended(d)[1:3]
         if d["kind"] == "write":
             writes.setdefault((d["buffer"], d["owner"]), []).append(place)
-        else:
+        elif not d.get("returned"):
             reads.append((place, d))
     first: dict[str, tuple] = {}
     for place, d in sorted(reads, key=lambda item: item[0]):
