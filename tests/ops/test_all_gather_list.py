@@ -79,8 +79,11 @@ def test_the_second_payload_races_without_the_barrier(tmp_path: Path) -> None:
     (use,) = [m for *_, m in found if "use on rank" in m]
     assert "race on lse_all" in use and "index 1 of dim 1" in use
     # and the engine's read of both payloads gather returns, at its return
-    assert sorted(m.split(":")[0] for *_, m in found if "use on rank" not in m) == [
+    returned = [m for *_, m in found if "use on rank" not in m]
+    assert sorted(m.split(":")[0] for m in returned) == [
         "write-after-read race on lse_all", "write-after-read race on q_full"]
+    assert all("while the engine still reads what gather on rank 0 (call 0) returned" in m
+               for m in returned), returned
 
 
 @pytest.mark.parametrize("world", [2, 3])

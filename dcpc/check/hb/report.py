@@ -199,9 +199,10 @@ def race_finding(world: World, race: RawRace) -> Finding:
     if la.lands or lb.lands:  # a split-phase shift's store, in flight from put to wait
         message = _flight_message(world, race, la, lb, where)
     elif race.cls == WAR:
+        reads = (f"the engine still reads what {la.step} on {na} (call {la.call}) returned"
+                 if a.access.returned else f"{la.step} on {na} (call {la.call}) still reads it")
         message = (f"write-after-read race on {race.buffer}: {lb.step} on {nb} "
-                   f"(call {lb.call}) can write {lb.region} while {la.step} on {na} "
-                   f"(call {la.call}) still reads it {where}")
+                   f"(call {lb.call}) can write {lb.region} while {reads} {where}")
     elif race.cls == RAW:
         message = (f"read-after-write race on {race.buffer}: {lb.step} on {nb} "
                    f"(call {lb.call}) can read {lb.region} before {la.step} on {na} "
