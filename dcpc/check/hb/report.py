@@ -34,6 +34,7 @@ class Location:
     rank_name: str = field(default="", compare=False)  # a mesh's "rank (node=1, gpu=0)"
     lands: str = field(default="", compare=False)  # a store in flight: the wait landing it
     owner: int = field(default=-1, compare=False)  # an access: the rank whose instance it is
+    returned: bool = field(default=False, compare=False)  # the engine's read of what it returns
 
     def text(self) -> str:
         who = self.rank_name or f"rank {self.rank}"
@@ -45,7 +46,8 @@ class Location:
         return {"rank": self.rank, "call": self.call, "slot": self.slot, "step": self.step,
                 "step_index": self.step_index, "access": self.access, "region": self.region,
                 "mark": str(self.mark), **({"lands": self.lands} if self.lands else {}),
-                **({"owner": self.owner} if self.owner >= 0 else {})}
+                **({"owner": self.owner} if self.owner >= 0 else {}),
+                **({"returned": True} if self.returned else {})}
 
 
 @dataclass
@@ -168,7 +170,8 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
         region += f", in flight until its wait {wait.name} ({wait.mark})"
         lands = wait.name
     return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
-                    t.access.kind, region, step.mark, _rk(world, t.rank), lands, t.owner)
+                    t.access.kind, region, step.mark, _rk(world, t.rank), lands, t.owner,
+                    t.access.returned)
 
 
 def race_cut(world: World, race: RawRace) -> list[int]:
