@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
 
+# the buffer a rotation of the rank names (dcpc.lang.loops' ``_Unroller._rotated``): slot
+# (r + c) mod W of buffer b on rank r; ``rotations`` reads the names back (the module's
+# header, ScheduleModule.buffer's message)
+ROTATION = "{}_rot{}"
 Axes = tuple[int, ...]  # positions of a team's axes in the mesh, in mesh order
 
 
@@ -164,10 +169,9 @@ class Torus:
         """The rank at member index ``member(rank) + k`` of ``rank``'s team along ``axes``
         (mod the team size; ``wrap`` False: None past either end): next/prev (k = +-1)
         and a shift's offset along a team, one definition for every stage."""
-        team, me = self.team(rank, axes), self.member(rank, axes)
-        if not wrap and not 0 <= me + k < len(team):
-            return None
-        return team[(me + k) % len(team)]
+        team = self.team(rank, axes)
+        found = along(self.member(rank, axes), len(team), k, wrap)
+        return None if found is None else team[found]
 
     def perm_ranks(self, members: Sequence[int], axes: Axes | None) -> tuple[int, ...]:
         """A perm along ``axes`` as ranks: ``members`` names the destination of each
@@ -195,6 +199,26 @@ class Torus:
         """``(node=1, gpu=0)``."""
         return "(" + ", ".join(f"{n}={c}" for n, c in zip(axis_names, self.coords(rank),
                                                            strict=True)) + ")"
+
+
+def along(member: int, size: int, k: int, wrap: bool = True) -> int | None:
+    """Member ``member + k`` of a team of ``size`` members: mod ``size`` on a ring, None
+    past either end where ``wrap`` is False (a line: a shift with ``wrap: false``). The
+    one definition of a shift's peer by offset: over ranks through ``Torus.peer``, over
+    member indices in the float64 reference and the torch backend."""
+    if not wrap and not 0 <= member + k < size:
+        return None
+    return (member + k) % size
+
+
+def perm_sources(dests: Sequence[int]) -> tuple[int, ...]:
+    """The source of each member of a perm's destination table (-1: none, as in
+    ``dests``): the one inverse of a perm (who a member receives from)."""
+    out = [-1] * len(dests)
+    for r, d in enumerate(dests):
+        if d >= 0:
+            out[d] = r
+    return tuple(out)
 
 
 def team_table(ranks: Sequence[int], team: Sequence[int]) -> list[int]:
@@ -237,3 +261,15 @@ def rank_text(world: int, rank: int, axis_names: Sequence[str] | None = None) ->
         return f"rank {rank}"
     names = axis_names or [f"a{i}" for i in range(len(world.shape))]
     return "rank " + torus(world.shape).name(rank, names)
+
+
+def rotations(names: Iterable[str]) -> dict[str, list[int]]:
+    """Of the buffer names of an unrolled schedule, each buffer held as rotations of the
+    rank (``ROTATION``: ``b_rot<c>`` with no ``b`` beside them) -> its c's, sorted."""
+    names = set(names)
+    found: dict[str, list[int]] = {}
+    for name in names:
+        hit = re.fullmatch(ROTATION.format("([a-z][a-z0-9_]*)", "([0-9]+)"), name)
+        if hit and hit.group(1) not in names:
+            found.setdefault(hit.group(1), []).append(int(hit.group(2)))
+    return {k: sorted(v) for k, v in sorted(found.items())}

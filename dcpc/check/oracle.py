@@ -74,6 +74,7 @@ from typing import Any
 
 from dcpc.codegen.plan import tracked as tracked_buffers
 from dcpc.exprs import holds
+from dcpc.topology import shape_of, torus
 
 WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
 POLICIES = ("lockstep", "hold", "random", "delay")
@@ -191,7 +192,8 @@ def peers(spec: str | None, rank: int, world: int,
         return [other] if other >= 0 and other != rank else []
     if spec is not None and spec not in ("all", "next", "prev"):  # one rank at "+k"/"-k"
         wrap = not spec.startswith("line")
-        other = shift_peer(rank, int(spec[0 if wrap else len("line"):]), world, axes, wrap)
+        other = torus(shape_of(world)).peer(rank, axes, int(spec[0 if wrap else len("line"):]),
+                                            wrap)
         return [other] if other is not None and other != rank else []
     if spec is None or world < 2:
         return []
@@ -212,18 +214,6 @@ def peers(spec: str | None, rank: int, world: int,
     coords[axis] = (coords[axis] + (1 if spec == "next" else -1)) % shape[axis]
     other = _rank(coords, shape)
     return [other] if other != rank else []
-
-
-def shift_peer(rank: int, k: int, world: int, axes: tuple[int, ...] | None,
-               wrap: bool = True) -> int | None:
-    """The rank a shift by ``k`` from ``rank`` reaches: member ``+k`` of its team along
-    ``axes`` (every rank: None), mod the team size; ``wrap`` False: None past an end."""
-    shape = getattr(world, "shape", None)
-    team = list(range(world)) if shape is None or axes is None else team_of(rank, shape, axes)
-    me = team.index(rank)
-    if not wrap:
-        return team[me + k] if 0 <= me + k < len(team) else None
-    return team[(me + k) % len(team)]
 
 
 def _coords(rank: int, shape: Sequence[int]) -> list[int]:
@@ -418,7 +408,8 @@ class _Compiled:
             elif part[0] == "perm":  # a perm: rank table[r]'s instance only (-1: none)
                 owners = (part[5][rank],) if part[5][rank] >= 0 else ()
             elif part[0] in ("peer", "line"):  # a shift: one rank's instance (line: none
-                end = shift_peer(rank, part[3], self.world, part[4], part[0] == "peer")
+                end = torus(shape_of(self.world)).peer(rank, part[4], part[3],
+                                                       part[0] == "peer")
                 owners = () if end is None else (end,)  # past either end of its team)
             elif part[4] is not None:  # a team's store: its members' instances only
                 owners = team_of(rank, self.world.shape, part[4])  # type: ignore[attr-defined]

@@ -52,13 +52,17 @@ def check_when(ctx: Context) -> None:
             owned.add((copy.step, step.op.mark(wh.OWNER_MARK)))
             ctx.error(step.op.mark(wh.OWNER_MARK), "bad-index",
                       f"step '{copy.step}' ({step.kind}) has an index that "
-                      f"{names_the_rank(copy.index)}, but it communicates (it signals, "
+                      f"{names_the_rank(copy.index)}"
+                      f"{f' ({copy.why})' if copy.why else ''}, but it communicates (it signals, "
                       "waits or reaches another rank's buffers): a slice that depends on "
                       "the rank is taken per rank "
                       "by a copy of the step that runs there alone, and every rank must run "
-                      "a communication step", hint="index by the rank in the local steps "
-                      "(the attention that writes a partial, a copy), and keep the "
-                      "exchange's buffers whole or indexed by the hop")
+                      "a communication step",
+                      hint="index by the rank in the local steps (the attention that writes "
+                      "a partial, a copy), and keep the exchange's buffers whole or indexed "
+                      "by the hop; or index a symmetric buffer whose leading axis is W by a "
+                      "rotation of the rank ('parts[(r - h) % W]': r + c mod W, one c on "
+                      "every rank), and by nothing else: one step every rank runs")
             continue
         if not local(sem) and sem.sync.signal is None and sem.sync.wait is None:
             ctx.error(mark, "when-on-communication",

@@ -29,6 +29,7 @@ from dcpc.diagnostics import DiagnosticError
 from dcpc.lang import expr as ex
 from dcpc.lang import model as m
 from dcpc.lang import when as wh
+from dcpc.lang.loops import ROTATION, rotations
 from dcpc.lang.mesh import mesh_of
 from dcpc.lang.semantics import Semantics, table
 from dcpc.ops import OPS
@@ -188,6 +189,15 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str,
                 + (f"; only where {ex.unparse(s.attrs['when'])} (runs('{s.name}'))"
                    if "when" in s.attrs else "")
             )
+    buffers = list(buffers)
+    for base, turns in rotations(b.name for b in buffers).items():
+        held = ", ".join(ROTATION.format(base, c) for c in turns)
+        lines.append(
+            f"{base} (symmetric, leading axis W) is held as {held}: on rank r, "
+            f"{ROTATION.format(base, '<c>')} is slot (r + c) mod W of {base} (an index "
+            f"that rotates the rank); there is no buffer {base}: module.buffer("
+            f"'{ROTATION.format(base, '<c>')}')"
+        )
     for b in buffers:
         if b.persist:
             lines.append(

@@ -132,7 +132,8 @@ def _child_main(
         value = func(rank, world, **args)
         results.put((rank, "ok", value, "", ""))
     except BaseException as exc:  # noqa: BLE001 (reported to the parent, never swallowed)
-        results.put((rank, "error", None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        results.put((rank, _status(exc), None, f"{type(exc).__name__}: {exc}",
+                     traceback.format_exc()))
     # No destroy_process_group: a peer may be gone, and gloo teardown would block.
     # Flush the queue, then leave at once (skips atexit hooks that could wait on peers).
     results.close()
@@ -145,6 +146,14 @@ def _child_main(
 # each child from scratch instead. Either way a child gets the launcher's environment and
 # sys.path of the moment it is started (``_child_main``).
 PRELOAD = ["torch", "torch.distributed", "triton", "dcpc.harness.worker"]
+
+
+def _status(exc: BaseException) -> str:
+    """The status of a process that raised ``exc``: "error", or what the exception says it
+    stands for (``launch_status``: dcpc.runtime.local's LocalRankHang "hung",
+    LocalRankTimeout "timeout", the ranks of a ``local`` run's one process)."""
+    status = getattr(type(exc), "launch_status", "error")
+    return status if status in ("hung", "timeout") else "error"
 
 
 def _context(interpret: bool = True) -> Any:

@@ -396,13 +396,12 @@ def _per_rank(result: LaunchResult, world: int) -> LaunchResult:
     """The one process of a ``local`` run as W rank outcomes (its threads' reports); a
     group that stopped on its ranks' progress (dcpc.runtime.local) as the launcher names
     processes: ``hung`` (nothing new for the stall bound), ``timeout`` (still
-    progressing at the deadline)."""
+    progressing at the deadline), the status its exception carries (``launch_status``,
+    dcpc.harness.launch)."""
     (only,) = result.outcomes
     if only.status != "ok":
-        kind = only.error.partition(":")[0]
-        status = {"LocalRankHang": "hung", "LocalRankTimeout": "timeout"}.get(
-            kind, only.status) if only.status == "error" else only.status
-        return LaunchResult(world, [RankOutcome(r, status, None, only.error, only.traceback)
+        return LaunchResult(world, [RankOutcome(r, only.status, None, only.error,
+                                                only.traceback)
                                     for r in range(world)], result.wall_s, result.notes)
     return LaunchResult(world, [RankOutcome(r, "ok", value, reported_s=only.reported_s)
                                 for r, value in enumerate(only.value)], result.wall_s,

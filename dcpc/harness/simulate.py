@@ -37,6 +37,15 @@ UNSENT_INT = -1
 # a trace entry's key for the elements of buffer NAME that its write left unsent: NAME + this
 # ('@' is no name's character, as the stash's '@inflight')
 UNSENT_KEY = "@unsent"
+# a trace entry's key for the interval [lo, hi] (stacked, [2, *shape]) a kernel's fp8
+# output_scale value of buffer NAME may take: NAME + this (``fp8_bounds``, ``bounds_at``)
+BOUNDS_KEY = "@bounds"
+# the 2**-24 units of a computed value's fp32 error beyond its n additions, times its
+# magnitude (``fp32_error``, ``merge_error``): each product's own rounding (w_k * x_k), a
+# merge's reciprocal 1 / S and the constant part of its exps' error, and a margin (the
+# reviewer's emulation of the kernels' merge, CPU and GPU exp, used at most 0.57 of
+# ``merge_error``); the operands are exact (inputs, or values stored in their dtype)
+FP32_EXTRA_TERMS = 16
 External = Callable[[m.Step, int, Buffers], Buffers]  # (step, rank, bufs) -> writes
 
 
@@ -209,18 +218,75 @@ def empty_rows(
     return padding | empty
 
 
+def output_scale(op: Any, bufs: Buffers, rank: int | None) -> torch.Tensor | None:
+    """The op's ``output_scale`` as the kernels read it (numerics.reference_scale: a
+    scale that is no positive finite normal is refused, ValueError, as every backend
+    does), or None without one."""
+    name = getattr(op, "output_scale", None)
+    if name is None:
+        return None
+    who = f"rank {rank}'s" if rank is not None else "the"
+    return reference_scale(bufs[name], f"{who} output_scale '{name}'")
+
+
 def scaled(op: Any, bufs: Buffers, value: torch.Tensor, rank: int | None, dtype: str
            ) -> torch.Tensor:
     """``output_scale``: value (as the kernels' fp32 accumulator) times fl32(1 / scale[0]),
     clamped to the range of fp8 ``dtype`` (dst's) and rounded to its grid by the kernels'
-    rule (NaN stays, the sign of zero kept: numerics.quantize_fp8); a scale that is no
-    positive finite normal is refused (ValueError), as every backend does."""
-    name = getattr(op, "output_scale", None)
-    if name is None:
-        return value
-    who = f"rank {rank}'s" if rank is not None else "the"
-    s = reference_scale(bufs[name], f"{who} output_scale '{name}'")
-    return quantize_fp8(value, s, dtype).double()
+    rule (NaN stays, the sign of zero kept: numerics.quantize_fp8)."""
+    s = output_scale(op, bufs, rank)
+    return value if s is None else quantize_fp8(value, s, dtype).double()
+
+
+def fp32_error(terms: int, magnitude: torch.Tensor | float) -> torch.Tensor:
+    """A bound of how far an fp32 kernel's sum lies from the float64 one, before its
+    output_scale, assuming its operands exact (each an input or a value stored in its
+    dtype, which both sides read alike): a sum of ``terms`` products whose magnitudes add
+    up to ``magnitude`` (sum_i |x_i| of a sum, sum_k |w_k x_k| of a weighted combine)
+    is off by at most (terms + FP32_EXTRA_TERMS) * 2**-24 * magnitude, in any order of
+    addition (0 terms: computed exactly, a max); cancellation leaves it whole (issue 33:
+    W = 4's merge 0.1006 + 0.4618 - 0.5624 is 4.44e-8 in float64, 5.96e-8 in fp32). A
+    merge's weights carry more error: ``merge_error``."""
+    if not terms:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.as_tensor(magnitude, dtype=torch.float64) * (
+        (terms + FP32_EXTRA_TERMS) * 2.0**-24)
+
+
+def merge_error(weights: torch.Tensor, parts: torch.Tensor, only: int | None = None
+                ) -> torch.Tensor:
+    """A bound of how far an fp32 kernel's LSE merge lies from the float64 one, before
+    its output_scale (the one rule of every merge: lse_combine, all_to_all_combine,
+    all_reduce's ``reduce: lse``, lse_correct): sum_p w_p o_p over the P partials
+    (``weights`` [P, ...], ``parts`` [P, ..., Dv]), or with ``only`` = r partial r's term
+    w_r o_r alone (``parts`` its o_r [..., Dv]: lse_correct), is off by at most
+    2**-24 * sum_p w_p |o_p| (P + FP32_EXTRA_TERMS + 3 |x_p|). The kernel's weight
+    w_p = exp(x_p) * fl(1 / S), x_p = lse_p - max (in natural-log units, ln(w_max / w_p),
+    whatever the LSE's base), carries the argument's rounding |x_p| 2**-24, the exp's own
+    error (a GPU's ex2.approx about 2 + 1.16 |x_p| ulp after fl(x_p * log2 e)) and the
+    sum S's (P - 1 additions, the exps'); an empty partial (w_p = 0) adds nothing."""
+    w = weights.unsqueeze(-1)
+    spread = torch.log(w.max(dim=0).values / w)  # x_p = max - lse_p, natural-log units
+    if only is not None:
+        w, spread = w[only], spread[only]
+    size = torch.where(w == 0, 0.0, w * parts.abs() * (
+        len(weights) + FP32_EXTRA_TERMS + 3 * spread))
+    return 2.0**-24 * (size if only is not None else size.sum(dim=0))
+
+
+def fp8_bounds(value: torch.Tensor, err: torch.Tensor, scale: torch.Tensor, dtype: str
+               ) -> torch.Tensor:
+    """[lo, hi] stacked: what the kernels' quantiser (numerics.quantize_fp8, monotone:
+    fp32 rounding, fp32 multiply and fp8 rounding with saturation each keep order) gives
+    for an fp32 value within ``err`` of ``value``: quantize(value - err) and
+    quantize(value + err). A NaN value (or a non-finite err) leaves lo = hi =
+    quantize(value): NaN only for NaN, an infinity saturated exactly."""
+    err = torch.broadcast_to(torch.as_tensor(err, dtype=torch.float64), value.shape)
+    exact = torch.isnan(value) | ~torch.isfinite(err)
+    err = torch.where(exact, 0.0, err)
+    lo = quantize_fp8(value - err, scale, dtype).double()
+    hi = quantize_fp8(value + err, scale, dtype).double()
+    return torch.stack([lo, hi])
 
 
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -336,6 +402,11 @@ class Sim:
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
         self.computes = False  # the step computes what it stores (as_stored's computed)
         self.members: list[int] | None = None  # a team's view: its ranks (``team``)
+        # (rank, dst) -> the fp8 bounds ``scaled`` made for the store that follows it
+        self.pending: dict[tuple[int, str], torch.Tensor] = {}
+        # per rank: the interval ([2, *shape], ``fp8_bounds``) of each value it holds that
+        # an output_scale computed, or a move carried from one (``_moving``)
+        self.bounds: list[Buffers] = [{} for _ in range(world)]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return buffer_shape(self.schedule, name, self.env)
@@ -353,6 +424,7 @@ class Sim:
         sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
         sub.computes = self.computes
+        sub.pending, sub.bounds = {}, [self.bounds[r] for r in ranks]
         return sub
 
     def guarded(self, skipped: set[int]) -> Sim:
@@ -367,14 +439,37 @@ class Sim:
         sub.held = self.held
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
         sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
+        sub.pending = {}
+        sub.bounds = [{} if r in skipped else self.bounds[r] for r in range(int(self.world))]
+        return sub
+
+    def side(self, k: int) -> Sim:
+        """The same call with each value that has an interval (``bounds``) replaced by
+        its bound ``k`` (0: lo, 1: hi; 2: NaN, a mark), on copies of the buffers: a move
+        run on it carries the bounds (the mark) where it carries the values (``_moving``)."""
+        sub = Sim.__new__(Sim)
+        sub.schedule, sub.world, sub.env, sub.external = (
+            self.schedule, self.world, self.env, self.external)
+        def pick(b: torch.Tensor) -> torch.Tensor:
+            return b[k] if k < 2 else torch.full_like(b[0], math.nan)
+
+        sub.bufs = [_RankBuffers({n: pick(b[n]) if n in b else v for n, v in bufs.items()}, r)
+                    for r, (bufs, b) in enumerate(zip(self.bufs, self.bounds, strict=True))]
+        sub.held = sub.bufs
+        sub.written = [{} for _ in range(int(self.world))]
+        sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
+        sub.pending, sub.bounds = {}, [{} for _ in range(int(self.world))]
         return sub
 
     def store(self, rank: int, name: str, value: torch.Tensor, *,
-              unsent: torch.Tensor | None = None) -> None:
+              unsent: torch.Tensor | None = None, bounds: torch.Tensor | None = None) -> None:
         """Write ``name`` on ``rank``, rounded to its dtype as the module stores it.
         ``unsent``: the elements no rank sent (an op's ``Unsent`` output: ``value``
         holds ``unsent(name)`` there), kept beside the value in the trace (``unsent_at``)
-        so that ``dcpc run`` skips exactly those, and compares a NaN a rank did send."""
+        so that ``dcpc run`` skips exactly those, and compares a NaN a rank did send.
+        ``bounds``: the value's interval (else the one ``scaled`` made for it, if any),
+        kept beside it in the trace (``bounds_at``), the other side of a buffer used whole
+        and by slice taking its part (``alias_views``)."""
         want = self.shape(name)
         if tuple(value.shape) != want:
             raise ValueError(f"simulator: {name} has shape {tuple(value.shape)}, want {want}")
@@ -385,8 +480,31 @@ class Sim:
             self.written[rank][name + UNSENT_KEY] = unsent
         else:
             self.written[rank].pop(name + UNSENT_KEY, None)
-        for other in alias_views(self.schedule, self.bufs[rank], name, self.unsent):
+        pending = self.pending.pop((rank, name), None)
+        self._bound(rank, name, pending if bounds is None else bounds)
+        views = alias_views(self.schedule, self.bufs[rank], name, self.unsent)
+        held = self.bounds[rank]
+        sides = [{n: held[n][k] if n in held else self.bufs[rank][n] for n in (name, *views)}
+                 for k in (0, 1)] if any(n in held for n in (name, *views)) else None
+        for side in sides or ():  # the views' bounds, as their values
+            alias_views(self.schedule, side, name, self.bufs[rank].__getitem__)
+        for other in views:
             self.written[rank][other] = self.bufs[rank][other]
+            self._bound(rank, other, None if sides is None else torch.stack(
+                [sides[0][other], sides[1][other]]))
+
+    def _bound(self, rank: int, name: str, bounds: torch.Tensor | None) -> None:
+        """``name``'s interval on ``rank`` (None: it has none), in the trace too where
+        this step wrote it."""
+        if bounds is None:
+            self.bounds[rank].pop(name, None)
+        else:
+            self.bounds[rank][name] = bounds
+        if name in self.written[rank]:
+            if bounds is None:
+                self.written[rank].pop(name + BOUNDS_KEY, None)
+            else:
+                self.written[rank][name + BOUNDS_KEY] = bounds
 
     def unsent(self, name: str) -> torch.Tensor:
         """A value of ``name``'s shape that says "never written": NaN (float64) for a
@@ -400,6 +518,8 @@ class Sim:
         the dtype of buffer ``like``; not traced."""
         self.held[rank][name] = as_stored(self.schedule, like, value, self.rounding,
                                           computed=self.computes)
+        if self.held is self.bufs:  # a value kept is a new one (``_moving`` carries)
+            self.bounds[rank].pop(name, None)
 
     def all_to_all(self, src: str, dst: str, dim: int,
                    store: Callable[[int, str, torch.Tensor], None] | None = None) -> None:
@@ -416,13 +536,24 @@ class Sim:
     def weighted_sum(self, weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
         return _weighted_sum(weights, parts)
 
-    def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor:
+    def scaled(self, op: Any, rank: int, value: torch.Tensor, err: torch.Tensor
+               ) -> torch.Tensor:
+        """``scaled``, and for the store of dst that follows, the interval the kernel's
+        value may take (``fp8_bounds``: within ``err`` of value, an absolute bound of the
+        kernel's fp32 error: ``fp32_error``, ``merge_error``), kept beside it in the
+        trace (``bounds_at``)."""
         dst = getattr(op, "dst", None)  # an output_scale's op has one dst (bad-output-scale)
-        if getattr(op, "output_scale", None) is None:
+        s = output_scale(op, self.bufs[rank], rank)
+        if s is None:
             return value
         if not isinstance(dst, str):
             raise ValueError(f"output_scale of {type(op).__name__} without one dst: {dst!r}")
-        return scaled(op, self.bufs[rank], value, rank, self.schedule.buffers[dst].dtype.value)
+        dtype = self.schedule.buffers[dst].dtype.value
+        self.pending[(rank, dst)] = fp8_bounds(value, err, s, dtype)
+        return quantize_fp8(value, s, dtype).double()
+
+    fp32_error = staticmethod(fp32_error)
+    merge_error = staticmethod(merge_error)
 
 
 def _teams(schedule: m.Schedule, world: int, step: m.Step) -> list[list[int] | None]:
@@ -442,6 +573,7 @@ def simulate_call(
     external: External,
     trace: list[list[Buffers]] | None = None,
     rounding: str | Callable[[m.Step], str] = "nearest",
+    progress: Callable[[m.Step], None] | None = None,
 ) -> list[Buffers]:
     """Run every step of one call on all ranks; return every rank's buffers at the end.
 
@@ -452,6 +584,8 @@ def simulate_call(
     ``rounding``: how the backend's kernels store into bf16 (``KERNEL_ROUNDING``; per step
     on a mesh whose axes run on different backends: ``step_rounding``), so that
     a value moved after the step that rounded it is compared with the bits it has.
+    ``progress``: called with each step before it runs (or the span of steps it opens):
+    a long simulation says it is moving (dcpc.harness.worker ``CallSims``).
     """
     sim = Sim(schedule, world, {**sizes, "W": int(world)}, inputs, external)
     running = wh.running(schedule, world)  # the guarded steps' ranks (when:)
@@ -461,6 +595,8 @@ def simulate_call(
     for step in steps:
         if step.index <= done:
             continue
+        if progress is not None:
+            progress(step)
         _storing(sim, step, rounding)
         if trace is not None and step.index:
             trace.append(sim.written)
@@ -479,15 +615,48 @@ def simulate_call(
         # what they had (its reference runs there on throwaway buffers)
         ranks = running.get(step.index)
         skipped = set() if ranks is None else set(range(int(world))) - ranks
-        view = sim.guarded(skipped) if skipped else sim
-        with _naming(step):
+        def run(on: Sim, step: m.Step = step, skipped: set[int] = skipped) -> None:
+            view = on.guarded(skipped) if skipped else on
             for team in _teams(schedule, world, step):
                 if skipped.issuperset(range(int(world)) if team is None else team):
                     continue  # a team (or the group) that skips it together: nothing moves
-                op.reference(view if team is None else view.team(team), step)
+                OPS[step.kind].reference(view if team is None else view.team(team), step)
+
+        with _naming(step):
+            _moving(sim, step, run)
     if trace is not None:
         trace.append(sim.written)
     return sim.bufs
+
+
+def _moving(sim: Sim, step: m.Step, run: Callable[[Sim], None]) -> None:
+    """Run ``step`` (``run(sim)``), and where it moves a value that has an interval
+    (an fp8 output_scale's, ``Sim.bounds``), carry the interval with it: run the step
+    again on the values' lo and on their hi (``Sim.side``); a move puts them where it
+    puts the value (it copies, gathers, slices or reshapes values, and a cast's scaling
+    keeps their order), so what it wrote there is the moved value's interval. A value it
+    wrote from values without one gets none: where a third run, on NaN in their place,
+    wrote no NaN that the value does not hold."""
+    reads, _ = OPS[step.kind].io(step.op)
+    if not OPS[step.kind].moves(step.op) or not any(
+            n in reads or n not in sim.schedule.buffers for b in sim.bounds for n in b):
+        run(sim)  # computes (its output_scale bounds what it stores), or no interval moves
+        return
+    before = [dict(bufs) for bufs in sim.bufs]
+    sides = []
+    for k in (0, 1, 2):
+        side = sim.side(k)
+        run(side)
+        sides.append(side.bufs)
+    run(sim)
+    for r, bufs in enumerate(sim.bufs):
+        for name, value in bufs.items():
+            if before[r].get(name) is value:
+                continue  # not written by the step: keeps its interval
+            lo, hi, mark = (side[r].get(name) for side in sides)
+            carried = mark is not None and value.is_floating_point() and bool(
+                (torch.isnan(mark) & ~torch.isnan(value)).any())
+            sim._bound(r, name, torch.stack([lo, hi]) if carried else None)
 
 
 def persistent_start(schedule: m.Schedule, world: int, sizes: Mapping[str, int],
@@ -508,9 +677,21 @@ def unsent_at(trace: list[list[Buffers]], step: int, rank: int, name: str
               ) -> torch.Tensor | None:
     """The elements of what ``seen_at`` gives (the same write) that no rank sent, or
     None where that write sent every element."""
+    return _beside(trace, step, rank, name, UNSENT_KEY)
+
+
+def bounds_at(trace: list[list[Buffers]], step: int, rank: int, name: str
+              ) -> torch.Tensor | None:
+    """The [lo, hi] interval (``fp8_bounds``) of what ``seen_at`` gives (the same write)
+    where an output_scale wrote it, else None."""
+    return _beside(trace, step, rank, name, BOUNDS_KEY)
+
+
+def _beside(trace: list[list[Buffers]], step: int, rank: int, name: str, key: str
+            ) -> torch.Tensor | None:
     for entry in reversed(trace[:step]):
         if name in entry[rank]:
-            return entry[rank].get(name + UNSENT_KEY)
+            return entry[rank].get(name + key)
     return None
 
 
@@ -544,6 +725,7 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
     source = {s.name: shift.sources(sim.schedule, s.op, sim.world) for s in steps
               if split.half(s) == split.WAIT}
     pushed: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src as pushed
+    carried: dict[tuple[str, int], torch.Tensor] = {}  # (put, rank) -> its src's interval
     events, _ = shift.span_run(sim, steps, sim.world, running)
     for r, k in events:
         step = steps[k]
@@ -555,14 +737,18 @@ def _chain(sim: Sim, steps: list[m.Step], running: Mapping[int, set[int]],
                 pushed[step.name, r] = as_stored(sim.schedule, step.op.dst,
                                                  sim.bufs[r][step.op.src],
                                                  sim.rounding).clone()
+                if step.op.src in sim.bounds[r]:
+                    carried[step.name, r] = sim.bounds[r][step.op.src]
         elif half == split.WAIT:
             if r in source[step.name]:
                 put = split.matched(sim).polls[step.name]
-                sim.store(r, step.op.dst, pushed[put.name, source[step.name][r]].clone())
+                sim.store(r, step.op.dst, pushed[put.name, source[step.name][r]].clone(),
+                          bounds=carried.get((put.name, source[step.name][r])))
         else:
             skipped = set(range(world)) - {r}
             with _naming(step):
-                OPS[step.kind].reference(sim.guarded(skipped), step)
+                _moving(sim, step, lambda on, step=step, skipped=skipped:
+                        OPS[step.kind].reference(on.guarded(skipped), step))
     return written
 
 

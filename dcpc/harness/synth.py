@@ -526,12 +526,6 @@ def output_scales(schedule: m.Schedule) -> dict[str, float]:
 SCALE_LOW = 0.0015  # the smallest draw of scale_value for e4m3 (scaled by 448 / top)
 
 
-def smallest_scale(top: float = FP8_E4M3_MAX) -> float:
-    """The smallest per-tensor scale ``scale_value`` draws for an fp8 of largest value
-    ``top``: it divides every fp32 error of a computed fp8 output (worker.TOLERANCE)."""
-    return SCALE_LOW * (FP8_E4M3_MAX / top)
-
-
 def scale_value(shape: tuple[int, ...], gen: torch.Generator, top: float = FP8_E4M3_MAX
                 ) -> torch.Tensor:
     """A per-tensor fp8 scale, whoever writes it (an engine input, an engine step): a

@@ -32,6 +32,7 @@ from dcpc.harness.simulate import (
     TORCH_DTYPES,
     Buffers,
     alias_views,
+    bounds_at,
     buffer_shape,
     float_bits,
     float_value,
@@ -44,38 +45,16 @@ from dcpc.harness.simulate import (
 from dcpc.lang import model as m
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_file
-from dcpc.numerics import FP8_FORMATS
 from dcpc.ops import OPS
 from dcpc.ops.external import External
 from dcpc.runtime.local import sync_stream, to_host
 
 CONSTRUCT = "(construct)"  # a Fault's step: before the module's construction (no step name)
-# the absolute error, before its scale, of a value an fp32 kernel computes from the
-# harness's data: a sum of n terms whose magnitudes add up to S is off by at most about
-# n * 2**-24 * S (a merge: weights adding up to 1 over partials |o| < 1, synth's tanh,
-# exp and the reciprocal a few 2**-24 more); 2**-15 = 2**9 * 2**-24 covers n * S <= 512
-# (W = 64 operands of |x| <= 8). Cancellation leaves it whole: W = 4's merge 0.1006 +
-# 0.4618 - 0.5624 is 4.44e-8 in float64, 5.96e-8 in fp32 (issue 33, GPU and CPU alike)
-FP32_ABS_ERR = 2.0**-15
-
-
-def fp8_tolerance(dtype: str) -> tuple[float, float]:
-    """(atol, rtol) of an fp8 output a kernel computes (``output_scale``: fp32 value /
-    scale, rounded to the grid), one rule for every FP8_FORMATS entry: the kernel's fp32
-    value and the float64 one differ by at most FP32_ABS_ERR / scale, and each rounds to
-    within half a grid step, so they may land one step (2**-mantissa of a normal value,
-    rtol) plus that error apart; atol is that error at the smallest scale the harness
-    draws (synth.smallest_scale) plus one subnormal step. e4m3: (0.022, 1/8); e5m2, 128
-    times smaller scales: (2.6, 1/4). A NaN never passes (compare: NaN only for NaN)."""
-    top, mantissa, min_exp = FP8_FORMATS[dtype]
-    return (2.0 ** (min_exp - mantissa) + FP32_ABS_ERR / synth.smallest_scale(top),
-            2.0**-mantissa)
 
 
 TOLERANCE = {  # (atol, rtol) of a computed value, by dtype
     "bf16": (1e-2, 1e-2), "f16": (2e-3, 2e-3), "f32": (1e-5, 1e-5),
-    **{dtype: fp8_tolerance(dtype) for dtype in FP8_FORMATS},
-}
+}  # a computed fp8 value (output_scale): within its interval (simulate.fp8_bounds)
 
 
 @dataclass
@@ -133,17 +112,35 @@ def returned_names(schedule: m.Schedule, world: int) -> dict[str, list[str]]:
     return {s.name: list(s.returns) for s in lower(schedule, [world]).steps}
 
 
+class NoInterval(ValueError):
+    """A computed fp8 value (kind "math": an output_scale's, or what a move carried from
+    one or from a computed f32) that the float64 simulation holds no interval for
+    (simulate.bounds_at): a persistent buffer read in the next call, a cast of a computed
+    f32 into fp8. Compared exactly, a kernel's fp32 error could move its byte; compared
+    loosely, a wrong rounding passes: ``dcpc run`` says so, naming the buffer."""
+
+    def __init__(self, name: str, dtype: str, where: str):
+        self.name = name
+        super().__init__(
+            f"{where}: '{name}' ({dtype}) holds a computed fp8 value that dcpc run keeps "
+            "no interval for (a persistent buffer read in the next call, or a cast of a "
+            "computed f32 into fp8), so it cannot compare it (exactly, a kernel's fp32 "
+            "error could move its byte): please report it with the schedule")
+
+
 def compare(
     name: str, kind: str, dtype: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
-    where: str, *, unsent: torch.Tensor | None = None,
+    where: str, *, unsent: torch.Tensor | None = None, bounds: torch.Tensor | None = None,
 ) -> None:
     """Count a mismatch unless ``got`` matches ``want``: data movement bit-exact, math
     within the dtype's tolerance; NaN and inf must sit exactly where the reference has them.
     ``unsent``: the elements no rank sent (``simulate.unsent_at``: a ragged exchange's
     rows past a count; the reference holds NaN there, or ``UNSENT_INT``, so that a
     reader of them mismatches downstream): those elements are not compared; every other
-    one is, a NaN a rank sent included. Integers are compared as int64, bit for bit (a
-    float64 rounds them past 2**53)."""
+    one is, a NaN a rank sent included. ``bounds``: [lo, hi] of a computed fp8 value
+    (``simulate.bounds_at``; kind "math" only): a finite element passes where lo <= got
+    <= hi; a computed fp8 value without one is ``NoInterval``, never compared exactly.
+    Integers are compared as int64, bit for bit (a float64 rounds them past 2**53)."""
     stats.compared += 1
     integer = not m.DType(dtype).is_float
     got = _reference_form(_host(got.detach()), dtype)
@@ -155,6 +152,8 @@ def compare(
     if integer:
         _compare_ints(name, got, want, stats, where, unsent=unsent)
         return
+    if kind != "move" and bounds is None and m.DType(dtype).is_fp8:
+        raise NoInterval(name, dtype, where)
     if unsent is not None:
         got = torch.where(unsent, want, got)
     finite = torch.isfinite(want) & torch.isfinite(got)
@@ -164,7 +163,10 @@ def compare(
     stats.max_abs_err = max(stats.max_abs_err, max_err)
     atol, rtol = (0.0, 0.0) if kind == "move" else TOLERANCE.get(dtype, (0.0, 0.0))
     special_ok = (got == want) | (torch.isnan(got) & torch.isnan(want))
-    ok = torch.where(finite, err <= atol + rtol * want.abs().where(finite, zero), special_ok)
+    close = err <= atol + rtol * want.abs().where(finite, zero)
+    if bounds is not None and kind != "move":
+        close = (bounds[0] <= got) & (got <= bounds[1])
+    ok = torch.where(finite, close, special_ok)
     if kind == "move":  # a float's bits are its value (float64 holds each, a NaN's bits
         # too: simulate.float_value): compare the bits too (bf16/f16 as int16, f32 as
         # int32, fp8 as bytes), so that a NaN's payload or sign, or a -0, a move changed
@@ -238,6 +240,9 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return to_host(t) if t.device.type != "cpu" else t
 
 
+CARRIED = ("math-f32", "math-fp8")  # the computed values a move's dst compares as computed
+
+
 class ValueKinds:
     """How each value is compared, by the ops that made it: "move" (bit for bit) or
     "math" (its dtype's tolerance). An op's own output is "math" when it computes it,
@@ -245,7 +250,9 @@ class ValueKinds:
     reference rounds where the kernel stores, issue 21 item 6: a bf16 sum gathered is
     the bits the sum stored), except a value computed into f32: there the kernel's fp32
     order and float64's differ by an ulp that no rounding hides, which the move carries
-    along (a sum broadcast is still a sum). Decided per buffer: each dst of a move takes
+    along (a sum broadcast is still a sum), and a value computed into fp8 (an
+    output_scale), which a move carries with its interval (simulate.bounds_at: the
+    kernel's byte may be any in it). Decided per buffer: each dst of a move takes
     its own src's kind (``synth.carries``), so a moved block beside a computed one in
     one step is still compared bit for bit. An engine step reads an op's output as
     "math" when an op computed it. A ``persist: true`` buffer starts a call with the
@@ -264,7 +271,8 @@ class ValueKinds:
         if start in self._tables:
             return self._tables[start]
         schedule = self._schedule
-        held: dict[str, str] = dict(start)  # buffer -> "move" | "math" | "math-f32" (carried)
+        # buffer -> "move" | "math" | "math-f32" | "math-fp8" (the last two: carried)
+        held: dict[str, str] = dict(start)
         before: list[dict[str, str]] = []
         after: list[dict[str, str]] = []  # per step: each buffer it writes
         for step in self._steps:
@@ -273,14 +281,16 @@ class ValueKinds:
             wrote: dict[str, str] = {}
             if not OPS[step.op.op].moves(step.op):
                 for w in writes:
-                    wrote[w] = "math-f32" if schedule.buffers[w].dtype == m.DType.f32 else "math"
+                    dtype = schedule.buffers[w].dtype
+                    wrote[w] = ("math-f32" if dtype == m.DType.f32 else
+                                "math-fp8" if dtype.is_fp8 else "math")
             elif step.kind == "external":
                 wrote.update({w: "move" for w in writes})
             else:  # each dst takes its own src's kind; another write, any read's
-                carried = any(held.get(r) == "math-f32" for r in reads)
-                wrote.update({w: "math-f32" if carried else "move" for w in writes})
+                carried = next((held[r] for r in reads if held.get(r) in CARRIED), "move")
+                wrote.update({w: carried for w in writes})
                 for src, dst in synth.carries(step.op):
-                    wrote[dst] = "math-f32" if held.get(src) == "math-f32" else "move"
+                    wrote[dst] = held[src] if held.get(src) in CARRIED else "move"
             held.update(wrote)
             after.append(wrote)
         self._tables[start] = (before, after, held)
@@ -314,12 +324,13 @@ def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
     if name is None or want is None:
         return None
     unsent = unsent_at(trace, step.index, rank, name)
+    bounds = bounds_at(trace, step.index, rank, name)
 
     def differs() -> bool:
         stats = OutputStats()
         compare(name, kinds.before(call, step.index, name),
                 schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
-                stats, "", unsent=unsent)
+                stats, "", unsent=unsent, bounds=bounds)
         return stats.mismatches > 0
 
     return differs
@@ -344,7 +355,10 @@ class CallSims:
     persists): the simulations kept are the calls in flight or ahead, and the last one's
     end (``most``: the most kept at once). ``keep`` (two passes over the same calls, the
     GPU warm-up): every call stays. Thread-safe: the first rank to ask for a call
-    simulates it, the others wait for it (host work only: it always ends)."""
+    simulates it, the others wait for it (host work only: it always ends); ``get``'s
+    ``say`` hears each step the simulation runs, so a simulation longer than the stall
+    bound reads as progress (the launcher's, a LocalGroup's: any rank that moves), not
+    as a hang."""
 
     def __init__(self, schedule: m.Schedule, world: Any, ctor: dict[str, int], seed: int,
                  rounding: Any, *, users: int = 1, keep: bool = False) -> None:
@@ -357,19 +371,21 @@ class CallSims:
         self._lock = threading.Lock()
         self.most = 0
 
-    def get(self, call: int) -> tuple:
+    def get(self, call: int, say: Callable[[str], None] | None = None) -> tuple:
         """The call's (sizes, inputs, external, trace), simulated after every call before
-        it where a buffer persists."""
+        it where a buffer persists; ``say``: told what the simulation is at (progress)."""
         with self._lock:
             while call not in self.sims:
                 k = max(self.sims, default=-1) + 1 if self.persist else call
                 if k > call or call in self.finished:  # dropped: it would never come back
                     raise RuntimeError(f"call {call}'s simulation was dropped before it ran")
-                self._simulate(k)
+                self._simulate(k, say)
             return self.sims[call][:4]
 
-    def _simulate(self, k: int) -> None:
+    def _simulate(self, k: int, say: Callable[[str], None] | None = None) -> None:
         schedule, world = self.schedule, self.world
+        if say is not None:
+            say(f"call {k}: the float64 reference's inputs")
         sizes = synth.call_sizes(schedule, world, self.ctor, self.seed, k)
         inputs = synth.call_inputs(schedule, world, sizes, self.seed, k)
         if self.persist:
@@ -379,7 +395,9 @@ class CallSims:
         external = synth.make_external(schedule, world, sizes, self.seed, k)
         trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
         end = simulate_call(schedule, world, sizes, inputs, external, trace=trace,
-                            rounding=self.rounding)
+                            rounding=self.rounding, progress=None if say is None else (
+                                lambda s: say(f"call {k}: the float64 reference of step "
+                                              f"{s.name}")))
         self.sims[k] = (sizes, inputs, external, trace, end)
         self.most = max(self.most, len(self.sims))
         self._drop()
@@ -459,6 +477,12 @@ def run_rank(
     happened (dcpc.harness.replay). ``check``: compare each value with the reference
     (False: a pass whose report nobody reads, the GPU warm-up's, skips that host work)."""
     start, cpu_start = time.perf_counter(), time.process_time()
+    if device == "cpu":  # Triton's interpreter patches triton.language once per process,
+        # not around every launch and device-function call (the local backend's shim):
+        # a quarter to a third of a rank's CPU time under the interpreter
+        from dcpc.runtime.local import _install_interpreter_threads
+
+        _install_interpreter_threads()
     if mesh:
         world = MeshWorld(mesh)
     # -inf LSEs of empty shards make numpy warn inside the interpreter: expected, not news
@@ -520,7 +544,7 @@ def run_rank(
 
     for event in adversary.plan_events(schedule, calls, order, seed, lead):
         if event.call not in live:
-            sizes, inputs, external, trace = calls_sim.get(event.call)
+            sizes, inputs, external, trace = calls_sim.get(event.call, say)
             # a persistent buffer is the module's, not the engine's: kept apart (start)
             env = {k: _to_engine(schedule, k, v, dev) for k, v in inputs[rank].items()
                    if k not in persist}
@@ -553,7 +577,8 @@ def run_rank(
                     compare(name, kinds.before(event.call, step.index, name),
                             schedule.buffers[name].dtype.value, got, want,
                             report.outputs.setdefault(key, OutputStats()), where,
-                            unsent=unsent_at(trace, step.index, rank, name))
+                            unsent=unsent_at(trace, step.index, rank, name),
+                            bounds=bounds_at(trace, step.index, rank, name))
                 env[name] = got
             seen = {k: _host(v).to(torch.float64) if k not in schedule.buffers else
                     _reference_form(_host(v), schedule.buffers[k].dtype.value).double()
@@ -603,7 +628,8 @@ def run_rank(
                             schedule.buffers[name].dtype.value, value,
                             want, report.outputs[name],
                             f"call {event.call} slot {event.slot} rank {rank} ({step.name})",
-                            unsent=unsent_at(trace, step.index + 1, rank, name))
+                            unsent=unsent_at(trace, step.index + 1, rank, name),
+                            bounds=bounds_at(trace, step.index + 1, rank, name))
         if replay is not None and here == replay["release"]:
             adversary.replay_release(replay)
         jitter.delay()

@@ -18,6 +18,13 @@ integer constant on its right and everything on its left up to the enclosing ``(
 the index's start: ``h % 2``, ``(h + 1) % 2``, ``2 * (h % 2) + 1``, not ``h % 2 + 1``.
 A buffer used with an index is split into P buffers ``b_0`` .. ``b_{P-1}`` of shape
 ``shape[1:]`` (disjoint slices, so the split is exact); it may not also be used whole.
+An index that names the rank is unrolled into one guarded copy of its step per group of
+ranks whose slices agree (``_Unroller.owned``), except a ROTATION of the rank on a
+symmetric buffer whose leading axis is W, written as one (``r``, ``(r + E) % W``,
+``(r - E) % W``, ``(E + r) % W``: ``_rotation_offset``, c = E mod W, no rank evaluated),
+the buffer indexed no other way (``_rotation_uses``): that is the buffer ``b_rot<c>``,
+slot (r + c) mod W of b on rank r, one step every rank runs (``_Unroller._rotated``), so
+a communication step may take it.
 A shift's ``offset`` (in a loop or not) may be such an expression too, without ``%``
 (``W / 2``, ``h + 1``): it is replaced by its integer value here, so every later stage
 sees an integer offset. So may an all_gather's ``interleave`` (``C``, ``H / HK``).
@@ -48,7 +55,7 @@ from dcpc.lang.nodes import OWNER_COPY, OwnerCopy
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import all_gather, shift
-from dcpc.topology import shape_of, torus
+from dcpc.topology import ROTATION, rotations, shape_of, torus  # noqa: F401 (rotations: re-exported)
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
 MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
@@ -61,6 +68,9 @@ MAX_NEST = 3  # loops nest at most this deep (a loop in a loop in a loop)
 MAX_HOPS = 4 * MAX_STEPS
 LOOP_KEYS = ("repeat", "as", "steps", "doc", "when")
 _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
+# a step's keys whose values name no buffer slice (what a rotation's renaming skips)
+_NOT_SLICES = frozenset({MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave",
+                         "shard", "channel", "from", "to", "phase"})
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
@@ -304,6 +314,14 @@ class _Unroller:
         self.errors: list[Diagnostic] = []
         self.split: dict[str, int] = {}  # buffer -> P, for the buffers used with an index
         self.whole: dict[str, Mark] = {}  # buffer -> where it is used whole
+        # a rotation of the rank's slice of a symmetric buffer (``_rotated``): its name ->
+        # (buffer, c, where first used); ``fixed``: buffers left to copies per rank
+        self.rotated: dict[str, tuple[str, int, Mark]] = {}
+        self.fixed: set[str] = set()
+        self.count = 0  # the steps unrolled so far (``loop``'s backstop)
+        # symmetric buffers whose leading axis is W -> where a use is no rotation (or None)
+        self.rotation_uses = _rotation_uses(data, self.env, file)
+        self.rotating = _rotating(self.rotation_uses)
 
     def error(self, mark: Mark, code: str, message: str, hint: str | None = None) -> None:
         if all((d.mark, d.code) != (mark, code) for d in self.errors):  # once, not per hop
@@ -508,6 +526,7 @@ class _Unroller:
         the step's own ``when:``): the rank-by-rank checks, the float64 reference and
         the module then treat it as any guarded step (dcpc.lang.when)."""
         hops = env.keys() - self.env.keys()  # a hop index hides a name of the rank
+        body = self._rotated(body, env)
         found = _owner_mark(body, self.file, _owner_names(self.data) - hops)
         if found is None:
             return [("", self.op(name, body, env))]
@@ -519,14 +538,7 @@ class _Unroller:
                              "a time")
             return []
         groups: dict[str, tuple[list[int], dict[str, Any]]] = {}
-        axes, shape = sorted(_coordinates(self.data), key=self._axis_names().index), ()
-        if axes and self.world is not None and len(shape_of(self.world)) == len(axes):
-            shape = shape_of(self.world)  # the coordinates are the mesh shape's
-        for rank in range(int(self.env["W"])):
-            coords = zip(axes, torus(shape).coords(rank), strict=True) if shape else ()
-            at = {**env, **{k: v for k, v in coords if k not in hops}}
-            if OWNER not in hops:
-                at[OWNER] = rank
+        for rank, at in self._ranks(env):
             out = self.op(name, body, at)
             key = repr({k: v for k, v in out.items() if k not in (MARK, MARKS)})
             groups.setdefault(key, ([], out))[0].append(rank)
@@ -539,9 +551,113 @@ class _Unroller:
             marks = out.get(MARKS, {})  # a when: of the step's own keeps its place
             out = {**out, "when": cond if own is None else f"({own}) and ({cond})",
                    MARKS: {**marks, "when": marks.get("when", mark) if own else mark,
-                           OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(name, ranks[0], index)}
+                           OWNER_MARK: mark}, OWNER_COPY: OwnerCopy(
+                       name, ranks[0], index, self._no_rotation(body, env))}
             copies.append((f"_r{ranks[0]}", out))
         return copies
+
+    def _no_rotation(self, body: dict[str, Any], env: dict[str, int]) -> str:
+        """Why the first index of ``r`` of step ``body`` on a symmetric buffer whose
+        leading axis is W is no rotation (its c at two ranks, or the buffer's other use
+        that forced the copies), for ``bad-index`` on a communication step; "" if none."""
+        owners = _owner_names(self.data) - (env.keys() - self.env.keys())
+        texts = [v for k, v in body.items() if k not in _NOT_SLICES]
+        for text in (t for v in texts for t in (v if isinstance(v, list) else [v])):
+            found = _INDEXED.match(text.strip()) if isinstance(text, str) else None
+            if (found is None or found.group(1) not in self.rotation_uses
+                    or not _names_w(found.group(2), {OWNER} & owners)):
+                continue
+            name, inner, world = found.group(1), found.group(2), int(self.env["W"])
+            if _rotation_offset(inner, owners) is not None:
+                where = self.rotation_uses[name]
+                return ("" if where is None else f"'{name}' is also used at {where} "
+                        "otherwise than by a rotation, so its rank indices are copies per rank")
+            seen: dict[int, int] = {}
+            for rank, at in self._ranks(env):
+                try:
+                    turn = (_mod_value(inner, at) - rank) % world
+                except (ex.UnboundSymbol, ex.ExprSyntaxError, ex.InexactDivision,
+                        ValueError, ArithmeticError):
+                    return ""
+                seen.setdefault(turn, rank)
+                if len(seen) == 2:
+                    (c0, r0), (c1, r1) = seen.items()
+                    return (f"'{clipped(text.strip())}' is no rotation r + c mod W (at "
+                            f"W={world}: r={r0} gives c={c0}, r={r1} gives c={c1})")
+            return (f"'{clipped(text.strip())}' is r + {next(iter(seen), 0)} mod W on "
+                    f"every rank at W={world} but not written as a rotation: write "
+                    "'r', '(r + E) % W' or '(r - E) % W'")
+        return ""
+
+    def _ranks(self, env: dict[str, int]) -> Iterable[tuple[int, dict[str, int]]]:
+        """(rank, ``env`` with the rank's names bound) for every rank of this W: ``r``
+        and, on a mesh, each axis' coordinate (a hop index of the same name hides it)."""
+        hops = env.keys() - self.env.keys()
+        axes, shape = sorted(_coordinates(self.data), key=self._axis_names().index), ()
+        if axes and self.world is not None and len(shape_of(self.world)) == len(axes):
+            shape = shape_of(self.world)  # the coordinates are the mesh shape's
+        for rank in range(int(self.env["W"])):
+            coords = zip(axes, torus(shape).coords(rank), strict=True) if shape else ()
+            at = {**env, **{k: v for k, v in coords if k not in hops}}
+            if OWNER not in hops:
+                at[OWNER] = rank
+            yield rank, at
+
+    def _rotated(self, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
+        """Step ``body`` with each index that is a ROTATION of the rank written as the
+        buffer it names: ``b[e]`` of a symmetric buffer whose leading axis is W, where
+        ``e`` is ``r + c`` mod W on every rank r for one c, is ``b_rot<c>``, a buffer of
+        its own (slice (r + c) mod W of b on rank r, in every rank's view alike, so the
+        per-rank renaming of b's slices is one-to-one on each rank and every stage may
+        treat ``b_rot<c>`` as any buffer: one step that every rank runs, no copies). A
+        buffer also indexed otherwise (``fixed``) keeps the copies per rank."""
+        if "W" not in self.env:
+            return body
+        out = dict(body)
+        for key, value in body.items():
+            if key in _NOT_SLICES:
+                continue
+            if isinstance(value, dict):  # mask_empty
+                out[key] = {k: (v if k in (MARK, MARKS) else self._rotation(
+                    v, env, _mark(value, k, self.file), body)) for k, v in value.items()}
+            else:
+                out[key] = self._rotation(value, env, _mark(body, key, self.file), body)
+        return out
+
+    def _rotation(self, value: Any, env: dict[str, int], mark: Mark,
+                  body: dict[str, Any]) -> Any:
+        """``value`` (a name, an indexed name or a list) with a rotation index renamed:
+        one recognised by its form (``_rotation_offset``), its c computed once, never
+        rank by rank."""
+        if isinstance(value, list):
+            return [self._rotation(v, env, mark, body) for v in value]
+        found = _INDEXED.match(value.strip()) if isinstance(value, str) else None
+        hops = env.keys() - self.env.keys()
+        if (found is None or OWNER in hops
+                or not _names_w(found.group(2), _owner_names(self.data) - hops)):
+            return value
+        name, world = found.group(1), int(self.env["W"])
+        offset = _rotation_offset(found.group(2), _owner_names(self.data) - hops)
+        if offset is None or name not in self.rotating:
+            return value
+        if _team_w(body, self.data) is not None:  # refused in both passes of ``run``
+            self.error(mark, "bad-index",
+                       f"'{value.strip()}' rotates the rank on a step along mesh axis "
+                       f"'{body.get('axis')}', but r is the rank in the whole mesh, not in "
+                       "the axis' team: the rotation would not name the team's sender",
+                       "index by the axis' coordinate in the local steps, or take the "
+                       "rotation on a step of the whole world")
+            return value
+        if name in self.fixed:
+            return value
+        try:
+            turn = _mod_value(offset, env) % world
+        except (ex.UnboundSymbol, ex.ExprSyntaxError, ex.InexactDivision, ValueError,
+                ArithmeticError):
+            return value  # the copies' unrolling reports it
+        alias = ROTATION.format(name, turn)
+        self.rotated.setdefault(alias, (name, turn, mark))
+        return alias
 
     def shard(self, name: str, value: Any, env: dict[str, int], mark: Mark) -> Any:
         """External step ``name``'s ``shard`` on this rank: its value, a rank of this W
@@ -798,12 +914,23 @@ class _Unroller:
                                    f"{MAX_NEST} deep", "unroll the innermost loop by hand")
                         return []
                     out += self.loop(step, op, hop_env, (*outer, (name, hop)), hop_tag)
+                    if self.count > MAX_HOPS:
+                        return out
                     continue
                 marks = dict(item.get(MARKS, {}))
                 for tag_r, body_r in self.owned(step, op, hop_env):
                     out.append({f"{step}{hop_tag}{tag_r}": body_r, MARKS: {
                         "key:" + f"{step}{hop_tag}{tag_r}": marks.get("key:" + step),
                         f"{step}{hop_tag}{tag_r}": marks.get(step)}})
+                    self.count += 1
+                if self.count > MAX_HOPS:  # the backstop: the trip counts' bound took a
+                    # step for one that unrolled to more (copies per rank after all)
+                    self.error(_mark(body, "repeat", self.file), "loop-too-long",
+                               f"with loop '{name}' unrolled the schedule has more than "
+                               f"{MAX_HOPS} steps{self._at({})} (the unroller stopped "
+                               f"there); the checker analyses at most {MAX_STEPS} steps",
+                               "check a smaller --world, or fewer steps per hop")
+                    return out
         return out
 
     def _loop_when(self, name: str, body: dict[str, Any], hops: set[str]) -> dict[str, Any]:
@@ -846,11 +973,12 @@ class _Unroller:
         flat = not any(_is_loop(b[1]) for b in map(_body, inner) if b)
         if flat:  # a loop of plain steps: its hops times its steps (a step per rank of
             # one whose index names the rank)
-            steps, hops = trips * sum(_copies(i, self.env, _owner_names(self.data))
-                                      for i in inner), trips
+            steps, hops = trips * sum(_copies(i, self.env, _owner_names(self.data),
+                                              self.rotating) for i in inner), trips
         else:
             count = [0, 0]
-            _tally([{name: body}], self.env, 0, count, _owner_names(self.data))
+            _tally([{name: body}], self.env, 0, count, _owner_names(self.data),
+                   self.rotating)
             steps, hops = count
         if steps > MAX_STEPS:
             per = steps // trips if flat and trips else len(inner)
@@ -872,11 +1000,31 @@ class _Unroller:
         return True
 
     def run(self) -> dict[str, Any]:
+        data = self._unroll()
+        # a buffer indexed by rotations and also by a fixed slice or whole: its slices
+        # are not renamed per rank (one name, one memory); unrolled again with its
+        # rank-indexed steps copied per rank, as before rotations were taken
+        mixed = {base for base, _, _ in self.rotated.values()} & (
+            set(self.split) | set(self.whole))
+        if mixed:
+            self.fixed |= mixed
+            self.errors, self.split, self.whole, self.rotated = [], {}, {}, {}
+            self.count = 0
+            data = self._unroll()
+        self._split_buffers(data)
+        if self.errors:
+            raise DiagnosticError(self.errors)
+        return data
+
+    def _unroll(self) -> dict[str, Any]:
         data = dict(self.data)
         flat: list[Any] = []
         for item in data.get("steps") or []:
             named = _body(item)
+            if self.count > MAX_HOPS:
+                break
             if named and _is_loop(named[1]):
+                self.count = len(flat)
                 flat += self.loop(*named)
             elif named and isinstance(named[1], dict):
                 marks = dict(item.get(MARKS, {}))
@@ -898,17 +1046,28 @@ class _Unroller:
                        f"with loop '{name}' unrolled the schedule has {len(flat)} steps"
                        f"{self._at({})}; the checker unrolls every hop and analyses at most "
                        f"{MAX_STEPS} steps", "check a smaller --world, or fewer steps per hop")
-        self._split_buffers(data)
-        if self.errors:
-            raise DiagnosticError(self.errors)
         return data
 
     def _split_buffers(self, data: dict[str, Any]) -> None:
         buffers = data.get("buffers")
-        if not isinstance(buffers, dict) or not self.split:
+        if not isinstance(buffers, dict) or not (self.split or self.rotated):
             return
         out = {k: v for k, v in buffers.items() if k not in (MARK, MARKS)}
         marks = dict(buffers.get(MARKS, {}))
+        for alias, (name, _, mark) in sorted(self.rotated.items()):
+            if alias in out or alias in buffers:
+                self.error(mark, "mixed-index",
+                           f"buffer '{alias}' is declared, but it is also the name of the "
+                           f"rank's rotated slice of '{name}' this index takes",
+                           "rename one of them")
+                continue
+            spec = dict(buffers[name])
+            spec["shape"] = spec["shape"][1:]
+            out[alias] = spec
+            marks["key:" + alias] = marks.get("key:" + name)
+            marks[alias] = marks.get(name)
+        for name in {base for base, _, _ in self.rotated.values()}:
+            out.pop(name, None)  # only its rotations are used (a mixed one was unrolled again)
         aliased: dict[str, int] = {}
         for name, lead in self.split.items():
             spec = out.get(name)
@@ -942,12 +1101,13 @@ class _Unroller:
 
 
 def _owner_mark(body: dict[str, Any], file: str,
-                names: frozenset[str] | set[str] = frozenset({OWNER})
-                ) -> tuple[Mark, str] | None:
+                names: frozenset[str] | set[str] = frozenset({OWNER}),
+                skip: frozenset[str] = frozenset()) -> tuple[Mark, str] | None:
     """Where the first index of step ``body`` that names the rank (one of ``names``:
     ``r``, a mesh coordinate) is, and the name it writes the rank by (the first, by
     name, of several), or None (a step's keys and a mask_empty's, as ``_Unroller.op``
-    rewrites them)."""
+    rewrites them); a rotation's index (``_rotation_offset``) of a buffer in ``skip``
+    does not count."""
     shard = _shard(body)
     if isinstance(shard, str) and _names_w(shard, names):
         return _mark(body, "shard", file), _owner_name(shard, names)
@@ -960,9 +1120,42 @@ def _owner_mark(body: dict[str, Any], file: str,
         for text, mark in inner.values():
             for one in text if isinstance(text, list) else [text]:
                 found = _INDEXED.match(one.strip()) if isinstance(one, str) else None
-                if found and _names_w(found.group(2), names):
+                if (found and _names_w(found.group(2), names) and not (
+                        found.group(1) in skip
+                        and _rotation_offset(found.group(2), names) is not None)):
                     return mark, _owner_name(found.group(2), names)
     return None
+
+
+def _rotation_offset(inner: str, owners: frozenset[str] | set[str]) -> str | None:
+    """The offset c of index ``inner`` when its FORM is a rotation of the rank (r + c mod
+    W on every rank): ``r``, ``(r + E) % W``, ``(r - E) % W`` or ``(E + r) % W`` with E
+    naming neither the rank nor a mesh coordinate (``owners``); the text of c (the
+    index's r read as 0, without its ``% W``), or None. O(1) in W: no rank evaluated."""
+    text = inner.strip()
+    if text == OWNER:
+        return "0"
+    body, modulus = _split_mod(text)
+    body = body.strip()
+    if modulus is None or modulus.strip() != "W" or not body.startswith("("):
+        return None
+    depth = 0
+    for i, ch in enumerate(body):  # the '(' must close at the end: '(r + h) % W'
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and i != len(body) - 1:
+            return None
+    inside = body[1:-1]
+    if _split_mod(inside)[1] is not None:
+        return None  # '(r + h % 2) % W' is ((r + h) % 2) % W
+    lead = re.fullmatch(rf"\s*{OWNER}\s*([+-])(.*)", inside, re.S)
+    tail = re.fullmatch(rf"(.*?)\+\s*{OWNER}\s*", inside, re.S)
+    if lead:
+        offset = f"0 {lead.group(1)}{lead.group(2)}"
+    elif tail and tail.group(1).strip():
+        offset = f"{tail.group(1)}+ 0"
+    else:
+        return None
+    return None if _names_w(offset, owners) else offset
 
 
 def _renamed(text: str, old: str, new: str) -> str:
@@ -1093,17 +1286,78 @@ def uses_loops(data: Any) -> bool:
 
 
 def _copies(item: Any, env: dict[str, int],
-            owners: frozenset[str] = frozenset({OWNER})) -> int:
-    """The steps a plain step unrolls to at most: one per rank (W) when an index of it
-    names the rank (``owners`` not bound in ``env``: ``_Unroller.owned``), else one."""
+            owners: frozenset[str] = frozenset({OWNER}),
+            rotating: frozenset[str] = frozenset()) -> int:
+    """The steps a plain step unrolls to: one per rank (W) when an index of it names the
+    rank (``owners`` not bound in ``env``: ``_Unroller.owned``), else one; an index of a
+    buffer of ``rotating`` (``_rotating``) written as a rotation (``_rotation_offset``,
+    by its form) counts as one step (the unroller's running count is the backstop when
+    that buffer is unrolled with copies after all: ``_Unroller.loop``)."""
     named = _body(item)
     owned = (named is not None and isinstance(named[1], dict) and "W" in env
-             and _owner_mark(named[1], "<memory>", owners - env.keys()) is not None)
+             and _owner_mark(named[1], "<memory>", owners - env.keys(), rotating) is not None)
     return int(env["W"]) if owned else 1
 
 
+def _rotating(uses: dict[str, Mark | None]) -> frozenset[str]:
+    """Of ``_rotation_uses``' buffers, those whose slots an index may take by a rotation
+    of the rank (``_Unroller._rotated``): every use of them in the steps an index written
+    as a rotation (``_rotation_offset``); a buffer also used whole or indexed otherwise
+    is unrolled with copies per rank, and the trip counts' bound counts them so."""
+    return frozenset(k for k, v in uses.items() if v is None)
+
+
+def _rotation_uses(data: Any, env: dict[str, int], file: str = "<memory>"
+                   ) -> dict[str, Mark | None]:
+    """Each symmetric buffer whose leading axis is W (``_rotating``) -> where the steps
+    first use it otherwise than by an index written as a rotation (whole, a fixed
+    slice, another index of the rank), None where they never do."""
+    buffers = data.get("buffers") if isinstance(data, dict) else None
+    if not isinstance(buffers, dict) or "W" not in env:
+        return {}
+    found: dict[str, Mark | None] = {
+        name: None for name, spec in buffers.items()
+        if isinstance(spec, dict) and (spec.get("symmetric") or spec.get("shared"))
+        and isinstance(spec.get("shape"), list) and len(spec["shape"]) >= 2
+        and isinstance(spec["shape"][0], (str, int))
+        and env.get(spec["shape"][0], spec["shape"][0]) == env["W"]}
+    owners = _owner_names(data)
+
+    def use(value: Any, mark: Mark) -> None:
+        if isinstance(value, list):
+            for one in value:
+                use(one, mark)
+        elif isinstance(value, dict):
+            for key, one in value.items():
+                if key not in (MARK, MARKS):
+                    use(one, _mark(value, key, file))
+        elif isinstance(value, str):
+            indexed = _INDEXED.match(value.strip())
+            name = value.strip() if indexed is None else indexed.group(1)
+            if found.get(name, mark) is None and (indexed is None or _rotation_offset(
+                    indexed.group(2), owners) is None):
+                found[name] = mark
+
+    def walk(items: Any) -> None:
+        for item in items if isinstance(items, list) else []:
+            named = _body(item)
+            if named is None or not isinstance(named[1], dict):
+                continue
+            if _is_loop(named[1]):
+                walk(named[1].get("steps"))
+                continue
+            for key, value in named[1].items():
+                if key not in _NOT_SLICES:
+                    use(value, _mark(named[1], key, file))
+
+    if found:
+        walk(data.get("steps"))
+    return found
+
+
 def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],
-           owners: frozenset[str] = frozenset({OWNER})) -> bool:
+           owners: frozenset[str] = frozenset({OWNER}),
+           rotating: frozenset[str] = frozenset()) -> bool:
     """Add the unrolled steps and the hops of ``items`` (steps at nesting ``depth``, hop
     indices bound in ``env``) to ``count`` = [steps, hops], from the trip counts alone (no
     step is rewritten). A loop's hops are walked only while the hops stay within MAX_HOPS,
@@ -1113,7 +1367,7 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],
     complete = True
 
     def copies(item: Any) -> int:
-        return _copies(item, env, owners)
+        return _copies(item, env, owners, rotating)
 
     for item in items:
         named = _body(item)
@@ -1142,7 +1396,8 @@ def _tally(items: list[Any], env: dict[str, int], depth: int, count: list[int],
             complete = False
             continue
         for h in range(trips):
-            complete = _tally(inner, {**env, hop: h}, depth + 1, count, owners) and complete
+            complete = _tally(inner, {**env, hop: h}, depth + 1, count, owners,
+                              rotating) and complete
             if count[1] > MAX_HOPS:
                 break
     return complete
@@ -1157,7 +1412,9 @@ def unrolled_length(data: Any, world: int) -> int | None:
     if not isinstance(steps, list):
         return None
     count = [0, 0]
-    if not _tally(steps, _world_env(data, world), 0, count, _owner_names(data)):
+    env = _world_env(data, world)
+    if not _tally(steps, env, 0, count, _owner_names(data),
+                  _rotating(_rotation_uses(data, env))):
         return None
     return max(count[0], MAX_STEPS + 1) if count[1] > MAX_HOPS else count[0]
 

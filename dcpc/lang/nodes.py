@@ -219,11 +219,13 @@ class OwnerCopy:
     """What a copy the unroller made of a step whose index names the rank came from
     (dcpc.lang.loops): the step as written, the first rank the copy runs on (its name
     is ``<step>[_<hop>...]_r<rank>``, never parsed back) and the name the index writes
-    the rank by (``r`` or a mesh coordinate)."""
+    the rank by (``r`` or a mesh coordinate); ``why``: why that index is no rotation of
+    the rank (``_Unroller._no_rotation``), "" when not said."""
 
     step: str
     rank: int
     index: str
+    why: str = ""
 
 
 class OpBase(Node):

@@ -30,7 +30,9 @@ def combine(sim: SimView, op: Any, o_name: str, lse_name: str) -> None:
     lse) merge what they received with it."""
     for r in range(sim.world):
         weights, merged = sim.merge_weights(op, r, lse_name)
-        sim.store(r, op.dst, sim.scaled(op, r, sim.weighted_sum(weights, sim.bufs[r][o_name])))
+        parts = sim.bufs[r][o_name]
+        sim.store(r, op.dst, sim.scaled(op, r, sim.weighted_sum(weights, parts),
+                                        sim.merge_error(weights, parts)))
         if op.return_lse:
             sim.store(r, op.return_lse, merged)
 

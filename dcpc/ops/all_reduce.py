@@ -133,7 +133,9 @@ def reference(sim: SimView, step: Step) -> None:
         if op.via is not None:
             sim.store(r, op.via, parts.clone())
         total = parts.sum(dim=0) if op.reduce == "sum" else ieee_max(parts)
-        sim.store(r, op.dst, sim.scaled(op, r, total))
+        terms = sim.world if op.reduce == "sum" else 0  # a max is exact
+        err = sim.fp32_error(terms, parts.abs().sum(dim=0))
+        sim.store(r, op.dst, sim.scaled(op, r, total, err))
 
 
 def io(op: AllReduce) -> IO:

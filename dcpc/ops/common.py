@@ -26,6 +26,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang import nodes as m
 from dcpc.lang.mesh import Torus, mesh_of, shape_of, torus
 from dcpc.ops.iface import Requests, TensorScale
+from dcpc.topology import along
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import ScheduleView
@@ -107,9 +108,8 @@ class Region:
                                  key=lambda q: (q - owner) % world) + (
                 [owner] if owner in found and owner not in real else [])
         if self.scheme in ("peer", "line"):
-            if self.axes is None:
-                return [(owner - self.offset) % world]
-            writer = torus(shape_of(world)).peer(owner, self.axes, -self.offset)
+            writer = (along(owner, world, -self.offset) if self.axes is None
+                      else torus(shape_of(world)).peer(owner, self.axes, -self.offset))
             return [owner if writer is None else writer]
         return [(owner + k) % world for k in range(1, world)] + [owner]
 
@@ -268,12 +268,6 @@ def peer_offset(peers: str) -> tuple[int, bool]:
     if peers.startswith(LINE):
         return int(peers[len(LINE):]), False
     return int(peers), True
-
-
-def line_peer(peers: str, rank: int, world: int) -> int | None:
-    """The rank a non-cyclic ("line+k") spec names from ``rank``: None past an end."""
-    k, _ = peer_offset(peers)
-    return rank + k if 0 <= rank + k < world else None
 
 
 def wraps(peers: str | None) -> bool:

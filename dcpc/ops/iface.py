@@ -188,7 +188,20 @@ class SimView(Protocol):
 
     def weighted_sum(self, weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor: ...
 
-    def scaled(self, op: Any, rank: int, value: torch.Tensor) -> torch.Tensor: ...
+    # value, scaled into fp8 by the op's output_scale (unchanged without one); err: a
+    # bound of the kernel's fp32 error of value (fp32_error or merge_error), from which
+    # the interval dcpc run accepts the kernel's fp8 byte in is made
+    def scaled(self, op: Any, rank: int, value: torch.Tensor, err: torch.Tensor
+               ) -> torch.Tensor: ...
+
+    # a bound of the fp32 error of a sum of ``terms`` products whose magnitudes add up
+    # to ``magnitude`` (0 terms: computed exactly, a max)
+    def fp32_error(self, terms: int, magnitude: torch.Tensor | float) -> torch.Tensor: ...
+
+    # a bound of the fp32 error of an LSE merge sum_p w_p o_p (only = r: of w_r o_r alone,
+    # parts then o_r)
+    def merge_error(self, weights: torch.Tensor, parts: torch.Tensor,
+                    only: int | None = None) -> torch.Tensor: ...
 
 
 class LowerRules(Protocol):

@@ -48,7 +48,8 @@ def reference(sim: SimView, step: Step) -> None:
         weights, merged = sim.merge_weights(op, r, lse_name)
         w = weights[r].unsqueeze(-1)
         out = torch.where(w == 0, 0.0, w * sim.bufs[r][o_name])
-        sim.store(r, op.dst, sim.scaled(op, r, out))
+        err = sim.merge_error(weights, sim.bufs[r][o_name], only=r)
+        sim.store(r, op.dst, sim.scaled(op, r, out, err))
         if op.return_lse:
             sim.store(r, op.return_lse, merged)
 

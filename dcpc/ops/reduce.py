@@ -90,7 +90,9 @@ def reference(sim: SimView, step: Step) -> None:
     total = parts.sum(dim=0) if op.reduce == "sum" else ieee_max(parts)
     for r in range(sim.world):  # every rank checks its own scale; the root's divides
         value = total if r == op.root else torch.zeros_like(total)
-        sim.store(r, op.dst, sim.scaled(op, r, value))
+        terms = sim.world if op.reduce == "sum" and r == op.root else 0  # a max is exact
+        err = sim.fp32_error(terms, parts.abs().sum(dim=0))
+        sim.store(r, op.dst, sim.scaled(op, r, value, err))
     if op.via is not None:
         sim.store(op.root, op.via, parts.clone())
 

@@ -124,7 +124,8 @@ def reference(sim: SimView, step: Step) -> None:
             return
     for r in range(sim.world):
         parts = sim.bufs[r].pop(f"{pushed.name}@parts")
-        sim.store(r, op.dst, sim.scaled(op, r, parts.sum(dim=0)))
+        sim.store(r, op.dst, sim.scaled(op, r, parts.sum(dim=0), sim.fp32_error(
+            len(parts), parts.abs().sum(dim=0))))
 
 
 def io(op: ReduceScatter) -> IO:

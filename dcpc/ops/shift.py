@@ -95,7 +95,7 @@ from dcpc.ops.common import (
     typed,
 )
 from dcpc.ops.registry import IO, OpDef, define
-from dcpc.topology import shape_of, team_table, torus
+from dcpc.topology import along, perm_sources, shape_of, team_table, torus
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Set
@@ -228,15 +228,6 @@ def table(op: Shift) -> tuple[int, ...]:
     return ()
 
 
-def inverse(dests: tuple[int, ...]) -> tuple[int, ...]:
-    """The source of each rank (-1: none) of a destination table."""
-    out = [-1] * len(dests)
-    for r, d in enumerate(dests):
-        if d >= 0:
-            out[d] = r
-    return tuple(out)
-
-
 def delta(op: Shift) -> int:
     """The offset as an integer (0 or a huge one is the verifier's error; 1 here)."""
     k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
@@ -248,7 +239,7 @@ def peers(op: Shift) -> tuple[str, str]:
     (which ranks a wait first's span links at each W is ``sources``')."""
     k, dests = delta(op), table(op)
     if op.perm is not None:
-        return perm_peers(dests), perm_peers(inverse(dests))
+        return perm_peers(dests), perm_peers(perm_sources(dests))
     return offset_peers(k, op.wrap), offset_peers(-k, op.wrap)
 
 
@@ -416,39 +407,57 @@ def _verify_apart(v: ShapeRules, step: Step) -> None:
     for between in v.ctx.schedule.step_list()[step.index + 1:wait.index]:
         if _local(v.ctx, between):
             continue
+        edge, elsewhere = _edge(v.ctx, step, wait, between)
+        rule = ("on the torch backend the put only sends and the wait only receives, gloo "
+                "and NCCL match the messages between two ranks in order and a send blocks "
+                "until its receive is posted")
+        why = (f": {rule}, so '{between.name}' would take the put's message or block on it"
+               if elsewhere is None else
+               f" (it signals, waits or reaches another rank's buffers), though on neither "
+               f"end of any such pair at a W checked ({elsewhere}), so it cannot take this "
+               "put's message; it is refused by where it stands, not by where it runs: "
+               f"{rule}, so a communicating step there takes the message or blocks on it "
+               "wherever it runs on an end")
         v.error(op.mark("when"), "wait-first-span",
                 f"step '{step.name}' puts and its wait '{wait.name}' has another 'when:' "
-                f"({_edge(v.ctx, step, wait, between)}), but step '{between.name}' "
-                f"({between.kind}) between them communicates: on the torch backend the "
-                "put only sends and the wait only receives, gloo and NCCL match the "
-                "messages between two ranks in order and a send blocks until its "
-                f"receive is posted, so '{between.name}' would take the put's message "
-                "or block on it; only steps that run on their rank alone may stand "
+                f"({edge}), but step '{between.name}' ({between.kind}) between them "
+                f"communicates{why}; only steps that run on their rank alone may stand "
                 "between such a put and its wait",
                 f"move '{between.name}' before '{step.name}' or after '{wait.name}' (or "
                 "give the put and the wait the same 'when:')")
         return
 
 
-def _edge(holder: Any, put: Step, wait: Step, between: Step) -> str:
+def _edge(holder: Any, put: Step, wait: Step, between: Step) -> tuple[str, str | None]:
     """The first W checked and a sender and its receiver of the apart pair ``put``,
-    ``wait`` there, preferring a pair where ``between`` runs on either end."""
+    ``wait`` there, preferring a pair where ``between`` runs on either end; and, where it
+    runs on neither end of any pair, the ranks it runs on at that W (None: on an end, or
+    no pair)."""
     found = []
     for world in holder.samples.worlds:
         running = running_at(holder.schedule, world)
-
-        def runs(s: Step, r: int, running: Any = running) -> bool:
-            ranks = running.get(s.index)
-            return ranks is None or r in ranks
-
         for p, q in sorted(sources(holder.schedule, wait.op, world).items()):
-            if runs(put, q) and runs(wait, p):
-                found.append((runs(between, p) or runs(between, q), world, q, p))
+            if _runs(running, put, q) and _runs(running, wait, p):
+                found.append((_runs(running, between, p) or _runs(running, between, q),
+                              world, q, p))
     if not found:
-        return "no rank runs both ends at a W checked"
-    _, world, q, p = max(found, key=lambda f: f[0])
-    return f"at {_at(world)} rank {q} puts at '{put.name}' and rank {p} receives it at " \
+        return "no rank runs both ends at a W checked", None
+    on_end, world, q, p = max(found, key=lambda f: f[0])
+    edge = f"at {_at(world)} rank {q} puts at '{put.name}' and rank {p} receives it at " \
            f"'{wait.name}'"
+    if on_end:
+        return edge, None
+    ranks = sorted(running_at(holder.schedule, world).get(between.index, ()))
+    shown = ", ".join(map(str, ranks[:4])) + (", ..." if len(ranks) > 4 else "")
+    return edge, (f"at {_at(world)} it runs on rank{'s' if len(ranks) > 1 else ''} {shown}"
+                  if ranks else f"at {_at(world)} it runs on no rank")
+
+
+def _runs(running: Mapping[int, Set[int]], step: Step, rank: int) -> bool:
+    """Whether ``step`` runs on ``rank`` by ``running`` (dcpc.lang.when ``running``'s
+    table at one W: a step not in it has no ``when:`` and runs on every rank)."""
+    ranks = running.get(step.index)
+    return ranks is None or rank in ranks
 
 
 def _at(world: Any) -> str:
@@ -507,7 +516,7 @@ def sources(schedule: ScheduleView, op: Shift, world: int) -> dict[int, int]:
     the rank whose src it receives: member r - k of its team (dcpc.topology
     ``Torus.peer``), or a perm's source."""
     if op.perm is not None:
-        return {d: r for r, d in enumerate(table(op)) if d >= 0}
+        return {d: s for d, s in enumerate(perm_sources(table(op))) if s >= 0}
     t, axes = torus(shape_of(world)), mesh_of(schedule).team_axes(op)
     found = {r: t.peer(r, axes, -delta(op), op.wrap) for r in range(t.size)}
     return {r: s for r, s in found.items() if s is not None}
@@ -563,8 +572,7 @@ def span_run(holder: Any, steps: list[Step], world: Any, running: Mapping[int, S
     pos = [0] * n
 
     def runs(k: int, r: int) -> bool:
-        ranks = running.get(steps[k].index)
-        return ranks is None or r in ranks
+        return _runs(running, steps[k], r)
 
     team = mesh_of(holder.schedule).team_axes
     group = {k: team(found.lands[s.name].op) for k, s in enumerate(steps) if k in to}
@@ -624,14 +632,14 @@ def reference(sim: SimView, step: Step) -> None:
     ``wrap: false``: a rank whose source r - k is not a rank gets nothing (dst kept)."""
     op: Shift = step.op  # type: ignore[assignment]
     k, w = delta(op), sim.world
-    fed = [r for r in range(w) if op.wrap or 0 <= r - k < w]
-    source = {r: (r - k) % w for r in fed}
+    found = [along(r, w, -k, op.wrap) for r in range(w)]
     if op.perm is not None:  # rank r gets perm^-1(r)'s src, where r is a destination
         dests = table(op)  # over ranks; a team's view (sim.members) reads it per team
         members = getattr(sim, "members", None)
         dests = tuple(team_table(dests, members)) if members is not None else dests
-        source = {d: r for r, d in enumerate(dests) if d >= 0}
-        fed = sorted(source)
+        found = [None if s < 0 else s for s in perm_sources(dests)]
+    source = {r: s for r, s in enumerate(found) if s is not None}
+    fed = sorted(source)
     if op.phase == "wait":
         put = matched(sim).polls[step.name]
         for r in fed:
@@ -754,7 +762,7 @@ def _perm_attrs(schedule: ScheduleView, op: Shift) -> dict[str, Any]:
     where it has none: its lane masked off) and whether it sends (a rank that is no
     source stores no tile)."""
     dests = table(op)
-    back = inverse(dests)
+    back = perm_sources(dests)
     mesh = mesh_of(schedule)
     axes = mesh.team_axes(op)
     # a perm on a mesh is unrolled for one shape: the mesh's ints, else the one served

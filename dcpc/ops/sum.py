@@ -76,7 +76,8 @@ def reference(sim: SimView, step: Step) -> None:
         out = torch.zeros(x.select(op.dim, 0).shape, dtype=torch.float64)  # +0: -0s sum to +0
         for k in range(x.shape[op.dim]):  # in order, as the kernel
             out = out + x.select(op.dim, k)
-        sim.store(r, op.dst, sim.scaled(op, r, out))
+        err = sim.fp32_error(x.shape[op.dim], x.abs().sum(dim=op.dim))
+        sim.store(r, op.dst, sim.scaled(op, r, out, err))
 
 
 def io(op: Sum) -> IO:

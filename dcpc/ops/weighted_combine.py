@@ -116,12 +116,16 @@ def reference(sim: SimView, step: Step) -> None:
                 raise ValueError(f"simulator: step {step.name}: rank {r}'s index holds a row "
                                  f"past the {len(rows)} rows of {x_name}")
         out = torch.zeros(tokens, x.shape[-1], dtype=torch.float64)
+        size = torch.zeros_like(out)  # sum_k |w_k x_k| (the fp32 error's magnitude)
         for k in range(topk):
             live = index[:, k] >= 0
-            part = weights[:, k, None] * rows[index[:, k].clamp(min=0)]
-            out += torch.where(live[:, None], part, 0.0)  # an empty slot: exactly 0
-        out = out.reshape(*sim.shape(op.dst)[:-1], x.shape[-1])
-        sim.store(r, op.dst, sim.scaled(op, r, out))
+            part = torch.where(live[:, None], weights[:, k, None] * rows[index[:, k].clamp(min=0)],
+                               0.0)  # an empty slot: exactly 0
+            out += part
+            size += part.abs()
+        shape = (*sim.shape(op.dst)[:-1], x.shape[-1])
+        sim.store(r, op.dst, sim.scaled(op, r, out.reshape(shape),
+                                        sim.fp32_error(topk, size.reshape(shape))))
 
 
 def io(op: WeightedCombine) -> IO:

@@ -28,6 +28,7 @@ from dcpc.exprs import ragged_slot
 from dcpc.numerics import ieee_max
 from dcpc.runtime import merge
 from dcpc.runtime.errors import DcpcArgumentError, DcpcCollectiveError
+from dcpc.topology import along, perm_sources
 
 # dtypes a backend may not move (gloo has no fp8: "Invalid scalar type", or a hang):
 # every payload goes over the wire as its bytes
@@ -300,12 +301,12 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
     if perm is not None:
         _permute(comm, src, dst, rank, perm, half)
         return
-    to, back = (rank + offset) % world, source(rank, world, offset, wrap, None)
+    to, back = along(rank, world, offset, wrap), source(rank, world, offset, wrap, None)
     if wrap and to == rank:  # W divides the offset: a local copy
         dst.copy_(src)
         return
     ops = []
-    if half != "recv" and (wrap or 0 <= rank + offset < world):
+    if half != "recv" and to is not None:
         ops.append(dist.P2POp(dist.isend, wire(src.contiguous()),
                               dist.get_global_rank(comm.group, to), comm.group))
     if half != "send" and back is not None:
@@ -317,13 +318,12 @@ def shift(comm: SlotGroup, src: torch.Tensor, dst: torch.Tensor, offset: int, ra
 def source(rank: int, world: int, offset: int, wrap: bool, perm: list[int] | None
            ) -> int | None:
     """The member a shift's receive on member ``rank`` takes from (``rank`` itself: a
-    local copy), or None (it receives nothing): the one definition ``shift``,
-    ``_permute`` and the early receive use."""
+    local copy), or None (it receives nothing), by dcpc.topology's ``along`` and
+    ``perm_sources``: what ``shift``, ``_permute`` and the early receive use."""
     if perm is not None:
-        return next((r for r, d in enumerate(perm) if d == rank), None)
-    if not wrap and not 0 <= rank - offset < world:
-        return None
-    return (rank - offset) % world
+        found = perm_sources(perm)[rank]
+        return None if found < 0 else found
+    return along(rank, world, -offset, wrap)
 
 
 def _exchange(comm: SlotGroup, ops: list[Any]) -> None:

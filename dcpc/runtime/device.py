@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dcpc.numerics import FP8_FORMATS, SCALE_MAX, SCALE_MIN
+from dcpc.numerics import FP8_FORMATS, SCALE_FLOOR, SCALE_MAX, SCALE_MIN
 from dcpc.runtime import errors as _errors
 
 # The error record and the failure flags as the kernels see them (defined once, in
@@ -49,6 +49,7 @@ DCPC_E4M3_TOP, DCPC_E4M3_MANTISSA, DCPC_E4M3_MIN_EXP = map(tl.constexpr, FP8_FOR
 DCPC_E5M2_TOP, DCPC_E5M2_MANTISSA, DCPC_E5M2_MIN_EXP = map(tl.constexpr, FP8_FORMATS["fp8e5m2"])
 DCPC_SCALE_MIN = tl.constexpr(SCALE_MIN)  # a per-tensor fp8 scale's bounds (scale_fault)
 DCPC_SCALE_MAX = tl.constexpr(SCALE_MAX)
+DCPC_SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)  # a token's (group's) amax at least this: no 1/0
 DCPC_STOP_WORD = tl.constexpr(_errors.RECORD.index("stop"))
 DCPC_FLAG_WORD = tl.constexpr(_errors.RECORD.index("flag"))
 

@@ -75,17 +75,25 @@ def _brief(exc: BaseException, limit: int = 6000) -> str:
 
 
 class LocalRankError(RuntimeError):
-    """A rank of a ``LocalGroup.run`` failed or did not finish in time."""
+    """A rank of a ``LocalGroup.run`` failed or did not finish in time. ``launch_status``:
+    the status the launcher gives the process that raised it (dcpc.harness.launch: a
+    ``local`` run's one process stands for its W ranks, which hung or timed out)."""
+
+    launch_status = "error"
 
 
 class LocalRankHang(LocalRankError):
     """Ranks of a ``LocalGroup.run`` stopped: none said anything new (``LocalRank.progress``)
     for the stall bound, or, without one, they were not done at the deadline."""
 
+    launch_status = "hung"
+
 
 class LocalRankTimeout(LocalRankError):
     """Ranks of a ``LocalGroup.run`` still progressing at its deadline: a slow run, not a
     hang (a larger timeout lets it finish)."""
+
+    launch_status = "timeout"
 
 
 POLL_S = 0.5  # how often LocalGroup.run looks at its ranks' progress

@@ -27,6 +27,7 @@ from dcpc.runtime.local import sync_stream
 from dcpc.runtime.teams import TeamsMixin
 from dcpc.runtime.teams import torus as _teams_torus
 from dcpc.runtime.validate import DTYPES, Signature, check_sizes
+from dcpc.topology import ROTATION, rotations
 
 # Bounded waits, in seconds, on every backend: a wait for a peer that lasts longer
 # records a timeout (step, peer, epoch). Ranks legitimately drift by seconds (a peer
@@ -752,7 +753,12 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         if self._heap is None:
             raise self._unusable("buffer")
         if name not in self.BUFFERS or self.BUFFERS[name].kind == "engine":
-            raise KeyError(f"{type(self).__name__}: no module-owned buffer {name!r}")
+            # b_rot<c>: slot (r + c) mod W of b on rank r (dcpc.topology.ROTATION)
+            held = [ROTATION.format(name, c) for c in rotations(self.BUFFERS).get(name, [])]
+            raise KeyError(f"{type(self).__name__}: no module-owned buffer {name!r}" + (
+                f"; it is held as {', '.join(held)}: on rank r, {name}_rot<c> is slot "
+                f"(r + c) mod W of {name} (an index that rotates the rank): ask for those"
+                if held and name not in self.BUFFERS else ""))
         return self._view_of(name, slot, {**self._max_env, **(sizes or {})})
 
     def close(self) -> None:

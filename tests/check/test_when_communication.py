@@ -214,6 +214,31 @@ def test_a_step_that_communicates_between_a_put_and_its_wait_guarded_apart_is_lo
     assert "move 'mid' before 'put' or after 'wait'" in (refused.hint or "")
 
 
+def test_a_step_between_on_neither_end_of_the_apart_pair_is_refused_saying_so(
+        tmp_path: Path) -> None:
+    """Rank 0 puts to rank 1 only; the split shift between runs on ranks 2 and up: it
+    cannot take that message, and the refusal (by where the step stands: the same class,
+    at the put's when:) says so and where it runs, not that it would take the message."""
+    text = APART.replace('"rank < W - 1"', '"rank == 0"').replace(
+        '"rank > 0"', '"rank == 1"').replace("  - mid:   MID\n", """\
+  - mid:   {op: shift, when: "rank >= 2", src: y, dst: recv, offset: next, wrap: false, phase: put}
+  - mid_w: {op: shift, when: "rank >= 3", src: y, dst: recv, offset: next, wrap: false, phase: wait}
+""").replace('use_r: {op: external, when: "rank == 1"', 'use_r: {op: external, when: "rank >= 3"')
+    found = [d for d in _errors(text, tmp_path, [3, 4, 5]) if d.code == "wait-first-span"]
+    assert len(found) == 1, found
+    (refused,) = found
+    lines = text.splitlines()
+    at = lines.index(next(ln for ln in lines if ln.startswith("  - put:")))
+    assert (refused.mark.line, refused.mark.col) == (at + 1, lines[at].index('"rank == 0"') + 1)
+    assert ("(at W=3 rank 0 puts at 'put' and rank 1 receives it at 'wait'), but step 'mid' "
+            "(shift) between them communicates (it signals, waits or reaches another rank's "
+            "buffers), though on neither end of any such pair at a W checked (at W=3 it runs "
+            "on rank 2), so it cannot take this put's message; it is refused by where it "
+            "stands") in refused.message, refused.message
+    assert "would take the put's message" not in refused.message
+    assert "move 'mid' before 'put' or after 'wait'" in (refused.hint or "")
+
+
 def test_a_put_and_its_wait_guarded_apart_adjacent_or_local_between_are_proved(
         tmp_path: Path) -> None:
     assert _errors(APART.replace("MID", "{op: copy, src: y, dst: recv}"), tmp_path,

@@ -113,6 +113,7 @@ def test_wrong_twin_is_refused_with_its_class(twin: Path) -> None:
 
 
 REPLAYED = [t for t in TWINS if header(t, "replay")]
+REPLAY_SEEDS = 6  # runs of a replay at most, up to the first that shows its race
 
 
 @pytest.mark.e2e
@@ -133,20 +134,27 @@ def test_wrong_twin_s_replayed_race_shows_wrong_data(twin: Path, tmp_path: Path)
     found = tmp_path / "race.json"
     found.write_text(json.dumps(data))
     replay = plan(str(found), str(twin), None)
-    for seed in (0, 1):
+    # A twin races everywhere, not only where the replay holds: the free ranks run as the
+    # machine lets them, and on a loaded one their own races can carry the very block the
+    # held step should see into the buffer it reads (seen at a load of 10: 6 mismatches,
+    # none at the held read; meta_cp_pass_q.no_hop_credit failed so with seeds 0 and 1
+    # both). The hold itself is an ordering wait, so each run must be released by the
+    # other access; the race must show at the held read in one of SEEDS runs, taken in
+    # order up to the first that shows it (one run where the machine is not loaded). A
+    # replay that no longer shows the race fails every run: the test fails.
+    shown: list[str] = []
+    for seed in range(REPLAY_SEEDS):
         # a long wait: the hold lasts at most half of it, and a loaded machine is slow
         report = run_schedule(RunConfig(schedule=str(twin), world=replay.world, backend="host",
                                         calls=replay.calls, wait_timeout_s=240, replay=replay,
                                         seed=seed))
         text = format_report(report)
         assert report.replay_outcome.startswith("released"), text
-        # A twin races everywhere, not only where the replay holds: on a loaded machine the
-        # free ranks' own races can carry the very block the held step should see into the
-        # buffer it reads (seen once at a load of 10: 6 mismatches, none at the held read).
-        # Such a run shows wrong data elsewhere; it is drawn once more with another seed.
-        stacked = report.outputs[output].mismatches == 0 and any(
-            s.mismatches for s in report.outputs.values())
-        if not stacked:
-            break
-    assert report.outputs[output].mismatches >= 1, text
-    assert report.outputs[output].first_mismatch.startswith(first), text
+        stats = report.outputs[output]
+        if stats.mismatches and stats.first_mismatch.startswith(first):
+            return
+        shown.append(f"seed {seed}: {stats.mismatches} mismatches at {output} "
+                     f"({stats.first_mismatch or 'none'}), "
+                     f"{sum(s.mismatches for s in report.outputs.values())} in all")
+    pytest.fail(f"{REPLAY_SEEDS} replays of the race, none showed it at {output} "
+                f"({first}):\n" + "\n".join(shown) + "\n" + text)

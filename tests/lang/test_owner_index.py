@@ -156,10 +156,10 @@ buffers:
   x: {shape: [N, D], dtype: f32}
   g: {shape: [W, N, D], dtype: f32, symmetric: true}
 steps:
-  - send: {op: shift, src: x, dst: "g[r]", offset: next}
+  - send: {op: shift, src: x, dst: "g[W - 1 - r]", offset: next}
   - done: {op: barrier}
 """
-    found = _errors(text, range(3, 4))
+    found = _errors(text, range(3, 4))  # (a rotation, 'g[r]', is one step: test_rank_rotation)
     assert [d.code for d in found] == ["bad-index"], found
     assert "step 'send' (shift) has an index that names the rank" in found[0].message
     assert (found[0].mark.line, found[0].mark.col) == (7, 36)

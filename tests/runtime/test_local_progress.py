@@ -115,3 +115,73 @@ def test_local_ranks_share_one_simulation_per_call(tmp_path: Path, monkeypatch: 
     assert [r.rank for r in reports] == [0, 1, 2]
     for r in reports:
         assert all(s.compared == 2 and s.mismatches == 0 for s in r.outputs.values()), r.outputs
+
+
+def local_group_stops(rank: int, world: int, hang: bool) -> list[int]:
+    """A launched process (the one process of a ``local`` run) whose LocalGroup of two
+    ranks hangs (both stop: LocalRankHang) or is still progressing at its deadline
+    (LocalRankTimeout)."""
+    if hang:
+        return LocalGroup(2, "cpu", timeout_s=600).run(
+            lambda r: (r.progress("call 0"), time.sleep(3600)), stall_s=2)
+    return LocalGroup(2, "cpu", timeout_s=3).run(_steps, 400, 0.1, stall_s=30)
+
+
+@pytest.mark.parametrize(("hang", "status"), [(True, "hung"), (False, "timeout")])
+def test_a_local_runs_status_is_its_exceptions_launch_status(hang: bool, status: str) -> None:
+    """The launcher takes a process's status from the exception it raised
+    (``launch_status``), and a ``local`` run's W ranks get it (dcpc.harness.run
+    ``_per_rank``), not from the exception's text."""
+    from dcpc.harness.launch import launch
+    from dcpc.harness.run import _per_rank
+
+    result = launch("tests.runtime.test_local_progress:local_group_stops", 1, {"hang": hang},
+                    timeout_s=300)
+    assert [o.status for o in result.outcomes] == [status], result.summary()
+    ranks = _per_rank(result, 3)
+    assert [o.status for o in ranks.outcomes] == [status] * 3, ranks.summary()
+    assert ranks.outcomes[2].error == result.outcomes[0].error
+
+
+RING = str(Path(__file__).resolve().parents[2] / "schedules" / "gallery" / "ring_attention.yaml")
+
+
+@pytest.mark.parametrize("says", [True, False])
+def test_a_shared_simulation_longer_than_the_stall_bound_is_progress_not_a_hang(
+        says: bool) -> None:
+    """The ranks of a local run share each call's float64 simulation (``CallSims``): one
+    rank simulates, the others wait for it. The simulating rank says each step (``get``'s
+    ``say``, as run_rank passes its own), so a simulation longer than the stall bound is
+    progress: here each step's say also waits 0.2 s (ring_attention at W=8 has 49 steps:
+    at least 9.8 s in all, whatever the machine), past a stall bound of 5 s, and the
+    group finishes. Silent, the same simulation reads as a hang (a stall bound of 0.5 s:
+    about 20 times that bound, which the detector stretches by the CPU share a loaded
+    machine gives)."""
+    from dcpc.harness import synth
+    from dcpc.harness.worker import CallSims
+    from dcpc.lang.parse import parse_file
+
+    schedule = parse_file(RING, world=8)
+    sims = CallSims(schedule, 8, synth.constructor_sizes(schedule, 8, {"T": 64, "N": 64}),
+                    0, "nearest", users=2)
+
+    def body(rank: Any) -> int:
+        rank.progress("call 0")
+
+        def say(what: str) -> None:
+            time.sleep(0.2)  # a slow step
+            if says:
+                rank.progress(what)
+
+        sims.get(0, say)
+        return rank.rank
+
+    start = time.monotonic()
+    if says:
+        assert LocalGroup(2, "cpu", timeout_s=600).run(body, stall_s=5) == [0, 1]
+        assert time.monotonic() - start > 5  # longer than the stall bound: a real test
+        return
+    with pytest.raises(LocalRankHang, match=r"nothing new from any rank"):
+        LocalGroup(2, "cpu", timeout_s=600).run(body, stall_s=0.5)
+    while 0 not in sims.sims and time.monotonic() - start < 300:
+        time.sleep(0.5)  # the thread left behind ends its simulation

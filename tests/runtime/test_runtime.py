@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dcpc.numerics import FP8_FORMATS, SCALE_MAX, SCALE_MIN
+from dcpc.numerics import FP8_FORMATS, SCALE_FLOOR, SCALE_MAX, SCALE_MIN
 from dcpc.runtime import merge, rendezvous, shapes, sync, tiles
 from dcpc.runtime.backend import make_heap, resolve_backend
 from dcpc.runtime.errors import DcpcArgumentError, DcpcTimeoutError
@@ -151,7 +151,9 @@ def test_an_op_s_error_code_is_one_row_of_the_errors_table(name, record, words):
         assert f"DCPC_{row}" in device_names(), row
     formats = {f"DCPC_{fmt[3:].upper()}_{what}" for fmt in FP8_FORMATS  # their grids
                for what in ("TOP", "MANTISSA", "MIN_EXP")}
-    scale = {"DCPC_SCALE_MIN": SCALE_MIN, "DCPC_SCALE_MAX": SCALE_MAX}  # scale_fault's
+    # scale_fault's bounds, and the fp8 casts' amax floor (templates/ops/ragged_all_to_all)
+    scale = {"DCPC_SCALE_MIN": SCALE_MIN, "DCPC_SCALE_MAX": SCALE_MAX,
+             "DCPC_SCALE_FLOOR": SCALE_FLOOR}
     assert {n: getattr(device, n).value for n in scale} == scale
     assert {n for n in vars(device) if n.startswith("DCPC_") and not n.endswith("_WORD")
             and n not in ("DCPC_FLAG_FAILED", *formats, *scale)} == {
