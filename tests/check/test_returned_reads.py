@@ -6,16 +6,12 @@ no barrier, whose run then returned the peer's next call's data)."""
 from __future__ import annotations
 
 from support.hb_oracle import oracle_keys
+from support.schedules import GATHER_NO_BARRIER
 
 from dcpc.check import hb
 from dcpc.lang.parse import parse_text
 
-HEAD = (  # tests/codegen/test_new_op.py's schedule, its echo a copy, no barrier
-    "schedule: q\nslots: 1\nsizes: {T: {max: 8}, D: 16}\nbuffers:\n"
-    "  x: {shape: [T, D], dtype: f32}\n  y: {shape: [T, D], dtype: f32}\n"
-    "  g: {shape: [T, W * D], dtype: f32, symmetric: true}\nsteps:\n"
-    "  - keep: {op: copy, src: x, dst: y}\n"
-    "  - gather: {op: all_gather, src: y, dst: g, dim: 1}\n")
+HEAD = GATHER_NO_BARRIER
 RETURN_RACE = ("race", "write-after-read", "g", "gather", "gather")
 
 

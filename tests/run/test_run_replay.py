@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.schedules import GATHER_NO_BARRIER
 
 from dcpc import demo
 from dcpc.harness.replay import MAX_REPLAY_BYTES
@@ -76,6 +78,37 @@ def test_replay_makes_the_checker_s_race_happen(tmp_path: Path) -> None:
         "call 0 slot 0 rank 0 (attention reads): q_full"), result
     assert result["replay"]["hold"] == [0, 0, "attention"]
     assert result["replay"]["until"] == [1, 1, "query_gather"]
+
+
+def test_replay_of_a_returned_read_holds_after_the_return(tmp_path: Path) -> None:
+    """The race is the engine's read of what gather on rank 0 (call 0) returned against
+    rank 1's gather of call 1 pushing its block into rank 0's g: rank 0 is held after
+    its gather returned, before the harness compares what it returned, until rank 1's
+    push landed; the comparison sees rank 1's call-1 block (columns D..2D-1 of g), on
+    every run, with no load."""
+    schedule = tmp_path / "gather_no_barrier.yaml"
+    schedule.write_text(GATHER_NO_BARRIER)
+    found = counterexample(schedule, tmp_path / "race.json")
+    (finding,) = json.loads(found.read_text())["results"][0]["hb"]["findings"]
+    assert finding["first"]["returned"] is True and "returned" not in finding["second"]
+    assert "the engine still reads what gather on rank 0 (call 0) returned" in finding["message"]
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--world", "2", "--calls", "2", "--replay", str(found),
+                "--wait-timeout", "240", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert ("gather on rank 0 (call 0) held after its return until gather on rank 1 (call 1) "
+            "ran: released when g was written") in done.stdout, done.stdout
+    assert "NOT FORCED" not in done.stdout and "FAILED" in done.stdout, done.stdout
+    result = json.loads(record.read_text())[0]
+    assert result["replay"]["hold"] == [0, 0, "gather"] and result["replay"]["at"] == "after"
+    assert result["outputs"]["y"]["mismatches"] == 0, result
+    g = result["outputs"]["g"]
+    assert g["mismatches"] >= 1, result
+    # the first wrong element is in rank 1's block (columns 16..31) of the call-0 row 0:
+    # rank 1's call-1 row, pushed before rank 0's gather of call 0 was read
+    assert re.match(r"call 0 slot 0 rank 0 \(gather\): g\[0, (1[6-9]|2\d|3[01])\] ",
+                    g["first"]), result
 
 
 def test_replay_on_the_fixed_twin_says_the_race_does_not_apply(no_ranks, capsys,
@@ -206,7 +239,12 @@ def test_a_replay_a_per_step_hold_cannot_force_says_so(tmp_path: Path) -> None:
 
 def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
     """A mesh counterexample names its shape ("world": "2x2"; it was 4, which dcpc run
-    refused for a two-axis mesh, 'give a shape such as 2x2'), and the replay runs it."""
+    refused for a two-axis mesh, 'give a shape such as 2x2'), and the replay runs it.
+    Its first race: the engine's read of what gather_in_node of call 1 returned on rank
+    (0, 0) before rank (0, 1)'s push of call 0 into the shared q_node (a read-after-write
+    whose read is the returned one: the writer is held before its step until the
+    reader's step returned and was compared). Call 0's push then lands on top of call
+    1's block, and gather_nodes of call 1 sends call 0's heads on."""
     schedule = ROOT / "tests" / "gallery_twins" / "hierarchical_two_level.shared_hand_off.yaml"
     found = counterexample(schedule, tmp_path / "race.json")
     assert json.loads(found.read_text())["results"][0]["hb"]["findings"][0]["world"] == "2x2"
@@ -216,8 +254,10 @@ def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     result = json.loads(record.read_text())[0]
     assert result["world"] == "2x2" and result["replay"]["outcome"].startswith("released")
+    assert (result["replay"]["hold"], result["replay"]["at"]) == ([1, 0, "gather_in_node"],
+                                                                  "before"), result
     assert result["outputs"]["q_full"]["first"].startswith(
-        "call 0 slot 1 rank 0 (gather_nodes): q_full"), result
+        "call 1 slot 0 rank 0 (gather_nodes): q_full"), result
 
 
 PHANTOM = """\

@@ -202,13 +202,12 @@ def race_finding(world: World, race: RawRace) -> Finding:
     if la.lands or lb.lands:  # a split-phase shift's store, in flight from put to wait
         message = _flight_message(world, race, la, lb, where)
     elif race.cls == WAR:
-        reads = (f"the engine still reads what {la.step} on {na} (call {la.call}) returned"
-                 if a.access.returned else f"{la.step} on {na} (call {la.call}) still reads it")
         message = (f"write-after-read race on {race.buffer}: {lb.step} on {nb} "
-                   f"(call {lb.call}) can write {lb.region} while {reads} {where}")
+                   f"(call {lb.call}) can write {lb.region} while "
+                   f"{access_text(la, na, 'still reads', 'it')} {where}")
     elif race.cls == RAW:
-        message = (f"read-after-write race on {race.buffer}: {lb.step} on {nb} "
-                   f"(call {lb.call}) can read {lb.region} before {la.step} on {na} "
+        message = (f"read-after-write race on {race.buffer}: "
+                   f"{access_text(lb, nb, 'can read', lb.region)} before {la.step} on {na} "
                    f"(call {la.call}) finished writing it {where}")
     else:
         assert race.cls == WAW
@@ -216,6 +215,17 @@ def race_finding(world: World, race: RawRace) -> Finding:
                    f"(call {la.call}) and {lb.step} on {nb} (call {lb.call}) can "
                    f"write {lb.region} in either order {where}")
     return Finding("race", race.cls, race.buffer, la, lb, world.world, message, timeline)
+
+
+def access_text(loc: Location, who: str, verb: str, what: str) -> str:
+    """A read of a race in words, the one wording: "attention on rank 0 (call 0) still
+    reads it"; the engine's read of what a step returned (``Location.returned``): "the
+    engine still reads what gather on rank 0 (call 0) returned" (``what`` then named
+    only when it is a region: "... returned, g[rank 0]")."""
+    if not loc.returned:
+        return f"{loc.step} on {who} (call {loc.call}) {verb} {what}"
+    return (f"the engine {verb} what {loc.step} on {who} (call {loc.call}) returned"
+            + ("" if what == "it" else f", {what},"))
 
 
 def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
@@ -229,8 +239,9 @@ def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
         does = f"push (landing at its wait {lb.lands}) into"
     else:
         does = {"read": "read", "write": "write"}[other.access]
-    return (f"{race.cls} race on {race.buffer}: {other.step} on {_rk(world, other.rank)} "
-            f"(call {other.call}) can {does} {instance} while the store of {fly.step} on "
+    return (f"{race.cls} race on {race.buffer}: "
+            f"{access_text(other, _rk(world, other.rank), f'can {does}', instance)} "
+            f"while the store of {fly.step} on "
             f"{_rk(world, fly.rank)} (call {fly.call}) into it is in flight, until its wait "
             f"{fly.lands} {where}")
 
