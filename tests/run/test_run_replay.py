@@ -146,6 +146,8 @@ def _edit(data: dict, **first: object) -> dict:
     ({"step": ""}, "findings[0].first.step: must name a step"),
     ({"access": "peek"}, "findings[0].first.access: must be read or write"),
     ({"step": "nowhere"}, "does not apply to"),
+    ({"returned": "yes"}, "findings[0].first.returned: must be true on a read"),
+    ({"returned": True}, "does not apply to"),  # attention's own read, not its return
     ({"world": 99}, "findings[0].world: '99': group sizes must lie in 2..64 here, got 99"),
     ({"world": [2]}, "findings[0].world: must be a group size (W or a mesh shape"),
 ])
@@ -280,7 +282,9 @@ def test_replay_of_a_perm_race_holds_ranks_the_table_joins(tmp_path: Path) -> No
     comes from a phantom writer (rank 2, which sends nothing). Its counterexample named
     that store, so the replay held rank 0 for rank 2's swap, which never writes s: the
     run matched (0 mismatches). Shown at a store the table makes (rank 0 into rank 1),
-    the replay makes the race happen."""
+    the replay makes the race happen: its first race is now the engine's read of what
+    swap on rank 1 (call 0) returned, held after that return until rank 0's swap of
+    call 1 stored into s."""
     schedule = tmp_path / "p.yaml"
     schedule.write_text(PHANTOM)
     done = dcpc("check", str(schedule), "--world", "3", "--format", "json", timeout=120)
@@ -292,6 +296,8 @@ def test_replay_of_a_perm_race_holds_ranks_the_table_joins(tmp_path: Path) -> No
                 "--calls", "2", "--json", str(record))
     assert done.returncode == 1, done.stdout + done.stderr
     result = json.loads(record.read_text())[0]
-    assert result["replay"]["hold"] == [1, 0, "use"], result["replay"]
+    assert (result["replay"]["hold"], result["replay"]["at"]) == ([1, 0, "swap"], "after"), \
+        result["replay"]
     assert result["replay"]["until"] == [0, 1, "swap"], result["replay"]
-    assert result["outputs"]["s@use"]["mismatches"] >= 1, result
+    assert result["replay"]["outcome"].startswith("released"), result["replay"]
+    assert result["outputs"]["s"]["first"].startswith("call 0 slot 0 rank 1 (swap): s"), result
