@@ -136,6 +136,8 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
                 tuple(_attr(region, "table", ()) or ()))
             item = (buffer, _attr(e, "kind") == "write", part, _attr(e, "lands"))
             (after if _attr(e, "when") == "after" else before).append(item)
+        # the engine reads what the method returns, at its return (dcpc.check.hb.events)
+        after.extend((b, False, None, None) for b in _attr(s, "returns") or () if b in tracked)
         sync = _attr(s, "sync")
         signal, wait, polls = (_attr(sync, "signal"), _attr(sync, "wait"),
                                _attr(sync, "polls")) if sync is not None else (None, None, None)

@@ -11,6 +11,19 @@ the float64 reference) or when ``second``'s rank has
 finished ``second``'s step (a flag file), whichever comes first, and at the latest
 after a bound (half a module's wait, so a peer waiting on the held rank never times
 out); a hold that ends at the bound is reported as not forced.
+
+Where the hold is (``Replay.at``): an access of ``first`` marked ``"returned": true``
+is the engine's read of what ``first``'s step returned, made when the step has
+returned (dcpc.check.hb.events); the race is a peer's write landing in that buffer
+before the engine read it. The replay holds ``first``'s rank *after* the step returned
+and before the harness compares what it returned, until ``second``'s write landed
+(the watch) or its step ran (the flag): the comparison then sees ``second``'s data.
+A returned read that is ``second`` (a read-after-write: the write is ``first``) needs
+no other rule: its race is the read made before the write, so ``first``'s rank is held
+before its writing step until the reader's step (its return compared) ran. Holding
+the reader after its return instead would let the write land before the comparison,
+the order the schedule means, and on one rank (two calls in flight sharing a buffer)
+its own step could never release it.
 """
 
 from __future__ import annotations
@@ -34,9 +47,10 @@ class ReplayError(ValueError):
 
 @dataclass(frozen=True)
 class Replay:
-    """What the ranks of a replay do: ``hold`` = (rank, call, step) waits before its
-    step until ``release`` = (rank, call, step) has run or, when ``watch`` names a
-    buffer, until the held rank's own instance of it changes; at most ``hold_s``."""
+    """What the ranks of a replay do: ``hold`` = (rank, call, step) waits ``at`` its
+    step ("before" it, or "after" it returned, before what it returned is compared)
+    until ``release`` = (rank, call, step) has run or, when ``watch`` names a buffer,
+    until the held rank's own instance of it changes; at most ``hold_s``."""
 
     hold: tuple[int, int, str]
     release: tuple[int, int, str]
@@ -44,6 +58,7 @@ class Replay:
     text: str  # the finding's message, printed with the run
     world: int
     calls: int  # calls the replay needs: its later call + 1
+    at: str = "before"  # "after": the held access is the engine's read of the return
 
     def in_flight(self, schedule: Any) -> bool:
         """Whether the race is between two calls the interleaved order runs at once
@@ -57,7 +72,7 @@ class Replay:
 
     def worker_args(self, flag: str, hold_s: float) -> dict[str, Any]:
         return {"hold": list(self.hold), "release": list(self.release), "watch": self.watch,
-                "flag": flag, "hold_s": hold_s}
+                "at": self.at, "flag": flag, "hold_s": hold_s}
 
 
 def _at(path: str, where: str, what: str) -> ReplayError:
@@ -121,6 +136,10 @@ def _access(path: str, where: str, value: Any, world: int) -> tuple[int, int, st
         raise _at(path, f"{where}.step", f"must name a step, got {step!r}")
     if access not in ("read", "write"):
         raise _at(path, f"{where}.access", f"must be read or write, got {access!r}")
+    if value.get("returned", False) is not False and (
+            value["returned"] is not True or access != "read"):
+        raise _at(path, f"{where}.returned", "must be true on a read (the engine's read of "
+                  f"what the step returned) or absent, got {value['returned']!r}")
     return rank, call, step, access
 
 
@@ -169,7 +188,9 @@ def plan(path: str, schedule_path: str, world: int | None) -> Replay:
     buffer = finding.get("buffer")
     if not isinstance(buffer, str) or not buffer:
         raise _at(path, f"{where}.buffer", f"must name a buffer, got {buffer!r}")
-    match = _checker_finding(schedule_path, w, finding.get("class"), buffer, first, second)
+    returned = tuple(finding[side].get("returned", False) for side in ("first", "second"))
+    match = _checker_finding(schedule_path, w, finding.get("class"), buffer, first, second,
+                             returned)
     if match is None:
         raise ReplayError(
             f"--replay {path}: the race of {where} ({finding.get('class')} on {buffer} "
@@ -179,12 +200,13 @@ def plan(path: str, schedule_path: str, world: int | None) -> Replay:
     owner = match.first.owner if match.first.owner >= 0 else None
     watch = buffer if second[3] == "write" and owner == first[0] else None
     return Replay(hold=first[:3], release=second[:3], watch=watch, text=match.message,
-                  world=w, calls=max(first[1], second[1]) + 1)
+                  world=w, calls=max(first[1], second[1]) + 1,
+                  at="after" if match.first.returned else "before")
 
 
 def _checker_finding(schedule_path: str, world: int, cls: Any, buffer: str,
-                     first: tuple[int, int, str, str], second: tuple[int, int, str, str]
-                     ) -> Any:
+                     first: tuple[int, int, str, str], second: tuple[int, int, str, str],
+                     returned: tuple[bool, bool]) -> Any:
     """The checker's own finding of this race in the schedule at ``world``, or None."""
     from dcpc.diagnostics import DiagnosticError
     from dcpc.pipeline import Options, run
@@ -200,6 +222,7 @@ def _checker_finding(schedule_path: str, world: int, cls: Any, buffer: str,
                 continue
             sides = ((f.first.rank, f.first.call, f.first.step, f.first.access),
                      (f.second.rank, f.second.call, f.second.step, f.second.access))
-            if (f.cls, f.buffer) == (cls, buffer) and sides == (first, second):
+            if ((f.cls, f.buffer) == (cls, buffer) and sides == (first, second)
+                    and (f.first.returned, f.second.returned) == returned):
                 return f
     return None

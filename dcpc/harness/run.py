@@ -435,7 +435,9 @@ def format_report(report: RunReport) -> str:
     if c.replay is not None:
         (hr, hc, hs), (rr, rc, rs) = c.replay.hold, c.replay.release
         lines += [f"replay     {c.replay.text}",
-                  f"           {hs} on rank {hr} (call {hc}) held until {rs} on rank {rr} "
+                  f"           {hs} on rank {hr} (call {hc}) held "
+                  f"{'after its return' if c.replay.at == 'after' else 'before it'} until "
+                  f"{rs} on rank {rr} "
                   f"(call {rc}) ran: {report.replay_outcome or 'never reached'}"]
     lines.append("output        compared  mismatches  max abs err vs float64")
     for name, s in report.outputs.items():
@@ -471,7 +473,7 @@ def report_record(report: RunReport) -> dict[str, Any]:
         "backend": "local" if report.gpu_plan == "local" else show_backend(c.backend),
         "calls": c.calls, "seed": c.seed, "order": c.order, "programs": c.programs,
         "handshake": c.handshake,
-        **({"replay": {"race": c.replay.text, "hold": list(c.replay.hold),
+        **({"replay": {"race": c.replay.text, "hold": list(c.replay.hold), "at": c.replay.at,
                        "until": list(c.replay.release), "outcome": report.replay_outcome}}
            if c.replay is not None else {}),
         "sizes": report.sizes, "ok": report.ok, "mismatches": report.mismatches,

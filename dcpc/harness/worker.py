@@ -314,21 +314,25 @@ class ValueKinds:
 
 def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
              call: int, rank: int, slot: int, sizes: dict[str, int], trace: Any,
-             name: str | None) -> Callable[[], bool] | None:
+             name: str | None, at: str) -> Callable[[], bool] | None:
     """A replay's watch (None without one): whether this rank's instance of ``name`` no
-    longer holds what ``step`` should see by the call's reference: the race's other
-    write landed, even one that landed before the hold began. None too when the call
-    has not written ``name`` before ``step``: then a change could be this call's own
-    store as well, and only the other step's flag releases the hold."""
-    want = None if name is None else seen_at(trace, step.index, rank, name)
+    longer holds what ``step`` should see by the call's reference (``at`` "before" the
+    step; "after": what it returned): the race's other write landed, even one that
+    landed before the hold began. None too when the call has not written ``name``
+    before that point: then a change could be this call's own store as well, and only
+    the other step's flag releases the hold."""
+    index = step.index + (at == "after")
+    want = None if name is None else seen_at(trace, index, rank, name)
     if name is None or want is None:
         return None
-    unsent = unsent_at(trace, step.index, rank, name)
-    bounds = bounds_at(trace, step.index, rank, name)
+    unsent = unsent_at(trace, index, rank, name)
+    bounds = bounds_at(trace, index, rank, name)
+    kind = (kinds.before(call, index, name) if at == "before"
+            else kinds.written(call, step.index, name))
 
     def differs() -> bool:
         stats = OutputStats()
-        compare(name, kinds.before(call, step.index, name),
+        compare(name, kind,
                 schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
                 stats, "", unsent=unsent, bounds=bounds)
         return stats.mismatches > 0
@@ -530,8 +534,11 @@ def run_rank(
     lead = None  # a replay of two calls in flight: the other access's step runs first
     if replay is not None and replay["hold"][1] != replay["release"][1]:
         at = {s.name: k for k, s in enumerate(steps)}
-        lead = ((replay["hold"][1], at[replay["hold"][2]]),
-                (replay["release"][1], at[replay["release"][2]]))
+        held_step = (replay["hold"][1], at[replay["hold"][2]])
+        other = (replay["release"][1], at[replay["release"][2]])
+        # held before its step: the other access's step first; held after its return:
+        # the held step first, then the other one writes into what it returned
+        lead = (held_step, other) if replay["at"] == "before" else (other, held_step)
     calls_sim = (CallSims(schedule, world, ctor, seed, rounding) if sims is None
                  else sims.bind(schedule, world, ctor, seed, rounding))
     persist = calls_sim.persist
@@ -557,11 +564,17 @@ def run_rank(
             strike.strike(rank, event.call, step.name)
         jitter.delay()
         here = [rank, event.call, step.name]
-        if replay is not None and here == replay["hold"]:
-            say(f"call {event.call} (slot {event.slot}): {step.name}() held (replay)")
-            report.replay = adversary.replay_hold(replay, _written(
-                module, schedule, kinds, step, event.call, rank, event.slot, sizes, trace,
-                replay["watch"]))
+        # a replay's hold of this step: "before" it, or "after" its return (the engine's
+        # read of what it returned), before the run compares what it returned
+        hold_at = replay["at"] if replay is not None and here == replay["hold"] else None
+        if hold_at is not None:
+            holding = (f"call {event.call} (slot {event.slot}): {step.name}() held "
+                       f"{'before it' if hold_at == 'before' else 'after its return'} (replay)")
+            watch = _written(module, schedule, kinds, step, event.call, rank, event.slot,
+                             sizes, trace, replay["watch"], hold_at)
+        if hold_at == "before":
+            say(holding)
+            report.replay = adversary.replay_hold(replay, watch)
         if isinstance(step.op, External) and not module.runs(step.name):
             pass  # a guarded engine step whose when: fails on this rank (module.runs)
         elif isinstance(step.op, External):
@@ -608,6 +621,9 @@ def run_rank(
                 module.check_errors()
             values = [] if result is None else list(result) if isinstance(
                 result, (tuple, list)) else [result]
+            if hold_at == "after":  # the engine reads what it returned: a peer writes first
+                say(holding)
+                report.replay = adversary.replay_hold(replay, watch)
             names = returns[step.name]
             if len(values) != len(names):
                 raise TypeError(f"{step.name}() returned {len(values)} tensors, want {names}")

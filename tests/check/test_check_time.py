@@ -62,7 +62,9 @@ def test_hints_past_the_budget_say_they_were_not_searched() -> None:
     schedule = parse_file(FILES / "shared_16_buffers.yaml")
     report = hb.check(schedule, list(range(2, 9)))
     hints = [f.hint for f in report.findings]
-    assert len(hints) >= 16 and hints[0] and hints[0] != NOT_SEARCHED
+    # the first finding's fix was searched (gather0's own race at its return, issue 33
+    # flaky22, first now, has none to find; the next ones are past the budget)
+    assert len(hints) >= 16 and hints[0] != NOT_SEARCHED
     assert hints[-1] == NOT_SEARCHED
     # the findings do not depend on the budget: the same keys without hints
     plain = hb.check(schedule, list(range(2, 9)), hints=False)

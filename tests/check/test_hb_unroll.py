@@ -98,5 +98,6 @@ def test_the_world_bound_is_not_slack_for_rings() -> None:
                    for k in range(3, 7))
     schedule = parse_text(text + hops)  # six hops: clean up to W = 7
     report = hb.check(schedule, range(2, 200), hints=False)
-    assert [(f.kind, f.world) for f in report.findings] == [("race", 8)]
+    # the reader's race and the same at the gather's return (the engine reads it)
+    assert {(f.kind, f.world) for f in report.findings} == {("race", 8)}
     assert report.stats["world_bound"] >= 2 * 6 * 2 + 3

@@ -73,8 +73,10 @@ def test_a_barrier_over_the_wrong_axis_leaves_the_team_race() -> None:
         assert oracle_keys(fixed, world) == set()
         keys = {f.key for f in hb.check(wrong, [world], hints=False).findings}
         assert keys == oracle_keys(wrong, world) == {
-            ("race", "write-after-read", "g", "use", "gather")}
-    (finding,) = hb.check(wrong, [MeshWorld((2, 2))]).findings
+            ("race", "write-after-read", "g", "use", "gather"),
+            ("race", "write-after-read", "g", "gather", "gather")}  # at its return too
+    (finding,) = [f for f in hb.check(wrong, [MeshWorld((2, 2))]).findings
+                  if f.key[3] == "use"]
     assert "rank (a=0, b=1)" in finding.message and "rank (a=0, b=0)" in finding.message
     assert " on rank (a=0, b=" in finding.first.text()  # the other access, by coordinates
     assert "rank (a=0, b=" in "\n".join(finding.timeline)
@@ -110,12 +112,13 @@ def test_the_per_axis_bound_is_not_slack_for_a_ring_along_one_axis() -> None:
     schedule = parse_text(_ring(6))
     worlds = [MeshWorld(s) for s in itertools.product((2, 3), range(2, 40))]
     report = hb.check(schedule, worlds, hints=False)
-    assert [(f.kind, str(f.world)) for f in report.findings] == [("race", "2x8")]
+    # the reader's race and the same at the gather's return (the engine reads it)
+    assert {(f.kind, str(f.world)) for f in report.findings} == {("race", "2x8")}
     assert report.stats["world_bound"] == [8, 2 * 6 * 2 + 3]
     along_a = parse_text(_ring(6, "a"))
     report = hb.check(along_a, [MeshWorld(s) for s in itertools.product(range(2, 10), (2, 3))],
                       hints=False)
-    assert [(f.kind, str(f.world)) for f in report.findings] == [("race", "8x2")]
+    assert {(f.kind, str(f.world)) for f in report.findings} == {("race", "8x2")}
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -127,9 +127,13 @@ def test_checker_brute_force_and_execution_oracle_agree_on_guarded_races(steps: 
         executed = {f.key for f in explore(lower(schedule, [world]), world,
                                            randoms=2).findings}
         assert checker == brute == executed, (steps, world, checker, brute, executed)
-    if "rank == 2" in steps and "barrier" not in steps:
-        assert not hb.check(schedule, [2], hints=False).findings
-        assert hb.check(schedule, [3], hints=False).findings
+    if "rank == 2" in steps and "barrier" not in steps:  # use's race (the gather's own,
+        # at its return, is there at every W: the engine reads what it returns)
+        def use(w: int) -> list:
+            return [f for f in hb.check(schedule, [w], hints=False).findings
+                    if "use" in f.key[3:]]
+        assert not use(2)
+        assert use(3)
 
 
 @pytest.mark.parametrize("path", [ZIGZAG, *TWINS], ids=lambda p: p.stem)
@@ -167,7 +171,8 @@ def test_a_race_s_counterexample_names_ranks_where_its_steps_run() -> None:
             s = int(when.split()[0])
             assert (loc.rank >= s) if "<=" in when else (loc.rank < s), (f.message, when)
     # and its timeline shows a guarded step a rank passes over as skipped, not done
-    lines = "\n".join(hb.check(schedule, [4], hints=False).findings[0].timeline)
+    lines = "\n".join(next(f for f in hb.check(schedule, [4], hints=False).findings
+                          if f.key[3] == "attend_lower_h0").timeline)
     assert "rank 0: call 0 " in lines and "attend_lower_h0 (skipped)" in lines, lines
     assert "attend_lower_h0 ✓" not in lines.split("rank 1:")[0], lines
 
@@ -208,7 +213,8 @@ def test_a_condition_on_mesh_coordinates_agrees_with_both_oracles(
         executed = {f.key for f in explore(lower(schedule, [world]), world,
                                            randoms=2).findings}
         assert checker == executed, (shape, checker, executed)
-        assert bool(checker) is racy
+        assert any("lead" in k[3:] for k in checker) is racy  # (the gather's return
+        # races without the barrier: the engine reads what it returns)
 
 
 PIPE = """\

@@ -96,8 +96,9 @@ def test_a_guard_on_the_hop_and_w_is_proved_and_an_ordering_only_it_gives_is_not
 """
     assert _errors(text, tmp_path, [3, 4]) == []
     found = _errors(text, tmp_path, [2, 3, 4])
-    assert [d.code for d in found] == ["race"], found
-    assert "(W=2)" in found[0].message, found[0].message
+    # the reader's race, and the same at the gather's return (the engine reads it)
+    assert {d.code for d in found} == {"race"}, found
+    assert all("(W=2)" in d.message for d in found), found
 
 
 def test_a_barrier_some_teams_skip_orders_nothing_for_them(tmp_path: Path) -> None:
@@ -110,8 +111,8 @@ def test_a_barrier_some_teams_skip_orders_nothing_for_them(tmp_path: Path) -> No
   - release: {op: barrier, axis: gpu, when: "node == 0"}
 """
     found = _errors(text, tmp_path, SHAPES)
-    assert [d.code for d in found] == ["race"], found
-    assert "q_node" in found[0].message
+    assert {d.code for d in found} == {"race"}, found  # use's read, in_node's return
+    assert all("q_node" in d.message for d in found), found
     ok = text.replace('when: "node == 0"', 'when: "N > 1"')  # every team runs it
     assert _errors(ok, tmp_path, SHAPES) == []
 

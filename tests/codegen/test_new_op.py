@@ -13,27 +13,16 @@ from pathlib import Path
 
 import pytest
 from support.ruff import RUFF, RUFF_CONFIG
+from support.schedules import GATHER_NO_BARRIER
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCHEDULE = """\
-schedule: echo_probe
-slots: 1
-sizes:
-  T: {max: 8}
-  D: 16
-buffers:
-  x: {shape: [T, D], dtype: f32}
-  y: {shape: [T, D], dtype: f32}
-  g: {shape: [T, W * D], dtype: f32, symmetric: true}
-steps:
-  - keep: {op: echo, src: x, dst: y}
-  - gather: {op: all_gather, src: y, dst: g, dim: 1}
-  - release: {op: barrier}
-"""
-# the barrier: without it rank 1's next call pushes into rank 0's g before rank 0's gather
-# returns it (the checker does not yet model the engine's read of a returned buffer:
-# branch flaky22), which made this test fail under load
+# the gather of tests/support/schedules.py, its copy the new op, with a barrier at the end:
+# without it rank 1's next call pushes into rank 0's g before rank 0's gather returns it
+# (a race `dcpc check` names as the engine's read of what the gather returned;
+# tests/run/test_run_replay.py replays it)
+SCHEDULE = (GATHER_NO_BARRIER.replace("gather_no_barrier", "echo_probe")
+            .replace("op: copy", "op: echo") + "  - release: {op: barrier}\n")
 
 
 def _tree_with_echo(tmp: Path) -> Path:

@@ -75,8 +75,15 @@ def test_the_second_payload_races_without_the_barrier(tmp_path: Path) -> None:
     text = SCHEDULE.replace("reads: [q_full, lse_all]", "reads: [lse_all]")
     text = text.replace("  - release: {op: barrier}\n", "")
     found = errors(write(tmp_path, text, "ag_list.yaml"))
-    assert [(c, line) for c, line, _, _ in found] == [("race", 12)]
-    assert "race on lse_all" in found[0][3] and "index 1 of dim 1" in found[0][3]
+    assert [(c, line) for c, line, _, _ in found] == [("race", 12)] * 3
+    (use,) = [m for *_, m in found if "use on rank" in m]
+    assert "race on lse_all" in use and "index 1 of dim 1" in use
+    # and the engine's read of both payloads gather returns, at its return
+    returned = [m for *_, m in found if "use on rank" not in m]
+    assert sorted(m.split(":")[0] for m in returned) == [
+        "write-after-read race on lse_all", "write-after-read race on q_full"]
+    assert all("while the engine still reads what gather on rank 0 (call 0) returned" in m
+               for m in returned), returned
 
 
 @pytest.mark.parametrize("world", [2, 3])

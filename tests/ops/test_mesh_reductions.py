@@ -135,10 +135,12 @@ TWINS = {  # op: its steps, and the races (buffer, first, second) a credit over 
                    "  - use:   {op: external, reads: [v], writes: [y]}\n",
                    {("v", "use", "total"), ("v", "total", "total")}),
     "broadcast": ("  - bcast: {op: broadcast, axis: gpu, src: x, dst: b, root: 1}\n"
-                  "  - use:   {op: external, reads: [b], writes: [y]}\n", {("b", "use", "bcast")}),
+                  "  - use:   {op: external, reads: [b], writes: [y]}\n",
+                  {("b", "use", "bcast"), ("b", "bcast", "bcast")}),  # the engine reads what
+    # a step returns, at its return: the next call's pushes may land before it
     "all_to_all": ("  - a2a:   {op: all_to_all, axis: gpu, src: c, dst: ch, split_dim: 1, "
                    "concat_dim: 0}\n  - use:   {op: external, reads: [ch], writes: [y]}\n",
-                   {("ch", "use", "a2a")}),
+                   {("ch", "use", "a2a"), ("ch", "a2a", "a2a")}),
     "reduce": ("  - red:   {op: reduce, axis: gpu, src: x, dst: r, root: 1}\n",
                {("red_recv", "red", "red")}),  # the root's read of its via, the next push
 }

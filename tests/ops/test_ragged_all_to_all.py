@@ -152,6 +152,9 @@ CASES = {
                                       "dispatch"),
                                      # the receiver's count check after the wait too
                                      ("race", "write-after-read", "n_recv", "dispatch",
+                                      "dispatch"),
+                                     # and the engine's read of what dispatch returns
+                                     ("race", "write-after-read", "x_recv", "dispatch",
                                       "dispatch")}),
     "two_slots": (text(slots=2), set()),
 }

@@ -97,7 +97,9 @@ CASES = {
     # without the barrier the next call's push into ir (as into xr, s, m) races the use
     "reuse": (text(tail=USE), {("race", "write-after-read", b, "use", "move")
                                for b in ("xr", "ir", "s", "m")}
-              | {("race", "write-after-read", "m", "move", "move")}),
+              | {("race", "write-after-read", "m", "move", "move")}
+              # the engine reads what move returns, at its return
+              | {("race", "write-after-read", b, "move", "move") for b in ("xr", "ir")}),
     "two_slots": (text(slots=2), set()),
 }
 

@@ -96,6 +96,8 @@ def test_the_semantics_store_into_the_offset_peer_only() -> None:
 
 
 HOP_HOP = ("race", "write-after-write", "y", "hop", "hop")
+# the engine reads what hop returns, at its return: the next call's push may land first
+HOP_RETURN = ("race", "write-after-read", "y", "hop", "hop")
 NO_CREDIT = HEAD + ("  - hop: {op: shift, src: x, dst: y}\n"
                     "  - use: {op: external, reads: [y], writes: [z]}\n")
 
@@ -104,7 +106,7 @@ NO_CREDIT = HEAD + ("  - hop: {op: shift, src: x, dst: y}\n"
 def test_a_ring_pass_without_credit_races_and_with_it_is_proved(world: int) -> None:
     # the next call's push can overwrite y before use reads it, and before this call's
     # hop (its wait) has even returned it: y is in flight from the push to the wait
-    race = {("race", "write-after-read", "y", "use", "hop"), HOP_HOP}
+    race = {("race", "write-after-read", "y", "use", "hop"), HOP_HOP, HOP_RETURN}
     assert _keys(NO_CREDIT, world) == race == oracle_keys(parse_text(NO_CREDIT), world)
     # the credit goes to the ONE writer of y (prev): a model that let the shift write
     # every rank's y would call this a race at W >= 3 (rank r + 2 is not credited)
@@ -138,12 +140,13 @@ def test_a_far_offset_wraps_mod_w(world: int) -> None:
     keys = _keys(text, world)
     assert keys == oracle_keys(parse_text(text), world)
     assert keys == (set() if world == 2 else {("race", "write-after-read", "y", "use", "hop"),
-                                              HOP_HOP})
+                                              HOP_HOP, HOP_RETURN})
     credit = text + ("  - free: {op: signal, to: next, channel: f}\n"
                      "  - freed: {op: wait, from: prev, channel: f}\n")
     # the credit goes to rank r + 1, but y's writer is rank r - 2: proved only where they
     # coincide (W = 3) or where the shift is local (W = 2)
-    want = set() if world in (2, 3) else {("race", "write-after-read", "y", "use", "hop"), HOP_HOP}
+    want = set() if world in (2, 3) else {("race", "write-after-read", "y", "use", "hop"),
+                                          HOP_HOP, HOP_RETURN}
     assert _keys(credit, world) == want == oracle_keys(parse_text(credit), world)
 
 
@@ -313,7 +316,9 @@ def _line(text: str, step: str) -> int:
 def test_two_puts_whose_waits_land_the_other_way_round_are_refused(tmp_path: Path) -> None:
     """F1: put_a then put_b into one dst, their waits in the other order: the kernel
     leaves b in y, the data flow (and the reference) a. Was: ok for W 2..16."""
-    (diag,) = _refused(tmp_path, REVERSED)
+    returned, diag = _refused(tmp_path, REVERSED)  # wait_b returns y: the engine's read
+    assert returned.code == "race", returned.message
+    assert "write-after-read race on y: the engine can read what wait_b" in returned.message
     assert diag.code == "race" and "write-after-write race on y" in diag.message
     for name in ("put_a", "put_b", "wait_a", "wait_b"):
         assert name in diag.message, diag.message
@@ -322,9 +327,11 @@ def test_two_puts_whose_waits_land_the_other_way_round_are_refused(tmp_path: Pat
         diag.hint
     for world in (2, 3, 5):
         keys = _keys(REVERSED, world)
-        assert keys == {("race", "write-after-write", "y", "put_b", "put_a")}
+        assert keys == {("race", "write-after-write", "y", "put_b", "put_a"),
+                        ("race", "write-after-read", "y", "wait_b", "put_a")}  # its return
         assert keys == oracle_keys(parse_text(REVERSED), world)
-    (found,) = hb.check(parse_text(REVERSED), [3], hints=False).as_json()["findings"]
+    (found,) = [f for f in hb.check(parse_text(REVERSED), [3], hints=False).as_json()["findings"]
+                if f["kind"] == "race" and "write-after-write" in f["message"]]
     assert (found["first"]["lands"], found["second"]["lands"]) == ("wait_b", "wait_a")
 
 
@@ -381,7 +388,8 @@ def test_two_puts_in_flight_at_once_are_refused_and_one_at_a_time_is_proved() ->
         "  - peek: {op: external, reads: [y], writes: [z]}\n", "").replace(
         "  - use:", "  - peek: {op: external, reads: [y], writes: [z]}\n  - use:")
     for world in (2, 3, 4):
-        want = {("race", "write-after-write", "y", "put_a", "put_b")}
+        want = {("race", "write-after-write", "y", "put_a", "put_b"),
+                ("race", "write-after-read", "y", "wait_a", "put_b")}  # wait_a returns y
         assert _keys(in_order, world) == want == oracle_keys(parse_text(in_order), world)
         for text in (one_at_a_time, after):
             assert _keys(text, world) == set() == oracle_keys(parse_text(text), world)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.schedules import GATHER_NO_BARRIER
 
 from dcpc import demo
 from dcpc.harness.replay import MAX_REPLAY_BYTES
@@ -78,6 +80,37 @@ def test_replay_makes_the_checker_s_race_happen(tmp_path: Path) -> None:
     assert result["replay"]["until"] == [1, 1, "query_gather"]
 
 
+def test_replay_of_a_returned_read_holds_after_the_return(tmp_path: Path) -> None:
+    """The race is the engine's read of what gather on rank 0 (call 0) returned against
+    rank 1's gather of call 1 pushing its block into rank 0's g: rank 0 is held after
+    its gather returned, before the harness compares what it returned, until rank 1's
+    push landed; the comparison sees rank 1's call-1 block (columns D..2D-1 of g), on
+    every run, with no load."""
+    schedule = tmp_path / "gather_no_barrier.yaml"
+    schedule.write_text(GATHER_NO_BARRIER)
+    found = counterexample(schedule, tmp_path / "race.json")
+    (finding,) = json.loads(found.read_text())["results"][0]["hb"]["findings"]
+    assert finding["first"]["returned"] is True and "returned" not in finding["second"]
+    assert "the engine still reads what gather on rank 0 (call 0) returned" in finding["message"]
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--world", "2", "--calls", "2", "--replay", str(found),
+                "--wait-timeout", "240", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert ("gather on rank 0 (call 0) held after its return until gather on rank 1 (call 1) "
+            "ran: released when g was written") in done.stdout, done.stdout
+    assert "NOT FORCED" not in done.stdout and "FAILED" in done.stdout, done.stdout
+    result = json.loads(record.read_text())[0]
+    assert result["replay"]["hold"] == [0, 0, "gather"] and result["replay"]["at"] == "after"
+    assert result["outputs"]["y"]["mismatches"] == 0, result
+    g = result["outputs"]["g"]
+    assert g["mismatches"] >= 1, result
+    # the first wrong element is in rank 1's block (columns 16..31) of the call-0 row 0:
+    # rank 1's call-1 row, pushed before rank 0's gather of call 0 was read
+    assert re.match(r"call 0 slot 0 rank 0 \(gather\): g\[0, (1[6-9]|2\d|3[01])\] ",
+                    g["first"]), result
+
+
 def test_replay_on_the_fixed_twin_says_the_race_does_not_apply(no_ranks, capsys,
                                                                 tmp_path: Path) -> None:
     found = counterexample(WRONG, tmp_path / "race.json")
@@ -113,6 +146,8 @@ def _edit(data: dict, **first: object) -> dict:
     ({"step": ""}, "findings[0].first.step: must name a step"),
     ({"access": "peek"}, "findings[0].first.access: must be read or write"),
     ({"step": "nowhere"}, "does not apply to"),
+    ({"returned": "yes"}, "findings[0].first.returned: must be true on a read"),
+    ({"returned": True}, "does not apply to"),  # attention's own read, not its return
     ({"world": 99}, "findings[0].world: '99': group sizes must lie in 2..64 here, got 99"),
     ({"world": [2]}, "findings[0].world: must be a group size (W or a mesh shape"),
 ])
@@ -206,7 +241,12 @@ def test_a_replay_a_per_step_hold_cannot_force_says_so(tmp_path: Path) -> None:
 
 def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
     """A mesh counterexample names its shape ("world": "2x2"; it was 4, which dcpc run
-    refused for a two-axis mesh, 'give a shape such as 2x2'), and the replay runs it."""
+    refused for a two-axis mesh, 'give a shape such as 2x2'), and the replay runs it.
+    Its first race: the engine's read of what gather_in_node of call 1 returned on rank
+    (0, 0) before rank (0, 1)'s push of call 0 into the shared q_node (a read-after-write
+    whose read is the returned one: the writer is held before its step until the
+    reader's step returned and was compared). Call 0's push then lands on top of call
+    1's block, and gather_nodes of call 1 sends call 0's heads on."""
     schedule = ROOT / "tests" / "gallery_twins" / "hierarchical_two_level.shared_hand_off.yaml"
     found = counterexample(schedule, tmp_path / "race.json")
     assert json.loads(found.read_text())["results"][0]["hb"]["findings"][0]["world"] == "2x2"
@@ -216,8 +256,10 @@ def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     result = json.loads(record.read_text())[0]
     assert result["world"] == "2x2" and result["replay"]["outcome"].startswith("released")
+    assert (result["replay"]["hold"], result["replay"]["at"]) == ([1, 0, "gather_in_node"],
+                                                                  "before"), result
     assert result["outputs"]["q_full"]["first"].startswith(
-        "call 0 slot 1 rank 0 (gather_nodes): q_full"), result
+        "call 1 slot 0 rank 0 (gather_nodes): q_full"), result
 
 
 PHANTOM = """\
@@ -240,7 +282,9 @@ def test_replay_of_a_perm_race_holds_ranks_the_table_joins(tmp_path: Path) -> No
     comes from a phantom writer (rank 2, which sends nothing). Its counterexample named
     that store, so the replay held rank 0 for rank 2's swap, which never writes s: the
     run matched (0 mismatches). Shown at a store the table makes (rank 0 into rank 1),
-    the replay makes the race happen."""
+    the replay makes the race happen: its first race is now the engine's read of what
+    swap on rank 1 (call 0) returned, held after that return until rank 0's swap of
+    call 1 stored into s."""
     schedule = tmp_path / "p.yaml"
     schedule.write_text(PHANTOM)
     done = dcpc("check", str(schedule), "--world", "3", "--format", "json", timeout=120)
@@ -252,6 +296,8 @@ def test_replay_of_a_perm_race_holds_ranks_the_table_joins(tmp_path: Path) -> No
                 "--calls", "2", "--json", str(record))
     assert done.returncode == 1, done.stdout + done.stderr
     result = json.loads(record.read_text())[0]
-    assert result["replay"]["hold"] == [1, 0, "use"], result["replay"]
+    assert (result["replay"]["hold"], result["replay"]["at"]) == ([1, 0, "swap"], "after"), \
+        result["replay"]
     assert result["replay"]["until"] == [0, 1, "swap"], result["replay"]
-    assert result["outputs"]["s@use"]["mismatches"] >= 1, result
+    assert result["replay"]["outcome"].startswith("released"), result["replay"]
+    assert result["outputs"]["s"]["first"].startswith("call 0 slot 0 rank 1 (swap): s"), result

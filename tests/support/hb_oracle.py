@@ -104,11 +104,14 @@ class _Builder:
         self.nodes.append(node)
 
     def access(self, step, index, phase, buffer, kind, owner=None, part=None,
-               lands=None) -> None:
+               lands=None, returned=False) -> None:
         """``lands``: the index of the step at whose wait the data flow writes a store
-        made here (a shift's), None: here."""
+        made here (a shift's), None: here. ``returned``: the engine's read of what the
+        method returns (a race, never a read-before-write: a rank that received nothing
+        returns what its buffer held)."""
         self.add(step, index, phase, buffer=buffer, kind=kind,
-                 owner=self.rank if owner is None else owner, part=part, lands=lands)
+                 owner=self.rank if owner is None else owner, part=part, lands=lands,
+                 returned=returned)
 
 
 def _partition(schedule: Schedule, op) -> tuple:
@@ -272,6 +275,11 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
     for n, op in steps:
         if op.op in ("reduce_scatter", "all_reduce", "reduce") and op.via is None:
             tracked.add(f"{n}_recv")
+    # what each step's method returns (the plan's one definition): the engine reads it
+    # at the return, after the step's own accesses
+    from dcpc.codegen.lower import lower
+
+    returns = {s.name: list(s.returns) for s in lower(schedule, [world]).steps}
     graph = nx.DiGraph()
     ids = count()
     per_call: dict[tuple[int, int], list[int]] = {}
@@ -281,6 +289,9 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
             for index, (name, op) in enumerate(steps):
                 if _runs(schedule, op, rank, world):  # a when: that fails: no accesses
                     _lower_step(b, schedule, name, index, op, world, tracked)
+                    for n in returns[name]:
+                        if n in tracked:
+                            b.access(name, index, 1, n, "read", returned=True)
             per_call[(rank, call)] = b.nodes
             graph.add_edges_from(zip(b.nodes, b.nodes[1:], strict=False))
     for rank in range(int(world)):
@@ -433,7 +444,7 @@ def oracle_unwritten(schedule: Schedule, world: int) -> set[Key]:
         place = _intended(d)[1:3]
         if d["kind"] == "write":
             writes.setdefault((d["buffer"], d["owner"]), []).append(place)
-        else:
+        elif not d.get("returned"):
             reads.append((place, d))
     first: dict[str, tuple] = {}
     for place, d in sorted(reads, key=lambda item: item[0]):

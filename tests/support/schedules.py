@@ -10,6 +10,26 @@ import pytest
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
 
+# a copy then an all_gather into a symmetric g, one slot, no barrier: rank 1's next call
+# pushes into rank 0's g before rank 0's gather returned it (the engine's read): proved
+# ok until the checker modelled that read (issue 33 flaky22). tests/check/
+# test_returned_reads.py checks it, tests/run/test_run_replay.py replays its race, and
+# tests/codegen/test_new_op.py runs it with its copy an echo and a barrier at the end
+GATHER_NO_BARRIER = """\
+schedule: gather_no_barrier
+slots: 1
+sizes:
+  T: {max: 8}
+  D: 16
+buffers:
+  x: {shape: [T, D], dtype: f32}
+  y: {shape: [T, D], dtype: f32}
+  g: {shape: [T, W * D], dtype: f32, symmetric: true}
+steps:
+  - keep: {op: copy, src: x, dst: y}
+  - gather: {op: all_gather, src: y, dst: g, dim: 1}
+"""
+
 # on a mesh an index may name the rank's coordinate along an axis: each GPU of a node
 # writes its own slot, then ``trips`` (G - 1: all) others', then reads its own; the sum
 # reads all (tests/lang/test_owner_index.py checks it, tests/run/test_owner_run.py runs it)

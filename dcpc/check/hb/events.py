@@ -29,7 +29,7 @@ tracked too, as one instance per rank that only its rank touches).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,8 @@ class Access:
     kind: str  # "read" | "write"
     region: Region | None = None
     lands: int | None = None
+    returned: bool = field(default=False, compare=False)  # the engine's read of what the
+    # method returns, at its return (for the message only: equal to a plain read)
 
     @property
     def remote(self) -> bool:
@@ -230,6 +232,14 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         sync = step.sync
         before = tuple(_access(e) for e in step.effects if e.when == BEFORE and e.buffer in tracked)
         after = tuple(_access(e) for e in step.effects if e.when == AFTER and e.buffer in tracked)
+        # the engine reads what the method returns, at its return (issue 33 flaky22: an
+        # all_gather's output a peer's next call pushes into before this rank's wait
+        # returns was proved "ok" while the run returned the next call's data)
+        returned = tuple(Access(b, "read", returned=True) for b in step.returns if b in tracked)
+        if sync.wait is None and sync.signal is None and not after:
+            before += returned  # a local step: its one event
+        else:
+            after += returned  # after the wait (or a local event after the signal)
         if sync.signal is not None:
             channel = slot_channel(i)
             names[channel] = getattr(op, "channel", step.name)

@@ -34,6 +34,7 @@ class Location:
     rank_name: str = field(default="", compare=False)  # a mesh's "rank (node=1, gpu=0)"
     lands: str = field(default="", compare=False)  # a store in flight: the wait landing it
     owner: int = field(default=-1, compare=False)  # an access: the rank whose instance it is
+    returned: bool = field(default=False, compare=False)  # the engine's read of what it returns
 
     def text(self) -> str:
         who = self.rank_name or f"rank {self.rank}"
@@ -45,7 +46,8 @@ class Location:
         return {"rank": self.rank, "call": self.call, "slot": self.slot, "step": self.step,
                 "step_index": self.step_index, "access": self.access, "region": self.region,
                 "mark": str(self.mark), **({"lands": self.lands} if self.lands else {}),
-                **({"owner": self.owner} if self.owner >= 0 else {})}
+                **({"owner": self.owner} if self.owner >= 0 else {}),
+                **({"returned": True} if self.returned else {})}
 
 
 @dataclass
@@ -168,7 +170,8 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
         region += f", in flight until its wait {wait.name} ({wait.mark})"
         lands = wait.name
     return Location(t.rank, t.call, t.call % program.slots, step.name, step.index,
-                    t.access.kind, region, step.mark, _rk(world, t.rank), lands, t.owner)
+                    t.access.kind, region, step.mark, _rk(world, t.rank), lands, t.owner,
+                    t.access.returned)
 
 
 def race_cut(world: World, race: RawRace) -> list[int]:
@@ -200,11 +203,11 @@ def race_finding(world: World, race: RawRace) -> Finding:
         message = _flight_message(world, race, la, lb, where)
     elif race.cls == WAR:
         message = (f"write-after-read race on {race.buffer}: {lb.step} on {nb} "
-                   f"(call {lb.call}) can write {lb.region} while {la.step} on {na} "
-                   f"(call {la.call}) still reads it {where}")
+                   f"(call {lb.call}) can write {lb.region} while "
+                   f"{access_text(la, na, 'still reads', 'it')} {where}")
     elif race.cls == RAW:
-        message = (f"read-after-write race on {race.buffer}: {lb.step} on {nb} "
-                   f"(call {lb.call}) can read {lb.region} before {la.step} on {na} "
+        message = (f"read-after-write race on {race.buffer}: "
+                   f"{access_text(lb, nb, 'can read', lb.region)} before {la.step} on {na} "
                    f"(call {la.call}) finished writing it {where}")
     else:
         assert race.cls == WAW
@@ -212,6 +215,17 @@ def race_finding(world: World, race: RawRace) -> Finding:
                    f"(call {la.call}) and {lb.step} on {nb} (call {lb.call}) can "
                    f"write {lb.region} in either order {where}")
     return Finding("race", race.cls, race.buffer, la, lb, world.world, message, timeline)
+
+
+def access_text(loc: Location, who: str, verb: str, what: str) -> str:
+    """A read of a race in words, the one wording: "attention on rank 0 (call 0) still
+    reads it"; the engine's read of what a step returned (``Location.returned``): "the
+    engine still reads what gather on rank 0 (call 0) returned" (``what`` then named
+    only when it is a region: "... returned, g[rank 0]")."""
+    if not loc.returned:
+        return f"{loc.step} on {who} (call {loc.call}) {verb} {what}"
+    return (f"the engine {verb} what {loc.step} on {who} (call {loc.call}) returned"
+            + ("" if what == "it" else f", {what},"))
 
 
 def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
@@ -225,8 +239,9 @@ def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
         does = f"push (landing at its wait {lb.lands}) into"
     else:
         does = {"read": "read", "write": "write"}[other.access]
-    return (f"{race.cls} race on {race.buffer}: {other.step} on {_rk(world, other.rank)} "
-            f"(call {other.call}) can {does} {instance} while the store of {fly.step} on "
+    return (f"{race.cls} race on {race.buffer}: "
+            f"{access_text(other, _rk(world, other.rank), f'can {does}', instance)} "
+            f"while the store of {fly.step} on "
             f"{_rk(world, fly.rank)} (call {fly.call}) into it is in flight, until its wait "
             f"{fly.lands} {where}")
 

@@ -1,0 +1,45 @@
+"""The engine reads what a method returns, at its return (issue 33 flaky22): a peer's
+next push into a returned symmetric output before this rank's return is a race the
+checker refuses (it said "ok" to tests/codegen/test_new_op.py's copy + all_gather with
+no barrier, whose run then returned the peer's next call's data)."""
+
+from __future__ import annotations
+
+from support.hb_oracle import oracle_keys
+from support.schedules import GATHER_NO_BARRIER
+
+from dcpc.check import hb
+from dcpc.lang.parse import parse_text
+
+HEAD = GATHER_NO_BARRIER
+RETURN_RACE = ("race", "write-after-read", "g", "gather", "gather")
+
+
+def test_a_gathered_output_no_step_reads_is_refused_without_a_barrier() -> None:
+    schedule = parse_text(HEAD)
+    for world in (2, 3):
+        report = hb.check(schedule, [world])
+        assert {f.key for f in report.findings} == {RETURN_RACE} == oracle_keys(schedule, world)
+    (finding,) = hb.check(schedule, [2]).findings
+    assert (finding.first.rank, finding.first.call, finding.first.access) == (0, 0, "read")
+    assert (finding.second.rank, finding.second.call, finding.second.access) == (1, 1, "write")
+    assert finding.timeline[1].endswith("| call 1 keep ✓ gather → writing g[rank 0, slot 0] "
+                                        "W*D block 1 (dim 1)"), finding.timeline
+    assert "barrier after gather" in (finding.hint or "")
+
+
+def test_a_barrier_after_the_gather_frees_its_output() -> None:
+    schedule = parse_text(HEAD + "  - release: {op: barrier}\n")
+    for world in (2, 3):
+        assert hb.check(schedule, [world]).ok
+        assert oracle_keys(schedule, world) == set()
+
+
+def test_two_gathers_into_one_buffer_with_no_read_between_are_refused() -> None:
+    """docs/hb-checker.md's case once "not covered": the second push can land before a
+    slow rank's first gather returns, which the first gather's return now reads."""
+    schedule = parse_text(HEAD + "  - again: {op: all_gather, src: y, dst: g, dim: 1}\n"
+                          "  - release: {op: barrier}\n")
+    keys = {f.key for f in hb.check(schedule, [2]).findings}
+    assert ("race", "write-after-read", "g", "gather", "again") in keys
+    assert keys == oracle_keys(schedule, 2)
