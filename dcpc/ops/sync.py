@@ -31,6 +31,8 @@ from dcpc.ops.common import (
     Scope,
     Semantics,
     Sync,
+    chain,
+    channels,
     exchange,
     inverse_peers,
     offset_peers,
@@ -135,6 +137,15 @@ def verify(v: Any, step: Step) -> None:
     key = "to" if step.kind == "signal" else "from"
     named = [k for k in (key, "offset") if k in op.src_marks]
     verify_perm(v, step, named)
+    polled = channels(v.ctx.schedule).polls.get(step.name) if step.kind == "wait" else None
+    if polled is not None and polled.index > step.index and chain(op.peers(v.ctx.schedule)):
+        # a chain's wait before its signal: live on a line, but proved only for a shift's
+        # span (dcpc.ops.shift span_run); the checker would drop its dependency
+        v.error(op.mark("perm"), "wait-first-span",
+                f"step '{step.name}' waits by a perm with no cycle before the signal it "
+                f"polls ('{polled.name}'); only a shift's wait may come before its put",
+                f"move '{step.name}' after '{polled.name}', or send the data by a shift "
+                "with 'phase: wait' before its put")
     if op.perm is None and op.offset is not None and key in op.src_marks:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' has both '{key}' and 'offset'; name its peers one way",
