@@ -20,6 +20,7 @@ from support.schedules import diagnostics
 
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
+from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.mesh import MeshWorld
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,3 +154,21 @@ def test_the_axis_files_wrong_twin_is_refused(tmp_path: Path) -> None:
     (first, *_) = [d for d in err.value.diagnostics if d.code == "race"]
     assert "race on mirror" in first.message and "(W=2x3)" in first.message
     assert "rank (node=0, gpu=2) (call 2)" in first.message
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("name", "world", "backend"), [
+    ("signal_perm", 3, "torch"), ("signal_perm", 4, "local"),
+    ("signal_perm_axis", MeshWorld((2, 3)), "torch"),
+    ("signal_perm_axis", MeshWorld((2, 2)), "local")], ids=str)
+def test_the_files_run_on_torch_and_local_against_float64(name: str, world, backend: str
+                                                          ) -> None:
+    """The host backend runs them in tests/ops/test_op_schedules.py; the torch backend
+    (a barrier at each wait) and the local one (the kernels' one-peer lanes, ranks as
+    threads) too, every output compared."""
+    report = run_schedule(RunConfig(schedule=str(ROOT / "schedules" / "ops" / f"{name}.yaml"),
+                                    world=world, backend=backend, calls=5, seed=23))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert all(s.compared > 0 for s in report.outputs.values()), text
