@@ -90,7 +90,9 @@ def _spec(op: Signal | Wait, schedule: Any, named: Peers, inverse: bool) -> str:
     if op.perm is not None:
         spec = _translation(schedule, op, table(op))
     elif op.offset is not None:
-        spec = offset_peers(op.offset if isinstance(op.offset, int) else 1)  # else: its error
+        spec = offset_peers(op.offset if isinstance(op.offset, int) else
+                            peer_offset(op.offset)[0] if op.offset in Peers.__members__
+                            else 1)  # an expression left: its error is reported
     else:
         return named.value
     return inverse_peers(spec) if inverse else spec
@@ -146,6 +148,11 @@ def verify(v: Any, step: Step) -> None:
                 f"polls ('{polled.name}'); only a shift's wait may come before its put",
                 f"move '{step.name}' after '{polled.name}', or send the data by a shift "
                 "with 'phase: wait' before its put")
+    if op.offset == 0 or op.offset == Peers.all.value:
+        v.error(op.mark("offset"), "bad-offset",
+                f"step '{step.name}' names offset {op.offset}; an offset is a nonzero "
+                "integer, next, prev or an expression of W (one peer per rank)",
+                f"drop 'offset' (all peers: '{key}: all')")
     if op.perm is None and op.offset is not None and key in op.src_marks:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' has both '{key}' and 'offset'; name its peers one way",
