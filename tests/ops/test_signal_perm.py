@@ -12,13 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import disagreements
 from support.hb_oracle import (
+    CREDIT_HEADER,
     assert_brute_force_agrees,
+    oracle_keys,
     random_credit_schedule_text,
     unrolled,
 )
 from support.schedules import diagnostics
 
 from dcpc import pipeline
+from dcpc.check import hb
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.mesh import MeshWorld
@@ -37,6 +40,28 @@ def test_checker_brute_force_and_execution_oracle_agree_on_random_credits(
     for world, schedule in unrolled(text):
         assert_brute_force_agrees(schedule, world, text)
         assert disagreements(schedule, [world]) == [], (text, world)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_credits_by_other_perms_refuse_every_race_the_brute_force_finds(
+        data: st.DataObject) -> None:
+    """A credit by a perm that is no translation (the mirror, a chain) orders nothing in
+    the checker (its rotation symmetry cannot say whom each rank waits for), so it may
+    refuse what the brute force proves, but never the other way round: every race the
+    brute force finds, the checker finds."""
+    move = data.draw(st.sampled_from(['perm: "W - 1 - r"', 'perm: "(r + 1) % W"',
+                                      "offset: 2"]))
+    credit = data.draw(st.sampled_from(['perm: "W - 1 - r"', 'perm: "r - 1"',
+                                        'perm: "r + 1"', 'perm: "(r + W - 1) % W"']))
+    text = CREDIT_HEADER.format(seed=0, slots=data.draw(st.integers(1, 2))) + (
+        f"  - push: {{op: shift, src: x, dst: s, {move}}}\n"
+        "  - use: {op: external, reads: [s], writes: [y]}\n"
+        f"  - free: {{op: signal, {credit}, channel: c}}\n"
+        f"  - freed: {{op: wait, {credit}, channel: c}}\n")
+    for world, schedule in unrolled(text, (2, 3, 4, 5)):
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert oracle_keys(schedule, world) <= found, (text, world)
 
 
 # a push into kv_recv and its read come before STEPS (8 lines: STEPS start at line 9)
@@ -172,3 +197,18 @@ def test_the_files_run_on_torch_and_local_against_float64(name: str, world, back
     assert report.launch.ok, text
     assert report.mismatches == 0, text
     assert all(s.compared > 0 for s in report.outputs.values()), text
+
+
+def test_an_offset_over_two_axes_needs_one(tmp_path: Path) -> None:
+    """An offset moves one coordinate, as next/prev: over every axis of a 2-axis mesh it
+    is `axis-required`, at its key; a perm takes any team."""
+    text = ("schedule: m\nmesh: {node: N, gpu: G}\nsizes: {N: {max: 4}, G: {max: 4}}\nbuffers:\n"
+            "  x: {shape: [N], dtype: f32}\nsteps:\n"
+            "  - free: {op: signal, offset: 1, channel: f}\n"
+            "  - freed: {op: wait, offset: 1, channel: f}\n")
+    found = [d for d in diagnostics(text, tmp_path, "m.yaml", [MeshWorld((2, 2))])
+             if d.severity == "error"]
+    assert [(d.code, d.mark.line) for d in found] == [("axis-required", 7), ("axis-required", 8)]
+    assert "names 'offset 1' peers over 2 axes" in found[0].message
+    assert _check(tmp_path, '  - a: {op: signal, perm: "(r + 1) % W", channel: f}\n'
+                  '  - b: {op: wait, perm: "(r + 1) % W", channel: f}\n', [4]) == []
