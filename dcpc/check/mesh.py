@@ -93,15 +93,20 @@ def _check_shift(ctx: Context, step: Step) -> None:
 
 
 def _check_peers(ctx: Context, step: Step) -> None:
-    """next/prev move one coordinate: their team has one axis."""
+    """next/prev (and a signal's or wait's offset) move one coordinate: their team has
+    one axis."""
     mesh = mesh_of(ctx.schedule)
     peers = getattr(step.op, "to", None) or getattr(step.op, "from_", None)
     team = mesh.team_axes(step.op)
     width = len(mesh.axes) if team is None else len(team)
+    offset = getattr(step.op, "offset", None) if step.kind in ("signal", "wait") else None
+    if offset is not None and getattr(step.op, "perm", None) is None:
+        peers = Peers.next  # an offset moves one coordinate, as next/prev
     if peers in (Peers.next, Peers.prev) and width > 1:
-        key = "to" if step.kind == "signal" else "from"
+        key = "offset" if offset is not None else "to" if step.kind == "signal" else "from"
+        named = f"offset {offset}" if offset is not None else peers.value
         ctx.error(step.op.mark(key), "axis-required",
-                  f"step '{step.name}' names '{peers.value}' peers over {width} axes "
+                  f"step '{step.name}' names '{named}' peers over {width} axes "
                   f"({', '.join(mesh.names(team))}); next/prev move one coordinate, so "
                   "they need one axis",
                   hint=f"add 'axis: {mesh.axes[-1]}' (or another single axis)")

@@ -54,7 +54,8 @@ from dcpc.lang.mesh import Mesh
 from dcpc.lang.nodes import OWNER_COPY, OwnerCopy
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
-from dcpc.ops import all_gather, shift
+from dcpc.ops import _perm as perms
+from dcpc.ops import all_gather, shift, sync
 from dcpc.topology import ROTATION, rotations, shape_of, torus  # noqa: F401 (rotations: re-exported)
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
@@ -153,19 +154,24 @@ def _names_w(text: Any, names: frozenset[str] | set[str] = frozenset({"W"})) -> 
         return False
 
 
+# the ops whose ``offset``/``perm`` name a peer (a shift's push, a credit's signal/wait)
+_PEERED = frozenset({shift.DEF.name, sync.SIGNAL.name, sync.WAIT.name})
+
+
 def _offset_expr(body: Any) -> str | None:
-    """A shift step's ``offset`` when it is an expression (not an integer, next or
-    prev): the unroller evaluates it."""
-    if not isinstance(body, dict) or body.get("op") != shift.DEF.name:
+    """A shift's (or a signal's, a wait's) ``offset`` when it is an expression (not an
+    integer, next or prev): the unroller evaluates it."""
+    if not isinstance(body, dict) or body.get("op") not in _PEERED:
         return None
     offset = body.get("offset")
     return offset if isinstance(offset, str) and offset not in shift.NAMED else None
 
 
 def _perm(body: Any) -> Any:
-    """A shift step's ``perm`` (any form; None without one): the unroller turns it into
-    the destination table at each W, so a perm makes the file one schedule per W."""
-    if not isinstance(body, dict) or body.get("op") != shift.DEF.name:
+    """A shift's (or a signal's, a wait's) ``perm`` (any form; None without one): the
+    unroller turns it into the destination table at each W, so a perm makes the file one
+    schedule per W."""
+    if not isinstance(body, dict) or body.get("op") not in _PEERED:
         return None
     return body.get("perm")
 
@@ -717,7 +723,7 @@ class _Unroller:
 
     def perm(self, name: str, body: dict[str, Any], mark: Mark, env: dict[str, int]) -> Any:
         """Shift step ``name``'s ``perm`` as the destination table at this W
-        (dcpc.ops.shift.table_at); ``value`` unchanged, with an error, when it is none:
+        (dcpc.ops._perm.table_at); ``value`` unchanged, with an error, when it is none:
         ``loop-world`` without a W or at a W its pairs or table do not name, else
         ``bad-perm``. Along one axis of a mesh (``axis: gpu``) the perm names member
         indices of a team of that axis' size, mapped to ranks (dcpc.topology
@@ -734,11 +740,11 @@ class _Unroller:
                 "list of [source, destination] pairs or of destinations (-1: none), "
                 "one-to-one")
         if self.world is None:
-            fixed = shift.fixed_world(value)
+            fixed = perms.fixed_world(value)
             if fixed is not None:  # pairs or a table: what is wrong with them, at their W
                 try:
-                    shift.table_at(value, fixed)
-                except shift.PermError as err:
+                    perms.table_at(value, fixed)
+                except perms.PermError as err:
                     self.error(mark, "bad-perm", f"{what} its perm is no permutation of the "
                                f"ranks: {err}", hint)
                     return value
@@ -764,12 +770,12 @@ class _Unroller:
                 or tuple(range(len(shape))))
         size = math.prod(shape[a] for a in team) if len(shape) > 1 else self.env["W"]
         try:
-            members = shift.table_at(value, size, {**env, "W": size})
+            members = perms.table_at(value, size, {**env, "W": size})
             return members if len(shape) == 1 else list(torus(shape).perm_ranks(members, team))
-        except shift.PermError as err:
+        except perms.PermError as err:
             text = str(err)
             if text.startswith("W:"):
-                fixed = shift.fixed_world(value)
+                fixed = perms.fixed_world(value)
                 given = f"{fixed}" if len(team) == len(shape) else (
                     "x".join(str(fixed) if a in team else "2" for a in range(len(shape)))
                     + f" (axis '{axes[team[0]]}' of {fixed} ranks)" if len(team) == 1

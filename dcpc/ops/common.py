@@ -26,7 +26,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang import nodes as m
 from dcpc.lang.mesh import Torus, mesh_of, shape_of, torus
 from dcpc.ops.iface import Requests, TensorScale
-from dcpc.topology import along
+from dcpc.topology import along, perm_sources
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import ScheduleView
@@ -317,6 +317,35 @@ REACHES = {m.Peers.prev: (m.Peers.next, m.Peers.all), m.Peers.next: (m.Peers.pre
            m.Peers.all: (m.Peers.all,)}
 
 
+def reaches(sent: str, polled: str) -> bool:
+    """Whether a signal to the peers spec ``sent`` reaches a wait from ``polled`` at every
+    W (``Sync``'s specs): a signal to all reaches every wait; a wait from all only it;
+    any other wait the signal of its inverse (from prev <- to next: "prev" <- "next";
+    an offset's "-k" <- "+k"; a perm's sources <- its destinations)."""
+    if sent == m.Peers.all.value or polled == m.Peers.all.value:
+        return sent == m.Peers.all.value
+    return sent == inverse_peers(polled)
+
+
+def inverse_peers(spec: str) -> str:
+    """The peers spec of the other end of one peer per rank: of a wait from ``spec``, the
+    signal that reaches it, and back (next <-> prev, "+k" <-> "-k", a perm's
+    destinations <-> its sources, dcpc.topology ``perm_sources``)."""
+    found = perm_table(spec)
+    if found is not None:
+        return perm_peers(perm_sources(found))
+    return offset_peers(-peer_offset(spec)[0])
+
+
+def said(op: Any) -> str:
+    """A signal's or wait's peers as written: all, next, prev, offset k or perm P."""
+    if getattr(op, "perm", None) is not None:
+        return f"perm {op.perm}"
+    if getattr(op, "offset", None) is not None:
+        return f"offset {op.offset}"
+    return (op.to if op.op == "signal" else op.from_).value
+
+
 @dataclass(frozen=True)
 class ChannelError:
     step: m.Step
@@ -360,33 +389,35 @@ def channels(schedule: ScheduleView) -> Channels:
                 f"step '{step.name}' waits on channel '{op.channel}', but no step signals "
                 "it; the wait can never finish", None, "channel"))
             continue
-        team = (op.channel, op.from_, mesh.team_axes(op))
+        spec = op.peers(schedule)  # type: ignore[attr-defined]
+        team = (op.channel, spec, mesh.team_axes(op))
         k = seen.get(team, 0)
         seen[team] = k + 1
         if team not in reaching:
-            reaching[team] = [s for s in sent if s.op.to in REACHES[op.from_]  # type: ignore[attr-defined]
+            reaching[team] = [s for s in sent if reaches(s.op.peers(schedule), spec)  # type: ignore[attr-defined]
                               and team_reaches(schedule, s, step)]
         fits = reaching[team]
         if k < len(fits):
             out.polls[step.name] = fits[k]
             polled.add(fits[k].name)
             continue
-        key = "from" if "from" in op.src_marks else ""
-        wanted = " or ".join(f"'to: {p.value}'" for p in REACHES[op.from_])
+        key = next((k for k in ("from", "offset", "perm") if k in op.src_marks), "")
+        wanted = (" or ".join(f"'to: {p.value}'" for p in REACHES[op.from_])
+                  if said(op) == op.from_.value else f"'to: all' or '{said(op)}'")
         if not fits:
             other = sent[0]
             out.errors.append(ChannelError(
                 step, "peer-mismatch",
-                f"step '{step.name}' waits for '{op.from_.value}' peers on channel "
+                f"step '{step.name}' waits for '{said(op)}' peers on channel "
                 f"'{op.channel}', but no signal on it goes to them (step '{other.name}' "
-                f"signals '{other.op.to.value}' peers)",  # type: ignore[attr-defined]
+                f"signals '{said(other.op)}' peers)",
                 f"use {wanted} on '{other.name}', or another 'from' here", key))
         else:
             out.errors.append(ChannelError(
                 step, "unmatched-wait",
-                f"step '{step.name}' is wait number {k + 1} from '{op.from_.value}' on "
+                f"step '{step.name}' is wait number {k + 1} from '{said(op)}' on "
                 f"channel '{op.channel}', but only {len(fits)} signal step(s) on it reach "
-                f"'{op.from_.value}' waits; each wait polls its own signal step",
+                f"'{said(op)}' waits; each wait polls its own signal step",
                 f"add a signal with {wanted} on channel '{op.channel}' before it, or use "
                 "another channel", key))
     for name, sent in signals.items():
@@ -436,7 +467,7 @@ def team_reaches(schedule: ScheduleView, signal: m.Step, wait: m.Step) -> bool:
     every = tuple(range(len(mesh.axes)))
     sent = mesh.team_axes(signal.op) or every
     polled = mesh.team_axes(wait.op) or every
-    if signal.op.to == m.Peers.all:  # type: ignore[attr-defined]
+    if signal.op.peers(schedule) == m.Peers.all.value:  # type: ignore[attr-defined]
         return set(polled) <= set(sent)
     return polled == sent
 

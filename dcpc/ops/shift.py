@@ -74,10 +74,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import StrictBool
 
-from dcpc.lang.expr import OWNER, Expr, evaluate, parse, product, symbols
-from dcpc.lang.mesh import MAX_WORLD, mesh_of
+from dcpc.lang.expr import product
+from dcpc.lang.mesh import mesh_of
 from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
 from dcpc.lang.when import running as running_at
+from dcpc.ops._perm import perm_shape, table, verify_perm
 from dcpc.ops._split import matched, torch_handshake, verify_matched, wait_first
 from dcpc.ops.common import (
     BEFORE,
@@ -128,106 +129,6 @@ class Shift(OpBase):
                 + ((table(self),) if self.perm is not None else ()))
 
 
-class PermError(ValueError):
-    """A ``perm`` that is no (partial) permutation at some W: the message says why."""
-
-
-PERM_NAMES = frozenset({OWNER, "W"})
-
-
-def table_at(value: Any, world: int, names: dict[str, int] | None = None) -> list[int]:
-    """``perm`` (any written form) as the destination of each rank 0 .. W-1 at ``world``
-    (-1: that rank sends nothing). ``names``: what else an expression may name (the hop
-    indices of the enclosing loops, integer sizes). PermError when it is not one: a bad
-    expression, a rank out of range, two sources onto one destination (``bad-perm``),
-    or pairs / a table written for another W (``loop-world``, message starts "W:")."""
-    if isinstance(value, str):
-        env = {**(names or {}), "W": world}
-        try:
-            tree: Expr = parse(value, modulo=True)
-        except ValueError as err:
-            raise PermError(f"'{value}' is not an expression of {OWNER} and W: {err}") from err
-        unknown = sorted(symbols(tree) - PERM_NAMES - set(env))
-        if unknown:
-            raise PermError(f"'{value}' names '{unknown[0]}'; a perm expression names the "
-                            f"rank {OWNER}, the group size W, the hop indices of enclosing loops "
-                            "and integer sizes only")
-        out = []
-        for r in range(world):
-            try:
-                d = evaluate(tree, {**env, OWNER: r})
-            except ArithmeticError as err:
-                raise PermError(f"'{value}' at W={world}, {OWNER}={r}: {err}") from err
-            out.append(d if 0 <= d < world else -1)  # off the group: sends nothing
-        return _injective(out, world, f"'{value}'")
-    if not isinstance(value, list) or not value:
-        raise PermError("a perm is an expression of r and W, a list of [source, "
-                        "destination] pairs or a list of destinations, one per rank")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        table = list(value)
-        if len(table) != world:
-            raise PermError(f"W:the perm lists the destinations of {len(table)} ranks, so "
-                            f"it is written for W={len(table)}, not W={world}")
-        bad = [d for d in table if not -1 <= d < len(table)]
-        if bad:
-            raise PermError(f"destination {bad[0]} is not a rank of W={len(table)} (or -1: "
-                            "sends nothing)")
-        return _injective(table, world, "the perm")
-    pairs = []
-    for item in value:
-        if (not isinstance(item, list) or len(item) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                           for v in item)):
-            raise PermError(f"{item!r} is not a [source, destination] pair of ranks")
-        if max(item) >= MAX_WORLD:  # before a table of that many ranks is made
-            raise PermError(f"rank {max(item)} is past the largest group dcpc checks "
-                            f"({MAX_WORLD} ranks)")
-        pairs.append((item[0], item[1]))
-    fixed = fixed_world(value) or 1
-    if fixed != world:
-        raise PermError(f"W:the perm's pairs name ranks 0..{fixed - 1}, so it is written for "
-                        f"W={fixed}, not W={world}")
-    out = [-1] * world
-    for src, dst in pairs:
-        if out[src] != -1:
-            raise PermError(f"rank {src} is the source of two pairs ({src} -> {out[src]}, "
-                            f"{src} -> {dst}) at W={world}")
-        out[src] = dst
-    return _injective(out, world, "the perm")
-
-
-def fixed_world(value: Any) -> int | None:
-    """The W a perm written as a list fixes (a table's length, the largest rank of its
-    pairs + 1), or None (an expression, or not a list of ranks: table_at says why)."""
-    if not isinstance(value, list) or not value:
-        return None
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return len(value)
-    ranks = [v for item in value if isinstance(item, list) for v in item
-             if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-    return 1 + max(ranks) if ranks else None
-
-
-def _injective(table: list[int], world: int, what: str) -> list[int]:
-    seen: dict[int, int] = {}
-    for r, d in enumerate(table):
-        if d < 0:
-            continue
-        if d in seen:
-            raise PermError(f"{what} sends ranks {seen[d]} and {r} both to rank {d} at "
-                            f"W={world}; a perm is one-to-one")
-        seen[d] = r
-    return table
-
-
-def table(op: Shift) -> tuple[int, ...]:
-    """The unrolled perm: the destination of each rank (-1: none); () for an offset."""
-    value = op.perm
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return tuple(value)  # type: ignore[arg-type]
-    return ()
-
-
 def delta(op: Shift) -> int:
     """The offset as an integer (0 or a huge one is the verifier's error; 1 here)."""
     k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
@@ -266,17 +167,8 @@ def semantics(c: Scope, step: Step) -> Semantics:
 def verify(v: ShapeRules, step: Step) -> None:
     op: Shift = step.op  # type: ignore[assignment]
     k = NAMED.get(op.offset, op.offset)  # type: ignore[call-overload]
-    if op.perm is not None and ("offset" in op.src_marks or not op.wrap):
-        key = "offset" if "offset" in op.src_marks else "wrap"
-        v.error(op.mark(key), "bad-perm",
-                f"step '{step.name}' has both 'perm' and '{key}'; a perm names every rank's "
-                "destination itself",
-                "drop 'offset' (a perm of 'r + k' is the offset k) and 'wrap' (a value "
-                "outside 0 .. W-1 sends nothing)")
-    elif op.perm is not None and not table(op):
-        v.error(op.mark("perm"), "bad-perm",
-                f"step '{step.name}' has a perm that was not unrolled at a W",
-                "check or compile with --world N")
+    verify_perm(v, step, [k for k in ("offset",) if k in op.src_marks]
+                + ([] if op.wrap else ["wrap"]))
     if not 0 < abs(k) <= MAX_OFFSET:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' shifts by {k}; an offset is a nonzero integer of at "
@@ -763,13 +655,9 @@ def _perm_attrs(schedule: ScheduleView, op: Shift) -> dict[str, Any]:
     source stores no tile)."""
     dests = table(op)
     back = perm_sources(dests)
-    mesh = mesh_of(schedule)
-    axes = mesh.team_axes(op)
-    # a perm on a mesh is unrolled for one shape: the mesh's ints, else the one served
-    served = getattr(schedule, "loop_world", None)
-    shape = served if isinstance(served, tuple) else mesh.sizes
+    axes = mesh_of(schedule).team_axes(op)
     members = dests if axes is None else tuple(
-        team_table(dests, torus(tuple(int(s) for s in shape)).team(0, axes)))
+        team_table(dests, torus(perm_shape(schedule, dests)).team(0, axes)))
     return {"perm": list(members),
             "perm_to": tuple(d if d >= 0 else r for r, d in enumerate(dests)),
             "perm_from": tuple(s if s >= 0 else r for r, s in enumerate(back)),

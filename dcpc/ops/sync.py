@@ -2,6 +2,17 @@
 split-phase ``signal`` (publish this step's epoch, no wait) and ``wait`` (poll the
 slots of ONE signal step, matched by ``dcpc.ops.common.channels``). They move no data:
 their float64 reference does nothing.
+Peers: ``to``/``from`` (all, next, prev), or one peer per rank as a shift names it
+(NCCL's device API signals any peer of a team): ``offset: k`` (an integer or an
+expression of W, hop indices and integer sizes, evaluated by the unroller) or ``perm:``
+(dcpc.ops._perm: an expression of r and W, pairs, a destination per rank; a partial
+perm signals nobody from a rank with no destination). A wait names its signal's
+offset or perm (as a shift's ``phase: wait`` names its put's): it waits for rank r - k,
+or perm^-1(r) (dcpc.topology ``perm_sources``; none: it waits for nothing). ``peers``
+gives the sync spec every stage reads (dcpc.ops.common ``Sync``): a perm that is one
+translation of the torus at the W unrolled (``(r + W / 2) % W``) is that offset, which
+the happens-before checker proves exactly; any other perm's wait orders nothing there
+(as a shift's perm, docs/hb-checker.md).
 Lowerings: ``lower_barrier``/``lower_signal``/``lower_wait`` below + templates/ops/ (one
 program of one warp: dcpc.codegen.ctx.OP_TUNING);
 dcpc/runtime/collectives.py ``barrier`` (the torch backend's signal/wait: its handshake).
@@ -13,9 +24,25 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from dcpc.lang.nodes import ChannelName, OpBase, Peers, Step
-from dcpc.ops.common import Scope, Semantics, Sync, exchange, typed
+from dcpc.lang.mesh import mesh_of
+from dcpc.lang.nodes import ChannelName, Int, OpBase, Peers, Step
+from dcpc.ops._perm import perm_shape, table, verify_perm
+from dcpc.ops.common import (
+    Scope,
+    Semantics,
+    Sync,
+    chain,
+    channels,
+    exchange,
+    inverse_peers,
+    offset_peers,
+    peer_offset,
+    perm_peers,
+    perm_table,
+    typed,
+)
 from dcpc.ops.registry import IO, OpDef, define
+from dcpc.topology import torus
 
 if TYPE_CHECKING:
     from dcpc.ops.iface import LowerRules, SimView
@@ -30,7 +57,14 @@ class Signal(OpBase):
 
     op: Literal["signal"]
     to: Peers = Peers.all
+    # instead of `to`: one peer per rank, r + offset (mod W), or perm(r) (-1: nobody)
+    offset: Int | str | None = None
+    perm: str | list[Int] | list[list[Int]] | None = None
     channel: ChannelName
+
+    def peers(self, schedule: Any) -> str:
+        """The sync spec of the peers this signal goes to (dcpc.ops.common ``Sync``)."""
+        return _spec(self, schedule, self.to, inverse=False)
 
 
 class Wait(OpBase):
@@ -38,7 +72,50 @@ class Wait(OpBase):
 
     op: Literal["wait"]
     from_: Peers = Field(default=Peers.all, alias="from")
+    # instead of `from`: the offset or perm of the signal it polls (it waits for rank
+    # r - offset, or perm^-1(r); none: for nobody)
+    offset: Int | str | None = None
+    perm: str | list[Int] | list[list[Int]] | None = None
     channel: ChannelName
+
+    def peers(self, schedule: Any) -> str:
+        """The sync spec of the peers this wait polls (dcpc.ops.common ``Sync``)."""
+        return _spec(self, schedule, self.from_, inverse=True)
+
+
+def _spec(op: Signal | Wait, schedule: Any, named: Peers, inverse: bool) -> str:
+    """``named`` (all, next, prev), or the one peer of each rank at ``op``'s offset or
+    perm (``inverse``: the rank it receives from): "+k" / "-k" (next / prev for 1), or
+    "perm:<table>" over ranks, or "+k" where the perm is one translation along its team."""
+    if op.perm is not None:
+        spec = _translation(schedule, op, table(op))
+    elif op.offset is not None:
+        spec = offset_peers(op.offset if isinstance(op.offset, int) else
+                            peer_offset(op.offset)[0] if op.offset in Peers.__members__
+                            else 1)  # an expression left: its error is reported
+    else:
+        return named.value
+    return inverse_peers(spec) if inverse else spec
+
+
+def _translation(schedule: Any, op: Signal | Wait, peers: tuple[int, ...]) -> str:
+    """A perm's peers spec: "+k" (an offset along its team of one axis, or of the one
+    axis of the world) where every rank has a peer and all are one translation of the
+    torus at the shape unrolled (dcpc.topology), else "perm:<table>"."""
+    spec = perm_peers(peers)
+    if not peers or min(peers) < 0:
+        return spec
+    topo = torus(perm_shape(schedule, peers))
+    axes = mesh_of(schedule).team_axes(op)
+    along = topo.axes(axes)
+    moves = {topo.sub(d, r) for r, d in enumerate(peers)}
+    if len(along) != 1 or len(moves) != 1 or moves == {0}:
+        return spec
+    (d,), (axis,) = moves, along
+    coords = topo.coords(d)
+    if any(c for a, c in enumerate(coords) if a != axis):
+        return spec
+    return offset_peers(coords[axis])
 
 
 def barrier_semantics(c: Scope, step: Step) -> Semantics:
@@ -46,13 +123,40 @@ def barrier_semantics(c: Scope, step: Step) -> Semantics:
 
 
 def signal_semantics(c: Scope, step: Step) -> Semantics:
-    return Semantics((), Sync(signal=step.op.to.value))  # type: ignore[attr-defined]
+    return Semantics((), Sync(signal=typed(step, Signal).peers(c.schedule)))
 
 
 def wait_semantics(c: Scope, step: Step) -> Semantics:
     polled = c.channels.polls.get(step.name)
-    return Semantics((), Sync(wait=step.op.from_.value,  # type: ignore[attr-defined]
+    return Semantics((), Sync(wait=typed(step, Wait).peers(c.schedule),
                               polls=polled.index if polled is not None else None))
+
+
+def verify(v: Any, step: Step) -> None:
+    """``bad-perm`` (a perm next to ``to``/``from`` or ``offset``), ``bad-offset`` (an
+    offset next to ``to``/``from``: one way to name the peers)."""
+    op = step.op
+    key = "to" if step.kind == "signal" else "from"
+    named = [k for k in (key, "offset") if k in op.src_marks]
+    verify_perm(v, step, named)
+    polled = channels(v.ctx.schedule).polls.get(step.name) if step.kind == "wait" else None
+    if polled is not None and polled.index > step.index and chain(op.peers(v.ctx.schedule)):
+        # a chain's wait before its signal: live on a line, but proved only for a shift's
+        # span (dcpc.ops.shift span_run); the checker would drop its dependency
+        v.error(op.mark("perm"), "wait-first-span",
+                f"step '{step.name}' waits by a perm with no cycle before the signal it "
+                f"polls ('{polled.name}'); only a shift's wait may come before its put",
+                f"move '{step.name}' after '{polled.name}', or send the data by a shift "
+                "with 'phase: wait' before its put")
+    if op.offset == 0 or op.offset == Peers.all.value:
+        v.error(op.mark("offset"), "bad-offset",
+                f"step '{step.name}' names offset {op.offset}; an offset is a nonzero "
+                "integer, next, prev or an expression of W (one peer per rank)",
+                f"drop 'offset' (all peers: '{key}: all')")
+    if op.perm is None and op.offset is not None and key in op.src_marks:
+        v.error(op.mark("offset"), "bad-offset",
+                f"step '{step.name}' has both '{key}' and 'offset'; name its peers one way",
+                f"drop '{key}' (an offset of 1 is '{key}: {'next' if key == 'to' else 'prev'}')")
 
 
 def no_data(sim: SimView, step: Step) -> None:
@@ -74,23 +178,41 @@ def lower_barrier(ctx: LowerRules, step: Step) -> Any:
 def lower_signal(ctx: LowerRules, step: Step) -> Any:
     return ctx.plan(
         step,
-        attrs={"peers": typed(step, Signal).to.value, "signal": True, "wait": False},
+        attrs={**_lanes(ctx, typed(step, Signal)), "signal": True, "wait": False},
         signalling=True,
     )
 
 
 def lower_wait(ctx: LowerRules, step: Step) -> Any:
-    op = typed(step, Wait)
     return ctx.plan(
         step,
-        attrs={"peers": op.from_.value, "signal": False, "wait": True},
+        attrs={**_lanes(ctx, typed(step, Wait)), "signal": False, "wait": True},
         signalling=True,
     )
 
 
+def _lanes(ctx: LowerRules, op: Signal | Wait) -> dict[str, Any]:
+    """The kernel's peers (templates/sync.j2 prologue): all, next, prev; else "one", the
+    lane of member RANK + PEER of its team (mod its size; 0: none), PEER computed per
+    launch from ``peer_k`` (an offset: every rank alike, any W) or read off ``peer_of``
+    (a perm's, one per global rank)."""
+    spec = op.peers(ctx.schedule)
+    if spec in Peers.__members__:
+        return {"peers": spec}
+    found = perm_table(spec)
+    if found is None:
+        return {"peers": "one", "peer_k": peer_offset(spec)[0]}
+    topo = torus(perm_shape(ctx.schedule, found))
+    axes = mesh_of(ctx.schedule).team_axes(op)
+    size = topo.team_size(axes)
+    return {"peers": "one", "peer_of": tuple(
+        (topo.member(p, axes) - topo.member(r, axes)) % size if p >= 0 else 0
+        for r, p in enumerate(found))}
+
+
 BARRIER = define(OpDef("barrier", Barrier, barrier_semantics, None, no_data, no_io, lower_barrier,
                            teams=True))
-SIGNAL = define(OpDef("signal", Signal, signal_semantics, None, no_data, no_io, lower_signal,
+SIGNAL = define(OpDef("signal", Signal, signal_semantics, verify, no_data, no_io, lower_signal,
                           teams=True))
-WAIT = define(OpDef("wait", Wait, wait_semantics, None, no_data, no_io, lower_wait,
+WAIT = define(OpDef("wait", Wait, wait_semantics, verify, no_data, no_io, lower_wait,
                         teams=True))

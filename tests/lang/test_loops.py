@@ -11,7 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import disagreements
-from support.hb_oracle import oracle_keys, random_loop_schedule_text
+from support.hb_oracle import (
+    assert_brute_force_agrees,
+    random_loop_schedule_text,
+    unrolled,
+)
 
 from dcpc import pipeline
 from dcpc.check import hb, structural
@@ -143,10 +147,7 @@ def test_several_worlds_are_checked_one_by_one_and_compiled_into_one_module(tmp_
 
 def _loop_schedules(data: st.DataObject):
     text = random_loop_schedule_text(data.draw, st)
-    for world in (2, 3, 4):
-        schedule = parse_text(text, "loop.yaml", world)
-        errors = [d for d in structural.check(schedule, [world]) if d.severity == "error"]
-        assert errors == [], (text, world)
+    for world, schedule in unrolled(text):
         yield text, world, schedule
 
 
@@ -154,17 +155,7 @@ def _loop_schedules(data: st.DataObject):
 @given(st.data())
 def test_checker_and_brute_force_agree_on_random_loop_schedules(data: st.DataObject) -> None:
     for text, world, schedule in _loop_schedules(data):
-        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
-        brute = oracle_keys(schedule, world)
-        if any(k[0] == "deadlock" for k in found):
-            # Known, not about loops (flat schedules show it: a barrier between a wait
-            # and the signal it polls): behind a deadlock the brute force also reports
-            # the knock-on cycles of the steps it blocks; the checker reports the cause.
-            # Races and the cause must still agree exactly.
-            extra = brute - found
-            assert found <= brute and all(k[0] == "deadlock" for k in extra), (text, world)
-        else:
-            assert found == brute, (text, world)
+        assert_brute_force_agrees(schedule, world, text)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -306,6 +306,10 @@ VARIANTS: dict[str, Variant] = {
         step.kind == "shift" and -1 in p.attrs.get("perm", [])),
     "shift: perm, split in put and wait": lambda s, step, p, w: (
         step.kind == "shift" and "perm" in p.attrs and step.op.phase == "put"),
+    **{f"{op}: one peer by {how}": (lambda s, step, p, w, op=op, key=key: (
+        step.kind == op and p.attrs.get(key) is not None))
+       for op in ("signal", "wait") for how, key in (("an offset", "peer_k"),
+                                                     ("a perm's table", "peer_of"))},
     **{f"{op}: over a team": _team(op) for op, d in OPS.items() if d.teams},
 }
 

@@ -84,6 +84,21 @@ def _peers(spec: str, me: int, world, axes: frozenset[int] | None = None) -> lis
     return [other] if other != me else []
 
 
+def _one_peer(op, me: int, world, axes, sign: int) -> list[int] | None:
+    """A signal's (``sign`` 1) or wait's (-1) one peer by ``offset`` (member me + k of its
+    team, or me - k) or ``perm`` (the unrolled table over ranks: perm[me], or the rank
+    whose destination is me), [] for none or itself; None: it names all/next/prev."""
+    if getattr(op, "perm", None) is not None:
+        dests = list(op.perm)
+        found = dests[me] if sign > 0 else (dests.index(me) if me in dests else -1)
+        return [found] if found >= 0 and found != me else []
+    if getattr(op, "offset", None) is None:
+        return None
+    team = _team(me, world, frozenset(range(len(_shape(world)))) if axes is None else axes)
+    found = team[(team.index(me) + sign * op.offset) % len(team)]
+    return [found] if found != me else []
+
+
 def _as_list(value) -> list[str]:
     if value is None:
         return []
@@ -225,12 +240,14 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     elif kind == "barrier":
         exchange()
     elif kind == "signal":
-        for peer in _peers(op.to.value, b.rank, world, axes):
+        one = _one_peer(op, b.rank, world, axes, 1)
+        for peer in _peers(op.to.value, b.rank, world, axes) if one is None else one:
             b.add(name, index, 0, signal=(f"{op.channel}@{name}", peer))
     elif kind == "wait":
         found = channels(schedule).polls.get(name)
         polled = found.name if found is not None else "?"
-        for peer in _peers(op.from_.value, b.rank, world, axes):
+        one = _one_peer(op, b.rank, world, axes, -1)
+        for peer in _peers(op.from_.value, b.rank, world, axes) if one is None else one:
             b.add(name, index, 1, wait=(f"{op.channel}@{polled}", peer))
     elif kind == "shift":
         _shift(b, schedule, name, index, op, world, tracked)
@@ -889,6 +906,44 @@ steps:
 """
 
 
+def _insert_apart(draw, st, body: list[str], first: str, second: str) -> None:
+    """``first`` and then ``second`` inserted into ``body`` at random places (``second``
+    before ``first`` too)."""
+    at_s, at_w = draw(st.integers(0, len(body))), draw(st.integers(0, len(body)))
+    body.insert(at_s, first)
+    body.insert(at_w + (at_w > at_s), second)
+
+
+def unrolled(text: str, worlds=(2, 3, 4)):
+    """(world, schedule) of ``text`` unrolled at each of ``worlds``, each asserted free
+    of structural errors (a generator of valid schedules only)."""
+    from dcpc.check import structural
+    from dcpc.lang.parse import parse_text
+
+    for world in worlds:
+        schedule = parse_text(text, "unrolled.yaml", world)
+        errors = [d for d in structural.check(schedule, [world]) if d.severity == "error"]
+        assert errors == [], (text, world)
+        yield world, schedule
+
+
+def assert_brute_force_agrees(schedule: Schedule, world, text: str) -> None:
+    """The checker's findings of ``schedule`` at ``world`` are the brute force's. Known,
+    not about any one op (flat schedules show it: a barrier between a wait and the
+    signal it polls): behind a deadlock the brute force also reports the knock-on
+    cycles of the steps it blocks; the checker reports the cause. Races and the cause
+    must still agree exactly."""
+    from dcpc.check import hb
+
+    found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+    brute = oracle_keys(schedule, world)
+    if any(k[0] == "deadlock" for k in found):
+        extra = brute - found
+        assert found <= brute and all(k[0] == "deadlock" for k in extra), (text, world)
+    else:
+        assert found == brute, (text, world)
+
+
 def random_loop_schedule_text(draw, st) -> str:
     """A hop loop passing a double buffer ``kv[2, N, K]`` around the ring (slice
     ``h % 2`` in hand, the other in flight, or the other way round), its block attended
@@ -908,11 +963,8 @@ def random_loop_schedule_text(draw, st) -> str:
         body += [f'{{op: external, reads: ["kv[{a}]", x], writes: [y]}}',
                  f'{{op: shift, src: "kv[{a}]", dst: "kv[{b}]", offset: {offset}}}']
     if draw(st.booleans()):  # the credit: signal the writer after the read, wait it
-        sig = f"{{op: signal, to: {back}, channel: free}}"
-        wait = f"{{op: wait, from: {PARTNERS[back]}, channel: free}}"
-        at_s, at_w = draw(st.integers(0, len(body))), draw(st.integers(0, len(body)))
-        body.insert(at_s, sig)
-        body.insert(at_w + (at_w > at_s), wait)
+        _insert_apart(draw, st, body, f"{{op: signal, to: {back}, channel: free}}",
+                      f"{{op: wait, from: {PARTNERS[back]}, channel: free}}")
     text = LOOP_HEADER.format(seed=draw(st.integers(0, 999)), slots=draw(st.integers(1, 2)),
                               trip=trip)
     text += "".join(f"        - s{i}: {s}\n" for i, s in enumerate(body))
@@ -1108,3 +1160,41 @@ def random_wait_first_schedule_text(draw, st, mixed: bool = False) -> str:
                         local=("x", "y", "o"), gather=False,
                         steps=("fill: {op: external, reads: [x], writes: [h0, h1, y, o]}",)
                         ) + body
+
+
+# --- random credits to one peer (signal/wait by offset or perm) ----------------------
+
+CREDIT_HEADER = ("schedule: random_credit_{seed}\nslots: {slots}\nsizes: {{N: 4, K: 2}}\n"
+                 "buffers:\n  x: {{shape: [N, K], dtype: f32}}\n"
+                 "  y: {{shape: [N, K], dtype: f32}}\n"
+                 "  s: {{shape: [N, K], dtype: f32, symmetric: true}}\nsteps:\n")
+
+# a push's peer, as an offset or a perm that is one translation at every W (each with
+# the offset its credit goes back by), and credits that may miss the writer
+MOVES = {"offset: next": -1, "offset: prev": 1, "offset: 2": -2, "offset: -2": 2,
+         'perm: "(r + 2) % W"': -2, 'perm: "(r + W - 1) % W"': 1}
+CREDITS = {-1: ["offset: -1", 'perm: "(r + W - 1) % W"', "to: prev"],
+           1: ["offset: 1", 'perm: "(r + 1) % W"', "to: next"],
+           -2: ["offset: -2", 'perm: "(r + W - 2) % W"'], 2: ["offset: 2", 'perm: "(r + 2) % W"']}
+
+
+def random_credit_schedule_text(draw, st) -> str:
+    """A shift into ``s`` by an offset or a perm (one translation: the checker proves it
+    exactly), its receive read by an external step, and a credit by signal/wait to one
+    peer (an offset, a perm, next/prev) that goes back to the writer or to another rank,
+    its signal and wait placed at random (a wait before its signal: a cycle of waits),
+    so that correct credits, races and deadlocks all occur."""
+    move = draw(st.sampled_from(sorted(MOVES)))
+    back = draw(st.sampled_from([MOVES[move]] * 2 + [-1, 1, -2, 2]))
+    credit = draw(st.sampled_from(CREDITS[back]))
+    waited = credit.replace("to: next", "from: prev").replace("to: prev", "from: next")
+    body = [f"{{op: shift, src: x, dst: s, {move}}}", "{op: external, reads: [s], writes: [y]}"]
+    if draw(st.booleans()):
+        sig, wait = (f"{{op: signal, {credit}, channel: c}}",
+                     f"{{op: wait, {waited}, channel: c}}")
+        if draw(st.booleans()):  # after the read, as a credit goes
+            body += [sig, wait]
+        else:
+            _insert_apart(draw, st, body, sig, wait)
+    text = CREDIT_HEADER.format(seed=draw(st.integers(0, 999)), slots=draw(st.integers(1, 2)))
+    return text + "".join(f"  - s{i}: {s}\n" for i, s in enumerate(body))
