@@ -388,20 +388,21 @@ def _np_dtype_memo(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     dtypes at every call, and the interpreter asks at almost every operation (a tenth
     of a rank's CPU under ``dcpc run``). The answer depends on the element type alone
     (a block's is its element's, any pointer's uint64): each is the original's own,
-    asked once per element type (a pointer type is not hashable: asked every time)."""
+    asked once per element type (a pointer type, not hashable, is asked every time)."""
     import triton.language as tl
 
     memo: dict[Any, Any] = {}
 
     def np_dtype(tt_dtype: Any) -> Any:
         element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
-        if isinstance(element, tl.pointer_type):
-            return original(tt_dtype)
+        if not isinstance(element, tl.dtype) or isinstance(element, tl.pointer_type):
+            return original(tt_dtype)  # not hashable: a pointer's, anything unexpected
         found = memo.get(element)
         if found is None:
             found = memo[element] = original(element)
         return found
 
+    np_dtype.__wrapped__ = original  # type: ignore[attr-defined]
     return np_dtype
 
 
