@@ -342,7 +342,68 @@ def _install_interpreter_threads() -> None:
 
         interpreter._patch_lang = patch_once
         interpreter.InterpretedFunction.rewrite = rewrite_locked  # type: ignore[method-assign]
+        import triton
+
+        if triton.__version__.startswith("3.6."):  # what the two below were measured on
+            interpreter._get_np_dtype = _np_dtype_memo(interpreter._get_np_dtype)
+            _lazy_tuple_types()
         interpreter._dcpc_threads = True  # type: ignore[attr-defined]
+
+
+def _lazy_tuple_types() -> None:
+    """Triton 3.6's ``tl.tuple`` made its type (a ``tuple_type``, named by formatting
+    every element's type) when it is made; the interpreter makes one for every tensor's
+    shape, at every operation (a tenth to a fifth of a rank's CPU under ``dcpc run``), and reads
+    few of their types. The type is made at its first read instead, by the same function
+    from the same values (a tuple's values change only in ``_setitem``, which sets the
+    type again); a type given at construction is kept as before."""
+    from triton.language import core
+
+    cls = core.tuple
+    made = core._type_for_tuple_values
+
+    def __init__(self: Any, args: Any, type: Any = None) -> None:  # `type`: Triton's own keyword
+        self.values = [i for i in args]
+        if isinstance(type, core.tuple_type):
+            self.__dict__["_dcpc_type"] = type
+        elif type is not None:  # a list of types (Triton's make_template)
+            self.__dict__["_dcpc_type"] = core.tuple_type(type)
+
+    def get_type(self: Any) -> Any:
+        found = self.__dict__.get("_dcpc_type")  # not getattr: tl.tuple's __getattr__
+        if found is None:
+            found = self.__dict__["_dcpc_type"] = made(self.values)
+        return found
+
+    def set_type(self: Any, value: Any) -> None:
+        self.__dict__["_dcpc_type"] = value
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.type = property(get_type, set_type)  # type: ignore[assignment]
+
+
+def _np_dtype_memo(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Triton 3.6's interpreter's ``_get_np_dtype`` (a Triton type -> the NumPy dtype
+    holding it), remembered per element type: the original builds its table of 19
+    dtypes at every call, and the interpreter asks at almost every operation (a tenth
+    of a rank's CPU under ``dcpc run``). The answer depends on the element type alone
+    (a block's is its element's, any pointer's uint64): each is the original's own,
+    asked once per element type (a pointer type, not hashable, is asked every time)."""
+    import triton.language as tl
+
+    memo: dict[Any, Any] = {}
+
+    def np_dtype(tt_dtype: Any) -> Any:
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if not isinstance(element, tl.dtype) or isinstance(element, tl.pointer_type):
+            return original(tt_dtype)  # not hashable: a pointer's, anything unexpected
+        found = memo.get(element)
+        if found is None:
+            found = memo[element] = original(element)
+        return found
+
+    np_dtype.__wrapped__ = original  # type: ignore[attr-defined]
+    return np_dtype
 
 
 # ---- the group, its ranks, their heap -----------------------------------------------------
