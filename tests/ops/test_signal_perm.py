@@ -6,8 +6,10 @@ race, and bad input gets its class."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import disagreements
@@ -25,6 +27,8 @@ from dcpc.check import hb
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.mesh import MeshWorld
+from dcpc.ops._perm import table_at
+from dcpc.topology import along, perm_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE = ROOT / "schedules" / "ops" / "signal_perm.yaml"
@@ -212,3 +216,32 @@ def test_an_offset_over_two_axes_needs_one(tmp_path: Path) -> None:
     assert "names 'offset 1' peers over 2 axes" in found[0].message
     assert _check(tmp_path, '  - a: {op: signal, perm: "(r + 1) % W", channel: f}\n'
                   '  - b: {op: wait, perm: "(r + 1) % W", channel: f}\n', [4]) == []
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_the_kernels_lanes_name_the_peer_the_reference_does(world: int) -> None:
+    """Every one-peer signal and wait of the conformance file, at a W where +k and -k are
+    different ranks: the emitted module's ``PEER=`` lane (the kernel's member RANK + PEER,
+    0: none) is the peer dcpc.topology names, a signal's the destination (``along`` by its
+    offset, or its perm's table) and a wait's the rank whose signal reaches it
+    (``perm_sources``). Signal and wait turned round together would still pair up on the
+    torch backend and at W = 2 or 4, so the direction is pinned here."""
+    text = pipeline.run(FILE, pipeline.Options(worlds=[world]), until="emit").module_text
+    lines = text.splitlines()
+    steps = [next(iter(s.items())) for s in yaml.safe_load(FILE.read_text())["steps"]]
+    one_peer = [(n, b) for n, b in steps if b["op"] in ("signal", "wait")]
+    assert {n for n, _ in one_peer} >= {"free", "free_x", "freed", "freed_x"}
+    for name, body in one_peer:
+        if "perm" in body:
+            dests = table_at(body["perm"], world)
+        else:
+            k = {"next": 1, "prev": -1}.get(body["offset"], body["offset"])
+            dests = [along(r, world, k) for r in range(world)]
+        peers = dests if body["op"] == "signal" else perm_sources(dests)
+        launch = next(i for i, x in enumerate(lines) if x.strip().startswith(f"_{name}_kernel["))
+        lane = next(x.strip() for x in lines[launch:] if x.strip().startswith("PEER="))
+        for rank in range(world):
+            got = eval(lane.removeprefix("PEER=").rstrip(","),  # noqa: S307 (our module)
+                       {"self": SimpleNamespace(world=world, rank=rank)})
+            want = peers[rank] if peers[rank] not in (-1, rank) else rank  # none: PEER 0
+            assert along(rank, world, got) == want, (name, world, rank, lane)
