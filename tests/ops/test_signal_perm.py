@@ -135,6 +135,12 @@ def test_the_right_credit_is_proved_where_a_barrier_would_be_needed(tmp_path: Pa
     ('  - freed: {op: wait, perm: "r + 1", channel: f}\n'
      '  - free: {op: signal, perm: "r + 1", channel: f}\n',
      "wait-first-span", "before the signal it polls"),
+    ('  - free: {op: signal, offset: "W", channel: f}\n'
+     '  - freed: {op: wait, offset: "W", channel: f}\n',
+     "bad-offset", "step 'free' signals by offset 'W' = 4 (at W=4), which signals every"),
+    ('  - freed: {op: wait, offset: "W / 3", channel: f}\n'
+     '  - free: {op: signal, offset: 2, channel: f}\n',
+     "bad-offset", "step 'freed' waits by offset 'W / 3' (at W=4): "),
 ])
 def test_bad_peers_are_refused_with_their_class(tmp_path: Path, steps: str, code: str,
                                                 says: str) -> None:
