@@ -509,6 +509,8 @@ class _Unroller:
                                         _mark(body, "offset", self.file))
         if _perm(body) is not None:
             out["perm"] = self.perm(name, body, _mark(body, "perm", self.file), env)
+            if body["op"] != shift.DEF.name:  # a signal's or wait's: its messages name it
+                out[perms.WRITTEN] = body.get(perms.WRITTEN, body["perm"])
         text = _interleave_expr(body)
         if text is not None:
             out["interleave"] = self.interleave(name, text, env,

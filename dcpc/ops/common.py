@@ -338,9 +338,11 @@ def inverse_peers(spec: str) -> str:
 
 
 def said(op: Any) -> str:
-    """A signal's or wait's peers as written: all, next, prev, offset k or perm P."""
+    """A signal's or wait's peers as written: all, next, prev, offset k or perm P (as
+    written, kept by the unroller, not its table at one W)."""
     if getattr(op, "perm", None) is not None:
-        return f"perm {op.perm}"
+        written = getattr(op, "written", None)
+        return f"perm {op.perm if written is None else written}"
     if getattr(op, "offset", None) is not None:
         return f"offset {op.offset}"
     return (op.to if op.op == "signal" else op.from_).value
@@ -411,7 +413,7 @@ def channels(schedule: ScheduleView) -> Channels:
                 f"step '{step.name}' waits for '{said(op)}' peers on channel "
                 f"'{op.channel}', but no signal on it goes to them (step '{other.name}' "
                 f"signals '{said(other.op)}' peers)",
-                f"use {wanted} on '{other.name}', or another 'from' here", key))
+                f"use {wanted} on '{other.name}', or another '{key or 'from'}' here", key))
         else:
             out.errors.append(ChannelError(
                 step, "unmatched-wait",

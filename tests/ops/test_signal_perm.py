@@ -251,3 +251,15 @@ def test_the_kernels_lanes_name_the_peer_the_reference_does(world: int) -> None:
                        {"self": SimpleNamespace(world=world, rank=rank)})
             want = peers[rank] if peers[rank] not in (-1, rank) else rank  # none: PEER 0
             assert along(rank, world, got) == want, (name, world, rank, lane)
+
+
+def test_a_perm_wait_no_signal_reaches_names_the_perms_as_written(tmp_path: Path) -> None:
+    """peer-mismatch names both perms as written (not their tables at one W: the same
+    words at every W, so one error) and the key the wait names its peers by."""
+    steps = ('  - free: {op: signal, perm: "W - 1 - r", channel: f}\n'
+             '  - freed: {op: wait, perm: "(r + 1) % W", channel: f}\n')
+    (found,) = _check(tmp_path, steps, [3, 4])
+    assert found.code == "peer-mismatch" and found.mark.line == 10, found
+    assert ("waits for 'perm (r + 1) % W' peers on channel 'f', but no signal on it goes "
+            "to them (step 'free' signals 'perm W - 1 - r' peers)") in found.message
+    assert found.hint == "use 'to: all' or 'perm (r + 1) % W' on 'free', or another 'perm' here"
