@@ -263,3 +263,23 @@ def test_a_perm_wait_no_signal_reaches_names_the_perms_as_written(tmp_path: Path
     assert ("waits for 'perm (r + 1) % W' peers on channel 'f', but no signal on it goes "
             "to them (step 'free' signals 'perm W - 1 - r' peers)") in found.message
     assert found.hint == "use 'to: all' or 'perm (r + 1) % W' on 'free', or another 'perm' here"
+
+
+def test_a_perm_and_an_offset_alike_mod_w_pair_up(tmp_path: Path) -> None:
+    """In a file unrolled at one W (it has a perm), a wait by an offset polls a signal by a
+    perm that is the same translation mod W (`(r + W - 1) % W` and -1) or by an offset
+    alike mod W (2 and -2 at W = 4 only); the credit orders the push (the brute force
+    agrees). Checked at every W (no perm), 2 and -2 stay apart."""
+    push = ('  - send: {op: shift, src: kv, dst: kv_recv, perm: "(r + 1) % W"}\n'
+            "  - use: {op: external, reads: [kv_recv], writes: [out]}\n")
+    steps = push + ('  - free: {op: signal, perm: "(r + W - 1) % W", channel: f}\n'
+                    "  - freed: {op: wait, offset: -1, channel: f}\n")
+    assert _check(tmp_path, steps, [2, 3, 4, 5]) == []
+    for world, schedule in unrolled(HEAD + steps, (3, 4, 5)):
+        assert_brute_force_agrees(schedule, world, HEAD + steps)
+        assert oracle_keys(schedule, world) == set(), world
+    alike = ('  - two: {op: signal, offset: 2, channel: g}\n'
+             '  - back: {op: wait, offset: -2, channel: g}\n')
+    assert _check(tmp_path, steps + alike, [4]) == []
+    assert {d.code for d in _check(tmp_path, steps + alike, [5])} == {"peer-mismatch"}
+    assert {d.code for d in _check(tmp_path, alike, [4])} == {"peer-mismatch"}
