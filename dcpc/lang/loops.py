@@ -156,6 +156,11 @@ def _names_w(text: Any, names: frozenset[str] | set[str] = frozenset({"W"})) -> 
 
 # the ops whose ``offset``/``perm`` name a peer (a shift's push, a credit's signal/wait)
 _PEERED = frozenset({shift.DEF.name, sync.SIGNAL.name, sync.WAIT.name})
+# what an op with an offset does by it, and what an offset of 0 (mod W) would make it
+# do: the unroller's offset messages name the op by these
+_BY_OFFSET = {shift.DEF.name: ("shifts", "sends every rank's data to itself"),
+              sync.SIGNAL.name: ("signals", "signals every rank itself"),
+              sync.WAIT.name: ("waits", "waits for every rank itself")}
 
 
 def _offset_expr(body: Any) -> str | None:
@@ -500,9 +505,12 @@ class _Unroller:
                 at = {k: v for k, v in env.items() if k != "W"}
                 if isinstance(team, int) or team in env:
                     at["W"] = team if isinstance(team, int) else env[team]
-            out["offset"] = self.offset(name, text, at, _mark(body, "offset", self.file))
+            out["offset"] = self.offset(name, body["op"], text, at,
+                                        _mark(body, "offset", self.file))
         if _perm(body) is not None:
             out["perm"] = self.perm(name, body, _mark(body, "perm", self.file), env)
+            if body["op"] != shift.DEF.name:  # a signal's or wait's: its messages name it
+                out[perms.WRITTEN] = body.get(perms.WRITTEN, body["perm"])
         text = _interleave_expr(body)
         if text is not None:
             out["interleave"] = self.interleave(name, text, env,
@@ -697,12 +705,14 @@ class _Unroller:
         hops = {k: v for k, v in env.items() if k not in self.env}
         return ex.unparse(_substitute(tree, hops)) if hops else text
 
-    def offset(self, name: str, text: str, env: dict[str, int], mark: Mark) -> Any:
-        """The integer value of shift step ``name``'s offset expression at this W and
-        hop (``text`` unchanged, with an error, when it has none)."""
+    def offset(self, name: str, kind: str, text: str, env: dict[str, int], mark: Mark) -> Any:
+        """The integer value of step ``name``'s offset expression (a shift's, a signal's
+        or a wait's: ``kind``) at this W and hop (``text`` unchanged, with an error, when
+        it has none)."""
         hint = ("an offset is a nonzero integer, next, prev, or an expression of W, the "
                 "hop index and integer sizes (+ - * /), e.g. 'W / 2', 'h + 1'")
-        what = f"step '{name}' shifts by offset '{clipped(text)}'"
+        does, to_itself = _BY_OFFSET[kind]
+        what = f"step '{name}' {does} by offset '{clipped(text)}'"
         found = self._expression(what, text, env, mark, "bad-offset", hint,
                                  "not the hop index of an enclosing loop, W or an integer size",
                                  shift.NAMED)
@@ -714,10 +724,10 @@ class _Unroller:
         if value == 0 or (("W" in ex.symbols(tree) or self.axes.keys() & ex.symbols(tree))
                           and value % env["W"] == 0):
             self.error(mark, "bad-offset",
-                       f"{what} = {value}{self._at(env)}, which sends every rank's data to "
-                       "itself" + (f" (a multiple of W={env['W']})" if value else ""),
-                       "use 'copy' to move data on this rank, or an offset that is not 0 "
-                       "mod W at any W checked")
+                       f"{what} = {value}{self._at(env)}, which {to_itself}"
+                       + (f" (a multiple of W={env['W']})" if value else ""),
+                       ("use 'copy' to move data on this rank, or " if kind == shift.DEF.name
+                        else "use ") + "an offset that is not 0 mod W at any W checked")
             return text
         return value
 

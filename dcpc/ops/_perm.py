@@ -24,6 +24,9 @@ class PermError(ValueError):
 
 
 PERM_NAMES = frozenset({OWNER, "W"})
+# the key under which the unroller keeps a signal's or wait's perm as written (their
+# ``written``: the peer-mismatch message names it so, not the table at one W)
+WRITTEN = "__perm__"
 
 
 def table_at(value: Any, world: int, names: dict[str, int] | None = None) -> list[int]:

@@ -317,14 +317,37 @@ REACHES = {m.Peers.prev: (m.Peers.next, m.Peers.all), m.Peers.next: (m.Peers.pre
            m.Peers.all: (m.Peers.all,)}
 
 
-def reaches(sent: str, polled: str) -> bool:
+def reaches(sent: str, polled: str, size: int | None = None) -> bool:
     """Whether a signal to the peers spec ``sent`` reaches a wait from ``polled`` at every
     W (``Sync``'s specs): a signal to all reaches every wait; a wait from all only it;
     any other wait the signal of its inverse (from prev <- to next: "prev" <- "next";
-    an offset's "-k" <- "+k"; a perm's sources <- its destinations)."""
+    an offset's "-k" <- "+k"; a perm's sources <- its destinations). ``size``: the team
+    size of a schedule unrolled at one W (``unrolled_size``), where offsets are alike
+    mod it (a perm's "+3" <- an offset's "-1" at W = 4; None: at every W)."""
     if sent == m.Peers.all.value or polled == m.Peers.all.value:
         return sent == m.Peers.all.value
-    return sent == inverse_peers(polled)
+    return _mod(sent, size) == _mod(inverse_peers(polled), size)
+
+
+def unrolled_size(schedule: Any, op: Any) -> int | None:
+    """The size of ``op``'s team where ``schedule`` was unrolled at one W or mesh shape
+    (``loop_world``: a perm, or W named), else None (checked at every W)."""
+    served = getattr(schedule, "loop_world", None)
+    if served is None:
+        return None
+    mesh = mesh_of(schedule)
+    if isinstance(served, tuple):
+        return torus(served).team_size(mesh.team_axes(op))
+    return int(served) if len(mesh.axes) < 2 else None
+
+
+def _mod(spec: str, size: int | None) -> str:
+    """One peer per rank by an offset taken mod ``size`` (None, or any other spec: as
+    is), the one form two offsets alike at that size share."""
+    if size is None or spec == m.Peers.all.value or perm_table(spec) is not None:
+        return spec
+    k, wrap = peer_offset(spec)
+    return offset_peers(k % size) if wrap and k % size else spec
 
 
 def inverse_peers(spec: str) -> str:
@@ -338,9 +361,11 @@ def inverse_peers(spec: str) -> str:
 
 
 def said(op: Any) -> str:
-    """A signal's or wait's peers as written: all, next, prev, offset k or perm P."""
+    """A signal's or wait's peers as written: all, next, prev, offset k or perm P (as
+    written, kept by the unroller, not its table at one W)."""
     if getattr(op, "perm", None) is not None:
-        return f"perm {op.perm}"
+        written = getattr(op, "written", None)
+        return f"perm {op.perm if written is None else written}"
     if getattr(op, "offset", None) is not None:
         return f"offset {op.offset}"
     return (op.to if op.op == "signal" else op.from_).value
@@ -389,12 +414,13 @@ def channels(schedule: ScheduleView) -> Channels:
                 f"step '{step.name}' waits on channel '{op.channel}', but no step signals "
                 "it; the wait can never finish", None, "channel"))
             continue
-        spec = op.peers(schedule)  # type: ignore[attr-defined]
+        size = unrolled_size(schedule, op)
+        spec = _mod(op.peers(schedule), size)  # type: ignore[attr-defined]
         team = (op.channel, spec, mesh.team_axes(op))
         k = seen.get(team, 0)
         seen[team] = k + 1
         if team not in reaching:
-            reaching[team] = [s for s in sent if reaches(s.op.peers(schedule), spec)  # type: ignore[attr-defined]
+            reaching[team] = [s for s in sent if reaches(s.op.peers(schedule), spec, size)  # type: ignore[attr-defined]
                               and team_reaches(schedule, s, step)]
         fits = reaching[team]
         if k < len(fits):
@@ -411,7 +437,7 @@ def channels(schedule: ScheduleView) -> Channels:
                 f"step '{step.name}' waits for '{said(op)}' peers on channel "
                 f"'{op.channel}', but no signal on it goes to them (step '{other.name}' "
                 f"signals '{said(other.op)}' peers)",
-                f"use {wanted} on '{other.name}', or another 'from' here", key))
+                f"use {wanted} on '{other.name}', or another '{key or 'from'}' here", key))
         else:
             out.errors.append(ChannelError(
                 step, "unmatched-wait",

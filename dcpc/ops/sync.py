@@ -23,10 +23,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
+from pydantic.json_schema import SkipJsonSchema
 
 from dcpc.lang.mesh import mesh_of
 from dcpc.lang.nodes import ChannelName, Int, OpBase, Peers, Step
-from dcpc.ops._perm import perm_shape, table, verify_perm
+from dcpc.ops._perm import WRITTEN, perm_shape, table, verify_perm
 from dcpc.ops.common import (
     Scope,
     Semantics,
@@ -60,6 +61,7 @@ class Signal(OpBase):
     # instead of `to`: one peer per rank, r + offset (mod W), or perm(r) (-1: nobody)
     offset: Int | str | None = None
     perm: str | list[Int] | list[list[Int]] | None = None
+    written: SkipJsonSchema[Any] = Field(default=None, alias=WRITTEN, exclude=True)  # the perm
     channel: ChannelName
 
     def peers(self, schedule: Any) -> str:
@@ -76,6 +78,7 @@ class Wait(OpBase):
     # r - offset, or perm^-1(r); none: for nobody)
     offset: Int | str | None = None
     perm: str | list[Int] | list[list[Int]] | None = None
+    written: SkipJsonSchema[Any] = Field(default=None, alias=WRITTEN, exclude=True)  # the perm
     channel: ChannelName
 
     def peers(self, schedule: Any) -> str:

@@ -6,8 +6,10 @@ race, and bad input gets its class."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import disagreements
@@ -25,6 +27,8 @@ from dcpc.check import hb
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.mesh import MeshWorld
+from dcpc.ops._perm import table_at
+from dcpc.topology import along, perm_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE = ROOT / "schedules" / "ops" / "signal_perm.yaml"
@@ -131,6 +135,12 @@ def test_the_right_credit_is_proved_where_a_barrier_would_be_needed(tmp_path: Pa
     ('  - freed: {op: wait, perm: "r + 1", channel: f}\n'
      '  - free: {op: signal, perm: "r + 1", channel: f}\n',
      "wait-first-span", "before the signal it polls"),
+    ('  - free: {op: signal, offset: "W", channel: f}\n'
+     '  - freed: {op: wait, offset: "W", channel: f}\n',
+     "bad-offset", "step 'free' signals by offset 'W' = 4 (at W=4), which signals every"),
+    ('  - freed: {op: wait, offset: "W / 3", channel: f}\n'
+     '  - free: {op: signal, offset: 2, channel: f}\n',
+     "bad-offset", "step 'freed' waits by offset 'W / 3' (at W=4): "),
 ])
 def test_bad_peers_are_refused_with_their_class(tmp_path: Path, steps: str, code: str,
                                                 says: str) -> None:
@@ -212,3 +222,64 @@ def test_an_offset_over_two_axes_needs_one(tmp_path: Path) -> None:
     assert "names 'offset 1' peers over 2 axes" in found[0].message
     assert _check(tmp_path, '  - a: {op: signal, perm: "(r + 1) % W", channel: f}\n'
                   '  - b: {op: wait, perm: "(r + 1) % W", channel: f}\n', [4]) == []
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_the_kernels_lanes_name_the_peer_the_reference_does(world: int) -> None:
+    """Every one-peer signal and wait of the conformance file, at a W where +k and -k are
+    different ranks: the emitted module's ``PEER=`` lane (the kernel's member RANK + PEER,
+    0: none) is the peer dcpc.topology names, a signal's the destination (``along`` by its
+    offset, or its perm's table) and a wait's the rank whose signal reaches it
+    (``perm_sources``). Signal and wait turned round together would still pair up on the
+    torch backend and at W = 2 or 4, so the direction is pinned here."""
+    text = pipeline.run(FILE, pipeline.Options(worlds=[world]), until="emit").module_text
+    lines = text.splitlines()
+    steps = [next(iter(s.items())) for s in yaml.safe_load(FILE.read_text())["steps"]]
+    one_peer = [(n, b) for n, b in steps if b["op"] in ("signal", "wait")]
+    assert {n for n, _ in one_peer} >= {"free", "free_x", "freed", "freed_x"}
+    for name, body in one_peer:
+        if "perm" in body:
+            dests = table_at(body["perm"], world)
+        else:
+            k = {"next": 1, "prev": -1}.get(body["offset"], body["offset"])
+            dests = [along(r, world, k) for r in range(world)]
+        peers = dests if body["op"] == "signal" else perm_sources(dests)
+        launch = next(i for i, x in enumerate(lines) if x.strip().startswith(f"_{name}_kernel["))
+        lane = next(x.strip() for x in lines[launch:] if x.strip().startswith("PEER="))
+        for rank in range(world):
+            got = eval(lane.removeprefix("PEER=").rstrip(","),  # noqa: S307 (our module)
+                       {"self": SimpleNamespace(world=world, rank=rank)})
+            want = peers[rank] if peers[rank] not in (-1, rank) else rank  # none: PEER 0
+            assert along(rank, world, got) == want, (name, world, rank, lane)
+
+
+def test_a_perm_wait_no_signal_reaches_names_the_perms_as_written(tmp_path: Path) -> None:
+    """peer-mismatch names both perms as written (not their tables at one W: the same
+    words at every W, so one error) and the key the wait names its peers by."""
+    steps = ('  - free: {op: signal, perm: "W - 1 - r", channel: f}\n'
+             '  - freed: {op: wait, perm: "(r + 1) % W", channel: f}\n')
+    (found,) = _check(tmp_path, steps, [3, 4])
+    assert found.code == "peer-mismatch" and found.mark.line == 10, found
+    assert ("waits for 'perm (r + 1) % W' peers on channel 'f', but no signal on it goes "
+            "to them (step 'free' signals 'perm W - 1 - r' peers)") in found.message
+    assert found.hint == "use 'to: all' or 'perm (r + 1) % W' on 'free', or another 'perm' here"
+
+
+def test_a_perm_and_an_offset_alike_mod_w_pair_up(tmp_path: Path) -> None:
+    """In a file unrolled at one W (it has a perm), a wait by an offset polls a signal by a
+    perm that is the same translation mod W (`(r + W - 1) % W` and -1) or by an offset
+    alike mod W (2 and -2 at W = 4 only); the credit orders the push (the brute force
+    agrees). Checked at every W (no perm), 2 and -2 stay apart."""
+    push = ('  - send: {op: shift, src: kv, dst: kv_recv, perm: "(r + 1) % W"}\n'
+            "  - use: {op: external, reads: [kv_recv], writes: [out]}\n")
+    steps = push + ('  - free: {op: signal, perm: "(r + W - 1) % W", channel: f}\n'
+                    "  - freed: {op: wait, offset: -1, channel: f}\n")
+    assert _check(tmp_path, steps, [2, 3, 4, 5]) == []
+    for world, schedule in unrolled(HEAD + steps, (3, 4, 5)):
+        assert_brute_force_agrees(schedule, world, HEAD + steps)
+        assert oracle_keys(schedule, world) == set(), world
+    alike = ('  - two: {op: signal, offset: 2, channel: g}\n'
+             '  - back: {op: wait, offset: -2, channel: g}\n')
+    assert _check(tmp_path, steps + alike, [4]) == []
+    assert {d.code for d in _check(tmp_path, steps + alike, [5])} == {"peer-mismatch"}
+    assert {d.code for d in _check(tmp_path, alike, [4])} == {"peer-mismatch"}
