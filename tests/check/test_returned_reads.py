@@ -43,3 +43,28 @@ def test_two_gathers_into_one_buffer_with_no_read_between_are_refused() -> None:
     keys = {f.key for f in hb.check(schedule, [2]).findings}
     assert ("race", "write-after-read", "g", "gather", "again") in keys
     assert keys == oracle_keys(schedule, 2)
+
+
+# a second gather into g after a barrier, guarded off at W = 2 (issue 33 flaky23): it runs
+# on no rank there, but its method is still called on every rank and returns g as it
+# stands, which the engine reads (dcpc.harness.worker ``held``); rank 1's next call's
+# gather pushes into rank 0's g before that read (a run failed at call 4, 96 elements)
+SKIPPED = HEAD + ("  - landed: {op: barrier}\n"
+                  '  - again: {op: all_gather, src: y, dst: g, dim: 1, when: "W > 2"}\n')
+SKIPPED_RACE = ("race", "write-after-read", "g", "again", "gather")
+
+
+def test_the_return_of_a_method_that_runs_on_no_rank_is_still_read() -> None:
+    schedule = parse_text(SKIPPED)
+    for world in (2, 3):  # at W = 3 again runs; at W = 2 it runs nowhere, and still races
+        assert {f.key for f in hb.check(schedule, [world]).findings} == {SKIPPED_RACE}
+        assert oracle_keys(schedule, world) == {SKIPPED_RACE}
+    (finding,) = hb.check(schedule, [2]).findings
+    assert "the engine still reads what again on rank 0 (call 0) returned" in finding.message
+    assert finding.world == 2
+    # again is skipped on both ranks: rank 0 reads what its method returned there
+    assert finding.timeline[0].endswith("again (skipped) → reading g[rank 0, slot 0]"), \
+        finding.timeline
+    assert "again (skipped) | call 1 keep ✓ gather → writing" in finding.timeline[1]
+    fixed = parse_text(SKIPPED + "  - release: {op: barrier}\n")
+    assert hb.check(fixed, [2]).ok and oracle_keys(fixed, 2) == set()

@@ -16,7 +16,7 @@ from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, Torus, fit_worlds, mesh_of, shape_of, torus
-from dcpc.lang.model import Schedule
+from dcpc.lang.model import Schedule, Step
 from dcpc.lang.semantics import Region, Semantics
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     a, b = race.first, race.second
     steps = schedule.step_list()
     step_a, step_b = (steps[world.program.events[t.j].step] for t in (a, b))
-    guarded = wh.condition(step_a) is not None or wh.condition(step_b) is not None
+    guarded = _guarded(step_a, a) or _guarded(step_b, b)
     if not guarded and not any(_modelled_store(t) for t in (a, b)):
         return race
     n = int(world.world)
@@ -120,7 +120,8 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     on_a = on_b = every
     if guarded:
         running = wh.running(schedule, world.world)
-        on_a, on_b = running.get(step_a.index, every), running.get(step_b.index, every)
+        on_a, on_b = (running.get(s.index, every) if _guarded(s, t) else every
+                      for s, t in ((step_a, a), (step_b, b)))
         if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
             return None
         if schedule.mesh is not None:
@@ -145,6 +146,14 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
                 and made(b, d):
             return replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
     return race
+
+
+def _guarded(step: Step, t: Touch) -> bool:
+    """Whether access ``t`` of ``step`` happens only where the step's ``when:`` holds.
+    The engine's read of what a method returns (``Access.returned``) is not guarded: the
+    engine calls a guarded method on every rank, where it does not run too, and reads
+    what it returns there (dcpc.harness.worker ``held``; issue 33 flaky23)."""
+    return wh.condition(step) is not None and not t.access.returned
 
 
 def _modelled_store(t: Touch) -> Region | None:
