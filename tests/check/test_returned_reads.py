@@ -62,6 +62,9 @@ def test_the_return_of_a_method_that_runs_on_no_rank_is_still_read() -> None:
     (finding,) = hb.check(schedule, [2]).findings
     assert "the engine still reads what again on rank 0 (call 0) returned" in finding.message
     assert finding.world == 2
+    # the other access in the one wording of a returned read (report.access_text)
+    assert finding.first.text() == ("the engine reads what again on rank 0 (call 0) returned, "
+                                    f"g[rank 0, slot 0], at {finding.first.mark}")
     # again is skipped on both ranks: rank 0 reads what its method returned there
     assert finding.timeline[0].endswith("again (skipped) → reading g[rank 0, slot 0]"), \
         finding.timeline
