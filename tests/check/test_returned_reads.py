@@ -5,6 +5,7 @@ no barrier, whose run then returned the peer's next call's data)."""
 
 from __future__ import annotations
 
+from support.exec_oracle_agree import disagreements
 from support.hb_oracle import oracle_keys
 from support.schedules import GATHER_NO_BARRIER
 
@@ -59,6 +60,7 @@ def test_the_return_of_a_method_that_runs_on_no_rank_is_still_read() -> None:
     for world in (2, 3):  # at W = 3 again runs; at W = 2 it runs nowhere, and still races
         assert {f.key for f in hb.check(schedule, [world]).findings} == {SKIPPED_RACE}
         assert oracle_keys(schedule, world) == {SKIPPED_RACE}
+    assert disagreements(schedule, [2, 3]) == []  # the execution oracle runs into it too
     (finding,) = hb.check(schedule, [2]).findings
     assert "the engine still reads what again on rank 0 (call 0) returned" in finding.message
     assert finding.world == 2
