@@ -50,7 +50,8 @@ def check(
     worlds = sorted({w for w in fit_worlds(mesh_of(schedule), worlds) if w >= 1})
     program = lower(schedule, plan)
     # a when: reads the rank and W: which ranks run a step differs from W to W, so no W
-    # stands for another (races of a step that runs nowhere are dropped per W)
+    # stands for another (races of a step that runs nowhere are dropped per W, but for
+    # the engine's read of what its method returns: _guarded)
     every_world = every_world or any(
         getattr(s.op, "when", None) is not None for s in schedule.step_list())
     bound: int | list[int] = world_bound(program, calls)
@@ -107,7 +108,8 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     where it runs: clocks.Gates), and every translation of a race
     of that model is one (a rotation; on a mesh, of its torus); a race no translation
     fits is kept as found (another pair of the same groups may fit). None: a step of it
-    runs on no rank at this W, so no execution makes it. A guarded race on a mesh is
+    runs on no rank at this W, so no execution makes it (the engine's read of what a
+    method returns happens on every rank: ``_guarded``). A guarded race on a mesh is
     kept as found (its timeline marks no skipped step: ``_skipped``)."""
     a, b = race.first, race.second
     steps = schedule.step_list()
