@@ -96,6 +96,9 @@ class OStep:
     channel: str  # how findings name its channel
     axes: tuple[int, ...] | None = None  # the team's mesh axes; None: every axis
     when: tuple | None = None  # its when: condition (a dcpc.exprs AST): runs where it holds
+    # the engine's reads of what the method returns (the last of ``after``): made where
+    # the when: fails too (the method is called on every rank and returns what it holds)
+    returned: tuple[tuple[str, bool, tuple | None, int | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,9 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
             item = (buffer, _attr(e, "kind") == "write", part, _attr(e, "lands"))
             (after if _attr(e, "when") == "after" else before).append(item)
         # the engine reads what the method returns, at its return (dcpc.check.hb.events)
-        after.extend((b, False, None, None) for b in _attr(s, "returns") or () if b in tracked)
+        returned = tuple((b, False, None, None) for b in _attr(s, "returns") or ()
+                         if b in tracked)
+        after.extend(returned)
         sync = _attr(s, "sync")
         signal, wait, polls = (_attr(sync, "signal"), _attr(sync, "wait"),
                                _attr(sync, "polls")) if sync is not None else (None, None, None)
@@ -149,7 +154,7 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
                 _attr(plan_steps[polls], "name")
         when = (_attr(s, "attrs") or {}).get("when")
         steps.append(OStep(name, _attr(s, "index"), tuple(before), tuple(after), signal,
-                           wait, polls, channel, axes, _tuple(when)))
+                           wait, polls, channel, axes, _tuple(when), returned))
     slots = _attr(plan, "slots")
     sizes = {_attr(z, "name"): _attr(z, "value") for z in _attr(plan, "sizes") or ()
              if _attr(z, "kind") == "const"}
@@ -366,7 +371,12 @@ class _Compiled:
                  if e[3] is not None}
         for st in self.prog.steps:
             if not runs(self.prog, st, rank, world):
-                continue  # its when: fails here: no access, no signal, no wait
+                # its when: fails here: no signal, no wait, no access but the engine's
+                # read of what the method returns (issue 33 flaky23)
+                accs = self.accesses(st.returned, rank, slot, (st.index, 1))
+                if accs:
+                    out.append((0, accs))
+                continue
             for phase, effects in ((0, st.before), (1, st.after)):
                 if phase == 1 and st.wait is not None:
                     for p in peers(st.wait, rank, world, st.axes):

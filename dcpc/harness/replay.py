@@ -18,12 +18,23 @@ returned (dcpc.check.hb.events); the race is a peer's write landing in that buff
 before the engine read it. The replay holds ``first``'s rank *after* the step returned
 and before the harness compares what it returned, until ``second``'s write landed
 (the watch) or its step ran (the flag): the comparison then sees ``second``'s data.
-A returned read that is ``second`` (a read-after-write: the write is ``first``) needs
-no other rule: its race is the read made before the write, so ``first``'s rank is held
-before its writing step until the reader's step (its return compared) ran. Holding
-the reader after its return instead would let the write land before the comparison,
-the order the schedule means, and on one rank (two calls in flight sharing a buffer)
-its own step could never release it.
+A returned read that is ``second`` (a read-after-write: the write is ``first``) of the
+same call: its race is the read made before the write, so ``first``'s rank is held
+before its writing step until the reader's step (its return compared) ran.
+Of a later call than the write (two calls in flight sharing the buffer, review M1 of
+issue 33 flaky23): reading before the earlier call's write harms nothing by itself (the
+reader sees its own call's data); what goes wrong is that write landing late, after
+the later call's own write and before the reader's comparison. So the reader is held
+after its return (``at`` "after"), watching its instance, until the earlier call's
+write landed, and the run's order of the two calls in flight puts the later call's
+step before the earlier one's on every rank (adversary.plan_events ``lead``), so that
+the stale write comes after the later call's own. Where the writer is the reader's own
+rank, which runs one step at a time, the reader's return is compared before that rank
+can run the earlier call's step: no hold forces that comparison to see the stale write.
+The replay then holds the writer before its step as above (the stale write lands after
+the later call's own, where a later read of the buffer shows it) and says so
+(``Replay.unforced``): the run prints "NOT FORCED" with why, and an OK run is not
+presented as a shown race.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ class Replay:
     world: int
     calls: int  # calls the replay needs: its later call + 1
     at: str = "before"  # "after": the held access is the engine's read of the return
+    unforced: str = ""  # why the race's own read cannot be forced ("" where it can)
 
     def in_flight(self, schedule: Any) -> bool:
         """Whether the race is between two calls the interleaved order runs at once
@@ -136,7 +148,7 @@ def _access(path: str, where: str, value: Any, world: int) -> tuple[int, int, st
         raise _at(path, f"{where}.step", f"must name a step, got {step!r}")
     if access not in ("read", "write"):
         raise _at(path, f"{where}.access", f"must be read or write, got {access!r}")
-    if value.get("returned", False) is not False and (
+    if "returned" in value and (  # as the checker writes it: true on a read, or absent
             value["returned"] is not True or access != "read"):
         raise _at(path, f"{where}.returned", "must be true on a read (the engine's read of "
                   f"what the step returned) or absent, got {value['returned']!r}")
@@ -197,11 +209,20 @@ def plan(path: str, schedule_path: str, world: int | None) -> Replay:
             f"between {first[2]} on rank {first[0]} (call {first[1]}) and {second[2]} on rank "
             f"{second[0]} (call {second[1]}), W={w}) does not apply to {schedule_path}: "
             f"`dcpc check {schedule_path} --world {w}` finds no such race there")
-    owner = match.first.owner if match.first.owner >= 0 else None
-    watch = buffer if second[3] == "write" and owner == first[0] else None
-    return Replay(hold=first[:3], release=second[:3], watch=watch, text=match.message,
-                  world=w, calls=max(first[1], second[1]) + 1,
-                  at="after" if match.first.returned else "before")
+    held, other, at = first, second, "after" if match.first.returned else "before"
+    unforced = ""
+    if match.second.returned and first[1] < second[1]:  # a later call's return read
+        if first[0] != second[0]:  # after the earlier call's write (the docstring)
+            held, other, at = second, first, "after"
+        else:
+            unforced = (f"{second[2]} of call {second[1]} returns and is compared on rank "
+                        f"{second[0]} before that rank runs {first[2]} of call {first[1]} "
+                        "(one step at a time), so a replay cannot land the stale write "
+                        "before that comparison; only a later read of the buffer shows it")
+    owner = (match.second if held is second else match.first).owner
+    watch = buffer if other[3] == "write" and owner == held[0] else None
+    return Replay(hold=held[:3], release=other[:3], watch=watch, text=match.message,
+                  world=w, calls=max(first[1], second[1]) + 1, at=at, unforced=unforced)
 
 
 def _checker_finding(schedule_path: str, world: int, cls: Any, buffer: str,

@@ -439,6 +439,8 @@ def format_report(report: RunReport) -> str:
                   f"{'after its return' if c.replay.at == 'after' else 'before it'} until "
                   f"{rs} on rank {rr} "
                   f"(call {rc}) ran: {report.replay_outcome or 'never reached'}"]
+        if c.replay.unforced:
+            lines.append(f"           NOT FORCED at the race's own read: {c.replay.unforced}")
     lines.append("output        compared  mismatches  max abs err vs float64")
     for name, s in report.outputs.items():
         lines.append(f"  {name:<12}{s.compared:>8}  {s.mismatches:>10}  {s.max_abs_err:.3g}")
@@ -455,7 +457,8 @@ def format_report(report: RunReport) -> str:
                  f"({backend} backend {where}), {report.launch.wall_s:.1f} s "
                  f"wall, {cpu:.1f} s CPU over all ranks, compile {report.compile_s:.2f} s")
     lines += [f"error      {e}" for e in report.errors()]
-    unforced = c.replay is not None and not report.replay_outcome.startswith("released")
+    unforced = c.replay is not None and (not report.replay_outcome.startswith("released")
+                                         or bool(c.replay.unforced) and report.ok)
     lines.append(f"result     {'OK: every output matches' if report.ok else 'FAILED'}"
                  f" ({report.mismatches} mismatches)" + (
                      "; the replay's order was not forced, so this run does not show its race"
@@ -474,7 +477,8 @@ def report_record(report: RunReport) -> dict[str, Any]:
         "calls": c.calls, "seed": c.seed, "order": c.order, "programs": c.programs,
         "handshake": c.handshake,
         **({"replay": {"race": c.replay.text, "hold": list(c.replay.hold), "at": c.replay.at,
-                       "until": list(c.replay.release), "outcome": report.replay_outcome}}
+                       "until": list(c.replay.release), "outcome": report.replay_outcome,
+                       **({"unforced": c.replay.unforced} if c.replay.unforced else {})}}
            if c.replay is not None else {}),
         "sizes": report.sizes, "ok": report.ok, "mismatches": report.mismatches,
         "status": "ok" if report.ok else ("mismatch" if report.launch.ok else

@@ -111,6 +111,37 @@ def test_replay_of_a_returned_read_holds_after_the_return(tmp_path: Path) -> Non
                     g["first"]), result
 
 
+def test_replay_of_a_later_call_s_returned_read_forces_the_stale_write(tmp_path: Path) -> None:
+    """Two calls in flight sharing g (slots: 2, streams: per_slot, shared: true): the race
+    is the engine's read of what gather on rank 0 (call 1) returned before rank 1's gather
+    of call 0 finished writing rank 0's g. The read harms only once that earlier write
+    lands late, after call 1's own and before the comparison (review M1 of issue 33
+    flaky23: the writer held before its step said "released" and the run was OK): the
+    reader is held after its return until the stale write landed, call 1's gather run
+    first; the comparison of call 1 sees call 0's block."""
+    schedule = tmp_path / "gather_shared.yaml"
+    schedule.write_text(GATHER_NO_BARRIER.replace("slots: 1", "slots: 2\nstreams: per_slot")
+                        .replace("symmetric: true}", "symmetric: true, shared: true}"))
+    found = counterexample(schedule, tmp_path / "race.json")
+    finding = json.loads(found.read_text())["results"][0]["hb"]["findings"][0]
+    assert finding["class"] == "read-after-write" and finding["second"]["returned"] is True
+    assert (finding["first"]["call"], finding["second"]["call"]) == (0, 1), finding
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--world", "2", "--calls", "2", "--replay", str(found),
+                "--wait-timeout", "240", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("gather on rank 0 (call 1) held after its return until gather on rank 1 (call 0) "
+            "ran: released when g was written") in done.stdout, done.stdout
+    assert "NOT FORCED" not in done.stdout and "FAILED" in done.stdout, done.stdout
+    result = json.loads(record.read_text())[0]
+    assert result["replay"]["hold"] == [0, 1, "gather"] and result["replay"]["at"] == "after"
+    g = result["outputs"]["g"]
+    assert g["mismatches"] >= 1, result
+    # rank 1's block (columns 16..31) of call 1 on rank 0: call 0's, landed late
+    assert re.match(r"call 1 slot \d rank 0 \(gather\): g\[\d+, (1[6-9]|2\d|3[01])\] ",
+                    g["first"]), result
+
+
 def test_replay_on_the_fixed_twin_says_the_race_does_not_apply(no_ranks, capsys,
                                                                 tmp_path: Path) -> None:
     found = counterexample(WRONG, tmp_path / "race.json")
@@ -148,6 +179,7 @@ def _edit(data: dict, **first: object) -> dict:
     ({"step": "nowhere"}, "does not apply to"),
     ({"returned": "yes"}, "findings[0].first.returned: must be true on a read"),
     ({"returned": True}, "does not apply to"),  # attention's own read, not its return
+    ({"returned": False}, "findings[0].first.returned: must be true on a read"),  # unwritten
     ({"world": 99}, "findings[0].world: '99': group sizes must lie in 2..64 here, got 99"),
     ({"world": [2]}, "findings[0].world: must be a group size (W or a mesh shape"),
 ])
@@ -244,9 +276,10 @@ def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
     refused for a two-axis mesh, 'give a shape such as 2x2'), and the replay runs it.
     Its first race: the engine's read of what gather_in_node of call 1 returned on rank
     (0, 0) before rank (0, 1)'s push of call 0 into the shared q_node (a read-after-write
-    whose read is the returned one: the writer is held before its step until the
-    reader's step returned and was compared). Call 0's push then lands on top of call
-    1's block, and gather_nodes of call 1 sends call 0's heads on."""
+    whose read is the returned one of a later call: the reader is held after its return
+    until call 0's push landed, call 1's gather_in_node run first). Call 0's push lands on
+    top of call 1's block before the return is compared, and gather_nodes of call 1
+    sends call 0's heads on."""
     schedule = ROOT / "tests" / "gallery_twins" / "hierarchical_two_level.shared_hand_off.yaml"
     found = counterexample(schedule, tmp_path / "race.json")
     assert json.loads(found.read_text())["results"][0]["hb"]["findings"][0]["world"] == "2x2"
@@ -256,8 +289,10 @@ def test_replay_of_a_mesh_race_runs_on_its_shape(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     result = json.loads(record.read_text())[0]
     assert result["world"] == "2x2" and result["replay"]["outcome"].startswith("released")
-    assert (result["replay"]["hold"], result["replay"]["at"]) == ([1, 0, "gather_in_node"],
-                                                                  "before"), result
+    assert (result["replay"]["hold"], result["replay"]["at"]) == ([0, 1, "gather_in_node"],
+                                                                  "after"), result
+    assert result["outputs"]["q_node"]["first"].startswith(
+        "call 1 slot 0 rank 0 (gather_in_node): q_node"), result
     assert result["outputs"]["q_full"]["first"].startswith(
         "call 1 slot 0 rank 0 (gather_nodes): q_full"), result
 
@@ -301,3 +336,20 @@ def test_replay_of_a_perm_race_holds_ranks_the_table_joins(tmp_path: Path) -> No
     assert result["replay"]["until"] == [0, 1, "swap"], result["replay"]
     assert result["replay"]["outcome"].startswith("released"), result["replay"]
     assert result["outputs"]["s"]["first"].startswith("call 0 slot 0 rank 1 (swap): s"), result
+
+
+def test_a_later_call_s_return_read_on_the_writer_s_own_rank_says_it_is_not_forced(
+        tmp_path: Path) -> None:
+    """custom_all_reduce_two_shot.shared_tmp: the engine's read of what reduce_part of call
+    1 returned on rank 0 against rank 0's own reduce_part of call 0. One rank runs one step
+    at a time: its call-1 return is compared before it can run call 0's step, so no hold
+    lands the stale write before that comparison. The writer is held before its step (the
+    stale write lands after call 1's own, where gather reads it: the gallery replay test)
+    and the replay says the race's own read is NOT FORCED, and why."""
+    from dcpc.harness.replay import plan
+
+    twin = ROOT / "tests" / "gallery_twins" / "custom_all_reduce_two_shot.shared_tmp.yaml"
+    replay = plan(str(counterexample(twin, tmp_path / "race.json")), str(twin), None)
+    assert (replay.hold, replay.release, replay.at) == ((0, 0, "reduce_part"),
+                                                        (0, 1, "reduce_part"), "before")
+    assert "one step at a time" in replay.unforced, replay

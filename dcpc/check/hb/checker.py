@@ -16,7 +16,7 @@ from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, Torus, fit_worlds, mesh_of, shape_of, torus
-from dcpc.lang.model import Schedule
+from dcpc.lang.model import Schedule, Step
 from dcpc.lang.semantics import Region, Semantics
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ def check(
     worlds = sorted({w for w in fit_worlds(mesh_of(schedule), worlds) if w >= 1})
     program = lower(schedule, plan)
     # a when: reads the rank and W: which ranks run a step differs from W to W, so no W
-    # stands for another (races of a step that runs nowhere are dropped per W)
+    # stands for another (races of a step that runs nowhere are dropped per W, but for
+    # the engine's read of what its method returns: _guarded)
     every_world = every_world or any(
         getattr(s.op, "when", None) is not None for s in schedule.step_list())
     bound: int | list[int] = world_bound(program, calls)
@@ -107,12 +108,13 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     where it runs: clocks.Gates), and every translation of a race
     of that model is one (a rotation; on a mesh, of its torus); a race no translation
     fits is kept as found (another pair of the same groups may fit). None: a step of it
-    runs on no rank at this W, so no execution makes it. A guarded race on a mesh is
+    runs on no rank at this W, so no execution makes it (the engine's read of what a
+    method returns happens on every rank: ``_guarded``). A guarded race on a mesh is
     kept as found (its timeline marks no skipped step: ``_skipped``)."""
     a, b = race.first, race.second
     steps = schedule.step_list()
     step_a, step_b = (steps[world.program.events[t.j].step] for t in (a, b))
-    guarded = wh.condition(step_a) is not None or wh.condition(step_b) is not None
+    guarded = _guarded(step_a, a) or _guarded(step_b, b)
     if not guarded and not any(_modelled_store(t) for t in (a, b)):
         return race
     n = int(world.world)
@@ -120,7 +122,8 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     on_a = on_b = every
     if guarded:
         running = wh.running(schedule, world.world)
-        on_a, on_b = running.get(step_a.index, every), running.get(step_b.index, every)
+        on_a, on_b = (running.get(s.index, every) if _guarded(s, t) else every
+                      for s, t in ((step_a, a), (step_b, b)))
         if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
             return None
         if schedule.mesh is not None:
@@ -145,6 +148,14 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
                 and made(b, d):
             return replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
     return race
+
+
+def _guarded(step: Step, t: Touch) -> bool:
+    """Whether access ``t`` of ``step`` happens only where the step's ``when:`` holds.
+    The engine's read of what a method returns (``Access.returned``) is not guarded: the
+    engine calls a guarded method on every rank, where it does not run too, and reads
+    what it returns there (dcpc.harness.worker ``held``; issue 33 flaky23)."""
+    return wh.condition(step) is not None and not t.access.returned
 
 
 def _modelled_store(t: Touch) -> Region | None:

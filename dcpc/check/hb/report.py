@@ -38,6 +38,9 @@ class Location:
 
     def text(self) -> str:
         who = self.rank_name or f"rank {self.rank}"
+        if self.returned:  # the engine's read of what the step returned: the one wording
+            return (access_text(self, who, "reads", self.region)
+                    + f" at {self.mark}")
         return (f"{self.step} on {who}, call {self.call} (slot {self.slot}) "
                 f"{self.access}s {self.region}, at {self.mark}")
 

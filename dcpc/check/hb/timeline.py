@@ -85,8 +85,9 @@ def _stream_text(world: World, positions: list[int], count: int, note: str | Non
                 continue
             started = any(p in done for p in own)
             # a started step has sent; it waits unless what runs next is past its wait
-            label = name + ((" (sent)" if nxt in own and note else " (sent, waiting)")
-                            if started else "")
+            # a skipped step's method still returns what it holds: the engine reads it
+            label = name + ((" (skipped)" if (rank, step) in world.skipped else " (sent)"
+                             if nxt in own and note else " (sent, waiting)") if started else "")
             if nxt in own and (note or not started):
                 label += " " + (note or "(next)")
             items.append(label)
