@@ -113,15 +113,26 @@ def test_counterexamples_of_random_guarded_credits_can_happen(data: st.DataObjec
 
 
 def _corpus() -> list[Path]:
-    """Every file of tests/ and schedules/ with a when: (only there may a counterexample's
-    ranks differ from the model's; the others' cuts are the clocks' own)."""
+    """Every file of tests/ and schedules/ with a when: (there a counterexample's ranks
+    may differ from the model's), every gallery twin and every wrong file of the race
+    corpus (tests/hb_corpus, not the .fixed twins)."""
     files = sorted([*ROOT.glob("schedules/**/*.yaml"), *ROOT.glob("tests/**/*.yaml")])
-    return [p for p in files if b"when:" in p.read_bytes()]
+    wrong = [*ROOT.glob("tests/gallery_twins/*.yaml"), *ROOT.glob("tests/hb_corpus/*.yaml")]
+    return [pytest.param(p, id=p.name, marks=[pytest.mark.skip(reason=ORACLE_GAPS[p.name])]
+                         if p.name in ORACLE_GAPS else [])
+            for p in files if b"when:" in p.read_bytes()
+            or (p in wrong and not p.name.endswith(".fixed.yaml"))]
 
 
-@pytest.mark.parametrize("path", _corpus(), ids=lambda p: p.name)
-def test_every_guarded_file_s_counterexamples_can_happen(path: Path) -> None:
-    """Each race a guarded file of the corpus is refused with, at W = 2, 3, 4, replays."""
+# files with an op the brute-force oracle does not lower (support.hb_oracle)
+ORACLE_GAPS = {"custom_all_reduce.no_end_barrier.yaml": "the oracle has no `sum` op",
+               "pcp_prefill.no_release.yaml": "the oracle has no all_gather of a list"}
+
+
+@pytest.mark.parametrize("path", _corpus())
+def test_every_guarded_or_wrong_file_s_counterexamples_can_happen(path: Path) -> None:
+    """Each race such a file is refused with, at W = 2, 3, 4, replays (a mesh's, whose
+    timeline names coordinates, is left out)."""
     for world in (2, 3, 4):
         try:
             schedule = parse_text(path.read_text(errors="replace"), str(path), world=world)
