@@ -144,3 +144,34 @@ def test_every_guarded_or_wrong_file_s_counterexamples_can_happen(path: Path) ->
         for f in _races(schedule, world):
             found = violations(schedule, f)
             assert found in ([], None), (world, f["timeline"], found)
+
+
+def test_replay_of_the_guarded_credit_race_holds_the_ranks_that_race(tmp_path: Path) -> None:
+    """``dcpc run --replay`` of race3m's counterexample at W = 4 (host: real processes)
+    holds rank 1 (which skips the signal) after its send of call 0 returned, until rank 0
+    (which skips the wait) pushed call 1: released, and rank 1's s shows the wrong data.
+    The counterexample before cex23 held rank 0 for rank 3, whose wait orders its push
+    after rank 0's credit: never released (NOT FORCED)."""
+    import json
+    import subprocess
+    import sys
+
+    schedule = tmp_path / "race3m.yaml"
+    schedule.write_text(RACE3M)
+
+    def dcpc(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dcpc", *args], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
+
+    found = dcpc("check", str(schedule), "--world", "4", "--format", "json")
+    assert found.returncode == 1, found.stdout + found.stderr
+    (tmp_path / "race.json").write_text(found.stdout)
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--backend", "host", "--calls", "2", "--replay",
+                str(tmp_path / "race.json"), "--wait-timeout", "240", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "released when s was written" in done.stdout and "NOT FORCED" not in done.stdout
+    result = json.loads(record.read_text())[0]
+    assert result["replay"]["hold"][:2] == [1, 0] and result["replay"]["until"][:2] == [0, 1]
+    assert result["outputs"]["s"]["mismatches"] >= 1, result
+    assert result["outputs"]["s"]["first"].startswith("call 0 slot 0 rank 1 (send)"), result
