@@ -12,6 +12,7 @@ from dcpc.check.hb.clocks import World, analyze, gates
 from dcpc.check.hb.deadlock import find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
+from dcpc.check.hb.legal import Execution
 from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
 from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
 from dcpc.lang import when as wh
@@ -66,6 +67,8 @@ def check(
     for w in analysed:
         world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
+        if world.skipped:  # the counterexample's cuts: what the ranks really do
+            world.execution = Execution(world, wh.running(schedule, w))
         events += w * len(world.live)
         for dead in find_deadlocks(world):
             if dead.key(world) not in findings:
@@ -115,7 +118,8 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     steps = schedule.step_list()
     step_a, step_b = (steps[world.program.events[t.j].step] for t in (a, b))
     guarded = _guarded(step_a, a) or _guarded(step_b, b)
-    if not guarded and not any(_modelled_store(t) for t in (a, b)):
+    execution = world.execution  # some rank skips a guarded step (its sync, maybe)
+    if not guarded and execution is None and not any(_modelled_store(t) for t in (a, b)):
         return race
     n = int(world.world)
     every = frozenset(range(n))
@@ -143,11 +147,14 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
         team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
         return team[region.dim] == rank
 
-    for d in range(n):
-        if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b and made(a, d) \
-                and made(b, d):
-            return replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
-    return race
+    fits = [replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
+            for d in range(n) if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b
+            and made(a, d) and made(b, d)]
+    if execution is not None:  # the first translation the ranks' real steps allow
+        legal = next((f for f in fits if execution.unordered(f) is not None), None)
+        if legal is not None:
+            return legal
+    return fits[0] if fits else race
 
 
 def _guarded(step: Step, t: Touch) -> bool:

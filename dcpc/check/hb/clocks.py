@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dcpc.check.hb.events import Program, match_waits
 from dcpc.lang import when as wh
@@ -59,6 +60,9 @@ class World:
     # counterexample shows them skipped, not done (dcpc.check.hb.checker sets it)
     skipped: frozenset[tuple[int, int]] = field(default=frozenset(), compare=False,
                                                 repr=False)
+    # where some rank skips a guarded step: the real per-rank execution, whose cuts the
+    # counterexample shows (dcpc.check.hb.legal.Execution); None: the clocks' cuts are it
+    execution: Any = field(default=None, compare=False, repr=False)
 
     @property
     def n(self) -> int:

@@ -29,7 +29,11 @@ def stream_positions(world: World, stream: int) -> list[int]:
 
 
 def strict_predecessors(world: World, rank: int, pos: int) -> list[int]:
-    """The cut of events strictly before (rank, pos): a count per (rank q, stream s)."""
+    """The cut of events strictly before (rank, pos): a count per (rank q, stream s);
+    where ranks skip guarded steps, the one their real steps allow (``World.execution``)."""
+    real = world.execution.before(rank, pos) if world.execution is not None else None
+    if real is not None:
+        return list(real)
     cut = world.rotated(pos, rank)
     call, _ = divmod(pos, world.n)
     cut[rank * world.streams + world.program.stream(call)] -= 1

@@ -1,0 +1,127 @@
+"""The execution a counterexample shows, rank by rank, under the ``when:`` guards.
+
+The clocks (dcpc.check.hb.clocks) model every rank alike: a guarded wait orders only
+what runs after it where it runs (``Gates``), which keeps the verdict sound, but the
+cut those clocks give one rank's event is not what a guarded schedule lets happen on
+each rank (issue 33, cex23: a rank shown past a wait whose signal its peer, which
+skips nothing, had not sent yet). ``Execution`` redoes the cut from the real per-rank
+steps: on rank r a step whose ``when:`` fails neither waits, nor signals, nor touches
+anything; a wait of rank r needs, from each rank its peers name on r (all, next,
+prev, an offset, "line" without wrap, a perm's table), that rank's signal of the
+polled step in the same call, which must run there and reach r.
+
+    Execution(world, running).before(rank, pos) -> cut | None
+    Execution(world, running).unordered(race) -> (cut_a, cut_b) | None
+
+One axis only (a mesh keeps the model's ranks: dcpc.check.hb.checker).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dcpc.check.hb.races import RawRace, Touch
+from dcpc.lang.model import Peers
+from dcpc.ops.common import peer_offset, perm_table
+
+if TYPE_CHECKING:
+    from dcpc.check.hb.clocks import World
+
+
+def peers_of(spec: Peers | str, rank: int, world: int) -> list[int]:
+    """The ranks a sync's peers spec names on ``rank``: a signal's targets, a wait's
+    sources (a perm's wait spec is its table of sources: dcpc.ops.common)."""
+    spec = spec.value if isinstance(spec, Peers) else spec
+    if spec == Peers.all.value:
+        return [p for p in range(world) if p != rank]
+    table = perm_table(spec)
+    if table is not None:
+        p = table[rank] if rank < len(table) else -1
+        return [p] if 0 <= p < world and p != rank else []
+    k, wrap = peer_offset(spec)
+    p = (rank + k) % world if wrap else rank + k
+    return [p] if 0 <= p < world and p != rank else []
+
+
+class Execution:
+    """The real per-rank steps of one W: ``running`` is step index -> the ranks it runs
+    on, for every guarded step (dcpc.lang.when.running)."""
+
+    def __init__(self, world: World, running: dict[int, frozenset[int]]):
+        self.world, self.running = world, running
+        program = world.program
+        self.signal_of = {e.signal[0]: j for j, e in enumerate(program.events)
+                          if e.signal is not None}
+        self.cuts: dict[tuple[int, int], list[int] | None] = {}
+
+    def runs(self, rank: int, j: int) -> bool:
+        """Whether event j's step runs on ``rank``."""
+        ranks = self.running.get(self.world.program.events[j].step)
+        return ranks is None or rank in ranks
+
+    def before(self, rank: int, pos: int) -> list[int] | None:
+        """The events strictly before event ``pos`` (call*n + j) of ``rank``, closed under
+        what the ranks really do: a count per (rank q, stream s), as
+        timeline.strict_predecessors gives; None when a wait in it is never signalled."""
+        if (rank, pos) not in self.cuts:
+            self.cuts[(rank, pos)] = self._before(rank, pos)
+        return self.cuts[(rank, pos)]
+
+    def _before(self, rank: int, pos: int) -> list[int] | None:
+        from dcpc.check.hb.timeline import stream_positions
+
+        world, program = self.world, self.world.program
+        n, streams, w = world.n, world.streams, int(world.world)
+        events = program.events
+        cut = [0] * (w * streams)
+        call, j = divmod(pos, n)
+        work = [(rank, program.stream(call), program.stream_index(call, j))]
+        while work:
+            q, s, upto = work.pop()
+            row = q * streams + s
+            start = cut[row]
+            if upto <= start:
+                continue
+            cut[row] = upto
+            for p in stream_positions(world, s)[start:upto]:
+                c, i = divmod(p, n)
+                wait = events[i].wait
+                if wait is None or not self.runs(q, i):
+                    continue
+                js = self.signal_of.get(wait[0])
+                for src in peers_of(wait[1], q, w):
+                    sent = events[js].signal if js is not None else None
+                    if sent is None or not self.runs(src, js) \
+                            or q not in peers_of(sent[1], src, w):  # type: ignore[arg-type]
+                        return None
+                    work.append((src, program.stream(c), program.stream_index(c, js) + 1))
+        return cut
+
+    def unordered(self, race: RawRace) -> tuple[list[int], list[int]] | None:
+        """Both accesses' cuts (``before``) when the race happens on its ranks as named:
+        both steps run there, every wait before them is signalled, and neither access
+        ends (a store in flight: at its owner's wait that lands it) before the other
+        starts; else None."""
+        world, program = self.world, self.world.program
+        a, b = race.first, race.second
+        if not (self.runs(a.rank, a.j) and self.runs(b.rank, b.j)):
+            return None
+        pa, pb = world.pos(a.call, a.j), world.pos(b.call, b.j)
+        cut_a, cut_b = self.before(a.rank, pa), self.before(b.rank, pb)
+        if cut_a is None or cut_b is None:
+            return None
+
+        def end(t: Touch) -> tuple[int, int]:
+            if t.access.lands is None:
+                return t.rank, world.pos(t.call, t.j)
+            return t.owner, world.pos(t.call, program.recv_of[t.access.lands])
+
+        def ordered(x: tuple[int, int], rank: int, pos: int, cut: list[int]) -> bool:
+            if x == (rank, pos):
+                return True
+            c, i = divmod(x[1], world.n)
+            return cut[x[0] * world.streams + program.stream(c)] > program.stream_index(c, i)
+
+        if ordered(end(a), b.rank, pb, cut_b) or ordered(end(b), a.rank, pa, cut_a):
+            return None
+        return cut_a, cut_b
