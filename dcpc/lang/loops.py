@@ -166,7 +166,7 @@ _BY_OFFSET = {shift.DEF.name: ("shifts", "sends every rank's data to itself"),
 def _offset_expr(body: Any) -> str | None:
     """A shift's (or a signal's, a wait's) ``offset`` when it is an expression (not an
     integer, next or prev): the unroller evaluates it."""
-    if not isinstance(body, dict) or body.get("op") not in _PEERED:
+    if not _peered(body):
         return None
     offset = body.get("offset")
     return offset if isinstance(offset, str) and offset not in shift.NAMED else None
@@ -176,9 +176,16 @@ def _perm(body: Any) -> Any:
     """A shift's (or a signal's, a wait's) ``perm`` (any form; None without one): the
     unroller turns it into the destination table at each W, so a perm makes the file one
     schedule per W."""
-    if not isinstance(body, dict) or body.get("op") not in _PEERED:
+    if not _peered(body):
         return None
     return body.get("perm")
+
+
+def _peered(body: Any) -> bool:
+    """Whether ``body`` is a step whose op names one peer by an offset or a perm (any
+    value of ``op``, a list from a hostile file too, is looked at safely)."""
+    return isinstance(body, dict) and isinstance(body.get("op"), str) \
+        and body["op"] in _PEERED
 
 
 def _team_w(body: Any, data: Any) -> str | int | None:
