@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from dcpc.check.hb.races import RawRace, Touch
 from dcpc.lang.model import Peers
 from dcpc.ops.common import peer_offset, perm_table
+from dcpc.topology import along
 
 if TYPE_CHECKING:
     from dcpc.check.hb.clocks import World
@@ -38,9 +39,8 @@ def peers_of(spec: Peers | str, rank: int, world: int) -> list[int]:
     if table is not None:
         p = table[rank] if rank < len(table) else -1
         return [p] if 0 <= p < world and p != rank else []
-    k, wrap = peer_offset(spec)
-    p = (rank + k) % world if wrap else rank + k
-    return [p] if 0 <= p < world and p != rank else []
+    p = along(rank, world, *peer_offset(spec))
+    return [p] if p is not None and p != rank else []
 
 
 class Execution:
