@@ -109,17 +109,18 @@ def claims_of(twin: Path) -> str:
 
 
 @cache
-def checked(twin: Path, text: str, claims: str) -> tuple[int, str]:
-    """`dcpc check TWIN --world CLAIMS --format json`: its exit code and output, once per
-    twin for the refusal test and the replay test both (keyed by the twin's text and the
-    worlds too: all that decides the check)."""
+def checked(twin: Path, text: str, claims: str) -> tuple[int, str, str]:
+    """`dcpc check TWIN --world CLAIMS --format json`: its exit code, its JSON (stdout) and
+    all it wrote (stderr too, for a failure's message), once per twin for the refusal test
+    and the replay test both (keyed by the twin's text and the worlds too: all that
+    decides the check)."""
     del text  # a key only: the check reads the file
     result = CliRunner().invoke(main, ["check", str(twin), "--world", claims,
                                        "--format", "json"])
-    return result.exit_code, result.stdout
+    return result.exit_code, result.stdout, result.output
 
 
-def check_twin(twin: Path) -> tuple[int, str]:
+def check_twin(twin: Path) -> tuple[int, str, str]:
     return checked(twin, twin.read_text(), claims_of(twin))
 
 
@@ -128,8 +129,8 @@ def test_wrong_twin_is_refused_with_its_class(twin: Path) -> None:
     """Refused by the pipeline (check, lower, hb) at every world its gallery file claims,
     with a diagnostic of the twin's code whose message holds every word."""
     code, *words = (header(twin, "expect") or "").split()
-    exit_code, output = check_twin(twin)
-    assert exit_code == 1, output
+    exit_code, output, said = check_twin(twin)
+    assert exit_code == 1, said
     (result,) = json.loads(output)["results"]
     assert not result["ok"], output
     found = [d for d in result["diagnostics"] if d["code"] == code]
@@ -148,8 +149,8 @@ def test_wrong_twin_s_replayed_race_shows_wrong_data(twin: Path, tmp_path: Path)
     test's check), then its first race replayed on real ranks (host backend): the held
     step reads or keeps the raced instance's wrong data."""
     output, first = (header(twin, "replay") or "").split(" ", 1)
-    exit_code, checked_json = check_twin(twin)
-    assert exit_code == 1, checked_json
+    exit_code, checked_json, said = check_twin(twin)
+    assert exit_code == 1, said
     found = tmp_path / "race.json"
     found.write_text(checked_json)
     replay = plan(str(found), str(twin), None)
