@@ -6,7 +6,7 @@ functions import torch when called)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,8 @@ FP8_FORMATS = {"fp8e4m3": (FP8_E4M3_MAX, 3, -6), "fp8e5m2": (57344.0, 2, -14)}
 # default; "deepep": DeepEP's low-latency dispatch (csrc/kernels/legacy/internode_ll.cu,
 # calculate_fp8_scales in utils.cuh) with round_scale=False, "deepep_round_scale" with
 # round_scale=True (powers of two: its UE8M0 scales' values). token_scales makes them.
-SCALE_RULES = {"dcpc": False, "deepep": True, "deepep_round_scale": True}
+ScaleRule = Literal["dcpc", "deepep", "deepep_round_scale"]
+SCALE_RULES: dict[ScaleRule, bool] = {"dcpc": False, "deepep": True, "deepep_round_scale": True}
 
 
 def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3", even: bool = False) -> torch.Tensor:
@@ -111,7 +112,7 @@ def scale_fault(value: float) -> str | None:
 
 
 def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None = None,
-                 rule: str = "dcpc") -> tuple[torch.Tensor, torch.Tensor]:
+                 rule: ScaleRule = "dcpc") -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, inverse) of each group of ``group`` channels of each row (last dim) for a
     cast into fp8 ``dtype``, in fp32: ``amax = max(|group|, SCALE_FLOOR)``, ``scale =
     amax / top``, ``inverse = top / amax`` (top: FP8_FORMATS' largest finite value, 448

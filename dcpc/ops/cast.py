@@ -14,7 +14,9 @@ Two casts, by the pair of dtypes (anything else is ``bad-cast``; a dtype change 
   consecutive channels of a row (DeepEP's and DeepSeek-V3's per-128-channel scales),
   ``s`` with ``dst``'s shape, its last dim divided by G (dcpc.numerics.token_scales: the
   whole row is the one-group case). ``per: tensor``: ``s`` is a ``[1]`` f32 scale read
-  on the sender (a static scale): ``round_fp8(x * (1 / s[0]))``.
+  on the sender (a static scale): ``round_fp8(x * (1 / s[0]))``. ``rule:`` (per token):
+  how the scales are made and the values round, ``dcpc`` (the above) or DeepEP's
+  ``deepep`` / ``deepep_round_scale`` (dcpc.numerics.SCALE_RULES, token_scales).
 - dequantise (fp8e4m3 or fp8e5m2 ``src`` -> bf16, f16 or f32 ``dst``), on the push: ``dst = q *
   scale`` in fp32, rounded once into dst (to nearest even); ``per: token``: ``s`` is
   f32 with ``src``'s shape without its last dim (with ``group``: its last dim divided
@@ -36,7 +38,7 @@ from pydantic import Field
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, Node, OpBase, int_sizes
-from dcpc.numerics import FP8_FORMATS, SCALE_RULES
+from dcpc.numerics import FP8_FORMATS, SCALE_RULES, ScaleRule
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -55,8 +57,8 @@ class Scale(Node):
     buffer: Name = Field(description="f32: [1] (tensor), or the rows' shape (token)")
     group: Int | None = Field(default=None, description="per token: one scale per this "
                               "many channels (a power of two, e.g. DeepEP's 128)")
-    rule: str = Field(default="dcpc", description="a per-token quantise's rule: dcpc, "
-                      "deepep or deepep_round_scale (dcpc.numerics.SCALE_RULES)")
+    rule: ScaleRule = Field(default="dcpc", description="how a per-token quantise makes "
+                            "its scales and rounds (dcpc.numerics.SCALE_RULES)")
 
 
 def _pair(a: str, b: str) -> str | None:
@@ -180,15 +182,9 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
 
 def _rule(v: ShapeRules, scale: Scale, way: str) -> None:
     """A ``rule`` other than dcpc's names how a per-token quantise makes its scales and
-    rounds (SCALE_RULES); a name not there, or a rule on a cast that makes no scale (per
-    tensor, a dequantise), is refused at ``rule``."""
-    if scale.rule not in SCALE_RULES:
-        v.error(scale.mark("rule"), "bad-scale",
-                f"step '{v.step.name}' names the scale rule '{scale.rule}'; a rule is "
-                + ", ".join(SCALE_RULES),
-                hint="write 'rule: deepep' (DeepEP's low-latency fp8 dispatch), 'rule: "
-                "deepep_round_scale' (its round_scale=True) or drop 'rule'")
-    elif scale.rule != "dcpc" and (scale.per != "token" or way != "quantise"):
+    rounds (SCALE_RULES; another name is the parser's ``bad-value``); on a cast that
+    makes no scale (per tensor, a dequantise) it is refused at ``rule``."""
+    if scale.rule != "dcpc" and (scale.per != "token" or way != "quantise"):
         v.error(scale.mark("rule"), "bad-scale",
                 f"step '{v.step.name}' gives its {way} per {scale.per} the rule "
                 f"'{scale.rule}'; a rule makes the scales of a quantise per token",
@@ -269,7 +265,7 @@ def _no_tile(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list) -> None:
 
 
 def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None, dtype: str,
-                  group: int | None = None, rule: str = "dcpc"
+                  group: int | None = None, rule: ScaleRule = "dcpc"
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the fp8 ``dtype`` values of rows ``x`` as a float64 tensor, the per-row scales
     sent) for a quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor);

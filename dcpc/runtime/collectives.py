@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dcpc.exprs import ragged_slot
-from dcpc.numerics import ieee_max
+from dcpc.numerics import ScaleRule, ieee_max
 from dcpc.runtime import merge
 from dcpc.runtime.errors import DcpcArgumentError, DcpcCollectiveError
 from dcpc.topology import along, perm_sources
@@ -487,7 +487,7 @@ def ragged_all_to_all(
     groups: int = 1,
     combine: bool = False,
     group: int | None = None,
-    rule: str = "dcpc",
+    rule: ScaleRule = "dcpc",
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
@@ -569,7 +569,7 @@ def weighted_combine(
 
 
 def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.dtype,
-          group: int | None = None, rule: str = "dcpc"
+          group: int | None = None, rule: ScaleRule = "dcpc"
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` ([..., row]) cast as the kernels' CAST does (dcpc/ops/cast.py), in ``dtype``,
     and the per-row (per ``group`` channels) scales a per-token quantise sends along."""
@@ -599,7 +599,7 @@ def cast_all_to_all(
     cast: int,
     scale: torch.Tensor,
     group: int | None = None,
-    rule: str = "dcpc",
+    rule: ScaleRule = "dcpc",
 ) -> None:
     """An all_to_all with a cast (one payload along dim 0): part j of src (``rows`` rows)
     lands cast in dst[rank] on rank j; a per-token quantise's scales in scale[rank]."""
