@@ -144,6 +144,15 @@ def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None =
     return ((e + 127) << 23).view(torch.float32), ((127 - e) << 23).view(torch.float32)
 
 
+def quantise_tokens(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None = None,
+                    rule: ScaleRule = "dcpc") -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp8 ``dtype`` values of ``rows`` in fp32, the scales sent) of a per-token
+    quantise by ``rule`` (token_scales; the values rounded as SCALE_RULES says): the one
+    rule of the float64 reference (dcpc.ops.cast) and the torch backend."""
+    scale, inverse = token_scales(rows, dtype, group, rule)
+    return round_fp8(rows.float() * spread(inverse, group), dtype, SCALE_RULES[rule]), scale
+
+
 def spread(scales: torch.Tensor, group: int | None) -> torch.Tensor:
     """``token_scales``' per-group values on every channel of their group (broadcastable
     against the rows): per token ``s[..., None]``; per group ``s[..., c // group]``."""

@@ -38,7 +38,7 @@ from pydantic import Field
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, Node, OpBase, int_sizes
-from dcpc.numerics import FP8_FORMATS, SCALE_RULES, ScaleRule
+from dcpc.numerics import FP8_FORMATS, ScaleRule
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -272,11 +272,10 @@ def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None, dtype: 
     ``group``: per token, one scale per ``group`` channels (the scales' last dim H / group);
     ``rule``: per token, how the scales are made and the values round (SCALE_RULES)."""
 
-    from dcpc.numerics import quantize_fp8, reference_scale, round_fp8, spread, token_scales
+    from dcpc.numerics import quantise_tokens, quantize_fp8, reference_scale
 
     if per == "token":
-        sent, inverse = token_scales(x, dtype, group, rule)
-        q = round_fp8(x.float() * spread(inverse, group), dtype, SCALE_RULES[rule])
+        q, sent = quantise_tokens(x, dtype, group, rule)
         return q.double(), sent.double()
     assert scale is not None
     s = reference_scale(scale, "the cast's per-tensor scale")

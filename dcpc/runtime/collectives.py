@@ -573,13 +573,11 @@ def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.d
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` ([..., row]) cast as the kernels' CAST does (dcpc/ops/cast.py), in ``dtype``,
     and the per-row (per ``group`` channels) scales a per-token quantise sends along."""
-    from dcpc.numerics import SCALE_RULES, round_fp8, spread, token_scales
+    from dcpc.numerics import quantise_tokens, spread
 
     row_scales = None
     if cast == 1:
-        fmt = merge.fp8_format(dtype)
-        row_scales, inverse = token_scales(x, fmt, group, rule)
-        x = round_fp8(x.float() * spread(inverse, group), fmt, SCALE_RULES[rule])
+        x, row_scales = quantise_tokens(x, merge.fp8_format(dtype), group, rule)
     elif cast == 2:
         assert scale is not None
         x = merge.quantize(x, scale, dtype)
