@@ -6,7 +6,7 @@ functions import torch when called)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -29,9 +29,20 @@ SCALE_FLOOR = 1e-4  # a token's amax below this is taken as this (DeepEP's floor
 FP8_FORMATS = {"fp8e4m3": (FP8_E4M3_MAX, 3, -6), "fp8e5m2": (57344.0, 2, -14)}
 
 
-def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3") -> torch.Tensor:
+# a per-token cast's rule (``scale: {rule: ...}``, dcpc/ops/cast.py): how a group's scale
+# is made and how its values round, by name; the tie of each (True: to even). "dcpc" the
+# default; "deepep": DeepEP's low-latency dispatch (csrc/kernels/legacy/internode_ll.cu,
+# calculate_fp8_scales in utils.cuh) with round_scale=False, "deepep_round_scale" with
+# round_scale=True (powers of two: its UE8M0 scales' values). token_scales makes them.
+ScaleRule = Literal["dcpc", "deepep", "deepep_round_scale"]
+SCALE_RULES: dict[ScaleRule, bool] = {"dcpc": False, "deepep": True, "deepep_round_scale": True}
+
+
+def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3", even: bool = False) -> torch.Tensor:
     """fp32 ``y`` clamped to the finite range of fp8 ``dtype`` (+-448 e4m3, +-57344 e5m2:
-    saturated, an inf too) and rounded to its grid, ties away from zero (3 or 2 mantissa
+    saturated, an inf too) and rounded to its grid, ties away from zero (``even``: ties to
+    even, a GPU's ``__nv_cvt_float2_to_fp8x2(.., __NV_SATFINITE, ..)`` as DeepEP
+    converts; the clamp first is the same saturation) (3 or 2 mantissa
     bits; below the smallest normal, 2**-6 or 2**-14, the subnormal grid 2**-9 or
     2**-16); NaN stays NaN (one NaN, positive, byte
     0x7F, whatever sign the NaN had: x86 makes inf * 0 a negative NaN, a GPU a positive
@@ -49,7 +60,9 @@ def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3") -> torch.Tensor:
            ).view(torch.float32)
     x = y.abs() / ulp  # exact (a power of two); x - floor(x) too, where x + 0.5 rounds
     t = torch.floor(x)  # (0.5 - 2**-25 + 0.5 is 1.0 in fp32): the half compared apart
-    r = torch.where(x - t >= 0.5, t + 1.0, t) * ulp
+    half = x - t
+    up = (half > 0.5) | ((half == 0.5) & ((t % 2 == 1) if even else True))
+    r = torch.where(up, t + 1.0, t) * ulp
     return torch.where(torch.isnan(y), torch.nan, torch.where(torch.signbit(y), -r, r))
 
 
@@ -98,22 +111,46 @@ def scale_fault(value: float) -> str | None:
     return None
 
 
-def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None = None,
+                 rule: ScaleRule = "dcpc") -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, inverse) of each group of ``group`` channels of each row (last dim) for a
     cast into fp8 ``dtype``, in fp32: ``amax = max(|group|, SCALE_FLOOR)``, ``scale =
     amax / top``, ``inverse = top / amax`` (top: FP8_FORMATS' largest finite value, 448
     e4m3, 57344 e5m2); a group is sent as ``round_fp8(x * inverse, dtype)`` and read back
     as ``q * scale`` (``spread`` puts a group's scale on each of its channels).
     ``group`` None: per token, the whole row one group, the scales ``rows``' shape
-    without its last dim; else DeepEP's per-128-channel scales, ``[..., H / group]``."""
+    without its last dim; else DeepEP's per-128-channel scales, ``[..., H / group]``.
+    ``rule`` (SCALE_RULES) "deepep": DeepEP's calculate_fp8_scales, round_scale=False:
+    a NaN skipped by the amax (fmaxf), ``scale = amax * fl32(1 / top)``, ``inverse =
+    top / amax``; "deepep_round_scale": ``scale = 2**e``, ``inverse = 2**-e``, e the
+    ceiling of log2(amax * fl32(1 / top)) read from its bits (fast_log2_ceil, fast_pow2:
+    an inf amax gives e = 128, scale inf, inverse -inf, as there)."""
+    import torch
+
     top = FP8_FORMATS[dtype][0]
     x = rows.float()
     width = x.shape[-1] if group is None else group
-    groups = x.abs().reshape(*x.shape[:-1], x.shape[-1] // width, width)
+    magnitude = x.abs() if rule == "dcpc" else torch.where(x.isnan(), 0.0, x.abs())
+    groups = magnitude.reshape(*x.shape[:-1], x.shape[-1] // width, width)
     amax = groups.amax(dim=-1).clamp(min=SCALE_FLOOR)
     amax = amax.squeeze(-1) if group is None else amax
-    return ieee_div(amax, top), ieee_div(top, amax)
+    if rule == "dcpc":
+        return ieee_div(amax, top), ieee_div(top, amax)
+    scale = amax * ieee_div(1.0, top)  # kFinfoAmaxInvE4M3: 1 / 448.0f, a multiply
+    if rule == "deepep":
+        return scale, ieee_div(top, amax)
+    bits = scale.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return ((e + 127) << 23).view(torch.float32), ((127 - e) << 23).view(torch.float32)
+
+
+def quantise_tokens(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None = None,
+                    rule: ScaleRule = "dcpc") -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp8 ``dtype`` values of ``rows`` in fp32, the scales sent) of a per-token
+    quantise by ``rule`` (token_scales; the values rounded as SCALE_RULES says): the one
+    rule of the float64 reference (dcpc.ops.cast) and the torch backend."""
+    scale, inverse = token_scales(rows, dtype, group, rule)
+    return round_fp8(rows.float() * spread(inverse, group), dtype, SCALE_RULES[rule]), scale
 
 
 def spread(scales: torch.Tensor, group: int | None) -> torch.Tensor:

@@ -14,7 +14,9 @@ Two casts, by the pair of dtypes (anything else is ``bad-cast``; a dtype change 
   consecutive channels of a row (DeepEP's and DeepSeek-V3's per-128-channel scales),
   ``s`` with ``dst``'s shape, its last dim divided by G (dcpc.numerics.token_scales: the
   whole row is the one-group case). ``per: tensor``: ``s`` is a ``[1]`` f32 scale read
-  on the sender (a static scale): ``round_fp8(x * (1 / s[0]))``.
+  on the sender (a static scale): ``round_fp8(x * (1 / s[0]))``. ``rule:`` (per token):
+  how the scales are made and the values round, ``dcpc`` (the above) or DeepEP's
+  ``deepep`` / ``deepep_round_scale`` (dcpc.numerics.SCALE_RULES, token_scales).
 - dequantise (fp8e4m3 or fp8e5m2 ``src`` -> bf16, f16 or f32 ``dst``), on the push: ``dst = q *
   scale`` in fp32, rounded once into dst (to nearest even); ``per: token``: ``s`` is
   f32 with ``src``'s shape without its last dim (with ``group``: its last dim divided
@@ -36,7 +38,7 @@ from pydantic import Field
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, Node, OpBase, int_sizes
-from dcpc.numerics import FP8_FORMATS
+from dcpc.numerics import FP8_FORMATS, ScaleRule
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -55,6 +57,8 @@ class Scale(Node):
     buffer: Name = Field(description="f32: [1] (tensor), or the rows' shape (token)")
     group: Int | None = Field(default=None, description="per token: one scale per this "
                               "many channels (a power of two, e.g. DeepEP's 128)")
+    rule: ScaleRule = Field(default="dcpc", description="how a per-token quantise makes "
+                            "its scales and rounds (dcpc.numerics.SCALE_RULES)")
 
 
 def _pair(a: str, b: str) -> str | None:
@@ -145,6 +149,7 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
                 if a.dtype.value in FP8 and b.dtype.value in FP8 else
                 f"declare '{dst.name}' with dtype fp8e4m3 (or '{src.name}')")
         return
+    _rule(v, scale, way)
     if s is None:
         return
     mark = scale.mark("buffer")
@@ -173,6 +178,17 @@ def verify(v: ShapeRules, src: Ref, dst: Ref, cast: bool = True) -> None:
                 f"scale '{scale.buffer}' of step '{v.step.name}' receives every sender's "
                 "per-token scales, so it must be symmetric",
                 hint=f"add 'symmetric: true' to buffer '{scale.buffer}'")
+
+
+def _rule(v: ShapeRules, scale: Scale, way: str) -> None:
+    """A ``rule`` other than dcpc's names how a per-token quantise makes its scales and
+    rounds (SCALE_RULES; another name is the parser's ``bad-value``); on a cast that
+    makes no scale (per tensor, a dequantise) it is refused at ``rule``."""
+    if scale.rule != "dcpc" and (scale.per != "token" or way != "quantise"):
+        v.error(scale.mark("rule"), "bad-scale",
+                f"step '{v.step.name}' gives its {way} per {scale.per} the rule "
+                f"'{scale.rule}'; a rule makes the scales of a quantise per token",
+                hint="drop 'rule' (it belongs on the quantising move, per token)")
 
 
 def _grouped(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list | None
@@ -249,16 +265,18 @@ def _no_tile(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list) -> None:
 
 
 def quantise_rows(x: torch.Tensor, per: str, scale: torch.Tensor | None, dtype: str,
-                  group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  group: int | None = None, rule: ScaleRule = "dcpc"
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the fp8 ``dtype`` values of rows ``x`` as a float64 tensor, the per-row scales
     sent) for a quantising move; ``scale`` is the ``[1]`` tensor scale (per tensor);
-    ``group``: per token, one scale per ``group`` channels (the scales' last dim H / group)."""
+    ``group``: per token, one scale per ``group`` channels (the scales' last dim H / group);
+    ``rule``: per token, how the scales are made and the values round (SCALE_RULES)."""
 
-    from dcpc.numerics import quantize_fp8, reference_scale, round_fp8, spread, token_scales
+    from dcpc.numerics import quantise_tokens, quantize_fp8, reference_scale
 
     if per == "token":
-        sent, inverse = token_scales(x, dtype, group)
-        return round_fp8(x.float() * spread(inverse, group), dtype).double(), sent.double()
+        q, sent = quantise_tokens(x, dtype, group, rule)
+        return q.double(), sent.double()
     assert scale is not None
     s = reference_scale(scale, "the cast's per-tensor scale")
     return quantize_fp8(x, s, dtype).double(), None
@@ -310,7 +328,8 @@ def all_to_all_reference(sim: SimView, op: OpBase) -> None:
         x = sim.bufs[p][src]
         if way == "quantise":
             x, s = quantise_rows(x, scale.per, sim.bufs[p].get(scale.buffer),
-                                 sim.schedule.buffers[dst].dtype.value, scale.group)
+                                 sim.schedule.buffers[dst].dtype.value, scale.group,
+                                 scale.rule)
             if s is not None:
                 sim.stash(p, scales, s, like=scale.buffer)
         else:
@@ -338,10 +357,20 @@ def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
     out = ctx.buffers[pair[1]].dtype
     group = op.scale.group if op.scale is not None else None  # s's shape (torch's call)
     tile = tile_group(ctx.schedule, op, ctx.shape(pair[1]))  # the kernel's channels per scale
+    rule = op.scale.rule if op.scale is not None else "dcpc"
     return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
             "bf16_out": out == "bf16", "fp8_top": FP8_FORMATS.get(out, (None,))[0],
             **({"group": group} if group is not None else {}),
+            **({"rule": rule, "fp8_inverse_top": _inverse_top(out)} if rule != "dcpc" else {}),
             **({"tile": tile} if tile is not None else {})}
+
+
+def _inverse_top(dtype: str) -> float:
+    """fl32(1 / top) of fp8 ``dtype``, the constant a DeepEP rule's scale is multiplied by
+    (kFinfoAmaxInvE4M3); an f32, so the kernel's literal is exact."""
+    from dcpc.numerics import ieee_div
+
+    return float(ieee_div(1.0, FP8_FORMATS[dtype][0]))
 
 
 def lower_move(ctx: LowerRules, step: Step) -> Any:

@@ -311,7 +311,7 @@ def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[lis
             tensor = sim.bufs[p].get(op.scale.buffer)  # type: ignore[union-attr]
             x, s = cast.quantise_rows(x, op.scale.per, tensor,  # type: ignore[union-attr]
                                       sim.schedule.buffers[dst].dtype.value,
-                                      op.scale.group)  # type: ignore[union-attr]
+                                      op.scale.group, op.scale.rule)  # type: ignore[union-attr]
             s = s.reshape(slots, -1, *s.shape[2:]) if s is not None else None  # by slot
         elif way == "dequantise":
             x = cast.dequantise_rows(x, op.scale.per, sim.bufs[p][op.scale.buffer],  # type: ignore[union-attr]

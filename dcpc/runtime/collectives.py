@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dcpc.exprs import ragged_slot
-from dcpc.numerics import ieee_max
+from dcpc.numerics import ScaleRule, ieee_max
 from dcpc.runtime import merge
 from dcpc.runtime.errors import DcpcArgumentError, DcpcCollectiveError
 from dcpc.topology import along, perm_sources
@@ -487,6 +487,7 @@ def ragged_all_to_all(
     groups: int = 1,
     combine: bool = False,
     group: int | None = None,
+    rule: ScaleRule = "dcpc",
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
@@ -495,7 +496,8 @@ def ragged_all_to_all(
     ``cast`` (the kernel's CAST, dcpc/ops/cast.py): 1 quantise per token (the row scales
     land in ``scale[rank]`` on rank j), 2 quantise by ``scale[0]``, 3 dequantise by the
     sender's ``scale[j, row]``, 4 dequantise by ``scale[0]``; ``group`` (1 and 3): one
-    scale per ``group`` channels of a row (``scale[..., c // group]``).
+    scale per ``group`` channels of a row (``scale[..., c // group]``); ``rule`` (1): how
+    the scales are made and the values round (dcpc.numerics.SCALE_RULES).
     ``groups`` G > 1 (dcpc/ops/ragged_all_to_all.py): slots of ``capacity`` rows per
     (peer, group); src [W, G*cap] and counts [W, G] land as dst [G, W*cap] and
     recv_counts [G, W], or (``combine``) src [G, W*cap], counts [G, W] as dst [W, G*cap],
@@ -516,7 +518,7 @@ def ragged_all_to_all(
         merge.checked_scale(scale)  # before anything is sent, as a bad count
     got = torch.empty(world * groups, dtype=torch.int32, device=sent.device)
     _all_to_all_single(comm, got, sent[out_of], world)
-    x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype, group)
+    x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype, group, rule)
     landed = [(x, dst)] + [(extra.contiguous(), extra_dst) for extra, extra_dst in more]
     if row_scales is not None and scale is not None:
         landed.append((row_scales, scale))
@@ -567,16 +569,15 @@ def weighted_combine(
 
 
 def _cast(x: torch.Tensor, cast: int, scale: torch.Tensor | None, dtype: torch.dtype,
-          group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          group: int | None = None, rule: ScaleRule = "dcpc"
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` ([..., row]) cast as the kernels' CAST does (dcpc/ops/cast.py), in ``dtype``,
     and the per-row (per ``group`` channels) scales a per-token quantise sends along."""
-    from dcpc.numerics import round_fp8, spread, token_scales
+    from dcpc.numerics import quantise_tokens, spread
 
     row_scales = None
     if cast == 1:
-        fmt = merge.fp8_format(dtype)
-        row_scales, inverse = token_scales(x, fmt, group)
-        x = round_fp8(x.float() * spread(inverse, group), fmt)
+        x, row_scales = quantise_tokens(x, merge.fp8_format(dtype), group, rule)
     elif cast == 2:
         assert scale is not None
         x = merge.quantize(x, scale, dtype)
@@ -596,10 +597,11 @@ def cast_all_to_all(
     cast: int,
     scale: torch.Tensor,
     group: int | None = None,
+    rule: ScaleRule = "dcpc",
 ) -> None:
     """An all_to_all with a cast (one payload along dim 0): part j of src (``rows`` rows)
     lands cast in dst[rank] on rank j; a per-token quantise's scales in scale[rank]."""
-    x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype, group)
+    x, row_scales = _cast(src.contiguous(), cast, scale, dst.dtype, group, rule)
     _all_to_all_single(comm, dst.reshape(-1), x.reshape(-1), world)
     if row_scales is not None:
         got = torch.empty_like(row_scales).reshape(-1)

@@ -463,10 +463,12 @@ def _dcpc_quantize(x, inv_scale):
 
 
 @triton.jit
-def _dcpc_round_fp8(y, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+def _dcpc_round_fp8(y, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+                    EVEN: tl.constexpr):
     """y clamped to +-TOP (NaN stays NaN, also through the clamp, whose min/max drop a
     NaN) and rounded to the fp8 grid of MANTISSA bits (2^(MIN_EXP - MANTISSA) below
-    2^MIN_EXP) here, in fp32, half away from zero (dcpc.numerics.round_fp8, the one rule:
+    2^MIN_EXP) here, in fp32, half away from zero, or to even with EVEN (a DeepEP rule's
+    conversion) (dcpc.numerics.round_fp8, the one rule:
     FP8_FORMATS), so that the store converts exactly: the Triton 3.6 interpreter's
     fp32 -> fp8 conversion drops the carry of a rounding into the exponent (7.9 -> 4.0)."""
     nan = y != y
@@ -477,7 +479,12 @@ def _dcpc_round_fp8(y, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.co
     )
     x = tl.math.div_rn(tl.abs(y), ulp)  # exact; x - floor(x) too (x + 0.5 may round up)
     t = tl.floor(x)
-    r = tl.where(x - t >= 0.5, t + 1.0, t) * ulp
+    half = x - t
+    if EVEN:  # a tie goes up from an odd t only
+        up = (half > 0.5) | ((half == 0.5) & (t - 2.0 * tl.floor(t * 0.5) == 1.0))
+    else:
+        up = half >= 0.5
+    r = tl.where(up, t + 1.0, t) * ulp
     # the sign bit decides, and -1.0 * r keeps it on a zero (-r is 0 - r: +0.0 for r = 0)
     negative = y.to(tl.int32, bitcast=True) < 0
     return tl.where(nan, float("nan"), tl.where(negative, -1.0 * r, r))
@@ -508,24 +515,43 @@ def _dcpc_inv_scale(scale, errors, STEP: tl.constexpr):
 
 
 @triton.jit
-def _dcpc_store_fp8(ptr, y, mask):
+def _dcpc_store_fp8(ptr, y, mask, EVEN: tl.constexpr = False):
     """Store _dcpc_quantize's y into the fp8 ``ptr`` (e4m3 or e5m2, by its type) as bytes:
-    clamped and rounded to the format's grid (_dcpc_round_fp8, dcpc.numerics
+    clamped and rounded to the format's grid (_dcpc_round_fp8, ties to even with EVEN,
+    dcpc.numerics
     FP8_FORMATS), a NaN as the byte 0x7F (dcpc.numerics.round_fp8): never the
     conversion's own NaN (the Triton 3.6 interpreter stores an fp32 NaN as e4m3's 0x7C =
     384; a GPU's cvt may differ too), -0.0 as 0x80. e5m2 is fp16's high byte: the
     rounded value converts to fp16 exactly (no fp8 conversion at all)."""
     if ptr.dtype.element_ty == tl.float8e5:
-        r = _dcpc_round_fp8(y, DCPC_E5M2_TOP, DCPC_E5M2_MANTISSA, DCPC_E5M2_MIN_EXP)
+        r = _dcpc_round_fp8(y, DCPC_E5M2_TOP, DCPC_E5M2_MANTISSA, DCPC_E5M2_MIN_EXP, EVEN)
         q = ((r.to(tl.float16).to(tl.int16, bitcast=True) >> 8) & 0xFF).to(tl.uint8)
     else:
         tl.static_assert(ptr.dtype.element_ty == tl.float8e4nv)  # FP8_FORMATS: e4m3 or e5m2
-        r = _dcpc_round_fp8(y, DCPC_E4M3_TOP, DCPC_E4M3_MANTISSA, DCPC_E4M3_MIN_EXP)
+        r = _dcpc_round_fp8(y, DCPC_E4M3_TOP, DCPC_E4M3_MANTISSA, DCPC_E4M3_MIN_EXP, EVEN)
         q = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     # the sign bit of every negative y, -0.0 included (the interpreter drops it from -0.0)
     q = tl.where(y.to(tl.int32, bitcast=True) < 0, q | 0x80, q)
     q = tl.where(y != y, 0x7F, q).to(tl.uint8)
     tl.store(ptr.to(tl.pointer_type(tl.uint8)), q, mask=mask)
+
+
+@triton.jit
+def _dcpc_deepep_scales(amax, TOP: tl.constexpr, INV_TOP: tl.constexpr,
+                        ROUND_SCALE: tl.constexpr):
+    """(scale sent, inverse multiplied) of a floored amax by DeepEP's calculate_fp8_scales
+    (dcpc.numerics.token_scales, rule deepep or with ROUND_SCALE deepep_round_scale):
+    amax * INV_TOP (fl32(1 / TOP)) and TOP / amax, or 2^e and 2^-e, e the ceiling of
+    log2(amax * INV_TOP) from its bits."""
+    scale = amax * INV_TOP
+    if ROUND_SCALE:
+        bits = scale.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inverse = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        inverse = tl.math.div_rn(TOP, amax)
+    return scale, inverse
 
 
 @triton.jit

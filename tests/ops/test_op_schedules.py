@@ -243,6 +243,10 @@ VARIANTS: dict[str, Variant] = {
     **{f"{op}: cast {k} per G channels": lambda s, step, p, w, op=op, k=k: (
         step.kind == op and p.attrs.get("cast") == k and bool(p.attrs.get("group")))
        for op in ("ragged_all_to_all", "all_to_all") for k in (1, 3)},
+    **{f"{op}: cast 1 by a DeepEP rule, {tile}": lambda s, step, p, w, op=op, tile=tile: (
+        step.kind == op and p.attrs.get("cast") == 1 and bool(p.attrs.get("rule"))
+        and bool(p.attrs.get("tile")) == (tile == "per G channels"))
+       for op in ("ragged_all_to_all", "all_to_all") for tile in ("per G channels", "per row")},
     "ragged_all_to_all: several payloads, the first cast": lambda s, step, p, w: (
         step.kind == "ragged_all_to_all" and p.attrs.get("payloads", 1) > 1
         and p.attrs.get("cast") == 1),
