@@ -102,19 +102,26 @@ def test_the_files_and_their_wrong_twins_agree_with_the_brute_force(path: Path, 
             assert_brute_force_agrees(schedule, world, source)
 
 
+def _twin_races(tmp_path: Path, path: Path, credit: str, worlds: list) -> tuple[str, list]:
+    """The file ``path`` less its sender's ``credit`` line, and the races the checker
+    refuses it with at ``worlds`` (some, or this fails)."""
+    text = path.read_text()
+    twin = text.replace(credit, "")
+    assert twin != text
+    wrong = tmp_path / f"{path.stem}.no_credit.yaml"
+    wrong.write_text(twin)
+    with pytest.raises(DiagnosticError) as err:
+        pipeline.run(wrong, pipeline.Options(worlds=worlds), until="hb")
+    races = [d for d in err.value.diagnostics if d.code == "race"]
+    assert races, err.value.diagnostics
+    return twin, races
+
+
 def test_the_wrong_twin_is_refused_with_a_located_race(tmp_path: Path) -> None:
     """The file with the sender's credit dropped (a refill without its destination's
     head): the next call's put into block r of rank r + 1 races the experts' read of it
     there, at the put, naming W, ranks and calls."""
-    text = FILE.read_text()
-    twin = text.replace(CREDIT, "")
-    assert twin != text
-    path = tmp_path / "ragged_all_to_all_peer.no_credit.yaml"
-    path.write_text(twin)
-    with pytest.raises(DiagnosticError) as err:
-        pipeline.run(path, pipeline.Options(worlds=[2, 3]), until="hb")
-    races = [d for d in err.value.diagnostics if d.code == "race"]
-    assert races, err.value.diagnostics
+    twin, races = _twin_races(tmp_path, FILE, CREDIT, [2, 3])
     put = next(i for i, x in enumerate(twin.splitlines()) if x.lstrip().startswith("- put:"))
     assert races[0].mark.line == put + 1
     assert any("experts on rank 0 (call 0)" in d.message and "put_h0 on rank 1 (call 1)"
@@ -124,14 +131,7 @@ def test_the_wrong_twin_is_refused_with_a_located_race(tmp_path: Path) -> None:
 
 def test_the_axis_files_wrong_twin_is_refused(tmp_path: Path) -> None:
     """Along node: without the credit, the next call's rail put races the route's read."""
-    text = AXIS.read_text()
-    twin = text.replace(AXIS_CREDIT, "")
-    assert twin != text
-    path = tmp_path / "ragged_all_to_all_peer_axis.no_credit.yaml"
-    path.write_text(twin)
-    with pytest.raises(DiagnosticError) as err:
-        pipeline.run(path, pipeline.Options(worlds=[MeshWorld((2, 2))]), until="hb")
-    races = [d for d in err.value.diagnostics if d.code == "race"]
+    _, races = _twin_races(tmp_path, AXIS, AXIS_CREDIT, [MeshWorld((2, 2))])
     assert any("route on rank (node=0, gpu=0) (call 0)" in d.message
                and "put_h0 on rank (node=1, gpu=0) (call 1)" in d.message for d in races), \
         [d.message for d in races]
@@ -211,4 +211,25 @@ def test_the_files_run_on_torch_against_float64(path: Path, world) -> None:
     text = format_report(report)
     assert report.launch.ok, text
     assert report.mismatches == 0, text
+    assert all(s.compared > 0 for s in report.outputs.values()), text
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_kernels_touch_what_the_plan_says(world: int) -> None:
+    """The access tracer (dcpc/harness/trace.py): each one-peer put stores block `rank`
+    of its one destination's dst and recv_counts only (Region.peer), nothing of any
+    other rank's, before its signal."""
+    from dcpc.harness import trace as tr
+
+    run = tr.run_traced(str(FILE), world, programs=2, block=256, calls=2)
+    assert run.mismatches == 0 and run.problems == [], run.problems
+
+
+@pytest.mark.e2e
+def test_the_file_runs_on_the_local_backend_against_float64() -> None:
+    """The kernels' one-peer lanes with the ranks as threads (the local backend)."""
+    report = run_schedule(RunConfig(schedule=str(FILE), world=4, backend="local", calls=3,
+                                    seed=24))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
     assert all(s.compared > 0 for s in report.outputs.values()), text
