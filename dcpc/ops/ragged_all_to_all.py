@@ -51,9 +51,11 @@ is left as it was. The put signals r + k only, the wait polls r - k only, so a l
 k can interleave a credit from r + k with the put to r + k (DeepEP normal's sender, which
 spins on its destination's head only). k = 0 (or a multiple of W) is this rank's own
 slots, a local copy: no signal, no wait. The stores' region is the whole op's with
-``Region.peer`` = k (dcpc.ops.common: writer p's part, in rank p + k's instance only); the
-wait reads no count past the landing (the kernel's over-capacity check reads the one
-that landed there).
+``Region.peer`` = k (dcpc.ops.common: writer p's part, in rank p + k's instance only). The
+wait reads no count (no receiver's over-capacity check: a read of the whole recv_counts
+would meet the other peers' puts in flight, and the model has no read of one peer's
+part of this rank's own instance); a count over capacity is the sender's error (its put
+records it, its call raises).
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -204,8 +206,8 @@ def semantics(c: Scope, step: Step) -> Semantics:
                for e in cast.effects(c.schedule, op)]
     if k is None:
         return split.exchange(c, step, before, after)
-    # one peer: the put signals r + k, the wait polls r - k's put; the count the
-    # receiver checks is the one that landed at the wait (no read of the others)
+    # one peer: the put signals r + k, the wait polls r - k's put and reads no count
+    # (the kernel has no receiver's check: the sender's put records one over capacity)
     whole = split.exchange(c, step, before, [])
     if op.phase == WAIT:
         return replace(whole, sync=replace(whole.sync, wait=offset_peers(-k)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -233,3 +234,60 @@ def test_the_file_runs_on_the_local_backend_against_float64() -> None:
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert all(s.compared > 0 for s in report.outputs.values()), text
+
+
+ONE_PEER = """\
+schedule: one_peer
+sizes: {C: {max: 4}, H: 8}
+buffers:
+  x:  {shape: [W, C, H], dtype: bf16}
+  n:  {shape: [W], dtype: i32}
+  y:  {shape: [W, C, H], dtype: bf16, symmetric: true}
+  m:  {shape: [W], dtype: i32, symmetric: true}
+steps:
+  - put:  {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C,
+           phase: put, offset: 1}
+  - got:  {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C,
+           phase: wait, offset: 1}
+"""
+
+
+@pytest.mark.parametrize("bad", ["sent", "not_sent"])
+def test_a_count_over_capacity_fails_its_sender_only_where_it_is_sent(bad: str) -> None:
+    """W = 3, each rank sends block r + 1 only: a count over the capacity in that block
+    fails the sender's call (its put records it; the receiver checks no count), one in a
+    block it does not send (r + 2) is never read: every call returns."""
+    import tempfile
+
+    from dcpc.harness.run import compile_to
+    from dcpc.harness.worker import load_module_class
+    from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
+    from dcpc.runtime.local import LocalGroup
+
+    with tempfile.TemporaryDirectory(prefix="dcpc-one-peer-") as tmp:
+        path = Path(tmp) / "one_peer.yaml"
+        path.write_text(ONE_PEER)
+        _, module, _, _ = compile_to(str(path), Path(tmp), 3)
+
+        def rank_main(rank: Any) -> str:
+            import torch
+
+            inst = load_module_class(module, "one_peer")(rank, sizes={"C": 4}, device="cpu",
+                                                         backend="local", timeout_s=20)
+            counts = torch.full((3,), 2, dtype=torch.int32)
+            if rank.rank == 1:  # block 2 is rank 1's sent one (1 + 1), block 0 is not
+                counts[2 if bad == "sent" else 0] = 5
+            try:
+                inst.put(torch.randn(3, 4, 8).bfloat16(), counts)
+                inst.got()
+                return "returned"
+            except (DcpcArgumentError, DcpcPeerFailedError) as exc:
+                return str(exc)
+            finally:
+                inst.close()
+
+        ranks = LocalGroup(3, "cpu", timeout_s=60).run(rank_main)
+    if bad == "not_sent":
+        assert ranks == ["returned"] * 3, ranks
+    else:
+        assert "counts[2] = 5, over the capacity 4" in ranks[1], ranks
