@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import disagreements
 from support.hb_oracle import assert_brute_force_agrees, unrolled
-from support.schedules import diagnostics
+from support.schedules import diagnostics, run_ranks
 
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
@@ -253,40 +253,22 @@ steps:
 
 
 @pytest.mark.parametrize("bad", ["sent", "not_sent"])
-def test_a_count_over_capacity_fails_its_sender_only_where_it_is_sent(bad: str) -> None:
+def test_a_count_over_capacity_fails_its_sender_only_where_it_is_sent(bad: str,
+                                                                      tmp_path: Path) -> None:
     """W = 3, each rank sends block r + 1 only: a count over the capacity in that block
     fails the sender's call (its put records it; the receiver checks no count), one in a
     block it does not send (r + 2) is never read: every call returns."""
-    import tempfile
+    import torch
 
-    from dcpc.harness.run import compile_to
-    from dcpc.harness.worker import load_module_class
-    from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
-    from dcpc.runtime.local import LocalGroup
+    def body(inst: Any, rank: Any) -> str:
+        counts = torch.full((3,), 2, dtype=torch.int32)
+        if rank.rank == 1:  # block 2 is rank 1's sent one (1 + 1), block 0 is not
+            counts[2 if bad == "sent" else 0] = 5
+        inst.put(torch.randn(3, 4, 8).bfloat16(), counts)
+        inst.got()
+        return "returned"
 
-    with tempfile.TemporaryDirectory(prefix="dcpc-one-peer-") as tmp:
-        path = Path(tmp) / "one_peer.yaml"
-        path.write_text(ONE_PEER)
-        _, module, _, _ = compile_to(str(path), Path(tmp), 3)
-
-        def rank_main(rank: Any) -> str:
-            import torch
-
-            inst = load_module_class(module, "one_peer")(rank, sizes={"C": 4}, device="cpu",
-                                                         backend="local", timeout_s=20)
-            counts = torch.full((3,), 2, dtype=torch.int32)
-            if rank.rank == 1:  # block 2 is rank 1's sent one (1 + 1), block 0 is not
-                counts[2 if bad == "sent" else 0] = 5
-            try:
-                inst.put(torch.randn(3, 4, 8).bfloat16(), counts)
-                inst.got()
-                return "returned"
-            except (DcpcArgumentError, DcpcPeerFailedError) as exc:
-                return str(exc)
-            finally:
-                inst.close()
-
-        ranks = LocalGroup(3, "cpu", timeout_s=60).run(rank_main)
+    ranks = run_ranks(ONE_PEER, tmp_path, 3, {"C": 4}, body)
     if bad == "not_sent":
         assert ranks == ["returned"] * 3, ranks
     else:
