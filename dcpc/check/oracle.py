@@ -137,10 +137,13 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
                 _attr(region, "scheme"), _attr(region, "dim"), _attr(region, "interleave", 0),
                 _attr(region, "offset", 0), _attr(region, "axes"),
                 tuple(_attr(region, "table", ()) or ()))
-            item = (buffer, _attr(e, "kind") == "write", part, _attr(e, "lands"))
+            # a store into one peer's instance (Region.peer): its partition is the
+            # scheme's, the peer says whose instance it reaches
+            item = (buffer, _attr(e, "kind") == "write", part, _attr(e, "lands"),
+                    None if region is None else _attr(region, "peer"))
             (after if _attr(e, "when") == "after" else before).append(item)
         # the engine reads what the method returns, at its return (dcpc.check.hb.events)
-        returned = tuple((b, False, None, None) for b in _attr(s, "returns") or ()
+        returned = tuple((b, False, None, None, None) for b in _attr(s, "returns") or ()
                          if b in tracked)
         after.extend(returned)
         sync = _attr(s, "sync")
@@ -411,10 +414,12 @@ class _Compiled:
         where the data flow places it: a store in flight at the wait that lands it),
         (owner, landing step) of a store in flight or None)."""
         out = []
-        for k, (buffer, write, part, lands) in enumerate(effects):
+        for k, (buffer, write, part, lands, peer) in enumerate(effects):
             place = where if lands is None else (lands, 1)
             if part is None:
                 owners: Sequence[int] = (rank,)
+            elif peer is not None:  # one peer's instance (a ragged_all_to_all by offset)
+                owners = (torus(shape_of(self.world)).peer(rank, part[4], peer, True),)
             elif part[0] == "perm":  # a perm: rank table[r]'s instance only (-1: none)
                 owners = (part[5][rank],) if part[5][rank] >= 0 else ()
             elif part[0] in ("peer", "line"):  # a shift: one rank's instance (line: none

@@ -411,7 +411,8 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
                 problems.append(f"{where}: writes '{buffer}' past its shape {shape}")
             if not any(r.table[call.rank] == owner if r.scheme == "perm"
                        else r.writers(owner, world) == [call.rank] if r.scheme in ("peer", "line")
-                       else _team_part_ok(r, offs, shape, call.rank, owner, world)
+                       else _team_part_ok(r, offs, shape, call.rank, owner, world) and (
+                           r.peer is None or r.writers(owner, world) == [call.rank])
                        for r in regions):
                 problems.append(f"{where}: writes '{buffer}' of rank {owner} outside rank "
                                 f"{call.rank}'s part ({regions[0].scheme}, dim "

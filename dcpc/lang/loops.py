@@ -56,6 +56,7 @@ from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import _perm as perms
 from dcpc.ops import all_gather, shift, sync
+from dcpc.ops import ragged_all_to_all as ragged
 from dcpc.topology import ROTATION, rotations, shape_of, torus  # noqa: F401 (rotations: re-exported)
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
@@ -155,12 +156,14 @@ def _names_w(text: Any, names: frozenset[str] | set[str] = frozenset({"W"})) -> 
 
 
 # the ops whose ``offset``/``perm`` name a peer (a shift's push, a credit's signal/wait)
-_PEERED = frozenset({shift.DEF.name, sync.SIGNAL.name, sync.WAIT.name})
+_PEERED = frozenset({shift.DEF.name, sync.SIGNAL.name, sync.WAIT.name,
+                     ragged.DEF.name})
 # what an op with an offset does by it, and what an offset of 0 (mod W) would make it
 # do: the unroller's offset messages name the op by these
 _BY_OFFSET = {shift.DEF.name: ("shifts", "sends every rank's data to itself"),
               sync.SIGNAL.name: ("signals", "signals every rank itself"),
-              sync.WAIT.name: ("waits", "waits for every rank itself")}
+              sync.WAIT.name: ("waits", "waits for every rank itself"),
+              ragged.DEF.name: ("sends to one peer", None)}  # 0: its own slots
 
 
 def _offset_expr(body: Any) -> str | None:
@@ -175,8 +178,8 @@ def _offset_expr(body: Any) -> str | None:
 def _perm(body: Any) -> Any:
     """A shift's (or a signal's, a wait's) ``perm`` (any form; None without one): the
     unroller turns it into the destination table at each W, so a perm makes the file one
-    schedule per W."""
-    if not _peered(body):
+    schedule per W (a ragged_all_to_all takes an offset only: its perm is an unknown key)."""
+    if not _peered(body) or body["op"] == ragged.DEF.name:
         return None
     return body.get("perm")
 
@@ -728,8 +731,10 @@ class _Unroller:
         tree, value = found
         # a fixed integer that W divides is a local copy; an expression of W that lands
         # on the rank itself at some W is a mistake (W, or 2 * W / 2), refused here
-        if value == 0 or (("W" in ex.symbols(tree) or self.axes.keys() & ex.symbols(tree))
-                          and value % env["W"] == 0):
+        # (a ragged_all_to_all to one peer: offset 0 is its own slots, allowed)
+        if to_itself is not None and (value == 0 or (
+                ("W" in ex.symbols(tree) or self.axes.keys() & ex.symbols(tree))
+                and value % env["W"] == 0)):
             self.error(mark, "bad-offset",
                        f"{what} = {value}{self._at(env)}, which {to_itself}"
                        + (f" (a multiple of W={env['W']})" if value else ""),

@@ -86,6 +86,8 @@ def describe(sem: Semantics) -> tuple[str, str, str]:
                 "whole": "whole, read by `r`"}[r.scheme]
         if r.scheme in ("peer", "line", "perm"):
             return f" ({part})"
+        if r.peer is not None:  # a ragged_all_to_all by offset: one peer's instance
+            return f" (rank r{r.peer:+d}'s: {part})"
         return f" ({'the root' if e.root is not None else 'every rank'}: {part})"
 
     def one(e: Effect) -> str:

@@ -181,14 +181,17 @@ def exchange(c: Scope, step: Step, before: list[Effect], after: list[Effect]) ->
 def store(sim: SimView, step: Step) -> Callable[..., None]:
     """Where the float64 reference of ``step`` stores: the simulator (``sim.store``), or,
     for a put, held on the receiver (rounded as stored, with its unsent mask) until the
-    wait that polls it lands it (``land``)."""
+    wait that polls it lands it (``land``). ``part`` (a put to one peer): the elements
+    it sends; the rest of the buffer is left as it is when it lands."""
     if getattr(step.op, "phase", None) != PUT:
         return sim.store
 
-    def hold(rank: int, name: str, value: Any, *, unsent: Any = None) -> None:
+    def hold(rank: int, name: str, value: Any, *, unsent: Any = None, part: Any = None) -> None:
         sim.stash(rank, f"{step.name}@inflight:{name}", value, like=name)
         if unsent is not None:
             sim.bufs[rank][f"{step.name}@unsent:{name}"] = unsent
+        if part is not None:
+            sim.bufs[rank][f"{step.name}@part:{name}"] = part
     return hold
 
 
@@ -201,8 +204,17 @@ def land(sim: SimView, step: Step) -> bool:
     for j in range(sim.world):
         for k in [k for k in sim.bufs[j] if k.startswith(f"{put.name}@inflight:")]:
             name = k.split(":", 1)[1]
-            sim.store(j, name, sim.bufs[j].pop(k),
-                      unsent=sim.bufs[j].pop(f"{put.name}@unsent:{name}", None))
+            value = sim.bufs[j].pop(k)
+            unsent = sim.bufs[j].pop(f"{put.name}@unsent:{name}", None)
+            part = sim.bufs[j].pop(f"{put.name}@part:{name}", None)
+            if part is not None:  # one peer's part: the rest as it is now (unwritten
+                # or holding the marker: unsent); no read of the buffer by the step
+                marker = sim.unsent(name)
+                now = sim.bufs[j].get(name, marker)
+                was = now.isnan() | (now == marker)
+                value = value.where(part, now)
+                unsent = (unsent if unsent is not None else part.logical_not()).where(part, was)
+            sim.store(j, name, value, unsent=unsent)
     return True
 
 

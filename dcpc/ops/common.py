@@ -62,6 +62,12 @@ class Region:
     rotation-symmetric, take every rank's store at every delta ``table[p] - p`` of the
     table (``writers``: phantom stores only add races); the brute force and the
     execution oracle use the table itself.
+    ``peer`` set (a ragged_all_to_all by ``offset:``, one peer per rank): writer ``p``'s
+    part ``p`` of its scheme (``index`` / ``block``) goes into the instance of rank
+    ``p + peer`` (mod W; with ``axes``, of that team member) only, no other rank's. Its
+    partition is the scheme's, ``peer`` left out: such stores, whatever their peer, and
+    the scheme's stores into every rank meet only when their writers are equal (on an
+    instance, the writers the two reach it from: ``writers``).
     Scheme ``whole`` (a remote READ, pull's): reader ``p`` reads the WHOLE of every rank's
     instance; reads only (``effects`` refuses a write of it), so two accesses of the
     partition are never compared, and every other access overlaps it.
@@ -76,11 +82,12 @@ class Region:
     # members only, and ``writer`` is its index in that team. None: every axis.
     axes: tuple[int, ...] | None = None
     table: tuple[int, ...] = ()  # scheme "perm": the destination of each rank, -1: none
+    peer: int | None = None  # index/block: the store reaches rank writer + peer only
 
     @property
     def owners_all(self) -> bool:
         """Whether one writer's store reaches every rank's instance (not ``peer``)."""
-        return self.scheme not in ("peer", "line", "perm")
+        return self.scheme not in ("peer", "line", "perm") and self.peer is None
 
     @property
     def covers_all(self) -> bool:
@@ -107,9 +114,10 @@ class Region:
             return real + sorted(found - {owner} - set(real),
                                  key=lambda q: (q - owner) % world) + (
                 [owner] if owner in found and owner not in real else [])
-        if self.scheme in ("peer", "line"):
-            writer = (along(owner, world, -self.offset) if self.axes is None
-                      else torus(shape_of(world)).peer(owner, self.axes, -self.offset))
+        if self.scheme in ("peer", "line") or self.peer is not None:
+            k = self.offset if self.peer is None else self.peer
+            writer = (along(owner, world, -k) if self.axes is None
+                      else torus(shape_of(world)).peer(owner, self.axes, -k))
             return [owner if writer is None else writer]
         return [(owner + k) % world for k in range(1, world)] + [owner]
 
@@ -123,10 +131,11 @@ class Region:
         """The part of writer ``writer`` in words."""
         # ``writer`` of a peer, line, perm or whole (a reader): its index in its team, if any
         who = f"{'rank' if self.axes is None else 'team member'} {writer}"
+        to = "" if self.peer is None else f", into rank {writer}{self.peer:+d}'s only"
         if self.scheme == "block":
-            return f"{self.dim_text} block {writer} (dim {self.dim})".lstrip()
+            return f"{self.dim_text} block {writer} (dim {self.dim}{to})".lstrip()
         if self.scheme == "index":
-            return f"index {writer} of dim {self.dim}"
+            return f"index {writer} of dim {self.dim}{to}"
         if self.scheme in ("peer", "line"):
             return f"whole (shift from {who}, offset {self.offset:+d})"
         if self.scheme == "perm":

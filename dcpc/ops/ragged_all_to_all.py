@@ -42,6 +42,20 @@ of sender p, over-approximated) and tests/support/hb_oracle.py (a brute force, s
 on purpose); tests/ops/test_ragged_groups.py ties them to the simulator (the checker and
 both oracles agree, at W = 2 and 3). G = 1 is the plain form, bytes
 and all.
+``offset: k`` (with ``phase``; JAX's ``ragged_all_to_all`` restricted to ONE peer per rank,
+the peer named as a shift's or a credit's: an integer, or an expression the unroller
+evaluates, such as a loop's hop index): rank r sends only its slots for member r + k
+(mod W: block r + k, or that peer's G group slots), which land in dst and recv_counts of
+r + k as in the whole exchange; every other part of the receiver's dst and recv_counts
+is left as it was. The put signals r + k only, the wait polls r - k only, so a loop over
+k can interleave a credit from r + k with the put to r + k (DeepEP normal's sender, which
+spins on its destination's head only). k = 0 (or a multiple of W) is this rank's own
+slots, a local copy: no signal, no wait. The stores' region is the whole op's with
+``Region.peer`` = k (dcpc.ops.common: writer p's part, in rank p + k's instance only). The
+wait reads no count (no receiver's over-capacity check: a read of the whole recv_counts
+would meet the other peers' puts in flight, and the model has no read of one peer's
+part of this rank's own instance); a count over capacity is the sender's error (its put
+records it, its call raises).
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -57,7 +71,7 @@ from pydantic import Field
 from dcpc.exprs import ragged_slot
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import product
-from dcpc.lang.nodes import Name, OpBase, SizeExpr, Step
+from dcpc.lang.nodes import Int, Name, OpBase, SizeExpr, Step
 from dcpc.ops import _split as split
 from dcpc.ops import cast
 from dcpc.ops._split import PUT, WAIT
@@ -72,10 +86,12 @@ from dcpc.ops.common import (
     Semantics,
     effects,
     keyed,
+    offset_peers,
     typed,
 )
 from dcpc.ops.iface import Counts, Unsent
 from dcpc.ops.registry import IO, OpDef, define, names
+from dcpc.topology import along
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import ScheduleView
@@ -100,6 +116,10 @@ class RaggedAllToAll(OpBase):
         "peer's local experts): src [W, G*capacity, *row], counts [W, G]; dst "
         "[G, W*capacity, *row] (group g's block: peer p's rows at p*capacity), "
         "recv_counts [G, W]")
+    offset: Int | str | None = Field(
+        default=None, description="with phase: one peer per rank, member r + offset "
+        "(mod W): only its slots are sent, the wait polls r - offset (0: this rank's "
+        "own slots, a local copy)")
     direction: Literal["dispatch", "combine"] = Field(
         default="dispatch", description="combine: the inverse of a grouped dispatch "
         "(src [G, W*capacity, *row], counts [G, W]; dst [W, G*capacity, *row], "
@@ -110,7 +130,16 @@ class RaggedAllToAll(OpBase):
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
                 self.recv_counts, _parsed(self.capacity),
                 self.scale.buffer if self.scale is not None else None,
-                split.axis_key(schedule, self), _parsed(self.groups), self.direction)
+                split.axis_key(schedule, self), _parsed(self.groups), self.direction,
+                self.offset)
+
+
+def peer(op: RaggedAllToAll) -> int | None:
+    """The offset of a one-peer step (None: every peer; an offset not unrolled to an
+    integer is the verifier's error, 0 here)."""
+    if op.offset is None:
+        return None
+    return op.offset if isinstance(op.offset, int) else 0
 
 
 def _parsed(size: SizeExpr | None) -> Any:
@@ -167,12 +196,22 @@ def semantics(c: Scope, step: Step) -> Semantics:
     # grouped dispatch's dst [G, W*C]: block p of dim 1 (every group's slot p)
     rows, counts = (Region("block", 1), Region("index", 1)) if _grouped_dst(op) else (
         Region("index", 0), Region("index", 0))
+    k = peer(op)
+    if k is not None:  # one peer's instance only (the stores' partition unchanged)
+        rows, counts = replace(rows, peer=k), replace(counts, peer=k)
     before += effects(WRITE, BEFORE, keyed(op, "dst"), rows)
     before += effects(WRITE, BEFORE, keyed(op, "recv_counts"), counts)
     # a per-token quantise's scales land as dst's rows do
     before += [replace(e, region=rows) if e.region is not None else e
                for e in cast.effects(c.schedule, op)]
-    return split.exchange(c, step, before, after)
+    if k is None:
+        return split.exchange(c, step, before, after)
+    # one peer: the put signals r + k, the wait polls r - k's put and reads no count
+    # (the kernel has no receiver's check: the sender's put records one over capacity)
+    whole = split.exchange(c, step, before, [])
+    if op.phase == WAIT:
+        return replace(whole, sync=replace(whole.sync, wait=offset_peers(-k)))
+    return replace(whole, sync=replace(whole.sync, signal=offset_peers(k)))
 
 
 def _grouped_dst(op: RaggedAllToAll) -> bool:
@@ -185,6 +224,7 @@ def verify(v: ShapeRules, step: Step) -> None:
     assert isinstance(op, RaggedAllToAll)
     (counts,), (recv,) = v.refs("counts"), v.refs("recv_counts")
     v.transfer(recv, recv, symmetric=True)  # peers write dst and recv_counts: symmetric
+    _verify_offset(v, step)
     cap, g = _size(v, step, "capacity"), _size(v, step, "groups")
     if cap is None or (g is None and op.groups is not None):
         return  # not a size expression: reported
@@ -228,9 +268,32 @@ def verify(v: ShapeRules, step: Step) -> None:
         v.expect(ref, want, "one row count per peer" if len(want) == 1 else
                  "one row count per (peer, group)")
     split.verify_exchange(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
-                          puts=f"the rows of '{names(op.src)[0]}' to every peer",
+                          puts=f"the rows of '{names(op.src)[0]}' to " + (
+                              "every peer" if op.offset is None else
+                              f"rank r + {op.offset} (offset {op.offset})"),
                           same="src, dst, counts, recv_counts, capacity, scale, groups, "
-                          "direction and axis")
+                          "direction, offset and axis")
+
+
+def _verify_offset(v: ShapeRules, step: Step) -> None:
+    """``bad-offset``: a one-peer step (``offset``) is split (its put signals one peer,
+    its wait polls another: two kernels), and its offset is an integer once unrolled."""
+    op = step.op
+    if op.offset is None:
+        return
+    if op.phase is None:
+        v.error(op.mark("offset"), "bad-offset",
+                f"step '{step.name}' sends to one peer (offset {op.offset}) but has no "
+                "'phase'; a ragged_all_to_all to one peer is split: its put signals rank "
+                "r + offset, its wait polls rank r - offset",
+                hint="add 'phase: put' here and a 'phase: wait' step with the same keys "
+                "after it, or drop 'offset' to exchange with every peer")
+    elif not isinstance(op.offset, int):
+        v.error(op.mark("offset"), "bad-offset",
+                f"step '{step.name}' sends to one peer by offset '{op.offset}', which was "
+                "not unrolled to an integer",
+                hint="an offset is an integer, or an expression of W, a loop's hop index "
+                "and integer sizes; check or compile with --world N")
 
 
 def _size(v: ShapeRules, step: Step, key: str) -> ex.Expr | None:
@@ -283,17 +346,22 @@ def reference(sim: SimView, step: Step) -> None:
                 raise ValueError(f"simulator: step {step.name}: rank {p}'s counts[{j}] = {n} "
                                  f"is outside [0, capacity {cap}]")
     slot = _slots(op, sim.world, groups)
-    # sends[j]: (p, src slot, dst slot) of every part that lands on rank j
-    sends = [[(p, *slot(p, j, g)) for p in range(sim.world) for g in range(groups)]
-             for j in range(sim.world)]
+    to = peer(op)
+    # sends[j]: (p, src slot, dst slot) of every part that lands on rank j (one peer:
+    # from member j - offset only)
+    sends = [[(p, *slot(p, j, g)) for p in range(sim.world) for g in range(groups)
+              if to is None or along(p, sim.world, to) == j] for j in range(sim.world)]
     for k, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
         _move(sim, op, src, dst, counts, cast.direction(sim.schedule, op) if k == 0 else None,
               store, sends)
     for j in range(sim.world):
         recv = torch.zeros(len(counts[0]), dtype=torch.int64)
+        part = torch.zeros(len(counts[0]), dtype=torch.bool)
         for p, a, b in sends[j]:
-            recv[b] = counts[p][a]
-        store(j, op.recv_counts, recv.reshape(sim.shape(op.recv_counts)))
+            recv[b], part[b] = counts[p][a], True
+        shape = sim.shape(op.recv_counts)
+        store(j, op.recv_counts, recv.reshape(shape),
+              **({} if to is None else {"part": part.reshape(shape)}))
 
 
 def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[list[int]],
@@ -326,16 +394,22 @@ def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[lis
         got = torch.full(sim.shape(op.scale.buffer) if scales[0] is not None else (1, 1),  # type: ignore[union-attr]
                          math.nan, dtype=torch.float64)
         unsent = torch.ones(sim.shape(dst)[:2], dtype=torch.bool)  # [W, capacity]
+        part = torch.zeros(sim.shape(dst)[:2], dtype=torch.bool)  # the slots sent here
         for p, a, b in sends[j]:
             n = counts[p][a]
             rows[b, :n] = sent[p][a, :n]
             unsent.view(slots, -1)[b, :n] = False
+            part.view(slots, -1)[b] = True
             if scales[p] is not None:
                 got.view(slots, -1, *got.shape[2:])[b, :n] = scales[p][a, :n]  # type: ignore[index]
-        store(j, dst, out, unsent=_by_row(unsent, out.shape))
+        # one peer (offset): the other slots are left as they were (_split.land)
+        one = op.offset is not None
+        store(j, dst, out, unsent=_by_row(unsent, out.shape),
+              **({"part": _by_row(part, out.shape)} if one else {}))
         if scales[0] is not None:
             store(j, op.scale.buffer, got,  # type: ignore[union-attr]
-                      unsent=_by_row(unsent, got.shape))
+                  unsent=_by_row(unsent, got.shape),
+                  **({"part": _by_row(part, got.shape)} if one else {}))
 
 
 def _by_row(rows: Any, shape: Any) -> Any:
@@ -372,10 +446,15 @@ def lower(ctx: LowerRules, step: Step) -> Any:
                    ("groups", ex.parse(str(op.groups)))]
         more |= {"groups": op.direction, **_kernel_slots(op.direction == "combine")}
     more |= split.lowered(ctx, step)  # a wait launches its put's grid (program i polls i)
+    k = peer(op)
+    if k is not None:  # one peer: the put's lane is member r + k, the wait's r - k
+        more |= {"peers": "one", "peer_k": k if op.phase == PUT else -k}
     return ctx.plan(
         step,
         params=[] if op.phase == WAIT else ctx.engine([*srcs, op.counts, scale]),
-        returns=[] if op.phase == PUT else [*dsts, op.recv_counts],
+        # a wait from one peer returns nothing: the engine's read of the whole dst would
+        # meet the other peers' puts still in flight (it reads dst once all landed)
+        returns=[] if op.phase == PUT or op.offset is not None else [*dsts, op.recv_counts],
         roles=roles,
         scalars=scalars,
         tiles=[product(shape[2:])],

@@ -488,6 +488,7 @@ def ragged_all_to_all(
     combine: bool = False,
     group: int | None = None,
     rule: ScaleRule = "dcpc",
+    offset: int | None = None,
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
@@ -501,7 +502,10 @@ def ragged_all_to_all(
     ``groups`` G > 1 (dcpc/ops/ragged_all_to_all.py): slots of ``capacity`` rows per
     (peer, group); src [W, G*cap] and counts [W, G] land as dst [G, W*cap] and
     recv_counts [G, W], or (``combine``) src [G, W*cap], counts [G, W] as dst [W, G*cap],
-    recv_counts [W, G]."""
+    recv_counts [W, G].
+    ``offset`` k (one peer per rank): only the slots for member rank + k are sent, only
+    those from rank - k land (dst's and recv_counts' others are left alone); every member
+    still takes part in the one exchange (the other parts travel empty)."""
     from dcpc.runtime.errors import over_capacity
 
     sent = counts.reshape(-1).to(torch.int32)
@@ -509,6 +513,15 @@ def ragged_all_to_all(
     pairs = list(itertools.product(range(world), range(groups)))
     out_of = [ragged_slot(combine, world, groups, comm.rank, j, g)[0] for j, g in pairs]
     into = [ragged_slot(combine, world, groups, p, comm.rank, g)[1] for p, g in pairs]
+    # the wire positions this rank sends and lands (one peer: rank + k's, rank - k's)
+    sends = [i for i, (j, _) in enumerate(pairs)
+             if offset is None or j == (comm.rank + offset) % world]
+    lands = [i for i, (p, _) in enumerate(pairs)
+             if offset is None or p == (comm.rank - offset) % world]
+    if offset is not None:  # the slots for other peers: not sent (empty on the wire)
+        sent = torch.zeros_like(sent).index_copy(
+            0, torch.tensor([out_of[i] for i in sends], dtype=torch.long),
+            sent[[out_of[i] for i in sends]])
     over = torch.nonzero((sent > capacity) | (sent < 0)).flatten().tolist()
     if over:  # counts is indexed by member; the error names module ranks
         i = over[0]
@@ -528,9 +541,10 @@ def ragged_all_to_all(
         slots = payload.view(world * groups, capacity, *payload.shape[2:])
         _all_to_all_single(comm, staged.reshape(-1), slots[out_of].reshape(-1), world)
         slots = target.view(world * groups, capacity, *target.shape[2:])
-        for k, n in enumerate(got.tolist()):
+        for k in lands:
+            n = int(got[k])
             slots[into[k], :n].copy_(staged[k, :n])
-    recv_counts.view(-1)[into] = got.to(recv_counts.dtype)
+    recv_counts.view(-1)[[into[k] for k in lands]] = got[lands].to(recv_counts.dtype)
 
 
 def weighted_combine(

@@ -233,7 +233,8 @@ def test_deepep_normal_sender_without_the_rdma_head_overwrites_a_slot() -> None:
 
 
 def without_channel(text: str, channel: str, loops: tuple[str, ...]) -> str:
-    """``text`` less every step on ``channel`` and the loops named (their open/drain)."""
+    """``text`` less every step on ``channel`` and the loops named (their open/drain, and
+    the loops that hold only such steps: the combine's per-source head signals)."""
     kept: list[str] = []
     skip = -1
     for line in text.splitlines(keepends=True):
@@ -251,7 +252,8 @@ def without_channel(text: str, channel: str, loops: tuple[str, ...]) -> str:
 @pytest.mark.parametrize(("channel", "loops", "rdma", "nvl", "ring"), [
     ("nvl_head", ("nvl_open", "nvl_drain"), 2, 1,
      ("x_recv", "s_recv", "ids_recv", "w_recv", "n_recv")),
-    ("back_head", ("rail_open", "rail_drain"), 1, 2, ("z_back", "n_back"))],
+    ("back_head", ("rail_open", "rail_drain", "back_frees", "last_back_frees"), 1, 2,
+     ("z_back", "n_back"))],
     ids=["dispatch_nvl_head_v1", "combine_back_head_r1"])
 def test_deepep_normal_second_hop_credits_matter_at_one_slot(
         tmp_path: Path, channel: str, loops: tuple[str, ...], rdma: int, nvl: int,

@@ -717,7 +717,8 @@ def _split_key(op) -> tuple:
     else:
         extra = (op.counts, op.recv_counts, _expression(op.capacity),
                  op.scale.buffer if op.scale is not None else None,
-                 _expression(op.groups) if op.groups is not None else None, op.direction)
+                 _expression(op.groups) if op.groups is not None else None, op.direction,
+                 getattr(op, "offset", None))
     return (op.op, tuple(_as_list(op.src)), tuple(_as_list(op.dst)), *extra, str(op.axis))
 
 
@@ -751,6 +752,14 @@ def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, 
     axes = _axes(schedule, op)
     team = _team(b.rank, world, axes)
     ragged, summed = op.op == "ragged_all_to_all", op.op == "reduce_scatter"
+    # a ragged_all_to_all by offset: its put stores into member rank + k only (itself at
+    # k = 0 mod its team's size) and signals it, its wait polls member rank - k
+    one = ragged and getattr(op, "offset", None) is not None
+    to, back = ((_one_peer(op, b.rank, world, axes, 1), _one_peer(op, b.rank, world, axes, -1))
+                if one else (None, None))
+    if one:
+        found = team[(team.index(b.rank) + op.offset) % len(team)]
+        team = [found]
     rows, counts = _ragged_parts(op, axes) if ragged else (_partition(schedule, op), None)
     part = (rows, b.rank)
     if op.phase == "put":
@@ -778,14 +787,14 @@ def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, 
         if ragged:
             stores([op.recv_counts], (counts, b.rank))
             _cast_scale(op, schedule, reads, stores, b.rank, axes, rows)
-        for peer in _peers("all", b.rank, world, axes):
+        for peer in _peers("all", b.rank, world, axes) if to is None else to:
             b.add(name, index, 0, signal=("step:" + name, peer))
         return
     polled = _exchange_puts(schedule).get(name, "?")
-    for peer in _peers("all", b.rank, world, axes):
+    for peer in _peers("all", b.rank, world, axes) if back is None else back:
         b.add(name, index, 1, wait=("step:" + polled, peer))
     b.add(name, index, 1, landing=True)  # the data that was in flight lands here
-    if ragged and op.recv_counts in tracked:
+    if ragged and not one and op.recv_counts in tracked:
         b.access(name, index, 1, op.recv_counts, "read")
     for n, kind in ([(op.via or f"{polled}_recv", "read"), (op.dst, "write")] if summed else []):
         if n in tracked:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,30 @@ def run_clean(**config: object) -> tuple[object, str]:
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     return report, text
+
+
+def run_ranks(source: str, folder: Path, world: int, sizes: dict[str, int],
+              body: Callable[[Any, Any], str]) -> list[str]:
+    """``source`` compiled at ``world`` and run on the local backend (ranks as threads):
+    per rank, what ``body(instance, rank)`` returns, or the message of the
+    ``DcpcArgumentError`` / ``DcpcPeerFailedError`` it raised (a kernel's error record)."""
+    from dcpc.harness.run import compile_to
+    from dcpc.harness.worker import load_module_class
+    from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
+    from dcpc.runtime.local import LocalGroup
+
+    path = write(folder, source, "ranks.yaml")
+    _, module, _, _ = compile_to(str(path), folder, world)
+    name = source.split("schedule:", 1)[1].split()[0]
+
+    def rank_main(rank: Any) -> str:
+        inst = load_module_class(module, name)(rank, sizes=sizes, device="cpu",
+                                               backend="local", timeout_s=20)
+        try:
+            return body(inst, rank)
+        except (DcpcArgumentError, DcpcPeerFailedError) as exc:
+            return str(exc)
+        finally:
+            inst.close()
+
+    return LocalGroup(world, "cpu", timeout_s=60).run(rank_main)

@@ -180,7 +180,11 @@ def _first_unordered(
             # depend on whose instance they store into)
             # (a perm's store has a writer at each of its deltas, and one in flight ends
             # on the owner, rank 0, whose distance to the writer matters: each is tried)
-            ps = _writers(world, xa) if xa.region.scheme == "perm" else _writers(world, xa)[:1]
+            # (a store into one peer's instance, Region.peer, reaches rank 0 from one
+            # writer: the two meet there only at a writer both have)
+            theirs = set(_writers(world, xb))
+            ps = [p for p in _writers(world, xa) if p in theirs]
+            ps = ps if xa.region.scheme == "perm" else ps[:1]
             for p in ps:
                 if unordered(p, p):
                     return touch(p, ca, ja, xa), touch(p, cb, jb, xb)
