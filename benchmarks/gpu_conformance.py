@@ -15,9 +15,10 @@ GPU with other GPU processes (the contention that showed races on 2026-12-04).
 
 
 Writes DIR/gpu_conformance_<commit>.json (one record per schedule, world and repeat:
-status, mismatches, first mismatch, errors) and DIR/gpu_conformance_<commit>.md (a
-table). Exit 0 only when every case ran clean. Without a GPU every case fails at once
-with dcpc run's own message.
+status, mismatches, first mismatch, errors, and the case's key: what the run executed,
+benchmarks/gpu_keys.py, by which benchmarks/gpu_pending.py settles the case later)
+and DIR/gpu_conformance_<commit>.md (a table). Exit 0 only when every case ran clean.
+Without a GPU every case fails at once with dcpc run's own message.
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     todo.sort(key=lambda c: -eval_world(c["world"]))
     commit = os.environ.get("COMMIT") or _git_commit()
     device = _device_name()
+    keys = run_keys(todo)
     start = time.monotonic()
     records: list[dict[str, Any]] = []
     out = Path(a.out)
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                          "errors": [], "outputs": {}, "mismatches": 0}]
             got = run_case(case, a.repeat, a.calls, a.wait_timeout, a.timeout, Path(tmp),
                            a.device)
+            for r in got:
+                r["key"] = keys[(case["file"], case["world"])]
             bad = [r for r in got if not r["ok"]]
             print(f"{'ok  ' if not bad else 'FAIL'} {case['file']} W={case['world']} "
                   f"{len(got) - len(bad)}/{len(got)} {got[0].get('case_s', '')} s"
@@ -279,6 +283,16 @@ def merge(paths: list[str], out: Path) -> int:
     print(f"gpu_conformance: merged {len(paths)} runs: {clean}/{len(records)} clean -> "
           f"{out / name}.md")
     return 0 if clean == len(records) else 1
+
+
+def run_keys(todo: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, str | None]]:
+    """(file, world) -> the case's key (benchmarks/gpu_keys.py): the module `dcpc run`
+    compiles for it (the same compile, here, once), the runtime and the harness."""
+    from benchmarks.gpu_keys import case_id, code_keys, module_keys
+
+    wanted = [(c["file"], c["world"]) for c in todo]
+    modules, code = module_keys(ROOT, wanted), code_keys(ROOT)
+    return {(f, w): {"module": modules[case_id(f, w)], **code} for f, w in wanted}
 
 
 def eval_world(world: str) -> int:
