@@ -293,18 +293,24 @@ def test_the_key_reads_single_files_and_trees_that_lack_a_part(tmp_path: Path) -
 
 
 def test_a_run_records_what_it_imported_and_the_key_holds_it(tmp_path: Path) -> None:
-    """gpu_conformance on the CPU (the Triton interpreter): the record is clean, carries
-    its key and versions, and every dcpc module the run imported is in the key; the same
-    imports read as a cuda run's would name the CPU-only interpreter."""
+    """gpu_conformance on the CPU (the Triton interpreter): the record is clean and every
+    dcpc module the run imported is in the key; a module outside the key is named, and
+    on cuda the CPU-only interpreter too."""
     from benchmarks import gpu_conformance as gc
 
     case = next(c for c in gc.cases([ROOT / COPY]) if c["world"] == "2")
     records = gc.run_case(case, 1, 2, 20.0, 150.0, tmp_path, "cpu")
     assert [r["ok"] for r in records] == [True], records
     imports = tmp_path / "copy_2.imports.json"
-    assert "dcpc.harness.interpret" in json.loads(imports.read_text())
+    names = json.loads(imports.read_text())
+    assert {"dcpc.cli", "dcpc.harness.worker", "dcpc.runtime.teams", "dcpc.topology",
+            "dcpc.ops.copy"} <= set(names)
     assert gc.unkeyed_imports(imports, "cpu") == []
-    assert gc.unkeyed_imports(imports, "cuda") == ["dcpc.harness.interpret"]
+    assert gc.unkeyed_imports(imports, "cuda") == []  # no program order: no interpreter
+    imports.write_text(json.dumps(names + ["dcpc.harness.interpret", "dcpc.engines.common"]))
+    assert gc.unkeyed_imports(imports, "cpu") == ["dcpc.engines.common"]
+    assert gc.unkeyed_imports(imports, "cuda") == ["dcpc.harness.interpret",
+                                                   "dcpc.engines.common"]
 
 
 def test_keys_written_beside_the_plans_are_read_only_for_their_tree(tmp_path: Path) -> None:
