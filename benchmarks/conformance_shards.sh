@@ -15,6 +15,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" COMMIT=${COMMIT:?the commit the results name}
 OUT=${OUT:?a folder for the results}; END=${END:-540}; JOBS=${JOBS:-3}
 work=$(mktemp -d /tmp/dcpc-shards.XXXXXX); t0=$(date +%s)
+keys=(); [ -f "$PLANS/keys.json" ] && keys=(--keys "$PLANS/keys.json")  # gpu_pending --plans
 shard() {  # shard PLAN INDEX
   local k=0 worlds files left
   while read -r worlds files; do
@@ -22,7 +23,7 @@ shard() {  # shard PLAN INDEX
     [ "$left" -gt 30 ] || { echo "shard $2: out of time before line $k"; break; }
     timeout -k 5 $((left + 35)) python3 -m benchmarks.gpu_conformance --out "$work/s$2_$k" \
       --repeat 1 --jobs "$JOBS" --deadline "$left" --device "${DEVICE:-cuda}" \
-      --worlds "$worlds" $files
+      --worlds "$worlds" "${keys[@]}" $files
   done < "$1"
 }
 # the archive is packed every 30 s too: a call cut short (its device time spent, its

@@ -15,9 +15,10 @@ GPU with other GPU processes (the contention that showed races on 2026-12-04).
 
 
 Writes DIR/gpu_conformance_<commit>.json (one record per schedule, world and repeat:
-status, mismatches, first mismatch, errors) and DIR/gpu_conformance_<commit>.md (a
-table). Exit 0 only when every case ran clean. Without a GPU every case fails at once
-with dcpc run's own message.
+status, mismatches, first mismatch, errors, and the case's key: what the run executed,
+benchmarks/gpu_keys.py, by which benchmarks/gpu_pending.py settles the case later)
+and DIR/gpu_conformance_<commit>.md (a table). Exit 0 only when every case ran clean.
+Without a GPU every case fails at once with dcpc run's own message.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAIN_WORLDS = ["2", "4", "8"]
 MESH_WORLDS = ["2x2", "2x4", "4x2"]
 SIZE_MAX = 32  # the largest per-call size: a multiple of 16 (Triton specialises on it)
+# `python -m dcpc` that writes, on its way out, the dcpc modules it imported to the file
+# argv[1] names (then runs with the rest): what a case executed, to check against its key
+IMPORTS = ("import atexit, json, runpy, sys\n"
+           "out = sys.argv.pop(1)\n"
+           "atexit.register(lambda: open(out, 'w').write(json.dumps(sorted(\n"
+           "    m for m in list(sys.modules) if m == 'dcpc' or m.startswith('dcpc.')))))\n"
+           "runpy.run_module('dcpc', run_name='__main__', alter_sys=True)\n")
 
 
 def schedule_files() -> list[Path]:
@@ -89,8 +97,8 @@ def run_case(case: dict[str, Any], repeat: int, calls: int, wait_s: float, timeo
              tmp: Path, device: str = "cuda") -> list[dict[str, Any]]:
     """One file at one world, REPEAT runs: the records of `dcpc run --json`."""
     tag = f"{Path(case['file']).stem}_{case['world']}"
-    out = tmp / f"{tag}.json"
-    base = [sys.executable, "-m", "dcpc", "run", case["file"], "--device", device,
+    out, imports = tmp / f"{tag}.json", tmp / f"{tag}.imports.json"
+    base = [sys.executable, "-c", IMPORTS, str(imports), "run", case["file"], "--device", device,
             "--backend", "local", "--world", case["world"], "--calls", str(calls),
             "--repeat", str(repeat), "--order", case["order"], "--jitter-ms", "0.5",
             "--wait-timeout", str(wait_s), "--timeout", str(timeout_s), "--json", str(out),
@@ -117,11 +125,37 @@ def run_case(case: dict[str, Any], repeat: int, calls: int, wait_s: float, timeo
         records.append({"case": case, "ok": False, "status": f"exit {code}",
                         "schedule": Path(case["file"]).stem, "world": case["world"],
                         "errors": [text[-3000:]], "outputs": {}, "mismatches": 0})
+    unkeyed = unkeyed_imports(imports, device)
     for r in records:
         r["case_s"] = round(time.monotonic() - t0, 1)
+        if unkeyed:
+            r.update(ok=False, status="ran code its key leaves out",
+                     errors=[*r.get("errors", []), f"imported outside the key: {unkeyed}"])
         if not r["ok"]:
             r["log_tail"] = text[-4000:]
     return records
+
+
+def unkeyed_imports(imports: Path, device: str) -> list[str]:
+    """The dcpc modules a case imported (the file IMPORTS wrote) that its key leaves out
+    (benchmarks/gpu_keys.py: not in a code part; on cuda, the CPU-only files too: they
+    must not run there). [] where nothing was written (the run died first)."""
+    from benchmarks.gpu_keys import CPU_ONLY_FILES, code_files
+
+    if not imports.exists():
+        return []
+    keyed = {f for files in code_files(ROOT).values() for f in files}
+    if device != "cuda":
+        keyed |= set(CPU_ONLY_FILES)
+    out = []
+    for name in json.loads(imports.read_text()):
+        base = ROOT.joinpath(*name.split("."))
+        rel = next((p.relative_to(ROOT).as_posix() for p in (base.with_suffix(".py"),
+                                                             base / "__init__.py")
+                    if p.is_file()), None)
+        if rel is not None and rel not in keyed:
+            out.append(name)
+    return out
 
 
 def table(records: list[dict[str, Any]], commit: str, device: str, wall_s: float,
@@ -184,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
     ap.add_argument("--deadline", type=float, default=520.0,
                     help="start no case after this many seconds (default 520)")
+    ap.add_argument("--keys", type=Path, default=None, metavar="JSON",
+                    help="the cases' keys computed beside the plans (gpu_pending --plans "
+                         "DIR: DIR/keys.json), used where they are this tree's")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="merge these result files of one commit into one table; run nothing")
     a = ap.parse_args(argv)
@@ -197,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     # the biggest worlds first: they take longest
     todo.sort(key=lambda c: -eval_world(c["world"]))
     commit = os.environ.get("COMMIT") or _git_commit()
-    device = _device_name()
+    device, versions = _device_name(), _versions()
+    keys = run_keys(todo, a.keys)
     start = time.monotonic()
     records: list[dict[str, Any]] = []
     out = Path(a.out)
@@ -214,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                          "errors": [], "outputs": {}, "mismatches": 0}]
             got = run_case(case, a.repeat, a.calls, a.wait_timeout, a.timeout, Path(tmp),
                            a.device)
+            for r in got:
+                r["key"] = keys[(case["file"], case["world"])]
+                r["versions"] = versions
             bad = [r for r in got if not r["ok"]]
             print(f"{'ok  ' if not bad else 'FAIL'} {case['file']} W={case['world']} "
                   f"{len(got) - len(bad)}/{len(got)} {got[0].get('case_s', '')} s"
@@ -229,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             """The records so far (after every case: a device call cut short keeps them)."""
             wall = time.monotonic() - start
             for suffix, text in (("json", json.dumps(
-                    {"commit": commit, "device": device, "date": time.strftime("%Y-%m-%d"),
+                    {"commit": commit, "device": device, "versions": versions,
+                     "date": time.strftime("%Y-%m-%d"),
                      "wall_s": round(wall, 1), "repeat": a.repeat, "calls": a.calls,
                      "records": records}, indent=1)),
                     ("md", table(records, commit, device, wall))):
@@ -281,6 +323,28 @@ def merge(paths: list[str], out: Path) -> int:
     return 0 if clean == len(records) else 1
 
 
+def run_keys(todo: list[dict[str, Any]], given: Path | None = None
+             ) -> dict[tuple[str, str], dict[str, str | None]]:
+    """(file, world) -> the case's key (benchmarks/gpu_keys.py): the module `dcpc run`
+    compiles for it (the same compile, here, once; or read from ``given``, keys computed
+    beside the plans, where its tree digest is this tree's), the code parts."""
+    from benchmarks.gpu_keys import case_id, code_keys, module_keys, tree_digest
+
+    wanted = [(c["file"], c["world"]) for c in todo]
+    code = code_keys(ROOT)
+    modules: dict[str, str | None] = {}
+    if given is not None and given.exists():
+        got = json.loads(given.read_text())
+        if got.get("tree") == tree_digest(ROOT) and all(got.get(p) == code[p] for p in code):
+            modules = got.get("modules", {})
+        else:
+            print(f"gpu_conformance: {given} holds another tree's keys: compiling here",
+                  flush=True)
+    missing = [(f, w) for f, w in wanted if case_id(f, w) not in modules]
+    modules.update(module_keys(ROOT, missing) if missing else {})
+    return {(f, w): {"module": modules[case_id(f, w)], **code} for f, w in wanted}
+
+
 def eval_world(world: str) -> int:
     n = 1
     for part in world.split("x"):
@@ -294,6 +358,17 @@ def _git_commit() -> str:
                               text=True, cwd=ROOT, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def _versions() -> dict[str, str | None]:
+    """The torch and triton this run imports (None: not installed)."""
+    out: dict[str, str | None] = {}
+    for name in ("torch", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
 
 
 def _device_name() -> str:

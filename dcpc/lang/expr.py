@@ -1,8 +1,10 @@
-"""Shape and size expressions: integers, symbols, + - * /, parentheses.
+"""Shape and size expressions: integers, symbols, + - * /, parentheses, a leading minus.
 
 Parsed by a small recursive-descent parser into a tuple AST, never ``eval``ed:
 
     ("num", 4) | ("sym", "H") | (op, lhs, rhs) with op in "+-*/"
+
+(a leading minus, ``-D``, is ``("-", ("num", 0), D)``: the AST has no unary node)
 
 ``/`` is exact division: evaluating it on values that do not divide raises
 ``InexactDivision``. The same AST is emitted into generated modules, where
@@ -103,15 +105,24 @@ class _Parser:
         self.i += 1
         return tok
 
-    def expr(self) -> Expr:  # expr := term (("+"|"-") term)*
-        node = self.term()
+    def expr(self) -> Expr:  # expr := ["-"] term (("+"|"-") term)*
+        # a leading minus negates the first atom (Python's precedence: -a * b, -a % W
+        # read as (-a) * b, (-a) % W), as 0 - atom: one minus, only at the start of an
+        # expression or after '(' ('- -D', '2 * -D' stay errors)
+        negate = self.peek()[:2] == ("op", "-")
+        if negate:
+            self.take()
+        node = self.term(negate)
         while self.peek()[:2] in (("op", "+"), ("op", "-")):
             op = self.take()[1]
             node = (op, node, self.term())
         return node
 
-    def term(self) -> Expr:  # term := atom (("*"|"/"|"%") atom)*, '%' in a condition or a perm
+    def term(self, negate: bool = False) -> Expr:  # term := atom (("*"|"/"|"%") atom)*,
+        # '%' in a condition or a perm
         node = self.atom()
+        if negate:
+            node = ("-", ("num", 0), node)
         while self.peek()[:2] in (("op", "*"), ("op", "/"), ("op", "%")):
             op = self.take()[1]
             node = (op, node, self.atom())

@@ -126,3 +126,23 @@ def test_run_time_sizes_that_give_no_shape_name_the_argument_and_dimension() -> 
         assert "step(): dimension 0 of argument 'b'" in str(info.value), str(info.value)
         assert want in str(info.value), str(info.value)
         assert "T=3" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["-D", "-D * 2", "-r % W", "-(r + 1) % W", "(-D) - 1",
+                                  "-2 + D", "3 * (-D + 1)", "-(-D)"])
+def test_a_leading_minus_reads_as_python_does(text: str) -> None:
+    """A leading minus (at the start of an expression or after '(') negates the atom
+    after it, as tight as Python's unary minus: the same value as Python's, and the
+    tree's printed form reads back to the same tree."""
+    env = {"D": 3, "r": 1, "W": 4}
+    tree = ex.parse(text, modulo=True)
+    assert ex.evaluate(tree, env) == eval(text, {}, dict(env))  # noqa: S307 - our own texts
+    assert ex.parse(ex.unparse(tree), modulo=True) == tree
+
+
+@pytest.mark.parametrize("text,column", [("--", 1), ("- -D", 2), ("-", 1), ("2 - -D", 4),
+                                         ("2 * -D", 4), ("(--D)", 2)])
+def test_more_than_a_leading_minus_is_a_located_syntax_error(text: str, column: int) -> None:
+    with pytest.raises(ex.ExprSyntaxError) as err:
+        ex.parse(text)
+    assert err.value.column == column and "expected a number" in str(err.value)

@@ -513,6 +513,12 @@ def test_a_hop_index_offset_unrolls_to_the_integers_written_out() -> None:
     ("h + 1", 4, "bad-offset", "names 'h': not the hop index of an enclosing loop"),
     ("nxt", 4, "bad-offset", "names 'nxt'"),
     ("W +", 4, "bad-offset", "'W +' (at W=4): expected a number"),
+    # a leading minus is one minus before a name, a number or '(' (not two, not alone)
+    ('"--"', None, "bad-offset", "'--': expected a number, a size name or '(', found '-'"),
+    ('"- -D"', None, "bad-offset", "'- -D': expected a number, a size name or '(', found '-'"),
+    ('"-"', None, "bad-offset", "'-': expected a number, a size name or '(', found end"),
+    ("W * -D", 4, "bad-offset", "found '-'"),
+    ("-(W / 2)", 3, "bad-offset", "W/2 is 3/2, which is not a whole number"),
     ("W / 2", None, "loop-world", "names W; a schedule that depends on W is unrolled"),
 ])
 def test_bad_offset_expressions_are_located_errors(offset: str, world: int | None, code: str,
@@ -529,6 +535,21 @@ def test_bad_offset_expressions_are_located_errors(offset: str, world: int | Non
     assert words in found[0].message, found[0].message
     if offset == "nxt":
         assert found[0].hint == "did you mean 'next'?"
+
+
+def test_a_leading_minus_negates_an_offset_as_zero_minus_it_does() -> None:
+    """``offset: -D`` (a shift's, a signal's, a wait's) is ``0 - D``: a leading minus
+    before a name or a parenthesis, Python's precedence (-a * b is (-a) * b)."""
+    for offset, want in [("-D", -2), ("-(W / 2)", -2), ("-D * 3 + 1", -5), ("-1", -1),
+                         ('"-(D + 1)"', -3)]:
+        both = [f"  - {n}: {{op: shift, src: x, dst: y, offset: {o}}}\n"
+                for n, o in (("a", offset), ("b", "0 - D" if offset == "-D" else want))]
+        steps = parse_text(HEAD + "".join(both), "s.yaml", world=4).step_list()
+        assert [s.op.offset for s in steps] == [want, want], offset
+    sync = ("  - tell: {op: signal, channel: c, offset: -D}\n"
+            "  - hear: {op: wait, channel: c, offset: -(D - 1)}\n")
+    steps = parse_text(HEAD + sync, "s.yaml", world=4).step_list()
+    assert [s.op.offset for s in steps] == [-2, -1]
 
 
 def test_a_zero_offset_at_one_hop_names_the_hop() -> None:
