@@ -7,13 +7,14 @@ each rank (issue 33, cex23: a rank shown past a wait whose signal its peer, whic
 skips nothing, had not sent yet). ``Execution`` redoes the cut from the real per-rank
 steps: on rank r a step whose ``when:`` fails neither waits, nor signals, nor touches
 anything; a wait of rank r needs, from each rank its peers name on r (all, next,
-prev, an offset, "line" without wrap, a perm's table), that rank's signal of the
-polled step in the same call, which must run there and reach r.
+prev, an offset, "line" without wrap, a perm's table; on a mesh along the sync's team:
+dcpc.topology), that rank's signal of the polled step in the same call, which must run
+there and reach r. An access happens where its step runs, but for the engine's read of
+what a method returns, which happens on every rank (``happens``).
 
     Execution(world, running).before(rank, pos) -> cut | None
     Execution(world, running).unordered(race) -> (cut_a, cut_b) | None
-
-One axis only (a mesh keeps the model's ranks: dcpc.check.hb.checker).
+    Execution(world, running).happens(touch, rank) -> bool
 """
 
 from __future__ import annotations
@@ -23,23 +24,26 @@ from typing import TYPE_CHECKING
 from dcpc.check.hb.races import RawRace, Touch
 from dcpc.lang.model import Peers
 from dcpc.ops.common import peer_offset, perm_table
-from dcpc.topology import along
+from dcpc.topology import shape_of, torus
 
 if TYPE_CHECKING:
     from dcpc.check.hb.clocks import World
 
 
-def peers_of(spec: Peers | str, rank: int, world: int) -> list[int]:
-    """The ranks a sync's peers spec names on ``rank``: a signal's targets, a wait's
-    sources (a perm's wait spec is its table of sources: dcpc.ops.common)."""
+def peers_of(spec: Peers | str, rank: int, world: int,
+             axes: tuple[int, ...] | None = None) -> list[int]:
+    """The ranks a sync's peers spec names on ``rank``, in its team along ``axes`` (a
+    mesh's; None: every axis): a signal's targets, a wait's sources (a perm's wait spec
+    is its table of sources over ranks: dcpc.ops.common)."""
     spec = spec.value if isinstance(spec, Peers) else spec
+    topo = torus(shape_of(world))
     if spec == Peers.all.value:
-        return [p for p in range(world) if p != rank]
+        return [p for p in topo.team(rank, axes) if p != rank]
     table = perm_table(spec)
     if table is not None:
         p = table[rank] if rank < len(table) else -1
-        return [p] if 0 <= p < world and p != rank else []
-    p = along(rank, world, *peer_offset(spec))
+        return [p] if 0 <= p < topo.size and p != rank else []
+    p = topo.peer(rank, axes, *peer_offset(spec))
     return [p] if p is not None and p != rank else []
 
 
@@ -59,6 +63,13 @@ class Execution:
         ranks = self.running.get(self.world.program.events[j].step)
         return ranks is None or rank in ranks
 
+    def happens(self, t: Touch, rank: int) -> bool:
+        """Whether access ``t`` happens on ``rank``: where its step runs; the engine's read
+        of what a method returns (``Access.returned``) on every rank, as the engine calls
+        a guarded method where it does not run too and reads what it returns there
+        (dcpc.harness.worker ``held``; issue 33 flaky23)."""
+        return t.access.returned or self.runs(rank, t.j)
+
     def before(self, rank: int, pos: int) -> list[int] | None:
         """The events strictly before event ``pos`` (call*n + j) of ``rank``, closed under
         what the ranks really do: a count per (rank q, stream s), as
@@ -71,9 +82,9 @@ class Execution:
         from dcpc.check.hb.timeline import stream_positions
 
         world, program = self.world, self.world.program
-        n, streams, w = world.n, world.streams, int(world.world)
+        n, streams, w = world.n, world.streams, world.world
         events = program.events
-        cut = [0] * (w * streams)
+        cut = [0] * (int(w) * streams)
         call, j = divmod(pos, n)
         work = [(rank, program.stream(call), program.stream_index(call, j))]
         while work:
@@ -89,22 +100,22 @@ class Execution:
                 if wait is None or not self.runs(q, i):
                     continue
                 js = self.signal_of.get(wait[0])
-                for src in peers_of(wait[1], q, w):
+                for src in peers_of(wait[1], q, w, events[i].axes):
                     sent = events[js].signal if js is not None else None
-                    if sent is None or not self.runs(src, js) \
-                            or q not in peers_of(sent[1], src, w):  # type: ignore[arg-type]
+                    if sent is None or not self.runs(src, js) or q not in peers_of(
+                            sent[1], src, w, events[js].axes):  # type: ignore[arg-type,index]
                         return None
                     work.append((src, program.stream(c), program.stream_index(c, js) + 1))
         return cut
 
     def unordered(self, race: RawRace) -> tuple[list[int], list[int]] | None:
         """Both accesses' cuts (``before``) when the race happens on its ranks as named:
-        both steps run there, every wait before them is signalled, and neither access
-        ends (a store in flight: at its owner's wait that lands it) before the other
-        starts; else None."""
+        both accesses happen there (``happens``), every wait before them is signalled,
+        and neither access ends (a store in flight: at its owner's wait that lands it)
+        before the other starts; else None."""
         world, program = self.world, self.world.program
         a, b = race.first, race.second
-        if not (self.runs(a.rank, a.j) and self.runs(b.rank, b.j)):
+        if not (self.happens(a, a.rank) and self.happens(b, b.rank)):
             return None
         pa, pb = world.pos(a.call, a.j), world.pos(b.call, b.j)
         cut_a, cut_b = self.before(a.rank, pa), self.before(b.rank, pb)
