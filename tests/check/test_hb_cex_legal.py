@@ -16,9 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cex_legal import violations
 from support.hb_oracle import CREDIT_HEADER, random_credit_schedule_text
+from support.schedules import GATHER_NO_BARRIER
 
 from dcpc.check import hb, structural
 from dcpc.diagnostics import DiagnosticError
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +69,99 @@ def test_a_counterexample_past_a_wait_whose_signal_was_not_sent_is_caught() -> N
     ], first=dict(use["first"], rank=0, owner=0), second=dict(use["second"], rank=3, owner=0))
     found = violations(schedule, old)
     assert any("freed ran before rank 0 call 0 free" in v for v in found), found
+
+
+# the engine reads what again returns on every rank, though again runs on none (W <= 8:
+# dcpc.check.hb.legal.Execution.happens); rank 1 waits for rank 0's credit sent after
+# that read, so rank 1's next gather into rank 0's g is ordered, rank 0's into rank 1's
+# is not (the model's first rotation, rank 0 reading, is not an execution)
+RETURNED_SKIPPED = GATHER_NO_BARRIER + (
+    "  - landed: {op: barrier}\n"
+    '  - again: {op: all_gather, src: y, dst: g, dim: 1, when: "W > 8"}\n'
+    '  - free: {op: signal, to: next, channel: c, when: "rank == 0"}\n'
+    '  - freed: {op: wait, from: prev, channel: c, when: "rank == 1"}\n')
+
+
+def test_a_returned_read_of_a_step_skipped_everywhere_is_shown_where_it_races() -> None:
+    """The read of what a skipped method returns happens on every rank, for the choice
+    of ranks as for the race: at W = 2 rank 1 reads and rank 0 writes (rank 0 reading
+    is ordered by the credit), and the timelines at W = 2, 3 replay."""
+    for world in (2, 3):
+        schedule = parse_text(RETURNED_SKIPPED, "returned.yaml", world=world)
+        (race,) = _races(schedule, world)
+        assert race["steps"] == ["again", "gather"] and race["first"]["returned"]
+        assert violations(schedule, race) == [], race["timeline"]
+        assert race["first"]["rank"] != 0, race["timeline"]
+    schedule = parse_text(RETURNED_SKIPPED, "returned.yaml", world=2)
+    (race,) = _races(schedule, 2)
+    assert (race["first"]["rank"], race["second"]["rank"], race["second"]["call"]) == (1, 0, 1)
+    assert race["timeline"][1] == "rank 1: call 0 keep ✓ gather ✓ landed ✓ again (skipped) " \
+        "→ reading g[rank 1, slot 0]"
+    # what the checker printed when only the step's ranks counted (the model's rotation)
+    old = dict(race, timeline=[
+        "rank 0: call 0 keep ✓ gather ✓ landed ✓ again (skipped) free ✓ freed (next)",
+        "rank 1: call 0 keep ✓ gather ✓ landed ✓ again (skipped) free (skipped) freed ✓ | "
+        "call 1 keep ✓ gather → writing g[rank 0, slot 0] W*D block 1 (dim 1)",
+    ], first=dict(race["first"], rank=0, owner=0), second=dict(race["second"], rank=1, owner=0))
+    found = violations(schedule, old)
+    assert any("first: again on rank 0 call 0 cannot run next" in v for v in found), found
+
+
+# two broadcasts of one root back to back on a mesh, the second guarded (its when: names
+# only sizes: one value on the whole group), and a gather that node 1 skips: rank
+# (node=0, gpu=0), the root, writes b of a rank still reading what first returned
+MESH_BROADCASTS = """\
+schedule: mesh_guarded_broadcasts
+slots: 1
+mesh: {node: N, gpu: G}
+sizes:
+  N: {max: 4}
+  G: {max: 4}
+  T: {max: 8}
+  D: 16
+buffers:
+  x:      {shape: [T, D],    dtype: f32}
+  y:      {shape: [T, D],    dtype: f32}
+  x_node: {shape: [G*T, D],  dtype: f32, symmetric: true}
+  b:      {shape: [T, D],    dtype: f32, symmetric: true}
+  o_node: {shape: [T, D],    dtype: f32}
+  o_b:    {shape: [T, D],    dtype: f32}
+steps:
+  - in_node: {op: all_gather, axis: gpu, when: "node == 0", src: x, dst: x_node}
+  - use_n:   {op: external, when: "node == 0", reads: [x_node], writes: [o_node]}
+  - first:   {op: broadcast, root: 0, src: x, dst: b}
+  - second:  {op: broadcast, root: 0, src: y, dst: b, when: "G > 1"}
+  - use_b:   {op: external, reads: [b], writes: [o_b]}
+  - done:    {op: barrier}
+"""
+
+
+def test_a_guarded_race_on_a_mesh_names_the_root_and_the_skipped_steps() -> None:
+    """The broadcast's store is the root's (rank (node=0, gpu=0)), node 1's ranks show
+    in_node and use_n skipped, and every timeline replays (2x2, 2x3, 3x2; at 2x3 with
+    every rank shown: their cuts differ)."""
+    for world in MESH_SHAPES:
+        schedule = parse_text(MESH_BROADCASTS, "mesh.yaml", world=world)
+        (race,) = _races(schedule, world)
+        assert race["steps"] == ["first", "second"], race
+        assert race["second"]["rank"] == 0 and race["first"]["rank"] != 0, race
+        assert race["second"]["owner"] == race["first"]["rank"]
+        assert violations(schedule, race) == [], race["timeline"]
+        assert any(line.startswith("rank (node=1, gpu=0): call 0 in_node (skipped) use_n "
+                                   "(skipped) first") for line in race["timeline"]), race
+    schedule = parse_text(MESH_BROADCASTS, "mesh.yaml", world=MESH_SHAPES[0])
+    (race,) = _races(schedule, MESH_SHAPES[0])
+    # what the checker printed when a mesh kept the model's ranks: a store of root 0's
+    # broadcast from rank (node=0, gpu=1), and node 1 shown running in_node
+    old = dict(race, timeline=[
+        "rank (node=0, gpu=0): call 0 in_node ✓ use_n ✓ first (sent) → reading b",
+        "rank (node=0, gpu=1): call 0 in_node ✓ use_n ✓ first ✓ second → writing b",
+        "rank (node=1, gpu=0): call 0 in_node ✓ use_n ✓ first (sent, waiting)",
+        "rank (node=1, gpu=1): call 0 in_node ✓ use_n ✓ first (sent, waiting)",
+    ], first=dict(race["first"], rank=0, owner=0), second=dict(race["second"], rank=1, owner=0))
+    found = violations(schedule, old)
+    assert "second: second on rank 1 makes no such access" in found, found
+    assert "rank 2 call 0 in_node: shown run, but it is skipped there" in found, found
 
 
 # a wait's when: C(rank); its signal's the same at the rank it signals (the credit goes
@@ -129,16 +224,20 @@ ORACLE_GAPS = {"custom_all_reduce.no_end_barrier.yaml": "the oracle has no `sum`
                "pcp_prefill.no_release.yaml": "the oracle has no all_gather of a list"}
 
 
+MESH_SHAPES = [MeshWorld(s) for s in ((2, 2), (2, 3), (3, 2))]
+
+
 @pytest.mark.parametrize("path", _corpus())
 def test_every_guarded_or_wrong_file_s_counterexamples_can_happen(path: Path) -> None:
-    """Each race such a file is refused with, at W = 2, 3, 4, replays (a mesh's, whose
-    timeline names coordinates, is left out)."""
-    for world in (2, 3, 4):
+    """Each race such a file is refused with, at W = 2, 3, 4 (a mesh's at 2x2, 2x3 and
+    3x2), replays."""
+    text = path.read_text(errors="replace")
+    for world in MESH_SHAPES if re.search(r"(?m)^mesh:", text) else (2, 3, 4):
         try:
-            schedule = parse_text(path.read_text(errors="replace"), str(path), world=world)
+            schedule = parse_text(text, str(path), world=world)
         except DiagnosticError:  # a file for other worlds, or bad input on purpose
             continue
-        if schedule.mesh is not None or any(
+        if (schedule.mesh is not None) != isinstance(world, MeshWorld) or any(
                 d.severity == "error" for d in structural.check(schedule, [world])):
             continue
         for f in _races(schedule, world):
@@ -175,3 +274,34 @@ def test_replay_of_the_guarded_credit_race_holds_the_ranks_that_race(tmp_path: P
     assert result["replay"]["hold"][:2] == [1, 0] and result["replay"]["until"][:2] == [0, 1]
     assert result["outputs"]["s"]["mismatches"] >= 1, result
     assert result["outputs"]["s"]["first"].startswith("call 0 slot 0 rank 1 (send)"), result
+
+
+def test_replay_of_a_guarded_race_on_a_mesh_is_forced(tmp_path: Path) -> None:
+    """``dcpc run --replay`` of MESH_BROADCASTS' counterexample at 2x2 (host: real
+    processes) holds the reader after first returned until the root's second wrote its
+    b: released, and b shows the wrong data. The counterexample that kept the model's
+    ranks named a writer that makes no such store (NOT FORCED)."""
+    import json
+    import subprocess
+    import sys
+
+    schedule = tmp_path / "mesh.yaml"
+    schedule.write_text(MESH_BROADCASTS)
+
+    def dcpc(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dcpc", *args], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
+
+    found = dcpc("check", str(schedule), "--world", "2x2", "--format", "json")
+    assert found.returncode == 1, found.stdout + found.stderr
+    (tmp_path / "race.json").write_text(found.stdout)
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--backend", "host", "--world", "2x2", "--calls", "1",
+                "--replay", str(tmp_path / "race.json"), "--wait-timeout", "240",
+                "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "released when b was written" in done.stdout and "NOT FORCED" not in done.stdout
+    result = json.loads(record.read_text())[0]
+    assert result["replay"]["hold"][:2] == [1, 0] and result["replay"]["until"][:2] == [0, 0]
+    assert result["outputs"]["b"]["mismatches"] >= 1, result
+    assert result["outputs"]["b"]["first"].startswith("call 0 slot 0 rank 1 (first)"), result
