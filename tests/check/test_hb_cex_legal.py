@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cex_legal import violations
-from support.hb_oracle import CREDIT_HEADER, random_credit_schedule_text
+from support.hb_oracle import CREDIT_HEADER, oracle_keys, random_credit_schedule_text
 from support.schedules import GATHER_NO_BARRIER
 
 from dcpc.check import hb, structural
@@ -164,6 +164,49 @@ def test_a_guarded_race_on_a_mesh_names_the_root_and_the_skipped_steps() -> None
     assert "rank 2 call 0 in_node: shown run, but it is skipped there" in found, found
 
 
+# a ring of waits before signals that the last rank (no wait) and rank 0 (no signal) cut
+# into a chain: the model, every rank alike, has a cycle; the ranks' real steps finish
+GUARDED_CHAIN = CREDIT_HEADER.format(seed=5, slots=1) + """\
+  - first: {op: wait, from: next, channel: c, when: "rank != W - 1"}
+  - then:  {op: signal, to: prev, channel: c, when: "rank != 0"}
+  - use:   {op: external, reads: [x], writes: [y]}
+"""
+
+# the even ranks wait for each other before signalling (a real deadlock); the odd ranks
+# skip both steps and finish their calls
+GUARDED_PAIRS = CREDIT_HEADER.format(seed=6, slots=1) + """\
+  - use:   {op: external, reads: [x], writes: [y]}
+  - first: {op: wait, offset: 2, channel: c, when: "rank % 2 == 0"}
+  - then:  {op: signal, offset: 2, channel: c, when: "rank % 2 == 0"}
+"""
+
+
+def test_a_cycle_of_waits_the_guards_cut_is_no_deadlock() -> None:
+    """The deadlock of the symmetric model is checked against the ranks' real steps
+    (legal.Execution.stuck): a chain finishes, as the brute force says."""
+    for world in (2, 3, 4):
+        schedule = parse_text(GUARDED_CHAIN, "chain.yaml", world=world)
+        assert hb.check(schedule, [world], hints=False).ok
+        assert oracle_keys(schedule, world) == set()
+
+
+def test_a_guarded_deadlock_shows_where_the_ranks_really_stop() -> None:
+    """At W = 4 ranks 0 and 2 wait for each other, ranks 1 and 3 run both calls (the
+    model's timeline showed them waiting at a wait they skip)."""
+    schedule = parse_text(GUARDED_PAIRS, "pairs.yaml", world=4)
+    (dead,) = hb.check(schedule, [4], hints=False).findings
+    assert dead.key == ("deadlock", "cycle", "c", "first", "then") and {
+        dead.key} == oracle_keys(schedule, 4)
+    assert (dead.first.rank, dead.second.rank) == (0, 2)
+    skipped = "use ✓ first (skipped) then (skipped)"
+    assert dead.timeline == [
+        "rank 0: call 0 use ✓ first ⏳ waits for rank 2's then, which never runs",
+        f"rank 1: call 0 {skipped} | call 1 {skipped}",
+        "rank 2: call 0 use ✓ first ⏳ waits for rank 0's then, which never runs",
+        f"rank 3: call 0 {skipped} | call 1 {skipped}",
+    ], dead.timeline
+
+
 # a wait's when: C(rank); its signal's the same at the rank it signals (the credit goes
 # back by ``back``), so every edge is proved and ranks differ in who signals and waits
 CONDITIONS = ["{x} != 0", "{x} != 1", "{x} % 2 == 0", "{x} > 0", "{x} < 2"]
@@ -194,7 +237,8 @@ def _guarded(text: str, rng: random.Random) -> str | None:
 def test_counterexamples_of_random_guarded_credits_can_happen(data: st.DataObject) -> None:
     """A shift, its read, and a credit by signal/wait (support.hb_oracle's random
     credits) whose signal and wait are guarded so that some ranks skip both ends: every
-    race's timeline at W = 2, 3, 4 replays rank by rank."""
+    race's timeline at W = 2, 3, 4 replays rank by rank, and the checker finds a deadlock
+    where the brute force does (a wait before its signal that the guards may cut)."""
     text = _guarded(random_credit_schedule_text(data.draw, st),
                     random.Random(data.draw(st.integers(0, 999))))
     if text is None:
@@ -205,6 +249,10 @@ def test_counterexamples_of_random_guarded_credits_can_happen(data: st.DataObjec
             continue
         for f in _races(schedule, world):
             assert violations(schedule, f) == [], (text, world, f["timeline"])
+        dead = any(f.kind == "deadlock" for f in hb.check(schedule, [world], hints=False
+                                                          ).findings)
+        assert dead == any(k[0] == "deadlock" for k in oracle_keys(schedule, world)), (
+            text, world)
 
 
 def _corpus() -> list[Path]:

@@ -70,9 +70,14 @@ def check(
         if world.skipped:  # the counterexample's cuts: what the ranks really do
             world.execution = Execution(world, wh.running(schedule, w))
         events += w * len(world.live)
-        for dead in find_deadlocks(world):
+        deadlocks, stuck = find_deadlocks(world), None
+        if deadlocks and world.execution is not None:  # where the ranks really stop
+            stuck = world.execution.stuck()
+            if stuck is None:  # every wait of the model's cycle is skipped by some rank
+                deadlocks = []
+        for dead in deadlocks:
             if dead.key(world) not in findings:
-                findings[dead.key(world)] = deadlock_finding(world, dead)
+                findings[dead.key(world)] = deadlock_finding(world, dead, stuck)
         for race in find_races(world, pair_keys):
             if race.key(world) not in findings:
                 placed = _where_both_run(schedule, world, race)

@@ -15,6 +15,7 @@ what a method returns, which happens on every rank (``happens``).
     Execution(world, running).before(rank, pos) -> cut | None
     Execution(world, running).unordered(race) -> (cut_a, cut_b) | None
     Execution(world, running).happens(touch, rank) -> bool
+    Execution(world, running).stuck() -> cut | None (where a deadlock really stops)
 """
 
 from __future__ import annotations
@@ -82,9 +83,8 @@ class Execution:
         from dcpc.check.hb.timeline import stream_positions
 
         world, program = self.world, self.world.program
-        n, streams, w = world.n, world.streams, world.world
-        events = program.events
-        cut = [0] * (int(w) * streams)
+        n, streams = world.n, world.streams
+        cut = [0] * (int(world.world) * streams)
         call, j = divmod(pos, n)
         work = [(rank, program.stream(call), program.stream_index(call, j))]
         while work:
@@ -96,17 +96,59 @@ class Execution:
             cut[row] = upto
             for p in stream_positions(world, s)[start:upto]:
                 c, i = divmod(p, n)
-                wait = events[i].wait
-                if wait is None or not self.runs(q, i):
-                    continue
-                js = self.signal_of.get(wait[0])
-                for src in peers_of(wait[1], q, w, events[i].axes):
-                    sent = events[js].signal if js is not None else None
-                    if sent is None or not self.runs(src, js) or q not in peers_of(
-                            sent[1], src, w, events[js].axes):  # type: ignore[arg-type,index]
-                        return None
-                    work.append((src, program.stream(c), program.stream_index(c, js) + 1))
+                sources = self.sources(q, i)
+                if sources is None:
+                    return None
+                js = self.signal_of.get(program.events[i].wait[0]) if sources else None
+                work += [(src, program.stream(c), program.stream_index(c, js) + 1)
+                         for src in sources]
         return cut
+
+    def sources(self, rank: int, i: int) -> list[int] | None:
+        """The ranks whose signal (of the polled step, in the same call) event i's wait
+        needs on ``rank``: [] where it makes no wait; None when one is never sent there
+        (the polled step does not run on that rank, or does not signal ``rank``)."""
+        events, w = self.world.program.events, self.world.world
+        wait = events[i].wait
+        if wait is None or not self.runs(rank, i):
+            return []
+        js = self.signal_of.get(wait[0])
+        out = peers_of(wait[1], rank, w, events[i].axes)
+        for src in out:
+            sent = events[js].signal if js is not None else None
+            if sent is None or not self.runs(src, js) or rank not in peers_of(
+                    sent[1], src, w, events[js].axes):  # type: ignore[arg-type,index]
+                return None
+        return out
+
+    def stuck(self) -> list[int] | None:
+        """Where the ranks' real steps stop, every call run as far as its waits let it: a
+        count per (rank q, stream s), as ``before`` gives; None when every rank finishes
+        every call (the model's deadlock is one of waits some rank does not make)."""
+        from dcpc.check.hb.timeline import stream_positions
+
+        world, program = self.world, self.world.program
+        n, streams = world.n, world.streams
+        cut = [0] * (int(world.world) * streams)
+        moved = True
+        while moved:
+            moved = False
+            for row in range(len(cut)):
+                q, s = divmod(row, streams)
+                positions = stream_positions(world, s)
+                while cut[row] < len(positions):
+                    c, i = divmod(positions[cut[row]], n)
+                    sources = self.sources(q, i)
+                    js = self.signal_of.get(program.events[i].wait[0]) if sources else None
+                    if sources is None or any(
+                            cut[src * streams + program.stream(c)]
+                            <= program.stream_index(c, js) for src in sources):  # type: ignore[arg-type]
+                        break
+                    cut[row] += 1
+                    moved = True
+        done = all(cut[row] == len(stream_positions(world, row % streams))
+                   for row in range(len(cut)))
+        return None if done else cut
 
     def unordered(self, race: RawRace) -> tuple[list[int], list[int]] | None:
         """Both accesses' cuts (``before``) when the race happens on its ranks as named:

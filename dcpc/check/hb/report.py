@@ -271,39 +271,42 @@ def _offset(delta: int, world: int) -> str:
     return "r-1" if delta == world - 1 and world > 2 else f"r+{delta}"
 
 
-def deadlock_finding(world: World, dead: RawDeadlock) -> Finding:
-    """A deadlock with the execution that gets stuck: every event that can run."""
+def deadlock_finding(world: World, dead: RawDeadlock,
+                     stuck: list[int] | None = None) -> Finding:
+    """A deadlock with the execution that gets stuck: every event that can run (the
+    model's, the same on every rank; ``stuck``: where the ranks' real steps stop under
+    their when: guards, legal.Execution.stuck), shown from a rank stuck at its wait."""
     program, w, streams = world.program, world.world, world.streams
     _, _, channel, wait_name, signal_name = dead.key(world)
     wait_step = program.steps[program.events[dead.wait_j].step]
-    peer = dead.delta % w
-    first = Location(0, 0, 0, wait_step.name, wait_step.index, "wait",
+    if stuck is None:
+        live_count = [0] * streams
+        for pos, alive in enumerate(world.live):
+            if alive:
+                live_count[program.stream(pos // world.n)] += 1
+        stuck = live_count * w
+    at = [(q, positions[stuck[q * streams + s]]) for q in range(int(w)) for s in range(streams)
+          if stuck[q * streams + s] < len(positions := stream_positions(world, s))]
+    me = next((q for q, p in at if p % world.n == dead.wait_j), 0)
+    topo = torus(shape_of(w))
+    peer = topo.add(me, dead.delta)
+    first = Location(me, 0, 0, wait_step.name, wait_step.index, "wait",
                      f"channel {channel} from {_rk(world, peer)}", wait_step.mark)
     second = None
     if dead.signal_j is not None:
         sig = program.steps[program.events[dead.signal_j].step]
         second = Location(peer, 0, 0, sig.name, sig.index, "signal",
-                          f"channel {channel} to {_rk(world, 0)}", sig.mark)
-    live_count = [0] * streams
-    for pos, alive in enumerate(world.live):
-        if alive:
-            live_count[program.stream(pos // world.n)] += 1
-    cut = live_count * w
-    pending = {}
-    ranks = involved_ranks(world, [0, peer])
-    for rank in ranks:
-        for stream in range(streams):
-            positions = stream_positions(world, stream)
-            if live_count[stream] < len(positions):
-                stuck = positions[live_count[stream]]
-                pending[(rank, stuck)] = _wait_text(world, stuck % world.n, rank)
+                          f"channel {channel} to {_rk(world, me)}", sig.mark)
+    ranks = involved_ranks(world, [me, peer])
+    pending = {(q, p): _wait_text(world, p % world.n, q) for q, p in at if q in ranks}
+    cut = stuck
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     if dead.cls == CYCLE:
         message = (f"deadlock: {wait_name} on every rank r waits for {signal_name} of rank "
-                   f"{_offset(peer, w)} (channel {channel}), which can only run after a wait "
-                   f"that depends on {wait_name} itself: a cycle of waits (W={w})")
+                   f"{_offset(dead.delta % w, w)} (channel {channel}), which can only run "
+                   f"after a wait that depends on {wait_name} itself: a cycle of waits (W={w})")
     else:
-        message = (f"deadlock: {wait_name} on {_rk(world, 0)} (call 0) waits for a signal "
+        message = (f"deadlock: {wait_name} on {_rk(world, me)} (call 0) waits for a signal "
                    f"from {_rk(world, peer)} on channel {channel}, but no step of "
-                   f"{_rk(world, peer)} sends one to {_rk(world, 0)} (W={w})")
+                   f"{_rk(world, peer)} sends one to {_rk(world, me)} (W={w})")
     return Finding("deadlock", dead.cls, channel, first, second, w, message, timeline)
