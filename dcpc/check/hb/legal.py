@@ -10,7 +10,9 @@ anything; a wait of rank r needs, from each rank its peers name on r (all, next,
 prev, an offset, "line" without wrap, a perm's table; on a mesh along the sync's team:
 dcpc.topology), that rank's signal of the polled step in the same call, which must run
 there and reach r. An access happens where its step runs, but for the engine's read of
-what a method returns, which happens on every rank (``happens``).
+what a method returns, which happens on every rank (``happens``). A deadlock of the
+model is one of the real steps only where they get stuck too (``stuck``): a cycle of
+waits that some ranks skip may be a chain that ends.
 
     Execution(world, running).before(rank, pos) -> cut | None
     Execution(world, running).unordered(race) -> (cut_a, cut_b) | None
@@ -128,24 +130,25 @@ class Execution:
         from dcpc.check.hb.timeline import stream_positions
 
         world, program = self.world, self.world.program
-        n, streams = world.n, world.streams
-        cut = [0] * (int(world.world) * streams)
-        moved = True
-        while moved:
-            moved = False
-            for row in range(len(cut)):
-                q, s = divmod(row, streams)
-                positions = stream_positions(world, s)
-                while cut[row] < len(positions):
-                    c, i = divmod(positions[cut[row]], n)
-                    sources = self.sources(q, i)
-                    js = self.signal_of.get(program.events[i].wait[0]) if sources else None
-                    if sources is None or any(
-                            cut[src * streams + program.stream(c)]
-                            <= program.stream_index(c, js) for src in sources):  # type: ignore[arg-type]
-                        break
-                    cut[row] += 1
-                    moved = True
+        n, streams, w = world.n, world.streams, world.world
+        events = program.events
+        cut = [0] * (int(w) * streams)
+        work = list(range(len(cut)))  # rows that may go on: each, then those it signals
+        while work:
+            row = work.pop()
+            q, s = divmod(row, streams)
+            positions = stream_positions(world, s)
+            while cut[row] < len(positions):
+                c, i = divmod(positions[cut[row]], n)
+                sources = self.sources(q, i)
+                js = self.signal_of.get(events[i].wait[0]) if sources else None  # type: ignore[index]
+                if sources is None or any(cut[src * streams + s] <= program.stream_index(
+                        c, js) for src in sources):  # type: ignore[arg-type]
+                    break
+                cut[row] += 1
+                sent = events[i].signal
+                if sent is not None and self.runs(q, i):
+                    work += [t * streams + s for t in peers_of(sent[1], q, w, events[i].axes)]
         done = all(cut[row] == len(stream_positions(world, row % streams))
                    for row in range(len(cut)))
         return None if done else cut
