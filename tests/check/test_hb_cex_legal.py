@@ -40,6 +40,13 @@ def _races(schedule, world: int) -> list[dict]:
     return [f for f in report["findings"] if f["kind"] == "race"]
 
 
+def _printed(race: dict, timeline: list[str], first: int, second: int, owner: int) -> dict:
+    """``race`` as an older checker printed it: that timeline, first and second on those
+    ranks, both on ``owner``'s instance (the replay must refuse it)."""
+    return dict(race, timeline=timeline, first=dict(race["first"], rank=first, owner=owner),
+                second=dict(race["second"], rank=second, owner=owner))
+
+
 def test_the_guarded_credit_race_names_the_ranks_that_race() -> None:
     """race3m at W = 4: the victim is rank 1 (it skips the signal), the writer rank 0 (it
     skips the wait), and every timeline replays; at W = 3 too."""
@@ -61,12 +68,12 @@ def test_a_counterexample_past_a_wait_whose_signal_was_not_sent_is_caught() -> N
     (rank 3 past freed, which waits for rank 0's free, while rank 0 is in use) fails it."""
     schedule = parse_text(RACE3M, "race3m.yaml", world=4)
     (use,) = [f for f in _races(schedule, 4) if f["steps"] == ["use", "send"]]
-    old = dict(use, timeline=[
+    old = _printed(use, [
         "rank 0: call 0 send ✓ use → reading s[rank 0, slot 0]",
         "rank 1: call 0 send (next)",
         "rank 2: call 0 send (sent, waiting)",
         "rank 3: call 0 send ✓ use ✓ free ✓ freed ✓ | call 1 send → writing s",
-    ], first=dict(use["first"], rank=0, owner=0), second=dict(use["second"], rank=3, owner=0))
+    ], 0, 3, 0)
     found = violations(schedule, old)
     assert any("freed ran before rank 0 call 0 free" in v for v in found), found
 
@@ -98,11 +105,11 @@ def test_a_returned_read_of_a_step_skipped_everywhere_is_shown_where_it_races() 
     assert race["timeline"][1] == "rank 1: call 0 keep ✓ gather ✓ landed ✓ again (skipped) " \
         "→ reading g[rank 1, slot 0]"
     # what the checker printed when only the step's ranks counted (the model's rotation)
-    old = dict(race, timeline=[
+    old = _printed(race, [
         "rank 0: call 0 keep ✓ gather ✓ landed ✓ again (skipped) free ✓ freed (next)",
         "rank 1: call 0 keep ✓ gather ✓ landed ✓ again (skipped) free (skipped) freed ✓ | "
         "call 1 keep ✓ gather → writing g[rank 0, slot 0] W*D block 1 (dim 1)",
-    ], first=dict(race["first"], rank=0, owner=0), second=dict(race["second"], rank=1, owner=0))
+    ], 0, 1, 0)
     found = violations(schedule, old)
     assert any("first: again on rank 0 call 0 cannot run next" in v for v in found), found
 
@@ -153,12 +160,12 @@ def test_a_guarded_race_on_a_mesh_names_the_root_and_the_skipped_steps() -> None
     (race,) = _races(schedule, MESH_SHAPES[0])
     # what the checker printed when a mesh kept the model's ranks: a store of root 0's
     # broadcast from rank (node=0, gpu=1), and node 1 shown running in_node
-    old = dict(race, timeline=[
+    old = _printed(race, [
         "rank (node=0, gpu=0): call 0 in_node ✓ use_n ✓ first (sent) → reading b",
         "rank (node=0, gpu=1): call 0 in_node ✓ use_n ✓ first ✓ second → writing b",
         "rank (node=1, gpu=0): call 0 in_node ✓ use_n ✓ first (sent, waiting)",
         "rank (node=1, gpu=1): call 0 in_node ✓ use_n ✓ first (sent, waiting)",
-    ], first=dict(race["first"], rank=0, owner=0), second=dict(race["second"], rank=1, owner=0))
+    ], 0, 1, 0)
     found = violations(schedule, old)
     assert "second: second on rank 1 makes no such access" in found, found
     assert "rank 2 call 0 in_node: shown run, but it is skipped there" in found, found
@@ -293,32 +300,40 @@ def test_every_guarded_or_wrong_file_s_counterexamples_can_happen(path: Path) ->
             assert found in ([], None), (world, f["timeline"], found)
 
 
+def _replay(tmp_path: Path, text: str, world: str, calls: int) -> tuple[str, dict]:
+    """``dcpc check`` of ``text`` at ``world`` (refused: its race), then ``dcpc run
+    --replay`` of that counterexample on the host backend (real processes): the run's
+    output and its JSON record (it fails: the race shows)."""
+    import json
+    import subprocess
+    import sys
+
+    schedule = tmp_path / "s.yaml"
+    schedule.write_text(text)
+
+    def dcpc(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dcpc", *args], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
+
+    found = dcpc("check", str(schedule), "--world", world, "--format", "json")
+    assert found.returncode == 1, found.stdout + found.stderr
+    (tmp_path / "race.json").write_text(found.stdout)
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--backend", "host", "--world", world, "--calls",
+                str(calls), "--replay", str(tmp_path / "race.json"), "--wait-timeout", "240",
+                "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    return done.stdout, json.loads(record.read_text())[0]
+
+
 def test_replay_of_the_guarded_credit_race_holds_the_ranks_that_race(tmp_path: Path) -> None:
     """``dcpc run --replay`` of race3m's counterexample at W = 4 (host: real processes)
     holds rank 1 (which skips the signal) after its send of call 0 returned, until rank 0
     (which skips the wait) pushed call 1: released, and rank 1's s shows the wrong data.
     The counterexample before cex23 held rank 0 for rank 3, whose wait orders its push
     after rank 0's credit: never released (NOT FORCED)."""
-    import json
-    import subprocess
-    import sys
-
-    schedule = tmp_path / "race3m.yaml"
-    schedule.write_text(RACE3M)
-
-    def dcpc(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "dcpc", *args], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-
-    found = dcpc("check", str(schedule), "--world", "4", "--format", "json")
-    assert found.returncode == 1, found.stdout + found.stderr
-    (tmp_path / "race.json").write_text(found.stdout)
-    record = tmp_path / "run.json"
-    done = dcpc("run", str(schedule), "--backend", "host", "--calls", "2", "--replay",
-                str(tmp_path / "race.json"), "--wait-timeout", "240", "--json", str(record))
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "released when s was written" in done.stdout and "NOT FORCED" not in done.stdout
-    result = json.loads(record.read_text())[0]
+    out, result = _replay(tmp_path, RACE3M, "4", 2)
+    assert "released when s was written" in out and "NOT FORCED" not in out
     assert result["replay"]["hold"][:2] == [1, 0] and result["replay"]["until"][:2] == [0, 1]
     assert result["outputs"]["s"]["mismatches"] >= 1, result
     assert result["outputs"]["s"]["first"].startswith("call 0 slot 0 rank 1 (send)"), result
@@ -329,27 +344,8 @@ def test_replay_of_a_guarded_race_on_a_mesh_is_forced(tmp_path: Path) -> None:
     processes) holds the reader after first returned until the root's second wrote its
     b: released, and b shows the wrong data. The counterexample that kept the model's
     ranks named a writer that makes no such store (NOT FORCED)."""
-    import json
-    import subprocess
-    import sys
-
-    schedule = tmp_path / "mesh.yaml"
-    schedule.write_text(MESH_BROADCASTS)
-
-    def dcpc(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "dcpc", *args], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-
-    found = dcpc("check", str(schedule), "--world", "2x2", "--format", "json")
-    assert found.returncode == 1, found.stdout + found.stderr
-    (tmp_path / "race.json").write_text(found.stdout)
-    record = tmp_path / "run.json"
-    done = dcpc("run", str(schedule), "--backend", "host", "--world", "2x2", "--calls", "1",
-                "--replay", str(tmp_path / "race.json"), "--wait-timeout", "240",
-                "--json", str(record))
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "released when b was written" in done.stdout and "NOT FORCED" not in done.stdout
-    result = json.loads(record.read_text())[0]
+    out, result = _replay(tmp_path, MESH_BROADCASTS, "2x2", 1)
+    assert "released when b was written" in out and "NOT FORCED" not in out
     assert result["replay"]["hold"][:2] == [1, 0] and result["replay"]["until"][:2] == [0, 0]
     assert result["outputs"]["b"]["mismatches"] >= 1, result
     assert result["outputs"]["b"]["first"].startswith("call 0 slot 0 rank 1 (first)"), result
