@@ -188,13 +188,30 @@ GUARDED_PAIRS = CREDIT_HEADER.format(seed=6, slots=1) + """\
 """
 
 
+# the same on a mesh, along gpu: a chain in every team (MESH_RING_CHAIN); a ring in node
+# 0's teams, which node 1 skips (MESH_RING): a deadlock there
+MESH_RING_OF = CREDIT_HEADER.format(seed=7, slots=1).replace(
+    "sizes: {", "mesh: {node: A, gpu: B}\nsizes: {A: {max: 4}, B: {max: 4}, ") + """\
+  - use:   {op: external, reads: [x], writes: [y]}
+  - first: {op: wait, from: next, axis: gpu, channel: c, when: "WAITS"}
+  - then:  {op: signal, to: prev, axis: gpu, channel: c, when: "SIGNALS"}
+"""
+MESH_RING = MESH_RING_OF.replace("WAITS", "node == 0").replace("SIGNALS", "node == 0")
+MESH_RING_CHAIN = MESH_RING_OF.replace("WAITS", "gpu != B - 1").replace("SIGNALS", "gpu != 0")
+
+
 def test_a_cycle_of_waits_the_guards_cut_is_no_deadlock() -> None:
     """The deadlock of the symmetric model is checked against the ranks' real steps
-    (legal.Execution.stuck): a chain finishes, as the brute force says."""
-    for world in (2, 3, 4):
-        schedule = parse_text(GUARDED_CHAIN, "chain.yaml", world=world)
-        assert hb.check(schedule, [world], hints=False).ok
-        assert oracle_keys(schedule, world) == set()
+    (legal.Execution.stuck): a chain finishes, as the brute force says; on a mesh too,
+    where a ring that some teams skip stays a deadlock."""
+    for text, worlds, dead in ((GUARDED_CHAIN, (2, 3, 4), False),
+                               (MESH_RING_CHAIN, MESH_SHAPES, False),
+                               (MESH_RING, MESH_SHAPES, True)):
+        for world in worlds:
+            schedule = parse_text(text, "chain.yaml", world=world)
+            keys = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+            assert keys == oracle_keys(schedule, world), (text, world)
+            assert keys == ({("deadlock", "cycle", "c", "first", "then")} if dead else set())
 
 
 def test_a_guarded_deadlock_shows_where_the_ranks_really_stop() -> None:
