@@ -366,3 +366,15 @@ def test_replay_of_a_guarded_race_on_a_mesh_is_forced(tmp_path: Path) -> None:
     assert result["replay"]["hold"][:2] == [1, 0] and result["replay"]["until"][:2] == [0, 0]
     assert result["outputs"]["b"]["mismatches"] >= 1, result
     assert result["outputs"]["b"]["first"].startswith("call 0 slot 0 rank 1 (first)"), result
+
+
+def test_replay_of_a_returned_read_of_a_skipped_step_is_forced(tmp_path: Path) -> None:
+    """``dcpc run --replay`` of RETURNED_SKIPPED's counterexample at W = 2 holds rank 1
+    after again (skipped there) returned until rank 0's next gather wrote its g:
+    released, and what again returned on rank 1 is wrong. The model's rotation held rank
+    0, whose credit rank 1 waits for before that gather (never released)."""
+    out, result = _replay(tmp_path, RETURNED_SKIPPED, "2", 2)
+    assert "released when g was written" in out and "NOT FORCED" not in out
+    assert result["replay"]["hold"] == [1, 0, "again"] and result["replay"]["at"] == "after"
+    assert result["replay"]["until"] == [0, 1, "gather"]
+    assert result["outputs"]["g"]["first"].startswith("call 0 slot 0 rank 1 (again)"), result
