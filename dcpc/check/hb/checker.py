@@ -14,7 +14,13 @@ from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.legal import Execution
 from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
-from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
+from dcpc.check.hb.report import (
+    Finding,
+    HbReport,
+    deadlock_finding,
+    guarded_cycle_finding,
+    race_finding,
+)
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, Torus, fit_worlds, mesh_of, shape_of, torus
 from dcpc.lang.model import Schedule
@@ -73,7 +79,10 @@ def check(
         deadlocks, stuck = find_deadlocks(world), None
         if deadlocks and world.execution is not None:  # where the ranks really stop
             stuck = world.execution.stuck()
-            if stuck is None:  # every wait of the model's cycle is skipped by some rank
+            if stuck is None:  # the guards cut the model's cycle: what follows is unproved
+                for dead in deadlocks:
+                    found = guarded_cycle_finding(world, dead)
+                    findings.setdefault(found.key, found)
                 deadlocks = []
         for dead in deadlocks:
             if dead.key(world) not in findings:
@@ -87,7 +96,7 @@ def check(
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
         budget = HintBudget(schedule, calls, plan)
-        for finding in ordered:
+        for finding in (f for f in ordered if f.hint is None):  # a guarded-cycle has its own
             finding.hint = suggest(schedule, finding, calls, worlds, budget=budget,
                                    semantics=semantics)
     stats = {

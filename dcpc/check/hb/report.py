@@ -65,7 +65,7 @@ class Finding:
     (for a deadlock: the awaited signal, None when no step sends it).
     """
 
-    kind: str  # "race" | "deadlock"
+    kind: str  # "race" | "deadlock" | "guarded-cycle"
     cls: str
     buffer: str
     first: Location
@@ -102,8 +102,9 @@ class Finding:
         if other is not None:
             notes.append(("the other access: " if self.kind == "race" else "the signal: ")
                          + other.text())
-        notes.append("a legal execution (of that W):")
-        notes += ["  " + line for line in self.timeline]
+        if self.timeline:  # a guarded-cycle has none: the ranks finish (legal.stuck)
+            notes.append("a legal execution (of that W):")
+            notes += ["  " + line for line in self.timeline]
         return Diagnostic(self.mark, self.kind, self.message, hint=self.hint, notes=tuple(notes))
 
     def as_dict(self) -> dict[str, Any]:
@@ -130,7 +131,7 @@ class HbReport:
         return not self.findings
 
     def diagnostics(self) -> list[Diagnostic]:
-        """One diagnostic per finding (code "race" or "deadlock")."""
+        """One diagnostic per finding (code "race", "deadlock" or "guarded-cycle")."""
         return [f.diagnostic() for f in self.findings]
 
     def as_json(self) -> dict[str, Any]:
@@ -310,3 +311,44 @@ def deadlock_finding(world: World, dead: RawDeadlock,
                    f"from {_rk(world, peer)} on channel {channel}, but no step of "
                    f"{_rk(world, peer)} sends one to {_rk(world, me)} (W={w})")
     return Finding("deadlock", dead.cls, channel, first, second, w, message, timeline)
+
+
+GUARDED_CYCLE = "guarded-cycle"
+GUARDED_CYCLE_HINT = (
+    "write the chain as a shift with wrap: false (or a perm with no cycle) whose "
+    "phase: wait comes before its phase: put, which the checker runs rank by rank "
+    "(wait-first-span), or order the ranks without when: on the waits (a barrier, a "
+    "signal before its wait)")
+
+
+def guarded_cycle_finding(world: World, dead: RawDeadlock) -> Finding:
+    """A deadlock of the model (every rank alike) that the ranks' real steps under their
+    when: guards do not make (legal.Execution.stuck: every rank finishes): the model
+    leaves every event after the cycle out of the race search (``World.live``), so the
+    checker cannot prove the schedule; it refuses it, naming the waits."""
+    program, w = world.program, world.world
+    _, _, channel, wait_name, signal_name = dead.key(world)
+    wait_step = program.steps[program.events[dead.wait_j].step]
+    peer = torus(shape_of(w)).add(0, dead.delta)
+    first = Location(0, 0, 0, wait_step.name, wait_step.index, "wait",
+                     f"channel {channel} from {_rk(world, peer)}", wait_step.mark,
+                     rank_name=_rk(world, 0))
+    second = None
+    if dead.signal_j is not None:
+        sig = program.steps[program.events[dead.signal_j].step]
+        second = Location(peer, 0, 0, sig.name, sig.index, "signal",
+                          f"channel {channel} to {_rk(world, 0)}", sig.mark,
+                          rank_name=_rk(world, peer))
+    if dead.cls == CYCLE:
+        waits = (f"{wait_name} on every rank r waits for {signal_name} of rank "
+                 f"{_offset(dead.delta % w, w)} (channel {channel}), which runs only after "
+                 f"a wait that depends on {wait_name} itself: a cycle of waits")
+    else:
+        waits = (f"{wait_name} waits for a signal on channel {channel} that no step sends "
+                 f"on every rank")
+    message = (f"guarded-cycle: {waits}, which only the when: guards cut (W={w}: the ranks "
+               f"that run their steps finish every call); the checker models every rank "
+               f"alike and cannot prove the steps after those waits race-free, so it "
+               f"refuses the schedule")
+    return Finding(GUARDED_CYCLE, dead.cls, channel, first, second, w, message, [],
+                   hint=GUARDED_CYCLE_HINT)
