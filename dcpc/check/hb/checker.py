@@ -143,9 +143,8 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
         if region is None:
             return True
         rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
-        if region.scheme == "line":  # made where the line has its target (whole group)
-            return region.axes is not None or schedule.mesh is not None \
-                or 0 <= rank + region.offset < n
+        if region.scheme == "line":  # made where the line has its target in the team
+            return topo.peer(rank, region.axes, region.offset, wrap=False) == owner
         if region.scheme == "perm":
             return len(region.table) != n or region.table[rank] == owner
         team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
