@@ -334,6 +334,56 @@ def test_a_guarded_deadlock_shows_where_the_ranks_really_stop() -> None:
     ], dead.timeline
 
 
+# the review's M2 repros: a perm's wait before its put that only the ends run (RF2: the
+# mirror pairs 0 <-> W-1, a real cycle whose peer is no rotation), and a chain the guards
+# cut before a pair of waits that do deadlock (TWO: rank 1 stops at a1 only because rank
+# 2 is stuck at b1; at odd W the even ranks' b1 waits for an odd rank that skips b2)
+RF2 = """\
+schedule: s
+sizes: {N: 4, D: 2}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32, symmetric: true}
+  z: {shape: [N, D], dtype: f32}
+steps:
+  - wr: {op: shift, src: x, dst: y, perm: "W - 1 - r", when: ENDS, phase: wait}
+  - pr: {op: shift, src: x, dst: y, perm: "W - 1 - r", when: ENDS, phase: put}
+  - use: {op: external, when: ENDS, reads: [y], writes: [z]}
+  - done: {op: barrier}
+""".replace("ENDS", '"rank == 0 or rank == W - 1"')
+TWO = CREDIT_HEADER.format(seed=8, slots=1) + """\
+  - use:   {op: external, reads: [x], writes: [y]}
+  - a1: {op: wait, from: next, channel: c, when: "rank != W - 1"}
+  - a2: {op: signal, to: prev, channel: c, when: "rank != 0"}
+  - b1: {op: wait, offset: 2, channel: d, when: "rank % 2 == 0"}
+  - b2: {op: signal, offset: 2, channel: d, when: "rank % 2 == 0"}
+"""
+
+
+def test_a_guarded_deadlock_names_the_ranks_that_really_stop() -> None:
+    """The deadlock is told from the ranks' real steps (legal.Execution.deadlocked): its
+    peer one whose signal the stuck rank still waits for, only the waits where a rank
+    stops on a cycle (or for a signal never sent) reported, the keys the brute force's."""
+    for world in (3, 4):
+        schedule = parse_text(RF2, "rf2.yaml", world=world)
+        (dead,) = hb.check(schedule, [world], hints=False).findings
+        assert {dead.key} == oracle_keys(schedule, world)
+        assert dead.second is not None and (dead.first.rank, dead.second.rank) == (
+            0, world - 1), dead.message
+        assert f"wr on rank 0 waits for pr of rank {world - 1}" in dead.message
+        assert dead.timeline[0] == f"rank 0: call 0 wr ⏳ waits for rank {world - 1}'s pr, " \
+            "which never runs", dead.timeline
+        assert not any("rank 1's pr" in line for line in dead.timeline), dead.timeline
+    assert dead.timeline[1].endswith("done (sent) ⏳ waits for rank 0's done, which never "
+                                     "runs; rank 3's done, which never runs"), dead.timeline
+    for world in (3, 4, 5, 6):
+        schedule = parse_text(TWO, "two.yaml", world=world)
+        keys = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert keys == oracle_keys(schedule, world) == (
+            {("deadlock", "cycle", "d", "b1", "b2")} if world % 2 == 0
+            else {("deadlock", "no-signal", "d", "b1", "")}), (world, keys)
+
+
 # a wait's when: C(rank); its signal's the same at the rank it signals (the credit goes
 # back by ``back``), so every edge is proved and ranks differ in who signals and waits
 CONDITIONS = ["{x} != 0", "{x} != 1", "{x} % 2 == 0", "{x} > 0", "{x} < 2"]

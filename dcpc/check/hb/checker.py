@@ -84,9 +84,15 @@ def check(
                     found = guarded_cycle_finding(world, dead)
                     findings.setdefault(found.key, found)
                 deadlocks = []
+        blocked = real = None
+        if stuck is not None:  # only the model's deadlocks where a real rank stops
+            blocked = world.execution.blocked(stuck)  # type: ignore[union-attr]
+            real = world.execution.deadlocked(blocked)  # type: ignore[union-attr]
+            deadlocks = [d for d in deadlocks if any(
+                pos % world.n == d.wait_j for pos, _ in real.values())] or deadlocks
         for dead in deadlocks:
             if dead.key(world) not in findings:
-                findings[dead.key(world)] = deadlock_finding(world, dead, stuck)
+                findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
         for race in find_races(world, pair_keys):
             if race.key(world) not in findings:
                 placed = _where_both_run(schedule, world, race)

@@ -18,6 +18,8 @@ waits that some ranks skip may be a chain that ends.
     Execution(world, running).unordered(race) -> (cut_a, cut_b) | None
     Execution(world, running).happens(touch, rank) -> bool
     Execution(world, running).stuck() -> cut | None (where a deadlock really stops)
+    Execution(world, running).blocked(cut) -> {row: (pos, missing sources)}
+    Execution(world, running).deadlocked(blocked) -> those of a deadlock themselves
 """
 
 from __future__ import annotations
@@ -163,6 +165,51 @@ class Execution:
         done = all(cut[row] == len(stream_positions(world, row % streams))
                    for row in range(len(cut)))
         return None if done else cut
+
+    def blocked(self, cut: list[int]) -> dict[int, tuple[int, list[int] | None]]:
+        """Per row (rank q, stream s) that ``cut`` (``stuck``'s) leaves short of its end:
+        the position of the wait it stops at and the ranks whose signal of it has not
+        come (None: one is never sent there; ``sources`` is the one definition)."""
+        from dcpc.check.hb.timeline import stream_positions
+
+        world, program = self.world, self.world.program
+        out: dict[int, tuple[int, list[int] | None]] = {}
+        for row, done in enumerate(cut):
+            q, s = divmod(row, world.streams)
+            positions = stream_positions(world, s)
+            if done >= len(positions):
+                continue
+            c, i = divmod(positions[done], world.n)
+            sources = self.sources(q, i)
+            if sources:
+                js = self.signal_of[program.events[i].wait[0]]  # type: ignore[index]
+                sources = [src for src in sources if cut[src * world.streams + s]
+                           <= program.stream_index(c, js)]
+            out[row] = (positions[done], sources)
+        return out
+
+    def deadlocked(self, blocked: dict[int, tuple[int, list[int] | None]]
+                   ) -> dict[int, tuple[int, list[int] | None]]:
+        """The rows of ``blocked`` that are a deadlock themselves: waiting for a signal
+        never sent, or on a cycle of waits (a row that waits only for a deadlocked one
+        stops as a consequence: review M2, a second cycle the guards cut)."""
+        streams = self.world.streams
+
+        def on_cycle(start: int) -> bool:
+            seen: set[int] = set()
+            work = [start]
+            while work:
+                row = work.pop()
+                for src in blocked.get(row, (0, []))[1] or []:
+                    nxt = src * streams + row % streams
+                    if nxt == start:
+                        return True
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        work.append(nxt)
+            return False
+
+        return {row: b for row, b in blocked.items() if b[1] is None or on_cycle(row)}
 
     def unordered(self, race: RawRace) -> tuple[list[int], list[int]] | None:
         """Both accesses' cuts (``before``) when the race happens on its ranks as named:

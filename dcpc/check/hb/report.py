@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcpc.check.hb.clocks import World
-from dcpc.check.hb.deadlock import CYCLE, RawDeadlock
+from dcpc.check.hb.deadlock import CYCLE, NO_SIGNAL, RawDeadlock
 from dcpc.check.hb.races import RAW, WAR, WAW, RawRace, Touch
 from dcpc.check.hb.timeline import (
     involved_ranks,
@@ -251,11 +251,19 @@ def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
             f"{fly.lands} {where}")
 
 
-def _wait_text(world: World, j: int, rank: int) -> str:
-    """Why rank's event j (a wait) never ends."""
+def _wait_text(world: World, j: int, rank: int, sources: list[int] | None | tuple = ()) -> str:
+    """Why rank's event j (a wait) never ends: the model's peers, or (``sources``, a
+    list: legal.Execution.deadlocked's) the ranks whose signal it still waits for, None
+    where one is never sent there."""
     program, w = world.program, world.world
     parts = []
-    for d, js in world.match.get(j, ()):
+    if sources is None:
+        parts.append("a signal that no rank sends it (the step that would is skipped)")
+    elif sources != ():
+        js = next((js for _, js in world.match.get(j, ()) if js is not None), None)
+        name = program.steps[program.events[js].step].name if js is not None else "signal"
+        parts += [f"{_rk(world, src)}'s {name}, which never runs" for src in sources]
+    for d, js in world.match.get(j, ()) if sources == () else ():
         peer = torus(shape_of(w)).add(rank, d)
         if js is None:
             channel = program.channel_text(program.events[j].wait[0])  # type: ignore[index]
@@ -273,11 +281,17 @@ def _offset(delta: int, world: int) -> str:
     return "r-1" if delta == world - 1 and world > 2 else f"r+{delta}"
 
 
-def deadlock_finding(world: World, dead: RawDeadlock,
-                     stuck: list[int] | None = None) -> Finding:
+Blocked = dict[int, tuple[int, list[int] | None]]  # legal.Execution.blocked's
+
+
+def deadlock_finding(world: World, dead: RawDeadlock, stuck: list[int] | None = None,
+                     blocked: Blocked | None = None, real: Blocked | None = None) -> Finding:
     """A deadlock with the execution that gets stuck: every event that can run (the
     model's, the same on every rank; ``stuck``: where the ranks' real steps stop under
-    their when: guards, legal.Execution.stuck), shown from a rank stuck at its wait."""
+    their when: guards, legal.Execution.stuck), shown from a rank stuck at its wait;
+    ``blocked`` (legal.Execution.blocked): the signals each stuck rank still waits for;
+    ``real`` (its deadlocked rows), which name the rank shown stuck at the wait and its
+    peer."""
     program, w, streams = world.program, world.world, world.streams
     _, _, channel, wait_name, signal_name = dead.key(world)
     wait_step = program.steps[program.events[dead.wait_j].step]
@@ -292,18 +306,34 @@ def deadlock_finding(world: World, dead: RawDeadlock,
     me = next((q for q, p in at if p % world.n == dead.wait_j), 0)
     topo = torus(shape_of(w))
     peer = topo.add(me, dead.delta)
+    waiting = {(row // streams, p): srcs for row, (p, srcs) in (blocked or {}).items()}
+    unsent = False  # the real wait's signal is never sent (its step skipped there)
+    if real:  # a rank really stuck at the wait, the peer one it still waits for
+        me, srcs = next(((row // streams, srcs) for row, (p, srcs) in real.items()
+                         if p % world.n == dead.wait_j), (me, []))
+        unsent = srcs is None
+        peer = next(iter(srcs or []), peer)
     first = Location(me, 0, 0, wait_step.name, wait_step.index, "wait",
                      f"channel {channel} from {_rk(world, peer)}", wait_step.mark)
     second = None
-    if dead.signal_j is not None:
+    if dead.signal_j is not None and not unsent:
         sig = program.steps[program.events[dead.signal_j].step]
         second = Location(peer, 0, 0, sig.name, sig.index, "signal",
                           f"channel {channel} to {_rk(world, me)}", sig.mark)
     ranks = involved_ranks(world, [me, peer])
-    pending = {(q, p): _wait_text(world, p % world.n, q) for q, p in at if q in ranks}
+    pending = {(q, p): _wait_text(world, p % world.n, q, waiting.get((q, p), ()))
+               for q, p in at if q in ranks}
     cut = stuck
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
-    if dead.cls == CYCLE:
+    if unsent:
+        message = (f"deadlock: {wait_name} on {_rk(world, me)} (call 0) waits for a signal "
+                   f"on channel {channel} that {_rk(world, peer)} never sends it: the step "
+                   f"that would is skipped there (its when: does not hold) (W={w})")
+    elif real:
+        message = (f"deadlock: {wait_name} on {_rk(world, me)} waits for {signal_name} of "
+                   f"{_rk(world, peer)} (channel {channel}), which can only run after a "
+                   f"wait that depends on {wait_name} itself: a cycle of waits (W={w})")
+    elif dead.cls == CYCLE:
         message = (f"deadlock: {wait_name} on every rank r waits for {signal_name} of rank "
                    f"{_offset(dead.delta % w, w)} (channel {channel}), which can only run "
                    f"after a wait that depends on {wait_name} itself: a cycle of waits (W={w})")
@@ -311,7 +341,8 @@ def deadlock_finding(world: World, dead: RawDeadlock,
         message = (f"deadlock: {wait_name} on {_rk(world, me)} (call 0) waits for a signal "
                    f"from {_rk(world, peer)} on channel {channel}, but no step of "
                    f"{_rk(world, peer)} sends one to {_rk(world, me)} (W={w})")
-    return Finding("deadlock", dead.cls, channel, first, second, w, message, timeline)
+    cls = NO_SIGNAL if unsent else dead.cls  # the model's cycle, a signal skipped really
+    return Finding("deadlock", cls, channel, first, second, w, message, timeline)
 
 
 GUARDED_CYCLE = "guarded-cycle"
