@@ -271,7 +271,7 @@ MESH_CHAIN_RACE = MESH_RING_CHAIN.replace("slots: 1", "slots: 2\nstreams: per_sl
   - use:   {op: external, reads: [s], writes: [y]}
 """
 # a perm's wait before its put that only ranks 2 and 3 run (the chain 2 -> 3), no credit
-RINGFIRST_NOB = """\
+PERM_HEAD = """\
 schedule: s
 sizes: {N: 4, D: 2}
 buffers:
@@ -279,6 +279,8 @@ buffers:
   y: {shape: [N, D], dtype: f32, symmetric: true}
   z: {shape: [N, D], dtype: f32}
 steps:
+"""
+RINGFIRST_NOB = PERM_HEAD + """\
   - wr: {op: shift, src: x, dst: y, perm: [1, 0, 3, -1], when: "rank >= 2", phase: wait}
   - pr: {op: shift, src: x, dst: y, perm: [1, 0, 3, -1], when: "rank >= 2", phase: put}
   - use: {op: external, reads: [y], writes: [z]}
@@ -338,14 +340,7 @@ def test_a_guarded_deadlock_shows_where_the_ranks_really_stop() -> None:
 # mirror pairs 0 <-> W-1, a real cycle whose peer is no rotation), and a chain the guards
 # cut before a pair of waits that do deadlock (TWO: rank 1 stops at a1 only because rank
 # 2 is stuck at b1; at odd W the even ranks' b1 waits for an odd rank that skips b2)
-RF2 = """\
-schedule: s
-sizes: {N: 4, D: 2}
-buffers:
-  x: {shape: [N, D], dtype: f32}
-  y: {shape: [N, D], dtype: f32, symmetric: true}
-  z: {shape: [N, D], dtype: f32}
-steps:
+RF2 = PERM_HEAD + """\
   - wr: {op: shift, src: x, dst: y, perm: "W - 1 - r", when: ENDS, phase: wait}
   - pr: {op: shift, src: x, dst: y, perm: "W - 1 - r", when: ENDS, phase: put}
   - use: {op: external, when: ENDS, reads: [y], writes: [z]}

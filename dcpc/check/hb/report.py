@@ -251,6 +251,28 @@ def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
             f"{fly.lands} {where}")
 
 
+def _sides(world: World, dead: RawDeadlock, me: int, peer: int,
+           unsent: bool = False) -> tuple[Location, Location | None]:
+    """A deadlock's wait on ``me`` and the signal of ``peer`` it waits for (None: no step
+    sends it, or ``unsent``: the step that would is skipped there)."""
+    program = world.program
+    channel = program.channel_text(dead.channel)
+    wait_step = program.steps[program.events[dead.wait_j].step]
+    first = Location(me, 0, 0, wait_step.name, wait_step.index, "wait",
+                     f"channel {channel} from {_rk(world, peer)}", wait_step.mark)
+    if dead.signal_j is None or unsent:
+        return first, None
+    sig = program.steps[program.events[dead.signal_j].step]
+    return first, Location(peer, 0, 0, sig.name, sig.index, "signal",
+                           f"channel {channel} to {_rk(world, me)}", sig.mark)
+
+
+def _cycle(wait: str, who: str, signal: str, of: str, channel: str) -> str:
+    """The one wording of a cycle of waits (a deadlock's, a guarded-cycle's)."""
+    return (f"{wait} on {who} waits for {signal} of {of} (channel {channel}), which can "
+            f"only run after a wait that depends on {wait} itself: a cycle of waits")
+
+
 def _wait_text(world: World, j: int, rank: int, sources: list[int] | None | tuple = ()) -> str:
     """Why rank's event j (a wait) never ends: the model's peers, or (``sources``, a
     list: legal.Execution.deadlocked's) the ranks whose signal it still waits for, None
@@ -294,7 +316,6 @@ def deadlock_finding(world: World, dead: RawDeadlock, stuck: list[int] | None = 
     peer."""
     program, w, streams = world.program, world.world, world.streams
     _, _, channel, wait_name, signal_name = dead.key(world)
-    wait_step = program.steps[program.events[dead.wait_j].step]
     if stuck is None:
         live_count = [0] * streams
         for pos, alive in enumerate(world.live):
@@ -313,13 +334,7 @@ def deadlock_finding(world: World, dead: RawDeadlock, stuck: list[int] | None = 
                          if p % world.n == dead.wait_j), (me, []))
         unsent = srcs is None
         peer = next(iter(srcs or []), peer)
-    first = Location(me, 0, 0, wait_step.name, wait_step.index, "wait",
-                     f"channel {channel} from {_rk(world, peer)}", wait_step.mark)
-    second = None
-    if dead.signal_j is not None and not unsent:
-        sig = program.steps[program.events[dead.signal_j].step]
-        second = Location(peer, 0, 0, sig.name, sig.index, "signal",
-                          f"channel {channel} to {_rk(world, me)}", sig.mark)
+    first, second = _sides(world, dead, me, peer, unsent)
     ranks = involved_ranks(world, [me, peer])
     pending = {(q, p): _wait_text(world, p % world.n, q, waiting.get((q, p), ()))
                for q, p in at if q in ranks}
@@ -330,13 +345,12 @@ def deadlock_finding(world: World, dead: RawDeadlock, stuck: list[int] | None = 
                    f"on channel {channel} that {_rk(world, peer)} never sends it: the step "
                    f"that would is skipped there (its when: does not hold) (W={w})")
     elif real:
-        message = (f"deadlock: {wait_name} on {_rk(world, me)} waits for {signal_name} of "
-                   f"{_rk(world, peer)} (channel {channel}), which can only run after a "
-                   f"wait that depends on {wait_name} itself: a cycle of waits (W={w})")
+        cycle = _cycle(wait_name, _rk(world, me), signal_name, _rk(world, peer), channel)
+        message = f"deadlock: {cycle} (W={w})"
     elif dead.cls == CYCLE:
-        message = (f"deadlock: {wait_name} on every rank r waits for {signal_name} of rank "
-                   f"{_offset(dead.delta % w, w)} (channel {channel}), which can only run "
-                   f"after a wait that depends on {wait_name} itself: a cycle of waits (W={w})")
+        of = f"rank {_offset(dead.delta % w, w)}"
+        message = (f"deadlock: {_cycle(wait_name, 'every rank r', signal_name, of, channel)} "
+                   f"(W={w})")
     else:
         message = (f"deadlock: {wait_name} on {_rk(world, me)} (call 0) waits for a signal "
                    f"from {_rk(world, peer)} on channel {channel}, but no step of "
@@ -358,23 +372,13 @@ def guarded_cycle_finding(world: World, dead: RawDeadlock) -> Finding:
     when: guards do not make (legal.Execution.stuck: every rank finishes): the model
     leaves every event after the cycle out of the race search (``World.live``), so the
     checker cannot prove the schedule; it refuses it, naming the waits."""
-    program, w = world.program, world.world
+    w = world.world
     _, _, channel, wait_name, signal_name = dead.key(world)
-    wait_step = program.steps[program.events[dead.wait_j].step]
     peer = torus(shape_of(w)).add(0, dead.delta)
-    first = Location(0, 0, 0, wait_step.name, wait_step.index, "wait",
-                     f"channel {channel} from {_rk(world, peer)}", wait_step.mark,
-                     rank_name=_rk(world, 0))
-    second = None
-    if dead.signal_j is not None:
-        sig = program.steps[program.events[dead.signal_j].step]
-        second = Location(peer, 0, 0, sig.name, sig.index, "signal",
-                          f"channel {channel} to {_rk(world, 0)}", sig.mark,
-                          rank_name=_rk(world, peer))
+    first, second = _sides(world, dead, 0, peer)
     if dead.cls == CYCLE:
-        waits = (f"{wait_name} on every rank r waits for {signal_name} of rank "
-                 f"{_offset(dead.delta % w, w)} (channel {channel}), which runs only after "
-                 f"a wait that depends on {wait_name} itself: a cycle of waits")
+        waits = _cycle(wait_name, "every rank r", signal_name,
+                       f"rank {_offset(dead.delta % w, w)}", channel)
     else:
         waits = (f"{wait_name} waits for a signal on channel {channel} that no step sends "
                  f"on every rank")
