@@ -15,13 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cex_legal import violations
-from support.hb_oracle import CREDIT_HEADER, random_credit_schedule_text
+from support.hb_oracle import CREDIT_HEADER, oracle_keys, random_credit_schedule_text
+from support.schedules import GATHER_NO_BARRIER
 
 from dcpc.check import hb, structural
 from dcpc.diagnostics import DiagnosticError
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
 
 ROOT = Path(__file__).resolve().parents[2]
+MESH_SHAPES = [MeshWorld(s) for s in ((2, 2), (2, 3), (3, 2))]
 
 # the reviewer's repro: rank 1 never signals prev, rank 0 never waits, so rank 0's next
 # call pushes into rank 1's s (x_recv there) while rank 1 still reads it
@@ -36,6 +39,13 @@ RACE3M = CREDIT_HEADER.format(seed=3, slots=1) + """\
 def _races(schedule, world: int) -> list[dict]:
     report = hb.check(schedule, [world], hints=False).as_json()
     return [f for f in report["findings"] if f["kind"] == "race"]
+
+
+def _printed(race: dict, timeline: list[str], first: int, second: int, owner: int) -> dict:
+    """``race`` as an older checker printed it: that timeline, first and second on those
+    ranks, both on ``owner``'s instance (the replay must refuse it)."""
+    return dict(race, timeline=timeline, first=dict(race["first"], rank=first, owner=owner),
+                second=dict(race["second"], rank=second, owner=owner))
 
 
 def test_the_guarded_credit_race_names_the_ranks_that_race() -> None:
@@ -59,14 +69,314 @@ def test_a_counterexample_past_a_wait_whose_signal_was_not_sent_is_caught() -> N
     (rank 3 past freed, which waits for rank 0's free, while rank 0 is in use) fails it."""
     schedule = parse_text(RACE3M, "race3m.yaml", world=4)
     (use,) = [f for f in _races(schedule, 4) if f["steps"] == ["use", "send"]]
-    old = dict(use, timeline=[
+    old = _printed(use, [
         "rank 0: call 0 send ✓ use → reading s[rank 0, slot 0]",
         "rank 1: call 0 send (next)",
         "rank 2: call 0 send (sent, waiting)",
         "rank 3: call 0 send ✓ use ✓ free ✓ freed ✓ | call 1 send → writing s",
-    ], first=dict(use["first"], rank=0, owner=0), second=dict(use["second"], rank=3, owner=0))
+    ], 0, 3, 0)
     found = violations(schedule, old)
     assert any("freed ran before rank 0 call 0 free" in v for v in found), found
+
+
+# the engine reads what again returns on every rank, though again runs on none (W <= 8:
+# dcpc.check.hb.legal.Execution.happens); rank 1 waits for rank 0's credit sent after
+# that read, so rank 1's next gather into rank 0's g is ordered, rank 0's into rank 1's
+# is not (the model's first rotation, rank 0 reading, is not an execution)
+RETURNED_SKIPPED = GATHER_NO_BARRIER + (
+    "  - landed: {op: barrier}\n"
+    '  - again: {op: all_gather, src: y, dst: g, dim: 1, when: "W > 8"}\n'
+    '  - free: {op: signal, to: next, channel: c, when: "rank == 0"}\n'
+    '  - freed: {op: wait, from: prev, channel: c, when: "rank == 1"}\n')
+
+
+def test_a_returned_read_of_a_step_skipped_everywhere_is_shown_where_it_races() -> None:
+    """The read of what a skipped method returns happens on every rank, for the choice
+    of ranks as for the race: at W = 2 rank 1 reads and rank 0 writes (rank 0 reading
+    is ordered by the credit), and the timelines at W = 2, 3 replay."""
+    for world in (2, 3):
+        schedule = parse_text(RETURNED_SKIPPED, "returned.yaml", world=world)
+        (race,) = _races(schedule, world)
+        assert race["steps"] == ["again", "gather"] and race["first"]["returned"]
+        assert violations(schedule, race) == [], race["timeline"]
+        assert race["first"]["rank"] != 0, race["timeline"]
+    schedule = parse_text(RETURNED_SKIPPED, "returned.yaml", world=2)
+    (race,) = _races(schedule, 2)
+    assert (race["first"]["rank"], race["second"]["rank"], race["second"]["call"]) == (1, 0, 1)
+    assert race["timeline"][1] == "rank 1: call 0 keep ✓ gather ✓ landed ✓ again (skipped) " \
+        "→ reading g[rank 1, slot 0]"
+    # what the checker printed when only the step's ranks counted (the model's rotation)
+    old = _printed(race, [
+        "rank 0: call 0 keep ✓ gather ✓ landed ✓ again (skipped) free ✓ freed (next)",
+        "rank 1: call 0 keep ✓ gather ✓ landed ✓ again (skipped) free (skipped) freed ✓ | "
+        "call 1 keep ✓ gather → writing g[rank 0, slot 0] W*D block 1 (dim 1)",
+    ], 0, 1, 0)
+    found = violations(schedule, old)
+    assert any("first: again on rank 0 call 0 cannot run next" in v for v in found), found
+
+
+# two broadcasts of one root back to back on a mesh, the second guarded (its when: names
+# only sizes: one value on the whole group), and a gather that node 1 skips: rank
+# (node=0, gpu=0), the root, writes b of a rank still reading what first returned
+MESH_BROADCASTS = """\
+schedule: mesh_guarded_broadcasts
+slots: 1
+mesh: {node: N, gpu: G}
+sizes:
+  N: {max: 4}
+  G: {max: 4}
+  T: {max: 8}
+  D: 16
+buffers:
+  x:      {shape: [T, D],    dtype: f32}
+  y:      {shape: [T, D],    dtype: f32}
+  x_node: {shape: [G*T, D],  dtype: f32, symmetric: true}
+  b:      {shape: [T, D],    dtype: f32, symmetric: true}
+  o_node: {shape: [T, D],    dtype: f32}
+  o_b:    {shape: [T, D],    dtype: f32}
+steps:
+  - in_node: {op: all_gather, axis: gpu, when: "node == 0", src: x, dst: x_node}
+  - use_n:   {op: external, when: "node == 0", reads: [x_node], writes: [o_node]}
+  - first:   {op: broadcast, root: 0, src: x, dst: b}
+  - second:  {op: broadcast, root: 0, src: y, dst: b, when: "G > 1"}
+  - use_b:   {op: external, reads: [b], writes: [o_b]}
+  - done:    {op: barrier}
+"""
+
+
+def test_a_guarded_race_on_a_mesh_names_the_root_and_the_skipped_steps() -> None:
+    """The broadcast's store is the root's (rank (node=0, gpu=0)), node 1's ranks show
+    in_node and use_n skipped, and every timeline replays (2x2, 2x3, 3x2; node 1 shown
+    at 2x2, where every rank is: at 2x3 and 3x2 the read of what first returned holds
+    the root's signal, both cuts agree on node 1 and it is left out)."""
+    for world in MESH_SHAPES:
+        schedule = parse_text(MESH_BROADCASTS, "mesh.yaml", world=world)
+        (race,) = _races(schedule, world)
+        assert race["steps"] == ["first", "second"], race
+        assert race["second"]["rank"] == 0 and race["first"]["rank"] != 0, race
+        assert race["second"]["owner"] == race["first"]["rank"]
+        assert violations(schedule, race) == [], race["timeline"]
+        assert world != MESH_SHAPES[0] or any(
+            line.startswith("rank (node=1, gpu=0): call 0 in_node (skipped) use_n "
+                            "(skipped) first") for line in race["timeline"]), race
+    schedule = parse_text(MESH_BROADCASTS, "mesh.yaml", world=MESH_SHAPES[0])
+    (race,) = _races(schedule, MESH_SHAPES[0])
+    # what the checker printed when a mesh kept the model's ranks: a store of root 0's
+    # broadcast from rank (node=0, gpu=1), and node 1 shown running in_node
+    old = _printed(race, [
+        "rank (node=0, gpu=0): call 0 in_node ✓ use_n ✓ first (sent) → reading b",
+        "rank (node=0, gpu=1): call 0 in_node ✓ use_n ✓ first ✓ second → writing b",
+        "rank (node=1, gpu=0): call 0 in_node ✓ use_n ✓ first (sent, waiting)",
+        "rank (node=1, gpu=1): call 0 in_node ✓ use_n ✓ first (sent, waiting)",
+    ], 0, 1, 0)
+    found = violations(schedule, old)
+    assert "second: second on rank 1 makes no such access" in found, found
+    assert "rank 2 call 0 in_node: shown run, but it is skipped there" in found, found
+
+
+# the review's repros (legal24 M1, L1): the engine's read of what an all_gather returns
+# (its own wait's, then), which a peer's next call overwrites, on a mesh (M119) and on
+# one axis (P119), where a guarded wait makes the cut the ranks' real one; a line along
+# an axis that one column runs (MLINE: the line's end along a makes no store)
+M119 = """\
+schedule: m119
+slots: 2
+streams: per_slot
+mesh: {a: A, b: B}
+sizes: {A: {max: 4}, B: {max: 4}, N: 4, K: {multiple_of: W}}
+buffers:
+  x:    {shape: [N, K], dtype: f32}
+  ga:   {shape: [A*N, K], dtype: f32, symmetric: true, shared: true}
+  s0:   {shape: [N, K], dtype: f32, symmetric: true}
+steps:
+  - t0: {op: all_gather, axis: a, src: x, dst: ga, dim: 0}
+  - t1: {op: shift, axis: b, src: x, dst: s0, offset: 2, phase: put}
+  - t2: {op: shift, when: "b < 1", axis: b, src: x, dst: s0, offset: 2, phase: wait}
+"""
+P119 = M119.replace("mesh: {a: A, b: B}\n", "").replace("A: {max: 4}, B: {max: 4}, ", "") \
+    .replace("A*N", "W*N").replace("axis: a, ", "").replace("axis: b, ", "").replace(
+        '"b < 1"', '"rank < 1"')
+MLINE = M119.split("steps:")[0] + """\
+steps:
+  - t0: {op: shift, when: "b == 0", axis: a, src: x, dst: s0, offset: next, wrap: false}
+"""
+
+
+@pytest.mark.parametrize(("text", "worlds"), [(M119, MESH_SHAPES), (P119, (2, 3, 4)),
+                                              (MLINE, MESH_SHAPES)], ids=["m119", "p119",
+                                                                          "mline"])
+def test_returned_reads_and_line_ends_on_a_mesh_can_happen(text: str, worlds) -> None:
+    """Every race's timeline replays (the returned read of t0 shown next only once the
+    wait of its own call has its signals; the line's writer one whose store has its
+    target in its team), and the checker's keys are the brute force's (of ga alone
+    where the s0 exchange is refused before the checker runs: when-on-communication)."""
+    for world in worlds:
+        schedule = parse_text(text, "r.yaml", world=world)
+        races = _races(schedule, world)
+        assert races, world
+        for race in races:
+            assert violations(schedule, race) == [], (world, race["timeline"])
+        # M119/P119's s0 exchange (a put on every rank, its wait guarded) is refused
+        # before (when-on-communication): the keys of ga are compared
+        keys = {f.key for f in hb.check(schedule, [world], hints=False).findings
+                if text is MLINE or f.buffer == "ga"}
+        assert keys == {k for k in oracle_keys(schedule, world)
+                        if text is MLINE or k[2] == "ga"}, world
+    if text is not MLINE:
+        assert any(r["second"].get("returned") or r["first"].get("returned")
+                   for r in races), races
+
+
+# a ring of waits before signals that the last rank (no wait) and rank 0 (no signal) cut
+# into a chain: the model, every rank alike, has a cycle; the ranks' real steps finish
+GUARDED_CHAIN = CREDIT_HEADER.format(seed=5, slots=1) + """\
+  - first: {op: wait, from: next, channel: c, when: "rank != W - 1"}
+  - then:  {op: signal, to: prev, channel: c, when: "rank != 0"}
+  - use:   {op: external, reads: [x], writes: [y]}
+"""
+
+# the even ranks wait for each other before signalling (a real deadlock); the odd ranks
+# skip both steps and finish their calls
+GUARDED_PAIRS = CREDIT_HEADER.format(seed=6, slots=1) + """\
+  - use:   {op: external, reads: [x], writes: [y]}
+  - first: {op: wait, offset: 2, channel: c, when: "rank % 2 == 0"}
+  - then:  {op: signal, offset: 2, channel: c, when: "rank % 2 == 0"}
+"""
+
+
+# the same on a mesh, along gpu: a chain in every team (MESH_RING_CHAIN); a ring in node
+# 0's teams, which node 1 skips (MESH_RING): a deadlock there
+MESH_RING_OF = CREDIT_HEADER.format(seed=7, slots=1).replace(
+    "sizes: {", "mesh: {node: A, gpu: B}\nsizes: {A: {max: 4}, B: {max: 4}, ") + """\
+  - use:   {op: external, reads: [x], writes: [y]}
+  - first: {op: wait, from: next, axis: gpu, channel: c, when: "WAITS"}
+  - then:  {op: signal, to: prev, axis: gpu, channel: c, when: "SIGNALS"}
+"""
+MESH_RING = MESH_RING_OF.replace("WAITS", "node == 0").replace("SIGNALS", "node == 0")
+MESH_RING_CHAIN = MESH_RING_OF.replace("WAITS", "gpu != B - 1").replace("SIGNALS", "gpu != 0")
+
+
+GUARDED_CYCLE = ("guarded-cycle", "cycle", "c", "first", "then")
+
+# the review's repros (legal24): the guarded chain with a shift that no credit frees; the
+# model, every rank alike, stops at its cycle and searched no race after it, so the
+# checker said `ok` where the brute force finds 3 races (and `dcpc run` failed)
+CHAIN_RACE = GUARDED_CHAIN.replace(
+    "  - use:   {op: external, reads: [x], writes: [y]}\n",
+    "  - put:   {op: shift, src: x, dst: s, offset: 1}\n"
+    "  - use:   {op: external, reads: [s], writes: [y]}\n")
+MESH_CHAIN_RACE = MESH_RING_CHAIN.replace("slots: 1", "slots: 2\nstreams: per_slot").replace(
+    "  - use:   {op: external, reads: [x], writes: [y]}\n", "") + """\
+  - put:   {op: shift, src: x, dst: s, offset: 1, axis: gpu}
+  - use:   {op: external, reads: [s], writes: [y]}
+"""
+# a perm's wait before its put that only ranks 2 and 3 run (the chain 2 -> 3), no credit
+PERM_HEAD = """\
+schedule: s
+sizes: {N: 4, D: 2}
+buffers:
+  x: {shape: [N, D], dtype: f32}
+  y: {shape: [N, D], dtype: f32, symmetric: true}
+  z: {shape: [N, D], dtype: f32}
+steps:
+"""
+RINGFIRST_NOB = PERM_HEAD + """\
+  - wr: {op: shift, src: x, dst: y, perm: [1, 0, 3, -1], when: "rank >= 2", phase: wait}
+  - pr: {op: shift, src: x, dst: y, perm: [1, 0, 3, -1], when: "rank >= 2", phase: put}
+  - use: {op: external, reads: [y], writes: [z]}
+"""
+
+
+def test_a_cycle_of_waits_only_the_guards_cut_is_refused() -> None:
+    """The deadlock of the symmetric model is checked against the ranks' real steps
+    (legal.Execution.stuck): a ring that some teams skip stays a deadlock (the brute
+    force's); a chain that finishes is no deadlock, but the model searched no race after
+    its cycle, so the checker refuses it (`guarded-cycle`, naming the waits) rather than
+    prove it: where a race follows, as in the review's repros, `ok` was a false proof."""
+    for text, worlds, expected in ((GUARDED_CHAIN, (2, 3, 4), GUARDED_CYCLE),
+                                   (MESH_RING_CHAIN, MESH_SHAPES, GUARDED_CYCLE),
+                                   (CHAIN_RACE, (2, 3, 4), GUARDED_CYCLE),
+                                   (MESH_CHAIN_RACE, MESH_SHAPES, GUARDED_CYCLE),
+                                   (RINGFIRST_NOB, (4,), ("guarded-cycle", "cycle", "pr",
+                                                          "wr", "pr")),
+                                   (MESH_RING, MESH_SHAPES, ("deadlock", *GUARDED_CYCLE[1:]))):
+        for world in worlds:
+            schedule = parse_text(text, "chain.yaml", world=world)
+            report = hb.check(schedule, [world], hints=False)
+            keys = {f.key for f in report.findings}
+            oracle = oracle_keys(schedule, world)
+            if expected[0] == "deadlock":
+                assert keys == oracle == {expected}, (text, world)
+                continue
+            assert keys - oracle == {expected} and not any(
+                k[0] == "deadlock" for k in oracle), (text, world, keys, oracle)
+            (diag,) = [d for d in report.diagnostics() if d.code == "guarded-cycle"]
+            assert "a cycle of waits, which only the when: guards cut" in diag.message
+            assert "deadlock" not in diag.message and diag.mark.line > 0, diag.message
+    for text in (CHAIN_RACE, MESH_CHAIN_RACE, RINGFIRST_NOB):  # the races the model missed
+        world = MESH_SHAPES[0] if text is MESH_CHAIN_RACE else 4
+        assert {k[0] for k in oracle_keys(parse_text(text, "r.yaml", world=world), world)
+                } == {"race"}
+
+
+def test_a_guarded_deadlock_shows_where_the_ranks_really_stop() -> None:
+    """At W = 4 ranks 0 and 2 wait for each other, ranks 1 and 3 run both calls (the
+    model's timeline showed them waiting at a wait they skip)."""
+    schedule = parse_text(GUARDED_PAIRS, "pairs.yaml", world=4)
+    (dead,) = hb.check(schedule, [4], hints=False).findings
+    assert dead.key == ("deadlock", "cycle", "c", "first", "then") and {
+        dead.key} == oracle_keys(schedule, 4)
+    assert (dead.first.rank, dead.second.rank) == (0, 2)
+    skipped = "use ✓ first (skipped) then (skipped)"
+    assert dead.timeline == [
+        "rank 0: call 0 use ✓ first ⏳ waits for rank 2's then, which never runs",
+        f"rank 1: call 0 {skipped} | call 1 {skipped}",
+        "rank 2: call 0 use ✓ first ⏳ waits for rank 0's then, which never runs",
+        f"rank 3: call 0 {skipped} | call 1 {skipped}",
+    ], dead.timeline
+
+
+# the review's M2 repros: a perm's wait before its put that only the ends run (RF2: the
+# mirror pairs 0 <-> W-1, a real cycle whose peer is no rotation), and a chain the guards
+# cut before a pair of waits that do deadlock (TWO: rank 1 stops at a1 only because rank
+# 2 is stuck at b1; at odd W the even ranks' b1 waits for an odd rank that skips b2)
+RF2 = PERM_HEAD + """\
+  - wr: {op: shift, src: x, dst: y, perm: "W - 1 - r", when: ENDS, phase: wait}
+  - pr: {op: shift, src: x, dst: y, perm: "W - 1 - r", when: ENDS, phase: put}
+  - use: {op: external, when: ENDS, reads: [y], writes: [z]}
+  - done: {op: barrier}
+""".replace("ENDS", '"rank == 0 or rank == W - 1"')
+TWO = CREDIT_HEADER.format(seed=8, slots=1) + """\
+  - use:   {op: external, reads: [x], writes: [y]}
+  - a1: {op: wait, from: next, channel: c, when: "rank != W - 1"}
+  - a2: {op: signal, to: prev, channel: c, when: "rank != 0"}
+  - b1: {op: wait, offset: 2, channel: d, when: "rank % 2 == 0"}
+  - b2: {op: signal, offset: 2, channel: d, when: "rank % 2 == 0"}
+"""
+
+
+def test_a_guarded_deadlock_names_the_ranks_that_really_stop() -> None:
+    """The deadlock is told from the ranks' real steps (legal.Execution.deadlocked): its
+    peer one whose signal the stuck rank still waits for, only the waits where a rank
+    stops on a cycle (or for a signal never sent) reported, the keys the brute force's."""
+    for world in (3, 4):
+        schedule = parse_text(RF2, "rf2.yaml", world=world)
+        (dead,) = hb.check(schedule, [world], hints=False).findings
+        assert {dead.key} == oracle_keys(schedule, world)
+        assert dead.second is not None and (dead.first.rank, dead.second.rank) == (
+            0, world - 1), dead.message
+        assert f"wr on rank 0 waits for pr of rank {world - 1}" in dead.message
+        assert dead.timeline[0] == f"rank 0: call 0 wr ⏳ waits for rank {world - 1}'s pr, " \
+            "which never runs", dead.timeline
+        assert not any("rank 1's pr" in line for line in dead.timeline), dead.timeline
+    assert dead.timeline[1].endswith("done (sent) ⏳ waits for rank 0's done, which never "
+                                     "runs; rank 3's done, which never runs"), dead.timeline
+    for world in (3, 4, 5, 6):
+        schedule = parse_text(TWO, "two.yaml", world=world)
+        keys = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert keys == oracle_keys(schedule, world) == (
+            {("deadlock", "cycle", "d", "b1", "b2")} if world % 2 == 0
+            else {("deadlock", "no-signal", "d", "b1", "")}), (world, keys)
 
 
 # a wait's when: C(rank); its signal's the same at the rank it signals (the credit goes
@@ -99,7 +409,10 @@ def _guarded(text: str, rng: random.Random) -> str | None:
 def test_counterexamples_of_random_guarded_credits_can_happen(data: st.DataObject) -> None:
     """A shift, its read, and a credit by signal/wait (support.hb_oracle's random
     credits) whose signal and wait are guarded so that some ranks skip both ends: every
-    race's timeline at W = 2, 3, 4 replays rank by rank."""
+    race's timeline at W = 2, 3, 4 replays rank by rank, and the checker finds what the
+    brute force finds (every key), but past a deadlock (the same; the races it finds are
+    the brute force's) and where the model's cycle of waits is cut by the guards alone:
+    there it refuses (`guarded-cycle`), and the brute force finds no deadlock."""
     text = _guarded(random_credit_schedule_text(data.draw, st),
                     random.Random(data.draw(st.integers(0, 999))))
     if text is None:
@@ -110,6 +423,16 @@ def test_counterexamples_of_random_guarded_credits_can_happen(data: st.DataObjec
             continue
         for f in _races(schedule, world):
             assert violations(schedule, f) == [], (text, world, f["timeline"])
+        keys = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        oracle = oracle_keys(schedule, world)
+        dead = {k for k in oracle if k[0] == "deadlock"}
+        if any(k[0] == "guarded-cycle" for k in keys):  # refused: no deadlock really
+            assert not dead, (text, world, keys, oracle)
+        elif dead:  # refused: the model searched no race after the deadlock
+            assert dead == {k for k in keys if k[0] == "deadlock"} and keys <= oracle, (
+                text, world, keys, oracle)
+        else:
+            assert keys == oracle, (text, world, keys, oracle)
 
 
 def _corpus() -> list[Path]:
@@ -129,21 +452,49 @@ ORACLE_GAPS = {"custom_all_reduce.no_end_barrier.yaml": "the oracle has no `sum`
                "pcp_prefill.no_release.yaml": "the oracle has no all_gather of a list"}
 
 
+
 @pytest.mark.parametrize("path", _corpus())
 def test_every_guarded_or_wrong_file_s_counterexamples_can_happen(path: Path) -> None:
-    """Each race such a file is refused with, at W = 2, 3, 4, replays (a mesh's, whose
-    timeline names coordinates, is left out)."""
-    for world in (2, 3, 4):
+    """Each race such a file is refused with, at W = 2, 3, 4 (a mesh's at 2x2, 2x3 and
+    3x2), replays."""
+    text = path.read_text(errors="replace")
+    for world in MESH_SHAPES if re.search(r"(?m)^mesh:", text) else (2, 3, 4):
         try:
-            schedule = parse_text(path.read_text(errors="replace"), str(path), world=world)
+            schedule = parse_text(text, str(path), world=world)
         except DiagnosticError:  # a file for other worlds, or bad input on purpose
             continue
-        if schedule.mesh is not None or any(
+        if (schedule.mesh is not None) != isinstance(world, MeshWorld) or any(
                 d.severity == "error" for d in structural.check(schedule, [world])):
             continue
         for f in _races(schedule, world):
             found = violations(schedule, f)
             assert found in ([], None), (world, f["timeline"], found)
+
+
+def _replay(tmp_path: Path, text: str, world: str, calls: int) -> tuple[str, dict]:
+    """``dcpc check`` of ``text`` at ``world`` (refused: its race), then ``dcpc run
+    --replay`` of that counterexample on the host backend (real processes): the run's
+    output and its JSON record (it fails: the race shows)."""
+    import json
+    import subprocess
+    import sys
+
+    schedule = tmp_path / "s.yaml"
+    schedule.write_text(text)
+
+    def dcpc(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dcpc", *args], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
+
+    found = dcpc("check", str(schedule), "--world", world, "--format", "json")
+    assert found.returncode == 1, found.stdout + found.stderr
+    (tmp_path / "race.json").write_text(found.stdout)
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), "--backend", "host", "--world", world, "--calls",
+                str(calls), "--replay", str(tmp_path / "race.json"), "--wait-timeout", "240",
+                "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    return done.stdout, json.loads(record.read_text())[0]
 
 
 def test_replay_of_the_guarded_credit_race_holds_the_ranks_that_race(tmp_path: Path) -> None:
@@ -152,26 +503,32 @@ def test_replay_of_the_guarded_credit_race_holds_the_ranks_that_race(tmp_path: P
     (which skips the wait) pushed call 1: released, and rank 1's s shows the wrong data.
     The counterexample before cex23 held rank 0 for rank 3, whose wait orders its push
     after rank 0's credit: never released (NOT FORCED)."""
-    import json
-    import subprocess
-    import sys
-
-    schedule = tmp_path / "race3m.yaml"
-    schedule.write_text(RACE3M)
-
-    def dcpc(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "dcpc", *args], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-
-    found = dcpc("check", str(schedule), "--world", "4", "--format", "json")
-    assert found.returncode == 1, found.stdout + found.stderr
-    (tmp_path / "race.json").write_text(found.stdout)
-    record = tmp_path / "run.json"
-    done = dcpc("run", str(schedule), "--backend", "host", "--calls", "2", "--replay",
-                str(tmp_path / "race.json"), "--wait-timeout", "240", "--json", str(record))
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "released when s was written" in done.stdout and "NOT FORCED" not in done.stdout
-    result = json.loads(record.read_text())[0]
+    out, result = _replay(tmp_path, RACE3M, "4", 2)
+    assert "released when s was written" in out and "NOT FORCED" not in out
     assert result["replay"]["hold"][:2] == [1, 0] and result["replay"]["until"][:2] == [0, 1]
     assert result["outputs"]["s"]["mismatches"] >= 1, result
     assert result["outputs"]["s"]["first"].startswith("call 0 slot 0 rank 1 (send)"), result
+
+
+def test_replay_of_a_guarded_race_on_a_mesh_is_forced(tmp_path: Path) -> None:
+    """``dcpc run --replay`` of MESH_BROADCASTS' counterexample at 2x2 (host: real
+    processes) holds the reader after first returned until the root's second wrote its
+    b: released, and b shows the wrong data. The counterexample that kept the model's
+    ranks named a writer that makes no such store (NOT FORCED)."""
+    out, result = _replay(tmp_path, MESH_BROADCASTS, "2x2", 1)
+    assert "released when b was written" in out and "NOT FORCED" not in out
+    assert result["replay"]["hold"][:2] == [1, 0] and result["replay"]["until"][:2] == [0, 0]
+    assert result["outputs"]["b"]["mismatches"] >= 1, result
+    assert result["outputs"]["b"]["first"].startswith("call 0 slot 0 rank 1 (first)"), result
+
+
+def test_replay_of_a_returned_read_of_a_skipped_step_is_forced(tmp_path: Path) -> None:
+    """``dcpc run --replay`` of RETURNED_SKIPPED's counterexample at W = 2 holds rank 1
+    after again (skipped there) returned until rank 0's next gather wrote its g:
+    released, and what again returned on rank 1 is wrong. The model's rotation held rank
+    0, whose credit rank 1 waits for before that gather (never released)."""
+    out, result = _replay(tmp_path, RETURNED_SKIPPED, "2", 2)
+    assert "released when g was written" in out and "NOT FORCED" not in out
+    assert result["replay"]["hold"] == [1, 0, "again"] and result["replay"]["at"] == "after"
+    assert result["replay"]["until"] == [0, 1, "gather"]
+    assert result["outputs"]["g"]["first"].startswith("call 0 slot 0 rank 1 (again)"), result

@@ -14,10 +14,16 @@ from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.legal import Execution
 from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
-from dcpc.check.hb.report import Finding, HbReport, deadlock_finding, race_finding
+from dcpc.check.hb.report import (
+    Finding,
+    HbReport,
+    deadlock_finding,
+    guarded_cycle_finding,
+    race_finding,
+)
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, Torus, fit_worlds, mesh_of, shape_of, torus
-from dcpc.lang.model import Schedule, Step
+from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import Region, Semantics
 
 if TYPE_CHECKING:
@@ -52,7 +58,7 @@ def check(
     program = lower(schedule, plan)
     # a when: reads the rank and W: which ranks run a step differs from W to W, so no W
     # stands for another (races of a step that runs nowhere are dropped per W, but for
-    # the engine's read of what its method returns: _guarded)
+    # the engine's read of what its method returns: legal.Execution.happens)
     every_world = every_world or any(
         getattr(s.op, "when", None) is not None for s in schedule.step_list())
     bound: int | list[int] = world_bound(program, calls)
@@ -70,9 +76,23 @@ def check(
         if world.skipped:  # the counterexample's cuts: what the ranks really do
             world.execution = Execution(world, wh.running(schedule, w))
         events += w * len(world.live)
-        for dead in find_deadlocks(world):
+        deadlocks, stuck = find_deadlocks(world), None
+        if deadlocks and world.execution is not None:  # where the ranks really stop
+            stuck = world.execution.stuck()
+            if stuck is None:  # the guards cut the model's cycle: what follows is unproved
+                for dead in deadlocks:
+                    found = guarded_cycle_finding(world, dead)
+                    findings.setdefault(found.key, found)
+                deadlocks = []
+        blocked = real = None
+        if stuck is not None:  # only the model's deadlocks where a real rank stops
+            blocked = world.execution.blocked(stuck)  # type: ignore[union-attr]
+            real = world.execution.deadlocked(blocked)  # type: ignore[union-attr]
+            deadlocks = [d for d in deadlocks if any(
+                pos % world.n == d.wait_j for pos, _ in real.values())] or deadlocks
+        for dead in deadlocks:
             if dead.key(world) not in findings:
-                findings[dead.key(world)] = deadlock_finding(world, dead)
+                findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
         for race in find_races(world, pair_keys):
             if race.key(world) not in findings:
                 placed = _where_both_run(schedule, world, race)
@@ -82,7 +102,7 @@ def check(
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
         budget = HintBudget(schedule, calls, plan)
-        for finding in ordered:
+        for finding in (f for f in ordered if f.hint is None):  # a guarded-cycle has its own
             finding.hint = suggest(schedule, finding, calls, worlds, budget=budget,
                                    semantics=semantics)
     stats = {
@@ -100,38 +120,28 @@ def check(
 
 
 def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
-    """The race translated to ranks where both its steps run (``when:``, dcpc.lang.when)
-    and where a store the model gives every rank is one the program makes: a perm's
-    writer p into table[p]'s instance, a broadcast's root (the analysis takes every
-    rank's store at every delta of a table, and every rank as a broadcast's root, so
-    the race it finds may name a writer with no such store), so that its counterexample
-    happens as written and ``dcpc run --replay`` can show it. The analysis takes a
-    guarded step's accesses on every rank (sound: a guarded local step changes no
-    ordering, and a guarded communication step's wait orders only what runs after it
-    where it runs: clocks.Gates), and every translation of a race
-    of that model is one (a rotation; on a mesh, of its torus); a race no translation
-    fits is kept as found (another pair of the same groups may fit). None: a step of it
-    runs on no rank at this W, so no execution makes it (the engine's read of what a
-    method returns happens on every rank: ``_guarded``). A guarded race on a mesh is
-    kept as found (its timeline marks no skipped step: ``_skipped``)."""
+    """The race translated to ranks where both its accesses happen (``when:``,
+    dcpc.lang.when; legal.Execution.happens) and where a store the model gives every
+    rank is one the program makes: a perm's writer p into table[p]'s instance, a
+    broadcast's root (the analysis takes every rank's store at every delta of a table,
+    and every rank as a broadcast's root, so the race it finds may name a writer with no
+    such store), so that its counterexample happens as written and ``dcpc run --replay``
+    can show it. The analysis takes a guarded step's accesses on every rank (sound: a
+    guarded local step changes no ordering, and a guarded communication step's wait
+    orders only what runs after it where it runs: clocks.Gates), and every translation
+    of a race of that model is one (a rotation; on a mesh, of its torus); a race no
+    translation fits is kept as found (another pair of the same groups may fit). None:
+    an access of it happens on no rank at this W, so no execution makes it."""
     a, b = race.first, race.second
-    steps = schedule.step_list()
-    step_a, step_b = (steps[world.program.events[t.j].step] for t in (a, b))
-    guarded = _guarded(step_a, a) or _guarded(step_b, b)
     execution = world.execution  # some rank skips a guarded step (its sync, maybe)
-    if not guarded and execution is None and not any(_modelled_store(t) for t in (a, b)):
+    if execution is None and not any(_modelled_store(t) for t in (a, b)):
         return race
     n = int(world.world)
-    every = frozenset(range(n))
-    on_a = on_b = every
-    if guarded:
-        running = wh.running(schedule, world.world)
-        on_a, on_b = (running.get(s.index, every) if _guarded(s, t) else every
-                      for s, t in ((step_a, a), (step_b, b)))
+    on_a = on_b = frozenset(range(n))
+    if execution is not None:
+        on_a, on_b = (frozenset(r for r in range(n) if execution.happens(t, r)) for t in (a, b))
         if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
             return None
-        if schedule.mesh is not None:
-            return race
     topo = torus(shape_of(world.world))
 
     def made(t: Touch, d: int) -> bool:  # the store of t translated by d is the program's
@@ -139,9 +149,8 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
         if region is None:
             return True
         rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
-        if region.scheme == "line":  # made where the line has its target (whole group)
-            return region.axes is not None or schedule.mesh is not None \
-                or 0 <= rank + region.offset < n
+        if region.scheme == "line":  # made where the line has its target in the team
+            return topo.peer(rank, region.axes, region.offset, wrap=False) == owner
         if region.scheme == "perm":
             return len(region.table) != n or region.table[rank] == owner
         team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
@@ -157,14 +166,6 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     return fits[0] if fits else race
 
 
-def _guarded(step: Step, t: Touch) -> bool:
-    """Whether access ``t`` of ``step`` happens only where the step's ``when:`` holds.
-    The engine's read of what a method returns (``Access.returned``) is not guarded: the
-    engine calls a guarded method on every rank, where it does not run too, and reads
-    what it returns there (dcpc.harness.worker ``held``; issue 33 flaky23)."""
-    return wh.condition(step) is not None and not t.access.returned
-
-
 def _modelled_store(t: Touch) -> Region | None:
     """The region of a store the model gives ranks the program does not (a perm's at
     every delta of its table, a broadcast's from every rank, a line's past its end),
@@ -177,10 +178,7 @@ def _modelled_store(t: Touch) -> Region | None:
 
 
 def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
-    """(rank, step index) of every guarded step that does not run on that rank at W
-    (none on a mesh: its races are not rotated either)."""
-    if schedule.mesh is not None:
-        return frozenset()
+    """(rank, step index) of every guarded step that does not run on that rank at W."""
     return frozenset((r, index) for index, ranks in wh.running(schedule, w).items()
                      for r in range(int(w)) if r not in ranks)
 

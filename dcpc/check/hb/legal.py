@@ -7,13 +7,19 @@ each rank (issue 33, cex23: a rank shown past a wait whose signal its peer, whic
 skips nothing, had not sent yet). ``Execution`` redoes the cut from the real per-rank
 steps: on rank r a step whose ``when:`` fails neither waits, nor signals, nor touches
 anything; a wait of rank r needs, from each rank its peers name on r (all, next,
-prev, an offset, "line" without wrap, a perm's table), that rank's signal of the
-polled step in the same call, which must run there and reach r.
+prev, an offset, "line" without wrap, a perm's table; on a mesh along the sync's team:
+dcpc.topology), that rank's signal of the polled step in the same call, which must run
+there and reach r. An access happens where its step runs, but for the engine's read of
+what a method returns, which happens on every rank (``happens``). A deadlock of the
+model is one of the real steps only where they get stuck too (``stuck``): a cycle of
+waits that some ranks skip may be a chain that ends.
 
-    Execution(world, running).before(rank, pos) -> cut | None
+    Execution(world, running).before(rank, pos, returned) -> cut | None
     Execution(world, running).unordered(race) -> (cut_a, cut_b) | None
-
-One axis only (a mesh keeps the model's ranks: dcpc.check.hb.checker).
+    Execution(world, running).happens(touch, rank) -> bool
+    Execution(world, running).stuck() -> cut | None (where a deadlock really stops)
+    Execution(world, running).blocked(cut) -> {row: (pos, missing sources)}
+    Execution(world, running).deadlocked(blocked) -> those of a deadlock themselves
 """
 
 from __future__ import annotations
@@ -23,23 +29,26 @@ from typing import TYPE_CHECKING
 from dcpc.check.hb.races import RawRace, Touch
 from dcpc.lang.model import Peers
 from dcpc.ops.common import peer_offset, perm_table
-from dcpc.topology import along
+from dcpc.topology import shape_of, torus
 
 if TYPE_CHECKING:
     from dcpc.check.hb.clocks import World
 
 
-def peers_of(spec: Peers | str, rank: int, world: int) -> list[int]:
-    """The ranks a sync's peers spec names on ``rank``: a signal's targets, a wait's
-    sources (a perm's wait spec is its table of sources: dcpc.ops.common)."""
+def peers_of(spec: Peers | str, rank: int, world: int,
+             axes: tuple[int, ...] | None = None) -> list[int]:
+    """The ranks a sync's peers spec names on ``rank``, in its team along ``axes`` (a
+    mesh's; None: every axis): a signal's targets, a wait's sources (a perm's wait spec
+    is its table of sources over ranks: dcpc.ops.common)."""
     spec = spec.value if isinstance(spec, Peers) else spec
+    topo = torus(shape_of(world))
     if spec == Peers.all.value:
-        return [p for p in range(world) if p != rank]
+        return [p for p in topo.team(rank, axes) if p != rank]
     table = perm_table(spec)
     if table is not None:
         p = table[rank] if rank < len(table) else -1
-        return [p] if 0 <= p < world and p != rank else []
-    p = along(rank, world, *peer_offset(spec))
+        return [p] if 0 <= p < topo.size and p != rank else []
+    p = topo.peer(rank, axes, *peer_offset(spec))
     return [p] if p is not None and p != rank else []
 
 
@@ -52,30 +61,47 @@ class Execution:
         program = world.program
         self.signal_of = {e.signal[0]: j for j, e in enumerate(program.events)
                           if e.signal is not None}
-        self.cuts: dict[tuple[int, int], list[int] | None] = {}
+        self.cuts: dict[tuple[int, int, bool], list[int] | None] = {}
 
     def runs(self, rank: int, j: int) -> bool:
         """Whether event j's step runs on ``rank``."""
         ranks = self.running.get(self.world.program.events[j].step)
         return ranks is None or rank in ranks
 
-    def before(self, rank: int, pos: int) -> list[int] | None:
+    def happens(self, t: Touch, rank: int) -> bool:
+        """Whether access ``t`` happens on ``rank``: where its step runs; the engine's read
+        of what a method returns (``Access.returned``) on every rank, as the engine calls
+        a guarded method where it does not run too and reads what it returns there
+        (dcpc.harness.worker ``held``; issue 33 flaky23)."""
+        return t.access.returned or self.runs(rank, t.j)
+
+    def before(self, rank: int, pos: int, returned: bool = False) -> list[int] | None:
         """The events strictly before event ``pos`` (call*n + j) of ``rank``, closed under
         what the ranks really do: a count per (rank q, stream s), as
-        timeline.strict_predecessors gives; None when a wait in it is never signalled."""
-        if (rank, pos) not in self.cuts:
-            self.cuts[(rank, pos)] = self._before(rank, pos)
-        return self.cuts[(rank, pos)]
+        timeline.strict_predecessors gives; None when a wait in it is never signalled.
+        ``returned``: for the engine's read of what the step returns, which comes after
+        the step's own wait (event j's, where it runs on ``rank``), the cut also holds
+        the signals that wait needs (review M1: a mesh's timeline showed the read next
+        while the wait's sources had not signalled)."""
+        if (rank, pos, returned) not in self.cuts:
+            self.cuts[(rank, pos, returned)] = self._before(rank, pos, returned)
+        return self.cuts[(rank, pos, returned)]
 
-    def _before(self, rank: int, pos: int) -> list[int] | None:
+    def _before(self, rank: int, pos: int, returned: bool) -> list[int] | None:
         from dcpc.check.hb.timeline import stream_positions
 
         world, program = self.world, self.world.program
-        n, streams, w = world.n, world.streams, int(world.world)
-        events = program.events
-        cut = [0] * (w * streams)
+        n, streams = world.n, world.streams
+        cut = [0] * (int(world.world) * streams)
         call, j = divmod(pos, n)
         work = [(rank, program.stream(call), program.stream_index(call, j))]
+        if returned:  # past the step's own wait: its sources' signals
+            sources = self.sources(rank, j)
+            if sources is None:
+                return None
+            js = self.signal_of.get(program.events[j].wait[0]) if sources else None  # type: ignore[index]
+            work += [(src, program.stream(call), program.stream_index(call, js) + 1)  # type: ignore[arg-type]
+                     for src in sources]
         while work:
             q, s, upto = work.pop()
             row = q * streams + s
@@ -85,29 +111,118 @@ class Execution:
             cut[row] = upto
             for p in stream_positions(world, s)[start:upto]:
                 c, i = divmod(p, n)
-                wait = events[i].wait
-                if wait is None or not self.runs(q, i):
-                    continue
-                js = self.signal_of.get(wait[0])
-                for src in peers_of(wait[1], q, w):
-                    sent = events[js].signal if js is not None else None
-                    if sent is None or not self.runs(src, js) \
-                            or q not in peers_of(sent[1], src, w):  # type: ignore[arg-type]
-                        return None
-                    work.append((src, program.stream(c), program.stream_index(c, js) + 1))
+                sources = self.sources(q, i)
+                if sources is None:
+                    return None
+                js = self.signal_of.get(program.events[i].wait[0]) if sources else None
+                work += [(src, program.stream(c), program.stream_index(c, js) + 1)
+                         for src in sources]
         return cut
+
+    def sources(self, rank: int, i: int) -> list[int] | None:
+        """The ranks whose signal (of the polled step, in the same call) event i's wait
+        needs on ``rank``: [] where it makes no wait; None when one is never sent there
+        (the polled step does not run on that rank, or does not signal ``rank``)."""
+        events, w = self.world.program.events, self.world.world
+        wait = events[i].wait
+        if wait is None or not self.runs(rank, i):
+            return []
+        js = self.signal_of.get(wait[0])
+        out = peers_of(wait[1], rank, w, events[i].axes)
+        for src in out:
+            sent = events[js].signal if js is not None else None
+            if sent is None or not self.runs(src, js) or rank not in peers_of(
+                    sent[1], src, w, events[js].axes):  # type: ignore[arg-type,index]
+                return None
+        return out
+
+    def stuck(self) -> list[int] | None:
+        """Where the ranks' real steps stop, every call run as far as its waits let it: a
+        count per (rank q, stream s), as ``before`` gives; None when every rank finishes
+        every call (the model's deadlock is one of waits some rank does not make)."""
+        from dcpc.check.hb.timeline import stream_positions
+
+        world, program = self.world, self.world.program
+        n, streams, w = world.n, world.streams, world.world
+        events = program.events
+        cut = [0] * (int(w) * streams)
+        work = list(range(len(cut)))  # rows that may go on: each, then those it signals
+        while work:
+            row = work.pop()
+            q, s = divmod(row, streams)
+            positions = stream_positions(world, s)
+            while cut[row] < len(positions):
+                c, i = divmod(positions[cut[row]], n)
+                sources = self.sources(q, i)
+                js = self.signal_of.get(events[i].wait[0]) if sources else None  # type: ignore[index]
+                if sources is None or any(cut[src * streams + s] <= program.stream_index(
+                        c, js) for src in sources):  # type: ignore[arg-type]
+                    break
+                cut[row] += 1
+                sent = events[i].signal
+                if sent is not None and self.runs(q, i):
+                    work += [t * streams + s for t in peers_of(sent[1], q, w, events[i].axes)]
+        done = all(cut[row] == len(stream_positions(world, row % streams))
+                   for row in range(len(cut)))
+        return None if done else cut
+
+    def blocked(self, cut: list[int]) -> dict[int, tuple[int, list[int] | None]]:
+        """Per row (rank q, stream s) that ``cut`` (``stuck``'s) leaves short of its end:
+        the position of the wait it stops at and the ranks whose signal of it has not
+        come (None: one is never sent there; ``sources`` is the one definition)."""
+        from dcpc.check.hb.timeline import stream_positions
+
+        world, program = self.world, self.world.program
+        out: dict[int, tuple[int, list[int] | None]] = {}
+        for row, done in enumerate(cut):
+            q, s = divmod(row, world.streams)
+            positions = stream_positions(world, s)
+            if done >= len(positions):
+                continue
+            c, i = divmod(positions[done], world.n)
+            sources = self.sources(q, i)
+            if sources:
+                js = self.signal_of[program.events[i].wait[0]]  # type: ignore[index]
+                sources = [src for src in sources if cut[src * world.streams + s]
+                           <= program.stream_index(c, js)]
+            out[row] = (positions[done], sources)
+        return out
+
+    def deadlocked(self, blocked: dict[int, tuple[int, list[int] | None]]
+                   ) -> dict[int, tuple[int, list[int] | None]]:
+        """The rows of ``blocked`` that are a deadlock themselves: waiting for a signal
+        never sent, or on a cycle of waits (a row that waits only for a deadlocked one
+        stops as a consequence: review M2, a second cycle the guards cut)."""
+        streams = self.world.streams
+
+        def on_cycle(start: int) -> bool:
+            seen: set[int] = set()
+            work = [start]
+            while work:
+                row = work.pop()
+                for src in blocked.get(row, (0, []))[1] or []:
+                    nxt = src * streams + row % streams
+                    if nxt == start:
+                        return True
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        work.append(nxt)
+            return False
+
+        return {row: b for row, b in blocked.items() if b[1] is None or on_cycle(row)}
 
     def unordered(self, race: RawRace) -> tuple[list[int], list[int]] | None:
         """Both accesses' cuts (``before``) when the race happens on its ranks as named:
-        both steps run there, every wait before them is signalled, and neither access
-        ends (a store in flight: at its owner's wait that lands it) before the other
-        starts; else None."""
+        both accesses happen there (``happens``), every wait before them is signalled,
+        and neither access ends (a store in flight: at its owner's wait that lands it)
+        before the other starts; else None."""
         world, program = self.world, self.world.program
         a, b = race.first, race.second
-        if not (self.runs(a.rank, a.j) and self.runs(b.rank, b.j)):
+        if not (self.happens(a, a.rank) and self.happens(b, b.rank)):
             return None
         pa, pb = world.pos(a.call, a.j), world.pos(b.call, b.j)
-        cut_a, cut_b = self.before(a.rank, pa), self.before(b.rank, pb)
+        cut_a = self.before(a.rank, pa, a.access.returned)
+        cut_b = self.before(b.rank, pb, b.access.returned)
         if cut_a is None or cut_b is None:
             return None
 

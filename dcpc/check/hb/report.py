@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcpc.check.hb.clocks import World
-from dcpc.check.hb.deadlock import CYCLE, RawDeadlock
+from dcpc.check.hb.deadlock import CYCLE, NO_SIGNAL, RawDeadlock
 from dcpc.check.hb.races import RAW, WAR, WAW, RawRace, Touch
 from dcpc.check.hb.timeline import (
     involved_ranks,
@@ -65,7 +65,7 @@ class Finding:
     (for a deadlock: the awaited signal, None when no step sends it).
     """
 
-    kind: str  # "race" | "deadlock"
+    kind: str  # "race" | "deadlock" | "guarded-cycle"
     cls: str
     buffer: str
     first: Location
@@ -102,8 +102,9 @@ class Finding:
         if other is not None:
             notes.append(("the other access: " if self.kind == "race" else "the signal: ")
                          + other.text())
-        notes.append("a legal execution (of that W):")
-        notes += ["  " + line for line in self.timeline]
+        if self.timeline:  # a guarded-cycle has none: the ranks finish (legal.stuck)
+            notes.append("a legal execution (of that W):")
+            notes += ["  " + line for line in self.timeline]
         return Diagnostic(self.mark, self.kind, self.message, hint=self.hint, notes=tuple(notes))
 
     def as_dict(self) -> dict[str, Any]:
@@ -130,7 +131,7 @@ class HbReport:
         return not self.findings
 
     def diagnostics(self) -> list[Diagnostic]:
-        """One diagnostic per finding (code "race" or "deadlock")."""
+        """One diagnostic per finding (code "race", "deadlock" or "guarded-cycle")."""
         return [f.diagnostic() for f in self.findings]
 
     def as_json(self) -> dict[str, Any]:
@@ -181,8 +182,8 @@ def race_cut(world: World, race: RawRace) -> list[int]:
     """Per (rank q, stream s) how many events ran: the union of both accesses'
     strict HB-predecessors, a consistent cut from which both run next."""
     a, b = race.first, race.second
-    before_a = strict_predecessors(world, a.rank, world.pos(a.call, a.j))
-    before_b = strict_predecessors(world, b.rank, world.pos(b.call, b.j))
+    before_a = strict_predecessors(world, a.rank, world.pos(a.call, a.j), a.access.returned)
+    before_b = strict_predecessors(world, b.rank, world.pos(b.call, b.j), b.access.returned)
     return [max(x, y) for x, y in zip(before_a, before_b, strict=True)]
 
 
@@ -198,7 +199,8 @@ def race_finding(world: World, race: RawRace) -> Finding:
     if (a.rank, pa) == (b.rank, pb):
         pending[(a.rank, pa)] = f"→ {verb[la.access]} and {verb[lb.access]} {la.region}"
     ranks = involved_ranks(world, [a.rank, b.rank], [
-        strict_predecessors(world, a.rank, pa), strict_predecessors(world, b.rank, pb)])
+        strict_predecessors(world, a.rank, pa, a.access.returned),
+        strict_predecessors(world, b.rank, pb, b.access.returned)])
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     where = f"(W={world.world})"
     na, nb = _rk(world, la.rank), _rk(world, lb.rank)
@@ -249,11 +251,41 @@ def _flight_message(world: World, race: RawRace, la: Location, lb: Location,
             f"{fly.lands} {where}")
 
 
-def _wait_text(world: World, j: int, rank: int) -> str:
-    """Why rank's event j (a wait) never ends."""
+def _sides(world: World, dead: RawDeadlock, me: int, peer: int,
+           unsent: bool = False) -> tuple[Location, Location | None]:
+    """A deadlock's wait on ``me`` and the signal of ``peer`` it waits for (None: no step
+    sends it, or ``unsent``: the step that would is skipped there)."""
+    program = world.program
+    channel = program.channel_text(dead.channel)
+    wait_step = program.steps[program.events[dead.wait_j].step]
+    first = Location(me, 0, 0, wait_step.name, wait_step.index, "wait",
+                     f"channel {channel} from {_rk(world, peer)}", wait_step.mark)
+    if dead.signal_j is None or unsent:
+        return first, None
+    sig = program.steps[program.events[dead.signal_j].step]
+    return first, Location(peer, 0, 0, sig.name, sig.index, "signal",
+                           f"channel {channel} to {_rk(world, me)}", sig.mark)
+
+
+def _cycle(wait: str, who: str, signal: str, of: str, channel: str) -> str:
+    """The one wording of a cycle of waits (a deadlock's, a guarded-cycle's)."""
+    return (f"{wait} on {who} waits for {signal} of {of} (channel {channel}), which can "
+            f"only run after a wait that depends on {wait} itself: a cycle of waits")
+
+
+def _wait_text(world: World, j: int, rank: int, sources: list[int] | None | tuple = ()) -> str:
+    """Why rank's event j (a wait) never ends: the model's peers, or (``sources``, a
+    list: legal.Execution.deadlocked's) the ranks whose signal it still waits for, None
+    where one is never sent there."""
     program, w = world.program, world.world
     parts = []
-    for d, js in world.match.get(j, ()):
+    if sources is None:
+        parts.append("a signal that no rank sends it (the step that would is skipped)")
+    elif sources != ():
+        js = next((js for _, js in world.match.get(j, ()) if js is not None), None)
+        name = program.steps[program.events[js].step].name if js is not None else "signal"
+        parts += [f"{_rk(world, src)}'s {name}, which never runs" for src in sources]
+    for d, js in world.match.get(j, ()) if sources == () else ():
         peer = torus(shape_of(w)).add(rank, d)
         if js is None:
             channel = program.channel_text(program.events[j].wait[0])  # type: ignore[index]
@@ -271,39 +303,88 @@ def _offset(delta: int, world: int) -> str:
     return "r-1" if delta == world - 1 and world > 2 else f"r+{delta}"
 
 
-def deadlock_finding(world: World, dead: RawDeadlock) -> Finding:
-    """A deadlock with the execution that gets stuck: every event that can run."""
+Blocked = dict[int, tuple[int, list[int] | None]]  # legal.Execution.blocked's
+
+
+def deadlock_finding(world: World, dead: RawDeadlock, stuck: list[int] | None = None,
+                     blocked: Blocked | None = None, real: Blocked | None = None) -> Finding:
+    """A deadlock with the execution that gets stuck: every event that can run (the
+    model's, the same on every rank; ``stuck``: where the ranks' real steps stop under
+    their when: guards, legal.Execution.stuck), shown from a rank stuck at its wait;
+    ``blocked`` (legal.Execution.blocked): the signals each stuck rank still waits for;
+    ``real`` (its deadlocked rows), which name the rank shown stuck at the wait and its
+    peer."""
     program, w, streams = world.program, world.world, world.streams
     _, _, channel, wait_name, signal_name = dead.key(world)
-    wait_step = program.steps[program.events[dead.wait_j].step]
-    peer = dead.delta % w
-    first = Location(0, 0, 0, wait_step.name, wait_step.index, "wait",
-                     f"channel {channel} from {_rk(world, peer)}", wait_step.mark)
-    second = None
-    if dead.signal_j is not None:
-        sig = program.steps[program.events[dead.signal_j].step]
-        second = Location(peer, 0, 0, sig.name, sig.index, "signal",
-                          f"channel {channel} to {_rk(world, 0)}", sig.mark)
-    live_count = [0] * streams
-    for pos, alive in enumerate(world.live):
-        if alive:
-            live_count[program.stream(pos // world.n)] += 1
-    cut = live_count * w
-    pending = {}
-    ranks = involved_ranks(world, [0, peer])
-    for rank in ranks:
-        for stream in range(streams):
-            positions = stream_positions(world, stream)
-            if live_count[stream] < len(positions):
-                stuck = positions[live_count[stream]]
-                pending[(rank, stuck)] = _wait_text(world, stuck % world.n, rank)
+    if stuck is None:
+        live_count = [0] * streams
+        for pos, alive in enumerate(world.live):
+            if alive:
+                live_count[program.stream(pos // world.n)] += 1
+        stuck = live_count * w
+    at = [(q, positions[stuck[q * streams + s]]) for q in range(int(w)) for s in range(streams)
+          if stuck[q * streams + s] < len(positions := stream_positions(world, s))]
+    me = next((q for q, p in at if p % world.n == dead.wait_j), 0)
+    topo = torus(shape_of(w))
+    peer = topo.add(me, dead.delta)
+    waiting = {(row // streams, p): srcs for row, (p, srcs) in (blocked or {}).items()}
+    unsent = False  # the real wait's signal is never sent (its step skipped there)
+    if real:  # a rank really stuck at the wait, the peer one it still waits for
+        me, srcs = next(((row // streams, srcs) for row, (p, srcs) in real.items()
+                         if p % world.n == dead.wait_j), (me, []))
+        unsent = srcs is None
+        peer = next(iter(srcs or []), peer)
+    first, second = _sides(world, dead, me, peer, unsent)
+    ranks = involved_ranks(world, [me, peer])
+    pending = {(q, p): _wait_text(world, p % world.n, q, waiting.get((q, p), ()))
+               for q, p in at if q in ranks}
+    cut = stuck
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
-    if dead.cls == CYCLE:
-        message = (f"deadlock: {wait_name} on every rank r waits for {signal_name} of rank "
-                   f"{_offset(peer, w)} (channel {channel}), which can only run after a wait "
-                   f"that depends on {wait_name} itself: a cycle of waits (W={w})")
+    if unsent:
+        message = (f"deadlock: {wait_name} on {_rk(world, me)} (call 0) waits for a signal "
+                   f"on channel {channel} that {_rk(world, peer)} never sends it: the step "
+                   f"that would is skipped there (its when: does not hold) (W={w})")
+    elif real:
+        cycle = _cycle(wait_name, _rk(world, me), signal_name, _rk(world, peer), channel)
+        message = f"deadlock: {cycle} (W={w})"
+    elif dead.cls == CYCLE:
+        of = f"rank {_offset(dead.delta % w, w)}"
+        message = (f"deadlock: {_cycle(wait_name, 'every rank r', signal_name, of, channel)} "
+                   f"(W={w})")
     else:
-        message = (f"deadlock: {wait_name} on {_rk(world, 0)} (call 0) waits for a signal "
+        message = (f"deadlock: {wait_name} on {_rk(world, me)} (call 0) waits for a signal "
                    f"from {_rk(world, peer)} on channel {channel}, but no step of "
-                   f"{_rk(world, peer)} sends one to {_rk(world, 0)} (W={w})")
-    return Finding("deadlock", dead.cls, channel, first, second, w, message, timeline)
+                   f"{_rk(world, peer)} sends one to {_rk(world, me)} (W={w})")
+    cls = NO_SIGNAL if unsent else dead.cls  # the model's cycle, a signal skipped really
+    return Finding("deadlock", cls, channel, first, second, w, message, timeline)
+
+
+GUARDED_CYCLE = "guarded-cycle"
+GUARDED_CYCLE_HINT = (
+    "write the chain as a shift with wrap: false (or a perm with no cycle) whose "
+    "phase: wait comes before its phase: put, which the checker runs rank by rank "
+    "(wait-first-span), or order the ranks without when: on the waits (a barrier, a "
+    "signal before its wait)")
+
+
+def guarded_cycle_finding(world: World, dead: RawDeadlock) -> Finding:
+    """A deadlock of the model (every rank alike) that the ranks' real steps under their
+    when: guards do not make (legal.Execution.stuck: every rank finishes): the model
+    leaves every event after the cycle out of the race search (``World.live``), so the
+    checker cannot prove the schedule; it refuses it, naming the waits."""
+    w = world.world
+    _, _, channel, wait_name, signal_name = dead.key(world)
+    peer = torus(shape_of(w)).add(0, dead.delta)
+    first, second = _sides(world, dead, 0, peer)
+    if dead.cls == CYCLE:
+        waits = _cycle(wait_name, "every rank r", signal_name,
+                       f"rank {_offset(dead.delta % w, w)}", channel)
+    else:
+        waits = (f"{wait_name} waits for a signal on channel {channel} that no step sends "
+                 f"on every rank")
+    message = (f"guarded-cycle: {waits}, which only the when: guards cut (W={w}: the ranks "
+               f"that run their steps finish every call); the checker models every rank "
+               f"alike and cannot prove the steps after those waits race-free, so it "
+               f"refuses the schedule")
+    return Finding(GUARDED_CYCLE, dead.cls, channel, first, second, w, message, [],
+                   hint=GUARDED_CYCLE_HINT)
