@@ -6,6 +6,7 @@ functions import torch when called)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -30,12 +31,41 @@ FP8_FORMATS = {"fp8e4m3": (FP8_E4M3_MAX, 3, -6), "fp8e5m2": (57344.0, 2, -14)}
 
 
 # a per-token cast's rule (``scale: {rule: ...}``, dcpc/ops/cast.py): how a group's scale
-# is made and how its values round, by name; the tie of each (True: to even). "dcpc" the
-# default; "deepep": DeepEP's low-latency dispatch (csrc/kernels/legacy/internode_ll.cu,
-# calculate_fp8_scales in utils.cuh) with round_scale=False, "deepep_round_scale" with
-# round_scale=True (powers of two: its UE8M0 scales' values). token_scales makes them.
+# is made and how its values round, by name. "dcpc" the default; "deepep": DeepEP's
+# low-latency dispatch (csrc/kernels/legacy/internode_ll.cu, calculate_fp8_scales in
+# utils.cuh) with round_scale=False, "deepep_round_scale" with round_scale=True (powers of
+# two: its UE8M0 scales' values). The one definition of each rule's properties
+# (RuleProps): token_scales and quantise_tokens branch on them, and dcpc.ops.cast.cast_attrs
+# hands them to the kernel's template, which branches on them too.
 ScaleRule = Literal["dcpc", "deepep", "deepep_round_scale"]
-SCALE_RULES: dict[ScaleRule, bool] = {"dcpc": False, "deepep": True, "deepep_round_scale": True}
+
+
+@dataclass(frozen=True)
+class RuleProps:
+    """What a scale rule does. ``skips_nan``: the amax skips a NaN (fmaxf; else a NaN
+    makes its group's scale NaN, and so every value of the group); ``scale``: ``divide``
+    (scale amax / top, inverse top / amax), ``multiply`` (scale amax * fl32(1 / top):
+    inverse_top, inverse top / amax) or ``pow2`` (multiply's scale rounded up to a power
+    of two 2**e from its bits, inverse 2**-e); ``even``: values round ties to even (else
+    away from zero)."""
+
+    skips_nan: bool
+    scale: Literal["divide", "multiply", "pow2"]
+    even: bool
+
+
+SCALE_RULES: dict[ScaleRule, RuleProps] = {
+    "dcpc": RuleProps(skips_nan=False, scale="divide", even=False),
+    "deepep": RuleProps(skips_nan=True, scale="multiply", even=True),
+    "deepep_round_scale": RuleProps(skips_nan=True, scale="pow2", even=True),
+}
+
+
+def inverse_top(dtype: str) -> float:
+    """fl32(1 / top) of fp8 ``dtype`` (top: FP8_FORMATS' largest finite value), the
+    constant a ``multiply`` or ``pow2`` rule's scale is amax times (DeepEP's
+    kFinfoAmaxInvE4M3); an f32, so a kernel's literal of it is exact."""
+    return float(ieee_div(1.0, FP8_FORMATS[dtype][0]))
 
 
 def round_fp8(y: torch.Tensor, dtype: str = "fp8e4m3", even: bool = False) -> torch.Tensor:
@@ -120,24 +150,26 @@ def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None =
     as ``q * scale`` (``spread`` puts a group's scale on each of its channels).
     ``group`` None: per token, the whole row one group, the scales ``rows``' shape
     without its last dim; else DeepEP's per-128-channel scales, ``[..., H / group]``.
-    ``rule`` (SCALE_RULES) "deepep": DeepEP's calculate_fp8_scales, round_scale=False:
-    a NaN skipped by the amax (fmaxf), ``scale = amax * fl32(1 / top)``, ``inverse =
-    top / amax``; "deepep_round_scale": ``scale = 2**e``, ``inverse = 2**-e``, e the
-    ceiling of log2(amax * fl32(1 / top)) read from its bits (fast_log2_ceil, fast_pow2:
-    an inf amax gives e = 128, scale inf, inverse -inf, as there)."""
+    ``rule``: its SCALE_RULES properties; "deepep", DeepEP's calculate_fp8_scales with
+    round_scale=False: a NaN skipped by the amax (fmaxf), ``scale = amax * fl32(1 /
+    top)``, ``inverse = top / amax``; "deepep_round_scale": ``scale = 2**e``, ``inverse =
+    2**-e``, e the ceiling of log2(amax * fl32(1 / top)) read from its bits
+    (fast_log2_ceil, fast_pow2: an inf amax gives e = 128, scale inf, inverse -inf, as
+    there)."""
     import torch
 
+    props = SCALE_RULES[rule]
     top = FP8_FORMATS[dtype][0]
     x = rows.float()
     width = x.shape[-1] if group is None else group
-    magnitude = x.abs() if rule == "dcpc" else torch.where(x.isnan(), 0.0, x.abs())
+    magnitude = torch.where(x.isnan(), 0.0, x.abs()) if props.skips_nan else x.abs()
     groups = magnitude.reshape(*x.shape[:-1], x.shape[-1] // width, width)
     amax = groups.amax(dim=-1).clamp(min=SCALE_FLOOR)
     amax = amax.squeeze(-1) if group is None else amax
-    if rule == "dcpc":
+    if props.scale == "divide":
         return ieee_div(amax, top), ieee_div(top, amax)
-    scale = amax * ieee_div(1.0, top)  # kFinfoAmaxInvE4M3: 1 / 448.0f, a multiply
-    if rule == "deepep":
+    scale = amax * inverse_top(dtype)  # kFinfoAmaxInvE4M3: 1 / 448.0f, a multiply
+    if props.scale == "multiply":
         return scale, ieee_div(top, amax)
     bits = scale.view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
@@ -147,10 +179,10 @@ def token_scales(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None =
 def quantise_tokens(rows: torch.Tensor, dtype: str = "fp8e4m3", group: int | None = None,
                     rule: ScaleRule = "dcpc") -> tuple[torch.Tensor, torch.Tensor]:
     """(the fp8 ``dtype`` values of ``rows`` in fp32, the scales sent) of a per-token
-    quantise by ``rule`` (token_scales; the values rounded as SCALE_RULES says): the one
+    quantise by ``rule`` (token_scales; ties to even as its SCALE_RULES ``even`` says): the one
     rule of the float64 reference (dcpc.ops.cast) and the torch backend."""
     scale, inverse = token_scales(rows, dtype, group, rule)
-    return round_fp8(rows.float() * spread(inverse, group), dtype, SCALE_RULES[rule]), scale
+    return round_fp8(rows.float() * spread(inverse, group), dtype, SCALE_RULES[rule].even), scale
 
 
 def spread(scales: torch.Tensor, group: int | None) -> torch.Tensor:

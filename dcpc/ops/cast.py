@@ -38,7 +38,7 @@ from pydantic import Field
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import div, product
 from dcpc.lang.nodes import Int, Name, Node, OpBase, int_sizes
-from dcpc.numerics import FP8_FORMATS, ScaleRule
+from dcpc.numerics import FP8_FORMATS, SCALE_RULES, ScaleRule, inverse_top
 from dcpc.ops.common import BEFORE, READ, WRITE, Effect, Region
 from dcpc.ops.iface import Ref, TensorScale
 
@@ -361,16 +361,19 @@ def cast_attrs(ctx: LowerRules, op: Any) -> dict[str, Any]:
     return {"cast": mode, "scale": op.scale.per if op.scale is not None else None,
             "bf16_out": out == "bf16", "fp8_top": FP8_FORMATS.get(out, (None,))[0],
             **({"group": group} if group is not None else {}),
-            **({"rule": rule, "fp8_inverse_top": _inverse_top(out)} if rule != "dcpc" else {}),
+            **(_rule_attrs(rule, out) if mode == 1 else {}),
             **({"tile": tile} if tile is not None else {})}
 
 
-def _inverse_top(dtype: str) -> float:
-    """fl32(1 / top) of fp8 ``dtype``, the constant a DeepEP rule's scale is multiplied by
-    (kFinfoAmaxInvE4M3); an f32, so the kernel's literal is exact."""
-    from dcpc.numerics import ieee_div
-
-    return float(ieee_div(1.0, FP8_FORMATS[dtype][0]))
+def _rule_attrs(rule: ScaleRule, out: str) -> dict[str, Any]:
+    """A quantise per token's rule for the kernel: its properties (SCALE_RULES:
+    ``skips_nan``, ``scale_by``, ``even``), the template's branches; ``fp8_inverse_top``
+    (numerics.inverse_top) where the scale multiplies; ``rule`` (the torch backend's
+    argument) where it is not dcpc's."""
+    props = SCALE_RULES[rule]
+    return {"skips_nan": props.skips_nan, "scale_by": props.scale, "even": props.even,
+            **({"fp8_inverse_top": inverse_top(out)} if props.scale != "divide" else {}),
+            **({"rule": rule} if rule != "dcpc" else {})}
 
 
 def lower_move(ctx: LowerRules, step: Step) -> Any:

@@ -464,7 +464,7 @@ def _dcpc_quantize(x, inv_scale):
 
 @triton.jit
 def _dcpc_round_fp8(y, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
-                    EVEN: tl.constexpr):
+                    EVEN: tl.constexpr = False):
     """y clamped to +-TOP (NaN stays NaN, also through the clamp, whose min/max drop a
     NaN) and rounded to the fp8 grid of MANTISSA bits (2^(MIN_EXP - MANTISSA) below
     2^MIN_EXP) here, in fp32, half away from zero, or to even with EVEN (a DeepEP rule's

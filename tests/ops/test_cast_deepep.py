@@ -24,7 +24,15 @@ import torch
 from support import child_result
 from support.schedules import error_marks
 
-from dcpc.numerics import FP8_FORMATS, SCALE_RULES, ScaleRule, round_fp8, token_scales
+from dcpc.numerics import (
+    FP8_FORMATS,
+    SCALE_RULES,
+    RuleProps,
+    ScaleRule,
+    inverse_top,
+    round_fp8,
+    token_scales,
+)
 
 INF, NAN = math.inf, math.nan
 TORCH_FP8 = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
@@ -84,7 +92,7 @@ def test_ties_to_even_match_the_grid_reference(fp8: str) -> None:
     assert np.array_equal(conv, nearest_even(inside, fp8))
 
 
-def deepep_scales(rows: np.ndarray, group: int, rule: ScaleRule
+def deepep_scales(rows: np.ndarray, group: int, rule: ScaleRule, top: float = 448.0
                   ) -> tuple[np.ndarray, np.ndarray]:
     """DeepEP's calculate_fp8_scales in float64 (csrc/kernels/legacy/utils.cuh): amax of
     each group with fmaxf from kFP8Margin (a NaN skipped), scale_inv = fl32(amax *
@@ -92,7 +100,6 @@ def deepep_scales(rows: np.ndarray, group: int, rule: ScaleRule
     fl32(448 / amax) (double rounding from float64 is innocuous for a quotient of f32);
     round_scale: 2**e and 2**-e, e = ceil(log2(scale_inv)) by frexp."""
     f32 = np.float32
-    top = 448.0
     amax = np.full(rows.shape[:-1] + (rows.shape[-1] // group,), float(f32(1e-4)))
     for k in range(rows.shape[-1] // group):
         part = np.abs(rows[..., k * group:(k + 1) * group])
@@ -114,13 +121,17 @@ def deepep_scales(rows: np.ndarray, group: int, rule: ScaleRule
     return pow2(e), np.where(e == 128, -INF, pow2(-e))
 
 
-def edge_rows(h: int, g: int) -> torch.Tensor:
-    """Rows [8, h] (bf16 values) whose groups hold ties after the scaling, past-range
-    values, a NaN, an inf, zeros, -0, subnormal ties and random values."""
+def edge_rows(h: int, g: int, fp8: str = "fp8e4m3") -> torch.Tensor:
+    """Rows [8, h] (bf16 values) whose groups hold ties of ``fp8``'s grid after the
+    scaling, past-range values, a NaN, an inf, zeros, -0, subnormal ties and random
+    values."""
     gen = torch.Generator().manual_seed(h + g)
     magnitude = torch.exp2(torch.randint(-12, 14, (8, h // g), generator=gen).float())
     x = torch.randn(8, h, generator=gen) * magnitude.repeat_interleave(g, dim=-1)
     tie = torch.tensor([8.5, 9.5, -8.5, -9.5, 232.0, 3 * 2.0**-10, -(2.0**-10), 0.53125])
+    if fp8 == "fp8e5m2":  # amax 448: inverse 57344 / 448 = 128 (deepep), and 32 on row 1
+        tie = torch.tensor([9.0, 11.0, -9.0, -11.0, 1152.0, 3 * 2.0**-17, -(2.0**-17),
+                            0.5625]) / 128.0  # (round_scale, 2**-5): ties of e5m2's grid
     x[0, :g] = 1.0
     x[0, 0] = 448.0  # amax 448: the values * 1 (deepep), ties as they are
     x[0, 1:9] = tie
@@ -169,7 +180,35 @@ def test_the_default_rule_is_unchanged() -> None:
     amax = x.abs().reshape(8, 2, 128).amax(-1).clamp(min=1e-4).double()
     assert np.array_equal(scale.double().numpy(),
                           (amax / 448.0).float().double().numpy(), equal_nan=True)
-    assert math.isnan(scale[2, 0]) and SCALE_RULES["dcpc"] is False
+    assert math.isnan(scale[2, 0])
+    assert SCALE_RULES["dcpc"] == RuleProps(skips_nan=False, scale="divide", even=False)
+
+
+def test_the_rules_properties_drive_the_scales() -> None:
+    """token_scales reads SCALE_RULES' properties, not the names: deepep's scale is
+    amax times inverse_top (fl32(1 / top)), its NaN skipped; e5m2's inverse_top too."""
+    assert inverse_top("fp8e4m3") == float(np.float32(1.0) / np.float32(448.0))
+    assert inverse_top("fp8e5m2") == float(np.float32(1.0) / np.float32(57344.0))
+    x = edge_rows(256, 128)
+    for rule, props in SCALE_RULES.items():
+        scale, _ = token_scales(x, "fp8e5m2", 128, rule)
+        assert math.isnan(scale[2, 0]) != props.skips_nan, rule
+        finite = scale[4, 0]  # the floor: 1e-4 scaled by each rule's scale
+        want = {"divide": float(np.float32(np.float32(1e-4) / np.float32(57344.0))),
+                "multiply": float(np.float32(1e-4) * np.float32(inverse_top("fp8e5m2"))),
+                "pow2": 2.0 ** math.ceil(math.log2(float(np.float32(1e-4) * np.float32(
+                    inverse_top("fp8e5m2")))))}[props.scale]
+        assert float(finite) == want, rule
+
+
+def test_the_kernel_ab_diag_kernel_runs_on_the_interpreter() -> None:
+    """benchmarks/diag/grouped_cast_a2a/kernel_ab.py calls _dcpc_round_fp8 without EVEN
+    (its default, ties away): its direct-store case is clean under the interpreter."""
+    from benchmarks.diag.grouped_cast_a2a.kernel_ab import one
+
+    for fp8 in FP8_FORMATS:
+        wrong, why = one(5, 128, torch.float32, fp8, 4, 4, True, "cpu")
+        assert wrong == 0, why
 
 
 SCHEDULE = """\
@@ -235,60 +274,63 @@ def _child() -> None:
 
     world, cap = 2, 8
     out: dict[str, Any] = {}
-    for rule in ("deepep", "deepep_round_scale"):
-        for h, g in ((256, 128), (128, None)):
-            groups = h // (g or h)
-            source = text(h=h, rule=rule, group=f"group: {g}, " if g else "",
-                          s_shape=f"[W, C, {groups}]" if g else "[W, C]")
-            xs = [edge_rows(h, g or h).reshape(1, cap, h).repeat(world, 1, 1).bfloat16()
-                  for _ in range(world)]
-            xs[1] = xs[1].flip(1)  # rank 1 sends the rows in the other order
-            counts = [torch.full((world,), cap, dtype=torch.int32) for _ in range(world)]
-            counts[1][0] = 6  # a ragged block
-            with tempfile.TemporaryDirectory(prefix="dcpc-deepep-") as tmp:
-                path = Path(tmp) / "cast.yaml"
-                path.write_text(source)
-                _, module, _, _ = compile_to(str(path), Path(tmp), world)
+    cases = [(rule, h, g, "fp8e4m3") for rule in ("deepep", "deepep_round_scale")
+             for h, g in ((256, 128), (128, None))]
+    cases += [(rule, 256, 128, "fp8e5m2") for rule in ("deepep", "deepep_round_scale")]
+    for rule, h, g, fp8 in cases:
+        groups = h // (g or h)
+        source = text(h=h, rule=rule, group=f"group: {g}, " if g else "", dst=fp8,
+                      s_shape=f"[W, C, {groups}]" if g else "[W, C]")
+        xs = [edge_rows(h, g or h, fp8).reshape(1, cap, h).repeat(world, 1, 1).bfloat16()
+              for _ in range(world)]
+        xs[1] = xs[1].flip(1)  # rank 1 sends the rows in the other order
+        counts = [torch.full((world,), cap, dtype=torch.int32) for _ in range(world)]
+        counts[1][0] = 6  # a ragged block
+        with tempfile.TemporaryDirectory(prefix="dcpc-deepep-") as tmp:
+            path = Path(tmp) / "cast.yaml"
+            path.write_text(source)
+            _, module, _, _ = compile_to(str(path), Path(tmp), world)
 
-                def rank_main(rank: Any, module: str = module, xs: list = xs,
-                              counts: list = counts) -> Any:
-                    inst = load_module_class(module, "cast")(rank, sizes={"C": cap},
-                                                             device="cpu", backend="local")
-                    y, _ = inst.move(xs[rank.rank], counts[rank.rank])
-                    s = inst.buffer("s", 0, {"C": cap}).clone()
-                    y = y.clone()
-                    rank.barrier()
-                    inst.close()
-                    return y, s
+            def rank_main(rank: Any, module: str = module, xs: list = xs,
+                          counts: list = counts) -> Any:
+                inst = load_module_class(module, "cast")(rank, sizes={"C": cap},
+                                                         device="cpu", backend="local")
+                y, _ = inst.move(xs[rank.rank], counts[rank.rank])
+                s = inst.buffer("s", 0, {"C": cap}).clone()
+                y = y.clone()
+                rank.barrier()
+                inst.close()
+                return y, s
 
-                got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
-            inputs = [{"x": xs[p].double(), "n": counts[p].long()} for p in range(world)]
-            ref = simulate_call(parse_text(source), world, {"C": cap, "H": h}, inputs,
-                                lambda step, r, bufs: {})
-            exact = independent = torch_exact = True
-            for j in range(world):
-                y, s = got[j]
-                for p in range(world):
-                    n = int(counts[p][j])
-                    rows = xs[p][j, :n].float()
-                    sc, inv = deepep_scales(rows.double().numpy(), g or h, rule)  # type: ignore[arg-type]
-                    scaled = rows * torch.from_numpy(inv).float().repeat_interleave(g or h, -1)
-                    q = torch.from_numpy(nearest_even(scaled.double().numpy(), "fp8e4m3"))
-                    s_row = s[p, :n].reshape(n, groups)
-                    exact &= same(y[p, :n], ref[j]["y"][p, :n]) and same(s[p, :n],
-                                                                          ref[j]["s"][p, :n])
-                    independent &= same(y[p, :n].double(), q) and same(
-                        s_row.double(), torch.from_numpy(sc))
-                    dst = torch.zeros(1, cap, h, dtype=y.dtype)
-                    sent = torch.zeros(1, *s.shape[1:])
-                    collectives.ragged_all_to_all(
-                        collectives.SlotGroup(None, 0, 0, None), xs[p][j:j + 1],
-                        counts[p][j:j + 1], dst, torch.zeros(1, dtype=torch.int32), cap, 1,
-                        "move", 1, sent, group=g, rule=rule)
-                    torch_exact &= same(dst[0, :n], ref[j]["y"][p, :n]) and same(
-                        sent[0, :n], ref[j]["s"][p, :n])
-            out[f"{rule}/{h}"] = {"exact": exact, "independent": independent,
-                                  "torch": torch_exact}
+            got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
+        inputs = [{"x": xs[p].double(), "n": counts[p].long()} for p in range(world)]
+        ref = simulate_call(parse_text(source), world, {"C": cap, "H": h}, inputs,
+                            lambda step, r, bufs: {})
+        exact = independent = torch_exact = True
+        for j in range(world):
+            y, s = got[j]
+            for p in range(world):
+                n = int(counts[p][j])
+                rows = xs[p][j, :n].float()
+                sc, inv = deepep_scales(rows.double().numpy(), g or h, rule,  # type: ignore[arg-type]
+                                        FP8_FORMATS[fp8][0])
+                scaled = rows * torch.from_numpy(inv).float().repeat_interleave(g or h, -1)
+                q = torch.from_numpy(nearest_even(scaled.double().numpy(), fp8))
+                s_row = s[p, :n].reshape(n, groups)
+                exact &= same(y[p, :n], ref[j]["y"][p, :n]) and same(s[p, :n],
+                                                                      ref[j]["s"][p, :n])
+                independent &= same(y[p, :n].double(), q) and same(
+                    s_row.double(), torch.from_numpy(sc))
+                dst = torch.zeros(1, cap, h, dtype=y.dtype)
+                sent = torch.zeros(1, *s.shape[1:])
+                collectives.ragged_all_to_all(
+                    collectives.SlotGroup(None, 0, 0, None), xs[p][j:j + 1],
+                    counts[p][j:j + 1], dst, torch.zeros(1, dtype=torch.int32), cap, 1,
+                    "move", 1, sent, group=g, rule=rule)
+                torch_exact &= same(dst[0, :n], ref[j]["y"][p, :n]) and same(
+                    sent[0, :n], ref[j]["s"][p, :n])
+        out[f"{rule}/{h}/{fp8}"] = {"exact": exact, "independent": independent,
+                                    "torch": torch_exact}
     print("RESULT " + json.dumps(out))
 
 
@@ -296,8 +338,9 @@ def _child() -> None:
 def test_kernels_and_torch_are_deepeps_rule_bit_for_bit() -> None:
     result = child_result(__file__, "deepep")
     want = {"exact": True, "independent": True, "torch": True}
-    assert result == {f"{r}/{h}": want for r in ("deepep", "deepep_round_scale")
-                      for h in (256, 128)}, result
+    cases = [f"{r}/{h}/fp8e4m3" for r in ("deepep", "deepep_round_scale") for h in (256, 128)]
+    cases += [f"{r}/256/fp8e5m2" for r in ("deepep", "deepep_round_scale")]  # e5m2's ties
+    assert result == {case: want for case in cases}, result
 
 
 OP_FILE = Path(__file__).resolve().parents[2] / "schedules/ops/ragged_all_to_all_fp8_deepep.yaml"
