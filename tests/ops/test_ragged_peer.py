@@ -273,3 +273,29 @@ def test_a_count_over_capacity_fails_its_sender_only_where_it_is_sent(bad: str,
         assert ranks == ["returned"] * 3, ranks
     else:
         assert "counts[2] = 5, over the capacity 4" in ranks[1], ranks
+
+
+NAN_TO_ZERO = ("tl.where(vals.to(tl.float32) != vals.to(tl.float32), 0, vals)")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kernel", ["_local_kernel", "_put_h1_kernel"])
+def test_a_nan_a_block_sent_is_compared_whichever_lands_first(kernel: str,
+                                                             tmp_path: Path) -> None:
+    """W = 3: one kernel stores 0 where its bf16 payload is NaN. The local block lands
+    first, before the peers' blocks (each landing keeps the others' blocks): the run
+    fails whichever block it is, as the reference carries what nothing wrote yet this
+    call (Sim.unsent_mask) and never infers it from a NaN in the values."""
+    text = pipeline.run(FILE, pipeline.Options(worlds=[3]), until="emit").module_text
+    head, body = text.split(f"def {kernel}(", 1)
+    body, tail = body.split("@_rt.fast_launch", 1)
+    store = "tl.store(dst + dst_rows[:, None] + c[None, :], vals, mask=m)"
+    assert body.count(store) == 1, kernel
+    body = body.replace(store, store.replace("vals,", f"{NAN_TO_ZERO},"))
+    module = tmp_path / "bad.py"
+    module.write_text(f"{head}def {kernel}({body}@_rt.fast_launch{tail}")
+    report = run_schedule(RunConfig(schedule=str(FILE), world=3, backend="host", calls=4,
+                                    seed=24, module=str(module)))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches > 0, text
