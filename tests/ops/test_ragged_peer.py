@@ -170,7 +170,10 @@ def test_a_local_block_needs_no_credit(tmp_path: Path, k: str) -> None:
      "unmatched-put", 11, "to rank r + 1 (offset 1)"),
     (f"  - a: {{op: ragged_all_to_all, {KEYS}, phase: put, offset: 1.5}}\n",
      "wrong-type", 11, "offset"),
-], ids=["no-phase", "unknown-name", "perm", "other-offset", "float"])
+    (f'  - a: {{op: ragged_all_to_all, {KEYS}, phase: put, offset: 1, when: "rank > 0"}}\n'
+     f'  - b: {{op: ragged_all_to_all, {KEYS}, phase: wait, offset: 1, when: "rank > 0"}}\n',
+     "when-on-communication", 11, "sends to one peer (offset 1) and has 'when:'"),
+], ids=["no-phase", "unknown-name", "perm", "other-offset", "float", "when"])
 def test_bad_offsets_are_located_diagnostics(tmp_path: Path, steps: str, code: str,
                                              line: int, says: str) -> None:
     found = _errors(tmp_path, steps, [2, 3])
