@@ -128,6 +128,9 @@ def test_the_wrong_twin_is_refused_with_a_located_race(tmp_path: Path) -> None:
     assert any("experts on rank 0 (call 0)" in d.message and "put_h0 on rank 1 (call 1)"
                in d.message and "x_recv" in d.message and "(W=2)" in d.message
                for d in races), [d.message for d in races]
+    # the one-peer store's receiver, resolved (rank 1 + 1 at W = 2 is rank 0)
+    notes = [n for d in races for n in d.notes if "put_h0 → writing" in n]
+    assert any("into rank 0's only" in n for n in notes), notes
 
 
 def test_the_axis_files_wrong_twin_is_refused(tmp_path: Path) -> None:
