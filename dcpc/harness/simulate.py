@@ -399,6 +399,9 @@ class Sim:
         # where the sender's put does, as dcpc.check.when proved)
         self.held: list[Buffers] = self.bufs
         self.written: list[Buffers] = [{} for _ in range(world)]
+        # per rank: what this call's writes of each buffer left unsent (None: nothing);
+        # a buffer not in it was not written yet this call (``unsent_mask``)
+        self.left: list[dict[str, torch.Tensor | None]] = [{} for _ in range(world)]
         self.rounding = "nearest"  # how the module's kernels store into bf16 (as_stored)
         self.computes = False  # the step computes what it stores (as_stored's computed)
         self.members: list[int] | None = None  # a team's view: its ranks (``team``)
@@ -421,6 +424,7 @@ class Sim:
         sub.bufs = [self.bufs[r] for r in ranks]
         sub.held = [self.held[r] for r in ranks]
         sub.written = [self.written[r] for r in ranks]
+        sub.left = [self.left[r] for r in ranks]
         sub.members = ranks  # what a table over ranks (a shift's perm) reads per team
         sub.rounding = self.rounding  # the step's kernels store as the whole call's do
         sub.computes = self.computes
@@ -438,6 +442,7 @@ class Sim:
                     for r in range(int(self.world))]
         sub.held = self.held
         sub.written = [{} if r in skipped else self.written[r] for r in range(int(self.world))]
+        sub.left = [{} if r in skipped else self.left[r] for r in range(int(self.world))]
         sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
         sub.pending = {}
         sub.bounds = [{} if r in skipped else self.bounds[r] for r in range(int(self.world))]
@@ -457,6 +462,7 @@ class Sim:
                     for r, (bufs, b) in enumerate(zip(self.bufs, self.bounds, strict=True))]
         sub.held = sub.bufs
         sub.written = [{} for _ in range(int(self.world))]
+        sub.left = [{} for _ in range(int(self.world))]
         sub.rounding, sub.members, sub.computes = self.rounding, self.members, self.computes
         sub.pending, sub.bounds = {}, [{} for _ in range(int(self.world))]
         return sub
@@ -476,6 +482,7 @@ class Sim:
         self.bufs[rank][name] = as_stored(self.schedule, name, value, self.rounding,
                                           computed=self.computes)
         self.written[rank][name] = self.bufs[rank][name]
+        self.left[rank][name] = unsent
         if unsent is not None:
             self.written[rank][name + UNSENT_KEY] = unsent
         else:
@@ -490,6 +497,7 @@ class Sim:
             alias_views(self.schedule, side, name, self.bufs[rank].__getitem__)
         for other in views:
             self.written[rank][other] = self.bufs[rank][other]
+            self.left[rank][other] = None  # compared whole, as the trace has it
             self._bound(rank, other, None if sides is None else torch.stack(
                 [sides[0][other], sides[1][other]]))
 
@@ -505,6 +513,15 @@ class Sim:
                 self.written[rank].pop(name + BOUNDS_KEY, None)
             else:
                 self.written[rank][name + BOUNDS_KEY] = bounds
+
+    def unsent_mask(self, rank: int, name: str) -> torch.Tensor:
+        """The elements of ``name`` on ``rank`` that nothing wrote yet this call: all of
+        it before its first store, else what the last store left unsent (``store``'s
+        ``unsent``), never read off the values (a NaN can be sent)."""
+        if name not in self.left[rank]:
+            return torch.ones(self.shape(name), dtype=torch.bool)
+        left = self.left[rank][name]
+        return torch.zeros(self.shape(name), dtype=torch.bool) if left is None else left
 
     def unsent(self, name: str) -> torch.Tensor:
         """A value of ``name``'s shape that says "never written": NaN (float64) for a

@@ -87,7 +87,8 @@ def describe(sem: Semantics) -> tuple[str, str, str]:
         if r.scheme in ("peer", "line", "perm"):
             return f" ({part})"
         if r.peer is not None:  # a ragged_all_to_all by offset: one peer's instance
-            return f" (rank r{r.peer:+d}'s: {part})"
+            whose = f"rank r{r.peer:+d}'s" if r.peer else "its own"
+            return f" ({whose}: {part})"
         return f" ({'the root' if e.root is not None else 'every rank'}: {part})"
 
     def one(e: Effect) -> str:

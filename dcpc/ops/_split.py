@@ -207,13 +207,11 @@ def land(sim: SimView, step: Step) -> bool:
             value = sim.bufs[j].pop(k)
             unsent = sim.bufs[j].pop(f"{put.name}@unsent:{name}", None)
             part = sim.bufs[j].pop(f"{put.name}@part:{name}", None)
-            if part is not None:  # one peer's part: the rest as it is now (unwritten
-                # or holding the marker: unsent); no read of the buffer by the step
-                marker = sim.unsent(name)
-                now = sim.bufs[j].get(name, marker)
-                was = now.isnan() | (now == marker)
-                value = value.where(part, now)
-                unsent = (unsent if unsent is not None else part.logical_not()).where(part, was)
+            if part is not None:  # one peer's part: the rest as it is now, unsent where
+                # nothing wrote it yet this call (sim.unsent_mask); no read by the step
+                value = value.where(part, sim.bufs[j].get(name, sim.unsent(name)))
+                sent = unsent if unsent is not None else part.logical_not()
+                unsent = sent.where(part, sim.unsent_mask(j, name))
             sim.store(j, name, value, unsent=unsent)
     return True
 

@@ -127,11 +127,13 @@ class Region:
         base = base if not self.table else (*base, self.table)
         return base if self.axes is None else (*base, self.axes)
 
-    def text(self, writer: int) -> str:
-        """The part of writer ``writer`` in words."""
+    def text(self, writer: int, into: str | None = None) -> str:
+        """The part of writer ``writer`` in words; ``into``: the rank (in words) whose
+        instance a ``peer`` store reaches, None where that is the writer's own."""
         # ``writer`` of a peer, line, perm or whole (a reader): its index in its team, if any
         who = f"{'rank' if self.axes is None else 'team member'} {writer}"
-        to = "" if self.peer is None else f", into rank {writer}{self.peer:+d}'s only"
+        whose = f"{into}'s" if into else "its own"
+        to = "" if self.peer is None else f", into {whose} only"
         if self.scheme == "block":
             return f"{self.dim_text} block {writer} (dim {self.dim}{to})".lstrip()
         if self.scheme == "index":

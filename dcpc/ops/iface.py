@@ -181,6 +181,8 @@ class SimView(Protocol):
 
     def unsent(self, name: str) -> torch.Tensor: ...  # "never written", in name's shape
 
+    def unsent_mask(self, rank: int, name: str) -> torch.Tensor: ...  # unwritten this call
+
     def all_to_all(self, src: str, dst: str, dim: int, store: Store | None = None) -> None: ...
 
     def merge_weights(self, op: Any, rank: int, lse_name: str

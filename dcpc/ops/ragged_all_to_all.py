@@ -277,10 +277,20 @@ def verify(v: ShapeRules, step: Step) -> None:
 
 def _verify_offset(v: ShapeRules, step: Step) -> None:
     """``bad-offset``: a one-peer step (``offset``) is split (its put signals one peer,
-    its wait polls another: two kernels), and its offset is an integer once unrolled."""
+    its wait polls another: two kernels), and its offset is an integer once unrolled.
+    ``when-on-communication``: a one-peer step has no ``when:`` (the float64 reference
+    reads the counts of every rank, and the torch backend runs it as one exchange of the
+    whole team, which a rank that skips never joins)."""
     op = step.op
     if op.offset is None:
         return
+    if getattr(op, "when", None) is not None:
+        v.error(op.mark("when"), "when-on-communication",
+                f"step '{step.name}' sends to one peer (offset {op.offset}) and has 'when:'; "
+                "a ragged_all_to_all to one peer runs on every rank (the torch backend "
+                "exchanges with the whole team, which a rank that skips never joins)",
+                hint="drop 'when:' here and guard the local steps around it; a rank with "
+                "nothing to send sends counts of 0")
     if op.phase is None:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' sends to one peer (offset {op.offset}) but has no "

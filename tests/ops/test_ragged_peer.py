@@ -128,6 +128,9 @@ def test_the_wrong_twin_is_refused_with_a_located_race(tmp_path: Path) -> None:
     assert any("experts on rank 0 (call 0)" in d.message and "put_h0 on rank 1 (call 1)"
                in d.message and "x_recv" in d.message and "(W=2)" in d.message
                for d in races), [d.message for d in races]
+    # the one-peer store's receiver, resolved (rank 1 + 1 at W = 2 is rank 0)
+    notes = [n for d in races for n in d.notes if "put_h0 → writing" in n]
+    assert any("into rank 0's only" in n for n in notes), notes
 
 
 def test_the_axis_files_wrong_twin_is_refused(tmp_path: Path) -> None:
@@ -170,7 +173,10 @@ def test_a_local_block_needs_no_credit(tmp_path: Path, k: str) -> None:
      "unmatched-put", 11, "to rank r + 1 (offset 1)"),
     (f"  - a: {{op: ragged_all_to_all, {KEYS}, phase: put, offset: 1.5}}\n",
      "wrong-type", 11, "offset"),
-], ids=["no-phase", "unknown-name", "perm", "other-offset", "float"])
+    (f'  - a: {{op: ragged_all_to_all, {KEYS}, phase: put, offset: 1, when: "rank > 0"}}\n'
+     f'  - b: {{op: ragged_all_to_all, {KEYS}, phase: wait, offset: 1, when: "rank > 0"}}\n',
+     "when-on-communication", 11, "sends to one peer (offset 1) and has 'when:'"),
+], ids=["no-phase", "unknown-name", "perm", "other-offset", "float", "when"])
 def test_bad_offsets_are_located_diagnostics(tmp_path: Path, steps: str, code: str,
                                              line: int, says: str) -> None:
     found = _errors(tmp_path, steps, [2, 3])
@@ -273,3 +279,29 @@ def test_a_count_over_capacity_fails_its_sender_only_where_it_is_sent(bad: str,
         assert ranks == ["returned"] * 3, ranks
     else:
         assert "counts[2] = 5, over the capacity 4" in ranks[1], ranks
+
+
+NAN_TO_ZERO = ("tl.where(vals.to(tl.float32) != vals.to(tl.float32), 0, vals)")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kernel", ["_local_kernel", "_put_h1_kernel"])
+def test_a_nan_a_block_sent_is_compared_whichever_lands_first(kernel: str,
+                                                             tmp_path: Path) -> None:
+    """W = 3: one kernel stores 0 where its bf16 payload is NaN. The local block lands
+    first, before the peers' blocks (each landing keeps the others' blocks): the run
+    fails whichever block it is, as the reference carries what nothing wrote yet this
+    call (Sim.unsent_mask) and never infers it from a NaN in the values."""
+    text = pipeline.run(FILE, pipeline.Options(worlds=[3]), until="emit").module_text
+    head, body = text.split(f"def {kernel}(", 1)
+    body, tail = body.split("@_rt.fast_launch", 1)
+    store = "tl.store(dst + dst_rows[:, None] + c[None, :], vals, mask=m)"
+    assert body.count(store) == 1, kernel
+    body = body.replace(store, store.replace("vals,", f"{NAN_TO_ZERO},"))
+    module = tmp_path / "bad.py"
+    module.write_text(f"{head}def {kernel}({body}@_rt.fast_launch{tail}")
+    report = run_schedule(RunConfig(schedule=str(FILE), world=3, backend="host", calls=4,
+                                    seed=24, module=str(module)))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches > 0, text

@@ -167,7 +167,8 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
     step = program.steps[program.events[t.j].step]
     region = _instance(world, t.access.buffer, t.owner, slot)
     if t.access.region is not None:
-        region += " " + t.access.region.text(_member(world, t.rank, t.access.region.axes))
+        into = None if t.owner == t.rank else _rk(world, t.owner)  # a one-peer store's
+        region += " " + t.access.region.text(_member(world, t.rank, t.access.region.axes), into)
     lands = ""
     if t.access.lands is not None and t.access.lands != step.index:
         wait = program.steps[t.access.lands]
