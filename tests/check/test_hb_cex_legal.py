@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cex_legal import violations
 from support.hb_oracle import CREDIT_HEADER, oracle_keys, random_credit_schedule_text
-from support.schedules import GATHER_NO_BARRIER
+from support.schedules import GATHER_NO_BARRIER, shift_head
 
 from dcpc.check import hb, structural
 from dcpc.diagnostics import DiagnosticError
@@ -271,15 +271,7 @@ MESH_CHAIN_RACE = MESH_RING_CHAIN.replace("slots: 1", "slots: 2\nstreams: per_sl
   - use:   {op: external, reads: [s], writes: [y]}
 """
 # a perm's wait before its put that only ranks 2 and 3 run (the chain 2 -> 3), no credit
-PERM_HEAD = """\
-schedule: s
-sizes: {N: 4, D: 2}
-buffers:
-  x: {shape: [N, D], dtype: f32}
-  y: {shape: [N, D], dtype: f32, symmetric: true}
-  z: {shape: [N, D], dtype: f32}
-steps:
-"""
+PERM_HEAD = shift_head()
 RINGFIRST_NOB = PERM_HEAD + """\
   - wr: {op: shift, src: x, dst: y, perm: [1, 0, 3, -1], when: "rank >= 2", phase: wait}
   - pr: {op: shift, src: x, dst: y, perm: [1, 0, 3, -1], when: "rank >= 2", phase: put}

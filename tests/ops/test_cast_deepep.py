@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from support import child_result
-from support.schedules import error_marks
+from support.schedules import error_marks, ragged_cast, run_ranks
 
 from dcpc.numerics import (
     FP8_FORMATS,
@@ -211,40 +211,21 @@ def test_the_kernel_ab_diag_kernel_runs_on_the_interpreter() -> None:
         assert wrong == 0, why
 
 
-SCHEDULE = """\
-schedule: cast
-sizes: {{C: {{max: 8}}, H: {h}}}
-buffers:
-  x:  {{shape: [W, C, H], dtype: {src}}}
-  n:  {{shape: [W], dtype: i32}}
-  y:  {{shape: [W, C, H], dtype: {dst}, symmetric: true}}
-  s:  {{shape: {s_shape}, dtype: f32{s_sym}}}
-  m:  {{shape: [W], dtype: i32, symmetric: true}}
-steps:
-  - move: {{op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C,
-          scale: {{per: {per}, {group}buffer: s, rule: {rule}}}}}
-  - use:  {{op: external, reads: {reads}}}
-  - done: {{op: barrier}}
-"""
-
-
 def text(**kw: Any) -> str:
-    spec = {"h": 256, "src": "bf16", "dst": "fp8e4m3", "s_shape": "[W, C, H/128]",
-            "s_sym": ", symmetric: true", "per": "token", "group": "group: 128, ",
-            "rule": "deepep", "reads": "[y, s, m]", **kw}
-    return SCHEDULE.format(**spec)
+    """The ragged cast by DeepEP's rule (C at most 8), ``kw`` changed."""
+    return ragged_cast(**{"cap": 8, "rule": "deepep", **kw})
 
 
 @pytest.mark.parametrize(("change", "want"), [
     ({}, []),
     ({"rule": "deepep_round_scale"}, []),
     ({"rule": "dcpc"}, []),
-    ({"group": "", "s_shape": "[W, C]"}, []),
+    ({"group": None, "s_shape": "[W, C]"}, []),
     ({"rule": "ue8m0"}, [("bad-value", 11, 60)]),  # not a rule: the parser's enum
     ({"rule": "1"}, [("bad-value", 11, 60)]),
-    ({"per": "tensor", "group": "", "s_shape": "[1]", "s_sym": "", "reads": "[y, m]"},
+    ({"per": "tensor", "group": None, "s_shape": "[1]", "s_sym": False, "reads": "[y, m]"},
      [("bad-scale", 11, 49)]),  # per tensor makes no scale
-    ({"src": "fp8e4m3", "dst": "f16", "s_sym": "", "reads": "[y, m]"},
+    ({"src": "fp8e4m3", "dst": "f16", "s_sym": False, "reads": "[y, m]"},
      [("bad-scale", 11, 60)]),  # a dequantise neither
 ])
 def test_verifier(change: dict[str, Any], want: list[tuple[str, int, int]],
@@ -259,12 +240,9 @@ def _child() -> None:
     vs the float64 reference, the independent one above and the torch backend's call."""
     import tempfile
 
-    from dcpc.harness.run import compile_to
     from dcpc.harness.simulate import simulate_call
-    from dcpc.harness.worker import load_module_class
     from dcpc.lang.parse import parse_text
     from dcpc.runtime import collectives
-    from dcpc.runtime.local import LocalGroup
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(torch.equal(a.double().isnan(), b.double().isnan())) and bool(
@@ -279,30 +257,22 @@ def _child() -> None:
     cases += [(rule, 256, 128, "fp8e5m2") for rule in ("deepep", "deepep_round_scale")]
     for rule, h, g, fp8 in cases:
         groups = h // (g or h)
-        source = text(h=h, rule=rule, group=f"group: {g}, " if g else "", dst=fp8,
+        source = text(h=h, rule=rule, group=g, dst=fp8,
                       s_shape=f"[W, C, {groups}]" if g else "[W, C]")
         xs = [edge_rows(h, g or h, fp8).reshape(1, cap, h).repeat(world, 1, 1).bfloat16()
               for _ in range(world)]
         xs[1] = xs[1].flip(1)  # rank 1 sends the rows in the other order
         counts = [torch.full((world,), cap, dtype=torch.int32) for _ in range(world)]
         counts[1][0] = 6  # a ragged block
+        def body(inst: Any, rank: Any, xs: list = xs, counts: list = counts) -> Any:
+            y, _ = inst.move(xs[rank.rank], counts[rank.rank])
+            s = inst.buffer("s", 0, {"C": cap}).clone()
+            y = y.clone()
+            rank.barrier()
+            return y, s
+
         with tempfile.TemporaryDirectory(prefix="dcpc-deepep-") as tmp:
-            path = Path(tmp) / "cast.yaml"
-            path.write_text(source)
-            _, module, _, _ = compile_to(str(path), Path(tmp), world)
-
-            def rank_main(rank: Any, module: str = module, xs: list = xs,
-                          counts: list = counts) -> Any:
-                inst = load_module_class(module, "cast")(rank, sizes={"C": cap},
-                                                         device="cpu", backend="local")
-                y, _ = inst.move(xs[rank.rank], counts[rank.rank])
-                s = inst.buffer("s", 0, {"C": cap}).clone()
-                y = y.clone()
-                rank.barrier()
-                inst.close()
-                return y, s
-
-            got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
+            got = run_ranks(source, Path(tmp), world, {"C": cap}, body)
         inputs = [{"x": xs[p].double(), "n": counts[p].long()} for p in range(world)]
         ref = simulate_call(parse_text(source), world, {"C": cap, "H": h}, inputs,
                             lambda step, r, bufs: {})

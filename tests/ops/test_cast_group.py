@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from support import child_result
-from support.schedules import error_marks
+from support.schedules import error_marks, ragged_cast
 
 from dcpc.numerics import round_e4m3, spread, token_scales
 
@@ -69,31 +69,7 @@ def test_a_group_is_cast_as_a_token_of_its_channels(h: int, g: int) -> None:
         torch.testing.assert_close(scale[:, 0], whole, rtol=0, atol=0, equal_nan=True)
 
 
-SCHEDULE = """\
-schedule: cast
-sizes: {{C: {{max: 6}}, H: {h}}}
-buffers:
-  x:  {{shape: [W, C, H], dtype: {src}}}
-  n:  {{shape: [W], dtype: i32}}
-  y:  {{shape: [W, C, H], dtype: {dst}, symmetric: true}}
-  s:  {{shape: {s_shape}, dtype: f32{s_sym}}}
-  m:  {{shape: [W], dtype: i32, symmetric: true}}
-steps:
-  - move: {{op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C,
-          scale: {{per: {per}, group: {group}, buffer: s}}}}
-  - use:  {{op: external, reads: {reads}}}
-  - done: {{op: barrier}}
-"""
-
-
-def text(**kw: Any) -> str:
-    spec = {"h": 256, "src": "bf16", "dst": "fp8e4m3", "s_shape": "[W, C, H/128]",
-            "s_sym": ", symmetric: true", "per": "token", "group": 128, "reads": "[y, s, m]",
-            **kw}
-    return SCHEDULE.format(**spec)
-
-
-BACK = {"src": "fp8e4m3", "dst": "f16", "s_sym": "", "reads": "[y, m]"}  # s: the sender's
+BACK = {"src": "fp8e4m3", "dst": "f16", "s_sym": False, "reads": "[y, m]"}  # s: the sender's
 
 
 @pytest.mark.parametrize(("change", "want"), [
@@ -107,7 +83,7 @@ BACK = {"src": "fp8e4m3", "dst": "f16", "s_sym": "", "reads": "[y, m]"}  # s: th
     ({"h": 192, "s_shape": "[W, C, 2]"}, [("inexact-division", 11, 38)]),  # 192 / 128
     ({"group": 96, "s_shape": "[W, C, 2]"}, [("bad-scale", 11, 38)]),  # no power of two
     ({"group": 2048, "s_shape": "[W, C, 1]"}, [("bad-scale", 11, 38)]),  # past 1024
-    ({"per": "tensor", "s_shape": "[1]", "s_sym": "", "reads": "[y, m]"},
+    ({"per": "tensor", "s_shape": "[1]", "s_sym": False, "reads": "[y, m]"},
      [("bad-scale", 11, 39)]),
     ({"group": "true"}, [("wrong-type", 11, 38)]),  # a strict integer, as 'groups'
     ({"group": '"128"'}, [("wrong-type", 11, 38)]),
@@ -117,7 +93,7 @@ def test_verifier(change: dict[str, Any], want: list[tuple[str, int, int]],
                   tmp_path: Path) -> None:
     """Located at the step's ``scale``: its ``buffer`` (col 51) or its ``group`` (col 38;
     39 after ``per: tensor``)."""
-    assert error_marks(text(**change), tmp_path, "cast.yaml") == want
+    assert error_marks(ragged_cast(**change), tmp_path, "cast.yaml") == want
 
 
 A2A = """\
@@ -147,14 +123,14 @@ def test_a_group_on_an_all_to_all_is_proved_and_its_scales_checked(tmp_path: Pat
 def test_a_located_message_names_the_group_and_the_rows(tmp_path: Path) -> None:
     from support.schedules import diagnostics
 
-    (d,) = diagnostics(text(h=192, s_shape="[W, C, 2]"), tmp_path, "cast.yaml")
+    (d,) = diagnostics(ragged_cast(h=192, s_shape="[W, C, 2]"), tmp_path, "cast.yaml")
     assert "by 128 channels" in d.message and "'y'" in d.message and "H=192" in d.message
     assert d.hint == "make the last dim of 'y' a multiple of 128"
     assert "H=192" in d.message and "for W=" in d.message, d.message  # H named: its binding
-    literal = text(s_shape="[W, C, 2]").replace("[W, C, H]", "[W, C, 192]")
+    literal = ragged_cast(s_shape="[W, C, 2]").replace("[W, C, H]", "[W, C, 192]")
     (d,) = diagnostics(literal, tmp_path, "cast.yaml")  # a literal length: nothing to bind
     assert d.message.endswith("their length 192 is not a multiple of 128"), d.message
-    (d,) = diagnostics(text(s_shape="[W, C]"), tmp_path, "cast.yaml")
+    (d,) = diagnostics(ragged_cast(s_shape="[W, C]"), tmp_path, "cast.yaml")
     assert "per 128 channels" in d.message, d.message
 
 
@@ -179,7 +155,7 @@ def _child() -> None:
     for h in (g, 2 * g):
         for mode in (1, 3):
             back = mode == 3
-            source = text(h=h, s_shape=f"[W, C, {h // g}]", **(BACK if back else {}))
+            source = ragged_cast(h=h, s_shape=f"[W, C, {h // g}]", **(BACK if back else {}))
             gen = torch.Generator().manual_seed(h + mode)
             if back:  # e4m3 values and positive scales, one NaN (a NaN group's scale),
                 # and NaN bytes 0x7F, 0xFF in q (the interpreter read them as +-480 before

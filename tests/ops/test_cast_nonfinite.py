@@ -16,6 +16,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from support.schedules import ragged_head
 
 from dcpc.numerics import FP8_FORMATS, round_e4m3, round_fp8
 from dcpc.ops.cast import quantise_rows
@@ -23,19 +24,8 @@ from dcpc.runtime.device import _dcpc_store_fp8
 from dcpc.runtime.validate import DTYPES as TORCH_DTYPES
 
 WORLD, CAP, H = 2, 4, 8
-SCHEDULE = """\
-schedule: nonfinite
-sizes: {{C: {{max: 4}}, H: 8}}
-buffers:
-  x:  {{shape: [W, C, H], dtype: bf16}}
-  n:  {{shape: [W], dtype: i32}}
-  y:  {{shape: [W, C, H], dtype: {fp8}, symmetric: true}}
-  s:  {{shape: {shape}, dtype: f32{sym}}}
-  m:  {{shape: [W], dtype: i32, symmetric: true}}
-steps:
-  - move: {{op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C,
-           scale: {{per: {per}, buffer: s}}}}
-"""
+MOVE = ("  - move: {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, "
+        "capacity: C,\n           scale: {per: PER, buffer: s}}\n")
 MODE = {"token": 1, "tensor": 2}  # the kernel's CAST
 
 
@@ -87,9 +77,8 @@ def test_nonfinite_rows_quantise_to_the_references_bytes(per: str, fp8: str) -> 
 
     xs = _inputs()
     tensor_scale = torch.tensor([0.05])  # 448 * 0.05 = 22.4: big finite values saturate
-    source = SCHEDULE.format(shape="[W, C]" if per == "token" else "[1]",
-                             sym=", symmetric: true" if per == "token" else "", per=per,
-                             fp8=fp8)
+    source = ragged_head("nonfinite", CAP, H, dst=fp8, s_shape="[W, C]" if per == "token"
+                         else "[1]", s_sym=per == "token") + MOVE.replace("PER", per)
     with tempfile.TemporaryDirectory(prefix="dcpc-nonfinite-") as tmp:
         path = Path(tmp) / "nonfinite.yaml"
         path.write_text(source)

@@ -11,20 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from support.schedules import ragged_head
 
 from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
 
-SCHEDULE = """\
-schedule: counts
-sizes: {C: {max: 4}, H: 8}
-buffers:
-  x:  {shape: [W, C, H], dtype: bf16}
-  n:  {shape: [W], dtype: i32}
-  y:  {shape: [W, C, H], dtype: bf16, symmetric: true}
-  m:  {shape: [W], dtype: i32, symmetric: true}
-steps:
-  - move: {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C}
-"""
+SCHEDULE = ragged_head("counts") + (
+    "  - move: {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C}\n")
 
 
 def test_a_negative_count_fails_on_sender_and_receiver() -> None:

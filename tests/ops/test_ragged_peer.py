@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import disagreements
 from support.hb_oracle import assert_brute_force_agrees, unrolled
-from support.schedules import diagnostics, run_ranks
+from support.schedules import diagnostics, ragged_head, run_ranks
 
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
@@ -242,15 +242,7 @@ def test_the_file_runs_on_the_local_backend_against_float64() -> None:
     assert all(s.compared > 0 for s in report.outputs.values()), text
 
 
-ONE_PEER = """\
-schedule: one_peer
-sizes: {C: {max: 4}, H: 8}
-buffers:
-  x:  {shape: [W, C, H], dtype: bf16}
-  n:  {shape: [W], dtype: i32}
-  y:  {shape: [W, C, H], dtype: bf16, symmetric: true}
-  m:  {shape: [W], dtype: i32, symmetric: true}
-steps:
+ONE_PEER = ragged_head("one_peer") + """\
   - put:  {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C,
            phase: put, offset: 1}
   - got:  {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, capacity: C,

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import checker_covers, disagreements
 from support.hb_oracle import oracle_keys, oracle_unwritten, random_shift_schedule_text
-from support.schedules import run_clean
+from support.schedules import run_clean, shift_head
 
 from dcpc.check import hb, structural
 from dcpc.diagnostics import DiagnosticError
@@ -40,17 +40,8 @@ def _keys(text: str, world: int) -> set:
     return {f.key for f in hb.check(parse_text(text), [world], hints=False).findings}
 
 
-HEAD = """\
-schedule: s
-sizes: {N: 4, D: 2}
-buffers:
-  x: {shape: [N, D], dtype: f32}
-  y: {shape: [N, D], dtype: f32, symmetric: true}
-  z: {shape: [N, D], dtype: f32}
-  e: {shape: [N, D], dtype: f32}
-  b: {shape: [N, 3], dtype: f32, symmetric: true}
-steps:
-"""
+HEAD = shift_head("e: {shape: [N, D], dtype: f32}",
+                  "b: {shape: [N, 3], dtype: f32, symmetric: true}")
 
 
 # --- the verifier -------------------------------------------------------------------

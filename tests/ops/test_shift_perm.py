@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.exec_oracle_agree import checker_covers
 from support.hb_oracle import oracle_keys, oracle_unwritten, random_shift_schedule_text
-from support.schedules import run_clean
+from support.schedules import run_clean, shift_head
 
 from dcpc.check import hb, structural
 from dcpc.diagnostics import DiagnosticError
@@ -33,15 +33,7 @@ PERM = ROOT / "schedules" / "ops" / "shift_perm.yaml"
 PAIRS = ROOT / "tests" / "shift" / "perm_pairs.yaml"  # fixes W = 4: not a conformance file
 PARTIAL = ROOT / "schedules" / "ops" / "shift_perm_partial.yaml"
 
-HEAD = """\
-schedule: s
-sizes: {N: 4, D: 2}
-buffers:
-  x: {shape: [N, D], dtype: f32}
-  y: {shape: [N, D], dtype: f32, symmetric: true}
-  z: {shape: [N, D], dtype: f32}
-steps:
-"""
+HEAD = shift_head()
 # one perm step, a use of its dst and (CREDIT) a barrier that frees it for the next call
 ONE = HEAD + "  - hop: {op: shift, src: x, dst: y, perm: PERM}\n" \
     "  - use: {op: external, reads: [y], writes: [z]}\n"

@@ -60,6 +60,47 @@ def mesh_owner(trips: str = "G - 1") -> str:
     return MESH_OWNER.replace("TRIPS", trips)
 
 
+def shift_head(*extra: str) -> str:
+    """The head of the small shift schedules (``s``, sizes N = 4, D = 2: f32 ``x``, a
+    symmetric ``y``, ``z``, then each of ``extra``, a buffer line) up to ``steps:``."""
+    return ("schedule: s\nsizes: {N: 4, D: 2}\nbuffers:\n"
+            "  x: {shape: [N, D], dtype: f32}\n"
+            "  y: {shape: [N, D], dtype: f32, symmetric: true}\n"
+            "  z: {shape: [N, D], dtype: f32}\n"
+            + "".join(f"  {line}\n" for line in extra) + "steps:\n")
+
+
+def ragged_head(name: str, cap: int = 4, h: int | str = 8, src: str = "bf16",
+                dst: str = "bf16", s_shape: str | None = None, s_sym: bool = False) -> str:
+    """The head of a ragged_all_to_all schedule ``name`` up to ``steps:``: ``x`` [W, C, H]
+    of ``src`` sent by counts ``n`` into the symmetric ``y`` of ``dst`` with its
+    ``recv_counts`` ``m``, C at most ``cap``; a cast's f32 scale buffer ``s`` of shape
+    ``s_shape`` (symmetric if ``s_sym``) where given."""
+    sym = ", symmetric: true" if s_sym else ""
+    s = f"  s:  {{shape: {s_shape}, dtype: f32{sym}}}\n" if s_shape else ""
+    return (f"schedule: {name}\nsizes: {{C: {{max: {cap}}}, H: {h}}}\nbuffers:\n"
+            f"  x:  {{shape: [W, C, H], dtype: {src}}}\n"
+            "  n:  {shape: [W], dtype: i32}\n"
+            f"  y:  {{shape: [W, C, H], dtype: {dst}, symmetric: true}}\n{s}"
+            "  m:  {shape: [W], dtype: i32, symmetric: true}\nsteps:\n")
+
+
+def ragged_cast(cap: int = 6, h: int | str = 256, src: str = "bf16", dst: str = "fp8e4m3",
+                s_shape: str = "[W, C, H/128]", s_sym: bool = True, per: str = "token",
+                group: object = 128, rule: str | None = None, reads: str = "[y, s, m]") -> str:
+    """A ragged_all_to_all ``cast`` that quantises (or, from fp8, dequantises) ``per``
+    token in groups of ``group`` channels (None: no ``group:``) by ``rule`` (None: no
+    ``rule:``) into ``s``, an external use reading ``reads``, a barrier. Its scale is
+    on line 11 (the verifier tests' marks)."""
+    spec = f"per: {per}, " + (f"group: {group}, " if group is not None else "") + "buffer: s"
+    spec += f", rule: {rule}" if rule is not None else ""
+    return ragged_head("cast", cap, h, src, dst, s_shape, s_sym) + (
+        "  - move: {op: ragged_all_to_all, src: x, dst: y, counts: n, recv_counts: m, "
+        f"capacity: C,\n          scale: {{{spec}}}}}\n"
+        f"  - use:  {{op: external, reads: {reads}}}\n"
+        "  - done: {op: barrier}\n")
+
+
 def write(folder: Path, text: str, name: str = "schedule.yaml") -> Path:
     """``text`` as ``folder/name`` (the name shows in located messages)."""
     path = folder / name
