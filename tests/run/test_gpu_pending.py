@@ -13,6 +13,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,14 +47,39 @@ def _rows(results: Path, root: Path = ROOT) -> dict[tuple[str, str], dict]:
             for r in gp.pending(results, root=root, files=[COPY, PULL])}
 
 
-def test_a_clean_record_at_head_settles_its_case_only(tmp_path: Path) -> None:
-    if _git("status", "--porcelain", "--", COPY, *gp.device_paths()):
-        pytest.skip("this checkout has uncommitted device code (a clean clone runs it)")
+@pytest.fixture(scope="module")
+def head_clone(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One clone of this checkout at HEAD for the tests of this file (its build/gpu_keys
+    cache, the keys at HEAD computed once, shared), and HEAD."""
     head = _git("rev-parse", "HEAD")
+    if _git("status", "--porcelain", "--", "dcpc", "templates", COPY):
+        pytest.skip("this checkout has uncommitted dcpc code (a clean clone runs it)")
+    root = tmp_path_factory.mktemp("clone") / "repo"
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(ROOT), str(root)],
+                   check=True, timeout=120)
+    subprocess.run(["git", "checkout", "-q", head], cwd=root, check=True, timeout=120)
+    return root, head
+
+
+@pytest.fixture
+def clone(head_clone: tuple[Path, str]) -> Iterator[tuple[Path, str]]:
+    """The shared clone with a working tree at HEAD to edit (its tracked files restored
+    after the test; its cache under build/ kept)."""
+    yield head_clone
+    subprocess.run(["git", "checkout", "-q", "--", "."], cwd=head_clone[0], check=True,
+                   timeout=120)
+
+
+def test_a_clean_record_at_head_settles_its_case_only(clone: tuple[Path, str],
+                                                      tmp_path: Path) -> None:
+    """In the clone at HEAD (before the tests below edit it: its keys at HEAD, computed
+    here, are in its cache for them)."""
+    root, head = clone
     results = _results(tmp_path, head, [(COPY, "2", True), (PULL, "2", False)])
     (results / gp.KEYS_FILE).write_text("{}\n")
-    rows = _rows(results)
+    rows = _rows(results, root)
     assert (results / gp.KEYS_FILE).read_text() == "{}\n"  # a report: the cache is build/
+    assert json.loads((root / "build/gpu_keys" / gp.KEYS_FILE).read_text())[head][f"{COPY}@2"]
     assert rows[(COPY, "2")]["settled"] == head and rows[(COPY, "2")]["why"] is None
     assert rows[(COPY, "2")]["rule"] == "key"  # computed at the commit, from git
     assert rows[(COPY, "4")]["why"] == "never ran clean on a GPU"
@@ -98,19 +124,6 @@ def test_the_shard_plans_run_every_pending_case_once_urgent_first() -> None:
     assert sorted(got) == sorted((r["file"], r["world"]) for r in rows if r["settled"] is None)
     assert shards == [["2,8 b.yaml", "2 a.yaml", "2x2 d.yaml", "4x2 d.yaml"],
                       ["2 e.yaml", "4 c.yaml", "4 a.yaml"]]
-
-
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A clone of this checkout at HEAD (its own working tree to edit) and HEAD."""
-    head = _git("rev-parse", "HEAD")
-    if _git("status", "--porcelain", "--", "dcpc", "templates", COPY):
-        pytest.skip("this checkout has uncommitted dcpc code (a clean clone runs it)")
-    root = tmp_path_factory.mktemp("clone") / "repo"
-    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(ROOT), str(root)],
-                   check=True, timeout=120)
-    subprocess.run(["git", "checkout", "-q", head], cwd=root, check=True, timeout=120)
-    return root, head
 
 
 def _edit(root: Path, rel: str, old: str, new: str) -> None:
@@ -171,7 +184,8 @@ def test_a_record_with_its_key_settles_without_git(clone: tuple[Path, str],
     """gpu_conformance's records carry their key: one of a commit this clone lacks
     settles by it while the key is the working tree's, else names the part."""
     root, _ = clone
-    now = gp.tree_keys([(COPY, "2")], root)
+    wanted = [(c["file"], c["world"]) for c in gp.cases([ROOT / COPY, ROOT / PULL])]
+    now = gp.tree_keys(wanted, root)  # _rows' cases: their keys at HEAD computed once
     key = {"module": now["modules"][gk.case_id(COPY, "2")],
            **{part: now[part] for part in gk.CODE_PARTS}}
     row = _rows(_results(tmp_path, "0" * 40, [(COPY, "2", True)], key), root)[(COPY, "2")]
