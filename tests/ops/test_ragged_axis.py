@@ -196,11 +196,14 @@ NO_HEAD = ROOT / "tests" / "gallery_twins" / "deepep_normal.no_rdma_head.yaml"
 
 
 def ring_slots(tmp_path: Path, rdma: int, nvl: int) -> Path:
-    """The gallery file with R RDMA and V NVLink chunk slots per receive ring (P = 3)."""
+    """The gallery file with R RDMA and V NVLink chunk slots per receive ring (P = 3), the
+    combine's rings (RB, VB: their own sizes, as DeepEP's combine config) the same."""
     text = GALLERY.read_text()
-    sized = text.replace("\n  R: 2 ", f"\n  R: {rdma} ").replace("\n  V: 2 ", f"\n  V: {nvl} ")
-    assert "\n  P: 3 " in text and sized.count(f"\n  R: {rdma} ") == 1 \
-        and sized.count(f"\n  V: {nvl} ") == 1
+    sized = text
+    for name, slots in (("R", rdma), ("V", nvl), ("RB", rdma), ("VB", nvl)):
+        assert text.count(f"\n  {name}: 2 ") == 1, name
+        sized = sized.replace(f"\n  {name}: 2 ", f"\n  {name}: {slots} ")
+    assert "\n  P: 3 " in text
     path = tmp_path / f"deepep_normal_r{rdma}v{nvl}.yaml"
     path.write_text(sized)
     return path
@@ -250,7 +253,7 @@ def without_channel(text: str, channel: str, loops: tuple[str, ...]) -> str:
 
 
 @pytest.mark.parametrize(("channel", "loops", "rdma", "nvl", "ring"), [
-    ("nvl_head", ("nvl_open", "nvl_drain"), 2, 1,
+    ("nvl_head", ("nvl_open", "nvl_drain", "nvl_frees", "last_nvl_frees"), 2, 1,
      ("x_recv", "s_recv", "ids_recv", "w_recv", "n_recv")),
     ("back_head", ("rail_open", "rail_drain", "back_frees", "last_back_frees"), 1, 2,
      ("z_back", "n_back"))],
