@@ -195,13 +195,19 @@ def test_deepep_normal_checker_agrees_with_brute_force_and_execution(path: Path)
 NO_HEAD = ROOT / "tests" / "gallery_twins" / "deepep_normal.no_rdma_head.yaml"
 
 
-def ring_slots(tmp_path: Path, rdma: int, nvl: int) -> Path:
-    """The gallery file with R RDMA and V NVLink chunk slots per receive ring (P = 3)."""
+def ring_slots(tmp_path: Path, rdma: int, nvl: int,
+               back: tuple[int, int] | None = None) -> Path:
+    """The gallery file with R RDMA and V NVLink chunk slots per receive ring (P = 3), the
+    combine's rings (RB, VB: their own sizes, as DeepEP's combine config) ``back`` or
+    the same."""
     text = GALLERY.read_text()
-    sized = text.replace("\n  R: 2 ", f"\n  R: {rdma} ").replace("\n  V: 2 ", f"\n  V: {nvl} ")
-    assert "\n  P: 3 " in text and sized.count(f"\n  R: {rdma} ") == 1 \
-        and sized.count(f"\n  V: {nvl} ") == 1
-    path = tmp_path / f"deepep_normal_r{rdma}v{nvl}.yaml"
+    sized = text
+    back_rdma, back_nvl = back or (rdma, nvl)
+    for name, slots in (("R", rdma), ("V", nvl), ("RB", back_rdma), ("VB", back_nvl)):
+        assert text.count(f"\n  {name}: 2 ") == 1, name
+        sized = sized.replace(f"\n  {name}: 2 ", f"\n  {name}: {slots} ")
+    assert "\n  P: 3 " in text
+    path = tmp_path / f"deepep_normal_r{rdma}v{nvl}_rb{back_rdma}vb{back_nvl}.yaml"
     path.write_text(sized)
     return path
 
@@ -216,6 +222,19 @@ def test_deepep_normal_rings_of_any_slot_count_are_proved(tmp_path: Path, rdma: 
         schedule = parse_file(path, world)
         found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
         assert found == oracle_keys(schedule, world) == set(), (rdma, nvl, world, found)
+
+
+@pytest.mark.parametrize(("rdma", "nvl", "back"), [(1, 3, (3, 1)), (3, 1, (1, 3))])
+def test_deepep_normal_combine_rings_apart_from_the_dispatch_s_are_proved(
+        tmp_path: Path, rdma: int, nvl: int, back: tuple[int, int]) -> None:
+    """The combine's rings sized apart from the dispatch's (RB, VB: DeepEP's
+    Buffer.get_combine_config), one slot where the other direction has P: clean, and
+    the brute force agrees."""
+    path = ring_slots(tmp_path, rdma, nvl, back)
+    for world in SHAPES[:2]:
+        schedule = parse_file(path, world)
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert found == oracle_keys(schedule, world) == set(), (rdma, nvl, back, world, found)
 
 
 def test_deepep_normal_sender_without_the_rdma_head_overwrites_a_slot() -> None:
@@ -250,7 +269,7 @@ def without_channel(text: str, channel: str, loops: tuple[str, ...]) -> str:
 
 
 @pytest.mark.parametrize(("channel", "loops", "rdma", "nvl", "ring"), [
-    ("nvl_head", ("nvl_open", "nvl_drain"), 2, 1,
+    ("nvl_head", ("nvl_open", "nvl_drain", "nvl_frees", "last_nvl_frees"), 2, 1,
      ("x_recv", "s_recv", "ids_recv", "w_recv", "n_recv")),
     ("back_head", ("rail_open", "rail_drain", "back_frees", "last_back_frees"), 1, 2,
      ("z_back", "n_back"))],

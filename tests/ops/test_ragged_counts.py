@@ -110,7 +110,7 @@ def test_counts_an_engine_step_writes_are_drawn_within_their_capacity(tmp_path: 
 
 ONE_WEIGHTS = (  # every chunk's reduce takes one [T, N] of weights: only the index is sliced
     ("tok_w:      {shape: [P, T, N]", "tok_w:      {shape: [T, N]"),
-    ('"tok_w[c]"', "tok_w"), ('"tok_w[P - V + t]"', "tok_w"))
+    ('"tok_w[c]"', "tok_w"), ('"tok_w[P - VB + t]"', "tok_w"))
 
 
 @pytest.mark.parametrize("edits", [(), ONE_WEIGHTS], ids=["shipped", "one_weights"])
