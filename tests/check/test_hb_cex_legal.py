@@ -256,15 +256,16 @@ MESH_RING = MESH_RING_OF.replace("WAITS", "node == 0").replace("SIGNALS", "node 
 MESH_RING_CHAIN = MESH_RING_OF.replace("WAITS", "gpu != B - 1").replace("SIGNALS", "gpu != 0")
 
 
-GUARDED_CYCLE = ("guarded-cycle", "cycle", "c", "first", "then")
-
 # the review's repros (legal24): the guarded chain with a shift that no credit frees; the
-# model, every rank alike, stops at its cycle and searched no race after it, so the
-# checker said `ok` where the brute force finds 3 races (and `dcpc run` failed)
+# model, every rank alike, stops at its cycle and searches no race after it (the checker
+# once said `ok` where the brute force finds 3 races, then refused it as a guarded-cycle):
+# the ranks' real steps decide it (races.find_real_races)
 CHAIN_RACE = GUARDED_CHAIN.replace(
     "  - use:   {op: external, reads: [x], writes: [y]}\n",
     "  - put:   {op: shift, src: x, dst: s, offset: 1}\n"
     "  - use:   {op: external, reads: [s], writes: [y]}\n")
+# the same chain with a shift that a barrier frees: safe, so proved on the real steps
+SAFE_CHAIN = CHAIN_RACE + "  - done:  {op: barrier}\n"
 MESH_CHAIN_RACE = MESH_RING_CHAIN.replace("slots: 1", "slots: 2\nstreams: per_slot").replace(
     "  - use:   {op: external, reads: [x], writes: [y]}\n", "") + """\
   - put:   {op: shift, src: x, dst: s, offset: 1, axis: gpu}
@@ -287,36 +288,41 @@ RINGFIRST_NOB = PERM_HEAD + """\
 """
 
 
-def test_a_cycle_of_waits_only_the_guards_cut_is_refused() -> None:
+def test_a_cycle_of_waits_only_the_guards_cut_is_checked_rank_by_rank() -> None:
     """The deadlock of the symmetric model is checked against the ranks' real steps
     (legal.Execution.stuck): a ring that some teams skip stays a deadlock (the brute
-    force's); a chain that finishes is no deadlock, but the model searched no race after
-    its cycle, so the checker refuses it (`guarded-cycle`, naming the waits) rather than
-    prove it: where a race follows, as in the review's repros, `ok` was a false proof."""
-    for text, worlds, expected in ((GUARDED_CHAIN, (2, 3, 4), GUARDED_CYCLE),
-                                   (MESH_RING_CHAIN, MESH_SHAPES, GUARDED_CYCLE),
-                                   (CHAIN_RACE, (2, 3, 4), GUARDED_CYCLE),
-                                   (MESH_CHAIN_RACE, MESH_SHAPES, GUARDED_CYCLE),
-                                   (RINGFIRST_NOB, (4,), ("guarded-cycle", "cycle", "pr",
-                                                          "wr", "pr")),
-                                   (MESH_RING, MESH_SHAPES, ("deadlock", *GUARDED_CYCLE[1:]))):
+    force's); a chain that finishes is no deadlock, and the model searched no race after
+    its cycle, so every pair of conflicting accesses is decided on the real steps
+    (races.find_real_races): the safe chains prove ok at every W, the racy ones (the
+    review's repros) are races with the brute force's keys whose counterexamples replay
+    rank by rank (support.cex_legal)."""
+    dead = ("deadlock", "cycle", "c", "first", "then")
+    for text, worlds, expected in ((GUARDED_CHAIN, (2, 3, 4, 5), "ok"),
+                                   (MESH_RING_CHAIN, MESH_SHAPES, "ok"),
+                                   (SAFE_CHAIN, (2, 3, 4, 5), "ok"),
+                                   (CHAIN_RACE, (2, 3, 4, 5), "race"),
+                                   (MESH_CHAIN_RACE, MESH_SHAPES, "race"),
+                                   (RINGFIRST_NOB, (4,), "race"),
+                                   (MESH_RING, MESH_SHAPES, "deadlock")):
         for world in worlds:
             schedule = parse_text(text, "chain.yaml", world=world)
             report = hb.check(schedule, [world], hints=False)
             keys = {f.key for f in report.findings}
             oracle = oracle_keys(schedule, world)
-            if expected[0] == "deadlock":
-                assert keys == oracle == {expected}, (text, world)
+            assert keys == oracle, (text, world, keys, oracle)
+            if expected == "deadlock":
+                assert keys == {dead}, (text, world)
                 continue
-            assert keys - oracle == {expected} and not any(
-                k[0] == "deadlock" for k in oracle), (text, world, keys, oracle)
-            (diag,) = [d for d in report.diagnostics() if d.code == "guarded-cycle"]
-            assert "a cycle of waits, which only the when: guards cut" in diag.message
-            assert "deadlock" not in diag.message and diag.mark.line > 0, diag.message
-    for text in (CHAIN_RACE, MESH_CHAIN_RACE, RINGFIRST_NOB):  # the races the model missed
-        world = MESH_SHAPES[0] if text is MESH_CHAIN_RACE else 4
-        assert {k[0] for k in oracle_keys(parse_text(text, "r.yaml", world=world), world)
-                } == {"race"}
+            assert {k[0] for k in keys} == ({"race"} if expected == "race" else set()), keys
+            races = [f for f in report.as_json()["findings"] if f["kind"] == "race"]
+            assert len(races) == len(keys), races
+            for f in races:
+                assert f["timeline"] and violations(schedule, f) == [], (world, f)
+    for text in (GUARDED_CHAIN, SAFE_CHAIN, CHAIN_RACE):  # the default range at once
+        schedule = parse_text(text, "chain.yaml")
+        report = hb.check(schedule, range(2, 9), hints=False)
+        assert report.ok == (text is not CHAIN_RACE), report.findings
+        assert {f.world for f in report.findings} <= {2}, report.findings
 
 
 def test_a_guarded_deadlock_shows_where_the_ranks_really_stop() -> None:
@@ -411,8 +417,8 @@ def test_counterexamples_of_random_guarded_credits_can_happen(data: st.DataObjec
     credits) whose signal and wait are guarded so that some ranks skip both ends: every
     race's timeline at W = 2, 3, 4 replays rank by rank, and the checker finds what the
     brute force finds (every key), but past a deadlock (the same; the races it finds are
-    the brute force's) and where the model's cycle of waits is cut by the guards alone:
-    there it refuses (`guarded-cycle`), and the brute force finds no deadlock."""
+    the brute force's); where the model's cycle of waits is cut by the guards alone the
+    ranks' real steps decide every pair (races.find_real_races): every key again."""
     text = _guarded(random_credit_schedule_text(data.draw, st),
                     random.Random(data.draw(st.integers(0, 999))))
     if text is None:
@@ -426,9 +432,7 @@ def test_counterexamples_of_random_guarded_credits_can_happen(data: st.DataObjec
         keys = {f.key for f in hb.check(schedule, [world], hints=False).findings}
         oracle = oracle_keys(schedule, world)
         dead = {k for k in oracle if k[0] == "deadlock"}
-        if any(k[0] == "guarded-cycle" for k in keys):  # refused: no deadlock really
-            assert not dead, (text, world, keys, oracle)
-        elif dead:  # refused: the model searched no race after the deadlock
+        if dead:  # refused: the model searched no race after the deadlock
             assert dead == {k for k in keys if k[0] == "deadlock"} and keys <= oracle, (
                 text, world, keys, oracle)
         else:

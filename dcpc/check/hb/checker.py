@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representatives, world_bound
@@ -13,12 +14,11 @@ from dcpc.check.hb.deadlock import find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.legal import Execution
-from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
+from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races, find_real_races
 from dcpc.check.hb.report import (
     Finding,
     HbReport,
     deadlock_finding,
-    guarded_cycle_finding,
     race_finding,
 )
 from dcpc.lang import when as wh
@@ -76,14 +76,13 @@ def check(
         if world.skipped:  # the counterexample's cuts: what the ranks really do
             world.execution = Execution(world, wh.running(schedule, w))
         events += w * len(world.live)
-        deadlocks, stuck = find_deadlocks(world), None
+        deadlocks, stuck, guarded = find_deadlocks(world), None, None
         if deadlocks and world.execution is not None:  # where the ranks really stop
             stuck = world.execution.stuck()
-            if stuck is None:  # the guards cut the model's cycle: what follows is unproved
-                for dead in deadlocks:
-                    found = guarded_cycle_finding(world, dead)
-                    findings.setdefault(found.key, found)
-                deadlocks = []
+            if stuck is None:  # the guards cut the model's cycle: the real steps decide
+                deadlocks = []  # (the model searched no race past its cycle: World.live)
+                guarded = find_real_races(world, world.execution,
+                                          partial(_made, torus(shape_of(world.world))))
         blocked = real = None
         if stuck is not None:  # only the model's deadlocks where a real rank stops
             blocked = world.execution.blocked(stuck)  # type: ignore[union-attr]
@@ -93,16 +92,16 @@ def check(
         for dead in deadlocks:
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
-        for race in find_races(world, pair_keys):
-            if race.key(world) not in findings:
-                placed = _where_both_run(schedule, world, race)
+        for race in find_races(world, pair_keys) if guarded is None else guarded:
+            if race.key(world) not in findings:  # (a real-steps race is placed already)
+                placed = race if guarded is not None else _where_both_run(schedule, world, race)
                 if placed is not None:
                     findings[race.key(world)] = race_finding(world, placed)
     checked = time.perf_counter()
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
         budget = HintBudget(schedule, calls, plan)
-        for finding in (f for f in ordered if f.hint is None):  # a guarded-cycle has its own
+        for finding in ordered:
             finding.hint = suggest(schedule, finding, calls, worlds, budget=budget,
                                    semantics=semantics)
     stats = {
@@ -144,26 +143,29 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
             return None
     topo = torus(shape_of(world.world))
 
-    def made(t: Touch, d: int) -> bool:  # the store of t translated by d is the program's
-        region = _modelled_store(t)
-        if region is None:
-            return True
-        rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
-        if region.scheme == "line":  # made where the line has its target in the team
-            return topo.peer(rank, region.axes, region.offset, wrap=False) == owner
-        if region.scheme == "perm":
-            return len(region.table) != n or region.table[rank] == owner
-        team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
-        return team[region.dim] == rank
-
     fits = [replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
             for d in range(n) if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b
-            and made(a, d) and made(b, d)]
+            and _made(topo, a, d) and _made(topo, b, d)]
     if execution is not None:  # the first translation the ranks' real steps allow
         legal = next((f for f in fits if execution.unordered(f) is not None), None)
         if legal is not None:
             return legal
     return fits[0] if fits else race
+
+
+def _made(topo: Torus, t: Touch, d: int = 0) -> bool:
+    """Whether the store of t translated by d is one the program makes (any access that
+    is no modelled store is)."""
+    region = _modelled_store(t)
+    if region is None:
+        return True
+    rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
+    if region.scheme == "line":  # made where the line has its target in the team
+        return topo.peer(rank, region.axes, region.offset, wrap=False) == owner
+    if region.scheme == "perm":
+        return len(region.table) != topo.size or region.table[rank] == owner
+    team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
+    return team[region.dim] == rank
 
 
 def _modelled_store(t: Touch) -> Region | None:
