@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representatives, world_bound
 from dcpc.check.hb.clocks import World, analyze, gates
-from dcpc.check.hb.deadlock import find_deadlocks
+from dcpc.check.hb.deadlock import CYCLE, RawDeadlock, find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
-from dcpc.check.hb.legal import Execution
+from dcpc.check.hb.legal import Execution, peers_of
 from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races, find_real_races
 from dcpc.check.hb.report import (
     Finding,
@@ -89,6 +89,7 @@ def check(
             real = world.execution.deadlocked(blocked)  # type: ignore[union-attr]
             deadlocks = [d for d in deadlocks if any(
                 pos % world.n == d.wait_j for pos, _ in real.values())] or deadlocks
+            deadlocks += _unmodelled(world, deadlocks, real)
         for dead in deadlocks:
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
@@ -116,6 +117,28 @@ def check(
         "hint_seconds": round(time.perf_counter() - checked, 4),
     }
     return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats)
+
+
+def _unmodelled(world: World, deadlocks: list[RawDeadlock],
+                real: dict[int, tuple[int, list[int] | None]]) -> list[RawDeadlock]:
+    """A deadlock at each wait where a rank really stops on a cycle of waits (or for a
+    signal never sent: legal.Execution.deadlocked) that no deadlock of the model names: a
+    cycle the guards make through waits of several channels (rank 0 at a shift's wait
+    for rank 2, stuck at a guarded wait for rank 0's later signal), which the model,
+    every rank alike, does not have; named from the first rank stuck there."""
+    events, topo = world.program.events, torus(shape_of(world.world))
+    named = {d.wait_j for d in deadlocks}
+    out: dict[int, RawDeadlock] = {}
+    for row, (pos, sources) in sorted(real.items()):
+        q, i = row // world.streams, pos % world.n
+        wait = events[i].wait
+        if i in named or i in out or wait is None:
+            continue
+        peers = sources or peers_of(wait[1], q, world.world, events[i].axes)
+        delta = next((d for d in range(topo.size) if peers and topo.add(q, d) == peers[0]), 0)
+        out[i] = RawDeadlock(CYCLE, wait[0], i, delta,
+                             world.execution.signal_of.get(wait[0]))  # type: ignore[union-attr]
+    return list(out.values())
 
 
 def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
