@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.schedules import GATHER_NO_BARRIER
+from support.schedules import CHAIN_RACE, GATHER_NO_BARRIER
 
 from dcpc import demo
 from dcpc.harness.replay import MAX_REPLAY_BYTES
@@ -312,6 +312,23 @@ steps:
 """
 
 
+def replayed(tmp_path: Path, text: str, world: str,
+             *run: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """``text`` checked at ``world`` (refused: exit 1), then run two calls with ``run``'s
+    options and ``--replay`` of its counterexample (refused too): the run and its record."""
+    schedule = tmp_path / "s.yaml"
+    schedule.write_text(text)
+    done = dcpc("check", str(schedule), "--world", world, "--format", "json", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = tmp_path / "race.json"
+    found.write_text(done.stdout)
+    record = tmp_path / "run.json"
+    done = dcpc("run", str(schedule), *run, "--calls", "2", "--replay", str(found),
+                "--wait-timeout", "240", "--json", str(record))
+    assert done.returncode == 1, done.stdout + done.stderr
+    return done, json.loads(record.read_text())[0]
+
+
 def test_replay_of_a_perm_race_holds_ranks_the_table_joins(tmp_path: Path) -> None:
     """At W=3 the swap's table is [1, 0, -1]; the race the checker finds on rank 0's s
     comes from a phantom writer (rank 2, which sends nothing). Its counterexample named
@@ -320,22 +337,26 @@ def test_replay_of_a_perm_race_holds_ranks_the_table_joins(tmp_path: Path) -> No
     the replay makes the race happen: its first race is now the engine's read of what
     swap on rank 1 (call 0) returned, held after that return until rank 0's swap of
     call 1 stored into s."""
-    schedule = tmp_path / "p.yaml"
-    schedule.write_text(PHANTOM)
-    done = dcpc("check", str(schedule), "--world", "3", "--format", "json", timeout=120)
-    assert done.returncode == 1, done.stdout + done.stderr
-    found = tmp_path / "race.json"
-    found.write_text(done.stdout)
-    record = tmp_path / "run.json"
-    done = dcpc("run", str(schedule), "--replay", str(found), "--wait-timeout", "240",
-                "--calls", "2", "--json", str(record))
-    assert done.returncode == 1, done.stdout + done.stderr
-    result = json.loads(record.read_text())[0]
+    _, result = replayed(tmp_path, PHANTOM, "3")
     assert (result["replay"]["hold"], result["replay"]["at"]) == ([1, 0, "swap"], "after"), \
         result["replay"]
     assert result["replay"]["until"] == [0, 1, "swap"], result["replay"]
     assert result["replay"]["outcome"].startswith("released"), result["replay"]
     assert result["outputs"]["s"]["first"].startswith("call 0 slot 0 rank 1 (swap): s"), result
+
+
+def test_replay_of_a_race_after_a_guarded_chain_forces_it(tmp_path: Path) -> None:
+    """A chain of waits the when: guards cut (support.schedules.CHAIN_RACE: rank 0 waits
+    for rank 1, which skips the wait) with a shift no credit frees: the checker once
+    refused it (guarded-cycle, no timeline); its race is now found on the ranks' real
+    steps (races.find_real_races), and its counterexample holds rank 0 after its put
+    returned until rank 1's put of call 1 wrote s: what rank 0's engine reads is wrong."""
+    done, result = replayed(tmp_path, CHAIN_RACE, "2", "--world", "2")
+    assert "NOT FORCED" not in done.stdout and "FAILED" in done.stdout, done.stdout
+    assert result["replay"]["hold"] == [0, 0, "put"], result["replay"]
+    assert result["replay"]["until"] == [1, 1, "put"], result["replay"]
+    assert result["replay"]["outcome"].startswith("released"), result["replay"]
+    assert result["outputs"]["s"]["mismatches"] >= 1, result
 
 
 def test_a_later_call_s_return_read_on_the_writer_s_own_rank_says_it_is_not_forced(

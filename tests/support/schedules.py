@@ -10,6 +10,7 @@ import pytest
 
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
+from support.hb_oracle import CREDIT_HEADER
 
 # a copy then an all_gather into a symmetric g, one slot, no barrier: rank 1's next call
 # pushes into rank 0's g before rank 0's gather returned it (the engine's read): proved
@@ -30,6 +31,24 @@ steps:
   - keep: {op: copy, src: x, dst: y}
   - gather: {op: all_gather, src: y, dst: g, dim: 1}
 """
+
+# a ring of waits before signals that the last rank (no wait) and rank 0 (no signal) cut
+# into a chain: the model, every rank alike, has a cycle; the ranks' real steps finish
+GUARDED_CHAIN = CREDIT_HEADER.format(seed=5, slots=1) + """\
+  - first: {op: wait, from: next, channel: c, when: "rank != W - 1"}
+  - then:  {op: signal, to: prev, channel: c, when: "rank != 0"}
+  - use:   {op: external, reads: [x], writes: [y]}
+"""
+
+# the review's repros (legal24): the guarded chain with a shift that no credit frees; the
+# model, every rank alike, stops at its cycle and searches no race after it (the checker
+# once said `ok` where the brute force finds 3 races, then refused it as a guarded-cycle):
+# the ranks' real steps decide it (races.find_real_races)
+CHAIN_RACE = GUARDED_CHAIN.replace(
+    "  - use:   {op: external, reads: [x], writes: [y]}\n",
+    "  - put:   {op: shift, src: x, dst: s, offset: 1}\n"
+    "  - use:   {op: external, reads: [s], writes: [y]}\n")
+
 
 # on a mesh an index may name the rank's coordinate along an axis: each GPU of a node
 # writes its own slot, then ``trips`` (G - 1: all) others', then reads its own; the sum

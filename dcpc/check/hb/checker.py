@@ -5,20 +5,20 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representatives, world_bound
 from dcpc.check.hb.clocks import World, analyze, gates
-from dcpc.check.hb.deadlock import find_deadlocks
+from dcpc.check.hb.deadlock import CYCLE, RawDeadlock, find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
-from dcpc.check.hb.legal import Execution
-from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races
+from dcpc.check.hb.legal import Execution, peers_of
+from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races, find_real_races
 from dcpc.check.hb.report import (
     Finding,
     HbReport,
     deadlock_finding,
-    guarded_cycle_finding,
     race_finding,
 )
 from dcpc.lang import when as wh
@@ -76,33 +76,33 @@ def check(
         if world.skipped:  # the counterexample's cuts: what the ranks really do
             world.execution = Execution(world, wh.running(schedule, w))
         events += w * len(world.live)
-        deadlocks, stuck = find_deadlocks(world), None
+        deadlocks, stuck, guarded = find_deadlocks(world), None, None
         if deadlocks and world.execution is not None:  # where the ranks really stop
             stuck = world.execution.stuck()
-            if stuck is None:  # the guards cut the model's cycle: what follows is unproved
-                for dead in deadlocks:
-                    found = guarded_cycle_finding(world, dead)
-                    findings.setdefault(found.key, found)
-                deadlocks = []
+            if stuck is None:  # the guards cut the model's cycle: the real steps decide
+                deadlocks = []  # (the model searched no race past its cycle: World.live)
+                guarded = find_real_races(world, world.execution,
+                                          partial(_made, torus(shape_of(world.world))))
         blocked = real = None
         if stuck is not None:  # only the model's deadlocks where a real rank stops
             blocked = world.execution.blocked(stuck)  # type: ignore[union-attr]
             real = world.execution.deadlocked(blocked)  # type: ignore[union-attr]
             deadlocks = [d for d in deadlocks if any(
                 pos % world.n == d.wait_j for pos, _ in real.values())] or deadlocks
+            deadlocks += _unmodelled(world, deadlocks, real)
         for dead in deadlocks:
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
-        for race in find_races(world, pair_keys):
-            if race.key(world) not in findings:
-                placed = _where_both_run(schedule, world, race)
+        for race in find_races(world, pair_keys) if guarded is None else guarded:
+            if race.key(world) not in findings:  # (a real-steps race is placed already)
+                placed = race if guarded is not None else _where_both_run(schedule, world, race)
                 if placed is not None:
                     findings[race.key(world)] = race_finding(world, placed)
     checked = time.perf_counter()
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
         budget = HintBudget(schedule, calls, plan)
-        for finding in (f for f in ordered if f.hint is None):  # a guarded-cycle has its own
+        for finding in ordered:
             finding.hint = suggest(schedule, finding, calls, worlds, budget=budget,
                                    semantics=semantics)
     stats = {
@@ -117,6 +117,28 @@ def check(
         "hint_seconds": round(time.perf_counter() - checked, 4),
     }
     return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats)
+
+
+def _unmodelled(world: World, deadlocks: list[RawDeadlock],
+                real: dict[int, tuple[int, list[int] | None]]) -> list[RawDeadlock]:
+    """A deadlock at each wait where a rank really stops on a cycle of waits (or for a
+    signal never sent: legal.Execution.deadlocked) that no deadlock of the model names: a
+    cycle the guards make through waits of several channels (rank 0 at a shift's wait
+    for rank 2, stuck at a guarded wait for rank 0's later signal), which the model,
+    every rank alike, does not have; named from the first rank stuck there."""
+    events, topo = world.program.events, torus(shape_of(world.world))
+    named = {d.wait_j for d in deadlocks}
+    out: dict[int, RawDeadlock] = {}
+    for row, (pos, sources) in sorted(real.items()):
+        q, i = row // world.streams, pos % world.n
+        wait = events[i].wait
+        if i in named or i in out or wait is None:
+            continue
+        peers = sources or peers_of(wait[1], q, world.world, events[i].axes)
+        delta = next((d for d in range(topo.size) if peers and topo.add(q, d) == peers[0]), 0)
+        out[i] = RawDeadlock(CYCLE, wait[0], i, delta,
+                             world.execution.signal_of.get(wait[0]))  # type: ignore[union-attr]
+    return list(out.values())
 
 
 def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
@@ -144,26 +166,29 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
             return None
     topo = torus(shape_of(world.world))
 
-    def made(t: Touch, d: int) -> bool:  # the store of t translated by d is the program's
-        region = _modelled_store(t)
-        if region is None:
-            return True
-        rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
-        if region.scheme == "line":  # made where the line has its target in the team
-            return topo.peer(rank, region.axes, region.offset, wrap=False) == owner
-        if region.scheme == "perm":
-            return len(region.table) != n or region.table[rank] == owner
-        team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
-        return team[region.dim] == rank
-
     fits = [replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
             for d in range(n) if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b
-            and made(a, d) and made(b, d)]
+            and _made(topo, a, d) and _made(topo, b, d)]
     if execution is not None:  # the first translation the ranks' real steps allow
         legal = next((f for f in fits if execution.unordered(f) is not None), None)
         if legal is not None:
             return legal
     return fits[0] if fits else race
+
+
+def _made(topo: Torus, t: Touch, d: int = 0) -> bool:
+    """Whether the store of t translated by d is one the program makes (any access that
+    is no modelled store is)."""
+    region = _modelled_store(t)
+    if region is None:
+        return True
+    rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
+    if region.scheme == "line":  # made where the line has its target in the team
+        return topo.peer(rank, region.axes, region.offset, wrap=False) == owner
+    if region.scheme == "perm":
+        return len(region.table) != topo.size or region.table[rank] == owner
+    team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
+    return team[region.dim] == rank
 
 
 def _modelled_store(t: Touch) -> Region | None:

@@ -26,11 +26,13 @@ calls and steps (a wait that polls a later step of its call never returns).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from dcpc.check.hb.clocks import World
 from dcpc.check.hb.events import PHASE_ORDER, Access
-from dcpc.lang.mesh import shape_of, torus
+from dcpc.lang.mesh import Torus, shape_of, torus
 
 WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
 
@@ -140,38 +142,16 @@ def _writers(world: World, access: Access) -> list[int]:
     return [r for r in team if r != 0] + [0]
 
 
-def _first_unordered(
-    world: World, a: tuple[int, int, Access], b: tuple[int, int, Access]
-) -> tuple[Touch, Touch] | None:
-    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race:
-    neither ends before the other starts. The caller has ruled out a pair ordered so on
-    every rank (find_races: the minimum over the ranks of one event's clock entries for
-    the other's stream)."""
-    (ca, ja, xa), (cb, jb, xb) = a, b
-    pa, pb = world.pos(ca, ja), world.pos(cb, jb)
-    same_event = pa == pb
-
-    def touch(rank: int, call: int, j: int, access: Access) -> Touch:
-        return Touch(rank, call, j, access, 0)
-
-    # World.hb(end of a, start of b) and back, with the streams and stream positions of
-    # the ends read once; a store in flight ends on the owner, rank 0
-    program, count = world.program, world.count
-    stream_a, need_a = program.stream(ca), end_need(world, ca, ja, xa)
-    stream_b, need_b = program.stream(cb), end_need(world, cb, jb, xb)
-    fa, fb = xa.lands is not None, xb.lands is not None
-
-    def unordered(ra: int, rb: int) -> bool:
-        """Whether neither of (ra, a) and (rb, b) ends before the other starts."""
-        if same_event and ra == rb:
-            return False
-        return (count(pb, 0 if fa else ra, rb, stream_a) < need_a
-                and count(pa, 0 if fb else rb, ra, stream_b) < need_b)
-
+def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Access],
+                every: bool = False) -> list[tuple[int, int]]:
+    """The (rank of a, rank of b) whose accesses of groups a and b to rank 0's instance
+    overlap, in the order counterexamples prefer: the one definition of which concrete
+    accesses conflict (their groups write, one at least: the caller). ``every``: each
+    common writer of two stores of one partition, which the symmetric model needs only
+    one of (by translation) but the ranks' real steps (legal.Execution) each."""
+    (_, _, xa), (_, _, xb) = a, b
     if not xa.remote and not xb.remote:
-        if unordered(0, 0):
-            return touch(0, ca, ja, xa), touch(0, cb, jb, xb)
-        return None
+        return [(0, 0)]
     if xa.remote and xb.remote:
         assert xa.region is not None and xb.region is not None
         if xa.region.partition == xb.region.partition:
@@ -184,21 +164,36 @@ def _first_unordered(
             # writer: the two meet there only at a writer both have)
             theirs = set(_writers(world, xb))
             ps = [p for p in _writers(world, xa) if p in theirs]
-            ps = ps if xa.region.scheme == "perm" else ps[:1]
-            for p in ps:
-                if unordered(p, p):
-                    return touch(p, ca, ja, xa), touch(p, cb, jb, xb)
-            return None
-        for p in _writers(world, xa):
-            for q in _writers(world, xb):
-                if unordered(p, q):
-                    return touch(p, ca, ja, xa), touch(q, cb, jb, xb)
-        return None
+            ps = ps if every or xa.region.scheme == "perm" else ps[:1]
+            return [(p, p) for p in ps]
+        return [(p, q) for p in _writers(world, xa) for q in _writers(world, xb)]
     # one local access of rank 0, one store group: rank 0's whole instance meets part p
-    for p in _writers(world, xb if xb.remote else xa):
-        ra, rb = (0, p) if not xa.remote else (p, 0)
-        if unordered(ra, rb):
-            return touch(ra, ca, ja, xa), touch(rb, cb, jb, xb)
+    return [(0, p) if not xa.remote else (p, 0)
+            for p in _writers(world, xb if xb.remote else xa)]
+
+
+def _first_unordered(
+    world: World, a: tuple[int, int, Access], b: tuple[int, int, Access]
+) -> tuple[Touch, Touch] | None:
+    """A pair of concrete accesses of groups a and b, to rank 0's instance, that race:
+    neither ends before the other starts. The caller has ruled out a pair ordered so on
+    every rank (find_races: the minimum over the ranks of one event's clock entries for
+    the other's stream)."""
+    (ca, ja, xa), (cb, jb, xb) = a, b
+    pa, pb = world.pos(ca, ja), world.pos(cb, jb)
+    same_event = pa == pb
+    # World.hb(end of a, start of b) and back, with the streams and stream positions of
+    # the ends read once; a store in flight ends on the owner, rank 0
+    program, count = world.program, world.count
+    stream_a, need_a = program.stream(ca), end_need(world, ca, ja, xa)
+    stream_b, need_b = program.stream(cb), end_need(world, cb, jb, xb)
+    fa, fb = xa.lands is not None, xb.lands is not None
+    for ra, rb in _rank_pairs(world, a, b):
+        if same_event and ra == rb:
+            continue
+        if (count(pb, 0 if fa else ra, rb, stream_a) < need_a
+                and count(pa, 0 if fb else rb, ra, stream_b) < need_b):
+            return Touch(ra, ca, ja, xa, 0), Touch(rb, cb, jb, xb, 0)
     return None
 
 
@@ -308,3 +303,59 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
                     assert race.key(world) == key
                     found.setdefault(key, race)
     return list(found.values())
+
+
+class Cuts(Protocol):
+    """What the real-steps race search asks of legal.Execution (which imports this
+    module): both accesses' cuts when they race on the ranks they name, else None."""
+
+    def unordered(self, race: RawRace) -> object | None: ...
+
+
+def find_real_races(world: World, execution: Cuts,
+                    made: Callable[[Touch], bool]) -> list[RawRace]:
+    """One race per (class, buffer, step pair), decided on the ranks' real steps under
+    their ``when:`` guards (legal.Execution), where the symmetric model's clocks stop at
+    a cycle of waits those guards cut: every rank finishes every call there, so every
+    event is searched (not only the model's live ones), on every owner's instance (the
+    ranks differ: no rotation stands for another), each pair of conflicting accesses
+    (``_rank_pairs``, every common writer) whose stores the program makes (``made``: a
+    perm's at its table, a broadcast's from its root) ordered iff one ends before the
+    other starts in the other's cut (``Execution.unordered``). A race is kept with the
+    first pair found, its translation the checker's counterexample as it is."""
+    found: dict[tuple[str, str, str, str, str], RawRace] = {}
+    topo = torus(shape_of(world.world))
+    for buffer, signatures in sorted(_touching(world).items()):
+        if buffer not in world.program.shared:
+            continue
+        for slot, calls in _instances(world, buffer):
+            groups = [(call, j, access) for call in calls for j, access in signatures]
+            for i, a in enumerate(groups):
+                for b in groups[i + 1:]:
+                    if a[2].kind != "write" and b[2].kind != "write":
+                        continue
+                    key = _pair_key(world, buffer, a, b)
+                    if key in found:
+                        continue
+                    race = _real_race(world, execution, made, topo, buffer, slot, a, b)
+                    if race is not None:
+                        found[key] = race
+    return list(found.values())
+
+
+def _real_race(world: World, execution: Cuts, made: Callable[[Touch], bool], topo: Torus,
+               buffer: str, slot: int | None, a: tuple[int, int, Access],
+               b: tuple[int, int, Access]) -> RawRace | None:
+    """The first conflicting pair of groups a and b, on any owner's instance, that the
+    real steps leave unordered (``find_real_races``), else None."""
+    for ra, rb in _rank_pairs(world, a, b, every=True):
+        for owner in range(topo.size):
+            x = Touch(topo.add(ra, owner), a[0], a[1], a[2], owner)
+            y = Touch(topo.add(rb, owner), b[0], b[1], b[2], owner)
+            if not (made(x) and made(y)):
+                continue
+            cls, first, second = classify(world, x, y)
+            race = RawRace(cls, buffer, first, second, slot)
+            if execution.unordered(race) is not None:
+                return race
+    return None

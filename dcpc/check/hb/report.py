@@ -65,7 +65,7 @@ class Finding:
     (for a deadlock: the awaited signal, None when no step sends it).
     """
 
-    kind: str  # "race" | "deadlock" | "guarded-cycle"
+    kind: str  # "race" | "deadlock"
     cls: str
     buffer: str
     first: Location
@@ -102,7 +102,7 @@ class Finding:
         if other is not None:
             notes.append(("the other access: " if self.kind == "race" else "the signal: ")
                          + other.text())
-        if self.timeline:  # a guarded-cycle has none: the ranks finish (legal.stuck)
+        if self.timeline:
             notes.append("a legal execution (of that W):")
             notes += ["  " + line for line in self.timeline]
         return Diagnostic(self.mark, self.kind, self.message, hint=self.hint, notes=tuple(notes))
@@ -131,7 +131,7 @@ class HbReport:
         return not self.findings
 
     def diagnostics(self) -> list[Diagnostic]:
-        """One diagnostic per finding (code "race", "deadlock" or "guarded-cycle")."""
+        """One diagnostic per finding (code "race" or "deadlock")."""
         return [f.diagnostic() for f in self.findings]
 
     def as_json(self) -> dict[str, Any]:
@@ -269,7 +269,7 @@ def _sides(world: World, dead: RawDeadlock, me: int, peer: int,
 
 
 def _cycle(wait: str, who: str, signal: str, of: str, channel: str) -> str:
-    """The one wording of a cycle of waits (a deadlock's, a guarded-cycle's)."""
+    """The one wording of a cycle of waits (a deadlock's)."""
     return (f"{wait} on {who} waits for {signal} of {of} (channel {channel}), which can "
             f"only run after a wait that depends on {wait} itself: a cycle of waits")
 
@@ -359,33 +359,3 @@ def deadlock_finding(world: World, dead: RawDeadlock, stuck: list[int] | None = 
     cls = NO_SIGNAL if unsent else dead.cls  # the model's cycle, a signal skipped really
     return Finding("deadlock", cls, channel, first, second, w, message, timeline)
 
-
-GUARDED_CYCLE = "guarded-cycle"
-GUARDED_CYCLE_HINT = (
-    "write the chain as a shift with wrap: false (or a perm with no cycle) whose "
-    "phase: wait comes before its phase: put, which the checker runs rank by rank "
-    "(wait-first-span), or order the ranks without when: on the waits (a barrier, a "
-    "signal before its wait)")
-
-
-def guarded_cycle_finding(world: World, dead: RawDeadlock) -> Finding:
-    """A deadlock of the model (every rank alike) that the ranks' real steps under their
-    when: guards do not make (legal.Execution.stuck: every rank finishes): the model
-    leaves every event after the cycle out of the race search (``World.live``), so the
-    checker cannot prove the schedule; it refuses it, naming the waits."""
-    w = world.world
-    _, _, channel, wait_name, signal_name = dead.key(world)
-    peer = torus(shape_of(w)).add(0, dead.delta)
-    first, second = _sides(world, dead, 0, peer)
-    if dead.cls == CYCLE:
-        waits = _cycle(wait_name, "every rank r", signal_name,
-                       f"rank {_offset(dead.delta % w, w)}", channel)
-    else:
-        waits = (f"{wait_name} waits for a signal on channel {channel} that no step sends "
-                 f"on every rank")
-    message = (f"guarded-cycle: {waits}, which only the when: guards cut (W={w}: the ranks "
-               f"that run their steps finish every call); the checker models every rank "
-               f"alike and cannot prove the steps after those waits race-free, so it "
-               f"refuses the schedule")
-    return Finding(GUARDED_CYCLE, dead.cls, channel, first, second, w, message, [],
-                   hint=GUARDED_CYCLE_HINT)
