@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmarks.gpu_conformance import MESH_WORLDS, ROOT, cases, schedule_files
 from benchmarks.gpu_keys import CODE_PARTS, case_id, code_files, code_keys, tree_digest
+from dcpc.runtime.clock import wall_timeout
 
 RESULTS = ROOT / "benchmarks" / "results"
 KEYS_SCRIPT = Path(__file__).resolve().parent / "gpu_keys.py"
@@ -97,16 +98,28 @@ def clean_runs(results: Path = RESULTS) -> dict[tuple[str, str], list[tuple[str,
     return out
 
 
+class KeysTimeout(RuntimeError):
+    """benchmarks/gpu_keys.py ran out of time: no keys, and none cached."""
+
+
 def compute_keys(tree: Path, wanted: list[tuple[str, str]]) -> dict[str, Any]:
     """benchmarks/gpu_keys.py run against ``tree`` (its own dcpc): {"runtime": sha,
     "harness": sha, "modules": {"file@world": sha | None}}; no module keys where that
-    tree's dcpc cannot run the script (a tree older than dcpc.harness.run.compile_to)."""
+    tree's dcpc cannot run the script (a tree older than dcpc.harness.run.compile_to).
+    A run out of time is an error (KeysTimeout), never "no key": a key missing for that
+    reason would be cached and keep the case on the commit rule for good. The limit is
+    seconds of progress (dcpc.runtime.clock.wall_timeout), stretched on a loaded machine."""
+    limit = wall_timeout(60 + 5 * len(wanted))
     try:
         done = subprocess.run([sys.executable, str(KEYS_SCRIPT), str(tree)],
                               input=json.dumps(wanted), capture_output=True, text=True,
-                              timeout=60 + 5 * len(wanted))
+                              timeout=limit)
         if done.returncode == 0:
             return json.loads(done.stdout)
+    except subprocess.TimeoutExpired as exc:
+        raise KeysTimeout(f"gpu_pending: computing {len(wanted)} module keys in {tree} took "
+                          f"over {limit:.0f} s (benchmarks/gpu_keys.py); nothing was cached, "
+                          "run it again on a less loaded machine") from exc
     except (OSError, subprocess.SubprocessError, ValueError):
         pass
     return {**code_keys(tree), "modules": {case_id(f, w): None for f, w in wanted}}
@@ -302,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first", nargs="+", default=[], metavar="FILE",
                     help="schedule files to run first, every pending world")
     args = ap.parse_args(argv)
-    rows = pending(args.results, update_cache=args.update_cache)
+    try:
+        rows = pending(args.results, update_cache=args.update_cache)
+    except KeysTimeout as exc:
+        print(exc, file=sys.stderr)
+        return 1
     if args.plans is not None:
         args.plans.mkdir(parents=True, exist_ok=True)
         for i, lines in enumerate(plans(rows, args.shards, args.first), 1):

@@ -278,6 +278,7 @@ def _child() -> None:
                             lambda step, r, bufs: {})
         exact = independent = torch_exact = True
         for j in range(world):
+            assert isinstance(got[j], tuple), got[j]  # run_ranks: a rank's error as text
             y, s = got[j]
             for p in range(world):
                 n = int(counts[p][j])

@@ -72,8 +72,8 @@ def clone(head_clone: tuple[Path, str]) -> Iterator[tuple[Path, str]]:
 
 def test_a_clean_record_at_head_settles_its_case_only(clone: tuple[Path, str],
                                                       tmp_path: Path) -> None:
-    """In the clone at HEAD (before the tests below edit it: its keys at HEAD, computed
-    here, are in its cache for them)."""
+    """In the clone at HEAD, unedited (its keys at HEAD, computed here, stay in the
+    clone's cache: the tests below share it, for time only)."""
     root, head = clone
     results = _results(tmp_path, head, [(COPY, "2", True), (PULL, "2", False)])
     (results / gp.KEYS_FILE).write_text("{}\n")
@@ -342,3 +342,17 @@ def test_keys_written_beside_the_plans_are_read_only_for_their_tree(tmp_path: Pa
     given.write_text(json.dumps({**gk.code_keys(ROOT), "tree": "0" * 64,
                                  "modules": {gk.case_id(COPY, "2"): "f" * 64}}))
     assert gc.run_keys(todo, given)[(COPY, "2")] == real
+
+
+
+def test_keys_out_of_time_are_an_error_and_nothing_is_cached(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_keys.py run past its limit (here a limit it cannot meet; the real child runs):
+    an error naming the tree, not a "no key" that the tree cache would keep for good
+    (a world no conformance case has, so no earlier run cached it)."""
+    cache = ROOT / "build" / "gpu_keys"
+    before = set(cache.glob("tree_*.json"))
+    monkeypatch.setattr(gp, "wall_timeout", lambda seconds: 0.01)
+    with pytest.raises(gp.KeysTimeout, match=r"1 module keys in .* took over 0 s"):
+        gp.tree_keys([(COPY, "7")], root=ROOT)
+    assert set(cache.glob("tree_*.json")) == before
