@@ -256,6 +256,26 @@ MESH_CHAIN_RACE = MESH_RING_CHAIN.replace("slots: 1", "slots: 2\nstreams: per_sl
   - put:   {op: shift, src: x, dst: s, offset: 1, axis: gpu}
   - use:   {op: external, reads: [s], writes: [y]}
 """
+# review gc25 M1: a collective's own read after its wait (all_reduce's landing read of
+# its receive buffer, reduce_scatter's of ``via``) is ordered after its peers' stores
+# by that wait, then a chain the guards cut: safe (no race the brute force finds)
+COLLECTIVE_CHAIN = """\
+schedule: collective_chain
+slots: 1
+sizes: {N: 4, K: {multiple_of: W}}
+buffers:
+  x: {shape: [N, K], dtype: f32}
+  y: {shape: [N, K], dtype: f32}
+  z: {shape: [N, K/W], dtype: f32}
+  v: {shape: [W, N, K/W], dtype: f32, symmetric: true}
+steps:
+  - t0: {op: OP}
+  - cw: {op: wait, from: prev, channel: q, when: "rank != 0"}
+  - cs: {op: signal, to: next, channel: q, when: "rank != W - 1"}
+  - b:  {op: barrier}
+"""
+AR_CHAIN = COLLECTIVE_CHAIN.replace("op: OP", "op: all_reduce, src: x, dst: y")
+RS_CHAIN = COLLECTIVE_CHAIN.replace("op: OP", "op: reduce_scatter, src: x, dst: z, dim: 1, via: v")
 # a perm's wait before its put that only ranks 2 and 3 run (the chain 2 -> 3), no credit
 PERM_HEAD = """\
 schedule: s
@@ -280,11 +300,14 @@ def test_a_cycle_of_waits_only_the_guards_cut_is_checked_rank_by_rank() -> None:
     its cycle, so every pair of conflicting accesses is decided on the real steps
     (races.find_real_races): the safe chains prove ok at every W, the racy ones (the
     review's repros) are races with the brute force's keys whose counterexamples replay
-    rank by rank (support.cex_legal)."""
+    rank by rank (support.cex_legal); a collective's read after its own wait is ordered
+    by that wait (AR_CHAIN, RS_CHAIN)."""
     dead = ("deadlock", "cycle", "c", "first", "then")
     for text, worlds, expected in ((GUARDED_CHAIN, (2, 3, 4, 5), "ok"),
                                    (MESH_RING_CHAIN, MESH_SHAPES, "ok"),
                                    (SAFE_CHAIN, (2, 3, 4, 5), "ok"),
+                                   (AR_CHAIN, (2, 3, 4, 5), "ok"),
+                                   (RS_CHAIN, (2, 3, 4, 5), "ok"),
                                    (CHAIN_RACE, (2, 3, 4, 5), "race"),
                                    (MESH_CHAIN_RACE, MESH_SHAPES, "race"),
                                    (RINGFIRST_NOB, (4,), "race"),
