@@ -417,6 +417,37 @@ def test_a_real_cycle_through_a_wait_the_model_does_not_stop_at_is_reported() ->
         assert "s1 on rank 0 waits for s1 of rank 2" in shift.message
 
 
+# review gc25 L1: the model's cycle on q (cw/cs) is one no rank stops at, where the
+# ranks really stop on c and q2 (the second one the model has not: checker._unmodelled)
+THREE_CHANNELS = """\
+schedule: three
+slots: 1
+sizes: {N: 4, K: 2}
+buffers:
+  x: {shape: [N, K], dtype: f32}
+  y: {shape: [N, K], dtype: f32}
+  s: {shape: [N, K], dtype: f32, symmetric: true}
+steps:
+  - s0: {op: shift, src: x, dst: s, perm: "(r + W - 1) % W"}
+  - cw: {op: wait, offset: 1, channel: q, when: "rank < W - 1"}
+  - dw: {op: wait, from: next, channel: q2, when: "rank != W - 1"}
+  - s1: {op: signal, perm: "(r + 1) % W", channel: c}
+  - s2: {op: external, reads: [s], writes: [y]}
+  - cs: {op: signal, offset: -1, channel: q, when: "rank > 0"}
+  - s3: {op: wait, perm: "(r + 1) % W", channel: c}
+  - ds: {op: signal, to: prev, channel: q2, when: "rank != 0"}
+"""
+
+
+def test_a_model_deadlock_no_rank_stops_at_is_dropped_beside_a_real_one() -> None:
+    """Where the ranks really stop (the model's c, and q2 it has not), the model's
+    deadlock on q, which no rank stops at, is not reported: the brute force's set."""
+    schedule = parse_text(THREE_CHANNELS, "three.yaml", world=2)
+    keys = {f.key for f in hb.check(schedule, [2], hints=False).findings}
+    assert keys == oracle_keys(schedule, 2) == {
+        ("deadlock", "cycle", "c", "s3", "s1"), ("deadlock", "cycle", "q2", "dw", "ds")}
+
+
 # a wait's when: C(rank); its signal's the same at the rank it signals (the credit goes
 # back by ``back``), so every edge is proved and ranks differ in who signals and waits
 CONDITIONS = ["{x} != 0", "{x} != 1", "{x} % 2 == 0", "{x} > 0", "{x} < 2"]

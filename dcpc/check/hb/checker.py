@@ -87,9 +87,10 @@ def check(
         if stuck is not None:  # only the model's deadlocks where a real rank stops
             blocked = world.execution.blocked(stuck)  # type: ignore[union-attr]
             real = world.execution.deadlocked(blocked)  # type: ignore[union-attr]
-            deadlocks = [d for d in deadlocks if any(
-                pos % world.n == d.wait_j for pos, _ in real.values())] or deadlocks
-            deadlocks += _unmodelled(world, deadlocks, real)
+            kept = [d for d in deadlocks if any(
+                pos % world.n == d.wait_j for pos, _ in real.values())]
+            kept += _unmodelled(world, kept, real)
+            deadlocks = kept or deadlocks  # none named where a rank stops: the model's
         for dead in deadlocks:
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
