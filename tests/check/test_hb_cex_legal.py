@@ -477,7 +477,10 @@ def _guarded(text: str, rng: random.Random) -> str | None:
 # the test's source, and other examples show two known faults outside the guarded
 # chain: knock-on deadlocks the brute force reports, and a perm's counterexample at
 # W = 2 cut by the model's clocks (gc25's report). Its guarded-cycle branch never
-# holds now: such a schedule's keys are compared in full, as any other's.)
+# holds now: such a schedule's keys are compared in full, as any other's, so the
+# docstring's "there it refuses (`guarded-cycle`)" is stale; it stays, as the docstring
+# is in the source Hypothesis hashes (hypothesis.internal.reflection._clean_source
+# drops comments only), and this note says it instead.)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_counterexamples_of_random_guarded_credits_can_happen(data: st.DataObject) -> None:
