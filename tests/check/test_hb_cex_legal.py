@@ -448,6 +448,48 @@ def test_a_model_deadlock_no_rank_stops_at_is_dropped_beside_a_real_one() -> Non
         ("deadlock", "cycle", "c", "s3", "s1"), ("deadlock", "cycle", "q2", "dw", "ds")}
 
 
+# review gc25 M2: a shift's src read on a rank that sends nothing (past a line's end,
+# out of a partial perm) is no read, before a chain the guards cut
+SHIFT_CHAIN_HEAD = """\
+schedule: shifts
+slots: 2
+streams: STREAMS
+sizes: {N: 4, K: 2}
+buffers:
+  x:  {shape: [N, K], dtype: f32}
+  h0: {shape: [N, K], dtype: f32, symmetric: true}
+  h1: {shape: [N, K], dtype: f32, symmetric: true}
+steps:
+"""
+LINE_READ = SHIFT_CHAIN_HEAD.replace("STREAMS", "per_slot") + """\
+  - t0: {op: shift, src: x, dst: h1, offset: -1}
+  - t1: {op: external, reads: [x], writes: [h0]}
+  - t2: {op: barrier}
+  - t3: {op: shift, src: h1, dst: h0, offset: 3, wrap: false}
+  - cw: {op: wait, from: next, channel: q, when: "rank != W - 1"}
+  - cs: {op: signal, to: prev, channel: q, when: "rank != 0"}
+"""
+PERM_READ = SHIFT_CHAIN_HEAD.replace("STREAMS", "single") + """\
+  - t0: {op: shift, src: x, dst: h0, perm: "(r + (W + W % 2) / 2) % W"}
+  - t1: {op: shift, src: h0, dst: h1, perm: "r + 1 - 2 * (r % 2)"}
+  - cw: {op: wait, from: prev, channel: q, when: "rank != 0"}
+  - cs: {op: signal, to: next, channel: q, when: "rank != W - 1"}
+"""
+
+
+@pytest.mark.parametrize(("text", "world"), [(LINE_READ, 2), (PERM_READ, 5)])
+def test_a_src_read_of_a_rank_that_sends_nothing_races_nothing(text: str, world: int) -> None:
+    """On the real steps (a chain the guards cut) a ``wrap: false`` shift's or a partial
+    perm's src read is made only where the rank sends (checker._made): the brute force's
+    races, no more (LINE_READ none; PERM_READ t0's own only)."""
+    schedule = parse_text(text, "shifts.yaml", world=world)
+    report = hb.check(schedule, [world], hints=False)
+    assert {f.key for f in report.findings} == oracle_keys(schedule, world)
+    assert all(f.key[3:] == ("t0", "t0") for f in report.findings), report.findings
+    for f in report.as_json()["findings"]:
+        assert violations(schedule, f) == [], f
+
+
 # a wait's when: C(rank); its signal's the same at the rank it signals (the credit goes
 # back by ``back``), so every edge is proved and ranks differ in who signals and waits
 CONDITIONS = ["{x} != 0", "{x} != 1", "{x} % 2 == 0", "{x} > 0", "{x} < 2"]
