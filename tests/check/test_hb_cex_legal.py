@@ -419,15 +419,7 @@ def test_a_real_cycle_through_a_wait_the_model_does_not_stop_at_is_reported() ->
 
 # review gc25 L1: the model's cycle on q (cw/cs) is one no rank stops at, where the
 # ranks really stop on c and q2 (the second one the model has not: checker._unmodelled)
-THREE_CHANNELS = """\
-schedule: three
-slots: 1
-sizes: {N: 4, K: 2}
-buffers:
-  x: {shape: [N, K], dtype: f32}
-  y: {shape: [N, K], dtype: f32}
-  s: {shape: [N, K], dtype: f32, symmetric: true}
-steps:
+THREE_CHANNELS = CREDIT_HEADER.format(seed=752, slots=1) + """\
   - s0: {op: shift, src: x, dst: s, perm: "(r + W - 1) % W"}
   - cw: {op: wait, offset: 1, channel: q, when: "rank < W - 1"}
   - dw: {op: wait, from: next, channel: q2, when: "rank != W - 1"}
