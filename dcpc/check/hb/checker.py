@@ -27,6 +27,7 @@ from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import Region, Semantics
 
 if TYPE_CHECKING:
+    from dcpc.check.hb.events import Event
     from dcpc.codegen.plan import Plan
 
 
@@ -82,14 +83,16 @@ def check(
             if stuck is None:  # the guards cut the model's cycle: the real steps decide
                 deadlocks = []  # (the model searched no race past its cycle: World.live)
                 guarded = find_real_races(world, world.execution,
-                                          partial(_made, torus(shape_of(world.world))))
+                                          partial(_made, torus(shape_of(world.world)),
+                                                  program.events))
         blocked = real = None
         if stuck is not None:  # only the model's deadlocks where a real rank stops
             blocked = world.execution.blocked(stuck)  # type: ignore[union-attr]
             real = world.execution.deadlocked(blocked)  # type: ignore[union-attr]
-            deadlocks = [d for d in deadlocks if any(
-                pos % world.n == d.wait_j for pos, _ in real.values())] or deadlocks
-            deadlocks += _unmodelled(world, deadlocks, real)
+            kept = [d for d in deadlocks if any(
+                pos % world.n == d.wait_j for pos, _ in real.values())]
+            kept += _unmodelled(world, kept, real)
+            deadlocks = kept or deadlocks  # none named where a rank stops: the model's
         for dead in deadlocks:
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
@@ -164,11 +167,11 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
         on_a, on_b = (frozenset(r for r in range(n) if execution.happens(t, r)) for t in (a, b))
         if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
             return None
-    topo = torus(shape_of(world.world))
+    topo, events = torus(shape_of(world.world)), world.program.events
 
     fits = [replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
             for d in range(n) if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b
-            and _made(topo, a, d) and _made(topo, b, d)]
+            and _made(topo, events, a, d) and _made(topo, events, b, d)]
     if execution is not None:  # the first translation the ranks' real steps allow
         legal = next((f for f in fits if execution.unordered(f) is not None), None)
         if legal is not None:
@@ -176,19 +179,36 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     return fits[0] if fits else race
 
 
-def _made(topo: Torus, t: Touch, d: int = 0) -> bool:
-    """Whether the store of t translated by d is one the program makes (any access that
-    is no modelled store is)."""
+def _made(topo: Torus, events: tuple[Event, ...], t: Touch, d: int = 0) -> bool:
+    """Whether the store of t translated by d is one the program makes, or the read of
+    its push (a shift's ``src``, in the event of a ``line`` or ``perm`` store) one a rank
+    that sends makes (review gc25 M2: a rank past a line's end or out of a partial perm
+    sends nothing and reads no src); any other access is made."""
     region = _modelled_store(t)
-    if region is None:
-        return True
     rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
+    if region is None:
+        region = _push_of(events, t)
+        if region is None:
+            return True
+        if region.scheme == "line":
+            return topo.peer(rank, region.axes, region.offset, wrap=False) is not None
+        return len(region.table) != topo.size or region.table[rank] >= 0
     if region.scheme == "line":  # made where the line has its target in the team
         return topo.peer(rank, region.axes, region.offset, wrap=False) == owner
     if region.scheme == "perm":
         return len(region.table) != topo.size or region.table[rank] == owner
     team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
     return team[region.dim] == rank
+
+
+def _push_of(events: tuple[Event, ...], t: Touch) -> Region | None:
+    """For a rank's read of its own instance in a send event with a ``line`` or
+    ``perm`` store (a shift's push: its src read), that store's region, else None."""
+    event = events[t.j]
+    if t.access.kind != "read" or t.access.region is not None or event.phase != "send":
+        return None
+    return next((a.region for a in event.accesses if a.kind == "write"
+                 and a.region is not None and a.region.scheme in ("line", "perm")), None)
 
 
 def _modelled_store(t: Touch) -> Region | None:

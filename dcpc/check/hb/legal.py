@@ -14,7 +14,7 @@ what a method returns, which happens on every rank (``happens``). A deadlock of 
 model is one of the real steps only where they get stuck too (``stuck``): a cycle of
 waits that some ranks skip may be a chain that ends.
 
-    Execution(world, running).before(rank, pos, returned) -> cut | None
+    Execution(world, running).before(rank, pos) -> cut | None
     Execution(world, running).unordered(race) -> (cut_a, cut_b) | None
     Execution(world, running).happens(touch, rank) -> bool
     Execution(world, running).stuck() -> cut | None (where a deadlock really stops)
@@ -61,7 +61,7 @@ class Execution:
         program = world.program
         self.signal_of = {e.signal[0]: j for j, e in enumerate(program.events)
                           if e.signal is not None}
-        self.cuts: dict[tuple[int, int, bool], list[int] | None] = {}
+        self.cuts: dict[tuple[int, int], list[int] | None] = {}
 
     def runs(self, rank: int, j: int) -> bool:
         """Whether event j's step runs on ``rank``."""
@@ -75,19 +75,21 @@ class Execution:
         (dcpc.harness.worker ``held``; issue 33 flaky23)."""
         return t.access.returned or self.runs(rank, t.j)
 
-    def before(self, rank: int, pos: int, returned: bool = False) -> list[int] | None:
+    def before(self, rank: int, pos: int) -> list[int] | None:
         """The events strictly before event ``pos`` (call*n + j) of ``rank``, closed under
         what the ranks really do: a count per (rank q, stream s), as
         timeline.strict_predecessors gives; None when a wait in it is never signalled.
-        ``returned``: for the engine's read of what the step returns, which comes after
-        the step's own wait (event j's, where it runs on ``rank``), the cut also holds
-        the signals that wait needs (review M1: a mesh's timeline showed the read next
-        while the wait's sources had not signalled)."""
-        if (rank, pos, returned) not in self.cuts:
-            self.cuts[(rank, pos, returned)] = self._before(rank, pos, returned)
-        return self.cuts[(rank, pos, returned)]
+        Where event j waits (and runs on ``rank``), the cut also holds the signals that
+        wait needs: every access of such an event comes after its wait (events.py: a
+        ``recv`` event's effects are the step's ``after`` ones, the engine's read of
+        what it returns included), as the clocks join the wait into the event's own
+        clock (review M1 of session 24: the returned read; session 25: an all_reduce's
+        landing read after its wait)."""
+        if (rank, pos) not in self.cuts:
+            self.cuts[(rank, pos)] = self._before(rank, pos)
+        return self.cuts[(rank, pos)]
 
-    def _before(self, rank: int, pos: int, returned: bool) -> list[int] | None:
+    def _before(self, rank: int, pos: int) -> list[int] | None:
         from dcpc.check.hb.timeline import stream_positions
 
         world, program = self.world, self.world.program
@@ -95,13 +97,12 @@ class Execution:
         cut = [0] * (int(world.world) * streams)
         call, j = divmod(pos, n)
         work = [(rank, program.stream(call), program.stream_index(call, j))]
-        if returned:  # past the step's own wait: its sources' signals
-            sources = self.sources(rank, j)
-            if sources is None:
-                return None
-            js = self.signal_of.get(program.events[j].wait[0]) if sources else None  # type: ignore[index]
-            work += [(src, program.stream(call), program.stream_index(call, js) + 1)  # type: ignore[arg-type]
-                     for src in sources]
+        sources = self.sources(rank, j)  # its own wait's: its accesses come after it
+        if sources is None:
+            return None
+        js = self.signal_of.get(program.events[j].wait[0]) if sources else None  # type: ignore[index]
+        work += [(src, program.stream(call), program.stream_index(call, js) + 1)  # type: ignore[arg-type]
+                 for src in sources]
         while work:
             q, s, upto = work.pop()
             row = q * streams + s
@@ -221,8 +222,7 @@ class Execution:
         if not (self.happens(a, a.rank) and self.happens(b, b.rank)):
             return None
         pa, pb = world.pos(a.call, a.j), world.pos(b.call, b.j)
-        cut_a = self.before(a.rank, pa, a.access.returned)
-        cut_b = self.before(b.rank, pb, b.access.returned)
+        cut_a, cut_b = self.before(a.rank, pa), self.before(b.rank, pb)
         if cut_a is None or cut_b is None:
             return None
 

@@ -183,8 +183,8 @@ def race_cut(world: World, race: RawRace) -> list[int]:
     """Per (rank q, stream s) how many events ran: the union of both accesses'
     strict HB-predecessors, a consistent cut from which both run next."""
     a, b = race.first, race.second
-    before_a = strict_predecessors(world, a.rank, world.pos(a.call, a.j), a.access.returned)
-    before_b = strict_predecessors(world, b.rank, world.pos(b.call, b.j), b.access.returned)
+    before_a = strict_predecessors(world, a.rank, world.pos(a.call, a.j))
+    before_b = strict_predecessors(world, b.rank, world.pos(b.call, b.j))
     return [max(x, y) for x, y in zip(before_a, before_b, strict=True)]
 
 
@@ -200,8 +200,8 @@ def race_finding(world: World, race: RawRace) -> Finding:
     if (a.rank, pa) == (b.rank, pb):
         pending[(a.rank, pa)] = f"→ {verb[la.access]} and {verb[lb.access]} {la.region}"
     ranks = involved_ranks(world, [a.rank, b.rank], [
-        strict_predecessors(world, a.rank, pa, a.access.returned),
-        strict_predecessors(world, b.rank, pb, b.access.returned)])
+        strict_predecessors(world, a.rank, pa),
+        strict_predecessors(world, b.rank, pb)])
     timeline = render(world, cut, pending, ranks) + left_out(world, ranks)
     where = f"(W={world.world})"
     na, nb = _rk(world, la.rank), _rk(world, lb.rank)

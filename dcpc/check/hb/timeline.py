@@ -28,12 +28,11 @@ def stream_positions(world: World, stream: int) -> list[int]:
     return cache[stream]
 
 
-def strict_predecessors(world: World, rank: int, pos: int, returned: bool = False) -> list[int]:
-    """The cut of events strictly before (rank, pos): a count per (rank q, stream s);
-    where ranks skip guarded steps, the one their real steps allow (``World.execution``;
-    ``returned``: the engine's read of what the step returns, past its own wait)."""
-    real = (world.execution.before(rank, pos, returned) if world.execution is not None
-            else None)
+def strict_predecessors(world: World, rank: int, pos: int) -> list[int]:
+    """The cut of events strictly before (rank, pos): a count per (rank q, stream s),
+    the event's own wait joined (its accesses come after it, as in its clock); where
+    ranks skip guarded steps, the one their real steps allow (``World.execution``)."""
+    real = world.execution.before(rank, pos) if world.execution is not None else None
     if real is not None:
         return list(real)
     cut = world.rotated(pos, rank)
