@@ -138,7 +138,7 @@ def _unmodelled(world: World, deadlocks: list[RawDeadlock],
         if i in named or i in out or wait is None:
             continue
         peers = sources or peers_of(wait[1], q, world.world, events[i].axes)
-        delta = next((d for d in range(topo.size) if peers and topo.add(q, d) == peers[0]), 0)
+        delta = topo.sub(peers[0], q) if peers else 0  # q + delta is the awaited peer
         out[i] = RawDeadlock(CYCLE, wait[0], i, delta,
                              world.execution.signal_of.get(wait[0]))  # type: ignore[union-attr]
     return list(out.values())
