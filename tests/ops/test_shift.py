@@ -678,10 +678,12 @@ def test_traced_nowrap_kernels_store_on_the_line_only(path: Path, world: int) ->
     assert run.mismatches == 0 and run.problems == [], run.problems
 
 
+# shift_nowrap.yaml on the host backend: tests/ops/test_op_schedules.py (W = 2, 3, 4, every
+# rank of every call compared or kept); which rank is kept is the float64 reference's,
+# the same on every backend (the torch case).
 @pytest.mark.e2e
 @pytest.mark.parametrize("path,world,backend", [
-    (NOWRAP, 2, "host"), (NOWRAP, 3, "host"), (NOWRAP, 4, "host"), (NOWRAP, 3, "torch"),
-    (SPLIT_NOWRAP, 3, "host"), (SPLIT_NOWRAP, 2, "torch")])
+    (NOWRAP, 3, "torch"), (SPLIT_NOWRAP, 3, "host"), (SPLIT_NOWRAP, 2, "torch")])
 def test_dcpc_run_of_a_nowrap_shift_matches_float64(path: Path, world: int,
                                                     backend: str) -> None:
     report, text = run_clean(schedule=str(path), world=world, backend=backend, calls=4, seed=3)
@@ -827,7 +829,7 @@ def test_w_in_the_offset_of_a_shift_along_an_axis_is_the_team_size() -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("backend", ["host", "torch"])
+@pytest.mark.parametrize("backend", ["torch"])  # host: test_op_schedules (2x2 and 2x3)
 def test_dcpc_run_of_a_shift_along_an_axis_matches_float64(backend: str) -> None:
     report = run_schedule(RunConfig(schedule=str(AXIS), world=MeshWorld((2, 2)),
                                     backend=backend, calls=3, seed=4))

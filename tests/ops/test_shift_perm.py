@@ -194,10 +194,14 @@ def test_traced_kernels_store_into_the_perm_peer_only(path: Path, world: int) ->
     assert run.mismatches == 0 and run.problems == [], run.problems
 
 
+# The host backend runs the two conformance files at W = 2, 3, 4 in
+# tests/ops/test_op_schedules.py (every returned buffer compared on every rank in every
+# call); here the torch backend, and the pairs file, which is no conformance file. Which
+# ranks a perm leaves as they were is the float64 reference's (the counts below), the
+# same whatever the backend.
 @pytest.mark.e2e
 @pytest.mark.parametrize("path,world,backend", [
-    (PERM, 2, "host"), (PERM, 3, "host"), (PERM, 4, "host"), (PERM, 3, "torch"),
-    (PARTIAL, 3, "host"), (PARTIAL, 4, "torch"), (PAIRS, 4, "host"), (PAIRS, 4, "torch")])
+    (PERM, 3, "torch"), (PARTIAL, 4, "torch"), (PAIRS, 4, "host"), (PAIRS, 4, "torch")])
 def test_dcpc_run_of_a_perm_matches_float64(path: Path, world: int, backend: str) -> None:
     report, text = run_clean(schedule=str(path), world=world, backend=backend, calls=4, seed=3)
     out = "kv_recv" if path == PERM else "recv"
