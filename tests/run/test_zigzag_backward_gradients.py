@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcpc import pipeline
 from dcpc.harness import simulate
 from dcpc.lang.parse import parse_file
 
@@ -80,9 +81,11 @@ def engine(step, rank, bufs):  # noqa: ANN001, ANN201
     raise AssertionError(f"no engine step {name}")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_the_backward_pass_gives_causal_attention_s_gradients(world: int) -> None:
-    schedule = parse_file(FILE, world)
+def errors(path: Path, world: int) -> dict[str, float]:
+    """Run the schedule at ``path`` (float64 reference, ``engine``) on causal attention over
+    2W chunks; each rank's dq, dk, dv chunk -> its largest error relative to autograd's
+    largest value there."""
+    schedule = parse_file(path, world)
     gen = torch.Generator().manual_seed(world)
     n = 2 * world * C  # the whole sequence, 2W chunks of C tokens
 
@@ -112,11 +115,41 @@ def test_the_backward_pass_gives_causal_attention_s_gradients(world: int) -> Non
         inputs.append(bufs)
     ends = simulate.simulate_call(schedule, world, {"C": C, "H": H, "HK": HK, "D": D}, inputs,
                                    engine)
+    found = {}
     for r in range(world):
         for i, j in enumerate((r, 2 * world - 1 - r)):
             for name, grad in (("dq", qa.grad), ("dk", ka.grad), ("dv", va.grad)):
                 want = chunk(grad, j)
-                got = ends[r][f"{name}_{i}"]
-                # bf16 operands and results (dq_buffer, out, the outputs): seen up to 0.009
-                torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max(),
-                                           msg=f"{name}[{i}] (chunk {j}) on rank {r}, W={world}")
+                err = (ends[r][f"{name}_{i}"] - want).abs().max() / want.abs().max()
+                found[f"{name}[{i}] (chunk {j}) on rank {r}"] = float(err)
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_backward_pass_gives_causal_attention_s_gradients(world: int) -> None:
+    found = errors(FILE, world)
+    assert len(found) == 6 * world
+    # bf16 operands and results (dq_buffer, out, the outputs): seen up to 0.009
+    assert max(found.values()) < 0.03, found
+
+
+def test_dk_dv_sent_on_before_the_step_s_add_are_other_gradients(tmp_path: Path) -> None:
+    """The ring's send of the running dk/dv (its credit and its puts) moved between the
+    wait that lands the sum and the step's add: proved (a rank's program order is what it
+    computes, no race; before the wait it is `read-before-write`), and `dcpc run` finds
+    nothing (the reference runs the same steps); these gradients do: the ring's steps pass
+    on a sum without their own part (from W = 3: no step in the ring at W = 2)."""
+    lines = FILE.read_text().splitlines(keepends=True)
+    first = lines.index("        - dpost: {op: signal, to: prev, channel: dfree}\n")
+    send = lines[first:first + 4]
+    assert [line.split(":")[0].strip() for line in send] == [
+        "- dpost", "- dcredit", "- dsend_0", "- dsend_1"]
+    rest = lines[:first] + lines[first + 4:]
+    add = rest.index("        - dkv_upper:\n")
+    path = tmp_path / "zigzag_send_before_add.yaml"
+    path.write_text("".join(rest[:add] + send + rest[add:]))
+    assert pipeline.run(path, pipeline.Options(worlds=[2, 3, 4]), until="emit").module_text
+    assert max(errors(path, 2).values()) < 0.03
+    found = errors(path, 3)
+    assert max(found[k] for k in found if k.startswith("dq")) < 0.03  # dq stays local
+    assert max(found[k] for k in found if k.startswith(("dk", "dv"))) > 0.3, found
