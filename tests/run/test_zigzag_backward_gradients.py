@@ -44,40 +44,60 @@ def attention_backward(dout, q, k, v, out, lse, causal):  # noqa: ANN001, ANN201
     return dq, dk.reshape(fold).sum(2), dv.reshape(fold).sum(2)
 
 
+def of(names, buffer: str) -> list[str]:  # noqa: ANN001
+    """The chunks of ``buffer`` among ``names`` (unrolled names: ``dq_acc_1``), in order."""
+    return [n for n in names if n.rsplit("_", 1)[0] == buffer]
+
+
 def engine(step, rank, bufs):  # noqa: ANN001, ANN201
-    """Each engine step as ring-flash-attn runs it, on the buffers the step declares."""
-    name, reads = step.name, step.op.reads
+    """Each engine step as ring-flash-attn runs it (its name says which), on the operands
+    the step declares: what it reads from ``step.op.reads``, where it writes from
+    ``step.op.writes``; a step must write every buffer it declares and nothing else."""
+    got = run_engine_step(step.name, step.op.reads, step.op.writes, bufs)
+    assert set(got) == set(step.op.writes), (step.name, sorted(got))
+    return got
+
+
+def run_engine_step(name: str, reads: list[str], writes: list[str], bufs):  # noqa: ANN001, ANN201
     cat = torch.cat
+
+    def put(targets: list[str], values) -> dict:  # noqa: ANN001
+        return dict(zip(targets, values, strict=True))
+
+    def add(acc: str, part: list[torch.Tensor]) -> dict:  # an in-place add: acc += part
+        assert of(writes, acc) == of(reads, acc), name
+        return put(of(writes, acc), [bufs[a] + p for a, p in zip(of(reads, acc), part,
+                                                                   strict=True)])
+
+    def read(buffer: str) -> list[torch.Tensor]:
+        return [bufs[n] for n in of(reads, buffer)]
+
     if name == "pack":
-        return {f"kv_{i}": cat([bufs[f"k_{i}"], bufs[f"v_{i}"]]) for i in (0, 1)}
+        return put(of(writes, "kv"), [cat([k, v]) for k, v in zip(read("k"), read("v"),
+                                                                   strict=True)])
     if name.startswith("backward"):
-        blocks = [bufs[b] for b in reads if b.startswith(("kv_", "recv_"))]
+        # the block in hand: the own one (step 0, causal) or received chunks
+        blocks = read("kv") or read("recv")
         k, v = cat([b[:C] for b in blocks]), cat([b[C:] for b in blocks])
-        halves = (1,) if name.startswith("backward_upper") else (0, 1)
-        q, dout, out, lse = (cat([bufs[f"{n}_{i}"] for i in halves], dim=1 if n == "lse" else 0)
-                             for n in ("q", "dout", "out", "lse"))
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=name == "backward_first")
+        q, dout, out = (cat(read(n)) for n in ("q", "dout", "out"))
+        dq, dk, dv = attention_backward(dout, q, k, v, out, cat(read("lse"), dim=1),
+                                        causal=bool(read("kv")))
         # the rows each writes: dq_buffer[:, :seqlen_q], dk_buffer[:, :seqlen_kv]
-        got = {f"dq_blk_{i}": dq[i * C:(i + 1) * C] for i in range(len(halves))}
-        got |= {f"dk_blk_{i}": dk[i * C:(i + 1) * C] for i in range(len(blocks))}
-        got |= {f"dv_blk_{i}": dv[i * C:(i + 1) * C] for i in range(len(blocks))}
-        assert set(got) == set(step.op.writes), (name, sorted(got))
-        return got
+        return (put(of(writes, "dq_blk"), dq.split(C)) | put(of(writes, "dk_blk"), dk.split(C))
+                | put(of(writes, "dv_blk"), dv.split(C)))
     if name == "init":  # dq = dq_buffer.to(float32), dk and dv likewise
-        return {"dq_acc_0": bufs["dq_blk_0"], "dq_acc_1": bufs["dq_blk_1"],
-                **{f"dkv_{i}": cat([bufs[f"dk_blk_{i}"], bufs[f"dv_blk_{i}"]]) for i in (0, 1)}}
-    if name.startswith("dq_upper"):  # dq[:, C:] += dq_buffer[:, :C]
-        return {"dq_acc_1": bufs["dq_acc_1"] + bufs["dq_blk_0"]}
-    if name.startswith("dq_lower"):  # dq += dq_buffer
-        return {f"dq_acc_{i}": bufs[f"dq_acc_{i}"] + bufs[f"dq_blk_{i}"] for i in (0, 1)}
+        return put(of(writes, "dq_acc"), read("dq_blk")) | put(
+            of(writes, "dkv"), [cat(kv) for kv in zip(read("dk_blk"), read("dv_blk"),
+                                                       strict=True)])
+    if name.startswith("dq_"):  # dq += dq_buffer; the later-rank branch's
+        # dq[:, C:] += dq_buffer[:, :C] is its declared dq_acc[1] and dq_blk[0]
+        return add("dq_acc", read("dq_blk"))
     if name.startswith("dkv_"):  # the running dk/dv of the block in hand (its chunks)
-        return {acc: bufs[acc] + cat([bufs[f"dk_blk_{i}"], bufs[f"dv_blk_{i}"]])
-                for i, acc in enumerate(step.op.writes)}
+        return add("dkv", [cat(kv) for kv in zip(read("dk_blk"), read("dv_blk"), strict=True)])
     if name == "finish":
-        home = [bufs[b] for b in reads if b.startswith("dkv_")]
-        return {"dq_0": bufs["dq_acc_0"], "dq_1": bufs["dq_acc_1"],
-                **{f"dk_{i}": home[i][:C] for i in (0, 1)},
-                **{f"dv_{i}": home[i][C:] for i in (0, 1)}}
+        home = read("dkv")
+        return (put(of(writes, "dq"), read("dq_acc")) | put(of(writes, "dk"), [h[:C] for h in home])
+                | put(of(writes, "dv"), [h[C:] for h in home]))
     raise AssertionError(f"no engine step {name}")
 
 
