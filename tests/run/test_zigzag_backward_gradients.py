@@ -17,6 +17,7 @@ import torch
 
 from dcpc import pipeline
 from dcpc.harness import simulate
+from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.parse import parse_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,12 +154,14 @@ def test_the_backward_pass_gives_causal_attention_s_gradients(world: int) -> Non
     assert max(found.values()) < 0.03, found
 
 
+@pytest.mark.e2e
 def test_dk_dv_sent_on_before_the_step_s_add_are_other_gradients(tmp_path: Path) -> None:
     """The ring's send of the running dk/dv (its credit and its puts) moved between the
     wait that lands the sum and the step's add: proved (a rank's program order is what it
-    computes, no race; before the wait it is `read-before-write`), and `dcpc run` finds
-    nothing (the reference runs the same steps); these gradients do: the ring's steps pass
-    on a sum without their own part (from W = 3: no step in the ring at W = 2)."""
+    computes, no race; before the wait it is `read-before-write`), and `dcpc run` at W = 3
+    finds nothing (the reference runs the same steps); these gradients do: the ring's
+    steps pass on a sum without their own part (from W = 3: no step in the ring at
+    W = 2)."""
     lines = FILE.read_text().splitlines(keepends=True)
     first = lines.index("        - dpost: {op: signal, to: prev, channel: dfree}\n")
     send = lines[first:first + 4]
@@ -169,6 +172,10 @@ def test_dk_dv_sent_on_before_the_step_s_add_are_other_gradients(tmp_path: Path)
     path = tmp_path / "zigzag_send_before_add.yaml"
     path.write_text("".join(rest[:add] + send + rest[add:]))
     assert pipeline.run(path, pipeline.Options(worlds=[2, 3, 4]), until="emit").module_text
+    report = run_schedule(RunConfig(schedule=str(path), world=3, backend="host", calls=3))
+    text = format_report(report)
+    assert report.launch.ok and report.outputs, text
+    assert report.mismatches == 0, text
     assert max(errors(path, 2).values()) < 0.03
     found = errors(path, 3)
     assert max(found[k] for k in found if k.startswith("dq")) < 0.03  # dq stays local
