@@ -57,6 +57,16 @@ class RowIndex:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """A ragged move's ``index`` (src's [slots * capacity] rows): the rows of its slot each
+    row lands at, distinct within a slot (two rows at one row race, in DeepEP too) and in
+    [0, ``capacity``) (a size expression); a move's src that lands in it is drawn so too
+    (DeepEP's src_info: the token indices a rank sends one expert, each once)."""
+
+    capacity: str
+
+
+@dataclass(frozen=True)
 class TensorScale:
     """A per-tensor fp8 scale [1]: a positive normal, small enough that some values
     saturate the fp8 buffer among ``between`` (the buffers it scales from and into)."""
@@ -73,7 +83,7 @@ class Requests:
     rows: str
 
 
-InputRule = Counts | RowIndex | TensorScale | Requests
+InputRule = Counts | RowIndex | Placement | TensorScale | Requests
 
 
 # What ``dcpc run`` compares of a buffer an op writes: an op's ``OpDef.outputs`` names

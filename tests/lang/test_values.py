@@ -77,10 +77,10 @@ def test_a_float_buffer_takes_no_range() -> None:
 
 def test_the_draws_stay_in_the_range_with_both_ends_in_a_run() -> None:
     """Integer payloads beside the tokens were drawn over the whole i32 range: now over
-    their declared values (the moe gallery's i_send, token indices in [0, T)); the counts
-    an op reads by the same mechanism, 0..capacity. At W=2 over 8 calls: both ends
-    appear, a count strictly between (a partly filled slot), and a call where no count
-    is 0 (every slot gets rows)."""
+    their declared values (the moe gallery's i_send, token indices in [0, C), each once
+    per slot: the combine's index); the counts an op reads by the same mechanism,
+    0..capacity. At W=2 over 8 calls: both ends appear, a count strictly between (a
+    partly filled slot), and a call where no count is 0 (every slot gets rows)."""
     schedule = parse_file(GALLERY / "moe_dispatch_combine.yaml", 2)
     ctor = synth.constructor_sizes(schedule, 2)
     ids: set[int] = set()
@@ -91,10 +91,11 @@ def test_the_draws_stay_in_the_range_with_both_ends_in_a_run() -> None:
         calls = synth.call_inputs(schedule, 2, sizes, 0, call)
         for bufs in calls:
             got = bufs["i_send"].flatten().tolist()
-            assert all(0 <= v < sizes["T"] for v in got), (sizes, got)
+            assert all(0 <= v < cap for v in got), (sizes, got)
+            assert all(len(set(got[i:i + cap])) == cap for i in range(0, len(got), cap))
             ids.update(got)
         seen.append((cap, [v for bufs in calls for v in bufs["counts"].flatten().tolist()]))
-    assert ids == set(range(ctor["T"]))  # call 0 at T's max: every index, none outside
+    assert ids == set(range(ctor["C"]))  # call 0 at C's max: every index, none outside
     assert all(0 <= n <= cap for cap, counts in seen for n in counts), seen
     assert any(0 in counts for _, counts in seen) and any(cap in counts for cap, counts in seen)
     assert any(0 < n < cap for cap, counts in seen for n in counts), seen
@@ -161,7 +162,7 @@ def test_an_index_takes_no_range() -> None:
     """A range on what an op reads as row numbers would replace the in-bounds rule
     (`dcpc run` drew rows past the end): refused on the key, naming the op."""
     text = (GALLERY / "moe_dispatch_combine.yaml").read_text()
-    spot = "slot_of:  {shape: [T, K], dtype: i32"
+    spot = "slot_of:  {shape: [C, K], dtype: i32"
     text = text.replace(spot, spot + ", values: {min: 0, max: 1000}")
     (found,) = check_errors(text)
     line = next(i for i, t in enumerate(text.splitlines(), 1) if spot in t)
