@@ -389,13 +389,13 @@ def reference(sim: SimView, step: Step) -> None:
             if not 0 <= n <= cap:
                 raise ValueError(f"simulator: step {step.name}: rank {p}'s counts[{j}] = {n} "
                                  f"is outside [0, capacity {cap}]")
-    at = _placed(sim, step.name, op, counts, cap)
     slot = _slots(op, sim.world, groups)
     to = peer(op)
     # sends[j]: (p, src slot, dst slot) of every part that lands on rank j (one peer:
     # from member j - offset only)
     sends = [[(p, *slot(p, j, g)) for p in range(sim.world) for g in range(groups)
               if to is None or along(p, sim.world, to) == j] for j in range(sim.world)]
+    at = _placed(sim, step.name, op, counts, cap, sends)
     for k, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
         _move(sim, op, src, dst, counts, cast.direction(sim.schedule, op) if k == 0 else None,
               store, sends, at)
@@ -411,24 +411,22 @@ def reference(sim: SimView, step: Step) -> None:
               **({} if to is None else {"part": part.reshape(shape)}))
 
 
-def _placed(sim: SimView, name: str, op: RaggedAllToAll, counts: list[list[int]], cap: int
-            ) -> list[list[list[int]]]:
+def _placed(sim: SimView, name: str, op: RaggedAllToAll, counts: list[list[int]], cap: int,
+            sends: list[list[tuple[int, int, int]]]) -> list[list[list[int]]]:
     """``at[p][a]``: the rows of its destination slot that the live rows of sender p's
-    slot a land at: ``index``'s values (each within [0, cap), or the simulator's error,
-    as a count over capacity), else 0, 1, ... (packed)."""
+    slot a land at: ``index``'s values, else 0, 1, ... (packed). A sent slot's value
+    outside [0, cap) is the simulator's error (as a count over capacity)."""
+    if op.index is None:
+        return [[list(range(n)) for n in row] for row in counts]
     at = []
     for p, row in enumerate(counts):
-        if op.index is None:
-            at.append([list(range(n)) for n in row])
-            continue
         index = sim.bufs[p][op.index].reshape(len(row), -1)
         at.append([[int(i) for i in index[a, :n]] for a, n in enumerate(row)])
-        for a, rows in enumerate(at[-1]):
-            bad = [i for i in rows if not 0 <= i < cap]
-            if bad:
-                raise ValueError(f"simulator: step {name}: rank {p}'s "
-                                 f"index of slot {a} holds {bad[0]}, outside [0, capacity "
-                                 f"{cap})")
+    for p, a, _ in (part for parts in sends for part in parts):
+        bad = [i for i in at[p][a] if not 0 <= i < cap]
+        if bad:
+            raise ValueError(f"simulator: step {name}: rank {p}'s index of slot {a} holds "
+                             f"{bad[0]}, outside [0, capacity {cap})")
     return at
 
 

@@ -213,3 +213,30 @@ def test_run_draws_distinct_rows_per_slot_and_reads_only_placed_rows() -> None:
             assert set(picks) <= live, (call, picks, live)
             named += len(picks)
     assert named > 0
+
+
+def test_two_rows_placed_alike_keep_the_later_in_the_reference_and_torch() -> None:
+    """A duplicate index (a race in DeepEP too; ``dcpc run`` never draws one): the
+    float64 reference and the torch backend both keep the later row in row order, and
+    the row no index names stays unwritten."""
+    from dcpc.harness.simulate import simulate_call
+    from dcpc.lang.parse import parse_text
+    from dcpc.runtime import collectives
+
+    src = torch.randn(L, C, H).bfloat16()
+    at = torch.tensor([[1, 1, 0, 2]] * L, dtype=torch.int32)  # rows 0 and 1 both at 1
+    counts = torch.tensor([3, 3, 3], dtype=torch.int32)
+    dst = torch.full((1, L * C, H), -7.0).bfloat16()
+    collectives.ragged_all_to_all(collectives.SlotGroup(None, 0, 0, None), src, counts, dst,
+                                  None, C, 1, "move", groups=L, combine=True, index=at)
+    one = COMBINE.replace("[L, W*C", "[L, C").replace("[W, L*C", "[1, L*C").replace(
+        "[L, W]", "[L, 1]")
+    ref = simulate_call(parse_text(one), 1, {"C": C, "L": L, "H": H},
+                        [{"y": src.double(), "at": at.long(), "n": counts.reshape(L, 1)}],
+                        external=None)[0]["y_back"]  # type: ignore[arg-type]
+    for e in range(L):
+        for got in (dst.reshape(L, C, H)[e].double(), ref.reshape(L, C, H)[e]):
+            assert torch.equal(got[1], src[e, 1].double())  # the later of rows 0 and 1
+            assert torch.equal(got[0], src[e, 2].double())
+        assert bool((dst.reshape(L, C, H)[e, 2:] == -7.0).all())
+        assert bool(ref.reshape(L, C, H)[e, 2:].isnan().all())
