@@ -96,6 +96,7 @@ from dcpc.ops.common import (
     Scope,
     Semantics,
     effects,
+    integer_index,
     keyed,
     offset_peers,
     typed,
@@ -300,12 +301,7 @@ def _verify_index(v: ShapeRules, step: Step, lead: ex.Expr, rows: ex.Expr) -> No
     row of its destination slot it lands at (its bound is the kernel's check: a value
     outside [0, capacity) is the call's OUTSIDE_SLOT error, never a store)."""
     for ref in v.refs("index"):
-        buf = v.buffer(ref.name)
-        if buf is not None and buf.dtype.value not in ("i32", "i64"):
-            v.error(ref.mark, "bad-counts",
-                    f"index '{ref.name}' of step '{step.name}' is {buf.dtype.value}; an index "
-                    "holds integers: the row of its slot each row of src lands at",
-                    hint=f"declare '{ref.name}' as i32 (DeepEP's src_info) or i64")
+        integer_index(v, step, ref, "the row of its slot each row of src lands at")
         v.expect(ref, [lead, rows], "one row of the destination slot per row of src")
 
 

@@ -10,15 +10,16 @@ and the gallery's moe_dispatch_combine.yaml's (tests/cli/test_gallery.py)."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.kernels import run_threads
+from support.schedules import check_errors
 
-from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
+from dcpc.runtime.errors import DcpcArgumentError
 
 ROOT = Path(__file__).resolve().parents[2]
 W, L, C, H = 2, 3, 4, 8
@@ -59,28 +60,9 @@ def _index(rank: int) -> torch.Tensor:
 
 
 def _run(text: str, call: Callable[[Any, int], Any]) -> list[Any]:
-    """``call(instance, rank)`` on every rank of a W-rank local group: its result or the
+    """``call(instance, rank)`` on every rank of a W-rank local group, its result or the
     error it raised (str)."""
-    from dcpc.harness.run import compile_to
-    from dcpc.harness.worker import load_module_class
-    from dcpc.runtime.local import LocalGroup
-
-    with tempfile.TemporaryDirectory(prefix="dcpc-placed-") as tmp:
-        path = Path(tmp) / "placed.yaml"
-        path.write_text(text)
-        _, module, _, _ = compile_to(str(path), Path(tmp), W)
-
-        def rank_main(rank: Any) -> Any:
-            inst = load_module_class(module, "placed")(rank, sizes={"C": C}, device="cpu",
-                                                       backend="local", timeout_s=30)
-            try:
-                return [t.clone() for t in call(inst, rank.rank)]
-            except (DcpcArgumentError, DcpcPeerFailedError) as exc:
-                return str(exc)
-            finally:
-                inst.close()
-
-        return LocalGroup(W, "cpu", timeout_s=120).run(rank_main)
+    return run_threads(text, "placed", W, {"C": C}, call)
 
 
 def _expected(j: int, before: torch.Tensor) -> torch.Tensor:
@@ -240,3 +222,26 @@ def test_two_rows_placed_alike_keep_the_later_in_the_reference_and_torch() -> No
             assert torch.equal(got[0], src[e, 2].double())
         assert bool((dst.reshape(L, C, H)[e, 2:] == -7.0).all())
         assert bool(ref.reshape(L, C, H)[e, 2:].isnan().all())
+
+
+@pytest.mark.parametrize(("spot", "code", "words"), [
+    ("at:     {shape: [L, W*C], dtype: i32}", None, ""),
+    ("at:     {shape: [L, W*C], dtype: f32}", "bad-index",
+     "index 'at' of step 'move' is f32; it holds the row of its slot each row of src"),
+    ("at:     {shape: [L, C], dtype: i32}", "shape-mismatch",
+     "index 'at' of step 'move' has shape [L, C] but must be [L, W*C]"),
+])
+def test_an_index_is_integers_in_src_s_first_two_dims(spot: str, code: str | None,
+                                                      words: str) -> None:
+    """The checker: an index of floats, or not one integer per row of src, is a located
+    error at the step's ``index`` entry; the footprint is the slot (no other error)."""
+    text = COMBINE.replace("at:     {shape: [L, W*C], dtype: i32}", spot)
+    found = check_errors(text)
+    if code is None:
+        assert found == []
+        return
+    (error,) = found
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if "index: at" in t)
+    col = text.splitlines()[line - 1].index("index: at") + len("index: ") + 1
+    assert (error.code, error.mark.line, error.mark.col) == (code, line, col)
+    assert words in error.message, error.message
