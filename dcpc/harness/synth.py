@@ -509,7 +509,10 @@ def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[st
     move's return trip), never a row past a count. Of several such counts, those of the
     index's own slice first (``tok_slot[k]``, unrolled to ``tok_slot_<k>``: chunk k's
     index picks rows of chunk k's counts, also where x is the slot ``z_back[k % R]`` of a
-    ring: DeepEP normal mode, schedules/gallery), else of x's slice."""
+    ring: DeepEP normal mode, schedules/gallery), else of x's slice. An x whose rows come
+    back placed by an index this rank sent (dcpc.ops.ragged_all_to_all ``round_trip``:
+    DeepEP's low-latency combine, each row at its token's index): only the rows placed
+    here, ``s * capacity + sent[s, i]`` for i < counts[s] of each slot s."""
     *lead, topk = buffer_shape(schedule, name, sizes)  # [*T, K]
     tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)

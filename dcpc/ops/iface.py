@@ -51,7 +51,8 @@ class Counts:
 class RowIndex:
     """The index buffer's [T, K] row numbers into ``rows`` seen as [rows, H]: rows that
     exist, or -1 (an empty slot); of a ``rows`` [W, capacity, H] whose capacity is that of
-    a ``Counts`` buffer the engine passes, only rows ``[0, counts[j])`` of block j."""
+    a ``Counts`` buffer the engine passes, only rows ``[0, counts[j])`` of block j (of
+    rows placed by an index on a round trip, the rows it placed: dcpc.harness.synth)."""
 
     rows: str
 
