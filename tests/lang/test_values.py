@@ -77,25 +77,32 @@ def test_a_float_buffer_takes_no_range() -> None:
 
 def test_the_draws_stay_in_the_range_with_both_ends_in_a_run() -> None:
     """Integer payloads beside the tokens were drawn over the whole i32 range: now over
-    their declared values (the moe gallery's i_send, token indices in [0, C), each once
-    per slot: the combine's index); the counts an op reads by the same mechanism,
-    0..capacity. At W=2 over 8 calls: both ends appear, a count strictly between (a
-    partly filled slot), and a call where no count is 0 (every slot gets rows)."""
+    their declared values (the moe gallery's i_send, token indices in [0, min(T, C)),
+    each once per slot: the combine's index); the counts an op reads by the same
+    mechanism, 0..capacity, within their declared 0..T (T <= C: DeepEP's num_tokens <=
+    num_max_dispatch_tokens_per_rank). At W=2 over 8 calls: both ends appear, a count
+    strictly between (a partly filled slot), and a call where no count is 0 (every slot
+    gets rows)."""
     schedule = parse_file(GALLERY / "moe_dispatch_combine.yaml", 2)
     ctor = synth.constructor_sizes(schedule, 2)
     ids: set[int] = set()
-    seen: list[tuple[int, list[int]]] = []  # (capacity, every rank's counts) per call
+    seen: list[tuple[int, list[int]]] = []  # (top count, every rank's counts) per call
+    drawn: list[tuple[int, int]] = []  # (T, C) per call
     for call in range(8):
         sizes = synth.call_sizes(schedule, 2, ctor, 0, call)
-        cap = sizes["C"]
+        drawn.append((sizes["T"], sizes["C"]))
+        cap, tokens = sizes["C"], min(sizes["T"], sizes["C"])
         calls = synth.call_inputs(schedule, 2, sizes, 0, call)
         for bufs in calls:
             got = bufs["i_send"].flatten().tolist()
-            assert all(0 <= v < cap for v in got), (sizes, got)
-            assert all(len(set(got[i:i + cap])) == cap for i in range(0, len(got), cap))
+            assert all(0 <= v < tokens for v in got), (sizes, got)
+            assert all(len(set(got[i:i + cap])) == tokens for i in range(0, len(got), cap))
             ids.update(got)
-        seen.append((cap, [v for bufs in calls for v in bufs["counts"].flatten().tolist()]))
-    assert ids == set(range(ctor["C"]))  # call 0 at C's max: every index, none outside
+        seen.append((min(sizes["T"], cap),
+                     [v for bufs in calls for v in bufs["counts"].flatten().tolist()]))
+    assert ctor["T"] == ctor["C"] == 4
+    assert ids == set(range(ctor["C"]))  # call 0 at the maxima: every index, none outside
+    assert any(sizes_t < cap for sizes_t, cap in drawn), drawn  # a call with T < C
     assert all(0 <= n <= cap for cap, counts in seen for n in counts), seen
     assert any(0 in counts for _, counts in seen) and any(cap in counts for cap, counts in seen)
     assert any(0 < n < cap for cap, counts in seen for n in counts), seen
@@ -162,7 +169,7 @@ def test_an_index_takes_no_range() -> None:
     """A range on what an op reads as row numbers would replace the in-bounds rule
     (`dcpc run` drew rows past the end): refused on the key, naming the op."""
     text = (GALLERY / "moe_dispatch_combine.yaml").read_text()
-    spot = "slot_of:  {shape: [C, K], dtype: i32"
+    spot = "slot_of:  {shape: [T, K], dtype: i32"
     text = text.replace(spot, spot + ", values: {min: 0, max: 1000}")
     (found,) = check_errors(text)
     line = next(i for i, t in enumerate(text.splitlines(), 1) if spot in t)
