@@ -35,24 +35,12 @@ from dcpc.lang import model as m
 from dcpc.numerics import FP8_E4M3_MAX, FP8_FORMATS
 from dcpc.ops import OPS, cast
 from dcpc.ops.external import External
-from dcpc.ops.iface import Counts, Placement, Requests, RowIndex, TensorScale, Unsent
+from dcpc.ops.iface import Counts, Requests, RowIndex, TensorScale, Unsent
 from dcpc.ops.ragged_all_to_all import round_trip
-from dcpc.ops.registry import input_rules, names
+from dcpc.ops.registry import carries, input_rules, is_move, names, placed
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
 DEFAULT_SMALL_MAX = 8
-
-
-def is_move(op: m.OpBase) -> bool:
-    """An op that moves bits (``OpDef.exact``, ``OpDef.moves``), not an engine step."""
-    return OPS[op.op].moves(op) and not isinstance(op, External)
-
-
-def carries(op: m.OpBase) -> list[tuple[str, str]]:
-    """(src, dst) of each payload a move carries: src[k] into dst[k] (as each op's
-    ``semantics`` and the checker's ``pairs`` take them)."""
-    return list(zip(names(getattr(op, "src", None)), names(getattr(op, "dst", None)),
-                    strict=False))
 
 
 O_GARBAGE = (math.nan, math.inf, -math.inf, 3.0e4)
@@ -253,7 +241,7 @@ class IntRules:
         self.payloads = payload_ints(schedule)
         self.capacities = count_capacities(schedule, sizes)
         self.rules = input_rules(schedule)
-        self.placements = placements(schedule, sizes, self.rules)
+        self.placements = placements(schedule, sizes)
 
 
 def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
@@ -459,19 +447,11 @@ def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator,
     return flat.reshape(shape)
 
 
-def placements(schedule: m.Schedule, sizes: Mapping[str, int],
-               rules: list[dict[str, Any]]) -> dict[str, int]:
+def placements(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
     """The integer buffers drawn as a ragged move's ``index`` (``Placement``), each with
     its slot's capacity this call: the index itself, and a move's src that lands in it
     (DeepEP's token indices, sent by the dispatch, placing the combine's rows)."""
-    found = {name: ex.evaluate(ex.parse(rule.capacity), {**sizes})
-             for step_rules in rules for name, rule in step_rules.items()
-             if isinstance(rule, Placement)}
-    for step in schedule.step_list():
-        if is_move(step.op):
-            found |= {src: found[dst] for src, dst in carries(step.op)
-                      if dst in found and src not in found}
-    return found
+    return {name: ex.evaluate(ex.parse(cap), {**sizes}) for name, cap in placed(schedule).items()}
 
 
 def distinct_rows(low: int, high: int, cap: int, shape: tuple[int, ...],

@@ -194,3 +194,28 @@ def test_a_range_with_no_count_in_it_is_refused(spelling: str, words: str) -> No
     assert words in found.message and "step 'go' (ragged_all_to_all)" in found.message, \
         found.message
     assert check_errors(text.replace(spelling, "{min: 1, max: 2*C}")) == []
+
+
+@pytest.mark.parametrize(("spot", "spelling", "name"), [
+    ("i_send:   {shape: [W, L*C], dtype: i32, values: {min: 0, max: T - 1}}",
+     "i_send:   {shape: [W, L*C], dtype: i32, values: {min: C, max: C + 3}}", "i_send"),
+    ("src_info: {shape: [L, W*C], dtype: i32, symmetric: true}",
+     "src_info: {shape: [L, W*C], dtype: i32, symmetric: true, values: {min: C, max: 2*C}}",
+     "src_info"),
+])
+def test_a_placement_range_with_no_row_of_the_slot_is_refused(spot: str, spelling: str,
+                                                              name: str) -> None:
+    """A ragged move's index (src_info) and the src that lands in it (i_send) name rows
+    of a slot of C: a range from C up leaves no row (`dcpc run` failed drawing them);
+    located on min, naming the capacity. A range that reaches past C from below (the
+    gallery's T - 1, T > C in some binding) keeps rows: accepted."""
+    text = (GALLERY / "moe_dispatch_combine.yaml").read_text()
+    assert spot in text
+    text = text.replace(spot, spelling)
+    (found,) = check_errors(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if spelling in t)
+    col = text.splitlines()[line - 1].index("min: ") + len("min: ") + 1
+    assert (found.code, found.mark.line, found.mark.col) == ("bad-values", line, col)
+    assert f"'values: min' of buffer '{name}' (C) is 1 at W=2, C=1, not below the " \
+        "capacity C = 1 of the slot" in found.message, found.message
+    assert check_errors(text.replace("{min: C,", "{min: 0,")) == []
