@@ -19,7 +19,7 @@ import torch
 from support.kernels import run_threads
 from support.schedules import check_errors
 
-from dcpc.runtime.errors import DcpcArgumentError
+from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
 
 ROOT = Path(__file__).resolve().parents[2]
 W, L, C, H = 2, 3, 4, 8
@@ -116,6 +116,37 @@ def test_an_index_outside_the_slot_is_the_call_s_error_not_a_store(bad: int) -> 
     assert isinstance(ranks[1], str) and ranks[1].startswith(
         f"step 'move': rank 1's index places a row for rank 0 (slot 4 of counts) at row "
         f"{bad} of its slot, outside [0, capacity {C})"), ranks
+
+
+@pytest.mark.parametrize("bad", [C, -1])
+def test_a_row_outside_the_slot_stores_nothing_beside_the_legitimate_ones(bad: int) -> None:
+    """A first call with every count 0 (the rows as the call finds them), then rank 1's
+    expert 1 returns 2 rows to rank 0, the second at ``bad``: rank 1's call raises, and
+    rank 0's y_back differs from before only at the first row's index, which holds that
+    row's bits (``bad`` = C would land on the next slot's row 0, -1 on the slot
+    before's last row: stored there if the kernel's mask let it)."""
+    def call(inst: Any, rank: int) -> Any:
+        zero = torch.zeros(L, W, dtype=torch.int32)
+        y_back = inst.move(_rows(rank), zero, _index(rank))  # the buffer itself
+        before = y_back.clone()
+        counts, at = zero.clone(), _index(rank)
+        if rank == 1:
+            counts[1, 0] = 2
+            at[1, 0 * C + 1] = bad
+            inst.move(_rows(rank), counts, at)  # raises
+        try:  # rank 1's signal or its failure, both after its stores
+            inst.move(_rows(rank), counts, at)
+        except DcpcPeerFailedError:
+            pass
+        return [before, y_back.clone()]
+
+    ranks = _run(COMBINE, call)
+    assert isinstance(ranks[1], str) and "outside [0, capacity" in ranks[1], ranks[1]
+    assert not isinstance(ranks[0], str), ranks[0]
+    before, got = ranks[0]
+    want = before.clone().reshape(W * L, C, H)
+    want[1 * L + 1, int(_index(1)[1, 0])] = _rows(1)[1, 0]
+    assert torch.equal(got.view(torch.int16), want.reshape(got.shape).view(torch.int16))
 
 
 @pytest.mark.parametrize("bad", [None, C])
