@@ -194,11 +194,13 @@ def outside_slot(step: str, rank: int | None, peer: int, row: int, capacity: int
     """A ragged_all_to_all's ``index`` (the row a live row lands at in its destination
     slot, DeepEP's src_info) outside [0, capacity), in the part for rank ``peer``
     (``index``: that part's slot in counts; None: the peer's block): that row was not
-    stored."""
+    stored. The kernel records the row clamped into i32 (an i64 index): its ends read
+    "at row >= 2147483647", "at row <= -2147483648"."""
     who = f"rank {rank}" if rank is not None else "this rank"
     at = f" (slot {index} of counts)" if index is not None and index != peer else ""
+    said = f">= {row}" if row == 2**31 - 1 else f"<= {row}" if row == -(2**31) else row
     return DcpcArgumentError(
-        f"step '{step}': {who}'s index places a row for rank {peer}{at} at row {row} of "
+        f"step '{step}': {who}'s index places a row for rank {peer}{at} at row {said} of "
         f"its slot, outside [0, capacity {capacity}); that row was not stored and this "
         "module instance is now failed: an index is a row of the slot (DeepEP's "
         "src_info: the token's index on its owner, below num_max_dispatch_tokens_per_rank)")

@@ -118,6 +118,26 @@ def test_an_index_outside_the_slot_is_the_call_s_error_not_a_store(bad: int) -> 
         f"{bad} of its slot, outside [0, capacity {C})"), ranks
 
 
+@pytest.mark.parametrize(("bad", "said"), [
+    (2**32, ">= 2147483647"), (2**31 + 3, ">= 2147483647"), (-(2**40), "<= -2147483648")])
+def test_an_i64_index_past_i32_is_reported_by_its_side(bad: int, said: str) -> None:
+    """An i64 index the kernel's i32 error word cannot hold: clamped with its sign, so
+    the message stays true (2**32 was reported as row 0, -2**40 as -2147483648)."""
+    text = COMBINE.replace("at:     {shape: [L, W*C], dtype: i32}",
+                           "at:     {shape: [L, W*C], dtype: i64}")
+
+    def call(inst: Any, rank: int) -> Any:
+        at = _index(rank).long()
+        if rank == 1:
+            at[2, 0 * C + 1] = bad
+        return [inst.move(_rows(rank), torch.tensor(COUNTS[rank], dtype=torch.int32), at)]
+
+    ranks = _run(text, call)
+    assert isinstance(ranks[1], str) and ranks[1].startswith(
+        f"step 'move': rank 1's index places a row for rank 0 (slot 4 of counts) at row "
+        f"{said} of its slot, outside [0, capacity {C})"), ranks
+
+
 @pytest.mark.parametrize("bad", [C, -1])
 def test_a_row_outside_the_slot_stores_nothing_beside_the_legitimate_ones(bad: int) -> None:
     """A first call with every count 0 (the rows as the call finds them), then rank 1's
