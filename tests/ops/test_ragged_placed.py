@@ -224,7 +224,8 @@ def test_the_reference_places_rows_and_refuses_outside() -> None:
 
 def test_run_draws_distinct_rows_per_slot_and_reads_only_placed_rows() -> None:
     """The gallery's synthetic inputs: i_send (sent beside the tokens, returned as the
-    combine's index) holds distinct rows of [0, C) in every slot, and the
+    combine's index) holds distinct rows of [0, min(T, C)) in the first min(T, C) rows
+    of every slot (the counts, at most T, make no more live), and the
     weighted_combine's slot_of names only rows the combine places on this rank
     ((j * L + e) * C + i_send[j, e * C + i], i < counts[j, e]) or -1."""
     from dcpc.harness import synth
@@ -235,11 +236,12 @@ def test_run_draws_distinct_rows_per_slot_and_reads_only_placed_rows() -> None:
     named = 0
     for call in range(4):
         sizes = synth.call_sizes(schedule, 3, ctor, 0, call)
-        cap = sizes["C"]
+        cap, tokens = sizes["C"], min(sizes["T"], sizes["C"])
         for bufs in synth.call_inputs(schedule, 3, sizes, 0, call):
             sent = bufs["i_send"].reshape(-1, cap)
+            assert int(bufs["counts"].max()) <= tokens
             for slot in sent.tolist():
-                assert len(set(slot)) == len(slot) and all(0 <= v < cap for v in slot)
+                assert len(set(slot[:tokens])) == tokens and all(0 <= v < tokens for v in slot)
             live = {s * cap + int(sent[s, i]) for s, n in
                     enumerate(bufs["counts"].reshape(-1).tolist()) for i in range(n)}
             picks = [v for v in bufs["slot_of"].reshape(-1).tolist() if v >= 0]
