@@ -25,7 +25,7 @@ from dcpc.lang.model import Buffer, Schedule, Step
 from dcpc.lang.questions import Counterexample
 from dcpc.lang.sizes import WORLD
 from dcpc.ops.iface import Counts, RowIndex
-from dcpc.ops.registry import input_rules
+from dcpc.ops.registry import input_rules, placed
 from dcpc.ops.sync import Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
@@ -312,7 +312,8 @@ def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, 
                 reads: list[tuple[Step, object]]) -> list[_Ask]:
     """What must stay positive for every binding, what is wrong where it does not, the
     hint, the end to point at: not empty, max within the dtype, min not below 0 (-1 is
-    the poison), min within the capacity of every count the buffer is read as."""
+    the poison), min within the capacity of every count the buffer is read as, and below
+    the capacity of the slot a placement index (``placed``) names rows of."""
     low, high = bounds
     top = 2 ** (8 * buffer.dtype.itemsize - 1) - 1
     asks: list[_Ask] = [
@@ -348,6 +349,20 @@ def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, 
                 f"{ex.evaluate(cap, at.binding)} of the row counts step '{step.name}' "
                 f"({step.op.op}) reads it as: no count is both",
                 "a count is 0 .. its capacity: lower 'min'", "min"))
+    slot = placed(ctx.schedule).get(name)
+    try:
+        cap = ex.parse(slot) if slot is not None else None
+    except ex.ExprSyntaxError:
+        cap = None  # the step's capacity: reported with the step
+    if cap is not None and ex.symbols(cap) <= known:
+        asks.append((
+            ("-", cap, low),
+            lambda at: f"'values: min' of buffer '{name}' ({ex.unparse(low)}) is "
+            f"{ex.evaluate(low, at.binding)} at W={at.world}{_also(at, low, cap)}, not "
+            f"below the capacity {ex.unparse(cap)} = {ex.evaluate(cap, at.binding)} of the "
+            "slot whose rows it names (a ragged move's index, or what lands in one): no "
+            "row is both",
+            "an index is a row of its slot, 0 .. capacity - 1: lower 'min'", "min"))
     return asks
 
 

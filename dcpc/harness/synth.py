@@ -36,22 +36,11 @@ from dcpc.numerics import FP8_E4M3_MAX, FP8_FORMATS
 from dcpc.ops import OPS, cast
 from dcpc.ops.external import External
 from dcpc.ops.iface import Counts, Requests, RowIndex, TensorScale, Unsent
-from dcpc.ops.registry import input_rules, names
+from dcpc.ops.ragged_all_to_all import round_trip
+from dcpc.ops.registry import carries, input_rules, is_move, names, placed
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
 DEFAULT_SMALL_MAX = 8
-
-
-def is_move(op: m.OpBase) -> bool:
-    """An op that moves bits (``OpDef.exact``, ``OpDef.moves``), not an engine step."""
-    return OPS[op.op].moves(op) and not isinstance(op, External)
-
-
-def carries(op: m.OpBase) -> list[tuple[str, str]]:
-    """(src, dst) of each payload a move carries: src[k] into dst[k] (as each op's
-    ``semantics`` and the checker's ``pairs`` take them)."""
-    return list(zip(names(getattr(op, "src", None)), names(getattr(op, "dst", None)),
-                    strict=False))
 
 
 O_GARBAGE = (math.nan, math.inf, -math.inf, 3.0e4)
@@ -252,6 +241,7 @@ class IntRules:
         self.payloads = payload_ints(schedule)
         self.capacities = count_capacities(schedule, sizes)
         self.rules = input_rules(schedule)
+        self.placements = placements(schedule, sizes)
 
 
 def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
@@ -268,6 +258,10 @@ def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: B
     shape = buffer_shape(schedule, name, sizes)
     known = known or IntRules(schedule, sizes)
     bounds = known.ranges.get(name)
+    cap = known.placements.get(name)
+    if cap is not None:  # rows of a slot, each once (its declared range within)
+        low, high = bounds if bounds is not None else (0, cap - 1)
+        return distinct_rows(max(low, 0), min(high, cap - 1), cap, shape, gen)
     if bounds is not None:
         return in_range(*bounds, shape, gen, *where)
     if name in known.payloads:
@@ -453,6 +447,28 @@ def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator,
     return flat.reshape(shape)
 
 
+def placements(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
+    """The integer buffers drawn as a ragged move's ``index`` (``Placement``), each with
+    its slot's capacity this call: the index itself, and a move's src that lands in it
+    (DeepEP's token indices, sent by the dispatch, placing the combine's rows)."""
+    return {name: ex.evaluate(ex.parse(cap), {**sizes}) for name, cap in placed(schedule).items()}
+
+
+def distinct_rows(low: int, high: int, cap: int, shape: tuple[int, ...],
+                  gen: torch.Generator) -> torch.Tensor:
+    """Rows of slots of ``cap`` values (``shape`` flattened): each slot distinct values of
+    ``low..high`` (a random choice, in random order), as many as the range holds; a slot
+    past them repeats its first ones (a range narrower than a slot: then only that many
+    rows of it can be live without a race)."""
+    flat = torch.empty(math.prod(shape), dtype=torch.int64)
+    span = torch.arange(low, high + 1, dtype=torch.int64)
+    for start in range(0, flat.numel(), cap):
+        pick = span[torch.randperm(len(span), generator=gen)][:cap]
+        part = flat[start:start + cap]
+        part.copy_(pick.repeat(-(-len(part) // max(len(pick), 1)))[: len(part)])
+    return flat.reshape(shape)
+
+
 def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
     """The buffers of row counts (``Counts``), each with its capacity this call (the last
     step's that names it)."""
@@ -473,11 +489,24 @@ def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[st
     move's return trip), never a row past a count. Of several such counts, those of the
     index's own slice first (``tok_slot[k]``, unrolled to ``tok_slot_<k>``: chunk k's
     index picks rows of chunk k's counts, also where x is the slot ``z_back[k % R]`` of a
-    ring: DeepEP normal mode, schedules/gallery), else of x's slice."""
+    ring: DeepEP normal mode, schedules/gallery), else of x's slice. An x whose rows come
+    back placed by an index this rank sent (dcpc.ops.ragged_all_to_all ``round_trip``:
+    DeepEP's low-latency combine, each row at its token's index): only the rows placed
+    here, ``s * capacity + sent[s, i]`` for i < counts[s] of each slot s."""
     *lead, topk = buffer_shape(schedule, name, sizes)  # [*T, K]
     tokens = math.prod(lead)
     x_shape = buffer_shape(schedule, rule.rows, sizes)
     rows = torch.arange(math.prod(x_shape[:-1]))
+    trip = round_trip(schedule, rule.rows)
+    if trip is not None and trip[0] in bufs and trip[1] in bufs:
+        # placed rows back home: slot s holds rows sent[s, i] for i < counts[s]
+        sent, counts, cap = trip
+        at = bufs[sent].to(torch.int64).reshape(-1)
+        live = bufs[counts].to(torch.int64).reshape(-1)
+        size = ex.evaluate(ex.parse(cap), {**sizes})
+        rows = torch.cat([s * size + at[s * size: s * size + int(n)]
+                          for s, n in enumerate(live)])
+        return _pick_rows(rows, tokens, topk, lead, gen)
     chunk = _slice_index(name) or _slice_index(rule.rows)
     ordered = sorted(capacities.items(), key=lambda item: chunk is not None
                      and _slice_index(item[0]) != chunk)
@@ -488,6 +517,12 @@ def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[st
         if live is not None and len(x_shape) == 3 and x_shape[0] * x_shape[1] == live.numel() * cap:
             rows = torch.cat([j * cap + torch.arange(int(n)) for j, n in enumerate(live)])
             break
+    return _pick_rows(rows, tokens, topk, lead, gen)
+
+
+def _pick_rows(rows: torch.Tensor, tokens: int, topk: int, lead: list[int],
+               gen: torch.Generator) -> torch.Tensor:
+    """``row_index``'s draw: distinct rows among ``rows`` per token, a quarter empty."""
     out = torch.full((tokens, topk), -1, dtype=torch.int64)
     for t in range(tokens):
         pick = rows[torch.randperm(len(rows), generator=gen)[:topk]]

@@ -30,7 +30,7 @@ from dcpc.topology import along, perm_sources
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import ScheduleView
-    from dcpc.ops.iface import InputRule
+    from dcpc.ops.iface import InputRule, Ref, ShapeRules
 
 READ, WRITE = "read", "write"
 BEFORE, AFTER = "before", "after"
@@ -626,3 +626,15 @@ def effect_mark(step: m.Step, effect: Effect) -> Mark:
 def buffers_of(pairs: list[tuple[str, str]]) -> list[str]:
     """The buffer names of (buffer, key) pairs."""
     return [b for b, _ in pairs]
+
+
+def integer_index(v: ShapeRules, step: m.Step, ref: Ref, holds: str) -> m.Buffer | None:
+    """An index an op reads (weighted_combine's rows, ragged_all_to_all's placement): i32
+    or i64, else ``bad-index`` saying what its integers are (``holds``). Its buffer, or
+    None (undeclared: reported)."""
+    buf = v.buffer(ref.name)
+    if buf is not None and buf.dtype.value not in ("i32", "i64"):
+        v.error(ref.mark, "bad-index",
+                f"index '{ref.name}' of step '{step.name}' is {buf.dtype.value}; it holds "
+                f"{holds} (i32 or i64)", hint=f"declare '{ref.name}' with dtype i32")
+    return buf

@@ -51,9 +51,20 @@ class Counts:
 class RowIndex:
     """The index buffer's [T, K] row numbers into ``rows`` seen as [rows, H]: rows that
     exist, or -1 (an empty slot); of a ``rows`` [W, capacity, H] whose capacity is that of
-    a ``Counts`` buffer the engine passes, only rows ``[0, counts[j])`` of block j."""
+    a ``Counts`` buffer the engine passes, only rows ``[0, counts[j])`` of block j (of
+    rows placed by an index on a round trip, the rows it placed: dcpc.harness.synth)."""
 
     rows: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A ragged move's ``index`` (src's [slots * capacity] rows): the rows of its slot each
+    row lands at, distinct within a slot (two rows at one row race, in DeepEP too) and in
+    [0, ``capacity``) (a size expression); a move's src that lands in it is drawn so too
+    (DeepEP's src_info: the token indices a rank sends one expert, each once)."""
+
+    capacity: str
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ class Requests:
     rows: str
 
 
-InputRule = Counts | RowIndex | TensorScale | Requests
+InputRule = Counts | RowIndex | Placement | TensorScale | Requests
 
 
 # What ``dcpc run`` compares of a buffer an op writes: an op's ``OpDef.outputs`` names

@@ -56,6 +56,17 @@ wait reads no count (no receiver's over-capacity check: a read of the whole recv
 would meet the other peers' puts in flight, and the model has no read of one peer's
 part of this rank's own instance); a count over capacity is the sender's error (its put
 records it, its call raises).
+``index`` (src's first two dims, integers: DeepEP's src_info, which its low-latency
+combine writes each row at): live row i of a slot lands at row ``index[slot, i]`` of its
+destination slot, not row i; a value outside [0, capacity) stores nothing of that row
+and the sender's call raises (OUTSIDE_SLOT, dcpc.runtime.errors; the torch backend and
+the reference refuse it before anything moves). Rows no index names are never written;
+two rows placed alike race (DeepEP's too): the reference and the torch backend keep the
+later in row order, the kernel one of them. The checker's footprint stays the whole
+slot (where in it a row lands is data). ``dcpc run`` draws an index (and a move's src
+that lands in one: DeepEP's token indices) as distinct rows per slot (``Placement``).
+``recv_counts`` is optional: without it no count is stored and no receiver checks one
+(DeepEP's combine sends a finish flag only: the step's signal).
 Lowerings: ``lower`` below + templates/ops/ragged_all_to_all.py.j2;
 dcpc/runtime/collectives.py ``ragged_all_to_all``.
 """
@@ -85,11 +96,12 @@ from dcpc.ops.common import (
     Scope,
     Semantics,
     effects,
+    integer_index,
     keyed,
     offset_peers,
     typed,
 )
-from dcpc.ops.iface import Counts, Unsent
+from dcpc.ops.iface import Counts, Placement, Unsent
 from dcpc.ops.registry import IO, OpDef, define, names
 from dcpc.topology import along
 
@@ -105,7 +117,13 @@ class RaggedAllToAll(OpBase):
     dst: Name | list[Name] = Field(
         description="[W, capacity, *row], symmetric, one per src: block p from peer p")
     counts: Name = Field(description="[W] integers: live rows of each block of src")
-    recv_counts: Name = Field(description="[W] i32, symmetric: counts[rank] of each peer")
+    recv_counts: Name | None = Field(
+        default=None, description="[W] i32, symmetric: counts[rank] of each peer (none: "
+        "no count is sent, the receiver knows its rows, as DeepEP's combine)")
+    index: Name | None = Field(
+        default=None, description="src's [W, capacity] integers (DeepEP's src_info): the "
+        "row of its destination slot each live row lands at, in [0, capacity) (none: "
+        "packed from the slot's start)")
     capacity: SizeExpr = Field(description="rows of one block: src and dst dim 1")
     scale: Scale | None = Field(default=None, description="a cast inside the move")
     phase: Literal["put", "wait"] | None = Field(
@@ -128,7 +146,7 @@ class RaggedAllToAll(OpBase):
     def split_key(self, schedule: ScheduleView) -> tuple[Any, ...]:
         """What a ``phase: wait`` names as the put it polls does (dcpc.ops._split)."""
         return (tuple(names(self.src)), tuple(names(self.dst)), self.counts,
-                self.recv_counts, _parsed(self.capacity),
+                self.recv_counts, self.index, _parsed(self.capacity),
                 self.scale.buffer if self.scale is not None else None,
                 split.axis_key(schedule, self), _parsed(self.groups), self.direction,
                 self.offset)
@@ -191,16 +209,17 @@ def semantics(c: Scope, step: Step) -> Semantics:
     op = step.op
     # after the wait the receiver reads every peer's count (its over-capacity check)
     after = effects(READ, AFTER, keyed(op, "recv_counts"))
-    before = effects(READ, BEFORE, keyed(op, "src") + keyed(op, "counts"))
-    # over-approximated: the whole block p of every peer's dst, whatever the count; a
-    # grouped dispatch's dst [G, W*C]: block p of dim 1 (every group's slot p)
+    before = effects(READ, BEFORE, keyed(op, "src") + keyed(op, "counts") + keyed(op, "index"))
+    # over-approximated: the whole block p of every peer's dst, whatever the count (and,
+    # with index, wherever in its slot a row lands: data-dependent); a grouped
+    # dispatch's dst [G, W*C]: block p of dim 1 (every group's slot p)
     rows, counts = (Region("block", 1), Region("index", 1)) if _grouped_dst(op) else (
         Region("index", 0), Region("index", 0))
     k = peer(op)
     if k is not None:  # one peer's instance only (the stores' partition unchanged)
         rows, counts = replace(rows, peer=k), replace(counts, peer=k)
     before += effects(WRITE, BEFORE, keyed(op, "dst"), rows)
-    before += effects(WRITE, BEFORE, keyed(op, "recv_counts"), counts)
+    before += effects(WRITE, BEFORE, keyed(op, "recv_counts"), counts)  # none: no count
     # a per-token quantise's scales land as dst's rows do
     before += [replace(e, region=rows) if e.region is not None else e
                for e in cast.effects(c.schedule, op)]
@@ -222,8 +241,9 @@ def _grouped_dst(op: RaggedAllToAll) -> bool:
 def verify(v: ShapeRules, step: Step) -> None:
     op = step.op
     assert isinstance(op, RaggedAllToAll)
-    (counts,), (recv,) = v.refs("counts"), v.refs("recv_counts")
-    v.transfer(recv, recv, symmetric=True)  # peers write dst and recv_counts: symmetric
+    (counts,), received = v.refs("counts"), v.refs("recv_counts")
+    for recv in received:  # peers write dst and recv_counts: symmetric
+        v.transfer(recv, recv, symmetric=True)
     _verify_offset(v, step)
     cap, g = _size(v, step, "capacity"), _size(v, step, "groups")
     if cap is None or (g is None and op.groups is not None):
@@ -254,7 +274,7 @@ def verify(v: ShapeRules, step: Step) -> None:
         cast.verify(v, src, dst, cast=k == 0)  # the first payload is the one cast
         _verify_rows(v, step, src, dst, lead, rows)
     for ref, dtypes, what, want in ((counts, ("i32", "i64"), "integers", sent),
-                                    (recv, ("i32",), "i32", got)):
+                                    *((recv, ("i32",), "i32", got) for recv in received)):
         buf = v.buffer(ref.name)
         if buf is None:
             continue
@@ -267,12 +287,22 @@ def verify(v: ShapeRules, step: Step) -> None:
                     f"[{', '.join(ex.unparse(e) for e in want)}], dtype: i32}}")
         v.expect(ref, want, "one row count per peer" if len(want) == 1 else
                  "one row count per (peer, group)")
+    _verify_index(v, step, lead[0], rows[0])
     split.verify_exchange(v, step, waits=f"for the rows of '{names(op.dst)[0]}'",
                           puts=f"the rows of '{names(op.src)[0]}' to " + (
                               "every peer" if op.offset is None else
                               f"rank r + {op.offset} (offset {op.offset})"),
-                          same="src, dst, counts, recv_counts, capacity, scale, groups, "
-                          "direction, offset and axis")
+                          same="src, dst, counts, recv_counts, index, capacity, scale, "
+                          "groups, direction, offset and axis")
+
+
+def _verify_index(v: ShapeRules, step: Step, lead: ex.Expr, rows: ex.Expr) -> None:
+    """``index``: one integer per row of src ([lead, rows], src's first two dims), the
+    row of its destination slot it lands at (its bound is the kernel's check: a value
+    outside [0, capacity) is the call's OUTSIDE_SLOT error, never a store)."""
+    for ref in v.refs("index"):
+        integer_index(v, step, ref, "the row of its slot each row of src lands at")
+        v.expect(ref, [lead, rows], "one row of the destination slot per row of src")
 
 
 def _verify_offset(v: ShapeRules, step: Step) -> None:
@@ -361,9 +391,12 @@ def reference(sim: SimView, step: Step) -> None:
     # from member j - offset only)
     sends = [[(p, *slot(p, j, g)) for p in range(sim.world) for g in range(groups)
               if to is None or along(p, sim.world, to) == j] for j in range(sim.world)]
+    at = _placed(sim, step.name, op, counts, cap, sends)
     for k, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
         _move(sim, op, src, dst, counts, cast.direction(sim.schedule, op) if k == 0 else None,
-              store, sends)
+              store, sends, at)
+    if op.recv_counts is None:
+        return  # no count travels (DeepEP's combine: its receiver knows its rows)
     for j in range(sim.world):
         recv = torch.zeros(len(counts[0]), dtype=torch.int64)
         part = torch.zeros(len(counts[0]), dtype=torch.bool)
@@ -374,11 +407,32 @@ def reference(sim: SimView, step: Step) -> None:
               **({} if to is None else {"part": part.reshape(shape)}))
 
 
+def _placed(sim: SimView, name: str, op: RaggedAllToAll, counts: list[list[int]], cap: int,
+            sends: list[list[tuple[int, int, int]]]) -> list[list[list[int]]]:
+    """``at[p][a]``: the rows of its destination slot that the live rows of sender p's
+    slot a land at: ``index``'s values, else 0, 1, ... (packed). A sent slot's value
+    outside [0, cap) is the simulator's error (as a count over capacity)."""
+    if op.index is None:
+        return [[list(range(n)) for n in row] for row in counts]
+    at = []
+    for p, row in enumerate(counts):
+        index = sim.bufs[p][op.index].reshape(len(row), -1)
+        at.append([[int(i) for i in index[a, :n]] for a, n in enumerate(row)])
+    for p, a, _ in (part for parts in sends for part in parts):
+        bad = [i for i in at[p][a] if not 0 <= i < cap]
+        if bad:
+            raise ValueError(f"simulator: step {name}: rank {p}'s index of slot {a} holds "
+                             f"{bad[0]}, outside [0, capacity {cap})")
+    return at
+
+
 def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[list[int]],
-          way: str | None, store: Any, sends: list[list[tuple[int, int, int]]]) -> None:
+          way: str | None, store: Any, sends: list[list[tuple[int, int, int]]],
+          at: list[list[list[int]]]) -> None:
     """One payload's rows, cast on the way when ``way`` says so (``store``: the
     simulator's, or a put's holder: dcpc.ops._split.store); ``sends``: ``reference``'s
-    parts, by receiver."""
+    parts, by receiver; ``at``: where in its slot each row lands (``_placed``: in row
+    order, so of two rows an index places alike the later is the one that stays)."""
     import torch
 
     sent, scales = [], []  # every sender's src as it travels (cast), and its row scales
@@ -406,12 +460,12 @@ def _move(sim: SimView, op: RaggedAllToAll, src: str, dst: str, counts: list[lis
         unsent = torch.ones(sim.shape(dst)[:2], dtype=torch.bool)  # [W, capacity]
         part = torch.zeros(sim.shape(dst)[:2], dtype=torch.bool)  # the slots sent here
         for p, a, b in sends[j]:
-            n = counts[p][a]
-            rows[b, :n] = sent[p][a, :n]
-            unsent.view(slots, -1)[b, :n] = False
+            for i, to in enumerate(at[p][a]):
+                rows[b, to] = sent[p][a, i]
+                unsent.view(slots, -1)[b, to] = False
+                if scales[p] is not None:
+                    got.view(slots, -1, *got.shape[2:])[b, to] = scales[p][a, i]  # type: ignore[index]
             part.view(slots, -1)[b] = True
-            if scales[p] is not None:
-                got.view(slots, -1, *got.shape[2:])[b, :n] = scales[p][a, :n]  # type: ignore[index]
         # one peer (offset): the other slots are left as they were (_split.land)
         one = op.offset is not None
         store(j, dst, out, unsent=_by_row(unsent, out.shape),
@@ -432,7 +486,9 @@ def io(op: RaggedAllToAll) -> IO:
     the cast's direction without the dtypes): it is symmetric, so never an engine input,
     and the method does not return it (``module.buffer`` reads it, as ``via``)."""
     scale = [op.scale.buffer] if op.scale is not None else []
-    sent, landed = [*names(op.src), op.counts, *scale], [*names(op.dst), op.recv_counts]
+    index = [op.index] if op.index is not None else []
+    counted = [op.recv_counts] if op.recv_counts is not None else []
+    sent, landed = [*names(op.src), op.counts, *index, *scale], [*names(op.dst), *counted]
     return split.io(op, sent, landed)
 
 
@@ -442,7 +498,7 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     shape = ctx.shape(srcs[0])
     # payload 0 keeps the roles and scalars of a one-payload step (its module unchanged)
     roles = {"src": srcs[0], "dst": dsts[0], "counts": op.counts,
-             "recv_counts": op.recv_counts}
+             "recv_counts": op.recv_counts or dsts[0]}  # none: a pointer never stored to
     scalars = [("cap", shape[1]), ("row_len", product(shape[2:]))]
     for k in range(1, len(srcs)):
         roles[f"src{k}"], roles[f"dst{k}"] = srcs[k], dsts[k]
@@ -451,6 +507,11 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     if scale is not None:
         roles["scale"] = scale
     more: dict[str, Any] = {"payloads": len(srcs)} if len(srcs) > 1 else {}
+    if op.index is not None:  # each row lands at the row of its slot index names
+        roles["index"] = op.index
+        more["placed"] = True
+    if op.recv_counts is None:  # no count travels: no receiver's check
+        more["counted"] = False
     if op.groups is not None:  # slots of capacity rows, G per peer (the kernel's groups)
         scalars = [("cap", ex.parse(str(op.capacity))), *scalars[1:],
                    ("groups", ex.parse(str(op.groups)))]
@@ -461,10 +522,11 @@ def lower(ctx: LowerRules, step: Step) -> Any:
         more |= {"peers": "one", "peer_k": k if op.phase == PUT else -k}
     return ctx.plan(
         step,
-        params=[] if op.phase == WAIT else ctx.engine([*srcs, op.counts, scale]),
+        params=[] if op.phase == WAIT else ctx.engine([*srcs, op.counts, op.index, scale]),
         # a wait from one peer returns nothing: the engine's read of the whole dst would
         # meet the other peers' puts still in flight (it reads dst once all landed)
-        returns=[] if op.phase == PUT or op.offset is not None else [*dsts, op.recv_counts],
+        returns=[] if op.phase == PUT or op.offset is not None else [
+            *dsts, *([op.recv_counts] if op.recv_counts is not None else [])],
         roles=roles,
         scalars=scalars,
         tiles=[product(shape[2:])],
@@ -474,9 +536,31 @@ def lower(ctx: LowerRules, step: Step) -> Any:
 
 
 def inputs(op: RaggedAllToAll) -> dict[str, InputRule]:
-    """Counts within the capacity (an engine sends no more rows than a block holds), and
-    the cast's per-tensor scale."""
-    return {op.counts: Counts(str(op.capacity)), **cast.input_rules(op)}
+    """Counts within the capacity (an engine sends no more rows than a block holds), an
+    index's rows distinct within each slot and inside it, and the cast's per-tensor
+    scale."""
+    index = {op.index: Placement(str(op.capacity))} if op.index is not None else {}
+    return {op.counts: Counts(str(op.capacity)), **index, **cast.input_rules(op)}
+
+
+def round_trip(schedule: ScheduleView, rows: str) -> tuple[str, str, str] | None:
+    """Where the rows of ``rows`` that land on a rank come from when they make a round
+    trip (DeepEP's low-latency combine): ``rows`` is a step's dst placed by an ``index``
+    that an earlier ragged step landed from this rank's own src ``sent`` with its
+    ``counts`` (the dispatch's token indices, src_info): on each rank slot s of ``rows``
+    then holds rows ``sent[s, i]`` for i < counts[s] (the combine's slot s on the owner is
+    the dispatch's slot s: the inverse layout). (sent, counts, the combine's capacity),
+    or None (dcpc.harness.synth draws a weighted_combine's index into those rows)."""
+    steps = schedule.step_list()
+    for step in steps:
+        op = step.op
+        if isinstance(op, RaggedAllToAll) and op.index is not None and rows in names(op.dst):
+            for back in steps:
+                out = back.op
+                if isinstance(out, RaggedAllToAll) and op.index in names(out.dst):
+                    sent = names(out.src)[names(out.dst).index(op.index)]
+                    return sent, out.counts, str(op.capacity)
+    return None
 
 
 def outputs(op: RaggedAllToAll) -> dict[str, OutputRule]:

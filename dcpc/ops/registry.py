@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dcpc.lang.nodes import BUFFER_KEYS, Name
+from dcpc.ops.iface import Placement
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import OpBase, ScheduleView, Step
@@ -134,6 +135,35 @@ def input_rules(schedule: ScheduleView) -> list[dict[str, InputRule]]:
     for step in schedule.step_list():
         rules = OPS[step.op.op].inputs
         found.append(rules(step.op) if rules is not None else {})
+    return found
+
+
+def is_move(op: OpBase) -> bool:
+    """An op that moves bits (``OpDef.exact``, ``OpDef.moves``), not an engine step."""
+    from dcpc.ops.external import External  # registers itself here: imported late
+    return OPS[op.op].moves(op) and not isinstance(op, External)
+
+
+def carries(op: OpBase) -> list[tuple[str, str]]:
+    """(src, dst) of each payload a move carries: src[k] into dst[k] (as each op's
+    ``semantics`` and the checker's ``pairs`` take them)."""
+    return list(zip(names(getattr(op, "src", None)), names(getattr(op, "dst", None)),
+                    strict=False))
+
+
+def placed(schedule: ScheduleView) -> dict[str, str]:
+    """The integer buffers a ragged move reads as its ``index`` (``Placement``), each with
+    its slot's capacity (a size expression): the index itself, and a move's src that lands
+    in it (DeepEP's token indices, sent by the dispatch, placing the combine's rows). One
+    pass in step order: a src that lands in such a src (two hops) is not followed. What
+    ``dcpc run`` draws distinct within the slot (dcpc.harness.synth) and what a declared
+    ``values`` range must meet (dcpc.check.names)."""
+    found = {name: rule.capacity for rules in input_rules(schedule)
+             for name, rule in rules.items() if isinstance(rule, Placement)}
+    for step in schedule.step_list():
+        if is_move(step.op):
+            found |= {src: found[dst] for src, dst in carries(step.op)
+                      if dst in found and src not in found}
     return found
 
 

@@ -28,6 +28,7 @@ from dcpc.ops.common import (
     OUTPUT_SCALE,
     Scope,
     Semantics,
+    integer_index,
     keyed,
     local,
     merge_input_rules,
@@ -76,13 +77,7 @@ def verify(v: ShapeRules, step: Step) -> None:
     index = v.refs("index")
     if index:
         (idx,) = index
-        buf = v.buffer(idx.name)
-        if buf is not None and buf.dtype.value not in ("i32", "i64"):
-            v.error(idx.mark, "bad-index",
-                    f"index '{idx.name}' of step '{step.name}' is {buf.dtype.value}; it holds "
-                    "row numbers (i32 or i64)",
-                    hint=f"declare '{idx.name}' with dtype i32")
-        if buf is not None:
+        if integer_index(v, step, idx, "row numbers") is not None:
             v.expect(idx, list(ws), f"one row of x per weight of '{weights.name}'")
         if len(xs) < 2:
             v.error(x.mark, "shape-mismatch",

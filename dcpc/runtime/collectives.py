@@ -477,7 +477,7 @@ def ragged_all_to_all(
     src: torch.Tensor,
     counts: torch.Tensor,
     dst: torch.Tensor,
-    recv_counts: torch.Tensor,
+    recv_counts: torch.Tensor | None,
     capacity: int,
     world: int,
     step: str,
@@ -489,6 +489,7 @@ def ragged_all_to_all(
     group: int | None = None,
     rule: ScaleRule = "dcpc",
     offset: int | None = None,
+    index: torch.Tensor | None = None,
 ) -> None:
     """Rows [0, counts[j]) of block j of src ([W, cap, ...]) land in dst[rank] on rank j,
     with counts[j] in recv_counts[rank]; rows of dst past a count are left alone. A count
@@ -505,8 +506,13 @@ def ragged_all_to_all(
     recv_counts [W, G].
     ``offset`` k (one peer per rank): only the slots for member rank + k are sent, only
     those from rank - k land (dst's and recv_counts' others are left alone); every member
-    still takes part in the one exchange (the other parts travel empty)."""
-    from dcpc.runtime.errors import over_capacity
+    still takes part in the one exchange (the other parts travel empty).
+    ``index`` (src's [W, cap] integers, DeepEP's src_info): live row i of a slot lands at
+    row index[slot, i] of its destination slot (in row order: of two rows placed alike
+    the later stays); one outside [0, cap) raises before anything is sent
+    (errors.outside_slot). ``recv_counts`` None: no count is stored (the counts still
+    cross the wire: this backend lands the rows by them)."""
+    from dcpc.runtime.errors import outside_slot, over_capacity
 
     sent = counts.reshape(-1).to(torch.int32)
     # the wire's order: (peer, group), peer-major; the slot each is in src/counts and dst
@@ -527,6 +533,13 @@ def ragged_all_to_all(
         i = over[0]
         j = pairs[out_of.index(i)][0]
         raise over_capacity(step, comm.me, comm.rank_of(j), int(sent[i]), capacity, index=i)
+    places = None if index is None else index.reshape(world * groups, capacity).to(torch.int64)
+    for i in [] if places is None else sends:  # before anything is sent, as a bad count
+        row = places[out_of[i], :int(sent[out_of[i]])]
+        outside = row[(row < 0) | (row >= capacity)]
+        if len(outside):
+            raise outside_slot(step, comm.me, comm.rank_of(pairs[i][0]), int(outside[0]),
+                               capacity, index=out_of[i])
     if cast in (2, 4) and scale is not None:
         merge.checked_scale(scale)  # before anything is sent, as a bad count
     got = torch.empty(world * groups, dtype=torch.int32, device=sent.device)
@@ -535,6 +548,10 @@ def ragged_all_to_all(
     landed = [(x, dst)] + [(extra.contiguous(), extra_dst) for extra, extra_dst in more]
     if row_scales is not None and scale is not None:
         landed.append((row_scales, scale))
+    at = None  # the row each landed row goes to: index's, travelling as the rows do
+    if places is not None:
+        at = torch.empty(world * groups, capacity, dtype=torch.int64, device=dst.device)
+        _all_to_all_single(comm, at.reshape(-1), places[out_of].reshape(-1), world)
     for payload, target in landed:  # as is past the first: ids, weights, bit for bit
         staged = torch.empty(world * groups, capacity, *payload.shape[2:], dtype=target.dtype,
                              device=target.device)
@@ -543,8 +560,12 @@ def ragged_all_to_all(
         slots = target.view(world * groups, capacity, *target.shape[2:])
         for k in lands:
             n = int(got[k])
-            slots[into[k], :n].copy_(staged[k, :n])
-    recv_counts.view(-1)[[into[k] for k in lands]] = got[lands].to(recv_counts.dtype)
+            if at is None:
+                slots[into[k], :n].copy_(staged[k, :n])
+            for i in range(n) if at is not None else ():  # in row order: the later stays
+                slots[into[k], int(at[k, i])].copy_(staged[k, i])
+    if recv_counts is not None:
+        recv_counts.view(-1)[[into[k] for k in lands]] = got[lands].to(recv_counts.dtype)
 
 
 def weighted_combine(

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 # flag. OVER_CAPACITY: "peer" the peer's rank, "epoch" the count, "here" the capacity,
 # "there" 1 when the receiver found it, "flag" 1 + the peer's member index in a team
 # step (its index into counts; 0: the whole group, where index and rank agree);
-# BAD_INDEX: "peer" the token, "epoch" the row, "here" the rows;
+# BAD_INDEX: "peer" the token, "epoch" the row, "here" the rows; OUTSIDE_SLOT: "peer"
+# the receiver's rank, "epoch" the row, "here" the capacity, "flag" as OVER_CAPACITY's;
 # BAD_SCALE: "epoch" the scale's f32 bits. The CPU watchdog sets "stop" at a call's
 # deadline (a kernel cannot read a clock there).
 RECORD = ("code", "step", "peer", "epoch", "here", "there", "stop", "flag")
@@ -188,6 +189,23 @@ def bad_index(step: str, rank: int | None, token: int, row: int,
         "rows of x; an index is a row of x, or negative for an empty slot")
 
 
+def outside_slot(step: str, rank: int | None, peer: int, row: int, capacity: int,
+                 index: int | None = None) -> DcpcArgumentError:
+    """A ragged_all_to_all's ``index`` (the row a live row lands at in its destination
+    slot, DeepEP's src_info) outside [0, capacity), in the part for rank ``peer``
+    (``index``: that part's slot in counts; None: the peer's block): that row was not
+    stored. The kernel records the row clamped into i32 (an i64 index): its ends read
+    "at row >= 2147483647", "at row <= -2147483648"."""
+    who = f"rank {rank}" if rank is not None else "this rank"
+    at = f" (slot {index} of counts)" if index is not None and index != peer else ""
+    said = f">= {row}" if row == 2**31 - 1 else f"<= {row}" if row == -(2**31) else row
+    return DcpcArgumentError(
+        f"step '{step}': {who}'s index places a row for rank {peer}{at} at row {said} of "
+        f"its slot, outside [0, capacity {capacity}); that row was not stored and this "
+        "module instance is now failed: an index is a row of the slot (DeepEP's "
+        "src_info: the token's index on its owner, below num_max_dispatch_tokens_per_rank)")
+
+
 def _bad_scale(step: str, rank: int | None, words: dict[str, int]) -> DcpcScaleError:
     from dcpc.numerics import scale_fault
 
@@ -226,4 +244,8 @@ KERNEL_ERRORS: dict[str, KernelError] = {
         step, rank, w["peer"], w["epoch"], w["here"])),
     # a per-tensor fp8 scale that dcpc.numerics.scale_fault refuses
     "BAD_SCALE": KernelError(6, _bad_scale),
+    # ragged_all_to_all with index: a row placed outside its slot's capacity
+    "OUTSIDE_SLOT": KernelError(7, lambda step, rank, w: outside_slot(
+        step, rank, w["peer"], w["epoch"], w["here"],
+        index=w["flag"] - 1 if w["flag"] > 0 else None)),
 }

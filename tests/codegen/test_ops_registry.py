@@ -153,7 +153,8 @@ def test_every_scale_and_mask_of_the_conformance_schedules_has_its_input_rule() 
     from synth reading any op's fields): on every schedules/ops/ record, each
     ``output_scale`` and ``per: tensor`` cast scale is a ``TensorScale``, each
     ``mask_empty`` buffer the ``Requests`` mask over dst's rows, each ragged move's
-    counts ``Counts`` of its capacity, each weighted combine's index a ``RowIndex``."""
+    counts ``Counts`` of its capacity (its index a ``Placement`` in it), each weighted
+    combine's index a ``RowIndex``."""
     from dcpc.lang.parse import parse_file
     from dcpc.ops import iface
 
@@ -176,8 +177,10 @@ def test_every_scale_and_mask_of_the_conformance_schedules_has_its_input_rule() 
                 want[mask.lengths] = want[mask.query_start_loc] = iface.Requests(mask, op.dst)
             if step.kind == "ragged_all_to_all":
                 want[op.counts] = iface.Counts(str(op.capacity))
+                if op.index:  # the rows each row lands at: distinct, within a slot
+                    want[op.index] = iface.Placement(str(op.capacity))
             if step.kind == "weighted_combine" and op.index:
                 want[op.index] = iface.RowIndex(op.src[0])
             assert rules == want, (path.name, step.name)
             seen.update(type(r).__name__ for r in want.values())
-    assert seen == {"TensorScale", "Requests", "Counts", "RowIndex"}
+    assert seen == {"TensorScale", "Requests", "Counts", "RowIndex", "Placement"}

@@ -77,24 +77,32 @@ def test_a_float_buffer_takes_no_range() -> None:
 
 def test_the_draws_stay_in_the_range_with_both_ends_in_a_run() -> None:
     """Integer payloads beside the tokens were drawn over the whole i32 range: now over
-    their declared values (the moe gallery's i_send, token indices in [0, T)); the counts
-    an op reads by the same mechanism, 0..capacity. At W=2 over 8 calls: both ends
-    appear, a count strictly between (a partly filled slot), and a call where no count
-    is 0 (every slot gets rows)."""
+    their declared values (the moe gallery's i_send, token indices in [0, min(T, C)),
+    each once per slot: the combine's index); the counts an op reads by the same
+    mechanism, 0..capacity, within their declared 0..T (T <= C: DeepEP's num_tokens <=
+    num_max_dispatch_tokens_per_rank). At W=2 over 8 calls: both ends appear, a count
+    strictly between (a partly filled slot), and a call where no count is 0 (every slot
+    gets rows)."""
     schedule = parse_file(GALLERY / "moe_dispatch_combine.yaml", 2)
     ctor = synth.constructor_sizes(schedule, 2)
     ids: set[int] = set()
-    seen: list[tuple[int, list[int]]] = []  # (capacity, every rank's counts) per call
+    seen: list[tuple[int, list[int]]] = []  # (top count, every rank's counts) per call
+    drawn: list[tuple[int, int]] = []  # (T, C) per call
     for call in range(8):
         sizes = synth.call_sizes(schedule, 2, ctor, 0, call)
-        cap = sizes["C"]
+        drawn.append((sizes["T"], sizes["C"]))
+        cap, tokens = sizes["C"], min(sizes["T"], sizes["C"])
         calls = synth.call_inputs(schedule, 2, sizes, 0, call)
         for bufs in calls:
             got = bufs["i_send"].flatten().tolist()
-            assert all(0 <= v < sizes["T"] for v in got), (sizes, got)
+            assert all(0 <= v < tokens for v in got), (sizes, got)
+            assert all(len(set(got[i:i + cap])) == tokens for i in range(0, len(got), cap))
             ids.update(got)
-        seen.append((cap, [v for bufs in calls for v in bufs["counts"].flatten().tolist()]))
-    assert ids == set(range(ctor["T"]))  # call 0 at T's max: every index, none outside
+        seen.append((min(sizes["T"], cap),
+                     [v for bufs in calls for v in bufs["counts"].flatten().tolist()]))
+    assert ctor["T"] == ctor["C"] == 4
+    assert ids == set(range(ctor["C"]))  # call 0 at the maxima: every index, none outside
+    assert any(sizes_t < cap for sizes_t, cap in drawn), drawn  # a call with T < C
     assert all(0 <= n <= cap for cap, counts in seen for n in counts), seen
     assert any(0 in counts for _, counts in seen) and any(cap in counts for cap, counts in seen)
     assert any(0 < n < cap for cap, counts in seen for n in counts), seen
@@ -186,3 +194,28 @@ def test_a_range_with_no_count_in_it_is_refused(spelling: str, words: str) -> No
     assert words in found.message and "step 'go' (ragged_all_to_all)" in found.message, \
         found.message
     assert check_errors(text.replace(spelling, "{min: 1, max: 2*C}")) == []
+
+
+@pytest.mark.parametrize(("spot", "spelling", "name"), [
+    ("i_send:   {shape: [W, L*C], dtype: i32, values: {min: 0, max: T - 1}}",
+     "i_send:   {shape: [W, L*C], dtype: i32, values: {min: C, max: C + 3}}", "i_send"),
+    ("src_info: {shape: [L, W*C], dtype: i32, symmetric: true}",
+     "src_info: {shape: [L, W*C], dtype: i32, symmetric: true, values: {min: C, max: 2*C}}",
+     "src_info"),
+])
+def test_a_placement_range_with_no_row_of_the_slot_is_refused(spot: str, spelling: str,
+                                                              name: str) -> None:
+    """A ragged move's index (src_info) and the src that lands in it (i_send) name rows
+    of a slot of C: a range from C up leaves no row (`dcpc run` failed drawing them);
+    located on min, naming the capacity. A range that reaches past C from below (the
+    gallery's T - 1, T > C in some binding) keeps rows: accepted."""
+    text = (GALLERY / "moe_dispatch_combine.yaml").read_text()
+    assert spot in text
+    text = text.replace(spot, spelling)
+    (found,) = check_errors(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if spelling in t)
+    col = text.splitlines()[line - 1].index("min: ") + len("min: ") + 1
+    assert (found.code, found.mark.line, found.mark.col) == ("bad-values", line, col)
+    assert f"'values: min' of buffer '{name}' (C) is 1 at W=2, C=1, not below the " \
+        "capacity C = 1 of the slot" in found.message, found.message
+    assert check_errors(text.replace("{min: C,", "{min: 0,")) == []

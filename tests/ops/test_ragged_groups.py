@@ -9,15 +9,15 @@ split phase) are schedules/ops/ragged_all_to_all_groups.yaml's."""
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.kernels import run_threads
 
-from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
+from dcpc.runtime.errors import DcpcArgumentError
 
 W, L, C, H = 2, 3, 3, 8  # W != L: a peer and a group swapped fail
 
@@ -53,26 +53,7 @@ def _payload(rank: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Ten
 def _run(text: str, call: Callable[[Any, int], Any]) -> list[Any]:
     """``call(instance, rank)`` on every rank of a W-rank local group, its result or the
     error it raised (str)."""
-    from dcpc.harness.run import compile_to
-    from dcpc.harness.worker import load_module_class
-    from dcpc.runtime.local import LocalGroup
-
-    with tempfile.TemporaryDirectory(prefix="dcpc-groups-") as tmp:
-        path = Path(tmp) / "grouped.yaml"
-        path.write_text(text)
-        _, module, _, _ = compile_to(str(path), Path(tmp), W)
-
-        def rank_main(rank: Any) -> Any:
-            inst = load_module_class(module, "grouped")(rank, sizes={"C": C}, device="cpu",
-                                                        backend="local", timeout_s=30)
-            try:
-                return [t.clone() for t in call(inst, rank.rank)]
-            except (DcpcArgumentError, DcpcPeerFailedError) as exc:
-                return str(exc)
-            finally:
-                inst.close()
-
-        return LocalGroup(W, "cpu", timeout_s=120).run(rank_main)
+    return run_threads(text, "grouped", W, {"C": C}, call)
 
 
 # counts[p][j, e]: rows rank p sends rank j's expert e; 0 and C (full) on both ranks

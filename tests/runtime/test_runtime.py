@@ -137,6 +137,9 @@ def test_signal_bank_starts_at_epoch_start_and_reports_timeouts():
     ("BAD_INDEX", [0, 0, 5, 12, 10, 0, 0, 0],
      "step 'a': rank 1's index of token 5 holds row 12, past the 10 rows of x"),
     ("BAD_SCALE", [0, 1, 0, 0x7FC00000, 0, 0, 0, 0], "step 'b': rank 1's fp8 scale is nan"),
+    ("OUTSIDE_SLOT", [0, 1, 2, 4, 4, 0, 0, 4],
+     "step 'b': rank 1's index places a row for rank 2 (slot 3 of counts) at row 4 of "
+     "its slot, outside [0, capacity 4)"),
 ])
 def test_an_op_s_error_code_is_one_row_of_the_errors_table(name, record, words):
     """An op's kernel error code is defined once (errors.KERNEL_ERRORS): the kernels'

@@ -222,7 +222,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         writes(op.writes, 0)
     elif kind == "ragged_all_to_all":  # writes block `rank` of every peer's dst, any count
         rows, counts = _ragged_parts(op, axes)
-        reads(_as_list(op.src) + [op.counts], 0)
+        reads(_as_list(op.src) + [op.counts] + _as_list(op.index), 0)
         stores(_as_list(op.dst), (rows, b.rank))
         stores([op.recv_counts], (counts, b.rank))
         _cast_scale(op, schedule, reads, stores, b.rank, axes, rows)
@@ -715,7 +715,7 @@ def _split_key(op) -> tuple:
     elif op.op == "reduce_scatter":
         extra = (op.dim, op.via, op.output_scale)
     else:
-        extra = (op.counts, op.recv_counts, _expression(op.capacity),
+        extra = (op.counts, op.recv_counts, op.index, _expression(op.capacity),
                  op.scale.buffer if op.scale is not None else None,
                  _expression(op.groups) if op.groups is not None else None, op.direction,
                  getattr(op, "offset", None))
@@ -781,7 +781,7 @@ def _split_exchange(b: _Builder, schedule: Schedule, name: str, index: int, op, 
                     b.access(name, index, 0, n, "write", owner=target, part=part,
                              lands=landing)
 
-        reads(_as_list(op.src) + ([op.counts] if ragged else []), 0)
+        reads(_as_list(op.src) + ([op.counts, *_as_list(op.index)] if ragged else []), 0)
         into = [op.via or f"{name}_recv"] if summed else _as_list(op.dst)
         stores(into, part)
         if ragged:

@@ -123,3 +123,33 @@ def construct_on_local_ranks(cls: type, world: int, sizes_of: Callable[[int], di
 
     LocalGroup(world, "cpu", timeout_s=60).run(body, timeout_s=60)
     return said
+
+
+def run_threads(text: str, name: str, world: int, sizes: dict[str, int],
+                call: Callable[[Any, int], Any]) -> list[Any]:
+    """Schedule ``text`` (named ``name``) compiled and run on a ``world``-rank local group
+    (ranks as threads, the ``local`` backend): ``call(instance, rank)`` on every rank,
+    the tensors it returns (cloned) or the run-time error it raised (str)."""
+    import tempfile
+
+    from dcpc.harness.run import compile_to
+    from dcpc.harness.worker import load_module_class
+    from dcpc.runtime.errors import DcpcArgumentError, DcpcPeerFailedError
+    from dcpc.runtime.local import LocalGroup
+
+    with tempfile.TemporaryDirectory(prefix=f"dcpc-{name}-") as tmp:
+        path = Path(tmp) / f"{name}.yaml"
+        path.write_text(text)
+        _, module, _, _ = compile_to(str(path), Path(tmp), world)
+
+        def rank_main(rank: Any) -> Any:
+            inst = load_module_class(module, name)(rank, sizes=sizes, device="cpu",
+                                                   backend="local", timeout_s=30)
+            try:
+                return [t.clone() for t in call(inst, rank.rank)]
+            except (DcpcArgumentError, DcpcPeerFailedError) as exc:
+                return str(exc)
+            finally:
+                inst.close()
+
+        return LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
