@@ -16,7 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cex_legal import violations
 from support.hb_oracle import CREDIT_HEADER, oracle_keys, random_credit_schedule_text
-from support.schedules import CHAIN_RACE, GATHER_NO_BARRIER, GUARDED_CHAIN, shift_head
+from support.schedules import (
+    CHAIN_RACE,
+    GATHER_NO_BARRIER,
+    GUARDED_CHAIN,
+    shift_head,
+)
 
 from dcpc.check import hb, structural
 from dcpc.diagnostics import DiagnosticError
@@ -473,6 +478,43 @@ def test_a_src_read_of_a_rank_that_sends_nothing_races_nothing(text: str, world:
     for f in report.as_json()["findings"]:
         assert violations(schedule, f) == [], f
 
+
+
+
+# sym26: the same read on the symmetric model (no guard, no chain: every rank alike), which
+# counted it on every rank: t3's src h1 is read only where t3 sends, and t0's next store
+# into h1 (the same slot, two calls on) is ordered after no rank's t3. Offset 3 (or
+# perm r + 3) sends nothing at W = 2, 3; a line (perm) of +1 nothing from rank W - 1,
+# which at W = 2 is the only rank t0's line stores into
+SRC_READ = SHIFT_CHAIN_HEAD.replace("STREAMS", "per_slot") + """\
+  - t0: {op: shift, src: x, dst: h1, T0}
+  - t1: {op: external, reads: [x], writes: [h0]}
+  - t2: {op: barrier}
+  - t3: {op: shift, src: h1, dst: h0, T3}
+"""
+
+
+@pytest.mark.parametrize(("t0", "t3", "quiet"), [
+    ("offset: -1", "offset: 3, wrap: false", (2, 3)),
+    ("offset: -1", 'perm: "r + 3"', (2, 3)),
+    ("offset: 1, wrap: false", "offset: 1, wrap: false", (2,)),
+    ('perm: "r + 1"', 'perm: "r + 1"', (2,)),
+], ids=["line-far", "perm-far", "line-edge", "perm-edge"])
+def test_the_symmetric_model_counts_a_src_read_only_where_the_rank_sends(
+        t0: str, t3: str, quiet: tuple[int, ...]) -> None:
+    """The brute force's races, no more, at W = 2..5: none where no rank that t0's
+    stores reach reads h1 (main reported t3/t0 there, its counterexample a read of a
+    rank that sends nothing), else the one race, shown on a rank that sends."""
+    text = SRC_READ.replace("T0", t0).replace("T3", t3)
+    for world in range(2, 6):
+        schedule = parse_text(text, "shifts.yaml", world=world)
+        report = hb.check(schedule, [world], hints=False)
+        assert {f.key for f in report.findings} == oracle_keys(schedule, world), world
+        assert bool(report.findings) == (world not in quiet), world
+        for f in report.as_json()["findings"]:
+            assert f["steps"] == ["t3", "t0"], f
+            assert f["first"]["rank"] + (3 if "3" in t3 else 1) < world, f  # it sends
+            assert violations(schedule, f) == [], f
 
 # a wait's when: C(rank); its signal's the same at the rank it signals (the credit goes
 # back by ``back``), so every edge is proved and ranks differ in who signals and waits

@@ -26,13 +26,13 @@ calls and steps (a wait that polls a later step of its call never returns).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from dcpc.check.hb.clocks import World
-from dcpc.check.hb.events import PHASE_ORDER, Access
+from dcpc.check.hb.events import PHASE_ORDER, Access, Event
 from dcpc.lang.mesh import Torus, shape_of, torus
+from dcpc.lang.semantics import Region
 
 WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
 
@@ -145,13 +145,26 @@ def _writers(world: World, access: Access) -> list[int]:
 def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Access],
                 every: bool = False) -> list[tuple[int, int]]:
     """The (rank of a, rank of b) whose accesses of groups a and b to rank 0's instance
-    overlap, in the order counterexamples prefer: the one definition of which concrete
-    accesses conflict (their groups write, one at least: the caller). ``every``: each
-    common writer of two stores of one partition, which the symmetric model needs only
-    one of (by translation) but the ranks' real steps (legal.Execution) each."""
-    (_, _, xa), (_, _, xb) = a, b
+    overlap, and that some translation of the torus makes both (``made``: the model gives
+    every rank a perm's store at every delta, a broadcast's from every rank, a line's
+    past its end and a shift's src read where the rank sends nothing; a pair of those
+    no translation makes names accesses no rank does), in the order counterexamples
+    prefer: the one definition of which concrete accesses conflict (their groups write,
+    one at least: the caller). ``every``: each common writer of two stores of one
+    partition, which the symmetric model needs only one of (by translation) but the
+    ranks' real steps (legal.Execution) each."""
+    (ca, ja, xa), (cb, jb, xb) = a, b
+    topo = torus(shape_of(world.world))
+
+    def together(p: int, q: int) -> bool:
+        x, y = Touch(p, ca, ja, xa, 0), Touch(q, cb, jb, xb, 0)
+        if not (modelled(world, x) or modelled(world, y)):
+            return True
+        return any(made(world, rotated(x, d, topo)) and made(world, rotated(y, d, topo))
+                   for d in range(topo.size))
+
     if not xa.remote and not xb.remote:
-        return [(0, 0)]
+        return [(0, 0)] if together(0, 0) else []
     if xa.remote and xb.remote:
         assert xa.region is not None and xb.region is not None
         if xa.region.partition == xb.region.partition:
@@ -163,13 +176,78 @@ def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Acc
             # (a store into one peer's instance, Region.peer, reaches rank 0 from one
             # writer: the two meet there only at a writer both have)
             theirs = set(_writers(world, xb))
-            ps = [p for p in _writers(world, xa) if p in theirs]
+            ps = [p for p in _writers(world, xa) if p in theirs and together(p, p)]
             ps = ps if every or xa.region.scheme == "perm" else ps[:1]
             return [(p, p) for p in ps]
-        return [(p, q) for p in _writers(world, xa) for q in _writers(world, xb)]
+        return [(p, q) for p in _writers(world, xa) for q in _writers(world, xb)
+                if together(p, q)]
     # one local access of rank 0, one store group: rank 0's whole instance meets part p
-    return [(0, p) if not xa.remote else (p, 0)
-            for p in _writers(world, xb if xb.remote else xa)]
+    pairs = [(0, p) if not xa.remote else (p, 0)
+             for p in _writers(world, xb if xb.remote else xa)]
+    return [(p, q) for p, q in pairs if together(p, q)]
+
+
+def made(world: World, t: Touch) -> bool:
+    """Whether the program makes access t, which the symmetric model gives every rank: a
+    line's or perm's store where the writer's store lands on t's owner (``_lands``), a
+    broadcast's from its root, a shift's push read of its ``src`` on a rank whose store
+    lands anywhere (a rank past a line's end or out of a partial perm sends nothing and
+    reads no src: review gc25 M2, sym26); any other access is made."""
+    topo = torus(shape_of(world.world))
+    region = _modelled_store(t)
+    if region is None:
+        region = _push_of(world.program.events, t)
+        return region is None or _lands(topo, region, t.rank)
+    if region.scheme in ("line", "perm"):
+        return _lands(topo, region, t.rank, t.owner)
+    team = topo.team(t.owner, region.axes)  # a broadcast's: its root, member ``dim``
+    return team[region.dim] == t.rank
+
+
+def _lands(topo: Torus, region: Region, rank: int, owner: int | None = None) -> bool:
+    """Whether ``rank``'s store of a ``line`` or ``perm`` region is one the program makes,
+    into ``owner``'s instance (None: into any rank's): the one rule of where a shift
+    without wrap or a perm stores, and so of which ranks push (and read its src). A
+    line's target is the member ``offset`` on along its team, none past either end; a
+    perm's ``table[rank]``, none for -1 (a table of another size: taken as made)."""
+    if region.scheme == "line":
+        target = topo.peer(rank, region.axes, region.offset, wrap=False)
+    elif len(region.table) != topo.size:
+        return True
+    else:
+        target = region.table[rank] if region.table[rank] >= 0 else None
+    return target is not None and owner in (None, target)
+
+
+def modelled(world: World, t: Touch) -> bool:
+    """Whether t is an access the model gives ranks the program may not (``made``)."""
+    return _modelled_store(t) is not None or _push_of(world.program.events, t) is not None
+
+
+def _push_of(events: tuple[Event, ...], t: Touch) -> Region | None:
+    """For a rank's read of its own instance in a send event with a ``line`` or
+    ``perm`` store (a shift's push: its src read), that store's region, else None."""
+    event = events[t.j]
+    if t.access.kind != "read" or t.access.region is not None or event.phase != "send":
+        return None
+    return next((a.region for a in event.accesses if a.kind == "write"
+                 and a.region is not None and a.region.scheme in ("line", "perm")), None)
+
+
+def _modelled_store(t: Touch) -> Region | None:
+    """The region of a store the model gives ranks the program does not (a perm's at
+    every delta of its table, a broadcast's from every rank, a line's past its end),
+    else None."""
+    region = t.access.region
+    if t.access.kind != "write" or region is None or region.scheme not in (
+            "perm", "root", "line"):
+        return None
+    return region
+
+
+def rotated(t: Touch, d: int, topo: Torus) -> Touch:
+    """t translated by d: its rank and its owner."""
+    return replace(t, rank=topo.add(t.rank, d), owner=topo.add(t.owner, d))
 
 
 def _first_unordered(
@@ -312,17 +390,17 @@ class Cuts(Protocol):
     def unordered(self, race: RawRace) -> object | None: ...
 
 
-def find_real_races(world: World, execution: Cuts,
-                    made: Callable[[Touch], bool]) -> list[RawRace]:
+def find_real_races(world: World, execution: Cuts) -> list[RawRace]:
     """One race per (class, buffer, step pair), decided on the ranks' real steps under
     their ``when:`` guards (legal.Execution), where the symmetric model's clocks stop at
     a cycle of waits those guards cut: every rank finishes every call there, so every
     event is searched (not only the model's live ones), on every owner's instance (the
     ranks differ: no rotation stands for another), each pair of conflicting accesses
-    (``_rank_pairs``, every common writer) whose stores the program makes (``made``: a
-    perm's at its table, a broadcast's from its root) ordered iff one ends before the
-    other starts in the other's cut (``Execution.unordered``). A race is kept with the
-    first pair found, its translation the checker's counterexample as it is."""
+    (``_rank_pairs``, every common writer) that the program makes (``made``: a perm's
+    store at its table, a broadcast's from its root, a shift's src read where it sends)
+    ordered iff one ends before the other starts in the other's cut
+    (``Execution.unordered``). A race is kept with the first pair found, its
+    translation the checker's counterexample as it is."""
     found: dict[tuple[str, str, str, str, str], RawRace] = {}
     topo = torus(shape_of(world.world))
     for buffer, signatures in sorted(_touching(world).items()):
@@ -337,22 +415,21 @@ def find_real_races(world: World, execution: Cuts,
                     key = _pair_key(world, buffer, a, b)
                     if key in found:
                         continue
-                    race = _real_race(world, execution, made, topo, buffer, slot, a, b)
+                    race = _real_race(world, execution, topo, buffer, slot, a, b)
                     if race is not None:
                         found[key] = race
     return list(found.values())
 
 
-def _real_race(world: World, execution: Cuts, made: Callable[[Touch], bool], topo: Torus,
-               buffer: str, slot: int | None, a: tuple[int, int, Access],
-               b: tuple[int, int, Access]) -> RawRace | None:
+def _real_race(world: World, execution: Cuts, topo: Torus, buffer: str, slot: int | None,
+               a: tuple[int, int, Access], b: tuple[int, int, Access]) -> RawRace | None:
     """The first conflicting pair of groups a and b, on any owner's instance, that the
     real steps leave unordered (``find_real_races``), else None."""
     for ra, rb in _rank_pairs(world, a, b, every=True):
         for owner in range(topo.size):
             x = Touch(topo.add(ra, owner), a[0], a[1], a[2], owner)
             y = Touch(topo.add(rb, owner), b[0], b[1], b[2], owner)
-            if not (made(x) and made(y)):
+            if not (made(world, x) and made(world, y)):
                 continue
             cls, first, second = classify(world, x, y)
             race = RawRace(cls, buffer, first, second, slot)
