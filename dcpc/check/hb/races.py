@@ -153,15 +153,10 @@ def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Acc
     one at least: the caller). ``every``: each common writer of two stores of one
     partition, which the symmetric model needs only one of (by translation) but the
     ranks' real steps (legal.Execution) each."""
-    (ca, ja, xa), (cb, jb, xb) = a, b
-    topo = torus(shape_of(world.world))
+    (_, ja, xa), (_, jb, xb) = a, b
 
     def together(p: int, q: int) -> bool:
-        x, y = Touch(p, ca, ja, xa, 0), Touch(q, cb, jb, xb, 0)
-        if not (modelled(world, x) or modelled(world, y)):
-            return True
-        return any(made(world, rotated(x, d, topo)) and made(world, rotated(y, d, topo))
-                   for d in range(topo.size))
+        return _translations(world, ja, xa, p) & _translations(world, jb, xb, q) != 0
 
     if not xa.remote and not xb.remote:
         return [(0, 0)] if together(0, 0) else []
@@ -187,6 +182,20 @@ def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Acc
     return [(p, q) for p, q in pairs if together(p, q)]
 
 
+def _translations(world: World, j: int, access: Access, rank: int) -> int:
+    """The translations d of the torus at which ``rank``'s ``access`` of event j to rank
+    0's instance, moved by d, is one the program makes (``made``), as a bit mask (-1:
+    every d, an access the model gives no rank it lacks); cached per W (O(W) each)."""
+    key = (j, id(access), rank)
+    mask = world.made_at.get(key)
+    if mask is None:
+        topo, t = torus(shape_of(world.world)), Touch(rank, 0, j, access, 0)
+        mask = -1 if not modelled(world, t) else sum(
+            1 << d for d in range(topo.size) if made(world, rotated(t, d, topo)))
+        world.made_at[key] = mask
+    return mask
+
+
 def made(world: World, t: Touch) -> bool:
     """Whether the program makes access t, which the symmetric model gives every rank: a
     line's or perm's store where the writer's store lands on t's owner (``_lands``), a
@@ -206,16 +215,12 @@ def made(world: World, t: Touch) -> bool:
 
 def _lands(topo: Torus, region: Region, rank: int, owner: int | None = None) -> bool:
     """Whether ``rank``'s store of a ``line`` or ``perm`` region is one the program makes,
-    into ``owner``'s instance (None: into any rank's): the one rule of where a shift
-    without wrap or a perm stores, and so of which ranks push (and read its src). A
-    line's target is the member ``offset`` on along its team, none past either end; a
-    perm's ``table[rank]``, none for -1 (a table of another size: taken as made)."""
-    if region.scheme == "line":
-        target = topo.peer(rank, region.axes, region.offset, wrap=False)
-    elif len(region.table) != topo.size:
+    into ``owner``'s instance (None: into any rank's), as ``Region.target`` says (a
+    perm's table of another size than W, a hint's re-check at a larger W: taken as
+    made, the model's every delta)."""
+    if region.scheme == "perm" and len(region.table) != topo.size:
         return True
-    else:
-        target = region.table[rank] if region.table[rank] >= 0 else None
+    target = region.target(rank, topo)
     return target is not None and owner in (None, target)
 
 
