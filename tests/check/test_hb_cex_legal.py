@@ -20,11 +20,18 @@ from support.schedules import (
     CHAIN_RACE,
     GATHER_NO_BARRIER,
     GUARDED_CHAIN,
+    errors,
     shift_head,
+    write,
 )
 
 from dcpc.check import hb, structural
+from dcpc.check.hb.clocks import analyze, gates
+from dcpc.check.hb.events import lower
+from dcpc.check.hb.legal import Execution
+from dcpc.check.hb.races import MAX_REAL_WORK
 from dcpc.diagnostics import DiagnosticError
+from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
 
@@ -480,6 +487,37 @@ def test_a_src_read_of_a_rank_that_sends_nothing_races_nothing(text: str, world:
 
 
 
+
+@pytest.mark.parametrize(("text", "world"), [(LINE_READ, 5), (PERM_READ, 5), (CHAIN_RACE, 4)])
+def test_a_cut_walked_on_from_the_one_before_it_is_the_cut_walked_from_nothing(
+        text: str, world: int) -> None:
+    """legal.Execution.before makes each cut from the cached one before it on its stream
+    (sym26: the real-steps search was W^2 x events slower); asked in a shuffled order,
+    every rank's cut of every event is the one the walk from an empty cut gives."""
+    schedule = parse_text(text, "shifts.yaml", world=world)
+    program = lower(schedule)
+    model = analyze(program, world, None, gates(schedule, program, world))
+    execution = Execution(model, wh.running(schedule, world))
+    asked = [(rank, pos) for rank in range(world) for pos in range(model.calls * model.n)]
+    random.Random(world).shuffle(asked)
+    empty = [0] * (world * model.streams)
+    walked = [execution.before(rank, pos) for rank, pos in asked]
+    assert any(cut is not None and any(cut) for cut in walked)
+    for (rank, pos), cut in zip(asked, walked, strict=True):
+        assert cut == Execution(model, execution.running)._before(rank, pos, list(empty)), \
+            (rank, pos)
+
+
+def test_a_real_steps_search_past_its_bound_is_refused_before_it_starts(
+        tmp_path: Path) -> None:
+    """LINE_READ at W = 128: its model stops at the guarded cycle, and the search of the
+    real steps (W x events x W x streams cut entries, pairs x W x W) is above
+    races.MAX_REAL_WORK: a located schedule-too-large naming the W and the limit, not
+    minutes of search."""
+    ((code, line, col, message),) = errors(write(tmp_path, LINE_READ, "line.yaml"), (128,))
+    assert (code, line, col) == ("schedule-too-large", 10, 3), message
+    assert message.startswith("at W=128 the when: guards cut the model's cycle"), message
+    assert message.endswith(f"above the limit of {MAX_REAL_WORK}"), message
 
 # sym26: the same read on the symmetric model (no guard, no chain: every rank alike), which
 # counted it on every rank: t3's src h1 is read only where t3 sends, and t0's next store

@@ -14,12 +14,14 @@ from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.legal import Execution, peers_of
 from dcpc.check.hb.races import (
+    MAX_REAL_WORK,
     PairKeys,
     RawRace,
     find_races,
     find_real_races,
     made,
     modelled,
+    real_work,
     rotated,
 )
 from dcpc.check.hb.report import (
@@ -28,6 +30,7 @@ from dcpc.check.hb.report import (
     deadlock_finding,
     race_finding,
 )
+from dcpc.diagnostics import Diagnostic, DiagnosticError
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of, shape_of, torus
 from dcpc.lang.model import Schedule
@@ -77,6 +80,7 @@ def check(
     findings: dict[tuple[str, str, str, str, str], Finding] = {}
     events = 0
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
+    searched: list[tuple[int, int]] = []  # (W, work) of each real-steps search so far
     for w in analysed:
         world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
@@ -88,6 +92,7 @@ def check(
             stuck = world.execution.stuck()
             if stuck is None:  # the guards cut the model's cycle: the real steps decide
                 deadlocks = []  # (the model searched no race past its cycle: World.live)
+                searched = _real_steps_budget(schedule, world, searched)  # before it
                 guarded = find_real_races(world, world.execution)
         blocked = real = None
         if stuck is not None:  # only the model's deadlocks where a real rank stops
@@ -124,6 +129,28 @@ def check(
         "hint_seconds": round(time.perf_counter() - checked, 4),
     }
     return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats)
+
+
+def _real_steps_budget(schedule: Schedule, world: World,
+                       searched: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``searched`` with this W's real-steps search (races.find_real_races) added, or a
+    located refusal before it starts where the searches of this check, this one's
+    included, would pass their bound together (races.MAX_REAL_WORK)."""
+    cuts, pairs = real_work(world)
+    done = [*searched, (int(world.world), cuts + pairs)]
+    total = sum(work for _, work in done)
+    if total <= MAX_REAL_WORK:
+        return done
+    before = (f"; with the {len(searched)} W searched before it (up to W="
+              f"{searched[-1][0]}), {total} in all" if searched else "")
+    raise DiagnosticError([Diagnostic(
+        schedule.mark("steps"), "schedule-too-large",
+        f"at W={world.world} the when: guards cut the model's cycle of waits, so the races "
+        f"after it are decided on each rank's real steps: {cuts + pairs} units of work "
+        f"({cuts} cut entries, {pairs} for pairs of accesses x W owners x W writers)"
+        f"{before}, above the limit of {MAX_REAL_WORK}",
+        hint="check a narrower --world range (the real-steps search grows as W^2 at each "
+        "W), or fewer steps or slots")])
 
 
 def _unmodelled(world: World, deadlocks: list[RawDeadlock],

@@ -395,6 +395,32 @@ class Cuts(Protocol):
     def unordered(self, race: RawRace) -> object | None: ...
 
 
+# The work of the real-steps search (find_real_races), in units of one entry of a cut or
+# one (pair of accesses, owner, writer) it may compare (about 2.5 us each on this
+# project's 2-core machine beside busy processes: LINE_READ of tests/check at W = 64 is
+# 420,000 units, 1.1 s): every rank's cut of every event of the computed calls (W x
+# events x W x streams entries, each cut walked on from the one before it on its
+# stream: legal.Execution.before) and every pair of accesses to one instance (every
+# event's, of every call it holds) times W owners times W writers. The checker asks it
+# before the search: past the limit a W is refused (schedule-too-large, docs/language.md
+# "Limits"), not searched for minutes.
+MAX_REAL_WORK = 1_000_000
+
+
+def real_work(world: World) -> tuple[int, int]:
+    """(cut entries, pair units) of ``find_real_races`` at this W (``MAX_REAL_WORK``),
+    from the program's sizes alone, before any cut is made."""
+    w = int(world.world)
+    cuts = w * world.calls * world.n * w * world.streams
+    pairs = 0
+    for buffer, signatures in _touching(world).items():
+        if buffer not in world.program.shared:
+            continue
+        for _, calls in _instances(world, buffer):
+            groups = len(signatures) * len(calls)
+            pairs += groups * (groups - 1) // 2
+    return cuts, pairs * w * w
+
 def find_real_races(world: World, execution: Cuts) -> list[RawRace]:
     """One race per (class, buffer, step pair), decided on the ranks' real steps under
     their ``when:`` guards (legal.Execution), where the symmetric model's clocks stop at
