@@ -396,9 +396,9 @@ class Cuts(Protocol):
 
 
 # The work of the real-steps search (find_real_races), in units of one entry of a cut or
-# one (pair of accesses, owner, writer) it may compare (about 2.5 us each on this
-# project's 2-core machine beside busy processes: LINE_READ of tests/check at W = 64 is
-# 420,000 units, 1.1 s): every rank's cut of every event of the computed calls (W x
+# one (pair of accesses, owner, writer) it may compare (about 1 us each on this
+# project's 2-core machine, 2.5 us beside busy processes: LINE_READ of tests/check at
+# W = 64 is 420,000 units, 0.33 s idle): every rank's cut of every event of the computed calls (W x
 # events x W x streams entries, each cut walked on from the one before it on its
 # stream: legal.Execution.before) and every pair of accesses to one instance (every
 # event's, of every call it holds) times W owners times W writers. The checker asks it
