@@ -184,14 +184,19 @@ def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Acc
 
 def _translations(world: World, j: int, access: Access, rank: int) -> int:
     """The translations d of the torus at which ``rank``'s ``access`` of event j to rank
-    0's instance, moved by d, is one the program makes (``made``), as a bit mask (-1:
-    every d, an access the model gives no rank it lacks); cached per W (O(W) each)."""
+    0's instance, moved by d, is one the program makes (``made``) on a rank where its
+    step runs (``World.execution.happens``: some rank skips a guarded step; review of
+    sym26 M1: a pair of those no translation makes named a fill on a rank that runs it
+    beside a push of a rank that sends nothing), as a bit mask (-1: every d, an access
+    the model gives no rank it lacks and no guard skips); cached per W (O(W) each)."""
     key = (j, id(access), rank)
     mask = world.made_at.get(key)
     if mask is None:
         topo, t = torus(shape_of(world.world)), Touch(rank, 0, j, access, 0)
-        mask = -1 if not modelled(world, t) else sum(
-            1 << d for d in range(topo.size) if made(world, rotated(t, d, topo)))
+        ex = world.execution
+        mask = -1 if ex is None and not modelled(world, t) else sum(
+            1 << d for d in range(topo.size) if made(world, rotated(t, d, topo))
+            and (ex is None or ex.happens(t, topo.add(rank, d))))
         world.made_at[key] = mask
     return mask
 
