@@ -34,7 +34,7 @@ from dcpc.check import hb, structural
 from dcpc.check.hb.clocks import analyze, gates
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.legal import Execution
-from dcpc.check.hb.races import MAX_REAL_WORK
+from dcpc.check.hb.races import MAX_REAL_WORK, PAIR_UNITS, find_real_races, real_work
 from dcpc.diagnostics import DiagnosticError
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld
@@ -511,6 +511,61 @@ def test_a_cut_walked_on_from_the_one_before_it_is_the_cut_walked_from_nothing(
     for (rank, pos), cut in zip(asked, walked, strict=True):
         assert cut == Execution(model, execution.running)._before(rank, pos, list(empty)), \
             (rank, pos)
+
+
+# review of sym26 H1: a broadcast's store beside an all_gather's (two partitions: W x W
+# writer pairs) was compared on every owner, W^3, where real_work counted W^2
+BCAST_BESIDE_GATHER = """\
+schedule: bcast_chain
+slots: 1
+sizes: {N: 4, K: 2}
+buffers:
+  x: {shape: [N, K], dtype: f32}
+  x2: {shape: [W, N, K], dtype: f32}
+  y: {shape: [N, K], dtype: f32}
+  g: {shape: [W, N, K], dtype: f32, symmetric: true}
+steps:
+  - first: {op: wait, from: next, channel: c, when: "rank != W - 1"}
+  - then:  {op: signal, to: prev, channel: c, when: "rank != 0"}
+  - b0: {op: broadcast, src: x2, dst: g, root: 0}
+  - s0: {op: barrier}
+  - ag: {op: all_gather, src: x, dst: g, dim: 0}
+  - s1: {op: barrier}
+  - b1: {op: broadcast, src: x2, dst: g, root: 1}
+  - s2: {op: barrier}
+  - use: {op: external, reads: [g], writes: [y]}
+"""
+
+
+class _Counted:
+    """legal.Execution's ``unordered``, run as it is, counting the pairs it is asked."""
+
+    def __init__(self, execution: Execution) -> None:
+        self.execution, self.asked = execution, 0
+
+    def unordered(self, race: object) -> object | None:
+        self.asked += 1
+        return self.execution.unordered(race)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "world"), [
+    (BCAST_BESIDE_GATHER, 4), (BCAST_BESIDE_GATHER, 16), (LINE_READ, 16), (CHAIN_RACE, 8)])
+def test_the_real_steps_search_compares_no_more_pairs_than_real_work_counts(
+        text: str, world: int) -> None:
+    """The pairs (writers, owner) find_real_races compares are at most real_work's pair
+    units (PAIR_UNITS each), which a race-free schedule (every pair compared) comes within 2x of: the bound
+    counts the work done, W^2 per pair of groups, not W^3."""
+    schedule = parse_text(text, "chain.yaml", world=world)
+    program = lower(schedule)
+    model = analyze(program, world, None, gates(schedule, program, world))
+    model.execution = Execution(model, wh.running(schedule, world))
+    assert model.execution.stuck() is None  # the guards cut the model's cycle
+    pairs = real_work(model)[1] // PAIR_UNITS
+    counted = _Counted(model.execution)
+    races = find_real_races(model, counted)
+    assert 0 < counted.asked <= pairs, (counted.asked, pairs)
+    if not races:
+        assert pairs <= 2 * counted.asked, (counted.asked, pairs)
 
 
 def test_a_real_steps_search_past_its_bound_is_refused_before_it_starts(

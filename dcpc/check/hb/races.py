@@ -400,31 +400,51 @@ class Cuts(Protocol):
     def unordered(self, race: RawRace) -> object | None: ...
 
 
-# The work of the real-steps search (find_real_races), in units of one entry of a cut or
-# one (pair of accesses, owner, writer) it may compare (about 1 us each on this
-# project's 2-core machine, 2.5 us beside busy processes: LINE_READ of tests/check at
-# W = 64 is 420,000 units, 0.33 s idle): every rank's cut of every event of the computed calls (W x
-# events x W x streams entries, each cut walked on from the one before it on its
-# stream: legal.Execution.before) and every pair of accesses to one instance (every
-# event's, of every call it holds) times W owners times W writers. The checker asks it
-# before the search: past the limit a W is refused (schedule-too-large, docs/language.md
-# "Limits"), not searched for minutes.
+# The work of the real-steps search (find_real_races), in units of one entry of a cut: every
+# rank's cut of every event of the computed calls (W x events x W x streams entries, each
+# cut walked on from the one before it on its stream: legal.Execution.before), and
+# PAIR_UNITS per (writer, writer, owner) of a pair of accesses that ``_real_race`` may
+# compare (it asks both cuts and orders them: measured 20 to 45 times a cut entry on
+# this project's shared 2-core machine; BCAST_BESIDE_GATHER of tests/check at W = 64,
+# 122,880 cut entries and 104,832 compared, 5 s; LINE_READ at W = 64, 294,912 and
+# 1,433, 0.37 s). The checker asks it before the search: past the limit a W is refused
+# (schedule-too-large, docs/language.md "Limits"), not searched for minutes.
 MAX_REAL_WORK = 1_000_000
+PAIR_UNITS = 20
 
 
 def real_work(world: World) -> tuple[int, int]:
     """(cut entries, pair units) of ``find_real_races`` at this W (``MAX_REAL_WORK``),
-    from the program's sizes alone, before any cut is made."""
+    before any cut is made: PAIR_UNITS per (writer of a, writer of b, owner) that
+    ``_real_race`` may compare for a pair of groups of one instance (one of them
+    writing), bounded from each access's writers and the (writer, owner) it is made at
+    (the ``_translations`` masks): W^2 for two stores of different partitions made at
+    every owner, W for a local access beside a store or two of one partition, 1 for two
+    local accesses (x W owners at most)."""
     w = int(world.world)
     cuts = w * world.calls * world.n * w * world.streams
     pairs = 0
     for buffer, signatures in _touching(world).items():
         if buffer not in world.program.shared:
             continue
+        # per (event, access): its writers and the (writer, owner) it is made at
+        sizes = []
+        for j, access in signatures:
+            ranks = _writers(world, access) if access.remote else [0]
+            masks = [_translations(world, j, access, r) for r in ranks]
+            sizes.append((len(ranks), sum(w if m == -1 else m.bit_count() for m in masks),
+                          access))
         for _, calls in _instances(world, buffer):
-            groups = len(signatures) * len(calls)
-            pairs += groups * (groups - 1) // 2
-    return cuts, pairs * w * w
+            groups = [s for _ in calls for s in sizes]
+            for i, (na, ma, xa) in enumerate(groups):
+                for nb, mb, xb in groups[i + 1:]:
+                    if xa.kind != "write" and xb.kind != "write":
+                        continue
+                    one = (not xa.remote and not xb.remote) or (
+                        xa.remote and xb.remote
+                        and xa.region.partition == xb.region.partition)  # type: ignore[union-attr]
+                    pairs += min(ma, mb) if one else min(nb * ma, na * mb)
+    return cuts, pairs * PAIR_UNITS
 
 def find_real_races(world: World, execution: Cuts) -> list[RawRace]:
     """One race per (class, buffer, step pair), decided on the ranks' real steps under
@@ -462,13 +482,19 @@ def _real_race(world: World, execution: Cuts, topo: Torus, buffer: str, slot: in
     """The first conflicting pair of groups a and b, on any owner's instance, that the
     real steps leave unordered (``find_real_races``), else None."""
     for ra, rb in _rank_pairs(world, a, b, every=True):
-        for owner in range(topo.size):
+        # the owners where the program makes both (review of sym26 H1: every owner was
+        # tried, W^3 for a broadcast beside an all_gather, past what real_work counts)
+        both = _translations(world, a[1], a[2], ra) & _translations(world, b[1], b[2], rb)
+        for owner in _owners(both, topo.size):
             x = Touch(topo.add(ra, owner), a[0], a[1], a[2], owner)
             y = Touch(topo.add(rb, owner), b[0], b[1], b[2], owner)
-            if not (made(world, x) and made(world, y)):
-                continue
             cls, first, second = classify(world, x, y)
             race = RawRace(cls, buffer, first, second, slot)
             if execution.unordered(race) is not None:
                 return race
     return None
+
+
+def _owners(mask: int, size: int) -> list[int]:
+    """The translations (owners) a ``_translations`` mask holds, in increasing order."""
+    return list(range(size)) if mask == -1 else [d for d in range(size) if mask >> d & 1]
