@@ -553,8 +553,8 @@ class _Counted:
 def test_the_real_steps_search_compares_no_more_pairs_than_real_work_counts(
         text: str, world: int) -> None:
     """The pairs (writers, owner) find_real_races compares are at most real_work's pair
-    units (PAIR_UNITS each), which a race-free schedule (every pair compared) comes within 2x of: the bound
-    counts the work done, W^2 per pair of groups, not W^3."""
+    units (PAIR_UNITS each), which a race-free schedule (every pair compared) comes
+    within 2x of: the bound counts the work done, W^2 per pair of groups, not W^3."""
     schedule = parse_text(text, "chain.yaml", world=world)
     program = lower(schedule)
     model = analyze(program, world, None, gates(schedule, program, world))
@@ -571,13 +571,35 @@ def test_the_real_steps_search_compares_no_more_pairs_than_real_work_counts(
 def test_a_real_steps_search_past_its_bound_is_refused_before_it_starts(
         tmp_path: Path) -> None:
     """LINE_READ at W = 128: its model stops at the guarded cycle, and the search of the
-    real steps (W x events x W x streams cut entries, pairs x W x W) is above
+    real steps (W x events x W x streams cut entries, the pairs it may compare) is above
     races.MAX_REAL_WORK: a located schedule-too-large naming the W and the limit, not
     minutes of search."""
     ((code, line, col, message),) = errors(write(tmp_path, LINE_READ, "line.yaml"), (128,))
     assert (code, line, col) == ("schedule-too-large", 10, 3), message
     assert message.startswith("at W=128 the when: guards cut the model's cycle"), message
-    assert message.endswith(f"above the limit of {MAX_REAL_WORK}"), message
+    assert message.endswith(
+        f"above the limit of {MAX_REAL_WORK}: W=128 alone does not fit either"), message
+
+
+def test_a_refused_range_keeps_the_findings_of_the_w_before_it() -> None:
+    """The bound is a sum over the W of one check (review of sym26 M2): CHAIN_RACE at
+    --world 2..128 is refused at some W, saying the range before it fits; the races of
+    that range (W = 2's) are reported beside the refusal, as a check of that range alone
+    reports them. GUARDED_CHAIN (nothing to compare after its chain: no cut is made) is
+    proved at every W."""
+    schedule = parse_text(CHAIN_RACE, "chain.yaml", world=2)
+    report = hb.check(schedule, range(2, 129), hints=False)
+    (refusal,) = report.refused
+    assert refusal.code == "schedule-too-large", refusal.message
+    fits = re.search(r"--world 2\.\.(\d+) fits \(its findings are reported\); W=(\d+) alone "
+                     r"fits$", refusal.message)
+    assert fits is not None and int(fits.group(2)) == int(fits.group(1)) + 1, refusal.message
+    alone = hb.check(schedule, range(2, int(fits.group(2))), hints=False)
+    assert alone.refused == [] and alone.findings
+    assert {f.key for f in report.findings} == {f.key for f in alone.findings}
+    assert [d.code for d in report.diagnostics()][-1] == "schedule-too-large"
+    guarded = parse_text(GUARDED_CHAIN, "chain.yaml", world=2)
+    assert hb.check(guarded, range(2, 129), hints=False).ok
 
 # sym26: the same read on the symmetric model (no guard, no chain: every rank alike), which
 # counted it on every rank: t3's src h1 is read only where t3 sends, and t0's next store

@@ -30,7 +30,7 @@ from dcpc.check.hb.report import (
     deadlock_finding,
     race_finding,
 )
-from dcpc.diagnostics import Diagnostic, DiagnosticError
+from dcpc.diagnostics import Diagnostic
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of, shape_of, torus
 from dcpc.lang.model import Schedule
@@ -81,6 +81,7 @@ def check(
     events = 0
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
     searched: list[tuple[int, int]] = []  # (W, work) of each real-steps search so far
+    refused: list[Diagnostic] = []  # a W past the real-steps bound: none after it checked
     for w in analysed:
         world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
@@ -92,7 +93,11 @@ def check(
             stuck = world.execution.stuck()
             if stuck is None:  # the guards cut the model's cycle: the real steps decide
                 deadlocks = []  # (the model searched no race past its cycle: World.live)
-                searched = _real_steps_budget(schedule, world, searched)  # before it
+                over = _real_steps_budget(schedule, world, searched, analysed)  # before it
+                if isinstance(over, Diagnostic):  # the W before it keep their findings
+                    refused.append(over)
+                    break
+                searched = over
                 guarded = find_real_races(world, world.execution)
         blocked = real = None
         if stuck is not None:  # only the model's deadlocks where a real rank stops
@@ -128,29 +133,42 @@ def check(
         "seconds": round(checked - start, 4),
         "hint_seconds": round(time.perf_counter() - checked, 4),
     }
-    return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats)
+    return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats, refused)
 
 
-def _real_steps_budget(schedule: Schedule, world: World,
-                       searched: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``searched`` with this W's real-steps search (races.find_real_races) added, or a
-    located refusal before it starts where the searches of this check, this one's
-    included, would pass their bound together (races.MAX_REAL_WORK)."""
+def _real_steps_budget(schedule: Schedule, world: World, searched: list[tuple[int, int]],
+                       analysed: list[int]) -> list[tuple[int, int]] | Diagnostic:
+    """``searched`` with this W's real-steps search (races.find_real_races) added, or,
+    where the searches of this check, this one's included, would pass their bound
+    together (races.MAX_REAL_WORK), a located refusal before it starts, saying which
+    range fits: the W analysed before it (whose findings the check keeps) and whether
+    this W alone would. A search with no pair to compare makes no cut: no work."""
     cuts, pairs = real_work(world)
-    done = [*searched, (int(world.world), cuts + pairs)]
-    total = sum(work for _, work in done)
+    work = cuts + pairs if pairs else 0
+    done = [*searched, (int(world.world), work)]
+    total = sum(w for _, w in done)
     if total <= MAX_REAL_WORK:
         return done
-    before = (f"; with the {len(searched)} W searched before it (up to W="
-              f"{searched[-1][0]}), {total} in all" if searched else "")
-    raise DiagnosticError([Diagnostic(
+    here = analysed.index(world.world)
+    before = (f"; with the {len(searched)} W searched before it, {total} in all"
+              if searched else "")
+    fits = (f"--world {_span(analysed[:here])} fits (its findings are reported); "
+            if here else "")
+    alone = "fits" if work <= MAX_REAL_WORK else "does not fit either"
+    return Diagnostic(
         schedule.mark("steps"), "schedule-too-large",
         f"at W={world.world} the when: guards cut the model's cycle of waits, so the races "
-        f"after it are decided on each rank's real steps: {cuts + pairs} units of work "
-        f"({cuts} cut entries, {pairs} for pairs of accesses x W owners x W writers)"
-        f"{before}, above the limit of {MAX_REAL_WORK}",
+        f"after it are decided on each rank's real steps: {work} units of work "
+        f"({cuts} cut entries, {pairs} for the pairs of accesses it may compare){before}, "
+        f"above the limit of {MAX_REAL_WORK}: {fits}W={world.world} alone {alone}",
         hint="check a narrower --world range (the real-steps search grows as W^2 at each "
-        "W), or fewer steps or slots")])
+        "W, summed over the W of one check), or fewer steps or slots")
+
+
+def _span(worlds: list[int]) -> str:
+    """``2..30`` (or one W) for the W of a check, in the order analysed."""
+    first, last = worlds[0], worlds[-1]
+    return str(first) if first == last else f"{first}..{last}"
 
 
 def _unmodelled(world: World, deadlocks: list[RawDeadlock],
