@@ -9,7 +9,7 @@ from dcpc.diagnostics import did_you_mean
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import mesh_of
 from dcpc.lang.model import Step
-from dcpc.lang.semantics import READ, channels, effect_mark
+from dcpc.lang.semantics import READ, Region, channels, effect_mark
 from dcpc.ops.common import data_flow
 from dcpc.ops.sync import Signal
 from dcpc.topology import shape_of, torus
@@ -29,9 +29,24 @@ class Access:
     ref: Ref
     root: int | None = None
     everywhere: bool = True  # False: a store some ranks' instances never get (Region.line)
-    line: int | None = None  # such a store's offset: rank r gets it when r - offset is a rank
-    axes: tuple[int, ...] | None = None  # a line's team (member r - offset, not rank)
-    dests: tuple[int, ...] | None = None  # a perm's table: the ranks its store reaches
+    region: Region | None = None  # a remote store's (Region.target: where it lands)
+
+    @property
+    def line(self) -> int | None:
+        """A ``line`` store's offset: rank r gets it when r - offset is a rank."""
+        return self.region.offset if self.region is not None and \
+            self.region.scheme == "line" else None
+
+    @property
+    def axes(self) -> tuple[int, ...] | None:
+        """A store's team (a line's member r - offset, not rank)."""
+        return self.region.axes if self.region is not None else None
+
+    @property
+    def dests(self) -> tuple[int, ...] | None:
+        """A perm's table (over ranks, along an axis too): the ranks its store reaches."""
+        return self.region.table if self.region is not None and \
+            self.region.scheme == "perm" else None
 
 
 def accesses(ctx: Context) -> list[Access]:
@@ -43,13 +58,8 @@ def accesses(ctx: Context) -> list[Access]:
         step = ctx.steps[i]
         at = step if e.lands is None else ctx.steps[e.lands]
         ref = Ref(e.buffer, e.key or "implicit", effect_mark(step, e))
-        scheme = e.region.scheme if e.region is not None else None
-        line = e.region.offset if scheme == "line" else None  # type: ignore[union-attr]
-        # a perm's table is over ranks, along an axis too
-        dests = e.region.table if scheme == "perm" else None  # type: ignore[union-attr]
         out.append(Access(step, at, "r" if e.kind == READ else "w", ref, e.root,
-                          e.region is None or e.region.covers_all, line, dests=dests,
-                          axes=e.region.axes if e.region is not None else None))
+                          e.region is None or e.region.covers_all, e.region))
     return out
 
 
@@ -329,14 +339,16 @@ def _silent_pushes(ctx: Context, found: list[Access], world: int) -> dict[int, s
     """rank -> the indices of the steps whose store from that rank reaches no rank (a
     perm's -1, a shift without wrap past the end of the line): such a rank makes no
     push, so it reads none of the step's sources (the brute force and the template
-    agree)."""
+    agree): where ``Region.target`` says its store lands nowhere."""
+    topo = torus(shape_of(world))
     out: dict[int, set[int]] = {}
     for acc in found:
-        if acc.mode != "w" or acc.root is not None:
+        region = acc.region
+        if acc.mode != "w" or acc.root is not None or region is None or \
+                region.scheme not in ("line", "perm") or len(region.table) not in (0, world):
             continue
         for rank in range(world):
-            if (acc.dests is not None and len(acc.dests) == world and acc.dests[rank] < 0) \
-                    or (acc.line is not None and not _on_line(acc, rank, acc.line, world)):
+            if region.target(rank, topo) is None:
                 out.setdefault(rank, set()).add(acc.step.index)
     return out
 

@@ -98,6 +98,18 @@ class Region:
             return sorted(self.table) == list(range(len(self.table)))
         return self.scheme != "line"
 
+    def target(self, rank: int, topo: Torus) -> int | None:
+        """The rank whose instance ``rank``'s store of a ``line`` or ``perm`` region
+        reaches in the program: a line's member + ``offset`` of ``rank``'s team along
+        ``axes`` (dcpc.topology ``Torus.peer``), none past either end; a perm's
+        ``table[rank]`` (a table of ``topo``'s size), none for -1. None: ``rank`` stores
+        nothing, so it makes no push and reads none of the shift's ``src``: the one rule
+        of where such a store lands, which the data flow (dcpc.check.flow) and the
+        happens-before checkers (dcpc.check.hb.races ``made``) both ask."""
+        if self.scheme == "line":
+            return topo.peer(rank, self.axes, self.offset, wrap=False)
+        return self.table[rank] if self.table[rank] >= 0 else None
+
     def writers(self, owner: int, world: int) -> list[int]:
         """The ranks whose store of this region reaches ``owner``'s instance, peers of
         ``owner`` first (the order counterexamples prefer), then ``owner`` itself. A

@@ -15,11 +15,28 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cex_legal import violations
-from support.hb_oracle import CREDIT_HEADER, oracle_keys, random_credit_schedule_text
-from support.schedules import CHAIN_RACE, GATHER_NO_BARRIER, GUARDED_CHAIN, shift_head
+from support.hb_oracle import (
+    CREDIT_HEADER,
+    oracle_keys,
+    random_credit_schedule_text,
+    random_src_read_schedule_text,
+)
+from support.schedules import (
+    CHAIN_RACE,
+    GATHER_NO_BARRIER,
+    GUARDED_CHAIN,
+    errors,
+    shift_head,
+    write,
+)
 
 from dcpc.check import hb, structural
+from dcpc.check.hb.clocks import analyze, gates
+from dcpc.check.hb.events import lower
+from dcpc.check.hb.legal import Execution
+from dcpc.check.hb.races import MAX_REAL_WORK, PAIR_UNITS, find_real_races, real_work
 from dcpc.diagnostics import DiagnosticError
+from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
 
@@ -473,6 +490,205 @@ def test_a_src_read_of_a_rank_that_sends_nothing_races_nothing(text: str, world:
     for f in report.as_json()["findings"]:
         assert violations(schedule, f) == [], f
 
+
+
+
+@pytest.mark.parametrize(("text", "world"), [(LINE_READ, 5), (PERM_READ, 5), (CHAIN_RACE, 4)])
+def test_a_cut_walked_on_from_the_one_before_it_is_the_cut_walked_from_nothing(
+        text: str, world: int) -> None:
+    """legal.Execution.before makes each cut from the cached one before it on its stream
+    (sym26: the real-steps search was W^2 x events slower); asked in a shuffled order,
+    every rank's cut of every event is the one the walk from an empty cut gives."""
+    schedule = parse_text(text, "shifts.yaml", world=world)
+    program = lower(schedule)
+    model = analyze(program, world, None, gates(schedule, program, world))
+    execution = Execution(model, wh.running(schedule, world))
+    asked = [(rank, pos) for rank in range(world) for pos in range(model.calls * model.n)]
+    random.Random(world).shuffle(asked)
+    empty = [0] * (world * model.streams)
+    walked = [execution.before(rank, pos) for rank, pos in asked]
+    assert any(cut is not None and any(cut) for cut in walked)
+    for (rank, pos), cut in zip(asked, walked, strict=True):
+        assert cut == Execution(model, execution.running)._before(rank, pos, list(empty)), \
+            (rank, pos)
+
+
+# review of sym26 H1: a broadcast's store beside an all_gather's (two partitions: W x W
+# writer pairs) was compared on every owner, W^3, where real_work counted W^2
+BCAST_BESIDE_GATHER = """\
+schedule: bcast_chain
+slots: 1
+sizes: {N: 4, K: 2}
+buffers:
+  x: {shape: [N, K], dtype: f32}
+  x2: {shape: [W, N, K], dtype: f32}
+  y: {shape: [N, K], dtype: f32}
+  g: {shape: [W, N, K], dtype: f32, symmetric: true}
+steps:
+  - first: {op: wait, from: next, channel: c, when: "rank != W - 1"}
+  - then:  {op: signal, to: prev, channel: c, when: "rank != 0"}
+  - b0: {op: broadcast, src: x2, dst: g, root: 0}
+  - s0: {op: barrier}
+  - ag: {op: all_gather, src: x, dst: g, dim: 0}
+  - s1: {op: barrier}
+  - b1: {op: broadcast, src: x2, dst: g, root: 1}
+  - s2: {op: barrier}
+  - use: {op: external, reads: [g], writes: [y]}
+"""
+
+
+class _Counted:
+    """legal.Execution's ``unordered``, run as it is, counting the pairs it is asked."""
+
+    def __init__(self, execution: Execution) -> None:
+        self.execution, self.asked = execution, 0
+
+    def unordered(self, race: object) -> object | None:
+        self.asked += 1
+        return self.execution.unordered(race)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "world"), [
+    (BCAST_BESIDE_GATHER, 4), (BCAST_BESIDE_GATHER, 16), (LINE_READ, 16), (CHAIN_RACE, 8)])
+def test_the_real_steps_search_compares_no_more_pairs_than_real_work_counts(
+        text: str, world: int) -> None:
+    """The pairs (writers, owner) find_real_races compares are at most real_work's pair
+    units (PAIR_UNITS each), which a race-free schedule (every pair compared) comes
+    within 2x of: the bound counts the work done, W^2 per pair of groups, not W^3."""
+    schedule = parse_text(text, "chain.yaml", world=world)
+    program = lower(schedule)
+    model = analyze(program, world, None, gates(schedule, program, world))
+    model.execution = Execution(model, wh.running(schedule, world))
+    assert model.execution.stuck() is None  # the guards cut the model's cycle
+    pairs = real_work(model)[1] // PAIR_UNITS
+    counted = _Counted(model.execution)
+    races = find_real_races(model, counted)
+    assert 0 < counted.asked <= pairs, (counted.asked, pairs)
+    if not races:
+        assert pairs <= 2 * counted.asked, (counted.asked, pairs)
+
+
+def test_a_real_steps_search_past_its_bound_is_refused_before_it_starts(
+        tmp_path: Path) -> None:
+    """LINE_READ at W = 128: its model stops at the guarded cycle, and the search of the
+    real steps (W x events x W x streams cut entries, the pairs it may compare) is above
+    races.MAX_REAL_WORK: a located schedule-too-large naming the W and the limit, not
+    minutes of search."""
+    ((code, line, col, message),) = errors(write(tmp_path, LINE_READ, "line.yaml"), (128,))
+    assert (code, line, col) == ("schedule-too-large", 10, 3), message
+    assert message.startswith("at W=128 the when: guards cut the model's cycle"), message
+    assert message.endswith(
+        f"above the limit of {MAX_REAL_WORK}: W=128 alone does not fit either"), message
+
+
+def test_a_refused_range_keeps_the_findings_of_the_w_before_it() -> None:
+    """The bound is a sum over the W of one check (review of sym26 M2): CHAIN_RACE at
+    --world 2..128 is refused at some W, saying the range before it fits; the races of
+    that range (W = 2's) are reported beside the refusal, as a check of that range alone
+    reports them. GUARDED_CHAIN (nothing to compare after its chain: no cut is made) is
+    proved at every W."""
+    schedule = parse_text(CHAIN_RACE, "chain.yaml", world=2)
+    report = hb.check(schedule, range(2, 129), hints=False)
+    (refusal,) = report.refused
+    assert refusal.code == "schedule-too-large", refusal.message
+    fits = re.search(r"--world 2\.\.(\d+) fits \(its findings are reported\); W=(\d+) alone "
+                     r"fits$", refusal.message)
+    assert fits is not None and int(fits.group(2)) == int(fits.group(1)) + 1, refusal.message
+    alone = hb.check(schedule, range(2, int(fits.group(2))), hints=False)
+    assert alone.refused == [] and alone.findings
+    assert {f.key for f in report.findings} == {f.key for f in alone.findings}
+    assert [d.code for d in report.diagnostics()][-1] == "schedule-too-large"
+    guarded = parse_text(GUARDED_CHAIN, "chain.yaml", world=2)
+    assert hb.check(guarded, range(2, 129), hints=False).ok
+
+# sym26: the same read on the symmetric model (no guard, no chain: every rank alike), which
+# counted it on every rank: t3's src h1 is read only where t3 sends, and t0's next store
+# into h1 (the same slot, two calls on) is ordered after no rank's t3. Offset 3 (or
+# perm r + 3) sends nothing at W = 2, 3; a line (perm) of +1 nothing from rank W - 1,
+# which at W = 2 is the only rank t0's line stores into
+SRC_READ = SHIFT_CHAIN_HEAD.replace("STREAMS", "per_slot") + """\
+  - t0: {op: shift, src: x, dst: h1, T0}
+  - t1: {op: external, reads: [x], writes: [h0]}
+  - t2: {op: barrier}
+  - t3: {op: shift, src: h1, dst: h0, T3}
+"""
+
+
+@pytest.mark.parametrize(("t0", "t3", "quiet"), [
+    ("offset: -1", "offset: 3, wrap: false", (2, 3)),
+    ("offset: -1", 'perm: "r + 3"', (2, 3)),
+    ("offset: 1, wrap: false", "offset: 1, wrap: false", (2,)),
+    ('perm: "r + 1"', 'perm: "r + 1"', (2,)),
+], ids=["line-far", "perm-far", "line-edge", "perm-edge"])
+def test_the_symmetric_model_counts_a_src_read_only_where_the_rank_sends(
+        t0: str, t3: str, quiet: tuple[int, ...]) -> None:
+    """The brute force's races, no more, at W = 2..5: none where no rank that t0's
+    stores reach reads h1 (main reported t3/t0 there, its counterexample a read of a
+    rank that sends nothing), else the one race, shown on a rank that sends."""
+    text = SRC_READ.replace("T0", t0).replace("T3", t3)
+    for world in range(2, 6):
+        schedule = parse_text(text, "shifts.yaml", world=world)
+        report = hb.check(schedule, [world], hints=False)
+        assert {f.key for f in report.findings} == oracle_keys(schedule, world), world
+        assert bool(report.findings) == (world not in quiet), world
+        for f in report.as_json()["findings"]:
+            assert f["steps"] == ["t3", "t0"], f
+            assert f["first"]["rank"] + (3 if "3" in t3 else 1) < world, f  # it sends
+            assert violations(schedule, f) == [], f
+
+
+# review of sym26 M1: where a guard skips a step on some ranks, a pair of accesses some
+# translation makes (races._translations) was kept though no translation makes both on
+# ranks that run them: FILL_BESIDE_LINE reported fill (rank 0) / push (rank W - 1, which
+# sends nothing); GUARDED_PERM_READ t3/t0 (t3 runs on rank W - 1 only, which at odd W
+# has no perm partner: it sends nothing; at even W its partner skips t3, a deadlock)
+FILL_BESIDE_LINE = """\
+schedule: guarded_line
+slots: 1
+sizes: {N: 4, K: 2}
+buffers:
+  x:  {shape: [N, K], dtype: f32}
+  h1: {shape: [N, K], dtype: f32, symmetric: true}
+steps:
+  - fill: {op: external, reads: [x], writes: [h1], when: "rank == 0"}
+  - push: {op: shift, src: x, dst: h1, offset: 1, wrap: false}
+"""
+GUARDED_PERM_READ = SRC_READ.replace("T0", "offset: -1").replace(
+    "T3", 'perm: "r + 1 - 2 * (r % 2)", when: "rank == W - 1"')
+
+
+@pytest.mark.parametrize(("text", "world"), [
+    (FILL_BESIDE_LINE, 2), (FILL_BESIDE_LINE, 3), (FILL_BESIDE_LINE, 5),
+    (GUARDED_PERM_READ, 3), (GUARDED_PERM_READ, 5)])
+def test_a_guarded_schedule_races_only_on_ranks_that_make_both_accesses(
+        text: str, world: int) -> None:
+    """The brute force's races, no more, and each counterexample a legal execution."""
+    schedule = parse_text(text, "guarded.yaml", world=world)
+    report = hb.check(schedule, [world], hints=False)
+    assert {f.key for f in report.findings} == oracle_keys(schedule, world), world
+    for f in report.as_json()["findings"]:
+        assert violations(schedule, f) == [], f
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_partial_src_reads_race_as_the_brute_force_says(data: st.DataObject) -> None:
+    """sym26's fuzz as a property (600 schedules by hand: 2550 (schedule, W), main 496
+    with a race no rank makes, this 0): lines and partial perms whose src may be stored
+    into where they send nothing, at W = 2..6 or on 2x2 and 2x3 meshes. The checker
+    reports every race the brute force finds, and no race the brute force does not find
+    once a line's or a perm's wait orders nothing (``chain_waits=False``: the model's
+    documented rule, docs/hb-checker.md), so none from an access no rank makes."""
+    mesh = data.draw(st.booleans())
+    text = random_src_read_schedule_text(data.draw, st, mesh=mesh)
+    for world in ((MeshWorld((2, 2)), MeshWorld((2, 3))) if mesh else range(2, 7)):
+        schedule = parse_text(text, "src_read.yaml", world=world)
+        errors = [d for d in structural.check(schedule, [world]) if d.severity == "error"]
+        assert errors == [], text  # the generator only makes structurally valid schedules
+        found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+        assert oracle_keys(schedule, world) <= found, (text, world)
+        races = {k for k in found if k[0] == "race"}
+        assert races <= oracle_keys(schedule, world, chain_waits=False), (text, world)
 
 # a wait's when: C(rank); its signal's the same at the rank it signals (the credit goes
 # back by ``back``), so every edge is proved and ranks differ in who signals and waits

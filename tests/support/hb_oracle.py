@@ -108,8 +108,10 @@ def _as_list(value) -> list[str]:
 class _Builder:
     """Nodes of one rank's one call, appended in program order."""
 
-    def __init__(self, graph: nx.DiGraph, ids: count, rank: int, call: int, slots: int):
+    def __init__(self, graph: nx.DiGraph, ids: count, rank: int, call: int, slots: int,
+                 chain_waits: bool = True):
         self.graph, self.ids, self.rank, self.call, self.slots = graph, ids, rank, call, slots
+        self.chain_waits = chain_waits  # False: a line's or a perm's wait orders nothing
         self.nodes: list[int] = []
 
     def add(self, step: str, index: int, phase: int, **attrs) -> None:
@@ -277,10 +279,14 @@ def _cast_scale(op, schedule: Schedule, reads, stores, rank: int, axes, rows=Non
         reads([scale.buffer], 0)
 
 
-def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGraph:
+def build(schedule: Schedule, world: int, calls: int | None = None,
+          chain_waits: bool = True) -> nx.DiGraph:
     """The full unrolled event graph: program order and signal -> wait edges.
 
     Waits that no signal satisfies get the attribute ``unmatched=True``.
+    ``chain_waits`` False: a ``wrap: false`` or ``perm:`` shift's wait orders nothing
+    (no edge into it), the rule the rotation-symmetric checker takes documented
+    (docs/hb-checker.md); its accesses stay exact.
     """
     slots = schedule.slots
     calls = 2 * slots if calls is None else calls
@@ -302,7 +308,7 @@ def build(schedule: Schedule, world: int, calls: int | None = None) -> nx.DiGrap
     per_call: dict[tuple[int, int], list[int]] = {}
     for rank in range(int(world)):
         for call in range(calls):
-            b = _Builder(graph, ids, rank, call, slots)
+            b = _Builder(graph, ids, rank, call, slots, chain_waits)
             for index, (name, op) in enumerate(steps):
                 if _runs(schedule, op, rank, world):  # a when: that fails: no accesses
                     _lower_step(b, schedule, name, index, op, world, tracked)
@@ -380,9 +386,11 @@ def _overlap(a: dict, b: dict) -> bool:
     return pa != pb or wa == wb
 
 
-def oracle_keys(schedule: Schedule, world: int, calls: int | None = None) -> set[Key]:
-    """Every (kind, class, buffer, step, step) the brute force finds for group size W."""
-    graph = build(schedule, world, calls)
+def oracle_keys(schedule: Schedule, world: int, calls: int | None = None,
+                chain_waits: bool = True) -> set[Key]:
+    """Every (kind, class, buffer, step, step) the brute force finds for group size W
+    (``chain_waits``: ``build``'s)."""
+    graph = build(schedule, world, calls, chain_waits)
     keys: set[Key] = set()
     roots = [n for n, d in graph.nodes(data=True) if d.get("unmatched")]
     for node in roots:
@@ -688,8 +696,10 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
             b.add(name, index, 0, signal=("step:" + name, target))
     if op.phase != "put":
         polled = name if op.phase is None else _shift_puts(schedule).get(name, "?")
-        if source != b.rank:
+        if source != b.rank and (b.chain_waits or (op.perm is None and op.wrap)):
             b.add(name, index, 1, wait=("step:" + polled, source))
+        elif source != b.rank:  # the model's chain wait: no edge, the node kept
+            b.add(name, index, 1)
         b.add(name, index, 1, landing=True)  # the data that was in flight lands here
 
 
@@ -895,6 +905,64 @@ def random_shift_schedule_text(draw, st, nowrap: bool = False, perm: bool = Fals
     body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
     return shift_header("shift", draw(st.integers(0, 999)), slots, streams, **flags) + body
 
+
+
+# sym26: shifts whose src read is partial (wrap: false, partial perms), beside stores into
+# their src buffers that may land on the ranks that send nothing
+SRC_READ_MOVES = ("offset: 1, wrap: false", "offset: -1, wrap: false",
+                  "offset: 2, wrap: false", "offset: 3, wrap: false", 'perm: "r + 1"',
+                  'perm: "r + 1 - 2 * (r % 2)"', 'perm: "r + 3"', 'perm: "W - 2 - r"')
+SRC_STORE_MOVES = SRC_READ_MOVES + ("offset: 1", "offset: -1", "offset: 2",
+                                    'perm: "W - 1 - r"', 'perm: "(r + 2) % W"')
+
+
+def random_src_read_schedule_text(draw, st, mesh: bool = False) -> str:
+    """A random schedule whose shifts read h0/h1 as their src where they send only (a line
+    or a partial perm, whole or put ... wait), beside stores into h0/h1 (any move,
+    partial ones landing on some ranks only), externals, barriers and credits; ``mesh``:
+    over ``mesh: {a: A, b: B}``, each shift along one axis."""
+    lines = [f"schedule: src_read_{draw(st.integers(0, 999))}",
+             f"slots: {draw(st.integers(1, 2))}",
+             f"streams: {draw(st.sampled_from(['per_slot', 'single']))}"]
+    lines += ["mesh: {a: A, b: B}"] if mesh else []
+    lines += ["sizes: {N: 4, K: 2}", "buffers:", "  x:  {shape: [N, K], dtype: f32}"]
+    lines += [f"  {b}: {{shape: [N, K], dtype: f32, symmetric: true{extra}}}"
+              for b, extra in (("h0", ", shared: true" if draw(st.integers(0, 4)) == 0 else ""),
+                               ("h1", ", shared: true" if draw(st.integers(0, 4)) == 0 else ""),
+                               ("h2", ""))]
+    steps = ["{op: external, reads: [x], writes: [h0]}",
+             "{op: external, reads: [x], writes: [h1]}"]
+    for _ in range(draw(st.integers(2, 6))):
+        on = f", axis: {draw(st.sampled_from(['a', 'b']))}" if mesh else ""
+        kind = draw(st.sampled_from(["read", "read", "store", "store", "ext", "barrier",
+                                     "credit", "put"]))
+        src = draw(st.sampled_from(["h0", "h1"]))
+        other = "h1" if src == "h0" else "h0"
+        if kind in ("read", "put"):
+            move, dst = draw(st.sampled_from(SRC_READ_MOVES)), draw(st.sampled_from([other, "h2"]))
+            shift = f"op: shift{on}, src: {src}, dst: {dst}, {move}"
+            if kind == "read":
+                steps.append(f"{{{shift}}}")
+                continue
+            steps.append(f"{{{shift}, phase: put}}")
+            if draw(st.booleans()):
+                steps.append(draw(st.sampled_from(["{op: external, reads: [x], writes: [h1]}",
+                                                   "{op: barrier}"])))
+            steps.append(f"{{{shift}, phase: wait}}")
+        elif kind == "store":
+            move = draw(st.sampled_from(SRC_STORE_MOVES))
+            steps.append(f"{{op: shift{on}, src: x, dst: {other}, {move}}}")
+        elif kind == "ext":
+            steps.append(f"{{op: external, reads: [x, {src}], writes: [{other}]}}")
+        elif kind == "barrier":
+            steps.append("{op: barrier}")
+        else:
+            to = draw(st.sampled_from(["next", "prev"]))
+            along = ", axis: a" if mesh else ""
+            steps += [f"{{op: signal{along}, to: {to}, channel: c}}",
+                      f"{{op: wait{along}, from: {PARTNERS[to]}, channel: c}}"]
+    body = "".join(f"  - t{i}: {s}\n" for i, s in enumerate(steps))
+    return "\n".join(lines) + "\nsteps:\n" + body
 
 # --- hop loops (dcpc.lang.loops): random ring loops on a double buffer ---------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import replace
-from functools import partial
 from typing import TYPE_CHECKING
 
 from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representatives, world_bound
@@ -14,20 +13,30 @@ from dcpc.check.hb.deadlock import CYCLE, RawDeadlock, find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, suggest
 from dcpc.check.hb.legal import Execution, peers_of
-from dcpc.check.hb.races import PairKeys, RawRace, Touch, find_races, find_real_races
+from dcpc.check.hb.races import (
+    MAX_REAL_WORK,
+    PairKeys,
+    RawRace,
+    find_races,
+    find_real_races,
+    made,
+    modelled,
+    real_work,
+    rotated,
+)
 from dcpc.check.hb.report import (
     Finding,
     HbReport,
     deadlock_finding,
     race_finding,
 )
+from dcpc.diagnostics import Diagnostic
 from dcpc.lang import when as wh
-from dcpc.lang.mesh import MeshWorld, Torus, fit_worlds, mesh_of, shape_of, torus
+from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of, shape_of, torus
 from dcpc.lang.model import Schedule
-from dcpc.lang.semantics import Region, Semantics
+from dcpc.lang.semantics import Semantics
 
 if TYPE_CHECKING:
-    from dcpc.check.hb.events import Event
     from dcpc.codegen.plan import Plan
 
 
@@ -71,6 +80,8 @@ def check(
     findings: dict[tuple[str, str, str, str, str], Finding] = {}
     events = 0
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
+    searched: list[tuple[int, int]] = []  # (W, work) of each real-steps search so far
+    refused: list[Diagnostic] = []  # a W past the real-steps bound: none after it checked
     for w in analysed:
         world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
@@ -82,9 +93,12 @@ def check(
             stuck = world.execution.stuck()
             if stuck is None:  # the guards cut the model's cycle: the real steps decide
                 deadlocks = []  # (the model searched no race past its cycle: World.live)
-                guarded = find_real_races(world, world.execution,
-                                          partial(_made, torus(shape_of(world.world)),
-                                                  program.events))
+                over = _real_steps_budget(schedule, world, searched, analysed)  # before it
+                if isinstance(over, Diagnostic):  # the W before it keep their findings
+                    refused.append(over)
+                    break
+                searched = over
+                guarded = find_real_races(world, world.execution)
         blocked = real = None
         if stuck is not None:  # only the model's deadlocks where a real rank stops
             blocked = world.execution.blocked(stuck)  # type: ignore[union-attr]
@@ -119,7 +133,42 @@ def check(
         "seconds": round(checked - start, 4),
         "hint_seconds": round(time.perf_counter() - checked, 4),
     }
-    return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats)
+    return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats, refused)
+
+
+def _real_steps_budget(schedule: Schedule, world: World, searched: list[tuple[int, int]],
+                       analysed: list[int]) -> list[tuple[int, int]] | Diagnostic:
+    """``searched`` with this W's real-steps search (races.find_real_races) added, or,
+    where the searches of this check, this one's included, would pass their bound
+    together (races.MAX_REAL_WORK), a located refusal before it starts, saying which
+    range fits: the W analysed before it (whose findings the check keeps) and whether
+    this W alone would. A search with no pair to compare makes no cut: no work."""
+    cuts, pairs = real_work(world)
+    work = cuts + pairs if pairs else 0
+    done = [*searched, (int(world.world), work)]
+    total = sum(w for _, w in done)
+    if total <= MAX_REAL_WORK:
+        return done
+    here = analysed.index(world.world)
+    before = (f"; with the {len(searched)} W searched before it, {total} in all"
+              if searched else "")
+    fits = (f"--world {_span(analysed[:here])} fits (its findings are reported); "
+            if here else "")
+    alone = "fits" if work <= MAX_REAL_WORK else "does not fit either"
+    return Diagnostic(
+        schedule.mark("steps"), "schedule-too-large",
+        f"at W={world.world} the when: guards cut the model's cycle of waits, so the races "
+        f"after it are decided on each rank's real steps: {work} units of work "
+        f"({cuts} cut entries, {pairs} for the pairs of accesses it may compare){before}, "
+        f"above the limit of {MAX_REAL_WORK}: {fits}W={world.world} alone {alone}",
+        hint="check a narrower --world range (the real-steps search grows as W^2 at each "
+        "W, summed over the W of one check), or fewer steps or slots")
+
+
+def _span(worlds: list[int]) -> str:
+    """``2..30`` (or one W) for the W of a check, in the order analysed."""
+    first, last = worlds[0], worlds[-1]
+    return str(first) if first == last else f"{first}..{last}"
 
 
 def _unmodelled(world: World, deadlocks: list[RawDeadlock],
@@ -146,20 +195,22 @@ def _unmodelled(world: World, deadlocks: list[RawDeadlock],
 
 def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
     """The race translated to ranks where both its accesses happen (``when:``,
-    dcpc.lang.when; legal.Execution.happens) and where a store the model gives every
-    rank is one the program makes: a perm's writer p into table[p]'s instance, a
-    broadcast's root (the analysis takes every rank's store at every delta of a table,
-    and every rank as a broadcast's root, so the race it finds may name a writer with no
-    such store), so that its counterexample happens as written and ``dcpc run --replay``
-    can show it. The analysis takes a guarded step's accesses on every rank (sound: a
-    guarded local step changes no ordering, and a guarded communication step's wait
-    orders only what runs after it where it runs: clocks.Gates), and every translation
-    of a race of that model is one (a rotation; on a mesh, of its torus); a race no
-    translation fits is kept as found (another pair of the same groups may fit). None:
-    an access of it happens on no rank at this W, so no execution makes it."""
+    dcpc.lang.when; legal.Execution.happens) and where an access the model gives every
+    rank is one the program makes (races.made): a perm's store from writer p into
+    table[p]'s instance, a broadcast's from its root, a shift's src read on a rank that
+    sends (the analysis takes every rank's store at every delta of a table, every rank
+    as a broadcast's root and every rank's src read, so the race it finds may name an
+    access no rank makes; races._rank_pairs keeps only pairs some translation makes), so
+    that its counterexample happens as written and ``dcpc run --replay`` can show it.
+    The analysis takes a guarded step's accesses on every rank (sound: a guarded local
+    step changes no ordering, and a guarded communication step's wait orders only what
+    runs after it where it runs: clocks.Gates), and every translation of a race of that
+    model is one (a rotation; on a mesh, of its torus); a race no translation fits is
+    kept as found (another pair of the same groups may fit). None: an access of it
+    happens on no rank at this W, so no execution makes it."""
     a, b = race.first, race.second
     execution = world.execution  # some rank skips a guarded step (its sync, maybe)
-    if execution is None and not any(_modelled_store(t) for t in (a, b)):
+    if execution is None and not any(modelled(world, t) for t in (a, b)):
         return race
     n = int(world.world)
     on_a = on_b = frozenset(range(n))
@@ -167,11 +218,10 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
         on_a, on_b = (frozenset(r for r in range(n) if execution.happens(t, r)) for t in (a, b))
         if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
             return None
-    topo, events = torus(shape_of(world.world)), world.program.events
-
-    fits = [replace(race, first=_rotated(a, d, topo), second=_rotated(b, d, topo))
+    topo = torus(shape_of(world.world))
+    fits = [replace(race, first=rotated(a, d, topo), second=rotated(b, d, topo))
             for d in range(n) if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b
-            and _made(topo, events, a, d) and _made(topo, events, b, d)]
+            and made(world, rotated(a, d, topo)) and made(world, rotated(b, d, topo))]
     if execution is not None:  # the first translation the ranks' real steps allow
         legal = next((f for f in fits if execution.unordered(f) is not None), None)
         if legal is not None:
@@ -179,57 +229,10 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     return fits[0] if fits else race
 
 
-def _made(topo: Torus, events: tuple[Event, ...], t: Touch, d: int = 0) -> bool:
-    """Whether the store of t translated by d is one the program makes, or the read of
-    its push (a shift's ``src``, in the event of a ``line`` or ``perm`` store) one a rank
-    that sends makes (review gc25 M2: a rank past a line's end or out of a partial perm
-    sends nothing and reads no src); any other access is made."""
-    region = _modelled_store(t)
-    rank, owner = topo.add(t.rank, d), topo.add(t.owner, d)
-    if region is None:
-        region = _push_of(events, t)
-        if region is None:
-            return True
-        if region.scheme == "line":
-            return topo.peer(rank, region.axes, region.offset, wrap=False) is not None
-        return len(region.table) != topo.size or region.table[rank] >= 0
-    if region.scheme == "line":  # made where the line has its target in the team
-        return topo.peer(rank, region.axes, region.offset, wrap=False) == owner
-    if region.scheme == "perm":
-        return len(region.table) != topo.size or region.table[rank] == owner
-    team = topo.team(owner, region.axes)  # a broadcast's: its root, member ``dim``
-    return team[region.dim] == rank
-
-
-def _push_of(events: tuple[Event, ...], t: Touch) -> Region | None:
-    """For a rank's read of its own instance in a send event with a ``line`` or
-    ``perm`` store (a shift's push: its src read), that store's region, else None."""
-    event = events[t.j]
-    if t.access.kind != "read" or t.access.region is not None or event.phase != "send":
-        return None
-    return next((a.region for a in event.accesses if a.kind == "write"
-                 and a.region is not None and a.region.scheme in ("line", "perm")), None)
-
-
-def _modelled_store(t: Touch) -> Region | None:
-    """The region of a store the model gives ranks the program does not (a perm's at
-    every delta of its table, a broadcast's from every rank, a line's past its end),
-    else None."""
-    region = t.access.region
-    if t.access.kind != "write" or region is None or region.scheme not in (
-            "perm", "root", "line"):
-        return None
-    return region
-
-
 def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
     """(rank, step index) of every guarded step that does not run on that rank at W."""
     return frozenset((r, index) for index, ranks in wh.running(schedule, w).items()
                      for r in range(int(w)) if r not in ranks)
-
-
-def _rotated(t: Touch, d: int, topo: Torus) -> Touch:
-    return replace(t, rank=topo.add(t.rank, d), owner=topo.add(t.owner, d))
 
 
 def _json(world: int) -> int | str:

@@ -56,6 +56,9 @@ class World:
                                                    repr=False)
     lows: dict[tuple[int, int], int] = field(default_factory=dict, compare=False,
                                              repr=False)
+    # (event j, id of its access, rank) -> the translations that make it (races.made)
+    made_at: dict[tuple[int, int, int], int] = field(default_factory=dict, compare=False,
+                                                     repr=False)
     # (rank, step index) of the guarded steps (when:) that do not run on that rank: a
     # counterexample shows them skipped, not done (dcpc.check.hb.checker sets it)
     skipped: frozenset[tuple[int, int]] = field(default=frozenset(), compare=False,

@@ -62,6 +62,7 @@ class Execution:
         self.signal_of = {e.signal[0]: j for j, e in enumerate(program.events)
                           if e.signal is not None}
         self.cuts: dict[tuple[int, int], list[int] | None] = {}
+        self._sources: dict[tuple[int, int], list[int] | None] = {}
 
     def runs(self, rank: int, j: int) -> bool:
         """Whether event j's step runs on ``rank``."""
@@ -85,16 +86,32 @@ class Execution:
         what it returns included), as the clocks join the wait into the event's own
         clock (review M1 of session 24: the returned read; session 25: an all_reduce's
         landing read after its wait)."""
-        if (rank, pos) not in self.cuts:
-            self.cuts[(rank, pos)] = self._before(rank, pos)
-        return self.cuts[(rank, pos)]
+        if (rank, pos) in self.cuts:
+            return self.cuts[(rank, pos)]
+        from dcpc.check.hb.timeline import stream_positions
 
-    def _before(self, rank: int, pos: int) -> list[int] | None:
+        # each cut from the one before it on its stream (cached, a closed cut under this
+        # one: the walk from it adds what the events between add, the same least cut as
+        # a walk from nothing), the earliest not cached first
+        program = self.world.program
+        call, j = divmod(pos, self.world.n)
+        order = stream_positions(self.world, program.stream(call))
+        k = program.stream_index(call, j)
+        while k > 0 and (rank, order[k - 1]) not in self.cuts:
+            k -= 1
+        base = self.cuts[(rank, order[k - 1])] if k > 0 else [0] * (
+            int(self.world.world) * self.world.streams)
+        for p in order[k:program.stream_index(call, j) + 1]:
+            base = self.cuts[(rank, p)] = None if base is None else self._before(
+                rank, p, list(base))
+        return base
+
+    def _before(self, rank: int, pos: int, cut: list[int]) -> list[int] | None:
+        """The cut of (rank, pos) walked on from ``cut``, a closed cut under it."""
         from dcpc.check.hb.timeline import stream_positions
 
         world, program = self.world, self.world.program
         n, streams = world.n, world.streams
-        cut = [0] * (int(world.world) * streams)
         call, j = divmod(pos, n)
         work = [(rank, program.stream(call), program.stream_index(call, j))]
         sources = self.sources(rank, j)  # its own wait's: its accesses come after it
@@ -124,6 +141,11 @@ class Execution:
         """The ranks whose signal (of the polled step, in the same call) event i's wait
         needs on ``rank``: [] where it makes no wait; None when one is never sent there
         (the polled step does not run on that rank, or does not signal ``rank``)."""
+        if (rank, i) not in self._sources:
+            self._sources[(rank, i)] = self._sources_of(rank, i)
+        return self._sources[(rank, i)]
+
+    def _sources_of(self, rank: int, i: int) -> list[int] | None:
         events, w = self.world.program.events, self.world.world
         wait = events[i].wait
         if wait is None or not self.runs(rank, i):

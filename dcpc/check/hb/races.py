@@ -26,13 +26,13 @@ calls and steps (a wait that polls a later step of its call never returns).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from dcpc.check.hb.clocks import World
-from dcpc.check.hb.events import PHASE_ORDER, Access
+from dcpc.check.hb.events import PHASE_ORDER, Access, Event
 from dcpc.lang.mesh import Torus, shape_of, torus
+from dcpc.lang.semantics import Region
 
 WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
 
@@ -145,13 +145,21 @@ def _writers(world: World, access: Access) -> list[int]:
 def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Access],
                 every: bool = False) -> list[tuple[int, int]]:
     """The (rank of a, rank of b) whose accesses of groups a and b to rank 0's instance
-    overlap, in the order counterexamples prefer: the one definition of which concrete
-    accesses conflict (their groups write, one at least: the caller). ``every``: each
-    common writer of two stores of one partition, which the symmetric model needs only
-    one of (by translation) but the ranks' real steps (legal.Execution) each."""
-    (_, _, xa), (_, _, xb) = a, b
+    overlap, and that some translation of the torus makes both (``made``: the model gives
+    every rank a perm's store at every delta, a broadcast's from every rank, a line's
+    past its end and a shift's src read where the rank sends nothing; a pair of those
+    no translation makes names accesses no rank does), in the order counterexamples
+    prefer: the one definition of which concrete accesses conflict (their groups write,
+    one at least: the caller). ``every``: each common writer of two stores of one
+    partition, which the symmetric model needs only one of (by translation) but the
+    ranks' real steps (legal.Execution) each."""
+    (_, ja, xa), (_, jb, xb) = a, b
+
+    def together(p: int, q: int) -> bool:
+        return _translations(world, ja, xa, p) & _translations(world, jb, xb, q) != 0
+
     if not xa.remote and not xb.remote:
-        return [(0, 0)]
+        return [(0, 0)] if together(0, 0) else []
     if xa.remote and xb.remote:
         assert xa.region is not None and xb.region is not None
         if xa.region.partition == xb.region.partition:
@@ -163,13 +171,93 @@ def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Acc
             # (a store into one peer's instance, Region.peer, reaches rank 0 from one
             # writer: the two meet there only at a writer both have)
             theirs = set(_writers(world, xb))
-            ps = [p for p in _writers(world, xa) if p in theirs]
+            ps = [p for p in _writers(world, xa) if p in theirs and together(p, p)]
             ps = ps if every or xa.region.scheme == "perm" else ps[:1]
             return [(p, p) for p in ps]
-        return [(p, q) for p in _writers(world, xa) for q in _writers(world, xb)]
+        return [(p, q) for p in _writers(world, xa) for q in _writers(world, xb)
+                if together(p, q)]
     # one local access of rank 0, one store group: rank 0's whole instance meets part p
-    return [(0, p) if not xa.remote else (p, 0)
-            for p in _writers(world, xb if xb.remote else xa)]
+    pairs = [(0, p) if not xa.remote else (p, 0)
+             for p in _writers(world, xb if xb.remote else xa)]
+    return [(p, q) for p, q in pairs if together(p, q)]
+
+
+def _translations(world: World, j: int, access: Access, rank: int) -> int:
+    """The translations d of the torus at which ``rank``'s ``access`` of event j to rank
+    0's instance, moved by d, is one the program makes (``made``) on a rank where its
+    step runs (``World.execution.happens``: some rank skips a guarded step; review of
+    sym26 M1: a pair of those no translation makes named a fill on a rank that runs it
+    beside a push of a rank that sends nothing), as a bit mask (-1: every d, an access
+    the model gives no rank it lacks and no guard skips); cached per W (O(W) each)."""
+    key = (j, id(access), rank)
+    mask = world.made_at.get(key)
+    if mask is None:
+        topo, t = torus(shape_of(world.world)), Touch(rank, 0, j, access, 0)
+        ex = world.execution
+        mask = -1 if ex is None and not modelled(world, t) else sum(
+            1 << d for d in range(topo.size) if made(world, rotated(t, d, topo))
+            and (ex is None or ex.happens(t, topo.add(rank, d))))
+        world.made_at[key] = mask
+    return mask
+
+
+def made(world: World, t: Touch) -> bool:
+    """Whether the program makes access t, which the symmetric model gives every rank: a
+    line's or perm's store where the writer's store lands on t's owner (``_lands``), a
+    broadcast's from its root, a shift's push read of its ``src`` on a rank whose store
+    lands anywhere (a rank past a line's end or out of a partial perm sends nothing and
+    reads no src: review gc25 M2, sym26); any other access is made."""
+    topo = torus(shape_of(world.world))
+    region = _modelled_store(t)
+    if region is None:
+        region = _push_of(world.program.events, t)
+        return region is None or _lands(topo, region, t.rank)
+    if region.scheme in ("line", "perm"):
+        return _lands(topo, region, t.rank, t.owner)
+    team = topo.team(t.owner, region.axes)  # a broadcast's: its root, member ``dim``
+    return team[region.dim] == t.rank
+
+
+def _lands(topo: Torus, region: Region, rank: int, owner: int | None = None) -> bool:
+    """Whether ``rank``'s store of a ``line`` or ``perm`` region is one the program makes,
+    into ``owner``'s instance (None: into any rank's), as ``Region.target`` says (a
+    perm's table of another size than W, a hint's re-check at a larger W: taken as
+    made, the model's every delta)."""
+    if region.scheme == "perm" and len(region.table) != topo.size:
+        return True
+    target = region.target(rank, topo)
+    return target is not None and owner in (None, target)
+
+
+def modelled(world: World, t: Touch) -> bool:
+    """Whether t is an access the model gives ranks the program may not (``made``)."""
+    return _modelled_store(t) is not None or _push_of(world.program.events, t) is not None
+
+
+def _push_of(events: tuple[Event, ...], t: Touch) -> Region | None:
+    """For a rank's read of its own instance in a send event with a ``line`` or
+    ``perm`` store (a shift's push: its src read), that store's region, else None."""
+    event = events[t.j]
+    if t.access.kind != "read" or t.access.region is not None or event.phase != "send":
+        return None
+    return next((a.region for a in event.accesses if a.kind == "write"
+                 and a.region is not None and a.region.scheme in ("line", "perm")), None)
+
+
+def _modelled_store(t: Touch) -> Region | None:
+    """The region of a store the model gives ranks the program does not (a perm's at
+    every delta of its table, a broadcast's from every rank, a line's past its end),
+    else None."""
+    region = t.access.region
+    if t.access.kind != "write" or region is None or region.scheme not in (
+            "perm", "root", "line"):
+        return None
+    return region
+
+
+def rotated(t: Touch, d: int, topo: Torus) -> Touch:
+    """t translated by d: its rank and its owner."""
+    return replace(t, rank=topo.add(t.rank, d), owner=topo.add(t.owner, d))
 
 
 def _first_unordered(
@@ -312,17 +400,63 @@ class Cuts(Protocol):
     def unordered(self, race: RawRace) -> object | None: ...
 
 
-def find_real_races(world: World, execution: Cuts,
-                    made: Callable[[Touch], bool]) -> list[RawRace]:
+# The work of the real-steps search (find_real_races), in units of one entry of a cut: every
+# rank's cut of every event of the computed calls (W x events x W x streams entries, each
+# cut walked on from the one before it on its stream: legal.Execution.before), and
+# PAIR_UNITS per (writer, writer, owner) of a pair of accesses that ``_real_race`` may
+# compare (it asks both cuts and orders them: measured 20 to 45 times a cut entry on
+# this project's shared 2-core machine; BCAST_BESIDE_GATHER of tests/check at W = 64,
+# 122,880 cut entries and 104,832 compared, 5 s; LINE_READ at W = 64, 294,912 and
+# 1,433, 0.37 s). The checker asks it before the search: past the limit a W is refused
+# (schedule-too-large, docs/language.md "Limits"), not searched for minutes.
+MAX_REAL_WORK = 1_000_000
+PAIR_UNITS = 20
+
+
+def real_work(world: World) -> tuple[int, int]:
+    """(cut entries, pair units) of ``find_real_races`` at this W (``MAX_REAL_WORK``),
+    before any cut is made: PAIR_UNITS per (writer of a, writer of b, owner) that
+    ``_real_race`` may compare for a pair of groups of one instance (one of them
+    writing), bounded from each access's writers and the (writer, owner) it is made at
+    (the ``_translations`` masks): W^2 for two stores of different partitions made at
+    every owner, W for a local access beside a store or two of one partition, 1 for two
+    local accesses (x W owners at most)."""
+    w = int(world.world)
+    cuts = w * world.calls * world.n * w * world.streams
+    pairs = 0
+    for buffer, signatures in _touching(world).items():
+        if buffer not in world.program.shared:
+            continue
+        # per (event, access): its writers and the (writer, owner) it is made at
+        sizes = []
+        for j, access in signatures:
+            ranks = _writers(world, access) if access.remote else [0]
+            masks = [_translations(world, j, access, r) for r in ranks]
+            sizes.append((len(ranks), sum(w if m == -1 else m.bit_count() for m in masks),
+                          access))
+        for _, calls in _instances(world, buffer):
+            groups = [s for _ in calls for s in sizes]
+            for i, (na, ma, xa) in enumerate(groups):
+                for nb, mb, xb in groups[i + 1:]:
+                    if xa.kind != "write" and xb.kind != "write":
+                        continue
+                    one = (not xa.remote and not xb.remote) or (
+                        xa.remote and xb.remote
+                        and xa.region.partition == xb.region.partition)  # type: ignore[union-attr]
+                    pairs += min(ma, mb) if one else min(nb * ma, na * mb)
+    return cuts, pairs * PAIR_UNITS
+
+def find_real_races(world: World, execution: Cuts) -> list[RawRace]:
     """One race per (class, buffer, step pair), decided on the ranks' real steps under
     their ``when:`` guards (legal.Execution), where the symmetric model's clocks stop at
     a cycle of waits those guards cut: every rank finishes every call there, so every
     event is searched (not only the model's live ones), on every owner's instance (the
     ranks differ: no rotation stands for another), each pair of conflicting accesses
-    (``_rank_pairs``, every common writer) whose stores the program makes (``made``: a
-    perm's at its table, a broadcast's from its root) ordered iff one ends before the
-    other starts in the other's cut (``Execution.unordered``). A race is kept with the
-    first pair found, its translation the checker's counterexample as it is."""
+    (``_rank_pairs``, every common writer) that the program makes (``made``: a perm's
+    store at its table, a broadcast's from its root, a shift's src read where it sends)
+    ordered iff one ends before the other starts in the other's cut
+    (``Execution.unordered``). A race is kept with the first pair found, its
+    translation the checker's counterexample as it is."""
     found: dict[tuple[str, str, str, str, str], RawRace] = {}
     topo = torus(shape_of(world.world))
     for buffer, signatures in sorted(_touching(world).items()):
@@ -337,25 +471,30 @@ def find_real_races(world: World, execution: Cuts,
                     key = _pair_key(world, buffer, a, b)
                     if key in found:
                         continue
-                    race = _real_race(world, execution, made, topo, buffer, slot, a, b)
+                    race = _real_race(world, execution, topo, buffer, slot, a, b)
                     if race is not None:
                         found[key] = race
     return list(found.values())
 
 
-def _real_race(world: World, execution: Cuts, made: Callable[[Touch], bool], topo: Torus,
-               buffer: str, slot: int | None, a: tuple[int, int, Access],
-               b: tuple[int, int, Access]) -> RawRace | None:
+def _real_race(world: World, execution: Cuts, topo: Torus, buffer: str, slot: int | None,
+               a: tuple[int, int, Access], b: tuple[int, int, Access]) -> RawRace | None:
     """The first conflicting pair of groups a and b, on any owner's instance, that the
     real steps leave unordered (``find_real_races``), else None."""
     for ra, rb in _rank_pairs(world, a, b, every=True):
-        for owner in range(topo.size):
+        # the owners where the program makes both (review of sym26 H1: every owner was
+        # tried, W^3 for a broadcast beside an all_gather, past what real_work counts)
+        both = _translations(world, a[1], a[2], ra) & _translations(world, b[1], b[2], rb)
+        for owner in _owners(both, topo.size):
             x = Touch(topo.add(ra, owner), a[0], a[1], a[2], owner)
             y = Touch(topo.add(rb, owner), b[0], b[1], b[2], owner)
-            if not (made(x) and made(y)):
-                continue
             cls, first, second = classify(world, x, y)
             race = RawRace(cls, buffer, first, second, slot)
             if execution.unordered(race) is not None:
                 return race
     return None
+
+
+def _owners(mask: int, size: int) -> list[int]:
+    """The translations (owners) a ``_translations`` mask holds, in increasing order."""
+    return list(range(size)) if mask == -1 else [d for d in range(size) if mask >> d & 1]

@@ -125,14 +125,16 @@ class HbReport:
     worlds: list[int]
     findings: list[Finding] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    # a W refused before its real-steps search (schedule-too-large): no W after it checked
+    refused: list[Diagnostic] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.findings
+        return not self.findings and not self.refused
 
     def diagnostics(self) -> list[Diagnostic]:
-        """One diagnostic per finding (code "race" or "deadlock")."""
-        return [f.diagnostic() for f in self.findings]
+        """One diagnostic per finding (code "race" or "deadlock"), then the refusal."""
+        return [f.diagnostic() for f in self.findings] + list(self.refused)
 
     def as_json(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "file": self.file,
