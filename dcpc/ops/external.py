@@ -50,4 +50,5 @@ def lower(ctx: LowerRules, step: Step) -> Any:
     return ctx.plan(step, template=None, reads=list(op.reads), writes=list(op.writes))
 
 
-DEF = define(OpDef("external", External, semantics, None, reference, io, lower, exact=True))
+DEF = define(OpDef("external", External, semantics, None, reference, io, lower, exact=True,
+                   engine=True))

@@ -84,6 +84,7 @@ class OpDef:
     whole_mesh_form: Callable[[Any], str | None] | None = None
     team_form: str = ""
     exact: bool = False
+    engine: bool = False  # the engine's own step (external): what it writes is no move
     inputs: Callable[[Any], dict[str, InputRule]] | None = None
     outputs: Callable[[Any], dict[str, OutputRule]] | None = None
     torch: Callable[..., None] | None = None
@@ -140,8 +141,8 @@ def input_rules(schedule: ScheduleView) -> list[dict[str, InputRule]]:
 
 def is_move(op: OpBase) -> bool:
     """An op that moves bits (``OpDef.exact``, ``OpDef.moves``), not an engine step."""
-    from dcpc.ops.external import External  # registers itself here: imported late
-    return OPS[op.op].moves(op) and not isinstance(op, External)
+    spec = OPS[op.op]
+    return spec.moves(op) and not spec.engine
 
 
 def carries(op: OpBase) -> list[tuple[str, str]]:
