@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcpc.runtime.host import SHM_DIR, HostHeap, segment_prefix
+from dcpc.runtime.host import HostHeap, segment_prefix, shm_dir
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def _push_and_signal(
 
 def _own_segments(pid: int | None = None) -> list[str]:
     prefix = segment_prefix(pid)
-    return [f for f in os.listdir(SHM_DIR) if f.startswith(prefix)]
+    return [f for f in os.listdir(shm_dir()) if f.startswith(prefix)]
 
 
 def heap_probe(
@@ -118,7 +118,7 @@ def killed_during_allocate(rank: int, world: int) -> list[str]:
         return []
     prefix = segment_prefix(pids[0])  # while rank 0 lives: its start time is readable
     deadline = time.monotonic() + 60
-    while not (left := [f for f in os.listdir(SHM_DIR) if f.startswith(prefix)]):
+    while not (left := [f for f in os.listdir(shm_dir()) if f.startswith(prefix)]):
         if time.monotonic() > deadline:
             raise TimeoutError("rank 0 created no segment within 60 s")
         time.sleep(0.01)

@@ -30,10 +30,18 @@ import torch.distributed as dist
 
 from dcpc.runtime.heap import Segment, SymmetricBuffer, aligned_offsets
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # the default; DCPC_SHM_DIR names another (a tmpfs) folder
 SEGMENT_PREFIX = "dcpc-"
 # dcpc-<pid namespace>-<pid>-<start time of the pid>-<random>
 _SEGMENT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-(\d+)-(\d+)-[0-9a-f]{{12}}$")
+
+
+def shm_dir() -> str:
+    """Where segments are created and orphans looked for: $DCPC_SHM_DIR, else /dev/shm.
+
+    A run (or a test) that must not meet other runs' segments names its own folder.
+    """
+    return os.environ.get("DCPC_SHM_DIR") or SHM_DIR
 
 
 def _pid_namespace() -> int:
@@ -71,16 +79,18 @@ def segment_prefix(pid: int | None = None) -> str:
     return f"{SEGMENT_PREFIX}{_pid_namespace()}-{pid}-{_start_time(pid) or 0}-"
 
 
-def remove_orphan_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink the segments whose creating process no longer exists; return their names.
+def remove_orphan_segments(folder: str | None = None) -> list[str]:
+    """Unlink the segments in ``folder`` (default: ``shm_dir()``) whose creating process
+    no longer exists; return their names.
 
     Only names of this format, from this PID namespace, are considered: a PID that is
     gone, or now belongs to a process that started later, marks an orphan. Segments of
     live processes (another run in progress) are never touched.
     """
     removed: list[str] = []
+    folder = shm_dir() if folder is None else folder
     try:
-        names = os.listdir(shm_dir)
+        names = os.listdir(folder)
     except OSError:
         return removed
     namespace = _pid_namespace()
@@ -92,7 +102,7 @@ def remove_orphan_segments(shm_dir: str = SHM_DIR) -> list[str]:
         now = _start_time(pid)
         if now is None or (started and now and now != started):
             try:
-                os.unlink(os.path.join(shm_dir, name))
+                os.unlink(os.path.join(folder, name))
                 removed.append(name)
             except OSError:
                 pass  # removed by someone else meanwhile, or not ours to remove
@@ -138,6 +148,11 @@ class HostHeap:
         device: str | torch.device = "cpu",
         poison: bool = False,
     ):
+        self.shm_dir = shm_dir()
+        if not os.path.isdir(self.shm_dir):
+            raise ValueError(
+                f"HostHeap creates its segments in {self.shm_dir!r} (DCPC_SHM_DIR or "
+                f"{SHM_DIR}), which is not a folder")
         if not dist.is_initialized():
             raise RuntimeError("HostHeap needs torch.distributed initialized (gloo)")
         self.group = group if group is not None else dist.group.WORLD
@@ -159,7 +174,7 @@ class HostHeap:
         self._maps = _Mappings()
         # runs on close(), on garbage collection, and at interpreter exit
         self._finalizer = weakref.finalize(self, self._maps.release)
-        remove_orphan_segments()  # what ranks killed during an earlier construction left
+        remove_orphan_segments(self.shm_dir)  # what ranks killed in an earlier construction left
 
     def allocate(
         self, nbytes: Sequence[int], *, poison: bool | None = None
@@ -210,7 +225,7 @@ class HostHeap:
         ]
 
     def _create_segment(self, total: int, poison: bool) -> str:
-        path = os.path.join(SHM_DIR, f"{segment_prefix()}{uuid.uuid4().hex[:12]}")
+        path = os.path.join(self.shm_dir, f"{segment_prefix()}{uuid.uuid4().hex[:12]}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._maps.own_paths.append(path)  # unlinked by the finalizer if we die early
         try:
