@@ -33,6 +33,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -397,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.dry and not torch.cuda.is_available():
         print("no CUDA device: run with --dry on CPU", file=sys.stderr)
         return 2
-    os.environ.setdefault("DCPC_CACHE_DIR", tempfile.mkdtemp(prefix="dcpc-capture-warm-"))
+    made = None  # the compile cache's folder, when none is given: removed at the end
+    if not os.environ.get("DCPC_CACHE_DIR"):
+        made = os.environ["DCPC_CACHE_DIR"] = tempfile.mkdtemp(prefix="dcpc-capture-warm-")
     for name in ("DCPC_MAX_NUM_TOKENS", "DCPC_CAPTURE_SIZES", "DCPC_WARM_CAPTURE"):
         os.environ.pop(name, None)  # the sizes and workspaces come from the stand-in configs
     compiles, uncount = _compile_counter()
@@ -413,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             results["worlds"].append(run_world(a, w, compiles))
     finally:
         uncount()
+        if made is not None:
+            os.environ.pop("DCPC_CACHE_DIR", None)
+            shutil.rmtree(made, ignore_errors=True)
     results["ok"] = verdict(results)
     text = table(results)
     (a.out / "capture_warm.json").write_text(json.dumps(results, indent=1, default=str))

@@ -198,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", 0)
     if any(args.cols % w for w in args.worlds):
         ap.error(f"--cols {args.cols} must be a multiple of every W in {args.worlds}")
-    build = Path(tempfile.mkdtemp(prefix="dcpc-new-ops-"))
-    classes = compile_classes(args.worlds, max(args.rows), args.cols, build)
     records: list[dict[str, Any]] = []
-    for world in args.worlds:
-        records += one_world(classes, world, args.rows, args.cols, device, args.iters,
-                             args.reps, args.timeout)
+    with tempfile.TemporaryDirectory(prefix="dcpc-new-ops-") as build:
+        classes = compile_classes(args.worlds, max(args.rows), args.cols, Path(build))
+        for world in args.worlds:
+            records += one_world(classes, world, args.rows, args.cols, device, args.iters,
+                                 args.reps, args.timeout)
     result = {
         "what": "new ops through the local backend on one device, us per call (median, max "
                 "over ranks); torch: the same bytes moved by torch copies, unsynchronised",

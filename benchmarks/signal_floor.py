@@ -43,8 +43,9 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def render() -> ModuleType:
-    """The two floor kernels as a module: sync.j2's macros rendered as dcpc emits them."""
+def render(folder: Path) -> ModuleType:
+    """The two floor kernels as a module: sync.j2's macros rendered as dcpc emits them, its
+    file in ``folder`` (Triton reads a kernel's source from its file: keep it while they run)."""
     import jinja2
 
     env = jinja2.Environment(
@@ -58,7 +59,7 @@ def render() -> ModuleType:
 
     text = env.get_template("signal_floor.py.j2").render()
     text = text.replace("# DEVICE_IMPORTS", device_imports(text) + "  #", 1)
-    path = Path(tempfile.mkdtemp(prefix="dcpc-floor-")) / "dcpc_signal_floor.py"
+    path = folder / "dcpc_signal_floor.py"
     path.write_text(text)  # Triton reads a kernel's source from its file
     spec = importlib.util.spec_from_file_location("dcpc_signal_floor", path)
     assert spec is not None and spec.loader is not None
@@ -143,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("on CPU set TRITON_INTERPRET=1 (the kernels run in Triton's interpreter)")
-    kernels = render()
-    rows = [one_world(kernels, w, device, args.iters, args.reps, args.timeout)
-            for w in args.worlds]
+    with tempfile.TemporaryDirectory(prefix="dcpc-floor-") as build:
+        kernels = render(Path(build))
+        rows = [one_world(kernels, w, device, args.iters, args.reps, args.timeout)
+                for w in args.worlds]
     result = {
         "what": "signal floor: one launch signals and waits for every peer, us per launch",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu "

@@ -1,9 +1,12 @@
-"""Suite-wide checks: nothing the suite creates may be left in /dev/shm."""
+"""Suite-wide checks: nothing the suite creates may be left in /dev/shm or the temporary
+directory."""
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 
 import hypothesis
@@ -22,32 +25,52 @@ hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SHM_DIR = "/dev/shm"
 PREFIX = "dcpc-"  # dcpc.runtime.host.SEGMENT_PREFIX (not imported: keeps collection light)
-_BEFORE = pytest.StashKey[set[str]]()
+# and the folders the product and benchmarks make under the temporary directory
+# (dcpc-run-, dcpc-launch-, dcpc-trace-, dcpc-floor-, dcpc-new-ops-, dcpc-capture-warm-...)
+WATCHED = {"segments": SHM_DIR, "folders": tempfile.gettempdir()}
+_BEFORE = pytest.StashKey[dict[str, set[str]]]()
+SETTLE_S = 120.0  # how long a new entry may take to go before it is a leftover
 
 
-def _segments() -> set[str]:
+def _entries(folder: str) -> set[str]:
     try:
-        return {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}
+        return {name for name in os.listdir(folder) if name.startswith(PREFIX)}
     except FileNotFoundError:
         return set()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):  # a plain run, or xdist's controller
-        session.config.stash[_BEFORE] = _segments()
+        session.config.stash[_BEFORE] = {k: _entries(f) for k, f in WATCHED.items()}
+
+
+def _still_there(found: dict[str, set[str]]) -> dict[str, set[str]]:
+    """What of ``found`` is still there after SETTLE_S seconds: another process on the
+    machine (a second test session, a run by hand) makes and removes the same kinds of
+    entries, and its live ones are not this session's leftovers; a leftover stays."""
+    deadline = time.monotonic() + SETTLE_S
+    while any(found.values()) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        found = {what: names & _entries(WATCHED[what]) for what, names in found.items()}
+    return found
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Checked once, after every test of every worker (the workers run test files at
-    the same time: one worker's live segments are not another's leftovers)."""
+    the same time: one worker's live segments are not another's leftovers). Only what
+    appeared during the session and stays counts."""
     if hasattr(session.config, "workerinput") or _BEFORE not in session.config.stash:
         return
-    left = sorted(_segments() - session.config.stash[_BEFORE])
-    if left:
+    before = session.config.stash[_BEFORE]
+    left = _still_there({what: _entries(folder) - before[what]
+                         for what, folder in WATCHED.items()})
+    for what, names in left.items():
+        if not names:
+            continue
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line(f"FAILED: segments left in {SHM_DIR} by the test suite: {left}",
-                                red=True)
+            reporter.write_line(f"FAILED: {what} left in {WATCHED[what]} by the test suite: "
+                                f"{sorted(names)}", red=True)
         if session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
