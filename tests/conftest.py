@@ -4,6 +4,7 @@ directory."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -23,13 +24,25 @@ hypothesis.settings.register_profile("ci", derandomize=True, database=None)
 hypothesis.settings.register_profile("explore", derandomize=False)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The session's temporary directory is a folder of its own (TMPDIR: read by tempfile here,
+# in every xdist worker and in every process a test starts), made by the process that
+# runs the session (a plain run, or xdist's controller) and removed when it ends: what is
+# left in it was left by this session, not by another session's live run in the
+# machine's /tmp.
+TMP_ENV, TMP_OWNER_ENV = "DCPC_TESTS_TMPDIR", "DCPC_TESTS_TMPDIR_OWNER"
+if TMP_ENV not in os.environ:
+    os.environ[TMP_ENV] = tempfile.mkdtemp(prefix="pytest-dcpc-")
+    os.environ[TMP_OWNER_ENV] = str(os.getpid())
+os.environ["TMPDIR"] = os.environ[TMP_ENV]
+tempfile.tempdir = None  # tempfile reads TMPDIR again
+
 SHM_DIR = "/dev/shm"
 PREFIX = "dcpc-"  # dcpc.runtime.host.SEGMENT_PREFIX (not imported: keeps collection light)
-# and the folders the product and benchmarks make under the temporary directory
-# (dcpc-run-, dcpc-launch-, dcpc-trace-, dcpc-floor-, dcpc-new-ops-, dcpc-capture-warm-...)
-WATCHED = {"segments": SHM_DIR, "folders": tempfile.gettempdir()}
+# and the folders the product and benchmarks make in the temporary directory (dcpc-run-,
+# dcpc-launch-, dcpc-trace-, dcpc-floor-, dcpc-new-ops-, dcpc-capture-warm-...)
+WATCHED = {"segments": SHM_DIR, "folders": os.environ[TMP_ENV]}
 _BEFORE = pytest.StashKey[dict[str, set[str]]]()
-SETTLE_S = 120.0  # how long a new entry may take to go before it is a leftover
+SETTLE_S = 120.0  # how long a new segment may take to go before it is a leftover
 
 
 def _entries(folder: str) -> set[str]:
@@ -46,8 +59,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def _still_there(found: dict[str, set[str]]) -> dict[str, set[str]]:
     """What of ``found`` is still there after SETTLE_S seconds: another process on the
-    machine (a second test session, a run by hand) makes and removes the same kinds of
-    entries, and its live ones are not this session's leftovers; a leftover stays."""
+    machine (a second test session, a run by hand) makes and removes segments in /dev/shm
+    too, and its live ones are not this session's leftovers; a leftover stays."""
     deadline = time.monotonic() + SETTLE_S
     while any(found.values()) and time.monotonic() < deadline:
         time.sleep(1.0)
@@ -73,6 +86,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                                 f"{sorted(names)}", red=True)
         if session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's temporary directory goes with the process that made it (after the
+    check above, and after pytest's own tmp_path folders in it are done with)."""
+    if os.environ.get(TMP_OWNER_ENV) == str(os.getpid()):
+        shutil.rmtree(os.environ[TMP_ENV], ignore_errors=True)
 
 
 @pytest.fixture
