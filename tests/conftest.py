@@ -89,10 +89,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The session's temporary directory goes with the process that made it (after the
-    check above, and after pytest's own tmp_path folders in it are done with)."""
+    """The session's temporary directory goes with the process that made it, at its exit:
+    after multiprocessing's own clean-up, whose folder (a fork server's, exit priority
+    -100) is in it."""
     if os.environ.get(TMP_OWNER_ENV) == str(os.getpid()):
-        shutil.rmtree(os.environ[TMP_ENV], ignore_errors=True)
+        from multiprocessing import util
+
+        util.Finalize(None, shutil.rmtree, args=(os.environ[TMP_ENV],),
+                      kwargs={"ignore_errors": True}, exitpriority=-101)
 
 
 @pytest.fixture
