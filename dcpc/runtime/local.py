@@ -41,6 +41,7 @@ import contextlib
 import functools
 import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -481,6 +482,7 @@ class LocalGroup:
         slow on a busy machine while its calls advance)."""
         results: list[Any] = [None] * self.world
         errors: dict[int, str] = {}
+        at_failure: list[str] = []  # the other ranks' places when the first one failed
         order: list[int] = []
         lock = threading.Lock()
 
@@ -499,6 +501,10 @@ class LocalGroup:
                 with lock:  # the first failure is the cause; peers then see a broken group
                     errors.setdefault(rank.rank, _brief(exc))
                     order.append(rank.rank)
+                    if len(order) == 1:  # where the others were then, before they move on
+                        others = [r for r, t in enumerate(threads)
+                                  if r != rank.rank and t.is_alive()]
+                        at_failure.append(self._where(threads, others))
                 self._barrier.abort()
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True,
@@ -511,19 +517,15 @@ class LocalGroup:
         bound = timeout_s or self.timeout_s
         stalled = self._join(threads, start + bound, stall_s)
         hung = [r for r, t in enumerate(threads) if t.is_alive()]
-        stacks = ""
-        if hung:  # where each hung rank is: a kernel launch, a sync, a barrier
-            frames = sys._current_frames()
-            for r in hung:
-                frame = frames.get(threads[r].ident or -1)
-                where = "".join(traceback.format_stack(frame)[-4:]) if frame else "?\n"
-                said = self.ranks[r].said
-                stacks += f"rank {r} is at{f' ({said})' if said else ''}:\n{where}"
+        stacks = self._where(threads, hung)  # a kernel launch, a sync, a barrier
         now = time.monotonic()
         moving = stall_s is not None and not stalled and any(
             now - self.ranks[r].moved < stall_s for r in hung)
         first = order[0] if order else None
         failed = f"rank {first} failed:\n{errors[first]}" if first is not None else ""
+        if failed and at_failure and at_failure[0]:
+            failed += (f"when rank {first} failed, the ranks still running were at:\n"
+                       f"{at_failure[0]}")
         if hung and moving:
             raise LocalRankTimeout(
                 f"ranks {hung} timed out after {now - start:.0f} s, still progressing (not "
@@ -539,6 +541,36 @@ class LocalGroup:
         if self._barrier.broken:
             self._barrier.reset()
         return results
+
+    def _where(self, threads: list[threading.Thread], ranks: list[int]) -> str:
+        """Where each of ``ranks`` is now: its last words (``LocalRank.progress``), the
+        CPU seconds its thread has used, and the innermost frames of its stack."""
+        frames = sys._current_frames()
+        out = ""
+        for r in ranks:
+            ident = threads[r].ident
+            frame = frames.get(ident or -1)
+            where = "?\n"
+            if frame is not None:
+                stack = traceback.extract_stack(frame)
+                # deep in a library (the interpreter, numpy, a lock), also the innermost
+                # frame of the caller's own code
+                lib = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                       sysconfig.get_paths()["platlib"])
+                own = [f for f in stack[:-4] if not f.filename.startswith(lib)][-1:]
+                if not any(f.filename.startswith(lib) for f in stack[-4:]):
+                    own = []
+                where = "".join(traceback.format_list(own + stack[-4:]))
+            said = self.ranks[r].said
+            cpu = ""
+            if ident is not None and threads[r].is_alive():  # a live thread's clock only
+                try:
+                    used = time.clock_gettime(time.pthread_getcpuclockid(ident))
+                    cpu = f" its thread used {used:.2f} s of CPU so far"
+                except (AttributeError, OSError):  # no per-thread clock here, or it ended
+                    pass
+            out += f"rank {r} is at{f' ({said})' if said else ''}:{cpu}\n{where}"
+        return out
 
     def _join(self, threads: list[threading.Thread], deadline: float,
               stall_s: float | None) -> bool:

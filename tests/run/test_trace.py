@@ -92,7 +92,18 @@ def test_a_failed_traced_run_says_where_each_rank_got_to():
     assert re.fullmatch(r"  rank 0: call 1 of its own \(trace call \d\): step 'query_gather' "
                         r"slot \d, [1-9]\d* launch\(es\) begun, [1-9]\d* atomic "
                         r"exchange\(s\) \(signals, flags\) made", tail[0]), text
-    assert tail[1].startswith("  rank 1: "), text
+    # each rank's signal words on the channel its last step polls (sessions 25 and 26 could
+    # not tell a missed signal from a stalled peer in a failure's log)
+    word = (r"    signal bank, channel (\d+) \(step 0, slot \d\): its programs' epochs "
+            r"\[1\]; the epochs in the words each peer signalled here: rank 1 \[{}\]")
+    assert re.fullmatch(word.format(r"\d"), tail[1]), text
+    assert tail[2].startswith("  rank 1: "), text
+    # the record when rank 0 failed: rank 1 (paused) had made no call, its word still 0
+    first = text.split("when the first rank failed (the tracer's record):\n", 1)[1].splitlines()
+    assert re.fullmatch(word.format("0"), first[1]), text
+    assert first[2] == "  rank 1: no call yet", text
+    # and where rank 1's thread was then (dcpc.runtime.local): in call 0's reference or pause
+    assert "when rank 0 failed, the ranks still running were at:\nrank 1 is at (call 0" in text
 
 
 def test_a_wait_that_spins_long_records_its_polls_once():

@@ -9,6 +9,7 @@ deadline."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from dcpc.harness.run import RunConfig, format_report, run_schedule
-from dcpc.runtime.local import LocalGroup, LocalRankHang, LocalRankTimeout
+from dcpc.runtime.local import LocalGroup, LocalRankError, LocalRankHang, LocalRankTimeout
 
 KIMI = str(Path(__file__).resolve().parents[2] / "schedules" / "kimi_k3_dcp.yaml")
 
@@ -65,6 +66,32 @@ def test_ranks_that_all_stopped_are_hung_at_the_stall_bound_not_the_deadline() -
     assert time.monotonic() - start < 120, text  # the stall bound, stretched on a busy machine
     assert "ranks [0, 1] did not finish within" in text and "nothing new from any rank" in text
     assert "rank 0 is at (call 0: method exchange()):" in text and "in wait" in text, text
+
+
+def test_a_failure_says_where_the_ranks_still_running_were_when_it_happened() -> None:
+    """Rank 1 is in the group's barrier when rank 0 fails: the report names rank 1's last
+    words, its thread's CPU time and its frames at that moment (after it, rank 1 leaves
+    the broken barrier and ends: a look at the end would find nothing). A traced wait
+    that timed out (test_shift_perm's pairs-4, once) was reported without the peer's
+    place, so a stalled peer could not be told from a missed signal."""
+
+    def body(rank: Any) -> None:
+        if rank.rank == 1:
+            rank.progress("call 0: method fill()")
+            rank.group.barrier()  # broken by rank 0's failure: LocalRankError
+            return
+        while rank.group._barrier.n_waiting < 1:  # rank 1 is in the barrier
+            time.sleep(0.01)
+        raise RuntimeError("rank 0 gives up")
+
+    with pytest.raises(LocalRankError) as info:
+        LocalGroup(2, "cpu", timeout_s=600).run(body)
+    text = str(info.value)
+    assert text.startswith("rank 0 failed:") and "rank 0 gives up" in text, text
+    where = text.split("when rank 0 failed, the ranks still running were at:\n", 1)[1]
+    assert re.match(r"rank 1 is at \(call 0: method fill\(\)\): its thread used "
+                    r"\d+\.\d\d s of CPU so far\n", where), text
+    assert "in barrier" in where, text
 
 
 def test_without_a_stall_bound_the_deadline_still_names_a_hang() -> None:
