@@ -138,11 +138,12 @@ class Trace:
 
     def progress(self, world: int, plan: Plan | None = None) -> str:
         """Where each rank got to, by its last call: for a run that failed or hung. With
-        ``plan``, each rank's signal bank for the channel its last step polls: the epoch
-        each of its programs is at (what it signalled, or waits for) and the epoch in the
-        word each peer's program signalled into this rank (what arrived): a peer whose
-        word holds the awaited epoch signalled it (the wait missed it), one whose own
-        epoch is below it never got there (a stall or a slow peer)."""
+        ``plan``, each rank's signal bank for its last step (``_bank_words``): the epoch
+        each of its programs is at on the step's own channel (what it signalled, or
+        waits for) and the epoch in the word each peer's program signalled into this
+        rank on the channel the step polls (what arrived): a peer whose word holds the
+        awaited epoch signalled it (the wait missed it), one whose word is below it
+        never got there (a stall or a slow peer)."""
         last: dict[int, int] = {}
         for cid, call in enumerate(self.calls):
             last[call.rank] = cid
@@ -330,23 +331,27 @@ def tracing() -> Iterator[Trace]:
 
 
 def _bank_words(module: Any, step: StepPlan, slot: int, world: int) -> str:
-    """``module``'s signal bank on the channel ``step`` polls in ``slot``: its programs'
-    epochs and the epoch in each peer's words (dcpc.runtime.sync: the low 32 bits)."""
+    """``module``'s signal bank for ``step`` in ``slot``: its programs' epochs, on the
+    step's own channel (the kernel advances them there, templates/sync.j2), and the epoch
+    in each peer's words on the channel it polls (a split wait polls its put's channel,
+    ``sync.polls``; dcpc.runtime.sync: the low 32 bits)."""
     from dcpc.runtime.sync import channel, wrap_int32
 
     bank = getattr(module, "_bank", None)
     if bank is None or not hasattr(bank, "sig"):
         return "no signal bank (torch backend)"
     polled = step.index if step.sync.polls is None else step.sync.polls
-    chan = channel(polled, slot, module.SLOTS)
-    if not 0 <= chan < bank.channels:
-        return f"channel {chan} is not in its bank"
-    mine = [int(e) for e in bank.epochs[chan].tolist()]
+    own, chan = channel(step.index, slot, module.SLOTS), channel(polled, slot, module.SLOTS)
+    for c in (own, chan):
+        if not 0 <= c < bank.channels:
+            return f"channel {c} is not in its bank"
+    mine = [int(e) for e in bank.epochs[own].tolist()]
     words = bank.sig[chan].tolist()
     theirs = ", ".join(f"rank {p} {[wrap_int32(int(w) & 0xFFFFFFFF) for w in words[p]]}"
                        for p in range(world) if p != module.rank)
-    return (f"signal bank, channel {chan} (step {polled}, slot {slot}): its programs' epochs "
-            f"{mine}; the epochs in the words each peer signalled here: {theirs}")
+    return (f"signal bank, slot {slot}: its programs' epochs on channel {own} (step "
+            f"{step.index}) {mine}; the epochs in the words each peer signalled on channel "
+            f"{chan} (step {polled}): {theirs}")
 
 
 # ---- the comparison with the plan ---------------------------------------------------------

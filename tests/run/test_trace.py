@@ -94,8 +94,9 @@ def test_a_failed_traced_run_says_where_each_rank_got_to():
                         r"exchange\(s\) \(signals, flags\) made", tail[0]), text
     # each rank's signal words on the channel its last step polls (sessions 25 and 26 could
     # not tell a missed signal from a stalled peer in a failure's log)
-    word = (r"    signal bank, channel (\d+) \(step 0, slot \d\): its programs' epochs "
-            r"\[1\]; the epochs in the words each peer signalled here: rank 1 \[{}\]")
+    word = (r"    signal bank, slot \d: its programs' epochs on channel (\d+) \(step 0\) "
+            r"\[1\]; the epochs in the words each peer signalled on channel \1 \(step 0\): "
+            r"rank 1 \[{}\]")
     assert re.fullmatch(word.format(r"\d"), tail[1]), text
     assert tail[2].startswith("  rank 1: "), text
     # the record when rank 0 failed: rank 1 (paused) had made no call, its word still 0
@@ -104,6 +105,33 @@ def test_a_failed_traced_run_says_where_each_rank_got_to():
     assert first[2] == "  rank 1: no call yet", text
     # and where rank 1's thread was then (dcpc.runtime.local): in call 0's reference or pause
     assert "when rank 0 failed, the ranks still running were at:\nrank 1 is at (call 0" in text
+
+
+def test_a_failed_split_wait_shows_its_own_epochs_and_the_words_of_the_put_it_polls():
+    """shift_wait_first's `receive` (phase: wait) polls `send`'s channel, while its
+    programs' epochs advance on its own (templates/sync.j2). Rank 0 pauses before its
+    send; rank 1's wait gives up: its record when it failed shows the epoch it waited for
+    (1, on receive's channel) and rank 0's word still 0 on send's: a stalled peer, not a
+    missed signal (the epochs read on the polled channel said 0, as if the word's epoch
+    had arrived)."""
+    from dcpc.runtime.clock import wall_timeout
+    from dcpc.runtime.local import LocalRankError
+
+    shift = ROOT / "schedules" / "ops" / "shift_wait_first.yaml"
+    pause = {"rank": 0, "call": 0, "step": "send", "kind": "pause",
+             "seconds": wall_timeout(5.0)}
+    with pytest.raises(LocalRankError) as info:
+        tr.run_traced(str(shift), 2, programs=1, calls=1, timeout_s=0.3, fault=pause)
+    text = str(info.value)
+    assert "step 'receive': rank 1 timed out waiting for peer 0" in text, text
+    first = text.split("when the first rank failed (the tracer's record):\n", 1)[1]
+    lines = first.split("where each rank got to", 1)[0].splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  rank 1: "))
+    assert "step 'receive'" in lines[at], text
+    bank = re.fullmatch(r"    signal bank, slot 0: its programs' epochs on channel (\d+) "
+                        r"\(step 0\) \[1\]; the epochs in the words each peer signalled on "
+                        r"channel (\d+) \(step 3\): rank 0 \[0\]", lines[at + 1])
+    assert bank and bank[1] != bank[2], text
 
 
 def test_a_wait_that_spins_long_records_its_polls_once():
