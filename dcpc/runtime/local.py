@@ -506,6 +506,8 @@ class LocalGroup:
                                   if r != rank.rank and t.is_alive()]
                         at_failure.append(self._where(threads, others))
                 self._barrier.abort()
+            finally:  # a rank that ends moved: a peer that waited on it silently is not stale
+                rank.moved = time.monotonic()
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True,
                                     name=f"dcpc-local-rank{r.rank}") for r in self.ranks]
@@ -533,7 +535,7 @@ class LocalGroup:
         if hung or errors:
             quiet = "" if not hung or stall_s is None else (
                 f", nothing new from any rank for "
-                f"{now - max(self.ranks[r].moved for r in hung):.0f} s")
+                f"{now - max(r.moved for r in self.ranks):.0f} s")
             raise (LocalRankHang if hung else LocalRankError)(
                 (f"ranks {hung} did not finish within {now - start:.0f} s{quiet} "
                  f"(a wait on a peer that never signalled, or kernels not co-resident);\n"
@@ -576,8 +578,8 @@ class LocalGroup:
               stall_s: float | None) -> bool:
         """Wait for ``threads`` until ``deadline``; with ``stall_s``, stop early when no
         rank still running said anything new for ``stall_s`` seconds of the progress a
-        busy thread makes now (``wall_timeout``, sampled only when it may be a stall).
-        True when it stopped on such a stall."""
+        busy thread makes now (``wall_timeout``, sampled only when it may be a stall); a
+        rank's end counts as its progress. True when it stopped on such a stall."""
         from dcpc.runtime.clock import wall_timeout
 
         while True:
@@ -586,7 +588,8 @@ class LocalGroup:
             if not alive or now >= deadline:
                 return False
             if stall_s is not None:
-                last = max(self.ranks[r].moved for r in alive)
+                # every rank's: one that just ended moved (a peer waiting on it is not stale)
+                last = max(r.moved for r in self.ranks)
                 if now - last >= stall_s and time.monotonic() - last >= wall_timeout(stall_s):
                     return True
             threads[alive[0]].join(min(POLL_S, max(0.0, deadline - now)))

@@ -68,6 +68,30 @@ def test_ranks_that_all_stopped_are_hung_at_the_stall_bound_not_the_deadline() -
     assert "rank 0 is at (call 0: method exchange()):" in text and "in wait" in text, text
 
 
+def test_a_rank_that_waited_silently_on_a_peer_that_just_ended_is_not_hung() -> None:
+    """Rank 1 says its first words, then waits silently (a lock, as CallSims.get) while
+    rank 0 works 3 s saying something new each step; rank 0 ends and rank 1 does its
+    0.3 s of work: an end is progress, rank 1 is not stale (its own last words were 3 s
+    old when rank 0 ended, and it was named hung)."""
+    lock, held = threading.Lock(), threading.Event()
+
+    def body(rank: Any) -> int:
+        rank.progress("call 0")
+        if rank.rank == 0:
+            with lock:
+                held.set()
+                for i in range(30):
+                    rank.progress(f"step {i}")
+                    time.sleep(0.1)
+            return 0
+        held.wait()
+        with lock:  # waits silently for rank 0
+            time.sleep(0.3)  # then its own work, under the stall bound
+        return 1
+
+    assert LocalGroup(2, "cpu", timeout_s=600).run(body, stall_s=1) == [0, 1]
+
+
 def test_a_failure_says_where_the_ranks_still_running_were_when_it_happened() -> None:
     """Rank 1 is in the group's barrier when rank 0 fails: the report names rank 1's last
     words, its thread's CPU time and its frames at that moment (after it, rank 1 leaves
