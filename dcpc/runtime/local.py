@@ -517,11 +517,11 @@ class LocalGroup:
         for t in threads:
             t.start()
         bound = timeout_s or self.timeout_s
-        stalled = self._join(threads, start + bound, stall_s)
+        stalled = self._join(threads, start + bound, stall_s)  # its wall bound, or None
         hung = [r for r, t in enumerate(threads) if t.is_alive()]
         stacks = self._where(threads, hung)  # a kernel launch, a sync, a barrier
         now = time.monotonic()
-        moving = stall_s is not None and not stalled and any(
+        moving = stall_s is not None and stalled is None and any(
             now - self.ranks[r].moved < stall_s for r in hung)
         first = order[0] if order else None
         failed = f"rank {first} failed:\n{errors[first]}" if first is not None else ""
@@ -536,10 +536,13 @@ class LocalGroup:
             quiet = "" if not hung or stall_s is None else (
                 f", nothing new from any rank for "
                 f"{now - max(r.moved for r in self.ranks):.0f} s")
+            why = "at the deadline" if stalled is None else (  # which of the two stopped it
+                f"at the stall bound ({stall_s:.0f} s of progress, {stalled:.0f} s wall at "
+                f"the CPU share now)")
             raise (LocalRankHang if hung else LocalRankError)(
-                (f"ranks {hung} did not finish within {now - start:.0f} s{quiet} "
-                 f"(a wait on a peer that never signalled, or kernels not co-resident);\n"
-                 f"{stacks}" if hung else "") + failed)
+                (f"ranks {hung} did not finish within {now - start:.0f} s{quiet}, stopped "
+                 f"{why}: a wait on a peer that never signalled, or kernels not "
+                 f"co-resident;\n{stacks}" if hung else "") + failed)
         if self._barrier.broken:
             self._barrier.reset()
         return results
@@ -575,23 +578,26 @@ class LocalGroup:
         return out
 
     def _join(self, threads: list[threading.Thread], deadline: float,
-              stall_s: float | None) -> bool:
+              stall_s: float | None) -> float | None:
         """Wait for ``threads`` until ``deadline``; with ``stall_s``, stop early when no
         rank still running said anything new for ``stall_s`` seconds of the progress a
         busy thread makes now (``wall_timeout``, sampled only when it may be a stall); a
-        rank's end counts as its progress. True when it stopped on such a stall."""
+        rank's end counts as its progress. When it stopped on such a stall, the wall
+        seconds that bound was; None when all ended or at the deadline."""
         from dcpc.runtime.clock import wall_timeout
 
         while True:
             alive = [r for r, t in enumerate(threads) if t.is_alive()]
             now = time.monotonic()
             if not alive or now >= deadline:
-                return False
+                return None
             if stall_s is not None:
                 # every rank's: one that just ended moved (a peer waiting on it is not stale)
                 last = max(r.moved for r in self.ranks)
-                if now - last >= stall_s and time.monotonic() - last >= wall_timeout(stall_s):
-                    return True
+                if now - last >= stall_s:
+                    wall = wall_timeout(stall_s)
+                    if time.monotonic() - last >= wall:
+                        return wall
             threads[alive[0]].join(min(POLL_S, max(0.0, deadline - now)))
 
 
