@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from dcpc.runtime.clock import thread_cpu_s, wall_timeout
 from dcpc.runtime.heap import ALIGN, Segment, SymmetricBuffer, aligned_offsets, poison_
 
 STREAM_POOL = 32  # torch's streams per device and priority, handed out round robin
@@ -567,13 +568,9 @@ class LocalGroup:
                     own = []
                 where = "".join(traceback.format_list(own + stack[-4:]))
             said = self.ranks[r].said
-            cpu = ""
-            if ident is not None and threads[r].is_alive():  # a live thread's clock only
-                try:
-                    used = time.clock_gettime(time.pthread_getcpuclockid(ident))
-                    cpu = f" its thread used {used:.2f} s of CPU so far"
-                except (AttributeError, OSError):  # no per-thread clock here, or it ended
-                    pass
+            used = (thread_cpu_s(ident) if ident is not None and threads[r].is_alive()
+                    else None)  # a live thread's clock only
+            cpu = "" if used is None else f" its thread used {used:.2f} s of CPU so far"
             out += f"rank {r} is at{f' ({said})' if said else ''}:{cpu}\n{where}"
         return out
 
@@ -584,8 +581,6 @@ class LocalGroup:
         busy thread makes now (``wall_timeout``, sampled only when it may be a stall); a
         rank's end counts as its progress. When it stopped on such a stall, the wall
         seconds that bound was; None when all ended or at the deadline."""
-        from dcpc.runtime.clock import wall_timeout
-
         while True:
             alive = [r for r, t in enumerate(threads) if t.is_alive()]
             now = time.monotonic()
