@@ -512,13 +512,19 @@ def run_traced(schedule_path: str, world: int, *, programs: int, block: int | No
         first: list[str] = []  # the record when the first rank failed, before peers move on
         lock = threading.Lock()
 
+        def record() -> str:  # a report that fails must not replace the rank's error
+            try:
+                return trace.progress(world, c.plan)
+            except Exception as exc:  # noqa: BLE001 - said in its place
+                return f"record unavailable: {type(exc).__name__}: {exc}"
+
         def rank_body(rank: Any) -> Any:
             try:
                 return run_rank(rank.rank, world, group=rank, **args)
             except BaseException:
                 with lock:
                     if not first:
-                        first.append(trace.progress(world, c.plan))
+                        first.append(record())
                 raise
 
         with tracing() as trace:
@@ -528,6 +534,6 @@ def run_traced(schedule_path: str, world: int, *, programs: int, block: int | No
                 at_first = (f"\nwhen the first rank failed (the tracer's record):\n{first[0]}"
                             if first else "")
                 raise LocalRankError(f"{exc}{at_first}\nwhere each rank got to (the tracer's "
-                                     f"record):\n{trace.progress(world, c.plan)}") from None
+                                     f"record):\n{record()}") from None
     mismatches = sum(s.mismatches for r in reports for s in r.outputs.values())
     return TracedRun(c.plan, trace, mismatches, check(trace, c.plan, world))
