@@ -91,7 +91,8 @@ class Trace:
     # each iteration, and a peer that is slow under load made a traced run grow without
     # bound (a CI worker reached 23 GB); a repeat adds nothing to the union taken later
     _recorded: dict[tuple[int, str, str], set[bytes]] = field(default_factory=dict)
-    modules: dict[int, Any] = field(default_factory=dict)  # rank -> its module (the last seen)
+    # rank -> its module (the last seen), for a failure's report; cleared when tracing() ends
+    modules: dict[int, Any] = field(default_factory=dict)
 
     def add_module(self, module: Any) -> None:
         with self.lock:
@@ -328,6 +329,7 @@ def tracing() -> Iterator[Trace]:
             ScheduleModule._bind = bind
             ScheduleModule._record = record
             _active = None
+        trace.modules.clear()  # each rank's module and heap: not for the TracedRun's life
 
 
 def _bank_words(module: Any, step: StepPlan, slot: int, world: int) -> str:
