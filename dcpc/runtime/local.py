@@ -520,7 +520,9 @@ class LocalGroup:
         bound = timeout_s or self.timeout_s
         stalled = self._join(threads, start + bound, stall_s)  # its wall bound, or None
         hung = [r for r, t in enumerate(threads) if t.is_alive()]
-        stacks = self._where(threads, hung)  # a kernel launch, a sync, a barrier
+        stacks = ""
+        if hung:  # where each hung rank is: a kernel launch, a sync, a barrier
+            stacks = self._where(threads, hung)
         now = time.monotonic()
         moving = stall_s is not None and stalled is None and any(
             now - self.ranks[r].moved < stall_s for r in hung)
