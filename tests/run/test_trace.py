@@ -77,13 +77,16 @@ def test_kernels_touch_what_the_plan_says(path, world, programs, block):
 
 
 def test_a_failed_traced_run_says_where_each_rank_got_to():
-    """Rank 1 pauses 5 s before its first query_gather; rank 0's wait is bounded at
-    0.2 s: the error names every rank's last call, its launches and its signals, from
-    the tracer's record (what the retry above prints)."""
+    """Rank 1 pauses before its first query_gather, 5 s of the progress a busy thread
+    makes now (a wall pause against rank 0's wait of 0.2 s of its CPU time: scaled as
+    that wait is); the error names every rank's last call, its launches and its
+    signals, from the tracer's record (what the retry above prints)."""
+    from dcpc.runtime.clock import wall_timeout
     from dcpc.runtime.local import LocalRankError
 
     staging = ROOT / "schedules" / "kimi_k3_dcp_staging.yaml"
-    pause = {"rank": 1, "call": 0, "step": "query_gather", "kind": "pause", "seconds": 5.0}
+    pause = {"rank": 1, "call": 0, "step": "query_gather", "kind": "pause",
+             "seconds": wall_timeout(5.0)}
     with pytest.raises(LocalRankError) as info:
         tr.run_traced(str(staging), 2, programs=1, calls=1, timeout_s=0.2, fault=pause)
     text = str(info.value)
