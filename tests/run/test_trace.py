@@ -76,20 +76,26 @@ def test_kernels_touch_what_the_plan_says(path, world, programs, block):
     assert run.problems == []
 
 
-def test_a_failed_traced_run_says_where_each_rank_got_to():
-    """Rank 1 pauses before its first query_gather, 5 s of the progress a busy thread
-    makes now (a wall pause against rank 0's wait of 0.2 s of its CPU time: scaled as
-    that wait is); the error names every rank's last call, its launches and its
-    signals, from the tracer's record (what the retry above prints)."""
+def _paused_failure(schedule: str, rank: int, step: str, wait_s: float) -> str:
+    """The error of a traced W = 2 run of schedules/``schedule`` whose ``rank`` pauses
+    before its first ``step`` for 5 s of the progress a busy thread makes now (a wall
+    pause against the peer's wait of ``wait_s`` of its CPU time: scaled as that wait is)."""
     from dcpc.runtime.clock import wall_timeout
     from dcpc.runtime.local import LocalRankError
 
-    staging = ROOT / "schedules" / "kimi_k3_dcp_staging.yaml"
-    pause = {"rank": 1, "call": 0, "step": "query_gather", "kind": "pause",
+    pause = {"rank": rank, "call": 0, "step": step, "kind": "pause",
              "seconds": wall_timeout(5.0)}
     with pytest.raises(LocalRankError) as info:
-        tr.run_traced(str(staging), 2, programs=1, calls=1, timeout_s=0.2, fault=pause)
-    text = str(info.value)
+        tr.run_traced(str(ROOT / "schedules" / schedule), 2, programs=1, calls=1,
+                      timeout_s=wait_s, fault=pause)
+    return str(info.value)
+
+
+def test_a_failed_traced_run_says_where_each_rank_got_to():
+    """Rank 1 pauses before its first query_gather (``_paused_failure``); rank 0's wait
+    is bounded at 0.2 s: the error names every rank's last call, its launches and its
+    signals, from the tracer's record (what the retry above prints)."""
+    text = _paused_failure("kimi_k3_dcp_staging.yaml", 1, "query_gather", 0.2)
     assert "rank 0 timed out waiting for peer 1" in text, text
     tail = text.split("where each rank got to (the tracer's record):\n", 1)[1].splitlines()
     assert re.fullmatch(r"  rank 0: call 1 of its own \(trace call \d\): step 'query_gather' "
@@ -117,15 +123,7 @@ def test_a_failed_split_wait_shows_its_own_epochs_and_the_words_of_the_put_it_po
     (1, on receive's channel) and rank 0's word still 0 on send's: a stalled peer, not a
     missed signal (the epochs read on the polled channel said 0, as if the word's epoch
     had arrived)."""
-    from dcpc.runtime.clock import wall_timeout
-    from dcpc.runtime.local import LocalRankError
-
-    shift = ROOT / "schedules" / "ops" / "shift_wait_first.yaml"
-    pause = {"rank": 0, "call": 0, "step": "send", "kind": "pause",
-             "seconds": wall_timeout(5.0)}
-    with pytest.raises(LocalRankError) as info:
-        tr.run_traced(str(shift), 2, programs=1, calls=1, timeout_s=0.3, fault=pause)
-    text = str(info.value)
+    text = _paused_failure("ops/shift_wait_first.yaml", 0, "send", 0.3)
     assert "step 'receive': rank 1 timed out waiting for peer 0" in text, text
     first = text.split("when the first rank failed (the tracer's record):\n", 1)[1]
     lines = first.split("where each rank got to", 1)[0].splitlines()
