@@ -181,9 +181,10 @@ def launch(
     """Run ``worker(rank, world, **args)`` in ``world`` spawned processes.
 
     ``timeout_s`` bounds the whole run. With ``stall_s``, the ranks' ``progress`` is also
-    watched: when no rank still running has said anything new for ``stall_s`` seconds,
-    they are killed as ``hung``; ranks still progressing at ``timeout_s`` are killed as
-    ``timeout`` (a slow run, not a hang: a larger timeout lets it finish). A rank that
+    watched: when no rank still running has said anything new, and none ended, for
+    ``stall_s`` seconds, they are killed as ``hung``; ranks still progressing at
+    ``timeout_s`` are killed as ``timeout`` (a slow run, not a hang: a larger timeout
+    lets it finish). A rank that
     has said nothing yet is starting, not stalled, for ``STARTUP_S``. ``stall_s`` and
     ``grace_s`` count the progress a busy thread makes (``wall_timeout``: on a loaded
     machine more wall seconds), as the ranks' own waits do. ``env``: the
@@ -226,22 +227,26 @@ def launch(
         deadline = cap = start + timeout_s
         said = [""] * world  # each rank's last progress text, and when it changed
         changed = [start] * world
+        ended: set[int] = set()  # the ranks whose outcome counted as their progress
         looked = start
         while len(outcomes) < world and time.monotonic() < deadline:
             now = time.monotonic()
+            for rank in outcomes.keys() - ended:  # an end is progress: a peer that waited
+                ended.add(rank)  # on it silently is not stale
+                changed[rank] = now
             if stall_s is not None and now - looked >= 1.0:
                 looked = now
                 for rank in range(world):
                     text = _last_words(f"{store}.progress{rank}")
                     if text != said[rank] or (not text and now - start < STARTUP_S):
                         said[rank], changed[rank] = text, now
-                running = [changed[r] for r in range(world) if r not in outcomes]
+                last = max(changed)  # ended ranks too: their end moved
                 # the ranks' own waits end on their CPU time (dcpc.runtime.clock): on a
                 # loaded machine a stall is as many seconds of the progress a busy
                 # thread makes now, not of the wall (sampled only when it may be one)
-                if running and now - max(running) >= stall_s and (
-                        time.monotonic() - max(running) >= wall_timeout(stall_s)):
-                    break  # nobody still running moved for stall_s: a hang
+                if now - last >= stall_s and (
+                        time.monotonic() - last >= wall_timeout(stall_s)):
+                    break  # nobody moved or ended for stall_s: a hang
             try:
                 rank, status, value, error, tb = results.get(timeout=0.1)
                 outcomes[rank] = RankOutcome(rank, status, value, error, tb,

@@ -91,12 +91,15 @@ class Trace:
     # each iteration, and a peer that is slow under load made a traced run grow without
     # bound (a CI worker reached 23 GB); a repeat adds nothing to the union taken later
     _recorded: dict[tuple[int, str, str], set[bytes]] = field(default_factory=dict)
+    # rank -> its module (the last seen), for a failure's report; cleared when tracing() ends
+    modules: dict[int, Any] = field(default_factory=dict)
 
     def add_module(self, module: Any) -> None:
         with self.lock:
             if id(module) in self._seen:
                 return
             self._seen.add(id(module))
+            self.modules[module.rank] = module
             for name, per_slot in module._local.items():
                 buf = module.BUFFERS[name]  # one instance for all slots: shared, persist
                 shared = buf.kind == "shared" or getattr(buf, "persist", False)
@@ -134,11 +137,18 @@ class Trace:
             recorded.add(digest)
             self.raw.setdefault(key, []).append(addrs)
 
-    def progress(self, world: int) -> str:
-        """Where each rank got to, by its last call: for a run that failed or hung."""
+    def progress(self, world: int, plan: Plan | None = None) -> str:
+        """Where each rank got to, by its last call: for a run that failed or hung. With
+        ``plan``, each rank's signal bank for its last step (``_bank_words``): the epoch
+        each of its programs is at on the step's own channel (what it signalled, or
+        waits for) and the epoch in the word each peer's program signalled into this
+        rank on the channel the step polls (what arrived): a peer whose word holds the
+        awaited epoch signalled it (the wait missed it), one whose word is below it
+        never got there (a stall or a slow peer)."""
         last: dict[int, int] = {}
         for cid, call in enumerate(self.calls):
             last[call.rank] = cid
+        steps = {s.name: s for s in plan.steps} if plan is not None else {}
         lines = []
         for rank in range(world):
             if rank not in last:
@@ -149,6 +159,9 @@ class Trace:
             lines.append(f"  rank {rank}: call {made} of its own (trace call {last[rank]}): "
                          f"step '{c.step}' slot {c.slot}, {c.launches} launch(es) begun, "
                          f"{c.xchg} atomic exchange(s) (signals, flags) made")
+            step, module = steps.get(c.step), self.modules.get(rank)
+            if step is not None and module is not None and (step.sync.signal or step.sync.wait):
+                lines.append("    " + _bank_words(module, step, c.slot, world))
         return "\n".join(lines)
 
     def accesses(self) -> dict[tuple, np.ndarray]:
@@ -316,6 +329,31 @@ def tracing() -> Iterator[Trace]:
             ScheduleModule._bind = bind
             ScheduleModule._record = record
             _active = None
+        trace.modules.clear()  # each rank's module and heap: not for the TracedRun's life
+
+
+def _bank_words(module: Any, step: StepPlan, slot: int, world: int) -> str:
+    """``module``'s signal bank for ``step`` in ``slot``: its programs' epochs, on the
+    step's own channel (the kernel advances them there, templates/sync.j2), and the epoch
+    in each peer's words on the channel it polls (a split wait polls its put's channel,
+    ``sync.polls``; dcpc.runtime.sync: the low 32 bits)."""
+    from dcpc.runtime.sync import channel, wrap_int32
+
+    bank = getattr(module, "_bank", None)
+    if bank is None or not hasattr(bank, "sig"):
+        return "no signal bank (torch backend)"
+    polled = step.index if step.sync.polls is None else step.sync.polls
+    own, chan = channel(step.index, slot, module.SLOTS), channel(polled, slot, module.SLOTS)
+    for c in (own, chan):
+        if not 0 <= c < bank.channels:
+            return f"channel {c} is not in its bank"
+    mine = [int(e) for e in bank.epochs[own].tolist()]
+    words = bank.sig[chan].tolist()
+    theirs = ", ".join(f"rank {p} {[wrap_int32(int(w) & 0xFFFFFFFF) for w in words[p]]}"
+                       for p in range(world) if p != module.rank)
+    return (f"signal bank, slot {slot}: its programs' epochs on channel {own} (step "
+            f"{step.index}) {mine}; the epochs in the words each peer signalled on channel "
+            f"{chan} (step {polled}): {theirs}")
 
 
 # ---- the comparison with the plan ---------------------------------------------------------
@@ -473,11 +511,31 @@ def run_traced(schedule_path: str, world: int, *, programs: int, block: int | No
         args = dict(schedule_path=str(schedule_path), module_path=str(module),
                     backend="local", calls=calls, seed=seed, jitter_s=0.0, order=order,
                     programs=None, timeout_s=timeout_s, fault=fault)
+        first: list[str] = []  # the record when the first rank failed, before peers move on
+        lock = threading.Lock()
+
+        def record() -> str:  # a report that fails must not replace the rank's error
+            try:
+                return trace.progress(world, c.plan)
+            except Exception as exc:  # noqa: BLE001 - said in its place
+                return f"record unavailable: {type(exc).__name__}: {exc}"
+
+        def rank_body(rank: Any) -> Any:
+            try:
+                return run_rank(rank.rank, world, group=rank, **args)
+            except BaseException:
+                with lock:
+                    if not first:
+                        first.append(record())
+                raise
+
         with tracing() as trace:
             try:
-                reports = group.run(lambda rank: run_rank(rank.rank, world, group=rank, **args))
+                reports = group.run(rank_body)
             except LocalRankError as exc:  # say where every rank got to, by the record
-                raise LocalRankError(f"{exc}\nwhere each rank got to (the tracer's record):\n"
-                                     f"{trace.progress(world)}") from None
+                at_first = (f"\nwhen the first rank failed (the tracer's record):\n{first[0]}"
+                            if first else "")
+                raise LocalRankError(f"{exc}{at_first}\nwhere each rank got to (the tracer's "
+                                     f"record):\n{record()}") from None
     mismatches = sum(s.mismatches for r in reports for s in r.outputs.values())
     return TracedRun(c.plan, trace, mismatches, check(trace, c.plan, world))

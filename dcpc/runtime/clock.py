@@ -25,15 +25,24 @@ SAMPLE_S = 0.05  # how long cpu_share spins to measure
 MIN_SHARE = 1 / 16  # a blocking wait is stretched at most 16 times
 
 
+def thread_cpu_s(thread_id: int | None = None) -> float | None:
+    """The CPU seconds thread ``thread_id`` (default: the calling thread) has used, read
+    from any thread; None where the platform has no per-thread CPU clock (not Unix) or
+    the thread has ended."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(
+            threading.get_ident() if thread_id is None else thread_id))
+    except (AttributeError, OSError):
+        return None
+
+
 def cpu_clock(thread_id: int | None = None) -> Callable[[], float]:
     """Seconds of CPU time of thread ``thread_id`` (default: the calling thread), readable
     from any thread; wall seconds where the platform has no per-thread CPU clock."""
-    try:
-        clock = time.pthread_getcpuclockid(
-            threading.get_ident() if thread_id is None else thread_id)
-        time.clock_gettime(clock)
-    except (AttributeError, OSError):
+    ident = threading.get_ident() if thread_id is None else thread_id
+    if thread_cpu_s(ident) is None:
         return time.monotonic
+    clock = time.pthread_getcpuclockid(ident)
     return lambda: time.clock_gettime(clock)
 
 

@@ -41,6 +41,7 @@ import contextlib
 import functools
 import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -50,6 +51,7 @@ from typing import Any
 
 import torch
 
+from dcpc.runtime.clock import thread_cpu_s, wall_timeout
 from dcpc.runtime.heap import ALIGN, Segment, SymmetricBuffer, aligned_offsets, poison_
 
 STREAM_POOL = 32  # torch's streams per device and priority, handed out round robin
@@ -481,6 +483,7 @@ class LocalGroup:
         slow on a busy machine while its calls advance)."""
         results: list[Any] = [None] * self.world
         errors: dict[int, str] = {}
+        at_failure: list[str] = []  # the other ranks' places when the first one failed
         order: list[int] = []
         lock = threading.Lock()
 
@@ -499,7 +502,13 @@ class LocalGroup:
                 with lock:  # the first failure is the cause; peers then see a broken group
                     errors.setdefault(rank.rank, _brief(exc))
                     order.append(rank.rank)
+                    if len(order) == 1:  # where the others were then, before they move on
+                        others = [r for r, t in enumerate(threads)
+                                  if r != rank.rank and t.is_alive()]
+                        at_failure.append(self._where(threads, others))
                 self._barrier.abort()
+            finally:  # a rank that ends moved: a peer that waited on it silently is not stale
+                rank.moved = time.monotonic()
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True,
                                     name=f"dcpc-local-rank{r.rank}") for r in self.ranks]
@@ -509,21 +518,19 @@ class LocalGroup:
         for t in threads:
             t.start()
         bound = timeout_s or self.timeout_s
-        stalled = self._join(threads, start + bound, stall_s)
+        stalled = self._join(threads, start + bound, stall_s)  # its wall bound, or None
         hung = [r for r, t in enumerate(threads) if t.is_alive()]
         stacks = ""
         if hung:  # where each hung rank is: a kernel launch, a sync, a barrier
-            frames = sys._current_frames()
-            for r in hung:
-                frame = frames.get(threads[r].ident or -1)
-                where = "".join(traceback.format_stack(frame)[-4:]) if frame else "?\n"
-                said = self.ranks[r].said
-                stacks += f"rank {r} is at{f' ({said})' if said else ''}:\n{where}"
+            stacks = self._where(threads, hung)
         now = time.monotonic()
-        moving = stall_s is not None and not stalled and any(
+        moving = stall_s is not None and stalled is None and any(
             now - self.ranks[r].moved < stall_s for r in hung)
         first = order[0] if order else None
         failed = f"rank {first} failed:\n{errors[first]}" if first is not None else ""
+        if failed and at_failure and at_failure[0]:
+            failed += (f"when rank {first} failed, the ranks still running were at:\n"
+                       f"{at_failure[0]}")
         if hung and moving:
             raise LocalRankTimeout(
                 f"ranks {hung} timed out after {now - start:.0f} s, still progressing (not "
@@ -531,32 +538,63 @@ class LocalGroup:
         if hung or errors:
             quiet = "" if not hung or stall_s is None else (
                 f", nothing new from any rank for "
-                f"{now - max(self.ranks[r].moved for r in hung):.0f} s")
+                f"{now - max(r.moved for r in self.ranks):.0f} s")
+            why = "at the deadline" if stalled is None else (  # which of the two stopped it
+                f"at the stall bound ({stall_s:.0f} s of progress, {stalled:.0f} s wall at "
+                f"the CPU share now)")
             raise (LocalRankHang if hung else LocalRankError)(
-                (f"ranks {hung} did not finish within {now - start:.0f} s{quiet} "
-                 f"(a wait on a peer that never signalled, or kernels not co-resident);\n"
-                 f"{stacks}" if hung else "") + failed)
+                (f"ranks {hung} did not finish within {now - start:.0f} s{quiet}, stopped "
+                 f"{why}: a wait on a peer that never signalled, or kernels not "
+                 f"co-resident;\n{stacks}" if hung else "") + failed)
         if self._barrier.broken:
             self._barrier.reset()
         return results
 
+    def _where(self, threads: list[threading.Thread], ranks: list[int]) -> str:
+        """Where each of ``ranks`` is now: its last words (``LocalRank.progress``), the
+        CPU seconds its thread has used, and the innermost frames of its stack."""
+        frames = sys._current_frames()
+        out = ""
+        for r in ranks:
+            ident = threads[r].ident
+            frame = frames.get(ident or -1)
+            where = "?\n"
+            if frame is not None:
+                stack = traceback.extract_stack(frame)
+                # deep in a library (the interpreter, numpy, a lock), also the innermost
+                # frame of the caller's own code
+                lib = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                       sysconfig.get_paths()["platlib"])
+                own = [f for f in stack[:-4] if not f.filename.startswith(lib)][-1:]
+                if not any(f.filename.startswith(lib) for f in stack[-4:]):
+                    own = []
+                where = "".join(traceback.format_list(own + stack[-4:]))
+            said = self.ranks[r].said
+            used = (thread_cpu_s(ident) if ident is not None and threads[r].is_alive()
+                    else None)  # a live thread's clock only
+            cpu = "" if used is None else f" its thread used {used:.2f} s of CPU so far"
+            out += f"rank {r} is at{f' ({said})' if said else ''}:{cpu}\n{where}"
+        return out
+
     def _join(self, threads: list[threading.Thread], deadline: float,
-              stall_s: float | None) -> bool:
+              stall_s: float | None) -> float | None:
         """Wait for ``threads`` until ``deadline``; with ``stall_s``, stop early when no
         rank still running said anything new for ``stall_s`` seconds of the progress a
-        busy thread makes now (``wall_timeout``, sampled only when it may be a stall).
-        True when it stopped on such a stall."""
-        from dcpc.runtime.clock import wall_timeout
-
+        busy thread makes now (``wall_timeout``, sampled only when it may be a stall); a
+        rank's end counts as its progress. When it stopped on such a stall, the wall
+        seconds that bound was; None when all ended or at the deadline."""
         while True:
             alive = [r for r, t in enumerate(threads) if t.is_alive()]
             now = time.monotonic()
             if not alive or now >= deadline:
-                return False
+                return None
             if stall_s is not None:
-                last = max(self.ranks[r].moved for r in alive)
-                if now - last >= stall_s and time.monotonic() - last >= wall_timeout(stall_s):
-                    return True
+                # every rank's: one that just ended moved (a peer waiting on it is not stale)
+                last = max(r.moved for r in self.ranks)
+                if now - last >= stall_s:
+                    wall = wall_timeout(stall_s)
+                    if time.monotonic() - last >= wall:
+                        return wall
             threads[alive[0]].join(min(POLL_S, max(0.0, deadline - now)))
 
 

@@ -4,8 +4,10 @@ as 'hung')."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from pathlib import Path
 
 from dcpc.harness.launch import launch, progress
 
@@ -23,6 +25,32 @@ def stuck_after(rank: int, world: int, steps: int, pause: float) -> int:
         time.sleep(pause)
     time.sleep(3600)  # never says anything new again
     return rank
+
+
+def waits_on_rank0(rank: int, world: int, marker: str) -> int:
+    """Rank 0 works 7 s saying something new each step, then ends; rank 1 says its first
+    words and waits silently for rank 0's end, then works 1.5 s."""
+    progress("call 0")
+    if rank == 0:
+        for i in range(70):
+            progress(f"step {i}")
+            time.sleep(0.1)
+        Path(marker).touch()
+        return rank
+    while not os.path.exists(marker):  # silent: no new words while it waits
+        time.sleep(0.05)
+    time.sleep(1.5)  # its own work, under the stall bound from rank 0's end
+    return rank
+
+
+def test_a_rank_that_waited_silently_on_a_peer_that_just_ended_is_not_hung(
+        tmp_path: Path) -> None:
+    """Rank 0's end is progress: rank 1, whose last words were 7 s old when rank 0
+    reported, was killed as hung at the next look."""
+    result = launch("tests.run.test_launch_progress:waits_on_rank0", 2,
+                    {"marker": str(tmp_path / "rank0-done")}, timeout_s=600, stall_s=3)
+    assert result.ok, result.summary()
+    assert result.values() == [0, 1]
 
 
 def test_a_run_still_progressing_at_its_deadline_is_a_timeout_not_a_hang() -> None:

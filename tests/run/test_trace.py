@@ -76,23 +76,63 @@ def test_kernels_touch_what_the_plan_says(path, world, programs, block):
     assert run.problems == []
 
 
-def test_a_failed_traced_run_says_where_each_rank_got_to():
-    """Rank 1 pauses 5 s before its first query_gather; rank 0's wait is bounded at
-    0.2 s: the error names every rank's last call, its launches and its signals, from
-    the tracer's record (what the retry above prints)."""
+def _paused_failure(schedule: str, rank: int, step: str, wait_s: float) -> str:
+    """The error of a traced W = 2 run of schedules/``schedule`` whose ``rank`` pauses
+    before its first ``step`` for 5 s of the progress a busy thread makes now (a wall
+    pause against the peer's wait of ``wait_s`` of its CPU time: scaled as that wait is)."""
+    from dcpc.runtime.clock import wall_timeout
     from dcpc.runtime.local import LocalRankError
 
-    staging = ROOT / "schedules" / "kimi_k3_dcp_staging.yaml"
-    pause = {"rank": 1, "call": 0, "step": "query_gather", "kind": "pause", "seconds": 5.0}
+    pause = {"rank": rank, "call": 0, "step": step, "kind": "pause",
+             "seconds": wall_timeout(5.0)}
     with pytest.raises(LocalRankError) as info:
-        tr.run_traced(str(staging), 2, programs=1, calls=1, timeout_s=0.2, fault=pause)
-    text = str(info.value)
+        tr.run_traced(str(ROOT / "schedules" / schedule), 2, programs=1, calls=1,
+                      timeout_s=wait_s, fault=pause)
+    return str(info.value)
+
+
+def test_a_failed_traced_run_says_where_each_rank_got_to():
+    """Rank 1 pauses before its first query_gather (``_paused_failure``); rank 0's wait
+    is bounded at 0.2 s: the error names every rank's last call, its launches and its
+    signals, from the tracer's record (what the retry above prints)."""
+    text = _paused_failure("kimi_k3_dcp_staging.yaml", 1, "query_gather", 0.2)
     assert "rank 0 timed out waiting for peer 1" in text, text
     tail = text.split("where each rank got to (the tracer's record):\n", 1)[1].splitlines()
     assert re.fullmatch(r"  rank 0: call 1 of its own \(trace call \d\): step 'query_gather' "
                         r"slot \d, [1-9]\d* launch\(es\) begun, [1-9]\d* atomic "
                         r"exchange\(s\) \(signals, flags\) made", tail[0]), text
-    assert tail[1].startswith("  rank 1: "), text
+    # each rank's signal words on the channel its last step polls (sessions 25 and 26 could
+    # not tell a missed signal from a stalled peer in a failure's log)
+    word = (r"    signal bank, slot \d: its programs' epochs on channel (\d+) \(step 0\) "
+            r"\[1\]; the epochs in the words each peer signalled on channel \1 \(step 0\): "
+            r"rank 1 \[{}\]")
+    assert re.fullmatch(word.format(r"\d"), tail[1]), text
+    assert tail[2].startswith("  rank 1: "), text
+    # the record when rank 0 failed: rank 1 (paused) had made no call, its word still 0
+    first = text.split("when the first rank failed (the tracer's record):\n", 1)[1].splitlines()
+    assert re.fullmatch(word.format("0"), first[1]), text
+    assert first[2] == "  rank 1: no call yet", text
+    # and where rank 1's thread was then (dcpc.runtime.local): in call 0's reference or pause
+    assert "when rank 0 failed, the ranks still running were at:\nrank 1 is at (call 0" in text
+
+
+def test_a_failed_split_wait_shows_its_own_epochs_and_the_words_of_the_put_it_polls():
+    """shift_wait_first's `receive` (phase: wait) polls `send`'s channel, while its
+    programs' epochs advance on its own (templates/sync.j2). Rank 0 pauses before its
+    send; rank 1's wait gives up: its record when it failed shows the epoch it waited for
+    (1, on receive's channel) and rank 0's word still 0 on send's: a stalled peer, not a
+    missed signal (the epochs read on the polled channel said 0, as if the word's epoch
+    had arrived)."""
+    text = _paused_failure("ops/shift_wait_first.yaml", 0, "send", 0.3)
+    assert "step 'receive': rank 1 timed out waiting for peer 0" in text, text
+    first = text.split("when the first rank failed (the tracer's record):\n", 1)[1]
+    lines = first.split("where each rank got to", 1)[0].splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  rank 1: "))
+    assert "step 'receive'" in lines[at], text
+    bank = re.fullmatch(r"    signal bank, slot 0: its programs' epochs on channel (\d+) "
+                        r"\(step 0\) \[1\]; the epochs in the words each peer signalled on "
+                        r"channel (\d+) \(step 3\): rank 0 \[0\]", lines[at + 1])
+    assert bank and bank[1] != bank[2], text
 
 
 def test_a_wait_that_spins_long_records_its_polls_once():
