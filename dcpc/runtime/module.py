@@ -434,6 +434,11 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         self._make_guard(channels)
         sync_stream(self.device)  # this stream's initialisation done (not the device)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal
+        if self._on_torch and self.world > 1 and self.device.type == "cpu":
+            # every rank's gloo groups are connected before any rank goes on: a peer that
+            # returns (and exits) at once failed the connectFullMesh of one still making its
+            # slot group ("Connection closed by peer"); torch makes no barrier after a group
+            collectives.barrier(self._comms[0], self._one, self.world)
 
     def _check_bytes(self, buffers: list[tuple[str, int]]) -> None:
         """Refuse sizes whose buffers no machine holds before anything is allocated."""
