@@ -17,9 +17,9 @@ from dcpc.check.hb.races import (
     MAX_REAL_WORK,
     PairKeys,
     RawRace,
+    both_made,
     find_races,
     find_real_races,
-    made,
     modelled,
     real_work,
     rotated,
@@ -35,6 +35,7 @@ from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of, shape_of, torus
 from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import Semantics
+from dcpc.ops.common import wraps
 
 if TYPE_CHECKING:
     from dcpc.codegen.plan import Plan
@@ -110,9 +111,20 @@ def check(
         for dead in deadlocks:
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
-        for race in find_races(world, pair_keys) if guarded is None else guarded:
+        races = find_races(world, pair_keys) if guarded is None else guarded
+        if races and world.execution is None and not deadlocks and _unjoined(world):
+            # a line's or perm's wait joins no clock: the model's cut may show a rank past
+            # a wait its peer has not signalled; the counterexample is cut from the real
+            # steps (legal.Execution, every step running) instead, as under a when:
+            world.execution = Execution(world, {})
+        # where no translation of a race's pair is unordered on the real steps, the
+        # real-steps search of its key (none deadlocked, within its bound) places it
+        search = world.execution is not None and guarded is None and not deadlocks and (
+            races and sum(real_work(world)) <= MAX_REAL_WORK)
+        for race in races:
             if race.key(world) not in findings:  # (a real-steps race is placed already)
-                placed = race if guarded is not None else _where_both_run(schedule, world, race)
+                placed = race if guarded is not None else _where_both_run(
+                    schedule, world, race, search)
                 if placed is not None:
                     findings[race.key(world)] = race_finding(world, placed)
     checked = time.perf_counter()
@@ -193,7 +205,15 @@ def _unmodelled(world: World, deadlocks: list[RawDeadlock],
     return list(out.values())
 
 
-def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
+def _unjoined(world: World) -> bool:
+    """Whether a wait of the program joins no clock (a ``wrap: false`` line's or a
+    perm's: clocks.analyze), so the model orders less than the ranks' real steps do."""
+    return any(e.wait is not None and not wraps(e.wait[1])  # type: ignore[arg-type]
+               for e in world.program.events)
+
+
+def _where_both_run(schedule: Schedule, world: World, race: RawRace,
+                    search: bool = False) -> RawRace | None:
     """The race translated to ranks where both its accesses happen (``when:``,
     dcpc.lang.when; legal.Execution.happens) and where an access the model gives every
     rank is one the program makes (races.made): a perm's store from writer p into
@@ -207,25 +227,30 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     runs after it where it runs: clocks.Gates), and every translation of a race of that
     model is one (a rotation; on a mesh, of its torus); a race no translation fits is
     kept as found (another pair of the same groups may fit). None: an access of it
-    happens on no rank at this W, so no execution makes it."""
+    happens on no rank at this W, so no execution makes it. ``search``: where no
+    translation is unordered on the ranks' real steps (``world.execution``; the model
+    orders less where a wait joins no clock: a line's, a perm's, a guarded one), the
+    race of its key that the real-steps search finds (races.find_real_races, every pair
+    of its groups on every owner), so its counterexample is an execution that happens;
+    None when that search finds none: no execution makes it (cex27)."""
     a, b = race.first, race.second
     execution = world.execution  # some rank skips a guarded step (its sync, maybe)
     if execution is None and not any(modelled(world, t) for t in (a, b)):
         return race
     n = int(world.world)
-    on_a = on_b = frozenset(range(n))
-    if execution is not None:
-        on_a, on_b = (frozenset(r for r in range(n) if execution.happens(t, r)) for t in (a, b))
-        if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
-            return None
-    topo = torus(shape_of(world.world))
+    if execution is not None and not all(  # a step that runs on no rank at this W
+            any(execution.happens(t, r) for r in range(n)) for t in (a, b)):  # races nothing
+        return None
+    topo = torus(shape_of(world.world))  # (the model's races are on rank 0's instance)
     fits = [replace(race, first=rotated(a, d, topo), second=rotated(b, d, topo))
-            for d in range(n) if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b
-            and made(world, rotated(a, d, topo)) and made(world, rotated(b, d, topo))]
+            for d in both_made(world, a, b)]
     if execution is not None:  # the first translation the ranks' real steps allow
         legal = next((f for f in fits if execution.unordered(f) is not None), None)
         if legal is not None:
             return legal
+        if search:  # another pair of its key, or none: the model's order only
+            real = find_real_races(world, execution, {race.key(world)})
+            return real[0] if real else None
     return fits[0] if fits else race
 
 
