@@ -119,8 +119,8 @@ def check(
             world.execution = Execution(world, {})
         # where no translation of a race's pair is unordered on the real steps, the
         # real-steps search of its key (none deadlocked, within its bound) places it
-        search = world.execution is not None and guarded is None and not deadlocks and (
-            races and sum(real_work(world)) <= MAX_REAL_WORK)
+        search = bool(races) and world.execution is not None and guarded is None and (
+            not deadlocks and sum(real_work(world)) <= MAX_REAL_WORK)
         for race in races:
             if race.key(world) not in findings:  # (a real-steps race is placed already)
                 placed = race if guarded is not None else _where_both_run(
