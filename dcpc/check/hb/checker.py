@@ -83,6 +83,7 @@ def check(
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
     searched: list[tuple[int, int]] = []  # (W, work) of each real-steps search so far
     refused: list[Diagnostic] = []  # a W past the real-steps bound: none after it checked
+    unsearched_from: int | None = None  # the first W analysed past it (a line's, a perm's)
     for w in analysed:
         world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
@@ -118,15 +119,20 @@ def check(
             # steps (legal.Execution, every step running) instead, as under a when:
             world.execution = Execution(world, {})
         # where no translation of a race's pair is unordered on the real steps, the
-        # real-steps search of its key (none deadlocked, within its bound) places it
-        search = bool(races) and world.execution is not None and guarded is None and (
-            not deadlocks and sum(real_work(world)) <= MAX_REAL_WORK)
+        # real-steps search of its key places it (none deadlocked, within its bound;
+        # else the model's race is kept, said so: unsearched)
+        unsearched = None
+        if races and world.execution is not None and guarded is None:
+            unsearched = _unsearched(world, deadlocks, analysed, unsearched_from)
+            if unsearched is not None and not deadlocks and unsearched_from is None:
+                unsearched_from = analysed.index(world.world)
         for race in races:
             if race.key(world) not in findings:  # (a real-steps race is placed already)
-                placed = race if guarded is not None else _where_both_run(
-                    schedule, world, race, search)
+                placed, model = (race, False) if guarded is not None else _where_both_run(
+                    schedule, world, race, unsearched is None)
                 if placed is not None:
-                    findings[race.key(world)] = race_finding(world, placed)
+                    findings[race.key(world)] = race_finding(
+                        world, placed, unsearched if model else None)
     checked = time.perf_counter()
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
@@ -164,8 +170,7 @@ def _real_steps_budget(schedule: Schedule, world: World, searched: list[tuple[in
     here = analysed.index(world.world)
     before = (f"; with the {len(searched)} W searched before it, {total} in all"
               if searched else "")
-    fits = (f"--world {_span(analysed[:here])} fits (its findings are reported); "
-            if here else "")
+    fits = f"{_fitting(analysed, here)} fits (its findings are reported); " if here else ""
     alone = "fits" if work <= MAX_REAL_WORK else "does not fit either"
     return Diagnostic(
         schedule.mark("steps"), "schedule-too-large",
@@ -175,6 +180,29 @@ def _real_steps_budget(schedule: Schedule, world: World, searched: list[tuple[in
         f"above the limit of {MAX_REAL_WORK}: {fits}W={world.world} alone {alone}",
         hint="check a narrower --world range (the real-steps search grows as W^2 at each "
         "W, summed over the W of one check), or fewer steps or slots")
+
+
+def _unsearched(world: World, deadlocks: list[RawDeadlock], analysed: list[int],
+                first_over: int | None) -> tuple[str, str] | None:
+    """Why the real-steps search of a race's key (``_where_both_run``) is not run at this
+    W, and at which W of the check it is (report.race_finding says both), else None:
+    a rank deadlocks (the model's deadlock: no real step runs past it), or its work
+    passes races.MAX_REAL_WORK (``real_work``, per W; it grows with W, so from the first
+    W analysed past it every later one is). The model's race is kept there (sound)."""
+    if deadlocks:
+        return "a rank deadlocks there", "where no rank deadlocks"
+    if first_over is None and sum(real_work(world)) <= MAX_REAL_WORK:
+        return None
+    here = analysed.index(world.world) if first_over is None else first_over
+    where = f"at {_fitting(analysed, here)} of this check" if here else "at no W of this check"
+    return (f"over the work bound of {MAX_REAL_WORK} units",
+            f"{where} (a narrower --world range that stops below W={analysed[here]})")
+
+
+def _fitting(analysed: list[int], here: int) -> str:
+    """``--world 2..30``: the W analysed before the one at index ``here``, the first
+    whose real-steps search passes its bound (races.MAX_REAL_WORK)."""
+    return f"--world {_span(analysed[:here])}"
 
 
 def _span(worlds: list[int]) -> str:
@@ -213,7 +241,7 @@ def _unjoined(world: World) -> bool:
 
 
 def _where_both_run(schedule: Schedule, world: World, race: RawRace,
-                    search: bool = False) -> RawRace | None:
+                    search: bool = False) -> tuple[RawRace | None, bool]:
     """The race translated to ranks where both its accesses happen (``when:``,
     dcpc.lang.when; legal.Execution.happens) and where an access the model gives every
     rank is one the program makes (races.made): a perm's store from writer p into
@@ -232,26 +260,28 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace,
     orders less where a wait joins no clock: a line's, a perm's, a guarded one), the
     race of its key that the real-steps search finds (races.find_real_races, every pair
     of its groups on every owner), so its counterexample is an execution that happens;
-    None when that search finds none: no execution makes it (cex27)."""
+    None when that search finds none: no execution makes it (cex27). With it, whether
+    the race is the model's only: no translation of it is unordered on the real steps
+    and no search placed it (``search`` False: past its bound, or a rank deadlocks)."""
     a, b = race.first, race.second
     execution = world.execution  # some rank skips a guarded step (its sync, maybe)
     if execution is None and not any(modelled(world, t) for t in (a, b)):
-        return race
+        return race, False
     n = int(world.world)
     if execution is not None and not all(  # a step that runs on no rank at this W
             any(execution.happens(t, r) for r in range(n)) for t in (a, b)):  # races nothing
-        return None
+        return None, False
     topo = torus(shape_of(world.world))  # (the model's races are on rank 0's instance)
     fits = [replace(race, first=rotated(a, d, topo), second=rotated(b, d, topo))
             for d in both_made(world, a, b)]
     if execution is not None:  # the first translation the ranks' real steps allow
         legal = next((f for f in fits if execution.unordered(f) is not None), None)
         if legal is not None:
-            return legal
+            return legal, False
         if search:  # another pair of its key, or none: the model's order only
             real = find_real_races(world, execution, {race.key(world)})
-            return real[0] if real else None
-    return fits[0] if fits else race
+            return (real[0] if real else None), False
+    return (fits[0] if fits else race), execution is not None
 
 
 def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:
