@@ -126,13 +126,20 @@ def check(
             unsearched = _unsearched(world, deadlocks, analysed, unsearched_from)
             if unsearched is not None and not deadlocks and unsearched_from is None:
                 unsearched_from = analysed.index(world.world)
+        search: set[tuple[str, str, str, str, str]] = set()  # the keys left to search
         for race in races:
-            if race.key(world) not in findings:  # (a real-steps race is placed already)
-                placed, model = (race, False) if guarded is not None else _where_both_run(
-                    schedule, world, race, unsearched is None)
-                if placed is not None:
-                    findings[race.key(world)] = race_finding(
-                        world, placed, unsearched if model else None)
+            if race.key(world) in findings:  # (a real-steps race is placed already)
+                continue
+            placed, model = (race, False) if guarded is not None else _where_both_run(
+                schedule, world, race)
+            if model and unsearched is None:
+                search.add(race.key(world))
+            elif placed is not None:
+                findings[race.key(world)] = race_finding(
+                    world, placed, unsearched if model else None)
+        if search:  # one search for every key left: another pair of it, or none (dropped)
+            for real in find_real_races(world, world.execution, search):  # type: ignore[arg-type]
+                findings[real.key(world)] = race_finding(world, real)
     checked = time.perf_counter()
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
@@ -240,8 +247,8 @@ def _unjoined(world: World) -> bool:
                for e in world.program.events)
 
 
-def _where_both_run(schedule: Schedule, world: World, race: RawRace,
-                    search: bool = False) -> tuple[RawRace | None, bool]:
+def _where_both_run(schedule: Schedule, world: World,
+                    race: RawRace) -> tuple[RawRace | None, bool]:
     """The race translated to ranks where both its accesses happen (``when:``,
     dcpc.lang.when; legal.Execution.happens) and where an access the model gives every
     rank is one the program makes (races.made): a perm's store from writer p into
@@ -255,14 +262,14 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace,
     runs after it where it runs: clocks.Gates), and every translation of a race of that
     model is one (a rotation; on a mesh, of its torus); a race no translation fits is
     kept as found (another pair of the same groups may fit). None: an access of it
-    happens on no rank at this W, so no execution makes it. ``search``: where no
-    translation is unordered on the ranks' real steps (``world.execution``; the model
-    orders less where a wait joins no clock: a line's, a perm's, a guarded one), the
-    race of its key that the real-steps search finds (races.find_real_races, every pair
-    of its groups on every owner), so its counterexample is an execution that happens;
-    None when that search finds none: no execution makes it (cex27). With it, whether
-    the race is the model's only: no translation of it is unordered on the real steps
-    and no search placed it (``search`` False: past its bound, or a rank deadlocks)."""
+    happens on no rank at this W, so no execution makes it. With it, whether the race
+    is the model's only: no translation of it is unordered on the ranks' real steps
+    (``world.execution``; the model orders less where a wait joins no clock: a line's, a
+    perm's, a guarded one). The checker then asks the real-steps search for its key
+    (races.find_real_races, every pair of its groups on every owner, one search for
+    every such key of a W), so its counterexample is an execution that happens, and
+    drops it where that search finds none (no execution makes it, cex27); where the
+    search does not run (``_unsearched``) the model's race is kept, said so."""
     a, b = race.first, race.second
     execution = world.execution  # some rank skips a guarded step (its sync, maybe)
     if execution is None and not any(modelled(world, t) for t in (a, b)):
@@ -278,9 +285,6 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace,
         legal = next((f for f in fits if execution.unordered(f) is not None), None)
         if legal is not None:
             return legal, False
-        if search:  # another pair of its key, or none: the model's order only
-            real = find_real_races(world, execution, {race.key(world)})
-            return (real[0] if real else None), False
     return (fits[0] if fits else race), execution is not None
 
 
