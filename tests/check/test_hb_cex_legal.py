@@ -604,18 +604,13 @@ def test_a_refused_range_keeps_the_findings_of_the_w_before_it() -> None:
 # review of cex27 (M1): two wrap: false lines whose waits join no clock; a credit (s -> w)
 # orders init before every rank's pushes on the real steps, which the model does not see:
 # the model races init with p4's store, which no execution makes (the brute force: none)
-TWO_LINES = """\
-schedule: two_lines
-slots: 1
-sizes: {N: 4, K: 2}
-buffers:
-  x:  {shape: [N, K], dtype: f32}
+TWO_LINES = SHIFT_CHAIN_HEAD.replace("slots: 2", "slots: 1").replace(
+    "STREAMS", "single").replace("steps:\n", """\
   y:  {shape: [N, K], dtype: f32}
-  h0: {shape: [N, K], dtype: f32, symmetric: true}
-  h1: {shape: [N, K], dtype: f32, symmetric: true}
   h4: {shape: [N, K], dtype: f32, symmetric: true}
   h5: {shape: [N, K], dtype: f32, symmetric: true}
 steps:
+""") + """\
   - init: {op: external, reads: [x], writes: [h0, h1, h4, h5]}
   - s: {op: signal, to: prev, channel: c}
   - w: {op: wait, from: next, channel: c}
