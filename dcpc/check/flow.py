@@ -32,21 +32,9 @@ class Access:
     region: Region | None = None  # a remote store's (Region.target: where it lands)
 
     @property
-    def line(self) -> int | None:
-        """A ``line`` store's offset: rank r gets it when r - offset is a rank."""
-        return self.region.offset if self.region is not None and \
-            self.region.scheme == "line" else None
-
-    @property
-    def axes(self) -> tuple[int, ...] | None:
-        """A store's team (a line's member r - offset, not rank)."""
-        return self.region.axes if self.region is not None else None
-
-    @property
-    def dests(self) -> tuple[int, ...] | None:
-        """A perm's table (over ranks, along an axis too): the ranks its store reaches."""
-        return self.region.table if self.region is not None and \
-            self.region.scheme == "perm" else None
+    def scheme(self) -> str | None:
+        """A remote store's ``Region.scheme`` (``line``, ``perm``, ...), else None."""
+        return self.region.scheme if self.region is not None else None
 
 
 def accesses(ctx: Context) -> list[Access]:
@@ -300,13 +288,14 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
 
 def _reaches(ctx: Context, store: Access, rank: int, world: int) -> bool:
     """Whether ``store`` writes ``rank``'s instance in the per-rank data flow: a root's
-    on the root (without a mesh: team = group); a shift's without wrap on the ranks with
-    a source (over one whole axis of W); a perm's on its destinations; any other
-    partial store on none (sound)."""
+    on the root (without a mesh: team = group); a shift's without wrap or by a perm where
+    ``Region.target`` lands one of its writers' stores (a line's: on the ranks with a
+    source; a perm's: on its destinations); any other partial store on none (sound)."""
+    region = store.region
     return (store.root is None and store.everywhere) or (
         store.root is not None and _on_root(ctx, store, rank, world)) or (
-        store.line is not None and _on_line(store, rank, -store.line, world)) or (
-        store.dests is not None and len(store.dests) == world and rank in store.dests)
+        region is not None and region.scheme in ("line", "perm")
+        and _lands_on(region, rank, world))
 
 
 def _on_root(ctx: Context, acc: Access, rank: int, world: int) -> bool:
@@ -318,17 +307,21 @@ def _on_root(ctx: Context, acc: Access, rank: int, world: int) -> bool:
     return torus(shape_of(world)).team(rank, axes).index(rank) == acc.root
 
 
-def _on_line(store: Access, rank: int, k: int, world: int) -> bool:
-    """Whether member ``rank + k`` of ``rank``'s team (along a line: no wrap) is one
-    (dcpc.topology ``Torus.peer``; ``world`` a mesh shape for a team along an axis)."""
-    return torus(shape_of(world)).peer(rank, store.axes, k, wrap=False) is not None
+def _lands_on(region: Region, rank: int, world: int) -> bool:
+    """Whether some rank's store of a ``line`` or ``perm`` region lands on ``rank``'s
+    instance: one of the writers the ring gives it (``Region.writers``) whose store
+    ``Region.target`` lands there (a perm's table of another size than W: none)."""
+    topo = torus(shape_of(world))
+    if region.scheme == "perm" and len(region.table) != topo.size:
+        return False
+    return any(region.target(p, topo) == rank for p in region.writers(rank, world))
 
 
 def _why_not(store: Access, rank: int) -> str:
     """Why ``store`` (one that runs on ``rank``) does not write ``rank``'s instance."""
-    if store.dests is not None:
+    if store.scheme == "perm":
         return f"a perm in which rank {rank} is no destination"
-    if store.line is not None:
+    if store.scheme == "line":
         return "a shift without wrap: no source on that side of the line"
     if store.root is not None:
         return f"a root's store (root {store.root})"

@@ -202,18 +202,22 @@ def check_references(ctx: Context) -> None:
 
 def check_buffers(ctx: Context) -> None:
     """Per-buffer rules: flags that contradict each other, LSE buffers' dtypes."""
+    # the slot capacity of each placement index (registry.placed: one pass over the
+    # steps), asked once for every buffer, only where a buffer declares 'values'
+    valued = any(b.values is not None for b in ctx.schedule.buffers.values())
+    slots = placed(ctx.schedule) if valued else {}
     for name, buffer in ctx.schedule.buffers.items():
-        _check_buffer(ctx, name, buffer)
+        _check_buffer(ctx, name, buffer, slots)
     _check_slots(ctx, ctx.schedule)
 
 
-def _check_buffer(ctx: Context, name: str, buffer: Buffer) -> None:
+def _check_buffer(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]) -> None:
     if buffer.shared and "symmetric" in buffer.src_marks and not buffer.symmetric:
         ctx.error(buffer.mark("symmetric"), "shared-not-symmetric",
                   f"buffer '{name}' is shared (symmetric, one instance for all slots) "
                   "but says 'symmetric: false'",
                   hint="drop 'symmetric: false' (shared implies symmetric)")
-    _check_values(ctx, name, buffer)
+    _check_values(ctx, name, buffer, slots)
     if buffer.persist:
         _check_persist(ctx, name, buffer)
     if buffer.lse_base is not None:
@@ -256,11 +260,11 @@ def _check_persist(ctx: Context, name: str, buffer: Buffer) -> None:
             return
 
 
-def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
+def _check_values(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]) -> None:
     """``values: {min, max}``: an integer buffer's, within its dtype and 0.., never empty,
     with a value a count's capacity admits, for every admissible binding (its ends parse
     in ``size_table``); never on a buffer an op reads as row numbers (``RowIndex``: which
-    rows exist is the op's rule, dcpc.ops.iface)."""
+    rows exist is the op's rule, dcpc.ops.iface). ``slots``: ``placed``'s table."""
     if buffer.values is None:
         return
     if buffer.dtype.is_float:
@@ -291,7 +295,8 @@ def _check_values(ctx: Context, name: str, buffer: Buffer) -> None:
                       hint="divide only by what divides it for every W checked")
             return
     reported: set[str] = set()  # one error per end (several counts' capacities: the first)
-    for positive, says, hint, end in _range_asks(ctx, name, buffer, bounds, reads):
+    for positive, says, hint, end in _range_asks(ctx, name, buffer, bounds, reads,
+                                                 slots.get(name)):
         if end in reported:
             continue
         at = ctx.samples.nonpositive(positive)
@@ -309,11 +314,11 @@ _Ask = tuple[ex.Expr, Callable[[Counterexample], str], str, str]
 
 
 def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, ex.Expr],
-                reads: list[tuple[Step, object]]) -> list[_Ask]:
+                reads: list[tuple[Step, object]], slot: str | None) -> list[_Ask]:
     """What must stay positive for every binding, what is wrong where it does not, the
     hint, the end to point at: not empty, max within the dtype, min not below 0 (-1 is
     the poison), min within the capacity of every count the buffer is read as, and below
-    the capacity of the slot a placement index (``placed``) names rows of."""
+    ``slot``, the capacity of the slot a placement index (``placed``) names rows of."""
     low, high = bounds
     top = 2 ** (8 * buffer.dtype.itemsize - 1) - 1
     asks: list[_Ask] = [
@@ -349,7 +354,6 @@ def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, 
                 f"{ex.evaluate(cap, at.binding)} of the row counts step '{step.name}' "
                 f"({step.op.op}) reads it as: no count is both",
                 "a count is 0 .. its capacity: lower 'min'", "min"))
-    slot = placed(ctx.schedule).get(name)
     try:
         cap = ex.parse(slot) if slot is not None else None
     except ex.ExprSyntaxError:

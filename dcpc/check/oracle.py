@@ -414,26 +414,36 @@ class _Compiled:
         where the data flow places it: a store in flight at the wait that lands it),
         (owner, landing step) of a store in flight or None)."""
         out = []
+        # a line's or perm's push whose store lands nowhere from ``rank`` (past the line's
+        # end, -1 in the table) is no push: it reads none of its src either (the brute
+        # force, races.made and flow._silent_pushes: Region.target)
+        silent = any(write and part is not None and part[0] in ("perm", "line")
+                     and not self._owners(part, peer, rank) for _, write, part, _, peer
+                     in effects)
         for k, (buffer, write, part, lands, peer) in enumerate(effects):
             place = where if lands is None else (lands, 1)
-            if part is None:
-                owners: Sequence[int] = (rank,)
-            elif peer is not None:  # one peer's instance (a ragged_all_to_all by offset)
-                owners = (torus(shape_of(self.world)).peer(rank, part[4], peer, True),)
-            elif part[0] == "perm":  # a perm: rank table[r]'s instance only (-1: none)
-                owners = (part[5][rank],) if part[5][rank] >= 0 else ()
-            elif part[0] in ("peer", "line"):  # a shift: one rank's instance (line: none
-                end = torus(shape_of(self.world)).peer(rank, part[4], part[3],
-                                                       part[0] == "peer")
-                owners = () if end is None else (end,)  # past either end of its team)
-            elif part[4] is not None:  # a team's store: its members' instances only
-                owners = team_of(rank, self.world.shape, part[4])  # type: ignore[attr-defined]
-            else:
-                owners = range(self.world)
-            for owner in owners:
+            if silent and part is None and not write:
+                continue
+            for owner in self._owners(part, peer, rank):
                 out.append((self.instance(buffer, owner, slot), write, part, rank,
                             where + (k,) + place, None if lands is None else (owner, lands)))
         return tuple(out)
+
+    def _owners(self, part: tuple | None, peer: int | None, rank: int) -> Sequence[int]:
+        """The ranks whose instance ``rank``'s access of region ``part`` touches."""
+        if part is None:
+            return (rank,)
+        if peer is not None:  # one peer's instance (a ragged_all_to_all by offset)
+            return (torus(shape_of(self.world)).peer(rank, part[4], peer, True),)
+        if part[0] == "perm":  # a perm: rank table[r]'s instance only (-1: none)
+            return (part[5][rank],) if part[5][rank] >= 0 else ()
+        if part[0] in ("peer", "line"):  # a shift: one rank's instance (line: none
+            end = torus(shape_of(self.world)).peer(rank, part[4], part[3],
+                                                   part[0] == "peer")
+            return () if end is None else (end,)  # past either end of its team)
+        if part[4] is not None:  # a team's store: its members' instances only
+            return team_of(rank, self.world.shape, part[4])  # type: ignore[attr-defined]
+        return range(self.world)
 
 
 # --- one run ------------------------------------------------------------------------

@@ -409,6 +409,7 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
 
     steps: dict[str, StepPlan] = {s.name: s for s in plan.steps}
     kinds = {b.name: b.kind for b in plan.buffers}
+    topo = torus(shape_of(world))
     problems: list[str] = []
     seen: set[tuple[str, str, str, str]] = set()
     for (cid, phase, access, buffer, owner, slot), offs in sorted(
@@ -447,8 +448,9 @@ def check(trace: Trace, plan: Plan, world: int) -> list[str]:
             size = int(np.prod(shape, dtype=np.int64))
             if (offs >= size).any():
                 problems.append(f"{where}: writes '{buffer}' past its shape {shape}")
-            if not any(r.table[call.rank] == owner if r.scheme == "perm"
-                       else r.writers(owner, world) == [call.rank] if r.scheme in ("peer", "line")
+            # a line's or perm's store lands where Region.target says (the one rule)
+            if not any(r.target(call.rank, topo) == owner if r.scheme in ("line", "perm")
+                       else r.writers(owner, world) == [call.rank] if r.scheme == "peer"
                        else _team_part_ok(r, offs, shape, call.rank, owner, world) and (
                            r.peer is None or r.writers(owner, world) == [call.rank])
                        for r in regions):

@@ -601,6 +601,63 @@ def test_a_refused_range_keeps_the_findings_of_the_w_before_it() -> None:
     guarded = parse_text(GUARDED_CHAIN, "chain.yaml", world=2)
     assert hb.check(guarded, range(2, 129), hints=False).ok
 
+# review of cex27 (M1): two wrap: false lines whose waits join no clock; a credit (s -> w)
+# orders init before every rank's pushes on the real steps, which the model does not see:
+# the model races init with p4's store, which no execution makes (the brute force: none)
+TWO_LINES = SHIFT_CHAIN_HEAD.replace("slots: 2", "slots: 1").replace(
+    "STREAMS", "single").replace("steps:\n", """\
+  y:  {shape: [N, K], dtype: f32}
+  h4: {shape: [N, K], dtype: f32, symmetric: true}
+  h5: {shape: [N, K], dtype: f32, symmetric: true}
+steps:
+""") + """\
+  - init: {op: external, reads: [x], writes: [h0, h1, h4, h5]}
+  - s: {op: signal, to: prev, channel: c}
+  - w: {op: wait, from: next, channel: c}
+  - p0: {op: shift, src: h0, dst: h1, offset: 1, wrap: false, phase: put}
+  - w0: {op: shift, src: h0, dst: h1, offset: 1, wrap: false, phase: wait}
+  - p4: {op: shift, src: h4, dst: h5, offset: -1, wrap: false, phase: put}
+  - w4: {op: shift, src: h4, dst: h5, offset: -1, wrap: false, phase: wait}
+  - use: {op: external, reads: [h1, h5], writes: [y]}
+  - done: {op: barrier}
+"""
+
+
+def test_a_model_race_past_the_real_steps_bound_is_kept_and_said_so(monkeypatch) -> None:
+    """Just either side of races.MAX_REAL_WORK (made small here: W = 3's work): at W = 3
+    the real-steps search runs and drops the model's race (as the brute force says); at
+    W = 4 it is over the bound, so the model's race is kept (sound) but marked as the
+    model's, its timeline not called a legal execution, and the hint names the --world
+    range the search covers."""
+    from dcpc.check.hb import checker
+
+    schedule = parse_text(TWO_LINES, "two_lines.yaml", world=2)
+    program = lower(schedule)
+    work = {w: sum(real_work(analyze(program, w, None, gates(schedule, program, w))))
+            for w in (3, 4)}
+    assert work[3] < work[4]
+    monkeypatch.setattr(checker, "MAX_REAL_WORK", work[3])
+    assert hb.check(schedule, [3], hints=False).ok and oracle_keys(schedule, 3) == set()
+    assert oracle_keys(schedule, 4) == set()
+    (finding,) = hb.check(schedule, [4], hints=False).findings
+    assert finding.key == ("race", "write-after-write", "h5", "init", "p4")
+    assert finding.message.endswith(
+        f"(W=4): the model's race, its real steps not searched at that W (over the work "
+        f"bound of {work[3]} units), so maybe one no execution makes"), finding.message
+    text = finding.diagnostic().render()
+    assert "a legal execution" not in text, text
+    assert "the model's order (of that W; not replayed on the real steps):" in text, text
+    assert finding.as_dict()["unsearched"] == (
+        "the real-steps search, which drops a race of the model no execution makes, runs at "
+        "no W of this check (a narrower --world range that stops below W=4)")
+    (both,) = hb.check(schedule, [2, 3, 4], every_world=True, hints=False).findings
+    assert both.world == 4 and both.unsearched.startswith(
+        "the real-steps search, which drops a race of the model no execution makes, runs at "
+        "--world 2..3 of this check"), both.unsearched
+    monkeypatch.setattr(checker, "MAX_REAL_WORK", work[4])
+    assert hb.check(schedule, [4], hints=False).ok
+
+
 # sym26: the same read on the symmetric model (no guard, no chain: every rank alike), which
 # counted it on every rank: t3's src h1 is read only where t3 sends, and t0's next store
 # into h1 (the same slot, two calls on) is ordered after no rank's t3. Offset 3 (or
@@ -657,12 +714,40 @@ GUARDED_PERM_READ = SRC_READ.replace("T0", "offset: -1").replace(
     "T3", 'perm: "r + 1 - 2 * (r % 2)", when: "rank == W - 1"')
 
 
+# cex27: the model takes a line's or a perm's wait as ordering nothing (docs/hb-checker.md),
+# so its cut showed a rank past such a wait before its peer signalled (PERM_BESIDE_BROADCAST
+# at W = 2..4: rank 0 done with swap, rank 1 not yet at it; LINE_BESIDE_BROADCAST at W = 3,
+# 4), and where no pair of a race's key is unordered on the ranks' real steps the race was
+# printed on a pair they order (GUARDED_PERM_AFTER_LINE at W = 3, 5: 3 and 2 races the brute
+# force does not find, and a real one shown on a pair that cannot run next); the sym26
+# reviewer's fuzz, seeds 2, 53 and 5
+PERM_BESIDE_BROADCAST = SHIFT_CHAIN_HEAD.replace("slots: 2", "slots: 1").replace(
+    "STREAMS", "single") + """\
+  - fill: {op: external, reads: [x], writes: [h0]}
+  - bcast: {op: broadcast, src: h0, dst: h1, root: 0}
+  - swap: {op: shift, src: h0, dst: h1, perm: "r + 1 - 2 * (r % 2)"}
+"""
+LINE_BESIDE_BROADCAST = PERM_BESIDE_BROADCAST.replace(
+    'perm: "r + 1 - 2 * (r % 2)"', "offset: 1, wrap: false")
+GUARDED_PERM_AFTER_LINE = SHIFT_CHAIN_HEAD.replace("STREAMS", "single") + """\
+  - fill0: {op: external, reads: [x], writes: [h0]}
+  - fill: {op: external, reads: [x], writes: [h1]}
+  - next: {op: shift, src: x, dst: h1, perm: "r + 1"}
+  - swap: {op: shift, src: h0, dst: h1, perm: "r + 1 - 2 * (r % 2)", when: "rank != W - 1"}
+"""
+
+
 @pytest.mark.parametrize(("text", "world"), [
     (FILL_BESIDE_LINE, 2), (FILL_BESIDE_LINE, 3), (FILL_BESIDE_LINE, 5),
-    (GUARDED_PERM_READ, 3), (GUARDED_PERM_READ, 5)])
-def test_a_guarded_schedule_races_only_on_ranks_that_make_both_accesses(
+    (GUARDED_PERM_READ, 3), (GUARDED_PERM_READ, 5),
+    (PERM_BESIDE_BROADCAST, 2), (PERM_BESIDE_BROADCAST, 3), (PERM_BESIDE_BROADCAST, 4),
+    (LINE_BESIDE_BROADCAST, 3), (LINE_BESIDE_BROADCAST, 4),
+    (GUARDED_PERM_AFTER_LINE, 3), (GUARDED_PERM_AFTER_LINE, 5)])
+def test_races_are_on_ranks_that_make_both_accesses_and_their_real_steps_order_neither(
         text: str, world: int) -> None:
-    """The brute force's races, no more, and each counterexample a legal execution."""
+    """The brute force's races, no more (a race of the model that no pair of its key
+    makes unordered on the real steps is none), and each counterexample a legal
+    execution."""
     schedule = parse_text(text, "guarded.yaml", world=world)
     report = hb.check(schedule, [world], hints=False)
     assert {f.key for f in report.findings} == oracle_keys(schedule, world), world

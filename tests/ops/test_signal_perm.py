@@ -84,7 +84,10 @@ def _check(tmp_path: Path, steps: str, worlds: list) -> list:
 def test_the_wrong_twin_is_refused_with_a_located_race(tmp_path: Path) -> None:
     """The conformance file with its perm credit sent to the next rank instead of the
     writer (right at W = 2, where the next rank is the writer; at W = 3 the offset
-    credit of x orders it too): a race naming W, the ranks, the calls and the steps."""
+    credit of x orders it too): a race naming W, the ranks, the calls and the steps.
+    (W = 7: at W = 6 the ranks' real steps order it, as the brute force says; the race
+    the model's perm waits, which order nothing, gave there until cex27 had a
+    counterexample no execution makes.)"""
     text = FILE.read_text()
     twin = text.replace('{op: signal, perm: "(r + W - (W - W % 2) / 2) % W", channel: kv_free}',
                         "{op: signal, to: next, channel: kv_free}").replace(
@@ -101,7 +104,7 @@ def test_the_wrong_twin_is_refused_with_a_located_race(tmp_path: Path) -> None:
     first = races[0]
     assert first.mark.line == text.splitlines().index(
         next(x for x in text.splitlines() if x.startswith("  - send:"))) + 1
-    assert "kv_recv" in first.message and "(W=6)" in first.message
+    assert "kv_recv" in first.message and "(W=7)" in first.message
     # the use's read (and the engine's read of what send returned) against the push
     assert any("send on rank" in d.message and "use on rank" in d.message
                and "(call 0)" in d.message and "(call 2)" in d.message for d in races), races
@@ -175,7 +178,9 @@ def test_a_fixed_point_signals_and_waits_for_nobody(tmp_path: Path) -> None:
 
 def test_the_axis_files_wrong_twin_is_refused(tmp_path: Path) -> None:
     """The mesh file with its gpu credit to the next gpu instead of the writer: a race
-    on the gpu team's receive buffer at a mesh shape where they differ (G = 3)."""
+    on the gpu team's receive buffer at a mesh shape where they differ (G = 3), shown
+    on ranks whose real steps race (gpu 0's call 2 into gpu 1's instance: cex27; gpu 2's
+    into gpu 0's was shown past a hop gpu 1 had not signalled)."""
     text = (ROOT / "schedules" / "ops" / "signal_perm_axis.yaml").read_text()
     back = '"(r + W - (W - W % 2) / 2) % W"'
     twin = text.replace(f"{{op: signal, axis: gpu, perm: {back}, channel: f}}",
@@ -189,7 +194,7 @@ def test_the_axis_files_wrong_twin_is_refused(tmp_path: Path) -> None:
         pipeline.run(path, pipeline.Options(worlds=[MeshWorld((2, 3))]), until="hb")
     (first, *_) = [d for d in err.value.diagnostics if d.code == "race"]
     assert "race on mirror" in first.message and "(W=2x3)" in first.message
-    assert "rank (node=0, gpu=2) (call 2)" in first.message
+    assert "send on rank (node=0, gpu=0) (call 2)" in first.message
 
 
 @pytest.mark.e2e

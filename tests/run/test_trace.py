@@ -268,6 +268,20 @@ def test_a_template_that_pushes_into_another_part_is_caught(monkeypatch):
                and "outside rank" in p for p in run.problems), run.problems
 
 
+def test_a_template_that_pushes_past_the_line_s_end_is_caught(monkeypatch):
+    """shift with wrap: false rendered to push on every rank, cyclically: the last rank
+    stores into rank 0's recv, which no rank + offset reaches on a line (Region.target)."""
+    cond = "0 <= self.rank + {{ step.attrs.offset }} < self.world"
+    render_variant(monkeypatch, "ops/shift.py.j2", lambda text: once(
+        f"_rows if {cond} else 0,", "_rows,")(once(
+            f"TO=(self.rank + {{{{ step.attrs.offset }}}} if {cond} else self.rank),",
+            "TO=(self.rank + {{ step.attrs.offset }}) % self.world,")(text)))
+    run = tr.run_traced(str(ROOT / "schedules" / "ops" / "shift_nowrap.yaml"), 2, programs=1,
+                        calls=1)
+    assert any(p.startswith("step 'hand' (rank 1, ") and "writes 'recv' of rank 0 outside "
+               "rank 1's part (line, dim" in p for p in run.problems), run.problems
+
+
 # ---- the fused combine's masks: looked up before the push in a call of one launch, in
 # the merge launch after the wait in a call of two; its row lists both phases, `either`
 MASK = "query_start_loc"

@@ -17,9 +17,9 @@ from dcpc.check.hb.races import (
     MAX_REAL_WORK,
     PairKeys,
     RawRace,
+    both_made,
     find_races,
     find_real_races,
-    made,
     modelled,
     real_work,
     rotated,
@@ -35,6 +35,7 @@ from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of, shape_of, torus
 from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import Semantics
+from dcpc.ops.common import wraps
 
 if TYPE_CHECKING:
     from dcpc.codegen.plan import Plan
@@ -82,6 +83,7 @@ def check(
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
     searched: list[tuple[int, int]] = []  # (W, work) of each real-steps search so far
     refused: list[Diagnostic] = []  # a W past the real-steps bound: none after it checked
+    unsearched_from: int | None = None  # the first W analysed past it (a line's, a perm's)
     for w in analysed:
         world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
@@ -110,11 +112,34 @@ def check(
         for dead in deadlocks:
             if dead.key(world) not in findings:
                 findings[dead.key(world)] = deadlock_finding(world, dead, stuck, blocked, real)
-        for race in find_races(world, pair_keys) if guarded is None else guarded:
-            if race.key(world) not in findings:  # (a real-steps race is placed already)
-                placed = race if guarded is not None else _where_both_run(schedule, world, race)
-                if placed is not None:
-                    findings[race.key(world)] = race_finding(world, placed)
+        races = find_races(world, pair_keys) if guarded is None else guarded
+        if races and world.execution is None and not deadlocks and _unjoined(world):
+            # a line's or perm's wait joins no clock: the model's cut may show a rank past
+            # a wait its peer has not signalled; the counterexample is cut from the real
+            # steps (legal.Execution, every step running) instead, as under a when:
+            world.execution = Execution(world, {})
+        # where no translation of a race's pair is unordered on the real steps, the
+        # real-steps search of its key places it (none deadlocked, within its bound;
+        # else the model's race is kept, said so: unsearched)
+        unsearched = None
+        if races and world.execution is not None and guarded is None:
+            unsearched = _unsearched(world, deadlocks, analysed, unsearched_from)
+            if unsearched is not None and not deadlocks and unsearched_from is None:
+                unsearched_from = analysed.index(world.world)
+        search: set[tuple[str, str, str, str, str]] = set()  # the keys left to search
+        for race in races:
+            if race.key(world) in findings:  # (a real-steps race is placed already)
+                continue
+            placed, model = (race, False) if guarded is not None else _where_both_run(
+                schedule, world, race)
+            if model and unsearched is None:
+                search.add(race.key(world))
+            elif placed is not None:
+                findings[race.key(world)] = race_finding(
+                    world, placed, unsearched if model else None)
+        if search:  # one search for every key left: another pair of it, or none (dropped)
+            for real in find_real_races(world, world.execution, search):  # type: ignore[arg-type]
+                findings[real.key(world)] = race_finding(world, real)
     checked = time.perf_counter()
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
@@ -152,8 +177,7 @@ def _real_steps_budget(schedule: Schedule, world: World, searched: list[tuple[in
     here = analysed.index(world.world)
     before = (f"; with the {len(searched)} W searched before it, {total} in all"
               if searched else "")
-    fits = (f"--world {_span(analysed[:here])} fits (its findings are reported); "
-            if here else "")
+    fits = f"{_fitting(analysed, here)} fits (its findings are reported); " if here else ""
     alone = "fits" if work <= MAX_REAL_WORK else "does not fit either"
     return Diagnostic(
         schedule.mark("steps"), "schedule-too-large",
@@ -163,6 +187,29 @@ def _real_steps_budget(schedule: Schedule, world: World, searched: list[tuple[in
         f"above the limit of {MAX_REAL_WORK}: {fits}W={world.world} alone {alone}",
         hint="check a narrower --world range (the real-steps search grows as W^2 at each "
         "W, summed over the W of one check), or fewer steps or slots")
+
+
+def _unsearched(world: World, deadlocks: list[RawDeadlock], analysed: list[int],
+                first_over: int | None) -> tuple[str, str] | None:
+    """Why the real-steps search of a race's key (``_where_both_run``) is not run at this
+    W, and at which W of the check it is (report.race_finding says both), else None:
+    a rank deadlocks (the model's deadlock: no real step runs past it), or its work
+    passes races.MAX_REAL_WORK (``real_work``, per W; it grows with W, so from the first
+    W analysed past it every later one is). The model's race is kept there (sound)."""
+    if deadlocks:
+        return "a rank deadlocks there", "where no rank deadlocks"
+    if first_over is None and sum(real_work(world)) <= MAX_REAL_WORK:
+        return None
+    here = analysed.index(world.world) if first_over is None else first_over
+    where = f"at {_fitting(analysed, here)} of this check" if here else "at no W of this check"
+    return (f"over the work bound of {MAX_REAL_WORK} units",
+            f"{where} (a narrower --world range that stops below W={analysed[here]})")
+
+
+def _fitting(analysed: list[int], here: int) -> str:
+    """``--world 2..30``: the W analysed before the one at index ``here``, the first
+    whose real-steps search passes its bound (races.MAX_REAL_WORK)."""
+    return f"--world {_span(analysed[:here])}"
 
 
 def _span(worlds: list[int]) -> str:
@@ -193,7 +240,15 @@ def _unmodelled(world: World, deadlocks: list[RawDeadlock],
     return list(out.values())
 
 
-def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace | None:
+def _unjoined(world: World) -> bool:
+    """Whether a wait of the program joins no clock (a ``wrap: false`` line's or a
+    perm's: clocks.analyze), so the model orders less than the ranks' real steps do."""
+    return any(e.wait is not None and not wraps(e.wait[1])  # type: ignore[arg-type]
+               for e in world.program.events)
+
+
+def _where_both_run(schedule: Schedule, world: World,
+                    race: RawRace) -> tuple[RawRace | None, bool]:
     """The race translated to ranks where both its accesses happen (``when:``,
     dcpc.lang.when; legal.Execution.happens) and where an access the model gives every
     rank is one the program makes (races.made): a perm's store from writer p into
@@ -207,26 +262,30 @@ def _where_both_run(schedule: Schedule, world: World, race: RawRace) -> RawRace 
     runs after it where it runs: clocks.Gates), and every translation of a race of that
     model is one (a rotation; on a mesh, of its torus); a race no translation fits is
     kept as found (another pair of the same groups may fit). None: an access of it
-    happens on no rank at this W, so no execution makes it."""
+    happens on no rank at this W, so no execution makes it. With it, whether the race
+    is the model's only: no translation of it is unordered on the ranks' real steps
+    (``world.execution``; the model orders less where a wait joins no clock: a line's, a
+    perm's, a guarded one). The checker then asks the real-steps search for its key
+    (races.find_real_races, every pair of its groups on every owner, one search for
+    every such key of a W), so its counterexample is an execution that happens, and
+    drops it where that search finds none (no execution makes it, cex27); where the
+    search does not run (``_unsearched``) the model's race is kept, said so."""
     a, b = race.first, race.second
     execution = world.execution  # some rank skips a guarded step (its sync, maybe)
     if execution is None and not any(modelled(world, t) for t in (a, b)):
-        return race
+        return race, False
     n = int(world.world)
-    on_a = on_b = frozenset(range(n))
-    if execution is not None:
-        on_a, on_b = (frozenset(r for r in range(n) if execution.happens(t, r)) for t in (a, b))
-        if not on_a or not on_b:  # a step that runs on no rank at this W races nothing
-            return None
-    topo = torus(shape_of(world.world))
+    if execution is not None and not all(  # a step that runs on no rank at this W
+            any(execution.happens(t, r) for r in range(n)) for t in (a, b)):  # races nothing
+        return None, False
+    topo = torus(shape_of(world.world))  # (the model's races are on rank 0's instance)
     fits = [replace(race, first=rotated(a, d, topo), second=rotated(b, d, topo))
-            for d in range(n) if topo.add(a.rank, d) in on_a and topo.add(b.rank, d) in on_b
-            and made(world, rotated(a, d, topo)) and made(world, rotated(b, d, topo))]
+            for d in both_made(world, a, b)]
     if execution is not None:  # the first translation the ranks' real steps allow
         legal = next((f for f in fits if execution.unordered(f) is not None), None)
         if legal is not None:
-            return legal
-    return fits[0] if fits else race
+            return legal, False
+    return (fits[0] if fits else race), execution is not None
 
 
 def _skipped(schedule: Schedule, w: int) -> frozenset[tuple[int, int]]:

@@ -446,7 +446,8 @@ def real_work(world: World) -> tuple[int, int]:
                     pairs += min(ma, mb) if one else min(nb * ma, na * mb)
     return cuts, pairs * PAIR_UNITS
 
-def find_real_races(world: World, execution: Cuts) -> list[RawRace]:
+def find_real_races(world: World, execution: Cuts,
+                    keys: set[tuple[str, str, str, str, str]] | None = None) -> list[RawRace]:
     """One race per (class, buffer, step pair), decided on the ranks' real steps under
     their ``when:`` guards (legal.Execution), where the symmetric model's clocks stop at
     a cycle of waits those guards cut: every rank finishes every call there, so every
@@ -456,11 +457,13 @@ def find_real_races(world: World, execution: Cuts) -> list[RawRace]:
     store at its table, a broadcast's from its root, a shift's src read where it sends)
     ordered iff one ends before the other starts in the other's cut
     (``Execution.unordered``). A race is kept with the first pair found, its
-    translation the checker's counterexample as it is."""
+    translation the checker's counterexample as it is. ``keys``: those races only (a
+    race of the model to place on pairs the real steps leave unordered)."""
     found: dict[tuple[str, str, str, str, str], RawRace] = {}
     topo = torus(shape_of(world.world))
     for buffer, signatures in sorted(_touching(world).items()):
-        if buffer not in world.program.shared:
+        if buffer not in world.program.shared or (
+                keys is not None and buffer not in {k[2] for k in keys}):
             continue
         for slot, calls in _instances(world, buffer):
             groups = [(call, j, access) for call in calls for j, access in signatures]
@@ -469,7 +472,7 @@ def find_real_races(world: World, execution: Cuts) -> list[RawRace]:
                     if a[2].kind != "write" and b[2].kind != "write":
                         continue
                     key = _pair_key(world, buffer, a, b)
-                    if key in found:
+                    if key in found or (keys is not None and key not in keys):
                         continue
                     race = _real_race(world, execution, topo, buffer, slot, a, b)
                     if race is not None:
@@ -484,8 +487,8 @@ def _real_race(world: World, execution: Cuts, topo: Torus, buffer: str, slot: in
     for ra, rb in _rank_pairs(world, a, b, every=True):
         # the owners where the program makes both (review of sym26 H1: every owner was
         # tried, W^3 for a broadcast beside an all_gather, past what real_work counts)
-        both = _translations(world, a[1], a[2], ra) & _translations(world, b[1], b[2], rb)
-        for owner in _owners(both, topo.size):
+        for owner in both_made(world, Touch(ra, a[0], a[1], a[2], 0),
+                               Touch(rb, b[0], b[1], b[2], 0)):
             x = Touch(topo.add(ra, owner), a[0], a[1], a[2], owner)
             y = Touch(topo.add(rb, owner), b[0], b[1], b[2], owner)
             cls, first, second = classify(world, x, y)
@@ -493,6 +496,16 @@ def _real_race(world: World, execution: Cuts, topo: Torus, buffer: str, slot: in
             if execution.unordered(race) is not None:
                 return race
     return None
+
+
+def both_made(world: World, x: Touch, y: Touch) -> list[int]:
+    """The translations d, in increasing order, that move both x and y, accesses to rank
+    0's instance, to ones the program makes on ranks where they happen (the
+    ``_translations`` masks, the one definition): the owners d of their translated pair."""
+    assert x.owner == 0 and y.owner == 0
+    both = _translations(world, x.j, x.access, x.rank) & _translations(
+        world, y.j, y.access, y.rank)
+    return _owners(both, torus(shape_of(world.world)).size)
 
 
 def _owners(mask: int, size: int) -> list[int]:

@@ -74,6 +74,9 @@ class Finding:
     message: str
     timeline: list[str]
     hint: str | None = None
+    # a race of the model kept where its real steps were not searched at that W (past
+    # races.MAX_REAL_WORK, or a rank deadlocks there): why, and where they are searched
+    unsearched: str = ""
 
     @property
     def key(self) -> tuple[str, str, str, str, str]:
@@ -103,9 +106,11 @@ class Finding:
             notes.append(("the other access: " if self.kind == "race" else "the signal: ")
                          + other.text())
         if self.timeline:
-            notes.append("a legal execution (of that W):")
+            notes.append("a legal execution (of that W):" if not self.unsearched else
+                         "the model's order (of that W; not replayed on the real steps):")
             notes += ["  " + line for line in self.timeline]
-        return Diagnostic(self.mark, self.kind, self.message, hint=self.hint, notes=tuple(notes))
+        hint = "; ".join(h for h in (self.unsearched, self.hint) if h) or None
+        return Diagnostic(self.mark, self.kind, self.message, hint=hint, notes=tuple(notes))
 
     def as_dict(self) -> dict[str, Any]:
         world = str(self.world) if isinstance(self.world, MeshWorld) else self.world  # 2x2
@@ -113,7 +118,8 @@ class Finding:
                 "steps": list(self.steps), "world": world, "message": self.message,
                 "first": self.first.as_dict(),
                 "second": self.second.as_dict() if self.second is not None else None,
-                "timeline": list(self.timeline), "hint": self.hint}
+                "timeline": list(self.timeline), "hint": self.hint,
+                **({"unsearched": self.unsearched} if self.unsearched else {})}
 
 
 @dataclass
@@ -190,8 +196,11 @@ def race_cut(world: World, race: RawRace) -> list[int]:
     return [max(x, y) for x, y in zip(before_a, before_b, strict=True)]
 
 
-def race_finding(world: World, race: RawRace) -> Finding:
-    """A race with its counterexample: the cut of both accesses' predecessors."""
+def race_finding(world: World, race: RawRace, unsearched: tuple[str, str] | None = None
+                 ) -> Finding:
+    """A race with its counterexample: the cut of both accesses' predecessors.
+    ``unsearched``: (why, where) the ranks' real steps were not searched for it at this W
+    (the checker's _where_both_run): the race is the model's, kept (sound) and said so."""
     a, b = race.first, race.second
     la, lb = _touch_location(world, a, race.slot), _touch_location(world, b, race.slot)
     pa, pb = world.pos(a.call, a.j), world.pos(b.call, b.j)
@@ -222,7 +231,14 @@ def race_finding(world: World, race: RawRace) -> Finding:
         message = (f"write-after-write race on {race.buffer}: {la.step} on {na} "
                    f"(call {la.call}) and {lb.step} on {nb} (call {lb.call}) can "
                    f"write {lb.region} in either order {where}")
-    return Finding("race", race.cls, race.buffer, la, lb, world.world, message, timeline)
+    if unsearched is None:
+        return Finding("race", race.cls, race.buffer, la, lb, world.world, message, timeline)
+    why, searched = unsearched
+    return Finding("race", race.cls, race.buffer, la, lb, world.world,
+                   f"{message}: the model's race, its real steps not searched at that W "
+                   f"({why}), so maybe one no execution makes", timeline,
+                   unsearched=f"the real-steps search, which drops a race of the model no "
+                   f"execution makes, runs {searched}")
 
 
 def access_text(loc: Location, who: str, verb: str, what: str) -> str:
