@@ -576,9 +576,11 @@ def weighted_combine(
     step: str,
     scale: torch.Tensor | None = None,
 ) -> None:
-    """dst[t] = sum_k weights[t, k] * row(t, k) in fp32, k in order (the kernel's), one
-    rounding into dst; row(t, k) = x's row index[t, k] (< 0: none) or x[t, k];
-    ``scale``: quantized (merge.quantize)."""
+    """dst[t] = sum_k weights[t, k] * row(t, k) in fp32, k in order (the kernel's), each
+    term fused into the sum (fma: the product and sum in float64, rounded once to fp32; a
+    float64 sum that needs more bits than float64 has rounds twice), one rounding into
+    dst; row(t, k) = x's row index[t, k] (< 0: none) or x[t, k]; ``scale``: quantized
+    (merge.quantize)."""
     from dcpc.runtime.errors import bad_index
 
     if scale is not None:
@@ -595,10 +597,11 @@ def weighted_combine(
         t = past[0]
         raise bad_index(step, None, t, int(index[t].max()), len(rows))
     acc = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)
-    for k in range(topk):
+    for k in range(topk):  # acc = fma(w, row, acc), the kernel's: in float64, one rounding
         live = (index[:, k] >= 0)[:, None]
-        part = weights[:, k, None].float() * rows[index[:, k].clamp(min=0)].float()
-        acc += torch.where(live, part, 0.0)
+        w = torch.where(live, weights[:, k, None].double(), 0.0)
+        row = torch.where(live, rows[index[:, k].clamp(min=0)].double(), 0.0)
+        acc = (w * row + acc.double()).float()
     out = acc if scale is None else merge.quantize(acc, scale, dst.dtype)
     dst.copy_(out.reshape(dst.shape))
 

@@ -182,10 +182,12 @@ def over_capacity(step: str, rank: int | None, peer: int, count: int, capacity: 
 
 def bad_index(step: str, rank: int | None, token: int, row: int,
               rows: int) -> DcpcArgumentError:
-    """A weighted_combine's index past the rows of its x (that slot was not read)."""
+    """A weighted_combine's index past the rows of its x (that slot was not read). The
+    kernel records the row saturated into i32 (an i64 index): "row >= 2147483647"."""
     who = f"rank {rank}" if rank is not None else "this rank"
+    said = f">= {row}" if row == 2**31 - 1 else row
     return DcpcArgumentError(
-        f"step '{step}': {who}'s index of token {token} holds row {row}, past the {rows} "
+        f"step '{step}': {who}'s index of token {token} holds row {said}, past the {rows} "
         "rows of x; an index is a row of x, or negative for an empty slot")
 
 

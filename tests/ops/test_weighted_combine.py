@@ -108,6 +108,27 @@ def test_torch_backend_matches_float64_and_refuses_a_bad_index() -> None:
     idx[4, 0] = 9
     with pytest.raises(DcpcArgumentError, match="index of token 4 holds row 9, past the 7 rows"):
         collectives.weighted_combine(x, w, idx, dst, "combine")
+    far = case["idx"].long()
+    far[1, 2] = 2**33 + 5  # the torch path names the i64 row as it is
+    with pytest.raises(DcpcArgumentError, match="token 1 holds row 8589934597, past the 7"):
+        collectives.weighted_combine(x, w, far, dst, "combine")
+
+
+def test_torch_backend_fuses_each_term() -> None:
+    """acc = fma(w, row, acc): the product and the sum rounded once (DeepEP's FFMA), not the
+    product rounded to fp32 before the sum. Values where the two differ: w * row needs
+    more than 24 bits, and the running sum keeps the bits the product's rounding drops."""
+    from dcpc.runtime import collectives
+
+    w = torch.tensor([[1.0, 1.0 + 2**-23]], dtype=torch.float32)
+    x = torch.tensor([[-(1.0 + 2**-22)], [1.0 + 2**-23]], dtype=torch.float32)
+    idx = torch.tensor([[0, 1]], dtype=torch.int32)
+    dst = torch.zeros(1, 1, dtype=torch.float32)
+    collectives.weighted_combine(x, w, idx, dst, "combine")
+    exact = (-(1.0 + 2**-22)) + (1.0 + 2**-23) ** 2  # = 2**-46, representable in fp32
+    assert float(dst) == exact == 2**-46
+    unfused = torch.tensor(-(1.0 + 2**-22), dtype=torch.float32) + (w[0, 1] * x[1, 0])
+    assert float(unfused) == 0.0  # the product alone rounds 2**-46 away
 
 
 def _kernel_child() -> None:
@@ -133,12 +154,27 @@ def _kernel_child() -> None:
         except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
             report["bad"] = f"{type(exc).__name__}: {exc}"
         module.close()
+        # an i64 index past i32: the row the error names is saturated, never wrapped
+        wide = load_module_class(path64, "wc")(rank, sizes={"T": 5}, device="cpu",
+                                               backend="local", timeout_s=20, poison=True)
+        far = case["idx"].long()
+        far[3, 2] = 2**33 + 5  # wrapped into i32: row 5, a row of x
+        try:
+            wide.combine(case["x"].bfloat16(), case["w"].float(), far)
+            report["far"] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            report["far"] = f"{type(exc).__name__}: {exc}"
+        wide.close()
         return report
 
     with tempfile.TemporaryDirectory(prefix="dcpc-wc-") as tmp:
         src = Path(tmp) / "wc.yaml"
         src.write_text(text())
         _, module, _, _ = compile_to(str(src), Path(tmp), 2)
+        (Path(tmp) / "i64").mkdir()
+        src64 = Path(tmp) / "i64" / "wc.yaml"
+        src64.write_text(text(idx="i64"))
+        _, path64, _, _ = compile_to(str(src64), Path(tmp) / "i64", 2)
         print("RESULT " + json.dumps(LocalGroup(2, "cpu", timeout_s=60).run(rank_main, module)))
 
 
@@ -158,7 +194,11 @@ def test_kernel_matches_float64_and_refuses_a_bad_index() -> None:
         assert rep["bad"].startswith(f"DcpcArgumentError: step 'combine': rank {rank}'s index "
                                      "of token 2 holds row 8, past the 7 rows of x") or \
             rep["bad"].startswith("DcpcPeerFailedError: step 'combine'"), rep
+        assert rep["far"].startswith(f"DcpcArgumentError: step 'combine': rank {rank}'s index "
+                                     "of token 3 holds row >= 2147483647, past the 7 rows") or \
+            rep["far"].startswith("DcpcPeerFailedError: step 'combine'"), rep
     assert any(rep["bad"].startswith("DcpcArgumentError") for rep in reps), reps
+    assert any(rep["far"].startswith("DcpcArgumentError") for rep in reps), reps
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["kernel"]:
