@@ -39,10 +39,12 @@ def thread_cpu_s(thread_id: int | None = None) -> float | None:
 def cpu_clock(thread_id: int | None = None) -> Callable[[], float]:
     """Seconds of CPU time of thread ``thread_id`` (default: the calling thread), readable
     from any thread; wall seconds where the platform has no per-thread CPU clock."""
-    ident = threading.get_ident() if thread_id is None else thread_id
-    if thread_cpu_s(ident) is None:
+    try:
+        clock = time.pthread_getcpuclockid(
+            threading.get_ident() if thread_id is None else thread_id)
+        time.clock_gettime(clock)  # the probe: an ended thread's id may not read
+    except (AttributeError, OSError):
         return time.monotonic
-    clock = time.pthread_getcpuclockid(ident)
     return lambda: time.clock_gettime(clock)
 
 
