@@ -691,6 +691,43 @@ def test_the_range_the_hint_names_is_exactly_the_one_that_fits(monkeypatch) -> N
     assert wider.world == last + 1 and wider.unsearched, wider
 
 
+# TWO_LINES along the gpu axis of a mesh: the same signal, waits and lines in each node
+TWO_LINES_MESH = re.sub(r"(channel: c|phase: put|phase: wait)}", r"\1, axis: gpu}",
+                        TWO_LINES.replace("sizes: {N: 4, K: 2}", """\
+mesh: {node: A, gpu: B}
+sizes: {N: 4, K: 2, A: {max: 4}, B: {max: 4}}"""))
+
+
+def test_the_range_that_fits_is_cut_by_position_among_mesh_shapes(monkeypatch) -> None:
+    """Mesh shapes compare by their product (3x4 == 4x3 as W): the range that fits
+    stops at the last shape analysed within the bound, 3x4, not at every shape of its
+    product, 4x3, the first one over, among them. The bound: the work of the shapes
+    before 4x3 whose model's race is searched (those past a bound of 0), so 4x3's
+    search, on top of theirs, is the first that does not fit."""
+    from dcpc.check.hb import checker
+    from dcpc.worlds import parse_worlds
+
+    schedule = parse_text(TWO_LINES_MESH, "two_lines_mesh.yaml")
+    program = lower(schedule)
+    shapes = parse_worlds("2..4x2..4")
+    over = shapes.index(MeshWorld((4, 3)))
+    assert shapes[over - 1] == MeshWorld((3, 4)), shapes
+    assert hb.check(schedule, shapes, hints=False).ok  # within the default bound
+    monkeypatch.setattr(checker, "MAX_REAL_WORK", 0)
+    searched = [w for w in shapes[:over + 1] if hb.check(schedule, [w], hints=False).findings]
+    assert searched[-1] == shapes[over], searched
+    monkeypatch.setattr(checker, "MAX_REAL_WORK", sum(
+        sum(real_work(analyze(program, w, None, gates(schedule, program, w))))
+        for w in searched[:-1]))
+    (finding,) = hb.check(schedule, shapes, hints=False).findings
+    assert finding.world == shapes[over], finding.world
+    fits = ",".join(map(str, shapes[:over]))
+    assert finding.unsearched.endswith(f"--world {fits} fits its bound)"), finding.unsearched
+    assert hb.check(schedule, shapes[:over], hints=False).ok
+    (wider,) = hb.check(schedule, shapes[:over + 1], hints=False).findings
+    assert wider.world == shapes[over] and wider.unsearched, wider
+
+
 def test_a_model_race_where_a_rank_deadlocks_is_kept_and_labelled() -> None:
     """TWO_LINES' race of the model (no execution makes it: proved at W = 3) with a
     guarded wait for a signal nobody sends after it: rank 0 deadlocks at W = 3, no real

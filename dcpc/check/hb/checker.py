@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -212,17 +213,23 @@ class _RealSteps:
         W analysed before the first past the bound (a check of them runs the same
         searches), and the W asked between the last of them and that one, which no W of
         this check stood for: past the world bound, one analysed W stands for each of
-        them, so a check up to W runs the searches before plus W's."""
+        them, so a check up to W runs the searches before plus W's. Those are found by
+        bisection, which assumes a search's work grows with W (``real_work``: cut entries
+        W x events x W x streams, pairs W x W or W); where it did not, the range named
+        could stop short of, or pass, a W in between that fits alone. Mesh shapes are
+        not bisected (the range stops at the last shape analysed), and the range is cut
+        by position in the W asked: shapes compare by their product (3x4 == 4x3)."""
         here = self.over
         assert here is not None  # asked past the bound only
         if not here:
             return None
-        last, first_over = self.analysed[here - 1], self.analysed[here]
-        between = [w for w in self.worlds if last < w < first_over]
-        if between and not isinstance(first_over, MeshWorld):
+        # positions in the W asked (sorted as analysed: a shape's W, then its sizes)
+        last = bisect.bisect_right(self.worlds, self.analysed[here - 1]) - 1
+        between = self.worlds[last + 1:bisect.bisect_left(self.worlds, self.analysed[here])]
+        if between and not isinstance(between[0], MeshWorld):
             before = sum(w for _, w in self.searched)
             lo, hi = 0, len(between)  # between[:lo] fit; between[hi:] do not
-            while lo < hi:  # work grows with W: the largest that fits, by bisection
+            while lo < hi:  # the largest that fits, by bisection (work grows with W)
                 mid = (lo + hi) // 2
                 w = between[mid]
                 world = analyze(self.program, w, self.calls,
@@ -231,9 +238,8 @@ class _RealSteps:
                     lo = mid + 1
                 else:
                     hi = mid
-            if lo:
-                last = between[lo - 1]
-        return f"--world {_span([w for w in self.worlds if w <= last])}"
+            last += lo
+        return f"--world {_span(self.worlds[:last + 1])}"
 
     def refusal(self, world: World) -> Diagnostic:
         """The located refusal at this W (the guards cut the model's cycle, and its
