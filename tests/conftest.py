@@ -42,7 +42,11 @@ PREFIX = "dcpc-"  # dcpc.runtime.host.SEGMENT_PREFIX (not imported: keeps collec
 # dcpc-launch-, dcpc-trace-, dcpc-floor-, dcpc-new-ops-, dcpc-capture-warm-...)
 WATCHED = {"segments": SHM_DIR, "folders": os.environ[TMP_ENV]}
 _BEFORE = pytest.StashKey[dict[str, set[str]]]()
-SETTLE_S = 120.0  # how long a new segment may take to go before it is a leftover
+SHARED = {"segments"}  # watched places other processes write to as well
+# How long a new segment may take to go before it is a leftover: 120 s, or
+# DCPC_TEST_SETTLE_S seconds (tests/test_suite_leak_check.py sets it to an hour for a
+# session of its own, which must then end without the wait: nothing in /dev/shm)
+SETTLE_S = float(os.environ.get("DCPC_TEST_SETTLE_S", "120"))
 
 
 def _entries(folder: str) -> set[str]:
@@ -58,9 +62,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def _still_there(found: dict[str, set[str]]) -> dict[str, set[str]]:
-    """What of ``found`` is still there after SETTLE_S seconds: another process on the
-    machine (a second test session, a run by hand) makes and removes segments in /dev/shm
-    too, and its live ones are not this session's leftovers; a leftover stays."""
+    """What of ``found`` (in SHARED places) is still there after SETTLE_S seconds: another
+    process on the machine (a second test session, a run by hand) makes and removes
+    segments in /dev/shm too, and its live ones are not this session's leftovers; a
+    leftover stays."""
     deadline = time.monotonic() + SETTLE_S
     while any(found.values()) and time.monotonic() < deadline:
         time.sleep(1.0)
@@ -71,12 +76,18 @@ def _still_there(found: dict[str, set[str]]) -> dict[str, set[str]]:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Checked once, after every test of every worker (the workers run test files at
     the same time: one worker's live segments are not another's leftovers). Only what
-    appeared during the session and stays counts."""
+    appeared during the session counts: in the session's own temporary directory, where
+    nothing else writes, at once; in SHARED places, what stays SETTLE_S."""
     if hasattr(session.config, "workerinput") or _BEFORE not in session.config.stash:
         return
     before = session.config.stash[_BEFORE]
-    left = _still_there({what: _entries(folder) - before[what]
-                         for what, folder in WATCHED.items()})
+    new = {what: _entries(folder) - before[what] for what, folder in WATCHED.items()}
+    _report(session, {what: names for what, names in new.items() if what not in SHARED})
+    _report(session, _still_there({what: new[what] for what in SHARED}))
+
+
+def _report(session: pytest.Session, left: dict[str, set[str]]) -> None:
+    """Fail the session for what ``left`` names, said at once (a wait may follow)."""
     for what, names in left.items():
         if not names:
             continue
@@ -84,6 +95,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         if reporter is not None:
             reporter.write_line(f"FAILED: {what} left in {WATCHED[what]} by the test suite: "
                                 f"{sorted(names)}", red=True)
+            reporter.flush()
         if session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -25,24 +25,38 @@ SAMPLE_S = 0.05  # how long cpu_share spins to measure
 MIN_SHARE = 1 / 16  # a blocking wait is stretched at most 16 times
 
 
+def _clock_id(thread_id: int | None) -> int | None:
+    """The id of thread ``thread_id``'s CPU clock (default: the calling thread), probed
+    once; None where the platform has no per-thread CPU clock (not Unix) or the thread
+    has ended (its id may not read)."""
+    try:
+        clock = time.pthread_getcpuclockid(
+            threading.get_ident() if thread_id is None else thread_id)
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        return None
+    return clock
+
+
 def thread_cpu_s(thread_id: int | None = None) -> float | None:
     """The CPU seconds thread ``thread_id`` (default: the calling thread) has used, read
     from any thread; None where the platform has no per-thread CPU clock (not Unix) or
     the thread has ended."""
+    clock = _clock_id(thread_id)
+    if clock is None:
+        return None
     try:
-        return time.clock_gettime(time.pthread_getcpuclockid(
-            threading.get_ident() if thread_id is None else thread_id))
-    except (AttributeError, OSError):
+        return time.clock_gettime(clock)
+    except OSError:  # ended since the probe
         return None
 
 
 def cpu_clock(thread_id: int | None = None) -> Callable[[], float]:
     """Seconds of CPU time of thread ``thread_id`` (default: the calling thread), readable
     from any thread; wall seconds where the platform has no per-thread CPU clock."""
-    ident = threading.get_ident() if thread_id is None else thread_id
-    if thread_cpu_s(ident) is None:
+    clock = _clock_id(thread_id)
+    if clock is None:
         return time.monotonic
-    clock = time.pthread_getcpuclockid(ident)
     return lambda: time.clock_gettime(clock)
 
 

@@ -99,6 +99,9 @@ class LocalRankTimeout(LocalRankError):
 
 
 POLL_S = 0.5  # how often LocalGroup.run looks at its ranks' progress
+# where the interpreter's and installed libraries' files lie: a hang report's frames
+# from these are a library's, not the caller's own code (LocalGroup._where)
+LIBRARY_PREFIXES = tuple(sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib"))
 
 
 def program_cap(device: torch.device, world: int, slots: int, num_warps: int = 4,
@@ -563,10 +566,9 @@ class LocalGroup:
                 stack = traceback.extract_stack(frame)
                 # deep in a library (the interpreter, numpy, a lock), also the innermost
                 # frame of the caller's own code
-                lib = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                       sysconfig.get_paths()["platlib"])
-                own = [f for f in stack[:-4] if not f.filename.startswith(lib)][-1:]
-                if not any(f.filename.startswith(lib) for f in stack[-4:]):
+                own = [f for f in stack[:-4]
+                       if not f.filename.startswith(LIBRARY_PREFIXES)][-1:]
+                if not any(f.filename.startswith(LIBRARY_PREFIXES) for f in stack[-4:]):
                     own = []
                 where = "".join(traceback.format_list(own + stack[-4:]))
             said = self.ranks[r].said

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dcpc.runtime import axes, calls, collectives, rendezvous, shapes, sync, tiles, validate
+from dcpc.runtime import axes, calls, rendezvous, shapes, sync, tiles, validate
 from dcpc.runtime import guard as _guard
 from dcpc.runtime.backend import group_rank_world, make_heap, resolve_backend
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
@@ -418,27 +418,10 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
                     for key, (e, dt) in table.items()
                 }
             self._one = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._comms = collectives.slot_groups(
-            self.group, self.rank, self.world, self.SLOTS if self._on_torch else 0,
-            self._timeout_s if self.device.type == "cpu" else None, type(self).__name__,
-        )
-        if self.backend == "torch" and self.TEAMS:
-            self._make_team_groups(self.SLOTS, self._timeout_s if self.device.type == "cpu"
-                                   else None)
-        elif self._mixed:
-            self._make_team_groups(self.SLOTS, self._timeout_s if self.device.type == "cpu"
-                                   else None, set(self._torch_teams.values()), self._groups)
-        if self.WHEN and self._on_torch:  # a guarded torch step's barrier: its runners only
-            self._make_runner_groups(self.SLOTS, self._timeout_s if self.device.type == "cpu"
-                                     else None)
+        self._make_groups()  # dcpc.runtime.teams: ends with the CPU's one barrier
         self._make_guard(channels)
         sync_stream(self.device)  # this stream's initialisation done (not the device)
         self._heap.barrier()  # every rank's signal bank is initialised before any signal
-        if self._on_torch and self.world > 1 and self.device.type == "cpu":
-            # every rank's gloo groups are connected before any rank goes on: a peer that
-            # returns (and exits) at once failed the connectFullMesh of one still making its
-            # slot group ("Connection closed by peer"); torch makes no barrier after a group
-            collectives.barrier(self._comms[0], self._one, self.world)
 
     def _check_bytes(self, buffers: list[tuple[str, int]]) -> None:
         """Refuse sizes whose buffers no machine holds before anything is allocated."""

@@ -51,6 +51,10 @@ class TeamsMixin:
     _one: torch.Tensor
     _comms: list[Any]
     _on_torch: frozenset[str]
+    _torch_teams: dict[str, tuple[int, ...]]
+    _mixed: bool
+    _timeout_s: float
+    SLOTS: ClassVar[int]
     _peers: dict[str, list[torch.Tensor]]
 
     def _bind_mesh(self, env: dict[str, int]) -> None:
@@ -145,11 +149,36 @@ class TeamsMixin:
         """The torch backend's SlotGroup of this rank's team of ``step`` for ``slot``."""
         return self._team_cache[("comm", self.TEAMS[step], slot)]
 
+    def _make_groups(self) -> None:
+        """Every process group the torch steps run on (``_comms``: one per slot; the
+        teams' and the guarded steps' runners'), then, on the CPU, ONE barrier over the
+        group: every rank's gloo groups are connected before any rank goes on. Torch makes
+        no barrier after new_group, and a rank that returned (and exited) at once failed
+        the connectFullMesh of a peer still making its group ("Connection closed by
+        peer", CI of int27). Every new_group of a construction comes before it
+        (``_team_heap``'s too). Inert on cuda (NCCL connects at first use)."""
+        from dcpc.runtime.collectives import barrier, slot_groups
+
+        timeout_s = self._timeout_s if self.device.type == "cpu" else None
+        self._comms = slot_groups(self.group, self.rank, self.world,
+                                  self.SLOTS if self._on_torch else 0, timeout_s,
+                                  type(self).__name__)
+        if self.backend == "torch" and self.TEAMS:
+            self._make_team_groups(self.SLOTS, timeout_s)
+        elif self._mixed:
+            self._make_team_groups(self.SLOTS, timeout_s, set(self._torch_teams.values()),
+                                   self._groups)
+        if self.WHEN and self._on_torch:  # a guarded torch step's barrier: its runners only
+            self._make_runner_groups(self.SLOTS, timeout_s)
+        if self._on_torch and self.world > 1 and self.device.type == "cpu":
+            barrier(self._comms[0], self._one, self.world)
+
     def _make_team_groups(self, slots: int, timeout_s: float | None,
                           only: set[tuple[int, ...]] | None = None,
                           given: dict[str, Any] | None = None) -> None:
         """One process group per (team axes, team, slot), made by EVERY rank in the same
-        order (torch.distributed.new_group is collective over the default group).
+        order (torch.distributed.new_group is collective over the default group;
+        connected on every rank before any goes on by ``_make_groups``' barrier).
         ``only``: these team axes (per-axis backends: the torch steps' teams); ``given``:
         the engine's group of an axis (``groups=``) serves slot 0 of that axis' teams."""
         import torch.distributed as dist
@@ -268,7 +297,9 @@ class TeamsMixin:
     def _team_heap(self) -> Any:
         """The symmetric heap over the team of the symmetric axes only (one group per such
         team, made by every rank in the same order, or the engine's ``groups=`` of the one
-        symmetric axis), its pointer tables indexed by this module's ranks."""
+        symmetric axis), its pointer tables indexed by this module's ranks. Its groups
+        are connected on every rank before any goes on by ``_make_groups``' barrier,
+        which comes later in the same construction (a mixed module has torch steps)."""
         import torch.distributed as dist
 
         from dcpc.runtime.axes import TeamHeap

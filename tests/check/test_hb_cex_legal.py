@@ -649,13 +649,105 @@ def test_a_model_race_past_the_real_steps_bound_is_kept_and_said_so(monkeypatch)
     assert "the model's order (of that W; not replayed on the real steps):" in text, text
     assert finding.as_dict()["unsearched"] == (
         "the real-steps search, which drops a race of the model no execution makes, runs at "
-        "no W of this check (a narrower --world range that stops below W=4)")
+        "no W of this check (W=4 alone is past its bound)")
     (both,) = hb.check(schedule, [2, 3, 4], every_world=True, hints=False).findings
     assert both.world == 4 and both.unsearched.startswith(
         "the real-steps search, which drops a race of the model no execution makes, runs at "
         "--world 2..3 of this check"), both.unsearched
     monkeypatch.setattr(checker, "MAX_REAL_WORK", work[4])
     assert hb.check(schedule, [4], hints=False).ok
+
+
+def test_the_range_the_hint_names_is_exactly_the_one_that_fits(monkeypatch) -> None:
+    """Past the world bound one W stands for every larger one, so a check of 2..top
+    analyses W = 2..bound+1 and top; its search is over the bound (a sum over the W of
+    the check, the same as under a when:): the hint names the range that fits, the W
+    between bound+1 and top that no W of it stood for included: a check of that range
+    runs every search (the model's race dropped), a check one W wider does not."""
+    from dcpc.check.hb import checker
+    from dcpc.check.hb.bound import world_bound
+
+    schedule = parse_text(TWO_LINES, "two_lines.yaml", world=2)
+    program = lower(schedule)
+    bound = world_bound(program, None)
+    top = bound + 12
+
+    def work(w: int) -> int:
+        return sum(real_work(analyze(program, w, None, gates(schedule, program, w))))
+
+    below = sum(work(w) for w in range(2, bound + 2))  # at most the searches of 2..bound+1
+    monkeypatch.setattr(checker, "MAX_REAL_WORK", below + work(bound + 4))
+    (finding,) = hb.check(schedule, range(2, top + 1), hints=False).findings
+    assert finding.world == top, finding.world
+    fits = re.fullmatch(
+        r"the real-steps search, which drops a race of the model no execution makes, runs "
+        rf"at --world 2\.\.{bound + 1} of this check \(--world 2\.\.(\d+) fits its "
+        r"bound\)", finding.unsearched)
+    assert fits is not None, finding.unsearched
+    last = int(fits.group(1))
+    assert bound + 4 <= last < top, (last, bound, top)
+    assert hb.check(schedule, range(2, last + 1), hints=False).ok
+    (wider,) = hb.check(schedule, range(2, last + 2), hints=False).findings
+    assert wider.world == last + 1 and wider.unsearched, wider
+
+
+# TWO_LINES along the gpu axis of a mesh: the same signal, waits and lines in each node
+TWO_LINES_MESH = re.sub(r"(channel: c|phase: put|phase: wait)}", r"\1, axis: gpu}",
+                        TWO_LINES.replace("sizes: {N: 4, K: 2}", """\
+mesh: {node: A, gpu: B}
+sizes: {N: 4, K: 2, A: {max: 4}, B: {max: 4}}"""))
+
+
+def test_the_range_that_fits_is_cut_by_position_among_mesh_shapes(monkeypatch) -> None:
+    """Mesh shapes compare by their product (3x4 == 4x3 as W): the range that fits
+    stops at the last shape analysed within the bound, 3x4, not at every shape of its
+    product, 4x3, the first one over, among them. The bound: the work of the shapes
+    before 4x3 whose model's race is searched (those past a bound of 0), so 4x3's
+    search, on top of theirs, is the first that does not fit."""
+    from dcpc.check.hb import checker
+    from dcpc.worlds import parse_worlds
+
+    schedule = parse_text(TWO_LINES_MESH, "two_lines_mesh.yaml")
+    program = lower(schedule)
+    shapes = parse_worlds("2..4x2..4")
+    over = shapes.index(MeshWorld((4, 3)))
+    assert shapes[over - 1] == MeshWorld((3, 4)), shapes
+    assert hb.check(schedule, shapes, hints=False).ok  # within the default bound
+    monkeypatch.setattr(checker, "MAX_REAL_WORK", 0)
+    searched = [w for w in shapes[:over + 1] if hb.check(schedule, [w], hints=False).findings]
+    assert searched[-1] == shapes[over], searched
+    monkeypatch.setattr(checker, "MAX_REAL_WORK", sum(
+        sum(real_work(analyze(program, w, None, gates(schedule, program, w))))
+        for w in searched[:-1]))
+    (finding,) = hb.check(schedule, shapes, hints=False).findings
+    assert finding.world == shapes[over], finding.world
+    fits = ",".join(map(str, shapes[:over]))
+    assert finding.unsearched.endswith(f"--world {fits} fits its bound)"), finding.unsearched
+    assert hb.check(schedule, shapes[:over], hints=False).ok
+    (wider,) = hb.check(schedule, shapes[:over + 1], hints=False).findings
+    assert wider.world == shapes[over] and wider.unsearched, wider
+
+
+def test_a_model_race_where_a_rank_deadlocks_is_kept_and_labelled() -> None:
+    """TWO_LINES' race of the model (no execution makes it: proved at W = 3) with a
+    guarded wait for a signal nobody sends after it: rank 0 deadlocks at W = 3, no real
+    step runs past it, so the real-steps search is not run and the model's race is
+    kept (sound) beside the deadlock, labelled "a rank deadlocks there"."""
+    assert hb.check(parse_text(TWO_LINES, "two_lines.yaml", world=2), [3], hints=False).ok
+    schedule = parse_text(TWO_LINES + """\
+  - stuck: {op: wait, from: prev, channel: d, when: "rank == 0"}
+""", "two_lines.yaml", world=2)
+    dead, race = hb.check(schedule, [3], hints=False).findings
+    assert (dead.kind, dead.cls, dead.steps) == ("deadlock", "no-signal", ("stuck", ""))
+    assert race.key == ("race", "write-after-write", "h5", "init", "p4")
+    assert race.message.endswith(
+        "(W=3): the model's race, its real steps not searched at that W (a rank deadlocks "
+        "there), so maybe one no execution makes"), race.message
+    assert race.as_dict()["unsearched"] == (
+        "the real-steps search, which drops a race of the model no execution makes, runs "
+        "where no rank deadlocks")
+    text = race.diagnostic().render()
+    assert "the model's order (of that W; not replayed on the real steps):" in text, text
 
 
 # sym26: the same read on the symmetric model (no guard, no chain: every rank alike), which

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -38,6 +39,7 @@ from dcpc.lang.semantics import Semantics
 from dcpc.ops.common import wraps
 
 if TYPE_CHECKING:
+    from dcpc.check.hb.events import Program
     from dcpc.codegen.plan import Plan
 
 
@@ -81,9 +83,8 @@ def check(
     findings: dict[tuple[str, str, str, str, str], Finding] = {}
     events = 0
     pair_keys: PairKeys = {}  # the race keys of group pairs: the same for every W
-    searched: list[tuple[int, int]] = []  # (W, work) of each real-steps search so far
+    budget = _RealSteps(schedule, program, calls, worlds, analysed)
     refused: list[Diagnostic] = []  # a W past the real-steps bound: none after it checked
-    unsearched_from: int | None = None  # the first W analysed past it (a line's, a perm's)
     for w in analysed:
         world = analyze(program, w, calls, gates(schedule, program, w))
         world.skipped = _skipped(schedule, w)
@@ -95,11 +96,10 @@ def check(
             stuck = world.execution.stuck()
             if stuck is None:  # the guards cut the model's cycle: the real steps decide
                 deadlocks = []  # (the model searched no race past its cycle: World.live)
-                over = _real_steps_budget(schedule, world, searched, analysed)  # before it
-                if isinstance(over, Diagnostic):  # the W before it keep their findings
-                    refused.append(over)
+                if not budget.fits(world):  # the W before it keep their findings
+                    refused.append(budget.refusal(world))
                     break
-                searched = over
+                budget.charge(world)
                 guarded = find_real_races(world, world.execution)
         blocked = real = None
         if stuck is not None:  # only the model's deadlocks where a real rank stops
@@ -123,9 +123,8 @@ def check(
         # else the model's race is kept, said so: unsearched)
         unsearched = None
         if races and world.execution is not None and guarded is None:
-            unsearched = _unsearched(world, deadlocks, analysed, unsearched_from)
-            if unsearched is not None and not deadlocks and unsearched_from is None:
-                unsearched_from = analysed.index(world.world)
+            unsearched = (DEADLOCKED if deadlocks else  # no real step runs past it
+                          None if budget.fits(world) else budget.unsearched())
         search: set[tuple[str, str, str, str, str]] = set()  # the keys left to search
         for race in races:
             if race.key(world) in findings:  # (a real-steps race is placed already)
@@ -138,6 +137,7 @@ def check(
                 findings[race.key(world)] = race_finding(
                     world, placed, unsearched if model else None)
         if search:  # one search for every key left: another pair of it, or none (dropped)
+            budget.charge(world)
             for real in find_real_races(world, world.execution, search):  # type: ignore[arg-type]
                 findings[real.key(world)] = race_finding(world, real)
     checked = time.perf_counter()
@@ -161,61 +161,131 @@ def check(
     return HbReport(schedule.schedule, schedule.source_file, worlds, ordered, stats, refused)
 
 
-def _real_steps_budget(schedule: Schedule, world: World, searched: list[tuple[int, int]],
-                       analysed: list[int]) -> list[tuple[int, int]] | Diagnostic:
-    """``searched`` with this W's real-steps search (races.find_real_races) added, or,
-    where the searches of this check, this one's included, would pass their bound
-    together (races.MAX_REAL_WORK), a located refusal before it starts, saying which
-    range fits: the W analysed before it (whose findings the check keeps) and whether
-    this W alone would. A search with no pair to compare makes no cut: no work."""
-    cuts, pairs = real_work(world)
-    work = cuts + pairs if pairs else 0
-    done = [*searched, (int(world.world), work)]
-    total = sum(w for _, w in done)
-    if total <= MAX_REAL_WORK:
-        return done
-    here = analysed.index(world.world)
-    before = (f"; with the {len(searched)} W searched before it, {total} in all"
-              if searched else "")
-    fits = f"{_fitting(analysed, here)} fits (its findings are reported); " if here else ""
-    alone = "fits" if work <= MAX_REAL_WORK else "does not fit either"
-    return Diagnostic(
-        schedule.mark("steps"), "schedule-too-large",
-        f"at W={world.world} the when: guards cut the model's cycle of waits, so the races "
-        f"after it are decided on each rank's real steps: {work} units of work "
-        f"({cuts} cut entries, {pairs} for the pairs of accesses it may compare){before}, "
-        f"above the limit of {MAX_REAL_WORK}: {fits}W={world.world} alone {alone}",
-        hint="check a narrower --world range (the real-steps search grows as W^2 at each "
-        "W, summed over the W of one check), or fewer steps or slots")
+# why a model's race is kept unsearched at a W where a rank deadlocks, and where it is not
+DEADLOCKED = ("a rank deadlocks there", "where no rank deadlocks")
 
 
-def _unsearched(world: World, deadlocks: list[RawDeadlock], analysed: list[int],
-                first_over: int | None) -> tuple[str, str] | None:
-    """Why the real-steps search of a race's key (``_where_both_run``) is not run at this
-    W, and at which W of the check it is (report.race_finding says both), else None:
-    a rank deadlocks (the model's deadlock: no real step runs past it), or its work
-    passes races.MAX_REAL_WORK (``real_work``, per W; it grows with W, so from the first
-    W analysed past it every later one is). The model's race is kept there (sound)."""
-    if deadlocks:
-        return "a rank deadlocks there", "where no rank deadlocks"
-    if first_over is None and sum(real_work(world)) <= MAX_REAL_WORK:
-        return None
-    here = analysed.index(world.world) if first_over is None else first_over
-    where = f"at {_fitting(analysed, here)} of this check" if here else "at no W of this check"
-    return (f"over the work bound of {MAX_REAL_WORK} units",
-            f"{where} (a narrower --world range that stops below W={analysed[here]})")
+class _RealSteps:
+    """The real-steps searches of one check (races.find_real_races) and ONE bound on
+    them, races.MAX_REAL_WORK: the sum of their work (``real_work``: cut entries, plus
+    the pairs it may compare; none where there is no pair) over the W of the check,
+    whichever asks, the guards that cut the model's cycle (past it: schedule-too-large)
+    or a model's race past a line's or a perm's wait (past it: the race kept, labelled).
+    A sum, not a bound per W: the bound is there so that a check is not minutes of
+    search, and a check's time is the sum of its searches; a check with a ``when:``
+    analyses every W it is asked, where a bound per W let ``--world 2..199`` run 198
+    searches each just under it (the review of sym26, M2). Work grows with W, so the
+    searches that fit are those of the first W analysed: once one does not, none after
+    it runs."""
 
+    def __init__(self, schedule: Schedule, program: Program, calls: int | None,
+                 worlds: list[int], analysed: list[int]) -> None:
+        self.schedule, self.program, self.calls = schedule, program, calls
+        self.worlds, self.analysed = worlds, analysed
+        self.searched: list[tuple[int, int]] = []  # (W, work) of each search run so far
+        self.over: int | None = None  # the index in analysed of the first W past it
+        self._work: dict[int, tuple[int, int]] = {}
 
-def _fitting(analysed: list[int], here: int) -> str:
-    """``--world 2..30``: the W analysed before the one at index ``here``, the first
-    whose real-steps search passes its bound (races.MAX_REAL_WORK)."""
-    return f"--world {_span(analysed[:here])}"
+    def work(self, world: World) -> tuple[int, int]:
+        """(cut entries, pair units) of the search at this W (races.real_work)."""
+        if world.world not in self._work:
+            self._work[world.world] = real_work(world)
+        return self._work[world.world]
+
+    def units(self, world: World) -> int:
+        """Its work in units: a search with no pair to compare makes no cut: none."""
+        cuts, pairs = self.work(world)
+        return cuts + pairs if pairs else 0
+
+    def fits(self, world: World) -> bool:
+        """Whether the search at this W fits beside those run before it."""
+        if self.over is None and (sum(w for _, w in self.searched) + self.units(world)
+                                  > MAX_REAL_WORK):
+            self.over = self.analysed.index(world.world)
+        return self.over is None
+
+    def charge(self, world: World) -> None:
+        """The search at this W runs (after ``fits``)."""
+        self.searched.append((int(world.world), self.units(world)))
+
+    def fitting(self) -> str | None:
+        """Exactly the --world range of this check's W that fits (None: none does): the
+        W analysed before the first past the bound (a check of them runs the same
+        searches), and the W asked between the last of them and that one, which no W of
+        this check stood for: past the world bound, one analysed W stands for each of
+        them, so a check up to W runs the searches before plus W's. Those are found by
+        bisection, which assumes a search's work grows with W (``real_work``: cut entries
+        W x events x W x streams, pairs W x W or W); where it did not, the range named
+        could stop short of, or pass, a W in between that fits alone. Mesh shapes are
+        not bisected (the range stops at the last shape analysed), and the range is cut
+        by position in the W asked: shapes compare by their product (3x4 == 4x3)."""
+        here = self.over
+        assert here is not None  # asked past the bound only
+        if not here:
+            return None
+        # positions in the W asked (sorted as analysed: a shape's W, then its sizes)
+        last = bisect.bisect_right(self.worlds, self.analysed[here - 1]) - 1
+        between = self.worlds[last + 1:bisect.bisect_left(self.worlds, self.analysed[here])]
+        if between and not isinstance(between[0], MeshWorld):
+            before = sum(w for _, w in self.searched)
+            lo, hi = 0, len(between)  # between[:lo] fit; between[hi:] do not
+            while lo < hi:  # the largest that fits, by bisection (work grows with W)
+                mid = (lo + hi) // 2
+                w = between[mid]
+                world = analyze(self.program, w, self.calls,
+                                gates(self.schedule, self.program, w))
+                if before + self.units(world) <= MAX_REAL_WORK:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            last += lo
+        return f"--world {_span(self.worlds[:last + 1])}"
+
+    def refusal(self, world: World) -> Diagnostic:
+        """The located refusal at this W (the guards cut the model's cycle, and its
+        search does not fit): which range fits (its findings are reported) and whether
+        this W alone would."""
+        cuts, pairs = self.work(world)
+        work = self.units(world)
+        total = sum(w for _, w in self.searched) + work
+        before = (f"; with the {len(self.searched)} W searched before it, {total} in all"
+                  if self.searched else "")
+        fits = self.fitting()
+        fits = f"{fits} fits (its findings are reported); " if fits else ""
+        alone = "fits" if work <= MAX_REAL_WORK else "does not fit either"
+        return Diagnostic(
+            self.schedule.mark("steps"), "schedule-too-large",
+            f"at W={world.world} the when: guards cut the model's cycle of waits, so the "
+            f"races after it are decided on each rank's real steps: {work} units of work "
+            f"({cuts} cut entries, {pairs} for the pairs of accesses it may compare)"
+            f"{before}, above the limit of {MAX_REAL_WORK}: {fits}W={world.world} alone "
+            f"{alone}",
+            hint="check a narrower --world range (the real-steps search grows as W^2 at "
+            "each W, summed over the W of one check), or fewer steps or slots")
+
+    def unsearched(self) -> tuple[str, str]:
+        """Why a model's race at a W past the bound is kept (report.race_finding), and
+        at which W of this check the search runs, with the range that fits."""
+        first_over = self.analysed[self.over]  # type: ignore[index]
+        fits = self.fitting()
+        where = (f"at --world {_span(self.analysed[:self.over])} of this check ({fits} fits its "
+                 f"bound)" if fits else
+                 f"at no W of this check (W={first_over} alone is past its bound)")
+        return f"over the work bound of {MAX_REAL_WORK} units", where
 
 
 def _span(worlds: list[int]) -> str:
-    """``2..30`` (or one W) for the W of a check, in the order analysed."""
-    first, last = worlds[0], worlds[-1]
-    return str(first) if first == last else f"{first}..{last}"
+    """``2..30`` for the W of a check, as --world takes them: runs of consecutive group
+    sizes as A..B, joined by commas (``2..4,8``); mesh shapes listed (``2x2,2x4``)."""
+    if any(isinstance(w, MeshWorld) for w in worlds):
+        return ",".join(map(str, worlds))
+    runs: list[list[int]] = []
+    for w in worlds:
+        if runs and w == runs[-1][1] + 1:
+            runs[-1][1] = w
+        else:
+            runs.append([w, w])
+    return ",".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
 def _unmodelled(world: World, deadlocks: list[RawDeadlock],
@@ -269,7 +339,7 @@ def _where_both_run(schedule: Schedule, world: World,
     (races.find_real_races, every pair of its groups on every owner, one search for
     every such key of a W), so its counterexample is an execution that happens, and
     drops it where that search finds none (no execution makes it, cex27); where the
-    search does not run (``_unsearched``) the model's race is kept, said so."""
+    search does not run (``_RealSteps``, DEADLOCKED) the model's race is kept, said so."""
     a, b = race.first, race.second
     execution = world.execution  # some rank skips a guarded step (its sync, maybe)
     if execution is None and not any(modelled(world, t) for t in (a, b)):
