@@ -421,9 +421,14 @@ class _Unroller:
         if lead is None:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' indexes buffer '{name}', whose {where} is not an "
-                       f"integer (or which is not a buffer of {axis + 2} or more axes)",
-                       f"declare the buffer with an integer {where}, e.g. "
-                       f"'shape: [{'B, ' * axis}2, N, D]'")
+                       f"integer (or which is not a buffer of {axis + 2 if axis else 'two'} or more "
+                       "axes)",
+                       "declare the buffer with an integer leading axis, e.g. "
+                       "'shape: [2, N, D]'" if axis == 0 else
+                       f"declare the buffer with an integer axis {axis} and an axis after "
+                       f"it, e.g. 'shape: [{'B, ' if axis == 1 else 'B, H, '}2, N, D]' for "
+                       f"'{name}[{':, ' * axis}e]'" if axis <= 2 else
+                       f"declare the buffer with an integer axis {axis} and an axis after it")
             return text
         if lead > MAX_SLICES:  # refused before any slice is made (each is a buffer)
             self.error(mark, "bad-index",

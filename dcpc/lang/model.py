@@ -134,6 +134,14 @@ class Schedule(Node):
         (``b[:, k]``: ``value.select(1, k)``), a view that writes through."""
         return value.select(self._slice_axes.get(whole, 0), k)
 
+    def slice_text(self, name: str) -> str | None:
+        """How the file writes slice ``name`` of a buffer used whole and by slice:
+        ``'q[1]'``, ``'q[:, 1]'`` (one sliced along axis 1), or None."""
+        part = self.slice_of(name)
+        if part is None:
+            return None
+        return f"{part[0]}[{':, ' * self._slice_axes.get(part[0], 0)}{part[1]}]"
+
     def slice_of(self, name: str) -> tuple[str, int] | None:
         """(whole buffer, index) when ``name`` is a view of a buffer used whole too."""
         head, _, index = name.rpartition("_")
