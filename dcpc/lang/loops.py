@@ -421,8 +421,8 @@ class _Unroller:
         if lead is None:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' indexes buffer '{name}', whose {where} is not an "
-                       f"integer (or which is not a buffer of {axis + 2 if axis else 'two'} or more "
-                       "axes)",
+                       "integer (or which is not a buffer of "
+                       f"{axis + 2 if axis else 'two'} or more axes)",
                        "declare the buffer with an integer leading axis, e.g. "
                        "'shape: [2, N, D]'" if axis == 0 else
                        f"declare the buffer with an integer axis {axis} and an axis after "

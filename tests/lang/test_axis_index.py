@@ -176,3 +176,10 @@ def test_a_run_of_the_reference_keeps_the_whole_and_its_chunks_one_memory() -> N
             assert torch.equal(bufs["q"][:, k], bufs[f"q_{k}"])
             assert torch.equal(bufs["lse"][:, :, k], bufs[f"lse_{k}"])
         assert not torch.equal(bufs["q_0"], bufs["q_1"])
+
+
+def test_an_axis_index_of_the_rank_is_a_copy_per_rank() -> None:
+    text = TEXT.replace('reads: ["q[:, 1]"]', 'reads: ["q[:, (r + 1) % 2]"]')
+    schedule = parse_text(text, "s.yaml", 2)
+    copies = {s.name: s.op.reads for s in schedule.step_list() if s.name.startswith("one")}
+    assert copies == {"one_r0": ["q_1"], "one_r1": ["q_0"]}
