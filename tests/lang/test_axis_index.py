@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.schedules import check_errors
 
-from dcpc.check import structural
-from dcpc.diagnostics import DiagnosticError
 from dcpc.harness import synth
 from dcpc.harness.simulate import alias_views, simulate_call
 from dcpc.lang import loops
@@ -36,15 +35,7 @@ steps:
 
 
 def _errors(text: str, worlds: range = range(2, 4)) -> list:
-    found = []
-    for world in worlds:
-        try:
-            schedule = parse_text(text, "s.yaml", world)
-        except DiagnosticError as err:
-            found += err.diagnostics
-            continue
-        found += [d for d in structural.check(schedule, [world]) if d.severity == "error"]
-    return found
+    return check_errors(text, worlds)  # the file names no W: parsed once
 
 
 def _where(diag) -> tuple[int, int]:  # noqa: ANN001

@@ -6,8 +6,9 @@ and dv of its two zigzag chunks that autograd gives for causal attention over th
 sequence, for each of a batch of B = 2 sequences (the engine's q, k, v, out, dout of [B,
 2C, ...] viewed as [B, 2, C, ...], softmax_lse of [B, H, 2C] as [B, H, 2, C], read whole
 or by their chunks q[:, i], lse[:, :, i]). `dcpc run` (tests/cli/test_gallery.py) checks
-that the schedule moves what it says; this checks that what it says is the backward pass: a branch reading the wrong
-chunk or slot, or dk/dv that do not end on their owner, would not be these gradients.
+that the schedule moves what it says; this checks that what it says is the backward
+pass: a branch reading the wrong chunk or slot, or dk/dv that do not end on their owner,
+would not be these gradients.
 """
 
 from __future__ import annotations
