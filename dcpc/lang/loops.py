@@ -75,7 +75,7 @@ _NOT_SLICES = frozenset({MARK, MARKS, "op", "doc", "when", "perm", "offset", "in
                          "shard", "channel", "from", "to", "phase"})
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 # the unrolled data's key for the axis each buffer used whole and by slice is sliced
-# along, where it is not the leading one (buffer -> axis): Schedule.slice_axes
+# along, where it is not the leading one (buffer -> axis): Schedule.view takes it
 SLICE_AXES = "__slice_axes__"
 
 
