@@ -81,7 +81,7 @@ SLICE_AXES = "__slice_axes__"
 
 def index_axis(inner: str) -> tuple[int, str] | None:
     """An index's text -> (the axis it slices, its expression): ``'h % 2'`` -> (0,
-    ``'h % 2'``), ``':, 1'`` -> (1, ``' 1'``), ``':, :, e'`` -> (2, ``' e'``): leading
+    ``'h % 2'``), ``':, 1'`` -> (1, ``'1'``), ``':, :, e'`` -> (2, ``'e'``): leading
     ``:`` entries, then one expression. None when entries before the last are not all
     ``:`` (``'1, :'``) or the last is one (``':, :'``): no slice of one axis."""
     parts = inner.split(",")
@@ -89,7 +89,7 @@ def index_axis(inner: str) -> tuple[int, str] | None:
         return 0, inner
     if any(p.strip() != ":" for p in parts[:-1]) or parts[-1].strip() in ("", ":"):
         return None
-    return len(parts) - 1, parts[-1]
+    return len(parts) - 1, parts[-1].strip()
 
 
 def _index_expr(inner: str) -> str:
@@ -290,10 +290,12 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
             return _mark(body, "repeat", "<memory>")
     buffers = data.get("buffers") if isinstance(data, dict) else None
 
-    def leading_w(name: str) -> bool:
+    def sliced_w(name: str, inner: str) -> bool:  # the axis the index slices names W
+        found = index_axis(inner) if "[" not in inner else (0, inner)
+        axis = 0 if found is None else found[0]
         spec = buffers.get(name) if isinstance(buffers, dict) else None
         shape = spec.get("shape") if isinstance(spec, dict) else None
-        return isinstance(shape, list) and bool(shape) and _names_w(shape[0], names)
+        return isinstance(shape, list) and len(shape) > axis and _names_w(shape[axis], names)
 
     def walk(node: Any, mark: Mark | None, hops: frozenset[str] = frozenset()) -> Mark | None:
         # a perm's table is one W's (on a mesh, one shape's: its ranks are the mesh's)
@@ -327,7 +329,7 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
             owner = (({OWNER} if "W" in names else set())
                      | (_coordinates(data) if names & set(_axis_sizes(data)) else set())) - hops
             if indexed and (_names_w(_index_expr(indexed.group(2)), names | owner)
-                            or leading_w(indexed.group(1))):
+                            or sliced_w(indexed.group(1), indexed.group(2))):
                 return mark
         return None
 
@@ -361,6 +363,9 @@ class _Unroller:
         # buffer -> (the axis its indices slice, the first such index, where it is)
         self.axes_of: dict[str, tuple[int, str, Mark]] = {}
         self.step_op: str | None = None  # the op of the step ``op`` rewrites
+        # a name written bare in a step that is not external -> (where, its op): a
+        # later-axis slice's unrolled name '<b>_<k>' is refused there (_split_buffers)
+        self.bare: dict[str, tuple[Mark, str]] = {}
         # a rotation of the rank's slice of a symmetric buffer (``_rotated``): its name ->
         # (buffer, c, where first used); ``fixed``: buffers left to copies per rank
         self.rotated: dict[str, tuple[str, int, Mark]] = {}
@@ -396,8 +401,17 @@ class _Unroller:
         if found is None:
             if _IDENT.match(text):
                 self.whole.setdefault(text, mark)
+                if self.step_op not in (None, "external"):
+                    self.bare.setdefault(text, (mark, self.step_op))
             return text
         name, inner = found.group(1), found.group(2)
+        if "[" in inner and any("," in p for p in inner.split("][")):
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' has more than one index; a name takes one index, "
+                       f"of one axis: '{name}[e]' (the leading axis) or '{name}[:, e]' "
+                       "(axis 1)", f"index one axis of '{name}' and read the slice in an "
+                       "external step, or declare the slice a buffer of its own")
+            return text
         split = index_axis(inner) if "[" not in inner else (0, inner)
         if split is None:
             self.error(mark, "bad-index",
@@ -1119,7 +1133,7 @@ class _Unroller:
         if mixed:
             self.fixed |= mixed
             self.errors, self.split, self.whole, self.rotated = [], {}, {}, {}
-            self.axes_of = {}
+            self.axes_of, self.bare = {}, {}
             self.count = 0
             data = self._unroll()
         self._split_buffers(data)
@@ -1204,6 +1218,16 @@ class _Unroller:
                                "mixed-index",
                                f"buffer '{part}' is declared, but it is also the name of "
                                f"slice {i} of '{name}'", "rename one of them")
+                elif axis and part in self.bare:
+                    at, op = self.bare[part]
+                    self.error(at, "bad-index",
+                               f"'{part}' is slice {i} of '{name}' along axis {axis} "
+                               f"('{name}[{':, ' * axis}{i}]'), named in a step of op "
+                               f"'{op}'; a slice along a later axis is a strided view, "
+                               "which only an external step takes (the module's kernels "
+                               "move contiguous rows)",
+                               f"read '{name}[{':, ' * axis}{i}]' in an external step, or "
+                               "declare the chunk a buffer of its own")
                 out[part] = spec
                 marks["key:" + part] = marks.get("key:" + name)
                 marks[part] = marks.get(name)

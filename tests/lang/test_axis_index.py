@@ -6,14 +6,19 @@ is written."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from support.schedules import check_errors
 
+from dcpc import pipeline
 from dcpc.harness import synth
 from dcpc.harness.simulate import alias_views, simulate_call
 from dcpc.lang import loops
 from dcpc.lang.parse import parse_text
+from dcpc.topology import shape_of
+from dcpc.worlds import parse_worlds
 
 # the zigzag layout's q: [B, 2, C, D], its two chunks q[:, 0] and q[:, 1]; a whole read
 # of q after both chunks are written
@@ -44,8 +49,8 @@ def _where(diag) -> tuple[int, int]:  # noqa: ANN001
 
 def test_an_index_after_colons_slices_that_axis() -> None:
     assert loops.index_axis("h % 2") == (0, "h % 2")
-    assert loops.index_axis(":, 1") == (1, " 1")
-    assert loops.index_axis(" : , :, (h + 1) % 2") == (2, " (h + 1) % 2")
+    assert loops.index_axis(":, 1") == (1, "1")
+    assert loops.index_axis(" : , :, (h + 1) % 2") == (2, "(h + 1) % 2")
     assert loops.index_axis("1, :") is None
     assert loops.index_axis(":, :") is None
     schedule = parse_text(TEXT, "s.yaml", 2)
@@ -101,16 +106,29 @@ def test_a_guarded_chunk_missing_on_a_rank_is_named_as_written() -> None:
     (('  - one: {op: external, reads: ["q[:, 1]"], writes: [y]}',
       '  - one: {op: copy, src: "q[:, 1]", dst: y}'), "bad-index", (12, 26),
      "slices axis 1 of 'q' in a step of op 'copy'"),
-    # a symmetric buffer's slice along a later axis
-    (("  z: {shape: [B, 2, C, D], dtype: f32}",
-      "  z: {shape: [B, 2, C, D], dtype: f32}\n  g: {shape: [B, 2, C, D], dtype: f32, "
-      "symmetric: true}"), "bad-index", None, "'g[:, 0]' slices axis 1 of 'g', a symmetric"),
+    (('  - one: {op: external, reads: ["q[:, 1]"], writes: [y]}',
+      '  - one: {op: shift, src: "q[:, 1]", dst: y}'), "bad-index", (12, 27),
+     "slices axis 1 of 'q' in a step of op 'shift'"),
+    # nor the slice's unrolled name, written bare (the module took q_1 and refused the
+    # engine's strided view at run time)
+    (('  - one: {op: external, reads: ["q[:, 1]"], writes: [y]}',
+      '  - one: {op: copy, src: q_1, dst: y}'), "bad-index", (12, 26),
+     "'q_1' is slice 1 of 'q' along axis 1 ('q[:, 1]'), named in a step of op 'copy'"),
+    # a symmetric, shared or persist buffer's slice along a later axis
+    *[(("  z: {shape: [B, 2, C, D], dtype: f32}",
+        "  z: {shape: [B, 2, C, D], dtype: f32}\n  g: {shape: [B, 2, C, D], dtype: f32, "
+        f"{kind}: true}}"), "bad-index", None, f"'g[:, 0]' slices axis 1 of 'g', a {kind}")
+      for kind in ("symmetric", "shared", "persist")],
     # one buffer sliced along two axes
     (('reads: ["q[:, 1]"], writes: [y]', 'reads: ["lse[1]"], writes: [y]',
       "lse: {shape: [B, D, 2, C]", "lse: {shape: [2, D, 2, C]"), "mixed-index",
      (12, 32), "'lse[1]' slices axis 0 of 'lse', which 'lse[:, :, 0]' at s.yaml:10:"),
     (('reads: ["q[:, 1]"]', 'reads: ["q[1, :]"]'), "bad-index", (12, 32),
      "'q[1, :]' is no slice of one axis"),
+    (('reads: ["q[:, 1]"]', 'reads: ["q[:, 1][0]"]'), "bad-index", (12, 32),
+     "'q[:, 1][0]' has more than one index; a name takes one index, of one axis"),
+    (('reads: ["q[:, 1]"]', 'reads: ["q[:, 1:2]"]'), "bad-index", (12, 32),
+     "index '1:2' of 'q[:, 1:2]'"),
     (('reads: ["q[:, 1]"]', 'reads: ["q[:, 2]"]'), "bad-index", (12, 32),
      "'q[:, 2]' is slice 2 of 'q', whose axis 1 has 2 slices (0..1)"),
     (('reads: ["q[:, 1]"]', 'reads: ["q[:, :, :, 1]"]'), "bad-index", (12, 32),
@@ -122,7 +140,7 @@ def test_a_refused_axis_index_is_located(change: tuple[str, ...], code: str,
     text = TEXT
     for old, new in zip(change[::2], change[1::2], strict=True):
         text = text.replace(old, new)
-    if code == "bad-index" and "symmetric" in words:
+    if code == "bad-index" and "'g[:, 0]'" in words:
         text += '  - sym: {op: external, reads: ["g[:, 0]"], writes: [y]}\n'
     assert text != TEXT
     found = _errors(text, range(2, 3))
@@ -174,3 +192,29 @@ def test_an_axis_index_of_the_rank_is_a_copy_per_rank() -> None:
     schedule = parse_text(text, "s.yaml", 2)
     copies = {s.name: s.op.reads for s in schedule.step_list() if s.name.startswith("one")}
     assert copies == {"one_r0": ["q_1"], "one_r1": ["q_0"]}
+
+
+@pytest.mark.parametrize(("shape", "worlds", "size"), [
+    ("[B, W, C, D]", "2..4", "W"),
+    ("[B, G, C, D]", "2x2,2x3", "G"),  # a mesh axis' size
+])
+def test_an_axis_index_of_an_axis_sized_by_w_is_unrolled_per_w(
+        shape: str, worlds: str, size: str, tmp_path: Path) -> None:
+    """The file is unrolled once per W (mesh shape) when the axis the index slices is
+    sized by W or an axis size, not only the leading one: 'q[:, 0]' of [B, W, C, D] was
+    refused loop-world at --world 2..4."""
+    text = ("schedule: s\n" + ("mesh: {node: N, gpu: G}\n" if size == "G" else "")
+            + "sizes: {B: {max: 2}, C: 3, D: 4}\nbuffers:\n"
+            f"  x: {{shape: [B, C, D], dtype: f32}}\n  q: {{shape: {shape}, dtype: f32}}\n"
+            "  y: {shape: [B, C, D], dtype: f32}\nsteps:\n"
+            "  - a: {op: external, reads: [x], writes: [q]}\n"
+            '  - b: {op: external, reads: ["q[:, 0]"], writes: [y]}\n')
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    parsed = parse_worlds(worlds)
+    c = pipeline.run(path, pipeline.Options(worlds=parsed), until="graph")
+    assert c.per_world == parsed, c.per_world
+    for world in parsed:
+        schedule = parse_text(text, "s.yaml", world)
+        assert schedule.slices == {"q": shape_of(world)[-1]}
+        assert schedule.buffers["q_0"].shape == ["B", "C", "D"]
