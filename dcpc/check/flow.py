@@ -209,7 +209,7 @@ def _check_views(ctx: Context) -> None:
                 or whole in reported:
             continue
         reported.add(whole)
-        shown = f"slice '{whole}[{part[1]}]'" if part else f"'{whole}'"
+        shown = f"slice '{ctx.schedule.slice_text(acc.ref.name)}'" if part else f"'{whole}'"
         ctx.error(acc.ref.mark, "mixed-index",
                   f"step '{acc.step.name}' ({acc.step.kind}) writes {shown}, and '{whole}' "
                   "is used both whole and by slice: its slices are views of the engine's "
@@ -275,7 +275,8 @@ def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> N
                      f"W={world} ({_why_not(a, rank)})" for a in chained])
                 why = "; " + (why or "no earlier step writes it")
                 part = ctx.schedule.slice_of(name)
-                shown = f"'{part[0]}[{part[1]}]' ('{name}')" if part else f"'{name}'"
+                shown = (f"'{ctx.schedule.slice_text(name)}' ('{name}')" if part
+                         else f"'{name}'")
                 hint = (f"move step '{acc.step.name}' after '{flight[0].at.name}'" if flight
                         and not skipped and not missed else
                         f"guard '{acc.step.name}' by the condition of the step that "

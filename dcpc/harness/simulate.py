@@ -70,13 +70,13 @@ def alias_views(schedule: m.Schedule, bufs: MutableMapping[str, torch.Tensor], n
     if part is not None:
         whole, k = part
         value = (bufs[whole] if whole in bufs else blank(whole)).clone()
-        value[k] = bufs[name].to(value.dtype)
+        schedule.view(whole, value, k).copy_(bufs[name].to(value.dtype))
         bufs[whole] = value
         return [whole]
     if name in schedule.slices:
         views = schedule.cells(name)
         for k, view in enumerate(views):
-            bufs[view] = bufs[name][k].clone()
+            bufs[view] = schedule.view(name, bufs[name], k).clone()
         return views
     return []
 

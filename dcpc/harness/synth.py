@@ -224,7 +224,8 @@ def call_inputs(
         for whole in schedule.slices:  # an input used whole and by slice: one memory
             views = schedule.cells(whole)
             if whole in bufs:
-                bufs.update({v: bufs[whole][k].clone() for k, v in enumerate(views)
+                bufs.update({v: schedule.view(whole, bufs[whole], k).clone()
+                             for k, v in enumerate(views)
                              if v in bufs})
         out.append(bufs)
     return out

@@ -74,6 +74,29 @@ _INDEXED = re.compile(r"([a-z][a-z0-9_]*)\[(.*)\]\Z", re.S)
 _NOT_SLICES = frozenset({MARK, MARKS, "op", "doc", "when", "perm", "offset", "interleave",
                          "shard", "channel", "from", "to", "phase"})
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
+# the unrolled data's key for the axis each buffer used whole and by slice is sliced
+# along, where it is not the leading one (buffer -> axis): Schedule.view takes it
+SLICE_AXES = "__slice_axes__"
+
+
+def index_axis(inner: str) -> tuple[int, str] | None:
+    """An index's text -> (the axis it slices, its expression): ``'h % 2'`` -> (0,
+    ``'h % 2'``), ``':, 1'`` -> (1, ``'1'``), ``':, :, e'`` -> (2, ``'e'``): leading
+    ``:`` entries, then one expression. None when entries before the last are not all
+    ``:`` (``'1, :'``) or the last is one (``':, :'``): no slice of one axis."""
+    parts = inner.split(",")
+    if len(parts) == 1:
+        return 0, inner
+    if any(p.strip() != ":" for p in parts[:-1]) or parts[-1].strip() in ("", ":"):
+        return None
+    return len(parts) - 1, parts[-1].strip()
+
+
+def _index_expr(inner: str) -> str:
+    """The expression of an index (its ``:`` entries dropped; the text as is when it is
+    no slice of one axis)."""
+    found = index_axis(inner)
+    return inner if found is None else found[1]
 
 
 def _body(item: Any) -> tuple[str, Any] | None:
@@ -267,10 +290,12 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
             return _mark(body, "repeat", "<memory>")
     buffers = data.get("buffers") if isinstance(data, dict) else None
 
-    def leading_w(name: str) -> bool:
+    def sliced_w(name: str, inner: str) -> bool:  # the axis the index slices names W
+        found = index_axis(inner) if "[" not in inner else (0, inner)
+        axis = 0 if found is None else found[0]
         spec = buffers.get(name) if isinstance(buffers, dict) else None
         shape = spec.get("shape") if isinstance(spec, dict) else None
-        return isinstance(shape, list) and bool(shape) and _names_w(shape[0], names)
+        return isinstance(shape, list) and len(shape) > axis and _names_w(shape[axis], names)
 
     def walk(node: Any, mark: Mark | None, hops: frozenset[str] = frozenset()) -> Mark | None:
         # a perm's table is one W's (on a mesh, one shape's: its ranks are the mesh's)
@@ -303,8 +328,8 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
             # (a coordinate's at each mesh shape: the file is then one schedule per shape)
             owner = (({OWNER} if "W" in names else set())
                      | (_coordinates(data) if names & set(_axis_sizes(data)) else set())) - hops
-            if indexed and (_names_w(indexed.group(2), names | owner)
-                            or leading_w(indexed.group(1))):
+            if indexed and (_names_w(_index_expr(indexed.group(2)), names | owner)
+                            or sliced_w(indexed.group(1), indexed.group(2))):
                 return mark
         return None
 
@@ -335,6 +360,12 @@ class _Unroller:
         self.errors: list[Diagnostic] = []
         self.split: dict[str, int] = {}  # buffer -> P, for the buffers used with an index
         self.whole: dict[str, Mark] = {}  # buffer -> where it is used whole
+        # buffer -> (the axis its indices slice, the first such index, where it is)
+        self.axes_of: dict[str, tuple[int, str, Mark]] = {}
+        self.step_op: str | None = None  # the op of the step ``op`` rewrites
+        # a name written bare in a step that is not external -> (where, its op): a
+        # later-axis slice's unrolled name '<b>_<k>' is refused there (_split_buffers)
+        self.bare: dict[str, tuple[Mark, str]] = {}
         # a rotation of the rank's slice of a symmetric buffer (``_rotated``): its name ->
         # (buffer, c, where first used); ``fixed``: buffers left to copies per rank
         self.rotated: dict[str, tuple[str, int, Mark]] = {}
@@ -349,47 +380,76 @@ class _Unroller:
             self.errors.append(Diagnostic(mark, code, message, hint))
 
     # --- buffer indices ------------------------------------------------------
-    def _leading(self, name: str) -> int | None:
+    def _leading(self, name: str, axis: int = 0) -> int | None:
+        """The length of axis ``axis`` of buffer ``name`` (None: not an integer, or no
+        buffer of an axis after it)."""
         buffers = self.data.get("buffers")
         spec = buffers.get(name) if isinstance(buffers, dict) else None
         shape = spec.get("shape") if isinstance(spec, dict) else None
-        if not isinstance(shape, list) or len(shape) < 2:
+        if not isinstance(shape, list) or len(shape) < axis + 2:
             return None
-        first = shape[0]
+        first = shape[axis]
         if isinstance(first, int) and not isinstance(first, bool):
             return first
         return self.env.get(first) if isinstance(first, str) else None
 
     def index(self, text: str, env: dict[str, int], mark: Mark) -> str:
-        """``b[e]`` -> ``b_<value of e>``; any other text unchanged (a whole buffer is
+        """``b[e]`` -> ``b_<value of e>``; ``b[:, e]`` (``b[:, :, e]``) likewise, slice e
+        of b's axis 1 (2): ``_later_axis``; any other text unchanged (a whole buffer is
         recorded, to refuse one used both whole and sliced)."""
         found = _INDEXED.match(text.strip())
         if found is None:
             if _IDENT.match(text):
                 self.whole.setdefault(text, mark)
+                if self.step_op not in (None, "external"):
+                    self.bare.setdefault(text, (mark, self.step_op))
             return text
         name, inner = found.group(1), found.group(2)
-        lead = self._leading(name)
-        first = self._lead_name(name)
+        if "[" in inner and any("," in p for p in inner.split("][")):
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' has more than one index; a name takes one index, "
+                       f"of one axis: '{name}[e]' (the leading axis) or '{name}[:, e]' "
+                       "(axis 1)", f"index one axis of '{name}' and read the slice in an "
+                       "external step, or declare the slice a buffer of its own")
+            return text
+        split = index_axis(inner) if "[" not in inner else (0, inner)
+        if split is None:
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' is no slice of one axis: an index is one "
+                       "expression, after a ':' for each axis before the one it slices",
+                       f"write '{name}[e]' (the leading axis), '{name}[:, e]' (axis 1) or "
+                       f"'{name}[:, :, e]' (axis 2)")
+            return text
+        axis, inner = split
+        if axis and not self._later_axis(name, axis, text, mark):
+            return text
+        where = "leading axis" if axis == 0 else f"axis {axis}"
+        lead = self._leading(name, axis)
+        first = self._lead_name(name, axis)
         if lead is None and first is not None and self.unbound_world(first):
             what, unit = self.depends(first)
-            self.needs_world(mark, f"'{clipped(text)}' indexes buffer '{name}', whose leading "
-                             f"axis is {what}; a schedule that depends on {first} is "
+            self.needs_world(mark, f"'{clipped(text)}' indexes buffer '{name}', whose {where} "
+                             f"is {what}; a schedule that depends on {first} is "
                              f"unrolled for {unit} at a time", first)
             return text
         if lead is None:
             self.error(mark, "bad-index",
-                       f"'{clipped(text)}' indexes buffer '{name}', whose leading axis is not an "
-                       "integer (or which is not a buffer of two or more axes)",
+                       f"'{clipped(text)}' indexes buffer '{name}', whose {where} is not an "
+                       "integer (or which is not a buffer of "
+                       f"{axis + 2 if axis else 'two'} or more axes)",
                        "declare the buffer with an integer leading axis, e.g. "
-                       "'shape: [2, N, D]'")
+                       "'shape: [2, N, D]'" if axis == 0 else
+                       f"declare the buffer with an integer axis {axis} and an axis after "
+                       f"it, e.g. 'shape: [{'B, ' if axis == 1 else 'B, H, '}2, N, D]' for "
+                       f"'{name}[{':, ' * axis}e]'" if axis <= 2 else
+                       f"declare the buffer with an integer axis {axis} and an axis after it")
             return text
         if lead > MAX_SLICES:  # refused before any slice is made (each is a buffer)
             self.error(mark, "bad-index",
-                       f"'{clipped(text)}' indexes buffer '{name}', whose leading axis has {lead} "
+                       f"'{clipped(text)}' indexes buffer '{name}', whose {where} has {lead} "
                        f"slices; an indexed buffer is split into one buffer per slice, at "
                        f"most {MAX_SLICES}",
-                       "index a buffer whose leading axis counts the slices the steps use "
+                       f"index a buffer whose {where} counts the slices the steps use "
                        "(e.g. 'shape: [2, N, D]' for double buffering)")
             return text
         value = self._value(inner, env, mark, text)
@@ -397,18 +457,53 @@ class _Unroller:
             return text
         if not 0 <= value < lead:
             self.error(mark, "bad-index",
-                       f"'{clipped(text)}' is slice {value} of '{name}', whose leading axis has "
+                       f"'{clipped(text)}' is slice {value} of '{name}', whose {where} has "
                        f"{lead} slices (0..{lead - 1})" + self._at(env))
+            return text
+        seen = self.axes_of.setdefault(name, (axis, text, mark))
+        if seen[0] != axis:
+            self.error(mark, "mixed-index",
+                       f"'{clipped(text)}' slices axis {axis} of '{name}', which "
+                       f"'{clipped(seen[1])}' at {seen[2]} slices along axis {seen[0]}; a "
+                       "buffer is sliced along one axis",
+                       "slice it along one axis everywhere, or declare two buffers")
             return text
         self.split[name] = lead
         return f"{name}_{value}"
 
-    def _lead_name(self, name: str) -> str | None:
-        """The size name buffer ``name``'s leading axis is declared as (None: another)."""
+    def _later_axis(self, name: str, axis: int, text: str, mark: Mark) -> bool:
+        """Whether ``b[:, e]`` (a slice of axis ``axis`` > 0) may be taken here: of a
+        buffer the engine owns (not symmetric, shared or persist) in an external step.
+        Such a slice is a strided view: the kernels take contiguous rows, so no method
+        (a communication op, a copy, a merge) takes one (bad-index)."""
+        buffers = self.data.get("buffers")
+        spec = buffers.get(name) if isinstance(buffers, dict) else None
+        kind = next((k for k in ("symmetric", "shared", "persist")
+                     if isinstance(spec, dict) and spec.get(k)), None)
+        if kind is not None:
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' slices axis {axis} of '{name}', a {kind} buffer; "
+                       "a slice along a later axis is a strided view, taken of a buffer the "
+                       "engine owns only (the module's kernels move contiguous rows)",
+                       f"index '{name}' along its leading axis (declare the sliced axis "
+                       "first), or make it the engine's (not symmetric, shared or persist)")
+            return False
+        if self.step_op not in (None, "external"):
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' slices axis {axis} of '{name}' in a step of op "
+                       f"'{self.step_op}'; a slice along a later axis is a strided view, which "
+                       "only an external step takes (the module's kernels move contiguous "
+                       "rows)", f"read '{name}[:, e]' in an external step that writes a "
+                       "buffer of its own, and give that buffer to this step")
+            return False
+        return True
+
+    def _lead_name(self, name: str, axis: int = 0) -> str | None:
+        """The size name buffer ``name``'s axis ``axis`` is declared as (None: another)."""
         buffers = self.data.get("buffers")
         spec = buffers.get(name) if isinstance(buffers, dict) else None
         shape = spec.get("shape") if isinstance(spec, dict) else None
-        first = shape[0] if isinstance(shape, list) and len(shape) >= 2 else None
+        first = shape[axis] if isinstance(shape, list) and len(shape) >= axis + 2 else None
         return first if isinstance(first, str) else None
 
     def needs_world(self, mark: Mark, message: str, name: str = "W") -> None:
@@ -508,6 +603,7 @@ class _Unroller:
 
     def op(self, name: str, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
         out = copy.copy(body)
+        self.step_op = body.get("op") if isinstance(body.get("op"), str) else None
         text = _offset_expr(body)
         if text is not None:
             at, team = env, _team_w(body, self.data)  # along one axis: W is the team's size
@@ -1037,6 +1133,7 @@ class _Unroller:
         if mixed:
             self.fixed |= mixed
             self.errors, self.split, self.whole, self.rotated = [], {}, {}, {}
+            self.axes_of, self.bare = {}, {}
             self.count = 0
             data = self._unroll()
         self._split_buffers(data)
@@ -1112,7 +1209,8 @@ class _Unroller:
                            f"name a slice, e.g. '{name}[0]'")
                 continue
             spec = dict(out[name] if name in aliased else out.pop(name))
-            spec["shape"] = spec["shape"][1:]
+            axis = self.axes_of[name][0]
+            spec["shape"] = spec["shape"][:axis] + spec["shape"][axis + 1:]
             for i in range(lead):
                 part = f"{name}_{i}"
                 if part in out:
@@ -1120,12 +1218,23 @@ class _Unroller:
                                "mixed-index",
                                f"buffer '{part}' is declared, but it is also the name of "
                                f"slice {i} of '{name}'", "rename one of them")
+                elif axis and part in self.bare:
+                    at, op = self.bare[part]
+                    self.error(at, "bad-index",
+                               f"'{part}' is slice {i} of '{name}' along axis {axis} "
+                               f"('{name}[{':, ' * axis}{i}]'), named in a step of op "
+                               f"'{op}'; a slice along a later axis is a strided view, "
+                               "which only an external step takes (the module's kernels "
+                               "move contiguous rows)",
+                               f"read '{name}[{':, ' * axis}{i}]' in an external step, or "
+                               "declare the chunk a buffer of its own")
                 out[part] = spec
                 marks["key:" + part] = marks.get("key:" + name)
                 marks[part] = marks.get(name)
         data["buffers"] = {**out, MARKS: marks, MARK: buffers.get(MARK)}
         if aliased:
             data[SLICES] = aliased
+            data[SLICE_AXES] = {k: self.axes_of[k][0] for k in aliased if self.axes_of[k][0]}
 
 
 def _owner_mark(body: dict[str, Any], file: str,
@@ -1148,10 +1257,10 @@ def _owner_mark(body: dict[str, Any], file: str,
         for text, mark in inner.values():
             for one in text if isinstance(text, list) else [text]:
                 found = _INDEXED.match(one.strip()) if isinstance(one, str) else None
-                if (found and _names_w(found.group(2), names) and not (
+                if (found and _names_w(_index_expr(found.group(2)), names) and not (
                         found.group(1) in skip
                         and _rotation_offset(found.group(2), names) is not None)):
-                    return mark, _owner_name(found.group(2), names)
+                    return mark, _owner_name(_index_expr(found.group(2)), names)
     return None
 
 

@@ -117,6 +117,8 @@ class Schedule(Node):
     # the engine-owned buffers used both whole and by slice (dcpc.lang.loops): buffer ->
     # its slice count; slice k is the buffer '<name>_<k>', a view of index k of it
     _slices: dict[str, int] = PrivateAttr(default_factory=dict)
+    # of those, the ones sliced along a later axis (``b[:, k]``): buffer -> that axis
+    _slice_axes: dict[str, int] = PrivateAttr(default_factory=dict)
 
     @property
     def loop_world(self) -> int | tuple[int, ...] | None:
@@ -125,6 +127,20 @@ class Schedule(Node):
     @property
     def slices(self) -> dict[str, int]:
         return self._slices
+
+    def view(self, whole: str, value: Any, k: int) -> Any:
+        """Slice ``k`` of buffer ``whole`` (used whole and by slice) in its tensor
+        ``value``: index k of its leading axis, or of the axis its indices slice
+        (``b[:, k]``: ``value.select(1, k)``), a view that writes through."""
+        return value.select(self._slice_axes.get(whole, 0), k)
+
+    def slice_text(self, name: str) -> str | None:
+        """How the file writes slice ``name`` of a buffer used whole and by slice:
+        ``'q[1]'``, ``'q[:, 1]'`` (one sliced along axis 1), or None."""
+        part = self.slice_of(name)
+        if part is None:
+            return None
+        return f"{part[0]}[{':, ' * self._slice_axes.get(part[0], 0)}{part[1]}]"
 
     def slice_of(self, name: str) -> tuple[str, int] | None:
         """(whole buffer, index) when ``name`` is a view of a buffer used whole too."""

@@ -70,6 +70,7 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
             ]
         )
     slices = data.pop(loops.SLICES, {}) if isinstance(data, dict) else {}
+    axes = data.pop(loops.SLICE_AXES, {}) if isinstance(data, dict) else {}
     _refuse_too_many(data, file)
     try:
         schedule = model.Schedule.model_validate(data)
@@ -78,6 +79,7 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
     schedule.set_source(file, digest)
     schedule._loop_world = served
     schedule._slices = dict(slices)
+    schedule._slice_axes = dict(axes)
     return schedule
 
 

@@ -3,9 +3,12 @@ computes attention's gradients: its steps, run by the float64 reference (dcpc.ha
 simulate), with each engine step doing what ring-flash-attn's does (a flash-attn backward
 on the operands the step declares, the fp32 adds, the casts), give every rank the dq, dk
 and dv of its two zigzag chunks that autograd gives for causal attention over the whole
-sequence. `dcpc run` (tests/cli/test_gallery.py) checks that the schedule moves what it
-says; this checks that what it says is the backward pass: a branch reading the wrong
-chunk or slot, or dk/dv that do not end on their owner, would not be these gradients.
+sequence, for each of a batch of B = 2 sequences (the engine's q, k, v, out, dout of [B,
+2C, ...] viewed as [B, 2, C, ...], softmax_lse of [B, H, 2C] as [B, H, 2, C], read whole
+or by their chunks q[:, i], lse[:, :, i]). `dcpc run` (tests/cli/test_gallery.py) checks
+that the schedule moves what it says; this checks that what it says is the backward
+pass: a branch reading the wrong chunk or slot, or dk/dv that do not end on their owner,
+would not be these gradients.
 """
 
 from __future__ import annotations
@@ -22,31 +25,32 @@ from dcpc.lang.parse import parse_file
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE = ROOT / "schedules" / "gallery" / "zigzag_ring_attention_backward.yaml"
-C, H, HK, D = 3, 4, 2, 16
+B, C, H, HK, D = 2, 3, 4, 2, 16
 SCALE = D ** -0.5
 
 
 def attention_backward(dout, q, k, v, out, lse, causal):  # noqa: ANN001, ANN201
-    """flash-attn's backward of one call (float64): q [Sq, H, D], k and v [Sk, HK, D],
-    lse [H, Sq] (the forward's, over the whole sequence); GQA: head h reads kv head
+    """flash-attn's backward of one call (float64): q [B, Sq, H, D], k and v [B, Sk, HK,
+    D], lse [B, H, Sq] (the forward's, over the whole sequence); GQA: head h reads kv head
     h // (H / HK), and dk, dv sum over a kv head's query heads."""
-    group = q.shape[1] // k.shape[1]
-    kh, vh = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.einsum("qhd,khd->hqk", q, kh) * SCALE
+    group = q.shape[2] // k.shape[2]
+    kh, vh = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kh) * SCALE
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool).triu(1), -torch.inf)
-    p = torch.exp(s - lse[:, :, None])
-    dp = torch.einsum("qhd,khd->hqk", dout, vh)
-    ds = p * (dp - (dout * out).sum(-1).T[:, :, None])
-    dq = torch.einsum("hqk,khd->qhd", ds, kh) * SCALE
-    dk = torch.einsum("hqk,qhd->khd", ds, q) * SCALE
-    dv = torch.einsum("hqk,qhd->khd", p, dout)
-    fold = (k.shape[0], k.shape[1], group, D)
-    return dq, dk.reshape(fold).sum(2), dv.reshape(fold).sum(2)
+        s = s.masked_fill(torch.ones(s.shape[2:], dtype=torch.bool).triu(1), -torch.inf)
+    p = torch.exp(s - lse[..., None])
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout, vh)
+    ds = p * (dp - (dout * out).sum(-1).transpose(1, 2)[..., None])
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kh) * SCALE
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * SCALE
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    fold = (k.shape[0], k.shape[1], k.shape[2], group, D)
+    return dq, dk.reshape(fold).sum(3), dv.reshape(fold).sum(3)
 
 
 def of(names, buffer: str) -> list[str]:  # noqa: ANN001
-    """The chunks of ``buffer`` among ``names`` (unrolled names: ``dq_acc_1``), in order."""
+    """The chunks of ``buffer`` among ``names`` (unrolled names: ``dq_acc_1``), in order,
+    or the buffer itself where it is read whole (``q``)."""
     return [n for n in names if n.rsplit("_", 1)[0] == buffer]
 
 
@@ -73,39 +77,50 @@ def run_engine_step(name: str, reads: list[str], writes: list[str], bufs):  # no
     def read(buffer: str) -> list[torch.Tensor]:
         return [bufs[n] for n in of(reads, buffer)]
 
+    def tokens(buffer: str, axis: int = 1) -> torch.Tensor:
+        """The rows the step reads of ``buffer`` as the source's tensor: the whole, [B, 2,
+        C, ...] (lse: [B, H, 2, C], ``axis`` 2) seen as [B, 2C, ...], or its chunk."""
+        if buffer in reads:  # read whole: a free view of the source's [B, 2C, ...]
+            return bufs[buffer].flatten(axis, axis + 1)
+        return cat(read(buffer), dim=axis)
+
     if name == "pack":
-        return put(of(writes, "kv"), [cat([k, v]) for k, v in zip(read("k"), read("v"),
-                                                                   strict=True)])
+        return put(of(writes, "kv"), [cat([k, v], dim=1) for k, v in zip(read("k"), read("v"),
+                                                                          strict=True)])
     if name.startswith("backward"):
         # the block in hand: the own one (step 0, causal) or received chunks
         blocks = read("kv") or read("recv")
-        k, v = cat([b[:C] for b in blocks]), cat([b[C:] for b in blocks])
-        q, dout, out = (cat(read(n)) for n in ("q", "dout", "out"))
-        dq, dk, dv = attention_backward(dout, q, k, v, out, cat(read("lse"), dim=1),
+        k = cat([b[:, :C] for b in blocks], dim=1)
+        v = cat([b[:, C:] for b in blocks], dim=1)
+        q, dout, out = (tokens(n) for n in ("q", "dout", "out"))
+        dq, dk, dv = attention_backward(dout, q, k, v, out, tokens("lse", 2),
                                         causal=bool(read("kv")))
         # the rows each writes: dq_buffer[:, :seqlen_q], dk_buffer[:, :seqlen_kv]
-        return (put(of(writes, "dq_blk"), dq.split(C)) | put(of(writes, "dk_blk"), dk.split(C))
-                | put(of(writes, "dv_blk"), dv.split(C)))
+        return (put(of(writes, "dq_blk"), dq.split(C, 1))
+                | put(of(writes, "dk_blk"), dk.split(C, 1))
+                | put(of(writes, "dv_blk"), dv.split(C, 1)))
     if name == "init":  # dq = dq_buffer.to(float32), dk and dv likewise
         return put(of(writes, "dq_acc"), read("dq_blk")) | put(
-            of(writes, "dkv"), [cat(kv) for kv in zip(read("dk_blk"), read("dv_blk"),
-                                                       strict=True)])
+            of(writes, "dkv"), [cat(kv, dim=1) for kv in zip(read("dk_blk"), read("dv_blk"),
+                                                              strict=True)])
     if name.startswith("dq_"):  # dq += dq_buffer; the later-rank branch's
         # dq[:, C:] += dq_buffer[:, :C] is its declared dq_acc[1] and dq_blk[0]
         return add("dq_acc", read("dq_blk"))
     if name.startswith("dkv_"):  # the running dk/dv of the block in hand (its chunks)
-        return add("dkv", [cat(kv) for kv in zip(read("dk_blk"), read("dv_blk"), strict=True)])
+        return add("dkv", [cat(kv, dim=1) for kv in zip(read("dk_blk"), read("dv_blk"),
+                                                         strict=True)])
     if name == "finish":
         home = read("dkv")
-        return (put(of(writes, "dq"), read("dq_acc")) | put(of(writes, "dk"), [h[:C] for h in home])
-                | put(of(writes, "dv"), [h[C:] for h in home]))
+        return (put(of(writes, "dq"), read("dq_acc"))
+                | put(of(writes, "dk"), [h[:, :C] for h in home])
+                | put(of(writes, "dv"), [h[:, C:] for h in home]))
     raise AssertionError(f"no engine step {name}")
 
 
 def errors(path: Path, world: int) -> dict[str, float]:
     """Run the schedule at ``path`` (float64 reference, ``engine``) on causal attention over
-    2W chunks; each rank's dq, dk, dv chunk -> its largest error relative to autograd's
-    largest value there."""
+    2W chunks, for each of B sequences; each rank's dq, dk, dv chunk -> its largest error
+    relative to autograd's largest value there."""
     schedule = parse_file(path, world)
     gen = torch.Generator().manual_seed(world)
     n = 2 * world * C  # the whole sequence, 2W chunks of C tokens
@@ -113,36 +128,42 @@ def errors(path: Path, world: int) -> dict[str, float]:
     def bf16(*shape: int) -> torch.Tensor:  # drawn as the buffers store them
         return torch.randn(*shape, generator=gen, dtype=torch.float64).bfloat16().double()
 
-    q, k, v, dout = bf16(n, H, D), bf16(n, HK, D), bf16(n, HK, D), bf16(n, H, D)
+    q, k, v, dout = bf16(B, n, H, D), bf16(B, n, HK, D), bf16(B, n, HK, D), bf16(B, n, H, D)
     qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
     group = H // HK
-    s = torch.einsum("qhd,khd->hqk", qa, ka.repeat_interleave(group, 1)) * SCALE
+    s = torch.einsum("bqhd,bkhd->bhqk", qa, ka.repeat_interleave(group, 2)) * SCALE
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
-    lse = torch.logsumexp(s, -1)  # [H, n]
-    out = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), va.repeat_interleave(group, 1))
+    lse = torch.logsumexp(s, -1)  # [B, H, n]
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1),
+                       va.repeat_interleave(group, 2))
     out.backward(dout)
 
-    def chunk(t: torch.Tensor, j: int, dim: int = 0) -> torch.Tensor:
+    def chunk(t: torch.Tensor, j: int, dim: int = 1) -> torch.Tensor:
         return t.narrow(dim, j * C, C).detach()
 
-    stored = {"q": q, "k": k, "v": v, "dout": dout, "out": out.detach()}
+    stored = {"q": (q, 1), "k": (k, 1), "v": (v, 1), "dout": (dout, 1),
+              "out": (out.detach(), 1), "lse": (lse.detach(), 2)}
     inputs = []
     for r in range(world):  # rank r: chunks r and 2W - 1 - r
         mine = (r, 2 * world - 1 - r)
-        bufs = {f"{name}_{i}": simulate.as_stored(schedule, f"{name}_{i}", chunk(t, j))
-                for name, t in stored.items() for i, j in enumerate(mine)}
-        bufs |= {f"lse_{i}": simulate.as_stored(schedule, f"lse_{i}", chunk(lse, j, 1))
-                 for i, j in enumerate(mine)}
+        bufs = {}
+        for name, (t, dim) in stored.items():
+            parts = [chunk(t, j, dim) for j in mine]
+            bufs |= {f"{name}_{i}": simulate.as_stored(schedule, f"{name}_{i}", part)
+                     for i, part in enumerate(parts)}
+            if name in schedule.slices:  # read whole too: [B, 2, C, ...] ([B, H, 2, C])
+                bufs[name] = simulate.as_stored(schedule, name, torch.stack(parts, dim))
         inputs.append(bufs)
-    ends = simulate.simulate_call(schedule, world, {"C": C, "H": H, "HK": HK, "D": D}, inputs,
-                                   engine)
+    ends = simulate.simulate_call(schedule, world, {"B": B, "C": C, "H": H, "HK": HK, "D": D},
+                                   inputs, engine)
     found = {}
     for r in range(world):
         for i, j in enumerate((r, 2 * world - 1 - r)):
             for name, grad in (("dq", qa.grad), ("dk", ka.grad), ("dv", va.grad)):
                 want = chunk(grad, j)
+                assert ends[r][f"{name}_{i}"].shape == want.shape == (B, C, want.shape[2], D)
                 err = (ends[r][f"{name}_{i}"] - want).abs().max() / want.abs().max()
-                found[f"{name}[{i}] (chunk {j}) on rank {r}"] = float(err)
+                found[f"{name}[:, {i}] (chunk {j}) on rank {r}"] = float(err)
     return found
 
 
