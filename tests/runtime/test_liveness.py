@@ -6,7 +6,6 @@ Also: epochs started just below the int32 limit keep working across the wrap.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from dcpc.harness.run import RunConfig, format_report, run_schedule
 SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
 KIMI = str(SCHEDULES / "kimi_k3_dcp.yaml")
 WAIT_S = 3.0  # seconds a wait lasts (the modules' timeout_s)
+LAUNCH_S = 150  # the launch's bound on a rank (run_schedule's timeout_s)
 
 pytestmark = pytest.mark.liveness
 
@@ -34,11 +34,9 @@ def test_missing_peer_times_out_naming_step_peer_and_epoch(kind: str, status: st
                                                            grace: float,
                                                            error: re.Pattern) -> None:
     fault = {"rank": 1, "call": 3, "step": "out_exchange", "kind": kind}
-    start = time.monotonic()
     report = run_schedule(RunConfig(schedule=KIMI, world=3, backend="host", calls=6, seed=3,
-                                    wait_timeout_s=WAIT_S, fault=fault, timeout_s=150,
+                                    wait_timeout_s=WAIT_S, fault=fault, timeout_s=LAUNCH_S,
                                     grace_s=grace))
-    elapsed = time.monotonic() - start
     text = format_report(report)
     statuses = [o.status for o in report.launch.outcomes]
     assert statuses == ["error", status, "error"], text
@@ -49,8 +47,12 @@ def test_missing_peer_times_out_naming_step_peer_and_epoch(kind: str, status: st
         assert int(found["rank"]) == rank
         # call 3 runs on slot 0 (calls alternate 1, 0, 1, 0): its second use of the slot
         assert int(found["epoch"]) == 2, found.group(0)
-        print(f"rank {rank} gave up {report.launch.outcomes[rank].reported_s:.1f} s after launch")
-    assert elapsed < 90, f"the survivors took {elapsed:.0f} s to give up"
+        # bounded by its own wait, not by the launch's: it reported (its status is "error",
+        # not "timeout") before the launch's bound; no wall-clock bound here (a loaded
+        # machine stretches process start and compile, not the protocol)
+        reported = report.launch.outcomes[rank].reported_s
+        assert reported is not None and reported < LAUNCH_S, text
+        print(f"rank {rank} gave up {reported:.1f} s after launch")
 
 
 @pytest.mark.parametrize("backend", ["host", "torch"])
