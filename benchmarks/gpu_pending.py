@@ -22,8 +22,9 @@ commit. Everything else is pending, with why ("module changed since <commit>",
     python3 -m benchmarks.gpu_pending            # the table and the commands to run
     python3 -m benchmarks.gpu_pending --json     # the same as data (rule: key or commit)
     python3 -m benchmarks.gpu_pending --plans DIR [--shards 4] [--first FILE ...]
-        # DIR/plan<i>.txt for benchmarks/conformance_shards.sh (one device call), and
-        # DIR/keys.json: the cases' keys here, which gpu_conformance --keys reads there
+        # DIR/plan<i>.txt for benchmarks/conformance_shards.sh (one device call),
+        # DIR/slow.txt: the cases that once took SLOW_S or more, a process of their own,
+        # and DIR/keys.json: the cases' keys here, which gpu_conformance --keys reads there
 
 Exit 0 either way (a report, not a gate): CI has no GPU.
 """
@@ -48,6 +49,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 KEYS_SCRIPT = Path(__file__).resolve().parent / "gpu_keys.py"
 KEYS_FILE = "gpu_keys.json"  # beside the results: the module keys at their commits
 EQUIVALENT_FILE = "gpu_equivalent.json"  # beside the results: reviewed pairs of shas
+SLOW_S = 80.0  # a case whose newest recorded run took this long runs in slow.txt
 PARTS = ("module", *CODE_PARTS)  # a key's parts (benchmarks/gpu_keys.py)
 Key = dict[str, str]  # part -> sha256
 
@@ -96,6 +98,23 @@ def clean_runs(results: Path = RESULTS) -> dict[tuple[str, str], list[tuple[str,
                 if all(c != data["commit"] or k != key for c, k in runs):
                     runs.append((data["commit"], key))
     return out
+
+
+def case_seconds(results: Path = RESULTS, root: Path = ROOT) -> dict[tuple[str, str], float]:
+    """(file, world) -> how long one run of it took on the GPU (a record's wall_s), as
+    its newest committed record says (newest by commit time; a commit this clone lacks
+    is the oldest)."""
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for path in sorted(results.glob("gpu_conformance_*.json")):
+        data = json.loads(path.read_text())
+        when = _when(data["commit"], root) if _known(data["commit"], root) else -1
+        for r in data.get("records", []):
+            case, took = r.get("case") or {}, r.get("wall_s")
+            if case.get("file") and case.get("world") and isinstance(took, (int, float)):
+                key = (case["file"], str(case["world"]))
+                if when >= out.get(key, (-2, 0.0))[0]:
+                    out[key] = (when, float(took))
+    return {key: took for key, (_, took) in out.items()}
 
 
 class KeysTimeout(RuntimeError):
@@ -271,15 +290,17 @@ def commands(rows: list[dict[str, Any]]) -> list[str]:
                                                                        MESH_WORLDS, kv[0]))]
 
 
-def plans(rows: list[dict[str, Any]], shards: int, first: list[str]) -> list[list[str]]:
+def plans(rows: list[dict[str, Any]], shards: int, first: list[str],
+          slow: frozenset[tuple[str, str]] = frozenset()) -> list[list[str]]:
     """The pending cases as ``shards`` lists of lines "WORLDS FILE ...", each line one
     gpu_conformance run: in each shard the files named in ``first`` and those that never
     ran clean come first (all their pending worlds), then every other file at its smallest
-    pending world (a small world runs fast: breadth before depth), then the rest."""
+    pending world (a small world runs fast: breadth before depth), then the rest. The
+    ``slow`` cases are left out: ``slow_plan`` runs them."""
     worlds: dict[str, list[str]] = {}
     never: set[str] = set()
     for r in rows:
-        if r["settled"] is None:
+        if r["settled"] is None and (r["file"], r["world"]) not in slow:
             worlds.setdefault(r["file"], []).append(r["world"])
             if r["why"] == "never ran clean on a GPU":
                 never.add(r["file"])
@@ -298,6 +319,14 @@ def plans(rows: list[dict[str, Any]], shards: int, first: list[str]) -> list[lis
         for i, by_worlds in enumerate(lines):
             out[i] += [f"{ws} {' '.join(files)}" for ws, files in by_worlds.items()]
     return out
+
+
+def slow_plan(rows: list[dict[str, Any]], slow: frozenset[tuple[str, str]]) -> list[str]:
+    """The pending ``slow`` cases, one line "WORLD FILE" each: conformance_shards.sh runs
+    them one at a time beside the shards, with long rank timeouts (an 8-rank mesh that
+    shares the GPU with the shards is slow, not hung: session 28's deepep_normal 2x4)."""
+    return [f"{r['world']} {r['file']}" for r in rows
+            if r["settled"] is None and (r["file"], r["world"]) in slow]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,8 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.plans is not None:
         args.plans.mkdir(parents=True, exist_ok=True)
-        for i, lines in enumerate(plans(rows, args.shards, args.first), 1):
+        took = case_seconds(args.results)
+        slow = frozenset(c for c, s in took.items() if s >= SLOW_S)
+        for i, lines in enumerate(plans(rows, args.shards, args.first, slow), 1):
             (args.plans / f"plan{i}.txt").write_text("".join(f"{x}\n" for x in lines))
+        (args.plans / "slow.txt").write_text("".join(f"{x}\n" for x in slow_plan(rows, slow)))
         (args.plans / "keys.json").write_text(json.dumps(tree_keys(
             [(r["file"], r["world"]) for r in rows if r["settled"] is None])))
         print(f"{sum(r['settled'] is None for r in rows)} pending cases in {args.shards} "

@@ -124,6 +124,33 @@ def test_the_shard_plans_run_every_pending_case_once_urgent_first() -> None:
     assert sorted(got) == sorted((r["file"], r["world"]) for r in rows if r["settled"] is None)
     assert shards == [["2,8 b.yaml", "2 a.yaml", "2x2 d.yaml", "4x2 d.yaml"],
                       ["2 e.yaml", "4 c.yaml", "4 a.yaml"]]
+    # a slow case (the longest record of it took SLOW_S or more) leaves the shards for
+    # slow.txt; a slow case already settled is in neither
+    slow = frozenset({("b.yaml", "8"), ("d.yaml", "4x2"), ("c.yaml", "2")})
+    assert gp.plans(rows, 2, first=["e.yaml"], slow=slow) == [
+        ["2 b.yaml", "2 a.yaml", "2x2 d.yaml"], ["2 e.yaml", "4 c.yaml", "4 a.yaml"]]
+    assert gp.slow_plan(rows, slow) == ["8 b.yaml", "4x2 d.yaml"]
+
+
+def test_a_case_is_as_slow_as_its_newest_record(tmp_path: Path) -> None:
+    """case_seconds(): per (file, world) the wall_s of its record in the result of the
+    newest commit (by commit time), failed records included (a rank timeout is a slow
+    case's usual failure); a commit this clone lacks is the oldest; a record without
+    wall_s counts for nothing."""
+    head, first = _git("rev-parse", "HEAD"), _git("rev-list", "--max-parents=0", "HEAD")
+    first = first.splitlines()[0]
+    for commit, recs in [(head, [("x.yaml", "8", True, 90.5), ("y.yaml", "2", False, 151.0)]),
+                         (first, [("x.yaml", "8", True, 40.0), ("y.yaml", "2", True, 12.0),
+                                  ("z.yaml", "4", True, None)]),
+                         ("0" * 40, [("x.yaml", "8", True, 10.0), ("w.yaml", "2", True, 99.0)])]:
+        (tmp_path / f"gpu_conformance_{commit[:7]}.json").write_text(json.dumps({
+            "commit": commit, "records": [
+                {"ok": ok, "case": {"file": f, "world": w}, **({"wall_s": s} if s else {})}
+                for f, w, ok, s in recs]}))
+    took = gp.case_seconds(tmp_path)
+    if head == first:
+        pytest.skip("one commit in this clone: no older result to compare with")
+    assert took == {("x.yaml", "8"): 90.5, ("y.yaml", "2"): 151.0, ("w.yaml", "2"): 99.0}
 
 
 def _edit(root: Path, rel: str, old: str, new: str) -> None:
