@@ -206,7 +206,7 @@ def _check_views(ctx: Context) -> None:
         part = ctx.schedule.slice_of(acc.ref.name)
         whole = part[0] if part else acc.ref.name if acc.ref.name in slices else None
         if acc.mode != "w" or whole is None or acc.step.kind == "external" \
-                or whole in reported:
+                or whole in reported or _module_view(ctx, whole, part):
             continue
         reported.add(whole)
         shown = f"slice '{ctx.schedule.slice_text(acc.ref.name)}'" if part else f"'{whole}'"
@@ -217,6 +217,15 @@ def _check_views(ctx: Context) -> None:
                   "whole and its slices would not be one memory",
                   hint=f"write '{whole}' and its slices in engine steps only, or copy "
                   "into a buffer of its own")
+
+
+def _module_view(ctx: Context, whole: str, part: tuple[str, int] | None) -> bool:
+    """A method's write of ``whole``, a buffer in the module's symmetric memory (a slot
+    whose chunks external steps read, ``b[s][:, i]``): its slices are views of that
+    memory, so the write is one of theirs too (a method never takes a slice of it:
+    ``bad-index`` at the unrolling)."""
+    buffer = ctx.buffer(whole)
+    return part is None and buffer is not None and buffer.is_symmetric
 
 
 def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> None:
