@@ -332,8 +332,8 @@ def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
 
     def differs() -> bool:
         stats = OutputStats()
-        compare(name, kind,
-                schedule.buffers[name].dtype.value, module_view(module, schedule, name, slot, sizes), want,
+        got = module_view(module, schedule, name, slot, sizes)
+        compare(name, kind, schedule.buffers[name].dtype.value, got, want,
                 stats, "", unsent=unsent, bounds=bounds)
         return stats.mismatches > 0
 
