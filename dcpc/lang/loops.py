@@ -658,12 +658,10 @@ class _Unroller:
         ``Q * (i) + j`` (exact when the buffer's second axis is an integer Q)."""
         found = _INDEXED.match(text.strip())
         parts = found.group(2).split("][") if found else []
-        buffers = self.data.get("buffers")
-        spec = buffers.get(found.group(1)) if found and isinstance(buffers, dict) else None
-        shape = spec.get("shape") if isinstance(spec, dict) else None
+        shape = self._shape(found.group(1)) if found else None
         dims = [d if isinstance(d, int) else self.env.get(d) if isinstance(d, str) else None
-                for d in (shape[:2] if isinstance(shape, list) else [])]
-        if (len(parts) == 2 and len(shape) > 2  # merged, still two axes or more
+                for d in (shape[:2] if shape is not None else [])]
+        if (len(parts) == 2 and shape is not None and len(shape) > 2  # still two axes or more
                 and all(isinstance(d, int) for d in dims)):
             p, q = dims
             rest = ", ".join(str(d) for d in shape[2:])
