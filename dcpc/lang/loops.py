@@ -111,10 +111,15 @@ def _index_expr(inner: str) -> str:
 _CHUNK = re.compile(r"([^\[\]]*)\]\[([^\[\]]*,[^\[\]]*)\Z", re.S)
 
 
+def _spec(buffers: Any, name: str) -> dict[str, Any]:
+    """Buffer ``name``'s declaration in the data's ``buffers`` ({}: none, or malformed)."""
+    spec = buffers.get(name) if isinstance(buffers, dict) else None
+    return spec if isinstance(spec, dict) else {}
+
+
 def _shape(buffers: Any, name: str) -> list[Any] | None:
     """The declared shape of buffer ``name`` in the data's ``buffers`` (None: none)."""
-    spec = buffers.get(name) if isinstance(buffers, dict) else None
-    shape = spec.get("shape") if isinstance(spec, dict) else None
+    shape = _spec(buffers, name).get("shape")
     return shape if isinstance(shape, list) else None
 
 
@@ -411,9 +416,8 @@ class _Unroller:
 
     def _module_kind(self, name: str) -> str | None:
         """'symmetric', 'shared' or 'persist' for a buffer the module owns, else None."""
-        spec = (self.data.get("buffers") or {}).get(name)
-        return next((k for k in ("symmetric", "shared", "persist")
-                     if isinstance(spec, dict) and spec.get(k)), None)
+        spec = _spec(self.data.get("buffers"), name)
+        return next((k for k in ("symmetric", "shared", "persist") if spec.get(k)), None)
 
     def _leading(self, name: str, axis: int = 0) -> int | None:
         """The length of axis ``axis`` of buffer ``name`` (None: not an integer, or no
@@ -428,7 +432,8 @@ class _Unroller:
 
     def index(self, text: str, env: dict[str, int], mark: Mark) -> str:
         """``b[e]`` -> ``b_<value of e>``; ``b[:, e]`` (``b[:, :, e]``) likewise, slice e
-        of b's axis 1 (2): ``_later_axis``; any other text unchanged (a whole buffer is
+        of b's axis 1 (2): ``_later_axis``; ``b[e1][:, e2]`` -> ``b_<e1>_<e2>``, a slot's
+        chunk: ``_chunk``; any other text unchanged (a whole buffer is
         recorded, to refuse one used both whole and sliced)."""
         found = _INDEXED.match(text.strip())
         if found is None:
