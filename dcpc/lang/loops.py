@@ -400,8 +400,8 @@ class _Unroller:
         self.fixed: set[str] = set()
         self.count = 0  # the steps unrolled so far (``loop``'s backstop)
         # a slot of a module-owned buffer whose chunks external steps read
-        # (``b[e1][:, e2]``: ``_chunk``) -> (chunk count, the slot's axis, first use, where)
-        self.chunks: dict[str, tuple[int, int, str, Mark]] = {}
+        # (``b[e1][:, e2]``: ``_chunk``) -> (the slot's axis, first use, where, chunk count)
+        self.chunks: dict[str, tuple[int, str, Mark, int]] = {}
         # symmetric buffers whose leading axis is W -> where a use is no rotation (or None)
         self.rotation_uses = _rotation_uses(data, self.env, file)
         self.rotating = _rotating(self.rotation_uses)
@@ -499,21 +499,10 @@ class _Unroller:
                        f"index a buffer whose {where} counts the slices the steps use "
                        "(e.g. 'shape: [2, N, D]' for double buffering)")
             return text
-        value = self._value(inner, env, mark, text)
-        if value is None:
-            return text
-        if not 0 <= value < lead:
-            self.error(mark, "bad-index",
-                       f"'{clipped(text)}' is slice {value} of '{name}', whose {where} has "
-                       f"{lead} slices (0..{lead - 1})" + self._at(env))
-            return text
-        seen = self.axes_of.setdefault(name, (axis, text, mark))
-        if seen[0] != axis:
-            self.error(mark, "mixed-index",
-                       f"'{clipped(text)}' slices axis {axis} of '{name}', which "
-                       f"'{clipped(seen[1])}' at {seen[2]} slices along axis {seen[0]}; a "
-                       "buffer is sliced along one axis",
-                       "slice it along one axis everywhere, or declare two buffers")
+        value = self._in_range(inner, env, mark, text, lead, f"slice {{}} of '{name}', whose "
+                               f"{where}")
+        if value is None or not self._one_axis(self.axes_of, name, (axis, text, mark),
+                                               f"'{name}'", "buffer"):
             return text
         self.split[name] = lead
         return f"{name}_{value}"
@@ -550,23 +539,38 @@ class _Unroller:
                        f"declare '{name}' with an integer axis {axis + 1}, e.g. "
                        "'shape: [2, B, 2, C, D]' for 'b[s][:, i]'")
             return text
-        value = self._value(expr, env, mark, text)
-        if value is None:
-            return text
-        if not 0 <= value < lead:
-            self.error(mark, "bad-index",
-                       f"'{clipped(text)}' is chunk {value} of a slot of '{name}', whose "
-                       f"axis {axis + 1} has {lead} slices (0..{lead - 1})" + self._at(env))
-            return text
-        seen = self.chunks.setdefault(slot, (lead, axis, text, mark))
-        if seen[1] != axis:
-            self.error(mark, "mixed-index",
-                       f"'{clipped(text)}' slices axis {axis} of slot '{slot}', which "
-                       f"'{clipped(seen[2])}' at {seen[3]} slices along axis {seen[1]}; a "
-                       "slot is sliced along one axis",
-                       "slice it along one axis everywhere, or declare two buffers")
+        value = self._in_range(expr, env, mark, text, lead, f"chunk {{}} of a slot of "
+                               f"'{name}', whose axis {axis + 1}")
+        if value is None or not self._one_axis(self.chunks, slot, (axis, text, mark, lead),
+                                               f"slot '{slot}'", "slot"):
             return text
         return f"{slot}_{value}"
+
+    def _in_range(self, expr: str, env: dict[str, int], mark: Mark, text: str, lead: int,
+                  what: str) -> int | None:
+        """The value of index ``expr`` of ``text`` when it is in 0..lead-1, else None
+        (bad-index, naming it as ``what`` with the value filled in)."""
+        value = self._value(expr, env, mark, text)
+        if value is not None and not 0 <= value < lead:
+            self.error(mark, "bad-index", f"'{clipped(text)}' is {what.format(value)} has "
+                       f"{lead} slices (0..{lead - 1})" + self._at(env))
+            return None
+        return value
+
+    def _one_axis(self, table: dict[str, Any], key: str, entry: tuple, what: str,
+                  noun: str) -> bool:
+        """Record the axis ``entry`` = (axis, text, mark, ...) slices ``key`` along, in
+        ``table``; False (mixed-index) when an earlier index sliced another."""
+        seen = table.setdefault(key, entry)
+        if seen[0] == entry[0]:
+            return True
+        axis, text, mark = entry[:3]
+        self.error(mark, "mixed-index",
+                   f"'{clipped(text)}' slices axis {axis} of {what}, which "
+                   f"'{clipped(seen[1])}' at {seen[2]} slices along axis {seen[0]}; a "
+                   f"{noun} is sliced along one axis",
+                   "slice it along one axis everywhere, or declare two buffers")
+        return False
 
     def _later_axis(self, name: str, axis: int, text: str, mark: Mark) -> bool:
         """Whether ``b[:, e]`` (a slice of axis ``axis`` > 0) may be taken here: in an
@@ -1298,7 +1302,7 @@ class _Unroller:
                 axes[name] = axis
             self._parts(out, marks, buffers, name, lead, axis,
                         dict(out[name] if name in aliased else out.pop(name)))
-        for slot, (lead, axis, _, _) in self.chunks.items():
+        for slot, (axis, _, _, lead) in self.chunks.items():
             if isinstance(out.get(slot), dict):  # a slot's chunks: views of the slot
                 aliased[slot], axes[slot] = lead, axis
                 self._parts(out, marks, buffers, slot, lead, axis, dict(out[slot]))
