@@ -98,7 +98,7 @@ def test_two_chunks_of_a_slot_are_disjoint_and_the_slot_covers_both() -> None:
     found = check_errors(text, range(2, 3))
     assert [d.code for d in found] == ["read-before-write"], found
     # the whole slot, read by 'all' and sent on: chunk 1 was never written
-    assert "reads symmetric buffer 'recv_0_1'" in found[0].message, found[0].message
+    assert "reads symmetric buffer 'recv_0[:, 1]' ('recv_0_1')" in found[0].message, found[0]
     assert _where(found[0]) == (15, 39), found[0]
     schedule = parse_text(TEXT, "s.yaml", 2)
     bufs = {"recv_0": torch.randn(2, 2, 3, 4, dtype=torch.float64)}
