@@ -206,7 +206,7 @@ def _check_views(ctx: Context) -> None:
         part = ctx.schedule.slice_of(acc.ref.name)
         whole = part[0] if part else acc.ref.name if acc.ref.name in slices else None
         if acc.mode != "w" or whole is None or acc.step.kind == "external" \
-                or whole in reported:
+                or whole in reported or _module_view(ctx, whole, part):
             continue
         reported.add(whole)
         shown = f"slice '{ctx.schedule.slice_text(acc.ref.name)}'" if part else f"'{whole}'"
@@ -217,6 +217,15 @@ def _check_views(ctx: Context) -> None:
                   "whole and its slices would not be one memory",
                   hint=f"write '{whole}' and its slices in engine steps only, or copy "
                   "into a buffer of its own")
+
+
+def _module_view(ctx: Context, whole: str, part: tuple[str, int] | None) -> bool:
+    """A method's write of ``whole``, a buffer in the module's symmetric memory (a slot
+    whose chunks external steps read, ``b[s][:, i]``): its slices are views of that
+    memory, so the write is one of theirs too (a method never takes a slice of it:
+    ``bad-index`` at the unrolling)."""
+    buffer = ctx.buffer(whole)
+    return part is None and buffer is not None and buffer.is_symmetric
 
 
 def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> None:
@@ -351,6 +360,9 @@ def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int
     """The read-before-write error of a symmetric buffer: nothing wrote it on some rank
     that reads it (``roots``: the team members whose instance was written)."""
     step, name = read.step, read.ref.name
+    # a slot's chunk (b[s][:, i]) as the file writes it too
+    shown = (f"'{ctx.schedule.slice_text(name)}' ('{name}')"
+             if ctx.schedule.slice_of(name) else f"'{name}'")
     if roots and writer is not None:
         root_writer = next(a for a in accesses(ctx) if a.mode == "w" and a.ref.name == name
                            and a.root is not None and a.at.index <= step.index)
@@ -359,7 +371,7 @@ def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int
         dst = getattr(w.op, "dst", None)
         instead = f"read '{dst}' (what '{w.name}' computes) instead, or " if dst else ""
         ctx.error(read.ref.mark, "read-before-write",
-                  f"step '{step.name}' reads symmetric buffer '{name}' on every rank, but "
+                  f"step '{step.name}' reads symmetric buffer {shown} on every rank, but "
                   f"the earlier steps of the call write it on the root only ({w.kind} "
                   f"'{w.name}', root {on}), so the other ranks read what nothing wrote",
                   hint=f"{instead}write '{name}' on every rank before '{w.name}'")
@@ -367,14 +379,14 @@ def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int
     if writer is not None and writer.at is not writer.step \
             and writer.step.index < step.index < writer.at.index:
         ctx.error(read.ref.mark, "read-before-write",
-                  f"step '{step.name}' reads symmetric buffer '{name}', but no earlier step "
+                  f"step '{step.name}' reads symmetric buffer {shown}, but no earlier step "
                   f"of the call writes it: the data of '{writer.step.name}' is in flight "
                   f"until its wait '{writer.at.name}', after '{step.name}'",
                   hint=f"move step '{step.name}' after '{writer.at.name}'")
         return
     in_place = writer is not None and writer.step is step
     ctx.error(read.ref.mark, "read-before-write",
-              f"step '{step.name}' reads symmetric buffer '{name}', but no "
+              f"step '{step.name}' reads symmetric buffer {shown}, but no "
               "earlier step of the call writes it"
               + (" (it updates it in place: the module's buffer holds nothing this call "
                  "wrote)" if in_place else ""),

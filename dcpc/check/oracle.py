@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcpc.codegen.plan import tracked as tracked_buffers
+from dcpc.codegen.plan import views as plan_views
 from dcpc.exprs import holds
 from dcpc.topology import shape_of, torus
 
@@ -124,12 +125,14 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
     fields as attributes or dict keys). ``channels``: step name -> channel name for
     findings (default: the plan step's ``attrs["channel"]``, else the polled step)."""
     tracked = tracked_buffers(_attr(plan, "buffers"))
+    views = plan_views(_attr(plan, "buffers"))  # a chunk of a slot: an access of the slot
     plan_steps = list(_attr(plan, "steps"))
     steps = []
     for s in plan_steps:
         before, after = [], []
         for e in _attr(s, "effects") or ():
             buffer = _attr(e, "buffer")
+            buffer = views.get(buffer, buffer)
             if buffer not in tracked:
                 continue
             region = _attr(e, "region")

@@ -43,6 +43,20 @@ class BufferPlan:
     kind: str  # engine (passed in) | symmetric | shared | output (module-owned, local)
     lse_base: str | None = None
     persist: bool = False  # one instance for all slots, zeros at construction, never reset
+    # a chunk of a slot of the module's symmetric memory (``b[s][:, i]``, kind engine:
+    # the module allocates none): the slot it is a view of, which the race models
+    # take its accesses as (``views``)
+    view_of: str | None = None
+
+
+def views(buffers: Iterable[Any]) -> dict[str, str]:
+    """The views of module memory among ``buffers`` (BufferPlans or dicts) -> the buffer
+    each is a view of: the race models take a view's access as one of that buffer (a
+    chunk read races with a put into its slot)."""
+    def field(b: Any, name: str) -> Any:
+        return b.get(name) if isinstance(b, dict) else getattr(b, name, None)
+
+    return {field(b, "name"): field(b, "view_of") for b in buffers if field(b, "view_of")}
 
 
 def tracked(buffers: Iterable[Any]) -> dict[str, bool]:

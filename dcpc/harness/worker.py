@@ -332,12 +332,28 @@ def _written(module: Any, schedule: m.Schedule, kinds: ValueKinds, step: m.Step,
 
     def differs() -> bool:
         stats = OutputStats()
-        compare(name, kind,
-                schedule.buffers[name].dtype.value, module.buffer(name, slot, sizes), want,
+        got = module_view(module, schedule, name, slot, sizes)
+        compare(name, kind, schedule.buffers[name].dtype.value, got, want,
                 stats, "", unsent=unsent, bounds=bounds)
         return stats.mismatches > 0
 
     return differs
+
+
+def module_view(module: Any, schedule: m.Schedule, name: str, slot: int,
+                sizes: dict[str, int]) -> torch.Tensor:
+    """What an engine step reading module-owned ``name`` gets: the module's memory, or
+    for a chunk of a slot (``b[s][:, i]``, which the module allocates none of) its view
+    of the slot's (``Schedule.view``)."""
+    part = schedule.slice_of(name)
+    if _chunk_of_module(schedule, name):
+        return schedule.view(part[0], module.buffer(part[0], slot, sizes), part[1])
+    return module.buffer(name, slot, sizes)
+
+
+def _chunk_of_module(schedule: m.Schedule, name: str) -> bool:
+    part = schedule.slice_of(name)
+    return part is not None and schedule.buffers[part[0]].is_symmetric
 
 
 def _module_owned(module: Any, name: str) -> bool:
@@ -581,7 +597,7 @@ def run_rank(
             for name in step.op.reads:  # module-owned buffers an engine step reads: check them
                 if name in env and not schedule.buffers[name].is_symmetric:
                     continue  # the engine's own tensor
-                got = module.buffer(name, event.slot, sizes)
+                got = module_view(module, schedule, name, event.slot, sizes)
                 want = held(event.call, step.index, name)
                 if want is not None and check:  # what the call wrote before this step
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
@@ -598,8 +614,9 @@ def run_rank(
                     for k, v in env.items()}
             for name, value in external(step, rank, seen).items():
                 value = _to_engine(schedule, name, value, dev)
-                if _module_owned(module, name):  # into the module's memory, as an engine would
-                    target = module.buffer(name, event.slot, sizes)
+                if _module_owned(module, name) or _chunk_of_module(schedule, name):
+                    # into the module's memory (a chunk: its view), as an engine would
+                    target = module_view(module, schedule, name, event.slot, sizes)
                     target.copy_(value)
                     value = target
                 env[name] = value

@@ -83,7 +83,11 @@ def index_axis(inner: str) -> tuple[int, str] | None:
     """An index's text -> (the axis it slices, its expression): ``'h % 2'`` -> (0,
     ``'h % 2'``), ``':, 1'`` -> (1, ``'1'``), ``':, :, e'`` -> (2, ``'e'``): leading
     ``:`` entries, then one expression. None when entries before the last are not all
-    ``:`` (``'1, :'``) or the last is one (``':, :'``): no slice of one axis."""
+    ``:`` (``'1, :'``) or the last is one (``':, :'``): no slice of one axis. Text of two
+    indices (``'h % 2][:, 0'``, a slot's chunk: ``_Unroller._chunk``) is the leading
+    axis' as it is."""
+    if "[" in inner:  # two indices ('i][j'): the leading axis' text, refused later
+        return 0, inner
     parts = inner.split(",")
     if len(parts) == 1:
         return 0, inner
@@ -95,8 +99,28 @@ def index_axis(inner: str) -> tuple[int, str] | None:
 def _index_expr(inner: str) -> str:
     """The expression of an index (its ``:`` entries dropped; the text as is when it is
     no slice of one axis)."""
+    chunk = _CHUNK.match(inner)
+    if chunk:  # a slot's chunk: both expressions (the names they use)
+        later = index_axis(chunk.group(2))
+        return f"({chunk.group(1)}) + ({chunk.group(2) if later is None else later[1]})"
     found = index_axis(inner)
     return inner if found is None else found[1]
+
+
+# a slot's chunk ``b[e1][:, e2]``: the leading index, then one later-axis index of the slot
+_CHUNK = re.compile(r"([^\[\]]*)\]\[([^\[\]]*,[^\[\]]*)\Z", re.S)
+
+
+def _spec(buffers: Any, name: str) -> dict[str, Any]:
+    """Buffer ``name``'s declaration in the data's ``buffers`` ({}: none, or malformed)."""
+    spec = buffers.get(name) if isinstance(buffers, dict) else None
+    return spec if isinstance(spec, dict) else {}
+
+
+def _shape(buffers: Any, name: str) -> list[Any] | None:
+    """The declared shape of buffer ``name`` in the data's ``buffers`` (None: none)."""
+    shape = _spec(buffers, name).get("shape")
+    return shape if isinstance(shape, list) else None
 
 
 def _body(item: Any) -> tuple[str, Any] | None:
@@ -290,12 +314,16 @@ def _first_naming(data: Any, names: set[str]) -> Mark | None:
             return _mark(body, "repeat", "<memory>")
     buffers = data.get("buffers") if isinstance(data, dict) else None
 
-    def sliced_w(name: str, inner: str) -> bool:  # the axis the index slices names W
-        found = index_axis(inner) if "[" not in inner else (0, inner)
-        axis = 0 if found is None else found[0]
-        spec = buffers.get(name) if isinstance(buffers, dict) else None
-        shape = spec.get("shape") if isinstance(spec, dict) else None
-        return isinstance(shape, list) and len(shape) > axis and _names_w(shape[axis], names)
+    def sliced_w(name: str, inner: str) -> bool:  # an axis the index slices names W
+        found = index_axis(inner)
+        axes = [0 if found is None else found[0]]
+        chunk = _CHUNK.match(inner)
+        if chunk:  # a slot's chunk: the leading axis, and the slot's later one
+            later = index_axis(chunk.group(2))
+            axes.append(0 if later is None else later[0] + 1)
+        shape = _shape(buffers, name)
+        return shape is not None and any(len(shape) > a and _names_w(shape[a], names)
+                                         for a in axes)
 
     def walk(node: Any, mark: Mark | None, hops: frozenset[str] = frozenset()) -> Mark | None:
         # a perm's table is one W's (on a mesh, one shape's: its ranks are the mesh's)
@@ -371,6 +399,9 @@ class _Unroller:
         self.rotated: dict[str, tuple[str, int, Mark]] = {}
         self.fixed: set[str] = set()
         self.count = 0  # the steps unrolled so far (``loop``'s backstop)
+        # a slot of a module-owned buffer whose chunks external steps read
+        # (``b[e1][:, e2]``: ``_chunk``) -> (the slot's axis, first use, where, chunk count)
+        self.chunks: dict[str, tuple[int, str, Mark, int]] = {}
         # symmetric buffers whose leading axis is W -> where a use is no rotation (or None)
         self.rotation_uses = _rotation_uses(data, self.env, file)
         self.rotating = _rotating(self.rotation_uses)
@@ -380,13 +411,19 @@ class _Unroller:
             self.errors.append(Diagnostic(mark, code, message, hint))
 
     # --- buffer indices ------------------------------------------------------
+    def _shape(self, name: str) -> list[Any] | None:
+        return _shape(self.data.get("buffers"), name)
+
+    def _module_kind(self, name: str) -> str | None:
+        """'symmetric', 'shared' or 'persist' for a buffer the module owns, else None."""
+        spec = _spec(self.data.get("buffers"), name)
+        return next((k for k in ("symmetric", "shared", "persist") if spec.get(k)), None)
+
     def _leading(self, name: str, axis: int = 0) -> int | None:
         """The length of axis ``axis`` of buffer ``name`` (None: not an integer, or no
         buffer of an axis after it)."""
-        buffers = self.data.get("buffers")
-        spec = buffers.get(name) if isinstance(buffers, dict) else None
-        shape = spec.get("shape") if isinstance(spec, dict) else None
-        if not isinstance(shape, list) or len(shape) < axis + 2:
+        shape = self._shape(name)
+        if shape is None or len(shape) < axis + 2:
             return None
         first = shape[axis]
         if isinstance(first, int) and not isinstance(first, bool):
@@ -395,7 +432,8 @@ class _Unroller:
 
     def index(self, text: str, env: dict[str, int], mark: Mark) -> str:
         """``b[e]`` -> ``b_<value of e>``; ``b[:, e]`` (``b[:, :, e]``) likewise, slice e
-        of b's axis 1 (2): ``_later_axis``; any other text unchanged (a whole buffer is
+        of b's axis 1 (2): ``_later_axis``; ``b[e1][:, e2]`` -> ``b_<e1>_<e2>``, a slot's
+        chunk: ``_chunk``; any other text unchanged (a whole buffer is
         recorded, to refuse one used both whole and sliced)."""
         found = _INDEXED.match(text.strip())
         if found is None:
@@ -405,18 +443,27 @@ class _Unroller:
                     self.bare.setdefault(text, (mark, self.step_op))
             return text
         name, inner = found.group(1), found.group(2)
+        chunk = _CHUNK.match(inner)
+        if chunk and "," not in chunk.group(1):
+            return self._chunk(name, chunk.group(1), chunk.group(2), text, env, mark)
         if "[" in inner and any("," in p for p in inner.split("][")):
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' has more than one index; a name takes one index, "
                        f"of one axis: '{name}[e]' (the leading axis) or '{name}[:, e]' "
-                       "(axis 1)", f"index one axis of '{name}' and read the slice in an "
+                       f"(axis 1), or a slot's chunk '{name}[e1][:, e2]'",
+                       f"index one axis of '{name}' and read the slice in an "
                        "external step, or declare the slice a buffer of its own")
             return text
-        split = index_axis(inner) if "[" not in inner else (0, inner)
+        split = index_axis(inner)
         if split is None:
+            parts = [p.strip() for p in inner.split(",")]
+            lead_then = (len(parts) > 2 and parts[0] not in ("", ":")
+                         and all(p == ":" for p in parts[1:-1]) and parts[-1] not in ("", ":"))
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' is no slice of one axis: an index is one "
                        "expression, after a ':' for each axis before the one it slices",
+                       f"write a slot's chunk as '{name}[{parts[0]}][{':, ' * (len(parts) - 2)}"
+                       f"{parts[-1]}]' (the slot, then one axis of it)" if lead_then else
                        f"write '{name}[e]' (the leading axis), '{name}[:, e]' (axis 1) or "
                        f"'{name}[:, :, e]' (axis 2)")
             return text
@@ -452,42 +499,85 @@ class _Unroller:
                        f"index a buffer whose {where} counts the slices the steps use "
                        "(e.g. 'shape: [2, N, D]' for double buffering)")
             return text
-        value = self._value(inner, env, mark, text)
-        if value is None:
-            return text
-        if not 0 <= value < lead:
-            self.error(mark, "bad-index",
-                       f"'{clipped(text)}' is slice {value} of '{name}', whose {where} has "
-                       f"{lead} slices (0..{lead - 1})" + self._at(env))
-            return text
-        seen = self.axes_of.setdefault(name, (axis, text, mark))
-        if seen[0] != axis:
-            self.error(mark, "mixed-index",
-                       f"'{clipped(text)}' slices axis {axis} of '{name}', which "
-                       f"'{clipped(seen[1])}' at {seen[2]} slices along axis {seen[0]}; a "
-                       "buffer is sliced along one axis",
-                       "slice it along one axis everywhere, or declare two buffers")
+        value = self._in_range(inner, env, mark, text, lead, f"slice {{}} of '{name}', whose "
+                               f"{where}")
+        if value is None or not self._one_axis(self.axes_of, name, (axis, text, mark),
+                                               f"'{name}'", "buffer"):
             return text
         self.split[name] = lead
         return f"{name}_{value}"
 
-    def _later_axis(self, name: str, axis: int, text: str, mark: Mark) -> bool:
-        """Whether ``b[:, e]`` (a slice of axis ``axis`` > 0) may be taken here: of a
-        buffer the engine owns (not symmetric, shared or persist) in an external step.
-        Such a slice is a strided view: the kernels take contiguous rows, so no method
-        (a communication op, a copy, a merge) takes one (bad-index)."""
-        buffers = self.data.get("buffers")
-        spec = buffers.get(name) if isinstance(buffers, dict) else None
-        kind = next((k for k in ("symmetric", "shared", "persist")
-                     if isinstance(spec, dict) and spec.get(k)), None)
-        if kind is not None:
+    def _chunk(self, name: str, first: str, later: str, text: str, env: dict[str, int],
+               mark: Mark) -> str:
+        """``b[e1][:, e2]``: chunk e2 of axis 1 (``b[e1][:, :, e2]``: axis 2) of slot e1
+        of a buffer the module owns, in an external step: ``'<b>_<e1>_<e2>'``, a view of
+        the slot ``'<b>_<e1>'`` (which stays a contiguous buffer, what shifts move)."""
+        split = index_axis(later)
+        kind = self._module_kind(name)
+        if split is None or kind is None:
             self.error(mark, "bad-index",
-                       f"'{clipped(text)}' slices axis {axis} of '{name}', a {kind} buffer; "
-                       "a slice along a later axis is a strided view, taken of a buffer the "
-                       "engine owns only (the module's kernels move contiguous rows)",
-                       f"index '{name}' along its leading axis (declare the sliced axis "
-                       "first), or make it the engine's (not symmetric, shared or persist)")
-            return False
+                       f"'{clipped(text)}' is no chunk of a slot: after the slot's index "
+                       "comes one later-axis index of the slot (a ':' for each axis before "
+                       "it), of a symmetric, shared or persist buffer" + (
+                           f"; '{name}' is the engine's" if kind is None else ""),
+                       f"write '{name}[e1][:, e2]'" if kind is not None else
+                       f"declare the slot and chunk axes of '{name}' as one and write "
+                       f"'{name}[:, e]', or index its leading axis only")
+            return text
+        axis, expr = split
+        if not self._later_axis(name, axis, text, mark):
+            return text
+        slot = self.index(f"{name}[{first}]", env, mark)
+        if not re.fullmatch(rf"{re.escape(name)}_\d+", slot):
+            return text  # the slot's index was refused (or a rotation: not a slot of b)
+        lead = self._leading(name, axis + 1)
+        if lead is None or lead > MAX_SLICES:
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' takes a chunk of axis {axis} of slot '{slot}' of "
+                       f"'{name}', whose axis {axis + 1} is not an integer of at most "
+                       f"{MAX_SLICES} slices (or which has no axis after it)",
+                       f"declare '{name}' with an integer axis {axis + 1}, e.g. "
+                       "'shape: [2, B, 2, C, D]' for 'b[s][:, i]'")
+            return text
+        value = self._in_range(expr, env, mark, text, lead, f"chunk {{}} of a slot of "
+                               f"'{name}', whose axis {axis + 1}")
+        if value is None or not self._one_axis(self.chunks, slot, (axis, text, mark, lead),
+                                               f"slot '{slot}'", "slot"):
+            return text
+        return f"{slot}_{value}"
+
+    def _in_range(self, expr: str, env: dict[str, int], mark: Mark, text: str, lead: int,
+                  what: str) -> int | None:
+        """The value of index ``expr`` of ``text`` when it is in 0..lead-1, else None
+        (bad-index, naming it as ``what`` with the value filled in)."""
+        value = self._value(expr, env, mark, text)
+        if value is not None and not 0 <= value < lead:
+            self.error(mark, "bad-index", f"'{clipped(text)}' is {what.format(value)} has "
+                       f"{lead} slices (0..{lead - 1})" + self._at(env))
+            return None
+        return value
+
+    def _one_axis(self, table: dict[str, Any], key: str, entry: tuple, what: str,
+                  noun: str) -> bool:
+        """Record the axis ``entry`` = (axis, text, mark, ...) slices ``key`` along, in
+        ``table``; False (mixed-index) when an earlier index sliced another."""
+        seen = table.setdefault(key, entry)
+        if seen[0] == entry[0]:
+            return True
+        axis, text, mark = entry[:3]
+        self.error(mark, "mixed-index",
+                   f"'{clipped(text)}' slices axis {axis} of {what}, which "
+                   f"'{clipped(seen[1])}' at {seen[2]} slices along axis {seen[0]}; a "
+                   f"{noun} is sliced along one axis",
+                   "slice it along one axis everywhere, or declare two buffers")
+        return False
+
+    def _later_axis(self, name: str, axis: int, text: str, mark: Mark) -> bool:
+        """Whether ``b[:, e]`` (a slice of axis ``axis`` > 0) may be taken here: in an
+        external step. Such a slice is a strided view: the kernels take contiguous rows,
+        so no method (a communication op, a copy, a merge) takes one (bad-index); of a
+        buffer the module owns (symmetric, shared, persist) the engine gets a view of
+        the module's memory (``_split_buffers``: the buffer stays whole)."""
         if self.step_op not in (None, "external"):
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' slices axis {axis} of '{name}' in a step of op "
@@ -500,10 +590,8 @@ class _Unroller:
 
     def _lead_name(self, name: str, axis: int = 0) -> str | None:
         """The size name buffer ``name``'s axis ``axis`` is declared as (None: another)."""
-        buffers = self.data.get("buffers")
-        spec = buffers.get(name) if isinstance(buffers, dict) else None
-        shape = spec.get("shape") if isinstance(spec, dict) else None
-        first = shape[axis] if isinstance(shape, list) and len(shape) >= axis + 2 else None
+        shape = self._shape(name)
+        first = shape[axis] if shape is not None and len(shape) >= axis + 2 else None
         return first if isinstance(first, str) else None
 
     def needs_world(self, mark: Mark, message: str, name: str = "W") -> None:
@@ -579,12 +667,10 @@ class _Unroller:
         ``Q * (i) + j`` (exact when the buffer's second axis is an integer Q)."""
         found = _INDEXED.match(text.strip())
         parts = found.group(2).split("][") if found else []
-        buffers = self.data.get("buffers")
-        spec = buffers.get(found.group(1)) if found and isinstance(buffers, dict) else None
-        shape = spec.get("shape") if isinstance(spec, dict) else None
+        shape = self._shape(found.group(1)) if found else None
         dims = [d if isinstance(d, int) else self.env.get(d) if isinstance(d, str) else None
-                for d in (shape[:2] if isinstance(shape, list) else [])]
-        if (len(parts) == 2 and len(shape) > 2  # merged, still two axes or more
+                for d in (shape[:2] if shape is not None else [])]
+        if (len(parts) == 2 and shape is not None and len(shape) > 2  # still two axes or more
                 and all(isinstance(d, int) for d in dims)):
             p, q = dims
             rest = ", ".join(str(d) for d in shape[2:])
@@ -1133,7 +1219,7 @@ class _Unroller:
         if mixed:
             self.fixed |= mixed
             self.errors, self.split, self.whole, self.rotated = [], {}, {}, {}
-            self.axes_of, self.bare = {}, {}
+            self.axes_of, self.bare, self.chunks = {}, {}, {}
             self.count = 0
             data = self._unroll()
         self._split_buffers(data)
@@ -1175,7 +1261,7 @@ class _Unroller:
 
     def _split_buffers(self, data: dict[str, Any]) -> None:
         buffers = data.get("buffers")
-        if not isinstance(buffers, dict) or not (self.split or self.rotated):
+        if not isinstance(buffers, dict) or not (self.split or self.rotated or self.chunks):
             return
         out = {k: v for k, v in buffers.items() if k not in (MARK, MARKS)}
         marks = dict(buffers.get(MARKS, {}))
@@ -1194,13 +1280,17 @@ class _Unroller:
         for name in {base for base, _, _ in self.rotated.values()}:
             out.pop(name, None)  # only its rotations are used (a mixed one was unrolled again)
         aliased: dict[str, int] = {}
+        axes: dict[str, int] = {}  # the aliased ones sliced along a later axis
         for name, lead in self.split.items():
             spec = out.get(name)
-            if name in self.whole and isinstance(spec, dict) and not (
-                    spec.get("symmetric") or spec.get("shared")):
-                # the engine's own tensor, used whole and by slice: it stays, and its
-                # slices are views of it (Schedule.slices); every stage sees the views'
-                # accesses as accesses of the parts of the whole (one set of cells)
+            axis = self.axes_of[name][0]
+            if (axis and self._module_kind(name)) or (
+                    name in self.whole and isinstance(spec, dict) and not (
+                    spec.get("symmetric") or spec.get("shared"))):
+                # the engine's own tensor used whole and by slice, or a later axis of the
+                # module's memory: it stays, and its slices are views of it
+                # (Schedule.slices); every stage sees the views' accesses as accesses of
+                # the parts of the whole (one set of cells)
                 aliased[name] = lead
             elif name in self.whole:
                 self.error(self.whole[name], "mixed-index",
@@ -1208,33 +1298,44 @@ class _Unroller:
                            "('" + name + "[i]'); a sliced buffer is split into its slices",
                            f"name a slice, e.g. '{name}[0]'")
                 continue
-            spec = dict(out[name] if name in aliased else out.pop(name))
-            axis = self.axes_of[name][0]
-            spec["shape"] = spec["shape"][:axis] + spec["shape"][axis + 1:]
-            for i in range(lead):
-                part = f"{name}_{i}"
-                if part in out:
-                    self.error(marks.get("key:" + part) or _mark(buffers, None, self.file),
-                               "mixed-index",
-                               f"buffer '{part}' is declared, but it is also the name of "
-                               f"slice {i} of '{name}'", "rename one of them")
-                elif axis and part in self.bare:
-                    at, op = self.bare[part]
-                    self.error(at, "bad-index",
-                               f"'{part}' is slice {i} of '{name}' along axis {axis} "
-                               f"('{name}[{':, ' * axis}{i}]'), named in a step of op "
-                               f"'{op}'; a slice along a later axis is a strided view, "
-                               "which only an external step takes (the module's kernels "
-                               "move contiguous rows)",
-                               f"read '{name}[{':, ' * axis}{i}]' in an external step, or "
-                               "declare the chunk a buffer of its own")
-                out[part] = spec
-                marks["key:" + part] = marks.get("key:" + name)
-                marks[part] = marks.get(name)
+            if axis and name in aliased:
+                axes[name] = axis
+            self._parts(out, marks, buffers, name, lead, axis,
+                        dict(out[name] if name in aliased else out.pop(name)))
+        for slot, (axis, _, _, lead) in self.chunks.items():
+            if isinstance(out.get(slot), dict):  # a slot's chunks: views of the slot
+                aliased[slot], axes[slot] = lead, axis
+                self._parts(out, marks, buffers, slot, lead, axis, dict(out[slot]))
         data["buffers"] = {**out, MARKS: marks, MARK: buffers.get(MARK)}
         if aliased:
             data[SLICES] = aliased
-            data[SLICE_AXES] = {k: self.axes_of[k][0] for k in aliased if self.axes_of[k][0]}
+            data[SLICE_AXES] = axes
+
+    def _parts(self, out: dict[str, Any], marks: dict[str, Any], buffers: dict[str, Any],
+               name: str, lead: int, axis: int, spec: dict[str, Any]) -> None:
+        """Declare the ``lead`` slices ``<name>_<i>`` of buffer ``name`` along ``axis``
+        in ``out`` (``spec``: its declaration), each with its shape less that axis."""
+        spec["shape"] = spec["shape"][:axis] + spec["shape"][axis + 1:]
+        for i in range(lead):
+            part = f"{name}_{i}"
+            if part in out:
+                self.error(marks.get("key:" + part) or _mark(buffers, None, self.file),
+                           "mixed-index",
+                           f"buffer '{part}' is declared, but it is also the name of "
+                           f"slice {i} of '{name}'", "rename one of them")
+            elif axis and part in self.bare:
+                at, op = self.bare[part]
+                self.error(at, "bad-index",
+                           f"'{part}' is slice {i} of '{name}' along axis {axis} "
+                           f"('{name}[{':, ' * axis}{i}]'), named in a step of op "
+                           f"'{op}'; a slice along a later axis is a strided view, "
+                           "which only an external step takes (the module's kernels "
+                           "move contiguous rows)",
+                           f"read '{name}[{':, ' * axis}{i}]' in an external step, or "
+                           "declare the chunk a buffer of its own")
+            out[part] = spec
+            marks["key:" + part] = marks.get("key:" + name)
+            marks[part] = marks.get(name)
 
 
 def _owner_mark(body: dict[str, Any], file: str,

@@ -114,8 +114,10 @@ class Schedule(Node):
     # shape when the unrolling names a mesh axis' size, or None
     _loop_world: int | tuple[int, ...] | None = PrivateAttr(default=None)
 
-    # the engine-owned buffers used both whole and by slice (dcpc.lang.loops): buffer ->
-    # its slice count; slice k is the buffer '<name>_<k>', a view of index k of it
+    # the buffers used both whole and by slice (dcpc.lang.loops): the engine's, or a
+    # later axis of the module's memory (``b[:, k]``, a slot's chunks ``b[s][:, k]``:
+    # the slot 'b_<s>'): buffer -> its slice count; slice k is the buffer
+    # '<name>_<k>', a view of index k of it
     _slices: dict[str, int] = PrivateAttr(default_factory=dict)
     # of those, the ones sliced along a later axis (``b[:, k]``): buffer -> that axis
     _slice_axes: dict[str, int] = PrivateAttr(default_factory=dict)
@@ -131,7 +133,9 @@ class Schedule(Node):
     def view(self, whole: str, value: Any, k: int) -> Any:
         """Slice ``k`` of buffer ``whole`` (used whole and by slice) in its tensor
         ``value``: index k of its leading axis, or of the axis its indices slice
-        (``b[:, k]``: ``value.select(1, k)``), a view that writes through."""
+        (``b[:, k]``: ``value.select(1, k)``), a view that writes through. A slot's
+        chunk (``recv[s][:, k]``) is such a slice of the slot ``recv_<s>``, whose
+        tensor is then the module's memory (dcpc.harness.worker.module_view)."""
         return value.select(self._slice_axes.get(whole, 0), k)
 
     def slice_text(self, name: str) -> str | None:

@@ -114,11 +114,12 @@ def test_a_guarded_chunk_missing_on_a_rank_is_named_as_written() -> None:
     (('  - one: {op: external, reads: ["q[:, 1]"], writes: [y]}',
       '  - one: {op: copy, src: q_1, dst: y}'), "bad-index", (12, 26),
      "'q_1' is slice 1 of 'q' along axis 1 ('q[:, 1]'), named in a step of op 'copy'"),
-    # a symmetric, shared or persist buffer's slice along a later axis
+    # a symmetric, shared or persist buffer's slice along a later axis: a method's
+    # (an external step takes it: tests/lang/test_slot_chunk.py)
     *[(("  z: {shape: [B, 2, C, D], dtype: f32}",
         "  z: {shape: [B, 2, C, D], dtype: f32}\n  g: {shape: [B, 2, C, D], dtype: f32, "
-        f"{kind}: true}}"), "bad-index", None, f"'g[:, 0]' slices axis 1 of 'g', a {kind}")
-      for kind in ("symmetric", "shared", "persist")],
+        f"{kind}: true}}"), "bad-index", None, "'g[:, 0]' slices axis 1 of 'g' in a step "
+       "of op 'copy'") for kind in ("symmetric", "shared", "persist")],
     # one buffer sliced along two axes
     (('reads: ["q[:, 1]"], writes: [y]', 'reads: ["lse[1]"], writes: [y]',
       "lse: {shape: [B, D, 2, C]", "lse: {shape: [2, D, 2, C]"), "mixed-index",
@@ -141,7 +142,7 @@ def test_a_refused_axis_index_is_located(change: tuple[str, ...], code: str,
     for old, new in zip(change[::2], change[1::2], strict=True):
         text = text.replace(old, new)
     if code == "bad-index" and "'g[:, 0]'" in words:
-        text += '  - sym: {op: external, reads: ["g[:, 0]"], writes: [y]}\n'
+        text += '  - sym: {op: copy, src: "g[:, 0]", dst: y}\n'
     assert text != TEXT
     found = _errors(text, range(2, 3))
     assert found and found[0].code == code, found

@@ -84,36 +84,49 @@ def run_engine_step(name: str, reads: list[str], writes: list[str], bufs):  # no
             return bufs[buffer].flatten(axis, axis + 1)
         return cat(read(buffer), dim=axis)
 
-    if name == "pack":
-        return put(of(writes, "kv"), [cat([k, v], dim=1) for k, v in zip(read("k"), read("v"),
-                                                                          strict=True)])
+    def block(buffer: str) -> torch.Tensor:
+        """k or v of the block in hand as the source passes it, [B, Sk, HK, D]: the own
+        one (step 0), a received slot (recv_k_<s>, [B, 2, C, ...]) or its first chunk
+        (recv_k_<s>_0, a view of the slot: k0)."""
+        (got,) = [n for n in reads if n == buffer or n.startswith(f"recv_{buffer}_")]
+        return bufs[got].flatten(1, 2) if bufs[got].dim() == 5 else bufs[got]
+
+    def chunks(buffer: str) -> torch.Tensor:  # dk_blk's chunks read: whole, or the first
+        part = read(buffer)
+        return torch.stack(part, 1) if len(part) == 2 else part[0]
+
+    def running(buffer: str, names: list[str]) -> list[str]:  # dk_acc_<s>, dk_acc_<s>_0
+        return [n for n in names if n.startswith(f"{buffer}_")]
+
     if name.startswith("backward"):
-        # the block in hand: the own one (step 0, causal) or received chunks
-        blocks = read("kv") or read("recv")
-        k = cat([b[:, :C] for b in blocks], dim=1)
-        v = cat([b[:, C:] for b in blocks], dim=1)
+        k, v = block("k"), block("v")
         q, dout, out = (tokens(n) for n in ("q", "dout", "out"))
         dq, dk, dv = attention_backward(dout, q, k, v, out, tokens("lse", 2),
-                                        causal=bool(read("kv")))
+                                        causal="k" in reads)
         # the rows each writes: dq_buffer[:, :seqlen_q], dk_buffer[:, :seqlen_kv]
         return (put(of(writes, "dq_blk"), dq.split(C, 1))
                 | put(of(writes, "dk_blk"), dk.split(C, 1))
                 | put(of(writes, "dv_blk"), dv.split(C, 1)))
     if name == "init":  # dq = dq_buffer.to(float32), dk and dv likewise
-        return put(of(writes, "dq_acc"), read("dq_blk")) | put(
-            of(writes, "dkv"), [cat(kv, dim=1) for kv in zip(read("dk_blk"), read("dv_blk"),
-                                                              strict=True)])
+        return (put(of(writes, "dq_acc"), read("dq_blk"))
+                | put(of(writes, "dk_acc"), [chunks("dk_blk")])
+                | put(of(writes, "dv_acc"), [chunks("dv_blk")]))
     if name.startswith("dq_"):  # dq += dq_buffer; the later-rank branch's
         # dq[:, C:] += dq_buffer[:, :C] is its declared dq_acc[1] and dq_blk[0]
         return add("dq_acc", read("dq_blk"))
-    if name.startswith("dkv_"):  # the running dk/dv of the block in hand (its chunks)
-        return add("dkv", [cat(kv, dim=1) for kv in zip(read("dk_blk"), read("dv_blk"),
-                                                         strict=True)])
+    if name.startswith("dkv_"):  # the running dk/dv of the block in hand: the slot, or
+        # its first chunk (dk[:, :block_seq_len] += dk_buffer[:, :block_seq_len])
+        out = {}
+        for acc, part in (("dk_acc", "dk_blk"), ("dv_acc", "dv_blk")):
+            (at,) = running(acc, writes)
+            assert running(acc, reads) == [at], name
+            out[at] = bufs[at] + chunks(part)
+        return out
     if name == "finish":
-        home = read("dkv")
+        (dk_home,), (dv_home,) = running("dk_acc", reads), running("dv_acc", reads)
         return (put(of(writes, "dq"), read("dq_acc"))
-                | put(of(writes, "dk"), [h[:, :C] for h in home])
-                | put(of(writes, "dv"), [h[:, C:] for h in home]))
+                | put(of(writes, "dk"), bufs[dk_home].unbind(1))
+                | put(of(writes, "dv"), bufs[dv_home].unbind(1)))
     raise AssertionError(f"no engine step {name}")
 
 
@@ -149,9 +162,10 @@ def errors(path: Path, world: int) -> dict[str, float]:
         bufs = {}
         for name, (t, dim) in stored.items():
             parts = [chunk(t, j, dim) for j in mine]
-            bufs |= {f"{name}_{i}": simulate.as_stored(schedule, f"{name}_{i}", part)
-                     for i, part in enumerate(parts)}
-            if name in schedule.slices:  # read whole too: [B, 2, C, ...] ([B, H, 2, C])
+            if name not in schedule.buffers or name in schedule.slices:  # read by chunk
+                bufs |= {f"{name}_{i}": simulate.as_stored(schedule, f"{name}_{i}", part)
+                         for i, part in enumerate(parts)}
+            if name in schedule.buffers:  # read whole: [B, 2, C, ...] ([B, H, 2, C])
                 bufs[name] = simulate.as_stored(schedule, name, torch.stack(parts, dim))
         inputs.append(bufs)
     ends = simulate.simulate_call(schedule, world, {"B": B, "C": C, "H": H, "HK": HK, "D": D},
@@ -187,7 +201,7 @@ def test_dk_dv_sent_on_before_the_step_s_add_are_other_gradients(tmp_path: Path)
     first = lines.index("        - dpost: {op: signal, to: prev, channel: dfree}\n")
     send = lines[first:first + 4]
     assert [line.split(":")[0].strip() for line in send] == [
-        "- dpost", "- dcredit", "- dsend_0", "- dsend_1"]
+        "- dpost", "- dcredit", "- dsend_k", "- dsend_v"]
     rest = lines[:first] + lines[first + 4:]
     add = rest.index("        - dkv_upper:\n")
     path = tmp_path / "zigzag_send_before_add.yaml"

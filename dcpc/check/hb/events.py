@@ -29,11 +29,12 @@ tracked too, as one instance per rank that only its rank touches).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 
 from dcpc.codegen.plan import tracked as tracked_buffers
+from dcpc.codegen.plan import views as plan_views
 from dcpc.diagnostics import Mark
 from dcpc.lang.mesh import MeshWorld, mesh_of, shape_of, torus
 from dcpc.lang.model import Peers, Schedule, Streams
@@ -224,14 +225,16 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
 
         plan = lower_plan(schedule, [2])
     tracked = tracked_buffers(plan.buffers)
+    views = plan_views(plan.buffers)  # a chunk of a slot: an access of the slot
     steps = schedule.step_list()
     events: list[Event] = []
     names: dict[str, str] = {}
     for i, step in enumerate(plan.steps):
         op = steps[i].op
         sync = step.sync
-        before = tuple(_access(e) for e in step.effects if e.when == BEFORE and e.buffer in tracked)
-        after = tuple(_access(e) for e in step.effects if e.when == AFTER and e.buffer in tracked)
+        effects = [replace(e, buffer=views.get(e.buffer, e.buffer)) for e in step.effects]
+        before = tuple(_access(e) for e in effects if e.when == BEFORE and e.buffer in tracked)
+        after = tuple(_access(e) for e in effects if e.when == AFTER and e.buffer in tracked)
         # the engine reads what the method returns, at its return (issue 33 flaky22: an
         # all_gather's output a peer's next call pushes into before this rank's wait
         # returns was proved "ok" while the run returned the next call's data)
