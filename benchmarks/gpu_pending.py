@@ -321,12 +321,15 @@ def plans(rows: list[dict[str, Any]], shards: int, first: list[str],
     return out
 
 
-def slow_plan(rows: list[dict[str, Any]], slow: frozenset[tuple[str, str]]) -> list[str]:
-    """The pending ``slow`` cases, one line "WORLD FILE" each: conformance_shards.sh runs
-    them one at a time beside the shards, with long rank timeouts (an 8-rank mesh that
-    shares the GPU with the shards is slow, not hung: session 28's deepep_normal 2x4)."""
-    return [f"{r['world']} {r['file']}" for r in rows
-            if r["settled"] is None and (r["file"], r["world"]) in slow]
+def slow_plan(rows: list[dict[str, Any]], slow: frozenset[tuple[str, str]],
+              first: list[str] = ()) -> list[str]:
+    """The pending ``slow`` cases, one line "WORLD FILE" each, the files named in
+    ``first`` first: conformance_shards.sh runs them beside the shards, with long rank
+    timeouts (an 8-rank mesh that shares the GPU with the shards is slow, not hung:
+    session 28's deepep_normal 2x4)."""
+    due = [r for r in rows if r["settled"] is None and (r["file"], r["world"]) in slow]
+    due.sort(key=lambda r: r["file"] not in first)  # stable: the rows' order otherwise
+    return [f"{r['world']} {r['file']}" for r in due]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         slow = frozenset(c for c, s in took.items() if s >= SLOW_S)
         for i, lines in enumerate(plans(rows, args.shards, args.first, slow), 1):
             (args.plans / f"plan{i}.txt").write_text("".join(f"{x}\n" for x in lines))
-        (args.plans / "slow.txt").write_text("".join(f"{x}\n" for x in slow_plan(rows, slow)))
+        slow_lines = slow_plan(rows, slow, args.first)
+        (args.plans / "slow.txt").write_text("".join(f"{x}\n" for x in slow_lines))
         (args.plans / "keys.json").write_text(json.dumps(tree_keys(
             [(r["file"], r["world"]) for r in rows if r["settled"] is None])))
         print(f"{sum(r['settled'] is None for r in rows)} pending cases in {args.shards} "

@@ -130,6 +130,7 @@ def test_the_shard_plans_run_every_pending_case_once_urgent_first() -> None:
     assert gp.plans(rows, 2, first=["e.yaml"], slow=slow) == [
         ["2 b.yaml", "2 a.yaml", "2x2 d.yaml"], ["2 e.yaml", "4 c.yaml", "4 a.yaml"]]
     assert gp.slow_plan(rows, slow) == ["8 b.yaml", "4x2 d.yaml"]
+    assert gp.slow_plan(rows, slow, first=["d.yaml"]) == ["4x2 d.yaml", "8 b.yaml"]
 
 
 def test_a_case_is_as_slow_as_its_newest_record(tmp_path: Path) -> None:
