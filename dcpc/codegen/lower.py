@@ -100,11 +100,11 @@ def _buffers(schedule: m.Schedule) -> dict[str, BufferPlan]:
     written = schedule.method_outputs()
     out = {}
     for name, b in schedule.buffers.items():
-        part = schedule.slice_of(name)
-        if part is not None and schedule.buffers[part[0]].is_symmetric:
+        whole = schedule.module_view_of(name)
+        if whole is not None:
             # a chunk of the module's symmetric memory: the engine's view of it
             out[name] = BufferPlan(name, [ex.parse(d) for d in b.shape], b.dtype.value,
-                                   "engine", view_of=part[0])
+                                   "engine", view_of=whole)
             continue
         kind = (
             "shared"
