@@ -85,6 +85,9 @@ def test_a_slot_s_chunk_is_a_view_of_the_slot() -> None:
     plan = lower(schedule, [3])
     assert views(plan.buffers) == {f"recv_{s}_{i}": f"recv_{s}" for s in (0, 1) for i in (0, 1)}
     assert {b.name: b.kind for b in plan.buffers}["recv_0_0"] == "engine"
+    # the emitted contract names the view the engine takes (axis 1 of the slot)
+    assert ("recv_1_0 is module.buffer('recv_1').select(1, 0): a view of the module's "
+            "memory") in "\n".join(plan.contract), plan.contract
     assert check_errors(TEXT, range(2, 5)) == []
 
 
