@@ -1,5 +1,6 @@
-"""A chunk of a slot of the module's memory (``recv[h % 2][:, 0]``): slot e1 of a
-symmetric, shared or persist buffer's leading axis, then one later axis of the slot,
+"""A chunk of a slot of the module's memory (``recv[h % 2][:, 0]``): slot e1 of the
+leading axis of a symmetric or shared buffer (persist or not; of a persist-only one it
+is refused), then one later axis of the slot,
 taken by external steps (dcpc.lang.loops ``_Unroller._chunk``). The slot stays what
 shifts move (a contiguous buffer of its own); its chunks are views of it
 (Schedule.view): disjoint in the data flow, the slot in the race models, the rows of
