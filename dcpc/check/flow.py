@@ -224,8 +224,8 @@ def _module_view(ctx: Context, whole: str, part: tuple[str, int] | None) -> bool
     whose chunks external steps read, ``b[s][:, i]``): its slices are views of that
     memory, so the write is one of theirs too (a method never takes a slice of it:
     ``bad-index`` at the unrolling)."""
-    buffer = ctx.buffer(whole)
-    return part is None and buffer is not None and buffer.is_symmetric
+    return part is None and any(
+        ctx.schedule.module_view_of(cell) == whole for cell in ctx.schedule.cells(whole))
 
 
 def _check_per_rank(ctx: Context, found: list[Access], every: list[Access]) -> None:

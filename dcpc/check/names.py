@@ -391,7 +391,8 @@ def _check_slots(ctx: Context, schedule: Schedule) -> None:
                   severity="warning")
     if schedule.slots == 1:
         for name, buffer in schedule.buffers.items():
-            if buffer.shared and "shared" in buffer.src_marks:  # not one persist made
+            if (buffer.shared and "shared" in buffer.src_marks  # not one persist made
+                    and schedule.module_view_of(name) is None):  # a chunk: its slot's
                 ctx.error(buffer.mark("shared"), "slots-streams",
                           f"buffer '{name}' is shared between slots, but the schedule "
                           "has only one slot", severity="warning",

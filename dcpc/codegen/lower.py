@@ -100,11 +100,11 @@ def _buffers(schedule: m.Schedule) -> dict[str, BufferPlan]:
     written = schedule.method_outputs()
     out = {}
     for name, b in schedule.buffers.items():
-        part = schedule.slice_of(name)
-        if part is not None and schedule.buffers[part[0]].is_symmetric:
+        whole = schedule.module_view_of(name)
+        if whole is not None:
             # a chunk of the module's symmetric memory: the engine's view of it
             out[name] = BufferPlan(name, [ex.parse(d) for d in b.shape], b.dtype.value,
-                                   "engine", view_of=part[0])
+                                   "engine", view_of=whole)
             continue
         kind = (
             "shared"
@@ -204,6 +204,10 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str,
             f"that rotates the rank); there is no buffer {base}: module.buffer("
             f"'{ROTATION.format(base, '<c>')}')"
         )
+    shapes = {b.name: b.shape for b in buffers}
+    for b in buffers:
+        if b.view_of is not None:
+            lines.append(_view_line(b, shapes[b.view_of]))
     for b in buffers:
         if b.persist:
             lines.append(
@@ -215,6 +219,17 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str,
                 "after warm-up"
             )
     return lines
+
+
+def _view_line(b: BufferPlan, whole: list[ex.Expr]) -> str:
+    """The contract's line for a view of the module's memory (a slot's chunk): which
+    slice of which module buffer the engine takes for it."""
+    k = b.name.rpartition("_")[2]
+    axes = [i for i in range(len(whole)) if whole[:i] + whole[i + 1:] == b.shape]
+    where = (f"module.buffer('{b.view_of}').select({axes[0]}, {k})" if len(axes) == 1
+             else f"slice {k} of module.buffer('{b.view_of}') along a later axis")
+    return (f"{b.name} is {where}: a view of the module's memory, which allocates none "
+            "for it")
 
 
 def lower(schedule: m.Schedule, worlds: Iterable[int],

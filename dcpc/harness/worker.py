@@ -345,15 +345,11 @@ def module_view(module: Any, schedule: m.Schedule, name: str, slot: int,
     """What an engine step reading module-owned ``name`` gets: the module's memory, or
     for a chunk of a slot (``b[s][:, i]``, which the module allocates none of) its view
     of the slot's (``Schedule.view``)."""
-    part = schedule.slice_of(name)
-    if _chunk_of_module(schedule, name):
-        return schedule.view(part[0], module.buffer(part[0], slot, sizes), part[1])
+    whole = schedule.module_view_of(name)
+    if whole is not None:
+        return schedule.view(whole, module.buffer(whole, slot, sizes),
+                             schedule.slice_of(name)[1])
     return module.buffer(name, slot, sizes)
-
-
-def _chunk_of_module(schedule: m.Schedule, name: str) -> bool:
-    part = schedule.slice_of(name)
-    return part is not None and schedule.buffers[part[0]].is_symmetric
 
 
 def _module_owned(module: Any, name: str) -> bool:
@@ -614,7 +610,7 @@ def run_rank(
                     for k, v in env.items()}
             for name, value in external(step, rank, seen).items():
                 value = _to_engine(schedule, name, value, dev)
-                if _module_owned(module, name) or _chunk_of_module(schedule, name):
+                if _module_owned(module, name) or schedule.module_view_of(name):
                     # into the module's memory (a chunk: its view), as an engine would
                     target = module_view(module, schedule, name, event.slot, sizes)
                     target.copy_(value)

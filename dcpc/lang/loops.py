@@ -77,6 +77,14 @@ _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 # the unrolled data's key for the axis each buffer used whole and by slice is sliced
 # along, where it is not the leading one (buffer -> axis): Schedule.view takes it
 SLICE_AXES = "__slice_axes__"
+# the slots whose chunks are taken (``b[s][:, k]``), as the file writes them (slot 'b_<s>'
+# -> 'b[<s>]'): Schedule.slice_text names a chunk with it
+SLOT_TEXT = "__slot_text__"
+
+
+def _plain(shape: list[Any]) -> str:
+    """A shape as a file writes it: ``['B', 2, 'C']`` -> ``'[B, 2, C]'``."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def index_axis(inner: str) -> tuple[int, str] | None:
@@ -400,8 +408,9 @@ class _Unroller:
         self.fixed: set[str] = set()
         self.count = 0  # the steps unrolled so far (``loop``'s backstop)
         # a slot of a module-owned buffer whose chunks external steps read
-        # (``b[e1][:, e2]``: ``_chunk``) -> (the slot's axis, first use, where, chunk count)
-        self.chunks: dict[str, tuple[int, str, Mark, int]] = {}
+        # (``b[e1][:, e2]``: ``_chunk``) -> (the slot's axis, first use, where, chunk
+        # count, the slot as the file writes it: 'b[<e1>]')
+        self.chunks: dict[str, tuple[int, str, Mark, int, str]] = {}
         # symmetric buffers whose leading axis is W -> where a use is no rotation (or None)
         self.rotation_uses = _rotation_uses(data, self.env, file)
         self.rotating = _rotating(self.rotation_uses)
@@ -414,10 +423,27 @@ class _Unroller:
     def _shape(self, name: str) -> list[Any] | None:
         return _shape(self.data.get("buffers"), name)
 
-    def _module_kind(self, name: str) -> str | None:
-        """'symmetric', 'shared' or 'persist' for a buffer the module owns, else None."""
+    def _in_module_memory(self, name: str) -> bool:
+        """Buffer ``name`` is of the module's symmetric memory (symmetric or shared, as
+        ``Buffer.is_symmetric``): its later-axis slices and a slot's chunks are views of
+        it (``Schedule.module_view_of``)."""
         spec = _spec(self.data.get("buffers"), name)
-        return next((k for k in ("symmetric", "shared", "persist") if spec.get(k)), None)
+        return bool(spec.get("symmetric") or spec.get("shared"))
+
+    def _local_persist(self, name: str, axis: int, text: str, mark: Mark) -> bool:
+        """``name`` is persist and not symmetric (the module's own local tensor, carried
+        from call to call), and ``text`` slices a later axis of it: refused (bad-index),
+        no view of it is given to the engine."""
+        spec = _spec(self.data.get("buffers"), name)
+        if not spec.get("persist") or self._in_module_memory(name):
+            return False
+        self.error(mark, "bad-index",
+                   f"'{clipped(text)}' slices axis {axis} of '{name}', a persist buffer that "
+                   "is not symmetric; a later-axis slice or a slot's chunk is taken of the "
+                   "engine's own tensors or of the module's symmetric memory only",
+                   f"read the whole '{name}' in the external step and slice it there, or "
+                   f"declare '{name}' 'symmetric: true'")
+        return True
 
     def _leading(self, name: str, axis: int = 0) -> int | None:
         """The length of axis ``axis`` of buffer ``name`` (None: not an integer, or no
@@ -513,16 +539,22 @@ class _Unroller:
         of a buffer the module owns, in an external step: ``'<b>_<e1>_<e2>'``, a view of
         the slot ``'<b>_<e1>'`` (which stays a contiguous buffer, what shifts move)."""
         split = index_axis(later)
-        kind = self._module_kind(name)
-        if split is None or kind is None:
+        module = self._in_module_memory(name)
+        if split is not None and not module and self._local_persist(name, split[0] + 1,
+                                                                    text, mark):
+            return text
+        if split is None or not module:
+            shape = self._shape(name)
+            rest = f"shape {_plain(shape[1:])}" if shape else "the slot's shape"
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' is no chunk of a slot: after the slot's index "
                        "comes one later-axis index of the slot (a ':' for each axis before "
-                       "it), of a symmetric, shared or persist buffer" + (
-                           f"; '{name}' is the engine's" if kind is None else ""),
-                       f"write '{name}[e1][:, e2]'" if kind is not None else
-                       f"declare the slot and chunk axes of '{name}' as one and write "
-                       f"'{name}[:, e]', or index its leading axis only")
+                       "it), of a symmetric or shared buffer" + (
+                           "" if module else f"; '{name}' is the engine's"),
+                       f"write '{name}[e1][:, e2]'" if module else
+                       f"declare '{name}' symmetric or shared, or one buffer per slot "
+                       f"({rest}) and write '<that buffer>"
+                       f"[{':, ' * (split[0] if split else 1)}e2]'")
             return text
         axis, expr = split
         if not self._later_axis(name, axis, text, mark):
@@ -541,8 +573,9 @@ class _Unroller:
             return text
         value = self._in_range(expr, env, mark, text, lead, f"chunk {{}} of a slot of "
                                f"'{name}', whose axis {axis + 1}")
-        if value is None or not self._one_axis(self.chunks, slot, (axis, text, mark, lead),
-                                               f"slot '{slot}'", "slot"):
+        entry = (axis, text, mark, lead, f"{name}[{slot[len(name) + 1:]}]")
+        if value is None or not self._one_axis(self.chunks, slot, entry, f"slot '{slot}'",
+                                               "slot"):
             return text
         return f"{slot}_{value}"
 
@@ -576,8 +609,9 @@ class _Unroller:
         """Whether ``b[:, e]`` (a slice of axis ``axis`` > 0) may be taken here: in an
         external step. Such a slice is a strided view: the kernels take contiguous rows,
         so no method (a communication op, a copy, a merge) takes one (bad-index); of a
-        buffer the module owns (symmetric, shared, persist) the engine gets a view of
-        the module's memory (``_split_buffers``: the buffer stays whole)."""
+        buffer in the module's symmetric memory (symmetric, shared) the engine gets a
+        view of it (``_split_buffers``: the buffer stays whole); of a persist one that is
+        not symmetric, none (``_local_persist``)."""
         if self.step_op not in (None, "external"):
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' slices axis {axis} of '{name}' in a step of op "
@@ -586,7 +620,7 @@ class _Unroller:
                        "rows)", f"read '{name}[:, e]' in an external step that writes a "
                        "buffer of its own, and give that buffer to this step")
             return False
-        return True
+        return not self._local_persist(name, axis, text, mark)
 
     def _lead_name(self, name: str, axis: int = 0) -> str | None:
         """The size name buffer ``name``'s axis ``axis`` is declared as (None: another)."""
@@ -670,6 +704,10 @@ class _Unroller:
         shape = self._shape(found.group(1)) if found else None
         dims = [d if isinstance(d, int) else self.env.get(d) if isinstance(d, str) else None
                 for d in (shape[:2] if shape is not None else [])]
+        if len(parts) == 2 and self._in_module_memory(found.group(1)):
+            return (f"a slot's chunk is its slot's index, then one later-axis index of the "
+                    f"slot: '{found.group(1)}[{parts[0].strip()}][:, e2]' (in an external "
+                    "step)")
         if (len(parts) == 2 and shape is not None and len(shape) > 2  # still two axes or more
                 and all(isinstance(d, int) for d in dims)):
             p, q = dims
@@ -1284,7 +1322,7 @@ class _Unroller:
         for name, lead in self.split.items():
             spec = out.get(name)
             axis = self.axes_of[name][0]
-            if (axis and self._module_kind(name)) or (
+            if (axis and self._in_module_memory(name)) or (
                     name in self.whole and isinstance(spec, dict) and not (
                     spec.get("symmetric") or spec.get("shared"))):
                 # the engine's own tensor used whole and by slice, or a later axis of the
@@ -1302,19 +1340,25 @@ class _Unroller:
                 axes[name] = axis
             self._parts(out, marks, buffers, name, lead, axis,
                         dict(out[name] if name in aliased else out.pop(name)))
-        for slot, (axis, _, _, lead) in self.chunks.items():
+        slots = {}
+        for slot, (axis, _, _, lead, written) in self.chunks.items():
             if isinstance(out.get(slot), dict):  # a slot's chunks: views of the slot
-                aliased[slot], axes[slot] = lead, axis
-                self._parts(out, marks, buffers, slot, lead, axis, dict(out[slot]))
+                aliased[slot], axes[slot], slots[slot] = lead, axis, written
+                self._parts(out, marks, buffers, slot, lead, axis, dict(out[slot]), written)
         data["buffers"] = {**out, MARKS: marks, MARK: buffers.get(MARK)}
         if aliased:
             data[SLICES] = aliased
             data[SLICE_AXES] = axes
+        if slots:
+            data[SLOT_TEXT] = slots
 
     def _parts(self, out: dict[str, Any], marks: dict[str, Any], buffers: dict[str, Any],
-               name: str, lead: int, axis: int, spec: dict[str, Any]) -> None:
+               name: str, lead: int, axis: int, spec: dict[str, Any],
+               written: str | None = None) -> None:
         """Declare the ``lead`` slices ``<name>_<i>`` of buffer ``name`` along ``axis``
-        in ``out`` (``spec``: its declaration), each with its shape less that axis."""
+        in ``out`` (``spec``: its declaration), each with its shape less that axis.
+        ``written``: ``name`` as the file writes it (a slot: ``'b[<s>]'``)."""
+        written = written or name
         spec["shape"] = spec["shape"][:axis] + spec["shape"][axis + 1:]
         for i in range(lead):
             part = f"{name}_{i}"
@@ -1326,12 +1370,12 @@ class _Unroller:
             elif axis and part in self.bare:
                 at, op = self.bare[part]
                 self.error(at, "bad-index",
-                           f"'{part}' is slice {i} of '{name}' along axis {axis} "
-                           f"('{name}[{':, ' * axis}{i}]'), named in a step of op "
+                           f"'{part}' is slice {i} of '{written}' along axis {axis} "
+                           f"('{written}[{':, ' * axis}{i}]'), named in a step of op "
                            f"'{op}'; a slice along a later axis is a strided view, "
                            "which only an external step takes (the module's kernels "
                            "move contiguous rows)",
-                           f"read '{name}[{':, ' * axis}{i}]' in an external step, or "
+                           f"read '{written}[{':, ' * axis}{i}]' in an external step, or "
                            "declare the chunk a buffer of its own")
             out[part] = spec
             marks["key:" + part] = marks.get("key:" + name)

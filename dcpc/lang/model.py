@@ -121,6 +121,9 @@ class Schedule(Node):
     _slices: dict[str, int] = PrivateAttr(default_factory=dict)
     # of those, the ones sliced along a later axis (``b[:, k]``): buffer -> that axis
     _slice_axes: dict[str, int] = PrivateAttr(default_factory=dict)
+    # the slots whose chunks are taken (``b[s][:, k]``): slot 'b_<s>' -> 'b[<s>]', as
+    # the file writes it
+    _slot_text: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @property
     def loop_world(self) -> int | tuple[int, ...] | None:
@@ -144,7 +147,8 @@ class Schedule(Node):
         part = self.slice_of(name)
         if part is None:
             return None
-        return f"{part[0]}[{':, ' * self._slice_axes.get(part[0], 0)}{part[1]}]"
+        whole = self._slot_text.get(part[0], part[0])
+        return f"{whole}[{':, ' * self._slice_axes.get(part[0], 0)}{part[1]}]"
 
     def slice_of(self, name: str) -> tuple[str, int] | None:
         """(whole buffer, index) when ``name`` is a view of a buffer used whole too."""
@@ -152,6 +156,13 @@ class Schedule(Node):
         if head in self._slices and index.isdigit() and int(index) < self._slices[head]:
             return head, int(index)
         return None
+
+    def module_view_of(self, name: str) -> str | None:
+        """The buffer of the module's memory (symmetric or shared: ``Buffer.is_symmetric``)
+        ``name`` is a view of (``b[:, k]``, a slot's chunk ``b[s][:, k]``: the slot), or
+        None: the one rule the codegen, the checker, the worker and the test oracle use."""
+        part = self.slice_of(name)
+        return part[0] if part is not None and self.buffers[part[0]].is_symmetric else None
 
     def cells(self, name: str) -> list[str]:
         """The buffers an access of ``name`` touches as the data flow sees them: the

@@ -150,8 +150,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     axes = _axes(schedule, op)
 
     def slot(n: str | None) -> str | None:  # a slot's chunk (b[s][:, i]): of its slot
-        part = schedule.slice_of(n) if n is not None else None
-        return part[0] if part is not None and schedule.buffers[part[0]].is_symmetric else n
+        return (schedule.module_view_of(n) or n) if n is not None else None
 
     def reads(names, phase):
         for n in map(slot, names):
