@@ -323,13 +323,19 @@ def plans(rows: list[dict[str, Any]], shards: int, first: list[str],
 
 def slow_plan(rows: list[dict[str, Any]], slow: frozenset[tuple[str, str]],
               first: list[str] = ()) -> list[str]:
-    """The pending ``slow`` cases, one line "WORLD FILE" each, the files named in
-    ``first`` first: conformance_shards.sh runs them beside the shards, with long rank
-    timeouts (an 8-rank mesh that shares the GPU with the shards is slow, not hung:
-    session 28's deepep_normal 2x4)."""
-    due = [r for r in rows if r["settled"] is None and (r["file"], r["world"]) in slow]
-    due.sort(key=lambda r: r["file"] not in first)  # stable: the rows' order otherwise
-    return [f"{r['world']} {r['file']}" for r in due]
+    """The pending ``slow`` cases as lines "WORLDS FILE ...": the files of the same slow
+    worlds on one line (gpu_conformance runs SLOW_JOBS of a line's cases at once), the
+    lines with a file named in ``first`` first. conformance_shards.sh runs them beside
+    the shards, with long rank timeouts (an 8-rank mesh that shares the GPU with the
+    shards is slow, not hung: session 28's deepep_normal 2x4)."""
+    worlds: dict[str, list[str]] = {}
+    for r in rows:
+        if r["settled"] is None and (r["file"], r["world"]) in slow:
+            worlds.setdefault(r["file"], []).append(r["world"])
+    lines: dict[str, list[str]] = {}
+    for file in sorted(worlds, key=lambda f: f not in first):  # stable: the rows' order
+        lines.setdefault(",".join(worlds[file]), []).append(file)
+    return [f"{ws} {' '.join(files)}" for ws, files in lines.items()]
 
 
 def main(argv: list[str] | None = None) -> int:

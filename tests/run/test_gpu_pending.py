@@ -126,11 +126,15 @@ def test_the_shard_plans_run_every_pending_case_once_urgent_first() -> None:
                       ["2 e.yaml", "4 c.yaml", "4 a.yaml"]]
     # a slow case (the longest record of it took SLOW_S or more) leaves the shards for
     # slow.txt; a slow case already settled is in neither
-    slow = frozenset({("b.yaml", "8"), ("d.yaml", "4x2"), ("c.yaml", "2")})
+    slow = frozenset({("b.yaml", "8"), ("d.yaml", "4x2"), ("c.yaml", "2"), ("a.yaml", "4")})
     assert gp.plans(rows, 2, first=["e.yaml"], slow=slow) == [
-        ["2 b.yaml", "2 a.yaml", "2x2 d.yaml"], ["2 e.yaml", "4 c.yaml", "4 a.yaml"]]
-    assert gp.slow_plan(rows, slow) == ["8 b.yaml", "4x2 d.yaml"]
-    assert gp.slow_plan(rows, slow, first=["d.yaml"]) == ["4x2 d.yaml", "8 b.yaml"]
+        ["2 b.yaml", "2 a.yaml", "2x2 d.yaml"], ["2 e.yaml", "4 c.yaml"]]
+    # slow.txt: files of the same slow worlds on one line (run SLOW_JOBS at once)
+    assert gp.slow_plan(rows, slow) == ["4 a.yaml", "8 b.yaml", "4x2 d.yaml"]
+    assert gp.slow_plan(rows, slow, first=["d.yaml"]) == ["4x2 d.yaml", "4 a.yaml", "8 b.yaml"]
+    slow |= {("e.yaml", "2"), ("c.yaml", "4")}
+    assert gp.slow_plan(rows, slow, first=["c.yaml"]) == [
+        "4 c.yaml a.yaml", "8 b.yaml", "4x2 d.yaml", "2 e.yaml"]
 
 
 def test_a_case_is_as_slow_as_its_newest_record(tmp_path: Path) -> None:
