@@ -24,7 +24,7 @@ shard() {  # shard PLAN INDEX [JOBS WAIT]: the last two for slow.txt
     k=$((k + 1)); left=$(( END - 40 - ($(date +%s) - t0) ))
     [ "$left" -gt 30 ] || { echo "shard $2: out of time before line $k"; break; }
     times=(); [ -n "$wait" ] && times=(--wait-timeout "$(( wait < left ? wait : left ))"
-                                       --timeout "$(( wait < left ? wait + 40 : left ))")
+                                       --timeout "$(( wait + 40 < left ? wait + 40 : left ))")
     timeout -k 5 $((left + 35)) python3 -m benchmarks.gpu_conformance --out "$work/s$2_$k" \
       --repeat 1 --jobs "$jobs" --deadline "$left" --device "${DEVICE:-cuda}" \
       --worlds "$worlds" "${keys[@]}" "${times[@]}" $files

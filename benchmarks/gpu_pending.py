@@ -49,7 +49,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 KEYS_SCRIPT = Path(__file__).resolve().parent / "gpu_keys.py"
 KEYS_FILE = "gpu_keys.json"  # beside the results: the module keys at their commits
 EQUIVALENT_FILE = "gpu_equivalent.json"  # beside the results: reviewed pairs of shas
-SLOW_S = 80.0  # a case whose newest recorded run took this long runs in slow.txt
+SLOW_S = 100.0  # a case whose newest recorded run took this long runs in slow.txt
 PARTS = ("module", *CODE_PARTS)  # a key's parts (benchmarks/gpu_keys.py)
 Key = dict[str, str]  # part -> sha256
 
@@ -321,21 +321,28 @@ def plans(rows: list[dict[str, Any]], shards: int, first: list[str],
     return out
 
 
-def slow_plan(rows: list[dict[str, Any]], slow: frozenset[tuple[str, str]],
+def slow_plan(rows: list[dict[str, Any]], slow: dict[tuple[str, str], float],
               first: list[str] = ()) -> list[str]:
-    """The pending ``slow`` cases as lines "WORLDS FILE ...": the files of the same slow
-    worlds on one line (gpu_conformance runs SLOW_JOBS of a line's cases at once), the
-    lines with a file named in ``first`` first. conformance_shards.sh runs them beside
-    the shards, with long rank timeouts (an 8-rank mesh that shares the GPU with the
-    shards is slow, not hung: session 28's deepep_normal 2x4)."""
+    """The pending ``slow`` cases (case -> seconds its newest run took) as lines "WORLDS
+    FILE ...": the files of the same slow worlds on one line (gpu_conformance runs
+    SLOW_JOBS of a line's cases at once), the lines with a file named in ``first`` first,
+    then the longest first. conformance_shards.sh runs them beside the shards, with long
+    rank timeouts (an 8-rank mesh that shares the GPU with the shards is slow, not hung:
+    session 28's deepep_normal 2x4)."""
     worlds: dict[str, list[str]] = {}
     for r in rows:
         if r["settled"] is None and (r["file"], r["world"]) in slow:
             worlds.setdefault(r["file"], []).append(r["world"])
     lines: dict[str, list[str]] = {}
-    for file in sorted(worlds, key=lambda f: f not in first):  # stable: the rows' order
+    for file in worlds:
         lines.setdefault(",".join(worlds[file]), []).append(file)
-    return [f"{ws} {' '.join(files)}" for ws, files in lines.items()]
+
+    def order(item: tuple[str, list[str]]) -> tuple[bool, float]:
+        ws, files = item
+        return (not any(f in first for f in files),
+                -max(slow[(f, w)] for f in files for w in ws.split(",")))
+
+    return [f"{ws} {' '.join(files)}" for ws, files in sorted(lines.items(), key=order)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plans is not None:
         args.plans.mkdir(parents=True, exist_ok=True)
         took = case_seconds(args.results)
-        slow = frozenset(c for c, s in took.items() if s >= SLOW_S)
-        for i, lines in enumerate(plans(rows, args.shards, args.first, slow), 1):
+        slow = {c: s for c, s in took.items() if s >= SLOW_S}
+        for i, lines in enumerate(plans(rows, args.shards, args.first, frozenset(slow)), 1):
             (args.plans / f"plan{i}.txt").write_text("".join(f"{x}\n" for x in lines))
         slow_lines = slow_plan(rows, slow, args.first)
         (args.plans / "slow.txt").write_text("".join(f"{x}\n" for x in slow_lines))

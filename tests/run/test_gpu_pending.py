@@ -124,17 +124,19 @@ def test_the_shard_plans_run_every_pending_case_once_urgent_first() -> None:
     assert sorted(got) == sorted((r["file"], r["world"]) for r in rows if r["settled"] is None)
     assert shards == [["2,8 b.yaml", "2 a.yaml", "2x2 d.yaml", "4x2 d.yaml"],
                       ["2 e.yaml", "4 c.yaml", "4 a.yaml"]]
-    # a slow case (the longest record of it took SLOW_S or more) leaves the shards for
-    # slow.txt; a slow case already settled is in neither
-    slow = frozenset({("b.yaml", "8"), ("d.yaml", "4x2"), ("c.yaml", "2"), ("a.yaml", "4")})
-    assert gp.plans(rows, 2, first=["e.yaml"], slow=slow) == [
+    # a slow case (its newest record took SLOW_S or more) leaves the shards for slow.txt;
+    # a slow case already settled is in neither
+    slow = {("b.yaml", "8"): 120.0, ("d.yaml", "4x2"): 150.0, ("c.yaml", "2"): 300.0,
+            ("a.yaml", "4"): 101.0}
+    assert gp.plans(rows, 2, first=["e.yaml"], slow=frozenset(slow)) == [
         ["2 b.yaml", "2 a.yaml", "2x2 d.yaml"], ["2 e.yaml", "4 c.yaml"]]
-    # slow.txt: files of the same slow worlds on one line (run SLOW_JOBS at once)
-    assert gp.slow_plan(rows, slow) == ["4 a.yaml", "8 b.yaml", "4x2 d.yaml"]
-    assert gp.slow_plan(rows, slow, first=["d.yaml"]) == ["4x2 d.yaml", "4 a.yaml", "8 b.yaml"]
-    slow |= {("e.yaml", "2"), ("c.yaml", "4")}
+    # slow.txt: files of the same slow worlds on one line (run SLOW_JOBS at once), the
+    # lines naming a file of ``first`` first, then the longest first
+    assert gp.slow_plan(rows, slow) == ["4x2 d.yaml", "8 b.yaml", "4 a.yaml"]
+    assert gp.slow_plan(rows, slow, first=["a.yaml"]) == ["4 a.yaml", "4x2 d.yaml", "8 b.yaml"]
+    slow |= {("e.yaml", "2"): 500.0, ("c.yaml", "4"): 100.0}
     assert gp.slow_plan(rows, slow, first=["c.yaml"]) == [
-        "4 c.yaml a.yaml", "8 b.yaml", "4x2 d.yaml", "2 e.yaml"]
+        "4 a.yaml c.yaml", "2 e.yaml", "4x2 d.yaml", "8 b.yaml"]
 
 
 def test_a_case_is_as_slow_as_its_newest_record(tmp_path: Path) -> None:
@@ -144,10 +146,12 @@ def test_a_case_is_as_slow_as_its_newest_record(tmp_path: Path) -> None:
     wall_s counts for nothing."""
     head, first = _git("rev-parse", "HEAD"), _git("rev-list", "--max-parents=0", "HEAD")
     first = first.splitlines()[0]
-    for commit, recs in [(head, [("x.yaml", "8", True, 90.5), ("y.yaml", "2", False, 151.0)]),
-                         (first, [("x.yaml", "8", True, 40.0), ("y.yaml", "2", True, 12.0),
+    # the newest is neither the longest nor the shortest: a max or a min would fail
+    for commit, recs in [(head, [("x.yaml", "8", True, 40.0), ("y.yaml", "2", False, 151.0)]),
+                         (first, [("x.yaml", "8", True, 90.5), ("y.yaml", "2", True, 12.0),
                                   ("z.yaml", "4", True, None)]),
-                         ("0" * 40, [("x.yaml", "8", True, 10.0), ("w.yaml", "2", True, 99.0)])]:
+                         ("0" * 40, [("x.yaml", "8", True, 10.0), ("y.yaml", "2", True, 300.0),
+                                     ("w.yaml", "2", True, 99.0)])]:
         (tmp_path / f"gpu_conformance_{commit[:7]}.json").write_text(json.dumps({
             "commit": commit, "records": [
                 {"ok": ok, "case": {"file": f, "world": w}, **({"wall_s": s} if s else {})}
@@ -155,7 +159,7 @@ def test_a_case_is_as_slow_as_its_newest_record(tmp_path: Path) -> None:
     took = gp.case_seconds(tmp_path)
     if head == first:
         pytest.skip("one commit in this clone: no older result to compare with")
-    assert took == {("x.yaml", "8"): 90.5, ("y.yaml", "2"): 151.0, ("w.yaml", "2"): 99.0}
+    assert took == {("x.yaml", "8"): 40.0, ("y.yaml", "2"): 151.0, ("w.yaml", "2"): 99.0}
 
 
 def _edit(root: Path, rel: str, old: str, new: str) -> None:
