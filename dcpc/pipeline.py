@@ -350,6 +350,7 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
     the schedule does not give (the names, sizes and buffers the module declares)."""
     import dcpc
     from dcpc.codegen.lower import _buffers, _contract, _sizes, class_name
+    from dcpc.lang.when import condition
     s = c.schedule
     facts: tuple[tuple[str, Any, Any], ...] = (
         ("version", plan.version, dcpc.__version__),  # the lowering rules are a version's
@@ -371,8 +372,12 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
         # own come from roles, not from these): the op rules' (dcpc.lang.semantics);
         # the slots and epochs (``sync``) are the kernels' own, which the hb stage proves
         ("effects", [p.effects for p in plan.steps], [list(e.effects) for e in c.semantics]),
+        # where each step runs (its ``when:``): the module's runs() and early returns
+        ("when", [p.attrs.get("when") for p in plan.steps],
+         [condition(step) for step in s.step_list()]),
         # free text that reaches the module: what the lowering derives from the steps
-        ("contract", plan.contract, _contract(plan.steps, plan.slots, plan.streams)),
+        ("contract", plan.contract,
+         _contract(plan.steps, plan.slots, plan.streams, plan.buffers)),
     )
     for what, got, want in facts:
         if got != want or (what == "worlds" and [getattr(w, "shape", None) for w in got]

@@ -104,7 +104,9 @@ def _buffers(schedule: m.Schedule) -> dict[str, BufferPlan]:
         if whole is not None:
             # a chunk of the module's symmetric memory: the engine's view of it
             out[name] = BufferPlan(name, [ex.parse(d) for d in b.shape], b.dtype.value,
-                                   "engine", view_of=whole)
+                                   "engine", view_of=whole,
+                                   view_axis=schedule.slice_axis(whole),
+                                   view_index=schedule.slice_of(name)[1])
             continue
         kind = (
             "shared"
@@ -204,10 +206,12 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str,
             f"that rotates the rank); there is no buffer {base}: module.buffer("
             f"'{ROTATION.format(base, '<c>')}')"
         )
-    shapes = {b.name: b.shape for b in buffers}
     for b in buffers:
         if b.view_of is not None:
-            lines.append(_view_line(b, shapes[b.view_of]))
+            lines.append(
+                f"{b.name} is module.buffer('{b.view_of}').select({b.view_axis}, "
+                f"{b.view_index}): a view of the module's memory, which allocates none "
+                "for it")
     for b in buffers:
         if b.persist:
             lines.append(
@@ -219,17 +223,6 @@ def _contract(plan_steps: list[StepPlan], slots: int, streams: str,
                 "after warm-up"
             )
     return lines
-
-
-def _view_line(b: BufferPlan, whole: list[ex.Expr]) -> str:
-    """The contract's line for a view of the module's memory (a slot's chunk): which
-    slice of which module buffer the engine takes for it."""
-    k = b.name.rpartition("_")[2]
-    axes = [i for i in range(len(whole)) if whole[:i] + whole[i + 1:] == b.shape]
-    where = (f"module.buffer('{b.view_of}').select({axes[0]}, {k})" if len(axes) == 1
-             else f"slice {k} of module.buffer('{b.view_of}') along a later axis")
-    return (f"{b.name} is {where}: a view of the module's memory, which allocates none "
-            "for it")
 
 
 def lower(schedule: m.Schedule, worlds: Iterable[int],

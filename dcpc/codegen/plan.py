@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from dcpc.lang.expr import COMPARISONS
 from dcpc.lang.semantics import Effect, Region, Sync
 from dcpc.topology import MeshWorld
 
@@ -45,8 +46,11 @@ class BufferPlan:
     persist: bool = False  # one instance for all slots, zeros at construction, never reset
     # a chunk of a slot of the module's symmetric memory (``b[s][:, i]``, kind engine:
     # the module allocates none): the slot it is a view of, which the race models
-    # take its accesses as (``views``)
+    # take its accesses as (``views``), and where in it: index ``view_index`` of its axis
+    # ``view_axis`` (``Schedule.slice_of``, ``Schedule.slice_axis``)
     view_of: str | None = None
+    view_axis: int | None = None
+    view_index: int | None = None
 
 
 def views(buffers: Iterable[Any]) -> dict[str, str]:
@@ -134,7 +138,7 @@ class Plan:
 
 
 PLAN_FORMAT = "dcpc-plan"
-PLAN_VERSION = 1  # bump when the encoding or a record's fields change
+PLAN_VERSION = 2  # bump when the encoding or a record's fields change
 MAX_PLAN_BYTES = 64 * 1024 * 1024  # a dumped plan is a few hundred KiB at most
 _MAX_DEPTH = 64  # shape ASTs nest a few levels; deeper is not a plan
 
@@ -274,9 +278,18 @@ def _fits(value: Any, hint: Any) -> bool:
     return False
 
 
+# a condition's operators (a step's ``when:``, dcpc.lang.expr.parse_condition), held at
+# the head of its AST's tuples: the one place a plan's string may hold these characters
+_CONDITION_OPS = frozenset((*COMPARISONS, "%", "and", "or", "not"))
+
+
 def _strings(value: Any) -> typing.Iterator[str]:
     if type(value) is str:
         yield value
+    elif type(value) is tuple and value and value[0] in _CONDITION_OPS and (
+            len(value) == (2 if value[0] == "not" else 3)):
+        for v in value[1:]:  # an operator node: its operands are checked, not its head
+            yield from _strings(v)
     elif type(value) in (list, tuple):
         for v in value:
             yield from _strings(v)

@@ -139,7 +139,13 @@ class Schedule(Node):
         (``b[:, k]``: ``value.select(1, k)``), a view that writes through. A slot's
         chunk (``recv[s][:, k]``) is such a slice of the slot ``recv_<s>``, whose
         tensor is then the module's memory (dcpc.harness.worker.module_view)."""
-        return value.select(self._slice_axes.get(whole, 0), k)
+        return value.select(self.slice_axis(whole), k)
+
+    def slice_axis(self, whole: str) -> int:
+        """The axis buffer ``whole`` (used whole and by slice) is sliced along: 0, or the
+        later axis its indices name (``b[:, k]``: 1; a slot's chunk ``b[s][:, k]``: 1 of
+        the slot ``b_<s>``)."""
+        return self._slice_axes.get(whole, 0)
 
     def slice_text(self, name: str) -> str | None:
         """How the file writes slice ``name`` of a buffer used whole and by slice:
@@ -148,7 +154,7 @@ class Schedule(Node):
         if part is None:
             return None
         whole = self._slot_text.get(part[0], part[0])
-        return f"{whole}[{':, ' * self._slice_axes.get(part[0], 0)}{part[1]}]"
+        return f"{whole}[{':, ' * self.slice_axis(part[0])}{part[1]}]"
 
     def slice_of(self, name: str) -> tuple[str, int] | None:
         """(whole buffer, index) when ``name`` is a view of a buffer used whole too."""

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "schedules" / "kimi_k3_dcp.yaml"
 
 # (file, its --world arguments): the file's own default worlds, a mesh at 2x2, a loop
-# whose trip count names W at one W, an fp8 payload, an int payload
+# whose trip count names W at one W, an fp8 payload, an int payload, steps with
+# ``when:`` and slot chunks (views of the module's memory) in the contract, a persistent
+# buffer in the contract
 ROUND_TRIPS = [
     ("kimi_k3_dcp.yaml", []),
     ("gallery/helix.yaml", ["--world", "2x2"]),
@@ -28,6 +30,8 @@ ROUND_TRIPS = [
     ("ops/lse_combine_fp8.yaml", ["--world", "2..8"]),
     ("ops/ragged_all_to_all_int.yaml", ["--world", "2"]),
     ("ops/all_gather_int.yaml", ["--world", "3"]),
+    ("gallery/zigzag_ring_attention.yaml", ["--world", "3"]),
+    ("gallery/pipeline_clock_cycles.yaml", ["--world", "3"]),
 ]
 
 
@@ -116,14 +120,56 @@ def test_a_schedule_edited_after_the_dump_is_refused(kimi_plan: dict, tmp_path: 
     assert "changed since the plan was dumped" in out
 
 
+V = str(PLAN_VERSION)  # the version this dcpc reads, so that each text fails where it says
+
+
+@pytest.fixture(scope="module")
+def zigzag_plan(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return dump(ROOT / "schedules" / "gallery" / "zigzag_ring_attention.yaml",
+                tmp_path_factory.mktemp("zigzag"), "--world", "3")
+
+
+def _when_of(plan: dict, name: str) -> dict:
+    (step,) = [s for s in steps(plan) if s["name"] == name]
+    return step["attrs"]["dict"][0][1]
+
+
+def _view(plan: dict, name: str) -> dict:
+    (buffer,) = [b["BufferPlan"] for b in plan["plan"]["Plan"]["buffers"]
+                 if b["BufferPlan"]["name"] == name]
+    return buffer
+
+
+@pytest.mark.parametrize("edit, what", [
+    # the branch of the later ranks run where the earlier ones' does (h + 1 <= rank)
+    (lambda p: _when_of(p, "attend_upper_h0")["tuple"].__setitem__(0, "<="), "when"),
+    # the same with the contract's text made to agree: the when fact still differs
+    (lambda p: (_when_of(p, "attend_upper_h0")["tuple"].__setitem__(0, "<="),
+                p["plan"]["Plan"].__setitem__("contract", [
+                    line.replace("only where 1 > rank", "only where 1 <= rank")
+                    for line in p["plan"]["Plan"]["contract"]])), "when"),
+    # the engine's view of chunk 0 of recv_k's slot 0 taken along axis 0
+    (lambda p: _view(p, "recv_k_0_0").update(view_axis=0), "buffers"),
+    (lambda p: _view(p, "recv_k_0_0").update(view_index=1), "buffers"),
+])
+def test_a_plan_with_another_branch_or_view_is_refused(zigzag_plan: dict, tmp_path: Path,
+                                                        edit, what):
+    plan = copy.deepcopy(zigzag_plan)
+    edit(plan)
+    out = refused(from_plan(ROOT / "schedules" / "gallery" / "zigzag_ring_attention.yaml",
+                            plan, tmp_path), "plan-mismatch")
+    assert f"the plan's {what} is not what" in out
+
+
 @pytest.mark.parametrize("text, where", [
     ("{", "not JSON"),
     ("[]", "expected an object"),
     ('{"format": "dcpc-plan", "version": 99, "plan": null}', "at version: unknown version 99"),
-    ('{"format": "other", "version": 1, "plan": null}', "at format:"),
-    ('{"format": "dcpc-plan", "version": 1, "plan": NaN}', "NaN is no JSON number"),
-    ('{"format": "dcpc-plan", "version": 1, "plan": {"Plan": []}}', "at plan: unknown kind"),
-    ('{"format": "dcpc-plan", "version": 1, "plan": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    ('{"format": "other", "version": ' + V + ', "plan": null}', "at format:"),
+    ('{"format": "dcpc-plan", "version": ' + V + ', "plan": NaN}', "NaN is no JSON number"),
+    ('{"format": "dcpc-plan", "version": ' + V + ', "plan": {"Plan": []}}',
+     "at plan: unknown kind"),
+    ('{"format": "dcpc-plan", "version": ' + V + ', "plan": ' + "[" * 100_000 + "]" * 100_000 + "}",
      "not JSON"),
 ])
 def test_a_file_that_is_no_plan_is_refused(text: str, where: str, tmp_path: Path):
