@@ -229,9 +229,11 @@ def _decode(data: Any, where: str, depth: int = 0) -> Any:
 _MAX_INT = 10**30  # the language's own integers have at most 30 digits (dcpc.lang.expr)
 _EXPR_OPS = ("+", "-", "*", "/")
 # Every string a template puts into code unescaped (names, enums, dtypes, slots' peers,
-# effect keys, template paths) is made of these; free text (``doc``, ``contract``) is
+# a perm's peer set "perm:2,1,0", a grouped ragged step's slot arithmetic
+# "peer * groups + g", effect keys, template paths) is made of these: no quote, no
+# parenthesis (no call), no '=', no line break; free text (``doc``, ``contract``) is
 # escaped where it reaches the module, and the contract is re-derived (run_plan).
-_SAFE_TEXT = re.compile(r"[A-Za-z0-9_.+\-*/\[\]]*")
+_SAFE_TEXT = re.compile(r"[A-Za-z0-9_.+\-*/\[\] ,:]*")
 _TEMPLATE = re.compile(r"ops/[a-z0-9_]+\.py\.j2")
 _FREE_TEXT = ("doc", "contract")
 
