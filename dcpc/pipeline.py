@@ -286,7 +286,7 @@ def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = 
     epochs. Anything else is a DiagnosticError located in one of the two files."""
     from dataclasses import replace
 
-    from dcpc.codegen.plan import MAX_PLAN_BYTES, PlanFormatError, load_plan
+    from dcpc.codegen.plan import MAX_PLAN_BYTES, PlanFormatError, editable_fault, load_plan
     from dcpc.diagnostics import Mark
     from dcpc.files import read_capped
 
@@ -309,10 +309,19 @@ def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = 
             "the schedule changed since the plan was dumped",
             hint="dump the plan again from this file")])
     _stages(c, "graph", "check")
-    mismatch = _plan_mismatch(c, plan)
+    lowered = _lower(c)  # what a plain compile at the plan's worlds emits
+    mismatch = _plan_mismatch(c, plan, lowered)
     if mismatch:
         raise DiagnosticError([Diagnostic(
-            at, "plan-mismatch", f"the plan's {mismatch} is not what {c.path} declares")])
+            at, "plan-mismatch", f"the plan's {mismatch[0]} is not what {c.path} declares"
+            + (f" (first at {mismatch[1]})" if mismatch[1] else ""),
+            hint="edit only each step's tuning and sync; dump the plan again with "
+                 "dcpc compile FILE -o DIR --dump lower")])
+    fault = editable_fault(plan, lowered)
+    if fault:
+        raise DiagnosticError([Diagnostic(
+            at, "plan-mismatch", f"the plan's {fault[0]}: {fault[1]}",
+            hint="dump the plan again with dcpc compile FILE -o DIR --dump lower")])
     c.plan = plan
     if until in STAGE_NAMES[STAGE_NAMES.index("hb"):]:
         try:
@@ -345,11 +354,20 @@ def _bad_worlds(worlds: list[int]) -> str | None:
     return None
 
 
-def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
-    """The first fact of a loaded plan that the lowering copies from the schedule and
-    the schedule does not give (the names, sizes and buffers the module declares)."""
+def _plan_mismatch(c: Compilation, plan: Plan,
+                   lowered: Plan) -> tuple[str, str | None] | None:
+    """Where a loaded plan is not ``lowered``, the schedule's own lowering at its worlds:
+    first the facts the lowering copies from the schedule, by name (the names, sizes,
+    buffers, steps, effects, when and contract the module declares) and, for a field
+    of the plan, the key path where it first differs; then any other difference by its
+    key path (dcpc.codegen.plan ``plan_difference``: every field but
+    each step's ``tuning`` and ``sync``, which the hb stage and ``editable_fault``
+    judge)."""
+    from dataclasses import fields
+
     import dcpc
-    from dcpc.codegen.lower import _buffers, _contract, _sizes, class_name
+    from dcpc.codegen.lower import _contract, _sizes, class_name
+    from dcpc.codegen.plan import plan_difference
     from dcpc.lang.when import condition
     s = c.schedule
     facts: tuple[tuple[str, Any, Any], ...] = (
@@ -364,8 +382,8 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
         ("doc", plan.doc, s.doc),
         ("mesh", plan.mesh, tuple(s.mesh.items()) if s.mesh else ()),
         ("sizes", plan.sizes, _sizes(s)),
-        # the declared buffers come first; the lowering's own (an implicit ``via``) follow
-        ("buffers", plan.buffers[:len(s.buffers)], list(_buffers(s).values())),
+        # the declared buffers, then the lowering's own (an implicit ``via``): all of them
+        ("buffers", plan.buffers, lowered.buffers),
         ("steps", [(p.name, p.index, p.op) for p in plan.steps],
          [(p.name, p.index, p.kind) for p in s.step_list()]),
         # what the happens-before checker takes as each kernel's accesses (the kernels'
@@ -382,8 +400,11 @@ def _plan_mismatch(c: Compilation, plan: Plan) -> str | None:
     for what, got, want in facts:
         if got != want or (what == "worlds" and [getattr(w, "shape", None) for w in got]
                            != [getattr(w, "shape", None) for w in want]):
-            return what
-    return None
+            where = plan_difference(got, want, f"plan.Plan.{what}")
+            held = what in {f.name for f in fields(plan)} and where  # a field's own value
+            return what, where if held else None
+    where = plan_difference(plan, lowered)
+    return None if where is None else (where, None)
 
 
 def _stages(c: Compilation, first: str, until: str) -> Compilation:

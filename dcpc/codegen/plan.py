@@ -7,8 +7,10 @@ enum string or a shape AST (``("num", n) | ("sym", name) | (op, lhs, rhs)``), ex
 
 ``dump_plan`` / ``load_plan``: the plan as lossless JSON (format ``PLAN_FORMAT``,
 version ``PLAN_VERSION``): ``emit(load_plan(dump_plan(p)))`` is ``emit(p)`` byte for
-byte. A loaded plan is only data: ``dcpc compile SCHEDULE --plan FILE`` proves it
-against its schedule (dcpc.pipeline ``run_plan``) before anything is emitted.
+byte. A loaded plan is only data: ``dcpc compile SCHEDULE --plan FILE`` lowers the
+schedule again and emits the plan only where it is that lowering but for each step's
+launch knobs and signal slots (``EDITABLE``, bounded by ``editable_fault``), once the
+happens-before checker has proved those slots (dcpc.pipeline ``run_plan``).
 """
 
 from __future__ import annotations
@@ -228,11 +230,16 @@ def _decode(data: Any, where: str, depth: int = 0) -> Any:
 
 _MAX_INT = 10**30  # the language's own integers have at most 30 digits (dcpc.lang.expr)
 _EXPR_OPS = ("+", "-", "*", "/")
-# Every string a template puts into code unescaped (names, enums, dtypes, slots' peers,
-# a perm's peer set "perm:2,1,0", a grouped ragged step's slot arithmetic
-# "peer * groups + g", effect keys, template paths) is made of these: no quote, no
-# parenthesis (no call), no '=', no line break; free text (``doc``, ``contract``) is
-# escaped where it reaches the module, and the contract is re-derived (run_plan).
+# Defence in depth, not the barrier: every string a template puts into code unescaped
+# (names, enums, dtypes, slots' peers, a perm's peer set "perm:2,1,0", a grouped ragged
+# step's slot arithmetic "peer * groups + g", effect keys, template paths) is made of
+# these, so a string with a quote, a parenthesis, '=' or a line break is refused as it
+# is read. The set does NOT keep a string from being code: names, attributes,
+# subscripts, comprehensions and arithmetic can still call functions. What keeps input
+# out of the module is dcpc.pipeline ``run_plan``: a loaded plan must be its schedule's
+# lowering (``plan_difference``) but for EDITABLE fields, which hold ints and peers
+# specs only (``editable_fault``). Free text (``doc``, ``contract``) is escaped where it
+# reaches the module.
 _SAFE_TEXT = re.compile(r"[A-Za-z0-9_.+\-*/\[\] ,:]*")
 _TEMPLATE = re.compile(r"ops/[a-z0-9_]+\.py\.j2")
 _FREE_TEXT = ("doc", "contract")
@@ -280,18 +287,40 @@ def _fits(value: Any, hint: Any) -> bool:
     return False
 
 
-# a condition's operators (a step's ``when:``, dcpc.lang.expr.parse_condition), held at
-# the head of its AST's tuples: the one place a plan's string may hold these characters
-_CONDITION_OPS = frozenset((*COMPARISONS, "%", "and", "or", "not"))
+# a condition (a step's ``when:``, dcpc.lang.expr.parse_condition, held in its plan's
+# ``attrs["when"]``): the one value of a plan whose tuples may hold these at their head
+_LOGIC = frozenset(("and", "or"))
+_CONDITION_ARITHMETIC = frozenset((*_EXPR_OPS, "%"))
+
+
+def _is_condition(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is a condition's AST: comparisons of expressions (``+ - * / %``
+    over ``("num", int)`` / ``("sym", identifier)``) joined by and / or / not."""
+    if type(value) is not tuple or not value or type(value[0]) is not str or depth > _MAX_DEPTH:
+        return False
+    head = value[0]
+    if head == "not":
+        return len(value) == 2 and _is_condition(value[1], depth + 1)
+    if head in _LOGIC:
+        return len(value) == 3 and all(_is_condition(v, depth + 1) for v in value[1:])
+    return head in COMPARISONS and len(value) == 3 and all(
+        _is_arithmetic(v, depth + 1) for v in value[1:])
+
+
+def _is_arithmetic(value: Any, depth: int) -> bool:
+    if type(value) is not tuple or not value or type(value[0]) is not str or depth > _MAX_DEPTH:
+        return False
+    if len(value) == 2 and value[0] == "num":
+        return type(value[1]) is int
+    if len(value) == 2 and value[0] == "sym":
+        return type(value[1]) is str and value[1].isidentifier()
+    return len(value) == 3 and value[0] in _CONDITION_ARITHMETIC and all(
+        _is_arithmetic(v, depth + 1) for v in value[1:])
 
 
 def _strings(value: Any) -> typing.Iterator[str]:
     if type(value) is str:
         yield value
-    elif type(value) is tuple and value and value[0] in _CONDITION_OPS and (
-            len(value) == (2 if value[0] == "not" else 3)):
-        for v in value[1:]:  # an operator node: its operands are checked, not its head
-            yield from _strings(v)
     elif type(value) in (list, tuple):
         for v in value:
             yield from _strings(v)
@@ -306,11 +335,93 @@ def _check_kind(value: Any, hint: Any, where: str, name: str) -> None:
         raise PlanFormatError(where, f"not a value of the field's kind ({hint})")
     if name == "template" and value is not None and not _TEMPLATE.fullmatch(value):
         raise PlanFormatError(where, "not a template of an op (ops/<op>.py.j2)")
+    if name == "attrs" and value.get("when") is not None:
+        if not _is_condition(value["when"]):
+            raise PlanFormatError(f"{where}['when']", "not a condition's AST (comparisons "
+                                  "of +, -, *, /, % over numbers and names; and, or, not)")
+        value = {k: v for k, v in value.items() if k != "when"}  # its operators checked
     if name not in _FREE_TEXT:
         for text in _strings(value):
             if not _SAFE_TEXT.fullmatch(text):
                 raise PlanFormatError(where, f"the string {text[:80]!r} holds a character "
                                       "no name, enum or shape of a plan has")
+
+
+# What ``dcpc compile --plan`` lets a plan differ in from its schedule's lowering: each
+# step's launch knobs and its signal slots (``sync``: the peers it signals and waits
+# for, and the step whose slots it polls; its team's ``axes`` are the mesh's). Nothing
+# else: the rest of the plan must be the lowering's, value for value.
+EDITABLE = ("tuning", "sync")
+
+
+def plan_difference(got: Any, want: Any, where: str = "plan") -> str | None:
+    """The key path (as ``PlanFormatError`` names them, ``plan.Plan.steps[3].StepPlan.
+    attrs['peer_k']``) of the first place where the plan ``got`` is not ``want`` (values
+    and their types), each step's EDITABLE fields but a Sync's ``axes`` left out; None
+    where they agree."""
+    if type(got) is not type(want):
+        return where
+    if type(got) in (list, tuple):
+        if len(got) != len(want):
+            return f"{where} (its length)"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            found = plan_difference(g, w, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    if type(got) is dict:
+        if list(got) != list(want):
+            return f"{where} (its keys)"
+        for k in got:
+            found = plan_difference(got[k], want[k], f"{where}[{k!r}]")
+            if found:
+                return found
+        return None
+    if type(got) is MeshWorld:
+        return None if got.shape == want.shape else where
+    if is_dataclass(got):
+        here = f"{where}.{type(got).__name__}"
+        for f in fields(got):
+            if type(got) is StepPlan and f.name in EDITABLE:
+                if f.name == "sync" and got.sync.axes != want.sync.axes:
+                    return f"{here}.sync.Sync.axes"
+                continue
+            found = plan_difference(getattr(got, f.name), getattr(want, f.name),
+                                    f"{here}.{f.name}")
+            if found:
+                return found
+        return None
+    return None if got == want else where
+
+
+def editable_fault(got: Plan, want: Plan) -> tuple[str, str] | None:
+    """(key path, what is wrong) of the first EDITABLE field of ``got`` (a loaded plan
+    that ``plan_difference`` finds like ``want``, its schedule's lowering) that holds
+    no value its field takes: a launch knob the lowering does not set, or out of its
+    bounds (dcpc.tuning); a peers spec outside the grammar of dcpc.ops.common
+    ``PEERS_SPEC``; a polled step that is no step of the plan."""
+    from dcpc.ops.common import peers_spec
+    from dcpc.tuning import TUNING_KNOBS, knob_ok
+
+    for i, (g, w) in enumerate(zip(got.steps, want.steps, strict=True)):
+        here = f"plan.Plan.steps[{i}].StepPlan"
+        if list(g.tuning) != list(w.tuning):
+            return (f"{here}.tuning", f"the knobs are the lowering's ({', '.join(w.tuning)}"
+                    " or none): a value may be edited, not a knob added or removed")
+        for knob, value in g.tuning.items():
+            if not knob_ok(knob, value):
+                return (f"{here}.tuning[{knob!r}]", f"{value!r} is out of bounds: "
+                        f"{TUNING_KNOBS[knob]}")
+        for what in ("signal", "wait"):
+            spec = getattr(g.sync, what)
+            if spec is not None and not peers_spec(spec):
+                return (f"{here}.sync.Sync.{what}", f"{str(spec)[:80]!r} is no peers spec "
+                        "(all, next, prev, +k, -k, line+k, line-k, perm:<ranks>)")
+        polls = g.sync.polls
+        if polls is not None and not 0 <= polls < len(got.steps):
+            return (f"{here}.sync.Sync.polls", f"{polls} is no step's index "
+                    f"(0..{len(got.steps) - 1})")
+    return None
 
 
 def dump_plan(plan: Plan) -> str:

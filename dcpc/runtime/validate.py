@@ -14,6 +14,7 @@ import torch
 
 from dcpc.runtime import shapes
 from dcpc.runtime.errors import DcpcArgumentError
+from dcpc.tuning import TUNING_KNOBS, knob_ok
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -288,14 +289,6 @@ def check_number(cls_name: str, name: str, value: object, low: float, high: floa
                                 f"got {value!r}")
 
 
-TUNING_KNOBS = {
-    "programs": "programs per launch, 1..1024",
-    "num_warps": "warps per program, a power of two 1..32",
-    "block": "elements per tile, a power of two 1..65536",
-    "tiles_per_program": "tiles per program below the program cap, 1..1024",
-}
-
-
 def check_tuning(cls_name: str, tuning: object, steps: Mapping[str, object]) -> dict:
     """Constructor ``tuning=``: {step: {knob: int}} with known steps and knobs."""
     if tuning is None:
@@ -319,9 +312,6 @@ def check_tuning(cls_name: str, tuning: object, steps: Mapping[str, object]) -> 
 
 
 def check_knob(cls_name: str, where: str, knob: str, value: object) -> None:
-    top = {"programs": 1024, "num_warps": 32, "block": 65536, "tiles_per_program": 1024}[knob]
-    pow2 = knob in ("num_warps", "block")
-    if (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top
-            or (pow2 and value & (value - 1))):
+    if not knob_ok(knob, value):
         what, allowed = TUNING_KNOBS[knob].split(", ", 1)
         raise DcpcArgumentError(f"{cls_name}: {where} must be {allowed} ({what}), got {value!r}")

@@ -216,3 +216,159 @@ def test_plan_takes_one_schedule_and_no_world(kimi_plan: dict, tmp_path: Path):
     for extra in ([str(KIMI)], ["--world", "2"], ["--dump", "hb"]):
         result = invoke("compile", str(KIMI), *extra, "-o", str(tmp_path), "--plan", str(path))
         assert result.exit_code == 2 and "--plan takes" in result.output
+
+
+# --- nothing from the plan file is put into code (review of session 30) ---------------
+#
+# The reviewer's payload: made of names, subscripts, a comprehension and arithmetic only
+# (every character in the plan's string set), it runs torch.os.system when the module's
+# kernel call evaluates it. Its string here is never executed: the tests only check that
+# --plan refuses it and writes no module.
+PAYLOAD = ("[[0]for[self.__class__.__class_getitem__]in[[torch.os.system]]][0][0]"
+           "+self.__class__[torch.os.__doc__[0]+torch.os.__doc__[1]]*0+1")
+PEER = ROOT / "schedules" / "ops" / "ragged_all_to_all_peer.yaml"
+GROUPS = ROOT / "schedules" / "ops" / "ragged_all_to_all_groups.yaml"
+ALL_REDUCE = ROOT / "schedules" / "ops" / "all_reduce.yaml"
+
+
+def _attrs(step: dict) -> list:
+    return step["attrs"]["dict"]
+
+
+def _set_attr(plan: dict, index: int, key: str, value) -> None:
+    (pair,) = [p for p in _attrs(steps(plan)[index]) if p[0] == key]
+    pair[1] = value
+
+
+@pytest.mark.parametrize("schedule, index, key, payload", [
+    (PEER, 4, "peer_k", PAYLOAD),  # put_h0's peer offset (an int spliced as code)
+    (GROUPS, 0, "src_slot", "peer * groups + g + " + PAYLOAD),  # slot arithmetic (text)
+    (GROUPS, 0, "src_slot", "g * WORLD + peer"),  # another slot, made of the file's names
+], ids=["peer_k", "src_slot", "src_slot_other_names"])
+def test_a_plan_string_unlike_the_lowering_is_refused_unwritten(
+        schedule: Path, index: int, key: str, payload: str, tmp_path: Path):
+    plan = dump(schedule, tmp_path, "--world", "3")
+    _set_attr(plan, index, key, payload)
+    out = refused(from_plan(schedule, plan, tmp_path), "plan-mismatch")
+    assert f"plan.Plan.steps[{index}].StepPlan.attrs['{key}'] is not what" in out
+    assert not (tmp_path / "from_plan").exists()
+
+
+@pytest.fixture(scope="module")
+def peer_plan(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return dump(PEER, tmp_path_factory.mktemp("peer"), "--world", "3")
+
+
+@pytest.mark.parametrize("edit, where", [
+    # B2: a tuple whose head is unhashable (an internal TypeError before), its string
+    # read like any other
+    (lambda p: _attrs(steps(p)[4]).append(["bogus", {"tuple": [[1], "os.system("]}]),
+     "at plan.Plan.steps[4].StepPlan.attrs: the string 'os.system('"),
+    # R1: a condition's operator at a tuple's head outside attrs['when']
+    (lambda p: _attrs(steps(p)[4]).append(["bogus", {"tuple": ["==", "a(", "b"]}]),
+     "the string '=='"),
+    (lambda p: _attrs(steps(p)[4]).append(["when", {"tuple": ["==", ["sym", "rank"], 1]}]),
+     "at plan.Plan.steps[4].StepPlan.attrs['when']: not a condition's AST"),
+    (lambda p: _attrs(steps(p)[4]).append(["when", {"tuple": [
+        "==", {"tuple": ["sym", "os.system"]}, {"tuple": ["num", 1]}]}]),
+     "attrs['when']: not a condition's AST"),
+])
+def test_a_malformed_attr_is_bad_plan(peer_plan: dict, tmp_path: Path, edit, where):
+    plan = copy.deepcopy(peer_plan)
+    edit(plan)
+    assert where in refused(from_plan(PEER, plan, tmp_path), "bad-plan")
+
+
+def test_an_unhashable_head_is_no_internal_error(peer_plan: dict, tmp_path: Path):
+    """B2's plan as the review wrote it: well formed, but not the lowering's attrs."""
+    plan = copy.deepcopy(peer_plan)
+    _attrs(steps(plan)[4]).append(["bogus", {"tuple": [[1], 2]}])
+    out = refused(from_plan(PEER, plan, tmp_path), "plan-mismatch")
+    assert "plan.Plan.steps[4].StepPlan.attrs (its keys) is not what" in out
+
+
+@pytest.mark.parametrize("field, value", [("view_of", "recv"), ("persist", True)])
+def test_an_edited_lowering_buffer_is_refused(field: str, value, tmp_path: Path):
+    plan = dump(ALL_REDUCE, tmp_path, "--world", "3")
+    (added,) = [b["BufferPlan"] for b in plan["plan"]["Plan"]["buffers"]
+                if b["BufferPlan"]["name"] == "total_recv"]  # the lowering's, not the file's
+    added[field] = value
+    out = refused(from_plan(ALL_REDUCE, plan, tmp_path), "plan-mismatch")
+    assert "the plan's buffers is not what" in out
+    assert f"BufferPlan.{field})" in out
+
+
+def _tuning(plan: dict, index: int) -> list:
+    return steps(plan)[index]["tuning"]["dict"]
+
+
+def test_a_tuning_edit_in_bounds_is_emitted(kimi_plan: dict, tmp_path: Path):
+    plain = invoke("compile", str(KIMI), "-o", str(tmp_path / "plain"))
+    assert plain.exit_code == 0, plain.output
+    plan = copy.deepcopy(kimi_plan)
+    knobs = dict(_tuning(plan, 0))
+    assert knobs["num_warps"] == 4 and knobs["block"] == 4096, knobs
+    plan_tuning = _tuning(plan, 0)
+    for pair in plan_tuning:
+        pair[1] = {"programs": 3, "num_warps": 8, "block": 1024}[pair[0]]
+    loaded = from_plan(KIMI, plan, tmp_path)
+    assert loaded.exit_code == 0, loaded.output
+    (module,) = (tmp_path / "plain").glob("*.py")
+    before = module.read_text().splitlines()
+    after = (tmp_path / "from_plan" / module.name).read_text().splitlines()
+    changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    name = steps(plan)[0]["name"]
+    assert changed == [(f'        "{name}": {{"programs": 128, "num_warps": 4, "block": 4096}},',
+                        f'        "{name}": {{"programs": 3, "num_warps": 8, "block": 1024}},')]
+
+
+@pytest.mark.parametrize("edit, where", [
+    (lambda t: t[1].__setitem__(1, 3), "['num_warps']: 3 is out of bounds"),  # not 2**k
+    (lambda t: t[1].__setitem__(1, 64), "['num_warps']: 64 is out of bounds"),
+    (lambda t: t[0].__setitem__(1, 0), "['programs']: 0 is out of bounds"),
+    (lambda t: t[2].__setitem__(1, 2**17), "['block']: 131072 is out of bounds"),
+    (lambda t: t.append(["tiles_per_program", 2]), ": the knobs are the lowering's"),
+    (lambda t: t.pop(), ": the knobs are the lowering's"),
+])
+def test_a_tuning_edit_out_of_bounds_is_refused(kimi_plan: dict, tmp_path: Path, edit, where):
+    plan = copy.deepcopy(kimi_plan)
+    edit(_tuning(plan, 0))
+    out = refused(from_plan(KIMI, plan, tmp_path), "plan-mismatch")
+    assert f"plan.Plan.steps[0].StepPlan.tuning{where}" in out
+    assert not (tmp_path / "from_plan").exists()
+
+
+def test_a_tuning_of_no_int_is_bad_plan(kimi_plan: dict, tmp_path: Path):
+    plan = copy.deepcopy(kimi_plan)
+    _tuning(plan, 0)[0][1] = True  # an int to Python, no knob's value
+    out = refused(from_plan(KIMI, plan, tmp_path), "bad-plan")
+    assert "at plan.Plan.steps[0].StepPlan.tuning: not a value of the field's kind" in out
+
+
+@pytest.mark.parametrize("field, value, where", [
+    ("signal", "all+self.x", "Sync.signal: 'all+self.x' is no peers spec"),
+    ("wait", "perm:1,2,", "Sync.wait: 'perm:1,2,' is no peers spec"),
+    ("wait", "line+k", "Sync.wait: 'line+k' is no peers spec"),
+    ("polls", 99, "Sync.polls: 99 is no step's index"),
+])
+def test_a_sync_edit_outside_the_grammar_is_refused(kimi_plan: dict, tmp_path: Path,
+                                                     field: str, value, where: str):
+    plan = copy.deepcopy(kimi_plan)
+    steps(plan)[0]["sync"]["Sync"][field] = value
+    out = refused(from_plan(KIMI, plan, tmp_path), "plan-mismatch")
+    assert where in out
+
+
+def test_a_sync_edit_in_the_grammar_is_proved(kimi_plan: dict, tmp_path: Path):
+    """A peers spec of the grammar that the lowering did not make is the hb stage's to
+    judge: the gather signalling its next rank only leaves the others waiting."""
+    plan = copy.deepcopy(kimi_plan)
+    steps(plan)[0]["sync"]["Sync"]["signal"] = "next"
+    refused(from_plan(KIMI, plan, tmp_path), "deadlock")
+
+
+def test_a_team_axes_edit_is_refused(kimi_plan: dict, tmp_path: Path):
+    plan = copy.deepcopy(kimi_plan)
+    steps(plan)[0]["sync"]["Sync"]["axes"] = {"tuple": [0]}
+    out = refused(from_plan(KIMI, plan, tmp_path), "plan-mismatch")
+    assert "plan.Plan.steps[0].StepPlan.sync.Sync.axes is not what" in out

@@ -128,4 +128,5 @@ if __name__ == "__main__":
 
 # What the runtime (and so a generated module) may import of dcpc outside dcpc.runtime:
 # leaves of the standard library and torch only, which the compiler shares.
-RUNTIME_SHARED = frozenset({"dcpc", "dcpc.exprs", "dcpc.numerics", "dcpc.topology"})
+RUNTIME_SHARED = frozenset({"dcpc", "dcpc.exprs", "dcpc.numerics", "dcpc.topology",
+                            "dcpc.tuning"})
