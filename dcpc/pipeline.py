@@ -25,8 +25,9 @@ Warnings are collected in ``Compilation.warnings`` and never stop a stage, unles
 
 Each stage's product is a field of ``Compilation``; ``run_plan`` enters the table
 with a given product: a plan dumped by ``--dump lower`` (dcpc.codegen.plan
-``load_plan``) is proved against its schedule (parse, check, its facts of the
-schedule, hb on the loaded plan) and emitted without lowering again.
+``load_plan``) is proved against its schedule (parse, check, the schedule's own
+lowering, which it must be but for each step's tuning and sync, hb on the loaded
+plan) and emitted.
 """
 
 from __future__ import annotations
@@ -279,11 +280,14 @@ def run(path: str | Path, options: Options | None = None, until: str = "emit",
 def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = None,
              until: str = "emit") -> Compilation:
     """Emit the plan dumped in ``plan_path`` (``dcpc compile --dump lower``) for the
-    schedule file ``path`` without lowering it again, once it is proved: the file is
-    the one the plan was lowered from (its sha256), the schedule checks at the plan's
-    worlds, the plan's facts of the schedule (names, sizes, buffers) are the
-    schedule's, and the happens-before checker accepts the loaded plan's slots and
-    epochs. Anything else is a DiagnosticError located in one of the two files."""
+    schedule file ``path``, once it is proved: the file is the one the plan was
+    lowered from (its sha256), the schedule checks at the plan's worlds, the plan is
+    the schedule's lowering at those worlds (lowered again here) in every field but
+    each step's ``tuning`` and ``sync`` (dcpc.codegen.plan ``EDITABLE``), those hold
+    knobs in bounds and peers specs of the grammar (``editable_fault``), and the
+    happens-before checker accepts the loaded plan's slots and epochs. Nothing else of
+    the file reaches the module. Anything else is a DiagnosticError located in one of
+    the two files."""
     from dataclasses import replace
 
     from dcpc.codegen.plan import MAX_PLAN_BYTES, PlanFormatError, editable_fault, load_plan
