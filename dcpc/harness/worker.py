@@ -599,11 +599,21 @@ def run_rank(
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
                     # a method's output read again by the engine: counted on its own
                     key = f"{name}@{step.name}" if name in returned else name
+                    unsent = unsent_at(trace, step.index, rank, name)
+                    bounds = bounds_at(trace, step.index, rank, name)
+                    index = step.op.rows.get(name)
+                    if index is not None:  # rows by values: the rows the step reads
+                        ix = _host(env[index]).to(torch.int64).reshape(-1)
+                        got, want = got[ix.to(got.device)], want[ix]
+                        unsent = None if unsent is None else unsent[ix]
+                        bounds = None if bounds is None else bounds[:, ix]
+                        where += f" rows {index}"
                     compare(name, kinds.before(event.call, step.index, name),
                             schedule.buffers[name].dtype.value, got, want,
                             report.outputs.setdefault(key, OutputStats()), where,
-                            unsent=unsent_at(trace, step.index, rank, name),
-                            bounds=bounds_at(trace, step.index, rank, name))
+                            unsent=unsent, bounds=bounds)
+                    if index is not None:
+                        got = module_view(module, schedule, name, event.slot, sizes)
                 env[name] = got
             seen = {k: _host(v).to(torch.float64) if k not in schedule.buffers else
                     _reference_form(_host(v), schedule.buffers[k].dtype.value).double()

@@ -115,6 +115,23 @@ def _index_expr(inner: str) -> str:
     return inner if found is None else found[1]
 
 
+# rows by values ``b[idx]`` / ``b[e][idx]`` (``_Unroller._rows``): a buffer, an optional
+# slot index, then a name (a buffer's, when it is declared)
+_ROWS = re.compile(r"([a-z][a-z0-9_]*)(?:\[([^\[\],:]*)\])?\[\s*([a-z][a-z0-9_]*)\s*\]\Z", re.S)
+
+
+def _place(op: str | None, key: str | None) -> str:
+    """Where a rows access stands, for ``_Unroller._rows``'s refusal."""
+    if op != "external":
+        return f"a step of op '{op}'"
+    return f"key '{key}' of an external step" if key else "an external step's key"
+
+
+def _buffer_names(data: Any) -> set[str]:
+    buffers = data.get("buffers") if isinstance(data, dict) else None
+    return set(buffers) if isinstance(buffers, dict) else set()
+
+
 # a slot's chunk ``b[e1][:, e2]``: the leading index, then one later-axis index of the slot
 _CHUNK = re.compile(r"([^\[\]]*)\]\[([^\[\]]*,[^\[\]]*)\Z", re.S)
 
@@ -399,6 +416,10 @@ class _Unroller:
         # buffer -> (the axis its indices slice, the first such index, where it is)
         self.axes_of: dict[str, tuple[int, str, Mark]] = {}
         self.step_op: str | None = None  # the op of the step ``op`` rewrites
+        # rows by values (``_rows``) of the step ``op`` rewrites: the key being rewritten
+        # ('reads', 'writes', ...), and buffer (or slot) -> (index buffer, key, text, where)
+        self.step_key: str | None = None
+        self.step_rows: dict[str, tuple[str, str, str, Mark]] = {}
         # a name written bare in a step that is not external -> (where, its op): a
         # later-axis slice's unrolled name '<b>_<k>' is refused there (_split_buffers)
         self.bare: dict[str, tuple[Mark, str]] = {}
@@ -469,6 +490,9 @@ class _Unroller:
                     self.bare.setdefault(text, (mark, self.step_op))
             return text
         name, inner = found.group(1), found.group(2)
+        rows = _ROWS.match(text.strip())
+        if rows and rows.group(3) in _buffer_names(self.data) and rows.group(3) not in env:
+            return self._rows(rows.group(1), rows.group(2), rows.group(3), text, env, mark)
         chunk = _CHUNK.match(inner)
         if chunk and "," not in chunk.group(1):
             return self._chunk(name, chunk.group(1), chunk.group(2), text, env, mark)
@@ -532,6 +556,55 @@ class _Unroller:
             return text
         self.split[name] = lead
         return f"{name}_{value}"
+
+    def _rows(self, name: str, slot: str | None, index: str, text: str, env: dict[str, int],
+              mark: Mark) -> str:
+        """``b[idx]`` (``b[e][idx]``: of slot e): the rows of axis 0 of b (of the slot)
+        that the values of the 1-d integer buffer idx name, as torch's ``b[idx]``, in an
+        external step's reads or writes only: ``'b'`` (``'b_<e>'``), the access recorded
+        in ``step_rows`` (``op`` writes it as the step's ``rows``). Its bounds (``values``
+        within that axis, distinct where written) are checked for every binding by
+        dcpc.check.names."""
+        where = f"'{clipped(text)}' takes the rows of '{name}' that the values of '{index}' name"
+        if self.step_op != "external" or self.step_key not in ("reads", "writes"):
+            self.error(mark, "bad-index",
+                       f"{where} in {_place(self.step_op, self.step_key)}; "
+                       "rows chosen by a buffer's values are a gather (a scatter when written), "
+                       "which only an external step's reads and writes take (the module's "
+                       "kernels move rows named by constants and sizes)",
+                       f"read '{clipped(text)}' in an external step that writes a buffer of "
+                       "its own, and give that buffer to this step")
+            return text
+        spec = _spec(self.data.get("buffers"), index)
+        shape, dtype = spec.get("shape"), spec.get("dtype")
+        if not (isinstance(shape, list) and len(shape) == 1 and dtype in ("i32", "i64")
+                and isinstance(spec.get("values"), dict)):
+            self.error(mark, "bad-index",
+                       f"{where}, but '{index}' is not a 1-d integer buffer (i32, i64) with "
+                       "'values: {min, max}': its values must be rows that exist",
+                       f"declare '{index}: {{shape: [N], dtype: i32, values: {{min: 0, max: "
+                       f"<rows of {name}> - 1}}}}'")
+            return text
+        if index in self.split or _INDEXED.match(index):
+            return text
+        target = name
+        if slot is not None:
+            target = self.index(f"{name}[{slot}]", env, mark)
+            if not re.fullmatch(rf"{re.escape(name)}_\d+", target):
+                return text  # the slot's index was refused
+        else:
+            self.index(name, env, mark)  # the buffer is used whole (no slice of it)
+        seen = self.step_rows.get(target)
+        if seen is not None and seen[0] != index:
+            self.error(mark, "bad-index",
+                       f"{where}; '{clipped(seen[2])}' at {seen[3]} takes its rows by "
+                       f"'{seen[0]}' in the same step: a step takes a buffer's rows by one "
+                       "index", f"write '{name}{'' if slot is None else f'[{slot}]'}[{seen[0]}]' "
+                       "here too, or split the step")
+            return text
+        if seen is None or self.step_key == "writes":
+            self.step_rows[target] = (index, self.step_key, text, mark)
+        return target
 
     def _chunk(self, name: str, first: str, later: str, text: str, env: dict[str, int],
                mark: Mark) -> str:
@@ -728,6 +801,7 @@ class _Unroller:
     def op(self, name: str, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
         out = copy.copy(body)
         self.step_op = body.get("op") if isinstance(body.get("op"), str) else None
+        self.step_key, self.step_rows = None, {}
         text = _offset_expr(body)
         if text is not None:
             at, team = env, _team_w(body, self.data)  # along one axis: W is the team's size
@@ -754,13 +828,29 @@ class _Unroller:
                        "interleave", "when", "perm", "shard"):
                 continue
             mark = _mark(body, key, self.file)
+            self.step_key = key
             if isinstance(value, dict):  # mask_empty
                 out[key] = {k: (v if k in (MARK, MARKS) else
                                 self.rewrite(v, env, _mark(value, k, self.file)))
                             for k, v in value.items()}
             else:
                 out[key] = self.rewrite(value, env, mark)
+        self.step_key = None
+        if self.step_rows:
+            out.update(self._rows_access(out))
         return out
+
+    def _rows_access(self, out: dict[str, Any]) -> dict[str, Any]:
+        """An external step's rows by values (``_rows``) as the model takes them: its
+        ``rows`` (buffer -> index); the index buffers, and the buffers written by rows
+        (the other rows keep their values: read), added to its ``reads``."""
+        found, self.step_rows = self.step_rows, {}
+        reads = list(out.get("reads", []))
+        for target, (index, key, _, _) in found.items():
+            for extra in ([target] if key == "writes" else []) + [index]:
+                if extra not in reads:
+                    reads.append(extra)
+        return {"reads": reads, "rows": {t: v[0] for t, v in found.items()}}
 
     def owned(self, name: str, body: dict[str, Any], env: dict[str, int]
               ) -> list[tuple[str, dict[str, Any]]]:

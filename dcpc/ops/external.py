@@ -28,6 +28,13 @@ class External(OpBase):
     shard: Union[Int, Str, None] = Field(  # noqa: UP007
         default=None, description="the rank whose KV shard this step's partials belong "
         "to (an expression of r, the hop index and W), for the harness's synthetic step")
+    # rows by values (``q[half1]``, docs/language.md): the unrolled form the unroller
+    # (dcpc.lang.loops ``_rows``) writes, never the file: buffer (or slot) -> the 1-d
+    # integer buffer whose values name the rows of its axis 0 this step reads / writes;
+    # the buffer and the index both stand in ``reads`` (a rows write reads the buffer too:
+    # the other rows keep their values), so the checker's models see whole buffers
+    rows: dict[str, str] = Field(
+        default_factory=dict, description="unrolled rows-by-values accesses: buffer -> index")
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
