@@ -422,9 +422,10 @@ def _rows_asks(ctx: Context, name: str, buffer: Buffer,
         if count is not None and ex.symbols(count) <= known:
             asks.append((
                 ("-", ("+", ("-", high, low), ("num", 2)), count),
-                lambda at, count=count: f"'values' of buffer '{name}' holds "
-                f"{ex.evaluate(high, at.binding) - ex.evaluate(low, at.binding) + 1} values "
-                f"at W={at.world}{_also(at, low, high, count)}, fewer than its "
+                lambda at, count=count: f"'values' of buffer '{name}' "
+                f"({ex.unparse(low)} .. {ex.unparse(high)}) holds "
+                f"{max(ex.evaluate(high, at.binding) - ex.evaluate(low, at.binding) + 1, 0)} "
+                f"value(s) at W={at.world}{_also(at, low, high, count)}, fewer than its "
                 f"{ex.unparse(count)} = {ex.evaluate(count, at.binding)} elements, which "
                 "'distinct: true' keeps apart", "widen the range to hold a value per element",
                 "max"))

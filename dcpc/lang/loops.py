@@ -57,6 +57,7 @@ from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import _perm as perms
 from dcpc.ops import all_gather, shift, sync
 from dcpc.ops import ragged_all_to_all as ragged
+from dcpc.ops.external import ROWS
 from dcpc.topology import ROTATION, rotations, shape_of, torus  # noqa: F401 (rotations: re-exported)
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
@@ -562,9 +563,9 @@ class _Unroller:
         """``b[idx]`` (``b[e][idx]``: of slot e): the rows of axis 0 of b (of the slot)
         that the values of the 1-d integer buffer idx name, as torch's ``b[idx]``, in an
         external step's reads or writes only: ``'b'`` (``'b_<e>'``), the access recorded
-        in ``step_rows`` (``op`` writes it as the step's ``rows``). Its bounds (``values``
-        within that axis, distinct where written) are checked for every binding by
-        dcpc.check.names."""
+        in ``step_rows`` (``op`` writes it as the step's ``ROWS``: External.rows). Its
+        bounds (``values`` within that axis, distinct where written) are checked for every
+        binding by dcpc.check.names."""
         where = f"'{clipped(text)}' takes the rows of '{name}' that the values of '{index}' name"
         if self.step_op != "external" or self.step_key not in ("reads", "writes"):
             self.error(mark, "bad-index",
@@ -842,7 +843,7 @@ class _Unroller:
 
     def _rows_access(self, out: dict[str, Any]) -> dict[str, Any]:
         """An external step's rows by values (``_rows``) as the model takes them: its
-        ``rows`` (buffer -> index); the index buffers, and the buffers written by rows
+        ``ROWS`` (buffer -> index); the index buffers, and the buffers written by rows
         (the other rows keep their values: read), added to its ``reads``."""
         found, self.step_rows = self.step_rows, {}
         reads = list(out.get("reads", []))
@@ -850,7 +851,7 @@ class _Unroller:
             for extra in ([target] if key == "writes" else []) + [index]:
                 if extra not in reads:
                     reads.append(extra)
-        return {"reads": reads, "rows": {t: v[0] for t, v in found.items()}}
+        return {"reads": reads, ROWS: {t: v[0] for t, v in found.items()}}
 
     def owned(self, name: str, body: dict[str, Any], env: dict[str, int]
               ) -> list[tuple[str, dict[str, Any]]]:

@@ -1,0 +1,218 @@
+"""Rows by values (``q[idx]``, ``recv[h % 2][idx]``): the rows of axis 0 of a buffer (of a
+slot) that the values of a 1-d integer buffer name, as torch's ``q[idx]``, in an external
+step's reads and writes only (dcpc.lang.loops ``_Unroller._rows``). The step reads the
+index too; a rows write reads the buffer (the other rows keep their values); the race
+models take the access as the whole buffer (slot). The index's ``values`` are checked for
+every binding (dcpc.check.names): max below the rows, distinct where rows are written.
+`dcpc run`'s synthetic step reads and writes those rows only, and the worker compares
+those rows of what it reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcpc import pipeline
+from dcpc.check import hb, structural
+from dcpc.diagnostics import DiagnosticError
+from dcpc.harness import synth
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.parse import parse_text
+
+# a ring of W - 1 hops: each hop reads the rows 'lo' names of the slot in hand, and the
+# rows 'hi' names of q, merged into the rows 'hi' names of the symmetric 'acc'; 'acc'
+# then travels whole to the next rank, where the engine reads it (compared there)
+TEXT = """\
+schedule: s
+sizes: {N: {max: 3}, D: 4}
+buffers:
+  q: {shape: [2 * N, D], dtype: f32}
+  k: {shape: [2 * N, D], dtype: f32}
+  lens: {shape: [2], dtype: i32, values: {min: 0, max: 2 * N}}
+  lo: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}
+  hi: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}
+  recv: {shape: [2, 2 * N, D], dtype: f32, symmetric: true}
+  acc: {shape: [2 * N, D], dtype: f32, symmetric: true}
+  got: {shape: [2 * N, D], dtype: f32, symmetric: true}
+  y: {shape: [N, D], dtype: f32}
+  z: {shape: [N, D], dtype: f32}
+  w: {shape: [2 * N, D], dtype: f32}
+steps:
+  - halves: {op: external, reads: [lens], writes: [lo, hi]}
+  - start: {op: external, reads: [k], writes: [acc]}
+  - send_first: {op: shift, src: k, dst: "recv[0]", offset: next, phase: put}
+  - arrive_first: {op: shift, src: k, dst: "recv[0]", offset: next, phase: wait}
+  - ring:
+      repeat: W - 1
+      as: h
+      steps:
+        - low: {op: external, reads: ["recv[h % 2][lo]"], writes: [y]}
+        - up: {op: external, reads: ["q[hi]", y], writes: [z]}
+        - merge: {op: external, reads: ["acc[hi]", z], writes: ["acc[hi]"]}
+        - credit: {op: signal, to: prev, channel: free}
+        - wait: {op: wait, from: next, channel: free}
+        - send: {op: shift, src: "recv[h % 2]", dst: "recv[(h + 1) % 2]", offset: next,
+                 phase: put}
+        - arrive: {op: shift, src: "recv[h % 2]", dst: "recv[(h + 1) % 2]", offset: next,
+                   phase: wait}
+  - pass_acc: {op: shift, src: acc, dst: got, offset: next}
+  - use: {op: external, reads: [got], writes: [w]}
+  - done: {op: signal, to: prev, channel: free}
+  - end: {op: wait, from: next, channel: free}
+"""
+
+
+def errors(text: str, worlds: range = range(2, 5)) -> list:
+    """The parser's or the structural check's errors of ``text`` at each W of ``worlds``."""
+    found = []
+    for world in worlds:
+        try:
+            found += [d for d in structural.check(parse_text(text, "s.yaml", world), [world])
+                      if d.severity == "error"]
+        except DiagnosticError as error:
+            found += list(error.diagnostics)
+    return found
+
+
+def changed(*pairs: str) -> str:
+    text = TEXT
+    for old, new in zip(pairs[::2], pairs[1::2], strict=True):
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def test_a_rows_access_reads_its_index_and_the_whole_buffer() -> None:
+    schedule = parse_text(TEXT, "s.yaml", 3)
+    steps = {s.name: s.op for s in schedule.step_list()}
+    assert not errors(TEXT)
+    # the slot, then its rows; the index read too; no buffer per row (not a slice)
+    assert steps["low_h0"].reads == ["recv_0", "lo"] and steps["low_h0"].rows == {"recv_0": "lo"}
+    assert steps["low_h1"].rows == {"recv_1": "lo"}
+    assert steps["up_h0"].reads == ["q", "y", "hi"] and steps["up_h0"].rows == {"q": "hi"}
+    # a rows write reads the buffer (the other rows keep their values)
+    assert steps["merge_h0"].reads == ["acc", "z", "hi"] and steps["merge_h0"].writes == ["acc"]
+    assert steps["merge_h0"].rows == {"acc": "hi"}
+    assert "q" in schedule.buffers and not schedule.slices
+
+
+def test_a_rows_read_of_a_slot_races_with_the_next_put_into_it() -> None:
+    """Without the credit, a put into the next rank's slot can land while that rank reads
+    rows of it (the race models take a rows access as the whole slot)."""
+    text = changed("        - wait: {op: wait, from: next, channel: free}\n", "",
+                   "        - credit: {op: signal, to: prev, channel: free}\n", "")
+    keys = {f.key[:4] for f in hb.check(parse_text(text, "s.yaml", 4), [4],
+                                        hints=False).findings}
+    assert ("race", "write-after-read", "recv_0", "low_h0") in keys, keys
+    assert not hb.check(parse_text(TEXT, "s.yaml", 4), [4], hints=False).findings
+
+
+def test_the_index_is_read_so_it_must_be_written_first(tmp_path: Path) -> None:
+    text = changed("  - halves: {op: external, reads: [lens], writes: [lo, hi]}\n", "",
+                   "  - use: {op: external", "  - halves: {op: external, reads: [lens], "
+                   "writes: [lo, hi]}\n  - use: {op: external")
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    with pytest.raises(DiagnosticError) as refused:
+        pipeline.run(path, pipeline.Options(worlds=[3]), until="emit")
+    found = [d for d in refused.value.diagnostics if d.code == "read-before-write"]
+    assert found and "'lo'" in found[0].message and "low_h0" in found[0].message, found
+    path.write_text(TEXT)
+    assert pipeline.run(path, pipeline.Options(worlds=[3]), until="emit").module_text
+
+
+# each refusal: the change, its class, where (line, col), words of message or hint, and
+# the change its hint asks for (accepted)
+REFUSED = [
+    # a method takes no rows by values
+    (('dst: "recv[0]", offset: next, phase: put}', 'dst: "recv[0][lo]", offset: next, '
+      'phase: put}'), "bad-index", (18, 42), "in a step of op 'shift'",
+     ('dst: "recv[0]", offset: next, phase: put}', 'dst: "recv[0]", offset: next, '
+      'phase: put}')),
+    # the index: 1-d integer with values
+    (("lo: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}",
+      "lo: {shape: [N], dtype: f32}"), "bad-index", (24, 38),
+     "declare 'lo: {shape: [N], dtype: i32, values: {min: 0, max: <rows of recv> - 1}}'",
+     ("lo: {shape: [N], dtype: f32}", "lo: {shape: [N], dtype: i32, values: {min: 0, "
+      "max: 2 * N - 1}}")),
+    # max past the rows, for some binding
+    (("hi: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}",
+      "hi: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N, distinct: true}}"),
+     "bad-values", (8, 54), "not below the 2*N = 2 rows of 'q'",
+     ("max: 2 * N, distinct", "max: 2*N - 1, distinct")),
+    # rows written by an index that may repeat a row
+    (("hi: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}",
+      "hi: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1}}"),
+     "bad-values", (8, 40), "declare its values distinct",
+     ("max: 2 * N - 1}}\n  recv", "max: 2 * N - 1, distinct: true}}\n  recv")),
+    # distinct values the range cannot hold
+    (("hi: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}",
+      "hi: {shape: [N], dtype: i32, values: {min: N, max: N, distinct: true}}"),
+     "bad-values", (8, 54), "which 'distinct: true' keeps apart",
+     ("min: N, max: N,", "min: 0, max: 2 * N - 1,")),
+    # one index per buffer in a step
+    (('reads: ["acc[hi]", z]', 'reads: ["acc[lo]", z]'), "bad-index", (26, 64),
+     "a step takes a buffer's rows by one index",
+     ('writes: ["acc[hi]"]', 'writes: ["acc[lo]"]')),
+]
+
+
+@pytest.mark.parametrize(("change", "code", "where", "words", "fix"), REFUSED)
+def test_a_refused_rows_access_is_located_and_its_hint_is_taken(
+        change: tuple[str, ...], code: str, where: tuple[int, int], words: str,
+        fix: tuple[str, ...]) -> None:
+    text = changed(*change)
+    found = errors(text)
+    assert found and found[0].code == code, found
+    assert words in found[0].message + (found[0].hint or ""), found[0]
+    assert found[0].mark.file == "s.yaml", found[0]
+    assert (found[0].mark.line, found[0].mark.col) == where, found[0]
+    fixed = text.replace(*fix) if fix[0] != fix[1] else TEXT
+    assert not errors(fixed), errors(fixed)
+
+
+def test_the_synthetic_step_reads_and_writes_the_named_rows_only() -> None:
+    """make_external: what a rows read computes depends on the named rows only; a rows
+    write changes the named rows and keeps every other row."""
+    schedule = parse_text(TEXT, "s.yaml", 3)
+    sizes = synth.call_sizes(schedule, 3, {"N": 3}, 0, 0)
+    steps = {s.name: s for s in schedule.step_list()}
+    external = synth.make_external(schedule, 3, sizes, 0, 0)
+    gen = torch.Generator().manual_seed(1)
+    n = sizes["N"]
+    index = synth.int_value(schedule, "hi", sizes, {}, gen)
+    assert sorted(set(index.tolist())) == sorted(index.tolist())  # distinct, as declared
+    assert 0 <= int(index.min()) and int(index.max()) < 2 * n
+    bufs = {"hi": index, "acc": torch.randn(2 * n, 4, dtype=torch.float64, generator=gen),
+            "z": torch.randn(n, 4, dtype=torch.float64, generator=gen),
+            "q": torch.randn(2 * n, 4, dtype=torch.float64, generator=gen),
+            "y": torch.randn(n, 4, dtype=torch.float64, generator=gen)}
+    written = external(steps["merge_h0"], 0, bufs)["acc"]
+    named = torch.zeros(2 * n, dtype=torch.bool)
+    named[index] = True
+    assert torch.equal(written[~named], bufs["acc"][~named])  # the others kept
+    assert not torch.equal(written[named], bufs["acc"][named])
+    # the read of q[hi]: other rows of q change nothing
+    other = dict(bufs, q=torch.where(named.unsqueeze(1), bufs["q"], bufs["q"] + 5.0))
+    assert torch.equal(external(steps["up_h0"], 0, bufs)["z"],
+                       external(steps["up_h0"], 0, other)["z"])
+    moved = dict(bufs, q=torch.where(named.unsqueeze(1), bufs["q"] + 5.0, bufs["q"]))
+    assert not torch.equal(external(steps["up_h0"], 0, bufs)["z"],
+                           external(steps["up_h0"], 0, moved)["z"])
+
+
+@pytest.mark.e2e
+def test_a_run_reads_and_writes_the_named_rows(tmp_path: Path) -> None:
+    """`dcpc run` (host backend): the rows of the slot the engine reads (compared there,
+    those rows), and 'acc', written by rows into the module's memory and moved whole to
+    the next rank (compared there, every row), match the float64 reference."""
+    path = tmp_path / "s.yaml"
+    path.write_text(TEXT)
+    report = run_schedule(RunConfig(schedule=str(path), world=3, backend="host", calls=2,
+                                    seed=5))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert report.outputs["got"].compared >= 2 * 3, text
+    assert report.outputs["recv_0"].compared and report.outputs["recv_1"].compared, text
