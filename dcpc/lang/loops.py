@@ -421,6 +421,7 @@ class _Unroller:
         # ('reads', 'writes', ...), and buffer (or slot) -> (index buffer, key, text, where)
         self.step_key: str | None = None
         self.step_rows: dict[str, tuple[str, str, str, Mark]] = {}
+        self.step_rows_count: dict[tuple[str, str | None], int] = {}  # (buffer, key) -> uses
         # a name written bare in a step that is not external -> (where, its op): a
         # later-axis slice's unrolled name '<b>_<k>' is refused there (_split_buffers)
         self.bare: dict[str, tuple[Mark, str]] = {}
@@ -605,6 +606,8 @@ class _Unroller:
             return text
         if seen is None or self.step_key == "writes":
             self.step_rows[target] = (index, self.step_key, text, mark)
+        key = (target, self.step_key)
+        self.step_rows_count[key] = self.step_rows_count.get(key, 0) + 1
         return target
 
     def _chunk(self, name: str, first: str, later: str, text: str, env: dict[str, int],
@@ -802,7 +805,7 @@ class _Unroller:
     def op(self, name: str, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
         out = copy.copy(body)
         self.step_op = body.get("op") if isinstance(body.get("op"), str) else None
-        self.step_key, self.step_rows = None, {}
+        self.step_key, self.step_rows, self.step_rows_count = None, {}, {}
         text = _offset_expr(body)
         if text is not None:
             at, team = env, _team_w(body, self.data)  # along one axis: W is the team's size
@@ -846,6 +849,18 @@ class _Unroller:
         ``ROWS`` (buffer -> index); the index buffers, and the buffers written by rows
         (the other rows keep their values: read), added to its ``reads``."""
         found, self.step_rows = self.step_rows, {}
+        for target, (_, _, text, mark) in found.items():
+            for key in ("reads", "writes"):
+                names = out.get(key)
+                named = names.count(target) if isinstance(names, list) else 0
+                if named != self.step_rows_count.get((target, key), 0):
+                    self.error(mark, "bad-index",
+                               f"'{clipped(text)}' takes rows of '{target}', which the step "
+                               f"also names whole (or twice) in its {key}: a step names a "
+                               "buffer either whole or by its rows, once in reads and once "
+                               "in writes", f"name it once as rows '{clipped(text)}' in "
+                               f"{key} too, or read it whole in a step of its own")
+                    break
         reads = list(out.get("reads", []))
         for target, (index, key, _, _) in found.items():
             for extra in ([target] if key == "writes" else []) + [index]:

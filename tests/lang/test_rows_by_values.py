@@ -156,6 +156,9 @@ REFUSED = [
     (('reads: ["acc[hi]", z]', 'reads: ["acc[lo]", z]'), "bad-index", (26, 64),
      "a step takes a buffer's rows by one index",
      ('writes: ["acc[hi]"]', 'writes: ["acc[lo]"]')),
+    # a buffer whole and by its rows in one step (which would the harness give it?)
+    (('reads: ["acc[hi]", z]', 'reads: [acc, z]'), "bad-index", (26, 58),
+     "also names whole (or twice) in its reads", ('reads: [acc, z]', 'reads: ["acc[hi]", z]')),
 ]
 
 
