@@ -415,8 +415,10 @@ def _rows_asks(ctx: Context, name: str, buffer: Buffer,
                 f"'{step.name}' takes by its values: a row that does not exist",
                 f"an index of rows is 0 .. rows - 1: 'max: {ex.unparse(rows)} - 1'", "max"))
     if buffer.values is not None and buffer.values.distinct:
-        try:
-            count = ex.parse(buffer.shape[0]) if len(buffer.shape) == 1 else None
+        try:  # its elements: the product of its dims
+            count = ex.parse(buffer.shape[0])
+            for dim in buffer.shape[1:]:
+                count = ("*", count, ex.parse(dim))
         except (ex.ExprSyntaxError, ValueError):
             count = None
         if count is not None and ex.symbols(count) <= known:
