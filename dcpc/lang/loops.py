@@ -587,8 +587,6 @@ class _Unroller:
                        f"declare '{index}: {{shape: [N], dtype: i32, values: {{min: 0, max: "
                        f"<rows of {name}> - 1}}}}'")
             return text
-        if index in self.split or _INDEXED.match(index):
-            return text
         target = name
         if slot is not None:
             target = self.index(f"{name}[{slot}]", env, mark)
