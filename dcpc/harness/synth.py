@@ -28,6 +28,7 @@ from dcpc.harness.simulate import (
     float_bits,
     float_value,
     local_seq_len,
+    named_rows,
     signed_view,
 )
 from dcpc.lang import expr as ex
@@ -593,7 +594,7 @@ def make_external(
         assert isinstance(op, External)
         # rows by values (``b[idx]``): a read sees those rows only, a write sets those rows
         # only (the others keep their values)
-        picked = {n: bufs[i].to(torch.int64).reshape(-1) for n, i in op.rows.items()}
+        picked = {n: named_rows(bufs[i]) for n, i in op.rows.items()}
         reads = [bufs[n][picked[n]] if n in picked else bufs[n] for n in op.reads
                  if schedule.buffers[n].dtype.is_float and n not in unsent]
         # a moved payload's NaN, inf (``with_edges``, ``full_range_fp8``) read as 0, +-1:
@@ -609,8 +610,13 @@ def make_external(
             three = x is not None and x.dim() == 3  # [T, H, D]-like: attention's input
             if not schedule.buffers[name].dtype.is_float:  # counts, indexes: in bounds
                 # an index this step writes picks live rows of the counts it wrote first
-                writes[name] = int_value(schedule, name, env, {**bufs, **writes}, gen,
-                                         (call, rank, world), known)
+                value = int_value(schedule, name, env, {**bufs, **writes}, gen,
+                                  (call, rank, world), known)
+                if name in picked:  # the named rows of its draw; the others keep theirs
+                    whole = bufs[name].to(value.dtype).clone()
+                    whole[picked[name]] = value[picked[name]]
+                    value = whole
+                writes[name] = value
                 continue
             if three and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
                 cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]

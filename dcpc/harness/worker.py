@@ -36,6 +36,7 @@ from dcpc.harness.simulate import (
     buffer_shape,
     float_bits,
     float_value,
+    named_rows,
     persistent_start,
     seen_at,
     simulate_call,
@@ -603,7 +604,7 @@ def run_rank(
                     bounds = bounds_at(trace, step.index, rank, name)
                     index = step.op.rows.get(name)
                     if index is not None:  # rows by values: the rows the step reads
-                        ix = _host(env[index]).to(torch.int64).reshape(-1)
+                        ix = named_rows(_host(env[index]))
                         got, want = got[ix.to(got.device)], want[ix]
                         unsent = None if unsent is None else unsent[ix]
                         bounds = None if bounds is None else bounds[:, ix]

@@ -219,3 +219,45 @@ def test_a_run_reads_and_writes_the_named_rows(tmp_path: Path) -> None:
     assert report.launch.ok and report.mismatches == 0, text
     assert report.outputs["got"].compared >= 2 * 3, text
     assert report.outputs["recv_0"].compared and report.outputs["recv_1"].compared, text
+
+
+VARLEN = Path(__file__).resolve().parents[2] / "schedules/gallery/zigzag_ring_attention_varlen.yaml"
+
+
+def test_a_rows_write_of_an_integer_buffer_keeps_its_other_rows() -> None:
+    """An integer buffer written by rows (``cnt[half1]``): the synthetic step draws the
+    named rows only, the others keep what the buffer held (as a float buffer's do)."""
+    text = VARLEN.read_text()
+    text = text.replace("  out: {shape:", "  cnt: {shape: [2 * N], dtype: i32, values: "
+                        "{min: 0, max: 5}}\n  out: {shape:", 1)
+    text = text.replace("      writes: [out, lse]", '      writes: [out, lse, "cnt[half1]"]', 1)
+    schedule = parse_text(text, "v.yaml", 2)
+    finish = next(s for s in schedule.step_list() if s.name == "finish")
+    assert finish.op.rows == {"cnt": "half1"}
+    sizes = synth.call_sizes(schedule, 2, {"N": 4, "R": 2}, 0, 0)
+    n = sizes["N"]
+    gen = torch.Generator().manual_seed(3)
+    half1 = torch.tensor([1, 3, 5, 7][:n], dtype=torch.float64)
+    bufs = {"half1": half1, "cnt": torch.full((2 * n,), -7.0, dtype=torch.float64),
+            "o_acc": torch.randn(2 * n, 4, 16, dtype=torch.float64, generator=gen),
+            "lse_acc": torch.randn(2 * n, 4, 1, dtype=torch.float64, generator=gen)}
+    for rank in range(2):
+        cnt = synth.make_external(schedule, 2, sizes, 0, 0)(finish, rank, dict(bufs))["cnt"]
+        named = torch.zeros(2 * n, dtype=torch.bool)
+        named[half1.long()] = True
+        assert (cnt[~named] == -7).all(), cnt  # the others kept
+        assert ((cnt[named] >= 0) & (cnt[named] <= 5)).all(), cnt  # the named drawn
+
+
+def test_distinct_values_over_many_seeds() -> None:
+    """``distinct: true``: no value twice, for every seed (not by luck of one)."""
+    schedule = parse_text(TEXT, "s.yaml", 3)
+    for n in (1, 2, 3):
+        sizes = synth.call_sizes(schedule, 3, {"N": n}, 0, 0)
+        for seed in range(300):
+            gen = torch.Generator().manual_seed(seed)
+            for name in ("lo", "hi"):
+                index = synth.int_value(schedule, name, sizes, {}, gen, (seed % 5, seed % 3, 3))
+                values = index.tolist()
+                assert len(set(values)) == len(values) == sizes["N"], (seed, name, values)
+                assert 0 <= min(values) and max(values) < 2 * sizes["N"], (seed, values)
