@@ -261,3 +261,28 @@ def test_distinct_values_over_many_seeds() -> None:
                 values = index.tolist()
                 assert len(set(values)) == len(values) == sizes["N"], (seed, name, values)
                 assert 0 <= min(values) and max(values) < 2 * sizes["N"], (seed, values)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "i32"])
+def test_the_worker_compares_exactly_the_named_rows(dtype: str) -> None:
+    """What an engine step reads by rows is compared on those rows, every one of them:
+    a module buffer whose other rows differ from the reference passes; one whose named
+    row (any of them, the last included) differs mismatches."""
+    from dcpc.harness.worker import OutputStats, compare_rows
+
+    index = torch.tensor([5, 0, 3], dtype=torch.float64)  # the named rows, out of order
+    want = torch.arange(6 * 4, dtype=torch.float64).reshape(6, 4)
+    others = want.clone()
+    others[[1, 2, 4]] += 100.0  # the rows the index does not name
+    stats = OutputStats()
+    compare_rows("acc", "move", dtype, others, want, stats, "here", index)
+    assert stats.mismatches == 0, stats.first_mismatch
+    stats = OutputStats()
+    compare_rows("acc", "move", dtype, others, want, stats, "here", None)  # the whole buffer
+    assert stats.mismatches == 1
+    for row in (5, 0, 3):
+        bad = want.clone()
+        bad[row, 2] += 1.0
+        stats = OutputStats()
+        compare_rows("acc", "move", dtype, bad, want, stats, "here", index)
+        assert stats.mismatches == 1, row
