@@ -234,7 +234,7 @@ def test_a_rows_write_of_an_integer_buffer_keeps_its_other_rows() -> None:
     schedule = parse_text(text, "v.yaml", 2)
     finish = next(s for s in schedule.step_list() if s.name == "finish")
     assert finish.op.rows == {"cnt": "half1"}
-    sizes = synth.call_sizes(schedule, 2, {"N": 4, "R": 2}, 0, 0)
+    sizes = synth.call_sizes(schedule, 2, {"N": 4, "R": 2, "M": 8}, 0, 0)
     n = sizes["N"]
     gen = torch.Generator().manual_seed(3)
     half1 = torch.tensor([1, 3, 5, 7][:n], dtype=torch.float64)
