@@ -531,6 +531,8 @@ class _Unroller:
                              f"is {what}; a schedule that depends on {first} is "
                              f"unrolled for {unit} at a time", first)
             return text
+        if lead is None and axis == 0 and self._not_rows(name, inner, text, env, mark):
+            return text
         if lead is None:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' indexes buffer '{name}', whose {where} is not an "
@@ -559,6 +561,59 @@ class _Unroller:
         self.split[name] = lead
         return f"{name}_{value}"
 
+    def _index_decl(self, index: str, name: str, slotted: bool) -> str:
+        """The declaration of ``index`` as an index of the rows of ``name`` (of its slot:
+        ``slotted``) that the checker accepts, in the file's own size expressions: 1-d,
+        i32, values 0..rows - 1, ``distinct: true`` (rows a step writes must be distinct,
+        and the step that reads an index may not be the only one that uses it; a range of
+        the rows holds a distinct value per row)."""
+        shape = self._shape(name) or []
+        rows = shape[1 if slotted else 0] if len(shape) > (1 if slotted else 0) else "N"
+        own = self._shape(index)
+        length = own[0] if own is not None and len(own) == 1 else rows
+        top = f"{rows} - 1" if isinstance(rows, str) else f"{rows - 1}"
+        return (f"'{index}: {{shape: [{length}], dtype: i32, values: {{min: 0, max: {top}, "
+                "distinct: true}}'")
+
+    def _not_rows(self, name: str, inner: str, text: str, env: dict[str, int],
+                  mark: Mark) -> bool:
+        """``q[half1][0]``, ``q[halfx]`` (no such buffer), ``q[-half1]``, ``q[half1 + 1]``,
+        ``q[hh[0]]`` of a buffer whose leading axis is no integer: meant as rows by values
+        (``_rows``), which take the name of a declared index alone. Refused (bad-index)
+        with the form to write (True); False: no rows access meant (the slice message)."""
+        declared = _buffer_names(self.data)
+        sizes = self.data.get("sizes") if isinstance(self.data, dict) else None
+        known = set(env) | set(sizes if isinstance(sizes, dict) else ()) | {"r", "W"}
+        named = [n for n in re.findall(r"[a-z][a-z0-9_]*", inner) if n not in known]
+        if not named:  # sizes, the hop index, r, W: a slice index (the slice message)
+            return False
+        index = next((n for n in named if n in declared), named[0])
+        form = f"{name}[{index}]"
+        rows = "rows by values name the rows of axis 0 by a declared 1-d integer buffer, " \
+            f"its name alone in one bracket: '{form}'"
+        if index not in declared:
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' indexes buffer '{name}' by '{index}', which is no "
+                       f"buffer, size or hop index; {rows}",
+                       f"declare {self._index_decl(index, name, False)} (the engine's "
+                       f"input, or an engine step's output) and write '{form}'")
+        else:
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' indexes buffer '{name}' by '{clipped(inner)}', "
+                       f"which is no rows by values: {rows} (an index computed from it, a "
+                       "second index or an element of it is an engine step's to write into "
+                       "a buffer of its own)",
+                       f"write '{form}'" if self._is_index(index) else
+                       f"declare {self._index_decl(index, name, False)} and write '{form}'")
+        return True
+
+    def _is_index(self, index: str) -> bool:
+        """Whether ``index`` is declared as rows by values take one (1-d i32/i64 with values)."""
+        spec = _spec(self.data.get("buffers"), index)
+        shape = spec.get("shape")
+        return (isinstance(shape, list) and len(shape) == 1 and spec.get("dtype") in ("i32", "i64")
+                and isinstance(spec.get("values"), dict))
+
     def _rows(self, name: str, slot: str | None, index: str, text: str, env: dict[str, int],
               mark: Mark) -> str:
         """``b[idx]`` (``b[e][idx]``: of slot e): the rows of axis 0 of b (of the slot)
@@ -577,15 +632,11 @@ class _Unroller:
                        f"read '{clipped(text)}' in an external step that writes a buffer of "
                        "its own, and give that buffer to this step")
             return text
-        spec = _spec(self.data.get("buffers"), index)
-        shape, dtype = spec.get("shape"), spec.get("dtype")
-        if not (isinstance(shape, list) and len(shape) == 1 and dtype in ("i32", "i64")
-                and isinstance(spec.get("values"), dict)):
+        if not self._is_index(index):
             self.error(mark, "bad-index",
                        f"{where}, but '{index}' is not a 1-d integer buffer (i32, i64) with "
                        "'values: {min, max}': its values must be rows that exist",
-                       f"declare '{index}: {{shape: [N], dtype: i32, values: {{min: 0, max: "
-                       f"<rows of {name}> - 1}}}}'")
+                       f"declare {self._index_decl(index, name, slot is not None)}")
             return text
         target = name
         if slot is not None:

@@ -134,9 +134,9 @@ REFUSED = [
     # the index: 1-d integer with values
     (("lo: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}",
       "lo: {shape: [N], dtype: f32}"), "bad-index", (24, 38),
-     "declare 'lo: {shape: [N], dtype: i32, values: {min: 0, max: <rows of recv> - 1}}'",
+     "declare 'lo: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}'",
      ("lo: {shape: [N], dtype: f32}", "lo: {shape: [N], dtype: i32, values: {min: 0, "
-      "max: 2 * N - 1}}")),
+      "max: 2 * N - 1, distinct: true}}")),
     # max past the rows, for some binding
     (("hi: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}",
       "hi: {shape: [N], dtype: i32, values: {min: 0, max: 2 * N, distinct: true}}"),
@@ -286,3 +286,47 @@ def test_the_worker_compares_exactly_the_named_rows(dtype: str) -> None:
         stats = OutputStats()
         compare_rows("acc", "move", dtype, bad, want, stats, "here", index)
         assert stats.mismatches == 1, row
+
+
+# rows by values meant, written otherwise: the bracket holds an expression of a buffer, a
+# second index, an undeclared name; the hint's form (and declaration) followed is accepted
+DECLARE = "  y: {shape: [N, D], dtype: f32}\n"
+
+
+@pytest.mark.parametrize(("bad", "hint", "fix"), [
+    ('"q[hi][0]"', "write 'q[hi]'", ('"q[hi][0]"', '"q[hi]"')),
+    ('"q[-hi]"', "write 'q[hi]'", ('"q[-hi]"', '"q[hi]"')),
+    ('"q[hi + 1]"', "write 'q[hi]'", ('"q[hi + 1]"', '"q[hi]"')),
+    ('"q[hix]"', "declare 'hix: {shape: [2 * N], dtype: i32, values: {min: 0, max: 2 * N - 1, "
+     "distinct: true}}'", (DECLARE, DECLARE + "  hix: {shape: [2 * N], dtype: i32, values: "
+                           "{min: 0, max: 2 * N - 1, distinct: true}}\n")),
+    ('"q[hh[0]]"', "and write 'q[hh]'", ('"q[hh[0]]"', '"q[hh]"', DECLARE, DECLARE + "  hh: "
+     "{shape: [2 * N], dtype: i32, values: {min: 0, max: 2 * N - 1, distinct: true}}\n")),
+])
+def test_a_rows_access_written_otherwise_gets_the_rows_form(bad: str, hint: str,
+                                                             fix: tuple[str, ...]) -> None:
+    text = changed('reads: ["q[hi]", y]', f"reads: [{bad}, y]")
+    found = errors(text)
+    assert found and found[0].code == "bad-index", found
+    assert (found[0].mark.line, found[0].mark.col) == (25, 37), found[0]
+    assert "rows by values name the rows of axis 0" in found[0].message, found[0]
+    assert "leading axis is not an integer" not in found[0].message, found[0]
+    assert hint in (found[0].hint or ""), found[0]
+    for old, new in zip(fix[::2], fix[1::2], strict=True):
+        text = text.replace(old, new)
+    assert not errors(text), errors(text)
+
+
+def test_an_undeclared_write_index_s_declaration_hint_is_accepted() -> None:
+    """An index first read then written in one step: the declared form carries
+    ``distinct: true`` (a write needs it), so following the hint gives no second refusal."""
+    text = changed('reads: ["acc[hi]", z], writes: ["acc[hi]"]',
+                   'reads: ["acc[hx]", z], writes: ["acc[hx]"]')
+    found = errors(text)
+    assert found and found[0].code == "bad-index", found
+    hint = found[0].hint or ""
+    decl = hint[hint.index("'") + 1: hint.index("'", hint.index("'") + 1)]
+    assert decl == "hx: {shape: [2 * N], dtype: i32, values: {min: 0, max: 2 * N - 1, " \
+        "distinct: true}}", hint
+    fixed = text.replace(DECLARE, DECLARE + f"  {decl}\n")
+    assert not errors(fixed), errors(fixed)
