@@ -24,6 +24,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, Schedule, Step
 from dcpc.lang.questions import Counterexample
 from dcpc.lang.sizes import WORLD
+from dcpc.ops.external import External
 from dcpc.ops.iface import Counts, RowIndex
 from dcpc.ops.registry import input_rules, placed
 from dcpc.ops.sync import Signal, Wait
@@ -294,9 +295,22 @@ def _check_values(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]
                       f"number at W={where.world}{_also(where, node)}: {where.detail}",
                       hint="divide only by what divides it for every W checked")
             return
+    written = next((step for step in ctx.schedule.step_list()
+                    if isinstance(step.op, External) and any(
+                        index == name and target in step.op.writes
+                        for target, index in step.op.rows.items())), None)
+    if written is not None and not buffer.values.distinct:
+        ctx.error(buffer.mark("values"), "bad-values",
+                  f"buffer '{name}' names the rows step '{written.name}' writes (rows by "
+                  "values), but its 'values' may repeat a row: a write of one row twice "
+                  "keeps either value, not a deterministic result",
+                  hint="declare its values distinct: 'values: {min: ..., max: ..., "
+                  "distinct: true}' (dcpc run draws them so; the engine must write them so)")
+        return
     reported: set[str] = set()  # one error per end (several counts' capacities: the first)
-    for positive, says, hint, end in _range_asks(ctx, name, buffer, bounds, reads,
-                                                 slots.get(name)):
+    asks = _range_asks(ctx, name, buffer, bounds, reads, slots.get(name))
+    asks += _rows_asks(ctx, name, buffer, bounds)
+    for positive, says, hint, end in asks:
         if end in reported:
             continue
         at = ctx.samples.nonpositive(positive)
@@ -367,6 +381,56 @@ def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, 
             "slot whose rows it names (a ragged move's index, or what lands in one): no "
             "row is both",
             "an index is a row of its slot, 0 .. capacity - 1: lower 'min'", "min"))
+    return asks
+
+
+def _rows_asks(ctx: Context, name: str, buffer: Buffer,
+               bounds: tuple[ex.Expr, ex.Expr]) -> list[_Ask]:
+    """An index of rows by values (``b[idx]``, an external step's ``rows``): max below
+    the rows of axis 0 of every buffer (slot) it indexes, and, declared distinct, a range
+    that holds a value for each of its elements."""
+    low, high = bounds
+    asks: list[_Ask] = []
+    known = {*ctx.table.sizes, WORLD}
+    seen: set[str] = set()
+    for step in ctx.schedule.step_list():
+        if not isinstance(step.op, External):
+            continue
+        for target, index in step.op.rows.items():
+            if index != name or target in seen or target not in ctx.schedule.buffers:
+                continue
+            seen.add(target)
+            try:
+                rows = ex.parse(ctx.schedule.buffers[target].shape[0])
+            except (ex.ExprSyntaxError, ValueError):
+                continue  # the shape check reports it
+            if not ex.symbols(rows) <= known:
+                continue
+            asks.append((
+                ("-", rows, high),
+                lambda at, step=step, target=target, rows=rows: f"'values: max' of buffer "
+                f"'{name}' ({ex.unparse(high)}) is {ex.evaluate(high, at.binding)} at "
+                f"W={at.world}{_also(at, high, rows)}, not below the {ex.unparse(rows)} = "
+                f"{ex.evaluate(rows, at.binding)} rows of '{target}' whose rows step "
+                f"'{step.name}' takes by its values: a row that does not exist",
+                f"an index of rows is 0 .. rows - 1: 'max: {ex.unparse(rows)} - 1'", "max"))
+    if buffer.values is not None and buffer.values.distinct:
+        try:  # its elements: the product of its dims
+            count = ex.parse(buffer.shape[0])
+            for dim in buffer.shape[1:]:
+                count = ("*", count, ex.parse(dim))
+        except (ex.ExprSyntaxError, ValueError):
+            count = None
+        if count is not None and ex.symbols(count) <= known:
+            asks.append((
+                ("-", ("+", ("-", high, low), ("num", 2)), count),
+                lambda at, count=count: f"'values' of buffer '{name}' "
+                f"({ex.unparse(low)} .. {ex.unparse(high)}) holds "
+                f"{max(ex.evaluate(high, at.binding) - ex.evaluate(low, at.binding) + 1, 0)} "
+                f"value(s) at W={at.world}{_also(at, low, high, count)}, fewer than its "
+                f"{ex.unparse(count)} = {ex.evaluate(count, at.binding)} elements, which "
+                "'distinct: true' keeps apart", "widen the range to hold a value per element",
+                "max"))
     return asks
 
 

@@ -54,6 +54,14 @@ def buffer_shape(schedule: m.Schedule, name: str, sizes: Mapping[str, int]) -> t
 
 
 @functools.lru_cache(maxsize=4096)
+def named_rows(index: torch.Tensor) -> torch.Tensor:
+    """Rows by values (``q[idx]``, docs/language.md): the rows of axis 0 that the values of
+    the 1-d integer buffer ``index`` name, in its order, as torch's ``q[idx]`` indexes.
+    The one rule: the synthetic step (dcpc.harness.synth ``make_external``) reads and
+    writes these rows, the worker compares these rows of what an engine step reads."""
+    return index.to(torch.int64).reshape(-1)
+
+
 def _dim(text: str | int) -> ex.Expr:
     """A shape's dimension parsed once (a simulated call asks for shapes thousands of
     times; an expression is an immutable tuple)."""

@@ -28,6 +28,7 @@ from dcpc.harness.simulate import (
     float_bits,
     float_value,
     local_seq_len,
+    named_rows,
     signed_view,
 )
 from dcpc.lang import expr as ex
@@ -263,6 +264,9 @@ def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: B
     if cap is not None:  # rows of a slot, each once (its declared range within)
         low, high = bounds if bounds is not None else (0, cap - 1)
         return distinct_rows(max(low, 0), min(high, cap - 1), cap, shape, gen)
+    spec = schedule.buffers[name].values
+    if bounds is not None and spec is not None and spec.distinct:  # no value twice
+        return distinct_rows(*bounds, max(math.prod(shape), 1), shape, gen)
     if bounds is not None:
         return in_range(*bounds, shape, gen, *where)
     if name in known.payloads:
@@ -588,7 +592,10 @@ def make_external(
     def external(step: m.Step, rank: int, bufs: Buffers) -> Buffers:
         op = step.op
         assert isinstance(op, External)
-        reads = [bufs[n] for n in op.reads
+        # rows by values (``b[idx]``): a read sees those rows only, a write sets those rows
+        # only (the others keep their values)
+        picked = {n: named_rows(bufs[i]) for n, i in op.rows.items()}
+        reads = [bufs[n][picked[n]] if n in picked else bufs[n] for n in op.reads
                  if schedule.buffers[n].dtype.is_float and n not in unsent]
         # a moved payload's NaN, inf (``with_edges``, ``full_range_fp8``) read as 0, +-1:
         # what the step computes stays finite where its rows are live
@@ -598,11 +605,18 @@ def make_external(
         writes: Buffers = {}
         for name in op.writes:
             shape = buffer_shape(schedule, name, env)
+            if name in picked:
+                shape = (len(picked[name]), *shape[1:])
             three = x is not None and x.dim() == 3  # [T, H, D]-like: attention's input
             if not schedule.buffers[name].dtype.is_float:  # counts, indexes: in bounds
                 # an index this step writes picks live rows of the counts it wrote first
-                writes[name] = int_value(schedule, name, env, {**bufs, **writes}, gen,
-                                         (call, rank, world), known)
+                value = int_value(schedule, name, env, {**bufs, **writes}, gen,
+                                  (call, rank, world), known)
+                if name in picked:  # the named rows of its draw; the others keep theirs
+                    whole = bufs[name].to(value.dtype).clone()
+                    whole[picked[name]] = value[picked[name]]
+                    value = whole
+                writes[name] = value
                 continue
             if three and len(shape) == 3 and tuple(x.shape[:2]) == shape[:2]:
                 cols = (torch.arange(shape[2]) * 7 + rank) % x.shape[2]
@@ -623,6 +637,10 @@ def make_external(
                 pool = O_GARBAGE if len(shape) == 3 else LSE_GARBAGE
                 for t in torch.nonzero(rows).flatten().tolist():
                     value[t] = garbage.choice(pool)
+            if name in picked:  # the named rows of what the buffer held
+                whole = bufs[name].to(torch.float64).clone()
+                whole[picked[name]] = value
+                value = whole
             writes[name] = value
         return writes
 

@@ -36,6 +36,7 @@ from dcpc.harness.simulate import (
     buffer_shape,
     float_bits,
     float_value,
+    named_rows,
     persistent_start,
     seen_at,
     simulate_call,
@@ -175,6 +176,22 @@ def compare(
         # bits it rounds to
         ok = ok & (float_bits(got, dtype) == float_bits(want, dtype))
     _count(stats, ok, where, name, got, want, float, f", max abs err {max_err:.3g}")
+
+
+def compare_rows(
+    name: str, kind: str, dtype: str, got: torch.Tensor, want: torch.Tensor, stats: OutputStats,
+    where: str, index: torch.Tensor | None, *, unsent: torch.Tensor | None = None,
+    bounds: torch.Tensor | None = None,
+) -> None:
+    """``compare`` of what an engine step reads: the whole buffer, or with ``index`` (rows
+    by values, ``q[idx]``: the index's values) exactly the rows it names
+    (``simulate.named_rows``), the step's view; the other rows are not the step's."""
+    if index is not None:
+        ix = named_rows(index)
+        got, want = got[ix.to(got.device)], want[ix]
+        unsent = None if unsent is None else unsent[ix]
+        bounds = None if bounds is None else bounds[:, ix]
+    compare(name, kind, dtype, got, want, stats, where, unsent=unsent, bounds=bounds)
 
 
 def _reference_form(t: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -599,11 +616,16 @@ def run_rank(
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
                     # a method's output read again by the engine: counted on its own
                     key = f"{name}@{step.name}" if name in returned else name
-                    compare(name, kinds.before(event.call, step.index, name),
-                            schedule.buffers[name].dtype.value, got, want,
-                            report.outputs.setdefault(key, OutputStats()), where,
-                            unsent=unsent_at(trace, step.index, rank, name),
-                            bounds=bounds_at(trace, step.index, rank, name))
+                    unsent = unsent_at(trace, step.index, rank, name)
+                    bounds = bounds_at(trace, step.index, rank, name)
+                    index = step.op.rows.get(name)
+                    if index is not None:  # rows by values: the rows the step reads
+                        where += f" rows {index}"
+                    compare_rows(name, kinds.before(event.call, step.index, name),
+                                 schedule.buffers[name].dtype.value, got, want,
+                                 report.outputs.setdefault(key, OutputStats()), where,
+                                 None if index is None else _host(env[index]),
+                                 unsent=unsent, bounds=bounds)
                 env[name] = got
             seen = {k: _host(v).to(torch.float64) if k not in schedule.buffers else
                     _reference_form(_host(v), schedule.buffers[k].dtype.value).double()

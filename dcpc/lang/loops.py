@@ -57,6 +57,7 @@ from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import _perm as perms
 from dcpc.ops import all_gather, shift, sync
 from dcpc.ops import ragged_all_to_all as ragged
+from dcpc.ops.external import ROWS
 from dcpc.topology import ROTATION, rotations, shape_of, torus  # noqa: F401 (rotations: re-exported)
 
 MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
@@ -113,6 +114,23 @@ def _index_expr(inner: str) -> str:
         return f"({chunk.group(1)}) + ({chunk.group(2) if later is None else later[1]})"
     found = index_axis(inner)
     return inner if found is None else found[1]
+
+
+# rows by values ``b[idx]`` / ``b[e][idx]`` (``_Unroller._rows``): a buffer, an optional
+# slot index, then a name (a buffer's, when it is declared)
+_ROWS = re.compile(r"([a-z][a-z0-9_]*)(?:\[([^\[\],:]*)\])?\[\s*([a-z][a-z0-9_]*)\s*\]\Z", re.S)
+
+
+def _place(op: str | None, key: str | None) -> str:
+    """Where a rows access stands, for ``_Unroller._rows``'s refusal."""
+    if op != "external":
+        return f"a step of op '{op}'"
+    return f"key '{key}' of an external step" if key else "an external step's key"
+
+
+def _buffer_names(data: Any) -> set[str]:
+    buffers = data.get("buffers") if isinstance(data, dict) else None
+    return set(buffers) if isinstance(buffers, dict) else set()
 
 
 # a slot's chunk ``b[e1][:, e2]``: the leading index, then one later-axis index of the slot
@@ -399,6 +417,11 @@ class _Unroller:
         # buffer -> (the axis its indices slice, the first such index, where it is)
         self.axes_of: dict[str, tuple[int, str, Mark]] = {}
         self.step_op: str | None = None  # the op of the step ``op`` rewrites
+        # rows by values (``_rows``) of the step ``op`` rewrites: the key being rewritten
+        # ('reads', 'writes', ...), and buffer (or slot) -> (index buffer, key, text, where)
+        self.step_key: str | None = None
+        self.step_rows: dict[str, tuple[str, str, str, Mark]] = {}
+        self.step_rows_count: dict[tuple[str, str | None], int] = {}  # (buffer, key) -> uses
         # a name written bare in a step that is not external -> (where, its op): a
         # later-axis slice's unrolled name '<b>_<k>' is refused there (_split_buffers)
         self.bare: dict[str, tuple[Mark, str]] = {}
@@ -469,6 +492,9 @@ class _Unroller:
                     self.bare.setdefault(text, (mark, self.step_op))
             return text
         name, inner = found.group(1), found.group(2)
+        rows = _ROWS.match(text.strip())
+        if rows and rows.group(3) in _buffer_names(self.data) and rows.group(3) not in env:
+            return self._rows(rows.group(1), rows.group(2), rows.group(3), text, env, mark)
         chunk = _CHUNK.match(inner)
         if chunk and "," not in chunk.group(1):
             return self._chunk(name, chunk.group(1), chunk.group(2), text, env, mark)
@@ -505,6 +531,8 @@ class _Unroller:
                              f"is {what}; a schedule that depends on {first} is "
                              f"unrolled for {unit} at a time", first)
             return text
+        if lead is None and axis == 0 and self._not_rows(name, inner, text, env, mark):
+            return text
         if lead is None:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' indexes buffer '{name}', whose {where} is not an "
@@ -532,6 +560,104 @@ class _Unroller:
             return text
         self.split[name] = lead
         return f"{name}_{value}"
+
+    def _index_decl(self, index: str, name: str, slotted: bool) -> str:
+        """The declaration of ``index`` as an index of the rows of ``name`` (of its slot:
+        ``slotted``) that the checker accepts, in the file's own size expressions: 1-d,
+        i32, values 0..rows - 1, ``distinct: true`` (rows a step writes must be distinct,
+        and the step that reads an index may not be the only one that uses it; a range of
+        the rows holds a distinct value per row)."""
+        shape = self._shape(name) or []
+        rows = shape[1 if slotted else 0] if len(shape) > (1 if slotted else 0) else "N"
+        own = self._shape(index)
+        length = own[0] if own is not None and len(own) == 1 else rows
+        top = f"{rows} - 1" if isinstance(rows, str) else f"{rows - 1}"
+        return (f"'{index}: {{shape: [{length}], dtype: i32, values: {{min: 0, max: {top}, "
+                "distinct: true}}'")
+
+    def _not_rows(self, name: str, inner: str, text: str, env: dict[str, int],
+                  mark: Mark) -> bool:
+        """``q[half1][0]``, ``q[halfx]`` (no such buffer), ``q[-half1]``, ``q[half1 + 1]``,
+        ``q[hh[0]]`` of a buffer whose leading axis is no integer: meant as rows by values
+        (``_rows``), which take the name of a declared index alone. Refused (bad-index)
+        with the form to write (True); False: no rows access meant (the slice message)."""
+        declared = _buffer_names(self.data)
+        sizes = self.data.get("sizes") if isinstance(self.data, dict) else None
+        known = set(env) | set(sizes if isinstance(sizes, dict) else ()) | {"r", "W"}
+        named = [n for n in re.findall(r"[a-z][a-z0-9_]*", inner) if n not in known]
+        if not named:  # sizes, the hop index, r, W: a slice index (the slice message)
+            return False
+        index = next((n for n in named if n in declared), named[0])
+        form = f"{name}[{index}]"
+        rows = "rows by values name the rows of axis 0 by a declared 1-d integer buffer, " \
+            f"its name alone in one bracket: '{form}'"
+        if index not in declared:
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' indexes buffer '{name}' by '{index}', which is no "
+                       f"buffer, size or hop index; {rows}",
+                       f"declare {self._index_decl(index, name, False)} (the engine's "
+                       f"input, or an engine step's output) and write '{form}'")
+        else:
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' indexes buffer '{name}' by '{clipped(inner)}', "
+                       f"which is no rows by values: {rows} (an index computed from it, a "
+                       "second index or an element of it is an engine step's to write into "
+                       "a buffer of its own)",
+                       f"write '{form}'" if self._is_index(index) else
+                       f"declare {self._index_decl(index, name, False)} and write '{form}'")
+        return True
+
+    def _is_index(self, index: str) -> bool:
+        """Whether ``index`` is declared as rows by values take one (1-d i32/i64 with values)."""
+        spec = _spec(self.data.get("buffers"), index)
+        shape = spec.get("shape")
+        return (isinstance(shape, list) and len(shape) == 1 and spec.get("dtype") in ("i32", "i64")
+                and isinstance(spec.get("values"), dict))
+
+    def _rows(self, name: str, slot: str | None, index: str, text: str, env: dict[str, int],
+              mark: Mark) -> str:
+        """``b[idx]`` (``b[e][idx]``: of slot e): the rows of axis 0 of b (of the slot)
+        that the values of the 1-d integer buffer idx name, as torch's ``b[idx]``, in an
+        external step's reads or writes only: ``'b'`` (``'b_<e>'``), the access recorded
+        in ``step_rows`` (``op`` writes it as the step's ``ROWS``: External.rows). Its
+        bounds (``values`` within that axis, distinct where written) are checked for every
+        binding by dcpc.check.names."""
+        where = f"'{clipped(text)}' takes the rows of '{name}' that the values of '{index}' name"
+        if self.step_op != "external" or self.step_key not in ("reads", "writes"):
+            self.error(mark, "bad-index",
+                       f"{where} in {_place(self.step_op, self.step_key)}; "
+                       "rows chosen by a buffer's values are a gather (a scatter when written), "
+                       "which only an external step's reads and writes take (the module's "
+                       "kernels move rows named by constants and sizes)",
+                       f"read '{clipped(text)}' in an external step that writes a buffer of "
+                       "its own, and give that buffer to this step")
+            return text
+        if not self._is_index(index):
+            self.error(mark, "bad-index",
+                       f"{where}, but '{index}' is not a 1-d integer buffer (i32, i64) with "
+                       "'values: {min, max}': its values must be rows that exist",
+                       f"declare {self._index_decl(index, name, slot is not None)}")
+            return text
+        target = name
+        if slot is not None:
+            target = self.index(f"{name}[{slot}]", env, mark)
+            if not re.fullmatch(rf"{re.escape(name)}_\d+", target):
+                return text  # the slot's index was refused
+        else:
+            self.index(name, env, mark)  # the buffer is used whole (no slice of it)
+        seen = self.step_rows.get(target)
+        if seen is not None and seen[0] != index:
+            self.error(mark, "bad-index",
+                       f"{where}; '{clipped(seen[2])}' at {seen[3]} takes its rows by "
+                       f"'{seen[0]}' in the same step: a step takes a buffer's rows by one "
+                       "index", f"write '{name}{'' if slot is None else f'[{slot}]'}[{seen[0]}]' "
+                       "here too, or split the step")
+            return text
+        if seen is None or self.step_key == "writes":
+            self.step_rows[target] = (index, self.step_key, text, mark)
+        key = (target, self.step_key)
+        self.step_rows_count[key] = self.step_rows_count.get(key, 0) + 1
+        return target
 
     def _chunk(self, name: str, first: str, later: str, text: str, env: dict[str, int],
                mark: Mark) -> str:
@@ -728,6 +854,7 @@ class _Unroller:
     def op(self, name: str, body: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
         out = copy.copy(body)
         self.step_op = body.get("op") if isinstance(body.get("op"), str) else None
+        self.step_key, self.step_rows, self.step_rows_count = None, {}, {}
         text = _offset_expr(body)
         if text is not None:
             at, team = env, _team_w(body, self.data)  # along one axis: W is the team's size
@@ -754,13 +881,41 @@ class _Unroller:
                        "interleave", "when", "perm", "shard"):
                 continue
             mark = _mark(body, key, self.file)
+            self.step_key = key
             if isinstance(value, dict):  # mask_empty
                 out[key] = {k: (v if k in (MARK, MARKS) else
                                 self.rewrite(v, env, _mark(value, k, self.file)))
                             for k, v in value.items()}
             else:
                 out[key] = self.rewrite(value, env, mark)
+        self.step_key = None
+        if self.step_rows:
+            out.update(self._rows_access(out))
         return out
+
+    def _rows_access(self, out: dict[str, Any]) -> dict[str, Any]:
+        """An external step's rows by values (``_rows``) as the model takes them: its
+        ``ROWS`` (buffer -> index); the index buffers, and the buffers written by rows
+        (the other rows keep their values: read), added to its ``reads``."""
+        found, self.step_rows = self.step_rows, {}
+        for target, (_, _, text, mark) in found.items():
+            for key in ("reads", "writes"):
+                names = out.get(key)
+                named = names.count(target) if isinstance(names, list) else 0
+                if named != self.step_rows_count.get((target, key), 0):
+                    self.error(mark, "bad-index",
+                               f"'{clipped(text)}' takes rows of '{target}', which the step "
+                               f"also names whole (or twice) in its {key}: a step names a "
+                               "buffer either whole or by its rows, once in reads and once "
+                               "in writes", f"name it once as rows '{clipped(text)}' in "
+                               f"{key} too, or read it whole in a step of its own")
+                    break
+        reads = list(out.get("reads", []))
+        for target, (index, key, _, _) in found.items():
+            for extra in ([target] if key == "writes" else []) + [index]:
+                if extra not in reads:
+                    reads.append(extra)
+        return {"reads": reads, ROWS: {t: v[0] for t, v in found.items()}}
 
     def owned(self, name: str, body: dict[str, Any], env: dict[str, int]
               ) -> list[tuple[str, dict[str, Any]]]:

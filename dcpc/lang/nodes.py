@@ -140,6 +140,9 @@ class ValueRange(Node):
 
     min: SizeExpr = Field(description="the smallest value, a size expression")
     max: SizeExpr = Field(description="the largest value, a size expression")
+    distinct: Bool = Field(
+        default=False, description="no value twice in the buffer (an index an external step "
+        "writes rows by: docs/language.md, rows by values); drawn so by `dcpc run`")
 
 
 class Buffer(Node):

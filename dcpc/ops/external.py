@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import Field
+from pydantic.json_schema import SkipJsonSchema
 
 from dcpc.lang.nodes import Int, Name, OpBase, Step, Str
 from dcpc.ops.common import Scope, Semantics, keyed, local, typed
@@ -15,6 +16,9 @@ from dcpc.ops.registry import IO, OpDef, define
 
 if TYPE_CHECKING:
     from dcpc.ops.iface import LowerRules, SimView
+
+# the reserved key of an unrolled external step's rows by values (``External.rows``)
+ROWS = "__rows__"
 
 
 class External(OpBase):
@@ -28,6 +32,12 @@ class External(OpBase):
     shard: Union[Int, Str, None] = Field(  # noqa: UP007
         default=None, description="the rank whose KV shard this step's partials belong "
         "to (an expression of r, the hop index and W), for the harness's synthetic step")
+    # rows by values (``q[half1]``, docs/language.md): the unrolled form the unroller
+    # (dcpc.lang.loops ``_rows``) writes, never the file: buffer (or slot) -> the 1-d
+    # integer buffer whose values name the rows of its axis 0 this step reads / writes;
+    # the buffer and the index both stand in ``reads`` (a rows write reads the buffer too:
+    # the other rows keep their values), so the checker's models see whole buffers
+    rows: SkipJsonSchema[dict[str, str]] = Field(default_factory=dict, alias=ROWS, exclude=True)
 
 
 def semantics(c: Scope, step: Step) -> Semantics:
