@@ -283,9 +283,9 @@ def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = 
     schedule file ``path``, once it is proved: the file is the one the plan was
     lowered from (its sha256), the schedule checks at the plan's worlds, the plan is
     the schedule's lowering at those worlds (lowered again here) in every field but
-    each step's ``tuning`` and ``sync`` (dcpc.codegen.plan ``EDITABLE``), those hold
-    knobs in bounds and peers specs of the grammar (``editable_fault``), and the
-    happens-before checker accepts the loaded plan's slots and epochs. Nothing else of
+    each step's ``tuning`` (dcpc.codegen.plan ``EDITABLE``), which holds knobs in
+    bounds (``editable_fault``), and the happens-before checker accepts the loaded
+    plan. Nothing else of
     the file reaches the module. Anything else is a DiagnosticError located in one of
     the two files."""
     from dataclasses import replace

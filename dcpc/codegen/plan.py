@@ -9,8 +9,8 @@ enum string or a shape AST (``("num", n) | ("sym", name) | (op, lhs, rhs)``), ex
 version ``PLAN_VERSION``): ``emit(load_plan(dump_plan(p)))`` is ``emit(p)`` byte for
 byte. A loaded plan is only data: ``dcpc compile SCHEDULE --plan FILE`` lowers the
 schedule again and emits the plan only where it is that lowering but for each step's
-launch knobs and signal slots (``EDITABLE``, bounded by ``editable_fault``), once the
-happens-before checker has proved those slots (dcpc.pipeline ``run_plan``).
+launch knobs (``EDITABLE``, bounded by ``editable_fault``), once the happens-before
+checker has proved the plan (dcpc.pipeline ``run_plan``).
 """
 
 from __future__ import annotations
@@ -237,8 +237,8 @@ _EXPR_OPS = ("+", "-", "*", "/")
 # is read. The set does NOT keep a string from being code: names, attributes,
 # subscripts, comprehensions and arithmetic can still call functions. What keeps input
 # out of the module is dcpc.pipeline ``run_plan``: a loaded plan must be its schedule's
-# lowering (``plan_difference``) but for EDITABLE fields, which hold ints and peers
-# specs only (``editable_fault``). Free text (``doc``, ``contract``) is escaped where it
+# lowering (``plan_difference``) but for EDITABLE fields, which hold ints only
+# (``editable_fault``). Free text (``doc``, ``contract``) is escaped where it
 # reaches the module.
 _SAFE_TEXT = re.compile(r"[A-Za-z0-9_.+\-*/\[\] ,:]*")
 _TEMPLATE = re.compile(r"ops/[a-z0-9_]+\.py\.j2")
@@ -348,17 +348,18 @@ def _check_kind(value: Any, hint: Any, where: str, name: str) -> None:
 
 
 # What ``dcpc compile --plan`` lets a plan differ in from its schedule's lowering: each
-# step's launch knobs and its signal slots (``sync``: the peers it signals and waits
-# for, and the step whose slots it polls; its team's ``axes`` are the mesh's). Nothing
-# else: the rest of the plan must be the lowering's, value for value.
-EDITABLE = ("tuning", "sync")
+# step's launch knobs (ints, emitted into the module's TUNING table). Nothing else: the
+# rest of the plan must be the lowering's, value for value. Not ``sync``: the kernels'
+# signals and waits come from the op and its attrs, not from the plan's Sync, so an
+# edited Sync would be proved by the hb stage while the module ran the lowering's.
+EDITABLE = ("tuning",)
 
 
 def plan_difference(got: Any, want: Any, where: str = "plan") -> str | None:
     """The key path (as ``PlanFormatError`` names them, ``plan.Plan.steps[3].StepPlan.
     attrs['peer_k']``) of the first place where the plan ``got`` is not ``want`` (values
-    and their types), each step's EDITABLE fields but a Sync's ``axes`` left out; None
-    where they agree."""
+    and their types, dict keys too), each step's EDITABLE fields left out; None where
+    they agree."""
     if type(got) is not type(want):
         return where
     if type(got) in (list, tuple):
@@ -370,7 +371,7 @@ def plan_difference(got: Any, want: Any, where: str = "plan") -> str | None:
                 return found
         return None
     if type(got) is dict:
-        if list(got) != list(want):
+        if [(type(k), k) for k in got] != [(type(k), k) for k in want]:
             return f"{where} (its keys)"
         for k in got:
             found = plan_difference(got[k], want[k], f"{where}[{k!r}]")
@@ -383,8 +384,6 @@ def plan_difference(got: Any, want: Any, where: str = "plan") -> str | None:
         here = f"{where}.{type(got).__name__}"
         for f in fields(got):
             if type(got) is StepPlan and f.name in EDITABLE:
-                if f.name == "sync" and got.sync.axes != want.sync.axes:
-                    return f"{here}.sync.Sync.axes"
                 continue
             found = plan_difference(getattr(got, f.name), getattr(want, f.name),
                                     f"{here}.{f.name}")
@@ -397,10 +396,8 @@ def plan_difference(got: Any, want: Any, where: str = "plan") -> str | None:
 def editable_fault(got: Plan, want: Plan) -> tuple[str, str] | None:
     """(key path, what is wrong) of the first EDITABLE field of ``got`` (a loaded plan
     that ``plan_difference`` finds like ``want``, its schedule's lowering) that holds
-    no value its field takes: a launch knob the lowering does not set, or out of its
-    bounds (dcpc.tuning); a peers spec outside the grammar of dcpc.ops.common
-    ``PEERS_SPEC``; a polled step that is no step of the plan."""
-    from dcpc.ops.common import peers_spec
+    no value its field takes: a launch knob the lowering does not set, not an int
+    (``type(value) is int``: no bool, no MeshWorld), or out of its bounds (dcpc.tuning)."""
     from dcpc.tuning import TUNING_KNOBS, knob_ok
 
     for i, (g, w) in enumerate(zip(got.steps, want.steps, strict=True)):
@@ -409,18 +406,9 @@ def editable_fault(got: Plan, want: Plan) -> tuple[str, str] | None:
             return (f"{here}.tuning", f"the knobs are the lowering's ({', '.join(w.tuning)}"
                     " or none): a value may be edited, not a knob added or removed")
         for knob, value in g.tuning.items():
-            if not knob_ok(knob, value):
-                return (f"{here}.tuning[{knob!r}]", f"{value!r} is out of bounds: "
+            if type(value) is not int or not knob_ok(knob, value):
+                return (f"{here}.tuning[{knob!r}]", f"{str(value)[:80]} is out of bounds: "
                         f"{TUNING_KNOBS[knob]}")
-        for what in ("signal", "wait"):
-            spec = getattr(g.sync, what)
-            if spec is not None and not peers_spec(spec):
-                return (f"{here}.sync.Sync.{what}", f"{str(spec)[:80]!r} is no peers spec "
-                        "(all, next, prev, +k, -k, line+k, line-k, perm:<ranks>)")
-        polls = g.sync.polls
-        if polls is not None and not 0 <= polls < len(got.steps):
-            return (f"{here}.sync.Sync.polls", f"{polls} is no step's index "
-                    f"(0..{len(got.steps) - 1})")
     return None
 
 

@@ -17,7 +17,6 @@ W, so one emitted module serves every group size.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -245,17 +244,6 @@ class Semantics:
 
 LINE = "line"  # the prefix of a non-cyclic offset's peers: "line+k" / "line-k"
 PERM = "perm:"  # the prefix of a perm's peers: "perm:3,2,1,0" (rank r's peer, -1: none)
-# Every peers spec a Sync holds (the whole grammar, what ``offset_peers``, ``perm_peers``
-# and ``inverse_peers`` make): "all" | "next" | "prev" | "+k" / "-k" | "line+k" /
-# "line-k" | "perm:" and a table of ranks, -1 for none ("perm:2,-1,0"); an offset of
-# at most 10 digits (MAX_OFFSET of a shift: 2**31 - 1), a rank of at most 7
-PEERS_SPEC = re.compile(r"all|next|prev|(?:line)?[+-][0-9]{1,10}|perm:(?:-1|[0-9]{1,7})"
-                        r"(?:,(?:-1|[0-9]{1,7}))*")
-
-
-def peers_spec(text: object) -> bool:
-    """Whether ``text`` is a peers spec of a Sync (``PEERS_SPEC``, the whole string)."""
-    return type(text) is str and PEERS_SPEC.fullmatch(text) is not None
 
 
 def perm_peers(table: tuple[int, ...]) -> str:
