@@ -26,7 +26,7 @@ Warnings are collected in ``Compilation.warnings`` and never stop a stage, unles
 Each stage's product is a field of ``Compilation``; ``run_plan`` enters the table
 with a given product: a plan dumped by ``--dump lower`` (dcpc.codegen.plan
 ``load_plan``) is proved against its schedule (parse, check, the schedule's own
-lowering, which it must be but for each step's tuning and sync, hb on the loaded
+lowering, which it must be but for each step's tuning, hb on the loaded
 plan) and emitted.
 """
 
@@ -319,7 +319,7 @@ def run_plan(path: str | Path, plan_path: str | Path, options: Options | None = 
         raise DiagnosticError([Diagnostic(
             at, "plan-mismatch", f"the plan's {mismatch[0]} is not what {c.path} declares"
             + (f" (first at {mismatch[1]})" if mismatch[1] else ""),
-            hint="edit only each step's tuning and sync; dump the plan again with "
+            hint="edit only each step's tuning; dump the plan again with "
                  "dcpc compile FILE -o DIR --dump lower")])
     fault = editable_fault(plan, lowered)
     if fault:
@@ -365,8 +365,7 @@ def _plan_mismatch(c: Compilation, plan: Plan,
     buffers, steps, effects, when and contract the module declares) and, for a field
     of the plan, the key path where it first differs; then any other difference by its
     key path (dcpc.codegen.plan ``plan_difference``: every field but
-    each step's ``tuning`` and ``sync``, which the hb stage and ``editable_fault``
-    judge)."""
+    each step's ``tuning``, which ``editable_fault`` judges)."""
     from dataclasses import fields
 
     import dcpc
