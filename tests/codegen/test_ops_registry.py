@@ -109,8 +109,8 @@ def test_the_checker_reads_and_writes_by_the_table() -> None:
 def _names_of_ops(path: Path) -> tuple[list[str], list[str]]:
     """The op names (outside docstrings) and the op-specific fields (``<x>.op.<field>``,
     ``getattr(<x>.op, "<field>")``) a file's syntax tree holds. Allowed: the engine step
-    (``external``, which the harness stands in for: its ``reads``/``writes``) and a
-    move's src/dst (every move's)."""
+    (``external``, which the harness stands in for: its ``reads``/``writes`` and the
+    ``rows`` of them chosen by an index's values) and a move's src/dst (every move's)."""
     tree = ast.parse(path.read_text())
     docs = {id(node.body[0].value) for node in ast.walk(tree)
             if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef) and node.body
@@ -118,7 +118,7 @@ def _names_of_ops(path: Path) -> tuple[list[str], list[str]]:
     named = sorted({node.value for node in ast.walk(tree)
                     if isinstance(node, ast.Constant) and id(node) not in docs
                     and node.value in OPS and node.value != "external"})
-    generic = {"op", "src", "dst", "reads", "writes"}
+    generic = {"op", "src", "dst", "reads", "writes", "rows"}
 
     def on_op(node: ast.AST) -> bool:  # ``<anything>.op``
         return isinstance(node, ast.Attribute) and node.attr == "op"
