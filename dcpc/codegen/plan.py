@@ -245,16 +245,17 @@ _TEMPLATE = re.compile(r"ops/[a-z0-9_]+\.py\.j2")
 _FREE_TEXT = ("doc", "contract")
 
 
-def _is_expr(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is a shape AST (dcpc.lang.expr) of at most _MAX_DEPTH levels."""
+def _is_expr(value: Any, depth: int = 0, ops: tuple[str, ...] = _EXPR_OPS) -> bool:
+    """Whether ``value`` is a shape AST (dcpc.lang.expr) of at most _MAX_DEPTH levels,
+    its operators among ``ops`` (a condition's arithmetic: ``_CONDITION_ARITHMETIC``)."""
     if type(value) is not tuple or depth > _MAX_DEPTH:
         return False
     if len(value) == 2 and value[0] == "num":
         return type(value[1]) is int
     if len(value) == 2 and value[0] == "sym":
         return type(value[1]) is str and value[1].isidentifier()
-    return len(value) == 3 and value[0] in _EXPR_OPS and all(
-        _is_expr(v, depth + 1) for v in value[1:])
+    return len(value) == 3 and value[0] in ops and all(
+        _is_expr(v, depth + 1, ops) for v in value[1:])
 
 
 def _fits(value: Any, hint: Any) -> bool:
@@ -290,7 +291,7 @@ def _fits(value: Any, hint: Any) -> bool:
 # a condition (a step's ``when:``, dcpc.lang.expr.parse_condition, held in its plan's
 # ``attrs["when"]``): the one value of a plan whose tuples may hold these at their head
 _LOGIC = frozenset(("and", "or"))
-_CONDITION_ARITHMETIC = frozenset((*_EXPR_OPS, "%"))
+_CONDITION_ARITHMETIC = (*_EXPR_OPS, "%")  # a tuple: ``in`` compares, never hashes
 
 
 def _is_condition(value: Any, depth: int = 0) -> bool:
@@ -304,18 +305,7 @@ def _is_condition(value: Any, depth: int = 0) -> bool:
     if head in _LOGIC:
         return len(value) == 3 and all(_is_condition(v, depth + 1) for v in value[1:])
     return head in COMPARISONS and len(value) == 3 and all(
-        _is_arithmetic(v, depth + 1) for v in value[1:])
-
-
-def _is_arithmetic(value: Any, depth: int) -> bool:
-    if type(value) is not tuple or not value or type(value[0]) is not str or depth > _MAX_DEPTH:
-        return False
-    if len(value) == 2 and value[0] == "num":
-        return type(value[1]) is int
-    if len(value) == 2 and value[0] == "sym":
-        return type(value[1]) is str and value[1].isidentifier()
-    return len(value) == 3 and value[0] in _CONDITION_ARITHMETIC and all(
-        _is_arithmetic(v, depth + 1) for v in value[1:])
+        _is_expr(v, depth + 1, _CONDITION_ARITHMETIC) for v in value[1:])
 
 
 def _strings(value: Any) -> typing.Iterator[str]:
