@@ -133,8 +133,9 @@ def _buffer_names(data: Any) -> set[str]:
     return set(buffers) if isinstance(buffers, dict) else set()
 
 
-# a slot's chunk ``b[e1][:, e2]``: the leading index, then one later-axis index of the slot
-_CHUNK = re.compile(r"([^\[\]]*)\]\[([^\[\]]*,[^\[\]]*)\Z", re.S)
+# a slot's chunk ``b[e1][:, e2]`` (``b[e1][e2]``: along the slot's axis 0, of a buffer of
+# the module's memory only): the slot's index, then the chunk's
+_CHUNK = re.compile(r"([^\[\]]*)\]\[([^\[\]]*)\Z", re.S)
 
 
 def _spec(buffers: Any, name: str) -> dict[str, Any]:
@@ -496,7 +497,8 @@ class _Unroller:
         if rows and rows.group(3) in _buffer_names(self.data) and rows.group(3) not in env:
             return self._rows(rows.group(1), rows.group(2), rows.group(3), text, env, mark)
         chunk = _CHUNK.match(inner)
-        if chunk and "," not in chunk.group(1):
+        if chunk and "," not in chunk.group(1) and (
+                "," in chunk.group(2) or self._in_module_memory(name)):
             return self._chunk(name, chunk.group(1), chunk.group(2), text, env, mark)
         if "[" in inner and any("," in p for p in inner.split("][")):
             self.error(mark, "bad-index",
@@ -661,9 +663,11 @@ class _Unroller:
 
     def _chunk(self, name: str, first: str, later: str, text: str, env: dict[str, int],
                mark: Mark) -> str:
-        """``b[e1][:, e2]``: chunk e2 of axis 1 (``b[e1][:, :, e2]``: axis 2) of slot e1
-        of a buffer the module owns, in an external step: ``'<b>_<e1>_<e2>'``, a view of
-        the slot ``'<b>_<e1>'`` (which stays a contiguous buffer, what shifts move)."""
+        """``b[e1][:, e2]``: chunk e2 of axis 1 (``b[e1][:, :, e2]``: axis 2; ``b[e1][e2]``:
+        axis 0, torch's ``b[e1][e2]``) of slot e1 of a buffer the module owns, in an
+        external step: ``'<b>_<e1>_<e2>'``, a view of the slot ``'<b>_<e1>'`` (which
+        stays a contiguous buffer, what shifts and ragged puts move). A 1-d slot's
+        chunk (an element) is refused with the form to write (a trailing axis of 1)."""
         split = index_axis(later)
         module = self._in_module_memory(name)
         if split is not None and not module and self._local_persist(name, split[0] + 1,
@@ -683,12 +687,31 @@ class _Unroller:
                        f"[{':, ' * (split[0] if split else 1)}e2]'")
             return text
         axis, expr = split
-        if not self._later_axis(name, axis, text, mark):
+        if axis == 0 and self.step_op not in (None, "external"):
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' takes a chunk of a slot of '{name}' along the "
+                       f"slot's axis 0 in a step of op '{self.step_op}'; a slot's chunk is a "
+                       "view of the module's memory, which only an external step takes "
+                       "(the module's kernels move the slot whole)",
+                       f"read '{clipped(text)}' in an external step that writes a buffer of "
+                       f"its own, or name the whole slot '{name}[{first.strip()}]' here")
+            return text
+        if axis and not self._later_axis(name, axis, text, mark):
             return text
         slot = self.index(f"{name}[{first}]", env, mark)
         if not re.fullmatch(rf"{re.escape(name)}_\d+", slot):
             return text  # the slot's index was refused (or a rotation: not a slot of b)
         lead = self._leading(name, axis + 1)
+        shape = self._shape(name) or []
+        if axis == 0 and len(shape) == 2:  # a 1-d slot: its chunk would be one element
+            self.error(mark, "bad-index",
+                       f"'{clipped(text)}' takes element {clipped(expr.strip())} of slot "
+                       f"'{slot}' of '{name}' (shape {_plain(shape)}), a 1-d slot; a slot's "
+                       "chunk is a slice of the slot with an axis of its own",
+                       f"declare '{name}' with a trailing axis of 1, 'shape: "
+                       f"{_plain([*shape, 1])}', and read '{clipped(text)}' (shape [1]), or "
+                       f"read the whole slot '{name}[{first.strip()}]'")
+            return text
         if lead is None or lead > MAX_SLICES:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' takes a chunk of axis {axis} of slot '{slot}' of "
@@ -1522,14 +1545,17 @@ class _Unroller:
                            "mixed-index",
                            f"buffer '{part}' is declared, but it is also the name of "
                            f"slice {i} of '{name}'", "rename one of them")
-            elif axis and part in self.bare:
+            elif (axis or written != name) and part in self.bare:
                 at, op = self.bare[part]
                 self.error(at, "bad-index",
                            f"'{part}' is slice {i} of '{written}' along axis {axis} "
                            f"('{written}[{':, ' * axis}{i}]'), named in a step of op "
-                           f"'{op}'; a slice along a later axis is a strided view, "
-                           "which only an external step takes (the module's kernels "
-                           "move contiguous rows)",
+                           f"'{op}'; " + ("a slice along a later axis is a strided view, "
+                                          "which only an external step takes (the module's "
+                                          "kernels move contiguous rows)" if axis else
+                                          "a slot's chunk is a view of the module's memory, "
+                                          "which only an external step takes (the module's "
+                                          "kernels move the slot whole)"),
                            f"read '{written}[{':, ' * axis}{i}]' in an external step, or "
                            "declare the chunk a buffer of its own")
             out[part] = spec
