@@ -72,6 +72,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcpc.codegen.plan import chunks as plan_chunks
 from dcpc.codegen.plan import tracked as tracked_buffers
 from dcpc.codegen.plan import views as plan_views
 from dcpc.exprs import holds
@@ -126,12 +127,16 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
     findings (default: the plan step's ``attrs["channel"]``, else the polled step)."""
     tracked = tracked_buffers(_attr(plan, "buffers"))
     views = plan_views(_attr(plan, "buffers"))  # a chunk of a slot: an access of the slot
+    # ... of its chunk along one axis of the slot: apart from a store of scheme index
+    # along that axis whose part is another chunk (dcpc.check.hb.races ``_meets``)
+    chunks = plan_chunks(_attr(plan, "buffers"))
     plan_steps = list(_attr(plan, "steps"))
     steps = []
     for s in plan_steps:
         before, after = [], []
         for e in _attr(s, "effects") or ():
             buffer = _attr(e, "buffer")
+            chunk = chunks.get(buffer)
             buffer = views.get(buffer, buffer)
             if buffer not in tracked:
                 continue
@@ -143,10 +148,11 @@ def program(plan: Any, channels: dict[str, str] | None = None) -> OProgram:
             # a store into one peer's instance (Region.peer): its partition is the
             # scheme's, the peer says whose instance it reaches
             item = (buffer, _attr(e, "kind") == "write", part, _attr(e, "lands"),
-                    None if region is None else _attr(region, "peer"))
+                    None if region is None else _attr(region, "peer"),
+                    chunk if region is None else None)
             (after if _attr(e, "when") == "after" else before).append(item)
         # the engine reads what the method returns, at its return (dcpc.check.hb.events)
-        returned = tuple((b, False, None, None, None) for b in _attr(s, "returns") or ()
+        returned = tuple((b, False, None, None, None, None) for b in _attr(s, "returns") or ()
                          if b in tracked)
         after.extend(returned)
         sync = _attr(s, "sync")
@@ -421,15 +427,23 @@ class _Compiled:
         # end, -1 in the table) is no push: it reads none of its src either (the brute
         # force, races.made and flow._silent_pushes: Region.target)
         silent = any(write and part is not None and part[0] in ("perm", "line")
-                     and not self._owners(part, peer, rank) for _, write, part, _, peer
+                     and not self._owners(part, peer, rank) for _, write, part, _, peer, _
                      in effects)
-        for k, (buffer, write, part, lands, peer) in enumerate(effects):
+        for k, (buffer, write, part, lands, peer, chunk) in enumerate(effects):
             place = where if lands is None else (lands, 1)
             if silent and part is None and not write:
                 continue
             for owner in self._owners(part, peer, rank):
+                # what part of the instance it touches: a chunk (axis, index) of a local
+                # access of one, a store's part of an index partition (dim, the writer's
+                # member index in the owner's team), else None (the whole)
+                cell = (chunk if chunk is not None else
+                        (part[1], rank if part[4] is None else
+                         team_of(owner, shape_of(self.world), part[4]).index(rank))
+                        if part is not None and part[0] == "index" and write else None)
                 out.append((self.instance(buffer, owner, slot), write, part, rank,
-                            where + (k,) + place, None if lands is None else (owner, lands)))
+                            where + (k,) + place, None if lands is None else (owner, lands),
+                            cell))
         return tuple(out)
 
     def _owners(self, part: tuple | None, peer: int | None, rank: int) -> Sequence[int]:
@@ -528,9 +542,9 @@ class _Run:
     def _access(self, t: int, clock: list[int], accs: tuple, call: int) -> None:
         stamp = clock[t]
         seen = self.seen
-        for inst, write, part, writer, where, land in accs:
+        for inst, write, part, writer, where, land, cell in accs:
             prior = seen[inst]
-            for (u, *_), (ustamp, uwrite, upart, uwriter, ucall, uwhere, uland) in \
+            for (u, *_), (ustamp, uwrite, upart, uwriter, ucall, uwhere, uland, ucell) in \
                     prior.items():
                 if not (write or uwrite):
                     continue
@@ -546,12 +560,16 @@ class _Run:
                 if part is not None and upart is not None and part == upart \
                         and writer != uwriter:
                     continue
+                # a local access of chunk j beside a store of index m != j along its axis
+                if (cell is not None and ucell is not None and (part is None) != (
+                        upart is None) and cell[0] == ucell[0] and cell[1] != ucell[1]):
+                    continue
                 self.races.add((inst, (uwriter, ucall) + uwhere, uwrite,
                                 (writer, call) + where, write))
             # the latest call's access per stream and access is enough, but a store in
             # flight is kept per call: an older call's may not have landed yet
             prior[(t, where) if land is None else (t, where, call)] = (
-                stamp, write, part, writer, call, where, land)
+                stamp, write, part, writer, call, where, land, cell)
 
     def done(self) -> bool:
         return all(p >= len(a) for p, a in zip(self.pos, self.c.actions, strict=True))

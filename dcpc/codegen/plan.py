@@ -65,6 +65,18 @@ def views(buffers: Iterable[Any]) -> dict[str, str]:
     return {field(b, "name"): field(b, "view_of") for b in buffers if field(b, "view_of")}
 
 
+def chunks(buffers: Iterable[Any]) -> dict[str, tuple[int, int]]:
+    """The views of module memory among ``buffers`` -> (the axis of the buffer they are
+    a view of, their index along it): the race models take a local access of one as
+    one of that chunk, apart from a store of scheme ``index`` along that axis whose
+    part is another index (``b[s][e]`` beside source m's put into block m of slot s)."""
+    def field(b: Any, name: str) -> Any:
+        return b.get(name) if isinstance(b, dict) else getattr(b, name, None)
+
+    return {field(b, "name"): (field(b, "view_axis") or 0, field(b, "view_index"))
+            for b in buffers if field(b, "view_of") and field(b, "view_index") is not None}
+
+
 def tracked(buffers: Iterable[Any]) -> dict[str, bool]:
     """The buffers the race models track (the checker's dcpc.check.hb.events and the
     execution oracle's), each -> one instance for all slots: the symmetric ones, and a

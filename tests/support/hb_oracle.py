@@ -121,14 +121,14 @@ class _Builder:
         self.nodes.append(node)
 
     def access(self, step, index, phase, buffer, kind, owner=None, part=None,
-               lands=None, returned=False) -> None:
+               lands=None, returned=False, chunk=None) -> None:
         """``lands``: the index of the step at whose wait the data flow writes a store
         made here (a shift's), None: here. ``returned``: the engine's read of what the
         method returns (a race, never a read-before-write: a rank that received nothing
         returns what its buffer held)."""
         self.add(step, index, phase, buffer=buffer, kind=kind,
                  owner=self.rank if owner is None else owner, part=part, lands=lands,
-                 returned=returned)
+                 returned=returned, chunk=chunk)
 
 
 def _partition(schedule: Schedule, op) -> tuple:
@@ -152,15 +152,20 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
     def slot(n: str | None) -> str | None:  # a slot's chunk (b[s][:, i]): of its slot
         return (schedule.module_view_of(n) or n) if n is not None else None
 
+    def chunk(n: str) -> tuple[int, int] | None:  # b[s][e]: (its axis of the slot, e)
+        whole = schedule.module_view_of(n)
+        part = schedule.slice_of(n) if whole is not None else None
+        return None if part is None else (schedule.slice_axis(part[0]), part[1])
+
     def reads(names, phase):
-        for n in map(slot, names):
-            if n in tracked:
-                b.access(name, index, phase, n, "read")
+        for n in names:
+            if slot(n) in tracked:
+                b.access(name, index, phase, slot(n), "read", chunk=chunk(n))
 
     def writes(names, phase):
-        for n in map(slot, names):
-            if n in tracked:
-                b.access(name, index, phase, n, "write")
+        for n in names:
+            if slot(n) in tracked:
+                b.access(name, index, phase, slot(n), "write", chunk=chunk(n))
 
     def stores(names, part):
         for n in names:
@@ -382,7 +387,17 @@ def _named(op) -> set[str]:
     return names
 
 
-def _overlap(a: dict, b: dict) -> bool:
+def _overlap(a: dict, b: dict, world=None) -> bool:
+    """Whether accesses a and b (nodes) of one instance overlap: stores of one partition
+    only for one writer; a local access of chunk j along axis d (``b[s][j]``) and a store
+    of partition index along d only where the writer's member index in the owner's team
+    is j; anything else always."""
+    for x, y in ((a, b), (b, a)):
+        if x.get("chunk") is not None and x["part"] is None and y["part"] is not None:
+            (scheme, dim, _, axes), writer = y["part"]
+            if scheme == "index" and dim == x["chunk"][0] and world is not None:
+                team = _team(writer, world, axes)
+                return team.index(writer) == x["chunk"][1]
     if a["part"] is None or b["part"] is None:
         return True
     (pa, wa), (pb, wb) = a["part"], b["part"]
@@ -447,7 +462,7 @@ def oracle_keys(schedule: Schedule, world: int, calls: int | None = None,
         for i, x in enumerate(nodes):
             for y in nodes[i + 1:]:
                 dx, dy = live.nodes[x], live.nodes[y]
-                if dx["kind"] == "read" and dy["kind"] == "read" or not _overlap(dx, dy):
+                if dx["kind"] == "read" and dy["kind"] == "read" or not _overlap(dx, dy, world):
                     continue
                 # one ends before the other starts (a store in flight ends where it lands)
                 ex, ey = end(x), end(y)

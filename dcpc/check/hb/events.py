@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 
+from dcpc.codegen.plan import chunks as plan_chunks
 from dcpc.codegen.plan import tracked as tracked_buffers
 from dcpc.codegen.plan import views as plan_views
 from dcpc.diagnostics import Mark
@@ -67,6 +68,12 @@ class Access:
     lands: int | None = None
     returned: bool = field(default=False, compare=False)  # the engine's read of what the
     # method returns, at its return (for the message only: equal to a plain read)
+    # a local access of a chunk of the buffer (``b[s][e]``, ``b[s][:, e]``: a view of the
+    # slot, ``BufferPlan.view_axis`` / ``view_index``): (axis, index); None: the whole.
+    # It meets a store of scheme ``index`` along that axis only where the writer's part
+    # is that index (dcpc.check.hb.races ``_apart``)
+    chunk: tuple[int, int] | None = None
+    chunk_text: str = field(default="", compare=False)  # the chunk as the file writes it
 
     @property
     def remote(self) -> bool:
@@ -226,15 +233,19 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
         plan = lower_plan(schedule, [2])
     tracked = tracked_buffers(plan.buffers)
     views = plan_views(plan.buffers)  # a chunk of a slot: an access of the slot
+    chunks = plan_chunks(plan.buffers)  # ... of its chunk along one axis of the slot
     steps = schedule.step_list()
     events: list[Event] = []
     names: dict[str, str] = {}
     for i, step in enumerate(plan.steps):
         op = steps[i].op
         sync = step.sync
-        effects = [replace(e, buffer=views.get(e.buffer, e.buffer)) for e in step.effects]
-        before = tuple(_access(e) for e in effects if e.when == BEFORE and e.buffer in tracked)
-        after = tuple(_access(e) for e in effects if e.when == AFTER and e.buffer in tracked)
+        effects = [(replace(e, buffer=views.get(e.buffer, e.buffer)), e.buffer)
+                   for e in step.effects]
+        before = tuple(_access(e, chunks.get(n), schedule.slice_text(n) or "")
+                       for e, n in effects if e.when == BEFORE and e.buffer in tracked)
+        after = tuple(_access(e, chunks.get(n), schedule.slice_text(n) or "")
+                      for e, n in effects if e.when == AFTER and e.buffer in tracked)
         # the engine reads what the method returns, at its return (issue 33 flaky22: an
         # all_gather's output a peer's next call pushes into before this rank's wait
         # returns was proved "ok" while the run returned the next call's data)
@@ -274,5 +285,7 @@ def lower(schedule: Schedule, plan: Plan | None = None) -> Program:
     )
 
 
-def _access(effect: Effect) -> Access:
-    return Access(effect.buffer, effect.kind, effect.region, effect.lands)
+def _access(effect: Effect, chunk: tuple[int, int] | None = None, text: str = "") -> Access:
+    local = effect.region is None and chunk is not None
+    return Access(effect.buffer, effect.kind, effect.region, effect.lands,
+                  chunk=chunk if local else None, chunk_text=text if local else "")

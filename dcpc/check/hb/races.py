@@ -156,7 +156,8 @@ def _rank_pairs(world: World, a: tuple[int, int, Access], b: tuple[int, int, Acc
     (_, ja, xa), (_, jb, xb) = a, b
 
     def together(p: int, q: int) -> bool:
-        return _translations(world, ja, xa, p) & _translations(world, jb, xb, q) != 0
+        return (_translations(world, ja, xa, p) & _translations(world, jb, xb, q)
+                & _meets(world, xa, p, xb, q)) != 0
 
     if not xa.remote and not xb.remote:
         return [(0, 0)] if together(0, 0) else []
@@ -199,6 +200,36 @@ def _translations(world: World, j: int, access: Access, rank: int) -> int:
             and (ex is None or ex.happens(t, topo.add(rank, d))))
         world.made_at[key] = mask
     return mask
+
+
+def _meets(world: World, xa: Access, p: int, xb: Access, q: int) -> int:
+    """The translations d of the torus at which access xa of rank p and xb of rank q, to
+    rank 0's instance, moved by d, overlap, as a bit mask (-1: at every d). They are
+    apart only where one is a local access of a chunk (``Access.chunk``: index j along
+    axis a of the buffer, ``b[s][j]``) and the other a store of scheme ``index`` along
+    axis a whose writer's part, its member index in the owner's team, is not j: source
+    m's put into block m of a slot beside the read of block j != m (chunk-precise; any
+    other pair is taken whole, as always). Cached per W."""
+    local, store, writer = (xa, xb, q) if xb.remote else (xb, xa, p)
+    region = store.region
+    if (local.chunk is None or local.remote or region is None or store.kind != "write"
+            or region.scheme != "index" or region.dim != local.chunk[0]):
+        return -1
+    key = ("chunk", local.chunk[1], region.axes, writer)
+    mask = world.made_at.get(key)
+    if mask is None:
+        topo = torus(shape_of(world.world))
+        mask = sum(1 << d for d in range(topo.size)
+                   if _member(topo, topo.add(writer, d), d, region.axes) == local.chunk[1])
+        world.made_at[key] = mask
+    return mask
+
+
+def _member(topo: Torus, rank: int, owner: int, axes: tuple[int, ...] | None) -> int | None:
+    """``rank``'s member index in ``owner``'s team along ``axes`` (None: not a member):
+    the part of its store of a partition (``Region``)."""
+    team = topo.team(owner, axes)
+    return team.index(rank) if rank in team else None
 
 
 def made(world: World, t: Touch) -> bool:
@@ -504,7 +535,7 @@ def both_made(world: World, x: Touch, y: Touch) -> list[int]:
     ``_translations`` masks, the one definition): the owners d of their translated pair."""
     assert x.owner == 0 and y.owner == 0
     both = _translations(world, x.j, x.access, x.rank) & _translations(
-        world, y.j, y.access, y.rank)
+        world, y.j, y.access, y.rank) & _meets(world, x.access, x.rank, y.access, y.rank)
     return _owners(both, torus(shape_of(world.world)).size)
 
 

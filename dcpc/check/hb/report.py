@@ -174,6 +174,8 @@ def _touch_location(world: World, t: Touch, slot: int | None) -> Location:
     program = world.program
     step = program.steps[program.events[t.j].step]
     region = _instance(world, t.access.buffer, t.owner, slot)
+    if t.access.chunk_text:  # a chunk of it (b[s][e]), as the file writes it
+        region += f" (its chunk {t.access.chunk_text})"
     if t.access.region is not None:
         into = None if t.owner == t.rank else _rk(world, t.owner)  # a one-peer store's
         region += " " + t.access.region.text(_member(world, t.rank, t.access.region.axes), into)

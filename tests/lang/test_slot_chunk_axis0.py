@@ -1,0 +1,184 @@
+"""A chunk of a slot along the slot's axis 0 (``ring[c % S][(r - k) % W]``): block m of
+a ring slot [W, C, D] of the module's symmetric memory, what source m's ragged put
+(``offset``) stores there, read by an external step per source (dcpc.lang.loops
+``_Unroller._chunk``). The race models are chunk-precise for it: a local access of chunk
+j and a store of scheme ``index`` along that axis whose part (the writer's member
+index) is not j are apart, in the checker (dcpc.check.hb.races ``_meets``), the
+execution oracle (dcpc.check.oracle) and the brute force (tests/support/hb_oracle.py);
+every other pair is taken whole, as before.
+
+tests/lang/slot_chunk_axis0.yaml: per source the reader lands its block, reads that
+block alone and frees that source's head; a sender waits for its destination's head
+right before it refills its block (DeepEP's forwarder, round-robin over the sources)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.exec_oracle_agree import disagreements
+from support.hb_oracle import oracle_keys
+
+from dcpc.check import hb, structural
+from dcpc.codegen.lower import lower
+from dcpc.codegen.plan import chunks, views
+from dcpc.diagnostics import DiagnosticError
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.parse import parse_text
+
+FILE = Path(__file__).with_name("slot_chunk_axis0.yaml")
+TEXT = FILE.read_text()
+LAND = """\
+              - landed: {op: ragged_all_to_all, phase: wait, offset: h + 1, src: "x[c]",
+                         dst: "ring[c % S]", counts: "n[c]", capacity: C}
+"""
+TAKE = """\
+              - take: {op: external, reads: ["ring[c % S][(r - (h + 1)) % W]"],
+                       writes: ["y[W * c + (r - (h + 1)) % W]"]}
+"""
+OWN = '        - take_own: {op: external, reads: ["ring[c % S][r]"], writes: ["y[W * c + r]"]}'
+FREE = '- free: {op: signal, offset: "0 - (h + 1)", channel: head}'
+
+
+def twin(*changes: str) -> str:
+    text = TEXT
+    for old, new in zip(changes[::2], changes[1::2], strict=True):
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+# the wrong twins: (a) source k's chunk read before its landing wait; (b) the head
+# signalled to the wrong source (offset h + 1, not -(h + 1)); (c) the whole slot read
+# after the own block's landing only
+EARLY = twin(LAND + TAKE, TAKE + LAND)
+WRONG_HEAD = twin(FREE, '- free: {op: signal, offset: "h + 1", channel: head}')
+WHOLE = twin(OWN, '        - take_own: {op: external, reads: ["ring[c % S]"], writes: ["z[c]"]}',
+             "  y: {shape", "  z: {shape: [P, W, C, D], dtype: f32}\n  y: {shape")
+
+
+def errors(text: str, world: int = 3) -> list:
+    try:
+        return [d for d in structural.check(parse_text(text, "s.yaml", world), [world])
+                if d.severity == "error"]
+    except DiagnosticError as error:
+        return list(error.diagnostics)
+
+
+def test_a_slot_s_chunk_along_its_axis_0_is_a_view_of_the_slot() -> None:
+    schedule = parse_text(TEXT, "s.yaml", 3)
+    buffers = schedule.buffers
+    assert "ring" not in buffers and buffers["ring_0"].shape == ["W", "C", "D"]
+    assert buffers["ring_1_2"].shape == ["C", "D"] and buffers["ring_1_2"].symmetric
+    assert schedule.slice_text("ring_0_1") == "ring[0][1]"  # as the file writes it
+    # per rank copies (the index names the rank): rank 1 reads block (1 - 1) % 3 = 0
+    take = {s.name: s.op.reads for s in schedule.step_list() if s.name.startswith("take_h0_0")}
+    assert take == {"take_h0_0_r0": ["ring_0_2"], "take_h0_0_r1": ["ring_0_0"],
+                    "take_h0_0_r2": ["ring_0_1"]}, take
+    slot = torch.arange(3 * 2 * 4, dtype=torch.float64).view(3, 2, 4)
+    assert torch.equal(schedule.view("ring_0", slot, 2), slot[2])
+    plan = lower(schedule, [3])
+    assert views(plan.buffers)["ring_0_2"] == "ring_0"
+    assert chunks(plan.buffers)["ring_1_2"] == (0, 2)
+    assert {b.name: b.kind for b in plan.buffers}["ring_0_0"] == "engine"
+    assert ("ring_0_2 is module.buffer('ring_0').select(0, 2): a view of the module's "
+            "memory") in "\n".join(plan.contract), plan.contract
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_three_race_models_prove_it_and_agree(world: int) -> None:
+    """Proved (no race, no deadlock) by the checker, the brute force and the execution
+    oracle: source m's put into block m of a slot while this rank reads block m' != m
+    is apart (the coarse model, the slot whole, refused it: a write-after-read race)."""
+    schedule = parse_text(TEXT, str(FILE), world)
+    assert errors(TEXT, world) == []
+    assert hb.check(schedule, [world], hints=False).findings == []
+    assert oracle_keys(schedule, world) == set()
+    assert disagreements(schedule, [world]) == []
+
+
+@pytest.mark.parametrize(("text", "world", "step", "chunk"), [
+    (EARLY, 3, "take_h0_0_r0", "ring[0][2]"),       # source 2's block, before its landing
+    (WRONG_HEAD, 3, "take_h0_1_r0", "ring[0][1]"),  # source 1 refills: head went to 2
+    (WHOLE, 3, "take_own_h0", None),                # the whole slot, one landing in
+])
+def test_a_wrong_twin_is_refused_with_the_chunk_it_reads(text: str, world: int, step: str,
+                                                         chunk: str | None) -> None:
+    """Each twin is a write-after-read race on the slot ring_0 whose counterexample names
+    the reading step on rank 0 and the chunk as the file writes it; the three models
+    agree on it (every race key, at W = 2, 3, 4)."""
+    schedule = parse_text(text, "s.yaml", world)
+    found = hb.check(schedule, [world], hints=False).findings
+    race = next(f for f in found if f.key[:2] == ("race", "write-after-read")
+                and f.key[2] == "ring_0" and step in f.key[3:])
+    text_of = race.diagnostic().message + "\n".join(race.diagnostic().notes)
+    assert f"{step} on rank 0" in text_of, text_of
+    read = (race.first if race.first.access == "read" else race.second).text()
+    if chunk is not None:
+        assert f"(its chunk {chunk})" in read, read
+    else:
+        assert "its chunk" not in read and "ring_0[rank 0, slot 0]" in read, read
+    for w in (2, 3, 4):
+        at = parse_text(text, "s.yaml", w)
+        keys = {f.key for f in hb.check(at, [w], hints=False).findings}
+        assert keys == oracle_keys(at, w), w
+        if w < 4:
+            assert disagreements(at, [w]) == [], w
+
+
+@pytest.mark.parametrize(("change", "code", "where", "words", "hint"), [
+    # an engine-owned buffer: a name takes one index (today's refusal and hint)
+    ((OWN, OWN.replace('"ring[c % S][r]"', '"x[c][r]"')), "bad-index", (43, 43),
+     "'x[c][r]' has more than one index", "and write 'x[3 * (c) + r]'"),
+    # a method's operand: the slot whole, or the chunk in an external step
+    ((OWN, OWN + '\n        - keep: {op: copy, src: "ring[c % S][r]", dst: "y[W * c + r]"}'),
+     "bad-index", (44, 33), "along the slot's axis 0 in a step of op 'copy'",
+     "name the whole slot 'ring[c % S]' here"),
+    # out of range: names W, the hop and the rank
+    ((OWN, OWN.replace('"ring[c % S][r]"', '"ring[c % S][r + W]"')), "bad-index", (43, 43),
+     "is chunk 3 of a slot of 'ring', whose axis 1 has 3 slices (0..2) (at W=3, c=0, r=0)",
+     None),
+    # one slot sliced along two axes
+    (("C: {max: 3}", "C: 3", OWN,
+      OWN + '\n        - half: {op: external, reads: ["ring[0][:, 1]"], writes: ["y[0]"]}'),
+     "mixed-index", (44, 39), "'ring[0][:, 1]' slices axis 1 of slot 'ring_0', which "
+     "'ring[c % S][r]' at s.yaml:43:43 slices along axis 0", None),
+    # a 1-d slot's chunk would be 0-d: refused, with the form to write
+    (("  y: {shape", "  cnt: {shape: [S, W], dtype: i32, symmetric: true}\n  y: {shape",
+      OWN, OWN.replace('"ring[c % S][r]"', '"ring[c % S][r]", "cnt[c % S][r]"')),
+     "bad-index", (44, 43), "'cnt[c % S][r]' takes element r of slot 'cnt_0'",
+     "'shape: [S, W, 1]'"),
+])
+def test_a_refused_axis_0_chunk_is_located(change: tuple[str, ...], code: str,
+                                           where: tuple[int, int], words: str,
+                                           hint: str | None) -> None:
+    found = errors(twin(*change))
+    assert found and found[0].code == code, found
+    assert words in found[0].message, found[0]
+    assert hint is None or hint in (found[0].hint or ""), found[0]
+    assert (found[0].mark.file, found[0].mark.line, found[0].mark.col) == ("s.yaml", *where)
+
+
+def test_the_1d_hint_followed_is_taken() -> None:
+    """A trailing axis of 1: the slot's chunk is [1] (an element of each source)."""
+    text = twin("  y: {shape", "  cnt: {shape: [S, W, 1], dtype: i32, symmetric: true}\n"
+                "  c1: {shape: [12, 1], dtype: i32}\n  y: {shape",
+                OWN, OWN + '\n        - count: {op: external, reads: ["cnt[c % S][r]"], '
+                'writes: ["c1[W * c + r]"]}')
+    schedule = parse_text(text, "s.yaml", 3)  # unrolled: the index is taken
+    assert schedule.buffers["cnt_0_1"].shape == [1]
+    assert schedule.slice_text("cnt_0_1") == "cnt[0][1]"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_run_gives_the_engine_each_source_s_block(world: int) -> None:
+    """`dcpc run` (host backend): each read of a source's block is the view of the slot
+    in the module's memory, compared against the float64 reference (rows past a count
+    are the view of the landing's unsent rows), 0 mismatches."""
+    report = run_schedule(RunConfig(schedule=str(FILE), world=world, backend="host",
+                                    calls=2, seed=3))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert report.outputs["ring_0_0"].compared > 0, text
