@@ -505,7 +505,17 @@ class Sim:
             alias_views(self.schedule, side, name, self.bufs[rank].__getitem__)
         for other in views:
             self.written[rank][other] = self.bufs[rank][other]
-            self.left[rank][other] = None  # compared whole, as the trace has it
+            # a view of what was written whole (a ragged exchange's slot, its chunk
+            # b[s][e]): the elements no rank sent are the view of the whole's; else
+            # compared whole, as the trace has it
+            part = self.schedule.slice_of(other) if name in self.schedule.slices else None
+            cut = None if unsent is None or part is None else \
+                self.schedule.view(name, unsent, part[1])
+            self.left[rank][other] = cut
+            if cut is not None:
+                self.written[rank][other + UNSENT_KEY] = cut
+            else:
+                self.written[rank].pop(other + UNSENT_KEY, None)
             self._bound(rank, other, None if sides is None else torch.stack(
                 [sides[0][other], sides[1][other]]))
 
