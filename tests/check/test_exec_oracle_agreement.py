@@ -221,3 +221,36 @@ def test_the_agreement_test_catches_the_old_lowerings_polls_on_random_schedules(
         caught += any(compare(hb.check(schedule, [w], hints=False).findings, explore(old, w))
                       for w in (2, 3, 4))
     assert tried >= 40 and caught >= tried // 5, (tried, caught)  # 101 and 30 today
+
+
+CHUNK_SEEDS = 24
+
+
+@pytest.mark.parametrize("seed", range(0, CHUNK_SEEDS, 6))
+def test_three_models_agree_on_a_ring_read_block_by_block(seed: int) -> None:
+    """tests/lang/slot_chunk_axis0.yaml with random changes (exec_oracle_gen
+    ``chunk_ring_text``): a local read of a slot's chunk beside ragged puts into the
+    slot's blocks, apart where the block is another (chunk-precise). The checker and
+    the brute force find the same races, and the execution oracle agrees, at W = 2, 3."""
+    from support.exec_oracle_gen import chunk_ring_text
+    from support.hb_oracle import oracle_keys
+
+    for one in range(seed, seed + 6):
+        text, names = chunk_ring_text(one)
+        for world in (2, 3):
+            schedule = parse_text(text, "ring.yaml", world)
+            found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
+            assert found == oracle_keys(schedule, world), (one, names, world)
+            assert disagreements(schedule, [world]) == [], (one, names, world, text)
+
+
+def test_the_ring_draws_cover_every_change_and_both_verdicts() -> None:
+    from support.exec_oracle_gen import CHUNK_CHANGES, chunk_ring_text
+
+    drawn, verdicts = set(), set()
+    for one in range(CHUNK_SEEDS):
+        text, names = chunk_ring_text(one)
+        drawn |= set(names)
+        schedule = parse_text(text, "ring.yaml", 3)
+        verdicts.add(bool(hb.check(schedule, [3], hints=False).findings))
+    assert drawn == set(CHUNK_CHANGES) and verdicts == {True, False}, (drawn, verdicts)

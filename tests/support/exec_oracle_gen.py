@@ -216,3 +216,58 @@ def valid_schedule(seed: int, worlds: range = range(2, 6),
         if not [d for d in structural.check(schedule, worlds) if d.severity == "error"]:
             return text, schedule
     raise AssertionError(f"no valid schedule from seed {seed}")
+
+
+# --- a ring slot read block by block (a slot's chunk along its axis 0) ----------------
+# tests/lang/slot_chunk_axis0.yaml with random changes: the three race models must agree
+# on a local read of chunk j beside a ragged put into block m of the slot (apart iff
+# m != j: chunk-precise) as on the coarse accesses around it
+CHUNK_RING = "tests/lang/slot_chunk_axis0.yaml"
+_LAND = """\
+              - landed: {op: ragged_all_to_all, phase: wait, offset: h + 1, src: "x[c]",
+                         dst: "ring[c % S]", counts: "n[c]", capacity: C}
+"""
+_TAKE = """\
+              - take: {op: external, reads: ["ring[c % S][(r - (h + 1)) % W]"],
+                       writes: ["y[W * c + (r - (h + 1)) % W]"]}
+"""
+_OWN = ('        - take_own: {op: external, reads: ["ring[c % S][r]"], '
+        'writes: ["y[W * c + r]"]}')
+_FREE = '- free: {op: signal, offset: "0 - (h + 1)", channel: head}'
+_CREDIT_LINE = '              - credit: {op: wait, offset: "0 - (h + 1)", channel: head}\n'
+_PUT = """\
+              - put: {op: ragged_all_to_all, phase: put, offset: h + 1, src: "x[c + S]",
+                      dst: "ring[c % S]", counts: "n[c + S]", capacity: C}
+"""
+_CREDIT_PUT = _CREDIT_LINE + _PUT
+CHUNK_CHANGES: dict[str, tuple[str, ...]] = {
+    "early_read": (_LAND + _TAKE, _TAKE + _LAND),  # a source's block before its landing
+    "wrong_head": (_FREE, '- free: {op: signal, offset: "h + 1", channel: head}'),
+    "credit_after_put": (_CREDIT_PUT, _PUT + _CREDIT_LINE),  # the refill before its head
+    "whole_own": (_OWN, '        - take_own: {op: external, reads: ["ring[c % S]"], '
+                  'writes: ["z[c]"]}', "  y: {shape",
+                  "  z: {shape: [P, W, C, D], dtype: f32}\n  y: {shape"),
+    "other_block": (_OWN, _OWN.replace('"ring[c % S][r]"', '"ring[c % S][(r + 1) % W]"')),
+    "one_slot": ("S: 2}", "S: 1}"),
+    "three_slots": ("P: 3, S: 2}", "P: 4, S: 3}"),
+    "rank_chunk_whole": (_TAKE, _TAKE.replace('"ring[c % S][(r - (h + 1)) % W]"',
+                                              '"ring[c % S]"')),
+}
+
+
+def chunk_ring_text(seed: int) -> tuple[str, list[str]]:
+    """The ring of tests/lang/slot_chunk_axis0.yaml with 0 to 3 of CHUNK_CHANGES drawn by
+    ``seed`` (those that still apply after the others), and their names."""
+    from pathlib import Path
+
+    rng = random.Random(seed)
+    text = (Path(__file__).parents[2] / CHUNK_RING).read_text()
+    names = rng.sample(sorted(CHUNK_CHANGES), k=rng.randint(0, 3))
+    done = []
+    for name in names:
+        change = CHUNK_CHANGES[name]
+        if all(old in text for old in change[::2]):
+            for old, new in zip(change[::2], change[1::2], strict=True):
+                text = text.replace(old, new)
+            done.append(name)
+    return text, done
