@@ -182,3 +182,31 @@ def test_a_run_gives_the_engine_each_source_s_block(world: int) -> None:
     text = format_report(report)
     assert report.launch.ok and report.mismatches == 0, text
     assert report.outputs["ring_0_0"].compared > 0, text
+
+
+MESH = FILE.with_name("slot_chunk_axis0_mesh.yaml")
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 2)])
+def test_a_mesh_coordinate_names_the_chunk(shape: tuple[int, int]) -> None:
+    """The same ring along the node axis of a node x gpu mesh, the chunk named by the
+    node coordinate (``ring[c % S][(node - (h + 1)) % N]``, as deepep_normal's
+    ``x_rail[c % R][(node - k) % N]`` would): proved by the checker and the brute force;
+    the wrong head (offset h + 1) refused by both alike, naming the chunk."""
+    from dcpc.lang.mesh import MeshWorld
+
+    world = MeshWorld(shape)
+    text = MESH.read_text()
+    good = parse_text(text, str(MESH), world)
+    assert hb.check(good, [world], hints=False).findings == []
+    assert oracle_keys(good, world) == set()
+    wrong = parse_text(text.replace(
+        '- free: {op: signal, axis: node, offset: "0 - (h + 1)", channel: head}',
+        '- free: {op: signal, axis: node, offset: "h + 1", channel: head}'), "w.yaml", world)
+    found = hb.check(wrong, [world], hints=False).findings
+    assert {f.key for f in found} == oracle_keys(wrong, world)
+    if shape[0] == 3:  # at two nodes -(h + 1) and h + 1 are one peer
+        race = next(f for f in found if "take_h0_1_r0" in f.key[3:])
+        assert "(its chunk ring[0][1])" in "\n".join(race.diagnostic().notes), race
+    else:
+        assert found == []

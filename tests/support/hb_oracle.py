@@ -394,9 +394,10 @@ def _overlap(a: dict, b: dict, world=None) -> bool:
     is j; anything else always."""
     for x, y in ((a, b), (b, a)):
         if x.get("chunk") is not None and x["part"] is None and y["part"] is not None:
-            (scheme, dim, _, axes), writer = y["part"]
-            if scheme == "index" and dim == x["chunk"][0] and world is not None:
-                team = _team(writer, world, axes)
+            partition, writer = y["part"]
+            if (partition[0] == "index" and partition[1] == x["chunk"][0]
+                    and world is not None):
+                team = _team(writer, world, partition[3])
                 return team.index(writer) == x["chunk"][1]
     if a["part"] is None or b["part"] is None:
         return True
