@@ -497,8 +497,9 @@ class _Unroller:
         if rows and rows.group(3) in _buffer_names(self.data) and rows.group(3) not in env:
             return self._rows(rows.group(1), rows.group(2), rows.group(3), text, env, mark)
         chunk = _CHUNK.match(inner)
-        if chunk and "," not in chunk.group(1) and (
-                "," in chunk.group(2) or self._in_module_memory(name)):
+        if chunk and "," not in chunk.group(1) and ("," in chunk.group(2) or (
+                self._in_module_memory(name) and chunk.group(2).strip()
+                and ":" not in chunk.group(2))):  # b[e1][e2]: along the slot's axis 0
             return self._chunk(name, chunk.group(1), chunk.group(2), text, env, mark)
         if "[" in inner and any("," in p for p in inner.split("][")):
             self.error(mark, "bad-index",
@@ -691,8 +692,7 @@ class _Unroller:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' takes a chunk of a slot of '{name}' along the "
                        f"slot's axis 0 in a step of op '{self.step_op}'; a slot's chunk is a "
-                       "view of the module's memory, which only an external step takes "
-                       "(the module's kernels move the slot whole)",
+                       "view of the module's memory that only an external step takes",
                        f"read '{clipped(text)}' in an external step that writes a buffer of "
                        f"its own, or name the whole slot '{name}[{first.strip()}]' here")
             return text

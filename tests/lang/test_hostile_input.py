@@ -169,7 +169,8 @@ def test_a_bad_repeat_is_a_located_error(tmp_path: Path, repeat: str, words: str
     ("h % " + "7" * 40, "more than 30 digits"),
     ("7" * 40, "more than 30 digits"),
     ("h % ２", "unexpected character '２'"),
-    ("h % 2][0", "more than one index"),
+    # of a symmetric buffer a slot's chunk along its axis 0, taken by external steps only
+    ("h % 2][0", "takes a chunk of a slot of 'r' along the slot's axis 0 in a step of op"),
     ("h % (W + 1)", "must be an integer constant or one name (W, an integer size); "
      "here it is '(W + 1)'"),
 ])
@@ -180,9 +181,14 @@ def test_a_bad_index_is_a_located_error(tmp_path: Path, index: str, words: str) 
 
 
 def test_a_double_index_names_the_problem_not_the_modulus(tmp_path: Path) -> None:
-    """`r[h % 2][0]` said "'%' takes an integer constant, not '2][0'"."""
+    """`r[h % 2][0]` said "'%' takes an integer constant, not '2][0'". Of the symmetric
+    `r` it is slot h % 2's chunk 0 along the slot's axis 0, which a copy does not take."""
     path = _loop(tmp_path, index="h % 2][0")
     line = _located(invoke("check", str(path)), path, 11, "bad-index")
+    assert "'r[h % 2][0]' takes a chunk of a slot of 'r'" in line and "constant" not in line
+    engine = tmp_path / "engine.yaml"  # of an engine-owned buffer: one index, as before
+    engine.write_text(path.read_text().replace(", symmetric: true", ""))
+    line = _located(invoke("check", str(engine)), engine, 11, "bad-index")
     assert "'r[h % 2][0]' has more than one index" in line and "constant" not in line
 
 
