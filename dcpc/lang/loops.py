@@ -854,8 +854,9 @@ class _Unroller:
         dims = [d if isinstance(d, int) else self.env.get(d) if isinstance(d, str) else None
                 for d in (shape[:2] if shape is not None else [])]
         if len(parts) == 2 and self._in_module_memory(found.group(1)):
-            return (f"a slot's chunk is its slot's index, then one later-axis index of the "
-                    f"slot: '{found.group(1)}[{parts[0].strip()}][:, e2]' (in an external "
+            return (f"a slot's chunk is its slot's index, then one index of the slot: "
+                    f"'{found.group(1)}[{parts[0].strip()}][e2]' (along the slot's axis 0) "
+                    f"or '{found.group(1)}[{parts[0].strip()}][:, e2]' (in an external "
                     "step)")
         if (len(parts) == 2 and shape is not None and len(shape) > 2  # still two axes or more
                 and all(isinstance(d, int) for d in dims)):
