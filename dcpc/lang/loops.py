@@ -51,7 +51,7 @@ from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import OWNER
 from dcpc.lang.mesh import Mesh
-from dcpc.lang.nodes import OWNER_COPY, OwnerCopy
+from dcpc.lang.nodes import ELEMENT, OWNER_COPY, OwnerCopy
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.ops import _perm as perms
@@ -469,11 +469,11 @@ class _Unroller:
                    f"declare '{name}' 'symmetric: true'")
         return True
 
-    def _leading(self, name: str, axis: int = 0) -> int | None:
+    def _leading(self, name: str, axis: int = 0, last: bool = False) -> int | None:
         """The length of axis ``axis`` of buffer ``name`` (None: not an integer, or no
-        buffer of an axis after it)."""
+        buffer of an axis after it; ``last``: the buffer's last axis may be it)."""
         shape = self._shape(name)
-        if shape is None or len(shape) < axis + 2:
+        if shape is None or len(shape) < axis + (1 if last else 2):
             return None
         first = shape[axis]
         if isinstance(first, int) and not isinstance(first, bool):
@@ -668,7 +668,8 @@ class _Unroller:
         axis 0, torch's ``b[e1][e2]``) of slot e1 of a buffer the module owns, in an
         external step: ``'<b>_<e1>_<e2>'``, a view of the slot ``'<b>_<e1>'`` (which
         stays a contiguous buffer, what shifts and ragged puts move). A 1-d slot's
-        chunk (an element) is refused with the form to write (a trailing axis of 1)."""
+        chunk is one element, a 0-d view ``select(0, e2)`` of shape [] (``_parts`` marks
+        it ``ELEMENT``: the one buffer of no axis)."""
         split = index_axis(later)
         module = self._in_module_memory(name)
         if split is not None and not module and self._local_persist(name, split[0] + 1,
@@ -701,17 +702,8 @@ class _Unroller:
         slot = self.index(f"{name}[{first}]", env, mark)
         if not re.fullmatch(rf"{re.escape(name)}_\d+", slot):
             return text  # the slot's index was refused (or a rotation: not a slot of b)
-        lead = self._leading(name, axis + 1)
-        shape = self._shape(name) or []
-        if axis == 0 and len(shape) == 2:  # a 1-d slot: its chunk would be one element
-            self.error(mark, "bad-index",
-                       f"'{clipped(text)}' takes element {clipped(expr.strip())} of slot "
-                       f"'{slot}' of '{name}' (shape {_plain(shape)}), a 1-d slot; a slot's "
-                       "chunk is a slice of the slot with an axis of its own",
-                       f"declare '{name}' with a trailing axis of 1, 'shape: "
-                       f"{_plain([*shape, 1])}', and read '{clipped(text)}' (shape [1]), or "
-                       f"read the whole slot '{name}[{first.strip()}]'")
-            return text
+        # a 1-d slot's chunk (axis 0 the slot's last): one element, a 0-d view
+        lead = self._leading(name, axis + 1, last=axis == 0)
         if lead is None or lead > MAX_SLICES:
             self.error(mark, "bad-index",
                        f"'{clipped(text)}' takes a chunk of axis {axis} of slot '{slot}' of "
@@ -1539,6 +1531,8 @@ class _Unroller:
         ``written``: ``name`` as the file writes it (a slot: ``'b[<s>]'``)."""
         written = written or name
         spec["shape"] = spec["shape"][:axis] + spec["shape"][axis + 1:]
+        if not spec["shape"]:  # a 1-d slot's chunk: a 0-d view of the module's memory
+            spec[ELEMENT] = True
         for i in range(lead):
             part = f"{name}_{i}"
             if part in out:

@@ -22,10 +22,15 @@ from pydantic import (
     model_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 
 from dcpc.diagnostics import NOWHERE, Mark
 from dcpc.lang.yamlsrc import MARK, MARKS
 from dcpc.numerics import FP8_FORMATS
+
+# the key the unroller (dcpc.lang.loops) marks a 1-d slot's chunk with: a 0-d view of the
+# module's memory (shape []), which no file declares
+ELEMENT = "__element__"
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -146,7 +151,10 @@ class ValueRange(Node):
 
 
 class Buffer(Node):
-    shape: list[SizeExpr] = Field(min_length=1, description="dimensions, outermost first")
+    # a 1-d slot's chunk (``n[s][m]``): the unroller's 0-d view, the one shape [] taken
+    element: SkipJsonSchema[bool] = Field(default=False, alias=ELEMENT, exclude=True)
+    shape: list[SizeExpr] = Field(description="dimensions, outermost first",
+                                  json_schema_extra={"minItems": 1})
     dtype: DType
     values: ValueRange | None = Field(
         default=None, description="an integer buffer's values, both ends included"
@@ -166,6 +174,15 @@ class Buffer(Node):
     doc: Str | None = None
 
     _norm_base = field_validator("lse_base", mode="before")(_lse_base)
+
+    @field_validator("shape")
+    @classmethod
+    def _one_axis_or_more(cls, shape: list[Any], info: Any) -> list[Any]:
+        # a declared buffer has an axis (pydantic's own too_short, as min_length gave it)
+        if not shape and not info.data.get("element"):
+            raise PydanticCustomError(
+                "too_short", "List should have at least 1 item after validation, not 0")
+        return shape
 
     @model_validator(mode="after")
     def _persist_one_instance(self) -> Buffer:
