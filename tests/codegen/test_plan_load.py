@@ -22,7 +22,8 @@ KIMI = ROOT / "schedules" / "kimi_k3_dcp.yaml"
 # (file, its --world arguments): the file's own default worlds, a mesh at 2x2, a loop
 # whose trip count names W at one W, an fp8 payload, an int payload, steps with
 # ``when:`` and slot chunks (views of the module's memory) in the contract, a persistent
-# buffer in the contract, a grouped ragged step's slot arithmetic, a perm's peer set
+# buffer in the contract, a grouped ragged step's slot arithmetic, a perm's peer set, a
+# 0-d view of a 1-d slot
 ROUND_TRIPS = [
     ("kimi_k3_dcp.yaml", []),
     ("gallery/helix.yaml", ["--world", "2x2"]),
@@ -34,6 +35,8 @@ ROUND_TRIPS = [
     ("gallery/pipeline_clock_cycles.yaml", ["--world", "3"]),
     ("gallery/moe_dispatch_combine.yaml", ["--world", "2"]),
     ("ops/shift_perm.yaml", ["--world", "3"]),
+    # a 1-d slot's chunk: a 0-d view (BUFFERS shape (), its contract line)
+    ("../tests/lang/slot_chunk_axis0_counts.yaml", ["--world", "3"]),
 ]
 
 

@@ -144,11 +144,19 @@ def test_a_wrong_twin_is_refused_with_the_chunk_it_reads(text: str, world: int, 
       OWN + '\n        - half: {op: external, reads: ["ring[0][:, 1]"], writes: ["y[0]"]}'),
      "mixed-index", (44, 39), "'ring[0][:, 1]' slices axis 1 of slot 'ring_0', which "
      "'ring[c % S][r]' at s.yaml:43:43 slices along axis 0", None),
-    # a 1-d slot's chunk would be 0-d: refused, with the form to write
+    # a 1-d slot's chunk (a 0-d view) in a method's operand: the external step only
+    (("  y: {shape", "  cnt: {shape: [S, W], dtype: i32, symmetric: true}\n  c1: {shape: "
+      "[12, W], dtype: i32}\n  y: {shape", OWN,
+      OWN + '\n        - keep: {op: copy, src: "cnt[c % S][r]", dst: "c1[W * c + r]"}'),
+     "bad-index", (46, 33), "along the slot's axis 0 in a step of op 'copy'",
+     "name the whole slot 'cnt[c % S]' here"),
+    # a 1-d slot's chunk out of range: its axis is the slot's last
     (("  y: {shape", "  cnt: {shape: [S, W], dtype: i32, symmetric: true}\n  y: {shape",
-      OWN, OWN.replace('"ring[c % S][r]"', '"ring[c % S][r]", "cnt[c % S][r]"')),
-     "bad-index", (44, 43), "'cnt[c % S][r]' takes element r of slot 'cnt_0'",
-     "'shape: [S, W, 1]'"),
+      OWN, OWN.replace('"ring[c % S][r]"', '"ring[c % S][r]", "cnt[c % S][r + W]"')),
+     "bad-index", (44, 43), "is chunk 3 of a slot of 'cnt', whose axis 1 has 3 slices", None),
+    # a declared buffer of no axis stays refused (the 0-d view is the unroller's only)
+    (("  y: {shape", "  e: {shape: [], dtype: i32}\n  y: {shape"), "wrong-length", (13, 14),
+     "'buffers.e.shape': list should have at least 1 item after validation, not 0", None),
 ])
 def test_a_refused_axis_0_chunk_is_located(change: tuple[str, ...], code: str,
                                            where: tuple[int, int], words: str,
@@ -160,7 +168,7 @@ def test_a_refused_axis_0_chunk_is_located(change: tuple[str, ...], code: str,
     assert (found[0].mark.file, found[0].mark.line, found[0].mark.col) == ("s.yaml", *where)
 
 
-def test_the_1d_hint_followed_is_taken() -> None:
+def test_the_trailing_axis_of_1_form_is_still_taken() -> None:
     """A trailing axis of 1: the slot's chunk is [1] (an element of each source)."""
     text = twin("  y: {shape", "  cnt: {shape: [S, W, 1], dtype: i32, symmetric: true}\n"
                 "  c1: {shape: [12, 1], dtype: i32}\n  y: {shape",
@@ -210,3 +218,112 @@ def test_a_mesh_coordinate_names_the_chunk(shape: tuple[int, int]) -> None:
         assert "(its chunk ring[0][1])" in "\n".join(race.diagnostic().notes), race
     else:
         assert found == []
+
+
+# a 1-d slot's chunk: source m's count alone, cnt[c % S][m] of cnt [S, W] (the recv_counts
+# of the ragged puts, [W] per slot), a 0-d view of the module's memory
+COUNTS = FILE.with_name("slot_chunk_axis0_counts.yaml")
+COUNTS_TEXT = COUNTS.read_text()
+OWN_COUNT = '"ring[c % S][r]", "cnt[c % S][r]"'
+
+
+def counts_twin(old: str, new: str) -> str:
+    assert old in COUNTS_TEXT, old
+    return COUNTS_TEXT.replace(old, new)
+
+
+# the count read whole (every source's) after the own landing only: the others' counts
+# are in flight
+WHOLE_COUNT = counts_twin(OWN_COUNT, '"ring[c % S][r]", "cnt[c % S]"')
+
+
+def test_a_1d_slot_s_chunk_is_a_0d_view_of_the_slot() -> None:
+    schedule = parse_text(COUNTS_TEXT, str(COUNTS), 3)
+    buffers = schedule.buffers
+    assert "cnt" not in buffers and buffers["cnt_0"].shape == ["W"]
+    assert buffers["cnt_1_2"].shape == [] and buffers["cnt_1_2"].symmetric
+    assert schedule.slice_text("cnt_0_1") == "cnt[0][1]"
+    take = {s.name: s.op.reads for s in schedule.step_list() if s.name.startswith("take_h0_0")}
+    assert take["take_h0_0_r1"] == ["ring_0_0", "cnt_0_0"], take
+    slot = torch.tensor([5, 6, 7], dtype=torch.int32)
+    one = schedule.view("cnt_0", slot, 2)  # torch's n[c][m]: 0-d, writes through
+    assert one.dim() == 0 and int(one) == 7
+    one.fill_(9)
+    assert slot.tolist() == [5, 6, 9]
+    plan = lower(schedule, [3])
+    assert views(plan.buffers)["cnt_0_2"] == "cnt_0"
+    assert chunks(plan.buffers)["cnt_1_2"] == (0, 2)
+    entry = {b.name: b for b in plan.buffers}["cnt_0_1"]
+    assert entry.kind == "engine" and list(entry.shape) == [], entry
+    assert ("cnt_0_1 is module.buffer('cnt_0').select(0, 1): a view of the module's "
+            "memory") in "\n".join(plan.contract), plan.contract
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_source_s_count_alone_is_proved(world: int) -> None:
+    """Source m's count lands with its block (recv_counts index m of the slot), so
+    reading count m after source m's landing only is apart from the other sources' puts
+    of counts: proved by the three race models alike."""
+    schedule = parse_text(COUNTS_TEXT, str(COUNTS), world)
+    assert errors(COUNTS_TEXT, world) == []
+    assert hb.check(schedule, [world], hints=False).findings == []
+    assert oracle_keys(schedule, world) == set()
+    assert disagreements(schedule, [world]) == []
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_count_read_whole_races_on_cnt(world: int) -> None:
+    """The whole count slot read after the own landing only: a write-after-read race
+    on the slot cnt_0 (another source's count in flight), the three models agreeing."""
+    schedule = parse_text(WHOLE_COUNT, "s.yaml", world)
+    found = hb.check(schedule, [world], hints=False).findings
+    races = [f for f in found if f.key[:3] == ("race", "write-after-read", "cnt_0")]
+    assert races, [f.key for f in found]
+    text_of = races[0].diagnostic().message
+    assert "race on cnt_0: take_own_h0_r" in text_of, text_of
+    assert {f.key for f in found} == oracle_keys(schedule, world)
+    if world < 4:
+        assert disagreements(schedule, [world]) == [], world
+
+
+def test_the_wrong_head_names_the_count_it_reads() -> None:
+    """The head signalled to the wrong source: source 1 refills its count while rank 0
+    reads it; the counterexample names the chunk as the file writes it, cnt[0][1]."""
+    text = counts_twin(FREE, '- free: {op: signal, offset: "h + 1", channel: head}')
+    schedule = parse_text(text, "s.yaml", 3)
+    found = hb.check(schedule, [3], hints=False).findings
+    race = next(f for f in found if f.key[:3] == ("race", "write-after-read", "cnt_0")
+                and "take_h0_1_r0" in f.key[3:])
+    read = (race.first if race.first.access == "read" else race.second).text()
+    assert "(its chunk cnt[0][1])" in read, read
+    assert {f.key for f in found} == oracle_keys(schedule, 3)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_run_gives_the_engine_each_source_s_count(world: int) -> None:
+    """`dcpc run` (host backend): each count read is the 0-d view of the slot in the
+    module's memory, compared against the float64 reference, 0 mismatches."""
+    report = run_schedule(RunConfig(schedule=str(COUNTS), world=world, backend="host",
+                                    calls=2, seed=3))
+    text = format_report(report)
+    assert report.launch.ok and report.mismatches == 0, text
+    assert report.outputs["cnt_0_0"].compared > 0, text
+    assert report.outputs["cnt_0_1"].compared > 0, text
+
+
+@pytest.mark.e2e
+def test_an_external_step_writes_a_0d_view(tmp_path: Path) -> None:
+    """An external step that writes source r's count back (cnt[c % S][r] read and
+    written): the synthetic step's 0-d value lands in the module's memory through the
+    view, and the run matches the float64 reference."""
+    own = ('        - take_own: {op: external, reads: [' + OWN_COUNT
+           + '], writes: ["y[W * c + r]"]}\n')
+    text = counts_twin(own, own + '        - keep_own: {op: external, reads: ["cnt[c % S][r]"], '
+                       'writes: ["cnt[c % S][r]"]}\n')
+    path = tmp_path / "keep.yaml"
+    path.write_text(text)
+    assert hb.check(parse_text(text, str(path), 3), [3], hints=False).findings == []
+    report = run_schedule(RunConfig(schedule=str(path), world=3, backend="host", calls=2,
+                                    seed=3))
+    assert report.launch.ok and report.mismatches == 0, format_report(report)
