@@ -13,6 +13,8 @@ right before it refills its block (DeepEP's forwarder, round-robin over the sour
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.run import RunConfig, format_report, run_schedule
 from dcpc.lang.parse import parse_text
 
+ROOT = Path(__file__).resolve().parents[2]
 FILE = Path(__file__).with_name("slot_chunk_axis0.yaml")
 TEXT = FILE.read_text()
 LAND = """\
@@ -327,3 +330,31 @@ def test_an_external_step_writes_a_0d_view(tmp_path: Path) -> None:
     report = run_schedule(RunConfig(schedule=str(path), world=3, backend="host", calls=2,
                                     seed=3))
     assert report.launch.ok and report.mismatches == 0, format_report(report)
+
+
+@pytest.mark.e2e
+def test_the_wrong_head_replayed_reads_the_next_count(tmp_path: Path) -> None:
+    """The wrong head's race on the count (cnt_0, its chunk cnt[0][1]), replayed: rank
+    0's read of source 1's count is held until source 1's refill of the slot ran, and
+    the 0-d view then holds the next chunk's count, not the reference's."""
+    import json
+
+    from dcpc.harness.replay import plan
+
+    text = counts_twin(FREE, '- free: {op: signal, offset: "h + 1", channel: head}')
+    twin_file = tmp_path / "wrong_head.yaml"
+    twin_file.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "dcpc", "check", str(twin_file), "--world",
+                           "3", "--format", "json"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    first = json.loads(done.stdout)["results"][0]["diagnostics"][0]["message"]
+    assert first.startswith("write-after-read race on cnt_0: take_h0_1_r0 on rank 0"), first
+    (tmp_path / "race.json").write_text(done.stdout)
+    replay = plan(str(tmp_path / "race.json"), str(twin_file), None)
+    report = run_schedule(RunConfig(schedule=str(twin_file), world=3, backend="host",
+                                    calls=replay.calls, wait_timeout_s=240, replay=replay))
+    shown = format_report(report)
+    assert report.replay_outcome.startswith("released"), shown
+    assert report.outputs["cnt_0_1"].first_mismatch.startswith(
+        "call 0 slot 0 rank 0 (take_h0_1_r0 reads): cnt_0_1[]"), shown
