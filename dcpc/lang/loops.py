@@ -694,8 +694,8 @@ class _Unroller:
                        f"'{clipped(text)}' takes a chunk of a slot of '{name}' along the "
                        f"slot's axis 0 in a step of op '{self.step_op}'; a slot's chunk is a "
                        "view of the module's memory that only an external step takes",
-                       f"read '{clipped(text)}' in an external step that writes a buffer of "
-                       f"its own, or name the whole slot '{name}[{first.strip()}]' here")
+                       f"take '{clipped(text)}' in an external step's reads or writes, or "
+                       f"name the whole slot '{name}[{first.strip()}]' here")
             return text
         if axis and not self._later_axis(name, axis, text, mark):
             return text

@@ -358,3 +358,41 @@ def test_the_wrong_head_replayed_reads_the_next_count(tmp_path: Path) -> None:
     assert report.replay_outcome.startswith("released"), shown
     assert report.outputs["cnt_0_1"].first_mismatch.startswith(
         "call 0 slot 0 rank 0 (take_h0_1_r0 reads): cnt_0_1[]"), shown
+
+
+FIXED = """\
+schedule: fixed_chunks
+doc: every rank reads block h of its slot, h a hop index (no rank in the index)
+sizes: {C: 2, D: 4}
+buffers:
+  x: {shape: [W, C, D], dtype: f32}
+  n: {shape: [W], dtype: i32}
+  ring: {shape: [1, W, C, D], dtype: f32, symmetric: true}
+  y: {shape: [W, C, D], dtype: f32}
+steps:
+  - put: {op: ragged_all_to_all, phase: put, src: x, dst: "ring[0]", counts: n, capacity: C}
+  - got: {op: ragged_all_to_all, phase: wait, src: x, dst: "ring[0]", counts: n, capacity: C}
+  - take:
+      repeat: W
+      as: h
+      steps:
+        - t: {op: external, reads: ["ring[0][h]"], writes: ["y[h]"]}
+"""
+
+
+def test_a_chunk_race_s_counterexample_names_a_pair_that_meets() -> None:
+    """A chunk index that does not name the rank (no guarded copies): the race of t_h0
+    (block 0) with the next call's put is shown on the rank whose block 0 that put
+    writes, rank 1 reading against rank 0's put (block 0 of rank 1's slot), not rank 0's
+    read against rank 1's put (block 1: apart), so that its replay shows the race."""
+    schedule = parse_text(FIXED, "s.yaml", 2)
+    found = hb.check(schedule, [2], hints=False).findings
+    race = next(f for f in found if "t_h0" in f.key[3:])
+    read = race.first if race.first.access == "read" else race.second
+    store = race.second if read is race.first else race.first
+    # block 0 of a slot is what rank 0 puts there: the pair meets only if the store is
+    # rank 0's, into another rank's slot
+    assert "(its chunk ring[0][0])" in read.text(), read.text()
+    assert (store.rank, read.rank) == (0, 1), race.message
+    assert "index 0 of dim 0" in store.text(), store.text()
+    assert {f.key for f in found} == oracle_keys(schedule, 2)

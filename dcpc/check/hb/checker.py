@@ -342,7 +342,11 @@ def _where_both_run(schedule: Schedule, world: World,
     search does not run (``_RealSteps``, DEADLOCKED) the model's race is kept, said so."""
     a, b = race.first, race.second
     execution = world.execution  # some rank skips a guarded step (its sync, maybe)
-    if execution is None and not any(modelled(world, t) for t in (a, b)):
+    # a chunk's access (``b[s][e]``) meets a store of an index region of one part only
+    # (races._meets): the pair as found may be one no translation makes, so it is moved
+    # to one that does, as a modelled access is
+    if execution is None and not any(modelled(world, t) or t.access.chunk is not None
+                                     for t in (a, b)):
         return race, False
     n = int(world.world)
     if execution is not None and not all(  # a step that runs on no rank at this W
