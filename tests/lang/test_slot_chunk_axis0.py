@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.exec_oracle_agree import disagreements
+from support.exec_oracle_gen import RING_FREE, RING_LAND, RING_OWN, RING_TAKE
 from support.hb_oracle import oracle_keys
 
 from dcpc.check import hb, structural
@@ -32,16 +33,8 @@ from dcpc.lang.parse import parse_text
 ROOT = Path(__file__).resolve().parents[2]
 FILE = Path(__file__).with_name("slot_chunk_axis0.yaml")
 TEXT = FILE.read_text()
-LAND = """\
-              - landed: {op: ragged_all_to_all, phase: wait, offset: h + 1, src: "x[c]",
-                         dst: "ring[c % S]", counts: "n[c]", capacity: C}
-"""
-TAKE = """\
-              - take: {op: external, reads: ["ring[c % S][(r - (h + 1)) % W]"],
-                       writes: ["y[W * c + (r - (h + 1)) % W]"]}
-"""
-OWN = '        - take_own: {op: external, reads: ["ring[c % S][r]"], writes: ["y[W * c + r]"]}'
-FREE = '- free: {op: signal, offset: "0 - (h + 1)", channel: head}'
+# the ring's texts the random changes of the agreement tests edit too
+LAND, TAKE, OWN, FREE = RING_LAND, RING_TAKE, RING_OWN, RING_FREE
 
 
 def twin(*changes: str) -> str:

@@ -223,17 +223,17 @@ def valid_schedule(seed: int, worlds: range = range(2, 6),
 # on a local read of chunk j beside a ragged put into block m of the slot (apart iff
 # m != j: chunk-precise) as on the coarse accesses around it
 CHUNK_RING = "tests/lang/slot_chunk_axis0.yaml"
-_LAND = """\
+RING_LAND = """\
               - landed: {op: ragged_all_to_all, phase: wait, offset: h + 1, src: "x[c]",
                          dst: "ring[c % S]", counts: "n[c]", capacity: C}
 """
-_TAKE = """\
+RING_TAKE = """\
               - take: {op: external, reads: ["ring[c % S][(r - (h + 1)) % W]"],
                        writes: ["y[W * c + (r - (h + 1)) % W]"]}
 """
-_OWN = ('        - take_own: {op: external, reads: ["ring[c % S][r]"], '
+RING_OWN = ('        - take_own: {op: external, reads: ["ring[c % S][r]"], '
         'writes: ["y[W * c + r]"]}')
-_FREE = '- free: {op: signal, offset: "0 - (h + 1)", channel: head}'
+RING_FREE = '- free: {op: signal, offset: "0 - (h + 1)", channel: head}'
 _CREDIT_LINE = '              - credit: {op: wait, offset: "0 - (h + 1)", channel: head}\n'
 _PUT = """\
               - put: {op: ragged_all_to_all, phase: put, offset: h + 1, src: "x[c + S]",
@@ -241,16 +241,17 @@ _PUT = """\
 """
 _CREDIT_PUT = _CREDIT_LINE + _PUT
 CHUNK_CHANGES: dict[str, tuple[str, ...]] = {
-    "early_read": (_LAND + _TAKE, _TAKE + _LAND),  # a source's block before its landing
-    "wrong_head": (_FREE, '- free: {op: signal, offset: "h + 1", channel: head}'),
+    # a source's block before its landing
+    "early_read": (RING_LAND + RING_TAKE, RING_TAKE + RING_LAND),
+    "wrong_head": (RING_FREE, '- free: {op: signal, offset: "h + 1", channel: head}'),
     "credit_after_put": (_CREDIT_PUT, _PUT + _CREDIT_LINE),  # the refill before its head
-    "whole_own": (_OWN, '        - take_own: {op: external, reads: ["ring[c % S]"], '
+    "whole_own": (RING_OWN, '        - take_own: {op: external, reads: ["ring[c % S]"], '
                   'writes: ["z[c]"]}', "  y: {shape",
                   "  z: {shape: [P, W, C, D], dtype: f32}\n  y: {shape"),
-    "other_block": (_OWN, _OWN.replace('"ring[c % S][r]"', '"ring[c % S][(r + 1) % W]"')),
+    "other_block": (RING_OWN, RING_OWN.replace('"ring[c % S][r]"', '"ring[c % S][(r + 1) % W]"')),
     "one_slot": ("S: 2}", "S: 1}"),
     "three_slots": ("P: 3, S: 2}", "P: 4, S: 3}"),
-    "rank_chunk_whole": (_TAKE, _TAKE.replace('"ring[c % S][(r - (h + 1)) % W]"',
+    "rank_chunk_whole": (RING_TAKE, RING_TAKE.replace('"ring[c % S][(r - (h + 1)) % W]"',
                                               '"ring[c % S]"')),
 }
 
