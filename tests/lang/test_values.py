@@ -5,6 +5,7 @@ between over a run (one mechanism with the row counts an op reads: 0..capacity).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -132,9 +133,11 @@ def test_the_largest_i64_is_drawn() -> None:
 
 
 def test_an_engine_step_writes_ids_in_their_range() -> None:
-    """deepep_normal's forwarder (an external step, once per chunk k) writes ids_fwd[k]:
-    within [0, N*G*L), the low end on rank 0 and the high end on rank 1 in call 0, as
-    the counts it writes stay within their capacity."""
+    """deepep_normal's forwarder (external steps per chunk k: its own block first, then
+    each source's) writes ids_fwd[k]: within [0, N*G*L), the low end on rank 0 and the
+    high end on rank 1 in call 0, as the counts it writes stay within their capacity.
+    The own block's step of each chunk, rank 0's copy (it names the node: one copy per
+    node, each drawing as any rank's)."""
     world = MeshWorld((2, 3))
     schedule = parse_file(GALLERY / "deepep_normal.yaml", world)
     sizes = synth.call_sizes(schedule, world, synth.constructor_sizes(schedule, world), 0, 0)
@@ -142,12 +145,20 @@ def test_an_engine_step_writes_ids_in_their_range() -> None:
     inputs = synth.call_inputs(schedule, world, sizes, 0, 0)
     top = 2 * 3 * sizes["L"] - 1
     chunks = [s for s in schedule.step_list()  # chunk k, in order: those that refill the
-              if s.name.startswith(("forward_h", "last_forward_h"))]  # RDMA ring, the last R
+              # RDMA ring, the last R
+              if re.fullmatch(r"(last_)?forward_own_h\d+_r0", s.name)]
     assert len(chunks) == sizes["P"] >= 2
     for k, forward in enumerate(chunks):
         for rank, bufs in enumerate(inputs):
             sent = bufs[f"ids_send_{k}"]
-            wrote = external(forward, rank, bufs)
+            # what the step reads of the module's memory (its blocks of the ring slot,
+            # their counts: views the worker gives it), zeros here: the ids it writes
+            # are drawn within their range, whatever it read
+            reads = {n: torch.zeros(synth.buffer_shape(schedule, n, sizes),
+                                    dtype=torch.float64 if schedule.buffers[n].dtype.is_float
+                                    else torch.int32)
+                     for n in forward.op.reads if n not in bufs}
+            wrote = external(forward, rank, {**bufs, **reads})
             ids = wrote[f"ids_fwd_{k}"]
             for value in (sent, ids):
                 assert 0 <= value.min() and value.max() <= top, value
