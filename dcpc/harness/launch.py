@@ -127,6 +127,11 @@ def _child_main(
             world_size=world,
             timeout=timedelta(seconds=gloo_timeout_s),
         )
+        # every rank's connections are up before any worker runs: a rank whose worker
+        # returns at once would otherwise leave (os._exit below) while a peer still
+        # connects, and that peer would report gloo's "Connection closed by peer"
+        # instead of its own outcome (bounded by gloo_timeout_s like the init)
+        dist.barrier()
         module_name, _, func_name = worker.partition(":")
         func = getattr(importlib.import_module(module_name), func_name)
         value = func(rank, world, **args)
