@@ -26,6 +26,7 @@ nothing orders it. A `reduce` pushes into, and reads, the root's `via` only.
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from itertools import count
 
 import networkx as nx
@@ -254,7 +255,7 @@ def _lower_step(b: _Builder, schedule: Schedule, name: str, index: int, op, worl
         for peer in _peers(op.to.value, b.rank, world, axes) if one is None else one:
             b.add(name, index, 0, signal=(f"{op.channel}@{name}", peer))
     elif kind == "wait":
-        found = channels(schedule).polls.get(name)
+        found = _polls(schedule).get(name)
         polled = found.name if found is not None else "?"
         one = _one_peer(op, b.rank, world, axes, -1)
         for peer in _peers(op.from_.value, b.rank, world, axes) if one is None else one:
@@ -725,7 +726,12 @@ def _shift(b: _Builder, schedule: Schedule, name: str, index: int, op, world: in
 def _expression(size) -> str:
     """A size expression, whatever its spacing and outer parentheses (Python's own
     parser: this oracle does not ask the checker's)."""
-    return ast.dump(ast.parse(str(size).strip(), mode="eval").body)
+    return _parsed(str(size).strip())
+
+
+@lru_cache(maxsize=4096)
+def _parsed(text: str) -> str:
+    return ast.dump(ast.parse(text, mode="eval").body)
 
 
 SPLIT_EXCHANGES = ("ragged_all_to_all", "all_gather", "all_to_all", "reduce_scatter")
@@ -751,10 +757,33 @@ def _split_key(op) -> tuple:
     return (op.op, tuple(_as_list(op.src)), tuple(_as_list(op.dst)), *extra, str(op.axis))
 
 
+# the last schedule's pairings (a build asks them for every split step and wait of
+# every rank: asked once per schedule object)
+_PAIRED: list[tuple[Schedule, dict[str, str]]] = []
+_POLLS: list[tuple[Schedule, dict]] = []
+
+
+def _polls(schedule: Schedule) -> dict:
+    """wait step -> the signal step it polls (dcpc.lang.semantics.channels)."""
+    if _POLLS and _POLLS[0][0] is schedule:
+        return _POLLS[0][1]
+    out = channels(schedule).polls
+    _POLLS[:] = [(schedule, out)]
+    return out
+
+
 def _exchange_puts(schedule: Schedule) -> dict[str, str]:
     """wait step -> the put it polls: the k-th `phase: wait` of a split exchange
     (SPLIT_EXCHANGES) with a key (`_split_key`) polls the k-th `phase: put` of it
     written before it."""
+    if _PAIRED and _PAIRED[0][0] is schedule:
+        return _PAIRED[0][1]
+    out = _pair_puts(schedule)
+    _PAIRED[:] = [(schedule, out)]
+    return out
+
+
+def _pair_puts(schedule: Schedule) -> dict[str, str]:
     puts: dict[tuple, list[str]] = {}
     out = {}
     for item in schedule.steps:
