@@ -13,6 +13,7 @@ from dcpc.lang.model import Buffer, OpBase, Schedule, Step
 from dcpc.lang.nodes import BUFFER_KEYS
 from dcpc.lang.questions import Samples
 from dcpc.lang.sizes import SizeTable
+from dcpc.ops.common import Channels, channels
 from dcpc.ops.iface import Ref  # defined below the ops, which build them too
 
 if TYPE_CHECKING:
@@ -35,6 +36,15 @@ class Context:
     steps: list[Step]
     semantics: list[Semantics]  # every step's effects and sync (dcpc.lang.semantics.table)
     out: list[Diagnostic] = field(default_factory=list)
+    _channels: Channels | None = field(default=None, init=False, repr=False)
+
+    @property
+    def channels(self) -> Channels:
+        """Which signal step each wait polls (``dcpc.ops.common.channels``), matched once
+        per check: every wait's verifier and check_channels ask it."""
+        if self._channels is None:
+            self._channels = channels(self.schedule)
+        return self._channels
 
     def error(
         self, mark: Mark, code: str, message: str, hint: str | None = None,

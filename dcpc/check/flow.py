@@ -9,7 +9,7 @@ from dcpc.diagnostics import did_you_mean
 from dcpc.lang import when as wh
 from dcpc.lang.mesh import mesh_of
 from dcpc.lang.model import Step
-from dcpc.lang.semantics import READ, Region, channels, effect_mark
+from dcpc.lang.semantics import READ, Region, effect_mark
 from dcpc.ops.common import data_flow
 from dcpc.ops.sync import Signal
 from dcpc.topology import shape_of, torus
@@ -398,7 +398,7 @@ def _unwritten(ctx: Context, read: Access, writer: Access | None, roots: set[int
 
 def check_channels(ctx: Context) -> None:
     """Every wait polls one signal step whose peers reach it; every signal is polled."""
-    found = channels(ctx.schedule)
+    found = ctx.channels
     for err in found.errors:
         op = err.step.op
         mark = op.mark(err.key) if err.key and err.key in op.src_marks else err.step.mark()

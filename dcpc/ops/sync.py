@@ -33,7 +33,6 @@ from dcpc.ops.common import (
     Semantics,
     Sync,
     chain,
-    channels,
     exchange,
     inverse_peers,
     offset_peers,
@@ -142,7 +141,7 @@ def verify(v: Any, step: Step) -> None:
     key = "to" if step.kind == "signal" else "from"
     named = [k for k in (key, "offset") if k in op.src_marks]
     verify_perm(v, step, named)
-    polled = channels(v.ctx.schedule).polls.get(step.name) if step.kind == "wait" else None
+    polled = v.ctx.channels.polls.get(step.name) if step.kind == "wait" else None
     if polled is not None and polled.index > step.index and chain(op.peers(v.ctx.schedule)):
         # a chain's wait before its signal: live on a line, but proved only for a shift's
         # span (dcpc.ops.shift span_run); the checker would drop its dependency

@@ -12,7 +12,7 @@ from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representativ
 from dcpc.check.hb.clocks import World, analyze, gates
 from dcpc.check.hb.deadlock import CYCLE, RawDeadlock, find_deadlocks
 from dcpc.check.hb.events import lower
-from dcpc.check.hb.hints import HintBudget, suggest
+from dcpc.check.hb.hints import HintBudget, Proofs, suggest
 from dcpc.check.hb.legal import Execution, peers_of
 from dcpc.check.hb.races import (
     MAX_REAL_WORK,
@@ -144,9 +144,10 @@ def check(
     ordered = sorted(findings.values(), key=lambda f: (f.kind != "deadlock", f.mark, f.key))
     if hints and ordered:
         budget = HintBudget(schedule, calls, plan)
+        proofs = Proofs(schedule, semantics)  # shared: the findings propose the same edits
         for finding in ordered:
             finding.hint = suggest(schedule, finding, calls, worlds, budget=budget,
-                                   semantics=semantics)
+                                   semantics=semantics, proofs=proofs)
     stats = {
         "events": events,
         "events_per_rank": len(program.events) * (calls or program.default_calls()),

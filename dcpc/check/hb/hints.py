@@ -61,12 +61,14 @@ def reaching_writes(schedule: Schedule,
 
 
 def proved_keys(edited: Schedule, original: Schedule, worlds: list[int],
-                calls: int | None, semantics: list[Semantics] | None = None) -> set[Key] | None:
+                calls: int | None, semantics: list[Semantics] | None = None,
+                writes: dict[tuple[str, str], str] | None = None) -> set[Key] | None:
     """The findings of an edited schedule through the whole pipeline (structure,
     read-before-write, lowering, happens-before), or None when the edit breaks the
     schedule: a structural error, a lowering error, or a read that no longer sees the
     write it saw (an edit that wipes the data it was meant to protect). ``semantics``:
-    the original's table, asked when not given; the edited one's is asked once here."""
+    the original's table, asked when not given; the edited one's is asked once here.
+    ``writes``: the original's ``reaching_writes``, asked when not given."""
     edited_sems = table(edited)
     if any(d.severity == "error" for d in structural.check(edited, worlds, edited_sems)):
         return None
@@ -74,11 +76,64 @@ def proved_keys(edited: Schedule, original: Schedule, worlds: list[int],
         plan = lower_plan(edited, worlds, edited_sems)
     except DiagnosticError:
         return None
-    before = reaching_writes(original, table(original, semantics))
+    before = writes if writes is not None else reaching_writes(
+        original, table(original, semantics))
     after = reaching_writes(edited, edited_sems)
     if any(after.get(read) != writer for read, writer in before.items()):
         return None
     return finding_keys(edited, worlds, calls, plan)
+
+
+class Proofs:
+    """What the hint search of one check has proved, kept for every finding of it: the
+    original's table, the writes its reads see, its findings per list of W, and each
+    edited schedule's ``proved_keys`` (the findings of one check propose the same edits
+    again and again: a barrier after the same step, ``slots: 2``, the same move).
+
+    An edit is known by what it holds (``_edit_key``): its schedule's fields, each step's
+    name and op, each buffer, with the W and calls it was proved at; every edit of one
+    check is made from the same original, whose private attributes (source, loop_world,
+    slices) ``model_copy`` keeps. ``proved_keys`` is a function of these alone, so a kept
+    answer is the one a re-check would give."""
+
+    def __init__(self, schedule: Schedule, semantics: list[Semantics] | None = None):
+        self.schedule = schedule
+        self.semantics = table(schedule, semantics)
+        self.writes = reaching_writes(schedule, self.semantics)
+        self._before: dict[tuple[tuple[int, ...], int | None], set[Key]] = {}
+        self._proved: dict[tuple[object, tuple[int, ...], int | None], set[Key] | None] = {}
+        # the original's ops and buffers, alive while it is: their ids name them
+        self._kept = {id(op) for item in schedule.steps for op in item.values()} | {
+            id(b) for b in schedule.buffers.values()}
+
+    def _edit_key(self, edited: Schedule) -> object:
+        """Equal for two edits exactly when every field of theirs is: an op or buffer of
+        the original by its identity (an edit keeps it or copies it), a new or copied
+        one by its ``repr`` (every field, those the YAML dump leaves out included)."""
+        def known(node: object) -> object:
+            return id(node) if id(node) in self._kept else repr(node)
+        rest = tuple(repr(getattr(edited, f)) for f in type(edited).model_fields
+                     if f not in ("steps", "buffers"))
+        steps = tuple((name, known(op)) for item in edited.steps for name, op in item.items())
+        buffers = tuple((name, known(b)) for name, b in edited.buffers.items())
+        return rest, steps, buffers
+
+    def before(self, worlds: list[int], calls: int | None) -> set[Key]:
+        """The original's finding keys at these W."""
+        key = (tuple(worlds), calls)
+        if key not in self._before:
+            # the plan events.lower would lower when given none (dcpc.check.hb.events)
+            self._before[key] = finding_keys(self.schedule, worlds, calls, lower_plan(
+                self.schedule, [2], self.semantics))
+        return self._before[key]
+
+    def proved(self, edited: Schedule, worlds: list[int], calls: int | None) -> set[Key] | None:
+        """``proved_keys`` of an edit of the original, once per edit."""
+        key = (self._edit_key(edited), tuple(worlds), calls)
+        if key not in self._proved:
+            self._proved[key] = proved_keys(edited, self.schedule, worlds, calls,
+                                            self.semantics, self.writes)
+        return self._proved[key]
 
 
 def _items(schedule: Schedule) -> list[tuple[str, object]]:
@@ -250,12 +305,15 @@ def suggest(
     most: int = 2,
     budget: HintBudget | None = None,
     semantics: list[Semantics] | None = None,
+    proofs: Proofs | None = None,
 ) -> str | None:
     """Up to ``most`` candidate fixes, joined with "; or ", or None.
 
     ``budget`` (shared by the findings of one check) bounds the re-checking: once
     spent, a finding gets NOT_SEARCHED, or the fixes proved before it ran out.
     ``semantics``: the schedule's table (dcpc.lang.semantics), asked when not given.
+    ``proofs``: what the findings of this check proved before (``Proofs`` of
+    ``schedule``), made here when not given.
 
     Each is proved through the whole pipeline (``proved_keys``): the edited schedule
     passes the structural checks and lowers, every read still sees the write it saw,
@@ -270,9 +328,10 @@ def suggest(
         {w, grown(w), max(worlds or [w])})
     if budget is not None and not budget.spend():
         return NOT_SEARCHED
-    sems = table(schedule, semantics)
-    # the plan events.lower would lower when given none (dcpc.check.hb.events)
-    before = finding_keys(schedule, check_at, calls, lower_plan(schedule, [2], sems))
+    if proofs is None:
+        proofs = Proofs(schedule, semantics)
+    sems = proofs.semantics
+    before = proofs.before(check_at, calls)
     edits = (_race_edits(schedule, finding, sems) if finding.kind == "race"
              else _deadlock_edits(schedule, finding))
     proved: list[tuple[int, int, str]] = []
@@ -280,7 +339,7 @@ def suggest(
         if budget is not None and not budget.spend():
             break  # what is proved so far is still true
         try:
-            after = proved_keys(make(), schedule, check_at, calls, sems)
+            after = proofs.proved(make(), check_at, calls)
         except (KeyError, StopIteration, ValueError):
             continue
         if after is None:
