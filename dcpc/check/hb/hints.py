@@ -297,6 +297,16 @@ NOT_SEARCHED = ("no fix searched: re-checking candidate edits of a schedule this
                 "would take too long (dcpc.check.hb.hints.HINT_WORK)")
 
 
+def proving_worlds(schedule: Schedule, finding: Finding,
+                   worlds: list[int] | None = None) -> list[int]:
+    """The W a fix of ``finding`` is proved at: the W it was found at, the next W and the
+    largest of ``worlds`` (that W alone where the schedule was unrolled for it)."""
+    w = finding.world
+    # a schedule unrolled for one W (its perm, loop or offset names W) is that W's alone
+    return [w] if schedule.loop_world is not None else sorted(
+        {w, grown(w), max(worlds or [w])})
+
+
 def suggest(
     schedule: Schedule,
     finding: Finding,
@@ -322,10 +332,7 @@ def suggest(
     schedule was unrolled for it: ``loop_world``). Among proved fixes, those
     leaving fewer findings come first.
     """
-    w = finding.world
-    # a schedule unrolled for one W (its perm, loop or offset names W) is that W's alone
-    check_at = [w] if schedule.loop_world is not None else sorted(
-        {w, grown(w), max(worlds or [w])})
+    check_at = proving_worlds(schedule, finding, worlds)
     if budget is not None and not budget.spend():
         return NOT_SEARCHED
     if proofs is None:
