@@ -107,9 +107,11 @@ class Proofs:
             id(b) for b in schedule.buffers.values()}
 
     def _edit_key(self, edited: Schedule) -> object:
-        """Equal for two edits exactly when every field of theirs is: an op or buffer of
-        the original by its identity (an edit keeps it or copies it), a new or copied
-        one by its ``repr`` (every field, those the YAML dump leaves out included)."""
+        """Equal for two edits only when every field of theirs is: an op or buffer of
+        the original by its identity (an edit keeps it), a new or copied one by its
+        ``repr`` (every field, those the YAML dump leaves out included: no field of a
+        node is ``repr=False``). Two equal edits may still get two keys (a copy equal to
+        an original op): a proof made twice, never a wrong one."""
         def known(node: object) -> object:
             return id(node) if id(node) in self._kept else repr(node)
         rest = tuple(repr(getattr(edited, f)) for f in type(edited).model_fields
