@@ -122,6 +122,9 @@ class CheckContext(Protocol):
     @property
     def semantics(self) -> Sequence[Any]: ...  # each step's Semantics, by step index
 
+    @property
+    def channels(self) -> Any: ...  # which signal each wait polls (common.Channels), once
+
 
 class ShapeRules(Protocol):
     """The shared shape, dtype and base rules bound to one step and the check context:

@@ -18,6 +18,7 @@ from dcpc.check.hb.hints import (
     _with_op,
     proved_keys,
     proving_worlds,
+    suggest,
 )
 from dcpc.lang.parse import parse_text
 
@@ -121,3 +122,41 @@ def test_two_edits_are_one_only_when_they_are_the_same_schedule() -> None:
     # and the answers are those of a fresh re-check
     for edited in (_barrier_after(schedule, "gather"), _with_op(schedule, "b_wait", channel="a")):
         assert proofs.proved(edited, [2, 3], None) == proved_keys(edited, schedule, [2, 3], None)
+
+
+# a credit to the wrong neighbour: at W = 2 next is prev and the file is proved, at W = 3
+# the sender refills s while its destination still reads it
+WRONG_NEIGHBOUR = """\
+schedule: wrong_neighbour
+slots: 1
+sizes: {N: 4, K: 2}
+buffers:
+  x: {shape: [N, K], dtype: f32}
+  y: {shape: [N, K], dtype: f32}
+  s: {shape: [N, K], dtype: f32, symmetric: true}
+steps:
+  - send:  {op: shift, src: x, dst: s, offset: 1}
+  - use:   {op: external, reads: [s], writes: [y]}
+  - free:  {op: signal, to: next, channel: c}
+  - freed: {op: wait, from: prev, channel: c}
+"""
+
+
+def test_a_kept_proof_is_kept_per_w() -> None:
+    """The same edit proved at two lists of W: two answers, each a fresh re-check's (a
+    proof kept without its W would answer W = 3 with W = 2's)."""
+    schedule = parse_text(WRONG_NEIGHBOUR, "wrong_neighbour.yaml")
+    proofs = Proofs(schedule)
+    edit = _barrier_after(schedule, "send")
+    at2, at3 = proofs.proved(edit, [2], None), proofs.proved(edit, [3], None)
+    assert at2 == proved_keys(edit, schedule, [2], None) == set()
+    assert at3 == proved_keys(edit, schedule, [3], None) and at3, at3
+
+
+def test_proofs_kept_for_another_schedule_are_refused() -> None:
+    schedule = parse_text(WRONG_NEIGHBOUR, "wrong_neighbour.yaml")
+    (finding, *_) = hb.check(schedule, [3], hints=False).findings
+    other = parse_text(WRONG_NEIGHBOUR, "wrong_neighbour.yaml")
+    with pytest.raises(ValueError, match="another schedule"):
+        suggest(schedule, finding, worlds=[3], proofs=Proofs(other))
+    assert suggest(schedule, finding, worlds=[3], proofs=Proofs(schedule))

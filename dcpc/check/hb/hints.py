@@ -339,6 +339,8 @@ def suggest(
         return NOT_SEARCHED
     if proofs is None:
         proofs = Proofs(schedule, semantics)
+    if proofs.schedule is not schedule:
+        raise ValueError("suggest: proofs were kept for another schedule (Proofs(schedule))")
     sems = proofs.semantics
     before = proofs.before(check_at, calls)
     edits = (_race_edits(schedule, finding, sems) if finding.kind == "race"
