@@ -37,6 +37,7 @@ def feed(h: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        t = t.reshape(-1)  # a 0-d tensor (a ragged count's view) has no byte view
         h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool and
                  t.numel() else t.numpy().tobytes() if t.numel() else b"")
     elif isinstance(value, dict):
