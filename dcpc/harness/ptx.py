@@ -122,14 +122,22 @@ def _source(fn: Any) -> str:
         return ""
 
 
-def capture_rank0(process: int, processes: int, *, runs: list[dict[str, Any]]
-                  ) -> list[list[tuple]]:
+def capture_rank0(process: int, processes: int, *, runs: list[dict[str, Any]],
+                  reference: bool = False) -> list[list[tuple]]:
     """For each run (schedule_path, module_path, world, calls, programs, mesh): run the
     module on CPU (ranks as threads) and return rank 0's launches: (kernel, args,
     constexprs) with arguments as Triton specialises on them (``_encode``). Another rank's
     variants differ in its RANK constants alone, which matters where a kernel branches on
     its rank (``RANK == ROOT``, ``RANK == WORLD - 1``: rank 0 never compiles the other
-    side): of those kernels the last rank's launches too."""
+    side): of those kernels the last rank's launches too.
+
+    The run is ``worker.run_rank``'s own less what only reads it: without ``reference``
+    no float64 simulation and no comparison (``run_rank(reference=False)``: the same
+    module, inputs and engine steps' values, so the same launches), and a rank whose
+    wait polls a signal not there yet gives its peers the interpreter at once
+    (``_polls_yield``: when threads run, not what they compute). With ``reference``:
+    a whole CPU ``dcpc run`` of each rank, as the capture was before
+    (tests/codegen/test_emitted_ptx.py checks both launch the same variants)."""
     import threading
 
     from dcpc.harness import worker
@@ -141,10 +149,17 @@ def capture_rank0(process: int, processes: int, *, runs: list[dict[str, Any]]
     last = [0]  # the run's last rank
     lock = threading.Lock()
     original = fastlaunch.FastKernel.launch
+    branches: dict[int, bool] = {}  # id(kernel) -> its source branches on RANK: per run
+
+    def branching(fn: Any) -> bool:
+        found = branches.get(id(fn))
+        if found is None:
+            found = branches[id(fn)] = bool(_RANK_BRANCH.search(_source(fn)))
+        return found
 
     def launch(self: Any, grid: tuple, args: tuple, kwargs: dict[str, Any]) -> Any:
         rank = kwargs.get("GRANK", kwargs.get("RANK", 0))
-        if rank == 0 or (rank == last[0] and _RANK_BRANCH.search(_source(self.fn))):
+        if rank == 0 or (rank == last[0] and branching(self.fn)):
             key = (self.__name__, tuple(_encode(a) for a in args),
                    tuple((k, _encode(v)) for k, v in kwargs.items()))
             with lock:
@@ -153,20 +168,62 @@ def capture_rank0(process: int, processes: int, *, runs: list[dict[str, Any]]
 
     out = []
     fastlaunch.FastKernel.launch = launch  # type: ignore[method-assign]
+    unyield = None if reference else _polls_yield()
     try:
         for run in runs:
             seen.clear()
+            branches.clear()  # a kernel of a run lives as long as its run: ids stay its own
             world = run["world"]
             last[0] = world - 1
             group = LocalGroup(world, "cpu")
-            group.run(lambda rank, run=run, world=world: worker.run_rank(
+            # the capture's run: the ranks share the calls' inputs (run_local's way)
+            only = {} if reference else {
+                "sims": worker.SharedSims(world, reference=False), "check": False,
+                "reference": False}
+            group.run(lambda rank, run=run, world=world, only=only: worker.run_rank(
                 rank.rank, world, group=rank, schedule_path=run["schedule_path"],
                 module_path=run["module_path"], backend="local", calls=run["calls"],
-                seed=0, jitter_s=0.0, programs=run["programs"], mesh=run["mesh"]))
+                seed=0, jitter_s=0.0, programs=run["programs"], mesh=run["mesh"], **only))
             out.append(list(seen))
     finally:
         fastlaunch.FastKernel.launch = original  # type: ignore[method-assign]
+        if unyield is not None:
+            unyield()
     return out
+
+
+POLL_YIELD_S = 1e-4  # a polling rank's pause: its peers take the interpreter meanwhile
+
+
+def _polls_yield() -> Any:
+    """Make the interpreter's atomic add of nothing (a wait's poll of a signal: ``tl.
+    atomic_add(cells, 0, ...)``) pause ``POLL_YIELD_S`` after it reads, GIL released:
+    ranks are threads under one GIL, so a rank spinning on a peer's signal otherwise
+    polls for a whole switch interval (5 ms) each turn while the peer that would set it
+    waits: most of a waiting schedule's CPU time. Timing only: every value read and
+    written is the same. Returns the undo."""
+    import time
+
+    import numpy as np
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    builder = type(interpreter.interpreter_builder)
+    original = builder.create_atomic_rmw
+
+    def create_atomic_rmw(self: Any, op: Any, ptr: Any, val: Any, mask: Any, sem: Any,
+                          scope: Any) -> Any:
+        got = original(self, op, ptr, val, mask, sem, scope)
+        if op == ir.ATOMIC_OP.ADD and not np.any(val.data):
+            time.sleep(POLL_YIELD_S)
+        return got
+
+    builder.create_atomic_rmw = create_atomic_rmw  # type: ignore[method-assign]
+
+    def undo() -> None:
+        builder.create_atomic_rmw = original  # type: ignore[method-assign]
+
+    return undo
 
 
 # ---- compile: PTX for sm_90 (in a process without the interpreter) --------------------
@@ -220,27 +277,13 @@ def check_schedules(schedules: list[tuple[str | Path, Any]], *, calls: int = 3,
     per schedule. Two child processes in all (one with the interpreter, one without).
     ``patch``: (old, new) edits of every module's text (mutation tests)."""
     from dcpc.harness.launch import launch
-    from dcpc.harness.run import compile_to
-    from dcpc.lang.mesh import MeshWorld
 
     with tempfile.TemporaryDirectory(prefix="dcpc-ptx-") as tmp:
-        runs, modules = [], []
-        for k, (path, world) in enumerate(schedules):
-            folder = Path(tmp) / str(k)
-            folder.mkdir()
-            used, module, _, _ = compile_to(str(path), folder, world, patch=patch)
-            mesh = list(world.shape) if isinstance(world, MeshWorld) else None
-            runs.append({"schedule_path": used, "module_path": module, "world": int(world),
-                         "calls": calls, "programs": programs, "mesh": mesh})
-            modules.append(module)
-        got = launch("dcpc.harness.ptx:capture_rank0", 1, {"runs": runs},
-                     timeout_s=timeout_s)
-        (captured,) = got.outcomes
-        if captured.status != "ok":
-            raise RuntimeError(f"capturing the launches failed: {captured.error}\n"
-                               f"{captured.traceback}")
+        runs = _runs(schedules, Path(tmp), calls, programs, patch)
+        modules = [run["module_path"] for run in runs]
+        launches = _capture(runs, reference=False, timeout_s=timeout_s)
         done = launch("dcpc.harness.ptx:compile_ptx", 1, {
-            "modules": modules, "launches": captured.value}, timeout_s=timeout_s,
+            "modules": modules, "launches": launches}, timeout_s=timeout_s,
             interpret=False)
         (compiled,) = done.outcomes
         if compiled.status != "ok":
@@ -248,3 +291,44 @@ def check_schedules(schedules: list[tuple[str | Path, Any]], *, calls: int = 3,
                                f"{compiled.traceback}")
     return [([f for name, ptx in per.items() for f in check_ptx(name, ptx)], len(per))
             for per in compiled.value]
+
+
+def capture_schedules(schedules: list[tuple[str | Path, Any]], *, reference: bool,
+                      calls: int = 3, programs: int | None = 2,
+                      timeout_s: float = 900.0) -> list[list[tuple]]:
+    """What ``check_schedules`` compiles, per (schedule file, world): rank 0's launches
+    (``capture_rank0``: the capture's run, or with ``reference`` a whole CPU run)."""
+    with tempfile.TemporaryDirectory(prefix="dcpc-ptx-") as tmp:
+        return _capture(_runs(schedules, Path(tmp), calls, programs, ()),
+                        reference=reference, timeout_s=timeout_s)
+
+
+def _runs(schedules: list[tuple[str | Path, Any]], tmp: Path, calls: int,
+          programs: int | None, patch: tuple[tuple[str, str], ...]) -> list[dict[str, Any]]:
+    """Each schedule compiled into ``tmp``: ``capture_rank0``'s runs."""
+    from dcpc.harness.run import compile_to
+    from dcpc.lang.mesh import MeshWorld
+
+    runs = []
+    for k, (path, world) in enumerate(schedules):
+        folder = tmp / str(k)
+        folder.mkdir()
+        used, module, _, _ = compile_to(str(path), folder, world, patch=patch)
+        mesh = list(world.shape) if isinstance(world, MeshWorld) else None
+        runs.append({"schedule_path": used, "module_path": module, "world": int(world),
+                     "calls": calls, "programs": programs, "mesh": mesh})
+    return runs
+
+
+def _capture(runs: list[dict[str, Any]], *, reference: bool, timeout_s: float
+             ) -> list[list[tuple]]:
+    """``capture_rank0`` in a child with the interpreter."""
+    from dcpc.harness.launch import launch
+
+    got = launch("dcpc.harness.ptx:capture_rank0", 1, {"runs": runs, "reference": reference},
+                 timeout_s=timeout_s)
+    (captured,) = got.outcomes
+    if captured.status != "ok":
+        raise RuntimeError(f"capturing the launches failed: {captured.error}\n"
+                           f"{captured.traceback}")
+    return captured.value

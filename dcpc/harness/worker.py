@@ -391,12 +391,16 @@ class CallSims:
     simulates it, the others wait for it (host work only: it always ends); ``get``'s
     ``say`` hears each step the simulation runs, so a simulation longer than the stall
     bound reads as progress (the launcher's, a LocalGroup's: any rank that moves), not
-    as a hang."""
+    as a hang. ``reference`` False (the capture of launches, dcpc.harness.ptx): a call's
+    sizes, inputs and engine steps alone, the same as with it (made before the
+    simulation, from the seed), no float64 simulation (its trace and end are None)."""
 
     def __init__(self, schedule: m.Schedule, world: Any, ctor: dict[str, int], seed: int,
-                 rounding: Any, *, users: int = 1, keep: bool = False) -> None:
+                 rounding: Any, *, users: int = 1, keep: bool = False,
+                 reference: bool = True) -> None:
         self.schedule, self.world, self.ctor, self.seed = schedule, world, ctor, seed
         self.rounding, self.users, self.keep = rounding, users, keep
+        self.reference = reference
         self.sims: dict[int, Any] = {}
         self.persist = {n for n, b in schedule.buffers.items() if b.persist}
         self.finished: set[int] = set()  # calls every user finished
@@ -421,6 +425,12 @@ class CallSims:
             say(f"call {k}: the float64 reference's inputs")
         sizes = synth.call_sizes(schedule, world, self.ctor, self.seed, k)
         inputs = synth.call_inputs(schedule, world, sizes, self.seed, k)
+        if not self.reference:  # the persistent buffers' start is the reference's
+            external = synth.make_external(schedule, world, sizes, self.seed, k)
+            self.sims[k] = (sizes, inputs, external, None, None)
+            self.most = max(self.most, len(self.sims))
+            self._drop()
+            return
         if self.persist:
             for bufs, start in zip(inputs, persistent_start(
                     schedule, world, sizes, self.sims[k - 1][4] if k else None), strict=True):
@@ -454,10 +464,11 @@ class CallSims:
 class SharedSims:
     """One ``CallSims`` for the ranks (threads) of one process, made by the first rank
     that asks (``run_rank`` knows the schedule, sizes and rounding: the same on every
-    rank). ``keep``: every call stays (two passes, the GPU warm-up)."""
+    rank). ``keep``: every call stays (two passes, the GPU warm-up). ``reference``
+    False: no float64 simulation (``CallSims``; the capture of launches)."""
 
-    def __init__(self, users: int, keep: bool = False) -> None:
-        self.users, self.keep = users, keep
+    def __init__(self, users: int, keep: bool = False, reference: bool = True) -> None:
+        self.users, self.keep, self.reference = users, keep, reference
         self._lock = threading.Lock()
         self._sims: CallSims | None = None
 
@@ -465,7 +476,8 @@ class SharedSims:
         """The shared ``CallSims(*args)``; made at the first call."""
         with self._lock:
             if self._sims is None:
-                self._sims = CallSims(*args, users=self.users, keep=self.keep)
+                self._sims = CallSims(*args, users=self.users, keep=self.keep,
+                                      reference=self.reference)
             return self._sims
 
 
@@ -495,6 +507,7 @@ def run_rank(
     handshake: bool = True,
     replay: dict[str, Any] | None = None,
     check: bool = True,
+    reference: bool = True,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -508,7 +521,15 @@ def run_rank(
     ``handshake``: the module's torch handshake (False: its torch steps pair only through
     their collectives). ``replay``: hold one step back until a race's other access
     happened (dcpc.harness.replay). ``check``: compare each value with the reference
-    (False: a pass whose report nobody reads, the GPU warm-up's, skips that host work)."""
+    (False: a pass whose report nobody reads, the GPU warm-up's, skips that host work).
+    ``reference`` False: no float64 simulation at all, nothing compared (``check`` must
+    be False too; ``sims``, if given, made with ``reference=False``): the capture of
+    what a run launches (dcpc.harness.ptx), which reads no comparison. The module, its
+    inputs, its engine steps' values and so its launches are the run's own: the
+    simulation only reads them (CallSims makes the inputs before it), and an engine
+    step's values are made from what the rank's own buffers hold."""
+    if not reference and (check or replay is not None):
+        raise ValueError("run_rank: reference=False compares nothing: check=False, no replay")
     start, cpu_start = time.perf_counter(), time.process_time()
     if device == "cpu":  # Triton's interpreter patches triton.language once per process,
         # not around every launch and device-function call (the local backend's shim):
@@ -568,8 +589,10 @@ def run_rank(
         # held before its step: the other access's step first; held after its return:
         # the held step first, then the other one writes into what it returned
         lead = (held_step, other) if replay["at"] == "before" else (other, held_step)
-    calls_sim = (CallSims(schedule, world, ctor, seed, rounding) if sims is None
-                 else sims.bind(schedule, world, ctor, seed, rounding))
+    calls_sim = (CallSims(schedule, world, ctor, seed, rounding, reference=reference)
+                 if sims is None else sims.bind(schedule, world, ctor, seed, rounding))
+    if calls_sim.reference != reference:
+        raise ValueError("run_rank: sims made with another reference= than the run's")
     persist = calls_sim.persist
 
     def held(call: int, index: int, name: str) -> torch.Tensor | None:
@@ -611,7 +634,7 @@ def run_rank(
                 if name in env and not schedule.buffers[name].is_symmetric:
                     continue  # the engine's own tensor
                 got = module_view(module, schedule, name, event.slot, sizes)
-                want = held(event.call, step.index, name)
+                want = held(event.call, step.index, name) if reference else None
                 if want is not None and check:  # what the call wrote before this step
                     where = f"call {event.call} slot {event.slot} rank {rank} ({step.name} reads)"
                     # a method's output read again by the engine: counted on its own
@@ -665,6 +688,8 @@ def run_rank(
             for name, value in zip(names, values, strict=True):
                 env[name] = value
                 _views(schedule, env, name, sizes, world, dev)
+                if not reference:
+                    continue
                 # a step may leave a returned buffer as it was on some ranks (a shift
                 # without wrap: the first ranks receive nothing): what it held before,
                 # and nothing to compare when no step of the call wrote it there
