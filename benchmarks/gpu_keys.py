@@ -44,7 +44,8 @@ CODE_PARTS = ("runtime", "harness", "reference")
 # a cuda run never imports dcpc.harness.interpret).
 CPU_ONLY_FILES = ("dcpc/harness/interpret.py",)
 CPU_ONLY_DEFS = {"dcpc/runtime/local.py": ("_install_interpreter_threads",
-                                           "_lazy_tuple_types", "_np_dtype_memo")}
+                                           "_lazy_tuple_types", "_np_dtype_memo",
+                                           "_no_discarded_overflow_checks")}
 
 
 def _sha(data: bytes) -> str:

@@ -352,6 +352,7 @@ def _install_interpreter_threads() -> None:
         if triton.__version__.startswith("3.6."):  # what the two below were measured on
             interpreter._get_np_dtype = _np_dtype_memo(interpreter._get_np_dtype)
             _lazy_tuple_types()
+            _no_discarded_overflow_checks(interpreter)
         interpreter._dcpc_threads = True  # type: ignore[attr-defined]
 
 
@@ -385,6 +386,22 @@ def _lazy_tuple_types() -> None:
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     cls.type = property(get_type, set_type)  # type: ignore[assignment]
+
+
+def _no_discarded_overflow_checks(interpreter: Any) -> None:
+    """Triton 3.6's interpreter builds, for every integer add, sub and mul narrower than
+    64 bits, the int64 result and its range test (``binary_op_sanitize_overflow_impl``,
+    its ``sanitize_overflow`` option on), then hands the test to ``device_assert``,
+    which returns at once unless the ``debug`` option is on; the interpreter's options
+    are always the defaults (debug off) and nothing reads the test: a third of a
+    kernel's CPU time in the interpreter thrown away. Off while debug is off (an
+    interpreter whose options turn debug on keeps it)."""
+    import dataclasses
+
+    builder = interpreter.interpreter_builder
+    options = builder.options
+    if not options.debug and options.sanitize_overflow:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 def _np_dtype_memo(original: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -55,3 +55,35 @@ def test_a_tuple_s_type_made_at_its_first_read_is_the_one_made_at_construction()
     t._setitem(0, 5)  # Triton's own update: the type follows the new value
     assert t.type == core._type_for_tuple_values([5, tl.constexpr(8), tl.float32, 1.5])
     assert t.values[0] == 5 and len(t) == 4
+
+
+@triton.jit
+def _int32_arithmetic(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, x * 3 + x - 7)
+
+
+def test_the_overflow_test_nothing_reads_is_not_built() -> None:
+    """Triton 3.6 builds a range test for every int32 add, sub and mul and hands it to
+    ``device_assert``, which drops it while the debug option is off (the interpreter's
+    options are always the defaults): the shim turns ``sanitize_overflow`` off, and the
+    kernel's wrapped int32 values are NumPy's."""
+    import numpy as np
+    import torch
+
+    _install_interpreter_threads()
+    options = interpreter.interpreter_builder.options
+    assert not options.debug and not options.sanitize_overflow
+    semantic = interpreter.interpreter_semantic
+    false = semantic.tensor(interpreter.TensorHandle(np.zeros(4, dtype=bool), tl.int1),
+                            tl.block_type(tl.int1, [4]))
+    assert semantic.device_assert(false, "never", None) is None  # debug off: dropped
+    x = torch.tensor([0, 1, -5, 2**31 - 1, -(2**31), 1 << 29, 123456789, -1],
+                     dtype=torch.int32)
+    out = torch.empty_like(x)
+    _int32_arithmetic[(1,)](x, out, N=8)
+    want = x.numpy().astype(np.int32)
+    with np.errstate(over="ignore"):
+        want = want * np.int32(3) + want - np.int32(7)
+    assert out.tolist() == want.tolist()
