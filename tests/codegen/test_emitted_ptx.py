@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dcpc.harness.ptx import check_ptx, check_schedules
+from dcpc.harness.ptx import capture_schedules, check_ptx, check_schedules
 from dcpc.lang.mesh import MeshWorld
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +67,27 @@ def test_every_schedule_compiles_for_sm90_with_no_finding() -> None:
     for path, (findings, variants) in zip(FILES, results, strict=True):
         assert variants > 0, f"{path.name}: no kernel was launched"
         assert not findings, f"{path.name}:\n" + "\n".join(f.render() for f in findings)
+
+
+# ---- the capture launches what a whole run launches ----------------------------------
+def test_the_capture_launches_every_variant_a_whole_run_launches() -> None:
+    """The sweep's capture (no float64 reference, no comparison, polls that yield) and a
+    whole CPU run (the capture before) launch the same kernel variants: a file of two
+    slots (call 2 uses slot 0 again), a mesh file whose kernel branches on its rank, a
+    ragged exchange with fp8 scales (engine steps write the counts it reads), a W = 2
+    file whose kernel branches on its rank (the last rank's variants too)."""
+    files = [ROOT / f for f in ("schedules/kimi_k3_dcp.yaml", "schedules/ops/broadcast_axis.yaml",
+                                "schedules/ops/ragged_all_to_all_fp8_deepep.yaml",
+                                "schedules/ops/reduce.yaml")]
+    schedules = [(p, _world(p)) for p in files]
+    fast = capture_schedules(schedules, reference=False)
+    whole = capture_schedules(schedules, reference=True)
+    for path, got, want in zip(files, fast, whole, strict=True):
+        assert want, f"{path.name}: no kernel was launched"
+        assert len(got) == len(want) and set(got) == set(want), (
+            path.name, set(want) - set(got), set(got) - set(want))
+    last = {name for name, _, kwargs in fast[3] if ("RANK", ("value", 1)) in kwargs}
+    assert last, "reduce.yaml: no launch of the last rank's side of a RANK branch"
 
 
 # ---- each class, put back into an emitted module -----------------------------------
