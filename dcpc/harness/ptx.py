@@ -167,9 +167,10 @@ def capture_rank0(process: int, processes: int, *, runs: list[dict[str, Any]],
         return original(self, grid, args, kwargs)
 
     out = []
-    fastlaunch.FastKernel.launch = launch  # type: ignore[method-assign]
-    unyield = None if reference else _polls_yield()
+    unyield = None
     try:
+        fastlaunch.FastKernel.launch = launch  # type: ignore[method-assign]
+        unyield = None if reference else _polls_yield()
         for run in runs:
             seen.clear()
             branches.clear()  # a kernel of a run lives as long as its run: ids stay its own
