@@ -4,7 +4,9 @@ are one only when they are the same schedule."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,14 +40,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("twin", "worlds"), CASES, ids=[c[0] for c in CASES])
-def test_a_kept_proof_is_the_one_a_recheck_gives(twin: str, worlds: list[int]) -> None:
+def _edits(twin: str, worlds: list[int]) -> Iterator[tuple[Any, Proofs, list[int], Any]]:
+    """Every edit the hint search makes for the findings of ``twin`` at ``worlds`` (one
+    Proofs for all, as hb.check's): (the compiled twin, the Proofs, the W it is proved
+    at, the edited schedule)."""
     c = pipeline.run(TWINS / f"{twin}.yaml", pipeline.Options(worlds=worlds), until="lower")
     assert c.schedule is not None and c.semantics is not None
     report = hb.check(c.schedule, c.worlds, plan=c.plan, semantics=c.semantics, hints=False)
     assert report.findings, twin
-    proofs = Proofs(c.schedule, c.semantics)  # one for every finding, as hb.check's
-    asked = 0
+    proofs = Proofs(c.schedule, c.semantics)
     for finding in report.findings:
         at = proving_worlds(c.schedule, finding, c.worlds)
         edits = (_race_edits(c.schedule, finding, c.semantics) if finding.kind == "race"
@@ -55,9 +58,16 @@ def test_a_kept_proof_is_the_one_a_recheck_gives(twin: str, worlds: list[int]) -
                 edited = make()
             except (KeyError, StopIteration, ValueError):
                 continue
-            asked += 1
-            assert proofs.proved(edited, at, None) == proved_keys(
-                edited, c.schedule, at, None), (twin, finding.key)
+            yield c, proofs, at, edited
+
+
+@pytest.mark.parametrize(("twin", "worlds"), CASES, ids=[c[0] for c in CASES])
+def test_a_kept_proof_is_the_one_a_recheck_gives(twin: str, worlds: list[int]) -> None:
+    asked = 0
+    for c, proofs, at, edited in _edits(twin, worlds):
+        asked += 1
+        assert proofs.proved(edited, at, None) == proved_keys(
+            edited, c.schedule, at, None), twin
     assert asked > 0
 
 
@@ -66,22 +76,8 @@ def test_every_twin_case_keeps_proofs_for_repeated_edits() -> None:
     (else the comparison above compares nothing kept)."""
     repeated = 0
     for twin, worlds in CASES:
-        c = pipeline.run(TWINS / f"{twin}.yaml", pipeline.Options(worlds=worlds),
-                         until="lower")
-        assert c.schedule is not None and c.semantics is not None
-        report = hb.check(c.schedule, c.worlds, plan=c.plan, semantics=c.semantics,
-                          hints=False)
-        proofs = Proofs(c.schedule, c.semantics)
-        keys = []
-        for finding in report.findings:
-            at = proving_worlds(c.schedule, finding, c.worlds)
-            edits = (_race_edits(c.schedule, finding, c.semantics) if finding.kind == "race"
-                     else _deadlock_edits(c.schedule, finding))
-            for _, make in edits:
-                try:
-                    keys.append((proofs._edit_key(make()), tuple(at)))
-                except (KeyError, StopIteration, ValueError):
-                    continue
+        keys = [(proofs._edit_key(edited), tuple(at))
+                for _, proofs, at, edited in _edits(twin, worlds)]
         repeated += len(keys) - len(set(keys))
     assert repeated > 0
 

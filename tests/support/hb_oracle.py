@@ -26,8 +26,10 @@ nothing orders it. A `reduce` pushes into, and reads, the root's `via` only.
 from __future__ import annotations
 
 import ast
-from functools import lru_cache
+from collections.abc import Callable
+from functools import lru_cache, wraps
 from itertools import count
+from typing import TypeVar
 
 import networkx as nx
 
@@ -36,6 +38,8 @@ from dcpc.lang.expr import parse_condition
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import channels
+
+T = TypeVar("T")
 
 Key = tuple[str, str, str, str, str]
 
@@ -757,30 +761,31 @@ def _split_key(op) -> tuple:
     return (op.op, tuple(_as_list(op.src)), tuple(_as_list(op.dst)), *extra, str(op.axis))
 
 
-# the last schedule's pairings (a build asks them for every split step and wait of
-# every rank: asked once per schedule object)
-_PAIRED: list[tuple[Schedule, dict[str, str]]] = []
-_POLLS: list[tuple[Schedule, dict]] = []
+def _per_schedule(build: Callable[[Schedule], T]) -> Callable[[Schedule], T]:
+    """``build`` asked once per schedule object (a build of the oracle asks the pairings
+    for every split step and wait of every rank): the last schedule's answer is kept."""
+    last: list[tuple[Schedule, T]] = []
+
+    @wraps(build)
+    def cached(schedule: Schedule) -> T:
+        if not last or last[0][0] is not schedule:
+            last[:] = [(schedule, build(schedule))]
+        return last[0][1]
+    return cached
 
 
+@_per_schedule
 def _polls(schedule: Schedule) -> dict:
     """wait step -> the signal step it polls (dcpc.lang.semantics.channels)."""
-    if _POLLS and _POLLS[0][0] is schedule:
-        return _POLLS[0][1]
-    out = channels(schedule).polls
-    _POLLS[:] = [(schedule, out)]
-    return out
+    return channels(schedule).polls
 
 
+@_per_schedule
 def _exchange_puts(schedule: Schedule) -> dict[str, str]:
     """wait step -> the put it polls: the k-th `phase: wait` of a split exchange
     (SPLIT_EXCHANGES) with a key (`_split_key`) polls the k-th `phase: put` of it
     written before it."""
-    if _PAIRED and _PAIRED[0][0] is schedule:
-        return _PAIRED[0][1]
-    out = _pair_puts(schedule)
-    _PAIRED[:] = [(schedule, out)]
-    return out
+    return _pair_puts(schedule)
 
 
 def _pair_puts(schedule: Schedule) -> dict[str, str]:
