@@ -203,7 +203,10 @@ def peers(spec: str | None, rank: int, world: int,
     the kernel's loop order (templates/sync.j2 peer_loop: ``(RANK + k) % WORLD`` for k =
     1 .. W-1). On a mesh (``world.shape``, row-major ranks) along ``axes``: the team's
     members in the same loop order over member indices; next/prev move the one axis'
-    coordinate. A shift's "+k" along one axis: member ``+k`` of the team (mod its size)."""
+    coordinate. A shift's "+k" along one axis: member ``+k`` of the team (mod its size).
+    "self": the rank itself (its own flag, as the kernel's self lane)."""
+    if spec == "self":
+        return [rank]
     if spec is not None and spec.startswith("perm:"):  # rank r's own peer: table[r]
         other = int(spec[len("perm:"):].split(",")[rank])
         return [other] if other >= 0 and other != rank else []

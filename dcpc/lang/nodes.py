@@ -91,11 +91,13 @@ class Streams(str, Enum):
 
 
 class Peers(str, Enum):
-    """Which peers a split-phase signal goes to (or a wait comes from)."""
+    """Which peers a split-phase signal goes to (or a wait comes from); ``self``: the
+    rank itself (its own flag: a signal on its own slot, a wait polling it)."""
 
     all = "all"
     next = "next"
     prev = "prev"
+    self = "self"
 
 
 def _lse_base(value: Any) -> Any:

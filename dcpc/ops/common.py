@@ -214,7 +214,8 @@ def data_flow(table: list[Semantics]) -> list[tuple[int, Effect]]:
 class Sync:
     """The signal slots a step's kernel uses.
 
-    ``signal``: the peers ("all" | "next" | "prev", or one rank at an offset "+k" /
+    ``signal``: the peers ("all" | "next" | "prev" | "self": the rank itself, its own
+    flag, or one rank at an offset "+k" /
     "-k", |k| >= 2: a shift; "line+k" / "line-k": the rank at offset k only when it is
     one, 0 <= r + k < W, no wrap: a shift with ``wrap: false``, whose edge ranks skip
     that signal or wait) this step publishes its epoch to, in its own slots.
@@ -323,8 +324,9 @@ def chain(peers: str | None) -> bool:
 
 def ring_hops(peers: str | None) -> int:
     """How many ranks a wait from ``peers`` moves a happens-before chain along the ring
-    (0 for none or "all", which reaches every rank at once): the world bound counts it."""
-    if peers in (None, "all") or perm_table(peers) is not None:  # a perm's joins no clock
+    (0 for none, "all", which reaches every rank at once, or "self", the rank itself):
+    the world bound counts it."""
+    if peers in (None, "all", "self") or perm_table(peers) is not None:  # a perm's joins no clock
         return 0
     return abs(peer_offset(peers)[0])  # type: ignore[arg-type]
 
@@ -335,9 +337,10 @@ def _unique(names: object) -> tuple[str, ...]:
 
 # --- the signal channels --------------------------------------------------------
 
-# The ``to`` values whose signal reaches a wait ``from: F`` at every W.
+# The ``to`` values whose signal reaches a wait ``from: F`` at every W (``from: self``:
+# only ``to: self``, the rank's own flag; a signal to peers never reaches the rank itself).
 REACHES = {m.Peers.prev: (m.Peers.next, m.Peers.all), m.Peers.next: (m.Peers.prev, m.Peers.all),
-           m.Peers.all: (m.Peers.all,)}
+           m.Peers.all: (m.Peers.all,), m.Peers.self: (m.Peers.self,)}
 
 
 def reaches(sent: str, polled: str, size: int | None = None) -> bool:
@@ -346,9 +349,12 @@ def reaches(sent: str, polled: str, size: int | None = None) -> bool:
     any other wait the signal of its inverse (from prev <- to next: "prev" <- "next";
     an offset's "-k" <- "+k"; a perm's sources <- its destinations). ``size``: the team
     size of a schedule unrolled at one W (``unrolled_size``), where offsets are alike
-    mod it (a perm's "+3" <- an offset's "-1" at W = 4; None: at every W)."""
+    mod it (a perm's "+3" <- an offset's "-1" at W = 4; None: at every W). The rank's
+    own flag ("self") reaches a wait from "self" only."""
     if sent == m.Peers.all.value or polled == m.Peers.all.value:
         return sent == m.Peers.all.value
+    if m.Peers.self.value in (sent, polled):
+        return sent == polled
     return _mod(sent, size) == _mod(inverse_peers(polled), size)
 
 
@@ -367,7 +373,8 @@ def unrolled_size(schedule: Any, op: Any) -> int | None:
 def _mod(spec: str, size: int | None) -> str:
     """One peer per rank by an offset taken mod ``size`` (None, or any other spec: as
     is), the one form two offsets alike at that size share."""
-    if size is None or spec == m.Peers.all.value or perm_table(spec) is not None:
+    if size is None or spec in (m.Peers.all.value, m.Peers.self.value) \
+            or perm_table(spec) is not None:
         return spec
     k, wrap = peer_offset(spec)
     return offset_peers(k % size) if wrap and k % size else spec
@@ -376,7 +383,9 @@ def _mod(spec: str, size: int | None) -> str:
 def inverse_peers(spec: str) -> str:
     """The peers spec of the other end of one peer per rank: of a wait from ``spec``, the
     signal that reaches it, and back (next <-> prev, "+k" <-> "-k", a perm's
-    destinations <-> its sources, dcpc.topology ``perm_sources``)."""
+    destinations <-> its sources, dcpc.topology ``perm_sources``); "self" is its own."""
+    if spec == m.Peers.self.value:
+        return spec
     found = perm_table(spec)
     if found is not None:
         return perm_peers(perm_sources(found))

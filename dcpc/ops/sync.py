@@ -2,7 +2,9 @@
 split-phase ``signal`` (publish this step's epoch, no wait) and ``wait`` (poll the
 slots of ONE signal step, matched by ``dcpc.ops.common.channels``). They move no data:
 their float64 reference does nothing.
-Peers: ``to``/``from`` (all, next, prev), or one peer per rank as a shift names it
+Peers: ``to``/``from`` (all, next, prev, or ``self``: the rank's own flag, a signal on
+its own slot that a ``from: self`` wait of the same rank polls: the credit of its own
+block, no peer), or one peer per rank as a shift names it
 (NCCL's device API signals any peer of a team): ``offset: k`` (an integer or an
 expression of W, hop indices and integer sizes, evaluated by the unroller) or ``perm:``
 (dcpc.ops._perm: an expression of r and W, pairs, a destination per rank; a partial
@@ -93,7 +95,7 @@ def _spec(op: Signal | Wait, schedule: Any, named: Peers, inverse: bool) -> str:
         spec = _translation(schedule, op, table(op))
     elif op.offset is not None:
         spec = offset_peers(op.offset if isinstance(op.offset, int) else
-                            peer_offset(op.offset)[0] if op.offset in Peers.__members__
+                            peer_offset(op.offset)[0] if op.offset in ("next", "prev")
                             else 1)  # an expression left: its error is reported
     else:
         return named.value
@@ -150,7 +152,14 @@ def verify(v: Any, step: Step) -> None:
                 f"polls ('{polled.name}'); only a shift's wait may come before its put",
                 f"move '{step.name}' after '{polled.name}', or send the data by a shift "
                 "with 'phase: wait' before its put")
-    if op.offset == 0 or op.offset == Peers.all.value:
+    if op.offset == 0 or op.offset == Peers.self.value:
+        v.error(op.mark("offset"), "bad-offset",
+                f"step '{step.name}' names offset {op.offset}; an offset is a nonzero "
+                "integer, next, prev or an expression of W (one peer per rank), and the "
+                "rank itself is no peer",
+                f"write '{key}: self' instead of 'offset' (the rank's own flag: "
+                f"'to: self' signals it, 'from: self' polls it)")
+    if op.offset == Peers.all.value:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' names offset {op.offset}; an offset is a nonzero "
                 "integer, next, prev or an expression of W (one peer per rank)",
@@ -194,7 +203,8 @@ def lower_wait(ctx: LowerRules, step: Step) -> Any:
 
 
 def _lanes(ctx: LowerRules, op: Signal | Wait) -> dict[str, Any]:
-    """The kernel's peers (templates/sync.j2 prologue): all, next, prev; else "one", the
+    """The kernel's peers (templates/sync.j2 prologue): all, next, prev, self (the rank's
+    own lane); else "one", the
     lane of member RANK + PEER of its team (mod its size; 0: none), PEER computed per
     launch from ``peer_k`` (an offset: every rank alike, any W) or read off ``peer_of``
     (a perm's, one per global rank)."""

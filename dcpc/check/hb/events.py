@@ -149,7 +149,9 @@ def peer_deltas(peers: Peers | str, world: int, axes: tuple[int, ...] | None = N
                 ) -> frozenset[int]:
     """The translations of the peers ``all``/``next``/``prev`` name along ``axes`` (rank
     offsets mod W for one axis; torus translations of a mesh, dcpc.lang.mesh), or of a
-    shift's one offset "+k" / "-k" (or "line+k"); never 0. Cached: match_waits asks it once per wait
+    shift's one offset "+k" / "-k" (or "line+k"); never 0 but for ``self`` (the rank's
+    own flag: {0}, the rank itself, so a wait before the self signal it polls is a cycle
+    of program order, the deadlock it is; after it, the join adds nothing). Cached: match_waits asks it once per wait
     and peer (O(W^2) sets at W=1024). The cache is keyed by the shape: a mesh shape equals
     its W as an int (``MeshWorld``), and a perm's deltas differ between the two."""
     return _peer_deltas(peers, shape_of(world), isinstance(world, MeshWorld), axes)
@@ -159,6 +161,8 @@ def peer_deltas(peers: Peers | str, world: int, axes: tuple[int, ...] | None = N
 def _peer_deltas(peers: Peers | str, shape: tuple[int, ...], mesh: bool,
                  axes: tuple[int, ...] | None) -> frozenset[int]:
     world = MeshWorld(shape) if mesh else shape[0]
+    if peers == Peers.self:
+        return frozenset({0})
     found = perm_table(peers) if isinstance(peers, str) else None
     if found is not None:  # a perm: every delta on every rank (its waits join no clock)
         return perm_deltas(found, world)

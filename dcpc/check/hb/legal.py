@@ -39,8 +39,11 @@ def peers_of(spec: Peers | str, rank: int, world: int,
              axes: tuple[int, ...] | None = None) -> list[int]:
     """The ranks a sync's peers spec names on ``rank``, in its team along ``axes`` (a
     mesh's; None: every axis): a signal's targets, a wait's sources (a perm's wait spec
-    is its table of sources over ranks: dcpc.ops.common)."""
+    is its table of sources over ranks: dcpc.ops.common; ``self``: the rank itself, its own
+    flag)."""
     spec = spec.value if isinstance(spec, Peers) else spec
+    if spec == Peers.self.value:
+        return [rank]
     topo = torus(shape_of(world))
     if spec == Peers.all.value:
         return [p for p in topo.team(rank, axes) if p != rank]
