@@ -351,10 +351,10 @@ def reaches(sent: str, polled: str, size: int | None = None) -> bool:
     size of a schedule unrolled at one W (``unrolled_size``), where offsets are alike
     mod it (a perm's "+3" <- an offset's "-1" at W = 4; None: at every W). The rank's
     own flag ("self") reaches a wait from "self" only."""
-    if sent == m.Peers.all.value or polled == m.Peers.all.value:
-        return sent == m.Peers.all.value
     if m.Peers.self.value in (sent, polled):
         return sent == polled
+    if sent == m.Peers.all.value or polled == m.Peers.all.value:
+        return sent == m.Peers.all.value
     return _mod(sent, size) == _mod(inverse_peers(polled), size)
 
 

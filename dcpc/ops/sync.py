@@ -152,7 +152,7 @@ def verify(v: Any, step: Step) -> None:
                 f"polls ('{polled.name}'); only a shift's wait may come before its put",
                 f"move '{step.name}' after '{polled.name}', or send the data by a shift "
                 "with 'phase: wait' before its put")
-    if op.offset == 0 or op.offset == Peers.self.value:
+    if op.offset == 0:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' names offset {op.offset}; an offset is a nonzero "
                 "integer, next, prev or an expression of W (one peer per rank), and the "

@@ -80,6 +80,8 @@ def _peers(spec: str, me: int, world, axes: frozenset[int] | None = None) -> lis
     axes = frozenset(range(len(shape))) if axes is None else axes
     if spec == "all":
         return [p for p in _team(me, world, axes) if p != me]
+    if spec == "self":  # the rank's own flag: a signal to itself, a wait for itself
+        return [me]
     (axis,) = axes  # next/prev: one axis
     coords = _coords(me, shape)
     coords[axis] = (coords[axis] + (1 if spec == "next" else -1)) % shape[axis]

@@ -151,9 +151,10 @@ def peer_deltas(peers: Peers | str, world: int, axes: tuple[int, ...] | None = N
     offsets mod W for one axis; torus translations of a mesh, dcpc.lang.mesh), or of a
     shift's one offset "+k" / "-k" (or "line+k"); never 0 but for ``self`` (the rank's
     own flag: {0}, the rank itself, so a wait before the self signal it polls is a cycle
-    of program order, the deadlock it is; after it, the join adds nothing). Cached: match_waits asks it once per wait
-    and peer (O(W^2) sets at W=1024). The cache is keyed by the shape: a mesh shape equals
-    its W as an int (``MeshWorld``), and a perm's deltas differ between the two."""
+    of program order, the deadlock it is; after it, the join adds nothing). Cached:
+    match_waits asks it once per wait and peer (O(W^2) sets at W=1024). The cache is keyed
+    by the shape: a mesh shape equals its W as an int (``MeshWorld``), and a perm's deltas
+    differ between the two."""
     return _peer_deltas(peers, shape_of(world), isinstance(world, MeshWorld), axes)
 
 

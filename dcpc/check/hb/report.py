@@ -369,7 +369,8 @@ def deadlock_finding(world: World, dead: RawDeadlock, stuck: list[int] | None = 
         cycle = _cycle(wait_name, _rk(world, me), signal_name, _rk(world, peer), channel)
         message = f"deadlock: {cycle} (W={w})"
     elif dead.cls == CYCLE:
-        of = f"rank {_offset(dead.delta % w, w)}"
+        # a wait for the rank itself (its own flag, `from: self`): delta 0
+        of = f"rank {_offset(dead.delta % w, w)}" if dead.delta % w else "rank r itself"
         message = (f"deadlock: {_cycle(wait_name, 'every rank r', signal_name, of, channel)} "
                    f"(W={w})")
     else:

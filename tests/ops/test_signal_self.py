@@ -1,0 +1,228 @@
+"""A rank's own credit: ``signal`` with ``to: self`` and ``wait`` with ``from: self``
+(dcpc/ops/sync.py; the rank's own flag). The conformance file is proved and its wrong
+twin (the own head not opened) is the deadlock; the k-th self wait polls the k-th self
+signal whichever comes first; the checker, the brute force and the execution oracle
+agree; bad input gets its class; the emitted lane is the rank's own slot; the file
+runs against float64 (host in tests/ops/test_op_schedules.py, torch and local here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.exec_oracle_agree import disagreements
+from support.hb_oracle import assert_brute_force_agrees, unrolled
+from support.schedules import diagnostics
+
+from dcpc import pipeline
+from dcpc.diagnostics import DiagnosticError
+from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.lang.mesh import MeshWorld
+from dcpc.ops.common import channels
+
+ROOT = Path(__file__).resolve().parents[2]
+FILE = ROOT / "schedules" / "ops" / "signal_self.yaml"
+OPEN = "  - open_own: {op: signal, to: self, channel: own_head}\n"
+DRAIN = "  - drain_own: {op: wait, from: self, channel: own_head}\n"
+
+# a push into kv_recv and its read come before STEPS (8 lines: STEPS start at line 9)
+HEAD = ("schedule: credit\nslots: 2\nsizes: {T: 4, D: 8}\nbuffers:\n"
+        "  kv: {shape: [T, D], dtype: f32}\n"
+        "  kv_recv: {shape: [T, D], dtype: f32, symmetric: true}\n"
+        "  out: {shape: [T, D], dtype: f32}\nsteps:\n")
+
+
+def _errors(tmp_path: Path, steps: str, worlds: list, head: str = HEAD) -> list:
+    """The errors `dcpc check` gives ``steps`` at ``worlds`` ([] when proved)."""
+    return [d for d in diagnostics(head + steps, tmp_path, "credit.yaml", worlds)
+            if d.severity == "error"]
+
+
+def _twin() -> str:
+    """The conformance file without its own head's open and drain: every chunk's own
+    wait then polls the free of its own chunk, written after it."""
+    text = FILE.read_text()
+    twin = text.replace(OPEN, "").replace(DRAIN, "")
+    assert text.count(OPEN) == 1 and text.count(DRAIN) == 1
+    assert twin.count("{op: signal, to: self") == 1
+    return twin
+
+
+def test_the_file_is_proved_and_its_wrong_twin_is_a_located_deadlock(tmp_path: Path) -> None:
+    """The file at its `# check:` worlds (2..8); the twin at W = 2 and 3: a deadlock at
+    the first own wait (its line), on rank 0 waiting for its own free, the cycle of
+    program order named."""
+    pipeline.run(FILE, pipeline.Options(worlds=list(range(2, 9))), until="hb")
+    twin = _twin()
+    path = tmp_path / "signal_self_wrong.yaml"
+    path.write_text(twin)
+    for world in (2, 3):
+        with pytest.raises(DiagnosticError) as err:
+            pipeline.run(path, pipeline.Options(worlds=[world]), until="hb")
+        found = [d for d in err.value.diagnostics if d.severity == "error"]
+        assert [d.code for d in found] == ["deadlock"], found
+        line = next(i for i, x in enumerate(twin.splitlines(), 1) if "- own_credit:" in x)
+        assert found[0].mark.line == line, found[0]
+        assert ("own_credit_h0 on rank 0 waits for free_own_h0 of rank 0 (channel own_head)"
+                in found[0].message), found[0].message
+        assert f"(W={world})" in found[0].message
+
+
+def test_the_kth_self_wait_polls_the_kth_self_signal() -> None:
+    """The credit loop's pairing: the open for chunk 0's own wait, chunk 0's free for
+    chunk 1's, chunk 1's free for the drain (no other channel's signal, no peer's)."""
+    schedule = pipeline.run(FILE, pipeline.Options(worlds=[3]), until="parse").schedule
+    polls = {w: s.name for w, s in channels(schedule).polls.items() if "own" in w}
+    assert polls == {"own_credit_h0": "open_own", "own_credit_h1": "free_own_h0",
+                     "drain_own": "free_own_h1"}
+
+
+@pytest.mark.parametrize("text", [FILE.read_text(), _twin()], ids=["file", "twin"])
+def test_checker_brute_force_and_execution_oracle_agree(text: str) -> None:
+    """Each rank waits for itself in all three: the file clean, the twin the deadlock."""
+    for world, schedule in unrolled(text, (2, 3)):
+        assert_brute_force_agrees(schedule, world, text)
+        assert disagreements(schedule, [world]) == [], world
+
+
+def test_a_self_credit_after_its_signal_orders_nothing_program_order_does_not(
+        tmp_path: Path) -> None:
+    """A shift's credit sent to the rank itself does not free the writer's next push:
+    the race stays (the writer is another rank); back to the writer (`offset: -1`) it is
+    proved. And a self credit around a local reuse is proved, as without it."""
+    push = ("  - send: {op: shift, src: kv, dst: kv_recv, offset: 1}\n"
+            "  - use: {op: external, reads: [kv_recv], writes: [out]}\n")
+    own = ("  - free: {op: signal, to: self, channel: f}\n"
+           "  - freed: {op: wait, from: self, channel: f}\n")
+    assert {d.code for d in _errors(tmp_path, push + own, [3])} == {"race"}
+    back = ("  - free: {op: signal, offset: -1, channel: f}\n"
+            "  - freed: {op: wait, offset: -1, channel: f}\n")
+    assert _errors(tmp_path, push + back, [2, 3, 4]) == []
+    local = ("  - keep: {op: copy, src: kv, dst: kv_recv}\n"
+             "  - use: {op: external, reads: [kv_recv], writes: [out]}\n")
+    assert _errors(tmp_path, local + own, [2, 3]) == []
+
+
+@pytest.mark.parametrize(("steps", "code", "says"), [
+    # a self wait with no self signal on its channel: the other forms' classes
+    ("  - free: {op: signal, to: all, channel: f}\n"
+     "  - freed: {op: wait, from: self, channel: f}\n",
+     "peer-mismatch", "waits for 'self' peers on channel 'f', but no signal on it goes to"),
+    ("  - freed: {op: wait, from: self, channel: f}\n",
+     "unmatched-wait", "but no step signals it"),
+    ("  - free: {op: signal, to: self, channel: f}\n"
+     "  - freed: {op: wait, from: self, channel: f}\n"
+     "  - again: {op: wait, from: self, channel: f}\n",
+     "unmatched-wait", "wait number 2 from 'self'"),
+    ("  - free: {op: signal, to: self, channel: f}\n"
+     "  - freed: {op: wait, from: self, channel: f}\n"
+     "  - more: {op: signal, to: self, channel: f}\n",
+     "unpolled-signal", "step 'more' signals channel 'f', but no wait polls it"),
+    # a self signal reaches no wait from peers, and a peers' signal no self wait
+    ("  - free: {op: signal, to: self, channel: f}\n"
+     "  - freed: {op: wait, from: prev, channel: f}\n",
+     "peer-mismatch", "(step 'free' signals 'self' peers)"),
+    # a self wait before the only self signal it can poll: the cycle on one rank
+    ("  - freed: {op: wait, from: self, channel: f}\n"
+     "  - free: {op: signal, to: self, channel: f}\n",
+     "deadlock", "freed on every rank r waits for free of rank r itself (channel f)"),
+    # `to: self` next to an offset: one way to name the peers
+    ("  - free: {op: signal, to: self, offset: 2, channel: f}\n"
+     "  - freed: {op: wait, offset: 2, channel: f}\n",
+     "bad-offset", "both 'to' and 'offset'"),
+])
+def test_bad_self_credits_are_refused_with_their_class(tmp_path: Path, steps: str, code: str,
+                                                      says: str) -> None:
+    found = _errors(tmp_path, steps, [3])
+    assert found and {d.code for d in found} == {code}, found
+    assert any(says in d.message for d in found), found
+    assert found[0].mark.line > 8, found[0]
+
+
+def test_offset_zero_is_refused_with_a_hint_that_is_accepted(tmp_path: Path) -> None:
+    """`offset: 0` keeps `bad-offset` (the rank is no peer), located at the key; the hint
+    names `to: self` / `from: self`, and the file that follows it is proved."""
+    steps = ("  - free: {op: signal, offset: 0, channel: f}\n"
+             "  - freed: {op: wait, offset: 0, channel: f}\n")
+    found = _errors(tmp_path, steps, [2, 3])
+    assert [(d.code, d.mark.line) for d in found] == [("bad-offset", 9), ("bad-offset", 10)]
+    assert "names offset 0" in found[0].message and "the rank itself is no peer" in \
+        found[0].message
+    assert "write 'to: self' instead of 'offset'" in found[0].hint
+    assert "write 'from: self' instead of 'offset'" in found[1].hint
+    fixed = steps.replace("signal, offset: 0", "signal, to: self").replace(
+        "wait, offset: 0", "wait, from: self")
+    assert _errors(tmp_path, fixed, [2, 3]) == []
+
+
+def test_the_existing_meanings_of_nobody_stay(tmp_path: Path) -> None:
+    """A perm's fixed point and an offset that is 0 mod W still signal nobody, and a
+    `from: self` wait is not reached by them."""
+    steps = ('  - free: {op: signal, perm: "W - 1 - r", channel: f}\n'
+             '  - freed: {op: wait, perm: "W - 1 - r", channel: f}\n')
+    plan = None
+    assert _errors(tmp_path, steps, [3]) == []
+    plan = pipeline.run(tmp_path / "credit.yaml", pipeline.Options(worlds=[3]),
+                        until="lower").plan
+    assert {p.name: p.attrs.get("peer_of") for p in plan.steps} == {
+        "free": (2, 0, 1), "freed": (2, 0, 1)}
+    mixed = ('  - free: {op: signal, perm: "W - 1 - r", channel: f}\n'
+             '  - freed: {op: wait, from: self, channel: f}\n')
+    assert {d.code for d in _errors(tmp_path, mixed, [3])} == {"peer-mismatch"}
+
+
+AXIS = ("schedule: m\nmesh: {node: N, gpu: G}\nsizes: {N: {max: 4}, G: {max: 4}, D: 8}\n"
+        "buffers:\n  x: {shape: [D], dtype: f32}\n"
+        "  s: {shape: [D], dtype: f32, symmetric: true}\n"
+        "  y: {shape: [D], dtype: f32}\nsteps:\n")
+
+
+def test_self_with_axis_pairs_per_team_and_emits_the_team_lane(tmp_path: Path) -> None:
+    """`to: self` / `from: self` with `axis: gpu`: proved at 2x2 and 2x3; its kernel's one
+    lane is member RANK, mapped to the global rank through the team table; a self wait
+    over another axis than its signal's is `peer-mismatch` (the same channel rules)."""
+    steps = ("  - keep: {op: copy, src: x, dst: s}\n"
+             "  - use: {op: external, reads: [s], writes: [y]}\n"
+             "  - free: {op: signal, axis: gpu, to: self, channel: f}\n"
+             "  - freed: {op: wait, axis: gpu, from: self, channel: f}\n")
+    worlds = [MeshWorld((2, 2)), MeshWorld((2, 3))]
+    assert _errors(tmp_path, steps, worlds, AXIS) == []
+    text = pipeline.run(tmp_path / "credit.yaml", pipeline.Options(worlds=worlds[:1]),
+                        until="emit").module_text
+    body = text[text.index("def _free_kernel("):text.index("def _freed_kernel(")]
+    assert "sig_peers = RANK + sig_lane\n    sig_live = sig_lane < 1\n" in body
+    assert "sig_peers = tl.load(team_ranks + sig_peers, mask=sig_live, other=0)" in body
+    other = steps.replace("axis: gpu, from: self", "axis: node, from: self")
+    assert {d.code for d in _errors(tmp_path, other, worlds[:1], AXIS)} == {"peer-mismatch"}
+
+
+def test_the_emitted_lane_is_the_ranks_own_slot() -> None:
+    """The file's self signal releases into sig[channel, RANK] of its own bank (one lane,
+    peer RANK, no PEER parameter) and its self wait polls that cell; the torch backend
+    makes neither (no barrier)."""
+    text = pipeline.run(FILE, pipeline.Options(worlds=[3]), until="emit").module_text
+    sig = text[text.index("def _open_own_kernel("):]
+    sig = sig[:sig.index("\n\n\n")]
+    assert "PEER" not in sig
+    assert "    sig_peers = RANK + sig_lane\n    sig_live = sig_lane < 1\n" in sig
+    assert "sig_words = tl.load(sig_ptrs + sig_peers, mask=sig_live, other=0)" in sig
+    assert "_dcpc_release(" in sig and "_dcpc_wait(" not in sig
+    wait = text[text.index("def _own_credit_h0_kernel("):]
+    wait = wait[:wait.index("\n\n\n")]
+    assert "    sig_peers = RANK + sig_lane\n    sig_live = sig_lane < 1\n" in wait
+    assert "sig_mine = tl.load(sig_ptrs + RANK)" in wait and "_dcpc_release(" not in wait
+    assert text.count("pass  # the rank's own flag: its program order orders it") == 6
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("world", "backend"), [(3, "torch"), (3, "local"), (2, "host")],
+                         ids=str)
+def test_the_file_runs_against_float64(world: int, backend: str) -> None:
+    """Every output of every call compared with the float64 reference: the kernels' self
+    lanes (host: processes; local: ranks as threads), the torch backend's no-op."""
+    report = run_schedule(RunConfig(schedule=str(FILE), world=world, backend=backend,
+                                    calls=4, seed=5))
+    text = format_report(report)
+    assert report.launch.ok, text
+    assert report.mismatches == 0, text
+    assert report.outputs and all(s.compared > 0 for s in report.outputs.values()), text
