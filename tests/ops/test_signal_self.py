@@ -190,7 +190,7 @@ def test_self_with_axis_pairs_per_team_and_emits_the_team_lane(tmp_path: Path) -
     text = pipeline.run(tmp_path / "credit.yaml", pipeline.Options(worlds=worlds[:1]),
                         until="emit").module_text
     body = text[text.index("def _free_kernel("):text.index("def _freed_kernel(")]
-    assert "sig_peers = RANK + sig_lane\n    sig_live = sig_lane < 1\n" in body
+    assert "sig_peers = (RANK + sig_lane) % WORLD\n    sig_live = sig_lane < 1\n" in body
     assert "sig_peers = tl.load(team_ranks + sig_peers, mask=sig_live, other=0)" in body
     other = steps.replace("axis: gpu, from: self", "axis: node, from: self")
     assert {d.code for d in _errors(tmp_path, other, worlds[:1], AXIS)} == {"peer-mismatch"}
@@ -204,12 +204,12 @@ def test_the_emitted_lane_is_the_ranks_own_slot() -> None:
     sig = text[text.index("def _open_own_kernel("):]
     sig = sig[:sig.index("\n\n\n")]
     assert "PEER" not in sig
-    assert "    sig_peers = RANK + sig_lane\n    sig_live = sig_lane < 1\n" in sig
+    assert "    sig_peers = (RANK + sig_lane) % WORLD\n    sig_live = sig_lane < 1\n" in sig
     assert "sig_words = tl.load(sig_ptrs + sig_peers, mask=sig_live, other=0)" in sig
     assert "_dcpc_release(" in sig and "_dcpc_wait(" not in sig
     wait = text[text.index("def _own_credit_h0_kernel("):]
     wait = wait[:wait.index("\n\n\n")]
-    assert "    sig_peers = RANK + sig_lane\n    sig_live = sig_lane < 1\n" in wait
+    assert "    sig_peers = (RANK + sig_lane) % WORLD\n    sig_live = sig_lane < 1\n" in wait
     assert "sig_mine = tl.load(sig_ptrs + RANK)" in wait and "_dcpc_release(" not in wait
     assert text.count("pass  # the rank's own flag: its program order orders it") == 6
 
