@@ -135,7 +135,8 @@ def test_the_largest_i64_is_drawn() -> None:
 def test_an_engine_step_writes_ids_in_their_range() -> None:
     """deepep_normal's forwarder (external steps per chunk k: its own block first, then
     each source's) writes ids_fwd[k]: within [0, N*G*L), the low end on rank 0 and the
-    high end on rank 1 in call 0, as the counts it writes stay within their capacity.
+    high end on rank 1 in call 0, as the NVLink counts the forwarder derives from the
+    rail meta (nvl_counts, once per call) stay within their capacity.
     The own block's step of each chunk, rank 0's copy (it names the node: one copy per
     node, each drawing as any rank's)."""
     world = MeshWorld((2, 3))
@@ -163,7 +164,16 @@ def test_an_engine_step_writes_ids_in_their_range() -> None:
             for value in (sent, ids):
                 assert 0 <= value.min() and value.max() <= top, value
                 assert (value.min() == 0) >= (rank == 0) and (value.max() == top) >= (rank == 1)
-            assert int(wrote[f"n_fwd_{k}"].max()) <= sizes["N"] * sizes["C"]
+    # the NVLink counts of chunk k: written once per call from the rail meta (nvl_counts,
+    # before any chunk moves), within their capacity as the ids within their range
+    counts = [s for s in schedule.step_list() if re.fullmatch(r"nvl_counts_h\d+", s.name)]
+    assert len(counts) == sizes["P"]
+    for k, step in enumerate(counts):
+        for rank, bufs in enumerate(inputs):
+            reads = {n: torch.zeros(synth.buffer_shape(schedule, n, sizes), dtype=torch.int32)
+                     for n in step.op.reads}
+            n_fwd = external(step, rank, {**bufs, **reads})[f"n_fwd_{k}"]
+            assert 0 <= int(n_fwd.min()) and int(n_fwd.max()) <= sizes["N"] * sizes["C"]
 
 
 def test_a_range_narrows_the_counts_it_bounds() -> None:

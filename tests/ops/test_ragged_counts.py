@@ -116,8 +116,9 @@ ONE_WEIGHTS = (  # every chunk's reduce takes one [T, N] of weights: only the in
 @pytest.mark.parametrize("edits", [(), ONE_WEIGHTS], ids=["shipped", "one_weights"])
 def test_an_index_an_engine_step_writes_picks_live_rows_of_its_own_counts(
         edits: tuple[tuple[str, str], ...]) -> None:
-    """DeepEP normal mode's forwarding step writes the NVLink counts (n_fwd) and the slots
-    its reduce reads later (fwd_slot, into the rows those counts return); it also reads
+    """DeepEP normal mode's engine steps write the NVLink counts (n_fwd: nvl_counts, once
+    per call from the rail meta) and, per chunk, the slots its reduce reads later
+    (fwd_slot: the forwarding step, into the rows those counts return); it also reads
     only ragged receive buffers. The index was drawn against the previous call's counts
     and the float outputs derived from rows past a count (NaN in the reference, stale in
     a run): 3 to 7 mismatches at 2x2 in `dcpc run`. Now every slot is a live row and
