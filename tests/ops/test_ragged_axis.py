@@ -240,13 +240,14 @@ def test_deepep_normal_combine_rings_apart_from_the_dispatch_s_are_proved(
 def test_deepep_normal_sender_without_the_rdma_head_overwrites_a_slot() -> None:
     """The twin whose RDMA sender refills slot c % R without every node peer's head: chunk
     2 lands in slot 0 while a node peer may still forward chunk 0 out of it. Every race
-    is on the RDMA ring's slot 0 (x, scales, ids, weights, counts); checker = brute force
+    is on the RDMA ring's slot 0 (x, scales, ids, weights: the counts travel once per call, in
+    the meta); checker = brute force
     = execution."""
     for world in SHAPES[:2]:
         schedule = parse_file(NO_HEAD, world)
         found = {f.key for f in hb.check(schedule, [world], hints=False).findings}
         assert found and found == oracle_keys(schedule, world), (world, found)
-        assert {k[2] for k in found} <= {f"{b}_rail_0" for b in ("x", "s", "ids", "w", "n")}, \
+        assert {k[2] for k in found} <= {f"{b}_rail_0" for b in ("x", "s", "ids", "w")}, \
             found
     assert disagreements(parse_file(NO_HEAD, SHAPES[0]), SHAPES[:1]) == []
 
@@ -270,9 +271,9 @@ def without_channel(text: str, channel: str, loops: tuple[str, ...]) -> str:
 
 @pytest.mark.parametrize(("channel", "loops", "rdma", "nvl", "ring"), [
     ("nvl_head", ("nvl_open", "nvl_drain", "nvl_frees", "last_nvl_frees"), 2, 1,
-     ("x_recv", "s_recv", "ids_recv", "w_recv", "n_recv")),
+     ("x_recv", "s_recv", "ids_recv", "w_recv")),
     ("back_head", ("rail_open", "rail_drain", "back_frees", "last_back_frees"), 1, 2,
-     ("z_back", "n_back"))],
+     ("z_back",))],
     ids=["dispatch_nvl_head_v1", "combine_back_head_r1"])
 def test_deepep_normal_second_hop_credits_matter_at_one_slot(
         tmp_path: Path, channel: str, loops: tuple[str, ...], rdma: int, nvl: int,

@@ -114,7 +114,7 @@ ONE_WEIGHTS = (  # every chunk's reduce takes one [T, N] of weights: only the in
 
 
 @pytest.mark.parametrize("edits", [(), ONE_WEIGHTS], ids=["shipped", "one_weights"])
-def test_an_index_an_engine_step_writes_picks_live_rows_of_its_own_counts(
+def test_an_index_an_engine_step_writes_picks_live_rows_of_the_engine_s_counts(
         edits: tuple[tuple[str, str], ...]) -> None:
     """DeepEP normal mode's engine steps write the NVLink counts (n_fwd: nvl_counts, once
     per call from the rail meta) and, per chunk, the slots its reduce reads later

@@ -246,8 +246,9 @@ def test_the_put_only_pushes_and_the_wait_only_polls(tmp_path: Path) -> None:
 def test_the_kernels_touch_what_the_plan_says(world: Any) -> None:
     """The access tracer (dcpc/harness/trace.py): the put's stores lie in block `rank`
     of every peer's dst and recv_counts before its signal, the wait's read of
-    recv_counts after its wait (its first poll), in the split op file and in DeepEP
-    normal mode's pipelined chunks."""
+    recv_counts after its wait (its first poll), in the split op file; and in DeepEP
+    normal mode's pipelined chunks, whose hops send no count (the meta, an all_to_all,
+    carries them): their stores and waits."""
     from dcpc.harness import trace as tr
     from dcpc.lang.mesh import MeshWorld
 
