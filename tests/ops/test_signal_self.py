@@ -17,8 +17,10 @@ from support.schedules import diagnostics
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
 from dcpc.harness.run import RunConfig, format_report, run_schedule
+from dcpc.harness.trace import run_traced
 from dcpc.lang.mesh import MeshWorld
 from dcpc.ops.common import channels
+from dcpc.runtime.sync import SignalBank, channel, wrap_int32
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE = ROOT / "schedules" / "ops" / "signal_self.yaml"
@@ -226,3 +228,53 @@ def test_the_file_runs_against_float64(world: int, backend: str) -> None:
     assert report.launch.ok, text
     assert report.mismatches == 0, text
     assert report.outputs and all(s.compared > 0 for s in report.outputs.values()), text
+
+
+@pytest.mark.e2e
+def test_a_local_run_publishes_each_self_signal_on_the_ranks_own_cell(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What only the self lane makes (program order hides it from the outputs): after a
+    local run (ranks as threads of this process, the Triton interpreter, every access
+    traced) every self signal step's epoch is in its rank's OWN bank at sig[channel,
+    RANK] (dcpc/runtime/sync.py: the low 32 bits of the word, one per program the kernel
+    advanced), and no other rank's cell of that channel moved: a lane masked off, or
+    pointed at another rank, fails it (the waits bounded at 30 s: a hang fails too)."""
+    world = 3
+    banks: list = []
+    made = SignalBank.__init__
+
+    def keep(self: SignalBank, *args: object, **kwargs: object) -> None:
+        made(self, *args, **kwargs)
+        banks.append(self)
+
+    monkeypatch.setattr(SignalBank, "__init__", keep)
+    run = run_traced(str(FILE), world, programs=2, calls=2, seed=5, timeout_s=30.0)
+    assert run.mismatches == 0 and run.problems == [] and len(banks) == world
+    plan = pipeline.run(FILE, pipeline.Options(worlds=[world]), until="lower").plan
+    selves = [s for s in plan.steps if s.attrs.get("peers") == "self" and s.attrs.get("signal")]
+    assert [s.name for s in selves] == ["open_own", "free_own_h0", "free_own_h1"]
+    seen = 0
+    for step in selves:
+        for slot in range(plan.slots):
+            chan = channel(step.index, slot, plan.slots)
+            for rank, bank in enumerate(_by_rank(banks, world)):
+                epochs = [int(e) for e in bank.epochs[chan].tolist()]
+                words = bank.sig[chan].tolist()
+                for p, epoch in enumerate(epochs):
+                    if epoch == 0:
+                        continue  # a program this step's launches did not use
+                    seen += 1
+                    assert wrap_int32(int(words[rank][p]) & 0xFFFFFFFF) == epoch, (
+                        step.name, slot, rank, p, words[rank][p], epoch)
+                for peer in range(world):
+                    if peer != rank:
+                        assert all(w == 0 for w in words[peer]), (step.name, rank, peer)
+    assert seen >= len(selves) * world
+
+
+def _by_rank(banks: list, world: int) -> list:
+    """The banks in rank order: rank r's own segment is entry r of its peer pointers."""
+    found = {[int(p) for p in b.sig_ptrs.tolist()].index(b.flags.data_ptr()): b
+             for b in banks}
+    assert sorted(found) == list(range(world)), sorted(found)
+    return [found[r] for r in range(world)]
