@@ -76,7 +76,7 @@ from pydantic import StrictBool
 
 from dcpc.lang.expr import product
 from dcpc.lang.mesh import mesh_of
-from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
+from dcpc.lang.nodes import Int, Name, OpBase, Peers, Step, Streams
 from dcpc.lang.when import running as running_at
 from dcpc.ops._perm import perm_shape, table, verify_perm
 from dcpc.ops._split import matched, torch_handshake, verify_matched, wait_first
@@ -278,10 +278,12 @@ def _verify_live(v: ShapeRules, step: Step, put: Step) -> None:
 
 
 def _local(holder: Any, step: Step) -> bool:
-    """Whether ``step`` runs on its rank alone: no signal, no wait, no store into or
+    """Whether ``step`` runs on its rank alone: no signal or wait but the rank's own flag
+    (``to: self`` / ``from: self``: a store into and a poll of its own signal slot, which
+    only its own earlier signal sets, and no-ops on the torch backend), no store into or
     read of another rank's buffers (no torch-backend message either)."""
-    sem = holder.semantics[step.index]
-    return (sem.sync.signal is None and sem.sync.wait is None
+    sem, alone = holder.semantics[step.index], (None, Peers.self.value)
+    return (sem.sync.signal in alone and sem.sync.wait in alone
             and all(e.region is None and e.root is None for e in sem.effects))
 
 

@@ -194,6 +194,9 @@ def test_self_with_axis_pairs_per_team_and_emits_the_team_lane(tmp_path: Path) -
     body = text[text.index("def _free_kernel("):text.index("def _freed_kernel(")]
     assert "sig_peers = (RANK + sig_lane) % WORLD\n    sig_live = sig_lane < 1\n" in body
     assert "sig_peers = tl.load(team_ranks + sig_peers, mask=sig_live, other=0)" in body
+    for name in ("free", "freed"):  # no handshake, no team barrier on per-axis backends
+        assert _torch_branch(text, name) == [
+            "pass  # the rank's own flag: its program order orders it on this backend"], name
     other = steps.replace("axis: gpu, from: self", "axis: node, from: self")
     assert {d.code for d in _errors(tmp_path, other, worlds[:1], AXIS)} == {"peer-mismatch"}
 
@@ -201,7 +204,7 @@ def test_self_with_axis_pairs_per_team_and_emits_the_team_lane(tmp_path: Path) -
 def test_the_emitted_lane_is_the_ranks_own_slot() -> None:
     """The file's self signal releases into sig[channel, RANK] of its own bank (one lane,
     peer RANK, no PEER parameter) and its self wait polls that cell; the torch backend
-    makes neither (no barrier)."""
+    makes neither: its branch is a no-op (no handshake, no barrier)."""
     text = pipeline.run(FILE, pipeline.Options(worlds=[3]), until="emit").module_text
     sig = text[text.index("def _open_own_kernel("):]
     sig = sig[:sig.index("\n\n\n")]
@@ -214,6 +217,18 @@ def test_the_emitted_lane_is_the_ranks_own_slot() -> None:
     assert "    sig_peers = (RANK + sig_lane) % WORLD\n    sig_live = sig_lane < 1\n" in wait
     assert "sig_mine = tl.load(sig_ptrs + RANK)" in wait and "_dcpc_release(" not in wait
     assert text.count("pass  # the rank's own flag: its program order orders it") == 6
+    for name in ("open_own", "own_credit_h0", "free_own_h1", "drain_own"):
+        assert _torch_branch(text, name) == [
+            "pass  # the rank's own flag: its program order orders it on this backend"], name
+
+
+def _torch_branch(text: str, step: str) -> list[str]:
+    """The lines of ``step``'s torch-backend branch in the emitted module ``text``."""
+    body = text[text.index(f"    def _checked_{step}("):]
+    body = body[body.index("if _step in self._on_torch:"):]
+    lines = body.splitlines()[1:]
+    return [x.strip() for x in lines[:next(i for i, x in enumerate(lines)
+                                          if x.strip() == "else:")]]
 
 
 @pytest.mark.e2e
@@ -278,3 +293,43 @@ def _by_rank(banks: list, world: int) -> list:
              for b in banks}
     assert sorted(found) == list(range(world)), sorted(found)
     return [found[r] for r in range(world)]
+
+
+SPAN = ("schedule: span\nslots: 1\nsizes: {N: 4, D: 8}\nbuffers:\n"
+        "  x: {shape: [N, D], dtype: f32}\n  act: {shape: [N, D], dtype: f32}\n"
+        "  recv: {shape: [N, D], dtype: f32, symmetric: true}\n"
+        "  out: {shape: [N, D], dtype: f32}\nsteps:\n"
+        "  - receive: {op: shift, src: act, dst: recv, offset: next, wrap: false, "
+        "phase: wait}\n"
+        "  - own: {op: signal, to: self, channel: o}\n"
+        "  - owned: {op: wait, from: self, channel: o}\n"
+        "  - first: {op: external, when: \"rank == 0\", reads: [x], writes: [act]}\n"
+        "  - stage: {op: external, when: \"rank > 0\", reads: [recv], writes: [act]}\n"
+        "  - send: {op: shift, src: act, dst: recv, offset: next, wrap: false, "
+        "phase: put}\n"
+        "  - credit: {op: signal, to: prev, channel: free}\n"
+        "  - last: {op: external, when: \"rank == W - 1\", reads: [act], writes: [out]}\n"
+        "  - freed: {op: wait, from: next, channel: free}\n")
+
+
+@pytest.mark.e2e
+def test_a_self_credit_may_stand_between_a_wait_and_its_later_put(tmp_path: Path) -> None:
+    """A self signal and wait touch no other rank (the torch backend: no-ops), so they
+    stand between a chain's wait and its put as a local step does: proved at 2..8 and run
+    against float64 on the torch backend (its guard's handshakes on) and locally; a
+    signal to a peer there is still `wait-first-span`."""
+    path = tmp_path / "span.yaml"
+    path.write_text(SPAN)
+    pipeline.run(path, pipeline.Options(worlds=list(range(2, 9))), until="hb")
+    for backend in ("torch", "local"):
+        report = run_schedule(RunConfig(schedule=str(path), world=3, backend=backend,
+                                        calls=3, seed=5))
+        text = format_report(report)
+        assert report.launch.ok and report.mismatches == 0, text
+        assert report.outputs and all(s.compared > 0 for s in report.outputs.values()), text
+    peer = SPAN.replace("{op: signal, to: self, channel: o}", "{op: signal, to: next, "
+                        "channel: o}").replace("from: self, channel: o", "from: prev, "
+                                               "channel: o")
+    found = [d for d in diagnostics(peer, tmp_path, "peer.yaml", [3]) if d.severity == "error"]
+    assert [d.code for d in found] == ["wait-first-span"], found
+    assert "step 'own' (signal) between them communicates" in found[0].message
