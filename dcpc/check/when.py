@@ -189,6 +189,12 @@ def _counterexample(ctx: Context, send: object, recv: object, world: int, runs: 
                 f"skips '{w}': its data lands unseen and that signal is left over for a "
                 "later call's wait")
     team = " (one team)" if both and send.op.axis is not None else ""  # type: ignore[attr-defined]
+    if runs == skips:  # a rank's own flag (to: self): its two steps' conditions differ
+        what = (f"it skips '{s}' and runs '{w}', which waits for its own signal forever"
+                if waiting else f"it runs '{s}' and skips '{w}': its own signal is left "
+                "over for a later call's wait")
+        return (f"{shown} with when: {cond} communicate, but at {at} the condition "
+                f"differs between them on rank {runs}, whose own flag they are: {what}")
     return (f"{shown} with when: {cond} communicate{'s' if both else ''}, but at {at} the "
             f"condition differs between ranks {min(runs, skips)} and {max(runs, skips)}"
             f"{team}, which it connects: {what}")

@@ -439,6 +439,8 @@ def channels(schedule: ScheduleView) -> Channels:
         op = step.op
         if step.kind != "wait":
             continue
+        if op.offset == 0:  # it polls nothing: its bad-offset (sync.verify) says the fix,
+            continue  # 'from: self'; no second error
         sent = signals.get(op.channel, [])
         if not sent:
             out.errors.append(ChannelError(
@@ -463,13 +465,18 @@ def channels(schedule: ScheduleView) -> Channels:
         wanted = (" or ".join(f"'to: {p.value}'" for p in REACHES[op.from_])
                   if said(op) == op.from_.value else f"'to: all' or '{said(op)}'")
         if not fits:
-            other = sent[0]
+            # a signal whose peers reach this wait's but over another team: name the axis
+            apart = next((s for s in sent if reaches(s.op.peers(schedule), spec, size)), None)  # type: ignore[attr-defined]
+            other = sent[0] if apart is None else apart
             out.errors.append(ChannelError(
                 step, "peer-mismatch",
                 f"step '{step.name}' waits for '{said(op)}' peers on channel "
                 f"'{op.channel}', but no signal on it goes to them (step '{other.name}' "
-                f"signals '{said(other.op)}' peers)",
-                f"use {wanted} on '{other.name}', or another '{key or 'from'}' here", key))
+                f"signals '{said(other.op)}' peers"
+                + (")" if apart is None else f" {_axes_said(other.op)}; this wait's are "
+                   f"{_axes_said(op)})"),
+                f"use {wanted} on '{other.name}', or another '{key or 'from'}' here"
+                if apart is None else _axis_hint(op, other), key))
         else:
             out.errors.append(ChannelError(
                 step, "unmatched-wait",
@@ -501,6 +508,22 @@ def channels(schedule: ScheduleView) -> Channels:
                 f"<- to: next | all, from: next <- to: prev | all, from: all <- to: all); "
                 f"give '{step.name}' its own wait, or its own channel", "channel"))
     return out
+
+
+def _axes_said(op: Any) -> str:
+    """The team an op's ``axis`` names, as words: "along 'gpu'", "over every axis"."""
+    if op.axis is None:
+        return "over every axis"
+    axes = [op.axis] if isinstance(op.axis, str) else list(op.axis)
+    return "along " + " and ".join(f"'{a}'" for a in axes)
+
+
+def _axis_hint(wait: Any, signal: m.Step) -> str:
+    """The fix of a wait whose signal's peers agree but whose team differs: the wait's
+    axis on the signal (its team then covers the wait's)."""
+    axis = ("drop 'axis'" if wait.axis is None else
+            f"use 'axis: {wait.axis if isinstance(wait.axis, str) else list(wait.axis)}'")
+    return f"{axis} on '{signal.name}' (the team of this wait), or another 'axis' here"
 
 
 def on_team(schedule: ScheduleView, step: m.Step, sem: Semantics) -> Semantics:

@@ -136,6 +136,14 @@ def wait_semantics(c: Scope, step: Step) -> Semantics:
                               polls=polled.index if polled is not None else None))
 
 
+def own_flag_hint(kind: str) -> str:
+    """The hint of a signal's (``kind``) or a wait's offset that names the rank itself
+    (``offset: 0``, ``offset: self``): its own flag."""
+    key = "to" if kind == "signal" else "from"
+    return (f"write '{key}: self' instead of 'offset' (the rank's own flag: 'to: self' "
+            "signals it, 'from: self' polls it)")
+
+
 def verify(v: Any, step: Step) -> None:
     """``bad-perm`` (a perm next to ``to``/``from`` or ``offset``), ``bad-offset`` (an
     offset next to ``to``/``from``: one way to name the peers)."""
@@ -157,8 +165,7 @@ def verify(v: Any, step: Step) -> None:
                 f"step '{step.name}' names offset {op.offset}; an offset is a nonzero "
                 "integer, next, prev or an expression of W (one peer per rank), and the "
                 "rank itself is no peer",
-                f"write '{key}: self' instead of 'offset' (the rank's own flag: "
-                f"'to: self' signals it, 'from: self' polls it)")
+                own_flag_hint(step.kind))
     if op.offset == Peers.all.value:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' names offset {op.offset}; an offset is a nonzero "

@@ -158,19 +158,53 @@ def test_offset_zero_is_refused_with_a_hint_that_is_accepted(tmp_path: Path) -> 
 
 
 def test_the_existing_meanings_of_nobody_stay(tmp_path: Path) -> None:
-    """A perm's fixed point and an offset that is 0 mod W still signal nobody, and a
-    `from: self` wait is not reached by them."""
-    steps = ('  - free: {op: signal, perm: "W - 1 - r", channel: f}\n'
-             '  - freed: {op: wait, perm: "W - 1 - r", channel: f}\n')
-    plan = None
-    assert _errors(tmp_path, steps, [3]) == []
-    plan = pipeline.run(tmp_path / "credit.yaml", pipeline.Options(worlds=[3]),
-                        until="lower").plan
-    assert {p.name: p.attrs.get("peer_of") for p in plan.steps} == {
-        "free": (2, 0, 1), "freed": (2, 0, 1)}
+    """A `from: self` wait is not reached by a perm's signal; a perm's fixed point and an
+    offset that is 0 mod W still signal nobody: proved, and run locally (W = 3) each
+    signal's epoch lands only in its peers' banks (the perm's rank 1 and the offset 3's
+    every rank: in none), and every wait returns."""
+    perm = ('  - free: {op: signal, perm: "W - 1 - r", channel: f}\n'
+            '  - freed: {op: wait, perm: "W - 1 - r", channel: f}\n')
     mixed = ('  - free: {op: signal, perm: "W - 1 - r", channel: f}\n'
              '  - freed: {op: wait, from: self, channel: f}\n')
     assert {d.code for d in _errors(tmp_path, mixed, [3])} == {"peer-mismatch"}
+    by_offset = ("  - free: {op: signal, offset: 3, channel: f}\n"
+                 "  - freed: {op: wait, offset: 3, channel: f}\n")
+    local = ("  - keep: {op: copy, src: kv, dst: kv_recv}\n"
+             "  - use: {op: external, reads: [kv_recv], writes: [out]}\n")
+    for steps, moved in ((perm, {(2, 0), (0, 2)}), (by_offset, set())):
+        assert _errors(tmp_path, local + steps, [3]) == []
+        path = tmp_path / "nobody.yaml"
+        path.write_text(HEAD + local + steps)
+        plan, banks = _run_banks(path, 3)
+        step = next(s for s in plan.steps if s.name == "free")
+        for slot in range(plan.slots):
+            chan = channel(step.index, slot, plan.slots)
+            assert any(int(e) for b in banks for e in b.epochs[chan].tolist()), slot
+            assert _moved(banks, chan) == moved, (steps, slot)
+
+
+def _run_banks(path: Path, world: int) -> tuple:
+    """The plan of ``path`` at ``world`` and each rank's signal bank (rank order) after a
+    local run (ranks as threads, every access traced; the waits bounded at 30 s)."""
+    banks: list = []
+    made = SignalBank.__init__
+
+    def keep(self: SignalBank, *args: object, **kwargs: object) -> None:
+        made(self, *args, **kwargs)
+        banks.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SignalBank, "__init__", keep)
+        run = run_traced(str(path), world, programs=2, calls=2, seed=5, timeout_s=30.0)
+    assert run.mismatches == 0 and run.problems == [] and len(banks) == world
+    plan = pipeline.run(path, pipeline.Options(worlds=[world]), until="lower").plan
+    return plan, _by_rank(banks, world)
+
+
+def _moved(banks: list, chan: int) -> set:
+    """The (bank's rank, signalling rank) cells of channel ``chan`` that hold a word."""
+    return {(b, p) for b, bank in enumerate(banks)
+            for p, words in enumerate(bank.sig[chan].tolist()) if any(words)}
 
 
 AXIS = ("schedule: m\nmesh: {node: N, gpu: G}\nsizes: {N: {max: 4}, G: {max: 4}, D: 8}\n"
@@ -246,8 +280,7 @@ def test_the_file_runs_against_float64(world: int, backend: str) -> None:
 
 
 @pytest.mark.e2e
-def test_a_local_run_publishes_each_self_signal_on_the_ranks_own_cell(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_local_run_publishes_each_self_signal_on_the_ranks_own_cell() -> None:
     """What only the self lane makes (program order hides it from the outputs): after a
     local run (ranks as threads of this process, the Triton interpreter, every access
     traced) every self signal step's epoch is in its rank's OWN bank at sig[channel,
@@ -255,24 +288,14 @@ def test_a_local_run_publishes_each_self_signal_on_the_ranks_own_cell(
     advanced), and no other rank's cell of that channel moved: a lane masked off, or
     pointed at another rank, fails it (the waits bounded at 30 s: a hang fails too)."""
     world = 3
-    banks: list = []
-    made = SignalBank.__init__
-
-    def keep(self: SignalBank, *args: object, **kwargs: object) -> None:
-        made(self, *args, **kwargs)
-        banks.append(self)
-
-    monkeypatch.setattr(SignalBank, "__init__", keep)
-    run = run_traced(str(FILE), world, programs=2, calls=2, seed=5, timeout_s=30.0)
-    assert run.mismatches == 0 and run.problems == [] and len(banks) == world
-    plan = pipeline.run(FILE, pipeline.Options(worlds=[world]), until="lower").plan
+    plan, banks = _run_banks(FILE, world)
     selves = [s for s in plan.steps if s.attrs.get("peers") == "self" and s.attrs.get("signal")]
     assert [s.name for s in selves] == ["open_own", "free_own_h0", "free_own_h1"]
     seen = 0
     for step in selves:
         for slot in range(plan.slots):
             chan = channel(step.index, slot, plan.slots)
-            for rank, bank in enumerate(_by_rank(banks, world)):
+            for rank, bank in enumerate(banks):
                 epochs = [int(e) for e in bank.epochs[chan].tolist()]
                 words = bank.sig[chan].tolist()
                 for p, epoch in enumerate(epochs):
@@ -281,9 +304,7 @@ def test_a_local_run_publishes_each_self_signal_on_the_ranks_own_cell(
                     seen += 1
                     assert wrap_int32(int(words[rank][p]) & 0xFFFFFFFF) == epoch, (
                         step.name, slot, rank, p, words[rank][p], epoch)
-                for peer in range(world):
-                    if peer != rank:
-                        assert all(w == 0 for w in words[peer]), (step.name, rank, peer)
+            assert _moved(banks, chan) == {(r, r) for r in range(world)}, (step.name, slot)
     assert seen >= len(selves) * world
 
 
@@ -333,3 +354,61 @@ def test_a_self_credit_may_stand_between_a_wait_and_its_later_put(tmp_path: Path
     found = [d for d in diagnostics(peer, tmp_path, "peer.yaml", [3]) if d.severity == "error"]
     assert [d.code for d in found] == ["wait-first-span"], found
     assert "step 'own' (signal) between them communicates" in found[0].message
+
+
+def test_offset_zero_and_offset_self_on_a_wait_get_one_error_whose_hint_is_accepted(
+        tmp_path: Path) -> None:
+    """A wait by `offset: 0` polling a `to: self` signal is `bad-offset` only (no second
+    `peer-mismatch` suggesting offset 0); `offset: self` is `bad-offset` whose hint names
+    `to: self` / `from: self`; followed, both are proved."""
+    zero = ("  - free: {op: signal, to: self, channel: f}\n"
+            "  - freed: {op: wait, offset: 0, channel: f}\n")
+    found = _errors(tmp_path, zero, [2, 3])
+    assert [(d.code, d.mark.line) for d in found] == [("bad-offset", 10)], found
+    assert "offset 0" not in (found[0].hint or "")
+    assert _errors(tmp_path, zero.replace("offset: 0", "from: self"), [2, 3]) == []
+    named = ("  - free: {op: signal, offset: self, channel: f}\n"
+             "  - freed: {op: wait, offset: self, channel: f}\n")
+    found = _errors(tmp_path, named, [3])
+    assert [(d.code, d.mark.line) for d in found] == [("bad-offset", 9), ("bad-offset", 10)]
+    assert "write 'to: self' instead of 'offset'" in found[0].hint
+    assert "write 'from: self' instead of 'offset'" in found[1].hint
+    fixed = named.replace("signal, offset: self", "signal, to: self").replace(
+        "wait, offset: self", "wait, from: self")
+    assert _errors(tmp_path, fixed, [2, 3]) == []
+
+
+@pytest.mark.parametrize(("sent", "polled"), [
+    ("to: self", "from: self"), ("to: next", "from: prev"), ("to: all", "from: all")])
+def test_peers_that_agree_over_another_axis_get_a_hint_naming_the_axis(
+        tmp_path: Path, sent: str, polled: str) -> None:
+    """A wait whose signal's peers reach it but along another axis: `peer-mismatch`
+    naming both teams, its hint the wait's axis on the signal; followed, proved."""
+    steps = ("  - keep: {op: copy, src: x, dst: s}\n"
+             "  - use: {op: external, reads: [s], writes: [y]}\n"
+             f"  - free: {{op: signal, axis: gpu, {sent}, channel: f}}\n"
+             f"  - freed: {{op: wait, axis: node, {polled}, channel: f}}\n")
+    worlds = [MeshWorld((2, 2)), MeshWorld((2, 3))]
+    found = _errors(tmp_path, steps, worlds[:1], AXIS)
+    assert [d.code for d in found] == ["peer-mismatch"], found
+    assert "along 'gpu'; this wait's are along 'node')" in found[0].message
+    assert found[0].hint.startswith("use 'axis: node' on 'free'"), found[0].hint
+    fixed = steps.replace(f"axis: gpu, {sent}", f"axis: node, {sent}")
+    assert _errors(tmp_path, fixed, worlds, AXIS) == []
+
+
+def test_a_guarded_self_signal_names_the_one_rank_whose_flag_it_is(tmp_path: Path) -> None:
+    """A self signal under `when: "rank == 0"`, its wait unguarded: the message names the
+    rank that runs the wait and skips the signal once (not 'ranks 1 and 1'); guarded
+    alike, proved."""
+    steps = ('  - free: {op: signal, to: self, channel: f, when: "rank == 0"}\n'
+             "  - freed: {op: wait, from: self, channel: f}\n")
+    found = _errors(tmp_path, steps, [3])
+    assert [d.code for d in found] == ["when-on-communication"], found
+    assert "ranks 1 and 1" not in found[0].message
+    assert ("the condition differs between them on rank 1, whose own flag they are: it "
+            "skips 'free' and runs 'freed', which waits for its own signal forever"
+            in found[0].message), found[0].message
+    fixed = steps.replace("from: self, channel: f}", 'from: self, channel: f, '
+                          'when: "rank == 0"}')
+    assert _errors(tmp_path, fixed, [2, 3]) == []
