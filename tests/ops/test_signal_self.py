@@ -336,12 +336,16 @@ SPAN = ("schedule: span\nslots: 1\nsizes: {N: 4, D: 8}\nbuffers:\n"
 @pytest.mark.e2e
 def test_a_self_credit_may_stand_between_a_wait_and_its_later_put(tmp_path: Path) -> None:
     """A self signal and wait touch no other rank (the torch backend: no-ops), so they
-    stand between a chain's wait and its put as a local step does: proved at 2..8 and run
+    stand between a chain's wait and its put as a local step does: proved at 2..8 (the
+    brute force and the execution oracle agree at 2 and 3) and run
     against float64 on the torch backend (its guard's handshakes on) and locally; a
     signal to a peer there is still `wait-first-span`."""
     path = tmp_path / "span.yaml"
     path.write_text(SPAN)
     pipeline.run(path, pipeline.Options(worlds=list(range(2, 9))), until="hb")
+    for world, schedule in unrolled(SPAN, (2, 3)):  # the brute force and the oracle agree
+        assert_brute_force_agrees(schedule, world, SPAN)
+        assert disagreements(schedule, [world]) == [], world
     for backend in ("torch", "local"):
         report = run_schedule(RunConfig(schedule=str(path), world=3, backend=backend,
                                         calls=3, seed=5))
