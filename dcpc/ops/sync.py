@@ -221,14 +221,15 @@ def lower_wait(ctx: LowerRules, step: Step) -> Any:
 
 def _lanes(ctx: LowerRules, op: Signal | Wait) -> dict[str, Any]:
     """The kernel's peers (templates/sync.j2 prologue): all, next, prev, self (the rank's
-    own lane: no handshake on the torch backend, where the step is a no-op, as it
-    touches no other rank); else "one", the
-    lane of member RANK + PEER of its team (mod its size; 0: none), PEER computed per
-    launch from ``peer_k`` (an offset: every rank alike, any W) or read off ``peer_of``
-    (a perm's, one per global rank)."""
+    own lane); else "one", the lane of member RANK + PEER of its team (mod its size; 0:
+    none), PEER computed per launch from ``peer_k`` (an offset: every rank alike, any W)
+    or read off ``peer_of`` (a perm's, one per global rank).
+    ``local: True`` (self): the step meets no other rank, the one fact the templates
+    read for it: a no-op on the torch backend (templates/sync.j2 sync_torch), no
+    handshake and no team settle there (templates/module.py.j2)."""
     spec = op.peers(ctx.schedule)
     if spec == Peers.self.value:
-        return {"peers": spec, "handshake": False}
+        return {"peers": spec, "local": True}
     if spec in Peers.__members__:
         return {"peers": spec}
     found = perm_table(spec)
