@@ -3,7 +3,9 @@
     explore(plan, world, ...) -> OracleReport      (.findings, .keys(), .pairs())
 
 Independent of the happens-before checker (dcpc.check.hb): it reads only the plan the
-kernels are emitted from (dcpc.codegen.plan: per step its ``effects`` and ``sync``) and
+kernels are emitted from (dcpc.codegen.plan: per step its ``effects`` and ``sync``; the
+ranks a sync's peers name: dcpc.ops.common ``peers_of``, shared with the checker's
+real-steps cut, dcpc.check.hb.legal) and
 executes it the way templates/sync.j2 does, one rank after another in an interleaving
 chosen by a scheduler:
 
@@ -76,6 +78,7 @@ from dcpc.codegen.plan import chunks as plan_chunks
 from dcpc.codegen.plan import tracked as tracked_buffers
 from dcpc.codegen.plan import views as plan_views
 from dcpc.exprs import holds
+from dcpc.ops.common import peers_of
 from dcpc.topology import shape_of, torus
 
 WAR, RAW, WAW = "write-after-read", "read-after-write", "write-after-write"
@@ -195,45 +198,6 @@ def runs(prog: OProgram, st: OStep, rank: int, world: int) -> bool:
         return holds(st.when, env)
     except (ArithmeticError, ValueError, KeyError):
         return True
-
-
-def peers(spec: str | None, rank: int, world: int,
-          axes: tuple[int, ...] | None = None) -> list[int]:
-    """The peers of ``rank`` that ``all``/``next``/``prev`` (or a shift's "+k") name, in
-    the kernel's loop order (templates/sync.j2 peer_loop: ``(RANK + k) % WORLD`` for k =
-    1 .. W-1). On a mesh (``world.shape``, row-major ranks) along ``axes``: the team's
-    members in the same loop order over member indices; next/prev move the one axis'
-    coordinate. A shift's "+k" along one axis: member ``+k`` of the team (mod its size).
-    "self": the rank itself (its own flag, as the kernel's self lane)."""
-    if spec == "self":
-        return [rank]
-    if spec is not None and spec.startswith("perm:"):  # rank r's own peer: table[r]
-        other = int(spec[len("perm:"):].split(",")[rank])
-        return [other] if other >= 0 and other != rank else []
-    if spec is not None and spec not in ("all", "next", "prev"):  # one rank at "+k"/"-k"
-        wrap = not spec.startswith("line")
-        other = torus(shape_of(world)).peer(rank, axes, int(spec[0 if wrap else len("line"):]),
-                                            wrap)
-        return [other] if other is not None and other != rank else []
-    if spec is None or world < 2:
-        return []
-    shape = getattr(world, "shape", None)
-    if shape is None or axes is None:
-        if shape is not None and spec != "all":  # every axis of a one-axis mesh
-            axes = (0,)
-        elif spec == "all":
-            return [(rank + k) % world for k in range(1, world)]
-        else:
-            return [(rank + (1 if spec == "next" else world - 1)) % world]
-    team = team_of(rank, shape, axes)
-    if spec == "all":
-        me = team.index(rank)
-        return [team[(me + k) % len(team)] for k in range(1, len(team))]
-    (axis,) = axes
-    coords = list(_coords(rank, shape))
-    coords[axis] = (coords[axis] + (1 if spec == "next" else -1)) % shape[axis]
-    other = _rank(coords, shape)
-    return [other] if other != rank else []
 
 
 def _coords(rank: int, shape: Sequence[int]) -> list[int]:
@@ -394,7 +358,7 @@ class _Compiled:
                 continue
             for phase, effects in ((0, st.before), (1, st.after)):
                 if phase == 1 and st.wait is not None:
-                    for p in peers(st.wait, rank, world, st.axes):
+                    for p in peers_of(st.wait, rank, world, st.axes):
                         cell = self.nowhere if st.polls is None else \
                             self.cell(rank, st.polls * slots + slot, p)
                         out.append((2, cell, st.index, p))
@@ -405,7 +369,7 @@ class _Compiled:
                     out.append((0, accs))
                 if phase == 0 and st.signal is not None:
                     cells = tuple(self.cell(p, st.index * slots + slot, rank)
-                                  for p in peers(st.signal, rank, world, st.axes))
+                                  for p in peers_of(st.signal, rank, world, st.axes))
                     out.append((1, cells, st.index))
         return out
 
@@ -695,7 +659,7 @@ def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
     for t, (_, _, _, (rank, call, index, peer)) in blocked.items():
         polled = steps[index].polls
         pos = None if polled is None else c.signal_pos.get((peer, call, polled))
-        if pos is None or rank not in peers(steps[polled].signal, peer, c.world,
+        if pos is None or rank not in peers_of(steps[polled].signal, peer, c.world,
                                             steps[polled].axes):
             behind[t] = None
             continue

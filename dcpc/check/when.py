@@ -10,12 +10,12 @@ rank -> peer run at both ends or at neither."""
 from __future__ import annotations
 
 from dcpc.check.context import Context
-from dcpc.check.oracle import peers
 from dcpc.diagnostics import Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
 from dcpc.lang import when as wh
 from dcpc.lang.loops import names_the_rank
 from dcpc.lang.semantics import Semantics
+from dcpc.ops.common import peers_of
 from dcpc.topology import shape_of
 
 COMMUNICATION_HINT = ("a guarded exchange must run at both ends of every signal: on a "
@@ -158,13 +158,13 @@ def _unmatched(send: object, recv: object, senders: frozenset[int] | None,
 
     for r in range(int(world)):
         if on(receivers, r):  # r waits for each peer its wait names
-            for q in peers(recv.wait, r, world, recv.axes):  # type: ignore[attr-defined]
-                if not on(senders, q) and r in peers(send.signal, q, world,  # type: ignore[attr-defined]
+            for q in peers_of(recv.wait, r, world, recv.axes):  # type: ignore[attr-defined]
+                if not on(senders, q) and r in peers_of(send.signal, q, world,  # type: ignore[attr-defined]
                                                      send.axes):  # type: ignore[attr-defined]
                     return r, q, True
         if on(senders, r):  # r stores into and signals each peer its signal names
-            for p in peers(send.signal, r, world, send.axes):  # type: ignore[attr-defined]
-                if not on(receivers, p) and r in peers(recv.wait, p, world, recv.axes):  # type: ignore[attr-defined]
+            for p in peers_of(send.signal, r, world, send.axes):  # type: ignore[attr-defined]
+                if not on(receivers, p) and r in peers_of(recv.wait, p, world, recv.axes):  # type: ignore[attr-defined]
                     return r, p, False
     return None
 

@@ -392,6 +392,35 @@ def inverse_peers(spec: str) -> str:
     return offset_peers(-peer_offset(spec)[0])
 
 
+def peers_of(spec: m.Peers | str | None, rank: int, world: int,
+             axes: tuple[int, ...] | None = None) -> list[int]:
+    """The ranks a sync's peers spec names on ``rank`` (a signal's targets, a wait's
+    sources), in its team along ``axes`` (a mesh's; None: every rank), in the kernel's
+    loop order (templates/sync.j2 prologue: lane k is member RANK + 1 + k of the team,
+    mod its size): ``all`` every other member from the next one on; next, prev, "+k",
+    "line+k" (no peer past either end) member RANK + k (dcpc.topology ``Torus.peer``); a
+    perm's "perm:<table>" rank r's own entry (a wait's: its table of sources), none for
+    -1 or the rank itself; ``self`` the rank itself (its own flag, the kernel's self
+    lane); None (no sync) nobody. The one mapping for the happens-before checker's real
+    execution (dcpc.check.hb.legal) and the execution oracle (dcpc.check.oracle)."""
+    spec = spec.value if isinstance(spec, m.Peers) else spec
+    if spec is None:
+        return []
+    if spec == m.Peers.self.value:
+        return [rank]
+    topo = torus(shape_of(world))
+    if spec == m.Peers.all.value:
+        team = topo.team(rank, axes)
+        me = topo.member(rank, axes)
+        return [team[(me + k) % len(team)] for k in range(1, len(team))]
+    table = perm_table(spec)
+    if table is not None:
+        p = table[rank] if rank < len(table) else -1
+        return [p] if 0 <= p < topo.size and p != rank else []
+    p = topo.peer(rank, axes, *peer_offset(spec))
+    return [p] if p is not None and p != rank else []
+
+
 def said(op: Any) -> str:
     """A signal's or wait's peers as written: all, next, prev, offset k or perm P (as
     written, kept by the unroller, not its table at one W)."""

@@ -11,7 +11,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from dcpc.check.oracle import explore, peers
+from dcpc.check.oracle import explore
+from dcpc.ops.common import peers_of
 
 BLOCK0 = NS(scheme="block", dim=0, interleave=0)
 INDEX0 = NS(scheme="index", dim=0, interleave=0)
@@ -56,10 +57,10 @@ def pairs(report) -> set[tuple]:
 
 
 def test_peers_follow_the_kernels_loop_order() -> None:
-    assert peers("all", 1, 4) == [2, 3, 0]
-    assert peers("next", 3, 4) == [0] and peers("prev", 0, 4) == [3]
-    assert peers("next", 0, 2) == peers("prev", 0, 2) == [1]
-    assert peers(None, 0, 3) == [] and peers("all", 0, 1) == []
+    assert peers_of("all", 1, 4) == [2, 3, 0]
+    assert peers_of("next", 3, 4) == [0] and peers_of("prev", 0, 4) == [3]
+    assert peers_of("next", 0, 2) == peers_of("prev", 0, 2) == [1]
+    assert peers_of(None, 0, 3) == [] and peers_of("all", 0, 1) == []
 
 
 def test_gather_then_read_races_with_the_peers_next_gather() -> None:

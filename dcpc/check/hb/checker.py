@@ -13,7 +13,7 @@ from dcpc.check.hb.clocks import World, analyze, gates
 from dcpc.check.hb.deadlock import CYCLE, RawDeadlock, find_deadlocks
 from dcpc.check.hb.events import lower
 from dcpc.check.hb.hints import HintBudget, Proofs, suggest
-from dcpc.check.hb.legal import Execution, peers_of
+from dcpc.check.hb.legal import Execution
 from dcpc.check.hb.races import (
     MAX_REAL_WORK,
     PairKeys,
@@ -36,7 +36,7 @@ from dcpc.lang import when as wh
 from dcpc.lang.mesh import MeshWorld, fit_worlds, mesh_of, shape_of, torus
 from dcpc.lang.model import Schedule
 from dcpc.lang.semantics import Semantics
-from dcpc.ops.common import wraps
+from dcpc.ops.common import peers_of, wraps
 
 if TYPE_CHECKING:
     from dcpc.check.hb.events import Program
@@ -304,7 +304,7 @@ def _unmodelled(world: World, deadlocks: list[RawDeadlock],
         wait = events[i].wait
         if i in named or i in out or wait is None:
             continue
-        peers = sources or peers_of(wait[1], q, world.world, events[i].axes)
+        peers = sources or sorted(peers_of(wait[1], q, world.world, events[i].axes))
         delta = topo.sub(peers[0], q) if peers else 0  # q + delta is the awaited peer
         out[i] = RawDeadlock(CYCLE, wait[0], i, delta,
                              world.execution.signal_of.get(wait[0]))  # type: ignore[union-attr]

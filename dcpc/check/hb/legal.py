@@ -27,32 +27,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dcpc.check.hb.races import RawRace, Touch
-from dcpc.lang.model import Peers
-from dcpc.ops.common import peer_offset, perm_table
-from dcpc.topology import shape_of, torus
+from dcpc.ops.common import peers_of
 
 if TYPE_CHECKING:
     from dcpc.check.hb.clocks import World
-
-
-def peers_of(spec: Peers | str, rank: int, world: int,
-             axes: tuple[int, ...] | None = None) -> list[int]:
-    """The ranks a sync's peers spec names on ``rank``, in its team along ``axes`` (a
-    mesh's; None: every axis): a signal's targets, a wait's sources (a perm's wait spec
-    is its table of sources over ranks: dcpc.ops.common; ``self``: the rank itself, its own
-    flag)."""
-    spec = spec.value if isinstance(spec, Peers) else spec
-    if spec == Peers.self.value:
-        return [rank]
-    topo = torus(shape_of(world))
-    if spec == Peers.all.value:
-        return [p for p in topo.team(rank, axes) if p != rank]
-    table = perm_table(spec)
-    if table is not None:
-        p = table[rank] if rank < len(table) else -1
-        return [p] if 0 <= p < topo.size and p != rank else []
-    p = topo.peer(rank, axes, *peer_offset(spec))
-    return [p] if p is not None and p != rank else []
 
 
 class Execution:
@@ -154,7 +132,8 @@ class Execution:
         if wait is None or not self.runs(rank, i):
             return []
         js = self.signal_of.get(wait[0])
-        out = peers_of(wait[1], rank, w, events[i].axes)
+        # by rank (not the kernel's loop order): the order a counterexample names them in
+        out = sorted(peers_of(wait[1], rank, w, events[i].axes))
         for src in out:
             sent = events[js].signal if js is not None else None
             if sent is None or not self.runs(src, js) or rank not in peers_of(
