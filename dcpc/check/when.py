@@ -160,7 +160,7 @@ def _unmatched(send: object, recv: object, senders: frozenset[int] | None,
         if on(receivers, r):  # r waits for each peer its wait names
             for q in peers_of(recv.wait, r, world, recv.axes):  # type: ignore[attr-defined]
                 if not on(senders, q) and r in peers_of(send.signal, q, world,  # type: ignore[attr-defined]
-                                                     send.axes):  # type: ignore[attr-defined]
+                                                        send.axes):  # type: ignore[attr-defined]
                     return r, q, True
         if on(senders, r):  # r stores into and signals each peer its signal names
             for p in peers_of(send.signal, r, world, send.axes):  # type: ignore[attr-defined]

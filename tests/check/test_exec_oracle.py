@@ -13,6 +13,7 @@ import pytest
 
 from dcpc.check.oracle import explore
 from dcpc.ops.common import peers_of
+from dcpc.topology import MeshWorld
 
 BLOCK0 = NS(scheme="block", dim=0, interleave=0)
 INDEX0 = NS(scheme="index", dim=0, interleave=0)
@@ -61,6 +62,16 @@ def test_peers_follow_the_kernels_loop_order() -> None:
     assert peers_of("next", 3, 4) == [0] and peers_of("prev", 0, 4) == [3]
     assert peers_of("next", 0, 2) == peers_of("prev", 0, 2) == [1]
     assert peers_of(None, 0, 3) == [] and peers_of("all", 0, 1) == []
+    # one mapping for the oracle and the checker's real-steps cut (dcpc.check.hb.legal):
+    # a team along one axis of a mesh, from the next member on; an offset and a line
+    # along it; a perm's own entry (none for -1); the rank's own flag
+    mesh = MeshWorld((2, 3))
+    assert peers_of("all", 4, mesh, (1,)) == [5, 3] and peers_of("all", 4, mesh, (0,)) == [1]
+    assert peers_of("all", 4, mesh) == [5, 0, 1, 2, 3]
+    assert peers_of("next", 5, mesh, (1,)) == [3] and peers_of("prev", 3, mesh, (1,)) == [5]
+    assert peers_of("line+1", 5, mesh, (1,)) == [] and peers_of("-2", 3, mesh, (1,)) == [4]
+    assert peers_of("perm:2,-1,0", 0, 3) == [2] and peers_of("perm:2,-1,0", 1, 3) == []
+    assert peers_of("self", 2, mesh, (0,)) == [2]
 
 
 def test_gather_then_read_races_with_the_peers_next_gather() -> None:
