@@ -93,23 +93,40 @@ def _check_shift(ctx: Context, step: Step) -> None:
 
 
 def _check_peers(ctx: Context, step: Step) -> None:
-    """next/prev (and a signal's or wait's offset) move one coordinate: their team has
-    one axis."""
+    """next/prev and an offset move one coordinate: their team has one axis."""
+    found = one_coordinate_peers(ctx, step)
+    if found is None:
+        return
+    key, named, width = found
     mesh = mesh_of(ctx.schedule)
-    peers = getattr(step.op, "to", None) or getattr(step.op, "from_", None)
+    ctx.error(step.op.mark(key), "axis-required",
+              f"step '{step.name}' names '{named}' peers over {width} axes "
+              f"({', '.join(mesh.names(mesh.team_axes(step.op)))}); next/prev move one "
+              "coordinate, so they need one axis",
+              hint=f"add 'axis: {mesh.axes[-1]}' (or another single axis)")
+
+
+def one_coordinate_peers(ctx: Context, step: Step) -> tuple[str, str, int] | None:
+    """Whether the step's peers move one coordinate (a signal's or wait's next, prev or
+    offset, a ragged_all_to_all's offset) over a team of several axes, where they are
+    undefined (``axis-required``; check/when.py reads no peers of such a step): (the key
+    to point at, the peers as written, the team's width), or None. A shift says so
+    itself (``_check_shift``: axis-unsupported); a perm takes any team."""
+    if step.kind == "shift":
+        return None
+    mesh = mesh_of(ctx.schedule)
     team = mesh.team_axes(step.op)
     width = len(mesh.axes) if team is None else len(team)
-    offset = getattr(step.op, "offset", None) if step.kind in ("signal", "wait") else None
+    if width == 1:
+        return None
+    offset = getattr(step.op, "offset", None)
     if offset is not None and getattr(step.op, "perm", None) is None:
-        peers = Peers.next  # an offset moves one coordinate, as next/prev
-    if peers in (Peers.next, Peers.prev) and width > 1:
-        key = "offset" if offset is not None else "to" if step.kind == "signal" else "from"
-        named = f"offset {offset}" if offset is not None else peers.value
-        ctx.error(step.op.mark(key), "axis-required",
-                  f"step '{step.name}' names '{named}' peers over {width} axes "
-                  f"({', '.join(mesh.names(team))}); next/prev move one coordinate, so "
-                  "they need one axis",
-                  hint=f"add 'axis: {mesh.axes[-1]}' (or another single axis)")
+        return "offset", f"offset {offset}", width
+    if step.kind in ("signal", "wait"):
+        peers = step.op.to if step.kind == "signal" else step.op.from_
+        if peers in (Peers.next, Peers.prev):
+            return ("to" if step.kind == "signal" else "from"), peers.value, width
+    return None
 
 
 def mesh_diagnostics(schedule: Schedule) -> list[Diagnostic]:

@@ -10,6 +10,7 @@ rank -> peer run at both ends or at neither."""
 from __future__ import annotations
 
 from dcpc.check.context import Context
+from dcpc.check.mesh import one_coordinate_peers
 from dcpc.diagnostics import Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
 from dcpc.lang import when as wh
@@ -125,12 +126,16 @@ def _matched(ctx: Context, guarded: set[int]) -> None:
     call's signal). ``when-on-communication`` names W, the two ranks and what hangs,
     once per step as written."""
     sems = ctx.semantics
+    # a step whose next/prev/offset spans several axes has no peers (its axis-required
+    # error, check/mesh.py): no edge of it is matched, so that error is said alone
+    undefined = {s.index for s in ctx.steps if one_coordinate_peers(ctx, s) is not None}
     waiters: dict[int, list[int]] = {}  # signalling step -> the steps that poll it
     for j, sem in enumerate(sems):
         if sem.sync.wait is not None and sem.sync.polls is not None:
             waiters.setdefault(sem.sync.polls, []).append(j)
     pairs = [(i, j) for i, js in sorted(waiters.items()) for j in js
-             if sems[i].sync.signal is not None and (i in guarded or j in guarded)]
+             if sems[i].sync.signal is not None and (i in guarded or j in guarded)
+             and not {i, j} & undefined]
     said: set[str] = set()
     for world in ctx.samples.worlds:
         running = wh.running(ctx.schedule, world)

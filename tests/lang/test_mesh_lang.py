@@ -81,6 +81,57 @@ def test_bad_axes_get_located_errors() -> None:
     assert d.code == "unknown-axis" and "declares no 'mesh:'" in d.message
 
 
+ONE_COORDINATE = """\
+schedule: q
+mesh: {node: N, gpu: G}
+sizes: {N: {max: 4}, G: {max: 4}, C: {max: 5}, H: 72}
+buffers:
+  x_send: {shape: [T, C, H], dtype: bf16}
+  n_send: {shape: [T],       dtype: i32}
+  x_rail: {shape: [T, C, H], dtype: bf16, symmetric: true}
+  n_rail: {shape: [T],       dtype: i32, symmetric: true}
+steps:
+"""
+
+
+def test_guarded_next_prev_over_two_axes_is_said_once_as_axis_required() -> None:
+    """next/prev over both axes have no peers (axis-required): a when: on them is not
+    matched edge by edge too (no follow-on when-on-communication from peers the mesh
+    does not define; linear r + 1 would pair rank 0's signal with rank 1's wait)."""
+    text = ONE_COORDINATE.replace("T", "W") + (
+        '  - s: {op: signal, to: next, channel: c, when: "rank == 0"}\n'
+        '  - w: {op: wait, from: prev, channel: c, when: "rank == 0"}\n')
+    assert [f[:3] for f in errors(text, shapes((2, 2)))] == [
+        ("axis-required", 10, 25), ("axis-required", 11, 25)]
+    one = text.replace("channel: c,", "channel: c, axis: gpu,")
+    assert [f[0] for f in errors(one, shapes((2, 2)))] == ["when-on-communication"]
+
+
+@pytest.mark.parametrize("axis", ["", ", axis: [node, gpu]"])
+def test_a_ragged_offset_over_two_axes_needs_one(tmp_path: Path, axis: str) -> None:
+    """A ragged_all_to_all by offset moves one coordinate, as a signal's offset: over both
+    axes of the mesh it is axis-required at its offset key (was an internal
+    AssertionError of the hb checker's deltas), and 'axis: gpu', the hint, is taken."""
+    steps = ("  - put:    {op: ragged_all_to_all, src: x_send, dst: x_rail, counts: n_send,"
+             f" recv_counts: n_rail, capacity: C, phase: put, offset: 1{axis}}}\n"
+             "  - landed: {op: ragged_all_to_all, src: x_send, dst: x_rail, counts: n_send,"
+             f" recv_counts: n_rail, capacity: C, phase: wait, offset: 1{axis}}}\n")
+    path = tmp_path / "q.yaml"
+    path.write_text(ONE_COORDINATE.replace("T", "W") + steps)
+    result = CliRunner().invoke(main, ["check", str(path), "--world", "2x2"])
+    assert result.exit_code == 1 and "internal error" not in result.output, result.output
+    found = re.findall(r"q\.yaml:(\d+):(\d+): error: (.*) \[(.*)\]\n  hint: (.*)",
+                       result.output)
+    assert [(line, code) for line, _, _, code, _ in found] == [
+        ("10", "axis-required"), ("11", "axis-required")], result.output
+    assert "'offset 1' peers over 2 axes (node, gpu)" in found[0][2]
+    assert found[0][4].startswith("add 'axis: gpu'")
+    col = path.read_text().splitlines()[9].index("offset: 1") + len("offset: ") + 1
+    assert found[0][1] == str(col)
+    taken = ONE_COORDINATE.replace("T", "G") + steps.replace(f"1{axis}}}", "1, axis: gpu}")
+    assert not [f for f in errors(taken, shapes((2, 2))) if f[0] == "axis-required"]
+
+
 @pytest.mark.parametrize(("mesh", "sizes", "words"), [
     ("{node: W, gpu: G}", "", "not a size name"),
     ("{node: 0, gpu: G}", "", "size 0"),
