@@ -1112,8 +1112,10 @@ class _Unroller:
         it has none)."""
         hint = ("an offset is a nonzero integer, next, prev, or an expression of W, the "
                 "hop index and integer sizes (+ - * /), e.g. 'W / 2', 'h + 1'")
-        if kind in (sync.SIGNAL.name, sync.WAIT.name) and text.strip() == "self":
-            hint = sync.own_flag_hint(kind)  # the rank itself: its own flag
+        if kind in (sync.SIGNAL.name, sync.WAIT.name):  # a peers word written as an offset
+            key = "to" if kind == sync.SIGNAL.name else "from"
+            hint = {"self": sync.own_flag_hint(kind),  # the rank itself: its own flag
+                    "all": f"drop 'offset' (all peers: '{key}: all')"}.get(text.strip(), hint)
         does, to_itself = _BY_OFFSET[kind]
         what = f"step '{name}' {does} by offset '{clipped(text)}'"
         found = self._expression(what, text, env, mark, "bad-offset", hint,

@@ -22,7 +22,6 @@ dcpc/runtime/collectives.py ``barrier`` (the torch backend's signal/wait: its ha
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -145,19 +144,6 @@ def own_flag_hint(kind: str) -> str:
             "signals it, 'from: self' polls it)")
 
 
-def _all_peers_hint(kind: str) -> str:
-    """The hint of a signal's (``kind``) or a wait's ``offset: all``: its ``to``/``from``."""
-    return f"drop 'offset' (all peers: '{'to' if kind == 'signal' else 'from'}: all')"
-
-
-# The offsets that name no one peer per rank (``bad-offset``, one error): what its
-# message adds, and its hint by step kind (signal, wait).
-_OFFSET_REFUSED: dict[int | str, tuple[str, Callable[[str], str]]] = {
-    0: (", and the rank itself is no peer", own_flag_hint),
-    Peers.all.value: ("", _all_peers_hint),
-}
-
-
 def verify(v: Any, step: Step) -> None:
     """``bad-perm`` (a perm next to ``to``/``from`` or ``offset``), ``bad-offset`` (an
     offset next to ``to``/``from``: one way to name the peers)."""
@@ -174,13 +160,12 @@ def verify(v: Any, step: Step) -> None:
                 f"polls ('{polled.name}'); only a shift's wait may come before its put",
                 f"move '{step.name}' after '{polled.name}', or send the data by a shift "
                 "with 'phase: wait' before its put")
-    refused = None if op.offset is None else _OFFSET_REFUSED.get(op.offset)
-    if refused is not None:
-        why, hint = refused
+    if op.offset == 0:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' names offset {op.offset}; an offset is a nonzero "
-                f"integer, next, prev or an expression of W (one peer per rank){why}",
-                hint(step.kind))
+                "integer, next, prev or an expression of W (one peer per rank), and the "
+                "rank itself is no peer",
+                own_flag_hint(step.kind))
     if op.perm is None and op.offset is not None and key in op.src_marks:
         v.error(op.mark("offset"), "bad-offset",
                 f"step '{step.name}' has both '{key}' and 'offset'; name its peers one way",

@@ -382,6 +382,20 @@ def test_offset_zero_and_offset_self_on_a_wait_get_one_error_whose_hint_is_accep
     assert _errors(tmp_path, fixed, [2, 3]) == []
 
 
+def test_offset_all_gets_a_hint_naming_to_all_and_from_all(tmp_path: Path) -> None:
+    """`offset: all` (every peer, not one per rank) is the unroller's `bad-offset`, its
+    hint the step's own key (`to: all` / `from: all`: drop the offset, as 'self' gets
+    `to: self`), not the generic offset syntax; followed, proved."""
+    named = ("  - free: {op: signal, offset: all, channel: f}\n"
+             "  - freed: {op: wait, offset: all, channel: f}\n")
+    found = _errors(tmp_path, named, [3])
+    assert [(d.code, d.mark.line) for d in found] == [("bad-offset", 9), ("bad-offset", 10)]
+    assert "by offset 'all', which names 'all'" in found[0].message
+    assert found[0].hint == "drop 'offset' (all peers: 'to: all')"
+    assert found[1].hint == "drop 'offset' (all peers: 'from: all')"
+    assert _errors(tmp_path, named.replace(" offset: all,", ""), [2, 3]) == []
+
+
 @pytest.mark.parametrize(("sent", "polled"), [
     ("to: self", "from: self"), ("to: next", "from: prev"), ("to: all", "from: all")])
 def test_peers_that_agree_over_another_axis_get_a_hint_naming_the_axis(
