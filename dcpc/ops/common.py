@@ -294,6 +294,15 @@ def peer_offset(peers: str) -> tuple[int, bool]:
     return int(peers), True
 
 
+def peerless(peers: str | None) -> bool:
+    """Whether a sync's peers spec meets no other rank: None (no signal or no wait) or
+    ``self`` (the rank's own flag: a store into and a poll of its own slot, which only
+    its own earlier signal sets). Such a step is a no-op on the torch backend (no
+    message, no handshake, no team settle: the plan attr ``peerless``, sync ``_lanes``)
+    and may stand between a put and its wait (shift ``_local``)."""
+    return peers is None or peers == m.Peers.self.value
+
+
 def wraps(peers: str | None) -> bool:
     """Whether the peers a sync names exist on every rank (not a "line" offset, whose
     edge ranks skip the signal or wait: a happens-before checker that models every rank
@@ -401,8 +410,11 @@ def peers_of(spec: m.Peers | str | None, rank: int, world: int,
     "line+k" (no peer past either end) member RANK + k (dcpc.topology ``Torus.peer``); a
     perm's "perm:<table>" rank r's own entry (a wait's: its table of sources), none for
     -1 or the rank itself; ``self`` the rank itself (its own flag, the kernel's self
-    lane); None (no sync) nobody. The one mapping for the happens-before checker's real
-    execution (dcpc.check.hb.legal) and the execution oracle (dcpc.check.oracle)."""
+    lane); None (no sync) nobody. The one mapping for every stage that names the ranks
+    of one sync: the happens-before checker's real-steps cut (dcpc.check.hb.legal) and
+    its deadlocks the model does not name (dcpc.check.hb.checker ``_unmodelled``), the
+    execution oracle (dcpc.check.oracle) and the ``when:`` checks' edges
+    (dcpc.check.when)."""
     spec = spec.value if isinstance(spec, m.Peers) else spec
     if spec is None:
         return []

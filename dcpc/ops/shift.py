@@ -76,7 +76,7 @@ from pydantic import StrictBool
 
 from dcpc.lang.expr import product
 from dcpc.lang.mesh import mesh_of
-from dcpc.lang.nodes import Int, Name, OpBase, Peers, Step, Streams
+from dcpc.lang.nodes import Int, Name, OpBase, Step, Streams
 from dcpc.lang.when import running as running_at
 from dcpc.ops._perm import perm_shape, table, verify_perm
 from dcpc.ops._split import matched, torch_handshake, verify_matched, wait_first
@@ -92,6 +92,7 @@ from dcpc.ops.common import (
     effects,
     keyed,
     offset_peers,
+    peerless,
     perm_peers,
     typed,
 )
@@ -282,8 +283,8 @@ def _local(holder: Any, step: Step) -> bool:
     (``to: self`` / ``from: self``: a store into and a poll of its own signal slot, which
     only its own earlier signal sets, and no-ops on the torch backend), no store into or
     read of another rank's buffers (no torch-backend message either)."""
-    sem, alone = holder.semantics[step.index], (None, Peers.self.value)
-    return (sem.sync.signal in alone and sem.sync.wait in alone
+    sem = holder.semantics[step.index]
+    return (peerless(sem.sync.signal) and peerless(sem.sync.wait)
             and all(e.region is None and e.root is None for e in sem.effects))
 
 

@@ -39,6 +39,7 @@ from dcpc.ops.common import (
     inverse_peers,
     offset_peers,
     peer_offset,
+    peerless,
     perm_peers,
     perm_table,
     typed,
@@ -209,12 +210,13 @@ def _lanes(ctx: LowerRules, op: Signal | Wait) -> dict[str, Any]:
     own lane); else "one", the lane of member RANK + PEER of its team (mod its size; 0:
     none), PEER computed per launch from ``peer_k`` (an offset: every rank alike, any W)
     or read off ``peer_of`` (a perm's, one per global rank).
-    ``local: True`` (self): the step meets no other rank, the one fact the templates
-    read for it: a no-op on the torch backend (templates/sync.j2 sync_torch), no
-    handshake and no team settle there (templates/module.py.j2)."""
+    ``peerless: True`` (self, dcpc.ops.common ``peerless``): the step meets no other
+    rank, the one fact the templates read for it: a no-op on the torch backend
+    (templates/sync.j2 sync_torch), no handshake and no team settle there
+    (templates/module.py.j2)."""
     spec = op.peers(ctx.schedule)
-    if spec == Peers.self.value:
-        return {"peers": spec, "local": True}
+    if peerless(spec):
+        return {"peers": spec, "peerless": True}
     if spec in Peers.__members__:
         return {"peers": spec}
     found = perm_table(spec)

@@ -295,8 +295,8 @@ def test_a_race_only_a_phantom_writer_of_rank_0_makes_is_shown_at_a_real_one() -
 
 
 # a perm's wait before its put, with a when: (the when checks pair its ranks' puts and
-# waits by the table: oracle.peers), on a perm with a cycle (0 <-> 1) whose ranks run
-# it, the checker's deadlock (where only ranks 2, 3 ran it, the chain 2 -> 3 ends: no
+# waits by the table: dcpc.ops.common peers_of), on a perm with a cycle (0 <-> 1) whose
+# ranks run it, the checker's deadlock (where only ranks 2, 3 ran it, the chain 2 -> 3 ends: no
 # deadlock, as the brute force says, but races the ranks' real steps decide: see
 # test_hb_cex_legal's RINGFIRST_NOB); the table is W = 4's alone
 RING_FIRST = HEAD + """\
