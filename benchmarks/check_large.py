@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.check_scaling import _commit, _machine  # noqa: E402
 from dcpc.diagnostics import DiagnosticError  # noqa: E402
+from dcpc.lang.loops import MAX_STEPS  # noqa: E402
 from dcpc.pipeline import Options, run  # noqa: E402
 
 HEAD = "sizes: {N: 4, K: {multiple_of: W}}\nbuffers:\n  x: {shape: [N, K], dtype: f32}\n"
@@ -40,6 +41,17 @@ def gathers(n: int, slots: int) -> str:
                     for i in range(n))
     return (f"schedule: gathers_{n}_{slots}\nslots: {slots}\n" + HEAD + bufs + "steps:\n"
             + steps + "  - release: {op: barrier}\n")
+
+
+def over_steps() -> str:
+    """One gather, then reads of it: MAX_STEPS + 1 steps (gathers(n) would also pass the
+    buffers' limit of 256 at the bound of 512 steps)."""
+    uses = "".join(f"  - use{i}: {{op: external, reads: [g], writes: []}}\n"
+                   for i in range(MAX_STEPS - 1))
+    return ("schedule: over\nslots: 1\n" + HEAD
+            + "  g: {shape: [W*N, K], dtype: f32, symmetric: true}\nsteps:\n"
+            + "  - gather: {op: all_gather, src: x, dst: g, dim: 0}\n" + uses
+            + "  - release: {op: barrier}\n")
 
 
 def reads(n: int) -> str:
@@ -97,8 +109,8 @@ def cases(folder: Path) -> list[tuple[str, Path, range, float]]:
     for path in sorted((ROOT / "schedules").glob("*.yaml")):
         out.append((f"shipped {path.stem}, W 2..1024", path, range(2, 1025), 2.0))
     limit = folder / "over_limit.yaml"
-    limit.write_text(gathers(128, 64))
-    out.append(("257 steps (over the limit: refused)", limit, range(2, 9), 2.0))
+    limit.write_text(over_steps())
+    out.append((f"{MAX_STEPS + 1} steps (over the limit: refused)", limit, range(2, 9), 2.0))
     return out
 
 

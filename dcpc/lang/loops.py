@@ -53,14 +53,13 @@ from dcpc.lang.expr import OWNER
 from dcpc.lang.mesh import Mesh
 from dcpc.lang.nodes import ELEMENT, OWNER_COPY, OwnerCopy
 from dcpc.lang.when import OWNER_MARK, RANK
-from dcpc.lang.yamlsrc import MARK, MARKS
+from dcpc.lang.yamlsrc import MARK, MARKS, MAX_STEPS  # MAX_STEPS: the language's step bound
 from dcpc.ops import _perm as perms
 from dcpc.ops import all_gather, shift, sync
 from dcpc.ops import ragged_all_to_all as ragged
 from dcpc.ops.external import ROWS
 from dcpc.topology import ROTATION, rotations, shape_of, torus  # noqa: F401 (rotations: re-exported)
 
-MAX_STEPS = 256  # the language's bound on steps (dcpc check refuses more: schedule-too-large)
 MAX_SLICES = 64  # slices of one indexed buffer: each becomes a buffer of its own
 # the key under which the unrolled data names the engine-owned buffers used both whole and
 # by slice (buffer -> its slice count); dcpc.lang.parse moves it to Schedule.slices

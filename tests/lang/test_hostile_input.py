@@ -17,6 +17,7 @@ from dcpc import pipeline
 from dcpc.check import hb
 from dcpc.cli import main, parse_worlds
 from dcpc.lang import mesh as mesh_lang
+from dcpc.lang.loops import MAX_STEPS
 from dcpc.lang.mesh import MeshWorld, worlds_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,15 +251,18 @@ steps:
 """
 
 
-def test_a_ring_of_85_hops_of_3_steps_is_analysed_and_86_is_too_long(tmp_path: Path) -> None:
-    """docs/hb-checker.md said 86 hops of 3 steps is the longest analysed (258 steps)."""
+def test_the_longest_ring_of_3_step_hops_is_analysed_and_one_hop_more_is_too_long(
+        tmp_path: Path) -> None:
+    """docs/hb-checker.md said 86 hops of 3 steps is the longest analysed (258 steps, at
+    the bound of 256): the longest ring is MAX_STEPS // 3 hops, whatever the bound."""
+    hops = MAX_STEPS // 3
     path = tmp_path / "hops.yaml"
-    path.write_text(HOPS.replace("REPEAT", "85").replace("shape: [D], dtype: f32, sym",
-                                                         "shape: [W*D], dtype: f32, sym"))
+    path.write_text(HOPS.replace("REPEAT", str(hops)).replace("shape: [D], dtype: f32, sym",
+                                                              "shape: [W*D], dtype: f32, sym"))
     _clean(invoke("check", "--world", "2..4", str(path)), 0)
-    path.write_text(path.read_text().replace("repeat: 85", "repeat: 86"))
+    path.write_text(path.read_text().replace(f"repeat: {hops}", f"repeat: {hops + 1}"))
     line = _located(invoke("check", "--world", "2..4", str(path)), path, 9, "loop-too-long")
-    assert "86 hops x 3 steps = 258 steps" in line
+    assert f"{hops + 1} hops x 3 steps = {3 * hops + 3} steps" in line
 
 
 # --- --world ---------------------------------------------------------------------------

@@ -113,15 +113,22 @@ def test_a_trip_count_naming_w_needs_a_world() -> None:
 
 
 def test_a_loop_past_the_step_bound_is_loop_too_long() -> None:
-    parse_text(_text(), "s.yaml", 86)  # 85 hops x 3 steps = 255 steps: analysed
-    found = _error(_text(), world=87)
+    from dcpc.lang.loops import MAX_STEPS
+
+    hops = MAX_STEPS // 3  # the longest loop: 170 hops x 3 steps = 510 steps at 512
+    parse_text(_text(), "s.yaml", hops + 1)  # with init: 511 steps, analysed
+    found = _error(_text(), world=hops + 2)
     assert [d.code for d in found] == ["loop-too-long"], found
     assert (found[0].mark.line, found[0].mark.col) == (10, 15)
-    assert "86 hops x 3 steps = 258 steps (at W=87)" in found[0].message
-    found = _error(_text().replace('  - ring:', '  - pre: {op: barrier}\n  - ring:'), world=86)
+    assert f"{hops + 1} hops x 3 steps = {3 * hops + 3} steps (at W={hops + 2})" in (
+        found[0].message)
+    pre = MAX_STEPS - 3 * hops  # steps before the loop that pass the bound with init's
+    assert pre >= 1
+    found = _error(_text().replace('  - ring:', '  - pre: {op: barrier}\n' * pre + '  - ring:'),
+                   world=hops + 1)
     assert [d.code for d in found] == ["loop-too-long"], found
-    assert (found[0].mark.line, found[0].mark.col) == (11, 15)
-    assert "the schedule has 257 steps (at W=86)" in found[0].message
+    assert (found[0].mark.line, found[0].mark.col) == (10 + pre, 15)
+    assert f"the schedule has {MAX_STEPS + 1} steps (at W={hops + 1})" in found[0].message
 
 
 def test_several_worlds_are_checked_one_by_one_and_compiled_into_one_module(tmp_path) -> None:
@@ -221,8 +228,9 @@ def test_malformed_loops_and_indices_are_errors_not_tracebacks(steps: str, code:
 
 def test_a_range_past_the_step_bound_is_refused_before_any_w_is_analysed(monkeypatch) -> None:
     """Issue 22 item 9: ring_attention at --world 2..1024 walked W = 2..42 (each
-    unrolled and analysed) before refusing W = 43. The trip counts say which W passes
-    the bound, so it is refused before any W reaches the structural or the HB check."""
+    unrolled and analysed) before refusing W = 43 (the bound was 256 steps; at 512 it is
+    W = 86, 516 steps). The trip counts say which W passes the bound, so it is refused
+    before any W reaches the structural or the HB check."""
     from dcpc.lang import loops
 
     seen: dict[str, list[int]] = {"structural": [], "hb": [], "unrolled": []}
@@ -242,8 +250,8 @@ def test_a_range_past_the_step_bound_is_refused_before_any_w_is_analysed(monkeyp
         pipeline.run(ring, pipeline.Options(worlds=list(range(2, 1025))), until="hb")
     found = err.value.diagnostics
     assert [d.code for d in found] == ["loop-too-long"], found
-    assert "258 steps (at W=43)" in found[0].message and found[0].mark.line == RING_LOOP_LINE
-    assert seen == {"structural": [], "hb": [], "unrolled": [43]}
+    assert "516 steps (at W=86)" in found[0].message and found[0].mark.line == RING_LOOP_LINE
+    assert seen == {"structural": [], "hb": [], "unrolled": [86]}
     # a range inside the bound is still analysed at every W, each W on its own
     pipeline.run(ring, pipeline.Options(worlds=[2, 3]), until="hb")
     assert seen["structural"] == [[2], [3]] and seen["hb"] == [[2], [3]]
@@ -260,7 +268,7 @@ def test_the_unrolled_length_from_the_trip_counts_is_the_unrolled_schedule_s() -
             assert length == len(parse_text(text, "s.yaml", world).step_list()), (text, world)
     too_long = [loops.first_too_long(yamlsrc.load(t, "s.yaml"), list(range(2, 1025)))
                 for t in texts]
-    assert too_long == [87, None, 45, 86]
+    assert too_long == [172, None, 87, 172]  # 3 (W - 1) + 1 > 512 from W = 172
 
 
 def test_a_range_whose_w_together_pass_the_budget_is_refused_at_once(monkeypatch) -> None:

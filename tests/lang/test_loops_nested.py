@@ -147,13 +147,13 @@ def test_a_nest_past_the_step_bound_is_refused_from_its_trip_counts(monkeypatch)
     real = loops._Unroller.op
     monkeypatch.setattr(loops._Unroller, "op",
                         lambda self, name, *a: rewritten.append(name) or real(self, name, *a))
-    parse_text(TRIANGLE.replace("REPEAT", "22"), "s.yaml")  # 253 steps: within
-    assert len(rewritten) == 253
+    parse_text(TRIANGLE.replace("REPEAT", "31"), "s.yaml")  # 31 * 32 / 2 = 496 steps: within
+    assert len(rewritten) == 496 <= loops.MAX_STEPS
     rewritten.clear()
-    found = _error(TRIANGLE.replace("REPEAT", "W * W"), world=5)  # 25 * 26 / 2 = 325
+    found = _error(TRIANGLE.replace("REPEAT", "W * W"), world=6)  # 36 * 37 / 2 = 666
     assert [d.code for d in found] == ["loop-too-long"], found
     assert (found[0].mark.line, found[0].mark.col) == (8, 15)
-    assert "loop 'outer' unrolls to 325 steps over the loops inside it (at W=5)" in (
+    assert "loop 'outer' unrolls to 666 steps over the loops inside it (at W=6)" in (
         found[0].message)
     empty = TRIANGLE.replace("REPEAT", "1000000000").replace(
         "repeat: h + 1", "repeat: 0")  # a billion outer hops of no step
@@ -174,8 +174,8 @@ def test_a_range_whose_nest_passes_the_bound_at_one_w_is_refused_before_any_w(
     with pytest.raises(DiagnosticError) as err:
         pipeline.run(path, pipeline.Options(worlds=list(range(2, 65))), until="hb")
     assert [d.code for d in err.value.diagnostics] == ["loop-too-long"]
-    assert "(at W=5)" in err.value.diagnostics[0].message and seen == [5]
-    assert loops.first_too_long(loops_data(path), list(range(2, 65))) == 5
+    assert "(at W=6)" in err.value.diagnostics[0].message and seen == [6]
+    assert loops.first_too_long(loops_data(path), list(range(2, 65))) == 6
 
 
 def test_the_length_from_the_trip_counts_is_the_unrolled_nest_s() -> None:

@@ -279,12 +279,13 @@ def test_the_meta_cp_layouts_are_proved_and_their_flow_is_exact(path: Path) -> N
 def test_the_step_bound_counts_a_copy_per_rank_before_unrolling() -> None:
     """The bounds found from the trip counts alone (loop-too-long, the per-W budget)
     count an owner-indexed step once per rank: exact for pass-KV, whose ranks all take
-    different slots, so W = 15 (285 steps) is refused before any step is rewritten."""
+    different slots, so W = 21 (525 steps) is refused before any step is rewritten."""
     raw = yamlsrc.load(PASS_KV.read_text(), str(PASS_KV))
     for world in (2, 3, 4, 5, 6, 14):
         assert loops.unrolled_length(raw, world) == len(parse_file(PASS_KV, world).step_list())
-    assert loops.unrolled_length(raw, 15) == 285 > loops.MAX_STEPS
-    assert loops.first_too_long(raw, list(range(2, 41))) == 15
+    assert loops.unrolled_length(raw, 20) == 480 <= loops.MAX_STEPS
+    assert loops.unrolled_length(raw, 21) == 525 > loops.MAX_STEPS
+    assert loops.first_too_long(raw, list(range(2, 41))) == 21
 
 
 def test_an_input_used_whole_and_by_slice_is_one_memory_in_the_reference() -> None:

@@ -185,10 +185,10 @@ def test_the_step_bound_counts_a_rotation_once_and_anything_else_once_per_rank()
         "        - fill: {op: copy, src: x, dst: \"g[(W - 1 - r + h) % W]\"}\n")
     assert len(parse_text(text, "s.yaml", 3).step_list()) == 3 * 3 + 1
     with pytest.raises(DiagnosticError) as err:
-        parse_text(text, "s.yaml", 17)
+        parse_text(text, "s.yaml", 23)
     assert [d.code for d in err.value.diagnostics] == ["loop-too-long"]
-    assert ("unrolls to 17 hops x 17 steps = 289 steps (a step whose index names the rank "
-            "counts once per rank) (at W=17)") in err.value.diagnostics[0].message
+    assert ("unrolls to 23 hops x 23 steps = 529 steps (a step whose index names the rank "
+            "counts once per rank) (at W=23)") in err.value.diagnostics[0].message
 
 
 def test_a_rotated_buffer_also_used_whole_is_counted_with_its_copies() -> None:
