@@ -1,6 +1,6 @@
 """Time `dcpc check` on files of exactly the step bound (dcpc.lang.loops.MAX_STEPS, 512
 since session 34) that every other limit still accepts, as a fresh process: wall seconds
-and peak memory (/usr/bin/time -f "%e s %M KB"), and the outcome.
+CPU seconds (user + system) and peak memory (/usr/bin/time), and the outcome.
 
     python benchmarks/check_steps_bound.py [--only NAME] [--timeout 300]
 
@@ -23,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dcpc.lang.loops import MAX_STEPS  # noqa: E402
+from dcpc.lang import loops  # noqa: E402
+
+MAX_STEPS = loops.MAX_STEPS  # --steps times the same kinds at another length (256: the old bound)
 
 HEAD = ["sizes: {D: 16}", "buffers:", "  x: {shape: [D], dtype: f32}"]
 
@@ -110,9 +112,12 @@ def main() -> None:
     parser.add_argument("--only", default="")
     parser.add_argument("--waits", type=int, default=9)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--steps", type=int, default=loops.MAX_STEPS)
     args = parser.parse_args()
-    print(f"MAX_STEPS = {MAX_STEPS}\n| file | --world | wall s | peak KB | outcome |\n"
-          "| --- | --- | ---: | ---: | --- |", flush=True)
+    global MAX_STEPS
+    MAX_STEPS = args.steps
+    print(f"MAX_STEPS = {MAX_STEPS}\n| file | --world | wall s | CPU s | peak KB | outcome |\n"
+          "| --- | --- | ---: | ---: | ---: | --- |", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, text, worlds in cases(args.waits):
             if args.only and args.only not in name:
@@ -121,7 +126,7 @@ def main() -> None:
             path.write_text(text)
             timing = Path(tmp) / "time.txt"
             try:
-                done = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", str(timing),
+                done = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", str(timing),
                                        sys.executable, "-m", "dcpc", "check", "--world", worlds,
                                        str(path)], capture_output=True, text=True, cwd=ROOT,
                                       timeout=args.timeout)
@@ -130,11 +135,12 @@ def main() -> None:
                                 if ": error:" in line and line.endswith("]")})
                 outcome = ("ok" if done.returncode == 0 else
                            f"exit {done.returncode}: {', '.join(codes)} ({len(out)} lines)")
-                wall, peak = timing.read_text().split()[-2:]
+                wall, user, system, peak = timing.read_text().split()[-4:]
+                cpu = f"{float(user) + float(system):.2f}"
             except subprocess.TimeoutExpired:
-                wall, peak, outcome = f">{args.timeout:.0f}", "?", "killed"
-            print(f"| {name} ({MAX_STEPS} steps) | {worlds} | {wall} | {peak} | {outcome} |",
-                  flush=True)
+                wall, cpu, peak, outcome = f">{args.timeout:.0f}", "?", "?", "killed"
+            print(f"| {name} ({MAX_STEPS} steps) | {worlds} | {wall} | {cpu} | {peak} "
+                  f"| {outcome} |", flush=True)
 
 
 if __name__ == "__main__":
