@@ -287,8 +287,10 @@ class HintBudget:
         self.left = HINT_WORK
         self.exhausted = False
 
-    def spend(self) -> bool:
-        if self.left < self.cost:
+    def spend(self, reserve: int = 1) -> bool:
+        """Take one re-check's cost if ``reserve`` re-checks' are left (a finding's fix
+        search starts only with the original's re-check and one candidate's: 2)."""
+        if self.left < reserve * self.cost:
             self.exhausted = True
             return False
         self.left -= self.cost
@@ -321,8 +323,9 @@ def suggest(
 ) -> str | None:
     """Up to ``most`` candidate fixes, joined with "; or ", or None.
 
-    ``budget`` (shared by the findings of one check) bounds the re-checking: once
-    spent, a finding gets NOT_SEARCHED, or the fixes proved before it ran out.
+    ``budget`` (shared by the findings of one check) bounds the re-checking: a finding
+    whose budget does not cover the original's re-check and one candidate's gets
+    NOT_SEARCHED; one that runs out among its candidates, the fixes proved before.
     ``semantics``: the schedule's table (dcpc.lang.semantics), asked when not given.
     ``proofs``: what the findings of this check proved before (``Proofs`` of
     ``schedule``), made here when not given.
@@ -335,7 +338,9 @@ def suggest(
     leaving fewer findings come first.
     """
     check_at = proving_worlds(schedule, finding, worlds)
-    if budget is not None and not budget.spend():
+    # the original's re-check (``Proofs.before``) is worth its cost only with one
+    # candidate's after it: without, the finding would get no fix for a fix unsearched
+    if budget is not None and not budget.spend(reserve=2):
         return NOT_SEARCHED
     if proofs is None:
         proofs = Proofs(schedule, semantics)
