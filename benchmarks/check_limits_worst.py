@@ -1,7 +1,11 @@
-"""Time `dcpc check` on the largest files the limits admit, one of each kind (issue 31:
-every file within the limits is checked within 2 s on a loaded machine), and on files
-just past them (refused at once). Written into a temporary folder, then timed as a
-user runs them (benchmarks/check_time.measure: a fresh process, wall and CPU).
+"""Time `dcpc check` on the largest files the limits admit, one of each kind whose size
+the step bound does not set (issue 31), and on files just past them (refused at once).
+Its ring and accesses files are 256 steps, the step bound before session 34: the same
+kinds at the bound of 512 are benchmarks/check_steps_bound.py's, and what a check of a
+file within every limit costs is stated once, in docs/hb-checker.md ("Limits"). Written
+into a temporary folder, then timed as a user runs them (benchmarks/check_time.measure:
+a fresh process, wall and CPU). Stale (2026-12-07): mesh3_11_steps and mesh4_92_steps
+are refused with bad-mesh, shapes_255_buffers with shape-undecided (later limits).
 
     python benchmarks/check_limits_worst.py [--code DIR] [--timeout 120]
 

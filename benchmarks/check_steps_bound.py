@@ -9,7 +9,9 @@ the same without the barrier (a race in every round: the fix search runs too); s
 hops with a credit (signal to prev, wait from next); the shift ring written as one loop
 of MAX_STEPS / 4 hops (the unroller's work); a ring of `next` waits at --world 2..1024
 (the happens-before work limit's kind: benchmarks/check_limits_worst.py at 256 steps);
-MAX_STEPS steps naming buffers 19,700 times (the accesses limit is 20,000).
+MAX_STEPS steps naming 40 buffers 19,382 times (the accesses limit is 20,000).
+The results (benchmarks/results/check_steps_bound.md) back docs/hb-checker.md's statement
+of what a check of a file within every limit costs ("Limits").
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def ring(waits: int) -> str:
 
 
 def accesses(total: int = 19_700) -> str:
-    """MAX_STEPS steps naming buffers about `total` times."""
+    """MAX_STEPS steps naming buffers about `total` times (19,382 at 512 steps)."""
     each = total // (MAX_STEPS - 3) - 2
     lines = ["schedule: acc", *HEAD, "  g: {shape: [W*D], dtype: f32, symmetric: true}"]
     lines += [f"  b{i}: {{shape: [D], dtype: f32}}" for i in range(each + 2)]

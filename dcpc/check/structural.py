@@ -89,8 +89,9 @@ MAX_ACCESSES = 20_000
 # plus SHAPE_COST units per rank of each shape for its set-up; and the race search
 # visits every pair of accesses to one instance of a symmetric buffer (PAIR_COST units
 # each). Fitted on this project's 2-core machine (rings, shared buffers over many
-# slots, meshes of 2..4 axes): the limit admits about 0.6 s of analysis, so a check of
-# a file within every limit answers within 2 s beside two busy processes.
+# slots, meshes of 2..4 axes): the limit admits about 0.6 s of analysis. What a whole
+# check of a file within every limit costs: docs/hb-checker.md ("Limits", measured by
+# benchmarks/check_steps_bound.py).
 MAX_HB_WORK = 12_000_000
 MESH_COST = 2
 SHAPE_COST = 320
