@@ -1886,7 +1886,9 @@ def first_too_long(data: Any, worlds: list[int]) -> int | None:
     return next((w for w in worlds if (unrolled_length(data, w) or 0) > MAX_STEPS), None)
 
 
-MAX_TOTAL_STEPS = 3072  # per-W loop files: unrolled steps summed over every W checked
+# per-W loop files: unrolled steps summed over every W checked (12 x the step bound:
+# 6144; the happens-before work of those W, summed, is bounded too: MAX_HB_WORK)
+MAX_TOTAL_STEPS = 12 * MAX_STEPS
 
 
 def widest_within_budget(data: Any, worlds: list[int]) -> tuple[int, int | None]:

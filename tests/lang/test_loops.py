@@ -231,7 +231,14 @@ def test_a_range_past_the_step_bound_is_refused_before_any_w_is_analysed(monkeyp
     unrolled and analysed) before refusing W = 43 (the bound was 256 steps; at 512 it is
     W = 86, 516 steps). The trip counts say which W passes the bound, so it is refused
     before any W reaches the structural or the HB check."""
-    from dcpc.lang import loops
+    from dcpc.lang import loops, yamlsrc
+
+    ring = ROOT / "schedules" / "gallery" / "ring_attention.yaml"
+    data = yamlsrc.load(ring.read_text(), str(ring))
+    # the first W past the bound (86 at 512 steps; the W before it parses within it)
+    first = next(w for w in range(2, 1025) if loops.unrolled_length(data, w) > loops.MAX_STEPS)
+    length = loops.unrolled_length(data, first)
+    assert len(parse_text(ring.read_text(), str(ring), first - 1).step_list()) <= loops.MAX_STEPS
 
     seen: dict[str, list[int]] = {"structural": [], "hb": [], "unrolled": []}
     real = structural.check, hb.check, loops.expand
@@ -245,13 +252,13 @@ def test_a_range_past_the_step_bound_is_refused_before_any_w_is_analysed(monkeyp
     monkeypatch.setattr(structural, "check", counted("structural", real[0]))
     monkeypatch.setattr(hb, "check", counted("hb", real[1]))
     monkeypatch.setattr(loops, "expand", counted("unrolled", real[2]))
-    ring = ROOT / "schedules" / "gallery" / "ring_attention.yaml"
     with pytest.raises(DiagnosticError) as err:
         pipeline.run(ring, pipeline.Options(worlds=list(range(2, 1025))), until="hb")
     found = err.value.diagnostics
     assert [d.code for d in found] == ["loop-too-long"], found
-    assert "516 steps (at W=86)" in found[0].message and found[0].mark.line == RING_LOOP_LINE
-    assert seen == {"structural": [], "hb": [], "unrolled": [86]}
+    assert f"{length} steps (at W={first})" in found[0].message, found[0].message
+    assert found[0].mark.line == RING_LOOP_LINE
+    assert seen == {"structural": [], "hb": [], "unrolled": [first]}
     # a range inside the bound is still analysed at every W, each W on its own
     pipeline.run(ring, pipeline.Options(worlds=[2, 3]), until="hb")
     assert seen["structural"] == [[2], [3]] and seen["hb"] == [[2], [3]]
@@ -268,14 +275,21 @@ def test_the_unrolled_length_from_the_trip_counts_is_the_unrolled_schedule_s() -
             assert length == len(parse_text(text, "s.yaml", world).step_list()), (text, world)
     too_long = [loops.first_too_long(yamlsrc.load(t, "s.yaml"), list(range(2, 1025)))
                 for t in texts]
-    assert too_long == [172, None, 87, 172]  # 3 (W - 1) + 1 > 512 from W = 172
+    # the first W whose steps (init, 3 per hop, the barrier before) pass the bound
+    steps = [lambda w: 1 + 3 * (w - 1), None, lambda w: 1 + 3 * (2 * w - 3),
+             lambda w: 2 + 3 * (w - 1)]
+    assert too_long == [None if f is None else next(w for w in range(2, 1025)
+                                                    if f(w) > loops.MAX_STEPS)
+                        for f in steps]
+    assert too_long[0] > 100  # 172 at 512 steps (87 at 256)
 
 
 def test_a_range_whose_w_together_pass_the_budget_is_refused_at_once(monkeypatch) -> None:
     """Issue 22 item 9: every W of a per-W file is unrolled and analysed on its own;
-    ring_attention at 2..42 (each W within the step bound) took 6 s. Past
-    MAX_TOTAL_STEPS unrolled steps in all, the check is refused before any W is
-    analysed, naming the widest range that fits; that range is still checked."""
+    ring_attention at 2..42 (each W within the step bound of 256) took 6 s. Past
+    MAX_TOTAL_STEPS (12 x the step bound) unrolled steps in all, the check is refused
+    before any W is analysed, naming the widest range that fits; that range is still
+    checked."""
     from dcpc.lang import loops, yamlsrc
 
     seen: list[list[int]] = []
@@ -288,7 +302,8 @@ def test_a_range_whose_w_together_pass_the_budget_is_refused_at_once(monkeypatch
     monkeypatch.setattr(hb, "check", spy)
     ring = ROOT / "schedules" / "gallery" / "ring_attention.yaml"
     data = yamlsrc.load(ring.read_text(), str(ring))
-    worlds = list(range(2, 43))
+    # every W of the range within the step bound (2..85 at 512), together past the budget
+    worlds = list(range(2, loops.first_too_long(data, list(range(2, 1025)))))
     total = sum(loops.unrolled_length(data, w) for w in worlds)
     assert total > loops.MAX_TOTAL_STEPS
     fits = max(w for w in worlds if sum(loops.unrolled_length(data, v)
