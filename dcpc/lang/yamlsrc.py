@@ -23,8 +23,8 @@ MARKS = "__marks__"
 # the language's bound on steps (dcpc check refuses more: schedule-too-large); defined here,
 # the lowest layer that states it (the hint below), and read as dcpc.lang.loops.MAX_STEPS
 MAX_STEPS = 512
-# a schedule at every other limit has about 25,000 (the accesses' limit dominates: 512 steps
-# naming buffers 19,400 times are 24,277 nodes, benchmarks/check_steps_bound.py)
+# about twice what the other limits admit: e.g. 512 steps naming 40 buffers 19,382 times,
+# near the accesses' limit, are 24,277 nodes (benchmarks/check_steps_bound.py's accesses)
 NODE_BUDGET = 50_000
 # No integer of a schedule needs more than MAX_INT_DIGITS (an expression's integers have
 # the same bound): the language's own bounds (sizes, dims) are far smaller and are
