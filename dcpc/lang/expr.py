@@ -14,6 +14,7 @@ evaluation and printing are defined once, in ``dcpc.exprs``.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable
 
@@ -216,6 +217,14 @@ def parse(text: str | int, modulo: bool = False) -> Expr:
         if text >= 10**MAX_INT_DIGITS:
             raise ExprSyntaxError(f"an integer of more than {MAX_INT_DIGITS} digits", 0)
         return ("num", text)
+    return _parse_text(text, bool(modulo))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _parse_text(text: str, modulo: bool) -> Expr:
+    """``parse`` of a string, once per (text, modulo): a pure function whose result is an
+    immutable tuple (a simulated call asks for a buffer's shape thousands of times); a
+    bad text raises afresh each time (an exception is never cached)."""
     return _parse_within_limits(text, "expression", _Parser.expr, modulo=modulo)
 
 
