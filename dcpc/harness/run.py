@@ -363,6 +363,8 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
                                       env={**os.environ, **GPU_ENV} if plan else None,
                                       interpret=not plan), int(config.world))
         else:
+            # one process per rank: each call's float64 simulation made once, shared
+            args = {**args, "sims_dir": tmp}
             result = launch("dcpc.harness.worker:run_rank", int(config.world),
                             args, timeout_s=timeout, grace_s=grace,
                             stall_s=stall)

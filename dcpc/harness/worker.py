@@ -393,12 +393,15 @@ class CallSims:
     bound reads as progress (the launcher's, a LocalGroup's: any rank that moves), not
     as a hang. ``reference`` False (the capture of launches, dcpc.harness.ptx): a call's
     sizes, inputs and engine steps alone, the same as with it (made before the
-    simulation, from the seed), no float64 simulation (its trace and end are None)."""
+    simulation, from the seed), no float64 simulation (its trace and end are None).
+    ``store``: a folder the processes of one run (backend host, one per rank) share
+    each call's simulation through (``_stored``): one process simulates it, not W."""
 
     def __init__(self, schedule: m.Schedule, world: Any, ctor: dict[str, int], seed: int,
                  rounding: Any, *, users: int = 1, keep: bool = False,
-                 reference: bool = True) -> None:
+                 reference: bool = True, store: str | None = None) -> None:
         self.schedule, self.world, self.ctor, self.seed = schedule, world, ctor, seed
+        self.store = store  # a folder the run's processes share the simulations through
         self.rounding, self.users, self.keep = rounding, users, keep
         self.reference = reference
         self.sims: dict[int, Any] = {}
@@ -431,19 +434,45 @@ class CallSims:
             self.most = max(self.most, len(self.sims))
             self._drop()
             return
-        if self.persist:
-            for bufs, start in zip(inputs, persistent_start(
-                    schedule, world, sizes, self.sims[k - 1][4] if k else None), strict=True):
-                bufs.update(start)
         external = synth.make_external(schedule, world, sizes, self.seed, k)
-        trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
-        end = simulate_call(schedule, world, sizes, inputs, external, trace=trace,
-                            rounding=self.rounding, progress=None if say is None else (
-                                lambda s: say(f"call {k}: the float64 reference of step "
-                                              f"{s.name}")))
+
+        def reference() -> tuple[list[Buffers], list[list[Buffers]], list[Buffers]]:
+            if self.persist:
+                for bufs, start in zip(inputs, persistent_start(
+                        schedule, world, sizes, self.sims[k - 1][4] if k else None),
+                        strict=True):
+                    bufs.update(start)
+            trace: list[list[Buffers]] = []  # per step: what it wrote, on every rank
+            end = simulate_call(schedule, world, sizes, inputs, external, trace=trace,
+                                rounding=self.rounding, progress=None if say is None else (
+                                    lambda s: say(f"call {k}: the float64 reference of step "
+                                                  f"{s.name}")))
+            return inputs, trace, end
+
+        inputs, trace, end = reference() if self.store is None else self._stored(k, reference)
         self.sims[k] = (sizes, inputs, external, trace, end)
         self.most = max(self.most, len(self.sims))
         self._drop()
+
+    def _stored(self, k: int, reference: Callable[[], Any]) -> Any:
+        """Call ``k``'s (inputs, trace, end) shared through ``store`` by the processes of
+        one run (backend host: a process per rank, each simulated every call whole, W
+        times the host work): the first to take the call's lock simulates it and saves
+        it (torch.save: every tensor's bits, its storage sharing); the others wait on the
+        lock and load it. A process that dies while it simulates frees the lock and
+        leaves no file (written aside, then renamed): the next one simulates."""
+        import fcntl
+
+        path = os.path.join(self.store, f"call{k}.pt")  # type: ignore[arg-type]
+        with open(f"{path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(path):
+                return torch.load(path, weights_only=False)
+            got = reference()
+            aside = f"{path}.{os.getpid()}"
+            torch.save(got, aside)
+            os.replace(aside, path)
+            return got
 
     def finish(self, call: int) -> None:
         """One user (a rank) ran the call's last step."""
@@ -508,6 +537,7 @@ def run_rank(
     replay: dict[str, Any] | None = None,
     check: bool = True,
     reference: bool = True,
+    sims_dir: str | None = None,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -522,7 +552,9 @@ def run_rank(
     their collectives). ``replay``: hold one step back until a race's other access
     happened (dcpc.harness.replay). ``check``: compare each value with the reference
     (False: a pass whose report nobody reads, the GPU warm-up's, skips that host work).
-    ``reference`` False: no float64 simulation at all, nothing compared (``check`` must
+    ``sims_dir``: a folder of the run the ranks' processes share each call's float64
+    simulation through (CallSims ``store``; one process per rank). ``reference`` False:
+    no float64 simulation at all, nothing compared (``check`` must
     be False too; ``sims``, if given, made with ``reference=False``): the capture of
     what a run launches (dcpc.harness.ptx), which reads no comparison. The module, its
     inputs, its engine steps' values and so its launches are the run's own: the
@@ -589,7 +621,8 @@ def run_rank(
         # held before its step: the other access's step first; held after its return:
         # the held step first, then the other one writes into what it returned
         lead = (held_step, other) if replay["at"] == "before" else (other, held_step)
-    calls_sim = (CallSims(schedule, world, ctor, seed, rounding, reference=reference)
+    calls_sim = (CallSims(schedule, world, ctor, seed, rounding, reference=reference,
+                          store=sims_dir)
                  if sims is None else sims.bind(schedule, world, ctor, seed, rounding))
     if calls_sim.reference != reference:
         raise ValueError("run_rank: sims made with another reference= than the run's")
