@@ -364,7 +364,7 @@ def run_schedule(config: RunConfig, announce: Any = None) -> RunReport:
                                       interpret=not plan), int(config.world))
         else:
             # one process per rank: each call's float64 simulation made once, shared
-            args = {**args, "sims_dir": tmp}
+            args = {**args, "sims_dir": tmp, "sims_users": int(config.world)}
             result = launch("dcpc.harness.worker:run_rank", int(config.world),
                             args, timeout_s=timeout, grace_s=grace,
                             stall_s=stall)

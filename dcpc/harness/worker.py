@@ -395,13 +395,16 @@ class CallSims:
     sizes, inputs and engine steps alone, the same as with it (made before the
     simulation, from the seed), no float64 simulation (its trace and end are None).
     ``store``: a folder the processes of one run (backend host, one per rank) share
-    each call's simulation through (``_stored``): one process simulates it, not W."""
+    each call's simulation through (``_stored``): one process simulates it, not W;
+    ``store_users`` (W) processes read each call, the last one deletes its file."""
 
     def __init__(self, schedule: m.Schedule, world: Any, ctor: dict[str, int], seed: int,
                  rounding: Any, *, users: int = 1, keep: bool = False,
-                 reference: bool = True, store: str | None = None) -> None:
+                 reference: bool = True, store: str | None = None,
+                 store_users: int = 1) -> None:
         self.schedule, self.world, self.ctor, self.seed = schedule, world, ctor, seed
         self.store = store  # a folder the run's processes share the simulations through
+        self.store_users = store_users  # the processes that read each call from store
         self.rounding, self.users, self.keep = rounding, users, keep
         self.reference = reference
         self.sims: dict[int, Any] = {}
@@ -427,16 +430,17 @@ class CallSims:
         if say is not None:
             say(f"call {k}: the float64 reference's inputs")
         sizes = synth.call_sizes(schedule, world, self.ctor, self.seed, k)
-        inputs = synth.call_inputs(schedule, world, sizes, self.seed, k)
+        external = synth.make_external(schedule, world, sizes, self.seed, k)
         if not self.reference:  # the persistent buffers' start is the reference's
-            external = synth.make_external(schedule, world, sizes, self.seed, k)
+            inputs = synth.call_inputs(schedule, world, sizes, self.seed, k)
             self.sims[k] = (sizes, inputs, external, None, None)
             self.most = max(self.most, len(self.sims))
             self._drop()
             return
-        external = synth.make_external(schedule, world, sizes, self.seed, k)
 
         def reference() -> tuple[list[Buffers], list[list[Buffers]], list[Buffers]]:
+            # made here: a process that loads the call from store needs none of it
+            inputs = synth.call_inputs(schedule, world, sizes, self.seed, k)
             if self.persist:
                 for bufs, start in zip(inputs, persistent_start(
                         schedule, world, sizes, self.sims[k - 1][4] if k else None),
@@ -449,29 +453,80 @@ class CallSims:
                                                   f"{s.name}")))
             return inputs, trace, end
 
-        inputs, trace, end = reference() if self.store is None else self._stored(k, reference)
+        inputs, trace, end = (reference() if self.store is None
+                              else self._stored(k, reference, say))
         self.sims[k] = (sizes, inputs, external, trace, end)
         self.most = max(self.most, len(self.sims))
         self._drop()
 
-    def _stored(self, k: int, reference: Callable[[], Any]) -> Any:
+    def _stored(self, k: int, reference: Callable[[], Any],
+                say: Callable[[str], None] | None = None) -> Any:
         """Call ``k``'s (inputs, trace, end) shared through ``store`` by the processes of
         one run (backend host: a process per rank, each simulated every call whole, W
         times the host work): the first to take the call's lock simulates it and saves
         it (torch.save: every tensor's bits, its storage sharing); the others wait on the
         lock and load it. A process that dies while it simulates frees the lock and
-        leaves no file (written aside, then renamed): the next one simulates."""
+        leaves no file (written aside, then renamed): the next one simulates. A waiter
+        polls the lock and ``say``s how long it has waited (progress, not a hang). A
+        simulation that raises leaves ``call{k}.err`` (the error pickled, else its text):
+        the others raise it at once instead of simulating again. Each process counts
+        itself in ``call{k}.n`` under the lock; the ``store_users``-th deletes the
+        call's files (a run of many calls keeps only the calls in flight on disk)."""
         import fcntl
+        import pickle
 
-        path = os.path.join(self.store, f"call{k}.pt")  # type: ignore[arg-type]
-        with open(f"{path}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        assert self.store is not None
+        path = os.path.join(self.store, f"call{k}.pt")
+        with open(f"{path}.lock", "a") as lock:
+            start = time.monotonic()
+            told = 0
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.05)
+                    waited = int(time.monotonic() - start)
+                    if say is not None and waited > told:
+                        told = waited
+                        say(f"call {k}: waiting {waited} s for another rank's "
+                            f"float64 reference")
+            err = os.path.join(self.store, f"call{k}.err")
+            if os.path.exists(err):
+                with open(err, "rb") as f:
+                    raise pickle.load(f)
             if os.path.exists(path):
-                return torch.load(path, weights_only=False)
-            got = reference()
-            aside = f"{path}.{os.getpid()}"
-            torch.save(got, aside)
-            os.replace(aside, path)
+                got = torch.load(path, weights_only=False)
+            else:
+                try:
+                    got = reference()
+                except Exception as e:
+                    try:
+                        blob = pickle.dumps(e)
+                        pickle.loads(blob)
+                    except Exception:  # not picklable: its type and text
+                        blob = pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+                    aside = f"{err}.{os.getpid()}"
+                    with open(aside, "wb") as f:
+                        f.write(blob)
+                    os.replace(aside, err)
+                    raise
+                if self.store_users > 1:
+                    aside = f"{path}.{os.getpid()}"
+                    torch.save(got, aside)
+                    os.replace(aside, path)
+            count = os.path.join(self.store, f"call{k}.n")
+            users = 1
+            if os.path.exists(count):
+                with open(count) as f:
+                    users += int(f.read())
+            if users >= self.store_users:  # the last reader: nobody needs the files
+                for gone in (path, count, f"{path}.lock"):
+                    if os.path.exists(gone):
+                        os.remove(gone)
+            else:
+                with open(count, "w") as f:
+                    f.write(str(users))
             return got
 
     def finish(self, call: int) -> None:
@@ -538,6 +593,7 @@ def run_rank(
     check: bool = True,
     reference: bool = True,
     sims_dir: str | None = None,
+    sims_users: int = 1,
 ) -> RankReport:
     """One rank's calls, each output compared with the float64 simulation. ``group``: a
     ``dcpc.runtime.local.LocalRank`` (backend local, ranks as threads), else the gloo
@@ -553,7 +609,8 @@ def run_rank(
     happened (dcpc.harness.replay). ``check``: compare each value with the reference
     (False: a pass whose report nobody reads, the GPU warm-up's, skips that host work).
     ``sims_dir``: a folder of the run the ranks' processes share each call's float64
-    simulation through (CallSims ``store``; one process per rank). ``reference`` False:
+    simulation through (CallSims ``store``; one process per rank; ``sims_users``: the
+    processes, each call's file deleted once all read it). ``reference`` False:
     no float64 simulation at all, nothing compared (``check`` must
     be False too; ``sims``, if given, made with ``reference=False``): the capture of
     what a run launches (dcpc.harness.ptx), which reads no comparison. The module, its
@@ -622,7 +679,7 @@ def run_rank(
         # the held step first, then the other one writes into what it returned
         lead = (held_step, other) if replay["at"] == "before" else (other, held_step)
     calls_sim = (CallSims(schedule, world, ctor, seed, rounding, reference=reference,
-                          store=sims_dir)
+                          store=sims_dir, store_users=sims_users)
                  if sims is None else sims.bind(schedule, world, ctor, seed, rounding))
     if calls_sim.reference != reference:
         raise ValueError("run_rank: sims made with another reference= than the run's")

@@ -220,7 +220,7 @@ def parse(text: str | int, modulo: bool = False) -> Expr:
     return _parse_text(text, bool(modulo))
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1024)
 def _parse_text(text: str, modulo: bool) -> Expr:
     """``parse`` of a string, once per (text, modulo): a pure function whose result is an
     immutable tuple (a simulated call asks for a buffer's shape thousands of times); a
