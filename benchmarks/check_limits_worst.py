@@ -20,22 +20,14 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from benchmarks.check_steps_bound import HEAD
+from benchmarks.check_steps_bound import ring as _ring
 from benchmarks.check_time import ROOT, measure
-
-HEAD = ["sizes: {D: 16}", "buffers:", "  x: {shape: [D], dtype: f32}"]
 
 
 def ring(waits: int) -> str:
     """256 steps: a gather, `waits` next waits (each raises the world bound by 4), reads."""
-    lines = ["schedule: ring", *HEAD, "  g: {shape: [W*D], dtype: f32, symmetric: true}",
-             "  y: {shape: [D], dtype: f32}", "steps:",
-             "  - gather: {op: all_gather, src: x, dst: g}"]
-    for i in range(waits):
-        lines += [f"  - s{i}: {{op: signal, to: next, channel: c{i}}}",
-                  f"  - w{i}: {{op: wait, from: prev, channel: c{i}}}"]
-    lines += [f"  - e{i}: {{op: external, reads: [g], writes: [y]}}"
-              for i in range(254 - 2 * waits)]
-    return "\n".join([*lines, "  - fin: {op: barrier}"]) + "\n"
+    return _ring(waits, steps=256)
 
 
 def shared(reads: int, slots: int, index: str = "y") -> str:

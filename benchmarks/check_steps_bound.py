@@ -72,8 +72,9 @@ def shift_loop() -> str:
                      + [f"        - {step.format(s='')}" for step in HOP]) + "\n"
 
 
-def ring(waits: int) -> str:
-    """MAX_STEPS steps: a gather, `waits` next waits (each raises the world bound), reads."""
+def ring(waits: int, steps: int | None = None) -> str:
+    """`steps` (MAX_STEPS) steps: a gather, `waits` next waits (each raises the world
+    bound), reads (check_limits_worst.py's ring at 256 steps too)."""
     lines = ["schedule: ring", *HEAD, "  g: {shape: [W*D], dtype: f32, symmetric: true}",
              "  y: {shape: [D], dtype: f32}", "steps:",
              "  - gather: {op: all_gather, src: x, dst: g}"]
@@ -81,7 +82,7 @@ def ring(waits: int) -> str:
         lines += [f"  - s{i}: {{op: signal, to: next, channel: c{i}}}",
                   f"  - w{i}: {{op: wait, from: prev, channel: c{i}}}"]
     lines += [f"  - e{i}: {{op: external, reads: [g], writes: [y]}}"
-              for i in range(MAX_STEPS - 2 - 2 * waits)]
+              for i in range((steps or MAX_STEPS) - 2 - 2 * waits)]
     return "\n".join([*lines, "  - fin: {op: barrier}"]) + "\n"
 
 

@@ -67,6 +67,24 @@ def test_loaded_reference_equals_a_fresh_simulation_bit_for_bit(tmp_path, path):
         assert os.listdir(tmp_path) == []
 
 
+def _three(target: Any, tmp_path: Any, *args: Any, barrier: bool = False,
+           ) -> tuple[list[int | None], list[Any]]:
+    """Fork three processes running ``target(i, folder, *args, [a 3-party barrier,] q)``
+    and wait for them: their exit codes and, sorted, what they put on ``q`` (one item each
+    that exits cleanly)."""
+    ctx = mp.get_context("fork")
+    q: mp.Queue = ctx.Queue()
+    extra = (ctx.Barrier(3),) if barrier else ()
+    ps = [ctx.Process(target=target, args=(i, str(tmp_path), *args, *extra, q))
+          for i in range(3)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(240)
+    codes = [p.exitcode for p in ps]
+    return codes, sorted(q.get(timeout=5) for c in codes if c == 0)
+
+
 def _reader(i: int, d: str, calls: int, step: Any, q: mp.Queue) -> None:
     cs = _sims(SCHEDULE, d, users=3, keep=False)
     left = []
@@ -83,17 +101,9 @@ def _reader(i: int, d: str, calls: int, step: Any, q: mp.Queue) -> None:
 def test_call_files_are_deleted_once_every_process_read_them(tmp_path):
     """Three processes (meeting after each call, as ranks do) read 8 calls through one
     store: once all three read a call its files are gone, before the run's end."""
-    ctx = mp.get_context("fork")
-    q: mp.Queue = ctx.Queue()
-    step = ctx.Barrier(3)
-    ps = [ctx.Process(target=_reader, args=(i, str(tmp_path), 8, step, q))
-          for i in range(3)]
-    for p in ps:
-        p.start()
-    for p in ps:
-        p.join(240)
-    assert [p.exitcode for p in ps] == [0, 0, 0]
-    assert sorted(q.get(timeout=5) for _ in ps) == [(i, []) for i in range(3)]
+    codes, got = _three(_reader, tmp_path, 8, barrier=True)
+    assert codes == [0, 0, 0]
+    assert got == [(i, []) for i in range(3)]
     assert os.listdir(tmp_path) == []
 
 
@@ -117,15 +127,8 @@ def _dier(i: int, d: str, q: mp.Queue) -> None:
 
 
 def test_a_holder_killed_mid_simulation_leaves_no_file_and_the_others_go_on(tmp_path):
-    ctx = mp.get_context("fork")
-    q: mp.Queue = ctx.Queue()
-    ps = [ctx.Process(target=_dier, args=(i, str(tmp_path), q)) for i in range(3)]
-    for p in ps:
-        p.start()
-    for p in ps:
-        p.join(240)
-    assert [p.exitcode for p in ps] == [-9, 0, 0]
-    got = sorted(q.get(timeout=5) for _ in range(2))
+    codes, got = _three(_dier, tmp_path)
+    assert codes == [-9, 0, 0]
     assert [(i, same) for i, same, _ in got] == [(1, True), (2, True)]
     # no partial file (``call0.pt.<pid>``) at any time a survivor looked, nor after
     for _, _, names in got:
@@ -152,15 +155,8 @@ def _failer(i: int, d: str, q: mp.Queue) -> None:
 
 
 def test_a_simulation_that_raises_is_raised_by_all_without_simulating_again(tmp_path):
-    ctx = mp.get_context("fork")
-    q: mp.Queue = ctx.Queue()
-    ps = [ctx.Process(target=_failer, args=(i, str(tmp_path), q)) for i in range(3)]
-    for p in ps:
-        p.start()
-    for p in ps:
-        p.join(240)
-    assert [p.exitcode for p in ps] == [0, 0, 0]
-    got = sorted(q.get(timeout=5) for _ in ps)
+    codes, got = _three(_failer, tmp_path)
+    assert codes == [0, 0, 0]
     assert got == [(i, "the reference refused call 0's inputs") for i in range(3)]
     assert len((tmp_path / "simulated").read_text().split()) == 1  # simulated once
     assert (tmp_path / "call0.err").exists()
