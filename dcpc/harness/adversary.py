@@ -116,10 +116,13 @@ def replay_hold(replay: dict[str, Any], written: Callable[[], bool] | None) -> s
     start = time.monotonic()
     while True:
         waited = time.monotonic() - start
-        if os.path.exists(replay["flag"]):
-            return f"released by the other access's step after {waited:.2f} s"
+        # the flag first, then the watch: the other rank raises the flag after its step
+        # wrote, so a write that landed with the flag (in one poll) is named as the write
+        released = os.path.exists(replay["flag"])
         if written is not None and written():
             return f"released when {replay['watch']} was written, after {waited:.2f} s"
+        if released:
+            return f"released by the other access's step after {waited:.2f} s"
         if waited >= replay["hold_s"]:
             return (f"NOT FORCED: nothing happened within {replay['hold_s']:g} s of holding "
                     "(the harness orders these steps another way)")

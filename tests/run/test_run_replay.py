@@ -374,3 +374,30 @@ def test_a_later_call_s_return_read_on_the_writer_s_own_rank_says_it_is_not_forc
     assert (replay.hold, replay.release, replay.at) == ((0, 0, "reduce_part"),
                                                         (0, 1, "reduce_part"), "before")
     assert "one step at a time" in replay.unforced, replay
+
+
+# ---- the hold's own report: which release it names --------------------------------------
+def _hold(tmp_path: Path, flag: bool, written: bool, hold_s: float = 60.0) -> str:
+    from dcpc.harness.adversary import replay_hold
+
+    replay = {"flag": str(tmp_path / "released"), "watch": "s", "hold_s": hold_s}
+    if flag:
+        (tmp_path / "released").touch()
+    return replay_hold(replay, lambda: written)
+
+
+def test_a_write_that_landed_with_the_flag_is_named_as_the_write(tmp_path: Path) -> None:
+    """The other rank raises the flag after its step wrote: when the held rank first looks
+    after both (one poll saw neither, the next sees both), the hold names the write, not
+    the flag (it named the flag: the guarded credit race's replay test failed about one run
+    in ten, its race shown but its release line not)."""
+    assert _hold(tmp_path, flag=True, written=True).startswith("released when s was written")
+
+
+def test_a_flag_with_nothing_written_is_named_as_the_flag(tmp_path: Path) -> None:
+    assert _hold(tmp_path, flag=True, written=False).startswith(
+        "released by the other access's step")
+
+
+def test_a_hold_nothing_ends_says_not_forced(tmp_path: Path) -> None:
+    assert _hold(tmp_path, flag=False, written=False, hold_s=0.05).startswith("NOT FORCED")
