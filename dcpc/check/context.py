@@ -11,7 +11,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.mesh import mesh_of
 from dcpc.lang.model import Buffer, OpBase, Schedule, Step
 from dcpc.lang.nodes import BUFFER_KEYS
-from dcpc.lang.questions import Samples
+from dcpc.lang.questions import Counterexample, Samples
 from dcpc.lang.sizes import SizeTable
 from dcpc.ops.common import Channels, channels
 from dcpc.ops.iface import Ref  # defined below the ops, which build them too
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from dcpc.lang.semantics import Semantics
 
 W = ex.W  # the group size symbol (dcpc.lang.expr)
+UNDECIDED_HINT = ("write it as a simpler expression of the sizes (a product of sizes and "
+                  "small sums), or lower the 'max' of its sizes")
 
 
 def team_expr(ctx: Context, step: Step) -> ex.Expr:
@@ -51,6 +53,17 @@ class Context:
         severity: str = "error",
     ) -> None:
         self.out.append(Diagnostic(mark, code, message, hint=hint, severity=severity))
+
+    def undecided(self, mark: Mark, what: str, example: Counterexample | None) -> bool:
+        """A shape question the exact search left undecided (its expression too large, or
+        the check's one budget spent) is reported as ``shape-undecided``, never read as
+        the question's finding (a division found inexact, a dimension nonpositive): True
+        when ``example`` is such an answer (reported here: the caller says nothing else)."""
+        if example is None or not example.undecided:
+            return False
+        self.error(mark, "shape-undecided", f"{what} cannot be checked for every binding of "
+                   f"its sizes: {example.detail}", hint=UNDECIDED_HINT)
+        return True
 
     def buffer(self, name: str) -> Buffer | None:
         return self.schedule.buffers.get(name)

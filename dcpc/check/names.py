@@ -288,9 +288,11 @@ def _check_values(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]
     low, high = bounds
     for node, end in ((low, "min"), (high, "max")):
         where = ctx.samples.inexact(node)
+        if ctx.undecided(buffer.values.mark(end), f"'values: {end}' of buffer '{name}' "
+                         f"({ex.unparse(node)})", where):
+            return
         if where is not None:
-            ctx.error(buffer.values.mark(end), "shape-undecided" if where.undecided
-                      else "inexact-division",
+            ctx.error(buffer.values.mark(end), "inexact-division",
                       f"'values: {end}' of buffer '{name}' ({ex.unparse(node)}) is not a whole "
                       f"number at W={where.world}{_also(where, node)}: {where.detail}",
                       hint="divide only by what divides it for every W checked")

@@ -82,9 +82,13 @@ def _part(ctx: Context, step: Step, ref: Ref, along: int | None = None) -> list[
         return None
     part = ("/", shape[dim], W)
     example = ctx.samples.inexact(part)
+    key = "dim" if along is None else "split_dim"
+    mark = step.op.mark(key) if key in step.op.src_marks else ref.mark
+    if ctx.undecided(mark, f"whether step '{step.name}' splits {ref.role} '{ref.name}' in "
+                     f"{ex.unparse(W)} whole parts ({ex.unparse(shape[dim])})", example):
+        return None
     if example is not None:
-        key = "dim" if along is None else "split_dim"
-        ctx.error(step.op.mark(key) if key in step.op.src_marks else ref.mark,
+        ctx.error(mark,
                   "inexact-division",
                   f"step '{step.name}' splits {ref.role} '{ref.name}' in {ex.unparse(W)} parts "
                   f"along dim {dim}, but {ex.unparse(shape[dim])}/{_g(W)} is not a whole "

@@ -245,16 +245,14 @@ def check_shapes(ctx: Context) -> None:
         buffer = ctx.schedule.buffers[name]
         for i, dim in enumerate(shape):
             mark = buffer.mark(f"shape[{i}]")
-            example = ctx.samples.inexact(dim) or ctx.samples.nonpositive(dim)
-            if example is not None and example.undecided:
-                ctx.error(mark, "shape-undecided",
-                          f"dimension {i} of buffer '{name}' {show([dim])} cannot be checked "
-                          f"for every binding of its sizes: {example.detail}",
-                          hint="write it as a simpler expression of the sizes (a product "
-                          "of sizes and small sums), or lower the 'max' of its sizes")
+            # each question asked once: the exact search spends one budget for the whole
+            # check, so asking again may find it spent (and an undecided answer read as a
+            # decided one named a positive dimension nonpositive)
+            inexact = ctx.samples.inexact(dim)
+            example = inexact if inexact is not None else ctx.samples.nonpositive(dim)
+            if ctx.undecided(mark, f"dimension {i} of buffer '{name}' {show([dim])}", example):
                 continue
-            example = ctx.samples.inexact(dim)
-            if example is not None:
+            if inexact is not None:
                 ctx.error(mark, "inexact-division",
                           f"{example.detail} is not a whole number for W={example.world}"
                           + (f" ({example.names([dim])})" if example.names([dim]) else "")
@@ -262,7 +260,6 @@ def check_shapes(ctx: Context) -> None:
                           hint="declare the size with 'multiple_of', e.g. "
                           "'H: {multiple_of: W}', or narrow the W range")
                 continue
-            example = ctx.samples.nonpositive(dim)
             if example is not None:
                 where = example.names([dim])
                 ctx.error(mark, "nonpositive-dim",
@@ -305,12 +302,15 @@ def _check_interleave_rows(ctx: Context, step: Step, op: AllGather, src_name: st
         return  # no rows to split: the op's own checks report it
     rows = src[0]
     example = ctx.samples.inexact(("/", rows, ("num", op.interleave)))
+    if ctx.undecided(op.mark("interleave"), f"whether interleave {op.interleave} of step "
+                     f"'{step.name}' divides the rows of src '{src_name}' "
+                     f"({ex.unparse(rows)})", example):
+        return
     if example is not None:
         where = example.names([rows])
         ctx.error(op.mark("interleave"), "bad-interleave",
                   f"interleave {op.interleave} of step '{step.name}' must divide the "
-                  f"rows of src '{src_name}' ({ex.unparse(rows)}), but "
-                  + (example.detail if example.undecided else "does not")
+                  f"rows of src '{src_name}' ({ex.unparse(rows)}), but does not"
                   + f" for W={example.world}" + (f" ({where})" if where else ""),
                   hint=f"use 'interleave: 1', or declare the rows' size as a multiple "
                   f"of it, e.g. '{{multiple_of: {min(op.interleave, 64)}}}'")

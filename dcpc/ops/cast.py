@@ -211,6 +211,9 @@ def _grouped(v: ShapeRules, scale: Scale, rows_of: Ref, shape: list | None
         return None, why
     last = div(shape[-1], ("num", g))
     example = v.ctx.samples.inexact(last)
+    if v.ctx.undecided(mark, f"whether {g} channels divide the rows of '{rows_of.name}' "
+                       f"({ex.unparse(shape[-1])})", example):
+        return None, why
     if example is not None:
         names = example.names([shape[-1]])  # type: ignore[attr-defined]
         world = example.world  # type: ignore[attr-defined]

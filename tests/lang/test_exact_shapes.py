@@ -146,3 +146,46 @@ def test_more_than_a_leading_minus_is_a_located_syntax_error(text: str, column: 
     with pytest.raises(ex.ExprSyntaxError) as err:
         ex.parse(text)
     assert err.value.column == column and "expected a number" in str(err.value)
+
+
+def _spent(buffers: int) -> str:
+    """``buffers`` squares of two sizes of max 100 (each spends about 10,000 of the check's
+    50,000 evaluations), then a cast by 128 channels and a split whose questions come after
+    them: past the budget, each is undecided, none decided."""
+    lines = ["schedule: spent", "sizes:", "  A: {max: 100}", "  B: {max: 100}",
+             "  C: {max: 4}", "buffers:"]
+    lines += [f'  b{i}: {{shape: ["(A - B + {i}) * (A - B + {i}) + {i + 1}"], dtype: f32}}'
+              for i in range(buffers)]
+    lines += ['  x_send: {shape: [W, C, "A * (A + 1) * 64"], dtype: bf16}',
+              "  counts: {shape: [W], dtype: i32}",
+              '  q_recv: {shape: [W, C, "A * (A + 1) * 64"], dtype: fp8e4m3, symmetric: true}',
+              '  s_recv: {shape: [W, C, "A * (A + 1) / 2"], dtype: f32, symmetric: true}',
+              "  n_recv: {shape: [W], dtype: i32, symmetric: true}",
+              "steps:",
+              "  - e: {op: external, reads: [" + ", ".join(f"b{i}" for i in range(buffers))
+              + "]}",
+              "  - dispatch: {op: ragged_all_to_all, src: x_send, dst: q_recv, counts: counts,"
+              " recv_counts: n_recv, capacity: C,"
+              " scale: {per: token, group: 128, buffer: s_recv, rule: deepep}}"]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_spent_budget_is_undecided_never_a_finding() -> None:
+    """Past the check's one budget every later question is undecided: each is refused as
+    `shape-undecided`, never read as a decided answer. Before, a buffer's dimension was
+    asked twice (the second ask found the budget spent and called (A-B+2)**2+3 nonpositive
+    at A = B = 1), and a cast's question called A*(A+1)*64 not a multiple of 128."""
+    schedule = parse_text(_spent(12), "spent.yaml")
+    out = [d for d in check(schedule, list(range(2, 65))) if d.severity == "error"]
+    assert out and {d.code for d in out} == {"shape-undecided"}, [d.render() for d in out]
+    said = "\n".join(d.render() for d in out)
+    assert "'s_recv'" in said and "128 channels divide the rows of 'q_recv'" in said, said
+    assert all("cannot be checked for every binding" in d.message for d in out), said
+
+
+def test_each_dimension_is_asked_once() -> None:
+    """Three squares fit the budget when each dimension's questions are asked once (the
+    third was refused when its exactness and its sign were asked again: twice the cost)."""
+    schedule = parse_text(_spent(3), "spent.yaml")
+    out = [d for d in check(schedule, list(range(2, 1025))) if d.severity == "error"]
+    assert out == [], [d.render() for d in out]
