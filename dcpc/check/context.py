@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 W = ex.W  # the group size symbol (dcpc.lang.expr)
 UNDECIDED_HINT = ("write it as a simpler expression of the sizes (a product of sizes and "
                   "small sums), or lower the 'max' of its sizes")
+# the budget is the whole file's: what spent it is the file's largest expressions, not
+# necessarily the one named (the first shape-undecided error names where it ran out)
+SPENT_HINT = ("the file's shape questions share one budget: simplify its largest shape "
+              "expressions (products or powers of several sizes with large 'max'), or "
+              "lower those sizes' 'max'")
 
 
 def team_expr(ctx: Context, step: Step) -> ex.Expr:
@@ -62,7 +67,8 @@ class Context:
         if example is None or not example.undecided:
             return False
         self.error(mark, "shape-undecided", f"{what} cannot be checked for every binding of "
-                   f"its sizes: {example.detail}", hint=UNDECIDED_HINT)
+                   f"its sizes: {example.detail}",
+                   hint=SPENT_HINT if example.spent else UNDECIDED_HINT)
         return True
 
     def buffer(self, name: str) -> Buffer | None:

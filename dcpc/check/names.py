@@ -316,10 +316,8 @@ def _check_values(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]
         if end in reported:
             continue
         at = ctx.samples.nonpositive(positive)
-        if at is not None and at.undecided:
-            ctx.error(buffer.values.mark(end), "shape-undecided",
-                      f"'values' of buffer '{name}' cannot be checked for every binding of "
-                      f"its sizes: {at.detail}", hint="write its ends as simpler expressions")
+        if ctx.undecided(buffer.values.mark(end), f"'values' of buffer '{name}'", at):
+            pass
         elif at is not None:
             ctx.error(buffer.values.mark(end), "bad-values", says(at), hint=hint)
         if at is not None:

@@ -57,6 +57,9 @@ def _expect(ctx: Context, step: Step, ref: Ref, want: list[ex.Expr], why: str) -
                   f"{show(have)} but must have {len(want)}, {show(want)} ({why})")
         return
     example = ctx.samples.shapes_differ(want, have)
+    if ctx.undecided(ref.mark, f"whether {ref.role} '{ref.name}' of step '{step.name}' has "
+                     f"shape {show(want)} ({why})", example):
+        return
     if example is not None:
         ctx.error(ref.mark, "shape-mismatch",
                   f"{ref.role} '{ref.name}' of step '{step.name}' has shape {show(have)} but "
@@ -303,6 +306,10 @@ def _mask(ctx: Context, step: Step) -> None:
     if len(shapes) == 2 and shapes[0] is not None and shapes[1] is not None:
         seq, qsl = shapes
         example = ctx.samples.shapes_differ([("+", seq[0], ("num", 1))], qsl)
+        if ctx.undecided(found[1].mark, f"whether query_start_loc '{found[1].name}' "
+                         f"{show(qsl)} is one longer than {found[0].role.split('.')[-1]} "
+                         f"'{found[0].name}' {show(seq)}", example):
+            return
         if example is not None:
             ctx.error(found[1].mark, "bad-mask",
                       f"query_start_loc '{found[1].name}' {show(qsl)} must be one longer than "

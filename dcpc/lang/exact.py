@@ -45,7 +45,13 @@ MAX_ROOT_SPAN = 20_000  # integers searched inside a univariate root bound
 
 
 class Undecided(Exception):
-    """The question is past this module's budgets; the message says which."""
+    """The question is past this module's budgets; the message says which. ``spent``:
+    the budget of every question of the check together (MAX_TOTAL_POINTS), which other
+    expressions of the file may have spent, not one question's own."""
+
+    def __init__(self, message: str, *, spent: bool = False) -> None:
+        super().__init__(message)
+        self.spent = spent
 
 
 class NotPolynomial(Exception):
@@ -90,7 +96,7 @@ class Space:
         self.spent += count
         if self.spent > MAX_TOTAL_POINTS:
             raise Undecided(f"the schedule's shape questions together need more than "
-                            f"{MAX_TOTAL_POINTS} evaluations")
+                            f"{MAX_TOTAL_POINTS} evaluations", spent=True)
 
     # ---- domains --------------------------------------------------------------------
     def step_at(self, var: Var, world: int) -> int:

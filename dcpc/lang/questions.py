@@ -8,7 +8,7 @@ as a ``Counterexample`` binding, which the diagnostics print.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -25,6 +25,7 @@ class Counterexample:
     binding: Binding
     detail: str = ""
     undecided: bool = False
+    spent: bool = False  # undecided because the check's questions together spent the budget
 
     @property
     def world(self) -> int:
@@ -79,6 +80,15 @@ class Samples:
         self.worlds = list(worlds)
         self.space = space_of(table, self.worlds)
         self._by_world: dict[int, list[Binding]] | None = None
+        # each question answered once per check: a question asked again (the same
+        # dimension of several buffers, a division inside a larger one) costs no budget
+        self._answers: dict[tuple, Counterexample | None] = {}
+
+    def _once(self, key: tuple, ask: Callable[[], Counterexample | None]
+              ) -> Counterexample | None:
+        if key not in self._answers:
+            self._answers[key] = ask()
+        return self._answers[key]
 
     @property
     def by_world(self) -> dict[int, list[Binding]]:
@@ -93,22 +103,35 @@ class Samples:
     def _refused(self, err: exact.Undecided) -> Counterexample:
         world = self.space.worlds[0] if self.space.worlds else self.worlds[0]
         return Counterexample(self.space.binding(tuple(self.space.base(world))),
-                              f"it cannot be decided exactly: {err}", undecided=True)
+                              f"it cannot be decided exactly: {err}", undecided=True,
+                              spent=err.spent)
 
     def inexact(self, node: ex.Expr) -> Counterexample | None:
         """A binding under which a division in ``node`` is inexact (or by zero), or None
         when every division is whole for every admissible binding."""
         if self.space.broken or not self.space.worlds:
             return None
+        return self._once(("inexact", node), lambda: self._inexact_or_refused(node))
+
+    def _inexact_or_refused(self, node: ex.Expr) -> Counterexample | None:
         try:
             return self._inexact(node)
         except exact.Undecided as err:
             return self._refused(err)
 
+    def _inexact_once(self, node: ex.Expr) -> Counterexample | None:
+        """An inner division's answer, asked once (an undecided one raises again, so the
+        outer question is refused with it)."""
+        found = self.inexact(node)
+        if found is not None and found.undecided:
+            raise exact.Undecided(found.detail.removeprefix("it cannot be decided exactly: "),
+                                  spent=found.spent)
+        return found
+
     def _inexact(self, node: ex.Expr) -> Counterexample | None:
         if node[0] in ("num", "sym"):
             return None
-        found = self._inexact(node[1]) or self._inexact(node[2])
+        found = self._inexact_once(node[1]) or self._inexact_once(node[2])
         if found is not None or node[0] != "/":
             return found
         space = self.space
@@ -136,7 +159,8 @@ class Samples:
                     return Counterexample(env, ex.unparse(err.expr))
         except exact.Undecided as err:
             return self._witness(node) or self._refused(exact.Undecided(
-                f"{ex.unparse(node)} does not divide as a polynomial and {err}"))
+                f"{ex.unparse(node)} does not divide as a polynomial and {err}",
+                spent=err.spent))
         return None
 
     def _division_at(self, node: ex.Expr, env: Binding) -> Counterexample:
@@ -161,6 +185,9 @@ class Samples:
         positive for every admissible binding (divisions assumed whole: checked first)."""
         if self.space.broken or not self.space.worlds:
             return None
+        return self._once(("nonpositive", node), lambda: self._nonpositive(node))
+
+    def _nonpositive(self, node: ex.Expr) -> Counterexample | None:
         try:
             poly = self.space.poly(node)
             point = self.space.find(poly, lambda v: v <= 0)
@@ -182,6 +209,12 @@ class Samples:
         holds both concrete shapes."""
         if self.space.broken or not self.space.worlds:
             return None
+        return self._once(("differ", tuple(expected), tuple(actual)),
+                          lambda: self._shapes_differ(expected, actual))
+
+    def _shapes_differ(
+        self, expected: Sequence[ex.Expr], actual: Sequence[ex.Expr]
+    ) -> Counterexample | None:
         space = self.space
         best: exact.Point | None = None
         try:

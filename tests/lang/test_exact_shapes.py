@@ -189,3 +189,88 @@ def test_each_dimension_is_asked_once() -> None:
     schedule = parse_text(_spent(3), "spent.yaml")
     out = [d for d in check(schedule, list(range(2, 1025))) if d.severity == "error"]
     assert out == [], [d.render() for d in out]
+
+
+def _squares(buffers: int) -> tuple[list[str], list[str], list[str]]:
+    """Sizes, buffers and a reading step of ``buffers`` squares of two sizes of max 100
+    (about 10,000 of the check's 50,000 evaluations each): the budget spent by 12."""
+    sizes = ["  A1: {max: 100}", "  A2: {max: 100}"]
+    names = [f"sq{i}" for i in range(buffers)]
+    lines = [f'  sq{i}: {{shape: ["(A1 - A2 + {i}) * (A1 - A2 + {i}) + {i + 1}"], dtype: f32}}'
+             for i in range(buffers)]
+    reads = [f"  - sq: {{op: external, reads: [{', '.join(names)}]}}"] if names else []
+    return sizes, lines, reads
+
+
+def _sites(buffers: int) -> str:
+    """Each other kind of shape question after the squares, each whole at W = 2 but only
+    by trying its cases (a division by W that is not one of polynomials)."""
+    sizes, squares, reads = _squares(buffers)
+    return "\n".join([
+        "schedule: sites", "sizes:", "  A: {max: 100}", "  T: {max: 8}", *sizes, "buffers:",
+        *squares,
+        '  a: {shape: ["A * (A + 5)", 4], dtype: f32}',
+        '  g: {shape: ["W * A * (A + 5)", 4], dtype: f32, symmetric: true}',
+        '  p: {shape: [4, "A * (A + 1)"], dtype: f32}',
+        '  q: {shape: [W, 4, "A * (A + 1) / W"], dtype: f32, symmetric: true}',
+        "  t: {shape: [T, 4], dtype: f32}",
+        '  u: {shape: ["2 * T", 4], dtype: f32, symmetric: true}',
+        "steps:", *reads,
+        "  - e0: {op: external, reads: [a, p, t]}",
+        "  - ag: {op: all_gather, src: a, dst: g, interleave: 2}",
+        "  - x: {op: all_to_all, src: p, dst: q, dim: 1}",
+        "  - tu: {op: all_gather, src: t, dst: u}",
+        "  - e: {op: external, reads: [g, q, u]}",
+        "  - r: {op: barrier}"]) + "\n"
+
+
+def test_every_kind_of_shape_question_past_the_budget_is_undecided() -> None:
+    """With the budget spent by 12 squares, each later question (a dimension, a gather's
+    interleave, an all_to_all's split, two shapes equal) is refused as
+    `shape-undecided` at its own place, with the hint that the budget is the file's; the
+    same file without the squares checks clean at W = 2. Before, the interleave was
+    `bad-interleave` and the gather's dst a `shape-mismatch` 'for W=2 (T=1)', where 2*T
+    and W*T are equal."""
+    assert [d.render() for d in check(parse_text(_sites(0), "sites.yaml"), [2])
+            if d.severity == "error"] == []
+    out = [d for d in check(parse_text(_sites(12), "sites.yaml"), [2]) if d.severity == "error"]
+    assert {d.code for d in out} == {"shape-undecided"}, [d.render() for d in out]
+    said = {d.message.split(" cannot be checked")[0] for d in out if "'sq" not in d.message}
+    assert said == {
+        "dimension 2 of buffer 'q' [A*(A+1)/W]",
+        "whether interleave 2 of step 'ag' divides the rows of src 'a' (A*(A+5))",
+        "whether step 'x' splits src 'p' in W whole parts (A*(A+1))",
+        "whether dst 'u' of step 'tu' has shape [W*T, 4] (W blocks of src 't' along dim 0)",
+    }, said
+    assert all("share one budget" in (d.hint or "") for d in out if "'sq" not in d.message)
+
+
+def test_a_mask_past_the_budget_is_undecided_not_bad_mask() -> None:
+    """kimi_k3_dcp_ag_rs with query_start_loc [B+W-1] (one longer than seq_lens [B] at
+    W = 2) after 12 squares: undecided, never `bad-mask` 'they differ for W=2'."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "schedules/kimi_k3_dcp_ag_rs.yaml").read_text()
+    sizes, squares, reads = _squares(12)
+    text = text.replace("query_start_loc: {shape: [B+1],", 'query_start_loc: {shape: ["B+W-1"],')
+    text = text.replace("\nsizes:\n", "\nsizes:\n" + "\n".join(sizes) + "\n", 1)
+    text = text.replace("\nbuffers:\n", "\nbuffers:\n" + "\n".join(squares) + "\n", 1)
+    text = text.replace("\nsteps:\n", "\nsteps:\n" + "\n".join(reads) + "\n", 1)
+    assert [d.render() for d in check(parse_text(text.replace('"B+W-1"', "B+1"), "m.yaml"), [2])
+            if d.severity == "error" and "'sq" not in d.message] == []
+    out = [d for d in check(parse_text(text, "m.yaml"), [2]) if d.severity == "error"]
+    assert {d.code for d in out} == {"shape-undecided"}, [d.render() for d in out]
+    assert any("query_start_loc" in d.message for d in out), [d.render() for d in out]
+
+
+def test_a_values_end_past_its_own_budget_is_undecided_with_its_own_hint() -> None:
+    """A values end whose sign question alone is too large (a square of two sizes of max
+    1000): `shape-undecided` at the end, with the hint to simplify it (its own budget, not
+    the file's)."""
+    text = GATHER.format(src="T", dst="W*T").replace(
+        "  D: 576\n", "  D: 576\n  A3: {max: 1000}\n  A4: {max: 1000}\n").replace(
+        "buffers:\n", 'buffers:\n  n: {shape: [4], dtype: i32, values: {min: 0, max: '
+        '"(A3 - A4) * (A3 - A4) + 1"}}\n').replace("reads: [b]", "reads: [b, n]")
+    out = [d for d in check(parse_text(text, "t.yaml"), [2]) if d.severity == "error"]
+    assert [d.code for d in out] == ["shape-undecided"], [d.render() for d in out]
+    assert "'values' of buffer 'n'" in out[0].message and "simpler" in (out[0].hint or "")
