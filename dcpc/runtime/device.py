@@ -122,14 +122,22 @@ def _dcpc_spin(cells, peer_flags, pending, got, epoch, errors, timeout_ns, CLOCK
         start = _dcpc_globaltimer(epoch)
     waiting = _dcpc_count(pending) > 0
     while waiting:
+        if not CLOCK:
+            # CPU: the flags before the cells. A peer raises its flag (closed, failed)
+            # after its signals, so a flag seen up here means its signal is seen by the
+            # poll below; read after the poll, a rank descheduled between the two (a
+            # thread or process on a loaded CPU) saw its peer's signal pending and its
+            # flag up: "peer was closed before it made this call" for a peer that
+            # signalled and closed meanwhile (tests/runtime/test_flag_order.py)
+            flagged = tl.load(peer_flags, mask=pending, other=0, volatile=True) != 0
         polled = tl.atomic_add(cells, 0, mask=pending, sem="acquire", scope="sys")
         got = tl.where(pending, polled, got)
         if CLOCK:
             in_time = (_dcpc_globaltimer(epoch) - start) <= timeout_ns
+            flagged = tl.load(peer_flags, mask=pending, other=0, volatile=True) != 0
         else:
             stop = tl.load(errors + DCPC_STOP_WORD, volatile=True) | tl.load(errors, volatile=True)
             in_time = stop == 0
-        flagged = tl.load(peer_flags, mask=pending, other=0, volatile=True) != 0
         pending = pending & ((got.to(tl.int32) - epoch) < 0)
         waiting = (_dcpc_count(pending) > 0) & (_dcpc_count(pending & flagged) == 0) & in_time
     return got
