@@ -147,10 +147,12 @@ def _child_main(
 
 
 # Children start from a fork server that imported these once (torch and triton take 2 to
-# 3 s of CPU per process to import; a run starts W of them): DCPC_LAUNCH=spawn starts
-# each child from scratch instead. Either way a child gets the launcher's environment and
-# sys.path of the moment it is started (``_child_main``).
-PRELOAD = ["torch", "torch.distributed", "triton", "dcpc.harness.worker"]
+# 3 s of CPU per process to import; a run starts W of them), and what every rank would
+# otherwise import or compute again in every run (dcpc.harness.forkwarm): DCPC_LAUNCH=spawn
+# starts each child from scratch instead. Either way a child gets the launcher's
+# environment and sys.path of the moment it is started (``_child_main``).
+PRELOAD = ["torch", "torch.distributed", "triton", "dcpc.harness.worker",
+           "dcpc.harness.forkwarm"]
 
 
 def _status(exc: BaseException) -> str:

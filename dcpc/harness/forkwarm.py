@@ -1,0 +1,25 @@
+"""Imported once by the fork server ``dcpc.harness.launch`` starts its ranks from
+(``PRELOAD``), never by a rank itself: what every host-backend rank of every run
+would otherwise do again in a fresh process before its first call, done once, inherited
+by each forked rank.
+
+Measured per rank (sys.modules and cProfile of run_rank, schedules/ops/all_gather.yaml
+at W=3): the imports of the lowering (``worker.returned_names``), the host backend, the
+loader of the generated module, Triton's code generator (the interpreter's rewrite of
+jit functions) and torch.save's serialization (the shared float64 simulations), 0.1 to
+0.2 s of CPU; and ``lower.base_class_names`` (the runtime's module.py parsed and walked
+with ``ast``: lru-cached, so once per process), 0.2 s. A run of W ranks paid both W
+times; the fork server pays them once per test process.
+"""
+
+from __future__ import annotations
+
+import torch.utils.serialization  # noqa: F401
+import triton.compiler.code_generator  # noqa: F401
+
+import dcpc.harness.worker  # noqa: F401
+import dcpc.runtime.host  # noqa: F401
+import dcpc.runtime.loading  # noqa: F401
+from dcpc.codegen.lower import base_class_names
+
+base_class_names()
