@@ -22,4 +22,10 @@ import dcpc.runtime.host  # noqa: F401
 import dcpc.runtime.loading  # noqa: F401
 from dcpc.codegen.lower import base_class_names
 
-base_class_names()
+# the fork server survives only an ImportError of a preload: anything else here would
+# end it, and every later run of this process with an EOFError naming nothing; a rank
+# that finds the cache empty computes it itself and reports its own error, located
+try:
+    base_class_names()
+except Exception:  # noqa: BLE001 (a warm-up: the rank does the real work)
+    pass
