@@ -246,6 +246,7 @@ def compile_ptx(process: int, processes: int, *, modules: list[str],
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    from dcpc.runtime.clock import kernel_clock
     from dcpc.runtime.loading import import_file
 
     del process, processes
@@ -260,6 +261,8 @@ def compile_ptx(process: int, processes: int, *, modules: list[str],
             binder = create_function_from_signature(fn.signature, fn.params, backend)
             values = [_decode(a) for a in args]
             named = {key: _decode(v) for key, v in kwargs}
+            if "CLOCK" in named:  # the capture ran on CPU: the GPU's wait (its global timer)
+                named["CLOCK"] = kernel_clock("cuda")
             bound, specialization, options = binder(*values, **named)
             options, signature, constexprs, attrs = fn._pack_args(
                 backend, named, bound, specialization, options)

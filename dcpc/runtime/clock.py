@@ -22,6 +22,13 @@ import time
 from collections.abc import Callable
 
 SAMPLE_S = 0.05  # how long cpu_share spins to measure
+
+
+def kernel_clock(device_type: str) -> bool:
+    """Whether a kernel's waits time themselves (the ``CLOCK`` constexpr: the GPU's
+    global timer against ``timeout_ns``) on a device of this type; else (CPU, the Triton
+    interpreter) the host's watchdog stops them (``sync.Watchdog``)."""
+    return device_type == "cuda"
 MIN_SHARE = 1 / 16  # a blocking wait is stretched at most 16 times
 
 

@@ -21,6 +21,7 @@ import torch
 from dcpc.runtime import axes, calls, rendezvous, shapes, sync, tiles, validate
 from dcpc.runtime import guard as _guard
 from dcpc.runtime.backend import group_rank_world, make_heap, resolve_backend
+from dcpc.runtime.clock import kernel_clock
 from dcpc.runtime.errors import DcpcArgumentError, DcpcFailedError
 from dcpc.runtime.heap import poison_
 from dcpc.runtime.local import sync_stream
@@ -196,7 +197,7 @@ class ScheduleModule(TeamsMixin, calls.CallPlans):
         # DCPC_TRAP=0 (debugging, e.g. many ranks in one process, where a trap ends every
         # rank and its record): it records the error and returns, check_errors() raises it
         self._trap = self.device.type == "cuda" and os.environ.get("DCPC_TRAP", "1") != "0"
-        self._clock = self.device.type == "cuda"  # the kernel's deadline: the global timer
+        self._clock = kernel_clock(self.device.type)  # the kernel's deadline
         self._wp2 = tiles.next_pow2(self.world)  # pointer tables are loaded as vectors
         self._check_each_call = self.device.type == "cpu" and self.backend != "torch"
         self._env_const, self._maxima = self._bind_sizes(check_sizes(name, sizes, self.SIZES))
