@@ -24,6 +24,7 @@ from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, Schedule, Step
 from dcpc.lang.questions import Counterexample
 from dcpc.lang.sizes import WORLD
+from dcpc.ops import OPS
 from dcpc.ops.external import External
 from dcpc.ops.iface import Counts, RowIndex
 from dcpc.ops.registry import input_rules, placed
@@ -282,11 +283,20 @@ def _check_values(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]
                   f"({index.op.op}): an index takes the rows that exist (or -1, an empty "
                   "slot), not a declared range", hint="drop 'values' (the op bounds an index)")
         return
+    tight = None  # the ends' values nearest each other (an end named by a buffer)
     bounds = ctx.table.values.get(name)
+    if bounds is None and name in ctx.table.value_ends:
+        found = _bound_buffers(ctx, name, buffer, slots)
+        if found is None:
+            return  # reported
+        bounds, tight = found
     if bounds is None:
         return  # an end that does not parse or names an unknown size: reported
     low, high = bounds
+    own = ctx.table.value_ends.get(name, bounds)  # an end a buffer names: its own checks
     for node, end in ((low, "min"), (high, "max")):
+        if own[end == "max"] is None:
+            continue
         where = ctx.samples.inexact(node)
         if ctx.undecided(buffer.values.mark(end), f"'values: {end}' of buffer '{name}' "
                          f"({ex.unparse(node)})", where):
@@ -310,7 +320,7 @@ def _check_values(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]
                   "distinct: true}' (dcpc run draws them so; the engine must write them so)")
         return
     reported: set[str] = set()  # one error per end (several counts' capacities: the first)
-    asks = _range_asks(ctx, name, buffer, bounds, reads, slots.get(name))
+    asks = _range_asks(ctx, name, buffer, bounds, reads, slots.get(name), tight)
     asks += _rows_asks(ctx, name, buffer, bounds)
     for positive, says, hint, end in asks:
         if end in reported:
@@ -325,22 +335,133 @@ def _check_values(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]
 
 
 _Ask = tuple[ex.Expr, Callable[[Counterexample], str], str, str]
+_Bounds = tuple[ex.Expr, ex.Expr]
+
+
+def _bound_buffers(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str]
+                   ) -> tuple[_Bounds, _Bounds] | None:
+    """A ``values`` whose ends name buffers (``max: n_send``, ``ValueRange.buffers``):
+    each an integer buffer other than ``name``, no wider, its shape the first dims of
+    ``name``'s (read elementwise, broadcast over the rest), its own range size
+    expressions (declared, or row counts an op reads: 0 .. capacity; so no chain and no
+    cycle), and both buffers what the engine passes, drawn together at a call's start
+    (no step writes them, neither is the module's memory); not on a buffer drawn as
+    distinct rows. The ends (widest, nearest each other) with a named end replaced by
+    the named buffer's range, or None (reported, or an end reported by ``size_table``)."""
+    assert buffer.values is not None
+    named = buffer.values.buffers(ctx.schedule.buffers)
+    own = ctx.table.value_ends[name]
+    if any(own[i] is None and end not in named for i, end in enumerate(("min", "max"))):
+        return None  # a size-expression end that does not parse: reported
+    ranges: dict[str, _Bounds] = {}
+    for end, other in named.items():
+        mark = buffer.values.mark(end)
+        theirs = ctx.schedule.buffers[other]
+        said = f"'values: {end}' of buffer '{name}' names buffer '{other}'"
+        fix = f"bound it by a size expression ('{end}: C') or by another integer buffer"
+        problem, hint = _bound_problem(ctx, name, buffer, other, theirs, slots)
+        if problem is None:
+            found = ctx.table.values.get(other)
+            counts = [rule for _, rule in _value_rules(ctx.schedule, other)
+                      if isinstance(rule, Counts)]
+            if found is None and counts and other not in ctx.table.value_ends:
+                try:
+                    found = (("num", 0), ex.parse(counts[0].capacity))
+                except ex.ExprSyntaxError:
+                    return None  # the step's capacity: reported with the step
+            if found is None:
+                problem = ("whose own values are not bounded by size expressions ("
+                           + ("its 'values' names a buffer: a bound reads a buffer drawn by "
+                              "sizes, no chain or cycle)" if other in ctx.table.value_ends
+                              else "it declares no 'values' and no op reads it as counts)"))
+                hint = (f"declare '{other}' 'values: {{min: 0, max: C}}' with size "
+                        f"expressions, or {fix[0].lower()}{fix[1:]}")
+            else:
+                ranges[end] = found
+        if problem is not None:
+            ctx.error(mark, "bad-values", f"{said}, {problem}", hint=hint or fix)
+            return None
+    low, high = own
+    wide = (ranges["min"][0] if "min" in ranges else low,
+            ranges["max"][1] if "max" in ranges else high)
+    tight = (ranges["min"][1] if "min" in ranges else low,
+             ranges["max"][0] if "max" in ranges else high)
+    assert None not in wide and None not in tight
+    return wide, tight  # type: ignore[return-value]
+
+
+def _bound_problem(ctx: Context, name: str, buffer: Buffer, other: str, theirs: Buffer,
+                   slots: dict[str, str]) -> tuple[str | None, str | None]:
+    """What keeps buffer ``other`` from bounding ``name``'s values elementwise (the
+    message's tail and a hint, or None, None): see ``_bound_buffers``."""
+    fix = "bound it by a size expression, e.g. 'max: C'"
+    if other == name:
+        return "itself", fix
+    if theirs.dtype.is_float:
+        return f"a {theirs.dtype.value} buffer: a bound is an integer", \
+            "name an integer buffer (i32, i64), or " + fix[0].lower() + fix[1:]
+    if theirs.dtype.itemsize > buffer.dtype.itemsize:
+        return (f"an {theirs.dtype.value} buffer, wider than its {buffer.dtype.value}"), \
+            f"declare '{name}' {theirs.dtype.value}, or " + fix[0].lower() + fix[1:]
+    mine, shape = ctx.table.shapes.get(name), ctx.table.shapes.get(other)
+    if mine is not None and shape is not None and mine[:len(shape)] != shape:
+        dims = buffer.shape[:len(shape)] if len(shape) <= len(mine) else buffer.shape
+        return (f"of shape [{', '.join(map(str, theirs.shape))}], not the first dims of its "
+                f"[{', '.join(map(str, buffer.shape))}] (a bound is read elementwise, "
+                "broadcast over the last dims)"), \
+            f"name a buffer of shape [{', '.join(map(str, dims))}], or " + fix[0].lower() \
+            + fix[1:]
+    if buffer.values is not None and (buffer.values.distinct or name in slots):
+        return ("but it is drawn as distinct rows (an index): a bound read elementwise "
+                "bounds counts and ids"), fix
+    for who, spec in ((name, buffer), (other, theirs)):
+        if spec.is_symmetric or spec.persist:
+            return (f"but '{who}' is the module's memory: a drawn bound reads a buffer the "
+                    "engine passes, drawn with it at the call's start"), fix
+        step = _writer(ctx.schedule, who)
+        if step is not None:
+            return (f"but step '{step.name}' ({step.op.op}) writes '{who}': a drawn bound "
+                    "reads a buffer the engine passes, drawn with it at the call's start, "
+                    "never one a step writes"), fix
+    return None, None
+
+
+def _writer(schedule: Schedule, name: str) -> Step | None:
+    """The first step that writes ``name``, a slice of it or the buffer it is a slice of."""
+    part = schedule.slice_of(name)
+    same = {name, *schedule.cells(name), *(part[:1] if part else ())}
+    return next((step for step in schedule.step_list()
+                 if same & set(OPS[step.op.op].io(step.op)[1])), None)
 
 
 def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, ex.Expr],
-                reads: list[tuple[Step, object]], slot: str | None) -> list[_Ask]:
+                reads: list[tuple[Step, object]], slot: str | None,
+                tight: tuple[ex.Expr, ex.Expr] | None = None) -> list[_Ask]:
     """What must stay positive for every binding, what is wrong where it does not, the
     hint, the end to point at: not empty, max within the dtype, min not below 0 (-1 is
     the poison), min within the capacity of every count the buffer is read as, and below
-    ``slot``, the capacity of the slot a placement index (``placed``) names rows of."""
-    low, high = bounds
-    top = 2 ** (8 * buffer.dtype.itemsize - 1) - 1
+    ``slot``, the capacity of the slot a placement index (``placed``) names rows of.
+    ``tight``: where an end names a buffer (``_bound_buffers``), the ends nearest each
+    other (not empty, min within a capacity: for every element); ``bounds`` the widest."""
+    low, high = tight or bounds
     asks: list[_Ask] = [
         (("+", ("-", high, low), ("num", 1)),
          lambda at: f"'values' of buffer '{name}' is empty at W={at.world}"
          f"{_also(at, low, high)}: min {ex.unparse(low)} = {ex.evaluate(low, at.binding)} "
-         f"is above max {ex.unparse(high)} = {ex.evaluate(high, at.binding)}",
-         "both ends are included: 'values: {min: 0, max: E - 1}' is 0 .. E-1", "max"),
+         f"is above max {ex.unparse(high)} = {ex.evaluate(high, at.binding)}"
+         + (" (an end a buffer names: the nearest value it holds)" if tight else ""),
+         "both ends are included: 'values: {min: 0, max: E - 1}' is 0 .. E-1", "max")]
+    asks += _wide_asks(ctx, name, buffer, bounds, reads, slot, low)
+    return asks
+
+
+def _wide_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, ex.Expr],
+               reads: list[tuple[Step, object]], slot: str | None,
+               least: ex.Expr) -> list[_Ask]:
+    """``_range_asks`` but the emptiness: ``least`` is the largest value min takes."""
+    low, high = bounds
+    top = 2 ** (8 * buffer.dtype.itemsize - 1) - 1
+    asks: list[_Ask] = [
         (("-", ("num", top + 1), high),
          lambda at: f"'values: max' of buffer '{name}' ({ex.unparse(high)}) is "
          f"{ex.evaluate(high, at.binding)} at W={at.world}{_also(at, high)}, above the "
@@ -361,10 +482,10 @@ def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, 
             continue  # the step's capacity: reported with the step
         if ex.symbols(cap) <= known:
             asks.append((
-                ("+", ("-", cap, low), ("num", 1)),
+                ("+", ("-", cap, least), ("num", 1)),
                 lambda at, step=step, cap=cap: f"'values: min' of buffer '{name}' "
-                f"({ex.unparse(low)}) is {ex.evaluate(low, at.binding)} at W={at.world}"
-                f"{_also(at, low, cap)}, above the capacity {ex.unparse(cap)} = "
+                f"({ex.unparse(least)}) is {ex.evaluate(least, at.binding)} at W={at.world}"
+                f"{_also(at, least, cap)}, above the capacity {ex.unparse(cap)} = "
                 f"{ex.evaluate(cap, at.binding)} of the row counts step '{step.name}' "
                 f"({step.op.op}) reads it as: no count is both",
                 "a count is 0 .. its capacity: lower 'min'", "min"))
@@ -374,9 +495,9 @@ def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, 
         cap = None  # the step's capacity: reported with the step
     if cap is not None and ex.symbols(cap) <= known:
         asks.append((
-            ("-", cap, low),
-            lambda at: f"'values: min' of buffer '{name}' ({ex.unparse(low)}) is "
-            f"{ex.evaluate(low, at.binding)} at W={at.world}{_also(at, low, cap)}, not "
+            ("-", cap, least),
+            lambda at: f"'values: min' of buffer '{name}' ({ex.unparse(least)}) is "
+            f"{ex.evaluate(least, at.binding)} at W={at.world}{_also(at, least, cap)}, not "
             f"below the capacity {ex.unparse(cap)} = {ex.evaluate(cap, at.binding)} of the "
             "slot whose rows it names (a ragged move's index, or what lands in one): no "
             "row is both",

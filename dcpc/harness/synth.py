@@ -202,9 +202,10 @@ def call_inputs(
     known = IntRules(schedule, sizes)
     inputs = engine_inputs(schedule)
     out: list[Buffers] = []
+    order = drawn_first(inputs, known.named)
     for rank in range(world):
         bufs: Buffers = {}
-        for index, name in enumerate(inputs):
+        for index, name in order:
             if name in shared:
                 bufs[name] = shared[name].clone()
                 continue
@@ -244,6 +245,10 @@ class IntRules:
         self.capacities = count_capacities(schedule, sizes)
         self.rules = input_rules(schedule)
         self.placements = placements(schedule, sizes)
+        # ends of ``values`` that name a buffer (``max: n_send``), read elementwise
+        self.named = {name: b.values.buffers(schedule.buffers)
+                      for name, b in schedule.buffers.items()
+                      if b.values is not None and b.values.buffers(schedule.buffers)}
 
 
 def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: Buffers,
@@ -267,6 +272,12 @@ def int_value(schedule: m.Schedule, name: str, sizes: Mapping[str, int], bufs: B
     spec = schedule.buffers[name].values
     if bounds is not None and spec is not None and spec.distinct:  # no value twice
         return distinct_rows(*bounds, max(math.prod(shape), 1), shape, gen)
+    named = known.named.get(name, {})
+    if bounds is not None and any(other in bufs for other in named.values()):
+        ends = [bufs[named[end]].to(torch.int64) if named.get(end) in bufs else bound
+                for end, bound in zip(("min", "max"), bounds, strict=True)]
+        return in_range_each(torch.as_tensor(ends[0]).clamp(min=bounds[0]),
+                             torch.as_tensor(ends[1]).clamp(max=bounds[1]), shape, gen, *where)
     if bounds is not None:
         return in_range(*bounds, shape, gen, *where)
     if name in known.payloads:
@@ -421,13 +432,35 @@ def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tu
     a buffer of row counts (``Counts``) 0..its capacity, within what the buffer declares
     (``values: {min, max}``, docs/language.md)."""
     found = {name: (0, cap) for name, cap in count_capacities(schedule, sizes).items()}
+    later = []  # an end that names a buffer: that buffer's range, widest (``in_range_each``)
     for name, buffer in schedule.buffers.items():
-        if buffer.values is not None:
+        if buffer.values is not None and buffer.values.buffers(schedule.buffers):
+            later.append((name, buffer.values))
+        elif buffer.values is not None:
             low, high = (ex.evaluate(ex.parse(end), {**sizes})
                          for end in (buffer.values.min, buffer.values.max))
             rule = found.get(name, (low, high))
             found[name] = (max(low, rule[0]), min(high, rule[1]))
+    for name, spec in later:  # the checker: a named buffer's range is size expressions
+        named = spec.buffers(schedule.buffers)
+        low, high = (found[named[end]][i] if end in named
+                     else ex.evaluate(ex.parse(getattr(spec, end)), {**sizes})
+                     for i, end in enumerate(("min", "max")))
+        rule = found.get(name, (low, high))
+        found[name] = (max(low, rule[0]), min(high, rule[1]))
     return found
+
+
+def drawn_first(inputs: list[str], named: Mapping[str, Mapping[str, str]]
+                ) -> list[tuple[int, str]]:
+    """(index, name) of the engine inputs in the order ``call_inputs`` draws them: a
+    buffer that ends of ``values`` name (``named``: ``IntRules.named``) before the buffer
+    it bounds (the checker allows no chain: one level), each keeping its index (its
+    seed: the draws of the others are unchanged)."""
+    bounding = {other for ends in named.values() for other in ends.values()}
+    order = list(enumerate(inputs))
+    return [*(p for p in order if p[1] in bounding), *(p for p in order if p[1] not in bounding)] \
+        if bounding else order
 
 
 def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator,
@@ -449,6 +482,38 @@ def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator,
     picked = torch.tensor(ends, dtype=torch.int64)[torch.randperm(len(ends), generator=gen)]
     spots = torch.randperm(flat.numel(), generator=gen)[:len(ends)]
     flat[spots] = picked[: len(spots)]
+    return flat.reshape(shape)
+
+
+def in_range_each(low: torch.Tensor, high: torch.Tensor, shape: tuple[int, ...],
+                  gen: torch.Generator, call: int = 0, rank: int = 0, world: int = 1
+                  ) -> torch.Tensor:
+    """``in_range`` with ends per element: ``low`` and ``high`` int64 tensors of the
+    leading dims of ``shape`` (or scalars), broadcast over the rest (``values: {min: 0,
+    max: n_send}``: n_send [P, N] bounds n_send_gpu [P, N, G]); each element uniform in
+    its ``low..high``, both ends included, placed as ``in_range`` places them: in an even
+    call a random element at its low end on rank (call / 2) % W and one at its high end
+    on the next rank (each an element whose range has room, if any); in an odd call none
+    at the low end where the element's range has room. The checker keeps every element's range
+    nonempty (dcpc.check.names ``_bound_buffers``)."""
+    def spread(end: torch.Tensor) -> torch.Tensor:
+        end = end.to(torch.int64)
+        return end.reshape(*end.shape, *[1] * (len(shape) - end.dim())).expand(shape)
+
+    low, high = spread(low), spread(high)
+    floor = low + ((high > low) & bool(call % 2)).to(torch.int64)
+    share = torch.rand(shape, generator=gen, dtype=torch.float64)
+    value = torch.minimum(floor + (share * (high - floor + 1)).floor().to(torch.int64), high)
+    flat, lows, highs = value.reshape(-1).clone(), low.reshape(-1), high.reshape(-1)
+    lead = (call // 2) % max(world, 1)
+    if not call % 2 and flat.numel():
+        for end, on in ((lows, lead), (highs, (lead + 1) % max(world, 1))):
+            if on != rank:
+                continue
+            room = (highs > lows).nonzero().reshape(-1)
+            pool = room if room.numel() else torch.arange(flat.numel())
+            spot = pool[torch.randint(0, pool.numel(), (1,), generator=gen)]
+            flat[spot] = end[spot]
     return flat.reshape(shape)
 
 

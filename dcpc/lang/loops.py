@@ -51,7 +51,7 @@ from dcpc.diagnostics import Diagnostic, DiagnosticError, Mark, clipped, did_you
 from dcpc.lang import expr as ex
 from dcpc.lang.expr import OWNER
 from dcpc.lang.mesh import Mesh
-from dcpc.lang.nodes import ELEMENT, OWNER_COPY, OwnerCopy
+from dcpc.lang.nodes import ELEMENT, OWNER_COPY, OwnerCopy, bound_buffer
 from dcpc.lang.when import OWNER_MARK, RANK
 from dcpc.lang.yamlsrc import MARK, MARKS, MAX_STEPS  # MAX_STEPS: the language's step bound
 from dcpc.ops import _perm as perms
@@ -1556,9 +1556,26 @@ class _Unroller:
                                           "kernels move the slot whole)"),
                            f"read '{written}[{':, ' * axis}{i}]' in an external step, or "
                            "declare the chunk a buffer of its own")
-            out[part] = spec
+            out[part] = self._part_values(spec, buffers, lead, axis, i)
             marks["key:" + part] = marks.get("key:" + name)
             marks[part] = marks.get(name)
+
+    def _part_values(self, spec: dict[str, Any], buffers: dict[str, Any], lead: int,
+                     axis: int, i: int) -> dict[str, Any]:
+        """Slice ``i``'s declaration: ``spec``, an end of its ``values`` that names a
+        buffer split as it is (the same axis, as many slices: ``n_send_gpu[c]`` bounded
+        by ``n_send[c]``) renamed to that buffer's slice ``i``. A named buffer split
+        otherwise keeps its name, which then names no buffer (``bad-values``)."""
+        values = spec.get("values")
+        if not isinstance(values, dict):
+            return spec
+        renamed = dict(values)
+        for end in ("min", "max"):
+            other = bound_buffer(values.get(end), buffers)
+            if (other is not None and self.split.get(other) == lead
+                    and self.axes_of.get(other, (None,))[0] == axis):
+                renamed[end] = f"{other}_{i}"
+        return spec if renamed == values else {**spec, "values": renamed}
 
 
 def _owner_mark(body: dict[str, Any], file: str,

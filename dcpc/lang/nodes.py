@@ -141,15 +141,29 @@ class SizeSpec(Node):
         return self
 
 
+def bound_buffer(end: Any, buffers: Mapping[str, Any] | set[str]) -> str | None:
+    """The buffer an end of ``values`` names (``max: n_send``: read elementwise, its
+    shape a prefix of the bounded buffer's), or None: a size expression. One definition
+    for the unroller (its slices' names), the checker and ``dcpc run``'s draws."""
+    text = end.strip() if isinstance(end, str) else None
+    return text if text is not None and text.isidentifier() and text in buffers else None
+
+
 class ValueRange(Node):
     """The values an integer buffer holds, both ends included (``values: {min: 0,
-    max: W*L - 1}``: expert ids); each end a size expression."""
+    max: W*L - 1}``: expert ids); each end a size expression, or the name of an integer
+    buffer read elementwise (``max: n_send``: ``bound_buffer``)."""
 
-    min: SizeExpr = Field(description="the smallest value, a size expression")
-    max: SizeExpr = Field(description="the largest value, a size expression")
+    min: SizeExpr = Field(description="the smallest value, a size expression or a buffer")
+    max: SizeExpr = Field(description="the largest value, a size expression or a buffer")
     distinct: Bool = Field(
         default=False, description="no value twice in the buffer (an index an external step "
         "writes rows by: docs/language.md, rows by values); drawn so by `dcpc run`")
+
+    def buffers(self, buffers: Mapping[str, Any] | set[str]) -> dict[str, str]:
+        """``{end: buffer}`` for the ends that name a buffer (``bound_buffer``)."""
+        found = {end: bound_buffer(getattr(self, end), buffers) for end in ("min", "max")}
+        return {end: name for end, name in found.items() if name is not None}
 
 
 class Buffer(Node):

@@ -66,6 +66,10 @@ class SizeTable:
     shapes: dict[str, list[ex.Expr] | None] = field(default_factory=dict)
     # an integer buffer's ``values: {min, max}``, parsed; absent when not declared or broken
     values: dict[str, tuple[ex.Expr, ex.Expr]] = field(default_factory=dict)
+    # of a ``values`` with an end that names a buffer (``max: n_send``): its ends that
+    # are size expressions, parsed (None: the buffer's end, or one broken and reported)
+    value_ends: dict[str, tuple[ex.Expr | None, ex.Expr | None]] = field(
+        default_factory=dict)
     diagnostics: list[Diagnostic] = field(default_factory=list)
     mesh_constants: list[int] = field(default_factory=list)  # axes sized by an integer
 
@@ -132,19 +136,27 @@ def size_table(schedule: Schedule) -> SizeTable:
                 dims.append(node)
         table.shapes[name] = dims
         if buffer.values is not None:
-            bounds = [_size_expr(table, getattr(buffer.values, end), buffer.values.mark(end),
-                                 name, f"'values: {end}' of buffer '{name}',")
+            named = buffer.values.buffers(schedule.buffers)  # read elementwise: the checker's
+            integers = [n for n, b in schedule.buffers.items() if not b.dtype.is_float]
+            bounds = [None if end in named else
+                      _size_expr(table, getattr(buffer.values, end), buffer.values.mark(end),
+                                 name, f"'values: {end}' of buffer '{name}',", integers)
                       for end in ("min", "max")]
             if bounds[0] is not None and bounds[1] is not None:
                 table.values[name] = (bounds[0], bounds[1])
+            elif named:
+                table.value_ends[name] = (bounds[0], bounds[1])
     return table
 
 
-def _size_expr(table: SizeTable, text: str | int, mark: Mark, name: str, what: str
-               ) -> ex.Expr | None:
+def _size_expr(table: SizeTable, text: str | int, mark: Mark, name: str, what: str,
+               buffers: Sequence[str] | None = None) -> ex.Expr | None:
     """A buffer's size expression (a dimension, an end of its ``values``), parsed; None
     when it does not parse (``shape-syntax``) or names a size nobody declared
-    (``unknown-size``), both reported in ``table``."""
+    (``unknown-size``), both reported in ``table``. ``buffers``: an end of ``values``,
+    which may name one of these integer buffers instead (``bound_buffer``): a misspelt
+    one is suggested, and a buffer the loops split into slices (``n[c]``) is said so
+    (``bad-values``)."""
     try:
         node = parse_expr(text)
     except ex.ExprSyntaxError as err:
@@ -152,10 +164,21 @@ def _size_expr(table: SizeTable, text: str | int, mark: Mark, name: str, what: s
         return None
     unknown = sorted(ex.symbols(node) - set(table.sizes))
     for symbol in unknown:
+        if buffers is not None and f"{symbol}_0" in buffers and node == ("sym", symbol):
+            table.diagnostics.append(Diagnostic(
+                mark, "bad-values",
+                f"{what[:-1]} names buffer '{symbol}', which the steps use by slice "
+                f"('{symbol}[i]': its slices {symbol}_0 ..) while '{name}' is used whole: "
+                "a bound is read elementwise, slice i by slice i",
+                hint=f"use '{name}' by slice too ('{name}[i]', both along the same axis), "
+                "or bound it by a size expression",
+            ))
+            continue
         table.diagnostics.append(Diagnostic(
             mark, "unknown-size",
-            f"buffer '{name}' uses size '{symbol}', which is not declared under sizes",
-            hint=did_you_mean(symbol, table.sizes)
+            f"buffer '{name}' uses size '{symbol}', which is not declared under sizes"
+            + (" (nor is it an integer buffer)" if buffers is not None else ""),
+            hint=did_you_mean(symbol, [*table.sizes, *(buffers or ())])
             or f"declare it, e.g. 'sizes: {{{symbol}: {{max: 1024}}}}'",
         ))
     return None if unknown else node
