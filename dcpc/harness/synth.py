@@ -202,12 +202,17 @@ def call_inputs(
     known = IntRules(schedule, sizes)
     inputs = engine_inputs(schedule)
     out: list[Buffers] = []
-    order = drawn_first(inputs, known.named)
+    order = drawn_first(inputs, known.named, schedule)
+    bounding = {other for ends in known.named.values() for other in ends.values()}
     for rank in range(world):
         bufs: Buffers = {}
         for index, name in order:
             if name in shared:
                 bufs[name] = shared[name].clone()
+                continue
+            part = schedule.slice_of(name) if name in bounding else None
+            if part is not None and part[0] in bufs:  # one memory: the whole's view
+                bufs[name] = schedule.view(part[0], bufs[part[0]], part[1]).clone()
                 continue
             gen = torch.Generator().manual_seed(_mix(seed, call, rank, index))
             shape = buffer_shape(schedule, name, sizes)
@@ -451,16 +456,29 @@ def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tu
     return found
 
 
-def drawn_first(inputs: list[str], named: Mapping[str, Mapping[str, str]]
-                ) -> list[tuple[int, str]]:
+def drawn_first(inputs: list[str], named: Mapping[str, Mapping[str, str]],
+                schedule: m.Schedule | None = None) -> list[tuple[int, str]]:
     """(index, name) of the engine inputs in the order ``call_inputs`` draws them: a
     buffer that ends of ``values`` name (``named``: ``IntRules.named``) before the buffer
-    it bounds (the checker allows no chain: one level), each keeping its index (its
+    it bounds (the checker allows no chain: one level), and before it the whole buffer it
+    is a slice of (used whole and by slice: one memory, the slice the whole's view,
+    taken before the bounded buffer is drawn against it), each keeping its index (its
     seed: the draws of the others are unchanged)."""
     bounding = {other for ends in named.values() for other in ends.values()}
+    wholes = {part[0] for part in map(schedule.slice_of, bounding) if part is not None} \
+        if schedule is not None else set()
     order = list(enumerate(inputs))
-    return [*(p for p in order if p[1] in bounding), *(p for p in order if p[1] not in bounding)] \
-        if bounding else order
+    return [*(p for p in order if p[1] in wholes),
+            *(p for p in order if p[1] in bounding - wholes),
+            *(p for p in order if p[1] not in bounding | wholes)]
+
+
+def uniform(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator
+            ) -> torch.Tensor:
+    """Integers (int64) uniform in ``low..high``, both ends included: the one draw of
+    ``in_range`` and ``in_range_each``, exact over the whole i64 range (Python ints)."""
+    # drawn in (low - 1, high], plus 1: high + 1 would overflow at the largest i64
+    return torch.randint(low - 1, high, shape, generator=gen, dtype=torch.int64) + 1
 
 
 def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator,
@@ -473,8 +491,7 @@ def in_range(low: int, high: int, shape: tuple[int, ...], gen: torch.Generator,
     counts so come empty and full, partly filled, and in odd calls none empty (every
     peer gets rows)."""
     floor = low + 1 if call % 2 and high > low else low
-    # drawn in (floor - 1, high], plus 1: high + 1 would overflow at the largest i64
-    value = torch.randint(floor - 1, high, shape, generator=gen, dtype=torch.int64) + 1
+    value = uniform(floor, high, shape, gen)
     lead = (call // 2) % max(world, 1)
     ends = [end for end, on in ((low, lead), (high, (lead + 1) % max(world, 1)))
             if on == rank and not call % 2]
@@ -502,9 +519,14 @@ def in_range_each(low: torch.Tensor, high: torch.Tensor, shape: tuple[int, ...],
 
     low, high = spread(low), spread(high)
     floor = low + ((high > low) & bool(call % 2)).to(torch.int64)
-    share = torch.rand(shape, generator=gen, dtype=torch.float64)
-    value = torch.minimum(floor + (share * (high - floor + 1)).floor().to(torch.int64), high)
-    flat, lows, highs = value.reshape(-1).clone(), low.reshape(-1), high.reshape(-1)
+    flat, lows, highs = torch.zeros(math.prod(shape), dtype=torch.int64), \
+        low.reshape(-1), high.reshape(-1)
+    if flat.numel():  # ``uniform`` once per distinct range, in the ranges' order
+        ranges, which = torch.unique(torch.stack([floor.reshape(-1), highs], 1), dim=0,
+                                     return_inverse=True)
+        for k, (bottom, top) in enumerate(ranges.tolist()):
+            spots = (which == k).nonzero().reshape(-1)
+            flat[spots] = uniform(bottom, top, (spots.numel(),), gen)
     lead = (call // 2) % max(world, 1)
     if not call % 2 and flat.numel():
         for end, on in ((lows, lead), (highs, (lead + 1) % max(world, 1))):

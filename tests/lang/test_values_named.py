@@ -237,3 +237,61 @@ def test_in_range_each_places_the_ends_as_in_range() -> None:
             at_high = int((got[[0, 2]] == high[[0, 2], None]).sum())
             assert at_low == (not call % 2 and rank == lead), (call, rank, got)
             assert at_high == (not call % 2 and rank == (lead + 1) % 3), (call, rank, got)
+
+
+# n used whole (an external step reads it after the loop) and by slice (n[c]): one
+# memory, the slice n_c the whole's view; per[c] is bounded by n_c as the module sees it
+LOOPED_WHOLE = LOOPED.replace(
+    "  n:    {shape: [P, W], dtype: i32}\n",
+    "  n:    {shape: [P, W], dtype: i32, values: {min: 0, max: C}}\n"
+    "  o2:   {shape: [W], dtype: i32}\n",
+) + "  - tail: {op: external, reads: [n], writes: [o2]}\n"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bound_used_whole_and_by_slice_bounds_the_slice_the_module_sees(world: int
+                                                                           ) -> None:
+    """The whole n is drawn, its slices taken as its views, before per[c] is drawn
+    against n[c] (was: per drawn against a slice draw the whole's view then replaced,
+    185 of 400 draws out of bound)."""
+    assert check_errors(LOOPED_WHOLE) == [], [d.render() for d in check_errors(LOOPED_WHOLE)]
+    schedule = parse_text(LOOPED_WHOLE, "s.yaml")
+    assert "n" in synth.engine_inputs(schedule) and schedule.slices == {"n": 2}
+    ctor = synth.constructor_sizes(schedule, world)
+    top = 0
+    for seed in range(10):
+        for call in range(4):
+            sizes = synth.call_sizes(schedule, world, ctor, seed, call)
+            for bufs in synth.call_inputs(schedule, world, sizes, seed, call):
+                for c in range(2):
+                    n = bufs[f"n_{c}"].to(torch.int64).unsqueeze(-1)
+                    assert torch.equal(bufs["n"][c].to(torch.int64), n.squeeze(-1))
+                    per = bufs[f"per_{c}"]
+                    assert bool(((per >= 0) & (per <= n)).all()), (seed, call, n, per)
+                    top += int(((per == n) & (n > 0)).sum())
+    assert top
+
+
+def test_in_range_each_is_exact_over_the_whole_i64_range() -> None:
+    """Ends at the i64 extremes: no wrap (was: high - floor + 1 overflowed, negative
+    draws), no float rounding (was: share * span in float64, every odd-call draw over
+    0 .. 2^60 even or odd alike); both ends a draw over small ranges still."""
+    top = 2**63 - 1
+    for call in range(4):
+        got = synth.in_range_each(torch.tensor([0, 5, 0]), torch.tensor([top, top, 2**60]),
+                                  (3, 400), torch.Generator().manual_seed(call), call)
+        assert bool((got[:2] >= torch.tensor([[0], [5]])).all()), got
+        assert bool((got[2] <= 2**60).all())
+        assert 100 < int((got[2] % 2).sum()) < 300  # odd and even alike
+    text = TEXT.replace("wide: {shape: [W], dtype: i64, values: {min: 0, max: C}}",
+                        f"wide: {{shape: [W], dtype: i64, values: {{min: 0, max: {top}}}}}")
+    text = text.replace("per:  {shape: [W, G], dtype: i32, values: {min: 0, max: n}}",
+                        "per:  {shape: [W, G], dtype: i64, values: {min: 0, max: wide}}")
+    schedule = parse_text(text, "s.yaml")
+    ctor = synth.constructor_sizes(schedule, 2)
+    for seed in range(5):
+        for call in range(4):
+            sizes = synth.call_sizes(schedule, 2, ctor, seed, call)
+            for bufs in synth.call_inputs(schedule, 2, sizes, seed, call):
+                bound = bufs["wide"].unsqueeze(1)
+                assert bool(((bufs["per"] >= 0) & (bufs["per"] <= bound)).all()), bufs
