@@ -27,7 +27,7 @@ from dcpc.lang.sizes import WORLD
 from dcpc.ops import OPS
 from dcpc.ops.external import External
 from dcpc.ops.iface import Counts, RowIndex
-from dcpc.ops.registry import input_rules, placed
+from dcpc.ops.registry import count_capacities, input_rules, placed
 from dcpc.ops.sync import Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
@@ -362,22 +362,28 @@ def _bound_buffers(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str
         problem, hint = _bound_problem(ctx, name, buffer, other, theirs, slots)
         if problem is None:
             found = ctx.table.values.get(other)
-            counts = [rule for _, rule in _value_rules(ctx.schedule, other)
-                      if isinstance(rule, Counts)]
-            if found is None and counts and other not in ctx.table.value_ends:
+            caps = [] if found is not None or other in ctx.table.value_ends \
+                else list(dict.fromkeys(count_capacities(ctx.schedule).get(other, [])))
+            if len(caps) == 1:
                 try:
-                    found = (("num", 0), ex.parse(counts[0].capacity))
+                    found = (("num", 0), ex.parse(caps[0]))
                 except ex.ExprSyntaxError:
                     return None  # the step's capacity: reported with the step
-            if found is None:
+            if found is not None:
+                ranges[end] = found
+            elif caps:  # dcpc run draws by the last: no one range the checker can read
+                problem = ("which steps read as row counts of capacities "
+                           f"{' and '.join(caps)}: it declares no 'values' to say which "
+                           "range it holds")
+                hint = (f"declare '{other}' 'values: {{min: 0, max: {caps[0]}}}', or "
+                        f"{fix[0].lower()}{fix[1:]}")
+            else:
                 problem = ("whose own values are not bounded by size expressions ("
                            + ("its 'values' names a buffer: a bound reads a buffer drawn by "
                               "sizes, no chain or cycle)" if other in ctx.table.value_ends
                               else "it declares no 'values' and no op reads it as counts)"))
                 hint = (f"declare '{other}' 'values: {{min: 0, max: C}}' with size "
                         f"expressions, or {fix[0].lower()}{fix[1:]}")
-            else:
-                ranges[end] = found
         if problem is not None:
             ctx.error(mark, "bad-values", f"{said}, {problem}", hint=hint or fix)
             return None

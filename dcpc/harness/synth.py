@@ -36,9 +36,10 @@ from dcpc.lang import model as m
 from dcpc.numerics import FP8_E4M3_MAX, FP8_FORMATS
 from dcpc.ops import OPS, cast
 from dcpc.ops.external import External
-from dcpc.ops.iface import Counts, Requests, RowIndex, TensorScale, Unsent
+from dcpc.ops.iface import Requests, RowIndex, TensorScale, Unsent
 from dcpc.ops.ragged_all_to_all import round_trip
 from dcpc.ops.registry import carries, input_rules, is_move, names, placed
+from dcpc.ops.registry import count_capacities as capacities_of
 
 SMALL_MAX = {"T": 8, "B": 4, "N": 16}  # per-call maxima the harness lowers to
 DEFAULT_SMALL_MAX = 8
@@ -563,11 +564,10 @@ def distinct_rows(low: int, high: int, cap: int, shape: tuple[int, ...],
 
 def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
     """The buffers of row counts (``Counts``), each with its capacity this call (the last
-    step's that names it)."""
+    step's that names it: dcpc.ops.registry ``count_capacities``)."""
     env = {**sizes}
-    return {name: ex.evaluate(ex.parse(rule.capacity), env)
-            for rules in input_rules(schedule) for name, rule in rules.items()
-            if isinstance(rule, Counts)}
+    return {name: ex.evaluate(ex.parse(caps[-1]), env)
+            for name, caps in capacities_of(schedule).items()}
 
 
 def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[str, int],

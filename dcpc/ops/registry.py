@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dcpc.lang.nodes import BUFFER_KEYS, Name
-from dcpc.ops.iface import Placement
+from dcpc.ops.iface import Counts, Placement
 
 if TYPE_CHECKING:
     from dcpc.lang.nodes import OpBase, ScheduleView, Step
@@ -150,6 +150,19 @@ def carries(op: OpBase) -> list[tuple[str, str]]:
     ``semantics`` and the checker's ``pairs`` take them)."""
     return list(zip(names(getattr(op, "src", None)), names(getattr(op, "dst", None)),
                     strict=False))
+
+
+def count_capacities(schedule: ScheduleView) -> dict[str, list[str]]:
+    """The buffers ops read as row counts (``Counts``), each with the capacities (size
+    expressions) of the steps that read it so, in step order. ``dcpc run`` draws a count
+    in 0 .. the last (dcpc.harness.synth ``count_capacities``); a ``values`` end that
+    names such a buffer needs one capacity (dcpc.check.names ``_bound_buffers``)."""
+    found: dict[str, list[str]] = {}
+    for rules in input_rules(schedule):
+        for name, rule in rules.items():
+            if isinstance(rule, Counts):
+                found.setdefault(name, []).append(rule.capacity)
+    return found
 
 
 def placed(schedule: ScheduleView) -> dict[str, str]:

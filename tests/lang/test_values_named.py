@@ -295,3 +295,48 @@ def test_in_range_each_is_exact_over_the_whole_i64_range() -> None:
             for bufs in synth.call_inputs(schedule, 2, sizes, seed, call):
                 bound = bufs["wide"].unsqueeze(1)
                 assert bool(((bufs["per"] >= 0) & (bufs["per"] <= bound)).all()), bufs
+
+
+# n read as row counts by two moves of capacities C and 2 * C: dcpc run draws it by the
+# last, 0 .. 2 * C; a bound that names it reads no one range (was: the checker took the
+# first, C, while idx was drawn up to 2 * C into q's C + 1 rows)
+TWO_CAPS = """schedule: tc
+sizes: {C: {max: 4}, H: 8}
+buffers:
+  x:    {shape: [W, C, H], dtype: bf16}
+  x2:   {shape: [W, 2 * C, H], dtype: bf16}
+  n:    {shape: [W], dtype: i32}
+  x_r:  {shape: [W, C, H], dtype: bf16, symmetric: true}
+  x_r2: {shape: [W, 2 * C, H], dtype: bf16, symmetric: true}
+  n_r:  {shape: [W], dtype: i32, symmetric: true}
+  n_r2: {shape: [W], dtype: i32, symmetric: true}
+  q:    {shape: [C + 1, H], dtype: f32}
+  idx:  {shape: [W], dtype: i32, values: {min: 0, max: n}}
+  o:    {shape: [W, H], dtype: f32}
+steps:
+  - go:  {op: ragged_all_to_all, src: x, dst: x_r, counts: n, recv_counts: n_r, capacity: C}
+  - go2: {op: ragged_all_to_all, src: x2, dst: x_r2, counts: n, recv_counts: n_r2,
+          capacity: 2 * C}
+  - use: {op: external, reads: ["q[idx]", x_r, x_r2], writes: [o]}
+  - b: {op: barrier}
+"""
+
+
+def test_a_bound_naming_counts_of_several_capacities_is_refused() -> None:
+    found = check_errors(TWO_CAPS)
+    line = TWO_CAPS.splitlines()[11]
+    assert [(d.code, d.mark.line, d.mark.col) for d in found] == [
+        ("bad-values", 12, line.index("max: n") + 6)], [d.render() for d in found]
+    assert "capacities C and 2 * C" in found[0].message
+    assert "declare 'n' 'values: {min: 0, max: C}'" in found[0].hint
+    fixed = TWO_CAPS.replace("n:    {shape: [W], dtype: i32}",
+                             "n:    {shape: [W], dtype: i32, values: {min: 0, max: C}}")
+    assert check_errors(fixed) == [], [d.render() for d in check_errors(fixed)]
+    schedule = parse_text(fixed, "s.yaml")
+    ctor = synth.constructor_sizes(schedule, 2)
+    for seed in range(5):
+        for call in range(4):
+            sizes = synth.call_sizes(schedule, 2, ctor, seed, call)
+            for bufs in synth.call_inputs(schedule, 2, sizes, seed, call):
+                assert int(bufs["n"].max()) <= sizes["C"]
+                assert bool((bufs["idx"] <= bufs["n"]).all())
