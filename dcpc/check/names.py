@@ -401,6 +401,9 @@ def _bound_problem(ctx: Context, name: str, buffer: Buffer, other: str, theirs: 
     """What keeps buffer ``other`` from bounding ``name``'s values elementwise (the
     message's tail and a hint, or None, None): see ``_bound_buffers``."""
     fix = "bound it by a size expression, e.g. 'max: C'"
+    if other in ctx.table.sizes:
+        return (f"and size '{other}' too: a bound names one or the other, never both "
+                "(ambiguous)"), f"rename size '{other}' or buffer '{other}'"
     if other == name:
         return "itself", fix
     if theirs.dtype.is_float:

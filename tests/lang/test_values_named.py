@@ -340,3 +340,17 @@ def test_a_bound_naming_counts_of_several_capacities_is_refused() -> None:
             for bufs in synth.call_inputs(schedule, 2, sizes, seed, call):
                 assert int(bufs["n"].max()) <= sizes["C"]
                 assert bool((bufs["idx"] <= bufs["n"]).all())
+
+
+def test_a_name_both_a_size_and_a_buffer_is_refused_as_ambiguous() -> None:
+    """`max: n` with a size n and a buffer n: neither meaning silently (main read the
+    size, the named bound the buffer); the hint (rename one) is accepted."""
+    text = TEXT.replace("G: 3, H: 8}", "G: 3, H: 8, n: 2}")
+    found = check_errors(text)
+    line = text.splitlines()[LINE - 1]
+    assert [(d.code, d.mark.line, d.mark.col) for d in found] == [
+        ("bad-values", LINE, line.index("max: n") + 6)], [d.render() for d in found]
+    assert "and size 'n' too" in found[0].message
+    assert found[0].hint == "rename size 'n' or buffer 'n'"
+    renamed = text.replace("H: 8, n: 2}", "H: 8, k: 2}")
+    assert check_errors(renamed) == [], [d.render() for d in check_errors(renamed)]
