@@ -24,10 +24,9 @@ from dcpc.lang import expr as ex
 from dcpc.lang.model import Buffer, Schedule, Step
 from dcpc.lang.questions import Counterexample
 from dcpc.lang.sizes import WORLD
-from dcpc.ops import OPS
 from dcpc.ops.external import External
 from dcpc.ops.iface import Counts, RowIndex
-from dcpc.ops.registry import count_capacities, input_rules, placed
+from dcpc.ops.registry import count_capacities, input_rules, placed, writer
 from dcpc.ops.sync import Signal, Wait
 
 LOWER_IDENT = re.compile(r"[a-z_][a-z0-9_]*\Z")
@@ -358,7 +357,8 @@ def _bound_buffers(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str
         mark = buffer.values.mark(end)
         theirs = ctx.schedule.buffers[other]
         said = f"'values: {end}' of buffer '{name}' names buffer '{other}'"
-        fix = f"bound it by a size expression ('{end}: C') or by another integer buffer"
+        size = _a_size(ctx)
+        fix = f"bound it by a size expression ('{end}: {size}') or by another integer buffer"
         problem, hint = _bound_problem(ctx, name, buffer, other, theirs, slots)
         if problem is None:
             found = ctx.table.values.get(other)
@@ -382,7 +382,7 @@ def _bound_buffers(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str
                            + ("its 'values' names a buffer: a bound reads a buffer drawn by "
                               "sizes, no chain or cycle)" if other in ctx.table.value_ends
                               else "it declares no 'values' and no op reads it as counts)"))
-                hint = (f"declare '{other}' 'values: {{min: 0, max: C}}' with size "
+                hint = (f"declare '{other}' 'values: {{min: 0, max: {size}}}' with size "
                         f"expressions, or {fix[0].lower()}{fix[1:]}")
         if problem is not None:
             ctx.error(mark, "bad-values", f"{said}, {problem}", hint=hint or fix)
@@ -396,11 +396,18 @@ def _bound_buffers(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str
     return wide, tight  # type: ignore[return-value]
 
 
+def _a_size(ctx: Context) -> str:
+    """A size the file declares, for a hint's example ('max: C'): the first declared
+    that is well formed, else W."""
+    return next((name for name, size in ctx.table.sizes.items()
+                 if name != WORLD and not size.broken), WORLD)
+
+
 def _bound_problem(ctx: Context, name: str, buffer: Buffer, other: str, theirs: Buffer,
                    slots: dict[str, str]) -> tuple[str | None, str | None]:
     """What keeps buffer ``other`` from bounding ``name``'s values elementwise (the
     message's tail and a hint, or None, None): see ``_bound_buffers``."""
-    fix = "bound it by a size expression, e.g. 'max: C'"
+    fix = f"bound it by a size expression, e.g. 'max: {_a_size(ctx)}'"
     if other in ctx.table.sizes:
         return (f"and size '{other}' too: a bound names one or the other, never both "
                 "(ambiguous)"), f"rename size '{other}' or buffer '{other}'"
@@ -427,20 +434,12 @@ def _bound_problem(ctx: Context, name: str, buffer: Buffer, other: str, theirs: 
         if spec.is_symmetric or spec.persist:
             return (f"but '{who}' is the module's memory: a drawn bound reads a buffer the "
                     "engine passes, drawn with it at the call's start"), fix
-        step = _writer(ctx.schedule, who)
+        step = writer(ctx.schedule, who)
         if step is not None:
             return (f"but step '{step.name}' ({step.op.op}) writes '{who}': a drawn bound "
                     "reads a buffer the engine passes, drawn with it at the call's start, "
                     "never one a step writes"), fix
     return None, None
-
-
-def _writer(schedule: Schedule, name: str) -> Step | None:
-    """The first step that writes ``name``, a slice of it or the buffer it is a slice of."""
-    part = schedule.slice_of(name)
-    same = {name, *schedule.cells(name), *(part[:1] if part else ())}
-    return next((step for step in schedule.step_list()
-                 if same & set(OPS[step.op.op].io(step.op)[1])), None)
 
 
 def _range_asks(ctx: Context, name: str, buffer: Buffer, bounds: tuple[ex.Expr, ex.Expr],

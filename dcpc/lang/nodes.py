@@ -313,6 +313,10 @@ class ScheduleView(Protocol):
 
     def step_list(self) -> list[Step]: ...
 
+    def slice_of(self, name: str) -> tuple[str, int] | None: ...
+
+    def cells(self, name: str) -> list[str]: ...
+
 
 def int_sizes(schedule: ScheduleView) -> dict[str, int]:
     """The sizes declared as plain integers."""

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from dcpc.diagnostics import Diagnostic, Mark, clipped, did_you_mean
 from dcpc.lang import expr as ex
 from dcpc.lang.mesh import mesh_of, shape_of
 from dcpc.lang.model import Schedule, SizeSpec
+from dcpc.ops.registry import writer
 
 Binding = dict[str, int]
 
@@ -140,7 +142,8 @@ def size_table(schedule: Schedule) -> SizeTable:
             integers = [n for n, b in schedule.buffers.items() if not b.dtype.is_float]
             bounds = [None if end in named else
                       _size_expr(table, getattr(buffer.values, end), buffer.values.mark(end),
-                                 name, f"'values: {end}' of buffer '{name}',", integers)
+                                 name, f"'values: {end}' of buffer '{name}',", integers,
+                                 partial(_may_bound, schedule, name))
                       for end in ("min", "max")]
             if bounds[0] is not None and bounds[1] is not None:
                 table.values[name] = (bounds[0], bounds[1])
@@ -149,14 +152,24 @@ def size_table(schedule: Schedule) -> SizeTable:
     return table
 
 
+def _may_bound(schedule: Schedule, name: str, other: str) -> bool:
+    """Whether integer buffer ``other`` is one a ``values`` end of ``name`` may name as
+    far as the hint of a misspelt end goes: not ``name`` itself, not the module's memory,
+    not one a step writes (dcpc.check.names refuses those)."""
+    theirs = schedule.buffers[other]
+    return (other != name and not theirs.is_symmetric and not theirs.persist
+            and writer(schedule, other) is None)
+
+
 def _size_expr(table: SizeTable, text: str | int, mark: Mark, name: str, what: str,
-               buffers: Sequence[str] | None = None) -> ex.Expr | None:
+               buffers: Sequence[str] | None = None,
+               may_bound: Callable[[str], bool] | None = None) -> ex.Expr | None:
     """A buffer's size expression (a dimension, an end of its ``values``), parsed; None
     when it does not parse (``shape-syntax``) or names a size nobody declared
     (``unknown-size``), both reported in ``table``. ``buffers``: an end of ``values``,
     which may name one of these integer buffers instead (``bound_buffer``): a misspelt
     one is suggested, and a buffer the loops split into slices (``n[c]``) is said so
-    (``bad-values``)."""
+    (``bad-values``); ``may_bound``: of those, the ones the hint may suggest."""
     try:
         node = parse_expr(text)
     except ex.ExprSyntaxError as err:
@@ -174,12 +187,18 @@ def _size_expr(table: SizeTable, text: str | int, mark: Mark, name: str, what: s
                 "or bound it by a size expression",
             ))
             continue
+        inside = buffers is not None and symbol in buffers  # 'max: n + 1': n a buffer
         table.diagnostics.append(Diagnostic(
             mark, "unknown-size",
             f"buffer '{name}' uses size '{symbol}', which is not declared under sizes"
-            + (" (nor is it an integer buffer)" if buffers is not None else ""),
-            hint=did_you_mean(symbol, [*table.sizes, *(buffers or ())])
-            or f"declare it, e.g. 'sizes: {{{symbol}: {{max: 1024}}}}'",
+            + ("" if buffers is None else
+               f" (buffer '{symbol}' bounds only as a whole end: 'max: {symbol}')" if inside
+               else " (nor is it an integer buffer)"),
+            hint=(f"write 'max: {symbol}' (or 'min: {symbol}') alone, or a size expression"
+                  if inside else
+                  did_you_mean(symbol, [*table.sizes, *(b for b in buffers or ()
+                                                         if may_bound is None or may_bound(b))])
+                  or f"declare it, e.g. 'sizes: {{{symbol}: {{max: 1024}}}}'"),
         ))
     return None if unknown else node
 

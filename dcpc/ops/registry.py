@@ -152,6 +152,16 @@ def carries(op: OpBase) -> list[tuple[str, str]]:
                     strict=False))
 
 
+def writer(schedule: ScheduleView, name: str) -> Step | None:
+    """The first step that writes ``name``, a slice of it or the buffer it is a slice of
+    (a ``values`` end that names a buffer never names one a step writes: dcpc.check.names,
+    and the hint of dcpc.lang.sizes)."""
+    part = schedule.slice_of(name)
+    same = {name, *schedule.cells(name), *(part[:1] if part else ())}
+    return next((step for step in schedule.step_list()
+                 if same & set(OPS[step.op.op].io(step.op)[1])), None)
+
+
 def count_capacities(schedule: ScheduleView) -> dict[str, list[str]]:
     """The buffers ops read as row counts (``Counts``), each with the capacities (size
     expressions) of the steps that read it so, in step order. ``dcpc run`` draws a count

@@ -354,3 +354,40 @@ def test_a_name_both_a_size_and_a_buffer_is_refused_as_ambiguous() -> None:
     assert found[0].hint == "rename size 'n' or buffer 'n'"
     renamed = text.replace("H: 8, n: 2}", "H: 8, k: 2}")
     assert check_errors(renamed) == [], [d.render() for d in check_errors(renamed)]
+
+
+@pytest.mark.parametrize(("spelling", "suggested"), [
+    ("pr", None),     # per itself: never
+    ("mde", None),    # made, which step 'use' writes: refused, never suggested
+    ("n_rr", None),   # n_r, the module's memory: refused, never suggested
+    ("nn", "n"),      # n: an engine input, suggested, and accepted
+])
+def test_the_did_you_mean_of_a_misspelt_bound_names_only_a_buffer_it_may_name(
+        spelling: str, suggested: str | None) -> None:
+    found = check_errors(TEXT.replace(GOOD, f"values: {{min: 0, max: {spelling}}}"))
+    assert [d.code for d in found] == ["unknown-size"], [d.render() for d in found]
+    assert "(nor is it an integer buffer)" in found[0].message
+    assert ("did you mean" in found[0].hint) == (suggested is not None), found[0].hint
+    if suggested is not None:
+        assert f"'{suggested}'" in found[0].hint
+        assert check_errors(TEXT.replace(GOOD, f"values: {{min: 0, max: {suggested}}}")) == []
+
+
+def test_a_buffer_inside_a_size_expression_is_said_so() -> None:
+    """`max: n + 1`: n is an integer buffer, which bounds only as a whole end (not "nor
+    is it an integer buffer"); the hint, followed, is accepted."""
+    found = check_errors(TEXT.replace(GOOD, "values: {min: 0, max: n + 1}"))
+    assert [d.code for d in found] == ["unknown-size"], [d.render() for d in found]
+    assert "buffer 'n' bounds only as a whole end" in found[0].message
+    assert "nor is it" not in found[0].message
+    assert found[0].hint.startswith("write 'max: n'")
+    assert check_errors(TEXT.replace(GOOD, "values: {min: 0, max: n}")) == []
+
+
+def test_the_hint_of_a_refused_bound_names_a_size_the_file_has() -> None:
+    """No 'C' in a file without C: the example names its first size (K here)."""
+    text = TEXT.replace("C", "K").replace(GOOD, "values: {min: 0, max: made}")
+    found = check_errors(text)
+    assert [d.code for d in found] == ["bad-values"], [d.render() for d in found]
+    assert found[0].hint == "bound it by a size expression, e.g. 'max: K'"
+    assert check_errors(text.replace("max: made}", "max: K}")) == []
