@@ -80,6 +80,9 @@ SLICE_AXES = "__slice_axes__"
 # the slots whose chunks are taken (``b[s][:, k]``), as the file writes them (slot 'b_<s>'
 # -> 'b[<s>]'): Schedule.slice_text names a chunk with it
 SLOT_TEXT = "__slot_text__"
+# every buffer the loops index (buffer -> its slice count), used only by slice or whole
+# too: Schedule.sliced (a ``values`` end naming one the steps use only by slice)
+SPLIT = "__split__"
 
 
 def _plain(shape: list[Any]) -> str:
@@ -1493,6 +1496,7 @@ class _Unroller:
             out.pop(name, None)  # only its rotations are used (a mixed one was unrolled again)
         aliased: dict[str, int] = {}
         axes: dict[str, int] = {}  # the aliased ones sliced along a later axis
+        split: dict[str, int] = {}  # every one split into its slices
         for name, lead in self.split.items():
             spec = out.get(name)
             axis = self.axes_of[name][0]
@@ -1512,6 +1516,7 @@ class _Unroller:
                 continue
             if axis and name in aliased:
                 axes[name] = axis
+            split[name] = lead
             self._parts(out, marks, buffers, name, lead, axis,
                         dict(out[name] if name in aliased else out.pop(name)))
         slots = {}
@@ -1525,6 +1530,8 @@ class _Unroller:
             data[SLICE_AXES] = axes
         if slots:
             data[SLOT_TEXT] = slots
+        if split:
+            data[SPLIT] = split
 
     def _parts(self, out: dict[str, Any], marks: dict[str, Any], buffers: dict[str, Any],
                name: str, lead: int, axis: int, spec: dict[str, Any],

@@ -124,6 +124,9 @@ class Schedule(Node):
     # the slots whose chunks are taken (``b[s][:, k]``): slot 'b_<s>' -> 'b[<s>]', as
     # the file writes it
     _slot_text: dict[str, str] = PrivateAttr(default_factory=dict)
+    # every buffer the loops index (``n[c]``: used only by slice, or whole too as in
+    # ``_slices``): buffer -> its slice count
+    _sliced: dict[str, int] = PrivateAttr(default_factory=dict)
 
     @property
     def loop_world(self) -> int | tuple[int, ...] | None:
@@ -132,6 +135,12 @@ class Schedule(Node):
     @property
     def slices(self) -> dict[str, int]:
         return self._slices
+
+    @property
+    def sliced(self) -> dict[str, int]:
+        """Every buffer the loops index, used only by slice (its slices '<name>_<k>'
+        are buffers of their own, the name none) or whole too (``slices``)."""
+        return self._sliced
 
     def view(self, whole: str, value: Any, k: int) -> Any:
         """Slice ``k`` of buffer ``whole`` (used whole and by slice) in its tensor

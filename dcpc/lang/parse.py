@@ -72,6 +72,7 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
     slices = data.pop(loops.SLICES, {}) if isinstance(data, dict) else {}
     axes = data.pop(loops.SLICE_AXES, {}) if isinstance(data, dict) else {}
     slots = data.pop(loops.SLOT_TEXT, {}) if isinstance(data, dict) else {}
+    split = data.pop(loops.SPLIT, {}) if isinstance(data, dict) else {}
     _refuse_too_many(data, file)
     try:
         schedule = model.Schedule.model_validate(data)
@@ -82,6 +83,7 @@ def parse_loaded(raw: Any, digest: str, file: str, world: int | None) -> model.S
     schedule._slices = dict(slices)
     schedule._slice_axes = dict(axes)
     schedule._slot_text = dict(slots)
+    schedule._sliced = dict(split)
     return schedule
 
 

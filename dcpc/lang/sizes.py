@@ -143,7 +143,7 @@ def size_table(schedule: Schedule) -> SizeTable:
             bounds = [None if end in named else
                       _size_expr(table, getattr(buffer.values, end), buffer.values.mark(end),
                                  name, f"'values: {end}' of buffer '{name}',", integers,
-                                 partial(_may_bound, schedule, name))
+                                 partial(_may_bound, schedule, name), schedule.sliced)
                       for end in ("min", "max")]
             if bounds[0] is not None and bounds[1] is not None:
                 table.values[name] = (bounds[0], bounds[1])
@@ -163,13 +163,15 @@ def _may_bound(schedule: Schedule, name: str, other: str) -> bool:
 
 def _size_expr(table: SizeTable, text: str | int, mark: Mark, name: str, what: str,
                buffers: Sequence[str] | None = None,
-               may_bound: Callable[[str], bool] | None = None) -> ex.Expr | None:
+               may_bound: Callable[[str], bool] | None = None,
+               split: Mapping[str, int] | None = None) -> ex.Expr | None:
     """A buffer's size expression (a dimension, an end of its ``values``), parsed; None
     when it does not parse (``shape-syntax``) or names a size nobody declared
     (``unknown-size``), both reported in ``table``. ``buffers``: an end of ``values``,
     which may name one of these integer buffers instead (``bound_buffer``): a misspelt
     one is suggested, and a buffer the loops split into slices (``n[c]``) is said so
-    (``bad-values``); ``may_bound``: of those, the ones the hint may suggest."""
+    (``bad-values``; ``split``: ``Schedule.sliced``); ``may_bound``: of those, the ones
+    the hint may suggest."""
     try:
         node = parse_expr(text)
     except ex.ExprSyntaxError as err:
@@ -177,7 +179,7 @@ def _size_expr(table: SizeTable, text: str | int, mark: Mark, name: str, what: s
         return None
     unknown = sorted(ex.symbols(node) - set(table.sizes))
     for symbol in unknown:
-        if buffers is not None and f"{symbol}_0" in buffers and node == ("sym", symbol):
+        if buffers is not None and symbol in (split or {}) and node == ("sym", symbol):
             table.diagnostics.append(Diagnostic(
                 mark, "bad-values",
                 f"{what[:-1]} names buffer '{symbol}', which the steps use by slice "

@@ -391,3 +391,15 @@ def test_the_hint_of_a_refused_bound_names_a_size_the_file_has() -> None:
     assert [d.code for d in found] == ["bad-values"], [d.render() for d in found]
     assert found[0].hint == "bound it by a size expression, e.g. 'max: K'"
     assert check_errors(text.replace("max: made}", "max: K}")) == []
+
+
+def test_a_slice_is_known_by_the_loops_not_by_its_name() -> None:
+    """A bound naming a buffer the loops split is said so (Schedule.sliced); a buffer
+    that merely ends in _0 (m_0, no loop) makes 'max: m' an unknown name, not a slice."""
+    assert parse_text(LOOPED, "s.yaml").sliced == {"n": 2, "per": 2, "x": 2, "o": 2}
+    text = TEXT.replace(GOOD, "values: {min: 0, max: m}").replace(
+        "  made: {shape: [W], dtype: i32}\n",
+        "  made: {shape: [W], dtype: i32}\n  m_0:  {shape: [W], dtype: i32}\n").replace(
+        "by_g, free]", "by_g, free, m_0]")
+    found = check_errors(text)
+    assert [d.code for d in found] == ["unknown-size"], [d.render() for d in found]
