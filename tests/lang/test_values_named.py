@@ -7,7 +7,9 @@ n_send_gpu[c, m, g] <= n_send[c, m]: schedules/gallery/deepep_normal.yaml)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,17 +159,21 @@ def test_a_bound_follows_the_slices_of_a_loop() -> None:
     assert "use 'per' by slice too" in found[0].hint
 
 
-def _drawn(text: str, world: int, seeds: range, calls: int = 4
-           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    schedule = parse_text(text, "s.yaml")
+def _ranks_inputs(schedule: Any, world: Any, seeds: range, calls: int = 4
+                  ) -> Iterator[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """Every rank's drawn inputs of every call of every seed, with the call's sizes."""
     ctor = synth.constructor_sizes(schedule, world)
-    out = []
     for seed in seeds:
         for call in range(calls):
             sizes = synth.call_sizes(schedule, world, ctor, seed, call)
             for bufs in synth.call_inputs(schedule, world, sizes, seed, call):
-                out.append((bufs["n"], bufs["per"]))
-    return out
+                yield sizes, bufs
+
+
+def _drawn(text: str, world: int, seeds: range, calls: int = 4
+           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(bufs["n"], bufs["per"]) for _, bufs in
+            _ranks_inputs(parse_text(text, "s.yaml"), world, seeds, calls)]
 
 
 def test_the_draws_stay_within_each_elements_bound_and_reach_both_ends() -> None:
@@ -204,18 +210,14 @@ def test_deepep_normal_draws_per_gpu_counts_within_the_nodes() -> None:
     file = ROOT / "schedules" / "gallery" / "deepep_normal.yaml"
     world = MeshWorld((2, 3))
     schedule = parse_file(file, world)
-    ctor = synth.constructor_sizes(schedule, world)
     top = zero = 0
-    for seed in range(3):
-        for call in range(4):
-            sizes = synth.call_sizes(schedule, world, ctor, seed, call)
-            for bufs in synth.call_inputs(schedule, world, sizes, seed, call):
-                for c in range(3):
-                    n = bufs[f"n_send_{c}"].to(torch.int64).unsqueeze(1)
-                    per = bufs[f"n_send_gpu_{c}"]
-                    assert bool(((per >= 0) & (per <= n)).all()), (n, per)
-                    top += int(((per == n) & (n > 0)).sum())
-                    zero += int(((per == 0) & (n > 0)).sum())
+    for _, bufs in _ranks_inputs(schedule, world, range(3)):
+        for c in range(3):
+            n = bufs[f"n_send_{c}"].to(torch.int64).unsqueeze(1)
+            per = bufs[f"n_send_gpu_{c}"]
+            assert bool(((per >= 0) & (per <= n)).all()), (n, per)
+            top += int(((per == n) & (n > 0)).sum())
+            zero += int(((per == 0) & (n > 0)).sum())
     assert top and zero
 
 
@@ -257,18 +259,14 @@ def test_a_bound_used_whole_and_by_slice_bounds_the_slice_the_module_sees(world:
     assert check_errors(LOOPED_WHOLE) == [], [d.render() for d in check_errors(LOOPED_WHOLE)]
     schedule = parse_text(LOOPED_WHOLE, "s.yaml")
     assert "n" in synth.engine_inputs(schedule) and schedule.slices == {"n": 2}
-    ctor = synth.constructor_sizes(schedule, world)
     top = 0
-    for seed in range(10):
-        for call in range(4):
-            sizes = synth.call_sizes(schedule, world, ctor, seed, call)
-            for bufs in synth.call_inputs(schedule, world, sizes, seed, call):
-                for c in range(2):
-                    n = bufs[f"n_{c}"].to(torch.int64).unsqueeze(-1)
-                    assert torch.equal(bufs["n"][c].to(torch.int64), n.squeeze(-1))
-                    per = bufs[f"per_{c}"]
-                    assert bool(((per >= 0) & (per <= n)).all()), (seed, call, n, per)
-                    top += int(((per == n) & (n > 0)).sum())
+    for _, bufs in _ranks_inputs(schedule, world, range(10)):
+        for c in range(2):
+            n = bufs[f"n_{c}"].to(torch.int64).unsqueeze(-1)
+            assert torch.equal(bufs["n"][c].to(torch.int64), n.squeeze(-1))
+            per = bufs[f"per_{c}"]
+            assert bool(((per >= 0) & (per <= n)).all()), (n, per)
+            top += int(((per == n) & (n > 0)).sum())
     assert top
 
 
@@ -288,13 +286,9 @@ def test_in_range_each_is_exact_over_the_whole_i64_range() -> None:
     text = text.replace("per:  {shape: [W, G], dtype: i32, values: {min: 0, max: n}}",
                         "per:  {shape: [W, G], dtype: i64, values: {min: 0, max: wide}}")
     schedule = parse_text(text, "s.yaml")
-    ctor = synth.constructor_sizes(schedule, 2)
-    for seed in range(5):
-        for call in range(4):
-            sizes = synth.call_sizes(schedule, 2, ctor, seed, call)
-            for bufs in synth.call_inputs(schedule, 2, sizes, seed, call):
-                bound = bufs["wide"].unsqueeze(1)
-                assert bool(((bufs["per"] >= 0) & (bufs["per"] <= bound)).all()), bufs
+    for _, bufs in _ranks_inputs(schedule, 2, range(5)):
+        bound = bufs["wide"].unsqueeze(1)
+        assert bool(((bufs["per"] >= 0) & (bufs["per"] <= bound)).all()), bufs
 
 
 # n read as row counts by two moves of capacities C and 2 * C: dcpc run draws it by the
@@ -333,13 +327,9 @@ def test_a_bound_naming_counts_of_several_capacities_is_refused() -> None:
                              "n:    {shape: [W], dtype: i32, values: {min: 0, max: C}}")
     assert check_errors(fixed) == [], [d.render() for d in check_errors(fixed)]
     schedule = parse_text(fixed, "s.yaml")
-    ctor = synth.constructor_sizes(schedule, 2)
-    for seed in range(5):
-        for call in range(4):
-            sizes = synth.call_sizes(schedule, 2, ctor, seed, call)
-            for bufs in synth.call_inputs(schedule, 2, sizes, seed, call):
-                assert int(bufs["n"].max()) <= sizes["C"]
-                assert bool((bufs["idx"] <= bufs["n"]).all())
+    for sizes, bufs in _ranks_inputs(schedule, 2, range(5)):
+        assert int(bufs["n"].max()) <= sizes["C"]
+        assert bool((bufs["idx"] <= bufs["n"]).all())
 
 
 def test_a_name_both_a_size_and_a_buffer_is_refused_as_ambiguous() -> None:

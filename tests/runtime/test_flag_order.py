@@ -12,13 +12,12 @@ add of nothing: no value read or written changes).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import script_env
+from support import child_result
 
 SCHEDULE = """\
 schedule: flag_order
@@ -90,12 +89,7 @@ def _child() -> None:
 
 @pytest.mark.e2e
 def test_a_peer_that_signalled_and_closed_during_a_poll_is_no_failure() -> None:
-    env = script_env(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, "child"], capture_output=True,
-                          text=True, timeout=400, env=env)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = child_result(__file__, "child")
     assert out["polls"] >= 2, out  # the hold happened: rank 0 spun past rank 1's close
     assert out.get("result") == ["ok", "ok"], out
 
