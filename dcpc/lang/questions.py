@@ -16,6 +16,8 @@ from dcpc.lang import exact
 from dcpc.lang import expr as ex
 from dcpc.lang.sizes import WORLD, Binding, SizeTable, _eval, sample_bindings
 
+UNDECIDED = "it cannot be decided exactly: "  # an undecided answer's detail, then the reason
+
 
 @dataclass(frozen=True)
 class Counterexample:
@@ -103,7 +105,7 @@ class Samples:
     def _refused(self, err: exact.Undecided) -> Counterexample:
         world = self.space.worlds[0] if self.space.worlds else self.worlds[0]
         return Counterexample(self.space.binding(tuple(self.space.base(world))),
-                              f"it cannot be decided exactly: {err}", undecided=True,
+                              f"{UNDECIDED}{err}", undecided=True,
                               spent=err.spent)
 
     def inexact(self, node: ex.Expr) -> Counterexample | None:
@@ -124,7 +126,7 @@ class Samples:
         outer question is refused with it)."""
         found = self.inexact(node)
         if found is not None and found.undecided:
-            raise exact.Undecided(found.detail.removeprefix("it cannot be decided exactly: "),
+            raise exact.Undecided(found.detail.removeprefix(UNDECIDED),
                                   spent=found.spent)
         return found
 
