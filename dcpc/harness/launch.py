@@ -150,7 +150,10 @@ def _child_main(
 # 3 s of CPU per process to import; a run starts W of them), and what every rank would
 # otherwise import or compute again in every run (dcpc.harness.forkwarm): DCPC_LAUNCH=spawn
 # starts each child from scratch instead. Either way a child gets the launcher's
-# environment and sys.path of the moment it is started (``_child_main``).
+# environment and sys.path of the moment it is started (``_child_main``), but what the
+# fork server preloaded (dcpc included) comes from where the server found it: its
+# working directory, PYTHONPATH, the installed tree (Python 3.11's forkserver ignores
+# the launcher's sys.path).
 PRELOAD = ["torch", "torch.distributed", "triton", "dcpc.harness.worker",
            "dcpc.harness.forkwarm"]
 
