@@ -371,7 +371,7 @@ def _bound_buffers(ctx: Context, name: str, buffer: Buffer, slots: dict[str, str
                     return None  # the step's capacity: reported with the step
             if found is not None:
                 ranges[end] = found
-            elif caps:  # dcpc run draws by the last: no one range the checker can read
+            elif caps:  # dcpc run draws within the least: no one expression the checker reads
                 problem = ("which steps read as row counts of capacities "
                            f"{' and '.join(caps)}: it declares no 'values' to say which "
                            "range it holds")

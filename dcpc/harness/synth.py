@@ -437,7 +437,7 @@ def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tu
     """The values of the integer buffers that have a range this call, both ends included:
     a buffer of row counts (``Counts``) 0..its capacity, within what the buffer declares
     (``values: {min, max}``, docs/language.md)."""
-    found = {name: (0, cap) for name, cap in count_capacities(schedule, sizes).items()}
+    found = {name: (0, min(caps)) for name, caps in count_capacities(schedule, sizes).items()}
     later = []  # an end that names a buffer: that buffer's range, widest (``in_range_each``)
     for name, buffer in schedule.buffers.items():
         if buffer.values is not None and buffer.values.buffers(schedule.buffers):
@@ -562,16 +562,18 @@ def distinct_rows(low: int, high: int, cap: int, shape: tuple[int, ...],
     return flat.reshape(shape)
 
 
-def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
-    """The buffers of row counts (``Counts``), each with its capacity this call (the last
-    step's that names it: dcpc.ops.registry ``count_capacities``)."""
+def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, list[int]]:
+    """The buffers of row counts (``Counts``), each with its capacities this call, one per
+    step that reads it so, in step order (dcpc.ops.registry ``count_capacities``). A count
+    is drawn within the least of them (``value_ranges``): every step that reads it takes
+    it (above a step's capacity its simulation and its kernel refuse the call)."""
     env = {**sizes}
-    return {name: ex.evaluate(ex.parse(caps[-1]), env)
+    return {name: [ex.evaluate(ex.parse(cap), env) for cap in caps]
             for name, caps in capacities_of(schedule).items()}
 
 
 def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[str, int],
-              bufs: Buffers, capacities: Mapping[str, int],
+              bufs: Buffers, capacities: Mapping[str, list[int]],
               gen: torch.Generator) -> torch.Tensor:
     """The index ``name`` [T, K] into the rows of ``rule.rows`` (x): distinct rows per
     token where it can, a quarter of the slots empty (-1). x [W, capacity, H] (or
@@ -602,11 +604,13 @@ def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[st
     chunk = _slice_index(name) or _slice_index(rule.rows)
     ordered = sorted(capacities.items(), key=lambda item: chunk is not None
                      and _slice_index(item[0]) != chunk)
-    for counts, cap in ordered:
+    for counts, caps in ordered:
         # a slot of cap rows per count: [W, cap] blocks, or a grouped ragged's [W, G*cap]
-        # with counts [W, G] (flat slot j * G + g)
+        # with counts [W, G] (flat slot j * G + g); of a count's capacities, x's
         live = bufs[counts].to(torch.int64).reshape(-1) if counts in bufs else None
-        if live is not None and len(x_shape) == 3 and x_shape[0] * x_shape[1] == live.numel() * cap:
+        cap = next((c for c in caps if live is not None and len(x_shape) == 3
+                    and x_shape[0] * x_shape[1] == live.numel() * c), None)
+        if cap is not None:
             rows = torch.cat([j * cap + torch.arange(int(n)) for j, n in enumerate(live)])
             break
     return _pick_rows(rows, tokens, topk, lead, gen)

@@ -165,7 +165,7 @@ def writer(schedule: ScheduleView, name: str) -> Step | None:
 def count_capacities(schedule: ScheduleView) -> dict[str, list[str]]:
     """The buffers ops read as row counts (``Counts``), each with the capacities (size
     expressions) of the steps that read it so, in step order. ``dcpc run`` draws a count
-    in 0 .. the last (dcpc.harness.synth ``count_capacities``); a ``values`` end that
+    in 0 .. the least (dcpc.harness.synth ``count_capacities``); a ``values`` end that
     names such a buffer needs one capacity (dcpc.check.names ``_bound_buffers``)."""
     found: dict[str, list[str]] = {}
     for rules in input_rules(schedule):

@@ -240,3 +240,46 @@ def test_a_placement_range_with_no_row_of_the_slot_is_refused(spot: str, spellin
     assert f"'values: min' of buffer '{name}' (C) is 1 at W=2, C=1, not below the " \
         "capacity C = 1 of the slot" in found.message, found.message
     assert check_errors(text.replace("{min: C,", "{min: 0,")) == []
+
+
+TWO_CAPS = """schedule: two_caps
+sizes: {C: {max: 3}, H: 8}
+buffers:
+  x_small: {shape: [W, C, H], dtype: bf16}
+  x_big:   {shape: [W, 2*C, H], dtype: bf16}
+  n:       {shape: [W], dtype: i32}
+  r_small: {shape: [W, C, H], dtype: bf16, symmetric: true}
+  n_small: {shape: [W], dtype: i32, symmetric: true}
+  r_big:   {shape: [W, 2*C, H], dtype: bf16, symmetric: true}
+  n_big:   {shape: [W], dtype: i32, symmetric: true}
+steps:
+  - small: {op: ragged_all_to_all, src: x_small, dst: r_small, counts: n,
+            recv_counts: n_small, capacity: C}
+  - big:   {op: ragged_all_to_all, src: x_big, dst: r_big, counts: n,
+            recv_counts: n_big, capacity: 2*C}
+  - use:   {op: external, reads: [r_small, n_small, r_big, n_big]}
+  - release: {op: barrier}
+"""
+
+
+@pytest.mark.e2e
+def test_counts_read_at_two_capacities_are_drawn_within_the_least(tmp_path: Path) -> None:
+    """Counts two steps read, at capacities C and 2*C, were drawn up to the last step's
+    (2*C): the first step's simulation refused the call ("rank 1's counts[0] = 6 is
+    outside [0, capacity 3]"). Now within the least, both ends reached, and the run
+    matches float64."""
+    from dcpc.harness.run import RunConfig, run_schedule
+
+    path = tmp_path / "two_caps.yaml"
+    path.write_text(TWO_CAPS)
+    schedule = parse_file(path, 2)
+    assert synth.value_ranges(schedule, {"W": 2, "C": 3, "H": 8})["n"] == (0, 3)
+    ctor = synth.constructor_sizes(schedule, 2)
+    seen = [v for call in range(4)
+            for bufs in synth.call_inputs(schedule, 2, synth.call_sizes(schedule, 2, ctor, 0, call),
+                                          0, call)
+            for v in bufs["n"].tolist()]
+    assert max(seen) == 3 and min(seen) == 0, seen
+    report = run_schedule(RunConfig(schedule=str(path), world=2, backend="host", calls=4))
+    assert report.ok and report.mismatches == 0, report.errors()
+    assert sum(s.compared for s in report.outputs.values()) > 0
