@@ -437,7 +437,7 @@ def value_ranges(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, tu
     """The values of the integer buffers that have a range this call, both ends included:
     a buffer of row counts (``Counts``) 0..its capacity, within what the buffer declares
     (``values: {min, max}``, docs/language.md)."""
-    found = {name: (0, min(caps)) for name, caps in count_capacities(schedule, sizes).items()}
+    found = {name: (0, cap) for name, cap in least_capacities(schedule, sizes).items()}
     later = []  # an end that names a buffer: that buffer's range, widest (``in_range_each``)
     for name, buffer in schedule.buffers.items():
         if buffer.values is not None and buffer.values.buffers(schedule.buffers):
@@ -565,11 +565,25 @@ def distinct_rows(low: int, high: int, cap: int, shape: tuple[int, ...],
 def count_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, list[int]]:
     """The buffers of row counts (``Counts``), each with its capacities this call, one per
     step that reads it so, in step order (dcpc.ops.registry ``count_capacities``). A count
-    is drawn within the least of them (``value_ranges``): every step that reads it takes
-    it (above a step's capacity its simulation and its kernel refuse the call)."""
+    is drawn within the least of them (``least_capacities``, ``value_ranges``): every step
+    that reads it takes it (above a step's capacity its simulation and its kernel refuse
+    the call)."""
     env = {**sizes}
     return {name: [ex.evaluate(ex.parse(cap), env) for cap in caps]
             for name, caps in capacities_of(schedule).items()}
+
+
+def least_capacities(schedule: m.Schedule, sizes: Mapping[str, int]) -> dict[str, int]:
+    """Each count's bound this call: the least capacity of the steps that read it, where
+    a buffer used whole and by slice (``Schedule.slice_of``: ``n`` and ``n[c]``, one
+    memory) counts the capacities of the whole and of every slice for each of them (the
+    whole too where only its slices are read as counts)."""
+    caps = count_capacities(schedule, sizes)
+    memory = {name: (schedule.slice_of(name) or (name, 0))[0] for name in caps}
+    least: dict[str, int] = {}
+    for name, values in caps.items():
+        least[memory[name]] = min(values + [least.get(memory[name], min(values))])
+    return least | {name: least[memory[name]] for name in caps}  # the whole's too
 
 
 def row_index(schedule: m.Schedule, name: str, rule: RowIndex, sizes: Mapping[str, int],

@@ -262,23 +262,53 @@ steps:
 """
 
 
+# n read whole by a grouped move of capacity 2*C and by slice (n[c], one memory with n)
+# by moves of capacity C (the review's case: the slices' bound was not the whole's)
+WHOLE_AND_SLICES = """schedule: whole_slice
+sizes: {C: {max: 3}, H: 8}
+buffers:
+  n:  {shape: [W, W], dtype: i32}
+  xg: {shape: [W, W*2*C, H], dtype: bf16}
+  rg: {shape: [W, W*2*C, H], dtype: bf16, symmetric: true}
+  ng: {shape: [W, W], dtype: i32, symmetric: true}
+  xs: {shape: [W, W, C, H], dtype: bf16}
+  rs: {shape: [W, W, C, H], dtype: bf16, symmetric: true}
+  ns: {shape: [W, W], dtype: i32, symmetric: true}
+steps:
+  - whole: {op: ragged_all_to_all, src: xg, dst: rg, counts: n, recv_counts: ng, capacity: 2*C,
+            groups: W}
+  - per:
+      repeat: W
+      as: c
+      steps:
+        - s: {op: ragged_all_to_all, src: "xs[c]", dst: "rs[c]", counts: "n[c]",
+              recv_counts: "ns[c]", capacity: C}
+        - u: {op: external, reads: ["rs[c]", "ns[c]"]}
+  - use: {op: external, reads: [rg, ng]}
+  - release: {op: barrier}
+"""
+
+
 @pytest.mark.e2e
-def test_counts_read_at_two_capacities_are_drawn_within_the_least(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text", [TWO_CAPS, WHOLE_AND_SLICES],
+                         ids=["two_steps", "whole_and_slices"])
+def test_counts_read_at_two_capacities_are_drawn_within_the_least(text: str,
+                                                                   tmp_path: Path) -> None:
     """Counts two steps read, at capacities C and 2*C, were drawn up to the last step's
     (2*C): the first step's simulation refused the call ("rank 1's counts[0] = 6 is
-    outside [0, capacity 3]"). Now within the least, both ends reached, and the run
-    matches float64."""
+    outside [0, capacity 3]"); a buffer read whole at 2*C and by slice at C, within the
+    whole's. Now within the least, both ends reached, and the run matches float64."""
     from dcpc.harness.run import RunConfig, run_schedule
 
     path = tmp_path / "two_caps.yaml"
-    path.write_text(TWO_CAPS)
+    path.write_text(text)
     schedule = parse_file(path, 2)
     assert synth.value_ranges(schedule, {"W": 2, "C": 3, "H": 8})["n"] == (0, 3)
     ctor = synth.constructor_sizes(schedule, 2)
     seen = [v for call in range(4)
             for bufs in synth.call_inputs(schedule, 2, synth.call_sizes(schedule, 2, ctor, 0, call),
                                           0, call)
-            for v in bufs["n"].tolist()]
+            for v in bufs["n"].flatten().tolist()]
     assert max(seen) == 3 and min(seen) == 0, seen
     report = run_schedule(RunConfig(schedule=str(path), world=2, backend="host", calls=4))
     assert report.ok and report.mismatches == 0, report.errors()

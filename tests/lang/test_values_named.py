@@ -291,9 +291,10 @@ def test_in_range_each_is_exact_over_the_whole_i64_range() -> None:
         assert bool(((bufs["per"] >= 0) & (bufs["per"] <= bound)).all()), bufs
 
 
-# n read as row counts by two moves of capacities C and 2 * C: dcpc run draws it by the
-# last, 0 .. 2 * C; a bound that names it reads no one range (was: the checker took the
-# first, C, while idx was drawn up to 2 * C into q's C + 1 rows)
+# n read as row counts by two moves of capacities C and 2 * C: dcpc run draws it within
+# the least, 0 .. C, which is no one size expression: a bound that names it reads no one
+# range (was: the checker took the first, C, while idx was drawn up to 2 * C into q's
+# C + 1 rows)
 TWO_CAPS = """schedule: tc
 sizes: {C: {max: 4}, H: 8}
 buffers:
