@@ -45,7 +45,8 @@ CODE_PARTS = ("runtime", "harness", "reference")
 CPU_ONLY_FILES = ("dcpc/harness/interpret.py",)
 CPU_ONLY_DEFS = {"dcpc/runtime/local.py": ("_install_interpreter_threads",
                                            "_lazy_tuple_types", "_np_dtype_memo",
-                                           "_no_discarded_overflow_checks")}
+                                           "_no_discarded_overflow_checks",
+                                           "_shared_block_types")}
 
 
 def _sha(data: bytes) -> str:

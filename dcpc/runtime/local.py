@@ -352,8 +352,80 @@ def _install_interpreter_threads() -> None:
         if triton.__version__.startswith("3.6."):  # what the two below were measured on
             interpreter._get_np_dtype = _np_dtype_memo(interpreter._get_np_dtype)
             _lazy_tuple_types()
+            _shared_block_types(interpreter)
             _no_discarded_overflow_checks(interpreter)
         interpreter._dcpc_threads = True  # type: ignore[attr-defined]
+
+
+def _shared_block_types(interpreter: Any) -> None:
+    """Triton 3.6's interpreter makes a new ``block_type`` for nearly every operation's
+    result (the builder's ``get_block_ty``, ``block_type.with_element_ty``: its shape
+    unwrapped and validated, its name formatted), and every ``tl.tensor`` made of one
+    wraps each dimension of its shape in a new ``constexpr``: a tenth to a fifth of a
+    rank's CPU under ``dcpc run`` (cProfile of gallery deepep_normal at 2x3). A block type
+    is never changed once made (nothing in Triton assigns its fields), so one is kept per
+    (element type, shape) and handed out again, made by the original constructor the
+    first time; a tensor of a kept block type makes its shape (a ``tl.tuple`` of its own,
+    as before) from the type's ``constexpr`` dimensions and numel, made once (a
+    ``constexpr`` is never changed). An element type is
+    told by its class, name and address space (what its ``__eq__`` compares: two equal
+    ones give the same block type, equal to what either would have made)."""
+    from triton.language import core
+
+    block_type, constexpr = core.block_type, core.constexpr
+    kept: dict[tuple, Any] = {}
+
+    def shared(element_ty: Any, shape: Any) -> Any:
+        try:
+            key = (type(element_ty), element_ty.name,
+                   getattr(element_ty, "address_space", None),
+                   tuple(s.value if isinstance(s, constexpr) else s for s in shape))
+            found = kept.get(key)
+        except (AttributeError, TypeError):  # anything unexpected: the original, not kept
+            return block_type(element_ty, shape)
+        if found is None:
+            found = block_type(element_ty, shape)
+            found.__dict__["_dcpc_tensor_shape"] = (
+                [constexpr(s) for s in found.shape], constexpr(found.numel))
+            kept[key] = found
+        return found
+
+    def with_element_ty(self: Any, scalar_ty: Any) -> Any:
+        return shared(scalar_ty, self.shape)
+
+    builder = type(interpreter.interpreter_builder)
+    builder.get_block_ty = lambda self, dtype, shape: shared(dtype, shape)  # type: ignore[attr-defined]
+    block_type.with_element_ty = with_element_ty  # type: ignore[method-assign]
+    original_init, shape_tuple = core.tensor.__init__, core.tuple
+    scalar_shape = ([], constexpr(1))
+
+    def tensor_init(self: Any, handle: Any, type: Any) -> None:  # `type`: Triton's own keyword
+        made = (type.__dict__.get("_dcpc_tensor_shape") if type.is_block()
+                else scalar_shape)
+        if made is None:  # a block type made elsewhere (arange, splat, ...): as before
+            original_init(self, handle, type)
+            return
+        self.handle = handle
+        self.shape, self.numel = shape_tuple(made[0]), made[1]
+        self.type = type
+        self.dtype = type.scalar
+
+    core.tensor.__init__ = tensor_init  # type: ignore[method-assign]
+
+    # two blocks of one shape: nothing to broadcast (the original's answer, without its
+    # walk over the dimensions in tl.tuple and constexpr comparisons)
+    from triton.language.semantic import TritonSemantic
+
+    broadcast = TritonSemantic.broadcast_impl_value
+
+    def broadcast_impl_value(self: Any, lhs: Any, rhs: Any) -> Any:
+        left, right = lhs.type, rhs.type
+        if (left.is_block() and right.is_block() and type(left.shape) is shape_tuple
+                and type(right.shape) is shape_tuple and left.shape.values == right.shape.values):
+            return lhs, rhs
+        return broadcast(self, lhs, rhs)
+
+    TritonSemantic.broadcast_impl_value = broadcast_impl_value  # type: ignore[method-assign]
 
 
 def _lazy_tuple_types() -> None:

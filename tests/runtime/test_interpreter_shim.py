@@ -1,7 +1,7 @@
 """The CPU interpreter's shim (dcpc.runtime.local._install_interpreter_threads) makes
 Triton 3.6's interpreter cheaper without changing an answer: its NumPy dtype of every
-Triton type is the original's, and a ``tl.tuple``'s type, made at its first read, is the
-one Triton made at construction."""
+Triton type is the original's, a ``tl.tuple``'s type, made at its first read, is the
+one Triton made at construction, and a kept block type is the one Triton makes."""
 
 from __future__ import annotations
 
@@ -87,3 +87,38 @@ def test_the_overflow_test_nothing_reads_is_not_built() -> None:
     with np.errstate(over="ignore"):
         want = want * np.int32(3) + want - np.int32(7)
     assert out.tolist() == want.tolist()
+
+
+def test_a_kept_block_type_is_the_one_triton_makes_and_tensors_keep_their_shapes() -> None:
+    """The builder's block types and ``with_element_ty``'s are kept per (element type,
+    shape): equal to (same name, shape, numel) a new one, the same object when asked
+    again, another for another element type or shape; a tensor of one has its own
+    ``tl.tuple`` shape of ``constexpr``s and its numel, as Triton's constructor makes
+    them; two blocks of one shape broadcast to themselves, others as before."""
+    _install_interpreter_threads()
+    builder, semantic = interpreter.interpreter_builder, interpreter.interpreter_semantic
+    for element in (tl.float32, tl.int1, tl.pointer_type(tl.bfloat16),
+                    tl.pointer_type(tl.int64, 1, True)):
+        for shape in ([4, 8], [tl.constexpr(16)], [2, 1, 4]):
+            want = tl.block_type(element, shape)
+            got = builder.get_block_ty(element, shape)
+            assert got == want and (got.name, got.shape, got.numel) == (
+                want.name, want.shape, want.numel), (element, shape)
+            assert builder.get_block_ty(element, list(want.shape)) is got
+            assert want.with_element_ty(tl.int8) is builder.get_block_ty(tl.int8, shape)
+            t = core.tensor(None, got)
+            assert isinstance(t.shape, core.tuple) and t.shape == want.shape
+            assert all(isinstance(d, tl.constexpr) for d in t.shape)
+            assert t.numel == want.numel and t.dtype == element and t.type is got
+            assert t.shape is not core.tensor(None, got).shape  # each tensor's own
+    assert builder.get_block_ty(tl.pointer_type(tl.int64), [4]) is not \
+        builder.get_block_ty(tl.pointer_type(tl.int64, 1, True), [4])  # const differs
+    scalar = core.tensor(None, tl.float32)
+    assert scalar.shape == core.tuple([]) and scalar.numel == 1
+    a = semantic.arange(0, 8)
+    b = semantic.arange(0, 8)
+    assert semantic.broadcast_impl_value(a, b) == (a, b)
+    col = semantic.expand_dims(a, 1)
+    left, right = semantic.broadcast_impl_value(col, semantic.expand_dims(b, 0))
+    assert list(left.shape) == list(right.shape) == [8, 8]
+
