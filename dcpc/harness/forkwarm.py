@@ -9,7 +9,11 @@ loader of the generated module, Triton's code generator (the interpreter's rewri
 jit functions) and torch.save's serialization (the shared float64 simulations), 0.1 to
 0.2 s of CPU; and ``lower.base_class_names`` (the runtime's module.py parsed and walked
 with ``ast``: lru-cached, so once per process), 0.2 s. A run of W ranks paid both W
-times; the fork server pays them once per test process.
+times; the fork server pays them once per test process. Also the interpreter's rewrite
+of every jit function of the device library (dcpc.runtime.device, which every generated
+module calls; Triton keeps each rewrite per process, ``InterpretedFunction.rewritten_fn``):
+0.1 s of CPU per rank, made once here (the generated module's own functions are shared
+between the ranks of a run instead: dcpc.harness.interpret.share_rewrites).
 """
 
 from __future__ import annotations
@@ -28,4 +32,14 @@ from dcpc.codegen.lower import base_class_names
 try:
     base_class_names()
 except Exception:  # noqa: BLE001 (a warm-up: the rank does the real work)
+    pass
+try:  # the fork server runs Triton's interpreter (TRITON_INTERPRET=1, launch._context)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import dcpc.runtime.device
+
+    for _fn in vars(dcpc.runtime.device).values():
+        if isinstance(_fn, InterpretedFunction):
+            _fn.rewrite()
+except Exception:  # noqa: BLE001 (a warm-up: a rank rewrites what is missing itself)
     pass

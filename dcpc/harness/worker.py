@@ -633,6 +633,10 @@ def run_rank(
         from dcpc.runtime.local import _install_interpreter_threads
 
         _install_interpreter_threads()
+        if group is None:  # ranks as processes, one module: each rewrite made once a run
+            from dcpc.harness.interpret import share_rewrites
+
+            share_rewrites(module_path)
     if mesh:
         world = MeshWorld(mesh)
     # -inf LSEs of empty shards make numpy warn inside the interpreter: expected, not news

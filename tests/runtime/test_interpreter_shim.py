@@ -1,7 +1,8 @@
 """The CPU interpreter's shim (dcpc.runtime.local._install_interpreter_threads) makes
 Triton 3.6's interpreter cheaper without changing an answer: its NumPy dtype of every
 Triton type is the original's, a ``tl.tuple``'s type, made at its first read, is the
-one Triton made at construction, and a kept block type is the one Triton makes."""
+one Triton made at construction, and a kept block type is the one Triton makes; the
+host ranks of one run share each rewrite of their module (dcpc.harness.interpret)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,56 @@ def test_a_kept_block_type_is_the_one_triton_makes_and_tensors_keep_their_shapes
     left, right = semantic.broadcast_impl_value(col, semantic.expand_dims(b, 0))
     assert list(left.shape) == list(right.shape) == [8, 8]
 
+
+KERNEL = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def fill(out_ptr, N: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, N), tl.full([N], {value}, tl.float32))
+'''
+
+
+def test_a_run_s_ranks_share_each_rewrite_of_its_module(tmp_path) -> None:  # noqa: ANN001
+    """``share_rewrites``: the first process to rewrite a function of the shared module
+    stores the compiled rewrite beside it; another (here the same file imported again:
+    a new function, as in another rank) runs the stored code, not its own rewrite of the
+    source: a stored rewrite of another body shows. A module not shared is rewritten
+    from its source, as Triton does."""
+    import importlib.util
+    import marshal
+
+    import torch
+
+    from dcpc.harness.interpret import share_rewrites
+
+    _install_interpreter_threads()
+
+    def load(path, name):  # noqa: ANN001, ANN202
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def filled(module) -> list[float]:  # noqa: ANN001
+        out = torch.zeros(4)
+        module.fill[(1,)](out, N=4)
+        return out.tolist()
+
+    shared, other = tmp_path / "shared.py", tmp_path / "other.py"
+    shared.write_text(KERNEL.format(value="1.0"))
+    other.write_text(KERNEL.format(value="3.0"))
+    share_rewrites(str(shared))
+    assert filled(load(shared, "dcpc_shared_rank0")) == [1.0] * 4
+    (entry,) = [p for p in (tmp_path / "shared.py.rewrites").iterdir() if p.name != "lock"]
+    assert entry.name.endswith(".fill.5")
+    assert filled(load(shared, "dcpc_shared_rank1")) == [1.0] * 4  # the stored one
+    made = load(other, "dcpc_other_rank0")
+    assert filled(made) == [3.0] * 4  # not shared: its own source, nothing stored
+    assert not (tmp_path / "other.py.rewrites").exists()
+    # the store holds another body now: a later rank runs it, whatever its source says
+    entry.write_bytes(marshal.dumps(compile(
+        "def fill(out_ptr, N: tl.constexpr):\n    tl.store(out_ptr + tl.arange(0, N), "
+        "tl.full([N], 2.0, tl.float32))\n", str(shared), "exec")))
+    assert filled(load(shared, "dcpc_shared_rank2")) == [2.0] * 4
