@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.kernels import run_ranks
 
 from dcpc.harness.launch import launch
-from dcpc.runtime.local import LocalGroup
 
 pytestmark = pytest.mark.host
 
@@ -105,8 +105,7 @@ def _check(found: list[list[str]], upto: int = 4, ordered: bool = False) -> None
 def test_local_bad_argument_on_one_rank_fails_every_rank(world, fn, tmp_path, monkeypatch):
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("DCPC_MAX_NUM_TOKENS", "8")
-    found = LocalGroup(world, "cpu", timeout_s=120).run(
-        lambda rank: calls(rank, rank.rank, world, fn), timeout_s=120)
+    found = run_ranks(world, lambda rank: calls(rank, rank.rank, world, fn))
     _check(found)
 
 
@@ -169,8 +168,7 @@ def test_local_bad_gather_argument_on_one_rank_fails_every_rank(world, fn, tmp_p
                                                                 monkeypatch):
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("DCPC_MAX_NUM_TOKENS", "8")
-    found = LocalGroup(world, "cpu", timeout_s=120).run(
-        lambda rank: gathers(rank, world, fn), timeout_s=120)
+    found = run_ranks(world, lambda rank: gathers(rank, world, fn))
     bad = "must agree in tokens, heads and dtype" if fn == "sglang" else "is a meta tensor"
     for r, seen in enumerate(found):
         if r == 1:

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from dcpc.runtime.local import LocalGroup
+from support.kernels import run_ranks
 
 
 def _inputs(seed: int, world: int) -> tuple[list, list]:
@@ -62,7 +61,7 @@ def test_debug_views_poison_what_an_engine_keeps(world, debug, tmp_path, monkeyp
         monkeypatch.setenv("DCPC_DEBUG_VIEWS", "1")
     else:
         monkeypatch.delenv("DCPC_DEBUG_VIEWS", raising=False)
-    found = LocalGroup(world, "cpu", timeout_s=120).run(lambda rank: kept_results(rank, world))
+    found = run_ranks(world, lambda rank: kept_results(rank, world))
     from dcpc.engines import combine
 
     combine.reset()  # every rank's thread is done: close this test's modules

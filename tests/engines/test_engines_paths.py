@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 import torch
+from support.kernels import run_ranks
 
 from dcpc.harness.launch import launch
 from dcpc.runtime.errors import DcpcArgumentError
-from dcpc.runtime.local import LocalGroup
 
 pytestmark = pytest.mark.host
 
@@ -106,7 +106,7 @@ def _assert_diverging_workspace(found: list[str]) -> None:
 def test_local_one_rank_over_the_workspace_fails_every_rank_then_reset(world, tmp_path,
                                                                         monkeypatch):
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
-    found = LocalGroup(world, "cpu", timeout_s=120).run(
+    found = run_ranks(world,
         lambda rank: diverging_tokens(rank, rank.rank, world, "local"))
     _assert_diverging_tokens(found)
 
@@ -114,7 +114,7 @@ def test_local_one_rank_over_the_workspace_fails_every_rank_then_reset(world, tm
 @pytest.mark.parametrize("world", [2, 3])
 def test_local_different_workspaces_are_refused_on_every_rank(world, tmp_path, monkeypatch):
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
-    found = LocalGroup(world, "cpu", timeout_s=120).run(
+    found = run_ranks(world,
         lambda rank: diverging_workspace(rank, rank.rank, world, "local"))
     _assert_diverging_workspace(found)
 

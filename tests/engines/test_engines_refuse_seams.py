@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from support.kernels import run_ranks
 
 from dcpc.engines import call_ids as C
 from dcpc.engines import combine
@@ -54,8 +55,7 @@ def test_a_refused_first_call_leaves_the_capture_warm_up_to_the_next_call(monkey
     marked warm on rank 0 only; rank 1 warmed at its next call (2 calls per size) while
     rank 0 made one: 'WRONG' on rank 0 at every later call, then a 60 s timeout."""
     monkeypatch.setenv("DCPC_CAPTURE_SIZES", "4")
-    got = LocalGroup(W, "cpu", timeout_s=120).run(
-        lambda rank: [_a2a(rank, c, refuse_at=0) for c in range(3)], timeout_s=120)
+    got = run_ranks(W, lambda rank: [_a2a(rank, c, refuse_at=0) for c in range(3)])
     assert got == [["DcpcArgumentError", "ok", "ok"]] * 2, got
 
 
@@ -108,8 +108,7 @@ def test_sglang_layer_0_query_gather_has_its_own_call_id():
             C.enter_layer(layer)
         return seen
 
-    got = LocalGroup(W, "cpu", timeout_s=120).run(
-        lambda rank: __import__("contextvars").copy_context().run(body, rank), timeout_s=120)
+    got = run_ranks(W, lambda rank: __import__("contextvars").copy_context().run(body, rank))
     # each rank raises at its first gather: a contract error where the ids met, or
     # the peer's failure where that peer raised first (its flag is seen before the ids)
     assert all(len(g) == 1 and g[0] in ("DcpcContractError", "DcpcPeerFailedError")

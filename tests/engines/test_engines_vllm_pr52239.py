@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from support import vllm_layouts as L
+from support.kernels import run_ranks
 
 from dcpc.engines import common
 from dcpc.engines import vllm as V
@@ -245,7 +246,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_direct_kv_gather_returns_mains_compact_planes(world, dtype, tmp_path, monkeypatch):
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("VLLM_USE_DIRECT_DCP_KV_GATHER", "1")
-    found = LocalGroup(world, "cpu", timeout_s=120).run(
+    found = run_ranks(world,
         lambda rank: _kv_rank(rank, world, dtype, manager=False))
     want = _expected(world, dtype)
     n = want.shape[0]
@@ -270,7 +271,7 @@ def test_init_kv_gather_auto_and_off_select_the_rank_major_gather(switch, tmp_pa
         monkeypatch.delenv("VLLM_USE_DIRECT_DCP_KV_GATHER", raising=False)
     else:
         monkeypatch.setenv("VLLM_USE_DIRECT_DCP_KV_GATHER", switch)
-    found = LocalGroup(2, "cpu", timeout_s=120).run(
+    found = run_ranks(2,
         lambda rank: _kv_rank(rank, 2, torch.bfloat16, manager=True))
     local = _locals(2, 7, torch.bfloat16)
     for r, f in enumerate(found):
@@ -343,7 +344,7 @@ def test_direct_kv_gather_refuses_destinations_that_are_not_rows(dst, words, tmp
     peer's gather stops with an error instead of returning."""
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("VLLM_USE_DIRECT_DCP_KV_GATHER", "1")
-    found = LocalGroup(2, "cpu", timeout_s=120).run(
+    found = run_ranks(2,
         lambda rank: _bad_dst_rank(rank, {0: dst}))
     kind, message = found[0]["error"]
     assert kind == "ValueError", found[0]
@@ -357,7 +358,7 @@ def test_two_ranks_naming_one_row_are_refused_on_every_rank(tmp_path, monkeypatc
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("VLLM_USE_DIRECT_DCP_KV_GATHER", "1")
     clash = torch.tensor([4, 5, 6, -1, 10, 0, -1], dtype=torch.int32)  # row 0 is rank 0's
-    found = LocalGroup(2, "cpu", timeout_s=120).run(
+    found = run_ranks(2,
         lambda rank: _bad_dst_rank(rank, {1: clash}))
     for f in found:
         assert f.get("error") == ("ValueError", "DCP kv-gather: two ranks write destination "
@@ -384,7 +385,7 @@ def test_more_local_rows_than_the_share_take_the_fallback(tmp_path, monkeypatch)
     take); now the rows move through the fallback, bit for bit."""
     monkeypatch.setenv("DCPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("VLLM_USE_DIRECT_DCP_KV_GATHER", "1")
-    found = LocalGroup(2, "cpu", timeout_s=120).run(_over_share_rank)
+    found = run_ranks(2, _over_share_rank)
     want = _expected(2, torch.bfloat16)
     for r, f in enumerate(found):
         assert _same(f["kv_c"][:, 0], want[:, :SPLIT]), r

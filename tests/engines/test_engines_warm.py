@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.kernels import run_ranks
 
 from dcpc.engines import common, warm
 from dcpc.engines import vllm as V
 from dcpc.engines import vllm_free as F
-from dcpc.runtime.local import LocalGroup
 
 TOKENS, D, KV_TOKENS = 8, 16, 8
 
@@ -53,7 +53,7 @@ def test_warm_fills_what_the_adapters_look_up(tmp_path, monkeypatch, capsys):
                                                                    local))
 
     try:
-        got = LocalGroup(2, "cpu", timeout_s=120).run(rank_main)
+        got = run_ranks(2, rank_main)
     finally:
         F._free_tokens.cache_clear()
         V.reset()

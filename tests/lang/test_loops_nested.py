@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.kernels import run_ranks
 
 from dcpc import pipeline
 from dcpc.diagnostics import DiagnosticError
@@ -238,7 +239,6 @@ def test_the_cli_checks_a_mesh_loop_per_shape_and_compiles_one(tmp_path: Path) -
 def test_a_module_unrolled_for_one_shape_refuses_another_of_the_same_w(
         tmp_path: Path) -> None:
     from dcpc.harness.worker import load_module_class
-    from dcpc.runtime.local import LocalGroup
 
     path = tmp_path / "mesh_loop.yaml"
     path.write_text(MESH)
@@ -254,7 +254,7 @@ def test_a_module_unrolled_for_one_shape_refuses_another_of_the_same_w(
             return str(err)
         return "built"
 
-    said = LocalGroup(6, "cpu", timeout_s=120).run(build)
+    said = run_ranks(6, build)
     assert len(said) == 6 and all(s == said[0] for s in said), said
     assert "unrolled for the mesh 2x3" in said[0] and "compile it with --world 3x2" in said[0]
 

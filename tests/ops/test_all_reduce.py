@@ -12,6 +12,7 @@ import pytest
 import torch
 from support import script_env
 from support.hb_oracle import oracle_keys
+from support.kernels import run_ranks
 from support.schedules import errors, write
 
 from dcpc import pipeline
@@ -218,7 +219,6 @@ def test_every_rank_gets_the_same_bits(tmp_path: Path) -> None:
 
 def _bits_child(module_path: str) -> None:
     from dcpc.runtime.loading import import_file, schedule_class
-    from dcpc.runtime.local import LocalGroup
 
     world = 3
     cls = schedule_class(import_file(Path(module_path), "dcpc_generated_ar"), "ar")
@@ -234,7 +234,7 @@ def _bits_child(module_path: str) -> None:
         rank.barrier()
         mod.close()
 
-    LocalGroup(world, "cpu", timeout_s=120).run(body)
+    run_ranks(world, body)
     ordered = xs[0].float()
     for p in range(1, world):
         ordered = ordered + xs[p].float()

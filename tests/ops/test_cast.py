@@ -18,6 +18,7 @@ import pytest
 import torch
 from support import script_env
 from support.hb_oracle import oracle_keys
+from support.kernels import run_ranks
 from support.schedules import codes
 
 from dcpc.check import hb
@@ -232,7 +233,6 @@ def _child() -> None:
     from dcpc.harness.simulate import simulate_call
     from dcpc.harness.worker import load_module_class
     from dcpc.runtime import collectives
-    from dcpc.runtime.local import LocalGroup
 
     world, cap, h = 2, 4, 8
     out: dict[str, Any] = {}
@@ -264,7 +264,7 @@ def _child() -> None:
                 inst.close()
                 return y, s
 
-            got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
+            got = run_ranks(world, rank_main)
         schedule = parse_text(_mode_text(mode))
         inputs = [{"x": xs[p].double(), "n": counts[p].long(),
                    **({"s": scales[p].double()} if cast != 1 else {})} for p in range(world)]
@@ -347,7 +347,6 @@ def _a2a_child() -> None:
     from dcpc.harness.run import compile_to
     from dcpc.harness.simulate import simulate_call
     from dcpc.harness.worker import load_module_class
-    from dcpc.runtime.local import LocalGroup
 
     world, rows, h = 3, 3, 8
     out = {}
@@ -371,7 +370,7 @@ def _a2a_child() -> None:
                 inst.close()
                 return q, y
 
-            got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
+            got = run_ranks(world, rank_main)
         inputs = [{"x": xs[p].double(), "t": ts[p].double()} for p in range(world)]
         ref = simulate_call(parse_text(source), world, {"T": rows, "H": h}, inputs,
                             external=None)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from support import child_result
+from support.kernels import run_ranks
 from support.schedules import error_marks, ragged_cast
 
 from dcpc.numerics import round_e4m3, spread, token_scales
@@ -145,7 +146,6 @@ def _child() -> None:
     from dcpc.harness.worker import load_module_class
     from dcpc.lang.parse import parse_text
     from dcpc.runtime import collectives
-    from dcpc.runtime.local import LocalGroup
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(torch.allclose(a.double(), b.double(), rtol=0, atol=0, equal_nan=True))
@@ -192,7 +192,7 @@ def _child() -> None:
                     inst.close()
                     return y, s
 
-                got = LocalGroup(world, "cpu", timeout_s=120).run(rank_main)
+                got = run_ranks(world, rank_main)
             inputs = [{"x": xs[p].double() if not back else xs[p].float().double(),
                        "n": counts[p].long(), **({"s": scales[p].double()} if back else {})}
                       for p in range(world)]

@@ -16,6 +16,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from support.kernels import run_ranks
 from support.schedules import ragged_head
 
 from dcpc.numerics import FP8_FORMATS, round_e4m3, round_fp8
@@ -73,7 +74,6 @@ def test_nonfinite_rows_quantise_to_the_references_bytes(per: str, fp8: str) -> 
     from dcpc.harness.run import compile_to
     from dcpc.harness.worker import load_module_class
     from dcpc.runtime import collectives
-    from dcpc.runtime.local import LocalGroup
 
     xs = _inputs()
     tensor_scale = torch.tensor([0.05])  # 448 * 0.05 = 22.4: big finite values saturate
@@ -96,7 +96,7 @@ def test_nonfinite_rows_quantise_to_the_references_bytes(per: str, fp8: str) -> 
             inst.close()
             return y, s
 
-        got = LocalGroup(WORLD, "cpu", timeout_s=120).run(rank_main)
+        got = run_ranks(WORLD, rank_main)
     bad = []
     for j in range(WORLD):
         y, s = got[j]
@@ -241,7 +241,6 @@ def test_every_fp8_byte_dequantises_as_the_reference(fp8: str, per: str, wide: s
     from dcpc.harness.worker import load_module_class
     from dcpc.ops.cast import dequantise_rows
     from dcpc.runtime import collectives
-    from dcpc.runtime.local import LocalGroup
 
     gen = torch.Generator().manual_seed(7)
     qs = [torch.randperm(256, generator=gen).to(torch.uint8).repeat(WORLD).view(
@@ -262,7 +261,7 @@ def test_every_fp8_byte_dequantises_as_the_reference(fp8: str, per: str, wide: s
         inst.close()
         return y
 
-    got = LocalGroup(WORLD, "cpu", timeout_s=120).run(rank_main)
+    got = run_ranks(WORLD, rank_main)
     dtype = TORCH_DTYPES[wide]
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:

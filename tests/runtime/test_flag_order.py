@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from support import child_result
+from support.kernels import run_ranks
 
 SCHEDULE = """\
 schedule: flag_order
@@ -38,7 +39,6 @@ def _child() -> None:
 
     from dcpc.harness.run import compile_to
     from dcpc.harness.worker import load_module_class
-    from dcpc.runtime.local import LocalGroup
 
     polled, closed = threading.Event(), threading.Event()
     held: dict[str, Any] = {"thread": None, "polls": 0}
@@ -80,7 +80,7 @@ def _child() -> None:
             return "ok"
 
         try:
-            got = LocalGroup(2, "cpu", timeout_s=120).run(rank_main)
+            got = run_ranks(2, rank_main)
             out = {"result": got, "polls": held["polls"]}
         except Exception as exc:  # noqa: BLE001 (the test names what the wait said)
             out = {"error": f"{type(exc).__name__}: {exc}", "polls": held["polls"]}
