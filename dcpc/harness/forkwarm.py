@@ -38,8 +38,9 @@ try:  # the fork server runs Triton's interpreter (TRITON_INTERPRET=1, launch._c
 
     import dcpc.runtime.device
 
-    for _fn in vars(dcpc.runtime.device).values():
-        if isinstance(_fn, InterpretedFunction):
-            _fn.rewrite()
+    # a list first: each rewrite adds the interpreter's names to the module's globals
+    for _fn in [f for f in vars(dcpc.runtime.device).values()
+                if isinstance(f, InterpretedFunction)]:
+        _fn.rewrite()
 except Exception:  # noqa: BLE001 (a warm-up: a rank rewrites what is missing itself)
     pass

@@ -29,13 +29,16 @@ def test_a_failing_rank_reports_its_exception() -> None:
 
 def test_ranks_start_from_the_warm_fork_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every rank forked from the fork server finds what each host rank did in every run
-    already done (dcpc.harness.forkwarm): the imports, lower.base_class_names filled. The
+    already done (dcpc.harness.forkwarm): the imports, lower.base_class_names filled, every
+    jit function of the device library rewritten by the interpreter (30 or more). The
     fork server passes over a preload that raises ImportError in silence: a broken
     forkwarm would make every rank of every run cold again, and only slower."""
     monkeypatch.delenv("DCPC_LAUNCH", raising=False)  # the fork server, not spawn
     result = launch("support.warm:state", 2, timeout_s=120)
     assert result.ok, result.summary()
     for value in result.values():
+        jit, rewritten = value.pop("device_rewrites")
+        assert jit >= 30 and rewritten == jit, value
         assert value == {"forkwarm": True, "base_class_names": 1, "imported": [
             "dcpc.codegen.lower", "dcpc.runtime.host", "dcpc.runtime.loading",
             "torch.utils.serialization", "triton.compiler.code_generator"]}, value
