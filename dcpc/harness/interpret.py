@@ -61,7 +61,7 @@ def _position(x: int, programs: int) -> int:
     return perm[x]
 
 
-def share_rewrites(module_path: str) -> None:
+def share_rewrites(module_path: str, store: str) -> None:
     """From now on, in this process, the interpreter's rewrite of a jit function defined
     in ``module_path`` (the generated module a run's ranks all load) is made once per run,
     by the first rank that needs it, and read by the others.
@@ -75,12 +75,17 @@ def share_rewrites(module_path: str) -> None:
     function's name and its first line) under one file lock per module, so that ranks
     reaching a function together make it once; a rank that finds it runs the very code
     the others made (marshal), in its own module's globals, as the original does after
-    compiling. Functions of other files (the device library) are rewritten as before."""
+    compiling. Functions of other files (the device library) are rewritten as before.
+    ``store``: a folder of the run (``run_rank``'s ``sims_dir``, removed with the run),
+    never beside the module (a user's ``--module`` file may sit in a folder the ranks
+    cannot write, and must not keep code across runs); an entry is keyed by the module's
+    content, Python's bytecode magic and Triton's version too, and a store that cannot be
+    written or read back (a full disk, a cut entry) falls back to Triton's own rewrite."""
     from triton.runtime import interpreter
 
     rewriter = interpreter.FunctionRewriter
     with _lock:
-        _state.setdefault("shared", set()).add(os.path.abspath(module_path))
+        _state.setdefault("shared", {})[os.path.abspath(module_path)] = store
         if getattr(rewriter.rewrite_ast, "_dcpc_shared", False):
             return
         original = rewriter.rewrite_ast
@@ -89,8 +94,11 @@ def share_rewrites(module_path: str) -> None:
             path = getattr(getattr(self.fn, "__code__", None), "co_filename", None)
             if path is None or os.path.abspath(path) not in _state["shared"]:
                 return original(self)
-            code = _shared_code(self, path)
-            if code is None:  # no source to read: the original's answer (the function)
+            try:
+                code = _shared_code(self, path, _state["shared"][os.path.abspath(path)])
+            except (OSError, ValueError, EOFError, TypeError):  # the store failed: no sharing
+                code = None
+            if code is None:  # no source to read, or no store: the original's answer
                 return original(self)
             namespace = {**self.kwargs}  # what _compile_and_exec does after its compile
             fn_globals = self.fn.__globals__
@@ -104,21 +112,25 @@ def share_rewrites(module_path: str) -> None:
         rewriter.rewrite_ast = rewrite_ast  # type: ignore[method-assign]
 
 
-def _shared_code(rewriter: Any, path: str) -> Any:
+def _shared_code(rewriter: Any, path: str, store: str) -> Any:
     """The compiled rewrite of ``rewriter.fn`` (a function of the module at ``path``): read
     from the run's store, else made as Triton makes it and stored; None when the
     function has no source to read (Triton then runs it as it is)."""
     import fcntl
     import hashlib
+    import importlib.util
     import inspect
     import marshal
+
+    import triton
 
     digests = _state.setdefault("digests", {})
     digest = digests.get(path)
     if digest is None:
-        with open(path, "rb") as f:
-            digest = digests[path] = hashlib.sha256(f.read()).hexdigest()[:16]
-    store = f"{path}.rewrites"
+        with open(path, "rb") as f:  # the module, the bytecode format, Triton's rules
+            digest = digests[path] = hashlib.sha256(
+                f.read() + importlib.util.MAGIC_NUMBER + triton.__version__.encode()
+            ).hexdigest()[:16]
     os.makedirs(store, exist_ok=True)
     fn = rewriter.fn
     entry = os.path.join(store, f"{digest}.{fn.__qualname__}.{fn.__code__.co_firstlineno}")

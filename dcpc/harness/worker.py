@@ -633,10 +633,12 @@ def run_rank(
         from dcpc.runtime.local import _install_interpreter_threads
 
         _install_interpreter_threads()
-        if group is None:  # ranks as processes, one module: each rewrite made once a run
+        if group is None and sims_dir is not None:  # ranks as processes, one module:
+            # each rewrite made once a run, kept in the run's own folder (never beside a
+            # user's --module file)
             from dcpc.harness.interpret import share_rewrites
 
-            share_rewrites(module_path)
+            share_rewrites(module_path, os.path.join(sims_dir, "rewrites"))
     if mesh:
         world = MeshWorld(mesh)
     # -inf LSEs of empty shards make numpy warn inside the interpreter: expected, not news

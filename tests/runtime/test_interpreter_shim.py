@@ -163,16 +163,21 @@ def test_a_run_s_ranks_share_each_rewrite_of_its_module(tmp_path) -> None:  # no
     shared, other = tmp_path / "shared.py", tmp_path / "other.py"
     shared.write_text(KERNEL.format(value="1.0"))
     other.write_text(KERNEL.format(value="3.0"))
-    share_rewrites(str(shared))
+    store = tmp_path / "run" / "rewrites"  # the run's folder, not beside the module
+    share_rewrites(str(shared), str(store))
     assert filled(load(shared, "dcpc_shared_rank0")) == [1.0] * 4
-    (entry,) = [p for p in (tmp_path / "shared.py.rewrites").iterdir() if p.name != "lock"]
+    (entry,) = [p for p in store.iterdir() if p.name != "lock"]
     assert entry.name.endswith(".fill.5")
     assert filled(load(shared, "dcpc_shared_rank1")) == [1.0] * 4  # the stored one
     made = load(other, "dcpc_other_rank0")
     assert filled(made) == [3.0] * 4  # not shared: its own source, nothing stored
-    assert not (tmp_path / "other.py.rewrites").exists()
+    assert [p.name for p in store.iterdir() if p.name != "lock"] == [entry.name]
+    assert not list(tmp_path.glob("*.rewrites"))  # nothing beside the modules
     # the store holds another body now: a later rank runs it, whatever its source says
     entry.write_bytes(marshal.dumps(compile(
         "def fill(out_ptr, N: tl.constexpr):\n    tl.store(out_ptr + tl.arange(0, N), "
         "tl.full([N], 2.0, tl.float32))\n", str(shared), "exec")))
     assert filled(load(shared, "dcpc_shared_rank2")) == [2.0] * 4
+    # a cut entry (a full disk): Triton's own rewrite of the source, not an error
+    entry.write_bytes(entry.read_bytes()[:10])
+    assert filled(load(shared, "dcpc_shared_rank3")) == [1.0] * 4
