@@ -124,7 +124,7 @@ class World:
     def hb(self, rank_a: int, pos_a: int, rank_b: int, pos_b: int) -> bool:
         """Whether (rank_a, pos_a) happens before or equals (rank_b, pos_b)."""
         call, j = divmod(pos_a, self.n)
-        stream, index = self.program.stream(call), self.program.stream_index(call, j)
+        stream, index = self.program.stream_of(call, j), self.program.stream_index(call, j)
         return self.count(pos_b, rank_a, rank_b, stream) >= index + 1
 
     def rotated(self, pos: int, rank: int) -> list[int]:
@@ -144,6 +144,9 @@ def _call_graph(program: Program, match: dict[int, list[tuple[int, int | None]]]
     (a ring) it stays, and the cycle is reported as a deadlock."""
     n = len(program.events)
     preds: dict[int, set[int]] = {j: ({j - 1} if j else set()) for j in range(n)}
+    if program.roles:  # program order is each role's own (ROLES_STUDY.md prototype)
+        preds = {j: {i} if (i := program.role_previous(j)) is not None else set()
+                 for j in range(n)}
     for j, sources in match.items():
         wait = program.events[j].wait
         first = chain(wait[1]) if wait else False
@@ -223,6 +226,9 @@ def analyze(program: Program, world: int, calls: int | None = None,
     ``gates``: the waits of guarded communication steps (``Gates``), None: none."""
     calls = program.default_calls() if calls is None else calls
     n, streams = len(program.events), program.streams_per_rank
+    if program.roles and (program.per_slot or gates is not None):
+        raise ValueError("roles (prototype): one stream of slots and no guarded "
+                         "communication step")
     match = match_waits(program, world)
     unmatched = [(j, d) for j, sources in sorted(match.items()) for d, js in sources if js is None]
     preds = _call_graph(program, match)
@@ -260,6 +266,8 @@ def analyze(program: Program, world: int, calls: int | None = None,
                 base = clock[pos - 1]
             else:
                 base = clock[before * n + n - 1] if before >= 0 else None
+            if program.roles:  # the role's previous event, or the previous call's join
+                base = _role_base(program, clock, call, j, before)
             vc = list(base) if base is not None else [0] * (world * streams)
             by_signal: dict[int, list[int]] = {}
             wait = program.events[j].wait
@@ -284,8 +292,23 @@ def analyze(program: Program, world: int, calls: int | None = None,
             clock[pos] = _clock(vc, world, streams, by_signal,
                                 lambda js, at=call * n: clock[at + js],
                                 stream if program.per_slot else None,
-                                stream, program.stream_index(call, j) + 1)
+                                program.stream_of(call, j), program.stream_index(call, j) + 1)
     return World(program, world, calls, match, live, clock, unmatched, cycles, copies)
+
+
+def _role_base(program: Program, clock: list[list[int] | None], call: int, j: int,
+               before: int) -> list[int] | None:
+    """With roles: the clock event j of ``call`` starts from, its role's previous event
+    in the call, or for a role's first event the join of every role's last event of the
+    call before (a call forks its roles at its start and joins them at its end)."""
+    n = len(program.events)
+    previous = program.role_previous(j)
+    if previous is not None:
+        return clock[call * n + previous]
+    if before < 0:
+        return None
+    ends = [clock[before * n + last] for last in program.role_last()]
+    return [max(column) for column in zip(*ends, strict=True)]  # type: ignore[arg-type]
 
 
 def _clock(vc: list[int], world: int, streams: int, by_signal: dict[int, list[int]],

@@ -114,6 +114,12 @@ class Program:
     channel_names: dict[str, str]  # channel -> what the schedule calls it
     axis_names: tuple[str, ...] = ("world",)  # the mesh's axes (dcpc.lang.mesh)
     persistent: frozenset[str] = frozenset()  # the tracked buffers with persist: true
+    # PROTOTYPE (ROLES_STUDY.md): per event j, the role (program order) of the rank that
+    # runs it; () = one role, the plain program order. Roles of one rank run at once,
+    # ordered by their signals/waits only (a ``to: self`` signal of one role polled by a
+    # ``from: self`` wait of another), and a call forks them at its start and joins them
+    # at its end. Only one stream of slots (``per_slot`` False) takes roles here.
+    roles: tuple[int, ...] = ()
 
     @cached_property
     def recv_of(self) -> dict[int, int]:
@@ -121,8 +127,47 @@ class Program:
         return {e.step: j for j, e in enumerate(self.events) if e.phase == "recv"}
 
     @property
+    def role_count(self) -> int:
+        return max(self.roles, default=0) + 1
+
+    def role(self, j: int) -> int:
+        """The role of event j (0 with one role)."""
+        return self.roles[j] if self.roles else 0
+
+    @cached_property
+    def role_positions(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(per event j its position among its role's events, per role its event count)."""
+        seen = [0] * self.role_count
+        positions = []
+        for j in range(len(self.events)):
+            positions.append(seen[self.role(j)])
+            seen[self.role(j)] += 1
+        return tuple(positions), tuple(seen)
+
+    def role_previous(self, j: int) -> int | None:
+        """The event of j's role just before j in the same call (program order), or None."""
+        for i in range(j - 1, -1, -1):
+            if self.role(i) == self.role(j):
+                return i
+        return None
+
+    def role_last(self) -> tuple[int, ...]:
+        """Per role that has events, its last event of a call (what the call's join waits for)."""
+        last: dict[int, int] = {}
+        for j in range(len(self.events)):
+            last[self.role(j)] = j
+        return tuple(last.values())
+
+    @property
     def streams_per_rank(self) -> int:
+        if self.roles:
+            return self.role_count
         return self.slots if self.per_slot else 1
+
+    def stream_of(self, call: int, j: int) -> int:
+        """The stream of a rank that runs event j of ``call``: its slot's, or with roles
+        its role's."""
+        return self.role(j) if self.roles else self.stream(call)
 
     def default_calls(self) -> int:
         """Calls 0 .. 2*slots-1: enough to prove every call (see dcpc.check.hb)."""
@@ -134,6 +179,9 @@ class Program:
 
     def stream_index(self, call: int, j: int) -> int:
         """Position of event ``j`` of ``call`` in its stream (0-based)."""
+        if self.roles:
+            positions, counts = self.role_positions
+            return call * counts[self.role(j)] + positions[j]
         rounds = call // self.slots if self.per_slot else call
         return rounds * len(self.events) + j
 
@@ -294,3 +342,18 @@ def _access(effect: Effect, chunk: tuple[int, int] | None = None, text: str = ""
     local = effect.region is None and chunk is not None
     return Access(effect.buffer, effect.kind, effect.region, effect.lands,
                   chunk=chunk if local else None, chunk_text=text if local else "")
+
+
+def with_roles(program: Program, roles: dict[str, str]) -> Program:
+    """PROTOTYPE (ROLES_STUDY.md): ``program`` with each step in a role, ``roles`` mapping
+    every step name to a role name (numbered in order of first appearance). The roles of
+    one rank run at once, each in its own program order (``Program.roles``). No language
+    key sets this yet: the checker's part only, called by hand (tests/check/test_roles.py)."""
+    missing = [s.name for s in program.steps if s.name not in roles]
+    if missing:
+        raise ValueError(f"no role for step(s) {', '.join(missing)}")
+    number: dict[str, int] = {}
+    for s in program.steps:
+        number.setdefault(roles[s.name], len(number))
+    return replace(program, roles=tuple(number[roles[program.steps[e.step].name]]
+                                        for e in program.events))

@@ -60,6 +60,14 @@ def end_need(world: World, call: int, j: int, access: Access) -> int:
     return world.program.stream_index(call, j) + 1
 
 
+def end_stream(world: World, call: int, j: int, access: Access) -> int:
+    """The stream of the event that ends an access of event j of ``call`` (its slot's;
+    with roles, the role of that event: a store in flight ends in its owner's wait)."""
+    if access.lands is not None:
+        j = world.program.recv_of[access.lands]
+    return world.program.stream_of(call, j)
+
+
 def intended(world: World, call: int, j: int, access: Access) -> tuple[int, int, int]:
     """Where the data flow places ``access`` of event j of ``call``: (call, step, phase
     within the step); a store in flight at the wait of the step that lands it."""
@@ -303,9 +311,9 @@ def _first_unordered(
     same_event = pa == pb
     # World.hb(end of a, start of b) and back, with the streams and stream positions of
     # the ends read once; a store in flight ends on the owner, rank 0
-    program, count = world.program, world.count
-    stream_a, need_a = program.stream(ca), end_need(world, ca, ja, xa)
-    stream_b, need_b = program.stream(cb), end_need(world, cb, jb, xb)
+    count = world.count
+    stream_a, need_a = end_stream(world, ca, ja, xa), end_need(world, ca, ja, xa)
+    stream_b, need_b = end_stream(world, cb, jb, xb), end_need(world, cb, jb, xb)
     fa, fb = xa.lands is not None, xb.lands is not None
     for ra, rb in _rank_pairs(world, a, b):
         if same_event and ra == rb:
@@ -373,7 +381,7 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
             groups = _groups(world, signatures, calls)
             # per group: position, stream, stream index + 1 of where it ends (a store in
             # flight: where it lands), writes?, signature, call
-            meta = [(world.pos(call, j), program.stream(call),
+            meta = [(world.pos(call, j), end_stream(world, call, j, access),
                      end_need(world, call, j, access),
                      access.kind == "write", sig_of[(j, id(access))], call)
                     for call, j, access in groups]
