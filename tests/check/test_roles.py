@@ -9,10 +9,17 @@ so these tests run the checker's part alone (clocks, races, deadlocks), not `dcp
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+from dcpc.check import hb
 from dcpc.check.hb import clocks, deadlock, events, races
+from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
+
+ROOT = Path(__file__).resolve().parents[2]
 
 HEAD = """\
 schedule: roles_toy
@@ -109,3 +116,81 @@ def test_every_step_needs_a_role() -> None:
     program = events.lower(parse_text(HEAD + FILL + USE))
     with pytest.raises(ValueError, match="no role for step"):
         events.with_roles(program, {"fill": "producer"})
+
+
+# DeepEP normal mode (schedules/gallery/deepep_normal.yaml) with its three roles per rank,
+# as DeepEP's warps run: the RDMA sender (and, in the combine, the owner that reduces the
+# rail's rows), the forwarder (both hops' forwarding and reducing) and the NVLink receiver
+# (and the experts' NVLink sender of the combine). A step's role is read off its name as
+# written (the unroller's suffixes _h<i>_<j>, an owner copy's _r<p>, cut).
+GALLERY = ROOT / "schedules" / "gallery" / "deepep_normal.yaml"
+DEEPEP_ROLES = {
+    "sender": "rail_meta_put rail_fill rail_own_credit rail_own rail_credit rail back_own_free0 "
+              "back_free0 back reduce back_own_free back_free last_back last_reduce "
+              "last_back_own_free last_back_free back_own_empty back_empty",
+    "forwarder": "rail_meta_landed keep_n nvl_counts nvl_meta_put own_landed forward_own "
+                 "rail_own_free landed forward rail_free nvl_own_credit nvl_own nvl_credit "
+                 "nvlink last_own_landed last_forward_own last_landed last_forward "
+                 "last_nvl_own_credit last_nvl_own last_nvl_credit last_nvlink nvl_own_empty "
+                 "nvl_empty nvl_landed nvl_reduce nvl_back_own_free nvl_back_free "
+                 "back_own_credit rail_back_own back_credit rail_back last_nvl_landed "
+                 "last_nvl_reduce last_back_own_credit last_rail_back_own last_back_credit "
+                 "last_rail_back",
+    "receiver": "nvl_own_free0 nvl_free0 nvl_meta_landed keep_nvl_n arrived copy_out "
+                "nvl_own_free nvl_free last_arrived last_copy_out last_nvl_own_free "
+                "last_nvl_free sort experts nvl_back_fill nvl_back_own_credit nvl_back_own "
+                "nvl_back_credit nvl_back",
+}
+ROLE_OF = {step: role for role, steps in DEEPEP_ROLES.items() for step in steps.split()}
+SHAPES = [(2, 2), (2, 3), (3, 2)]
+
+
+def _deepep_keys(text: str, shape: tuple[int, int], roles: bool) -> set[tuple[str, ...]]:
+    world = MeshWorld(shape)
+    schedule = parse_text(text, str(GALLERY), world)
+    assigned = {s.name: ROLE_OF[re.sub(r"(_h\d+)(_\d+)*(_r\d+)?$", "", s.name)]
+                for s in schedule.step_list()} if roles else None
+    report = hb.check(schedule, [world], hints=False, roles=assigned)
+    return {f.key for f in report.findings}
+
+
+def _twin(old: str, new: str) -> str:
+    text = GALLERY.read_text()
+    assert old in text
+    return text.replace(old, new)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_deepep_normal_is_proved_with_its_roles_running_at_once(shape) -> None:
+    assert _deepep_keys(GALLERY.read_text(), shape, roles=True) == set()
+
+
+def test_deepep_wrong_nvlink_head_at_two_slots_is_found_only_with_roles() -> None:
+    # each NVLink receiver frees the wrong gpu's head and each forwarder waits for the
+    # wrong one (tests/gallery_twins/deepep_normal.nvl_source_head.yaml's flip) at the
+    # shipped V = 2: in one program order the chunks' own waits keep the slot safe and
+    # the file is proved; with the forwarder and the receiver at once the credits carry
+    # the slot, and at three gpus the forwarder refills a slot its destination still reads
+    text = re.sub(r'(nvl_(?:credit|free|empty): \{op: (?:wait|signal), axis: gpu, )'
+                  r'offset: "0 - \(h \+ 1\)"', r'\1offset: "h + 1"', GALLERY.read_text())
+    assert _deepep_keys(text, (2, 3), roles=False) == set()
+    found = _deepep_keys(text, (2, 3), roles=True)
+    assert ("race", races.WAR, "x_recv_0", "copy_out_h0", "last_nvlink_h1_0") in found
+    assert _deepep_keys(text, (2, 2), roles=True) == set()  # two gpus: the flip is no flip
+
+
+def test_deepep_own_credit_after_the_own_refill_is_found_only_with_roles() -> None:
+    # the RDMA sender's own refill of slot c % R before its own head (`rail_own_credit`
+    # moved after `rail_own`): the file says the own heads "order nothing that program
+    # order does not already order ... so the checker proves a misplaced one too"; with the
+    # sender and the forwarder at once it races with the forwarder's read of its own block
+    credit = ("        - rail_own_credit: {op: wait, from: self, axis: node, channel: rail_head}"
+              "  # its own block of slot c % R freed\n")
+    text = GALLERY.read_text()
+    start = text.index(credit)
+    end = text.index("        - refill:", start)
+    text = text[:start] + text[start + len(credit):end] + credit + text[end:]
+    assert _deepep_keys(text, (2, 2), roles=False) == set()
+    found = _deepep_keys(text, (2, 2), roles=True)
+    assert any(k[:3] == ("race", races.WAR, "x_rail_0") and k[3].startswith("forward_own")
+               and k[4] == "rail_own_h0" for k in found), found

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from dcpc.check.hb.bound import axis_bounds, mesh_representatives, representatives, world_bound
 from dcpc.check.hb.clocks import World, analyze, gates
 from dcpc.check.hb.deadlock import CYCLE, RawDeadlock, find_deadlocks
-from dcpc.check.hb.events import lower
+from dcpc.check.hb.events import lower, with_roles
 from dcpc.check.hb.hints import HintBudget, Proofs, suggest
 from dcpc.check.hb.legal import Execution
 from dcpc.check.hb.races import (
@@ -52,6 +52,7 @@ def check(
     plan: Plan | None = None,
     every_world: bool = False,
     semantics: list[Semantics] | None = None,
+    roles: dict[str, str] | None = None,
 ) -> HbReport:
     """Prove the buffer/epoch ordering of ``schedule`` for every W in ``worlds``.
 
@@ -65,10 +66,15 @@ def check(
     W asked anyway (tests compare the two). Assumes a structurally clean schedule
     (dcpc.check.structural runs first). ``semantics``: the schedule's table
     (dcpc.lang.semantics), which the hints read; asked there when not given.
+    ``roles`` (PROTOTYPE, ROLES_STUDY.md): step name -> role; the roles of a rank run at
+    once, each its own program order (events.with_roles); every W asked is analysed.
     """
     start = time.perf_counter()
     worlds = sorted({w for w in fit_worlds(mesh_of(schedule), worlds) if w >= 1})
     program = lower(schedule, plan)
+    if roles is not None:
+        program = with_roles(program, roles)
+        every_world = True  # the world bound was argued for one program order
     # a when: reads the rank and W: which ranks run a step differs from W to W, so no W
     # stands for another (races of a step that runs nowhere are dropped per W, but for
     # the engine's read of what its method returns: legal.Execution.happens)

@@ -76,7 +76,7 @@ class Execution:
         # a walk from nothing), the earliest not cached first
         program = self.world.program
         call, j = divmod(pos, self.world.n)
-        order = stream_positions(self.world, program.stream(call))
+        order = stream_positions(self.world, program.stream_of(call, j))
         k = program.stream_index(call, j)
         while k > 0 and (rank, order[k - 1]) not in self.cuts:
             k -= 1
@@ -94,13 +94,14 @@ class Execution:
         world, program = self.world, self.world.program
         n, streams = world.n, world.streams
         call, j = divmod(pos, n)
-        work = [(rank, program.stream(call), program.stream_index(call, j))]
+        work = [(rank, program.stream_of(call, j), program.stream_index(call, j))]
         sources = self.sources(rank, j)  # its own wait's: its accesses come after it
         if sources is None:
             return None
         js = self.signal_of.get(program.events[j].wait[0]) if sources else None  # type: ignore[index]
-        work += [(src, program.stream(call), program.stream_index(call, js) + 1)  # type: ignore[arg-type]
+        work += [(src, program.stream_of(call, js), program.stream_index(call, js) + 1)  # type: ignore[arg-type]
                  for src in sources]
+        work += self._joined(rank, call, j)
         while work:
             q, s, upto = work.pop()
             row = q * streams + s
@@ -114,9 +115,19 @@ class Execution:
                 if sources is None:
                     return None
                 js = self.signal_of.get(program.events[i].wait[0]) if sources else None
-                work += [(src, program.stream(c), program.stream_index(c, js) + 1)
+                work += [(src, program.stream_of(c, js), program.stream_index(c, js) + 1)  # type: ignore[arg-type]
                          for src in sources]
+                work += self._joined(q, c, i)
         return cut
+
+    def _joined(self, rank: int, call: int, j: int) -> list[tuple[int, int, int]]:
+        """With roles (ROLES_STUDY.md prototype): a role's first event of ``call`` comes
+        after the join of the call before, every role's last event there; else none."""
+        program = self.world.program
+        if not program.roles or call == 0 or program.role_previous(j) is not None:
+            return []
+        return [(rank, program.stream_of(call - 1, last), program.stream_index(call - 1, last) + 1)
+                for last in program.role_last()]
 
     def sources(self, rank: int, i: int) -> list[int] | None:
         """The ranks whose signal (of the polled step, in the same call) event i's wait
@@ -160,13 +171,19 @@ class Execution:
                 c, i = divmod(positions[cut[row]], n)
                 sources = self.sources(q, i)
                 js = self.signal_of.get(events[i].wait[0]) if sources else None  # type: ignore[index]
-                if sources is None or any(cut[src * streams + s] <= program.stream_index(
-                        c, js) for src in sources):  # type: ignore[arg-type]
+                if sources is None or any(cut[src * streams + program.stream_of(c, js)]  # type: ignore[arg-type]
+                                          <= program.stream_index(c, js) for src in sources):  # type: ignore[arg-type]
                     break
+                if any(cut[t * streams + u] < upto for t, u, upto in self._joined(q, c, i)):
+                    break  # (roles) the call before has not joined yet
                 cut[row] += 1
                 sent = events[i].signal
                 if sent is not None and self.runs(q, i):
                     work += [t * streams + s for t in peers_of(sent[1], q, w, events[i].axes)]
+                if program.roles:  # (roles) any role of this rank or of those it signals
+                    work += [t * streams + u for t in {q, *(peers_of(sent[1], q, w, events[i].axes)
+                                                          if sent is not None else ())}
+                             for u in range(streams)]
         done = all(cut[row] == len(stream_positions(world, row % streams))
                    for row in range(len(cut)))
         return None if done else cut
@@ -188,7 +205,8 @@ class Execution:
             sources = self.sources(q, i)
             if sources:
                 js = self.signal_of[program.events[i].wait[0]]  # type: ignore[index]
-                sources = [src for src in sources if cut[src * world.streams + s]
+                sources = [src for src in sources
+                           if cut[src * world.streams + program.stream_of(c, js)]
                            <= program.stream_index(c, js)]
             out[row] = (positions[done], sources)
         return out
@@ -205,8 +223,9 @@ class Execution:
             work = [start]
             while work:
                 row = work.pop()
-                for src in blocked.get(row, (0, []))[1] or []:
-                    nxt = src * streams + row % streams
+                pos, sources = blocked.get(row, (0, []))
+                for src in sources or []:
+                    nxt = src * streams + self._signal_stream(pos, row % streams)
                     if nxt == start:
                         return True
                     if nxt not in seen:
@@ -215,6 +234,15 @@ class Execution:
             return False
 
         return {row: b for row, b in blocked.items() if b[1] is None or on_cycle(row)}
+
+    def _signal_stream(self, pos: int, stream: int) -> int:
+        """The stream of the signal the wait at ``pos`` polls: the wait's own (a slot's
+        stream), or with roles the signalling event's role."""
+        program = self.world.program
+        if not program.roles:
+            return stream
+        call, i = divmod(pos, self.world.n)
+        return program.stream_of(call, self.signal_of[program.events[i].wait[0]])  # type: ignore[index]
 
     def unordered(self, race: RawRace) -> tuple[list[int], list[int]] | None:
         """Both accesses' cuts (``before``) when the race happens on its ranks as named:
@@ -239,7 +267,7 @@ class Execution:
             if x == (rank, pos):
                 return True
             c, i = divmod(x[1], world.n)
-            return cut[x[0] * world.streams + program.stream(c)] > program.stream_index(c, i)
+            return cut[x[0] * world.streams + program.stream_of(c, i)] > program.stream_index(c, i)
 
         if ordered(end(a), b.rank, pb, cut_b) or ordered(end(b), a.rank, pa, cut_a):
             return None

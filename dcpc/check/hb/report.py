@@ -341,7 +341,7 @@ def deadlock_finding(world: World, dead: RawDeadlock, stuck: list[int] | None = 
         live_count = [0] * streams
         for pos, alive in enumerate(world.live):
             if alive:
-                live_count[program.stream(pos // world.n)] += 1
+                live_count[program.stream_of(*divmod(pos, world.n))] += 1
         stuck = live_count * w
     at = [(q, positions[stuck[q * streams + s]]) for q in range(int(w)) for s in range(streams)
           if stuck[q * streams + s] < len(positions := stream_positions(world, s))]

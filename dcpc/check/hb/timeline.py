@@ -24,7 +24,9 @@ def stream_positions(world: World, stream: int) -> list[int]:
     if stream not in cache:
         program, n = world.program, world.n
         cache[stream] = [c * n + j for c in range(world.calls) if program.stream(c) == stream
-                         for j in range(n)]
+                         for j in range(n)] if not program.roles else [
+            c * n + j for c in range(world.calls) for j in range(n)
+            if program.stream_of(c, j) == stream]  # a role's events (ROLES_STUDY.md)
     return cache[stream]
 
 
@@ -36,8 +38,8 @@ def strict_predecessors(world: World, rank: int, pos: int) -> list[int]:
     if real is not None:
         return list(real)
     cut = world.rotated(pos, rank)
-    call, _ = divmod(pos, world.n)
-    cut[rank * world.streams + world.program.stream(call)] -= 1
+    call, j = divmod(pos, world.n)
+    cut[rank * world.streams + world.program.stream_of(call, j)] -= 1
     return cut
 
 
