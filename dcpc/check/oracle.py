@@ -71,7 +71,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dcpc.codegen.plan import chunks as plan_chunks
@@ -116,6 +116,12 @@ class OProgram:
     # (axis, its size name or int) outermost first
     sizes: dict[str, int] = field(default_factory=dict)
     mesh: tuple[tuple[str, Any], ...] = ()
+    # PROTOTYPE (ROLES_STUDY.md): per step, its role; () = one role. The roles of a rank
+    # are streams of their own (with one stream of slots), each running its role's steps
+    # of every call; a call's roles join at its end (a spin of each role's first action
+    # of call c on every other role's end of call c - 1: release stores into cells of
+    # their own, after the signal pads)
+    roles: tuple[int, ...] = ()
 
 
 def _attr(obj: Any, name: str, default: Any = None) -> Any:
@@ -306,14 +312,19 @@ class _Compiled:
         self.instances: dict[tuple, int] = {}
         self.inst_buffer: list[str] = []
         per_slot = prog.per_slot
-        self.streams: list[tuple[int, int]] = []  # (rank, slot or -1)
+        roles = max(prog.roles, default=0) + 1 if prog.roles else 0
+        if roles and per_slot:
+            raise ValueError("roles (prototype): one stream of slots")
+        self.join_cell = self.ncells  # (rank, role) -> its join cell, after the pads
+        self.ncells += world * roles
+        self.streams: list[tuple[int, int]] = []  # (rank, slot or -1; with roles: role)
         self.actions: list[list[tuple]] = []
         self.action_call: list[list[int]] = []
         self.signal_pos: dict[tuple[int, int, int], int] = {}  # (rank, call, step) -> pos
         self.stream_of: dict[tuple[int, int], int] = {}  # (rank, call) -> stream
         templates: dict[tuple[int, int], list[tuple]] = {}
         for rank in range(world):
-            for lane in (range(slots) if per_slot else [-1]):
+            for lane in (range(roles) if roles else range(slots) if per_slot else [-1]):
                 sid = len(self.streams)
                 self.streams.append((rank, lane))
                 acts: list[tuple] = []
@@ -321,12 +332,22 @@ class _Compiled:
                 for call in range(calls):
                     if per_slot and call % slots != lane:
                         continue
-                    self.stream_of[(rank, call)] = sid
+                    if not roles or lane == 0:
+                        self.stream_of[(rank, call)] = sid
+                    self.stream_of[(rank, call, lane)] = sid  # type: ignore[index]
                     slot = call % slots
                     epoch = call // slots + 1
                     template = templates.get((rank, slot))
                     if template is None:
                         template = templates[(rank, slot)] = self.template(rank, slot)
+                    if roles:  # its role's steps only, after the join of the call before
+                        template = [e for e in template if self._role(e) == lane]
+                        if call:
+                            for other in range(roles):
+                                if other != lane:
+                                    acts.append((2, self.join_cell + rank * roles + other,
+                                                 call, (rank, call, -1, rank)))
+                                    acall.append(call)
                     for entry in template:
                         kind = entry[0]
                         if kind in (0, 3):
@@ -337,8 +358,26 @@ class _Compiled:
                         else:
                             acts.append((2, entry[1], epoch, (rank, call, entry[2], entry[3])))
                         acall.append(call)
+                    if roles:  # this role ended the call: its join
+                        acts.append((1, (self.join_cell + rank * roles + lane,), call + 1))
+                        acall.append(call)
                 self.actions.append(acts)
                 self.action_call.append(acall)
+
+    def _own_tail(self, put: int, wait: int) -> bool:
+        """(roles) whether step ``wait`` also polls the rank's own flag of step ``put``:
+        their roles differ and the put stores a part landing at that wait (as the
+        checker's events.own_tail; the oracle's stores of a rank's own part lands there)."""
+        roles = self.prog.roles
+        if not roles or roles[put] == roles[wait]:
+            return False
+        return any(e[3] == wait for e in self.prog.steps[put].before + self.prog.steps[put].after)
+
+    def _role(self, entry: tuple) -> int:
+        """The role of a template entry's step (ROLES_STUDY.md prototype)."""
+        if entry[0] == 0:
+            return self.prog.roles[entry[1][0][4][0]] if entry[1] else 0
+        return self.prog.roles[entry[2] if entry[0] in (1, 2) else entry[1]]
 
     def template(self, rank: int, slot: int) -> list[tuple]:
         """One call of ``rank`` in ``slot``, without its call number and epoch: (0,
@@ -348,6 +387,8 @@ class _Compiled:
         slots, world = self.prog.slots, self.world
         lands = {e[3] for st in self.prog.steps for e in st.before + st.after
                  if e[3] is not None}
+        lands_at = {st.index: {e[3] for e in st.before + st.after if e[3] is not None}
+                    for st in self.prog.steps}
         for st in self.prog.steps:
             if not runs(self.prog, st, rank, world):
                 # its when: fails here: no signal, no wait, no access but the engine's
@@ -362,6 +403,9 @@ class _Compiled:
                         cell = self.nowhere if st.polls is None else \
                             self.cell(rank, st.polls * slots + slot, p)
                         out.append((2, cell, st.index, p))
+                    if st.polls is not None and self._own_tail(st.polls, st.index):
+                        out.append((2, self.cell(rank, st.polls * slots + slot, rank),
+                                    st.index, rank))
                     if st.index in lands:
                         out.append((3, st.index))
                 accs = self.accesses(effects, rank, slot, (st.index, phase))
@@ -370,6 +414,8 @@ class _Compiled:
                 if phase == 0 and st.signal is not None:
                     cells = tuple(self.cell(p, st.index * slots + slot, rank)
                                   for p in peers_of(st.signal, rank, world, st.axes))
+                    if any(self._own_tail(st.index, w) for w in lands_at.get(st.index, ())):
+                        cells += (self.cell(rank, st.index * slots + slot, rank),)
                     out.append((1, cells, st.index))
         return out
 
@@ -657,13 +703,17 @@ def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
             blocked[t] = acts[p]
     behind: dict[int, int | None] = {}  # stream -> stream it waits on (None: never)
     for t, (_, _, _, (rank, call, index, peer)) in blocked.items():
+        if index < 0:  # (roles) a role waiting for the call before to join: not a wait
+            behind[t] = None  # of the schedule; it follows whatever blocks that call
+            continue
         polled = steps[index].polls
         pos = None if polled is None else c.signal_pos.get((peer, call, polled))
         if pos is None or rank not in peers_of(steps[polled].signal, peer, c.world,
                                             steps[polled].axes):
             behind[t] = None
             continue
-        u = c.stream_of[(peer, call)]
+        u = c.stream_of[(peer, call, c.prog.roles[polled]) if c.prog.roles  # type: ignore[index]
+                        else (peer, call)]
         behind[t] = u if u in blocked and run.pos[u] <= pos else None
     on_cycle: set[int] = set()
     for t in blocked:
@@ -675,6 +725,8 @@ def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
             on_cycle.update(path[path.index(u):])
     out = []
     for t, (_, _, _, (rank, call, index, peer)) in blocked.items():
+        if index < 0:
+            continue
         st = steps[index]
         wait = (rank, call, st.name, "wait")
         if behind[t] is None:
@@ -688,15 +740,23 @@ def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
 def explore(plan: Any, world: int, *, calls: int | None = None,
             policies: Sequence[str] = ("lockstep", "hold"), randoms: int = 0,
             seed: int = 0, exhaustive: bool = False, limit: int = 200_000,
-            channels: dict[str, str] | None = None) -> OracleReport:
+            channels: dict[str, str] | None = None,
+            roles: dict[str, str] | None = None) -> OracleReport:
     """Execute ``plan`` at group size ``world`` under the runs asked; their findings.
 
     ``calls`` per rank (default 3 * slots, more than the checker's 2 * slots bound);
     ``policies`` run once each, then ``randoms`` runs alternating ``random`` and
     ``delay``; ``exhaustive`` explores every interleaving instead (tiny cases).
     One finding per (kind, class, buffer, step pair), from the first run reaching it.
+    ``roles`` (PROTOTYPE, ROLES_STUDY.md): step name -> role, the roles of a rank running
+    at once (``OProgram.roles``).
     """
     prog = plan if isinstance(plan, OProgram) else program(plan, channels)
+    if roles is not None:
+        number: dict[str, int] = {}
+        for st in prog.steps:
+            number.setdefault(roles[st.name], len(number))
+        prog = replace(prog, roles=tuple(number[roles[st.name]] for st in prog.steps))
     calls = 3 * prog.slots if calls is None else calls
     c = _Compiled(prog, world, calls)
     report = OracleReport(world, first_calls=prog.slots if prog.per_slot else 1)
@@ -707,7 +767,7 @@ def explore(plan: Any, world: int, *, calls: int | None = None,
             found.setdefault(f.key, f)
 
     def finish(run: _Run, name: str) -> None:
-        report.passed |= {(call, prog.steps[i].name) for call, i in run.passed}
+        report.passed |= {(call, prog.steps[i].name) for call, i in run.passed if i >= 0}
         add(_race_findings(c, run.races, name))
         if not run.done():
             report.hung = True
@@ -715,6 +775,8 @@ def explore(plan: Any, world: int, *, calls: int | None = None,
             for t, acts in enumerate(c.actions):
                 if run.pos[t] < len(acts):
                     rank, call, index, _ = acts[run.pos[t]][3]
+                    if index < 0:  # (roles) waiting for a join
+                        continue
                     item = (rank, call, prog.steps[index].name)
                     if item not in report.blocked:
                         report.blocked.append(item)

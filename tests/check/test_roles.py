@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dcpc.check import hb
+from dcpc.check import hb, oracle
 from dcpc.check.hb import clocks, deadlock, events, races
+from dcpc.codegen.lower import lower as lower_plan
 from dcpc.lang.mesh import MeshWorld
 from dcpc.lang.parse import parse_text
 
@@ -160,6 +161,23 @@ def _twin(old: str, new: str) -> str:
     return text.replace(old, new)
 
 
+def _nvl_head_twin() -> str:
+    """Each NVLink receiver frees the wrong gpu's head, each forwarder waits for the wrong
+    one (tests/gallery_twins/deepep_normal.nvl_source_head.yaml's flip), at V = 2."""
+    return re.sub(r'(nvl_(?:credit|free|empty): \{op: (?:wait|signal), axis: gpu, )'
+                  r'offset: "0 - \(h \+ 1\)"', r'\1offset: "h + 1"', GALLERY.read_text())
+
+
+def _own_credit_twin() -> str:
+    """The RDMA sender's own refill before its own head: rail_own_credit after rail_own."""
+    credit = ("        - rail_own_credit: {op: wait, from: self, axis: node, channel: rail_head}"
+              "  # its own block of slot c % R freed\n")
+    text = GALLERY.read_text()
+    start = text.index(credit)
+    end = text.index("        - refill:", start)
+    return text[:start] + text[start + len(credit):end] + credit + text[end:]
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_deepep_normal_is_proved_with_its_roles_running_at_once(shape) -> None:
     assert _deepep_keys(GALLERY.read_text(), shape, roles=True) == set()
@@ -171,8 +189,7 @@ def test_deepep_wrong_nvlink_head_at_two_slots_is_found_only_with_roles() -> Non
     # shipped V = 2: in one program order the chunks' own waits keep the slot safe and
     # the file is proved; with the forwarder and the receiver at once the credits carry
     # the slot, and at three gpus the forwarder refills a slot its destination still reads
-    text = re.sub(r'(nvl_(?:credit|free|empty): \{op: (?:wait|signal), axis: gpu, )'
-                  r'offset: "0 - \(h \+ 1\)"', r'\1offset: "h + 1"', GALLERY.read_text())
+    text = _nvl_head_twin()
     assert _deepep_keys(text, (2, 3), roles=False) == set()
     found = _deepep_keys(text, (2, 3), roles=True)
     assert ("race", races.WAR, "x_recv_0", "copy_out_h0", "last_nvlink_h1_0") in found
@@ -184,13 +201,98 @@ def test_deepep_own_credit_after_the_own_refill_is_found_only_with_roles() -> No
     # moved after `rail_own`): the file says the own heads "order nothing that program
     # order does not already order ... so the checker proves a misplaced one too"; with the
     # sender and the forwarder at once it races with the forwarder's read of its own block
-    credit = ("        - rail_own_credit: {op: wait, from: self, axis: node, channel: rail_head}"
-              "  # its own block of slot c % R freed\n")
-    text = GALLERY.read_text()
-    start = text.index(credit)
-    end = text.index("        - refill:", start)
-    text = text[:start] + text[start + len(credit):end] + credit + text[end:]
+    text = _own_credit_twin()
     assert _deepep_keys(text, (2, 2), roles=False) == set()
     found = _deepep_keys(text, (2, 2), roles=True)
     assert any(k[:3] == ("race", races.WAR, "x_rail_0") and k[3].startswith("forward_own")
                and k[4] == "rail_own_h0" for k in found), found
+
+
+# The execution oracle (dcpc.check.oracle, independent of the checker: it runs the plan's
+# slots and epochs, the roles as streams of their own joined at each call's end) agrees.
+
+
+def _oracle(text: str, roles: dict[str, str] | None, world, **kw) -> set[tuple[str, ...]]:
+    schedule = parse_text(text, "<memory>", world if isinstance(world, MeshWorld) else None)
+    plan = lower_plan(schedule, [world])
+    return {f.key for f in oracle.explore(plan, world, roles=roles, **kw).findings}
+
+
+@pytest.mark.parametrize("body, roles, expect, one_order", [
+    (FILL + READY + GOT + USE, ROLES, set(), set()),
+    (FILL + USE, {"fill": "producer", "use": "consumer"},
+     {("race", races.RAW, "stage", "fill", "use")}, set()),
+    (GOT + USE + FILL + READY, ROLES, set(), {("deadlock", deadlock.CYCLE)}),
+    (FILL + "  - ready: {op: signal, to: next, channel: full}\n"
+     + "  - got:   {op: wait, from: prev, channel: full}\n" + USE, ROLES,
+     {("race", races.RAW, "stage", "fill", "use")}, set()),
+], ids=["signalled", "no-signal", "wait-written-first", "signal-to-a-peer"])
+def test_the_oracle_agrees_on_the_toy(body, roles, expect, one_order) -> None:
+    for w, runs in ((2, {"exhaustive": True}), (3, {"randoms": 8})):  # W=3: too many states
+        assert _oracle(HEAD + body, roles, w, **runs) == expect
+        assert {k[:2] for k in _oracle(HEAD + body, None, w, **runs)} == one_order
+    assert _races(_world(body, roles, 2)) == {k[1:] for k in expect}
+
+
+def test_the_oracle_finds_the_two_roles_deadlock() -> None:
+    ack = "  - ack:   {op: signal, to: self, channel: empty}\n"
+    want = "  - want:  {op: wait, from: self, channel: empty}\n"
+    roles = {**ROLES, "ack": "consumer", "want": "producer"}
+    found = _oracle(HEAD + want + FILL + READY + GOT + USE + ack, roles, 2, exhaustive=True)
+    assert {k[:2] for k in found} == {("deadlock", deadlock.CYCLE)}
+
+
+def _pairs_agree(text: str, shape: MeshWorld) -> set:
+    """The roles model's findings as (kind, buffer, {steps}), checked equal to the
+    execution oracle's with the same roles (random runs besides lockstep and hold)."""
+    schedule = parse_text(text, str(GALLERY), shape)
+    roles = {s.name: ROLE_OF[re.sub(r"(_h\d+)(_\d+)*(_r\d+)?$", "", s.name)]
+             for s in schedule.step_list()}
+    plan = lower_plan(schedule, [shape])
+    found = oracle.explore(plan, shape, roles=roles, randoms=2).pairs()
+    checked = {(f.key[0], f.key[2], frozenset(filter(None, f.key[3:])))
+               for f in hb.check(schedule, [shape], hints=False, roles=roles).findings}
+    assert found == checked
+    return found
+
+
+@pytest.mark.parametrize("twin, shape, races_found", [
+    ("gallery", (2, 2), 0), ("gallery", (2, 3), 0),
+    ("nvl_head", (2, 3), 8), ("own_credit", (2, 2), 12)])
+def test_the_oracle_agrees_on_deepep_and_its_twins(twin, shape, races_found) -> None:
+    text = {"gallery": GALLERY.read_text, "nvl_head": _nvl_head_twin,
+            "own_credit": _own_credit_twin}[twin]()
+    assert len(_pairs_agree(text, MeshWorld(shape))) == races_found
+
+
+SPLIT = """\
+  - fill:  {op: copy, src: x, dst: stage}
+  - push:  {op: all_gather, src: stage, dst: gathered, phase: put}
+  - land:  {op: all_gather, src: stage, dst: gathered, phase: wait}
+  - use:   {op: copy, src: gathered, dst: z}
+  - done:  {op: signal, to: all, channel: used}
+  - all_used: {op: wait, from: all, channel: used}
+"""
+SPLIT_BUFFERS = """\
+  gathered: {shape: [W, D], dtype: f32, symmetric: true}
+  z:        {shape: [W, D], dtype: f32}
+"""
+
+
+def test_a_split_step_across_roles_signals_its_own_part(monkeypatch) -> None:
+    # the put in one role, its wait in another: the rank's own part is stored at the put
+    # and lands at the wait, which no peer's signal orders after it; the put's own lane
+    # (its own flag, as DeepEP's own-rank lanes bump their own tails) does
+    text = HEAD.replace("steps:\n", SPLIT_BUFFERS + "steps:\n") + SPLIT
+    roles = {"fill": "producer", "push": "producer", "land": "consumer", "use": "consumer",
+             "done": "consumer", "all_used": "consumer"}
+    assert _races(clocks.analyze(events.lower(parse_text(text)), 2)) == set()  # one order
+    program = events.with_roles(events.lower(parse_text(text)), roles)
+    put = next(j for j, e in enumerate(program.events) if program.steps[e.step].name == "push")
+    wait = next(j for j, e in enumerate(program.events) if e.wait is not None)
+    assert events.own_tail(program, put, wait)
+    for w in (2, 3):
+        assert _races(clocks.analyze(program, w)) == set()
+        assert _oracle(text, roles, w, randoms=4) == set()
+    monkeypatch.setattr(events, "own_tail", lambda *_: False)  # without the own lane
+    assert (races.RAW, "gathered", "push", "use") in _races(clocks.analyze(program, 2))

@@ -269,7 +269,21 @@ def match_waits(program: Program, world: int) -> dict[int, list[tuple[int, int |
                 for d in sorted(peer_deltas(peers, world, e.axes))]
         for d, reaches in patterns[pattern]:
             out.setdefault(j, []).append((d, js if reaches else None))
+        if js is not None and own_tail(program, js, j):
+            out.setdefault(j, []).append((0, js))
     return out
+
+
+def own_tail(program: Program, js: int, j: int) -> bool:
+    """PROTOTYPE (ROLES_STUDY.md): whether the wait of event j also polls the rank's own
+    flag of the put js (its own lane, as DeepEP's own-rank lanes bump their own tails):
+    a split step whose put and wait are in different roles, whose put stores a part into
+    the rank's own instance that lands at that wait (an offset-0 put, a local copy that
+    signals nobody; an all_to_all's own block). In one role program order orders it."""
+    if not program.roles or program.role(js) == program.role(j):
+        return False
+    step = program.events[j].step
+    return any(a.lands == step for a in program.events[js].accesses)
 
 
 def slot_channel(index: int) -> str:

@@ -269,6 +269,12 @@ class Execution:
             c, i = divmod(x[1], world.n)
             return cut[x[0] * world.streams + program.stream_of(c, i)] > program.stream_index(c, i)
 
-        if ordered(end(a), b.rank, pb, cut_b) or ordered(end(b), a.rank, pa, cut_a):
+        def ended(t: Touch, rank: int, pos: int, cut: list[int]) -> bool:
+            # (roles) a store in flight has ended only once its put has happened too
+            return ordered(end(t), rank, pos, cut) and (
+                t.access.lands is None or not program.roles
+                or ordered((t.rank, world.pos(t.call, t.j)), rank, pos, cut))
+
+        if ended(a, b.rank, pb, cut_b) or ended(b, a.rank, pa, cut_a):
             return None
         return cut_a, cut_b

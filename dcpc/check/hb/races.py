@@ -68,6 +68,17 @@ def end_stream(world: World, call: int, j: int, access: Access) -> int:
     return world.program.stream_of(call, j)
 
 
+def put_need(world: World, call: int, j: int, access: Access) -> tuple[int, int] | None:
+    """With roles (ROLES_STUDY.md prototype): (stream, stream index + 1) of the put of a
+    store in flight, which must ALSO come before what follows it: in one program order,
+    and between ranks through the landing's signal, the landing wait comes after the put,
+    but a rank's own part lands at a wait of another role that nothing orders after the
+    put (an offset-0 put, a local copy, signals nobody). None: no such condition."""
+    if access.lands is None or not world.program.roles:
+        return None
+    return world.program.stream_of(call, j), world.program.stream_index(call, j) + 1
+
+
 def intended(world: World, call: int, j: int, access: Access) -> tuple[int, int, int]:
     """Where the data flow places ``access`` of event j of ``call``: (call, step, phase
     within the step); a store in flight at the wait of the step that lands it."""
@@ -315,11 +326,21 @@ def _first_unordered(
     stream_a, need_a = end_stream(world, ca, ja, xa), end_need(world, ca, ja, xa)
     stream_b, need_b = end_stream(world, cb, jb, xb), end_need(world, cb, jb, xb)
     fa, fb = xa.lands is not None, xb.lands is not None
+    put_a, put_b = put_need(world, ca, ja, xa), put_need(world, cb, jb, xb)
     for ra, rb in _rank_pairs(world, a, b):
         if same_event and ra == rb:
             continue
         if (count(pb, 0 if fa else ra, rb, stream_a) < need_a
                 and count(pa, 0 if fb else rb, ra, stream_b) < need_b):
+            return Touch(ra, ca, ja, xa, 0), Touch(rb, cb, jb, xb, 0)
+        if put_a is None and put_b is None:
+            continue
+        # (roles) a store in flight has ended only once its put has happened too
+        a_ended = count(pb, 0 if fa else ra, rb, stream_a) >= need_a and (
+            put_a is None or count(pb, ra, rb, put_a[0]) >= put_a[1])
+        b_ended = count(pa, 0 if fb else rb, ra, stream_b) >= need_b and (
+            put_b is None or count(pa, rb, ra, put_b[0]) >= put_b[1])
+        if not (a_ended or b_ended):
             return Touch(ra, ca, ja, xa, 0), Touch(rb, cb, jb, xb, 0)
     return None
 
@@ -383,7 +404,8 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
             # flight: where it lands), writes?, signature, call
             meta = [(world.pos(call, j), end_stream(world, call, j, access),
                      end_need(world, call, j, access),
-                     access.kind == "write", sig_of[(j, id(access))], call)
+                     access.kind == "write", sig_of[(j, id(access))], call,
+                     put_need(world, call, j, access))
                     for call, j, access in groups]
             keys = pair_keys.setdefault((buffer, slot), {})
             writes = [a.kind == "write" for _, a in signatures]
@@ -392,7 +414,7 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
             for k, item in enumerate(meta):
                 ends[item[5]] = k + 1
             for i, a in enumerate(groups):
-                pa, sa, na, wa, ga, ca = meta[i]
+                pa, sa, na, wa, ga, ca, ua = meta[i]
                 stop = len(groups)
                 if found:  # (with none found, a later call's pair that can race is left)
                     later = [keys.get((ga, gb, False)) for gb in range(len(signatures))
@@ -400,7 +422,7 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
                     if None not in later and all(key in found for key in later):
                         stop = ends[ca]  # every later call's pair has its race: this call only
                 for k in range(i + 1, stop):
-                    pb, sb, nb, wb, gb, cb = meta[k]
+                    pb, sb, nb, wb, gb, cb, ub = meta[k]
                     if not (wa or wb):
                         continue
                     b = groups[k]
@@ -415,12 +437,12 @@ def find_races(world: World, pair_keys: PairKeys | None = None) -> list[RawRace]
                     low_b = lows.get((pb, sa))
                     if low_b is None:
                         low_b = low(pb, sa)
-                    if low_b >= na:
+                    if low_b >= na and (ua is None or low(pb, ua[0]) >= ua[1]):
                         continue
                     low_a = lows.get((pa, sb))
                     if low_a is None:
                         low_a = low(pa, sb)
-                    if low_a >= nb:
+                    if low_a >= nb and (ub is None or low(pa, ub[0]) >= ub[1]):
                         continue
                     pair = _first_unordered(world, a, b)
                     if pair is None:
