@@ -296,3 +296,40 @@ def test_a_split_step_across_roles_signals_its_own_part(monkeypatch) -> None:
         assert _oracle(text, roles, w, randoms=4) == set()
     monkeypatch.setattr(events, "own_tail", lambda *_: False)  # without the own lane
     assert (races.RAW, "gathered", "push", "use") in _races(clocks.analyze(program, 2))
+
+
+def test_the_oracle_agrees_on_random_schedules_with_random_roles() -> None:
+    # tests/support/exec_oracle_gen.py's schedules (those with one stream of slots), each
+    # step drawn into role a or b; the agreement as test_exec_oracle_agreement's
+    # (support/exec_oracle_agree.compare): races both ways, the same deadlocks
+    import random
+
+    from support.exec_oracle_agree import channel_names, compare
+    from support.exec_oracle_gen import valid_schedule
+
+    from dcpc.diagnostics import DiagnosticError
+    from dcpc.lang.model import Streams
+
+    verdicts: dict[str, int] = {}
+    problems = []
+    for seed in range(200):
+        text, schedule = valid_schedule(seed, range(2, 4))
+        if schedule.slots > 1 and schedule.streams == Streams.per_slot:
+            continue  # the prototype takes roles on one stream of slots only
+        rng = random.Random(f"roles/{seed}")
+        roles = {s.name: rng.choice(("a", "b")) for s in schedule.step_list()}
+        try:
+            plan = lower_plan(schedule, [2, 3])
+        except DiagnosticError:
+            continue
+        for w in (2, 3):
+            checker = hb.check(schedule, [w], hints=False, roles=roles).findings
+            kinds = {f.kind for f in checker}
+            verdict = "deadlock" if "deadlock" in kinds else "race" if kinds else "clean"
+            verdicts[verdict] = verdicts.get(verdict, 0) + 1
+            run = oracle.explore(plan, w, channels=channel_names(schedule), roles=roles,
+                                 policies=("lockstep", ("hold", "random", "delay")[seed % 3]),
+                                 seed=seed)
+            problems += [(seed, w, d, text) for d in compare(checker, run)]
+    assert not problems, problems[:2]
+    assert min(verdicts.get(k, 0) for k in ("clean", "race", "deadlock")) >= 5, verdicts
