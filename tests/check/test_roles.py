@@ -333,3 +333,17 @@ def test_the_oracle_agrees_on_random_schedules_with_random_roles() -> None:
             problems += [(seed, w, d, text) for d in compare(checker, run)]
     assert not problems, problems[:2]
     assert min(verdicts.get(k, 0) for k in ("clean", "race", "deadlock")) >= 5, verdicts
+
+
+def test_the_counterexample_shows_each_role_of_a_rank() -> None:
+    shape = MeshWorld((2, 2))
+    schedule = parse_text(_own_credit_twin(), str(GALLERY), shape)
+    roles = {s.name: ROLE_OF[re.sub(r"(_h\d+)(_\d+)*(_r\d+)?$", "", s.name)]
+             for s in schedule.step_list()}
+    report = hb.check(schedule, [shape], hints=False, roles=roles)
+    text = next(d.render() for d in report.diagnostics() if "x_rail_0" in d.message)
+    # the sender's line ends at its own refill, the forwarder's at its read of that block
+    assert re.search(r"rank \(node=0, gpu=0\), role sender: call 0 .* rail_own_h0 → writing",
+                     text), text
+    assert re.search(r"rank \(node=0, gpu=0\), role forwarder: call 0 .* forward_own_h0_r0 "
+                     r"→ reading", text), text

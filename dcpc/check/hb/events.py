@@ -120,6 +120,7 @@ class Program:
     # ``from: self`` wait of another), and a call forks them at its start and joins them
     # at its end. Only one stream of slots (``per_slot`` False) takes roles here.
     roles: tuple[int, ...] = ()
+    role_names: tuple[str, ...] = ()  # role k's name (the counterexample's lines)
 
     @cached_property
     def recv_of(self) -> dict[int, int]:
@@ -370,4 +371,5 @@ def with_roles(program: Program, roles: dict[str, str]) -> Program:
     for s in program.steps:
         number.setdefault(roles[s.name], len(number))
     return replace(program, roles=tuple(number[roles[program.steps[e.step].name]]
-                                        for e in program.events))
+                                        for e in program.events),
+                   role_names=tuple(number))

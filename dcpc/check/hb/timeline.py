@@ -65,7 +65,8 @@ def render(
             if stream and not done and note is None:
                 continue  # an idle extra stream says nothing
             who = rank_text(world.world, rank, program.axis_names) + (
-                f", slot {stream}" if program.per_slot else "")
+                f", slot {stream}" if program.per_slot else
+                f", role {program.role_names[stream]}" if program.roles else "")
             lines.append(f"{who}: {_stream_text(world, positions, done, note, rank)}")
     return lines
 
@@ -76,8 +77,10 @@ def _stream_text(world: World, positions: list[int], count: int, note: str | Non
     done = set(positions[:count])
     nxt = positions[count] if count < len(positions) else -1
     events_of: dict[int, list[int]] = {}
+    mine = {p % world.n for p in positions}  # (roles: a role's events only)
     for j, event in enumerate(program.events):
-        events_of.setdefault(event.step, []).append(j)
+        if j in mine:
+            events_of.setdefault(event.step, []).append(j)
     calls = sorted({divmod(p, world.n)[0] for p in positions})
     chunks = []
     for call in calls:
