@@ -75,6 +75,7 @@ def check(
     if roles is not None:
         program = with_roles(program, roles)
         every_world = True  # the world bound was argued for one program order
+        hints = False  # a hint is proved by re-checks that know no roles
     # a when: reads the rank and W: which ranks run a step differs from W to W, so no W
     # stands for another (races of a step that runs nowhere are dropped per W, but for
     # the engine's read of what its method returns: legal.Execution.happens)
