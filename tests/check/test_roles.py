@@ -347,3 +347,64 @@ def test_the_counterexample_shows_each_role_of_a_rank() -> None:
                      text), text
     assert re.search(r"rank \(node=0, gpu=0\), role forwarder: call 0 .* forward_own_h0_r0 "
                      r"→ reading", text), text
+
+
+# The own lane's delta 0 beside a one-peer wait at W = 3 is W - 1 deltas that are NOT
+# every other rank (clocks._join once took them so): the reviewer's reproduction.
+OWN_LANE_W3 = """\
+schedule: own_lane_w3
+slots: 1
+sizes: {D: 8}
+buffers:
+  x: {shape: [D], dtype: f32}
+  s: {shape: [D], dtype: f32, symmetric: true}
+  y: {shape: [D], dtype: f32, symmetric: true}
+  z: {shape: [D], dtype: f32}
+steps:
+  - wr:   {op: external, reads: [x], writes: [s]}
+  - tell: {op: signal, to: next, channel: t}
+  - hear: {op: wait, from: prev, channel: t}
+  - send: {op: shift, src: x, dst: y, offset: 1, phase: put}
+  - recv: {op: shift, src: x, dst: y, offset: 1, phase: wait}
+  - rd:   {op: external, reads: [s, y], writes: [z]}
+  - fence: {op: barrier}
+"""
+OWN_LANE_ROLES = {"wr": "c", "tell": "c", "hear": "a", "send": "a", "recv": "b", "rd": "b",
+                  "fence": "b"}
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_an_own_lane_beside_one_peer_is_not_every_other_rank(w: int) -> None:
+    # role c writes s and tells the next rank's role a, which puts into y of the rank after;
+    # role b of that rank reads s (its own, by its own c: unordered) once y has landed
+    schedule = parse_text(OWN_LANE_W3, "own_lane_w3.yaml", w)
+    found = {f.key for f in hb.check(schedule, [w], hints=False, roles=OWN_LANE_ROLES).findings}
+    plan = lower_plan(schedule, [w])
+    run = {f.key for f in oracle.explore(plan, w, roles=OWN_LANE_ROLES, randoms=20).findings}
+    expect = set() if w == 2 else {("race", races.RAW, "s", "wr", "rd")}
+    assert found == run == expect
+
+
+def test_the_oracle_agrees_on_the_chunk_ring_with_random_roles() -> None:
+    # tests/support/exec_oracle_gen.py's chunk ring (its split put/wait steps, which
+    # valid_schedule never draws: own lanes, end_stream, put_need), each step drawn into
+    # one of two or three roles, at W = 2 and 3 (the reviewer ran seeds 0..199)
+    import random
+
+    from support.exec_oracle_agree import channel_names, compare
+    from support.exec_oracle_gen import chunk_ring_text
+
+    problems = []
+    for seed in range(60):
+        text, _ = chunk_ring_text(seed)
+        rng = random.Random(f"ring-roles/{seed}")
+        names = ("a", "b", "c")[:2 + seed % 2]
+        for w in (2, 3):
+            schedule = parse_text(text, "ring.yaml", w)
+            roles = {s.name: rng.choice(names) for s in schedule.step_list()}
+            checker = hb.check(schedule, [w], hints=False, roles=roles).findings
+            run = oracle.explore(lower_plan(schedule, [w]), w, channels=channel_names(schedule),
+                                 roles=roles, policies=("lockstep", "hold"), randoms=6,
+                                 seed=seed)
+            problems += [(seed, w, roles, d) for d in compare(checker, run)]
+    assert not problems, problems[:2]

@@ -200,7 +200,7 @@ def _join(clock: list[int], other: list[int], deltas: list[int], world: int, str
     ``only``: the one stream whose entries ``other`` can have (per-slot streams never
     order each other: every signal is waited for in its own call, so on its stream)."""
     columns = range(streams) if only is None else (only,)
-    if len(deltas) == world - 1 and world > 2:
+    if len(deltas) == world - 1 and world > 2 and 0 not in deltas:
         # every other rank: per stream, the largest entry not at the row itself
         for s in columns:
             column = other[s::streams]
