@@ -408,3 +408,48 @@ def test_the_oracle_agrees_on_the_chunk_ring_with_random_roles() -> None:
                                  seed=seed)
             problems += [(seed, w, roles, d) for d in compare(checker, run)]
     assert not problems, problems[:2]
+
+
+def test_a_counterexample_never_shows_an_own_lane_wait_before_its_own_put() -> None:
+    # legal.Execution's cut (what a counterexample shows) takes a wait's sources as
+    # events.match_waits does, the own lane included: the rank's own put has run
+    import random
+
+    from support.exec_oracle_gen import chunk_ring_text
+
+    from dcpc.check.hb.legal import Execution
+
+    checked = shown = 0
+    for seed in range(6):
+        text, _ = chunk_ring_text(seed)
+        schedule = parse_text(text, "ring.yaml", 3)
+        rng = random.Random(f"cut/{seed}")
+        roles = {s.name: rng.choice("ab") for s in schedule.step_list()}
+        program = events.with_roles(events.lower(schedule), roles)
+        world = clocks.analyze(program, 3)
+        execution = Execution(world, {})
+        sender = {e.signal[0]: j for j, e in enumerate(program.events) if e.signal is not None}
+        own = {j: js for j, e in enumerate(program.events) if e.wait is not None
+               and (js := sender.get(e.wait[0])) is not None and events.own_tail(program, js, j)}
+        for j, js in own.items():
+            for rank in range(3):
+                for call in range(world.calls):
+                    cut = execution.before(rank, call * world.n + j)
+                    assert cut is not None
+                    row = rank * world.streams + program.stream_of(call, js)
+                    assert cut[row] > program.stream_index(call, js), (seed, rank, call, j)
+                    checked += 1
+        # and as printed: a rank's lines (one per role) never show such a wait done (✓)
+        # in a call whose own put they do not show done
+        name = {j: program.steps[e.step].name for j, e in enumerate(program.events)}
+        for d in hb.check(schedule, [3], hints=False, roles=roles).diagnostics():
+            done = set()
+            for rank, rest in re.findall(r"rank (\d+), role \w+: (.*)", d.render()):
+                for call, steps in re.findall(r"call (\d+) ([^|]*)", rest):
+                    done |= {(rank, call, s) for s in re.findall(r"(\w+) ✓", steps)}
+            for rank, call, step in done:
+                for j, js in own.items():
+                    if name[j] == step:
+                        assert (rank, call, name[js]) in done, (seed, d.message)
+                        shown += 1
+    assert checked > 100 and shown > 20, (checked, shown)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dcpc.check.hb.events import own_tail
 from dcpc.check.hb.races import RawRace, Touch
 from dcpc.ops.common import peers_of
 
@@ -150,6 +151,11 @@ class Execution:
             if sent is None or not self.runs(src, js) or rank not in peers_of(
                     sent[1], src, w, events[js].axes):  # type: ignore[arg-type,index]
                 return None
+        if js is not None and own_tail(self.world.program, js, i):
+            # (roles) the own lane: the rank's own put's flag, as events.match_waits
+            if not self.runs(rank, js):
+                return None
+            out = sorted({*out, rank})
         return out
 
     def stuck(self) -> list[int] | None:
