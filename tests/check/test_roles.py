@@ -453,3 +453,25 @@ def test_a_counterexample_never_shows_an_own_lane_wait_before_its_own_put() -> N
                         assert (rank, call, name[js]) in done, (seed, d.message)
                         shown += 1
     assert checked > 100 and shown > 20, (checked, shown)
+
+
+@pytest.mark.parametrize("path, rewrite", [
+    ("tests/shift/split_nowrap.yaml", {}),
+    ("schedules/ops/shift_perm.yaml", {"slots: 2": "slots: 1"}),
+    ("schedules/ops/shift_perm.yaml", {"slots: 2": "slots: 1", "W - 1 - r": "(r + 1) % W"}),
+], ids=["wrap-false", "perm", "cyclic-perm"])
+def test_roles_refuse_a_wait_on_a_line_or_a_perm(path: str, rewrite: dict[str, str]) -> None:
+    # such a wait orders nothing in the model (its span is proved rank by rank, in one
+    # program order): refused with roles, as per-slot streams are, not an internal error
+    text = (ROOT / path).read_text()
+    for old, new in rewrite.items():
+        assert old in text
+        text = text.replace(old, new)
+    for w in (2, 3):
+        schedule = parse_text(text, path, w)
+        names = [s.name for s in schedule.step_list()]
+        roles = {name: ("credit" if name.startswith("credit") or i >= len(names) - 1
+                        else "rest") for i, name in enumerate(names)}
+        assert hb.check(schedule, [w], hints=False).findings == []  # without roles: proved
+        with pytest.raises(ValueError, match="no wait on a line or a perm"):
+            hb.check(schedule, [w], hints=False, roles=roles)

@@ -229,6 +229,14 @@ def analyze(program: Program, world: int, calls: int | None = None,
     if program.roles and (program.per_slot or gates is not None):
         raise ValueError("roles (prototype): one stream of slots and no guarded "
                          "communication step")
+    if program.roles:
+        chained = sorted({program.steps[e.step].name for e in program.events
+                          if e.wait is not None and not wraps(e.wait[1])})
+        if chained:
+            # a wait that orders nothing in the model (its ranks wait on different peers,
+            # some on none): its span is proved rank by rank in one program order only
+            raise ValueError("roles (prototype): no wait on a line or a perm (a `wrap: "
+                             "false` shift, a perm): " + ", ".join(chained))
     match = match_waits(program, world)
     unmatched = [(j, d) for j, sources in sorted(match.items()) for d, js in sources if js is None]
     preds = _call_graph(program, match)
