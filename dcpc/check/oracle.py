@@ -116,7 +116,7 @@ class OProgram:
     # (axis, its size name or int) outermost first
     sizes: dict[str, int] = field(default_factory=dict)
     mesh: tuple[tuple[str, Any], ...] = ()
-    # PROTOTYPE (ROLES_STUDY.md): per step, its role; () = one role. The roles of a rank
+    # PROTOTYPE (docs/proposals/roles.md): per step, its role; () = one role. The roles of a rank
     # are streams of their own (with one stream of slots), each running its role's steps
     # of every call; a call's roles join at its end (a spin of each role's first action
     # of call c on every other role's end of call c - 1: release stores into cells of
@@ -321,7 +321,9 @@ class _Compiled:
         self.actions: list[list[tuple]] = []
         self.action_call: list[list[int]] = []
         self.signal_pos: dict[tuple[int, int, int], int] = {}  # (rank, call, step) -> pos
-        self.stream_of: dict[tuple[int, int], int] = {}  # (rank, call) -> stream
+        # (rank, call) -> its stream (with roles, the first role's); (rank, call, lane)
+        # -> the stream of that lane (a slot, -1, or with roles a role)
+        self.stream_of: dict[tuple[int, ...], int] = {}
         templates: dict[tuple[int, int], list[tuple]] = {}
         for rank in range(world):
             for lane in (range(roles) if roles else range(slots) if per_slot else [-1]):
@@ -334,7 +336,7 @@ class _Compiled:
                         continue
                     if not roles or lane == 0:
                         self.stream_of[(rank, call)] = sid
-                    self.stream_of[(rank, call, lane)] = sid  # type: ignore[index]
+                    self.stream_of[(rank, call, lane)] = sid
                     slot = call % slots
                     epoch = call // slots + 1
                     template = templates.get((rank, slot))
@@ -364,17 +366,18 @@ class _Compiled:
                 self.actions.append(acts)
                 self.action_call.append(acall)
 
-    def _own_tail(self, put: int, wait: int) -> bool:
-        """(roles) whether step ``wait`` also polls the rank's own flag of step ``put``:
-        their roles differ and the put stores a part landing at that wait (as the
-        checker's events.own_tail; the oracle's stores of a rank's own part lands there)."""
+    def _own_tail(self, put: int, wait: int, rank: int) -> bool:
+        """(roles) whether step ``wait`` of ``rank`` also polls the rank's own flag of step
+        ``put``: their roles differ and the put stores into ``rank``'s own instance a part
+        landing at that wait (as the checker's events.own_tail)."""
         roles = self.prog.roles
         if not roles or roles[put] == roles[wait]:
             return False
-        return any(e[3] == wait for e in self.prog.steps[put].before + self.prog.steps[put].after)
+        return any(e[3] == wait and rank in self._owners(e[2], e[4], rank)
+                   for e in self.prog.steps[put].before + self.prog.steps[put].after)
 
     def _role(self, entry: tuple) -> int:
-        """The role of a template entry's step (ROLES_STUDY.md prototype)."""
+        """The role of a template entry's step (docs/proposals/roles.md prototype)."""
         if entry[0] == 0:
             return self.prog.roles[entry[1][0][4][0]] if entry[1] else 0
         return self.prog.roles[entry[2] if entry[0] in (1, 2) else entry[1]]
@@ -403,7 +406,7 @@ class _Compiled:
                         cell = self.nowhere if st.polls is None else \
                             self.cell(rank, st.polls * slots + slot, p)
                         out.append((2, cell, st.index, p))
-                    if st.polls is not None and self._own_tail(st.polls, st.index):
+                    if st.polls is not None and self._own_tail(st.polls, st.index, rank):
                         out.append((2, self.cell(rank, st.polls * slots + slot, rank),
                                     st.index, rank))
                     if st.index in lands:
@@ -414,7 +417,7 @@ class _Compiled:
                 if phase == 0 and st.signal is not None:
                     cells = tuple(self.cell(p, st.index * slots + slot, rank)
                                   for p in peers_of(st.signal, rank, world, st.axes))
-                    if any(self._own_tail(st.index, w) for w in lands_at.get(st.index, ())):
+                    if any(self._own_tail(st.index, w, rank) for w in lands_at.get(st.index, ())):
                         cells += (self.cell(rank, st.index * slots + slot, rank),)
                     out.append((1, cells, st.index))
         return out
@@ -712,7 +715,7 @@ def _hang_findings(c: _Compiled, run: _Run, name: str) -> list[Finding]:
                                             steps[polled].axes):
             behind[t] = None
             continue
-        u = c.stream_of[(peer, call, c.prog.roles[polled]) if c.prog.roles  # type: ignore[index]
+        u = c.stream_of[(peer, call, c.prog.roles[polled]) if c.prog.roles
                         else (peer, call)]
         behind[t] = u if u in blocked and run.pos[u] <= pos else None
     on_cycle: set[int] = set()
@@ -748,7 +751,7 @@ def explore(plan: Any, world: int, *, calls: int | None = None,
     ``policies`` run once each, then ``randoms`` runs alternating ``random`` and
     ``delay``; ``exhaustive`` explores every interleaving instead (tiny cases).
     One finding per (kind, class, buffer, step pair), from the first run reaching it.
-    ``roles`` (PROTOTYPE, ROLES_STUDY.md): step name -> role, the roles of a rank running
+    ``roles`` (PROTOTYPE, docs/proposals/roles.md): step name -> role, the roles of a rank running
     at once (``OProgram.roles``).
     """
     prog = plan if isinstance(plan, OProgram) else program(plan, channels)

@@ -66,8 +66,14 @@ def check(
     W asked anyway (tests compare the two). Assumes a structurally clean schedule
     (dcpc.check.structural runs first). ``semantics``: the schedule's table
     (dcpc.lang.semantics), which the hints read; asked there when not given.
-    ``roles`` (PROTOTYPE, ROLES_STUDY.md): step name -> role; the roles of a rank run at
-    once, each its own program order (events.with_roles); every W asked is analysed.
+    ``roles`` (PROTOTYPE, docs/proposals/roles.md): step name -> role; the roles of a
+    rank run at once, each its own program order (events.with_roles); every W asked is
+    analysed. Refused (ValueError): per-slot streams, a guarded communication step, a
+    wait on a line or a perm. Only symmetric and persistent buffers are tracked: a race
+    between two roles of one rank on an engine-owned buffer is invisible here (and to
+    the execution oracle); until the language gives such buffers one role or tracks
+    them, keep each engine buffer inside one role (unchecked). Assumed, not emitted:
+    the own lanes (events.own_tail) and that roles run their calls in order.
     """
     start = time.perf_counter()
     worlds = sorted({w for w in fit_worlds(mesh_of(schedule), worlds) if w >= 1})

@@ -114,7 +114,7 @@ class Program:
     channel_names: dict[str, str]  # channel -> what the schedule calls it
     axis_names: tuple[str, ...] = ("world",)  # the mesh's axes (dcpc.lang.mesh)
     persistent: frozenset[str] = frozenset()  # the tracked buffers with persist: true
-    # PROTOTYPE (ROLES_STUDY.md): per event j, the role (program order) of the rank that
+    # PROTOTYPE (docs/proposals/roles.md): per event j, the role (program order) of the rank that
     # runs it; () = one role, the plain program order. Roles of one rank run at once,
     # ordered by their signals/waits only (a ``to: self`` signal of one role polled by a
     # ``from: self`` wait of another), and a call forks them at its start and joins them
@@ -270,21 +270,37 @@ def match_waits(program: Program, world: int) -> dict[int, list[tuple[int, int |
                 for d in sorted(peer_deltas(peers, world, e.axes))]
         for d, reaches in patterns[pattern]:
             out.setdefault(j, []).append((d, js if reaches else None))
-        if js is not None and own_tail(program, js, j):
+        if js is not None and own_tail(program, js, j, world):
             out.setdefault(j, []).append((0, js))
     return out
 
 
-def own_tail(program: Program, js: int, j: int) -> bool:
-    """PROTOTYPE (ROLES_STUDY.md): whether the wait of event j also polls the rank's own
-    flag of the put js (its own lane, as DeepEP's own-rank lanes bump their own tails):
-    a split step whose put and wait are in different roles, whose put stores a part into
-    the rank's own instance that lands at that wait (an offset-0 put, a local copy that
-    signals nobody; an all_to_all's own block). In one role program order orders it."""
+def own_tail(program: Program, js: int, j: int, world: int) -> bool:
+    """PROTOTYPE (docs/proposals/roles.md): whether the wait of event j also polls the
+    rank's own flag of the put js (its own lane, as DeepEP's own-rank lanes bump their
+    own tails): a split step whose put and wait are in different roles, whose put stores
+    a part into the rank's OWN instance that lands at that wait (an all_gather's or an
+    all_to_all's own block, an offset-0 shift; not a shift to another rank, whose store
+    no wait of the rank itself lands). In one role program order orders it. The
+    lowering must emit this flag (a signal to itself) for every such step."""
     if not program.roles or program.role(js) == program.role(j):
         return False
     step = program.events[j].step
-    return any(a.lands == step for a in program.events[js].accesses)
+    topo = torus(shape_of(world))
+    return any(a.lands == step and _stores_own(a.region, topo)
+               for a in program.events[js].accesses)
+
+
+def _stores_own(region: Region | None, topo: Any) -> bool:
+    """Whether a store of ``region`` reaches the writing rank's own instance (the model
+    is rotation-symmetric: rank 0's)."""
+    if region is None or region.owners_all:
+        return True
+    if region.scheme == "peer":
+        return topo.peer(0, region.axes, region.offset) == 0
+    if region.peer is not None:
+        return topo.peer(0, region.axes, region.peer) == 0
+    return False  # a line or a perm: refused with roles (clocks.analyze)
 
 
 def slot_channel(index: int) -> str:
@@ -360,7 +376,7 @@ def _access(effect: Effect, chunk: tuple[int, int] | None = None, text: str = ""
 
 
 def with_roles(program: Program, roles: dict[str, str]) -> Program:
-    """PROTOTYPE (ROLES_STUDY.md): ``program`` with each step in a role, ``roles`` mapping
+    """PROTOTYPE (docs/proposals/roles.md): ``program`` with each step in a role, ``roles`` mapping
     every step name to a role name (numbered in order of first appearance). The roles of
     one rank run at once, each in its own program order (``Program.roles``). No language
     key sets this yet: the checker's part only, called by hand (tests/check/test_roles.py)."""

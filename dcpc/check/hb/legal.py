@@ -122,7 +122,7 @@ class Execution:
         return cut
 
     def _joined(self, rank: int, call: int, j: int) -> list[tuple[int, int, int]]:
-        """With roles (ROLES_STUDY.md prototype): a role's first event of ``call`` comes
+        """With roles (docs/proposals/roles.md prototype): a role's first event of ``call`` comes
         after the join of the call before, every role's last event there; else none."""
         program = self.world.program
         if not program.roles or call == 0 or program.role_previous(j) is not None:
@@ -151,7 +151,7 @@ class Execution:
             if sent is None or not self.runs(src, js) or rank not in peers_of(
                     sent[1], src, w, events[js].axes):  # type: ignore[arg-type,index]
                 return None
-        if js is not None and own_tail(self.world.program, js, i):
+        if js is not None and own_tail(self.world.program, js, i, w):
             # (roles) the own lane: the rank's own put's flag, as events.match_waits
             if not self.runs(rank, js):
                 return None
