@@ -144,7 +144,7 @@ def _call_graph(program: Program, match: dict[int, list[tuple[int, int | None]]]
     (a ring) it stays, and the cycle is reported as a deadlock."""
     n = len(program.events)
     preds: dict[int, set[int]] = {j: ({j - 1} if j else set()) for j in range(n)}
-    if program.roles:  # program order is each role's own (ROLES_STUDY.md prototype)
+    if program.roles:  # program order is each role's own (docs/proposals/roles.md prototype)
         preds = {j: {i} if (i := program.role_previous(j)) is not None else set()
                  for j in range(n)}
     for j, sources in match.items():

@@ -69,7 +69,7 @@ def end_stream(world: World, call: int, j: int, access: Access) -> int:
 
 
 def put_need(world: World, call: int, j: int, access: Access) -> tuple[int, int] | None:
-    """With roles (ROLES_STUDY.md prototype): (stream, stream index + 1) of the put of a
+    """With roles (docs/proposals/roles.md prototype): (stream, stream index + 1) of the put of a
     store in flight, which must ALSO come before what follows it: in one program order,
     and between ranks through the landing's signal, the landing wait comes after the put,
     but a rank's own part lands at a wait of another role that nothing orders after the

@@ -26,7 +26,7 @@ def stream_positions(world: World, stream: int) -> list[int]:
         cache[stream] = [c * n + j for c in range(world.calls) if program.stream(c) == stream
                          for j in range(n)] if not program.roles else [
             c * n + j for c in range(world.calls) for j in range(n)
-            if program.stream_of(c, j) == stream]  # a role's events (ROLES_STUDY.md)
+            if program.stream_of(c, j) == stream]  # a role's events (docs/proposals/roles.md)
     return cache[stream]
 
 
