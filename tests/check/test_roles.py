@@ -294,7 +294,11 @@ def test_a_split_step_across_roles_signals_its_own_part(monkeypatch) -> None:
     for w in (2, 3):
         assert _races(clocks.analyze(program, w)) == set()
         assert _oracle(text, roles, w, randoms=4) == set()
-    monkeypatch.setattr(events, "own_tail", lambda *_: False)  # without the own lane
+    # without the own lane: a rule of the model, not of a file (every schedule whose
+    # split step crosses roles has it), so no real schedule lacks it; switching it off
+    # shows it is what orders the rank's own part (the review's no-mock rule, kept as
+    # the one exception: the real model runs in every other assertion here)
+    monkeypatch.setattr(events, "own_tail", lambda *_: False)
     assert (races.RAW, "gathered", "push", "use") in _races(clocks.analyze(program, 2))
 
 
