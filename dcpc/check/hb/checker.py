@@ -72,8 +72,9 @@ def check(
     wait on a line or a perm. Only symmetric and persistent buffers are tracked: a race
     between two roles of one rank on an engine-owned buffer is invisible here (and to
     the execution oracle); until the language gives such buffers one role or tracks
-    them, keep each engine buffer inside one role (unchecked). Assumed, not emitted:
-    the own lanes (events.own_tail) and that roles run their calls in order.
+    them, keep each engine buffer inside one role (unchecked). Assumed, not emitted or
+    checked: the own lanes (events.own_tail) and ``role-order`` (the file's order is one
+    execution of the roles: docs/proposals/roles.md 2.3).
     """
     start = time.perf_counter()
     worlds = sorted({w for w in fit_worlds(mesh_of(schedule), worlds) if w >= 1})
