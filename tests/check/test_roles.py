@@ -129,18 +129,17 @@ DEEPEP_ROLES = {
     "sender": "rail_meta_put rail_fill rail_own_credit rail_own rail_credit rail back_own_free0 "
               "back_free0 back reduce back_own_free back_free last_back last_reduce "
               "last_back_own_free last_back_free back_own_empty back_empty",
-    "forwarder": "rail_meta_landed keep_n nvl_counts nvl_meta_put own_landed forward_own "
-                 "rail_own_free landed forward rail_free nvl_own_credit nvl_own nvl_credit "
-                 "nvlink last_own_landed last_forward_own last_landed last_forward "
+    "forwarder": "rail_meta_landed keep_n nvl_counts nvl_meta_put nvl_src_put own_landed "
+                 "forward_own rail_own_free landed forward rail_free nvl_own_credit nvl_own "
+                 "nvl_credit nvlink last_own_landed last_forward_own last_landed last_forward "
                  "last_nvl_own_credit last_nvl_own last_nvl_credit last_nvlink nvl_own_empty "
-                 "nvl_empty nvl_landed nvl_reduce nvl_back_own_free nvl_back_free "
-                 "back_own_credit rail_back_own back_credit rail_back last_nvl_landed "
-                 "last_nvl_reduce last_back_own_credit last_rail_back_own last_back_credit "
-                 "last_rail_back",
-    "receiver": "nvl_own_free0 nvl_free0 nvl_meta_landed keep_nvl_n arrived copy_out "
-                "nvl_own_free nvl_free last_arrived last_copy_out last_nvl_own_free "
-                "last_nvl_free sort experts nvl_back_fill nvl_back_own_credit nvl_back_own "
-                "nvl_back_credit nvl_back",
+                 "nvl_empty nvl_landed nvl_reduce nvl_back_own_free nvl_back_free back_own_credit "
+                 "rail_back_own back_credit rail_back last_nvl_landed last_nvl_reduce "
+                 "last_back_own_credit last_rail_back_own last_back_credit last_rail_back",
+    "receiver": "nvl_own_free0 nvl_free0 nvl_meta_landed nvl_src_landed keep_nvl_n keep_nvl_src "
+                "arrived copy_out nvl_own_free nvl_free last_arrived last_copy_out "
+                "last_nvl_own_free last_nvl_free sort experts nvl_back_fill nvl_back_own_credit "
+                "nvl_back_own nvl_back_credit nvl_back",
 }
 ROLE_OF = {step: role for role, steps in DEEPEP_ROLES.items() for step in steps.split()}
 SHAPES = [(2, 2), (2, 3), (3, 2)]
